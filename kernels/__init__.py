@@ -1,0 +1,1 @@
+"""Triton kernels, shipped inside the wheel as ``packkit.kernels``."""
