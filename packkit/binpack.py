@@ -1,0 +1,650 @@
+"""Bin packing over example lengths: which examples share a window.
+
+The planner sees an integer array of lengths and a window size ``W``; it never touches tokens.
+Its answer is a frozen :class:`Plan`, a CSR layout of *segments* (an example, or a piece of one)
+per window::
+
+    >>> plan = pack([5, 3, 4, 2], window=8)
+    >>> plan.num_windows, plan.lower_bound
+    (2, 2)
+    >>> [plan.segments(i)[0].tolist() for i in range(plan.num_windows)]   # example indices
+    [[0, 1], [2, 3]]
+
+Strategies
+----------
+``"bfd"``         best-fit decreasing over the whole dataset (default). Each example, longest first,
+                  goes to the open window with the least room that still fits it.
+``"ffd"``         first-fit decreasing: longest first, into the oldest window that fits.
+``"shuffle_ff"``  first-fit in a seeded random order: windows are not grouped by length.
+``"next_fit"``    next-fit in the given order: order-preserving, one open window (for streams).
+
+Speed
+-----
+Lengths are small integers (at most ``W``), so best fit does not need a search tree over windows:
+open windows are bucketed by remaining capacity, and a whole group of equal-length examples is placed
+at once. If the tightest bucket that fits length ``L`` has room ``r``, each window in it takes
+``r // L`` examples (after each one it is still the tightest fit, until its room drops below ``L``),
+so a group is consumed bucket by bucket. The result is exactly item-by-item best fit (up to which of
+several windows with equal room is chosen, which cannot change any later decision), at a cost of one
+radix sort plus about O(n + W x distinct lengths).
+
+Over-long examples (``length > W``)
+-----------------------------------
+``overflow="error"`` (default) raises and names the example; ``"truncate"`` keeps the first ``W``
+tokens; ``"split"`` cuts the example into pieces of at most ``W`` tokens, each its own segment (with
+positions from 0); ``"drop"`` leaves it out. The plan counts what each policy touched.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+__all__ = ["Plan", "pack", "as_lengths", "STRATEGIES", "OVERFLOW_POLICIES"]
+
+STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
+OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
+
+
+# ----------------------------------------------------------------------------------------------
+# input checking
+# ----------------------------------------------------------------------------------------------
+
+
+def check_window(window) -> int:
+    """Return ``window`` as a Python int, or raise: ``check_window(2048) -> 2048``."""
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise TypeError(f"window must be an integer number of tokens, got {window!r}")
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be at least 1 token, got {window}")
+    return window
+
+
+def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:
+    """Check example lengths and return them as a 1-D int64 array: ``as_lengths([3, 1]) -> [3, 1]``.
+
+    Accepts a list, tuple, numpy array or torch tensor of positive integers. Integral floats
+    (``3.0``) are accepted; NaN, fractions, zero, negatives, booleans, nested and ragged input are not,
+    and the error names the first offending example.
+    """
+    if hasattr(lengths, "detach") and hasattr(lengths, "cpu"):  # a torch tensor, without importing torch
+        lengths = lengths.detach().cpu().numpy()
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise TypeError(f"{name} must be a 1-D sequence of integers, got {type(lengths).__name__}")
+    if not isinstance(lengths, np.ndarray):
+        for i, x in enumerate(lengths):
+            if isinstance(x, (list, tuple, np.ndarray, dict, str, bytes)):
+                raise TypeError(
+                    f"{name}[{i}] is a {type(x).__name__}, not an integer: pass one length per example "
+                    "(nested or ragged input is not a list of lengths)"
+                )
+        try:
+            arr = np.asarray(lengths)
+        except (ValueError, TypeError) as exc:  # pragma: no cover - numpy's own message is kept
+            raise TypeError(f"{name} could not be read as a 1-D array of integers: {exc}") from None
+    else:
+        arr = lengths
+    if arr.ndim != 1:
+        raise TypeError(f"{name} must be 1-D (one length per example), got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or arr.dtype == object or arr.dtype.kind in "USV":
+        bad = 0
+        if arr.dtype == object:
+            bad = next(
+                (i for i, x in enumerate(arr) if isinstance(x, bool) or not isinstance(x, numbers.Real)),
+                None,
+            )
+            if bad is None:
+                arr = arr.astype(np.float64)
+        if arr.dtype != np.float64:
+            raise TypeError(
+                f"{name}[{bad}] is {arr[bad]!r} ({type(arr[bad]).__name__}): lengths must be integers"
+            )
+    if arr.dtype.kind == "f":
+        finite = np.isfinite(arr)
+        integral = finite & (arr == np.floor(np.where(finite, arr, 0)))
+        if not integral.all():
+            i = int(np.argmin(integral))
+            raise ValueError(f"{name}[{i}] = {arr[i]!r} is not a whole number of tokens")
+    elif arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    nonpositive = arr < 1
+    if nonpositive.any():
+        i = int(np.argmax(nonpositive))
+        raise ValueError(
+            f"example {i} has length {int(arr[i])}: every example needs at least 1 token "
+            "(filter empty examples out before packing)"
+        )
+    return arr
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """Which segment of which example goes into which window, as flat (CSR) index arrays.
+
+    Window ``w`` holds segments ``window_ptr[w] : window_ptr[w + 1]``; segment ``s`` is tokens
+    ``seg_start[s] : seg_start[s] + seg_length[s]`` of example ``seg_example[s]``. Segments are laid out
+    in a window in the order listed. Without ``overflow="split"`` every segment is a whole example (or
+    its first ``W`` tokens under ``"truncate"``).
+
+    Fields
+    ------
+    window:       int, tokens per window (``W``)
+    lengths:      (num_examples,) int64, the input lengths
+    seg_example:  (num_segments,) int64, example index of each segment
+    seg_start:    (num_segments,) int64, first token of the segment inside its example
+    seg_length:   (num_segments,) int64, tokens in the segment, ``1 <= seg_length <= W``
+    window_ptr:   (num_windows + 1,) int64, CSR offsets into the segment arrays, starts at 0
+    strategy, overflow, seed: how the plan was made
+    overflow_examples: (k,) int64, indices of the examples longer than ``W``, whatever the policy
+    dropped_examples: (k,) int64, indices left out by ``overflow="drop"``
+    cut_tokens:   int, tokens removed by ``"truncate"`` or ``"drop"`` (never silently)
+    """
+
+    window: int
+    lengths: np.ndarray
+    seg_example: np.ndarray
+    seg_start: np.ndarray
+    seg_length: np.ndarray
+    window_ptr: np.ndarray
+    strategy: str
+    overflow: str
+    seed: int | None
+    overflow_examples: np.ndarray
+    dropped_examples: np.ndarray
+    cut_tokens: int
+
+    def __post_init__(self):
+        for f in ("lengths", "seg_example", "seg_start", "seg_length", "window_ptr",
+                  "overflow_examples", "dropped_examples"):
+            getattr(self, f).setflags(write=False)
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.window_ptr.size - 1)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_example.size)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens placed in windows (input tokens minus ``cut_tokens``)."""
+        return int(self.seg_length.sum())
+
+    @property
+    def lower_bound(self) -> int:
+        """``ceil(total_tokens / W)``: no plan of the same tokens can use fewer windows."""
+        return -(-self.total_tokens // self.window)
+
+    @property
+    def fill(self) -> float:
+        """Real tokens over window tokens, in [0, 1] (1.0 for an empty plan)."""
+        return self.total_tokens / (self.num_windows * self.window) if self.num_windows else 1.0
+
+    @property
+    def window_loads(self) -> np.ndarray:
+        """(num_windows,) int64, tokens in each window: ``window_loads <= W``."""
+        csum = np.concatenate(([0], np.cumsum(self.seg_length)))
+        return csum[self.window_ptr[1:]] - csum[self.window_ptr[:-1]]
+
+    @property
+    def segments_per_window(self) -> np.ndarray:
+        """(num_windows,) int64."""
+        return np.diff(self.window_ptr)
+
+    @property
+    def seg_window(self) -> np.ndarray:
+        """(num_segments,) int64, the window of each segment."""
+        return np.repeat(np.arange(self.num_windows, dtype=np.int64), self.segments_per_window)
+
+    @property
+    def split_examples(self) -> np.ndarray:
+        """Indices of the examples cut into several segments (only under ``overflow="split"``)."""
+        return self.overflow_examples if self.overflow == "split" else np.zeros(0, np.int64)
+
+    @property
+    def truncated_examples(self) -> np.ndarray:
+        """Indices of the examples cut to ``W`` tokens (only under ``overflow="truncate"``)."""
+        return self.overflow_examples if self.overflow == "truncate" else np.zeros(0, np.int64)
+
+    # -- access ---------------------------------------------------------------------------------
+
+    def segments(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(example, start, length)`` arrays of the segments in window ``i``."""
+        if not -self.num_windows <= i < self.num_windows:
+            raise IndexError(f"window {i} out of range for a plan of {self.num_windows} windows")
+        i %= self.num_windows
+        lo, hi = self.window_ptr[i], self.window_ptr[i + 1]
+        return self.seg_example[lo:hi], self.seg_start[lo:hi], self.seg_length[lo:hi]
+
+    def windows(self) -> list[np.ndarray]:
+        """Example indices of every window, as a list of int64 arrays."""
+        return np.split(self.seg_example, self.window_ptr[1:-1])
+
+    def select(self, order) -> "Plan":
+        """A plan with the windows in ``order`` (a permutation or a subset of window indices)."""
+        order = np.asarray(order, dtype=np.int64)
+        counts = self.segments_per_window[order]
+        ptr = np.zeros(order.size + 1, np.int64)
+        np.cumsum(counts, out=ptr[1:])
+        # Segment indices of the chosen windows, in order, without a per-window Python loop.
+        seg = np.repeat(self.window_ptr[order] - ptr[:-1], counts) + np.arange(ptr[-1])
+        return dataclasses.replace(
+            self,
+            seg_example=self.seg_example[seg],
+            seg_start=self.seg_start[seg],
+            seg_length=self.seg_length[seg],
+            window_ptr=ptr,
+        )
+
+    def shuffled(self, seed: int | None = None) -> "Plan":
+        """The same windows in a seeded random order, so training order is not sorted by length.
+
+        ``seed=None`` uses the plan's own seed (0 if it has none). Deterministic for a given seed.
+        """
+        seed = self.seed if seed is None else seed
+        rng = np.random.default_rng(0 if seed is None else seed)
+        return self.select(rng.permutation(self.num_windows))
+
+    def summary(self) -> dict:
+        """The figures a user logs: windows, lower bound, fill and what the overflow policy touched."""
+        return {
+            "strategy": self.strategy,
+            "window": self.window,
+            "examples": self.num_examples,
+            "windows": self.num_windows,
+            "lower_bound": self.lower_bound,
+            "windows_over_lower_bound": self.num_windows - self.lower_bound,
+            "fill": self.fill,
+            "tokens": self.total_tokens,
+            "overflow": self.overflow,
+            "overflow_examples": int(self.overflow_examples.size),
+            "dropped_examples": int(self.dropped_examples.size),
+            "cut_tokens": self.cut_tokens,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(strategy={self.strategy!r}, window={self.window}, examples={self.num_examples}, "
+            f"windows={self.num_windows}, lower_bound={self.lower_bound}, fill={self.fill:.4f}, "
+            f"overflow={self.overflow!r}: {self.overflow_examples.size} examples, "
+            f"cut_tokens={self.cut_tokens})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# overflow: from examples to packable items
+# ----------------------------------------------------------------------------------------------
+
+
+def _items(lengths: np.ndarray, window: int, overflow: str):
+    """Turn examples into items of at most ``window`` tokens, per the overflow policy.
+
+    Returns ``(item_example, item_start, item_length, overflow_examples, dropped, cut_tokens)``.
+    Items are in example order, except that the second and later pieces of split examples follow
+    all the examples.
+    """
+    over = np.flatnonzero(lengths > window)
+    empty = np.zeros(0, np.int64)
+    idx = np.arange(lengths.size, dtype=np.int64)
+    if over.size == 0:
+        return idx, np.zeros(lengths.size, np.int64), lengths, over, empty, 0
+    if overflow == "error":
+        i = int(over[0])
+        more = f" (and {over.size - 1} more)" if over.size > 1 else ""
+        raise ValueError(
+            f"example {i} has {int(lengths[i]):,} tokens > window={window:,}{more}; "
+            "pass overflow='split', 'truncate' or 'drop', or raise window"
+        )
+    if overflow == "truncate":
+        cut = int((lengths[over] - window).sum())
+        return idx, np.zeros(lengths.size, np.int64), np.minimum(lengths, window), over, empty, cut
+    if overflow == "drop":
+        keep = lengths <= window
+        kept = int(keep.sum())
+        return idx[keep], np.zeros(kept, np.int64), lengths[keep], over, over, int(lengths[over].sum())
+    # split: example i becomes ceil(L / W) pieces, all of W tokens but the last. Item i is example
+    # i's first piece; the other pieces of the over-long examples are appended after the n examples
+    # (next-fit restores the token order of the pieces itself).
+    k = -(-lengths[over] // window) - 1  # extra pieces per over-long example
+    extra_example = np.repeat(over, k)
+    extra_start = (np.arange(extra_example.size, dtype=np.int64) - np.repeat(np.cumsum(k) - k, k) + 1) * window
+    item_example = np.concatenate((idx, extra_example))
+    item_start = np.concatenate((np.zeros(lengths.size, np.int64), extra_start))
+    extra_length = np.minimum(lengths[extra_example] - extra_start, window)
+    item_length = np.concatenate((np.minimum(lengths, window), extra_length))
+    return item_example, item_start, item_length, over, empty, 0
+
+
+# ----------------------------------------------------------------------------------------------
+# strategies
+#
+# Each strategy takes item lengths (all in [1, W]) and returns ``(order, run_window, run_count,
+# run_first, num_windows, run_length)``: walking the items in ``order``, ``run_count[i]`` items from
+# position ``run_first[i]`` on go to window ``run_window[i]`` (``run_first=None``: the runs are
+# consecutive), each of ``run_length[i]`` tokens (``None``: lengths differ inside a run).
+# Runs keep the grouped planners' output small: one run per window per group of equal lengths.
+# ----------------------------------------------------------------------------------------------
+
+
+def _sort_decreasing(lengths: np.ndarray, window: int) -> np.ndarray:
+    """Stable order of ``lengths``, longest first. A radix sort when the keys fit in 16 bits."""
+    key = window - lengths
+    if window < 1 << 16:
+        key = key.astype(np.uint16)
+    return np.argsort(key, kind="stable")
+
+
+def _best_fit_decreasing(lengths: np.ndarray, window: int):
+    """Best-fit decreasing, a whole group of equal lengths at a time (see the module docstring)."""
+    order = _sort_decreasing(lengths, window)
+    counts = np.bincount(lengths, minlength=window + 1)
+    distinct = np.flatnonzero(counts)[::-1].tolist()
+    min_len = distinct[-1] if distinct else 1
+    # Open windows by room: room -> stack of int64 arrays of window ids (windows with equal room are
+    # interchangeable, so a bucket hands out whichever ids are on top), and how many ids it holds.
+    buckets: dict[int, list[np.ndarray]] = {}
+    sizes: dict[int, int] = {}
+    rooms: list[int] = []  # sorted rooms of the non-empty buckets
+    # One event per bucket visit: windows ``ids`` each take q items from position p of ``order``
+    # on, the last one r items.
+    ev_ids: list[np.ndarray] = []
+    ev = array.array("q")  # q, p, r, L per event
+    num_windows = 0
+    placed = 0
+    bisect_left, insort = bisect.bisect_left, bisect.insort
+
+    for length in distinct:
+        c = int(counts[length])
+        while c:
+            j = bisect_left(rooms, length)
+            if j == len(rooms):
+                # -- no open window fits: open new ones, each taking q items --
+                room = window
+                q = window // length
+                take = -(-c // q)
+                ids = np.arange(num_windows, num_windows + take, dtype=np.int64)
+                num_windows += take
+            else:
+                # -- the tightest bucket that fits: every window in it takes q items --
+                room = rooms[j]
+                q = room // length
+                have = sizes[room]
+                take = min(have, -(-c // q))
+                stack = buckets[room]
+                if take == have:
+                    ids = stack[0] if len(stack) == 1 else np.concatenate(stack)
+                    del buckets[room], sizes[room], rooms[j]
+                else:
+                    sizes[room] = have - take
+                    parts, need = [], take
+                    while need:
+                        top = stack[-1]
+                        if top.size <= need:
+                            parts.append(stack.pop())
+                            need -= top.size
+                        else:
+                            parts.append(top[top.size - need:])
+                            stack[-1] = top[: top.size - need]
+                            need = 0
+                    ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            full, rest = divmod(min(c, take * q), q)
+            ev_ids.append(ids)
+            ev.extend((q, placed, rest or q, length))
+            placed += full * q + rest
+            c -= full * q + rest
+            # -- the windows move to the buckets of their new room (or close) --
+            for group, left in ((ids[:full], room - q * length), (ids[full:], room - rest * length)):
+                if left < min_len or not group.size:  # nothing left can fit: the windows close
+                    continue
+                if left in sizes:
+                    buckets[left].append(group)
+                    sizes[left] += group.size
+                else:
+                    buckets[left] = [group]
+                    sizes[left] = group.size
+                    insort(rooms, left)
+
+    # -- expand the events with numpy: event e gives window ids[i] the items q*i .. q*i+q-1 after
+    #    position p (the last window of the event r of them) --
+    q, p, r, ev_length = np.frombuffer(ev, np.int64).reshape(-1, 4).T
+    m = np.array([ids.size for ids in ev_ids], np.int64)
+    run_window = np.concatenate(ev_ids) if ev_ids else np.zeros(0, np.int64)
+    event_of = np.repeat(np.arange(m.size), m)
+    last = np.cumsum(m) - 1
+    within = np.arange(run_window.size, dtype=np.int64) - (last - m + 1)[event_of]
+    run_first = p[event_of] + within * q[event_of]
+    run_count = q[event_of]
+    run_count[last] = r
+    return order, run_window, run_count, run_first, num_windows, ev_length[event_of]
+
+
+def _first_fit_decreasing(lengths: np.ndarray, window: int):
+    """First-fit decreasing: for each group of equal lengths, the oldest windows that fit take
+    ``room // L`` items each (after each item the oldest fitting window is still the same one)."""
+    order = _sort_decreasing(lengths, window)
+    counts = np.bincount(lengths, minlength=window + 1)
+    distinct = np.flatnonzero(counts)[::-1]
+    min_len = int(distinct[-1]) if distinct.size else 1
+    open_ids = np.zeros(0, np.int64)  # windows that can still take the shortest item, oldest first
+    open_room = np.zeros(0, np.int64)
+    run_window, run_count, run_length = [], [], []
+    num_windows = 0
+    for length in distinct.tolist():
+        c = int(counts[length])
+        fits = np.flatnonzero(open_room >= length)
+        if fits.size:
+            q = open_room[fits] // length
+            cum = np.cumsum(q)
+            used = min(int(np.searchsorted(cum, c)) + 1, fits.size)  # windows that take items
+            take = q[:used].copy()
+            take[-1] -= max(int(cum[used - 1]) - c, 0)
+            run_window.append(open_ids[fits[:used]])
+            run_count.append(take)
+            run_length.append(np.full(used, length, np.int64))
+            open_room[fits[:used]] -= take * length
+            c -= int(take.sum())
+        if c:
+            q = window // length
+            full, rest = divmod(c, q)
+            ids = np.arange(num_windows, num_windows + full + (rest > 0), dtype=np.int64)
+            take = np.full(ids.size, q, np.int64)
+            if rest:
+                take[-1] = rest
+            run_window.append(ids)
+            run_count.append(take)
+            run_length.append(np.full(ids.size, length, np.int64))
+            open_ids = np.concatenate((open_ids, ids))
+            open_room = np.concatenate((open_room, window - take * length))
+            num_windows += ids.size
+        keep = open_room >= min_len
+        if not keep.all():
+            open_ids, open_room = open_ids[keep], open_room[keep]
+    if not run_window:
+        return order, np.zeros(0, np.int64), np.zeros(0, np.int64), None, 0, np.zeros(0, np.int64)
+    cat = np.concatenate
+    return order, cat(run_window), cat(run_count), None, num_windows, cat(run_length)
+
+
+def _first_fit(lengths: np.ndarray, window: int, order: np.ndarray):
+    """First fit, item by item, in the given order.
+
+    Open windows are bucketed by room; each bucket keeps its window ids in a min-heap, and the
+    smallest id over the buckets that fit is the first-fit window. Windows whose room is below the
+    shortest length are closed.
+    """
+    import heapq
+
+    seq = lengths[order]
+    min_len = int(seq.min()) if seq.size else 1
+    inf = np.iinfo(np.int64).max
+    head = np.full(window + 1, inf, np.int64)  # smallest window id with exactly this room
+    heaps: list[list[int] | None] = [None] * (window + 1)
+    item_window = np.empty(seq.size, np.int64)
+    num_windows = 0
+    for i, length in enumerate(seq.tolist()):
+        r = length + int(np.argmin(head[length:]))
+        w = int(head[r])
+        if w == inf:  # open a new window
+            w = num_windows
+            num_windows += 1
+            room = window - length
+        else:
+            h = heaps[r]
+            heapq.heappop(h)
+            head[r] = h[0] if h else inf
+            room = r - length
+        item_window[i] = w
+        if room >= min_len:
+            h = heaps[room]
+            if h is None:
+                h = heaps[room] = []
+            heapq.heappush(h, w)
+            if w < head[room]:
+                head[room] = w
+    return order, item_window, np.ones(seq.size, np.int64), None, num_windows, seq
+
+
+def _next_fit(lengths: np.ndarray, window: int, order: np.ndarray | None = None):
+    """Next fit in the given order (default: as listed): close the window when the next item does
+    not fit."""
+    order = np.arange(lengths.size, dtype=np.int64) if order is None else order
+    csum = np.concatenate(([0], np.cumsum(lengths[order])))
+    n = lengths.size
+    # nxt[i]: where a window that starts at item i ends (the furthest j with csum[j] - csum[i] <= W;
+    # at least i + 1, since every item fits). Then follow the chain from 0: one step per window.
+    nxt = (np.searchsorted(csum, csum[:-1] + window, side="right") - 1).tolist()
+    starts = []
+    i = 0
+    while i < n:
+        starts.append(i)
+        i = nxt[i]
+    bounds = np.asarray(starts + [n], np.int64)
+    runs = np.arange(len(starts), dtype=np.int64)
+    return order, runs, np.diff(bounds), None, len(starts), None
+
+
+def _runs_to_csr(order, run_window, run_count, run_first, num_windows, run_length):
+    """Items grouped by window, placement order kept inside each window.
+
+    ``run_first`` is the position in ``order`` of each run's first item (``None``: runs are listed in
+    placement order, so it is their running count); runs of one window must be listed in placement
+    order. Returns ``(items, window_ptr, item_lengths)``: window ``w`` holds
+    ``items[window_ptr[w]:window_ptr[w+1]]``; ``item_lengths`` is ``None`` unless ``run_length`` is given.
+    Example: ``order=[2, 0, 1]``, runs ``(window 1, 1 item), (window 0, 2 items)`` ->
+    ``items=[0, 1, 2]``, ``window_ptr=[0, 2, 3]``.
+    """
+    perm = np.argsort(run_window, kind="stable")
+    if run_first is None:  # runs given in placement order
+        run_first = np.cumsum(run_count) - run_count  # position in ``order`` of each run's first item
+    counts = run_count[perm]
+    out_first = np.cumsum(counts) - counts
+    items = order[np.repeat(run_first[perm] - out_first, counts) + np.arange(order.size)]
+    window_ptr = np.zeros(num_windows + 1, np.int64)
+    per_window = np.bincount(run_window, weights=run_count, minlength=num_windows)
+    np.cumsum(per_window.astype(np.int64), out=window_ptr[1:])
+    item_lengths = None if run_length is None else np.repeat(run_length[perm], counts)
+    return items, window_ptr, item_lengths
+
+
+# ----------------------------------------------------------------------------------------------
+# the public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error",
+         seed: int | None = 0) -> Plan:
+    """Plan windows of ``window`` tokens for examples of the given ``lengths``.
+
+    Args:
+        lengths: (num_examples,) integers >= 1: list, numpy array or torch tensor.
+        window: tokens per window (``W``), >= 1.
+        strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` (module docstring).
+        overflow: what to do with an example longer than ``W``: ``"error"`` (default),
+            ``"truncate"``, ``"split"`` or ``"drop"``.
+        seed: the random order of ``"shuffle_ff"``, and the default seed of :meth:`Plan.shuffled`.
+
+    Returns:
+        A frozen :class:`Plan`. Windows come in the order the strategy opened them (for BFD/FFD that
+        groups long examples first): call ``plan.shuffled()`` for a training order.
+
+    Example: ``pack([5, 3, 4, 2], window=8).windows() -> [[0, 1], [2, 3]]``.
+    """
+    window = check_window(window)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(
+            f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
+        )
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    lengths = as_lengths(lengths)
+    item_example, item_start, item_length, over, dropped, cut = _items(lengths, window, overflow)
+
+    if strategy == "bfd":
+        runs = _best_fit_decreasing(item_length, window)
+    elif strategy == "ffd":
+        runs = _first_fit_decreasing(item_length, window)
+    elif strategy == "shuffle_ff":
+        rng = np.random.default_rng(0 if seed is None else seed)
+        runs = _first_fit(item_length, window, rng.permutation(item_length.size))
+    else:
+        # order-preserving: pieces of a split example stay together, in token order
+        token_order = np.lexsort((item_start, item_example)) if overflow == "split" else None
+        runs = _next_fit(item_length, window, token_order)
+    seg, window_ptr, seg_length = _runs_to_csr(*runs)
+    if seg_length is None:
+        seg_length = item_length[seg]
+    seg_start = np.zeros(seg.size, np.int64)
+    if overflow == "drop":
+        seg_example = item_example[seg]
+    elif item_example.size == lengths.size:  # item i is example i
+        seg_example = seg
+    else:  # split: items 0..n-1 are the examples' first pieces, the other pieces follow
+        seg_example = seg.copy()
+        extra = np.flatnonzero(seg >= lengths.size)
+        seg_example[extra] = item_example[seg[extra]]
+        seg_start[extra] = item_start[seg[extra]]
+    return Plan(
+        window=window,
+        lengths=lengths,
+        seg_example=seg_example,
+        seg_start=seg_start,
+        seg_length=seg_length,
+        window_ptr=window_ptr,
+        strategy=strategy,
+        overflow=overflow,
+        seed=None if seed is None else int(seed),
+        overflow_examples=over,
+        dropped_examples=dropped,
+        cut_tokens=cut,
+    )
+
+
+def lower_bound(lengths, *, window: int) -> int:
+    """``ceil(sum(lengths) / window)``: ``lower_bound([5, 3, 4], window=8) -> 2``."""
+    return math.ceil(int(as_lengths(lengths).sum()) / check_window(window))
