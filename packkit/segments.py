@@ -1,0 +1,90 @@
+"""Small pure functions from segment lengths to the fields of the varlen convention.
+
+Every one is a vectorised numpy expression (no per-token Python), and each has a one-line example:
+
+    >>> lengths_to_cu_seqlens([2, 4, 3]).tolist()
+    [0, 2, 6, 9]
+    >>> lengths_to_position_ids([2, 4, 3]).tolist()
+    [0, 1, 0, 1, 2, 3, 0, 1, 2]
+    >>> lengths_to_seq_idx([2, 4, 3]).tolist()
+    [0, 0, 1, 1, 1, 1, 2, 2, 2]
+    >>> cu_seqlens_to_lengths([0, 2, 6, 9]).tolist()
+    [2, 4, 3]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "IGNORE_INDEX",
+    "lengths_to_cu_seqlens",
+    "lengths_to_position_ids",
+    "lengths_to_seq_idx",
+    "cu_seqlens_to_lengths",
+    "position_ids_to_lengths",
+    "segment_starts",
+]
+
+#: The label that cross entropy ignores (PyTorch's and Hugging Face's default ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+def lengths_to_cu_seqlens(lengths) -> np.ndarray:
+    """Segment lengths -> ``cu_seqlens``: ``(S + 1,)`` int32, ``cu[0] = 0``, ``cu[-1]`` = total tokens.
+
+    int32 because that is what flash-attn's varlen kernels take. ``[2, 4, 3] -> [0, 2, 6, 9]``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cu = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    if cu[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"{int(cu[-1]):,} tokens do not fit in int32 cu_seqlens; use smaller batches")
+    return cu.astype(np.int32)
+
+
+def lengths_to_position_ids(lengths) -> np.ndarray:
+    """Segment lengths -> position ids, ``(T,)`` int64, ``0..len-1`` inside every segment.
+
+    ``[2, 4, 3] -> [0, 1, 0, 1, 2, 3, 0, 1, 2]``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    total = int(lengths.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+
+
+def lengths_to_seq_idx(lengths) -> np.ndarray:
+    """Segment lengths -> the segment index of every token, ``(T,)`` int32.
+
+    ``[2, 4, 3] -> [0, 0, 1, 1, 1, 1, 2, 2, 2]``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+
+
+def cu_seqlens_to_lengths(cu_seqlens) -> np.ndarray:
+    """``[0, 2, 6, 9] -> [2, 4, 3]`` (int64)."""
+    return np.diff(np.asarray(cu_seqlens, dtype=np.int64))
+
+
+def position_ids_to_lengths(position_ids) -> np.ndarray:
+    """Lengths of the segments of a flat row of position ids (a segment starts at every 0).
+
+    ``[0, 1, 0, 1, 2, 0] -> [2, 3, 1]``. A row that does not start at 0 is an error, since its
+    first tokens would belong to no segment.
+    """
+    pos = np.asarray(position_ids, dtype=np.int64).reshape(-1)
+    if pos.size == 0:
+        return np.zeros(0, np.int64)
+    if pos[0] != 0:
+        raise ValueError(f"position_ids must start at 0, got {int(pos[0])}")
+    starts = np.flatnonzero(pos == 0)
+    return np.diff(np.append(starts, pos.size))
+
+
+def segment_starts(lengths) -> np.ndarray:
+    """Flat index of the first token of every non-empty segment: ``[2, 4, 3] -> [0, 2, 6]``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return starts[lengths > 0]
