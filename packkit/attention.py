@@ -1,0 +1,300 @@
+"""Attention that stays inside each packed document: ``varlen_attention`` and its backends.
+
+A packed row holds several documents back to back; ``cu_seqlens`` marks where each one starts. For
+``cu_seqlens = [0, 3, 5]`` (documents of 3 and 2 tokens) the causal mask every backend applies is::
+
+    key ->   0 1 2 3 4
+    query 0  x . . . .
+    query 1  x x . . .
+    query 2  x x x . .
+    query 3  . . . x .
+    query 4  . . . x x
+
+Backends, in the order ``backend="auto"`` tries them (each only where it can run):
+
+1. ``"flash_attn"``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16, when installed).
+2. ``"torch"``: PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.10).
+3. ``"triton"``: packkit's Triton kernels (``packkit.kernels.flash_varlen``); CUDA, fp16/bf16/fp32.
+   On the CPU they run only under ``TRITON_INTERPRET=1`` (for tests), so "auto" does not pick them there.
+4. ``"reference"``: per-document ``scaled_dot_product_attention``; any device, any float dtype; slow.
+
+Forcing a backend that cannot run raises :class:`BackendUnavailableError` saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("flash_attn", "torch", "triton", "reference")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced attention backend cannot run on these inputs (not installed, no CUDA, dtype...)."""
+
+
+# -- small pure helpers --
+
+def compact_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Drop zero-length segments: ``[0, 3, 3, 5, 5] -> [0, 3, 5]``.
+
+    flash-attn's varlen kernels mishandle empty segments (Dao-AILab/flash-attention#1537), and the
+    static-shape padding of ``cu_seqlens`` (repeating the last offset) produces them. Attention over
+    the remaining segments is unchanged. On a GPU this reads the values back (one synchronisation).
+    """
+    return torch.unique_consecutive(cu_seqlens)
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+@functools.cache
+def _import(module: str, attr: str | None = None):
+    """(object, None) on success, (None, reason) when the import fails; cached either way so that
+    "auto" does not retry a missing package on every call."""
+    try:
+        obj = importlib.import_module(module)
+        return (getattr(obj, attr) if attr else obj), None
+    except (ImportError, AttributeError) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def _flash_attn_varlen_func():
+    """flash-attn's function, imported on first use; None when not installed."""
+    return _import("flash_attn", "flash_attn_varlen_func")
+
+
+def _torch_varlen_attn():
+    """torch.nn.attention.varlen.varlen_attn; None before torch 2.10."""
+    return _import("torch.nn.attention.varlen", "varlen_attn")
+
+
+def _triton_kernels():
+    """packkit.kernels.flash_varlen (imports triton); None without triton."""
+    return _import("packkit.kernels.flash_varlen")
+
+
+# -- availability: why a backend cannot run here, or None --
+
+def _flash_attn_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    fn, err = _flash_attn_varlen_func()
+    if fn is None:
+        return f"flash-attn is not installed ({err}); pip install 'packkit[flash]' on a CUDA machine"
+    if not _on_cuda(q):
+        return f"flash-attn needs CUDA tensors; q is on {q.device}"
+    if q.dtype not in _HALF_DTYPES:
+        return f"flash-attn takes float16 or bfloat16; got {q.dtype} (cast q, k, v, or use backend='triton')"
+    if q.shape[-1] > 256:
+        return f"flash-attn supports head dims up to 256; got {q.shape[-1]}"
+    return None
+
+
+def _torch_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    fn, err = _torch_varlen_attn()
+    if fn is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (needs >= 2.10): {err}"
+    if not _on_cuda(q):
+        return f"torch's varlen_attn needs CUDA tensors; q is on {q.device}"
+    if q.dtype not in _HALF_DTYPES:
+        return f"torch's varlen_attn takes float16 or bfloat16; got {q.dtype}"
+    return None
+
+
+def _triton_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    kernels, err = _triton_kernels()
+    if kernels is None:
+        return f"triton is not installed ({err}); pip install 'packkit[triton]'"
+    return kernels.unsupported_reason(q, k, v)
+
+
+def _reference_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    if not q.dtype.is_floating_point:
+        return f"attention needs floating-point inputs; got {q.dtype}"
+    return None
+
+
+_PROBLEMS = {
+    "flash_attn": _flash_attn_problem,
+    "torch": _torch_problem,
+    "triton": _triton_problem,
+    "reference": _reference_problem,
+}
+
+
+def backend_problems(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, str | None]:
+    """For each backend, why it cannot run on (q, k, v), or None if it can. Example on a CPU box
+    without flash-attn: ``{"flash_attn": "flash-attn is not installed ...", ..., "reference": None}``."""
+    return {name: _PROBLEMS[name](q, k, v) for name in BACKENDS}
+
+
+def select_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto") -> str:
+    """The backend ``varlen_attention`` would use: the forced one, or the first that can run.
+
+    Raises BackendUnavailableError when the forced backend cannot run, ValueError for an unknown name.
+    """
+    if backend != "auto":
+        if backend not in _PROBLEMS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose 'auto' or one of {BACKENDS}")
+        problem = _PROBLEMS[backend](q, k, v)
+        if problem is not None:
+            raise BackendUnavailableError(f"backend={backend!r} cannot run: {problem}")
+        return backend
+    for name in BACKENDS:
+        # The CPU runs Triton only through its interpreter, which is for tests: auto skips it there.
+        if name == "triton" and not _on_cuda(q):
+            continue
+        if _PROBLEMS[name](q, k, v) is None:
+            return name
+    raise BackendUnavailableError(f"no attention backend can run: {backend_problems(q, k, v)}")
+
+
+# -- backends: each takes validated inputs and a resolved scale --
+
+def reference_varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    *, causal: bool = True, scale: float | None = None,
+) -> torch.Tensor:
+    """Per-document ``scaled_dot_product_attention``: exact, slow, obvious; runs anywhere.
+
+    Shapes as in :func:`varlen_attention`. Reads ``cu_seqlens`` back to the host (a sync on a GPU).
+    """
+    offsets = cu_seqlens.tolist()
+    group = q.shape[1] // k.shape[1]
+    pieces = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        if end == start:
+            continue  # an empty segment (static-shape padding) owns no token
+        # (L, heads, D) -> (heads, L, D): SDPA attends over the second-to-last dim.
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=group > 1)
+        pieces.append(out.transpose(0, 1))
+    if not pieces:
+        return q.clone()  # no tokens at all: an empty, still differentiable, output
+    return torch.cat(pieces, dim=0)
+
+
+def _flash_attn_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    cu = compact_cu_seqlens(cu_seqlens)
+    return _flash_attn_varlen_func()[0](
+        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal,
+    )
+
+
+def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    varlen_attn = _torch_varlen_attn()[0]
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {}
+    # Recent torch spells causal as window_size=(-1, 0); the first releases had is_causal.
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None:
+        q = q * (scale * math.sqrt(q.shape[-1]))  # the op applies 1/sqrt(d) itself
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu = compact_cu_seqlens(cu_seqlens)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+def _triton_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    return _triton_kernels()[0].flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
+
+
+def _reference_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    return reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
+
+
+_RUNNERS = {
+    "flash_attn": _flash_attn_backend,
+    "torch": _torch_backend,
+    "triton": _triton_backend,
+    "reference": _reference_backend,
+}
+
+
+# -- input checks --
+
+def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
+    if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
+        raise TypeError(f"max_seqlen must be a Python int computed on the CPU (reading it from a tensor "
+                        f"forces a sync and breaks torch.compile graphs); got {type(max_seqlen).__name__}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be (total_tokens, heads, headdim); got shapes {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v must be (total_tokens={q.shape[0]}, nheads_kv, headdim={q.shape[2]}); "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"nheads={q.shape[1]} must be a multiple of nheads_kv={k.shape[1]} (GQA/MQA)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor (num_segments + 1,); got {cu_seqlens.dtype} "
+                         f"of shape {tuple(cu_seqlens.shape)}")
+    if not (q.device == k.device == v.device == cu_seqlens.device):
+        raise ValueError(f"q, k, v and cu_seqlens must be on one device; got {q.device}, {k.device}, "
+                         f"{v.device}, {cu_seqlens.device} (move cu_seqlens with .to(q.device))")
+    if max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be >= 0; got {max_seqlen}")
+    if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
+        return  # checking values would read a GPU tensor back (a sync) or break a compiled graph
+    offsets = cu_seqlens.tolist()
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0; got {offsets[0]}")
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be non-decreasing; segment {bad} has length {lengths[bad]}")
+    if offsets[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens[-1]={offsets[-1]} must equal total_tokens={q.shape[0]}")
+    longest = max(lengths, default=0)
+    if longest > max_seqlen:
+        raise ValueError(f"max_seqlen={max_seqlen} is below the longest segment ({longest} tokens, "
+                         f"segment {lengths.index(longest)}); pass max_seqlen >= {longest}")
+
+
+# -- the public function --
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+    *, causal: bool = True, scale: float | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over packed documents: no token attends outside its own segment (differentiable).
+
+    Args:
+        q: (total_tokens, nheads, headdim).
+        k, v: (total_tokens, nheads_kv, headdim), same dtype and device; nheads % nheads_kv == 0
+            (query head h uses kv head h // (nheads // nheads_kv), as in flash-attn).
+        cu_seqlens: (num_segments + 1,) int32 on q's device, starts at 0, non-decreasing,
+            cu_seqlens[-1] == total_tokens. Repeated offsets (empty segments) are allowed.
+        max_seqlen: Python int, at least the longest segment.
+        causal: each token sees itself and the earlier tokens of its segment (default); else the
+            whole segment.
+        scale: softmax scale; default 1 / sqrt(headdim).
+        backend: "auto", "flash_attn", "torch", "triton" or "reference" (see the module docstring).
+
+    Returns:
+        (total_tokens, nheads, headdim), dtype of q.
+
+    Values of cu_seqlens are checked when it lives on the CPU; on a GPU they are trusted (checking
+    would synchronise).
+    """
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    name = select_backend(q, k, v, backend=backend)
+    if q.shape[0] == 0:
+        return q.clone()  # no tokens: nothing to attend; native kernels need not see this case
+    return _RUNNERS[name](q, k, v, cu_seqlens, max_seqlen, bool(causal), None if scale is None else float(scale))
