@@ -79,11 +79,13 @@ def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:
         raise TypeError(f"{name} must be a 1-D sequence of integers, got {type(lengths).__name__}")
     if not isinstance(lengths, np.ndarray):
         for i, x in enumerate(lengths):
-            if isinstance(x, (list, tuple, np.ndarray, dict, str, bytes)):
+            if isinstance(x, (list, tuple, np.ndarray, dict)):
                 raise TypeError(
                     f"{name}[{i}] is a {type(x).__name__}, not an integer: pass one length per example "
                     "(nested or ragged input is not a list of lengths)"
                 )
+            if isinstance(x, (bool, np.bool_, str, bytes)):
+                raise TypeError(f"{name}[{i}] is {x!r} ({type(x).__name__}): lengths must be integers")
         try:
             arr = np.asarray(lengths)
         except (ValueError, TypeError) as exc:  # pragma: no cover - numpy's own message is kept
@@ -112,7 +114,7 @@ def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:
         integral = finite & (arr == np.floor(np.where(finite, arr, 0)))
         if not integral.all():
             i = int(np.argmin(integral))
-            raise ValueError(f"{name}[{i}] = {arr[i]!r} is not a whole number of tokens")
+            raise ValueError(f"{name}[{i}] = {float(arr[i])!r} is not a whole number of tokens")
     elif arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
