@@ -1,0 +1,257 @@
+"""packkit's Triton varlen attention kernels against a slow float64 reference.
+
+On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
+below before the kernels are imported; ``make test`` sets it too), at small sizes. On a CUDA machine
+run without the interpreter and the "cuda" cases run the compiled kernels; the "cpu" ones then skip.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="the Triton kernels need triton (pip install 'packkit[triton]')")
+
+from packkit.kernels import flash_varlen  # noqa: E402  (after TRITON_INTERPRET is decided)
+
+# Odd lengths, a single token, a length that is a block plus a ragged tail, and an empty segment.
+LENGTHS = [1, 17, 0, 97, 123]
+
+# Max |err| <= atol + rtol * max|ref|, against float64. fp32 runs IEEE fp32 dots; fp16 / bf16 round
+# the inputs, P and the output to 11 / 8 significant bits (eps 9.8e-4 / 7.8e-3).
+TOLERANCES = {
+    torch.float32: dict(fwd=(2e-5, 1e-5), bwd=(1e-4, 1e-5)),
+    torch.float16: dict(fwd=(5e-3, 2e-3), bwd=(1e-2, 4e-3)),
+    torch.bfloat16: dict(fwd=(4e-2, 1.6e-2), bwd=(8e-2, 3e-2)),
+}
+
+
+def device_params():
+    return [
+        pytest.param("cpu", id="cpu"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="no CUDA device on this machine")),
+    ]
+
+
+def skip_unless_runnable(device: str) -> None:
+    if device == "cpu" and not flash_varlen.interpreted():
+        pytest.skip("Triton runs on the CPU only with TRITON_INTERPRET=1 set before packkit.kernels is imported")
+
+
+def attention_ref(q, k, v, cu_seqlens, causal, scale):
+    """The obvious definition, in float64, one segment and one head at a time.
+
+    Returns (out, lse) with out (total, nheads, d) and lse (nheads, total), both float64.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    total, nheads, _ = q.shape
+    group = nheads // k.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.zeros(nheads, total, dtype=torch.float64, device=q.device)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        n = end - start
+        if n == 0:
+            continue
+        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed = allowed.tril()
+        for h in range(nheads):
+            scores = q[start:end, h] @ k[start:end, h // group].T * scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            lse[h, start:end] = torch.logsumexp(scores, dim=-1)
+            out[start:end, h] = torch.softmax(scores, dim=-1) @ v[start:end, h // group]
+    return out, lse
+
+
+def cu_seqlens_of(lengths, device):
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def assert_close(name, actual, expected, atol, rtol):
+    """Print max / mean difference, then assert max |err| <= atol + rtol * max|expected|."""
+    diff = (actual.double() - expected.double()).abs()
+    bound = atol + rtol * expected.abs().max().item()
+    print(f"{name}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}, bound {bound:.3e}")
+    assert diff.max().item() <= bound, f"{name}: max diff {diff.max().item():.3e} > {bound:.3e}"
+
+
+# (dtype, causal, headdim, nheads, nheads_kv): every dtype both ways with GQA at d=32, then MHA at 64,
+# 128, the padded head dims 80 and 96 (96 with MQA, a group of 3).
+CASES = [
+    (torch.float32, True, 32, 2, 1),
+    (torch.float32, False, 32, 2, 1),
+    (torch.float16, True, 32, 2, 1),
+    (torch.float16, False, 32, 2, 1),
+    (torch.bfloat16, True, 32, 2, 1),
+    (torch.bfloat16, False, 32, 2, 1),
+    (torch.float16, True, 64, 2, 2),
+    (torch.bfloat16, True, 128, 2, 2),
+    (torch.float16, False, 80, 2, 1),
+    (torch.float32, True, 96, 3, 1),
+]
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype,causal,headdim,nheads,nheads_kv", CASES,
+                         ids=[f"{str(c[0])[6:]}-{'causal' if c[1] else 'full'}-d{c[2]}-h{c[3]}kv{c[4]}"
+                              for c in CASES])
+def test_forward_and_gradients_match_float64(device, dtype, causal, headdim, nheads, nheads_kv):
+    skip_unless_runnable(device)
+    torch.manual_seed(0)
+    cu = cu_seqlens_of(LENGTHS, device)
+    total = sum(LENGTHS)
+    q = torch.randn(total, nheads, headdim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, requires_grad=True)
+    scale = 1.0 / math.sqrt(headdim)
+
+    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(LENGTHS), causal=causal)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, cu, causal, scale)
+    ref.backward(grad_out.double())
+
+    tol = TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close("out", out, ref, *tol["fwd"])
+    assert_close("dq", q.grad, q64.grad, *tol["bwd"])
+    assert_close("dk", k.grad, k64.grad, *tol["bwd"])
+    assert_close("dv", v.grad, v64.grad, *tol["bwd"])
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_logsumexp_and_explicit_scale(device):
+    """The launcher's lse (natural log, (nheads, total) fp32) and a non-default softmax scale."""
+    skip_unless_runnable(device)
+    torch.manual_seed(1)
+    lengths = [5, 0, 40]
+    cu = cu_seqlens_of(lengths, device)
+    q = torch.randn(45, 2, 32, device=device)
+    k = torch.randn(45, 1, 32, device=device)
+    v = torch.randn(45, 1, 32, device=device)
+    out, lse = flash_varlen.attention_forward(q, k, v, cu, 40, True, 0.3)
+    ref_out, ref_lse = attention_ref(q, k, v, cu, True, 0.3)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 45)
+    assert_close("lse", lse, ref_lse, *TOLERANCES[torch.float32]["fwd"])
+    assert_close("out", out, ref_out, *TOLERANCES[torch.float32]["fwd"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (long segments are too slow for the interpreter)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_segments_on_cuda(causal):
+    """Segments spanning many blocks, GQA 8/2, head dim 128, bf16: the benchmark's regime, smaller."""
+    torch.manual_seed(2)
+    lengths = [1, 17, 0, 97, 123, 1025, 2048, 515]
+    cu = cu_seqlens_of(lengths, "cuda")
+    total = sum(lengths)
+    q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(lengths), causal=causal)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, cu, causal, 1 / math.sqrt(128))
+    ref.backward(grad_out.double())
+    tol = TOLERANCES[torch.bfloat16]
+    assert_close("out", out, ref, *tol["fwd"])
+    for name, a, b in [("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
+        assert_close(name, a, b, *tol["bwd"])
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_no_tokens_and_zero_max_seqlen(device):
+    skip_unless_runnable(device)
+    q = torch.randn(0, 2, 32, device=device, requires_grad=True)
+    k = torch.randn(0, 1, 32, device=device, requires_grad=True)
+    v = torch.randn(0, 1, 32, device=device, requires_grad=True)
+    for cu in ([0], [0, 0, 0]):
+        out = flash_varlen.flash_varlen_attention(q, k, v, torch.tensor(cu, dtype=torch.int32, device=device), 0)
+        assert out.shape == (0, 2, 32)
+        out.sum().backward()
+        assert q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_deterministic(device):
+    """Same inputs, same bits: dk/dv are reduced in registers, never with atomics."""
+    skip_unless_runnable(device)
+    torch.manual_seed(3)
+    cu = cu_seqlens_of([9, 40], device)
+    grads = []
+    base = [torch.randn(49, h, 32, device=device, dtype=torch.float16) for h in (2, 1, 1)]
+    for _ in range(2):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = flash_varlen.flash_varlen_attention(q, k, v, cu, 40)
+        out.backward(torch.ones_like(out))
+        grads.append((out, q.grad, k.grad, v.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q=torch.randn(4, 2, 32, dtype=torch.float64)), "dtype"),
+        (dict(q=torch.randn(4, 2, 256), k=torch.randn(4, 1, 256), v=torch.randn(4, 1, 256)), "head dims"),
+        (dict(q=torch.randn(4, 3, 32), k=torch.randn(4, 2, 32), v=torch.randn(4, 2, 32)), "multiple"),
+        (dict(cu=torch.tensor([0, 4], dtype=torch.int64)), "int32"),
+        (dict(k=torch.randn(5, 1, 32), v=torch.randn(5, 1, 32)), "total_tokens"),
+    ],
+    ids=["float64", "headdim-256", "heads-not-multiple", "cu-int64", "kv-length"],
+)
+def test_launcher_rejects_bad_inputs(change, message):
+    if not flash_varlen.interpreted():
+        pytest.skip("the CPU checks reach the shape checks only under the interpreter")
+    args = dict(q=torch.randn(4, 2, 32), k=torch.randn(4, 1, 32), v=torch.randn(4, 1, 32),
+                cu=torch.tensor([0, 4], dtype=torch.int32))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        flash_varlen.attention_forward(args["q"], args["k"], args["v"], args["cu"], 4, True, 0.1)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_custom_op_registration(device):
+    """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
+    skip_unless_runnable(device)
+    torch.manual_seed(4)
+    cu = cu_seqlens_of([3, 0, 6], device)
+    q = torch.randn(9, 2, 16, device=device, requires_grad=True)
+    k = torch.randn(9, 1, 16, device=device, requires_grad=True)
+    v = torch.randn(9, 1, 16, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.packkit.varlen_attn_fwd.default, (q, k, v, cu, 6, True, 0.25))
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_torch_compile_fullgraph(device):
+    """The custom op compiles into one graph (fake tensors through register_fake), forward and backward."""
+    skip_unless_runnable(device)
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    cu = cu_seqlens_of([7, 0, 20], device)
+    base = [torch.randn(27, h, 32, device=device) for h in (2, 1, 1)]
+
+    def step(q, k, v):
+        return flash_varlen.flash_varlen_attention(q, k, v, cu, 20, causal=True).square().sum()
+
+    # aot_eager: traces forward and backward through the ops without needing a C++/CUDA toolchain.
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        loss = fn(q, k, v)
+        loss.backward()
+        results.append((loss, q.grad, k.grad, v.grad))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
