@@ -1,0 +1,408 @@
+"""Exact causal-LM loss under gradient accumulation and data parallelism.
+
+The gradient an optimiser step should apply is the gradient of the **mean over every loss-bearing
+token of the step**: all micro-batches of the accumulation window, on every data-parallel rank.
+Averaging each micro-batch's own mean instead gives every micro-batch the same weight whatever its
+token count, so a micro-batch of 20 loss tokens counts as much as one of 1,200::
+
+    micro-batch      loss tokens   summed CE     mean of means            packkit
+    0                   20            40.0       (40/20 + 600/1200) / 2    (40 + 600) / 1220
+    1                 1200           600.0         = 1.25                    = 0.525
+
+packkit sums the cross entropy of each micro-batch and divides by one count ``N``, the loss tokens
+of the whole step, counted once before the first forward (and all-reduced across ranks)::
+
+    loss_i = sum_CE(micro_batch_i) / N            (x world_size under DDP, see below)
+    sum_i loss_i = mean CE over the step's N tokens
+
+Counting loss tokens
+--------------------
+A causal LM predicts token ``t + 1`` from position ``t``: Hugging Face models shift inside the loss
+(``logits[:, :-1]`` against ``labels[:, 1:]``), so the first label of a row is never a target. The
+loss tokens of unshifted labels are therefore ``labels[..., 1:] != -100``; ``shifted=True`` means the
+labels were already shifted (``shift_labels``) and every ``!= -100`` counts. packkit's packed batches
+put ``-100`` on the first token of every document, so both counts agree on them::
+
+    input_ids   [ a0 a1 a2 | b0 b1 | pad ]
+    labels      [-100 a1 a2 |-100 b1 |-100 ]     loss tokens: a1 a2 b1 -> 3
+    prediction    a0->a1  a1->a2  a2->(-100)  b0->b1  ...   (a2 never predicts b0)
+
+Data parallelism
+----------------
+DDP (and FSDP) *average* gradients over ranks. With ``N`` the all-reduced count, the wanted gradient
+is ``sum over ranks of grad(sum_CE_rank) / N``, which the average gives only if every rank's loss is
+multiplied back by the world size: ``loss_i = world_size * sum_CE_i / N``.
+:func:`accumulation_step` does this (``ddp_average=True``).
+
+Hugging Face ``Trainer``
+------------------------
+``Trainer`` already follows this convention through ``num_items_in_batch``: before each optimiser
+step it counts ``labels[..., 1:] != -100`` over the step's micro-batches (gathered over ranks when
+``average_tokens_across_devices=True``, then multiplies the loss back by the number of processes),
+and passes the count to the model's loss (HF causal LMs divide their summed cross entropy by it) or to
+``compute_loss_func(outputs, labels, num_items_in_batch=...)``. packkit's batches carry labels in that
+convention, so nothing more is needed; to compute the loss yourself pass
+``compute_loss_func=packkit.loss.hf_compute_loss_func``, which divides the summed cross entropy by
+``num_items_in_batch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .segments import IGNORE_INDEX
+
+__all__ = [
+    "count_loss_tokens",
+    "token_normalized_loss",
+    "hf_compute_loss_func",
+    "AccumulationStep",
+    "accumulation_step",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# counting
+# ----------------------------------------------------------------------------------------------
+
+
+def _labels_of(batch, *, shifted: bool):
+    """``(labels, shifted)`` of a micro-batch: a tensor/array, a mapping or an object with ``labels``.
+
+    A mapping that carries ``shift_labels`` (Hugging Face's padding-free collators) is counted on those,
+    already shifted.
+    """
+    if isinstance(batch, Mapping):
+        if "shift_labels" in batch:
+            return batch["shift_labels"], True
+        if "labels" not in batch:
+            raise KeyError(f"the batch has no 'labels' (keys: {sorted(batch)}); pass labels to count loss tokens")
+        return batch["labels"], shifted
+    if isinstance(batch, (torch.Tensor, np.ndarray, list, tuple)):
+        return batch, shifted
+    labels = getattr(batch, "labels", None)
+    if labels is None:
+        raise TypeError(
+            f"cannot read labels from a {type(batch).__name__}: pass a label tensor, a dict with 'labels' "
+            "or a PackedBatch"
+        )
+    return labels, shifted
+
+
+def _as_label_tensor(labels) -> torch.Tensor:
+    """Labels as an integer tensor (no copy for a tensor): ``[[-100, 5]] -> tensor([[-100, 5]])``."""
+    if not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(np.asarray(labels))
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (int64 token ids or -100), got {labels.dtype}")
+    if labels.dim() == 0:
+        raise ValueError("labels must have at least one dimension: (T,) or (B, T)")
+    return labels
+
+
+def _count_tensor(labels: torch.Tensor, *, shifted: bool, ignore_index: int) -> torch.Tensor:
+    """0-dim int64 tensor on ``labels.device``: the loss tokens (no host sync)."""
+    targets = labels if shifted else labels[..., 1:]
+    return (targets != ignore_index).sum(dtype=torch.int64)
+
+
+def count_loss_tokens(labels, *, shifted: bool = False, ignore_index: int = IGNORE_INDEX) -> int:
+    """Loss-bearing tokens of a batch: ``labels != -100`` after the causal shift.
+
+    Args:
+        labels: (B, T) or (T,) int64 tensor, array or list; or a dict with ``labels`` (or
+            ``shift_labels``, counted as already shifted); or a ``PackedBatch``.
+        shifted: the labels are already shifted (position ``t`` holds the target of logits ``t``), so
+            every label counts; by default the first label of each row is not a target.
+
+    Returns: a Python int.
+
+    >>> count_loss_tokens([[-100, 7, 8, -100, 9]])          # targets are labels[:, 1:]
+    3
+    >>> count_loss_tokens([[5, 7, -100]]), count_loss_tokens([[5, 7, -100]], shifted=True)
+    (1, 2)
+    """
+    labels, shifted = _labels_of(labels, shifted=shifted)
+    return int(_count_tensor(_as_label_tensor(labels), shifted=shifted, ignore_index=ignore_index))
+
+
+# ----------------------------------------------------------------------------------------------
+# the loss
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_count(num_loss_tokens):
+    if num_loss_tokens is None or isinstance(num_loss_tokens, torch.Tensor):
+        return num_loss_tokens
+    if isinstance(num_loss_tokens, bool) or not isinstance(num_loss_tokens, numbers.Real):
+        raise TypeError(f"num_loss_tokens must be a number or a tensor, got {num_loss_tokens!r}")
+    if num_loss_tokens < 0:
+        raise ValueError(f"num_loss_tokens must be >= 0, got {num_loss_tokens}")
+    return num_loss_tokens
+
+
+def token_normalized_loss(logits: torch.Tensor, labels, *, num_loss_tokens=None, shifted: bool = False,
+                          ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Summed cross entropy over the loss-bearing tokens, divided by ``num_loss_tokens``.
+
+    Packed (``[1, T]`` or ``[B, W]`` windows) and padded batches alike: only labels matter.
+
+    Args:
+        logits: (B, T, V) or (T, V) float. Half precision is upcast to float32 for the cross entropy
+            (a sum over thousands of tokens loses digits in bf16); float64 stays float64.
+        labels: (B, T) or (T,) int64, ``-100`` where no loss. Unshifted by default: logits ``t``
+            predict ``labels[t + 1]`` (Hugging Face's convention); ``shifted=True`` pairs logits ``t``
+            with ``labels[t]``.
+        num_loss_tokens: the divisor: the loss tokens of the whole accumulation window (and of every
+            rank), an int or a 0-dim tensor. ``None`` divides by this batch's own count (a plain mean).
+            A count of 0 gives a loss of 0 (with a graph), not NaN.
+
+    Returns: a 0-dim tensor, float32 (float64 for float64 logits).
+
+    >>> logits = torch.zeros(1, 3, 4)                       # uniform over 4 classes: CE = log 4 per token
+    >>> float(token_normalized_loss(logits, torch.tensor([[-100, 1, 2]]), num_loss_tokens=4))  # 2 * log(4) / 4
+    0.6931471824645996
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be a floating-point tensor (B, T, V) or (T, V), got {type(logits).__name__}")
+    labels = _as_label_tensor(labels).to(logits.device)
+    if logits.dim() != labels.dim() + 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}: expected logits "
+            "(B, T, V) with labels (B, T), or (T, V) with (T,)"
+        )
+    num_loss_tokens = _check_count(num_loss_tokens)
+    if not shifted:
+        # Shift the labels, not the logits: padding one -100 on the right and dropping the first label
+        # pairs logits t with labels t + 1 without copying the (much larger) logits.
+        labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # accumulate the sum in fp32
+    summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
+                             ignore_index=ignore_index, reduction="sum")
+    if num_loss_tokens is None:
+        num_loss_tokens = _count_tensor(labels, shifted=True, ignore_index=ignore_index)
+    if isinstance(num_loss_tokens, torch.Tensor):
+        return summed / num_loss_tokens.to(summed.device, summed.dtype).clamp_min(1)
+    return summed / max(num_loss_tokens, 1)
+
+
+def hf_compute_loss_func(outputs, labels, *, num_items_in_batch=None) -> torch.Tensor:
+    """Hugging Face ``Trainer(compute_loss_func=...)``: summed CE over ``labels[..., 1:]`` / ``num_items_in_batch``.
+
+    ``Trainer`` pops ``labels`` from the inputs, calls the model, then calls this with the model's
+    outputs (``.logits`` or a dict with ``"logits"``) and the step's loss-token count. Without a count it
+    is the batch mean.
+    """
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
+    return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# one optimiser step of a hand-written loop
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulationStep:
+    """The counts of one optimiser step, and the loss scale that makes accumulation exact.
+
+    Fields (counts are over every micro-batch of the step and, when reduced, every rank)
+    -------------------------------------------------------------------------------------
+    num_loss_tokens:    int, loss-bearing tokens of the step: the divisor
+    num_tokens:         int, real (non-padding) tokens of the step
+    num_examples:       int, examples (documents) of the step
+    local_loss_tokens:  int, this rank's loss tokens
+    micro_loss_tokens:  tuple[int, ...], this rank's loss tokens per micro-batch
+    world_size:         int, ranks whose counts were summed (1 without ``torch.distributed``)
+    grad_multiplier:    float, ``world_size`` when the gradient reduction averages over ranks
+                        (DDP, FSDP), else 1
+    shifted, ignore_index: how labels are read
+    group:              the process group the counts were reduced over (None: the default group)
+    """
+
+    num_loss_tokens: int
+    num_tokens: int
+    num_examples: int
+    local_loss_tokens: int
+    micro_loss_tokens: tuple
+    world_size: int
+    grad_multiplier: float
+    shifted: bool = False
+    ignore_index: int = IGNORE_INDEX
+    group: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_loss_tokens)
+
+    @property
+    def scale(self) -> float:
+        """Multiplier of a micro-batch's *summed* cross entropy: ``grad_multiplier / num_loss_tokens``."""
+        return self.grad_multiplier / max(self.num_loss_tokens, 1)
+
+    def loss(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        """The loss to ``backward()`` for one micro-batch: ``grad_multiplier * sum_CE / num_loss_tokens``.
+
+        ``batch`` is the micro-batch (``PackedBatch``, dict with ``labels``) or its label tensor.
+        """
+        labels, shifted = _labels_of(batch, shifted=self.shifted)
+        loss = token_normalized_loss(logits, labels, num_loss_tokens=self.num_loss_tokens, shifted=shifted,
+                                     ignore_index=self.ignore_index)
+        return loss * self.grad_multiplier if self.grad_multiplier != 1 else loss
+
+    def mean_loss(self, step_loss) -> float:
+        """The step's mean loss over every loss token of every rank, for logging.
+
+        ``step_loss`` is this rank's sum of :meth:`loss` values (detached) over the step's micro-batches;
+        under ``torch.distributed`` it is summed over ranks (a collective: call it on every rank).
+        """
+        total = torch.as_tensor(step_loss, dtype=torch.float64).detach().reshape(())
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            total = total.to(_reduce_device(self.group))
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return float(total) / self.grad_multiplier
+
+    def as_dict(self) -> dict:
+        """The figures a loop logs: loss tokens, tokens and examples per step, micro-batches, ranks."""
+        return {
+            "loss_tokens_per_step": self.num_loss_tokens,
+            "tokens_per_step": self.num_tokens,
+            "examples_per_step": self.num_examples,
+            "micro_batches": self.num_micro_batches,
+            "world_size": self.world_size,
+        }
+
+
+def _real_tokens_and_examples(batch, labels: torch.Tensor):
+    """``(tokens, examples)`` of one micro-batch as int64 tensors or ints (no host sync for tensors).
+
+    A ``PackedBatch`` (or a dict) may say it directly (``num_tokens``/``num_examples``); else an
+    ``attention_mask`` gives the real tokens and one example per row; else ``cu_seqlens`` gives the
+    segments; else every label position is a token and every row an example.
+    """
+    def field(name):
+        if isinstance(batch, Mapping):
+            return batch.get(name)
+        return getattr(batch, name, None)
+
+    tokens, examples = field("num_tokens"), field("num_examples")
+    mask = field("attention_mask")
+    rows = labels.shape[0] if labels.dim() > 1 else 1
+    if tokens is None:
+        tokens = mask.sum(dtype=torch.int64) if isinstance(mask, torch.Tensor) else labels.numel()
+    if examples is None:
+        cu = field("cu_seqlens")
+        if mask is None and isinstance(cu, torch.Tensor):
+            examples = int(cu.numel()) - 1
+        else:
+            examples = rows
+    return tokens, examples
+
+
+def _reduce_device(group) -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo and the others take CPU tensors."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_reduce: bool | None = None,
+                      group=None, ddp_average: bool = True,
+                      ignore_index: int = IGNORE_INDEX) -> AccumulationStep:
+    """Count one optimiser step's loss tokens once, across ranks, before the first forward.
+
+    Args:
+        micro_batches: the micro-batches of the step, each a ``PackedBatch``, a dict with ``labels``
+            (``shift_labels`` counts as shifted) or a label tensor (B, T) / (T,).
+        shifted: the labels are already shifted (see :func:`count_loss_tokens`).
+        all_reduce: sum the counts over the ranks of ``group`` (one collective of three int64s, every
+            rank must call it). ``None``: when ``torch.distributed`` is initialised.
+        ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
+            loss is multiplied back by the world size. ``False`` for a reduction that sums.
+
+    Returns: an :class:`AccumulationStep`; ``step.loss(logits, micro_batch)`` is the loss to
+    ``backward()``. A loop reads::
+
+        step = accumulation_step(micro_batches)
+        for mb in micro_batches:
+            with (model.no_sync() if ddp and mb is not micro_batches[-1] else nullcontext()):
+                logits = model(**{k: v for k, v in mb.hf_kwargs().items() if k != "labels"}).logits
+                loss = step.loss(logits, mb)
+                loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+
+    >>> step = accumulation_step([torch.tensor([[-100, 1, 2]]), torch.tensor([[-100, 3, -100, 4, 5]])])
+    >>> step.num_loss_tokens, step.micro_loss_tokens, step.scale
+    (5, (2, 3), 0.2)
+    """
+    if isinstance(micro_batches, (torch.Tensor, np.ndarray, Mapping)) or not isinstance(micro_batches, Sequence):
+        raise TypeError(
+            "micro_batches must be a list of the step's micro-batches (PackedBatch, dicts with 'labels' or "
+            f"label tensors), got {type(micro_batches).__name__}"
+        )
+    if len(micro_batches) == 0:
+        raise ValueError("an optimiser step needs at least one micro-batch, got an empty list")
+    counts, tokens, examples = [], [], []
+    for i, mb in enumerate(micro_batches):
+        try:
+            labels, mb_shifted = _labels_of(mb, shifted=shifted)
+            labels = _as_label_tensor(labels)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise type(exc)(f"micro-batch {i}: {exc.args[0] if exc.args else exc}") from None
+        known = getattr(mb, "num_loss_tokens", None)
+        if isinstance(known, numbers.Integral) and not mb_shifted and not isinstance(mb, Mapping):
+            counts.append(int(known))  # a PackedBatch counted its loss tokens on the CPU: no device work
+        else:
+            counts.append(_count_tensor(labels, shifted=mb_shifted, ignore_index=ignore_index))
+        t, e = _real_tokens_and_examples(mb, labels)
+        tokens.append(t)
+        examples.append(e)
+
+    # A (micro_batches, 3) table on the labels' device, so that the whole step costs one host sync.
+    device = next((x.device for x in (*counts, *tokens, *examples) if isinstance(x, torch.Tensor)),
+                  torch.device("cpu"))
+    table = torch.stack([
+        torch.stack([torch.as_tensor(x, device=device).to(torch.int64).reshape(()) for x in row])
+        for row in zip(counts, tokens, examples)
+    ])
+    local = table.sum(0)
+
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if all_reduce is None:
+        all_reduce = initialised
+    if all_reduce and not initialised:
+        raise ValueError("all_reduce=True needs an initialised torch.distributed process group "
+                         "(torch.distributed.init_process_group), or pass all_reduce=False")
+    world_size = 1
+    reduced = local.clone()
+    if all_reduce:
+        world_size = dist.get_world_size(group)
+        reduced = reduced.to(_reduce_device(group))
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
+    n_loss, n_tokens, n_examples = reduced
+    return AccumulationStep(
+        num_loss_tokens=n_loss,
+        num_tokens=n_tokens,
+        num_examples=n_examples,
+        local_loss_tokens=local[0],
+        micro_loss_tokens=tuple(row[0] for row in table),
+        world_size=world_size,
+        grad_multiplier=float(world_size) if (ddp_average and world_size > 1) else 1.0,
+        shifted=shifted,
+        ignore_index=ignore_index,
+        group=group if all_reduce else None,
+    )
