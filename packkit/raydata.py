@@ -1,0 +1,533 @@
+"""Offline packing past one machine, on Ray Data: the same packed rows as ``pack_dataset``.
+
+A ``ray.data.Dataset`` of tokenized examples (``input_ids``, optional ``labels``: list columns)
+becomes a ``ray.data.Dataset`` of packed rows, one per window, unpadded, in the offline row format
+that :class:`packkit.collate.PackedRowsCollator` reads (and ``.write_parquet(path)`` writes)::
+
+    input_ids    list<int>   tokens of the window, length <= W (the input's integer type)
+    labels       list<int64> only when the input has labels; -100 on the first token of every segment
+    seq_lengths  list<int64> segment lengths of the row, summing to len(input_ids)
+
+Two plans, one engine (:func:`packkit.binpack.pack` plans, :func:`packkit.packer.pack_arrays` gathers):
+
+``mode="local"`` (default, for scale)
+    Pass 1, one task per block, next to the block: best fit over the block's lengths, then the
+    block's full windows are gathered into an output block (their tokens move once). A block keeps
+    its fullest windows and hands the rest to pass 2, emptiest first, until the windows it keeps
+    waste at most ``tail_slack`` of its tokens (default 0.05 %). Pass 2, one task: the handed-over
+    segments of all blocks are packed together with best fit. The result stays within 0.1 % of the
+    lower bound with many blocks, and pass 2 sees only the few under-filled windows of each block.
+
+``mode="global"``
+    One plan over every length of the dataset (the lengths, 8 bytes an example, are the only thing
+    that travels to the driver), exactly the plan ``pack`` makes on one machine; then a map/reduce
+    moves each token once, from its source block to the output block of its window.
+
+Both runs are deterministic for a fixed block layout and seed. Output blocks come in block order
+(pass-2 windows last); ``shuffle=True`` (default) puts each output block's windows in a seeded random
+order, so that training order is not sorted by length. Over-long examples follow ``overflow``
+(``"error"``, ``"truncate"``, ``"split"``, ``"drop"``), and :class:`RayPackReport` counts what the
+policy touched.
+
+Ray stays optional: this module imports without it; the entry point asks for
+``pip install 'packkit[ray]'``.
+
+Why Ray tasks over the dataset's blocks rather than ``map_batches``: a block's pass-1 task has two
+outputs (full windows, and the segments for pass 2) and must know which block it is (errors name
+the example's index in the whole dataset; per-block seeds). Tasks over ``Dataset.to_arrow_refs()``
+give both, keep Arrow in and Arrow out, and build the result with ``ray.data.from_arrow_refs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import numpy as np
+
+from .binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, as_lengths, check_window, pack
+from .packer import PackedRows, pack_arrays
+
+__all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
+
+MODES = ("local", "global")
+_INSTALL = "packkit.raydata needs Ray Data: pip install 'packkit[ray]'"
+
+
+def _require_ray():
+    """Import ray and ray.data, or raise ImportError with the install command."""
+    try:
+        import pyarrow  # noqa: F401
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"{_INSTALL} ({exc})") from None
+    return ray
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure pieces (numpy / Arrow, no Ray): each is tested on its own
+# ----------------------------------------------------------------------------------------------
+
+
+def tail_windows(loads, *, window: int, tokens: int, slack: float) -> np.ndarray:
+    """Windows a block hands to pass 2: emptiest first, until the kept ones waste <= ``slack * tokens``.
+
+    Args:
+        loads: (num_windows,) int, tokens in each window of the block's plan.
+        window: ``W``.
+        tokens: tokens of the block (the waste budget is ``slack * tokens``).
+        slack: fraction of the block's tokens its kept windows may waste.
+
+    Returns:
+        (k,) int64, sorted indices of the windows handed over.
+
+    Example: ``tail_windows([8, 5, 8, 3], window=8, tokens=24, slack=0.0) -> [1, 3]``;
+    with ``slack=0.2`` (budget 4.8 tokens) only window 3 (waste 5) goes.
+    """
+    loads = np.asarray(loads, dtype=np.int64)
+    waste = window - loads
+    budget = slack * tokens
+    order = np.argsort(-waste, kind="stable")  # emptiest first; ties by window index
+    kept_waste = int(waste.sum()) - np.cumsum(waste[order])  # after handing over order[:k+1]
+    if waste.sum() <= budget:
+        return np.zeros(0, np.int64)
+    k = int(np.argmax(kept_waste <= budget)) + 1
+    return np.sort(order[:k])
+
+
+def _list_column(table, name: str):
+    """An Arrow list column -> ``(values, offsets, nulls)``: flat numpy values, (n+1,) int64 offsets.
+
+    ``[[5, 6], [7]] -> values [5, 6, 7], offsets [0, 2, 3]``. Sliced and chunked columns are handled;
+    ``nulls`` is the (n,) bool null mask or None.
+    """
+    import pyarrow as pa
+
+    col = table.column(name)
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        raise TypeError(
+            f"column {name!r} has Arrow type {arr.type}; it must be a list of integer token ids per "
+            "example (map your tokenizer so each row holds a list)"
+        )
+    if not (pa.types.is_integer(arr.type.value_type) or pa.types.is_null(arr.type.value_type)):
+        raise TypeError(f"column {name!r} holds {arr.type.value_type} values; token ids must be integers")
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.flatten()  # respects slicing
+    offsets = offsets - offsets[0]
+    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+    if values.null_count:
+        raise ValueError(f"column {name!r} has null token ids inside a list; drop or fill them first")
+    if pa.types.is_null(values.type):
+        values = np.zeros(0, np.int64)
+    else:
+        values = values.to_numpy()
+    return values, offsets, nulls
+
+
+def _block_lengths(table, input_key: str, label_key: str | None) -> dict:
+    """Lengths of a block's examples, and the first problem found (a local example index), if any.
+
+    Returns ``{"lengths": (n,) int64, "has_labels": bool, "error": None | (kind, local_index, text)}``;
+    the driver turns ``local_index`` into the index in the whole dataset.
+    """
+    n = table.num_rows
+    out = {"lengths": np.zeros(n, np.int64), "has_labels": False, "error": None, "value_type": None}
+    if input_key not in table.column_names:
+        out["error"] = ("key", None, f"no column {input_key!r} (columns: {table.column_names})")
+        return out
+    try:
+        values, offsets, nulls = _list_column(table, input_key)
+    except (TypeError, ValueError) as exc:
+        out["error"] = (type(exc).__name__, None, str(exc))
+        return out
+    lengths = np.diff(offsets)
+    out["lengths"] = lengths
+    out["value_type"] = _value_type(table, input_key)
+    if nulls is not None:
+        i = int(np.argmax(nulls))
+        out["error"] = ("ValueError", i, f"{input_key} is null: drop empty rows before packing")
+        return out
+    if values.size and values.dtype.kind == "i" and values.min() < 0:
+        t = int(np.argmax(values < 0))
+        i = int(np.searchsorted(offsets, t, side="right") - 1)
+        out["error"] = ("ValueError", i, f"has a negative token id {int(values[t])} in {input_key}")
+        return out
+    if label_key is not None and label_key in table.column_names:
+        out["has_labels"] = True
+        try:
+            _, label_offsets, label_nulls = _list_column(table, label_key)
+        except (TypeError, ValueError) as exc:
+            out["error"] = (type(exc).__name__, None, str(exc))
+            return out
+        bad = np.diff(label_offsets) != lengths
+        if label_nulls is not None:
+            bad |= label_nulls
+        if bad.any():
+            i = int(np.argmax(bad))
+            out["error"] = (
+                "ValueError", i,
+                f"has {int(np.diff(label_offsets)[i])} labels for {int(lengths[i])} input_ids: "
+                "labels must be aligned with input_ids token for token",
+            )
+    return out
+
+
+def _raise_block_error(error, start: int, block: int):
+    kind, i, text = error
+    where = f"example {start + i} " if i is not None else f"block {block}: "
+    exc = {"TypeError": TypeError, "key": KeyError}.get(kind, ValueError)
+    raise exc(where + text)
+
+
+def _segments_table(values, labels, offsets):
+    """Flat tokens (and labels) with (k+1,) row offsets -> an Arrow table with one row per segment."""
+    import pyarrow as pa
+
+    offs = pa.array(np.asarray(offsets, np.int32))
+    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(values))}
+    if labels is not None:
+        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(np.asarray(labels, np.int64)))
+    return pa.table(cols)
+
+
+def _rows_table(rows: PackedRows, has_labels: bool, value_type):
+    """:class:`PackedRows` -> the offline row format (input_ids, labels?, seq_lengths), one row a window."""
+    import pyarrow as pa
+
+    if rows.row_offsets[-1] > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"one output block would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31): "
+            "repartition the input into more blocks"
+        )
+    offs = pa.array(rows.row_offsets.astype(np.int32))
+    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(rows.input_ids, type=value_type))}
+    if has_labels:
+        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(rows.labels, type=pa.int64()))
+    seq_offs = pa.array(rows.seq_offsets.astype(np.int32))
+    cols["seq_lengths"] = pa.ListArray.from_arrays(seq_offs, pa.array(rows.seq_lengths, type=pa.int64()))
+    return pa.table(cols)
+
+
+def _block_seed(seed: int | None, block: int) -> int | None:
+    """A per-block seed from the run's seed: ``_block_seed(0, 3)`` is fixed, and differs per block."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([int(seed), int(block)]).generate_state(1)[0])
+
+
+def _value_type(table, input_key: str):
+    import pyarrow as pa
+
+    t = table.schema.field(input_key).type.value_type
+    return pa.int64() if pa.types.is_null(t) else t
+
+
+# ----------------------------------------------------------------------------------------------
+# the tasks (plain functions; wrapped with ray.remote at call time)
+# ----------------------------------------------------------------------------------------------
+
+
+def _pass1_block(table, block: int, opts: dict):
+    """Local plan of one block: (full windows table, handed-over segments, stats)."""
+    key, lkey = opts["input_key"], opts["label_key"]
+    values, offsets, _ = _list_column(table, key)
+    has_labels = opts["has_labels"]
+    labels = _list_column(table, lkey)[0] if has_labels else None
+    lengths = np.diff(offsets)
+    seed = _block_seed(opts["seed"], block)
+    plan = pack(lengths, window=opts["window"], strategy=opts["strategy"], overflow=opts["overflow"], seed=seed)
+    tail = tail_windows(plan.window_loads, window=plan.window, tokens=plan.total_tokens, slack=opts["tail_slack"])
+    keep = np.setdiff1d(np.arange(plan.num_windows), tail)
+    full = plan.select(keep)
+    if opts["shuffle"]:
+        full = full.shuffled(seed)
+    rows = pack_arrays(full, values, offsets, labels, mask_first_label=opts["mask_first_label"])
+    out = _rows_table(rows, has_labels, _value_type(table, key))
+    # The handed-over segments travel unmasked; pass 2 masks the first label of each one.
+    handed = plan.select(tail)
+    seg = pack_arrays(handed, values, offsets, labels, mask_first_label=False)
+    seg_offsets = np.concatenate(([0], np.cumsum(seg.seq_lengths)))
+    segments = _segments_table(seg.input_ids, seg.labels, seg_offsets)
+    stats = {
+        "windows": full.num_windows,
+        "tokens": full.total_tokens,
+        "handed_windows": handed.num_windows,
+        "handed_tokens": handed.total_tokens,
+        "handed_segments": handed.num_segments,
+    }
+    return out, segments, stats
+
+
+def _pass2_tail(opts: dict, value_type, block: int, *segment_tables):
+    """Best fit over the segments handed over by every block, in block order: (table, stats)."""
+    import pyarrow as pa
+
+    tables = [t for t in segment_tables if t.num_rows]
+    if tables:
+        table = pa.concat_tables(tables)
+        values, offsets, _ = _list_column(table, "input_ids")
+        labels = _list_column(table, "labels")[0] if opts["has_labels"] else None
+        lengths = np.diff(offsets)
+    else:
+        values, offsets, labels = np.zeros(0, np.int64), np.zeros(1, np.int64), None
+        lengths = np.zeros(0, np.int64)
+        if opts["has_labels"]:
+            labels = np.zeros(0, np.int64)
+    # every segment is at most W already; the plan's own strategy (bfd by default) repacks them
+    plan = pack(lengths, window=opts["window"], strategy=opts["strategy"], overflow="error",
+                seed=_block_seed(opts["seed"], block))
+    if opts["shuffle"]:
+        plan = plan.shuffled(plan.seed)
+    rows = pack_arrays(plan, values, offsets, labels, mask_first_label=opts["mask_first_label"])
+    return _rows_table(rows, opts["has_labels"], value_type), {"windows": plan.num_windows,
+                                                              "tokens": plan.total_tokens}
+
+
+def _scatter_block(table, opts: dict, seg_local, seg_start, seg_length, chunk_ptr):
+    """Global mode, map side: the tokens of one block's segments, cut into one piece per output chunk.
+
+    The segments arrive sorted by output chunk (and by plan order within one); piece ``c`` holds
+    the segments ``chunk_ptr[c]:chunk_ptr[c+1]``, tokens concatenated. Returns one
+    ``(values, labels | None)`` per chunk.
+    """
+    values, offsets, _ = _list_column(table, opts["input_key"])
+    labels = _list_column(table, opts["label_key"])[0] if opts["has_labels"] else None
+    out_start = np.cumsum(seg_length) - seg_length
+    total = int(seg_length.sum())
+    index = np.repeat(offsets[seg_local] + seg_start - out_start, seg_length) + np.arange(total, dtype=np.int64)
+    tok_ptr = np.concatenate(([0], np.cumsum(seg_length)))[chunk_ptr]
+    v = values[index]
+    lab = labels[index] if labels is not None else None
+    pieces = [(v[a:b], None if lab is None else lab[a:b]) for a, b in zip(tok_ptr[:-1], tok_ptr[1:])]
+    return pieces[0] if len(pieces) == 1 else tuple(pieces)
+
+
+def _gather_chunk(opts: dict, value_type, seg_block, seg_length, window_ptr, *pieces):
+    """Global mode, reduce side: rows of one chunk of windows from the pieces of every block.
+
+    ``seg_block``/``seg_length``: (S,) the source block and length of the chunk's segments in plan
+    order; ``window_ptr``: (R+1,) the chunk's windows. Piece ``b`` holds block ``b``'s segments of
+    this chunk in plan order, so the concatenated pieces list the segments sorted by block.
+    """
+    values = np.concatenate([p[0] for p in pieces]) if pieces else np.zeros(0, np.int64)
+    labels = None
+    if opts["has_labels"]:
+        labels = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int64)
+    by_block = np.argsort(seg_block, kind="stable")  # concatenated order -> plan position
+    concat_length = seg_length[by_block]
+    concat_offsets = np.concatenate(([0], np.cumsum(concat_length)))
+    position = np.empty_like(by_block)
+    position[by_block] = np.arange(by_block.size)  # plan segment -> its place in the concatenation
+    # a plan over the concatenated segments (each one an "example"), in the chunk's window order
+    sub = Plan(
+        window=opts["window"], lengths=np.maximum(concat_length, 1), seg_example=position,
+        seg_start=np.zeros(seg_length.size, np.int64), seg_length=seg_length.astype(np.int64),
+        window_ptr=window_ptr, strategy="given", overflow="error", seed=None,
+        overflow_examples=np.zeros(0, np.int64), dropped_examples=np.zeros(0, np.int64), cut_tokens=0,
+    )
+    rows = pack_arrays(sub, values, concat_offsets, labels, mask_first_label=opts["mask_first_label"])
+    return _rows_table(rows, opts["has_labels"], value_type)
+
+
+# ----------------------------------------------------------------------------------------------
+# the report
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RayPackReport:
+    """What a Ray packing run produced, and what the overflow policy touched.
+
+    Fields:
+        mode: ``"local"`` or ``"global"``; strategy, overflow, window: as passed.
+        blocks: input blocks; examples: input rows; input_tokens: their tokens.
+        windows: output rows; tokens: tokens in them (``input_tokens - cut_tokens``).
+        lower_bound: ``ceil(tokens / window)``; no packing of these tokens uses fewer windows.
+        overflow_examples: examples longer than ``window`` (whatever the policy did with them);
+        dropped_examples: left out by ``"drop"``; cut_tokens: removed by ``"truncate"``/``"drop"``.
+        handed_windows / handed_tokens: local mode: windows the blocks handed to pass 2, and their
+            tokens; pass2_windows: the windows pass 2 made of them (0 in global mode).
+    """
+
+    mode: str
+    strategy: str
+    overflow: str
+    window: int
+    blocks: int
+    examples: int
+    input_tokens: int
+    windows: int
+    tokens: int
+    lower_bound: int
+    overflow_examples: int
+    dropped_examples: int
+    cut_tokens: int
+    handed_windows: int = 0
+    handed_tokens: int = 0
+    pass2_windows: int = 0
+
+    @property
+    def fill(self) -> float:
+        """Real tokens over window tokens (1.0 for no windows)."""
+        return self.tokens / (self.windows * self.window) if self.windows else 1.0
+
+    @property
+    def windows_over_lower_bound(self) -> int:
+        return self.windows - self.lower_bound
+
+    def summary(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["fill"] = self.fill
+        d["windows_over_lower_bound"] = self.windows_over_lower_bound
+        return d
+
+
+def _overflow_counts(lengths: np.ndarray, window: int, overflow: str) -> tuple[int, int, int]:
+    """(overflow examples, dropped examples, cut tokens) of a policy: the same counts as a Plan's.
+
+    ``_overflow_counts([3, 9, 12], 8, "truncate") -> (2, 0, 5)``.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    over = lengths > window
+    n = int(over.sum())
+    if overflow == "truncate":
+        return n, 0, int((lengths[over] - window).sum())
+    if overflow == "drop":
+        return n, n, int(lengths[over].sum())
+    return n, 0, 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd", overflow: str = "error",
+                 seed: int | None = 0, shuffle: bool = True, tail_slack: float = 0.0005,
+                 input_key: str = "input_ids", label_key: str = "labels", mask_first_label: bool = True,
+                 num_output_blocks: int | None = None):
+    """Pack a ``ray.data.Dataset`` of tokenized examples into windows of ``window`` tokens.
+
+    Args:
+        ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_key`` and optionally
+            ``label_key`` (same lengths). Its blocks are the unit of work: repartition first for more
+            parallelism (``ds.repartition(n)``); the result is deterministic for a fixed block layout.
+        window: tokens per window (``W``).
+        mode: ``"local"`` (default: per-block best fit, then one pass over the under-filled windows)
+            or ``"global"`` (one plan over all lengths: the windows of ``packkit.binpack.pack``).
+        strategy, overflow, seed: as in :func:`packkit.binpack.pack`.
+        shuffle: put each output block's windows in a seeded random order (default True).
+        tail_slack: local mode: the fraction of its tokens that a block's kept windows may waste; the
+            rest of its windows go to pass 2.
+        mask_first_label: set the first label of every segment to -100 (models that shift labels).
+        num_output_blocks: global mode: output blocks (default: as many as input blocks).
+
+    Returns:
+        ``(packed, report)``: a ``ray.data.Dataset`` of rows ``input_ids``, ``labels`` (when the
+        input has them), ``seq_lengths``; and a :class:`RayPackReport`. The work runs when this is
+        called; the packed blocks are then in Ray's object store (``packed.write_parquet(path)``).
+
+    Raises:
+        ValueError / TypeError / KeyError naming the example's index in the whole dataset (its
+        position in block order): empty or null example, negative token id, labels not aligned,
+        an example longer than ``window`` under ``overflow="error"``, a column missing.
+    """
+    ray = _require_ray()
+    import pyarrow as pa
+
+    window = check_window(window)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    if not 0 <= float(tail_slack) < 1:
+        raise ValueError(f"tail_slack must be in [0, 1), got {tail_slack!r}")
+    if not hasattr(ds, "to_arrow_refs"):
+        raise TypeError(f"ds must be a ray.data.Dataset, got {type(ds).__name__} (ray.data.from_items(...) makes one)")
+
+    # -- pass 0: lengths only travel to the driver, which checks them and names bad examples --
+    refs = ds.to_arrow_refs()
+    lengths_task = ray.remote(num_cpus=1)(_block_lengths)
+    infos = ray.get([lengths_task.remote(r, input_key, label_key) for r in refs])
+    starts = np.concatenate(([0], np.cumsum([info["lengths"].size for info in infos])))
+    for b, info in enumerate(infos):
+        if info["error"] is not None:
+            _raise_block_error(info["error"], int(starts[b]), b)
+    has_labels = any(info["has_labels"] for info in infos)
+    if has_labels and not all(info["has_labels"] or info["lengths"].size == 0 for info in infos):
+        b = next(b for b, info in enumerate(infos) if not info["has_labels"] and info["lengths"].size)
+        raise KeyError(f"block {b} (examples {int(starts[b])}..) has no {label_key!r} column, other blocks do")
+    lengths = as_lengths(np.concatenate([info["lengths"] for info in infos]) if infos else [])
+    over = np.flatnonzero(lengths > window)
+    if overflow == "error" and over.size:
+        i = int(over[0])
+        more = f" (and {over.size - 1} more)" if over.size > 1 else ""
+        raise ValueError(
+            f"example {i} has {int(lengths[i]):,} tokens > window={window:,}{more}; "
+            "pass overflow='split', 'truncate' or 'drop', or raise window"
+        )
+    n_over, n_dropped, cut = _overflow_counts(lengths, window, overflow)
+    types = {info["value_type"] for info in infos if info["lengths"].size}
+    value_type = max(types, key=lambda t: t.bit_width) if types else pa.int64()  # one schema for all blocks
+    opts = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle,
+                tail_slack=float(tail_slack), input_key=input_key, label_key=label_key,
+                has_labels=has_labels, mask_first_label=mask_first_label)
+    input_tokens = int(lengths.sum())
+    common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
+                  examples=int(lengths.size), input_tokens=input_tokens, overflow_examples=n_over,
+                  dropped_examples=n_dropped, cut_tokens=cut)
+
+    if mode == "local":
+        pass1 = ray.remote(num_cpus=1, num_returns=3)(_pass1_block)
+        outs = [pass1.remote(r, b, opts) for b, r in enumerate(refs)]
+        full_refs = [o[0] for o in outs]
+        stats = ray.get([o[2] for o in outs])
+        pass2 = ray.remote(num_cpus=1, num_returns=2)(_pass2_tail)
+        tail_ref, tail_stats_ref = pass2.remote(opts, value_type, len(refs), *[o[1] for o in outs])
+        tail_stats = ray.get(tail_stats_ref)
+        tokens = sum(s["tokens"] for s in stats) + tail_stats["tokens"]
+        report = RayPackReport(
+            mode=mode, windows=sum(s["windows"] for s in stats) + tail_stats["windows"], tokens=tokens,
+            lower_bound=-(-tokens // window), handed_windows=sum(s["handed_windows"] for s in stats),
+            handed_tokens=sum(s["handed_tokens"] for s in stats), pass2_windows=tail_stats["windows"],
+            **common,
+        )
+        return ray.data.from_arrow_refs(full_refs + [tail_ref]), report
+
+    # -- global: one plan over every length, then map (per source block) / reduce (per chunk) --
+    plan = pack(lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
+    if shuffle:
+        plan = plan.shuffled(seed)
+    k = max(1, min(num_output_blocks or len(refs), plan.num_windows)) if plan.num_windows else 1
+    chunk_of_window = np.repeat(np.arange(k), [a.size for a in np.array_split(np.arange(plan.num_windows), k)])
+    seg_chunk = chunk_of_window[plan.seg_window]
+    seg_block = np.searchsorted(starts, plan.seg_example, side="right") - 1
+    seg_local = plan.seg_example - starts[seg_block]
+    # map side: for each block, its segments sorted by chunk, plan order kept within a chunk
+    by_block = np.lexsort((np.arange(plan.num_segments), seg_chunk, seg_block))
+    block_ptr = np.searchsorted(seg_block[by_block], np.arange(len(refs) + 1))
+    scatter = ray.remote(num_cpus=1, num_returns=k)(_scatter_block)
+    pieces = []  # pieces[b][c]
+    for b, r in enumerate(refs):
+        s = by_block[block_ptr[b]:block_ptr[b + 1]]
+        chunk_ptr = np.searchsorted(seg_chunk[s], np.arange(k + 1))
+        got = scatter.remote(r, opts, seg_local[s], plan.seg_start[s], plan.seg_length[s], chunk_ptr)
+        pieces.append([got] if k == 1 else list(got))
+    gather = ray.remote(num_cpus=1)(_gather_chunk)
+    win_ptr = np.searchsorted(chunk_of_window, np.arange(k + 1))
+    out_refs = []
+    for c in range(k):
+        w0, w1 = int(win_ptr[c]), int(win_ptr[c + 1])
+        s0, s1 = int(plan.window_ptr[w0]), int(plan.window_ptr[w1])
+        out_refs.append(gather.remote(opts, value_type, seg_block[s0:s1], plan.seg_length[s0:s1],
+                                      plan.window_ptr[w0:w1 + 1] - s0, *[p[c] for p in pieces]))
+    report = RayPackReport(mode=mode, windows=plan.num_windows, tokens=plan.total_tokens,
+                           lower_bound=plan.lower_bound, **common)
+    ray.get(out_refs)
+    return ray.data.from_arrow_refs(out_refs), report
