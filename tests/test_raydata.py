@@ -1,0 +1,276 @@
+"""Offline packing on Ray Data (packkit.raydata): a local Ray instance, a few thousand examples, 8 blocks.
+
+Every token id in the generated data is unique (token id = its index in the whole dataset), so a
+slow, obvious reference can say where each packed token came from: nothing lost, nothing duplicated,
+segments are consecutive pieces of one example, positions restart at every segment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pa = pytest.importorskip("pyarrow")
+ray = pytest.importorskip("ray")
+
+from packkit import raydata  # noqa: E402
+from packkit.binpack import pack  # noqa: E402
+from packkit.packer import pack_arrays  # noqa: E402
+from packkit.segments import IGNORE_INDEX, lengths_to_position_ids  # noqa: E402
+
+W = 256
+N = 6000
+BLOCKS = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# data and references
+# ----------------------------------------------------------------------------------------------
+
+
+def make_lengths(n=N, seed=0, median=60, hi=4 * W):
+    """SFT-like lengths: lognormal, clipped to [1, hi] (some above W, some twice above it)."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(median), 1.0, n)), 1, hi).astype(np.int64)
+
+
+def make_table(lengths, *, labels=True):
+    """input_ids = global token index (unique), labels = input_ids + 1."""
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    ids = np.arange(offsets[-1], dtype=np.int32)
+    cols = {"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))}
+    if labels:
+        cols["labels"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(np.int64) + 1))
+    return pa.table(cols)
+
+
+def make_ds(lengths, blocks=BLOCKS, labels=True):
+    table = make_table(lengths, labels=labels)
+    cuts = np.linspace(0, len(lengths), blocks + 1).astype(int)
+    return ray.data.from_arrow([table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])])
+
+
+def collect(ds):
+    """The packed rows as Python lists, in block order."""
+    table = pa.concat_tables(ray.get(ds.to_arrow_refs()))
+    return table.to_pydict()
+
+
+def check_rows(rows, lengths, *, window, overflow):
+    """The reference check, one token at a time: returns the set of examples seen (whole or in pieces).
+
+    Nothing lost: every kept token appears exactly once. Capacity: rows <= window. Segments are
+    consecutive runs of one example, starting at 0 (or at a multiple of window for split pieces),
+    positions restart at 0 per segment, and the first label of every segment is -100.
+    """
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    example_of = np.repeat(np.arange(len(lengths)), lengths)
+    seen = np.zeros(offsets[-1], np.int64)
+    for r, ids in enumerate(rows["input_ids"]):
+        segs = rows["seq_lengths"][r]
+        assert len(ids) <= window, f"row {r} holds {len(ids)} tokens > {window}"
+        assert sum(segs) == len(ids) and all(s >= 1 for s in segs), f"row {r}: seq_lengths {segs}"
+        pos = lengths_to_position_ids(segs)
+        at = 0
+        for s in segs:
+            piece = ids[at:at + s]
+            e = example_of[piece[0]]
+            start = piece[0] - offsets[e]
+            assert piece == list(range(piece[0], piece[0] + s)), f"row {r}: segment is not one run"
+            assert example_of[piece[-1]] == e, f"row {r}: segment crosses an example boundary"
+            assert pos[at] == 0 and pos[at + s - 1] == s - 1
+            if overflow == "split":
+                assert start % window == 0, f"row {r}: a piece starts at {start}, not a multiple of W"
+            else:
+                assert start == 0
+            if "labels" in rows:
+                lab = rows["labels"][r][at:at + s]
+                assert lab[0] == IGNORE_INDEX
+                assert lab[1:] == [t + 1 for t in piece[1:]], f"row {r}: labels misaligned"
+            seen[piece] += 1
+            at += s
+    assert seen.max(initial=0) <= 1, "a token was packed twice"
+    expected = np.ones(offsets[-1], np.int64)
+    if overflow == "truncate":
+        expected = (np.arange(offsets[-1]) - offsets[example_of] < window).astype(np.int64)
+    if overflow == "drop":
+        expected = (lengths[example_of] <= window).astype(np.int64)
+    missing = np.flatnonzero(seen != expected)
+    assert missing.size == 0, f"{missing.size} tokens lost or extra, first {missing[:5]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# pure pieces, no Ray
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tail_windows_docstring_example():
+    assert raydata.tail_windows([8, 5, 8, 3], window=8, tokens=24, slack=0.0).tolist() == [1, 3]
+    assert raydata.tail_windows([8, 5, 8, 3], window=8, tokens=24, slack=0.2).tolist() == [3]
+    assert raydata.tail_windows([8, 8], window=8, tokens=16, slack=0.0).tolist() == []
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(1, 97), min_size=0, max_size=40), st.floats(0, 0.5))
+def test_tail_windows_keeps_fullest_within_budget(loads, slack):
+    loads = np.asarray(loads, np.int64)
+    tokens = int(loads.sum())
+    tail = raydata.tail_windows(loads, window=97, tokens=tokens, slack=slack)
+    kept = np.setdiff1d(np.arange(loads.size), tail)
+    waste = 97 - loads
+    assert waste[kept].sum() <= slack * tokens + 1e-9
+    if tail.size and kept.size:  # the emptiest go first
+        assert waste[tail].min() >= waste[kept].max()
+    if tail.size:  # and no more than needed: keeping the fullest handed window breaks the budget
+        best = tail[np.argmin(waste[tail])]
+        assert waste[kept].sum() + waste[best] > slack * tokens
+
+
+@pytest.mark.parametrize("overflow", ["error", "truncate", "split", "drop"])
+def test_overflow_counts_match_the_plan(overflow):
+    lengths = np.array([3, 9, 12, 8, 17])
+    if overflow == "error":
+        assert raydata._overflow_counts(lengths, 8, overflow) == (3, 0, 0)
+        return
+    plan = pack(lengths, window=8, overflow=overflow)
+    got = raydata._overflow_counts(lengths, 8, overflow)
+    assert got == (plan.overflow_examples.size, plan.dropped_examples.size, plan.cut_tokens)
+
+
+def test_list_column_sliced_and_chunked():
+    table = make_table(np.array([2, 3, 1, 4]))
+    values, offsets, nulls = raydata._list_column(table.slice(1, 2), "input_ids")
+    assert values.tolist() == [2, 3, 4, 5] and offsets.tolist() == [0, 3, 4] and nulls is None
+    chunked = pa.concat_tables([table.slice(0, 1), table.slice(1, 3)])
+    values, offsets, _ = raydata._list_column(chunked, "input_ids")
+    assert values.tolist() == list(range(10)) and offsets.tolist() == [0, 2, 5, 6, 10]
+
+
+def test_block_lengths_reports_local_index_of_bad_examples():
+    t = pa.table({"input_ids": [[1, 2], [3, -4], [5]]})
+    assert raydata._block_lengths(t, "input_ids", "labels")["error"][1] == 1
+    t = pa.table({"input_ids": [[1, 2], [3], [5]], "labels": [[1, 2], [3], [5, 6]]})
+    info = raydata._block_lengths(t, "input_ids", "labels")
+    assert info["has_labels"] and info["error"][1] == 2
+    t = pa.table({"input_ids": [1, 2]})
+    assert "list of integer token ids" in raydata._block_lengths(t, "input_ids", None)["error"][2]
+
+
+# ----------------------------------------------------------------------------------------------
+# on a local Ray instance
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2,
+             log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def data(local_ray):
+    lengths = make_lengths()
+    return lengths, make_ds(lengths)
+
+
+@pytest.mark.parametrize("mode", ["local", "global"])
+@pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
+def test_conservation_capacity_positions(data, mode, overflow):
+    lengths, ds = data
+    out, report = raydata.pack_dataset(ds, window=W, mode=mode, overflow=overflow)
+    rows = collect(out)
+    print(report.summary())
+    check_rows(rows, lengths, window=W, overflow=overflow)
+    plan = pack(lengths, window=W, overflow=overflow)
+    assert report.windows == len(rows["input_ids"]) and report.blocks == BLOCKS
+    assert report.tokens == sum(map(len, rows["input_ids"])) == plan.total_tokens
+    assert (report.overflow_examples, report.dropped_examples, report.cut_tokens) == (
+        plan.overflow_examples.size, plan.dropped_examples.size, plan.cut_tokens)
+    assert report.overflow_examples > 0  # the data does exercise the policy
+
+
+@pytest.mark.parametrize("blocks", [BLOCKS, 48])
+def test_local_fill_within_0_1_percent_of_lower_bound(local_ray, blocks):
+    lengths = make_lengths(seed=1, hi=W)
+    ds = make_ds(lengths, blocks=blocks)
+    _, report = raydata.pack_dataset(ds, window=W, mode="local")
+    # without pass 2 (every block keeps all its windows) the blocks' tails add up
+    _, no_pass2 = raydata.pack_dataset(ds, window=W, mode="local", tail_slack=0.99)
+    lb = -(-int(lengths.sum()) // W)
+    print(f"blocks={blocks} lower bound {lb}: with pass 2 {report.windows} "
+          f"(handed {report.handed_windows} -> {report.pass2_windows}), without {no_pass2.windows}")
+    assert report.lower_bound == lb and no_pass2.handed_windows == 0
+    assert report.windows <= lb * 1.001, report.summary()
+    assert no_pass2.windows > report.windows
+
+
+def test_global_mode_gives_the_single_machine_windows(data):
+    """Global mode: exactly the rows of binpack.pack + packer.pack_arrays on the gathered rows."""
+    lengths, ds = data
+    out, report = raydata.pack_dataset(ds, window=W, mode="global", overflow="split", seed=7)
+    got = collect(out)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    plan = pack(lengths, window=W, overflow="split", seed=7).shuffled(7)
+    want = pack_arrays(plan, np.arange(offsets[-1], dtype=np.int32), offsets,
+                       np.arange(offsets[-1], dtype=np.int64) + 1)
+    assert report.windows == plan.num_windows
+    flat = np.concatenate([np.asarray(r) for r in got["input_ids"]])
+    np.testing.assert_array_equal(flat, want.input_ids)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(r) for r in got["labels"]]), want.labels)
+    np.testing.assert_array_equal(np.cumsum([0] + [len(r) for r in got["input_ids"]]), want.row_offsets)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(r) for r in got["seq_lengths"]]), want.seq_lengths)
+
+
+def test_deterministic_for_a_block_layout_and_seed(data):
+    _, ds = data
+    a = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=3)[0])
+    b = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=3)[0])
+    c = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=4)[0])
+    assert a == b
+    assert a != c and sorted(map(tuple, a["input_ids"])) == sorted(map(tuple, c["input_ids"]))
+
+
+def test_no_labels_in_no_labels_out_and_parquet_roundtrip(local_ray, tmp_path):
+    lengths = make_lengths(n=500, seed=2, hi=W)
+    ds = make_ds(lengths, blocks=4, labels=False)
+    out, _ = raydata.pack_dataset(ds, window=W)
+    rows = collect(out)
+    assert set(rows) == {"input_ids", "seq_lengths"}
+    check_rows(rows, lengths, window=W, overflow="error")
+    out.write_parquet(str(tmp_path))
+    import pyarrow.parquet as pq
+
+    back = pq.read_table(str(tmp_path)).to_pydict()
+    assert sorted(map(tuple, back["input_ids"])) == sorted(map(tuple, rows["input_ids"]))
+    assert sorted(map(tuple, back["seq_lengths"])) == sorted(map(tuple, rows["seq_lengths"]))
+
+
+def test_errors_name_the_example_index_in_the_whole_dataset(local_ray):
+    lengths = make_lengths(n=800, seed=3, hi=W)
+    lengths[613] = W + 5  # in block 6 of 8
+    with pytest.raises(ValueError, match=r"example 613 has 261 tokens > window=256.*overflow='split'"):
+        raydata.pack_dataset(make_ds(lengths), window=W)
+    table = make_table(lengths)
+    ids = table.column("input_ids").to_pylist()
+    ids[450] = []
+    with pytest.raises(ValueError, match="example 450 has length 0"):
+        raydata.pack_dataset(ray.data.from_arrow([pa.table({"input_ids": ids[:400]}),
+                                                  pa.table({"input_ids": ids[400:]})]), window=4 * W)
+    labs = table.column("labels").to_pylist()
+    labs[701] = labs[701][:-1]
+    bad = pa.table({"input_ids": table.column("input_ids"), "labels": labs})
+    with pytest.raises(ValueError, match="example 701 has .* labels"):
+        raydata.pack_dataset(ray.data.from_arrow([bad.slice(0, 500), bad.slice(500)]), window=4 * W)
+    with pytest.raises(KeyError, match="no column 'tokens'"):
+        raydata.pack_dataset(make_ds(lengths), window=4 * W, input_key="tokens")
+    with pytest.raises(ValueError, match="unknown mode"):
+        raydata.pack_dataset(make_ds(lengths), window=W, mode="cluster")
+    with pytest.raises(TypeError, match="ray.data.Dataset"):
+        raydata.pack_dataset([[1, 2]], window=W)
