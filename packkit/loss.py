@@ -282,30 +282,49 @@ class AccumulationStep:
         }
 
 
-def _real_tokens_and_examples(batch, labels: torch.Tensor):
+def _field(batch, name):
+    if isinstance(batch, Mapping) and not hasattr(batch, name):
+        return batch.get(name)
+    return getattr(batch, name, None)
+
+
+def _packed_tokens_and_examples(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor, labels: torch.Tensor,
+                                ignore_index: int):
+    """``(real tokens, documents)`` of a packed batch as 0-dim int64 tensors (no host sync).
+
+    A padding tail is the segment that ends a row and carries no loss token (a document whose every
+    label is -100 that happens to end a row is counted with it); zero-length segments (static-shape
+    ``cu_seqlens`` padding) are not documents.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    row_len = labels.shape[-1]
+    seg_len = cu[1:] - cu[:-1]
+    loss_per_seg = torch.zeros(seg_len.numel(), dtype=torch.int64, device=cu.device).index_add_(
+        0, seq_idx.reshape(-1).to(cu.device, torch.int64),
+        (labels.reshape(-1) != ignore_index).to(cu.device, torch.int64))
+    tail = (cu[1:] % row_len == 0) & (loss_per_seg == 0) & (seg_len > 0)
+    tokens = labels.numel() - (seg_len * tail).sum()
+    examples = ((seg_len > 0) & ~tail).sum()
+    return tokens, examples
+
+
+def _real_tokens_and_examples(batch, labels: torch.Tensor, ignore_index: int):
     """``(tokens, examples)`` of one micro-batch as int64 tensors or ints (no host sync for tensors).
 
-    A ``PackedBatch`` (or a dict) may say it directly (``num_tokens``/``num_examples``); else an
-    ``attention_mask`` gives the real tokens and one example per row; else ``cu_seqlens`` gives the
-    segments; else every label position is a token and every row an example.
+    ``num_tokens``/``num_examples`` when the batch carries them; else an ``attention_mask`` gives the
+    real tokens and one example per row; else ``cu_seqlens`` and ``seq_idx`` (a ``PackedBatch``) give
+    the documents and the padding tails; else every label position is a token and every row an example.
     """
-    def field(name):
-        if isinstance(batch, Mapping):
-            return batch.get(name)
-        return getattr(batch, name, None)
-
-    tokens, examples = field("num_tokens"), field("num_examples")
-    mask = field("attention_mask")
-    rows = labels.shape[0] if labels.dim() > 1 else 1
-    if tokens is None:
-        tokens = mask.sum(dtype=torch.int64) if isinstance(mask, torch.Tensor) else labels.numel()
-    if examples is None:
-        cu = field("cu_seqlens")
-        if mask is None and isinstance(cu, torch.Tensor):
-            examples = int(cu.numel()) - 1
-        else:
-            examples = rows
-    return tokens, examples
+    tokens, examples = _field(batch, "num_tokens"), _field(batch, "num_examples")
+    mask = _field(batch, "attention_mask")
+    cu, seq_idx = _field(batch, "cu_seqlens"), _field(batch, "seq_idx")
+    if isinstance(mask, torch.Tensor):
+        t, e = mask.sum(dtype=torch.int64), (labels.shape[0] if labels.dim() > 1 else 1)
+    elif isinstance(cu, torch.Tensor) and isinstance(seq_idx, torch.Tensor) and seq_idx.numel() == labels.numel():
+        t, e = _packed_tokens_and_examples(cu, seq_idx, labels, ignore_index)
+    else:
+        t, e = labels.numel(), (labels.shape[0] if labels.dim() > 1 else 1)
+    return (t if tokens is None else tokens), (e if examples is None else examples)
 
 
 def _reduce_device(group) -> torch.device:
@@ -361,11 +380,11 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         except (TypeError, KeyError, ValueError) as exc:
             raise type(exc)(f"micro-batch {i}: {exc.args[0] if exc.args else exc}") from None
         known = getattr(mb, "num_loss_tokens", None)
-        if isinstance(known, numbers.Integral) and not mb_shifted and not isinstance(mb, Mapping):
+        if isinstance(known, numbers.Integral) and not isinstance(known, bool) and not mb_shifted:
             counts.append(int(known))  # a PackedBatch counted its loss tokens on the CPU: no device work
         else:
             counts.append(_count_tensor(labels, shifted=mb_shifted, ignore_index=ignore_index))
-        t, e = _real_tokens_and_examples(mb, labels)
+        t, e = _real_tokens_and_examples(mb, labels, ignore_index)
         tokens.append(t)
         examples.append(e)
 

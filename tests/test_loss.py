@@ -242,23 +242,33 @@ def test_accumulated_gradient_equals_whole_batch_and_mean_of_means_does_not(loss
         torch.nn.functional.cross_entropy(logits.detach(), targets, ignore_index=IGNORE)), rel_tol=1e-12)
 
 
-def test_accumulation_step_counts_tokens_examples_and_packed_batch_fields():
-    class FakePacked:  # the PackedBatch fields the helper reads; it trusts num_loss_tokens (no device work)
-        labels = torch.tensor([[IGNORE, 1, 2, IGNORE, 3, IGNORE, IGNORE]])
-        num_loss_tokens = 3
-        cu_seqlens = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+class FakePacked:
+    """The PackedBatch fields the helper reads; it trusts ``num_loss_tokens`` (no device work)."""
 
+    def __init__(self, labels, cu_seqlens, seq_idx):
+        self.labels = torch.tensor(labels)
+        self.cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+        self.seq_idx = torch.tensor(seq_idx, dtype=torch.int32)
+        self.num_loss_tokens = int((self.labels != IGNORE).sum())
+
+
+def test_accumulation_step_counts_tokens_examples_and_packed_batch_fields():
+    # padding-free row: documents of 3 and 2 tokens, then a padding tail of 2
+    free = FakePacked([[IGNORE, 1, 2, IGNORE, 3, IGNORE, IGNORE]], [0, 3, 5, 7], [[0, 0, 0, 1, 1, 2, 2]])
+    # two windows of 4: [doc 3 | pad 1], [doc 2 | pad 2], plus a zero-length static-shape segment
+    windows = FakePacked([[IGNORE, 1, 2, IGNORE], [IGNORE, 3, IGNORE, IGNORE]], [0, 3, 4, 6, 8, 8],
+                         [[0, 0, 0, 1], [2, 2, 3, 3]])
     padded = {
         "labels": torch.tensor([[IGNORE, 4, 5], [IGNORE, 6, IGNORE]]),
         "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     }
-    step = accumulation_step([FakePacked(), padded, torch.tensor([IGNORE, 7, 8, 9])])
-    assert step.micro_loss_tokens == (3, 3, 3)
-    assert step.num_loss_tokens == 9
-    assert step.num_tokens == 7 + 5 + 4
-    assert step.num_examples == 3 + 2 + 1
-    assert step.as_dict()["tokens_per_step"] == 16
-    assert step.scale == pytest.approx(1 / 9)
+    step = accumulation_step([free, windows, padded, torch.tensor([IGNORE, 7, 8, 9])])
+    assert step.micro_loss_tokens == (3, 3, 3, 3)
+    assert step.num_loss_tokens == 12
+    assert step.num_tokens == 5 + 5 + 5 + 4
+    assert step.num_examples == 2 + 2 + 2 + 1
+    assert step.as_dict()["tokens_per_step"] == 19
+    assert step.scale == pytest.approx(1 / 12)
     assert isinstance(step, AccumulationStep)
     # ddp_average without a process group changes nothing
     assert accumulation_step([padded], ddp_average=True).grad_multiplier == 1.0
