@@ -274,3 +274,23 @@ def test_errors_name_the_example_index_in_the_whole_dataset(local_ray):
         raydata.pack_dataset(make_ds(lengths), window=W, mode="cluster")
     with pytest.raises(TypeError, match="ray.data.Dataset"):
         raydata.pack_dataset([[1, 2]], window=W)
+
+
+def test_packed_rows_collator_reads_ray_rows(data):
+    """The same fixed-window collator reads the Ray rows: segments and positions as packed."""
+    from packkit.collate import PackedRowsCollator
+
+    _, ds = data
+    out, _ = raydata.pack_dataset(ds, window=W, mode="local", overflow="split")
+    got = collect(out)
+    rows = [{k: got[k][r] for k in got} for r in range(8)]
+    batch = PackedRowsCollator(window=W)(rows)
+    assert tuple(batch.input_ids.shape) == (8, W)
+    for r, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert batch.input_ids[r, :n].tolist() == row["input_ids"]
+        assert batch.labels[r, :n].tolist() == row["labels"]
+        assert batch.position_ids[r, :n].tolist() == lengths_to_position_ids(row["seq_lengths"]).tolist()
+    want = [s for row in rows for s in row["seq_lengths"] + ([W - len(row["input_ids"])] if len(row["input_ids"]) < W else [])]
+    cu = batch.cu_seqlens.tolist()
+    assert [b - a for a, b in zip(cu[:-1], cu[1:])] == want  # a padding tail is its own segment
