@@ -104,6 +104,8 @@ def resolve_rank(rank, world_size) -> tuple[int, int]:
 
     ``resolve_rank(1, 4) -> (1, 4)``; ``resolve_rank(None, None) -> (0, 1)`` outside torch.distributed.
     """
+    if rank is None and world_size == 1:
+        rank = 0
     if rank is None or world_size is None:
         import torch.distributed as dist
 
