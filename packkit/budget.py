@@ -1,0 +1,625 @@
+"""The effective batch: tokens per optimiser step, steps per epoch, and the advice that follows.
+
+The number that governs gradient noise is tokens per optimiser step, not examples::
+
+    effective batch = per-device batch x accumulation steps x devices
+                      (windows of W tokens when packed, examples when padded)
+
+    >>> effective_batch_size(per_device_batch=4, accumulation_steps=8, devices=2)
+    64
+
+:func:`plan_budget` walks one epoch of the user's lengths (packed with packkit's planner, or in random
+padded batches) and reports examples, tokens and loss tokens per step (mean and spread), steps per
+epoch and padding, plus advice a practitioner would give, each an :class:`Advice` (code, message and
+the numbers) also emitted as a :class:`BudgetWarning`:
+
+=========================  ==========================================================================
+code                       when
+=========================  ==========================================================================
+``low_tokens_per_step``    mean tokens per step under ``min_tokens_per_step`` (4,000): raise
+                           accumulation, not the learning rate
+``few_steps_per_epoch``    fewer than ``min_steps_per_epoch`` (50) optimiser steps per epoch
+                           (800 examples at an effective batch of 64 is 12 full steps)
+``lora_large_batch``       a LoRA/adapter run with more than ``lora_max_batch`` (32) examples per step
+``accumulation_for_target``  the accumulation steps that reach ``target_tokens_per_step``, when they
+                           differ from the ones given
+=========================  ==========================================================================
+
+:func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory, and
+``packkit plan`` prints the table on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import numbers
+import os
+import sys
+import warnings
+
+import numpy as np
+
+from .binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, as_lengths, check_window, pack
+
+__all__ = [
+    "Advice",
+    "BudgetWarning",
+    "Spread",
+    "BudgetReport",
+    "MicroBatchSearch",
+    "effective_batch_size",
+    "plan_budget",
+    "find_max_micro_batch",
+    "is_out_of_memory",
+    "synthetic_sft_lengths",
+    "cli_main",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """One piece of advice: a stable ``code``, a message with the numbers, and the numbers themselves."""
+
+    code: str
+    message: str
+    values: dict = dataclasses.field(hash=False)
+
+    def as_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "values": dict(self.values)}
+
+
+class BudgetWarning(UserWarning):
+    """The warning :func:`plan_budget` emits for each :class:`Advice` (``.advice``, ``.code``).
+
+    Silence it with ``warnings.filterwarnings("ignore", category=packkit.budget.BudgetWarning)`` or
+    ``plan_budget(..., warn=False)``; the advice stays in ``report.advice``.
+    """
+
+    def __init__(self, advice: Advice):
+        super().__init__(f"[{advice.code}] {advice.message}")
+        self.advice = advice
+        self.code = advice.code
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """Mean, standard deviation, min and max of a per-step quantity: ``Spread.of([1, 3]).mean -> 2.0``."""
+
+    mean: float
+    std: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values) -> "Spread":
+        v = np.asarray(values, dtype=np.float64)
+        if v.size == 0:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        return cls(float(v.mean()), float(v.std()), float(v.min()), float(v.max()))
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetReport:
+    """What one epoch looks like at a given effective batch.
+
+    Fields
+    ------
+    mode:                 ``"packed"`` (windows of ``window`` tokens) or ``"padded"``
+    per_device_batch, accumulation_steps, devices: as given
+    effective_batch:      int, windows (packed) or examples (padded) per optimiser step
+    window:               int or None
+    num_examples, num_tokens: the dataset (tokens after the overflow policy)
+    steps_per_epoch:      int, optimiser steps (the last one partial unless ``drop_last``)
+    full_steps_per_epoch: int, steps with the whole effective batch
+    examples_per_step, tokens_per_step, loss_tokens_per_step: :class:`Spread` over the epoch's full
+                          steps (over the one partial step when there is no full step)
+    padding_fraction:     float, slots (window or padded positions) that hold no real token
+    loss_tokens_assumed:  bool, no loss lengths were given: every token but each example's first
+    target_tokens_per_step: int or None
+    accumulation_for_target: int or None, accumulation steps whose mean tokens per step reach the target
+    advice:               tuple of :class:`Advice`
+    """
+
+    mode: str
+    per_device_batch: int
+    accumulation_steps: int
+    devices: int
+    effective_batch: int
+    window: int | None
+    num_examples: int
+    num_tokens: int
+    steps_per_epoch: int
+    full_steps_per_epoch: int
+    examples_per_step: Spread
+    tokens_per_step: Spread
+    loss_tokens_per_step: Spread
+    padding_fraction: float
+    loss_tokens_assumed: bool
+    target_tokens_per_step: int | None
+    accumulation_for_target: int | None
+    advice: tuple
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["advice"] = [a.as_dict() for a in self.advice]
+        return d
+
+    def table(self) -> str:
+        """The report as aligned text (what ``packkit plan`` prints)."""
+        unit = "windows" if self.mode == "packed" else "examples"
+        head = (f"packed into windows of {self.window:,} tokens" if self.mode == "packed"
+                else "padded to the longest example of each micro-batch")
+        rows = [
+            ("effective batch", f"{self.effective_batch:,} {unit}/step = {self.per_device_batch} per device "
+                                f"x {self.accumulation_steps} accumulation x {self.devices} device"
+                                f"{'s' if self.devices != 1 else ''}"),
+            ("examples per step", _spread(self.examples_per_step)),
+            ("tokens per step", _spread(self.tokens_per_step)),
+            ("loss tokens per step", _spread(self.loss_tokens_per_step)
+             + ("  (assumed: all but each example's first)" if self.loss_tokens_assumed else "")),
+            ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
+            ("padding", f"{100 * self.padding_fraction:.1f}% of the "
+                        + ("window slots" if self.mode == "packed" else "padded positions")),
+        ]
+        if self.target_tokens_per_step is not None:
+            rows.append(("for the target", f"{self.target_tokens_per_step:,} tokens/step: accumulation_steps="
+                                           f"{self.accumulation_for_target}"))
+        width = max(len(k) for k, _ in rows)
+        lines = [f"packkit plan: {self.num_examples:,} examples, {self.num_tokens:,} tokens, {head}"]
+        lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+        lines.append("advice:" if self.advice else "advice: none")
+        lines += [f"  [{a.code}] {a.message}" for a in self.advice]
+        return "\n".join(lines)
+
+
+def _spread(s: Spread) -> str:
+    return f"mean {s.mean:,.1f}  std {s.std:,.1f}  min {s.min:,.0f}  max {s.max:,.0f}"
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        fix = {"devices": "at least one device (1 for a single GPU or the CPU)",
+               "accumulation_steps": "accumulation_steps=1 means no accumulation"}.get(name, "pass 1 or more")
+        raise ValueError(f"{name} must be >= 1, got {value}: {fix}")
+    return int(value)
+
+
+def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1) -> int:
+    """``per_device_batch x accumulation_steps x devices``: ``(4, 8, 2) -> 64``."""
+    return (_positive_int(per_device_batch, "per_device_batch") * _positive_int(accumulation_steps, "accumulation_steps")
+            * _positive_int(devices, "devices"))
+
+
+def step_sums(values, group: int) -> np.ndarray:
+    """Sums of consecutive groups of ``group`` values (the last may be shorter).
+
+    ``step_sums([1, 2, 3, 4, 5], 2) -> [3, 7, 5]``.
+    """
+    values = np.asarray(values)
+    if values.size == 0:
+        return values[:0]
+    return np.add.reduceat(values, np.arange(0, values.size, group))
+
+
+def segment_loss_tokens(seg_example, seg_start, seg_length, lengths, loss_lengths) -> np.ndarray:
+    """Loss tokens of each segment when an example's loss tokens are its last ``loss_lengths`` tokens.
+
+    The completion of example ``e`` is tokens ``[len_e - loss_e, len_e)``; a segment ``[s, s + l)``
+    holds its overlap with it, less one when the overlap starts at the segment's first token (that
+    label is -100 in packed rows). ``([0], [0], [5], [5], [3]) -> [3]``; a segment that is the whole
+    completion loses its first: ``([0], [0], [3], [3], [3]) -> [2]``.
+    """
+    lengths, loss_lengths = np.asarray(lengths), np.asarray(loss_lengths)
+    e = np.asarray(seg_example)
+    s, end = np.asarray(seg_start), np.asarray(seg_start) + np.asarray(seg_length)
+    lo = np.maximum(s, lengths[e] - loss_lengths[e])
+    overlap = np.maximum(np.minimum(end, lengths[e]) - lo, 0)
+    return overlap - ((lo == s) & (overlap > 0))
+
+
+def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths, loss_lengths)`` of ``n`` SFT-like examples: a prompt, then a completion that carries the loss.
+
+    Prompt and completion lengths are log-normal (medians about 100 and 180 tokens, long right tails),
+    as in chat instruction data; the total is clipped to ``max_length``. Deterministic for a seed.
+    """
+    n = _positive_int(n, "n")
+    rng = np.random.default_rng(seed)
+    prompt = np.maximum(rng.lognormal(np.log(100), 0.9, n).astype(np.int64), 4)
+    completion = np.maximum(rng.lognormal(np.log(180), 1.0, n).astype(np.int64), 1)
+    completion = np.minimum(completion, max_length - 2)
+    lengths = np.minimum(prompt + completion, max_length)
+    return lengths, np.minimum(completion, lengths - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_loss_lengths(loss_lengths, lengths: np.ndarray) -> np.ndarray:
+    loss = np.asarray(loss_lengths)
+    if loss.ndim != 1 or loss.size != lengths.size:
+        raise ValueError(f"loss_lengths must have one entry per example ({lengths.size:,}), got shape {loss.shape}")
+    if loss.dtype.kind not in "iu":
+        raise TypeError(f"loss_lengths must be integers, got dtype {loss.dtype}")
+    loss = loss.astype(np.int64)
+    bad = (loss < 0) | (loss > lengths - 1)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"example {i} has loss_lengths={int(loss[i])} with length {int(lengths[i])}: "
+            "loss tokens must be between 0 and length - 1 (the first token is never a target)"
+        )
+    return loss
+
+
+def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1,
+                window: int | None = None, plan: Plan | None = None, loss_lengths=None,
+                strategy: str = "bfd", overflow: str = "error", lora: bool = False,
+                target_tokens_per_step: int | None = None, min_tokens_per_step: int = 4000,
+                min_steps_per_epoch: int = 50, lora_max_batch: int = 32, drop_last: bool = False,
+                seed: int = 0, warn: bool = True) -> BudgetReport:
+    """Examples, tokens and loss tokens per optimiser step, steps per epoch, and advice.
+
+    Args:
+        lengths: (num_examples,) tokens per example (list, numpy, torch). Not needed with ``plan``.
+        per_device_batch: windows per device per micro-batch when packed (``window`` or ``plan``
+            given), else examples per device per micro-batch (padded to the micro-batch's longest).
+        accumulation_steps, devices: >= 1.
+        window: pack into windows of this many tokens with ``strategy``/``overflow`` (see
+            :func:`packkit.binpack.pack`), shuffled with ``seed`` as a sampler would.
+        plan: an existing :class:`~packkit.binpack.Plan`, its windows taken in the order given (pass
+            ``plan.shuffled()`` for a training order).
+        loss_lengths: (num_examples,) loss-bearing tokens per example (the completion, at the end of
+            the example). Default: every token but the first.
+        lora: an adapter run (adds the large-batch advice).
+        target_tokens_per_step: report (and advise) the accumulation steps that reach it.
+        drop_last: leave out the last partial step.
+        warn: also emit each advice as a :class:`BudgetWarning`.
+
+    Returns: a :class:`BudgetReport`.
+
+    >>> r = plan_budget([300] * 800, per_device_batch=8, accumulation_steps=8, warn=False)
+    >>> r.effective_batch, r.steps_per_epoch, r.full_steps_per_epoch, [a.code for a in r.advice]
+    (64, 13, 12, ['few_steps_per_epoch'])
+    """
+    per_device_batch = _positive_int(per_device_batch, "per_device_batch")
+    accumulation_steps = _positive_int(accumulation_steps, "accumulation_steps")
+    devices = _positive_int(devices, "devices")
+    group = per_device_batch * accumulation_steps * devices
+    if target_tokens_per_step is not None:
+        target_tokens_per_step = _positive_int(target_tokens_per_step, "target_tokens_per_step")
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a packkit.binpack.Plan, got {type(plan).__name__}")
+        if lengths is not None and not np.array_equal(as_lengths(lengths), plan.lengths):
+            raise ValueError("lengths and plan disagree: pass one of them (the plan carries its lengths)")
+        if window is not None and check_window(window) != plan.window:
+            raise ValueError(f"window={window} but the plan was made for window={plan.window}")
+        lengths = plan.lengths
+    elif lengths is None:
+        raise ValueError("pass the dataset's lengths (or a packed plan)")
+    lengths = as_lengths(lengths)
+    if lengths.size == 0:
+        raise ValueError("lengths is empty: a plan needs at least one example")
+    assumed = loss_lengths is None
+    loss = lengths - 1 if assumed else _check_loss_lengths(loss_lengths, lengths)
+
+    if plan is None and window is not None:
+        plan = pack(lengths, window=check_window(window), strategy=strategy, overflow=overflow,
+                    seed=seed).shuffled(seed)
+    if plan is not None:
+        mode, window = "packed", plan.window
+        seg_loss = segment_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, lengths, loss)
+        win = plan.seg_window
+        units_tokens = plan.window_loads
+        units_examples = np.bincount(win, weights=plan.seg_start == 0, minlength=plan.num_windows)
+        units_loss = np.bincount(win, weights=seg_loss, minlength=plan.num_windows)
+        num_units, num_tokens = plan.num_windows, plan.total_tokens
+        padding = 1.0 - plan.fill
+    else:
+        mode = "padded"
+        order = np.random.default_rng(seed).permutation(lengths.size)
+        units_tokens, units_examples, units_loss = lengths[order], np.ones(lengths.size), loss[order]
+        num_units, num_tokens = lengths.size, int(lengths.sum())
+        # per-device micro-batches padded to their longest
+        micro_max = np.maximum.reduceat(units_tokens, np.arange(0, num_units, per_device_batch))
+        micro_size = np.diff(np.append(np.arange(0, num_units, per_device_batch), num_units))
+        padding = 1.0 - num_tokens / float((micro_max * micro_size).sum())
+
+    full_steps = num_units // group
+    steps = full_steps if drop_last else -(-num_units // group)
+    # the spreads describe full steps (a partial last step would bias the mean); with no full step,
+    # the one partial step
+    keep = full_steps * group if full_steps else num_units
+    tokens = step_sums(units_tokens[:keep], group)
+    examples = step_sums(units_examples[:keep], group)
+    loss_steps = step_sums(units_loss[:keep], group)
+    tokens_spread = Spread.of(tokens)
+
+    # accumulation for a target: one accumulation step carries, on average, the tokens of
+    # per_device_batch x devices units
+    per_accum = num_tokens / num_units * per_device_batch * devices
+    accumulation_for_target = None
+    if target_tokens_per_step is not None and per_accum > 0:
+        accumulation_for_target = max(1, math.ceil(target_tokens_per_step / per_accum))
+
+    report = BudgetReport(
+        mode=mode, per_device_batch=per_device_batch, accumulation_steps=accumulation_steps, devices=devices,
+        effective_batch=group, window=window, num_examples=int(lengths.size), num_tokens=int(num_tokens),
+        steps_per_epoch=int(steps), full_steps_per_epoch=int(full_steps),
+        examples_per_step=Spread.of(examples), tokens_per_step=tokens_spread,
+        loss_tokens_per_step=Spread.of(loss_steps), padding_fraction=float(padding),
+        loss_tokens_assumed=assumed, target_tokens_per_step=target_tokens_per_step,
+        accumulation_for_target=accumulation_for_target, advice=(),
+    )
+    advice = _advise(report, per_accum=per_accum, lora=lora, min_tokens_per_step=min_tokens_per_step,
+                     min_steps_per_epoch=min_steps_per_epoch, lora_max_batch=lora_max_batch)
+    report = dataclasses.replace(report, advice=tuple(advice))
+    if warn:
+        for a in advice:
+            warnings.warn(BudgetWarning(a), stacklevel=2)
+    return report
+
+
+def _advise(r: BudgetReport, *, per_accum: float, lora: bool, min_tokens_per_step: int,
+            min_steps_per_epoch: int, lora_max_batch: int) -> list[Advice]:
+    out = []
+    tok = r.tokens_per_step.mean
+    if 0 < tok < min_tokens_per_step:
+        need = math.ceil(min_tokens_per_step / per_accum)
+        out.append(Advice(
+            "low_tokens_per_step",
+            f"about {tok:,.0f} tokens per optimiser step (< {min_tokens_per_step:,}): gradients are noisy. "
+            f"Raise accumulation_steps from {r.accumulation_steps} to {need} (about {need * per_accum:,.0f} "
+            "tokens per step) rather than raising the learning rate.",
+            {"tokens_per_step": tok, "min_tokens_per_step": min_tokens_per_step,
+             "accumulation_steps": r.accumulation_steps, "suggested_accumulation_steps": need},
+        ))
+    if r.steps_per_epoch < min_steps_per_epoch:
+        per_step = r.examples_per_step.mean
+        batch_for_min = max(1, r.num_examples // min_steps_per_epoch)
+        out.append(Advice(
+            "few_steps_per_epoch",
+            f"only {r.full_steps_per_epoch:,} full optimiser steps per epoch ({r.num_examples:,} examples at "
+            f"about {per_step:,.0f} examples per step): the optimiser and the learning-rate schedule "
+            f"get few updates. For {min_steps_per_epoch} steps use about {batch_for_min:,} examples per step, "
+            "or train more epochs.",
+            {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
+             "examples": r.num_examples, "examples_per_step": per_step,
+             "min_steps_per_epoch": min_steps_per_epoch, "suggested_examples_per_step": batch_for_min},
+        ))
+    if lora and r.examples_per_step.mean > lora_max_batch:
+        out.append(Advice(
+            "lora_large_batch",
+            f"LoRA/adapter run at about {r.examples_per_step.mean:,.0f} examples per step (> {lora_max_batch}): "
+            "adapters tend to train better with small effective batches; lower accumulation_steps or the "
+            "per-device batch.",
+            {"examples_per_step": r.examples_per_step.mean, "lora_max_batch": lora_max_batch},
+        ))
+    if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
+        a = r.accumulation_for_target
+        out.append(Advice(
+            "accumulation_for_target",
+            f"to reach {r.target_tokens_per_step:,} tokens per step use accumulation_steps={a} "
+            f"(about {a * per_accum:,.0f} tokens per step; now {r.accumulation_steps}, about {tok:,.0f}).",
+            {"target_tokens_per_step": r.target_tokens_per_step, "accumulation_steps": r.accumulation_steps,
+             "suggested_accumulation_steps": a, "tokens_per_step": tok},
+        ))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the largest micro-batch that fits
+# ----------------------------------------------------------------------------------------------
+
+
+_OOM_MESSAGES = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """``torch.OutOfMemoryError``, or a RuntimeError whose message says the device ran out of memory.
+
+    ``is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")) -> True``.
+    """
+    try:
+        import torch
+
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):  # pragma: no cover - torch without OutOfMemoryError
+        pass
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
+
+
+def _free_memory() -> None:
+    """Collect garbage (tensors held by reference cycles) and return cached CUDA blocks to the driver."""
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchSearch:
+    """``batch_size``: the largest that fit; ``attempts``: calls made; ``trials``: ``(size, fitted)`` in order."""
+
+    batch_size: int
+    attempts: int
+    trials: tuple
+
+
+def find_max_micro_batch(step, *, high: int, low: int = 1, multiple_of: int = 1) -> MicroBatchSearch:
+    """The largest micro-batch in ``[low, high]`` for which ``step(batch_size)`` does not run out of memory.
+
+    ``step(batch_size)`` runs one training step (forward, backward, optimiser step: the peak is at the
+    backward) and returns nothing; it raises ``torch.OutOfMemoryError`` (or a CUDA out-of-memory
+    RuntimeError) above the limit. Bisection assumes that a size fits whenever a larger one does, and
+    makes ``ceil(log2(high - low + 2))`` attempts (sizes step by ``multiple_of``). Between attempts the
+    exception (and the frames holding its tensors) is dropped, garbage is collected and the CUDA
+    cache is emptied. Any other exception propagates. Leave headroom: memory use drifts with
+    fragmentation and with the longest batch of the epoch.
+
+    Raises ValueError when even ``low`` does not fit.
+
+    >>> find_max_micro_batch(lambda b: None if b <= 37 else (_ for _ in ()).throw(MemoryError()), high=64)
+    MicroBatchSearch(batch_size=37, attempts=6, trials=((32, True), (48, False), (40, False), (36, True), (38, False), (37, True)))
+    """
+    multiple_of = _positive_int(multiple_of, "multiple_of")
+    low, high = _positive_int(low, "low"), _positive_int(high, "high")
+    lo_k, hi_k = -(-low // multiple_of), high // multiple_of  # candidate sizes k * multiple_of
+    if lo_k > hi_k:
+        raise ValueError(f"no multiple of {multiple_of} lies in [low={low}, high={high}]")
+    fit, fail = lo_k - 1, hi_k + 1  # invariant: k <= fit fits (sentinel), k >= fail does not
+    trials = []
+    while fail - fit > 1:
+        k = (fit + fail) // 2
+        size = k * multiple_of
+        try:
+            step(size)
+            ok = True
+        except BaseException as exc:  # noqa: BLE001 - only out-of-memory is swallowed, the rest re-raised
+            if not is_out_of_memory(exc):
+                raise
+            ok = False
+            del exc  # the traceback holds the frames, and their tensors, of the failed step
+        _free_memory()
+        trials.append((size, ok))
+        if ok:
+            fit = k
+        else:
+            fail = k
+    if fit < lo_k:
+        raise ValueError(
+            f"even micro-batch size {lo_k * multiple_of} runs out of memory: shorten the window or the "
+            "longest example, enable gradient checkpointing, or use a smaller model/precision"
+        )
+    return MicroBatchSearch(batch_size=fit * multiple_of, attempts=len(trials), trials=tuple(trials))
+
+
+# ----------------------------------------------------------------------------------------------
+# packkit plan
+# ----------------------------------------------------------------------------------------------
+
+
+def read_lengths(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(lengths, loss_lengths or None)`` from a ``.npy`` of lengths, a text file of one length per line,
+    or a ``.jsonl`` with ``input_ids`` lists (and ``labels``, or ``completion_mask``/``assistant_masks``).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such file: {path}")
+    if path.endswith(".npy"):
+        return as_lengths(np.load(path, allow_pickle=False), name=path), None
+    if path.endswith((".jsonl", ".json")):
+        return _read_jsonl(path)
+    values = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                values.append(int(line))
+            except ValueError:
+                raise ValueError(f"{path}:{n}: {line[:40]!r} is not a length (one integer per line)") from None
+    return as_lengths(values, name=path), None
+
+
+def _read_jsonl(path: str):
+    from .segments import IGNORE_INDEX
+
+    lengths, loss, have_loss = [], [], True
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            ids = row.get("input_ids") if isinstance(row, dict) else None
+            if not isinstance(ids, list):
+                raise ValueError(f"{path}:{n}: every line needs 'input_ids' as a list of token ids")
+            lengths.append(len(ids))
+            if isinstance(row.get("labels"), list):
+                lab = np.asarray(row["labels"][1:])
+                loss.append(int((lab != IGNORE_INDEX).sum()))
+            elif isinstance(row.get("completion_mask") or row.get("assistant_masks"), list):
+                m = np.asarray((row.get("completion_mask") or row.get("assistant_masks"))[1:])
+                loss.append(int((m != 0).sum()))
+            else:
+                have_loss = False
+    lengths = as_lengths(lengths, name=path)
+    return lengths, (np.asarray(loss, np.int64) if have_loss and loss else None)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="packkit plan",
+        description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.",
+    )
+    p.add_argument("file", nargs="?", help=".npy of lengths, text (one length per line), or .jsonl with input_ids")
+    p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
+    p.add_argument("-b", "--per-device-batch", type=int, default=1,
+                   help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
+    p.add_argument("-a", "--accumulation-steps", type=int, default=1)
+    p.add_argument("-d", "--devices", type=int, default=1)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-w", "--window", type=int, help="pack into windows of W tokens (default 2048)")
+    g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
+    p.add_argument("--strategy", default="bfd", choices=STRATEGIES)
+    p.add_argument("--overflow", default="error", choices=OVERFLOW_POLICIES)
+    p.add_argument("--lora", action="store_true", help="an adapter (LoRA) run")
+    p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
+    p.add_argument("--drop-last", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    return p
+
+
+def cli_main(argv=None) -> int:
+    """``packkit plan [FILE | --synthetic N] -b B -a A -d D [-w W | --padded] [--lora] [--target-tokens T]``."""
+    args = _parser().parse_args(argv)
+    if (args.file is None) == (args.synthetic is None):
+        raise ValueError("give a lengths FILE or --synthetic N (one of them)")
+    if args.synthetic is not None:
+        lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
+    else:
+        lengths, loss = read_lengths(args.file)
+    window = None if args.padded else (2048 if args.window is None else args.window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
+        report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,
+                             accumulation_steps=args.accumulation_steps, devices=args.devices, window=window,
+                             strategy=args.strategy, overflow=args.overflow, lora=args.lora,
+                             target_tokens_per_step=args.target_tokens, drop_last=args.drop_last, seed=args.seed)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(report.table())
+    sys.stdout.flush()
+    return 0
