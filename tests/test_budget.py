@@ -1,0 +1,335 @@
+"""packkit.budget: per-step figures against loop references, advice, the micro-batch search, the CLI."""
+
+import gc
+import json
+import math
+import tracemalloc
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packkit import cli
+from packkit.binpack import pack
+from packkit.budget import (
+    Advice,
+    BudgetWarning,
+    effective_batch_size,
+    find_max_micro_batch,
+    is_out_of_memory,
+    plan_budget,
+    segment_loss_tokens,
+    step_sums,
+    synthetic_sft_lengths,
+)
+from packkit.packer import pack_arrays
+
+IGNORE = -100
+
+
+# ----------------------------------------------------------------------------------------------
+# references
+# ----------------------------------------------------------------------------------------------
+
+
+def steps_ref(units, group):
+    """Per-step (tokens, examples, loss) of consecutive groups of units; full steps only when any."""
+    steps = [units[i:i + group] for i in range(0, len(units), group)]
+    full = [s for s in steps if len(s) == group]
+    use = full if full else steps
+    return [tuple(sum(u[k] for u in s) for k in range(3)) for s in use], len(steps), len(full)
+
+
+def packed_units_ref(plan, lengths, loss):
+    """(tokens, examples, loss) of each window, with loss counted on real packed labels."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    labels = np.full(offsets[-1], IGNORE, np.int64)
+    for i, (n, c) in enumerate(zip(lengths, loss)):
+        labels[offsets[i] + n - c: offsets[i] + n] = 7  # the completion: the last c tokens
+    rows = pack_arrays(plan, np.zeros(offsets[-1], np.int64), offsets, labels)
+    units = []
+    for w in range(plan.num_windows):
+        ex, start, ln = plan.segments(w)
+        lab = rows.labels[rows.row_offsets[w]:rows.row_offsets[w + 1]]
+        units.append((int(ln.sum()), int((start == 0).sum()), int((lab != IGNORE).sum())))
+    return units
+
+
+# ----------------------------------------------------------------------------------------------
+# small functions
+# ----------------------------------------------------------------------------------------------
+
+
+def test_effective_batch_and_bad_input():
+    assert effective_batch_size(per_device_batch=4, accumulation_steps=8, devices=2) == 64
+    with pytest.raises(ValueError, match="devices must be >= 1, got 0"):
+        plan_budget([5, 6], per_device_batch=1, devices=0)
+    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+        plan_budget([5, 6], per_device_batch=1, accumulation_steps=0)
+    with pytest.raises(ValueError, match="lengths is empty"):
+        plan_budget([], per_device_batch=1)
+    with pytest.raises(ValueError, match="example 1 has length 0"):
+        plan_budget([5, 0], per_device_batch=1)
+    with pytest.raises(TypeError, match="per_device_batch must be an integer"):
+        plan_budget([5], per_device_batch=2.5)
+    with pytest.raises(ValueError, match="example 1 has loss_lengths=6 with length 6"):
+        plan_budget([5, 6], per_device_batch=1, loss_lengths=[2, 6])
+    with pytest.raises(ValueError, match="lengths \\(or a packed plan\\)"):
+        plan_budget(per_device_batch=1)
+    assert list(step_sums([1, 2, 3, 4, 5], 2)) == [3, 7, 5]
+
+
+@settings(max_examples=40)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 39)), min_size=1, max_size=30),
+       st.integers(1, 40), st.sampled_from(["truncate", "split"]))
+def test_segment_loss_tokens_match_real_packed_labels(examples, window, overflow):
+    lengths = np.array([n for n, _ in examples])
+    loss = np.array([min(c, n - 1) for n, c in examples])
+    plan = pack(lengths, window=window, overflow=overflow)
+    got = segment_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, lengths, loss)
+    want = np.array([u[2] for u in packed_units_ref(plan, lengths, loss)])
+    per_window = np.bincount(plan.seg_window, weights=got, minlength=plan.num_windows)
+    np.testing.assert_array_equal(per_window, want)
+
+
+# ----------------------------------------------------------------------------------------------
+# the report against loop references
+# ----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 4), st.integers(1, 3),
+       st.integers(1, 2), st.integers(0, 5), st.booleans())
+def test_packed_report_matches_reference(lengths, b, a, d, seed, drop_last):
+    lengths = np.array(lengths)
+    loss = lengths // 2
+    plan = pack(lengths, window=300, seed=seed).shuffled()
+    r = plan_budget(plan=plan, per_device_batch=b, accumulation_steps=a, devices=d, loss_lengths=loss,
+                    drop_last=drop_last, warn=False)
+    steps, n_steps, n_full = steps_ref(packed_units_ref(plan, lengths, loss), b * a * d)
+    assert r.mode == "packed" and r.effective_batch == b * a * d
+    assert r.full_steps_per_epoch == n_full
+    assert r.steps_per_epoch == (n_full if drop_last else n_steps)
+    for k, spread in enumerate((r.tokens_per_step, r.examples_per_step, r.loss_tokens_per_step)):
+        vals = [s[k] for s in steps]
+        assert spread.mean == pytest.approx(np.mean(vals)) and spread.min == min(vals) and spread.max == max(vals)
+        assert spread.std == pytest.approx(np.std(vals), abs=1e-9)
+    assert r.padding_fraction == pytest.approx(1 - lengths.sum() / (plan.num_windows * 300))
+
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 4), st.integers(1, 3),
+       st.integers(0, 5))
+def test_padded_report_matches_reference(lengths, b, a, seed):
+    lengths = np.array(lengths)
+    r = plan_budget(lengths, per_device_batch=b, accumulation_steps=a, seed=seed, warn=False)
+    order = np.random.default_rng(seed).permutation(len(lengths))  # the padded path's random order
+    units = [(int(lengths[i]), 1, int(lengths[i]) - 1) for i in order]
+    steps, n_steps, n_full = steps_ref(units, b * a)
+    assert r.mode == "padded" and r.loss_tokens_assumed
+    assert r.steps_per_epoch == n_steps and r.full_steps_per_epoch == n_full
+    assert r.tokens_per_step.mean == pytest.approx(np.mean([s[0] for s in steps]))
+    assert r.loss_tokens_per_step.mean == pytest.approx(np.mean([s[2] for s in steps]))
+    padded = sum(len(order[i:i + b]) * lengths[order[i:i + b]].max() for i in range(0, len(order), b))
+    assert r.padding_fraction == pytest.approx(1 - lengths.sum() / padded)
+
+
+# ----------------------------------------------------------------------------------------------
+# advice
+# ----------------------------------------------------------------------------------------------
+
+
+def codes(report):
+    return [a.code for a in report.advice]
+
+
+def test_few_steps_per_epoch_800_examples_at_64_is_twelve_steps():
+    with pytest.warns(BudgetWarning, match="few_steps_per_epoch") as rec:
+        r = plan_budget([500] * 800, per_device_batch=8, accumulation_steps=4, devices=2)
+    assert r.effective_batch == 64 and r.full_steps_per_epoch == 12 and r.steps_per_epoch == 13
+    assert codes(r) == ["few_steps_per_epoch"]
+    w = [x.message for x in rec if isinstance(x.message, BudgetWarning)][0]
+    assert w.advice is r.advice[0] and w.code == "few_steps_per_epoch"
+    assert r.advice[0].values["full_steps_per_epoch"] == 12
+    assert "only 12 full optimiser steps" in r.advice[0].message
+    assert r.advice[0].values["suggested_examples_per_step"] == 800 // 50
+
+
+def test_low_tokens_per_step_suggests_accumulation_that_reaches_the_threshold():
+    r = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=2, warn=False)  # 800 tokens/step
+    (adv,) = [a for a in r.advice if a.code == "low_tokens_per_step"]
+    assert adv.values["tokens_per_step"] == 800
+    assert adv.values["suggested_accumulation_steps"] == 10  # 10 x 400 = 4,000
+    assert "rather than raising the learning rate" in adv.message
+    r2 = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=10, warn=False)
+    assert "low_tokens_per_step" not in codes(r2)
+
+
+def test_lora_large_batch_and_target_accumulation():
+    lengths = [200] * 20_000
+    r = plan_budget(lengths, per_device_batch=16, accumulation_steps=4, lora=True, warn=False)
+    assert "lora_large_batch" in codes(r)
+    assert "lora_large_batch" not in codes(plan_budget(lengths, per_device_batch=16, accumulation_steps=2,
+                                                       lora=True, warn=False))
+    assert "lora_large_batch" not in codes(plan_budget(lengths, per_device_batch=16, accumulation_steps=4,
+                                                       warn=False))
+    # packed: 2 windows of 2,000 tokens per accumulation step (x 2 devices): 8,000 tokens; target 50,000
+    r = plan_budget([1000] * 4000, window=2000, per_device_batch=2, devices=2, accumulation_steps=1,
+                    target_tokens_per_step=50_000, warn=False)
+    assert r.accumulation_for_target == math.ceil(50_000 / 8000) == 7
+    (adv,) = [a for a in r.advice if a.code == "accumulation_for_target"]
+    assert adv.values["suggested_accumulation_steps"] == 7
+    r = plan_budget([1000] * 4000, window=2000, per_device_batch=2, devices=2, accumulation_steps=7,
+                    target_tokens_per_step=50_000, warn=False)
+    assert "accumulation_for_target" not in codes(r) and r.accumulation_for_target == 7
+
+
+def test_a_healthy_run_gets_no_advice_and_warn_false_is_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = plan_budget([1000] * 100_000, window=4096, per_device_batch=4, accumulation_steps=2)
+        assert r.advice == ()
+        plan_budget([10] * 10, per_device_batch=1, warn=False)  # would advise, but silently
+    assert isinstance(Advice("x", "y", {}).as_dict(), dict)
+
+
+def test_report_table_and_dict():
+    lengths, loss = synthetic_sft_lengths(3000, seed=1)
+    assert lengths.max() <= 2048 and (loss <= lengths - 1).all() and (loss >= 1).all()
+    r = plan_budget(lengths, loss_lengths=loss, window=2048, per_device_batch=2, accumulation_steps=2,
+                    warn=False)
+    text = r.table()
+    assert "tokens per step" in text and "steps per epoch" in text
+    d = json.loads(json.dumps(r.as_dict()))
+    assert d["steps_per_epoch"] == r.steps_per_epoch and d["tokens_per_step"]["mean"] == r.tokens_per_step.mean
+
+
+# ----------------------------------------------------------------------------------------------
+# the largest micro-batch
+# ----------------------------------------------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def memory_step(limit_bytes, per_item_bytes, calls):
+    """A step that allocates ``per_item_bytes`` per example for real and raises OOM above ``limit``.
+
+    The allocations sit in a reference cycle, so after a failed attempt only ``gc.collect()`` gives
+    them back: a search that does not free memory between attempts sees the previous attempt's
+    memory still live and under-reports the limit.
+    """
+    base = tracemalloc.get_traced_memory()[0]
+
+    def step(batch_size):
+        calls.append(batch_size)
+        holder = []
+        holder.append(holder)  # the cycle
+        for _ in range(batch_size):
+            holder.append(np.ones(per_item_bytes // 8))  # touched pages, traced by tracemalloc
+            if tracemalloc.get_traced_memory()[0] - base > limit_bytes:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {per_item_bytes} bytes")
+    return step
+
+
+@pytest.mark.parametrize("high,limit_items", [(200, 37), (64, 64), (1000, 1)])
+def test_bisection_finds_the_limit_with_real_allocations(high, limit_items):
+    calls = []
+    gc_was = gc.isenabled()
+    gc.disable()  # only the search's own gc.collect() may free the failed attempts' cycles
+    tracemalloc.start()
+    try:
+        step = memory_step(int((limit_items + 0.5) * MIB), MIB, calls)
+        res = find_max_micro_batch(step, high=high)
+        leftover = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        if gc_was:
+            gc.enable()
+    print(res)
+    assert res.batch_size == limit_items
+    assert res.attempts == len(calls) <= math.ceil(math.log2(high + 1))
+    assert [s for s, _ in res.trials] == calls
+    assert all(ok == (s <= limit_items) for s, ok in res.trials)
+    assert leftover < 8 * MIB  # every attempt's memory was given back
+
+
+def test_bisection_nothing_fits_other_errors_and_multiples():
+    def too_big(b):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(ValueError, match="even micro-batch size 1 runs out of memory"):
+        find_max_micro_batch(too_big, high=16)
+
+    def broken(b):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        find_max_micro_batch(broken, high=16)
+
+    seen = []
+
+    def step(b):
+        seen.append(b)
+        if b > 50:
+            raise torch.OutOfMemoryError("out of memory")
+
+    res = find_max_micro_batch(step, low=8, high=128, multiple_of=8)
+    assert res.batch_size == 48 and all(s % 8 == 0 for s in seen)
+    assert is_out_of_memory(torch.OutOfMemoryError("x")) and not is_out_of_memory(ValueError("out of memory"))
+    with pytest.raises(ValueError, match="no multiple of 64"):
+        find_max_micro_batch(step, low=1, high=32, multiple_of=64)
+
+
+# ----------------------------------------------------------------------------------------------
+# packkit plan
+# ----------------------------------------------------------------------------------------------
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_inputs_agree(tmp_path, capsys):
+    lengths, loss = synthetic_sft_lengths(400, seed=3)
+    np.save(tmp_path / "l.npy", lengths)
+    (tmp_path / "l.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    with open(tmp_path / "d.jsonl", "w") as f:
+        for n, c in zip(lengths, loss):
+            f.write(json.dumps({"input_ids": [1] * int(n), "labels": [IGNORE] * int(n - c) + [1] * int(c)}) + "\n")
+    results = []
+    for name in ("l.npy", "l.txt", "d.jsonl"):
+        rc, out, err = run_cli(capsys, str(tmp_path / name), "-b", "2", "-a", "3", "-w", "2048", "--json")
+        assert rc == 0, err
+        results.append(json.loads(out))
+    assert results[0]["tokens_per_step"] == results[1]["tokens_per_step"] == results[2]["tokens_per_step"]
+    assert results[0]["loss_tokens_assumed"] and not results[2]["loss_tokens_assumed"]
+    want = plan_budget(lengths, loss_lengths=loss, window=2048, per_device_batch=2, accumulation_steps=3, warn=False)
+    assert results[2]["loss_tokens_per_step"]["mean"] == pytest.approx(want.loss_tokens_per_step.mean)
+
+    rc, out, err = run_cli(capsys, "--synthetic", "800", "--padded", "-b", "8", "-a", "8", "--lora")
+    assert rc == 0 and "steps per epoch" in out and "[few_steps_per_epoch]" in out and "[lora_large_batch]" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    ((), "give a lengths FILE or --synthetic N"),
+    (("--synthetic", "10", "-d", "0"), "devices must be >= 1"),
+    (("--synthetic", "10", "-a", "0"), "accumulation_steps must be >= 1"),
+    (("missing.npy",), "no such file"),
+])
+def test_cli_errors_are_one_line(capsys, argv, message):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_bad_text_line(tmp_path, capsys):
+    (tmp_path / "l.txt").write_text("12\n7\nabc\n")
+    rc, out, err = run_cli(capsys, str(tmp_path / "l.txt"))
+    assert rc == 2 and "l.txt:3" in err and "not a length" in err
+    (tmp_path / "e.txt").write_text("")
+    rc, out, err = run_cli(capsys, str(tmp_path / "e.txt"))
+    assert rc == 2 and "lengths is empty" in err
