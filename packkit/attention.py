@@ -23,7 +23,6 @@ Forcing a backend that cannot run raises :class:`BackendUnavailableError` saying
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import math
@@ -55,15 +54,20 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-@functools.cache
+_IMPORTS: dict[tuple[str, str | None], tuple[object, str | None]] = {}
+
+
 def _import(module: str, attr: str | None = None):
     """(object, None) on success, (None, reason) when the import fails; cached either way so that
-    "auto" does not retry a missing package on every call."""
-    try:
-        obj = importlib.import_module(module)
-        return (getattr(obj, attr) if attr else obj), None
-    except (ImportError, AttributeError) as err:
-        return None, f"{type(err).__name__}: {err}"
+    "auto" does not retry a missing package on every call (a plain dict: torch.compile reads it)."""
+    key = (module, attr)
+    if key not in _IMPORTS:
+        try:
+            obj = importlib.import_module(module)
+            _IMPORTS[key] = (getattr(obj, attr) if attr else obj), None
+        except (ImportError, AttributeError) as err:
+            _IMPORTS[key] = None, f"{type(err).__name__}: {err}"
+    return _IMPORTS[key]
 
 
 def _flash_attn_varlen_func():

@@ -1,0 +1,379 @@
+"""``packkit.attention.varlen_attention``: every backend against a float64 reference, document
+isolation (hypothesis), backend dispatch, input checks, and a torch.compile smoke test.
+
+Backends that need CUDA (flash-attn, torch's varlen_attn, the compiled Triton kernels) run in the
+"cuda" cases and skip, with the reason, elsewhere. Triton on the CPU runs under ``TRITON_INTERPRET=1``.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from packkit import attention  # noqa: E402
+from packkit.attention import BackendUnavailableError, varlen_attention  # noqa: E402
+
+# Max |err| <= atol + rtol * max|ref| against float64, per dtype: (forward, gradients).
+TOLERANCES = {
+    torch.float64: dict(fwd=(1e-10, 1e-10), bwd=(1e-10, 1e-10)),
+    torch.float32: dict(fwd=(2e-5, 1e-5), bwd=(1e-4, 1e-5)),
+    torch.float16: dict(fwd=(5e-3, 2e-3), bwd=(1e-2, 4e-3)),
+    torch.bfloat16: dict(fwd=(4e-2, 1.6e-2), bwd=(8e-2, 3e-2)),
+}
+LENGTHS = [1, 17, 0, 97, 123]
+
+
+def attention_ref(q, k, v, cu_seqlens, causal, scale):
+    """The obvious definition in float64: for each segment and head, softmax(q k^T * scale) v."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        n = end - start
+        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
+        if causal:
+            allowed = allowed.tril()
+        for h in range(q.shape[1]):
+            scores = (q[start:end, h] @ k[start:end, h // group].T * scale).masked_fill(~allowed, float("-inf"))
+            out[start:end, h] = torch.softmax(scores, dim=-1) @ v[start:end, h // group]
+    return out
+
+
+def cu_seqlens_of(lengths, device="cpu"):
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def assert_close(name, actual, expected, atol, rtol):
+    """Print max / mean difference, then assert max |err| <= atol + rtol * max|expected|."""
+    diff = (actual.double() - expected.double()).abs()
+    bound = atol + rtol * expected.abs().max().item()
+    print(f"{name}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}, bound {bound:.3e}")
+    assert diff.max().item() <= bound, f"{name}: max diff {diff.max().item():.3e} > {bound:.3e}"
+
+
+def random_qkv(lengths, nheads, nheads_kv, headdim, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    shapes = [(total, nheads, headdim), (total, nheads_kv, headdim), (total, nheads_kv, headdim)]
+    return [torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for s in shapes]
+
+
+def skip_if_unavailable(backend, q, k, v):
+    problem = attention.backend_problems(q, k, v)[backend]
+    if problem is not None:
+        pytest.skip(f"backend {backend!r} cannot run here: {problem}")
+
+
+# (device, backend, dtype) for every backend and the dtypes it takes. The CPU rows run here; the
+# CUDA rows run on a GPU machine (benchmarks/gpu_check.sh) and skip elsewhere.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+BACKEND_CASES = [
+    pytest.param("cpu", "reference", torch.float64, id="cpu-reference-float64"),
+    pytest.param("cpu", "reference", torch.float32, id="cpu-reference-float32"),
+    pytest.param("cpu", "reference", torch.bfloat16, id="cpu-reference-bfloat16"),
+    pytest.param("cpu", "triton", torch.float32, id="cpu-triton-float32"),
+    *[pytest.param("cuda", b, dt, id=f"cuda-{b}-{str(dt)[6:]}", marks=CUDA)
+      for b in ("flash_attn", "torch", "triton", "reference") for dt in (torch.float16, torch.bfloat16)],
+    pytest.param("cuda", "triton", torch.float32, id="cuda-triton-float32", marks=CUDA),
+]
+
+
+@pytest.mark.parametrize("device,backend,dtype", BACKEND_CASES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_backend_matches_float64(device, backend, dtype, causal):
+    q, k, v = random_qkv(LENGTHS, 2, 1, 32, dtype, device)
+    skip_if_unavailable(backend, q, k, v)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = cu_seqlens_of(LENGTHS, device)
+    out = varlen_attention(q, k, v, cu, max(LENGTHS), causal=causal, backend=backend)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    out.backward(grad_out)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, cu, causal, 1 / math.sqrt(32))
+    ref.backward(grad_out.double())
+    tol = TOLERANCES[dtype]
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close("out", out, ref, *tol["fwd"])
+    assert_close("dq", q.grad, q64.grad, *tol["bwd"])
+    assert_close("dk", k.grad, k64.grad, *tol["bwd"])
+    assert_close("dv", v.grad, v64.grad, *tol["bwd"])
+
+
+# -- isolation: no token sees another document, in values or in gradients --
+
+segment_lengths = st.lists(st.integers(min_value=0, max_value=24), min_size=2, max_size=5).filter(
+    lambda ls: sum(1 for n in ls if n > 0) >= 2)
+
+
+def check_isolation(backend, device, dtype, lengths, data):
+    """Perturb one document's q/k/v: every other document's output is bit-identical. Then the gradient
+    of one document's output with respect to every other document's q/k/v is exactly zero."""
+    q, k, v = random_qkv(lengths, 4, 2, 32, dtype, device, seed=len(lengths))
+    skip_if_unavailable(backend, q, k, v)
+    cu = cu_seqlens_of(lengths, device)
+    offsets = cu.tolist()
+    nonempty = [i for i, n in enumerate(lengths) if n > 0]
+    causal = data.draw(st.booleans(), label="causal")
+    run = lambda q_, k_, v_: varlen_attention(q_, k_, v_, cu, max(lengths), causal=causal, backend=backend)  # noqa: E731
+
+    # -- values: perturb document j --
+    j = data.draw(st.sampled_from(nonempty), label="perturbed document")
+    inside_j = torch.zeros(sum(lengths), dtype=torch.bool, device=device)
+    inside_j[offsets[j]:offsets[j + 1]] = True
+    out = run(q, k, v)
+    noisy = [t.clone() for t in (q, k, v)]
+    for t in noisy:
+        t[inside_j] = torch.randn(t[inside_j].shape).to(t) * 3
+    out_noisy = run(*noisy)
+    assert torch.equal(out[~inside_j], out_noisy[~inside_j]), "another document's output changed"
+    assert not torch.equal(out[inside_j], out_noisy[inside_j]), "the perturbation did not reach its document"
+
+    # -- gradients: of document i's output, with respect to everything --
+    i = data.draw(st.sampled_from(nonempty), label="document whose output is differentiated")
+    inside_i = torch.zeros(sum(lengths), dtype=torch.bool, device=device)
+    inside_i[offsets[i]:offsets[i + 1]] = True
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = run(*leaves)
+    (out[inside_i].float() * torch.randn(out[inside_i].shape, device=device)).sum().backward()
+    for name, leaf in zip("qkv", leaves):
+        assert torch.count_nonzero(leaf.grad[~inside_i]) == 0, f"d out[doc {i}] / d {name}[other docs] != 0"
+    assert torch.count_nonzero(leaves[0].grad[inside_i]) > 0, "gradient did not reach document i"
+
+
+ISOLATION_CASES = [
+    pytest.param("reference", "cpu", torch.float32, id="cpu-reference"),
+    *[pytest.param(b, "cuda", torch.bfloat16, id=f"cuda-{b}", marks=CUDA)
+      for b in ("flash_attn", "torch", "triton", "reference")],
+]
+
+
+@pytest.mark.parametrize("backend,device,dtype", ISOLATION_CASES)
+@given(lengths=segment_lengths, data=st.data())
+def test_isolation(backend, device, dtype, lengths, data):
+    check_isolation(backend, device, dtype, lengths, data)
+
+
+@settings(max_examples=10)  # each example runs the Triton interpreter four times
+@given(lengths=segment_lengths, data=st.data())
+def test_isolation_triton_interpreter(lengths, data):
+    check_isolation("triton", "cpu", torch.float32, lengths, data)
+
+
+# -- dispatch --
+
+def _cpu_qkv(dtype=torch.float32):
+    return random_qkv([3, 0, 4], 4, 2, 16, dtype, "cpu")
+
+
+def test_auto_picks_the_reference_on_cpu():
+    """Even with TRITON_INTERPRET=1 set: the interpreter is for tests, not for "auto"."""
+    q, k, v = _cpu_qkv()
+    assert attention.select_backend(q, k, v) == "reference"
+    out = varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4)
+    ref = attention.reference_varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "available, expected",
+    [
+        ({"flash_attn", "torch", "triton", "reference"}, "flash_attn"),
+        ({"torch", "triton", "reference"}, "torch"),
+        ({"triton", "reference"}, "triton"),
+        ({"reference"}, "reference"),
+    ],
+)
+def test_auto_takes_the_first_available_backend(monkeypatch, available, expected):
+    q, k, v = _cpu_qkv()
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    for name in attention.BACKENDS:
+        problem = None if name in available else f"{name} is off in this test"
+        monkeypatch.setitem(attention._PROBLEMS, name, lambda q, k, v, problem=problem: problem)
+    assert attention.select_backend(q, k, v) == expected
+
+
+def test_auto_skips_triton_on_cpu(monkeypatch):
+    q, k, v = _cpu_qkv()
+    monkeypatch.setitem(attention._PROBLEMS, "triton", lambda q, k, v: None)
+    assert attention.select_backend(q, k, v) == "reference"
+
+
+def test_forcing_flash_attn_when_not_installed(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func",
+                        lambda: (None, "ModuleNotFoundError: No module named 'flash_attn'"))
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="not installed"):
+        varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="flash_attn")
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch"])
+def test_forcing_a_cuda_backend_on_cpu(monkeypatch, backend):
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (lambda *a, **kw: None, None))
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="needs CUDA"):
+        varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch"])
+def test_forcing_a_half_precision_backend_with_fp32(monkeypatch, backend):
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (lambda *a, **kw: None, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    q, k, v = _cpu_qkv(torch.float32)
+    with pytest.raises(BackendUnavailableError, match="float16 or bfloat16"):
+        varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend=backend)
+
+
+def test_forcing_triton_without_the_interpreter_on_cpu(monkeypatch):
+    kernels, _ = attention._triton_kernels()
+    if kernels is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(kernels, "interpreted", lambda: False)
+    q, k, v = _cpu_qkv()
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="triton")
+
+
+def test_unknown_backend():
+    q, k, v = _cpu_qkv()
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="flash")
+
+
+def test_flash_attn_never_sees_empty_segments(monkeypatch):
+    """Regression guard for Dao-AILab/flash-attention#1537 (empty segments with max_seqlen == 1):
+    static-shape padding repeats offsets, so packkit compacts cu_seqlens before calling flash-attn."""
+    calls = []
+
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
+        calls.append(cu_q.tolist())
+        assert cu_q is cu_k and max_q == max_k == 1 and dropout_p == 0.0
+        assert bool((cu_q[1:] > cu_q[:-1]).all()), f"empty segment reached flash-attn: {cu_q.tolist()}"
+        return attention.reference_varlen_attention(q, k, v, cu_q, max_q, causal=causal, scale=softmax_scale)
+
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (fake_flash, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    lengths = [1, 0, 1, 1, 0, 0]
+    q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
+    cu = cu_seqlens_of(lengths)
+    assert attention.select_backend(q, k, v) == "flash_attn"
+    out = varlen_attention(q, k, v, cu, 1)
+    assert calls == [[0, 1, 2, 3]]
+    assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 1))
+
+
+def test_torch_varlen_attn_call(monkeypatch):
+    """torch 2.13's signature: causal is window_size=(-1, 0), GQA through enable_gqa, no empty segment."""
+    calls = []
+
+    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
+                         num_splits=None):
+        calls.append(dict(cu=cu_seq_q.tolist(), window_size=window_size, enable_gqa=enable_gqa, scale=scale))
+        assert key.shape[1] == 2  # k, v are not repeated when the op takes enable_gqa
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    cu = cu_seqlens_of([3, 0, 4])
+    for causal in (True, False):
+        out = varlen_attention(q, k, v, cu, 4, causal=causal, scale=0.5, backend="torch")
+        ref = attention.reference_varlen_attention(q, k, v, cu, 4, causal=causal, scale=0.5)
+        assert torch.equal(out, ref)
+    assert calls == [dict(cu=[0, 3, 7], window_size=(-1, 0), enable_gqa=True, scale=0.5),
+                     dict(cu=[0, 3, 7], window_size=(-1, -1), enable_gqa=True, scale=0.5)]
+
+
+def test_torch_varlen_attn_older_signature(monkeypatch):
+    """A release with is_causal and without enable_gqa / scale: k, v repeated, q pre-scaled."""
+    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        assert key.shape[1] == query.shape[1] and is_causal
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q, causal=is_causal)
+
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    q, k, v = _cpu_qkv(torch.float32)
+    q = q.to(torch.float16)
+    k, v = k.to(torch.float16), v.to(torch.float16)
+    cu = cu_seqlens_of([3, 0, 4])
+    out = varlen_attention(q, k, v, cu, 4, scale=0.1, backend="torch")
+    ref = attention_ref(q, k, v, cu, True, 0.1)
+    assert_close("out", out, ref, *TOLERANCES[torch.float16]["fwd"])
+
+
+# -- input checks --
+
+@pytest.mark.parametrize(
+    "cu, max_seqlen, error, message",
+    [
+        ([0, 3, 7], torch.tensor(4), TypeError, "Python int"),
+        ([0, 3, 7], 3, ValueError, "max_seqlen=3 is below the longest segment"),
+        ([0, 3, 6], 4, ValueError, "must equal total_tokens=7"),
+        ([1, 3, 7], 4, ValueError, "start at 0"),
+        ([0, 5, 3, 7], 4, ValueError, "non-decreasing"),
+    ],
+    ids=["tensor-max-seqlen", "max-seqlen-too-small", "cu-end", "cu-start", "cu-decreasing"],
+)
+def test_bad_input_is_named(cu, max_seqlen, error, message):
+    q, k, v = _cpu_qkv()
+    with pytest.raises(error, match=message):
+        varlen_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), max_seqlen)
+
+
+def test_bad_shapes_and_dtypes():
+    q, k, v = _cpu_qkv()
+    cu = cu_seqlens_of([3, 0, 4])
+    with pytest.raises(ValueError, match="int32"):
+        varlen_attention(q, k, v, cu.long(), 4)
+    with pytest.raises(ValueError, match="multiple of nheads_kv"):
+        varlen_attention(q[:, :3], k, v, cu, 4)
+    with pytest.raises(TypeError, match="share a dtype"):
+        varlen_attention(q, k.double(), v, cu, 4)
+
+
+def test_no_tokens():
+    q, k, v = (t[:0] for t in _cpu_qkv())
+    out = varlen_attention(q, k, v, torch.tensor([0, 0], dtype=torch.int32), 0)
+    assert out.shape == (0, 4, 16)
+
+
+# -- torch.compile --
+
+# Inductor needs a minute of C++ compilation on a 2-core CI box; aot_eager still runs dynamo and AOT
+# autograd (the parts that break on graph-unfriendly code). PACKKIT_COMPILE_BACKEND=inductor for the full path.
+COMPILE_BACKEND = os.environ.get("PACKKIT_COMPILE_BACKEND", "aot_eager")
+
+
+def test_torch_compile_smoke():
+    """The public function under torch.compile on the CPU path (the reference backend): same values
+    and gradients as eager. The reference reads cu_seqlens on the host, so dynamo breaks the graph
+    there; that is expected of the reference, and the Triton op compiles in one graph
+    (tests/test_kernels_flash_varlen.py)."""
+    torch._dynamo.reset()
+    lengths = [5, 0, 11]
+    cu = cu_seqlens_of(lengths)
+    base = random_qkv(lengths, 4, 2, 16, torch.float32, "cpu")
+
+    def step(q, k, v):
+        return varlen_attention(q, k, v, cu, 11).square().sum()
+
+    results = []
+    for fn in (step, torch.compile(step, backend=COMPILE_BACKEND)):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        loss = fn(q, k, v)
+        loss.backward()
+        results.append((loss, q.grad, k.grad, v.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
