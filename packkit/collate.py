@@ -21,15 +21,18 @@ token from the document before it. With ``mask_first_label=False`` labels are pr
 (``labels[i]`` is the target of token ``i``) and are used exactly as given; every example then needs
 ``labels``.
 
-Tokens are moved with one ``np.fromiter`` over the concatenated lists, or one ``np.concatenate``
-of the arrays, then numpy index arithmetic; tensors leave through ``torch.from_numpy`` (no copy).
-A list is checked by the type of its first element; arrays and tensors by dtype.
+Tokens are moved with one conversion of the concatenated lists (``struct.pack_into`` into the
+output array), or one ``np.concatenate`` of the arrays, then numpy index arithmetic; tensors leave
+through ``torch.from_numpy`` (no copy). Lists must hold Python (or numpy) integers; arrays and
+tensors are checked by dtype.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import numbers
+import operator
+import struct
 
 import numpy as np
 import torch
@@ -37,7 +40,7 @@ import torch
 from .batch import PackedBatch
 from .binpack import OVERFLOW_POLICIES, STRATEGIES, check_window, pack
 from .packer import gather_index
-from .segments import IGNORE_INDEX, lengths_to_cu_seqlens
+from .segments import IGNORE_INDEX
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
 
@@ -84,23 +87,30 @@ def _column(x, i: int, key: str, kind: str):
 
 
 def _concat(parts: list, all_lists: bool, total: int, key: str) -> np.ndarray:
-    """Concatenate example columns into one ``(total,)`` int64 array: one ``np.fromiter`` over the
-    joined lists, or one ``np.concatenate`` of arrays. ``_concat([[1], [2, 3]], True, 3, ...) -> [1, 2, 3]``."""
+    """Concatenate example columns into one writable ``(total,)`` int64 array.
+
+    Lists: joined into one list and converted by a single ``struct.pack_into`` straight into the
+    output buffer (measured faster than ``np.fromiter``/``np.array`` on a list, about 2x, and it
+    rejects floats instead of truncating them). Arrays: one ``np.concatenate``.
+    ``_concat([[1], [2, 3]], True, 3, "input_ids") -> [1, 2, 3]``.
+    """
+    out = np.empty(total, np.int64)
     try:
         if all_lists:
             flat: list = []
             for p in parts:
                 flat += p
-            return np.fromiter(flat, np.int64, total)
-        arrays = [p if isinstance(p, np.ndarray) else np.fromiter(p, np.int64, len(p)) for p in parts]
-        return np.concatenate(arrays, dtype=np.int64, casting="unsafe") if len(arrays) > 1 \
-            else arrays[0].astype(np.int64)
-    except (ValueError, TypeError, OverflowError) as exc:
+            struct.pack_into(f"{total}q", out, 0, *flat)
+            return out
+        arrays = [p if isinstance(p, np.ndarray) else np.array(p, np.int64) for p in parts]
+        return np.concatenate(arrays, out=out, casting="unsafe")
+    except (ValueError, TypeError, OverflowError, struct.error) as exc:
         for i, p in enumerate(parts):  # the error path only: find the example to name it
             try:
-                np.fromiter(p, np.int64, len(p))
-            except (ValueError, TypeError, OverflowError) as inner:
-                raise TypeError(f"example {i}: '{key}' is not a sequence of int64 integers ({inner})") from None
+                struct.pack(f"{len(p)}q", *(p.tolist() if isinstance(p, np.ndarray) else p))
+            except (ValueError, TypeError, OverflowError, struct.error) as inner:
+                raise TypeError(f"example {i}: '{key}' is not a sequence of int64 integers ({inner})") \
+                    from None
         raise TypeError(f"'{key}' could not be read as integers: {exc}") from None
 
 
@@ -132,53 +142,24 @@ def read_examples(examples, *, need_labels: bool = False):
     if need_labels and not has_labels:
         raise ValueError("example 0 has no 'labels': mask_first_label=False means labels are pre-shifted "
                          "and must be given (labels[i] = target of token i, -100 at each example's end)")
-    ids_parts, lab_parts, mask_parts = [], [], []
-    lengths = [0] * n
-    all_lists = True
-    for i, ex in enumerate(examples):
-        try:
-            x = ex["input_ids"]
-        except (KeyError, TypeError, IndexError):
-            what = f"keys {sorted(ex)}" if isinstance(ex, collections.abc.Mapping) else type(ex).__name__
-            raise ValueError(f"example {i} has no 'input_ids' ({what}); every example needs its token ids") \
-                from None
-        part, length, is_list = _column(x, i, "input_ids", "ids")
-        if length == 0:
-            raise ValueError(f"example {i} is empty (0 tokens); filter empty examples out before collating")
-        all_lists &= is_list
-        ids_parts.append(part)
-        lengths[i] = length
-        if has_labels:
-            try:
-                y = ex["labels"]
-            except KeyError:
-                raise ValueError(f"example {i} has no 'labels' but example 0 has; give every example labels "
-                                 "or none") from None
-            part, length_y, is_list = _column(y, i, "labels", "labels")
-            if length_y != length:
-                raise ValueError(f"example {i} has {length_y} labels for {length} input_ids; they must match")
-            all_lists &= is_list
-            lab_parts.append(part)
-        if mask_key is not None:
-            try:
-                m = ex[mask_key]
-            except KeyError:
-                raise ValueError(f"example {i} has no '{mask_key}' but example 0 has; give every example "
-                                 "one or none") from None
-            part, length_m, is_list = _column(m, i, mask_key, "mask")
-            if length_m != length:
-                raise ValueError(f"example {i} has a {mask_key} of {length_m} for {length} input_ids; "
-                                 "they must match")
-            all_lists &= is_list
-            mask_parts.append(part)
+    ids_parts, lengths, ids_lists = _read_column(examples, "input_ids", "ids")
+    empty = lengths.index(0) if 0 in lengths else None
+    if empty is not None:
+        raise ValueError(f"example {empty} is empty (0 tokens); filter empty examples out before collating")
+    if has_labels:
+        lab_parts, lab_lengths, lab_lists = _read_column(examples, "labels", "labels")
+        _check_same_lengths(lab_lengths, lengths, "labels")
+    if mask_key is not None:
+        mask_parts, mask_lengths, mask_lists = _read_column(examples, mask_key, "mask")
+        _check_same_lengths(mask_lengths, lengths, f"{mask_key} entries")
     lengths = np.array(lengths, np.int64)
     total = int(lengths.sum())
-    input_ids = _concat(ids_parts, all_lists, total, "input_ids")
+    input_ids = _concat(ids_parts, ids_lists, total, "input_ids")
     if input_ids.size and input_ids.min() < 0:
         i, v = _first_bad(input_ids, input_ids < 0, _offsets(lengths))
         raise ValueError(f"example {i} has token id {v} < 0; token ids must be non-negative")
     if has_labels:
-        labels = _concat(lab_parts, all_lists, total, "labels")
+        labels = _concat(lab_parts, lab_lists, total, "labels")
         bad = (labels < 0) & (labels != IGNORE_INDEX)
         if bad.any():
             i, v = _first_bad(labels, bad, _offsets(lengths))
@@ -186,9 +167,65 @@ def read_examples(examples, *, need_labels: bool = False):
     else:
         labels = input_ids.copy()
     if mask_key is not None:
-        mask = _concat(mask_parts, all_lists, total, mask_key)
+        mask = _concat(mask_parts, mask_lists, total, mask_key)
         labels[mask == 0] = IGNORE_INDEX
     return input_ids, labels, lengths
+
+
+_INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
+                                                  np.uint32, np.uint64))
+_MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
+_first_item = operator.itemgetter(0)
+_dtype_of = operator.attrgetter("dtype")
+_ndim_of = operator.attrgetter("ndim")
+
+
+def _read_column(examples, key: str, kind: str) -> tuple[list, list, bool]:
+    """One column of every example: ``(parts, lengths, all_lists)``, each part a list or a 1-D
+    integer array. Checks run over the whole column with C-level ``map``/``set`` (no per-example
+    Python statements) and fall back to a checked loop that names the offending example.
+    ``_read_column([{"input_ids": [5, 6]}], "input_ids", "ids") -> ([[5, 6]], [2], True)``.
+    """
+    try:
+        xs = [ex[key] for ex in examples]
+    except (KeyError, TypeError, IndexError):
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, collections.abc.Mapping):
+                raise TypeError(f"example {i} is a {type(ex).__name__}, not a dict with 'input_ids'") from None
+            if key not in ex:
+                if key == "input_ids":
+                    raise ValueError(f"example {i} has no 'input_ids' (keys {sorted(ex)}); every example "
+                                     "needs its token ids") from None
+                raise ValueError(f"example {i} has no '{key}' but example 0 has; give every example "
+                                 f"'{key}' or none") from None
+        raise
+    kinds = set(map(type, xs))
+    if kinds == _LIST:
+        lengths = list(map(len, xs))
+        if 0 not in lengths and set(map(type, map(_first_item, xs))) <= (_MASK_ITEMS if kind == "mask"
+                                                                          else _INT_ITEM):
+            return xs, lengths, True
+    elif kinds == _NDARRAY:
+        if set(map(_ndim_of, xs)) == _ONE and set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask"
+                                                                         else _INT_DTYPES):
+            return xs, [x.shape[0] for x in xs], False
+    parts, lengths, all_lists = [], [], True
+    for i, x in enumerate(xs):
+        part, length, is_list = _column(x, i, key, kind)
+        parts.append(part)
+        lengths.append(length)
+        all_lists &= is_list
+    return parts, lengths, all_lists
+
+
+_LIST, _NDARRAY, _ONE = {list}, {np.ndarray}, {1}
+_INT_ITEM, _MASK_ITEMS = {int}, {int, bool}
+
+
+def _check_same_lengths(got: list, lengths: list, what: str) -> None:
+    if got != lengths:
+        i = next(i for i, (a, b) in enumerate(zip(got, lengths)) if a != b)
+        raise ValueError(f"example {i} has {got[i]} {what} for {lengths[i]} input_ids; they must match")
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -206,19 +243,21 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 def _segment_fields(seg_lengths: np.ndarray):
     """Segment lengths -> ``(cu_seqlens int32 (S+1,), position_ids int64 (T,), seq_idx int32 (T,))``.
 
-    ``[2, 1] -> ([0, 2, 3], [0, 1, 0], [0, 0, 1])``. One cumsum shared by the three fields.
+    ``[2, 1] -> ([0, 2, 3], [0, 1, 0], [0, 0, 1])``. One cumsum shared by the three fields (the same
+    arithmetic as ``packkit.segments``, fused for the collators' hot path).
     """
-    cu = lengths_to_cu_seqlens(seg_lengths)
+    cu = _offsets(seg_lengths)
     total = int(cu[-1])
-    starts = np.repeat(cu[:-1].astype(np.int64), seg_lengths)
+    if total > _INT32_MAX:
+        raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
     position_ids = np.arange(total, dtype=np.int64)
-    position_ids -= starts
+    position_ids -= np.repeat(cu[:-1], seg_lengths)
     seq_idx = np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)
-    return cu, position_ids, seq_idx
+    return cu.astype(np.int32), position_ids, seq_idx
 
 
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a)
+_INT32_MAX = np.iinfo(np.int32).max
+_tensor = torch.from_numpy
 
 
 def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = True) -> PackedBatch:
@@ -226,14 +265,14 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
     cu, position_ids, seq_idx = _segment_fields(lengths)
     if mask_first_label:
         labels[cu[:-1]] = IGNORE_INDEX
-    total = input_ids.size
+    shape = (1, input_ids.size)
     return PackedBatch(
-        input_ids=_tensor(input_ids).view(1, total),
-        labels=_tensor(labels).view(1, total),
-        position_ids=_tensor(position_ids).view(1, total),
+        input_ids=_tensor(input_ids.reshape(shape)),
+        labels=_tensor(labels.reshape(shape)),
+        position_ids=_tensor(position_ids.reshape(shape)),
         cu_seqlens=_tensor(cu),
         max_seqlen=int(lengths.max()),
-        seq_idx=_tensor(seq_idx).view(1, total),
+        seq_idx=_tensor(seq_idx.reshape(shape)),
         num_loss_tokens=int(np.count_nonzero(labels != IGNORE_INDEX)),
     )
 
@@ -294,14 +333,14 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
     if attention_mask:
         mask = np.zeros(num_rows * width, np.int64)
         mask[dest] = 1
-        mask = _tensor(mask).view(shape)
+        mask = _tensor(mask.reshape(shape))
     return PackedBatch(
-        input_ids=_tensor(out_ids).view(shape),
-        labels=_tensor(out_labels).view(shape),
-        position_ids=_tensor(position_ids).view(shape),
+        input_ids=_tensor(out_ids.reshape(shape)),
+        labels=_tensor(out_labels.reshape(shape)),
+        position_ids=_tensor(position_ids.reshape(shape)),
         cu_seqlens=_tensor(cu),
         max_seqlen=max_seqlen,
-        seq_idx=_tensor(seq_idx).view(shape),
+        seq_idx=_tensor(seq_idx.reshape(shape)),
         num_loss_tokens=int(np.count_nonzero(out_labels != IGNORE_INDEX)),
         attention_mask=mask,
     )
@@ -404,6 +443,9 @@ class FixedWindowCollator:
         plan = pack(lengths, window=self.window, strategy=self.strategy, overflow=self.overflow,
                     seed=self.seed)
         self.cut_tokens += plan.cut_tokens
+        if plan.num_windows == 0:
+            raise ValueError(f"overflow='drop' dropped all {lengths.size} examples of this batch (each longer "
+                             f"than window={self.window}); raise window or use overflow='split'")
         index, _ = gather_index(plan, _offsets(lengths))
         return rows_batch(input_ids[index], labels[index], plan.seg_length, plan.window_ptr,
                           width=self.window, num_rows=self.num_windows, pad_token_id=self.pad_token_id,
