@@ -437,3 +437,22 @@ def test_single_example_many_ranks_repeats_and_reports():
     per_rank, samplers = run_ranks(lambda **kw: LengthGroupedSampler([5], batch_size=2, **kw), 4)
     assert per_rank == [[[0]]] * 4
     assert samplers[0].epoch_stats().repeated == 3
+
+
+def test_packed_sampler_feeds_fixed_window_collator():
+    """End to end: every batch of the sampler becomes exactly k windows of W, with all its tokens."""
+    torch = pytest.importorskip("torch")
+    collate = pytest.importorskip("packkit.collate")
+    window, k = 32, 3
+    lengths = np.random.default_rng(0).integers(1, window + 1, size=120)
+    ds = [{"input_ids": np.arange(1, n + 1)} for n in lengths]  # ids >= 1, padding is 0
+    sampler = PackedBatchSampler(lengths, window=window, windows_per_batch=k, seed=2)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate.FixedWindowCollator(
+        window=window, strategy="next_fit", num_windows=k))
+    total = 0
+    for batch, indices in zip(loader, sampler):
+        assert tuple(batch["input_ids"].shape) == (k, window)
+        real = int((batch["input_ids"] != 0).sum())
+        assert real == int(lengths[indices].sum())
+        total += real
+    assert total == int(lengths.sum())
