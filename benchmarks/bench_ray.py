@@ -153,7 +153,8 @@ def main(argv=None):
 
     # -- the local mode's passes without Ray --
     opts = dict(window=W, strategy="bfd", overflow="split", seed=0, shuffle=True, tail_slack=0.0005,
-                input_key="input_ids", label_key="labels", has_labels=args.labels, mask_first_label=True)
+                input_key="input_ids", label_key="labels", has_labels=args.labels,
+                label_type=pa.int64() if args.labels else None, mask_first_label=True)
     stage = []
     for _ in range(args.repeat):
         gc.collect()
@@ -182,7 +183,7 @@ def main(argv=None):
         for _ in range(args.repeat):
             gc.collect()
             t = time.perf_counter()
-            out, report = raydata.pack_dataset(ds, window=W, mode=mode, overflow="split")
+            out, report = raydata.pack_dataset(ds, window=W, mode=mode, overflow="split", return_report=True)
             reps.append(time.perf_counter() - t)
             assert report.tokens == tokens, "tokens lost"
             del out

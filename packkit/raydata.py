@@ -5,8 +5,9 @@ becomes a ``ray.data.Dataset`` of packed rows, one per window, unpadded, in the 
 that :class:`packkit.collate.PackedRowsCollator` reads (and ``.write_parquet(path)`` writes)::
 
     input_ids    list<int>   tokens of the window, length <= W (the input's integer type)
-    labels       list<int64> only when the input has labels; -100 on the first token of every segment
-    seq_lengths  list<int64> segment lengths of the row, summing to len(input_ids)
+    labels       list<int>   only when the input has labels (their type, int64 if unsigned or 8-bit);
+                             -100 on the first token of every segment
+    seq_lengths  list<int32> segment lengths of the row, summing to len(input_ids)
 
 Two plans, one engine (:func:`packkit.binpack.pack` plans, :func:`packkit.packer.pack_arrays` gathers):
 
@@ -41,6 +42,7 @@ give both, keep Arrow in and Arrow out, and build the result with ``ray.data.fro
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 
 import numpy as np
@@ -51,6 +53,7 @@ from .packer import PackedRows, pack_arrays
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
 
 MODES = ("local", "global")
+logger = logging.getLogger("packkit")
 _INSTALL = "packkit.raydata needs Ray Data: pip install 'packkit[ray]'"
 
 
@@ -133,7 +136,8 @@ def _block_lengths(table, input_key: str, label_key: str | None) -> dict:
     the driver turns ``local_index`` into the index in the whole dataset.
     """
     n = table.num_rows
-    out = {"lengths": np.zeros(n, np.int64), "has_labels": False, "error": None, "value_type": None}
+    out = {"lengths": np.zeros(n, np.int64), "has_labels": False, "error": None, "value_type": None,
+           "label_type": None}
     if input_key not in table.column_names:
         out["error"] = ("key", None, f"no column {input_key!r} (columns: {table.column_names})")
         return out
@@ -156,6 +160,7 @@ def _block_lengths(table, input_key: str, label_key: str | None) -> dict:
         return out
     if label_key is not None and label_key in table.column_names:
         out["has_labels"] = True
+        out["label_type"] = _value_type(table, label_key)
         try:
             _, label_offsets, label_nulls = _list_column(table, label_key)
         except (TypeError, ValueError) as exc:
@@ -192,7 +197,15 @@ def _segments_table(values, labels, offsets):
     return pa.table(cols)
 
 
-def _rows_table(rows: PackedRows, has_labels: bool, value_type):
+def _labels_type(value_type):
+    """Labels keep a signed type of at least 16 bits (-100 must fit), else become int64."""
+    import pyarrow as pa
+
+    ok = value_type is not None and pa.types.is_signed_integer(value_type) and value_type.bit_width >= 16
+    return value_type if ok else pa.int64()
+
+
+def _rows_table(rows: PackedRows, has_labels: bool, value_type, label_type=None):
     """:class:`PackedRows` -> the offline row format (input_ids, labels?, seq_lengths), one row a window."""
     import pyarrow as pa
 
@@ -204,9 +217,9 @@ def _rows_table(rows: PackedRows, has_labels: bool, value_type):
     offs = pa.array(rows.row_offsets.astype(np.int32))
     cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(rows.input_ids, type=value_type))}
     if has_labels:
-        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(rows.labels, type=pa.int64()))
+        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(rows.labels, type=_labels_type(label_type)))
     seq_offs = pa.array(rows.seq_offsets.astype(np.int32))
-    cols["seq_lengths"] = pa.ListArray.from_arrays(seq_offs, pa.array(rows.seq_lengths, type=pa.int64()))
+    cols["seq_lengths"] = pa.ListArray.from_arrays(seq_offs, pa.array(rows.seq_lengths.astype(np.int32)))
     return pa.table(cols)
 
 
@@ -244,7 +257,7 @@ def _pass1_block(table, block: int, opts: dict):
     if opts["shuffle"]:
         full = full.shuffled(seed)
     rows = pack_arrays(full, values, offsets, labels, mask_first_label=opts["mask_first_label"])
-    out = _rows_table(rows, has_labels, _value_type(table, key))
+    out = _rows_table(rows, has_labels, _value_type(table, key), opts["label_type"])
     # The handed-over segments travel unmasked; pass 2 masks the first label of each one.
     handed = plan.select(tail)
     seg = pack_arrays(handed, values, offsets, labels, mask_first_label=False)
@@ -281,7 +294,7 @@ def _pass2_tail(opts: dict, value_type, block: int, *segment_tables):
     if opts["shuffle"]:
         plan = plan.shuffled(plan.seed)
     rows = pack_arrays(plan, values, offsets, labels, mask_first_label=opts["mask_first_label"])
-    return _rows_table(rows, opts["has_labels"], value_type), {"windows": plan.num_windows,
+    return _rows_table(rows, opts["has_labels"], value_type, opts["label_type"]), {"windows": plan.num_windows,
                                                               "tokens": plan.total_tokens}
 
 
@@ -328,7 +341,7 @@ def _gather_chunk(opts: dict, value_type, seg_block, seg_length, window_ptr, *pi
         overflow_examples=np.zeros(0, np.int64), dropped_examples=np.zeros(0, np.int64), cut_tokens=0,
     )
     rows = pack_arrays(sub, values, concat_offsets, labels, mask_first_label=opts["mask_first_label"])
-    return _rows_table(rows, opts["has_labels"], value_type)
+    return _rows_table(rows, opts["has_labels"], value_type, opts["label_type"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,7 +420,7 @@ def _overflow_counts(lengths: np.ndarray, window: int, overflow: str) -> tuple[i
 def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd", overflow: str = "error",
                  seed: int | None = 0, shuffle: bool = True, tail_slack: float = 0.0005,
                  input_key: str = "input_ids", label_key: str = "labels", mask_first_label: bool = True,
-                 num_output_blocks: int | None = None):
+                 num_output_blocks: int | None = None, return_report: bool = False):
     """Pack a ``ray.data.Dataset`` of tokenized examples into windows of ``window`` tokens.
 
     Args:
@@ -423,11 +436,13 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
             rest of its windows go to pass 2.
         mask_first_label: set the first label of every segment to -100 (models that shift labels).
         num_output_blocks: global mode: output blocks (default: as many as input blocks).
+        return_report: return ``(packed, report)`` with a :class:`RayPackReport` (windows, lower
+            bound, what the overflow policy touched); the overflow counts are logged either way.
 
     Returns:
-        ``(packed, report)``: a ``ray.data.Dataset`` of rows ``input_ids``, ``labels`` (when the
-        input has them), ``seq_lengths``; and a :class:`RayPackReport`. The work runs when this is
-        called; the packed blocks are then in Ray's object store (``packed.write_parquet(path)``).
+        A ``ray.data.Dataset`` of rows ``input_ids``, ``labels`` (when the input has them),
+        ``seq_lengths``: the columns and types of :func:`packkit.hf.pack_dataset`. The work runs when
+        this is called; the packed blocks are then in Ray's object store (``.write_parquet(path)``).
 
     Raises:
         ValueError / TypeError / KeyError naming the example's index in the whole dataset (its
@@ -473,11 +488,13 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
             "pass overflow='split', 'truncate' or 'drop', or raise window"
         )
     n_over, n_dropped, cut = _overflow_counts(lengths, window, overflow)
+    label_types = {info["label_type"] for info in infos if info["lengths"].size and info["label_type"]}
+    label_type = max(label_types, key=lambda t: t.bit_width) if label_types else None
     types = {info["value_type"] for info in infos if info["lengths"].size}
     value_type = max(types, key=lambda t: t.bit_width) if types else pa.int64()  # one schema for all blocks
     opts = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle,
                 tail_slack=float(tail_slack), input_key=input_key, label_key=label_key,
-                has_labels=has_labels, mask_first_label=mask_first_label)
+                has_labels=has_labels, label_type=label_type, mask_first_label=mask_first_label)
     input_tokens = int(lengths.sum())
     common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
                   examples=int(lengths.size), input_tokens=input_tokens, overflow_examples=n_over,
@@ -498,7 +515,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
             handed_tokens=sum(s["handed_tokens"] for s in stats), pass2_windows=tail_stats["windows"],
             **common,
         )
-        return ray.data.from_arrow_refs(full_refs + [tail_ref]), report
+        return _finish(ray.data.from_arrow_refs(full_refs + [tail_ref]), report, return_report)
 
     # -- global: one plan over every length, then map (per source block) / reduce (per chunk) --
     plan = pack(lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
@@ -530,4 +547,20 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     report = RayPackReport(mode=mode, windows=plan.num_windows, tokens=plan.total_tokens,
                            lower_bound=plan.lower_bound, **common)
     ray.get(out_refs)
-    return ray.data.from_arrow_refs(out_refs), report
+    return _finish(ray.data.from_arrow_refs(out_refs), report, return_report)
+
+
+def _finish(packed, report: RayPackReport, return_report: bool):
+    """Log what the overflow policy touched (as pack_dataset does), and return."""
+    if report.overflow_examples:
+        if report.overflow in ("truncate", "drop"):
+            what = "truncated" if report.overflow == "truncate" else "dropped"
+            logger.warning(
+                "raydata.pack_dataset: overflow=%r %s %d of %d examples longer than window=%d, cutting %d "
+                "of %d tokens (%.2f%%)", report.overflow, what, report.overflow_examples, report.examples,
+                report.window, report.cut_tokens, report.input_tokens,
+                100.0 * report.cut_tokens / max(report.input_tokens, 1))
+        else:
+            logger.info("raydata.pack_dataset: split %d of %d examples longer than window=%d into pieces",
+                        report.overflow_examples, report.examples, report.window)
+    return (packed, report) if return_report else packed

@@ -184,7 +184,7 @@ def data(local_ray):
 @pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
 def test_conservation_capacity_positions(data, mode, overflow):
     lengths, ds = data
-    out, report = raydata.pack_dataset(ds, window=W, mode=mode, overflow=overflow)
+    out, report = raydata.pack_dataset(ds, window=W, mode=mode, overflow=overflow, return_report=True)
     rows = collect(out)
     print(report.summary())
     check_rows(rows, lengths, window=W, overflow=overflow)
@@ -200,9 +200,9 @@ def test_conservation_capacity_positions(data, mode, overflow):
 def test_local_fill_within_0_1_percent_of_lower_bound(local_ray, blocks):
     lengths = make_lengths(seed=1, hi=W)
     ds = make_ds(lengths, blocks=blocks)
-    _, report = raydata.pack_dataset(ds, window=W, mode="local")
+    _, report = raydata.pack_dataset(ds, window=W, mode="local", return_report=True)
     # without pass 2 (every block keeps all its windows) the blocks' tails add up
-    _, no_pass2 = raydata.pack_dataset(ds, window=W, mode="local", tail_slack=0.99)
+    _, no_pass2 = raydata.pack_dataset(ds, window=W, mode="local", tail_slack=0.99, return_report=True)
     lb = -(-int(lengths.sum()) // W)
     print(f"blocks={blocks} lower bound {lb}: with pass 2 {report.windows} "
           f"(handed {report.handed_windows} -> {report.pass2_windows}), without {no_pass2.windows}")
@@ -214,7 +214,7 @@ def test_local_fill_within_0_1_percent_of_lower_bound(local_ray, blocks):
 def test_global_mode_gives_the_single_machine_windows(data):
     """Global mode: exactly the rows of binpack.pack + packer.pack_arrays on the gathered rows."""
     lengths, ds = data
-    out, report = raydata.pack_dataset(ds, window=W, mode="global", overflow="split", seed=7)
+    out, report = raydata.pack_dataset(ds, window=W, mode="global", overflow="split", seed=7, return_report=True)
     got = collect(out)
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     plan = pack(lengths, window=W, overflow="split", seed=7).shuffled(7)
@@ -230,9 +230,9 @@ def test_global_mode_gives_the_single_machine_windows(data):
 
 def test_deterministic_for_a_block_layout_and_seed(data):
     _, ds = data
-    a = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=3)[0])
-    b = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=3)[0])
-    c = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=4)[0])
+    a = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=3))
+    b = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=3))
+    c = collect(raydata.pack_dataset(ds, window=W, mode="local", overflow="split", seed=4))
     assert a == b
     assert a != c and sorted(map(tuple, a["input_ids"])) == sorted(map(tuple, c["input_ids"]))
 
@@ -240,7 +240,7 @@ def test_deterministic_for_a_block_layout_and_seed(data):
 def test_no_labels_in_no_labels_out_and_parquet_roundtrip(local_ray, tmp_path):
     lengths = make_lengths(n=500, seed=2, hi=W)
     ds = make_ds(lengths, blocks=4, labels=False)
-    out, _ = raydata.pack_dataset(ds, window=W)
+    out = raydata.pack_dataset(ds, window=W)
     rows = collect(out)
     assert set(rows) == {"input_ids", "seq_lengths"}
     check_rows(rows, lengths, window=W, overflow="error")
@@ -281,7 +281,7 @@ def test_packed_rows_collator_reads_ray_rows(data):
     from packkit.collate import PackedRowsCollator
 
     _, ds = data
-    out, _ = raydata.pack_dataset(ds, window=W, mode="local", overflow="split")
+    out = raydata.pack_dataset(ds, window=W, mode="local", overflow="split")
     got = collect(out)
     rows = [{k: got[k][r] for k in got} for r in range(8)]
     batch = PackedRowsCollator(window=W)(rows)
@@ -294,3 +294,19 @@ def test_packed_rows_collator_reads_ray_rows(data):
     want = [s for row in rows for s in row["seq_lengths"] + ([W - len(row["input_ids"])] if len(row["input_ids"]) < W else [])]
     cu = batch.cu_seqlens.tolist()
     assert [b - a for a, b in zip(cu[:-1], cu[1:])] == want  # a padding tail is its own segment
+
+
+def test_global_mode_equals_hf_pack_dataset(data):
+    """Ray's global mode and the single-machine ``packkit.hf.pack_dataset`` give the same rows, in order."""
+    hf = pytest.importorskip("packkit.hf")
+    datasets = pytest.importorskip("datasets")
+    from datasets.table import InMemoryTable
+
+    lengths, ds = data
+    want = hf.pack_dataset(datasets.Dataset(InMemoryTable(make_table(lengths))), window=W, overflow="split",
+                           seed=5).data.table
+    got = pa.concat_tables(ray.get(raydata.pack_dataset(ds, window=W, mode="global", overflow="split",
+                                                        seed=5).to_arrow_refs()))
+    assert got.column_names == want.column_names == ["input_ids", "labels", "seq_lengths"]
+    assert got.schema.equals(want.schema), (got.schema, want.schema)
+    assert got.equals(want.combine_chunks())
