@@ -1,0 +1,419 @@
+"""Reading example lengths and token columns from files, without per-token Python.
+
+Formats (by suffix): ``.npy`` (a 1-D array of lengths), ``.jsonl`` / ``.ndjson`` / ``.json``,
+``.parquet``, ``.arrow`` / ``.feather`` (Arrow IPC file or stream, as ``datasets`` writes its cache),
+``.txt`` (one example per line), and a folder written by ``datasets``' ``save_to_disk``. Lengths come
+from the offsets of an Arrow list column (``input_ids`` by default), from an integer column of lengths,
+or from a text column through a tokenizer: a local Hugging Face ``tokenizer.json``, or the byte-level
+tokenizer below (so nothing is ever downloaded)::
+
+    >>> byte_tokenize(["hi", "é"]).to_pylist()
+    [[104, 105], [195, 169]]
+    >>> import pyarrow as pa
+    >>> list_lengths(pa.array([[1, 2, 3], [4]])).tolist()
+    [3, 1]
+
+With no file, :func:`read_lengths` returns the bundled sample of real lengths (``packkit/data/README.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "Lengths",
+    "bundled_sample",
+    "byte_tokenize",
+    "list_lengths",
+    "load_table",
+    "load_dataset",
+    "read_lengths",
+    "token_column",
+    "tokenize",
+    "progress_bar",
+    "FORMATS",
+]
+
+#: Suffixes (lower case) of the file formats read here; a folder is a ``save_to_disk`` dataset.
+FORMATS = {
+    ".npy": "numpy array of lengths",
+    ".jsonl": "JSON lines", ".ndjson": "JSON lines", ".json": "JSON (lines, or one list of objects)",
+    ".parquet": "Parquet", ".pq": "Parquet",
+    ".arrow": "Arrow IPC", ".feather": "Arrow IPC", ".ipc": "Arrow IPC",
+    ".txt": "text, one example per line", ".text": "text, one example per line",
+}
+
+SAMPLE_PATH = Path(__file__).with_name("data") / "sample_lengths.npy"
+
+
+def _pa():
+    try:
+        import pyarrow
+    except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
+        raise ImportError("reading this format needs pyarrow: pip install 'packkit[datasets]'") from None
+    return pyarrow
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """Example lengths and where they came from.
+
+    Fields:
+        lengths: (num_examples,) int64, every entry >= 1
+        source:  a short description, e.g. ``"data.jsonl, column 'input_ids'"``
+        unit:    ``"tokens"``, or ``"bytes"`` when the byte-level tokenizer counted them
+    """
+
+    lengths: np.ndarray
+    source: str
+    unit: str = "tokens"
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure helpers
+# ----------------------------------------------------------------------------------------------
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def progress_bar(*, total: int, unit: str, enabled: bool, desc: str | None = None):
+    """A tqdm bar on stderr when ``enabled`` (and tqdm is installed), else a silent stand-in."""
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with the datasets extra
+        return _NoBar()
+    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def list_lengths(column, *, name: str = "input_ids") -> np.ndarray:
+    """Lengths of the lists of an Arrow list column, from its offsets: ``[[1, 2, 3], [4]] -> [3, 1]``.
+
+    Args:
+        column: a pyarrow ``ListArray`` / ``LargeListArray`` or a ``ChunkedArray`` of them.
+    Returns:
+        (num_rows,) int64. A null row is an error that names the row.
+    """
+    pa = _pa()
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out, base = [], 0
+    for chunk in chunks:
+        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
+            raise TypeError(f"column {name!r} holds {chunk.type}, not lists of token ids")
+        if chunk.null_count:
+            i = base + int(np.argmax(~np.asarray(chunk.is_valid())))
+            raise ValueError(f"example {i} has no {name!r} (null); drop or fill it before packing")
+        out.append(np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False))
+        base += len(chunk)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _binary_parts(arr):
+    """Offsets ``(n + 1,)`` int64 (starting at 0) and bytes ``(total,)`` uint8 of a binary/utf8 array."""
+    pa = _pa()
+    if arr.null_count:
+        raise ValueError(f"example {int(np.argmax(~np.asarray(arr.is_valid())))} has no text (null)")
+    large = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
+    _, off_buf, data_buf = arr.buffers()
+    offsets = np.frombuffer(off_buf, np.int64 if large else np.int32)[arr.offset: arr.offset + len(arr) + 1]
+    data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    data = data[offsets[0]: offsets[-1]]
+    return offsets.astype(np.int64) - offsets[0], data
+
+
+def byte_tokenize(texts):
+    """The byte-level tokenizer: the UTF-8 bytes of each text, as int32 token ids in ``[0, 256)``.
+
+    ``["hi", "é"] -> [[104, 105], [195, 169]]``. Needs no vocabulary and downloads nothing; a
+    byte count is roughly 3-4x a subword tokenizer's token count on English text.
+
+    Args:
+        texts: a list of str, or a pyarrow string array / chunked array.
+    Returns:
+        pyarrow ``ListArray`` (or ``LargeListArray`` past 2**31 - 1 bytes) of int32.
+    """
+    pa = _pa()
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks() if texts.num_chunks != 1 else texts.chunk(0)
+    if not isinstance(texts, pa.Array):
+        texts = pa.array(list(texts), type=pa.string())
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)
+            or pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type)):
+        raise TypeError(f"byte_tokenize needs text, got {texts.type}")
+    offsets, data = _binary_parts(texts)
+    ids = pa.array(data.astype(np.int32))
+    if offsets[-1] < 2**31 - 1:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), ids)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), ids)
+
+
+def _load_tokenizer(spec):
+    """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer."""
+    if spec is None or spec == "bytes":
+        return None
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"tokenizer {str(spec)!r} not found: pass a local tokenizer.json (or its folder), or 'bytes'"
+        )
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("a tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises its own exception type
+        raise ValueError(f"could not read tokenizer {str(path)!r}: {exc}") from None
+
+
+def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bool = False):
+    """Token ids of ``texts`` as a pyarrow list array: byte level, or a ``tokenizer.json``.
+
+    Args:
+        texts: pyarrow string array (or list of str).
+        tokenizer: ``"bytes"`` or the path of a local ``tokenizer.json``.
+    """
+    pa = _pa()
+    tok = _load_tokenizer(tokenizer)
+    if tok is None:
+        return byte_tokenize(texts)
+    if isinstance(texts, (pa.Array, pa.ChunkedArray)):
+        if texts.null_count:
+            raise ValueError(f"example {texts.to_pylist().index(None)} has no text (null)")
+        texts = texts.to_pylist()
+    parts = []
+    with progress_bar(total=len(texts), unit="ex", enabled=progress, desc="tokenize") as bar:
+        for lo in range(0, len(texts), batch_size):
+            encs = tok.encode_batch(texts[lo: lo + batch_size])
+            for e in encs:
+                parts.append(np.asarray(e.ids, np.int32))
+            bar.update(len(encs))
+    lengths = np.array([p.size for p in parts], np.int64)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = pa.array(np.concatenate(parts) if parts else np.zeros(0, np.int32))
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+
+
+# ----------------------------------------------------------------------------------------------
+# files
+# ----------------------------------------------------------------------------------------------
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def _check_path(path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{str(path)!r} does not exist")
+    if path.is_dir():
+        if not any((path / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")):
+            raise ValueError(
+                f"{str(path)!r} is a folder but not a dataset saved with save_to_disk "
+                "(no state.json or dataset_dict.json in it)"
+            )
+    elif _suffix(path) not in FORMATS:
+        raise ValueError(
+            f"cannot read {str(path)!r}: unknown format {path.suffix or '(no suffix)'!r}; "
+            f"use one of {', '.join(sorted(FORMATS))}, or a folder saved with save_to_disk"
+        )
+    return path
+
+
+def _read_json(path: Path):
+    pa = _pa()
+    import pyarrow.json as pj
+
+    try:
+        return pj.read_json(str(path))
+    except pa.ArrowInvalid as first:
+        # Not JSON lines: maybe one JSON list of objects.
+        try:
+            with open(path, encoding="utf-8") as f:
+                rows = json.load(f)
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError(f"cannot read {str(path)!r} as JSON lines: {first}") from None
+        if isinstance(rows, dict):
+            rows = [rows]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{str(path)!r} must hold JSON objects, one per example") from None
+        return pa.Table.from_pylist(rows)
+
+
+def _read_arrow(path: Path):
+    pa = _pa()
+    import pyarrow.ipc as ipc
+
+    source = pa.memory_map(str(path))
+    try:
+        return ipc.open_file(source).read_all()
+    except pa.ArrowInvalid:
+        pass
+    try:
+        return ipc.open_stream(pa.memory_map(str(path))).read_all()
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"cannot read {str(path)!r} as an Arrow IPC file or stream: {exc}") from None
+
+
+def _read_text(path: Path):
+    pa = _pa()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text: {exc}") from None
+    return pa.table({"text": pa.array([line for line in lines if line.strip()], pa.string())})
+
+
+def load_dataset(path, *, split: str | None = None):
+    """A ``datasets.Dataset`` from a ``save_to_disk`` folder (memory-mapped), choosing ``split`` of a
+    ``DatasetDict`` (default ``"train"``, or its only split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("reading a saved dataset needs datasets: pip install 'packkit[datasets]'") from None
+    obj = datasets.load_from_disk(str(path))
+    if isinstance(obj, datasets.DatasetDict):
+        names = list(obj)
+        if split is None:
+            if "train" in obj or len(names) == 1:
+                split = "train" if "train" in obj else names[0]
+            else:
+                raise ValueError(f"{str(path)!r} has splits {names}: pass --split NAME")
+        if split not in obj:
+            raise KeyError(f"{str(path)!r} has no split {split!r}; it has {names}")
+        obj = obj[split]
+    elif split is not None:
+        raise ValueError(f"{str(path)!r} is a single dataset, not a DatasetDict: drop --split")
+    return obj
+
+
+def load_table(path, *, split: str | None = None):
+    """Read a file (or a ``save_to_disk`` folder) into a ``pyarrow.Table``.
+
+    A saved dataset is memory-mapped, and a selection (indices mapping) is applied.
+    """
+    path = _check_path(path)
+    pa = _pa()
+    if path.is_dir():
+        ds = load_dataset(path, split=split)
+        if getattr(ds, "_indices", None) is not None:
+            ds = ds.flatten_indices()
+        return ds.data.table
+    suffix = _suffix(path)
+    try:
+        if suffix in (".jsonl", ".ndjson", ".json"):
+            return _read_json(path)
+        if suffix in (".parquet", ".pq"):
+            import pyarrow.parquet as pq
+
+            return pq.read_table(str(path), memory_map=True)
+        if suffix in (".arrow", ".feather", ".ipc"):
+            return _read_arrow(path)
+        if suffix in (".txt", ".text"):
+            return _read_text(path)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc}") from None
+    raise ValueError(f"{str(path)!r}: a {FORMATS[suffix]} file has no table of examples")
+
+
+def token_column(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
+                 progress: bool = False):
+    """The token-id list column of ``table``: ``column`` if present, else ``text_column`` tokenized.
+
+    ``tokenizer=None`` refuses to tokenize (so text without token ids is an error that says what to
+    pass); ``"bytes"`` or a ``tokenizer.json`` path tokenizes. Returns a pyarrow (chunked) list array.
+    """
+    pa = _pa()
+    names = table.column_names
+    if column in names:
+        col = table.column(column)
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+            raise TypeError(f"column {column!r} holds {col.type}, not lists of token ids")
+        return col
+    if text_column in names:
+        if tokenizer is None:
+            raise ValueError(
+                f"no token ids (no column {column!r}), only text in {text_column!r}: "
+                "pass --tokenizer tokenizer.json (or --tokenizer bytes)"
+            )
+        col = table.column(text_column)
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            raise TypeError(f"column {text_column!r} holds {col.type}, not text")
+        return tokenize(col.combine_chunks() if col.num_chunks != 1 else col.chunk(0), tokenizer,
+                        progress=progress)
+    raise KeyError(
+        f"no column {column!r} (token ids) or {text_column!r} (text); the columns are {names}: "
+        "pass --column NAME or --text-column NAME"
+    )
+
+
+def bundled_sample() -> Lengths:
+    """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
+    lengths = np.load(SAMPLE_PATH).astype(np.int64)
+    return Lengths(lengths, "bundled sample: CPython's own docs as instruction examples", "bytes")
+
+
+def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",
+                 tokenizer="bytes", split: str | None = None, progress: bool = False) -> Lengths:
+    """Example lengths from a file (module docstring), or the bundled sample when ``path`` is None.
+
+    ``column`` may also name an integer column of lengths. Text is tokenized with ``tokenizer``
+    (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``).
+    """
+    if path is None:
+        return bundled_sample()
+    path = _check_path(path)
+    from .binpack import as_lengths
+
+    if path.is_file() and _suffix(path) == ".npy":
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except ValueError as exc:
+            raise ValueError(f"cannot read {str(path)!r} as a numpy array of lengths: {exc}") from None
+        lengths = as_lengths(arr, name=f"lengths in {path.name}")
+        source = f"{path.name} (lengths)"
+        unit = "tokens"
+    else:
+        pa = _pa()
+        table = load_table(path, split=split)
+        unit = "tokens"
+        if column in table.column_names and pa.types.is_integer(table.column(column).type):
+            col = table.column(column)
+            if col.null_count:
+                raise ValueError(f"column {column!r} has null lengths")
+            lengths = as_lengths(col.to_numpy(), name=f"column {column!r}")
+            source = f"{path.name}, column {column!r} (lengths)"
+        else:
+            col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer,
+                               progress=progress)
+            lengths = list_lengths(col, name=column if column in table.column_names else text_column)
+            if column in table.column_names:
+                source = f"{path.name}, column {column!r}"
+            else:
+                tok = "bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))
+                unit = "bytes" if tok == "bytes" else "tokens"
+                source = f"{path.name}, column {text_column!r} tokenized with {tok}"
+            lengths = as_lengths(lengths, name=f"lengths in {path.name}")
+    if lengths.size == 0:
+        raise ValueError(f"{str(path)!r} holds no examples")
+    return Lengths(lengths, source, unit)
