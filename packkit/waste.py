@@ -1,0 +1,479 @@
+"""How much padding a batching strategy wastes on your data, and what packing buys.
+
+``packkit waste [FILE]`` (or :func:`measure_waste` on an array of lengths) runs every strategy over
+the same example lengths at a batch size and a window ``W``:
+
+============== =================================================================================
+``pad_longest`` every example padded to the longest one in the dataset, ``batch_size`` a step
+``random``      random batches of ``batch_size``, each padded to its longest example
+``grouped``     length-grouped batches (``packkit.sampler.LengthGroupedSampler``), padded to their longest
+``bfd``         packed into windows of ``W``, best-fit decreasing over the whole dataset
+``shuffle_ff``  packed, first fit in a random order
+``next_fit``    packed, next fit in dataset order (concatenate, close the window when full)
+``stream``      packed while streaming, best fit inside a buffer of ``buffer_size`` examples
+============== =================================================================================
+
+A packed step is ``windows_per_step`` windows (default: ``batch_size``, so a packed step has the
+``[batch_size, W]`` shape of a padded step at ``max_length=W``). Examples longer than ``W`` are
+handled first, the same way for every strategy (``overflow="truncate"`` by default; the cut tokens are
+reported).
+
+Figures, per strategy:
+
+* padding fraction ``= 1 - real tokens / token slots``; slots are ``rows x padded length`` for padded
+  batches and ``windows x W`` for packed ones;
+* rows (padded examples or windows) and steps per epoch, and real tokens per step;
+* attention cost relative to padded: varlen attention costs ``sum L^2`` over a row's segments, not
+  ``W^2``. A padded row of padded length ``P`` costs ``P^2``; a packed window costs
+  ``sum(segment lengths^2) + (W - load)^2`` (the padding tail is its own segment). The ratio is taken
+  against ``pad_longest``, i.e. ``rows x longest^2``::
+
+      attention vs padded = sum over rows of cost(row) / (num_examples * longest**2)
+
+    >>> r = measure_waste([3, 1, 4, 1, 5, 9, 2, 6], window=10, batch_size=2, strategies=("pad_longest", "bfd"))
+    >>> [(s.name, s.rows, round(s.padding_fraction, 3)) for s in r.strategies]
+    [('pad_longest', 8, 0.569), ('bfd', 4, 0.225)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+
+import numpy as np
+
+from .binpack import OVERFLOW_POLICIES, as_lengths, check_window, pack
+
+__all__ = ["STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
+           "plot_waste", "cli_main"]
+
+STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
+LABELS = {
+    "pad_longest": "pad to dataset's longest",
+    "random": "random batches, padded",
+    "grouped": "length-grouped batches",
+    "bfd": "packed: best fit decreasing",
+    "shuffle_ff": "packed: first fit, random order",
+    "next_fit": "packed: next fit, in order",
+    "stream": "packed: streaming best fit",
+}
+#: Show progress bars from this many examples on.
+PROGRESS_EXAMPLES = 200_000
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyWaste:
+    """The figures of one strategy over one epoch.
+
+    Fields:
+        name, label: strategy key and a readable label
+        packed: windows of ``W`` (True) or padded batches (False)
+        rows: padded examples or windows in an epoch
+        steps: optimiser steps in an epoch (``ceil(rows / rows per step)``)
+        real_tokens: tokens of the examples
+        slot_tokens: tokens of the padded tensors (rows x padded length)
+        attention: sum over rows of the attention cost (module docstring)
+        row_fill: (rows,) float64, real tokens / padded length of every row (for the plot)
+    """
+
+    name: str
+    label: str
+    packed: bool
+    rows: int
+    steps: int
+    real_tokens: int
+    slot_tokens: int
+    attention: float
+    row_fill: np.ndarray = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.slot_tokens if self.slot_tokens else 0.0
+
+    @property
+    def fill(self) -> float:
+        return 1.0 - self.padding_fraction
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.real_tokens / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WasteReport:
+    """Every strategy's figures over the same lengths, and how those lengths were made.
+
+    ``lengths`` are the examples after the overflow policy (what every strategy packed or padded);
+    ``examples``, ``input_tokens`` describe the input; ``cut_tokens`` and ``overflow_examples`` what the
+    policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost).
+    """
+
+    source: str
+    unit: str
+    window: int
+    batch_size: int
+    windows_per_step: int
+    overflow: str
+    buffer_size: int
+    seed: int
+    examples: int
+    input_tokens: int
+    cut_tokens: int
+    overflow_examples: int
+    lengths: np.ndarray = dataclasses.field(repr=False, compare=False)
+    strategies: tuple = ()
+
+    @property
+    def baseline_attention(self) -> float:
+        return float(self.lengths.size) * float(self.lengths.max()) ** 2 if self.lengths.size else 0.0
+
+    def attention_vs_padded(self, s: StrategyWaste) -> float:
+        return s.attention / self.baseline_attention if self.baseline_attention else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source, "unit": self.unit, "window": self.window, "batch_size": self.batch_size,
+            "windows_per_step": self.windows_per_step, "overflow": self.overflow,
+            "buffer_size": self.buffer_size, "seed": self.seed, "examples": self.examples,
+            "input_tokens": self.input_tokens, "cut_tokens": self.cut_tokens,
+            "overflow_examples": self.overflow_examples,
+            "strategies": [
+                {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
+                 "rows": s.rows, "steps": s.steps, "tokens_per_step": round(s.tokens_per_step, 2),
+                 "real_tokens": s.real_tokens, "slot_tokens": s.slot_tokens,
+                 "attention_vs_padded": round(self.attention_vs_padded(s), 6)}
+                for s in self.strategies
+            ],
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def apply_overflow(lengths, *, window: int, overflow: str = "truncate"):
+    """Lengths after the overflow policy, tokens cut, and how many examples were longer than ``window``.
+
+    ``apply_overflow([3, 9, 4], window=4, overflow="split") -> ([3, 4, 4, 4, 1], 0, 1)``
+    (the pieces of a split example follow each other).
+    """
+    lengths = as_lengths(lengths)
+    window = check_window(window)
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+    over = lengths > window
+    n_over = int(over.sum())
+    if not n_over:
+        return lengths, 0, 0
+    if overflow == "error":
+        i = int(np.argmax(over))
+        raise ValueError(f"example {i} has {int(lengths[i]):,} tokens > window={window:,} "
+                         f"(and {n_over - 1} more); pass --overflow truncate, split or drop, or raise --window")
+    if overflow == "truncate":
+        return np.minimum(lengths, window), int((lengths[over] - window).sum()), n_over
+    if overflow == "drop":
+        return lengths[~over], int(lengths[over].sum()), n_over
+    pieces = -(-lengths // window)  # split: ceil(L / W) pieces, all W but the last
+    first = np.cumsum(pieces) - pieces
+    out = np.full(int(pieces.sum()), window, np.int64)
+    last = first + pieces - 1
+    out[last] = lengths - (pieces - 1) * window
+    return out, 0, n_over
+
+
+def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, batch_size: int | None = None):
+    """Padded length of every row, given batches (a list of index arrays, or one order cut every ``batch_size``).
+
+    ``padded_rows(np.array([3, 1, 4, 1]), np.array([0, 1, 2, 3]), 2) -> [3, 3, 4, 4]``.
+    """
+    if isinstance(batches, np.ndarray):
+        order = batches
+        starts = np.arange(0, order.size, batch_size)
+        sizes = np.diff(np.append(starts, order.size))
+    else:
+        order = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        sizes = np.array([len(b) for b in batches], np.int64)
+        starts = np.cumsum(sizes) - sizes
+    if order.size == 0:
+        return np.zeros(0, np.int64), order
+    longest = np.maximum.reduceat(lengths[order], starts)
+    return np.repeat(longest, sizes), order
+
+
+def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int) -> StrategyWaste:
+    real = lengths[order]
+    return StrategyWaste(
+        name=name, label=LABELS[name], packed=False, rows=int(order.size), steps=steps,
+        real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
+        attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
+    )
+
+
+def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_ptr: np.ndarray,
+            windows_per_step: int) -> StrategyWaste:
+    """Figures of windows given as CSR segment lengths."""
+    rows = window_ptr.size - 1
+    csum = np.concatenate(([0], np.cumsum(seg_length)))
+    loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
+    sq = np.concatenate(([0.0], np.cumsum(seg_length.astype(np.float64) ** 2)))
+    attention = float(sq[-1] + np.sum((window - loads).astype(np.float64) ** 2))
+    return StrategyWaste(
+        name=name, label=label, packed=True, rows=int(rows), steps=math.ceil(rows / windows_per_step),
+        real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
+        row_fill=loads / window,
+    )
+
+
+def length_grouped_batches(lengths: np.ndarray, batch_size: int, seed: int) -> list[np.ndarray]:
+    """Batches of similar lengths, as ``packkit.sampler.LengthGroupedSampler`` forms them for one epoch."""
+    from .sampler import LengthGroupedSampler
+
+    sampler = LengthGroupedSampler(lengths, batch_size=batch_size, seed=seed, rank=0, world_size=1)
+    return [np.asarray(b, np.int64) for b in sampler]
+
+
+def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
+    """Segment lengths and window offsets of :func:`packkit.hf.stream_windows` over ``lengths`` in order."""
+    from .hf import stream_windows
+
+    seg, ptr = [], [0]
+    for win in stream_windows(zip(lengths.tolist(), lengths.tolist()), window=window, buffer_size=buffer_size):
+        seg.extend(win)
+        ptr.append(len(seg))
+    return np.asarray(seg, np.int64), np.asarray(ptr, np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# the measurement
+# ----------------------------------------------------------------------------------------------
+
+
+def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
+                  overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
+                  strategies=STRATEGIES, source: str = "lengths", unit: str = "tokens",
+                  progress: bool | None = None) -> WasteReport:
+    """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
+
+    Args:
+        lengths: (num_examples,) ints >= 1.
+        window: ``W``, tokens per packed window (and ``max_length`` of the padded strategies).
+        batch_size: examples per step of the padded strategies.
+        windows_per_step: windows per step of the packed ones (default ``batch_size``).
+        overflow: examples longer than ``W``: ``"truncate"`` (default), ``"split"``, ``"drop"``, ``"error"``.
+        buffer_size: examples held by the streaming packer.
+        seed: random batches, length grouping and first-fit order.
+    Returns:
+        A frozen :class:`WasteReport`.
+    """
+    window = check_window(window)
+    raw = as_lengths(lengths)
+    if raw.size == 0:
+        raise ValueError("no examples: the dataset is empty")
+    for name, v in (("batch_size", batch_size), ("buffer_size", buffer_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    k = batch_size if windows_per_step is None else windows_per_step
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"windows_per_step must be a positive integer, got {k!r}")
+    strategies = tuple(strategies)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
+    if L.size == 0:
+        raise ValueError(f"every example is longer than window={window} and overflow='drop' dropped them all")
+    if progress is None:
+        progress = L.size >= PROGRESS_EXAMPLES
+    from .io import progress_bar
+
+    results = []
+    steps_padded = math.ceil(L.size / batch_size)
+    with progress_bar(total=len(strategies), unit="strategy", enabled=progress, desc="waste") as bar:
+        for name in strategies:
+            if name == "pad_longest":
+                order = np.arange(L.size)
+                results.append(_padded(name, L, np.full(L.size, int(L.max()), np.int64), order, steps_padded))
+            elif name == "random":
+                order = np.random.default_rng(seed).permutation(L.size)
+                padded, order = padded_rows(L, order, batch_size)
+                results.append(_padded(name, L, padded, order, steps_padded))
+            elif name == "grouped":
+                batches = length_grouped_batches(L, batch_size, seed)
+                padded, order = padded_rows(L, batches)
+                results.append(_padded(name, L, padded, order, len(batches)))
+            elif name == "stream":
+                seg, ptr = stream_plan(L, window=window, buffer_size=buffer_size)
+                label = f"{LABELS[name]} (buffer {buffer_size:,})"
+                results.append(_packed(name, label, window, seg, ptr, k))
+            else:
+                plan = pack(L, window=window, strategy=name, seed=seed)
+                results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k))
+            bar.update(1)
+    return WasteReport(
+        source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
+        buffer_size=buffer_size, seed=seed, examples=int(raw.size), input_tokens=int(raw.sum()), cut_tokens=cut,
+        overflow_examples=n_over, lengths=L, strategies=tuple(results),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------------
+
+
+def format_table(report: WasteReport) -> str:
+    """The terminal table of a report, with the formulas under it."""
+    u = report.unit
+    q = np.percentile(report.lengths, [50, 90, 99]).astype(int).tolist()
+    lines = [
+        f"packkit waste: {report.source}",
+        f"{report.examples:,} examples, {report.input_tokens:,} {u}; median {q[0]:,}, p90 {q[1]:,}, "
+        f"p99 {q[2]:,}, longest {int(report.lengths.max()):,} (after overflow)",
+        f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
+        f"{report.windows_per_step} packed windows",
+    ]
+    if report.overflow_examples:
+        what = {"truncate": "truncated to W", "drop": "dropped", "split": "split into pieces of <= W"}[report.overflow]
+        pct = report.cut_tokens / report.input_tokens
+        lines.append(f"overflow={report.overflow}: {report.overflow_examples:,} examples longer than W {what}"
+                     + (f", {report.cut_tokens:,} {u} cut ({pct:.2%})" if report.cut_tokens else ", nothing cut"))
+    lines.append("")
+    head = ("strategy", "padding", "rows/epoch", "steps/epoch", f"{u}/step", "attention vs padded")
+    rows = [(s.label, f"{s.padding_fraction:.1%}", f"{s.rows:,}", f"{s.steps:,}", f"{s.tokens_per_step:,.0f}",
+             f"{report.attention_vs_padded(s):.3f}") for s in report.strategies]
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
+    fmt = "  ".join(["{:<%d}" % widths[0]] + ["{:>%d}" % w for w in widths[1:]])
+    lines.append(fmt.format(*head))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend(fmt.format(*r) for r in rows)
+    lines += [
+        "",
+        "padding = 1 - real / (rows x padded length); packed rows are windows of W.",
+        "attention vs padded = sum over rows of cost / (examples x longest^2), where a padded row costs "
+        "P^2 and a packed window sum(L_i^2) + (W - load)^2 (varlen attention).",
+    ]
+    if u == "bytes":
+        lines.append("lengths are UTF-8 bytes (byte-level tokenizer); pass --tokenizer tokenizer.json "
+                     "for a model's token counts.")
+    return "\n".join(lines)
+
+
+def plot_waste(report: WasteReport, path) -> None:
+    """Write a PNG: the length histogram, and the fill of every strategy (its distribution over rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = report.lengths
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6), gridspec_kw={"width_ratios": [1, 1.35]})
+    # -- length histogram, log-spaced bins --
+    lo, hi = max(1, int(L.min())), int(L.max())
+    bins = np.unique(np.geomspace(lo, max(hi, lo + 1), 40).round()) if hi > lo else 10
+    ax1.hist(L, bins=bins, color="#4C72B0", edgecolor="white", linewidth=0.5)
+    ax1.set_xscale("log")
+    ax1.axvline(report.window, color="#C44E52", linestyle="--", linewidth=1.5)
+    ax1.text(report.window, ax1.get_ylim()[1] * 0.95, f" W = {report.window:,}", color="#C44E52", va="top",
+             ha="right" if report.window >= hi else "left")
+    med = float(np.median(L))
+    ax1.axvline(med, color="0.3", linestyle=":", linewidth=1.2)
+    ax1.text(med, ax1.get_ylim()[1] * 0.85, f" median {med:,.0f}", color="0.3", va="top")
+    if report.overflow_examples:
+        what = {"truncate": "truncated", "drop": "dropped", "split": "split"}[report.overflow]
+        ax1.text(0.98, 0.75, f"{report.overflow_examples:,} longer than W {what}", transform=ax1.transAxes,
+                 ha="right", va="top", color="#C44E52", fontsize=9)
+    ax1.set_xlabel(f"example length ({report.unit}, log scale)")
+    ax1.set_ylabel("examples")
+    ax1.set_title(f"{report.examples:,} examples, {report.input_tokens:,} {report.unit}", fontsize=11)
+    ax1.grid(axis="y", alpha=0.3)
+    # -- fill per strategy: bar = overall fill, dots = spread over rows (10th-90th percentile) --
+    strategies = list(report.strategies)[::-1]
+    y = np.arange(len(strategies))
+    colors = ["#55A868" if s.packed else "#DD8452" for s in strategies]
+    fills = [s.fill for s in strategies]
+    ax2.barh(y, fills, color=colors, height=0.62)
+    for yi, s in zip(y, strategies):
+        p10, p90 = np.percentile(s.row_fill, [10, 90])
+        ax2.plot([p10, p90], [yi - 0.36, yi - 0.36], color="0.25", linewidth=1.6, solid_capstyle="butt")
+        rel = report.attention_vs_padded(s)
+        ax2.text(max(s.fill, p90) + 0.015, yi, f"{s.fill:.1%} full · {s.steps:,} steps · attention {rel:.2f}x",
+                 va="center", fontsize=9)
+    ax2.set_yticks(y, [s.label for s in strategies], fontsize=9.5)
+    ax2.set_xlim(0, 1.72)
+    ax2.set_xticks(np.linspace(0, 1, 6), [f"{v:.0%}" for v in np.linspace(0, 1, 6)])
+    ax2.axvline(1.0, color="0.6", linewidth=0.8)
+    ax2.set_xlabel("fill = real tokens / padded tokens   (line under a bar: 10th to 90th percentile of rows)")
+    ax2.set_title(f"fill per strategy: orange = batches of {report.batch_size} padded examples,\n"
+                  f"green = {report.windows_per_step} packed windows of {report.window:,} per step", fontsize=11)
+    ax2.grid(axis="x", alpha=0.3)
+    for side in ("top", "right"):
+        ax1.spines[side].set_visible(False)
+        ax2.spines[side].set_visible(False)
+    fig.suptitle(f"packkit waste: {report.source}", fontsize=12.5, fontweight="bold")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def cli_main(argv=None) -> int:
+    """``packkit waste [FILE]``: the table (or ``--json``) and optionally ``--plot PNG``."""
+    parser = argparse.ArgumentParser(
+        prog="packkit waste",
+        description="Padding waste of each batching strategy on your data (the bundled sample without FILE).",
+    )
+    parser.add_argument("input", nargs="?", default=None,
+                        help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a line), or "
+                             ".npy of lengths; omitted: the bundled sample")
+    parser.add_argument("-w", "--window", type=int, default=2048, help="tokens per window (default 2048)")
+    parser.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
+    parser.add_argument("--windows-per-step", type=int, default=None,
+                        help="windows per packed step (default: the batch size)")
+    parser.add_argument("--overflow", default="truncate", choices=OVERFLOW_POLICIES,
+                        help="examples longer than the window (default: truncate)")
+    parser.add_argument("--buffer-size", type=int, default=1000, help="examples held by the streaming packer")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
+    parser.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
+    parser.add_argument("--tokenizer", default="bytes", help="a local tokenizer.json, or 'bytes' (default)")
+    parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write the length histogram and fill plot")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+
+    from .io import read_lengths
+
+    data = read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
+                        split=args.split, progress=not args.quiet and not args.json)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
+    report = measure_waste(
+        data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
+        overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
+        source=data.source, unit=data.unit, progress=None if not args.quiet else False)
+    if args.plot:
+        try:
+            plot_waste(report, args.plot)
+        except ImportError:
+            raise ImportError("--plot needs matplotlib: pip install 'packkit[plot]'") from None
+    if args.json:
+        out = report.to_dict()
+        if args.plot:
+            out["plot"] = args.plot
+        print(json.dumps(out))
+    else:
+        print(format_table(report))
+        if args.plot:
+            print(f"\nwrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(cli_main())
