@@ -1,0 +1,266 @@
+"""pack_dataset end to end through Arrow: nothing lost, capacity, determinism, formats, bad input."""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packkit.hf import gather_segments, pack_dataset
+from packkit.segments import IGNORE_INDEX
+
+datasets.disable_progress_bars()
+
+
+# -- slow, obvious references --------------------------------------------------------------------
+
+
+def gather_ref(values, starts, lengths):
+    out = []
+    for s, n in zip(starts, lengths):
+        out.extend(values[s: s + n].tolist())
+    return out
+
+
+def reassemble(packed, plan, column="input_ids"):
+    """Tokens of every source example, put back together from the packed rows, piece by piece."""
+    pieces = {}
+    rows = packed[column]
+    seg = 0
+    for r, (row, seqs) in enumerate(zip(rows, packed["seq_lengths"])):
+        assert sum(seqs) == len(row)
+        pos = 0
+        for n in seqs:
+            ex, start = int(plan.seg_example[seg]), int(plan.seg_start[seg])
+            pieces.setdefault(ex, []).append((start, row[pos: pos + n]))
+            pos += n
+            seg += 1
+    assert seg == plan.num_segments
+    return {ex: [t for _, p in sorted(ps, key=lambda x: x[0]) for t in p] for ex, ps in pieces.items()}
+
+
+def make_ds(lengths, *, seed=0, labels=True, dtype=np.int64):
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, 1000, n).astype(dtype).tolist() for n in lengths]
+    cols = {"input_ids": ids}
+    if labels:
+        cols["labels"] = [[t + 1 for t in x] for x in ids]
+    return datasets.Dataset.from_dict(cols)
+
+
+# -- gather ---------------------------------------------------------------------------------------
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 40)), max_size=40), st.integers(1, 3))
+def test_gather_segments_matches_reference(segs, threads):
+    values = np.arange(100, dtype=np.int32) * 3
+    segs = [(s, min(n, 100 - s)) for s, n in segs if s < 100]
+    starts = [s for s, _ in segs]
+    lengths = [n for _, n in segs]
+    out = gather_segments(values, starts, lengths, num_threads=threads)
+    ref = gather_ref(values, starts, lengths)
+    print("tokens", len(ref))
+    assert out.dtype == values.dtype
+    assert out.tolist() == ref
+
+
+def test_gather_segments_splits_large_groups(monkeypatch):
+    """A length group bigger than GROUP_TOKENS is copied in several calls, with the same result."""
+    import packkit.hf as hf
+
+    monkeypatch.setattr(hf, "GROUP_TOKENS", 7)
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 50, 500)
+    lengths = rng.integers(1, 6, 60)
+    starts = rng.integers(0, 490, 60)
+    assert gather_segments(values, starts, lengths).tolist() == gather_ref(values, starts, lengths)
+
+
+def test_gather_segments_rejects_out_of_range():
+    with pytest.raises(ValueError, match="inside values"):
+        gather_segments(np.arange(5), [3], [4])
+
+
+# -- end to end properties ----------------------------------------------------------------------
+
+lengths_st = st.integers(1, 24).flatmap(
+    lambda W: st.tuples(
+        st.just(W),
+        st.lists(st.one_of(st.integers(1, W), st.sampled_from([1, W, W + 1, 2 * W + 1])), min_size=1, max_size=30),
+    )
+)
+
+
+@settings(max_examples=40)
+@given(lengths_st, st.sampled_from(["bfd", "ffd", "shuffle_ff", "next_fit"]),
+       st.sampled_from(["split", "truncate", "drop"]), st.booleans())
+def test_pack_dataset_nothing_lost_and_capacity(case, strategy, overflow, shuffle):
+    window, lengths = case
+    if overflow == "drop" and all(n > window for n in lengths):
+        lengths = lengths + [1]
+    ds = make_ds(lengths)
+    packed, plan = pack_dataset(ds, window=window, strategy=strategy, overflow=overflow, shuffle=shuffle,
+                                return_plan=True, example_ids=True)
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids"]
+    assert len(packed) == plan.num_windows
+    src = ds["input_ids"]
+    # capacity
+    assert all(len(r) <= window for r in packed["input_ids"])
+    # example ids column agrees with the plan, window after window
+    assert [e for row in packed["example_ids"] for e in row] == plan.seg_example.tolist()
+    got = reassemble(packed, plan)
+    for i, toks in enumerate(src):
+        if len(toks) <= window or overflow == "split":
+            assert got[i] == toks, i
+        elif overflow == "truncate":
+            assert got[i] == toks[:window], i
+        else:
+            assert i not in got
+    cut = sum(max(0, n - window) for n in lengths) if overflow == "truncate" else (
+        sum(n for n in lengths if n > window) if overflow == "drop" else 0)
+    assert plan.cut_tokens == cut
+    # labels: the source labels, with -100 on the first token of every segment
+    lab = reassemble(packed, plan, "labels")
+    for row_l, row_i, seqs in zip(packed["labels"], packed["input_ids"], packed["seq_lengths"]):
+        starts = np.cumsum([0] + seqs[:-1])
+        expect = [t + 1 for t in row_i]
+        for s in starts:
+            expect[s] = IGNORE_INDEX
+        assert row_l == expect
+    assert set(lab) == set(got)
+
+
+def test_default_rows_are_shuffled_and_deterministic():
+    ds = make_ds(np.random.default_rng(3).integers(1, 30, 300).tolist())
+    a = pack_dataset(ds, window=32)
+    b = pack_dataset(ds, window=32)
+    c = pack_dataset(ds, window=32, seed=1)
+    unshuffled, plan = pack_dataset(ds, window=32, shuffle=False, return_plan=True)
+    assert a["input_ids"] == b["input_ids"] and a["seq_lengths"] == b["seq_lengths"]
+    assert a._fingerprint == b._fingerprint != c._fingerprint
+    assert a["input_ids"] != c["input_ids"]
+    assert sorted(map(tuple, a["input_ids"])) == sorted(map(tuple, unshuffled["input_ids"]))
+    # BFD's own order opens windows for the longest examples first; the default order does not
+    first = plan.seg_length[plan.window_ptr[:-1]]
+    assert first[0] == first.max()
+
+
+def test_rows_match_plan_and_lower_bound():
+    lengths = np.random.default_rng(4).integers(1, 100, 2000)
+    ds = make_ds(lengths.tolist(), labels=False)
+    packed, plan = pack_dataset(ds, window=128, return_plan=True)
+    assert packed.column_names == ["input_ids", "seq_lengths"]
+    assert len(packed) <= plan.lower_bound + 2
+    assert [len(r) for r in packed["input_ids"]] == plan.window_loads.tolist()
+
+
+def test_selection_multichunk_and_int32_columns():
+    """A shuffled/selected view (indices mapping) and a table of several chunks read the right rows."""
+    parts = [make_ds([3, 5, 2, 7], seed=s, dtype=np.int32) for s in range(3)]
+    full = datasets.concatenate_datasets(parts)
+    assert full.data.table.column("input_ids").num_chunks == 3
+    view = full.shuffle(seed=0).select(range(2, 11))
+    assert view._indices is not None
+    packed, plan = pack_dataset(view, window=9, return_plan=True)
+    got = reassemble(packed, plan)
+    assert got == {i: toks for i, toks in enumerate(view["input_ids"])}
+    assert packed.features["input_ids"].feature.dtype == "int32"
+
+
+def test_save_to_disk_and_parquet_round_trip(tmp_path):
+    ds = make_ds(np.random.default_rng(5).integers(1, 20, 200).tolist())
+    packed = pack_dataset(ds, window=24)
+    packed.save_to_disk(str(tmp_path / "packed"))
+    back = datasets.load_from_disk(str(tmp_path / "packed"))
+    assert back[:] == packed[:]
+    packed.to_parquet(str(tmp_path / "packed.parquet"))
+    pq = datasets.Dataset.from_parquet(str(tmp_path / "packed.parquet"))
+    assert pq[:] == packed[:]
+
+
+def test_rows_feed_the_packed_rows_collator():
+    """The rows carry what the fixed-window collator needs: it rebuilds cu_seqlens from seq_lengths."""
+    collate = pytest.importorskip("packkit.collate")
+    ds = make_ds([3, 5, 2, 7, 1])
+    packed = pack_dataset(ds, window=8, shuffle=False)
+    batch = collate.PackedRowsCollator(window=8)([packed[i] for i in range(len(packed))])
+    expect = []  # each row's segments, then its padding tail as a segment of its own
+    for seqs in packed["seq_lengths"]:
+        expect += seqs + ([8 - sum(seqs)] if sum(seqs) < 8 else [])
+    cu = np.asarray(batch.cu_seqlens).tolist()
+    print("cu_seqlens", cu, "expected lengths", expect)
+    assert np.diff(cu).tolist() == expect
+    segs = [n for row in packed["seq_lengths"] for n in row]
+    assert batch.num_loss_tokens == sum(n - 1 for n in segs)
+
+
+def test_truncation_is_logged_with_counts(caplog):
+    ds = make_ds([5, 12, 3])
+    with caplog.at_level(logging.WARNING, logger="packkit"):
+        _, plan = pack_dataset(ds, window=8, overflow="truncate", return_plan=True)
+    assert plan.cut_tokens == 4
+    assert "truncated 1 of 3" in caplog.text and "cutting 4 of 20 tokens" in caplog.text
+
+
+def test_extra_columns_and_unsigned_labels():
+    ds = datasets.Dataset.from_dict({
+        "input_ids": [[1, 2], [3]], "completion_mask": [[0, 1], [1]], "text": ["a", "b"],
+    }).cast_column("completion_mask", datasets.Sequence(datasets.Value("int8")))
+    packed = pack_dataset(ds, window=4, columns=["input_ids", "completion_mask"], shuffle=False)
+    assert packed.column_names == ["input_ids", "completion_mask", "seq_lengths"]
+    assert packed["completion_mask"] == [[0, 1, 1]]
+    u = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}).cast_column(
+        "labels", datasets.Sequence(datasets.Value("uint32")))
+    assert pack_dataset(u, window=4, shuffle=False)["labels"] == [[-100, 2, -100]]
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cols, kwargs, exc, match", [
+    ({"input_ids": [[1], [], [2]]}, {}, ValueError, "example 1 has length 0"),
+    ({"input_ids": [[1], [2, 3, 4, 5, 6]]}, {}, ValueError, "example 1 has 5 tokens > window=4"),
+    ({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3, 4]]}, {}, ValueError, "example 1 has 2 'labels' but 1"),
+    ({"input_ids": [[1, 2], [3, -4]]}, {}, ValueError, "example 1 has a negative token id"),
+    ({"tokens": [[1]]}, {}, KeyError, "no 'input_ids' column"),
+    ({"input_ids": [[1]]}, {"columns": ["input_ids", "labels"]}, KeyError, "'labels' is not in the dataset"),
+    ({"input_ids": [[1.5]]}, {}, TypeError, "must be integers"),
+    ({"input_ids": [1, 2]}, {}, TypeError, "not lists of token ids"),
+    ({"input_ids": [[1], None]}, {}, ValueError, "example 1 has no 'input_ids'"),
+    ({"input_ids": [[1]]}, {"window": 0}, ValueError, "window must be at least 1"),
+    ({"input_ids": [[1]]}, {"strategy": "best"}, ValueError, "unknown strategy"),
+    ({"input_ids": [[1]]}, {"overflow": "wrap"}, ValueError, "unknown overflow"),
+    ({"input_ids": [[1]]}, {"num_proc": 0}, ValueError, "num_proc"),
+])
+def test_bad_input_names_the_example(cols, kwargs, exc, match):
+    ds = datasets.Dataset.from_dict(cols)
+    kwargs = {"window": 4, **kwargs}
+    with pytest.raises(exc, match=match):
+        pack_dataset(ds, **kwargs)
+
+
+def test_not_a_dataset():
+    with pytest.raises(TypeError, match="pack_stream"):
+        pack_dataset([{"input_ids": [1]}], window=4)
+
+
+def test_negative_id_outside_a_selection_is_ignored():
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [-1], [3]]}).select([0, 2])
+    assert sorted(pack_dataset(ds, window=8)["input_ids"][0]) == [1, 2, 3]
+
+
+def test_large_list_output(monkeypatch):
+    """Past MAX_LIST_TOKENS a column gets 64-bit offsets (large_list); the rows are the same."""
+    import packkit.hf as hf
+
+    ds = make_ds([3, 4, 5], labels=False)
+    small = pack_dataset(ds, window=6, shuffle=False)
+    monkeypatch.setattr(hf, "MAX_LIST_TOKENS", 5)
+    big = pack_dataset(ds, window=6, shuffle=False)
+    assert pa.types.is_large_list(big.data.table.column("input_ids").type)
+    assert big["input_ids"] == small["input_ids"]
