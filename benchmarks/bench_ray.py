@@ -87,8 +87,11 @@ def hf_single_process(table, window):
 
     from packkit import hf
 
+    import inspect
+
     ds = datasets.Dataset(InMemoryTable(table))
-    out = hf.pack_dataset(ds, window=window, overflow="split")
+    quiet = {"progress": False} if "progress" in inspect.signature(hf.pack_dataset).parameters else {}
+    out = hf.pack_dataset(ds, window=window, overflow="split", **quiet)
     packed = out[0] if isinstance(out, tuple) else out
     tokens = int(np.diff(table.column("input_ids").combine_chunks().offsets.to_numpy()).sum())
     return packed, len(packed), -(-tokens // window)
