@@ -338,10 +338,21 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         kw = dict(window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
                   mask_first_label=mask_first_label, example_ids=example_ids)
 
-        def rows():
-            yield from pack_stream(ds, **kw)
+        names = _resolve_columns(ds.column_names, columns)[0] if ds.column_names else columns
+        features = None
 
-        return datasets.IterableDataset.from_generator(rows)
+        def rows():
+            for row in pack_stream(ds, **kw):
+                # Unknown columns (no features to cast numpy arrays with): plain lists, as datasets gives.
+                yield row if features is not None else {k: v.tolist() for k, v in row.items()}
+
+        if names is not None:
+            ids = datasets.Sequence(datasets.Value("int64"))
+            features = datasets.Features({c: ids for c in names})
+            features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
+            if example_ids:
+                features["example_ids"] = ids
+        return datasets.IterableDataset.from_generator(rows, features=features)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")

@@ -1,0 +1,193 @@
+"""Streaming packing: buffered best fit (stream_windows) and pack_stream / IterableDataset."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packkit.binpack import pack
+from packkit.hf import pack_dataset, pack_stream, stream_windows
+from packkit.segments import IGNORE_INDEX
+
+datasets.disable_progress_bars()
+
+
+def stream_ref(lengths, window, buffer_size):
+    """Obvious reference: a list as the buffer; oldest first, then the longest (oldest of it) that fits."""
+    pending = list(enumerate(lengths))
+    buf, out = [], []
+
+    def refill():
+        while pending and len(buf) < buffer_size:
+            buf.append(pending.pop(0))
+
+    refill()
+    while buf:
+        i, n = buf.pop(0)
+        win, room = [i], window - n
+        refill()
+        while True:
+            fits = [(m, -k) for k, (j, m) in enumerate(buf) if m <= room]
+            if not fits:
+                break
+            m, negk = max(fits)
+            win.append(buf.pop(-negk)[0])
+            room -= m
+            refill()
+        out.append(win)
+    return out
+
+
+case = st.integers(1, 30).flatmap(
+    lambda W: st.tuples(st.just(W), st.lists(st.integers(1, W), max_size=60), st.integers(1, 12)))
+
+
+@given(case)
+def test_stream_windows_matches_reference(c):
+    window, lengths, buffer_size = c
+    got = list(stream_windows(zip(range(len(lengths)), lengths), window=window, buffer_size=buffer_size))
+    ref = stream_ref(lengths, window, buffer_size)
+    print(len(got), len(ref))
+    assert got == ref
+    # nothing lost, capacity
+    assert sorted(i for w in got for i in w) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in w) <= window for w in got)
+
+
+@given(case)
+def test_buffer_of_one_is_next_fit(c):
+    window, lengths, _ = c
+    got = list(stream_windows(zip(range(len(lengths)), lengths), window=window, buffer_size=1))
+    if lengths:
+        assert [w.tolist() for w in pack(lengths, window=window, strategy="next_fit").windows()] == got
+    else:
+        assert got == []
+
+
+@settings(max_examples=20)
+@given(case)
+def test_buffer_is_bounded(c):
+    window, lengths, buffer_size = c
+    pulled = [0]
+
+    def items():
+        for i, n in enumerate(lengths):
+            pulled[0] += 1
+            yield i, n
+
+    emitted = 0
+    for w in stream_windows(items(), window=window, buffer_size=buffer_size):
+        emitted += len(w)
+        assert pulled[0] - emitted <= buffer_size
+
+
+def test_bigger_buffer_fills_better_on_sft_lengths():
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(np.clip(np.round(rng.lognormal(np.log(250), 1.0, 5000)), 8, 4096), 2048).astype(int)
+    counts = {b: sum(1 for _ in stream_windows(zip(range(lengths.size), lengths.tolist()), window=2048,
+                                               buffer_size=b)) for b in (1, 10, 100)}
+    print(counts)
+    assert counts[1] > counts[10] > counts[100] >= pack(lengths, window=2048).num_windows
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_buffer_size(bad):
+    with pytest.raises(ValueError, match="buffer_size"):
+        list(stream_windows([], window=4, buffer_size=bad))
+
+
+def test_item_longer_than_window():
+    with pytest.raises(ValueError, match="item 1 has length 5"):
+        list(stream_windows([("a", 2), ("b", 5)], window=4))
+
+
+# -- pack_stream ----------------------------------------------------------------------------------
+
+
+def examples(lengths, seed=0, labels=True):
+    rng = np.random.default_rng(seed)
+    for n in lengths:
+        ids = rng.integers(0, 500, n)
+        ex = {"input_ids": ids.tolist()}
+        if labels:
+            ex["labels"] = (ids + 1).tolist()
+        yield ex
+
+
+@settings(max_examples=30)
+@given(st.integers(1, 16).flatmap(lambda W: st.tuples(
+    st.just(W), st.lists(st.one_of(st.integers(1, W), st.sampled_from([W + 1, 2 * W + 1])), max_size=25))),
+    st.sampled_from(["split", "truncate", "drop"]), st.integers(1, 8))
+def test_pack_stream_nothing_lost(c, overflow, buffer_size):
+    window, lengths = c
+    src = list(examples(lengths))
+    stream = pack_stream(iter(src), window=window, buffer_size=buffer_size, overflow=overflow, example_ids=True)
+    rows = list(stream)
+    pieces = {}
+    for row in rows:
+        assert len(row["input_ids"]) <= window and row["seq_lengths"].sum() == len(row["input_ids"])
+        assert row["seq_lengths"].dtype == np.int32
+        pos = 0
+        for ex, n in zip(row["example_ids"].tolist(), row["seq_lengths"].tolist()):
+            seg = row["input_ids"][pos: pos + n].tolist()
+            lab = row["labels"][pos: pos + n].tolist()
+            assert lab == [IGNORE_INDEX] + [t + 1 for t in seg[1:]]
+            pieces.setdefault(ex, []).append(seg)
+            pos += n
+    s = stream.stats
+    for i, ex in enumerate(src):
+        toks, n = ex["input_ids"], len(ex["input_ids"])
+        if n <= window:
+            assert pieces[i] == [toks]
+        elif overflow == "truncate":
+            assert pieces[i] == [toks[:window]]
+        elif overflow == "drop":
+            assert i not in pieces
+        else:  # pieces are W tokens but the last; their order in the stream may change
+            assert sorted(pieces[i]) == sorted(toks[k: k + window] for k in range(0, n, window))
+    over = [n for n in lengths if n > window]
+    assert s.examples == len(lengths) and s.tokens == sum(lengths) and s.windows == len(rows)
+    assert s.cut_tokens == {"truncate": sum(n - window for n in over), "drop": sum(over), "split": 0}[overflow]
+    assert s.truncated_examples + s.dropped_examples + s.split_examples == len(over)
+    assert s.packed_tokens == sum(lengths) - s.cut_tokens
+
+
+def test_pack_stream_accepts_numpy_and_tensors_and_is_deterministic():
+    import torch
+
+    exs = [{"input_ids": np.array([1, 2, 3])}, {"input_ids": torch.tensor([4, 5])}, {"input_ids": [6]}]
+    a = [r["input_ids"].tolist() for r in pack_stream(exs, window=4)]
+    b = [r["input_ids"].tolist() for r in pack_stream(exs, window=4)]
+    assert a == b == [[1, 2, 3, 6], [4, 5]]
+
+
+@pytest.mark.parametrize("exs, match, exc", [
+    ([{"input_ids": [1]}, {"input_ids": []}], "example 1 has no tokens", ValueError),
+    ([{"input_ids": [1, 2, 3, 4, 5]}], "example 0 has 5 tokens > window=4", ValueError),
+    ([{"input_ids": [1]}, {"text": "x"}], "example 1 has no 'input_ids'", KeyError),
+    ([{"input_ids": [1], "labels": [1]}, {"input_ids": [2]}], "example 1 has no 'labels'", KeyError),
+    ([{"input_ids": [1, 2], "labels": [1]}], "example 0 has 1 'labels' but 2", ValueError),
+    ([{"input_ids": [[1, 2]]}], "must be 1-D", ValueError),
+    ([{"input_ids": [1.5]}], "must hold integers", TypeError),
+    ([{"input_ids": [3, -1]}], "negative token id", ValueError),
+    ([[1, 2]], "not a mapping", TypeError),
+])
+def test_pack_stream_bad_input(exs, match, exc):
+    with pytest.raises(exc, match=match):
+        list(pack_stream(exs, window=4))
+
+
+def test_iterable_dataset_streams_the_same_rows():
+    src = list(examples([3, 9, 4, 2, 7, 1, 5], labels=True))
+    ids = datasets.IterableDataset.from_generator(lambda: iter(src))
+    out = pack_dataset(ids, window=10, buffer_size=3)
+    assert isinstance(out, datasets.IterableDataset)
+    got = [(r["input_ids"], r["labels"], r["seq_lengths"]) for r in out]
+    ref = [(r["input_ids"].tolist(), r["labels"].tolist(), r["seq_lengths"].tolist())
+           for r in pack_stream(src, window=10, buffer_size=3)]
+    assert got == ref
+    with pytest.raises(ValueError, match="strategy must be 'bfd'"):
+        pack_dataset(ids, window=10, strategy="next_fit")
