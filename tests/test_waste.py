@@ -1,0 +1,138 @@
+"""packkit.waste: every figure against a slow reference over explicit batches and windows."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packkit.binpack import pack
+from packkit.waste import STRATEGIES, apply_overflow, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
+
+
+def overflow_ref(lengths, window, overflow):
+    out, cut = [], 0
+    for n in lengths:
+        if n <= window:
+            out.append(n)
+        elif overflow == "truncate":
+            out.append(window)
+            cut += n - window
+        elif overflow == "drop":
+            cut += n
+        else:
+            while n > 0:
+                out.append(min(n, window))
+                n -= window
+    return out, cut
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 12),
+       st.sampled_from(["truncate", "split", "drop"]))
+def test_apply_overflow(lengths, window, overflow):
+    got, cut, over = apply_overflow(lengths, window=window, overflow=overflow)
+    ref, ref_cut = overflow_ref(lengths, window, overflow)
+    assert got.tolist() == ref and cut == ref_cut and over == sum(n > window for n in lengths)
+
+
+def test_apply_overflow_error_names_example():
+    with pytest.raises(ValueError, match="example 1 has 9 tokens > window=4"):
+        apply_overflow([3, 9], window=4, overflow="error")
+
+
+def padded_ref(lengths, batches):
+    """(real, slots, attention) of padded batches, one loop per row."""
+    real = slots = att = 0
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        for i in b:
+            real += lengths[i]
+            slots += longest
+            att += longest ** 2
+    return real, slots, att
+
+
+def packed_ref(windows_lengths, window):
+    real = sum(sum(w) for w in windows_lengths)
+    att = sum(sum(n * n for n in w) + (window - sum(w)) ** 2 for w in windows_lengths)
+    return real, len(windows_lengths) * window, att
+
+
+@settings(max_examples=30)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=80), st.integers(1, 9), st.integers(20, 64),
+       st.integers(1, 5))
+def test_measure_waste_matches_reference(lengths, batch_size, window, k):
+    r = measure_waste(lengths, window=window, batch_size=batch_size, windows_per_step=k, buffer_size=4, seed=3)
+    L = np.minimum(np.asarray(lengths), window)
+    by = {s.name: s for s in r.strategies}
+    assert tuple(by) == STRATEGIES
+    n = L.size
+    longest = int(L.max())
+    base = n * longest ** 2
+    # pad to the longest
+    s = by["pad_longest"]
+    assert (s.real_tokens, s.slot_tokens, s.rows, s.steps) == (int(L.sum()), n * longest, n, math.ceil(n / batch_size))
+    assert r.attention_vs_padded(s) == pytest.approx(1.0)
+    # random batches: the seeded permutation cut every batch_size
+    perm = np.random.default_rng(3).permutation(n)
+    batches = [perm[i: i + batch_size].tolist() for i in range(0, n, batch_size)]
+    real, slots, att = padded_ref(L.tolist(), batches)
+    s = by["random"]
+    assert (s.real_tokens, s.slot_tokens) == (real, slots) and s.attention == pytest.approx(att)
+    assert s.padding_fraction == pytest.approx(1 - real / slots)
+    # grouped batches: never more padding than random batches of the same size, on average over rows
+    g = by["grouped"]
+    batches = [b.tolist() for b in length_grouped_batches(L, batch_size, 3)]
+    assert sorted(i for b in batches for i in b) == list(range(n))
+    real, slots, att = padded_ref(L.tolist(), batches)
+    assert (g.real_tokens, g.slot_tokens, g.steps) == (real, slots, len(batches)) and g.attention == pytest.approx(att)
+    # packed strategies: against the plan, one window at a time
+    for name in ("bfd", "shuffle_ff", "next_fit"):
+        plan = pack(L, window=window, strategy=name, seed=3)
+        wl = [plan.segments(i)[2].tolist() for i in range(plan.num_windows)]
+        real, slots, att = packed_ref(wl, window)
+        s = by[name]
+        assert (s.real_tokens, s.slot_tokens, s.rows) == (real, slots, plan.num_windows)
+        assert s.steps == math.ceil(plan.num_windows / k)
+        assert s.attention == pytest.approx(att)
+        assert r.attention_vs_padded(s) == pytest.approx(att / base)
+        assert s.tokens_per_step == pytest.approx(real / s.steps)
+    assert by["stream"].real_tokens == int(L.sum())
+    assert by["bfd"].rows <= by["next_fit"].rows
+
+
+def test_padded_rows():
+    padded, order = padded_rows(np.array([3, 1, 4, 1, 5]), np.array([4, 0, 1, 2, 3]), 2)
+    assert padded.tolist() == [5, 5, 4, 4, 1] and order.tolist() == [4, 0, 1, 2, 3]
+
+
+def test_report_json_table_and_plot(tmp_path):
+    lengths = np.random.default_rng(0).integers(1, 300, 500)
+    r = measure_waste(lengths, window=256, batch_size=4, source="test data")
+    d = json.loads(json.dumps(r.to_dict()))
+    assert [s["name"] for s in d["strategies"]] == list(STRATEGIES)
+    assert d["overflow_examples"] == int((lengths > 256).sum()) and d["cut_tokens"] == int(np.maximum(lengths - 256, 0).sum())
+    table = format_table(r)
+    for s in r.strategies:
+        assert s.label in table and f"{s.padding_fraction:.1%}" in table
+    assert "attention vs padded" in table and "sum(L_i^2)" in table
+    path = tmp_path / "w.png"
+    plot_waste(r, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lengths": []}, "empty"),
+    ({"lengths": [1, 0]}, "example 1 has length 0"),
+    ({"lengths": [1], "batch_size": 0}, "batch_size"),
+    ({"lengths": [1], "windows_per_step": 0}, "windows_per_step"),
+    ({"lengths": [1], "strategies": ["best"]}, "unknown strategies"),
+    ({"lengths": [9], "window": 4, "overflow": "drop"}, "dropped them all"),
+])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        measure_waste(**kwargs)
