@@ -243,6 +243,10 @@ def _read_json(path: Path):
     pa = _pa()
     import pyarrow.json as pj
 
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        if not head.strip() and len(head) < 1 << 16:
+            raise ValueError(f"{str(path)!r} holds no examples (empty file)")
     try:
         return pj.read_json(str(path))
     except pa.ArrowInvalid as first:

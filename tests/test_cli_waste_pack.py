@@ -1,0 +1,192 @@
+"""End-to-end CLI: `packkit waste` and `packkit pack` on small files of each format, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packkit.cli import main
+from packkit.io import byte_tokenize, list_lengths, read_lengths
+
+datasets.disable_progress_bars()
+
+IDS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11], [12, 13, 14, 15]]
+TEXTS = ["héllo", "a b", "packing is fun", "x"]
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def files(tmp_path):
+    t = pa.table({"input_ids": IDS, "labels": IDS})
+    paths = {}
+    paths["jsonl"] = tmp_path / "d.jsonl"
+    paths["jsonl"].write_text("\n".join(json.dumps({"input_ids": x, "labels": x}) for x in IDS) + "\n")
+    paths["json"] = tmp_path / "d.json"
+    paths["json"].write_text(json.dumps([{"input_ids": x} for x in IDS]))
+    paths["parquet"] = tmp_path / "d.parquet"
+    pq.write_table(t, paths["parquet"])
+    paths["arrow"] = tmp_path / "d.arrow"
+    with ipc.new_file(str(paths["arrow"]), t.schema) as w:
+        w.write_table(t)
+    paths["stream.arrow"] = tmp_path / "s.arrow"
+    with ipc.new_stream(str(paths["stream.arrow"]), t.schema) as w:
+        w.write_table(t)
+    paths["folder"] = tmp_path / "saved"
+    datasets.Dataset(t).save_to_disk(str(paths["folder"]))
+    paths["dict"] = tmp_path / "saved_dict"
+    datasets.DatasetDict({"train": datasets.Dataset(t), "test": datasets.Dataset(t.slice(0, 2))}).save_to_disk(
+        str(paths["dict"]))
+    paths["npy"] = tmp_path / "l.npy"
+    np.save(paths["npy"], np.array([len(x) for x in IDS]))
+    paths["text.jsonl"] = tmp_path / "t.jsonl"
+    paths["text.jsonl"].write_text("\n".join(json.dumps({"text": s}) for s in TEXTS) + "\n")
+    paths["txt"] = tmp_path / "t.txt"
+    paths["txt"].write_text("\n".join(TEXTS) + "\n\n")
+    return paths
+
+
+# -- io ------------------------------------------------------------------------------------------
+
+
+@given(st.lists(st.text(max_size=12), max_size=10))
+def test_byte_tokenize_is_utf8(texts):
+    assert byte_tokenize(texts).to_pylist() == [list(s.encode()) for s in texts]
+
+
+@settings(max_examples=30)
+@given(st.lists(st.lists(st.integers(0, 9), max_size=6), max_size=12), st.integers(0, 4), st.integers(0, 4))
+def test_list_lengths_of_sliced_chunked_columns(rows, lo, split):
+    arr = pa.array(rows, pa.list_(pa.int64()))
+    lo = min(lo, len(rows))
+    sl = arr.slice(lo)
+    split = min(split, len(sl))
+    chunked = pa.chunked_array([sl.slice(0, split), sl.slice(split)], type=sl.type)
+    assert list_lengths(chunked).tolist() == [len(r) for r in rows[lo:]]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "arrow", "stream.arrow", "folder", "dict", "npy"])
+def test_read_lengths_every_format(files, kind):
+    got = read_lengths(files[kind])
+    assert got.lengths.tolist() == [len(x) for x in IDS] and got.unit == "tokens"
+
+
+@pytest.mark.parametrize("kind", ["text.jsonl", "txt"])
+def test_text_is_byte_tokenized_by_default(files, kind):
+    got = read_lengths(files[kind])
+    assert got.lengths.tolist() == [len(s.encode()) for s in TEXTS] and got.unit == "bytes"
+
+
+def test_tokenizer_json(files, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "packing": 3, "is": 4, "fun": 5}
+    tok = tokenizers.Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    got = read_lengths(files["text.jsonl"], tokenizer=str(path))
+    assert got.lengths.tolist() == [1, 2, 3, 1] and got.unit == "tokens"
+
+
+# -- packkit waste ---------------------------------------------------------------------------------
+
+
+def test_waste_bundled_sample_table_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "waste.png"
+    code, out, err = run(["waste", "--plot", str(png)], capsys)
+    assert code == 0, err
+    for label in ("pad to dataset's longest", "length-grouped batches", "packed: best fit decreasing",
+                  "packed: streaming best fit"):
+        assert label in out
+    assert "bundled sample" in out and "attention vs padded" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "it/s" not in err  # no progress bar on the small sample
+    code, out, _ = run(["waste", "--json", "--window", "512", "-b", "4"], capsys)
+    d = json.loads(out)
+    assert code == 0 and out.count("\n") == 1
+    assert d["window"] == 512 and d["examples"] == read_lengths().lengths.size
+    by = {s["name"]: s for s in d["strategies"]}
+    assert by["bfd"]["padding_fraction"] < by["random"]["padding_fraction"] < by["pad_longest"]["padding_fraction"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow", "folder", "dict", "npy", "text.jsonl", "txt"])
+def test_waste_every_format(files, kind, capsys):
+    code, out, err = run(["waste", str(files[kind]), "--json", "--window", "8", "-b", "2"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["examples"] == (len(TEXTS) if kind in ("text.jsonl", "txt") else len(IDS))
+
+
+# -- packkit pack ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow", "folder"])
+@pytest.mark.parametrize("out_name", ["out.parquet", "outdir", "out.jsonl"])
+def test_pack_command(files, kind, out_name, tmp_path, capsys):
+    out = tmp_path / out_name
+    code, stdout, err = run(["pack", str(files[kind]), str(out), "--window", "6"], capsys)
+    assert code == 0, err
+    if out_name.endswith(".parquet"):
+        ds = datasets.Dataset.from_parquet(str(out))
+    elif out_name.endswith(".jsonl"):
+        ds = datasets.Dataset.from_json(str(out))
+    else:
+        ds = datasets.load_from_disk(str(out))
+    assert set(ds.column_names) == {"input_ids", "labels", "seq_lengths"}
+    assert sorted(t for r in ds["input_ids"] for t in r) == sorted(t for x in IDS for t in x)
+    assert all(len(r) <= 6 for r in ds["input_ids"]) and len(ds) == 3
+    assert "packed 5 examples" in stdout and "lower bound 3" in stdout
+
+
+def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
+    out = tmp_path / "o.parquet"
+    code, stdout, err = run(["pack", str(files["text.jsonl"]), str(out), "-w", "4", "--tokenizer", "bytes",
+                             "--overflow", "truncate"], capsys)
+    assert code == 0, err
+    ds = datasets.Dataset.from_parquet(str(out))
+    assert sum(len(r) for r in ds["input_ids"]) == sum(min(len(s.encode()), 4) for s in TEXTS)
+    assert "2 examples longer than the window truncated" in stdout
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["waste", "{tmp}/missing.jsonl"], "does not exist"),
+    (["waste", "{tmp}/x.csv"], "unknown format"),
+    (["waste", "{tmp}/bad.parquet"], "cannot read"),
+    (["waste", "{tmp}/empty.jsonl"], "no examples"),
+    (["waste", "{tmp}/d.jsonl", "--column", "ids", "--text-column", "body"], "no column 'ids'"),
+    (["waste", "{tmp}/d.jsonl", "--window", "0"], "window must be at least 1"),
+    (["waste", "{tmp}/zero.npy"], "example 1 has length 0"),
+    (["waste", "{tmp}/t.jsonl", "--tokenizer", "{tmp}/nope.json"], "tokenizer"),
+    (["waste", "--plot", "{tmp}/w.jpg"], "PNG"),
+    (["waste", "{tmp}"], "not a dataset saved with save_to_disk"),
+    (["pack", "{tmp}/t.jsonl", "{tmp}/o.parquet", "-w", "8"], "pass --tokenizer"),
+    (["pack", "{tmp}/l.npy", "{tmp}/o.parquet", "-w", "8"], "lengths only"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "2"], "pass overflow="),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.csv", "-w", "8"], "cannot write"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--columns", "input_ids,mask"], "'mask' is not in"),
+    (["pack", "{tmp}/saved_dict", "{tmp}/o.parquet", "-w", "8", "--split", "dev"], "no split 'dev'"),
+])
+def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, argv, match):
+    (tmp_path / "x.csv").write_text("a,b\n")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    (tmp_path / "empty.jsonl").write_text("")
+    np.save(tmp_path / "zero.npy", np.array([3, 0, 2]))
+    code, out, err = run([a.format(tmp=tmp_path) for a in argv], capsys)
+    print(err)
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err and match in err
