@@ -64,7 +64,6 @@ import collections
 import dataclasses
 import logging
 import numbers
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path

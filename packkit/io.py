@@ -98,7 +98,7 @@ def progress_bar(*, total: int, unit: str, enabled: bool, desc: str | None = Non
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm comes with the datasets extra
         return _NoBar()
-    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, leave=False, dynamic_ncols=True)
+    return tqdm(total=total, unit=unit, unit_scale=unit == "tok", desc=desc, leave=False, dynamic_ncols=True)
 
 
 def list_lengths(column, *, name: str = "input_ids") -> np.ndarray:
