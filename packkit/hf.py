@@ -65,14 +65,13 @@ import dataclasses
 import logging
 import numbers
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from .binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, check_window, pack
 from .io import progress_bar
+from .packer import gather_segments
 from .segments import IGNORE_INDEX
 
 __all__ = [
@@ -80,86 +79,16 @@ __all__ = [
     "pack_stream",
     "PackedStream",
     "StreamStats",
-    "gather_segments",
     "stream_windows",
     "cli_main",
 ]
 
 logger = logging.getLogger("packkit")
 
-#: Tokens copied per numpy call at most (bounds the temporary of one copy: 4M tokens).
-GROUP_TOKENS = 1 << 22
 #: Rows of an output list column: past this many tokens a column uses 64-bit (large_list) offsets.
 MAX_LIST_TOKENS = 2**31 - 1
 #: Show a progress bar by default from this many tokens on.
 PROGRESS_TOKENS = 1 << 26
-
-
-# ----------------------------------------------------------------------------------------------
-# moving tokens
-# ----------------------------------------------------------------------------------------------
-
-
-def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=None) -> np.ndarray:
-    """Concatenate ``values[s : s + l]`` for every ``(s, l)`` pair, with one numpy copy per length group.
-
-    ``gather_segments(np.arange(10), [7, 0, 4], [2, 3, 1]) -> [7, 8, 0, 1, 2, 4]``
-
-    Args:
-        values: (N,) flat token array (any dtype; e.g. the ``.values`` of an Arrow list column).
-        src_start: (S,) int, first index of each segment in ``values``.
-        seg_length: (S,) int >= 1, tokens of each segment.
-        num_threads: copy length groups on this many threads (numpy releases the GIL while copying).
-        bar: optional progress bar, advanced by tokens copied.
-    Returns:
-        (sum(seg_length),) array of ``values.dtype``, the segments back to back.
-    """
-    values = np.ascontiguousarray(values)
-    src_start = np.asarray(src_start, np.int64)
-    seg_length = np.asarray(seg_length, np.int64)
-    if src_start.shape != seg_length.shape or src_start.ndim != 1:
-        raise ValueError(f"src_start {src_start.shape} and seg_length {seg_length.shape} must be equal 1-D shapes")
-    dst_start = np.cumsum(seg_length) - seg_length
-    total = int(seg_length.sum())
-    out = np.empty(total, values.dtype)
-    if total == 0:
-        return out
-    if seg_length.min() < 1 or src_start.min() < 0 or int((src_start + seg_length).max()) > values.size:
-        raise ValueError("every segment must have length >= 1 and lie inside values")
-    # Group segments by length (a radix sort when lengths fit in 16 bits).
-    key = seg_length.astype(np.uint16) if seg_length.max() < 1 << 16 else seg_length
-    order = np.argsort(key, kind="stable")
-    sorted_len = seg_length[order]
-    cuts = np.flatnonzero(sorted_len[1:] != sorted_len[:-1]) + 1
-    tasks = []
-    for a, b in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [order.size])).tolist()):
-        length = int(sorted_len[a])
-        step = max(1, GROUP_TOKENS // length)
-        tasks.extend((lo, min(lo + step, b), length) for lo in range(a, b, step))
-    item = values.itemsize
-
-    def copy(task) -> int:
-        lo, hi, length = task
-        idx = order[lo:hi]
-        # Row r of these views is values[r : r + length] (resp. out[r : r + length]): rows overlap as
-        # views, but the rows picked are disjoint segments, so the writes never collide.
-        src = as_strided(values, shape=(values.size - length + 1, length), strides=(item, item),
-                         writeable=False)
-        dst = as_strided(out, shape=(out.size - length + 1, length), strides=(item, item))
-        dst[dst_start[idx]] = src[src_start[idx]]
-        return (hi - lo) * length
-
-    if num_threads > 1 and len(tasks) > 1:
-        with ThreadPoolExecutor(num_threads) as pool:
-            for n in pool.map(copy, tasks):
-                if bar is not None:
-                    bar.update(n)
-    else:
-        for task in tasks:
-            n = copy(task)
-            if bar is not None:
-                bar.update(n)
-    return out
 
 
 def _list_array(row_offsets: np.ndarray, values: np.ndarray):

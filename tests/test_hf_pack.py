@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packkit.hf import gather_segments, pack_dataset
+from packkit.hf import pack_dataset
+from packkit.packer import gather_segments
 from packkit.segments import IGNORE_INDEX
 
 datasets.disable_progress_bars()
@@ -71,9 +72,9 @@ def test_gather_segments_matches_reference(segs, threads):
 
 def test_gather_segments_splits_large_groups(monkeypatch):
     """A length group bigger than GROUP_TOKENS is copied in several calls, with the same result."""
-    import packkit.hf as hf
+    import packkit.packer as packer
 
-    monkeypatch.setattr(hf, "GROUP_TOKENS", 7)
+    monkeypatch.setattr(packer, "GROUP_TOKENS", 7)
     rng = np.random.default_rng(1)
     values = rng.integers(0, 50, 500)
     lengths = rng.integers(1, 6, 60)
