@@ -31,11 +31,7 @@ import sys
 import time
 
 import numpy as np
-
-
-def sft_like_lengths(rng: np.random.Generator, n: int, median: int, low: int, high: int) -> np.ndarray:
-    """Lognormal lengths with the given median, clipped: sft_like_lengths(rng, 3, 250, 8, 4096) -> e.g. [412, 97, 250]."""
-    return np.clip(rng.lognormal(mean=math.log(median), sigma=1.0, size=n), low, high).astype(np.int64)
+from benchlib import sft_like_lengths, versions
 
 
 def pack_first_fit(lengths: np.ndarray, window: int, num_windows: int) -> list[list[int]]:
@@ -113,8 +109,8 @@ def main() -> int:
 
     # -- the packed batch --
     rng = np.random.default_rng(args.seed)
-    windows = pack_first_fit(sft_like_lengths(rng, 40 * num_windows * window // median, median, 8, window),
-                             window, num_windows)
+    lengths = sft_like_lengths(40 * num_windows * window // median, seed=args.seed, median=median, high=window)
+    windows = pack_first_fit(lengths, window, num_windows)
     docs = [n for w in windows for n in w]
     total = sum(docs)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32, device=device)
@@ -207,7 +203,7 @@ def main() -> int:
         nheads_kv=nheads_kv, headdim=headdim, torch=torch.__version__,
         triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"),
     )
-    print(json.dumps(dict(setup=setup, results=results, summary=summary)))
+    print(json.dumps(dict(bench="attention", versions=versions("triton", "flash-attn"), setup=setup, results=results, summary=summary)))
 
     print(f"\nvarlen attention, causal: {len(docs)} documents, {total} tokens in {num_windows} x {window} "
           f"(fill {setup['fill']:.1%}), max_seqlen {max_seqlen}, {dtype}, {nheads}/{nheads_kv} heads, "

@@ -27,18 +27,10 @@ import tracemalloc
 
 import numpy as np
 
+from benchlib import sft_like_lengths, uniform_lengths, versions
+
 from packkit.binpack import pack
 from packkit.packer import pack_arrays
-
-
-def sft_like(n, seed=0):
-    """Lognormal lengths, median ~250, clipped to [8, 4096] (instruction-tuning-like)."""
-    rng = np.random.default_rng(seed)
-    return np.clip(np.round(rng.lognormal(np.log(250), 1.0, n)), 8, 4096).astype(np.int64)
-
-
-def uniform(n, seed=0):
-    return np.random.default_rng(seed).integers(16, 513, n).astype(np.int64)
 
 
 def best_of(fn, repeat):
@@ -93,7 +85,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     rows = []
-    cases = [("sft-like lognormal", sft_like(args.n), 2048), ("uniform 16..512", uniform(args.n), 4096)]
+    cases = [("sft-like lognormal", sft_like_lengths(args.n), 2048), ("uniform 16..512", uniform_lengths(args.n), 4096)]
     for name, lengths, window in cases:
         for strategy in ("bfd", "ffd", "shuffle_ff", "next_fit"):
             for overflow in ("truncate", "split"):
@@ -130,7 +122,7 @@ def main(argv=None):
     scaling = []
     if args.big:
         for n in (args.n, args.big):
-            lengths = sft_like(n, seed=1)
+            lengths = sft_like_lengths(n, seed=1)
             sec, plan = best_of(lambda: pack(lengths, window=2048, overflow="split"), 2)
             peak = peak_bytes(lambda: pack(lengths, window=2048, overflow="split"))
             scaling.append({"n": n, "seconds": sec, "peak_bytes": peak, "bytes_per_example": peak / n,
@@ -150,7 +142,7 @@ def main(argv=None):
         for s in scaling:
             print(f"  n={s['n']:>11,}  {s['seconds']:.3f} s  peak {s['peak_bytes'] / 2**20:,.0f} MiB "
                   f"({s['bytes_per_example']:.0f} B/example)  windows over LB {s['over_lb']}")
-    print(json.dumps({"bench": "binpack", "n": args.n, "rows": rows, "scaling": scaling}))
+    print(json.dumps({"bench": "binpack", "n": args.n, "versions": versions("trl", "datasets"), "rows": rows, "scaling": scaling}))
 
 
 if __name__ == "__main__":

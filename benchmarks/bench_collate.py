@@ -20,6 +20,7 @@ import platform
 import time
 
 import numpy as np
+from benchlib import sft_like_lengths, versions
 import torch
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator
@@ -30,7 +31,7 @@ TARGET_LIST, TARGET_NUMPY = 10.0, 50.0  # speed-ups over the baseline at batch 3
 def make_examples(num: int, *, seed: int, window: int, as_numpy: bool) -> list[dict]:
     """SFT-like examples: log-normal lengths in [8, window], prompt third masked in the labels."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(6.0, 0.8, num).astype(np.int64), 8, window)
+    lengths = sft_like_lengths(num, seed=seed, high=window)
     out = []
     for n in lengths.tolist():
         ids = rng.integers(0, 32000, n, dtype=np.int64)
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     for name, t in targets.items():
         status = "met" if t["met"] else "MISSED"
         print(f"target {name}: {t['speedup']:.1f}x (target {t['target']:.0f}x) {status}")
-    print(json.dumps({"bench": "collate", "window": args.window, "rows": rows, "targets": targets}))
+    print(json.dumps({"bench": "collate", "versions": versions("transformers"), "window": args.window, "rows": rows, "targets": targets}))
     return 0
 
 

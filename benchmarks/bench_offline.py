@@ -33,12 +33,8 @@ import sys
 import time
 
 import numpy as np
+from benchlib import sft_like_lengths, versions
 
-
-def sft_lengths(n: int, *, seed: int = 0) -> np.ndarray:
-    """(n,) int64 SFT-like lengths: lognormal, median 250, sigma 1, clipped to [8, 4096]."""
-    rng = np.random.default_rng(seed)
-    return np.clip(np.round(rng.lognormal(np.log(250), 1.0, n)), 8, 4096).astype(np.int64)
 
 
 def make_dataset(lengths: np.ndarray, *, seed: int = 0):
@@ -70,7 +66,7 @@ def stream_table(n: int, window: int) -> None:
     from packkit.binpack import pack
     from packkit.hf import stream_windows
 
-    lengths = np.minimum(sft_lengths(n), window)
+    lengths = np.minimum(sft_like_lengths(n), window)
     lb = -(-int(lengths.sum()) // window)
     rows = []
     for buffer in (1, 10, 100, 1000, 10000):
@@ -108,7 +104,7 @@ def main(argv=None) -> int:
     datasets.disable_progress_bars()
     W = args.window
     t = time.perf_counter()
-    lengths = sft_lengths(args.n)
+    lengths = sft_like_lengths(args.n)
     ds = make_dataset(lengths)
     print(f"built {args.n:,} examples, {int(lengths.sum()):,} tokens (int32) in {time.perf_counter() - t:.1f}s",
           file=sys.stderr)
@@ -173,7 +169,7 @@ def main(argv=None) -> int:
               f"{r['rows_over_bound']:>12,}{r['cut_tokens']:>13,}")
     print(f"speedup vs TRL whole-dataset bfd: {speedup:.1f}x (target >= 8x at equal or fewer rows: "
           f"{'met' if met else 'MISSED'})")
-    print(json.dumps(dict(bench="offline", n=args.n, window=W, results=results, speedup_vs_trl_whole=round(speedup, 2),
+    print(json.dumps(dict(bench="offline", versions=versions("datasets", "pyarrow", "trl"), n=args.n, window=W, results=results, speedup_vs_trl_whole=round(speedup, 2),
                           target_met=met)))
     return 0
 

@@ -36,16 +36,12 @@ import platform
 import time
 
 import numpy as np
+from benchlib import sft_like_lengths, versions
 
 from packkit import raydata
 from packkit.binpack import pack
 from packkit.packer import pack_arrays
 
-
-def sft_like(n, seed=0):
-    """Lognormal lengths, median ~250, clipped to [8, 4096] (instruction-tuning-like)."""
-    rng = np.random.default_rng(seed)
-    return np.clip(np.round(rng.lognormal(np.log(250), 1.0, n)), 8, 4096).astype(np.int64)
 
 
 def make_table(lengths, labels: bool, seed=0):
@@ -131,7 +127,7 @@ def main(argv=None):
     import ray.data
 
     W = args.window
-    lengths = sft_like(args.n)
+    lengths = sft_like_lengths(args.n)
     tokens = int(lengths.sum())
     lb = -(-tokens // W)
     table = make_table(lengths, args.labels)
@@ -217,7 +213,7 @@ def main(argv=None):
               f"{r['windows']:>9,} {r['over_lb']:>8} {100 * r['over_lb'] / lb:>8.4f}%")
     print(est_note)
     print("estimate, local mode, same data: " + ", ".join(f"{k} workers ~{v:.2f}s" for k, v in est.items()))
-    print(json.dumps({"bench": "ray", "n": args.n, "tokens": tokens, "window": W, "blocks": B,
+    print(json.dumps({"bench": "ray", "versions": versions("ray", "pyarrow", "datasets"), "n": args.n, "tokens": tokens, "window": W, "blocks": B,
                       "cpus": args.cpus, "lower_bound": lb, "ray_init_s": init_t, "put_s": put_t,
                       "results": results, "per_block_s": c, "pass2_s": t2, "ray_overhead_s": overhead,
                       "estimate_s": est}))

@@ -22,17 +22,8 @@ import platform
 import time
 
 import numpy as np
+from benchlib import sft_like_lengths, versions
 
-
-def sft_lengths(n: int, seed: int = 0) -> np.ndarray:
-    """SFT-like token counts: 70% short chat turns, 30% long answers, a long tail, capped at 4,096.
-
-    Lognormal mixture (medians ~200 and ~740 tokens); (n,) int64 in [8, 4096].
-    """
-    rng = np.random.default_rng(seed)
-    long = rng.random(n) < 0.3
-    x = np.where(long, rng.lognormal(6.6, 0.7, n), rng.lognormal(5.3, 0.8, n))
-    return np.clip(x, 8, 4096).astype(np.int64)
 
 
 def padding_waste(lengths: np.ndarray, flat: np.ndarray, ptr: np.ndarray) -> float:
@@ -86,7 +77,7 @@ def main(argv=None) -> int:
     from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler, sort_megabatches
 
     B, n = args.batch_size, args.n
-    lengths = sft_lengths(n)
+    lengths = sft_like_lengths(n)
     lengths_list = lengths.tolist()
     rows = []
 
@@ -191,7 +182,7 @@ def main(argv=None) -> int:
     for k, v in targets.items():
         print(f"target {k}: {'met' if v else 'MISSED'}")
     print(json.dumps({
-        "bench": "sampler", "n": n, "batch_size": B, "megabatch_mult": args.megabatch_mult, "epochs": args.seeds,
+        "bench": "sampler", "versions": versions("transformers"), "n": n, "batch_size": B, "megabatch_mult": args.megabatch_mult, "epochs": args.seeds,
         "waste_random": summary(waste["random"])[0], "waste_packkit": m_ours, "waste_packkit_se": se_ours,
         "waste_transformers": m_hf, "waste_transformers_se": se_hf, "waste_token_budget": summary(waste["budget"])[0],
         "paired_waste_packkit": paired_ours.tolist(), "paired_waste_transformers": paired_hf.tolist(),
