@@ -45,7 +45,8 @@ import numbers
 
 import numpy as np
 
-__all__ = ["Plan", "pack", "as_lengths", "STRATEGIES", "OVERFLOW_POLICIES"]
+__all__ = ["Plan", "pack", "as_lengths", "check_window", "check_strategy", "check_overflow", "overflow_error",
+           "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
@@ -64,6 +65,38 @@ def check_window(window) -> int:
     if window < 1:
         raise ValueError(f"window must be at least 1 token, got {window}")
     return window
+
+
+def check_strategy(strategy) -> str:
+    """Return ``strategy`` if it is one of :data:`STRATEGIES`, else raise naming the choices."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return strategy
+
+
+def check_overflow(overflow) -> str:
+    """Return ``overflow`` if it is one of :data:`OVERFLOW_POLICIES`, else raise naming the choices."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(
+            f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
+        )
+    return overflow
+
+
+def overflow_error(lengths: np.ndarray, window: int) -> ValueError | None:
+    """The error ``overflow="error"`` raises for these lengths, or None when every example fits.
+
+    ``overflow_error(np.array([3, 9]), 8)`` -> ``ValueError("example 1 has 9 tokens > window=8; ...")``.
+    """
+    over = np.flatnonzero(lengths > window)
+    if over.size == 0:
+        return None
+    i = int(over[0])
+    more = f" (and {over.size - 1} more)" if over.size > 1 else ""
+    return ValueError(
+        f"example {i} has {int(lengths[i]):,} tokens > window={window:,}{more}; "
+        "pass overflow='split', 'truncate' or 'drop', or raise window"
+    )
 
 
 def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:
@@ -247,8 +280,17 @@ class Plan:
         return np.split(self.seg_example, self.window_ptr[1:-1])
 
     def select(self, order) -> "Plan":
-        """A plan with the windows in ``order`` (a permutation or a subset of window indices)."""
-        order = np.asarray(order, dtype=np.int64)
+        """A plan with the windows in ``order``: a permutation or a subset of the window indices.
+
+        A window listed twice would duplicate its tokens, so that is an error; so is an index out
+        of range.
+        """
+        order = np.asarray(order, dtype=np.int64).reshape(-1)
+        if order.size and (order.min() < 0 or order.max() >= self.num_windows):
+            bad = int(order[(order < 0) | (order >= self.num_windows)][0])
+            raise IndexError(f"window {bad} out of range for a plan of {self.num_windows} windows")
+        if np.unique(order).size != order.size:
+            raise ValueError("select() got a window index twice: that would duplicate its tokens")
         counts = self.segments_per_window[order]
         ptr = np.zeros(order.size + 1, np.int64)
         np.cumsum(counts, out=ptr[1:])
@@ -315,12 +357,7 @@ def _items(lengths: np.ndarray, window: int, overflow: str):
     if over.size == 0:
         return idx, np.zeros(lengths.size, np.int64), lengths, over, empty, 0
     if overflow == "error":
-        i = int(over[0])
-        more = f" (and {over.size - 1} more)" if over.size > 1 else ""
-        raise ValueError(
-            f"example {i} has {int(lengths[i]):,} tokens > window={window:,}{more}; "
-            "pass overflow='split', 'truncate' or 'drop', or raise window"
-        )
+        raise overflow_error(lengths, window)
     if overflow == "truncate":
         cut = int((lengths[over] - window).sum())
         return idx, np.zeros(lengths.size, np.int64), np.minimum(lengths, window), over, empty, cut
@@ -596,12 +633,8 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
     Example: ``pack([5, 3, 4, 2], window=8).windows() -> [[0, 1], [2, 3]]``.
     """
     window = check_window(window)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(
-            f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
-        )
+    check_strategy(strategy)
+    check_overflow(overflow)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"seed must be an integer or None, got {seed!r}")
     lengths = as_lengths(lengths)

@@ -294,6 +294,16 @@ def test_select_and_segments():
         plan.segments(2)
 
 
+def test_select_rejects_repeated_and_out_of_range_windows():
+    """Regression (review): select([0, 0]) silently duplicated a window's tokens."""
+    plan = pack([5, 3, 4, 2], window=8)
+    with pytest.raises(ValueError, match="twice"):
+        plan.select([0, 0])
+    with pytest.raises(IndexError, match="window 7 out of range"):
+        plan.select([1, 7])
+    assert plan.select([]).num_windows == 0
+
+
 def test_lower_bound_function():
     assert lower_bound([5, 3, 4], window=8) == 2
 
