@@ -2,7 +2,7 @@
 
 Each subcommand lives with the module that owns its subject and exposes ``cli_main(argv) -> int``;
 this file only dispatches, and turns the errors a user can fix into one line and a non-zero exit
-(never a traceback):
+(never a traceback; ``PACKKIT_DEBUG=1`` re-raises them, for a bug report):
 
     packkit waste [FILE]          padding waste of each batching strategy (the main job)
     packkit pack IN OUT -w W      offline packing of a dataset
@@ -12,6 +12,7 @@ this file only dispatches, and turns the errors a user can fix into one line and
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.cli_main(rest) or 0)
     except (CLIError, ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError,
             PermissionError, ImportError) as exc:
+        if os.environ.get("PACKKIT_DEBUG"):
+            raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"packkit {name}: error: {message}", file=sys.stderr)
         return 2
