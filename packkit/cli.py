@@ -32,9 +32,12 @@ class CLIError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return 0
     if argv[0] in ("-V", "--version"):
         from . import __version__
 
