@@ -279,17 +279,18 @@ class Plan:
         """Example indices of every window, as a list of int64 arrays."""
         return np.split(self.seg_example, self.window_ptr[1:-1])
 
-    def select(self, order) -> "Plan":
+    def select(self, order, *, allow_repeats: bool = False) -> "Plan":
         """A plan with the windows in ``order``: a permutation or a subset of the window indices.
 
-        A window listed twice would duplicate its tokens, so that is an error; so is an index out
-        of range.
+        A window listed twice duplicates its tokens, so that is an error unless ``allow_repeats``
+        (a sampler that repeats windows to give every rank the same number of steps, and counts
+        them, passes it); an index out of range is an error too.
         """
         order = np.asarray(order, dtype=np.int64).reshape(-1)
         if order.size and (order.min() < 0 or order.max() >= self.num_windows):
             bad = int(order[(order < 0) | (order >= self.num_windows)][0])
             raise IndexError(f"window {bad} out of range for a plan of {self.num_windows} windows")
-        if np.unique(order).size != order.size:
+        if not allow_repeats and np.unique(order).size != order.size:
             raise ValueError("select() got a window index twice: that would duplicate its tokens")
         counts = self.segments_per_window[order]
         ptr = np.zeros(order.size + 1, np.int64)

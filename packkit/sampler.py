@@ -94,8 +94,10 @@ def _positive_int(value, name: str) -> int:
 
 
 def _seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be a non-negative integer, got {seed!r}")
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed}")
     return int(seed)
 
 
@@ -764,7 +766,7 @@ class PackedBatchSampler(_BatchSampler):
             units, repeated_windows = share_tail(np.arange(full, nw), R, np.arange(nw))
             wins = np.concatenate((wins, units))
             bptr = np.concatenate((bptr, bptr[-1] + np.arange(1, R + 1) * (units.size // R)))
-        sel = plan.select(wins)
+        sel = plan.select(wins, allow_repeats=True)  # repeats are the counted remainder policy
         flat = sel.seg_example
         ptr = sel.window_ptr[bptr]  # batch offsets, from windows to segments
         steps = (bptr.size - 1) // R

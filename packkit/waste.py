@@ -45,12 +45,12 @@ import sys
 
 import numpy as np
 
-from .binpack import OVERFLOW_POLICIES, as_lengths, check_window, pack
+from .binpack import OVERFLOW_POLICIES, as_lengths, check_overflow, check_window, overflow_error, pack
 
-__all__ = ["STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
+__all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
            "plot_waste", "cli_main"]
 
-STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
+WASTE_STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
 LABELS = {
     "pad_longest": "pad to dataset's longest",
     "random": "random batches, padded",
@@ -163,16 +163,13 @@ def apply_overflow(lengths, *, window: int, overflow: str = "truncate"):
     """
     lengths = as_lengths(lengths)
     window = check_window(window)
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+    check_overflow(overflow)
     over = lengths > window
     n_over = int(over.sum())
     if not n_over:
         return lengths, 0, 0
     if overflow == "error":
-        i = int(np.argmax(over))
-        raise ValueError(f"example {i} has {int(lengths[i]):,} tokens > window={window:,} "
-                         f"(and {n_over - 1} more); pass --overflow truncate, split or drop, or raise --window")
+        raise overflow_error(lengths, window)
     if overflow == "truncate":
         return np.minimum(lengths, window), int((lengths[over] - window).sum()), n_over
     if overflow == "drop":
@@ -254,7 +251,7 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
 
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
-                  strategies=STRATEGIES, source: str = "lengths", unit: str = "tokens",
+                  strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
                   progress: bool | None = None) -> WasteReport:
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
@@ -280,9 +277,9 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"windows_per_step must be a positive integer, got {k!r}")
     strategies = tuple(strategies)
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:
-        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(WASTE_STRATEGIES)}")
     L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
     if L.size == 0:
         raise ValueError(f"every example is longer than window={window} and overflow='drop' dropped them all")
@@ -435,8 +432,8 @@ def cli_main(argv=None) -> int:
     parser.add_argument("--overflow", default="truncate", choices=OVERFLOW_POLICIES,
                         help="examples longer than the window (default: truncate)")
     parser.add_argument("--buffer-size", type=int, default=1000, help="examples held by the streaming packer")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES),
-                        help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    parser.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
+                        help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
     parser.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")

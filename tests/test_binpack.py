@@ -302,6 +302,7 @@ def test_select_rejects_repeated_and_out_of_range_windows():
     with pytest.raises(IndexError, match="window 7 out of range"):
         plan.select([1, 7])
     assert plan.select([]).num_windows == 0
+    assert plan.select([0, 0], allow_repeats=True).total_tokens == 16
 
 
 def test_lower_bound_function():

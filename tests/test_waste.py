@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packkit.binpack import pack
-from packkit.waste import STRATEGIES, apply_overflow, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
+from packkit.waste import WASTE_STRATEGIES, apply_overflow, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
 
 
 def overflow_ref(lengths, window, overflow):
@@ -69,7 +69,7 @@ def test_measure_waste_matches_reference(lengths, batch_size, window, k):
     r = measure_waste(lengths, window=window, batch_size=batch_size, windows_per_step=k, buffer_size=4, seed=3)
     L = np.minimum(np.asarray(lengths), window)
     by = {s.name: s for s in r.strategies}
-    assert tuple(by) == STRATEGIES
+    assert tuple(by) == WASTE_STRATEGIES
     n = L.size
     longest = int(L.max())
     base = n * longest ** 2
@@ -114,7 +114,7 @@ def test_report_json_table_and_plot(tmp_path):
     lengths = np.random.default_rng(0).integers(1, 300, 500)
     r = measure_waste(lengths, window=256, batch_size=4, source="test data")
     d = json.loads(json.dumps(r.to_dict()))
-    assert [s["name"] for s in d["strategies"]] == list(STRATEGIES)
+    assert [s["name"] for s in d["strategies"]] == list(WASTE_STRATEGIES)
     assert d["overflow_examples"] == int((lengths > 256).sum()) and d["cut_tokens"] == int(np.maximum(lengths - 256, 0).sum())
     table = format_table(r)
     for s in r.strategies:
