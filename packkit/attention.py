@@ -45,9 +45,36 @@ def compact_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
     flash-attn's varlen kernels mishandle empty segments (Dao-AILab/flash-attention#1537), and the
     static-shape padding of ``cu_seqlens`` (repeating the last offset) produces them. Attention over
-    the remaining segments is unchanged. On a GPU this reads the values back (one synchronisation).
+    the remaining segments is unchanged. The output's length depends on the values: on a GPU this
+    reads them back (one synchronisation) and it cannot live in a CUDA graph or a compiled graph;
+    :func:`varlen_attention` avoids it when given ``num_segments``.
     """
     return torch.unique_consecutive(cu_seqlens)
+
+
+def _graph_unfriendly() -> bool:
+    """True while torch.compile traces or a CUDA graph is being captured: no sync, no data-dependent shape."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _nonempty_cu_seqlens(cu_seqlens: torch.Tensor, *, sliced: bool) -> torch.Tensor:
+    """cu_seqlens with no zero-length segment, for flash-attn / torch's varlen_attn (#1537 guard).
+
+    ``sliced``: already cut to ``num_segments + 1`` entries (every kept segment is non-empty): returned
+    as is, with no sync. Otherwise compacted: free on the CPU, one sync on a GPU in eager mode; under
+    torch.compile or CUDA-graph capture that would break the graph, so it raises, naming the fix.
+    """
+    if sliced:
+        return cu_seqlens
+    if _on_cuda(cu_seqlens) and _graph_unfriendly():
+        raise ValueError(
+            "varlen_attention needs num_segments=<Python int, the number of real (non-empty) segments> "
+            "under torch.compile / CUDA graphs on the flash_attn and torch backends: without it packkit "
+            "would have to read cu_seqlens back to drop empty segments (flash-attention#1537), a sync with "
+            "a data-dependent shape. The collator knows the count (segments before the static-shape padding)")
+    return compact_cu_seqlens(cu_seqlens)
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -184,14 +211,14 @@ def reference_varlen_attention(
     return torch.cat(pieces, dim=0)
 
 
-def _flash_attn_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
-    cu = compact_cu_seqlens(cu_seqlens)
+def _flash_attn_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
+    cu = _nonempty_cu_seqlens(cu_seqlens, sliced=sliced)
     return _flash_attn_varlen_func()[0](
         q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal,
     )
 
 
-def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
     varlen_attn = _torch_varlen_attn()[0]
     params = inspect.signature(varlen_attn).parameters
     kwargs = {}
@@ -210,15 +237,16 @@ def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
             kwargs["enable_gqa"] = True
         else:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    cu = compact_cu_seqlens(cu_seqlens)
+    cu = _nonempty_cu_seqlens(cu_seqlens, sliced=sliced)
     return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
-def _triton_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+def _triton_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
+    # Empty segments cost the kernels one early-exit program each; no compaction needed.
     return _triton_kernels()[0].flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
 
 
-def _reference_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+def _reference_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
     return reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
 
 
@@ -232,7 +260,19 @@ _RUNNERS = {
 
 # -- input checks --
 
-def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
+def _check_num_segments(num_segments, cu_seqlens: torch.Tensor) -> None:
+    """num_segments: None, or a Python int in [0, len(cu_seqlens) - 1] (shape only; no values read)."""
+    if num_segments is None:
+        return
+    if isinstance(num_segments, torch.Tensor) or not isinstance(num_segments, int) or isinstance(num_segments, bool):
+        raise TypeError(f"num_segments must be a Python int known on the host (the collator's count of real "
+                        f"segments; a tensor would force a sync); got {type(num_segments).__name__}")
+    if not 0 <= num_segments <= cu_seqlens.numel() - 1:
+        raise ValueError(f"num_segments={num_segments} must be in [0, {cu_seqlens.numel() - 1}] "
+                         f"(cu_seqlens has {cu_seqlens.numel()} entries)")
+
+
+def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None) -> None:
     if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
         raise TypeError(f"max_seqlen must be a Python int computed on the CPU (reading it from a tensor "
                         f"forces a sync and breaks torch.compile graphs); got {type(max_seqlen).__name__}")
@@ -254,6 +294,7 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
                          f"{v.device}, {cu_seqlens.device} (move cu_seqlens with .to(q.device))")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0; got {max_seqlen}")
+    _check_num_segments(num_segments, cu_seqlens)
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
         return  # checking values would read a GPU tensor back (a sync) or break a compiled graph
     offsets = cu_seqlens.tolist()
@@ -265,6 +306,15 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
         raise ValueError(f"cu_seqlens must be non-decreasing; segment {bad} has length {lengths[bad]}")
     if offsets[-1] != q.shape[0]:
         raise ValueError(f"cu_seqlens[-1]={offsets[-1]} must equal total_tokens={q.shape[0]}")
+    if num_segments is not None:
+        empty = next((i for i, n in enumerate(lengths[:num_segments]) if n == 0), None)
+        if empty is not None:
+            raise ValueError(f"num_segments={num_segments} counts segment {empty}, which is empty: the first "
+                             f"num_segments segments must all be non-empty (pass the number of real segments)")
+        if offsets[num_segments] != offsets[-1]:
+            raise ValueError(f"num_segments={num_segments} leaves out non-empty segments (cu_seqlens"
+                             f"[{num_segments}]={offsets[num_segments]} < {offsets[-1]}); pass the number of "
+                             f"real segments, counting every non-empty one")
     longest = max(lengths, default=0)
     if longest > max_seqlen:
         raise ValueError(f"max_seqlen={max_seqlen} is below the longest segment ({longest} tokens, "
@@ -276,6 +326,7 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     *, causal: bool = True, scale: float | None = None, backend: str = "auto",
+    num_segments: int | None = None,
 ) -> torch.Tensor:
     """Attention over packed documents: no token attends outside its own segment (differentiable).
 
@@ -290,6 +341,12 @@ def varlen_attention(
             whole segment.
         scale: softmax scale; default 1 / sqrt(headdim).
         backend: "auto", "flash_attn", "torch", "triton" or "reference" (see the module docstring).
+        num_segments: optional Python int, the number of real segments: the first ``num_segments``
+            segments are non-empty and any after them are empty (static-shape padding). When given,
+            ``cu_seqlens[:num_segments + 1]`` is used, a slice with no sync. When None, the flash_attn
+            and torch backends drop empty segments themselves (flash-attention#1537): free on the CPU,
+            one GPU sync in eager mode, and a ValueError under torch.compile / CUDA-graph capture, where
+            a sync with a data-dependent shape would break the graph. Pass it on a GPU to avoid the sync.
 
     Returns:
         (total_tokens, nheads, headdim), dtype of q.
@@ -297,8 +354,12 @@ def varlen_attention(
     Values of cu_seqlens are checked when it lives on the CPU; on a GPU they are trusted (checking
     would synchronise).
     """
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments)
     name = select_backend(q, k, v, backend=backend)
     if q.shape[0] == 0:
         return q.clone()  # no tokens: nothing to attend; native kernels need not see this case
-    return _RUNNERS[name](q, k, v, cu_seqlens, max_seqlen, bool(causal), None if scale is None else float(scale))
+    sliced = num_segments is not None
+    if sliced:
+        cu_seqlens = cu_seqlens[: num_segments + 1]  # host-side count: a view, no sync
+    scale = None if scale is None else float(scale)
+    return _RUNNERS[name](q, k, v, cu_seqlens, max_seqlen, bool(causal), scale, sliced)

@@ -377,3 +377,102 @@ def test_torch_compile_smoke():
         results.append((loss, q.grad, k.grad, v.grad))
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+# -- review finding A: no compaction (sync, data-dependent shape) when the segment count is known --
+
+def _fake_flash_recording(calls):
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
+        calls.append(cu_q.tolist())
+        assert bool((cu_q[1:] > cu_q[:-1]).all()), f"empty segment reached flash-attn: {cu_q.tolist()}"
+        return attention.reference_varlen_attention(q, k, v, cu_q, max_q, causal=causal, scale=softmax_scale)
+    return fake_flash
+
+
+def _no_compaction(cu):
+    raise AssertionError("compact_cu_seqlens ran although num_segments was given")
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "torch"])
+def test_num_segments_slices_without_compacting(monkeypatch, backend):
+    """Review finding A: with a host-side num_segments, the flash_attn / torch backends get
+    cu_seqlens[:num_segments + 1] (a view, no sync, no data-dependent shape) and compact_cu_seqlens
+    (unique_consecutive) never runs; the static-shape padding still never reaches the kernel."""
+    calls = []
+
+    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                         window_size=(-1, -1), enable_gqa=False):
+        calls.append(cu_seq_q.tolist())
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (_fake_flash_recording(calls), None))
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(attention, "compact_cu_seqlens", _no_compaction)
+    lengths = [3, 5, 2, 0, 0, 0]  # three real segments, then static-shape padding
+    q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
+    cu = cu_seqlens_of(lengths)
+    out = varlen_attention(q, k, v, cu, 5, backend=backend, num_segments=3)
+    assert calls == [[0, 3, 8, 10]]
+    assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 5))
+
+
+def test_without_num_segments_compaction_is_refused_inside_a_graph(monkeypatch):
+    """Review finding A: on a GPU under torch.compile / CUDA-graph capture, with no num_segments,
+    varlen_attention refuses to compact (it would sync and give a data-dependent shape) and names
+    the fix, rather than breaking the graph or letting empty segments reach flash-attn (#1537)."""
+    calls = []
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (_fake_flash_recording(calls), None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: True)
+    lengths = [3, 5, 0]
+    q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="num_segments="):
+        varlen_attention(q, k, v, cu_seqlens_of(lengths), 5)
+    assert calls == []
+    out = varlen_attention(q, k, v, cu_seqlens_of(lengths), 5, num_segments=2)  # the fix works there
+    assert calls == [[0, 3, 8]] and out.shape == q.shape
+
+
+def test_without_num_segments_eager_still_compacts(monkeypatch):
+    """Review finding A: eager mode with no num_segments keeps the #1537 guard by compacting."""
+    calls = []
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (_fake_flash_recording(calls), None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: False)
+    lengths = [3, 0, 5, 0]
+    q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
+    varlen_attention(q, k, v, cu_seqlens_of(lengths), 5)
+    assert calls == [[0, 3, 8]]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_num_segments_on_the_other_backends(backend):
+    """Review finding A: num_segments is honoured (same result) by the reference and Triton backends."""
+    lengths = [4, 9, 1, 0, 0]
+    q, k, v = random_qkv(lengths, 2, 1, 16, torch.float32, "cpu")
+    skip_if_unavailable(backend, q, k, v)
+    cu = cu_seqlens_of(lengths)
+    out = varlen_attention(q, k, v, cu, 9, backend=backend, num_segments=3)
+    ref = attention_ref(q, k, v, cu, True, 1 / math.sqrt(16))
+    assert_close("out", out, ref, *TOLERANCES[torch.float32]["fwd"])
+
+
+@pytest.mark.parametrize(
+    "lengths, num_segments, error, message",
+    [
+        ([3, 0, 4], 3, ValueError, "segment 1, which is empty"),
+        ([3, 4, 0], 1, ValueError, "leaves out non-empty segments"),
+        ([3, 4, 0], 4, ValueError, r"must be in \[0, 3\]"),
+        ([3, 4, 0], -1, ValueError, r"must be in \[0, 3\]"),
+        ([3, 4, 0], torch.tensor(2), TypeError, "Python int"),
+        ([3, 4, 0], True, TypeError, "Python int"),
+    ],
+    ids=["counts-an-empty", "too-few", "too-many", "negative", "tensor", "bool"],
+)
+def test_bad_num_segments_is_named(lengths, num_segments, error, message):
+    """Review finding A: a wrong num_segments is refused with the fix, never silently used."""
+    q, k, v = random_qkv(lengths, 2, 1, 16, torch.float32, "cpu")
+    with pytest.raises(error, match=message):
+        varlen_attention(q, k, v, cu_seqlens_of(lengths), 4, num_segments=num_segments)
