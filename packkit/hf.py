@@ -69,10 +69,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, check_window, pack
-from .io import progress_bar
-from .packer import gather_segments
-from .segments import IGNORE_INDEX
+from .binpack import (OVERFLOW_POLICIES, STRATEGIES, Plan, check_overflow, check_strategy, check_window,
+                      overflow_error, pack)
+from .io import list_array, progress_bar
+from .packer import MASK_KEYS, first_bad_label, loss_labels, pack_columns
+from .segments import IGNORE_INDEX, segment_starts
 
 __all__ = [
     "pack_dataset",
@@ -93,11 +94,7 @@ PROGRESS_TOKENS = 1 << 26
 
 def _list_array(row_offsets: np.ndarray, values: np.ndarray):
     """A pyarrow list array over ``values`` with rows at ``row_offsets`` (large_list past 2**31 - 1)."""
-    import pyarrow as pa
-
-    if row_offsets[-1] <= MAX_LIST_TOKENS:
-        return pa.ListArray.from_arrays(pa.array(row_offsets.astype(np.int32)), pa.array(values))
-    return pa.LargeListArray.from_arrays(pa.array(row_offsets.astype(np.int64)), pa.array(values))
+    return list_array(row_offsets, values, max_tokens=MAX_LIST_TOKENS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,28 +148,66 @@ def _read_column(table, name: str, indices: np.ndarray | None, *, tokens: bool) 
     return _Column(values, starts_a, lengths_a)
 
 
+def _first_example_with(col: _Column, bad: np.ndarray) -> int | None:
+    """The first example (in dataset order) holding a flat position where ``bad`` is True, or None.
+
+    The flat buffer may hold rows outside a selection, so a bad position there names no example.
+    """
+    # Count the bad positions before every start and every end: an example holds one iff they differ.
+    before = np.concatenate(([0], np.cumsum(bad)))
+    hit = np.flatnonzero(before[col.starts + col.lengths] > before[col.starts])
+    return int(hit[0]) if hit.size else None
+
+
 def _check_tokens(col: _Column, name: str) -> None:
     """Token ids must be >= 0; the error names the first example holding a negative one."""
     if col.values.size == 0 or col.values.dtype.kind == "u" or int(col.values.min()) >= 0:
         return
-    neg = np.flatnonzero(col.values < 0)
-    # The first dataset example that holds one of them (the buffer may hold rows outside a selection).
-    ex_of = np.searchsorted(np.sort(col.starts), neg, side="right") - 1
-    order = np.argsort(col.starts, kind="stable")
-    for pos, e in zip(neg.tolist(), ex_of.tolist()):
-        if e < 0:
-            continue
-        i = int(order[e])
-        if col.starts[i] <= pos < col.starts[i] + col.lengths[i]:
-            raise ValueError(f"example {i} has a negative token id in {name!r}; token ids must be >= 0")
+    i = _first_example_with(col, col.values < 0)
+    if i is not None:
+        raise ValueError(f"example {i} has a negative token id in {name!r}; token ids must be >= 0")
 
 
-def _resolve_columns(names, columns) -> tuple[list[str], bool]:
-    """The list columns to pack: ``None`` -> input_ids (+ labels if present)."""
+def _check_labels(col: _Column, name: str) -> None:
+    """Labels are token ids (>= 0) or -100; the error names the first example holding another value."""
+    if first_bad_label(col.values) is None:  # the fast, usual path
+        return
+    bad = (col.values < 0) & (col.values != IGNORE_INDEX)
+    i = _first_example_with(col, bad)
+    if i is not None:
+        s = int(col.starts[i])
+        t = s + int(np.argmax(bad[s: s + int(col.lengths[i])]))
+        raise ValueError(f"example {i} has label {int(col.values[t])} in {name!r}; labels are token ids "
+                         f"(>= 0) or {IGNORE_INDEX} (no loss)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """The columns to read, the loss-mask column among them (or None), and whether it is also written."""
+
+    read: list
+    mask: str | None
+    keep_mask: bool
+
+    def written(self) -> list:
+        """Output list columns in order: tokens, labels (given or from the mask), then the rest."""
+        has_labels = "labels" in self.read or self.mask is not None
+        rest = [c for c in self.read[1:] if c != "labels" and (c != self.mask or self.keep_mask)]
+        return [self.read[0]] + (["labels"] if has_labels else []) + rest
+
+
+def _resolve_columns(names, columns) -> _Columns:
+    """The list columns to pack: ``None`` -> input_ids (+ labels, + the first of MASK_KEYS, if present).
+
+    A loss mask becomes labels (-100 where it is 0), so a mask is never dropped in silence; it is
+    written too only when ``columns`` names it.
+    """
     if columns is None:
         if "input_ids" not in names:
             raise KeyError(f"no 'input_ids' column; the columns are {list(names)}: pass columns=(NAME, ...)")
-        return ["input_ids"] + (["labels"] if "labels" in names else []), True
+        mask = next((k for k in MASK_KEYS if k in names), None)
+        read = ["input_ids"] + (["labels"] if "labels" in names else []) + ([mask] if mask else [])
+        return _Columns(read, mask, keep_mask=False)
     if isinstance(columns, str):
         columns = [columns]
     columns = list(columns)
@@ -186,15 +221,16 @@ def _resolve_columns(names, columns) -> tuple[list[str], bool]:
     for reserved in ("seq_lengths", "example_ids"):
         if reserved in columns:
             raise ValueError(f"column {reserved!r} is written by packing; it cannot be packed itself")
-    return columns, False
+    if columns[0] in MASK_KEYS:
+        raise ValueError(f"the first column is the token column; {columns[0]!r} is a loss mask")
+    mask = next((c for c in columns if c in MASK_KEYS), None)
+    return _Columns(columns, mask, keep_mask=True)
 
 
 def _check_common(window, strategy, overflow, seed, num_proc):
     window = check_window(window)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+    check_strategy(strategy)
+    check_overflow(overflow)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"seed must be an integer or None, got {seed!r}")
     if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, numbers.Integral)
@@ -231,14 +267,20 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     """Pack a ``datasets.Dataset`` into windows of at most ``window`` tokens, one row per window.
 
     Args:
-        ds: a ``datasets.Dataset`` (a ``datasets.IterableDataset`` is packed with :func:`pack_stream`
-            and an ``IterableDataset`` comes back; then ``strategy`` must be ``"bfd"``).
+        ds: a ``datasets.Dataset``, or a ``datasets.IterableDataset``: that one is packed with
+            :func:`pack_stream` and an ``IterableDataset`` comes back; then ``strategy`` must be
+            ``"bfd"`` (best fit inside ``buffer_size`` examples), ``shuffle`` shuffles the rows inside a
+            seeded buffer of ``buffer_size`` rows, ``progress`` defaults to off, ``num_proc`` must be
+            unset and ``return_plan`` is not available.
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
         overflow: examples longer than ``W``: ``"error"`` (default), ``"truncate"``, ``"split"``,
             ``"drop"``. Cut tokens are counted and logged (``return_plan=True`` returns the counts).
-        columns: list columns to pack, the token column first; default ``input_ids`` plus ``labels``
-            when the dataset has it. Other columns (text, ids) are not carried over.
+        columns: list columns to pack, the token column first; default ``input_ids``, plus ``labels``
+            and the first of ``completion_mask`` / ``assistant_masks`` when the dataset has them. A loss
+            mask becomes ``labels`` (-100 where the mask is 0, on the given labels or the token ids),
+            as the collators do; it is written as well only when ``columns`` names it. Other columns
+            (text, ids) are not carried over.
         seed: seeds ``"shuffle_ff"`` and the order of the rows.
         shuffle: rows in a seeded random order (default), not in the planner's (length-sorted) order.
         num_proc: threads for the token copy (numpy releases the GIL), default 1.
@@ -250,7 +292,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
 
     Returns:
         A ``datasets.Dataset`` (in memory) with columns ``input_ids`` (list of int, length <= W, the
-        source dtype), ``labels`` (when packed), any other packed column, ``seq_lengths`` (list of
+        source dtype), ``labels`` (when the source has labels or a loss mask), any other packed column, ``seq_lengths`` (list of
         int32 segment lengths summing to the row length) and optionally ``example_ids`` (int64).
         ``save_to_disk`` / ``to_parquet`` it as usual.
     """
@@ -263,29 +305,18 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         if return_plan:
             raise ValueError("return_plan is not available for an IterableDataset (there is no whole plan)")
         window = _check_common(window, strategy, overflow, seed, num_proc)
-        kw = dict(window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
-                  mask_first_label=mask_first_label, example_ids=example_ids)
-
-        names = _resolve_columns(ds.column_names, columns)[0] if ds.column_names else columns
-        features = None
-
-        def rows():
-            for row in pack_stream(ds, **kw):
-                # Unknown columns (no features to cast numpy arrays with): plain lists, as datasets gives.
-                yield row if features is not None else {k: v.tolist() for k, v in row.items()}
-
-        if names is not None:
-            ids = datasets.Sequence(datasets.Value("int64"))
-            features = datasets.Features({c: ids for c in names})
-            features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
-            if example_ids:
-                features["example_ids"] = ids
-        return datasets.IterableDataset.from_generator(rows, features=features)
+        if num_proc not in (None, 1):
+            raise ValueError(f"num_proc={num_proc!r}: an IterableDataset is packed in one stream as it is "
+                             "read; leave num_proc unset (or shard the source and pack each shard)")
+        return _pack_iterable(ds, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
+                              seed=seed, shuffle=shuffle, mask_first_label=mask_first_label,
+                              example_ids=example_ids, progress=bool(progress))
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
     window = _check_common(window, strategy, overflow, seed, num_proc)
-    cols, _ = _resolve_columns(ds.column_names, columns)
+    spec = _resolve_columns(ds.column_names, columns)
+    cols = spec.read
     table = ds.data.table
     indices = None
     if getattr(ds, "_indices", None) is not None:  # a select / shuffle / filter view of the table
@@ -293,6 +324,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     sources = {c: _read_column(table, c, indices, tokens=(i == 0 or c == "labels")) for i, c in enumerate(cols)}
     tok = sources[cols[0]]
     _check_tokens(tok, cols[0])
+    if "labels" in sources:
+        _check_labels(sources["labels"], "labels")
     for c in cols[1:]:
         bad = np.flatnonzero(sources[c].lengths != tok.lengths)
         if bad.size:
@@ -307,25 +340,16 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     total = plan.total_tokens
     if progress is None:
         progress = total * len(cols) >= PROGRESS_TOKENS and datasets.utils.logging.is_progress_bar_enabled()
-    row_offsets = np.zeros(plan.num_windows + 1, np.int64)
-    np.cumsum(plan.window_loads, out=row_offsets[1:])
-    seg_ptr = plan.window_ptr
-    arrays, names = [], []
     with progress_bar(total=total * len(cols), unit="tok", enabled=progress, desc="pack_dataset") as bar:
-        for c in cols:
-            src = sources[c]
-            flat = gather_segments(src.values, src.starts[plan.seg_example] + plan.seg_start, plan.seg_length,
-                                   num_threads=num_proc or 1, bar=bar)
-            if c == "labels" and mask_first_label and flat.size:
-                if flat.dtype.kind == "u" or flat.dtype.itemsize < 2:
-                    flat = flat.astype(np.int64)  # -100 must fit
-                flat[np.cumsum(plan.seg_length) - plan.seg_length] = IGNORE_INDEX
-            arrays.append(_list_array(row_offsets, flat))
-            names.append(c)
-    arrays.append(_list_array(seg_ptr, plan.seg_length.astype(np.int32)))
+        rows = pack_columns(plan, {c: (src.values, src.starts) for c, src in sources.items()},
+                            loss_mask=spec.mask, keep_mask=spec.keep_mask, mask_first_label=mask_first_label,
+                            num_threads=num_proc or 1, bar=bar)
+    names = list(rows.columns)
+    arrays = [_list_array(rows.row_offsets, rows.columns[c]) for c in names]
+    arrays.append(_list_array(rows.seq_offsets, rows.seq_lengths.astype(np.int32)))
     names.append("seq_lengths")
     if example_ids:
-        arrays.append(_list_array(seg_ptr, plan.seg_example.astype(np.int64)))
+        arrays.append(_list_array(rows.seq_offsets, rows.seg_example.astype(np.int64)))
         names.append("example_ids")
     import pyarrow as pa
     from datasets.fingerprint import update_fingerprint
@@ -335,6 +359,43 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         mask_first_label=mask_first_label, example_ids=example_ids))
     out = datasets.Dataset(pa.Table.from_arrays(arrays, names=names), fingerprint=fingerprint)
     return (out, plan) if return_plan else out
+
+
+def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle, mask_first_label, example_ids,
+                   progress):
+    """:func:`pack_dataset` on a ``datasets.IterableDataset``: :func:`pack_stream` as an IterableDataset.
+
+    ``shuffle`` shuffles the packed rows with ``IterableDataset.shuffle(seed=seed, buffer_size=buffer_size)``
+    (seeded; ``set_epoch`` changes the order per epoch); ``progress`` counts packed tokens (no total:
+    a stream has no known length).
+    """
+    import datasets
+
+    if ds.column_names:
+        names = _resolve_columns(ds.column_names, columns).written()
+    elif columns is not None:
+        names = _resolve_columns(list(columns) if not isinstance(columns, str) else [columns], columns).written()
+    else:
+        names = None
+    features = None
+    if names is not None:
+        ids = datasets.Sequence(datasets.Value("int64"))
+        features = datasets.Features({c: ids for c in names})
+        features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
+        if example_ids:
+            features["example_ids"] = ids
+
+    def rows():
+        stream = pack_stream(ds, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
+                             mask_first_label=mask_first_label, example_ids=example_ids)
+        with progress_bar(total=None, unit="tok", enabled=progress, desc="pack_dataset (stream)") as bar:
+            for row in stream:
+                bar.update(int(row["seq_lengths"].sum()))
+                # Unknown columns (no features to cast numpy arrays with): plain lists, as datasets gives.
+                yield row if features is not None else {k: v.tolist() for k, v in row.items()}
+
+    out = datasets.IterableDataset.from_generator(rows, features=features)
+    return out.shuffle(seed=seed, buffer_size=buffer_size) if shuffle else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,11 +503,12 @@ class PackedStream:
 
     def __init__(self, examples, *, window, buffer_size, overflow, columns, mask_first_label, example_ids):
         self.window = check_window(window)
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+        check_overflow(overflow)
         if isinstance(columns, str):
             columns = [columns]
-        self._columns = None if columns is None else list(columns)
+        self._columns = self._mask = self._written = None
+        if columns is not None:
+            self._set_columns(_resolve_columns(list(columns), columns))
         self._examples = examples
         self._buffer_size = buffer_size
         self._overflow = overflow
@@ -460,13 +522,16 @@ class PackedStream:
     def stats(self) -> StreamStats:
         return StreamStats(window=self.window, **self._counts)
 
+    def _set_columns(self, spec: _Columns) -> None:
+        self._columns, self._mask, self._written = spec.read, spec.mask, spec.written()
+
     def _example_arrays(self, i: int, ex) -> dict:
         if not hasattr(ex, "keys"):
             raise TypeError(f"example {i} is a {type(ex).__name__}, not a mapping with 'input_ids'")
         if self._columns is None:
             if "input_ids" not in ex:
                 raise KeyError(f"example {i} has no 'input_ids'; its keys are {list(ex.keys())}")
-            self._columns = ["input_ids"] + (["labels"] if "labels" in ex else [])
+            self._set_columns(_resolve_columns(list(ex.keys()), None))
         out = {}
         for j, c in enumerate(self._columns):
             if c not in ex:
@@ -477,7 +542,9 @@ class PackedStream:
             arr = np.asarray(v)
             if arr.ndim != 1:
                 raise ValueError(f"example {i}: {c!r} must be 1-D, got shape {arr.shape}")
-            if arr.size and arr.dtype.kind not in "iub":
+            # Token ids and labels are integers; a mask (or another column) may be boolean.
+            kinds = "iu" if j == 0 or c == "labels" else "iub"
+            if arr.size and arr.dtype.kind not in kinds:
                 raise TypeError(f"example {i}: {c!r} must hold integers, got {arr.dtype}")
             if arr.size == 0:
                 arr = arr.astype(np.int64)
@@ -486,7 +553,10 @@ class PackedStream:
                     raise ValueError(f"example {i} has no tokens; filter empty examples out before packing")
                 if arr.dtype.kind == "i" and int(arr.min()) < 0:
                     raise ValueError(f"example {i} has a negative token id; token ids must be >= 0")
-            elif arr.size != out[self._columns[0]].size:
+            elif c == "labels" and (t := first_bad_label(arr)) is not None:
+                raise ValueError(f"example {i} has label {int(arr[t])} in 'labels'; labels are token ids "
+                                 f"(>= 0) or {IGNORE_INDEX} (no loss)")
+            if j and arr.size != out[self._columns[0]].size:
                 raise ValueError(f"example {i} has {arr.size} {c!r} but {out[self._columns[0]].size} "
                                  f"{self._columns[0]!r}; they must have the same length")
             out[c] = arr
@@ -503,8 +573,9 @@ class PackedStream:
                 yield (i, 0, arrays), n
                 continue
             if self._overflow == "error":
-                raise ValueError(f"example {i} has {n:,} tokens > window={W:,}; "
-                                 "pass overflow='split', 'truncate' or 'drop', or raise window")
+                lengths = np.zeros(i + 1, np.int64)  # the error path only: binpack's text names example i
+                lengths[i] = n
+                raise overflow_error(lengths, W)
             if self._overflow == "truncate":
                 counts["truncated_examples"] += 1
                 counts["cut_tokens"] += n - W
@@ -526,12 +597,14 @@ class PackedStream:
         cols = self._columns
         lengths = np.array([p[2][cols[0]].size for p in win], np.int32)
         row = {c: np.concatenate([p[2][c] for p in win]) for c in cols}
-        if "labels" in row and self._mask_first_label:
-            lab = row["labels"]
-            if lab.dtype.kind != "i" or lab.dtype.itemsize < 2:
-                lab = lab.astype(np.int64)
-            lab[np.cumsum(lengths) - lengths] = IGNORE_INDEX
-            row["labels"] = lab
+        if "labels" in row or self._mask is not None:
+            # The same rule as packer.pack_columns: -100 where the mask is 0, then on each segment's first token.
+            labels = loss_labels(row[cols[0]], row.get("labels"),
+                                 None if self._mask is None else row[self._mask])
+            if self._mask_first_label:
+                labels[segment_starts(lengths)] = IGNORE_INDEX  # a fresh array (concatenated or masked)
+            row["labels"] = labels
+            row = {c: row[c] for c in self._written}
         row["seq_lengths"] = lengths
         if self._example_ids:
             row["example_ids"] = np.array([p[0] for p in win], np.int64)

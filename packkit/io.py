@@ -29,6 +29,7 @@ __all__ = [
     "Lengths",
     "bundled_sample",
     "byte_tokenize",
+    "list_array",
     "list_lengths",
     "load_table",
     "load_dataset",
@@ -123,6 +124,29 @@ def list_lengths(column, *, name: str = "input_ids") -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+#: Past this many values a list array needs 64-bit offsets (``large_list``): int32's maximum.
+MAX_LIST_VALUES = 2**31 - 1
+
+
+def list_array(offsets, values, *, max_tokens: int | None = None):
+    """A pyarrow list array with rows at ``offsets`` over flat ``values``; ``large_list`` when the last
+    offset passes ``max_tokens`` (default :data:`MAX_LIST_VALUES`, so int32 offsets never wrap).
+
+    ``list_array([0, 2, 3], np.array([5, 6, 7])).to_pylist() -> [[5, 6], [7]]``.
+
+    Args:
+        offsets: (n + 1,) int, starting at 0, non-decreasing.
+        values: (offsets[-1],) numpy array or pyarrow array.
+    """
+    pa = _pa()
+    offsets = np.asarray(offsets, np.int64)
+    limit = MAX_LIST_VALUES if max_tokens is None else max_tokens
+    values = values if isinstance(values, pa.Array) else pa.array(values)
+    if offsets[-1] <= limit:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values)
+
+
 def _binary_parts(arr):
     """Offsets ``(n + 1,)`` int64 (starting at 0) and bytes ``(total,)`` uint8 of a binary/utf8 array."""
     pa = _pa()
@@ -145,7 +169,7 @@ def byte_tokenize(texts):
     Args:
         texts: a list of str, or a pyarrow string array / chunked array.
     Returns:
-        pyarrow ``ListArray`` (or ``LargeListArray`` past 2**31 - 1 bytes) of int32.
+        pyarrow ``ListArray`` (or ``LargeListArray`` past 2**31 - 1 bytes: :func:`list_array`) of int32.
     """
     pa = _pa()
     if isinstance(texts, pa.ChunkedArray):
@@ -156,10 +180,7 @@ def byte_tokenize(texts):
             or pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type)):
         raise TypeError(f"byte_tokenize needs text, got {texts.type}")
     offsets, data = _binary_parts(texts)
-    ids = pa.array(data.astype(np.int32))
-    if offsets[-1] < 2**31 - 1:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), ids)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), ids)
+    return list_array(offsets, data.astype(np.int32))
 
 
 def _load_tokenizer(spec):
@@ -189,6 +210,8 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
     Args:
         texts: pyarrow string array (or list of str).
         tokenizer: ``"bytes"`` or the path of a local ``tokenizer.json``.
+    Returns:
+        pyarrow ``ListArray`` of int32, a ``LargeListArray`` past 2**31 - 1 tokens (:func:`list_array`).
     """
     pa = _pa()
     tok = _load_tokenizer(tokenizer)
@@ -208,8 +231,7 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
     lengths = np.array([p.size for p in parts], np.int64)
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = pa.array(np.concatenate(parts) if parts else np.zeros(0, np.int32))
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+    return list_array(offsets, np.concatenate(parts) if parts else np.zeros(0, np.int32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,18 @@ equal-length segments with no per-token index at all (:func:`gather_segments`)::
     >>> index.tolist(), row_offsets.tolist()
     ([0, 1, 2, 3, 4, 5, 6], [0, 3, 7])
 
+Several list columns of the same examples (tokens, labels, a loss mask, anything aligned with the
+tokens) move together with :func:`pack_columns`; :func:`pack_arrays` is its two-column form. Labels
+follow one rule everywhere (:func:`loss_labels`): ``IGNORE_INDEX`` where a loss mask
+(``completion_mask`` / ``assistant_masks``, :data:`MASK_KEYS`) is 0, and on the first token of every
+segment when ``mask_first_label`` (models that shift labels)::
+
+    >>> rows = pack_columns(pack([3, 2], window=8),
+    ...                     {"input_ids": ([5, 6, 7, 8, 9], [0, 3]), "completion_mask": ([0, 1, 1, 1, 1], [0, 3])},
+    ...                     loss_mask="completion_mask")
+    >>> rows.columns["input_ids"].tolist(), rows.columns["labels"].tolist(), rows.seq_lengths.tolist()
+    ([5, 6, 7, 8, 9], [-100, 6, 7, -100, 9], [3, 2])
+
 Rows are not padded here: the collators pad windows to ``W`` at batch time.
 """
 
@@ -23,12 +35,115 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .binpack import Plan
-from .segments import IGNORE_INDEX
+from .segments import IGNORE_INDEX, segment_starts
 
-__all__ = ["gather_index", "gather_segments", "PackedRows", "pack_arrays"]
+__all__ = [
+    "MASK_KEYS",
+    "check_offsets",
+    "first_bad_label",
+    "label_dtype",
+    "loss_labels",
+    "gather_index",
+    "gather_segments",
+    "PackedColumns",
+    "pack_columns",
+    "PackedRows",
+    "pack_arrays",
+]
+
+#: Columns read as a loss mask (TRL's names): loss only where the mask is not 0. The same tuple as
+#: ``packkit.collate.MASK_KEYS`` (a test keeps them equal); it lives here too so that offline packing
+#: does not import torch.
+MASK_KEYS = ("completion_mask", "assistant_masks")
 
 #: Tokens copied per numpy call at most (bounds the temporary of one copy: 4M tokens).
 GROUP_TOKENS = 1 << 22
+
+
+def check_offsets(plan: Plan, offsets, *, size: int | None = None) -> np.ndarray:
+    """``offsets`` as ``(num_examples + 1,)`` int64 after checking them against ``plan.lengths``.
+
+    ``check_offsets(pack([3, 2], window=4), [0, 3, 5]) -> [0, 3, 5]``; ``[0, 2, 5]`` raises, naming
+    example 0 (2 tokens in ``offsets``, 3 in the plan): a plan made from other lengths than the
+    tokens would duplicate or lose tokens. ``size``: the length of the flat values, which the last
+    offset may not pass.
+    """
+    offsets = np.asarray(offsets)
+    if offsets.dtype.kind not in "iu" and offsets.size:
+        raise TypeError(f"offsets must be integers, got {offsets.dtype}")
+    offsets = offsets.astype(np.int64, copy=False)
+    if offsets.shape != (plan.num_examples + 1,):
+        raise ValueError(
+            f"offsets must have num_examples + 1 = {plan.num_examples + 1} entries, got {offsets.shape}"
+        )
+    if offsets[0] < 0:
+        raise ValueError(f"offsets must start at 0 or later, got {int(offsets[0])}")
+    bad = np.flatnonzero(np.diff(offsets) != plan.lengths)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"example {i} has {int(offsets[i + 1] - offsets[i])} tokens in offsets but "
+                         f"{int(plan.lengths[i])} in the plan; plan the lengths of these very tokens "
+                         "(np.diff(offsets))")
+    if size is not None and offsets[-1] > size:
+        raise ValueError(f"offsets end at {int(offsets[-1])} but there are only {size} values")
+    return offsets
+
+
+def _check_starts(plan: Plan, starts, size: int, name: str) -> np.ndarray:
+    """Column ``name``'s ``(num_examples,)`` starts as int64, every example inside its ``size`` values."""
+    starts = np.asarray(starts)
+    if starts.dtype.kind not in "iu" and starts.size:
+        raise TypeError(f"starts of {name!r} must be integers, got {starts.dtype}")
+    starts = starts.astype(np.int64, copy=False)
+    if starts.shape != (plan.num_examples,):
+        raise ValueError(f"{name!r} needs one start per example ({plan.num_examples}), got {starts.shape}")
+    bad = np.flatnonzero((starts < 0) | (starts + plan.lengths > size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"example {i} of {name!r} (start {int(starts[i])}, {int(plan.lengths[i])} tokens) "
+                         f"lies outside its {size} values")
+    return starts
+
+
+def label_dtype(dtype) -> np.dtype:
+    """The dtype labels are kept in: signed of at least 16 bits as given (-100 must fit), else int64.
+
+    ``label_dtype(np.int32) -> int32``; ``label_dtype(np.uint16) -> int64``.
+    """
+    dtype = np.dtype(dtype)
+    return dtype if dtype.kind == "i" and dtype.itemsize >= 2 else np.dtype(np.int64)
+
+
+def loss_labels(input_ids, labels=None, mask=None) -> np.ndarray:
+    """Labels with ``IGNORE_INDEX`` where the loss ``mask`` is 0 (the collators' rule, on flat arrays).
+
+    ``loss_labels([5, 6, 7], mask=[0, 1, 1]) -> [-100, 6, 7]``; without ``labels`` the token ids are the
+    labels; without ``mask`` the labels come back as they are. Returns ``(T,)`` of :func:`label_dtype`
+    (a new array when a mask is applied).
+    """
+    base = np.asarray(input_ids if labels is None else labels)
+    base = base.astype(label_dtype(base.dtype), copy=False)
+    if mask is None:
+        return base
+    mask = np.asarray(mask)
+    if mask.shape != base.shape:
+        raise ValueError(f"a loss mask of shape {mask.shape} for labels of shape {base.shape}: they must match")
+    return np.where(mask != 0, base, np.asarray(IGNORE_INDEX, base.dtype))
+
+
+def first_bad_label(values) -> int | None:
+    """Flat index of the first label that is neither a token id (>= 0) nor ``IGNORE_INDEX``, or None.
+
+    ``first_bad_label([3, -100, -5]) -> 2``; ``first_bad_label([3, -100]) -> None``. Vectorised, with a
+    fast path for labels without negatives.
+    """
+    values = np.asarray(values)
+    if values.size == 0 or values.dtype.kind in "ub" or values.min() >= 0:
+        return None
+    neg = values < 0
+    if np.count_nonzero(neg) == np.count_nonzero(values == IGNORE_INDEX):  # every negative is -100
+        return None
+    return int(np.argmax(neg & (values != IGNORE_INDEX)))
 
 
 def gather_index(plan: Plan, offsets) -> tuple[np.ndarray, np.ndarray]:
@@ -42,11 +157,7 @@ def gather_index(plan: Plan, offsets) -> tuple[np.ndarray, np.ndarray]:
         ``index``: ``(T,)`` int64, ``values[index]`` is the packed token stream, window after window;
         ``row_offsets``: ``(num_windows + 1,)`` int64, window ``w`` is ``index[row_offsets[w]:row_offsets[w+1]]``.
     """
-    offsets = np.asarray(offsets, dtype=np.int64)
-    if offsets.shape != (plan.num_examples + 1,):
-        raise ValueError(
-            f"offsets must have num_examples + 1 = {plan.num_examples + 1} entries, got {offsets.shape}"
-        )
+    offsets = check_offsets(plan, offsets)
     seg_length = plan.seg_length
     out_start = np.cumsum(seg_length) - seg_length
     src_start = offsets[plan.seg_example] + plan.seg_start
@@ -120,6 +231,81 @@ def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=
 
 
 @dataclasses.dataclass(frozen=True)
+class PackedColumns:
+    """Packed windows of several list columns as flat arrays (the layout of Arrow list columns).
+
+    Fields:
+        columns:     name -> (T,) flat values of every window, window after window; the token column
+                     first, then ``labels`` (when there were labels or a loss mask), then the rest
+        row_offsets: (R + 1,) int64, window ``r`` is ``values[row_offsets[r]:row_offsets[r+1]]``
+        seq_lengths: (S,) int64, segment lengths, window after window
+        seq_offsets: (R + 1,) int64, window ``r`` has segments ``seq_lengths[seq_offsets[r]:seq_offsets[r+1]]``
+        seg_example: (S,) int64, the source example of every segment
+    """
+
+    columns: dict
+    row_offsets: np.ndarray
+    seq_lengths: np.ndarray
+    seq_offsets: np.ndarray
+    seg_example: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets.size - 1)
+
+
+def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask: bool = False,
+                 mask_first_label: bool = True, num_threads: int = 1, bar=None) -> PackedColumns:
+    """Gather every column of ``plan``'s examples into packed rows: one strided copy per length group.
+
+    Args:
+        plan: the plan of the examples (its ``lengths`` are the examples' lengths in every column).
+        columns: ``{name: (values, starts)}``, the token column first: ``values`` ``(N,)`` flat array,
+            ``starts`` ``(num_examples,)`` int, example ``i`` is ``values[starts[i] : starts[i] + plan.lengths[i]]``
+            (``offsets[:-1]`` of a CSR column; any order, so a selection of an Arrow table works).
+        loss_mask: the name of a column holding a loss mask (:data:`MASK_KEYS`): ``labels`` (the
+            ``labels`` column, else the token ids) become ``IGNORE_INDEX`` where it is 0
+            (:func:`loss_labels`). The mask column itself is returned only with ``keep_mask``.
+        mask_first_label: ``labels[first token of every segment] = IGNORE_INDEX`` (models shift labels).
+        num_threads, bar: as in :func:`gather_segments`.
+
+    Returns:
+        :class:`PackedColumns`; ``labels`` in :func:`label_dtype` of their source, the other columns
+        in their own dtype.
+    """
+    names = list(columns)
+    if not names:
+        raise ValueError("pack_columns needs at least the token column")
+    if loss_mask is not None and loss_mask not in columns:
+        raise KeyError(f"loss_mask {loss_mask!r} is not one of the columns {names}")
+    seg_first = segment_starts(plan.seg_length)
+    out = {}
+    for name in names:
+        values, starts = columns[name]
+        values = np.asarray(values)
+        if values.ndim != 1:
+            raise ValueError(f"column {name!r}: values must be 1-D, got shape {values.shape}")
+        starts = _check_starts(plan, starts, values.size, name)
+        out[name] = gather_segments(values, starts[plan.seg_example] + plan.seg_start, plan.seg_length,
+                                    num_threads=num_threads, bar=bar)
+    token = names[0]
+    if loss_mask is not None or "labels" in out:
+        mask = out[loss_mask] if loss_mask is not None else None
+        labels = loss_labels(out[token], out.get("labels"), mask)
+        if mask_first_label:
+            labels[seg_first] = IGNORE_INDEX  # a fresh array: gathered, cast or masked here
+        out["labels"] = labels
+        if loss_mask is not None and not keep_mask:
+            del out[loss_mask]
+        order = [token, "labels"] + [n for n in names if n not in (token, "labels") and n in out]
+        out = {n: out[n] for n in order}
+    row_offsets = np.zeros(plan.num_windows + 1, np.int64)
+    np.cumsum(plan.window_loads, out=row_offsets[1:])
+    return PackedColumns(columns=out, row_offsets=row_offsets, seq_lengths=plan.seg_length.copy(),
+                         seq_offsets=plan.window_ptr.copy(), seg_example=plan.seg_example.copy())
+
+
+@dataclasses.dataclass(frozen=True)
 class PackedRows:
     """Packed windows as flat arrays (the layout of an Arrow list column).
 
@@ -145,35 +331,30 @@ class PackedRows:
 
 
 def pack_arrays(plan: Plan, input_ids, offsets, labels=None, *, mask_first_label: bool = True) -> PackedRows:
-    """Gather the tokens (and labels) of ``plan`` into packed rows.
+    """Gather the tokens (and labels) of ``plan`` into packed rows (:func:`pack_columns` for two columns).
 
-    ``labels`` defaults to None (no labels column). When given it is a flat array aligned with
-    ``input_ids``. With ``mask_first_label`` (the default, for models that shift labels inside, as
-    Hugging Face's do) the first label of every segment becomes ``IGNORE_INDEX``, so no loss term
-    predicts a document's first token from the previous document.
+    ``offsets``: ``(num_examples + 1,)`` int, example ``i`` is ``input_ids[offsets[i]:offsets[i+1]]``;
+    checked against ``plan.lengths`` (:func:`check_offsets`). ``labels`` defaults to None (no labels
+    column). When given it is a flat array aligned with ``input_ids``. With ``mask_first_label`` (the
+    default, for models that shift labels inside, as Hugging Face's do) the first label of every
+    segment becomes ``IGNORE_INDEX``, so no loss term predicts a document's first token from the
+    previous document.
     """
-    offsets = np.asarray(offsets, dtype=np.int64)
-    if offsets.shape != (plan.num_examples + 1,):
-        raise ValueError(
-            f"offsets must have num_examples + 1 = {plan.num_examples + 1} entries, got {offsets.shape}"
-        )
-    src_start = offsets[plan.seg_example] + plan.seg_start
-    row_offsets = np.zeros(plan.num_windows + 1, np.int64)
-    np.cumsum(plan.window_loads, out=row_offsets[1:])
     input_ids = np.asarray(input_ids)
-    packed_labels = None
+    offsets = check_offsets(plan, offsets, size=input_ids.size)
+    columns = {"input_ids": (input_ids, offsets[:-1])}
     if labels is not None:
         labels = np.asarray(labels)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels have shape {labels.shape}, input_ids {input_ids.shape}: they must match")
-        packed_labels = gather_segments(labels, src_start, plan.seg_length).astype(np.int64, copy=False)
-        if mask_first_label:
-            packed_labels[np.cumsum(plan.seg_length) - plan.seg_length] = IGNORE_INDEX
+        columns["labels"] = (labels, offsets[:-1])
+    rows = pack_columns(plan, columns, mask_first_label=mask_first_label)
+    packed_labels = rows.columns.get("labels")
     return PackedRows(
-        input_ids=gather_segments(input_ids, src_start, plan.seg_length),
-        labels=packed_labels,
-        row_offsets=row_offsets,
-        seq_lengths=plan.seg_length.copy(),
-        seq_offsets=plan.window_ptr.copy(),
-        seg_example=plan.seg_example.copy(),
+        input_ids=rows.columns["input_ids"],
+        labels=None if packed_labels is None else packed_labels.astype(np.int64, copy=False),
+        row_offsets=rows.row_offsets,
+        seq_lengths=rows.seq_lengths,
+        seq_offsets=rows.seq_offsets,
+        seg_example=rows.seg_example,
     )

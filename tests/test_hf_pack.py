@@ -213,8 +213,10 @@ def test_extra_columns_and_unsigned_labels():
         "input_ids": [[1, 2], [3]], "completion_mask": [[0, 1], [1]], "text": ["a", "b"],
     }).cast_column("completion_mask", datasets.Sequence(datasets.Value("int8")))
     packed = pack_dataset(ds, window=4, columns=["input_ids", "completion_mask"], shuffle=False)
-    assert packed.column_names == ["input_ids", "completion_mask", "seq_lengths"]
+    # A named loss mask is written as asked, and turned into labels too (-100 where it is 0).
+    assert packed.column_names == ["input_ids", "labels", "completion_mask", "seq_lengths"]
     assert packed["completion_mask"] == [[0, 1, 1]]
+    assert packed["labels"] == [[-100, 2, -100]]
     u = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3]]}).cast_column(
         "labels", datasets.Sequence(datasets.Value("uint32")))
     assert pack_dataset(u, window=4, shuffle=False)["labels"] == [[-100, 2, -100]]
