@@ -58,6 +58,8 @@ _TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_idx"
 _HF_PACKED_KEYS = ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                    "max_length_q", "max_length_k", "use_cache")
 _HF_PADDED_KEYS = ("input_ids", "labels", "position_ids", "attention_mask", "use_cache")
+_PLAIN_FIELDS = ("max_seqlen", "num_loss_tokens", "num_tokens", "num_examples", "num_real_segments",
+                 "labels_shifted")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, init=False, repr=False)
@@ -74,14 +76,30 @@ class PackedBatch(collections.abc.Mapping):
         max_seqlen:      Python int, the longest segment (``W`` with a static shape)
         seq_idx:         int32, same shape as ``input_ids``: the segment of every token
         num_loss_tokens: Python int, ``labels != -100`` (the loss terms after the model's shift,
-                         since the first label of every document is ``-100``)
+                         since the first label of every document is ``-100``; with pre-shifted labels
+                         every ``!= -100`` label is a term too)
         attention_mask:  int64 ``[B, L]`` (1 on real tokens) for the padded fallback only, else None
+        num_tokens:      Python int, real (non-padding) tokens, as the collator laid them out
+        num_examples:    Python int, documents (a piece of a split example counts as one)
+        num_real_segments: Python int, segments of ``cu_seqlens`` that hold tokens (documents and
+                         padding tails; static-shape zero-length padding excluded)
+        labels_shifted:  bool, ``labels[t]`` is the target of token ``t`` (built with
+                         ``mask_first_label=False``); the HF view then also carries ``shift_labels``,
+                         so neither the model nor ``Trainer`` shifts them again
+
+    With a static shape, ``cu_seqlens`` ends in zero-length segments (a fixed length for
+    ``torch.compile``), which some flash-attn versions mishandle (flash-attn #1537).
+    ``hf_kwargs(static=False)`` / ``flash_kwargs(static=False)`` cut them off on the host (a view of the
+    first ``num_real_segments + 1`` offsets, no device sync) at the price of a shape that varies.
 
     It is a read-only mapping over the Hugging Face view, so ``model(**batch)`` and
     ``transformers.Trainer`` work as with a dict; the other fields are attributes.
-    ``PackedBatch(mapping)`` rebuilds a batch from such a view (what ``Trainer`` and ``accelerate`` do
-    after moving its values): ``seq_idx`` is recomputed on the tensors' device, and
-    ``num_loss_tokens`` from the labels (one read from the device).
+    ``PackedBatch(mapping)`` rebuilds a batch from such a view (what ``Trainer`` does after moving its
+    values; ``.to()``, ``pin_memory()``, ``accelerate`` and pickling keep every field as it is):
+    ``seq_idx`` is recomputed on the tensors' device and the counts from the tensors (one read from
+    the device). The view carries no padding marker, so a rebuilt fixed-window batch counts a row's
+    last segment as padding when it holds no loss token (exact for padded batches, and whenever each
+    row's last document has a loss token).
     """
 
     input_ids: torch.Tensor
@@ -92,22 +110,31 @@ class PackedBatch(collections.abc.Mapping):
     seq_idx: torch.Tensor
     num_loss_tokens: int
     attention_mask: torch.Tensor | None
+    num_tokens: int
+    num_examples: int
+    num_real_segments: int
+    labels_shifted: bool
 
     def __init__(self, mapping=None, /, *, input_ids=None, labels=None, position_ids=None,
                  cu_seqlens=None, max_seqlen=None, seq_idx=None, num_loss_tokens=None,
-                 attention_mask=None):
+                 attention_mask=None, num_tokens=None, num_examples=None, num_real_segments=None,
+                 labels_shifted=None):
         fields = dict(input_ids=input_ids, labels=labels, position_ids=position_ids,
                       cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seq_idx=seq_idx,
-                      num_loss_tokens=num_loss_tokens, attention_mask=attention_mask)
+                      num_loss_tokens=num_loss_tokens, attention_mask=attention_mask,
+                      num_tokens=num_tokens, num_examples=num_examples,
+                      num_real_segments=num_real_segments, labels_shifted=labels_shifted)
         if mapping is not None:
             if any(v is not None for v in fields.values()):
                 raise TypeError("PackedBatch takes either one mapping or keyword fields, not both")
             fields = _fields_from_view(mapping)
+        if fields["labels_shifted"] is None:
+            fields["labels_shifted"] = False
         missing = [k for k, v in fields.items() if v is None and k != "attention_mask"]
         if missing:
             raise TypeError(f"PackedBatch is missing {', '.join(missing)}")
-        for k, v in fields.items():
-            object.__setattr__(self, k, v)
+        d = self.__dict__  # frozen: fill the instance dict directly (the collators' hot path)
+        d.update(fields)
 
     # -- shape ----------------------------------------------------------------------------------
 
@@ -130,10 +157,11 @@ class PackedBatch(collections.abc.Mapping):
     def _map(self, fn) -> "PackedBatch":
         """A batch with ``fn`` applied to every tensor field (ints are kept)."""
         new = {f: (None if getattr(self, f) is None else fn(getattr(self, f))) for f in _TENSOR_FIELDS}
-        return PackedBatch(max_seqlen=self.max_seqlen, num_loss_tokens=self.num_loss_tokens, **new)
+        ints = {f: getattr(self, f) for f in _PLAIN_FIELDS}
+        return PackedBatch(**ints, **new)
 
     def to(self, device, non_blocking: bool = False) -> "PackedBatch":
-        """The batch on ``device``; ``max_seqlen`` and ``num_loss_tokens`` stay Python ints."""
+        """The batch on ``device``; ``max_seqlen`` and the counts stay Python ints."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self, device=None) -> "PackedBatch":
@@ -145,27 +173,46 @@ class PackedBatch(collections.abc.Mapping):
 
     # -- views ----------------------------------------------------------------------------------
 
-    def hf_kwargs(self) -> dict:
+    @property
+    def is_static(self) -> bool:
+        """``cu_seqlens`` carries zero-length static-shape padding after the real segments."""
+        return self.num_real_segments < self.num_segments
+
+    def _cu(self, static: bool) -> torch.Tensor:
+        """``cu_seqlens``, cut to the real segments unless ``static`` (a view: no copy, no sync)."""
+        return self.cu_seqlens if static else self.cu_seqlens[: self.num_real_segments + 1]
+
+    def hf_kwargs(self, *, static: bool = True) -> dict:
         """Keyword arguments for a Hugging Face causal LM: ``model(**batch.hf_kwargs())``.
 
         Packed: ``input_ids``, ``labels``, ``position_ids``, ``cu_seq_lens_q/k`` (int32),
-        ``max_length_q/k`` (int), ``use_cache=False``, no ``attention_mask``.
+        ``max_length_q/k`` (int), ``use_cache=False``, no ``attention_mask``; with pre-shifted labels
+        (``labels_shifted``) also ``shift_labels`` (HF's loss and ``Trainer`` use them unshifted).
         Padded fallback (``attention_mask`` set): ``input_ids``, ``labels``, ``position_ids``,
         ``attention_mask``, ``use_cache=False``.
+        ``static=False`` drops a static-shape batch's zero-length segments from ``cu_seq_lens_q/k``
+        (flash-attn #1537) and gives up the fixed length; ``static=True`` (default, and what
+        ``**batch`` gives) keeps ``cu_seqlens`` as built.
         """
+        out = {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
         if self.attention_mask is not None:
-            return {"input_ids": self.input_ids, "labels": self.labels,
-                    "position_ids": self.position_ids, "attention_mask": self.attention_mask,
-                    "use_cache": False}
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
-                "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, "use_cache": False}
+            out["attention_mask"] = self.attention_mask
+        else:
+            cu = self._cu(static)
+            out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=self.max_seqlen,
+                       max_length_k=self.max_seqlen)
+        if self.labels_shifted:
+            out["shift_labels"] = self.labels
+        out["use_cache"] = False
+        return out
 
-    def flash_kwargs(self) -> dict:
+    def flash_kwargs(self, *, static: bool = True) -> dict:
         """``cu_seqlens_q/k`` int32 ``[S + 1]`` and ``max_seqlen_q/k`` int, for
         ``flash_attn_varlen_func(q, k, v, **batch.flash_kwargs(), causal=True)`` with
-        ``q: (total_tokens, nheads, headdim)`` from the flattened batch."""
-        return {"cu_seqlens_q": self.cu_seqlens, "cu_seqlens_k": self.cu_seqlens,
+        ``q: (total_tokens, nheads, headdim)`` from the flattened batch. ``static`` as in
+        :meth:`hf_kwargs`."""
+        cu = self._cu(static)
+        return {"cu_seqlens_q": cu, "cu_seqlens_k": cu,
                 "max_seqlen_q": self.max_seqlen, "max_seqlen_k": self.max_seqlen}
 
     def mamba_kwargs(self) -> dict:
@@ -197,7 +244,8 @@ class PackedBatch(collections.abc.Mapping):
     # -- mapping over the HF view ---------------------------------------------------------------
 
     def _keys(self) -> tuple[str, ...]:
-        return _HF_PADDED_KEYS if self.attention_mask is not None else _HF_PACKED_KEYS
+        keys = _HF_PADDED_KEYS if self.attention_mask is not None else _HF_PACKED_KEYS
+        return keys[:-1] + ("shift_labels", "use_cache") if self.labels_shifted else keys
 
     def __getitem__(self, key):
         if key not in self._keys():
@@ -218,8 +266,10 @@ class PackedBatch(collections.abc.Mapping):
 
     def __repr__(self) -> str:
         kind = "padded" if self.attention_mask is not None else "packed"
-        return (f"PackedBatch({kind}, shape={list(self.shape)}, segments={self.num_segments}, "
-                f"max_seqlen={self.max_seqlen}, num_loss_tokens={self.num_loss_tokens}, "
+        return (f"PackedBatch({kind}, shape={list(self.shape)}, segments={self.num_real_segments}"
+                f"{'/' + str(self.num_segments) if self.is_static else ''}, max_seqlen={self.max_seqlen}, "
+                f"num_loss_tokens={self.num_loss_tokens}, num_tokens={self.num_tokens}, "
+                f"num_examples={self.num_examples}{', labels_shifted' if self.labels_shifted else ''}, "
                 f"device={self.device})")
 
 
@@ -235,6 +285,7 @@ def _fields_from_view(mapping) -> dict:
     labels = mapping.get("labels")
     if labels is None:
         labels = torch.full_like(input_ids, IGNORE_INDEX)
+    shifted = mapping.get("shift_labels") is not None
     attention_mask = mapping.get("attention_mask")
     if "cu_seq_lens_q" in mapping:
         cu = mapping["cu_seq_lens_q"]
@@ -247,6 +298,30 @@ def _fields_from_view(mapping) -> dict:
         max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     token = torch.arange(input_ids.numel(), device=cu.device, dtype=cu.dtype)
     seq_idx = torch.searchsorted(cu[1:], token, right=True).to(torch.int32).reshape(input_ids.shape)
+    counts = _view_counts(cu, seq_idx, labels, attention_mask, shifted)
+    loss, tokens, examples, real = counts.tolist()  # one read from the device
     return dict(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu,
-                max_seqlen=max_seqlen, seq_idx=seq_idx,
-                num_loss_tokens=int((labels != IGNORE_INDEX).sum()), attention_mask=attention_mask)
+                max_seqlen=max_seqlen, seq_idx=seq_idx, num_loss_tokens=loss, attention_mask=attention_mask,
+                num_tokens=tokens, num_examples=examples, num_real_segments=real, labels_shifted=shifted)
+
+
+def _view_counts(cu, seq_idx, labels, attention_mask, shifted: bool) -> torch.Tensor:
+    """``[loss tokens, real tokens, documents, non-empty segments]`` int64 on the tensors' device.
+
+    Padded view: the mask's ones are the tokens, one document per row. Packed view: a row's last
+    segment is padding when it carries no loss token (the view has no padding marker).
+    """
+    cu = cu.to(torch.int64)
+    has_loss = labels.reshape(-1) != IGNORE_INDEX
+    # the loss terms: every label when pre-shifted, else labels[..., 1:] (what count_loss_tokens reads)
+    loss = (labels[..., 1:] != IGNORE_INDEX).sum(dtype=torch.int64) if not shifted else has_loss.sum(dtype=torch.int64)
+    seg_len = cu[1:] - cu[:-1]
+    real = (seg_len > 0).sum(dtype=torch.int64)
+    if attention_mask is not None:
+        rows = torch.tensor(labels.shape[0] if labels.dim() > 1 else 1, device=cu.device)
+        return torch.stack([loss, attention_mask.sum(dtype=torch.int64).to(cu.device), rows, real])
+    loss_per_seg = torch.zeros(seg_len.numel(), dtype=torch.int64, device=cu.device).index_add_(
+        0, seq_idx.reshape(-1).to(cu.device, torch.int64), has_loss.to(cu.device, torch.int64))
+    tail = (cu[1:] % labels.shape[-1] == 0) & (loss_per_seg == 0) & (seg_len > 0)
+    tokens = labels.numel() - (seg_len * tail).sum()
+    return torch.stack([loss, tokens, ((seg_len > 0) & ~tail).sum(), real])

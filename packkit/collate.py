@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .batch import PackedBatch
-from .binpack import OVERFLOW_POLICIES, STRATEGIES, check_window, pack
+from .binpack import check_overflow, check_strategy, check_window, pack
 from .packer import gather_index
 from .segments import IGNORE_INDEX
 
@@ -86,13 +86,33 @@ def _column(x, i: int, key: str, kind: str):
     return x, x.shape[0], False
 
 
-def _concat(parts: list, all_lists: bool, total: int, key: str) -> np.ndarray:
+def _list_into(flat: list, out: np.ndarray, bools_ok: bool) -> None:
+    """Write a flat list of ints into ``out`` (int64, same length) with one ``struct.pack_into``.
+
+    ``struct`` rejects floats (numpy would truncate them) but takes ``True``/``False`` as 1/0, so
+    unless ``bools_ok`` the positions holding 0 or 1 (rare in token ids) are checked for bools;
+    ``ValueError`` names the first bool's position: ``_list_into([3, True], out, False)`` raises.
+    """
+    struct.pack_into(f"{len(flat)}q", out, 0, *flat)
+    if not bools_ok:
+        cand = np.flatnonzero(out.view(np.uint64) <= 1)
+        if cand.size:
+            for t in cand.tolist():
+                if type(flat[t]) is not int and isinstance(flat[t], (bool, np.bool_)):
+                    raise _BoolAt(t)
+
+
+class _BoolAt(Exception):
+    """A bool at flat position ``args[0]`` (turned into a ``TypeError`` naming the example)."""
+
+
+def _concat(parts: list, all_lists: bool, total: int, key: str, *, bools_ok: bool = False) -> np.ndarray:
     """Concatenate example columns into one writable ``(total,)`` int64 array.
 
     Lists: joined into one list and converted by a single ``struct.pack_into`` straight into the
     output buffer (measured faster than ``np.fromiter``/``np.array`` on a list, about 2x, and it
-    rejects floats instead of truncating them). Arrays: one ``np.concatenate``.
-    ``_concat([[1], [2, 3]], True, 3, "input_ids") -> [1, 2, 3]``.
+    rejects floats instead of truncating them); bools are rejected unless ``bools_ok`` (masks).
+    Arrays: one ``np.concatenate``. ``_concat([[1], [2, 3]], True, 3, "input_ids") -> [1, 2, 3]``.
     """
     out = np.empty(total, np.int64)
     try:
@@ -100,10 +120,22 @@ def _concat(parts: list, all_lists: bool, total: int, key: str) -> np.ndarray:
             flat: list = []
             for p in parts:
                 flat += p
-            struct.pack_into(f"{total}q", out, 0, *flat)
+            _list_into(flat, out, bools_ok)
             return out
-        arrays = [p if isinstance(p, np.ndarray) else np.array(p, np.int64) for p in parts]
+        arrays = []
+        for p in parts:
+            if not isinstance(p, np.ndarray):
+                a = np.empty(len(p), np.int64)
+                _list_into(p, a, bools_ok)
+                p = a
+            arrays.append(p)
         return np.concatenate(arrays, out=out, casting="unsafe")
+    except _BoolAt:
+        for i, p in enumerate(parts):
+            if not isinstance(p, np.ndarray) and any(isinstance(v, (bool, np.bool_)) for v in p):
+                raise TypeError(f"example {i}: '{key}' holds a bool ({[v for v in p if isinstance(v, (bool, np.bool_))][0]!r}); "
+                                "token ids and labels must be integers, not True/False") from None
+        raise AssertionError("a bool was found but no example holds it") from None
     except (ValueError, TypeError, OverflowError, struct.error) as exc:
         for i, p in enumerate(parts):  # the error path only: find the example to name it
             try:
@@ -167,7 +199,10 @@ def read_examples(examples, *, need_labels: bool = False):
     else:
         labels = input_ids.copy()
     if mask_key is not None:
-        mask = _concat(mask_parts, mask_lists, total, mask_key)
+        mask = _concat(mask_parts, mask_lists, total, mask_key, bools_ok=True)
+        if mask.view(np.uint64).max() > 1:  # one vectorised check; locate only when it fails
+            i, v = _first_bad(mask, mask.view(np.uint64) > 1, _offsets(lengths))
+            raise ValueError(f"example {i} has {mask_key} value {v}; a loss mask holds 0 (no loss) or 1 (loss)")
         labels[mask == 0] = IGNORE_INDEX
     return input_ids, labels, lengths
 
@@ -274,6 +309,10 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
         max_seqlen=int(lengths.max()),
         seq_idx=_tensor(seq_idx.reshape(shape)),
         num_loss_tokens=int(np.count_nonzero(labels != IGNORE_INDEX)),
+        num_tokens=int(input_ids.size),
+        num_examples=int(lengths.size),
+        num_real_segments=int(lengths.size),
+        labels_shifted=not mask_first_label,
     )
 
 
@@ -321,8 +360,10 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
     if mask_first_label:
         out_labels[dest[csum[:-1]]] = IGNORE_INDEX
     max_seqlen = int(all_lengths.max())
+    num_real = int(all_lengths.size)
     if static_shape:
-        max_segments = num_rows * width if max_segments is None else max_segments
+        if max_segments is None:
+            raise ValueError("static_shape=True needs max_segments (the fixed number of segments of every batch)")
         if cu.size - 1 > max_segments:
             raise ValueError(f"this batch has {cu.size - 1} segments (padding tails included) > "
                              f"max_segments={max_segments}; raise max_segments")
@@ -343,30 +384,47 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
         seq_idx=_tensor(seq_idx.reshape(shape)),
         num_loss_tokens=int(np.count_nonzero(out_labels != IGNORE_INDEX)),
         attention_mask=mask,
+        num_tokens=total,
+        num_examples=int(seg_lengths.size),
+        num_real_segments=num_real,
+        labels_shifted=not mask_first_label,
     )
 
 
-def _check_pad(pad_token_id) -> int:
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral) or pad_token_id < 0:
-        raise ValueError(f"pad_token_id must be a non-negative integer, got {pad_token_id!r}")
-    return int(pad_token_id)
+def _int_at_least(value, name: str, low: int) -> int:
+    """``value`` as an int: ``TypeError`` for a non-integer (or a bool), ``ValueError`` below ``low``.
 
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    The same contract as ``packkit.sampler``/``packkit.budget``: ``_int_at_least(3, "seed", 0) -> 3``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
     return int(value)
+
+
+def _check_pad(pad_token_id) -> int:
+    return _int_at_least(pad_token_id, "pad_token_id", 0)
+
+
+def _positive_int(value, name: str) -> int:
+    return _int_at_least(value, name, 1)
 
 
 def _check_static(static_shape: bool, num_windows, max_segments):
     if num_windows is not None:
-        num_windows = _positive_int("num_windows", num_windows)
-    if static_shape and num_windows is None:
-        raise ValueError("static_shape=True needs num_windows=B (the fixed number of rows of every batch)")
+        num_windows = _positive_int(num_windows, "num_windows")
     if max_segments is not None:
         if not static_shape:
             raise ValueError("max_segments only applies with static_shape=True")
-        max_segments = _positive_int("max_segments", max_segments)
+        max_segments = _positive_int(max_segments, "max_segments")
+    if static_shape and (num_windows is None or max_segments is None):
+        raise ValueError(
+            "static_shape=True needs num_windows=B and max_segments=S (every batch then has B rows and "
+            "S + 1 cu_seqlens entries). Segments are documents plus one padding tail per row: "
+            "num_windows * (window // shortest_example + 1) always suffices without overflow='split'; "
+            "a tighter S keeps cu_seqlens (and the attention kernels' grid) short, and a batch that "
+            "needs more raises")
     return num_windows, max_segments
 
 
@@ -415,8 +473,11 @@ class FixedWindowCollator:
             ``cu_seqlens`` has ``max_segments + 1`` entries (padded by repeating the last offset:
             zero-length segments, which some flash-attn versions mishandle, flash-attn #1537),
             ``max_seqlen = W``.
-        max_segments: segments per batch with a static shape, padding tails included (default
-            ``num_windows * window``, always enough; a tighter bound gives a shorter ``cu_seqlens``).
+        max_segments: segments per batch with a static shape, padding tails included; required with
+            ``static_shape`` (``num_windows * (window // shortest_example + 1)`` always suffices
+            without splitting; a tighter bound gives a shorter ``cu_seqlens``; a batch that needs more
+            raises). ``batch.hf_kwargs(static=False)`` drops the zero-length tail when flash-attn
+            #1537 bites.
         pad_token_id: id of padding tokens (default 0; their labels are -100 whatever it is).
         mask_first_label: as in :class:`PaddingFreeCollator` (applies to every segment).
         seed: the order of ``"shuffle_ff"``.
@@ -427,11 +488,8 @@ class FixedWindowCollator:
                  max_segments: int | None = None, pad_token_id: int = 0,
                  mask_first_label: bool = True, seed: int = 0):
         self.window = check_window(window)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
-        self.strategy, self.overflow, self.seed = strategy, overflow, seed
+        self.strategy, self.overflow = check_strategy(strategy), check_overflow(overflow)
+        self.seed = _int_at_least(seed, "seed", 0)
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = _check_pad(pad_token_id)
@@ -566,7 +624,7 @@ class PaddedCollator:
                  return_attention_mask: bool = True, mask_first_label: bool = True):
         self.pad_token_id = _check_pad(pad_token_id)
         self.pad_to_multiple_of = (None if pad_to_multiple_of is None
-                                   else _positive_int("pad_to_multiple_of", pad_to_multiple_of))
+                                   else _positive_int(pad_to_multiple_of, "pad_to_multiple_of"))
         self.return_attention_mask = bool(return_attention_mask)
         self.mask_first_label = bool(mask_first_label)
 

@@ -121,3 +121,45 @@ def test_construction_errors():
         PackedBatch(input_ids=torch.zeros(1, 1))
     with pytest.raises(TypeError, match="either one mapping or keyword fields"):
         PackedBatch({"input_ids": 1}, labels=torch.zeros(1))
+
+
+def test_counts_survive_to_pickle_and_rebuild():
+    """Review 4: the batch carries num_tokens/num_examples/num_real_segments/labels_shifted as Python
+    ints through .to(), pickling and the Trainer-style rebuild from the HF view."""
+    b = FixedWindowCollator(window=8)([{"input_ids": [1, 2, 3]}, {"input_ids": [4] * 6}, {"input_ids": [5, 6]}])
+    assert (b.num_tokens, b.num_examples, b.num_real_segments, b.labels_shifted) == (11, 3, 4, False)
+    rebuilt = type(b)({k: v for k, v in b.items()})
+    for other in (b.to("cpu"), pickle.loads(pickle.dumps(b)), rebuilt, PackedBatch(b)):
+        assert (other.num_tokens, other.num_examples, other.num_real_segments, other.labels_shifted) == \
+            (11, 3, 4, False)
+
+
+def test_static_batch_hf_kwargs_can_drop_zero_length_segments():
+    """Review 5: a static-shape batch sent its zero-length cu_seqlens padding straight to HF's flash
+    path (flash-attn #1537). hf_kwargs()/flash_kwargs() keep the static length by default (what
+    torch.compile wants); static=False cuts to the real segments on the host, without a copy."""
+    b = FixedWindowCollator(window=8, num_windows=3, static_shape=True, max_segments=9)(
+        [{"input_ids": [1, 2, 3]}, {"input_ids": [4] * 6}])
+    assert b.is_static and b.num_real_segments == 5 and b.num_segments == 9
+    assert b.hf_kwargs()["cu_seq_lens_q"].tolist() == [0, 6, 8, 11, 16, 24, 24, 24, 24, 24]
+    cut = b.hf_kwargs(static=False)["cu_seq_lens_q"]
+    assert cut.tolist() == b.cu_seqlens[:6].tolist()
+    assert cut.untyped_storage().data_ptr() == b.cu_seqlens.untyped_storage().data_ptr()
+    assert torch.all(cut[1:] > cut[:-1])  # no zero-length segment left
+    assert b.flash_kwargs(static=False)["cu_seqlens_k"].tolist() == cut.tolist()
+    # a dynamic batch is unchanged by static=False
+    d = three_docs()
+    assert d.hf_kwargs(static=False)["cu_seq_lens_q"] is not None
+    assert d.hf_kwargs(static=False)["cu_seq_lens_q"].tolist() == d.cu_seqlens.tolist()
+
+
+def test_pre_shifted_labels_carry_shift_labels_in_the_hf_view():
+    """Review 3 (HF side): a batch built with mask_first_label=False holds pre-shifted labels; its HF
+    view must also carry them as shift_labels, or HF's loss (and Trainer's num_items_in_batch) shift
+    them a second time."""
+    b = PaddingFreeCollator(mask_first_label=False)([{"input_ids": [5, 6, 7], "labels": [6, 7, -100]}])
+    assert b.labels_shifted and b["shift_labels"] is b.labels and "shift_labels" in list(b)
+    assert list(b)[-1] == "use_cache"
+    r = type(b)({k: v for k, v in b.items()})
+    assert r.labels_shifted and r.num_loss_tokens == 2
+    assert "shift_labels" not in three_docs()

@@ -407,9 +407,78 @@ def test_bad_options():
         FixedWindowCollator(window=0)
     with pytest.raises(ValueError, match="unknown strategy"):
         FixedWindowCollator(window=8, strategy="best")
-    with pytest.raises(ValueError, match="num_windows must be an integer >= 1"):
+    with pytest.raises(ValueError, match="num_windows must be >= 1, got 0"):
         FixedWindowCollator(window=8, num_windows=0)
-    with pytest.raises(ValueError, match="pad_token_id must be a non-negative integer"):
+    with pytest.raises(ValueError, match="pad_token_id must be >= 0, got -1"):
         PaddedCollator(pad_token_id=-1)
     with pytest.raises(ValueError, match="max_segments only applies with static_shape=True"):
         FixedWindowCollator(window=8, max_segments=4)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: FixedWindowCollator(window=8, seed="x"), TypeError, "seed must be an integer, got 'x'"),
+    (lambda: FixedWindowCollator(window=8, seed=-1), ValueError, "seed must be >= 0, got -1"),
+    (lambda: FixedWindowCollator(window=8, seed=True), TypeError, "seed must be an integer"),
+    (lambda: FixedWindowCollator(window=8, num_windows=2.5), TypeError, "num_windows must be an integer"),
+    (lambda: FixedWindowCollator(window=8, num_windows=True), TypeError, "num_windows must be an integer"),
+    (lambda: PaddedCollator(pad_to_multiple_of=2.5), TypeError, "pad_to_multiple_of must be an integer"),
+    (lambda: PaddedCollator(pad_to_multiple_of=0), ValueError, "pad_to_multiple_of must be >= 1"),
+    (lambda: PaddedCollator(pad_token_id="0"), TypeError, "pad_token_id must be an integer"),
+    (lambda: PackedRowsCollator(window=8, num_windows=2, static_shape=True, max_segments=1.0), TypeError,
+     "max_segments must be an integer"),
+])
+def test_options_are_checked_in_init_with_one_contract(make, error, match):
+    """Review 18/19: a bad seed used to fail only at the first batch (inside a DataLoader worker), and
+    collate's option checks raised ValueError for non-integers where sampler/budget raise TypeError.
+    Now: checked in __init__, TypeError for a non-integer or a bool, ValueError for a value out of range."""
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_static_shape_requires_max_segments():
+    """Review 6-bis: the default max_segments was num_windows * window (cu_seqlens B*W+1 long, B*W
+    mostly empty kernel programs). static_shape now needs an explicit bound, and the error says how
+    to choose it."""
+    with pytest.raises(ValueError, match=r"needs num_windows=B and max_segments=S.*window // shortest_example"):
+        FixedWindowCollator(window=8, num_windows=2, static_shape=True)
+    with pytest.raises(ValueError, match="max_segments"):
+        PackedRowsCollator(window=8, num_windows=2, static_shape=True)
+    b = FixedWindowCollator(window=8, num_windows=2, static_shape=True, max_segments=4)([{"input_ids": [1, 2, 3]}])
+    assert b.cu_seqlens.tolist() == [0, 3, 8, 16, 16] and b.num_real_segments == 3
+
+
+@pytest.mark.parametrize("examples, match", [
+    ([{"input_ids": [1, 2]}, {"input_ids": [3, True, 4]}], "example 1: 'input_ids' holds a bool"),
+    ([{"input_ids": [1, 2]}, {"input_ids": [3, 4, np.True_]}], "example 1: 'input_ids' "),
+    ([{"input_ids": [5, 6], "labels": [-100, 6]}, {"input_ids": [7, 8], "labels": [-100, False]}],
+     "example 1: 'labels' holds a bool"),
+    ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, True]}], "example 1: 'input_ids' holds a bool"),
+    ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, 2.5]}], "example 1: 'input_ids' is not a sequence of int64"),
+])
+def test_bools_after_the_first_token_are_rejected(examples, match):
+    """Review 15: only the first element of a list was type-checked and struct.pack('q', True) takes a
+    bool as 1, so [3, True] collated silently as [3, 1] (and lists mixed with arrays went through
+    np.array, which truncates floats). Every list element is now held to the integer rule."""
+    with pytest.raises(TypeError, match=match):
+        PaddingFreeCollator()(examples)
+
+
+def test_token_ids_zero_and_one_are_still_fine():
+    """The bool check looks at positions holding 0 or 1: real ids 0 and 1 must pass."""
+    b = PaddingFreeCollator()([{"input_ids": [0, 1, 0]}, {"input_ids": np.array([1, 0])}, {"input_ids": [1]}])
+    assert b.input_ids.tolist() == [[0, 1, 0, 1, 0, 1]]
+
+
+@pytest.mark.parametrize("key", ["completion_mask", "assistant_masks"])
+@pytest.mark.parametrize("bad", [2, -1])
+def test_mask_values_other_than_zero_and_one_are_rejected(key, bad):
+    """Review 16: a completion mask of 2 or -1 silently counted as "loss". Now a ValueError naming
+    the example and the value; bool masks still work."""
+    ok = {"input_ids": [1, 2, 3], key: [0, 1, 1]}
+    with pytest.raises(ValueError, match=f"example 1 has {key} value {bad}; a loss mask holds 0"):
+        PaddingFreeCollator()([ok, {"input_ids": [1, 2, 3], key: [0, bad, 1]}])
+    with pytest.raises(ValueError, match=f"example 1 has {key} value {bad}"):
+        PaddingFreeCollator()([{"input_ids": np.array([1, 2]), key: np.array([0, 1])},
+                               {"input_ids": np.array([1, 2]), key: np.array([bad, 1])}])
+    b = PaddingFreeCollator()([{"input_ids": [1, 2, 3], key: [False, True, True]}])
+    assert b.labels.tolist() == [[-100, 2, 3]]
