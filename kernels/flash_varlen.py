@@ -119,6 +119,26 @@ def _seqlen_key(max_seqlen: int) -> int:
     return triton.next_power_of_2(max(max_seqlen, 1))
 
 
+CUDA_MAX_GRID = (2**31 - 1, 65535, 65535)  # programs per grid axis on CUDA
+
+
+def segment_grid(total_tokens: int, num_segments: int, block: int, nheads: int) -> tuple[int, int]:
+    """Launch grid for the kernels: (segment, block) pairs flattened on axis 0, heads on axis 1.
+
+    Segment s owns cdiv(len_s, block) blocks, or one more (see ``_locate_block`` in the kernels), so
+    ``total_tokens // block + num_segments`` programs cover them all, whatever the lengths: no value
+    of cu_seqlens is read on the host. segment_grid(300, 4, 64, 8) -> (8, 8). Raises ValueError when
+    a CUDA grid limit would be passed (2**31 - 1 on axis 0, 65,535 on axis 1).
+    """
+    grid = (total_tokens // block + num_segments, nheads)
+    for axis, (size, limit) in enumerate(zip(grid, CUDA_MAX_GRID)):
+        if size > limit:
+            raise ValueError(f"launch grid axis {axis} would be {size} programs, above CUDA's {limit} "
+                             f"(total_tokens={total_tokens}, num_segments={num_segments}, block={block}, "
+                             f"nheads={nheads}); split the batch")
+    return grid
+
+
 def attention_forward(q, k, v, cu_seqlens, max_seqlen: int, causal: bool, scale: float):
     """Launch the forward kernel. Returns (o: like q, lse: (nheads, total_tokens) float32).
 
@@ -130,21 +150,21 @@ def attention_forward(q, k, v, cu_seqlens, max_seqlen: int, causal: bool, scale:
     # Zero-filled so that tokens no segment covers read as 0 rather than as leftover memory.
     o = torch.zeros_like(q)
     lse = torch.zeros((nheads, total), dtype=torch.float32, device=q.device)
-    if total == 0 or num_segments == 0 or max_seqlen == 0:
+    if total == 0 or num_segments == 0:
         return o, lse
     args = (
         q, k, v, o, lse, cu_seqlens,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        scale, _seqlen_key(max_seqlen),
+        scale, num_segments, _seqlen_key(max_seqlen),
     )
     meta = dict(GROUP=nheads // k.shape[1], HEAD_DIM=head_dim, IS_CAUSAL=causal,
                 DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype), BLOCK_D=_head_block(head_dim))
     if interpreted():
-        grid = (triton.cdiv(max_seqlen, _INTERPRETER_FWD["BLOCK_M"]), num_segments, nheads)
+        grid = segment_grid(total, num_segments, _INTERPRETER_FWD["BLOCK_M"], nheads)
         attn_fwd_kernel[grid](*args, **meta, **_INTERPRETER_FWD)
     else:
         def grid(cfg):
-            return (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_segments, nheads)
+            return segment_grid(total, num_segments, cfg["BLOCK_M"], nheads)
         _fwd_tuned[grid](*args, **meta)
     return o, lse
 
@@ -156,7 +176,7 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
     nheads_kv = k.shape[1]
     num_segments = cu_seqlens.numel() - 1
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if total == 0 or num_segments == 0 or max_seqlen == 0:
+    if total == 0 or num_segments == 0:
         return dq, dk, dv
     block_d = _head_block(head_dim)
 
@@ -172,20 +192,21 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
     meta = dict(GROUP=nheads // nheads_kv, HEAD_DIM=head_dim, IS_CAUSAL=causal,
                 DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype), BLOCK_D=block_d)
     key = _seqlen_key(max_seqlen)
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, *common, *dk.stride(), *dv.stride(), scale, key)
-    dq_args = (q, k, v, do, lse, delta, dq, cu_seqlens, *common, *dq.stride(), scale, key)
+    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, *common, *dk.stride(), *dv.stride(), scale,
+                 num_segments, key)
+    dq_args = (q, k, v, do, lse, delta, dq, cu_seqlens, *common, *dq.stride(), scale, num_segments, key)
     if interpreted():
         blocks = _INTERPRETER_BWD
-        attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, blocks["BLOCK_N"]), num_segments, nheads_kv)](
+        attn_bwd_dkdv_kernel[segment_grid(total, num_segments, blocks["BLOCK_N"], nheads_kv)](
             *dkdv_args, **meta, **blocks)
-        attn_bwd_dq_kernel[(triton.cdiv(max_seqlen, blocks["BLOCK_M"]), num_segments, nheads)](
+        attn_bwd_dq_kernel[segment_grid(total, num_segments, blocks["BLOCK_M"], nheads)](
             *dq_args, **meta, **blocks)
     else:
         def dkdv_grid(cfg):
-            return (triton.cdiv(max_seqlen, cfg["BLOCK_N"]), num_segments, nheads_kv)
+            return segment_grid(total, num_segments, cfg["BLOCK_N"], nheads_kv)
 
         def dq_grid(cfg):
-            return (triton.cdiv(max_seqlen, cfg["BLOCK_M"]), num_segments, nheads)
+            return segment_grid(total, num_segments, cfg["BLOCK_M"], nheads)
         _dkdv_tuned[dkdv_grid](*dkdv_args, **meta)
         _dq_tuned[dq_grid](*dq_args, **meta)
     return dq, dk, dv
@@ -244,7 +265,8 @@ def flash_varlen_attention(
         k, v: (total_tokens, nheads_kv, headdim), same dtype; nheads % nheads_kv == 0 (GQA / MQA).
         cu_seqlens: (num_segments + 1,) int32, starts at 0, non-decreasing (empty segments allowed),
             cu_seqlens[-1] == total_tokens.
-        max_seqlen: int, at least the longest segment (it sizes the grid; a smaller value drops rows).
+        max_seqlen: int, the longest segment; it only picks tuned block sizes (the launch grid comes
+            from total_tokens and the number of segments, so any count of segments launches).
         causal: each token attends to itself and earlier tokens of its segment only.
         scale: softmax scale; default 1 / sqrt(headdim).
 

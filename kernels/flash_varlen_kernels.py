@@ -11,6 +11,9 @@ Layout shared by every kernel::
     lse, delta: (nheads, total_tokens) float32
     cu_seqlens: (num_segments + 1,) int32; segment s owns tokens cu_seqlens[s] : cu_seqlens[s + 1]
 
+Grids are (segment, block) pairs flattened on axis 0 (up to 2**31 - 1 programs; CUDA caps axes 1 and
+2 at 65,535, fewer than a static-shape batch's segments), heads on axis 1; see ``_locate_block``.
+
 Query head ``h`` reads key/value head ``h // GROUP`` (flash-attn's GQA convention). A program only ever
 reads the tokens of its own segment, which is what keeps documents from attending to each other.
 Scores are kept in base-2 units (``s * scale * log2(e)``) so that the softmax uses ``exp2``; ``lse`` is
@@ -34,6 +37,32 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=DOT_PRECISION)
     return out
+
+
+@triton.jit
+def _locate_block(cu_seqlens_ptr, num_segments, pid, BLOCK: tl.constexpr):
+    """Map a flat program id to (segment, segment start, segment length, first row of the block).
+
+    Segment s owns the program ids [b(s), b(s + 1)) with b(s) = cu_seqlens[s] // BLOCK + s: that is
+    cdiv(len_s, BLOCK) ids or one more (an empty segment owns one), so a grid of
+    total_tokens // BLOCK + num_segments programs covers every block of every segment on grid axis 0
+    (2**31 - 1 programs on CUDA, where axes 1 and 2 stop at 65,535). b is non-decreasing, so a binary
+    search over cu_seqlens finds s: log2(num_segments) scalar loads, no table to precompute, and it
+    holds for whichever BLOCK the autotuner picks. A block at or past the segment's end (the spare id,
+    or an id past b(num_segments)) has start >= seqlen and its program returns at once.
+    """
+    lo = tl.full([], 0, tl.int32)  # explicit int32 scalars: both are loop-carried
+    hi = tl.full([], 0, tl.int32) + num_segments - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        owned_from = tl.load(cu_seqlens_ptr + mid) // BLOCK + mid
+        go_right = owned_from <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    seg_start = tl.load(cu_seqlens_ptr + lo)
+    seqlen = tl.load(cu_seqlens_ptr + lo + 1) - seg_start  # int32: a segment is < 2**31 tokens
+    start = (pid - (seg_start // BLOCK + lo)) * BLOCK
+    return lo, seg_start.to(tl.int64), seqlen, start
 
 
 @triton.jit
@@ -75,7 +104,7 @@ def _fwd_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # one compile whatever the count
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_qd,
@@ -83,22 +112,18 @@ def attn_fwd_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lh, stride_lt,
-    sm_scale,
+    sm_scale, num_segments,
     max_seqlen_key,  # unused in the body; an autotuning key (rounded max_seqlen)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid: (cdiv(max_seqlen, BLOCK_M), num_segments, nheads). Writes o and lse for one query block."""
+    """Grid: (total_tokens // BLOCK_M + num_segments, nheads) (see _locate_block). Writes o and lse
+    for one query block."""
     # -- locate the segment and the query block --
-    pid_m = tl.program_id(0)
-    seg = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
-    seg_start = tl.load(cu_seqlens_ptr + seg)
-    seqlen = tl.load(cu_seqlens_ptr + seg + 1) - seg_start  # int32: a segment is < 2**31 tokens
-    seg_start = seg_start.to(tl.int64)
-    start_m = pid_m * BLOCK_M
+    _, seg_start, seqlen, start_m = _locate_block(cu_seqlens_ptr, num_segments, tl.program_id(0), BLOCK_M)
     if start_m >= seqlen:
         return  # shorter segment than max_seqlen (or an empty one): nothing to do
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -178,7 +203,7 @@ def attn_bwd_preprocess_kernel(
     tl.store(delta_ptr + head * stride_dh + offs_t * stride_dt, tl.sum(o * do, 1), mask=mask_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # one compile whatever the count
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_qd,
@@ -188,25 +213,20 @@ def attn_bwd_dkdv_kernel(
     stride_lh, stride_lt,
     stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    sm_scale,
+    sm_scale, num_segments,
     max_seqlen_key,  # unused in the body; an autotuning key (rounded max_seqlen)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid: (cdiv(max_seqlen, BLOCK_N), num_segments, nheads_kv).
+    """Grid: (total_tokens // BLOCK_N + num_segments, nheads_kv) (see _locate_block).
 
     One program owns a key block of one kv head and loops over the GROUP query heads that share it, so
     dk and dv are summed in registers: no atomics, and the result is deterministic.
     """
     # -- locate the segment and the key block --
-    pid_n = tl.program_id(0)
-    seg = tl.program_id(1)
-    kv_head = tl.program_id(2).to(tl.int64)
-    seg_start = tl.load(cu_seqlens_ptr + seg)
-    seqlen = tl.load(cu_seqlens_ptr + seg + 1) - seg_start
-    seg_start = seg_start.to(tl.int64)
-    start_n = pid_n * BLOCK_N
+    kv_head = tl.program_id(1).to(tl.int64)
+    _, seg_start, seqlen, start_n = _locate_block(cu_seqlens_ptr, num_segments, tl.program_id(0), BLOCK_N)
     if start_n >= seqlen:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -262,7 +282,7 @@ def attn_bwd_dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments"])  # one compile whatever the count
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
     stride_qt, stride_qh, stride_qd,
@@ -271,22 +291,18 @@ def attn_bwd_dq_kernel(
     stride_dot, stride_doh, stride_dod,
     stride_lh, stride_lt,
     stride_dqt, stride_dqh, stride_dqd,
-    sm_scale,
+    sm_scale, num_segments,
     max_seqlen_key,  # unused in the body; an autotuning key (rounded max_seqlen)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid: (cdiv(max_seqlen, BLOCK_M), num_segments, nheads). dq for one query block, no atomics."""
+    """Grid: (total_tokens // BLOCK_M + num_segments, nheads) (see _locate_block). dq for one query
+    block, no atomics."""
     # -- locate the segment and the query block --
-    pid_m = tl.program_id(0)
-    seg = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
-    seg_start = tl.load(cu_seqlens_ptr + seg)
-    seqlen = tl.load(cu_seqlens_ptr + seg + 1) - seg_start
-    seg_start = seg_start.to(tl.int64)
-    start_m = pid_m * BLOCK_M
+    _, seg_start, seqlen, start_m = _locate_block(cu_seqlens_ptr, num_segments, tl.program_id(0), BLOCK_M)
     if start_m >= seqlen:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)

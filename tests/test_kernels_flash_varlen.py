@@ -255,3 +255,90 @@ def test_torch_compile_fullgraph(device):
         results.append((loss, q.grad, k.grad, v.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+
+
+# -- review finding B: (segment, block) pairs on grid axis 0, so any number of segments launches --
+
+def test_segment_grid_goes_past_cudas_65535_on_axis_0():
+    """Review finding B: a static-shape batch of 16 x 4096 with max_segments = B * W = 65,536 (and a
+    padding-free batch of 70,000 documents) needs more than 65,535 segment slots. The grid puts them
+    on axis 0 (limit 2**31 - 1) and keeps the heads on axis 1, inside CUDA's limits."""
+    for total, segments in [(16 * 4096, 16 * 4096), (140_000, 70_000)]:
+        grid = flash_varlen.segment_grid(total, segments, 128, 32)
+        assert grid == (total // 128 + segments, 32)
+        assert grid[0] > 65_535 and all(size <= limit for size, limit in zip(grid, flash_varlen.CUDA_MAX_GRID))
+    with pytest.raises(ValueError, match="axis 0"):
+        flash_varlen.segment_grid(2**36, 2**20, 16, 8)
+    with pytest.raises(ValueError, match="axis 1"):
+        flash_varlen.segment_grid(100, 2, 16, 70_000)
+
+
+if flash_varlen.interpreted() or torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    from packkit.kernels.flash_varlen_kernels import _locate_block
+
+    @triton.jit
+    def _locate_many(cu_ptr, num_segments, pids_ptr, seg_out, start_out, N: tl.constexpr, BLOCK: tl.constexpr):
+        """For each of N program ids: the (segment, block start) that _locate_block gives it."""
+        for i in range(N):
+            seg, _, _, start = _locate_block(cu_ptr, num_segments, tl.load(pids_ptr + i), BLOCK)
+            tl.store(seg_out + i, seg)
+            tl.store(start_out + i, start)
+
+
+def locate(cu, pids, block):
+    """Run _locate_block (interpreter on the CPU, compiled on CUDA) for the given program ids."""
+    pids = torch.as_tensor(pids, dtype=torch.int32, device=cu.device)
+    seg = torch.empty_like(pids)
+    start = torch.empty_like(pids)
+    _locate_many[(1,)](cu, cu.numel() - 1, pids, seg, start, N=pids.numel(), BLOCK=block)
+    return seg.tolist(), start.tolist()
+
+
+def needed_blocks(lengths, block):
+    """The slow obvious list of (segment, first row) pairs some program must handle."""
+    return sorted((s, b) for s, n in enumerate(lengths) for b in range(0, n, block))
+
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("lengths, block", [([1, 17, 0, 97, 123], 32), ([0, 0, 5], 16), ([64, 64, 0, 0, 1], 32),
+                                            ([0], 16), ([31, 32, 33, 0, 95, 96, 97], 32)])
+def test_locate_block_covers_every_block_once(device, lengths, block):
+    """Review finding B: over the whole flat grid, every block of every segment is owned by exactly one
+    program, and every other program (an empty segment's, a spare one) lands past its segment's end."""
+    skip_unless_runnable(device)
+    cu = cu_seqlens_of(lengths, device)
+    grid0, _ = flash_varlen.segment_grid(sum(lengths), len(lengths), block, 1)
+    seg, start = locate(cu, range(grid0), block)
+    useful = sorted((s, b) for s, b in zip(seg, start) if b < lengths[s])
+    assert useful == needed_blocks(lengths, block)
+    assert all(0 <= s < len(lengths) and b >= 0 for s, b in zip(seg, start))
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_locate_block_past_65535_segments(device):
+    """Review finding B: with 70,000 segments (padding-free, 1-3 tokens each, then static-shape
+    padding) the programs past id 65,535 find their segment; checked on a slice of ids around 65,535
+    and at the end of the grid (the whole grid would take the interpreter too long)."""
+    skip_unless_runnable(device)
+    gen = torch.Generator().manual_seed(6)
+    lengths = (torch.randint(1, 4, (69_000,), generator=gen).tolist()) + [0] * 1_000
+    block = 32
+    cu = cu_seqlens_of(lengths, device)
+    grid0, _ = flash_varlen.segment_grid(sum(lengths), len(lengths), block, 1)
+    pids = list(range(65_480, 65_600)) + list(range(grid0 - 40, grid0))
+    seg, start = locate(cu, pids, block)
+    # Reference over the whole grid in Python: block-start b(s) = cu[s] // block + s, every pid after.
+    offsets = cu.tolist()
+    owner, first = [], []
+    for s, n in enumerate(lengths):
+        first_pid = offsets[s] // block + s
+        owner.extend([s] * (offsets[s + 1] // block + s + 1 - first_pid))
+        first.append(first_pid)
+    for pid, s, b in zip(pids, seg, start):
+        expected = owner[pid] if pid < len(owner) else len(lengths) - 1
+        assert s == expected, f"program {pid}: segment {s}, expected {expected}"
+        assert b == (pid - first[s]) * block
+    assert max(seg) > 65_535
