@@ -75,9 +75,13 @@ __all__ = [
 def _labels_of(batch, *, shifted: bool):
     """``(labels, shifted)`` of a micro-batch: a tensor/array, a mapping or an object with ``labels``.
 
-    A mapping that carries ``shift_labels`` (Hugging Face's padding-free collators) is counted on those,
-    already shifted.
+    A ``PackedBatch`` says itself whether its labels are pre-shifted (``labels_shifted``, set by the
+    collators' ``mask_first_label=False``): its flag wins over ``shifted``. A mapping that carries
+    ``shift_labels`` (Hugging Face's padding-free collators) is counted on those, already shifted.
     """
+    own = getattr(batch, "labels_shifted", None)
+    if isinstance(own, bool) and isinstance(getattr(batch, "labels", None), torch.Tensor):
+        return batch.labels, own
     if isinstance(batch, Mapping):
         if "shift_labels" in batch:
             return batch["shift_labels"], True
@@ -313,7 +317,9 @@ def _real_tokens_and_examples(batch, labels: torch.Tensor, ignore_index: int):
 
     ``num_tokens``/``num_examples`` when the batch carries them; else an ``attention_mask`` gives the
     real tokens and one example per row; else ``cu_seqlens`` and ``seq_idx`` (a ``PackedBatch``) give
-    the documents and the padding tails; else every label position is a token and every row an example.
+    the documents and the padding tails (a row's last segment without loss tokens counts as padding);
+    else every label position is a token and every row an example. Collators' batches carry the exact
+    counts, so a document without loss tokens at the end of a row still counts.
     """
     tokens, examples = _field(batch, "num_tokens"), _field(batch, "num_examples")
     mask = _field(batch, "attention_mask")
@@ -344,7 +350,8 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     Args:
         micro_batches: the micro-batches of the step, each a ``PackedBatch``, a dict with ``labels``
             (``shift_labels`` counts as shifted) or a label tensor (B, T) / (T,).
-        shifted: the labels are already shifted (see :func:`count_loss_tokens`).
+        shifted: the labels are already shifted (see :func:`count_loss_tokens`); a ``PackedBatch``
+            follows its own ``labels_shifted`` instead.
         all_reduce: sum the counts over the ranks of ``group`` (one collective of three int64s, every
             rank must call it). ``None``: when ``torch.distributed`` is initialised.
         ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
@@ -380,8 +387,11 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         except (TypeError, KeyError, ValueError) as exc:
             raise type(exc)(f"micro-batch {i}: {exc.args[0] if exc.args else exc}") from None
         known = getattr(mb, "num_loss_tokens", None)
-        if isinstance(known, numbers.Integral) and not isinstance(known, bool) and not mb_shifted:
-            counts.append(int(known))  # a PackedBatch counted its loss tokens on the CPU: no device work
+        # A PackedBatch counted its loss tokens on the CPU (no device work); trust that count only when
+        # it was made under the convention the loss will use (pre-shifted labels or not).
+        if (isinstance(known, numbers.Integral) and not isinstance(known, bool)
+                and bool(getattr(mb, "labels_shifted", False)) == mb_shifted):
+            counts.append(int(known))
         else:
             counts.append(_count_tensor(labels, shifted=mb_shifted, ignore_index=ignore_index))
         t, e = _real_tokens_and_examples(mb, labels, ignore_index)

@@ -367,3 +367,46 @@ def test_packed_and_padded_give_the_same_loss_and_gradient(layout):
     # HF's num_items_in_batch convention gives the same loss (HF computes it in float32: logits.float())
     torch.testing.assert_close(hf_loss.double(), loss_padded.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(g_packed, g_padded, rtol=1e-9, atol=1e-11)
+
+
+def test_pre_shifted_batch_counts_one_way():
+    """Review 3: with mask_first_label=False (pre-shifted labels) batch.num_loss_tokens counted every
+    label (2) while count_loss_tokens and step.loss read labels[..., 1:] (1 term), and
+    accumulation_step trusted the batch's 2: the divisor disagreed with the summed terms. The batch
+    now says labels_shifted and every count and the loss follow it."""
+    from packkit.collate import PaddingFreeCollator
+
+    b = PaddingFreeCollator(mask_first_label=False)([{"input_ids": [5, 6, 7], "labels": [6, 7, -100]},
+                                                     {"input_ids": [8, 9], "labels": [9, -100]}])
+    step = accumulation_step([b])
+    assert b.num_loss_tokens == count_loss_tokens(b) == step.num_loss_tokens == 3
+    logits = torch.randn(1, 5, 11, dtype=torch.float64)
+    want = torch.nn.functional.cross_entropy(logits[0], torch.tensor([6, 7, IGNORE, 9, IGNORE]),
+                                             ignore_index=IGNORE)  # logits t against labels t
+    assert torch.allclose(step.loss(logits, b), want)
+    # the same through the mapping rebuild Trainer does
+    r = type(b)({k: v for k, v in b.items()})
+    assert count_loss_tokens(r) == accumulation_step([r]).num_loss_tokens == 3
+    # and HF's own loss, fed the view, agrees (it reads shift_labels as given)
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    hf = b.hf_kwargs()
+    got = ForCausalLMLoss(logits, hf["labels"], 11, shift_labels=hf["shift_labels"])  # HF upcasts to float32
+    assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+def test_last_document_without_loss_tokens_is_not_padding():
+    """Review 4: a padding-free batch of [5, 6, 7] and [8] whose last document has no loss label was
+    counted as 3 tokens and 1 example (the last segment taken for padding). Collated batches carry
+    the exact counts now."""
+    from packkit.collate import FixedWindowCollator, PaddingFreeCollator
+
+    examples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8]}]
+    step = accumulation_step([PaddingFreeCollator()(examples)])
+    assert (step.num_tokens, step.num_examples) == (4, 2)
+    # a window exactly filled whose last document has no loss tokens
+    full = FixedWindowCollator(window=4, strategy="next_fit")(
+        [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8], "labels": [-100]},
+         {"input_ids": [1, 2], "labels": [-100, 2]}])
+    step = accumulation_step([full, full])
+    assert (step.num_tokens, step.num_examples, step.num_loss_tokens) == (12, 6, 6)
