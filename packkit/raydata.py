@@ -9,7 +9,11 @@ that :class:`packkit.collate.PackedRowsCollator` reads (and ``.write_parquet(pat
                              -100 on the first token of every segment
     seq_lengths  list<int32> segment lengths of the row, summing to len(input_ids)
 
-Two plans, one engine (:func:`packkit.binpack.pack` plans, :func:`packkit.packer.pack_arrays` gathers):
+A loss mask column (``completion_mask`` / ``assistant_masks``, as the collators read it) becomes
+``labels``: -100 where the mask is 0 (on the given labels, or on the token ids), so prompt tokens are
+not trained on.
+
+Two plans, one engine (:func:`packkit.binpack.pack` plans, :func:`packkit.packer.pack_columns` gathers):
 
 ``mode="local"`` (default, for scale)
     Pass 1, one task per block, next to the block: best fit over the block's lengths, then the
@@ -24,8 +28,9 @@ Two plans, one engine (:func:`packkit.binpack.pack` plans, :func:`packkit.packer
     that travels to the driver), exactly the plan ``pack`` makes on one machine; then a map/reduce
     moves each token once, from its source block to the output block of its window.
 
-Both runs are deterministic for a fixed block layout and seed. Output blocks come in block order
-(pass-2 windows last); ``shuffle=True`` (default) puts each output block's windows in a seeded random
+Both runs are deterministic for a fixed block layout and seed. Output blocks come in block order;
+in local mode the pass-2 windows are cut into one small block after each input block's output (an
+even, deterministic split), so they are not all trained last. ``shuffle=True`` (default) puts each output block's windows in a seeded random
 order, so that training order is not sorted by length. Over-long examples follow ``overflow``
 (``"error"``, ``"truncate"``, ``"split"``, ``"drop"``), and :class:`RayPackReport` counts what the
 policy touched.
@@ -47,8 +52,9 @@ import numbers
 
 import numpy as np
 
-from .binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, as_lengths, check_window, pack
-from .packer import PackedRows, pack_arrays
+from .binpack import Plan, as_lengths, check_overflow, check_strategy, check_window, overflow_error, pack
+from .packer import (MASK_KEYS, PackedColumns, PackedRows, first_bad_label, gather_segments, loss_labels,
+                     pack_columns)
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
 
@@ -99,11 +105,11 @@ def tail_windows(loads, *, window: int, tokens: int, slack: float) -> np.ndarray
     return np.sort(order[:k])
 
 
-def _list_column(table, name: str):
+def _list_column(table, name: str, *, allow_bool: bool = False):
     """An Arrow list column -> ``(values, offsets, nulls)``: flat numpy values, (n+1,) int64 offsets.
 
     ``[[5, 6], [7]] -> values [5, 6, 7], offsets [0, 2, 3]``. Sliced and chunked columns are handled;
-    ``nulls`` is the (n,) bool null mask or None.
+    ``nulls`` is the (n,) bool null mask or None. ``allow_bool``: booleans too (a loss mask).
     """
     import pyarrow as pa
 
@@ -114,8 +120,10 @@ def _list_column(table, name: str):
             f"column {name!r} has Arrow type {arr.type}; it must be a list of integer token ids per "
             "example (map your tokenizer so each row holds a list)"
         )
-    if not (pa.types.is_integer(arr.type.value_type) or pa.types.is_null(arr.type.value_type)):
-        raise TypeError(f"column {name!r} holds {arr.type.value_type} values; token ids must be integers")
+    vtype = arr.type.value_type
+    if not (pa.types.is_integer(vtype) or pa.types.is_null(vtype) or (allow_bool and pa.types.is_boolean(vtype))):
+        what = "a loss mask must hold integers or booleans" if allow_bool else "token ids must be integers"
+        raise TypeError(f"column {name!r} holds {vtype} values; {what}")
     offsets = arr.offsets.to_numpy().astype(np.int64)
     values = arr.flatten()  # respects slicing
     offsets = offsets - offsets[0]
@@ -129,15 +137,17 @@ def _list_column(table, name: str):
     return values, offsets, nulls
 
 
-def _block_lengths(table, input_key: str, label_key: str | None) -> dict:
+def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_KEYS) -> dict:
     """Lengths of a block's examples, and the first problem found (a local example index), if any.
 
-    Returns ``{"lengths": (n,) int64, "has_labels": bool, "error": None | (kind, local_index, text)}``;
-    the driver turns ``local_index`` into the index in the whole dataset.
+    Returns ``{"lengths": (n,) int64, "has_labels": bool, "mask_key": str | None,
+    "error": None | (kind, local_index, text), "value_type", "label_type"}``; the driver turns
+    ``local_index`` into the index in the whole dataset. ``mask_key`` is the first of ``mask_keys``
+    that the block has (a loss mask, checked like labels).
     """
     n = table.num_rows
     out = {"lengths": np.zeros(n, np.int64), "has_labels": False, "error": None, "value_type": None,
-           "label_type": None}
+           "label_type": None, "mask_key": None}
     if input_key not in table.column_names:
         out["error"] = ("key", None, f"no column {input_key!r} (columns: {table.column_names})")
         return out
@@ -161,22 +171,52 @@ def _block_lengths(table, input_key: str, label_key: str | None) -> dict:
     if label_key is not None and label_key in table.column_names:
         out["has_labels"] = True
         out["label_type"] = _value_type(table, label_key)
-        try:
-            _, label_offsets, label_nulls = _list_column(table, label_key)
-        except (TypeError, ValueError) as exc:
-            out["error"] = (type(exc).__name__, None, str(exc))
+        out["error"] = _aligned_column_error(table, label_key, lengths, "labels")
+        if out["error"] is not None:
             return out
-        bad = np.diff(label_offsets) != lengths
-        if label_nulls is not None:
-            bad |= label_nulls
-        if bad.any():
-            i = int(np.argmax(bad))
-            out["error"] = (
-                "ValueError", i,
-                f"has {int(np.diff(label_offsets)[i])} labels for {int(lengths[i])} input_ids: "
-                "labels must be aligned with input_ids token for token",
-            )
+        label_values, label_offsets, _ = _list_column(table, label_key)
+        t = first_bad_label(label_values)
+        if t is not None:
+            i = int(np.searchsorted(label_offsets, t, side="right") - 1)
+            out["error"] = ("ValueError", i, f"has label {int(label_values[t])} in {label_key}; labels are "
+                            "token ids (>= 0) or -100 (no loss)")
+            return out
+    mask_key = next((k for k in mask_keys if k in table.column_names), None)
+    if mask_key is not None:
+        out["mask_key"] = mask_key
+        out["error"] = _aligned_column_error(table, mask_key, lengths, f"{mask_key} entries", allow_bool=True)
     return out
+
+
+def _aligned_column_error(table, name: str, lengths: np.ndarray, what: str, *, allow_bool: bool = False):
+    """None if list column ``name`` has ``lengths`` (no nulls), else the ``(kind, local_index, text)`` error."""
+    try:
+        _, offsets, nulls = _list_column(table, name, allow_bool=allow_bool)
+    except (TypeError, ValueError) as exc:
+        return (type(exc).__name__, None, str(exc))
+    bad = np.diff(offsets) != lengths
+    if nulls is not None:
+        bad |= nulls
+    if not bad.any():
+        return None
+    i = int(np.argmax(bad))
+    return ("ValueError", i, f"has {int(np.diff(offsets)[i])} {what} for {int(lengths[i])} input_ids: "
+                             f"{name} must be aligned with input_ids token for token")
+
+
+def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
+    """A block's flat labels: the label column and/or the loss mask applied to it (:func:`loss_labels`).
+
+    None when the run has no labels; the token ids (masked) when the block has only a loss mask.
+    """
+    if not opts["has_labels"]:
+        return None
+    lkey, mkey = opts["label_key"], opts.get("mask_key")
+    labels = _list_column(table, lkey)[0] if lkey is not None and lkey in table.column_names else None
+    mask = _list_column(table, mkey, allow_bool=True)[0] if mkey is not None and mkey in table.column_names else None
+    if labels is not None and mask is None:
+        return labels
+    return loss_labels(values, labels, mask)
 
 
 def _raise_block_error(error, start: int, block: int):
@@ -205,9 +245,15 @@ def _labels_type(value_type):
     return value_type if ok else pa.int64()
 
 
-def _rows_table(rows: PackedRows, has_labels: bool, value_type, label_type=None):
-    """:class:`PackedRows` -> the offline row format (input_ids, labels?, seq_lengths), one row a window."""
+def _rows_table(rows, has_labels: bool, value_type, label_type=None):
+    """:class:`PackedColumns` (or :class:`PackedRows`) -> the offline row format (input_ids, labels?,
+    seq_lengths), one row a window."""
     import pyarrow as pa
+
+    if isinstance(rows, PackedColumns):
+        ids, labels = rows.columns["input_ids"], rows.columns.get("labels")
+    else:
+        ids, labels = rows.input_ids, rows.labels
 
     if rows.row_offsets[-1] > np.iinfo(np.int32).max:
         raise ValueError(
@@ -215,9 +261,9 @@ def _rows_table(rows: PackedRows, has_labels: bool, value_type, label_type=None)
             "repartition the input into more blocks"
         )
     offs = pa.array(rows.row_offsets.astype(np.int32))
-    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(rows.input_ids, type=value_type))}
+    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(ids, type=value_type))}
     if has_labels:
-        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(rows.labels, type=_labels_type(label_type)))
+        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(labels, type=_labels_type(label_type)))
     seq_offs = pa.array(rows.seq_offsets.astype(np.int32))
     cols["seq_lengths"] = pa.ListArray.from_arrays(seq_offs, pa.array(rows.seq_lengths.astype(np.int32)))
     return pa.table(cols)
@@ -242,12 +288,21 @@ def _value_type(table, input_key: str):
 # ----------------------------------------------------------------------------------------------
 
 
+def _columns(values, labels, offsets) -> dict:
+    """The ``columns`` argument of :func:`pack_columns` for flat tokens (and labels) at CSR ``offsets``."""
+    columns = {"input_ids": (values, offsets[:-1])}
+    if labels is not None:
+        columns["labels"] = (labels, offsets[:-1])
+    return columns
+
+
 def _pass1_block(table, block: int, opts: dict):
     """Local plan of one block: (full windows table, handed-over segments, stats)."""
-    key, lkey = opts["input_key"], opts["label_key"]
+    key = opts["input_key"]
     values, offsets, _ = _list_column(table, key)
     has_labels = opts["has_labels"]
-    labels = _list_column(table, lkey)[0] if has_labels else None
+    labels = _block_labels(table, opts, values)
+    columns = _columns(values, labels, offsets)
     lengths = np.diff(offsets)
     seed = _block_seed(opts["seed"], block)
     plan = pack(lengths, window=opts["window"], strategy=opts["strategy"], overflow=opts["overflow"], seed=seed)
@@ -256,13 +311,13 @@ def _pass1_block(table, block: int, opts: dict):
     full = plan.select(keep)
     if opts["shuffle"]:
         full = full.shuffled(seed)
-    rows = pack_arrays(full, values, offsets, labels, mask_first_label=opts["mask_first_label"])
+    rows = pack_columns(full, columns, mask_first_label=opts["mask_first_label"])
     out = _rows_table(rows, has_labels, _value_type(table, key), opts["label_type"])
-    # The handed-over segments travel unmasked; pass 2 masks the first label of each one.
+    # The handed-over segments travel with their first labels unmasked; pass 2 masks them.
     handed = plan.select(tail)
-    seg = pack_arrays(handed, values, offsets, labels, mask_first_label=False)
+    seg = pack_columns(handed, columns, mask_first_label=False)
     seg_offsets = np.concatenate(([0], np.cumsum(seg.seq_lengths)))
-    segments = _segments_table(seg.input_ids, seg.labels, seg_offsets)
+    segments = _segments_table(seg.columns["input_ids"], seg.columns.get("labels"), seg_offsets)
     stats = {
         "windows": full.num_windows,
         "tokens": full.total_tokens,
@@ -293,9 +348,20 @@ def _pass2_tail(opts: dict, value_type, block: int, *segment_tables):
                 seed=_block_seed(opts["seed"], block))
     if opts["shuffle"]:
         plan = plan.shuffled(plan.seed)
-    rows = pack_arrays(plan, values, offsets, labels, mask_first_label=opts["mask_first_label"])
+    rows = pack_columns(plan, _columns(values, labels, offsets), mask_first_label=opts["mask_first_label"])
     return _rows_table(rows, opts["has_labels"], value_type, opts["label_type"]), {"windows": plan.num_windows,
                                                               "tokens": plan.total_tokens}
+
+
+def _pass2_spread(opts: dict, value_type, block: int, parts: int, *segment_tables):
+    """:func:`_pass2_tail`, its rows cut into ``parts`` contiguous, near-equal tables: ``(*tables, stats)``.
+
+    The driver puts table ``b`` after input block ``b``'s windows, so the pass-2 windows are spread
+    through the output rather than trained last. ``np.array_split`` sizes: the first ones one larger.
+    """
+    table, stats = _pass2_tail(opts, value_type, block, *segment_tables)
+    cuts = np.concatenate(([0], np.cumsum([a.size for a in np.array_split(np.arange(table.num_rows), parts)])))
+    return (*[table.slice(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:])], stats)
 
 
 def _scatter_block(table, opts: dict, seg_local, seg_start, seg_length, chunk_ptr):
@@ -306,13 +372,12 @@ def _scatter_block(table, opts: dict, seg_local, seg_start, seg_length, chunk_pt
     ``(values, labels | None)`` per chunk.
     """
     values, offsets, _ = _list_column(table, opts["input_key"])
-    labels = _list_column(table, opts["label_key"])[0] if opts["has_labels"] else None
-    out_start = np.cumsum(seg_length) - seg_length
-    total = int(seg_length.sum())
-    index = np.repeat(offsets[seg_local] + seg_start - out_start, seg_length) + np.arange(total, dtype=np.int64)
+    labels = _block_labels(table, opts, values)
+    src_start = offsets[seg_local] + seg_start
     tok_ptr = np.concatenate(([0], np.cumsum(seg_length)))[chunk_ptr]
-    v = values[index]
-    lab = labels[index] if labels is not None else None
+    # One strided copy per group of equal-length segments (no per-token index), then a view per chunk.
+    v = gather_segments(values, src_start, seg_length)
+    lab = gather_segments(labels, src_start, seg_length) if labels is not None else None
     pieces = [(v[a:b], None if lab is None else lab[a:b]) for a, b in zip(tok_ptr[:-1], tok_ptr[1:])]
     return pieces[0] if len(pieces) == 1 else tuple(pieces)
 
@@ -335,12 +400,12 @@ def _gather_chunk(opts: dict, value_type, seg_block, seg_length, window_ptr, *pi
     position[by_block] = np.arange(by_block.size)  # plan segment -> its place in the concatenation
     # a plan over the concatenated segments (each one an "example"), in the chunk's window order
     sub = Plan(
-        window=opts["window"], lengths=np.maximum(concat_length, 1), seg_example=position,
+        window=opts["window"], lengths=concat_length.astype(np.int64), seg_example=position,
         seg_start=np.zeros(seg_length.size, np.int64), seg_length=seg_length.astype(np.int64),
         window_ptr=window_ptr, strategy="given", overflow="error", seed=None,
         overflow_examples=np.zeros(0, np.int64), dropped_examples=np.zeros(0, np.int64), cut_tokens=0,
     )
-    rows = pack_arrays(sub, values, concat_offsets, labels, mask_first_label=opts["mask_first_label"])
+    rows = pack_columns(sub, _columns(values, labels, concat_offsets), mask_first_label=opts["mask_first_label"])
     return _rows_table(rows, opts["has_labels"], value_type, opts["label_type"])
 
 
@@ -395,6 +460,20 @@ class RayPackReport:
         d["fill"] = self.fill
         d["windows_over_lower_bound"] = self.windows_over_lower_bound
         return d
+
+
+def _same_in_every_block(infos, starts, key):
+    """The column name ``key(info)`` that every non-empty block shares (None if none has it), or a
+    KeyError naming the first block that differs (a column present in some blocks only)."""
+    first = next((key(info) for info in infos if info["lengths"].size and key(info)), None)
+    for b, info in enumerate(infos):
+        got = key(info)
+        if info["lengths"].size and got != first:
+            where = f"block {b} (examples {int(starts[b])}..)"
+            if got is None:
+                raise KeyError(f"{where} has no {first!r} column, other blocks do")
+            raise KeyError(f"{where} has a {got!r} column, other blocks {first!r}; give every block the same columns")
+    return first
 
 
 def _overflow_counts(lengths: np.ndarray, window: int, overflow: str) -> tuple[int, int, int]:
@@ -455,10 +534,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     window = check_window(window)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}")
+    check_strategy(strategy)
+    check_overflow(overflow)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"seed must be an integer or None, got {seed!r}")
     if not 0 <= float(tail_slack) < 1:
@@ -474,27 +551,23 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     for b, info in enumerate(infos):
         if info["error"] is not None:
             _raise_block_error(info["error"], int(starts[b]), b)
-    has_labels = any(info["has_labels"] for info in infos)
-    if has_labels and not all(info["has_labels"] or info["lengths"].size == 0 for info in infos):
-        b = next(b for b, info in enumerate(infos) if not info["has_labels"] and info["lengths"].size)
-        raise KeyError(f"block {b} (examples {int(starts[b])}..) has no {label_key!r} column, other blocks do")
+    given_labels = _same_in_every_block(infos, starts, lambda info: label_key if info["has_labels"] else None)
+    mask_key = _same_in_every_block(infos, starts, lambda info: info["mask_key"])
     lengths = as_lengths(np.concatenate([info["lengths"] for info in infos]) if infos else [])
-    over = np.flatnonzero(lengths > window)
-    if overflow == "error" and over.size:
-        i = int(over[0])
-        more = f" (and {over.size - 1} more)" if over.size > 1 else ""
-        raise ValueError(
-            f"example {i} has {int(lengths[i]):,} tokens > window={window:,}{more}; "
-            "pass overflow='split', 'truncate' or 'drop', or raise window"
-        )
+    if overflow == "error" and (err := overflow_error(lengths, window)) is not None:
+        raise err
     n_over, n_dropped, cut = _overflow_counts(lengths, window, overflow)
-    label_types = {info["label_type"] for info in infos if info["lengths"].size and info["label_type"]}
-    label_type = max(label_types, key=lambda t: t.bit_width) if label_types else None
     types = {info["value_type"] for info in infos if info["lengths"].size}
     value_type = max(types, key=lambda t: t.bit_width) if types else pa.int64()  # one schema for all blocks
+    label_types = {info["label_type"] for info in infos if info["lengths"].size and info["label_type"]}
+    label_type = max(label_types, key=lambda t: t.bit_width) if label_types else None
+    if mask_key is not None and not given_labels:
+        label_type = value_type  # labels are the masked token ids (_labels_type widens them if needed)
     opts = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle,
-                tail_slack=float(tail_slack), input_key=input_key, label_key=label_key,
-                has_labels=has_labels, label_type=label_type, mask_first_label=mask_first_label)
+                tail_slack=float(tail_slack), input_key=input_key, label_key=label_key, mask_key=mask_key,
+                has_labels=given_labels is not None or mask_key is not None, label_type=label_type,
+                mask_first_label=mask_first_label)
+    has_labels = opts["has_labels"]
     input_tokens = int(lengths.sum())
     common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
                   examples=int(lengths.size), input_tokens=input_tokens, overflow_examples=n_over,
@@ -505,9 +578,15 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
         outs = [pass1.remote(r, b, opts) for b, r in enumerate(refs)]
         full_refs = [o[0] for o in outs]
         stats = ray.get([o[2] for o in outs])
-        pass2 = ray.remote(num_cpus=1, num_returns=2)(_pass2_tail)
-        tail_ref, tail_stats_ref = pass2.remote(opts, value_type, len(refs), *[o[1] for o in outs])
+        parts = max(1, len(refs))
+        pass2 = ray.remote(num_cpus=1, num_returns=parts + 1)(_pass2_spread)
+        *tail_refs, tail_stats_ref = pass2.remote(opts, value_type, len(refs), parts, *[o[1] for o in outs])
         tail_stats = ray.get(tail_stats_ref)
+        # Pass-2 piece b goes after block b's windows (empty pieces left out): spread, not all last.
+        sizes = [a.size for a in np.array_split(np.arange(tail_stats["windows"]), parts)]
+        order = [r for b, r in enumerate(full_refs) for r in ([r, tail_refs[b]] if sizes[b] else [r])]
+        if not full_refs:
+            order = tail_refs[:1]
         tokens = sum(s["tokens"] for s in stats) + tail_stats["tokens"]
         report = RayPackReport(
             mode=mode, windows=sum(s["windows"] for s in stats) + tail_stats["windows"], tokens=tokens,
@@ -515,7 +594,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
             handed_tokens=sum(s["handed_tokens"] for s in stats), pass2_windows=tail_stats["windows"],
             **common,
         )
-        return _finish(ray.data.from_arrow_refs(full_refs + [tail_ref]), report, return_report)
+        return _finish(ray.data.from_arrow_refs(order), report, return_report)
 
     # -- global: one plan over every length, then map (per source block) / reduce (per chunk) --
     plan = pack(lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
