@@ -56,6 +56,8 @@ __all__ = [
     "find_max_micro_batch",
     "is_out_of_memory",
     "synthetic_sft_lengths",
+    "read_lengths_and_loss",
+    "loss_lengths_of_table",
     "cli_main",
 ]
 
@@ -526,55 +528,72 @@ def find_max_micro_batch(step, *, high: int, low: int = 1, multiple_of: int = 1)
 # ----------------------------------------------------------------------------------------------
 
 
-def read_lengths(path: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """``(lengths, loss_lengths or None)`` from a ``.npy`` of lengths, a text file of one length per line,
-    or a ``.jsonl`` with ``input_ids`` lists (and ``labels``, or ``completion_mask``/``assistant_masks``).
+def read_lengths_and_loss(path, *, column: str = "input_ids", text_column: str = "text",
+                          tokenizer="bytes", split: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(lengths (n,) int64, loss_lengths (n,) int64 or None)`` of a file ``packkit waste`` also reads.
+
+    The lengths come from :func:`packkit.io.read_lengths` (``.npy``, JSON lines or a JSON list,
+    Parquet, Arrow, ``.txt`` as one text example per line, a ``save_to_disk`` folder); the loss
+    lengths from the same table's ``labels`` and/or ``completion_mask``/``assistant_masks`` columns
+    (:func:`loss_lengths_of_table`), or None when it has neither.
     """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no such file: {path}")
-    if path.endswith(".npy"):
-        return as_lengths(np.load(path, allow_pickle=False), name=path), None
-    if path.endswith((".jsonl", ".json")):
-        return _read_jsonl(path)
-    values = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                values.append(int(line))
-            except ValueError:
-                raise ValueError(f"{path}:{n}: {line[:40]!r} is not a length (one integer per line)") from None
-    return as_lengths(values, name=path), None
+    from . import io
+
+    lengths = io.read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer,
+                              split=split).lengths
+    if os.path.isfile(path) and str(path).lower().endswith(".npy"):
+        return lengths, None
+    return lengths, loss_lengths_of_table(io.load_table(path, split=split), lengths, column=column)
 
 
-def _read_jsonl(path: str):
+#: Loss-mask columns (TRL's names), as in :mod:`packkit.collate`: loss only where the mask is 1.
+_MASK_COLUMNS = ("completion_mask", "assistant_masks")
+
+
+def loss_lengths_of_table(table, lengths: np.ndarray, *, column: str = "input_ids") -> np.ndarray | None:
+    """Loss tokens of every example of a pyarrow table, as a packed batch counts them: positions
+    ``1..len-1`` whose label is not -100 (``labels``) and whose mask is 1 (a loss mask), vectorised
+    over the Arrow offsets. None without a ``labels`` or loss-mask column.
+
+    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]`` (the first label is never a target).
+    Every list must be as long as the example, and a mask must hold 0/1; errors name the example.
+    """
+    import pyarrow.compute as pc
+
+    from . import io
     from .segments import IGNORE_INDEX
 
-    lengths, loss, have_loss = [], [], True
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-            ids = row.get("input_ids") if isinstance(row, dict) else None
-            if not isinstance(ids, list):
-                raise ValueError(f"{path}:{n}: every line needs 'input_ids' as a list of token ids")
-            lengths.append(len(ids))
-            if isinstance(row.get("labels"), list):
-                lab = np.asarray(row["labels"][1:])
-                loss.append(int((lab != IGNORE_INDEX).sum()))
-            elif isinstance(row.get("completion_mask") or row.get("assistant_masks"), list):
-                m = np.asarray((row.get("completion_mask") or row.get("assistant_masks"))[1:])
-                loss.append(int((m != 0).sum()))
-            else:
-                have_loss = False
-    lengths = as_lengths(lengths, name=path)
-    return lengths, (np.asarray(loss, np.int64) if have_loss and loss else None)
+    keys = [k for k in ("labels", *_MASK_COLUMNS) if k in table.column_names][:2]
+    keys = keys if "labels" in keys else keys[:1]
+    if not keys:
+        return None
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    loss = np.ones(int(offsets[-1]), bool)
+    for key in keys:
+        col = table.column(key)
+        got = io.list_lengths(col, name=key)
+        bad = np.flatnonzero(got != lengths)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"example {i} has {int(got[i])} {key} for {int(lengths[i])} tokens in {column!r}; "
+                             "they must match")
+        values = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
+        if values.dtype.kind not in "iub":
+            raise TypeError(f"column {key!r} holds {values.dtype}; labels and loss masks are integers")
+        if key == "labels":
+            loss &= values != IGNORE_INDEX
+        else:
+            odd = (values != 0) & (values != 1)
+            if odd.any():
+                t = int(np.argmax(odd))
+                i = int(np.searchsorted(offsets, t, side="right") - 1)
+                raise ValueError(f"example {i} has {key} value {values[t]}; a loss mask holds 0 (no loss) or 1")
+            loss &= values == 1
+    loss[offsets[:-1]] = False  # the first token of an example is never a target
+    csum = np.zeros(loss.size + 1, np.int64)
+    np.cumsum(loss, out=csum[1:])
+    return csum[offsets[1:]] - csum[offsets[:-1]]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -582,7 +601,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="packkit plan",
         description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.",
     )
-    p.add_argument("file", nargs="?", help=".npy of lengths, text (one length per line), or .jsonl with input_ids")
+    p.add_argument("file", nargs="?", help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
+                   ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
+                   "completion_mask column give the loss tokens")
+    p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
+    p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
+    p.add_argument("--tokenizer", default="bytes", help="a local tokenizer.json, or 'bytes' (default)")
+    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
     p.add_argument("-b", "--per-device-batch", type=int, default=1,
                    help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
@@ -609,7 +634,8 @@ def cli_main(argv=None) -> int:
     if args.synthetic is not None:
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
     else:
-        lengths, loss = read_lengths(args.file)
+        lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
+                                              tokenizer=args.tokenizer, split=args.split)
     window = None if args.padded else (2048 if args.window is None else args.window)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table

@@ -20,7 +20,9 @@ from packkit.budget import (
     effective_batch_size,
     find_max_micro_batch,
     is_out_of_memory,
+    loss_lengths_of_table,
     plan_budget,
+    read_lengths_and_loss,
     segment_loss_tokens,
     step_sums,
     synthetic_sft_lengths,
@@ -295,21 +297,35 @@ def run_cli(capsys, *argv):
 
 
 def test_cli_inputs_agree(tmp_path, capsys):
+    """Review 8: ``packkit plan`` reads every format ``packkit waste`` reads (through packkit.io), and
+    the loss tokens agree whichever way the file carries them (labels, a JSON list, Parquet, Arrow,
+    save_to_disk, a completion mask)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     lengths, loss = synthetic_sft_lengths(400, seed=3)
     np.save(tmp_path / "l.npy", lengths)
-    (tmp_path / "l.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    rows = [{"input_ids": [1] * int(n), "labels": [IGNORE] * int(n - c) + [1] * int(c)} for n, c in zip(lengths, loss)]
     with open(tmp_path / "d.jsonl", "w") as f:
-        for n, c in zip(lengths, loss):
-            f.write(json.dumps({"input_ids": [1] * int(n), "labels": [IGNORE] * int(n - c) + [1] * int(c)}) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "d.parquet")
+    with pa.ipc.new_file(str(tmp_path / "d.arrow"), table.schema) as w:
+        w.write_table(table)
+    masked = [{"input_ids": r["input_ids"], "completion_mask": [int(x != IGNORE) for x in r["labels"]]} for r in rows]
+    datasets.Dataset.from_list(masked).save_to_disk(str(tmp_path / "saved"))
     results = []
-    for name in ("l.npy", "l.txt", "d.jsonl"):
+    for name in ("l.npy", "d.jsonl", "d.json", "d.parquet", "d.arrow", "saved"):
         rc, out, err = run_cli(capsys, str(tmp_path / name), "-b", "2", "-a", "3", "-w", "2048", "--json")
-        assert rc == 0, err
+        assert rc == 0, (name, err)
         results.append(json.loads(out))
-    assert results[0]["tokens_per_step"] == results[1]["tokens_per_step"] == results[2]["tokens_per_step"]
-    assert results[0]["loss_tokens_assumed"] and not results[2]["loss_tokens_assumed"]
+    assert len({r["tokens_per_step"]["mean"] for r in results}) == 1
+    assert results[0]["loss_tokens_assumed"] and not any(r["loss_tokens_assumed"] for r in results[1:])
     want = plan_budget(lengths, loss_lengths=loss, window=2048, per_device_batch=2, accumulation_steps=3, warn=False)
-    assert results[2]["loss_tokens_per_step"]["mean"] == pytest.approx(want.loss_tokens_per_step.mean)
+    for r in results[1:]:
+        assert r["loss_tokens_per_step"]["mean"] == pytest.approx(want.loss_tokens_per_step.mean)
 
     rc, out, err = run_cli(capsys, "--synthetic", "800", "--padded", "-b", "8", "-a", "8", "--lora")
     assert rc == 0 and "steps per epoch" in out and "[few_steps_per_epoch]" in out and "[lora_large_batch]" in out
@@ -319,17 +335,56 @@ def test_cli_inputs_agree(tmp_path, capsys):
     ((), "give a lengths FILE or --synthetic N"),
     (("--synthetic", "10", "-d", "0"), "devices must be >= 1"),
     (("--synthetic", "10", "-a", "0"), "accumulation_steps must be >= 1"),
-    (("missing.npy",), "no such file"),
+    (("missing.npy",), "does not exist"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, message):
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_bad_text_line(tmp_path, capsys):
-    (tmp_path / "l.txt").write_text("12\n7\nabc\n")
-    rc, out, err = run_cli(capsys, str(tmp_path / "l.txt"))
-    assert rc == 2 and "l.txt:3" in err and "not a length" in err
+def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
+    """Review 8: budget read a .txt as one length per line while packkit.io (packkit waste) reads one
+    text example per line, so the two commands disagreed on the same file. Both read text now."""
+    from packkit import io
+
+    (tmp_path / "t.txt").write_text("12\n7\nhello world\n")
+    assert read_lengths_and_loss(str(tmp_path / "t.txt"))[0].tolist() == [2, 1, 11]
+    assert io.read_lengths(tmp_path / "t.txt").lengths.tolist() == [2, 1, 11]
+    rc, out, err = run_cli(capsys, str(tmp_path / "t.txt"), "--json")
+    assert rc == 0 and json.loads(out)["num_tokens"] == 14
     (tmp_path / "e.txt").write_text("")
     rc, out, err = run_cli(capsys, str(tmp_path / "e.txt"))
-    assert rc == 2 and "lengths is empty" in err
+    assert rc == 2 and "holds no examples" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("rows, error, match", [
+    ([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"input_ids": [1, 2], "labels": [IGNORE]}],
+     ValueError, "example 1 has 1 labels for 2 tokens"),
+    ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}, {"input_ids": [1, 2], "completion_mask": [0, 2]}],
+     ValueError, "example 1 has completion_mask value 2"),
+    ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1]}], ValueError, "example 0 has 2 completion_mask for 3"),
+])
+def test_loss_columns_are_checked(tmp_path, rows, error, match):
+    """Review 8: the jsonl reader did not check that labels are as long as input_ids (and counted any
+    non-zero mask value as loss)."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(error, match=match):
+        read_lengths_and_loss(str(path))
+
+
+def test_loss_lengths_of_table_matches_a_loop():
+    """Loss tokens from labels and a mask together, against a per-example loop (first token never counts)."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in rng.integers(1, 9, 50).tolist():
+        labels = [int(x) if rng.random() < 0.6 else IGNORE for x in rng.integers(0, 9, n)]
+        rows.append({"input_ids": [1] * n, "labels": labels, "completion_mask": rng.integers(0, 2, n).tolist()})
+    table = pa.Table.from_pylist(rows)
+    want = [sum(1 for t in range(1, len(r["labels"])) if r["labels"][t] != IGNORE and r["completion_mask"][t] == 1)
+            for r in rows]
+    got = loss_lengths_of_table(table, np.array([len(r["input_ids"]) for r in rows]))
+    assert got.tolist() == want
+    assert loss_lengths_of_table(pa.table({"input_ids": [[1, 2]]}), np.array([2])) is None
