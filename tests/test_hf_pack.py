@@ -267,3 +267,93 @@ def test_large_list_output(monkeypatch):
     big = pack_dataset(ds, window=6, shuffle=False)
     assert pa.types.is_large_list(big.data.table.column("input_ids").type)
     assert big["input_ids"] == small["input_ids"]
+
+
+# -- review regressions ---------------------------------------------------------------------------
+
+
+def masked_examples(lengths, mask_key, *, labels, seed=0):
+    """Examples with a random 0/1 loss mask (and labels with some -100) as a user's SFT data has."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(0, 500, n)
+        ex = {"input_ids": ids.tolist(), mask_key: rng.integers(0, 2, n).tolist()}
+        if labels:
+            ex["labels"] = np.where(rng.random(n) < 0.2, IGNORE_INDEX, ids + 1).tolist()
+        out.append(ex)
+    return out
+
+
+@pytest.mark.parametrize("mask_key", ["completion_mask", "assistant_masks"])
+@pytest.mark.parametrize("labels", [False, True])
+@pytest.mark.parametrize("select", [False, True])
+def test_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, labels, select):
+    """Review 1: offline packing kept only input_ids (+ labels) and dropped a completion_mask /
+    assistant_masks column without a word, so PackedRowsCollator then trained on the prompt tokens
+    (labels [[-100, 2, 3, 4, -100, 6, 7]], 5 loss tokens, where the online collator gives
+    [[-100, -100, 3, 4, -100, 6, 7]], 4). Every offline row must now collate to exactly what the
+    online collator makes of the same examples in the same window."""
+    collate = pytest.importorskip("packkit.collate")
+    W = 16
+    exs = masked_examples(np.random.default_rng(1).integers(1, 12, 30), mask_key, labels=labels)
+    ds = datasets.Dataset.from_list(exs)
+    if select:
+        keep = np.random.default_rng(2).permutation(30)[:20]
+        ds, exs = ds.select(keep), [exs[i] for i in keep]
+    packed = pack_dataset(ds, window=W, example_ids=True)
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids"]
+    online = collate.FixedWindowCollator(window=W, strategy="next_fit")
+    offline = collate.PackedRowsCollator(window=W)
+    for row in packed:
+        want = online([exs[i] for i in row["example_ids"]])
+        got = offline([{k: row[k] for k in ("input_ids", "labels", "seq_lengths")}])
+        assert want.labels.shape == got.labels.shape == (1, W)
+        assert got.labels.tolist() == want.labels.tolist()
+        assert got.num_loss_tokens == want.num_loss_tokens
+        assert row["labels"] == want.labels[0, :len(row["input_ids"])].tolist()
+
+
+def test_review_repro_two_masked_examples_window_8():
+    """Review 1, the reported repro: two examples with completion_mask, window 8."""
+    collate = pytest.importorskip("packkit.collate")
+    exs = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]},
+           {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}]
+    packed = pack_dataset(datasets.Dataset.from_list(exs), window=8, shuffle=False)
+    assert packed["labels"] == [[-100, -100, 3, 4, -100, 6, 7]]
+    batch = collate.PackedRowsCollator(window=8)([packed[0]])
+    assert batch.num_loss_tokens == 4
+
+
+@pytest.mark.parametrize("select", [False, True])
+def test_label_values_are_checked_when_packing(select):
+    """Review 17: a label such as -5 (neither a token id nor -100) was packed without a word and failed
+    only at collate time inside a DataLoader worker; it now fails at pack time, naming the example
+    (its index in the selection when the dataset is a selection; rows left out are not checked)."""
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3], [4, 5, 6], [7]],
+                                     "labels": [[1, -100], [-7], [4, -5, 6], [7]]})
+    if select:
+        assert pack_dataset(ds.select([0, 3]), window=8)["seq_lengths"]  # -7 and -5 are outside
+        with pytest.raises(ValueError, match=r"example 1 has label -5 in 'labels'"):
+            pack_dataset(ds.select([3, 2, 0]), window=8)
+    else:
+        with pytest.raises(ValueError, match=r"example 1 has label -7 in 'labels'.*or -100"):
+            pack_dataset(ds, window=8)
+
+
+def test_option_errors_are_binpacks_own():
+    """Review 23: strategy/overflow checks and the overflow error were copied (text and all) into hf; they
+    are binpack's now, so the wording cannot drift."""
+    from packkit.binpack import check_overflow, check_strategy, overflow_error
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1], [2, 3, 4, 5, 6]]})
+    for call, ref in [(lambda: pack_dataset(ds, window=4, strategy="best"), lambda: check_strategy("best")),
+                      (lambda: pack_dataset(ds, window=4, overflow="wrap"), lambda: check_overflow("wrap"))]:
+        with pytest.raises(ValueError) as want:
+            ref()
+        with pytest.raises(ValueError) as got:
+            call()
+        assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError) as got:
+        pack_dataset(ds, window=4)
+    assert str(got.value) == str(overflow_error(np.array([1, 5]), 4))

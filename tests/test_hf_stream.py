@@ -191,3 +191,83 @@ def test_iterable_dataset_streams_the_same_rows():
     assert got == ref
     with pytest.raises(ValueError, match="strategy must be 'bfd'"):
         pack_dataset(ids, window=10, strategy="next_fit")
+
+
+# -- review regressions ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exs, match", [
+    ([{"input_ids": np.array([True, False])}], "example 0: 'input_ids' must hold integers, got bool"),
+    ([{"input_ids": [1, 2]}, {"input_ids": np.array([True])}], "example 1: 'input_ids' must hold integers"),
+    ([{"input_ids": [1, 2], "labels": np.array([True, True])}], "example 0: 'labels' must hold integers"),
+])
+def test_boolean_token_ids_and_labels_are_rejected(exs, match):
+    """Review 15: PackedStream accepted boolean token ids (dtype kind "b") and packed them as 0/1."""
+    with pytest.raises(TypeError, match=match):
+        list(pack_stream(exs, window=4))
+
+
+def test_boolean_loss_mask_is_accepted():
+    rows = list(pack_stream([{"input_ids": [5, 6, 7], "completion_mask": np.array([False, True, True])}], window=4))
+    assert rows[0]["labels"].tolist() == [-100, 6, 7]
+
+
+@pytest.mark.parametrize("mask_key", ["completion_mask", "assistant_masks"])
+@pytest.mark.parametrize("labels", [False, True])
+def test_stream_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, labels):
+    """Review 1 (streaming): pack_stream dropped a completion_mask / assistant_masks without a word; every
+    streamed row must now collate to what the online collator makes of the same examples."""
+    collate = pytest.importorskip("packkit.collate")
+    W = 16
+    rng = np.random.default_rng(3)
+    exs = []
+    for n in rng.integers(1, 12, 30):
+        ids = rng.integers(0, 500, n)
+        ex = {"input_ids": ids.tolist(), mask_key: rng.integers(0, 2, n).tolist()}
+        if labels:
+            ex["labels"] = np.where(rng.random(n) < 0.2, IGNORE_INDEX, ids + 1).tolist()
+        exs.append(ex)
+    rows = list(pack_stream(exs, window=W, buffer_size=4, example_ids=True))
+    online = collate.FixedWindowCollator(window=W, strategy="next_fit")
+    for row in rows:
+        assert list(row) == ["input_ids", "labels", "seq_lengths", "example_ids"]
+        want = online([exs[i] for i in row["example_ids"]])
+        assert row["labels"].tolist() == want.labels[0, :row["input_ids"].size].tolist()
+    out = pack_dataset(datasets.Dataset.from_list(exs).to_iterable_dataset(), window=W, buffer_size=4,
+                       shuffle=False)
+    assert [r["labels"] for r in out] == [r["labels"].tolist() for r in rows]
+
+
+def test_stream_label_values_are_checked():
+    """Review 17 (streaming): a label that is neither a token id nor -100 names its example."""
+    with pytest.raises(ValueError, match=r"example 1 has label -3 in 'labels'"):
+        list(pack_stream([{"input_ids": [1], "labels": [1]}, {"input_ids": [2, 3], "labels": [-100, -3]}],
+                         window=4))
+
+
+def test_stream_overflow_error_is_binpacks_text():
+    """Review 23: the stream's overflow error was a copy of binpack's text; it is binpack's now."""
+    from packkit.binpack import overflow_error
+
+    with pytest.raises(ValueError) as got:
+        list(pack_stream([{"input_ids": [1]}, {"input_ids": [2]}, {"input_ids": list(range(9))}], window=4))
+    assert str(got.value) == str(overflow_error(np.array([1, 1, 9]), 4))
+    assert str(got.value).startswith("example 2 has 9 tokens > window=4")
+
+
+def test_iterable_dataset_honours_shuffle_seed_progress_and_refuses_num_proc(capsys):
+    """Review 14: on an IterableDataset, pack_dataset silently ignored seed, shuffle, num_proc and progress.
+    Now shuffle=True (the default) gives a seeded shuffle of the same rows, progress draws a bar, and
+    num_proc (which a stream cannot use) is an error."""
+    src = list(examples(np.random.default_rng(0).integers(1, 9, 60).tolist(), labels=True))
+    ids = datasets.IterableDataset.from_generator(lambda: iter(src))
+    plain = [r["input_ids"] for r in pack_dataset(ids, window=10, shuffle=False)]
+    a = [r["input_ids"] for r in pack_dataset(ids, window=10, seed=1)]
+    b = [r["input_ids"] for r in pack_dataset(ids, window=10, seed=1)]
+    c = [r["input_ids"] for r in pack_dataset(ids, window=10, seed=2)]
+    assert a == b and a != plain and a != c
+    assert sorted(a) == sorted(plain) == sorted(c)
+    assert [r["input_ids"] for r in pack_dataset(ids, window=10, shuffle=False, progress=True)] == plain
+    assert "tok" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="num_proc=2: an IterableDataset is packed in one stream"):
+        pack_dataset(ids, window=10, num_proc=2)
