@@ -310,3 +310,128 @@ def test_global_mode_equals_hf_pack_dataset(data):
     assert got.column_names == want.column_names == ["input_ids", "labels", "seq_lengths"]
     assert got.schema.equals(want.schema), (got.schema, want.schema)
     assert got.equals(want.combine_chunks())
+
+
+# ----------------------------------------------------------------------------------------------
+# review regressions
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_table(lengths, mask_key, *, labels, seed=0):
+    """Token ids unique per position, a random 0/1 loss mask, labels (ids + 1, some -100) if asked."""
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    ids = np.arange(offsets[-1], dtype=np.int32)
+    offs = pa.array(offsets)
+    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(ids)),
+            mask_key: pa.ListArray.from_arrays(offs, pa.array(rng.integers(0, 2, ids.size).astype(np.int8)))}
+    if labels:
+        lab = np.where(rng.random(ids.size) < 0.2, IGNORE_INDEX, ids.astype(np.int64) + 1)
+        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(lab))
+    return pa.table(cols)
+
+
+def blocks_of(table, blocks):
+    cuts = np.linspace(0, table.num_rows, blocks + 1).astype(int)
+    return [table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+@pytest.mark.parametrize("mask_key", ["completion_mask", "assistant_masks"])
+@pytest.mark.parametrize("labels", [False, True])
+def test_loss_mask_becomes_labels(local_ray, mask_key, labels):
+    """Review 1 (Ray): pack_dataset knew only label_key and dropped a completion_mask / assistant_masks
+    column without a word, so the prompt tokens were trained on. Global mode must now give exactly the
+    rows of packkit.hf.pack_dataset (which follows the collators' rule), and local mode the same labels
+    for every token (the packed token ids are unique, so each label can be checked where it lands)."""
+    hf = pytest.importorskip("packkit.hf")
+    datasets = pytest.importorskip("datasets")
+    from datasets.table import InMemoryTable
+
+    lengths = make_lengths(n=600, seed=4, hi=W)
+    table = masked_table(lengths, mask_key, labels=labels)
+    ds = ray.data.from_arrow(blocks_of(table, 4))
+    want = hf.pack_dataset(datasets.Dataset(InMemoryTable(table)), window=W, seed=2).data.table
+    got = pa.concat_tables(ray.get(raydata.pack_dataset(ds, window=W, mode="global", seed=2).to_arrow_refs()))
+    assert got.column_names == ["input_ids", "labels", "seq_lengths"]
+    assert got.equals(want.combine_chunks())
+    # local mode: the label of every token id is the masked label (or -100 at a segment start)
+    ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
+    mask = table.column(mask_key).combine_chunks().flatten().to_numpy()
+    base = table.column("labels").combine_chunks().flatten().to_numpy() if labels else ids.astype(np.int64)
+    expect = np.where(mask != 0, base, IGNORE_INDEX)
+    rows = collect(raydata.pack_dataset(ds, window=W, mode="local", tail_slack=0.0))
+    for row_ids, row_labels, seqs in zip(rows["input_ids"], rows["labels"], rows["seq_lengths"]):
+        want_labels = expect[np.asarray(row_ids)]
+        want_labels[np.cumsum(seqs) - seqs] = IGNORE_INDEX
+        assert row_labels == want_labels.tolist()
+
+
+def test_label_values_are_checked_with_the_global_index(local_ray):
+    """Review 17 (Ray): labels other than token ids and -100 were packed and failed only at collate time;
+    pass 0 now names the example's index in the whole dataset."""
+    lengths = make_lengths(n=400, seed=5, hi=W)
+    table = make_table(lengths)
+    labs = table.column("labels").to_pylist()
+    labs[333][0] = -7
+    bad = pa.table({"input_ids": table.column("input_ids"), "labels": labs})
+    with pytest.raises(ValueError, match=r"example 333 has label -7 in labels"):
+        raydata.pack_dataset(ray.data.from_arrow(blocks_of(bad, 4)), window=4 * W)
+
+
+def test_pass2_windows_are_spread_after_each_block(local_ray):
+    """Review 12: local mode put every pass-2 window into one last output block, so they were all
+    trained last. The output is now block 0's windows, then pass-2 piece 0, block 1's windows, piece 1,
+    ... (near-equal contiguous pieces, empty ones left out), deterministically."""
+    lengths = make_lengths(n=1200, seed=6, hi=W)
+    blocks = blocks_of(make_table(lengths), 4)
+    ds = ray.data.from_arrow(blocks)
+    out, report = raydata.pack_dataset(ds, window=W, mode="local", overflow="split", tail_slack=0.0,
+                                       return_report=True)
+    assert report.pass2_windows >= 4  # every block hands windows over: a piece after each block
+    opts = dict(window=W, strategy="bfd", overflow="split", seed=0, shuffle=True, tail_slack=0.0,
+                input_key="input_ids", label_key="labels", has_labels=True, label_type=pa.int64(),
+                mask_first_label=True)
+    full = [raydata._pass1_block(b, i, opts)[0] for i, b in enumerate(blocks)]
+    pieces = [len(a) for a in np.array_split(np.arange(report.pass2_windows), len(blocks))]
+    got = ray.get(out.to_arrow_refs())
+    print("rows per output block", [t.num_rows for t in got], "pieces", pieces)
+    assert [t.num_rows for t in got] == [n for f, p in zip(full, pieces) for n in (f.num_rows, p) if n]
+    for b, f in enumerate(full):
+        assert got[2 * b].equals(f)  # the blocks' own windows, in block order
+    assert sum(t.num_rows for t in got[1::2]) == report.pass2_windows
+
+
+def test_scatter_block_matches_a_per_token_reference():
+    """Review 9: the global map side built an int64 index of every token and fancy-indexed; it now copies
+    with packer.gather_segments. The pieces must be what the per-token index gave."""
+    lengths = np.array([5, 3, 7, 1, 4])
+    table = make_table(lengths)
+    values = np.arange(int(lengths.sum()))
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    seg_local, seg_start, seg_length = np.array([2, 0, 4, 2, 1]), np.array([3, 0, 0, 0, 1]), np.array([4, 5, 4, 3, 2])
+    chunk_ptr = np.array([0, 2, 2, 5])
+    opts = {"input_key": "input_ids", "label_key": "labels", "has_labels": True}
+    pieces = raydata._scatter_block(table, opts, seg_local, seg_start, seg_length, chunk_ptr)
+    ref = [values[offsets[e] + s + k] for e, s, n in zip(seg_local, seg_start, seg_length) for k in range(n)]
+    tok_ptr = np.concatenate(([0], np.cumsum(seg_length)))[chunk_ptr]
+    for c, (v, lab) in enumerate(pieces):
+        assert v.tolist() == ref[tok_ptr[c]:tok_ptr[c + 1]]
+        assert lab.tolist() == [t + 1 for t in v.tolist()]
+
+
+def test_option_errors_are_binpacks_own(local_ray):
+    """Review 23: raydata had its own copies of the strategy/overflow checks and the overflow error text."""
+    from packkit.binpack import check_overflow, check_strategy, overflow_error
+
+    lengths = np.array([3, W + 2, 4, W + 9])
+    ds = make_ds(lengths, blocks=2)
+    for kwargs, ref in [({"strategy": "best"}, lambda: check_strategy("best")),
+                        ({"overflow": "wrap"}, lambda: check_overflow("wrap"))]:
+        with pytest.raises(ValueError) as want:
+            ref()
+        with pytest.raises(ValueError) as got:
+            raydata.pack_dataset(ds, window=W, **kwargs)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(ValueError) as got:
+        raydata.pack_dataset(ds, window=W)
+    assert str(got.value) == str(overflow_error(lengths, W))
