@@ -14,12 +14,14 @@ module is imported); that is for tests. Devices are read from the tensors at cal
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from packkit.kernels.flash_varlen_kernels import (
+    INTERPRET_AT_DEFINITION,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_bwd_preprocess_kernel,
@@ -61,11 +63,28 @@ def interpreted() -> bool:
     return isinstance(attn_fwd_kernel, InterpretedFunction)
 
 
+def interpreter_problem() -> str | None:
+    """Why the kernels cannot run on the CPU in this process (the interpreter is off), or None.
+
+    Example: ``TRITON_INTERPRET=1`` exported only after ``packkit.kernels`` was imported gives
+    "TRITON_INTERPRET=1 was set after packkit.kernels was imported (it was unset then) ...".
+    """
+    if interpreted():
+        return None
+    then = "unset" if INTERPRET_AT_DEFINITION is None else f"{INTERPRET_AT_DEFINITION!r}"
+    if triton.knobs.runtime.interpret:  # reads the environment now
+        return (f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')} was set after packkit.kernels was imported "
+                f"(it was {then} then); Triton reads it when the kernels are defined, so set it in the "
+                f"environment before the process starts (make test does), or use a CUDA device")
+    return (f"packkit's Triton kernels run on the CPU only under the interpreter, and TRITON_INTERPRET is "
+            f"{then}: set TRITON_INTERPRET=1 before importing packkit.kernels (tests only; it is slow), "
+            f"or use a CUDA device")
+
+
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why these kernels cannot run on (q, k, v), or None if they can. Shapes are checked elsewhere."""
     if q.device.type == "cpu" and not interpreted():
-        return ("packkit's Triton kernels run on the CPU only under the interpreter: set TRITON_INTERPRET=1 "
-                "before importing packkit.kernels (tests only; it is slow), or use a CUDA device")
+        return interpreter_problem()
     if q.device.type not in ("cpu", "cuda"):
         return f"packkit's Triton kernels support CUDA (and the CPU interpreter), not {q.device.type}"
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:

@@ -20,8 +20,14 @@ Scores are kept in base-2 units (``s * scale * log2(e)``) so that the softmax us
 stored in natural-log units. Offsets are widened to int64 before they meet a stride.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+# Triton reads TRITON_INTERPRET when each @triton.jit below runs (at this module's first import), not
+# at launch: what it was then, so that a later setting can be explained (flash_varlen.interpreter_problem).
+INTERPRET_AT_DEFINITION = os.environ.get("TRITON_INTERPRET")
 
 # exp(x) == exp2(x * LOG2E); exp2 is the native instruction.
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -2,7 +2,10 @@
 isolation (hypothesis), backend dispatch, input checks, and a torch.compile smoke test.
 
 Backends that need CUDA (flash-attn, torch's varlen_attn, the compiled Triton kernels) run in the
-"cuda" cases and skip, with the reason, elsewhere. Triton on the CPU runs under ``TRITON_INTERPRET=1``.
+"cuda" cases and skip, with the reason, elsewhere. Triton on the CPU runs under ``TRITON_INTERPRET=1``,
+set below before packkit.kernels can be imported (Triton reads it when the kernels are defined); where
+it could not take effect and there is no CUDA device, the Triton CPU cases fail naming the cause
+rather than skip (tests/test_kernels_flash_varlen.py explains the cases).
 """
 
 import math
@@ -14,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before packkit.kernels is imported: see above
 
 from packkit import attention  # noqa: E402
 from packkit.attention import BackendUnavailableError, varlen_attention  # noqa: E402
@@ -69,9 +72,16 @@ def random_qkv(lengths, nheads, nheads_kv, headdim, dtype, device, seed=0):
 
 
 def skip_if_unavailable(backend, q, k, v):
+    """Skip, with the reason, a backend that cannot run here; but fail the Triton CPU cases on a machine
+    without CUDA (the interpreter is the only way these kernels get tested there)."""
     problem = attention.backend_problems(q, k, v)[backend]
-    if problem is not None:
-        pytest.skip(f"backend {backend!r} cannot run here: {problem}")
+    if problem is None:
+        return
+    if backend == "triton" and q.device.type == "cpu" and not torch.cuda.is_available() \
+            and attention._triton_kernels()[0] is not None:
+        pytest.fail(f"no CUDA device and the Triton interpreter is off, so the Triton backend would go "
+                    f"untested: {problem}")
+    pytest.skip(f"backend {backend!r} cannot run here: {problem}")
 
 
 # (device, backend, dtype) for every backend and the dtypes it takes. The CPU rows run here; the

@@ -1,18 +1,25 @@
 """packkit's Triton varlen attention kernels against a slow float64 reference.
 
-On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set
-below before the kernels are imported; ``make test`` sets it too), at small sizes. On a CUDA machine
-run without the interpreter and the "cuda" cases run the compiled kernels; the "cpu" ones then skip.
+On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``), at
+small sizes. Triton reads that variable when a kernel is *defined* (the first import of
+``packkit.kernels.flash_varlen_kernels``), not when triton is imported nor at launch, so setting it
+here, before that import, is reliable, unless something in this process imported packkit.kernels
+earlier (e.g. ``pytest kernels tests``: doctest collection imports the kernels first) or it is set to 0.
+Then the "cpu" cases FAIL naming the cause (on a machine without CUDA a skip would leave the kernels
+untested without a word); ``make test`` exports it. On a CUDA machine run without the interpreter:
+the "cuda" cases run the compiled kernels and the "cpu" ones skip, saying why.
 """
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before packkit.kernels is imported: see above
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (pip install 'packkit[triton]')")
 
@@ -39,8 +46,12 @@ def device_params():
 
 
 def skip_unless_runnable(device: str) -> None:
-    if device == "cpu" and not flash_varlen.interpreted():
-        pytest.skip("Triton runs on the CPU only with TRITON_INTERPRET=1 set before packkit.kernels is imported")
+    """Skip a "cpu" case where CUDA runs the kernels instead; fail it, naming the cause, where nothing would."""
+    problem = flash_varlen.interpreter_problem() if device == "cpu" else None
+    if problem is not None:
+        if torch.cuda.is_available():
+            pytest.skip(f"the compiled kernels run in the 'cuda' cases here; the CPU interpreter is off: {problem}")
+        pytest.fail(f"no CUDA device and the Triton interpreter is off, so these kernels would go untested: {problem}")
 
 
 def attention_ref(q, k, v, cu_seqlens, causal, scale):
@@ -212,8 +223,7 @@ def test_deterministic(device):
     ids=["float64", "headdim-256", "heads-not-multiple", "cu-int64", "kv-length"],
 )
 def test_launcher_rejects_bad_inputs(change, message):
-    if not flash_varlen.interpreted():
-        pytest.skip("the CPU checks reach the shape checks only under the interpreter")
+    skip_unless_runnable("cpu")  # the CPU checks reach the shape checks only under the interpreter
     args = dict(q=torch.randn(4, 2, 32), k=torch.randn(4, 1, 32), v=torch.randn(4, 1, 32),
                 cu=torch.tensor([0, 4], dtype=torch.int32))
     args.update(change)
@@ -342,3 +352,30 @@ def test_locate_block_past_65535_segments(device):
         assert s == expected, f"program {pid}: segment {s}, expected {expected}"
         assert b == (pid - first[s]) * block
     assert max(seg) > 65_535
+
+
+# -- review finding C: a wrong TRITON_INTERPRET is named, never a silent skip --
+
+def _pytest_here(env_value, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if env_value is not None:
+        env["TRITON_INTERPRET"] = env_value
+    return subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+                           "-k", "logsumexp", *extra], env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour (here CUDA runs the kernels)")
+def test_interpreter_setting_outside_make_test():
+    """Review finding C: run outside ``make test`` (TRITON_INTERPRET unset) the CPU cases really run,
+    because the module sets it before packkit.kernels is imported; with TRITON_INTERPRET=0 they fail
+    naming the variable instead of skipping in silence; set after the import, the message says so."""
+    unset = _pytest_here(None)
+    assert unset.returncode == 0 and "1 passed" in unset.stdout, unset.stdout[-2000:]
+    off = _pytest_here("0")
+    assert off.returncode == 1 and "TRITON_INTERPRET is '0'" in off.stdout, off.stdout[-2000:]
+    late = subprocess.run(
+        [sys.executable, "-c", "import os, packkit.kernels.flash_varlen as f; os.environ['TRITON_INTERPRET'] = '1'; "
+                               "print(f.interpreter_problem())"],
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, capture_output=True, text=True,
+        timeout=300)
+    assert "was set after packkit.kernels was imported (it was unset then)" in late.stdout, late.stdout + late.stderr
