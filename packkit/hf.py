@@ -659,7 +659,8 @@ def cli_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="packkit pack",
         description="Pack a dataset of token ids into windows of at most W tokens, one row per window "
-                    "(columns input_ids, labels when present, seq_lengths).",
+                    "(columns input_ids, labels when present or derived from a completion_mask / "
+                    "assistant_masks loss mask, seq_lengths).",
     )
     parser.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
     parser.add_argument("output", help="OUT.parquet, OUT.jsonl, or a folder (save_to_disk)")
@@ -669,7 +670,8 @@ def cli_main(argv=None) -> int:
                         help="examples longer than the window (default: error)")
     parser.add_argument("--columns", default=None,
                         help="comma-separated list columns to pack, token ids first "
-                             "(default: input_ids, plus labels when present)")
+                             "(default: input_ids, plus labels and a completion_mask / assistant_masks loss "
+                             "mask when present; the mask becomes -100 labels)")
     parser.add_argument("--text-column", default="text",
                         help="text column to tokenize when there are no token ids (needs --tokenizer)")
     parser.add_argument("--tokenizer", default=None,

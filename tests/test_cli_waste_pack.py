@@ -190,3 +190,29 @@ def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, argv, match):
     print(err)
     assert code == 2
     assert err.count("\n") == 1 and "Traceback" not in err and match in err
+
+
+def test_pack_command_turns_a_loss_mask_into_labels(tmp_path, capsys):
+    """Review 1 (CLI): `packkit pack` on SFT data with a completion_mask wrote input_ids and seq_lengths
+    only, dropping the mask, so training on the output learned the prompts. The mask now becomes
+    labels (-100 where it is 0, and on every segment's first token)."""
+    src = tmp_path / "sft.jsonl"
+    rows = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]},
+            {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "packed.parquet"
+    code, stdout, err = run(["pack", str(src), str(out), "-w", "8", "--no-shuffle"], capsys)
+    assert code == 0, err
+    table = pq.read_table(out)
+    assert table.column_names == ["input_ids", "labels", "seq_lengths"]
+    assert table.column("labels").to_pylist() == [[-100, -100, 3, 4, -100, 6, 7]]
+    assert "columns ['input_ids', 'labels', 'seq_lengths']" in stdout
+
+
+def test_pack_command_rejects_bad_label_values(tmp_path, capsys):
+    """Review 17 (CLI): a label of -5 is an error at pack time that names the example, one line, exit 2."""
+    src = tmp_path / "bad.jsonl"
+    src.write_text("\n".join(json.dumps({"input_ids": x, "labels": y})
+                             for x, y in [([1, 2], [1, 2]), ([3, 4], [-100, -5])]) + "\n")
+    code, out, err = run(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "8"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "example 1 has label -5" in err
