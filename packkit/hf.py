@@ -295,6 +295,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         source dtype), ``labels`` (when the source has labels or a loss mask), any other packed column, ``seq_lengths`` (list of
         int32 segment lengths summing to the row length) and optionally ``example_ids`` (int64).
         ``save_to_disk`` / ``to_parquet`` it as usual.
+
+    Raises:
+        ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null
+        example, negative token id, a label that is neither a token id nor -100, columns of different
+        lengths, an example longer than ``window`` under ``overflow="error"``, a column missing.
     """
     import datasets
 

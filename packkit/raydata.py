@@ -29,9 +29,9 @@ Two plans, one engine (:func:`packkit.binpack.pack` plans, :func:`packkit.packer
     moves each token once, from its source block to the output block of its window.
 
 Both runs are deterministic for a fixed block layout and seed. Output blocks come in block order;
-in local mode the pass-2 windows are cut into one small block after each input block's output (an
-even, deterministic split), so they are not all trained last. ``shuffle=True`` (default) puts each output block's windows in a seeded random
-order, so that training order is not sorted by length. Over-long examples follow ``overflow``
+in local mode the pass-2 windows are cut into near-equal pieces, one small block after each input
+block's windows, so they are not all trained last. ``shuffle=True`` (default) puts each output
+block's windows in a seeded random order, so that training order is not sorted by length. Over-long examples follow ``overflow``
 (``"error"``, ``"truncate"``, ``"split"``, ``"drop"``), and :class:`RayPackReport` counts what the
 policy touched.
 
@@ -504,7 +504,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
 
     Args:
         ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_key`` and optionally
-            ``label_key`` (same lengths). Its blocks are the unit of work: repartition first for more
+            ``label_key`` and/or a loss mask ``completion_mask`` / ``assistant_masks`` (same lengths;
+            the mask becomes labels: -100 where it is 0, on the labels or else the token ids). Its blocks are the unit of work: repartition first for more
             parallelism (``ds.repartition(n)``); the result is deterministic for a fixed block layout.
         window: tokens per window (``W``).
         mode: ``"local"`` (default: per-block best fit, then one pass over the under-filled windows)
@@ -525,7 +526,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
 
     Raises:
         ValueError / TypeError / KeyError naming the example's index in the whole dataset (its
-        position in block order): empty or null example, negative token id, labels not aligned,
+        position in block order): empty or null example, negative token id, labels (or a loss mask)
+        not aligned, a label that is neither a token id nor -100,
         an example longer than ``window`` under ``overflow="error"``, a column missing.
     """
     ray = _require_ray()
