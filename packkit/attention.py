@@ -19,6 +19,11 @@ Backends, in the order ``backend="auto"`` tries them (each only where it can run
 4. ``"reference"``: per-document ``scaled_dot_product_attention``; any device, any float dtype; slow.
 
 Forcing a backend that cannot run raises :class:`BackendUnavailableError` saying why.
+
+Empty segments (static-shape padding of ``cu_seqlens``) never reach flash-attn or torch's varlen_attn
+(flash-attention#1537). Pass ``num_segments`` (a Python int from the collator) and they are sliced
+off with no GPU sync, which keeps ``torch.compile`` graphs whole; without it they are dropped by
+reading ``cu_seqlens`` (a sync on a GPU; refused inside a compiled or captured graph).
 """
 
 from __future__ import annotations

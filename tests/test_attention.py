@@ -486,3 +486,22 @@ def test_bad_num_segments_is_named(lengths, num_segments, error, message):
     q, k, v = random_qkv(lengths, 2, 1, 16, torch.float32, "cpu")
     with pytest.raises(error, match=message):
         varlen_attention(q, k, v, cu_seqlens_of(lengths), 4, num_segments=num_segments)
+
+
+def test_num_segments_compiles_in_one_graph():
+    """Review finding A: with num_segments the static-shape path needs no sync and no data-dependent
+    shape, so varlen_attention (Triton backend, here under the interpreter) compiles with
+    fullgraph=True and matches eager. (The first call is eager: it imports the backend, which a
+    traced first call cannot.)"""
+    lengths = [3, 5, 0, 0, 0]
+    q, k, v = random_qkv(lengths, 2, 1, 16, torch.float32, "cpu")
+    skip_if_unavailable("triton", q, k, v)
+    torch._dynamo.reset()
+    cu = cu_seqlens_of(lengths)
+
+    def step(q, k, v):
+        return varlen_attention(q, k, v, cu, 5, backend="triton", num_segments=2)
+
+    eager = step(q, k, v)
+    compiled = torch.compile(step, backend=COMPILE_BACKEND, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
