@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import math
 
 import torch
 
@@ -74,7 +75,8 @@ class PackedBatch(collections.abc.Mapping):
         cu_seqlens:      int32 ``[S + 1]``, segment offsets over the row-major flattened batch;
                          with a static shape, padded by repeating the last offset (zero-length segments)
         max_seqlen:      Python int, the longest segment (``W`` with a static shape)
-        seq_idx:         int32, same shape as ``input_ids``: the segment of every token
+        seq_idx:         int32, same shape as ``input_ids``: the segment of every token (built from
+                         ``cu_seqlens`` on first access, on the batch's device, when not given)
         num_loss_tokens: Python int, ``labels != -100`` (the loss terms after the model's shift,
                          since the first label of every document is ``-100``; with pre-shifted labels
                          every ``!= -100`` label is a term too)
@@ -130,11 +132,21 @@ class PackedBatch(collections.abc.Mapping):
             fields = _fields_from_view(mapping)
         if fields["labels_shifted"] is None:
             fields["labels_shifted"] = False
+        if fields["seq_idx"] is None and fields["cu_seqlens"] is not None:
+            del fields["seq_idx"]  # derived on first access (__getattr__): the HF path never reads it
         missing = [k for k, v in fields.items() if v is None and k != "attention_mask"]
         if missing:
             raise TypeError(f"PackedBatch is missing {', '.join(missing)}")
         d = self.__dict__  # frozen: fill the instance dict directly (the collators' hot path)
         d.update(fields)
+
+    def __getattr__(self, name):
+        # only reached for a field missing from the instance dict: the lazy seq_idx
+        if name != "seq_idx" or "cu_seqlens" not in self.__dict__:
+            raise AttributeError(f"'PackedBatch' object has no attribute {name!r}")
+        seq_idx = _seq_idx_of(self.cu_seqlens, self.input_ids.shape)
+        self.__dict__["seq_idx"] = seq_idx
+        return seq_idx
 
     # -- shape ----------------------------------------------------------------------------------
 
@@ -156,7 +168,8 @@ class PackedBatch(collections.abc.Mapping):
 
     def _map(self, fn) -> "PackedBatch":
         """A batch with ``fn`` applied to every tensor field (ints are kept)."""
-        new = {f: (None if getattr(self, f) is None else fn(getattr(self, f))) for f in _TENSOR_FIELDS}
+        d = self.__dict__
+        new = {f: (None if d.get(f) is None else fn(d[f])) for f in _TENSOR_FIELDS}  # a lazy seq_idx stays lazy
         ints = {f: getattr(self, f) for f in _PLAIN_FIELDS}
         return PackedBatch(**ints, **new)
 
@@ -296,13 +309,19 @@ def _fields_from_view(mapping) -> dict:
         end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
         cu = torch.cat([starts, end]).to(torch.int32)
         max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    token = torch.arange(input_ids.numel(), device=cu.device, dtype=cu.dtype)
-    seq_idx = torch.searchsorted(cu[1:], token, right=True).to(torch.int32).reshape(input_ids.shape)
+    seq_idx = _seq_idx_of(cu, input_ids.shape)
     counts = _view_counts(cu, seq_idx, labels, attention_mask, shifted)
     loss, tokens, examples, real = counts.tolist()  # one read from the device
     return dict(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu,
                 max_seqlen=max_seqlen, seq_idx=seq_idx, num_loss_tokens=loss, attention_mask=attention_mask,
                 num_tokens=tokens, num_examples=examples, num_real_segments=real, labels_shifted=shifted)
+
+
+def _seq_idx_of(cu: torch.Tensor, shape) -> torch.Tensor:
+    """int32 ``shape``: the segment of every token, from ``cu_seqlens`` (zero-length segments own no
+    token). ``[0, 2, 3] -> [[0, 0, 1]]``; on ``cu``'s device, without a host sync."""
+    token = torch.arange(math.prod(shape), device=cu.device, dtype=cu.dtype)
+    return torch.searchsorted(cu[1:], token, right=True).to(torch.int32).reshape(shape)
 
 
 def _view_counts(cu, seq_idx, labels, attention_mask, shifted: bool) -> torch.Tensor:

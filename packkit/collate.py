@@ -138,6 +138,9 @@ def _concat(parts: list, all_lists: bool, total: int, key: str, *, bools_ok: boo
         raise AssertionError("a bool was found but no example holds it") from None
     except (ValueError, TypeError, OverflowError, struct.error) as exc:
         for i, p in enumerate(parts):  # the error path only: find the example to name it
+            if isinstance(p, np.ndarray):
+                _column(p, i, key, "mask" if bools_ok else "ids")  # raises for a wrong shape or dtype
+                continue
             try:
                 struct.pack(f"{len(p)}q", *(p.tolist() if isinstance(p, np.ndarray) else p))
             except (ValueError, TypeError, OverflowError, struct.error) as inner:
@@ -159,6 +162,15 @@ def read_examples(examples, *, need_labels: bool = False):
     no first-label masking here (that depends on the segments). The kind of labels (given, mask,
     none) is read from example 0 and every example must have the same keys.
     ``read_examples([{"input_ids": [5, 6]}, {"input_ids": [7]}]) -> ([5, 6, 7], [5, 6, 7], [2, 1])``.
+    """
+    return _read(examples, need_labels)[:3]
+
+
+def _read(examples, need_labels: bool):
+    """:func:`read_examples` plus the number of ``-100`` labels (a Python int, counted while checking).
+
+    Every check is one vectorised pass over the whole batch; the offending example is located only
+    when a check fails.
     """
     if isinstance(examples, collections.abc.Mapping) or not isinstance(examples, collections.abc.Sequence):
         raise TypeError(f"a collator takes a list of examples (dicts with 'input_ids'), got "
@@ -184,18 +196,22 @@ def read_examples(examples, *, need_labels: bool = False):
     if mask_key is not None:
         mask_parts, mask_lengths, mask_lists = _read_column(examples, mask_key, "mask")
         _check_same_lengths(mask_lengths, lengths, f"{mask_key} entries")
+    total = sum(lengths)
     lengths = np.array(lengths, np.int64)
-    total = int(lengths.sum())
     input_ids = _concat(ids_parts, ids_lists, total, "input_ids")
-    if input_ids.size and input_ids.min() < 0:
+    if input_ids.min() < 0:
         i, v = _first_bad(input_ids, input_ids < 0, _offsets(lengths))
         raise ValueError(f"example {i} has token id {v} < 0; token ids must be non-negative")
+    ignored = 0
     if has_labels:
         labels = _concat(lab_parts, lab_lists, total, "labels")
-        bad = (labels < 0) & (labels != IGNORE_INDEX)
-        if bad.any():
+        # valid: >= 0 or == -100. Two reductions without temporaries: the minimum rules out values
+        # below -100; viewed as uint64, -99..-1 are the only values above -100's image.
+        if labels.min() < IGNORE_INDEX or labels.view(np.uint64).max() > _IGNORE_AS_U64:
+            bad = (labels < 0) & (labels != IGNORE_INDEX)
             i, v = _first_bad(labels, bad, _offsets(lengths))
             raise ValueError(f"example {i} has label {v}; labels are token ids or {IGNORE_INDEX} (no loss)")
+        ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
     else:
         labels = input_ids.copy()
     if mask_key is not None:
@@ -204,15 +220,16 @@ def read_examples(examples, *, need_labels: bool = False):
             i, v = _first_bad(mask, mask.view(np.uint64) > 1, _offsets(lengths))
             raise ValueError(f"example {i} has {mask_key} value {v}; a loss mask holds 0 (no loss) or 1 (loss)")
         labels[mask == 0] = IGNORE_INDEX
-    return input_ids, labels, lengths
+        ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
+    return input_ids, labels, lengths, ignored
 
 
+_IGNORE_AS_U64 = np.array(IGNORE_INDEX, np.int64).view(np.uint64)[()]
 _INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
                                                   np.uint32, np.uint64))
 _MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
 _first_item = operator.itemgetter(0)
 _dtype_of = operator.attrgetter("dtype")
-_ndim_of = operator.attrgetter("ndim")
 
 
 def _read_column(examples, key: str, kind: str) -> tuple[list, list, bool]:
@@ -241,9 +258,13 @@ def _read_column(examples, key: str, kind: str) -> tuple[list, list, bool]:
                                                                           else _INT_ITEM):
             return xs, lengths, True
     elif kinds == _NDARRAY:
-        if set(map(_ndim_of, xs)) == _ONE and set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask"
-                                                                         else _INT_DTYPES):
-            return xs, [x.shape[0] for x in xs], False
+        # ndim is checked where it is cheap: len() of a 0-d array raises, and a 2-D array makes the
+        # concatenation fail; both fall back to the checked loop below, which names the example.
+        if set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
+            try:
+                return xs, list(map(len, xs)), False
+            except TypeError:
+                pass
     parts, lengths, all_lists = [], [], True
     for i, x in enumerate(xs):
         part, length, is_list = _column(x, i, key, kind)
@@ -253,7 +274,7 @@ def _read_column(examples, key: str, kind: str) -> tuple[list, list, bool]:
     return parts, lengths, all_lists
 
 
-_LIST, _NDARRAY, _ONE = {list}, {np.ndarray}, {1}
+_LIST, _NDARRAY = {list}, {np.ndarray}
 _INT_ITEM, _MASK_ITEMS = {int}, {int, bool}
 
 
@@ -276,10 +297,11 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 
 def _segment_fields(seg_lengths: np.ndarray):
-    """Segment lengths -> ``(cu_seqlens int32 (S+1,), position_ids int64 (T,), seq_idx int32 (T,))``.
+    """Segment lengths -> ``(cu_seqlens int32 (S+1,), position_ids int64 (T,))``.
 
-    ``[2, 1] -> ([0, 2, 3], [0, 1, 0], [0, 0, 1])``. One cumsum shared by the three fields (the same
-    arithmetic as ``packkit.segments``, fused for the collators' hot path).
+    ``[2, 1] -> ([0, 2, 3], [0, 1, 0])``. One cumsum shared by both (the same arithmetic as
+    ``packkit.segments``, fused for the collators' hot path); ``seq_idx`` is left to the batch,
+    which derives it from ``cu_seqlens`` when a consumer asks.
     """
     cu = _offsets(seg_lengths)
     total = int(cu[-1])
@@ -287,33 +309,48 @@ def _segment_fields(seg_lengths: np.ndarray):
         raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
     position_ids = np.arange(total, dtype=np.int64)
     position_ids -= np.repeat(cu[:-1], seg_lengths)
-    seq_idx = np.repeat(np.arange(seg_lengths.size, dtype=np.int32), seg_lengths)
-    return cu.astype(np.int32), position_ids, seq_idx
+    return cu.astype(np.int32), position_ids
 
 
 _INT32_MAX = np.iinfo(np.int32).max
 _tensor = torch.from_numpy
 
 
-def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = True) -> PackedBatch:
-    """One ``[1, T]`` row, every example a segment. ``labels`` is modified in place (first labels)."""
-    cu, position_ids, seq_idx = _segment_fields(lengths)
+def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = True,
+                       ignored: int | None = None) -> PackedBatch:
+    """One ``[1, T]`` row, every example a segment. ``labels`` is modified in place (first labels).
+
+    ``ignored``: the count of ``-100`` in ``labels`` when the caller has it (saves a pass).
+    ``padding_free_batch([5, 6, 7], [5, 6, 7], [2, 1])`` -> ``cu_seqlens [0, 2, 3]``, labels
+    ``[-100, 6, -100]``, ``num_loss_tokens 1``.
+    """
+    n, total = lengths.size, input_ids.size
+    if total > _INT32_MAX:
+        raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
+    cu = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    starts = cu[:-1]
+    position_ids = np.arange(total, dtype=np.int64)
+    position_ids -= np.repeat(starts, lengths)
+    if ignored is None:
+        ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
     if mask_first_label:
-        labels[cu[:-1]] = IGNORE_INDEX
-    shape = (1, input_ids.size)
+        ignored += int(np.count_nonzero(labels[starts] != IGNORE_INDEX))
+        labels[starts] = IGNORE_INDEX
+    shape = (1, total)
     return PackedBatch(
         input_ids=_tensor(input_ids.reshape(shape)),
         labels=_tensor(labels.reshape(shape)),
         position_ids=_tensor(position_ids.reshape(shape)),
-        cu_seqlens=_tensor(cu),
+        cu_seqlens=_tensor(cu.astype(np.int32)),
         max_seqlen=int(lengths.max()),
-        seq_idx=_tensor(seq_idx.reshape(shape)),
-        num_loss_tokens=int(np.count_nonzero(labels != IGNORE_INDEX)),
-        num_tokens=int(input_ids.size),
-        num_examples=int(lengths.size),
-        num_real_segments=int(lengths.size),
+        num_loss_tokens=total - ignored,
+        num_tokens=total,
+        num_examples=n,
+        num_real_segments=n,
         labels_shifted=not mask_first_label,
     )
+
 
 
 def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows: int | None = None,
@@ -347,7 +384,7 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
     tail_at[:num_content] = seg_ptr[1:]
     all_lengths = np.insert(seg_lengths, tail_at, tails)
     all_lengths = all_lengths[all_lengths > 0]
-    cu, position_ids, seq_idx = _segment_fields(all_lengths)
+    cu, position_ids = _segment_fields(all_lengths)
     # where every real token lands in the flattened [B, W] batch
     total = int(csum[-1])
     row_start = csum[seg_ptr[:-1]]
@@ -381,7 +418,6 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
         position_ids=_tensor(position_ids.reshape(shape)),
         cu_seqlens=_tensor(cu),
         max_seqlen=max_seqlen,
-        seq_idx=_tensor(seq_idx.reshape(shape)),
         num_loss_tokens=int(np.count_nonzero(out_labels != IGNORE_INDEX)),
         attention_mask=mask,
         num_tokens=total,
@@ -449,8 +485,9 @@ class PaddingFreeCollator:
         self.mask_first_label = bool(mask_first_label)
 
     def __call__(self, examples) -> PackedBatch:
-        input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label)
-        return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
+        input_ids, labels, lengths, ignored = _read(examples, not self.mask_first_label)
+        return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label,
+                                  ignored=ignored)
 
     def __repr__(self) -> str:
         return f"PaddingFreeCollator(mask_first_label={self.mask_first_label})"
