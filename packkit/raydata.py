@@ -114,7 +114,11 @@ def _list_column(table, name: str, *, allow_bool: bool = False):
     import pyarrow as pa
 
     col = table.column(name)
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):
+        # One chunk (a block is usually one): use it as it is; combine_chunks would copy every value.
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
     if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
         raise TypeError(
             f"column {name!r} has Arrow type {arr.type}; it must be a list of integer token ids per "
@@ -171,10 +175,9 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     if label_key is not None and label_key in table.column_names:
         out["has_labels"] = True
         out["label_type"] = _value_type(table, label_key)
-        out["error"] = _aligned_column_error(table, label_key, lengths, "labels")
+        label_values, label_offsets, out["error"] = _aligned_column(table, label_key, lengths, "labels")
         if out["error"] is not None:
             return out
-        label_values, label_offsets, _ = _list_column(table, label_key)
         t = first_bad_label(label_values)
         if t is not None:
             i = int(np.searchsorted(label_offsets, t, side="right") - 1)
@@ -184,24 +187,25 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     mask_key = next((k for k in mask_keys if k in table.column_names), None)
     if mask_key is not None:
         out["mask_key"] = mask_key
-        out["error"] = _aligned_column_error(table, mask_key, lengths, f"{mask_key} entries", allow_bool=True)
+        out["error"] = _aligned_column(table, mask_key, lengths, f"{mask_key} entries", allow_bool=True)[2]
     return out
 
 
-def _aligned_column_error(table, name: str, lengths: np.ndarray, what: str, *, allow_bool: bool = False):
-    """None if list column ``name`` has ``lengths`` (no nulls), else the ``(kind, local_index, text)`` error."""
+def _aligned_column(table, name: str, lengths: np.ndarray, what: str, *, allow_bool: bool = False):
+    """``(values, offsets, error)`` of list column ``name``: ``error`` is None if its rows have
+    ``lengths`` (no nulls), else the ``(kind, local_index, text)`` error."""
     try:
-        _, offsets, nulls = _list_column(table, name, allow_bool=allow_bool)
+        values, offsets, nulls = _list_column(table, name, allow_bool=allow_bool)
     except (TypeError, ValueError) as exc:
-        return (type(exc).__name__, None, str(exc))
+        return None, None, (type(exc).__name__, None, str(exc))
     bad = np.diff(offsets) != lengths
     if nulls is not None:
         bad |= nulls
     if not bad.any():
-        return None
+        return values, offsets, None
     i = int(np.argmax(bad))
-    return ("ValueError", i, f"has {int(np.diff(offsets)[i])} {what} for {int(lengths[i])} input_ids: "
-                             f"{name} must be aligned with input_ids token for token")
+    return values, offsets, ("ValueError", i, f"has {int(np.diff(offsets)[i])} {what} for {int(lengths[i])} "
+                                              f"input_ids: {name} must be aligned with input_ids token for token")
 
 
 def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
