@@ -72,7 +72,7 @@ import numpy as np
 from .binpack import (OVERFLOW_POLICIES, STRATEGIES, Plan, check_overflow, check_strategy, check_window,
                       overflow_error, pack)
 from .io import list_array, progress_bar
-from .packer import MASK_KEYS, first_bad_label, loss_labels, pack_columns
+from .packer import MASK_KEYS, first_bad_label, first_bad_mask, loss_labels, pack_columns
 from .segments import IGNORE_INDEX, segment_starts
 
 __all__ = [
@@ -166,6 +166,16 @@ def _check_tokens(col: _Column, name: str) -> None:
     i = _first_example_with(col, col.values < 0)
     if i is not None:
         raise ValueError(f"example {i} has a negative token id in {name!r}; token ids must be >= 0")
+
+
+def _check_mask(col: _Column, name: str) -> None:
+    """A loss mask holds 0 and 1 only; the error names the first example holding another value."""
+    if first_bad_mask(col.values) is None:
+        return
+    i = _first_example_with(col, (col.values != 0) & (col.values != 1))
+    if i is not None:
+        raise ValueError(f"example {i} has a value other than 0 or 1 in the loss mask {name!r}; "
+                         "a loss mask marks the tokens that carry the loss with 1")
 
 
 def _check_labels(col: _Column, name: str) -> None:
@@ -331,6 +341,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     _check_tokens(tok, cols[0])
     if "labels" in sources:
         _check_labels(sources["labels"], "labels")
+    if spec.mask is not None:
+        _check_mask(sources[spec.mask], spec.mask)
     for c in cols[1:]:
         bad = np.flatnonzero(sources[c].lengths != tok.lengths)
         if bad.size:
@@ -561,6 +573,9 @@ class PackedStream:
             elif c == "labels" and (t := first_bad_label(arr)) is not None:
                 raise ValueError(f"example {i} has label {int(arr[t])} in 'labels'; labels are token ids "
                                  f"(>= 0) or {IGNORE_INDEX} (no loss)")
+            elif c == self._mask and first_bad_mask(arr) is not None:
+                raise ValueError(f"example {i} has a value other than 0 or 1 in the loss mask {c!r}; "
+                                 "a loss mask marks the tokens that carry the loss with 1")
             if j and arr.size != out[self._columns[0]].size:
                 raise ValueError(f"example {i} has {arr.size} {c!r} but {out[self._columns[0]].size} "
                                  f"{self._columns[0]!r}; they must have the same length")

@@ -41,6 +41,7 @@ __all__ = [
     "MASK_KEYS",
     "check_offsets",
     "first_bad_label",
+    "first_bad_mask",
     "label_dtype",
     "loss_labels",
     "gather_index",
@@ -129,6 +130,19 @@ def loss_labels(input_ids, labels=None, mask=None) -> np.ndarray:
     if mask.shape != base.shape:
         raise ValueError(f"a loss mask of shape {mask.shape} for labels of shape {base.shape}: they must match")
     return np.where(mask != 0, base, np.asarray(IGNORE_INDEX, base.dtype))
+
+
+def first_bad_mask(values) -> int | None:
+    """Flat index of the first loss-mask value that is neither 0 nor 1 (booleans are fine), or None.
+
+    ``first_bad_mask([0, 1, 2]) -> 2``; ``first_bad_mask([True, False]) -> None``. The collators reject
+    such values too: a mask of 2 or -1 is more likely a column mix-up than a loss weight.
+    """
+    values = np.asarray(values)
+    if values.size == 0 or values.dtype.kind == "b":
+        return None
+    bad = (values != 0) & (values != 1)
+    return int(np.argmax(bad)) if bad.any() else None
 
 
 def first_bad_label(values) -> int | None:

@@ -53,7 +53,7 @@ import numbers
 import numpy as np
 
 from .binpack import Plan, as_lengths, check_overflow, check_strategy, check_window, overflow_error, pack
-from .packer import (MASK_KEYS, PackedColumns, PackedRows, first_bad_label, gather_segments, loss_labels,
+from .packer import (MASK_KEYS, PackedColumns, PackedRows, first_bad_label, first_bad_mask, gather_segments, loss_labels,
                      pack_columns)
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
@@ -187,7 +187,12 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     mask_key = next((k for k in mask_keys if k in table.column_names), None)
     if mask_key is not None:
         out["mask_key"] = mask_key
-        out["error"] = _aligned_column(table, mask_key, lengths, f"{mask_key} entries", allow_bool=True)[2]
+        mask_values, mask_offsets, out["error"] = _aligned_column(table, mask_key, lengths, f"{mask_key} entries",
+                                                                  allow_bool=True)
+        t = None if out["error"] is not None else first_bad_mask(mask_values)
+        if t is not None:
+            i = int(np.searchsorted(mask_offsets, t, side="right") - 1)
+            out["error"] = ("ValueError", i, f"has a value other than 0 or 1 in the loss mask {mask_key}")
     return out
 
 

@@ -357,3 +357,18 @@ def test_option_errors_are_binpacks_own():
     with pytest.raises(ValueError) as got:
         pack_dataset(ds, window=4)
     assert str(got.value) == str(overflow_error(np.array([1, 5]), 4))
+
+
+def test_loss_mask_values_other_than_0_and_1_are_rejected_offline():
+    """Regression (review): offline packing treated a mask value of 2 as "loss" while the collators
+    reject it; both now refuse it and name the example."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": [[0, 1, 1], [1, 2]]})
+    with pytest.raises(ValueError, match="example 1 has a value other than 0 or 1 in the loss mask"):
+        pack_dataset(ds, window=8)
+    from packkit.hf import pack_stream
+
+    with pytest.raises(ValueError, match="example 1 has a value other than 0 or 1"):
+        list(pack_stream([{"input_ids": [1, 2], "completion_mask": [0, 1]},
+                          {"input_ids": [3, 4], "completion_mask": [1, -1]}], window=8))

@@ -378,6 +378,18 @@ def test_label_values_are_checked_with_the_global_index(local_ray):
         raydata.pack_dataset(ray.data.from_arrow(blocks_of(bad, 4)), window=4 * W)
 
 
+def test_loss_mask_values_are_checked_with_the_global_index(local_ray):
+    """Regression (review): a loss mask of 2 or -1 was taken as "loss" offline while the collators
+    reject it; pass 0 now names the example's index in the whole dataset."""
+    lengths = make_lengths(n=400, seed=5, hi=W)
+    ids = make_table(lengths).column("input_ids")
+    mask = [[1] * int(n) for n in lengths]
+    mask[250][-1] = 2
+    bad = pa.table({"input_ids": ids, "completion_mask": mask})
+    with pytest.raises(ValueError, match=r"example 250 has a value other than 0 or 1 in the loss mask"):
+        raydata.pack_dataset(ray.data.from_arrow(blocks_of(bad, 4)), window=4 * W)
+
+
 def test_pass2_windows_are_spread_after_each_block(local_ray):
     """Review 12: local mode put every pass-2 window into one last output block, so they were all
     trained last. The output is now block 0's windows, then pass-2 piece 0, block 1's windows, piece 1,
