@@ -8,8 +8,10 @@ same run on the same batches:
 * ``padding_free`` ``packkit.collate.PaddingFreeCollator()``
 * ``fixed_window`` ``packkit.collate.FixedWindowCollator(window=W)`` (best fit inside the batch)
 
-Each timing is the best of ``--repeats`` rounds of ``--iters`` calls. Prints a table last and one
-JSON line. ``python benchmarks/bench_collate.py [--quick]``.
+Each timing is the best of ``--repeats`` rounds of ``--iters`` calls; the rounds of the providers
+alternate (round 1 of every provider, then round 2, ...), so a burst of load on a shared machine hits
+all of them rather than one. Prints a table last and one JSON line.
+``python benchmarks/bench_collate.py [--quick] [--batch-sizes 32]``.
 """
 
 from __future__ import annotations
@@ -44,15 +46,19 @@ def make_examples(num: int, *, seed: int, window: int, as_numpy: bool) -> list[d
     return out
 
 
-def time_provider(fn, batches, *, iters: int, repeats: int) -> float:
-    """Best seconds per call over ``repeats`` rounds, each cycling through ``batches``."""
-    fn(batches[0])
-    best = float("inf")
+def time_providers(providers: dict, batches, *, iters: int, repeats: int) -> dict:
+    """Best seconds per call of every provider over ``repeats`` interleaved rounds, each round
+    ``iters`` calls cycling through ``batches``."""
+    best = {}
+    for name, fn in providers.items():
+        fn(batches[0])
+        best[name] = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        for k in range(iters):
-            fn(batches[k % len(batches)])
-        best = min(best, (time.perf_counter() - start) / iters)
+        for name, fn in providers.items():
+            start = time.perf_counter()
+            for k in range(iters):
+                fn(batches[k % len(batches)])
+            best[name] = min(best[name], (time.perf_counter() - start) / iters)
     return best
 
 
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -86,8 +92,7 @@ def main(argv=None) -> int:
             ours = providers["padding_free"](batches[0])
             assert torch.equal(ref["input_ids"], ours.input_ids) and torch.equal(ref["labels"], ours.labels)
             assert torch.equal(ref["position_ids"], ours.position_ids)
-            times = {name: time_provider(fn, batches, iters=args.iters, repeats=args.repeats)
-                     for name, fn in providers.items()}
+            times = time_providers(providers, batches, iters=args.iters, repeats=args.repeats)
             base = tokens / times["hf_flatten"]
             for name, t in times.items():
                 rows.append({"input": input_kind, "batch": bs, "provider": name, "tokens": float(tokens),

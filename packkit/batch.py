@@ -140,6 +140,13 @@ class PackedBatch(collections.abc.Mapping):
         d = self.__dict__  # frozen: fill the instance dict directly (the collators' hot path)
         d.update(fields)
 
+    @classmethod
+    def _trusted(cls, **fields) -> "PackedBatch":
+        """A batch from every field, unchecked: the collators' hot path (``seq_idx`` left lazy)."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
+
     def __getattr__(self, name):
         # only reached for a field missing from the instance dict: the lazy seq_idx
         if name != "seq_idx" or "cu_seqlens" not in self.__dict__:

@@ -102,6 +102,13 @@ def _list_into(flat: list, out: np.ndarray, bools_ok: bool) -> None:
                     raise _BoolAt(t)
 
 
+def _list_array(part: list, bools_ok: bool) -> np.ndarray:
+    """One example's list as int64 through :func:`_list_into`: ``[3, 4] -> array([3, 4])``."""
+    out = np.empty(len(part), np.int64)
+    _list_into(part, out, bools_ok)
+    return out
+
+
 class _BoolAt(Exception):
     """A bool at flat position ``args[0]`` (turned into a ``TypeError`` naming the example)."""
 
@@ -122,14 +129,9 @@ def _concat(parts: list, all_lists: bool, total: int, key: str, *, bools_ok: boo
                 flat += p
             _list_into(flat, out, bools_ok)
             return out
-        arrays = []
-        for p in parts:
-            if not isinstance(p, np.ndarray):
-                a = np.empty(len(p), np.int64)
-                _list_into(p, a, bools_ok)
-                p = a
-            arrays.append(p)
-        return np.concatenate(arrays, out=out, casting="unsafe")
+        if _NDARRAY != set(map(type, parts)):  # lists mixed with arrays: each list through struct
+            parts = [p if isinstance(p, np.ndarray) else _list_array(p, bools_ok) for p in parts]
+        return np.concatenate(parts, out=out, casting="unsafe")
     except _BoolAt:
         for i, p in enumerate(parts):
             if not isinstance(p, np.ndarray) and any(isinstance(v, (bool, np.bool_)) for v in p):
@@ -163,16 +165,14 @@ def read_examples(examples, *, need_labels: bool = False):
     none) is read from example 0 and every example must have the same keys.
     ``read_examples([{"input_ids": [5, 6]}, {"input_ids": [7]}]) -> ([5, 6, 7], [5, 6, 7], [2, 1])``.
     """
-    return _read(examples, need_labels)[:3]
+    return _read(examples, need_labels)
 
 
 def _read(examples, need_labels: bool):
-    """:func:`read_examples` plus the number of ``-100`` labels (a Python int, counted while checking).
-
-    Every check is one vectorised pass over the whole batch; the offending example is located only
-    when a check fails.
-    """
-    if isinstance(examples, collections.abc.Mapping) or not isinstance(examples, collections.abc.Sequence):
+    """:func:`read_examples` without keyword handling. Every check is one vectorised pass over the
+    whole batch; the offending example is located only when a check fails."""
+    if type(examples) is not list and (isinstance(examples, collections.abc.Mapping)
+                                       or not isinstance(examples, collections.abc.Sequence)):
         raise TypeError(f"a collator takes a list of examples (dicts with 'input_ids'), got "
                         f"{type(examples).__name__}")
     n = len(examples)
@@ -202,7 +202,6 @@ def _read(examples, need_labels: bool):
     if input_ids.min() < 0:
         i, v = _first_bad(input_ids, input_ids < 0, _offsets(lengths))
         raise ValueError(f"example {i} has token id {v} < 0; token ids must be non-negative")
-    ignored = 0
     if has_labels:
         labels = _concat(lab_parts, lab_lists, total, "labels")
         # valid: >= 0 or == -100. Two reductions without temporaries: the minimum rules out values
@@ -211,7 +210,6 @@ def _read(examples, need_labels: bool):
             bad = (labels < 0) & (labels != IGNORE_INDEX)
             i, v = _first_bad(labels, bad, _offsets(lengths))
             raise ValueError(f"example {i} has label {v}; labels are token ids or {IGNORE_INDEX} (no loss)")
-        ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
     else:
         labels = input_ids.copy()
     if mask_key is not None:
@@ -220,8 +218,7 @@ def _read(examples, need_labels: bool):
             i, v = _first_bad(mask, mask.view(np.uint64) > 1, _offsets(lengths))
             raise ValueError(f"example {i} has {mask_key} value {v}; a loss mask holds 0 (no loss) or 1 (loss)")
         labels[mask == 0] = IGNORE_INDEX
-        ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
-    return input_ids, labels, lengths, ignored
+    return input_ids, labels, lengths
 
 
 _IGNORE_AS_U64 = np.array(IGNORE_INDEX, np.int64).view(np.uint64)[()]
@@ -287,7 +284,7 @@ def _check_same_lengths(got: list, lengths: list, what: str) -> None:
 def _offsets(lengths: np.ndarray) -> np.ndarray:
     """``[2, 1] -> [0, 2, 3]`` (int64)."""
     out = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
+    out[1:] = lengths.cumsum()
     return out
 
 
@@ -316,11 +313,8 @@ _INT32_MAX = np.iinfo(np.int32).max
 _tensor = torch.from_numpy
 
 
-def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = True,
-                       ignored: int | None = None) -> PackedBatch:
+def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = True) -> PackedBatch:
     """One ``[1, T]`` row, every example a segment. ``labels`` is modified in place (first labels).
-
-    ``ignored``: the count of ``-100`` in ``labels`` when the caller has it (saves a pass).
     ``padding_free_batch([5, 6, 7], [5, 6, 7], [2, 1])`` -> ``cu_seqlens [0, 2, 3]``, labels
     ``[-100, 6, -100]``, ``num_loss_tokens 1``.
     """
@@ -328,17 +322,15 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
     if total > _INT32_MAX:
         raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
     cu = np.zeros(n + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
+    cu[1:] = lengths.cumsum()  # measured faster than cumsum(out=cu[1:]) on small arrays
     starts = cu[:-1]
     position_ids = np.arange(total, dtype=np.int64)
     position_ids -= np.repeat(starts, lengths)
-    if ignored is None:
-        ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
     if mask_first_label:
-        ignored += int(np.count_nonzero(labels[starts] != IGNORE_INDEX))
         labels[starts] = IGNORE_INDEX
+    ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
     shape = (1, total)
-    return PackedBatch(
+    return PackedBatch._trusted(
         input_ids=_tensor(input_ids.reshape(shape)),
         labels=_tensor(labels.reshape(shape)),
         position_ids=_tensor(position_ids.reshape(shape)),
@@ -349,6 +341,7 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
         num_examples=n,
         num_real_segments=n,
         labels_shifted=not mask_first_label,
+        attention_mask=None,
     )
 
 
@@ -485,9 +478,8 @@ class PaddingFreeCollator:
         self.mask_first_label = bool(mask_first_label)
 
     def __call__(self, examples) -> PackedBatch:
-        input_ids, labels, lengths, ignored = _read(examples, not self.mask_first_label)
-        return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label,
-                                  ignored=ignored)
+        input_ids, labels, lengths = _read(examples, not self.mask_first_label)
+        return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
 
     def __repr__(self) -> str:
         return f"PaddingFreeCollator(mask_first_label={self.mask_first_label})"

@@ -163,3 +163,17 @@ def test_pre_shifted_labels_carry_shift_labels_in_the_hf_view():
     r = type(b)({k: v for k, v in b.items()})
     assert r.labels_shifted and r.num_loss_tokens == 2
     assert "shift_labels" not in three_docs()
+
+
+def test_collated_batches_have_every_field():
+    """The collators build batches on an unchecked fast path: every dataclass field must be there
+    (seq_idx derived on first access, equal to the reference from cu_seqlens)."""
+    import dataclasses
+
+    for b in (three_docs(), FixedWindowCollator(window=8)([{"input_ids": [1, 2, 3]}, {"input_ids": [4] * 6}]),
+              PaddedCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])):
+        for f in dataclasses.fields(PackedBatch):
+            getattr(b, f.name)
+        cu = b.cu_seqlens.tolist()
+        want = [s for s in range(len(cu) - 1) for _ in range(cu[s + 1] - cu[s])]
+        assert b.seq_idx.dtype == torch.int32 and b.seq_idx.reshape(-1).tolist() == want
