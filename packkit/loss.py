@@ -123,7 +123,8 @@ def count_loss_tokens(labels, *, shifted: bool = False, ignore_index: int = IGNO
         labels: (B, T) or (T,) int64 tensor, array or list; or a dict with ``labels`` (or
             ``shift_labels``, counted as already shifted); or a ``PackedBatch``.
         shifted: the labels are already shifted (position ``t`` holds the target of logits ``t``), so
-            every label counts; by default the first label of each row is not a target.
+            every label counts; by default the first label of each row is not a target. A
+            ``PackedBatch`` follows its own ``labels_shifted`` (``mask_first_label=False``) instead.
 
     Returns: a Python int.
 
