@@ -89,7 +89,7 @@ def hf_single_process(table, window):
     quiet = {"progress": False} if "progress" in inspect.signature(hf.pack_dataset).parameters else {}
     out = hf.pack_dataset(ds, window=window, overflow="split", **quiet)
     packed = out[0] if isinstance(out, tuple) else out
-    tokens = int(np.diff(table.column("input_ids").combine_chunks().offsets.to_numpy()).sum())
+    tokens = int(np.asarray(packed.data.table.column("seq_lengths").combine_chunks().flatten()).sum())
     return packed, len(packed), -(-tokens // window)
 
 

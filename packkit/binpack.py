@@ -290,8 +290,12 @@ class Plan:
         if order.size and (order.min() < 0 or order.max() >= self.num_windows):
             bad = int(order[(order < 0) | (order >= self.num_windows)][0])
             raise IndexError(f"window {bad} out of range for a plan of {self.num_windows} windows")
-        if not allow_repeats and np.unique(order).size != order.size:
+        if not allow_repeats and np.bincount(order, minlength=self.num_windows).max(initial=0) > 1:
             raise ValueError("select() got a window index twice: that would duplicate its tokens")
+        return self._take(order)
+
+    def _take(self, order: np.ndarray) -> "Plan":
+        """:meth:`select` without the checks (``order`` known to be valid)."""
         counts = self.segments_per_window[order]
         ptr = np.zeros(order.size + 1, np.int64)
         np.cumsum(counts, out=ptr[1:])
@@ -312,7 +316,7 @@ class Plan:
         """
         seed = self.seed if seed is None else seed
         rng = np.random.default_rng(0 if seed is None else seed)
-        return self.select(rng.permutation(self.num_windows))
+        return self._take(rng.permutation(self.num_windows))
 
     def summary(self) -> dict:
         """The figures a user logs: windows, lower bound, fill and what the overflow policy touched."""
