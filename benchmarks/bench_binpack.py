@@ -27,20 +27,10 @@ import tracemalloc
 
 import numpy as np
 
-from benchlib import sft_like_lengths, uniform_lengths, versions
+from benchlib import best_of, sft_like_lengths, uniform_lengths, versions
 
 from packkit.binpack import pack
 from packkit.packer import pack_arrays
-
-
-def best_of(fn, repeat):
-    times, out = [], None
-    for _ in range(repeat):
-        gc.collect()
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
 
 
 def peak_bytes(fn):

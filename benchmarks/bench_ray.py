@@ -36,7 +36,7 @@ import platform
 import time
 
 import numpy as np
-from benchlib import sft_like_lengths, versions
+from benchlib import best_of, sft_like_lengths, versions
 
 from packkit import raydata
 from packkit.binpack import pack
@@ -53,16 +53,6 @@ def make_table(lengths, labels: bool, seed=0):
     if labels:
         cols["labels"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(np.int64)))
     return pa.table(cols)
-
-
-def best_of(fn, repeat):
-    times, out = [], None
-    for _ in range(repeat):
-        gc.collect()
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
 
 
 def single_process(table, window, labels: bool):

@@ -5,9 +5,11 @@ Scripts run as ``python benchmarks/bench_<thing>.py``, so this module is importa
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 import platform
+import time
 
 import numpy as np
 
@@ -37,3 +39,14 @@ def versions(*packages: str) -> dict:
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def best_of(fn, repeat: int):
+    """``(seconds, result)``: the fastest of ``repeat`` calls of ``fn()``, garbage collected before each."""
+    times, out = [], None
+    for _ in range(repeat):
+        gc.collect()
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), out

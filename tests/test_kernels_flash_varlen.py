@@ -240,7 +240,8 @@ def test_custom_op_registration(device):
     q = torch.randn(9, 2, 16, device=device, requires_grad=True)
     k = torch.randn(9, 1, 16, device=device, requires_grad=True)
     v = torch.randn(9, 1, 16, device=device, requires_grad=True)
-    torch.library.opcheck(torch.ops.packkit.varlen_attn_fwd.default, (q, k, v, cu, 6, True, 0.25))
+    result = torch.library.opcheck(torch.ops.packkit.varlen_attn_fwd.default, (q, k, v, cu, 6, True, 0.25))
+    assert result and all(outcome == "SUCCESS" for outcome in result.values()), result
 
 
 @pytest.mark.parametrize("device", device_params())
