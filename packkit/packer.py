@@ -267,6 +267,20 @@ class PackedColumns:
     def num_rows(self) -> int:
         return int(self.row_offsets.size - 1)
 
+    @property
+    def input_ids(self) -> np.ndarray:
+        """(T,) the token column (the first one), window after window."""
+        return next(iter(self.columns.values()))
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """(T,) the labels, ``IGNORE_INDEX`` on every segment's first token, or None without labels."""
+        return self.columns.get("labels")
+
+
+#: :func:`pack_arrays`' result: the same type, with ``input_ids`` and ``labels`` read as attributes.
+PackedRows = PackedColumns
+
 
 def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask: bool = False,
                  mask_first_label: bool = True, num_threads: int = 1, bar=None) -> PackedColumns:
@@ -319,32 +333,7 @@ def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask
                          seq_offsets=plan.window_ptr.copy(), seg_example=plan.seg_example.copy())
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedRows:
-    """Packed windows as flat arrays (the layout of an Arrow list column).
-
-    Fields:
-        input_ids:   (T,) tokens of every window, window after window (dtype of the input)
-        labels:      (T,) int64 or None; ``IGNORE_INDEX`` on the first token of every segment
-        row_offsets: (R + 1,) int64, window ``r`` is ``input_ids[row_offsets[r]:row_offsets[r+1]]``
-        seq_lengths: (S,) int64, segment lengths, window after window
-        seq_offsets: (R + 1,) int64, window ``r`` has segments ``seq_lengths[seq_offsets[r]:seq_offsets[r+1]]``
-        seg_example: (S,) int64, the source example of every segment
-    """
-
-    input_ids: np.ndarray
-    labels: np.ndarray | None
-    row_offsets: np.ndarray
-    seq_lengths: np.ndarray
-    seq_offsets: np.ndarray
-    seg_example: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.row_offsets.size - 1)
-
-
-def pack_arrays(plan: Plan, input_ids, offsets, labels=None, *, mask_first_label: bool = True) -> PackedRows:
+def pack_arrays(plan: Plan, input_ids, offsets, labels=None, *, mask_first_label: bool = True) -> PackedColumns:
     """Gather the tokens (and labels) of ``plan`` into packed rows (:func:`pack_columns` for two columns).
 
     ``offsets``: ``(num_examples + 1,)`` int, example ``i`` is ``input_ids[offsets[i]:offsets[i+1]]``;
@@ -363,12 +352,6 @@ def pack_arrays(plan: Plan, input_ids, offsets, labels=None, *, mask_first_label
             raise ValueError(f"labels have shape {labels.shape}, input_ids {input_ids.shape}: they must match")
         columns["labels"] = (labels, offsets[:-1])
     rows = pack_columns(plan, columns, mask_first_label=mask_first_label)
-    packed_labels = rows.columns.get("labels")
-    return PackedRows(
-        input_ids=rows.columns["input_ids"],
-        labels=None if packed_labels is None else packed_labels.astype(np.int64, copy=False),
-        row_offsets=rows.row_offsets,
-        seq_lengths=rows.seq_lengths,
-        seq_offsets=rows.seq_offsets,
-        seg_example=rows.seg_example,
-    )
+    if rows.labels is not None and rows.labels.dtype != np.int64:  # labels leave pack_arrays as int64
+        rows = dataclasses.replace(rows, columns={**rows.columns, "labels": rows.labels.astype(np.int64)})
+    return rows

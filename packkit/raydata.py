@@ -53,7 +53,7 @@ import numbers
 import numpy as np
 
 from .binpack import Plan, as_lengths, check_overflow, check_strategy, check_window, overflow_error, pack
-from .packer import (MASK_KEYS, PackedColumns, PackedRows, first_bad_label, first_bad_mask, gather_segments, loss_labels,
+from .packer import (MASK_KEYS, PackedColumns, first_bad_label, first_bad_mask, gather_segments, loss_labels,
                      pack_columns)
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
@@ -255,14 +255,11 @@ def _labels_type(value_type):
 
 
 def _rows_table(rows, has_labels: bool, value_type, label_type=None):
-    """:class:`PackedColumns` (or :class:`PackedRows`) -> the offline row format (input_ids, labels?,
-    seq_lengths), one row a window."""
+    """:class:`PackedColumns` -> the offline row format (input_ids, labels?, seq_lengths), one row a
+    window."""
     import pyarrow as pa
 
-    if isinstance(rows, PackedColumns):
-        ids, labels = rows.columns["input_ids"], rows.columns.get("labels")
-    else:
-        ids, labels = rows.input_ids, rows.labels
+    ids, labels = rows.input_ids, rows.labels
 
     if rows.row_offsets[-1] > np.iinfo(np.int32).max:
         raise ValueError(
