@@ -100,22 +100,9 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
     reason = unsupported_reason(q, k, v)
     if reason is not None:
         raise ValueError(reason)
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be (total_tokens, heads, headdim); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k and v must be (total_tokens={q.shape[0]}, nheads_kv, headdim={q.shape[2]}); "
-                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"nheads={q.shape[1]} must be a multiple of nheads_kv={k.shape[1]}")
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor (num_segments + 1,); got "
-                         f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
-    if not (q.device == k.device == v.device == cu_seqlens.device):
-        raise ValueError(f"q, k, v, cu_seqlens must share a device; got {q.device}, {k.device}, "
-                         f"{v.device}, {cu_seqlens.device}")
-    if max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be >= 0; got {max_seqlen}")
+    from packkit.attention import check_varlen_shapes  # no import cycle at load time: attention
+                                                         # imports the kernels lazily
+    check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -277,10 +277,11 @@ def _check_num_segments(num_segments, cu_seqlens: torch.Tensor) -> None:
                          f"(cu_seqlens has {cu_seqlens.numel()} entries)")
 
 
-def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None) -> None:
-    if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
-        raise TypeError(f"max_seqlen must be a Python int computed on the CPU (reading it from a tensor "
-                        f"forces a sync and breaks torch.compile graphs); got {type(max_seqlen).__name__}")
+def check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen) -> None:
+    """Shapes, dtypes and devices of a varlen call; reads no tensor values (no sync).
+
+    Shared by :func:`varlen_attention` and the Triton launcher (``packkit.kernels.flash_varlen``).
+    """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be (total_tokens, heads, headdim); got shapes {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -299,6 +300,13 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None) -> None:
                          f"{v.device}, {cu_seqlens.device} (move cu_seqlens with .to(q.device))")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0; got {max_seqlen}")
+
+
+def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None) -> None:
+    if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
+        raise TypeError(f"max_seqlen must be a Python int computed on the CPU (reading it from a tensor "
+                        f"forces a sync and breaks torch.compile graphs); got {type(max_seqlen).__name__}")
+    check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen)
     _check_num_segments(num_segments, cu_seqlens)
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
         return  # checking values would read a GPU tensor back (a sync) or break a compiled graph
