@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from attention_testlib import assert_close, cu_seqlens_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,21 +48,6 @@ def attention_ref(q, k, v, cu_seqlens, causal, scale):
             scores = (q[start:end, h] @ k[start:end, h // group].T * scale).masked_fill(~allowed, float("-inf"))
             out[start:end, h] = torch.softmax(scores, dim=-1) @ v[start:end, h // group]
     return out
-
-
-def cu_seqlens_of(lengths, device="cpu"):
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
-
-
-def assert_close(name, actual, expected, atol, rtol):
-    """Print max / mean difference, then assert max |err| <= atol + rtol * max|expected|."""
-    diff = (actual.double() - expected.double()).abs()
-    bound = atol + rtol * expected.abs().max().item()
-    print(f"{name}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}, bound {bound:.3e}")
-    assert diff.max().item() <= bound, f"{name}: max diff {diff.max().item():.3e} > {bound:.3e}"
 
 
 def random_qkv(lengths, nheads, nheads_kv, headdim, dtype, device, seed=0):

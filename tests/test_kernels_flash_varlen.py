@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from attention_testlib import assert_close, cu_seqlens_of
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before packkit.kernels is imported: see above
@@ -78,21 +79,6 @@ def attention_ref(q, k, v, cu_seqlens, causal, scale):
             lse[h, start:end] = torch.logsumexp(scores, dim=-1)
             out[start:end, h] = torch.softmax(scores, dim=-1) @ v[start:end, h // group]
     return out, lse
-
-
-def cu_seqlens_of(lengths, device):
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
-
-
-def assert_close(name, actual, expected, atol, rtol):
-    """Print max / mean difference, then assert max |err| <= atol + rtol * max|expected|."""
-    diff = (actual.double() - expected.double()).abs()
-    bound = atol + rtol * expected.abs().max().item()
-    print(f"{name}: max diff {diff.max().item():.3e}, mean diff {diff.mean().item():.3e}, bound {bound:.3e}")
-    assert diff.max().item() <= bound, f"{name}: max diff {diff.max().item():.3e} > {bound:.3e}"
 
 
 # (dtype, causal, headdim, nheads, nheads_kv): every dtype both ways with GQA at d=32, then MHA at 64,
