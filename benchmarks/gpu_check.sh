@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the attention tests on the GPU (compiled Triton kernels, flash-attn and torch's
 # varlen_attn where present), then the attention benchmark. Logs go to $OUT (or ./out) for RESULTS.md.
-#   bash benchmarks/gpu_check.sh            # uses .venv/bin/python, or PY=python3 bash ...
+#   bash benchmarks/gpu_check.sh            # PY=... to choose the interpreter
+# The interpreter: $PY, else .venv/bin/python when its torch sees CUDA, else python3 (on the lent GPU
+# machines, the image's python3 holds a CUDA torch, Triton, pytest and hypothesis). packkit is
+# installed into it from this tree (no dependencies, no index) when `packkit.kernels` is missing,
+# since kernels/ only becomes packkit.kernels through the package's install.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+if [ -z "${PY:-}" ]; then
+  PY=python3
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    PY=.venv/bin/python
+  fi
+fi
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+if ! "$PY" -c "import packkit.kernels" 2>/dev/null; then
+  "$PY" -m pip install --quiet --no-deps --no-build-isolation --no-index -e . || { echo "could not install packkit into $PY"; exit 2; }
+fi
 # The compiled kernels, not the interpreter: the CPU Triton cases skip, the CUDA ones run.
 unset TRITON_INTERPRET
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
