@@ -62,7 +62,6 @@ import argparse
 import bisect
 import collections
 import dataclasses
-import logging
 import numbers
 import sys
 from pathlib import Path
@@ -72,7 +71,7 @@ import numpy as np
 from .binpack import (OVERFLOW_POLICIES, STRATEGIES, Plan, check_overflow, check_strategy, check_window,
                       overflow_error, pack)
 from .io import list_array, progress_bar
-from .packer import MASK_KEYS, first_bad_label, first_bad_mask, loss_labels, pack_columns
+from .packer import MASK_KEYS, first_bad_label, first_bad_mask, log_overflow, loss_labels, pack_columns
 from .segments import IGNORE_INDEX, segment_starts
 
 __all__ = [
@@ -84,7 +83,6 @@ __all__ = [
     "cli_main",
 ]
 
-logger = logging.getLogger("packkit")
 
 #: Rows of an output list column: past this many tokens a column uses 64-bit (large_list) offsets.
 MAX_LIST_TOKENS = 2**31 - 1
@@ -250,19 +248,9 @@ def _check_common(window, strategy, overflow, seed, num_proc):
 
 
 def _report_overflow(plan: Plan) -> None:
-    if plan.overflow_examples.size == 0:
-        return
-    n, over = plan.num_examples, plan.overflow_examples.size
-    tokens = int(plan.lengths.sum())
-    if plan.overflow in ("truncate", "drop"):
-        what = "truncated" if plan.overflow == "truncate" else "dropped"
-        logger.warning(
-            "pack_dataset: overflow=%r %s %d of %d examples longer than window=%d, cutting %d of %d "
-            "tokens (%.2f%%)", plan.overflow, what, over, n, plan.window, plan.cut_tokens, tokens,
-            100.0 * plan.cut_tokens / max(tokens, 1))
-    else:
-        logger.info("pack_dataset: split %d of %d examples longer than window=%d into pieces",
-                    over, n, plan.window)
+    log_overflow("pack_dataset", overflow=plan.overflow, over=int(plan.overflow_examples.size),
+                 examples=plan.num_examples, window=plan.window, cut_tokens=plan.cut_tokens,
+                 tokens=int(plan.lengths.sum()))
 
 
 # ----------------------------------------------------------------------------------------------

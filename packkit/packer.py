@@ -29,6 +29,7 @@ Rows are not padded here: the collators pad windows to ``W`` at batch time.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -56,6 +57,8 @@ __all__ = [
 #: ``packkit.collate.MASK_KEYS`` (a test keeps them equal); it lives here too so that offline packing
 #: does not import torch.
 MASK_KEYS = ("completion_mask", "assistant_masks")
+
+logger = logging.getLogger("packkit")
 
 #: Tokens copied per numpy call at most (bounds the temporary of one copy: 4M tokens).
 GROUP_TOKENS = 1 << 22
@@ -242,6 +245,23 @@ def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=
             if bar is not None:
                 bar.update(n)
     return out
+
+
+def log_overflow(who: str, *, overflow: str, over: int, examples: int, window: int, cut_tokens: int,
+                 tokens: int) -> None:
+    """Say what an overflow policy touched: a warning when tokens were cut, a note for ``split``.
+
+    Offline packing never drops a token without counting it; this is where the count is told.
+    """
+    if not over:
+        return
+    if overflow in ("truncate", "drop"):
+        what = "truncated" if overflow == "truncate" else "dropped"
+        logger.warning("%s: overflow=%r %s %d of %d examples longer than window=%d, cutting %d of %d tokens "
+                       "(%.2f%%)", who, overflow, what, over, examples, window, cut_tokens, tokens,
+                       100.0 * cut_tokens / max(tokens, 1))
+    else:
+        logger.info("%s: split %d of %d examples longer than window=%d into pieces", who, over, examples, window)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,19 +47,17 @@ give both, keep Arrow in and Arrow out, and build the result with ``ray.data.fro
 from __future__ import annotations
 
 import dataclasses
-import logging
 import numbers
 
 import numpy as np
 
 from .binpack import Plan, as_lengths, check_overflow, check_strategy, check_window, overflow_error, pack
-from .packer import (MASK_KEYS, PackedColumns, first_bad_label, first_bad_mask, gather_segments, loss_labels,
-                     pack_columns)
+from .packer import (MASK_KEYS, PackedColumns, first_bad_label, first_bad_mask, gather_segments, log_overflow,
+                     loss_labels, pack_columns)
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
 
 MODES = ("local", "global")
-logger = logging.getLogger("packkit")
 _INSTALL = "packkit.raydata needs Ray Data: pip install 'packkit[ray]'"
 
 
@@ -639,15 +637,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
 
 def _finish(packed, report: RayPackReport, return_report: bool):
     """Log what the overflow policy touched (as pack_dataset does), and return."""
-    if report.overflow_examples:
-        if report.overflow in ("truncate", "drop"):
-            what = "truncated" if report.overflow == "truncate" else "dropped"
-            logger.warning(
-                "raydata.pack_dataset: overflow=%r %s %d of %d examples longer than window=%d, cutting %d "
-                "of %d tokens (%.2f%%)", report.overflow, what, report.overflow_examples, report.examples,
-                report.window, report.cut_tokens, report.input_tokens,
-                100.0 * report.cut_tokens / max(report.input_tokens, 1))
-        else:
-            logger.info("raydata.pack_dataset: split %d of %d examples longer than window=%d into pieces",
-                        report.overflow_examples, report.examples, report.window)
+    log_overflow("raydata.pack_dataset", overflow=report.overflow, over=report.overflow_examples,
+                 examples=report.examples, window=report.window, cut_tokens=report.cut_tokens,
+                 tokens=report.input_tokens)
     return (packed, report) if return_report else packed
