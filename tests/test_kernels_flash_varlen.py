@@ -144,27 +144,32 @@ def test_logsumexp_and_explicit_scale(device):
     assert_close("out", out, ref_out, *TOLERANCES[torch.float32]["fwd"])
 
 
+def check_bf16_against_float64(lengths, nheads, nheads_kv, headdim, causal):
+    """bf16 forward and gradients on CUDA against the float64 reference, within the bf16 tolerances."""
+    cu = cu_seqlens_of(lengths, "cuda")
+    total = sum(lengths)
+    q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(total, nheads_kv, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(total, nheads_kv, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(lengths), causal=causal)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, cu, causal, 1 / math.sqrt(headdim))
+    ref.backward(grad_out.double())
+    tol = TOLERANCES[torch.bfloat16]
+    assert_close("out", out, ref, *tol["fwd"])
+    for name, a, b in [("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
+        assert_close(name, a, b, *tol["bwd"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (long segments are too slow for the interpreter)")
 @pytest.mark.parametrize("causal", [True, False])
 def test_long_segments_on_cuda(causal):
     """Segments spanning many blocks, GQA 8/2, head dim 128, bf16: the benchmark's regime, smaller."""
     torch.manual_seed(2)
     lengths = [1, 17, 0, 97, 123, 1025, 2048, 515]
-    cu = cu_seqlens_of(lengths, "cuda")
-    total = sum(lengths)
-    q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(total, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(lengths), causal=causal)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(q64, k64, v64, cu, causal, 1 / math.sqrt(128))
-    ref.backward(grad_out.double())
-    tol = TOLERANCES[torch.bfloat16]
-    assert_close("out", out, ref, *tol["fwd"])
-    for name, a, b in [("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
-        assert_close(name, a, b, *tol["bwd"])
+    check_bf16_against_float64(lengths, 8, 2, 128, causal)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -431,19 +436,5 @@ def test_static_shape_batch_of_65536_segments_on_cuda():
         lengths.append(int(torch.randint(1, 600, (1,), generator=gen)))
     lengths.append(16 * 4096 - sum(lengths))
     lengths += [0] * (16 * 4096 - len(lengths))  # static-shape padding: repeated last offset
-    cu = cu_seqlens_of(lengths, "cuda")
-    assert cu.numel() - 1 == 65_536
-    total = sum(lengths)
-    q = torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(total, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(total, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(lengths))
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(q64, k64, v64, cu, True, 1 / math.sqrt(64))
-    ref.backward(grad_out.double())
-    tol = TOLERANCES[torch.bfloat16]
-    assert_close("out", out, ref, *tol["fwd"])
-    for name, a, b in [("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
-        assert_close(name, a, b, *tol["bwd"])
+    assert len(lengths) == 65_536
+    check_bf16_against_float64(lengths, 4, 2, 64, causal=True)
