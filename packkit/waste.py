@@ -37,18 +37,15 @@ Figures, per strategy:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 
 import numpy as np
 
-from .binpack import OVERFLOW_POLICIES, as_lengths, check_overflow, check_window, overflow_error, pack
+from .binpack import as_lengths, check_overflow, check_window, overflow_error, pack
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
-           "plot_waste", "cli_main"]
+           "plot_waste"]
 
 WASTE_STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
 LABELS = {
@@ -414,63 +411,3 @@ def plot_waste(report: WasteReport, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
-
-
-def cli_main(argv=None) -> int:
-    """``packkit waste [FILE]``: the table (or ``--json``) and optionally ``--plot PNG``."""
-    parser = argparse.ArgumentParser(
-        prog="packkit waste",
-        description="Padding waste of each batching strategy on your data (the bundled sample without FILE).",
-    )
-    parser.add_argument("input", nargs="?", default=None,
-                        help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a line), or "
-                             ".npy of lengths; omitted: the bundled sample")
-    parser.add_argument("-w", "--window", type=int, default=2048, help="tokens per window (default 2048)")
-    parser.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
-    parser.add_argument("--windows-per-step", type=int, default=None,
-                        help="windows per packed step (default: the batch size)")
-    parser.add_argument("--overflow", default="truncate", choices=OVERFLOW_POLICIES,
-                        help="examples longer than the window (default: truncate)")
-    parser.add_argument("--buffer-size", type=int, default=1000, help="examples held by the streaming packer")
-    parser.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
-                        help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
-    parser.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
-    parser.add_argument("--tokenizer", default="bytes", help="a local tokenizer.json, or 'bytes' (default)")
-    parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="write the length histogram and fill plot")
-    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-
-    from .io import read_lengths
-
-    data = read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
-                        split=args.split, progress=not args.quiet and not args.json)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
-    report = measure_waste(
-        data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
-        overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
-        source=data.source, unit=data.unit, progress=None if not args.quiet else False)
-    if args.plot:
-        try:
-            plot_waste(report, args.plot)
-        except ImportError:
-            raise ImportError("--plot needs matplotlib: pip install 'packkit[plot]'") from None
-    if args.json:
-        out = report.to_dict()
-        if args.plot:
-            out["plot"] = args.plot
-        print(json.dumps(out))
-    else:
-        print(format_table(report))
-        if args.plot:
-            print(f"\nwrote {args.plot}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(cli_main())

@@ -1,7 +1,7 @@
 """The ``packkit`` command.
 
-Each subcommand lives with the module that owns its subject and exposes ``cli_main(argv) -> int``;
-this file only dispatches, and turns the errors a user can fix into one line and a non-zero exit
+Each subcommand is a module of this package exposing ``cli_main(argv) -> int`` over the library
+functions of the module that owns its subject; this file only dispatches, and turns the errors a user can fix into one line and a non-zero exit
 (never a traceback; ``PACKKIT_DEBUG=1`` re-raises them, for a bug report):
 
     packkit waste [FILE]          padding waste of each batching strategy (the main job)
@@ -16,9 +16,9 @@ import os
 import sys
 
 SUBCOMMANDS = {
-    "waste": ("packkit.waste", "padding waste of each batching strategy, with a table and a plot"),
-    "pack": ("packkit.hf", "pack a dataset offline into windows (jsonl, parquet, arrow, datasets folder)"),
-    "plan": ("packkit.budget", "effective batch, tokens per step and steps per epoch, with advice"),
+    "waste": ("packkit.cli.waste", "padding waste of each batching strategy, with a table and a plot"),
+    "pack": ("packkit.cli.pack", "pack a dataset offline into windows (jsonl, parquet, arrow, datasets folder)"),
+    "plan": ("packkit.cli.plan", "effective batch, tokens per step and steps per epoch, with advice"),
 }
 
 USAGE = "usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit COMMAND --help for more)\n\n" + "\n".join(
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .. import __version__
 
         print(f"packkit {__version__}")
         return 0

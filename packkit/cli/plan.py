@@ -1,0 +1,66 @@
+"""``packkit plan``: effective batch, tokens per optimiser step, steps per epoch, and advice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+from ..binpack import OVERFLOW_POLICIES, STRATEGIES
+from ..budget import BudgetWarning, plan_budget, read_lengths_and_loss, synthetic_sft_lengths
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="packkit plan",
+        description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.",
+    )
+    p.add_argument("file", nargs="?", help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
+                   ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
+                   "completion_mask column give the loss tokens")
+    p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
+    p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
+    p.add_argument("--tokenizer", default="bytes", help="a local tokenizer.json, or 'bytes' (default)")
+    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
+    p.add_argument("-b", "--per-device-batch", type=int, default=1,
+                   help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
+    p.add_argument("-a", "--accumulation-steps", type=int, default=1)
+    p.add_argument("-d", "--devices", type=int, default=1)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-w", "--window", type=int, help="pack into windows of W tokens (default 2048)")
+    g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
+    p.add_argument("--strategy", default="bfd", choices=STRATEGIES)
+    p.add_argument("--overflow", default="error", choices=OVERFLOW_POLICIES)
+    p.add_argument("--lora", action="store_true", help="an adapter (LoRA) run")
+    p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
+    p.add_argument("--drop-last", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    return p
+
+
+def cli_main(argv=None) -> int:
+    """``packkit plan [FILE | --synthetic N] -b B -a A -d D [-w W | --padded] [--lora] [--target-tokens T]``."""
+    args = _parser().parse_args(argv)
+    if (args.file is None) == (args.synthetic is None):
+        raise ValueError("give a lengths FILE or --synthetic N (one of them)")
+    if args.synthetic is not None:
+        lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
+    else:
+        lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
+                                              tokenizer=args.tokenizer, split=args.split)
+    window = None if args.padded else (2048 if args.window is None else args.window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
+        report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,
+                             accumulation_steps=args.accumulation_steps, devices=args.devices, window=window,
+                             strategy=args.strategy, overflow=args.overflow, lora=args.lora,
+                             target_tokens_per_step=args.target_tokens, drop_last=args.drop_last, seed=args.seed)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(report.table())
+    sys.stdout.flush()
+    return 0
