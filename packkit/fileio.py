@@ -1,0 +1,274 @@
+"""Writing files and folders so that nobody ever sees half of one, and nothing of the user's is lost.
+
+Every file or folder packkit writes goes through :func:`atomic_output`: the writer fills a temporary
+path *beside* the target (same folder, so the same file system), the result is flushed to disk
+(``fsync``), and only then renamed over the target, in one step. Killed at any moment, the target
+holds its previous complete content or does not exist; a temporary ``.NAME.packkit-tmp-*`` may be
+left beside it, never a short file under the target's name::
+
+    with atomic_output("packed.parquet", inputs=["data.parquet"]) as tmp:
+        pyarrow.parquet.write_table(table, tmp)     # tmp: a path that does not exist yet
+    # packed.parquet is complete here; on an exception it is as it was before
+
+Before anything is written, :func:`check_output` refuses what would destroy the user's data:
+
+========================================  =====================================================
+target                                    outcome
+========================================  =====================================================
+exists, ``overwrite=False``               ``OutputExistsError`` (replaced only when asked)
+the same file as an input                 ``ValueError`` (``os.path.samefile``: hard and
+                                          symbolic links included)
+a folder that contains an input           ``ValueError`` (writing it would replace the input)
+a folder where a file is written, or the  ``ValueError``, even with ``overwrite``
+other way round
+parent folder missing                     ``FileNotFoundError`` unless ``parents=True``
+========================================  =====================================================
+
+Renames use Linux's ``renameat2`` where it exists: ``RENAME_NOREPLACE`` so that a target that
+appeared meanwhile is never clobbered without ``overwrite``, and ``RENAME_EXCHANGE`` to swap a new
+folder with an old one in one step (the old one is deleted afterwards). Elsewhere a file is placed
+with ``os.link`` (which refuses an existing target) or ``os.replace``, and a folder by two renames
+(between them the target is briefly absent, never partial).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+__all__ = ["OutputExistsError", "atomic_output", "check_output", "fsync_tree", "temp_sibling"]
+
+#: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
+TMP_MARK = ".packkit-tmp-"
+
+
+class OutputExistsError(FileExistsError):
+    """The target exists and ``overwrite`` was not given (a ``FileExistsError`` with a one-line text)."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else super().__str__()
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _same(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` are the same existing file or folder (by inode: links included)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _contains(folder: Path, path: Path) -> bool:
+    """``folder`` (an existing folder) holds ``path``, at any depth, by inode and by resolved path."""
+    for parent in Path(os.path.abspath(path)).parents:
+        if _same(parent, folder):
+            return True
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+    except (OSError, ValueError):
+        return False
+
+
+def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = False, parents: bool = False,
+                 overwrite_hint: str = "overwrite=True") -> Path:
+    """``target`` as a ``Path`` once it is safe to write there (the table in the module docstring).
+
+    Args:
+        target: the file or folder to write.
+        kind: ``"file"`` or ``"dir"``: what will be written.
+        inputs: paths being read (files or folders); the target may be none of them and hold none.
+        overwrite: an existing target may be replaced (by one of the same kind).
+        parents: create missing parent folders (else their absence is an error).
+        overwrite_hint: how the caller spells ``overwrite`` in the error text (``"--overwrite"`` in the CLI).
+    """
+    if kind not in ("file", "dir"):
+        raise ValueError(f"kind must be 'file' or 'dir', got {kind!r}")
+    target = Path(target)
+    if target.name in ("", ".", ".."):
+        raise ValueError(f"{str(target)!r} names no file or folder to write; give a name")
+    for src in inputs:
+        src = Path(src)
+        if _same(src, target) or (not os.path.lexists(target)
+                                  and os.path.realpath(src) == os.path.realpath(target)):
+            raise ValueError(f"{str(target)!r} is the input {str(src)!r} (the same file); write the output "
+                             "elsewhere")
+        if target.is_dir() and _contains(target, src):
+            raise ValueError(f"{str(target)!r} is a folder that holds the input {str(src)!r}; writing it would "
+                             "replace the input: write the output elsewhere")
+    if os.path.lexists(target):
+        if target.is_dir() != (kind == "dir"):
+            have, want = ("a folder", "a file") if target.is_dir() else ("a file", "a folder")
+            raise ValueError(f"{str(target)!r} is {have}, and the output is {want}; remove it or choose "
+                             "another name")
+        if not overwrite:
+            raise OutputExistsError(f"{str(target)!r} exists; pass {overwrite_hint} to replace it")
+    parent = target.parent
+    if not parent.is_dir():
+        if parents and not parent.exists():
+            parent.mkdir(parents=True, exist_ok=True)
+        elif parent.exists():
+            raise ValueError(f"{str(parent)!r} is not a folder, so {str(target)!r} cannot be written")
+        else:
+            raise FileNotFoundError(f"folder {str(parent)!r} does not exist; create it first")
+    return target
+
+
+# ----------------------------------------------------------------------------------------------
+# flushing and renaming
+# ----------------------------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path, *, directory: bool) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # pragma: no cover - e.g. folders that cannot be opened on some platforms
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # pragma: no cover - fsync of a folder is refused on some file systems
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path) -> None:
+    """Flush ``path`` to disk: a file, or a folder with every file and folder in it."""
+    path = Path(path)
+    if not path.is_dir():
+        _fsync_path(path, directory=False)
+        return
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            _fsync_path(Path(root) / name, directory=False)
+        _fsync_path(Path(root), directory=True)
+
+
+def temp_sibling(target) -> Path:
+    """A fresh path beside ``target`` that does not exist: ``out.parquet -> .out.parquet.packkit-tmp-1a2b3c4d``."""
+    target = Path(target)
+    while True:
+        tmp = target.with_name(f".{target.name}{TMP_MARK}{secrets.token_hex(4)}")
+        if not os.path.lexists(tmp):
+            return tmp
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+#: What ``renameat2`` answers where the kernel or the file system lacks it: fall back to portable renames.
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EINVAL),
+                getattr(errno, "EOPNOTSUPP", errno.EINVAL)}
+_AT_FDCWD = -100
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux ``renameat2``; False where it is unavailable (other systems, old kernels or file systems)."""
+    func = _libc_renameat2()
+    if func is None:
+        return False
+    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+_libc_cache: list = []
+
+
+def _libc_renameat2():
+    if not _libc_cache:
+        func = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            func = libc.renameat2
+            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            func.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            func = None
+        _libc_cache.append(func)
+    return _libc_cache[0]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _place(tmp: Path, target: Path, *, overwrite: bool, overwrite_hint: str) -> None:
+    """Rename the complete ``tmp`` to ``target``: never over an existing target unless ``overwrite``."""
+    exists = f"{str(target)!r} exists; pass {overwrite_hint} to replace it"
+    if not overwrite:
+        try:
+            if _renameat2(tmp, target, _RENAME_NOREPLACE):
+                return
+        except FileExistsError:
+            raise OutputExistsError(exists) from None
+        if tmp.is_dir():
+            if os.path.lexists(target):
+                raise OutputExistsError(exists)
+            os.rename(tmp, target)
+            return
+        try:
+            os.link(tmp, target)  # refuses an existing target
+        except FileExistsError:
+            raise OutputExistsError(exists) from None
+        except OSError:  # no hard links here (some network or FAT file systems)
+            if os.path.lexists(target):
+                raise OutputExistsError(exists) from None
+            os.rename(tmp, target)
+            return
+        tmp.unlink()
+        return
+    if not tmp.is_dir() or not os.path.lexists(target):
+        os.replace(tmp, target)  # a file over a file, or a folder where there is none: one step
+        return
+    if _renameat2(tmp, target, _RENAME_EXCHANGE):  # swap the folders in one step; tmp now holds the old one
+        _remove(tmp)
+        return
+    old = temp_sibling(target)
+    os.rename(target, old)
+    os.rename(tmp, target)
+    _remove(old)
+
+
+@contextlib.contextmanager
+def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = False, parents: bool = False,
+                  overwrite_hint: str = "overwrite=True"):
+    """Write ``target`` through a temporary path beside it; yields that path (it does not exist yet).
+
+    On a normal exit the temporary file or folder is flushed to disk and renamed over ``target`` in one
+    step (then the folder holding it is flushed too); on an exception it is removed and ``target`` is
+    untouched. The arguments are :func:`check_output`'s, checked before the writer runs and again, for
+    an existing target, at the rename.
+    """
+    target = check_output(target, kind=kind, inputs=inputs, overwrite=overwrite, parents=parents,
+                          overwrite_hint=overwrite_hint)
+    tmp = temp_sibling(target)
+    try:
+        yield tmp
+        if not os.path.lexists(tmp):
+            raise FileNotFoundError(f"the writer left nothing at {str(tmp)!r} for {str(target)!r}")
+        if tmp.is_dir() != (kind == "dir"):
+            raise ValueError(f"the writer made a {'folder' if tmp.is_dir() else 'file'} for {str(target)!r}, "
+                             f"expected a {'folder' if kind == 'dir' else 'file'}")
+        fsync_tree(tmp)
+        _place(tmp, target, overwrite=overwrite, overwrite_hint=overwrite_hint)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _fsync_path(target.parent, directory=True)

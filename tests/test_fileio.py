@@ -1,0 +1,178 @@
+"""packkit.fileio: atomic, non-destructive output. Killed at any moment, a target holds its previous
+complete content or does not exist; inputs are never written; an existing target needs ``overwrite``."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from packkit import fileio
+from packkit.fileio import OutputExistsError, atomic_output, check_output
+
+
+def write_file(path, data: bytes):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if fileio.TMP_MARK in p.name)
+
+
+def test_file_is_renamed_into_place(tmp_path):
+    out = tmp_path / "out.bin"
+    with atomic_output(out) as tmp:
+        assert tmp.parent == tmp_path and not tmp.exists() and tmp.name.startswith(".out.bin")
+        write_file(tmp, b"complete")
+        assert not out.exists()  # nothing under the target's name until the writer is done
+    assert out.read_bytes() == b"complete"
+    assert leftovers(tmp_path) == []
+
+
+def test_existing_target_refused_unless_overwrite(tmp_path):
+    out = tmp_path / "out.bin"
+    write_file(out, b"old")
+    with pytest.raises(OutputExistsError, match=r"exists; pass --overwrite to replace it"):
+        with atomic_output(out, overwrite_hint="--overwrite") as tmp:
+            write_file(tmp, b"new")
+    assert out.read_bytes() == b"old"
+    with atomic_output(out, overwrite=True) as tmp:
+        write_file(tmp, b"new")
+    assert out.read_bytes() == b"new"
+    assert leftovers(tmp_path) == []
+
+
+def test_target_appearing_during_the_write_is_not_clobbered(tmp_path):
+    out = tmp_path / "out.bin"
+    with pytest.raises(OutputExistsError):
+        with atomic_output(out) as tmp:
+            write_file(tmp, b"ours")
+            write_file(out, b"someone else's")
+    assert out.read_bytes() == b"someone else's"
+    assert leftovers(tmp_path) == []
+
+
+def test_error_in_the_writer_leaves_the_old_target(tmp_path):
+    out = tmp_path / "out.bin"
+    write_file(out, b"old")
+    with pytest.raises(RuntimeError):
+        with atomic_output(out, overwrite=True) as tmp:
+            write_file(tmp, b"half")
+            raise RuntimeError("writer failed")
+    assert out.read_bytes() == b"old"
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "portable"])
+def test_folder_replaced_whole(tmp_path, monkeypatch, exchange):
+    if not exchange:
+        monkeypatch.setattr(fileio, "_renameat2", lambda *a: False)
+    out = tmp_path / "ds"
+    out.mkdir()
+    write_file(out / "old.arrow", b"old")
+    with atomic_output(out, kind="dir", overwrite=True) as tmp:
+        tmp.mkdir()
+        write_file(tmp / "new.arrow", b"new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.arrow"]
+    assert leftovers(tmp_path) == []
+    with pytest.raises(OutputExistsError):
+        with atomic_output(out, kind="dir") as tmp:
+            tmp.mkdir()
+    assert sorted(p.name for p in out.iterdir()) == ["new.arrow"]
+
+
+def test_hard_link_and_symlink_to_the_input_are_refused(tmp_path):
+    src = tmp_path / "a.parquet"
+    write_file(src, b"input")
+    hard = tmp_path / "b.parquet"
+    os.link(src, hard)
+    soft = tmp_path / "c.parquet"
+    soft.symlink_to(src)
+    for out in (src, hard, soft):
+        with pytest.raises(ValueError, match="is the input"):
+            check_output(out, inputs=[src], overwrite=True)
+    assert src.read_bytes() == b"input"
+
+
+def test_folder_holding_the_input_is_refused(tmp_path):
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    src = ds / "data-00000-of-00001.arrow"
+    write_file(src, b"input")
+    with pytest.raises(ValueError, match="holds the input"):
+        check_output(ds, kind="dir", inputs=[src], overwrite=True)
+    with pytest.raises(ValueError, match="is the input"):
+        check_output(ds, kind="dir", inputs=[ds], overwrite=True)
+
+
+def test_kind_mismatch_and_missing_parent(tmp_path):
+    (tmp_path / "folder").mkdir()
+    write_file(tmp_path / "file", b"x")
+    with pytest.raises(ValueError, match="is a folder, and the output is a file"):
+        check_output(tmp_path / "folder", overwrite=True)
+    with pytest.raises(ValueError, match="is a file, and the output is a folder"):
+        check_output(tmp_path / "file", kind="dir", overwrite=True)
+    with pytest.raises(FileNotFoundError, match="does not exist; create it first"):
+        check_output(tmp_path / "missing" / "out.bin")
+    assert check_output(tmp_path / "made" / "out.bin", parents=True).parent.is_dir()
+
+
+WRITER = textwrap.dedent("""
+    import sys, time
+    from packkit.fileio import atomic_output
+    target, kind = sys.argv[1], sys.argv[2]
+    chunk = b"x" * 65536
+    with atomic_output(target, kind=kind, overwrite=True) as tmp:
+        if kind == "dir":
+            tmp.mkdir()
+            path = tmp / "data.bin"
+        else:
+            path = tmp
+        print("writing", flush=True)
+        with open(path, "wb") as f:
+            for i in range(64):
+                f.write(chunk)
+                f.flush()
+                time.sleep(0.002)
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_sigkill_at_random_moments(tmp_path, kind):
+    """A writer killed with SIGKILL at random moments: the target is the previous complete content,
+    or the new complete content, never a part."""
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    target = tmp_path / ("out" if kind == "dir" else "out.bin")
+    old = b"previous complete content"
+    if kind == "dir":
+        target.mkdir()
+        write_file(target / "data.bin", old)
+    else:
+        write_file(target, old)
+    new = b"x" * 65536 * 64
+    rng = random.Random(0)
+    outcomes = {"old": 0, "new": 0}
+    for trial in range(10):
+        proc = subprocess.Popen([sys.executable, str(script), str(target), kind], stdout=subprocess.PIPE)
+        assert proc.stdout.readline() == b"writing\n"
+        time.sleep(rng.uniform(0.0, 0.25))  # the write takes about 0.15 s, then fsync and rename
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        data = (target / "data.bin").read_bytes() if kind == "dir" else target.read_bytes()
+        assert data in (old, new), f"trial {trial}: the target holds {len(data)} bytes, a partial write"
+        outcomes["old" if data == old else "new"] += 1
+        if kind == "dir":
+            assert sorted(p.name for p in target.iterdir()) == ["data.bin"]
+        if data == new:  # start again from the old content, so later kills test a replacement
+            if kind == "dir":
+                write_file(target / "data.bin", old)
+            else:
+                write_file(target, old)
+    print("outcomes", outcomes)
