@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from attention_testlib import assert_close, cu_seqlens_of
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
@@ -112,39 +112,68 @@ segment_lengths = st.lists(st.integers(min_value=0, max_value=24), min_size=2, m
     lambda ls: sum(1 for n in ls if n > 0) >= 2)
 
 
-def check_isolation(backend, device, dtype, lengths, data):
-    """Perturb one document's q/k/v: every other document's output is bit-identical. Then the gradient
-    of one document's output with respect to every other document's q/k/v is exactly zero."""
+@st.composite
+def isolation_cases(draw):
+    """Segment lengths (at least two documents, empty segments allowed), causal or not, the document
+    whose tokens are perturbed and the one whose output is differentiated (indices into ``lengths``)."""
+    lengths = draw(segment_lengths)
+    nonempty = [i for i, n in enumerate(lengths) if n > 0]
+    return dict(lengths=lengths, causal=draw(st.booleans(), label="causal"),
+                perturbed=draw(st.sampled_from(nonempty), label="perturbed document"),
+                differentiated=draw(st.sampled_from(nonempty), label="document whose output is differentiated"))
+
+
+def inputs_reached(length, causal):
+    """Which of q, k, v a document's output depends on, hence where its gradient must be non-zero.
+
+    Always ``v``. ``q`` and ``k`` only when the document has two tokens or more: a one-token document's
+    softmax has a single key, its output is ``v`` exactly, and ``dq``, ``dk`` are exactly zero (issue 14:
+    the old assertion demanded ``dq != 0`` and failed on ``lengths=[1, 1]``, a correct backend). With two
+    tokens or more the last query sees two keys, under causal attention as under full.
+    """
+    return "qkv" if length >= 2 else "v"
+
+
+def check_isolation(backend, device, dtype, lengths, causal, perturbed, differentiated, attend=None):
+    """Perturb one document's q/k/v: every other document's output is bit-identical, and that document's
+    output changes. Then the gradient of one document's output with respect to every other document's
+    q/k/v is exactly zero, and it is non-zero on that document's own inputs that its output depends on
+    (:func:`inputs_reached`). ``attend`` replaces ``varlen_attention`` (tests that this check can fail)."""
     q, k, v = random_qkv(lengths, 4, 2, 32, dtype, device, seed=len(lengths))
-    skip_if_unavailable(backend, q, k, v)
+    if attend is None:
+        skip_if_unavailable(backend, q, k, v)
+        attend = varlen_attention
     cu = cu_seqlens_of(lengths, device)
     offsets = cu.tolist()
-    nonempty = [i for i, n in enumerate(lengths) if n > 0]
-    causal = data.draw(st.booleans(), label="causal")
-    run = lambda q_, k_, v_: varlen_attention(q_, k_, v_, cu, max(lengths), causal=causal, backend=backend)  # noqa: E731
+    gen = torch.Generator().manual_seed(sum(lengths))  # not the global RNG: a failure replays exactly
+    run = lambda q_, k_, v_: attend(q_, k_, v_, cu, max(lengths), causal=causal, backend=backend)  # noqa: E731
 
     # -- values: perturb document j --
-    j = data.draw(st.sampled_from(nonempty), label="perturbed document")
+    j = perturbed
     inside_j = torch.zeros(sum(lengths), dtype=torch.bool, device=device)
     inside_j[offsets[j]:offsets[j + 1]] = True
     out = run(q, k, v)
     noisy = [t.clone() for t in (q, k, v)]
     for t in noisy:
-        t[inside_j] = torch.randn(t[inside_j].shape).to(t) * 3
+        t[inside_j] = torch.randn(t[inside_j].shape, generator=gen).to(t) * 3
     out_noisy = run(*noisy)
     assert torch.equal(out[~inside_j], out_noisy[~inside_j]), "another document's output changed"
     assert not torch.equal(out[inside_j], out_noisy[inside_j]), "the perturbation did not reach its document"
 
     # -- gradients: of document i's output, with respect to everything --
-    i = data.draw(st.sampled_from(nonempty), label="document whose output is differentiated")
+    i = differentiated
     inside_i = torch.zeros(sum(lengths), dtype=torch.bool, device=device)
     inside_i[offsets[i]:offsets[i + 1]] = True
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = run(*leaves)
-    (out[inside_i].float() * torch.randn(out[inside_i].shape, device=device)).sum().backward()
+    weights = torch.randn(out[inside_i].shape, generator=gen).to(device)
+    (out[inside_i].float() * weights).sum().backward()
     for name, leaf in zip("qkv", leaves):
-        assert torch.count_nonzero(leaf.grad[~inside_i]) == 0, f"d out[doc {i}] / d {name}[other docs] != 0"
-    assert torch.count_nonzero(leaves[0].grad[inside_i]) > 0, "gradient did not reach document i"
+        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)  # None: the input was not used
+        assert torch.count_nonzero(grad[~inside_i]) == 0, f"d out[doc {i}] / d {name}[other docs] != 0"
+        if name in inputs_reached(lengths[i], causal):
+            assert torch.count_nonzero(grad[inside_i]) > 0, \
+                f"gradient did not reach document {i} ({lengths[i]} tokens) through {name}"
 
 
 ISOLATION_CASES = [
@@ -153,17 +182,50 @@ ISOLATION_CASES = [
       for b in ("flash_attn", "torch", "triton", "reference")],
 ]
 
+# Issue 14: one-token documents (their dq and dk are exactly zero), under causal and full attention.
+ONE_TOKEN_DOCUMENTS = [dict(lengths=[1, 1], causal=c, perturbed=0, differentiated=1) for c in (True, False)]
+
 
 @pytest.mark.parametrize("backend,device,dtype", ISOLATION_CASES)
-@given(lengths=segment_lengths, data=st.data())
-def test_isolation(backend, device, dtype, lengths, data):
-    check_isolation(backend, device, dtype, lengths, data)
+@given(case=isolation_cases())
+@example(case=ONE_TOKEN_DOCUMENTS[0])
+@example(case=ONE_TOKEN_DOCUMENTS[1])
+def test_isolation(backend, device, dtype, case):
+    check_isolation(backend, device, dtype, **case)
 
 
 @settings(max_examples=10)  # each example runs the Triton interpreter four times
-@given(lengths=segment_lengths, data=st.data())
-def test_isolation_triton_interpreter(lengths, data):
-    check_isolation("triton", "cpu", torch.float32, lengths, data)
+@given(case=isolation_cases())
+@example(case=ONE_TOKEN_DOCUMENTS[0])
+def test_isolation_triton_interpreter(case):
+    check_isolation("triton", "cpu", torch.float32, **case)
+
+
+def _attention_over_the_whole_pack(q, k, v, cu_seqlens, max_seqlen, causal, backend):
+    """A broken backend: ignores the document boundaries (one segment holding every token)."""
+    whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+    return attention.reference_varlen_attention(q, k, v, whole, q.shape[0], causal=causal)
+
+
+def _attention_without_dq(q, k, v, cu_seqlens, max_seqlen, causal, backend):
+    """A broken backend: right values, but no gradient flows back to q."""
+    return attention.reference_varlen_attention(q.detach(), k, v, cu_seqlens, max_seqlen, causal=causal)
+
+
+@pytest.mark.parametrize("attend, message", [
+    (_attention_over_the_whole_pack, "another document's output changed|d out.doc .*other docs. != 0"),
+    (_attention_without_dq, "gradient did not reach document .* through q"),
+], ids=["leaks-across-documents", "drops-dq"])
+def test_isolation_check_catches_broken_backends(attend, message):
+    """The isolation property can fail: hypothesis, searching as test_isolation does, finds a
+    counterexample for a backend that attends across documents and for one whose q gets no gradient."""
+    @settings(max_examples=100, derandomize=True, database=None, report_multiple_bugs=False)
+    @given(case=isolation_cases())
+    def isolation(case):
+        check_isolation("broken", "cpu", torch.float32, **case, attend=attend)
+
+    with pytest.raises(AssertionError, match=message):
+        isolation()
 
 
 # -- dispatch --
