@@ -42,10 +42,13 @@ import bisect
 import dataclasses
 import math
 import numbers
+import os
 
 import numpy as np
 
-__all__ = ["Plan", "pack", "as_lengths", "check_window", "check_strategy", "check_overflow", "overflow_error",
+from .errors import ArgumentError, DataError, arg
+
+__all__ = ["Plan", "pack", "as_lengths", "check_window", "check_seed", "max_window", "check_strategy", "check_overflow", "overflow_error",
            "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
@@ -57,46 +60,89 @@ OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 # ----------------------------------------------------------------------------------------------
 
 
+#: The largest window packkit accepts by default, in tokens (16,777,216). Why a bound: the first-fit
+#: planner keeps tables of ``window + 1`` entries and the best-fit one counts lengths up to the window
+#: (8 bytes an entry: 128 MiB at 2**24, 8 TiB at 2**40), and ``cu_seqlens`` are int32 (at most 2**31 - 1
+#: tokens a batch); a window this wide is longer than any context models are trained at. The
+#: environment variable ``PACKKIT_MAX_WINDOW`` raises (or lowers) it, for the library and the CLI alike.
+MAX_WINDOW = 2**24
+
+
+def max_window() -> int:
+    """The largest window :func:`check_window` accepts: ``PACKKIT_MAX_WINDOW`` if set, else :data:`MAX_WINDOW`."""
+    env = os.environ.get("PACKKIT_MAX_WINDOW", "").strip()
+    if not env:
+        return MAX_WINDOW
+    try:
+        value = int(env.replace("_", ""), 0)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ArgumentError(f"PACKKIT_MAX_WINDOW must be a positive integer number of tokens, got {env!r}")
+    return value
+
+
 def check_window(window) -> int:
-    """Return ``window`` as a Python int, or raise: ``check_window(2048) -> 2048``."""
+    """Return ``window`` as a Python int in ``[1, max_window()]``, or raise: ``check_window(2048) -> 2048``."""
     if isinstance(window, bool) or not isinstance(window, numbers.Integral):
         raise TypeError(f"window must be an integer number of tokens, got {window!r}")
     window = int(window)
     if window < 1:
-        raise ValueError(f"window must be at least 1 token, got {window}")
+        raise ArgumentError("{arg} must be at least 1 token, got {window}", arg=arg("window"), window=window)
+    limit = max_window()
+    if window > limit:
+        why = ("the planners keep tables of window + 1 entries (8 bytes each) and cu_seqlens are int32"
+               if limit == MAX_WINDOW else "PACKKIT_MAX_WINDOW sets it")
+        raise ArgumentError("{window} is above the largest window packkit accepts, {limit:,} tokens: {why}; "
+                            "set the environment variable PACKKIT_MAX_WINDOW to change it",
+                            window=arg("window", window), limit=limit, why=why)
     return window
+
+
+def check_seed(seed, *, allow_none: bool = True) -> int | None:
+    """Return ``seed`` as a Python int (or None when allowed), or raise naming ``seed``: ``check_seed(3) -> 3``.
+
+    Seeds are numpy ``default_rng`` seeds: non-negative integers.
+    """
+    if seed is None and allow_none:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be a non-negative integer{' or None' if allow_none else ''}, got {seed!r}")
+    if seed < 0:
+        raise ArgumentError("{arg} must be a non-negative integer, got {seed}", arg=arg("seed"), seed=int(seed))
+    return int(seed)
 
 
 def check_strategy(strategy) -> str:
     """Return ``strategy`` if it is one of :data:`STRATEGIES`, else raise naming the choices."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        raise ArgumentError("unknown strategy {got!r}; choose one of {choices}", got=strategy,
+                            choices=arg("strategy", *STRATEGIES))
     return strategy
 
 
 def check_overflow(overflow) -> str:
     """Return ``overflow`` if it is one of :data:`OVERFLOW_POLICIES`, else raise naming the choices."""
     if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(
-            f"unknown overflow policy {overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
-        )
+        raise ArgumentError("unknown overflow policy {got!r}; choose one of {choices}", got=overflow,
+                            choices=arg("overflow", *OVERFLOW_POLICIES))
     return overflow
 
 
-def overflow_error(lengths: np.ndarray, window: int) -> ValueError | None:
+def overflow_error(lengths: np.ndarray, window: int) -> DataError | None:
     """The error ``overflow="error"`` raises for these lengths, or None when every example fits.
 
-    ``overflow_error(np.array([3, 9]), 8)`` -> ``ValueError("example 1 has 9 tokens > window=8; ...")``.
+    ``overflow_error(np.array([3, 9]), 8)`` -> ``DataError("example 1 has 9 tokens > window=8; ...")``
+    (a ``ValueError``; from the command line it reads ``--window 8`` and ``--overflow split``).
     """
     over = np.flatnonzero(lengths > window)
     if over.size == 0:
         return None
     i = int(over[0])
-    more = f" (and {over.size - 1} more)" if over.size > 1 else ""
-    return ValueError(
-        f"example {i} has {int(lengths[i]):,} tokens > window={window:,}{more}; "
-        "pass overflow='split', 'truncate' or 'drop', or raise window"
-    )
+    more = f" (and {over.size - 1:,} more)" if over.size > 1 else ""
+    return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}, or raise {w}", i=i,
+                     n=int(lengths[i]), window=arg("window", window), more=more,
+                     fix=arg("overflow", "split", "truncate", "drop"), w=arg("window"))
 
 
 def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:
@@ -640,8 +686,7 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
     window = check_window(window)
     check_strategy(strategy)
     check_overflow(overflow)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    seed = check_seed(seed)
     lengths = as_lengths(lengths)
     item_example, item_start, item_length, over, dropped, cut = _items(lengths, window, overflow)
 

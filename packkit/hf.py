@@ -65,7 +65,7 @@ import numbers
 
 import numpy as np
 
-from .binpack import (Plan, check_overflow, check_strategy, check_window,
+from .binpack import (Plan, check_overflow, check_seed, check_strategy, check_window,
                       overflow_error, pack)
 from .io import list_array, progress_bar
 from .packer import MASK_KEYS, first_bad_label, first_bad_mask, log_overflow, loss_labels, pack_columns
@@ -235,8 +235,7 @@ def _check_common(window, strategy, overflow, seed, num_proc):
     window = check_window(window)
     check_strategy(strategy)
     check_overflow(overflow)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    check_seed(seed)
     if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, numbers.Integral)
                                  or num_proc < 1):
         raise ValueError(f"num_proc must be a positive integer or None, got {num_proc!r}")

@@ -66,7 +66,7 @@ import numbers
 
 import numpy as np
 
-from .binpack import Plan, as_lengths, check_window, pack
+from .binpack import Plan, as_lengths, check_seed, check_window, pack
 
 __all__ = [
     "LengthGroupedSampler",
@@ -94,11 +94,7 @@ def _positive_int(value, name: str) -> int:
 
 
 def _seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be a non-negative integer, got {seed!r}")
-    if seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed}")
-    return int(seed)
+    return check_seed(seed, allow_none=False)
 
 
 def resolve_rank(rank, world_size) -> tuple[int, int]:

@@ -339,8 +339,37 @@ def test_over_long_error_names_example_and_fix():
     with pytest.raises(ValueError) as info:
         pack([3, 9310, 2, 9000], window=8192)
     msg = str(info.value)
-    assert "example 1 has 9,310 tokens > window=8,192" in msg and "overflow='split'" in msg
+    assert "example 1 has 9,310 tokens > window=8192" in msg and "overflow='split'" in msg
     assert "and 1 more" in msg
+    cli = info.value.render({"window": ("--window", True), "overflow": ("--overflow", True)})
+    assert "> --window 8192" in cli and "pass --overflow split, truncate or drop, or raise --window" in cli
+
+
+def test_window_upper_bound_is_checked_before_any_allocation(monkeypatch):
+    """Issue 12: `-w 1099511627776` tried to allocate 8 TiB (a table of window + 1 entries) and
+    `waste -w 2147483648` was killed by the OOM killer. check_window bounds the window with the reason;
+    PACKKIT_MAX_WINDOW moves the bound."""
+    from packkit.binpack import MAX_WINDOW, check_window
+    from packkit.errors import ArgumentError
+
+    assert MAX_WINDOW == 2**24 and check_window(2**24) == 2**24
+    for w in (2**24 + 1, 2**31, 2**40):
+        with pytest.raises(ArgumentError, match=r"window=%d is above the largest window packkit accepts, "
+                                                r"16,777,216 tokens: .*PACKKIT_MAX_WINDOW" % w):
+            pack([1, 2], window=w)
+    monkeypatch.setenv("PACKKIT_MAX_WINDOW", "64")
+    assert check_window(64) == 64
+    with pytest.raises(ArgumentError, match="largest window packkit accepts, 64 tokens: PACKKIT_MAX_WINDOW"):
+        check_window(65)
+    monkeypatch.setenv("PACKKIT_MAX_WINDOW", "lots")
+    with pytest.raises(ArgumentError, match="PACKKIT_MAX_WINDOW must be a positive integer"):
+        check_window(8)
+
+
+@pytest.mark.parametrize("seed, exc", [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_seed_names_seed(seed, exc):
+    with pytest.raises(exc, match="seed must be a non-negative integer"):
+        pack([1, 2], window=4, seed=seed)
 
 
 @pytest.mark.parametrize("window, exc", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError), ("8", TypeError)])

@@ -1,0 +1,124 @@
+"""Errors a user can cause, in the words of whoever reads them.
+
+The same mistake is met from Python (``pack(lengths, window=8192)``) and from the command line
+(``packkit pack IN OUT --window 8192``); its fix must be spelled in the reader's syntax. A message that
+names an argument does it with :func:`arg`, and the exception keeps its template, so it is rendered
+when read: in Python syntax by ``str(exc)``, in option syntax by :meth:`PackkitError.render` given the
+command's options (``packkit.cli`` does that, in one place, for every error)::
+
+    >>> err = DataError("example {i} has {n:,} tokens > {window}; pass {fix}, or raise {w}", i=812, n=9310,
+    ...                 window=arg("window", 8192), fix=arg("overflow", "split", "truncate", "drop"),
+    ...                 w=arg("window"))
+    >>> str(err)
+    "example 812 has 9,310 tokens > window=8192; pass overflow='split', 'truncate' or 'drop', or raise window"
+    >>> err.render({"window": ("--window", True), "overflow": ("--overflow", True)})
+    'example 812 has 9,310 tokens > --window 8192; pass --overflow split, truncate or drop, or raise --window'
+
+The classes say whose mistake it is, which the command line turns into its exit code:
+
+=====================  ===================================================  ==========
+class                  meaning                                              ``packkit``
+=====================  ===================================================  ==========
+:class:`ArgumentError` an argument (option) has a value packkit refuses      usage, 2
+:class:`OutputError`   the output would destroy something (exists, is IN)   usage, 2
+:class:`DataError`     the input cannot be read or holds a bad example      data, 3
+=====================  ===================================================  ==========
+
+All three are ``ValueError``\\ s, so ``except ValueError`` keeps working in user code.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+__all__ = ["Arg", "arg", "PackkitError", "ArgumentError", "DataError", "OutputError"]
+
+
+class Arg:
+    """A reference to the argument ``name`` inside a message, optionally with the values to pass.
+
+    ``values``: none (the argument itself: ``window`` / ``--window``), one, or alternatives
+    (``overflow='split', 'truncate' or 'drop'`` / ``--overflow split, truncate or drop``).
+    ``metavar``: a placeholder instead of a value (``split=NAME`` / ``--split NAME``).
+    """
+
+    __slots__ = ("name", "values", "metavar")
+
+    def __init__(self, name: str, *values, metavar: str | None = None):
+        self.name, self.values, self.metavar = name, values, metavar
+
+    def __repr__(self) -> str:
+        return f"arg({self.name!r}{''.join(', ' + repr(v) for v in self.values)})"
+
+    @staticmethod
+    def _alternatives(words: list[str]) -> str:
+        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+    def python(self) -> str:
+        """``window``, ``window=8192``, ``overflow='split', 'truncate' or 'drop'``, ``split=NAME``."""
+        if self.metavar is not None:
+            return f"{self.name}={self.metavar}"
+        if not self.values:
+            return self.name
+        return f"{self.name}=" + self._alternatives([repr(v) for v in self.values])
+
+    def option(self, flag: str, takes_value: bool = True) -> str:
+        """``--window``, ``--window 8192``, ``--overflow split, truncate or drop``; a switch is its flag."""
+        if not takes_value or (self.metavar is None and not self.values):
+            return flag
+        if self.metavar is not None:
+            return f"{flag} {self.metavar}"
+        words = [v if isinstance(v, str) and v == shlex.quote(v) else shlex.quote(str(v)) for v in self.values]
+        return f"{flag} " + self._alternatives(words)
+
+    def render(self, options=None) -> str:
+        """In option syntax when ``options`` (name -> ``(flag, takes_value)``) knows this argument."""
+        if options and self.name in options:
+            flag, takes_value = options[self.name]
+            return self.option(flag, takes_value)
+        return self.python()
+
+
+def arg(name: str, *values, metavar: str | None = None) -> Arg:
+    """An argument named in an error message: ``arg("overflow", "split")`` (see :class:`Arg`)."""
+    return Arg(name, *values, metavar=metavar)
+
+
+class PackkitError(Exception):
+    """An error a user can fix, with a message template whose :class:`Arg` fields follow the reader.
+
+    ``PackkitError("example {i} is empty", i=3)``; a template without fields is used as it is (braces
+    included). ``str(exc)`` is the Python wording; ``exc.render(options)`` the command line's.
+    """
+
+    def __init__(self, template: str, /, **fields):
+        self.template, self.fields = template, fields
+        super().__init__(self.render())
+
+    def render(self, options=None) -> str:
+        if not self.fields:
+            return self.template
+        return self.template.format(**{k: v.render(options) if isinstance(v, Arg) else v
+                                       for k, v in self.fields.items()})
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __reduce__(self):  # pickled across DataLoader workers and processes with its fields
+        return (_rebuild, (type(self), self.template, self.fields))
+
+
+def _rebuild(cls, template, fields):
+    return cls(template, **fields)
+
+
+class ArgumentError(PackkitError, ValueError):
+    """An argument has a value packkit refuses: ``window=0``, ``seed=-1``, an unknown policy."""
+
+
+class DataError(PackkitError, ValueError):
+    """The input cannot be read, or an example in it is refused (the message names the row or line)."""
+
+
+class OutputError(PackkitError, ValueError):
+    """Writing the output would destroy something: it is an input, holds one, or exists."""
