@@ -20,7 +20,7 @@ Providers, measured in the same run on the same Dataset:
 Reported: seconds, rows, rows over the lower bound ``ceil(kept tokens / W)``, tokens cut. Target: packkit
 at least 8x faster than TRL's whole-dataset bfd at equal or fewer rows.
 
-``--stream-table`` instead prints the fill of :func:`packkit.hf.pack_stream` against buffer size.
+``--stream-table`` instead prints the fill of :func:`packkit.packer.pack_stream` against buffer size.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def timed(fn):
 
 def stream_table(n: int, window: int) -> None:
     from packkit.binpack import pack
-    from packkit.hf import stream_windows
+    from packkit.binpack import stream_windows
 
     lengths = np.minimum(sft_like_lengths(n), window)
     lb = -(-int(lengths.sum()) // window)

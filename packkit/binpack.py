@@ -32,13 +32,20 @@ Over-long examples (``length > W``)
 -----------------------------------
 ``overflow="error"`` (default) raises and names the example; ``"truncate"`` keeps the first ``W``
 tokens; ``"split"`` cuts the example into pieces of at most ``W`` tokens, each its own segment (with
-positions from 0); ``"drop"`` leaves it out. The plan counts what each policy touched.
+positions from 0); ``"drop"`` leaves it out. The plan counts what each policy touched. :func:`apply_overflow` is the
+policy's one home: the planner, the stream packer, Ray's driver and the waste report all call it.
+
+Streams
+-------
+:func:`stream_windows` plans a stream it cannot see whole: best fit inside a bounded buffer of
+items (fill against buffer size is tabled in :mod:`packkit.hf`).
 """
 
 from __future__ import annotations
 
 import array
 import bisect
+import collections
 import dataclasses
 import math
 import numbers
@@ -47,9 +54,11 @@ import os
 import numpy as np
 
 from .errors import ArgumentError, DataError, arg
+from .segments import lengths_to_offsets
 
-__all__ = ["Plan", "pack", "as_lengths", "check_window", "check_seed", "max_window", "check_strategy", "check_overflow", "overflow_error",
-           "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
+__all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
+           "max_window", "check_strategy", "check_overflow", "check_buffer_size", "overflow_error", "lower_bound",
+           "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
@@ -129,18 +138,20 @@ def check_overflow(overflow) -> str:
     return overflow
 
 
-def overflow_error(lengths: np.ndarray, window: int) -> DataError | None:
+def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0) -> DataError | None:
     """The error ``overflow="error"`` raises for these lengths, or None when every example fits.
 
     ``overflow_error(np.array([3, 9]), 8)`` -> ``DataError("example 1 has 9 tokens > window=8; ...")``
     (a ``ValueError``; from the command line it reads ``--window 8`` and ``--overflow split``).
+    ``first``: the dataset index of ``lengths[0]`` (a stream or a block names its own examples).
     """
+    lengths = np.asarray(lengths)
     over = np.flatnonzero(lengths > window)
     if over.size == 0:
         return None
     i = int(over[0])
     more = f" (and {over.size - 1:,} more)" if over.size > 1 else ""
-    return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}, or raise {w}", i=i,
+    return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}, or raise {w}", i=first + i,
                      n=int(lengths[i]), window=arg("window", window), more=more,
                      fix=arg("overflow", "split", "truncate", "drop"), w=arg("window"))
 
@@ -288,7 +299,7 @@ class Plan:
     @property
     def window_loads(self) -> np.ndarray:
         """(num_windows,) int64, tokens in each window: ``window_loads <= W``."""
-        csum = np.concatenate(([0], np.cumsum(self.seg_length)))
+        csum = lengths_to_offsets(self.seg_length)
         return csum[self.window_ptr[1:]] - csum[self.window_ptr[:-1]]
 
     @property
@@ -343,8 +354,7 @@ class Plan:
     def _take(self, order: np.ndarray) -> "Plan":
         """:meth:`select` without the checks (``order`` known to be valid)."""
         counts = self.segments_per_window[order]
-        ptr = np.zeros(order.size + 1, np.int64)
-        np.cumsum(counts, out=ptr[1:])
+        ptr = lengths_to_offsets(counts)
         # Segment indices of the chosen windows, in order, without a per-window Python loop.
         seg = np.repeat(self.window_ptr[order] - ptr[:-1], counts) + np.arange(ptr[-1])
         return dataclasses.replace(
@@ -395,38 +405,74 @@ class Plan:
 # ----------------------------------------------------------------------------------------------
 
 
-def _items(lengths: np.ndarray, window: int, overflow: str):
-    """Turn examples into items of at most ``window`` tokens, per the overflow policy.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pieces:
+    """Examples after an overflow policy: the items a planner packs, each of ``1..W`` tokens.
 
-    Returns ``(item_example, item_start, item_length, overflow_examples, dropped, cut_tokens)``.
-    Items are in example order, except that the second and later pieces of split examples follow
-    all the examples.
+    Item ``k`` is tokens ``start[k] : start[k] + length[k]`` of example ``example[k]``.
+
+    Fields
+    ------
+    example, start, length: (k,) int64, the items
+    overflow_examples: (m,) int64, the examples longer than ``W`` (whatever the policy did)
+    dropped_examples:  (m,) int64, those left out (``overflow="drop"``), else empty
+    cut_tokens:        int, tokens removed by ``"truncate"`` or ``"drop"``
     """
+
+    example: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    overflow_examples: np.ndarray
+    dropped_examples: np.ndarray
+    cut_tokens: int
+
+
+def apply_overflow(lengths, *, window: int, overflow: str, in_order: bool = False, first: int = 0) -> Pieces:
+    """The overflow policy, the one place it is written: examples -> items of at most ``window`` tokens.
+
+    ``"error"`` raises (:func:`overflow_error`) if an example is longer than ``window``; ``"truncate"``
+    keeps its first ``window`` tokens; ``"split"`` cuts it into pieces of ``window`` tokens (the last
+    one shorter); ``"drop"`` leaves it out. Every count of what the policy touched is in the result.
+
+    ``apply_overflow([3, 9, 4], window=4, overflow="split", in_order=True).length -> [3, 4, 4, 1, 4]``
+
+    Args:
+        lengths: (n,) int, every entry >= 1.
+        in_order: the pieces of a split example follow each other, in example order. By default
+            (the planners' layout) item ``i`` is example ``i``'s first piece for every ``i < n``, and
+            the later pieces of split examples follow all of them.
+        first: the index of ``lengths[0]`` in the caller's dataset (error texts name that example).
+    """
+    lengths = np.asarray(lengths, np.int64)
     over = np.flatnonzero(lengths > window)
     empty = np.zeros(0, np.int64)
     idx = np.arange(lengths.size, dtype=np.int64)
+    zeros = np.zeros(lengths.size, np.int64)
     if over.size == 0:
-        return idx, np.zeros(lengths.size, np.int64), lengths, over, empty, 0
+        return Pieces(idx, zeros, lengths, over, empty, 0)
     if overflow == "error":
-        raise overflow_error(lengths, window)
+        raise overflow_error(lengths, window, first=first)
     if overflow == "truncate":
         cut = int((lengths[over] - window).sum())
-        return idx, np.zeros(lengths.size, np.int64), np.minimum(lengths, window), over, empty, cut
+        return Pieces(idx, zeros, np.minimum(lengths, window), over, empty, cut)
     if overflow == "drop":
         keep = lengths <= window
-        kept = int(keep.sum())
-        return idx[keep], np.zeros(kept, np.int64), lengths[keep], over, over, int(lengths[over].sum())
-    # split: example i becomes ceil(L / W) pieces, all of W tokens but the last. Item i is example
-    # i's first piece; the other pieces of the over-long examples are appended after the n examples
-    # (next-fit restores the token order of the pieces itself).
+        return Pieces(idx[keep], zeros[keep], lengths[keep], over, over, int(lengths[over].sum()))
+    if overflow != "split":
+        check_overflow(overflow)
+    # split: example i becomes ceil(L / W) pieces, all of W tokens but the last.
+    if in_order:
+        count = -(-lengths // window)
+        example = np.repeat(idx, count)
+        start = (np.arange(example.size, dtype=np.int64) - np.repeat(lengths_to_offsets(count)[:-1], count)) * window
+        return Pieces(example, start, np.minimum(lengths[example] - start, window), over, empty, 0)
     k = -(-lengths[over] // window) - 1  # extra pieces per over-long example
     extra_example = np.repeat(over, k)
-    extra_start = (np.arange(extra_example.size, dtype=np.int64) - np.repeat(np.cumsum(k) - k, k) + 1) * window
-    item_example = np.concatenate((idx, extra_example))
-    item_start = np.concatenate((np.zeros(lengths.size, np.int64), extra_start))
-    extra_length = np.minimum(lengths[extra_example] - extra_start, window)
-    item_length = np.concatenate((np.minimum(lengths, window), extra_length))
-    return item_example, item_start, item_length, over, empty, 0
+    extra_start = (np.arange(extra_example.size, dtype=np.int64) - np.repeat(lengths_to_offsets(k)[:-1], k) + 1) * window
+    example = np.concatenate((idx, extra_example))
+    start = np.concatenate((zeros, extra_start))
+    length = np.concatenate((np.minimum(lengths, window), np.minimum(lengths[extra_example] - extra_start, window)))
+    return Pieces(example, start, length, over, empty, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,7 +668,7 @@ def _next_fit(lengths: np.ndarray, window: int, order: np.ndarray | None = None)
     """Next fit in the given order (default: as listed): close the window when the next item does
     not fit."""
     order = np.arange(lengths.size, dtype=np.int64) if order is None else order
-    csum = np.concatenate(([0], np.cumsum(lengths[order])))
+    csum = lengths_to_offsets(lengths[order])
     n = lengths.size
     # nxt[i]: where a window that starts at item i ends (the furthest j with csum[j] - csum[i] <= W;
     # at least i + 1, since every item fits). Then follow the chain from 0: one step per window.
@@ -649,13 +695,12 @@ def _runs_to_csr(order, run_window, run_count, run_first, num_windows, run_lengt
     """
     perm = np.argsort(run_window, kind="stable")
     if run_first is None:  # runs given in placement order
-        run_first = np.cumsum(run_count) - run_count  # position in ``order`` of each run's first item
+        run_first = lengths_to_offsets(run_count)[:-1]  # position in ``order`` of each run's first item
     counts = run_count[perm]
-    out_first = np.cumsum(counts) - counts
+    out_first = lengths_to_offsets(counts)[:-1]
     items = order[np.repeat(run_first[perm] - out_first, counts) + np.arange(order.size)]
-    window_ptr = np.zeros(num_windows + 1, np.int64)
     per_window = np.bincount(run_window, weights=run_count, minlength=num_windows)
-    np.cumsum(per_window.astype(np.int64), out=window_ptr[1:])
+    window_ptr = lengths_to_offsets(per_window.astype(np.int64))
     item_lengths = None if run_length is None else np.repeat(run_length[perm], counts)
     return items, window_ptr, item_lengths
 
@@ -688,7 +733,8 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
     check_overflow(overflow)
     seed = check_seed(seed)
     lengths = as_lengths(lengths)
-    item_example, item_start, item_length, over, dropped, cut = _items(lengths, window, overflow)
+    pieces = apply_overflow(lengths, window=window, overflow=overflow)
+    item_example, item_start, item_length = pieces.example, pieces.start, pieces.length
 
     if strategy == "bfd":
         runs = _best_fit_decreasing(item_length, window)
@@ -724,12 +770,96 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
         strategy=strategy,
         overflow=overflow,
         seed=None if seed is None else int(seed),
-        overflow_examples=over,
-        dropped_examples=dropped,
-        cut_tokens=cut,
+        overflow_examples=pieces.overflow_examples,
+        dropped_examples=pieces.dropped_examples,
+        cut_tokens=pieces.cut_tokens,
     )
 
 
 def lower_bound(lengths, *, window: int) -> int:
     """``ceil(sum(lengths) / window)``: ``lower_bound([5, 3, 4], window=8) -> 2``."""
     return math.ceil(int(as_lengths(lengths).sum()) / check_window(window))
+
+
+# ----------------------------------------------------------------------------------------------
+# streams: best fit inside a bounded buffer
+# ----------------------------------------------------------------------------------------------
+
+
+def check_buffer_size(buffer_size) -> int:
+    """Return ``buffer_size`` as a positive int, or raise: ``check_buffer_size(1000) -> 1000``."""
+    if isinstance(buffer_size, bool) or not isinstance(buffer_size, numbers.Integral) or buffer_size < 1:
+        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("buffer_size"),
+                            got=buffer_size)
+    return int(buffer_size)
+
+
+def stream_windows(items, *, window: int, buffer_size: int = 1000):
+    """Windows from a stream of ``(payload, length)`` items, best fit inside a bounded buffer.
+
+    Each window starts with the oldest buffered item, then repeatedly takes the longest buffered item
+    that fits the room left (the oldest of that length), refilling the buffer after every take, until
+    nothing fits. At most ``buffer_size`` items are held; ``buffer_size=1`` is next fit.
+    ``[(a, 3), (b, 4), (c, 1)]`` with ``window=4``, ``buffer_size=3`` -> ``[a, c], [b]``.
+
+    Args:
+        items: iterable of ``(payload, length)`` with ``1 <= length <= window`` (an overflow policy,
+            :func:`apply_overflow`, has cut longer examples before).
+    Yields:
+        lists of payloads, one list per window.
+    """
+    window = check_window(window)
+    buffer_size = check_buffer_size(buffer_size)
+    it = iter(items)
+    by_length: dict[int, collections.deque] = {}
+    present: list[int] = []  # sorted distinct lengths in the buffer
+    arrivals: collections.deque = collections.deque()  # (seq, length), oldest first; taken ones skipped
+    held: dict[int, object] = {}  # seq -> payload
+    state = {"seq": 0, "done": False}
+
+    def fill():
+        while not state["done"] and len(held) < buffer_size:
+            try:
+                payload, length = next(it)
+            except StopIteration:
+                state["done"] = True
+                return
+            length = int(length)
+            if not 1 <= length <= window:
+                raise ValueError(f"item {state['seq']} has length {length}, outside [1, window={window}]")
+            seq = state["seq"]
+            state["seq"] += 1
+            held[seq] = payload
+            arrivals.append((seq, length))
+            q = by_length.get(length)
+            if q is None:
+                by_length[length] = collections.deque([seq])
+                bisect.insort(present, length)
+            else:
+                q.append(seq)
+
+    def take(length: int):
+        q = by_length[length]
+        seq = q.popleft()
+        if not q:
+            del by_length[length]
+            del present[bisect.bisect_left(present, length)]
+        return held.pop(seq)
+
+    fill()
+    while held:
+        while arrivals[0][0] not in held:
+            arrivals.popleft()
+        _, length = arrivals.popleft()
+        win = [take(length)]
+        room = window - length
+        fill()
+        while room and present:
+            j = bisect.bisect_right(present, room) - 1
+            if j < 0:
+                break
+            length = present[j]
+            win.append(take(length))
+            room -= length
+            fill()
+        yield win

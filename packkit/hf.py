@@ -36,7 +36,8 @@ with no per-token index array (an index of every token costs more than the copy 
 
 Streaming
 ---------
-:func:`pack_stream` packs any iterable of examples (or a ``datasets.IterableDataset``) with a bounded
+:func:`~packkit.packer.pack_stream` (planned by :func:`~packkit.binpack.stream_windows`; both
+re-exported here) packs any iterable of examples (or a ``datasets.IterableDataset``) with a bounded
 buffer: each window starts with the oldest buffered example, then takes the longest buffered example
 that still fits, until none fits (best fit inside the buffer; ``buffer_size=1`` is next fit). Fill
 against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250, sigma 1, clipped to
@@ -58,21 +59,20 @@ against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 import numbers
 
 import numpy as np
 
-from .binpack import (Plan, check_overflow, check_seed, check_strategy, check_window,
-                      overflow_error, pack)
+from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack, stream_windows
 from .io import list_array, progress_bar
-from .packer import MASK_KEYS, first_bad_label, first_bad_mask, log_overflow, loss_labels, pack_columns
-from .segments import IGNORE_INDEX, segment_starts
+from .packer import (ColumnSpec, PackedStream, StreamStats, first_bad_label, first_bad_mask, log_overflow,
+                     pack_columns, pack_stream, resolve_columns)
+from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
     "pack_dataset",
+    # re-exported from their homes (packkit.packer, packkit.binpack), where they are documented
     "pack_stream",
     "PackedStream",
     "StreamStats",
@@ -148,7 +148,7 @@ def _first_example_with(col: _Column, bad: np.ndarray) -> int | None:
     The flat buffer may hold rows outside a selection, so a bad position there names no example.
     """
     # Count the bad positions before every start and every end: an example holds one iff they differ.
-    before = np.concatenate(([0], np.cumsum(bad)))
+    before = lengths_to_offsets(bad)
     hit = np.flatnonzero(before[col.starts + col.lengths] > before[col.starts])
     return int(hit[0]) if hit.size else None
 
@@ -183,52 +183,6 @@ def _check_labels(col: _Column, name: str) -> None:
         t = s + int(np.argmax(bad[s: s + int(col.lengths[i])]))
         raise ValueError(f"example {i} has label {int(col.values[t])} in {name!r}; labels are token ids "
                          f"(>= 0) or {IGNORE_INDEX} (no loss)")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Columns:
-    """The columns to read, the loss-mask column among them (or None), and whether it is also written."""
-
-    read: list
-    mask: str | None
-    keep_mask: bool
-
-    def written(self) -> list:
-        """Output list columns in order: tokens, labels (given or from the mask), then the rest."""
-        has_labels = "labels" in self.read or self.mask is not None
-        rest = [c for c in self.read[1:] if c != "labels" and (c != self.mask or self.keep_mask)]
-        return [self.read[0]] + (["labels"] if has_labels else []) + rest
-
-
-def _resolve_columns(names, columns) -> _Columns:
-    """The list columns to pack: ``None`` -> input_ids (+ labels, + the first of MASK_KEYS, if present).
-
-    A loss mask becomes labels (-100 where it is 0), so a mask is never dropped in silence; it is
-    written too only when ``columns`` names it.
-    """
-    if columns is None:
-        if "input_ids" not in names:
-            raise KeyError(f"no 'input_ids' column; the columns are {list(names)}: pass columns=(NAME, ...)")
-        mask = next((k for k in MASK_KEYS if k in names), None)
-        read = ["input_ids"] + (["labels"] if "labels" in names else []) + ([mask] if mask else [])
-        return _Columns(read, mask, keep_mask=False)
-    if isinstance(columns, str):
-        columns = [columns]
-    columns = list(columns)
-    if not columns:
-        raise ValueError("columns must name at least the token column")
-    for c in columns:
-        if c not in names:
-            raise KeyError(f"column {c!r} is not in the dataset; the columns are {list(names)}")
-    if len(set(columns)) != len(columns):
-        raise ValueError(f"columns {columns} name a column twice")
-    for reserved in ("seq_lengths", "example_ids"):
-        if reserved in columns:
-            raise ValueError(f"column {reserved!r} is written by packing; it cannot be packed itself")
-    if columns[0] in MASK_KEYS:
-        raise ValueError(f"the first column is the token column; {columns[0]!r} is a loss mask")
-    mask = next((c for c in columns if c in MASK_KEYS), None)
-    return _Columns(columns, mask, keep_mask=True)
 
 
 def _check_common(window, strategy, overflow, seed, num_proc):
@@ -313,7 +267,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
     window = _check_common(window, strategy, overflow, seed, num_proc)
-    spec = _resolve_columns(ds.column_names, columns)
+    spec = resolve_columns(ds.column_names, columns)
     cols = spec.read
     table = ds.data.table
     indices = None
@@ -372,9 +326,9 @@ def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle,
     import datasets
 
     if ds.column_names:
-        names = _resolve_columns(ds.column_names, columns).written()
+        names = resolve_columns(ds.column_names, columns).written()
     elif columns is not None:
-        names = _resolve_columns(list(columns) if not isinstance(columns, str) else [columns], columns).written()
+        names = resolve_columns(list(columns) if not isinstance(columns, str) else [columns], columns).written()
     else:
         names = None
     features = None
@@ -398,241 +352,3 @@ def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle,
     return out.shuffle(seed=seed, buffer_size=buffer_size) if shuffle else out
 
 
-# ----------------------------------------------------------------------------------------------
-# streaming
-# ----------------------------------------------------------------------------------------------
-
-
-def stream_windows(items, *, window: int, buffer_size: int = 1000):
-    """Windows from a stream of ``(payload, length)`` items, best fit inside a bounded buffer.
-
-    Each window starts with the oldest buffered item, then repeatedly takes the longest buffered item
-    that fits the room left (the oldest of that length), refilling the buffer after every take, until
-    nothing fits. At most ``buffer_size`` items are held; ``buffer_size=1`` is next fit.
-    ``[(a, 3), (b, 4), (c, 1)]`` with ``window=4``, ``buffer_size=3`` -> ``[a, c], [b]``.
-
-    Args:
-        items: iterable of ``(payload, length)`` with ``1 <= length <= window``.
-    Yields:
-        lists of payloads, one list per window.
-    """
-    window = check_window(window)
-    if isinstance(buffer_size, bool) or not isinstance(buffer_size, numbers.Integral) or buffer_size < 1:
-        raise ValueError(f"buffer_size must be a positive integer, got {buffer_size!r}")
-    it = iter(items)
-    by_length: dict[int, collections.deque] = {}
-    present: list[int] = []  # sorted distinct lengths in the buffer
-    arrivals: collections.deque = collections.deque()  # (seq, length), oldest first; taken ones skipped
-    held: dict[int, object] = {}  # seq -> payload
-    state = {"seq": 0, "done": False}
-
-    def fill():
-        while not state["done"] and len(held) < buffer_size:
-            try:
-                payload, length = next(it)
-            except StopIteration:
-                state["done"] = True
-                return
-            length = int(length)
-            if not 1 <= length <= window:
-                raise ValueError(f"item {state['seq']} has length {length}, outside [1, window={window}]")
-            seq = state["seq"]
-            state["seq"] += 1
-            held[seq] = payload
-            arrivals.append((seq, length))
-            q = by_length.get(length)
-            if q is None:
-                by_length[length] = collections.deque([seq])
-                bisect.insort(present, length)
-            else:
-                q.append(seq)
-
-    def take(length: int):
-        q = by_length[length]
-        seq = q.popleft()
-        if not q:
-            del by_length[length]
-            del present[bisect.bisect_left(present, length)]
-        return held.pop(seq)
-
-    fill()
-    while held:
-        while arrivals[0][0] not in held:
-            arrivals.popleft()
-        _, length = arrivals.popleft()
-        win = [take(length)]
-        room = window - length
-        fill()
-        while room and present:
-            j = bisect.bisect_right(present, room) - 1
-            if j < 0:
-                break
-            length = present[j]
-            win.append(take(length))
-            room -= length
-            fill()
-        yield win
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamStats:
-    """What a stream packer has done so far.
-
-    Fields: ``examples`` read, ``tokens`` read, ``windows`` emitted, ``packed_tokens`` emitted,
-    ``cut_tokens`` (truncate/drop), ``truncated_examples``, ``dropped_examples``, ``split_examples``,
-    ``fill`` (packed tokens over windows x W, 1.0 before any window).
-    """
-
-    window: int
-    examples: int
-    tokens: int
-    windows: int
-    packed_tokens: int
-    cut_tokens: int
-    truncated_examples: int
-    dropped_examples: int
-    split_examples: int
-
-    @property
-    def fill(self) -> float:
-        return self.packed_tokens / (self.windows * self.window) if self.windows else 1.0
-
-
-class PackedStream:
-    """Iterator of packed rows from an iterable of examples (see :func:`pack_stream`)."""
-
-    def __init__(self, examples, *, window, buffer_size, overflow, columns, mask_first_label, example_ids):
-        self.window = check_window(window)
-        check_overflow(overflow)
-        if isinstance(columns, str):
-            columns = [columns]
-        self._columns = self._mask = self._written = None
-        if columns is not None:
-            self._set_columns(_resolve_columns(list(columns), columns))
-        self._examples = examples
-        self._buffer_size = buffer_size
-        self._overflow = overflow
-        self._mask_first_label = mask_first_label
-        self._example_ids = example_ids
-        self._counts = dict(examples=0, tokens=0, windows=0, packed_tokens=0, cut_tokens=0,
-                            truncated_examples=0, dropped_examples=0, split_examples=0)
-        self._rows = stream_windows(self._items(), window=self.window, buffer_size=buffer_size)
-
-    @property
-    def stats(self) -> StreamStats:
-        return StreamStats(window=self.window, **self._counts)
-
-    def _set_columns(self, spec: _Columns) -> None:
-        self._columns, self._mask, self._written = spec.read, spec.mask, spec.written()
-
-    def _example_arrays(self, i: int, ex) -> dict:
-        if not hasattr(ex, "keys"):
-            raise TypeError(f"example {i} is a {type(ex).__name__}, not a mapping with 'input_ids'")
-        if self._columns is None:
-            if "input_ids" not in ex:
-                raise KeyError(f"example {i} has no 'input_ids'; its keys are {list(ex.keys())}")
-            self._set_columns(_resolve_columns(list(ex.keys()), None))
-        out = {}
-        for j, c in enumerate(self._columns):
-            if c not in ex:
-                raise KeyError(f"example {i} has no {c!r}; its keys are {list(ex.keys())}")
-            v = ex[c]
-            if hasattr(v, "detach"):
-                v = v.detach().cpu().numpy()
-            arr = np.asarray(v)
-            if arr.ndim != 1:
-                raise ValueError(f"example {i}: {c!r} must be 1-D, got shape {arr.shape}")
-            # Token ids and labels are integers; a mask (or another column) may be boolean.
-            kinds = "iu" if j == 0 or c == "labels" else "iub"
-            if arr.size and arr.dtype.kind not in kinds:
-                raise TypeError(f"example {i}: {c!r} must hold integers, got {arr.dtype}")
-            if arr.size == 0:
-                arr = arr.astype(np.int64)
-            if j == 0:
-                if arr.size == 0:
-                    raise ValueError(f"example {i} has no tokens; filter empty examples out before packing")
-                if arr.dtype.kind == "i" and int(arr.min()) < 0:
-                    raise ValueError(f"example {i} has a negative token id; token ids must be >= 0")
-            elif c == "labels" and (t := first_bad_label(arr)) is not None:
-                raise ValueError(f"example {i} has label {int(arr[t])} in 'labels'; labels are token ids "
-                                 f"(>= 0) or {IGNORE_INDEX} (no loss)")
-            elif c == self._mask and first_bad_mask(arr) is not None:
-                raise ValueError(f"example {i} has a value other than 0 or 1 in the loss mask {c!r}; "
-                                 "a loss mask marks the tokens that carry the loss with 1")
-            if j and arr.size != out[self._columns[0]].size:
-                raise ValueError(f"example {i} has {arr.size} {c!r} but {out[self._columns[0]].size} "
-                                 f"{self._columns[0]!r}; they must have the same length")
-            out[c] = arr
-        return out
-
-    def _items(self):
-        W, counts = self.window, self._counts
-        for i, ex in enumerate(self._examples):
-            arrays = self._example_arrays(i, ex)
-            n = arrays[self._columns[0]].size
-            counts["examples"] += 1
-            counts["tokens"] += n
-            if n <= W:
-                yield (i, 0, arrays), n
-                continue
-            if self._overflow == "error":
-                lengths = np.zeros(i + 1, np.int64)  # the error path only: binpack's text names example i
-                lengths[i] = n
-                raise overflow_error(lengths, W)
-            if self._overflow == "truncate":
-                counts["truncated_examples"] += 1
-                counts["cut_tokens"] += n - W
-                yield (i, 0, {c: a[:W] for c, a in arrays.items()}), W
-            elif self._overflow == "drop":
-                counts["dropped_examples"] += 1
-                counts["cut_tokens"] += n
-            else:
-                counts["split_examples"] += 1
-                for s in range(0, n, W):
-                    piece = {c: a[s: s + W] for c, a in arrays.items()}
-                    yield (i, s, piece), min(W, n - s)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        win = next(self._rows)
-        cols = self._columns
-        lengths = np.array([p[2][cols[0]].size for p in win], np.int32)
-        row = {c: np.concatenate([p[2][c] for p in win]) for c in cols}
-        if "labels" in row or self._mask is not None:
-            # The same rule as packer.pack_columns: -100 where the mask is 0, then on each segment's first token.
-            labels = loss_labels(row[cols[0]], row.get("labels"),
-                                 None if self._mask is None else row[self._mask])
-            if self._mask_first_label:
-                labels[segment_starts(lengths)] = IGNORE_INDEX  # a fresh array (concatenated or masked)
-            row["labels"] = labels
-            row = {c: row[c] for c in self._written}
-        row["seq_lengths"] = lengths
-        if self._example_ids:
-            row["example_ids"] = np.array([p[0] for p in win], np.int64)
-        self._counts["windows"] += 1
-        self._counts["packed_tokens"] += int(lengths.sum())
-        return row
-
-
-def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str = "error", columns=None,
-                mask_first_label: bool = True, example_ids: bool = False) -> PackedStream:
-    """Pack an iterable of examples as it streams, holding at most ``buffer_size`` examples.
-
-    Args:
-        examples: iterable of mappings with ``input_ids`` (list, numpy array or tensor) and optionally
-            ``labels`` (or the ``columns`` named), e.g. a ``datasets.IterableDataset``.
-        window: tokens per window.
-        buffer_size: examples held for best fit (module docstring: fill against buffer size).
-        overflow: ``"error"`` (default), ``"truncate"``, ``"split"`` or ``"drop"``; counted in ``.stats``.
-    Returns:
-        A :class:`PackedStream`: iterate it for row dicts with ``input_ids``, ``labels`` (when present),
-        ``seq_lengths`` (int32) and optionally ``example_ids`` (the index of each segment's example in the
-        stream), all numpy arrays; ``.stats`` counts what happened.
-
-    Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->
-    ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays).
-    """
-    return PackedStream(examples, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
-                        mask_first_label=mask_first_label, example_ids=example_ids)

@@ -24,6 +24,9 @@ segment when ``mask_first_label`` (models that shift labels)::
     ([5, 6, 7, 8, 9], [-100, 6, 7, -100, 9], [3, 2])
 
 Rows are not padded here: the collators pad windows to ``W`` at batch time.
+
+Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the windows planned by
+:func:`packkit.binpack.stream_windows`, best fit inside a bounded buffer), with the same label rule.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .binpack import Plan
-from .segments import IGNORE_INDEX, segment_starts
+from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
+from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 
 __all__ = [
     "MASK_KEYS",
@@ -47,10 +50,16 @@ __all__ = [
     "loss_labels",
     "gather_index",
     "gather_segments",
+    "copy_segments",
     "PackedColumns",
     "pack_columns",
     "PackedRows",
     "pack_arrays",
+    "ColumnSpec",
+    "resolve_columns",
+    "PackedStream",
+    "StreamStats",
+    "pack_stream",
 ]
 
 #: Columns read as a loss mask (TRL's names): loss only where the mask is not 0. The same tuple as
@@ -176,13 +185,10 @@ def gather_index(plan: Plan, offsets) -> tuple[np.ndarray, np.ndarray]:
     """
     offsets = check_offsets(plan, offsets)
     seg_length = plan.seg_length
-    out_start = np.cumsum(seg_length) - seg_length
+    out_off = lengths_to_offsets(seg_length)
     src_start = offsets[plan.seg_example] + plan.seg_start
-    total = int(seg_length.sum())
-    index = np.repeat(src_start - out_start, seg_length) + np.arange(total, dtype=np.int64)
-    row_offsets = np.zeros(plan.num_windows + 1, np.int64)
-    np.cumsum(plan.window_loads, out=row_offsets[1:])
-    return index, row_offsets
+    index = np.repeat(src_start - out_off[:-1], seg_length) + np.arange(int(out_off[-1]), dtype=np.int64)
+    return index, lengths_to_offsets(plan.window_loads)
 
 
 def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=None) -> np.ndarray:
@@ -199,18 +205,44 @@ def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=
     Returns:
         (sum(seg_length),) array of ``values.dtype``, the segments back to back.
     """
-    values = np.ascontiguousarray(values)
-    src_start = np.asarray(src_start, np.int64)
+    values = np.asarray(values)
     seg_length = np.asarray(seg_length, np.int64)
-    if src_start.shape != seg_length.shape or src_start.ndim != 1:
-        raise ValueError(f"src_start {src_start.shape} and seg_length {seg_length.shape} must be equal 1-D shapes")
-    dst_start = np.cumsum(seg_length) - seg_length
-    total = int(seg_length.sum())
-    out = np.empty(total, values.dtype)
-    if total == 0:
-        return out
-    if seg_length.min() < 1 or src_start.min() < 0 or int((src_start + seg_length).max()) > values.size:
-        raise ValueError("every segment must have length >= 1 and lie inside values")
+    dst = lengths_to_offsets(seg_length)
+    out = np.empty(int(dst[-1]), values.dtype)
+    copy_segments(out, dst[:-1], values, src_start, seg_length, num_threads=num_threads, bar=bar)
+    return out
+
+
+def copy_segments(out, dst_start, values, src_start, seg_length, *, num_threads: int = 1, bar=None) -> None:
+    """``out[d : d + l] = values[s : s + l]`` for every ``(d, s, l)``: one strided copy per length group.
+
+    ``out = np.zeros(6, int); copy_segments(out, [3, 0], np.arange(10), [7, 4], [2, 3])`` -> ``out``
+    is ``[4, 5, 6, 7, 8, 0]``. Why grouped: each group of ``k`` segments of length ``L`` is one numpy
+    copy between two strided ``(rows, L)`` views of the flat arrays (row ``r`` starts at element
+    ``r``), so the cost is one pass over the tokens plus O(distinct lengths) numpy calls, and no index
+    array of every token (which costs more than the copy it drives).
+
+    Args:
+        out: (M,) writable array; the destinations must not overlap.
+        dst_start, src_start: (S,) int, first index of each segment in ``out`` / ``values``.
+        seg_length: (S,) int >= 1.
+        values: (N,) the source; it may be a view of a memory map (only the segments' pages are read).
+        num_threads, bar: as in :func:`gather_segments`.
+    """
+    values = np.asarray(values)
+    if values.ndim != 1 or not values.flags.c_contiguous:
+        values = np.ascontiguousarray(values).reshape(-1)
+    src_start = np.asarray(src_start, np.int64)
+    dst_start = np.asarray(dst_start, np.int64)
+    seg_length = np.asarray(seg_length, np.int64)
+    if not (src_start.shape == seg_length.shape == dst_start.shape) or src_start.ndim != 1:
+        raise ValueError(f"src_start {src_start.shape}, dst_start {dst_start.shape} and seg_length "
+                         f"{seg_length.shape} must be equal 1-D shapes")
+    if seg_length.size == 0:
+        return
+    if (seg_length.min() < 1 or src_start.min() < 0 or int((src_start + seg_length).max()) > values.size
+            or dst_start.min() < 0 or int((dst_start + seg_length).max()) > out.size):
+        raise ValueError("every segment must have length >= 1 and lie inside values and out")
     # Group segments by length (a radix sort when lengths fit in 16 bits).
     key = seg_length.astype(np.uint16) if seg_length.max() < 1 << 16 else seg_length
     order = np.argsort(key, kind="stable")
@@ -230,7 +262,7 @@ def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=
         # views, but the rows picked are disjoint segments, so the writes never collide.
         src = as_strided(values, shape=(values.size - length + 1, length), strides=(item, item),
                          writeable=False)
-        dst = as_strided(out, shape=(out.size - length + 1, length), strides=(item, item))
+        dst = as_strided(out, shape=(out.size - length + 1, length), strides=(out.itemsize, out.itemsize))
         dst[dst_start[idx]] = src[src_start[idx]]
         return (hi - lo) * length
 
@@ -244,7 +276,6 @@ def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=
             n = copy(task)
             if bar is not None:
                 bar.update(n)
-    return out
 
 
 def log_overflow(who: str, *, overflow: str, over: int, examples: int, window: int, cut_tokens: int,
@@ -347,9 +378,7 @@ def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask
             del out[loss_mask]
         order = [token, "labels"] + [n for n in names if n not in (token, "labels") and n in out]
         out = {n: out[n] for n in order}
-    row_offsets = np.zeros(plan.num_windows + 1, np.int64)
-    np.cumsum(plan.window_loads, out=row_offsets[1:])
-    return PackedColumns(columns=out, row_offsets=row_offsets, seq_lengths=plan.seg_length.copy(),
+    return PackedColumns(columns=out, row_offsets=lengths_to_offsets(plan.window_loads), seq_lengths=plan.seg_length.copy(),
                          seq_offsets=plan.window_ptr.copy(), seg_example=plan.seg_example.copy())
 
 
@@ -375,3 +404,215 @@ def pack_arrays(plan: Plan, input_ids, offsets, labels=None, *, mask_first_label
     if rows.labels is not None and rows.labels.dtype != np.int64:  # labels leave pack_arrays as int64
         rows = dataclasses.replace(rows, columns={**rows.columns, "labels": rows.labels.astype(np.int64)})
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# which columns move together
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnSpec:
+    """The list columns to pack (token column first), the loss-mask column among them (or None), and
+    whether the mask is also written (else it only turns into labels)."""
+
+    read: list
+    mask: str | None
+    keep_mask: bool
+
+    def written(self) -> list:
+        """Output list columns in order: tokens, labels (given or from the mask), then the rest."""
+        has_labels = "labels" in self.read or self.mask is not None
+        rest = [c for c in self.read[1:] if c != "labels" and (c != self.mask or self.keep_mask)]
+        return [self.read[0]] + (["labels"] if has_labels else []) + rest
+
+
+def resolve_columns(names, columns) -> ColumnSpec:
+    """The list columns to pack: ``None`` -> input_ids (+ labels, + the first of MASK_KEYS, if present).
+
+    A loss mask becomes labels (-100 where it is 0), so a mask is never dropped in silence; it is
+    written too only when ``columns`` names it.
+    """
+    if columns is None:
+        if "input_ids" not in names:
+            raise KeyError(f"no 'input_ids' column; the columns are {list(names)}: pass columns=(NAME, ...)")
+        mask = next((k for k in MASK_KEYS if k in names), None)
+        read = ["input_ids"] + (["labels"] if "labels" in names else []) + ([mask] if mask else [])
+        return ColumnSpec(read, mask, keep_mask=False)
+    if isinstance(columns, str):
+        columns = [columns]
+    columns = list(columns)
+    if not columns:
+        raise ValueError("columns must name at least the token column")
+    for c in columns:
+        if c not in names:
+            raise KeyError(f"column {c!r} is not in the dataset; the columns are {list(names)}")
+    if len(set(columns)) != len(columns):
+        raise ValueError(f"columns {columns} name a column twice")
+    for reserved in ("seq_lengths", "example_ids"):
+        if reserved in columns:
+            raise ValueError(f"column {reserved!r} is written by packing; it cannot be packed itself")
+    if columns[0] in MASK_KEYS:
+        raise ValueError(f"the first column is the token column; {columns[0]!r} is a loss mask")
+    mask = next((c for c in columns if c in MASK_KEYS), None)
+    return ColumnSpec(columns, mask, keep_mask=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# streams: windows packed as examples arrive (binpack.stream_windows plans them)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamStats:
+    """What a stream packer has done so far.
+
+    Fields: ``examples`` read, ``tokens`` read, ``windows`` emitted, ``packed_tokens`` emitted,
+    ``cut_tokens`` (truncate/drop), ``truncated_examples``, ``dropped_examples``, ``split_examples``,
+    ``fill`` (packed tokens over windows x W, 1.0 before any window).
+    """
+
+    window: int
+    examples: int
+    tokens: int
+    windows: int
+    packed_tokens: int
+    cut_tokens: int
+    truncated_examples: int
+    dropped_examples: int
+    split_examples: int
+
+    @property
+    def fill(self) -> float:
+        return self.packed_tokens / (self.windows * self.window) if self.windows else 1.0
+
+
+class PackedStream:
+    """Iterator of packed rows from an iterable of examples (see :func:`pack_stream`)."""
+
+    def __init__(self, examples, *, window, buffer_size, overflow, columns, mask_first_label, example_ids):
+        self.window = check_window(window)
+        check_overflow(overflow)
+        if isinstance(columns, str):
+            columns = [columns]
+        self._columns = self._mask = self._written = None
+        if columns is not None:
+            self._set_columns(resolve_columns(list(columns), columns))
+        self._examples = examples
+        self._buffer_size = buffer_size
+        self._overflow = overflow
+        self._mask_first_label = mask_first_label
+        self._example_ids = example_ids
+        self._counts = dict(examples=0, tokens=0, windows=0, packed_tokens=0, cut_tokens=0,
+                            truncated_examples=0, dropped_examples=0, split_examples=0)
+        self._rows = stream_windows(self._items(), window=self.window, buffer_size=buffer_size)
+
+    @property
+    def stats(self) -> StreamStats:
+        return StreamStats(window=self.window, **self._counts)
+
+    def _set_columns(self, spec: ColumnSpec) -> None:
+        self._columns, self._mask, self._written = spec.read, spec.mask, spec.written()
+
+    def _example_arrays(self, i: int, ex) -> dict:
+        if not hasattr(ex, "keys"):
+            raise TypeError(f"example {i} is a {type(ex).__name__}, not a mapping with 'input_ids'")
+        if self._columns is None:
+            if "input_ids" not in ex:
+                raise KeyError(f"example {i} has no 'input_ids'; its keys are {list(ex.keys())}")
+            self._set_columns(resolve_columns(list(ex.keys()), None))
+        out = {}
+        for j, c in enumerate(self._columns):
+            if c not in ex:
+                raise KeyError(f"example {i} has no {c!r}; its keys are {list(ex.keys())}")
+            v = ex[c]
+            if hasattr(v, "detach"):
+                v = v.detach().cpu().numpy()
+            arr = np.asarray(v)
+            if arr.ndim != 1:
+                raise ValueError(f"example {i}: {c!r} must be 1-D, got shape {arr.shape}")
+            # Token ids and labels are integers; a mask (or another column) may be boolean.
+            kinds = "iu" if j == 0 or c == "labels" else "iub"
+            if arr.size and arr.dtype.kind not in kinds:
+                raise TypeError(f"example {i}: {c!r} must hold integers, got {arr.dtype}")
+            if arr.size == 0:
+                arr = arr.astype(np.int64)
+            if j == 0:
+                if arr.size == 0:
+                    raise ValueError(f"example {i} has no tokens; filter empty examples out before packing")
+                if arr.dtype.kind == "i" and int(arr.min()) < 0:
+                    raise ValueError(f"example {i} has a negative token id; token ids must be >= 0")
+            elif c == "labels" and (t := first_bad_label(arr)) is not None:
+                raise ValueError(f"example {i} has label {int(arr[t])} in 'labels'; labels are token ids "
+                                 f"(>= 0) or {IGNORE_INDEX} (no loss)")
+            elif c == self._mask and first_bad_mask(arr) is not None:
+                raise ValueError(f"example {i} has a value other than 0 or 1 in the loss mask {c!r}; "
+                                 "a loss mask marks the tokens that carry the loss with 1")
+            if j and arr.size != out[self._columns[0]].size:
+                raise ValueError(f"example {i} has {arr.size} {c!r} but {out[self._columns[0]].size} "
+                                 f"{self._columns[0]!r}; they must have the same length")
+            out[c] = arr
+        return out
+
+    def _items(self):
+        W, counts = self.window, self._counts
+        for i, ex in enumerate(self._examples):
+            arrays = self._example_arrays(i, ex)
+            n = arrays[self._columns[0]].size
+            counts["examples"] += 1
+            counts["tokens"] += n
+            if n <= W:
+                yield (i, 0, arrays), n
+                continue
+            pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=i)
+            counts["cut_tokens"] += pieces.cut_tokens
+            key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
+            counts[key[self._overflow]] += 1
+            for s, length in zip(pieces.start.tolist(), pieces.length.tolist()):
+                yield (i, s, {c: a[s: s + length] for c, a in arrays.items()}), length
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        win = next(self._rows)
+        cols = self._columns
+        lengths = np.array([p[2][cols[0]].size for p in win], np.int32)
+        row = {c: np.concatenate([p[2][c] for p in win]) for c in cols}
+        if "labels" in row or self._mask is not None:
+            # The same rule as packer.pack_columns: -100 where the mask is 0, then on each segment's first token.
+            labels = loss_labels(row[cols[0]], row.get("labels"),
+                                 None if self._mask is None else row[self._mask])
+            if self._mask_first_label:
+                labels[segment_starts(lengths)] = IGNORE_INDEX  # a fresh array (concatenated or masked)
+            row["labels"] = labels
+            row = {c: row[c] for c in self._written}
+        row["seq_lengths"] = lengths
+        if self._example_ids:
+            row["example_ids"] = np.array([p[0] for p in win], np.int64)
+        self._counts["windows"] += 1
+        self._counts["packed_tokens"] += int(lengths.sum())
+        return row
+
+
+def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str = "error", columns=None,
+                mask_first_label: bool = True, example_ids: bool = False) -> PackedStream:
+    """Pack an iterable of examples as it streams, holding at most ``buffer_size`` examples.
+
+    Args:
+        examples: iterable of mappings with ``input_ids`` (list, numpy array or tensor) and optionally
+            ``labels`` (or the ``columns`` named), e.g. a ``datasets.IterableDataset``.
+        window: tokens per window.
+        buffer_size: examples held for best fit (module docstring: fill against buffer size).
+        overflow: ``"error"`` (default), ``"truncate"``, ``"split"`` or ``"drop"``; counted in ``.stats``.
+    Returns:
+        A :class:`PackedStream`: iterate it for row dicts with ``input_ids``, ``labels`` (when present),
+        ``seq_lengths`` (int32) and optionally ``example_ids`` (the index of each segment's example in the
+        stream), all numpy arrays; ``.stats`` counts what happened.
+
+    Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->
+    ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays). Fill against
+    ``buffer_size`` is tabled in :mod:`packkit.hf`.
+    """
+    return PackedStream(examples, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
+                        mask_first_label=mask_first_label, example_ids=example_ids)

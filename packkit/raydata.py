@@ -51,9 +51,10 @@ import numbers
 
 import numpy as np
 
-from .binpack import Plan, as_lengths, check_overflow, check_strategy, check_window, overflow_error, pack
+from .binpack import Plan, apply_overflow, as_lengths, check_overflow, check_strategy, check_window, pack
 from .packer import (MASK_KEYS, PackedColumns, first_bad_label, first_bad_mask, gather_segments, log_overflow,
                      loss_labels, pack_columns)
+from .segments import lengths_to_offsets
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
 
@@ -320,8 +321,7 @@ def _pass1_block(table, block: int, opts: dict):
     # The handed-over segments travel with their first labels unmasked; pass 2 masks them.
     handed = plan.select(tail)
     seg = pack_columns(handed, columns, mask_first_label=False)
-    seg_offsets = np.concatenate(([0], np.cumsum(seg.seq_lengths)))
-    segments = _segments_table(seg.columns["input_ids"], seg.columns.get("labels"), seg_offsets)
+    segments = _segments_table(seg.columns["input_ids"], seg.columns.get("labels"), lengths_to_offsets(seg.seq_lengths))
     stats = {
         "windows": full.num_windows,
         "tokens": full.total_tokens,
@@ -364,7 +364,7 @@ def _pass2_spread(opts: dict, value_type, block: int, parts: int, *segment_table
     through the output rather than trained last. ``np.array_split`` sizes: the first ones one larger.
     """
     table, stats = _pass2_tail(opts, value_type, block, *segment_tables)
-    cuts = np.concatenate(([0], np.cumsum([a.size for a in np.array_split(np.arange(table.num_rows), parts)])))
+    cuts = lengths_to_offsets([a.size for a in np.array_split(np.arange(table.num_rows), parts)])
     return (*[table.slice(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:])], stats)
 
 
@@ -378,7 +378,7 @@ def _scatter_block(table, opts: dict, seg_local, seg_start, seg_length, chunk_pt
     values, offsets, _ = _list_column(table, opts["input_key"])
     labels = _block_labels(table, opts, values)
     src_start = offsets[seg_local] + seg_start
-    tok_ptr = np.concatenate(([0], np.cumsum(seg_length)))[chunk_ptr]
+    tok_ptr = lengths_to_offsets(seg_length)[chunk_ptr]
     # One strided copy per group of equal-length segments (no per-token index), then a view per chunk.
     v = gather_segments(values, src_start, seg_length)
     lab = gather_segments(labels, src_start, seg_length) if labels is not None else None
@@ -399,7 +399,7 @@ def _gather_chunk(opts: dict, value_type, seg_block, seg_length, window_ptr, *pi
         labels = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int64)
     by_block = np.argsort(seg_block, kind="stable")  # concatenated order -> plan position
     concat_length = seg_length[by_block]
-    concat_offsets = np.concatenate(([0], np.cumsum(concat_length)))
+    concat_offsets = lengths_to_offsets(concat_length)
     position = np.empty_like(by_block)
     position[by_block] = np.arange(by_block.size)  # plan segment -> its place in the concatenation
     # a plan over the concatenated segments (each one an "example"), in the chunk's window order
@@ -480,21 +480,6 @@ def _same_in_every_block(infos, starts, key):
     return first
 
 
-def _overflow_counts(lengths: np.ndarray, window: int, overflow: str) -> tuple[int, int, int]:
-    """(overflow examples, dropped examples, cut tokens) of a policy: the same counts as a Plan's.
-
-    ``_overflow_counts([3, 9, 12], 8, "truncate") -> (2, 0, 5)``.
-    """
-    lengths = np.asarray(lengths, np.int64)
-    over = lengths > window
-    n = int(over.sum())
-    if overflow == "truncate":
-        return n, 0, int((lengths[over] - window).sum())
-    if overflow == "drop":
-        return n, n, int(lengths[over].sum())
-    return n, 0, 0
-
-
 # ----------------------------------------------------------------------------------------------
 # the entry point
 # ----------------------------------------------------------------------------------------------
@@ -553,16 +538,15 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     refs = ds.to_arrow_refs()
     lengths_task = ray.remote(num_cpus=1)(_block_lengths)
     infos = ray.get([lengths_task.remote(r, input_key, label_key) for r in refs])
-    starts = np.concatenate(([0], np.cumsum([info["lengths"].size for info in infos])))
+    starts = lengths_to_offsets([info["lengths"].size for info in infos])
     for b, info in enumerate(infos):
         if info["error"] is not None:
             _raise_block_error(info["error"], int(starts[b]), b)
     given_labels = _same_in_every_block(infos, starts, lambda info: label_key if info["has_labels"] else None)
     mask_key = _same_in_every_block(infos, starts, lambda info: info["mask_key"])
     lengths = as_lengths(np.concatenate([info["lengths"] for info in infos]) if infos else [])
-    if overflow == "error" and (err := overflow_error(lengths, window)) is not None:
-        raise err
-    n_over, n_dropped, cut = _overflow_counts(lengths, window, overflow)
+    pieces = apply_overflow(lengths, window=window, overflow=overflow)  # raises under "error"
+    n_over, n_dropped, cut = pieces.overflow_examples.size, pieces.dropped_examples.size, pieces.cut_tokens
     types = {info["value_type"] for info in infos if info["lengths"].size}
     value_type = max(types, key=lambda t: t.bit_width) if types else pa.int64()  # one schema for all blocks
     label_types = {info["label_type"] for info in infos if info["lengths"].size and info["label_type"]}

@@ -2,6 +2,8 @@
 
 Every one is a vectorised numpy expression (no per-token Python), and each has a one-line example:
 
+    >>> lengths_to_offsets([2, 4, 3]).tolist()
+    [0, 2, 6, 9]
     >>> lengths_to_cu_seqlens([2, 4, 3]).tolist()
     [0, 2, 6, 9]
     >>> lengths_to_position_ids([2, 4, 3]).tolist()
@@ -18,6 +20,7 @@ import numpy as np
 
 __all__ = [
     "IGNORE_INDEX",
+    "lengths_to_offsets",
     "lengths_to_cu_seqlens",
     "lengths_to_position_ids",
     "lengths_to_seq_idx",
@@ -30,14 +33,30 @@ __all__ = [
 IGNORE_INDEX = -100
 
 
+def lengths_to_offsets(lengths) -> np.ndarray:
+    """Lengths -> CSR offsets: ``(n + 1,)`` int64, ``off[0] = 0``, item ``i`` is ``off[i]:off[i + 1]``.
+
+    ``[2, 4, 3] -> [0, 2, 6, 9]``. The one place packkit turns lengths into offsets (Arrow list
+    offsets, window pointers, segment starts ``off[:-1]``); int64 so that no count can wrap.
+    """
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
+    if lengths.dtype.kind not in "iub":
+        if lengths.size:
+            raise TypeError(f"lengths must be integers, got {lengths.dtype}")
+        lengths = lengths.astype(np.int64)  # [] reads as float64
+    off = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=off[1:])
+    return off
+
+
 def lengths_to_cu_seqlens(lengths) -> np.ndarray:
     """Segment lengths -> ``cu_seqlens``: ``(S + 1,)`` int32, ``cu[0] = 0``, ``cu[-1]`` = total tokens.
 
     int32 because that is what flash-attn's varlen kernels take. ``[2, 4, 3] -> [0, 2, 6, 9]``.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cu = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
+    cu = lengths_to_offsets(lengths)
     if cu[-1] > np.iinfo(np.int32).max:
         raise ValueError(f"{int(cu[-1]):,} tokens do not fit in int32 cu_seqlens; use smaller batches")
     return cu.astype(np.int32)
@@ -49,9 +68,8 @@ def lengths_to_position_ids(lengths) -> np.ndarray:
     ``[2, 4, 3] -> [0, 1, 0, 1, 2, 3, 0, 1, 2]``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    total = int(lengths.sum())
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    off = lengths_to_offsets(lengths)
+    return np.arange(int(off[-1]), dtype=np.int64) - np.repeat(off[:-1], lengths)
 
 
 def lengths_to_seq_idx(lengths) -> np.ndarray:
@@ -86,5 +104,4 @@ def position_ids_to_lengths(position_ids) -> np.ndarray:
 def segment_starts(lengths) -> np.ndarray:
     """Flat index of the first token of every non-empty segment: ``[2, 4, 3] -> [0, 2, 6]``."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    starts = np.cumsum(lengths) - lengths
-    return starts[lengths > 0]
+    return lengths_to_offsets(lengths)[:-1][lengths > 0]

@@ -42,7 +42,8 @@ import math
 
 import numpy as np
 
-from .binpack import as_lengths, check_overflow, check_window, overflow_error, pack
+from . import binpack
+from .binpack import as_lengths, check_overflow, check_window, pack, stream_windows
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
            "plot_waste"]
@@ -155,28 +156,14 @@ class WasteReport:
 def apply_overflow(lengths, *, window: int, overflow: str = "truncate"):
     """Lengths after the overflow policy, tokens cut, and how many examples were longer than ``window``.
 
-    ``apply_overflow([3, 9, 4], window=4, overflow="split") -> ([3, 4, 4, 4, 1], 0, 1)``
-    (the pieces of a split example follow each other).
+    ``apply_overflow([3, 9, 4], window=4, overflow="split") -> ([3, 4, 4, 1, 4], 0, 1)``
+    (the pieces of a split example follow each other). The policy is :func:`packkit.binpack.apply_overflow`'s.
     """
     lengths = as_lengths(lengths)
     window = check_window(window)
     check_overflow(overflow)
-    over = lengths > window
-    n_over = int(over.sum())
-    if not n_over:
-        return lengths, 0, 0
-    if overflow == "error":
-        raise overflow_error(lengths, window)
-    if overflow == "truncate":
-        return np.minimum(lengths, window), int((lengths[over] - window).sum()), n_over
-    if overflow == "drop":
-        return lengths[~over], int(lengths[over].sum()), n_over
-    pieces = -(-lengths // window)  # split: ceil(L / W) pieces, all W but the last
-    first = np.cumsum(pieces) - pieces
-    out = np.full(int(pieces.sum()), window, np.int64)
-    last = first + pieces - 1
-    out[last] = lengths - (pieces - 1) * window
-    return out, 0, n_over
+    pieces = binpack.apply_overflow(lengths, window=window, overflow=overflow, in_order=True)
+    return pieces.length, pieces.cut_tokens, int(pieces.overflow_examples.size)
 
 
 def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, batch_size: int | None = None):
@@ -231,8 +218,7 @@ def length_grouped_batches(lengths: np.ndarray, batch_size: int, seed: int) -> l
 
 
 def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
-    """Segment lengths and window offsets of :func:`packkit.hf.stream_windows` over ``lengths`` in order."""
-    from .hf import stream_windows
+    """Segment lengths and window offsets of :func:`packkit.binpack.stream_windows` over ``lengths`` in order."""
 
     seg, ptr = [], [0]
     for win in stream_windows(zip(lengths.tolist(), lengths.tolist()), window=window, buffer_size=buffer_size):

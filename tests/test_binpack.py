@@ -8,7 +8,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from packkit.binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, as_lengths, lower_bound, pack
+from packkit.binpack import OVERFLOW_POLICIES, STRATEGIES, Plan, apply_overflow, as_lengths, lower_bound, pack
+from packkit.segments import lengths_to_offsets
 
 # ----------------------------------------------------------------------------------------------
 # references: one item at a time, a Python list of window loads, nothing clever
@@ -390,3 +391,44 @@ def test_unknown_strategy_and_policy():
 def test_as_lengths_returns_int64():
     assert as_lengths([1, 2]).dtype == np.int64
     assert OVERFLOW_POLICIES[0] == "error"
+
+
+# ----------------------------------------------------------------------------------------------
+# the overflow policy's one home, and lengths -> offsets
+# ----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=0, max_size=30), st.integers(1, 12),
+       st.sampled_from(["truncate", "split", "drop"]), st.booleans())
+def test_apply_overflow_matches_reference(lengths, window, overflow, in_order):
+    """Both layouts hold the reference's items; in_order lists them as the reference does; the
+    planners' layout lists every example's first piece at its index, the later pieces after."""
+    p = apply_overflow(lengths, window=window, overflow=overflow, in_order=in_order)
+    got = list(zip(p.example.tolist(), p.start.tolist(), p.length.tolist()))
+    ref = ref_items(lengths, window, overflow)
+    if in_order:
+        assert got == ref
+    else:
+        assert sorted(got) == sorted(ref)
+        if overflow != "drop":
+            assert [g[0] for g in got[:len(lengths)]] == list(range(len(lengths)))
+    over = [i for i, n in enumerate(lengths) if n > window]
+    assert p.overflow_examples.tolist() == over
+    assert p.dropped_examples.tolist() == (over if overflow == "drop" else [])
+    assert p.cut_tokens == sum(lengths) - sum(it[2] for it in ref)
+
+
+def test_apply_overflow_error_names_the_example_with_its_offset():
+    with pytest.raises(ValueError, match=r"example 41 has 9 tokens > window=4.*overflow='split'"):
+        apply_overflow([3, 9], window=4, overflow="error", first=40)
+    assert apply_overflow([3, 4], window=4, overflow="error").length.tolist() == [3, 4]
+
+
+def test_lengths_to_offsets():
+    assert lengths_to_offsets([2, 4, 3]).tolist() == [0, 2, 6, 9]
+    assert lengths_to_offsets([]).tolist() == [0] and lengths_to_offsets([]).dtype == np.int64
+    big = lengths_to_offsets(np.full(3, 2**31, np.int64))  # int64: no wrap past int32
+    assert big[-1] == 3 * 2**31
+    with pytest.raises(TypeError, match="integers"):
+        lengths_to_offsets([1.5])

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packkit.binpack import pack
-from packkit.hf import pack_dataset, pack_stream, stream_windows
+from packkit.binpack import stream_windows
+from packkit.hf import pack_dataset
+from packkit.packer import pack_stream
 from packkit.segments import IGNORE_INDEX
 
 datasets.disable_progress_bars()

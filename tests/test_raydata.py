@@ -128,17 +128,6 @@ def test_tail_windows_keeps_fullest_within_budget(loads, slack):
         assert waste[kept].sum() + waste[best] > slack * tokens
 
 
-@pytest.mark.parametrize("overflow", ["error", "truncate", "split", "drop"])
-def test_overflow_counts_match_the_plan(overflow):
-    lengths = np.array([3, 9, 12, 8, 17])
-    if overflow == "error":
-        assert raydata._overflow_counts(lengths, 8, overflow) == (3, 0, 0)
-        return
-    plan = pack(lengths, window=8, overflow=overflow)
-    got = raydata._overflow_counts(lengths, 8, overflow)
-    assert got == (plan.overflow_examples.size, plan.dropped_examples.size, plan.cut_tokens)
-
-
 def test_list_column_sliced_and_chunked():
     table = make_table(np.array([2, 3, 1, 4]))
     values, offsets, nulls = raydata._list_column(table.slice(1, 2), "input_ids")
