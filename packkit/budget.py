@@ -35,7 +35,6 @@ import dataclasses
 import gc
 import math
 import numbers
-import os
 import warnings
 
 import numpy as np
@@ -525,21 +524,21 @@ def find_max_micro_batch(step, *, high: int, low: int = 1, multiple_of: int = 1)
 
 
 def read_lengths_and_loss(path, *, column: str = "input_ids", text_column: str = "text",
-                          tokenizer="bytes", split: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                          tokenizer="bytes", split: str | None = None,
+                          chat: dict | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """``(lengths (n,) int64, loss_lengths (n,) int64 or None)`` of a file ``packkit waste`` also reads.
 
-    The lengths come from :func:`packkit.io.read_lengths` (``.npy``, JSON lines or a JSON list,
-    Parquet, Arrow, ``.txt`` as one text example per line, a ``save_to_disk`` folder); the loss
-    lengths from the same table's ``labels`` and/or ``completion_mask``/``assistant_masks`` columns
+    Both come from :func:`packkit.io.read_lengths` (``.npy``, JSON lines or a JSON list, Parquet,
+    Arrow, ``.txt`` as one text example per line, a ``save_to_disk`` folder; conversational data
+    through a chat template, ``chat`` holding :func:`packkit.chat.tokenize_chat`'s options): the loss
+    lengths from the table's ``labels`` and/or ``completion_mask``/``assistant_masks`` columns
     (:func:`loss_lengths_of_table`), or None when it has neither.
     """
     from . import io
 
-    lengths = io.read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer,
-                              split=split).lengths
-    if os.path.isfile(path) and str(path).lower().endswith(".npy"):
-        return lengths, None
-    return lengths, loss_lengths_of_table(io.load_table(path, split=split), lengths, column=column)
+    data = io.read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
+                           chat=chat)
+    return data.lengths, data.loss_lengths
 
 
 #: Loss-mask columns (TRL's names), as in :mod:`packkit.collate`: loss only where the mask is 1.

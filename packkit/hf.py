@@ -210,11 +210,15 @@ def _report_overflow(plan: Plan) -> None:
 def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
                  seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
                  mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
-                 progress: bool | None = None, return_plan: bool = False):
+                 progress: bool | None = None, return_plan: bool = False, split: str | None = None,
+                 tokenizer=None, chat_template=None, assistant_only_loss: bool | None = None,
+                 completion_only_loss: bool = True, trust_remote_code: bool = False):
     """Pack a ``datasets.Dataset`` into windows of at most ``window`` tokens, one row per window.
 
     Args:
-        ds: a ``datasets.Dataset``, or a ``datasets.IterableDataset``: that one is packed with
+        ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split and returns a
+            ``Dataset``; without it every split is packed and a ``DatasetDict`` comes back, with a dict
+            of plans under ``return_plan``); or a ``datasets.IterableDataset``: that one is packed with
             :func:`pack_stream` and an ``IterableDataset`` comes back; then ``strategy`` must be
             ``"bfd"`` (best fit inside ``buffer_size`` examples), ``shuffle`` shuffles the rows inside a
             seeded buffer of ``buffer_size`` rows, ``progress`` defaults to off, ``num_proc`` must be
@@ -236,6 +240,13 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
         progress: a tqdm bar; default on from 2**26 tokens.
         return_plan: return ``(dataset, plan)``, the :class:`~packkit.binpack.Plan` in row order.
+        split: the split of a ``DatasetDict`` to pack (default: all of them).
+        tokenizer: conversational data (TRL's ``messages``, ``conversations``, or ``prompt`` +
+            ``completion`` columns) is first tokenized through this tokenizer's chat template: a local
+            folder, a ``tokenizer.json``, a model id, or a loaded tokenizer. Its loss mask becomes
+            ``labels`` with -100 on prompt tokens (:func:`packkit.chat.tokenize_chat`, which
+            ``chat_template``, ``assistant_only_loss``, ``completion_only_loss`` and ``trust_remote_code``
+            are passed to).
 
     Returns:
         A ``datasets.Dataset`` (in memory) with columns ``input_ids`` (list of int, length <= W, the
@@ -250,6 +261,22 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     """
     import datasets
 
+    from .chat import prepare_dataset
+
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        return _pack_splits(ds, split, return_plan=return_plan, window=window, strategy=strategy, overflow=overflow,
+                            columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
+                            mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
+                            progress=progress, tokenizer=tokenizer, chat_template=chat_template,
+                            assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
+                            trust_remote_code=trust_remote_code)
+    if split is not None:
+        raise ValueError(f"split={split!r} picks a split of a DatasetDict; this is a single "
+                         f"{type(ds).__name__}: drop split")
+    if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        ds = prepare_dataset(ds, tokenizer=tokenizer, columns=columns, chat_template=chat_template,
+                             assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
+                             trust_remote_code=trust_remote_code, progress=progress)
     if isinstance(ds, datasets.IterableDataset):
         if strategy != "bfd":
             raise ValueError(f"an IterableDataset is packed with best fit inside a buffer; strategy must be "
@@ -313,6 +340,24 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         mask_first_label=mask_first_label, example_ids=example_ids))
     out = datasets.Dataset(pa.Table.from_arrays(arrays, names=names), fingerprint=fingerprint)
     return (out, plan) if return_plan else out
+
+
+def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
+    """:func:`pack_dataset` on a ``DatasetDict``: the ``split`` named, or every split into a ``DatasetDict``."""
+    import datasets
+
+    names = list(dd)
+    if split is not None:
+        if split not in dd:
+            raise KeyError(f"the DatasetDict has no split {split!r}; it has {names}")
+        return pack_dataset(dd[split], return_plan=return_plan, **kwargs)
+    if not names:
+        raise ValueError("the DatasetDict has no splits")
+    packed = {name: pack_dataset(dd[name], return_plan=return_plan, **kwargs) for name in names}
+    kind = datasets.DatasetDict if isinstance(dd, datasets.DatasetDict) else datasets.IterableDatasetDict
+    if return_plan:
+        return kind({n: p[0] for n, p in packed.items()}), {n: p[1] for n, p in packed.items()}
+    return kind(packed)
 
 
 def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle, mask_first_label, example_ids,

@@ -35,6 +35,7 @@ __all__ = [
     "load_dataset",
     "read_lengths",
     "token_column",
+    "tokens_table",
     "tokenize",
     "progress_bar",
     "FORMATS",
@@ -68,11 +69,14 @@ class Lengths:
         lengths: (num_examples,) int64, every entry >= 1
         source:  a short description, e.g. ``"data.jsonl, column 'input_ids'"``
         unit:    ``"tokens"``, or ``"bytes"`` when the byte-level tokenizer counted them
+        loss_lengths: (num_examples,) int64 loss-bearing tokens of each example, from ``labels`` or a
+                 loss mask (a chat template writes one), or None when the data has neither
     """
 
     lengths: np.ndarray
     source: str
     unit: str = "tokens"
+    loss_lengths: np.ndarray | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,16 +188,22 @@ def byte_tokenize(texts):
 
 
 def _load_tokenizer(spec):
-    """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer."""
+    """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer;
+    anything else (a model id, a folder without ``tokenizer.json``) -> the Rust tokenizer behind
+    :func:`packkit.chat.load_tokenizer`'s."""
     if spec is None or spec == "bytes":
         return None
     path = Path(spec)
-    if path.is_dir():
+    if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"tokenizer {str(spec)!r} not found: pass a local tokenizer.json (or its folder), or 'bytes'"
-        )
+        from .chat import load_tokenizer
+
+        tok = load_tokenizer(spec)
+        if getattr(tok, "backend_tokenizer", None) is None:
+            raise ValueError(f"tokenizer {str(spec)!r} has no tokenizer.json (not a fast tokenizer): pass a "
+                             "tokenizer.json, or 'bytes'")
+        return tok.backend_tokenizer
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -393,6 +403,34 @@ def token_column(table, *, column: str = "input_ids", text_column: str = "text",
     )
 
 
+def tokens_table(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
+                 chat: dict | None = None, progress: bool = False, where: str = "the data"):
+    """``(table, how)``: ``table`` holding its token-id column, and how that column was made.
+
+    A table with ``column`` comes back as is (``how`` None). Conversational data (TRL's ``messages``,
+    ``conversations`` or ``prompt`` + ``completion`` columns) goes through ``tokenizer``'s chat template
+    (:func:`packkit.chat.tokenize_chat`, with ``chat`` as its keyword arguments): the table becomes
+    ``input_ids`` plus the loss mask TRL would train with. Text is tokenized into ``column``
+    (:func:`token_column`).
+    """
+    if column not in table.column_names:
+        from .chat import chat_format, tokenize_chat
+
+        fmt = chat_format(table.schema)
+        if fmt is not None:
+            if tokenizer in (None, "bytes"):
+                raise ValueError(f"{where} is conversational ({fmt}): pass --tokenizer FOLDER_OR_MODEL_ID, a "
+                                 "tokenizer with a chat template (a local folder, or a model id)")
+            out = tokenize_chat(table, tokenizer, progress=progress, **(chat or {}))
+            name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
+            return out, f"{fmt} through the chat template of {os.path.basename(str(name).rstrip('/')) or name}"
+    col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer, progress=progress)
+    if column in table.column_names:
+        return table, None
+    tok = "bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))
+    return table.append_column(column, col), f"column {text_column!r} tokenized with {tok}"
+
+
 def bundled_sample() -> Lengths:
     """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
     lengths = np.load(SAMPLE_PATH).astype(np.int64)
@@ -400,17 +438,22 @@ def bundled_sample() -> Lengths:
 
 
 def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",
-                 tokenizer="bytes", split: str | None = None, progress: bool = False) -> Lengths:
+                 tokenizer="bytes", split: str | None = None, progress: bool = False,
+                 chat: dict | None = None) -> Lengths:
     """Example lengths from a file (module docstring), or the bundled sample when ``path`` is None.
 
     ``column`` may also name an integer column of lengths. Text is tokenized with ``tokenizer``
-    (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``).
+    (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
+    data goes through its chat template (:func:`tokens_table`; ``chat``: the options of
+    :func:`packkit.chat.tokenize_chat`). The loss lengths come from ``labels`` or a loss mask when the
+    data has one (:func:`packkit.budget.loss_lengths_of_table`).
     """
     if path is None:
         return bundled_sample()
     path = _check_path(path)
     from .binpack import as_lengths
 
+    loss = None
     if path.is_file() and _suffix(path) == ".npy":
         try:
             arr = np.load(path, allow_pickle=False)
@@ -430,16 +473,17 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             lengths = as_lengths(col.to_numpy(), name=f"column {column!r}")
             source = f"{path.name}, column {column!r} (lengths)"
         else:
-            col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer,
-                               progress=progress)
-            lengths = list_lengths(col, name=column if column in table.column_names else text_column)
-            if column in table.column_names:
-                source = f"{path.name}, column {column!r}"
-            else:
-                tok = "bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))
-                unit = "bytes" if tok == "bytes" else "tokens"
-                source = f"{path.name}, column {text_column!r} tokenized with {tok}"
-            lengths = as_lengths(lengths, name=f"lengths in {path.name}")
+            table, how = tokens_table(table, column=column, text_column=text_column, tokenizer=tokenizer,
+                                      chat=chat, progress=progress, where=repr(str(path)))
+            token_col = column if column in table.column_names else "input_ids"
+            lengths = as_lengths(list_lengths(table.column(token_col), name=token_col),
+                                 name=f"lengths in {path.name}")
+            source = f"{path.name}, " + (how or f"column {column!r}")
+            if how is not None and how.endswith("tokenized with bytes"):
+                unit = "bytes"
+            from .budget import loss_lengths_of_table
+
+            loss = loss_lengths_of_table(table, lengths, column=token_col) if lengths.size else None
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
-    return Lengths(lengths, source, unit)
+    return Lengths(lengths, source, unit, loss)

@@ -106,7 +106,8 @@ class WasteReport:
 
     ``lengths`` are the examples after the overflow policy (what every strategy packed or padded);
     ``examples``, ``input_tokens`` describe the input; ``cut_tokens`` and ``overflow_examples`` what the
-    policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost).
+    policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost);
+    ``loss_tokens`` the input's loss-bearing tokens (labels or a loss mask), None when it has none.
     """
 
     source: str
@@ -123,6 +124,7 @@ class WasteReport:
     overflow_examples: int
     lengths: np.ndarray = dataclasses.field(repr=False, compare=False)
     strategies: tuple = ()
+    loss_tokens: int | None = None
 
     @property
     def baseline_attention(self) -> float:
@@ -137,7 +139,7 @@ class WasteReport:
             "windows_per_step": self.windows_per_step, "overflow": self.overflow,
             "buffer_size": self.buffer_size, "seed": self.seed, "examples": self.examples,
             "input_tokens": self.input_tokens, "cut_tokens": self.cut_tokens,
-            "overflow_examples": self.overflow_examples,
+            "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens,
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
                  "rows": s.rows, "steps": s.steps, "tokens_per_step": round(s.tokens_per_step, 2),
@@ -235,7 +237,7 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
-                  progress: bool | None = None) -> WasteReport:
+                  progress: bool | None = None, loss_lengths=None) -> WasteReport:
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
     Args:
@@ -246,6 +248,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         overflow: examples longer than ``W``: ``"truncate"`` (default), ``"split"``, ``"drop"``, ``"error"``.
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
+        loss_lengths: (num_examples,) loss-bearing tokens of each example (reported as ``loss_tokens``).
     Returns:
         A frozen :class:`WasteReport`.
     """
@@ -263,6 +266,13 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(WASTE_STRATEGIES)}")
+    loss_tokens = None
+    if loss_lengths is not None:
+        loss = np.asarray(loss_lengths)
+        if loss.shape != raw.shape or loss.dtype.kind not in "iu":
+            raise ValueError(f"loss_lengths must be {raw.size:,} integers, one per example, got {loss.dtype} "
+                             f"of shape {loss.shape}")
+        loss_tokens = int(loss.sum())
     L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
     if L.size == 0:
         raise ValueError(f"every example is longer than window={window} and overflow='drop' dropped them all")
@@ -296,7 +306,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     return WasteReport(
         source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
         buffer_size=buffer_size, seed=seed, examples=int(raw.size), input_tokens=int(raw.sum()), cut_tokens=cut,
-        overflow_examples=n_over, lengths=L, strategies=tuple(results),
+        overflow_examples=n_over, lengths=L, strategies=tuple(results), loss_tokens=loss_tokens,
     )
 
 
@@ -316,6 +326,9 @@ def format_table(report: WasteReport) -> str:
         f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
         f"{report.windows_per_step} packed windows",
     ]
+    if report.loss_tokens is not None:
+        lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
+                     f"{u}; labels or a loss mask, the first token of each example excluded)")
     if report.overflow_examples:
         what = {"truncate": "truncated to W", "drop": "dropped", "split": "split into pieces of <= W"}[report.overflow]
         pct = report.cut_tokens / report.input_tokens
@@ -362,6 +375,9 @@ def plot_waste(report: WasteReport, path) -> None:
     med = float(np.median(L))
     ax1.axvline(med, color="0.3", linestyle=":", linewidth=1.2)
     ax1.text(med, ax1.get_ylim()[1] * 0.85, f" median {med:,.0f}", color="0.3", va="top")
+    if report.loss_tokens is not None:
+        lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
+                     f"{u}; labels or a loss mask, the first token of each example excluded)")
     if report.overflow_examples:
         what = {"truncate": "truncated", "drop": "dropped", "split": "split"}[report.overflow]
         ax1.text(0.98, 0.75, f"{report.overflow_examples:,} longer than W {what}", transform=ax1.transAxes,

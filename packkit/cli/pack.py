@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES
 from ..hf import pack_dataset
+from ._chat import add_tokenizer_arguments, chat_options
 
 
 def _write(ds, out: Path) -> str:
@@ -29,7 +30,8 @@ def cli_main(argv=None) -> int:
         prog="packkit pack",
         description="Pack a dataset of token ids into windows of at most W tokens, one row per window "
                     "(columns input_ids, labels when present or derived from a completion_mask / "
-                    "assistant_masks loss mask, seq_lengths).",
+                    "assistant_masks loss mask, seq_lengths). Conversational data (messages, prompt + "
+                    "completion) is tokenized with --tokenizer's chat template, -100 on prompt tokens.",
     )
     parser.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
     parser.add_argument("output", help="OUT.parquet, OUT.jsonl, or a folder (save_to_disk)")
@@ -43,8 +45,7 @@ def cli_main(argv=None) -> int:
                              "mask when present; the mask becomes -100 labels)")
     parser.add_argument("--text-column", default="text",
                         help="text column to tokenize when there are no token ids (needs --tokenizer)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a local tokenizer.json (or 'bytes') to tokenize a text column")
+    add_tokenizer_arguments(parser, default=None)
     parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-shuffle", action="store_true", help="keep the planner's window order")
@@ -66,7 +67,7 @@ def cli_main(argv=None) -> int:
     src = pio._check_path(src)
     if src.is_dir():
         ds = pio.load_dataset(src, split=args.split)
-        if columns is None and "input_ids" not in ds.column_names and args.text_column in ds.column_names:
+        if columns is None and "input_ids" not in ds.column_names:  # text or conversations to tokenize
             table = ds.data.table if getattr(ds, "_indices", None) is None else ds.flatten_indices().data.table
             ds = None
     else:
@@ -74,12 +75,11 @@ def cli_main(argv=None) -> int:
             raise ValueError(f"{str(src)!r} holds lengths only; packing needs token ids (jsonl, parquet, arrow)")
         table = pio.load_table(src)
         ds = None
+    how = None
     if ds is None:
         token_col = columns[0] if columns else "input_ids"
-        if token_col not in table.column_names:
-            ids = pio.token_column(table, column=token_col, text_column=args.text_column,
-                                   tokenizer=args.tokenizer, progress=not args.quiet)
-            table = table.append_column(token_col, ids)
+        table, how = pio.tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
+                                      chat=chat_options(args), progress=not args.quiet, where=repr(str(src)))
         if table.num_rows == 0:
             raise ValueError(f"{str(src)!r} holds no examples")
         ds = datasets.Dataset(pa.Table.from_arrays([table.column(c) for c in table.column_names],
@@ -95,6 +95,8 @@ def cli_main(argv=None) -> int:
         progress=None if not args.quiet else False, return_plan=True)
     kind = _write(packed, out)
     s = plan.summary()
+    if how is not None:
+        print(f"tokenized {how}")
     print(f"packed {s['examples']:,} examples ({s['tokens'] + s['cut_tokens']:,} tokens) into {s['windows']:,} "
           f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
     if s["overflow_examples"]:

@@ -9,6 +9,7 @@ import warnings
 
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES
 from ..budget import BudgetWarning, plan_budget, read_lengths_and_loss, synthetic_sft_lengths
+from ._chat import add_tokenizer_arguments, chat_options
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,10 +19,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", nargs="?", help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
                    ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
-                   "completion_mask column give the loss tokens")
+                   "completion_mask / assistant_masks column give the loss tokens, as does a chat template "
+                   "(--tokenizer) on conversational data")
     p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
     p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
-    p.add_argument("--tokenizer", default="bytes", help="a local tokenizer.json, or 'bytes' (default)")
+    add_tokenizer_arguments(p, default="bytes")
     p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
     p.add_argument("-b", "--per-device-batch", type=int, default=1,
@@ -50,7 +52,8 @@ def cli_main(argv=None) -> int:
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
     else:
         lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
-                                              tokenizer=args.tokenizer, split=args.split)
+                                              tokenizer=args.tokenizer, split=args.split,
+                                              chat=chat_options(args))
     window = None if args.padded else (2048 if args.window is None else args.window)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table

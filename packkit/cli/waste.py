@@ -7,6 +7,7 @@ import json
 
 from ..binpack import OVERFLOW_POLICIES
 from ..waste import WASTE_STRATEGIES, format_table, measure_waste, plot_waste
+from ._chat import add_tokenizer_arguments, chat_options
 
 
 def cli_main(argv=None) -> int:
@@ -30,7 +31,7 @@ def cli_main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
     parser.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
-    parser.add_argument("--tokenizer", default="bytes", help="a local tokenizer.json, or 'bytes' (default)")
+    add_tokenizer_arguments(parser, default="bytes")
     parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write the length histogram and fill plot")
     parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
@@ -40,14 +41,15 @@ def cli_main(argv=None) -> int:
     from ..io import read_lengths
 
     data = read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
-                        split=args.split, progress=not args.quiet and not args.json)
+                        split=args.split, progress=not args.quiet and not args.json, chat=chat_options(args))
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.plot and not args.plot.lower().endswith(".png"):
         raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
     report = measure_waste(
         data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
         overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
-        source=data.source, unit=data.unit, progress=None if not args.quiet else False)
+        source=data.source, unit=data.unit, progress=None if not args.quiet else False,
+        loss_lengths=data.loss_lengths)
     if args.plot:
         try:
             plot_waste(report, args.plot)

@@ -1,0 +1,679 @@
+"""Conversational data through a chat template: token ids and the loss mask TRL would train with.
+
+TRL's dataset formats (``SFTTrainer``), recognised by their columns:
+
+====================================== ======================================================= ==================
+format                                 columns                                                 loss mask
+====================================== ======================================================= ==================
+``messages``                           ``messages``: list of ``{role, content}``               ``assistant_masks``
+``conversations`` (ShareGPT)           ``conversations``: list of ``{from, value}``            ``assistant_masks``
+``prompt_completion``                  ``prompt``, ``completion``: strings                     ``completion_mask``
+``conversational_prompt_completion``   ``prompt``, ``completion``: lists of ``{role, content}`` ``completion_mask``
+====================================== ======================================================= ==================
+
+:func:`tokenize_chat` turns such a table into Arrow columns ``input_ids`` (list<int32>) and one loss
+mask (list<int8>, 1 = the token carries the loss), the way TRL 1.16 tokenizes each format:
+
+* a conversation is rendered by the chat template and tokenized with no added special tokens; its
+  ``assistant_masks`` mark the tokens that overlap the template's ``{% generation %}`` spans
+  (``return_assistant_tokens_mask``). A template without those markers cannot tell assistant tokens
+  apart: that is an error that says what to do (TRL swaps in its own training template for the
+  models it knows, :func:`training_template`, and so does this module when TRL is installed);
+* prompt/completion pairs are tokenized twice, the prompt alone (conversational: with the generation
+  prompt) and prompt + completion; the completion starts where the two token sequences diverge
+  (:func:`common_prefix_lengths`), so ``completion_mask`` is 0 on that common prefix and 1 after it.
+  Standard (string) completions get the EOS token appended first, when they do not end with it.
+
+What TRL folds into ``labels`` becomes one mask column here (the packers and ``packkit plan`` read one):
+``assistant_only_loss`` (default: on for conversations, off for prompt/completion pairs, whose
+completion mask already marks the loss) and ``completion_only_loss`` (default on) decide it, and when
+both apply their product is written as ``completion_mask``. With neither, no mask column is written:
+every token carries the loss.
+
+A tokenizer is a local folder, a ``tokenizer.json`` (with ``chat_template=``), a model id, or a loaded
+``transformers`` tokenizer (:func:`load_tokenizer`): no remote code runs unless asked for by name, and a
+model id that is neither cached nor reachable fails at once, in one line, instead of retrying.
+
+Rendering is Jinja, one conversation at a time in Python (as in ``transformers``); tokenization is
+batched (a fast tokenizer encodes a batch in Rust), and the masks are computed with numpy over Arrow
+offsets. The pure pieces::
+
+    >>> import numpy as np
+    >>> common_prefix_lengths([0, 3, 5], [1, 2, 3, 7, 8], [0, 4, 7], [1, 2, 3, 4, 7, 9, 9]).tolist()
+    [3, 1]
+    >>> mask_from(np.array([0, 4, 7]), np.array([3, 1])).tolist()
+    [0, 0, 0, 1, 0, 1, 1]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import warnings
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+__all__ = [
+    "CHAT_FORMATS",
+    "ChatWarning",
+    "chat_format",
+    "common_prefix_lengths",
+    "has_generation_markers",
+    "load_tokenizer",
+    "mask_from",
+    "prepare_dataset",
+    "tokenize_chat",
+    "training_template",
+]
+
+#: The conversational formats :func:`chat_format` recognises (module docstring).
+CHAT_FORMATS = ("messages", "conversations", "prompt_completion", "conversational_prompt_completion")
+
+#: Conversations rendered and tokenized per call.
+BATCH_SIZE = 512
+
+#: :func:`prepare_dataset` shows a progress bar by default from this many examples on.
+PROGRESS_EXAMPLES = 10_000
+
+#: Seconds to wait for the Hub's host before calling a model id unreachable.
+HUB_PROBE_TIMEOUT = 5.0
+
+#: A folder holding one of these is a tokenizer folder (what ``save_pretrained`` writes).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+
+class ChatWarning(UserWarning):
+    """Something about a chat template or its output a user should know (the data is still tokenized)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# small pure pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def has_generation_markers(template) -> bool:
+    """Whether a chat template marks assistant replies with ``{% generation %}`` (any trim variant).
+
+    ``has_generation_markers("{% generation %}{{ m }}{% endgeneration %}") -> True``. A template shipped
+    as named variants (a dict) is judged by its ``"default"`` one.
+    """
+    if isinstance(template, dict):
+        template = template.get("default", "")
+    return bool(template) and _GENERATION_RE.search(template) is not None
+
+
+def common_prefix_lengths(a_offsets, a_values, b_offsets, b_values) -> np.ndarray:
+    """Per example, how many leading tokens two list columns share.
+
+    ``a``'s example i is ``a_values[a_offsets[i]:a_offsets[i + 1]]``, likewise ``b``:
+    ``[[1, 2, 3], [7, 8]]`` against ``[[1, 2, 3, 4], [7, 9, 9]]`` -> ``[3, 1]``.
+
+    Returns:
+        (num_examples,) int64, at most the shorter of the two lengths.
+    """
+    ao, bo = np.asarray(a_offsets, np.int64), np.asarray(b_offsets, np.int64)
+    av, bv = np.asarray(a_values), np.asarray(b_values)
+    m = np.minimum(np.diff(ao), np.diff(bo))
+    out = m.copy()
+    rows = np.flatnonzero(m)
+    if rows.size == 0:
+        return out
+    seg = np.repeat(rows, m[rows])
+    starts = np.zeros(rows.size, np.int64)
+    np.cumsum(m[rows][:-1], out=starts[1:])
+    j = np.arange(seg.size, dtype=np.int64) - np.repeat(starts, m[rows])
+    differ = av[ao[seg] + j] != bv[bo[seg] + j]
+    first = np.where(differ, j, m[seg])  # a position past the end where they never differ
+    out[rows] = np.minimum.reduceat(first, starts)
+    return out
+
+
+def mask_from(offsets, starts) -> np.ndarray:
+    """A 0/1 mask over flat tokens: 1 from position ``starts[i]`` of each example on.
+
+    ``offsets [0, 4, 7]``, ``starts [3, 1]`` -> ``[0, 0, 0, 1, 0, 1, 1]``.
+
+    Returns:
+        (offsets[-1],) int8.
+    """
+    offsets = np.asarray(offsets, np.int64)
+    lengths = np.diff(offsets)
+    pos = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    return (pos >= np.repeat(np.asarray(starts, np.int64), lengths)).astype(np.int8)
+
+
+def _flat(lists):
+    """``(offsets (n + 1,) int64, values)`` of a list of int lists, through Arrow (no per-token Python)."""
+    import pyarrow as pa
+
+    arr = pa.array(lists, type=pa.list_(pa.int64()))
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy()[offsets[0]: offsets[-1]]
+    return offsets - offsets[0], values
+
+
+# ----------------------------------------------------------------------------------------------
+# formats
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_message_list(typ, keys=("role", "content")) -> bool:
+    import pyarrow as pa
+
+    if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
+        return False
+    v = typ.value_type
+    return pa.types.is_struct(v) and all(v.get_field_index(k) >= 0 for k in keys)
+
+
+def _is_text(typ) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(typ) or pa.types.is_large_string(typ)
+
+
+def chat_format(schema) -> str | None:
+    """Which of :data:`CHAT_FORMATS` a table holds, from its schema (a ``pyarrow.Schema``, a table, or
+    ``datasets.Features``), or None (token ids, text, or something else).
+
+    A table with ``input_ids`` is already tokenized (None), as TRL treats it.
+    """
+    if hasattr(schema, "arrow_schema"):  # datasets.Features
+        schema = schema.arrow_schema
+    elif hasattr(schema, "schema"):  # a pyarrow table
+        schema = schema.schema
+    names = schema.names
+    if "input_ids" in names:
+        return None
+    if "messages" in names and _is_message_list(schema.field("messages").type):
+        return "messages"
+    if "conversations" in names and _is_message_list(schema.field("conversations").type, ("from", "value")):
+        return "conversations"
+    if "prompt" in names and "completion" in names:
+        p, c = schema.field("prompt").type, schema.field("completion").type
+        if _is_text(p) and _is_text(c):
+            return "prompt_completion"
+        if _is_message_list(p) and _is_message_list(c):
+            return "conversational_prompt_completion"
+        raise TypeError(f"columns 'prompt' ({p}) and 'completion' ({c}) must both be text or both be lists of "
+                        "{role, content} messages (TRL's prompt/completion formats)")
+    for name in ("messages", "conversations"):
+        if name in names:
+            raise TypeError(f"column {name!r} holds {schema.field(name).type}, not a list of "
+                            + ("{role, content}" if name == "messages" else "{from, value}")
+                            + " messages (TRL's conversational format)")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizers
+# ----------------------------------------------------------------------------------------------
+
+
+def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
+    """One connection attempt to the Hub's host (``HF_ENDPOINT``), bounded by ``timeout`` seconds
+    including the name lookup: no retries, so an offline machine learns it at once."""
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    result = []
+
+    def attempt():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(result and result[0])
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _read_template(template) -> str | None:
+    """A chat template given as Jinja text or as the path of a file holding it."""
+    if template is None or isinstance(template, dict):
+        return template
+    if not isinstance(template, (str, os.PathLike)):
+        raise TypeError(f"chat_template must be Jinja text or a file path, got {type(template).__name__}")
+    text = str(template)
+    if "{%" in text or "{{" in text:
+        return text
+    path = Path(text)
+    if path.is_dir():
+        path = path / "chat_template.jinja"
+    if not path.is_file():
+        raise FileNotFoundError(f"chat template {text!r} is neither a file nor Jinja text: pass a .jinja file "
+                                "(or a folder holding chat_template.jinja)")
+    return path.read_text(encoding="utf-8")
+
+
+def load_tokenizer(spec, *, trust_remote_code: bool = False):
+    """A ``transformers`` tokenizer from a folder, a ``tokenizer.json``, a model id, or as given.
+
+    Args:
+        spec: a folder holding ``tokenizer.json`` / ``tokenizer_config.json`` (what ``save_pretrained``
+            writes), the path of a ``tokenizer.json`` (it has no chat template: pass one to
+            :func:`tokenize_chat`), a Hub model id (``"org/name"``), or a loaded tokenizer (returned as is).
+        trust_remote_code: run the tokenizer's own Python code when its config asks for it
+            (``auto_map``). Off by default: such a tokenizer is then an error that names the flag.
+    Returns:
+        A ``transformers.PreTrainedTokenizerBase``.
+    Raises:
+        FileNotFoundError / ValueError in one line naming ``spec`` and the fix: no such
+        folder or file, a model id neither in the local cache nor reachable (one connection attempt;
+        ``HF_HUB_OFFLINE=1`` skips it), a repository that is missing or gated, remote code refused.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        if hasattr(spec, "apply_chat_template"):
+            return spec
+        raise TypeError(f"tokenizer must be a folder, a tokenizer.json, a model id or a transformers tokenizer, "
+                        f"got {type(spec).__name__}")
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("a chat template needs transformers: pip install 'packkit[chat]'") from None
+    text = str(spec)
+    path = Path(text).expanduser()
+    fix = "pass a tokenizer folder (save_pretrained), a tokenizer.json, or a model id"
+    if path.is_file():
+        if path.suffix != ".json":
+            raise ValueError(f"tokenizer {text!r} is a file but not a tokenizer.json: {fix}")
+        try:
+            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+        except Exception as exc:  # tokenizers raises its own exception type
+            raise ValueError(f"could not read tokenizer {text!r}: {_one_line(exc)}") from None
+    if path.is_dir():
+        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise FileNotFoundError(f"tokenizer folder {text!r} holds no tokenizer (no {' or '.join(_TOKENIZER_FILES[:2])}): "
+                                    "pass the folder that save_pretrained wrote, or a model id")
+        return _from_pretrained(transformers, str(path), text, trust_remote_code, local=True)
+    looks_like_path = (text.startswith((".", "/", "~")) or text.endswith(".json") or os.sep in text.strip("/")
+                       and text.count("/") > 1 or not _REPO_ID_RE.match(text))
+    if looks_like_path:
+        raise FileNotFoundError(f"tokenizer {text!r} not found: no such folder or file; {fix}")
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return _from_pretrained(transformers, text, text, trust_remote_code, local=True,
+                                why="HF_HUB_OFFLINE is set and it is not in the local cache")
+    if not _hub_reachable():
+        return _from_pretrained(transformers, text, text, trust_remote_code, local=True,
+                                why=f"{constants.ENDPOINT} cannot be reached and it is not in the local cache")
+    return _from_pretrained(transformers, text, text, trust_remote_code, local=False)
+
+
+def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: bool, *, local: bool,
+                     why: str | None = None):
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    try:
+        disable_progress_bars()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
+                                                              local_files_only=local)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise ValueError(f"tokenizer {spec!r} runs its own Python code (auto_map in tokenizer_config.json); "
+                             "read it, then pass --trust-remote-code (trust_remote_code=True) to allow it") from None
+        raise ValueError(f"could not load tokenizer {spec!r}: {_one_line(exc)}") from None
+    except OSError as exc:
+        if why is not None:
+            raise FileNotFoundError(f"tokenizer {spec!r} cannot be loaded: {why}; pass a local tokenizer folder, "
+                                    "or download it once online (hf download NAME)") from None
+        if not local and ("not a valid model identifier" in str(exc) or "404" in str(exc)
+                          or "401" in str(exc) or "gated" in str(exc).lower()):
+            raise FileNotFoundError(f"tokenizer {spec!r} is not a model on the Hub you can read (missing, private "
+                                    "or gated): check the id, or log in (hf auth login), or pass a local folder") from None
+        raise FileNotFoundError(f"could not load tokenizer {spec!r}: {_one_line(exc)}") from None
+    except Exception as exc:  # a broken tokenizer file, a template syntax error, ...
+        raise ValueError(f"could not load tokenizer {spec!r}: {type(exc).__name__}: {_one_line(exc)}") from None
+    finally:
+        enable_progress_bars()
+
+
+def training_template(tokenizer) -> str | None:
+    """TRL's training version of ``tokenizer``'s chat template (one with ``{% generation %}`` markers),
+    when TRL is installed and knows the template; else None.
+
+    TRL's ``SFTTrainer(assistant_only_loss=True)`` swaps the same template in, so loss counts made here
+    match what it trains on. The templates are TRL's: packkit ships none.
+    """
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:
+        return None
+    try:
+        return get_training_chat_template(tokenizer)
+    except (ValueError, TypeError):
+        return None
+
+
+def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> str:
+    """The template to render with: ``chat_template`` or the tokenizer's, checked for what is asked."""
+    given = _read_template(chat_template)
+    template = given if given is not None else tok.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        raise ValueError(f"tokenizer {spec_name!r} has no chat template: pass --chat-template FILE.jinja "
+                         "(chat_template=), or a tokenizer folder or model id that has one")
+    if need_markers and not has_generation_markers(template):
+        if given is None:
+            swapped = training_template(tok)
+            if swapped and has_generation_markers(swapped):
+                return swapped
+        raise ValueError(
+            f"the chat template of {spec_name!r} has no {{% generation %}} markers, so assistant tokens cannot be "
+            "told from the rest: pass --chat-template FILE.jinja (chat_template=) that wraps each assistant reply "
+            "in {% generation %}...{% endgeneration %} (TRL ships such templates for common models), or "
+            "--no-assistant-only-loss (assistant_only_loss=False) to put the loss on every token")
+    return template
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizing a batch
+# ----------------------------------------------------------------------------------------------
+
+
+def _messages(value, i: int, name: str, keys=("role", "content")) -> list:
+    if value is None:
+        raise ValueError(f"example {i} has no {name!r} (null); drop or fill it")
+    if not value:
+        raise ValueError(f"example {i} has an empty {name!r} conversation; every example needs a message")
+    out = []
+    for m in value:
+        if m is None or m.get(keys[0]) is None:
+            raise ValueError(f"example {i}: a message in {name!r} has no {keys[0]!r}")
+        if keys[0] == "from":  # ShareGPT keys, renamed as TRL does (roles are kept as written)
+            m = {("role" if k == "from" else "content" if k == "value" else k): v for k, v in m.items()}
+        out.append(m)
+    return out
+
+
+def _render(tok, conversations: list, base: int, *, template: str, tools=None, kwargs=None,
+            add_generation_prompt: bool = False, assistant_mask: bool = False):
+    """``apply_chat_template`` on a batch, tokenized: ``(ids, assistant masks or None)``, lists of lists.
+
+    One call for the batch; per example when a ``tools`` or ``chat_template_kwargs`` column gives each
+    its own. An error is re-raised naming the example."""
+    if tools is not None or kwargs is not None:
+        outs = [_render_one(tok, conv, base + j, template, None if tools is None else tools[j],
+                            None if kwargs is None else kwargs[j], add_generation_prompt, assistant_mask)
+                for j, conv in enumerate(conversations)]
+        return [o[0] for o in outs], ([o[1] for o in outs] if assistant_mask else None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = tok.apply_chat_template(conversations, chat_template=template, tokenize=True, return_dict=True,
+                                          add_generation_prompt=add_generation_prompt,
+                                          return_assistant_tokens_mask=assistant_mask)
+    except Exception as exc:
+        for j, conv in enumerate(conversations):  # find the example that fails, to name it
+            _render_one(tok, conv, base + j, template, None, None, add_generation_prompt, assistant_mask)
+        raise ValueError(f"examples {base}..{base + len(conversations) - 1}: the chat template failed: "
+                         f"{type(exc).__name__}: {_one_line(exc)}") from None
+    return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
+
+
+def _render_one(tok, conv, i, template, tools, extra, add_generation_prompt, assistant_mask):
+    """:func:`_render` of one conversation, with its own tools and template variables."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = tok.apply_chat_template(conv, chat_template=template, tools=tools, tokenize=True, return_dict=True,
+                                          add_generation_prompt=add_generation_prompt,
+                                          return_assistant_tokens_mask=assistant_mask, **(extra or {}))
+    except Exception as exc:
+        raise ValueError(f"example {i}: the chat template failed on it: {type(exc).__name__}: "
+                         f"{_one_line(exc)}") from None
+    return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
+
+
+def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: bool, completion: bool, eos):
+    """Token ids and the loss mask of one batch (``rows``: column -> list, as ``datasets`` batches).
+
+    Returns ``(offsets (n + 1,) int64, ids (T,) int64, mask (T,) int8 or None, diverged)`` where
+    ``diverged`` counts prompt/completion examples whose tokenized prompt is not a prefix of the whole.
+    """
+    tools = rows.get("tools")
+    if tools is not None:
+        tools = [json.loads(t) if isinstance(t, str) else t for t in tools]
+    kwargs = rows.get("chat_template_kwargs")
+    diverged = 0
+    if fmt in ("messages", "conversations"):
+        keys = ("role", "content") if fmt == "messages" else ("from", "value")
+        convs = [_messages(v, base + j, fmt, keys) for j, v in enumerate(rows[fmt])]
+        ids, amask = _render(tok, convs, base, template=template, tools=tools, kwargs=kwargs,
+                             assistant_mask=assistant)
+        offsets, values = _flat(ids)
+        mask = _flat(amask)[1].astype(np.int8) if assistant else None
+        return offsets, values, mask, diverged
+    prompts, completions = rows["prompt"], rows["completion"]
+    for j, (p, c) in enumerate(zip(prompts, completions)):
+        if p is None or c is None:
+            raise ValueError(f"example {base + j} has no {'prompt' if p is None else 'completion'!r} (null)")
+    amask = None
+    if fmt == "prompt_completion":
+        if eos:
+            completions = [c if c.endswith(eos) else c + eos for c in completions]
+        p_ids = tok(list(prompts), add_special_tokens=True)["input_ids"]
+        ids = tok([p + c for p, c in zip(prompts, completions)], add_special_tokens=True)["input_ids"]
+    else:
+        convs_p = [_messages(v, base + j, "prompt") for j, v in enumerate(prompts)]
+        convs_c = [_messages(v, base + j, "completion") for j, v in enumerate(completions)]
+        p_ids, _ = _render(tok, convs_p, base, template=template, tools=tools, kwargs=kwargs,
+                           add_generation_prompt=True)
+        ids, amask = _render(tok, [p + c for p, c in zip(convs_p, convs_c)], base, template=template, tools=tools,
+                             kwargs=kwargs, assistant_mask=assistant)
+    p_off, p_val = _flat(p_ids)
+    offsets, values = _flat(ids)
+    prefix = common_prefix_lengths(p_off, p_val, offsets, values)
+    diverged = int(np.count_nonzero(prefix < np.diff(p_off)))
+    mask = mask_from(offsets, prefix) if completion else None
+    if amask is not None:
+        a = _flat(amask)[1].astype(np.int8)
+        mask = a if mask is None else mask & a
+    return offsets, values, mask, diverged
+
+
+# ----------------------------------------------------------------------------------------------
+# public entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[bool, bool]:
+    conversational = fmt in ("messages", "conversations", "conversational_prompt_completion")
+    paired = fmt.endswith("prompt_completion")
+    assistant = (not paired) if assistant_only_loss is None else bool(assistant_only_loss)
+    if assistant and not conversational:
+        raise ValueError("assistant_only_loss needs conversational data (messages); prompt/completion strings "
+                         "have no assistant turns: keep completion_only_loss (the default) instead")
+    return assistant, bool(completion_only_loss) and paired
+
+
+def _mask_name(assistant: bool, completion: bool) -> str | None:
+    if completion:
+        return "completion_mask"
+    return "assistant_masks" if assistant else None
+
+
+class _Encoder:
+    """One tokenizer, template and loss choice, applied to Arrow batches of one conversational format."""
+
+    def __init__(self, fmt: str, tokenizer, *, chat_template, assistant_only_loss, completion_only_loss,
+                 trust_remote_code):
+        self.fmt = fmt
+        self.assistant, self.completion = _resolve_loss(fmt, assistant_only_loss, completion_only_loss)
+        name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
+        self.tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+        self.template = (None if fmt == "prompt_completion"
+                         else _template_for(self.tok, str(name), chat_template, self.assistant))
+        if self.assistant and not getattr(self.tok, "is_fast", False):
+            raise ValueError(f"tokenizer {str(name)!r} is not a fast (Rust) tokenizer: assistant masks need its "
+                             "token offsets; pass a folder with tokenizer.json")
+        self.mask_name = _mask_name(self.assistant, self.completion)
+        self.columns = [fmt] if fmt in ("messages", "conversations") else ["prompt", "completion"]
+        self.diverged = 0
+
+    def encode(self, table, base: int):
+        """``(input_ids, mask or None)``: pyarrow list arrays (int32, int8) of ``table``'s rows, the first
+        of which is example ``base`` (for errors)."""
+        import pyarrow as pa
+
+        wanted = self.columns + [c for c in ("tools", "chat_template_kwargs") if c in table.column_names]
+        rows = table.select(wanted).to_pydict()
+        offsets, values, mask, diverged = _encode_batch(
+            self.tok, self.fmt, rows, base, template=self.template, assistant=self.assistant,
+            completion=self.completion, eos=self.tok.eos_token)
+        self.diverged += diverged
+        if self.assistant:
+            _check_assistant_tokens(offsets, mask, base)
+        offsets32 = pa.array(offsets.astype(np.int32))
+        ids = pa.ListArray.from_arrays(offsets32, pa.array(values.astype(np.int32)))
+        return ids, (None if mask is None else pa.ListArray.from_arrays(offsets32, pa.array(mask, pa.int8())))
+
+    def warn_diverged(self, n: int) -> None:
+        if self.diverged:
+            warnings.warn(f"{self.diverged:,} of {n:,} examples: the tokenized prompt is not a prefix of the "
+                          "tokenized prompt + completion (the template renders the prompt alone differently, or "
+                          "tokens merge across the boundary); their completion starts where the two diverge, as "
+                          "in TRL", ChatWarning, stacklevel=3)
+
+
+def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
+                  completion_only_loss: bool = True, trust_remote_code: bool = False,
+                  batch_size: int = BATCH_SIZE, progress: bool = False):
+    """Token ids and TRL's loss mask of conversational data (module docstring), as an Arrow table.
+
+    Args:
+        data: a ``pyarrow.Table`` or ``datasets.Dataset`` in one of :data:`CHAT_FORMATS` (optional
+            ``tools`` and ``chat_template_kwargs`` columns are passed to the template per example).
+        tokenizer: a folder, ``tokenizer.json``, model id or loaded tokenizer (:func:`load_tokenizer`).
+        chat_template: Jinja text or a ``.jinja`` file, instead of the tokenizer's own template.
+        assistant_only_loss: loss on assistant tokens only (needs ``{% generation %}`` markers).
+            Default: on for ``messages`` / ``conversations``, off for prompt/completion pairs.
+        completion_only_loss: loss on the completion only (prompt/completion pairs; default on).
+        trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
+        batch_size: conversations per tokenizer call.
+        progress: a progress bar (examples) on stderr.
+    Returns:
+        ``pyarrow.Table`` with ``input_ids`` (list<int32>) and, unless no mask applies, one loss mask
+        (list<int8>): ``assistant_masks`` (assistant-only loss) or ``completion_mask`` (completion-only
+        loss, times the assistant mask when both apply). Rows in ``data``'s order.
+    Raises:
+        ValueError / TypeError naming the example and the fix: not a conversational format, a null or
+        empty conversation, a template that fails on an example, a template without generation
+        markers under assistant-only loss, an example with no assistant token (as TRL does).
+    """
+    import pyarrow as pa
+
+    from .io import progress_bar
+
+    table = _as_table(data)
+    fmt = chat_format(table.schema)
+    if fmt is None:
+        raise ValueError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
+                         f"are {table.column_names}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    enc = _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
+                   completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
+    ids_chunks, mask_chunks = [], []
+    n = table.num_rows
+    with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
+        for lo in range(0, n, batch_size):
+            ids, mask = enc.encode(table.slice(lo, batch_size), lo)
+            ids_chunks.append(ids)
+            mask_chunks.append(mask)
+            bar.update(len(ids))
+    enc.warn_diverged(n)
+    names = ["input_ids"]
+    arrays = [pa.chunked_array(ids_chunks, type=pa.list_(pa.int32()))]
+    if enc.mask_name is not None:
+        names.append(enc.mask_name)
+        arrays.append(pa.chunked_array(mask_chunks, type=pa.list_(pa.int8())))
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _check_assistant_tokens(offsets: np.ndarray, mask: np.ndarray, base: int) -> None:
+    """Every example must hold an assistant token under assistant-only loss (TRL raises too)."""
+    csum = np.zeros(mask.size + 1, np.int64)
+    np.cumsum(mask, out=csum[1:])
+    none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
+    if none.size:
+        raise ValueError(f"example {base + int(none[0])} has no assistant token in its rendered conversation (no "
+                         "assistant message, or the template's {% generation %} markers do not cover it): drop the "
+                         "example, or pass --no-assistant-only-loss (assistant_only_loss=False)")
+
+
+def _as_table(data):
+    import pyarrow as pa
+
+    if isinstance(data, pa.Table):
+        return data
+    if hasattr(data, "data") and hasattr(data, "_indices"):  # datasets.Dataset (a selection applied)
+        if data._indices is not None:
+            data = data.flatten_indices()
+        return data.data.table
+    raise TypeError(f"tokenize_chat takes a pyarrow.Table or a datasets.Dataset, got {type(data).__name__}")
+
+
+def prepare_dataset(ds, *, tokenizer=None, columns=None, chat_template=None, assistant_only_loss=None,
+                    completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None):
+    """``ds`` ready to pack: conversational data tokenized through the chat template, else ``ds`` itself.
+
+    The entry point :func:`packkit.hf.pack_dataset` calls (the options are :func:`tokenize_chat`'s). A
+    ``datasets.Dataset`` comes back as an in-memory ``Dataset`` of :func:`tokenize_chat`'s columns
+    (``progress=None``: a bar from :data:`PROGRESS_EXAMPLES` examples on); an ``IterableDataset`` is
+    mapped lazily, batch by batch. ``columns`` given: ``ds`` is packed as the user named it, untouched.
+    """
+    import datasets
+
+    features = ds.features
+    fmt = chat_format(features.arrow_schema) if features is not None else None
+    if fmt is None or columns is not None:
+        if tokenizer is not None and fmt is None and columns is None and "input_ids" not in (ds.column_names or []):
+            raise ValueError(f"tokenizer= tokenizes conversational data (messages, conversations, or prompt + "
+                             f"completion); the columns are {ds.column_names}")
+        return ds
+    if tokenizer is None:
+        raise ValueError(f"the dataset is conversational ({fmt}): pass tokenizer= (a tokenizer folder or model id "
+                         "with a chat template) to tokenize it")
+    options = dict(chat_template=chat_template, assistant_only_loss=assistant_only_loss,
+                   completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
+    if isinstance(ds, datasets.Dataset):
+        if progress is None:
+            progress = len(ds) >= PROGRESS_EXAMPLES and datasets.utils.logging.is_progress_bar_enabled()
+        table = tokenize_chat(ds, tokenizer, progress=progress, **options)
+        return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
+    import pyarrow as pa
+
+    enc = _Encoder(fmt, tokenizer, **options)
+    schema = features.arrow_schema
+
+    def encode(batch, indices):
+        table = pa.Table.from_pydict(batch, schema=pa.schema([schema.field(c) for c in batch]))
+        ids, mask = enc.encode(table, indices[0] if indices else 0)
+        out = {"input_ids": ids.to_pylist()}
+        if mask is not None:
+            out[enc.mask_name] = mask.to_pylist()
+        return out
+
+    return ds.map(encode, batched=True, batch_size=BATCH_SIZE, with_indices=True, remove_columns=ds.column_names)
