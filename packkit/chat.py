@@ -58,6 +58,8 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from .errors import ArgumentError, DataError, arg
+
 __all__ = [
     "CHAT_FORMATS",
     "ChatWarning",
@@ -203,11 +205,11 @@ def chat_format(schema) -> str | None:
             return "prompt_completion"
         if _is_message_list(p) and _is_message_list(c):
             return "conversational_prompt_completion"
-        raise TypeError(f"columns 'prompt' ({p}) and 'completion' ({c}) must both be text or both be lists of "
+        raise DataError(f"columns 'prompt' ({p}) and 'completion' ({c}) must both be text or both be lists of "
                         "{role, content} messages (TRL's prompt/completion formats)")
     for name in ("messages", "conversations"):
         if name in names:
-            raise TypeError(f"column {name!r} holds {schema.field(name).type}, not a list of "
+            raise DataError(f"column {name!r} holds {schema.field(name).type}, not a list of "
                             + ("{role, content}" if name == "messages" else "{from, value}")
                             + " messages (TRL's conversational format)")
     return None
@@ -258,8 +260,8 @@ def _read_template(template) -> str | None:
     if path.is_dir():
         path = path / "chat_template.jinja"
     if not path.is_file():
-        raise FileNotFoundError(f"chat template {text!r} is neither a file nor Jinja text: pass a .jinja file "
-                                "(or a folder holding chat_template.jinja)")
+        raise ArgumentError("{arg} {text!r} is neither a file nor Jinja text: pass a .jinja file (or a folder "
+                            "holding chat_template.jinja)", arg=arg("chat_template"), text=text)
     return path.read_text(encoding="utf-8")
 
 
@@ -275,7 +277,7 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
     Returns:
         A ``transformers.PreTrainedTokenizerBase``.
     Raises:
-        FileNotFoundError / ValueError in one line naming ``spec`` and the fix: no such
+        :class:`~packkit.errors.ArgumentError` in one line naming ``spec`` and the fix: no such
         folder or file, a model id neither in the local cache nor reachable (one connection attempt;
         ``HF_HUB_OFFLINE=1`` skips it), a repository that is missing or gated, remote code refused.
     """
@@ -291,22 +293,25 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
     text = str(spec)
     path = Path(text).expanduser()
     fix = "pass a tokenizer folder (save_pretrained), a tokenizer.json, or a model id"
+    tok_arg = arg("tokenizer")
     if path.is_file():
         if path.suffix != ".json":
-            raise ValueError(f"tokenizer {text!r} is a file but not a tokenizer.json: {fix}")
+            raise ArgumentError("{arg} {text!r} is a file but not a tokenizer.json: {fix}", arg=tok_arg, text=text,
+                                fix=fix)
         try:
             return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
         except Exception as exc:  # tokenizers raises its own exception type
-            raise ValueError(f"could not read tokenizer {text!r}: {_one_line(exc)}") from None
+            raise ArgumentError("could not read {arg} {text!r}: {why}", arg=tok_arg, text=text,
+                                why=_one_line(exc)) from None
     if path.is_dir():
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise FileNotFoundError(f"tokenizer folder {text!r} holds no tokenizer (no {' or '.join(_TOKENIZER_FILES[:2])}): "
-                                    "pass the folder that save_pretrained wrote, or a model id")
+            raise ArgumentError("{arg} folder {text!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): "
+                                "pass the folder that save_pretrained wrote, or a model id", arg=tok_arg, text=text)
         return _from_pretrained(transformers, str(path), text, trust_remote_code, local=True)
-    looks_like_path = (text.startswith((".", "/", "~")) or text.endswith(".json") or os.sep in text.strip("/")
-                       and text.count("/") > 1 or not _REPO_ID_RE.match(text))
+    looks_like_path = (text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1
+                       or not _REPO_ID_RE.match(text))
     if looks_like_path:
-        raise FileNotFoundError(f"tokenizer {text!r} not found: no such folder or file; {fix}")
+        raise ArgumentError("{arg} {text!r} not found: no such folder or file; {fix}", arg=tok_arg, text=text, fix=fix)
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
@@ -322,6 +327,7 @@ def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: boo
                      why: str | None = None):
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
+    tok_arg = arg("tokenizer")
     try:
         disable_progress_bars()
         with warnings.catch_warnings():
@@ -330,20 +336,25 @@ def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: boo
                                                               local_files_only=local)
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise ValueError(f"tokenizer {spec!r} runs its own Python code (auto_map in tokenizer_config.json); "
-                             "read it, then pass --trust-remote-code (trust_remote_code=True) to allow it") from None
-        raise ValueError(f"could not load tokenizer {spec!r}: {_one_line(exc)}") from None
+            raise ArgumentError("{arg} {spec!r} runs its own Python code (auto_map in tokenizer_config.json); read "
+                                "it, then pass {trust} to allow it", arg=tok_arg, spec=spec,
+                                trust=arg("trust_remote_code", True)) from None
+        raise ArgumentError("could not load {arg} {spec!r}: {why}", arg=tok_arg, spec=spec,
+                            why=_one_line(exc)) from None
     except OSError as exc:
         if why is not None:
-            raise FileNotFoundError(f"tokenizer {spec!r} cannot be loaded: {why}; pass a local tokenizer folder, "
-                                    "or download it once online (hf download NAME)") from None
+            raise ArgumentError("{arg} {spec!r} cannot be loaded: {why}; pass a local tokenizer folder, or download "
+                                "it once online (hf download NAME)", arg=tok_arg, spec=spec, why=why) from None
         if not local and ("not a valid model identifier" in str(exc) or "404" in str(exc)
                           or "401" in str(exc) or "gated" in str(exc).lower()):
-            raise FileNotFoundError(f"tokenizer {spec!r} is not a model on the Hub you can read (missing, private "
-                                    "or gated): check the id, or log in (hf auth login), or pass a local folder") from None
-        raise FileNotFoundError(f"could not load tokenizer {spec!r}: {_one_line(exc)}") from None
+            raise ArgumentError("{arg} {spec!r} is not a model on the Hub you can read (missing, private or gated): "
+                                "check the id, or log in (hf auth login), or pass a local folder", arg=tok_arg,
+                                spec=spec) from None
+        raise ArgumentError("could not load {arg} {spec!r}: {why}", arg=tok_arg, spec=spec,
+                            why=_one_line(exc)) from None
     except Exception as exc:  # a broken tokenizer file, a template syntax error, ...
-        raise ValueError(f"could not load tokenizer {spec!r}: {type(exc).__name__}: {_one_line(exc)}") from None
+        raise ArgumentError("could not load {arg} {spec!r}: {kind}: {why}", arg=tok_arg, spec=spec,
+                            kind=type(exc).__name__, why=_one_line(exc)) from None
     finally:
         enable_progress_bars()
 
@@ -372,18 +383,19 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> str
     if isinstance(template, dict):
         template = template.get("default")
     if not template:
-        raise ValueError(f"tokenizer {spec_name!r} has no chat template: pass --chat-template FILE.jinja "
-                         "(chat_template=), or a tokenizer folder or model id that has one")
+        raise ArgumentError("{tok} {name!r} has no chat template: pass {tpl}, or a tokenizer folder or model id that "
+                            "has one", tok=arg("tokenizer"), name=spec_name,
+                            tpl=arg("chat_template", metavar="FILE.jinja"))
     if need_markers and not has_generation_markers(template):
         if given is None:
             swapped = training_template(tok)
             if swapped and has_generation_markers(swapped):
                 return swapped
-        raise ValueError(
-            f"the chat template of {spec_name!r} has no {{% generation %}} markers, so assistant tokens cannot be "
-            "told from the rest: pass --chat-template FILE.jinja (chat_template=) that wraps each assistant reply "
-            "in {% generation %}...{% endgeneration %} (TRL ships such templates for common models), or "
-            "--no-assistant-only-loss (assistant_only_loss=False) to put the loss on every token")
+        raise ArgumentError(
+            "the chat template of {name!r} has no {{% generation %}} markers, so assistant tokens cannot be told from "
+            "the rest: pass {tpl} that wraps each assistant reply in {{% generation %}}...{{% endgeneration %}} (TRL "
+            "ships such templates for common models), or {all} to put the loss on every token", name=spec_name,
+            tpl=arg("chat_template", metavar="FILE.jinja"), all=arg("assistant_only_loss", False))
     return template
 
 
@@ -394,13 +406,13 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> str
 
 def _messages(value, i: int, name: str, keys=("role", "content")) -> list:
     if value is None:
-        raise ValueError(f"example {i} has no {name!r} (null); drop or fill it")
+        raise DataError(f"example {i} has no {name!r} (null); drop or fill it")
     if not value:
-        raise ValueError(f"example {i} has an empty {name!r} conversation; every example needs a message")
+        raise DataError(f"example {i} has an empty {name!r} conversation; every example needs a message")
     out = []
     for m in value:
         if m is None or m.get(keys[0]) is None:
-            raise ValueError(f"example {i}: a message in {name!r} has no {keys[0]!r}")
+            raise DataError(f"example {i}: a message in {name!r} has no {keys[0]!r}")
         if keys[0] == "from":  # ShareGPT keys, renamed as TRL does (roles are kept as written)
             m = {("role" if k == "from" else "content" if k == "value" else k): v for k, v in m.items()}
         out.append(m)
@@ -427,7 +439,7 @@ def _render(tok, conversations: list, base: int, *, template: str, tools=None, k
     except Exception as exc:
         for j, conv in enumerate(conversations):  # find the example that fails, to name it
             _render_one(tok, conv, base + j, template, None, None, add_generation_prompt, assistant_mask)
-        raise ValueError(f"examples {base}..{base + len(conversations) - 1}: the chat template failed: "
+        raise DataError(f"examples {base}..{base + len(conversations) - 1}: the chat template failed: "
                          f"{type(exc).__name__}: {_one_line(exc)}") from None
     return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
 
@@ -441,7 +453,7 @@ def _render_one(tok, conv, i, template, tools, extra, add_generation_prompt, ass
                                           add_generation_prompt=add_generation_prompt,
                                           return_assistant_tokens_mask=assistant_mask, **(extra or {}))
     except Exception as exc:
-        raise ValueError(f"example {i}: the chat template failed on it: {type(exc).__name__}: "
+        raise DataError(f"example {i}: the chat template failed on it: {type(exc).__name__}: "
                          f"{_one_line(exc)}") from None
     return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
 
@@ -468,7 +480,7 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
     prompts, completions = rows["prompt"], rows["completion"]
     for j, (p, c) in enumerate(zip(prompts, completions)):
         if p is None or c is None:
-            raise ValueError(f"example {base + j} has no {'prompt' if p is None else 'completion'!r} (null)")
+            raise DataError(f"example {base + j} has no {'prompt' if p is None else 'completion'!r} (null)")
     amask = None
     if fmt == "prompt_completion":
         if eos:
@@ -503,8 +515,9 @@ def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[
     paired = fmt.endswith("prompt_completion")
     assistant = (not paired) if assistant_only_loss is None else bool(assistant_only_loss)
     if assistant and not conversational:
-        raise ValueError("assistant_only_loss needs conversational data (messages); prompt/completion strings "
-                         "have no assistant turns: keep completion_only_loss (the default) instead")
+        raise ArgumentError("{arg} needs conversational data (messages); prompt/completion strings have no "
+                            "assistant turns: drop it and keep {keep} (the default)", arg=arg("assistant_only_loss"),
+                            keep=arg("completion_only_loss"))
     return assistant, bool(completion_only_loss) and paired
 
 
@@ -526,8 +539,8 @@ class _Encoder:
         self.template = (None if fmt == "prompt_completion"
                          else _template_for(self.tok, str(name), chat_template, self.assistant))
         if self.assistant and not getattr(self.tok, "is_fast", False):
-            raise ValueError(f"tokenizer {str(name)!r} is not a fast (Rust) tokenizer: assistant masks need its "
-                             "token offsets; pass a folder with tokenizer.json")
+            raise ArgumentError("{arg} {name!r} is not a fast (Rust) tokenizer: assistant masks need its token "
+                                "offsets; pass a folder with tokenizer.json", arg=arg("tokenizer"), name=str(name))
         self.mask_name = _mask_name(self.assistant, self.completion)
         self.columns = [fmt] if fmt in ("messages", "conversations") else ["prompt", "completion"]
         self.diverged = 0
@@ -589,10 +602,10 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     table = _as_table(data)
     fmt = chat_format(table.schema)
     if fmt is None:
-        raise ValueError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
-                         f"are {table.column_names}")
+        raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
+                        f"are {table.column_names}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("batch_size"), got=batch_size)
     enc = _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
     ids_chunks, mask_chunks = [], []
@@ -618,9 +631,9 @@ def _check_assistant_tokens(offsets: np.ndarray, mask: np.ndarray, base: int) ->
     np.cumsum(mask, out=csum[1:])
     none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
     if none.size:
-        raise ValueError(f"example {base + int(none[0])} has no assistant token in its rendered conversation (no "
-                         "assistant message, or the template's {% generation %} markers do not cover it): drop the "
-                         "example, or pass --no-assistant-only-loss (assistant_only_loss=False)")
+        raise DataError("example {i} has no assistant token in its rendered conversation (no assistant message, or "
+                        "the template's {{% generation %}} markers do not cover it): drop the example, or pass {all}",
+                        i=base + int(none[0]), all=arg("assistant_only_loss", False))
 
 
 def _as_table(data):
@@ -650,12 +663,12 @@ def prepare_dataset(ds, *, tokenizer=None, columns=None, chat_template=None, ass
     fmt = chat_format(features.arrow_schema) if features is not None else None
     if fmt is None or columns is not None:
         if tokenizer is not None and fmt is None and columns is None and "input_ids" not in (ds.column_names or []):
-            raise ValueError(f"tokenizer= tokenizes conversational data (messages, conversations, or prompt + "
-                             f"completion); the columns are {ds.column_names}")
+            raise ArgumentError("{arg} tokenizes conversational data (messages, conversations, or prompt + "
+                                "completion); the columns are {names}", arg=arg("tokenizer"), names=ds.column_names)
         return ds
     if tokenizer is None:
-        raise ValueError(f"the dataset is conversational ({fmt}): pass tokenizer= (a tokenizer folder or model id "
-                         "with a chat template) to tokenize it")
+        raise ArgumentError("the dataset is conversational ({fmt}): pass {arg}, a tokenizer with a chat template (a "
+                            "local folder, or a model id)", fmt=fmt, arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
     options = dict(chat_template=chat_template, assistant_only_loss=assistant_only_loss,
                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
     if isinstance(ds, datasets.Dataset):

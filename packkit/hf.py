@@ -65,6 +65,7 @@ import numbers
 import numpy as np
 
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack, stream_windows
+from .errors import ArgumentError, arg
 from .io import list_array, progress_bar
 from .packer import (ColumnSpec, PackedStream, StreamStats, first_bad_label, first_bad_mask, log_overflow,
                      pack_columns, pack_stream, resolve_columns)
@@ -271,8 +272,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                             assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
                             trust_remote_code=trust_remote_code)
     if split is not None:
-        raise ValueError(f"split={split!r} picks a split of a DatasetDict; this is a single "
-                         f"{type(ds).__name__}: drop split")
+        raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
+                            arg=arg("split", split), kind=type(ds).__name__)
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
         ds = prepare_dataset(ds, tokenizer=tokenizer, columns=columns, chat_template=chat_template,
                              assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
@@ -349,7 +350,8 @@ def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
     names = list(dd)
     if split is not None:
         if split not in dd:
-            raise KeyError(f"the DatasetDict has no split {split!r}; it has {names}")
+            raise ArgumentError("the DatasetDict has no split {got!r}; it has {names}: pass {arg}", got=split,
+                                names=names, arg=arg("split", metavar="NAME"))
         return pack_dataset(dd[split], return_plan=return_plan, **kwargs)
     if not names:
         raise ValueError("the DatasetDict has no splits")

@@ -419,8 +419,11 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
         fmt = chat_format(table.schema)
         if fmt is not None:
             if tokenizer in (None, "bytes"):
-                raise ValueError(f"{where} is conversational ({fmt}): pass --tokenizer FOLDER_OR_MODEL_ID, a "
-                                 "tokenizer with a chat template (a local folder, or a model id)")
+                from .errors import ArgumentError, arg
+
+                raise ArgumentError("{where} is conversational ({fmt}): pass {arg}, a tokenizer with a chat "
+                                    "template (a local folder, or a model id)", where=where, fmt=fmt,
+                                    arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
             out = tokenize_chat(table, tokenizer, progress=progress, **(chat or {}))
             name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
             return out, f"{fmt} through the chat template of {os.path.basename(str(name).rstrip('/')) or name}"
