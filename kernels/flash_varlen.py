@@ -3,16 +3,26 @@
 Layers, each thin::
 
     flash_varlen_kernels.attn_*_kernel    (@triton.jit)
-    attention_forward / attention_backward (launchers: check inputs, allocate, pick the grid)
+    attention_forward / attention_backward (launchers: check inputs, allocate, pick configs and grids)
     packkit::varlen_attn_fwd / _bwd        (torch.library custom ops with register_fake + autograd)
     flash_varlen_attention                 (the public function)
 
 On the CPU the kernels only run under Triton's interpreter (``TRITON_INTERPRET=1`` set before this
-module is imported); that is for tests. Devices are read from the tensors at call time.
+module is imported); that is for tests. Devices are read from the tensors at call time, and every
+launch runs under ``torch.cuda.device(q.device)`` (Triton launches on the current device).
+
+Tuning on a GPU: each kernel autotunes over a short list per dtype class (half: fp16/bf16 on tensor
+cores; fp32: IEEE fp32), pruned by head dim (configs that spill registers at large head dims are left
+out; ``python benchmarks/kernel_resources.py`` shows registers, spills and shared memory per config,
+compiled for sm_90 without a GPU) and by the device's shared memory. Results are cached on disk across
+processes where Triton offers it (``cache_results``). ``PACKKIT_TRITON_AUTOTUNE=0`` launches one fixed
+configuration per kernel instead (no tuning: what the GPU tests use).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import os
 
@@ -27,36 +37,122 @@ from packkit.kernels.flash_varlen_kernels import (
     attn_bwd_preprocess_kernel,
     attn_fwd_kernel,
 )
+from packkit.kernels.varlen_layout import check_varlen_shapes
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
+AUTOTUNE_ENV = "PACKKIT_TRITON_AUTOTUNE"
 
 # Block sizes under the interpreter: small enough that 97- and 123-token segments span several
 # blocks (so the loops and the ragged tails are exercised), large enough to keep tests quick.
-_INTERPRETER_FWD = dict(BLOCK_M=32, BLOCK_N=32)
-_INTERPRETER_BWD = dict(BLOCK_M=32, BLOCK_N=32)
+_INTERPRETER_BLOCKS = dict(BLOCK_M=32, BLOCK_N=32)
 
-# GPU configurations tried by the autotuner, keyed on head dim, causality, GQA group, dtype and a
-# rounded max_seqlen. BLOCK_M must be a multiple of BLOCK_N in the forward (see the kernel's phase 1).
-_FWD_CONFIGS = [
-    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-        (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 2),
-    ]
-]
-_BWD_CONFIGS = [
-    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 128, 4, 2),
-        (128, 32, 8, 2), (64, 32, 4, 3),
-    ]
-]
+
+# -- configurations --
+
+def _configs(rows):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, largest BLOCK_D it is listed for) -> [(Config, max_d)]."""
+    return [(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn), num_warps=w, num_stages=s), max_d)
+            for bm, bn, w, s, max_d in rows]
+
+
+# Kernels: "fwd", "dkdv", "dkdv_atomic" (dk, dv and FlashAttention-2's atomic dq), "dq".
+# Dtype classes: "half" (fp16 / bf16: tensor cores, wgmma on sm_90 needs a block side >= 64 on the
+# rows of each product) and "fp32" (IEEE fp32: FMA, so small tiles). Every row was compiled for sm_90
+# with Triton 3.6 (benchmarks/kernel_resources.py): no register spills up to its max head dim.
+# The forward needs BLOCK_M % BLOCK_N == 0 (checked below and in the kernel).
+CONFIGS = {
+    ("fwd", "half"): _configs([(128, 64, 8, 3, 128), (64, 64, 4, 3, 128), (128, 64, 4, 3, 64),
+                               (128, 128, 8, 3, 64)]),
+    ("fwd", "fp32"): _configs([(32, 32, 8, 2, 128), (32, 16, 4, 2, 128)]),
+    ("dkdv", "half"): _configs([(32, 128, 8, 2, 128), (16, 128, 8, 2, 128), (64, 128, 8, 2, 64)]),
+    ("dkdv", "fp32"): _configs([(16, 32, 8, 2, 128), (16, 16, 4, 2, 128)]),
+    ("dkdv_atomic", "half"): _configs([(16, 128, 8, 2, 128), (32, 128, 8, 2, 64)]),
+    ("dkdv_atomic", "fp32"): _configs([(16, 32, 8, 2, 128)]),
+    ("dq", "half"): _configs([(128, 64, 8, 2, 128), (64, 64, 4, 2, 128), (128, 32, 8, 2, 128)]),
+    ("dq", "fp32"): _configs([(32, 32, 8, 2, 128), (32, 16, 4, 2, 128)]),
+}
+# PACKKIT_TRITON_AUTOTUNE=0: the first row of each list (valid for every head dim up to MAX_HEAD_DIM).
+FIXED_CONFIGS = {key: rows[0][0] for key, rows in CONFIGS.items()}
+
+for _key, _rows in CONFIGS.items():
+    assert _rows[0][1] == MAX_HEAD_DIM, f"{_key}: the fixed (first) config must cover every head dim"
+    if _key[0] == "fwd":
+        assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c, _ in _rows), \
+            f"{_key}: the forward needs BLOCK_M to be a multiple of BLOCK_N"
+
+
+def shared_memory_estimate(kernel: str, config: triton.Config, block_d: int, element_bytes: int) -> int:
+    """Bytes of shared memory a config may take, an upper bound: the tiles a program keeps plus
+    ``num_stages`` copies of the tiles its loop streams. Compiled for sm_90 by Triton 3.6 the kernels
+    use less (``benchmarks/kernel_resources.py`` prints both). fwd (128, 64, 8, 3) at d=128 in bf16:
+    2 * 128 * (128 + 3 * 2 * 64) = 131,072."""
+    bm, bn, stages = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
+    # dkdv_atomic keeps k twice: once more as the operand of dS K, in another layout.
+    kept, streamed = {"fwd": (bm, 2 * bn), "dq": (2 * bm, 2 * bn),
+                      "dkdv": (2 * bn, 2 * bm), "dkdv_atomic": (3 * bn, 2 * bm)}[kernel]
+    return element_bytes * block_d * (kept + stages * streamed)
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device.index)["max_shared_mem"]
+
+
+def _pruner(kernel: str):
+    """Triton's early_config_prune: configs listed for this head dim that fit the device's shared memory."""
+    def prune(configs, named_args, **meta):
+        q = named_args["q_ptr"]
+        limit = _max_shared_memory(q.device)
+        listed = {id(c): max_d for c, max_d in CONFIGS[(kernel, _dtype_class(q.dtype))]}
+        kept = [c for c in configs if meta["BLOCK_D"] <= listed[id(c)]
+                and shared_memory_estimate(kernel, c, meta["BLOCK_D"], q.element_size()) <= limit]
+        return kept or [FIXED_CONFIGS[(kernel, _dtype_class(q.dtype))]]
+    return prune
+
+
+# Keys: the rounded max_seqlen and the compile-time shape of the problem (Triton adds the dtypes).
 _TUNE_KEY = ["max_seqlen_key", "GROUP", "HEAD_DIM", "IS_CAUSAL", "DOT_PRECISION"]
-_fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)(attn_fwd_kernel)
-_dkdv_tuned = triton.autotune(configs=_BWD_CONFIGS, key=_TUNE_KEY)(attn_bwd_dkdv_kernel)
-_dq_tuned = triton.autotune(configs=_BWD_CONFIGS, key=_TUNE_KEY)(attn_bwd_dq_kernel)
+_JIT = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dkdv_atomic": attn_bwd_dkdv_kernel,
+        "dq": attn_bwd_dq_kernel}
+# Autotune timings saved in Triton's cache directory, so a second process does not tune again.
+_CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
+
+def _autotuner(kernel: str, dtype_class: str):
+    return triton.autotune(
+        configs=[c for c, _ in CONFIGS[(kernel, dtype_class)]], key=_TUNE_KEY,
+        prune_configs_by={"early_config_prune": _pruner(kernel)},
+        # Atomic dq adds into dq_acc: every timed run must start from zero.
+        reset_to_zero=["dq_acc_ptr"] if kernel == "dkdv_atomic" else None,
+        **_CACHE,
+    )(_JIT[kernel])
+
+
+_TUNED = {key: _autotuner(*key) for key in CONFIGS}
+
+
+def autotune_enabled() -> bool:
+    """False when ``PACKKIT_TRITON_AUTOTUNE`` is 0 / false / off (read at each launch)."""
+    return os.environ.get(AUTOTUNE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "half"
+
+
+def _launch(kernel: str, dtype_class: str, grid_of, args, meta) -> None:
+    """Run one kernel: fixed blocks under the interpreter, the autotuner, or the fixed config."""
+    if interpreted():
+        _JIT[kernel][grid_of(_INTERPRETER_BLOCKS)](*args, **meta, **_INTERPRETER_BLOCKS)
+    elif autotune_enabled():
+        _TUNED[(kernel, dtype_class)][grid_of](*args, **meta)
+    else:
+        config = FIXED_CONFIGS[(kernel, dtype_class)]
+        _JIT[kernel][grid_of(config.kwargs)](*args, **meta, **config.kwargs, num_warps=config.num_warps,
+                                             num_stages=config.num_stages)
+
+
+# -- availability and checks --
 
 def interpreted() -> bool:
     """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
@@ -95,14 +191,23 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
     return None
 
 
-def _check_inputs(q, k, v, cu_seqlens, max_seqlen) -> None:
-    """Shapes, dtypes and devices only: nothing here reads tensor values (that would sync a GPU)."""
+def _checked(q, k, v, cu_seqlens, max_seqlen, num_segments):
+    """Check shapes, dtypes and devices (no tensor value is read: that would sync a GPU); return
+    cu_seqlens contiguous (the kernels index it as a flat array) and cut to num_segments when known."""
     reason = unsupported_reason(q, k, v)
     if reason is not None:
         raise ValueError(reason)
-    from packkit.attention import check_varlen_shapes  # no import cycle at load time: attention
-                                                         # imports the kernels lazily
     check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen)
+    if num_segments is not None:
+        if not 0 <= num_segments <= cu_seqlens.numel() - 1:
+            raise ValueError(f"num_segments={num_segments} must be in [0, {cu_seqlens.numel() - 1}]")
+        cu_seqlens = cu_seqlens[: num_segments + 1]
+    return cu_seqlens.contiguous()
+
+
+def _device_guard(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's (q on cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -125,6 +230,15 @@ def _seqlen_key(max_seqlen: int) -> int:
     return triton.next_power_of_2(max(max_seqlen, 1))
 
 
+def _live_count(cu_seqlens: torch.Tensor, num_segments: int | None):
+    """(count tensor, DEVICE_COUNT): when the host does not know how many segments are real, count on
+    the device those that start before total_tokens (one searchsorted, no sync), so that static-shape
+    padding segments cost their programs one load (see _live_segments in the kernels)."""
+    if num_segments is not None:
+        return cu_seqlens, False  # unused by the kernels: the count is num_segments
+    return torch.searchsorted(cu_seqlens, cu_seqlens[-1:], out_int32=True), True
+
+
 CUDA_MAX_GRID = (2**31 - 1, 65535, 65535)  # programs per grid axis on CUDA
 
 
@@ -145,76 +259,83 @@ def segment_grid(total_tokens: int, num_segments: int, block: int, nheads: int) 
     return grid
 
 
-def attention_forward(q, k, v, cu_seqlens, max_seqlen: int, causal: bool, scale: float):
+# -- launchers --
+
+def attention_forward(q, k, v, cu_seqlens, max_seqlen: int, causal: bool, scale: float,
+                      num_segments: int | None = None):
     """Launch the forward kernel. Returns (o: like q, lse: (nheads, total_tokens) float32).
 
-    Rows outside every segment (if cu_seqlens[-1] < total_tokens) are left at zero.
+    Every row belongs to a segment (cu_seqlens[-1] == total_tokens, checked by varlen_attention on the
+    CPU), so o and lse are written in full and allocated without a fill. ``num_segments``: the number
+    of real segments when the host knows it (cu_seqlens is cut there); None counts them on the device.
     """
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+    cu_seqlens = _checked(q, k, v, cu_seqlens, max_seqlen, num_segments)
     total, nheads, head_dim = q.shape
-    num_segments = cu_seqlens.numel() - 1
-    # Zero-filled so that tokens no segment covers read as 0 rather than as leftover memory.
-    o = torch.zeros_like(q)
-    lse = torch.zeros((nheads, total), dtype=torch.float32, device=q.device)
-    if total == 0 or num_segments == 0:
-        return o, lse
-    args = (
-        q, k, v, o, lse, cu_seqlens,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        scale, num_segments, _seqlen_key(max_seqlen),
-    )
-    meta = dict(GROUP=nheads // k.shape[1], HEAD_DIM=head_dim, IS_CAUSAL=causal,
-                DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype), BLOCK_D=_head_block(head_dim))
-    if interpreted():
-        grid = segment_grid(total, num_segments, _INTERPRETER_FWD["BLOCK_M"], nheads)
-        attn_fwd_kernel[grid](*args, **meta, **_INTERPRETER_FWD)
-    else:
-        def grid(cfg):
-            return segment_grid(total, num_segments, cfg["BLOCK_M"], nheads)
-        _fwd_tuned[grid](*args, **meta)
+    segments = cu_seqlens.numel() - 1
+    if total == 0 or segments == 0:
+        return torch.zeros_like(q), q.new_zeros((nheads, total), dtype=torch.float32)
+    o = torch.empty_like(q)
+    lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
+    with _device_guard(q):
+        count, device_count = _live_count(cu_seqlens, num_segments)
+        args = (q, k, v, o, lse, cu_seqlens, count,
+                *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+                scale, total, segments, _seqlen_key(max_seqlen))
+        meta = dict(GROUP=nheads // k.shape[1], HEAD_DIM=head_dim, IS_CAUSAL=causal,
+                    DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
+                    DEVICE_COUNT=device_count, REVERSE_GRID=causal, BLOCK_D=_head_block(head_dim))
+        _launch("fwd", _dtype_class(q.dtype), lambda c: segment_grid(total, segments, c["BLOCK_M"], nheads),
+                args, meta)
     return o, lse
 
 
-def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal: bool, scale: float):
-    """Launch the backward kernels. Returns (dq, dk, dv), shaped and typed like (q, k, v)."""
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen)
+def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal: bool, scale: float,
+                       num_segments: int | None = None, deterministic: bool = True):
+    """Launch the backward kernels. Returns (dq, dk, dv), shaped and typed like (q, k, v).
+
+    ``deterministic``: dq from its own kernel (bit-identical runs, 7 matrix products); False adds dq
+    into an fp32 buffer with atomics from the dk/dv kernel (FlashAttention-2's way, 5 products; the
+    last bits of dq vary between runs).
+    """
+    cu_seqlens = _checked(q, k, v, cu_seqlens, max_seqlen, num_segments)
     total, nheads, head_dim = q.shape
     nheads_kv = k.shape[1]
-    num_segments = cu_seqlens.numel() - 1
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if total == 0 or num_segments == 0:
-        return dq, dk, dv
-    block_d = _head_block(head_dim)
-
-    # -- delta = rowsum(o * do), fp32, laid out like lse --
-    delta = torch.empty_like(lse)
-    block_t = 64
-    attn_bwd_preprocess_kernel[(triton.cdiv(total, block_t), nheads)](
-        o, do, delta, *o.stride(), *do.stride(), *delta.stride(), total,
-        HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_D=block_d,
-    )
-    # -- dk, dv per key block; dq per query block --
-    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
-    meta = dict(GROUP=nheads // nheads_kv, HEAD_DIM=head_dim, IS_CAUSAL=causal,
-                DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype), BLOCK_D=block_d)
-    key = _seqlen_key(max_seqlen)
-    dkdv_args = (q, k, v, do, lse, delta, dk, dv, cu_seqlens, *common, *dk.stride(), *dv.stride(), scale,
-                 num_segments, key)
-    dq_args = (q, k, v, do, lse, delta, dq, cu_seqlens, *common, *dq.stride(), scale, num_segments, key)
-    if interpreted():
-        blocks = _INTERPRETER_BWD
-        attn_bwd_dkdv_kernel[segment_grid(total, num_segments, blocks["BLOCK_N"], nheads_kv)](
-            *dkdv_args, **meta, **blocks)
-        attn_bwd_dq_kernel[segment_grid(total, num_segments, blocks["BLOCK_M"], nheads)](
-            *dq_args, **meta, **blocks)
-    else:
-        def dkdv_grid(cfg):
-            return segment_grid(total, num_segments, cfg["BLOCK_N"], nheads_kv)
-
-        def dq_grid(cfg):
-            return segment_grid(total, num_segments, cfg["BLOCK_M"], nheads)
-        _dkdv_tuned[dkdv_grid](*dkdv_args, **meta)
-        _dq_tuned[dq_grid](*dq_args, **meta)
+    segments = cu_seqlens.numel() - 1
+    if total == 0 or segments == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dtype_class, block_d = _dtype_class(q.dtype), _head_block(head_dim)
+    # Every key row is written by the dk/dv kernel and every query row by the dq kernel: no fills.
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # Atomic dq sums into fp32 from zero; the deterministic kernel writes each row once.
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.empty_like(q) if deterministic else None
+    with _device_guard(q):
+        count, device_count = _live_count(cu_seqlens, num_segments)
+        # -- delta = rowsum(o * do), fp32, laid out like lse --
+        delta = torch.empty_like(lse)
+        block_t = 64
+        attn_bwd_preprocess_kernel[(triton.cdiv(total, block_t), nheads)](
+            o, do, delta, *o.stride(), *do.stride(), *delta.stride(), total,
+            HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_D=block_d,
+        )
+        # -- dk, dv (and atomic dq) per key block; dq per query block --
+        common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
+        meta = dict(GROUP=nheads // nheads_kv, HEAD_DIM=head_dim, IS_CAUSAL=causal,
+                    DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
+                    DEVICE_COUNT=device_count, BLOCK_D=block_d)
+        tail = (scale, total, segments, _seqlen_key(max_seqlen))
+        acc = dq if deterministic else dq_acc  # the dk/dv kernel touches it only when atomic
+        _launch("dkdv" if deterministic else "dkdv_atomic", dtype_class,
+                lambda c: segment_grid(total, segments, c["BLOCK_N"], nheads_kv),
+                (q, k, v, do, lse, delta, dk, dv, acc, cu_seqlens, count, *common, *dk.stride(), *dv.stride(),
+                 *acc.stride(), *tail),
+                dict(meta, ATOMIC_DQ=not deterministic))
+        if deterministic:
+            _launch("dq", dtype_class, lambda c: segment_grid(total, segments, c["BLOCK_M"], nheads),
+                    (q, k, v, do, lse, delta, dq, cu_seqlens, count, *common, *dq.stride(), *tail),
+                    dict(meta, REVERSE_GRID=causal))
+        else:
+            dq = dq_acc.to(q.dtype)
     return dq, dk, dv
 
 
@@ -222,39 +343,43 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
 
 @torch.library.custom_op("packkit::varlen_attn_fwd", mutates_args=())
 def _varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_seqlen: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+                     max_seqlen: int, causal: bool, scale: float, num_segments: int | None,
+                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments)
 
 
 @_varlen_attn_fwd.register_fake
-def _varlen_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+def _varlen_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments, deterministic):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("packkit::varlen_attn_bwd", mutates_args=())
 def _varlen_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                      lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale)
+                     scale: float, num_segments: int | None,
+                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, num_segments,
+                              deterministic)
 
 
 @_varlen_attn_bwd.register_fake
-def _varlen_attn_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale):
+def _varlen_attn_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, num_segments,
+                          deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, max_seqlen, causal, scale = inputs
+    q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-    ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+    ctx.args = (max_seqlen, causal, scale, num_segments, deterministic)
 
 
 def _backward(ctx, do, dlse):
     # lse is an internal output (the public function returns only o), so dlse carries no gradient.
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = _varlen_attn_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = _varlen_attn_bwd(do, q, k, v, o, lse, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _varlen_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -262,7 +387,8 @@ _varlen_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-    *, causal: bool = True, scale: float | None = None,
+    *, causal: bool = True, scale: float | None = None, num_segments: int | None = None,
+    deterministic: bool = True,
 ) -> torch.Tensor:
     """Attention inside each packed segment, on packkit's Triton kernels (differentiable).
 
@@ -275,10 +401,14 @@ def flash_varlen_attention(
             from total_tokens and the number of segments, so any count of segments launches).
         causal: each token attends to itself and earlier tokens of its segment only.
         scale: softmax scale; default 1 / sqrt(headdim).
+        num_segments: the real segments (the rest of cu_seqlens is static-shape padding), a Python
+            int; None lets the kernels count them on the device.
+        deterministic: bit-identical gradients (default); False uses atomic dq accumulation.
 
     Returns:
         (total_tokens, nheads, headdim), dtype of q.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, _ = _varlen_attn_fwd(q, k, v, cu_seqlens, int(max_seqlen), bool(causal), scale)
+    o, _ = _varlen_attn_fwd(q, k, v, cu_seqlens, int(max_seqlen), bool(causal), scale,
+                            None if num_segments is None else int(num_segments), bool(deterministic))
     return o

@@ -9,10 +9,15 @@ Layout shared by every kernel::
     k, v:       (total_tokens, nheads_kv, headdim), nheads == GROUP * nheads_kv
     o:          (total_tokens, nheads, headdim)
     lse, delta: (nheads, total_tokens) float32
+    dq_acc:     (total_tokens, nheads, headdim) float32, zeroed (atomic dq only)
     cu_seqlens: (num_segments + 1,) int32; segment s owns tokens cu_seqlens[s] : cu_seqlens[s + 1]
+    count:      (1,) int32, the segments that start before total_tokens (DEVICE_COUNT only)
 
 Grids are (segment, block) pairs flattened on axis 0 (up to 2**31 - 1 programs; CUDA caps axes 1 and
 2 at 65,535, fewer than a static-shape batch's segments), heads on axis 1; see ``_locate_block``.
+A program whose id lies past every live segment's blocks (static-shape padding) returns before the
+search (``_live_segments``). With ``REVERSE_GRID`` program ids are taken from the end, so that the
+heaviest causal query blocks (the last of each segment) start first and the light ones fill the tail.
 
 Query head ``h`` reads key/value head ``h // GROUP`` (flash-attn's GQA convention). A program only ever
 reads the tokens of its own segment, which is what keeps documents from attending to each other.
@@ -72,6 +77,28 @@ def _locate_block(cu_seqlens_ptr, num_segments, pid, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _program_id(REVERSE_GRID: tl.constexpr):
+    """This program's flat id on axis 0, counted from the end of the grid under REVERSE_GRID."""
+    pid = tl.program_id(0)
+    if REVERSE_GRID:
+        pid = tl.num_programs(0) - 1 - pid
+    return pid
+
+
+@triton.jit
+def _live_segments(count_ptr, num_segments, DEVICE_COUNT: tl.constexpr):
+    """Segments that start before total_tokens: the rest (static-shape padding, all at total_tokens)
+    own the last ids of the grid, one each, and nothing to compute. The launcher counts them on the
+    device (one searchsorted, no sync) when the host does not know the count (DEVICE_COUNT), so that
+    their programs return after one load instead of a binary search over every segment."""
+    if DEVICE_COUNT:
+        live = tl.load(count_ptr)
+    else:
+        live = tl.full([], 0, tl.int32) + num_segments
+    return live
+
+
+@triton.jit
 def _fwd_block(
     acc, m_i, l_i, q,
     k_base_ptr, v_base_ptr,
@@ -110,26 +137,33 @@ def _fwd_block(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_segments"])  # one compile whatever the count
+@triton.jit(do_not_specialize=["total_tokens", "num_segments"])  # one compile whatever the counts
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_ptr, count_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lh, stride_lt,
-    sm_scale, num_segments,
+    sm_scale, total_tokens, num_segments,
     max_seqlen_key,  # unused in the body; an autotuning key (rounded max_seqlen)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr, REVERSE_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid: (total_tokens // BLOCK_M + num_segments, nheads) (see _locate_block). Writes o and lse
     for one query block."""
+    # Phase 1 below needs start_m (a multiple of BLOCK_M) to be a key-block boundary too.
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "the forward needs BLOCK_M to be a multiple of BLOCK_N")
     # -- locate the segment and the query block --
+    pid = _program_id(REVERSE_GRID)
+    live = _live_segments(count_ptr, num_segments, DEVICE_COUNT)
+    if pid >= total_tokens // BLOCK_M + live:
+        return  # past every live segment's blocks: static-shape padding
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
-    _, seg_start, seqlen, start_m = _locate_block(cu_seqlens_ptr, num_segments, tl.program_id(0), BLOCK_M)
+    _, seg_start, seqlen, start_m = _locate_block(cu_seqlens_ptr, live, pid, BLOCK_M)
     if start_m >= seqlen:
         return  # shorter segment than max_seqlen (or an empty one): nothing to do
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -209,9 +243,9 @@ def attn_bwd_preprocess_kernel(
     tl.store(delta_ptr + head * stride_dh + offs_t * stride_dt, tl.sum(o * do, 1), mask=mask_t)
 
 
-@triton.jit(do_not_specialize=["num_segments"])  # one compile whatever the count
+@triton.jit(do_not_specialize=["total_tokens", "num_segments"])  # one compile whatever the counts
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, cu_seqlens_ptr, count_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -219,20 +253,32 @@ def attn_bwd_dkdv_kernel(
     stride_lh, stride_lt,
     stride_dkt, stride_dkh, stride_dkd,
     stride_dvt, stride_dvh, stride_dvd,
-    sm_scale, num_segments,
+    stride_dqt, stride_dqh, stride_dqd,
+    sm_scale, total_tokens, num_segments,
     max_seqlen_key,  # unused in the body; an autotuning key (rounded max_seqlen)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid: (total_tokens // BLOCK_N + num_segments, nheads_kv) (see _locate_block).
 
-    One program owns a key block of one kv head and loops over the GROUP query heads that share it, so
-    dk and dv are summed in registers: no atomics, and the result is deterministic.
+    One program owns a key block of one kv head and runs over every (query head of the group, query
+    block) pair in one flat loop (which Triton pipelines as a whole), so dk and dv are summed in
+    registers: no atomics, deterministic. Causal blocks already run heaviest first: a segment's first
+    key block is seen by every query.
+
+    ATOMIC_DQ (FlashAttention-2's backward): also add dS K into the fp32 dq_acc with atomics, so that
+    no dq kernel recomputes S and dP (5 matrix products instead of 7); the order of the additions, and
+    so dq's last bits, then varies from run to run.
     """
     # -- locate the segment and the key block --
+    pid = tl.program_id(0)
+    live = _live_segments(count_ptr, num_segments, DEVICE_COUNT)
+    if pid >= total_tokens // BLOCK_N + live:
+        return  # past every live segment's blocks: static-shape padding
     kv_head = tl.program_id(1).to(tl.int64)
-    _, seg_start, seqlen, start_n = _locate_block(cu_seqlens_ptr, num_segments, tl.program_id(0), BLOCK_N)
+    _, seg_start, seqlen, start_n = _locate_block(cu_seqlens_ptr, live, pid, BLOCK_N)
     if start_n >= seqlen:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -253,32 +299,39 @@ def attn_bwd_dkdv_kernel(
     qk_scale = sm_scale * LOG2E
     # Causal: queries before start_n cannot see this key block.
     lo = (start_n // BLOCK_M) * BLOCK_M if IS_CAUSAL else 0
+    blocks_m = tl.cdiv(seqlen - lo, BLOCK_M)
 
-    # -- loop over the query heads of the group, then over query blocks --
-    for g in range(GROUP):
+    # -- one loop over (query head of the group, query block) --
+    for it in range(0, GROUP * blocks_m):
+        g = it // blocks_m
+        start_m = lo + (it - g * blocks_m) * BLOCK_M
         head = kv_head * GROUP + g
-        for start_m in range(lo, seqlen, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < seqlen
-            rows_m = seg_start + offs_m.to(tl.int64)
-            q_mask = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(q_ptr + rows_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :] * stride_qd,
-                        mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + rows_m[:, None] * stride_dot + head * stride_doh + offs_d[None, :] * stride_dod,
-                         mask=q_mask, other=0.0)
-            lse = tl.load(lse_ptr + head * stride_lh + rows_m * stride_lt, mask=mask_m, other=0.0)
-            delta = tl.load(delta_ptr + head * stride_lh + rows_m * stride_lt, mask=mask_m, other=0.0)
-            # -- recompute P^T from the saved logsumexp --
-            st = _dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * qk_scale
-            keep = mask_n[:, None] & mask_m[None, :]
-            if IS_CAUSAL:
-                keep = keep & (offs_m[None, :] >= offs_n[:, None])
-            pt = tl.where(keep, tl.exp2(st - lse[None, :] * LOG2E), 0.0)
-            # -- dV += P^T dO ; dS^T = P^T * (dP^T - delta) ; dK += dS^T Q --
-            dv += _dot(pt.to(do.dtype), do, DOT_PRECISION, UPCAST_DOT)
-            dpt = _dot(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
-            dst = pt * (dpt - delta[None, :])
-            dk += _dot(dst.to(q.dtype), q, DOT_PRECISION, UPCAST_DOT)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < seqlen
+        rows_m = seg_start + offs_m.to(tl.int64)
+        q_mask = mask_m[:, None] & mask_d[None, :]
+        qt = tl.load(q_ptr + rows_m[None, :] * stride_qt + head * stride_qh + offs_d[:, None] * stride_qd,
+                     mask=mask_m[None, :] & mask_d[:, None], other=0.0)
+        do = tl.load(do_ptr + rows_m[:, None] * stride_dot + head * stride_doh + offs_d[None, :] * stride_dod,
+                     mask=q_mask, other=0.0)
+        lse = tl.load(lse_ptr + head * stride_lh + rows_m * stride_lt, mask=mask_m, other=0.0)
+        delta = tl.load(delta_ptr + head * stride_lh + rows_m * stride_lt, mask=mask_m, other=0.0)
+        # -- recompute P^T from the saved logsumexp --
+        st = _dot(k, qt, DOT_PRECISION, UPCAST_DOT) * qk_scale
+        keep = mask_n[:, None] & mask_m[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_m[None, :] >= offs_n[:, None])
+        pt = tl.where(keep, tl.exp2(st - lse[None, :] * LOG2E), 0.0)
+        # -- dV += P^T dO ; dS^T = P^T * (dP^T - delta) ; dK += dS^T Q --
+        dv += _dot(pt.to(do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+        dpt = _dot(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
+        dst = (pt * (dpt - delta[None, :])).to(qt.dtype)
+        dk += _dot(dst, tl.trans(qt), DOT_PRECISION, UPCAST_DOT)
+        if ATOMIC_DQ:
+            # -- dQ += dS K * scale, added in fp32 --
+            dq = _dot(tl.trans(dst), k, DOT_PRECISION, UPCAST_DOT) * sm_scale
+            tl.atomic_add(dq_acc_ptr + rows_m[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :] * stride_dqd,
+                          dq, mask=q_mask, sem="relaxed")
 
     # -- store dk (scaled once here rather than per block) and dv --
     dk = dk * sm_scale
@@ -288,27 +341,32 @@ def attn_bwd_dkdv_kernel(
              dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit(do_not_specialize=["num_segments"])  # one compile whatever the count
+@triton.jit(do_not_specialize=["total_tokens", "num_segments"])  # one compile whatever the counts
 def attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_ptr, count_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_dot, stride_doh, stride_dod,
     stride_lh, stride_lt,
     stride_dqt, stride_dqh, stride_dqd,
-    sm_scale, num_segments,
+    sm_scale, total_tokens, num_segments,
     max_seqlen_key,  # unused in the body; an autotuning key (rounded max_seqlen)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DEVICE_COUNT: tl.constexpr, REVERSE_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid: (total_tokens // BLOCK_M + num_segments, nheads) (see _locate_block). dq for one query
     block, no atomics."""
     # -- locate the segment and the query block --
+    pid = _program_id(REVERSE_GRID)
+    live = _live_segments(count_ptr, num_segments, DEVICE_COUNT)
+    if pid >= total_tokens // BLOCK_M + live:
+        return  # past every live segment's blocks: static-shape padding
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
-    _, seg_start, seqlen, start_m = _locate_block(cu_seqlens_ptr, num_segments, tl.program_id(0), BLOCK_M)
+    _, seg_start, seqlen, start_m = _locate_block(cu_seqlens_ptr, live, pid, BLOCK_M)
     if start_m >= seqlen:
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -28,12 +28,16 @@ reading ``cu_seqlens`` (a sync on a GPU; refused inside a compiled or captured g
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import math
 
 import torch
 import torch.nn.functional as F
+
+# Shape checks shared with the Triton launcher; varlen_layout imports torch only (no triton).
+from packkit.kernels.varlen_layout import check_varlen_shapes
 
 BACKENDS = ("flash_attn", "torch", "triton", "reference")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -216,42 +220,108 @@ def reference_varlen_attention(
     return torch.cat(pieces, dim=0)
 
 
-def _flash_attn_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
+def _flash_attn_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deterministic):
     cu = _nonempty_cu_seqlens(cu_seqlens, sliced=sliced)
+    extra = {} if deterministic is None else {"deterministic": deterministic}
     return _flash_attn_varlen_func()[0](
-        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra,
     )
 
 
-def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
-    varlen_attn = _torch_varlen_attn()[0]
-    params = inspect.signature(varlen_attn).parameters
+@dataclasses.dataclass(frozen=True)
+class TorchVarlenCall:
+    """How packkit calls torch's ``varlen_attn``, decided once per function and device.
+
+    signature: the function's signature, as printed by ``inspect.signature``.
+    causal_arg: "window_size" (torch >= 2.11: causal is ``window_size=(-1, 0)``) or "is_causal".
+    takes_scale: whether it has a ``scale`` keyword (else q is pre-scaled, the op applies 1/sqrt(d)).
+    gqa: how k, v with fewer heads than q are passed: "enable_gqa" (the keyword exists), "native"
+        (no keyword, but grouped k, v give the same values and gradients as repeated ones: probed
+        once on a tiny problem), or "repeat" (k, v repeated to q's heads before each call).
+    """
+
+    signature: str
+    causal_arg: str
+    takes_scale: bool
+    gqa: str
+
+
+_TORCH_CALLS: dict[tuple[object, str], TorchVarlenCall] = {}  # (function, device) -> plan
+
+
+def _probe_grouped_heads(fn, params, device: torch.device, dtype: torch.dtype) -> bool:
+    """True when fn gives grouped k, v the values and gradients of repeated ones (2 query heads over
+    1 kv head, two segments of 3 and 5 tokens, head dim 64). Any error counts as False."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, h, 64, generator=gen).to(device=device, dtype=dtype) for h in (2, 1, 1))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    outs = []
+    try:
+        for repeat in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            kk, vv = (t.repeat_interleave(2, dim=1) if repeat else t for t in leaves[1:])
+            out = fn(leaves[0], kk, vv, cu, cu, 5, 5, **causal)
+            out.float().square().sum().backward()
+            outs.append([out.float(), *(t.grad.float() for t in leaves)])
+    except (RuntimeError, ValueError, TypeError, AssertionError):
+        return False
+    return all(a.shape == b.shape and torch.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in zip(*outs))
+
+
+def torch_varlen_call(q: torch.Tensor) -> TorchVarlenCall:
+    """The :class:`TorchVarlenCall` for torch's ``varlen_attn`` on q's device: read from the signature
+    once, and for grouped heads without ``enable_gqa`` probed once (a few tiny launches), then cached.
+    Inside a compiled graph an unprobed function is called with repeated k, v (the probe runs eagerly)."""
+    fn = _torch_varlen_attn()[0]
+    key = (fn, str(q.device))
+    plan = _TORCH_CALLS.get(key)
+    if plan is not None:
+        return plan
+    params = inspect.signature(fn).parameters
+    gqa = "enable_gqa" if "enable_gqa" in params else None
+    if gqa is None:
+        if torch.compiler.is_compiling():
+            gqa = "repeat"  # not cached: the next eager call probes
+        else:
+            gqa = "native" if _probe_grouped_heads(fn, params, q.device, q.dtype) else "repeat"
+    plan = TorchVarlenCall(str(inspect.signature(fn)), "window_size" if "window_size" in params else "is_causal",
+                           "scale" in params, gqa)
+    if not torch.compiler.is_compiling():
+        _TORCH_CALLS[key] = plan
+    return plan
+
+
+def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deterministic):
+    plan = torch_varlen_call(q)
     kwargs = {}
-    # Recent torch spells causal as window_size=(-1, 0); the first releases had is_causal.
-    if "window_size" in params:
+    if plan.causal_arg == "window_size":
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     else:
         kwargs["is_causal"] = causal
-    if "scale" in params:
+    if plan.takes_scale:
         kwargs["scale"] = scale
     elif scale is not None:
         q = q * (scale * math.sqrt(q.shape[-1]))  # the op applies 1/sqrt(d) itself
     group = q.shape[1] // k.shape[1]
     if group > 1:
-        if "enable_gqa" in params:
+        if plan.gqa == "enable_gqa":
             kwargs["enable_gqa"] = True
-        else:
+        elif plan.gqa == "repeat":
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     cu = _nonempty_cu_seqlens(cu_seqlens, sliced=sliced)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return _torch_varlen_attn()[0](q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
-def _triton_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
-    # Empty segments cost the kernels one early-exit program each; no compaction needed.
-    return _triton_kernels()[0].flash_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
+def _triton_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deterministic):
+    # Empty segments need no compaction: cut off by num_segments, or counted on the device.
+    return _triton_kernels()[0].flash_varlen_attention(
+        q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale,
+        num_segments=cu_seqlens.numel() - 1 if sliced else None,
+        deterministic=True if deterministic is None else deterministic)
 
 
-def _reference_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced):
+def _reference_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deterministic):
     return reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
 
 
@@ -277,37 +347,14 @@ def _check_num_segments(num_segments, cu_seqlens: torch.Tensor) -> None:
                          f"(cu_seqlens has {cu_seqlens.numel()} entries)")
 
 
-def check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen) -> None:
-    """Shapes, dtypes and devices of a varlen call; reads no tensor values (no sync).
-
-    Shared by :func:`varlen_attention` and the Triton launcher (``packkit.kernels.flash_varlen``).
-    """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be (total_tokens, heads, headdim); got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k and v must be (total_tokens={q.shape[0]}, nheads_kv, headdim={q.shape[2]}); "
-                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"nheads={q.shape[1]} must be a multiple of nheads_kv={k.shape[1]} (GQA/MQA)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor (num_segments + 1,); got {cu_seqlens.dtype} "
-                         f"of shape {tuple(cu_seqlens.shape)}")
-    if not (q.device == k.device == v.device == cu_seqlens.device):
-        raise ValueError(f"q, k, v and cu_seqlens must be on one device; got {q.device}, {k.device}, "
-                         f"{v.device}, {cu_seqlens.device} (move cu_seqlens with .to(q.device))")
-    if max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be >= 0; got {max_seqlen}")
-
-
-def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None) -> None:
+def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None, deterministic=None) -> None:
     if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
         raise TypeError(f"max_seqlen must be a Python int computed on the CPU (reading it from a tensor "
                         f"forces a sync and breaks torch.compile graphs); got {type(max_seqlen).__name__}")
     check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen)
     _check_num_segments(num_segments, cu_seqlens)
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be None, True or False; got {deterministic!r}")
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():
         return  # checking values would read a GPU tensor back (a sync) or break a compiled graph
     offsets = cu_seqlens.tolist()
@@ -339,7 +386,7 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None) -> None:
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
     *, causal: bool = True, scale: float | None = None, backend: str = "auto",
-    num_segments: int | None = None,
+    num_segments: int | None = None, deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Attention over packed documents: no token attends outside its own segment (differentiable).
 
@@ -360,6 +407,11 @@ def varlen_attention(
             and torch backends drop empty segments themselves (flash-attention#1537): free on the CPU,
             one GPU sync in eager mode, and a ValueError under torch.compile / CUDA-graph capture, where
             a sync with a data-dependent shape would break the graph. Pass it on a GPU to avoid the sync.
+        deterministic: the backward's reduction of dq. None: each backend's default (Triton:
+            deterministic; flash-attn: its ``deterministic=False``). True / False: Triton runs its dq
+            kernel / FlashAttention-2's atomic dq accumulation (faster, last bits vary between runs);
+            flash-attn gets it as ``deterministic``; torch's varlen_attn has no such argument and
+            ignores it; the reference is deterministic.
 
     Returns:
         (total_tokens, nheads, headdim), dtype of q.
@@ -367,7 +419,7 @@ def varlen_attention(
     Values of cu_seqlens are checked when it lives on the CPU; on a GPU they are trusted (checking
     would synchronise).
     """
-    _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments)
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments, deterministic)
     name = select_backend(q, k, v, backend=backend)
     if q.shape[0] == 0:
         return q.clone()  # no tokens: nothing to attend; native kernels need not see this case
@@ -375,4 +427,55 @@ def varlen_attention(
     if sliced:
         cu_seqlens = cu_seqlens[: num_segments + 1]  # host-side count: a view, no sync
     scale = None if scale is None else float(scale)
-    return _RUNNERS[name](q, k, v, cu_seqlens, max_seqlen, bool(causal), scale, sliced)
+    return _RUNNERS[name](q, k, v, cu_seqlens, max_seqlen, bool(causal), scale, sliced, deterministic)
+
+
+# -- Hugging Face models: the attention function of a packed batch --
+
+HF_ATTENTION_NAME = "packkit_varlen"
+
+
+def hf_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                        scaling: float | None = None, dropout: float = 0.0, *, backend: str = "auto", **kwargs):
+    """A Hugging Face attention function (``transformers.AttentionInterface``) over a packed batch.
+
+    query: (batch, nheads, seq, headdim); key, value: (batch, nheads_kv, seq, headdim). The documents
+    come from the batch's ``cu_seq_lens_q`` / ``max_length_q`` kwargs (``PackedBatch.hf_kwargs()``),
+    and an optional ``num_segments`` kwarg (a Python int, e.g. ``batch.num_real_segments`` with
+    ``hf_kwargs(static=True)``) spares the flash_attn / torch backends a sync. Returns
+    ``(out: (batch, seq, nheads, headdim), None)``, as Hugging Face's attention functions do.
+
+    Registered under a name of its own, transformers builds no mask for it (its padding mask would
+    not reach this function), so a batch without ``cu_seq_lens_q`` is refused rather than guessed.
+    """
+    cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu_seqlens is None or max_seqlen is None:
+        raise ValueError("the packkit_varlen attention needs a packed batch's cu_seq_lens_q and max_length_q "
+                         "(model(**packed_batch.hf_kwargs())); for padded batches use attn_implementation='sdpa'")
+    if attention_mask is not None:
+        raise ValueError("the packkit_varlen attention takes no attention_mask: documents come from cu_seq_lens_q "
+                         "(PackedBatch.hf_kwargs() carries no mask)")
+    if dropout:
+        raise ValueError(f"the packkit_varlen attention has no attention dropout; got dropout={dropout} "
+                         f"(set the model config's attention_dropout to 0)")
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None or getattr(module, name, None) is not None:
+            raise ValueError(f"the packkit_varlen attention does not implement {name}; use attn_implementation='sdpa'")
+    batch, nheads, seq, head_dim = query.shape
+    # (batch, heads, seq, d) -> (batch * seq, heads, d): the packed layout (one copy each).
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
+    out = varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), causal=kwargs.get("is_causal", module.is_causal),
+                           scale=scaling, backend=backend, num_segments=kwargs.get("num_segments"))
+    return out.view(batch, seq, nheads, head_dim), None
+
+
+def register_hf_attention(name: str = HF_ATTENTION_NAME, *, backend: str = "auto") -> str:
+    """Register :func:`hf_varlen_attention` with transformers under ``name`` (pinned to ``backend``)
+    and return the name, for ``from_pretrained(..., attn_implementation=name)``."""
+    from transformers import AttentionInterface
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return hf_varlen_attention(module, query, key, value, attention_mask, backend=backend, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    return name

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from attention_testlib import assert_close, cu_seqlens_of
+from attention_testlib import TOLERANCES, assert_close, attention_ref, check_against_float64, cu_seqlens_of, random_qkv
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -23,38 +23,15 @@ if not torch.cuda.is_available():
 from packkit import attention  # noqa: E402
 from packkit.attention import BackendUnavailableError, varlen_attention  # noqa: E402
 
-# Max |err| <= atol + rtol * max|ref| against float64, per dtype: (forward, gradients).
-TOLERANCES = {
-    torch.float64: dict(fwd=(1e-10, 1e-10), bwd=(1e-10, 1e-10)),
-    torch.float32: dict(fwd=(2e-5, 1e-5), bwd=(1e-4, 1e-5)),
-    torch.float16: dict(fwd=(5e-3, 2e-3), bwd=(1e-2, 4e-3)),
-    torch.bfloat16: dict(fwd=(4e-2, 1.6e-2), bwd=(8e-2, 3e-2)),
-}
 LENGTHS = [1, 17, 0, 97, 123]
 
 
-def attention_ref(q, k, v, cu_seqlens, causal, scale):
-    """The obvious definition in float64: for each segment and head, softmax(q k^T * scale) v."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    out = torch.zeros_like(q)
-    offsets = cu_seqlens.tolist()
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        n = end - start
-        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed = allowed.tril()
-        for h in range(q.shape[1]):
-            scores = (q[start:end, h] @ k[start:end, h // group].T * scale).masked_fill(~allowed, float("-inf"))
-            out[start:end, h] = torch.softmax(scores, dim=-1) @ v[start:end, h // group]
-    return out
-
-
-def random_qkv(lengths, nheads, nheads_kv, headdim, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    shapes = [(total, nheads, headdim), (total, nheads_kv, headdim), (total, nheads_kv, headdim)]
-    return [torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for s in shapes]
+@pytest.fixture(autouse=True)
+def _fresh_torch_call_plans():
+    """torch_varlen_call caches a plan per function; each test's fake is a new function anyway."""
+    attention._TORCH_CALLS.clear()
+    yield
+    attention._TORCH_CALLS.clear()
 
 
 def skip_if_unavailable(backend, q, k, v):
@@ -89,21 +66,9 @@ BACKEND_CASES = [
 def test_backend_matches_float64(device, backend, dtype, causal):
     q, k, v = random_qkv(LENGTHS, 2, 1, 32, dtype, device)
     skip_if_unavailable(backend, q, k, v)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    cu = cu_seqlens_of(LENGTHS, device)
-    out = varlen_attention(q, k, v, cu, max(LENGTHS), causal=causal, backend=backend)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
-    out.backward(grad_out)
-
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attention_ref(q64, k64, v64, cu, causal, 1 / math.sqrt(32))
-    ref.backward(grad_out.double())
-    tol = TOLERANCES[dtype]
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_close("out", out, ref, *tol["fwd"])
-    assert_close("dq", q.grad, q64.grad, *tol["bwd"])
-    assert_close("dk", k.grad, k64.grad, *tol["bwd"])
-    assert_close("dv", v.grad, v64.grad, *tol["bwd"])
+    check_against_float64(
+        lambda q, k, v, cu: varlen_attention(q, k, v, cu, max(LENGTHS), causal=causal, backend=backend),
+        LENGTHS, 2, 1, 32, dtype, device, causal)
 
 
 # -- isolation: no token sees another document, in values or in gradients --
@@ -354,8 +319,35 @@ def test_torch_varlen_attn_call(monkeypatch):
                      dict(cu=[0, 3, 7], window_size=(-1, -1), enable_gqa=True, scale=0.5)]
 
 
+def test_torch_2_11_signature_with_grouped_heads(monkeypatch):
+    """torch 2.11's varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux, scale,
+    window_size) has no enable_gqa, and its kernel takes grouped k, v: the probe finds that once, and
+    every call after passes k, v with their own heads (no repeat, which would slow the baseline)."""
+    calls = []
+
+    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        calls.append(key.shape[1])
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    cu = cu_seqlens_of([3, 0, 4])
+    for _ in range(3):
+        out = varlen_attention(q, k, v, cu, 4, backend="torch")
+        assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 4))
+    plan = attention.torch_varlen_call(q)
+    assert plan.gqa == "native" and plan.causal_arg == "window_size" and plan.takes_scale
+    assert "window_size" in plan.signature and "enable_gqa" not in plan.signature
+    assert calls[:2] == [1, 2]  # the probe: grouped, then repeated (once)
+    assert calls[2:] == [2, 2, 2]  # then the three calls: k, v with their 2 heads, never repeated to 4
+
+
 def test_torch_varlen_attn_older_signature(monkeypatch):
-    """A release with is_causal and without enable_gqa / scale: k, v repeated, q pre-scaled."""
+    """A release with is_causal and without enable_gqa / scale, whose kernel refuses grouped k, v:
+    the probe finds that once, then k, v are repeated and q pre-scaled."""
     def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
         assert key.shape[1] == query.shape[1] and is_causal
         return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q, causal=is_causal)
@@ -367,7 +359,7 @@ def test_torch_varlen_attn_older_signature(monkeypatch):
     k, v = k.to(torch.float16), v.to(torch.float16)
     cu = cu_seqlens_of([3, 0, 4])
     out = varlen_attention(q, k, v, cu, 4, scale=0.1, backend="torch")
-    ref = attention_ref(q, k, v, cu, True, 0.1)
+    ref, _ = attention_ref(q, k, v, cu, True, 0.1)
     assert_close("out", out, ref, *TOLERANCES[torch.float16]["fwd"])
 
 
@@ -513,7 +505,7 @@ def test_num_segments_on_the_other_backends(backend):
     skip_if_unavailable(backend, q, k, v)
     cu = cu_seqlens_of(lengths)
     out = varlen_attention(q, k, v, cu, 9, backend=backend, num_segments=3)
-    ref = attention_ref(q, k, v, cu, True, 1 / math.sqrt(16))
+    ref, _ = attention_ref(q, k, v, cu, True, 1 / math.sqrt(16))
     assert_close("out", out, ref, *TOLERANCES[torch.float32]["fwd"])
 
 

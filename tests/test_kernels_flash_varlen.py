@@ -10,33 +10,26 @@ untested without a word); ``make test`` exports it. On a CUDA machine run withou
 the "cuda" cases run the compiled kernels and the "cpu" ones skip, saying why.
 """
 
-import math
+import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
-from attention_testlib import assert_close, cu_seqlens_of
+from attention_testlib import TOLERANCES, assert_close, attention_ref, check_against_float64, cu_seqlens_of
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before packkit.kernels is imported: see above
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (pip install 'packkit[triton]')")
 
-from packkit.kernels import flash_varlen  # noqa: E402  (after TRITON_INTERPRET is decided)
+from packkit.attention import varlen_attention  # noqa: E402  (after TRITON_INTERPRET is decided)
+from packkit.kernels import flash_varlen  # noqa: E402
 
 # Odd lengths, a single token, a length that is a block plus a ragged tail, and an empty segment.
 LENGTHS = [1, 17, 0, 97, 123]
-
-# Max |err| <= atol + rtol * max|ref|, against float64. fp32 runs IEEE fp32 dots; fp16 / bf16 round
-# the inputs, P and the output to 11 / 8 significant bits (eps 9.8e-4 / 7.8e-3).
-TOLERANCES = {
-    torch.float32: dict(fwd=(2e-5, 1e-5), bwd=(1e-4, 1e-5)),
-    torch.float16: dict(fwd=(5e-3, 2e-3), bwd=(1e-2, 4e-3)),
-    torch.bfloat16: dict(fwd=(4e-2, 1.6e-2), bwd=(8e-2, 3e-2)),
-}
-
 
 def device_params():
     return [
@@ -53,32 +46,6 @@ def skip_unless_runnable(device: str) -> None:
         if torch.cuda.is_available():
             pytest.skip(f"the compiled kernels run in the 'cuda' cases here; the CPU interpreter is off: {problem}")
         pytest.fail(f"no CUDA device and the Triton interpreter is off, so these kernels would go untested: {problem}")
-
-
-def attention_ref(q, k, v, cu_seqlens, causal, scale):
-    """The obvious definition, in float64, one segment and one head at a time.
-
-    Returns (out, lse) with out (total, nheads, d) and lse (nheads, total), both float64.
-    """
-    q, k, v = q.double(), k.double(), v.double()
-    total, nheads, _ = q.shape
-    group = nheads // k.shape[1]
-    out = torch.zeros_like(q)
-    lse = torch.zeros(nheads, total, dtype=torch.float64, device=q.device)
-    offsets = cu_seqlens.tolist()
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        n = end - start
-        if n == 0:
-            continue
-        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
-        if causal:
-            allowed = allowed.tril()
-        for h in range(nheads):
-            scores = q[start:end, h] @ k[start:end, h // group].T * scale
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            lse[h, start:end] = torch.logsumexp(scores, dim=-1)
-            out[start:end, h] = torch.softmax(scores, dim=-1) @ v[start:end, h // group]
-    return out, lse
 
 
 # (dtype, causal, headdim, nheads, nheads_kv): every dtype both ways with GQA at d=32, then MHA at 64,
@@ -103,28 +70,55 @@ CASES = [
                               for c in CASES])
 def test_forward_and_gradients_match_float64(device, dtype, causal, headdim, nheads, nheads_kv):
     skip_unless_runnable(device)
-    torch.manual_seed(0)
-    cu = cu_seqlens_of(LENGTHS, device)
-    total = sum(LENGTHS)
-    q = torch.randn(total, nheads, headdim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, requires_grad=True)
-    scale = 1.0 / math.sqrt(headdim)
+    check_against_float64(triton_attention(max(LENGTHS), causal), LENGTHS, nheads, nheads_kv, headdim, dtype,
+                          device, causal)
 
-    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(LENGTHS), causal=causal)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
 
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(q64, k64, v64, cu, causal, scale)
-    ref.backward(grad_out.double())
+def triton_attention(max_seqlen, causal, **options):
+    """``run(q, k, v, cu)`` through the public function, pinned to the Triton backend."""
+    return lambda q, k, v, cu: varlen_attention(q, k, v, cu, max_seqlen, causal=causal, backend="triton", **options)
 
-    tol = TOLERANCES[dtype]
-    assert out.dtype == dtype and out.shape == q.shape
-    assert_close("out", out, ref, *tol["fwd"])
-    assert_close("dq", q.grad, q64.grad, *tol["bwd"])
-    assert_close("dk", k.grad, k64.grad, *tol["bwd"])
-    assert_close("dv", v.grad, v64.grad, *tol["bwd"])
+
+@pytest.mark.parametrize("device", device_params())
+@pytest.mark.parametrize("dtype,causal,nheads,nheads_kv", [(torch.float32, True, 4, 2), (torch.float32, False, 3, 1),
+                                                           (torch.bfloat16, True, 2, 2)],
+                         ids=["float32-causal-gqa", "float32-full-mqa", "bfloat16-causal-mha"])
+def test_atomic_dq_matches_float64(device, dtype, causal, nheads, nheads_kv):
+    """deterministic=False: dq added with atomics from the dk/dv kernel (FlashAttention-2's backward)."""
+    skip_unless_runnable(device)
+    check_against_float64(triton_attention(max(LENGTHS), causal, deterministic=False), LENGTHS, nheads, nheads_kv,
+                          32, dtype, device, causal)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_padding_segments_counted_on_the_device(device):
+    """Static-shape padding (trailing empty segments) without num_segments: the launcher counts the live
+    segments on the device; the result equals num_segments given on the host, forward and backward,
+    and the reference."""
+    skip_unless_runnable(device)
+    lengths = [9, 40, 1, 0, 0, 0, 0]
+    results = []
+    for num_segments in (None, 3):
+        out = check_against_float64(triton_attention(40, True, num_segments=num_segments), lengths, 2, 1, 32,
+                                    torch.float32, device, True)
+        results.append(out)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", device_params())
+def test_strided_cu_seqlens(device):
+    """The launcher makes cu_seqlens contiguous (the kernels index it as a flat array)."""
+    skip_unless_runnable(device)
+    lengths = [5, 0, 12, 3]
+    cu = cu_seqlens_of(lengths, device)
+    strided = torch.stack([cu, torch.full_like(cu, -7)], dim=1)[:, 0]
+    assert not strided.is_contiguous()
+    q, k, v = (torch.randn(20, h, 16, device=device) for h in (2, 1, 1))
+    out, lse = flash_varlen.attention_forward(q, k, v, strided, 12, True, 0.25)
+    ref_out, ref_lse = attention_ref(q, k, v, cu, True, 0.25)
+    assert_close("out", out, ref_out, *TOLERANCES[torch.float32]["fwd"])
+    assert_close("lse", lse, ref_lse, *TOLERANCES[torch.float32]["fwd"])
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -144,23 +138,10 @@ def test_logsumexp_and_explicit_scale(device):
     assert_close("out", out, ref_out, *TOLERANCES[torch.float32]["fwd"])
 
 
-def check_bf16_against_float64(lengths, nheads, nheads_kv, headdim, causal):
+def check_bf16_against_float64(lengths, nheads, nheads_kv, headdim, causal, **options):
     """bf16 forward and gradients on CUDA against the float64 reference, within the bf16 tolerances."""
-    cu = cu_seqlens_of(lengths, "cuda")
-    total = sum(lengths)
-    q = torch.randn(total, nheads, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(total, nheads_kv, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(total, nheads_kv, headdim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = flash_varlen.flash_varlen_attention(q, k, v, cu, max(lengths), causal=causal)
-    grad_out = torch.randn_like(out)
-    out.backward(grad_out)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_ref(q64, k64, v64, cu, causal, 1 / math.sqrt(headdim))
-    ref.backward(grad_out.double())
-    tol = TOLERANCES[torch.bfloat16]
-    assert_close("out", out, ref, *tol["fwd"])
-    for name, a, b in [("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
-        assert_close(name, a, b, *tol["bwd"])
+    return check_against_float64(triton_attention(max(lengths), causal, **options), lengths, nheads, nheads_kv,
+                                 headdim, torch.bfloat16, "cuda", causal)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (long segments are too slow for the interpreter)")
@@ -195,7 +176,7 @@ def test_deterministic(device):
     base = [torch.randn(49, h, 32, device=device, dtype=torch.float16) for h in (2, 1, 1)]
     for _ in range(2):
         q, k, v = (t.clone().requires_grad_() for t in base)
-        out = flash_varlen.flash_varlen_attention(q, k, v, cu, 40)
+        out = varlen_attention(q, k, v, cu, 40, backend="triton")
         out.backward(torch.ones_like(out))
         grads.append((out, q.grad, k.grad, v.grad))
     for a, b in zip(*grads):
@@ -223,15 +204,17 @@ def test_launcher_rejects_bad_inputs(change, message):
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_custom_op_registration(device):
+@pytest.mark.parametrize("num_segments,deterministic", [(None, True), (2, False)])
+def test_custom_op_registration(device, num_segments, deterministic):
     """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
     skip_unless_runnable(device)
     torch.manual_seed(4)
-    cu = cu_seqlens_of([3, 0, 6], device)
+    cu = cu_seqlens_of([3, 6, 0], device)
     q = torch.randn(9, 2, 16, device=device, requires_grad=True)
     k = torch.randn(9, 1, 16, device=device, requires_grad=True)
     v = torch.randn(9, 1, 16, device=device, requires_grad=True)
-    result = torch.library.opcheck(torch.ops.packkit.varlen_attn_fwd.default, (q, k, v, cu, 6, True, 0.25))
+    result = torch.library.opcheck(torch.ops.packkit.varlen_attn_fwd.default,
+                                   (q, k, v, cu, 6, True, 0.25, num_segments, deterministic))
     assert result and all(outcome == "SUCCESS" for outcome in result.values()), result
 
 
@@ -257,6 +240,54 @@ def test_torch_compile_fullgraph(device):
         results.append((loss, q.grad, k.grad, v.grad))
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+
+
+# -- issue 15: tuning and the launch boundary, the parts a CPU can check --
+
+@pytest.mark.parametrize("limit, head_dim, expected", [
+    (232_448, 128, [(128, 64, 8, 3), (64, 64, 4, 3)]),  # H100/H200; the d<=64 rows are not listed for 128
+    (232_448, 64, [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)]),
+    (100_000, 64, [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)]),  # (128, 128, 8, 3) needs ~115 KB
+    (50_000, 128, [(128, 64, 8, 3)]),  # nothing fits: the fixed config, which the compiler then judges
+])
+def test_autotune_configs_pruned_by_head_dim_and_shared_memory(monkeypatch, limit, head_dim, expected):
+    monkeypatch.setattr(flash_varlen, "_max_shared_memory", lambda device: limit)
+    configs = [c for c, _ in flash_varlen.CONFIGS[("fwd", "half")]]
+    q = torch.empty(1, 1, head_dim, dtype=torch.bfloat16)
+    kept = flash_varlen._pruner("fwd")(configs, {"q_ptr": q}, BLOCK_D=head_dim)
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept] == expected
+
+
+def test_fixed_configs_cover_every_kernel_and_head_dim():
+    """One fixed config per (kernel, dtype class), valid up to MAX_HEAD_DIM; the forward's blocks nest."""
+    assert set(flash_varlen.FIXED_CONFIGS) == set(flash_varlen.CONFIGS) == {
+        (kernel, cls) for kernel in ("fwd", "dkdv", "dkdv_atomic", "dq") for cls in ("half", "fp32")}
+    for (kernel, cls), rows in flash_varlen.CONFIGS.items():
+        assert rows[0][0] is flash_varlen.FIXED_CONFIGS[(kernel, cls)] and rows[0][1] == flash_varlen.MAX_HEAD_DIM
+        if kernel == "fwd":
+            assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c, _ in rows)
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False), ("False", False)])
+def test_autotune_switch(monkeypatch, value, enabled):
+    if value is None:
+        monkeypatch.delenv(flash_varlen.AUTOTUNE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(flash_varlen.AUTOTUNE_ENV, value)
+    assert flash_varlen.autotune_enabled() is enabled
+
+
+def test_launches_are_guarded_to_the_tensors_device():
+    """Triton launches on the current CUDA device: the launcher enters q's (cuda:1 while cuda:0 is current)."""
+    guard = flash_varlen._device_guard(types.SimpleNamespace(device=torch.device("cuda", 1)))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert not isinstance(flash_varlen._device_guard(torch.empty(1)), torch.cuda.device)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device_while_first_is_current():
+    with torch.cuda.device(0):
+        check_against_float64(triton_attention(40, True), [9, 40], 2, 1, 32, torch.bfloat16, "cuda:1", True)
 
 
 # -- review finding B: (segment, block) pairs on grid axis 0, so any number of segments launches --
@@ -373,68 +404,53 @@ def test_interpreter_setting_outside_make_test():
     assert "was set after packkit.kernels was imported (it was unset then)" in late.stdout, late.stdout + late.stderr
 
 
-# -- the compiled path, checked without a GPU: the kernels lower to LLVM IR for sm_90 --
+# -- the compiled path, checked without a GPU: the kernels compile for sm_90 --
 
-_LOWER_FOR_SM90 = r'''
-import inspect, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.compiler.compiler import Language, make_backend
-from triton._C.libtriton import ir
-from packkit.kernels import flash_varlen_kernels as K
-
-target = GPUTarget("cuda", 90, 32)
-backend = make_backend(target)
-options = backend.parse_options({})
-meta = dict(GROUP=4, HEAD_DIM=128, IS_CAUSAL=True, DOT_PRECISION="tf32", UPCAST_DOT=False,
-            BLOCK_M=128, BLOCK_N=64, BLOCK_D=128)
-for kernel in (K.attn_fwd_kernel, K.attn_bwd_dkdv_kernel, K.attn_bwd_dq_kernel):
-    names = list(inspect.signature(kernel.fn).parameters)
-    pointer = {"cu_seqlens_ptr": "*i32", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
-    signature = {n: "constexpr" if n in meta else pointer.get(n, "*bf16") if n.endswith("_ptr")
-                 else "fp32" if n == "sm_scale" else "i32" for n in names}
-    source = ASTSource(kernel, signature, constexprs={(names.index(n),): v for n, v in meta.items()})
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    module = source.make_ir(target, options, backend.get_codegen_implementation(options),
-                            backend.get_module_map(), context)
-    stages = {}
-    backend.add_stages(stages, options, Language.TRITON)
-    metadata = {}
-    for stage in ("ttir", "ttgir", "llir"):
-        module = stages[stage](module, metadata)
-    print(kernel.fn.__name__, "lowered")
-'''
+RESOURCES = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "kernel_resources.py")
 
 
-def test_kernels_lower_for_sm90_without_a_gpu():
-    """Review finding B, compiled path: the interpreter does not type-check the kernels (the binary
-    search's loop-carried scalars, the flat grid's int32 arithmetic), so lower them for sm_90 through
-    Triton's own TTIR -> TTGIR -> LLVM IR passes, in a process without TRITON_INTERPRET. Needs no GPU
-    (ptxas is not run). Skips, saying so, if this Triton's internal compile API differs."""
+def test_fixed_configs_compile_for_sm90_without_spills():
+    """Review finding B and issue 15 (tuning that fits): the interpreter does not type-check the kernels
+    (the binary search's loop-carried scalars, the flat grid's int32 arithmetic), so compile them for
+    sm_90 through Triton and its ptxas, in a process without TRITON_INTERPRET, at the largest head dim:
+    every fixed half-precision config (what PACKKIT_TRITON_AUTOTUNE=0 and the GPU tests launch)
+    compiles within the shared-memory estimate the autotuner prunes with, and with Triton 3.6 (the
+    release the configs were chosen with: benchmarks/kernel_resources.py) spills no register; other
+    releases allocate registers differently, so there the spills are printed, not asserted. Needs no
+    GPU. Skips, saying so, if this Triton's internal compile API differs or it has no ptxas."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _LOWER_FOR_SM90], env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, RESOURCES, "--fixed", "--head-dims", "128", "--dtype-class", "half"],
+                         env=env, capture_output=True, text=True, timeout=600)
     last = (run.stderr.strip().splitlines() or [""])[-1]
+    if run.returncode == 2 and "ptxas" in last:
+        pytest.skip(last)
     if run.returncode != 0 and last.startswith(("ImportError", "ModuleNotFoundError", "AttributeError", "KeyError")):
         pytest.skip(f"this Triton's internal compile API differs: {last}")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["attn_fwd_kernel", "lowered", "attn_bwd_dkdv_kernel", "lowered",
-                                  "attn_bwd_dq_kernel", "lowered"]
+    print(run.stdout)
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = report["rows"]
+    assert {(r["kernel"], r["dtype_class"]) for r in rows} == {k for k in flash_varlen.FIXED_CONFIGS if k[1] == "half"}
+    for r in rows:
+        assert r["shared"] <= r["shared_estimate"], r
+        if report["triton"].startswith("3.6."):
+            assert r["spill_bytes"] == 0, f"{r['kernel']} {r['config']} spills {r['spill_bytes']} B"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (65,536 segments are too slow for the interpreter)")
-def test_static_shape_batch_of_65536_segments_on_cuda():
+@pytest.mark.parametrize("known", [False, True], ids=["counted-on-device", "num_segments"])
+def test_static_shape_batch_of_65536_segments_on_cuda(known):
     """Review finding B on the GPU: a static-shape batch of 16 x 4096 tokens with cu_seqlens padded to
     max_segments = 65,536 (the collator's default B * W) launches, forward and backward, and matches
-    the reference; before, segments sat on grid axis 1 (CUDA's limit 65,535) and the launch failed."""
-    torch.manual_seed(7)
+    the reference; before, segments sat on grid axis 1 (CUDA's limit 65,535) and the launch failed.
+    Without num_segments the padding segments are counted on the device and their programs return
+    before the binary search; with it they are cut off on the host."""
     gen = torch.Generator().manual_seed(7)
     lengths = []
     while sum(lengths) < 16 * 4096 - 600:
         lengths.append(int(torch.randint(1, 600, (1,), generator=gen)))
     lengths.append(16 * 4096 - sum(lengths))
+    real = len(lengths)
     lengths += [0] * (16 * 4096 - len(lengths))  # static-shape padding: repeated last offset
     assert len(lengths) == 65_536
-    check_bf16_against_float64(lengths, 4, 2, 64, causal=True)
+    check_bf16_against_float64(lengths, 4, 2, 64, causal=True, num_segments=real if known else None)
