@@ -1,29 +1,38 @@
-"""Varlen attention: packkit's Triton kernel vs flash-attn vs torch's varlen_attn vs padded SDPA.
+"""Varlen attention: packkit's Triton kernels vs torch's varlen_attn (vs flash-attn) vs padded SDPA.
 
-One packed batch of SFT-like documents (lognormal lengths, median ~250, clipped to [8, 4096]) packed
-first-fit into 8 windows of 4096 tokens; bf16, 32 query heads, 8 kv heads, head dim 128, causal.
-Every provider computes the same attention over the same documents:
+Every provider computes the same causal attention over the same documents, through the public
+``packkit.attention.varlen_attention(..., backend=name)`` (padded SDPA aside, which is what a user
+without varlen attention would run):
 
-    packkit_triton  packkit.kernels.flash_varlen.flash_varlen_attention over cu_seqlens
-    flash_attn      flash_attn.flash_attn_varlen_func (when installed)
-    torch_varlen    torch.nn.attention.varlen.varlen_attn (torch >= 2.10)
+    triton          backend="triton" (deterministic backward: a dq kernel)
+    triton_atomic   backend="triton", deterministic=False (FlashAttention-2's atomic dq accumulation)
+    torch           backend="torch": torch.nn.attention.varlen.varlen_attn, k and v with their own heads
+                    when it takes grouped heads (decided once: see packkit.attention.torch_varlen_call)
+    flash_attn      backend="flash_attn" (when installed)
     padded_sdpa     each document its own row, right-padded to the longest, F.scaled_dot_product_attention
-                    (is_causal: padding keys sit after every real query); the pad and unpad copies count
+                    (is_causal; padding keys sit after every real query); the pad and unpad copies count
+
+Problems (bf16, causal, 32 query heads over 8 kv heads): head dims 64 and 128 x windows of 4,096 and
+8,192 tokens, each 32,768 tokens of chat-like documents (lognormal lengths, median 250, clipped to the
+window) packed first-fit. Times are medians of CUDA-event timings; the phase columns (forward,
+preprocess, dk/dv, dq) are device times of each provider's kernels from torch.profiler, per call.
 
 FLOPs (causal, useful work only, the same for every provider): a document of L tokens has L(L+1)/2
 query-key pairs per head; the forward does two matmuls over them (Q K^T and P V), 2 FLOPs per
-multiply-add, so forward = 4 * headdim * nheads * sum_L L(L+1)/2. The backward does five such
-matmuls, 2.5x the forward; forward+backward = 3.5x the forward. TFLOP/s = FLOPs / median time.
+multiply-add, so forward = 4 * headdim * nheads * sum_L L(L+1)/2; forward+backward = 3.5x that.
 
-Prints one JSON line, then a table. Exits 2 without CUDA unless --cpu-smoke (tiny sizes on the CPU,
-Triton under its interpreter: checks that the script runs, measures nothing worth recording).
+Targets (issue 15): Triton forward >= 0.9x and forward+backward >= 0.8x torch's varlen_attn; packed
+(the best varlen provider) >= 2x padded SDPA. Prints per problem one table and one JSON line, then a
+summary table and JSON line; --json-out appends the JSON lines to a file. Exits 2 without CUDA unless
+--cpu-smoke: tiny sizes on the CPU, Triton under its interpreter, and fakes with the signatures of
+flash-attn's flash_attn_varlen_func and torch 2.11's varlen_attn standing in for the CUDA-only ones, so
+that every call path runs (tests/test_bench_attention.py runs it in CI); it measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -32,6 +41,13 @@ import time
 
 import numpy as np
 from benchlib import sft_like_lengths, versions
+
+TARGETS = {"triton_fwd_vs_torch": 0.9, "triton_fwd_bwd_vs_torch": 0.8, "packed_vs_padded": 2.0}
+# Kernel-name fragments -> phase, for the profiler's device events (Triton's, then flash-attn's inside torch).
+PHASES = [("attn_fwd_kernel", "forward"), ("attn_bwd_preprocess_kernel", "preprocess"),
+          ("attn_bwd_dkdv_kernel", "dk/dv"), ("attn_bwd_dq_kernel", "dq"),
+          ("flash_fwd", "forward"), ("dot_do_o", "preprocess"), ("dq_dk_dv", "dk/dv"), ("convert_dq", "dq")]
+PHASE_NAMES = ("forward", "preprocess", "dk/dv", "dq", "other")
 
 
 def pack_first_fit(lengths: np.ndarray, window: int, num_windows: int) -> list[list[int]]:
@@ -56,6 +72,11 @@ def causal_attention_flops(doc_lengths: list[int], nheads: int, headdim: int) ->
     return 4.0 * headdim * nheads * pairs
 
 
+def phase_of(kernel_name: str) -> str:
+    """``"attn_bwd_dkdv_kernel" -> "dk/dv"``; kernels of no listed phase are "other"."""
+    return next((phase for fragment, phase in PHASES if fragment in kernel_name), "other")
+
+
 def median_time(fn, *, warmup: int, reps: int, device: str) -> float:
     """Median seconds per call of fn(), timed with CUDA events (or perf_counter on the CPU)."""
     import torch
@@ -78,53 +99,78 @@ def median_time(fn, *, warmup: int, reps: int, device: str) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny sizes on the CPU (Triton under TRITON_INTERPRET=1) to check the script runs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
+def phase_times(fn, *, reps: int, device: str) -> dict[str, float] | str:
+    """Device milliseconds per call of fn() in each phase (forward, preprocess, dk/dv, dq, other), from
+    torch.profiler's kernel events; a string saying why when there are none (the CPU: no kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    if args.cpu_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before packkit.kernels is imported
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    totals = dict.fromkeys(PHASE_NAMES, 0.0)
+    seen = False
+    for event in prof.key_averages():
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+            self_us = getattr(event, "self_device_time_total", None)
+            if self_us is None:
+                self_us = event.self_cuda_time_total
+            if self_us > 0:
+                totals[phase_of(event.key)] += self_us / 1e3 / reps
+                seen = True
+    return totals if seen else f"no device kernel events on {device}"
+
+
+def install_cpu_fakes():
+    """--cpu-smoke: stand-ins for the CUDA-only backends, with their real signatures (flash-attn 2's
+    flash_attn_varlen_func; torch 2.11's varlen_attn, which has no enable_gqa), computing through the
+    reference. CPU tensors pass for CUDA ones in packkit.attention's availability checks."""
+    from packkit import attention
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and dropout_p == 0.0
+        return attention.reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal,
+                                                     scale=softmax_scale)
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+        assert window_size in ((-1, 0), (-1, -1)) and return_aux is None
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    attention._flash_attn_varlen_func = lambda: (flash_attn_varlen_func, None)
+    attention._torch_varlen_attn = lambda: (varlen_attn, None)
+    attention._on_cuda = lambda t: True
+
+
+def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, reps: int, profile_reps: int,
+                smoke: bool) -> dict:
+    """Time every provider on one packed batch; return the problem's record (setup, rows, ratios)."""
     import torch
     import torch.nn.functional as F
 
-    if args.cpu_smoke:
-        device, dtype = "cpu", torch.float32
-        window, num_windows, nheads, nheads_kv, headdim, median = 128, 2, 2, 1, 32, 24
-        warmup, reps = 1, 2
-    else:
-        if not torch.cuda.is_available():
-            print("bench_attention.py needs a CUDA GPU (none found); run with --cpu-smoke to check the script "
-                  "on the CPU", file=sys.stderr)
-            return 2
-        device, dtype = "cuda", torch.bfloat16
-        window, num_windows, nheads, nheads_kv, headdim, median = 4096, 8, 32, 8, 128, 250
-        warmup, reps = 5, args.reps
-
     from packkit import attention
-    from packkit.kernels import flash_varlen
+    from packkit.attention import varlen_attention
 
-    # -- the packed batch --
-    rng = np.random.default_rng(args.seed)
-    lengths = sft_like_lengths(40 * num_windows * window // median, seed=args.seed, median=median, high=window)
-    windows = pack_first_fit(lengths, window, num_windows)
-    docs = [n for w in windows for n in w]
-    total = sum(docs)
+    window, num_windows, nheads, nheads_kv, headdim = (problem[k] for k in
+                                                        ("window", "windows", "nheads", "nheads_kv", "headdim"))
+    lengths = sft_like_lengths(40 * num_windows * window // 250 + 8, seed=seed, median=problem["median"], high=window)
+    docs = [n for w in pack_first_fit(lengths, window, num_windows) for n in w]
+    total, max_seqlen = sum(docs), max(docs)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32, device=device)
-    max_seqlen = max(docs)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(total, nheads, headdim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, generator=gen)
     grad_out = torch.randn(total, nheads, headdim, device=device, dtype=dtype, generator=gen)
-    scale = 1.0 / math.sqrt(headdim)
 
     # -- padded layout for SDPA: (num_docs, heads, max_len, d), right padding --
-    lengths_t = torch.tensor(docs, device=device)
-    row = torch.repeat_interleave(torch.arange(len(docs), device=device), lengths_t)
+    row = torch.repeat_interleave(torch.arange(len(docs), device=device), torch.tensor(docs, device=device))
     col = torch.arange(total, device=device) - cu[:-1].long()[row]
 
     def padded_sdpa(q_, k_, v_):
@@ -132,38 +178,32 @@ def main() -> int:
             out = t.new_zeros(len(docs), max_seqlen, t.shape[1], headdim)
             out[row, col] = t
             return out.transpose(1, 2)
-        o = F.scaled_dot_product_attention(pad(q_), pad(k_), pad(v_), is_causal=True, scale=scale,
-                                           enable_gqa=nheads != nheads_kv)
+        o = F.scaled_dot_product_attention(pad(q_), pad(k_), pad(v_), is_causal=True, enable_gqa=nheads != nheads_kv)
         return o.transpose(1, 2)[row, col]
 
-    # -- providers: name -> fn(q, k, v) -> out, or the reason it cannot run --
-    providers: dict[str, object] = {}
+    def varlen(backend, **options):
+        return lambda q_, k_, v_: varlen_attention(q_, k_, v_, cu, max_seqlen, causal=True, backend=backend,
+                                                   num_segments=len(docs), **options)
+
     problems = attention.backend_problems(q, k, v)
-    providers["packkit_triton"] = (
-        (lambda q_, k_, v_: flash_varlen.flash_varlen_attention(q_, k_, v_, cu, max_seqlen, causal=True, scale=scale))
-        if problems["triton"] is None else problems["triton"])
-    if problems["flash_attn"] is None:
-        flash_fn, _ = attention._flash_attn_varlen_func()
-        providers["flash_attn"] = lambda q_, k_, v_: flash_fn(q_, k_, v_, cu, cu, max_seqlen, max_seqlen,
-                                                              softmax_scale=scale, causal=True)
-    else:
-        providers["flash_attn"] = problems["flash_attn"]
-    if problems["torch"] is None:
-        providers["torch_varlen"] = lambda q_, k_, v_: attention._torch_backend(q_, k_, v_, cu, max_seqlen, True, scale)
-    else:
-        providers["torch_varlen"] = problems["torch"]
-    providers["padded_sdpa"] = padded_sdpa
-    if args.cpu_smoke:
-        providers["reference"] = lambda q_, k_, v_: attention.reference_varlen_attention(
-            q_, k_, v_, cu, max_seqlen, causal=True, scale=scale)
+    providers = {
+        "triton": varlen("triton", deterministic=True),
+        "triton_atomic": varlen("triton", deterministic=False),
+        "torch": varlen("torch"),
+        "flash_attn": varlen("flash_attn"),
+        "padded_sdpa": padded_sdpa,
+    }
+    skipped = {"triton": problems["triton"], "triton_atomic": problems["triton"], "torch": problems["torch"],
+               "flash_attn": problems["flash_attn"]}
+    if smoke:
+        providers["reference"] = varlen("reference")
 
     # -- measure --
     fwd_flops = causal_attention_flops(docs, nheads, headdim)
-    results = []
-    baseline_out = None
+    rows, baseline = [], None
     for name, fn in providers.items():
-        if isinstance(fn, str):
-            results.append(dict(provider=name, skipped=fn))
+        if skipped.get(name):
+            rows.append(dict(provider=name, skipped=skipped[name]))
             continue
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
@@ -175,49 +215,147 @@ def main() -> int:
             out = fn(*leaves)
             return torch.autograd.grad(out, leaves, grad_out)
 
-        out = fwd().float()
-        if baseline_out is None:
-            baseline_out = out
-        t_fwd = median_time(fwd, warmup=warmup, reps=reps, device=device)
-        t_fwd_bwd = median_time(fwd_bwd, warmup=warmup, reps=reps, device=device)
-        results.append(dict(
+        try:
+            out = fwd().float()
+            baseline = out if baseline is None else baseline
+            t_fwd = median_time(fwd, warmup=warmup, reps=reps, device=device)
+            t_fwd_bwd = median_time(fwd_bwd, warmup=warmup, reps=reps, device=device)
+            phases = phase_times(fwd_bwd, reps=profile_reps, device=device)
+        except Exception as err:  # a failing provider is reported, and the others still run
+            rows.append(dict(provider=name, error=f"{type(err).__name__}: {err}"[:500]))
+            continue
+        rows.append(dict(
             provider=name, fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fwd_bwd * 1e3,
             fwd_tflops=fwd_flops / t_fwd / 1e12, fwd_bwd_tflops=3.5 * fwd_flops / t_fwd_bwd / 1e12,
-            max_diff_vs_first=(out - baseline_out).abs().max().item(),
+            max_diff_vs_triton=(out - baseline).abs().max().item(),
+            phases_ms=phases if isinstance(phases, dict) else None,
+            phases_note=None if isinstance(phases, dict) else phases,
         ))
 
-    # -- targets: Triton >= 0.8x the best native varlen backend; packed >= 2x padded (fwd+bwd) --
-    timed = {r["provider"]: r for r in results if "fwd_bwd_ms" in r}
-    natives = [timed[n]["fwd_bwd_ms"] for n in ("flash_attn", "torch_varlen") if n in timed]
-    packed = [timed[n]["fwd_bwd_ms"] for n in ("packkit_triton", "flash_attn", "torch_varlen") if n in timed]
-    summary = dict(
-        triton_vs_best_native=(min(natives) / timed["packkit_triton"]["fwd_bwd_ms"]
-                               if natives and "packkit_triton" in timed else None),
-        packed_vs_padded=(timed["padded_sdpa"]["fwd_bwd_ms"] / min(packed)
-                          if packed and "padded_sdpa" in timed else None),
-    )
-    setup = dict(
-        device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        smoke=args.cpu_smoke, dtype=str(dtype), windows=num_windows, window=window, docs=len(docs),
-        tokens=total, fill=total / (window * num_windows), max_seqlen=max_seqlen, nheads=nheads,
-        nheads_kv=nheads_kv, headdim=headdim, torch=torch.__version__,
-        triton=__import__("triton").__version__, date=time.strftime("%Y-%m-%d"),
-    )
-    print(json.dumps(dict(bench="attention", versions=versions("triton", "flash-attn"), setup=setup, results=results, summary=summary)))
+    timed = {r["provider"]: r for r in rows if "fwd_ms" in r}
 
-    print(f"\nvarlen attention, causal: {len(docs)} documents, {total} tokens in {num_windows} x {window} "
-          f"(fill {setup['fill']:.1%}), max_seqlen {max_seqlen}, {dtype}, {nheads}/{nheads_kv} heads, "
-          f"d={headdim}, {setup['device']}")
-    print(f"{'provider':<16}{'fwd ms':>10}{'fwd TF/s':>10}{'f+b ms':>10}{'f+b TF/s':>10}{'max diff':>11}")
-    for r in results:
-        if "skipped" in r:
-            print(f"{r['provider']:<16}skipped: {r['skipped']}")
-        else:
-            print(f"{r['provider']:<16}{r['fwd_ms']:>10.3f}{r['fwd_tflops']:>10.2f}{r['fwd_bwd_ms']:>10.3f}"
-                  f"{r['fwd_bwd_tflops']:>10.2f}{r['max_diff_vs_first']:>11.2e}")
-    fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
-    print(f"packkit_triton vs best native (fwd+bwd, target >= 0.80x): {fmt(summary['triton_vs_best_native'])}")
-    print(f"packed (best) vs padded SDPA (fwd+bwd, target >= 2.00x): {fmt(summary['packed_vs_padded'])}")
+    def ratio(slow, fast, key):
+        return timed[slow][key] / timed[fast][key] if slow in timed and fast in timed else None
+
+    packed = [n for n in ("triton", "triton_atomic", "torch", "flash_attn") if n in timed]
+    best = min(packed, key=lambda n: timed[n]["fwd_bwd_ms"]) if packed else None
+    ratios = dict(
+        triton_fwd_vs_torch=ratio("torch", "triton", "fwd_ms"),
+        triton_fwd_bwd_vs_torch=max(filter(None, [ratio("torch", "triton", "fwd_bwd_ms"),
+                                                  ratio("torch", "triton_atomic", "fwd_bwd_ms")]), default=None),
+        packed_vs_padded=ratio("padded_sdpa", best, "fwd_bwd_ms") if best else None,
+        packed_vs_padded_fwd=ratio("padded_sdpa", best, "fwd_ms") if best else None,
+        best_packed=best,
+    )
+    setup = dict(problem["name"] and dict(name=problem["name"]), dtype=str(dtype).replace("torch.", ""), causal=True,
+                 window=window, windows=num_windows, docs=len(docs), tokens=total,
+                 fill=round(total / (window * num_windows), 4), max_seqlen=max_seqlen, nheads=nheads,
+                 nheads_kv=nheads_kv, headdim=headdim)
+    return dict(setup=setup, results=rows, ratios=ratios)
+
+
+def print_problem(record: dict) -> None:
+    s = record["setup"]
+    print(f"\n{s['name']}: {s['docs']} documents, {s['tokens']} tokens in {s['windows']} x {s['window']} "
+          f"(fill {s['fill']:.1%}), max_seqlen {s['max_seqlen']}, {s['dtype']}, {s['nheads']}/{s['nheads_kv']} heads, "
+          f"d={s['headdim']}, causal")
+    print(f"{'provider':<15}{'fwd ms':>9}{'TF/s':>7}{'f+b ms':>9}{'TF/s':>7}  "
+          f"{'fwd':>7}{'prep':>7}{'dk/dv':>7}{'dq':>7}{'other':>7}  (device ms per call){'max diff':>10}")
+    for r in record["results"]:
+        if "fwd_ms" not in r:
+            print(f"{r['provider']:<15}{'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('error')}")
+            continue
+        ph = r["phases_ms"]
+        cols = "".join(f"{ph[p]:>7.3f}" for p in PHASE_NAMES) if ph else f"  {r['phases_note']:<33}"
+        print(f"{r['provider']:<15}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>7.1f}{r['fwd_bwd_ms']:>9.3f}"
+              f"{r['fwd_bwd_tflops']:>7.1f}  {cols}{'':20}{r['max_diff_vs_triton']:>10.2e}")
+
+
+def verdict(value, target, smoke=False) -> str:
+    if value is None or smoke:
+        return "n/a (smoke)" if smoke else "n/a"
+    return f"{value:.2f}x ({'met' if value >= target else 'MISSED'}, target >= {target:.2f}x)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny sizes on the CPU, Triton interpreted, CUDA-only backends faked: checks every call path")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--windows", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--json-out", help="append the JSON lines to this file too")
+    args = parser.parse_args()
+
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before packkit.kernels is imported
+    import torch
+
+    if args.cpu_smoke:
+        install_cpu_fakes()
+        device, dtype, tokens, nheads, nheads_kv, median = "cpu", torch.bfloat16, 64, 2, 1, 12
+        head_dims, windows, warmup, reps, profile_reps = [16], [64], 0, 1, 1
+    else:
+        if not torch.cuda.is_available():
+            print("bench_attention.py needs a CUDA GPU (none found); run with --cpu-smoke to check the script "
+                  "on the CPU", file=sys.stderr)
+            return 2
+        device, dtype, tokens, nheads, nheads_kv, median = "cuda", torch.bfloat16, 32768, 32, 8, 250
+        head_dims, windows, warmup, reps, profile_reps = args.head_dims, args.windows, 3, args.reps, 5
+
+    import inspect
+
+    from packkit import attention
+
+    fn, err = attention._torch_varlen_attn()
+    probe_q = torch.zeros(1, nheads, head_dims[0], device=device, dtype=dtype)
+    if fn is None:
+        torch_call = f"torch.nn.attention.varlen.varlen_attn: unavailable ({err})"
+    else:
+        plan = attention.torch_varlen_call(probe_q)
+        torch_call = (f"torch.nn.attention.varlen.varlen_attn{inspect.signature(fn)}\n  called with "
+                      f"{'window_size' if plan.causal_arg == 'window_size' else 'is_causal'}, grouped heads: "
+                      f"{ {'enable_gqa': 'enable_gqa=True', 'native': 'k, v passed with their own heads (probed once)', 'repeat': 'k, v repeated to q heads'}[plan.gqa] }")
+    print(torch_call)
+
+    out_lines = []
+    records = []
+    for headdim in head_dims:
+        for window in windows:
+            problem = dict(name=f"d{headdim}-w{window}", window=window, windows=max(1, tokens // window),
+                           nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, median=median)
+            record = run_problem(problem, device=device, dtype=dtype, seed=args.seed, warmup=warmup, reps=reps,
+                                 profile_reps=profile_reps, smoke=args.cpu_smoke)
+            records.append(record)
+            print_problem(record)
+            line = json.dumps(dict(bench="attention", part="problem", smoke=args.cpu_smoke, **record))
+            print(line)
+            out_lines.append(line)
+
+    # -- summary: every problem against the targets --
+    print(f"\n{'problem':<12}{'triton fwd / torch':>30}{'triton f+b / torch':>30}{'packed / padded (f+b)':>32}")
+    for r in records:
+        x = r["ratios"]
+        smoke = args.cpu_smoke
+        print(f"{r['setup']['name']:<12}{verdict(x['triton_fwd_vs_torch'], TARGETS['triton_fwd_vs_torch'], smoke):>30}"
+              f"{verdict(x['triton_fwd_bwd_vs_torch'], TARGETS['triton_fwd_bwd_vs_torch'], smoke):>30}"
+              f"{verdict(x['packed_vs_padded'], TARGETS['packed_vs_padded'], smoke):>32}")
+    missed = [] if args.cpu_smoke else sorted({k for r in records for k, target in TARGETS.items()
+                                               if r["ratios"][k] is not None and r["ratios"][k] < target})
+    summary = dict(bench="attention", part="summary", smoke=args.cpu_smoke, versions=versions("triton", "flash-attn", "transformers"),
+                   device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                   torch_varlen_call=torch_call, date=time.strftime("%Y-%m-%d"), targets=TARGETS, missed=missed,
+                   ratios={r["setup"]["name"]: r["ratios"] for r in records})
+    print(json.dumps(summary))
+    out_lines.append(json.dumps(summary))
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            f.write("\n".join(out_lines) + "\n")
+    failed = [r["provider"] for rec in records for r in rec["results"] if "error" in r]
+    if failed:
+        print(f"providers that failed: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,184 @@
+"""One training step of a Llama-shaped model: packkit's packed batches vs padded batches, same examples.
+
+A ~150M-parameter LlamaForCausalLM built from a config (random weights: nothing is downloaded; vocab
+32,000, hidden 768, 16 layers, 12 query / 4 kv heads of 64, bf16 weights, AdamW) trains on 64 chat-like
+examples (lognormal lengths, median 250, clipped to 4,096; random token ids). A step is forward,
+backward and optimizer step; every provider starts from the same weights and sees the same examples:
+
+    packed_torch    PaddingFreeCollator ([1, T] row, cu_seq_lens) + packkit's HF attention function
+                    (packkit.attention.register_hf_attention) on torch's varlen_attn
+    packed_triton   the same on packkit's Triton kernels
+    packed_sdpa     the same packed batch on transformers' sdpa (it finds documents from position_ids and
+                    builds a block-diagonal mask): what a user without a varlen kernel gets from packing
+    padded_sdpa     PaddedCollator ([B, L] rows padded to the longest, attention_mask) on sdpa: the baseline
+
+Prints a table (median step ms, real tokens/s, speedup over padded_sdpa, first-step loss and its
+difference from padded_sdpa's) and one JSON line; --json-out appends it to a file. The issue-15 target:
+packed >= 2x padded in the training step. Exits 2 without CUDA unless --cpu-smoke (a tiny model in bf16
+on the CPU, Triton interpreted, torch's varlen_attn faked with its 2.11 signature: checks the call
+paths, measures nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from benchlib import sft_like_lengths, versions
+
+TARGET_PACKED_VS_PADDED = 2.0
+
+
+def make_examples(n: int, *, vocab: int, median: int, high: int, seed: int) -> list[dict]:
+    """n examples of random token ids with chat-like lengths."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed + 1)
+    return [{"input_ids": rng.integers(3, vocab, int(length)).tolist()}
+            for length in sft_like_lengths(n, seed=seed, median=median, high=high)]
+
+
+def step_fn(model, optimizer, batch_kwargs):
+    """One optimizer step; returns the loss tensor (not synchronised)."""
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch_kwargs).loss
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: checks the call paths")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json-out", help="append the JSON line to this file too")
+    args = parser.parse_args()
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before packkit.kernels is imported
+    import torch
+    import transformers
+
+    from packkit import attention
+    from packkit.collate import PaddedCollator, PaddingFreeCollator
+
+    if args.cpu_smoke:
+        from bench_attention import install_cpu_fakes
+        install_cpu_fakes()
+        device, dtype, warmup, reps, n_examples = "cpu", torch.bfloat16, 0, 1, 4
+        shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, median=6, high=16)
+    else:
+        if not torch.cuda.is_available():
+            print("bench_train_step.py needs a CUDA GPU; --cpu-smoke checks the script on the CPU", file=sys.stderr)
+            return 2
+        device, dtype, warmup, reps, n_examples = "cuda", torch.bfloat16, 2, args.reps, args.examples
+        shape = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
+                     num_attention_heads=12, num_key_value_heads=4, median=250, high=4096)
+    median, high = shape.pop("median"), shape.pop("high")
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=max(high, 64), attention_dropout=0.0)
+    torch.manual_seed(args.seed)
+    base = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype)
+    params = sum(p.numel() for p in base.parameters())
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    del base
+
+    examples = make_examples(n_examples, vocab=shape["vocab_size"], median=median, high=high, seed=args.seed)
+    packed = PaddingFreeCollator()(examples)
+    padded = PaddedCollator()(examples)
+    real_tokens = packed.num_tokens
+
+    def on_device(mapping):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mapping.items()}
+
+    varlen_kwargs = dict(on_device(packed.hf_kwargs()), num_segments=packed.num_real_segments)
+    providers = {
+        "packed_torch": (attention.register_hf_attention("packkit_varlen_torch", backend="torch"), varlen_kwargs),
+        "packed_triton": (attention.register_hf_attention("packkit_varlen_triton", backend="triton"), varlen_kwargs),
+        "packed_sdpa": ("sdpa", on_device(dict(packed))),
+        "padded_sdpa": ("sdpa", on_device(dict(padded))),
+    }
+    rows = []
+    for name, (implementation, kwargs) in providers.items():
+        try:
+            torch.manual_seed(args.seed)
+            model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation, dtype=dtype)
+            model.load_state_dict(state)
+            model.to(device).train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
+            step = step_fn(model, optimizer, kwargs)
+            first_loss = step().item()  # from the shared initial weights
+            for _ in range(warmup):
+                step()
+            times = []
+            for _ in range(reps):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+            rows.append(dict(provider=name, attn_implementation=implementation, step_ms=statistics.median(times) * 1e3,
+                             tokens_per_s=real_tokens / statistics.median(times), first_loss=first_loss,
+                             batch_shape=list(kwargs["input_ids"].shape), peak_gib=peak))
+        except Exception as err:  # one failing provider is reported; the others still run
+            rows.append(dict(provider=name, attn_implementation=implementation, error=f"{type(err).__name__}: {err}"[:500]))
+        finally:
+            model = optimizer = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+
+    timed = {r["provider"]: r for r in rows if "step_ms" in r}
+    padded_row = timed.get("padded_sdpa")
+    for r in timed.values():
+        if padded_row:
+            r["speedup_vs_padded"] = padded_row["step_ms"] / r["step_ms"]
+            r["loss_diff_vs_padded"] = abs(r["first_loss"] - padded_row["first_loss"])
+    best = max((r for n, r in timed.items() if n in ("packed_torch", "packed_triton")),
+               key=lambda r: r.get("speedup_vs_padded", 0), default=None)
+    best_speedup = best.get("speedup_vs_padded") if best else None
+    setup = dict(params=params, examples=len(examples), real_tokens=real_tokens, padded_tokens=padded.input_ids.numel(),
+                 max_len=int(packed.max_seqlen), dtype=str(dtype).replace("torch.", ""), layers=shape["num_hidden_layers"],
+                 hidden=shape["hidden_size"], heads=shape["num_attention_heads"], kv_heads=shape["num_key_value_heads"])
+    print(f"\ntraining step, {params / 1e6:.0f}M-parameter Llama ({setup['layers']} layers, hidden {setup['hidden']}, "
+          f"{setup['heads']}/{setup['kv_heads']} heads), {len(examples)} examples, {real_tokens} real tokens "
+          f"({setup['padded_tokens']} when padded), {setup['dtype']}, {device}")
+    print(f"{'provider':<15}{'batch':>14}{'step ms':>10}{'tokens/s':>12}{'vs padded':>11}{'loss':>9}{'|diff|':>9}{'peak GiB':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['provider']:<15}FAILED: {r['error']}")
+            continue
+        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        print(f"{r['provider']:<15}{str(r['batch_shape']):>14}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}"
+              f"{r.get('speedup_vs_padded', float('nan')):>10.2f}x{r['first_loss']:>9.4f}"
+              f"{r.get('loss_diff_vs_padded', float('nan')):>9.4f}{peak:>10}")
+    if args.cpu_smoke:
+        print("packed varlen vs padded: n/a (smoke: measures nothing)")
+    elif best_speedup is not None:
+        print(f"packed varlen (best: {best['provider']}) vs padded SDPA, training step: {best_speedup:.2f}x "
+              f"({'met' if best_speedup >= TARGET_PACKED_VS_PADDED else 'MISSED'}, target >= {TARGET_PACKED_VS_PADDED:.1f}x)")
+    line = json.dumps(dict(bench="train_step", smoke=args.cpu_smoke, versions=versions("triton", "transformers"),
+                           device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                           date=time.strftime("%Y-%m-%d"), setup=setup, results=rows,
+                           packed_vs_padded=None if args.cpu_smoke else best_speedup,
+                           target=TARGET_PACKED_VS_PADDED))
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            f.write(line + "\n")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
