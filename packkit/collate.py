@@ -14,8 +14,13 @@ Use one as ``DataLoader(ds, batch_size=..., collate_fn=PaddingFreeCollator())`` 
 
 An example is a mapping with ``input_ids`` (a list, numpy array or tensor of non-negative integers)
 and optionally ``labels`` (same length; ``-100`` where no loss is wanted) and/or a
-``completion_mask`` / ``assistant_masks`` (loss only where it is 1). Without labels the labels are the
-input ids. With ``mask_first_label=True`` (default: the model shifts labels, as Hugging Face models
+``completion_mask`` / ``assistant_masks`` (loss only where it is 1). Examples are read, and their rules
+checked, by :mod:`packkit.examples`: each example's own keys decide its labels (an example without
+labels is trained on its token ids; a loss mask is honoured on the examples that carry one, whatever
+the first example carries). With ``loss_mask="required"`` an example without a loss mask is an error
+that names the ``transformers.Trainer`` setting (``remove_unused_columns=False``) that would have kept
+it. A collator also takes the columnar batch of :class:`packkit.columnar.ColumnarDataset` directly
+(no Python object per token); its errors then name the dataset row. With ``mask_first_label=True`` (default: the model shifts labels, as Hugging Face models
 do) the first label of every segment becomes ``-100``, so no loss term predicts a document's first
 token from the document before it. With ``mask_first_label=False`` labels are pre-shifted
 (``labels[i]`` is the target of token ``i``) and are used exactly as given; every example then needs
@@ -29,256 +34,18 @@ tensors are checked by dtype.
 
 from __future__ import annotations
 
-import collections.abc
 import numbers
-import operator
-import struct
 
 import numpy as np
 import torch
 
 from .batch import PackedBatch
-from .binpack import check_overflow, check_strategy, check_window, pack
+from .binpack import check_overflow, check_strategy, check_window, overflow_error, pack
+from .examples import MASK_KEYS, ExampleBatch, check_loss_mask_mode, location, read_column, read_examples
 from .packer import gather_index
 from .segments import IGNORE_INDEX
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
-
-#: Keys read as a loss mask (TRL's names): loss only where the mask is 1.
-MASK_KEYS = ("completion_mask", "assistant_masks")
-
-
-# ----------------------------------------------------------------------------------------------
-# reading examples
-# ----------------------------------------------------------------------------------------------
-
-
-def _column(x, i: int, key: str, kind: str):
-    """One example's column as a list or a 1-D integer numpy array, checked.
-
-    ``kind`` is "ids" (non-negative later), "labels" or "mask". Returns ``(part, length, is_list)``.
-    ``_column([3, 4], 0, "input_ids", "ids") -> ([3, 4], 2, True)``.
-    """
-    if type(x) is list:
-        if x:
-            first = x[0]
-            if type(first) is not int and (isinstance(first, bool) or not isinstance(first, numbers.Integral)):
-                if kind == "mask" and isinstance(first, bool):
-                    return x, len(x), True
-                if isinstance(first, (list, tuple, np.ndarray, torch.Tensor)):
-                    raise TypeError(f"example {i}: '{key}' is nested ({type(first).__name__} inside a list); "
-                                    "pass one flat sequence of token ids per example")
-                raise TypeError(f"example {i}: '{key}' holds {first!r} ({type(first).__name__}); "
-                                "token ids and labels must be integers")
-        return x, len(x), True
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    elif isinstance(x, tuple):
-        return _column(list(x), i, key, kind)
-    elif not isinstance(x, np.ndarray):
-        raise TypeError(f"example {i}: '{key}' is a {type(x).__name__}; pass a list, numpy array or tensor "
-                        "of integers")
-    if x.ndim != 1:
-        raise TypeError(f"example {i}: '{key}' has shape {x.shape}; pass a 1-D sequence per example "
-                        "(squeeze a [1, n] tokenizer output)")
-    if x.dtype.kind not in "iu" and not (kind == "mask" and x.dtype.kind == "b"):
-        raise TypeError(f"example {i}: '{key}' has dtype {x.dtype}; token ids and labels must be integers")
-    return x, x.shape[0], False
-
-
-def _list_into(flat: list, out: np.ndarray, bools_ok: bool) -> None:
-    """Write a flat list of ints into ``out`` (int64, same length) with one ``struct.pack_into``.
-
-    ``struct`` rejects floats (numpy would truncate them) but takes ``True``/``False`` as 1/0, so
-    unless ``bools_ok`` the positions holding 0 or 1 (rare in token ids) are checked for bools;
-    ``ValueError`` names the first bool's position: ``_list_into([3, True], out, False)`` raises.
-    """
-    struct.pack_into(f"{len(flat)}q", out, 0, *flat)
-    if not bools_ok:
-        cand = np.flatnonzero(out.view(np.uint64) <= 1)
-        if cand.size:
-            for t in cand.tolist():
-                if type(flat[t]) is not int and isinstance(flat[t], (bool, np.bool_)):
-                    raise _BoolAt(t)
-
-
-def _list_array(part: list, bools_ok: bool) -> np.ndarray:
-    """One example's list as int64 through :func:`_list_into`: ``[3, 4] -> array([3, 4])``."""
-    out = np.empty(len(part), np.int64)
-    _list_into(part, out, bools_ok)
-    return out
-
-
-class _BoolAt(Exception):
-    """A bool at flat position ``args[0]`` (turned into a ``TypeError`` naming the example)."""
-
-
-def _concat(parts: list, all_lists: bool, total: int, key: str, *, bools_ok: bool = False) -> np.ndarray:
-    """Concatenate example columns into one writable ``(total,)`` int64 array.
-
-    Lists: joined into one list and converted by a single ``struct.pack_into`` straight into the
-    output buffer (measured faster than ``np.fromiter``/``np.array`` on a list, about 2x, and it
-    rejects floats instead of truncating them); bools are rejected unless ``bools_ok`` (masks).
-    Arrays: one ``np.concatenate``. ``_concat([[1], [2, 3]], True, 3, "input_ids") -> [1, 2, 3]``.
-    """
-    out = np.empty(total, np.int64)
-    try:
-        if all_lists:
-            flat: list = []
-            for p in parts:
-                flat += p
-            _list_into(flat, out, bools_ok)
-            return out
-        if _NDARRAY != set(map(type, parts)):  # lists mixed with arrays: each list through struct
-            parts = [p if isinstance(p, np.ndarray) else _list_array(p, bools_ok) for p in parts]
-        return np.concatenate(parts, out=out, casting="unsafe")
-    except _BoolAt:
-        for i, p in enumerate(parts):
-            if not isinstance(p, np.ndarray) and any(isinstance(v, (bool, np.bool_)) for v in p):
-                raise TypeError(f"example {i}: '{key}' holds a bool ({[v for v in p if isinstance(v, (bool, np.bool_))][0]!r}); "
-                                "token ids and labels must be integers, not True/False") from None
-        raise AssertionError("a bool was found but no example holds it") from None
-    except (ValueError, TypeError, OverflowError, struct.error) as exc:
-        for i, p in enumerate(parts):  # the error path only: find the example to name it
-            if isinstance(p, np.ndarray):
-                _column(p, i, key, "mask" if bools_ok else "ids")  # raises for a wrong shape or dtype
-                continue
-            try:
-                struct.pack(f"{len(p)}q", *(p.tolist() if isinstance(p, np.ndarray) else p))
-            except (ValueError, TypeError, OverflowError, struct.error) as inner:
-                raise TypeError(f"example {i}: '{key}' is not a sequence of int64 integers ({inner})") \
-                    from None
-        raise TypeError(f"'{key}' could not be read as integers: {exc}") from None
-
-
-def _first_bad(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
-    """``(example index, value)`` of the first ``bad`` token. ``offsets`` is ``(n + 1,)``."""
-    t = int(np.argmax(bad))
-    return int(np.searchsorted(offsets, t, side="right") - 1), int(values[t])
-
-
-def read_examples(examples, *, need_labels: bool = False):
-    """Examples -> ``(input_ids, labels, lengths)``: ``(T,)`` int64, ``(T,)`` int64, ``(n,)`` int64.
-
-    ``labels`` are the given labels (or the input ids), with ``-100`` where a completion mask is 0;
-    no first-label masking here (that depends on the segments). The kind of labels (given, mask,
-    none) is read from example 0 and every example must have the same keys.
-    ``read_examples([{"input_ids": [5, 6]}, {"input_ids": [7]}]) -> ([5, 6, 7], [5, 6, 7], [2, 1])``.
-    """
-    return _read(examples, need_labels)
-
-
-def _read(examples, need_labels: bool):
-    """:func:`read_examples` without keyword handling. Every check is one vectorised pass over the
-    whole batch; the offending example is located only when a check fails."""
-    if type(examples) is not list and (isinstance(examples, collections.abc.Mapping)
-                                       or not isinstance(examples, collections.abc.Sequence)):
-        raise TypeError(f"a collator takes a list of examples (dicts with 'input_ids'), got "
-                        f"{type(examples).__name__}")
-    n = len(examples)
-    if n == 0:
-        raise ValueError("the collator got an empty list of examples")
-    first = examples[0]
-    if not isinstance(first, collections.abc.Mapping):
-        raise TypeError(f"example 0 is a {type(first).__name__}, not a dict with 'input_ids'")
-    has_labels = "labels" in first
-    mask_key = next((k for k in MASK_KEYS if k in first), None)
-    if need_labels and not has_labels:
-        raise ValueError("example 0 has no 'labels': mask_first_label=False means labels are pre-shifted "
-                         "and must be given (labels[i] = target of token i, -100 at each example's end)")
-    ids_parts, lengths, ids_lists = _read_column(examples, "input_ids", "ids")
-    empty = lengths.index(0) if 0 in lengths else None
-    if empty is not None:
-        raise ValueError(f"example {empty} is empty (0 tokens); filter empty examples out before collating")
-    if has_labels:
-        lab_parts, lab_lengths, lab_lists = _read_column(examples, "labels", "labels")
-        _check_same_lengths(lab_lengths, lengths, "labels")
-    if mask_key is not None:
-        mask_parts, mask_lengths, mask_lists = _read_column(examples, mask_key, "mask")
-        _check_same_lengths(mask_lengths, lengths, f"{mask_key} entries")
-    total = sum(lengths)
-    lengths = np.array(lengths, np.int64)
-    input_ids = _concat(ids_parts, ids_lists, total, "input_ids")
-    if input_ids.min() < 0:
-        i, v = _first_bad(input_ids, input_ids < 0, _offsets(lengths))
-        raise ValueError(f"example {i} has token id {v} < 0; token ids must be non-negative")
-    if has_labels:
-        labels = _concat(lab_parts, lab_lists, total, "labels")
-        # valid: >= 0 or == -100. Two reductions without temporaries: the minimum rules out values
-        # below -100; viewed as uint64, -99..-1 are the only values above -100's image.
-        if labels.min() < IGNORE_INDEX or labels.view(np.uint64).max() > _IGNORE_AS_U64:
-            bad = (labels < 0) & (labels != IGNORE_INDEX)
-            i, v = _first_bad(labels, bad, _offsets(lengths))
-            raise ValueError(f"example {i} has label {v}; labels are token ids or {IGNORE_INDEX} (no loss)")
-    else:
-        labels = input_ids.copy()
-    if mask_key is not None:
-        mask = _concat(mask_parts, mask_lists, total, mask_key, bools_ok=True)
-        if mask.view(np.uint64).max() > 1:  # one vectorised check; locate only when it fails
-            i, v = _first_bad(mask, mask.view(np.uint64) > 1, _offsets(lengths))
-            raise ValueError(f"example {i} has {mask_key} value {v}; a loss mask holds 0 (no loss) or 1 (loss)")
-        labels[mask == 0] = IGNORE_INDEX
-    return input_ids, labels, lengths
-
-
-_IGNORE_AS_U64 = np.array(IGNORE_INDEX, np.int64).view(np.uint64)[()]
-_INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
-                                                  np.uint32, np.uint64))
-_MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
-_first_item = operator.itemgetter(0)
-_dtype_of = operator.attrgetter("dtype")
-
-
-def _read_column(examples, key: str, kind: str) -> tuple[list, list, bool]:
-    """One column of every example: ``(parts, lengths, all_lists)``, each part a list or a 1-D
-    integer array. Checks run over the whole column with C-level ``map``/``set`` (no per-example
-    Python statements) and fall back to a checked loop that names the offending example.
-    ``_read_column([{"input_ids": [5, 6]}], "input_ids", "ids") -> ([[5, 6]], [2], True)``.
-    """
-    try:
-        xs = [ex[key] for ex in examples]
-    except (KeyError, TypeError, IndexError):
-        for i, ex in enumerate(examples):
-            if not isinstance(ex, collections.abc.Mapping):
-                raise TypeError(f"example {i} is a {type(ex).__name__}, not a dict with 'input_ids'") from None
-            if key not in ex:
-                if key == "input_ids":
-                    raise ValueError(f"example {i} has no 'input_ids' (keys {sorted(ex)}); every example "
-                                     "needs its token ids") from None
-                raise ValueError(f"example {i} has no '{key}' but example 0 has; give every example "
-                                 f"'{key}' or none") from None
-        raise
-    kinds = set(map(type, xs))
-    if kinds == _LIST:
-        lengths = list(map(len, xs))
-        if 0 not in lengths and set(map(type, map(_first_item, xs))) <= (_MASK_ITEMS if kind == "mask"
-                                                                          else _INT_ITEM):
-            return xs, lengths, True
-    elif kinds == _NDARRAY:
-        # ndim is checked where it is cheap: len() of a 0-d array raises, and a 2-D array makes the
-        # concatenation fail; both fall back to the checked loop below, which names the example.
-        if set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
-            try:
-                return xs, list(map(len, xs)), False
-            except TypeError:
-                pass
-    parts, lengths, all_lists = [], [], True
-    for i, x in enumerate(xs):
-        part, length, is_list = _column(x, i, key, kind)
-        parts.append(part)
-        lengths.append(length)
-        all_lists &= is_list
-    return parts, lengths, all_lists
-
-
-_LIST, _NDARRAY = {list}, {np.ndarray}
-_INT_ITEM, _MASK_ITEMS = {int}, {int, bool}
-
-
-def _check_same_lengths(got: list, lengths: list, what: str) -> None:
-    if got != lengths:
-        i = next(i for i, (a, b) in enumerate(zip(got, lengths)) if a != b)
-        raise ValueError(f"example {i} has {got[i]} {what} for {lengths[i]} input_ids; they must match")
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -286,6 +53,12 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(lengths.size + 1, np.int64)
     out[1:] = lengths.cumsum()
     return out
+
+
+def _first_bad(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
+    """``(example index, value)`` of the first ``bad`` value. ``offsets`` is ``(n + 1,)``."""
+    t = int(np.argmax(bad))
+    return int(np.searchsorted(offsets, t, side="right") - 1), int(values[t])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,17 +245,23 @@ class PaddingFreeCollator:
     Args:
         mask_first_label: ``True`` (default): labels are shifted by the model, the first label of
             every example becomes -100. ``False``: labels are pre-shifted and used as given.
+        loss_mask: ``"auto"`` (default): a ``completion_mask`` / ``assistant_masks`` is honoured on
+            every example that carries one. ``"required"``: every example must carry one, else an
+            error names the example and ``remove_unused_columns=False`` (``transformers.Trainer``
+            drops mask columns by default, which would silently train on prompts).
     """
 
-    def __init__(self, *, mask_first_label: bool = True):
+    def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto"):
         self.mask_first_label = bool(mask_first_label)
+        self.loss_mask = check_loss_mask_mode(loss_mask)
 
     def __call__(self, examples) -> PackedBatch:
-        input_ids, labels, lengths = _read(examples, not self.mask_first_label)
+        input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label,
+                                                   loss_mask=self.loss_mask)
         return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
 
     def __repr__(self) -> str:
-        return f"PaddingFreeCollator(mask_first_label={self.mask_first_label})"
+        return f"PaddingFreeCollator(mask_first_label={self.mask_first_label}, loss_mask={self.loss_mask!r})"
 
 
 class FixedWindowCollator:
@@ -508,14 +287,14 @@ class FixedWindowCollator:
             raises). ``batch.hf_kwargs(static=False)`` drops the zero-length tail when flash-attn
             #1537 bites.
         pad_token_id: id of padding tokens (default 0; their labels are -100 whatever it is).
-        mask_first_label: as in :class:`PaddingFreeCollator` (applies to every segment).
+        mask_first_label, loss_mask: as in :class:`PaddingFreeCollator` (apply to every segment).
         seed: the order of ``"shuffle_ff"``.
     """
 
     def __init__(self, *, window: int, strategy: str = "bfd", overflow: str = "error",
                  num_windows: int | None = None, static_shape: bool = False,
                  max_segments: int | None = None, pad_token_id: int = 0,
-                 mask_first_label: bool = True, seed: int = 0):
+                 mask_first_label: bool = True, seed: int = 0, loss_mask: str = "auto"):
         self.window = check_window(window)
         self.strategy, self.overflow = check_strategy(strategy), check_overflow(overflow)
         self.seed = _int_at_least(seed, "seed", 0)
@@ -523,10 +302,14 @@ class FixedWindowCollator:
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = _check_pad(pad_token_id)
         self.mask_first_label = bool(mask_first_label)
+        self.loss_mask = check_loss_mask_mode(loss_mask)
         self.cut_tokens = 0
 
     def __call__(self, examples) -> PackedBatch:
-        input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label)
+        input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label,
+                                                   loss_mask=self.loss_mask)
+        if self.overflow == "error" and int(lengths.max()) > self.window:
+            raise overflow_error(lengths, self.window, rows=_rows_of(examples))
         plan = pack(lengths, window=self.window, strategy=self.strategy, overflow=self.overflow,
                     seed=self.seed)
         self.cut_tokens += plan.cut_tokens
@@ -542,7 +325,7 @@ class FixedWindowCollator:
     def __repr__(self) -> str:
         return (f"FixedWindowCollator(window={self.window}, strategy={self.strategy!r}, "
                 f"overflow={self.overflow!r}, num_windows={self.num_windows}, "
-                f"static_shape={self.static_shape})")
+                f"static_shape={self.static_shape}, loss_mask={self.loss_mask!r})")
 
 
 class PackedRowsCollator:
@@ -554,26 +337,33 @@ class PackedRowsCollator:
     ``input_ids [[5, 6, 7, 0]]``, ``position_ids [[0, 1, 0, 0]]``, ``cu_seqlens [0, 2, 3, 4]``.
 
     Options as in :class:`FixedWindowCollator` (``num_windows``, ``static_shape``, ``max_segments``,
-    ``pad_token_id``, ``mask_first_label``). Labels of offline rows already carry -100 on every
-    segment's first token; masking again changes nothing.
+    ``pad_token_id``, ``mask_first_label``, ``loss_mask``). Labels of offline rows already carry -100
+    on every segment's first token; masking again changes nothing.
+
+    ``transformers.Trainer`` drops ``seq_lengths`` by default (its model's forward does not name it):
+    pass ``TrainingArguments(remove_unused_columns=False)``; the error says so.
     """
 
     def __init__(self, *, window: int, num_windows: int | None = None, static_shape: bool = False,
-                 max_segments: int | None = None, pad_token_id: int = 0, mask_first_label: bool = True):
+                 max_segments: int | None = None, pad_token_id: int = 0, mask_first_label: bool = True,
+                 loss_mask: str = "auto"):
         self.window = check_window(window)
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = _check_pad(pad_token_id)
         self.mask_first_label = bool(mask_first_label)
+        self.loss_mask = check_loss_mask_mode(loss_mask)
 
     def __call__(self, rows) -> PackedBatch:
-        input_ids, labels, lengths = read_examples(rows, need_labels=not self.mask_first_label)
+        input_ids, labels, lengths = read_examples(rows, need_labels=not self.mask_first_label,
+                                                   loss_mask=self.loss_mask)
+        where = _rows_of(rows)
         over = np.flatnonzero(lengths > self.window)
         if over.size:
             i = int(over[0])
-            raise ValueError(f"example {i} is a packed row of {int(lengths[i])} tokens > window={self.window}; "
-                             "collate with the window it was packed for")
-        seg_lengths, seg_ptr = _row_segments(rows, lengths)
+            raise ValueError(f"{location(i, where)} is a packed row of {int(lengths[i])} tokens > "
+                             f"window={self.window}; collate with the window it was packed for")
+        seg_lengths, seg_ptr = _row_segments(rows, lengths, where)
         return rows_batch(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
                           num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
@@ -581,47 +371,46 @@ class PackedRowsCollator:
 
     def __repr__(self) -> str:
         return (f"PackedRowsCollator(window={self.window}, num_windows={self.num_windows}, "
-                f"static_shape={self.static_shape})")
+                f"static_shape={self.static_shape}, loss_mask={self.loss_mask!r})")
 
 
-def _row_segments(rows, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _rows_of(examples):
+    """The dataset rows of a columnar batch (errors name them), or None."""
+    return examples.rows if isinstance(examples, ExampleBatch) else None
+
+
+_SEGMENTS_MISSING = ("a packed row needs its segments (transformers.Trainer drops 'seq_lengths' unless "
+                     "TrainingArguments(remove_unused_columns=False); PaddingFreeCollator or FixedWindowCollator "
+                     "take examples that are not packed rows)")
+
+
+def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np.ndarray]:
     """Segment lengths ``(S,)`` and row pointers ``(R + 1,)`` of packed rows, from their
-    ``seq_lengths`` or ``position_ids``, checked against the row lengths."""
-    key = "seq_lengths" if "seq_lengths" in rows[0] else "position_ids" if "position_ids" in rows[0] else None
+    ``seq_lengths`` or ``position_ids``, checked against the row lengths. Every row must carry the
+    same one of the two keys."""
+    keys = set(rows.columns) if isinstance(rows, ExampleBatch) else set().union(*rows)
+    key = "seq_lengths" if "seq_lengths" in keys else "position_ids" if "position_ids" in keys else None
     if key is None:
-        raise ValueError("example 0 is a packed row without 'seq_lengths' or 'position_ids'; the collator "
-                         "needs its segments (use PaddingFreeCollator or FixedWindowCollator for plain examples)")
-    parts, counts, all_lists = [], [], True
-    for i, row in enumerate(rows):
-        try:
-            x = row[key]
-        except KeyError:
-            raise ValueError(f"example {i} has no '{key}' but example 0 has; give every row the same keys") \
-                from None
-        part, n, is_list = _column(x, i, key, "ids")
-        all_lists &= is_list
-        parts.append(part)
-        counts.append(n)
-    counts = np.array(counts, np.int64)
-    flat = _concat(parts, all_lists, int(counts.sum()), key)
+        raise ValueError(f"{location(0, where)} has no 'seq_lengths' or 'position_ids'; {_SEGMENTS_MISSING}")
+    flat, counts = read_column(rows, key, missing=_SEGMENTS_MISSING, rows=where)
     if key == "seq_lengths":
         if (flat < 1).any():
             i, v = _first_bad(flat, flat < 1, _offsets(counts))
-            raise ValueError(f"example {i} has a segment of length {v}; seq_lengths must be >= 1")
+            raise ValueError(f"{location(i, where)} has a segment of length {v}; seq_lengths must be >= 1")
         seg_ptr = _offsets(counts)
         csum = _offsets(flat)
         sums = csum[seg_ptr[1:]] - csum[seg_ptr[:-1]]
         bad = sums != lengths
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(f"example {i} has seq_lengths summing to {int(sums[i])} for {int(lengths[i])} "
-                             "input_ids; they must match")
+            raise ValueError(f"{location(i, where)} has seq_lengths summing to {int(sums[i])} for "
+                             f"{int(lengths[i])} input_ids; they must match")
         return flat, seg_ptr
     # position_ids: a segment starts at every 0; inside a segment positions go up by one
     bad = counts != lengths
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"example {i} has {int(counts[i])} position_ids for {int(lengths[i])} input_ids")
+        raise ValueError(f"{location(i, where)} has {int(counts[i])} position_ids for {int(lengths[i])} input_ids")
     row_first = _offsets(lengths)[:-1]
     prev = np.concatenate(([-1], flat[:-1]))
     prev[row_first] = -1
@@ -629,7 +418,7 @@ def _row_segments(rows, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     bad = ~is_start & (flat != prev + 1)
     if bad.any():
         i, v = _first_bad(flat, bad, _offsets(lengths))
-        raise ValueError(f"example {i} has position_ids that neither restart at 0 nor go up by one "
+        raise ValueError(f"{location(i, where)} has position_ids that neither restart at 0 nor go up by one "
                          f"(value {v}); pass seq_lengths instead")
     starts = np.flatnonzero(is_start)
     seg_lengths = np.diff(np.append(starts, flat.size))
@@ -646,19 +435,22 @@ class PaddedCollator:
     ``attention_mask [[1, 1, 1], [1, 0, 0]]``.
 
     With ``return_attention_mask=False`` the batch has no mask and its HF view is the packed one: each
-    row's padding tail is then its own segment, which is also correct.
+    row's padding tail is then its own segment, which is also correct. ``mask_first_label`` and
+    ``loss_mask`` as in :class:`PaddingFreeCollator`.
     """
 
     def __init__(self, *, pad_token_id: int = 0, pad_to_multiple_of: int | None = None,
-                 return_attention_mask: bool = True, mask_first_label: bool = True):
+                 return_attention_mask: bool = True, mask_first_label: bool = True, loss_mask: str = "auto"):
         self.pad_token_id = _check_pad(pad_token_id)
         self.pad_to_multiple_of = (None if pad_to_multiple_of is None
                                    else _positive_int(pad_to_multiple_of, "pad_to_multiple_of"))
         self.return_attention_mask = bool(return_attention_mask)
         self.mask_first_label = bool(mask_first_label)
+        self.loss_mask = check_loss_mask_mode(loss_mask)
 
     def __call__(self, examples) -> PackedBatch:
-        input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label)
+        input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label,
+                                                   loss_mask=self.loss_mask)
         width = int(lengths.max())
         if self.pad_to_multiple_of is not None:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -669,4 +461,4 @@ class PaddedCollator:
 
     def __repr__(self) -> str:
         return (f"PaddedCollator(pad_token_id={self.pad_token_id}, pad_to_multiple_of={self.pad_to_multiple_of}, "
-                f"return_attention_mask={self.return_attention_mask})")
+                f"return_attention_mask={self.return_attention_mask}, loss_mask={self.loss_mask!r})")

@@ -39,6 +39,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
+from .examples import MASK_KEYS, first_bad_label, first_bad_mask
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 
 __all__ = [
@@ -61,11 +62,6 @@ __all__ = [
     "StreamStats",
     "pack_stream",
 ]
-
-#: Columns read as a loss mask (TRL's names): loss only where the mask is not 0. The same tuple as
-#: ``packkit.collate.MASK_KEYS`` (a test keeps them equal); it lives here too so that offline packing
-#: does not import torch.
-MASK_KEYS = ("completion_mask", "assistant_masks")
 
 logger = logging.getLogger("packkit")
 
@@ -142,34 +138,6 @@ def loss_labels(input_ids, labels=None, mask=None) -> np.ndarray:
     if mask.shape != base.shape:
         raise ValueError(f"a loss mask of shape {mask.shape} for labels of shape {base.shape}: they must match")
     return np.where(mask != 0, base, np.asarray(IGNORE_INDEX, base.dtype))
-
-
-def first_bad_mask(values) -> int | None:
-    """Flat index of the first loss-mask value that is neither 0 nor 1 (booleans are fine), or None.
-
-    ``first_bad_mask([0, 1, 2]) -> 2``; ``first_bad_mask([True, False]) -> None``. The collators reject
-    such values too: a mask of 2 or -1 is more likely a column mix-up than a loss weight.
-    """
-    values = np.asarray(values)
-    if values.size == 0 or values.dtype.kind == "b":
-        return None
-    bad = (values != 0) & (values != 1)
-    return int(np.argmax(bad)) if bad.any() else None
-
-
-def first_bad_label(values) -> int | None:
-    """Flat index of the first label that is neither a token id (>= 0) nor ``IGNORE_INDEX``, or None.
-
-    ``first_bad_label([3, -100, -5]) -> 2``; ``first_bad_label([3, -100]) -> None``. Vectorised, with a
-    fast path for labels without negatives.
-    """
-    values = np.asarray(values)
-    if values.size == 0 or values.dtype.kind in "ub" or values.min() >= 0:
-        return None
-    neg = values < 0
-    if np.count_nonzero(neg) == np.count_nonzero(values == IGNORE_INDEX):  # every negative is -100
-        return None
-    return int(np.argmax(neg & (values != IGNORE_INDEX)))
 
 
 def gather_index(plan: Plan, offsets) -> tuple[np.ndarray, np.ndarray]:

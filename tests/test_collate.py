@@ -335,7 +335,7 @@ def test_packed_rows_docstring_example_and_errors():
         collator([{"input_ids": [1], "seq_lengths": [1]}, {"input_ids": [1] * 5, "seq_lengths": [5]}])
     with pytest.raises(ValueError, match="example 0 has position_ids that neither restart"):
         collator([{"input_ids": [1, 2, 3], "position_ids": [0, 2, 3]}])
-    with pytest.raises(ValueError, match="without 'seq_lengths' or 'position_ids'"):
+    with pytest.raises(ValueError, match="example 0 has no 'seq_lengths' or 'position_ids'; .*remove_unused_columns=False"):
         collator([{"input_ids": [1, 2, 3]}])
 
 
@@ -381,20 +381,36 @@ ALL = [PaddingFreeCollator(), FixedWindowCollator(window=64), PaddedCollator()]
     ([{"input_ids": [1, 2]}, {"input_ids": np.zeros(0, np.int64)}], ValueError, "example 1 is empty"),
     ([{"input_ids": [1]}, {"input_ids": [2]}, {"text": "hi"}], ValueError, "example 2 has no 'input_ids'"),
     ([{"input_ids": [1], "labels": [1]}, {"input_ids": [1, 2], "labels": [1]}], ValueError,
-     "example 1 has 1 labels for 2 input_ids"),
-    ([{"input_ids": [1], "labels": [1]}, {"input_ids": [1, 2]}], ValueError, "example 1 has no 'labels'"),
-    ([{"input_ids": [1]}, {"input_ids": [1.5, 2.0]}], TypeError, "example 1: 'input_ids' holds 1.5"),
-    ([{"input_ids": [1]}, {"input_ids": [1, 2.5]}], TypeError, "example 1: 'input_ids' is not a sequence of int64"),
-    ([{"input_ids": [1]}, {"input_ids": np.array([1.0])}], TypeError, "example 1: 'input_ids' has dtype float64"),
-    ([{"input_ids": [1]}, {"input_ids": torch.tensor([1.0])}], TypeError, "example 1: 'input_ids' has dtype float32"),
-    ([{"input_ids": [1]}, {"input_ids": ["a"]}], TypeError, "example 1: 'input_ids' holds 'a'"),
-    ([{"input_ids": [1]}, {"input_ids": [True]}], TypeError, "example 1: 'input_ids' holds True"),
-    ([{"input_ids": [1]}, {"input_ids": [[1, 2]]}], TypeError, "example 1: 'input_ids' is nested"),
-    ([{"input_ids": [1]}, {"input_ids": np.ones((1, 3), np.int64)}], TypeError, "example 1: 'input_ids' has shape"),
-    ([{"input_ids": [1]}, {"input_ids": [4, -3]}], ValueError, "example 1 has token id -3 < 0"),
-    ([{"input_ids": [1], "labels": [1]}, {"input_ids": [4], "labels": [-5]}], ValueError, "example 1 has label -5"),
-    ([{"input_ids": [1]}, [1, 2]], TypeError, "example 1 is a list, not a dict"),
-    ([{"input_ids": [1]}, {"input_ids": "abc"}], TypeError, "example 1: 'input_ids' is a str"),
+     r"example 1 has 1 'labels' for 2 'input_ids'; they must match token for token"),
+    ([{"input_ids": [1]}, {"input_ids": [1, 2], "labels": [1]}], ValueError,
+     r"example 1 has 1 'labels' for 2 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": [1, 2], "completion_mask": [1, 1, 1]}], ValueError,
+     r"example 1 has 3 'completion_mask' for 2 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": [1.5, 2.0]}], TypeError,
+     r"example 1 has 1.5 \(float\) in 'input_ids'; token ids are integers >= 0"),
+    ([{"input_ids": [1]}, {"input_ids": [1, 2.5]}], TypeError, r"example 1 has 2.5 \(float\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": [1, float("nan")]}], TypeError, r"example 1 has nan \(float\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": np.array([1.0])}], TypeError, r"example 1 has 1.0 \(float\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": np.array([1.0, np.nan])}], TypeError, r"example 1 has nan \(float\)"),
+    ([{"input_ids": [1]}, {"input_ids": torch.tensor([1.0])}], TypeError, r"example 1 has 1.0 \(float\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": ["a"]}], TypeError, r"example 1 has 'a' \(str\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": [True]}], TypeError, r"example 1 has True \(bool\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": np.array([True])}], TypeError, r"example 1 has True \(bool\) in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": [[1, 2]]}], TypeError,
+     r"example 1 has a nested list in 'input_ids' \(a list inside a list\); pass one flat list per example"),
+    ([{"input_ids": [1]}, {"input_ids": [1, [1, 2]]}], TypeError, r"example 1 has a nested list in 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": np.ones((1, 3), np.int64)}], TypeError,
+     r"example 1 has a nested list in 'input_ids' \(shape \(1, 3\)\); .*squeeze"),
+    ([{"input_ids": [1]}, {"input_ids": [4, -3]}], ValueError,
+     "example 1 has token id -3 in 'input_ids'; token ids are integers >= 0"),
+    ([{"input_ids": [1], "labels": [1]}, {"input_ids": [4], "labels": [-5]}], ValueError,
+     r"example 1 has label -5 in 'labels'; labels are token ids \(>= 0\) or -100 \(no loss\)"),
+    ([{"input_ids": [1]}, {"input_ids": [4, 5], "labels": [4, -7]}], ValueError, "example 1 has label -7 in 'labels'"),
+    ([{"input_ids": [1]}, {"input_ids": [4], "labels": [1.5]}], TypeError, r"example 1 has 1.5 \(float\) in 'labels'"),
+    ([{"input_ids": [1]}, {"input_ids": [4, 5], "assistant_masks": [1, 2]}], ValueError,
+     r"example 1 has 2 in the loss mask 'assistant_masks'; a loss mask holds 1 \(loss\) or 0 \(no loss\)"),
+    ([{"input_ids": [1]}, [1, 2]], TypeError, "example 1 is a list, not a dict with 'input_ids'"),
+    ([{"input_ids": [1]}, {"input_ids": "abc"}], TypeError, "example 1 has a str in 'input_ids'; pass a list"),
     ([], ValueError, "empty list of examples"),
 ])
 def test_bad_input_names_the_example(collator, examples, error, match):
@@ -448,12 +464,12 @@ def test_static_shape_requires_max_segments():
 
 
 @pytest.mark.parametrize("examples, match", [
-    ([{"input_ids": [1, 2]}, {"input_ids": [3, True, 4]}], "example 1: 'input_ids' holds a bool"),
-    ([{"input_ids": [1, 2]}, {"input_ids": [3, 4, np.True_]}], "example 1: 'input_ids' "),
+    ([{"input_ids": [1, 2]}, {"input_ids": [3, True, 4]}], r"example 1 has True \(bool\) in 'input_ids'"),
+    ([{"input_ids": [1, 2]}, {"input_ids": [3, 4, np.True_]}], r"example 1 has True \(bool\) in 'input_ids'"),
     ([{"input_ids": [5, 6], "labels": [-100, 6]}, {"input_ids": [7, 8], "labels": [-100, False]}],
-     "example 1: 'labels' holds a bool"),
-    ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, True]}], "example 1: 'input_ids' holds a bool"),
-    ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, 2.5]}], "example 1: 'input_ids' is not a sequence of int64"),
+     r"example 1 has False \(bool\) in 'labels'"),
+    ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, True]}], r"example 1 has True \(bool\) in 'input_ids'"),
+    ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, 2.5]}], r"example 1 has 2.5 \(float\) in 'input_ids'"),
 ])
 def test_bools_after_the_first_token_are_rejected(examples, match):
     """Review 15: only the first element of a list was type-checked and struct.pack('q', True) takes a
@@ -475,9 +491,9 @@ def test_mask_values_other_than_zero_and_one_are_rejected(key, bad):
     """Review 16: a completion mask of 2 or -1 silently counted as "loss". Now a ValueError naming
     the example and the value; bool masks still work."""
     ok = {"input_ids": [1, 2, 3], key: [0, 1, 1]}
-    with pytest.raises(ValueError, match=f"example 1 has {key} value {bad}; a loss mask holds 0"):
+    with pytest.raises(ValueError, match=f"example 1 has {bad} in the loss mask '{key}'; a loss mask holds 1"):
         PaddingFreeCollator()([ok, {"input_ids": [1, 2, 3], key: [0, bad, 1]}])
-    with pytest.raises(ValueError, match=f"example 1 has {key} value {bad}"):
+    with pytest.raises(ValueError, match=f"example 1 has {bad} in the loss mask '{key}'"):
         PaddingFreeCollator()([{"input_ids": np.array([1, 2]), key: np.array([0, 1])},
                                {"input_ids": np.array([1, 2]), key: np.array([bad, 1])}])
     b = PaddingFreeCollator()([{"input_ids": [1, 2, 3], key: [False, True, True]}])

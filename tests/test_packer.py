@@ -130,4 +130,5 @@ def test_small_label_helpers():
 def test_mask_keys_are_the_collators():
     """The offline packers read the same loss-mask columns as the collators (one tuple, not two drifting)."""
     collate = pytest.importorskip("packkit.collate")
-    assert MASK_KEYS == collate.MASK_KEYS
+    from packkit import examples
+    assert MASK_KEYS is collate.MASK_KEYS is examples.MASK_KEYS  # one definition, packkit.examples

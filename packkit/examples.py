@@ -1,0 +1,1067 @@
+"""Examples in: the one reader of examples and the one set of rules, on every path.
+
+An example is a mapping (or one row of a table) with these keys::
+
+    key               holds                              rule
+    input_ids         token ids                          integers >= 0, at least one
+    labels            the target of each token           token ids (>= 0) or -100 (no loss), one per token
+    completion_mask   loss only where 1 (TRL's names:    0 or 1 (bools too), one per token
+    assistant_masks   MASK_KEYS)
+
+No list may be nested (a ``[1, n]`` tokenizer output is one example: squeeze it) and no value may be
+a float, NaN, a bool or text where an integer belongs. Every error a user can cause names where the
+example is and how to fix it, in one wording per rule::
+
+    example 3 has label -7 in 'labels'; labels are token ids (>= 0) or -100 (no loss)
+    dataset row 81204 has 1.5 (float) in 'input_ids'; token ids are integers >= 0
+    dataset row 7 has 2 in the loss mask 'completion_mask'; a loss mask holds 1 (loss) or 0 (no loss)
+
+The location is ``example i`` (the i-th example of what was passed) or, where the index in a dataset
+is known (offline packing, a batch fetched through :class:`packkit.columnar.ColumnarDataset`),
+``dataset row N``.
+
+**Each example's own keys decide its labels** (honoured per example, whatever its batch-mates carry):
+its ``labels`` if it has them, else its token ids; then ``-100`` wherever any loss mask it carries is 0
+(both masks apply when both are given). A key whose value is ``None`` (a null in a table, as
+``datasets`` writes a key that only some rows have) is a key the example does not have. So
+``[{"input_ids": [3, 4, 5]}, {"input_ids": [6, 7, 8], "completion_mask": [0, 0, 1]}]`` gives labels
+``[3, 4, 5 | -100, -100, 8]`` before the collators mask each example's first label.
+``loss_mask="required"`` turns a missing mask into an error instead (it names the example and the
+``transformers.Trainer`` setting that drops mask columns, ``remove_unused_columns``).
+
+Two forms are read with the same rules:
+
+* Python examples (a list of dicts of lists, numpy arrays or tensors): :func:`read_examples`, the
+  collators' hot path. Every check is one vectorised pass over the batch (one ``struct.pack_into`` of
+  the concatenated lists, or one ``np.concatenate`` of the arrays); the offending example is located
+  only when a check fails.
+* Columns (flat values and offsets, as an Arrow list column stores them): :class:`ExampleBatch` (a
+  batch the columnar DataLoader path fetched), and for whole tables :func:`list_chunks` with
+  :func:`check_tokens` / :func:`check_labels` / :func:`check_mask` / :func:`check_aligned`, and the
+  measurements :func:`token_lengths` and :func:`loss_lengths` that ``packkit waste`` / ``plan`` use.
+
+numpy only: offline packing imports this without torch (tensors are recognised without importing
+torch); pyarrow is imported only by the functions that read Arrow.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import numbers
+import operator
+import struct
+import sys
+
+import numpy as np
+
+from .segments import IGNORE_INDEX
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MASK_KEYS",
+    "LOSS_MASK_MODES",
+    "ExampleBatch",
+    "ExampleRow",
+    "ExampleTypeError",
+    "ExampleValueError",
+    "check_aligned",
+    "check_labels",
+    "check_loss_mask_mode",
+    "check_mask",
+    "check_tokens",
+    "example_arrays",
+    "first_bad_label",
+    "first_bad_mask",
+    "list_chunks",
+    "location",
+    "loss_lengths",
+    "read_column",
+    "read_examples",
+    "relocate",
+    "table_labels",
+    "token_lengths",
+]
+
+#: Keys read as a loss mask (TRL's names): loss only where the mask is 1. The one definition.
+MASK_KEYS = ("completion_mask", "assistant_masks")
+
+#: ``loss_mask=`` of the collators: ``"auto"`` honours a mask where an example has one;
+#: ``"required"`` makes an example without one an error.
+LOSS_MASK_MODES = ("auto", "required")
+
+#: The rule each kind of column follows, as every error states it.
+RULES = {
+    "ids": "token ids are integers >= 0",
+    "labels": f"labels are token ids (>= 0) or {IGNORE_INDEX} (no loss)",
+    "mask": "a loss mask holds 1 (loss) or 0 (no loss)",
+    "other": "a packed column holds integers or bools, one per token",
+}
+_NESTED_FIX = "pass one flat list per example (squeeze a [1, n] tokenizer output)"
+
+
+# ----------------------------------------------------------------------------------------------
+# locations and errors
+# ----------------------------------------------------------------------------------------------
+
+
+def location(i: int, rows=None) -> str:
+    """Where example ``i`` is: ``"example 3"``; with ``rows`` (the dataset row of every example, or
+    the dataset row of example 0 as an int) ``"dataset row 812"``.
+
+    ``location(3) -> "example 3"``; ``location(3, rows=800) -> "dataset row 803"``;
+    ``location(1, rows=[9, 4]) -> "dataset row 4"``.
+    """
+    if rows is None:
+        return f"example {i}"
+    if isinstance(rows, numbers.Integral):
+        return f"dataset row {int(rows) + i}"
+    return f"dataset row {int(rows[i])}"
+
+
+class _Located:
+    """An error about one example: ``index`` (its position in what was checked) and ``text`` (the
+    message after the location), so that a caller that knows more (a Ray block's first global row)
+    can say where it is with :func:`relocate`. ``cls(message)`` alone works too (pickling, and
+    PyTorch's DataLoader re-raising a worker's error)."""
+
+    def __init__(self, message: str, index: int | None = None, text: str | None = None):
+        super().__init__(message)
+        self.index, self.text = index, text
+
+
+class ExampleValueError(_Located, ValueError):
+    """A bad value in an example (negative id, bad label or mask value, lengths that differ, ...)."""
+
+
+class ExampleTypeError(_Located, TypeError):
+    """A value of the wrong type in an example (float, bool, text, nested list, not a mapping)."""
+
+
+def _error(cls, i: int, rows, text: str):
+    return cls(f"{location(i, rows)} {text}", i, text)
+
+
+def relocate(exc: Exception, rows) -> Exception:
+    """The same error, its example located with ``rows`` (see :func:`location`); other errors as they are.
+
+    ``relocate(err_about_example_3, rows=800)`` reads ``"dataset row 803 ..."``.
+    """
+    if isinstance(exc, _Located) and exc.index is not None:
+        return _error(type(exc), exc.index, rows, exc.text)
+    return exc
+
+
+def _value_text(v) -> str:
+    """``1.5 (float)``, ``True (bool)``, ``'a' (str)``, ``nan (float)``."""
+    if isinstance(v, np.generic):
+        v = v.item()
+    return f"{v!r} ({type(v).__name__})"
+
+
+def _not_integer(i, rows, key: str, kind: str, v):
+    return _error(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {RULES[kind]}")
+
+
+def _nested(i, rows, key: str, detail: str):
+    return _error(ExampleTypeError, i, rows, f"has a nested list in {key!r} ({detail}); {_NESTED_FIX}")
+
+
+def _negative(i, rows, key: str, v):
+    return _error(ExampleValueError, i, rows, f"has token id {v} in {key!r}; {RULES['ids']}")
+
+
+def _bad_label(i, rows, key: str, v):
+    return _error(ExampleValueError, i, rows, f"has label {v} in {key!r}; {RULES['labels']}")
+
+
+def _bad_mask(i, rows, key: str, v):
+    return _error(ExampleValueError, i, rows, f"has {v} in the loss mask {key!r}; {RULES['mask']}")
+
+
+def _empty(i, rows, key: str = "input_ids"):
+    return _error(ExampleValueError, i, rows, f"is empty (0 tokens in {key!r}); filter empty examples out first")
+
+
+def _length(i, rows, key: str, got: int, ref_key: str, want: int):
+    return _error(ExampleValueError, i, rows,
+                  f"has {got} {key!r} for {want} {ref_key!r}; they must match token for token")
+
+
+def _null_tokens(i, rows, key: str):
+    return _error(ExampleValueError, i, rows, f"has no {key!r} (null); drop the example or fill it")
+
+
+def _null_inside(i, rows, key: str):
+    return _error(ExampleValueError, i, rows, f"has a null inside {key!r}; every token needs a value")
+
+
+def _no_labels(i, rows):
+    return _error(ExampleValueError, i, rows,
+                  "has no 'labels'; mask_first_label=False means labels are pre-shifted and every example "
+                  "needs them (labels[i] = the target of token i, -100 at each example's end)")
+
+
+def _no_mask(i, rows):
+    return _error(ExampleValueError, i, rows,
+                  f"has no loss mask ({' or '.join(repr(k) for k in MASK_KEYS)}) and loss_mask='required': "
+                  "transformers.Trainer drops the columns its model's forward does not name, so pass "
+                  "TrainingArguments(remove_unused_columns=False) or train_dataset=packkit.columnar."
+                  "ColumnarDataset(ds); if this example has no prompt to mask, collate with loss_mask='auto'")
+
+
+def check_loss_mask_mode(loss_mask) -> str:
+    """``loss_mask=`` of a collator, checked: ``"auto"`` or ``"required"``."""
+    if loss_mask not in LOSS_MASK_MODES:
+        raise ValueError(f"loss_mask must be one of {', '.join(map(repr, LOSS_MASK_MODES))}, got {loss_mask!r}")
+    return loss_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# the rules on flat values (one chunk of a column, or a batch)
+# ----------------------------------------------------------------------------------------------
+
+
+def first_bad_mask(values) -> int | None:
+    """Flat index of the first loss-mask value that is neither 0 nor 1 (booleans are fine), or None.
+
+    ``first_bad_mask([0, 1, 2]) -> 2``; ``first_bad_mask([True, False]) -> None``. A mask of 2 or -1 is
+    more likely a column mix-up than a loss weight, so it is refused.
+    """
+    values = np.asarray(values)
+    if values.size == 0 or values.dtype.kind == "b":
+        return None
+    if values.dtype.kind in "iu" and values.view(_UNSIGNED[values.dtype.itemsize]).max() <= 1:
+        return None
+    bad = (values != 0) & (values != 1)
+    return int(np.argmax(bad)) if bad.any() else None
+
+
+def first_bad_label(values) -> int | None:
+    """Flat index of the first label that is neither a token id (>= 0) nor ``IGNORE_INDEX``, or None.
+
+    ``first_bad_label([3, -100, -5]) -> 2``; ``first_bad_label([3, -100]) -> None``. Vectorised, with a
+    fast path for labels without negatives.
+    """
+    values = np.asarray(values)
+    if values.size == 0 or values.dtype.kind in "ub" or values.min() >= 0:
+        return None
+    neg = values < 0
+    if np.count_nonzero(neg) == np.count_nonzero(values == IGNORE_INDEX):  # every negative is -100
+        return None
+    return int(np.argmax(neg & (values != IGNORE_INDEX)))
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _spans(offsets=None, starts=None, lengths=None):
+    """``(starts, lengths)`` (n,) int64 of the examples, from ``offsets`` (n + 1,) or given."""
+    if offsets is not None:
+        offsets = np.asarray(offsets, np.int64)
+        return offsets[:-1], np.diff(offsets)
+    return np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+
+
+def _first_with(bad: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
+    """``(example, flat position)`` of the first example (in order) holding a position where ``bad``
+    is True, or None: values outside every example (rows not selected) name nobody. Error path only."""
+    before = np.zeros(bad.size + 1, np.int64)
+    np.cumsum(bad, out=before[1:])
+    hit = np.flatnonzero(before[starts + lengths] > before[starts])
+    if not hit.size:
+        return None
+    i = int(hit[0])
+    s = int(starts[i])
+    return i, s + int(np.argmax(bad[s: s + int(lengths[i])]))
+
+
+def _check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows) -> None:
+    """Integer values (bools too in a mask); the error shows the first value of the first example."""
+    k = values.dtype.kind
+    if k in "iu" or (k == "b" and kind == "mask"):
+        return
+    if not values.size:
+        return  # no values in any example: nothing to refuse
+    found = None
+    if k == "f":  # the first value that is not an integer (NaN included), as the Python reader reports it
+        found = _first_with(~np.isfinite(values) | (values != np.round(values)), starts, lengths)
+    if found is None:
+        found = _first_with(np.ones(values.size, bool), starts, lengths)
+    if found is not None:
+        raise _not_integer(found[0], rows, key, kind, values[found[1]])
+
+
+def check_tokens(values, offsets=None, *, starts=None, lengths=None, key: str = "input_ids", rows=None,
+                 valid=None) -> None:
+    """Token ids of examples laid out flat: integers, ``>= 0``, no empty or null example.
+
+    Example ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (or ``values[starts[i]:][:lengths[i]]``);
+    ``valid`` is the ``(n,)`` bool non-null mask of a table column (None: no nulls); ``rows`` locates
+    errors (:func:`location`). ``check_tokens(np.array([3, -1]), [0, 1, 2])`` raises
+    ``ExampleValueError("example 1 has token id -1 in 'input_ids'; token ids are integers >= 0")``.
+    """
+    values = np.asarray(values)
+    starts, lengths = _spans(offsets, starts, lengths)
+    if valid is not None and not valid.all():
+        raise _null_tokens(int(np.argmin(valid)), rows, key)
+    if lengths.size and lengths.min() == 0:
+        raise _empty(int(np.argmin(lengths)), rows, key)
+    _check_dtype(values, starts, lengths, key=key, kind="ids", rows=rows)
+    if values.size and values.dtype.kind == "i" and values.min() < 0:
+        found = _first_with(values < 0, starts, lengths)
+        if found is not None:
+            raise _negative(found[0], rows, key, int(values[found[1]]))
+
+
+def check_labels(values, offsets=None, *, starts=None, lengths=None, key: str = "labels", rows=None) -> None:
+    """Labels laid out flat (as :func:`check_tokens`): integers, each a token id or ``-100``."""
+    values = np.asarray(values)
+    starts, lengths = _spans(offsets, starts, lengths)
+    _check_dtype(values, starts, lengths, key=key, kind="labels", rows=rows)
+    if first_bad_label(values) is None:
+        return
+    found = _first_with((values < 0) & (values != IGNORE_INDEX), starts, lengths)
+    if found is not None:
+        raise _bad_label(found[0], rows, key, int(values[found[1]]))
+
+
+def check_mask(values, offsets=None, *, starts=None, lengths=None, key: str = "completion_mask", rows=None) -> None:
+    """A loss mask laid out flat (as :func:`check_tokens`): 0 or 1, integers or bools."""
+    values = np.asarray(values)
+    starts, lengths = _spans(offsets, starts, lengths)
+    _check_dtype(values, starts, lengths, key=key, kind="mask", rows=rows)
+    if first_bad_mask(values) is None:
+        return
+    found = _first_with((values != 0) & (values != 1), starts, lengths)
+    if found is not None:
+        raise _bad_mask(found[0], rows, key, values[found[1]].item())
+
+
+def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids", rows=None, valid=None) -> None:
+    """Every example has as many ``key`` entries as ``ref_key`` tokens (rows where ``valid`` is False,
+    nulls, are skipped: they have no ``key``). ``check_aligned([2, 1], [2, 2], key="labels")`` raises
+    ``"example 1 has 1 'labels' for 2 'input_ids'; they must match token for token"``."""
+    lengths, ref_lengths = np.asarray(lengths), np.asarray(ref_lengths)
+    bad = lengths != ref_lengths
+    if valid is not None:
+        bad &= valid
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise _length(i, rows, key, int(lengths[i]), ref_key, int(ref_lengths[i]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Arrow list columns
+# ----------------------------------------------------------------------------------------------
+
+
+def _pa():
+    try:
+        import pyarrow
+    except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
+        raise ImportError("reading Arrow columns needs pyarrow: pip install 'packkit[datasets]'") from None
+    return pyarrow
+
+
+def _is_list(pa, t) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def list_chunks(column, *, key: str = "input_ids", kind: str = "ids", rows: int = 0):
+    """The chunks of an Arrow list column as numpy: yields ``(values, offsets, valid, first_row)``.
+
+    ``values`` are the chunk's flat values (zero-copy for integers without nulls), ``offsets`` its
+    ``(n + 1,)`` int64 offsets from 0, ``valid`` the ``(n,)`` bool non-null mask or None, ``first_row``
+    the dataset row of the chunk's first example (``rows`` is the column's). The column's type is
+    checked first (a list of integers; of integers or bools for ``kind="mask"``; not nested; not
+    floats or text), and a null inside a list is refused; the error names the first example concerned.
+    ``list(list_chunks(pa.array([[5, 6], [7]])))`` -> ``[(array([5, 6, 7]), array([0, 2, 3]), None, 0)]``.
+    """
+    pa = _pa()
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    t = column.type
+    if not _is_list(pa, t):
+        raise TypeError(f"column {key!r} holds {t}, not lists of token ids: map your tokenizer so that each "
+                        "row holds a list")
+    vt = t.value_type
+    base = rows
+    for chunk in chunks:
+        n = len(chunk)
+        if pa.types.is_fixed_size_list(chunk.type):
+            chunk = chunk.cast(pa.list_(vt))
+        offsets = chunk.offsets.to_numpy().astype(np.int64)
+        child = chunk.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        offsets -= offsets[0]
+        valid = np.asarray(chunk.is_valid()) if chunk.null_count else None
+        if _is_list(pa, vt):
+            i = _first_nonempty(offsets, valid)
+            if i is not None:
+                raise _nested(base + i - rows, rows, key, f"Arrow type {t}")
+            values = np.zeros(0, np.int64)
+        elif pa.types.is_null(vt):  # every list empty (or null)
+            values = np.zeros(0, np.int64)
+        elif pa.types.is_integer(vt) or pa.types.is_boolean(vt) or pa.types.is_floating(vt):
+            if child.null_count:
+                bad = np.flatnonzero(~np.asarray(child.is_valid()))[0]
+                raise _null_inside(base - rows + int(np.searchsorted(offsets, bad, side="right") - 1), rows, key)
+            values = child.to_numpy(zero_copy_only=False)
+            if values.dtype.kind not in "iu":
+                starts, lengths = offsets[:-1], np.diff(offsets)
+                _check_dtype(values, starts, lengths, key=key, kind=kind, rows=base)
+        else:
+            i = _first_nonempty(offsets, valid)
+            if i is not None:
+                raise _not_integer(base + i - rows, rows, key, kind, child[0].as_py())
+            values = np.zeros(0, np.int64)
+        yield values, offsets, valid, base
+        base += n
+
+
+def _first_nonempty(offsets, valid):
+    ne = np.diff(offsets) > 0
+    if valid is not None:
+        ne &= valid
+    return int(np.argmax(ne)) if ne.any() else None
+
+
+def token_lengths(column, *, key: str = "input_ids", rows: int = 0) -> np.ndarray:
+    """``(n,)`` int64 lengths of a token-id list column, every rule checked (:func:`check_tokens`) on
+    the way: what ``packkit waste`` measures is what ``packkit pack`` accepts.
+    ``token_lengths(pa.array([[5, 6], [7]])) -> [2, 1]``; ``[[5], [-1]]`` raises naming row 1."""
+    out = []
+    for values, offsets, valid, first in list_chunks(column, key=key, kind="ids", rows=rows):
+        check_tokens(values, offsets, key=key, rows=first, valid=valid)
+        out.append(np.diff(offsets))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
+    """Loss tokens of every example of an Arrow table, as a packed batch counts them, or None when the
+    table has neither ``labels`` nor a loss mask (:data:`MASK_KEYS`).
+
+    A position counts when it is not the example's first (the model shifts labels), its label (the
+    token id when the example has no labels) is not -100, and every loss mask the example carries is 1.
+    Labels and masks follow the rules (values, lengths); a null is a key the example does not have.
+    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]``. ``(n,)`` int64.
+    """
+    names = table.column_names
+    keys = [k for k in ("labels", *MASK_KEYS) if k in names]
+    if not keys:
+        return None
+    if lengths is None:
+        lengths = token_lengths(table.column(key), key=key, rows=rows)
+    lengths = np.asarray(lengths, np.int64)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    loss = np.ones(int(offsets[-1]), bool)
+    for k in keys:
+        kind = "labels" if k == "labels" else "mask"
+        done = 0
+        for values, off, valid, first in list_chunks(table.column(k), key=k, kind=kind, rows=rows):
+            m = off.size - 1
+            ref = lengths[done: done + m]
+            check_aligned(np.diff(off), ref, key=k, ref_key=key, rows=first, valid=valid)
+            (check_labels if kind == "labels" else check_mask)(values, off, key=k, rows=first)
+            keep = values != IGNORE_INDEX if kind == "labels" else values != 0
+            if valid is not None:  # a null row has no such key: every one of its tokens is kept
+                keep = _fill_null_rows(keep, off, valid, ref, np.ones(int(ref.sum()), bool))
+            loss[offsets[done]: offsets[done + m]] &= keep
+            done += m
+    loss[offsets[:-1]] = False  # the first token of an example is never a target
+    csum = np.zeros(loss.size + 1, np.int64)
+    np.cumsum(loss, out=csum[1:])
+    return csum[offsets[1:]] - csum[offsets[:-1]]
+
+
+def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
+    """The labels of every example of an Arrow table, flat and laid out like its token column, or None
+    when it has neither ``labels`` nor a loss mask: each example's labels (its token ids when it has
+    none, a null included), ``-100`` where any loss mask it carries is 0 (no first-label masking).
+    Every rule is checked; errors name the dataset row (``rows`` is the table's first).
+    ``labels [[5, -100], null]``, ``input_ids [[5, 6], [7]]`` -> ``[5, -100, 7]`` (int64).
+    """
+    names = table.column_names
+    keys = [k for k in ("labels", *MASK_KEYS) if k in names]
+    if not keys:
+        return None
+    tok = [(values, off) for values, off, _, _ in list_chunks(table.column(key), key=key, rows=rows)]
+    ids = np.concatenate([v for v, _ in tok]) if len(tok) != 1 else tok[0][0]
+    lengths = np.concatenate([np.diff(o) for _, o in tok]) if tok else np.zeros(0, np.int64)
+    offsets = _offsets(lengths)
+    labels = ids.astype(np.int64)
+    for k in keys:
+        kind = "labels" if k == "labels" else "mask"
+        done = 0
+        for values, off, valid, first in list_chunks(table.column(k), key=k, kind=kind, rows=rows):
+            m = off.size - 1
+            ref = lengths[done: done + m]
+            check_aligned(np.diff(off), ref, key=k, ref_key=key, rows=first, valid=valid)
+            (check_labels if kind == "labels" else check_mask)(values, off, key=k, rows=first)
+            span = slice(offsets[done], offsets[done + m])
+            if kind == "labels":
+                given = values if valid is None else _fill_null_rows(values, off, valid, ref, labels[span])
+                labels[span] = given
+            else:
+                keep = values != 0
+                if valid is not None:
+                    keep = _fill_null_rows(keep, off, valid, ref, np.ones(int(ref.sum()), bool))
+                labels[span][~keep] = IGNORE_INDEX
+            done += m
+    return labels
+
+
+def _fill_null_rows(values: np.ndarray, offsets: np.ndarray, valid: np.ndarray, lengths: np.ndarray,
+                    fill: np.ndarray) -> np.ndarray:
+    """``values`` laid out like ``lengths``, null rows (which hold no values) taken from ``fill``
+    (already laid out like ``lengths``; it is written into and returned)."""
+    dest = _offsets(np.asarray(lengths, np.int64))
+    for i in np.flatnonzero(valid).tolist():  # rows with a value; a copy row by row only on this rare path
+        fill[dest[i]: dest[i + 1]] = values[offsets[i]: offsets[i + 1]]
+    return fill
+
+
+# ----------------------------------------------------------------------------------------------
+# one Python example (streaming packing)
+# ----------------------------------------------------------------------------------------------
+
+
+def example_arrays(ex, keys, *, index: int, rows=None) -> dict:
+    """One Python example's columns ``keys`` (the token column first) as checked 1-D numpy arrays.
+
+    Token ids follow :func:`check_tokens`; ``labels`` :func:`check_labels`; a :data:`MASK_KEYS` column
+    :func:`check_mask`; other columns must be integers. A key other than the token column that the
+    example lacks (or holds None) is left out of the result: the example does not have it.
+    ``example_arrays({"input_ids": [5, 6]}, ["input_ids", "labels"], index=0) -> {"input_ids": array([5, 6])}``.
+    """
+    if not isinstance(ex, collections.abc.Mapping):
+        raise _error(ExampleTypeError, index, rows, f"is a {type(ex).__name__}, not a dict with 'input_ids'")
+    out, first = {}, None
+    for j, key in enumerate(keys):
+        v = ex.get(key)
+        if v is None:
+            if j == 0:
+                raise _missing(index, rows, ex, key)
+            continue
+        kind = "ids" if j == 0 else "labels" if key == "labels" else "mask" if key in MASK_KEYS else "other"
+        arr = _one_array(v, index, rows, key, kind)
+        offsets = np.array([0, arr.size], np.int64)
+        try:  # checked as a one-example column, then located as example `index`
+            if j == 0:
+                check_tokens(arr, offsets, key=key)
+                first = arr
+            else:
+                check_aligned([arr.size], [first.size], key=key, ref_key=keys[0])
+                if kind == "labels":
+                    check_labels(arr, offsets, key=key)
+                elif kind == "mask":
+                    check_mask(arr, offsets, key=key)
+        except (ExampleValueError, ExampleTypeError) as exc:
+            raise _error(type(exc), index, rows, exc.text) from None
+        out[key] = arr
+    return out
+
+
+def _one_array(v, i, rows, key, kind) -> np.ndarray:
+    """One example's column as a 1-D integer (or bool) numpy array, or the error that names it."""
+    if _is_tensor(v):
+        v = v.detach().cpu().numpy()
+    if isinstance(v, np.ndarray):
+        arr = v
+    elif isinstance(v, (list, tuple)):
+        if kind not in ("mask", "other") and any(isinstance(x, (bool, np.bool_)) for x in v):
+            raise _not_integer(i, rows, key, kind, next(x for x in v if isinstance(x, (bool, np.bool_))))
+        try:
+            arr = np.asarray(v)
+        except ValueError:  # ragged nesting
+            raise _nested(i, rows, key, "lists of different lengths inside") from None
+        if arr.dtype == object:
+            bad = next((x for x in v if isinstance(x, (list, tuple, np.ndarray))), None)
+            if bad is not None:
+                raise _nested(i, rows, key, f"a {type(bad).__name__} inside a list")
+            raise _not_integer(i, rows, key, kind, next(x for x in v if not isinstance(x, numbers.Integral)))
+    else:
+        raise _error(ExampleTypeError, i, rows, f"has a {type(v).__name__} in {key!r}; pass a list, numpy array "
+                     "or tensor of integers")
+    if arr.ndim != 1:
+        raise _nested(i, rows, key, f"shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu" and not (kind in ("mask", "other") and arr.dtype.kind == "b"):
+        raise _not_integer(i, rows, key, kind, arr[0] if arr.dtype.kind != "f" else _first_non_int(arr))
+    return arr
+
+
+def _first_non_int(arr: np.ndarray):
+    """The first float of ``arr`` that is not integral (NaN included), else its first value."""
+    bad = ~np.isfinite(arr) | (arr != np.round(arr))
+    return arr[int(np.argmax(bad))] if bad.any() else arr[0]
+
+
+def _is_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _missing(i, rows, ex, key):
+    return _error(ExampleValueError, i, rows,
+                  f"has no {key!r} (keys: {sorted(map(str, ex))}); every example needs its token ids")
+
+
+# ----------------------------------------------------------------------------------------------
+# a batch of Python examples: the collators' hot path
+# ----------------------------------------------------------------------------------------------
+
+
+def read_examples(examples, *, need_labels: bool = False, loss_mask: str = "auto", rows=None):
+    """Examples -> ``(input_ids, labels, lengths)``: ``(T,)`` int64, ``(T,)`` int64 (writable), ``(n,)`` int64.
+
+    ``examples`` is a list of mappings (dicts of lists, numpy arrays or tensors), or an
+    :class:`ExampleBatch` (columns; its dataset rows locate errors). ``labels`` are each example's own
+    labels or token ids, ``-100`` where a loss mask it carries is 0 (module docstring); no first-label
+    masking here (that depends on the segments).
+
+    Args:
+        need_labels: every example must have ``labels`` (pre-shifted labels, ``mask_first_label=False``).
+        loss_mask: ``"auto"`` or ``"required"`` (every example must carry a loss mask).
+        rows: the dataset row of every example (or of example 0, an int), to locate errors.
+
+    ``read_examples([{"input_ids": [5, 6]}, {"input_ids": [7], "completion_mask": [0]}])``
+    -> ``([5, 6, 7], [5, 6, -100], [2, 1])``.
+    """
+    return _read(examples, need_labels, loss_mask == "required", rows)
+
+
+def _read(examples, need_labels: bool, require_mask: bool, rows):
+    """:func:`read_examples` without keyword handling. Every check is one vectorised pass over the
+    whole batch; the offending example is located only when a check fails."""
+    if type(examples) is not list:
+        if isinstance(examples, ExampleBatch):
+            return examples.read(need_labels=need_labels, require_mask=require_mask)
+        if isinstance(examples, collections.abc.Mapping) or not isinstance(examples, collections.abc.Sequence):
+            raise TypeError(f"a collator takes a list of examples (dicts with 'input_ids'), got "
+                            f"{type(examples).__name__}")
+        examples = list(examples)
+    n = len(examples)
+    if n == 0:
+        raise ValueError("the collator got an empty list of examples")
+    if type(examples[0]) is ExampleRow:
+        batch = ExampleBatch.from_rows(examples)
+        if batch is not None:
+            return batch.read(need_labels=need_labels, require_mask=require_mask)
+    try:
+        ids_xs = [ex["input_ids"] for ex in examples]
+    except (KeyError, TypeError, IndexError):
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, collections.abc.Mapping):
+                raise _error(ExampleTypeError, i, rows, f"is a {type(ex).__name__}, not a dict with 'input_ids'") \
+                    from None
+            if "input_ids" not in ex:
+                raise _missing(i, rows, ex, "input_ids") from None
+        raise
+    ids_parts, lengths, ids_lists = _parts(ids_xs, "input_ids", "ids", rows)
+    if 0 in lengths:
+        raise _empty(lengths.index(0), rows)
+    keys = set().union(*examples)
+    total = sum(lengths)
+    input_ids = _concat(ids_parts, ids_lists, total, "input_ids", "ids", rows)
+    if input_ids.min() < 0:
+        offsets = _offsets(np.array(lengths, np.int64))
+        i, t = _first_with(input_ids < 0, offsets[:-1], np.diff(offsets))
+        raise _negative(i, rows, "input_ids", int(input_ids[t]))
+    if "labels" in keys:
+        xs = _values(examples, "labels")
+        if _NONE in set(map(type, xs)):  # examples without labels: their token ids are their labels
+            if need_labels:
+                raise _no_labels(next(i for i, x in enumerate(xs) if x is None), rows)
+            xs = [ids if x is None else x for x, ids in zip(xs, ids_parts)]
+        parts, lab_lengths, lists = _parts(xs, "labels", "labels", rows)
+        _same_lengths(lab_lengths, lengths, "labels", rows)
+        labels = _concat(parts, lists, total, "labels", "labels", rows)
+        # valid: >= 0 or == -100. Two reductions without temporaries: the minimum rules out values
+        # below -100; viewed as uint64, -99..-1 are the only values above -100's image.
+        if labels.min() < IGNORE_INDEX or labels.view(np.uint64).max() > _IGNORE_AS_U64:
+            offsets = _offsets(np.array(lengths, np.int64))
+            i, t = _first_with((labels < 0) & (labels != IGNORE_INDEX), offsets[:-1], np.diff(offsets))
+            raise _bad_label(i, rows, "labels", int(labels[t]))
+    else:
+        if need_labels:
+            raise _no_labels(0, rows)
+        labels = input_ids.copy()
+    masked = None
+    for key in MASK_KEYS:
+        if key not in keys:
+            continue
+        xs = _values(examples, key)
+        if _NONE in set(map(type, xs)):  # examples without this mask: loss on every token
+            masked = [x is not None for x in xs] if masked is None else \
+                [m or x is not None for m, x in zip(masked, xs)]
+            xs = [(([1] * k) if type(ids) is list else np.ones(k, np.int8)) if x is None else x
+                  for x, ids, k in zip(xs, ids_parts, lengths)]
+        else:
+            masked = [True] * n
+        parts, mask_lengths, lists = _parts(xs, key, "mask", rows)
+        _same_lengths(mask_lengths, lengths, key, rows)
+        mask = _concat(parts, lists, total, key, "mask", rows)
+        if mask.view(np.uint64).max() > 1:  # one vectorised check; locate only when it fails
+            offsets = _offsets(np.array(lengths, np.int64))
+            i, t = _first_with(mask.view(np.uint64) > 1, offsets[:-1], np.diff(offsets))
+            raise _bad_mask(i, rows, key, int(mask[t]))
+        labels[mask == 0] = IGNORE_INDEX
+    if require_mask and (masked is None or not all(masked)):
+        raise _no_mask(0 if masked is None else masked.index(False), rows)
+    return input_ids, labels, np.array(lengths, np.int64)
+
+
+_NONE = type(None)
+_IGNORE_AS_U64 = np.array(IGNORE_INDEX, np.int64).view(np.uint64)[()]
+_INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
+                                                  np.uint32, np.uint64))
+_MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
+_first_item = operator.itemgetter(0)
+_dtype_of = operator.attrgetter("dtype")
+_ndim_of = operator.attrgetter("ndim")
+_ONE = {1}
+_LIST, _NDARRAY = {list}, {np.ndarray}
+_INT_ITEM, _MASK_ITEMS = {int}, {int, bool}
+
+
+def _values(examples, key: str) -> list:
+    """Every example's ``key``, None where an example lacks it."""
+    try:
+        return [ex[key] for ex in examples]
+    except KeyError:
+        return [ex.get(key) for ex in examples]
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """``[2, 1] -> [0, 2, 3]`` (int64)."""
+    out = np.zeros(lengths.size + 1, np.int64)
+    out[1:] = lengths.cumsum()
+    return out
+
+
+def _parts(xs: list, key: str, kind: str, rows) -> tuple[list, list, bool]:
+    """One column of every example: ``(parts, lengths, all_lists)``, each part a list or a 1-D integer
+    array. Checks run over the whole column with C-level ``map``/``set`` (no per-example Python
+    statements) and fall back to a checked loop that names the offending example.
+    ``_parts([[5, 6]], "input_ids", "ids", None) -> ([[5, 6]], [2], True)``.
+    """
+    kinds = set(map(type, xs))
+    if kinds == _LIST:
+        lengths = list(map(len, xs))
+        if 0 not in lengths and set(map(type, map(_first_item, xs))) <= (_MASK_ITEMS if kind == "mask"
+                                                                          else _INT_ITEM):
+            return xs, lengths, True
+    elif kinds == _NDARRAY:
+        # ndim is checked where it is cheap: len() of a 0-d array raises, and a 2-D array makes the
+        # concatenation fail; both fall back to the checked loop below, which names the example.
+        if set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
+            try:
+                return xs, list(map(len, xs)), False
+            except TypeError:
+                pass
+    parts, lengths, all_lists = [], [], True
+    for i, x in enumerate(xs):
+        part, length, is_list = _column(x, i, key, kind, rows)
+        parts.append(part)
+        lengths.append(length)
+        all_lists &= is_list
+    return parts, lengths, all_lists
+
+
+def _column(x, i: int, key: str, kind: str, rows):
+    """One example's column as a list or a 1-D integer numpy array, checked (the slow path).
+
+    Returns ``(part, length, is_list)``: ``_column([3, 4], 0, "input_ids", "ids", None) -> ([3, 4], 2, True)``.
+    """
+    if type(x) is list:
+        if x:
+            first = x[0]
+            if type(first) is not int and (isinstance(first, bool) or not isinstance(first, numbers.Integral)):
+                if kind == "mask" and isinstance(first, (bool, np.bool_)):
+                    return x, len(x), True
+                if isinstance(first, (list, tuple, np.ndarray)) or _is_tensor(first):
+                    raise _nested(i, rows, key, f"a {type(first).__name__} inside a list")
+                raise _not_integer(i, rows, key, kind, first)
+        return x, len(x), True
+    if _is_tensor(x):
+        x = x.detach().cpu().numpy()
+    elif isinstance(x, tuple):
+        return _column(list(x), i, key, kind, rows)
+    elif not isinstance(x, np.ndarray):
+        raise _error(ExampleTypeError, i, rows, f"has a {type(x).__name__} in {key!r}; pass a list, numpy array "
+                     "or tensor of integers")
+    if x.ndim != 1:
+        raise _nested(i, rows, key, f"shape {x.shape}")
+    if x.dtype.kind not in "iu" and not (kind == "mask" and x.dtype.kind == "b"):
+        if x.size == 0:
+            return x.astype(np.int64), 0, False
+        raise _not_integer(i, rows, key, kind, _first_non_int(x) if x.dtype.kind == "f" else x[0])
+    return x, x.shape[0], False
+
+
+def _list_into(flat: list, out: np.ndarray, bools_ok: bool) -> None:
+    """Write a flat list of ints into ``out`` (int64, same length) with one ``struct.pack_into``.
+
+    ``struct`` rejects floats (numpy would truncate them) but takes ``True``/``False`` as 1/0, so
+    unless ``bools_ok`` the positions holding 0 or 1 (rare in token ids) are checked for bools;
+    ``_BoolAt`` names the first bool's position: ``_list_into([3, True], out, False)`` raises.
+    """
+    struct.pack_into(f"{len(flat)}q", out, 0, *flat)
+    if not bools_ok:
+        cand = np.flatnonzero(out.view(np.uint64) <= 1)
+        if cand.size:
+            for t in cand.tolist():
+                if type(flat[t]) is not int and isinstance(flat[t], (bool, np.bool_)):
+                    raise _BoolAt(t)
+
+
+class _BoolAt(Exception):
+    """A bool at flat position ``args[0]`` (turned into an error naming the example)."""
+
+
+def _concat(parts: list, all_lists: bool, total: int, key: str, kind: str, rows) -> np.ndarray:
+    """Concatenate example columns into one writable ``(total,)`` int64 array.
+
+    Lists: joined into one list and converted by a single ``struct.pack_into`` straight into the
+    output buffer (measured faster than ``np.fromiter``/``np.array`` on a list, about 2x, and it
+    rejects floats instead of truncating them); bools are rejected unless ``kind == "mask"``.
+    Arrays: one ``np.concatenate``. ``_concat([[1], [2, 3]], True, 3, "input_ids", "ids", None) -> [1, 2, 3]``.
+    """
+    out = np.empty(total, np.int64)
+    bools_ok = kind == "mask"
+    try:
+        if all_lists:
+            flat: list = []
+            for p in parts:
+                flat += p
+            _list_into(flat, out, bools_ok)
+            return out
+        if _NDARRAY != set(map(type, parts)):  # lists mixed with arrays: each list through struct
+            parts = [p if isinstance(p, np.ndarray) else _list_array(p, bools_ok) for p in parts]
+        return np.concatenate(parts, out=out, casting="unsafe")
+    except (_BoolAt, ValueError, TypeError, OverflowError, struct.error):
+        _locate_bad_part(parts, key, kind, rows)
+        raise AssertionError(f"{key!r} could not be read as integers, yet no example holds a bad value") from None
+
+
+def _list_array(part: list, bools_ok: bool) -> np.ndarray:
+    """One example's list as int64 through :func:`_list_into`: ``[3, 4] -> array([3, 4])``."""
+    out = np.empty(len(part), np.int64)
+    _list_into(part, out, bools_ok)
+    return out
+
+
+def _locate_bad_part(parts: list, key: str, kind: str, rows) -> None:
+    """The error path of :func:`_concat`: raise the error that names the first bad example."""
+    for i, p in enumerate(parts):
+        if isinstance(p, np.ndarray):
+            _column(p, i, key, kind, rows)  # raises for a wrong shape or dtype
+            continue
+        for v in p:
+            if type(v) is int:
+                if not -2**63 <= v < 2**63:
+                    raise _error(ExampleValueError, i, rows, f"has {v} in {key!r}, outside int64; {RULES[kind]}")
+                continue
+            if isinstance(v, (bool, np.bool_)):
+                if kind == "mask":
+                    continue
+                raise _not_integer(i, rows, key, kind, v)
+            if isinstance(v, (list, tuple, np.ndarray)) or _is_tensor(v):
+                raise _nested(i, rows, key, f"a {type(v).__name__} inside a list")
+            if not isinstance(v, numbers.Integral):
+                raise _not_integer(i, rows, key, kind, v)
+
+
+def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndarray, np.ndarray]:
+    """Another integer column of every example (``seq_lengths``, ``position_ids`` of packed rows):
+    ``(values (T,) int64, lengths (n,) int64)``, read with the same rules as token ids' types.
+    An example without ``key`` is an error that names it and ends with ``missing`` (the fix).
+    ``read_column([{"seq_lengths": [2, 1]}], "seq_lengths", missing="...") -> ([2, 1], [2])``.
+    """
+    if isinstance(examples, ExampleBatch):
+        if key in examples.columns and _NONE not in set(map(type, examples.columns[key])):
+            values, offsets = examples.column(key)
+            return values, np.diff(offsets)
+        rows = examples.rows
+        examples = list(examples)
+    xs = _values(examples, key)
+    if _NONE in set(map(type, xs)):
+        i = next(i for i, x in enumerate(xs) if x is None)
+        raise _error(ExampleValueError, i, rows, f"has no {key!r}; {missing}")
+    parts, lengths, lists = _parts(xs, key, "ids", rows)
+    return _concat(parts, lists, sum(lengths), key, "ids", rows), np.array(lengths, np.int64)
+
+
+def _same_lengths(got: list, lengths: list, key: str, rows) -> None:
+    if got != lengths:
+        i = next(i for i, (a, b) in enumerate(zip(got, lengths)) if a != b)
+        raise _length(i, rows, key, got[i], "input_ids", lengths[i])
+
+
+# ----------------------------------------------------------------------------------------------
+# a batch as columns (the columnar DataLoader path)
+# ----------------------------------------------------------------------------------------------
+
+
+class ExampleBatch(collections.abc.Sequence):
+    """A batch of examples held as columns: for every key, one 1-D numpy array per example (views
+    of the dataset's Arrow buffers, no Python objects per token), None where an example lacks the key.
+
+    What :class:`packkit.columnar.ColumnarDataset` hands a collator; every packkit collator takes it
+    directly. ``rows`` are the examples' dataset rows (errors name them). As a sequence it yields
+    :class:`ExampleRow` views (mappings, not dicts, so ``transformers.Trainer``'s column remover
+    passes them through untouched); a list of the rows of one batch collates as the batch.
+
+    ``ExampleBatch({"input_ids": [np.array([5, 6]), np.array([7])]}, rows=[10, 4])`` is two examples,
+    dataset rows 10 and 4.
+    """
+
+    __slots__ = ("columns", "rows", "lengths")
+
+    def __init__(self, columns: dict, *, rows=None, lengths=None):
+        if "input_ids" not in columns:
+            raise ValueError(f"an ExampleBatch needs 'input_ids'; it has {sorted(columns)}")
+        self.columns = {k: list(v) for k, v in columns.items()}
+        n = len(self.columns["input_ids"])
+        if any(len(v) != n for v in self.columns.values()):
+            raise ValueError("every column of an ExampleBatch has one entry per example")
+        self.rows = None if rows is None else np.asarray(rows, np.int64)
+        self.lengths = np.fromiter(map(len, self.columns["input_ids"]), np.int64, n) if lengths is None \
+            else np.asarray(lengths, np.int64)
+
+    def __len__(self) -> int:
+        return self.lengths.size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.take(range(len(self))[i])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"example {i} of a batch of {n}")
+        return ExampleRow(self, i % n)
+
+    def __repr__(self) -> str:
+        return f"ExampleBatch({len(self)} examples, {int(self.lengths.sum())} tokens, keys {sorted(self.columns)})"
+
+    def take(self, index) -> "ExampleBatch":
+        """The examples at ``index`` (a sequence of positions), as a new batch."""
+        index = list(index)
+        return ExampleBatch({k: [v[i] for i in index] for k, v in self.columns.items()},
+                            rows=None if self.rows is None else self.rows[index], lengths=self.lengths[index])
+
+    @staticmethod
+    def from_rows(rows: list) -> "ExampleBatch | None":
+        """The batch a list of :class:`ExampleRow` views came from (itself when the list is all of it, in
+        order), or None when they come from several batches (they are then read as mappings)."""
+        batch = rows[0].batch
+        if any(type(r) is not ExampleRow or r.batch is not batch for r in rows):
+            return None
+        index = [r.index for r in rows]
+        return batch if index == list(range(len(batch))) else batch.take(index)
+
+    def column(self, key: str):
+        """``(values, offsets)`` of one column: flat ``(T,)`` values (int64) and ``(n + 1,)`` offsets;
+        ``KeyError`` when no example has it. An example without it (None) has no values."""
+        parts = self.columns[key]
+        lengths = np.fromiter((0 if p is None else len(p) for p in parts), np.int64, len(parts))
+        offsets = _offsets(lengths)
+        out = np.empty(int(offsets[-1]), np.int64)
+        present = [p for p in parts if p is not None]
+        if present:
+            np.concatenate(present, out=out, casting="unsafe")
+        return out, offsets
+
+    def read(self, *, need_labels: bool = False, require_mask: bool = False):
+        """``(input_ids, labels, lengths)`` as :func:`read_examples` returns them, every rule checked
+        with vectorised numpy over the batch (no per-token Python)."""
+        rows = self.rows
+        lengths = self.lengths
+        ids_parts = self.columns["input_ids"]
+        if _NONE in set(map(type, ids_parts)):
+            raise _null_tokens(next(i for i, p in enumerate(ids_parts) if p is None), rows, "input_ids")
+        total = int(lengths.sum())
+        offsets = _offsets(lengths)
+        starts, lens = offsets[:-1], lengths
+        if lengths.size and lengths.min() == 0:
+            raise _empty(int(np.argmin(lengths)), rows)
+        input_ids = self._flat("input_ids", "ids", ids_parts, total, starts, lens)
+        if input_ids.size and input_ids.min() < 0:
+            i, t = _first_with(input_ids < 0, starts, lens)
+            raise _negative(i, rows, "input_ids", int(input_ids[t]))
+        parts = self.columns.get("labels")
+        if parts is not None and any(p is not None for p in parts):
+            if need_labels and _NONE in set(map(type, parts)):
+                raise _no_labels(next(i for i, p in enumerate(parts) if p is None), rows)
+            parts = [ids if p is None else p for p, ids in zip(parts, ids_parts)]
+            self._aligned(parts, "labels")
+            labels = self._flat("labels", "labels", parts, total, starts, lens)
+            check_labels(labels, starts=starts, lengths=lens, rows=rows)
+        else:
+            if need_labels:
+                raise _no_labels(0, rows)
+            labels = input_ids.copy()
+        masked = np.zeros(len(self), bool)
+        for key in MASK_KEYS:
+            parts = self.columns.get(key)
+            if parts is None:
+                continue
+            has = np.fromiter((p is not None for p in parts), bool, len(parts))
+            if not has.any():
+                continue
+            masked |= has
+            self._aligned(parts, key)
+            if has.all():
+                mask = self._flat(key, "mask", parts, total, starts, lens)
+                check_mask(mask, starts=starts, lengths=lens, key=key, rows=rows)
+                labels[mask == 0] = IGNORE_INDEX
+            else:
+                for i in np.flatnonzero(has).tolist():
+                    m = np.asarray(parts[i])
+                    check_mask(m, [0, m.size], key=key, rows=None if rows is None else [rows[i]])
+                    seg = labels[offsets[i]: offsets[i + 1]]
+                    seg[m == 0] = IGNORE_INDEX
+        if require_mask and not masked.all():
+            raise _no_mask(int(np.argmin(masked)), rows)
+        return input_ids, labels, lengths
+
+    def _aligned(self, parts, key: str) -> None:
+        got = np.fromiter((len(p) if p is not None else -1 for p in parts), np.int64, len(parts))
+        check_aligned(got, self.lengths, key=key, rows=self.rows, valid=got >= 0)
+
+    def _flat(self, key, kind, parts, total, starts, lens) -> np.ndarray:
+        """One column's parts concatenated into ``(total,)`` int64, dtypes checked first."""
+        dtypes = set(map(_dtype_of, parts))
+        if not dtypes <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) or set(map(_ndim_of, parts)) != _ONE:
+            for i, p in enumerate(parts):
+                _column(p, i, key, kind, self.rows)
+        out = np.empty(total, np.int64)
+        return np.concatenate(parts, out=out, casting="unsafe") if parts else out
+
+
+class ExampleRow(collections.abc.Mapping):
+    """Example ``index`` of an :class:`ExampleBatch`, as a read-only mapping of numpy views (keys the
+    example lacks are absent). Not a ``dict``: ``transformers.Trainer``'s ``RemoveColumnsCollator``
+    leaves it, and so its loss mask, as it is."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: ExampleBatch, index: int):
+        self.batch, self.index = batch, index
+
+    def __getitem__(self, key):
+        v = self.batch.columns[key][self.index]
+        if v is None:
+            raise KeyError(key)
+        return v
+
+    def __iter__(self):
+        return (k for k, v in self.batch.columns.items() if v[self.index] is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        where = location(self.index, self.batch.rows)
+        return f"ExampleRow({where}, keys {list(self)})"
+
