@@ -541,51 +541,13 @@ def read_lengths_and_loss(path, *, column: str = "input_ids", text_column: str =
     return data.lengths, data.loss_lengths
 
 
-#: Loss-mask columns (TRL's names), as in :mod:`packkit.collate`: loss only where the mask is 1.
-_MASK_COLUMNS = ("completion_mask", "assistant_masks")
-
-
 def loss_lengths_of_table(table, lengths: np.ndarray, *, column: str = "input_ids") -> np.ndarray | None:
-    """Loss tokens of every example of a pyarrow table, as a packed batch counts them: positions
-    ``1..len-1`` whose label is not -100 (``labels``) and whose mask is 1 (a loss mask), vectorised
-    over the Arrow offsets. None without a ``labels`` or loss-mask column.
+    """Loss tokens of every example of a pyarrow table, as a packed batch counts them, or None without
+    a ``labels`` or loss-mask column: :func:`packkit.examples.loss_lengths` (the collators' rules:
+    labels are token ids or -100, a mask 0/1, each as long as the example; errors name the dataset row).
 
     ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]`` (the first label is never a target).
-    Every list must be as long as the example, and a mask must hold 0/1; errors name the example.
     """
-    import pyarrow.compute as pc
+    from .examples import loss_lengths
 
-    from . import io
-    from .segments import IGNORE_INDEX
-
-    keys = [k for k in ("labels", *_MASK_COLUMNS) if k in table.column_names][:2]
-    keys = keys if "labels" in keys else keys[:1]
-    if not keys:
-        return None
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    loss = np.ones(int(offsets[-1]), bool)
-    for key in keys:
-        col = table.column(key)
-        got = io.list_lengths(col, name=key)
-        bad = np.flatnonzero(got != lengths)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"example {i} has {int(got[i])} {key} for {int(lengths[i])} tokens in {column!r}; "
-                             "they must match")
-        values = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
-        if values.dtype.kind not in "iub":
-            raise TypeError(f"column {key!r} holds {values.dtype}; labels and loss masks are integers")
-        if key == "labels":
-            loss &= values != IGNORE_INDEX
-        else:
-            odd = (values != 0) & (values != 1)
-            if odd.any():
-                t = int(np.argmax(odd))
-                i = int(np.searchsorted(offsets, t, side="right") - 1)
-                raise ValueError(f"example {i} has {key} value {values[t]}; a loss mask holds 0 (no loss) or 1")
-            loss &= values == 1
-    loss[offsets[:-1]] = False  # the first token of an example is never a target
-    csum = np.zeros(loss.size + 1, np.int64)
-    np.cumsum(loss, out=csum[1:])
-    return csum[offsets[1:]] - csum[offsets[:-1]]
+    return loss_lengths(table, lengths, key=column)

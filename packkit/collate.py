@@ -309,7 +309,11 @@ class FixedWindowCollator:
         input_ids, labels, lengths = read_examples(examples, need_labels=not self.mask_first_label,
                                                    loss_mask=self.loss_mask)
         if self.overflow == "error" and int(lengths.max()) > self.window:
-            raise overflow_error(lengths, self.window, rows=_rows_of(examples))
+            rows = _rows_of(examples)
+            if rows is None:
+                raise overflow_error(lengths, self.window)
+            i = int(np.argmax(lengths > self.window))  # named by its dataset row
+            raise overflow_error(lengths[i: i + 1], self.window, first=int(rows[i]))
         plan = pack(lengths, window=self.window, strategy=self.strategy, overflow=self.overflow,
                     seed=self.seed)
         self.cut_tokens += plan.cut_tokens

@@ -54,6 +54,7 @@ import sys
 
 import numpy as np
 
+from .errors import DataError
 from .segments import IGNORE_INDEX
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "check_labels",
     "check_loss_mask_mode",
     "check_mask",
+    "check_not_null",
     "check_tokens",
     "example_arrays",
     "first_bad_label",
@@ -128,13 +130,18 @@ class _Located:
         super().__init__(message)
         self.index, self.text = index, text
 
+    def __reduce__(self):  # pickled (Ray, DataLoader workers) with its location
+        return (type(self), (str(self), self.index, self.text))
 
-class ExampleValueError(_Located, ValueError):
-    """A bad value in an example (negative id, bad label or mask value, lengths that differ, ...)."""
+
+class ExampleValueError(_Located, DataError):
+    """A bad value in an example (negative id, bad label or mask value, lengths that differ, ...): a
+    ``ValueError`` and a :class:`packkit.errors.DataError` (the command line's data-error exit code)."""
 
 
-class ExampleTypeError(_Located, TypeError):
-    """A value of the wrong type in an example (float, bool, text, nested list, not a mapping)."""
+class ExampleTypeError(_Located, DataError, TypeError):
+    """A value of the wrong type in an example (float, bool, text, nested list, not a mapping): a
+    ``TypeError``, and a :class:`packkit.errors.DataError` like every error about the data."""
 
 
 def _error(cls, i: int, rows, text: str):
@@ -335,6 +342,12 @@ def check_mask(values, offsets=None, *, starts=None, lengths=None, key: str = "c
     found = _first_with((values != 0) & (values != 1), starts, lengths)
     if found is not None:
         raise _bad_mask(found[0], rows, key, values[found[1]].item())
+
+
+def check_not_null(valid, *, key: str, rows=None) -> None:
+    """No null row in a column every example needs (``valid``: the ``(n,)`` non-null mask, or None)."""
+    if valid is not None and not np.all(valid):
+        raise _null_tokens(int(np.argmin(valid)), rows, key)
 
 
 def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids", rows=None, valid=None) -> None:

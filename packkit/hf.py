@@ -67,9 +67,11 @@ import numpy as np
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack, stream_windows
 from .errors import ArgumentError, arg
 from .io import list_array, progress_bar
-from .packer import (ColumnSpec, PackedStream, StreamStats, first_bad_label, first_bad_mask, log_overflow,
-                     pack_columns, pack_stream, resolve_columns)
-from .segments import IGNORE_INDEX, lengths_to_offsets
+from .examples import (MASK_KEYS, check_aligned, check_labels, check_mask, check_not_null, check_tokens,
+                       list_chunks)
+from .packer import (ColumnSpec, PackedStream, StreamStats, log_overflow, pack_columns, pack_stream,
+                     resolve_columns)
+from .segments import lengths_to_offsets
 
 __all__ = [
     "pack_dataset",
@@ -99,91 +101,68 @@ def _list_array(row_offsets: np.ndarray, values: np.ndarray):
 
 @dataclasses.dataclass(frozen=True)
 class _Column:
-    """A list column as flat arrays: example ``i`` is ``values[starts[i] : starts[i] + lengths[i]]``."""
+    """A list column as flat arrays: example ``i`` is ``values[starts[i] : starts[i] + lengths[i]]``;
+    ``valid`` is the non-null mask of the examples (None: no nulls)."""
 
     values: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
+    valid: np.ndarray | None = None
 
 
-def _read_column(table, name: str, indices: np.ndarray | None, *, tokens: bool) -> _Column:
-    """Flat values, starts and lengths of list column ``name`` (rows picked by ``indices``)."""
-    import pyarrow as pa
-
-    col = table.column(name)
-    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
-        raise TypeError(f"column {name!r} holds {col.type}, not lists of token ids: it cannot be packed")
-    vtype = col.type.value_type
-    if not (pa.types.is_integer(vtype) or (not tokens and pa.types.is_boolean(vtype))):
-        raise TypeError(f"column {name!r} holds lists of {vtype}; token ids and labels must be integers")
-    parts, starts, lengths, base, row = [], [], [], 0, 0
-    for chunk in col.chunks:
-        if chunk.null_count:
-            i = row + int(np.argmax(~np.asarray(chunk.is_valid())))
-            raise ValueError(f"example {i} has no {name!r} (null); drop or fill it before packing")
-        off = chunk.offsets.to_numpy().astype(np.int64)
-        child = chunk.values.slice(int(off[0]), int(off[-1] - off[0]))
-        if child.null_count:
-            bad = np.flatnonzero(~np.asarray(child.is_valid()))[0] + off[0]
-            i = row + int(np.searchsorted(off, bad, side="right") - 1)
-            raise ValueError(f"example {i} has a null entry in {name!r}; every token needs a value")
-        parts.append(child.to_numpy(zero_copy_only=False))
-        starts.append(off[:-1] - off[0] + base)
+def _read_column(table, name: str, indices: np.ndarray | None, *, kind: str) -> _Column:
+    """Flat values, starts and lengths of list column ``name`` (rows picked by ``indices``); its type
+    checked by :func:`packkit.examples.list_chunks` (``kind``: "ids", "labels", "mask" or "other")."""
+    parts, starts, lengths, valids, base = [], [], [], [], 0
+    for values, off, valid, first in list_chunks(table.column(name), key=name, kind=kind):
+        parts.append(values)
+        starts.append(off[:-1] + base)
         lengths.append(np.diff(off))
-        base += int(off[-1] - off[0])
-        row += len(chunk)
+        valids.append(np.ones(off.size - 1, bool) if valid is None else valid)
+        base += int(off[-1])
     if not parts:
-        values = np.zeros(0, vtype.to_pandas_dtype() if pa.types.is_integer(vtype) else np.int64)
+        values = np.zeros(0, np.int64)
         starts_a = lengths_a = np.zeros(0, np.int64)
+        valid_a = np.zeros(0, bool)
     else:
         values = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        starts_a, lengths_a = np.concatenate(starts), np.concatenate(lengths)
+        starts_a, lengths_a, valid_a = np.concatenate(starts), np.concatenate(lengths), np.concatenate(valids)
     if indices is not None:
-        starts_a, lengths_a = starts_a[indices], lengths_a[indices]
-    return _Column(values, starts_a, lengths_a)
+        starts_a, lengths_a, valid_a = starts_a[indices], lengths_a[indices], valid_a[indices]
+    return _Column(values, starts_a, lengths_a, None if valid_a.all() else valid_a)
 
 
-def _first_example_with(col: _Column, bad: np.ndarray) -> int | None:
-    """The first example (in dataset order) holding a flat position where ``bad`` is True, or None.
-
-    The flat buffer may hold rows outside a selection, so a bad position there names no example.
-    """
-    # Count the bad positions before every start and every end: an example holds one iff they differ.
-    before = lengths_to_offsets(bad)
-    hit = np.flatnonzero(before[col.starts + col.lengths] > before[col.starts])
-    return int(hit[0]) if hit.size else None
+def _fill_nulls(col: _Column, tok: _Column, *, ones: bool) -> _Column:
+    """A labels / loss-mask column whose null rows (examples without that key) are filled as the rule
+    says (packkit.examples): labels with the example's token ids, a loss mask with ones."""
+    if col.valid is None:
+        return col
+    dtype = np.result_type(col.values.dtype, tok.values.dtype) if not ones else col.values.dtype
+    lengths = np.where(col.valid, col.lengths, tok.lengths)
+    out = np.empty(int(lengths.sum()), dtype)
+    starts = lengths_to_offsets(lengths)[:-1]
+    for i in range(lengths.size):  # a copy row by row, only for columns that hold nulls
+        s, n = int(starts[i]), int(lengths[i])
+        if col.valid[i]:
+            out[s: s + n] = col.values[col.starts[i]: col.starts[i] + n]
+        else:
+            out[s: s + n] = 1 if ones else tok.values[tok.starts[i]: tok.starts[i] + n]
+    return _Column(out, starts, lengths)
 
 
 def _check_tokens(col: _Column, name: str) -> None:
-    """Token ids must be >= 0; the error names the first example holding a negative one."""
-    if col.values.size == 0 or col.values.dtype.kind == "u" or int(col.values.min()) >= 0:
-        return
-    i = _first_example_with(col, col.values < 0)
-    if i is not None:
-        raise ValueError(f"example {i} has a negative token id in {name!r}; token ids must be >= 0")
+    """The token rules of :func:`packkit.examples.check_tokens`, errors naming the dataset row."""
+    check_tokens(col.values, starts=col.starts, lengths=col.lengths, key=name, rows=0, valid=col.valid)
 
 
 def _check_mask(col: _Column, name: str) -> None:
-    """A loss mask holds 0 and 1 only; the error names the first example holding another value."""
-    if first_bad_mask(col.values) is None:
-        return
-    i = _first_example_with(col, (col.values != 0) & (col.values != 1))
-    if i is not None:
-        raise ValueError(f"example {i} has a value other than 0 or 1 in the loss mask {name!r}; "
-                         "a loss mask marks the tokens that carry the loss with 1")
+    """A loss mask holds 0 and 1 only (:func:`packkit.examples.check_mask`)."""
+    check_mask(col.values, starts=col.starts, lengths=col.lengths, key=name, rows=0)
 
 
 def _check_labels(col: _Column, name: str) -> None:
-    """Labels are token ids (>= 0) or -100; the error names the first example holding another value."""
-    if first_bad_label(col.values) is None:  # the fast, usual path
-        return
-    bad = (col.values < 0) & (col.values != IGNORE_INDEX)
-    i = _first_example_with(col, bad)
-    if i is not None:
-        s = int(col.starts[i])
-        t = s + int(np.argmax(bad[s: s + int(col.lengths[i])]))
-        raise ValueError(f"example {i} has label {int(col.values[t])} in {name!r}; labels are token ids "
-                         f"(>= 0) or {IGNORE_INDEX} (no loss)")
+    """Labels are token ids (>= 0) or -100 (:func:`packkit.examples.check_labels`)."""
+    check_labels(col.values, starts=col.starts, lengths=col.lengths, key=name, rows=0)
 
 
 def _check_common(window, strategy, overflow, seed, num_proc):
@@ -301,19 +280,30 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     indices = None
     if getattr(ds, "_indices", None) is not None:  # a select / shuffle / filter view of the table
         indices = ds._indices.column(0).to_numpy().astype(np.int64)
-    sources = {c: _read_column(table, c, indices, tokens=(i == 0 or c == "labels")) for i, c in enumerate(cols)}
+    kinds = {c: "ids" if i == 0 else "labels" if c == "labels" else "mask" if c in MASK_KEYS else "other"
+             for i, c in enumerate(cols)}
+    sources = {c: _read_column(table, c, indices, kind=kinds[c]) for c in cols}
     tok = sources[cols[0]]
     _check_tokens(tok, cols[0])
+    for c in cols[1:]:
+        check_aligned(sources[c].lengths, tok.lengths, key=c, ref_key=cols[0], rows=0, valid=sources[c].valid)
+        if kinds[c] in ("labels", "mask"):  # a null is a key the example lacks (packkit.examples)
+            sources[c] = _fill_nulls(sources[c], tok, ones=kinds[c] == "mask")
+        elif sources[c].valid is not None:
+            check_not_null(sources[c].valid, key=c, rows=0)
     if "labels" in sources:
         _check_labels(sources["labels"], "labels")
-    if spec.mask is not None:
-        _check_mask(sources[spec.mask], spec.mask)
-    for c in cols[1:]:
-        bad = np.flatnonzero(sources[c].lengths != tok.lengths)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"example {i} has {int(sources[c].lengths[i])} {c!r} but "
-                             f"{int(tok.lengths[i])} {cols[0]!r}; they must have the same length")
+    for c in cols:
+        if kinds[c] == "mask":
+            _check_mask(sources[c], c)
+    for c in spec.other_masks:  # both masks: the loss where both are 1
+        m, o = sources[spec.mask], sources.pop(c)
+        both = _fill_nulls(_Column(m.values.copy(), m.starts, m.lengths), tok, ones=True)
+        for i in range(both.lengths.size):  # rare: a row-wise AND keeps the code obvious
+            s0, n = int(both.starts[i]), int(both.lengths[i])
+            both.values[s0: s0 + n] &= o.values[o.starts[i]: o.starts[i] + n].astype(both.values.dtype)
+        sources[spec.mask] = both
+    cols = [c for c in cols if c in sources]
     plan = pack(tok.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
     if shuffle:
         plan = plan.shuffled(seed)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .examples import token_lengths
+
 __all__ = [
     "Lengths",
     "bundled_sample",
@@ -479,7 +481,9 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             table, how = tokens_table(table, column=column, text_column=text_column, tokenizer=tokenizer,
                                       chat=chat, progress=progress, where=repr(str(path)))
             token_col = column if column in table.column_names else "input_ids"
-            lengths = as_lengths(list_lengths(table.column(token_col), name=token_col),
+            # every rule the collators and `packkit pack` hold token ids to (packkit.examples), so
+            # that waste and plan measure exactly what pack accepts
+            lengths = as_lengths(token_lengths(table.column(token_col), key=token_col),
                                  name=f"lengths in {path.name}")
             source = f"{path.name}, " + (how or f"column {column!r}")
             if how is not None and how.endswith("tokenized with bytes"):

@@ -31,6 +31,7 @@ Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the wi
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
-from .examples import MASK_KEYS, first_bad_label, first_bad_mask
+from .examples import MASK_KEYS, example_arrays, first_bad_label, first_bad_mask
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 
 __all__ = [
@@ -388,25 +389,31 @@ class ColumnSpec:
     mask: str | None
     keep_mask: bool
 
+    @property
+    def other_masks(self) -> list:
+        """Loss masks read besides ``mask`` (both of MASK_KEYS present): ANDed into ``mask``, not written."""
+        return [c for c in self.read if c in MASK_KEYS and c != self.mask]
+
     def written(self) -> list:
         """Output list columns in order: tokens, labels (given or from the mask), then the rest."""
         has_labels = "labels" in self.read or self.mask is not None
-        rest = [c for c in self.read[1:] if c != "labels" and (c != self.mask or self.keep_mask)]
+        rest = [c for c in self.read[1:] if c != "labels" and c not in self.other_masks
+                and (c != self.mask or self.keep_mask)]
         return [self.read[0]] + (["labels"] if has_labels else []) + rest
 
 
 def resolve_columns(names, columns) -> ColumnSpec:
-    """The list columns to pack: ``None`` -> input_ids (+ labels, + the first of MASK_KEYS, if present).
+    """The list columns to pack: ``None`` -> input_ids (+ labels, + every one of MASK_KEYS present).
 
-    A loss mask becomes labels (-100 where it is 0), so a mask is never dropped in silence; it is
-    written too only when ``columns`` names it.
+    A loss mask becomes labels (-100 where it is 0; where either is 0 when both masks are present), so a
+    mask is never dropped in silence; it is written too only when ``columns`` names it (then only one).
     """
     if columns is None:
         if "input_ids" not in names:
             raise KeyError(f"no 'input_ids' column; the columns are {list(names)}: pass columns=(NAME, ...)")
-        mask = next((k for k in MASK_KEYS if k in names), None)
-        read = ["input_ids"] + (["labels"] if "labels" in names else []) + ([mask] if mask else [])
-        return ColumnSpec(read, mask, keep_mask=False)
+        masks = [k for k in MASK_KEYS if k in names]
+        read = ["input_ids"] + (["labels"] if "labels" in names else []) + masks
+        return ColumnSpec(read, masks[0] if masks else None, keep_mask=False)
     if isinstance(columns, str):
         columns = [columns]
     columns = list(columns)
@@ -422,8 +429,11 @@ def resolve_columns(names, columns) -> ColumnSpec:
             raise ValueError(f"column {reserved!r} is written by packing; it cannot be packed itself")
     if columns[0] in MASK_KEYS:
         raise ValueError(f"the first column is the token column; {columns[0]!r} is a loss mask")
-    mask = next((c for c in columns if c in MASK_KEYS), None)
-    return ColumnSpec(columns, mask, keep_mask=True)
+    masks = [c for c in columns if c in MASK_KEYS]
+    if len(masks) > 1:
+        raise ValueError(f"columns name two loss masks {masks}; name one (with columns=None both are read "
+                         "and the loss is taken where both are 1)")
+    return ColumnSpec(columns, masks[0] if masks else None, keep_mask=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,6 +474,7 @@ class PackedStream:
         if isinstance(columns, str):
             columns = [columns]
         self._columns = self._mask = self._written = None
+        self._other_masks = []
         if columns is not None:
             self._set_columns(resolve_columns(list(columns), columns))
         self._examples = examples
@@ -481,45 +492,35 @@ class PackedStream:
 
     def _set_columns(self, spec: ColumnSpec) -> None:
         self._columns, self._mask, self._written = spec.read, spec.mask, spec.written()
+        self._other_masks = spec.other_masks
 
     def _example_arrays(self, i: int, ex) -> dict:
-        if not hasattr(ex, "keys"):
-            raise TypeError(f"example {i} is a {type(ex).__name__}, not a mapping with 'input_ids'")
+        """Example ``i``'s columns, checked by :func:`packkit.examples.example_arrays`. The stream's
+        columns are ``columns=`` or its first example's: an example without labels or a loss mask is
+        honoured (its token ids are its labels, loss on every token); one that carries a labels or
+        loss-mask key the stream does not read is an error (its rows so far have no room for it)."""
         if self._columns is None:
-            if "input_ids" not in ex:
-                raise KeyError(f"example {i} has no 'input_ids'; its keys are {list(ex.keys())}")
-            self._set_columns(resolve_columns(list(ex.keys()), None))
-        out = {}
-        for j, c in enumerate(self._columns):
-            if c not in ex:
-                raise KeyError(f"example {i} has no {c!r}; its keys are {list(ex.keys())}")
-            v = ex[c]
-            if hasattr(v, "detach"):
-                v = v.detach().cpu().numpy()
-            arr = np.asarray(v)
-            if arr.ndim != 1:
-                raise ValueError(f"example {i}: {c!r} must be 1-D, got shape {arr.shape}")
-            # Token ids and labels are integers; a mask (or another column) may be boolean.
-            kinds = "iu" if j == 0 or c == "labels" else "iub"
-            if arr.size and arr.dtype.kind not in kinds:
-                raise TypeError(f"example {i}: {c!r} must hold integers, got {arr.dtype}")
-            if arr.size == 0:
-                arr = arr.astype(np.int64)
-            if j == 0:
-                if arr.size == 0:
-                    raise ValueError(f"example {i} has no tokens; filter empty examples out before packing")
-                if arr.dtype.kind == "i" and int(arr.min()) < 0:
-                    raise ValueError(f"example {i} has a negative token id; token ids must be >= 0")
-            elif c == "labels" and (t := first_bad_label(arr)) is not None:
-                raise ValueError(f"example {i} has label {int(arr[t])} in 'labels'; labels are token ids "
-                                 f"(>= 0) or {IGNORE_INDEX} (no loss)")
-            elif c == self._mask and first_bad_mask(arr) is not None:
-                raise ValueError(f"example {i} has a value other than 0 or 1 in the loss mask {c!r}; "
-                                 "a loss mask marks the tokens that carry the loss with 1")
-            if j and arr.size != out[self._columns[0]].size:
-                raise ValueError(f"example {i} has {arr.size} {c!r} but {out[self._columns[0]].size} "
-                                 f"{self._columns[0]!r}; they must have the same length")
-            out[c] = arr
+            if not isinstance(ex, collections.abc.Mapping) or ex.get("input_ids") is None:
+                example_arrays(ex, ["input_ids"], index=i)  # raises, naming example i
+            self._set_columns(resolve_columns([k for k in ex.keys() if ex[k] is not None], None))
+        out = example_arrays(ex, self._columns, index=i)
+        if isinstance(ex, collections.abc.Mapping):
+            extra = [k for k in ("labels", *MASK_KEYS) if k not in self._columns and ex.get(k) is not None]
+            if extra:
+                raise ValueError(f"example {i} has {extra[0]!r}, which this stream's first example did not "
+                                 f"have; pass columns={[*self._columns, extra[0]]!r} to read it on every example")
+        ids = out[self._columns[0]]
+        for c in self._columns[1:]:
+            if c not in out:
+                if c == "labels":
+                    out[c] = ids
+                elif c in MASK_KEYS:
+                    out[c] = np.ones(ids.size, np.int8)
+                else:
+                    raise ValueError(f"example {i} has no {c!r}; every example of the stream needs the columns "
+                                     f"{self._columns}")
+        for c in self._other_masks:  # both masks: the loss where both are 1
+            out[self._mask] = (out[self._mask] != 0) & (out.pop(c) != 0)
         return out
 
     def _items(self):
@@ -546,7 +547,7 @@ class PackedStream:
         win = next(self._rows)
         cols = self._columns
         lengths = np.array([p[2][cols[0]].size for p in win], np.int32)
-        row = {c: np.concatenate([p[2][c] for p in win]) for c in cols}
+        row = {c: np.concatenate([p[2][c] for p in win]) for c in cols if c not in self._other_masks}
         if "labels" in row or self._mask is not None:
             # The same rule as packer.pack_columns: -100 where the mask is 0, then on each segment's first token.
             labels = loss_labels(row[cols[0]], row.get("labels"),

@@ -52,8 +52,9 @@ import numbers
 import numpy as np
 
 from .binpack import Plan, apply_overflow, as_lengths, check_overflow, check_strategy, check_window, pack
-from .packer import (MASK_KEYS, PackedColumns, first_bad_label, first_bad_mask, gather_segments, log_overflow,
-                     loss_labels, pack_columns)
+from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, location, table_labels,
+                       token_lengths)
+from .packer import PackedColumns, gather_segments, label_dtype, log_overflow, pack_columns
 from .segments import lengths_to_offsets
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
@@ -145,8 +146,9 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
 
     Returns ``{"lengths": (n,) int64, "has_labels": bool, "mask_key": str | None,
     "error": None | (kind, local_index, text), "value_type", "label_type"}``; the driver turns
-    ``local_index`` into the index in the whole dataset. ``mask_key`` is the first of ``mask_keys``
-    that the block has (a loss mask, checked like labels).
+    ``local_index`` into the dataset row. ``mask_key`` is the first of ``mask_keys`` that the block has.
+    Every rule is :mod:`packkit.examples`' (token ids, labels, loss masks, lengths; a null label or mask
+    row is an example without that key).
     """
     n = table.num_rows
     out = {"lengths": np.zeros(n, np.int64), "has_labels": False, "error": None, "value_type": None,
@@ -155,81 +157,47 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
         out["error"] = ("key", None, f"no column {input_key!r} (columns: {table.column_names})")
         return out
     try:
-        values, offsets, nulls = _list_column(table, input_key)
+        out["lengths"] = token_lengths(table.column(input_key), key=input_key)
+        out["value_type"] = _value_type(table, input_key)
+        if label_key is not None and label_key in table.column_names:
+            out["has_labels"] = True
+            out["label_type"] = _value_type(table, label_key)
+        out["mask_key"] = next((k for k in mask_keys if k in table.column_names), None)
+        if out["has_labels"] or out["mask_key"] is not None:
+            table_labels(_with_labels_named(table, label_key), key=input_key)  # checks labels and masks
+    except (ExampleValueError, ExampleTypeError) as exc:
+        out["error"] = ("TypeError" if isinstance(exc, TypeError) else "ValueError", exc.index, exc.text)
     except (TypeError, ValueError) as exc:
         out["error"] = (type(exc).__name__, None, str(exc))
-        return out
-    lengths = np.diff(offsets)
-    out["lengths"] = lengths
-    out["value_type"] = _value_type(table, input_key)
-    if nulls is not None:
-        i = int(np.argmax(nulls))
-        out["error"] = ("ValueError", i, f"{input_key} is null: drop empty rows before packing")
-        return out
-    if values.size and values.dtype.kind == "i" and values.min() < 0:
-        t = int(np.argmax(values < 0))
-        i = int(np.searchsorted(offsets, t, side="right") - 1)
-        out["error"] = ("ValueError", i, f"has a negative token id {int(values[t])} in {input_key}")
-        return out
-    if label_key is not None and label_key in table.column_names:
-        out["has_labels"] = True
-        out["label_type"] = _value_type(table, label_key)
-        label_values, label_offsets, out["error"] = _aligned_column(table, label_key, lengths, "labels")
-        if out["error"] is not None:
-            return out
-        t = first_bad_label(label_values)
-        if t is not None:
-            i = int(np.searchsorted(label_offsets, t, side="right") - 1)
-            out["error"] = ("ValueError", i, f"has label {int(label_values[t])} in {label_key}; labels are "
-                            "token ids (>= 0) or -100 (no loss)")
-            return out
-    mask_key = next((k for k in mask_keys if k in table.column_names), None)
-    if mask_key is not None:
-        out["mask_key"] = mask_key
-        mask_values, mask_offsets, out["error"] = _aligned_column(table, mask_key, lengths, f"{mask_key} entries",
-                                                                  allow_bool=True)
-        t = None if out["error"] is not None else first_bad_mask(mask_values)
-        if t is not None:
-            i = int(np.searchsorted(mask_offsets, t, side="right") - 1)
-            out["error"] = ("ValueError", i, f"has a value other than 0 or 1 in the loss mask {mask_key}")
     return out
 
 
-def _aligned_column(table, name: str, lengths: np.ndarray, what: str, *, allow_bool: bool = False):
-    """``(values, offsets, error)`` of list column ``name``: ``error`` is None if its rows have
-    ``lengths`` (no nulls), else the ``(kind, local_index, text)`` error."""
-    try:
-        values, offsets, nulls = _list_column(table, name, allow_bool=allow_bool)
-    except (TypeError, ValueError) as exc:
-        return None, None, (type(exc).__name__, None, str(exc))
-    bad = np.diff(offsets) != lengths
-    if nulls is not None:
-        bad |= nulls
-    if not bad.any():
-        return values, offsets, None
-    i = int(np.argmax(bad))
-    return values, offsets, ("ValueError", i, f"has {int(np.diff(offsets)[i])} {what} for {int(lengths[i])} "
-                                              f"input_ids: {name} must be aligned with input_ids token for token")
+def _with_labels_named(table, label_key: str | None):
+    """``table`` with its label column (``label_key``, None: none) named ``labels``, as packkit.examples reads it."""
+    names = table.column_names
+    if label_key == "labels":
+        return table
+    if "labels" in names:
+        table = table.drop(["labels"])
+    if label_key is None or label_key not in names:
+        return table
+    return table.rename_columns(["labels" if c == label_key else c for c in table.column_names])
 
 
 def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
-    """A block's flat labels: the label column and/or the loss mask applied to it (:func:`loss_labels`).
-
-    None when the run has no labels; the token ids (masked) when the block has only a loss mask.
-    """
+    """A block's flat labels (:func:`packkit.examples.table_labels`: its labels, or token ids where an
+    example has none, -100 where a loss mask is 0), in the label dtype; None when the run has no labels."""
     if not opts["has_labels"]:
         return None
-    lkey, mkey = opts["label_key"], opts.get("mask_key")
-    labels = _list_column(table, lkey)[0] if lkey is not None and lkey in table.column_names else None
-    mask = _list_column(table, mkey, allow_bool=True)[0] if mkey is not None and mkey in table.column_names else None
-    if labels is not None and mask is None:
-        return labels
-    return loss_labels(values, labels, mask)
+    labels = table_labels(_with_labels_named(table, opts["label_key"]), key=opts["input_key"])
+    if labels is None:  # this block has no label or mask column: its token ids are its labels
+        labels = values
+    return labels.astype(label_dtype(values.dtype), copy=False)
 
 
 def _raise_block_error(error, start: int, block: int):
     kind, i, text = error
-    where = f"example {start + i} " if i is not None else f"block {block}: "
+    where = f"{location(start + i, rows=0)} " if i is not None else f"block {block}: "
     exc = {"TypeError": TypeError, "key": KeyError}.get(kind, ValueError)
     raise exc(where + text)
 

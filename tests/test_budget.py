@@ -359,10 +359,12 @@ def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
 
 @pytest.mark.parametrize("rows, error, match", [
     ([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"input_ids": [1, 2], "labels": [IGNORE]}],
-     ValueError, "example 1 has 1 labels for 2 tokens"),
+     ValueError, "dataset row 1 has 1 'labels' for 2 'input_ids'"),
     ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}, {"input_ids": [1, 2], "completion_mask": [0, 2]}],
-     ValueError, "example 1 has completion_mask value 2"),
-    ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1]}], ValueError, "example 0 has 2 completion_mask for 3"),
+     ValueError, "dataset row 1 has 2 in the loss mask 'completion_mask'"),
+    ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1]}], ValueError, "dataset row 0 has 2 'completion_mask' for 3 'input_ids'"),
+    ([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"input_ids": [1, 2], "labels": [IGNORE, -7]}],
+     ValueError, "dataset row 1 has label -7 in 'labels'"),
 ])
 def test_loss_columns_are_checked(tmp_path, rows, error, match):
     """Review 8: the jsonl reader did not check that labels are as long as input_ids (and counted any

@@ -215,4 +215,4 @@ def test_pack_command_rejects_bad_label_values(tmp_path, capsys):
     src.write_text("\n".join(json.dumps({"input_ids": x, "labels": y})
                              for x, y in [([1, 2], [1, 2]), ([3, 4], [-100, -5])]) + "\n")
     code, out, err = run(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "8"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "example 1 has label -5" in err
+    assert code == 2 and err.count("\n") == 1 and "dataset row 1 has label -5" in err

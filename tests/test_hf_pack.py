@@ -226,15 +226,17 @@ def test_extra_columns_and_unsigned_labels():
 
 
 @pytest.mark.parametrize("cols, kwargs, exc, match", [
-    ({"input_ids": [[1], [], [2]]}, {}, ValueError, "example 1 has length 0"),
+    ({"input_ids": [[1], [], [2]]}, {}, ValueError, r"dataset row 1 is empty \(0 tokens in 'input_ids'\)"),
     ({"input_ids": [[1], [2, 3, 4, 5, 6]]}, {}, ValueError, "example 1 has 5 tokens > window=4"),
-    ({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3, 4]]}, {}, ValueError, "example 1 has 2 'labels' but 1"),
-    ({"input_ids": [[1, 2], [3, -4]]}, {}, ValueError, "example 1 has a negative token id"),
+    ({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3, 4]]}, {}, ValueError,
+     "dataset row 1 has 2 'labels' for 1 'input_ids'; they must match token for token"),
+    ({"input_ids": [[1, 2], [3, -4]]}, {}, ValueError, "dataset row 1 has token id -4 in 'input_ids'"),
     ({"tokens": [[1]]}, {}, KeyError, "no 'input_ids' column"),
     ({"input_ids": [[1]]}, {"columns": ["input_ids", "labels"]}, KeyError, "'labels' is not in the dataset"),
-    ({"input_ids": [[1.5]]}, {}, TypeError, "must be integers"),
+    ({"input_ids": [[1.5]]}, {}, TypeError, r"dataset row 0 has 1.5 \(float\) in 'input_ids'"),
+    ({"input_ids": [[], [[2, 3]]]}, {}, TypeError, r"dataset row 1 has a nested list in 'input_ids'"),
     ({"input_ids": [1, 2]}, {}, TypeError, "not lists of token ids"),
-    ({"input_ids": [[1], None]}, {}, ValueError, "example 1 has no 'input_ids'"),
+    ({"input_ids": [[1], None]}, {}, ValueError, r"dataset row 1 has no 'input_ids' \(null\)"),
     ({"input_ids": [[1]]}, {"window": 0}, ValueError, "window must be at least 1"),
     ({"input_ids": [[1]]}, {"strategy": "best"}, ValueError, "unknown strategy"),
     ({"input_ids": [[1]]}, {"overflow": "wrap"}, ValueError, "unknown overflow"),
@@ -334,10 +336,10 @@ def test_label_values_are_checked_when_packing(select):
                                      "labels": [[1, -100], [-7], [4, -5, 6], [7]]})
     if select:
         assert pack_dataset(ds.select([0, 3]), window=8)["seq_lengths"]  # -7 and -5 are outside
-        with pytest.raises(ValueError, match=r"example 1 has label -5 in 'labels'"):
+        with pytest.raises(ValueError, match=r"dataset row 1 has label -5 in 'labels'"):
             pack_dataset(ds.select([3, 2, 0]), window=8)
     else:
-        with pytest.raises(ValueError, match=r"example 1 has label -7 in 'labels'.*or -100"):
+        with pytest.raises(ValueError, match=r"dataset row 1 has label -7 in 'labels'.*or -100"):
             pack_dataset(ds, window=8)
 
 
@@ -365,10 +367,10 @@ def test_loss_mask_values_other_than_0_and_1_are_rejected_offline():
     import datasets
 
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": [[0, 1, 1], [1, 2]]})
-    with pytest.raises(ValueError, match="example 1 has a value other than 0 or 1 in the loss mask"):
+    with pytest.raises(ValueError, match="dataset row 1 has 2 in the loss mask 'completion_mask'"):
         pack_dataset(ds, window=8)
     from packkit.hf import pack_stream
 
-    with pytest.raises(ValueError, match="example 1 has a value other than 0 or 1"):
+    with pytest.raises(ValueError, match="example 1 has -1 in the loss mask 'completion_mask'"):
         list(pack_stream([{"input_ids": [1, 2], "completion_mask": [0, 1]},
                           {"input_ids": [3, 4], "completion_mask": [1, -1]}], window=8))

@@ -144,7 +144,7 @@ def test_block_lengths_reports_local_index_of_bad_examples():
     info = raydata._block_lengths(t, "input_ids", "labels")
     assert info["has_labels"] and info["error"][1] == 2
     t = pa.table({"input_ids": [1, 2]})
-    assert "list of integer token ids" in raydata._block_lengths(t, "input_ids", None)["error"][2]
+    assert "not lists of token ids" in raydata._block_lengths(t, "input_ids", None)["error"][2]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,13 +249,13 @@ def test_errors_name_the_example_index_in_the_whole_dataset(local_ray):
     table = make_table(lengths)
     ids = table.column("input_ids").to_pylist()
     ids[450] = []
-    with pytest.raises(ValueError, match="example 450 has length 0"):
+    with pytest.raises(ValueError, match=r"dataset row 450 is empty \(0 tokens in 'input_ids'\)"):
         raydata.pack_dataset(ray.data.from_arrow([pa.table({"input_ids": ids[:400]}),
                                                   pa.table({"input_ids": ids[400:]})]), window=4 * W)
     labs = table.column("labels").to_pylist()
     labs[701] = labs[701][:-1]
     bad = pa.table({"input_ids": table.column("input_ids"), "labels": labs})
-    with pytest.raises(ValueError, match="example 701 has .* labels"):
+    with pytest.raises(ValueError, match="dataset row 701 has .* 'labels'"):
         raydata.pack_dataset(ray.data.from_arrow([bad.slice(0, 500), bad.slice(500)]), window=4 * W)
     with pytest.raises(KeyError, match="no column 'tokens'"):
         raydata.pack_dataset(make_ds(lengths), window=4 * W, input_key="tokens")
@@ -363,7 +363,7 @@ def test_label_values_are_checked_with_the_global_index(local_ray):
     labs = table.column("labels").to_pylist()
     labs[333][0] = -7
     bad = pa.table({"input_ids": table.column("input_ids"), "labels": labs})
-    with pytest.raises(ValueError, match=r"example 333 has label -7 in labels"):
+    with pytest.raises(ValueError, match=r"dataset row 333 has label -7 in 'labels'"):
         raydata.pack_dataset(ray.data.from_arrow(blocks_of(bad, 4)), window=4 * W)
 
 
@@ -375,7 +375,7 @@ def test_loss_mask_values_are_checked_with_the_global_index(local_ray):
     mask = [[1] * int(n) for n in lengths]
     mask[250][-1] = 2
     bad = pa.table({"input_ids": ids, "completion_mask": mask})
-    with pytest.raises(ValueError, match=r"example 250 has a value other than 0 or 1 in the loss mask"):
+    with pytest.raises(ValueError, match=r"dataset row 250 has 2 in the loss mask 'completion_mask'"):
         raydata.pack_dataset(ray.data.from_arrow(blocks_of(bad, 4)), window=4 * W)
 
 

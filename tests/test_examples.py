@@ -1,0 +1,276 @@
+"""packkit.examples: one reader of examples and one wording per rule, on every path.
+
+The same bad data goes through the collators, offline packing (``pack_dataset``, ``pack_stream``), the
+measurements of ``packkit waste`` / ``plan`` and the ``packkit pack`` command; each path must refuse it
+with the same rule text after its own location ("example i" or "dataset row i").
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from packkit import examples as ex
+from packkit.examples import (IGNORE_INDEX, MASK_KEYS, ExampleBatch, ExampleTypeError, ExampleValueError,
+                              check_labels, check_mask, check_tokens, location, loss_lengths, read_examples,
+                              relocate, table_labels, token_lengths)
+
+pa = pytest.importorskip("pyarrow")
+
+
+def labels_by_hand(examples):
+    """The rule, one example at a time: its labels (or ids), -100 where any mask it carries is 0."""
+    out = []
+    for e in examples:
+        lab = list(e.get("labels") if e.get("labels") is not None else e["input_ids"])
+        for k in MASK_KEYS:
+            if e.get(k) is not None:
+                lab = [IGNORE_INDEX if m == 0 else v for v, m in zip(lab, e[k])]
+        out += lab
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# each example's own keys
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_mask_on_example_1_is_honoured_when_example_0_has_none():
+    """Issue 11: PaddingFreeCollator()([{"input_ids":[3,4,5]}, {"input_ids":[6,7,8], "completion_mask":[0,0,1]}])
+    gave labels [-100,4,5,-100,7,8]: example 1's mask was ignored because example 0 had none."""
+    from packkit.collate import PaddingFreeCollator
+
+    batch = PaddingFreeCollator()([{"input_ids": [3, 4, 5]}, {"input_ids": [6, 7, 8], "completion_mask": [0, 0, 1]}])
+    assert batch.labels.tolist() == [[-100, 4, 5, -100, -100, 8]]
+    assert batch.num_loss_tokens == 3
+
+
+@pytest.mark.parametrize("layout", ["lists", "arrays", "mixed"])
+def test_keys_on_some_examples_only_are_each_honoured(layout):
+    """Labels, either mask, both masks, None values: each example's labels are what it would get alone."""
+    exs = [
+        {"input_ids": [3, 4, 5]},
+        {"input_ids": [6, 7, 8], "completion_mask": [0, 0, 1]},
+        {"input_ids": [9, 10], "labels": [-100, 10]},
+        {"input_ids": [11, 12, 13], "assistant_masks": [0, 1, 1], "completion_mask": [1, 1, 0]},
+        {"input_ids": [14, 15], "labels": None, "completion_mask": None},
+        {"input_ids": [16, 17], "labels": [16, -100], "assistant_masks": [True, False]},
+    ]
+    if layout != "lists":
+        exs = [{k: (None if v is None else np.asarray(v)) if (layout == "arrays" or i % 2) else v
+                for k, v in e.items()} for i, e in enumerate(exs)]
+    ids, labels, lengths = read_examples(exs)
+    assert labels.tolist() == labels_by_hand(exs)
+    assert lengths.tolist() == [3, 3, 2, 3, 2, 2]
+    # the same examples alone give the same labels: batch-mates do not matter
+    for k in range(len(exs)):
+        assert read_examples([exs[k]])[1].tolist() == labels_by_hand([exs[k]])
+
+
+def test_pre_shifted_labels_are_needed_on_every_example():
+    exs = [{"input_ids": [1, 2], "labels": [2, -100]}, {"input_ids": [3, 4]}]
+    with pytest.raises(ValueError, match="example 1 has no 'labels'; mask_first_label=False means labels are pre-shifted"):
+        read_examples(exs, need_labels=True)
+
+
+def test_loss_mask_required_names_the_example_and_the_trainer_setting():
+    ok = {"input_ids": [1, 2], "completion_mask": [0, 1]}
+    assert read_examples([ok, dict(ok)], loss_mask="required")[1].tolist() == [-100, 2, -100, 2]
+    for exs, i in [([ok, {"input_ids": [3]}], 1), ([{"input_ids": [3]}], 0),
+                   ([ok, {"input_ids": [3], "completion_mask": None}], 1)]:
+        with pytest.raises(ValueError, match=rf"example {i} has no loss mask .*remove_unused_columns=False"):
+            read_examples(exs, loss_mask="required")
+    with pytest.raises(ValueError, match="loss_mask must be one of 'auto', 'required'"):
+        ex.check_loss_mask_mode("always")
+
+
+# ----------------------------------------------------------------------------------------------
+# one wording per rule, on every path
+# ----------------------------------------------------------------------------------------------
+
+#: (rows, error type, the rule text after the location; the location is example/dataset row 1 unless noted)
+BAD = {
+    "float id": ([{"input_ids": [1, 2]}, {"input_ids": [3.5, 4.0]}], TypeError,
+                 "has 3.5 (float) in 'input_ids'; token ids are integers >= 0", 1),
+    "negative id": ([{"input_ids": [1, 2]}, {"input_ids": [3, -4]}], ValueError,
+                    "has token id -4 in 'input_ids'; token ids are integers >= 0", 1),
+    "empty": ([{"input_ids": [1, 2]}, {"input_ids": []}], ValueError,
+              "is empty (0 tokens in 'input_ids'); filter empty examples out first", 1),
+    "nested": ([{"input_ids": [[1, 2]]}, {"input_ids": [[3]]}], TypeError,
+               "has a nested list in 'input_ids'", 0),
+    "bool id": ([{"input_ids": [True, False]}, {"input_ids": [True]}], TypeError,
+                "has True (bool) in 'input_ids'; token ids are integers >= 0", 0),
+    "label -7": ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3, 4], "labels": [-100, -7]}], ValueError,
+                 "has label -7 in 'labels'; labels are token ids (>= 0) or -100 (no loss)", 1),
+    "labels too short on example 1": ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3, 4], "labels": [3]}],
+                                      ValueError, "has 1 'labels' for 2 'input_ids'; they must match token for token", 1),
+    "mask 2": ([{"input_ids": [1, 2], "completion_mask": [0, 1]}, {"input_ids": [3, 4], "completion_mask": [1, 2]}],
+               ValueError, "has 2 in the loss mask 'completion_mask'; a loss mask holds 1 (loss) or 0 (no loss)", 1),
+    "mask too long on example 1": ([{"input_ids": [1, 2], "assistant_masks": [0, 1]},
+                                    {"input_ids": [3, 4], "assistant_masks": [1, 1, 1]}],
+                                   ValueError, "has 3 'assistant_masks' for 2 'input_ids'", 1),
+}
+TOKEN_RULES = ("float id", "negative id", "empty", "nested", "bool id")
+
+
+def _text(exc) -> str:
+    return str(exc)
+
+
+def _check(call, error, text, where):
+    with pytest.raises(error) as got:
+        call()
+    msg = _text(got.value)
+    print(msg)
+    assert msg.startswith(where + " has") or msg.startswith(where + " is"), msg
+    assert text in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_collators_name_the_example(case):
+    from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeCollator
+
+    rows, error, text, i = BAD[case]
+    for collator in (PaddingFreeCollator(), FixedWindowCollator(window=8), PaddedCollator()):
+        _check(lambda: collator(rows), error, text, f"example {i}")
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_columnar_batch_names_the_dataset_row(case):
+    from packkit.collate import PaddingFreeCollator
+
+    rows, error, text, i = BAD[case]
+    cols = {k: [None if r.get(k) is None else np.asarray(r[k]) for r in rows] for k in set().union(*rows)}
+    try:
+        batch = ExampleBatch(cols, rows=[500, 700])
+    except (TypeError, ValueError) as exc:  # a nested column is refused when it is read
+        pytest.fail(f"ExampleBatch refused {case}: {exc}")
+    _check(lambda: PaddingFreeCollator()(batch), error, text, f"dataset row {[500, 700][i]}")
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_offline_packing_names_the_dataset_row(case):
+    datasets = pytest.importorskip("datasets")
+    from packkit.hf import pack_dataset, pack_stream
+
+    rows, error, text, i = BAD[case]
+    ds = datasets.Dataset.from_list(rows)
+    _check(lambda: pack_dataset(ds, window=8), error, text, f"dataset row {i}")
+    _check(lambda: list(pack_stream(rows, window=8)), error, text, f"example {i}")
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_waste_plan_and_pack_commands_refuse_what_pack_refuses(case, tmp_path, capsys):
+    """Issue 12: `packkit waste` measured float, NaN and negative ids and nested lists' outer lengths that
+    `pack` rejects; `plan` counted label -7 as a loss token. Now the three refuse the same rows, in the
+    same words."""
+    from packkit.budget import read_lengths_and_loss
+    from packkit.cli import main
+    from packkit.io import read_lengths
+
+    rows, error, text, i = BAD[case]
+    path = tmp_path / "data.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    if case in TOKEN_RULES:
+        _check(lambda: read_lengths(str(path)), error, text, f"dataset row {i}")
+    _check(lambda: read_lengths_and_loss(str(path)), error, text, f"dataset row {i}")
+    for argv in (["waste", str(path), "-w", "8"], ["plan", str(path), "-w", "8", "-b", "1"],
+                 ["pack", str(path), str(tmp_path / "out.parquet"), "-w", "8"]):
+        if argv[0] == "waste" and case not in TOKEN_RULES:
+            continue  # waste reads token ids only
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code != 0 and err.count("\n") == 1 and f"dataset row {i} " in err and text in err, (argv, err)
+
+
+def test_nan_in_a_float_column_is_named():
+    table = pa.table({"input_ids": pa.array([[1.0, 2.0], [3.0, float("nan")]])})
+    with pytest.raises(TypeError, match=r"dataset row 1 has nan \(float\) in 'input_ids'"):
+        token_lengths(table.column("input_ids"))
+
+
+def test_plan_does_not_count_bad_labels_as_loss():
+    """Issue 12: `plan` counted label -7 as a loss token; now it is refused, and -100 is not counted."""
+    table = pa.table({"input_ids": [[1, 2, 3]], "labels": [[-100, -7, 3]]})
+    with pytest.raises(ValueError, match="dataset row 0 has label -7"):
+        loss_lengths(table)
+    assert loss_lengths(pa.table({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, -100]]})).tolist() == [1]
+
+
+def test_loss_lengths_and_table_labels_honour_nulls_and_both_masks():
+    rows = [{"input_ids": [5, 6, 7], "labels": [5, -100, 7], "completion_mask": None},
+            {"input_ids": [8, 9], "labels": None, "completion_mask": [0, 1]},
+            {"input_ids": [1, 2, 3], "labels": None, "completion_mask": [1, 1, 0], "assistant_masks": [0, 1, 1]}]
+    rows[0]["assistant_masks"] = None
+    rows[1]["assistant_masks"] = None
+    table = pa.Table.from_pylist(rows)
+    want = labels_by_hand(rows)
+    assert table_labels(table).tolist() == want
+    assert loss_lengths(table).tolist() == [1, 1, 1]  # first tokens never count
+    ids, labels, _ = read_examples(rows)
+    assert labels.tolist() == want
+
+
+# ----------------------------------------------------------------------------------------------
+# the pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def test_location_and_relocate():
+    assert location(3) == "example 3" and location(3, rows=800) == "dataset row 803"
+    assert location(1, rows=[9, 4]) == "dataset row 4"
+    with pytest.raises(ExampleValueError) as got:
+        check_tokens(np.array([3, -1]), [0, 1, 2])
+    assert str(got.value) == "example 1 has token id -1 in 'input_ids'; token ids are integers >= 0"
+    moved = relocate(got.value, 800)
+    assert isinstance(moved, ValueError) and str(moved) == "dataset row 801 has token id -1 in 'input_ids'; " \
+                                                           "token ids are integers >= 0"
+
+
+def test_errors_survive_pickling_and_dataloader_reraise():
+    """A DataLoader worker's error is rebuilt in the main process as ``type(exc)(message)``; Ray pickles it."""
+    with pytest.raises(ExampleTypeError) as got:
+        read_examples([{"input_ids": [1.5]}])
+    again = pickle.loads(pickle.dumps(got.value))
+    assert str(again) == str(got.value) and isinstance(again, TypeError)
+    assert str(type(got.value)("Caught in worker: " + str(got.value))).startswith("Caught in worker")
+
+
+def test_selected_rows_outside_the_selection_are_not_blamed():
+    values = np.array([1, -5, 2, 3])
+    check_tokens(values, starts=np.array([0, 2]), lengths=np.array([1, 2]))  # -5 lies in no example
+    with pytest.raises(ValueError, match="example 1 has label -5"):
+        check_labels(values, starts=np.array([0, 1]), lengths=np.array([1, 1]))
+    with pytest.raises(ValueError, match="example 0 has 2 in the loss mask"):
+        check_mask(np.array([2, 1]), [0, 2])
+
+
+def test_list_chunks_of_sliced_chunked_columns():
+    col = pa.chunked_array([pa.array([[1, 2], [3]]), pa.array([[4, 5, 6], [-1], [7]]).slice(1)])
+    got = [(v.tolist(), o.tolist(), first) for v, o, _, first in ex.list_chunks(col)]
+    assert got == [([1, 2, 3], [0, 2, 3], 0), ([-1, 7], [0, 1, 2], 2)]
+    with pytest.raises(ValueError, match="dataset row 2 has token id -1"):
+        token_lengths(col)
+    with pytest.raises(ValueError, match=r"dataset row 1 has a null inside 'input_ids'"):
+        token_lengths(pa.array([[1], [2, None]]))
+    with pytest.raises(ValueError, match=r"dataset row 1 has no 'input_ids' \(null\)"):
+        token_lengths(pa.array([[1], None]))
+    with pytest.raises(TypeError, match=r"dataset row 0 has 'a' \(str\) in 'input_ids'"):
+        token_lengths(pa.array([["a"]]))
+    with pytest.raises(TypeError, match="column 'input_ids' holds int64, not lists of token ids"):
+        token_lengths(pa.array([1, 2]))
+
+
+def test_jsonl_with_a_float_line_is_refused_by_waste(tmp_path):
+    from packkit.io import read_lengths
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"input_ids": [1, 2]}, {"input_ids": [3, 4.5]}]))
+    with pytest.raises(TypeError, match=r"dataset row 1 has 4.5 \(float\) in 'input_ids'"):
+        read_lengths(str(path))
