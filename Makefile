@@ -19,7 +19,7 @@ setup-test: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[test]'
 
 waste: setup
-	$(BIN)/packkit waste --plot waste.png
+	$(BIN)/packkit waste --plot waste.png --overwrite
 
 test: setup-test
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q

@@ -53,12 +53,12 @@ import os
 
 import numpy as np
 
-from .errors import ArgumentError, DataError, arg
+from .errors import ArgumentError, DataError, Message, arg
 from .segments import lengths_to_offsets
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
-           "max_window", "check_strategy", "check_overflow", "check_buffer_size", "overflow_error", "lower_bound",
-           "STRATEGIES", "OVERFLOW_POLICIES"]
+           "max_window", "check_strategy", "check_overflow", "check_buffer_size", "overflow_error", "overflow_note",
+           "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
@@ -154,6 +154,23 @@ def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0) -> DataE
     return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}, or raise {w}", i=first + i,
                      n=int(lengths[i]), window=arg("window", window), more=more,
                      fix=arg("overflow", "split", "truncate", "drop"), w=arg("window"))
+
+
+def overflow_note(overflow: str, *, over: int, examples: int, cut: int, tokens: int,
+                  unit: str = "tokens") -> Message | None:
+    """What an overflow policy did to the examples longer than the window, in one line; None if none was.
+
+    ``str(overflow_note("truncate", over=2, examples=10, cut=30, tokens=1000))`` ->
+    ``"overflow='truncate': 2 of 10 examples longer than the window truncated; 30 of 1,000 tokens cut (3.00%)"``
+    (from the command line: ``--overflow truncate: ...``). Nothing is cut without this count being told.
+    """
+    if not over:
+        return None
+    what = {"truncate": "truncated", "drop": "dropped", "split": "split into pieces of at most the window",
+            "error": "refused"}[check_overflow(overflow)]
+    cut_text = f"{cut:,} of {tokens:,} {unit} cut ({cut / max(tokens, 1):.2%})" if cut else f"no {unit[:-1]} cut"
+    return Message("{policy}: {over:,} of {examples:,} examples longer than the window {what}; {cut}",
+                   policy=arg("overflow", overflow), over=over, examples=examples, what=what, cut=cut_text)
 
 
 def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:

@@ -39,7 +39,8 @@ import warnings
 
 import numpy as np
 
-from .binpack import Plan, as_lengths, check_window, pack
+from .binpack import Plan, as_lengths, check_window, overflow_note, pack
+from .errors import ArgumentError, Message, arg
 
 __all__ = [
     "Advice",
@@ -69,9 +70,20 @@ class Advice:
     code: str
     message: str
     values: dict = dataclasses.field(hash=False)
+    #: the message with the arguments it names kept apart, so the command line can name its options
+    wording: Message | None = dataclasses.field(default=None, hash=False, compare=False, repr=False)
 
     def as_dict(self) -> dict:
         return {"code": self.code, "message": self.message, "values": dict(self.values)}
+
+    def render(self, options=None) -> str:
+        """The message, naming arguments as ``options`` spell them (``packkit.errors.Arg.render``)."""
+        return self.message if self.wording is None else self.wording.render(options)
+
+
+def _advice(code: str, values: dict, template: str, **fields) -> Advice:
+    wording = Message(template, **fields)
+    return Advice(code, str(wording), values, wording)
 
 
 class BudgetWarning(UserWarning):
@@ -124,6 +136,8 @@ class BudgetReport:
     target_tokens_per_step: int or None
     accumulation_for_target: int or None, accumulation steps whose mean tokens per step reach the target
     advice:               tuple of :class:`Advice`
+    overflow, overflow_examples, cut_tokens: the policy for examples longer than ``window``, how many
+                          were, and the tokens it cut (``None``, 0, 0 when padded)
     """
 
     mode: str
@@ -144,14 +158,18 @@ class BudgetReport:
     target_tokens_per_step: int | None
     accumulation_for_target: int | None
     advice: tuple
+    overflow: str | None = None
+    overflow_examples: int = 0
+    cut_tokens: int = 0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["advice"] = [a.as_dict() for a in self.advice]
         return d
 
-    def table(self) -> str:
-        """The report as aligned text (what ``packkit plan`` prints)."""
+    def table(self, *, options=None) -> str:
+        """The report as aligned text (what ``packkit plan`` prints; ``options`` names arguments as the
+        command line does, see ``packkit.errors.Arg.render``)."""
         unit = "windows" if self.mode == "packed" else "examples"
         head = (f"packed into windows of {self.window:,} tokens" if self.mode == "packed"
                 else "padded to the longest example of each micro-batch")
@@ -168,13 +186,18 @@ class BudgetReport:
                         + ("window slots" if self.mode == "packed" else "padded positions")),
         ]
         if self.target_tokens_per_step is not None:
-            rows.append(("for the target", f"{self.target_tokens_per_step:,} tokens/step: accumulation_steps="
-                                           f"{self.accumulation_for_target}"))
+            rows.append(("for the target", f"{self.target_tokens_per_step:,} tokens/step: " + arg(
+                "accumulation_steps", self.accumulation_for_target).render(options)))
+        note = None if self.overflow is None else overflow_note(
+            self.overflow, over=self.overflow_examples, examples=self.num_examples, cut=self.cut_tokens,
+            tokens=self.num_tokens + self.cut_tokens)
+        if note is not None:
+            rows.append(("overflow", note.render(options)))
         width = max(len(k) for k, _ in rows)
         lines = [f"packkit plan: {self.num_examples:,} examples, {self.num_tokens:,} tokens, {head}"]
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
         lines.append("advice:" if self.advice else "advice: none")
-        lines += [f"  [{a.code}] {a.message}" for a in self.advice]
+        lines += [f"  [{a.code}] {a.render(options)}" for a in self.advice]
         return "\n".join(lines)
 
 
@@ -192,8 +215,9 @@ def _positive_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {value!r}")
     if value < 1:
         fix = {"devices": "at least one device (1 for a single GPU or the CPU)",
-               "accumulation_steps": "accumulation_steps=1 means no accumulation"}.get(name, "pass 1 or more")
-        raise ValueError(f"{name} must be >= 1, got {value}: {fix}")
+               "accumulation_steps": "{one} means no accumulation"}.get(name, "pass 1 or more")
+        raise ArgumentError("{name} must be >= 1, got {value}: " + fix, name=arg(name), value=int(value),
+                            one=arg(name, 1))
     return int(value)
 
 
@@ -366,6 +390,9 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         loss_tokens_per_step=Spread.of(loss_steps), padding_fraction=float(padding),
         loss_tokens_assumed=assumed, target_tokens_per_step=target_tokens_per_step,
         accumulation_for_target=accumulation_for_target, advice=(),
+        overflow=None if mode == "padded" else plan.overflow,
+        overflow_examples=0 if mode == "padded" else int(plan.overflow_examples.size),
+        cut_tokens=0 if mode == "padded" else int(plan.cut_tokens),
     )
     advice = _advise(report, per_accum=per_accum, lora=lora, min_tokens_per_step=min_tokens_per_step,
                      min_steps_per_epoch=min_steps_per_epoch, lora_max_batch=lora_max_batch)
@@ -382,43 +409,48 @@ def _advise(r: BudgetReport, *, per_accum: float, lora: bool, min_tokens_per_ste
     tok = r.tokens_per_step.mean
     if 0 < tok < min_tokens_per_step:
         need = math.ceil(min_tokens_per_step / per_accum)
-        out.append(Advice(
+        out.append(_advice(
             "low_tokens_per_step",
-            f"about {tok:,.0f} tokens per optimiser step (< {min_tokens_per_step:,}): gradients are noisy. "
-            f"Raise accumulation_steps from {r.accumulation_steps} to {need} (about {need * per_accum:,.0f} "
-            "tokens per step) rather than raising the learning rate.",
             {"tokens_per_step": tok, "min_tokens_per_step": min_tokens_per_step,
              "accumulation_steps": r.accumulation_steps, "suggested_accumulation_steps": need},
+            "about {tok:,.0f} tokens per optimiser step (< {min:,}): gradients are noisy. Raise {acc} from {now} "
+            "to {need} (about {tokens:,.0f} tokens per step) rather than raising the learning rate.",
+            tok=tok, min=min_tokens_per_step, acc=arg("accumulation_steps"), now=r.accumulation_steps,
+            need=need, tokens=need * per_accum,
         ))
     if r.steps_per_epoch < min_steps_per_epoch:
         per_step = r.examples_per_step.mean
         batch_for_min = max(1, r.num_examples // min_steps_per_epoch)
-        out.append(Advice(
+        out.append(_advice(
             "few_steps_per_epoch",
-            f"only {r.full_steps_per_epoch:,} full optimiser steps per epoch ({r.num_examples:,} examples at "
-            f"about {per_step:,.0f} examples per step): the optimiser and the learning-rate schedule "
-            f"get few updates. For {min_steps_per_epoch} steps use about {batch_for_min:,} examples per step, "
-            "or train more epochs.",
             {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
              "examples": r.num_examples, "examples_per_step": per_step,
              "min_steps_per_epoch": min_steps_per_epoch, "suggested_examples_per_step": batch_for_min},
+            "only {full:,} full optimiser steps per epoch ({n:,} examples at about {per_step:,.0f} examples per "
+            "step): the optimiser and the learning-rate schedule get few updates. For {min} steps use about "
+            "{batch:,} examples per step, or train more epochs.",
+            full=r.full_steps_per_epoch, n=r.num_examples, per_step=per_step, min=min_steps_per_epoch,
+            batch=batch_for_min,
         ))
     if lora and r.examples_per_step.mean > lora_max_batch:
-        out.append(Advice(
+        out.append(_advice(
             "lora_large_batch",
-            f"LoRA/adapter run at about {r.examples_per_step.mean:,.0f} examples per step (> {lora_max_batch}): "
-            "adapters tend to train better with small effective batches; lower accumulation_steps or the "
-            "per-device batch.",
             {"examples_per_step": r.examples_per_step.mean, "lora_max_batch": lora_max_batch},
+            "LoRA/adapter run at about {per_step:,.0f} examples per step (> {max}): adapters tend to train better "
+            "with small effective batches; lower {acc} or {batch}.",
+            per_step=r.examples_per_step.mean, max=lora_max_batch, acc=arg("accumulation_steps"),
+            batch=arg("per_device_batch"),
         ))
     if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
         a = r.accumulation_for_target
-        out.append(Advice(
+        out.append(_advice(
             "accumulation_for_target",
-            f"to reach {r.target_tokens_per_step:,} tokens per step use accumulation_steps={a} "
-            f"(about {a * per_accum:,.0f} tokens per step; now {r.accumulation_steps}, about {tok:,.0f}).",
             {"target_tokens_per_step": r.target_tokens_per_step, "accumulation_steps": r.accumulation_steps,
              "suggested_accumulation_steps": a, "tokens_per_step": tok},
+            "to reach {target:,} tokens per step use {acc} (about {tokens:,.0f} tokens per step; now {now}, "
+            "about {tok:,.0f}).",
+            target=r.target_tokens_per_step, acc=arg("accumulation_steps", a), tokens=a * per_accum,
+            now=r.accumulation_steps, tok=tok,
         ))
     return out
 

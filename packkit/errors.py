@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import shlex
 
-__all__ = ["Arg", "arg", "PackkitError", "ArgumentError", "DataError", "OutputError"]
+__all__ = ["Arg", "arg", "Message", "PackkitError", "ArgumentError", "DataError", "MissingError", "OutputError"]
 
 
 class Arg:
@@ -84,6 +84,39 @@ def arg(name: str, *values, metavar: str | None = None) -> Arg:
     return Arg(name, *values, metavar=metavar)
 
 
+def _render(template: str, fields: dict, options) -> str:
+    if not fields:
+        return template
+    return template.format(**{k: v.render(options) if isinstance(v, Arg) else v for k, v in fields.items()})
+
+
+class Message:
+    """A text for the user whose :class:`Arg` fields follow the reader (a report line, advice).
+
+    ``str(Message("pass {a}", a=arg("overflow", "split")))`` is ``"pass overflow='split'"``;
+    ``.render(options)`` gives the command line's wording.
+    """
+
+    __slots__ = ("template", "fields")
+
+    def __init__(self, template: str, /, **fields):
+        self.template, self.fields = template, fields
+
+    def render(self, options=None) -> str:
+        return _render(self.template, self.fields, options)
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def __repr__(self) -> str:
+        return f"Message({self.render()!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Message) and str(self) == str(other)
+
+    __hash__ = None
+
+
 class PackkitError(Exception):
     """An error a user can fix, with a message template whose :class:`Arg` fields follow the reader.
 
@@ -96,10 +129,7 @@ class PackkitError(Exception):
         super().__init__(self.render())
 
     def render(self, options=None) -> str:
-        if not self.fields:
-            return self.template
-        return self.template.format(**{k: v.render(options) if isinstance(v, Arg) else v
-                                       for k, v in self.fields.items()})
+        return _render(self.template, self.fields, options)
 
     def __str__(self) -> str:
         return self.render()
@@ -118,6 +148,10 @@ class ArgumentError(PackkitError, ValueError):
 
 class DataError(PackkitError, ValueError):
     """The input cannot be read, or an example in it is refused (the message names the row or line)."""
+
+
+class MissingError(DataError, KeyError):
+    """The input lacks a column, a split or a key that was asked for (a ``KeyError`` too)."""
 
 
 class OutputError(PackkitError, ValueError):

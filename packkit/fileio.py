@@ -13,15 +13,17 @@ left beside it, never a short file under the target's name::
 Before anything is written, :func:`check_output` refuses what would destroy the user's data:
 
 ========================================  =====================================================
-target                                    outcome
+target                                    outcome (every one an ``OutputError``, a ``ValueError``)
 ========================================  =====================================================
-exists, ``overwrite=False``               ``OutputExistsError`` (replaced only when asked)
-the same file as an input                 ``ValueError`` (``os.path.samefile``: hard and
+exists, ``overwrite=False``               ``OutputExistsError`` (also a ``FileExistsError``):
+                                          replaced only when asked
+the same file as an input                 ``OutputError`` (``os.path.samefile``: hard and
                                           symbolic links included)
-a folder that contains an input           ``ValueError`` (writing it would replace the input)
-a folder where a file is written, or the  ``ValueError``, even with ``overwrite``
+a folder that contains an input           ``OutputError`` (writing it would replace the input)
+a folder where a file is written, or the  ``OutputError``, even with ``overwrite``
 other way round
-parent folder missing                     ``FileNotFoundError`` unless ``parents=True``
+parent folder missing                     ``MissingFolderError`` (also a ``FileNotFoundError``)
+                                          unless ``parents=True``
 ========================================  =====================================================
 
 Renames use Linux's ``renameat2`` where it exists: ``RENAME_NOREPLACE`` so that a target that
@@ -39,20 +41,29 @@ import ctypes.util
 import errno
 import os
 import secrets
+import shlex
 import shutil
 from pathlib import Path
 
-__all__ = ["OutputExistsError", "atomic_output", "check_output", "fsync_tree", "temp_sibling"]
+from .errors import OutputError, arg
+
+__all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "atomic_output", "check_output", "fsync_tree", "temp_sibling"]
 
 #: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
 TMP_MARK = ".packkit-tmp-"
 
 
-class OutputExistsError(FileExistsError):
-    """The target exists and ``overwrite`` was not given (a ``FileExistsError`` with a one-line text)."""
+class OutputExistsError(OutputError, FileExistsError):
+    """The target exists and ``overwrite`` was not given (a ``FileExistsError`` and an :class:`OutputError`)."""
 
-    def __str__(self) -> str:
-        return self.args[0] if self.args else super().__str__()
+
+class MissingFolderError(OutputError, FileNotFoundError):
+    """The folder the target would go in does not exist, and ``parents`` was not given."""
+
+
+def _exists_error(target: Path, overwrite_hint: str | None) -> OutputExistsError:
+    return OutputExistsError("{target} exists; pass {hint} to replace it", target=repr(str(target)),
+                             hint=arg("overwrite", True) if overwrite_hint is None else overwrite_hint)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +91,7 @@ def _contains(folder: Path, path: Path) -> bool:
 
 
 def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = False, parents: bool = False,
-                 overwrite_hint: str = "overwrite=True") -> Path:
+                 overwrite_hint: str | None = None) -> Path:
     """``target`` as a ``Path`` once it is safe to write there (the table in the module docstring).
 
     Args:
@@ -89,7 +100,11 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
         inputs: paths being read (files or folders); the target may be none of them and hold none.
         overwrite: an existing target may be replaced (by one of the same kind).
         parents: create missing parent folders (else their absence is an error).
-        overwrite_hint: how the caller spells ``overwrite`` in the error text (``"--overwrite"`` in the CLI).
+        overwrite_hint: how the caller spells ``overwrite`` in the error text; default
+            ``overwrite=True``, which the ``packkit`` command renders as ``--overwrite``.
+
+    Every refusal is an :class:`~packkit.errors.OutputError` (a ``ValueError``): ``OutputExistsError`` is
+    also a ``FileExistsError``, ``MissingFolderError`` a ``FileNotFoundError``.
     """
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be 'file' or 'dir', got {kind!r}")
@@ -100,26 +115,27 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
         src = Path(src)
         if _same(src, target) or (not os.path.lexists(target)
                                   and os.path.realpath(src) == os.path.realpath(target)):
-            raise ValueError(f"{str(target)!r} is the input {str(src)!r} (the same file); write the output "
-                             "elsewhere")
+            raise OutputError(f"{str(target)!r} is the input {str(src)!r} (the same file); write the output "
+                              "elsewhere")
         if target.is_dir() and _contains(target, src):
-            raise ValueError(f"{str(target)!r} is a folder that holds the input {str(src)!r}; writing it would "
-                             "replace the input: write the output elsewhere")
+            raise OutputError(f"{str(target)!r} is a folder that holds the input {str(src)!r}; writing it "
+                              "would replace the input: write the output elsewhere")
     if os.path.lexists(target):
         if target.is_dir() != (kind == "dir"):
             have, want = ("a folder", "a file") if target.is_dir() else ("a file", "a folder")
-            raise ValueError(f"{str(target)!r} is {have}, and the output is {want}; remove it or choose "
-                             "another name")
+            raise OutputError(f"{str(target)!r} is {have}, and the output is {want}; remove it or choose "
+                              "another name")
         if not overwrite:
-            raise OutputExistsError(f"{str(target)!r} exists; pass {overwrite_hint} to replace it")
+            raise _exists_error(target, overwrite_hint)
     parent = target.parent
     if not parent.is_dir():
         if parents and not parent.exists():
             parent.mkdir(parents=True, exist_ok=True)
         elif parent.exists():
-            raise ValueError(f"{str(parent)!r} is not a folder, so {str(target)!r} cannot be written")
+            raise OutputError(f"{str(parent)!r} is not a folder, so {str(target)!r} cannot be written")
         else:
-            raise FileNotFoundError(f"folder {str(parent)!r} does not exist; create it first")
+            raise MissingFolderError(f"folder {str(parent)!r} does not exist; create it first "
+                                     f"(mkdir -p {shlex.quote(str(parent))})")
     return target
 
 
@@ -209,27 +225,26 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _place(tmp: Path, target: Path, *, overwrite: bool, overwrite_hint: str) -> None:
+def _place(tmp: Path, target: Path, *, overwrite: bool, overwrite_hint: str | None) -> None:
     """Rename the complete ``tmp`` to ``target``: never over an existing target unless ``overwrite``."""
-    exists = f"{str(target)!r} exists; pass {overwrite_hint} to replace it"
     if not overwrite:
         try:
             if _renameat2(tmp, target, _RENAME_NOREPLACE):
                 return
         except FileExistsError:
-            raise OutputExistsError(exists) from None
+            raise _exists_error(target, overwrite_hint) from None
         if tmp.is_dir():
             if os.path.lexists(target):
-                raise OutputExistsError(exists)
+                raise _exists_error(target, overwrite_hint)
             os.rename(tmp, target)
             return
         try:
             os.link(tmp, target)  # refuses an existing target
         except FileExistsError:
-            raise OutputExistsError(exists) from None
+            raise _exists_error(target, overwrite_hint) from None
         except OSError:  # no hard links here (some network or FAT file systems)
             if os.path.lexists(target):
-                raise OutputExistsError(exists) from None
+                raise _exists_error(target, overwrite_hint) from None
             os.rename(tmp, target)
             return
         tmp.unlink()
@@ -248,7 +263,7 @@ def _place(tmp: Path, target: Path, *, overwrite: bool, overwrite_hint: str) -> 
 
 @contextlib.contextmanager
 def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = False, parents: bool = False,
-                  overwrite_hint: str = "overwrite=True"):
+                  overwrite_hint: str | None = None):
     """Write ``target`` through a temporary path beside it; yields that path (it does not exist yet).
 
     On a normal exit the temporary file or folder is flushed to disk and renamed over ``target`` in one

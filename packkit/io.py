@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 
+from .errors import DataError, MissingError, arg
 from .examples import token_lengths
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "list_lengths",
     "load_table",
     "load_dataset",
+    "line_of_row",
     "read_lengths",
     "token_column",
     "tokens_table",
@@ -273,6 +276,112 @@ def _check_path(path) -> Path:
     return path
 
 
+def _json_kind(value):
+    """The JSON kind pyarrow's reader infers a column from: ``[1, 2] -> ("list", ("number",))``; None for null.
+
+    Lists carry the kind of their items (None while unknown); a list mixing kinds is ``("mixed", a, b)``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return ("true/false",)
+    if isinstance(value, (int, float)):
+        return ("number",)
+    if isinstance(value, str):
+        return ("text",)
+    if isinstance(value, dict):
+        return ("object",)
+    item = None
+    for v in value:
+        k = _json_kind(v)
+        merged = _merge_kinds(item, k)
+        if merged is None:
+            return ("mixed", item, k)
+        item = merged
+    return ("list", item)
+
+
+def _merge_kinds(a, b):
+    """The kind both ``a`` and ``b`` fit (None: a null or an empty list fits anything), or None if none."""
+    if a is None or b is None:
+        return a if b is None else b
+    if a[0] != b[0] or a[0] == "mixed":
+        return None
+    if a[0] != "list":
+        return a
+    if a[1] is None or b[1] is None:
+        return a if b[1] is None else b
+    item = _merge_kinds(a[1], b[1])
+    return None if item is None else ("list", item)
+
+
+def _kind_text(kind) -> str:
+    if kind is None:
+        return "null"
+    if kind[0] == "list":
+        return "a list" if kind[1] is None else f"a list of {_kind_text(kind[1]).removeprefix('a ')}s"
+    return {"number": "a number", "text": "text", "true/false": "true/false", "object": "an object"}[kind[0]]
+
+
+def _locate_json_lines_error(path: Path) -> DataError | None:
+    """The first line of a JSON lines file that pyarrow's reader refuses, named by its 1-based line number.
+
+    pyarrow names a row inside the block it was reading (and counts from 0), so its row is not the
+    file's line; this pass (on the error path only) reads line by line: a line that is not JSON, not
+    an object, or whose value changes kind from an earlier line (a list of numbers, then text).
+    None if every line reads (the caller keeps pyarrow's message).
+    """
+    seen: dict = {}
+    name = str(path)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.rstrip())
+            except UnicodeDecodeError:
+                return DataError(f"{name!r} line {lineno:,}: not UTF-8 text")
+            except ValueError as exc:
+                msg, col = getattr(exc, "msg", str(exc)), getattr(exc, "colno", None)
+                return DataError(f"{name!r} line {lineno:,}: not valid JSON ({msg}"
+                                 + (f" at column {col}" if col else "") + "); fix or remove that line")
+            if not isinstance(obj, dict):
+                return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object "
+                                 "(one example) was expected")
+            for key, value in obj.items():
+                kind = _json_kind(value)
+                if kind is not None and kind[0] == "mixed":
+                    return DataError(f"{name!r} line {lineno:,}: {key!r} mixes {_kind_text(kind[1])} and "
+                                     f"{_kind_text(kind[2])} in one list")
+                if key not in seen:
+                    if kind is not None:
+                        seen[key] = (kind, lineno)
+                    continue
+                merged = _merge_kinds(seen[key][0], kind)
+                if merged is None:
+                    before, where = seen[key]
+                    return DataError(f"{name!r} line {lineno:,}: {key!r} holds {_kind_text(kind)}, but "
+                                     f"{_kind_text(before)} on line {where:,}; every line must give a key "
+                                     "the same kind of value")
+                seen[key] = (merged, seen[key][1])
+    return None
+
+
+def line_of_row(path, row: int) -> int | None:
+    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
+
+    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
+    """
+    k = -1
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                k += 1
+                if k == row:
+                    return lineno
+    return None
+
+
 def _read_json(path: Path):
     pa = _pa()
     import pyarrow.json as pj
@@ -280,36 +389,53 @@ def _read_json(path: Path):
     with open(path, "rb") as f:
         head = f.read(1 << 16)
         if not head.strip() and len(head) < 1 << 16:
-            raise ValueError(f"{str(path)!r} holds no examples (empty file)")
-    try:
-        return pj.read_json(str(path))
-    except pa.ArrowInvalid as first:
-        # Not JSON lines: maybe one JSON list of objects.
+            raise DataError(f"{str(path)!r} holds no examples (empty file)")
+    if head.lstrip()[:1] == b"[":  # one JSON list of objects, not JSON lines
         try:
             with open(path, encoding="utf-8") as f:
                 rows = json.load(f)
-        except (ValueError, UnicodeDecodeError):
-            raise ValueError(f"cannot read {str(path)!r} as JSON lines: {first}") from None
-        if isinstance(rows, dict):
-            rows = [rows]
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DataError(f"cannot read {str(path)!r} as JSON: {exc}") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise ValueError(f"{str(path)!r} must hold JSON objects, one per example") from None
-        return pa.Table.from_pylist(rows)
+            raise DataError(f"{str(path)!r} must hold JSON objects, one per example")
+        try:
+            return pa.Table.from_pylist(rows)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise DataError(f"cannot read {str(path)!r}: {exc}") from None
+    try:
+        return pj.read_json(str(path))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as first:
+        located = _locate_json_lines_error(path)
+        if located is not None:
+            raise located from None
+        detail = re.sub(r" in row \d+", "", str(first))  # pyarrow's row counts inside a block, from 0
+        raise DataError(f"cannot read {str(path)!r} as JSON lines: {detail}") from None
+
+
+def _unreadable(exc: BaseException) -> bool:
+    """An error of pyarrow reading a damaged or foreign file (not a missing file or a permission)."""
+    pa = _pa()
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)):
+        return False
+    return isinstance(exc, (pa.ArrowException, OSError))
 
 
 def _read_arrow(path: Path):
     pa = _pa()
     import pyarrow.ipc as ipc
 
-    source = pa.memory_map(str(path))
     try:
-        return ipc.open_file(source).read_all()
-    except pa.ArrowInvalid:
-        pass
+        return ipc.open_file(pa.memory_map(str(path))).read_all()
+    except Exception as exc:
+        if not _unreadable(exc):
+            raise
     try:
         return ipc.open_stream(pa.memory_map(str(path))).read_all()
-    except pa.ArrowInvalid as exc:
-        raise ValueError(f"cannot read {str(path)!r} as an Arrow IPC file or stream: {exc}") from None
+    except Exception as exc:
+        if not _unreadable(exc):
+            raise
+        raise DataError(f"cannot read {str(path)!r} as an Arrow IPC file or stream (damaged, truncated, or "
+                        f"not Arrow): {exc}") from None
 
 
 def _read_text(path: Path):
@@ -336,12 +462,14 @@ def load_dataset(path, *, split: str | None = None):
             if "train" in obj or len(names) == 1:
                 split = "train" if "train" in obj else names[0]
             else:
-                raise ValueError(f"{str(path)!r} has splits {names}: pass --split NAME")
+                raise DataError("{path!r} has splits {names}: pass {split}", path=str(path), names=names,
+                                split=arg("split", metavar="NAME"))
         if split not in obj:
-            raise KeyError(f"{str(path)!r} has no split {split!r}; it has {names}")
+            raise MissingError(f"{str(path)!r} has no split {split!r}; it has {names}")
         obj = obj[split]
     elif split is not None:
-        raise ValueError(f"{str(path)!r} is a single dataset, not a DatasetDict: drop --split")
+        raise DataError("{path!r} is a single dataset, not a DatasetDict: drop {split}", path=str(path),
+                        split=arg("split"))
     return obj
 
 
@@ -358,20 +486,23 @@ def load_table(path, *, split: str | None = None):
             ds = ds.flatten_indices()
         return ds.data.table
     suffix = _suffix(path)
-    try:
-        if suffix in (".jsonl", ".ndjson", ".json"):
-            return _read_json(path)
-        if suffix in (".parquet", ".pq"):
-            import pyarrow.parquet as pq
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return _read_json(path)
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
 
+        try:
             return pq.read_table(str(path), memory_map=True)
-        if suffix in (".arrow", ".feather", ".ipc"):
-            return _read_arrow(path)
-        if suffix in (".txt", ".text"):
-            return _read_text(path)
-    except pa.ArrowInvalid as exc:
-        raise ValueError(f"cannot read {str(path)!r}: {exc}") from None
-    raise ValueError(f"{str(path)!r}: a {FORMATS[suffix]} file has no table of examples")
+        except Exception as exc:
+            if not _unreadable(exc):
+                raise
+            raise DataError(f"cannot read {str(path)!r} as Parquet (damaged, truncated, or not Parquet): "
+                            f"{exc}") from None
+    if suffix in (".arrow", ".feather", ".ipc"):
+        return _read_arrow(path)
+    if suffix in (".txt", ".text"):
+        return _read_text(path)
+    raise DataError(f"{str(path)!r}: a {FORMATS[suffix]} file has no table of examples")
 
 
 def token_column(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
@@ -390,19 +521,17 @@ def token_column(table, *, column: str = "input_ids", text_column: str = "text",
         return col
     if text_column in names:
         if tokenizer is None:
-            raise ValueError(
-                f"no token ids (no column {column!r}), only text in {text_column!r}: "
-                "pass --tokenizer tokenizer.json (or --tokenizer bytes)"
-            )
+            raise DataError("no token ids (no column {column!r}), only text in {text!r}: pass {tok} (or {bytes})",
+                            column=column, text=text_column, tok=arg("tokenizer", "tokenizer.json"),
+                            bytes=arg("tokenizer", "bytes"))
         col = table.column(text_column)
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             raise TypeError(f"column {text_column!r} holds {col.type}, not text")
         return tokenize(col.combine_chunks() if col.num_chunks != 1 else col.chunk(0), tokenizer,
                         progress=progress)
-    raise KeyError(
-        f"no column {column!r} (token ids) or {text_column!r} (text); the columns are {names}: "
-        "pass --column NAME or --text-column NAME"
-    )
+    raise MissingError("no column {column!r} (token ids) or {text!r} (text); the columns are {names}: pass "
+                       "{col} or {text_col}", column=column, text=text_column, names=names,
+                       col=arg("column", metavar="NAME"), text_col=arg("text_column", metavar="NAME"))
 
 
 def tokens_table(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,

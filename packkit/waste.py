@@ -43,7 +43,7 @@ import math
 import numpy as np
 
 from . import binpack
-from .binpack import as_lengths, check_overflow, check_window, pack, stream_windows
+from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
            "plot_waste"]
@@ -315,8 +315,9 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
 # ----------------------------------------------------------------------------------------------
 
 
-def format_table(report: WasteReport) -> str:
-    """The terminal table of a report, with the formulas under it."""
+def format_table(report: WasteReport, *, options=None) -> str:
+    """The terminal table of a report, with the formulas under it (``options``: ``packkit.errors.Arg.render``'s,
+    to name arguments in the command line's syntax)."""
     u = report.unit
     q = np.percentile(report.lengths, [50, 90, 99]).astype(int).tolist()
     lines = [
@@ -329,11 +330,10 @@ def format_table(report: WasteReport) -> str:
     if report.loss_tokens is not None:
         lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
                      f"{u}; labels or a loss mask, the first token of each example excluded)")
-    if report.overflow_examples:
-        what = {"truncate": "truncated to W", "drop": "dropped", "split": "split into pieces of <= W"}[report.overflow]
-        pct = report.cut_tokens / report.input_tokens
-        lines.append(f"overflow={report.overflow}: {report.overflow_examples:,} examples longer than W {what}"
-                     + (f", {report.cut_tokens:,} {u} cut ({pct:.2%})" if report.cut_tokens else ", nothing cut"))
+    note = overflow_note(report.overflow, over=report.overflow_examples, examples=report.examples,
+                         cut=report.cut_tokens, tokens=report.input_tokens, unit=u)
+    if note is not None:
+        lines.append(note.render(options))
     lines.append("")
     head = ("strategy", "padding", "rows/epoch", "steps/epoch", f"{u}/step", "attention vs padded")
     rows = [(s.label, f"{s.padding_fraction:.1%}", f"{s.rows:,}", f"{s.steps:,}", f"{s.tokens_per_step:,.0f}",
@@ -355,8 +355,15 @@ def format_table(report: WasteReport) -> str:
     return "\n".join(lines)
 
 
-def plot_waste(report: WasteReport, path) -> None:
-    """Write a PNG: the length histogram, and the fill of every strategy (its distribution over rows)."""
+def plot_waste(report: WasteReport, path, *, overwrite: bool = False) -> None:
+    """Write a PNG: the length histogram, and the fill of every strategy (its distribution over rows).
+
+    Written beside ``path`` and renamed into place when complete (:func:`packkit.fileio.atomic_output`);
+    an existing ``path`` is replaced only with ``overwrite=True``.
+    """
+    from .fileio import atomic_output, check_output
+
+    check_output(path, overwrite=overwrite)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -411,5 +418,8 @@ def plot_waste(report: WasteReport, path) -> None:
         ax2.spines[side].set_visible(False)
     fig.suptitle(f"packkit waste: {report.source}", fontsize=12.5, fontweight="bold")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    try:
+        with atomic_output(path, overwrite=overwrite) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")
+    finally:
+        plt.close(fig)

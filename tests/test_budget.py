@@ -331,15 +331,15 @@ def test_cli_inputs_agree(tmp_path, capsys):
     assert rc == 0 and "steps per epoch" in out and "[few_steps_per_epoch]" in out and "[lora_large_batch]" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    ((), "give a lengths FILE or --synthetic N"),
-    (("--synthetic", "10", "-d", "0"), "devices must be >= 1"),
-    (("--synthetic", "10", "-a", "0"), "accumulation_steps must be >= 1"),
-    (("missing.npy",), "does not exist"),
+@pytest.mark.parametrize("argv,code,message", [
+    ((), 2, "give a lengths FILE or --synthetic N"),
+    (("--synthetic", "10", "-d", "0"), 2, "--devices must be >= 1"),
+    (("--synthetic", "10", "-a", "0"), 2, "--accumulation-steps must be >= 1"),
+    (("missing.npy",), 3, "does not exist"),
 ])
-def test_cli_errors_are_one_line(capsys, argv, message):
+def test_cli_errors_are_one_line(capsys, argv, code, message):
     rc, out, err = run_cli(capsys, *argv)
-    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert rc == code and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
@@ -354,7 +354,7 @@ def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
     assert rc == 0 and json.loads(out)["num_tokens"] == 14
     (tmp_path / "e.txt").write_text("")
     rc, out, err = run_cli(capsys, str(tmp_path / "e.txt"))
-    assert rc == 2 and "holds no examples" in err and len(err.strip().splitlines()) == 1
+    assert rc == 3 and "holds no examples" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("rows, error, match", [

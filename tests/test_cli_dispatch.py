@@ -1,13 +1,20 @@
-"""The packkit command's dispatcher: help, unknown commands, one-line errors, PACKKIT_DEBUG."""
+"""The packkit command's dispatcher: help, unknown commands, one-line errors and their exit codes,
+install hints, PACKKIT_DEBUG, and the options every subcommand shares."""
+
+import argparse
+import importlib
+import importlib.util
 
 import pytest
 
 from packkit import cli
+from packkit.errors import DataError, arg
 
 
 def test_help_and_version(capsys):
     assert cli.main(["--help"]) == 0
-    assert "waste" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "waste" in out and "exit codes:" in out and "3    data" in out
     assert cli.main([]) == 2
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("packkit ")
@@ -23,7 +30,93 @@ def test_user_error_is_one_line_and_debug_reraises(capsys, monkeypatch):
     monkeypatch.delenv("PACKKIT_DEBUG", raising=False)
     assert cli.main(["plan", "--synthetic", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("packkit plan: error:") and "Traceback" not in err
+    assert err == "packkit plan: error: --synthetic must be at least 1 example, got 0\n"
     monkeypatch.setenv("PACKKIT_DEBUG", "1")
-    with pytest.raises(ValueError):
+    with pytest.raises(cli.UsageError):
         cli.main(["plan", "--synthetic", "0"])
+
+
+@pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
+def test_every_option_has_help_and_one_overflow_default(name):
+    """Issue 12: every option has help text; --overflow has one default across commands."""
+    parser = importlib.import_module(cli.SUBCOMMANDS[name][0]).parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and action.help.strip(), f"packkit {name}: {action.option_strings or action.dest} has no help"
+        if action.dest == "overflow":
+            assert action.default == cli.DEFAULT_OVERFLOW == "split"
+    assert "exit codes:" in parser.format_help()
+
+
+def test_library_wording_becomes_the_commands_options(capsys, monkeypatch):
+    """Issue 12: a library error that names arguments (overflow='split') reads in the CLI's syntax, through
+    one translation (each command's own flags; aliases where the library's name differs)."""
+    from packkit.cli import waste
+
+    def boom(*a, **k):
+        raise DataError("pass {fix}, or raise {w}; {other}", fix=arg("overflow", "split"), w=arg("window"),
+                        other=arg("not_an_option", 3))
+
+    monkeypatch.setattr(waste, "measure_waste", boom)
+    assert cli.main(["waste"]) == 3
+    assert capsys.readouterr().err == ("packkit waste: error: pass --overflow split, or raise --window; "
+                                       "not_an_option=3\n")
+    opts = cli.options_of(importlib.import_module("packkit.cli.pack").parser(), {"column": "columns"})
+    assert opts["column"] == ("--columns", True) and opts["overwrite"] == ("--overwrite", False)
+
+
+def test_missing_extra_says_what_to_install(capsys, monkeypatch):
+    """Issue 12: `packkit pack` without datasets said "No module named 'datasets'" and nothing more."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real(n, *a))
+    assert cli.main(["pack", "in.jsonl", "out.parquet", "-w", "8"]) == 3  # the input is checked first
+    capsys.readouterr()
+    assert cli.install_hint(ModuleNotFoundError("No module named 'datasets'", name="datasets")) == (
+        "No module named 'datasets': pip install 'packkit[datasets]'")
+    assert cli.install_hint(ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")).endswith(
+        "pip install 'packkit[plot]'")
+    assert cli.install_hint(ModuleNotFoundError("No module named 'zzz'", name="zzz")).endswith("pip install zzz")
+
+
+def test_missing_extra_exit_code_before_any_work(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"input_ids": [1, 2]}\n')
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real(n, *a))
+    assert cli.main(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "8"]) == 4
+    assert capsys.readouterr().err == ("packkit pack: error: No module named 'datasets': "
+                                       "pip install 'packkit[datasets]'\n")
+    assert not (tmp_path / "o.parquet").exists()
+
+
+@pytest.mark.parametrize("exc, code, text", [
+    (MemoryError("Unable to allocate 8.00 TiB"), 4,
+     "out of memory (Unable to allocate 8.00 TiB); free memory, or process a smaller input"),
+    (OSError(28, "No space left on device", "/data/out.parquet"), 4, "/data/out.parquet: No space left on device"),
+    (OSError("Corrupt snappy compressed data."), 3, "Corrupt snappy compressed data."),
+    (KeyError("no column 'x'"), 3, "no column 'x'"),
+    (ValueError("bad\nthing"), 3, "bad thing"),
+])
+def test_exit_codes_of_each_kind(capsys, monkeypatch, exc, code, text):
+    from packkit.cli import plan
+
+    def boom(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(plan, "plan_budget", boom)
+    assert cli.main(["plan", "--synthetic", "10"]) == code
+    assert capsys.readouterr().err == f"packkit plan: error: {text}\n"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    """A RuntimeError or an ImportError inside packkit is not the user's: it is re-raised (exit 1)."""
+    from packkit.cli import plan
+
+    for exc in (RuntimeError("internal"), ImportError("cannot import name 'x' from 'packkit.y'", name="packkit.y")):
+        def boom(*a, exc=exc, **k):
+            raise exc
+
+        monkeypatch.setattr(plan, "plan_budget", boom)
+        with pytest.raises(type(exc)):
+            cli.main(["plan", "--synthetic", "10"])

@@ -160,36 +160,62 @@ def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
     assert code == 0, err
     ds = datasets.Dataset.from_parquet(str(out))
     assert sum(len(r) for r in ds["input_ids"]) == sum(min(len(s.encode()), 4) for s in TEXTS)
-    assert "2 examples longer than the window truncated" in stdout
+    assert "--overflow truncate: 2 of 4 examples longer than the window truncated; 12 of 24 tokens cut (50.00%)" in stdout
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["waste", "{tmp}/missing.jsonl"], "does not exist"),
-    (["waste", "{tmp}/x.csv"], "unknown format"),
-    (["waste", "{tmp}/bad.parquet"], "cannot read"),
-    (["waste", "{tmp}/empty.jsonl"], "no examples"),
-    (["waste", "{tmp}/d.jsonl", "--column", "ids", "--text-column", "body"], "no column 'ids'"),
-    (["waste", "{tmp}/d.jsonl", "--window", "0"], "window must be at least 1"),
-    (["waste", "{tmp}/zero.npy"], "example 1 has length 0"),
-    (["waste", "{tmp}/t.jsonl", "--tokenizer", "{tmp}/nope.json"], "tokenizer"),
-    (["waste", "--plot", "{tmp}/w.jpg"], "PNG"),
-    (["waste", "{tmp}"], "not a dataset saved with save_to_disk"),
-    (["pack", "{tmp}/t.jsonl", "{tmp}/o.parquet", "-w", "8"], "pass --tokenizer"),
-    (["pack", "{tmp}/l.npy", "{tmp}/o.parquet", "-w", "8"], "lengths only"),
-    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "2"], "pass overflow="),
-    (["pack", "{tmp}/d.jsonl", "{tmp}/o.csv", "-w", "8"], "cannot write"),
-    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--columns", "input_ids,mask"], "'mask' is not in"),
-    (["pack", "{tmp}/saved_dict", "{tmp}/o.parquet", "-w", "8", "--split", "dev"], "no split 'dev'"),
+@pytest.mark.parametrize("argv, code, match", [
+    (["waste", "{tmp}/missing.jsonl"], 3, "does not exist"),
+    (["waste", "{tmp}/x.csv"], 3, "unknown format"),
+    (["waste", "{tmp}/bad.parquet"], 3, "cannot read"),
+    (["waste", "{tmp}/empty.jsonl"], 3, "no examples"),
+    (["waste", "{tmp}/d.jsonl", "--column", "ids", "--text-column", "body"], 3,
+     "no column 'ids' (token ids) or 'body' (text); the columns are ['input_ids', 'labels']: pass --column NAME "
+     "or --text-column NAME"),
+    (["waste", "{tmp}/d.jsonl", "--window", "0"], 2, "--window must be at least 1"),
+    (["waste", "{tmp}/zero.npy"], 3, "example 1 has length 0"),
+    (["waste", "{tmp}/t.jsonl", "--tokenizer", "{tmp}/nope.json"], 3, "tokenizer"),
+    (["waste", "--plot", "{tmp}/w.jpg"], 2, "--plot writes a PNG"),
+    (["waste", "{tmp}"], 3, "not a dataset saved with save_to_disk"),
+    (["waste", "--strategies", "bfd,best"], 2, "unknown strategies ['best']; choose from --strategies"),
+    (["waste", "--window", "x"], 2, "argument -w/--window: invalid int value: 'x' (see packkit waste --help)"),
+    (["pack", "{tmp}/t.jsonl", "{tmp}/o.parquet", "-w", "8"], 3, "pass --tokenizer tokenizer.json (or --tokenizer bytes)"),
+    (["pack", "{tmp}/l.npy", "{tmp}/o.parquet", "-w", "8"], 3, "lengths only"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "2", "--overflow", "error"], 3,
+     "example 0 (line 1 of '{tmp}/d.jsonl') has 3 tokens > --window 2 (and 2 more); pass --overflow split, "
+     "truncate or drop, or raise --window"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.csv", "-w", "8"], 2, "cannot write"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--columns", "input_ids,mask"], 3, "'mask' is not in"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--columns", "ids"], 3, "pass --columns NAME or "
+                                                                                   "--text-column NAME"),
+    (["pack", "{tmp}/saved_dict", "{tmp}/o.parquet", "-w", "8", "--split", "dev"], 3, "no split 'dev'"),
+    (["pack", "{tmp}/saved", "{tmp}/o.parquet", "-w", "8", "--split", "dev"], 3, "not a DatasetDict: drop --split"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--seed", "-1"], 2, "--seed must be a non-negative"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--num-proc", "0"], 2, "--num-proc must be a positive"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", str(2**40)], 2, "is above the largest window"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/d.jsonl", "-w", "8", "--overwrite"], 2, "is the input"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/no/such/o.parquet", "-w", "8"], 2, "does not exist; create it first"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/saved", "-w", "8"], 2, "exists; pass --overwrite to replace it"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/d.parquet", "-w", "8"], 2, "exists; pass --overwrite to replace it"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/saved.parquet", "-w", "8"], 2, "is a folder, and the output is a file"),
+    (["pack", "{tmp}/d.jsonl", "-w", "8"], 2, "the following arguments are required: output"),
+    (["plan", "--synthetic", "100", "-a", "0"], 2, "--accumulation-steps must be >= 1, got 0: "
+                                                  "--accumulation-steps 1 means no accumulation"),
+    (["plan", "--synthetic", "100", "-w", "8", "--padded"], 2, "not allowed with argument"),
+    (["plan"], 2, "give a lengths FILE or --synthetic N"),
 ])
-def test_bad_input_is_one_line_and_exit_2(files, tmp_path, capsys, argv, match):
+def test_bad_input_is_one_line_with_its_exit_code(files, tmp_path, capsys, argv, code, match):
+    """Issue 12: one line naming the option in the CLI's syntax, exit 2 for the command line, 3 for the input."""
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "saved.parquet").mkdir()
     np.save(tmp_path / "zero.npy", np.array([3, 0, 2]))
-    code, out, err = run([a.format(tmp=tmp_path) for a in argv], capsys)
+    before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    got, out, err = run([a.format(tmp=tmp_path) for a in argv], capsys)
     print(err)
-    assert code == 2
-    assert err.count("\n") == 1 and "Traceback" not in err and match in err
+    assert got == code
+    assert err.count("\n") == 1 and "Traceback" not in err and match.format(tmp=tmp_path) in err
+    assert {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before  # nothing written or changed
 
 
 def test_pack_command_turns_a_loss_mask_into_labels(tmp_path, capsys):
@@ -210,9 +236,10 @@ def test_pack_command_turns_a_loss_mask_into_labels(tmp_path, capsys):
 
 
 def test_pack_command_rejects_bad_label_values(tmp_path, capsys):
-    """Review 17 (CLI): a label of -5 is an error at pack time that names the example, one line, exit 2."""
+    """Review 17 (CLI): a label of -5 is an error at pack time that names the example and its line, one
+    line, exit 3 (data)."""
     src = tmp_path / "bad.jsonl"
     src.write_text("\n".join(json.dumps({"input_ids": x, "labels": y})
                              for x, y in [([1, 2], [1, 2]), ([3, 4], [-100, -5])]) + "\n")
     code, out, err = run(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "8"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "dataset row 1 has label -5" in err
+    assert code == 3 and err.count("\n") == 1 and "dataset row 1 (line 2 of" in err and "has label -5" in err

@@ -115,3 +115,55 @@ def test_quickstart_engine():
     assert plan.shuffled(seed=0).num_windows == plan.num_windows
     with pytest.raises(ValueError, match="pass overflow='split', 'truncate' or 'drop', or raise window"):
         pack(lengths, window=2048)
+
+
+def readme_block(heading: str, lang: str = "bash") -> list[str]:
+    """The lines of the first ``lang`` code block after ``heading`` in the README."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rest = text[text.index(heading):]
+    start = rest.index(f"```{lang}\n") + len(lang) + 4
+    return [line for line in rest[start: rest.index("```", start)].splitlines() if line.strip()]
+
+
+def test_command_line_lines_work_as_pasted(tmp_path):
+    """Issue 12: the README's `packkit plan` line failed as pasted on data longer than the window (plan
+    and pack defaulted to overflow=error, waste to truncate). Each line of the README's command-line
+    block runs here in a shell, as pasted, on data with examples longer than the window; each exits 0
+    and says what it did with them."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("matplotlib")
+    exe = Path(sys.executable).parent / "packkit"
+    if not exe.exists() or not shutil.which("bash"):
+        pytest.skip("the packkit command is not installed next to this interpreter")
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(5, 1500, 300), [5000, 9000]])
+    rows = [rng.integers(0, 1000, n).tolist() for n in lengths]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    pq.write_table(pa.table({"input_ids": rows}), tmp_path / "data.parquet")
+    np.save(tmp_path / "lengths.npy", lengths)
+    env = dict(os.environ, PATH=f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PACKKIT_DEBUG", None)
+    lines = readme_block("### 4. The command line")
+    assert [line.split()[:2] for line in lines] == [["packkit", "waste"], ["packkit", "waste"],
+                                                   ["packkit", "pack"], ["packkit", "plan"]]
+    for line in lines:
+        proc = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, (line, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        if " plan " in line:
+            assert "--overflow split: 2 of 302 examples longer than the window split" in proc.stdout
+        if " pack " in line:
+            assert json.loads(proc.stdout)["overflow_examples"] == 2
+    assert (tmp_path / "waste.png").read_bytes()[:4] == b"\x89PNG"
+    assert pq.read_table(tmp_path / "packed.parquet").num_rows > 0

@@ -1,64 +1,287 @@
 """The ``packkit`` command.
 
-Each subcommand is a module of this package exposing ``cli_main(argv) -> int`` over the library
-functions of the module that owns its subject; this file only dispatches, and turns the errors a user can fix into one line and a non-zero exit
-(never a traceback; ``PACKKIT_DEBUG=1`` re-raises them, for a bug report):
-
     packkit waste [FILE]          padding waste of each batching strategy (the main job)
     packkit pack IN OUT -w W      offline packing of a dataset
     packkit plan [FILE]           effective batch, tokens per step, steps per epoch, advice
+
+Each subcommand is a module of this package with ``parser() -> Parser`` and ``run(args) -> int`` over the
+library functions of the module that owns its subject. This file parses, dispatches, and turns every
+error a user can cause into one line on stderr and an exit code, never a traceback
+(``PACKKIT_DEBUG=1`` re-raises, for a bug report). Library messages name arguments through
+:func:`packkit.errors.arg`; they are rendered here with the command's own options (``--overflow split``,
+not ``overflow='split'``), for every message at once.
+
+Exit codes (also in ``packkit --help`` and the README):
+
+====  ======================================================================================
+0     success
+1     a bug in packkit: the traceback is printed, please report it
+2     usage: the command line is wrong (an unknown option, a bad value, an output that exists
+      without ``--overwrite``, is the input, or holds it, a missing output folder)
+3     data: the input cannot be read (missing, damaged, truncated) or holds an example packkit
+      refuses; the message names the file, and the row or line
+4     system: a missing optional package (the message says which extra to install), out of
+      memory, a full disk or another error of the operating system
+130   interrupted (Ctrl-C)
+141   the reader of the output went away (``packkit waste | head -1``): quietly, as a Unix tool
+      killed by SIGPIPE
+====  ======================================================================================
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
 import importlib
 import os
+import re
 import sys
+
+from ..errors import ArgumentError, DataError, OutputError, PackkitError
 
 SUBCOMMANDS = {
     "waste": ("packkit.cli.waste", "padding waste of each batching strategy, with a table and a plot"),
-    "pack": ("packkit.cli.pack", "pack a dataset offline into windows (jsonl, parquet, arrow, datasets folder)"),
+    "pack": ("packkit.cli.pack", "pack a dataset offline into windows (parquet, jsonl, arrow, datasets folder)"),
     "plan": ("packkit.cli.plan", "effective batch, tokens per step and steps per epoch, with advice"),
 }
 
-USAGE = "usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit COMMAND --help for more)\n\n" + "\n".join(
-    f"  {name:<7} {help_}" for name, (_, help_) in SUBCOMMANDS.items()
-)
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DATA, EXIT_SYSTEM = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+
+EXIT_CODES = """exit codes:
+  0    success
+  1    a bug in packkit (a traceback is printed: please report it)
+  2    usage: the command line is wrong (bad option or value, OUT exists or is IN)
+  3    data: the input cannot be read or holds an example packkit refuses
+  4    system: a missing optional package, out of memory, disk full
+  130  interrupted; 141 the output pipe was closed (quietly)"""
+
+USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit COMMAND --help for more)\n\n"
+         + "\n".join(f"  {name:<7} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+         + "\n\n" + EXIT_CODES)
+
+#: Default of ``--overflow`` for every command: ``split`` keeps every token (an example longer than the
+#: window continues in the next window) and each command says how many examples it split.
+DEFAULT_OVERFLOW = "split"
+OVERFLOW_HELP = ("examples longer than the window: split (default: every token kept, the example continues "
+                 "in the next window), truncate or drop (the tokens cut are counted and printed), error "
+                 "(refuse them)")
 
 
-class CLIError(Exception):
-    """An error the user can fix: printed as one line, exit code 2."""
+class UsageError(Exception):
+    """The command line is wrong: one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (and exit code 2), not a usage block and a line."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("epilog", EXIT_CODES)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def require(*modules: str) -> None:
+    """Raise ``ModuleNotFoundError`` for the first of ``modules`` that is not installed (before any work;
+    :func:`main` turns it into ``pip install 'packkit[EXTRA]'``)."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise ModuleNotFoundError(f"No module named {m!r}", name=m)
+
+
+@contextlib.contextmanager
+def rows_as_lines(path):
+    """Inside, an error that names ``example N`` or ``dataset row N`` of a JSON lines ``path`` also names the
+    line holding it: ``dataset row 149999 (line 150,001 of 'data.jsonl') has ...`` (blank lines hold no
+    example)."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as exc:
+        located = _with_line(exc, path)
+        if located is None:
+            raise
+        raise located from exc
+
+
+def _with_line(exc: BaseException, path) -> BaseException | None:
+    if path is None or not os.path.isfile(path) or os.path.splitext(str(path))[1].lower() not in (
+            ".jsonl", ".ndjson", ".json"):
+        return None
+    fields = exc.fields if isinstance(exc, PackkitError) else {}
+    text = exc.template if isinstance(exc, PackkitError) else str(exc.args[0] if exc.args else "")
+    # "example 12" / "dataset row 12" in the text, or "example {i}" in a template whose field i is 12
+    m = re.search(r"\b(?:example|dataset row) (?:(\d[\d,]*)|\{(\w+)(?::[^}]*)?\})(?! \(line)", text)
+    if not m:
+        return None
+    row = m.group(1).replace(",", "") if m.group(1) else fields.get(m.group(2))
+    if not isinstance(row, (int, str)) or not str(row).isdigit():
+        return None
+    with open(path, "rb") as f:
+        if f.read(1 << 12).lstrip()[:1] == b"[":  # one JSON list, not lines
+            return None
+    from ..io import line_of_row
+
+    line = line_of_row(path, int(row))
+    if line is None:
+        return None
+    where = f" (line {line:,} of {str(path)!r})"
+    if fields:
+        where = where.replace("{", "{{").replace("}", "}}")
+    located = text[:m.end()] + where + text[m.end():]
+    return type(exc)(located, **fields) if isinstance(exc, PackkitError) else DataError(located)
+
+
+def options_of(parser: argparse.ArgumentParser, aliases: dict | None = None) -> dict:
+    """``{argument name: (flag, takes_value)}`` of a parser's options, for ``packkit.errors.Arg.render``:
+    the library's ``window`` is ``--window``; ``aliases`` maps other library names to an option's dest."""
+    out = {}
+    for action in parser._actions:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if not longs or action.dest == "help":
+            continue
+        out[action.dest] = (longs[0], action.nargs != 0)
+    for name, dest in (aliases or {}).items():
+        if dest in out:
+            out[name] = out[dest]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# one line for every error
+# ----------------------------------------------------------------------------------------------
+
+_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
+                  errno.EACCES, errno.EPERM}
+
+
+def install_hint(exc: ImportError) -> str:
+    """``No module named 'datasets'`` -> ``...: pip install 'packkit[datasets]'`` (the extra that holds the
+    module, from packkit's own metadata), unless the message already says what to install."""
+    text = str(exc)
+    if "pip install" in text:
+        return text
+    module = (getattr(exc, "name", None) or "").split(".")[0]
+    if not module:
+        return text
+    extra = _extra_for(module)
+    return f"{text}: pip install " + (f"'packkit[{extra}]'" if extra else module.replace("_", "-"))
+
+
+def _extra_for(module: str) -> str | None:
+    """The smallest user extra of packkit that installs ``module`` (``test`` and ``bench`` last)."""
+    try:
+        from importlib.metadata import requires
+        reqs = requires("packkit") or []
+    except Exception:  # not installed as a distribution (a source tree on sys.path)
+        return None
+    want = module.lower().replace("-", "_")
+    found: dict[str, int] = {}
+    for req in reqs:
+        m = re.match(r"\s*([A-Za-z0-9_.\-]+).*extra\s*==\s*['\"]([^'\"]+)['\"]", req)
+        if m and m.group(1).lower().replace("-", "_") == want:
+            extra = m.group(2)
+            found[extra] = sum(1 for r in reqs if re.search(r"extra\s*==\s*['\"]%s['\"]" % re.escape(extra), r))
+    if not found:
+        return None
+    return min(found, key=lambda e: (e in ("test", "bench"), e != want, found[e], e))
+
+
+def classify(exc: BaseException, options: dict | None = None) -> tuple[int, str] | None:
+    """``(exit code, one-line message)`` for an error a user can cause; None for a bug (re-raised)."""
+    if isinstance(exc, UsageError):
+        return EXIT_USAGE, str(exc)
+    if isinstance(exc, PackkitError):
+        code = EXIT_USAGE if isinstance(exc, (ArgumentError, OutputError)) else EXIT_DATA
+        return code, exc.render(options)
+    if isinstance(exc, MemoryError):
+        detail = str(exc) or "an allocation failed"
+        return EXIT_SYSTEM, f"out of memory ({detail}); free memory, or process a smaller input"
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] not in ("", "packkit"):
+        return EXIT_SYSTEM, install_hint(exc)  # an ImportError inside packkit is a bug: re-raised
+    if isinstance(exc, OSError):
+        text = str(exc)
+        if exc.errno is not None and exc.strerror and exc.filename is not None:
+            text = f"{exc.filename!s}: {exc.strerror}"
+        if exc.errno in _SYSTEM_ERRNOS:
+            return EXIT_SYSTEM, text
+        if isinstance(exc, FileExistsError):
+            return EXIT_USAGE, text
+        return EXIT_DATA, text
+    if isinstance(exc, KeyError):
+        return EXIT_DATA, str(exc.args[0]) if exc.args else "missing key"
+    if isinstance(exc, (ValueError, TypeError)) or type(exc).__module__.startswith("pyarrow"):
+        return EXIT_DATA, str(exc)
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split()) or "error"
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so that the flush at exit cannot fail again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured in tests)
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print(USAGE, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0
+        return EXIT_OK
     if argv[0] in ("-V", "--version"):
         from .. import __version__
 
         print(f"packkit {__version__}")
-        return 0
+        return EXIT_OK
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"packkit: error: unknown command {name!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+        return EXIT_USAGE
+    options = None
     try:
-        return int(module.cli_main(rest) or 0)
-    except (CLIError, ValueError, TypeError, KeyError, FileNotFoundError, IsADirectoryError,
-            PermissionError, ImportError) as exc:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
+        parser = module.parser()
+        options = options_of(parser, getattr(module, "ALIASES", None))
+        args = parser.parse_args(rest)
+        code = int(module.run(args, options) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
+        return code
+    except SystemExit:  # --help, --version of argparse
+        raise
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
         if os.environ.get("PACKKIT_DEBUG"):
             raise
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"packkit {name}: error: {message}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        print(f"packkit {name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if os.environ.get("PACKKIT_DEBUG"):
+            raise
+        verdict = classify(exc, options)
+        if verdict is None:
+            raise
+        code, message = verdict
+        try:
+            print(f"packkit {name}: error: {_one_line(message)}", file=sys.stderr)
+        except BrokenPipeError:
+            pass
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

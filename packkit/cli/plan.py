@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import warnings
 
-from ..binpack import OVERFLOW_POLICIES, STRATEGIES
+from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
+from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
 from ..budget import BudgetWarning, plan_budget, read_lengths_and_loss, synthetic_sft_lengths
 from ._chat import add_tokenizer_arguments, chat_options
 
+#: The library's argument names that this command spells otherwise.
+ALIASES = {"target_tokens_per_step": "target_tokens"}
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+
+def parser() -> Parser:
+    p = Parser(
         prog="packkit plan",
         description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.",
     )
@@ -28,34 +30,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
     p.add_argument("-b", "--per-device-batch", type=int, default=1,
                    help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
-    p.add_argument("-a", "--accumulation-steps", type=int, default=1)
-    p.add_argument("-d", "--devices", type=int, default=1)
+    p.add_argument("-a", "--accumulation-steps", type=int, default=1,
+                   help="micro-batches accumulated per optimiser step (default 1)")
+    p.add_argument("-d", "--devices", type=int, default=1, help="data-parallel devices (default 1)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("-w", "--window", type=int, help="pack into windows of W tokens (default 2048)")
     g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
-    p.add_argument("--strategy", default="bfd", choices=STRATEGIES)
-    p.add_argument("--overflow", default="error", choices=OVERFLOW_POLICIES)
-    p.add_argument("--lora", action="store_true", help="an adapter (LoRA) run")
+    p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
+                   help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
+    p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
+    p.add_argument("--lora", action="store_true", help="an adapter (LoRA) run: adds the large-batch advice")
     p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
-    p.add_argument("--drop-last", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drop-last", action="store_true", help="leave out the last partial step")
+    p.add_argument("--seed", type=int, default=0, help="seed of the window order and synthetic data (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     return p
 
 
-def cli_main(argv=None) -> int:
+def run(args, options=None) -> int:
     """``packkit plan [FILE | --synthetic N] -b B -a A -d D [-w W | --padded] [--lora] [--target-tokens T]``."""
-    args = _parser().parse_args(argv)
+    # -- checks that cost nothing, before anything is read --
     if (args.file is None) == (args.synthetic is None):
-        raise ValueError("give a lengths FILE or --synthetic N (one of them)")
+        raise UsageError("give a lengths FILE or --synthetic N (one of them; see packkit plan --help)")
+    window = None if args.padded else (2048 if args.window is None else check_window(args.window))
+    check_seed(args.seed)
     if args.synthetic is not None:
+        if args.synthetic < 1:
+            raise UsageError(f"--synthetic must be at least 1 example, got {args.synthetic}")
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
     else:
-        lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
-                                              tokenizer=args.tokenizer, split=args.split,
-                                              chat=chat_options(args))
-    window = None if args.padded else (2048 if args.window is None else args.window)
-    with warnings.catch_warnings():
+        with rows_as_lines(args.file):
+            lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
+                                                  tokenizer=args.tokenizer, split=args.split,
+                                                  chat=chat_options(args))
+    with warnings.catch_warnings(), rows_as_lines(args.file):
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
         report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,
                              accumulation_steps=args.accumulation_steps, devices=args.devices, window=window,
@@ -64,6 +72,5 @@ def cli_main(argv=None) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        print(report.table())
-    sys.stdout.flush()
+        print(report.table(options=options))
     return 0

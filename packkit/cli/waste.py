@@ -2,66 +2,83 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from ..binpack import OVERFLOW_POLICIES
+from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
+from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
+from ..errors import ArgumentError, arg
 from ..waste import WASTE_STRATEGIES, format_table, measure_waste, plot_waste
 from ._chat import add_tokenizer_arguments, chat_options
 
 
-def cli_main(argv=None) -> int:
-    """``packkit waste [FILE]``: the table (or ``--json``) and optionally ``--plot PNG``."""
-    parser = argparse.ArgumentParser(
+def parser() -> Parser:
+    p = Parser(
         prog="packkit waste",
         description="Padding waste of each batching strategy on your data (the bundled sample without FILE).",
     )
-    parser.add_argument("input", nargs="?", default=None,
-                        help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a line), or "
-                             ".npy of lengths; omitted: the bundled sample")
-    parser.add_argument("-w", "--window", type=int, default=2048, help="tokens per window (default 2048)")
-    parser.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
-    parser.add_argument("--windows-per-step", type=int, default=None,
-                        help="windows per packed step (default: the batch size)")
-    parser.add_argument("--overflow", default="truncate", choices=OVERFLOW_POLICIES,
-                        help="examples longer than the window (default: truncate)")
-    parser.add_argument("--buffer-size", type=int, default=1000, help="examples held by the streaming packer")
-    parser.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
-                        help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
-    parser.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
-    add_tokenizer_arguments(parser, default="bytes")
-    parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="write the length histogram and fill plot")
-    parser.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
+    p.add_argument("input", nargs="?", default=None,
+                   help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a line), or "
+                        ".npy of lengths; omitted: the bundled sample")
+    p.add_argument("-w", "--window", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
+    p.add_argument("--windows-per-step", type=int, default=None,
+                   help="windows per packed step (default: the batch size)")
+    p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
+    p.add_argument("--buffer-size", type=int, default=1000,
+                   help="examples held by the streaming packer (default 1000)")
+    p.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
+                   help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random batches and orders (default 0)")
+    p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
+    p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
+    add_tokenizer_arguments(p, default="bytes")
+    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write the length histogram and fill plot to PNG (its folder must exist)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --plot PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return p
 
+
+def run(args, options=None) -> int:
+    """``packkit waste [FILE]``: the table (or ``--json``) and optionally ``--plot PNG``."""
+    # -- checks that cost nothing, before anything is read --
+    check_window(args.window)
+    check_seed(args.seed)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
+    if unknown or not strategies:
+        raise ArgumentError("unknown strategies {bad}; choose from {choices}", bad=unknown,
+                            choices=arg("strategies", ",".join(WASTE_STRATEGIES)))
+    if args.plot:
+        if not args.plot.lower().endswith(".png"):
+            raise ArgumentError("{plot} writes a PNG: give a file name ending in .png, got {got!r}",
+                                plot=arg("plot"), got=args.plot)
+        from ..fileio import check_output
+
+        check_output(args.plot, inputs=[args.input] if args.input else [], overwrite=args.overwrite)
+        require("matplotlib")
     from ..io import read_lengths
 
-    data = read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
-                        split=args.split, progress=not args.quiet and not args.json, chat=chat_options(args))
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if args.plot and not args.plot.lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG: give a file name ending in .png, got {args.plot!r}")
-    report = measure_waste(
-        data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
-        overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
-        source=data.source, unit=data.unit, progress=None if not args.quiet else False,
-        loss_lengths=data.loss_lengths)
+    with rows_as_lines(args.input):
+        data = read_lengths(args.input, column=args.column, text_column=args.text_column,
+                            tokenizer=args.tokenizer, split=args.split, progress=not args.quiet and not args.json,
+                            chat=chat_options(args))
+        report = measure_waste(
+            data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
+            overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
+            source=data.source, unit=data.unit, progress=None if not args.quiet else False,
+            loss_lengths=data.loss_lengths)
     if args.plot:
-        try:
-            plot_waste(report, args.plot)
-        except ImportError:
-            raise ImportError("--plot needs matplotlib: pip install 'packkit[plot]'") from None
+        plot_waste(report, args.plot, overwrite=args.overwrite)
     if args.json:
         out = report.to_dict()
         if args.plot:
             out["plot"] = args.plot
         print(json.dumps(out))
     else:
-        print(format_table(report))
+        print(format_table(report, options=options))
         if args.plot:
             print(f"\nwrote {args.plot}")
     return 0
