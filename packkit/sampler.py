@@ -63,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import numbers
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -352,8 +353,9 @@ class _BatchSampler:
     def _config(self) -> dict:
         return {"drop_last": self.drop_last, "balance": self.balance, "shuffle": self.shuffle}
 
-    def _built(self, epoch: int) -> _Epoch:
-        key = (self.seed, epoch)
+    def _built(self, epoch: int, *, seed: int | None = None) -> _Epoch:
+        """The global epoch for ``(seed, epoch)`` (``seed``: this sampler's by default), cached."""
+        key = (self.seed if seed is None else seed, epoch)
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, self._build(np.random.default_rng(key), epoch))
         return self._cache[1]
@@ -444,30 +446,50 @@ class _BatchSampler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore seed, epoch and position: the next pass yields exactly the batches not yet yielded."""
+        """Restore seed, epoch and position: the next pass yields exactly the batches not yet yielded.
+
+        Every field is checked before anything is assigned, so a state that does not fit this sampler
+        leaves it as it was; the error names the field (``sampler state field 'epoch': ...``).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"sampler state must be the dict state_dict() returned, got {type(state).__name__}")
         missing = [k for k in ("sampler", "epoch", "seed", "batches_yielded", "world_size", "fingerprint")
                    if k not in state]
         if missing:
             raise KeyError(f"sampler state lacks {', '.join(missing)}: pass what state_dict() returned")
+
+        def field_error(name: str, why: str, exc=ValueError):
+            return exc(f"sampler state field {name!r}: {why}")
+
         if state["sampler"] != type(self).__name__:
-            raise ValueError(f"state is from a {state['sampler']}, this is a {type(self).__name__}")
+            raise field_error("sampler", f"the state is from a {state['sampler']}, this is a {type(self).__name__}")
         if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"state was saved with world_size={state['world_size']}, this run has {self.world_size}: "
-                "the batches of a step depend on the world size; resume with the same number of ranks "
-                "or start the epoch over"
-            )
+            raise field_error(
+                "world_size", f"the state was saved with world_size={state['world_size']}, this run has "
+                f"{self.world_size}: the batches of a step depend on the world size; resume with the same "
+                "number of ranks or start the epoch over")
         if state["fingerprint"] != self._fingerprint():
-            raise ValueError(
-                "state was saved for other lengths or options (batch size, window, policy): "
-                "build the sampler with the same dataset and arguments before loading"
-            )
-        self.seed = _seed(state["seed"])
-        self._epoch_num = int(state["epoch"])
-        done = int(state["batches_yielded"])
-        if not 0 <= done <= self.batches_per_epoch:
-            raise ValueError(f"batches_yielded={done} is outside [0, {self.batches_per_epoch}]")
-        self._start = self._yielded = done
+            raise field_error(
+                "fingerprint", "the state was saved for other lengths or options (batch size, window, policy): "
+                "build the sampler with the same dataset and arguments before loading")
+        try:
+            seed = _seed(state["seed"])
+        except (TypeError, ValueError) as exc:
+            raise field_error("seed", str(exc), type(exc)) from None
+        epoch = state["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise field_error("epoch", f"must be a non-negative integer, got {epoch!r}",
+                              ValueError if isinstance(epoch, numbers.Integral) else TypeError)
+        done = state["batches_yielded"]
+        if isinstance(done, bool) or not isinstance(done, numbers.Integral):
+            raise field_error("batches_yielded", f"must be an integer, got {done!r}", TypeError)
+        steps = self._built(int(epoch), seed=seed).steps  # the epoch the state describes; nothing assigned yet
+        if not 0 <= done <= steps:
+            raise field_error("batches_yielded", f"{int(done)} is outside [0, {steps}], the batches of epoch "
+                              f"{int(epoch)}")
+        # -- every field checked: assign --
+        self.seed, self._epoch_num = seed, int(epoch)
+        self._start = self._yielded = int(done)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())

@@ -303,6 +303,39 @@ def test_load_state_dict_refuses_a_different_setup():
         LengthGroupedSampler(lengths, batch_size=4).load_state_dict({"sampler": "LengthGroupedSampler"})
 
 
+@pytest.mark.parametrize("field, value, exc, match", [
+    ("epoch", -3, ValueError, "field 'epoch': must be a non-negative integer, got -3"),
+    ("epoch", 1.5, TypeError, "field 'epoch': must be a non-negative integer, got 1.5"),
+    ("seed", -1, ValueError, "field 'seed': seed must be a non-negative integer, got -1"),
+    ("seed", "7", TypeError, "field 'seed'"),
+    ("batches_yielded", 10_000, ValueError, r"field 'batches_yielded': 10000 is outside \[0, "),
+    ("batches_yielded", -1, ValueError, "field 'batches_yielded'"),
+    ("batches_yielded", None, TypeError, "field 'batches_yielded': must be an integer"),
+    ("world_size", 3, ValueError, "field 'world_size'"),
+    ("fingerprint", "0" * 40, ValueError, "field 'fingerprint'"),
+    ("sampler", "PackedBatchSampler", ValueError, "field 'sampler'"),
+])
+def test_failed_load_leaves_the_sampler_as_it_was(field, value, exc, match):
+    """Issue 12: load_state_dict assigned epoch -3 before checking it, so a failed load left a sampler
+    that then raised on iteration, and the message named no field. Every field is checked first now."""
+    lengths = list(range(1, 81))
+    s = LengthGroupedSampler(lengths, batch_size=4, seed=5)
+    s.set_epoch(2)
+    it = iter(s)
+    next(it)
+    before = (s.seed, s.epoch, len(s), s.state_dict())
+    good = LengthGroupedSampler(lengths, batch_size=4, seed=9).state_dict()
+    with pytest.raises(exc, match=match):
+        s.load_state_dict({**good, field: value})
+    assert (s.seed, s.epoch, len(s), s.state_dict()) == before
+    rest = list(it)  # the pass in progress goes on untouched
+    assert len(rest) == s.batches_per_epoch - 1
+    s.load_state_dict(good)  # and a good state still loads
+    assert s.seed == 9 and s.epoch == 0
+    with pytest.raises(TypeError, match="must be the dict state_dict"):
+        s.load_state_dict([("epoch", 1)])
+
+
 # ----------------------------------------------------------------------------------------------
 # options
 # ----------------------------------------------------------------------------------------------
