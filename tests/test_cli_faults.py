@@ -1,0 +1,349 @@
+"""Fault injection on the real `packkit` command (issue 12), each case a subprocess as a user runs it.
+
+- SIGKILL at random moments of `packkit pack` in every output format: the target is absent or
+  complete, and a previous target is byte-identical;
+- OUT that is IN (the same path, a hard link, a symbolic link), a folder holding IN, an existing OUT,
+  an existing plain file where a folder is written, a missing folder;
+- input damaged: parquet corrupted in the middle and in the footer, a truncated Arrow stream, a jsonl
+  with a bad line deep in a large file (named by its line);
+- a window of 2**40 (and 2**31, which the OOM killer used to take), a broken pipe.
+
+Every case asserts the exit code, at most one line on stderr and no traceback, and that every input
+is byte-identical afterwards. A line ``fault-injection: N cases tried, N passed`` is printed at the end
+(run with ``-s`` to see it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+datasets = pytest.importorskip("datasets")
+
+from packkit.fileio import TMP_MARK  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXE = Path(sys.executable).parent / "packkit"
+TALLY = {"tried": 0, "passed": 0}
+
+
+def packkit_argv(*args) -> list[str]:
+    return ([str(EXE)] if EXE.exists() else [sys.executable, "-m", "packkit.cli"]) + [str(a) for a in args]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.pop("PACKKIT_DEBUG", None)
+    e.pop("PACKKIT_MAX_WINDOW", None)
+    e["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    return e
+
+
+def digest(path: Path) -> str:
+    """A hash of a file, or of a folder's files (names and bytes)."""
+    h = hashlib.sha256()
+    if path.is_dir():
+        for p in sorted(path.rglob("*")):
+            if p.is_file():
+                h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes())
+    else:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    print(f"\nfault-injection: {TALLY['tried']} cases tried, {TALLY['passed']} passed")
+
+
+class Case:
+    """Counts a case as tried on entry and as passed when its block ends without an error."""
+
+    def __enter__(self):
+        TALLY["tried"] += 1
+        return self
+
+    def __exit__(self, kind, *rest):
+        if kind is None:
+            TALLY["passed"] += 1
+        return False
+
+
+def run_refused(argv, code: int, match: str, inputs, cwd=None):
+    """Run packkit; assert the exit code, one stderr line containing ``match`` with no traceback, and
+    inputs unchanged."""
+    before = {p: digest(p) for p in inputs}
+    proc = subprocess.run(packkit_argv(*argv), capture_output=True, text=True, env=env(), cwd=cwd, timeout=300)
+    assert proc.returncode == code, (argv, proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert match in proc.stderr, proc.stderr
+    assert {p: digest(p) for p in inputs} == before
+    return proc
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A parquet of 20,000 examples (about 2M tokens), its Arrow stream and damaged copies, and jsonl
+    files of 160,000 lines with a bad line at 150,001."""
+    root = tmp_path_factory.mktemp("faults")
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(8, 200, 20_000)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    values = pa.array(rng.integers(0, 50_000, int(offsets[-1])).astype(np.int32))
+    table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), values)})
+    paths = {"parquet": root / "in.parquet", "arrow": root / "in.arrow"}
+    pq.write_table(table, paths["parquet"], row_group_size=5_000)
+    with pa.ipc.new_stream(str(paths["arrow"]), table.schema) as w:
+        w.write_table(table, max_chunksize=5_000)
+    # parquet damaged in the middle: the page header of the third row group's column chunk overwritten
+    raw = bytearray(paths["parquet"].read_bytes())
+    at = pq.ParquetFile(paths["parquet"]).metadata.row_group(2).column(0).data_page_offset
+    raw[at: at + 64] = b"\xff" * 64
+    paths["mid.parquet"] = root / "mid.parquet"
+    paths["mid.parquet"].write_bytes(bytes(raw))
+    # ... and in the footer (the file metadata before the last 8 bytes)
+    raw = paths["parquet"].read_bytes()
+    paths["footer.parquet"] = root / "footer.parquet"
+    paths["footer.parquet"].write_bytes(raw[:-40] + b"\xff" * 32 + raw[-8:])
+    stream = paths["arrow"].read_bytes()
+    paths["trunc.arrow"] = root / "trunc.arrow"
+    paths["trunc.arrow"].write_bytes(stream[: int(len(stream) * 0.6)])
+    lines = [f'{{"input_ids": [{i % 997}, 2, 3, {i % 13}, 5]}}' for i in range(160_000)]
+    for name, bad in (("jsonl", '{"input_ids": [1, 2,'),  # line 150,001 cut short
+                      ("kind.jsonl", '{"input_ids": "a text where token ids belong"}'),
+                      ("neg.jsonl", '{"input_ids": [3, -7, 4]}')):
+        lines[150_000] = bad
+        paths[name] = root / ("deep.jsonl" if name == "jsonl" else name)
+        paths[name].write_text("\n".join(lines) + "\n")
+    paths["sigkill"] = root / "sigkill.parquet"  # 5,000 examples: each killed run costs little
+    pq.write_table(table.slice(0, 5_000), paths["sigkill"])
+    paths["small"] = root / "small.jsonl"
+    paths["small"].write_text("".join(json.dumps({"input_ids": [1, 2, 3][: 1 + i % 3]}) + "\n" for i in range(40)))
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# SIGKILL during real writes
+# ----------------------------------------------------------------------------------------------
+
+FORMATS = {"parquet": "out.parquet", "jsonl": "out.jsonl", "arrow": "out.arrow", "folder": "out"}
+
+
+def read_output(path: Path, fmt: str):
+    """The packed rows of a complete output (raises on a partial one)."""
+    if fmt == "parquet":
+        return pq.read_table(path).column("input_ids").to_pylist()
+    if fmt == "jsonl":
+        return [json.loads(line)["input_ids"] for line in path.read_text().splitlines()]
+    if fmt == "arrow":
+        return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("input_ids").to_pylist()
+    return datasets.load_from_disk(str(path))["input_ids"]
+
+
+def temp_beside(target: Path) -> bool:
+    return any(TMP_MARK in p.name and p.name.startswith(f".{target.name}") for p in target.parent.iterdir())
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_sigkill_at_random_moments_of_pack(tmp_path, data, fmt):
+    """`packkit pack IN OUT --overwrite` killed with SIGKILL at random moments (most during the write,
+    timed from the moment its temporary file appears): OUT is the previous complete output byte for
+    byte, or the new complete output, or (with no previous output) absent. IN is never touched."""
+    src = data["sigkill"]
+    src_digest = digest(src)
+    out = tmp_path / FORMATS[fmt]
+    argv = ("pack", src, out, "-w", "2048", "-q", "--overwrite")
+    # the new output, from an uninterrupted run, and how long its temporary file lives (the write,
+    # fsync and rename; the interpreter's exit comes after)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(packkit_argv(*argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
+    first = last = None
+    while proc.poll() is None:
+        if temp_beside(out):
+            first = first or time.monotonic()
+            last = time.monotonic()
+        time.sleep(0.002)
+    end = time.monotonic()
+    assert proc.returncode == 0, proc.stderr.read()
+    new_rows = read_output(out, fmt)
+    write_time = (last - first) if first else 0.05
+    # the previous output: any complete content other than the new one
+    old = tmp_path / "previous"
+    if fmt == "folder":
+        old.mkdir()
+        (old / "data-00000-of-00001.arrow").write_bytes(b"previous complete folder")
+    else:
+        old.write_bytes(b"previous complete " + fmt.encode())
+    rng = random.Random(f"{fmt}-{os.getpid()}")
+    outcomes = {"absent": 0, "old": 0, "new": 0}
+    for trial in range(3):
+        with Case():
+            if out.is_dir():
+                shutil.rmtree(out)
+            elif out.exists():
+                out.unlink()
+            fresh = trial == 0  # the first kill has no previous output: absent or complete
+            if not fresh:
+                (shutil.copytree if fmt == "folder" else shutil.copyfile)(old, out)
+            old_digest = None if fresh else digest(out)
+            proc = subprocess.Popen(packkit_argv(*argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env=env())
+            if trial == 2:  # a kill at a uniformly random moment of the whole run
+                time.sleep(rng.uniform(0, end - t0))
+            else:  # a kill while the temporary file is being written
+                deadline = time.monotonic() + 300
+                while not temp_beside(out) and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                time.sleep(rng.uniform(0, write_time))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            if not out.exists():
+                assert fresh, f"trial {trial}: the previous {fmt} output is gone"
+                outcomes["absent"] += 1
+            elif old_digest is not None and digest(out) == old_digest:
+                outcomes["old"] += 1
+            else:
+                assert read_output(out, fmt) == new_rows, f"trial {trial}: {fmt} output is neither old nor new"
+                outcomes["new"] += 1
+            assert digest(src) == src_digest
+    print(f"{fmt}: temporary file for {write_time:.2f} s, run {end - t0:.1f} s, outcomes {outcomes}")
+
+
+# ----------------------------------------------------------------------------------------------
+# refusals: nothing of the user's is destroyed
+# ----------------------------------------------------------------------------------------------
+
+
+def test_output_that_is_the_input_is_refused(tmp_path, data):
+    """`ln a.parquet b.parquet; packkit pack a.parquet b.parquet` used to overwrite a.parquet."""
+    src = tmp_path / "a.parquet"
+    shutil.copyfile(data["parquet"], src)
+    hard, soft = tmp_path / "b.parquet", tmp_path / "c.parquet"
+    os.link(src, hard)
+    soft.symlink_to(src)
+    for out in (src, hard, soft):
+        with Case():
+            run_refused(("pack", src, out, "-w", "64", "--overwrite"), 2, "is the input", [src])
+
+
+def test_folder_holding_the_input_is_refused(tmp_path, data):
+    """`packkit pack ds/data-00000-of-00001.arrow ds` used to overwrite the source dataset."""
+    ds = tmp_path / "ds"
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]}).save_to_disk(str(ds))
+    arrow = next(ds.glob("*.arrow"))
+    for argv, match in (((arrow, ds, "-w", "128", "--overwrite"), "is a folder that holds the input"),
+                        ((ds, ds, "-w", "128", "--overwrite"), "is the input"),
+                        ((arrow, ds, "-w", "128"), "is a folder that holds the input")):
+        with Case():
+            run_refused(("pack",) + argv, 2, match, [ds])
+
+
+def test_existing_output_is_refused_without_overwrite(tmp_path, data):
+    src = data["small"]
+    for name in ("o.parquet", "o.jsonl", "o.arrow", "o"):
+        with Case():
+            out = tmp_path / name
+            if name == "o":
+                out.mkdir()
+                (out / "state.json").write_text("{}")
+            else:
+                out.write_bytes(b"an earlier output")
+            run_refused(("pack", src, out, "-w", "8"), 2, "exists; pass --overwrite to replace it", [src, out])
+    with Case():  # a plain file where a folder would be written, even with --overwrite
+        plain = tmp_path / "plain"
+        plain.write_bytes(b"user data")
+        run_refused(("pack", src, plain, "-w", "8", "--overwrite"), 2, "is a file, and the output is a folder",
+                    [src, plain])
+    with Case():  # --plot too
+        png = tmp_path / "w.png"
+        png.write_bytes(b"user picture")
+        run_refused(("waste", src, "--plot", png), 2, "exists; pass --overwrite to replace it", [src, png])
+    with Case():  # a missing folder is not created
+        run_refused(("pack", src, tmp_path / "nowhere" / "o.parquet", "-w", "8"), 2,
+                    "does not exist; create it first (mkdir -p", [src])
+        assert not (tmp_path / "nowhere").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# damaged input, huge windows, a closed pipe
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", ["waste", "pack"])
+@pytest.mark.parametrize("name, match", [
+    ("mid.parquet", "as Parquet (damaged, truncated, or not Parquet)"),
+    ("footer.parquet", "as Parquet (damaged, truncated, or not Parquet)"),
+    ("trunc.arrow", "as an Arrow IPC file or stream (damaged, truncated, or not Arrow)"),
+    ("jsonl", "line 150,001: not valid JSON"),
+    ("kind.jsonl", "line 150,001: 'input_ids' holds text, but a list of numbers on line 1"),
+])
+def test_damaged_input_is_one_line_naming_it(tmp_path, data, cmd, name, match):
+    with Case():
+        src = data[name]
+        argv = ("waste", src) if cmd == "waste" else ("pack", src, tmp_path / "o.parquet", "-w", "256")
+        proc = run_refused(argv, 3, match, [src])
+        assert src.name in proc.stderr
+        assert not (tmp_path / "o.parquet").exists() and not list(tmp_path.iterdir())
+
+
+def test_bad_row_deep_in_a_jsonl_names_its_line(tmp_path, data):
+    """A row refused after reading (a negative token id) names the example and the file's line."""
+    with Case():
+        run_refused(("pack", data["neg.jsonl"], tmp_path / "o.parquet", "-w", "64"), 3,
+                    f"example 150000 (line 150,001 of '{data['neg.jsonl']}') has a negative token id",
+                    [data["neg.jsonl"]])
+
+
+@pytest.mark.parametrize("argv", [
+    ("waste", "-w", str(2**40)),
+    ("waste", "-w", str(2**31)),
+    ("plan", "--synthetic", "100", "-w", str(2**40)),
+    ("pack", "{small}", "{tmp}/o.parquet", "-w", str(2**40)),
+])
+def test_window_far_too_large_is_refused_before_any_allocation(tmp_path, data, argv):
+    """`-w 1099511627776` tried to allocate 8 TiB and `waste -w 2147483648` was OOM-killed; now a usage
+    error with the reason, under a 4 GiB address-space limit to show that nothing large is allocated."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    with Case():
+        argv = [a.format(small=data["small"], tmp=tmp_path) for a in argv]
+        proc = subprocess.run(packkit_argv(*argv), capture_output=True, text=True, env=env(), preexec_fn=limit,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+        assert "--window" in proc.stderr and "is above the largest window packkit accepts, 16,777,216" in proc.stderr
+        assert not (tmp_path / "o.parquet").exists()
+
+
+@pytest.mark.parametrize("argv", [("waste",), ("waste", "--json"), ("plan", "--synthetic", "1000")])
+def test_broken_pipe_exits_quietly(argv):
+    """`packkit waste | head -1` could print a BrokenPipeError traceback. The reader here goes away
+    before packkit writes (`| true`): exit 141, as a Unix tool killed by SIGPIPE, and nothing on stderr."""
+    with Case():
+        line = " ".join(packkit_argv(*argv)) + " | true; echo \"rc=${PIPESTATUS[0]}\""
+        proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env(), timeout=120)
+        assert proc.stdout.strip() == "rc=141", (proc.stdout, proc.stderr)
+        assert proc.stderr == ""
