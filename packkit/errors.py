@@ -62,9 +62,12 @@ class Arg:
             return self.name
         return f"{self.name}=" + self._alternatives([repr(v) for v in self.values])
 
-    def option(self, flag: str, takes_value: bool = True) -> str:
-        """``--window``, ``--window 8192``, ``--overflow split, truncate or drop``; a switch is its flag."""
-        if not takes_value or (self.metavar is None and not self.values):
+    def option(self, flag: str, takes_value: bool = True, negative: str | None = None) -> str:
+        """``--window``, ``--window 8192``, ``--overflow split, truncate or drop``; a switch is its flag
+        (its ``negative`` flag, ``--no-x``, for a False value)."""
+        if not takes_value:
+            return negative if negative and self.values and self.values[0] is False else flag
+        if self.metavar is None and not self.values:
             return flag
         if self.metavar is not None:
             return f"{flag} {self.metavar}"
@@ -72,10 +75,10 @@ class Arg:
         return f"{flag} " + self._alternatives(words)
 
     def render(self, options=None) -> str:
-        """In option syntax when ``options`` (name -> ``(flag, takes_value)``) knows this argument."""
+        """In option syntax when ``options`` (name -> ``(flag, takes_value[, negative flag])``) knows this
+        argument."""
         if options and self.name in options:
-            flag, takes_value = options[self.name]
-            return self.option(flag, takes_value)
+            return self.option(*options[self.name])
         return self.python()
 
 

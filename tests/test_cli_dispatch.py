@@ -120,3 +120,11 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         monkeypatch.setattr(plan, "plan_budget", boom)
         with pytest.raises(type(exc)):
             cli.main(["plan", "--synthetic", "10"])
+
+
+def test_switches_render_as_their_flags():
+    opts = cli.options_of(importlib.import_module("packkit.cli.waste").parser())
+    assert arg("assistant_only_loss", False).render(opts) == "--no-assistant-only-loss"
+    assert arg("assistant_only_loss", True).render(opts) == "--assistant-only-loss"
+    assert arg("overwrite", True).render(opts) == "--overwrite"
+    assert arg("assistant_only_loss", False).render(None) == "assistant_only_loss=False"

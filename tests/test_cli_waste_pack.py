@@ -173,7 +173,7 @@ def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
      "or --text-column NAME"),
     (["waste", "{tmp}/d.jsonl", "--window", "0"], 2, "--window must be at least 1"),
     (["waste", "{tmp}/zero.npy"], 3, "example 1 has length 0"),
-    (["waste", "{tmp}/t.jsonl", "--tokenizer", "{tmp}/nope.json"], 3, "tokenizer"),
+    (["waste", "{tmp}/t.jsonl", "--tokenizer", "{tmp}/nope.json"], 2, "--tokenizer"),
     (["waste", "--plot", "{tmp}/w.jpg"], 2, "--plot writes a PNG"),
     (["waste", "{tmp}"], 3, "not a dataset saved with save_to_disk"),
     (["waste", "--strategies", "bfd,best"], 2, "unknown strategies ['best']; choose from --strategies"),

@@ -138,14 +138,15 @@ def _with_line(exc: BaseException, path) -> BaseException | None:
 
 
 def options_of(parser: argparse.ArgumentParser, aliases: dict | None = None) -> dict:
-    """``{argument name: (flag, takes_value)}`` of a parser's options, for ``packkit.errors.Arg.render``:
-    the library's ``window`` is ``--window``; ``aliases`` maps other library names to an option's dest."""
+    """``{argument name: (flag, takes_value[, negative flag])}`` of a parser's options, for
+    ``packkit.errors.Arg.render``: the library's ``window`` is ``--window``; a ``--x/--no-x`` switch
+    carries its ``--no-x``; ``aliases`` maps other library names to an option's dest."""
     out = {}
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
         if not longs or action.dest == "help":
             continue
-        out[action.dest] = (longs[0], action.nargs != 0)
+        out[action.dest] = (longs[0], action.nargs != 0) + tuple(s for s in longs[1:] if s.startswith("--no-"))[:1]
     for name, dest in (aliases or {}).items():
         if dest in out:
             out[name] = out[dest]
