@@ -310,7 +310,7 @@ def test_bad_row_deep_in_a_jsonl_names_its_line(tmp_path, data):
     """A row refused after reading (a negative token id) names the example and the file's line."""
     with Case():
         run_refused(("pack", data["neg.jsonl"], tmp_path / "o.parquet", "-w", "64"), 3,
-                    f"example 150000 (line 150,001 of '{data['neg.jsonl']}') has a negative token id",
+                    f"dataset row 150000 (line 150,001 of '{data['neg.jsonl']}') has token id -7",
                     [data["neg.jsonl"]])
 
 
