@@ -319,7 +319,13 @@ def main() -> int:
                       f"{ {'enable_gqa': 'enable_gqa=True', 'native': 'k, v passed with their own heads (probed once)', 'repeat': 'k, v repeated to q heads'}[plan.gqa] }")
     print(torch_call)
 
-    out_lines = []
+    def emit(line: str) -> None:
+        """Print a JSON line, and append it to --json-out at once (a run cut short keeps what it measured)."""
+        print(line, flush=True)
+        if args.json_out:
+            with open(args.json_out, "a") as f:
+                f.write(line + "\n")
+
     records = []
     for headdim in head_dims:
         for window in windows:
@@ -329,9 +335,7 @@ def main() -> int:
                                  profile_reps=profile_reps, smoke=args.cpu_smoke)
             records.append(record)
             print_problem(record)
-            line = json.dumps(dict(bench="attention", part="problem", smoke=args.cpu_smoke, **record))
-            print(line)
-            out_lines.append(line)
+            emit(json.dumps(dict(bench="attention", part="problem", smoke=args.cpu_smoke, **record)))
 
     # -- summary: every problem against the targets --
     print(f"\n{'problem':<12}{'triton fwd / torch':>30}{'triton f+b / torch':>30}{'packed / padded (f+b)':>32}")
@@ -347,11 +351,7 @@ def main() -> int:
                    device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                    torch_varlen_call=torch_call, date=time.strftime("%Y-%m-%d"), targets=TARGETS, missed=missed,
                    ratios={r["setup"]["name"]: r["ratios"] for r in records})
-    print(json.dumps(summary))
-    out_lines.append(json.dumps(summary))
-    if args.json_out:
-        with open(args.json_out, "a") as f:
-            f.write("\n".join(out_lines) + "\n")
+    emit(json.dumps(summary))
     failed = [r["provider"] for rec in records for r in rec["results"] if "error" in r]
     if failed:
         print(f"providers that failed: {failed}", file=sys.stderr)

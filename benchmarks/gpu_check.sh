@@ -15,7 +15,7 @@
 #      the padded batch ~4x the real tokens; Triton compiles for d=64 and tunes 1 key).
 #   4. kernel_resources.py --fixed: registers, spills and shared memory of the fixed configs as this
 #      machine's Triton compiles them. Estimate: ~20 s.
-# Total estimate: ~6.5 minutes of the 8 allowed. Each part has a hard timeout (180 + 170 + 90 + 30 s) so
+# Total estimate: ~6.5 minutes of the 8 allowed. Each part has a hard timeout (170 + 170 + 100 + 30 s) so
 # the script ends under 8 minutes whatever happens; the exit status lists the parts that failed (0 when none did).
 # Results: $OUT/gpu_check.jsonl (every JSON line), $OUT/*.log (full output), $OUT/gpu_env.txt.
 # The interpreter: $PY, else .venv/bin/python when its torch sees CUDA, else python3 (on the lent GPU
@@ -63,10 +63,10 @@ run_part() {  # run_part NAME TIMEOUT_S COMMAND...: tee its output to $OUT/NAME.
   [ "$rc" -eq 0 ] || failed+=("$name(rc=$rc)")
 }
 
-run_part bench_attention 180 "$PY" benchmarks/bench_attention.py --reps 10 --json-out "$RESULTS"
+run_part bench_attention 170 "$PY" benchmarks/bench_attention.py --reps 10 --json-out "$RESULTS"
 PACKKIT_TRITON_AUTOTUNE=0 run_part cuda_tests 170 "$PY" -m pytest tests/test_attention.py tests/test_kernels_flash_varlen.py \
     tests/test_attention_hf.py -q -rs --durations=15 -p no:cacheprovider
-run_part train_step 90 "$PY" benchmarks/bench_train_step.py --json-out "$RESULTS"
+run_part train_step 100 "$PY" benchmarks/bench_train_step.py --json-out "$RESULTS"
 run_part kernel_resources 30 "$PY" benchmarks/kernel_resources.py --fixed --head-dims 64 128
 # The resources table's JSON line, with the others.
 tail -n 1 "$OUT/kernel_resources.log" | grep '^{' >> "$RESULTS" || true

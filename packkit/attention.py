@@ -13,7 +13,9 @@ A packed row holds several documents back to back; ``cu_seqlens`` marks where ea
 Backends, in the order ``backend="auto"`` tries them (each only where it can run):
 
 1. ``"flash_attn"``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16, when installed).
-2. ``"torch"``: PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.10).
+2. ``"torch"``: PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.10),
+   called as :func:`torch_varlen_call` decides once per function and device (grouped heads passed as
+   they are when the op takes them, without repeating k and v).
 3. ``"triton"``: packkit's Triton kernels (``packkit.kernels.flash_varlen``); CUDA, fp16/bf16/fp32.
    On the CPU they run only under ``TRITON_INTERPRET=1`` (for tests), so "auto" does not pick them there.
 4. ``"reference"``: per-document ``scaled_dot_product_attention``; any device, any float dtype; slow.
@@ -23,7 +25,11 @@ Forcing a backend that cannot run raises :class:`BackendUnavailableError` saying
 Empty segments (static-shape padding of ``cu_seqlens``) never reach flash-attn or torch's varlen_attn
 (flash-attention#1537). Pass ``num_segments`` (a Python int from the collator) and they are sliced
 off with no GPU sync, which keeps ``torch.compile`` graphs whole; without it they are dropped by
-reading ``cu_seqlens`` (a sync on a GPU; refused inside a compiled or captured graph).
+reading ``cu_seqlens`` (a sync on a GPU; refused inside a compiled or captured graph). The Triton
+kernels need neither: without ``num_segments`` they count the live segments on the device.
+
+Hugging Face models reach the varlen backends through :func:`register_hf_attention` (an attention
+function reading the packed batch's ``cu_seq_lens_q``; see ``PackedBatch.hf_kwargs``).
 """
 
 from __future__ import annotations
