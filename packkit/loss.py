@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .batch import PackedBatch, real_tokens_and_documents
 from .segments import IGNORE_INDEX
 
 __all__ = [
@@ -75,19 +76,21 @@ __all__ = [
 def _labels_of(batch, *, shifted: bool):
     """``(labels, shifted)`` of a micro-batch: a tensor/array, a mapping or an object with ``labels``.
 
-    A ``PackedBatch`` says itself whether its labels are pre-shifted (``labels_shifted``, set by the
-    collators' ``mask_first_label=False``): its flag wins over ``shifted``. A mapping that carries
-    ``shift_labels`` (Hugging Face's padding-free collators) is counted on those, already shifted.
+    A mapping that carries ``shift_labels`` (Hugging Face's padding-free collators, packkit's batches
+    built with ``mask_first_label=False``) is counted on those, already shifted. A ``PackedBatch``
+    says itself whether its labels are pre-shifted (its view carries ``shift_labels`` exactly then,
+    as the model reads it): its own answer wins over ``shifted``; so does an object's
+    ``labels_shifted`` flag.
     """
-    own = getattr(batch, "labels_shifted", None)
-    if isinstance(own, bool) and isinstance(getattr(batch, "labels", None), torch.Tensor):
-        return batch.labels, own
     if isinstance(batch, Mapping):
         if "shift_labels" in batch:
             return batch["shift_labels"], True
         if "labels" not in batch:
             raise KeyError(f"the batch has no 'labels' (keys: {sorted(batch)}); pass labels to count loss tokens")
-        return batch["labels"], shifted
+        return batch["labels"], (False if isinstance(batch, PackedBatch) else shifted)
+    own = getattr(batch, "labels_shifted", None)
+    if isinstance(own, bool) and isinstance(getattr(batch, "labels", None), torch.Tensor):
+        return batch.labels, own
     if isinstance(batch, (torch.Tensor, np.ndarray, list, tuple)):
         return batch, shifted
     labels = getattr(batch, "labels", None)
@@ -293,42 +296,25 @@ def _field(batch, name):
     return getattr(batch, name, None)
 
 
-def _packed_tokens_and_examples(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor, labels: torch.Tensor,
-                                ignore_index: int):
-    """``(real tokens, documents)`` of a packed batch as 0-dim int64 tensors (no host sync).
-
-    A padding tail is the segment that ends a row and carries no loss token (a document whose every
-    label is -100 that happens to end a row is counted with it); zero-length segments (static-shape
-    ``cu_seqlens`` padding) are not documents.
-    """
-    cu = cu_seqlens.to(torch.int64)
-    row_len = labels.shape[-1]
-    seg_len = cu[1:] - cu[:-1]
-    loss_per_seg = torch.zeros(seg_len.numel(), dtype=torch.int64, device=cu.device).index_add_(
-        0, seq_idx.reshape(-1).to(cu.device, torch.int64),
-        (labels.reshape(-1) != ignore_index).to(cu.device, torch.int64))
-    tail = (cu[1:] % row_len == 0) & (loss_per_seg == 0) & (seg_len > 0)
-    tokens = labels.numel() - (seg_len * tail).sum()
-    examples = ((seg_len > 0) & ~tail).sum()
-    return tokens, examples
-
-
 def _real_tokens_and_examples(batch, labels: torch.Tensor, ignore_index: int):
     """``(tokens, examples)`` of one micro-batch as int64 tensors or ints (no host sync for tensors).
 
     ``num_tokens``/``num_examples`` when the batch carries them; else an ``attention_mask`` gives the
-    real tokens and one example per row; else ``cu_seqlens`` and ``seq_idx`` (a ``PackedBatch``) give
-    the documents and the padding tails (a row's last segment without loss tokens counts as padding);
-    else every label position is a token and every row an example. Collators' batches carry the exact
-    counts, so a document without loss tokens at the end of a row still counts.
+    real tokens and one example per row; else ``cu_seqlens`` gives the documents and the padding tails
+    (:func:`packkit.batch.real_tokens_and_documents`: a row's last segment without loss tokens counts as
+    padding); else every label position is a token and every row an example. A ``PackedBatch`` always
+    carries its counts (exact, also after ``Trainer`` rebuilt it), so a document without loss tokens
+    at the end of a row still counts.
     """
     tokens, examples = _field(batch, "num_tokens"), _field(batch, "num_examples")
+    if tokens is not None and examples is not None:
+        return tokens, examples
     mask = _field(batch, "attention_mask")
-    cu, seq_idx = _field(batch, "cu_seqlens"), _field(batch, "seq_idx")
+    cu = _field(batch, "cu_seqlens")
     if isinstance(mask, torch.Tensor):
         t, e = mask.sum(dtype=torch.int64), (labels.shape[0] if labels.dim() > 1 else 1)
-    elif isinstance(cu, torch.Tensor) and isinstance(seq_idx, torch.Tensor) and seq_idx.numel() == labels.numel():
-        t, e = _packed_tokens_and_examples(cu, seq_idx, labels, ignore_index)
+    elif isinstance(cu, torch.Tensor) and int(cu.shape[0]) > 0:
+        t, e = real_tokens_and_documents(cu, labels, ignore_index)
     else:
         t, e = labels.numel(), (labels.shape[0] if labels.dim() > 1 else 1)
     return (t if tokens is None else tokens), (e if examples is None else examples)
