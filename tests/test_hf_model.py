@@ -102,12 +102,13 @@ def test_fixed_windows_equal_each_document_alone(model, examples):
     assert abs(summed_loss(out.logits, batch.labels) - ref_loss).item() < TOL * max(1.0, ref_loss.item())
 
 
-def test_dense_4d_mask_also_isolates(model, examples):
-    """The SDPA view: the block-diagonal mask given as a 4-D mask (HF uses a 4-D mask as is)."""
+def test_explicit_4d_mask_also_isolates(model, examples):
+    """The explicit-mask view: ``hf_mask`` (additive float, 4-D; HF uses a 4-D mask as is). Every model
+    family, eager too, in test_hf_masks.py."""
     batch = PaddingFreeCollator()(examples)
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                    attention_mask=batch.dense_mask()[:, None], use_cache=False)
+                    attention_mask=batch.hf_mask(model), use_cache=False)
     ref = torch.cat([alone(model, ex)[0] for ex in examples])
     diff = (out.logits[0] - ref).abs().max().item()
     report("4-D mask logits", diff)
