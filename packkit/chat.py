@@ -376,6 +376,31 @@ def training_template(tokenizer) -> str | None:
         return None
 
 
+def stop_token_trained(tok, template: str) -> bool:
+    """Whether an assistant reply's end-of-turn token carries the loss under ``template``'s assistant mask.
+
+    Renders user, assistant, user (a reply followed by a turn, where templates put the end-of-turn
+    token) and looks at the last masked token that is not blank: it must be an added token (``<|end|>``,
+    ``<|im_end|>``, ...), not text. TRL 1.16 makes the same check and warns. True when the probe cannot
+    be rendered (a template with other requirements): nothing to report.
+    """
+    probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"},
+             {"role": "user", "content": "ping"}]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = tok.apply_chat_template(probe, chat_template=template, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+    except Exception:  # noqa: BLE001 - any template error means the probe says nothing
+        return True
+    added = set(tok.get_added_vocab().values()) - {tok.unk_token_id}  # the probe's words may be unknown
+    masked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
+    for t in reversed(masked):
+        if tok.decode([t]).strip():
+            return t in added
+    return False
+
+
 def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> str:
     """The template to render with: ``chat_template`` or the tokenizer's, checked for what is asked."""
     given = _read_template(chat_template)
@@ -541,6 +566,11 @@ class _Encoder:
         if self.assistant and not getattr(self.tok, "is_fast", False):
             raise ArgumentError("{arg} {name!r} is not a fast (Rust) tokenizer: assistant masks need its token "
                                 "offsets; pass a folder with tokenizer.json", arg=arg("tokenizer"), name=str(name))
+        if self.assistant and not stop_token_trained(self.tok, self.template):
+            warnings.warn(f"the chat template of {str(name)!r} leaves an assistant reply's end-of-turn token outside "
+                          "{% generation %}...{% endgeneration %}: the model is never trained to stop (the loss "
+                          "looks fine; it shows at inference); move the token inside the markers",
+                          ChatWarning, stacklevel=4)
         self.mask_name = _mask_name(self.assistant, self.completion)
         self.columns = [fmt] if fmt in ("messages", "conversations") else ["prompt", "completion"]
         self.diverged = 0

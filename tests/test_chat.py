@@ -237,6 +237,18 @@ def test_template_without_generation_markers_is_one_line_with_the_fix(tok_nomark
     assert fixed.column("assistant_masks").to_pylist() == [reference_tokens(c)[1] for c in CONVERSATIONS]
 
 
+def test_end_of_turn_outside_the_markers_warns(tok_dir):
+    """TRL 1.16 warns when the assistant's end-of-turn token is outside the mask (never trained to stop)."""
+    table = pa.Table.from_pylist([{"messages": CONVERSATIONS[0]}])
+    outside = TEMPLATE.replace(" <|end|>{% endgeneration %}", "{% endgeneration %} <|end|>")
+    with pytest.warns(ChatWarning, match="never trained to stop"):
+        out = tokenize_chat(table, tok_dir, chat_template=outside)
+    assert out.column("assistant_masks").to_pylist() == [[0, 0, 0, 0, 0, 1, 1, 0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ChatWarning)
+        tokenize_chat(table, tok_dir)  # <|end|> inside: no warning
+
+
 def test_chat_template_from_a_file(tok_nomark_dir, tmp_path):
     path = tmp_path / "train.jinja"
     path.write_text(TEMPLATE)
@@ -260,7 +272,7 @@ def test_bad_conversations_name_the_example(tok_dir, rows, match):
 
 def test_a_template_that_fails_names_the_example(tok_dir):
     failing = "{% for m in messages %}{% if m['content'] == 'five' %}{{ raise_exception('no fives') }}" \
-              "{% endif %}{% generation %}{{ m['content'] }}{% endgeneration %} {% endfor %}"
+              "{% endif %}{% generation %}{{ m['content'] }} <|end|>{% endgeneration %} {% endfor %}"
     with pytest.raises(DataError, match="example 2: the chat template failed on it.*no fives"):
         tokenize_chat(pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS]), tok_dir,
                       chat_template=failing)
