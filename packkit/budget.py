@@ -556,8 +556,8 @@ def find_max_micro_batch(step, *, high: int, low: int = 1, multiple_of: int = 1)
 
 
 def read_lengths_and_loss(path, *, column: str = "input_ids", text_column: str = "text",
-                          tokenizer="bytes", split: str | None = None,
-                          chat: dict | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                          tokenizer="bytes", split: str | None = None, chat: dict | None = None,
+                          progress: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """``(lengths (n,) int64, loss_lengths (n,) int64 or None)`` of a file ``packkit waste`` also reads.
 
     Both come from :func:`packkit.io.read_lengths` (``.npy``, JSON lines or a JSON list, Parquet,
@@ -569,7 +569,7 @@ def read_lengths_and_loss(path, *, column: str = "input_ids", text_column: str =
     from . import io
 
     data = io.read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
-                           chat=chat)
+                           chat=chat, progress=progress)
     return data.lengths, data.loss_lengths
 
 

@@ -615,7 +615,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             lengths = as_lengths(token_lengths(table.column(token_col), key=token_col),
                                  name=f"lengths in {path.name}")
             source = f"{path.name}, " + (how or f"column {column!r}")
-            if how is not None and how.endswith("tokenized with bytes"):
+            if how is not None and tokenizer in (None, "bytes"):  # text measured by the byte-level tokenizer
                 unit = "bytes"
             from .budget import loss_lengths_of_table
 

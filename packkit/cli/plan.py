@@ -62,7 +62,7 @@ def run(args, options=None) -> int:
         with rows_as_lines(args.file):
             lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
                                                   tokenizer=args.tokenizer, split=args.split,
-                                                  chat=chat_options(args))
+                                                  chat=chat_options(args), progress=not args.json)
     with warnings.catch_warnings(), rows_as_lines(args.file):
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
         report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,
