@@ -117,14 +117,26 @@ def test_quickstart_engine():
         pack(lengths, window=2048)
 
 
-def readme_block(heading: str, lang: str = "bash") -> list[str]:
-    """The lines of the first ``lang`` code block after ``heading`` in the README."""
+def readme_code(heading: str, lang: str = "bash", index: int = 0) -> str:
+    """The text of the ``index``-th ``lang`` code block of the README section under ``heading`` (up to the
+    next heading of the same level)."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rest = text[text.index(heading):]
-    start = rest.index(f"```{lang}\n") + len(lang) + 4
-    return [line for line in rest[start: rest.index("```", start)].splitlines() if line.strip()]
+    level = heading.split(" ")[0] + " "
+    end = rest.find("\n" + level, len(heading))
+    section = rest if end < 0 else rest[:end]
+    start = -1
+    for _ in range(index + 1):
+        start = section.index(f"```{lang}\n", start + 1)
+    start += len(lang) + 4
+    return section[start: section.index("```", start)]
+
+
+def readme_block(heading: str, lang: str = "bash") -> list[str]:
+    """The lines of the first ``lang`` code block after ``heading`` in the README."""
+    return [line for line in readme_code(heading, lang).splitlines() if line.strip()]
 
 
 def test_command_line_lines_work_as_pasted(tmp_path):
@@ -167,3 +179,94 @@ def test_command_line_lines_work_as_pasted(tmp_path):
             assert json.loads(proc.stdout)["overflow_examples"] == 2
     assert (tmp_path / "waste.png").read_bytes()[:4] == b"\x89PNG"
     assert pq.read_table(tmp_path / "packed.parquet").num_rows > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# "With TRL" and "With Trainer": each code block run as pasted, on a tiny model and local tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def word_tokenizer():
+    """A word-level tokenizer over ``t0 .. t100`` (``t0`` pads, ``t2`` ends), built here: nothing downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(101)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t2", unk_token="t1")
+
+
+def masked_dataset(n=24, seed=0):
+    """Tokenized rows with a ``completion_mask`` (prompt: the first third)."""
+    datasets = pytest.importorskip("datasets")
+    rows = [dict(input_ids=ex["input_ids"], completion_mask=[int(x != -100) for x in ex["labels"]])
+            for ex in dataset(n, seed)]
+    return datasets.Dataset.from_list(rows)
+
+
+def run_readme(heading, index, tmp_path, monkeypatch, **names):
+    """Run a README code block as pasted (in a fresh folder), with ``names`` defined; returns its names.
+
+    TRL's ``SFTConfig`` defaults to ``bf16=True``, which transformers refuses on a machine without a GPU:
+    there the test gives it ``bf16=False`` (what the README tells CPU users), the block's text unchanged.
+    """
+    import functools
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        import trl
+    except ImportError:
+        trl = None
+    if trl is not None and not torch.cuda.is_available():
+        monkeypatch.setattr(trl, "SFTConfig", functools.partial(trl.SFTConfig, bf16=False))
+    scope = dict(names)
+    exec(compile(readme_code(heading, "python", index), f"README.md {heading} block {index}", "exec"), scope)
+    return scope
+
+
+def test_with_trl_as_pasted(tmp_path, monkeypatch):
+    """TRL tokenizes prompt/completion text, masks the prompts into labels, and the collator packs them."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"t{i}" for i in rng.integers(3, 101, n))  # noqa: E731
+    data = datasets.Dataset.from_list([{"prompt": words(int(rng.integers(2, 12))),
+                                        "completion": " " + words(int(rng.integers(1, 12))) + " t2"}
+                                       for _ in range(24)])
+    scope = run_readme("## With TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
+                       dataset=data)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 9  # 3 epochs of 24 examples, 8 a step
+    assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    # the prompts carry no loss: labels as TRL prepared them, packed with every document's first label masked
+    rows = [trainer.train_dataset[i] for i in range(8)]
+    batch = trainer.data_collator(rows)
+    assert all(row["labels"][0] == -100 for row in rows)
+    assert batch.num_loss_tokens == sum(sum(x != -100 for x in row["labels"][1:]) for row in rows)
+    assert batch.num_loss_tokens < sum(len(row["input_ids"]) - 1 for row in rows)
+
+
+def test_with_trl_packed_rows_as_pasted(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    tokenized = masked_dataset(48)
+    scope = run_readme("## With TRL", 1, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
+                       tokenized=tokenized)
+    rows, trainer = scope["rows"], scope["trainer"]
+    assert set(rows.column_names) == {"input_ids", "labels", "seq_lengths"}
+    assert trainer.state.global_step == 3 * -(-len(rows) // 2)
+    masked = sum(m.count(0) for m in tokenized["completion_mask"])
+    assert sum(x == -100 for row in rows["labels"] for x in row) >= masked  # prompts masked (and first labels)
+
+
+def test_with_trainer_as_pasted(tmp_path, monkeypatch):
+    tokenized = masked_dataset()
+    scope = run_readme("## With Trainer", 0, tmp_path, monkeypatch, model=tiny_model(), tokenized=tokenized)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 9
+    assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    # what remove_unused_columns=False is for: without it the mask column never reaches the collator
+    code = readme_code("## With Trainer", "python")
+    assert "remove_unused_columns=False" in code
+    monkeypatch.chdir(tmp_path)
+    scope = dict(model=tiny_model(), tokenized=tokenized)
+    with pytest.raises(ValueError, match="remove_unused_columns=False"):
+        exec(code.replace("remove_unused_columns=False", ""), scope)
