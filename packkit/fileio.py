@@ -24,6 +24,7 @@ a folder where a file is written, or the  ``OutputError``, even with ``overwrite
 other way round
 parent folder missing                     ``MissingFolderError`` (also a ``FileNotFoundError``)
                                           unless ``parents=True``
+parent folder not writable                ``OutputError``
 ========================================  =====================================================
 
 Renames use Linux's ``renameat2`` where it exists: ``RENAME_NOREPLACE`` so that a target that
@@ -136,6 +137,8 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
         else:
             raise MissingFolderError(f"folder {str(parent)!r} does not exist; create it first "
                                      f"(mkdir -p {shlex.quote(str(parent))})")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"folder {str(parent)!r} is not writable, so {str(target)!r} cannot be written there")
     return target
 
 

@@ -243,3 +243,24 @@ def test_pack_command_rejects_bad_label_values(tmp_path, capsys):
                              for x, y in [([1, 2], [1, 2]), ([3, 4], [-100, -5])]) + "\n")
     code, out, err = run(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "8"], capsys)
     assert code == 3 and err.count("\n") == 1 and "dataset row 1 (line 2 of" in err and "has label -5" in err
+
+
+def test_disk_full_while_writing_leaves_the_old_output(files, tmp_path, capsys, monkeypatch):
+    """An OSError while OUT is written (here ENOSPC after half the file) is one line, exit 4 (system);
+    the temporary file is removed and the previous OUT is untouched."""
+    import errno
+
+    from packkit.cli import pack as pack_cmd
+
+    out = tmp_path / "out.parquet"
+    out.write_bytes(b"the previous complete output")
+
+    def full_disk(ds, path, fmt):
+        path.write_bytes(b"half a parq")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pack_cmd, "_write", full_disk)
+    code, _, err = run(["pack", str(files["jsonl"]), str(out), "-w", "6", "--overwrite"], capsys)
+    assert code == 4 and err.count("\n") == 1 and "No space left on device" in err
+    assert out.read_bytes() == b"the previous complete output"
+    assert sorted(p.name for p in tmp_path.iterdir() if "packkit-tmp" in p.name) == []

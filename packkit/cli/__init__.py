@@ -235,8 +235,8 @@ def _quiet_stdout() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _top(argv: list[str]) -> int | None:
+    """``packkit``, ``packkit --help``, ``--version`` and unknown commands; None for a subcommand."""
     if not argv:
         print(USAGE, file=sys.stderr)
         return EXIT_USAGE
@@ -248,21 +248,33 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"packkit {__version__}")
         return EXIT_OK
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"packkit: error: unknown command {name!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    if argv[0] not in SUBCOMMANDS:
+        print(f"packkit: error: unknown command {argv[0]!r}; choose one of {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
         return EXIT_USAGE
-    options = None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name, options = (argv or ["packkit"])[0], None
     try:
-        module = importlib.import_module(SUBCOMMANDS[name][0])
-        parser = module.parser()
-        options = options_of(parser, getattr(module, "ALIASES", None))
-        args = parser.parse_args(rest)
-        code = int(module.run(args, options) or 0)
+        code = _top(argv)
+        if code is None:
+            module = importlib.import_module(SUBCOMMANDS[name][0])
+            parser = module.parser()
+            options = options_of(parser, getattr(module, "ALIASES", None))
+            args = parser.parse_args(argv[1:])
+            code = int(module.run(args, options) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
         return code
-    except SystemExit:  # --help, --version of argparse
-        raise
+    except SystemExit as exc:  # argparse's --help: flushed here too, so a closed pipe is quiet
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
+        raise exc
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
