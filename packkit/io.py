@@ -192,10 +192,11 @@ def byte_tokenize(texts):
     return list_array(offsets, data.astype(np.int32))
 
 
-def _load_tokenizer(spec):
+def _load_tokenizer(spec, *, trust_remote_code: bool = False):
     """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer;
     anything else (a model id, a folder without ``tokenizer.json``) -> the Rust tokenizer behind
-    :func:`packkit.chat.load_tokenizer`'s."""
+    :func:`packkit.chat.load_tokenizer`'s (which runs a tokenizer's own code only under
+    ``trust_remote_code``)."""
     if spec is None or spec == "bytes":
         return None
     path = Path(spec)
@@ -204,7 +205,7 @@ def _load_tokenizer(spec):
     if not path.is_file():
         from .chat import load_tokenizer
 
-        tok = load_tokenizer(spec)
+        tok = load_tokenizer(spec, trust_remote_code=trust_remote_code)
         if getattr(tok, "backend_tokenizer", None) is None:
             raise ValueError(f"tokenizer {str(spec)!r} has no tokenizer.json (not a fast tokenizer): pass a "
                              "tokenizer.json, or 'bytes'")
@@ -219,17 +220,19 @@ def _load_tokenizer(spec):
         raise ValueError(f"could not read tokenizer {str(path)!r}: {exc}") from None
 
 
-def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bool = False):
-    """Token ids of ``texts`` as a pyarrow list array: byte level, or a ``tokenizer.json``.
+def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bool = False,
+             trust_remote_code: bool = False):
+    """Token ids of ``texts`` as a pyarrow list array: byte level, a ``tokenizer.json``, or a model's tokenizer.
 
     Args:
         texts: pyarrow string array (or list of str).
-        tokenizer: ``"bytes"`` or the path of a local ``tokenizer.json``.
+        tokenizer: ``"bytes"``, the path of a local ``tokenizer.json`` (or its folder), or a model id
+            (:func:`packkit.chat.load_tokenizer`: no remote code unless ``trust_remote_code``).
     Returns:
         pyarrow ``ListArray`` of int32, a ``LargeListArray`` past 2**31 - 1 tokens (:func:`list_array`).
     """
     pa = _pa()
-    tok = _load_tokenizer(tokenizer)
+    tok = _load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     if tok is None:
         return byte_tokenize(texts)
     if isinstance(texts, (pa.Array, pa.ChunkedArray)):
@@ -506,7 +509,7 @@ def load_table(path, *, split: str | None = None):
 
 
 def token_column(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-                 progress: bool = False):
+                 progress: bool = False, trust_remote_code: bool = False):
     """The token-id list column of ``table``: ``column`` if present, else ``text_column`` tokenized.
 
     ``tokenizer=None`` refuses to tokenize (so text without token ids is an error that says what to
@@ -528,7 +531,7 @@ def token_column(table, *, column: str = "input_ids", text_column: str = "text",
         if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             raise TypeError(f"column {text_column!r} holds {col.type}, not text")
         return tokenize(col.combine_chunks() if col.num_chunks != 1 else col.chunk(0), tokenizer,
-                        progress=progress)
+                        progress=progress, trust_remote_code=trust_remote_code)
     raise MissingError("no column {column!r} (token ids) or {text!r} (text); the columns are {names}: pass "
                        "{col} or {text_col}", column=column, text=text_column, names=names,
                        col=arg("column", metavar="NAME"), text_col=arg("text_column", metavar="NAME"))
@@ -558,7 +561,8 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
             out = tokenize_chat(table, tokenizer, progress=progress, **(chat or {}))
             name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
             return out, f"{fmt} through the chat template of {os.path.basename(str(name).rstrip('/')) or name}"
-    col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer, progress=progress)
+    col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer, progress=progress,
+                       trust_remote_code=bool((chat or {}).get("trust_remote_code")))
     if column in table.column_names:
         return table, None
     tok = "bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))

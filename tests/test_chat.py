@@ -616,3 +616,20 @@ def test_pack_dataset_with_a_loaded_tokenizer_and_prompt_completion(tok_dir):
     packed = pack_dataset(ds, window=16, tokenizer=tok)
     v = VOCAB
     assert packed["labels"] == [[-100] * 6 + [v["five"], v["</s>"]]]
+
+
+def test_text_through_a_tokenizer_that_needs_its_own_code(remote_code_dir, tmp_path, capsys):
+    """Plain text with --tokenizer naming a folder without tokenizer.json goes through the same loader:
+    remote code only with --trust-remote-code (here refused; the marker file proves nothing ran)."""
+    path, marker = remote_code_dir
+    (path / "tokenizer.json").rename(path / "tokenizer.json.bak")  # now only AutoTokenizer can read it
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello there"}, {"text": "how are you"}])
+    code, out, err = run(["waste", str(text), "--tokenizer", str(path), "-q"], capsys)
+    assert code == 2 and re.search(r"--trust-remote-code|trust_remote_code=True", err)
+    assert not marker.exists()
+
+
+def test_tokenize_chat_reads_a_selection_in_its_order(tok_dir):
+    ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]).select([2, 0])
+    out = tokenize_chat(ds, tok_dir)
+    assert out.column("input_ids").to_pylist() == [reference_tokens(CONVERSATIONS[i])[0] for i in (2, 0)]
