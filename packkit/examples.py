@@ -61,6 +61,7 @@ __all__ = [
     "IGNORE_INDEX",
     "MASK_KEYS",
     "LOSS_MASK_MODES",
+    "LossMaskWarning",
     "ExampleBatch",
     "ExampleRow",
     "ExampleTypeError",
@@ -78,6 +79,7 @@ __all__ = [
     "location",
     "loss_lengths",
     "read_column",
+    "read_batch",
     "read_examples",
     "relocate",
     "table_labels",
@@ -87,9 +89,10 @@ __all__ = [
 #: Keys read as a loss mask (TRL's names): loss only where the mask is 1. The one definition.
 MASK_KEYS = ("completion_mask", "assistant_masks")
 
-#: ``loss_mask=`` of the collators: ``"auto"`` honours a mask where an example has one;
-#: ``"required"`` makes an example without one an error.
-LOSS_MASK_MODES = ("auto", "required")
+#: ``loss_mask=`` of the collators (see :func:`read_batch`): ``"auto"`` honours a mask where an example
+#: has one and warns once when a whole batch has neither labels nor a mask; ``"required"`` makes an
+#: example without a mask an error; ``"none"`` says no mask is expected (a mask is then an error).
+LOSS_MASK_MODES = ("auto", "required", "none")
 
 #: The rule each kind of column follows, as every error states it.
 RULES = {
@@ -216,8 +219,26 @@ def _no_mask(i, rows):
                   "ColumnarDataset(ds); if this example has no prompt to mask, collate with loss_mask='auto'")
 
 
+def _mask_not_expected(i, rows, key):
+    return _error(ExampleValueError, i, rows,
+                  f"has a loss mask {key!r} and loss_mask='none' (every token a target); collate with "
+                  "loss_mask='auto' to honour it")
+
+
+class LossMaskWarning(UserWarning):
+    """A batch carried neither labels nor a loss mask (see :func:`read_batch`)."""
+
+
+UNSUPERVISED_WARNING = (
+    "no example of this batch carries labels or a loss mask ({keys}), so the loss is taken on every token. "
+    "If your data has a loss mask and this runs under transformers.Trainer, the Trainer dropped it (it removes "
+    "the columns its model's forward does not name): pass TrainingArguments(remove_unused_columns=False), or "
+    "train_dataset=packkit.columnar.ColumnarDataset(ds), and loss_mask='required' to make a missing mask an "
+    "error. If every token is a target (pretraining), pass loss_mask='none' to silence this warning.")
+
+
 def check_loss_mask_mode(loss_mask) -> str:
-    """``loss_mask=`` of a collator, checked: ``"auto"`` or ``"required"``."""
+    """``loss_mask=`` of a collator, checked: one of :data:`LOSS_MASK_MODES`."""
     if loss_mask not in LOSS_MASK_MODES:
         raise ValueError(f"loss_mask must be one of {', '.join(map(repr, LOSS_MASK_MODES))}, got {loss_mask!r}")
     return loss_mask
@@ -393,6 +414,13 @@ def list_chunks(column, *, key: str = "input_ids", kind: str = "ids", rows: int 
     pa = _pa()
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     t = column.type
+    if pa.types.is_null(t):  # every row null: no example has this key
+        base = rows
+        for chunk in chunks:
+            n = len(chunk)
+            yield np.zeros(0, np.int64), np.zeros(n + 1, np.int64), np.zeros(n, bool), base
+            base += n
+        return
     if not _is_list(pa, t):
         raise TypeError(f"column {key!r} holds {t}, not lists of token ids: map your tokenizer so that each "
                         "row holds a list")
@@ -641,15 +669,37 @@ def read_examples(examples, *, need_labels: bool = False, loss_mask: str = "auto
     ``read_examples([{"input_ids": [5, 6]}, {"input_ids": [7], "completion_mask": [0]}])``
     -> ``([5, 6, 7], [5, 6, -100], [2, 1])``.
     """
-    return _read(examples, need_labels, loss_mask == "required", rows)
+    return _read(examples, need_labels, check_loss_mask_mode(loss_mask), rows)[:3]
 
 
-def _read(examples, need_labels: bool, require_mask: bool, rows):
-    """:func:`read_examples` without keyword handling. Every check is one vectorised pass over the
-    whole batch; the offending example is located only when a check fails."""
+def read_batch(examples, *, need_labels: bool = False, loss_mask: str = "auto", warned: list | None = None):
+    """What a collator reads: :func:`read_examples`, plus the loss-mask policy's warning.
+
+    With ``loss_mask="auto"``, a batch in which no example carries labels or a loss mask is read as
+    "loss on every token", and a :class:`LossMaskWarning` says so once per ``warned`` holder (a one-item
+    list the collator keeps: ``[False]`` before the warning): that is what a ``transformers.Trainer``
+    with its default ``remove_unused_columns=True`` turns masked data into, and the warning names the
+    setting. ``loss_mask="none"`` (pretraining: every token a target) never warns; ``"required"`` raises
+    instead. Returns ``(input_ids, labels, lengths)``.
+    """
+    ids, labels, lengths, supervised = _read(examples, need_labels, loss_mask, None)
+    if not supervised and loss_mask == "auto" and warned is not None and not warned[0]:
+        warned[0] = True
+        import warnings
+
+        warnings.warn(UNSUPERVISED_WARNING.format(keys=", ".join(("labels", *MASK_KEYS))), LossMaskWarning,
+                      stacklevel=3)
+    return ids, labels, lengths
+
+
+def _read(examples, need_labels: bool, mode: str, rows):
+    """:func:`read_examples` without keyword handling, plus whether any example carried labels or a
+    loss mask. Every check is one vectorised pass over the whole batch; the offending example is
+    located only when a check fails."""
+    require_mask = mode == "required"
     if type(examples) is not list:
         if isinstance(examples, ExampleBatch):
-            return examples.read(need_labels=need_labels, require_mask=require_mask)
+            return examples.read(need_labels=need_labels, mode=mode)
         if isinstance(examples, collections.abc.Mapping) or not isinstance(examples, collections.abc.Sequence):
             raise TypeError(f"a collator takes a list of examples (dicts with 'input_ids'), got "
                             f"{type(examples).__name__}")
@@ -660,7 +710,7 @@ def _read(examples, need_labels: bool, require_mask: bool, rows):
     if type(examples[0]) is ExampleRow:
         batch = ExampleBatch.from_rows(examples)
         if batch is not None:
-            return batch.read(need_labels=need_labels, require_mask=require_mask)
+            return batch.read(need_labels=need_labels, mode=mode)
     try:
         ids_xs = [ex["input_ids"] for ex in examples]
     except (KeyError, TypeError, IndexError):
@@ -705,6 +755,8 @@ def _read(examples, need_labels: bool, require_mask: bool, rows):
         if key not in keys:
             continue
         xs = _values(examples, key)
+        if mode == "none" and any(x is not None for x in xs):
+            raise _mask_not_expected(next(i for i, x in enumerate(xs) if x is not None), rows, key)
         if _NONE in set(map(type, xs)):  # examples without this mask: loss on every token
             masked = [x is not None for x in xs] if masked is None else \
                 [m or x is not None for m, x in zip(masked, xs)]
@@ -722,7 +774,7 @@ def _read(examples, need_labels: bool, require_mask: bool, rows):
         labels[mask == 0] = IGNORE_INDEX
     if require_mask and (masked is None or not all(masked)):
         raise _no_mask(0 if masked is None else masked.index(False), rows)
-    return input_ids, labels, np.array(lengths, np.int64)
+    return input_ids, labels, np.array(lengths, np.int64), "labels" in keys or masked is not None
 
 
 _NONE = type(None)
@@ -985,71 +1037,86 @@ class ExampleBatch(collections.abc.Sequence):
             np.concatenate(present, out=out, casting="unsafe")
         return out, offsets
 
-    def read(self, *, need_labels: bool = False, require_mask: bool = False):
-        """``(input_ids, labels, lengths)`` as :func:`read_examples` returns them, every rule checked
-        with vectorised numpy over the batch (no per-token Python)."""
-        rows = self.rows
-        lengths = self.lengths
+    def read(self, *, need_labels: bool = False, mode: str = "auto"):
+        """``(input_ids, labels, lengths, supervised)``: what :func:`read_examples` returns and whether an
+        example carried labels or a loss mask; every rule checked with vectorised numpy over the batch
+        (no per-token Python; two reductions per column on the usual path, the offending example
+        located only when a check fails). ``mode`` is a collator's ``loss_mask``."""
+        rows, lengths, n = self.rows, self.lengths, self.lengths.size
         ids_parts = self.columns["input_ids"]
         if _NONE in set(map(type, ids_parts)):
             raise _null_tokens(next(i for i, p in enumerate(ids_parts) if p is None), rows, "input_ids")
-        total = int(lengths.sum())
-        offsets = _offsets(lengths)
-        starts, lens = offsets[:-1], lengths
-        if lengths.size and lengths.min() == 0:
+        if n and lengths.min() == 0:
             raise _empty(int(np.argmin(lengths)), rows)
-        input_ids = self._flat("input_ids", "ids", ids_parts, total, starts, lens)
-        if input_ids.size and input_ids.min() < 0:
-            i, t = _first_with(input_ids < 0, starts, lens)
-            raise _negative(i, rows, "input_ids", int(input_ids[t]))
+        total = int(lengths.sum())
+        input_ids = self._flat("input_ids", "ids", ids_parts, total)
+        if total and input_ids.min() < 0:
+            raise self._locate(input_ids < 0, _negative, "input_ids", input_ids)
         parts = self.columns.get("labels")
-        if parts is not None and any(p is not None for p in parts):
-            if need_labels and _NONE in set(map(type, parts)):
-                raise _no_labels(next(i for i, p in enumerate(parts) if p is None), rows)
-            parts = [ids if p is None else p for p, ids in zip(parts, ids_parts)]
+        kinds = set(map(type, parts)) if parts is not None else {_NONE}
+        supervised = kinds != {_NONE}
+        if supervised:
+            if _NONE in kinds:
+                if need_labels:
+                    raise _no_labels(next(i for i, p in enumerate(parts) if p is None), rows)
+                parts = [ids if p is None else p for p, ids in zip(parts, ids_parts)]
             self._aligned(parts, "labels")
-            labels = self._flat("labels", "labels", parts, total, starts, lens)
-            check_labels(labels, starts=starts, lengths=lens, rows=rows)
+            labels = self._flat("labels", "labels", parts, total)
+            # valid: >= 0 or == -100, in two reductions (see read_examples)
+            if labels.min() < IGNORE_INDEX or labels.view(np.uint64).max() > _IGNORE_AS_U64:
+                raise self._locate((labels < 0) & (labels != IGNORE_INDEX), _bad_label, "labels", labels)
         else:
             if need_labels:
                 raise _no_labels(0, rows)
             labels = input_ids.copy()
-        masked = np.zeros(len(self), bool)
+        masked = None
         for key in MASK_KEYS:
             parts = self.columns.get(key)
-            if parts is None:
+            kinds = set(map(type, parts)) if parts is not None else {_NONE}
+            if kinds == {_NONE}:
                 continue
-            has = np.fromiter((p is not None for p in parts), bool, len(parts))
-            if not has.any():
-                continue
-            masked |= has
+            has = [p is not None for p in parts]
+            if mode == "none":
+                raise _mask_not_expected(has.index(True), rows, key)
+            masked = has if masked is None else [a or b for a, b in zip(masked, has)]
+            if _NONE in kinds:  # examples without this mask: loss on every token
+                parts = [np.ones(k, np.int8) if p is None else p for p, k in zip(parts, lengths.tolist())]
             self._aligned(parts, key)
-            if has.all():
-                mask = self._flat(key, "mask", parts, total, starts, lens)
-                check_mask(mask, starts=starts, lengths=lens, key=key, rows=rows)
-                labels[mask == 0] = IGNORE_INDEX
-            else:
-                for i in np.flatnonzero(has).tolist():
-                    m = np.asarray(parts[i])
-                    check_mask(m, [0, m.size], key=key, rows=None if rows is None else [rows[i]])
-                    seg = labels[offsets[i]: offsets[i + 1]]
-                    seg[m == 0] = IGNORE_INDEX
-        if require_mask and not masked.all():
-            raise _no_mask(int(np.argmin(masked)), rows)
-        return input_ids, labels, lengths
+            mask = self._flat(key, "mask", parts, total)
+            if mask.view(np.uint64).max() > 1:
+                raise self._locate(mask.view(np.uint64) > 1, _bad_mask, key, mask)
+            labels[mask == 0] = IGNORE_INDEX
+        if mode == "required" and (masked is None or not all(masked)):
+            raise _no_mask(0 if masked is None else masked.index(False), rows)
+        return input_ids, labels, lengths, supervised or masked is not None
+
+    def _locate(self, bad: np.ndarray, error, key: str, values: np.ndarray):
+        """The error about the first example holding a ``bad`` position (the error path only)."""
+        offsets = _offsets(self.lengths)
+        i, t = _first_with(bad, offsets[:-1], self.lengths)
+        return error(i, self.rows, key, int(values[t]))
 
     def _aligned(self, parts, key: str) -> None:
-        got = np.fromiter((len(p) if p is not None else -1 for p in parts), np.int64, len(parts))
-        check_aligned(got, self.lengths, key=key, rows=self.rows, valid=got >= 0)
+        got = np.fromiter(map(len, parts), np.int64, len(parts))
+        if not np.array_equal(got, self.lengths):
+            check_aligned(got, self.lengths, key=key, rows=self.rows)
 
-    def _flat(self, key, kind, parts, total, starts, lens) -> np.ndarray:
-        """One column's parts concatenated into ``(total,)`` int64, dtypes checked first."""
-        dtypes = set(map(_dtype_of, parts))
-        if not dtypes <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) or set(map(_ndim_of, parts)) != _ONE:
+    def _flat(self, key, kind, parts, total) -> np.ndarray:
+        """One column's parts concatenated into ``(total,)`` int64, dtypes and shapes checked first."""
+        if not set(map(_dtype_of, parts)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) \
+                or set(map(_ndim_of, parts)) != _ONE:
             for i, p in enumerate(parts):
                 _column(p, i, key, kind, self.rows)
         out = np.empty(total, np.int64)
         return np.concatenate(parts, out=out, casting="unsafe") if parts else out
+
+    @classmethod
+    def _trusted(cls, columns: dict, rows: np.ndarray, lengths: np.ndarray) -> "ExampleBatch":
+        """A batch from lists of parts already aligned (what :class:`~packkit.columnar.ColumnarDataset`
+        builds), without the constructor's copies and checks; the values are checked by :meth:`read`."""
+        obj = object.__new__(cls)
+        obj.columns, obj.rows, obj.lengths = columns, rows, lengths
+        return obj
 
 
 class ExampleRow(collections.abc.Mapping):

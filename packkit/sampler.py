@@ -127,9 +127,12 @@ def resolve_rank(rank, world_size) -> tuple[int, int]:
 def lengths_from_dataset(dataset, *, key: str = "input_ids") -> np.ndarray:
     """(len(dataset),) int64, the length of ``dataset[i][key]``.
 
-    A Hugging Face ``datasets.Dataset`` is read through Arrow (list lengths, no Python loop); any other
+    A Hugging Face ``datasets.Dataset`` or a :class:`packkit.columnar.ColumnarDataset` is read through
+    Arrow (list lengths, no Python loop); any other
     map-style dataset is read item by item, so pass ``lengths`` yourself when you have them.
     """
+    if hasattr(dataset, "example_lengths"):  # packkit.columnar.ColumnarDataset: from its Arrow offsets
+        return dataset.example_lengths(key)
     if hasattr(dataset, "with_format") and hasattr(dataset, "column_names"):
         if key not in dataset.column_names:
             raise KeyError(f"dataset has no column {key!r} (columns: {', '.join(dataset.column_names)})")
