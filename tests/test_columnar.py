@@ -299,3 +299,29 @@ def test_bad_data_matrix_has_no_silent_prompt_token_loss(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PaddingFreeCollator(loss_mask="none")([{"input_ids": [1, 2]}])  # pretraining: no warning
+
+
+def test_batches_cross_processes_by_value():
+    """A worker's batch goes through multiprocessing's pickler with its CPU tensors by value (numpy),
+    not one shared-memory segment per tensor (a fixed cost that capped loaders with workers): the batch
+    arrives equal, with its counts, shared tensors still shared. Large or non-numpy batches keep torch's way."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    from packkit import collate
+
+    for batch in (PaddingFreeCollator()(as_dicts(chat_rows(8))), FixedWindowCollator(window=64)(as_dicts(chat_rows(8))),
+                  PaddedCollator()(as_dicts(chat_rows(8)))):
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(batch)
+        data = buf.getvalue()
+        assert b"torch.multiprocessing" not in data and b"rebuild_storage" not in data
+        got = pickle.loads(data)
+        same(got, batch)
+        assert got.num_tokens == batch.num_tokens and got.num_examples == batch.num_examples
+        if "cu_seq_lens_q" in got:
+            assert got["cu_seq_lens_q"] is got["cu_seq_lens_k"]
+    big = PaddingFreeCollator()([{"input_ids": np.zeros(collate.SHIP_BY_VALUE_BYTES // 16, np.int64)}])
+    tensors = {}
+    collate._find_tensors(collate._reduce_by_value(big)[1:], tensors)
+    assert tensors  # still tensors: torch's reducer (shared memory) ships them

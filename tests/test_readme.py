@@ -43,6 +43,21 @@ def test_quickstart_collate_fn():
     assert shapes == {(8, 64)}
 
 
+def test_quickstart_columnar_dataset():
+    datasets = pytest.importorskip("datasets")
+    from packkit.collate import PaddingFreeCollator
+    from packkit.columnar import ColumnarDataset
+
+    rows = [{"input_ids": x["input_ids"], "completion_mask": [0 if v == -100 else 1 for v in x["labels"]]}
+            for x in dataset()]
+    ds = datasets.Dataset.from_list(rows)
+    loader = DataLoader(ColumnarDataset(ds), batch_size=32, shuffle=True, num_workers=2,
+                        collate_fn=PaddingFreeCollator(loss_mask="required"))
+    batches = list(loader)
+    assert sum(b.num_examples for b in batches) == len(rows)
+    assert sum(b.num_loss_tokens for b in batches) == sum(sum(r["completion_mask"][1:]) for r in rows)
+
+
 def test_quickstart_sampler():
     from packkit.collate import FixedWindowCollator
     from packkit.sampler import PackedBatchSampler
