@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test waste test bench
+.PHONY: setup setup-test waste test test-thorough bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ waste: setup
 
 test: setup-test
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+# The property tests only (every @given test carries the `property` marker, see tests/conftest.py),
+# under the `thorough` profile and a random seed, printed first: `make test-thorough SEED=<seed>`
+# replays a failure. pytest exits 5 (a failure here) if the selection were ever empty.
+test-thorough: setup-test
+	@seed=$(SEED); seed=$${seed:-$$($(BIN)/python -c 'import random; print(random.randrange(2**32))')}; \
+	echo "make test-thorough: hypothesis seed $$seed (replay: make test-thorough SEED=$$seed)"; \
+	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m property \
+		--hypothesis-seed=$$seed tests
 
 bench: setup-test
 	$(BIN)/pip install --quiet -e '.[bench]'
