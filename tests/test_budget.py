@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit import cli
@@ -87,6 +87,9 @@ def test_effective_batch_and_bad_input():
 @settings(max_examples=40)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 39)), min_size=1, max_size=30),
        st.integers(1, 40), st.sampled_from(["truncate", "split"]))
+@example([(1, 0)], 1, "truncate")  # a one-token example in a window of 1: no loss token
+@example([(40, 39)] * 3, 1, "split")  # all equal, window 1: every piece one token
+@example([(40, 39), (3, 0)], 40, "split")
 def test_segment_loss_tokens_match_real_packed_labels(examples, window, overflow):
     lengths = np.array([n for n, _ in examples])
     loss = np.array([min(c, n - 1) for n, c in examples])
@@ -105,6 +108,10 @@ def test_segment_loss_tokens_match_real_packed_labels(examples, window, overflow
 @settings(max_examples=30)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 4), st.integers(1, 3),
        st.integers(1, 2), st.integers(0, 5), st.booleans())
+@example([300], 4, 3, 2, 0, True)  # one window, a step of 24: no full step
+@example([300], 4, 3, 2, 0, False)
+@example([1] * 120, 1, 1, 1, 5, False)  # all equal: one window
+@example([150] * 4, 1, 1, 2, 1, True)  # every step alike (std 0)
 def test_packed_report_matches_reference(lengths, b, a, d, seed, drop_last):
     lengths = np.array(lengths)
     loss = lengths // 2
@@ -125,6 +132,8 @@ def test_packed_report_matches_reference(lengths, b, a, d, seed, drop_last):
 @settings(max_examples=30)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 4), st.integers(1, 3),
        st.integers(0, 5))
+@example([1], 4, 3, 0)  # one one-token example: no loss token, one partial step
+@example([300] * 12, 4, 3, 1)  # all equal: no padding, one full step
 def test_padded_report_matches_reference(lengths, b, a, seed):
     lengths = np.array(lengths)
     r = plan_budget(lengths, per_device_batch=b, accumulation_steps=a, seed=seed, warn=False)

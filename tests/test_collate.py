@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator
@@ -146,6 +146,9 @@ label_kinds = st.sampled_from(["none", "labels", "mask"])
 
 
 @given(lengths=lengths_st, kind=kinds, labels=label_kinds)
+@example(lengths=[1], kind="list", labels="none")  # one one-token example: no loss token at all
+@example(lengths=[1] * 12, kind="tensor", labels="mask")
+@example(lengths=[40], kind="int32", labels="labels")
 def test_padding_free_matches_reference(lengths, kind, labels):
     examples = make_examples(lengths, kind=kind, labels=labels)
     batch = PaddingFreeCollator()(examples)
@@ -214,6 +217,10 @@ def test_fixed_window_invariants(data, window, kind, labels, strategy):
 
 @given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=8), window=st.sampled_from([7, 16, 17]),
        overflow=st.sampled_from(["split", "truncate", "drop"]), labels=label_kinds)
+@example(lengths=[50, 50], window=7, overflow="drop", labels="labels")  # everything dropped: refused
+@example(lengths=[50], window=17, overflow="split", labels="mask")  # 2W + 16: three pieces
+@example(lengths=[7, 8, 1], window=7, overflow="truncate", labels="none")
+@example(lengths=[16] * 8, window=16, overflow="split", labels="labels")  # all equal to the window
 def test_fixed_window_overflow_policies(lengths, window, overflow, labels):
     """Examples up to three times the window: split pieces reassemble, truncate/drop are counted."""
     examples = make_examples(lengths, labels=labels)
@@ -238,6 +245,8 @@ def test_fixed_window_example_over_window_names_it():
 @given(batches=st.lists(st.lists(st.integers(1, 16), min_size=1, max_size=6), min_size=2, max_size=5),
        labels=label_kinds)
 @settings(max_examples=30)
+@example(batches=[[16] * 6, [1]], labels="none")  # every window full, then one token
+@example(batches=[[1] * 6, [1] * 6], labels="mask")
 def test_static_shapes_are_constant(batches, labels):
     """Invariant: with static_shape, every tensor has one shape and max_seqlen = W, whatever the batch."""
     window, num_windows, max_segments = 16, 6, 40
@@ -345,6 +354,9 @@ def test_packed_rows_docstring_example_and_errors():
 
 
 @given(lengths=lengths_st, multiple=st.sampled_from([None, 1, 8, 13]), labels=label_kinds, kind=kinds)
+@example(lengths=[1], multiple=None, labels="none", kind="list")
+@example(lengths=[1, 1], multiple=13, labels="mask", kind="numpy")
+@example(lengths=[8] * 3, multiple=8, labels="labels", kind="tensor")  # all equal, a multiple already
 def test_padded_matches_reference(lengths, multiple, labels, kind):
     examples = make_examples(lengths, kind=kind, labels=labels)
     batch = PaddedCollator(pad_token_id=PAD, pad_to_multiple_of=multiple)(examples)

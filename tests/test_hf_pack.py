@@ -8,7 +8,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.hf import pack_dataset
@@ -58,6 +58,8 @@ def make_ds(lengths, *, seed=0, labels=True, dtype=np.int64):
 
 
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 40)), max_size=40), st.integers(1, 3))
+@example([], 1)  # nothing to gather
+@example([(99, 40)], 3)  # the last value only
 def test_gather_segments_matches_reference(segs, threads):
     values = np.arange(100, dtype=np.int32) * 3
     segs = [(s, min(n, 100 - s)) for s, n in segs if s < 100]
@@ -100,6 +102,10 @@ lengths_st = st.integers(1, 24).flatmap(
 @settings(max_examples=40)
 @given(lengths_st, st.sampled_from(["bfd", "ffd", "shuffle_ff", "next_fit"]),
        st.sampled_from(["split", "truncate", "drop"]), st.booleans())
+@example((1, [1]), "bfd", "split", False)  # window 1, a single one-token example
+@example((1, [3, 3]), "next_fit", "split", True)  # window 1, every piece one token
+@example((5, [11, 11]), "ffd", "drop", False)  # every example dropped (the test adds a kept one)
+@example((24, [24] * 30), "shuffle_ff", "truncate", True)  # all equal to the window
 def test_pack_dataset_nothing_lost_and_capacity(case, strategy, overflow, shuffle):
     window, lengths = case
     if overflow == "drop" and all(n > window for n in lengths):

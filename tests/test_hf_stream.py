@@ -5,7 +5,7 @@ from __future__ import annotations
 import datasets
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.binpack import pack
@@ -48,6 +48,9 @@ case = st.integers(1, 30).flatmap(
 
 
 @given(case)
+@example((1, [], 1))  # no items
+@example((1, [1] * 5, 3))  # window 1
+@example((30, [30] * 4, 12))  # all equal to the window
 def test_stream_windows_matches_reference(c):
     window, lengths, buffer_size = c
     got = list(stream_windows(zip(range(len(lengths)), lengths), window=window, buffer_size=buffer_size))
@@ -60,6 +63,8 @@ def test_stream_windows_matches_reference(c):
 
 
 @given(case)
+@example((1, [], 1))
+@example((7, [7], 1))
 def test_buffer_of_one_is_next_fit(c):
     window, lengths, _ = c
     got = list(stream_windows(zip(range(len(lengths)), lengths), window=window, buffer_size=1))
@@ -71,6 +76,7 @@ def test_buffer_of_one_is_next_fit(c):
 
 @settings(max_examples=20)
 @given(case)
+@example((1, [1] * 5, 1))
 def test_buffer_is_bounded(c):
     window, lengths, buffer_size = c
     pulled = [0]
@@ -123,6 +129,9 @@ def examples(lengths, seed=0, labels=True):
 @given(st.integers(1, 16).flatmap(lambda W: st.tuples(
     st.just(W), st.lists(st.one_of(st.integers(1, W), st.sampled_from([W + 1, 2 * W + 1])), max_size=25))),
     st.sampled_from(["split", "truncate", "drop"]), st.integers(1, 8))
+@example((1, []), "split", 1)  # an empty stream
+@example((1, [3, 1]), "split", 1)  # window 1: pieces of one token
+@example((4, [9, 9]), "drop", 8)  # everything dropped
 def test_pack_stream_nothing_lost(c, overflow, buffer_size):
     window, lengths = c
     src = list(examples(lengths))

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from packkit.loss import (
@@ -66,6 +66,9 @@ labels_2d = st.integers(1, 4).flatmap(
 
 
 @given(labels_2d, st.booleans(), st.booleans())
+@example([[IGNORE]], False, True)  # one token: no loss token
+@example([[3]], False, False)  # one token, unshifted: its label is never a target
+@example([[IGNORE] * 9] * 4, True, False)  # zero loss tokens
 def test_count_matches_reference(rows, shifted, as_numpy):
     labels = np.array(rows, dtype=np.int64)
     got = count_loss_tokens(labels if as_numpy else torch.from_numpy(labels), shifted=shifted)
@@ -103,6 +106,9 @@ def test_count_bad_input():
 
 @settings(max_examples=40)
 @given(labels_2d, st.booleans(), st.integers(0, 2**31 - 1), st.sampled_from([None, 1, 7, 1000]), st.booleans())
+@example([[IGNORE] * 3] * 2, False, 0, None, False)  # zero loss tokens: 0, not NaN
+@example([[4]], False, 1, None, True)  # one token, unshifted: nothing to predict
+@example([[4]], True, 2, 1, True)
 def test_loss_matches_reference(rows, shifted, seed, count, flat):
     labels = torch.tensor(rows, dtype=torch.int64)
     gen = torch.Generator().manual_seed(seed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 pa = pytest.importorskip("pyarrow")
@@ -114,6 +114,10 @@ def test_tail_windows_docstring_example():
 
 @settings(max_examples=60)
 @given(st.lists(st.integers(1, 97), min_size=0, max_size=40), st.floats(0, 0.5))
+@example([], 0.0)  # no windows
+@example([97], 0.0)  # one full window
+@example([1], 0.5)  # one nearly empty window
+@example([50] * 4, 0.5)  # all equal
 def test_tail_windows_keeps_fullest_within_budget(loads, slack):
     loads = np.asarray(loads, np.int64)
     tokens = int(loads.sum())

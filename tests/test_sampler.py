@@ -11,7 +11,7 @@ import collections
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.sampler import (
@@ -127,6 +127,11 @@ def test_small_helpers_examples():
 @settings(max_examples=40)
 @given(lengths=lengths_st, world_size=st.integers(1, 4), drop_last=st.booleans(), seed=st.integers(0, 9),
        epoch=st.integers(0, 3), balance=st.sampled_from([None, "tokens", "sqlen"]))
+# world size larger than the data: one example for four ranks, kept (repeated) or refused by name
+@example(lengths=[5], world_size=4, drop_last=False, seed=0, epoch=0, balance=None)
+@example(lengths=[5], world_size=4, drop_last=True, seed=0, epoch=0, balance="tokens")
+@example(lengths=[64] * 3, world_size=4, drop_last=False, seed=1, epoch=1, balance="sqlen")  # all full windows
+@example(lengths=[1] * 80, world_size=3, drop_last=True, seed=2, epoch=3, balance=None)  # all equal, one-token
 def test_coverage_and_equal_steps(kind, lengths, world_size, drop_last, seed, epoch, balance):
     make = SAMPLERS[kind]
 
@@ -180,6 +185,8 @@ def test_every_example_once_without_a_tail(kind):
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=80), max_tokens=st.integers(300, 900),
        cap=st.none() | st.integers(1, 5), world_size=st.integers(1, 3), drop_last=st.booleans())
 @settings(max_examples=40)
+@example(lengths=[300], max_tokens=300, cap=1, world_size=3, drop_last=False)  # fewer examples than ranks
+@example(lengths=[300] * 3, max_tokens=300, cap=None, world_size=3, drop_last=True)
 def test_token_budget_respected(lengths, max_tokens, cap, world_size, drop_last):
     try:
         per_rank, _ = run_ranks(lambda **kw: TokenBudgetBatchSampler(
@@ -197,6 +204,8 @@ def test_token_budget_respected(lengths, max_tokens, cap, world_size, drop_last)
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=60), batch_size=st.integers(1, 7),
        world_size=st.integers(1, 3))
 @settings(max_examples=40)
+@example(lengths=[1], batch_size=7, world_size=3)  # fewer examples than ranks
+@example(lengths=[4] * 7, batch_size=7, world_size=1)  # one full batch of equal lengths
 def test_length_grouped_batch_sizes(lengths, batch_size, world_size):
     """Full batches everywhere but the last step, whose batches are equal in size across ranks."""
     per_rank, _ = run_ranks(lambda **kw: LengthGroupedSampler(lengths, batch_size=batch_size, **kw),
@@ -211,6 +220,8 @@ def test_length_grouped_batch_sizes(lengths, batch_size, world_size):
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=80), k=st.integers(1, 4),
        strategy=st.sampled_from(["bfd", "shuffle_ff"]), overflow=st.sampled_from(["truncate", "drop"]))
 @settings(max_examples=40)
+@example(lengths=[90], k=1, strategy="bfd", overflow="drop")  # the only example dropped
+@example(lengths=[64] * 4, k=4, strategy="shuffle_ff", overflow="truncate")
 def test_packed_batches_refit_into_k_windows(lengths, k, strategy, overflow):
     """The collator's next-fit over a batch's examples needs at most k windows (its contract)."""
     window = 64
@@ -248,8 +259,10 @@ def test_deterministic_and_reshuffled_by_epoch(kind):
 @settings(max_examples=25)
 @given(lengths=st.lists(st.integers(1, 64), min_size=2, max_size=120), world_size=st.integers(1, 3),
        stop=st.integers(0, 200), epoch=st.integers(0, 2), data=st.data())
+@example(lengths=[1, 1], world_size=3, stop=0, epoch=0, data=None)  # fewer examples than ranks
+@example(lengths=[64, 64], world_size=3, stop=1, epoch=2, data=None)
 def test_resume_yields_exactly_the_rest(kind, lengths, world_size, stop, epoch, data):
-    rank = data.draw(st.integers(0, world_size - 1))
+    rank = world_size - 1 if data is None else data.draw(st.integers(0, world_size - 1))
     make = SAMPLERS[kind]
     s = make(lengths, seed=7, rank=rank, world_size=world_size)
     s.set_epoch(epoch)
