@@ -40,6 +40,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
+from .errors import MissingError, arg
 from .examples import MASK_KEYS, example_arrays, first_bad_label, first_bad_mask
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 
@@ -410,7 +411,8 @@ def resolve_columns(names, columns) -> ColumnSpec:
     """
     if columns is None:
         if "input_ids" not in names:
-            raise KeyError(f"no 'input_ids' column; the columns are {list(names)}: pass columns=(NAME, ...)")
+            raise MissingError("no 'input_ids' column; the columns are {names}: pass {columns}", names=list(names),
+                               columns=arg("columns", metavar="NAME,..."))
         masks = [k for k in MASK_KEYS if k in names]
         read = ["input_ids"] + (["labels"] if "labels" in names else []) + masks
         return ColumnSpec(read, masks[0] if masks else None, keep_mask=False)

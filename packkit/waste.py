@@ -44,6 +44,7 @@ import numpy as np
 
 from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
+from .errors import DataError, arg
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
            "plot_waste"]
@@ -275,7 +276,9 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         loss_tokens = int(loss.sum())
     L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
     if L.size == 0:
-        raise ValueError(f"every example is longer than window={window} and overflow='drop' dropped them all")
+        raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
+                        window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
+                        fix=arg("overflow", "split", "truncate"))
     if progress is None:
         progress = L.size >= PROGRESS_EXAMPLES
     from .io import progress_bar
