@@ -139,15 +139,17 @@ class PackedBatch(dict):
 
     **Rebuilt from a bare dict.** ``PackedBatch(mapping)`` takes such a view back. Padding cannot be
     read from the view (a row's padding tail and a last document without loss tokens look the same:
-    positions from 0, labels all ``-100``), so every batch records itself under its ``cu_seq_lens_q``
-    tensor (``attention_mask`` for a padded view) in a weak registry: when the rebuilt mapping holds
-    that very tensor, as after ``Trainer``'s rebuild (``accelerate`` moves the batch with ``.to()``,
-    which records the moved batch, and ``Trainer`` then rebuilds it from the same tensors), the new
-    batch takes the padding and every still-valid count from it, with no device work. Only a mapping
-    of tensors packkit never saw (moved by hand, from another process) falls back to reading the
-    labels: a row's last segment without loss tokens counts as padding (exact for padded views, and
-    whenever each row's last document has a loss token). The registry holds weak references: an
-    entry dies with its batch.
+    positions from 0, labels all ``-100``), so a batch files itself under its ``cu_seq_lens_q`` tensor
+    (``attention_mask`` for a padded view) in a weak registry when it is moved (``.to()``,
+    ``pin_memory()``), copied, unpickled or rebuilt, and the first time its ``items()`` are iterated
+    (what every rebuild does; the collators' hot path files nothing). When a rebuilt mapping holds that
+    very tensor and the filed batch is alive, as in ``Trainer`` (``accelerate`` moves the batch with
+    ``.to()``, then ``Trainer._prepare_input`` rebuilds it from its ``items()``: the same tensors), the
+    new batch takes the padding and every still-valid count from the filed one, with no device work.
+    Otherwise (tensors moved by hand, a plain dict from another process, ``dict(batch)`` of a batch
+    never filed) it falls back to reading the labels: a row's last segment without loss tokens counts
+    as padding (exact for padded views, and whenever each row's last document has a loss token). The
+    registry holds weak references: an entry dies with its batch.
     """
 
     # -- construction ---------------------------------------------------------------------------
@@ -156,58 +158,27 @@ class PackedBatch(dict):
                  cu_seqlens=None, max_seqlen=None, seq_idx=None, num_loss_tokens=None,
                  attention_mask=None, num_tokens=None, num_examples=None, num_real_segments=None,
                  labels_shifted=None):
-        fields = dict(input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seqlens=cu_seqlens,
-                      max_seqlen=max_seqlen, seq_idx=seq_idx, num_loss_tokens=num_loss_tokens,
-                      attention_mask=attention_mask, num_tokens=num_tokens, num_examples=num_examples,
-                      num_real_segments=num_real_segments, labels_shifted=labels_shifted)
         if mapping is not None:
-            if any(v is not None for v in fields.values()):
+            if not (input_ids is labels is position_ids is cu_seqlens is max_seqlen is seq_idx is num_loss_tokens
+                    is attention_mask is num_tokens is num_examples is num_real_segments is labels_shifted is None):
                 raise TypeError("PackedBatch takes either one mapping or keyword fields, not both")
             self._rebuild(mapping)
             return
-        missing = [k for k in ("input_ids", "labels", "position_ids", "cu_seqlens") if fields[k] is None]
+        missing = [k for k, v in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids),
+                                  ("cu_seqlens", cu_seqlens)) if v is None]
         if missing:
             raise TypeError(f"PackedBatch is missing {', '.join(missing)}")
-        self._fill_fields(**fields)
+        _fill(self, input_ids, labels, position_ids, cu_seqlens, max_seqlen, seq_idx, num_loss_tokens,
+              attention_mask, num_tokens, num_examples, num_real_segments, labels_shifted)
 
     @classmethod
-    def _trusted(cls, **fields) -> "PackedBatch":
+    def _trusted(cls, *, input_ids, labels, position_ids, cu_seqlens, max_seqlen, num_loss_tokens, attention_mask,
+                 num_tokens, num_examples, num_real_segments, labels_shifted, seq_idx=None) -> "PackedBatch":
         """A batch from every field, unchecked: the collators' hot path (``seq_idx`` left lazy)."""
-        obj = dict.__new__(cls)
-        obj._fill_fields(**fields)
+        obj = _new(cls)
+        _fill(obj, input_ids, labels, position_ids, cu_seqlens, max_seqlen, seq_idx, num_loss_tokens,
+              attention_mask, num_tokens, num_examples, num_real_segments, labels_shifted)
         return obj
-
-    def _fill_fields(self, *, input_ids, labels, position_ids, cu_seqlens, max_seqlen=None, seq_idx=None,
-                     num_loss_tokens=None, attention_mask=None, num_tokens=None, num_examples=None,
-                     num_real_segments=None, labels_shifted=None):
-        shifted = bool(labels_shifted)
-        put = dict.__setitem__
-        put(self, "input_ids", input_ids)
-        put(self, "labels", labels)
-        put(self, "position_ids", position_ids)
-        if attention_mask is None:
-            put(self, "cu_seq_lens_q", cu_seqlens)
-            put(self, "cu_seq_lens_k", cu_seqlens)
-            if max_seqlen is None:
-                max_seqlen = _max_segment(cu_seqlens)
-            put(self, "max_length_q", max_seqlen)
-            put(self, "max_length_k", max_seqlen)
-        else:
-            put(self, "attention_mask", attention_mask)
-        if shifted:
-            put(self, "shift_labels", labels)
-        put(self, "use_cache", False)
-        facts = {"labels_shifted": shifted}
-        for name, value in (("num_loss_tokens", num_loss_tokens), ("num_tokens", num_tokens),
-                            ("num_examples", num_examples), ("num_real_segments", num_real_segments),
-                            ("max_seqlen", max_seqlen)):
-            if value is not None:
-                facts[name] = value
-        if num_tokens is not None and num_examples is not None and num_real_segments is not None:
-            facts["pad"] = (math.prod(input_ids.shape) - num_tokens, num_real_segments - num_examples)
-        d = self.__dict__
-        d["_cu"], d["_seq_idx"], d["_facts"] = cu_seqlens, seq_idx, facts
-        _register(self)
 
     def _rebuild(self, mapping) -> None:
         """Fill from a view (``Trainer``'s ``type(batch)({k: moved v})``), inheriting from the batch
@@ -219,13 +190,14 @@ class PackedBatch(dict):
         if not isinstance(mapping, Mapping):
             mapping = dict(mapping)  # an iterable of pairs, as dict() takes
         if "input_ids" not in mapping:
-            raise TypeError(f"cannot rebuild a PackedBatch from a mapping without 'input_ids' (keys: {sorted(mapping)})")
+            raise TypeError("cannot rebuild a PackedBatch from a mapping without 'input_ids' "
+                            f"(keys: {sorted(mapping)})")
         if "cu_seq_lens_q" not in mapping and "position_ids" not in mapping:
             raise TypeError("cannot rebuild a PackedBatch from a mapping without 'cu_seq_lens_q' or 'position_ids' "
                             "(the segments)")
         dict.update(self, mapping)
         d = self.__dict__
-        d["_cu"], d["_seq_idx"], d["_facts"] = mapping.get("cu_seq_lens_q"), None, {}
+        d["_cu"], d["_seq_idx"], d["_facts"], d["_filed"] = mapping.get("cu_seq_lens_q"), None, {}, None
         src = _registered(self)
         if src is not None:
             sd = src.__dict__
@@ -310,6 +282,13 @@ class PackedBatch(dict):
     def __ior__(self, other):
         self.update(other)
         return self
+
+    def items(self):
+        """The view's items (what ``Trainer`` and ``accelerate`` iterate to rebuild a batch): the batch
+        files itself in the registry here, once per segment tensor, so that the rebuilt batch finds it."""
+        if self.__dict__["_filed"] is not _anchor(self):
+            _register(self)
+        return dict.items(self)
 
     def copy(self) -> "PackedBatch":
         """A shallow copy (the same tensors), with the counts: ``type(batch)`` kept, unlike ``dict.copy``."""
@@ -648,6 +627,43 @@ class PackedBatch(dict):
 # ----------------------------------------------------------------------------------------------
 
 
+_new = dict.__new__
+_dict_init = dict.__init__
+_put = dict.__setitem__
+
+
+def _fill(obj, input_ids, labels, position_ids, cu, max_seqlen, seq_idx, num_loss_tokens, attention_mask,
+          num_tokens, num_examples, num_real_segments, labels_shifted) -> None:
+    """Lay a new batch's fields out as its view and its cached counts (positional: the hot path)."""
+    shifted = bool(labels_shifted)
+    if attention_mask is None:
+        if max_seqlen is None:
+            max_seqlen = _max_segment(cu)
+        _dict_init(obj, input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seq_lens_q=cu,
+                   cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen)
+    else:
+        _dict_init(obj, input_ids=input_ids, labels=labels, position_ids=position_ids, attention_mask=attention_mask)
+    if shifted:
+        _put(obj, "shift_labels", labels)
+    _put(obj, "use_cache", False)
+    if not (num_loss_tokens is None or num_tokens is None or num_examples is None or num_real_segments is None
+            or max_seqlen is None):  # the collators' case: every count known, padding with them
+        facts = {"labels_shifted": shifted, "num_loss_tokens": num_loss_tokens, "max_seqlen": max_seqlen,
+                 "num_real_segments": num_real_segments, "num_tokens": num_tokens, "num_examples": num_examples,
+                 "pad": (input_ids.numel() - num_tokens, num_real_segments - num_examples)}
+    else:
+        facts = {"labels_shifted": shifted}
+        for name, value in (("num_loss_tokens", num_loss_tokens), ("max_seqlen", max_seqlen),
+                            ("num_real_segments", num_real_segments), ("num_tokens", num_tokens),
+                            ("num_examples", num_examples)):
+            if value is not None:
+                facts[name] = value
+        if num_tokens is not None and num_examples is not None and num_real_segments is not None:
+            facts["pad"] = (input_ids.numel() - num_tokens, num_real_segments - num_examples)
+    d = obj.__dict__
+    d["_cu"], d["_seq_idx"], d["_facts"], d["_filed"] = cu, seq_idx, facts, None
+
+
 def _unpickle(cls, items: dict, state: dict) -> PackedBatch:
     obj = dict.__new__(cls)
     dict.update(obj, items)
@@ -733,7 +749,9 @@ def _anchor(batch: dict):
 
 
 def _register(batch: PackedBatch) -> None:
+    """File ``batch`` under its anchor tensor (once per anchor)."""
     anchor = _anchor(batch)
+    batch.__dict__["_filed"] = anchor
     if isinstance(anchor, torch.Tensor):
         ref = _Origin(batch, _forget)
         ref.key = id(anchor)

@@ -156,6 +156,22 @@ def test_trainer_rebuild_keeps_padding():
     assert (cloned.num_tokens, cloned.num_examples) == (want[1] - 3, want[2] - 2)
 
 
+def test_rebuilds_that_find_the_batch_and_one_that_cannot():
+    """A batch files itself when moved, copied, unpickled or when its items() are iterated (not when the
+    collator makes it: the hot path stays as it was); a rebuild from a bare dict of a batch never filed
+    reads the padding from the labels."""
+    b, examples = windows_with_unlabelled_last_documents()
+    want = ref_counts(examples)
+    fallback = (want[0], want[1] - 3, want[2] - 2)
+    assert counts(PackedBatch(dict(b))) == fallback  # never filed: dict() does not call items()
+    moved = b.to("cpu")
+    assert counts(PackedBatch(dict(moved))) == want
+    assert counts(PackedBatch({k: v for k, v in b.items()})) == want
+    assert counts(PackedBatch(dict(b))) == want  # filed by the items() above
+    unpickled = pickle.loads(pickle.dumps(b))
+    assert counts(PackedBatch({**unpickled})) == want
+
+
 def test_trainer_prepare_input_rebuild():
     """The same through transformers.Trainer's own _prepare_input, for every collator's batch."""
     transformers = pytest.importorskip("transformers")
