@@ -21,6 +21,28 @@ Reported: seconds, rows, rows over the lower bound ``ceil(kept tokens / W)``, to
 at least 8x faster than TRL's whole-dataset bfd at equal or fewer rows.
 
 ``--stream-table`` instead prints the fill of :func:`packkit.packer.pack_stream` against buffer size.
+
+``--files`` (issue 13) measures ``packkit pack`` end to end through real files, each case in a
+subprocess of its own whose peak anonymous memory (``RssAnon`` in ``/proc/PID/status``, sampled every
+5 ms by this process: pages of memory-mapped files are not anonymous) and CPU time are recorded:
+
+* inputs (made once in ``--dir``, ``--n`` SFT-like examples, int32 ids): a ``save_to_disk`` folder, an
+  Arrow IPC stream file (record batches of 1,000 rows, as ``datasets`` writes its cache) and a parquet
+  file written by ``datasets.Dataset.to_parquet`` (as a user's parquet usually is);
+* ``packkit``: ``packkit pack IN OUT -w W -q`` with OUT of the same format as IN;
+* ``pyarrow floor``: pyarrow reading IN whole (``pq.read_table``; ``ipc.open_stream(OSFile).read_all``
+  for Arrow files and each shard of the folder) and writing packkit's output table, already in memory,
+  in the same format with the same settings (parquet: snappy, no dictionary; Arrow: IPC stream;
+  the folder: IPC stream shards of at most 500 MB). Only that read and write are timed; flushing
+  the written file to disk (which packkit's atomic write does before its rename) is timed apart and
+  printed, not counted.
+* ``--scale`` also runs packkit on a folder of twice the rows (memory should stay flat).
+
+Rounds alternate packkit and the floor (``--repeat`` rounds); the best wall time of each is
+reported, with its CPU time, and the load average before each round. Targets: packkit within 1.5x
+the floor's wall time per format; peak anonymous memory at most 0.5x the token data for
+memory-mapped input (flat when the rows double) and 1.0x for parquet. ``--keep`` leaves the input
+files in ``--dir`` for another run (they are deleted otherwise).
 """
 
 from __future__ import annotations
@@ -82,17 +104,268 @@ def stream_table(n: int, window: int) -> None:
         print(f"{name:<22}{w:>10,}{lengths.sum() / (w * window):>9.4f}{(w - lb) / lb:>12.3%}{s:>9.2f}")
 
 
+# ----------------------------------------------------------------------------------------------
+# --files: packkit pack through real files, against the pyarrow I/O floor (issue 13)
+# ----------------------------------------------------------------------------------------------
+
+FORMATS = {"save_to_disk": ("ds", ""), "arrow": ("in.arrow", ".arrow"), "parquet": ("in.parquet", ".parquet")}
+
+
+def make_inputs(folder, n: int, *, formats=("save_to_disk", "arrow", "parquet"), tag: str = "") -> dict:
+    """The input files for ``n`` SFT-like examples (made once; a marker file records n)."""
+    import os
+
+    import datasets
+    import pyarrow as pa
+
+    datasets.disable_progress_bars()
+    os.makedirs(folder, exist_ok=True)
+    marker = os.path.join(folder, f"made{tag}.json")
+    paths = {f: os.path.join(folder, tag + FORMATS[f][0]) for f in formats}
+    if os.path.exists(marker) and json.load(open(marker)).get("n") == n and all(os.path.exists(p) for p in paths.values()):
+        return paths
+    lengths = sft_like_lengths(n)
+    total = int(lengths.sum())
+    values = np.resize(np.random.default_rng(0).integers(0, 128_000, 1 << 24, dtype=np.int32), total)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+                      if total < 2**31 else pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
+    del values
+    ds = datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
+    if "save_to_disk" in paths:
+        import shutil
+
+        shutil.rmtree(paths["save_to_disk"], ignore_errors=True)
+        ds.save_to_disk(paths["save_to_disk"])
+    if "arrow" in paths:
+        with pa.OSFile(paths["arrow"], "wb") as f:
+            w = pa.ipc.new_stream(f, table.schema)
+            w.write_table(table, max_chunksize=1000)
+            w.close()
+    if "parquet" in paths:
+        ds.to_parquet(paths["parquet"])
+    json.dump({"n": n, "tokens": total}, open(marker, "w"))
+    return paths
+
+
+def _status_kib(pid: int, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def run_child(args: list[str]) -> dict:
+    """Run ``bench_offline.py --child ...`` and sample its RssAnon every 5 ms; its JSON line, plus peak."""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        kib = _status_kib(proc.pid, "RssAnon:")
+        if kib is not None:
+            peak = max(peak, kib)
+        time.sleep(0.005)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed ({proc.returncode}): {err[-2000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_anon_mib"] = peak / 1024
+    return result
+
+
+def _cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def child(argv) -> int:
+    """One measured case in this process: ``packkit IN OUT W`` or ``floor FORMAT IN PACKED OUT``."""
+    import os
+    import shutil
+
+    kind = argv[0]
+    if kind == "packkit":
+        src, out, window = argv[1], argv[2], argv[3]
+        import datasets  # noqa: F401 - imported before the clock starts, as the floor imports pyarrow
+
+        from packkit.cli import main as cli
+
+        shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else (os.path.exists(out) and os.remove(out))
+        base = _status_kib(os.getpid(), "RssAnon:")
+        c0, t0 = _cpu(), time.perf_counter()
+        code = cli(["pack", src, out, "-w", window, "-q"])
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        assert code == 0
+        print(json.dumps({"wall": wall, "cpu": cpu, "base_anon_mib": base / 1024}))
+        return 0
+    fmt, src, packed, out = argv[1], argv[2], argv[3], argv[4]
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    # packkit's output, read into memory before the clock starts: the floor writes the same table
+    if fmt == "save_to_disk":
+        import datasets
+
+        table = datasets.load_from_disk(packed).with_format("arrow")[:]
+        table = pa.Table.from_batches([b for b in table.to_batches()]).combine_chunks()
+    elif fmt == "arrow":
+        table = ipc.open_stream(pa.OSFile(packed)).read_all()
+    else:
+        table = pq.read_table(packed)
+    table = table.replace_schema_metadata(None)
+    shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else (os.path.exists(out) and os.remove(out))
+    base = _status_kib(os.getpid(), "RssAnon:")
+    c0, t0 = _cpu(), time.perf_counter()
+    if fmt == "parquet":
+        data = pq.read_table(src)
+        pq.write_table(table, out, use_dictionary=False, compression="snappy")
+    elif fmt == "arrow":
+        data = ipc.open_stream(pa.OSFile(src)).read_all()
+        with pa.OSFile(out, "wb") as f:
+            w = ipc.new_stream(f, table.schema)
+            w.write_table(table)
+            w.close()
+    else:
+        shards = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".arrow"))
+        data = [ipc.open_stream(pa.OSFile(p)).read_all() for p in shards]
+        os.makedirs(out)
+        k = max(1, -(-table.nbytes // (500 * 10**6)))
+        cuts = np.linspace(0, table.num_rows, k + 1).astype(int)
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            with pa.OSFile(os.path.join(out, f"data-{i:05d}-of-{k:05d}.arrow"), "wb") as f:
+                w = ipc.new_stream(f, table.schema)
+                w.write_table(table.slice(a, b - a))
+                w.close()
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    del data
+    # not in the floor's time: flushing what it wrote to disk (packkit's atomic write does it before renaming)
+    t1 = time.perf_counter()
+    from packkit.fileio import fsync_tree
+
+    fsync_tree(out)
+    print(json.dumps({"wall": wall, "cpu": cpu, "base_anon_mib": base / 1024, "fsync": time.perf_counter() - t1}))
+    return 0
+
+
+def files_mode(args) -> int:
+    import os
+    import shutil
+
+    import pyarrow as pa
+
+    import packkit
+
+    folder = args.dir
+    W = str(args.window)
+    t = time.perf_counter()
+    paths = make_inputs(folder, args.n)
+    tokens = json.load(open(os.path.join(folder, "made.json")))["tokens"]
+    print(f"inputs for {args.n:,} examples, {tokens:,} tokens ({tokens * 4 / 2**20:,.0f} MiB of int32 ids) ready "
+          f"in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    outs = {f: os.path.join(folder, "out" + FORMATS[f][1]) for f in FORMATS}
+    floors = {f: os.path.join(folder, "floor" + FORMATS[f][1]) for f in FORMATS}
+    runs: dict = {}
+    loads = []
+    for r in range(args.repeat):
+        for fmt in FORMATS:
+            loads.append(os.getloadavg()[0])
+            got = run_child(["packkit", paths[fmt], outs[fmt], W])
+            runs.setdefault(("packkit", fmt), []).append(got)
+            print(f"round {r}: packkit {fmt}: {got['wall']:.1f}s (cpu {got['cpu']:.1f}s), "
+                  f"peak {got['peak_anon_mib']:,.0f} MiB, load {loads[-1]:.1f}", file=sys.stderr)
+            loads.append(os.getloadavg()[0])
+            got = run_child(["floor", fmt, paths[fmt], outs[fmt], floors[fmt]])
+            runs.setdefault(("floor", fmt), []).append(got)
+            print(f"round {r}: floor {fmt}: {got['wall']:.1f}s (cpu {got['cpu']:.1f}s), "
+                  f"peak {got['peak_anon_mib']:,.0f} MiB, load {loads[-1]:.1f}", file=sys.stderr)
+    # every packed token is there: the output's tokens, from its offsets, are the input's
+    import datasets
+
+    out_tokens = sum(len(c.values) for c in datasets.load_from_disk(outs["save_to_disk"]).data.column("input_ids").chunks)
+    assert out_tokens == tokens, (out_tokens, tokens)
+    scale = []
+    if args.scale:
+        paths2 = make_inputs(folder, 2 * args.n, formats=("save_to_disk",), tag="x2-")
+        tokens2 = json.load(open(os.path.join(folder, "madex2-.json")))["tokens"]
+        for n_rows, src, tok in ((args.n, paths["save_to_disk"], tokens), (2 * args.n, paths2["save_to_disk"], tokens2)):
+            got = min((run_child(["packkit", src, outs["save_to_disk"], W]) for _ in range(max(1, args.repeat - 1))),
+                      key=lambda g: g["peak_anon_mib"])
+            scale.append(dict(rows=n_rows, tokens=tok, token_mib=tok * 4 / 2**20, **got))
+    table = []
+    for fmt in FORMATS:
+        ours = min(runs[("packkit", fmt)], key=lambda g: g["wall"])
+        floor = min(runs[("floor", fmt)], key=lambda g: g["wall"])
+        peak = min(g["peak_anon_mib"] for g in runs[("packkit", fmt)])
+        limit = 1.0 if fmt == "parquet" else 0.5
+        table.append(dict(format=fmt, packkit_s=ours["wall"], packkit_cpu_s=ours["cpu"], floor_s=floor["wall"],
+                          floor_cpu_s=floor["cpu"], floor_fsync_s=floor["fsync"], ratio=ours["wall"] / floor["wall"],
+                          cpu_ratio=ours["cpu"] / floor["cpu"], packkit_peak_mib=peak,
+                          floor_peak_mib=min(g["peak_anon_mib"] for g in runs[("floor", fmt)]),
+                          peak_over_tokens=peak / (tokens * 4 / 2**20), memory_target=limit))
+    token_mib = tokens * 4 / 2**20
+    print()
+    print(f"packkit pack through files, {args.n:,} SFT-like examples, {tokens:,} tokens ({token_mib:,.0f} MiB int32), "
+          f"W={W}; best of {args.repeat} interleaved rounds; load average {min(loads):.1f}..{max(loads):.1f} "
+          f"on {os.cpu_count()} cores")
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, pyarrow {pa.__version__}, "
+          f"datasets {datasets.__version__}, packkit {packkit.__version__}")
+    print(f"{'format (in -> out)':<20}{'packkit s':>10}{'cpu s':>8}{'floor s':>9}{'cpu s':>8}{'+fsync':>8}{'ratio':>7}"
+          f"{'cpu ratio':>10}{'peak MiB':>10}{'x tokens':>9}{'floor MiB':>10}")
+    for row in table:
+        print(f"{row['format']:<20}{row['packkit_s']:>10.2f}{row['packkit_cpu_s']:>8.2f}{row['floor_s']:>9.2f}"
+              f"{row['floor_cpu_s']:>8.2f}{row['floor_fsync_s']:>8.2f}{row['ratio']:>7.2f}{row['cpu_ratio']:>10.2f}"
+              f"{row['packkit_peak_mib']:>10,.0f}{row['peak_over_tokens']:>9.2f}{row['floor_peak_mib']:>10,.0f}")
+    for row in scale:
+        print(f"memory-mapped folder, {row['rows']:,} rows ({row['token_mib']:,.0f} MiB of tokens): peak "
+              f"{row['peak_anon_mib']:,.0f} MiB = {row['peak_anon_mib'] / row['token_mib']:.2f}x the tokens "
+              f"(after imports {row['base_anon_mib']:,.0f} MiB), {row['wall']:.1f}s")
+    met_time = all(row["ratio"] <= 1.5 for row in table)
+    met_mem = all(row["peak_over_tokens"] <= row["memory_target"] for row in table)
+    print(f"time target (<= 1.5x the floor per format): {'met' if met_time else 'MISSED'}; memory target "
+          f"(<= 0.5x tokens memory-mapped, 1.0x parquet): {'met' if met_mem else 'MISSED'}")
+    print(json.dumps(dict(bench="offline-files", versions=versions("datasets", "pyarrow"), n=args.n, tokens=tokens,
+                          window=int(W), repeat=args.repeat, load=[min(loads), max(loads)], results=table,
+                          scale=scale, time_target_met=met_time, memory_target_met=met_mem)))
+    for p in list(outs.values()) + list(floors.values()):
+        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+    if not args.keep:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1_000_000, help="examples (default 1,000,000)")
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each provider; the best is reported")
     parser.add_argument("--no-trl-default", action="store_true", help="skip TRL's chunked default mode (slowest)")
     parser.add_argument("--stream-table", action="store_true", help="print streaming fill against buffer size")
+    parser.add_argument("--files", action="store_true",
+                        help="packkit pack through real files against the pyarrow I/O floor, with peak memory")
+    parser.add_argument("--dir", default="/tmp/packkit-bench-offline", help="--files: where the files go")
+    parser.add_argument("--scale", action="store_true", help="--files: also a folder of twice the rows")
+    parser.add_argument("--keep", action="store_true", help="--files: keep the input files")
     args = parser.parse_args(argv)
     if args.stream_table:
         stream_table(min(args.n, 200_000), args.window)
         return 0
+    if args.files:
+        if args.window == 2048 and "--window" not in (argv or sys.argv):
+            args.window = 8192
+        return files_mode(args)
 
     import datasets
     import trl

@@ -382,6 +382,38 @@ class Plan:
             window_ptr=ptr,
         )
 
+    def window_range(self, start: int, stop: int) -> "Plan":
+        """Windows ``start .. stop - 1`` as a plan that shares this one's arrays (views, no copy).
+
+        ``lengths`` and the overflow counts still describe every example (segments name examples by
+        their index in the whole input).
+        """
+        if not 0 <= start <= stop <= self.num_windows:
+            raise IndexError(f"windows {start}..{stop} out of range for a plan of {self.num_windows} windows")
+        lo, hi = int(self.window_ptr[start]), int(self.window_ptr[stop])
+        return dataclasses.replace(self, seg_example=self.seg_example[lo:hi], seg_start=self.seg_start[lo:hi],
+                                   seg_length=self.seg_length[lo:hi],
+                                   window_ptr=self.window_ptr[start: stop + 1] - lo)
+
+    def chunks(self, max_tokens: int) -> list[tuple[int, int]]:
+        """Consecutive window ranges ``(start, stop)`` of at most ``max_tokens`` tokens each (a window
+        larger than that is a range of its own), covering every window in order.
+
+        ``pack([5, 3, 4, 2], window=8).chunks(8) -> [(0, 1), (1, 2)]``; ``.chunks(100) -> [(0, 2)]``.
+        """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+            raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("max_tokens"),
+                                got=max_tokens)
+        ends = lengths_to_offsets(self.window_loads)
+        out, start = [], 0
+        while start < self.num_windows:
+            # the last window whose end stays within max_tokens of this range's start (at least one)
+            stop = int(np.searchsorted(ends, ends[start] + max_tokens, side="right")) - 1
+            stop = max(stop, start + 1)
+            out.append((start, stop))
+            start = stop
+        return out
+
     def shuffled(self, seed: int | None = None) -> "Plan":
         """The same windows in a seeded random order, so training order is not sorted by length.
 

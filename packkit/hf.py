@@ -1,4 +1,4 @@
-"""Offline packing of Hugging Face ``datasets``: Arrow in, Arrow out, one gather of every token.
+"""Offline packing of Hugging Face ``datasets``: Arrow in, Arrow out, in bounded memory.
 
 :func:`pack_dataset` plans windows over the lengths of the *whole* dataset with
 :func:`packkit.binpack.pack` (read from the Arrow offsets of ``input_ids``, no Python lists), copies
@@ -29,10 +29,18 @@ The rows are unpadded; the fixed-window collator pads them to ``W`` and turns ``
 
 How the tokens move
 -------------------
-Segments are grouped by length; each group of ``k`` segments of length ``L`` is one numpy copy between
-two strided ``(k, L)`` views of the flat token arrays (rows starting at the segments' source and
-destination offsets). So the cost is one pass over the tokens plus O(distinct lengths) numpy calls,
-with no per-token index array (an index of every token costs more than the copy it drives).
+Never all at once. :func:`plan_source` reads a source (:class:`packkit.sources.ArrowSource`: a
+``datasets.Dataset``, a memory-mapped Arrow file, a parquet file) once, batch by batch: lengths from
+the list offsets, every batch checked, and flat numpy *views* of the list columns kept where the data
+lies (a memory map stays a memory map; copies are staged to a memory-mapped file). The plan needs
+the lengths only. Then :class:`PackedTable` gathers consecutive windows, at most ``buffer_bytes`` of
+them at a time (:func:`packkit.packer.copy_segments`: strided copies of length groups, slices for
+the rest), into one ``pyarrow.RecordBatch`` that a writer (:mod:`packkit.writers`, or the cache file
+of the returned dataset) writes before the next is gathered::
+
+    memory-mapped input ──scan──> lengths ──pack──> plan ──chunk 0──> batch 0 ──write──> OUT
+    (page cache, not            (8 B an     (~32 B an     chunk 1──> batch 1 ──write──> OUT
+     the process's memory)       example)    example)       ...        (one at a time)
 
 Streaming
 ---------
@@ -61,20 +69,25 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from pathlib import Path
 
 import numpy as np
 
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack, stream_windows
 from .errors import ArgumentError, arg
 from .io import list_array, progress_bar
-from .examples import (MASK_KEYS, check_aligned, check_labels, check_mask, check_not_null, check_tokens,
-                       list_chunks)
-from .packer import (ColumnSpec, PackedStream, StreamStats, log_overflow, pack_columns, pack_stream,
+from .examples import MASK_KEYS, check_aligned, check_labels, check_mask, check_not_null, check_tokens
+from .packer import (ColumnSpec, PackedStream, StreamStats, label_dtype, log_overflow, pack_columns, pack_stream,
                      resolve_columns)
 from .segments import lengths_to_offsets
 
 __all__ = [
     "pack_dataset",
+    "plan_source",
+    "PackedTable",
+    "packed_schema",
+    "packed_batch",
+    "DEFAULT_BUFFER_BYTES",
     # re-exported from their homes (packkit.packer, packkit.binpack), where they are documented
     "pack_stream",
     "PackedStream",
@@ -85,8 +98,8 @@ __all__ = [
 
 #: Rows of an output list column: past this many tokens a column uses 64-bit (large_list) offsets.
 MAX_LIST_TOKENS = 2**31 - 1
-#: Show a progress bar by default from this many tokens on.
-PROGRESS_TOKENS = 1 << 26
+#: Show progress bars by default for sources of this many bytes on (and when ``datasets`` shows its own).
+PROGRESS_BYTES = 1 << 28
 
 
 def _list_array(row_offsets: np.ndarray, values: np.ndarray):
@@ -95,74 +108,38 @@ def _list_array(row_offsets: np.ndarray, values: np.ndarray):
 
 
 # ----------------------------------------------------------------------------------------------
-# reading Arrow list columns without Python lists
+# the rules of packkit.examples, on each batch of a column
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Column:
-    """A list column as flat arrays: example ``i`` is ``values[starts[i] : starts[i] + lengths[i]]``;
-    ``valid`` is the non-null mask of the examples (None: no nulls)."""
-
-    values: np.ndarray
-    starts: np.ndarray
-    lengths: np.ndarray
-    valid: np.ndarray | None = None
+def _kinds(spec: ColumnSpec) -> dict:
+    """What each column read is, for the rules of :mod:`packkit.examples`: ``ids``, ``labels``,
+    ``mask`` or ``other``."""
+    return {c: "ids" if i == 0 else "labels" if c == "labels" else "mask" if c in MASK_KEYS else "other"
+            for i, c in enumerate(spec.read)}
 
 
-def _read_column(table, name: str, indices: np.ndarray | None, *, kind: str) -> _Column:
-    """Flat values, starts and lengths of list column ``name`` (rows picked by ``indices``); its type
-    checked by :func:`packkit.examples.list_chunks` (``kind``: "ids", "labels", "mask" or "other")."""
-    parts, starts, lengths, valids, base = [], [], [], [], 0
-    for values, off, valid, first in list_chunks(table.column(name), key=name, kind=kind):
-        parts.append(values)
-        starts.append(off[:-1] + base)
-        lengths.append(np.diff(off))
-        valids.append(np.ones(off.size - 1, bool) if valid is None else valid)
-        base += int(off[-1])
-    if not parts:
-        values = np.zeros(0, np.int64)
-        starts_a = lengths_a = np.zeros(0, np.int64)
-        valid_a = np.zeros(0, bool)
-    else:
-        values = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        starts_a, lengths_a, valid_a = np.concatenate(starts), np.concatenate(lengths), np.concatenate(valids)
-    if indices is not None:
-        starts_a, lengths_a, valid_a = starts_a[indices], lengths_a[indices], valid_a[indices]
-    return _Column(values, starts_a, lengths_a, None if valid_a.all() else valid_a)
+def _column_checks(spec: ColumnSpec):
+    """The per-batch check :func:`packkit.sources.scan` calls: each column's rules from
+    :mod:`packkit.examples`, errors naming the dataset row. A null labels or loss-mask row is a key
+    that example does not have (its labels are its token ids; no mask is loss on every token)."""
+    token, kinds = spec.read[0], _kinds(spec)
 
+    def check(name, values, offsets, valid, row, token_lengths):
+        kind = kinds[name]
+        if kind == "ids":
+            check_tokens(values, offsets, key=name, rows=row, valid=valid)
+            return
+        lengths = np.diff(offsets)
+        if kind == "other":
+            check_not_null(valid, key=name, rows=row)
+        check_aligned(lengths, token_lengths, key=name, ref_key=token, rows=row, valid=valid)
+        if kind == "labels":
+            check_labels(values, offsets, key=name, rows=row)
+        elif kind == "mask":
+            check_mask(values, offsets, key=name, rows=row)
 
-def _fill_nulls(col: _Column, tok: _Column, *, ones: bool) -> _Column:
-    """A labels / loss-mask column whose null rows (examples without that key) are filled as the rule
-    says (packkit.examples): labels with the example's token ids, a loss mask with ones."""
-    if col.valid is None:
-        return col
-    dtype = np.result_type(col.values.dtype, tok.values.dtype) if not ones else col.values.dtype
-    lengths = np.where(col.valid, col.lengths, tok.lengths)
-    out = np.empty(int(lengths.sum()), dtype)
-    starts = lengths_to_offsets(lengths)[:-1]
-    for i in range(lengths.size):  # a copy row by row, only for columns that hold nulls
-        s, n = int(starts[i]), int(lengths[i])
-        if col.valid[i]:
-            out[s: s + n] = col.values[col.starts[i]: col.starts[i] + n]
-        else:
-            out[s: s + n] = 1 if ones else tok.values[tok.starts[i]: tok.starts[i] + n]
-    return _Column(out, starts, lengths)
-
-
-def _check_tokens(col: _Column, name: str) -> None:
-    """The token rules of :func:`packkit.examples.check_tokens`, errors naming the dataset row."""
-    check_tokens(col.values, starts=col.starts, lengths=col.lengths, key=name, rows=0, valid=col.valid)
-
-
-def _check_mask(col: _Column, name: str) -> None:
-    """A loss mask holds 0 and 1 only (:func:`packkit.examples.check_mask`)."""
-    check_mask(col.values, starts=col.starts, lengths=col.lengths, key=name, rows=0)
-
-
-def _check_labels(col: _Column, name: str) -> None:
-    """Labels are token ids (>= 0) or -100 (:func:`packkit.examples.check_labels`)."""
-    check_labels(col.values, starts=col.starts, lengths=col.lengths, key=name, rows=0)
+    return check
 
 
 def _check_common(window, strategy, overflow, seed, num_proc):
@@ -176,10 +153,149 @@ def _check_common(window, strategy, overflow, seed, num_proc):
     return window
 
 
-def _report_overflow(plan: Plan) -> None:
-    log_overflow("pack_dataset", overflow=plan.overflow, over=int(plan.overflow_examples.size),
-                 examples=plan.num_examples, window=plan.window, cut_tokens=plan.cut_tokens,
-                 tokens=int(plan.lengths.sum()))
+# ----------------------------------------------------------------------------------------------
+# Arrow in, Arrow out, in bounded memory
+# ----------------------------------------------------------------------------------------------
+
+#: Default bound on the buffer of packed rows in flight (gathered tokens, their Arrow arrays and the
+#: writer's encoding of them), in bytes. The plan (about 40 bytes per example) comes on top.
+DEFAULT_BUFFER_BYTES = 256 * 2**20
+
+
+def packed_schema(columns, *, example_ids: bool = False):
+    """The offline row format's ``pyarrow.Schema``: the packed list columns, then ``seq_lengths``.
+
+    ``columns``: ``[(name, pyarrow value type), ...]`` in row order, the token column first; ``labels``
+    takes :func:`~packkit.packer.label_dtype` of the type given (-100 must fit). ``example_ids`` adds
+    ``list<int64>``. ``packed_schema([("input_ids", pa.int32()), ("labels", pa.uint16())])`` ->
+    ``input_ids: list<int32>, labels: list<int64>, seq_lengths: list<int32>``.
+    """
+    import pyarrow as pa
+
+    fields = []
+    for name, vtype in columns:
+        if name == "labels":
+            vtype = pa.from_numpy_dtype(label_dtype(vtype.to_pandas_dtype()))
+        fields.append(pa.field(name, pa.list_(vtype)))
+    fields.append(pa.field("seq_lengths", pa.list_(pa.int32())))
+    if example_ids:
+        fields.append(pa.field("example_ids", pa.list_(pa.int64())))
+    return pa.schema(fields)
+
+
+def packed_batch(rows, schema):
+    """:class:`~packkit.packer.PackedColumns` -> one ``pyarrow.RecordBatch`` of ``schema``
+    (:func:`packed_schema`), one row a window; values are cast to the schema's types where they differ."""
+    import pyarrow as pa
+
+    if rows.row_offsets[-1] > MAX_LIST_TOKENS:
+        raise ValueError(f"one record batch would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31 - 1, "
+                         "past int32 list offsets): pack fewer windows a batch")
+    arrays = []
+    for field in schema:
+        if field.name == "seq_lengths":
+            arrays.append(_list_array(rows.seq_offsets, rows.seq_lengths.astype(np.int32)))
+        elif field.name == "example_ids":
+            arrays.append(_list_array(rows.seq_offsets, rows.seg_example.astype(np.int64)))
+        else:
+            values = pa.array(rows.columns[field.name])
+            if values.type != field.type.value_type:  # e.g. a staged boolean mask, or a wider common type
+                values = values.cast(field.type.value_type)
+            arrays.append(_list_array(rows.row_offsets, values))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+class PackedTable:
+    """A plan over a source's examples, and its packed rows as Arrow record batches, a chunk at a time.
+
+    Made by :func:`plan_source`. :meth:`record_batches` gathers consecutive windows of at most
+    ``max_tokens`` tokens into one ``pyarrow.RecordBatch`` (rows as in :func:`pack_dataset`), so that
+    a writer can write each batch and let it go: memory holds one batch, never the token data.
+
+    Attributes: ``plan`` (the :class:`~packkit.binpack.Plan`, rows in its window order), ``schema``
+    (the batches' ``pyarrow.Schema``), ``scan`` (:class:`packkit.sources.Scan`).
+    """
+
+    def __init__(self, scan, spec: ColumnSpec, plan: Plan, *, mask_first_label: bool, example_ids: bool,
+                 num_threads: int = 1):
+        self.scan, self.spec, self.plan = scan, spec, plan
+        self.mask_first_label, self.example_ids, self.num_threads = mask_first_label, example_ids, num_threads
+        token = spec.read[0]
+        self.schema = packed_schema([(name, scan.types.get(name, scan.types[token]) if name == "labels"
+                                      else scan.types[name]) for name in spec.written()], example_ids=example_ids)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one packed token over every list column of a row (plus its label's temporaries)."""
+        per = sum(f.type.value_type.bit_width // 8 for f in self.schema if f.name not in ("seq_lengths", "example_ids"))
+        return per + (8 if "labels" in self.schema.names else 0)
+
+    def chunk_tokens(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
+                     in_flight: int = 1) -> int:
+        """Tokens per record batch so that ``in_flight`` batches (a writer writing one while the next
+        is gathered: 2), their temporaries and ``encoding`` times their size held by a writer
+        (:data:`packkit.writers.ENCODING_FACTOR`) stay within ``buffer_bytes``."""
+        if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, numbers.Integral) or buffer_bytes < 1:
+            raise ArgumentError("{arg} must be a positive number of bytes, got {got!r}", arg=arg("buffer_bytes"),
+                                got=buffer_bytes)
+        # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
+        per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
+        return max(1, min(int(buffer_bytes / per_token), MAX_LIST_TOKENS))  # int32 list offsets per batch
+
+    def record_batches(self, *, max_tokens: int, bar=None):
+        """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
+        tokens each (a longer window alone), in the plan's window order."""
+        spec = self.spec
+        for start, stop in self.plan.chunks(max_tokens):
+            sub = self.plan.window_range(start, stop)
+            rows = pack_columns(sub, self.scan.columns, loss_mask=spec.mask, keep_mask=spec.keep_mask,
+                                extra_masks=spec.other_masks, mask_first_label=self.mask_first_label,
+                                num_threads=self.num_threads, bar=bar)
+            batch = packed_batch(rows, self.schema)
+            del rows
+            yield batch
+            del batch  # not held while the next one is gathered (a writer may have let it go)
+
+
+def show_progress(source) -> bool:
+    """Progress bars by default: for a source of :data:`PROGRESS_BYTES` or more, when ``datasets``
+    shows its own bars (``datasets.disable_progress_bars()`` turns packkit's off too)."""
+    try:
+        import datasets
+
+        enabled = datasets.utils.logging.is_progress_bar_enabled()
+    except ImportError:  # pragma: no cover - datasets comes with pyarrow in the extras
+        enabled = True
+    return enabled and source.nbytes >= PROGRESS_BYTES
+
+
+def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
+                seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
+                mask_first_label: bool = True, example_ids: bool = False, progress: bool | None = None,
+                who: str = "pack_dataset") -> PackedTable:
+    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens.
+
+    One pass over the source reads the list columns' offsets into lengths, checks every batch (the
+    rules of :func:`pack_dataset`) and keeps flat views of the columns (memory-mapped batches stay
+    where they are; copies are staged to a memory-mapped file); then :func:`packkit.binpack.pack` plans
+    the windows. The arguments are :func:`pack_dataset`'s (``progress``: :func:`show_progress`'s
+    default when None). Returns a :class:`PackedTable`.
+    """
+
+    from .sources import scan
+
+    window = _check_common(window, strategy, overflow, seed, num_proc)
+    spec = resolve_columns(source.names, columns)
+    progress = show_progress(source) if progress is None else progress
+    with progress_bar(total=None, unit="rows", enabled=progress, desc=f"{who}: reading") as bar:
+        found = scan(source, spec.read, kinds=_kinds(spec), check=_column_checks(spec), progress=bar)
+    plan = pack(found.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
+    if shuffle:
+        plan = plan.shuffled(seed)
+    log_overflow(who, overflow=plan.overflow, over=int(plan.overflow_examples.size), examples=plan.num_examples,
+                 window=plan.window, cut_tokens=plan.cut_tokens, tokens=int(plan.lengths.sum()))
+    return PackedTable(found, spec, plan, mask_first_label=mask_first_label, example_ids=example_ids,
+                       num_threads=num_proc or 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,8 +308,17 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                  mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
                  progress: bool | None = None, return_plan: bool = False, split: str | None = None,
                  tokenizer=None, chat_template=None, assistant_only_loss: bool | None = None,
-                 completion_only_loss: bool = True, trust_remote_code: bool = False):
+                 completion_only_loss: bool = True, trust_remote_code: bool = False,
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None):
     """Pack a ``datasets.Dataset`` into windows of at most ``window`` tokens, one row per window.
+
+    Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the
+    Arrow list offsets and checks each batch; the plan is made from the lengths alone; then windows are
+    gathered a chunk of at most ``buffer_bytes`` at a time from the memory-mapped Arrow data and written
+    to a cache file beside the dataset's own (as ``datasets.map`` does), which the returned dataset
+    reads. Peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the
+    dataset's size; rows seen through a ``select`` / ``shuffle`` / ``filter`` are staged to a
+    temporary memory-mapped file first. Only public ``datasets`` API is used.
 
     Args:
         ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split and returns a
@@ -218,7 +343,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         mask_first_label: set ``labels`` to -100 on the first token of every segment (models shift labels).
         example_ids: also write ``example_ids``, the source row of every segment.
         buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
-        progress: a tqdm bar; default on from 2**26 tokens.
+        progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
         return_plan: return ``(dataset, plan)``, the :class:`~packkit.binpack.Plan` in row order.
         split: the split of a ``DatasetDict`` to pack (default: all of them).
         tokenizer: conversational data (TRL's ``messages``, ``conversations``, or ``prompt`` +
@@ -227,12 +352,19 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
             ``labels`` with -100 on prompt tokens (:func:`packkit.chat.tokenize_chat`, which
             ``chat_template``, ``assistant_only_loss``, ``completion_only_loss`` and ``trust_remote_code``
             are passed to).
+        buffer_bytes: bound on the packed rows in flight (default 256 MiB).
+        cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist).
+            Default: ``cache-packkit-<random>.arrow`` in the folder of ``ds``'s first cache file
+            (``ds.cleanup_cache_files()`` removes unused ones, as for ``map``).
+        keep_in_memory: build the result in memory instead of a cache file. Default: in memory only
+            when ``ds`` itself has no cache files (an in-memory dataset stays in memory).
 
     Returns:
-        A ``datasets.Dataset`` (in memory) with columns ``input_ids`` (list of int, length <= W, the
-        source dtype), ``labels`` (when the source has labels or a loss mask), any other packed column, ``seq_lengths`` (list of
-        int32 segment lengths summing to the row length) and optionally ``example_ids`` (int64).
-        ``save_to_disk`` / ``to_parquet`` it as usual.
+        A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
+        ``labels`` (when the source has labels or a loss mask), any other packed column,
+        ``seq_lengths`` (list of int32 segment lengths summing to the row length) and optionally
+        ``example_ids`` (int64); backed by the cache file (memory-mapped) or in memory.
+        ``save_to_disk`` / ``to_parquet`` it as usual, or write files directly with ``packkit pack``.
 
     Raises:
         ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null
@@ -249,7 +381,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                             mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
                             progress=progress, tokenizer=tokenizer, chat_template=chat_template,
                             assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
-                            trust_remote_code=trust_remote_code)
+                            trust_remote_code=trust_remote_code, buffer_bytes=buffer_bytes,
+                            cache_file_name=cache_file_name, keep_in_memory=keep_in_memory)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
@@ -273,63 +406,45 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
-    window = _check_common(window, strategy, overflow, seed, num_proc)
-    spec = resolve_columns(ds.column_names, columns)
-    cols = spec.read
-    table = ds.data.table
-    indices = None
-    if getattr(ds, "_indices", None) is not None:  # a select / shuffle / filter view of the table
-        indices = ds._indices.column(0).to_numpy().astype(np.int64)
-    kinds = {c: "ids" if i == 0 else "labels" if c == "labels" else "mask" if c in MASK_KEYS else "other"
-             for i, c in enumerate(cols)}
-    sources = {c: _read_column(table, c, indices, kind=kinds[c]) for c in cols}
-    tok = sources[cols[0]]
-    _check_tokens(tok, cols[0])
-    for c in cols[1:]:
-        check_aligned(sources[c].lengths, tok.lengths, key=c, ref_key=cols[0], rows=0, valid=sources[c].valid)
-        if kinds[c] in ("labels", "mask"):  # a null is a key the example lacks (packkit.examples)
-            sources[c] = _fill_nulls(sources[c], tok, ones=kinds[c] == "mask")
-        elif sources[c].valid is not None:
-            check_not_null(sources[c].valid, key=c, rows=0)
-    if "labels" in sources:
-        _check_labels(sources["labels"], "labels")
-    for c in cols:
-        if kinds[c] == "mask":
-            _check_mask(sources[c], c)
-    for c in spec.other_masks:  # both masks: the loss where both are 1
-        m, o = sources[spec.mask], sources.pop(c)
-        both = _fill_nulls(_Column(m.values.copy(), m.starts, m.lengths), tok, ones=True)
-        for i in range(both.lengths.size):  # rare: a row-wise AND keeps the code obvious
-            s0, n = int(both.starts[i]), int(both.lengths[i])
-            both.values[s0: s0 + n] &= o.values[o.starts[i]: o.starts[i] + n].astype(both.values.dtype)
-        sources[spec.mask] = both
-    cols = [c for c in cols if c in sources]
-    plan = pack(tok.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
-    if shuffle:
-        plan = plan.shuffled(seed)
-    _report_overflow(plan)
-
-    total = plan.total_tokens
-    if progress is None:
-        progress = total * len(cols) >= PROGRESS_TOKENS and datasets.utils.logging.is_progress_bar_enabled()
-    with progress_bar(total=total * len(cols), unit="tok", enabled=progress, desc="pack_dataset") as bar:
-        rows = pack_columns(plan, {c: (src.values, src.starts) for c, src in sources.items()},
-                            loss_mask=spec.mask, keep_mask=spec.keep_mask, mask_first_label=mask_first_label,
-                            num_threads=num_proc or 1, bar=bar)
-    names = list(rows.columns)
-    arrays = [_list_array(rows.row_offsets, rows.columns[c]) for c in names]
-    arrays.append(_list_array(rows.seq_offsets, rows.seq_lengths.astype(np.int32)))
-    names.append("seq_lengths")
-    if example_ids:
-        arrays.append(_list_array(rows.seq_offsets, rows.seg_example.astype(np.int64)))
-        names.append("example_ids")
     import pyarrow as pa
-    from datasets.fingerprint import update_fingerprint
+    from datasets.fingerprint import generate_fingerprint, generate_random_fingerprint, update_fingerprint
 
-    fingerprint = update_fingerprint(ds._fingerprint, "packkit.pack_dataset", dict(
-        window=window, strategy=strategy, overflow=overflow, columns=cols, seed=seed, shuffle=shuffle,
-        mask_first_label=mask_first_label, example_ids=example_ids))
-    out = datasets.Dataset(pa.Table.from_arrays(arrays, names=names), fingerprint=fingerprint)
+    from .sources import ArrowSource
+
+    on_disk = bool(ds.cache_files) if keep_in_memory is None else not keep_in_memory
+    if cache_file_name is not None:
+        on_disk = True
+    source = ArrowSource.from_dataset(ds)
+    progress = show_progress(source) if progress is None else progress
+    packed = plan_source(source, window=window, strategy=strategy, overflow=overflow,
+                         columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
+                         mask_first_label=mask_first_label, example_ids=example_ids, progress=progress)
+    plan = packed.plan
+    # A fingerprint that names the input and the arguments when the input is files on disk (datasets
+    # hashes their paths, not their tokens); an in-memory table would be hashed whole: a random one.
+    fingerprint = generate_random_fingerprint()
+    if ds.cache_files:
+        fingerprint = update_fingerprint(generate_fingerprint(ds), "packkit.pack_dataset", dict(
+            window=window, strategy=strategy, overflow=overflow, columns=packed.spec.read, seed=seed,
+            shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids))
+    total = plan.total_tokens * len(packed.spec.written())
+    with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
+        if on_disk:
+            from datasets.table import MemoryMappedTable
+
+            from .writers import ENCODING_FACTOR, write_batches
+
+            if cache_file_name is None:
+                folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
+                          else Path(datasets.config.HF_DATASETS_CACHE))
+                cache_file_name = folder / f"cache-packkit-{generate_random_fingerprint()}.arrow"
+            max_tokens = packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR["arrow"], in_flight=2)
+            write_batches(cache_file_name, packed.schema, packed.record_batches(max_tokens=max_tokens, bar=bar),
+                          format="arrow")
+            out = datasets.Dataset(MemoryMappedTable.from_file(str(cache_file_name)), fingerprint=fingerprint)
+        else:
+            batches = list(packed.record_batches(max_tokens=packed.chunk_tokens(buffer_bytes), bar=bar))
+            out = datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
     return (out, plan) if return_plan else out
 
 
@@ -345,6 +460,10 @@ def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
         return pack_dataset(dd[split], return_plan=return_plan, **kwargs)
     if not names:
         raise ValueError("the DatasetDict has no splits")
+    if kwargs.get("cache_file_name") is not None and len(names) > 1:
+        raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split "
+                            "({split}) or leave the cache file names to packkit", arg=arg("cache_file_name"),
+                            names=names, split=arg("split", metavar="NAME"))
     packed = {name: pack_dataset(dd[name], return_plan=return_plan, **kwargs) for name in names}
     kind = datasets.DatasetDict if isinstance(dd, datasets.DatasetDict) else datasets.IterableDatasetDict
     if return_plan:

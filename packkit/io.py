@@ -37,6 +37,8 @@ __all__ = [
     "list_lengths",
     "load_table",
     "load_dataset",
+    "parquet_batches",
+    "parquet_schema",
     "line_of_row",
     "read_lengths",
     "token_column",
@@ -423,6 +425,36 @@ def _unreadable(exc: BaseException) -> bool:
     return isinstance(exc, (pa.ArrowException, OSError))
 
 
+def _parquet_error(path, exc: BaseException) -> BaseException:
+    """The one-line error for a Parquet file pyarrow cannot read (other errors as they are)."""
+    if not _unreadable(exc):
+        return exc
+    return DataError(f"cannot read {str(path)!r} as Parquet (damaged, truncated, or not Parquet): {exc}")
+
+
+def parquet_schema(path):
+    """The ``pyarrow.Schema`` of a Parquet file (its footer only); a damaged file is one line."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(str(path)).schema_arrow
+    except Exception as exc:
+        raise _parquet_error(path, exc) from None
+
+
+def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
+    """Record batches of a Parquet file, decoded ``batch_rows`` rows at a time (memory: one batch and
+    the pages it needs, not the file); a damaged file is one line, wherever the damage is."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(str(path), memory_map=True, pre_buffer=False)
+        it = pf.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
+        yield from it
+    except Exception as exc:
+        raise _parquet_error(path, exc) from None
+
+
 def _read_arrow(path: Path):
     pa = _pa()
     import pyarrow.ipc as ipc
@@ -497,10 +529,7 @@ def load_table(path, *, split: str | None = None):
         try:
             return pq.read_table(str(path), memory_map=True)
         except Exception as exc:
-            if not _unreadable(exc):
-                raise
-            raise DataError(f"cannot read {str(path)!r} as Parquet (damaged, truncated, or not Parquet): "
-                            f"{exc}") from None
+            raise _parquet_error(path, exc) from None
     if suffix in (".arrow", ".feather", ".ipc"):
         return _read_arrow(path)
     if suffix in (".txt", ".text"):

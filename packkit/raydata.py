@@ -213,33 +213,20 @@ def _segments_table(values, labels, offsets):
     return pa.table(cols)
 
 
-def _labels_type(value_type):
-    """Labels keep a signed type of at least 16 bits (-100 must fit), else become int64."""
-    import pyarrow as pa
-
-    ok = value_type is not None and pa.types.is_signed_integer(value_type) and value_type.bit_width >= 16
-    return value_type if ok else pa.int64()
-
-
 def _rows_table(rows, has_labels: bool, value_type, label_type=None):
     """:class:`PackedColumns` -> the offline row format (input_ids, labels?, seq_lengths), one row a
-    window."""
+    window: :func:`packkit.hf.packed_schema` / :func:`packkit.hf.packed_batch`, as on one machine."""
     import pyarrow as pa
 
-    ids, labels = rows.input_ids, rows.labels
+    from .hf import packed_batch, packed_schema
 
+    columns = [("input_ids", value_type)] + ([("labels", label_type or value_type)] if has_labels else [])
     if rows.row_offsets[-1] > np.iinfo(np.int32).max:
         raise ValueError(
             f"one output block would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31): "
             "repartition the input into more blocks"
         )
-    offs = pa.array(rows.row_offsets.astype(np.int32))
-    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(ids, type=value_type))}
-    if has_labels:
-        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(labels, type=_labels_type(label_type)))
-    seq_offs = pa.array(rows.seq_offsets.astype(np.int32))
-    cols["seq_lengths"] = pa.ListArray.from_arrays(seq_offs, pa.array(rows.seq_lengths.astype(np.int32)))
-    return pa.table(cols)
+    return pa.Table.from_batches([packed_batch(rows, packed_schema(columns))])
 
 
 def _block_seed(seed: int | None, block: int) -> int | None:
@@ -520,7 +507,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     label_types = {info["label_type"] for info in infos if info["lengths"].size and info["label_type"]}
     label_type = max(label_types, key=lambda t: t.bit_width) if label_types else None
     if mask_key is not None and not given_labels:
-        label_type = value_type  # labels are the masked token ids (_labels_type widens them if needed)
+        label_type = value_type  # labels are the masked token ids (packed_schema widens them if needed)
     opts = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle,
                 tail_slack=float(tail_slack), input_key=input_key, label_key=label_key, mask_key=mask_key,
                 has_labels=given_labels is not None or mask_key is not None, label_type=label_type,

@@ -250,16 +250,15 @@ def test_disk_full_while_writing_leaves_the_old_output(files, tmp_path, capsys, 
     the temporary file is removed and the previous OUT is untouched."""
     import errno
 
-    from packkit.cli import pack as pack_cmd
+    from packkit import writers
 
     out = tmp_path / "out.parquet"
     out.write_bytes(b"the previous complete output")
 
-    def full_disk(ds, path, fmt):
-        path.write_bytes(b"half a parq")
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full_disk(self, batch):  # the first record batch finds the disk full
+        raise OSError(errno.ENOSPC, "No space left on device", "out.parquet")
 
-    monkeypatch.setattr(pack_cmd, "_write", full_disk)
+    monkeypatch.setattr(writers._ParquetSink, "write", full_disk)
     code, _, err = run(["pack", str(files["jsonl"]), str(out), "-w", "6", "--overwrite"], capsys)
     assert code == 4 and err.count("\n") == 1 and "No space left on device" in err
     assert out.read_bytes() == b"the previous complete output"

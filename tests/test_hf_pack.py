@@ -142,14 +142,17 @@ def test_pack_dataset_nothing_lost_and_capacity(case, strategy, overflow, shuffl
     assert set(lab) == set(got)
 
 
-def test_default_rows_are_shuffled_and_deterministic():
-    ds = make_ds(np.random.default_rng(3).integers(1, 30, 300).tolist())
+def test_default_rows_are_shuffled_and_deterministic(tmp_path):
+    make_ds(np.random.default_rng(3).integers(1, 30, 300).tolist()).save_to_disk(str(tmp_path / "ds"))
+    ds = datasets.load_from_disk(str(tmp_path / "ds"))
     a = pack_dataset(ds, window=32)
     b = pack_dataset(ds, window=32)
     c = pack_dataset(ds, window=32, seed=1)
     unshuffled, plan = pack_dataset(ds, window=32, shuffle=False, return_plan=True)
     assert a["input_ids"] == b["input_ids"] and a["seq_lengths"] == b["seq_lengths"]
+    # on-disk input: the fingerprint names the input and the arguments (datasets' caching works)
     assert a._fingerprint == b._fingerprint != c._fingerprint
+    assert a.cache_files != b.cache_files  # two cache files beside the dataset's, never one overwritten
     assert a["input_ids"] != c["input_ids"]
     assert sorted(map(tuple, a["input_ids"])) == sorted(map(tuple, unshuffled["input_ids"]))
     # BFD's own order opens windows for the longest examples first; the default order does not
@@ -265,16 +268,34 @@ def test_negative_id_outside_a_selection_is_ignored():
     assert sorted(pack_dataset(ds, window=8)["input_ids"][0]) == [1, 2, 3]
 
 
-def test_large_list_output(monkeypatch):
-    """Past MAX_LIST_TOKENS a column gets 64-bit offsets (large_list); the rows are the same."""
+def test_output_past_int32_offsets_is_many_record_batches(monkeypatch):
+    """A record batch never passes MAX_LIST_TOKENS (int32 list offsets), so an output of more tokens
+    is several batches of ``list`` columns (no large_list needed); the rows are the same."""
     import packkit.hf as hf
 
     ds = make_ds([3, 4, 5], labels=False)
     small = pack_dataset(ds, window=6, shuffle=False)
     monkeypatch.setattr(hf, "MAX_LIST_TOKENS", 5)
     big = pack_dataset(ds, window=6, shuffle=False)
-    assert pa.types.is_large_list(big.data.table.column("input_ids").type)
+    col = big.with_format("arrow")[:]["input_ids"]
+    assert pa.types.is_list(col.type) and col.num_chunks == 3
     assert big["input_ids"] == small["input_ids"]
+
+
+@pytest.mark.parametrize("buffer_bytes", [1, 64, 10**9])
+def test_any_buffer_size_gives_the_same_rows(tmp_path, buffer_bytes):
+    """The chunked gather (windows a buffer at a time, a window alone when it is bigger) writes the
+    rows of one whole gather, in memory and through the cache file."""
+    lengths = np.random.default_rng(8).integers(1, 40, 300).tolist()
+    ds = make_ds(lengths)
+    ref, plan = pack_dataset(ds, window=48, return_plan=True, buffer_bytes=10**9)
+    ds.save_to_disk(str(tmp_path / "ds"))
+    disk = datasets.load_from_disk(str(tmp_path / "ds"))
+    for source in (ds, disk):
+        got = pack_dataset(source, window=48, buffer_bytes=buffer_bytes)
+        assert got[:] == ref[:]
+    assert got.cache_files and got.cache_files[0]["filename"].startswith(str(tmp_path / "ds"))
+    assert reassemble(ref, plan) == {i: t for i, t in enumerate(ds["input_ids"])}
 
 
 # -- review regressions ---------------------------------------------------------------------------

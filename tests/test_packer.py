@@ -132,3 +132,27 @@ def test_mask_keys_are_the_collators():
     collate = pytest.importorskip("packkit.collate")
     from packkit import examples
     assert MASK_KEYS is collate.MASK_KEYS is examples.MASK_KEYS  # one definition, packkit.examples
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=80), st.sampled_from([1, 10**9]),
+       st.integers(1, 2))
+def test_copy_segments_strided_groups_and_slices_agree(segs, min_segments, threads):
+    """Both ways copy_segments copies (strided length groups, single slices) put every segment at its
+    destination; the threshold is forced to send every group one way or the other."""
+    from unittest import mock
+
+    import packkit.packer as packer
+
+    values = np.arange(300, dtype=np.int64) * 7
+    segs = [(s, min(n, 300 - s)) for s, n in segs]
+    lengths = [n for _, n in segs]
+    dst = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64) if segs else np.zeros(0, np.int64)
+    perm = np.random.default_rng(len(segs)).permutation(len(segs))  # destinations in any order
+    out = np.full(sum(lengths) + 3, -1, np.int64)
+    with mock.patch.object(packer, "STRIDED_MIN_SEGMENTS", min_segments):
+        packer.copy_segments(out, dst[perm], values, np.array([s for s, _ in segs], np.int64)[perm],
+                             np.array(lengths, np.int64)[perm], num_threads=threads)
+    ref = [t for s, n in segs for t in values[s: s + n].tolist()]
+    assert out[: len(ref)].tolist() == ref and (out[len(ref):] == -1).all()

@@ -1,8 +1,15 @@
 """``packkit pack IN OUT --window W``: pack a dataset file offline into windows.
 
-OUT's format follows its name (:data:`OUTPUT_FORMATS`): ``.parquet``, ``.jsonl``, ``.arrow`` (an Arrow IPC
-stream, the format of the ``datasets`` cache: ``datasets.Dataset.from_file`` reads it), or a name
-without a suffix: a folder written with ``save_to_disk`` (``datasets.load_from_disk``).
+OUT's format follows its name (:data:`packkit.writers.FORMATS`): ``.parquet``, ``.jsonl``, ``.arrow``
+(an Arrow IPC stream, the format of the ``datasets`` cache: ``datasets.Dataset.from_file`` reads it),
+``.feather`` (an Arrow IPC file), or a name without a suffix: a folder written with ``save_to_disk``
+(``datasets.load_from_disk``).
+
+Out of core: IN is read once for its lengths (memory-mapped where it is Arrow: a ``save_to_disk``
+folder, an ``.arrow`` file; parquet is staged through a memory-mapped Arrow file beside OUT), and
+the packed rows are gathered and written a record batch at a time (:mod:`packkit.writers`), so memory
+holds the plan and ``--buffer-mb`` of rows, never the tokens (JSON lines and text input are parsed
+into memory first).
 
 OUT is written beside its final name and renamed into place when complete
 (:func:`packkit.fileio.atomic_output`): killed at any moment, OUT holds its previous content or does
@@ -22,25 +29,16 @@ from pathlib import Path
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..errors import ArgumentError, DataError, arg
-from ..fileio import atomic_output, check_output
+from ..hf import DEFAULT_BUFFER_BYTES, plan_source, show_progress
+from ..fileio import check_output
+from ..writers import output_format
 from ._chat import add_tokenizer_arguments, chat_options
 
-#: OUT's suffix (lower case) -> the format written; no suffix is a ``save_to_disk`` folder.
-OUTPUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl",
-                  ".ndjson": "jsonl", ".arrow": "arrow", "": "folder"}
 FORMAT_NAMES = {"parquet": "parquet", "jsonl": "JSON lines", "arrow": "an Arrow IPC stream",
-                "folder": "a datasets folder (load with datasets.load_from_disk)"}
-#: The library's ``column`` (the token column) is the first of ``--columns`` here.
-ALIASES = {"column": "columns"}
-
-
-def output_format(out: Path) -> str:
-    """``out.parquet -> "parquet"``, ``packed -> "folder"``; an unknown suffix is a usage error."""
-    fmt = OUTPUT_FORMATS.get(out.suffix.lower())
-    if fmt is None:
-        raise ArgumentError(f"cannot write {str(out)!r}: unknown output format {out.suffix!r}; name OUT "
-                            ".parquet, .jsonl, .arrow, or a folder without a suffix (save_to_disk)")
-    return fmt
+                "feather": "an Arrow IPC file", "folder": "a datasets folder (load with datasets.load_from_disk)"}
+#: The library's ``column`` (the token column) is the first of ``--columns`` here; ``buffer_bytes``
+#: is ``--buffer-mb`` (MiB).
+ALIASES = {"column": "columns", "buffer_bytes": "buffer_mb"}
 
 
 def parser() -> Parser:
@@ -54,8 +52,8 @@ def parser() -> Parser:
                     "replaced only with --overwrite.",
     )
     p.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
-    p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow (Arrow IPC stream), or a folder name "
-                                  "(save_to_disk); its folder must exist")
+    p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow (Arrow IPC stream), OUT.feather (Arrow IPC "
+                                  "file), or a folder name (save_to_disk); its folder must exist")
     p.add_argument("-w", "--window", type=int, required=True, help="tokens per window")
     p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
                    help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
@@ -72,6 +70,9 @@ def parser() -> Parser:
     p.add_argument("--no-shuffle", action="store_true", help="keep the planner's window order")
     p.add_argument("--example-ids", action="store_true", help="also write the source row of every segment")
     p.add_argument("--num-proc", type=int, default=None, help="threads for the token copy (default 1)")
+    p.add_argument("--buffer-mb", type=int, default=None,
+                   help=f"memory for packed rows in flight, in MiB (default {DEFAULT_BUFFER_BYTES >> 20}); "
+                        "the tokens are read from IN as needed, never held whole")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing OUT (never IN, nor a folder holding IN)")
     p.add_argument("--json", action="store_true",
@@ -80,25 +81,30 @@ def parser() -> Parser:
     return p
 
 
-def _write(ds, path: Path, fmt: str) -> None:
-    """Write ``ds`` to ``path`` (a temporary name beside OUT) in ``fmt``."""
-    if fmt == "parquet":
-        ds.to_parquet(str(path))
-    elif fmt == "jsonl":
-        ds.to_json(str(path), lines=True)
-    elif fmt == "arrow":
-        import pyarrow as pa
+def _source(src: Path, out: Path, args, columns, quiet: bool):
+    """IN as a :class:`packkit.sources.ArrowSource` (memory-mapped where the format allows), and how
+    its tokens were made (None: IN holds them)."""
+    from .. import io as pio
+    from ..sources import ArrowSource
 
-        batches = ds.with_format("arrow").iter(batch_size=10_000)
-        first = next(batches, None)
-        schema = first.schema if first is not None else ds.features.arrow_schema
-        with pa.ipc.new_stream(str(path), schema) as writer:
-            if first is not None:
-                writer.write_table(first)
-            for table in batches:
-                writer.write_table(table)
+    stage_dir = out.parent if out.parent.is_dir() else None
+    token_col = columns[0] if columns else "input_ids"
+    if src.is_dir():
+        ds = pio.load_dataset(src, split=args.split)
+        if len(ds) == 0:
+            raise DataError(f"{str(src)!r} holds no examples")
+        if token_col in ds.column_names:
+            return ArrowSource.from_dataset(ds, stage_dir=stage_dir), None
+        table = ds.with_format("arrow")[:]  # text or conversations to tokenize
+    elif src.suffix.lower() in (".parquet", ".pq") and token_col in pio.parquet_schema(src).names:
+        return ArrowSource.from_parquet(src, stage_dir=stage_dir), None
     else:
-        ds.save_to_disk(str(path))
+        table = pio.load_table(src)  # memory-mapped for Arrow files; parsed into memory otherwise
+    table, how = pio.tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
+                                  chat=chat_options(args), progress=not quiet, where=repr(str(src)))
+    if table.num_rows == 0:
+        raise DataError(f"{str(src)!r} holds no examples")
+    return ArrowSource.from_table(table, stage_dir=stage_dir, describe=repr(str(src))), how
 
 
 def run(args, options=None) -> int:
@@ -108,6 +114,9 @@ def run(args, options=None) -> int:
     check_seed(args.seed)
     if args.num_proc is not None and (not isinstance(args.num_proc, numbers.Integral) or args.num_proc < 1):
         raise ArgumentError("{arg} must be a positive integer, got {n}", arg=arg("num_proc"), n=args.num_proc)
+    if args.buffer_mb is not None and args.buffer_mb < 1:
+        raise ArgumentError("{arg} must be at least 1 MiB, got {n}", arg=arg("buffer_bytes"), n=args.buffer_mb)
+    buffer_bytes = DEFAULT_BUFFER_BYTES if args.buffer_mb is None else args.buffer_mb * 2**20
     src, out = Path(args.input), Path(args.output)
     fmt = output_format(out)
     from .. import io as pio
@@ -120,52 +129,38 @@ def run(args, options=None) -> int:
     require("datasets", "pyarrow")
 
     import datasets
-    import pyarrow as pa
 
-    from ..hf import pack_dataset
+    from ..io import progress_bar
+    from ..writers import ENCODING_FACTOR, write_batches
 
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     quiet = args.quiet or args.json
     if quiet:
         datasets.disable_progress_bars()
+    # What the overflow policy did is printed below; the library's log line would repeat it on stderr.
+    logging.getLogger("packkit").setLevel(logging.ERROR)
     with rows_as_lines(src):
-        if src.is_dir():
-            ds = pio.load_dataset(src, split=args.split)
-            if columns is None and "input_ids" not in ds.column_names:  # text or conversations to tokenize
-                table = ds.data.table if getattr(ds, "_indices", None) is None else ds.flatten_indices().data.table
-                ds = None
-        else:
-            table = pio.load_table(src)
-            ds = None
-        how = None
-        if ds is None:
-            token_col = columns[0] if columns else "input_ids"
-            table, how = pio.tokens_table(table, column=token_col, text_column=args.text_column,
-                                          tokenizer=args.tokenizer, chat=chat_options(args), progress=not quiet,
-                                          where=repr(str(src)))
-            if table.num_rows == 0:
-                raise DataError(f"{str(src)!r} holds no examples")
-            ds = datasets.Dataset(pa.Table.from_arrays([table.column(c) for c in table.column_names],
-                                                       names=table.column_names),
-                                  fingerprint=datasets.fingerprint.generate_random_fingerprint())
-        if len(ds) == 0:
-            raise DataError(f"{str(src)!r} holds no examples")
-        # What the overflow policy did is printed below; the library's log line would repeat it on stderr.
-        logging.getLogger("packkit").setLevel(logging.ERROR)
-        packed, plan = pack_dataset(
-            ds, window=args.window, strategy=args.strategy, overflow=args.overflow, columns=columns, seed=args.seed,
-            shuffle=not args.no_shuffle, num_proc=args.num_proc, example_ids=args.example_ids,
-            progress=None if not quiet else False, return_plan=True)
-    with atomic_output(out, kind=kind, inputs=[src], overwrite=args.overwrite) as tmp:
-        _write(packed, tmp, fmt)
+        source, how = _source(src, out, args, columns, quiet)
+        packed = plan_source(source, window=args.window, strategy=args.strategy, overflow=args.overflow,
+                             columns=columns, seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc,
+                             example_ids=args.example_ids, progress=False if quiet else None, who="packkit pack")
+        plan = packed.plan
+        # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
+        max_tokens = packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR[fmt], in_flight=2)
+        total = plan.total_tokens * len(packed.spec.written())
+        with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
+                          desc="packkit pack") as bar:
+            write_batches(out, packed.schema, packed.record_batches(max_tokens=max_tokens, bar=bar), format=fmt,
+                          inputs=[src], overwrite=args.overwrite)
+    names = packed.schema.names
 
     s = plan.summary()
     input_tokens = s["tokens"] + s["cut_tokens"]
     note = overflow_note(s["overflow"], over=s["overflow_examples"], examples=s["examples"], cut=s["cut_tokens"],
                          tokens=input_tokens)
     if args.json:
-        print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": packed.column_names,
-                          "rows": len(packed), "input_tokens": input_tokens, "seed": args.seed,
+        print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": names,
+                          "rows": plan.num_windows, "input_tokens": input_tokens, "seed": args.seed,
                           "shuffled": not args.no_shuffle, "tokenized": how, **s}))
         return 0
     if how is not None:
@@ -174,5 +169,5 @@ def run(args, options=None) -> int:
           f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
     if note is not None:
         print(note.render(options))
-    print(f"wrote {str(out)!r} as {FORMAT_NAMES[fmt]}; columns {packed.column_names}")
+    print(f"wrote {str(out)!r} as {FORMAT_NAMES[fmt]}; columns {names}")
     return 0

@@ -1,0 +1,364 @@
+"""Where offline packing reads tokens from: record batches in order, seen as flat numpy views.
+
+A dataset arrives as Arrow record batches in dataset order (a ``datasets.Dataset``, a memory-mapped
+Arrow file, a parquet file read a row group at a time). :func:`scan` turns its list columns into
+:class:`~packkit.packer.FlatColumn`\\ s *without copying a token* wherever the batches are views of
+memory that stays valid, and checks every batch as it passes::
+
+    memory-mapped Arrow file (datasets cache, save_to_disk shard, .arrow)
+    +--------+--------------------+--------+--------------------+------
+    | batch0 | input_ids values 0 | batch1 | input_ids values 1 | ...      one mmap: one region
+    +--------+--------------------+--------+--------------------+------
+               ^ starts[i] = (address of example i's first token - address of the map) / itemsize
+
+Every record batch of one file is a slice of one memory map (pyarrow's ``Buffer.parent`` chain ends
+there), so all its batches become one numpy array over the map (a *region*) and an example is a start
+inside it. A gather then reads only the pages its segments touch: the tokens stay in the page cache
+(file-backed memory, which the kernel can drop), not in the process's anonymous memory.
+
+Batches that are copies (rows taken through a ``select`` / ``shuffle`` view of a dataset, parquet
+decoded a row group at a time) or columns numpy cannot view (Arrow's bit-packed booleans) are
+*staged*: appended to a temporary Arrow file beside the output, which is memory-mapped and unlinked
+once the scan ends (so nothing is left behind, even if the process is killed later). Either way the
+anonymous memory the scan holds is a few arrays of one entry per example, plus one batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .fileio import TMP_MARK
+from .packer import FlatColumn
+
+__all__ = ["ArrowSource", "Scan", "scan", "DEFAULT_BATCH_ROWS"]
+
+#: Rows per record batch read from a ``datasets.Dataset`` or a parquet file (bounds a staged batch).
+DEFAULT_BATCH_ROWS = 4096
+
+
+def _pa():
+    import pyarrow
+
+    return pyarrow
+
+
+def _root(buf):
+    """The buffer ``buf`` is a slice of, at the top of its ``parent`` chain (a memory map, or an allocation)."""
+    while buf.parent is not None:
+        buf = buf.parent
+    return buf
+
+
+@dataclasses.dataclass
+class ArrowSource:
+    """Record batches of a dataset in dataset order, and which of them stay valid without a copy.
+
+    Fields:
+        schema: the ``pyarrow.Schema`` of the batches (all columns).
+        batches: ``batches(columns) -> iterator of (pyarrow.RecordBatch, is_view)``: ``is_view`` is
+            True when the batch's buffers are views of memory that outlives the scan (a memory map,
+            an in-memory table kept alive by the source); False batches are staged.
+        stage_dir: folder for the staging file (default: the system's temporary folder).
+        describe: words for messages (``"'data.parquet'"``).
+        keep: objects the views depend on (kept alive with the source).
+        nbytes: about how many bytes the source holds (to decide whether a progress bar is worth it).
+    """
+
+    schema: object
+    batches: object
+    stage_dir: Path | None = None
+    describe: str = "the dataset"
+    keep: list = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def names(self) -> list:
+        return list(self.schema.names)
+
+    @classmethod
+    def from_table(cls, table, *, stage_dir=None, describe: str = "the table") -> "ArrowSource":
+        """A ``pyarrow.Table`` (in memory or memory-mapped): every batch is a view of it."""
+
+        def batches(columns):
+            for batch in table.select(list(columns)).to_batches():
+                yield batch, True
+
+        return cls(table.schema, batches, stage_dir, describe, [table], table.nbytes)
+
+    @classmethod
+    def from_parquet(cls, path, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":
+        """A parquet file, decoded ``batch_rows`` rows at a time (:func:`packkit.io.parquet_batches`);
+        every batch is a fresh copy, so all of it is staged to a memory-mapped file."""
+        from .io import parquet_batches, parquet_schema
+
+        path = Path(path)
+
+        def batches(columns):
+            for batch in parquet_batches(path, columns=list(columns), batch_rows=batch_rows):
+                yield batch, False
+
+        return cls(parquet_schema(path), batches, stage_dir if stage_dir is not None else path.parent,
+                   repr(str(path)), nbytes=path.stat().st_size)
+
+    @classmethod
+    def from_dataset(cls, ds, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":
+        """A ``datasets.Dataset``, read through its public API (``with_format("arrow").iter``).
+
+        A batch whose buffers belong to ``ds.data`` (the Arrow table backing the dataset: memory-mapped
+        cache files, or an in-memory table) is a view; rows gathered through a selection or shuffle
+        (an indices mapping) are copies, and are staged.
+        """
+        if stage_dir is None and ds.cache_files:
+            stage_dir = Path(ds.cache_files[0]["filename"]).parent
+
+        def batches(columns):
+            columns = list(columns)
+            backing = set()
+            for c in columns:
+                for chunk in ds.data.column(c).chunks:
+                    buf = chunk.values.buffers()[1] if chunk.values.buffers()[1:] else None
+                    if buf is not None:
+                        backing.add(_root(buf).address)
+            view = ds.with_format("arrow", columns=columns)
+            for table in view.iter(batch_size=batch_rows):
+                for batch in table.to_batches():
+                    yield batch, all(_is_view_of(batch.column(c), backing) for c in columns)
+
+        return cls(ds.features.arrow_schema, batches, stage_dir, "the dataset", [ds], ds.data.nbytes)
+
+
+def _is_view_of(arr, roots: set) -> bool:
+    bufs = arr.values.buffers() if hasattr(arr, "values") else []
+    return len(bufs) > 1 and bufs[1] is not None and _root(bufs[1]).address in roots
+
+
+# ----------------------------------------------------------------------------------------------
+# the scan
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Scan:
+    """What :func:`scan` found: the columns as flat views, the example lengths, the value types.
+
+    Fields:
+        columns: name -> :class:`~packkit.packer.FlatColumn` (staged booleans read as uint8)
+        lengths: (num_examples,) int64, examples' lengths (the token column's)
+        types:   name -> the pyarrow value type of the source column
+        staged_rows: rows that went through the staging file (0 when every batch was a view)
+    """
+
+    columns: dict
+    lengths: np.ndarray
+    types: dict
+    staged_rows: int = 0
+
+
+class _Regions:
+    """Numpy views over the root buffers of one column, one per (root, dtype)."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        self.index: dict = {}
+        self.views: list = []
+
+    def locate(self, buf) -> tuple[int, int]:
+        """``(region, element offset of buf inside it)`` for a values buffer ``buf``."""
+        item = self.dtype.itemsize
+        root = _root(buf)
+        delta = buf.address - root.address
+        if delta % item or root.address % item:  # not viewable as this dtype from the root: alone
+            root, delta = buf, 0
+        key = (root.address, root.size)
+        r = self.index.get(key)
+        if r is None:
+            r = self.index[key] = len(self.views)
+            self.views.append(np.frombuffer(root, self.dtype, count=root.size // item))
+        return r, delta // item
+
+
+def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None) -> Scan:
+    """Read ``columns`` of ``source`` once, batch by batch, into flat views (module docstring).
+
+    Args:
+        source: an :class:`ArrowSource`.
+        columns: list column names, the token column first.
+        kinds: name -> ``"ids"``, ``"labels"``, ``"mask"`` or ``"other"`` (:mod:`packkit.examples`'
+            kinds; default: the first column ids, the rest other). Each batch's column is read by
+            :func:`packkit.examples.list_chunks` (types checked, errors naming the dataset row). A
+            null row of a ``labels`` column reads the example's token ids, one of a ``mask`` column
+            reads ones (the example does not have that key), without a copy.
+        check: ``check(name, values, offsets, valid, row, token_lengths)`` called on every batch's
+            column (flat ``values`` with ``(n + 1,)`` ``offsets`` from 0, ``valid`` the non-null mask
+            or None, ``row`` the dataset row of its first example); it raises on bad values.
+        progress: a bar advanced by rows scanned, or None.
+    """
+    pa = _pa()
+    import pyarrow.compute as pc
+    import pyarrow.ipc as ipc
+
+    from .examples import list_chunks
+
+    columns = list(columns)
+    kinds = dict(kinds or {}) or {c: "ids" if i == 0 else "other" for i, c in enumerate(columns)}
+    token = columns[0]
+    types = {c: _list_value_type(source.schema.field(c).type, c) for c in columns}
+    regions: dict = {}
+    parts = {c: [] for c in columns}  # per column: (region, starts) or ("staged", batch index)
+    valid_parts = {c: [] for c in columns}
+    length_parts: list = []
+    stage = None  # (path, file, writer) while staging
+    staged_batches: list = []  # the dataset row of every staged batch
+    row = 0
+    try:
+        for batch, is_view in source.batches(columns):
+            if batch.num_rows == 0:
+                continue
+            lengths = None
+            for c in columns:
+                ((values, offsets, valid, _),) = list_chunks(batch.column(c), key=c, kind=kinds.get(c, "other"),
+                                                             rows=row)
+                if lengths is None:
+                    lengths = np.diff(offsets)
+                if check is not None:
+                    check(c, values, offsets, valid, row, lengths)
+                valid_parts[c].append(np.ones(batch.num_rows, bool) if valid is None else valid)
+            length_parts.append(lengths)
+            viewable = is_view and all(not pa.types.is_boolean(types[c]) for c in columns)
+            if viewable:
+                for c in columns:
+                    parts[c].append(_locate(regions, c, batch.column(c)))
+            else:
+                if stage is None:
+                    stage = _open_stage(source, columns, types)
+                stage[2].write_batch(_stageable(batch, columns, types, pc))
+                for c in columns:
+                    parts[c].append(("staged", len(staged_batches)))
+                staged_batches.append(row)
+            row += batch.num_rows
+            if progress is not None:
+                progress.update(batch.num_rows)
+        staged_rows = 0
+        if stage is not None:
+            path, fh, writer = stage
+            writer.close()
+            fh.close()
+            mapped = ipc.open_stream(pa.memory_map(str(path))).read_all()
+            source.keep.append(mapped)
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # the map keeps the data; nothing is left on disk
+            stage = None
+            batches = mapped.to_batches()
+            if len(batches) != len(staged_batches):  # pragma: no cover - one write_batch, one batch
+                raise RuntimeError("the staging file does not hold the batches written to it")
+            for c in columns:
+                parts[c] = [_locate(regions, c, batches[p[1]].column(c)) if isinstance(p[0], str) else p
+                            for p in parts[c]]
+            staged_rows = sum(b.num_rows for b in batches)
+    finally:
+        if stage is not None:  # an error while staging: remove the partial file
+            stage[2].close()
+            stage[1].close()
+            with contextlib.suppress(OSError):
+                os.unlink(stage[0])
+    lengths = np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64)
+    out = {}
+    for c in columns:
+        reg = regions.get(c) or _Regions(_numpy_type(types.get(c)))
+        if not reg.views:
+            reg.views.append(np.zeros(0, reg.dtype))
+        region = np.concatenate([p[0] for p in parts[c]]) if parts[c] else np.zeros(0, np.int32)
+        starts = np.concatenate([p[1] for p in parts[c]]) if parts[c] else np.zeros(0, np.int64)
+        out[c] = FlatColumn(reg.views, region if len(reg.views) > 1 else None, starts)
+    for c in columns[1:]:
+        valid = np.concatenate(valid_parts[c]) if valid_parts[c] else np.ones(0, bool)
+        if not valid.all():
+            out[c] = _fill_nulls(out[c], ~valid, out[token], lengths, ones=kinds.get(c) == "mask")
+    return Scan(out, lengths, types, staged_rows)
+
+
+def _fill_nulls(col: FlatColumn, null: np.ndarray, tokens: FlatColumn, lengths: np.ndarray, *,
+                ones: bool) -> FlatColumn:
+    """``col`` with its null rows reading the example's token ids (labels) or ones (a loss mask), as
+    :mod:`packkit.examples` says an example without that key reads: extra regions, no copy of a token."""
+    n = col.starts.size
+    region = np.zeros(n, np.int32) if col.region is None else col.region.astype(np.int32, copy=True)
+    starts = col.starts.copy()
+    rows = np.flatnonzero(null)
+    if ones:
+        fill = [np.ones(int(lengths[rows].max(initial=0)), col.dtype)]
+        region[rows] = len(col.regions)
+        starts[rows] = 0
+        return FlatColumn(col.regions + fill, region, starts)
+    tok_region = np.zeros(n, np.int32) if tokens.region is None else tokens.region
+    region[rows] = len(col.regions) + tok_region[rows]
+    starts[rows] = tokens.starts[rows]
+    dtype = np.result_type(col.dtype, tokens.dtype)
+    return FlatColumn(col.regions + tokens.regions, region, starts, dtype=dtype)
+
+
+def _list_value_type(t, name: str):
+    pa = _pa()
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        raise TypeError(f"column {name!r} holds {t}, not lists of token ids: it cannot be packed")
+    return t.value_type
+
+
+def _numpy_type(vtype):
+    pa = _pa()
+    if vtype is None or pa.types.is_boolean(vtype):
+        return np.uint8 if vtype is not None else np.int64
+    return vtype.to_pandas_dtype()
+
+
+def _locate(regions: dict, name: str, arr) -> tuple[np.ndarray, np.ndarray]:
+    """(region, starts) of every example of list array ``arr`` (a view: no copy)."""
+    off = arr.offsets.to_numpy().astype(np.int64, copy=False)
+    child = arr.values
+    reg = regions.get(name)
+    if reg is None:
+        reg = regions[name] = _Regions(child.type.to_pandas_dtype())
+    buf = child.buffers()[1]
+    if buf is None:  # no values at all (every list empty): an empty region, nothing is read there
+        key = ("empty", reg.dtype.str)
+        if key not in reg.index:
+            reg.index[key] = len(reg.views)
+            reg.views.append(np.zeros(0, reg.dtype))
+        r, base = reg.index[key], 0
+    else:
+        r, base = reg.locate(buf)
+    n = len(arr)
+    return np.full(n, r, np.int32), base + child.offset + off[:-1]
+
+
+def _open_stage(source: ArrowSource, columns, types):
+    """A temporary Arrow stream file beside the output, for batches that are not views."""
+    pa = _pa()
+    import pyarrow.ipc as ipc
+
+    folder = Path(source.stage_dir) if source.stage_dir is not None else Path(tempfile.gettempdir())
+    fd, path = tempfile.mkstemp(prefix=f".staged{TMP_MARK}", suffix=".arrow", dir=str(folder))
+    os.close(fd)
+    fields = [pa.field(c, pa.list_(pa.uint8() if pa.types.is_boolean(types[c]) else types[c])) for c in columns]
+    fh = pa.OSFile(path, "wb")
+    return Path(path), fh, ipc.new_stream(fh, pa.schema(fields))
+
+
+def _stageable(batch, columns, types, pc):
+    """The batch with boolean lists as uint8 lists (numpy cannot view Arrow's packed bits)."""
+    pa = _pa()
+    arrays = []
+    for c in columns:
+        arr = batch.column(c)
+        if pa.types.is_boolean(types[c]):
+            arr = pc.cast(arr, pa.list_(pa.uint8()))
+        elif pa.types.is_large_list(arr.type):
+            arr = pc.cast(arr, pa.list_(types[c]))  # one staging schema (a batch stays under 2**31 values)
+        arrays.append(arr)
+    return pa.RecordBatch.from_arrays(arrays, names=list(columns))
