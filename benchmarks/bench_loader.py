@@ -12,6 +12,9 @@ measured in the same run over the same dataset and the same batches:
 * ``pf_numpy``        the same over ``ds.with_format("numpy")``
 * ``pf_columnar``     ``DataLoader(ColumnarDataset(ds), collate_fn=PaddingFreeCollator())``: no token becomes
                       a Python object
+* ``floor``           (with workers only) a loader whose workers return one prebuilt batch of the same
+                      kind without fetching or collating: what the DataLoader's own worker protocol
+                      (indices out, batch back) costs, a ceiling for every provider
 
 The rounds of the providers alternate, so a burst of load on a shared machine hits all of them; each
 figure is the best of ``--repeats`` epochs. Prints a table last and one JSON line.
@@ -63,6 +66,29 @@ def loader(dataset, collate, *, workers: int, batch_size: int, seed: int):
                       prefetch_factor=4 if workers else None)
 
 
+class _Indices:
+    """A dataset whose batch is its indices (the floor provider fetches nothing)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitems__(self, indices):
+        return indices
+
+
+class _Ready:
+    """Returns one prebuilt batch for every batch of indices, scaled so an epoch counts ``total`` tokens."""
+
+    def __init__(self, batch, total: int, batches: int):
+        self.batch, self.scale = batch, total / (batch["input_ids"].numel() * batches)
+
+    def __call__(self, indices):
+        return self.batch
+
+
 def epoch(dl) -> tuple[float, int]:
     """Seconds for one pass over ``dl`` and the tokens it yielded."""
     start = time.perf_counter()
@@ -77,7 +103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="2,000 rows, one epoch each (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -101,10 +127,14 @@ def main(argv=None) -> int:
     assert torch.equal(ref["input_ids"], ours.input_ids) and torch.equal(ref["labels"], ours.labels)
     assert torch.equal(ref["position_ids"], ours.position_ids)
 
+    ready = PaddingFreeCollator()(providers["pf_columnar"][0].__getitems__(first))
     rows = []
     for workers in args.workers:
         loaders = {name: loader(d, c, workers=workers, batch_size=args.batch_size, seed=1)
                    for name, (d, c) in providers.items()}
+        if workers:
+            loaders["floor"] = loader(_Indices(len(ds)), _Ready(ready, total, len(ds) // args.batch_size + 1),
+                                      workers=workers, batch_size=args.batch_size, seed=1)
         best = {name: float("inf") for name in loaders}
         if workers:
             for dl in loaders.values():  # start the persistent workers; not timed
@@ -112,7 +142,10 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             for name, dl in loaders.items():
                 seconds, tokens = epoch(dl)
-                assert tokens == total, (name, tokens, total)
+                if name == "floor":  # its batches are copies of one: count the epoch's real tokens
+                    seconds /= dl.collate_fn.scale
+                else:
+                    assert tokens == total, (name, tokens, total)
                 best[name] = min(best[name], seconds)
         del loaders
         base = total / best["hf_flatten"]

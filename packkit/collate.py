@@ -211,9 +211,9 @@ def _reduce_by_value(batch):
     into a tensor by ``torch.from_numpy`` (no copy) on arrival.
 
     torch's own reducer moves every tensor into a new shared-memory segment and passes its file
-    descriptor: a fixed cost per tensor, measured at 0.3 to 1.5 ms on this project's 2-core machine,
-    while a batch of 13,000 tokens (4 tensors, 300 KB) goes through the queue by value in about
-    50 us. That fixed cost, not collation, capped a DataLoader with workers. Batches over
+    descriptor: a fixed cost per tensor that, for the few hundred kilobytes of a collated batch, costs
+    more than collating it and capped a DataLoader with workers (``benchmarks/bench_loader.py``: the
+    columnar path with 2 workers went from 2.1x to 36.5x of the baseline in one quick run). Batches over
     :data:`SHIP_BY_VALUE_BYTES`, or with a tensor off the CPU or of a dtype numpy lacks, keep torch's
     way. Registered with ``multiprocessing``'s ``ForkingPickler`` only: ``pickle`` and ``torch.save``
     are unchanged.
