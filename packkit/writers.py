@@ -203,7 +203,7 @@ def _sink(fmt: str, path: Path, schema, **options):
 
 
 def write_batches(target, schema, batches, *, format: str | None = None, inputs=(), overwrite: bool = False,
-                  overwrite_hint: str = "overwrite=True", background: bool = True, **options) -> Path:
+                  overwrite_hint: str | None = None, background: bool = True, **options) -> Path:
     """Write record ``batches`` (all of ``schema``) to ``target`` as they come, atomically.
 
     Args:

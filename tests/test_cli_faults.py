@@ -135,8 +135,6 @@ def data(tmp_path_factory):
         lines[150_000] = bad
         paths[name] = root / ("deep.jsonl" if name == "jsonl" else name)
         paths[name].write_text("\n".join(lines) + "\n")
-    paths["sigkill"] = root / "sigkill.parquet"  # 5,000 examples: each killed run costs little
-    pq.write_table(table.slice(0, 5_000), paths["sigkill"])
     paths["small"] = root / "small.jsonl"
     paths["small"].write_text("".join(json.dumps({"input_ids": [1, 2, 3][: 1 + i % 3]}) + "\n" for i in range(40)))
     return paths
@@ -146,7 +144,11 @@ def data(tmp_path_factory):
 # SIGKILL during real writes
 # ----------------------------------------------------------------------------------------------
 
-FORMATS = {"parquet": "out.parquet", "jsonl": "out.jsonl", "arrow": "out.arrow", "folder": "out"}
+#: Kills per format: the first with no previous output, the last two at any moment of the run, the others
+#: while the temporary output is being written.
+TRIALS = 6
+FORMATS = {"parquet": "out.parquet", "jsonl": "out.jsonl", "arrow": "out.arrow", "feather": "out.feather",
+           "folder": "out"}
 
 
 def read_output(path: Path, fmt: str):
@@ -157,6 +159,8 @@ def read_output(path: Path, fmt: str):
         return [json.loads(line)["input_ids"] for line in path.read_text().splitlines()]
     if fmt == "arrow":
         return pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column("input_ids").to_pylist()
+    if fmt == "feather":
+        return pa.ipc.open_file(pa.memory_map(str(path))).read_all().column("input_ids").to_pylist()
     return datasets.load_from_disk(str(path))["input_ids"]
 
 
@@ -169,7 +173,7 @@ def test_sigkill_at_random_moments_of_pack(tmp_path, data, fmt):
     """`packkit pack IN OUT --overwrite` killed with SIGKILL at random moments (most during the write,
     timed from the moment its temporary file appears): OUT is the previous complete output byte for
     byte, or the new complete output, or (with no previous output) absent. IN is never touched."""
-    src = data["sigkill"]
+    src = data["parquet"]
     src_digest = digest(src)
     out = tmp_path / FORMATS[fmt]
     argv = ("pack", src, out, "-w", "2048", "-q", "--overwrite")
@@ -196,7 +200,7 @@ def test_sigkill_at_random_moments_of_pack(tmp_path, data, fmt):
         old.write_bytes(b"previous complete " + fmt.encode())
     rng = random.Random(f"{fmt}-{os.getpid()}")
     outcomes = {"absent": 0, "old": 0, "new": 0}
-    for trial in range(3):
+    for trial in range(TRIALS):
         with Case():
             if out.is_dir():
                 shutil.rmtree(out)
@@ -208,7 +212,7 @@ def test_sigkill_at_random_moments_of_pack(tmp_path, data, fmt):
             old_digest = None if fresh else digest(out)
             proc = subprocess.Popen(packkit_argv(*argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     env=env())
-            if trial == 2:  # a kill at a uniformly random moment of the whole run
+            if trial >= TRIALS - 2:  # kills at uniformly random moments of the whole run
                 time.sleep(rng.uniform(0, end - t0))
             else:  # a kill while the temporary file is being written
                 deadline = time.monotonic() + 300
@@ -260,7 +264,7 @@ def test_folder_holding_the_input_is_refused(tmp_path, data):
 
 def test_existing_output_is_refused_without_overwrite(tmp_path, data):
     src = data["small"]
-    for name in ("o.parquet", "o.jsonl", "o.arrow", "o"):
+    for name in ("o.parquet", "o.jsonl", "o.arrow", "o.feather", "o"):
         with Case():
             out = tmp_path / name
             if name == "o":
