@@ -12,7 +12,7 @@ import pickle
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from packkit.batch import PackedBatch
@@ -220,6 +220,9 @@ OPS = ["set_use_cache", "set_labels", "set_shift_labels", "del_labels", "del_shi
 
 
 @given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2**16)), max_size=12), st.booleans())
+@example([], False)
+@example([("pop_labels", 0), ("copy", 0), ("rebuild_moved", 0)], True)  # counts outlive the labels
+@example([("del_labels", 0), ("set_shift_labels", 1), ("clear_and_refill", 0), ("set_4d_mask", 0)], False)
 def test_counts_equal_a_recount_after_any_operations(ops, windows):
     examples = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [IGNORE, IGNORE]},
                 {"input_ids": [6, 7, 8, 9], "labels": [6, IGNORE, 8, 9]}]

@@ -428,6 +428,9 @@ def test_as_lengths_returns_int64():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=0, max_size=30), st.integers(1, 12),
        st.sampled_from(["truncate", "split", "drop"]), st.booleans())
+@example([], 1, "split", True)  # no examples
+@example([40, 1], 1, "split", False)  # window 1: forty one-token pieces, then the next example
+@example([12, 12], 12, "drop", True)  # exactly the window: kept
 def test_apply_overflow_matches_reference(lengths, window, overflow, in_order):
     """Both layouts hold the reference's items; in_order lists them as the reference does; the
     planners' layout lists every example's first piece at its index, the later pieces after."""

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.cli import main
@@ -62,12 +62,16 @@ def files(tmp_path):
 
 
 @given(st.lists(st.text(max_size=12), max_size=10))
+@example([""])  # an empty text: an empty row
+@example(["é", "\U0001f600 x"])  # two- and four-byte characters
 def test_byte_tokenize_is_utf8(texts):
     assert byte_tokenize(texts).to_pylist() == [list(s.encode()) for s in texts]
 
 
 @settings(max_examples=30)
 @given(st.lists(st.lists(st.integers(0, 9), max_size=6), max_size=12), st.integers(0, 4), st.integers(0, 4))
+@example([], 0, 0)
+@example([[], [1]], 1, 1)  # an empty row; a slice that leaves one row in the second chunk
 def test_list_lengths_of_sliced_chunked_columns(rows, lo, split):
     arr = pa.array(rows, pa.list_(pa.int64()))
     lo = min(lo, len(rows))

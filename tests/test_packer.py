@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.binpack import pack
@@ -53,6 +53,9 @@ W_CASES = [1, 7, 8, 17]
     mask_first_label=st.booleans(),
     seed=st.integers(0, 3),
 )
+@example(lengths=[], window=1, overflow="split", with_labels=True, with_mask=True, mask_first_label=True, seed=0)
+@example(lengths=[40], window=1, overflow="split", with_labels=False, with_mask=True, mask_first_label=False, seed=1)
+@example(lengths=[8] * 5, window=8, overflow="drop", with_labels=True, with_mask=False, mask_first_label=True, seed=2)
 def test_pack_columns_matches_reference(lengths, window, overflow, with_labels, with_mask, mask_first_label, seed):
     """Tokens, labels (given, from a loss mask, first label masked) and row/segment layout, exactly."""
     rng = np.random.default_rng(seed)
@@ -138,6 +141,8 @@ def test_mask_keys_are_the_collators():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 40)), max_size=80), st.sampled_from([1, 10**9]),
        st.integers(1, 2))
+@example([], 1, 2)  # nothing to copy
+@example([(200, 40)] * 3, 1, 1)  # the same segment three times, the last values of the source
 def test_copy_segments_strided_groups_and_slices_agree(segs, min_segments, threads):
     """Both ways copy_segments copies (strided length groups, single slices) put every segment at its
     destination; the threshold is forced to send every group one way or the other."""
