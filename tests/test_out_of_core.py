@@ -386,3 +386,34 @@ def test_missing_keys_and_both_masks_per_example(tmp_path, where):
             assert ids[pos: pos + n] == ds[e]["input_ids"]
             assert labels[pos: pos + n] == [IGNORE_INDEX] + want[e][1:]
             pos += n
+
+
+def test_parquet_is_read_in_order_a_batch_at_a_time(tmp_path):
+    import pyarrow.parquet as pq
+
+    import packkit.io as pio
+
+    t = pa.table(_examples(3000, labels=True))
+    pq.write_table(t, tmp_path / "in.parquet", row_group_size=257)
+    batches = list(pio.parquet_batches(tmp_path / "in.parquet", batch_rows=100))
+    assert max(b.num_rows for b in batches) <= 100 and pa.Table.from_batches(batches).equals(t)
+
+
+def test_prefetch_keeps_order_errors_and_stops():
+    from packkit.sources import prefetch
+
+    assert list(prefetch(iter(range(50)), depth=2)) == list(range(50))
+
+    def broken():
+        yield 1
+        yield 2
+        raise OSError("damaged page")
+
+    got = []
+    with pytest.raises(OSError, match="damaged page"):
+        for x in prefetch(broken()):
+            got.append(x)
+    assert got == [1, 2]
+    it = prefetch(iter(range(10**9)), depth=2)  # an early stop ends the producer thread
+    assert next(it) == 0
+    it.close()
