@@ -75,7 +75,8 @@ def hf_single_process(table, window):
 
     import inspect
 
-    ds = datasets.Dataset(InMemoryTable(table))
+    # A given fingerprint: otherwise datasets hashes every token to make one (seconds, not packing).
+    ds = datasets.Dataset(InMemoryTable(table), fingerprint=datasets.fingerprint.generate_random_fingerprint())
     quiet = {"progress": False} if "progress" in inspect.signature(hf.pack_dataset).parameters else {}
     out = hf.pack_dataset(ds, window=window, overflow="split", **quiet)
     packed = out[0] if isinstance(out, tuple) else out
