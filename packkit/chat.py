@@ -59,6 +59,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .errors import ArgumentError, DataError, arg
+from .segments import lengths_to_offsets
 
 __all__ = [
     "CHAT_FORMATS",
@@ -129,8 +130,7 @@ def common_prefix_lengths(a_offsets, a_values, b_offsets, b_values) -> np.ndarra
     if rows.size == 0:
         return out
     seg = np.repeat(rows, m[rows])
-    starts = np.zeros(rows.size, np.int64)
-    np.cumsum(m[rows][:-1], out=starts[1:])
+    starts = lengths_to_offsets(m[rows])[:-1]
     j = np.arange(seg.size, dtype=np.int64) - np.repeat(starts, m[rows])
     differ = av[ao[seg] + j] != bv[bo[seg] + j]
     first = np.where(differ, j, m[seg])  # a position past the end where they never differ
@@ -657,8 +657,7 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
 
 def _check_assistant_tokens(offsets: np.ndarray, mask: np.ndarray, base: int) -> None:
     """Every example must hold an assistant token under assistant-only loss (TRL raises too)."""
-    csum = np.zeros(mask.size + 1, np.int64)
-    np.cumsum(mask, out=csum[1:])
+    csum = lengths_to_offsets(mask)  # mask tokens before each flat index
     none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
     if none.size:
         raise DataError("example {i} has no assistant token in its rendered conversation (no assistant message, or "

@@ -55,7 +55,7 @@ import sys
 import numpy as np
 
 from .errors import DataError
-from .segments import IGNORE_INDEX
+from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
     "IGNORE_INDEX",
@@ -293,8 +293,7 @@ def _spans(offsets=None, starts=None, lengths=None):
 def _first_with(bad: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
     """``(example, flat position)`` of the first example (in order) holding a position where ``bad``
     is True, or None: values outside every example (rows not selected) name nobody. Error path only."""
-    before = np.zeros(bad.size + 1, np.int64)
-    np.cumsum(bad, out=before[1:])
+    before = lengths_to_offsets(bad)  # bad positions before each flat index
     hit = np.flatnonzero(before[starts + lengths] > before[starts])
     if not hit.size:
         return None
@@ -492,8 +491,7 @@ def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) 
     if lengths is None:
         lengths = token_lengths(table.column(key), key=key, rows=rows)
     lengths = np.asarray(lengths, np.int64)
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = lengths_to_offsets(lengths)
     loss = np.ones(int(offsets[-1]), bool)
     for k in keys:
         kind = "labels" if k == "labels" else "mask"
@@ -509,8 +507,7 @@ def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) 
             loss[offsets[done]: offsets[done + m]] &= keep
             done += m
     loss[offsets[:-1]] = False  # the first token of an example is never a target
-    csum = np.zeros(loss.size + 1, np.int64)
-    np.cumsum(loss, out=csum[1:])
+    csum = lengths_to_offsets(loss)  # loss tokens before each flat index
     return csum[offsets[1:]] - csum[offsets[:-1]]
 
 

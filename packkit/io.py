@@ -28,6 +28,7 @@ import numpy as np
 
 from .errors import DataError, MissingError, arg
 from .examples import token_lengths
+from .segments import lengths_to_offsets
 
 __all__ = [
     "Lengths",
@@ -248,9 +249,7 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
             for e in encs:
                 parts.append(np.asarray(e.ids, np.int32))
             bar.update(len(encs))
-    lengths = np.array([p.size for p in parts], np.int64)
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = lengths_to_offsets([p.size for p in parts])
     return list_array(offsets, np.concatenate(parts) if parts else np.zeros(0, np.int32))
 
 

@@ -68,6 +68,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .binpack import Plan, as_lengths, check_seed, check_window, pack
+from .segments import lengths_to_offsets
 
 __all__ = [
     "LengthGroupedSampler",
@@ -228,16 +229,14 @@ def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray
     flat, ptr = np.asarray(flat), np.asarray(ptr, np.int64)
     order = np.asarray(order, np.int64)
     counts = ptr[order + 1] - ptr[order]
-    out_ptr = np.zeros(order.size + 1, np.int64)
-    np.cumsum(counts, out=out_ptr[1:])
+    out_ptr = lengths_to_offsets(counts)
     src = np.repeat(ptr[order] - out_ptr[:-1], counts) + np.arange(out_ptr[-1], dtype=np.int64)
     return flat[src], out_ptr
 
 
 def batch_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     """Sum of ``values`` over each CSR batch (empty batches give 0): ``([1, 2, 3], [0, 2, 3]) -> [3, 3]``."""
-    csum = np.zeros(len(values) + 1, np.int64)
-    np.cumsum(values, out=csum[1:])
+    csum = lengths_to_offsets(values)  # prefix sums: the offsets of runs of these sizes
     return csum[ptr[1:]] - csum[ptr[:-1]]
 
 
@@ -669,7 +668,7 @@ class TokenBudgetBatchSampler(_BatchSampler):
             else:
                 parts, repeated = _split_to(parts, R)
                 flat = np.concatenate([flat, *parts])
-                ptr = np.concatenate((ptr, ptr[-1] + np.cumsum([p.size for p in parts])))
+                ptr = np.concatenate((ptr, ptr[-1] + lengths_to_offsets([p.size for p in parts])[1:]))
         steps = (ptr.size - 1) // R
         lens = L[flat]
         longest = np.maximum.reduceat(lens, ptr[:-1]) if flat.size else np.zeros(0, np.int64)

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
+from .segments import lengths_to_offsets
 from .errors import DataError, arg
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
@@ -181,7 +182,7 @@ def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, bat
     else:
         order = np.concatenate(batches) if batches else np.zeros(0, np.int64)
         sizes = np.array([len(b) for b in batches], np.int64)
-        starts = np.cumsum(sizes) - sizes
+        starts = lengths_to_offsets(sizes)[:-1]
     if order.size == 0:
         return np.zeros(0, np.int64), order
     longest = np.maximum.reduceat(lengths[order], starts)
@@ -201,7 +202,7 @@ def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_p
             windows_per_step: int) -> StrategyWaste:
     """Figures of windows given as CSR segment lengths."""
     rows = window_ptr.size - 1
-    csum = np.concatenate(([0], np.cumsum(seg_length)))
+    csum = lengths_to_offsets(seg_length)
     loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
     sq = np.concatenate(([0.0], np.cumsum(seg_length.astype(np.float64) ** 2)))
     attention = float(sq[-1] + np.sum((window - loads).astype(np.float64) ** 2))
