@@ -670,10 +670,9 @@ def _as_table(data):
 
     if isinstance(data, pa.Table):
         return data
-    if hasattr(data, "data") and hasattr(data, "_indices"):  # datasets.Dataset (a selection applied)
-        if data._indices is not None:
-            data = data.flatten_indices()
-        return data.data.table
+    if hasattr(data, "with_format") and hasattr(data, "column_names") and hasattr(data, "__len__"):
+        # a datasets.Dataset, through its public API: a selection comes back applied, in its order
+        return data.with_format("arrow")[:]
     raise TypeError(f"tokenize_chat takes a pyarrow.Table or a datasets.Dataset, got {type(data).__name__}")
 
 

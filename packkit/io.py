@@ -517,10 +517,8 @@ def load_table(path, *, split: str | None = None):
     path = _check_path(path)
     pa = _pa()
     if path.is_dir():
-        ds = load_dataset(path, split=split)
-        if getattr(ds, "_indices", None) is not None:
-            ds = ds.flatten_indices()
-        return ds.data.table
+        # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
+        return load_dataset(path, split=split).with_format("arrow")[:]
     suffix = _suffix(path)
     if suffix in (".jsonl", ".ndjson", ".json"):
         return _read_json(path)
