@@ -84,7 +84,7 @@ class Case:
         return False
 
 
-def run_refused(argv, code: int, match: str, inputs, cwd=None):
+def assert_refused(argv, code: int, match: str, inputs, cwd=None):
     """Run packkit; assert the exit code, one stderr line containing ``match`` with no traceback, and
     inputs unchanged."""
     before = {p: digest(p) for p in inputs}
@@ -247,7 +247,7 @@ def test_output_that_is_the_input_is_refused(tmp_path, data):
     soft.symlink_to(src)
     for out in (src, hard, soft):
         with Case():
-            run_refused(("pack", src, out, "-w", "64", "--overwrite"), 2, "is the input", [src])
+            assert_refused(("pack", src, out, "-w", "64", "--overwrite"), 2, "is the input", [src])
 
 
 def test_folder_holding_the_input_is_refused(tmp_path, data):
@@ -259,7 +259,7 @@ def test_folder_holding_the_input_is_refused(tmp_path, data):
                         ((ds, ds, "-w", "128", "--overwrite"), "is the input"),
                         ((arrow, ds, "-w", "128"), "is a folder that holds the input")):
         with Case():
-            run_refused(("pack",) + argv, 2, match, [ds])
+            assert_refused(("pack",) + argv, 2, match, [ds])
 
 
 def test_existing_output_is_refused_without_overwrite(tmp_path, data):
@@ -272,18 +272,18 @@ def test_existing_output_is_refused_without_overwrite(tmp_path, data):
                 (out / "state.json").write_text("{}")
             else:
                 out.write_bytes(b"an earlier output")
-            run_refused(("pack", src, out, "-w", "8"), 2, "exists; pass --overwrite to replace it", [src, out])
+            assert_refused(("pack", src, out, "-w", "8"), 2, "exists; pass --overwrite to replace it", [src, out])
     with Case():  # a plain file where a folder would be written, even with --overwrite
         plain = tmp_path / "plain"
         plain.write_bytes(b"user data")
-        run_refused(("pack", src, plain, "-w", "8", "--overwrite"), 2, "is a file, and the output is a folder",
+        assert_refused(("pack", src, plain, "-w", "8", "--overwrite"), 2, "is a file, and the output is a folder",
                     [src, plain])
     with Case():  # --plot too
         png = tmp_path / "w.png"
         png.write_bytes(b"user picture")
-        run_refused(("waste", src, "--plot", png), 2, "exists; pass --overwrite to replace it", [src, png])
+        assert_refused(("waste", src, "--plot", png), 2, "exists; pass --overwrite to replace it", [src, png])
     with Case():  # a missing folder is not created
-        run_refused(("pack", src, tmp_path / "nowhere" / "o.parquet", "-w", "8"), 2,
+        assert_refused(("pack", src, tmp_path / "nowhere" / "o.parquet", "-w", "8"), 2,
                     "does not exist; create it first (mkdir -p", [src])
         assert not (tmp_path / "nowhere").exists()
 
@@ -305,7 +305,7 @@ def test_damaged_input_is_one_line_naming_it(tmp_path, data, cmd, name, match):
     with Case():
         src = data[name]
         argv = ("waste", src) if cmd == "waste" else ("pack", src, tmp_path / "o.parquet", "-w", "256")
-        proc = run_refused(argv, 3, match, [src])
+        proc = assert_refused(argv, 3, match, [src])
         assert src.name in proc.stderr
         assert not (tmp_path / "o.parquet").exists() and not list(tmp_path.iterdir())
 
@@ -313,7 +313,7 @@ def test_damaged_input_is_one_line_naming_it(tmp_path, data, cmd, name, match):
 def test_bad_row_deep_in_a_jsonl_names_its_line(tmp_path, data):
     """A row refused after reading (a negative token id) names the example and the file's line."""
     with Case():
-        run_refused(("pack", data["neg.jsonl"], tmp_path / "o.parquet", "-w", "64"), 3,
+        assert_refused(("pack", data["neg.jsonl"], tmp_path / "o.parquet", "-w", "64"), 3,
                     f"dataset row 150000 (line 150,001 of '{data['neg.jsonl']}') has token id -7",
                     [data["neg.jsonl"]])
 

@@ -40,7 +40,8 @@ def chat_rows(n=40, seed=0, *, mixed=True):
     return out
 
 
-def same(a, b):
+def assert_same_batch(a, b):
+    """Every tensor field, max_seqlen and num_loss_tokens of two batches are equal."""
     for f in FIELDS:
         x, y = getattr(a, f), getattr(b, f)
         assert (x is None) == (y is None), f
@@ -73,7 +74,7 @@ def test_columnar_batches_equal_the_dict_batches(collator, source, tmp_path):
     for batch in ([3, 0, 17, 5], list(range(8, 20)), [39], [1, 1, 2]):
         want = collator(as_dicts([rows[i] for i in batch]))
         got = collator(cds.__getitems__(batch))
-        same(got, want)
+        assert_same_batch(got, want)
 
 
 def test_an_example_batch_is_views_not_python_objects():
@@ -110,7 +111,7 @@ def test_packed_rows_through_the_columnar_path():
     assert "seq_lengths" in cds.column_names
     collator = PackedRowsCollator(window=64)
     for batch in ([0, 1, 2], [4, 3]):
-        same(collator(cds.__getitems__(batch)), collator([packed[i] for i in batch]))
+        assert_same_batch(collator(cds.__getitems__(batch)), collator([packed[i] for i in batch]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def test_dataloader_with_two_workers_and_samplers(sampler_kind):
     order = list(kw["batch_sampler"]) if "batch_sampler" in kw else [list(range(i, i + 8)) for i in range(0, 64, 8)]
     assert len(batches) == len(order)
     for got, idx in zip(batches, order):
-        same(got, collator(as_dicts([rows[i] for i in idx])))
+        assert_same_batch(got, collator(as_dicts([rows[i] for i in idx])))
     assert sum(b.num_examples for b in batches) == 64
 
 
@@ -270,7 +271,7 @@ def test_packed_rows_under_trainer_defaults(tmp_path):
     run_trainer(ColumnarDataset(packed), recording, tmp_path)
     assert len(recording.batches) >= 3 and len(recording.rows) == len(recording.batches)
     for b, idx in zip(recording.batches, recording.rows):
-        same(b, PackedRowsCollator(window=64)([packed[i] for i in idx]))
+        assert_same_batch(b, PackedRowsCollator(window=64)([packed[i] for i in idx]))
 
 
 def test_bad_data_matrix_has_no_silent_prompt_token_loss(tmp_path):
@@ -317,7 +318,7 @@ def test_batches_cross_processes_by_value():
         data = buf.getvalue()
         assert b"torch.multiprocessing" not in data and b"rebuild_storage" not in data
         got = pickle.loads(data)
-        same(got, batch)
+        assert_same_batch(got, batch)
         assert got.num_tokens == batch.num_tokens and got.num_examples == batch.num_examples
         if "cu_seq_lens_q" in got:
             assert got["cu_seq_lens_q"] is got["cu_seq_lens_k"]

@@ -120,7 +120,8 @@ def _text(exc) -> str:
     return str(exc)
 
 
-def _check(call, error, text, where):
+def assert_raises_naming(call, error, text, where):
+    """``call()`` raises ``error`` with one line that starts with ``where`` and holds ``text``."""
     with pytest.raises(error) as got:
         call()
     msg = _text(got.value)
@@ -136,7 +137,7 @@ def test_collators_name_the_example(case):
 
     rows, error, text, i = BAD[case]
     for collator in (PaddingFreeCollator(), FixedWindowCollator(window=8), PaddedCollator()):
-        _check(lambda: collator(rows), error, text, f"example {i}")
+        assert_raises_naming(lambda: collator(rows), error, text, f"example {i}")
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -149,7 +150,7 @@ def test_columnar_batch_names_the_dataset_row(case):
         batch = ExampleBatch(cols, rows=[500, 700])
     except (TypeError, ValueError) as exc:  # a nested column is refused when it is read
         pytest.fail(f"ExampleBatch refused {case}: {exc}")
-    _check(lambda: PaddingFreeCollator()(batch), error, text, f"dataset row {[500, 700][i]}")
+    assert_raises_naming(lambda: PaddingFreeCollator()(batch), error, text, f"dataset row {[500, 700][i]}")
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -159,8 +160,8 @@ def test_offline_packing_names_the_dataset_row(case):
 
     rows, error, text, i = BAD[case]
     ds = datasets.Dataset.from_list(rows)
-    _check(lambda: pack_dataset(ds, window=8), error, text, f"dataset row {i}")
-    _check(lambda: list(pack_stream(rows, window=8)), error, text, f"example {i}")
+    assert_raises_naming(lambda: pack_dataset(ds, window=8), error, text, f"dataset row {i}")
+    assert_raises_naming(lambda: list(pack_stream(rows, window=8)), error, text, f"example {i}")
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -178,8 +179,8 @@ def test_waste_plan_and_pack_commands_refuse_what_pack_refuses(case, tmp_path, c
 
     pq.write_table(pa.Table.from_pylist(rows), path)
     if case in TOKEN_RULES:
-        _check(lambda: read_lengths(str(path)), error, text, f"dataset row {i}")
-    _check(lambda: read_lengths_and_loss(str(path)), error, text, f"dataset row {i}")
+        assert_raises_naming(lambda: read_lengths(str(path)), error, text, f"dataset row {i}")
+    assert_raises_naming(lambda: read_lengths_and_loss(str(path)), error, text, f"dataset row {i}")
     for argv in (["waste", str(path), "-w", "8"], ["plan", str(path), "-w", "8", "-b", "1"],
                  ["pack", str(path), str(tmp_path / "out.parquet"), "-w", "8"]):
         if argv[0] == "waste" and case not in TOKEN_RULES:
