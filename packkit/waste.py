@@ -387,8 +387,8 @@ def plot_waste(report: WasteReport, path, *, overwrite: bool = False) -> None:
     ax1.axvline(med, color="0.3", linestyle=":", linewidth=1.2)
     ax1.text(med, ax1.get_ylim()[1] * 0.85, f" median {med:,.0f}", color="0.3", va="top")
     if report.loss_tokens is not None:
-        lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
-                     f"{u}; labels or a loss mask, the first token of each example excluded)")
+        ax1.text(0.98, 0.65, f"loss on {report.loss_tokens / report.input_tokens:.1%} of the {report.unit}",
+                 transform=ax1.transAxes, ha="right", va="top", color="0.3", fontsize=9)
     if report.overflow_examples:
         what = {"truncate": "truncated", "drop": "dropped", "split": "split"}[report.overflow]
         ax1.text(0.98, 0.75, f"{report.overflow_examples:,} longer than W {what}", transform=ax1.transAxes,

@@ -135,6 +135,22 @@ def test_report_json_table_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
 
 
+def test_waste_plot_of_data_with_labels(tmp_path):
+    """Regression: `packkit waste data.jsonl --plot w.png` on data with labels (or a loss mask) crashed
+    with NameError ('lines' is not defined): plot_waste held a copy of format_table's loss-token line."""
+    from packkit.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": list(range(n)), "labels": [-100] * (n // 2) + list(range(n // 2, n))})
+                              for n in (3, 9, 5, 12, 7)) + "\n")
+    png = tmp_path / "w.png"
+    assert main(["waste", str(data), "-w", "16", "-b", "2", "--plot", str(png), "-q"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = measure_waste([3, 9, 5, 12, 7], window=16, batch_size=2, loss_lengths=[1, 4, 2, 6, 3])
+    plot_waste(r, tmp_path / "v.png")
+    assert (tmp_path / "v.png").stat().st_size > 20_000
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"lengths": []}, "empty"),
     ({"lengths": [1, 0]}, "example 1 has length 0"),
