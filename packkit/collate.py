@@ -47,16 +47,9 @@ from .batch import PackedBatch
 from .binpack import check_overflow, check_strategy, check_window, overflow_error, pack
 from .examples import MASK_KEYS, ExampleBatch, check_loss_mask_mode, location, read_batch, read_column
 from .packer import gather_index
-from .segments import IGNORE_INDEX
+from .segments import IGNORE_INDEX, lengths_to_offsets, position_ids_to_lengths
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    """``[2, 1] -> [0, 2, 3]`` (int64)."""
-    out = np.zeros(lengths.size + 1, np.int64)
-    out[1:] = lengths.cumsum()
-    return out
 
 
 def _first_bad(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
@@ -77,7 +70,7 @@ def _segment_fields(seg_lengths: np.ndarray):
     ``packkit.segments``, fused for the collators' hot path); ``seq_idx`` is left to the batch,
     which derives it from ``cu_seqlens`` when a consumer asks.
     """
-    cu = _offsets(seg_lengths)
+    cu = lengths_to_offsets(seg_lengths)
     total = int(cu[-1])
     if total > _INT32_MAX:
         raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
@@ -96,22 +89,16 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
     ``[-100, 6, -100]``, ``num_loss_tokens 1``.
     """
     n, total = lengths.size, input_ids.size
-    if total > _INT32_MAX:
-        raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
-    cu = np.zeros(n + 1, np.int64)
-    cu[1:] = lengths.cumsum()  # measured faster than cumsum(out=cu[1:]) on small arrays
-    starts = cu[:-1]
-    position_ids = np.arange(total, dtype=np.int64)
-    position_ids -= np.repeat(starts, lengths)
+    cu, position_ids = _segment_fields(lengths)
     if mask_first_label:
-        labels[starts] = IGNORE_INDEX
+        labels[cu[:-1]] = IGNORE_INDEX
     ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
     shape = (1, total)
     return PackedBatch._trusted(
         input_ids=_tensor(input_ids.reshape(shape)),
         labels=_tensor(labels.reshape(shape)),
         position_ids=_tensor(position_ids.reshape(shape)),
-        cu_seqlens=_tensor(cu.astype(np.int32)),
+        cu_seqlens=_tensor(cu),
         max_seqlen=int(lengths.max()),
         num_loss_tokens=total - ignored,
         num_tokens=total,
@@ -145,7 +132,7 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
         raise ValueError(f"this batch needs {num_content} windows of {width} tokens > num_windows={num_rows}; "
                          "raise num_windows, lower the batch size, or batch with packkit.sampler."
                          "PackedBatchSampler")
-    csum = _offsets(seg_lengths)
+    csum = lengths_to_offsets(seg_lengths)
     loads = csum[seg_ptr[1:]] - csum[seg_ptr[:-1]]
     # every row's segments, then its padding tail (rows without content are one tail of W)
     tails = np.full(num_rows, width, np.int64)
@@ -400,7 +387,7 @@ class FixedWindowCollator:
         if plan.num_windows == 0:
             raise ValueError(f"overflow='drop' dropped all {lengths.size} examples of this batch (each longer "
                              f"than window={self.window}); raise window or use overflow='split'")
-        index, _ = gather_index(plan, _offsets(lengths))
+        index, _ = gather_index(plan, lengths_to_offsets(lengths))
         return rows_batch(input_ids[index], labels[index], plan.seg_length, plan.window_ptr,
                           width=self.window, num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
@@ -480,10 +467,10 @@ def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np
     flat, counts = read_column(rows, key, missing=_SEGMENTS_MISSING, rows=where)
     if key == "seq_lengths":
         if (flat < 1).any():
-            i, v = _first_bad(flat, flat < 1, _offsets(counts))
+            i, v = _first_bad(flat, flat < 1, lengths_to_offsets(counts))
             raise ValueError(f"{location(i, where)} has a segment of length {v}; seq_lengths must be >= 1")
-        seg_ptr = _offsets(counts)
-        csum = _offsets(flat)
+        seg_ptr = lengths_to_offsets(counts)
+        csum = lengths_to_offsets(flat)
         sums = csum[seg_ptr[1:]] - csum[seg_ptr[:-1]]
         bad = sums != lengths
         if bad.any():
@@ -496,19 +483,17 @@ def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"{location(i, where)} has {int(counts[i])} position_ids for {int(lengths[i])} input_ids")
-    row_first = _offsets(lengths)[:-1]
+    row_offsets = lengths_to_offsets(lengths)
     prev = np.concatenate(([-1], flat[:-1]))
-    prev[row_first] = -1
+    prev[row_offsets[:-1]] = -1
     is_start = flat == 0
     bad = ~is_start & (flat != prev + 1)
     if bad.any():
-        i, v = _first_bad(flat, bad, _offsets(lengths))
+        i, v = _first_bad(flat, bad, row_offsets)
         raise ValueError(f"{location(i, where)} has position_ids that neither restart at 0 nor go up by one "
                          f"(value {v}); pass seq_lengths instead")
-    starts = np.flatnonzero(is_start)
-    seg_lengths = np.diff(np.append(starts, flat.size))
-    seg_ptr = np.searchsorted(starts, _offsets(lengths), side="left").astype(np.int64)
-    return seg_lengths.astype(np.int64), seg_ptr
+    seg_ptr = np.searchsorted(np.flatnonzero(is_start), row_offsets, side="left").astype(np.int64)
+    return position_ids_to_lengths(flat), seg_ptr
 
 
 class PaddedCollator:

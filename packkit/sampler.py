@@ -95,10 +95,6 @@ def _positive_int(value, name: str) -> int:
     return int(value)
 
 
-def _seed(seed) -> int:
-    return check_seed(seed, allow_none=False)
-
-
 def resolve_rank(rank, world_size) -> tuple[int, int]:
     """``(rank, world_size)``, from the arguments or from the default process group.
 
@@ -334,7 +330,7 @@ class _BatchSampler:
     def __init__(self, lengths, *, dataset, key, seed, rank, world_size, drop_last, balance, shuffle):
         self.lengths = _lengths(lengths, dataset, key)
         self.lengths.setflags(write=False)
-        self.seed = _seed(seed)
+        self.seed = check_seed(seed, allow_none=False)
         self.rank, self.world_size = resolve_rank(rank, world_size)
         if not isinstance(drop_last, bool):
             raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
@@ -475,7 +471,7 @@ class _BatchSampler:
                 "fingerprint", "the state was saved for other lengths or options (batch size, window, policy): "
                 "build the sampler with the same dataset and arguments before loading")
         try:
-            seed = _seed(state["seed"])
+            seed = check_seed(state["seed"], allow_none=False)
         except (TypeError, ValueError) as exc:
             raise field_error("seed", str(exc), type(exc)) from None
         epoch = state["epoch"]
