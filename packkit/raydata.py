@@ -47,11 +47,11 @@ give both, keep Arrow in and Arrow out, and build the result with ``ray.data.fro
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import numpy as np
 
-from .binpack import Plan, apply_overflow, as_lengths, check_overflow, check_strategy, check_window, pack
+from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
+                      pack)
 from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, location, table_labels,
                        token_lengths)
 from .packer import PackedColumns, gather_segments, label_dtype, log_overflow, pack_columns
@@ -482,8 +482,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     check_strategy(strategy)
     check_overflow(overflow)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"seed must be an integer or None, got {seed!r}")
+    seed = check_seed(seed)
     if not 0 <= float(tail_slack) < 1:
         raise ValueError(f"tail_slack must be in [0, 1), got {tail_slack!r}")
     if not hasattr(ds, "to_arrow_refs"):

@@ -440,3 +440,22 @@ def test_option_errors_are_binpacks_own(local_ray):
     with pytest.raises(ValueError) as got:
         raydata.pack_dataset(ds, window=W)
     assert str(got.value) == str(overflow_error(lengths, W))
+
+
+def test_negative_seed_is_refused_before_any_task(local_ray):
+    """Bug: raydata's inline seed check took seed=-1, and in local mode _block_seed(-1, b) then raised inside
+    a Ray task (SeedSequence refuses negative entropy). The seed is now binpack.check_seed's: refused up
+    front with its error; a seed that is not an integer is still a TypeError."""
+    from packkit.binpack import check_seed
+    from packkit.errors import ArgumentError
+
+    ds = make_ds(np.array([3, 5, 4, 7]), blocks=2)
+    for mode in raydata.MODES:
+        with pytest.raises(ArgumentError) as want:
+            check_seed(-1)
+        with pytest.raises(ArgumentError) as got:
+            raydata.pack_dataset(ds, window=W, mode=mode, seed=-1)
+        assert str(got.value) == str(want.value)
+    with pytest.raises(TypeError, match="seed must be"):
+        raydata.pack_dataset(ds, window=W, seed=1.5)
+    assert raydata.pack_dataset(ds, window=W, seed=None).count() == 1
