@@ -52,8 +52,7 @@ import numpy as np
 
 from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
                       pack)
-from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, location, table_labels,
-                       token_lengths)
+from .examples import MASK_KEYS, ExampleTypeError, ExampleValueError, relocate, table_labels, token_lengths
 from .packer import PackedColumns, gather_segments, label_dtype, log_overflow, pack_columns
 from .segments import lengths_to_offsets
 
@@ -145,8 +144,9 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     """Lengths of a block's examples, and the first problem found (a local example index), if any.
 
     Returns ``{"lengths": (n,) int64, "has_labels": bool, "mask_key": str | None,
-    "error": None | (kind, local_index, text), "value_type", "label_type"}``; the driver turns
-    ``local_index`` into the dataset row. ``mask_key`` is the first of ``mask_keys`` that the block has.
+    "error": None | (exception, local_index | None, text), "value_type", "label_type"}``: the exception
+    itself travels (:func:`_block_error` raises it on the driver, located in the whole dataset).
+    ``mask_key`` is the first of ``mask_keys`` that the block has.
     Every rule is :mod:`packkit.examples`' (token ids, labels, loss masks, lengths; a null label or mask
     row is an example without that key).
     """
@@ -154,7 +154,8 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     out = {"lengths": np.zeros(n, np.int64), "has_labels": False, "error": None, "value_type": None,
            "label_type": None, "mask_key": None}
     if input_key not in table.column_names:
-        out["error"] = ("key", None, f"no column {input_key!r} (columns: {table.column_names})")
+        text = f"no column {input_key!r} (columns: {table.column_names})"
+        out["error"] = (KeyError(text), None, text)
         return out
     try:
         out["lengths"] = token_lengths(table.column(input_key), key=input_key)
@@ -165,10 +166,11 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
         out["mask_key"] = next((k for k in mask_keys if k in table.column_names), None)
         if out["has_labels"] or out["mask_key"] is not None:
             table_labels(_with_labels_named(table, label_key), key=input_key)  # checks labels and masks
-    except (ExampleValueError, ExampleTypeError) as exc:
-        out["error"] = ("TypeError" if isinstance(exc, TypeError) else "ValueError", exc.index, exc.text)
     except (TypeError, ValueError) as exc:
-        out["error"] = (type(exc).__name__, None, str(exc))
+        if isinstance(exc, (ExampleValueError, ExampleTypeError)) and exc.index is not None:
+            out["error"] = (exc, exc.index, exc.text)  # an example's error: the driver locates it
+        else:
+            out["error"] = (exc, None, str(exc))
     return out
 
 
@@ -195,11 +197,14 @@ def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
     return labels.astype(label_dtype(values.dtype), copy=False)
 
 
-def _raise_block_error(error, start: int, block: int):
-    kind, i, text = error
-    where = f"{location(start + i, rows=0)} " if i is not None else f"block {block}: "
-    exc = {"TypeError": TypeError, "key": KeyError}.get(kind, ValueError)
-    raise exc(where + text)
+def _block_error(error, start: int, block: int) -> Exception:
+    """The error a block's pass-0 task found, as the driver raises it: an example's error located in the
+    whole dataset (:func:`packkit.examples.relocate`: "dataset row 812 ..."), its type kept (a
+    :class:`~packkit.errors.DataError` stays one); any other, of its own type, prefixed ``block b:``."""
+    exc, i, text = error
+    if i is not None:
+        return relocate(exc, rows=start)
+    return type(exc)(f"block {block}: {text}")
 
 
 def _segments_table(values, labels, offsets):
@@ -495,7 +500,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     starts = lengths_to_offsets([info["lengths"].size for info in infos])
     for b, info in enumerate(infos):
         if info["error"] is not None:
-            _raise_block_error(info["error"], int(starts[b]), b)
+            raise _block_error(info["error"], int(starts[b]), b)
     given_labels = _same_in_every_block(infos, starts, lambda info: label_key if info["has_labels"] else None)
     mask_key = _same_in_every_block(infos, starts, lambda info: info["mask_key"])
     lengths = as_lengths(np.concatenate([info["lengths"] for info in infos]) if infos else [])

@@ -459,3 +459,30 @@ def test_negative_seed_is_refused_before_any_task(local_ray):
     with pytest.raises(TypeError, match="seed must be"):
         raydata.pack_dataset(ds, window=W, seed=1.5)
     assert raydata.pack_dataset(ds, window=W, seed=None).count() == 1
+
+
+def test_block_errors_keep_their_type_and_text(local_ray):
+    """Bug: _raise_block_error rebuilt examples.relocate by hand and turned ExampleValueError /
+    ExampleTypeError (DataErrors) into plain ValueError / TypeError, so ``except DataError`` missed a bad
+    example found on a Ray block. The block's exception now travels and is relocated on the driver: same
+    type, same text ("dataset row ..." in the whole dataset); an error about no one example keeps its
+    type and its "block b:" prefix."""
+    from packkit.errors import DataError
+    from packkit.examples import ExampleTypeError, ExampleValueError
+
+    ids = [[1, 2], [3], [4, 5, 6], [7, -8], [9]]
+    ds = ray.data.from_arrow([pa.table({"input_ids": ids[:3]}), pa.table({"input_ids": ids[3:]})])
+    with pytest.raises(DataError) as got:
+        raydata.pack_dataset(ds, window=8)
+    assert type(got.value) is ExampleValueError and got.value.index == 0
+    assert str(got.value) == "dataset row 3 has token id -8 in 'input_ids'; token ids are integers >= 0"
+    floats = pa.table({"input_ids": pa.array([[1.0], [2.5]], pa.list_(pa.float64()))})
+    ds = ray.data.from_arrow([pa.table({"input_ids": [[1], [2]]}), floats])
+    with pytest.raises(DataError) as got:
+        raydata.pack_dataset(ds, window=8)
+    assert isinstance(got.value, TypeError) and type(got.value) is ExampleTypeError
+    assert str(got.value) == "dataset row 3 has 2.5 (float) in 'input_ids'; token ids are integers >= 0"
+    flat = ray.data.from_arrow([pa.table({"input_ids": [[1]]}), pa.table({"input_ids": [1, 2]})])
+    with pytest.raises(TypeError, match=r"^block 1: column 'input_ids' holds int64, not lists of token ids") as got:
+        raydata.pack_dataset(flat, window=8)
+    assert not isinstance(got.value, DataError)
