@@ -52,7 +52,8 @@ import numpy as np
 
 from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
                       pack)
-from .examples import MASK_KEYS, ExampleTypeError, ExampleValueError, relocate, table_labels, token_lengths
+from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, list_chunks, relocate, table_labels,
+                       token_lengths)
 from .packer import PackedColumns, gather_segments, label_dtype, log_overflow, pack_columns
 from .segments import lengths_to_offsets
 
@@ -104,40 +105,23 @@ def tail_windows(loads, *, window: int, tokens: int, slack: float) -> np.ndarray
     return np.sort(order[:k])
 
 
-def _list_column(table, name: str, *, allow_bool: bool = False):
+def _list_column(table, name: str):
     """An Arrow list column -> ``(values, offsets, nulls)``: flat numpy values, (n+1,) int64 offsets.
 
-    ``[[5, 6], [7]] -> values [5, 6, 7], offsets [0, 2, 3]``. Sliced and chunked columns are handled;
-    ``nulls`` is the (n,) bool null mask or None. ``allow_bool``: booleans too (a loss mask).
+    ``[[5, 6], [7]] -> values [5, 6, 7], offsets [0, 2, 3]``; ``nulls`` is the (n,) bool null mask or
+    None. :func:`packkit.examples.list_chunks` reads (and checks the type of) each chunk; a block is
+    usually one chunk, used as it is; several are joined.
     """
-    import pyarrow as pa
-
-    col = table.column(name)
-    if isinstance(col, pa.ChunkedArray):
-        # One chunk (a block is usually one): use it as it is; combine_chunks would copy every value.
-        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    chunks = list(list_chunks(table.column(name), key=name))
+    if len(chunks) == 1:
+        values, offsets, valid, _ = chunks[0]
     else:
-        arr = col
-    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
-        raise TypeError(
-            f"column {name!r} has Arrow type {arr.type}; it must be a list of integer token ids per "
-            "example (map your tokenizer so each row holds a list)"
-        )
-    vtype = arr.type.value_type
-    if not (pa.types.is_integer(vtype) or pa.types.is_null(vtype) or (allow_bool and pa.types.is_boolean(vtype))):
-        what = "a loss mask must hold integers or booleans" if allow_bool else "token ids must be integers"
-        raise TypeError(f"column {name!r} holds {vtype} values; {what}")
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.flatten()  # respects slicing
-    offsets = offsets - offsets[0]
-    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
-    if values.null_count:
-        raise ValueError(f"column {name!r} has null token ids inside a list; drop or fill them first")
-    if pa.types.is_null(values.type):
-        values = np.zeros(0, np.int64)
-    else:
-        values = values.to_numpy()
-    return values, offsets, nulls
+        values = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros(0, np.int64)
+        offsets = lengths_to_offsets(np.concatenate([np.diff(c[1]) for c in chunks]) if chunks else [])
+        valid = None
+        if any(c[2] is not None for c in chunks):
+            valid = np.concatenate([np.ones(c[1].size - 1, bool) if c[2] is None else c[2] for c in chunks])
+    return values, offsets, None if valid is None else ~valid
 
 
 def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_KEYS) -> dict:
