@@ -59,6 +59,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .errors import ArgumentError, DataError, arg
+from .io import list_array
 from .segments import lengths_to_offsets
 
 __all__ = [
@@ -588,9 +589,8 @@ class _Encoder:
         self.diverged += diverged
         if self.assistant:
             _check_assistant_tokens(offsets, mask, base)
-        offsets32 = pa.array(offsets.astype(np.int32))
-        ids = pa.ListArray.from_arrays(offsets32, pa.array(values.astype(np.int32)))
-        return ids, (None if mask is None else pa.ListArray.from_arrays(offsets32, pa.array(mask, pa.int8())))
+        ids = list_array(offsets, values.astype(np.int32))
+        return ids, (None if mask is None else list_array(offsets, pa.array(mask, pa.int8())))
 
     def warn_diverged(self, n: int) -> None:
         if self.diverged:
@@ -617,8 +617,8 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         batch_size: conversations per tokenizer call.
         progress: a progress bar (examples) on stderr.
     Returns:
-        ``pyarrow.Table`` with ``input_ids`` (list<int32>) and, unless no mask applies, one loss mask
-        (list<int8>): ``assistant_masks`` (assistant-only loss) or ``completion_mask`` (completion-only
+        ``pyarrow.Table`` with ``input_ids`` (list<int32>; large_list when one batch passes 2**31 - 1
+        tokens) and, unless no mask applies, one loss mask (list<int8>, the same): ``assistant_masks`` (assistant-only loss) or ``completion_mask`` (completion-only
         loss, times the assistant mask when both apply). Rows in ``data``'s order.
     Raises:
         ValueError / TypeError naming the example and the fix: not a conversational format, a null or
@@ -648,11 +648,21 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
             bar.update(len(ids))
     enc.warn_diverged(n)
     names = ["input_ids"]
-    arrays = [pa.chunked_array(ids_chunks, type=pa.list_(pa.int32()))]
+    arrays = [_chunked(ids_chunks, pa.int32())]
     if enc.mask_name is not None:
         names.append(enc.mask_name)
-        arrays.append(pa.chunked_array(mask_chunks, type=pa.list_(pa.int8())))
+        arrays.append(_chunked(mask_chunks, pa.int8()))
     return pa.Table.from_arrays(arrays, names=names)
+
+
+def _chunked(chunks: list, value_type):
+    """One column of the batches' list arrays (:func:`packkit.io.list_array`): ``list<value_type>``, or
+    ``large_list`` when a batch needed 64-bit offsets."""
+    import pyarrow as pa
+
+    large = any(pa.types.is_large_list(c.type) for c in chunks)
+    typ = (pa.large_list if large else pa.list_)(value_type)
+    return pa.chunked_array([c.cast(typ) if large else c for c in chunks], type=typ)
 
 
 def _check_assistant_tokens(offsets: np.ndarray, mask: np.ndarray, base: int) -> None:

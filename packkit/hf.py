@@ -75,6 +75,7 @@ import numpy as np
 
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack, stream_windows
 from .errors import ArgumentError, arg
+from . import io
 from .io import list_array, progress_bar
 from .examples import MASK_KEYS, check_aligned, check_labels, check_mask, check_not_null, check_tokens
 from .packer import (ColumnSpec, PackedStream, StreamStats, label_dtype, log_overflow, pack_columns, pack_stream,
@@ -96,15 +97,8 @@ __all__ = [
 ]
 
 
-#: Rows of an output list column: past this many tokens a column uses 64-bit (large_list) offsets.
-MAX_LIST_TOKENS = 2**31 - 1
 #: Show progress bars by default for sources of this many bytes on (and when ``datasets`` shows its own).
 PROGRESS_BYTES = 1 << 28
-
-
-def _list_array(row_offsets: np.ndarray, values: np.ndarray):
-    """A pyarrow list array over ``values`` with rows at ``row_offsets`` (large_list past 2**31 - 1)."""
-    return list_array(row_offsets, values, max_tokens=MAX_LIST_TOKENS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,20 +182,20 @@ def packed_batch(rows, schema):
     (:func:`packed_schema`), one row a window; values are cast to the schema's types where they differ."""
     import pyarrow as pa
 
-    if rows.row_offsets[-1] > MAX_LIST_TOKENS:
+    if rows.row_offsets[-1] > io.MAX_LIST_VALUES:
         raise ValueError(f"one record batch would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31 - 1, "
                          "past int32 list offsets): pack fewer windows a batch")
     arrays = []
     for field in schema:
         if field.name == "seq_lengths":
-            arrays.append(_list_array(rows.seq_offsets, rows.seq_lengths.astype(np.int32)))
+            arrays.append(list_array(rows.seq_offsets, rows.seq_lengths.astype(np.int32)))
         elif field.name == "example_ids":
-            arrays.append(_list_array(rows.seq_offsets, rows.seg_example.astype(np.int64)))
+            arrays.append(list_array(rows.seq_offsets, rows.seg_example.astype(np.int64)))
         else:
             values = pa.array(rows.columns[field.name])
             if values.type != field.type.value_type:  # e.g. a staged boolean mask, or a wider common type
                 values = values.cast(field.type.value_type)
-            arrays.append(_list_array(rows.row_offsets, values))
+            arrays.append(list_array(rows.row_offsets, values))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
@@ -240,7 +234,7 @@ class PackedTable:
                                 got=buffer_bytes)
         # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
         per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
-        return max(1, min(int(buffer_bytes / per_token), MAX_LIST_TOKENS))  # int32 list offsets per batch
+        return max(1, min(int(buffer_bytes / per_token), io.MAX_LIST_VALUES))  # int32 list offsets per batch
 
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``

@@ -54,6 +54,7 @@ from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_se
                       pack)
 from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, list_chunks, relocate, table_labels,
                        token_lengths)
+from .io import list_array
 from .packer import PackedColumns, gather_segments, label_dtype, log_overflow, pack_columns
 from .segments import lengths_to_offsets
 
@@ -195,10 +196,9 @@ def _segments_table(values, labels, offsets):
     """Flat tokens (and labels) with (k+1,) row offsets -> an Arrow table with one row per segment."""
     import pyarrow as pa
 
-    offs = pa.array(np.asarray(offsets, np.int32))
-    cols = {"input_ids": pa.ListArray.from_arrays(offs, pa.array(values))}
+    cols = {"input_ids": list_array(offsets, values)}
     if labels is not None:
-        cols["labels"] = pa.ListArray.from_arrays(offs, pa.array(np.asarray(labels, np.int64)))
+        cols["labels"] = list_array(offsets, np.asarray(labels, np.int64))
     return pa.table(cols)
 
 
@@ -210,11 +210,6 @@ def _rows_table(rows, has_labels: bool, value_type, label_type=None):
     from .hf import packed_batch, packed_schema
 
     columns = [("input_ids", value_type)] + ([("labels", label_type or value_type)] if has_labels else [])
-    if rows.row_offsets[-1] > np.iinfo(np.int32).max:
-        raise ValueError(
-            f"one output block would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31): "
-            "repartition the input into more blocks"
-        )
     return pa.Table.from_batches([packed_batch(rows, packed_schema(columns))])
 
 
@@ -282,7 +277,7 @@ def _pass2_tail(opts: dict, value_type, block: int, *segment_tables):
 
     tables = [t for t in segment_tables if t.num_rows]
     if tables:
-        table = pa.concat_tables(tables)
+        table = pa.concat_tables(tables, promote_options="permissive")  # a block's may be large_list
         values, offsets, _ = _list_column(table, "input_ids")
         labels = _list_column(table, "labels")[0] if opts["has_labels"] else None
         lengths = np.diff(offsets)

@@ -180,6 +180,22 @@ def test_messages_give_assistant_masks(tok_dir):
     assert out.column("assistant_masks").to_pylist() == [m for _, m in refs]
 
 
+def test_a_batch_past_int32_offsets_is_large_list(tok_dir, monkeypatch):
+    """Bug: _Encoder.encode built its list arrays with int32 offsets by hand (no large_list fallback), so a
+    batch past 2**31 - 1 tokens would wrap; it now goes through io.list_array. The limit is lowered to
+    exercise the switch: the batches that pass it come back as large_list, the values the same."""
+    import packkit.io as pio
+
+    table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS])
+    ref = tokenize_chat(table, str(tok_dir), batch_size=2)
+    monkeypatch.setattr(pio, "MAX_LIST_VALUES", 20)
+    out = tokenize_chat(table, str(tok_dir), batch_size=2)
+    assert out.schema.field("input_ids").type == pa.large_list(pa.int32())
+    assert out.schema.field("assistant_masks").type == pa.large_list(pa.int8())
+    assert out.column("input_ids").to_pylist() == ref.column("input_ids").to_pylist()
+    assert out.column("assistant_masks").to_pylist() == ref.column("assistant_masks").to_pylist()
+
+
 def test_sharegpt_conversations_are_renamed_as_trl_does(tok_dir):
     rows = [{"conversations": [{"from": m["role"], "value": m["content"]} for m in c]} for c in CONVERSATIONS]
     out = tokenize_chat(pa.Table.from_pylist(rows), tok_dir)

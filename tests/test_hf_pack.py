@@ -269,13 +269,13 @@ def test_negative_id_outside_a_selection_is_ignored():
 
 
 def test_output_past_int32_offsets_is_many_record_batches(monkeypatch):
-    """A record batch never passes MAX_LIST_TOKENS (int32 list offsets), so an output of more tokens
+    """A record batch never passes io.MAX_LIST_VALUES (int32 list offsets), so an output of more tokens
     is several batches of ``list`` columns (no large_list needed); the rows are the same."""
-    import packkit.hf as hf
+    import packkit.io as pio
 
     ds = make_ds([3, 4, 5], labels=False)
     small = pack_dataset(ds, window=6, shuffle=False)
-    monkeypatch.setattr(hf, "MAX_LIST_TOKENS", 5)
+    monkeypatch.setattr(pio, "MAX_LIST_VALUES", 5)
     big = pack_dataset(ds, window=6, shuffle=False)
     col = big.with_format("arrow")[:]["input_ids"]
     assert pa.types.is_list(col.type) and col.num_chunks == 3

@@ -486,3 +486,26 @@ def test_block_errors_keep_their_type_and_text(local_ray):
     with pytest.raises(TypeError, match=r"^block 1: column 'input_ids' holds int64, not lists of token ids") as got:
         raydata.pack_dataset(flat, window=8)
     assert not isinstance(got.value, DataError)
+
+
+def test_handed_segments_past_int32_offsets_are_large_list(monkeypatch):
+    """Bug: _segments_table built its list arrays with int32 offsets by hand (no large_list fallback), so a
+    block handing over more than 2**31 - 1 tokens would wrap. It now goes through io.list_array, and pass 2
+    joins a large_list block's segments with the others'. The limit is lowered to exercise the switch."""
+    import packkit.io as pio
+
+    values = np.arange(10, dtype=np.int32)
+    tables = []
+    for limit in (None, 4):
+        with monkeypatch.context() as m:
+            if limit is not None:
+                m.setattr(pio, "MAX_LIST_VALUES", limit)
+            tables.append(raydata._segments_table(values, values + 1, [0, 3, 4, 8, 10]))
+    assert pa.types.is_list(tables[0].schema.field("input_ids").type)
+    assert pa.types.is_large_list(tables[1].schema.field("input_ids").type)
+    assert tables[1].to_pydict() == tables[0].to_pydict()
+    opts = dict(window=8, strategy="bfd", seed=0, shuffle=False, has_labels=True, mask_first_label=True,
+                label_type=pa.int64())
+    got, stats = raydata._pass2_tail(opts, pa.int32(), 0, *tables)
+    want, _ = raydata._pass2_tail(opts, pa.int32(), 0, tables[0], tables[0])
+    assert got.equals(want) and stats["tokens"] == 20
