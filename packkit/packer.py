@@ -381,6 +381,37 @@ class PackedColumns:
 PackedRows = PackedColumns
 
 
+def _with_labels(packed: dict, *, mask: str | None = None, keep_mask: bool = False, other_masks=(),
+                first=None) -> dict:
+    """The packed columns of some windows (token column first), with ``labels`` made as every packer makes them.
+
+    ``labels`` are the ``labels`` column, else the token ids; ``IGNORE_INDEX`` where the loss-mask
+    column ``mask`` is 0 (where any of ``mask`` and ``other_masks`` is 0: both of :data:`MASK_KEYS`
+    given) and at the flat positions ``first`` (each segment's first token, for models that shift
+    labels; None: none). ``other_masks`` are dropped, and ``mask`` too unless ``keep_mask``. Returns
+    the columns in the written order: tokens, labels, then the rest as given; ``packed`` as it is when
+    it has neither labels nor a mask. ``packed``'s arrays must be fresh (gathered or concatenated): the
+    labels may be written in place.
+
+    ``_with_labels({"input_ids": [5, 6, 7, 8], "completion_mask": [0, 1, 1, 1]}, mask="completion_mask",
+    first=[0, 2])`` -> ``{"input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8]}``.
+    """
+    if mask is None and "labels" not in packed:
+        return packed
+    out = dict(packed)
+    token = next(iter(out))
+    loss = out[mask] if mask is not None else None
+    for name in other_masks:  # both masks: the loss where both are 1
+        loss = (loss != 0) & (out.pop(name) != 0)
+    labels = loss_labels(out[token], out.get("labels"), loss)
+    if first is not None:
+        labels[first] = IGNORE_INDEX  # a fresh array: gathered, concatenated, cast or masked
+    out["labels"] = labels
+    if mask is not None and not keep_mask:
+        del out[mask]
+    return {n: out[n] for n in [token, "labels"] + [n for n in out if n not in (token, "labels")]}
+
+
 def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask: bool = False,
                  extra_masks=(), mask_first_label: bool = True, num_threads: int = 1, bar=None) -> PackedColumns:
     """Gather every column of ``plan``'s examples into packed rows: one strided copy per length group.
@@ -409,7 +440,7 @@ def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask
         raise ValueError("pack_columns needs at least the token column")
     if loss_mask is not None and loss_mask not in columns:
         raise KeyError(f"loss_mask {loss_mask!r} is not one of the columns {names}")
-    seg_first = segment_starts(plan.seg_length)
+    seg_first = segment_starts(plan.seg_length) if mask_first_label else None
     out = {}
     for name in names:
         col = columns[name]
@@ -420,19 +451,7 @@ def pack_columns(plan: Plan, columns, *, loss_mask: str | None = None, keep_mask
                 raise ValueError(f"column {name!r}: values must be 1-D, got shape {values.shape}")
             col = FlatColumn([values], None, _check_starts(plan, starts, values.size, name))
         out[name] = col.gather(plan.seg_example, plan.seg_start, plan.seg_length, num_threads=num_threads, bar=bar)
-    token = names[0]
-    if loss_mask is not None or "labels" in out:
-        mask = out[loss_mask] if loss_mask is not None else None
-        for name in extra_masks:  # both masks: the loss where both are 1
-            mask = (mask != 0) & (out.pop(name) != 0)
-        labels = loss_labels(out[token], out.get("labels"), mask)
-        if mask_first_label:
-            labels[seg_first] = IGNORE_INDEX  # a fresh array: gathered, cast or masked here
-        out["labels"] = labels
-        if loss_mask is not None and not keep_mask:
-            del out[loss_mask]
-        order = [token, "labels"] + [n for n in names if n not in (token, "labels") and n in out]
-        out = {n: out[n] for n in order}
+    out = _with_labels(out, mask=loss_mask, keep_mask=keep_mask, other_masks=extra_masks, first=seg_first)
     return PackedColumns(columns=out, row_offsets=lengths_to_offsets(plan.window_loads), seq_lengths=plan.seg_length.copy(),
                          seq_offsets=plan.window_ptr.copy(), seg_example=plan.seg_example.copy())
 
@@ -560,7 +579,8 @@ class PackedStream:
         check_overflow(overflow)
         if isinstance(columns, str):
             columns = [columns]
-        self._columns = self._mask = self._written = None
+        self._columns = self._mask = None
+        self._keep_mask = False
         self._other_masks = []
         if columns is not None:
             self._set_columns(resolve_columns(list(columns), columns))
@@ -578,7 +598,7 @@ class PackedStream:
         return StreamStats(window=self.window, **self._counts)
 
     def _set_columns(self, spec: ColumnSpec) -> None:
-        self._columns, self._mask, self._written = spec.read, spec.mask, spec.written()
+        self._columns, self._mask, self._keep_mask = spec.read, spec.mask, spec.keep_mask
         self._other_masks = spec.other_masks
 
     def _example_arrays(self, i: int, ex) -> dict:
@@ -606,8 +626,6 @@ class PackedStream:
                 else:
                     raise ValueError(f"example {i} has no {c!r}; every example of the stream needs the columns "
                                      f"{self._columns}")
-        for c in self._other_masks:  # both masks: the loss where both are 1
-            out[self._mask] = (out[self._mask] != 0) & (out.pop(c) != 0)
         return out
 
     def _items(self):
@@ -634,15 +652,9 @@ class PackedStream:
         win = next(self._rows)
         cols = self._columns
         lengths = np.array([p[2][cols[0]].size for p in win], np.int32)
-        row = {c: np.concatenate([p[2][c] for p in win]) for c in cols if c not in self._other_masks}
-        if "labels" in row or self._mask is not None:
-            # The same rule as packer.pack_columns: -100 where the mask is 0, then on each segment's first token.
-            labels = loss_labels(row[cols[0]], row.get("labels"),
-                                 None if self._mask is None else row[self._mask])
-            if self._mask_first_label:
-                labels[segment_starts(lengths)] = IGNORE_INDEX  # a fresh array (concatenated or masked)
-            row["labels"] = labels
-            row = {c: row[c] for c in self._written}
+        row = _with_labels({c: np.concatenate([p[2][c] for p in win]) for c in cols}, mask=self._mask,
+                          keep_mask=self._keep_mask, other_masks=self._other_masks,
+                          first=segment_starts(lengths) if self._mask_first_label else None)
         row["seq_lengths"] = lengths
         if self._example_ids:
             row["example_ids"] = np.array([p[0] for p in win], np.int64)
