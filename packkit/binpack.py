@@ -510,18 +510,13 @@ def apply_overflow(lengths, *, window: int, overflow: str, in_order: bool = Fals
     if overflow != "split":
         check_overflow(overflow)
     # split: example i becomes ceil(L / W) pieces, all of W tokens but the last.
-    if in_order:
-        count = -(-lengths // window)
-        example = np.repeat(idx, count)
-        start = (np.arange(example.size, dtype=np.int64) - np.repeat(lengths_to_offsets(count)[:-1], count)) * window
-        return Pieces(example, start, np.minimum(lengths[example] - start, window), over, empty, 0)
-    k = -(-lengths[over] // window) - 1  # extra pieces per over-long example
-    extra_example = np.repeat(over, k)
-    extra_start = (np.arange(extra_example.size, dtype=np.int64) - np.repeat(lengths_to_offsets(k)[:-1], k) + 1) * window
-    example = np.concatenate((idx, extra_example))
-    start = np.concatenate((zeros, extra_start))
-    length = np.concatenate((np.minimum(lengths, window), np.minimum(lengths[extra_example] - extra_start, window)))
-    return Pieces(example, start, length, over, empty, 0)
+    count = -(-lengths // window)
+    example = np.repeat(idx, count)
+    start = (np.arange(example.size, dtype=np.int64) - np.repeat(lengths_to_offsets(count)[:-1], count)) * window
+    if not in_order:  # the planners' layout: every first piece (start 0), then the later ones, each in order
+        p = np.argsort(start != 0, kind="stable")
+        example, start = example[p], start[p]
+    return Pieces(example, start, np.minimum(lengths[example] - start, window), over, empty, 0)
 
 
 # ----------------------------------------------------------------------------------------------
