@@ -204,8 +204,7 @@ def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_p
     rows = window_ptr.size - 1
     csum = lengths_to_offsets(seg_length)
     loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
-    sq = np.concatenate(([0.0], np.cumsum(seg_length.astype(np.float64) ** 2)))
-    attention = float(sq[-1] + np.sum((window - loads).astype(np.float64) ** 2))
+    attention = float(np.sum(seg_length.astype(np.float64) ** 2) + np.sum((window - loads).astype(np.float64) ** 2))
     return StrategyWaste(
         name=name, label=label, packed=True, rows=int(rows), steps=math.ceil(rows / windows_per_step),
         real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
