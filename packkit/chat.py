@@ -300,7 +300,8 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
             raise ArgumentError("{arg} {text!r} is a file but not a tokenizer.json: {fix}", arg=tok_arg, text=text,
                                 fix=fix)
         try:
-            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+            # named by its file (else ""), as errors about it name it once it is loaded
+            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), name_or_path=text)
         except Exception as exc:  # tokenizers raises its own exception type
             raise ArgumentError("could not read {arg} {text!r}: {why}", arg=tok_arg, text=text,
                                 why=_one_line(exc)) from None

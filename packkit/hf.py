@@ -370,6 +370,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     from .chat import prepare_dataset
 
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        _check_args(isinstance(ds, datasets.IterableDatasetDict), window=window, strategy=strategy,
+                    overflow=overflow, seed=seed, num_proc=num_proc, return_plan=return_plan)
         return _pack_splits(ds, split, return_plan=return_plan, window=window, strategy=strategy, overflow=overflow,
                             columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
                             mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
@@ -381,20 +383,14 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        # the arguments first: a conversational dataset is tokenized whole before it is packed
+        checked = _check_args(isinstance(ds, datasets.IterableDataset), window=window, strategy=strategy,
+                              overflow=overflow, seed=seed, num_proc=num_proc, return_plan=return_plan)
         ds = prepare_dataset(ds, tokenizer=tokenizer, columns=columns, chat_template=chat_template,
                              assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
                              trust_remote_code=trust_remote_code, progress=progress)
     if isinstance(ds, datasets.IterableDataset):
-        if strategy != "bfd":
-            raise ValueError(f"an IterableDataset is packed with best fit inside a buffer; strategy must be "
-                             f"'bfd', got {strategy!r}")
-        if return_plan:
-            raise ValueError("return_plan is not available for an IterableDataset (there is no whole plan)")
-        window = _check_common(window, strategy, overflow, seed, num_proc)
-        if num_proc not in (None, 1):
-            raise ValueError(f"num_proc={num_proc!r}: an IterableDataset is packed in one stream as it is "
-                             "read; leave num_proc unset (or shard the source and pack each shard)")
-        return _pack_iterable(ds, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
+        return _pack_iterable(ds, window=checked, buffer_size=buffer_size, overflow=overflow, columns=columns,
                               seed=seed, shuffle=shuffle, mask_first_label=mask_first_label,
                               example_ids=example_ids, progress=bool(progress))
     if not isinstance(ds, datasets.Dataset):
@@ -442,9 +438,33 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     return (out, plan) if return_plan else out
 
 
+def _check_args(iterable: bool, *, window, strategy, overflow, seed, num_proc, return_plan) -> int:
+    """:func:`pack_dataset`'s argument checks, made before any data is read or tokenized; returns ``window``.
+
+    An ``IterableDataset`` (``iterable``) is packed with best fit inside a buffer, in one stream, with no
+    whole plan: ``strategy`` must be ``"bfd"``, ``return_plan`` and ``num_proc`` unset.
+    """
+    if iterable and strategy != "bfd":
+        raise ValueError(f"an IterableDataset is packed with best fit inside a buffer; strategy must be "
+                         f"'bfd', got {strategy!r}")
+    if iterable and return_plan:
+        raise ValueError("return_plan is not available for an IterableDataset (there is no whole plan)")
+    window = _check_common(window, strategy, overflow, seed, num_proc)
+    if iterable and num_proc not in (None, 1):
+        raise ValueError(f"num_proc={num_proc!r}: an IterableDataset is packed in one stream as it is "
+                         "read; leave num_proc unset (or shard the source and pack each shard)")
+    return window
+
+
 def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
-    """:func:`pack_dataset` on a ``DatasetDict``: the ``split`` named, or every split into a ``DatasetDict``."""
+    """:func:`pack_dataset` on a ``DatasetDict``: the ``split`` named, or every split into a ``DatasetDict``.
+
+    A tokenizer given by name is loaded once (:func:`packkit.chat.load_tokenizer`) for every
+    conversational split, not once a split (a model id costs a Hub probe each time).
+    """
     import datasets
+
+    from .chat import chat_format, load_tokenizer
 
     names = list(dd)
     if split is not None:
@@ -458,6 +478,9 @@ def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
         raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split "
                             "({split}) or leave the cache file names to packkit", arg=arg("cache_file_name"),
                             names=names, split=arg("split", metavar="NAME"))
+    if kwargs["tokenizer"] is not None and kwargs["columns"] is None and any(
+            dd[n].features is not None and chat_format(dd[n].features.arrow_schema) is not None for n in names):
+        kwargs["tokenizer"] = load_tokenizer(kwargs["tokenizer"], trust_remote_code=kwargs["trust_remote_code"])
     packed = {name: pack_dataset(dd[name], return_plan=return_plan, **kwargs) for name in names}
     kind = datasets.DatasetDict if isinstance(dd, datasets.DatasetDict) else datasets.IterableDatasetDict
     if return_plan:

@@ -615,6 +615,55 @@ def test_pack_dataset_dict_each_split_or_one(tok_dir):
     assert pack_dataset(tokenized, window=4)["a"]["seq_lengths"] == [[2, 1]]
 
 
+def test_pack_dataset_checks_its_arguments_before_tokenizing(tok_dir, monkeypatch):
+    """Bug: pack_dataset checked window/strategy/overflow/seed/num_proc only after prepare_dataset had
+    loaded the tokenizer and tokenized a whole conversational dataset; the same errors now come first."""
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the arguments were checked")
+
+    monkeypatch.setattr(chat, "load_tokenizer", no_tokenizer)
+    ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS])
+    dd = datasets.DatasetDict({"train": ds, "test": ds})
+    for data in (ds, dd, ds.to_iterable_dataset()):
+        with pytest.raises(ArgumentError, match="window must be at least 1 token, got 0"):
+            pack_dataset(data, window=0, tokenizer=str(tok_dir))
+        with pytest.raises(ArgumentError, match="unknown overflow"):
+            pack_dataset(data, window=24, overflow="wrap", tokenizer=str(tok_dir))
+        with pytest.raises(ArgumentError, match="seed must be a non-negative integer"):
+            pack_dataset(data, window=24, seed=-1, tokenizer=str(tok_dir))
+    with pytest.raises(ValueError, match="strategy must be 'bfd', got 'ffd'"):
+        pack_dataset(ds.to_iterable_dataset(), window=24, strategy="ffd", tokenizer=str(tok_dir))
+    with pytest.raises(ValueError, match="num_proc=2: an IterableDataset is packed in one stream"):
+        pack_dataset(ds.to_iterable_dataset(), window=24, num_proc=2, tokenizer=str(tok_dir))
+
+
+def test_pack_dataset_dict_loads_the_tokenizer_once(tok_dir, monkeypatch):
+    """Bug: pack_dataset on a DatasetDict loaded the tokenizer once a split (for a model id, a Hub probe of
+    up to 5 s each); it is now loaded once (chat.load_tokenizer) and the object passed to every split."""
+    loads = []
+    real = chat.load_tokenizer
+
+    def counting(spec, **kwargs):
+        if isinstance(spec, (str, os.PathLike)):
+            loads.append(spec)
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(chat, "load_tokenizer", counting)
+    splits = {name: datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]) for name in ("a", "b", "c")}
+    packed = pack_dataset(datasets.DatasetDict(splits), window=24, tokenizer=str(tok_dir), example_ids=True)
+    assert loads == [str(tok_dir)]
+    for name in splits:
+        for row in packed[name]:
+            assert row["labels"] == expected_labels(row["example_ids"], row["seq_lengths"])
+    # an error about the tokenizer still names it as given (a tokenizer.json has no chat template)
+    spec = str(tok_dir / "tokenizer.json")
+    with pytest.raises(ArgumentError) as one:
+        pack_dataset(splits["a"], window=24, tokenizer=spec)
+    with pytest.raises(ArgumentError) as every:
+        pack_dataset(datasets.DatasetDict(splits), window=24, tokenizer=spec)
+    assert str(every.value) == str(one.value) and repr(spec) in str(one.value)
+
+
 def test_pack_dataset_on_an_iterable_dataset(tok_dir):
     ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]).to_iterable_dataset()
     rows = list(pack_dataset(ds, window=24, tokenizer=str(tok_dir), shuffle=False, example_ids=True))
