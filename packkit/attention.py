@@ -257,43 +257,49 @@ _TORCH_CALLS: dict[tuple[object, str], TorchVarlenCall] = {}  # (function, devic
 
 def _probe_grouped_heads(fn, params, device: torch.device, dtype: torch.dtype) -> bool:
     """True when fn gives grouped k, v the values and gradients of repeated ones (2 query heads over
-    1 kv head, two segments of 3 and 5 tokens, head dim 64). Any error counts as False."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(8, h, 64, generator=gen).to(device=device, dtype=dtype) for h in (2, 1, 1))
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    1 kv head, two segments of 3 and 5 tokens, head dim 64). An error from fn counts as False.
+
+    Grad is enabled here whatever the caller's mode: a first call under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` would otherwise fail the backward and cache "repeat" for good."""
     outs = []
-    try:
-        for repeat in (False, True):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            kk, vv = (t.repeat_interleave(2, dim=1) if repeat else t for t in leaves[1:])
-            out = fn(leaves[0], kk, vv, cu, cu, 5, 5, **causal)
-            out.float().square().sum().backward()
-            outs.append([out.float(), *(t.grad.float() for t in leaves)])
-    except (RuntimeError, ValueError, TypeError, AssertionError):
-        return False
+    with torch.inference_mode(False), torch.enable_grad():
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(8, h, 64, generator=gen).to(device=device, dtype=dtype) for h in (2, 1, 1))
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+        causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        try:
+            for repeat in (False, True):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                kk, vv = (t.repeat_interleave(2, dim=1) if repeat else t for t in leaves[1:])
+                out = fn(leaves[0], kk, vv, cu, cu, 5, 5, **causal)
+                out.float().square().sum().backward()
+                outs.append([out.float(), *(t.grad.float() for t in leaves)])
+        except (RuntimeError, ValueError, TypeError):
+            return False
     return all(a.shape == b.shape and torch.allclose(a, b, rtol=2e-2, atol=2e-2) for a, b in zip(*outs))
 
 
 def torch_varlen_call(q: torch.Tensor) -> TorchVarlenCall:
     """The :class:`TorchVarlenCall` for torch's ``varlen_attn`` on q's device: read from the signature
     once, and for grouped heads without ``enable_gqa`` probed once (a few tiny launches), then cached.
-    Inside a compiled graph an unprobed function is called with repeated k, v (the probe runs eagerly)."""
+    Inside a compiled graph or a CUDA-graph capture an unprobed function is called with repeated k, v
+    and nothing is cached (the probe runs eagerly, on the next call outside)."""
     fn = _torch_varlen_attn()[0]
     key = (fn, str(q.device))
     plan = _TORCH_CALLS.get(key)
     if plan is not None:
         return plan
     params = inspect.signature(fn).parameters
+    in_graph = _graph_unfriendly()
     gqa = "enable_gqa" if "enable_gqa" in params else None
     if gqa is None:
-        if torch.compiler.is_compiling():
+        if in_graph:
             gqa = "repeat"  # not cached: the next eager call probes
         else:
             gqa = "native" if _probe_grouped_heads(fn, params, q.device, q.dtype) else "repeat"
     plan = TorchVarlenCall(str(inspect.signature(fn)), "window_size" if "window_size" in params else "is_causal",
                            "scale" in params, gqa)
-    if not torch.compiler.is_compiling():
+    if not in_graph:
         _TORCH_CALLS[key] = plan
     return plan
 

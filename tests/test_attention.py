@@ -345,11 +345,65 @@ def test_torch_2_11_signature_with_grouped_heads(monkeypatch):
     assert calls[2:] == [2, 2, 2]  # then the three calls: k, v with their 2 heads, never repeated to 4
 
 
+@pytest.mark.parametrize("first_call_mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_probe_under_no_grad_or_inference_mode_still_finds_grouped_heads(monkeypatch, first_call_mode):
+    """Regression (the grouped-heads probe under no_grad / inference_mode): the probe differentiates a tiny
+    call; when the first torch-backend call ran under torch.no_grad() or torch.inference_mode(), its
+    backward raised, the probe answered False and torch_varlen_call cached gqa="repeat" for good, so every
+    later training call repeated k and v. The probe now enables grad itself: the plan is "native"."""
+    calls = []
+
+    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):  # torch 2.11's signature: no enable_gqa
+        calls.append(key.shape[1])
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    cu = cu_seqlens_of([3, 0, 4])
+    with first_call_mode():
+        out = varlen_attention(q, k, v, cu, 4, backend="torch")
+    assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 4))
+    assert attention.torch_varlen_call(q).gqa == "native"
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    varlen_attention(*leaves, cu, 4, backend="torch").float().sum().backward()  # a training call after
+    assert calls == [1, 2, 2, 2]  # probe (grouped, repeated), then both calls with k, v's own 2 heads
+
+
+def test_no_probe_inside_a_graph_and_nothing_cached(monkeypatch):
+    """While torch.compile traces or a CUDA graph is captured (_graph_unfriendly), the probe's tiny
+    launches and backward would spoil the graph: k, v are repeated for that call and no plan is cached,
+    so the next eager call probes and passes grouped heads."""
+    calls = []
+
+    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        calls.append(key.shape[1])
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
+    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+    lengths = [3, 4, 0]  # static-shape padding: inside a graph num_segments is needed anyway
+    q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
+    cu = cu_seqlens_of(lengths)
+    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: True)
+    varlen_attention(q, k, v, cu, 4, backend="torch", num_segments=2)
+    assert calls == [4] and attention._TORCH_CALLS == {}  # repeated to q's 4 heads, no probe, no plan kept
+    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: False)
+    varlen_attention(q, k, v, cu, 4, backend="torch")
+    assert calls == [4, 1, 2, 2] and attention.torch_varlen_call(q).gqa == "native"
+
+
 def test_torch_varlen_attn_older_signature(monkeypatch):
     """A release with is_causal and without enable_gqa / scale, whose kernel refuses grouped k, v:
     the probe finds that once, then k, v are repeated and q pre-scaled."""
     def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
-        assert key.shape[1] == query.shape[1] and is_causal
+        if key.shape[1] != query.shape[1]:  # what the real op raises for heads it cannot group
+            raise RuntimeError(f"number of heads in key/value must equal query's; got {key.shape[1]} and {query.shape[1]}")
+        assert is_causal
         return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q, causal=is_causal)
 
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
