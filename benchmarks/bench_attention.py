@@ -304,8 +304,6 @@ def main() -> int:
         device, dtype, tokens, nheads, nheads_kv, median = "cuda", torch.bfloat16, 32768, 32, 8, 250
         head_dims, windows, warmup, reps, profile_reps = args.head_dims, args.windows, 3, args.reps, 5
 
-    import inspect
-
     from packkit import attention
 
     fn, err = attention._torch_varlen_attn()
@@ -314,8 +312,8 @@ def main() -> int:
         torch_call = f"torch.nn.attention.varlen.varlen_attn: unavailable ({err})"
     else:
         plan = attention.torch_varlen_call(probe_q)
-        torch_call = (f"torch.nn.attention.varlen.varlen_attn{inspect.signature(fn)}\n  called with "
-                      f"{'window_size' if plan.causal_arg == 'window_size' else 'is_causal'}, grouped heads: "
+        torch_call = (f"torch.nn.attention.varlen.varlen_attn{plan.signature}\n  called with "
+                      f"{plan.causal_arg}, grouped heads: "
                       f"{ {'enable_gqa': 'enable_gqa=True', 'native': 'k, v passed with their own heads (probed once)', 'repeat': 'k, v repeated to q heads'}[plan.gqa] }")
     print(torch_call)
 

@@ -289,7 +289,8 @@ def torch_varlen_call(q: torch.Tensor) -> TorchVarlenCall:
     plan = _TORCH_CALLS.get(key)
     if plan is not None:
         return plan
-    params = inspect.signature(fn).parameters
+    signature = inspect.signature(fn)
+    params = signature.parameters
     in_graph = _graph_unfriendly()
     gqa = "enable_gqa" if "enable_gqa" in params else None
     if gqa is None:
@@ -297,7 +298,7 @@ def torch_varlen_call(q: torch.Tensor) -> TorchVarlenCall:
             gqa = "repeat"  # not cached: the next eager call probes
         else:
             gqa = "native" if _probe_grouped_heads(fn, params, q.device, q.dtype) else "repeat"
-    plan = TorchVarlenCall(str(inspect.signature(fn)), "window_size" if "window_size" in params else "is_causal",
+    plan = TorchVarlenCall(str(signature), "window_size" if "window_size" in params else "is_causal",
                            "scale" in params, gqa)
     if not in_graph:
         _TORCH_CALLS[key] = plan
