@@ -301,9 +301,9 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
     dtype_class, block_d = _dtype_class(q.dtype), _head_block(head_dim)
     # Every key row is written by the dk/dv kernel and every query row by the dq kernel: no fills.
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    # Atomic dq sums into fp32 from zero; the deterministic kernel writes each row once.
-    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dq = torch.empty_like(q) if deterministic else None
+    # One dq buffer: the deterministic dq kernel writes each row once, in q's dtype; atomic dq adds every
+    # key block's share into it (an accumulator, so fp32), starting from zero.
+    dq_buf = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     with _device_guard(q):
         count, device_count = _live_count(cu_seqlens, num_segments)
         # -- delta = rowsum(o * do), fp32, laid out like lse --
@@ -319,19 +319,17 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
                     DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
                     DEVICE_COUNT=device_count, BLOCK_D=block_d)
         tail = (scale, total, segments, _seqlen_key(max_seqlen))
-        acc = dq if deterministic else dq_acc  # the dk/dv kernel touches it only when atomic
+        # The dk/dv kernel touches dq_buf only when atomic.
         _launch("dkdv" if deterministic else "dkdv_atomic", dtype_class,
                 lambda c: segment_grid(total, segments, c["BLOCK_N"], nheads_kv),
-                (q, k, v, do, lse, delta, dk, dv, acc, cu_seqlens, count, *common, *dk.stride(), *dv.stride(),
-                 *acc.stride(), *tail),
+                (q, k, v, do, lse, delta, dk, dv, dq_buf, cu_seqlens, count, *common, *dk.stride(), *dv.stride(),
+                 *dq_buf.stride(), *tail),
                 dict(meta, ATOMIC_DQ=not deterministic))
         if deterministic:
             _launch("dq", dtype_class, lambda c: segment_grid(total, segments, c["BLOCK_M"], nheads),
-                    (q, k, v, do, lse, delta, dq, cu_seqlens, count, *common, *dq.stride(), *tail),
+                    (q, k, v, do, lse, delta, dq_buf, cu_seqlens, count, *common, *dq_buf.stride(), *tail),
                     dict(meta, REVERSE_GRID=causal))
-        else:
-            dq = dq_acc.to(q.dtype)
-    return dq, dk, dv
+    return dq_buf.to(q.dtype), dk, dv  # a cast only for atomic dq of fp16 / bf16 inputs
 
 
 # -- torch.library ops: torch.compile traces through them via the fake implementations --
