@@ -37,7 +37,7 @@ from packkit.kernels.flash_varlen_kernels import (
     attn_bwd_preprocess_kernel,
     attn_fwd_kernel,
 )
-from packkit.kernels.varlen_layout import check_varlen_shapes
+from packkit.kernels.varlen_layout import check_num_segments, check_varlen_shapes
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -187,15 +187,20 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str
 
 
 def _checked(q, k, v, cu_seqlens, max_seqlen, num_segments):
-    """Check shapes, dtypes and devices (no tensor value is read: that would sync a GPU); return
-    cu_seqlens contiguous (the kernels index it as a flat array) and cut to num_segments when known."""
+    """Check shapes, dtypes, devices and num_segments (no tensor value is read: that would sync a GPU);
+    return cu_seqlens as the kernels take it (:func:`_kernel_cu_seqlens`). The forward runs it once;
+    the backward gets the forward's tensors and does not check them again."""
     reason = unsupported_reason(q, k, v)
     if reason is not None:
         raise ValueError(reason)
     check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen)
+    check_num_segments(num_segments, cu_seqlens)
+    return _kernel_cu_seqlens(cu_seqlens, num_segments)
+
+
+def _kernel_cu_seqlens(cu_seqlens: torch.Tensor, num_segments: int | None) -> torch.Tensor:
+    """cu_seqlens contiguous (the kernels index it as a flat array), cut to num_segments when known."""
     if num_segments is not None:
-        if not 0 <= num_segments <= cu_seqlens.numel() - 1:
-            raise ValueError(f"num_segments={num_segments} must be in [0, {cu_seqlens.numel() - 1}]")
         cu_seqlens = cu_seqlens[: num_segments + 1]
     return cu_seqlens.contiguous()
 
@@ -288,11 +293,15 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
                        num_segments: int | None = None, deterministic: bool = True):
     """Launch the backward kernels. Returns (dq, dk, dv), shaped and typed like (q, k, v).
 
+    The inputs are the forward's (q, k, v, cu_seqlens and num_segments as checked by
+    :func:`attention_forward`, its o and lse): only do's shape is checked here.
     ``deterministic``: dq from its own kernel (bit-identical runs, 7 matrix products); False adds dq
     into an fp32 buffer with atomics from the dk/dv kernel (FlashAttention-2's way, 5 products; the
     last bits of dq vary between runs).
     """
-    cu_seqlens = _checked(q, k, v, cu_seqlens, max_seqlen, num_segments)
+    if do.shape != q.shape:
+        raise ValueError(f"do must have the shape of q and o, {tuple(q.shape)}; got {tuple(do.shape)}")
+    cu_seqlens = _kernel_cu_seqlens(cu_seqlens, num_segments)
     total, nheads, head_dim = q.shape
     nheads_kv = k.shape[1]
     segments = cu_seqlens.numel() - 1

@@ -7,7 +7,8 @@
     cu_seqlens: (num_segments + 1,) int32, on q's device
 
 It lives at the bottom, beside the kernels, so that ``packkit.attention`` (every backend) and the
-Triton launcher (:mod:`packkit.kernels.flash_varlen`) call one check, and nothing here imports back up.
+Triton launcher (:mod:`packkit.kernels.flash_varlen`) call the same checks, and nothing here imports
+back up.
 """
 
 from __future__ import annotations
@@ -40,3 +41,19 @@ def check_varlen_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                          f"{v.device}, {cu_seqlens.device} (move cu_seqlens with .to(q.device))")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0; got {max_seqlen}")
+
+
+def check_num_segments(num_segments, cu_seqlens: torch.Tensor) -> None:
+    """num_segments: None, or a Python int in [0, len(cu_seqlens) - 1] (shape only; no values read).
+
+    Raises TypeError for a tensor or a bool (a count on the device would force a sync), ValueError
+    out of range, e.g. "num_segments=4 must be in [0, 3] (cu_seqlens has 4 entries)".
+    """
+    if num_segments is None:
+        return
+    if isinstance(num_segments, torch.Tensor) or not isinstance(num_segments, int) or isinstance(num_segments, bool):
+        raise TypeError(f"num_segments must be a Python int known on the host (the collator's count of real "
+                        f"segments; a tensor would force a sync); got {type(num_segments).__name__}")
+    if not 0 <= num_segments <= cu_seqlens.numel() - 1:
+        raise ValueError(f"num_segments={num_segments} must be in [0, {cu_seqlens.numel() - 1}] "
+                         f"(cu_seqlens has {cu_seqlens.numel()} entries)")

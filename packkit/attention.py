@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 # Shape checks shared with the Triton launcher; varlen_layout imports torch only (no triton).
-from packkit.kernels.varlen_layout import check_varlen_shapes
+from packkit.kernels.varlen_layout import check_num_segments, check_varlen_shapes
 
 BACKENDS = ("flash_attn", "torch", "triton", "reference")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -348,24 +348,12 @@ _RUNNERS = {
 
 # -- input checks --
 
-def _check_num_segments(num_segments, cu_seqlens: torch.Tensor) -> None:
-    """num_segments: None, or a Python int in [0, len(cu_seqlens) - 1] (shape only; no values read)."""
-    if num_segments is None:
-        return
-    if isinstance(num_segments, torch.Tensor) or not isinstance(num_segments, int) or isinstance(num_segments, bool):
-        raise TypeError(f"num_segments must be a Python int known on the host (the collator's count of real "
-                        f"segments; a tensor would force a sync); got {type(num_segments).__name__}")
-    if not 0 <= num_segments <= cu_seqlens.numel() - 1:
-        raise ValueError(f"num_segments={num_segments} must be in [0, {cu_seqlens.numel() - 1}] "
-                         f"(cu_seqlens has {cu_seqlens.numel()} entries)")
-
-
 def _check_inputs(q, k, v, cu_seqlens, max_seqlen, num_segments=None, deterministic=None) -> None:
     if isinstance(max_seqlen, torch.Tensor) or not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool):
         raise TypeError(f"max_seqlen must be a Python int computed on the CPU (reading it from a tensor "
                         f"forces a sync and breaks torch.compile graphs); got {type(max_seqlen).__name__}")
     check_varlen_shapes(q, k, v, cu_seqlens, max_seqlen)
-    _check_num_segments(num_segments, cu_seqlens)
+    check_num_segments(num_segments, cu_seqlens)
     if deterministic is not None and not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be None, True or False; got {deterministic!r}")
     if cu_seqlens.device.type != "cpu" or torch.compiler.is_compiling():

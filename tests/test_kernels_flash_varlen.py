@@ -203,6 +203,21 @@ def test_launcher_rejects_bad_inputs(change, message):
         flash_varlen.attention_forward(args["q"], args["k"], args["v"], args["cu"], 4, True, 0.1)
 
 
+@pytest.mark.parametrize("num_segments, error", [(4, ValueError), (-1, ValueError), (True, TypeError)])
+def test_launcher_and_varlen_attention_refuse_num_segments_alike(num_segments, error):
+    """One check (varlen_layout.check_num_segments) behind both entry points: the same error and words."""
+    skip_unless_runnable("cpu")
+    q, k, v = torch.randn(7, 2, 32), torch.randn(7, 1, 32), torch.randn(7, 1, 32)
+    cu = cu_seqlens_of([3, 4, 0])
+    messages = []
+    for call in (lambda: flash_varlen.attention_forward(q, k, v, cu, 4, True, 0.1, num_segments),
+                 lambda: varlen_attention(q, k, v, cu, 4, backend="triton", num_segments=num_segments)):
+        with pytest.raises(error, match=r"must be in \[0, 3\]|Python int") as caught:
+            call()
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+
+
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("num_segments,deterministic", [(None, True), (2, False)])
 def test_custom_op_registration(device, num_segments, deterministic):
