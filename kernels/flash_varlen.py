@@ -230,13 +230,15 @@ def _seqlen_key(max_seqlen: int) -> int:
     return triton.next_power_of_2(max(max_seqlen, 1))
 
 
-def _live_count(cu_seqlens: torch.Tensor, num_segments: int | None):
-    """(count tensor, DEVICE_COUNT): when the host does not know how many segments are real, count on
-    the device those that start before total_tokens (one searchsorted, no sync), so that static-shape
-    padding segments cost their programs one load (see _live_segments in the kernels)."""
+def _live_count(cu_seqlens: torch.Tensor, num_segments: int | None) -> torch.Tensor:
+    """The live segments for the kernels' DEVICE_COUNT mode. When the host does not know how many
+    segments are real: (1,) int32, those that start before total_tokens, counted on the device (one
+    searchsorted, no sync), so that static-shape padding segments cost their programs one load (see
+    _live_segments in the kernels). With num_segments the kernels read that instead: (0,), nothing
+    launched. The forward op returns it, and the backward reuses it rather than counting again."""
     if num_segments is not None:
-        return cu_seqlens, False  # unused by the kernels: the count is num_segments
-    return torch.searchsorted(cu_seqlens, cu_seqlens[-1:], out_int32=True), True
+        return cu_seqlens.new_empty(0)
+    return torch.searchsorted(cu_seqlens, cu_seqlens[-1:], out_int32=True)
 
 
 CUDA_MAX_GRID = (2**31 - 1, 65535, 65535)  # programs per grid axis on CUDA
@@ -269,32 +271,43 @@ def attention_forward(q, k, v, cu_seqlens, max_seqlen: int, causal: bool, scale:
     CPU), so o and lse are written in full and allocated without a fill. ``num_segments``: the number
     of real segments when the host knows it (cu_seqlens is cut there); None counts them on the device.
     """
+    o, lse, _ = _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments)
+    return o, lse
+
+
+def _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments):
+    """:func:`attention_forward`, also returning the live count (:func:`_live_count`) for the backward."""
     cu_seqlens = _checked(q, k, v, cu_seqlens, max_seqlen, num_segments)
     total, nheads, head_dim = q.shape
     segments = cu_seqlens.numel() - 1
     if total == 0 or segments == 0:
-        return torch.zeros_like(q), q.new_zeros((nheads, total), dtype=torch.float32)
+        return (torch.zeros_like(q), q.new_zeros((nheads, total), dtype=torch.float32),
+                cu_seqlens.new_zeros(0 if num_segments is not None else 1))
     o = torch.empty_like(q)
     lse = torch.empty((nheads, total), dtype=torch.float32, device=q.device)
     with _device_guard(q):
-        count, device_count = _live_count(cu_seqlens, num_segments)
-        args = (q, k, v, o, lse, cu_seqlens, count,
+        count = _live_count(cu_seqlens, num_segments)
+        # count_ptr is read only under DEVICE_COUNT (num_segments unknown); else any int32 tensor will do.
+        count_ptr = count if num_segments is None else cu_seqlens
+        args = (q, k, v, o, lse, cu_seqlens, count_ptr,
                 *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
                 scale, total, segments, _seqlen_key(max_seqlen))
         meta = dict(GROUP=nheads // k.shape[1], HEAD_DIM=head_dim, IS_CAUSAL=causal,
                     DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
-                    DEVICE_COUNT=device_count, REVERSE_GRID=causal, BLOCK_D=_head_block(head_dim))
+                    DEVICE_COUNT=num_segments is None, REVERSE_GRID=causal, BLOCK_D=_head_block(head_dim))
         _launch("fwd", _dtype_class(q.dtype), lambda c: segment_grid(total, segments, c["BLOCK_M"], nheads),
                 args, meta)
-    return o, lse
+    return o, lse, count
 
 
 def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal: bool, scale: float,
-                       num_segments: int | None = None, deterministic: bool = True):
+                       num_segments: int | None = None, deterministic: bool = True,
+                       live_count: torch.Tensor | None = None):
     """Launch the backward kernels. Returns (dq, dk, dv), shaped and typed like (q, k, v).
 
     The inputs are the forward's (q, k, v, cu_seqlens and num_segments as checked by
-    :func:`attention_forward`, its o and lse): only do's shape is checked here.
+    :func:`attention_forward`, its o and lse): only do's shape is checked here. ``live_count``: the
+    forward's count of live segments (the custom op passes it on); None counts them again.
     ``deterministic``: dq from its own kernel (bit-identical runs, 7 matrix products); False adds dq
     into an fp32 buffer with atomics from the dk/dv kernel (FlashAttention-2's way, 5 products; the
     last bits of dq vary between runs).
@@ -314,7 +327,10 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
     # key block's share into it (an accumulator, so fp32), starting from zero.
     dq_buf = torch.empty_like(q) if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     with _device_guard(q):
-        count, device_count = _live_count(cu_seqlens, num_segments)
+        if num_segments is not None:
+            count_ptr = cu_seqlens  # unread: the kernels take num_segments
+        else:
+            count_ptr = _live_count(cu_seqlens, None) if live_count is None else live_count
         # -- delta = rowsum(o * do), fp32, laid out like lse --
         delta = torch.empty_like(lse)
         block_t = 64
@@ -326,17 +342,17 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
         common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
         meta = dict(GROUP=nheads // nheads_kv, HEAD_DIM=head_dim, IS_CAUSAL=causal,
                     DOT_PRECISION=_dot_precision(q.dtype), UPCAST_DOT=_upcast_dot(q.dtype),
-                    DEVICE_COUNT=device_count, BLOCK_D=block_d)
+                    DEVICE_COUNT=num_segments is None, BLOCK_D=block_d)
         tail = (scale, total, segments, _seqlen_key(max_seqlen))
         # The dk/dv kernel touches dq_buf only when atomic.
         _launch("dkdv" if deterministic else "dkdv_atomic", dtype_class,
                 lambda c: segment_grid(total, segments, c["BLOCK_N"], nheads_kv),
-                (q, k, v, do, lse, delta, dk, dv, dq_buf, cu_seqlens, count, *common, *dk.stride(), *dv.stride(),
+                (q, k, v, do, lse, delta, dk, dv, dq_buf, cu_seqlens, count_ptr, *common, *dk.stride(), *dv.stride(),
                  *dq_buf.stride(), *tail),
                 dict(meta, ATOMIC_DQ=not deterministic))
         if deterministic:
             _launch("dq", dtype_class, lambda c: segment_grid(total, segments, c["BLOCK_M"], nheads),
-                    (q, k, v, do, lse, delta, dq_buf, cu_seqlens, count, *common, *dq_buf.stride(), *tail),
+                    (q, k, v, do, lse, delta, dq_buf, cu_seqlens, count_ptr, *common, *dq_buf.stride(), *tail),
                     dict(meta, REVERSE_GRID=causal))
     return dq_buf.to(q.dtype), dk, dv  # a cast only for atomic dq of fp16 / bf16 inputs
 
@@ -346,41 +362,42 @@ def attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, causal:
 @torch.library.custom_op("packkit::varlen_attn_fwd", mutates_args=())
 def _varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                      max_seqlen: int, causal: bool, scale: float, num_segments: int | None,
-                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments)
+                     deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, lse, live_count): live_count (see _live_count) is kept for the backward."""
+    return _forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments)
 
 
 @_varlen_attn_fwd.register_fake
 def _varlen_attn_fwd_fake(q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments, deterministic):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return (torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+            cu_seqlens.new_empty(0 if num_segments is not None else 1))
 
 
 @torch.library.custom_op("packkit::varlen_attn_bwd", mutates_args=())
 def _varlen_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                     lse: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool,
-                     scale: float, num_segments: int | None,
+                     lse: torch.Tensor, cu_seqlens: torch.Tensor, live_count: torch.Tensor, max_seqlen: int,
+                     causal: bool, scale: float, num_segments: int | None,
                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_backward(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, num_segments,
-                              deterministic)
+                              deterministic, live_count)
 
 
 @_varlen_attn_bwd.register_fake
-def _varlen_attn_bwd_fake(do, q, k, v, o, lse, cu_seqlens, max_seqlen, causal, scale, num_segments,
+def _varlen_attn_bwd_fake(do, q, k, v, o, lse, cu_seqlens, live_count, max_seqlen, causal, scale, num_segments,
                           deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens, max_seqlen, causal, scale, num_segments, deterministic = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    o, lse, live_count = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, live_count)
     ctx.args = (max_seqlen, causal, scale, num_segments, deterministic)
 
 
-def _backward(ctx, do, dlse):
-    # lse is an internal output (the public function returns only o), so dlse carries no gradient.
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = _varlen_attn_bwd(do, q, k, v, o, lse, cu_seqlens, *ctx.args)
+def _backward(ctx, do, dlse, dlive_count):
+    # lse and live_count are internal outputs (the public function returns only o): no gradient.
+    dq, dk, dv = _varlen_attn_bwd(do, *ctx.saved_tensors, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -411,6 +428,6 @@ def flash_varlen_attention(
         (total_tokens, nheads, headdim), dtype of q.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, _ = _varlen_attn_fwd(q, k, v, cu_seqlens, int(max_seqlen), bool(causal), scale,
+    o, _, _ = _varlen_attn_fwd(q, k, v, cu_seqlens, int(max_seqlen), bool(causal), scale,
                             None if num_segments is None else int(num_segments), bool(deterministic))
     return o

@@ -26,7 +26,8 @@ Empty segments (static-shape padding of ``cu_seqlens``) never reach flash-attn o
 (flash-attention#1537). Pass ``num_segments`` (a Python int from the collator) and they are sliced
 off with no GPU sync, which keeps ``torch.compile`` graphs whole; without it they are dropped by
 reading ``cu_seqlens`` (a sync on a GPU; refused inside a compiled or captured graph). The Triton
-kernels need neither: without ``num_segments`` they count the live segments on the device.
+kernels need neither: without ``num_segments`` they count the live segments on the device (one
+searchsorted in the forward, kept for the backward; with it, nothing is counted).
 
 Hugging Face models reach the varlen backends through :func:`register_hf_attention` (an attention
 function reading the packed batch's ``cu_seq_lens_q``; see ``PackedBatch.hf_kwargs``).
@@ -443,7 +444,8 @@ def hf_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     query: (batch, nheads, seq, headdim); key, value: (batch, nheads_kv, seq, headdim). The documents
     come from the batch's ``cu_seq_lens_q`` / ``max_length_q`` kwargs (``PackedBatch.hf_kwargs()``),
     and an optional ``num_segments`` kwarg (a Python int, e.g. ``batch.num_real_segments`` with
-    ``hf_kwargs(static=True)``) spares the flash_attn / torch backends a sync. Returns
+    ``hf_kwargs(static=True)``) spares the flash_attn / torch backends a sync, and the Triton backend
+    its count of the live segments on the device (a searchsorted launch per layer). Returns
     ``(out: (batch, seq, nheads, headdim), None)``, as Hugging Face's attention functions do.
 
     Registered under a name of its own, transformers builds no mask for it (its padding mask would

@@ -106,6 +106,26 @@ def test_padding_segments_counted_on_the_device(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("num_segments, counted", [(None, [(1,)]), (3, [(0,)])], ids=["counted", "num_segments"])
+def test_live_segments_counted_once_per_step(monkeypatch, num_segments, counted):
+    """Without num_segments the forward op counts the live segments on the device and returns the
+    count; the backward reuses it (it used to run the searchsorted again). With num_segments nothing is
+    counted: the op's count is empty."""
+    skip_unless_runnable("cpu")
+    calls = []
+
+    def live_count(cu_seqlens, num_segments):
+        out = real(cu_seqlens, num_segments)
+        calls.append(tuple(out.shape))
+        return out
+
+    real = flash_varlen._live_count
+    monkeypatch.setattr(flash_varlen, "_live_count", live_count)
+    check_against_float64(triton_attention(40, True, num_segments=num_segments), [9, 40, 1, 0, 0], 2, 1, 32,
+                          torch.float32, "cpu", True)
+    assert calls == counted
+
+
 @pytest.mark.parametrize("device", device_params())
 def test_strided_cu_seqlens(device):
     """The launcher makes cu_seqlens contiguous (the kernels index it as a flat array)."""
