@@ -32,15 +32,11 @@ that every call path runs (tests/test_bench_attention.py runs it in CI); it meas
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 import time
 
 import numpy as np
-from benchlib import sft_like_lengths, versions
+from benchlib import device_name, emit_json, median_time, sft_like_lengths, smoke_or_cuda, verdict, versions
 
 TARGETS = {"triton_fwd_vs_torch": 0.9, "triton_fwd_bwd_vs_torch": 0.8, "packed_vs_padded": 2.0}
 # Kernel-name fragments -> phase, for the profiler's device events (Triton's, then flash-attn's inside torch).
@@ -77,28 +73,6 @@ def phase_of(kernel_name: str) -> str:
     return next((phase for fragment, phase in PHASES if fragment in kernel_name), "other")
 
 
-def median_time(fn, *, warmup: int, reps: int, device: str) -> float:
-    """Median seconds per call of fn(), timed with CUDA events (or perf_counter on the CPU)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def phase_times(fn, *, reps: int, device: str) -> dict[str, float] | str:
     """Device milliseconds per call of fn() in each phase (forward, preprocess, dk/dv, dq, other), from
     torch.profiler's kernel events; a string saying why when there are none (the CPU: no kernels)."""
@@ -122,30 +96,6 @@ def phase_times(fn, *, reps: int, device: str) -> dict[str, float] | str:
                 totals[phase_of(event.key)] += self_us / 1e3 / reps
                 seen = True
     return totals if seen else f"no device kernel events on {device}"
-
-
-def install_cpu_fakes():
-    """--cpu-smoke: stand-ins for the CUDA-only backends, with their real signatures (flash-attn 2's
-    flash_attn_varlen_func; torch 2.11's varlen_attn, which has no enable_gqa), computing through the
-    reference. CPU tensors pass for CUDA ones in packkit.attention's availability checks."""
-    from packkit import attention
-
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
-        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and dropout_p == 0.0
-        return attention.reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal,
-                                                     scale=softmax_scale)
-
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                    window_size=(-1, -1)):
-        assert window_size in ((-1, 0), (-1, -1)) and return_aux is None
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
-                                                     causal=window_size == (-1, 0), scale=scale)
-
-    attention._flash_attn_varlen_func = lambda: (flash_attn_varlen_func, None)
-    attention._torch_varlen_attn = lambda: (varlen_attn, None)
-    attention._on_cuda = lambda t: True
 
 
 def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, reps: int, profile_reps: int,
@@ -271,12 +221,6 @@ def print_problem(record: dict) -> None:
               f"{r['fwd_bwd_tflops']:>7.1f}  {cols}{'':20}{r['max_diff_vs_triton']:>10.2e}")
 
 
-def verdict(value, target, smoke=False) -> str:
-    if value is None or smoke:
-        return "n/a (smoke)" if smoke else "n/a"
-    return f"{value:.2f}x ({'met' if value >= target else 'MISSED'}, target >= {target:.2f}x)"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true",
@@ -288,20 +232,17 @@ def main() -> int:
     parser.add_argument("--json-out", help="append the JSON lines to this file too")
     args = parser.parse_args()
 
-    if args.cpu_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before packkit.kernels is imported
+    device = smoke_or_cuda("bench_attention.py", smoke=args.cpu_smoke)
+    if device is None:
+        return 2
     import torch
 
+    dtype = torch.bfloat16
     if args.cpu_smoke:
-        install_cpu_fakes()
-        device, dtype, tokens, nheads, nheads_kv, median = "cpu", torch.bfloat16, 64, 2, 1, 12
+        tokens, nheads, nheads_kv, median = 64, 2, 1, 12
         head_dims, windows, warmup, reps, profile_reps = [16], [64], 0, 1, 1
     else:
-        if not torch.cuda.is_available():
-            print("bench_attention.py needs a CUDA GPU (none found); run with --cpu-smoke to check the script "
-                  "on the CPU", file=sys.stderr)
-            return 2
-        device, dtype, tokens, nheads, nheads_kv, median = "cuda", torch.bfloat16, 32768, 32, 8, 250
+        tokens, nheads, nheads_kv, median = 32768, 32, 8, 250
         head_dims, windows, warmup, reps, profile_reps = args.head_dims, args.windows, 3, args.reps, 5
 
     from packkit import attention
@@ -317,13 +258,6 @@ def main() -> int:
                       f"{ {'enable_gqa': 'enable_gqa=True', 'native': 'k, v passed with their own heads (probed once)', 'repeat': 'k, v repeated to q heads'}[plan.gqa] }")
     print(torch_call)
 
-    def emit(line: str) -> None:
-        """Print a JSON line, and append it to --json-out at once (a run cut short keeps what it measured)."""
-        print(line, flush=True)
-        if args.json_out:
-            with open(args.json_out, "a") as f:
-                f.write(line + "\n")
-
     records = []
     for headdim in head_dims:
         for window in windows:
@@ -333,23 +267,21 @@ def main() -> int:
                                  profile_reps=profile_reps, smoke=args.cpu_smoke)
             records.append(record)
             print_problem(record)
-            emit(json.dumps(dict(bench="attention", part="problem", smoke=args.cpu_smoke, **record)))
+            emit_json(dict(bench="attention", part="problem", smoke=args.cpu_smoke, **record), args.json_out)
 
     # -- summary: every problem against the targets --
     print(f"\n{'problem':<12}{'triton fwd / torch':>30}{'triton f+b / torch':>30}{'packed / padded (f+b)':>32}")
     for r in records:
         x = r["ratios"]
-        smoke = args.cpu_smoke
-        print(f"{r['setup']['name']:<12}{verdict(x['triton_fwd_vs_torch'], TARGETS['triton_fwd_vs_torch'], smoke):>30}"
-              f"{verdict(x['triton_fwd_bwd_vs_torch'], TARGETS['triton_fwd_bwd_vs_torch'], smoke):>30}"
-              f"{verdict(x['packed_vs_padded'], TARGETS['packed_vs_padded'], smoke):>32}")
+        cells = [verdict(x[key], TARGETS[key], smoke=args.cpu_smoke) for key in TARGETS]
+        print(f"{r['setup']['name']:<12}{cells[0]:>30}{cells[1]:>30}{cells[2]:>32}")
     missed = [] if args.cpu_smoke else sorted({k for r in records for k, target in TARGETS.items()
                                                if r["ratios"][k] is not None and r["ratios"][k] < target})
     summary = dict(bench="attention", part="summary", smoke=args.cpu_smoke, versions=versions("triton", "flash-attn", "transformers"),
-                   device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                   device=device_name(device),
                    torch_varlen_call=torch_call, date=time.strftime("%Y-%m-%d"), targets=TARGETS, missed=missed,
                    ratios={r["setup"]["name"]: r["ratios"] for r in records})
-    emit(json.dumps(summary))
+    emit_json(summary, args.json_out)
     failed = [r["provider"] for rec in records for r in rec["results"] if "error" in r]
     if failed:
         print(f"providers that failed: {failed}", file=sys.stderr)

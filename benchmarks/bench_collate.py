@@ -22,7 +22,7 @@ import platform
 import time
 
 import numpy as np
-from benchlib import sft_like_lengths, versions
+from benchlib import sft_like_lengths, verdict, versions
 import torch
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator
@@ -117,8 +117,7 @@ def main(argv=None) -> int:
         print(f"{r['input']:6s} {r['batch']:5d} {r['provider']:14s} {r['tokens']:8.0f} {r['us_per_batch']:10.1f} "
               f"{r['mtok_per_s']:8.2f} {r['speedup']:6.1f}x")
     for name, t in targets.items():
-        status = "met" if t["met"] else "MISSED"
-        print(f"target {name}: {t['speedup']:.1f}x (target {t['target']:.0f}x) {status}")
+        print(f"target {name}: {verdict(t['speedup'], t['target'])}")
     print(json.dumps({"bench": "collate", "versions": versions("transformers"), "window": args.window, "rows": rows, "targets": targets}))
     return 0
 

@@ -30,7 +30,7 @@ import warnings
 
 import numpy as np
 import torch
-from benchlib import sft_like_lengths, versions
+from benchlib import sft_like_lengths, verdict, versions
 from torch.utils.data import DataLoader
 
 from packkit.collate import PaddingFreeCollator
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['workers']:7d} {r['provider']:12s} {r['seconds']:8.3f} {r['mtok_per_s']:8.2f} {r['speedup']:6.1f}x")
     for name, t in targets.items():
-        print(f"target {name}: {t['speedup']:.1f}x (target {t['target']:.0f}x) {'met' if t['met'] else 'MISSED'}")
+        print(f"target {name}: {verdict(t['speedup'], t['target'])}")
     print(json.dumps({"bench": "loader", "versions": info, "rows": args.rows, "tokens": total,
                       "batch_size": args.batch_size, "results": rows, "targets": targets}))
     return 0

@@ -22,14 +22,10 @@ paths, measures nothing).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 import time
 
-from benchlib import sft_like_lengths, versions
+from benchlib import device_name, emit_json, median_time, sft_like_lengths, smoke_or_cuda, verdict, versions
 
 TARGET_PACKED_VS_PADDED = 2.0
 
@@ -62,25 +58,22 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json-out", help="append the JSON line to this file too")
     args = parser.parse_args()
-    if args.cpu_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before packkit.kernels is imported
+    device = smoke_or_cuda("bench_train_step.py", smoke=args.cpu_smoke)
+    if device is None:
+        return 2
     import torch
     import transformers
 
     from packkit import attention
     from packkit.collate import PaddedCollator, PaddingFreeCollator
 
+    dtype = torch.bfloat16
     if args.cpu_smoke:
-        from bench_attention import install_cpu_fakes
-        install_cpu_fakes()
-        device, dtype, warmup, reps, n_examples = "cpu", torch.bfloat16, 0, 1, 4
+        warmup, reps, n_examples = 0, 1, 4
         shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, median=6, high=16)
     else:
-        if not torch.cuda.is_available():
-            print("bench_train_step.py needs a CUDA GPU; --cpu-smoke checks the script on the CPU", file=sys.stderr)
-            return 2
-        device, dtype, warmup, reps, n_examples = "cuda", torch.bfloat16, 2, args.reps, args.examples
+        warmup, reps, n_examples = 2, args.reps, args.examples
         shape = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
                      num_attention_heads=12, num_key_value_heads=4, median=250, high=4096)
     median, high = shape.pop("median"), shape.pop("high")
@@ -116,20 +109,10 @@ def main() -> int:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
             step = step_fn(model, optimizer, kwargs)
             first_loss = step().item()  # from the shared initial weights
-            for _ in range(warmup):
-                step()
-            times = []
-            for _ in range(reps):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
+            seconds = median_time(step, warmup=warmup, reps=reps, device=device)
             peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-            rows.append(dict(provider=name, attn_implementation=implementation, step_ms=statistics.median(times) * 1e3,
-                             tokens_per_s=real_tokens / statistics.median(times), first_loss=first_loss,
+            rows.append(dict(provider=name, attn_implementation=implementation, step_ms=seconds * 1e3,
+                             tokens_per_s=real_tokens / seconds, first_loss=first_loss,
                              batch_shape=list(kwargs["input_ids"].shape), peak_gib=peak))
         except Exception as err:  # one failing provider is reported; the others still run
             rows.append(dict(provider=name, attn_implementation=implementation, error=f"{type(err).__name__}: {err}"[:500]))
@@ -163,20 +146,12 @@ def main() -> int:
         print(f"{r['provider']:<15}{str(r['batch_shape']):>14}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}"
               f"{r.get('speedup_vs_padded', float('nan')):>10.2f}x{r['first_loss']:>9.4f}"
               f"{r.get('loss_diff_vs_padded', float('nan')):>9.4f}{peak:>10}")
-    if args.cpu_smoke:
-        print("packed varlen vs padded: n/a (smoke: measures nothing)")
-    elif best_speedup is not None:
-        print(f"packed varlen (best: {best['provider']}) vs padded SDPA, training step: {best_speedup:.2f}x "
-              f"({'met' if best_speedup >= TARGET_PACKED_VS_PADDED else 'MISSED'}, target >= {TARGET_PACKED_VS_PADDED:.1f}x)")
-    line = json.dumps(dict(bench="train_step", smoke=args.cpu_smoke, versions=versions("triton", "transformers"),
-                           device=torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-                           date=time.strftime("%Y-%m-%d"), setup=setup, results=rows,
-                           packed_vs_padded=None if args.cpu_smoke else best_speedup,
-                           target=TARGET_PACKED_VS_PADDED))
-    print(line)
-    if args.json_out:
-        with open(args.json_out, "a") as f:
-            f.write(line + "\n")
+    print(f"packed varlen (best: {best['provider'] if best else 'none timed'}) vs padded SDPA, training step: "
+          f"{verdict(best_speedup, TARGET_PACKED_VS_PADDED, smoke=args.cpu_smoke)}")
+    emit_json(dict(bench="train_step", smoke=args.cpu_smoke, versions=versions("triton", "transformers"),
+                   device=device_name(device), date=time.strftime("%Y-%m-%d"), setup=setup, results=rows,
+                   packed_vs_padded=None if args.cpu_smoke else best_speedup, target=TARGET_PACKED_VS_PADDED),
+              args.json_out)
     return 1 if any("error" in r for r in rows) else 0
 
 

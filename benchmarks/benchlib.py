@@ -1,14 +1,19 @@
-"""What every benchmark shares: the length distributions and the versions line.
+"""What every benchmark shares: the length distributions, the versions line, timing, the verdict on a
+target and the JSON line; for the GPU benchmarks, the --cpu-smoke / CUDA switch and its fakes.
 
 Scripts run as ``python benchmarks/bench_<thing>.py``, so this module is importable as ``benchlib``.
+torch is imported only by the helpers that need it.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
 import os
 import platform
+import statistics
+import sys
 import time
 
 import numpy as np
@@ -50,3 +55,100 @@ def best_of(fn, repeat: int):
         out = fn()
         times.append(time.perf_counter() - t)
     return min(times), out
+
+
+def median_time(fn, *, warmup: int, reps: int, device: str) -> float:
+    """Median seconds per call of ``fn()`` after ``warmup`` untimed calls: CUDA events on "cuda" (the
+    device time between the launch of the first kernel and the end of the last), perf_counter elsewhere."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def verdict(value: float | None, target: float, *, smoke: bool = False) -> str:
+    """A measured ratio against its target (higher is better), as every benchmark words it.
+
+    ``verdict(2.345, 2.0) -> "2.35x (met, target >= 2.00x)"``; ``verdict(1.5, 2.0) -> "1.50x (MISSED,
+    target >= 2.00x)"``; ``"n/a"`` when nothing was measured, ``"n/a (smoke)"`` for a smoke run.
+    """
+    if smoke:
+        return "n/a (smoke)"
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}x ({'met' if value >= target else 'MISSED'}, target >= {target:.2f}x)"
+
+
+def emit_json(record: dict, path: str | None) -> None:
+    """Print ``record`` as one JSON line, and append it to ``path`` (``--json-out``) at once, so that a
+    run cut short keeps what it measured."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on "cuda" (``torch.cuda.get_device_name()``), else the processor's."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    return platform.processor() or "cpu"
+
+
+def smoke_or_cuda(script: str, *, smoke: bool) -> str | None:
+    """The device a GPU benchmark runs on: "cpu" for ``--cpu-smoke`` (Triton under its interpreter, the
+    CUDA-only attention backends faked by :func:`install_cpu_fakes`: every call path runs, nothing is
+    measured), "cuda" when torch sees a GPU, else None after saying so on stderr (the script exits 2).
+    Call it before anything imports ``packkit.kernels`` (Triton reads TRITON_INTERPRET then)."""
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        install_cpu_fakes()
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (none found); run with --cpu-smoke to check the script on the CPU",
+              file=sys.stderr)
+        return None
+    return "cuda"
+
+
+def install_cpu_fakes() -> None:
+    """--cpu-smoke: stand-ins for the CUDA-only backends, with their real signatures (flash-attn 2's
+    flash_attn_varlen_func; torch 2.11's varlen_attn, which has no enable_gqa), computing through the
+    reference. CPU tensors pass for CUDA ones in packkit.attention's availability checks."""
+    from packkit import attention
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and dropout_p == 0.0
+        return attention.reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal,
+                                                     scale=softmax_scale)
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+        assert window_size in ((-1, 0), (-1, -1)) and return_aux is None
+        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
+                                                     causal=window_size == (-1, 0), scale=scale)
+
+    attention._flash_attn_varlen_func = lambda: (flash_attn_varlen_func, None)
+    attention._torch_varlen_attn = lambda: (varlen_attn, None)
+    attention._on_cuda = lambda t: True
