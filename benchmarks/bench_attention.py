@@ -106,22 +106,24 @@ def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, re
 
     from packkit import attention
     from packkit.attention import varlen_attention
+    from packkit.segments import lengths_to_cu_seqlens, lengths_to_position_ids, lengths_to_seq_idx
 
     window, num_windows, nheads, nheads_kv, headdim = (problem[k] for k in
                                                         ("window", "windows", "nheads", "nheads_kv", "headdim"))
     lengths = sft_like_lengths(40 * num_windows * window // 250 + 8, seed=seed, median=problem["median"], high=window)
     docs = [n for w in pack_first_fit(lengths, window, num_windows) for n in w]
     total, max_seqlen = sum(docs), max(docs)
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(docs)]), dtype=torch.int32, device=device)
+    cu = torch.from_numpy(lengths_to_cu_seqlens(docs)).to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(total, nheads, headdim, device=device, dtype=dtype, generator=gen)
     k = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(total, nheads_kv, headdim, device=device, dtype=dtype, generator=gen)
     grad_out = torch.randn(total, nheads, headdim, device=device, dtype=dtype, generator=gen)
 
-    # -- padded layout for SDPA: (num_docs, heads, max_len, d), right padding --
-    row = torch.repeat_interleave(torch.arange(len(docs), device=device), torch.tensor(docs, device=device))
-    col = torch.arange(total, device=device) - cu[:-1].long()[row]
+    # -- padded layout for SDPA: (num_docs, heads, max_len, d), right padding: token t sits in row
+    # seq_idx[t] (its document), column position_ids[t] (its place in the document) --
+    row = torch.from_numpy(lengths_to_seq_idx(docs)).to(device=device, dtype=torch.long)
+    col = torch.from_numpy(lengths_to_position_ids(docs)).to(device)
 
     def padded_sdpa(q_, k_, v_):
         def pad(t):

@@ -44,19 +44,17 @@ def make_dataset(rows: int, *, seed: int = 0, window: int = 4096):
     import datasets
     import pyarrow as pa
 
+    from packkit.io import list_array
+    from packkit.segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx
+
     lengths = sft_like_lengths(rows, seed=seed, high=window)
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 32000, int(lengths.sum()), dtype=np.int64)
     labels = ids.copy()
-    offsets = np.zeros(rows + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
     prompt = lengths // 3
-    mask = np.repeat(np.arange(rows), lengths)
-    pos = np.arange(ids.size) - offsets[:-1][mask]
-    labels[pos < prompt[mask]] = -100
-    off32 = pa.array(offsets.astype(np.int32))
-    table = pa.table({"input_ids": pa.ListArray.from_arrays(off32, pa.array(ids)),
-                      "labels": pa.ListArray.from_arrays(off32, pa.array(labels))})
+    labels[lengths_to_position_ids(lengths) < prompt[lengths_to_seq_idx(lengths)]] = IGNORE_INDEX
+    offsets = lengths_to_offsets(lengths)
+    table = pa.table({"input_ids": list_array(offsets, ids), "labels": list_array(offsets, labels)})
     return datasets.Dataset(table), int(lengths.sum())
 
 

@@ -60,22 +60,34 @@ from benchlib import sft_like_lengths, versions
 
 
 
-def make_dataset(lengths: np.ndarray, *, seed: int = 0):
-    """A ``datasets.Dataset`` with one ``input_ids`` column (int32 ids), built from Arrow arrays."""
+def make_dataset(lengths: np.ndarray, *, seed: int = 0, vocab: int = 32000):
+    """A ``datasets.Dataset`` with one ``input_ids`` column of int32 ids in ``[0, vocab)`` (a random
+    block of at most 2**24 ids, tiled to the total), built from Arrow arrays (``large_list`` past
+    2**31 - 1 tokens)."""
     import datasets
     import pyarrow as pa
     from datasets.fingerprint import generate_random_fingerprint
 
+    from packkit.io import list_array
+    from packkit.segments import lengths_to_offsets
+
     rng = np.random.default_rng(seed)
     total = int(lengths.sum())
-    block = rng.integers(0, 32000, min(total, 1 << 24), dtype=np.int32)
-    values = np.resize(block, total)
-    offsets = np.zeros(lengths.size + 1, np.int32 if total < 2**31 else np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    cls = pa.ListArray if offsets.dtype == np.int32 else pa.LargeListArray
-    col = cls.from_arrays(pa.array(offsets), pa.array(values))
+    block = rng.integers(0, vocab, min(total, 1 << 24), dtype=np.int32)
+    col = list_array(lengths_to_offsets(lengths), np.resize(block, total))
     # A given fingerprint: otherwise datasets hashes every token to make one.
     return datasets.Dataset(pa.table({"input_ids": col}), fingerprint=generate_random_fingerprint())
+
+
+def _remove(path) -> None:
+    """Delete the file or the folder at ``path``, if there is one (only what this benchmark wrote)."""
+    import os
+    import shutil
+
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def timed(fn):
@@ -127,17 +139,10 @@ def make_inputs(folder, n: int, *, formats=("save_to_disk", "arrow", "parquet"),
         return paths
     lengths = sft_like_lengths(n)
     total = int(lengths.sum())
-    values = np.resize(np.random.default_rng(0).integers(0, 128_000, 1 << 24, dtype=np.int32), total)
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
-                      if total < 2**31 else pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
-    del values
-    ds = datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
+    ds = make_dataset(lengths, vocab=128_000)
+    table = ds.with_format("arrow")[:].replace_schema_metadata(None)  # the Arrow file: no datasets metadata
     if "save_to_disk" in paths:
-        import shutil
-
-        shutil.rmtree(paths["save_to_disk"], ignore_errors=True)
+        _remove(paths["save_to_disk"])
         ds.save_to_disk(paths["save_to_disk"])
     if "arrow" in paths:
         with pa.OSFile(paths["arrow"], "wb") as f:
@@ -204,7 +209,6 @@ def _cpu() -> float:
 def child(argv) -> int:
     """One measured case in this process: ``packkit IN OUT W`` or ``floor FORMAT IN PACKED OUT``."""
     import os
-    import shutil
 
     kind = argv[0]
     if kind == "packkit":
@@ -214,7 +218,7 @@ def child(argv) -> int:
         import packkit.cli.pack  # noqa: F401 - the subcommand and what it imports, before the clock too
         from packkit.cli import main as cli
 
-        shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else (os.path.exists(out) and os.remove(out))
+        _remove(out)
         base = _status_kib(os.getpid(), "RssAnon:")
         c0, t0 = _cpu(), time.perf_counter()
         code = cli(["pack", src, out, "-w", window, "-q"])
@@ -238,7 +242,7 @@ def child(argv) -> int:
     else:
         table = pq.read_table(packed)
     table = table.replace_schema_metadata(None)
-    shutil.rmtree(out, ignore_errors=True) if os.path.isdir(out) else (os.path.exists(out) and os.remove(out))
+    _remove(out)
     base = _status_kib(os.getpid(), "RssAnon:")
     c0, t0 = _cpu(), time.perf_counter()
     if fmt == "parquet":
@@ -274,7 +278,6 @@ def child(argv) -> int:
 
 def files_mode(args) -> int:
     import os
-    import shutil
 
     import pyarrow as pa
 
@@ -355,9 +358,9 @@ def files_mode(args) -> int:
                           window=int(W), repeat=args.repeat, load=[min(loads), max(loads)], results=table,
                           scale=scale, time_target_met=met_time, memory_target_met=met_mem)))
     for p in list(outs.values()) + list(floors.values()):
-        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+        _remove(p)
     if not args.keep:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove(folder)
     return 0
 
 

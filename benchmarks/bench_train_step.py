@@ -89,15 +89,13 @@ def main() -> int:
     padded = PaddedCollator()(examples)
     real_tokens = packed.num_tokens
 
-    def on_device(mapping):
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mapping.items()}
-
-    varlen_kwargs = dict(on_device(packed.hf_kwargs()), num_segments=packed.num_real_segments)
+    packed_batch = packed.to(device)
+    varlen_kwargs = dict(packed_batch.hf_kwargs(), num_segments=packed.num_real_segments)
     providers = {
         "packed_torch": (attention.register_hf_attention("packkit_varlen_torch", backend="torch"), varlen_kwargs),
         "packed_triton": (attention.register_hf_attention("packkit_varlen_triton", backend="triton"), varlen_kwargs),
-        "packed_sdpa": ("sdpa", on_device(dict(packed))),
-        "padded_sdpa": ("sdpa", on_device(dict(padded))),
+        "packed_sdpa": ("sdpa", dict(packed_batch)),
+        "padded_sdpa": ("sdpa", dict(padded.to(device))),
     }
     rows = []
     for name, (implementation, kwargs) in providers.items():

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from packkit import attention  # noqa: E402
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator  # noqa: E402
+from packkit.segments import lengths_to_offsets  # noqa: E402
 
 TOL = 1e-4  # fp32
 LENGTHS = (5, 9, 3, 7, 1, 6)
@@ -76,9 +77,7 @@ def test_fixed_windows_with_padding_tails(examples):
     ids = batch.input_ids.reshape(-1).tolist()
     cu = batch.cu_seqlens.tolist()
     by_doc = {tuple(ex["input_ids"]): i for i, ex in enumerate(examples)}
-    starts = [0]
-    for n in LENGTHS:
-        starts.append(starts[-1] + n)
+    starts = lengths_to_offsets(LENGTHS).tolist()
     seen = 0
     for a, b in zip(cu, cu[1:]):
         i = by_doc.get(tuple(ids[a:b]))
