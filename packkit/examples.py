@@ -525,7 +525,7 @@ def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray 
     tok = [(values, off) for values, off, _, _ in list_chunks(table.column(key), key=key, rows=rows)]
     ids = np.concatenate([v for v, _ in tok]) if len(tok) != 1 else tok[0][0]
     lengths = np.concatenate([np.diff(o) for _, o in tok]) if tok else np.zeros(0, np.int64)
-    offsets = _offsets(lengths)
+    offsets = lengths_to_offsets(lengths)
     labels = ids.astype(np.int64)
     for k in keys:
         kind = "labels" if k == "labels" else "mask"
@@ -552,7 +552,7 @@ def _fill_null_rows(values: np.ndarray, offsets: np.ndarray, valid: np.ndarray, 
                     fill: np.ndarray) -> np.ndarray:
     """``values`` laid out like ``lengths``, null rows (which hold no values) taken from ``fill``
     (already laid out like ``lengths``; it is written into and returned)."""
-    dest = _offsets(np.asarray(lengths, np.int64))
+    dest = lengths_to_offsets(lengths)
     for i in np.flatnonzero(valid).tolist():  # rows with a value; a copy row by row only on this rare path
         fill[dest[i]: dest[i + 1]] = values[offsets[i]: offsets[i + 1]]
     return fill
@@ -725,7 +725,7 @@ def _read(examples, need_labels: bool, mode: str, rows):
     total = sum(lengths)
     input_ids = _concat(ids_parts, ids_lists, total, "input_ids", "ids", rows)
     if input_ids.min() < 0:
-        offsets = _offsets(np.array(lengths, np.int64))
+        offsets = lengths_to_offsets(lengths)
         i, t = _first_with(input_ids < 0, offsets[:-1], np.diff(offsets))
         raise _negative(i, rows, "input_ids", int(input_ids[t]))
     if "labels" in keys:
@@ -740,7 +740,7 @@ def _read(examples, need_labels: bool, mode: str, rows):
         # valid: >= 0 or == -100. Two reductions without temporaries: the minimum rules out values
         # below -100; viewed as uint64, -99..-1 are the only values above -100's image.
         if labels.min() < IGNORE_INDEX or labels.view(np.uint64).max() > _IGNORE_AS_U64:
-            offsets = _offsets(np.array(lengths, np.int64))
+            offsets = lengths_to_offsets(lengths)
             i, t = _first_with((labels < 0) & (labels != IGNORE_INDEX), offsets[:-1], np.diff(offsets))
             raise _bad_label(i, rows, "labels", int(labels[t]))
     else:
@@ -765,7 +765,7 @@ def _read(examples, need_labels: bool, mode: str, rows):
         _same_lengths(mask_lengths, lengths, key, rows)
         mask = _concat(parts, lists, total, key, "mask", rows)
         if mask.view(np.uint64).max() > 1:  # one vectorised check; locate only when it fails
-            offsets = _offsets(np.array(lengths, np.int64))
+            offsets = lengths_to_offsets(lengths)
             i, t = _first_with(mask.view(np.uint64) > 1, offsets[:-1], np.diff(offsets))
             raise _bad_mask(i, rows, key, int(mask[t]))
         labels[mask == 0] = IGNORE_INDEX
@@ -793,13 +793,6 @@ def _values(examples, key: str) -> list:
         return [ex[key] for ex in examples]
     except KeyError:
         return [ex.get(key) for ex in examples]
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    """``[2, 1] -> [0, 2, 3]`` (int64)."""
-    out = np.zeros(lengths.size + 1, np.int64)
-    out[1:] = lengths.cumsum()
-    return out
 
 
 def _parts(xs: list, key: str, kind: str, rows) -> tuple[list, list, bool]:
@@ -1027,7 +1020,7 @@ class ExampleBatch(collections.abc.Sequence):
         ``KeyError`` when no example has it. An example without it (None) has no values."""
         parts = self.columns[key]
         lengths = np.fromiter((0 if p is None else len(p) for p in parts), np.int64, len(parts))
-        offsets = _offsets(lengths)
+        offsets = lengths_to_offsets(lengths)
         out = np.empty(int(offsets[-1]), np.int64)
         present = [p for p in parts if p is not None]
         if present:
@@ -1089,7 +1082,7 @@ class ExampleBatch(collections.abc.Sequence):
 
     def _locate(self, bad: np.ndarray, error, key: str, values: np.ndarray):
         """The error about the first example holding a ``bad`` position (the error path only)."""
-        offsets = _offsets(self.lengths)
+        offsets = lengths_to_offsets(self.lengths)
         i, t = _first_with(bad, offsets[:-1], self.lengths)
         return error(i, self.rows, key, int(values[t]))
 
