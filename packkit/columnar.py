@@ -37,14 +37,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from .examples import MASK_KEYS, ExampleBatch, list_chunks
+from .examples import MASK_KEYS, ExampleBatch, column_kind, list_chunks
 
 __all__ = ["ColumnarDataset", "DEFAULT_COLUMNS"]
 
 #: Columns a :class:`ColumnarDataset` reads by default (those present): what the collators use.
 DEFAULT_COLUMNS = ("input_ids", "labels", *MASK_KEYS, "seq_lengths", "position_ids")
 
-_KIND = {"input_ids": "ids", "labels": "labels", **{k: "mask" for k in MASK_KEYS}}
+
+def _kind(key: str) -> str:
+    """The rule a column's Arrow type is checked under: its :func:`~packkit.examples.column_kind`; the
+    packed-row columns (``seq_lengths``, ``position_ids``) under the token ids' rule, as the collators
+    read them (:func:`~packkit.examples.read_column`)."""
+    kind = column_kind(key, "input_ids")
+    return "ids" if kind == "other" else kind
 
 
 class _Column:
@@ -55,7 +61,7 @@ class _Column:
 
     def __init__(self, column, key: str):
         self.values, self.offsets, self.valid, rows = [], [], [], [0]
-        for values, offsets, valid, _ in list_chunks(column, key=key, kind=_KIND.get(key, "ids")):
+        for values, offsets, valid, _ in list_chunks(column, key=key, kind=_kind(key)):
             self.values.append(values)
             self.offsets.append(offsets)
             self.valid.append(valid)

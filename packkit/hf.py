@@ -77,7 +77,7 @@ from .binpack import Plan, check_overflow, check_seed, check_strategy, check_win
 from .errors import ArgumentError, arg
 from . import io
 from .io import list_array, progress_bar
-from .examples import MASK_KEYS, check_aligned, check_labels, check_mask, check_not_null, check_tokens
+from .examples import check_column, column_kind
 from .packer import (ColumnSpec, PackedStream, StreamStats, label_dtype, log_overflow, pack_columns, pack_stream,
                      resolve_columns)
 from .segments import lengths_to_offsets
@@ -107,31 +107,21 @@ PROGRESS_BYTES = 1 << 28
 
 
 def _kinds(spec: ColumnSpec) -> dict:
-    """What each column read is, for the rules of :mod:`packkit.examples`: ``ids``, ``labels``,
-    ``mask`` or ``other``."""
-    return {c: "ids" if i == 0 else "labels" if c == "labels" else "mask" if c in MASK_KEYS else "other"
-            for i, c in enumerate(spec.read)}
+    """What each column read is, for the rules of :mod:`packkit.examples` (:func:`~packkit.examples.column_kind`):
+    ``ids``, ``labels``, ``mask`` or ``other``."""
+    return {c: column_kind(c, spec.read[0]) for c in spec.read}
 
 
 def _column_checks(spec: ColumnSpec):
     """The per-batch check :func:`packkit.sources.scan` calls: each column's rules from
-    :mod:`packkit.examples`, errors naming the dataset row. A null labels or loss-mask row is a key
-    that example does not have (its labels are its token ids; no mask is loss on every token)."""
+    :mod:`packkit.examples` (:func:`~packkit.examples.check_column`), errors naming the dataset row. A null
+    labels or loss-mask row is a key that example does not have (its labels are its token ids; no mask
+    is loss on every token)."""
     token, kinds = spec.read[0], _kinds(spec)
 
     def check(name, values, offsets, valid, row, token_lengths):
-        kind = kinds[name]
-        if kind == "ids":
-            check_tokens(values, offsets, key=name, rows=row, valid=valid)
-            return
-        lengths = np.diff(offsets)
-        if kind == "other":
-            check_not_null(valid, key=name, rows=row)
-        check_aligned(lengths, token_lengths, key=name, ref_key=token, rows=row, valid=valid)
-        if kind == "labels":
-            check_labels(values, offsets, key=name, rows=row)
-        elif kind == "mask":
-            check_mask(values, offsets, key=name, rows=row)
+        check_column(values, offsets, kind=kinds[name], key=name, rows=row, valid=valid, ref_lengths=token_lengths,
+                     ref_key=token)
 
     return check
 

@@ -12,6 +12,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from packkit import examples as ex
 from packkit.examples import (IGNORE_INDEX, MASK_KEYS, ExampleBatch, ExampleTypeError, ExampleValueError,
@@ -250,6 +252,77 @@ def test_selected_rows_outside_the_selection_are_not_blamed():
         check_labels(values, starts=np.array([0, 1]), lengths=np.array([1, 1]))
     with pytest.raises(ValueError, match="example 0 has 2 in the loss mask"):
         check_mask(np.array([2, 1]), [0, 2])
+
+
+#: every integer dtype a column may hold (both byte orders for one), floats and bools
+DTYPES = ["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", ">i8", "f8", "b1"]
+EDGE_VALUES = [-128, -101, -100, -99, -1, 0, 1, 2, 127]
+
+
+def bad_by_hand(values, kind):
+    """Where ``values`` break ``kind``'s rule, one value at a time (the slow, obvious reference)."""
+    out = []
+    for v in values.tolist():
+        if values.dtype.kind == "b":
+            out.append(False)
+        elif kind == "ids":
+            out.append(v < 0)
+        elif kind == "labels":
+            out.append(v < 0 and v != IGNORE_INDEX)
+        else:
+            out.append(v not in (0, 1))
+    return out
+
+
+@given(values=st.lists(st.sampled_from(EDGE_VALUES), max_size=12), dtype=st.sampled_from(DTYPES))
+@example(values=[], dtype="i8")
+@example(values=[-99], dtype="i1")
+@example(values=[-101], dtype="i2")
+@example(values=[-100, 2], dtype=">i8")
+def test_any_bad_and_first_bad_agree_with_the_rule_value_by_value(values, dtype):
+    """The fast any-bad test of each rule (unsigned views, two reductions) against a per-value loop,
+    on every width and byte order (a value that does not fit the dtype wraps as numpy casts it)."""
+    arr = np.array(values, np.int64).astype(dtype)
+    for kind, any_bad in (("ids", ex.any_bad_id), ("labels", ex.any_bad_label), ("mask", ex.any_bad_mask)):
+        want = bad_by_hand(arr, kind)
+        if kind == "ids" and arr.dtype.kind not in "iu":
+            continue  # token ids are checked for negatives once their dtype passed
+        assert bool(any_bad(arr)) == any(want), (kind, arr)
+        first = {"labels": ex.first_bad_label, "mask": ex.first_bad_mask}.get(kind)
+        if first is not None:
+            assert first(arr) == (want.index(True) if any(want) else None), (kind, arr)
+
+
+def test_check_values_is_the_rule_of_each_kind_and_the_wrappers_call_it():
+    offsets = [0, 1, 3]
+    for kind, values, text in [("ids", [3, 4, -2], "example 1 has token id -2 in 'k'"),
+                               ("labels", [3, -100, -2], "example 1 has label -2 in 'k'"),
+                               ("mask", [1, 0, 3], "example 1 has 3 in the loss mask 'k'")]:
+        with pytest.raises(ExampleValueError, match=text):
+            ex.check_values(np.array(values), offsets, kind=kind, key="k")
+    with pytest.raises(ValueError, match="dataset row 4 has no 'input_ids' \\(null\\)"):
+        check_tokens(np.array([1, 2]), [0, 1, 2], valid=np.array([True, False]), rows=3)
+    with pytest.raises(ValueError, match="example 0 has label -3 in 'labels'"):
+        check_labels(np.array([-3]), [0, 1])
+    with pytest.raises(TypeError, match="example 0 has 1.5 \\(float\\) in 'completion_mask'"):
+        check_mask(np.array([1.5]), [0, 1])
+    ex.check_values(np.array([True, False]), [0, 2], kind="mask", key="m")  # bools are a mask's values
+
+
+def test_column_kind_and_check_column():
+    assert [ex.column_kind(k, "input_ids") for k in ("input_ids", "labels", *MASK_KEYS, "seq_lengths")] == \
+        ["ids", "labels", "mask", "mask", "other"]
+    assert ex.column_kind("labels", "labels") == "ids"  # the token column is the token column, whatever its name
+    lengths = np.array([2, 1])
+    with pytest.raises(ValueError, match="dataset row 8 has 2 'labels' for 1 'tokens'"):
+        ex.check_column(np.array([5, 6, 7, 8]), [0, 2, 4], kind="labels", key="labels", rows=7,
+                        ref_lengths=lengths, ref_key="tokens")
+    with pytest.raises(ValueError, match="dataset row 8 has no 'x' \\(null\\)"):
+        ex.check_column(np.array([5, 6]), [0, 2, 2], kind="other", key="x", rows=7, valid=np.array([True, False]),
+                        ref_lengths=lengths)
+    # a null mask row is an example without a mask: neither its length nor its (absent) values are refused
+    ex.check_column(np.array([0, 1]), [0, 2, 2], kind="mask", key="completion_mask", valid=np.array([True, False]),
+                    ref_lengths=lengths)
 
 
 def test_list_chunks_of_sliced_chunked_columns():
