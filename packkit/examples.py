@@ -348,6 +348,11 @@ def _first_with(bad: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
     return i, s + int(np.argmax(bad[s: s + int(lengths[i])]))
 
 
+def _not_integral(values: np.ndarray) -> np.ndarray:
+    """Where a float array holds a value that is not an integer: ``[1.0, 1.5, nan] -> [F, T, T]``."""
+    return ~np.isfinite(values) | (values != np.round(values))
+
+
 def _check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows) -> None:
     """Integer values (bools too in a mask); the error shows the first value of the first example."""
     k = values.dtype.kind
@@ -357,7 +362,7 @@ def _check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, ro
         return  # no values in any example: nothing to refuse
     found = None
     if k == "f":  # the first value that is not an integer (NaN included), as the Python reader reports it
-        found = _first_with(~np.isfinite(values) | (values != np.round(values)), starts, lengths)
+        found = _first_with(_not_integral(values), starts, lengths)
     if found is None:
         found = _first_with(np.ones(values.size, bool), starts, lengths)
     if found is not None:
@@ -676,13 +681,10 @@ def example_arrays(ex, keys, *, index: int, rows=None) -> dict:
 
 
 def _one_array(v, i, rows, key, kind) -> np.ndarray:
-    """One example's column as a 1-D integer (or bool) numpy array, or the error that names it."""
-    if _is_tensor(v):
-        v = v.detach().cpu().numpy()
-    if isinstance(v, np.ndarray):
-        arr = v
-    elif isinstance(v, (list, tuple)):
-        if kind not in ("mask", "other") and any(isinstance(x, (bool, np.bool_)) for x in v):
+    """One example's column as a 1-D integer (or bool) numpy array, or the error that names it. A list
+    (or tuple) becomes an array here, bools kept as bools in a mask or an ``"other"`` column."""
+    if isinstance(v, (list, tuple)):
+        if kind not in _BOOL_KINDS and any(isinstance(x, (bool, np.bool_)) for x in v):
             raise _not_integer(i, rows, key, kind, next(x for x in v if isinstance(x, (bool, np.bool_))))
         try:
             arr = np.asarray(v)
@@ -693,22 +695,32 @@ def _one_array(v, i, rows, key, kind) -> np.ndarray:
             if bad is not None:
                 raise _nested(i, rows, key, f"a {type(bad).__name__} inside a list")
             raise _not_integer(i, rows, key, kind, next(x for x in v if not isinstance(x, numbers.Integral)))
-    else:
-        raise _error(ExampleTypeError, i, rows, f"has a {type(v).__name__} in {key!r}; pass a list, numpy array "
+        return _checked_array(arr, i, key, kind, rows)
+    return _checked_array(v, i, key, kind, rows)
+
+
+def _checked_array(x, i: int, key: str, kind: str, rows) -> np.ndarray:
+    """One example's column given as a numpy array (or tensor), checked: 1-D, integers (bools too in a
+    mask or an ``"other"`` column); an empty array of another dtype reads as int64. Anything else is the
+    error naming example ``i``. ``_checked_array(np.array([3.0, 1.5]), 0, "input_ids", "ids", None)``
+    raises ``"example 0 has 1.5 (float) in 'input_ids'; ..."``."""
+    if _is_tensor(x):
+        x = x.detach().cpu().numpy()
+    elif not isinstance(x, np.ndarray):
+        raise _error(ExampleTypeError, i, rows, f"has a {type(x).__name__} in {key!r}; pass a list, numpy array "
                      "or tensor of integers")
-    if arr.ndim != 1:
-        raise _nested(i, rows, key, f"shape {arr.shape}")
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu" and not (kind in ("mask", "other") and arr.dtype.kind == "b"):
-        raise _not_integer(i, rows, key, kind, arr[0] if arr.dtype.kind != "f" else _first_non_int(arr))
-    return arr
+    if x.ndim != 1:
+        raise _nested(i, rows, key, f"shape {x.shape}")
+    k = x.dtype.kind
+    if k not in "iu" and not (k == "b" and kind in _BOOL_KINDS):
+        if x.size == 0:
+            return x.astype(np.int64)
+        raise _not_integer(i, rows, key, kind, x[int(np.argmax(_not_integral(x)))] if k == "f" else x[0])
+    return x
 
 
-def _first_non_int(arr: np.ndarray):
-    """The first float of ``arr`` that is not integral (NaN included), else its first value."""
-    bad = ~np.isfinite(arr) | (arr != np.round(arr))
-    return arr[int(np.argmax(bad))] if bad.any() else arr[0]
+#: Kinds whose columns may hold bools (kept as bools when read one example at a time).
+_BOOL_KINDS = ("mask", "other")
 
 
 def _is_tensor(x) -> bool:
@@ -912,19 +924,9 @@ def _column(x, i: int, key: str, kind: str, rows):
                     raise _nested(i, rows, key, f"a {type(first).__name__} inside a list")
                 raise _not_integer(i, rows, key, kind, first)
         return x, len(x), True
-    if _is_tensor(x):
-        x = x.detach().cpu().numpy()
-    elif isinstance(x, tuple):
+    if isinstance(x, tuple):
         return _column(list(x), i, key, kind, rows)
-    elif not isinstance(x, np.ndarray):
-        raise _error(ExampleTypeError, i, rows, f"has a {type(x).__name__} in {key!r}; pass a list, numpy array "
-                     "or tensor of integers")
-    if x.ndim != 1:
-        raise _nested(i, rows, key, f"shape {x.shape}")
-    if x.dtype.kind not in "iu" and not (kind == "mask" and x.dtype.kind == "b"):
-        if x.size == 0:
-            return x.astype(np.int64), 0, False
-        raise _not_integer(i, rows, key, kind, _first_non_int(x) if x.dtype.kind == "f" else x[0])
+    x = _checked_array(x, i, key, kind, rows)
     return x, x.shape[0], False
 
 
