@@ -779,9 +779,7 @@ def read_batch(examples, *, need_labels: bool = False, loss_mask: str = "auto", 
 
 def _read(examples, need_labels: bool, mode: str, rows):
     """:func:`read_examples` without keyword handling, plus whether any example carried labels or a
-    loss mask. Every check is one vectorised pass over the whole batch; the offending example is
-    located only when a check fails."""
-    require_mask = mode == "required"
+    loss mask: the batch's form is recognised, and :func:`_read_rules` reads it."""
     if type(examples) is not list:
         if isinstance(examples, ExampleBatch):
             return examples.read(need_labels=need_labels, mode=mode)
@@ -789,78 +787,166 @@ def _read(examples, need_labels: bool, mode: str, rows):
             raise TypeError(f"a collator takes a list of examples (dicts with 'input_ids'), got "
                             f"{type(examples).__name__}")
         examples = list(examples)
-    n = len(examples)
-    if n == 0:
+    if not examples:
         raise ValueError("the collator got an empty list of examples")
     if type(examples[0]) is ExampleRow:
         batch = ExampleBatch.from_rows(examples)
         if batch is not None:
             return batch.read(need_labels=need_labels, mode=mode)
-    try:
-        ids_xs = [ex["input_ids"] for ex in examples]
-    except (KeyError, TypeError, IndexError):
-        for i, ex in enumerate(examples):
-            if not isinstance(ex, collections.abc.Mapping):
-                raise _error(ExampleTypeError, i, rows, f"is a {type(ex).__name__}, not a dict with 'input_ids'") \
-                    from None
-            if "input_ids" not in ex:
-                raise _missing(i, rows, ex, "input_ids") from None
-        raise
-    ids_parts, lengths, ids_lists = _parts(ids_xs, "input_ids", "ids", rows)
-    if 0 in lengths:
-        raise _empty(lengths.index(0), rows)
-    keys = set().union(*examples)
-    total = sum(lengths)
-    input_ids = _concat(ids_parts, ids_lists, total, "input_ids", "ids", rows)
+    return _read_rules(_Dicts(examples, rows), need_labels, mode)
+
+
+def _read_rules(form, need_labels: bool, mode: str):
+    """The rules of a batch (module docstring), written once, in this order: token ids not null, not
+    empty, not negative; labels (each example's own, else its token ids; ``need_labels``) by their rule;
+    each of :data:`MASK_KEYS` (an error under ``mode="none"``; ones for the examples without it) by its
+    rule, ``-100`` where it is 0; then ``mode="required"``: every example carries a mask.
+
+    ``form`` reads the columns, :class:`_Dicts` (Python examples) or :class:`_Columns` (an
+    :class:`ExampleBatch`): ``ids()`` every example's token ids; ``read_ids(xs, kinds)`` ``(parts, lengths
+    list, first empty example or None)``; ``get(key)`` every example's ``key`` (None where it lacks it)
+    or None; ``join(key, kind, parts, kinds)`` a column as checked ``(T,)`` int64, as long as the token
+    ids; ``lengths_array()``. Returns ``(input_ids, labels, lengths, supervised)`` (``supervised``: some
+    example carried labels or a loss mask). Every check is one vectorised pass over the batch; the
+    offending example is located (:func:`_locate`) only when one fails.
+    """
+    rows = form.rows
+    xs = form.ids()
+    kinds = set(map(type, xs))
+    if _NONE in kinds:
+        raise _null_tokens(_first_none(xs), rows, "input_ids")
+    ids, lengths, empty = form.read_ids(xs, kinds)
+    if empty is not None:
+        raise _empty(empty, rows)
+    input_ids = form.join("input_ids", "ids", ids)
     if any_bad_id(input_ids):
-        offsets = lengths_to_offsets(lengths)
-        i, t = _first_with(input_ids < 0, offsets[:-1], np.diff(offsets))
-        raise _negative(i, rows, "input_ids", int(input_ids[t]))
-    if "labels" in keys:
-        xs = _values(examples, "labels")
-        if _NONE in set(map(type, xs)):  # examples without labels: their token ids are their labels
+        raise _locate(input_ids, "ids", "input_ids", rows, lengths=lengths)
+    xs = form.get("labels")
+    kinds = _NO_KEY if xs is None else set(map(type, xs))
+    supervised = kinds != _NO_KEY  # a key every example holds as None is a key none of them has
+    if supervised:
+        if _NONE in kinds:  # examples without labels: their token ids are their labels
             if need_labels:
-                raise _no_labels(next(i for i, x in enumerate(xs) if x is None), rows)
-            xs = [ids if x is None else x for x, ids in zip(xs, ids_parts)]
-        parts, lab_lengths, lists = _parts(xs, "labels", "labels", rows)
-        _same_lengths(lab_lengths, lengths, "labels", rows)
-        labels = _concat(parts, lists, total, "labels", "labels", rows)
+                raise _no_labels(_first_none(xs), rows)
+            xs, kinds = [p if x is None else x for x, p in zip(xs, ids)], None
+        labels = form.join("labels", "labels", xs, kinds)
         if any_bad_label(labels):
-            offsets = lengths_to_offsets(lengths)
-            i, t = _first_with((labels < 0) & (labels != IGNORE_INDEX), offsets[:-1], np.diff(offsets))
-            raise _bad_label(i, rows, "labels", int(labels[t]))
+            raise _locate(labels, "labels", "labels", rows, lengths=lengths)
     else:
         if need_labels:
             raise _no_labels(0, rows)
         labels = input_ids.copy()
-    masked = None
+    masked = None  # per example: it carries a loss mask (None: no example does)
     for key in MASK_KEYS:
-        if key not in keys:
+        xs = form.get(key)
+        kinds = _NO_KEY if xs is None else set(map(type, xs))
+        if kinds == _NO_KEY:
             continue
-        xs = _values(examples, key)
-        if mode == "none" and any(x is not None for x in xs):
+        if mode == "none":
             raise _mask_not_expected(next(i for i, x in enumerate(xs) if x is not None), rows, key)
-        if _NONE in set(map(type, xs)):  # examples without this mask: loss on every token
-            masked = [x is not None for x in xs] if masked is None else \
-                [m or x is not None for m, x in zip(masked, xs)]
-            xs = [(([1] * k) if type(ids) is list else np.ones(k, np.int8)) if x is None else x
-                  for x, ids, k in zip(xs, ids_parts, lengths)]
+        if _NONE in kinds:  # examples without this mask: loss on every token
+            has = [x is not None for x in xs]
+            masked = has if masked is None else [a or b for a, b in zip(masked, has)]
+            xs, kinds = [(([1] * k) if type(p) is list else np.ones(k, np.int8)) if x is None else x
+                         for x, p, k in zip(xs, ids, lengths)], None
         else:
-            masked = [True] * n
-        parts, mask_lengths, lists = _parts(xs, key, "mask", rows)
-        _same_lengths(mask_lengths, lengths, key, rows)
-        mask = _concat(parts, lists, total, key, "mask", rows)
-        if any_bad_mask(mask):  # locate only when it fails
-            offsets = lengths_to_offsets(lengths)
-            i, t = _first_with(mask.view(np.uint64) > 1, offsets[:-1], np.diff(offsets))
-            raise _bad_mask(i, rows, key, int(mask[t]))
+            masked = [True] * len(xs)
+        mask = form.join(key, "mask", xs, kinds)
+        if any_bad_mask(mask):
+            raise _locate(mask, "mask", key, rows, lengths=lengths)
         labels[mask == 0] = IGNORE_INDEX
-    if require_mask and (masked is None or not all(masked)):
+    if mode == "required" and (masked is None or not all(masked)):
         raise _no_mask(0 if masked is None else masked.index(False), rows)
-    return input_ids, labels, np.array(lengths, np.int64), "labels" in keys or masked is not None
+    return input_ids, labels, form.lengths_array(), supervised or masked is not None
+
+
+class _Dicts:
+    """Column access over Python examples (a list of mappings of lists, numpy arrays or tensors) for
+    :func:`_read_rules`. A column's parts are checked as they are read, with C-level ``map``/``set``
+    over the batch (:func:`_parts`), and joined by one ``struct.pack_into`` or ``np.concatenate``
+    (:func:`_concat`); ``lengths`` is a list."""
+
+    __slots__ = ("examples", "rows", "keys", "lengths", "total", "layout")
+
+    def __init__(self, examples: list, rows):
+        self.examples, self.rows, self.keys = examples, rows, None
+
+    def ids(self) -> list:
+        """Every example's token ids; an error naming the first example that is not a mapping with them."""
+        try:
+            return [ex["input_ids"] for ex in self.examples]
+        except (KeyError, TypeError, IndexError):
+            for i, ex in enumerate(self.examples):
+                if not isinstance(ex, collections.abc.Mapping):
+                    raise _error(ExampleTypeError, i, self.rows,
+                                 f"is a {type(ex).__name__}, not a dict with 'input_ids'") from None
+                if "input_ids" not in ex:
+                    raise _missing(i, self.rows, ex, "input_ids") from None
+            raise
+
+    def read_ids(self, xs: list, kinds: set) -> tuple[list, list, int | None]:
+        """``(parts, lengths, the first empty example or None)`` of the token ids, their types checked."""
+        parts, lengths, self.layout = _parts(xs, "input_ids", "ids", self.rows, kinds)
+        self.lengths, self.total = lengths, sum(lengths)
+        return parts, lengths, lengths.index(0) if 0 in lengths else None
+
+    def lengths_array(self) -> np.ndarray:
+        return np.array(self.lengths, np.int64)
+
+    def get(self, key: str) -> list | None:
+        """Every example's ``key`` (None where it lacks it), or None when no example has it."""
+        if self.keys is None:
+            self.keys = set().union(*self.examples)
+        return _values(self.examples, key) if key in self.keys else None
+
+    def join(self, key: str, kind: str, xs: list, kinds=None) -> np.ndarray:
+        """A column as ``(T,)`` int64, read by ``kind``'s types and (but the token ids) as long as the
+        token ids example by example."""
+        if kind == "ids":
+            return _concat(xs, self.layout, self.total, key, kind, self.rows)
+        parts, lengths, layout = _parts(xs, key, kind, self.rows, kinds)
+        _same_lengths(lengths, self.lengths, key, self.rows)
+        return _concat(parts, layout, self.total, key, kind, self.rows)
+
+
+class _Columns:
+    """Column access over an :class:`ExampleBatch` for :func:`_read_rules`: every part is a 1-D numpy
+    array (a view of an Arrow buffer), the lengths are known; a column is checked as long as the token
+    ids, then by dtype and shape over the batch, and joined by one ``np.concatenate`` (:func:`_join_arrays`).
+    The lengths are compared as a list: measured 0.3 us against 2.4 us for ``np.array_equal`` at 8 examples,
+    1.1 against 3.3 at 32."""
+
+    __slots__ = ("columns", "rows", "array", "lengths", "total")
+
+    def __init__(self, batch: "ExampleBatch"):
+        self.columns, self.rows, self.array = batch.columns, batch.rows, batch.lengths
+
+    def ids(self) -> list:
+        return self.columns["input_ids"]
+
+    def read_ids(self, xs: list, kinds: set) -> tuple[list, list, int | None]:
+        lengths = self.lengths = self.array.tolist()
+        self.total = sum(lengths)
+        return xs, lengths, lengths.index(0) if 0 in lengths else None
+
+    def lengths_array(self) -> np.ndarray:
+        return self.array
+
+    def get(self, key: str) -> list | None:
+        return self.columns.get(key)
+
+    def join(self, key: str, kind: str, xs: list, kinds=None) -> np.ndarray:
+        if kind != "ids":
+            _same_lengths(list(map(len, xs)), self.lengths, key, self.rows)
+        return _join_arrays(xs, key, kind, self.rows, self.total)
+
+
+def _first_none(xs: list) -> int:
+    return next(i for i, x in enumerate(xs) if x is None)
 
 
 _NONE = type(None)
+_NO_KEY = {_NONE}
 _INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
                                                   np.uint32, np.uint64))
 _MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
@@ -880,33 +966,35 @@ def _values(examples, key: str) -> list:
         return [ex.get(key) for ex in examples]
 
 
-def _parts(xs: list, key: str, kind: str, rows) -> tuple[list, list, bool]:
-    """One column of every example: ``(parts, lengths, all_lists)``, each part a list or a 1-D integer
-    array. Checks run over the whole column with C-level ``map``/``set`` (no per-example Python
-    statements) and fall back to a checked loop that names the offending example.
-    ``_parts([[5, 6]], "input_ids", "ids", None) -> ([[5, 6]], [2], True)``.
+def _parts(xs: list, key: str, kind: str, rows, kinds=None) -> tuple[list, list, str]:
+    """One column of every example: ``(parts, lengths, layout)``, each part a list or a 1-D integer
+    array, ``layout`` ``"lists"``, ``"arrays"`` or ``"mixed"``. Checks run over the whole column with
+    C-level ``map``/``set`` (no per-example Python statements) and fall back to a checked loop that
+    names the offending example. ``_parts([[5, 6]], "input_ids", "ids", None) -> ([[5, 6]], [2], "lists")``.
+    ``kinds``: ``set(map(type, xs))`` when the caller has it.
     """
-    kinds = set(map(type, xs))
+    if kinds is None:
+        kinds = set(map(type, xs))
     if kinds == _LIST:
         lengths = list(map(len, xs))
         if 0 not in lengths and set(map(type, map(_first_item, xs))) <= (_MASK_ITEMS if kind == "mask"
                                                                           else _INT_ITEM):
-            return xs, lengths, True
+            return xs, lengths, "lists"
     elif kinds == _NDARRAY:
         # ndim is checked where it is cheap: len() of a 0-d array raises, and a 2-D array makes the
         # concatenation fail; both fall back to the checked loop below, which names the example.
         if set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
             try:
-                return xs, list(map(len, xs)), False
+                return xs, list(map(len, xs)), "arrays"
             except TypeError:
                 pass
-    parts, lengths, all_lists = [], [], True
+    parts, lengths, lists = [], [], 0
     for i, x in enumerate(xs):
         part, length, is_list = _column(x, i, key, kind, rows)
         parts.append(part)
         lengths.append(length)
-        all_lists &= is_list
-    return parts, lengths, all_lists
+        lists += is_list
+    return parts, lengths, "lists" if lists == len(xs) else "arrays" if not lists else "mixed"
 
 
 def _column(x, i: int, key: str, kind: str, rows):
@@ -930,6 +1018,22 @@ def _column(x, i: int, key: str, kind: str, rows):
     return x, x.shape[0], False
 
 
+def _join_arrays(parts: list, key: str, kind: str, rows, total: int | None = None) -> np.ndarray:
+    """Every example's part of a column, 1-D integer numpy arrays (bools too in a mask), joined into one
+    writable ``(total,)`` int64 array (``total``: the sum of their lengths, counted when None). The
+    dtypes and shapes are tested over the batch with C-level ``map``/``set`` first, then the error names
+    the first part that fails (:func:`_column`)."""
+    if not set(map(_dtype_of, parts)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) \
+            or set(map(_ndim_of, parts)) != _ONE:
+        for i, p in enumerate(parts):
+            _column(p, i, key, kind, rows)
+    out = np.empty(sum(map(len, parts)) if total is None else total, np.int64)
+    return np.concatenate(parts, out=out, casting="unsafe") if parts else out
+
+
+_NO_VALUES = np.zeros(0, np.int64)
+
+
 def _list_into(flat: list, out: np.ndarray, bools_ok: bool) -> None:
     """Write a flat list of ints into ``out`` (int64, same length) with one ``struct.pack_into``.
 
@@ -950,24 +1054,24 @@ class _BoolAt(Exception):
     """A bool at flat position ``args[0]`` (turned into an error naming the example)."""
 
 
-def _concat(parts: list, all_lists: bool, total: int, key: str, kind: str, rows) -> np.ndarray:
-    """Concatenate example columns into one writable ``(total,)`` int64 array.
+def _concat(parts: list, layout: str, total: int, key: str, kind: str, rows) -> np.ndarray:
+    """Concatenate example columns (laid out as :func:`_parts` says) into one writable ``(total,)`` int64 array.
 
     Lists: joined into one list and converted by a single ``struct.pack_into`` straight into the
     output buffer (measured faster than ``np.fromiter``/``np.array`` on a list, about 2x, and it
     rejects floats instead of truncating them); bools are rejected unless ``kind == "mask"``.
-    Arrays: one ``np.concatenate``. ``_concat([[1], [2, 3]], True, 3, "input_ids", "ids", None) -> [1, 2, 3]``.
+    Arrays: one ``np.concatenate``. ``_concat([[1], [2, 3]], "lists", 3, "input_ids", "ids", None) -> [1, 2, 3]``.
     """
     out = np.empty(total, np.int64)
     bools_ok = kind == "mask"
     try:
-        if all_lists:
+        if layout == "lists":
             flat: list = []
             for p in parts:
                 flat += p
             _list_into(flat, out, bools_ok)
             return out
-        if _NDARRAY != set(map(type, parts)):  # lists mixed with arrays: each list through struct
+        if layout == "mixed":  # lists mixed with arrays: each list through struct
             parts = [p if isinstance(p, np.ndarray) else _list_array(p, bools_ok) for p in parts]
         return np.concatenate(parts, out=out, casting="unsafe")
     except (_BoolAt, ValueError, TypeError, OverflowError, struct.error):
@@ -1019,8 +1123,8 @@ def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndar
     if _NONE in set(map(type, xs)):
         i = next(i for i, x in enumerate(xs) if x is None)
         raise _error(ExampleValueError, i, rows, f"has no {key!r}; {missing}")
-    parts, lengths, lists = _parts(xs, key, "ids", rows)
-    return _concat(parts, lists, sum(lengths), key, "ids", rows), np.array(lengths, np.int64)
+    parts, lengths, layout = _parts(xs, key, "ids", rows)
+    return _concat(parts, layout, sum(lengths), key, "ids", rows), np.array(lengths, np.int64)
 
 
 def _same_lengths(got: list, lengths: list, key: str, rows) -> None:
@@ -1092,87 +1196,20 @@ class ExampleBatch(collections.abc.Sequence):
 
     def column(self, key: str):
         """``(values, offsets)`` of one column: flat ``(T,)`` values (int64) and ``(n + 1,)`` offsets;
-        ``KeyError`` when no example has it. An example without it (None) has no values."""
+        ``KeyError`` when no example has it. An example without it (None) has no values. Integers only,
+        checked as a collator reads the column from dicts (:func:`read_column`)."""
         parts = self.columns[key]
-        lengths = np.fromiter((0 if p is None else len(p) for p in parts), np.int64, len(parts))
-        offsets = lengths_to_offsets(lengths)
-        out = np.empty(int(offsets[-1]), np.int64)
-        present = [p for p in parts if p is not None]
-        if present:
-            np.concatenate(present, out=out, casting="unsafe")
-        return out, offsets
+        if _NONE in set(map(type, parts)):
+            parts = [_NO_VALUES if p is None else p for p in parts]
+        values = _join_arrays(parts, key, "ids", self.rows)
+        return values, lengths_to_offsets(np.fromiter(map(len, parts), np.int64, len(parts)))
 
     def read(self, *, need_labels: bool = False, mode: str = "auto"):
         """``(input_ids, labels, lengths, supervised)``: what :func:`read_examples` returns and whether an
-        example carried labels or a loss mask; every rule checked with vectorised numpy over the batch
-        (no per-token Python; two reductions per column on the usual path, the offending example
-        located only when a check fails). ``mode`` is a collator's ``loss_mask``."""
-        rows, lengths, n = self.rows, self.lengths, self.lengths.size
-        ids_parts = self.columns["input_ids"]
-        if _NONE in set(map(type, ids_parts)):
-            raise _null_tokens(next(i for i, p in enumerate(ids_parts) if p is None), rows, "input_ids")
-        if n and lengths.min() == 0:
-            raise _empty(int(np.argmin(lengths)), rows)
-        total = int(lengths.sum())
-        input_ids = self._flat("input_ids", "ids", ids_parts, total)
-        if any_bad_id(input_ids):
-            raise self._locate(input_ids < 0, _negative, "input_ids", input_ids)
-        parts = self.columns.get("labels")
-        kinds = set(map(type, parts)) if parts is not None else {_NONE}
-        supervised = kinds != {_NONE}
-        if supervised:
-            if _NONE in kinds:
-                if need_labels:
-                    raise _no_labels(next(i for i, p in enumerate(parts) if p is None), rows)
-                parts = [ids if p is None else p for p, ids in zip(parts, ids_parts)]
-            self._aligned(parts, "labels")
-            labels = self._flat("labels", "labels", parts, total)
-            if any_bad_label(labels):
-                raise self._locate((labels < 0) & (labels != IGNORE_INDEX), _bad_label, "labels", labels)
-        else:
-            if need_labels:
-                raise _no_labels(0, rows)
-            labels = input_ids.copy()
-        masked = None
-        for key in MASK_KEYS:
-            parts = self.columns.get(key)
-            kinds = set(map(type, parts)) if parts is not None else {_NONE}
-            if kinds == {_NONE}:
-                continue
-            has = [p is not None for p in parts]
-            if mode == "none":
-                raise _mask_not_expected(has.index(True), rows, key)
-            masked = has if masked is None else [a or b for a, b in zip(masked, has)]
-            if _NONE in kinds:  # examples without this mask: loss on every token
-                parts = [np.ones(k, np.int8) if p is None else p for p, k in zip(parts, lengths.tolist())]
-            self._aligned(parts, key)
-            mask = self._flat(key, "mask", parts, total)
-            if any_bad_mask(mask):
-                raise self._locate(mask.view(np.uint64) > 1, _bad_mask, key, mask)
-            labels[mask == 0] = IGNORE_INDEX
-        if mode == "required" and (masked is None or not all(masked)):
-            raise _no_mask(0 if masked is None else masked.index(False), rows)
-        return input_ids, labels, lengths, supervised or masked is not None
-
-    def _locate(self, bad: np.ndarray, error, key: str, values: np.ndarray):
-        """The error about the first example holding a ``bad`` position (the error path only)."""
-        offsets = lengths_to_offsets(self.lengths)
-        i, t = _first_with(bad, offsets[:-1], self.lengths)
-        return error(i, self.rows, key, int(values[t]))
-
-    def _aligned(self, parts, key: str) -> None:
-        got = np.fromiter(map(len, parts), np.int64, len(parts))
-        if not np.array_equal(got, self.lengths):
-            check_aligned(got, self.lengths, key=key, rows=self.rows)
-
-    def _flat(self, key, kind, parts, total) -> np.ndarray:
-        """One column's parts concatenated into ``(total,)`` int64, dtypes and shapes checked first."""
-        if not set(map(_dtype_of, parts)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) \
-                or set(map(_ndim_of, parts)) != _ONE:
-            for i, p in enumerate(parts):
-                _column(p, i, key, kind, self.rows)
-        out = np.empty(total, np.int64)
-        return np.concatenate(parts, out=out, casting="unsafe") if parts else out
+        example carried labels or a loss mask, by the same rules (:func:`_read_rules`), checked with
+        vectorised numpy over the batch (no per-token Python; two reductions per column on the usual
+        path, the offending example located only when a check fails). ``mode`` is a collator's ``loss_mask``."""
+        return _read_rules(_Columns(self), need_labels, mode)
 
     @classmethod
     def _trusted(cls, columns: dict, rows: np.ndarray, lengths: np.ndarray) -> "ExampleBatch":

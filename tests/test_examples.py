@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from packkit import examples as ex
 from packkit.examples import (IGNORE_INDEX, MASK_KEYS, ExampleBatch, ExampleTypeError, ExampleValueError,
-                              check_labels, check_mask, check_tokens, location, loss_lengths, read_examples,
-                              relocate, table_labels, token_lengths)
+                              LossMaskWarning, check_labels, check_mask, check_tokens, location, loss_lengths,
+                              read_examples, relocate, table_labels, token_lengths)
 
 pa = pytest.importorskip("pyarrow")
 
@@ -190,6 +190,55 @@ def test_waste_plan_and_pack_commands_refuse_what_pack_refuses(case, tmp_path, c
         code = main(argv)
         err = capsys.readouterr().err
         assert code != 0 and err.count("\n") == 1 and f"dataset row {i} " in err and text in err, (argv, err)
+
+
+def test_packed_rows_columnar_seq_lengths_are_checked_like_dicts():
+    """Bug (drift between the two batch readers): read_column's ExampleBatch branch went through
+    ExampleBatch.column, which skipped the dtype/shape check, so PackedRowsCollator silently truncated
+    float seq_lengths [1.5, 2.5] of a columnar batch where the dict form raised. Both raise the same now."""
+    from packkit.collate import PackedRowsCollator
+
+    row = {"input_ids": np.arange(3), "seq_lengths": np.array([1.5, 2.5])}
+    text = "example 0 has 1.5 (float) in 'seq_lengths'; token ids are integers >= 0"
+    for batch in ([row], ExampleBatch({k: [v] for k, v in row.items()})):
+        with pytest.raises(ExampleTypeError) as got:
+            PackedRowsCollator(window=8, loss_mask="none")(batch)
+        assert str(got.value) == text
+    nested = ExampleBatch({"input_ids": [np.arange(3)], "seq_lengths": [np.ones((1, 2), int)]}, rows=[9])
+    with pytest.raises(ExampleTypeError, match=r"dataset row 9 has a nested list in 'seq_lengths' \(shape \(1, 2\)\)"):
+        PackedRowsCollator(window=8, loss_mask="none")(nested)
+
+
+def test_both_batch_forms_read_a_null_the_same_way():
+    """Drift between the two batch readers: a null token-id list read 'has a NoneType in ...' from dicts
+    and 'has no 'input_ids' (null)' from columns (as offline packing says it); a key every example holds
+    as None counted as labels or a mask given for the loss-mask warning from dicts only. Both forms
+    follow the module's rule now: None is a key the example does not have."""
+    import warnings
+
+    from packkit.collate import PaddingFreeCollator
+
+    def columns(exs):  # the batch a DataLoader fetches through ColumnarDataset: dataset rows 0, 1, ...
+        from packkit.columnar import ColumnarDataset
+
+        return ColumnarDataset(pa.Table.from_pylist(exs))[list(range(len(exs)))]
+
+    exs = [{"input_ids": [1, 2]}, {"input_ids": None}]
+    for batch, where in ((exs, "example 1"), (columns(exs), "dataset row 1")):
+        with pytest.raises(ExampleValueError) as got:
+            read_examples(batch)
+        assert str(got.value) == f"{where} has no 'input_ids' (null); drop the example or fill it"
+    for key in ("labels", *MASK_KEYS):
+        exs = [{"input_ids": [1, 2], key: None}, {"input_ids": [3], key: None}]
+        for batch in (exs, columns(exs)):
+            with pytest.warns(LossMaskWarning, match="no example of this batch carries labels or a loss mask"):
+                got = PaddingFreeCollator()(batch)
+            assert got.labels.tolist() == [[-100, 2, -100]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one example with the key: no warning on either form
+            exs[1][key] = [1] if key != "labels" else [3]
+            for batch in (exs, columns(exs)):
+                PaddingFreeCollator()(batch)
 
 
 def test_nan_in_a_float_column_is_named():
