@@ -638,10 +638,11 @@ def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray 
 def _fill_null_rows(values: np.ndarray, offsets: np.ndarray, valid: np.ndarray, lengths: np.ndarray,
                     fill: np.ndarray) -> np.ndarray:
     """``values`` laid out like ``lengths``, null rows (which hold no values) taken from ``fill``
-    (already laid out like ``lengths``; it is written into and returned)."""
-    dest = lengths_to_offsets(lengths)
-    for i in np.flatnonzero(valid).tolist():  # rows with a value; a copy row by row only on this rare path
-        fill[dest[i]: dest[i + 1]] = values[offsets[i]: offsets[i + 1]]
+    (already laid out like ``lengths``; it is written into and returned). The rows with a value are as
+    long as ``lengths`` says (:func:`check_aligned`), so one ``np.repeat`` of ``valid`` on each side
+    gathers them all: ``values [5, 6]``, ``offsets [0, 0, 2]``, ``valid [F, T]``, ``lengths [1, 2]``,
+    ``fill [9, 9, 9]`` -> ``[9, 5, 6]``."""
+    fill[np.repeat(valid, lengths)] = values[np.repeat(valid, np.diff(offsets))]
     return fill
 
 

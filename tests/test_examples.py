@@ -269,6 +269,18 @@ def test_loss_lengths_and_table_labels_honour_nulls_and_both_masks():
     assert labels.tolist() == want
 
 
+def test_null_rows_that_hold_values_in_arrow_are_examples_without_the_key():
+    """Arrow lets a null list row keep values in its slot; they belong to no example. table_labels and
+    loss_lengths (whose null rows are now filled by one gather, not a row-by-row loop) must skip them."""
+    labels = pa.ListArray.from_arrays(pa.array([0, 2, 5, 6]), pa.array([5, -100, -100, -100, -100, -100]),
+                                      mask=pa.array([False, True, False]))
+    mask = pa.ListArray.from_arrays(pa.array([0, 2, 4, 5]), pa.array([1, 1, 0, 0, 0]),
+                                    mask=pa.array([False, True, False]))
+    table = pa.table({"input_ids": [[5, 6], [7, 8, 9], [1]], "labels": labels, "completion_mask": mask})
+    assert table_labels(table).tolist() == [5, -100, 7, 8, 9, -100]
+    assert loss_lengths(table).tolist() == [0, 2, 0]
+
+
 # ----------------------------------------------------------------------------------------------
 # the pieces
 # ----------------------------------------------------------------------------------------------
