@@ -30,6 +30,23 @@ def sft_like_lengths(n: int, *, seed: int = 0, median: int = 250, low: int = 8, 
     return np.clip(np.round(rng.lognormal(np.log(median), 1.0, n)), low, high).astype(np.int64)
 
 
+CHAT_LENGTHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharegpt_qwen3_lengths.npy")
+
+
+def chat_lengths(n: int | None = None, *, seed: int = 0) -> np.ndarray:
+    """(n,) int64 real chat lengths: ShareGPT conversations under Qwen3's tokenizer.
+
+    ``data/sharegpt_qwen3_lengths.npy`` holds 17,545 conversations (``make_chat_lengths.py`` says how
+    it was made); ``n=None`` returns them in file order, a larger ``n`` draws with replacement (seeded),
+    a smaller one without.
+    """
+    lengths = np.load(CHAT_LENGTHS).astype(np.int64)
+    if n is None:
+        return lengths
+    rng = np.random.default_rng(seed)
+    return lengths[rng.choice(len(lengths), n, replace=n > len(lengths))]
+
+
 def uniform_lengths(n: int, *, seed: int = 0, low: int = 16, high: int = 512) -> np.ndarray:
     """(n,) int64 lengths uniform in [low, high]."""
     return np.random.default_rng(seed).integers(low, high + 1, n).astype(np.int64)
