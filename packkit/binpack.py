@@ -57,7 +57,7 @@ from .errors import ArgumentError, DataError, Message, arg
 from .segments import lengths_to_offsets
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
-           "max_window", "check_strategy", "check_overflow", "check_buffer_size", "overflow_error", "overflow_note",
+           "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "overflow_error", "overflow_note",
            "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
@@ -261,6 +261,11 @@ class Plan:
     overflow_examples: (k,) int64, indices of the examples longer than ``W``, whatever the policy
     dropped_examples: (k,) int64, indices left out by ``overflow="drop"``
     cut_tokens:   int, tokens removed by ``"truncate"`` or ``"drop"`` (never silently)
+    seg_group:    (num_segments,) int64, the group of each segment (``pack(..., groups=)``), else None
+    num_groups:   int, groups in the input (``groups=``), else None
+    ungrouped_windows: int, windows the same examples need packed without groups (the fill cost of
+                  keeping groups whole is ``num_windows - ungrouped_windows``), else None
+    overflow_groups: (k,) int64, groups longer than ``W`` (split or dropped by the policy), else empty
     """
 
     window: int
@@ -275,11 +280,16 @@ class Plan:
     overflow_examples: np.ndarray
     dropped_examples: np.ndarray
     cut_tokens: int
+    seg_group: np.ndarray | None = None
+    num_groups: int | None = None
+    ungrouped_windows: int | None = None
+    overflow_groups: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __post_init__(self):
         for f in ("lengths", "seg_example", "seg_start", "seg_length", "window_ptr",
-                  "overflow_examples", "dropped_examples"):
-            getattr(self, f).setflags(write=False)
+                  "overflow_examples", "dropped_examples", "seg_group", "overflow_groups"):
+            if getattr(self, f) is not None:
+                getattr(self, f).setflags(write=False)
 
     # -- sizes --------------------------------------------------------------------------------
 
@@ -380,6 +390,7 @@ class Plan:
             seg_start=self.seg_start[seg],
             seg_length=self.seg_length[seg],
             window_ptr=ptr,
+            seg_group=None if self.seg_group is None else self.seg_group[seg],
         )
 
     def window_range(self, start: int, stop: int) -> "Plan":
@@ -393,7 +404,8 @@ class Plan:
         lo, hi = int(self.window_ptr[start]), int(self.window_ptr[stop])
         return dataclasses.replace(self, seg_example=self.seg_example[lo:hi], seg_start=self.seg_start[lo:hi],
                                    seg_length=self.seg_length[lo:hi],
-                                   window_ptr=self.window_ptr[start: stop + 1] - lo)
+                                   window_ptr=self.window_ptr[start: stop + 1] - lo,
+                                   seg_group=None if self.seg_group is None else self.seg_group[lo:hi])
 
     def chunks(self, max_tokens: int) -> list[tuple[int, int]]:
         """Consecutive window ranges ``(start, stop)`` of at most ``max_tokens`` tokens each (a window
@@ -438,6 +450,11 @@ class Plan:
             "overflow_examples": int(self.overflow_examples.size),
             "dropped_examples": int(self.dropped_examples.size),
             "cut_tokens": self.cut_tokens,
+            **({} if self.num_groups is None else {
+                "groups": self.num_groups,
+                "overflow_groups": int(self.overflow_groups.size),
+                "ungrouped_windows": self.ungrouped_windows,
+                "group_cost_windows": self.num_windows - self.ungrouped_windows}),
         }
 
     def __repr__(self) -> str:
@@ -445,7 +462,10 @@ class Plan:
             f"Plan(strategy={self.strategy!r}, window={self.window}, examples={self.num_examples}, "
             f"windows={self.num_windows}, lower_bound={self.lower_bound}, fill={self.fill:.4f}, "
             f"overflow={self.overflow!r}: {self.overflow_examples.size} examples, "
-            f"cut_tokens={self.cut_tokens})"
+            f"cut_tokens={self.cut_tokens}"
+            + ("" if self.num_groups is None else
+               f", groups={self.num_groups}, ungrouped_windows={self.ungrouped_windows}")
+            + ")"
         )
 
 
@@ -754,8 +774,24 @@ def _runs_to_csr(order, run_window, run_count, run_first, num_windows, run_lengt
 # ----------------------------------------------------------------------------------------------
 
 
+def _plan_items(item_length: np.ndarray, window: int, strategy: str, seed: int | None, token_order=None):
+    """Run ``strategy`` over item lengths (all in ``[1, W]``): ``(items, window_ptr, item_lengths)``
+    as :func:`_runs_to_csr` gives them. ``token_order``: next fit's order (default: as listed)."""
+    if strategy == "bfd":
+        runs = _best_fit_decreasing(item_length, window)
+    elif strategy == "ffd":
+        runs = _first_fit_decreasing(item_length, window)
+    elif strategy == "shuffle_ff":
+        rng = np.random.default_rng(0 if seed is None else seed)
+        runs = _first_fit(item_length, window, rng.permutation(item_length.size))
+    else:
+        runs = _next_fit(item_length, window, token_order)
+    seg, window_ptr, seg_length = _runs_to_csr(*runs)
+    return seg, window_ptr, (item_length[seg] if seg_length is None else seg_length)
+
+
 def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error",
-         seed: int | None = 0) -> Plan:
+         seed: int | None = 0, groups=None, group_sizes=None) -> Plan:
     """Plan windows of ``window`` tokens for examples of the given ``lengths``.
 
     Args:
@@ -763,8 +799,13 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
         window: tokens per window (``W``), >= 1.
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` (module docstring).
         overflow: what to do with an example longer than ``W``: ``"error"`` (default),
-            ``"truncate"``, ``"split"`` or ``"drop"``.
+            ``"truncate"``, ``"split"`` or ``"drop"`` (with groups: a *group* longer than ``W``, see
+            :func:`pack_groups`).
         seed: the random order of ``"shuffle_ff"``, and the default seed of :meth:`Plan.shuffled`.
+        groups: (num_examples,) a group id per example (ints or strings): examples with one id are an
+            atom (a preference pair, a prompt's completions) that stays in one window, members adjacent
+            and in example order. ``group_sizes``: the same as consecutive sizes (``[2, 2]``: examples
+            0-1 and 2-3). Give one of the two (:func:`pack_groups`).
 
     Returns:
         A frozen :class:`Plan`. Windows come in the order the strategy opened them (for BFD/FFD that
@@ -777,23 +818,14 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
     check_overflow(overflow)
     seed = check_seed(seed)
     lengths = as_lengths(lengths)
+    if groups is not None or group_sizes is not None:
+        return pack_groups(lengths, window=window, strategy=strategy, overflow=overflow, seed=seed,
+                           groups=groups, group_sizes=group_sizes)
     pieces = apply_overflow(lengths, window=window, overflow=overflow)
     item_example, item_start, item_length = pieces.example, pieces.start, pieces.length
-
-    if strategy == "bfd":
-        runs = _best_fit_decreasing(item_length, window)
-    elif strategy == "ffd":
-        runs = _first_fit_decreasing(item_length, window)
-    elif strategy == "shuffle_ff":
-        rng = np.random.default_rng(0 if seed is None else seed)
-        runs = _first_fit(item_length, window, rng.permutation(item_length.size))
-    else:
-        # order-preserving: pieces of a split example stay together, in token order
-        token_order = np.lexsort((item_start, item_example)) if overflow == "split" else None
-        runs = _next_fit(item_length, window, token_order)
-    seg, window_ptr, seg_length = _runs_to_csr(*runs)
-    if seg_length is None:
-        seg_length = item_length[seg]
+    # next fit is order-preserving: pieces of a split example stay together, in token order
+    token_order = np.lexsort((item_start, item_example)) if overflow == "split" and strategy == "next_fit" else None
+    seg, window_ptr, seg_length = _plan_items(item_length, window, strategy, seed, token_order)
     seg_start = np.zeros(seg.size, np.int64)
     if overflow == "drop":
         seg_example = item_example[seg]
@@ -817,6 +849,154 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
         overflow_examples=pieces.overflow_examples,
         dropped_examples=pieces.dropped_examples,
         cut_tokens=pieces.cut_tokens,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# groups: atoms that stay in one window
+# ----------------------------------------------------------------------------------------------
+
+
+def as_groups(num_examples: int, *, groups=None, group_sizes=None) -> tuple[np.ndarray, np.ndarray]:
+    """The groups of ``num_examples`` examples as CSR: ``(member (n,) int64, group_ptr (G + 1,) int64)``.
+
+    Group ``g`` is examples ``member[group_ptr[g] : group_ptr[g + 1]]``, in example order; groups are
+    numbered by their first example. ``as_groups(4, groups=[7, 3, 7, 3]) -> ([0, 2, 1, 3], [0, 2, 4])``;
+    ``as_groups(4, group_sizes=[1, 3]) -> ([0, 1, 2, 3], [0, 1, 4])``.
+    """
+    if (groups is None) == (group_sizes is None):
+        raise ArgumentError("pass one of {a} (a group id per example) or {b} (consecutive group sizes)",
+                            a=arg("groups"), b=arg("group_sizes"))
+    if group_sizes is not None:
+        sizes = as_lengths(group_sizes, name="group_sizes")
+        if int(sizes.sum()) != num_examples:
+            raise ArgumentError("{arg} sum to {got:,} examples, but there are {n:,}", arg=arg("group_sizes"),
+                                got=int(sizes.sum()), n=num_examples)
+        return np.arange(num_examples, dtype=np.int64), lengths_to_offsets(sizes)
+    if hasattr(groups, "detach") and hasattr(groups, "cpu"):  # a torch tensor, without importing torch
+        groups = groups.detach().cpu().numpy()
+    ids = np.asarray(groups)
+    if ids.size == 0 and ids.ndim == 1:
+        ids = ids.astype(np.int64)
+    if ids.ndim != 1 or ids.dtype == object or ids.dtype.kind == "f" or ids.dtype == np.bool_:
+        raise TypeError(f"groups must be a 1-D sequence of integer (or string) group ids, one per example, "
+                        f"got {'shape ' + str(ids.shape) if ids.ndim != 1 else 'dtype ' + str(ids.dtype)}")
+    if ids.size != num_examples:
+        raise ArgumentError("{arg} has {got:,} ids for {n:,} examples: give one group id per example",
+                            arg=arg("groups"), got=int(ids.size), n=num_examples)
+    if num_examples == 0:
+        return np.zeros(0, np.int64), np.zeros(1, np.int64)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    rank = np.empty(first.size, np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(first.size)  # groups in order of their first example
+    group_of = rank[inverse.reshape(-1)]
+    return np.argsort(group_of, kind="stable").astype(np.int64), lengths_to_offsets(np.bincount(group_of))
+
+
+def _group_error(g: int, member: np.ndarray, tokens: int, window: int) -> DataError:
+    """``group 3 (examples 6, 7) has 9 tokens > window=8; ...``: one line naming the group and the fix."""
+    shown = ", ".join(str(int(i)) for i in member[:4]) + (", ..." if member.size > 4 else "")
+    return DataError("group {g} (examples {shown}) has {n:,} tokens > {window}; pass {fix} (split it between "
+                     "its examples) or raise {w}", g=g, shown=shown, n=tokens, window=arg("window", window),
+                     fix=arg("overflow", "split", "drop"), w=arg("window"))
+
+
+def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error", seed: int | None = 0,
+                groups=None, group_sizes=None) -> Plan:
+    """:func:`pack` with atoms: every group's examples share one window, adjacent, in example order.
+
+    A group is packed as one item of its total length, then laid out member by member, so the plan
+    has one segment per example (``seg_group`` names its group). Keeping groups whole costs fill; the
+    plan says how much (``ungrouped_windows``: the windows the same examples take packed one by one).
+
+    A group longer than ``W``, by ``overflow``: ``"error"`` (default) names it; ``"split"`` cuts it
+    between its examples into consecutive parts of at most ``W`` tokens (next fit; an example longer
+    than ``W`` is still an error, since a sequence of a pair cannot be cut); ``"drop"`` leaves the
+    whole group out (counted in ``dropped_examples`` and ``cut_tokens``). ``"truncate"`` is refused:
+    it would cut one member and not the others.
+
+    ``pack_groups([3, 4, 2, 2], window=8, group_sizes=[2, 2]).windows() -> [[0, 1], [2, 3]]``.
+    """
+    window = check_window(window)
+    check_strategy(strategy)
+    check_overflow(overflow)
+    seed = check_seed(seed)
+    lengths = as_lengths(lengths)
+    if overflow == "truncate":
+        raise ArgumentError("{got} would cut one sequence of a group and not the others; pass {fix}",
+                            got=arg("overflow", "truncate"), fix=arg("overflow", "error", "split", "drop"))
+    member, gptr = as_groups(lengths.size, groups=groups, group_sizes=group_sizes)
+    num_groups = int(gptr.size - 1)
+    csum = lengths_to_offsets(lengths[member])
+    glen = csum[gptr[1:]] - csum[gptr[:-1]]
+    over = np.flatnonzero(glen > window)
+    is_over = np.zeros(num_groups, bool)
+    is_over[over] = True
+    over_members = np.sort(member[np.repeat(is_over, np.diff(gptr))])
+    dropped, cut = np.zeros(0, np.int64), 0
+    # items: consecutive runs of ``member`` (a whole group, or a part of a split one)
+    item_ptr, item_group = gptr, np.arange(num_groups, dtype=np.int64)
+    if over.size and overflow == "error":
+        g = int(over[0])
+        raise _group_error(g, member[gptr[g]: gptr[g + 1]], int(glen[g]), window)
+    if over.size and overflow == "drop":
+        dropped, cut = over_members, int(glen[over].sum())
+        item_group = np.flatnonzero(~is_over)
+        item_ptr = lengths_to_offsets(np.diff(gptr)[~is_over])
+        member = member[np.repeat(~is_over, np.diff(gptr))]
+    elif over.size:  # split between examples, next fit over each over-long group's members
+        lengths_m = lengths[member]
+        big = np.flatnonzero(lengths_m > window)
+        if big.size:
+            i = int(member[big[0]])
+            g = int(np.searchsorted(gptr, big[0], side="right") - 1)
+            raise DataError("example {i} (group {g}) has {n:,} tokens > {window}: one sequence of a group cannot be "
+                            "cut; pass {fix}, or raise {w}", i=i, g=g, n=int(lengths[i]),
+                            window=arg("window", window), fix=arg("overflow", "drop"), w=arg("window"))
+        starts, owners = [], []
+        for g in range(num_groups):
+            lo, hi = int(gptr[g]), int(gptr[g + 1])
+            if glen[g] <= window:
+                starts.append(lo)
+                owners.append(g)
+                continue
+            room = 0
+            for j in range(lo, hi):
+                if lengths_m[j] > room:
+                    starts.append(j)
+                    owners.append(g)
+                    room = window
+                room -= int(lengths_m[j])
+        item_ptr = np.asarray(starts + [member.size], np.int64)
+        item_group = np.asarray(owners, np.int64)
+    csum = lengths_to_offsets(lengths[member])
+    item_length = csum[item_ptr[1:]] - csum[item_ptr[:-1]]
+    seg_item, item_window_ptr, _ = _plan_items(item_length, window, strategy, seed)
+    # expand every item into its members, in order
+    count = np.diff(item_ptr)[seg_item]
+    out = lengths_to_offsets(count)
+    seg_pos = np.repeat(item_ptr[seg_item] - out[:-1], count) + np.arange(int(out[-1]), dtype=np.int64)
+    seg_example = member[seg_pos]
+    window_ptr = out[item_window_ptr]
+    kept_lengths = lengths[member]
+    ungrouped = int(_plan_items(kept_lengths, window, strategy, seed)[1].size - 1) if kept_lengths.size else 0
+    return Plan(
+        window=window,
+        lengths=lengths,
+        seg_example=seg_example,
+        seg_start=np.zeros(seg_example.size, np.int64),
+        seg_length=lengths[seg_example],
+        window_ptr=window_ptr,
+        strategy=strategy,
+        overflow=overflow,
+        seed=None if seed is None else int(seed),
+        overflow_examples=over_members,
+        dropped_examples=dropped,
+        cut_tokens=cut,
+        seg_group=np.repeat(item_group[seg_item], count),
+        num_groups=num_groups,
+        ungrouped_windows=ungrouped,
+        overflow_groups=over.astype(np.int64),
     )
 
 

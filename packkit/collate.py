@@ -355,12 +355,19 @@ class FixedWindowCollator:
         pad_token_id: id of padding tokens (default 0; their labels are -100 whatever it is).
         mask_first_label, loss_mask: as in :class:`PaddingFreeCollator` (apply to every segment).
         seed: the order of ``"shuffle_ff"``.
+        group_key: the key of an example holding its group id (a pair, a prompt's completions): a
+            group's examples share one window, adjacent, in batch order
+            (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups).
     """
 
     def __init__(self, *, window: int, strategy: str = "bfd", overflow: str = "error",
                  num_windows: int | None = None, static_shape: bool = False,
                  max_segments: int | None = None, pad_token_id: int = 0,
-                 mask_first_label: bool = True, seed: int = 0, loss_mask: str = "auto"):
+                 mask_first_label: bool = True, seed: int = 0, loss_mask: str = "auto",
+                 group_key: str | None = None):
+        if group_key is not None and not isinstance(group_key, str):
+            raise TypeError(f"group_key must be the name of an example's key, got {group_key!r}")
+        self.group_key = group_key
         self.window = check_window(window)
         self.strategy, self.overflow = check_strategy(strategy), check_overflow(overflow)
         self.seed = _int_at_least(seed, "seed", 0)
@@ -375,14 +382,15 @@ class FixedWindowCollator:
     def __call__(self, examples) -> PackedBatch:
         input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
                                                 loss_mask=self.loss_mask, warned=self._warned)
-        if self.overflow == "error" and int(lengths.max()) > self.window:
+        groups = None if self.group_key is None else _group_ids(examples, self.group_key)
+        if self.overflow == "error" and int(lengths.max()) > self.window and groups is None:
             rows = _rows_of(examples)
             if rows is None:
                 raise overflow_error(lengths, self.window)
             i = int(np.argmax(lengths > self.window))  # named by its dataset row
             raise overflow_error(lengths[i: i + 1], self.window, first=int(rows[i]))
         plan = pack(lengths, window=self.window, strategy=self.strategy, overflow=self.overflow,
-                    seed=self.seed)
+                    seed=self.seed, groups=groups)
         self.cut_tokens += plan.cut_tokens
         if plan.num_windows == 0:
             raise ValueError(f"overflow='drop' dropped all {lengths.size} examples of this batch (each longer "
@@ -444,6 +452,23 @@ class PackedRowsCollator:
     def __repr__(self) -> str:
         return (f"PackedRowsCollator(window={self.window}, num_windows={self.num_windows}, "
                 f"static_shape={self.static_shape}, loss_mask={self.loss_mask!r})")
+
+
+def _group_ids(examples, key: str) -> np.ndarray:
+    """The group id of every example (``examples[i][key]``, a scalar), or an error naming the example.
+    ``_group_ids([{"g": 3}, {"g": 3}], "g") -> [3, 3]``."""
+    where = _rows_of(examples)
+    out = []
+    for i, ex in enumerate(examples):
+        value = ex.get(key) if hasattr(ex, "get") else None
+        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a 0-d tensor or numpy scalar
+            value = value.item()
+        if value is None or isinstance(value, (bool, float)) or not isinstance(value, (numbers.Integral, str)):
+            raise ValueError(f"{location(i, where)} has no group id under {key!r} (got {value!r}): every example "
+                             f"needs one (an int or a string) with group_key={key!r} (transformers.Trainer drops "
+                             "columns its model does not name unless remove_unused_columns=False)")
+        out.append(value)
+    return np.asarray(out)
 
 
 def _rows_of(examples):

@@ -720,17 +720,24 @@ class PackedBatchSampler(_BatchSampler):
         overflow: examples longer than ``W``: ``"error"`` (default), ``"truncate"`` (collate with the
             same policy) or ``"drop"`` (counted in ``epoch_stats().dropped``). ``"split"`` is not
             offered: a batch sampler yields whole examples, so split long examples offline.
+        groups, group_sizes: atoms that stay in one window, so on one rank and in one step (a
+            preference pair, a prompt's completions): a group id per example, or consecutive group
+            sizes (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups).
+            A batch lists a group's examples adjacent; collate with
+            ``FixedWindowCollator(..., group_key=...)`` so the collator keeps them together too.
     """
 
     def __init__(self, lengths=None, *, window: int, windows_per_batch: int = 1, strategy: str = "bfd",
                  overflow: str = "error", seed: int = 0, rank: int | None = None,
                  world_size: int | None = None, drop_last: bool = False, balance: str | None = None,
-                 shuffle: bool = True, dataset=None, key: str = "input_ids"):
+                 shuffle: bool = True, dataset=None, key: str = "input_ids", groups=None, group_sizes=None):
         self.window = check_window(window)
         self.windows_per_batch = _positive_int(windows_per_batch, "windows_per_batch")
+        self._groups = {"groups": groups, "group_sizes": group_sizes}
+        grouped = groups is not None or group_sizes is not None
         if strategy not in ("bfd", "ffd", "shuffle_ff"):
             raise ValueError(f"strategy must be 'bfd', 'ffd' or 'shuffle_ff', got {strategy!r}")
-        if overflow not in ("error", "truncate", "drop"):
+        if overflow not in ("error", "truncate", "drop") and not (overflow == "split" and grouped):
             hint = (": a batch sampler yields whole examples; split long examples offline "
                     "(packkit pack) or use 'truncate'") if overflow == "split" else ""
             raise ValueError(f"overflow must be 'error', 'truncate' or 'drop', got {overflow!r}{hint}")
@@ -740,16 +747,18 @@ class PackedBatchSampler(_BatchSampler):
                          drop_last=drop_last, balance=balance, shuffle=shuffle)
 
     def _config(self):
+        groups = {k: hashlib.sha1(np.asarray(v).tobytes()).hexdigest() for k, v in self._groups.items()
+                  if v is not None}
         return {"window": self.window, "windows_per_batch": self.windows_per_batch,
-                "strategy": self.strategy, "overflow": self.overflow, **super()._config()}
+                "strategy": self.strategy, "overflow": self.overflow, **groups, **super()._config()}
 
     def _plan(self, rng) -> Plan:
         if self.strategy == "shuffle_ff":  # a new random order each epoch
             return pack(self.lengths, window=self.window, strategy="shuffle_ff", overflow=self.overflow,
-                        seed=int(rng.integers(1 << 62)))
+                        seed=int(rng.integers(1 << 62)), **self._groups)
         if self._plan_cache is None:  # best/first fit decreasing do not depend on the seed: plan once
             self._plan_cache = pack(self.lengths, window=self.window, strategy=self.strategy,
-                                    overflow=self.overflow)
+                                    overflow=self.overflow, **self._groups)
         return self._plan_cache
 
     def plan(self) -> Plan:
