@@ -110,6 +110,20 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
 
 
 
+def row_destinations(loads, width: int) -> np.ndarray:
+    """Where every real token lands in a row-major flattened ``[R, width]`` batch whose row ``r`` holds
+    ``loads[r]`` tokens from its start (the rest of the row is padding): ``(sum(loads),)`` int64.
+
+    ``row_destinations([2, 1], 3) -> [0, 1, 3]``. The one home of the rows' layout: :func:`rows_batch`
+    puts tokens there, :mod:`packkit.model_inputs` the per-token inputs that travel with them.
+    """
+    loads = np.asarray(loads, dtype=np.int64)
+    start = lengths_to_offsets(loads)
+    dest = np.repeat(np.arange(loads.size, dtype=np.int64) * width - start[:-1], loads)
+    dest += np.arange(int(start[-1]), dtype=np.int64)
+    return dest
+
+
 def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows: int | None = None,
                pad_token_id: int = 0, mask_first_label: bool = True, static_shape: bool = False,
                max_segments: int | None = None, attention_mask: bool = False) -> PackedBatch:
@@ -144,9 +158,7 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
     cu, position_ids = _segment_fields(all_lengths)
     # where every real token lands in the flattened [B, W] batch
     total = int(csum[-1])
-    row_start = csum[seg_ptr[:-1]]
-    dest = np.repeat(np.arange(num_content, dtype=np.int64) * width - row_start, loads)
-    dest += np.arange(total, dtype=np.int64)
+    dest = row_destinations(loads, width)
     out_ids = np.full(num_rows * width, pad_token_id, np.int64)
     out_ids[dest] = input_ids
     out_labels = np.full(num_rows * width, IGNORE_INDEX, np.int64)
@@ -380,6 +392,12 @@ class FixedWindowCollator:
         self.cut_tokens = 0
 
     def __call__(self, examples) -> PackedBatch:
+        return self._pack(examples)[0]
+
+    def _pack(self, examples):
+        """``(batch, plan)``: the batch and the :class:`~packkit.binpack.Plan` that laid it out (which
+        example's tokens went to which window, in order), for :mod:`packkit.model_inputs`, which lays out
+        the inputs that travel with the tokens (positions, images) the same way."""
         input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
                                                 loss_mask=self.loss_mask, warned=self._warned)
         groups = None if self.group_key is None else _group_ids(examples, self.group_key)
@@ -396,10 +414,11 @@ class FixedWindowCollator:
             raise ValueError(f"overflow='drop' dropped all {lengths.size} examples of this batch (each longer "
                              f"than window={self.window}); raise window or use overflow='split'")
         index, _ = gather_index(plan, lengths_to_offsets(lengths))
-        return rows_batch(input_ids[index], labels[index], plan.seg_length, plan.window_ptr,
-                          width=self.window, num_rows=self.num_windows, pad_token_id=self.pad_token_id,
-                          mask_first_label=self.mask_first_label, static_shape=self.static_shape,
-                          max_segments=self.max_segments)
+        batch = rows_batch(input_ids[index], labels[index], plan.seg_length, plan.window_ptr,
+                           width=self.window, num_rows=self.num_windows, pad_token_id=self.pad_token_id,
+                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
+                           max_segments=self.max_segments)
+        return batch, plan
 
     def __repr__(self) -> str:
         return (f"FixedWindowCollator(window={self.window}, strategy={self.strategy!r}, "
