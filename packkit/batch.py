@@ -97,7 +97,8 @@ class PackedBatch(dict):
         input_ids:       int64 ``[B, W]`` (fixed windows) or ``[1, T]`` (padding-free)
         labels:          int64, same shape; ``-100`` on padding, masked prompt tokens and the first
                          token of every document
-        position_ids:    int64, same shape; ``0..len-1`` in every segment (a padding tail included)
+        position_ids:    int64, same shape; ``0..len-1`` in every segment (a padding tail included);
+                         ``[4, B, L]`` for mRoPE models, row 0 these (:mod:`packkit.model_inputs`)
         cu_seqlens:      int32 ``[S + 1]``, segment offsets over the row-major flattened batch;
                          with a static shape, padded by repeating the last offset (zero-length segments)
         max_seqlen:      Python int, the longest segment (``W`` with a static shape)
@@ -351,7 +352,8 @@ class PackedBatch(dict):
         """int32 ``[S + 1]`` segment offsets (kept when ``cu_seq_lens_q`` is removed from the view)."""
         cu = self.__dict__["_cu"]
         if cu is None:  # a padded view rebuilt by hand: segments start where positions restart
-            flat = self["position_ids"].reshape(-1)
+            flat = self["position_ids"]
+            flat = (flat[0] if flat.dim() == 3 else flat).reshape(-1)  # mRoPE [4, B, L]: row 0 is the text
             starts = torch.nonzero(flat == 0).reshape(-1)
             end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
             cu = self.__dict__["_cu"] = torch.cat([starts, end]).to(torch.int32)

@@ -1,0 +1,246 @@
+"""What some model families read beyond the Hugging Face packed view, laid out by the collators.
+
+=============================  ==================================================================================
+collator                       for
+=============================  ==================================================================================
+``VisionLanguageCollator``     vision-language models with mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
+                               ``position_ids`` ``[4, B, L]``, and the images and videos of the batch's
+                               documents (``pixel_values``, ``image_grid_thw``, ...) in document order
+``HybridCollator``             hybrid linear-attention and state-space models (Qwen3-Next and Qwen3.5's
+                               GatedDeltaNet, Bamba, FalconH1, GraniteMoeHybrid, NemotronH, LFM2): ``seq_idx``
+=============================  ==================================================================================
+
+Both wrap a packkit collator and add to its batch; the two compose (Qwen3.5 is both).
+
+**mRoPE.** These models rotate by three position ids per token (temporal, height, width: text tokens
+advance all three by one, an image's tokens take its grid), computed per sequence by the model's
+``get_rope_index``. Packed, they read ``position_ids`` of shape ``[4, B, L]``: row 0 the text positions,
+reset to 0 at every document, from which the model finds the documents (the same rule as for text
+models); rows 1-3 the three mRoPE rows of each document, as its own ``get_rope_index`` gives them. Checked
+against transformers 5.24: Qwen2-VL and Qwen2.5-VL read a 2-D ``position_ids`` (what the collators give a
+text model) as the three rows *without* a text row, and then build their attention mask without the
+documents, so that with sdpa or eager attention every token attends across documents, silently
+(axolotl PR #3817 met this); Qwen3-VL and Qwen3.5 take row 0 from 2-D ids but rotate the images' tokens as
+text. A window of two documents (``a``: text, an image of 2x2 merged patches, text; ``b``: text) and a
+padding tail::
+
+    input_ids        a0  <vs> <im> <im> <im> <im> <ve>  a1 | b0  b1 | pad pad
+    position_ids[0]   0    1    2    3    4    5    6    7 |  0   1 |  0   1    text: reset per document
+    position_ids[1]   0    1    2    2    2    2    4    5 |  0   1 |  0   1    temporal
+    position_ids[2]   0    1    2    2    3    3    4    5 |  0   1 |  0   1    height
+    position_ids[3]   0    1    2    3    2    3    4    5 |  0   1 |  0   1    width
+
+Padding extends every row (a padding tail is a segment of its own, positions from 0), and
+``cu_seqlens`` / ``cu_seq_lens_q`` are the text collator's own, one entry per segment (transformers PR
+#47342 fixed ``cu_seqlens`` built three times too long from 3-D positions).
+
+**Hybrid models.** Their linear-attention (GatedDeltaNet) or Mamba-2 layers carry a state along the
+sequence, which attention masks do not reach: the kernels reset it where ``seq_idx`` changes (causal
+conv1d, Mamba-2 scans) or at ``cu_seqlens`` (flash-linear-attention, read from ``cu_seq_lens_q``).
+Checked against transformers 5.24 on tiny models: without ``seq_idx`` in the batch, Bamba, FalconH1,
+GraniteMoeHybrid, NemotronH and LFM2 mix documents silently through those layers, kernels installed or
+not; with it, they keep documents apart where the kernels (``causal-conv1d``, ``mamba-ssm``,
+``flash-linear-attention``) are installed, and their PyTorch fallbacks refuse with a ``ValueError`` naming
+the package (on CPU, say). Jamba's Mamba-1 layers take no ``seq_idx``: pack its data with
+:class:`~packkit.collate.PaddedCollator`. flash-linear-attention takes ``cu_seqlens`` for a ``[1, T]``
+batch only: use :class:`~packkit.collate.PaddingFreeCollator` for GatedDeltaNet models.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+
+import numpy as np
+import torch
+
+from .batch import PackedBatch
+from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
+from .examples import location
+from .packer import gather_index
+from .segments import lengths_to_offsets
+
+__all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "VISION_KEYS"]
+
+#: Per-document vision inputs, concatenated along dim 0 in the order the documents take in the batch
+#: (the model scatters image features into the image tokens in that order, and the vision tower isolates
+#: images by their grid): patches ``(num_patches, C * T * P * P)``, grids ``(num_images, 3)`` (t, h, w),
+#: and Qwen2.5-VL's seconds per video grid ``(num_videos,)``.
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+_GRIDS = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
+_ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def mrope_position_ids(text_positions, positions, index, dest) -> np.ndarray:
+    """The ``[4, B, W]`` int64 position ids of a packed batch for an mRoPE model.
+
+    Args:
+        text_positions: ``(B, W)`` int, the collator's positions (reset per segment, padding tails too):
+            row 0, and every row on padding.
+        positions: ``(3, N)`` int, every example's temporal/height/width positions, example after example.
+        index: ``(T,)`` int, the column of ``positions`` of every real token of the batch, in batch order.
+        dest: ``(T,)`` int, where each of those tokens is in the flattened ``(B * W,)`` batch.
+
+    ``mrope_position_ids([[0, 1, 0, 0]], [[0, 7, 7], [0, 7, 8], [0, 8, 7]], [0, 1, 2], [0, 1, 2])`` ->
+    ``[[[0, 1, 0, 0]], [[0, 7, 7, 0]], [[0, 7, 8, 0]], [[0, 8, 7, 0]]]`` (the last token a padding tail).
+    """
+    text = np.asarray(text_positions, dtype=np.int64)
+    out = np.broadcast_to(text.reshape(1, -1), (4, text.size)).copy()
+    out[1:, np.asarray(dest, dtype=np.int64)] = np.asarray(positions, dtype=np.int64)[:, np.asarray(index, np.int64)]
+    return out.reshape(4, *text.shape)
+
+
+def _as_array(value, dtype=None) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value) if dtype is None else np.asarray(value, dtype=dtype)
+
+
+def _has_vision(ex) -> bool:
+    return any(ex.get(key) is not None for key in VISION_KEYS)
+
+
+def example_positions(ex, i: int, rope_index=None) -> np.ndarray:
+    """Example ``i``'s mRoPE positions, ``(3, n)`` int64 for its ``n`` tokens.
+
+    From its ``position_ids`` (``(3, n)``, or ``(3, 1, n)`` as ``get_rope_index`` returns for one
+    sequence); else from ``rope_index`` (the model's ``get_rope_index``) when it carries images or
+    videos; else, text only, ``0..n-1`` on all three rows. ``example_positions({"input_ids": [5, 6]}, 0)``
+    -> ``[[0, 1], [0, 1], [0, 1]]``.
+    """
+    n = len(ex["input_ids"])
+    given = ex.get("position_ids")
+    if given is not None:
+        pos = _as_array(given)
+        if pos.ndim == 1 and pos.shape[0] == n and np.array_equal(pos, np.arange(n)):
+            return np.broadcast_to(pos.astype(np.int64), (3, n))  # text-only positions
+        if pos.ndim == 3 and pos.shape[1] == 1:
+            pos = pos[:, 0]
+        if pos.shape != (3, n) or pos.dtype.kind not in "iu":
+            raise ValueError(f"{location(i)} has position_ids of shape {list(pos.shape)} ({pos.dtype}) for {n} "
+                             f"input_ids; mRoPE needs integer (3, {n}) positions (temporal, height, width), as the "
+                             "model's get_rope_index gives them for this one example")
+        return pos.astype(np.int64, copy=False)
+    if not _has_vision(ex):
+        return np.broadcast_to(np.arange(n, dtype=np.int64), (3, n))
+    if rope_index is None:
+        raise ValueError(f"{location(i)} has images or videos but no 3-D position_ids; pass "
+                         "rope_index=model.model.get_rope_index, or store each example's positions from it")
+    types = ex.get("mm_token_type_ids")
+    if types is None:
+        raise ValueError(f"{location(i)} has images or videos but no 'mm_token_type_ids', which get_rope_index "
+                         "needs (the model's processor returns it); keep that column")
+    kwargs = {key: torch.as_tensor(ex[key]) for key in _ROPE_KEYS if ex.get(key) is not None}
+    pos, _ = rope_index(input_ids=torch.as_tensor(ex["input_ids"]).reshape(1, -1),
+                        mm_token_type_ids=torch.as_tensor(types).reshape(1, -1), **kwargs)
+    return _as_array(pos, np.int64).reshape(3, n)
+
+
+class VisionLanguageCollator:
+    """Wrap a packkit collator for an mRoPE vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
+    its batch, with ``position_ids`` ``[4, B, L]`` and the documents' images (module docstring).
+
+    ``VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)`` then
+    ``model(**batch)``: each document's logits are those of the document run alone.
+
+    An example is what the model's processor gives for one conversation: ``input_ids`` (with the image
+    placeholder tokens), optionally ``labels`` / a loss mask (read by the wrapped collator),
+    ``pixel_values`` and ``image_grid_thw`` (and ``pixel_values_videos``, ``video_grid_thw``,
+    ``second_per_grid_ts``), and its mRoPE positions: ``position_ids`` ``(3, n)`` from
+    ``get_rope_index``, or ``mm_token_type_ids`` with ``rope_index=`` to compute them here (once per
+    example with images; text-only examples need neither). Vision inputs are concatenated along dim 0 in
+    the order the documents take in the batch (:data:`VISION_KEYS`); keys no document carries are left out.
+
+    Args:
+        collator: a :class:`~packkit.collate.PaddingFreeCollator`, :class:`~packkit.collate.FixedWindowCollator`
+            (``overflow="error"`` or ``"drop"``: a split or cut document would lose image tokens, or
+            order them apart from their features) or :class:`~packkit.collate.PaddedCollator`.
+        rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``), called as
+            ``rope_index(input_ids=(1, n), mm_token_type_ids=(1, n), image_grid_thw=..., ...)`` for
+            examples with images and without ``position_ids``. In DataLoader workers started by
+            ``spawn`` it pickles the model: store the positions in the dataset instead.
+    """
+
+    def __init__(self, collator, *, rope_index=None):
+        if isinstance(collator, PackedRowsCollator):
+            raise TypeError("VisionLanguageCollator packs examples itself: rows packed offline carry no per-document "
+                            "mRoPE positions or images; wrap PaddingFreeCollator or FixedWindowCollator instead")
+        if not isinstance(collator, (PaddingFreeCollator, FixedWindowCollator, PaddedCollator)):
+            raise TypeError(f"VisionLanguageCollator wraps PaddingFreeCollator, FixedWindowCollator or PaddedCollator, "
+                            f"got {type(collator).__name__}")
+        if isinstance(collator, FixedWindowCollator) and collator.overflow in ("split", "truncate"):
+            raise ValueError(f"FixedWindowCollator(overflow={collator.overflow!r}) would cut documents and their image "
+                             "tokens apart from their features; use overflow='error' or 'drop', or raise window")
+        if rope_index is not None and not callable(rope_index):
+            raise TypeError(f"rope_index must be the model's get_rope_index (a callable), got {rope_index!r}")
+        self.collator, self.rope_index = collator, rope_index
+
+    def __call__(self, examples) -> PackedBatch:
+        if not isinstance(examples, collections.abc.Sequence) or isinstance(examples, collections.abc.Mapping):
+            raise TypeError(f"VisionLanguageCollator takes a list of examples (dicts), got {type(examples).__name__}")
+        examples = list(examples)
+        batch, index, dest, order = self._layout(examples)
+        positions = [example_positions(ex, i, self.rope_index) for i, ex in enumerate(examples)]
+        batch["position_ids"] = torch.from_numpy(
+            mrope_position_ids(batch["position_ids"].numpy(), np.concatenate(positions, axis=1), index, dest))
+        for key, value in _vision_inputs(examples, order).items():
+            batch[key] = value
+        return batch
+
+    def _layout(self, examples):
+        """``(batch, index, dest, order)``: the wrapped collator's batch, the flat source token
+        (examples back to back) and flat destination of each of its real tokens, and the examples in
+        the order the batch holds them."""
+        c = self.collator
+        if isinstance(c, FixedWindowCollator):
+            batch, plan = c._pack(examples)
+            index, _ = gather_index(plan, lengths_to_offsets(plan.lengths))
+            return batch, index, row_destinations(plan.window_loads, c.window), plan.seg_example
+        batch = c(examples)
+        lengths = [len(ex["input_ids"]) for ex in examples]
+        index = np.arange(sum(lengths), dtype=np.int64)
+        dest = index if isinstance(c, PaddingFreeCollator) else row_destinations(lengths, batch.shape[1])
+        return batch, index, dest, range(len(examples))
+
+    def __repr__(self) -> str:
+        return f"VisionLanguageCollator({self.collator!r}, rope_index={self.rope_index!r})"
+
+
+def _vision_inputs(examples, order) -> dict:
+    """The vision inputs of the documents, in ``order``: ``{key: tensor}`` for every key of
+    :data:`VISION_KEYS` some document carries; an image without its grid is an error naming it."""
+    out = {}
+    for key in VISION_KEYS:
+        parts = [torch.as_tensor(examples[i][key]) for i in order if examples[i].get(key) is not None]
+        if parts:
+            out[key] = torch.cat(parts)
+    for pixels, grid in _GRIDS.items():
+        for i in order:
+            ex = examples[i]
+            if (ex.get(pixels) is None) != (ex.get(grid) is None):
+                have, lack = (pixels, grid) if ex.get(pixels) is not None else (grid, pixels)
+                raise ValueError(f"{location(i)} has {have!r} but no {lack!r}; keep both columns the processor "
+                                 "returned")
+    return out
+
+
+class HybridCollator:
+    """Wrap a packkit collator for a hybrid linear-attention or state-space model: its batch, with
+    ``seq_idx`` (int32, the shape of ``input_ids``: the segment of every token) beside ``cu_seq_lens_q``
+    in the dict, where transformers hands both to the layers' kernels (module docstring).
+
+    ``HybridCollator(PaddingFreeCollator())(examples)["seq_idx"]`` -> ``[[0, 0, 0, 1, 1]]`` for
+    examples of 3 and 2 tokens. Wraps any packkit collator, :class:`VisionLanguageCollator` included.
+    """
+
+    def __init__(self, collator):
+        if not callable(collator):
+            raise TypeError(f"HybridCollator wraps a collator (a callable), got {collator!r}")
+        self.collator = collator
+
+    def __call__(self, examples) -> PackedBatch:
+        batch = self.collator(examples)
+        batch["seq_idx"] = batch.seq_idx
+        return batch
+
+    def __repr__(self) -> str:
+        return f"HybridCollator({self.collator!r})"
