@@ -44,7 +44,7 @@ def make_dataset(rows: int, *, seed: int = 0, window: int = 4096):
     import datasets
     import pyarrow as pa
 
-    from packkit.io import list_array
+    from packkit.arrow import list_array
     from packkit.segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx
 
     lengths = sft_like_lengths(rows, seed=seed, high=window)

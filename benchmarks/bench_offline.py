@@ -12,7 +12,7 @@ Providers, measured in the same run on the same Dataset:
   1,000 examples on its own, so every chunk leaves a part-filled tail window.
 * ``trl bfd (whole dataset)``: the same with ``map_kwargs={"batch_size": len(ds)}``: one plan over the
   whole dataset.
-* ``packkit bfd (truncate)``: ``packkit.hf.pack_dataset(ds, window=W, overflow="truncate")``, the
+* ``packkit bfd (truncate)``: ``packkit.offline.pack_dataset(ds, window=W, overflow="truncate")``, the
   policy TRL's ``bfd`` applies (TRL truncates over-long examples and says nothing; packkit counts the
   cut tokens). Rows are shuffled (seeded), as packkit does by default.
 * ``packkit bfd (split)``: ``overflow="split"``: no token lost.
@@ -68,7 +68,7 @@ def make_dataset(lengths: np.ndarray, *, seed: int = 0, vocab: int = 32000):
     import pyarrow as pa
     from datasets.fingerprint import generate_random_fingerprint
 
-    from packkit.io import list_array
+    from packkit.arrow import list_array
     from packkit.segments import lengths_to_offsets
 
     rng = np.random.default_rng(seed)
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     from trl.data_utils import pack_dataset as trl_pack
 
     import packkit
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     datasets.disable_progress_bars()
     W = args.window

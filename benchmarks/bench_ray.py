@@ -6,7 +6,7 @@ lost). Labels are left out unless ``--labels`` (they double the memory).
 
 Providers, each timed from tokens in memory to packed Arrow rows (input_ids, [labels], seq_lengths):
 
-* ``single``: one process: ``packkit.hf.pack_dataset`` on a ``datasets.Dataset`` of the same Arrow
+* ``single``: one process: ``packkit.offline.pack_dataset`` on a ``datasets.Dataset`` of the same Arrow
   table when that module exists, else what it does: ``binpack.pack`` over all lengths +
   ``packer.pack_arrays`` + the Arrow row table. The table says which ran.
 * ``ray local`` / ``ray global``: ``packkit.raydata.pack_dataset`` on a local Ray instance with
@@ -67,11 +67,11 @@ def single_process(table, window, labels: bool):
 
 
 def hf_single_process(table, window):
-    """packkit.hf.pack_dataset on a datasets.Dataset holding the same Arrow table."""
+    """packkit.offline.pack_dataset on a datasets.Dataset holding the same Arrow table."""
     import datasets
     from datasets.table import InMemoryTable
 
-    from packkit import hf
+    from packkit import offline as hf
 
     import inspect
 
@@ -129,11 +129,11 @@ def main(argv=None):
     results = []
 
     # -- single process --
-    has_hf = importlib.util.find_spec("packkit.hf") is not None
+    has_hf = importlib.util.find_spec("packkit.offline") is not None
     if has_hf:
-        from packkit import hf
+        from packkit import offline as hf
         has_hf = hasattr(hf, "pack_dataset")
-    name = "single: packkit.hf.pack_dataset" if has_hf else "single: binpack.pack + pack_arrays"
+    name = "single: packkit.offline.pack_dataset" if has_hf else "single: binpack.pack + pack_arrays"
     fn = (lambda: hf_single_process(table, W)) if has_hf else (lambda: single_process(table, W, args.labels))
     t, (_, windows, _) = best_of(fn, args.repeat)
     results.append({"provider": name, "seconds": t, "windows": windows, "over_lb": windows - lb})

@@ -53,8 +53,6 @@ __all__ = [
     "find_max_micro_batch",
     "is_out_of_memory",
     "synthetic_sft_lengths",
-    "read_lengths_and_loss",
-    "loss_lengths_of_table",
 ]
 
 
@@ -548,38 +546,3 @@ def find_max_micro_batch(step, *, high: int, low: int = 1, multiple_of: int = 1)
             "longest example, enable gradient checkpointing, or use a smaller model/precision"
         )
     return MicroBatchSearch(batch_size=fit * multiple_of, attempts=len(trials), trials=tuple(trials))
-
-
-# ----------------------------------------------------------------------------------------------
-# packkit plan
-# ----------------------------------------------------------------------------------------------
-
-
-def read_lengths_and_loss(path, *, column: str = "input_ids", text_column: str = "text",
-                          tokenizer="bytes", split: str | None = None, chat: dict | None = None,
-                          progress: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """``(lengths (n,) int64, loss_lengths (n,) int64 or None)`` of a file ``packkit waste`` also reads.
-
-    Both come from :func:`packkit.io.read_lengths` (``.npy``, JSON lines or a JSON list, Parquet,
-    Arrow, ``.txt`` as one text example per line, a ``save_to_disk`` folder; conversational data
-    through a chat template, ``chat`` holding :func:`packkit.chat.tokenize_chat`'s options): the loss
-    lengths from the table's ``labels`` and/or ``completion_mask``/``assistant_masks`` columns
-    (:func:`loss_lengths_of_table`), or None when it has neither.
-    """
-    from . import io
-
-    data = io.read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
-                           chat=chat, progress=progress)
-    return data.lengths, data.loss_lengths
-
-
-def loss_lengths_of_table(table, lengths: np.ndarray, *, column: str = "input_ids") -> np.ndarray | None:
-    """Loss tokens of every example of a pyarrow table, as a packed batch counts them, or None without
-    a ``labels`` or loss-mask column: :func:`packkit.examples.loss_lengths` (the collators' rules:
-    labels are token ids or -100, a mask 0/1, each as long as the example; errors name the dataset row).
-
-    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]`` (the first label is never a target).
-    """
-    from .examples import loss_lengths
-
-    return loss_lengths(table, lengths, key=column)

@@ -59,7 +59,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .errors import ArgumentError, DataError, arg
-from .io import list_array
+from .arrow import list_array
+from .progress import progress_bar
 from .segments import lengths_to_offsets
 
 __all__ = [
@@ -628,8 +629,6 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     """
     import pyarrow as pa
 
-    from .io import progress_bar
-
     table = _as_table(data)
     fmt = chat_format(table.schema)
     if fmt is None:
@@ -657,7 +656,7 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
 
 
 def _chunked(chunks: list, value_type):
-    """One column of the batches' list arrays (:func:`packkit.io.list_array`): ``list<value_type>``, or
+    """One column of the batches' list arrays (:func:`packkit.arrow.list_array`): ``list<value_type>``, or
     ``large_list`` when a batch needed 64-bit offsets."""
     import pyarrow as pa
 
@@ -691,7 +690,7 @@ def prepare_dataset(ds, *, tokenizer=None, columns=None, chat_template=None, ass
                     completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None):
     """``ds`` ready to pack: conversational data tokenized through the chat template, else ``ds`` itself.
 
-    The entry point :func:`packkit.hf.pack_dataset` calls (the options are :func:`tokenize_chat`'s). A
+    The entry point :func:`packkit.offline.pack_dataset` calls (the options are :func:`tokenize_chat`'s). A
     ``datasets.Dataset`` comes back as an in-memory ``Dataset`` of :func:`tokenize_chat`'s columns
     (``progress=None``: a bar from :data:`PROGRESS_EXAMPLES` examples on); an ``IterableDataset`` is
     mapped lazily, batch by batch. ``columns`` given: ``ds`` is packed as the user named it, untouched.

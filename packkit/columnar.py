@@ -189,7 +189,7 @@ def _arrow_table(data):
     if hasattr(data, "with_format") and hasattr(data, "column_names"):  # a datasets.Dataset
         if not hasattr(data, "__len__"):
             raise TypeError("ColumnarDataset needs a map-style datasets.Dataset, not an IterableDataset; "
-                            "pack it with packkit.hf.pack_dataset or feed the stream to a collator directly")
+                            "pack it with packkit.offline.pack_dataset or feed the stream to a collator directly")
         return data.with_format("arrow")[:]
     import pyarrow as pa
 

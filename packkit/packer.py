@@ -680,7 +680,7 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
 
     Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->
     ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays). Fill against
-    ``buffer_size`` is tabled in :mod:`packkit.hf`.
+    ``buffer_size`` is tabled in :mod:`packkit.offline`.
     """
     return PackedStream(examples, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
                         mask_first_label=mask_first_label, example_ids=example_ids)

@@ -52,10 +52,11 @@ import numpy as np
 
 from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
                       pack)
+from .arrow import list_array
 from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, list_chunks, relocate, table_labels,
                        token_lengths)
-from .io import list_array
-from .packer import PackedColumns, gather_segments, label_dtype, log_overflow, pack_columns
+from .offline import packed_batch, packed_schema
+from .packer import gather_segments, label_dtype, log_overflow, pack_columns
 from .segments import lengths_to_offsets
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
@@ -204,10 +205,8 @@ def _segments_table(values, labels, offsets):
 
 def _rows_table(rows, has_labels: bool, value_type, label_type=None):
     """:class:`PackedColumns` -> the offline row format (input_ids, labels?, seq_lengths), one row a
-    window: :func:`packkit.hf.packed_schema` / :func:`packkit.hf.packed_batch`, as on one machine."""
+    window: :func:`packkit.offline.packed_schema` / :func:`packkit.offline.packed_batch`, as on one machine."""
     import pyarrow as pa
-
-    from .hf import packed_batch, packed_schema
 
     columns = [("input_ids", value_type)] + ([("labels", label_type or value_type)] if has_labels else [])
     return pa.Table.from_batches([packed_batch(rows, packed_schema(columns))])
@@ -449,7 +448,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
 
     Returns:
         A ``ray.data.Dataset`` of rows ``input_ids``, ``labels`` (when the input has them),
-        ``seq_lengths``: the columns and types of :func:`packkit.hf.pack_dataset`. The work runs when
+        ``seq_lengths``: the columns and types of :func:`packkit.offline.pack_dataset`. The work runs when
         this is called; the packed blocks are then in Ray's object store (``.write_parquet(path)``).
 
     Raises:

@@ -33,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .arrow import pyarrow
+from .datafiles import parquet_batches, parquet_schema
+from .examples import list_chunks
 from .fileio import TMP_MARK
 from .packer import FlatColumn
 
@@ -40,12 +43,6 @@ __all__ = ["ArrowSource", "Scan", "scan", "prefetch", "DEFAULT_BATCH_ROWS"]
 
 #: Rows per record batch read from a ``datasets.Dataset`` or a parquet file (bounds a staged batch).
 DEFAULT_BATCH_ROWS = 4096
-
-
-def _pa():
-    import pyarrow
-
-    return pyarrow
 
 
 def _root(buf):
@@ -93,11 +90,9 @@ class ArrowSource:
 
     @classmethod
     def from_parquet(cls, path, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":
-        """A parquet file, decoded ``batch_rows`` rows at a time (:func:`packkit.io.parquet_batches`)
+        """A parquet file, decoded ``batch_rows`` rows at a time (:func:`packkit.datafiles.parquet_batches`)
         on a thread, a few batches ahead of the scan (decoding overlaps staging); every batch is a
         fresh copy, so all of it is staged to a memory-mapped file."""
-        from .io import parquet_batches, parquet_schema
-
         path = Path(path)
 
         def batches(columns):
@@ -248,11 +243,9 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
             or None, ``row`` the dataset row of its first example); it raises on bad values.
         progress: a bar advanced by rows scanned, or None.
     """
-    pa = _pa()
+    pa = pyarrow()
     import pyarrow.compute as pc
     import pyarrow.ipc as ipc
-
-    from .examples import list_chunks
 
     columns = list(columns)
     kinds = dict(kinds or {}) or {c: "ids" if i == 0 else "other" for i, c in enumerate(columns)}
@@ -353,14 +346,14 @@ def _fill_nulls(col: FlatColumn, null: np.ndarray, tokens: FlatColumn, lengths: 
 
 
 def _list_value_type(t, name: str):
-    pa = _pa()
+    pa = pyarrow()
     if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
         raise TypeError(f"column {name!r} holds {t}, not lists of token ids: it cannot be packed")
     return t.value_type
 
 
 def _numpy_type(vtype):
-    pa = _pa()
+    pa = pyarrow()
     if vtype is None or pa.types.is_boolean(vtype):
         return np.uint8 if vtype is not None else np.int64
     return vtype.to_pandas_dtype()
@@ -388,7 +381,7 @@ def _locate(regions: dict, name: str, arr) -> tuple[np.ndarray, np.ndarray]:
 
 def _open_stage(source: ArrowSource, columns, types):
     """A temporary Arrow stream file beside the output, for batches that are not views."""
-    pa = _pa()
+    pa = pyarrow()
     import pyarrow.ipc as ipc
 
     folder = Path(source.stage_dir) if source.stage_dir is not None else Path(tempfile.gettempdir())
@@ -401,7 +394,7 @@ def _open_stage(source: ArrowSource, columns, types):
 
 def _stageable(batch, columns, types, pc):
     """The batch with boolean lists as uint8 lists (numpy cannot view Arrow's packed bits)."""
-    pa = _pa()
+    pa = pyarrow()
     arrays = []
     for c in columns:
         arr = batch.column(c)

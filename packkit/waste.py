@@ -46,6 +46,9 @@ from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 from .segments import lengths_to_offsets
 from .errors import DataError, arg
+from .fileio import atomic_output, check_output
+from .progress import progress_bar
+from .sampler import LengthGroupedSampler
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
            "plot_waste"]
@@ -214,8 +217,6 @@ def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_p
 
 def length_grouped_batches(lengths: np.ndarray, batch_size: int, seed: int) -> list[np.ndarray]:
     """Batches of similar lengths, as ``packkit.sampler.LengthGroupedSampler`` forms them for one epoch."""
-    from .sampler import LengthGroupedSampler
-
     sampler = LengthGroupedSampler(lengths, batch_size=batch_size, seed=seed, rank=0, world_size=1)
     return [np.asarray(b, np.int64) for b in sampler]
 
@@ -281,8 +282,6 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
                         fix=arg("overflow", "split", "truncate"))
     if progress is None:
         progress = L.size >= PROGRESS_EXAMPLES
-    from .io import progress_bar
-
     results = []
     steps_padded = math.ceil(L.size / batch_size)
     with progress_bar(total=len(strategies), unit="strategy", enabled=progress, desc="waste") as bar:
@@ -364,8 +363,6 @@ def plot_waste(report: WasteReport, path, *, overwrite: bool = False) -> None:
     Written beside ``path`` and renamed into place when complete (:func:`packkit.fileio.atomic_output`);
     an existing ``path`` is replaced only with ``overwrite=True``.
     """
-    from .fileio import atomic_output, check_output
-
     check_output(path, overwrite=overwrite)
     import matplotlib
 

@@ -20,13 +20,13 @@ from packkit.budget import (
     effective_batch_size,
     find_max_micro_batch,
     is_out_of_memory,
-    loss_lengths_of_table,
     plan_budget,
-    read_lengths_and_loss,
     segment_loss_tokens,
     step_sums,
     synthetic_sft_lengths,
 )
+from packkit.datafiles import read_lengths
+from packkit.examples import loss_lengths
 from packkit.packer import pack_arrays
 
 IGNORE = -100
@@ -306,7 +306,7 @@ def run_cli(capsys, *argv):
 
 
 def test_cli_inputs_agree(tmp_path, capsys):
-    """Review 8: ``packkit plan`` reads every format ``packkit waste`` reads (through packkit.io), and
+    """Review 8: ``packkit plan`` reads every format ``packkit waste`` reads (through packkit.datafiles), and
     the loss tokens agree whichever way the file carries them (labels, a JSON list, Parquet, Arrow,
     save_to_disk, a completion mask)."""
     import datasets
@@ -352,13 +352,11 @@ def test_cli_errors_are_one_line(capsys, argv, code, message):
 
 
 def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
-    """Review 8: budget read a .txt as one length per line while packkit.io (packkit waste) reads one
+    """Review 8: budget read a .txt as one length per line while packkit.datafiles (packkit waste) reads one
     text example per line, so the two commands disagreed on the same file. Both read text now."""
-    from packkit import io
-
     (tmp_path / "t.txt").write_text("12\n7\nhello world\n")
-    assert read_lengths_and_loss(str(tmp_path / "t.txt"))[0].tolist() == [2, 1, 11]
-    assert io.read_lengths(tmp_path / "t.txt").lengths.tolist() == [2, 1, 11]
+    assert read_lengths(str(tmp_path / "t.txt")).lengths.tolist() == [2, 1, 11]
+    assert read_lengths(tmp_path / "t.txt").lengths.tolist() == [2, 1, 11]
     rc, out, err = run_cli(capsys, str(tmp_path / "t.txt"), "--json")
     assert rc == 0 and json.loads(out)["num_tokens"] == 14
     (tmp_path / "e.txt").write_text("")
@@ -381,10 +379,10 @@ def test_loss_columns_are_checked(tmp_path, rows, error, match):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(error, match=match):
-        read_lengths_and_loss(str(path))
+        read_lengths(str(path))
 
 
-def test_loss_lengths_of_table_matches_a_loop():
+def test_loss_lengths_matches_a_loop():
     """Loss tokens from labels and a mask together, against a per-example loop (first token never counts)."""
     import pyarrow as pa
 
@@ -396,6 +394,6 @@ def test_loss_lengths_of_table_matches_a_loop():
     table = pa.Table.from_pylist(rows)
     want = [sum(1 for t in range(1, len(r["labels"])) if r["labels"][t] != IGNORE and r["completion_mask"][t] == 1)
             for r in rows]
-    got = loss_lengths_of_table(table, np.array([len(r["input_ids"]) for r in rows]))
+    got = loss_lengths(table, np.array([len(r["input_ids"]) for r in rows]))
     assert got.tolist() == want
-    assert loss_lengths_of_table(pa.table({"input_ids": [[1, 2]]}), np.array([2])) is None
+    assert loss_lengths(pa.table({"input_ids": [[1, 2]]}), np.array([2])) is None

@@ -24,11 +24,11 @@ datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from packkit import chat  # noqa: E402
+from packkit import chat, offline  # noqa: E402
 from packkit.chat import ChatWarning, chat_format, common_prefix_lengths, mask_from, tokenize_chat  # noqa: E402
 from packkit.cli import main  # noqa: E402
 from packkit.errors import ArgumentError, DataError  # noqa: E402
-from packkit.hf import pack_dataset  # noqa: E402
+from packkit.offline import pack_dataset  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -182,9 +182,9 @@ def test_messages_give_assistant_masks(tok_dir):
 
 def test_a_batch_past_int32_offsets_is_large_list(tok_dir, monkeypatch):
     """Bug: _Encoder.encode built its list arrays with int32 offsets by hand (no large_list fallback), so a
-    batch past 2**31 - 1 tokens would wrap; it now goes through io.list_array. The limit is lowered to
+    batch past 2**31 - 1 tokens would wrap; it now goes through arrow.list_array. The limit is lowered to
     exercise the switch: the batches that pass it come back as large_list, the values the same."""
-    import packkit.io as pio
+    import packkit.arrow as pio
 
     table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS])
     ref = tokenize_chat(table, str(tok_dir), batch_size=2)
@@ -622,6 +622,7 @@ def test_pack_dataset_checks_its_arguments_before_tokenizing(tok_dir, monkeypatc
         raise AssertionError("the tokenizer was loaded before the arguments were checked")
 
     monkeypatch.setattr(chat, "load_tokenizer", no_tokenizer)
+    monkeypatch.setattr(offline, "load_tokenizer", no_tokenizer)
     ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS])
     dd = datasets.DatasetDict({"train": ds, "test": ds})
     for data in (ds, dd, ds.to_iterable_dataset()):
@@ -649,6 +650,7 @@ def test_pack_dataset_dict_loads_the_tokenizer_once(tok_dir, monkeypatch):
         return real(spec, **kwargs)
 
     monkeypatch.setattr(chat, "load_tokenizer", counting)
+    monkeypatch.setattr(offline, "load_tokenizer", counting)
     splits = {name: datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]) for name in ("a", "b", "c")}
     packed = pack_dataset(datasets.DatasetDict(splits), window=24, tokenizer=str(tok_dir), example_ids=True)
     assert loads == [str(tok_dir)]

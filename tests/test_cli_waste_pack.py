@@ -14,7 +14,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.cli import main
-from packkit.io import byte_tokenize, list_lengths, read_lengths
+from packkit.arrow import byte_tokenize, list_lengths
+from packkit.datafiles import read_lengths
 
 datasets.disable_progress_bars()
 

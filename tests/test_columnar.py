@@ -103,7 +103,7 @@ def test_columns_and_types_are_checked_once():
 
 
 def test_packed_rows_through_the_columnar_path():
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     ds = datasets.Dataset.from_list(as_dicts(chat_rows(60, mixed=False)))
     packed = pack_dataset(ds, window=64, seed=0)
@@ -262,7 +262,7 @@ def test_trainer_defaults_with_masked_data_name_the_setting(tmp_path, as_list):
 def test_packed_rows_under_trainer_defaults(tmp_path):
     """PackedRowsCollator failed under Trainer's defaults with an error that did not name the setting;
     now it names it, and the columnar path keeps seq_lengths."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     packed = pack_dataset(datasets.Dataset.from_list(as_dicts(chat_rows(40, mixed=False))), window=64, seed=0)
     with pytest.raises(ValueError, match=r"has no 'seq_lengths' or 'position_ids'.*remove_unused_columns=False"):

@@ -158,7 +158,8 @@ def test_columnar_batch_names_the_dataset_row(case):
 @pytest.mark.parametrize("case", list(BAD))
 def test_offline_packing_names_the_dataset_row(case):
     datasets = pytest.importorskip("datasets")
-    from packkit.hf import pack_dataset, pack_stream
+    from packkit.offline import pack_dataset
+    from packkit.packer import pack_stream
 
     rows, error, text, i = BAD[case]
     ds = datasets.Dataset.from_list(rows)
@@ -171,9 +172,9 @@ def test_waste_plan_and_pack_commands_refuse_what_pack_refuses(case, tmp_path, c
     """Issue 12: `packkit waste` measured float, NaN and negative ids and nested lists' outer lengths that
     `pack` rejects; `plan` counted label -7 as a loss token. Now the three refuse the same rows, in the
     same words."""
-    from packkit.budget import read_lengths_and_loss
+    from packkit.datafiles import read_lengths
     from packkit.cli import main
-    from packkit.io import read_lengths
+    from packkit.datafiles import read_lengths
 
     rows, error, text, i = BAD[case]
     path = tmp_path / "data.parquet"
@@ -182,7 +183,7 @@ def test_waste_plan_and_pack_commands_refuse_what_pack_refuses(case, tmp_path, c
     pq.write_table(pa.Table.from_pylist(rows), path)
     if case in TOKEN_RULES:
         assert_raises_naming(lambda: read_lengths(str(path)), error, text, f"dataset row {i}")
-    assert_raises_naming(lambda: read_lengths_and_loss(str(path)), error, text, f"dataset row {i}")
+    assert_raises_naming(lambda: read_lengths(str(path)), error, text, f"dataset row {i}")
     for argv in (["waste", str(path), "-w", "8"], ["plan", str(path), "-w", "8", "-b", "1"],
                  ["pack", str(path), str(tmp_path / "out.parquet"), "-w", "8"]):
         if argv[0] == "waste" and case not in TOKEN_RULES:
@@ -403,7 +404,7 @@ def test_list_chunks_of_sliced_chunked_columns():
 
 
 def test_jsonl_with_a_float_line_is_refused_by_waste(tmp_path):
-    from packkit.io import read_lengths
+    from packkit.datafiles import read_lengths
 
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [{"input_ids": [1, 2]}, {"input_ids": [3, 4.5]}]))

@@ -103,7 +103,7 @@ def test_pack_dataset_under_a_memory_limit_below_its_token_data(tmp_path):
     out = tmp_path / "packed.arrow"
     packed = _run_limited(f"""
         import json, datasets
-        from packkit.hf import pack_dataset
+        from packkit.offline import pack_dataset
         ds = datasets.Dataset.from_file({str(src)!r})
         got, plan = pack_dataset(ds, window=8192, example_ids=True, buffer_bytes=32 << 20, return_plan=True,
                                  cache_file_name={str(out)!r})
@@ -146,7 +146,7 @@ def _examples(n, *, seed=0, mask=False, labels=False, bool_mask=False):
 
 def _in_memory_reference(cols, **kw):
     """pack_dataset on the same rows as one in-memory table with an int mask (the plain path)."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     cols = dict(cols)
     if "completion_mask" in cols:
@@ -177,7 +177,7 @@ def test_scan_views_memory_mapped_batches_as_one_region(tmp_path):
 def test_selections_are_staged_and_removed(tmp_path, view):
     """Rows seen through an indices mapping are copies: staged to a memory-mapped file that is gone
     once the scan ends; the packed rows equal the in-memory path's."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     cols = _examples(2000, labels=True)
     datasets.Dataset.from_dict(cols).save_to_disk(str(tmp_path / "ds"))
@@ -194,7 +194,7 @@ def test_selections_are_staged_and_removed(tmp_path, view):
 
 def test_boolean_mask_is_staged_as_uint8(tmp_path):
     """Arrow packs booleans in bits (no numpy view): such a mask is staged, and becomes the same labels."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     cols = _examples(500, mask=True, bool_mask=True, labels=True)
     t = pa.table({"input_ids": cols["input_ids"], "labels": cols["labels"],
@@ -209,7 +209,7 @@ def test_boolean_mask_is_staged_as_uint8(tmp_path):
 
 def test_errors_name_the_dataset_row_across_batches(tmp_path):
     """A bad value deep in the data is named by its row in the dataset, not in its batch."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     cols = _examples(9000)
     cols["input_ids"][8765][3] = -4
@@ -227,7 +227,7 @@ def test_errors_name_the_dataset_row_across_batches(tmp_path):
 
 
 def test_on_disk_input_gives_a_cache_backed_dataset(tmp_path):
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     cols = _examples(300)
     mem = datasets.Dataset.from_dict(cols)
@@ -292,7 +292,7 @@ def test_pack_command_every_format_same_rows(inputs, tmp_path, out_name, capsys)
 
 
 def test_a_dataset_folder_rolls_shards(inputs, tmp_path):
-    from packkit.hf import plan_source
+    from packkit.offline import plan_source
     from packkit.sources import ArrowSource
     from packkit.writers import write_batches
 
@@ -330,7 +330,7 @@ def test_existing_out_is_refused_unless_overwrite(inputs, tmp_path, capsys):
 @pytest.mark.parametrize("out_name", ["o.parquet", "o.arrow", "o.jsonl", "o_folder"])
 def test_a_failure_while_writing_leaves_nothing(inputs, tmp_path, out_name, monkeypatch, capsys):
     """The rows stop half way (a full disk): one line, exit 4, no OUT, no temporary file."""
-    from packkit.hf import PackedTable
+    from packkit.offline import PackedTable
     from packkit.cli import main
 
     _, paths = inputs
@@ -354,7 +354,7 @@ def test_missing_keys_and_both_masks_per_example(tmp_path, where):
     """A null labels row reads the example's token ids, a null mask row is loss everywhere, and with
     both masks the loss is where both are 1 (packkit.examples' rules), read as views or staged alike;
     checked against labels built example by example in Python."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
     from packkit.segments import IGNORE_INDEX
 
     rng = np.random.default_rng(4)
@@ -391,7 +391,7 @@ def test_missing_keys_and_both_masks_per_example(tmp_path, where):
 def test_parquet_is_read_in_order_a_batch_at_a_time(tmp_path):
     import pyarrow.parquet as pq
 
-    import packkit.io as pio
+    import packkit.datafiles as pio
 
     t = pa.table(_examples(3000, labels=True))
     pq.write_table(t, tmp_path / "in.parquet", row_group_size=257)

@@ -290,8 +290,8 @@ def test_packed_rows_collator_reads_ray_rows(data):
 
 
 def test_global_mode_equals_hf_pack_dataset(data):
-    """Ray's global mode and the single-machine ``packkit.hf.pack_dataset`` give the same rows, in order."""
-    hf = pytest.importorskip("packkit.hf")
+    """Ray's global mode and the single-machine ``packkit.offline.pack_dataset`` give the same rows, in order."""
+    hf = pytest.importorskip("packkit.offline")
     datasets = pytest.importorskip("datasets")
     from datasets.table import InMemoryTable
 
@@ -334,9 +334,9 @@ def blocks_of(table, blocks):
 def test_loss_mask_becomes_labels(local_ray, mask_key, labels):
     """Review 1 (Ray): pack_dataset knew only label_key and dropped a completion_mask / assistant_masks
     column without a word, so the prompt tokens were trained on. Global mode must now give exactly the
-    rows of packkit.hf.pack_dataset (which follows the collators' rule), and local mode the same labels
+    rows of packkit.offline.pack_dataset (which follows the collators' rule), and local mode the same labels
     for every token (the packed token ids are unique, so each label can be checked where it lands)."""
-    hf = pytest.importorskip("packkit.hf")
+    hf = pytest.importorskip("packkit.offline")
     datasets = pytest.importorskip("datasets")
     from datasets.table import InMemoryTable
 
@@ -490,9 +490,9 @@ def test_block_errors_keep_their_type_and_text(local_ray):
 
 def test_handed_segments_past_int32_offsets_are_large_list(monkeypatch):
     """Bug: _segments_table built its list arrays with int32 offsets by hand (no large_list fallback), so a
-    block handing over more than 2**31 - 1 tokens would wrap. It now goes through io.list_array, and pass 2
+    block handing over more than 2**31 - 1 tokens would wrap. It now goes through arrow.list_array, and pass 2
     joins a large_list block's segments with the others'. The limit is lowered to exercise the switch."""
-    import packkit.io as pio
+    import packkit.arrow as pio
 
     values = np.arange(10, dtype=np.int32)
     tables = []

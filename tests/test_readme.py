@@ -81,7 +81,7 @@ def test_quickstart_sampler():
 def test_quickstart_offline_datasets(tmp_path):
     datasets = pytest.importorskip("datasets")
     from packkit.collate import PackedRowsCollator
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     ds = datasets.Dataset.from_list(dataset(50))
     packed = pack_dataset(ds, window=64, overflow="split")

@@ -11,7 +11,7 @@ itself. The sampler gives every run the same examples in the same micro-batches,
 micro-batch must agree within 1e-6 whatever the layout (one ``[1, T]`` row, ``[B, W]`` windows, padded
 rows). Packed rows hold several examples a row, so their runs are compared with TRL's padding-free path
 fed the *same rows* (its collator reads ``seq_lengths``): packkit's offline rows
-(``packkit.hf.pack_dataset``) and TRL's own bfd rows (``trl.pack_dataset``, what ``SFTConfig(packing=True)``
+(``packkit.offline.pack_dataset``) and TRL's own bfd rows (``trl.pack_dataset``, what ``SFTConfig(packing=True)``
 makes; TRL refuses a custom collator together with its own packing, so the rows are packed first).
 
 Inside every run, each batch ``compute_loss`` receives (after accelerate and ``Trainer`` rebuilt it) is
@@ -203,7 +203,7 @@ def trainer_reference(work, data):
 @pytest.fixture(scope="module")
 def packkit_rows():
     """packkit's offline rows (about 2.5 examples a row): enough for every micro-batch of the run."""
-    from packkit.hf import pack_dataset
+    from packkit.offline import pack_dataset
 
     rows = pack_dataset(examples(4 * BATCH * ACCUM * STEPS, seed=1), window=WINDOW)
     assert set(rows.column_names) == {"input_ids", "labels", "seq_lengths"} and len(rows) >= BATCH * ACCUM * STEPS

@@ -38,6 +38,7 @@ import os
 import re
 import sys
 
+from .. import __version__
 from ..errors import ArgumentError, DataError, OutputError, PackkitError
 
 SUBCOMMANDS = {
@@ -109,6 +110,21 @@ def rows_as_lines(path):
         raise located from exc
 
 
+def line_of_row(path, row: int) -> int | None:
+    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
+
+    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
+    """
+    k = -1
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                k += 1
+                if k == row:
+                    return lineno
+    return None
+
+
 def _with_line(exc: BaseException, path) -> BaseException | None:
     if path is None or not os.path.isfile(path) or os.path.splitext(str(path))[1].lower() not in (
             ".jsonl", ".ndjson", ".json"):
@@ -125,8 +141,6 @@ def _with_line(exc: BaseException, path) -> BaseException | None:
     with open(path, "rb") as f:
         if f.read(1 << 12).lstrip()[:1] == b"[":  # one JSON list, not lines
             return None
-    from ..io import line_of_row
-
     line = line_of_row(path, int(row))
     if line is None:
         return None
@@ -244,8 +258,6 @@ def _top(argv: list[str]) -> int | None:
         print(USAGE)
         return EXIT_OK
     if argv[0] in ("-V", "--version"):
-        from .. import __version__
-
         print(f"packkit {__version__}")
         return EXIT_OK
     if argv[0] not in SUBCOMMANDS:

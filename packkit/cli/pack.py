@@ -29,9 +29,12 @@ from pathlib import Path
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..errors import ArgumentError, DataError, arg
-from ..hf import DEFAULT_BUFFER_BYTES, plan_source, show_progress
+from ..datafiles import check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
-from ..writers import output_format
+from ..offline import DEFAULT_BUFFER_BYTES, plan_source, show_progress
+from ..progress import progress_bar
+from ..sources import ArrowSource
+from ..writers import ENCODING_FACTOR, output_format, write_batches
 from ._chat import add_tokenizer_arguments, chat_options
 
 FORMAT_NAMES = {"parquet": "parquet", "jsonl": "JSON lines", "arrow": "an Arrow IPC stream",
@@ -84,24 +87,21 @@ def parser() -> Parser:
 def _source(src: Path, out: Path, args, columns, quiet: bool):
     """IN as a :class:`packkit.sources.ArrowSource` (memory-mapped where the format allows), and how
     its tokens were made (None: IN holds them)."""
-    from .. import io as pio
-    from ..sources import ArrowSource
-
     stage_dir = out.parent if out.parent.is_dir() else None
     token_col = columns[0] if columns else "input_ids"
     if src.is_dir():
-        ds = pio.load_dataset(src, split=args.split)
+        ds = load_dataset(src, split=args.split)
         if len(ds) == 0:
             raise DataError(f"{str(src)!r} holds no examples")
         if token_col in ds.column_names:
             return ArrowSource.from_dataset(ds, stage_dir=stage_dir), None
         table = ds.with_format("arrow")[:]  # text or conversations to tokenize
-    elif src.suffix.lower() in (".parquet", ".pq") and token_col in pio.parquet_schema(src).names:
+    elif src.suffix.lower() in (".parquet", ".pq") and token_col in parquet_schema(src).names:
         return ArrowSource.from_parquet(src, stage_dir=stage_dir), None
     else:
-        table = pio.load_table(src)  # memory-mapped for Arrow files; parsed into memory otherwise
-    table, how = pio.tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
-                                  chat=chat_options(args), progress=not quiet, where=repr(str(src)))
+        table = load_table(src)  # memory-mapped for Arrow files; parsed into memory otherwise
+    table, how = tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
+                              chat=chat_options(args), progress=not quiet, where=repr(str(src)))
     if table.num_rows == 0:
         raise DataError(f"{str(src)!r} holds no examples")
     return ArrowSource.from_table(table, stage_dir=stage_dir, describe=repr(str(src))), how
@@ -119,9 +119,7 @@ def run(args, options=None) -> int:
     buffer_bytes = DEFAULT_BUFFER_BYTES if args.buffer_mb is None else args.buffer_mb * 2**20
     src, out = Path(args.input), Path(args.output)
     fmt = output_format(out)
-    from .. import io as pio
-
-    src = pio._check_path(src)
+    src = check_path(src)
     if src.is_file() and src.suffix.lower() == ".npy":
         raise DataError(f"{str(src)!r} holds lengths only; packing needs token ids (jsonl, parquet, arrow)")
     kind = "dir" if fmt == "folder" else "file"
@@ -129,9 +127,6 @@ def run(args, options=None) -> int:
     require("datasets", "pyarrow")
 
     import datasets
-
-    from ..io import progress_bar
-    from ..writers import ENCODING_FACTOR, write_batches
 
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     quiet = args.quiet or args.json

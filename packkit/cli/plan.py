@@ -7,7 +7,8 @@ import warnings
 
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
-from ..budget import BudgetWarning, plan_budget, read_lengths_and_loss, synthetic_sft_lengths
+from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
+from ..datafiles import read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
 
 #: The library's argument names that this command spells otherwise.
@@ -60,9 +61,10 @@ def run(args, options=None) -> int:
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
     else:
         with rows_as_lines(args.file):
-            lengths, loss = read_lengths_and_loss(args.file, column=args.column, text_column=args.text_column,
-                                                  tokenizer=args.tokenizer, split=args.split,
-                                                  chat=chat_options(args), progress=not args.json)
+            data = read_lengths(args.file, column=args.column, text_column=args.text_column,
+                                tokenizer=args.tokenizer, split=args.split, chat=chat_options(args),
+                                progress=not args.json)
+            lengths, loss = data.lengths, data.loss_lengths
     with warnings.catch_warnings(), rows_as_lines(args.file):
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
         report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,

@@ -6,7 +6,9 @@ import json
 
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
+from ..datafiles import read_lengths
 from ..errors import ArgumentError, arg
+from ..fileio import check_output
 from ..waste import WASTE_STRATEGIES, format_table, measure_waste, plot_waste
 from ._chat import add_tokenizer_arguments, chat_options
 
@@ -55,12 +57,8 @@ def run(args, options=None) -> int:
         if not args.plot.lower().endswith(".png"):
             raise ArgumentError("{plot} writes a PNG: give a file name ending in .png, got {got!r}",
                                 plot=arg("plot"), got=args.plot)
-        from ..fileio import check_output
-
         check_output(args.plot, inputs=[args.input] if args.input else [], overwrite=args.overwrite)
         require("matplotlib")
-    from ..io import read_lengths
-
     with rows_as_lines(args.input):
         data = read_lengths(args.input, column=args.column, text_column=args.text_column,
                             tokenizer=args.tokenizer, split=args.split, progress=not args.quiet and not args.json,

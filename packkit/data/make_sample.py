@@ -10,7 +10,7 @@ downloaded, and only the lengths are kept. Two sources, each turned into instruc
 2. the docstring (``inspect.getdoc``) of every public function, class and method defined in a
    public standard-library module that imports cleanly, NAME being its dotted name.
 
-Each example's length is its UTF-8 byte count (the byte-level tokenizer of ``packkit.io``).
+Each example's length is its UTF-8 byte count (the byte-level tokenizer of ``packkit.datafiles``).
 Examples are stored in a seeded random order (seed 0), as int32.
 """
 

@@ -1,4 +1,4 @@
-"""packkit.io: list arrays with 64-bit offsets past int32, for both tokenizers."""
+"""packkit.datafiles: list arrays with 64-bit offsets past int32, for both tokenizers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 tokenizers = pytest.importorskip("tokenizers")
 
-from packkit import io as pio  # noqa: E402
+from packkit import arrow  # noqa: E402
+from packkit import datafiles as pio  # noqa: E402
 
 
 @pytest.fixture
@@ -29,11 +30,11 @@ IDS = [[1, 2, 3], [4, 5], [3], [0, 4]]
 
 
 def test_list_array_switches_to_large_list_past_the_limit():
-    small = pio.list_array([0, 2, 3], np.array([5, 6, 7]))
+    small = arrow.list_array([0, 2, 3], np.array([5, 6, 7]))
     assert pa.types.is_list(small.type) and small.to_pylist() == [[5, 6], [7]]
-    big = pio.list_array([0, 2, 3], np.array([5, 6, 7]), max_tokens=2)
+    big = arrow.list_array([0, 2, 3], np.array([5, 6, 7]), max_tokens=2)
     assert pa.types.is_large_list(big.type) and big.to_pylist() == [[5, 6], [7]]
-    exact = pio.list_array([0, 2, 3], np.array([5, 6, 7]), max_tokens=3)  # 3 offsets fit: no switch
+    exact = arrow.list_array([0, 2, 3], np.array([5, 6, 7]), max_tokens=3)  # 3 offsets fit: no switch
     assert pa.types.is_list(exact.type)
 
 
@@ -41,9 +42,9 @@ def test_list_array_switches_to_large_list_past_the_limit():
 def test_tokenize_uses_64_bit_offsets_past_int32(tokenizer_json, monkeypatch, limit):
     """Review 7: tokenize (a tokenizer.json) built int32 offsets with astype(int32), which wraps past
     2**31 - 1 tokens (byte_tokenize had the large_list branch, tokenize did not). Both now go through
-    io.list_array; the limit is lowered here to exercise the switch on 8 tokens."""
+    arrow.list_array; the limit is lowered here to exercise the switch on 8 tokens."""
     if limit is not None:
-        monkeypatch.setattr(pio, "MAX_LIST_VALUES", limit)
+        monkeypatch.setattr(arrow, "MAX_LIST_VALUES", limit)
     ids = pio.tokenize(TEXTS, str(tokenizer_json))
     byte_ids = pio.tokenize(TEXTS, "bytes")
     assert ids.to_pylist() == IDS
@@ -51,7 +52,7 @@ def test_tokenize_uses_64_bit_offsets_past_int32(tokenizer_json, monkeypatch, li
     large = limit is not None and limit < 8
     assert pa.types.is_large_list(ids.type) == large
     assert pa.types.is_large_list(byte_ids.type) == (limit is not None)  # 27 bytes > 7
-    assert pio.list_lengths(ids).tolist() == [3, 2, 1, 2]
+    assert arrow.list_lengths(ids).tolist() == [3, 2, 1, 2]
 
 
 def test_tokenize_null_text_names_the_example(tokenizer_json):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from packkit.hf import pack_dataset
+from packkit.offline import pack_dataset
 from packkit.packer import gather_segments
 from packkit.segments import IGNORE_INDEX
 
@@ -269,9 +269,9 @@ def test_negative_id_outside_a_selection_is_ignored():
 
 
 def test_output_past_int32_offsets_is_many_record_batches(monkeypatch):
-    """A record batch never passes io.MAX_LIST_VALUES (int32 list offsets), so an output of more tokens
+    """A record batch never passes arrow.MAX_LIST_VALUES (int32 list offsets), so an output of more tokens
     is several batches of ``list`` columns (no large_list needed); the rows are the same."""
-    import packkit.io as pio
+    import packkit.arrow as pio
 
     ds = make_ds([3, 4, 5], labels=False)
     small = pack_dataset(ds, window=6, shuffle=False)
@@ -396,7 +396,7 @@ def test_loss_mask_values_other_than_0_and_1_are_rejected_offline():
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]], "completion_mask": [[0, 1, 1], [1, 2]]})
     with pytest.raises(ValueError, match="dataset row 1 has 2 in the loss mask 'completion_mask'"):
         pack_dataset(ds, window=8)
-    from packkit.hf import pack_stream
+    from packkit.packer import pack_stream
 
     with pytest.raises(ValueError, match="example 1 has -1 in the loss mask 'completion_mask'"):
         list(pack_stream([{"input_ids": [1, 2], "completion_mask": [0, 1]},

@@ -44,8 +44,7 @@ of the returned dataset) writes before the next is gathered::
 
 Streaming
 ---------
-:func:`~packkit.packer.pack_stream` (planned by :func:`~packkit.binpack.stream_windows`; both
-re-exported here) packs any iterable of examples (or a ``datasets.IterableDataset``) with a bounded
+:func:`~packkit.packer.pack_stream` (planned by :func:`~packkit.binpack.stream_windows`) packs any iterable of examples (or a ``datasets.IterableDataset``) with a bounded
 buffer: each window starts with the oldest buffered example, then takes the longest buffered example
 that still fits, until none fits (best fit inside the buffer; ``buffer_size=1`` is next fit). Fill
 against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250, sigma 1, clipped to
@@ -67,20 +66,21 @@ against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from pathlib import Path
 
 import numpy as np
 
-from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack, stream_windows
+from . import arrow
+from .arrow import list_array
+from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
+from .chat import chat_format, load_tokenizer, prepare_dataset
 from .errors import ArgumentError, arg
-from . import io
-from .io import list_array, progress_bar
 from .examples import check_column, column_kind
-from .packer import (ColumnSpec, PackedStream, StreamStats, label_dtype, log_overflow, pack_columns, pack_stream,
-                     resolve_columns)
-from .segments import lengths_to_offsets
+from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
+from .progress import progress_bar
+from .sources import ArrowSource, scan
+from .writers import ENCODING_FACTOR, write_batches
 
 __all__ = [
     "pack_dataset",
@@ -89,11 +89,6 @@ __all__ = [
     "packed_schema",
     "packed_batch",
     "DEFAULT_BUFFER_BYTES",
-    # re-exported from their homes (packkit.packer, packkit.binpack), where they are documented
-    "pack_stream",
-    "PackedStream",
-    "StreamStats",
-    "stream_windows",
 ]
 
 
@@ -172,7 +167,7 @@ def packed_batch(rows, schema):
     (:func:`packed_schema`), one row a window; values are cast to the schema's types where they differ."""
     import pyarrow as pa
 
-    if rows.row_offsets[-1] > io.MAX_LIST_VALUES:
+    if rows.row_offsets[-1] > arrow.MAX_LIST_VALUES:
         raise ValueError(f"one record batch would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31 - 1, "
                          "past int32 list offsets): pack fewer windows a batch")
     arrays = []
@@ -224,7 +219,7 @@ class PackedTable:
                                 got=buffer_bytes)
         # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
         per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
-        return max(1, min(int(buffer_bytes / per_token), io.MAX_LIST_VALUES))  # int32 list offsets per batch
+        return max(1, min(int(buffer_bytes / per_token), arrow.MAX_LIST_VALUES))  # int32 list offsets per batch
 
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
@@ -265,9 +260,6 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "
     the windows. The arguments are :func:`pack_dataset`'s (``progress``: :func:`show_progress`'s
     default when None). Returns a :class:`PackedTable`.
     """
-
-    from .sources import scan
-
     window = _check_common(window, strategy, overflow, seed, num_proc)
     spec = resolve_columns(source.names, columns)
     progress = show_progress(source) if progress is None else progress
@@ -357,8 +349,6 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     """
     import datasets
 
-    from .chat import prepare_dataset
-
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         _check_args(isinstance(ds, datasets.IterableDatasetDict), window=window, strategy=strategy,
                     overflow=overflow, seed=seed, num_proc=num_proc, return_plan=return_plan)
@@ -389,8 +379,6 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     import pyarrow as pa
     from datasets.fingerprint import generate_fingerprint, generate_random_fingerprint, update_fingerprint
 
-    from .sources import ArrowSource
-
     on_disk = bool(ds.cache_files) if keep_in_memory is None else not keep_in_memory
     if cache_file_name is not None:
         on_disk = True
@@ -411,8 +399,6 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
         if on_disk:
             from datasets.table import MemoryMappedTable
-
-            from .writers import ENCODING_FACTOR, write_batches
 
             if cache_file_name is None:
                 folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
@@ -453,8 +439,6 @@ def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
     conversational split, not once a split (a model id costs a Hub probe each time).
     """
     import datasets
-
-    from .chat import chat_format, load_tokenizer
 
     names = list(dd)
     if split is not None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from packkit.binpack import pack
 from packkit.binpack import stream_windows
-from packkit.hf import pack_dataset
+from packkit.offline import pack_dataset
 from packkit.packer import pack_stream
 from packkit.segments import IGNORE_INDEX
 

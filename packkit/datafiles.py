@@ -1,17 +1,13 @@
-"""Reading example lengths and token columns from files, without per-token Python.
+"""Data files in: tables of examples, their token columns and their lengths, without per-token Python.
 
 Formats (by suffix): ``.npy`` (a 1-D array of lengths), ``.jsonl`` / ``.ndjson`` / ``.json``,
 ``.parquet``, ``.arrow`` / ``.feather`` (Arrow IPC file or stream, as ``datasets`` writes its cache),
 ``.txt`` (one example per line), and a folder written by ``datasets``' ``save_to_disk``. Lengths come
 from the offsets of an Arrow list column (``input_ids`` by default), from an integer column of lengths,
 or from a text column through a tokenizer: a local Hugging Face ``tokenizer.json``, or the byte-level
-tokenizer below (so nothing is ever downloaded)::
-
-    >>> byte_tokenize(["hi", "é"]).to_pylist()
-    [[104, 105], [195, 169]]
-    >>> import pyarrow as pa
-    >>> list_lengths(pa.array([[1, 2, 3], [4]])).tolist()
-    [3, 1]
+tokenizer (:func:`packkit.arrow.byte_tokenize`, so nothing is ever downloaded); conversational data
+through its chat template (:func:`packkit.chat.tokenize_chat`). This module sits above ``chat`` and
+``examples``: what ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
 
 With no file, :func:`read_lengths` returns the bundled sample of real lengths (``packkit/data/README.md``).
 """
@@ -26,26 +22,25 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import DataError, MissingError, arg
-from .examples import token_lengths
+from .arrow import byte_tokenize, list_array, pyarrow
+from .binpack import as_lengths
+from .chat import chat_format, load_tokenizer, tokenize_chat
+from .errors import ArgumentError, DataError, MissingError, arg
+from .examples import loss_lengths, token_lengths
+from .progress import progress_bar
 from .segments import lengths_to_offsets
 
 __all__ = [
     "Lengths",
     "bundled_sample",
-    "byte_tokenize",
-    "list_array",
-    "list_lengths",
     "load_table",
     "load_dataset",
     "parquet_batches",
     "parquet_schema",
-    "line_of_row",
     "read_lengths",
     "token_column",
     "tokens_table",
     "tokenize",
-    "progress_bar",
     "FORMATS",
 ]
 
@@ -59,14 +54,6 @@ FORMATS = {
 }
 
 SAMPLE_PATH = Path(__file__).with_name("data") / "sample_lengths.npy"
-
-
-def _pa():
-    try:
-        import pyarrow
-    except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
-        raise ImportError("reading this format needs pyarrow: pip install 'packkit[datasets]'") from None
-    return pyarrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,114 +74,6 @@ class Lengths:
     loss_lengths: np.ndarray | None = None
 
 
-# ----------------------------------------------------------------------------------------------
-# small pure helpers
-# ----------------------------------------------------------------------------------------------
-
-
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def progress_bar(*, total: int, unit: str, enabled: bool, desc: str | None = None):
-    """A tqdm bar on stderr when ``enabled`` (and tqdm is installed), else a silent stand-in."""
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with the datasets extra
-        return _NoBar()
-    return tqdm(total=total, unit=unit, unit_scale=unit == "tok", desc=desc, leave=False, dynamic_ncols=True)
-
-
-def list_lengths(column, *, name: str = "input_ids") -> np.ndarray:
-    """Lengths of the lists of an Arrow list column, from its offsets: ``[[1, 2, 3], [4]] -> [3, 1]``.
-
-    Args:
-        column: a pyarrow ``ListArray`` / ``LargeListArray`` or a ``ChunkedArray`` of them.
-    Returns:
-        (num_rows,) int64. A null row is an error that names the row.
-    """
-    pa = _pa()
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    out, base = [], 0
-    for chunk in chunks:
-        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
-            raise TypeError(f"column {name!r} holds {chunk.type}, not lists of token ids")
-        if chunk.null_count:
-            i = base + int(np.argmax(~np.asarray(chunk.is_valid())))
-            raise ValueError(f"example {i} has no {name!r} (null); drop or fill it before packing")
-        out.append(np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False))
-        base += len(chunk)
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-#: Past this many values a list array needs 64-bit offsets (``large_list``): int32's maximum.
-MAX_LIST_VALUES = 2**31 - 1
-
-
-def list_array(offsets, values, *, max_tokens: int | None = None):
-    """A pyarrow list array with rows at ``offsets`` over flat ``values``; ``large_list`` when the last
-    offset passes ``max_tokens`` (default :data:`MAX_LIST_VALUES`, so int32 offsets never wrap).
-
-    ``list_array([0, 2, 3], np.array([5, 6, 7])).to_pylist() -> [[5, 6], [7]]``.
-
-    Args:
-        offsets: (n + 1,) int, starting at 0, non-decreasing.
-        values: (offsets[-1],) numpy array or pyarrow array.
-    """
-    pa = _pa()
-    offsets = np.asarray(offsets, np.int64)
-    limit = MAX_LIST_VALUES if max_tokens is None else max_tokens
-    values = values if isinstance(values, pa.Array) else pa.array(values)
-    if offsets[-1] <= limit:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), values)
-
-
-def _binary_parts(arr):
-    """Offsets ``(n + 1,)`` int64 (starting at 0) and bytes ``(total,)`` uint8 of a binary/utf8 array."""
-    pa = _pa()
-    if arr.null_count:
-        raise ValueError(f"example {int(np.argmax(~np.asarray(arr.is_valid())))} has no text (null)")
-    large = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
-    _, off_buf, data_buf = arr.buffers()
-    offsets = np.frombuffer(off_buf, np.int64 if large else np.int32)[arr.offset: arr.offset + len(arr) + 1]
-    data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
-    data = data[offsets[0]: offsets[-1]]
-    return offsets.astype(np.int64) - offsets[0], data
-
-
-def byte_tokenize(texts):
-    """The byte-level tokenizer: the UTF-8 bytes of each text, as int32 token ids in ``[0, 256)``.
-
-    ``["hi", "é"] -> [[104, 105], [195, 169]]``. Needs no vocabulary and downloads nothing; a
-    byte count is roughly 3-4x a subword tokenizer's token count on English text.
-
-    Args:
-        texts: a list of str, or a pyarrow string array / chunked array.
-    Returns:
-        pyarrow ``ListArray`` (or ``LargeListArray`` past 2**31 - 1 bytes: :func:`list_array`) of int32.
-    """
-    pa = _pa()
-    if isinstance(texts, pa.ChunkedArray):
-        texts = texts.combine_chunks() if texts.num_chunks != 1 else texts.chunk(0)
-    if not isinstance(texts, pa.Array):
-        texts = pa.array(list(texts), type=pa.string())
-    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)
-            or pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type)):
-        raise TypeError(f"byte_tokenize needs text, got {texts.type}")
-    offsets, data = _binary_parts(texts)
-    return list_array(offsets, data.astype(np.int32))
-
-
 def _load_tokenizer(spec, *, trust_remote_code: bool = False):
     """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer;
     anything else (a model id, a folder without ``tokenizer.json``) -> the Rust tokenizer behind
@@ -206,8 +85,6 @@ def _load_tokenizer(spec, *, trust_remote_code: bool = False):
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if not path.is_file():
-        from .chat import load_tokenizer
-
         tok = load_tokenizer(spec, trust_remote_code=trust_remote_code)
         if getattr(tok, "backend_tokenizer", None) is None:
             raise ValueError(f"tokenizer {str(spec)!r} has no tokenizer.json (not a fast tokenizer): pass a "
@@ -234,7 +111,7 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
     Returns:
         pyarrow ``ListArray`` of int32, a ``LargeListArray`` past 2**31 - 1 tokens (:func:`list_array`).
     """
-    pa = _pa()
+    pa = pyarrow()
     tok = _load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     if tok is None:
         return byte_tokenize(texts)
@@ -262,7 +139,9 @@ def _suffix(path: Path) -> str:
     return path.suffix.lower()
 
 
-def _check_path(path) -> Path:
+def check_path(path) -> Path:
+    """``path`` as a ``Path`` when it is a file of a known format or a ``save_to_disk`` folder, else the
+    one-line error: ``check_path("d.csv")`` raises naming the formats read here."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
@@ -371,23 +250,8 @@ def _locate_json_lines_error(path: Path) -> DataError | None:
     return None
 
 
-def line_of_row(path, row: int) -> int | None:
-    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
-
-    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
-    """
-    k = -1
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                k += 1
-                if k == row:
-                    return lineno
-    return None
-
-
 def _read_json(path: Path):
-    pa = _pa()
+    pa = pyarrow()
     import pyarrow.json as pj
 
     with open(path, "rb") as f:
@@ -418,7 +282,7 @@ def _read_json(path: Path):
 
 def _unreadable(exc: BaseException) -> bool:
     """An error of pyarrow reading a damaged or foreign file (not a missing file or a permission)."""
-    pa = _pa()
+    pa = pyarrow()
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)):
         return False
     return isinstance(exc, (pa.ArrowException, OSError))
@@ -457,7 +321,7 @@ def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
 
 
 def _read_arrow(path: Path):
-    pa = _pa()
+    pa = pyarrow()
     import pyarrow.ipc as ipc
 
     try:
@@ -475,7 +339,7 @@ def _read_arrow(path: Path):
 
 
 def _read_text(path: Path):
-    pa = _pa()
+    pa = pyarrow()
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -514,8 +378,8 @@ def load_table(path, *, split: str | None = None):
 
     A saved dataset is memory-mapped, and a selection (indices mapping) is applied.
     """
-    path = _check_path(path)
-    pa = _pa()
+    path = check_path(path)
+    pa = pyarrow()
     if path.is_dir():
         # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
@@ -543,7 +407,7 @@ def token_column(table, *, column: str = "input_ids", text_column: str = "text",
     ``tokenizer=None`` refuses to tokenize (so text without token ids is an error that says what to
     pass); ``"bytes"`` or a ``tokenizer.json`` path tokenizes. Returns a pyarrow (chunked) list array.
     """
-    pa = _pa()
+    pa = pyarrow()
     names = table.column_names
     if column in names:
         col = table.column(column)
@@ -576,13 +440,9 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
     (:func:`token_column`).
     """
     if column not in table.column_names:
-        from .chat import chat_format, tokenize_chat
-
         fmt = chat_format(table.schema)
         if fmt is not None:
             if tokenizer in (None, "bytes"):
-                from .errors import ArgumentError, arg
-
                 raise ArgumentError("{where} is conversational ({fmt}): pass {arg}, a tokenizer with a chat "
                                     "template (a local folder, or a model id)", where=where, fmt=fmt,
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
@@ -612,13 +472,11 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
     data goes through its chat template (:func:`tokens_table`; ``chat``: the options of
     :func:`packkit.chat.tokenize_chat`). The loss lengths come from ``labels`` or a loss mask when the
-    data has one (:func:`packkit.budget.loss_lengths_of_table`).
+    data has one (:func:`packkit.examples.loss_lengths`).
     """
     if path is None:
         return bundled_sample()
-    path = _check_path(path)
-    from .binpack import as_lengths
-
+    path = check_path(path)
     loss = None
     if path.is_file() and _suffix(path) == ".npy":
         try:
@@ -629,7 +487,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
         source = f"{path.name} (lengths)"
         unit = "tokens"
     else:
-        pa = _pa()
+        pa = pyarrow()
         table = load_table(path, split=split)
         unit = "tokens"
         if column in table.column_names and pa.types.is_integer(table.column(column).type):
@@ -649,9 +507,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             source = f"{path.name}, " + (how or f"column {column!r}")
             if how is not None and tokenizer in (None, "bytes"):  # text measured by the byte-level tokenizer
                 unit = "bytes"
-            from .budget import loss_lengths_of_table
-
-            loss = loss_lengths_of_table(table, lengths, column=token_col) if lengths.size else None
+            loss = loss_lengths(table, lengths, key=token_col) if lengths.size else None
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
     return Lengths(lengths, source, unit, loss)

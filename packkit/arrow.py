@@ -1,0 +1,106 @@
+"""Arrow list columns at the bottom floor: the pyarrow import, lengths from offsets, list arrays from
+flat values, and the byte-level tokenizer. Imports nothing from packkit, so every floor can use it::
+
+    >>> byte_tokenize(["hi", "é"]).to_pylist()
+    [[104, 105], [195, 169]]
+    >>> import pyarrow as pa
+    >>> list_lengths(pa.array([[1, 2, 3], [4]])).tolist()
+    [3, 1]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["pyarrow", "list_lengths", "list_array", "byte_tokenize", "MAX_LIST_VALUES"]
+
+
+def pyarrow():
+    """The ``pyarrow`` module, imported when first needed (it comes with the datasets extra)."""
+    try:
+        import pyarrow  # lazy: pyarrow is an optional dependency
+    except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
+        raise ImportError("reading Arrow data needs pyarrow: pip install 'packkit[datasets]'") from None
+    return pyarrow
+
+
+
+def list_lengths(column, *, name: str = "input_ids") -> np.ndarray:
+    """Lengths of the lists of an Arrow list column, from its offsets: ``[[1, 2, 3], [4]] -> [3, 1]``.
+
+    Args:
+        column: a pyarrow ``ListArray`` / ``LargeListArray`` or a ``ChunkedArray`` of them.
+    Returns:
+        (num_rows,) int64. A null row is an error that names the row.
+    """
+    pa = pyarrow()
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out, base = [], 0
+    for chunk in chunks:
+        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
+            raise TypeError(f"column {name!r} holds {chunk.type}, not lists of token ids")
+        if chunk.null_count:
+            i = base + int(np.argmax(~np.asarray(chunk.is_valid())))
+            raise ValueError(f"example {i} has no {name!r} (null); drop or fill it before packing")
+        out.append(np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False))
+        base += len(chunk)
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+#: Past this many values a list array needs 64-bit offsets (``large_list``): int32's maximum.
+MAX_LIST_VALUES = 2**31 - 1
+
+
+def list_array(offsets, values, *, max_tokens: int | None = None):
+    """A pyarrow list array with rows at ``offsets`` over flat ``values``; ``large_list`` when the last
+    offset passes ``max_tokens`` (default :data:`MAX_LIST_VALUES`, so int32 offsets never wrap).
+
+    ``list_array([0, 2, 3], np.array([5, 6, 7])).to_pylist() -> [[5, 6], [7]]``.
+
+    Args:
+        offsets: (n + 1,) int, starting at 0, non-decreasing.
+        values: (offsets[-1],) numpy array or pyarrow array.
+    """
+    pa = pyarrow()
+    offsets = np.asarray(offsets, np.int64)
+    limit = MAX_LIST_VALUES if max_tokens is None else max_tokens
+    values = values if isinstance(values, pa.Array) else pa.array(values)
+    if offsets[-1] <= limit:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values)
+
+
+def _binary_parts(arr):
+    """Offsets ``(n + 1,)`` int64 (starting at 0) and bytes ``(total,)`` uint8 of a binary/utf8 array."""
+    pa = pyarrow()
+    if arr.null_count:
+        raise ValueError(f"example {int(np.argmax(~np.asarray(arr.is_valid())))} has no text (null)")
+    large = pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type)
+    _, off_buf, data_buf = arr.buffers()
+    offsets = np.frombuffer(off_buf, np.int64 if large else np.int32)[arr.offset: arr.offset + len(arr) + 1]
+    data = np.frombuffer(data_buf, np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    data = data[offsets[0]: offsets[-1]]
+    return offsets.astype(np.int64) - offsets[0], data
+
+
+def byte_tokenize(texts):
+    """The byte-level tokenizer: the UTF-8 bytes of each text, as int32 token ids in ``[0, 256)``.
+
+    ``["hi", "é"] -> [[104, 105], [195, 169]]``. Needs no vocabulary and downloads nothing; a
+    byte count is roughly 3-4x a subword tokenizer's token count on English text.
+
+    Args:
+        texts: a list of str, or a pyarrow string array / chunked array.
+    Returns:
+        pyarrow ``ListArray`` (or ``LargeListArray`` past 2**31 - 1 bytes: :func:`list_array`) of int32.
+    """
+    pa = pyarrow()
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks() if texts.num_chunks != 1 else texts.chunk(0)
+    if not isinstance(texts, pa.Array):
+        texts = pa.array(list(texts), type=pa.string())
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)
+            or pa.types.is_binary(texts.type) or pa.types.is_large_binary(texts.type)):
+        raise TypeError(f"byte_tokenize needs text, got {texts.type}")
+    offsets, data = _binary_parts(texts)
+    return list_array(offsets, data.astype(np.int32))
