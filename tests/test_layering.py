@@ -1,0 +1,100 @@
+"""The house has floors: every packkit module imports only from its own floor or below, the imports
+form no circle (function-level imports included), and no function hides an import of a packkit module
+unless it keeps an optional dependency lazy and says so with a ``# lazy:`` comment on that line.
+
+Before the fix, ``io`` -> ``chat`` -> ``io`` and ``io`` -> ``budget`` -> ``io`` were circles hidden behind
+function-level imports; the walk of a file path through ``packkit plan`` doubled back.
+"""
+
+import ast
+import graphlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Bottom to top. A module may import from its own floor (without a circle) or any floor below.
+FLOORS = [
+    # the ground: nothing from packkit
+    ["segments", "errors", "arrow", "progress", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
+    # pure planning, files out, the batch, the kernels, the rules of an example and their wording
+    ["fileio", "binpack", "batch", "kernels.flash_varlen"],
+    # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention
+    ["examples", "chat", "writers", "attention", "sampler"],
+    # packing tokens, loss, measuring, data files in (above chat and examples)
+    ["packer", "loss", "budget", "waste", "datafiles", "columnar"],
+    ["collate", "sources"],
+    ["offline"],
+    ["raydata"],
+    ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.__main__"],
+]
+
+
+def _modules() -> dict:
+    """``{dotted name: path}`` of every packkit module (``kernels/`` ships as ``packkit.kernels``)."""
+    out = {}
+    for p in sorted((ROOT / "packkit").rglob("*.py")):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    for p in sorted((ROOT / "kernels").glob("*.py")):
+        out["packkit.kernels" + ("" if p.stem == "__init__" else "." + p.stem)] = p
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict):
+    """``(target, lineno, in_function)`` for every import of another packkit module in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside.update(id(n) for n in ast.walk(node) if n is not node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t in modules and t not in (name, "packkit"):
+                yield t, node.lineno, id(node) in inside
+
+
+def _graph():
+    modules = _modules()
+    return modules, {name: list(_imports(name, path, modules)) for name, path in modules.items()}
+
+
+def test_no_import_circle_function_level_imports_included():
+    _, graph = _graph()
+    sorter = graphlib.TopologicalSorter({m: {t for t, _, _ in deps} for m, deps in graph.items()})
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as exc:
+        raise AssertionError(f"import circle: {' -> '.join(exc.args[1])}") from None
+
+
+def test_every_import_goes_down_the_floors():
+    modules, graph = _graph()
+    floor = {f"packkit.{m}": i for i, ms in enumerate(FLOORS) for m in ms}
+    named = [m for ms in FLOORS for m in ms]
+    assert len(named) == len(set(named)), "a module is on two floors"
+    up = [f"{m} (floor {floor[m]}) imports {t} (floor {floor[t]}), line {line}"
+          for m, deps in graph.items() for t, line, _ in deps
+          if m in floor and t in floor and floor[t] > floor[m]]
+    assert not up, "imports from a floor above:\n" + "\n".join(up)
+    stray = [f"packkit.{m}" for m in named if f"packkit.{m}" not in modules]
+    assert not stray, f"FLOORS names modules that do not exist: {stray}"
+
+
+def test_no_hidden_function_level_import_of_packkit():
+    modules, graph = _graph()
+    hidden = []
+    for m, deps in graph.items():
+        lines = modules[m].read_text().splitlines()
+        hidden += [f"{modules[m].relative_to(ROOT)}:{line} imports {t} inside a function"
+                   for t, line, in_function in deps if in_function and "# lazy:" not in lines[line - 1]]
+    assert not hidden, "\n".join(hidden)
