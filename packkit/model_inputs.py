@@ -36,12 +36,15 @@ Padding extends every row (a padding tail is a segment of its own, positions fro
 
 **Hybrid models.** Their linear-attention (GatedDeltaNet) or Mamba-2 layers carry a state along the
 sequence, which attention masks do not reach: the kernels reset it where ``seq_idx`` changes (causal
-conv1d, Mamba-2 scans) or at ``cu_seqlens`` (flash-linear-attention, read from ``cu_seq_lens_q``).
-Checked against transformers 5.24 on tiny models: without ``seq_idx`` in the batch, Bamba, FalconH1,
-GraniteMoeHybrid, NemotronH and LFM2 mix documents silently through those layers, kernels installed or
-not; with it, they keep documents apart where the kernels (``causal-conv1d``, ``mamba-ssm``,
-``flash-linear-attention``) are installed, and their PyTorch fallbacks refuse with a ``ValueError`` naming
-the package (on CPU, say). Jamba's Mamba-1 layers take no ``seq_idx``: pack its data with
+conv1d, Mamba-2 scans) or at ``cu_seqlens`` (flash-linear-attention, which the layers take from
+``cu_seq_lens_q``). Checked against transformers 5.24 on tiny models (``tests/test_hybrid_model.py``):
+without ``seq_idx`` in the batch, Bamba, FalconH1, GraniteMoeHybrid, NemotronH and LFM2 mix documents
+silently through those layers (on the CPU, and with the kernels too: the convolution reads ``seq_idx``
+only), and Qwen3-Next and Qwen3.5 mix them in their convolution (with the kernels; on the CPU
+they refuse, their GatedDeltaNet taking ``cu_seq_lens_q``); with ``seq_idx``, the kernels (``causal-conv1d``,
+``mamba-ssm``, ``flash-linear-attention``) keep documents apart, and the PyTorch fallbacks that run
+without them (on the CPU, say) refuse with a ``ValueError`` naming the package. No hybrid model of
+transformers 5.24 trains packed on the CPU. Jamba's Mamba-1 layers take no ``seq_idx``: pack its data with
 :class:`~packkit.collate.PaddedCollator`. flash-linear-attention takes ``cu_seqlens`` for a ``[1, T]``
 batch only: use :class:`~packkit.collate.PaddingFreeCollator` for GatedDeltaNet models.
 """
