@@ -17,17 +17,14 @@ transformers = pytest.importorskip("transformers")
 from packkit import attention  # noqa: E402
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator  # noqa: E402
 from packkit.segments import lengths_to_offsets  # noqa: E402
+from testlib import tiny_causal_lm  # noqa: E402
 
 TOL = 1e-4  # fp32
 LENGTHS = (5, 9, 3, 7, 1, 6)
 
 
 def make_model(attn_implementation):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation,
-                                                      dtype=torch.float32)
+    return tiny_causal_lm(dtype=torch.float32, attn_implementation=attn_implementation)
 
 
 @pytest.fixture(scope="module")

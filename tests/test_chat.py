@@ -24,6 +24,8 @@ datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from testlib import tiny_causal_lm  # noqa: E402
+
 from packkit import chat, offline  # noqa: E402
 from packkit.chat import ChatWarning, chat_format, common_prefix_lengths, mask_from, tokenize_chat  # noqa: E402
 from packkit.cli import main  # noqa: E402
@@ -316,9 +318,7 @@ def trl_labels(ds, tok, **config):
     trl = pytest.importorskip("trl")
     import tempfile
 
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2))
+    model = tiny_causal_lm(vocab_size=len(tok))
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = trl.SFTConfig(output_dir=d, report_to=[], bf16=False, use_cpu=True, max_length=None, **config)

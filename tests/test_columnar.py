@@ -178,12 +178,11 @@ def test_the_same_bad_row_as_a_plain_list_names_the_batch_position():
 
 transformers = pytest.importorskip("transformers")
 
+from testlib import tiny_causal_lm  # noqa: E402
+
 
 def tiny_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return tiny_causal_lm(dtype=torch.float32, vocab_size=64, max_position_embeddings=128)
 
 
 class Recording:

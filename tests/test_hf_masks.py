@@ -14,35 +14,36 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from testlib import FAMILIES, tiny_causal_lm, tiny_config  # noqa: E402
+
 from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeCollator  # noqa: E402
 
 TOL = 1e-5  # fp32 logits; measured differences are about 1e-6
 WINDOW = 4  # sliding window, shorter than the longest document (9)
 LENGTHS = (5, 9, 3, 7, 1, 6)
-COMMON = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
-
-FAMILIES = {
-    "llama": lambda: (transformers.LlamaForCausalLM, transformers.LlamaConfig(**COMMON)),
-    "qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
-        **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),  # layer 0 full, 1 sliding
-    "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(**COMMON, sliding_window=WINDOW)),
-    "gemma2": lambda: (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
-        **COMMON, head_dim=8, sliding_window=WINDOW)),  # sliding, full
-    "gemma3": lambda: (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
-        **COMMON, head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
-    "phi3": lambda: (transformers.Phi3ForCausalLM, transformers.Phi3Config(**COMMON, sliding_window=WINDOW)),
+# family -> its config beyond testlib.TINY (and pad_token_id=0): every sliding one with a window of WINDOW.
+FAMILY_CONFIGS = {
+    "llama": {},
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 0 full, 1 sliding
+    "mistral": dict(sliding_window=WINDOW),
+    "gemma2": dict(head_dim=8, sliding_window=WINDOW),  # sliding, full
+    "gemma3": dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(sliding_window=WINDOW),
 }
 SLIDING = {"qwen2", "mistral", "gemma2", "gemma3", "phi3"}
-CASES = [(f, impl) for f in FAMILIES for impl in ("sdpa", "eager")]
+CASES = [(f, impl) for f in FAMILY_CONFIGS for impl in ("sdpa", "eager")]
+
+
+def config(family, **overrides):
+    return tiny_config(family, pad_token_id=0, **overrides)
 
 
 def build(family, impl):
-    cls, config = FAMILIES[family]()
+    cls = getattr(transformers, FAMILIES[family][0])
     if impl == "sdpa" and not cls._supports_sdpa:
         pytest.skip(f"transformers {transformers.__version__}: {cls.__name__} has no sdpa attention (eager only)")
-    torch.manual_seed(0)
-    return cls._from_config(config, attn_implementation=impl, dtype=torch.float32).eval()
+    return tiny_causal_lm(family, dtype=torch.float32, attn_implementation=impl,
+                          config=config(family, **FAMILY_CONFIGS[family])).eval()
 
 
 @pytest.fixture(scope="module")
@@ -132,22 +133,22 @@ def test_a_bool_mask_under_eager_attends_across_documents(family, examples):
 def test_hf_mask_values_and_layouts():
     """The docstring's drawing: 0 where a query may attend, the dtype's minimum elsewhere, 4-D."""
     batch = PaddingFreeCollator()([{"input_ids": [11, 12, 13]}, {"input_ids": [21, 22]}, {"input_ids": [31, 32]}])
-    llama = transformers.LlamaConfig(**COMMON)
+    llama = config("llama")
     m = batch.hf_mask(llama, dtype=torch.bfloat16)
     assert m.shape == (1, 1, 7, 7) and m.dtype == torch.bfloat16
     lo = torch.finfo(torch.bfloat16).min
     drawn = ["0mmmmmm", "00mmmmm", "000mmmm", "mmm0mmm", "mmm00mm", "mmmmm0m", "mmmmm00"]
     assert ["".join("0" if x == 0 else "m" if x == lo else "?" for x in row) for row in m[0, 0].tolist()] == drawn
     # a window of 2 on a 3-token document: a2 no longer sees a0
-    mistral = transformers.MistralConfig(**COMMON, sliding_window=2)
+    mistral = config("mistral", sliding_window=2)
     assert batch.hf_mask(mistral)[0, 0, 2].tolist()[:3] == [torch.finfo(torch.float32).min, 0, 0]
     # mixed layers: one mask per layer type, the sliding one windowed
-    gemma = transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=2)
+    gemma = config("gemma2", head_dim=8, sliding_window=2)
     masks = batch.hf_mask(gemma)
     assert set(masks) == {"full_attention", "sliding_attention"}
     assert masks["full_attention"][0, 0, 2, 0] == 0 and masks["sliding_attention"][0, 0, 2, 0] < 0
     # the default dtype follows the model's parameters
-    model = transformers.LlamaForCausalLM._from_config(llama, dtype=torch.float64)
+    model = tiny_causal_lm(config=llama)
     assert batch.hf_mask(model).dtype == torch.float64
 
 
@@ -165,19 +166,19 @@ def test_dense_mask_sliding_window_matches_reference():
 
 def test_hf_mask_refuses_what_it_cannot_build():
     batch = PaddingFreeCollator()([{"input_ids": [1, 2, 3]}])
-    flash = transformers.LlamaConfig(**COMMON)
+    flash = config("llama")
     flash._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="flash attention reads cu_seq_lens_q/k"):
         batch.hf_mask(flash)
-    chunked = transformers.LlamaConfig(**COMMON)
+    chunked = config("llama")
     chunked.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"\['chunked_attention'\] layers"):
         batch.hf_mask(chunked)
-    no_window = transformers.Gemma2Config(**COMMON, head_dim=8, sliding_window=None)
+    no_window = config("gemma2", head_dim=8, sliding_window=None)
     with pytest.raises(ValueError, match="config.sliding_window is None"):
         batch.hf_mask(no_window)
-    bidirectional = transformers.Gemma3TextConfig(**COMMON, head_dim=8, use_bidirectional_attention=True)
+    bidirectional = config("gemma3", head_dim=8, use_bidirectional_attention=True)
     with pytest.raises(ValueError, match="bidirectional"):
         batch.hf_mask(bidirectional)
     with pytest.raises(TypeError, match="floating-point"):
-        batch.hf_mask(flash.__class__(**COMMON), dtype=torch.int64)
+        batch.hf_mask(config("llama"), dtype=torch.int64)

@@ -13,6 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from testlib import tiny_causal_lm  # noqa: E402
+
 from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeCollator  # noqa: E402
 
 TOL = 1e-4  # fp32
@@ -21,11 +23,7 @@ LENGTHS = (5, 9, 3, 7, 1, 6)
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
-                                                      dtype=torch.float32).eval()
+    return tiny_causal_lm(dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
+from testlib import tiny_causal_lm, tiny_token_lm
 
 from packkit.loss import (
     AccumulationStep,
@@ -181,11 +182,7 @@ VOCAB = 13
 
 
 def tiny_lm(seed=0):
-    """A per-token causal "LM" in float64: embedding -> tanh -> linear to the vocabulary."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, 6), torch.nn.Tanh(), torch.nn.Linear(6, VOCAB)
-    ).double()
+    return tiny_token_lm(VOCAB, 6, seed=seed)
 
 
 def make_micro_batch(rng, loss_tokens, masked):
@@ -305,13 +302,8 @@ def test_accumulation_step_bad_input():
 
 
 def tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).double().train()
+    return tiny_causal_lm(seed=seed, vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                          num_key_value_heads=1).train()
 
 
 @pytest.mark.parametrize("layout", ["padding_free", "windows"])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from testlib import tiny_token_lm
 
 from packkit.loss import accumulation_step, count_loss_tokens
 
@@ -27,10 +28,7 @@ TIMEOUT_S = 90
 
 
 def tiny_lm():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, 5), torch.nn.Tanh(), torch.nn.Linear(5, VOCAB)
-    ).double()
+    return tiny_token_lm(VOCAB, 5)
 
 
 def rank_batches(rank):

@@ -12,12 +12,11 @@ from torch.utils.data import DataLoader
 
 transformers = pytest.importorskip("transformers")
 
+from testlib import tiny_causal_lm  # noqa: E402
+
 
 def tiny_model():
-    config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return tiny_causal_lm(dtype=torch.float32, max_position_embeddings=256)
 
 
 def dataset(n=24, seed=0):

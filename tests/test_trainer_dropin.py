@@ -8,6 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from testlib import tiny_causal_lm  # noqa: E402
+
 from packkit.batch import PackedBatch  # noqa: E402
 from packkit.collate import PaddingFreeCollator  # noqa: E402
 
@@ -26,10 +28,7 @@ class Recording(PaddingFreeCollator):
 
 
 def test_trainer_matches_steps_by_hand(tmp_path):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = tiny_causal_lm(dtype=torch.float32, vocab_size=64)
     start = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     data = []

@@ -29,6 +29,8 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
+from testlib import tiny_causal_lm  # noqa: E402
+
 from packkit.batch import PackedBatch, real_tokens_and_documents  # noqa: E402
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator  # noqa: E402
 from packkit.loss import hf_compute_loss_func, token_normalized_loss  # noqa: E402
@@ -54,11 +56,8 @@ def tokenizer():
 
 
 def tiny_model():
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      pad_token_id=0, eos_token_id=2, bos_token_id=None)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    return tiny_causal_lm(vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=0, eos_token_id=2,
+                          bos_token_id=None)
 
 
 def examples(n=BATCH * ACCUM * STEPS, seed=0):
