@@ -54,12 +54,32 @@ and every token attends across documents. Its flash-attention path reads ``cu_se
 A 4-D mask is used as given, by every layer: eager *adds* it to the scores (a bool mask adds 1 and 0,
 so documents attend across each other) and it replaces a sliding-window model's own window, which is
 why the explicit-mask view is :meth:`PackedBatch.hf_mask` (float, windowed) and not ``dense_mask()``.
+
+Where the counts live (no global state). The counts (``num_loss_tokens``, ``num_tokens``,
+``num_examples``, the segment counts) must outlive what trainers do to the dict: set and pop keys, and
+rebuild it from its items (``Trainer`` runs ``type(batch)({k: v.to(device) ...})`` every step). Each
+count is kept on the tensor it describes, in that tensor's own ``__dict__`` (its *note*): the
+loss-token count on the label tensor, the segment facts (``max_seqlen``, the real segments, how much
+is padding) on ``cu_seqlens``, the token and document counts of the padded view on its
+``attention_mask``. A read asks the tensor the view holds now: a new tensor under a key is counted
+afresh (one read from its device), an unchanged one costs nothing, and a rebuild from the same tensors
+(``accelerate`` moves the batch with ``.to()``, which carries the notes over, then ``Trainer`` rebuilds
+it from those very tensors) has every count with no device work. Chosen because it needs no hook on
+assignment, no table of what makes what stale and no registry of batches (the design it replaced
+overrode 11 dict methods and filed every batch in a process-wide table of weak references). Limits:
+
+* padding cannot be read from a view (a row's padding tail and a last document without loss tokens
+  look the same), so a batch rebuilt from *other* tensors (cloned, moved by hand, a plain dict from
+  elsewhere) reads it from the labels: a row's last segment without a loss token counts as padding
+  (:func:`real_tokens_and_documents`; exact whenever each row's last document has a loss token);
+* a batch keeps the labels it loses (``pop``, ``del``, ``popitem``, ``clear``) to count them; a batch
+  rebuilt from a mapping without labels has none and says so;
+* a write into a tensor in place is not seen: put a new tensor under the key.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 
 import torch
@@ -72,15 +92,9 @@ __all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents"]
 FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "seq_idx", "num_loss_tokens",
           "attention_mask", "num_tokens", "num_examples", "num_real_segments", "labels_shifted")
 
-#: the counts a batch caches; ``pad`` is ``(padding tokens, padding segments)``, ``None`` when unknown
-_COUNTS = ("num_loss_tokens", "labels_shifted", "num_tokens", "num_examples")
 _LABEL_KEYS = ("labels", "shift_labels")
-#: what a new value under a key (other than the labels) makes stale
-_STALE = {
-    "input_ids": ("num_tokens", "num_examples"),
-    "attention_mask": ("num_tokens", "num_examples"),
-    "cu_seq_lens_q": ("num_tokens", "num_examples", "num_real_segments", "max_seqlen", "pad"),
-}
+#: the name of packkit's note in a tensor's ``__dict__``
+_NOTE = "_packkit"
 
 
 class PackedBatch(dict):
@@ -128,29 +142,16 @@ class PackedBatch(dict):
     ``isinstance(batch, dict)``. ``PackedBatch`` is a ``dict`` subclass: item assignment, ``pop``,
     ``update``, ``del``, ``setdefault``, ``copy()``, ``**batch``, pickling, ``.to()`` and
     ``pin_memory()`` all work, and ``**batch`` passes exactly the dict's items. ``==`` is identity
-    (tensors have no truth value), so a batch is also hashable, as before.
+    (tensors have no truth value), so a batch is also hashable.
 
-    **Counts are never stale.** They are computed once (by the collator, on the host) and cached;
-    assigning a key they depend on drops what it makes stale, to be recomputed on the next read (one
-    read from the tensors' device): ``labels``/``shift_labels`` the loss-token count (only when the
-    label tensor the loss reads changes), ``input_ids``/``attention_mask`` the token and document
-    counts, ``cu_seq_lens_q`` every segment count. Other keys (``use_cache``...) change nothing.
-    Removing labels (what a loss does before the forward) keeps the count of the labels removed, so
-    ``labels = batch.pop("labels")`` leaves ``batch.num_loss_tokens`` describing them.
-
-    **Rebuilt from a bare dict.** ``PackedBatch(mapping)`` takes such a view back. Padding cannot be
-    read from the view (a row's padding tail and a last document without loss tokens look the same:
-    positions from 0, labels all ``-100``), so a batch files itself under its ``cu_seq_lens_q`` tensor
-    (``attention_mask`` for a padded view) in a weak registry when it is moved (``.to()``,
-    ``pin_memory()``), copied, unpickled or rebuilt, and the first time its ``items()`` are iterated
-    (what every rebuild does; the collators' hot path files nothing). When a rebuilt mapping holds that
-    very tensor and the filed batch is alive, as in ``Trainer`` (``accelerate`` moves the batch with
-    ``.to()``, then ``Trainer._prepare_input`` rebuilds it from its ``items()``: the same tensors), the
-    new batch takes the padding and every still-valid count from the filed one, with no device work.
-    Otherwise (tensors moved by hand, a plain dict from another process, ``dict(batch)`` of a batch
-    never filed) it falls back to reading the labels: a row's last segment without loss tokens counts
-    as padding (exact for padded views, and whenever each row's last document has a loss token). The
-    registry holds weak references: an entry dies with its batch.
+    **Counts are never stale.** Each is read from the tensor the view holds now (see the module
+    docstring): the collator notes them on its tensors, on the host; a tensor put under a key is
+    counted on first read (one read from its device). The loss count follows the labels the loss
+    reads (``shift_labels`` when present, else ``labels``); ``use_cache`` and other keys change
+    nothing. Removing labels (what a loss does before the forward) keeps the count of the labels
+    removed, so ``labels = batch.pop("labels")`` leaves ``batch.num_loss_tokens`` describing them.
+    ``PackedBatch(mapping)`` takes a bare view back (``Trainer``'s rebuild); its counts are exact when
+    it holds the batch's tensors, else padding is read from the labels (the module docstring's limits).
     """
 
     # -- construction ---------------------------------------------------------------------------
@@ -176,17 +177,16 @@ class PackedBatch(dict):
     def _trusted(cls, *, input_ids, labels, position_ids, cu_seqlens, max_seqlen, num_loss_tokens, attention_mask,
                  num_tokens, num_examples, num_real_segments, labels_shifted, seq_idx=None) -> "PackedBatch":
         """A batch from every field, unchecked: the collators' hot path (``seq_idx`` left lazy)."""
-        obj = _new(cls)
+        obj = dict.__new__(cls)
         _fill(obj, input_ids, labels, position_ids, cu_seqlens, max_seqlen, seq_idx, num_loss_tokens,
               attention_mask, num_tokens, num_examples, num_real_segments, labels_shifted)
         return obj
 
     def _rebuild(self, mapping) -> None:
-        """Fill from a view (``Trainer``'s ``type(batch)({k: moved v})``), inheriting from the batch
-        registered under the same segment tensor when there is one (see the class docstring)."""
+        """Fill from a view (``Trainer``'s ``type(batch)({k: moved v})``); a ``PackedBatch`` is copied."""
         if isinstance(mapping, PackedBatch):
             dict.update(self, mapping)
-            self._copy_state(mapping)
+            self.__dict__.update(mapping.__dict__)
             return
         if not isinstance(mapping, Mapping):
             mapping = dict(mapping)  # an iterable of pairs, as dict() takes
@@ -197,143 +197,52 @@ class PackedBatch(dict):
             raise TypeError("cannot rebuild a PackedBatch from a mapping without 'cu_seq_lens_q' or 'position_ids' "
                             "(the segments)")
         dict.update(self, mapping)
-        d = self.__dict__
-        d["_cu"], d["_seq_idx"], d["_facts"], d["_filed"] = mapping.get("cu_seq_lens_q"), None, {}, None
-        src = _registered(self)
-        if src is not None:
-            sd = src.__dict__
-            d["_cu"] = sd["_cu"]
-            facts = d["_facts"]
-            for name in ("pad", "num_real_segments", "max_seqlen"):
-                if name in sd["_facts"]:
-                    facts[name] = sd["_facts"][name]
-            same = all(mapping.get(k) is dict.get(src, k) for k in ("input_ids", "labels", "shift_labels",
-                                                                     "attention_mask"))
-            if same:
-                facts.update({k: sd["_facts"][k] for k in _COUNTS if k in sd["_facts"]})
-                if "_labels_gone" in sd:
-                    d["_labels_gone"] = sd["_labels_gone"]
-            if sd["_seq_idx"] is not None and sd["_seq_idx"].shape == mapping["input_ids"].shape:
-                d["_seq_idx"] = sd["_seq_idx"]
-        elif "max_length_q" in mapping:
-            d["_facts"]["max_seqlen"] = int(mapping["max_length_q"])
-        _register(self)
+        cu = mapping.get("cu_seq_lens_q")
+        self.__dict__.update(_cu=cu, _gone=None)
+        if isinstance(cu, torch.Tensor) and "max_length_q" in mapping:  # a static shape's max_seqlen is W
+            _note(cu).setdefault("max_seqlen", int(mapping["max_length_q"]))
 
-    def _copy_state(self, other: "PackedBatch") -> None:
-        d, od = self.__dict__, other.__dict__
-        d["_cu"], d["_seq_idx"], d["_facts"] = od["_cu"], od["_seq_idx"], dict(od["_facts"])
-        if "_labels_gone" in od:
-            d["_labels_gone"] = od["_labels_gone"]
-        _register(self)
-
-    # -- a dict whose counts follow it ----------------------------------------------------------
-
-    def __setitem__(self, key, value):
-        before = _loss_source(self) if key in _LABEL_KEYS else None
-        dict.__setitem__(self, key, value)
-        if key in _LABEL_KEYS:
-            self._labels_changed(before)
-        elif key in _STALE:
-            self._stale(key, value)
+    # -- a dict that remembers the labels it loses ----------------------------------------------
 
     def __delitem__(self, key):
-        before = _loss_source(self) if key in _LABEL_KEYS else None
+        self._losing(key)
         dict.__delitem__(self, key)
-        if key in _LABEL_KEYS:
-            self._labels_changed(before)
 
-    _MISSING = object()
-
-    def pop(self, key, default=_MISSING):
-        if key not in self:
-            if default is PackedBatch._MISSING:
-                raise KeyError(key)
-            return default
-        value = self[key]
-        del self[key]
-        return value
+    def pop(self, key, *default):
+        if key in self:
+            self._losing(key)
+        return dict.pop(self, key, *default)
 
     def popitem(self):
-        if not self:
-            raise KeyError("popitem(): PackedBatch is empty")
-        key = next(reversed(self))
-        return key, self.pop(key)
+        if self:
+            self._losing(next(reversed(self)))
+        return dict.popitem(self)
 
     def clear(self):
-        for key in list(self):
-            del self[key]
+        self._losing("labels")
+        dict.clear(self)
 
-    def update(self, other=(), /, **kwargs):
-        if isinstance(other, Mapping):
-            pairs = other.items()
-        elif hasattr(other, "keys"):  # what dict.update accepts: anything with keys() and [key]
-            pairs = [(k, other[k]) for k in other.keys()]
-        else:
-            pairs = other
-        for key, value in pairs:
-            self[key] = value
-        for key, value in kwargs.items():
-            self[key] = value
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = default
-        return self[key]
-
-    def __ior__(self, other):
-        self.update(other)
-        return self
-
-    def items(self):
-        """The view's items (what ``Trainer`` and ``accelerate`` iterate to rebuild a batch): the batch
-        files itself in the registry here, once per segment tensor, so that the rebuilt batch finds it."""
-        if self.__dict__["_filed"] is not _anchor(self):
-            _register(self)
-        return dict.items(self)
+    def _losing(self, key) -> None:
+        """Before ``key`` leaves the view: if it holds labels, keep the labels the loss reads now, so
+        that the count still describes them once none are left."""
+        if key in _LABEL_KEYS:
+            source = _loss_source(self)
+            if source is not None:
+                self.__dict__["_gone"] = source
 
     def copy(self) -> "PackedBatch":
         """A shallow copy (the same tensors), with the counts: ``type(batch)`` kept, unlike ``dict.copy``."""
-        new = dict.__new__(type(self))
-        dict.update(new, self)
-        new._copy_state(self)
-        return new
+        return type(self)(self)
 
     __copy__ = copy
 
     def __reduce__(self):
-        state = {"_cu": self.__dict__["_cu"], "_facts": self.__dict__["_facts"]}
-        if "_labels_gone" in self.__dict__:
-            state["_labels_gone"] = self.__dict__["_labels_gone"]
-        return _unpickle, (type(self), dict(self), state)
-
-    def _labels_changed(self, before) -> None:
-        """The loss reads ``shift_labels`` when present, else ``labels``: its count is stale only when
-        that tensor changed. With no labels left, the count of the last ones is kept."""
-        after = _loss_source(self)
-        d, facts = self.__dict__, self.__dict__["_facts"]
-        if after is None:
-            if "num_loss_tokens" not in facts and before is not None:
-                d["_labels_gone"] = before  # counted on the next read, no device work now
-            return
-        d.pop("_labels_gone", None)
-        if before is None or after[0] is not before[0] or after[1] != before[1]:
-            facts.pop("num_loss_tokens", None)
-            facts.pop("labels_shifted", None)
-            if facts.get("pad") is None:  # padding read from the labels: that reading changes too
-                facts.pop("num_tokens", None)
-                facts.pop("num_examples", None)
-
-    def _stale(self, key: str, value) -> None:
-        d, facts = self.__dict__, self.__dict__["_facts"]
-        if key == "cu_seq_lens_q" and value is d["_cu"]:
-            return  # the very segments it has (put back after a pop): nothing changed
-        for name in _STALE[key]:
-            facts.pop(name, None)
-        if key in ("input_ids", "cu_seq_lens_q"):
-            d["_seq_idx"] = None
-        if key == "cu_seq_lens_q":
-            d["_cu"] = value
-            _register(self)
+        """Pickled with the notes of its tensors (a DataLoader worker's queue does not carry them)."""
+        gone = self.__dict__["_gone"]
+        tensors = {id(t): t for t in (*self.values(), self.__dict__["_cu"], gone and gone[0])
+                   if isinstance(t, torch.Tensor) and t.__dict__.get(_NOTE)}
+        notes = [(t, dict(t.__dict__[_NOTE])) for t in tensors.values()]
+        return _unpickle, (type(self), dict(self), dict(self.__dict__), notes)
 
     __eq__ = object.__eq__
     __ne__ = object.__ne__
@@ -349,9 +258,12 @@ class PackedBatch(dict):
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
-        """int32 ``[S + 1]`` segment offsets (kept when ``cu_seq_lens_q`` is removed from the view)."""
-        cu = self.__dict__["_cu"]
-        if cu is None:  # a padded view rebuilt by hand: segments start where positions restart
+        """int32 ``[S + 1]`` segment offsets: the view's ``cu_seq_lens_q``, else the batch's own (the
+        padded view, or after ``cu_seq_lens_q`` was removed), else where ``position_ids`` restart."""
+        cu = dict.get(self, "cu_seq_lens_q")
+        if cu is None:
+            cu = self.__dict__["_cu"]
+        if cu is None:  # a padded view rebuilt from a bare dict
             flat = self["position_ids"]
             flat = (flat[0] if flat.dim() == 3 else flat).reshape(-1)  # mRoPE [4, B, L]: row 0 is the text
             starts = torch.nonzero(flat == 0).reshape(-1)
@@ -362,71 +274,74 @@ class PackedBatch(dict):
     @property
     def seq_idx(self) -> torch.Tensor:
         """int32, the shape of ``input_ids``: the segment of every token, from ``cu_seqlens``."""
-        seq_idx = self.__dict__["_seq_idx"]
-        if seq_idx is None:
-            seq_idx = self.__dict__["_seq_idx"] = _seq_idx_of(self.cu_seqlens, self.input_ids.shape)
+        cu, shape = self.cu_seqlens, self.input_ids.shape
+        note = _note(cu)
+        seq_idx = note.get("seq_idx")
+        if seq_idx is None or seq_idx.shape != shape:
+            seq_idx = note["seq_idx"] = _seq_idx_of(cu, shape)
         return seq_idx
 
-    def _fact(self, name: str):
-        facts = self.__dict__["_facts"]
-        if name not in facts:
-            self._count()
-        return facts[name]
+    @property
+    def num_loss_tokens(self) -> int:
+        """Python int, the loss terms of the labels the loss reads."""
+        labels, shifted = self._loss_source()
+        note = _note(labels)
+        key = "shifted_loss_tokens" if shifted else "loss_tokens"
+        if key not in note:
+            note[key] = int((labels if shifted else labels[..., 1:]).ne(IGNORE_INDEX).sum())
+        return note[key]
 
-    num_loss_tokens = property(lambda self: self._fact("num_loss_tokens"), doc="Python int, loss terms")
-    labels_shifted = property(lambda self: self._fact("labels_shifted"), doc="bool, pre-shifted labels")
-    num_tokens = property(lambda self: self._fact("num_tokens"), doc="Python int, real tokens")
-    num_examples = property(lambda self: self._fact("num_examples"), doc="Python int, documents")
-    num_real_segments = property(lambda self: self._fact("num_real_segments"),
+    @property
+    def labels_shifted(self) -> bool:
+        """bool, the loss reads pre-shifted ``shift_labels``."""
+        return self._loss_source()[1]
+
+    num_tokens = property(lambda self: self._tokens_and_examples()[0], doc="Python int, real tokens")
+    num_examples = property(lambda self: self._tokens_and_examples()[1], doc="Python int, documents")
+    num_real_segments = property(lambda self: self._segments()["num_real_segments"],
                                  doc="Python int, non-empty segments (padding tails included)")
-    max_seqlen = property(lambda self: self._fact("max_seqlen"), doc="Python int, the longest segment")
+    max_seqlen = property(lambda self: self._segments()["max_seqlen"], doc="Python int, the longest segment")
 
-    def _count(self) -> None:
-        """Compute every missing count with one read from the tensors' device."""
-        facts = self.__dict__["_facts"]
-        names, parts = [], []
-        if "num_real_segments" not in facts or "max_seqlen" not in facts:
-            cu = self.cu_seqlens
+    def _loss_source(self) -> tuple[torch.Tensor, bool]:
+        """``(labels, shifted)`` the loss reads, or the last ones removed."""
+        source = _loss_source(self) or self.__dict__["_gone"]
+        if source is None:
+            raise ValueError("this batch carries no labels (removed before this batch saw them, or rebuilt from "
+                             "a mapping without them); read num_loss_tokens before removing labels, or set "
+                             "batch['labels']")
+        return source
+
+    def _segments(self) -> dict:
+        """The note of ``cu_seqlens``, with ``num_real_segments`` and ``max_seqlen`` (one device read)."""
+        cu = self.cu_seqlens
+        note = _note(cu)
+        if "num_real_segments" not in note or "max_seqlen" not in note:
             seg_len = (cu[1:] - cu[:-1]).to(torch.int64)
-            names += ["num_real_segments", "max_seqlen"]
-            parts += [(seg_len > 0).sum(), seg_len.max() if seg_len.numel() else seg_len.new_zeros(())]
-        if "num_loss_tokens" not in facts:
-            source = _loss_source(self) or self.__dict__.get("_labels_gone")
-            if source is None:
-                raise ValueError("this batch carries no labels (they were removed before their loss tokens were "
-                                 "counted); read num_loss_tokens before removing labels, or set batch['labels']")
-            labels, shifted = source
-            facts["labels_shifted"] = shifted
-            names.append("num_loss_tokens")
-            parts.append((labels if shifted else labels[..., 1:]).ne(IGNORE_INDEX).sum(dtype=torch.int64))
-        if "num_tokens" not in facts or "num_examples" not in facts:
-            mask, ids = self.get("attention_mask"), self.input_ids
-            pad = facts.get("pad")
-            if _is_padding_mask(mask, ids):
-                names += ["num_tokens", "num_examples"]
+            longest = seg_len.max() if seg_len.numel() else seg_len.new_zeros(())
+            real, longest = torch.stack([(seg_len > 0).sum(), longest]).tolist()
+            note.setdefault("num_real_segments", real)
+            note.setdefault("max_seqlen", longest)
+        return note
+
+    def _tokens_and_examples(self) -> tuple[int, int]:
+        """``(num_tokens, num_examples)``: from the padded view's mask, else from the padding noted on
+        ``cu_seqlens``, else (segments packkit did not make) read from the labels."""
+        ids, mask = self.input_ids, dict.get(self, "attention_mask")
+        if _is_padding_mask(mask, ids):
+            note = _note(mask)
+            if "num_tokens" not in note:
                 per_row = mask.reshape(mask.shape[0], -1).ne(0).sum(-1, dtype=torch.int64)
-                parts += [per_row.sum(), per_row.gt(0).sum()]
-            elif pad is not None:
-                facts["num_tokens"] = ids.numel() - pad[0]
-                if "num_real_segments" in facts:
-                    facts["num_examples"] = facts["num_real_segments"] - pad[1]
-                else:
-                    names.append("num_examples")
-                    parts.append(parts[names.index("num_real_segments")] - pad[1])
-            else:
-                labels = self.get("labels")
-                if labels is None:
-                    labels = (self.get("shift_labels") if "shift_labels" in self
-                              else (self.__dict__.get("_labels_gone") or (None,))[0])
-                if labels is None:
-                    labels = torch.zeros(ids.shape, dtype=torch.int64, device=ids.device)  # no tails known
-                tokens, docs = real_tokens_and_documents(self.cu_seqlens, labels)
-                names += ["num_tokens", "num_examples"]
-                parts += [tokens, docs]
-        if parts:
-            device = parts[0].device
-            values = torch.stack([p.to(device) for p in parts]).tolist()  # one read from the device
-            facts.update(zip(names, values))
+                note["num_tokens"], note["num_examples"] = torch.stack([per_row.sum(), per_row.gt(0).sum()]).tolist()
+            return note["num_tokens"], note["num_examples"]
+        pad = _note(self.cu_seqlens).get("pad")
+        if pad is not None:
+            return ids.numel() - pad[0], self.num_real_segments - pad[1]
+        source = _loss_source(self) or self.__dict__["_gone"]
+        labels = dict.get(self, "labels", source and source[0])
+        if labels is None:
+            labels = torch.zeros(ids.shape, dtype=torch.int64, device=ids.device)  # no tails known
+        tokens, docs = real_tokens_and_documents(self.cu_seqlens, labels)
+        return tuple(torch.stack([tokens, docs]).tolist())
 
     # -- shape ----------------------------------------------------------------------------------
 
@@ -447,26 +362,24 @@ class PackedBatch(dict):
     # -- moving ---------------------------------------------------------------------------------
 
     def _map(self, fn) -> "PackedBatch":
-        """A batch with ``fn`` applied to every tensor (each tensor once: aliases stay aliases)."""
+        """A batch with ``fn`` applied to every tensor, notes carried over (each tensor once: aliases
+        stay aliases)."""
         moved = {}
 
         def move(v):
             if not isinstance(v, torch.Tensor):
                 return v
-            key = id(v)
-            if key not in moved:
-                moved[key] = fn(v)
-            return moved[key]
+            if id(v) not in moved:
+                new = moved[id(v)] = fn(v)
+                note = v.__dict__.get(_NOTE)
+                if note and new is not v:
+                    _note(new).update({k: move(x) for k, x in note.items()})  # seq_idx moves too
+            return moved[id(v)]
 
         new = dict.__new__(type(self))
         dict.update(new, {k: move(v) for k, v in self.items()})
-        d, nd = self.__dict__, new.__dict__
-        nd["_cu"] = None if d["_cu"] is None else move(d["_cu"])
-        nd["_seq_idx"] = None if d["_seq_idx"] is None else move(d["_seq_idx"])  # a lazy seq_idx stays lazy
-        nd["_facts"] = dict(d["_facts"])
-        if "_labels_gone" in d:
-            nd["_labels_gone"] = (move(d["_labels_gone"][0]), d["_labels_gone"][1])
-        _register(new)
+        gone = self.__dict__["_gone"]
+        new.__dict__.update(_cu=move(self.__dict__["_cu"]), _gone=gone and (move(gone[0]), gone[1]))
         return new
 
     def to(self, device, non_blocking: bool = False) -> "PackedBatch":
@@ -615,13 +528,8 @@ class PackedBatch(dict):
                                  BLOCK_SIZE=BLOCK_SIZE)
 
     def __repr__(self) -> str:
-        facts = self.__dict__["_facts"]
         kind = "padded" if _is_padding_mask(self.get("attention_mask"), self.input_ids) else "packed"
-        counts = ", ".join(f"{k}={facts[k]}" for k in ("num_loss_tokens", "num_tokens", "num_examples")
-                           if k in facts)
-        return (f"PackedBatch({kind}, shape={list(self.shape)}, keys={list(self)}"
-                f"{', ' + counts if counts else ''}{', labels_shifted' if facts.get('labels_shifted') else ''}, "
-                f"device={self.device})")
+        return f"PackedBatch({kind}, shape={list(self.shape)}, keys={list(self)}, device={self.device})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -629,48 +537,52 @@ class PackedBatch(dict):
 # ----------------------------------------------------------------------------------------------
 
 
-_new = dict.__new__
-_dict_init = dict.__init__
-_put = dict.__setitem__
-
-
 def _fill(obj, input_ids, labels, position_ids, cu, max_seqlen, seq_idx, num_loss_tokens, attention_mask,
           num_tokens, num_examples, num_real_segments, labels_shifted) -> None:
-    """Lay a new batch's fields out as its view and its cached counts (positional: the hot path)."""
+    """Lay a new batch's fields out as its view, and note the counts it was given on their tensors
+    (positional: the hot path)."""
     shifted = bool(labels_shifted)
+    segments = _note(cu)
+    if max_seqlen is not None:
+        segments["max_seqlen"] = max_seqlen
+    if num_real_segments is not None:
+        segments["num_real_segments"] = num_real_segments
+    if seq_idx is not None:
+        segments["seq_idx"] = seq_idx
+    if num_loss_tokens is not None:
+        _note(labels)["shifted_loss_tokens" if shifted else "loss_tokens"] = num_loss_tokens
     if attention_mask is None:
         if max_seqlen is None:
             max_seqlen = _max_segment(cu)
-        _dict_init(obj, input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seq_lens_q=cu,
-                   cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen)
-    else:
-        _dict_init(obj, input_ids=input_ids, labels=labels, position_ids=position_ids, attention_mask=attention_mask)
-    if shifted:
-        _put(obj, "shift_labels", labels)
-    _put(obj, "use_cache", False)
-    if not (num_loss_tokens is None or num_tokens is None or num_examples is None or num_real_segments is None
-            or max_seqlen is None):  # the collators' case: every count known, padding with them
-        facts = {"labels_shifted": shifted, "num_loss_tokens": num_loss_tokens, "max_seqlen": max_seqlen,
-                 "num_real_segments": num_real_segments, "num_tokens": num_tokens, "num_examples": num_examples,
-                 "pad": (input_ids.numel() - num_tokens, num_real_segments - num_examples)}
-    else:
-        facts = {"labels_shifted": shifted}
-        for name, value in (("num_loss_tokens", num_loss_tokens), ("max_seqlen", max_seqlen),
-                            ("num_real_segments", num_real_segments), ("num_tokens", num_tokens),
-                            ("num_examples", num_examples)):
-            if value is not None:
-                facts[name] = value
+        dict.__init__(obj, input_ids=input_ids, labels=labels, position_ids=position_ids, cu_seq_lens_q=cu,
+                      cu_seq_lens_k=cu, max_length_q=max_seqlen, max_length_k=max_seqlen)
         if num_tokens is not None and num_examples is not None and num_real_segments is not None:
-            facts["pad"] = (input_ids.numel() - num_tokens, num_real_segments - num_examples)
-    d = obj.__dict__
-    d["_cu"], d["_seq_idx"], d["_facts"], d["_filed"] = cu, seq_idx, facts, None
+            segments["pad"] = (input_ids.numel() - num_tokens, num_real_segments - num_examples)
+    else:
+        dict.__init__(obj, input_ids=input_ids, labels=labels, position_ids=position_ids,
+                      attention_mask=attention_mask)
+        if num_tokens is not None and num_examples is not None:
+            _note(attention_mask).update(num_tokens=num_tokens, num_examples=num_examples)
+    if shifted:
+        dict.__setitem__(obj, "shift_labels", labels)
+    dict.__setitem__(obj, "use_cache", False)
+    obj.__dict__.update(_cu=cu, _gone=None)
 
 
-def _unpickle(cls, items: dict, state: dict) -> PackedBatch:
+def _note(tensor) -> dict:
+    """What packkit knows about ``tensor`` (its counts), kept in the tensor's own ``__dict__`` so that
+    it goes wherever the tensor goes; a throwaway dict for anything else."""
+    if not isinstance(tensor, torch.Tensor):
+        return {}
+    return tensor.__dict__.setdefault(_NOTE, {})
+
+
+def _unpickle(cls, items: dict, state: dict, notes: list) -> PackedBatch:
     obj = dict.__new__(cls)
     dict.update(obj, items)
-    obj.__dict__.update(state, _seq_idx=None, _facts=dict(state["_facts"]))
-    _register(obj)
+    obj.__dict__.update(state)
+    for tensor, note in notes:
+        _note(tensor).update(note)
     return obj
 
 
@@ -723,53 +635,6 @@ def _mask_dtype(model, config, dtype) -> torch.dtype:
 
 
 # -- the registry that lets a batch rebuilt from its bare view find its padding again -----------
-
-_ORIGIN: dict[int, list] = {}  # id of an anchor tensor -> weak references to the batches that hold it
-
-
-class _Origin(weakref.ref):
-    """A weak reference to a batch, filed under the id of its anchor tensor (``key``)."""
-
-    __slots__ = ("key",)
-
-
-def _forget(ref: _Origin) -> None:
-    refs = _ORIGIN.get(ref.key)
-    if refs is not None:
-        try:
-            refs.remove(ref)
-        except ValueError:
-            pass
-        if not refs:
-            _ORIGIN.pop(ref.key, None)
-
-
-def _anchor(batch: dict):
-    """The tensor a view's structure hangs on: ``cu_seq_lens_q``, else ``attention_mask``."""
-    anchor = dict.get(batch, "cu_seq_lens_q")
-    return dict.get(batch, "attention_mask") if anchor is None else anchor
-
-
-def _register(batch: PackedBatch) -> None:
-    """File ``batch`` under its anchor tensor (once per anchor)."""
-    anchor = _anchor(batch)
-    batch.__dict__["_filed"] = anchor
-    if isinstance(anchor, torch.Tensor):
-        ref = _Origin(batch, _forget)
-        ref.key = id(anchor)
-        _ORIGIN.setdefault(ref.key, []).append(ref)
-
-
-def _registered(batch: PackedBatch):
-    """A live batch filed under ``batch``'s anchor tensor that still holds that very tensor, or None."""
-    anchor = _anchor(batch)
-    if not isinstance(anchor, torch.Tensor):
-        return None
-    for ref in reversed(tuple(_ORIGIN.get(id(anchor), ()))):  # the latest first
-        src = ref()
-        if src is not None and src is not batch and _anchor(src) is anchor:
-            return src
-    return None
 
 
 def _seq_idx_of(cu: torch.Tensor, shape) -> torch.Tensor:
