@@ -1,0 +1,165 @@
+"""packkit.cp on one process: what every rank holds (properties over hypothesis-drawn lengths), the
+consumers' arguments on known cases, and the regressions other stacks shipped.
+
+The distributed half (gloo processes, attention equal to the unsharded one) is tests/test_cp_distributed.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from packkit.collate import FixedWindowCollator, PaddingFreeCollator
+from packkit.cp import LAYOUTS, cp_padding, plan_cp, restore, shard
+from packkit.segments import IGNORE_INDEX, lengths_to_cu_seqlens
+
+
+def examples(lengths, seed=0):
+    """Tokenized examples of the given lengths; a third of each is a masked prompt."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(1, 100, n).tolist()
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (n // 3) + ids[n // 3:]})
+    return out
+
+
+def unsharded_targets(batch):
+    """The target of every token of the batch, flat: the label of the next token of its row, -100 at a
+    row's end (the slow obvious way, per token)."""
+    labels = batch.labels.tolist()
+    return [row[t + 1] if t + 1 < len(row) else IGNORE_INDEX for row in labels for t in range(len(row))]
+
+
+lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=7)
+
+
+@given(lengths=lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(LAYOUTS),
+       windows=st.booleans())
+def test_every_rank_keeps_what_the_row_meant(lengths, cp, layout, windows):
+    """Every real token on exactly one rank; positions are the unsharded per-document ones (restart at
+    every document); each token's shifted label is the unsharded one; loss counts sum to the global
+    count, which every rank carries; restore(shard(x)) == x; every rank holds the same number of tokens."""
+    if windows:  # [B, W] windows with padding tails (segments of their own)
+        batch = FixedWindowCollator(window=max(lengths) + 5, strategy="next_fit")(examples(lengths))
+    else:
+        batch = PaddingFreeCollator()(examples(lengths))
+    shards = [shard(batch, cp_size=cp, rank=r, layout=layout) for r in range(cp)]
+    T = batch.input_ids.numel()
+    sources = torch.cat([s.index for s in shards])
+    real = sources[sources >= 0]
+    assert sorted(real.tolist()) == list(range(T))  # every token exactly once
+    assert len({s.input_ids.shape[1] for s in shards}) == 1
+    flat_pos = batch.position_ids.reshape(-1)
+    flat_seg = batch.seq_idx.reshape(-1)
+    targets = unsharded_targets(batch)
+    for s in shards:
+        keep = s.index >= 0
+        assert torch.equal(s.position_ids[0][keep], flat_pos[s.index[keep]])
+        assert torch.equal(s.seq_idx[0][keep].long(), flat_seg[s.index[keep]].long())
+        assert s.shift_labels[0][keep].tolist() == [targets[i] for i in s.index[keep].tolist()]
+        assert (s.shift_labels[0][~keep] == IGNORE_INDEX).all()
+        assert s.num_loss_tokens == batch.num_loss_tokens
+        assert s.max_seqlen == batch.max_seqlen
+        assert isinstance(s.max_seqlen, int)
+    assert sum(s.num_local_loss_tokens for s in shards) == batch.num_loss_tokens
+    plan = shards[0].plan
+    for name in ("input_ids", "position_ids"):
+        assert torch.equal(restore([getattr(s, name) for s in shards], plan=plan, shape=batch.input_ids.shape),
+                           getattr(batch, name))
+    assert torch.equal(restore([s.shift_labels for s in shards], plan=plan), torch.tensor(targets))
+    assert plan.padding_tokens == cp * plan.local_len - T >= 0
+    if layout == "zigzag":
+        assert (plan.padded % (2 * cp) == 0).all()
+        assert plan.padding_tokens == cp_padding(plan.lengths, cp_size=cp, layout="zigzag")
+    if layout in ("contiguous", "ulysses"):
+        assert plan.padding_tokens == (-T) % cp
+    if layout == "hybrid":
+        share = -(-T // cp)
+        lens = plan.lengths[:plan.num_segments]
+        assert (plan.padded[:plan.num_segments][lens <= share] == lens[lens <= share]).all()  # short: no padding
+        assert plan.padding_tokens < cp + sum(int(-n % (2 * cp)) for n in lens[lens > share])
+
+
+def test_megatron_5243_positions_and_packed_table_index():
+    """Megatron-LM #5243: cu_seqlens=[0, 4, 8], cp=2: rank 0 holds tokens [0, 3, 4, 7] of the packed row
+    (the rows of a packed per-token RoPE table it must read), whose per-document positions are
+    [0, 3, 0, 3]. Megatron read the table at [0, 3, 0, 3], reusing sequence 0's positions."""
+    batch = PaddingFreeCollator()(examples([4, 4]))
+    s0 = shard(batch, cp_size=2, rank=0, layout="zigzag")
+    assert s0.index.tolist() == [0, 3, 4, 7]
+    assert s0.position_ids.tolist() == [[0, 3, 0, 3]]
+    table = torch.randn(8, 6)  # a packed per-token table (freqs.size(0) == cu_seqlens[-1])
+    assert torch.equal(s0.take(table), table[[0, 3, 4, 7]])
+    te = s0.te_params()
+    assert te.cu_seqlens_q.tolist() == [0, 4, 8] and te.cu_seqlens_q_padded.tolist() == [0, 4, 8]
+
+
+def test_te_params_padded_and_real_cannot_be_swapped():
+    """TE #1409 (NaNs from cu_seqlens given for cu_seqlens_padded): the padded offsets are a view of their
+    own, each length a multiple of 2*cp, checked against the real ones; a swap raises."""
+    batch = PaddingFreeCollator()(examples([9, 3, 4]))
+    te = shard(batch, cp_size=2, rank=1, layout="zigzag").te_params()
+    assert te.qkv_format == "thd"
+    assert te.cu_seqlens_q.tolist() == te.cu_seqlens_kv.tolist() == [0, 9, 12, 16]
+    assert te.cu_seqlens_q_padded.tolist() == te.cu_seqlens_kv_padded.tolist() == [0, 12, 16, 20]
+    assert te.max_seqlen_q == te.max_seqlen_kv == 12 and isinstance(te.max_seqlen_q, int)
+    swapped = te._replace(cu_seqlens_q=te.cu_seqlens_q_padded, cu_seqlens_q_padded=te.cu_seqlens_q)
+    with pytest.raises(ValueError, match="are they swapped"):
+        swapped.check(2)
+    with pytest.raises(ValueError, match="layout='zigzag'"):
+        shard(batch, cp_size=2, rank=0, layout="contiguous").te_params()
+
+
+def test_llama3_args_match_ring_flash_attn_example():
+    """ring-flash-attn's own example (cu_seqlens=[0, 7, 14, 16], world 8: 2 tokens a rank): rank 3 holds
+    tokens 6..7 (doc 0's last, doc 1's first), keys from doc 0's start; max_seqlen are Python ints."""
+    batch = PaddingFreeCollator()(examples([7, 7, 2]))
+    a = shard(batch, cp_size=8, rank=3, layout="contiguous").llama3_args()
+    assert a.cu_seqlens_q.tolist() == [0, 1, 2]
+    assert a.cu_seqlens_k.tolist() == [0, 7, 8]
+    assert a.local_k_slice == slice(0, 8)
+    assert (a.max_seqlen_q, a.max_seqlen_k) == (1, 7) and all(type(x) is int for x in a[2:4])
+    a = shard(batch, cp_size=8, rank=7, layout="contiguous").llama3_args()
+    assert a.cu_seqlens_q.tolist() == [0, 2] and a.cu_seqlens_k.tolist() == [0, 2] and a.local_k_slice == slice(14, 16)
+
+
+def test_zigzag_indices_equal_torch_head_tail_load_balancer():
+    """One document filling the row: the zigzag order is torch's own head-tail load balancer's."""
+    lb = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
+    for cp in (2, 4, 8):
+        plan = plan_cp([64], cp_size=cp, layout="zigzag")
+        for restore_ in (False, True):
+            ours = plan.torch_indices(restore=restore_)
+            theirs = lb._HeadTailLoadBalancer(64, cp, "cpu")._generate_indices(restore=restore_)
+            assert torch.equal(ours, theirs.long())
+
+
+def test_hybrid_balances_short_documents_and_pads_little():
+    """Many short documents: the hybrid adds under cp tokens of padding and keeps the ranks' causal work
+    within 5% of each other; contiguous pieces give the last ranks far more."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 600, 60)
+    hybrid = plan_cp(lengths, cp_size=8, layout="hybrid")
+    contiguous = plan_cp(lengths, cp_size=8, layout="contiguous")
+    assert hybrid.padding_tokens < 8
+    assert hybrid.work().max() / hybrid.work().mean() < 1.05
+    assert hybrid.work().sum() == contiguous.work().sum()  # the same attention, placed otherwise
+    assert contiguous.work().max() / contiguous.work().mean() > hybrid.work().max() / hybrid.work().mean()
+
+
+def test_bad_arguments_are_one_line_errors():
+    batch = PaddingFreeCollator()(examples([5, 3]))
+    with pytest.raises(ValueError, match="cp_size must be an integer >= 1"):
+        shard(batch, cp_size=0, rank=0)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\)"):
+        shard(batch, cp_size=2, rank=2)
+    with pytest.raises(ValueError, match="unknown CP layout 'ring'"):
+        shard(batch, cp_size=2, rank=0, layout="ring")
+    with pytest.raises(ValueError, match="made for another batch"):
+        shard(batch, cp_size=2, rank=0, layout="zigzag", plan=plan_cp([8], cp_size=2, layout="zigzag"))
+    with pytest.raises(ValueError, match="one part per rank"):
+        restore([batch.input_ids], plan=plan_cp([5, 3], cp_size=2, layout="zigzag"))
+    assert lengths_to_cu_seqlens([5, 3]).tolist() == batch.cu_seqlens.tolist()
