@@ -20,15 +20,18 @@ order. Documents of 9, 3 and 4 tokens (``cu_seqlens = [0, 9, 12, 16]``), ``cp = 
       rank 0  a0 a1 a2 a3 a4 a5 a6 a7        positions 0..7
       rank 1  a8 | b0 b1 b2 | c0 c1 c2 c3    positions 8 | 0 1 2 | 0 1 2 3
 
-    hybrid (packkit's): zigzag only for documents longer than the per-rank share ceil(T / cp); the
-    others stay whole and go to the rank with the least causal work that has room for them (longest
-    first, LPT); the little room left is filled by cutting a document or, at the end, padding
-      rank 0  a0 a1 a2 a3  a12p.. (a zigzag, as above) ...
+    hybrid (packkit's): a document longer than a rank's share ceil(T / cp), or whose causal work alone
+    exceeds 5% of a rank's, is cut zigzag without padding (every rank gets len // cp of its tokens, a
+    head chunk and a tail chunk); the others stay whole and go, longest first, to the rank with the
+    least causal work that has room for them (LPT), cut over the ranks only when none has room; under
+    cp tokens of padding fill the ranks up (here c is cut for its work, b for want of room)
+      rank 0  a0 a1 a6 a7 a8 | b2 | c0 c3        positions 0 1 6 7 8 | 2 | 0 3
+      rank 1  a2 a3 a4 a5    | b0 b1 | c1 c2     positions 2 3 4 5   | 0 1 | 1 2
 
 The causal work of a rank is ``sum over its real tokens of (position + 1)``: the keys each query
-attends to. Contiguous pieces give the last rank the most (1.50x the mean at cp = 8 on real chat
-rows of 32k); zigzag balances every document but pads each one (1.30% of the tokens at cp = 8); the
-hybrid pads almost nothing and balances the whole short documents by LPT (``benchmarks/bench_cp.py``).
+attends to. Contiguous pieces give the last rank the most; zigzag balances every document but pads each one; the hybrid pads under cp
+tokens a row and balances the rest by LPT (figures on real chat rows: ``benchmarks/RESULTS.md``,
+"Context parallelism").
 
 Consumers and their exact arguments (:class:`CPShard` views):
 
@@ -246,16 +249,45 @@ def _contiguous_pieces(padded, cp) -> tuple[np.ndarray, ...]:
     return starts // local, seg, starts - g_start[seg], ends - starts
 
 
-def _hybrid_pieces(lengths, cp) -> tuple[np.ndarray, ...]:
-    """Long segments zigzag; short ones whole, LPT by causal work under an equal token capacity."""
-    share = -(-int(lengths.sum()) // cp)
-    long = lengths > share
-    padded = np.where(long, _round_up(lengths, 2 * cp), lengths)
-    z_rank, z_seg, z_off, z_len = _zigzag_pieces(np.flatnonzero(long), padded, cp)
+#: the hybrid layout zigzags a document whose causal work alone exceeds this fraction of a rank's
+#: mean work (besides every document over the per-rank share): placed whole, it would make its rank
+#: the straggler, since every rank holds the same number of tokens
+HYBRID_WORK_FRACTION = 0.05
+
+
+def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
+    """Zigzag without padding: each segment in ``seg`` gives every rank ``len // cp`` tokens, its
+    remainder going to the ranks that hold the fewest so far (so no rank ends over its share); a rank's
+    share is its head chunk (``share // 2`` tokens, chunk ``r``) and its tail chunk (chunk ``2cp-1-r``)."""
+    held = np.zeros(cp, np.int64)
+    ranks = np.arange(cp)
+    rank_col = np.concatenate([ranks, ranks[::-1]])  # owner of chunk j: j, then 2cp-1-j
+    out = []
+    for s in seg.tolist():
+        n = int(lengths[s])
+        share = np.full(cp, n // cp, np.int64)
+        share[np.argsort(held, kind="stable")[: n % cp]] += 1
+        held += share
+        head = share // 2
+        sizes = np.concatenate([head, (share - head)[::-1]])  # chunk j's size, in the document's order
+        offsets = lengths_to_offsets(sizes)[:-1]
+        out.append(np.stack([rank_col, np.full(2 * cp, s), offsets, sizes], 1))
+    table = np.concatenate(out) if out else np.zeros((0, 4), np.int64)
+    return tuple(table.T)
+
+
+def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
+    """Long segments zigzag (unpadded chunks); short ones whole, LPT by causal work into the room every
+    rank has left of ``ceil(T / cp)`` tokens; that room's remainder (under cp tokens) is padding."""
+    fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
+    total = int(lengths.sum())
+    local_len = -(-total // cp)
+    doc_work = causal_work(lengths)
+    long = (lengths > local_len) | ((doc_work > fraction * doc_work.sum() / cp) & (lengths >= 2 * cp))
+    z_rank, z_seg, z_off, z_len = _halves_pieces(np.flatnonzero(long), lengths, cp)
     work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.float64)
+    room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
     short = np.flatnonzero(~long)
-    capacity = -(-int(lengths[short].sum()) // cp)
-    room = np.full(cp, capacity, np.int64)
     pieces = []  # (rank, seg, offset, length)
     for s in short[np.argsort(-lengths[short], kind="stable")].tolist():
         n = int(lengths[s])
@@ -266,7 +298,7 @@ def _hybrid_pieces(lengths, cp) -> tuple[np.ndarray, ...]:
             room[r] -= n
             work[r] += n * (n + 1) // 2
             continue
-        # no rank has room for it whole: cut it over the ranks with the most room (rare, small documents)
+        # no rank has room for it whole: cut it over the ranks with the most room (small documents, last)
         off = 0
         for r in np.argsort(-room, kind="stable").tolist():
             take = int(min(room[r], n - off))
@@ -285,7 +317,7 @@ def _hybrid_pieces(lengths, cp) -> tuple[np.ndarray, ...]:
              np.stack([fill, seg_ids, np.zeros_like(fill), room[fill]], 1).astype(np.int64)]
     table = np.concatenate(parts)
     lengths = np.concatenate([lengths, np.zeros(fill.size, np.int64)])
-    padded = np.concatenate([padded, room[fill]])
+    padded = np.concatenate([lengths[:len(lengths) - fill.size], room[fill]])
     return padded, lengths, tuple(table.T)
 
 
