@@ -17,7 +17,7 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp"],
     # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention
     ["examples", "chat", "writers", "attention", "sampler"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
