@@ -284,3 +284,35 @@ def test_with_trainer_as_pasted(tmp_path, monkeypatch):
     scope = dict(model=tiny_model(), tokenized=tokenized)
     with pytest.raises(ValueError, match="remove_unused_columns=False"):
         exec(code.replace("remove_unused_columns=False", ""), scope)
+
+
+# ----------------------------------------------------------------------------------------------
+# "Vision-language models": a tiny Qwen2-VL trained by Trainer with default arguments on packed documents
+# ----------------------------------------------------------------------------------------------
+
+
+def test_vision_language_as_pasted(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from test_vl_model import make_example, tiny_vl_model
+
+    g = torch.Generator().manual_seed(0)
+    grids = ([(1, 4, 4)], [], [(1, 2, 4), (1, 4, 2)], [(1, 4, 4)])
+    rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in make_example(g, 3 + i % 5, grids[i % 4]).items()}
+            for i in range(8)]
+    dataset = datasets.Dataset.from_list(rows)  # as a processor's map leaves it: lists, None where no image
+    scope = run_readme("## Vision-language models", 0, tmp_path, monkeypatch, model=tiny_vl_model(torch.float32),
+                       dataset=dataset)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step
+    assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    batch = scope["collate"]([dataset[i] for i in range(8)])
+    assert batch["position_ids"].shape == (4, *batch.input_ids.shape)
+    assert batch["image_grid_thw"].shape == (sum(len(grids[i % 4]) for i in range(8)), 3)
+
+
+def test_hybrid_models_as_pasted(tmp_path, monkeypatch):
+    scope = run_readme("## Vision-language models", 1, tmp_path, monkeypatch)
+    batch = scope["collate"](dataset(4))
+    lengths = [len(x["input_ids"]) for x in dataset(4)]
+    assert batch["seq_idx"].tolist() == [np.repeat(np.arange(4), lengths).tolist()]
+    assert batch["cu_seq_lens_q"].tolist() == [0, *np.cumsum(lengths).tolist()]

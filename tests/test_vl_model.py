@@ -23,8 +23,8 @@ MERGE = 2  # spatial_merge_size
 PATCH_DIM = 3 * 2 * 2 * 2  # channels * temporal_patch_size * patch_size**2
 
 
-@pytest.fixture(scope="module")
-def model():
+def tiny_vl_model(dtype=torch.float64):
+    """A tiny random Qwen2VLForConditionalGeneration (2 text layers, 1 vision block) on sdpa."""
     torch.manual_seed(0)
     config = transformers.Qwen2VLConfig(
         text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -34,8 +34,12 @@ def model():
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
                            spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3),
         image_token_id=IMG, video_token_id=121, vision_start_token_id=VS, vision_end_token_id=VE)
-    return transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="sdpa",
-                                                                    dtype=torch.float64).eval()
+    return transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_vl_model().eval()
 
 
 def make_example(g, text, grids):
