@@ -22,7 +22,7 @@ FLOORS = [
     ["examples", "chat", "writers", "attention", "sampler"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "columnar"],
-    ["collate", "sources"],
+    ["collate", "sources", "model_inputs"],
     ["offline"],
     ["raydata"],
     ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.__main__"],
