@@ -15,7 +15,7 @@ Use one as ``DataLoader(ds, batch_size=..., collate_fn=PaddingFreeCollator())`` 
 An example is a mapping with ``input_ids`` (a list, numpy array or tensor of non-negative integers)
 and optionally ``labels`` (same length; ``-100`` where no loss is wanted) and/or a
 ``completion_mask`` / ``assistant_masks`` (loss only where it is 1). Examples are read, and their
-rules checked, by :mod:`packkit.examples`: each example's own keys decide its labels (an example
+rules checked, by :mod:`packkit.rules`: each example's own keys decide its labels (an example
 without labels is trained on its token ids; a loss mask is honoured on every example that carries
 one, whatever the first example carries). A batch with neither labels nor a mask warns once
 (``LossMaskWarning``: ``transformers.Trainer`` drops mask columns unless
@@ -45,8 +45,9 @@ import torch
 
 from .batch import PackedBatch
 from .binpack import check_overflow, check_strategy, check_window, overflow_error, pack
-from .examples import MASK_KEYS, ExampleBatch, check_loss_mask_mode, location, read_batch, read_column
+from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
+from .rules import MASK_KEYS, check_loss_mask_mode, location
 from .segments import IGNORE_INDEX, lengths_to_offsets, position_ids_to_lengths
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]

@@ -27,7 +27,7 @@ Two things come with it:
   every ``dict`` example. A ``ColumnarDataset`` is not a ``datasets.Dataset`` and its rows are not
   dicts, so the mask reaches the collator and is honoured.
 
-Labels and loss masks follow :mod:`packkit.examples` as on every path. The columns read are
+Labels and loss masks follow :mod:`packkit.rules` as on every path. The columns read are
 ``input_ids``, ``labels``, the loss masks, and the packed-row columns ``seq_lengths`` / ``position_ids``
 when present (``columns=`` to choose). The Arrow types are checked once here; values per batch by the
 collator (vectorised).
@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .examples import MASK_KEYS, ExampleBatch, column_kind, list_chunks
+from .examples import ExampleBatch
+from .listcolumns import list_chunks
+from .rules import MASK_KEYS, column_kind
 
 __all__ = ["ColumnarDataset", "DEFAULT_COLUMNS"]
 
@@ -46,7 +48,7 @@ DEFAULT_COLUMNS = ("input_ids", "labels", *MASK_KEYS, "seq_lengths", "position_i
 
 
 def _kind(key: str) -> str:
-    """The rule a column's Arrow type is checked under: its :func:`~packkit.examples.column_kind`; the
+    """The rule a column's Arrow type is checked under: its :func:`~packkit.rules.column_kind`; the
     packed-row columns (``seq_lengths``, ``position_ids``) under the token ids' rule, as the collators
     read them (:func:`~packkit.examples.read_column`)."""
     kind = column_kind(key, "input_ids")

@@ -26,7 +26,7 @@ from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import chat_format, load_tokenizer, tokenize_chat
 from .errors import ArgumentError, DataError, MissingError, arg
-from .examples import loss_lengths, token_lengths
+from .listcolumns import loss_lengths, token_lengths
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -472,7 +472,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
     data goes through its chat template (:func:`tokens_table`; ``chat``: the options of
     :func:`packkit.chat.tokenize_chat`). The loss lengths come from ``labels`` or a loss mask when the
-    data has one (:func:`packkit.examples.loss_lengths`).
+    data has one (:func:`packkit.listcolumns.loss_lengths`).
     """
     if path is None:
         return bundled_sample()
@@ -500,7 +500,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             table, how = tokens_table(table, column=column, text_column=text_column, tokenizer=tokenizer,
                                       chat=chat, progress=progress, where=repr(str(path)))
             token_col = column if column in table.column_names else "input_ids"
-            # every rule the collators and `packkit pack` hold token ids to (packkit.examples), so
+            # every rule the collators and `packkit pack` hold token ids to (packkit.rules), so
             # that waste and plan measure exactly what pack accepts
             lengths = as_lengths(token_lengths(table.column(token_col), key=token_col),
                                  name=f"lengths in {path.name}")

@@ -1,47 +1,14 @@
-"""Examples in: the one reader of examples and the one set of rules, on every path.
+"""Python examples in: one example (streaming packing) and a batch of them (the collators' hot path),
+read by the rules of :mod:`packkit.rules`, and :class:`ExampleBatch`, a batch held as columns.
 
-An example is a mapping (or one row of a table) with these keys::
-
-    key               holds                              rule
-    input_ids         token ids                          integers >= 0, at least one
-    labels            the target of each token           token ids (>= 0) or -100 (no loss), one per token
-    completion_mask   loss only where 1 (TRL's names:    0 or 1 (bools too), one per token
-    assistant_masks   MASK_KEYS)
-
-No list may be nested (a ``[1, n]`` tokenizer output is one example: squeeze it) and no value may be
-a float, NaN, a bool or text where an integer belongs. Every error a user can cause names where the
-example is and how to fix it, in one wording per rule::
-
-    example 3 has label -7 in 'labels'; labels are token ids (>= 0) or -100 (no loss)
-    dataset row 81204 has 1.5 (float) in 'input_ids'; token ids are integers >= 0
-    dataset row 7 has 2 in the loss mask 'completion_mask'; a loss mask holds 1 (loss) or 0 (no loss)
-
-The location is ``example i`` (the i-th example of what was passed) or, where the index in a dataset
-is known (offline packing, a batch fetched through :class:`packkit.columnar.ColumnarDataset`),
-``dataset row N``.
-
-**Each example's own keys decide its labels** (honoured per example, whatever its batch-mates carry):
-its ``labels`` if it has them, else its token ids; then ``-100`` wherever any loss mask it carries is 0
-(both masks apply when both are given). A key whose value is ``None`` (a null in a table, as
-``datasets`` writes a key that only some rows have) is a key the example does not have. So
-``[{"input_ids": [3, 4, 5]}, {"input_ids": [6, 7, 8], "completion_mask": [0, 0, 1]}]`` gives labels
-``[3, 4, 5 | -100, -100, 8]`` before the collators mask each example's first label.
-``loss_mask="required"`` turns a missing mask into an error instead (it names the example and the
-``transformers.Trainer`` setting that drops mask columns, ``remove_unused_columns``).
-
-Two forms are read with the same rules:
-
-* Python examples (a list of dicts of lists, numpy arrays or tensors): :func:`read_examples`, the
-  collators' hot path. Every check is one vectorised pass over the batch (one ``struct.pack_into`` of
-  the concatenated lists, or one ``np.concatenate`` of the arrays); the offending example is located
-  only when a check fails.
-* Columns (flat values and offsets, as an Arrow list column stores them): :class:`ExampleBatch` (a
-  batch the columnar DataLoader path fetched), and for whole tables :func:`list_chunks` with
-  :func:`check_column` (:func:`check_values` by :func:`column_kind`, :func:`check_aligned`), and the
-  measurements :func:`token_lengths` and :func:`loss_lengths` that ``packkit waste`` / ``plan`` use.
+* Python examples (a list of dicts of lists, numpy arrays or tensors): :func:`read_examples`. Every
+  check is one vectorised pass over the batch (one ``struct.pack_into`` of the concatenated lists, or
+  one ``np.concatenate`` of the arrays); the offending example is located only when a check fails.
+* Columns (flat values and offsets, as an Arrow list column stores them): :class:`ExampleBatch`, a batch
+  the columnar DataLoader path fetched, read by the same rules (:func:`_read_rules`).
 
 numpy only: offline packing imports this without torch (tensors are recognised without importing
-torch); pyarrow is imported only by the functions that read Arrow.
+torch).
 """
 
 from __future__ import annotations
@@ -51,611 +18,24 @@ import numbers
 import operator
 import struct
 import sys
+import warnings
 
 import numpy as np
 
-from .errors import DataError
+from .rules import (MASK_KEYS, RULES, UNSUPERVISED_WARNING, ExampleTypeError, ExampleValueError, LossMaskWarning,
+                    any_bad_id, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode, column_kind,
+                    empty_example, length_mismatch, locate, located, location, mask_not_expected, nested, no_labels,
+                    no_mask, not_integer, not_integral, null_tokens)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
-    "IGNORE_INDEX",
-    "MASK_KEYS",
-    "LOSS_MASK_MODES",
-    "LossMaskWarning",
     "ExampleBatch",
     "ExampleRow",
-    "ExampleTypeError",
-    "ExampleValueError",
-    "any_bad_id",
-    "any_bad_label",
-    "any_bad_mask",
-    "check_aligned",
-    "check_column",
-    "check_labels",
-    "check_loss_mask_mode",
-    "check_mask",
-    "check_not_null",
-    "check_tokens",
-    "check_values",
-    "column_kind",
     "example_arrays",
-    "first_bad_label",
-    "first_bad_mask",
-    "list_chunks",
-    "location",
-    "loss_lengths",
-    "read_column",
     "read_batch",
+    "read_column",
     "read_examples",
-    "relocate",
-    "table_labels",
-    "token_lengths",
 ]
-
-#: Keys read as a loss mask (TRL's names): loss only where the mask is 1. The one definition.
-MASK_KEYS = ("completion_mask", "assistant_masks")
-
-#: ``loss_mask=`` of the collators (see :func:`read_batch`): ``"auto"`` honours a mask where an example
-#: has one and warns once when a whole batch has neither labels nor a mask; ``"required"`` makes an
-#: example without a mask an error; ``"none"`` says no mask is expected (a mask is then an error).
-LOSS_MASK_MODES = ("auto", "required", "none")
-
-#: The rule each kind of column follows, as every error states it.
-RULES = {
-    "ids": "token ids are integers >= 0",
-    "labels": f"labels are token ids (>= 0) or {IGNORE_INDEX} (no loss)",
-    "mask": "a loss mask holds 1 (loss) or 0 (no loss)",
-    "other": "a packed column holds integers or bools, one per token",
-}
-_NESTED_FIX = "pass one flat list per example (squeeze a [1, n] tokenizer output)"
-
-
-# ----------------------------------------------------------------------------------------------
-# locations and errors
-# ----------------------------------------------------------------------------------------------
-
-
-def location(i: int, rows=None) -> str:
-    """Where example ``i`` is: ``"example 3"``; with ``rows`` (the dataset row of every example, or
-    the dataset row of example 0 as an int) ``"dataset row 812"``.
-
-    ``location(3) -> "example 3"``; ``location(3, rows=800) -> "dataset row 803"``;
-    ``location(1, rows=[9, 4]) -> "dataset row 4"``.
-    """
-    if rows is None:
-        return f"example {i}"
-    if isinstance(rows, numbers.Integral):
-        return f"dataset row {int(rows) + i}"
-    return f"dataset row {int(rows[i])}"
-
-
-class _Located:
-    """An error about one example: ``index`` (its position in what was checked) and ``text`` (the
-    message after the location), so that a caller that knows more (a Ray block's first global row)
-    can say where it is with :func:`relocate`. ``cls(message)`` alone works too (pickling, and
-    PyTorch's DataLoader re-raising a worker's error)."""
-
-    def __init__(self, message: str, index: int | None = None, text: str | None = None):
-        super().__init__(message)
-        self.index, self.text = index, text
-
-    def __reduce__(self):  # pickled (Ray, DataLoader workers) with its location
-        return (type(self), (str(self), self.index, self.text))
-
-
-class ExampleValueError(_Located, DataError):
-    """A bad value in an example (negative id, bad label or mask value, lengths that differ, ...): a
-    ``ValueError`` and a :class:`packkit.errors.DataError` (the command line's data-error exit code)."""
-
-
-class ExampleTypeError(_Located, DataError, TypeError):
-    """A value of the wrong type in an example (float, bool, text, nested list, not a mapping): a
-    ``TypeError``, and a :class:`packkit.errors.DataError` like every error about the data."""
-
-
-def _error(cls, i: int, rows, text: str):
-    return cls(f"{location(i, rows)} {text}", i, text)
-
-
-def relocate(exc: Exception, rows) -> Exception:
-    """The same error, its example located with ``rows`` (see :func:`location`); other errors as they are.
-
-    ``relocate(err_about_example_3, rows=800)`` reads ``"dataset row 803 ..."``.
-    """
-    if isinstance(exc, _Located) and exc.index is not None:
-        return _error(type(exc), exc.index, rows, exc.text)
-    return exc
-
-
-def _value_text(v) -> str:
-    """``1.5 (float)``, ``True (bool)``, ``'a' (str)``, ``nan (float)``."""
-    if isinstance(v, np.generic):
-        v = v.item()
-    return f"{v!r} ({type(v).__name__})"
-
-
-def _not_integer(i, rows, key: str, kind: str, v):
-    return _error(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {RULES[kind]}")
-
-
-def _nested(i, rows, key: str, detail: str):
-    return _error(ExampleTypeError, i, rows, f"has a nested list in {key!r} ({detail}); {_NESTED_FIX}")
-
-
-def _negative(i, rows, key: str, v):
-    return _error(ExampleValueError, i, rows, f"has token id {v} in {key!r}; {RULES['ids']}")
-
-
-def _bad_label(i, rows, key: str, v):
-    return _error(ExampleValueError, i, rows, f"has label {v} in {key!r}; {RULES['labels']}")
-
-
-def _bad_mask(i, rows, key: str, v):
-    return _error(ExampleValueError, i, rows, f"has {v} in the loss mask {key!r}; {RULES['mask']}")
-
-
-def _empty(i, rows, key: str = "input_ids"):
-    return _error(ExampleValueError, i, rows, f"is empty (0 tokens in {key!r}); filter empty examples out first")
-
-
-def _length(i, rows, key: str, got: int, ref_key: str, want: int):
-    return _error(ExampleValueError, i, rows,
-                  f"has {got} {key!r} for {want} {ref_key!r}; they must match token for token")
-
-
-def _null_tokens(i, rows, key: str):
-    return _error(ExampleValueError, i, rows, f"has no {key!r} (null); drop the example or fill it")
-
-
-def _null_inside(i, rows, key: str):
-    return _error(ExampleValueError, i, rows, f"has a null inside {key!r}; every token needs a value")
-
-
-def _no_labels(i, rows):
-    return _error(ExampleValueError, i, rows,
-                  "has no 'labels'; mask_first_label=False means labels are pre-shifted and every example "
-                  "needs them (labels[i] = the target of token i, -100 at each example's end)")
-
-
-def _no_mask(i, rows):
-    return _error(ExampleValueError, i, rows,
-                  f"has no loss mask ({' or '.join(repr(k) for k in MASK_KEYS)}) and loss_mask='required': "
-                  "transformers.Trainer drops the columns its model's forward does not name, so pass "
-                  "TrainingArguments(remove_unused_columns=False) or train_dataset=packkit.columnar."
-                  "ColumnarDataset(ds); if this example has no prompt to mask, collate with loss_mask='auto'")
-
-
-def _mask_not_expected(i, rows, key):
-    return _error(ExampleValueError, i, rows,
-                  f"has a loss mask {key!r} and loss_mask='none' (every token a target); collate with "
-                  "loss_mask='auto' to honour it")
-
-
-class LossMaskWarning(UserWarning):
-    """A batch carried neither labels nor a loss mask (see :func:`read_batch`)."""
-
-
-UNSUPERVISED_WARNING = (
-    "no example of this batch carries labels or a loss mask ({keys}), so the loss is taken on every token. "
-    "If your data has a loss mask and this runs under transformers.Trainer, the Trainer dropped it (it removes "
-    "the columns its model's forward does not name): pass TrainingArguments(remove_unused_columns=False), or "
-    "train_dataset=packkit.columnar.ColumnarDataset(ds), and loss_mask='required' to make a missing mask an "
-    "error. If every token is a target (pretraining), pass loss_mask='none' to silence this warning.")
-
-
-def check_loss_mask_mode(loss_mask) -> str:
-    """``loss_mask=`` of a collator, checked: one of :data:`LOSS_MASK_MODES`."""
-    if loss_mask not in LOSS_MASK_MODES:
-        raise ValueError(f"loss_mask must be one of {', '.join(map(repr, LOSS_MASK_MODES))}, got {loss_mask!r}")
-    return loss_mask
-
-
-# ----------------------------------------------------------------------------------------------
-# the rules on flat values (one chunk of a column, or a batch)
-# ----------------------------------------------------------------------------------------------
-
-
-def any_bad_id(values: np.ndarray) -> bool:
-    """Whether an integer array holds a negative token id: one reduction.
-
-    ``any_bad_id(np.array([3, -1])) -> True``; unsigned arrays never do.
-    """
-    return values.dtype.kind == "i" and values.size > 0 and values.min() < 0
-
-
-def any_bad_label(values: np.ndarray) -> bool:
-    """Whether an array holds a label that is neither a token id (>= 0) nor ``IGNORE_INDEX``.
-
-    ``any_bad_label(np.array([3, -100])) -> False``; ``[3, -7] -> True``. Signed integers take two
-    reductions without temporaries (measured 1.5-2.3x faster than counting the negatives and the -100s
-    at 3,000-50,000 labels): the minimum rules out values below -100; viewed as unsigned, -99..-1 are the
-    only values above -100's image.
-    """
-    view = _LABEL_VIEWS.get(values.dtype)
-    if view is not None:
-        return values.size > 0 and (values.min() < IGNORE_INDEX or values.view(view[0]).max() > view[1])
-    if values.dtype.kind in "ub":
-        return False
-    return bool(_BAD_AT["labels"](values).any())  # floats, non-native byte order
-
-
-def any_bad_mask(values: np.ndarray) -> bool:
-    """Whether an array holds a loss-mask value that is neither 0 nor 1 (booleans are fine).
-
-    ``any_bad_mask(np.array([0, 1, 2])) -> True``. Integers take one reduction: viewed as unsigned,
-    0 and 1 are the only values <= 1. A mask of 2 or -1 is more likely a column mix-up than a loss
-    weight, so it is refused.
-    """
-    view = _UNSIGNED_VIEWS.get(values.dtype)
-    if view is not None:
-        return values.size > 0 and values.view(view).max() > 1
-    if values.dtype.kind == "b":
-        return False
-    return bool(_BAD_AT["mask"](values).any())
-
-
-#: Per rule: whether any value breaks it (fast), where values break it (the error path), the error.
-_ANY_BAD = {"ids": any_bad_id, "labels": any_bad_label, "mask": any_bad_mask}
-_BAD_AT = {
-    "ids": lambda v: v < 0,
-    "labels": lambda v: (v < 0) & (v != IGNORE_INDEX),
-    "mask": lambda v: (v != 0) & (v != 1),
-}
-_BAD_VALUE = {"ids": _negative, "labels": _bad_label, "mask": _bad_mask}
-_UNSIGNED_VIEWS = {np.dtype(f"{k}{n}"): np.dtype(f"u{n}") for k in "iu" for n in (1, 2, 4, 8)}
-#: signed dtype -> (its unsigned view, IGNORE_INDEX's image in that view)
-_LABEL_VIEWS = {np.dtype(f"i{n}"): (np.dtype(f"u{n}"), np.array(IGNORE_INDEX, f"i{n}").view(f"u{n}")[()])
-                for n in (1, 2, 4, 8)}
-
-
-def first_bad_mask(values) -> int | None:
-    """Flat index of the first loss-mask value that is neither 0 nor 1 (booleans are fine), or None.
-
-    ``first_bad_mask([0, 1, 2]) -> 2``; ``first_bad_mask([True, False]) -> None`` (:func:`any_bad_mask`).
-    """
-    values = np.asarray(values)
-    return int(np.argmax(_BAD_AT["mask"](values))) if any_bad_mask(values) else None
-
-
-def first_bad_label(values) -> int | None:
-    """Flat index of the first label that is neither a token id (>= 0) nor ``IGNORE_INDEX``, or None.
-
-    ``first_bad_label([3, -100, -5]) -> 2``; ``first_bad_label([3, -100]) -> None`` (:func:`any_bad_label`).
-    """
-    values = np.asarray(values)
-    return int(np.argmax(_BAD_AT["labels"](values))) if any_bad_label(values) else None
-
-
-def _spans(offsets=None, starts=None, lengths=None):
-    """``(starts, lengths)`` (n,) int64 of the examples, from ``offsets`` (n + 1,), or given (``starts``
-    from ``lengths`` when the examples lie end to end)."""
-    if offsets is not None:
-        offsets = np.asarray(offsets, np.int64)
-        return offsets[:-1], np.diff(offsets)
-    lengths = np.asarray(lengths, np.int64)
-    return np.asarray(lengths_to_offsets(lengths)[:-1] if starts is None else starts, np.int64), lengths
-
-
-def _first_with(bad: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
-    """``(example, flat position)`` of the first example (in order) holding a position where ``bad``
-    is True, or None: values outside every example (rows not selected) name nobody. Error path only."""
-    before = lengths_to_offsets(bad)  # bad positions before each flat index
-    hit = np.flatnonzero(before[starts + lengths] > before[starts])
-    if not hit.size:
-        return None
-    i = int(hit[0])
-    s = int(starts[i])
-    return i, s + int(np.argmax(bad[s: s + int(lengths[i])]))
-
-
-def _not_integral(values: np.ndarray) -> np.ndarray:
-    """Where a float array holds a value that is not an integer: ``[1.0, 1.5, nan] -> [F, T, T]``."""
-    return ~np.isfinite(values) | (values != np.round(values))
-
-
-def _check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows) -> None:
-    """Integer values (bools too in a mask); the error shows the first value of the first example."""
-    k = values.dtype.kind
-    if k in "iu" or (k == "b" and kind == "mask"):
-        return
-    if not values.size:
-        return  # no values in any example: nothing to refuse
-    found = None
-    if k == "f":  # the first value that is not an integer (NaN included), as the Python reader reports it
-        found = _first_with(_not_integral(values), starts, lengths)
-    if found is None:
-        found = _first_with(np.ones(values.size, bool), starts, lengths)
-    if found is not None:
-        raise _not_integer(found[0], rows, key, kind, values[found[1]])
-
-
-def _locate(values: np.ndarray, kind: str, key: str, rows, *, offsets=None, starts=None, lengths=None):
-    """The error about the first example (in order) holding a value that breaks ``kind``'s rule, or None
-    when only values outside every example do (rows not selected name nobody). The error path only.
-    ``_locate(np.array([3, -1]), "ids", "input_ids", None, lengths=[1, 1])`` is the error about example 1.
-    """
-    starts, lengths = _spans(offsets, starts, lengths)
-    found = _first_with(_BAD_AT[kind](values), starts, lengths)
-    return None if found is None else _BAD_VALUE[kind](found[0], rows, key, int(values[found[1]]))
-
-
-def check_values(values, offsets=None, *, kind: str, key: str, starts=None, lengths=None, rows=None,
-                 valid=None) -> None:
-    """Examples' values of one column laid out flat, checked by the rule of ``kind``: ``"ids"`` integers
-    ``>= 0``, no empty or null example; ``"labels"`` integers, each a token id or ``-100``; ``"mask"`` 0 or
-    1, integers or bools; ``"other"`` integers.
-
-    Example ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (or ``values[starts[i]:][:lengths[i]]``);
-    ``valid`` is the ``(n,)`` bool non-null mask of a table column (None: no nulls; a null is an error for
-    token ids only); ``rows`` locates errors (:func:`location`).
-    ``check_values(np.array([3, -1]), [0, 1, 2], kind="ids", key="input_ids")`` raises
-    ``ExampleValueError("example 1 has token id -1 in 'input_ids'; token ids are integers >= 0")``.
-    """
-    values = np.asarray(values)
-    starts, lengths = _spans(offsets, starts, lengths)
-    if kind == "ids":
-        check_not_null(valid, key=key, rows=rows)
-        if lengths.size and lengths.min() == 0:
-            raise _empty(int(np.argmin(lengths)), rows, key)
-    _check_dtype(values, starts, lengths, key=key, kind=kind, rows=rows)
-    any_bad = _ANY_BAD.get(kind)
-    if any_bad is not None and any_bad(values):
-        error = _locate(values, kind, key, rows, starts=starts, lengths=lengths)
-        if error is not None:
-            raise error
-
-
-def check_tokens(values, offsets=None, *, starts=None, lengths=None, key: str = "input_ids", rows=None,
-                 valid=None) -> None:
-    """Token ids of examples laid out flat: :func:`check_values` with ``kind="ids"``.
-    ``check_tokens(np.array([3, -1]), [0, 1, 2])`` raises naming example 1."""
-    check_values(values, offsets, kind="ids", key=key, starts=starts, lengths=lengths, rows=rows, valid=valid)
-
-
-def check_labels(values, offsets=None, *, starts=None, lengths=None, key: str = "labels", rows=None) -> None:
-    """Labels laid out flat: :func:`check_values` with ``kind="labels"``."""
-    check_values(values, offsets, kind="labels", key=key, starts=starts, lengths=lengths, rows=rows)
-
-
-def check_mask(values, offsets=None, *, starts=None, lengths=None, key: str = "completion_mask", rows=None) -> None:
-    """A loss mask laid out flat: :func:`check_values` with ``kind="mask"``."""
-    check_values(values, offsets, kind="mask", key=key, starts=starts, lengths=lengths, rows=rows)
-
-
-def column_kind(key: str, token_key: str) -> str:
-    """The rule column ``key`` follows when ``token_key`` holds the token ids: ``"ids"``, ``"labels"``,
-    ``"mask"`` (:data:`MASK_KEYS`) or ``"other"``.
-    ``column_kind("completion_mask", "input_ids") -> "mask"``; ``column_kind("seq_lengths", "input_ids") -> "other"``.
-    """
-    if key == token_key:
-        return "ids"
-    return "labels" if key == "labels" else "mask" if key in MASK_KEYS else "other"
-
-
-def check_column(values, offsets, *, kind: str, key: str, rows=None, valid=None, ref_lengths=None,
-                 ref_key: str = "input_ids") -> None:
-    """One column of examples laid out flat (``values``, ``(n + 1,)`` ``offsets``), every rule of its
-    ``kind`` (:func:`column_kind`), in this order: token ids by :func:`check_values`; any other column
-    first without a null row (``"other"`` only: a null label or mask is an example without the key),
-    then as long as ``ref_key``'s ``ref_lengths`` example by example (:func:`check_aligned`, when given),
-    then its values (labels and masks, :func:`check_values`).
-    ``check_column(np.array([5, -7]), [0, 2], kind="labels", key="labels", ref_lengths=[2])`` raises
-    ``"example 0 has label -7 in 'labels'; ..."``.
-    """
-    if kind == "ids":
-        check_values(values, offsets, kind=kind, key=key, rows=rows, valid=valid)
-        return
-    if kind == "other":
-        check_not_null(valid, key=key, rows=rows)
-    if ref_lengths is not None:
-        check_aligned(np.diff(offsets), ref_lengths, key=key, ref_key=ref_key, rows=rows, valid=valid)
-    if kind != "other":
-        check_values(values, offsets, kind=kind, key=key, rows=rows)
-
-
-def check_not_null(valid, *, key: str, rows=None) -> None:
-    """No null row in a column every example needs (``valid``: the ``(n,)`` non-null mask, or None)."""
-    if valid is not None and not np.all(valid):
-        raise _null_tokens(int(np.argmin(valid)), rows, key)
-
-
-def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids", rows=None, valid=None) -> None:
-    """Every example has as many ``key`` entries as ``ref_key`` tokens (rows where ``valid`` is False,
-    nulls, are skipped: they have no ``key``). ``check_aligned([2, 1], [2, 2], key="labels")`` raises
-    ``"example 1 has 1 'labels' for 2 'input_ids'; they must match token for token"``."""
-    lengths, ref_lengths = np.asarray(lengths), np.asarray(ref_lengths)
-    bad = lengths != ref_lengths
-    if valid is not None:
-        bad &= valid
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise _length(i, rows, key, int(lengths[i]), ref_key, int(ref_lengths[i]))
-
-
-# ----------------------------------------------------------------------------------------------
-# Arrow list columns
-# ----------------------------------------------------------------------------------------------
-
-
-def _pa():
-    try:
-        import pyarrow
-    except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
-        raise ImportError("reading Arrow columns needs pyarrow: pip install 'packkit[datasets]'") from None
-    return pyarrow
-
-
-def _is_list(pa, t) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
-
-
-def list_chunks(column, *, key: str = "input_ids", kind: str = "ids", rows: int = 0):
-    """The chunks of an Arrow list column as numpy: yields ``(values, offsets, valid, first_row)``.
-
-    ``values`` are the chunk's flat values (zero-copy for integers without nulls), ``offsets`` its
-    ``(n + 1,)`` int64 offsets from 0, ``valid`` the ``(n,)`` bool non-null mask or None, ``first_row``
-    the dataset row of the chunk's first example (``rows`` is the column's). The column's type is
-    checked first (a list of integers; of integers or bools for ``kind="mask"``; not nested; not
-    floats or text), and a null inside a list is refused; the error names the first example concerned.
-    ``list(list_chunks(pa.array([[5, 6], [7]])))`` -> ``[(array([5, 6, 7]), array([0, 2, 3]), None, 0)]``.
-    """
-    pa = _pa()
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    t = column.type
-    if pa.types.is_null(t):  # every row null: no example has this key
-        base = rows
-        for chunk in chunks:
-            n = len(chunk)
-            yield np.zeros(0, np.int64), np.zeros(n + 1, np.int64), np.zeros(n, bool), base
-            base += n
-        return
-    if not _is_list(pa, t):
-        raise TypeError(f"column {key!r} holds {t}, not lists of token ids: map your tokenizer so that each "
-                        "row holds a list")
-    vt = t.value_type
-    base = rows
-    for chunk in chunks:
-        n = len(chunk)
-        if pa.types.is_fixed_size_list(chunk.type):
-            chunk = chunk.cast(pa.list_(vt))
-        offsets = chunk.offsets.to_numpy().astype(np.int64)
-        child = chunk.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-        offsets -= offsets[0]
-        valid = np.asarray(chunk.is_valid()) if chunk.null_count else None
-        if _is_list(pa, vt):
-            i = _first_nonempty(offsets, valid)
-            if i is not None:
-                raise _nested(base + i - rows, rows, key, f"Arrow type {t}")
-            values = np.zeros(0, np.int64)
-        elif pa.types.is_null(vt):  # every list empty (or null)
-            values = np.zeros(0, np.int64)
-        elif pa.types.is_integer(vt) or pa.types.is_boolean(vt) or pa.types.is_floating(vt):
-            if child.null_count:
-                bad = np.flatnonzero(~np.asarray(child.is_valid()))[0]
-                raise _null_inside(base - rows + int(np.searchsorted(offsets, bad, side="right") - 1), rows, key)
-            values = child.to_numpy(zero_copy_only=False)
-            if values.dtype.kind not in "iu":
-                starts, lengths = offsets[:-1], np.diff(offsets)
-                _check_dtype(values, starts, lengths, key=key, kind=kind, rows=base)
-        else:
-            i = _first_nonempty(offsets, valid)
-            if i is not None:
-                raise _not_integer(base + i - rows, rows, key, kind, child[0].as_py())
-            values = np.zeros(0, np.int64)
-        yield values, offsets, valid, base
-        base += n
-
-
-def _first_nonempty(offsets, valid):
-    ne = np.diff(offsets) > 0
-    if valid is not None:
-        ne &= valid
-    return int(np.argmax(ne)) if ne.any() else None
-
-
-def token_lengths(column, *, key: str = "input_ids", rows: int = 0) -> np.ndarray:
-    """``(n,)`` int64 lengths of a token-id list column, every rule checked (:func:`check_values`) on
-    the way: what ``packkit waste`` measures is what ``packkit pack`` accepts.
-    ``token_lengths(pa.array([[5, 6], [7]])) -> [2, 1]``; ``[[5], [-1]]`` raises naming row 1."""
-    out = []
-    for values, offsets, valid, first in list_chunks(column, key=key, kind="ids", rows=rows):
-        check_values(values, offsets, kind="ids", key=key, rows=first, valid=valid)
-        out.append(np.diff(offsets))
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
-
-
-def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
-    """Loss tokens of every example of an Arrow table, as a packed batch counts them, or None when the
-    table has neither ``labels`` nor a loss mask (:data:`MASK_KEYS`).
-
-    A position counts when it is not the example's first (the model shifts labels), its label (the
-    token id when the example has no labels) is not -100, and every loss mask the example carries is 1.
-    Labels and masks follow the rules (values, lengths); a null is a key the example does not have.
-    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]``. ``(n,)`` int64.
-    """
-    if not _loss_keys(table):
-        return None
-    if lengths is None:
-        lengths = token_lengths(table.column(key), key=key, rows=rows)
-    lengths = np.asarray(lengths, np.int64)
-    offsets = lengths_to_offsets(lengths)
-    loss = np.ones(int(offsets[-1]), bool)
-    for kind, span, values, given in _loss_columns(table, lengths, offsets, key=key, rows=rows):
-        keep = values != (IGNORE_INDEX if kind == "labels" else 0)
-        if given is not None:  # a null row has no such key: every one of its tokens is kept
-            keep |= ~given
-        loss[span] &= keep
-    loss[offsets[:-1]] = False  # the first token of an example is never a target
-    csum = lengths_to_offsets(loss)  # loss tokens before each flat index
-    return csum[offsets[1:]] - csum[offsets[:-1]]
-
-
-def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
-    """The labels of every example of an Arrow table, flat and laid out like its token column, or None
-    when it has neither ``labels`` nor a loss mask: each example's labels (its token ids when it has
-    none, a null included), ``-100`` where any loss mask it carries is 0 (no first-label masking).
-    Every rule is checked; errors name the dataset row (``rows`` is the table's first).
-    ``labels [[5, -100], null]``, ``input_ids [[5, 6], [7]]`` -> ``[5, -100, 7]`` (int64).
-    """
-    if not _loss_keys(table):
-        return None
-    tok = [(values, off) for values, off, _, _ in list_chunks(table.column(key), key=key, rows=rows)]
-    ids = np.concatenate([v for v, _ in tok]) if len(tok) != 1 else tok[0][0]
-    lengths = np.concatenate([np.diff(o) for _, o in tok]) if tok else np.zeros(0, np.int64)
-    offsets = lengths_to_offsets(lengths)
-    labels = ids.astype(np.int64)
-    for kind, span, values, given in _loss_columns(table, lengths, offsets, key=key, rows=rows):
-        out = labels[span]
-        if kind == "labels":  # an example without labels (a null row) keeps its token ids
-            if given is None:
-                out[:] = values
-            else:
-                out[given] = values[given]
-        else:
-            drop = values == 0
-            if given is not None:  # an example without this mask (a null row) keeps every label
-                drop &= given
-            out[drop] = IGNORE_INDEX
-    return labels
-
-
-def _loss_keys(table) -> list:
-    """The columns of ``table`` that decide the loss: ``labels``, then :data:`MASK_KEYS`, those present."""
-    names = table.column_names
-    return [k for k in ("labels", *MASK_KEYS) if k in names]
-
-
-def _loss_columns(table, lengths: np.ndarray, offsets: np.ndarray, *, key: str, rows: int):
-    """The loss columns of ``table`` (:func:`_loss_keys`) a chunk at a time, each checked against its rule
-    and the token column's ``lengths`` (:func:`check_column`; errors name the dataset row): yields
-    ``(kind, span, values, given)``, ``span`` the chunk's slice of the flat token layout (``offsets``),
-    ``values`` the chunk's values laid out like it and ``given`` None, or where a chunk has null rows
-    (examples without the key), the positions of the rows with a value (:func:`_lay_out`)."""
-    for k in _loss_keys(table):
-        kind = column_kind(k, key)
-        done = 0
-        for values, off, valid, first in list_chunks(table.column(k), key=k, kind=kind, rows=rows):
-            m = off.size - 1
-            ref = lengths[done: done + m]
-            check_column(values, off, kind=kind, key=k, rows=first, valid=valid, ref_lengths=ref, ref_key=key)
-            given = None
-            if valid is not None:
-                values, given = _lay_out(values, off, valid, ref)
-            yield kind, slice(offsets[done], offsets[done + m]), values, given
-            done += m
-
-
-def _lay_out(values: np.ndarray, offsets: np.ndarray, valid: np.ndarray, lengths: np.ndarray):
-    """A chunk of a column with null rows (which hold no values), laid out like ``lengths`` (the token
-    column's): ``(laid, given)``, ``given`` the ``(sum(lengths),)`` bool positions of the rows with a
-    value, ``laid`` their values there and 0 elsewhere. Those rows are as long as ``lengths`` says
-    (:func:`check_aligned`), so one ``np.repeat`` of ``valid`` on each side gathers them all (measured
-    78 ms against 493 ms for a copy row by row, 1M rows with 10% null): ``values [5, 6]``, ``offsets
-    [0, 0, 2]``, ``valid [F, T]``, ``lengths [1, 2]`` -> ``[0, 5, 6]``, ``[F, T, T]``."""
-    given = np.repeat(valid, lengths)
-    laid = np.zeros(given.size, values.dtype)
-    laid[given] = values[np.repeat(valid, np.diff(offsets))]
-    return laid, given
 
 
 # ----------------------------------------------------------------------------------------------
@@ -666,13 +46,14 @@ def _lay_out(values: np.ndarray, offsets: np.ndarray, valid: np.ndarray, lengths
 def example_arrays(ex, keys, *, index: int, rows=None) -> dict:
     """One Python example's columns ``keys`` (the token column first) as checked 1-D numpy arrays.
 
-    Every column follows its rule (:func:`column_kind`, :func:`check_column`); other columns must be
+    Every column follows its rule (:func:`~packkit.rules.column_kind`, :func:`~packkit.rules.check_column`);
+    other columns must be
     integers (bools kept). A key other than the token column that the
     example lacks (or holds None) is left out of the result: the example does not have it.
     ``example_arrays({"input_ids": [5, 6]}, ["input_ids", "labels"], index=0) -> {"input_ids": array([5, 6])}``.
     """
     if not isinstance(ex, collections.abc.Mapping):
-        raise _error(ExampleTypeError, index, rows, f"is a {type(ex).__name__}, not a dict with 'input_ids'")
+        raise located(ExampleTypeError, index, rows, f"is a {type(ex).__name__}, not a dict with 'input_ids'")
     out, first = {}, None
     for j, key in enumerate(keys):
         v = ex.get(key)
@@ -686,7 +67,7 @@ def example_arrays(ex, keys, *, index: int, rows=None) -> dict:
             check_column(arr, np.array([0, arr.size], np.int64), kind=kind, key=key,
                          ref_lengths=None if j == 0 else [first.size], ref_key=keys[0])
         except (ExampleValueError, ExampleTypeError) as exc:
-            raise _error(type(exc), index, rows, exc.text) from None
+            raise located(type(exc), index, rows, exc.text) from None
         out[key] = arr
         if j == 0:
             first = arr
@@ -698,16 +79,16 @@ def _one_array(v, i, rows, key, kind) -> np.ndarray:
     (or tuple) becomes an array here, bools kept as bools in a mask or an ``"other"`` column."""
     if isinstance(v, (list, tuple)):
         if kind not in _BOOL_KINDS and any(isinstance(x, (bool, np.bool_)) for x in v):
-            raise _not_integer(i, rows, key, kind, next(x for x in v if isinstance(x, (bool, np.bool_))))
+            raise not_integer(i, rows, key, kind, next(x for x in v if isinstance(x, (bool, np.bool_))))
         try:
             arr = np.asarray(v)
         except ValueError:  # ragged nesting
-            raise _nested(i, rows, key, "lists of different lengths inside") from None
+            raise nested(i, rows, key, "lists of different lengths inside") from None
         if arr.dtype == object:
             bad = next((x for x in v if isinstance(x, (list, tuple, np.ndarray))), None)
             if bad is not None:
-                raise _nested(i, rows, key, f"a {type(bad).__name__} inside a list")
-            raise _not_integer(i, rows, key, kind, next(x for x in v if not isinstance(x, numbers.Integral)))
+                raise nested(i, rows, key, f"a {type(bad).__name__} inside a list")
+            raise not_integer(i, rows, key, kind, next(x for x in v if not isinstance(x, numbers.Integral)))
         return _checked_array(arr, i, key, kind, rows)
     return _checked_array(v, i, key, kind, rows)
 
@@ -720,15 +101,15 @@ def _checked_array(x, i: int, key: str, kind: str, rows) -> np.ndarray:
     if _is_tensor(x):
         x = x.detach().cpu().numpy()
     elif not isinstance(x, np.ndarray):
-        raise _error(ExampleTypeError, i, rows, f"has a {type(x).__name__} in {key!r}; pass a list, numpy array "
+        raise located(ExampleTypeError, i, rows, f"has a {type(x).__name__} in {key!r}; pass a list, numpy array "
                      "or tensor of integers")
     if x.ndim != 1:
-        raise _nested(i, rows, key, f"shape {x.shape}")
+        raise nested(i, rows, key, f"shape {x.shape}")
     k = x.dtype.kind
     if k not in "iu" and not (k == "b" and kind in _BOOL_KINDS):
         if x.size == 0:
             return x.astype(np.int64)
-        raise _not_integer(i, rows, key, kind, x[int(np.argmax(_not_integral(x)))] if k == "f" else x[0])
+        raise not_integer(i, rows, key, kind, x[int(np.argmax(not_integral(x)))] if k == "f" else x[0])
     return x
 
 
@@ -742,7 +123,7 @@ def _is_tensor(x) -> bool:
 
 
 def _missing(i, rows, ex, key):
-    return _error(ExampleValueError, i, rows,
+    return located(ExampleValueError, i, rows,
                   f"has no {key!r} (keys: {sorted(map(str, ex))}); every example needs its token ids")
 
 
@@ -756,7 +137,7 @@ def read_examples(examples, *, need_labels: bool = False, loss_mask: str = "auto
 
     ``examples`` is a list of mappings (dicts of lists, numpy arrays or tensors), or an
     :class:`ExampleBatch` (columns; its dataset rows locate errors). ``labels`` are each example's own
-    labels or token ids, ``-100`` where a loss mask it carries is 0 (module docstring); no first-label
+    labels or token ids, ``-100`` where a loss mask it carries is 0 (:mod:`packkit.rules`); no first-label
     masking here (that depends on the segments).
 
     Args:
@@ -774,7 +155,7 @@ def read_batch(examples, *, need_labels: bool = False, loss_mask: str = "auto", 
     """What a collator reads: :func:`read_examples`, plus the loss-mask policy's warning.
 
     With ``loss_mask="auto"``, a batch in which no example carries labels or a loss mask is read as
-    "loss on every token", and a :class:`LossMaskWarning` says so once per ``warned`` holder (a one-item
+    "loss on every token", and a :class:`~packkit.rules.LossMaskWarning` says so once per ``warned`` holder (a one-item
     list the collator keeps: ``[False]`` before the warning): that is what a ``transformers.Trainer``
     with its default ``remove_unused_columns=True`` turns masked data into, and the warning names the
     setting. ``loss_mask="none"`` (pretraining: every token a target) never warns; ``"required"`` raises
@@ -783,8 +164,6 @@ def read_batch(examples, *, need_labels: bool = False, loss_mask: str = "auto", 
     ids, labels, lengths, supervised = _read(examples, need_labels, loss_mask, None)
     if not supervised and loss_mask == "auto" and warned is not None and not warned[0]:
         warned[0] = True
-        import warnings
-
         warnings.warn(UNSUPERVISED_WARNING.format(keys=", ".join(("labels", *MASK_KEYS))), LossMaskWarning,
                       stacklevel=3)
     return ids, labels, lengths
@@ -810,9 +189,9 @@ def _read(examples, need_labels: bool, mode: str, rows):
 
 
 def _read_rules(form, need_labels: bool, mode: str):
-    """The rules of a batch (module docstring), written once, in this order: token ids not null, not
+    """The rules of a batch (:mod:`packkit.rules`), written once, in this order: token ids not null, not
     empty, not negative; labels (each example's own, else its token ids; ``need_labels``) by their rule;
-    each of :data:`MASK_KEYS` (an error under ``mode="none"``; ones for the examples without it) by its
+    each of :data:`~packkit.rules.MASK_KEYS` (an error under ``mode="none"``; ones for the examples without it) by its
     rule, ``-100`` where it is 0; then ``mode="required"``: every example carries a mask.
 
     ``form`` reads the columns, :class:`_Dicts` (Python examples) or :class:`_Columns` (an
@@ -821,33 +200,33 @@ def _read_rules(form, need_labels: bool, mode: str):
     or None; ``join(key, kind, parts, kinds)`` a column as checked ``(T,)`` int64, as long as the token
     ids; ``lengths_array()``. Returns ``(input_ids, labels, lengths, supervised)`` (``supervised``: some
     example carried labels or a loss mask). Every check is one vectorised pass over the batch; the
-    offending example is located (:func:`_locate`) only when one fails.
+    offending example is located (:func:`~packkit.rules.locate`) only when one fails.
     """
     rows = form.rows
     xs = form.ids()
     kinds = set(map(type, xs))
     if _NONE in kinds:
-        raise _null_tokens(_first_none(xs), rows, "input_ids")
+        raise null_tokens(_first_none(xs), rows, "input_ids")
     ids, lengths, empty = form.read_ids(xs, kinds)
     if empty is not None:
-        raise _empty(empty, rows)
+        raise empty_example(empty, rows)
     input_ids = form.join("input_ids", "ids", ids)
     if any_bad_id(input_ids):
-        raise _locate(input_ids, "ids", "input_ids", rows, lengths=lengths)
+        raise locate(input_ids, "ids", "input_ids", rows, lengths=lengths)
     xs = form.get("labels")
     kinds = _NO_KEY if xs is None else set(map(type, xs))
     supervised = kinds != _NO_KEY  # a key every example holds as None is a key none of them has
     if supervised:
         if _NONE in kinds:  # examples without labels: their token ids are their labels
             if need_labels:
-                raise _no_labels(_first_none(xs), rows)
+                raise no_labels(_first_none(xs), rows)
             xs, kinds = [p if x is None else x for x, p in zip(xs, ids)], None
         labels = form.join("labels", "labels", xs, kinds)
         if any_bad_label(labels):
-            raise _locate(labels, "labels", "labels", rows, lengths=lengths)
+            raise locate(labels, "labels", "labels", rows, lengths=lengths)
     else:
         if need_labels:
-            raise _no_labels(0, rows)
+            raise no_labels(0, rows)
         labels = input_ids.copy()
     masked = None  # per example: it carries a loss mask (None: no example does)
     for key in MASK_KEYS:
@@ -856,7 +235,7 @@ def _read_rules(form, need_labels: bool, mode: str):
         if kinds == _NO_KEY:
             continue
         if mode == "none":
-            raise _mask_not_expected(next(i for i, x in enumerate(xs) if x is not None), rows, key)
+            raise mask_not_expected(next(i for i, x in enumerate(xs) if x is not None), rows, key)
         if _NONE in kinds:  # examples without this mask: loss on every token
             has = [x is not None for x in xs]
             masked = has if masked is None else [a or b for a, b in zip(masked, has)]
@@ -866,10 +245,10 @@ def _read_rules(form, need_labels: bool, mode: str):
             masked = [True] * len(xs)
         mask = form.join(key, "mask", xs, kinds)
         if any_bad_mask(mask):
-            raise _locate(mask, "mask", key, rows, lengths=lengths)
+            raise locate(mask, "mask", key, rows, lengths=lengths)
         labels[mask == 0] = IGNORE_INDEX
     if mode == "required" and (masked is None or not all(masked)):
-        raise _no_mask(0 if masked is None else masked.index(False), rows)
+        raise no_mask(0 if masked is None else masked.index(False), rows)
     return input_ids, labels, form.lengths_array(), supervised or masked is not None
 
 
@@ -891,7 +270,7 @@ class _Dicts:
         except (KeyError, TypeError, IndexError):
             for i, ex in enumerate(self.examples):
                 if not isinstance(ex, collections.abc.Mapping):
-                    raise _error(ExampleTypeError, i, self.rows,
+                    raise located(ExampleTypeError, i, self.rows,
                                  f"is a {type(ex).__name__}, not a dict with 'input_ids'") from None
                 if "input_ids" not in ex:
                     raise _missing(i, self.rows, ex, "input_ids") from None
@@ -1022,8 +401,8 @@ def _column(x, i: int, key: str, kind: str, rows):
                 if kind == "mask" and isinstance(first, (bool, np.bool_)):
                     return x, len(x), True
                 if isinstance(first, (list, tuple, np.ndarray)) or _is_tensor(first):
-                    raise _nested(i, rows, key, f"a {type(first).__name__} inside a list")
-                raise _not_integer(i, rows, key, kind, first)
+                    raise nested(i, rows, key, f"a {type(first).__name__} inside a list")
+                raise not_integer(i, rows, key, kind, first)
         return x, len(x), True
     if isinstance(x, tuple):
         return _column(list(x), i, key, kind, rows)
@@ -1108,16 +487,16 @@ def _locate_bad_part(parts: list, key: str, kind: str, rows) -> None:
         for v in p:
             if type(v) is int:
                 if not -2**63 <= v < 2**63:
-                    raise _error(ExampleValueError, i, rows, f"has {v} in {key!r}, outside int64; {RULES[kind]}")
+                    raise located(ExampleValueError, i, rows, f"has {v} in {key!r}, outside int64; {RULES[kind]}")
                 continue
             if isinstance(v, (bool, np.bool_)):
                 if kind == "mask":
                     continue
-                raise _not_integer(i, rows, key, kind, v)
+                raise not_integer(i, rows, key, kind, v)
             if isinstance(v, (list, tuple, np.ndarray)) or _is_tensor(v):
-                raise _nested(i, rows, key, f"a {type(v).__name__} inside a list")
+                raise nested(i, rows, key, f"a {type(v).__name__} inside a list")
             if not isinstance(v, numbers.Integral):
-                raise _not_integer(i, rows, key, kind, v)
+                raise not_integer(i, rows, key, kind, v)
 
 
 def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndarray, np.ndarray]:
@@ -1135,7 +514,7 @@ def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndar
     xs = _values(examples, key)
     if _NONE in set(map(type, xs)):
         i = next(i for i, x in enumerate(xs) if x is None)
-        raise _error(ExampleValueError, i, rows, f"has no {key!r}; {missing}")
+        raise located(ExampleValueError, i, rows, f"has no {key!r}; {missing}")
     parts, lengths, layout = _parts(xs, key, "ids", rows)
     return _concat(parts, layout, sum(lengths), key, "ids", rows), np.array(lengths, np.int64)
 
@@ -1143,7 +522,7 @@ def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndar
 def _same_lengths(got: list, lengths: list, key: str, rows) -> None:
     if got != lengths:
         i = next(i for i, (a, b) in enumerate(zip(got, lengths)) if a != b)
-        raise _length(i, rows, key, got[i], "input_ids", lengths[i])
+        raise length_mismatch(i, rows, key, got[i], "input_ids", lengths[i])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1258,4 +637,3 @@ class ExampleRow(collections.abc.Mapping):
     def __repr__(self) -> str:
         where = location(self.index, self.batch.rows)
         return f"ExampleRow({where}, keys {list(self)})"
-

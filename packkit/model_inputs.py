@@ -58,8 +58,8 @@ import torch
 
 from .batch import PackedBatch
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
-from .examples import location
 from .packer import gather_index
+from .rules import location
 from .segments import lengths_to_offsets
 
 __all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "VISION_KEYS"]

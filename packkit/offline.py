@@ -44,7 +44,8 @@ of the returned dataset) writes before the next is gathered::
 
 Streaming
 ---------
-:func:`~packkit.packer.pack_stream` (planned by :func:`~packkit.binpack.stream_windows`) packs any iterable of examples (or a ``datasets.IterableDataset``) with a bounded
+:func:`~packkit.packer.pack_stream` (planned by :func:`~packkit.binpack.stream_windows`) packs any iterable
+of examples (or a ``datasets.IterableDataset``) with a bounded
 buffer: each window starts with the oldest buffered example, then takes the longest buffered example
 that still fits, until none fits (best fit inside the buffer; ``buffer_size=1`` is next fit). Fill
 against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250, sigma 1, clipped to
@@ -76,9 +77,9 @@ from .arrow import list_array
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format, load_tokenizer, prepare_dataset
 from .errors import ArgumentError, arg
-from .examples import check_column, column_kind
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
+from .rules import check_column, column_kind
 from .sources import ArrowSource, scan
 from .writers import ENCODING_FACTOR, write_batches
 
@@ -97,19 +98,19 @@ PROGRESS_BYTES = 1 << 28
 
 
 # ----------------------------------------------------------------------------------------------
-# the rules of packkit.examples, on each batch of a column
+# the rules of packkit.rules, on each batch of a column
 # ----------------------------------------------------------------------------------------------
 
 
 def _kinds(spec: ColumnSpec) -> dict:
-    """What each column read is, for the rules of :mod:`packkit.examples` (:func:`~packkit.examples.column_kind`):
+    """What each column read is, for the rules of :mod:`packkit.rules` (:func:`~packkit.rules.column_kind`):
     ``ids``, ``labels``, ``mask`` or ``other``."""
     return {c: column_kind(c, spec.read[0]) for c in spec.read}
 
 
 def _column_checks(spec: ColumnSpec):
     """The per-batch check :func:`packkit.sources.scan` calls: each column's rules from
-    :mod:`packkit.examples` (:func:`~packkit.examples.check_column`), errors naming the dataset row. A null
+    :mod:`packkit.rules` (:func:`~packkit.rules.check_column`), errors naming the dataset row. A null
     labels or loss-mask row is a key that example does not have (its labels are its token ids; no mask
     is loss on every token)."""
     token, kinds = spec.read[0], _kinds(spec)

@@ -41,7 +41,8 @@ from numpy.lib.stride_tricks import as_strided
 
 from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
 from .errors import MissingError, arg
-from .examples import MASK_KEYS, example_arrays, first_bad_label, first_bad_mask
+from .examples import example_arrays
+from .rules import MASK_KEYS, first_bad_label, first_bad_mask
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 
 __all__ = [

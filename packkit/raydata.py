@@ -53,10 +53,10 @@ import numpy as np
 from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
                       pack)
 from .arrow import list_array
-from .examples import (MASK_KEYS, ExampleTypeError, ExampleValueError, list_chunks, relocate, table_labels,
-                       token_lengths)
+from .listcolumns import list_chunks, table_labels, token_lengths
 from .offline import packed_batch, packed_schema
 from .packer import gather_segments, label_dtype, log_overflow, pack_columns
+from .rules import MASK_KEYS, ExampleTypeError, ExampleValueError, relocate
 from .segments import lengths_to_offsets
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
@@ -111,7 +111,7 @@ def _list_column(table, name: str):
     """An Arrow list column -> ``(values, offsets, nulls)``: flat numpy values, (n+1,) int64 offsets.
 
     ``[[5, 6], [7]] -> values [5, 6, 7], offsets [0, 2, 3]``; ``nulls`` is the (n,) bool null mask or
-    None. :func:`packkit.examples.list_chunks` reads (and checks the type of) each chunk; a block is
+    None. :func:`packkit.listcolumns.list_chunks` reads (and checks the type of) each chunk; a block is
     usually one chunk, used as it is; several are joined.
     """
     chunks = list(list_chunks(table.column(name), key=name))
@@ -133,7 +133,7 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     "error": None | (exception, local_index | None, text), "value_type", "label_type"}``: the exception
     itself travels (:func:`_block_error` raises it on the driver, located in the whole dataset).
     ``mask_key`` is the first of ``mask_keys`` that the block has.
-    Every rule is :mod:`packkit.examples`' (token ids, labels, loss masks, lengths; a null label or mask
+    Every rule is :mod:`packkit.rules`' (token ids, labels, loss masks, lengths; a null label or mask
     row is an example without that key).
     """
     n = table.num_rows
@@ -161,7 +161,7 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
 
 
 def _with_labels_named(table, label_key: str | None):
-    """``table`` with its label column (``label_key``, None: none) named ``labels``, as packkit.examples reads it."""
+    """``table`` with its label column (``label_key``, None: none) named ``labels``, as packkit.listcolumns reads it."""
     names = table.column_names
     if label_key == "labels":
         return table
@@ -173,7 +173,7 @@ def _with_labels_named(table, label_key: str | None):
 
 
 def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
-    """A block's flat labels (:func:`packkit.examples.table_labels`: its labels, or token ids where an
+    """A block's flat labels (:func:`packkit.listcolumns.table_labels`: its labels, or token ids where an
     example has none, -100 where a loss mask is 0), in the label dtype; None when the run has no labels."""
     if not opts["has_labels"]:
         return None
@@ -185,7 +185,7 @@ def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
 
 def _block_error(error, start: int, block: int) -> Exception:
     """The error a block's pass-0 task found, as the driver raises it: an example's error located in the
-    whole dataset (:func:`packkit.examples.relocate`: "dataset row 812 ..."), its type kept (a
+    whole dataset (:func:`packkit.rules.relocate`: "dataset row 812 ..."), its type kept (a
     :class:`~packkit.errors.DataError` stays one); any other, of its own type, prefixed ``block b:``."""
     exc, i, text = error
     if i is not None:

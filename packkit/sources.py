@@ -35,8 +35,8 @@ import numpy as np
 
 from .arrow import pyarrow
 from .datafiles import parquet_batches, parquet_schema
-from .examples import list_chunks
 from .fileio import TMP_MARK
+from .listcolumns import list_chunks
 from .packer import FlatColumn
 
 __all__ = ["ArrowSource", "Scan", "scan", "prefetch", "DEFAULT_BATCH_ROWS"]
@@ -233,9 +233,9 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
     Args:
         source: an :class:`ArrowSource`.
         columns: list column names, the token column first.
-        kinds: name -> ``"ids"``, ``"labels"``, ``"mask"`` or ``"other"`` (:mod:`packkit.examples`'
+        kinds: name -> ``"ids"``, ``"labels"``, ``"mask"`` or ``"other"`` (:mod:`packkit.rules`'
             kinds; default: the first column ids, the rest other). Each batch's column is read by
-            :func:`packkit.examples.list_chunks` (types checked, errors naming the dataset row). A
+            :func:`packkit.listcolumns.list_chunks` (types checked, errors naming the dataset row). A
             null row of a ``labels`` column reads the example's token ids, one of a ``mask`` column
             reads ones (the example does not have that key), without a copy.
         check: ``check(name, values, offsets, valid, row, token_lengths)`` called on every batch's
@@ -328,7 +328,7 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
 def _fill_nulls(col: FlatColumn, null: np.ndarray, tokens: FlatColumn, lengths: np.ndarray, *,
                 ones: bool) -> FlatColumn:
     """``col`` with its null rows reading the example's token ids (labels) or ones (a loss mask), as
-    :mod:`packkit.examples` says an example without that key reads: extra regions, no copy of a token."""
+    :mod:`packkit.rules` says an example without that key reads: extra regions, no copy of a token."""
     n = col.starts.size
     region = np.zeros(n, np.int32) if col.region is None else col.region.astype(np.int32, copy=True)
     starts = col.starts.copy()

@@ -26,7 +26,7 @@ from packkit.budget import (
     synthetic_sft_lengths,
 )
 from packkit.datafiles import read_lengths
-from packkit.examples import loss_lengths
+from packkit.listcolumns import loss_lengths
 from packkit.packer import pack_arrays
 
 IGNORE = -100

@@ -13,7 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator
-from packkit.examples import IGNORE_INDEX, MASK_KEYS, ExampleBatch, LossMaskWarning
+from packkit.examples import ExampleBatch
+from packkit.rules import MASK_KEYS, LossMaskWarning
+from packkit.segments import IGNORE_INDEX
 
 datasets = pytest.importorskip("datasets")
 from packkit.columnar import ColumnarDataset  # noqa: E402

@@ -15,10 +15,13 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from packkit import examples as ex
-from packkit.examples import (IGNORE_INDEX, MASK_KEYS, ExampleBatch, ExampleTypeError, ExampleValueError,
-                              LossMaskWarning, check_labels, check_mask, check_tokens, location, loss_lengths,
-                              read_examples, relocate, table_labels, token_lengths)
+from packkit import listcolumns
+from packkit import rules as ex
+from packkit.examples import ExampleBatch, read_examples
+from packkit.listcolumns import loss_lengths, table_labels, token_lengths
+from packkit.rules import (MASK_KEYS, ExampleTypeError, ExampleValueError, LossMaskWarning, check_values, location,
+                           relocate)
+from packkit.segments import IGNORE_INDEX
 
 pa = pytest.importorskip("pyarrow")
 
@@ -291,7 +294,7 @@ def test_location_and_relocate():
     assert location(3) == "example 3" and location(3, rows=800) == "dataset row 803"
     assert location(1, rows=[9, 4]) == "dataset row 4"
     with pytest.raises(ExampleValueError) as got:
-        check_tokens(np.array([3, -1]), [0, 1, 2])
+        check_values(np.array([3, -1]), [0, 1, 2], kind="ids", key="input_ids")
     assert str(got.value) == "example 1 has token id -1 in 'input_ids'; token ids are integers >= 0"
     moved = relocate(got.value, 800)
     assert isinstance(moved, ValueError) and str(moved) == "dataset row 801 has token id -1 in 'input_ids'; " \
@@ -309,11 +312,12 @@ def test_errors_survive_pickling_and_dataloader_reraise():
 
 def test_selected_rows_outside_the_selection_are_not_blamed():
     values = np.array([1, -5, 2, 3])
-    check_tokens(values, starts=np.array([0, 2]), lengths=np.array([1, 2]))  # -5 lies in no example
+    # -5 lies in no example
+    check_values(values, starts=np.array([0, 2]), lengths=np.array([1, 2]), kind="ids", key="input_ids")
     with pytest.raises(ValueError, match="example 1 has label -5"):
-        check_labels(values, starts=np.array([0, 1]), lengths=np.array([1, 1]))
+        check_values(values, starts=np.array([0, 1]), lengths=np.array([1, 1]), kind="labels", key="labels")
     with pytest.raises(ValueError, match="example 0 has 2 in the loss mask"):
-        check_mask(np.array([2, 1]), [0, 2])
+        check_values(np.array([2, 1]), [0, 2], kind="mask", key="completion_mask")
 
 
 #: every integer dtype a column may hold (both byte orders for one), floats and bools
@@ -363,11 +367,11 @@ def test_check_values_is_the_rule_of_each_kind_and_the_wrappers_call_it():
         with pytest.raises(ExampleValueError, match=text):
             ex.check_values(np.array(values), offsets, kind=kind, key="k")
     with pytest.raises(ValueError, match="dataset row 4 has no 'input_ids' \\(null\\)"):
-        check_tokens(np.array([1, 2]), [0, 1, 2], valid=np.array([True, False]), rows=3)
+        check_values(np.array([1, 2]), [0, 1, 2], valid=np.array([True, False]), rows=3, kind="ids", key="input_ids")
     with pytest.raises(ValueError, match="example 0 has label -3 in 'labels'"):
-        check_labels(np.array([-3]), [0, 1])
+        check_values(np.array([-3]), [0, 1], kind="labels", key="labels")
     with pytest.raises(TypeError, match="example 0 has 1.5 \\(float\\) in 'completion_mask'"):
-        check_mask(np.array([1.5]), [0, 1])
+        check_values(np.array([1.5]), [0, 1], kind="mask", key="completion_mask")
     ex.check_values(np.array([True, False]), [0, 2], kind="mask", key="m")  # bools are a mask's values
 
 
@@ -389,7 +393,7 @@ def test_column_kind_and_check_column():
 
 def test_list_chunks_of_sliced_chunked_columns():
     col = pa.chunked_array([pa.array([[1, 2], [3]]), pa.array([[4, 5, 6], [-1], [7]]).slice(1)])
-    got = [(v.tolist(), o.tolist(), first) for v, o, _, first in ex.list_chunks(col)]
+    got = [(v.tolist(), o.tolist(), first) for v, o, _, first in listcolumns.list_chunks(col)]
     assert got == [([1, 2, 3], [0, 2, 3], 0), ([-1, 7], [0, 1, 2], 2)]
     with pytest.raises(ValueError, match="dataset row 2 has token id -1"):
         token_lengths(col)

@@ -17,9 +17,9 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp", "rules"],
     # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention
-    ["examples", "chat", "writers", "attention", "sampler"],
+    ["listcolumns", "examples", "chat", "writers", "attention", "sampler"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "columnar"],
     ["collate", "sources", "model_inputs"],
@@ -52,7 +52,8 @@ def _imports(name: str, path: Path, modules: dict):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
             targets = [base] + [f"{base}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]

@@ -133,8 +133,8 @@ def test_small_label_helpers():
 def test_mask_keys_are_the_collators():
     """The offline packers read the same loss-mask columns as the collators (one tuple, not two drifting)."""
     collate = pytest.importorskip("packkit.collate")
-    from packkit import examples
-    assert MASK_KEYS is collate.MASK_KEYS is examples.MASK_KEYS  # one definition, packkit.examples
+    from packkit import rules
+    assert MASK_KEYS is collate.MASK_KEYS is rules.MASK_KEYS  # one definition, packkit.rules
 
 
 

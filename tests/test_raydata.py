@@ -468,7 +468,7 @@ def test_block_errors_keep_their_type_and_text(local_ray):
     type, same text ("dataset row ..." in the whole dataset); an error about no one example keeps its
     type and its "block b:" prefix."""
     from packkit.errors import DataError
-    from packkit.examples import ExampleTypeError, ExampleValueError
+    from packkit.rules import ExampleTypeError, ExampleValueError
 
     ids = [[1, 2], [3], [4, 5, 6], [7, -8], [9]]
     ds = ray.data.from_arrow([pa.table({"input_ids": ids[:3]}), pa.table({"input_ids": ids[3:]})])

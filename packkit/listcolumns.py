@@ -1,0 +1,195 @@
+"""Arrow list columns read under the rules (:mod:`packkit.rules`): each chunk's flat values and
+offsets as numpy, checked, without a Python object per token; and what ``packkit waste`` / ``plan``
+measure from a table, the lengths of its examples and their loss tokens::
+
+    >>> import pyarrow as pa
+    >>> token_lengths(pa.array([[5, 6], [7]])).tolist()
+    [2, 1]
+    >>> loss_lengths(pa.table({"input_ids": [[1, 2, 3], [4, 5]], "labels": [[-100, 7, 8], [9, -100]]})).tolist()
+    [2, 0]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .arrow import pyarrow
+from .rules import (MASK_KEYS, check_column, check_dtype, check_values, column_kind, nested, not_integer,
+                    null_inside)
+from .segments import IGNORE_INDEX, lengths_to_offsets
+
+__all__ = ["list_chunks", "token_lengths", "loss_lengths", "table_labels"]
+
+
+def _is_list(pa, t) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def list_chunks(column, *, key: str = "input_ids", kind: str = "ids", rows: int = 0):
+    """The chunks of an Arrow list column as numpy: yields ``(values, offsets, valid, first_row)``.
+
+    ``values`` are the chunk's flat values (zero-copy for integers without nulls), ``offsets`` its
+    ``(n + 1,)`` int64 offsets from 0, ``valid`` the ``(n,)`` bool non-null mask or None, ``first_row``
+    the dataset row of the chunk's first example (``rows`` is the column's). The column's type is
+    checked first (a list of integers; of integers or bools for ``kind="mask"``; not nested; not
+    floats or text), and a null inside a list is refused; the error names the first example concerned.
+    ``list(list_chunks(pa.array([[5, 6], [7]])))`` -> ``[(array([5, 6, 7]), array([0, 2, 3]), None, 0)]``.
+    """
+    pa = pyarrow()
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    t = column.type
+    if pa.types.is_null(t):  # every row null: no example has this key
+        base = rows
+        for chunk in chunks:
+            n = len(chunk)
+            yield np.zeros(0, np.int64), np.zeros(n + 1, np.int64), np.zeros(n, bool), base
+            base += n
+        return
+    if not _is_list(pa, t):
+        raise TypeError(f"column {key!r} holds {t}, not lists of token ids: map your tokenizer so that each "
+                        "row holds a list")
+    vt = t.value_type
+    base = rows
+    for chunk in chunks:
+        n = len(chunk)
+        if pa.types.is_fixed_size_list(chunk.type):
+            chunk = chunk.cast(pa.list_(vt))
+        offsets = chunk.offsets.to_numpy().astype(np.int64)
+        child = chunk.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        offsets -= offsets[0]
+        valid = np.asarray(chunk.is_valid()) if chunk.null_count else None
+        if _is_list(pa, vt):
+            i = _first_nonempty(offsets, valid)
+            if i is not None:
+                raise nested(base + i - rows, rows, key, f"Arrow type {t}")
+            values = np.zeros(0, np.int64)
+        elif pa.types.is_null(vt):  # every list empty (or null)
+            values = np.zeros(0, np.int64)
+        elif pa.types.is_integer(vt) or pa.types.is_boolean(vt) or pa.types.is_floating(vt):
+            if child.null_count:
+                bad = np.flatnonzero(~np.asarray(child.is_valid()))[0]
+                raise null_inside(base - rows + int(np.searchsorted(offsets, bad, side="right") - 1), rows, key)
+            values = child.to_numpy(zero_copy_only=False)
+            if values.dtype.kind not in "iu":
+                starts, lengths = offsets[:-1], np.diff(offsets)
+                check_dtype(values, starts, lengths, key=key, kind=kind, rows=base)
+        else:
+            i = _first_nonempty(offsets, valid)
+            if i is not None:
+                raise not_integer(base + i - rows, rows, key, kind, child[0].as_py())
+            values = np.zeros(0, np.int64)
+        yield values, offsets, valid, base
+        base += n
+
+
+def _first_nonempty(offsets, valid):
+    ne = np.diff(offsets) > 0
+    if valid is not None:
+        ne &= valid
+    return int(np.argmax(ne)) if ne.any() else None
+
+
+def token_lengths(column, *, key: str = "input_ids", rows: int = 0) -> np.ndarray:
+    """``(n,)`` int64 lengths of a token-id list column, every rule checked (:func:`~packkit.rules.check_values`) on
+    the way: what ``packkit waste`` measures is what ``packkit pack`` accepts.
+    ``token_lengths(pa.array([[5, 6], [7]])) -> [2, 1]``; ``[[5], [-1]]`` raises naming row 1."""
+    out = []
+    for values, offsets, valid, first in list_chunks(column, key=key, kind="ids", rows=rows):
+        check_values(values, offsets, kind="ids", key=key, rows=first, valid=valid)
+        out.append(np.diff(offsets))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
+    """Loss tokens of every example of an Arrow table, as a packed batch counts them, or None when the
+    table has neither ``labels`` nor a loss mask (:data:`~packkit.rules.MASK_KEYS`).
+
+    A position counts when it is not the example's first (the model shifts labels), its label (the
+    token id when the example has no labels) is not -100, and every loss mask the example carries is 1.
+    Labels and masks follow the rules (values, lengths); a null is a key the example does not have.
+    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]``. ``(n,)`` int64.
+    """
+    if not _loss_keys(table):
+        return None
+    if lengths is None:
+        lengths = token_lengths(table.column(key), key=key, rows=rows)
+    lengths = np.asarray(lengths, np.int64)
+    offsets = lengths_to_offsets(lengths)
+    loss = np.ones(int(offsets[-1]), bool)
+    for kind, span, values, given in _loss_columns(table, lengths, offsets, key=key, rows=rows):
+        keep = values != (IGNORE_INDEX if kind == "labels" else 0)
+        if given is not None:  # a null row has no such key: every one of its tokens is kept
+            keep |= ~given
+        loss[span] &= keep
+    loss[offsets[:-1]] = False  # the first token of an example is never a target
+    csum = lengths_to_offsets(loss)  # loss tokens before each flat index
+    return csum[offsets[1:]] - csum[offsets[:-1]]
+
+
+def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
+    """The labels of every example of an Arrow table, flat and laid out like its token column, or None
+    when it has neither ``labels`` nor a loss mask: each example's labels (its token ids when it has
+    none, a null included), ``-100`` where any loss mask it carries is 0 (no first-label masking).
+    Every rule is checked; errors name the dataset row (``rows`` is the table's first).
+    ``labels [[5, -100], null]``, ``input_ids [[5, 6], [7]]`` -> ``[5, -100, 7]`` (int64).
+    """
+    if not _loss_keys(table):
+        return None
+    tok = [(values, off) for values, off, _, _ in list_chunks(table.column(key), key=key, rows=rows)]
+    ids = np.concatenate([v for v, _ in tok]) if len(tok) != 1 else tok[0][0]
+    lengths = np.concatenate([np.diff(o) for _, o in tok]) if tok else np.zeros(0, np.int64)
+    offsets = lengths_to_offsets(lengths)
+    labels = ids.astype(np.int64)
+    for kind, span, values, given in _loss_columns(table, lengths, offsets, key=key, rows=rows):
+        out = labels[span]
+        if kind == "labels":  # an example without labels (a null row) keeps its token ids
+            if given is None:
+                out[:] = values
+            else:
+                out[given] = values[given]
+        else:
+            drop = values == 0
+            if given is not None:  # an example without this mask (a null row) keeps every label
+                drop &= given
+            out[drop] = IGNORE_INDEX
+    return labels
+
+
+def _loss_keys(table) -> list:
+    """The columns of ``table`` that decide the loss: ``labels``, then :data:`~packkit.rules.MASK_KEYS`, those
+    present."""
+    names = table.column_names
+    return [k for k in ("labels", *MASK_KEYS) if k in names]
+
+
+def _loss_columns(table, lengths: np.ndarray, offsets: np.ndarray, *, key: str, rows: int):
+    """The loss columns of ``table`` (:func:`_loss_keys`) a chunk at a time, each checked against its rule
+    and the token column's ``lengths`` (:func:`~packkit.rules.check_column`; errors name the dataset row): yields
+    ``(kind, span, values, given)``, ``span`` the chunk's slice of the flat token layout (``offsets``),
+    ``values`` the chunk's values laid out like it and ``given`` None, or where a chunk has null rows
+    (examples without the key), the positions of the rows with a value (:func:`_lay_out`)."""
+    for k in _loss_keys(table):
+        kind = column_kind(k, key)
+        done = 0
+        for values, off, valid, first in list_chunks(table.column(k), key=k, kind=kind, rows=rows):
+            m = off.size - 1
+            ref = lengths[done: done + m]
+            check_column(values, off, kind=kind, key=k, rows=first, valid=valid, ref_lengths=ref, ref_key=key)
+            given = None
+            if valid is not None:
+                values, given = _lay_out(values, off, valid, ref)
+            yield kind, slice(offsets[done], offsets[done + m]), values, given
+            done += m
+
+
+def _lay_out(values: np.ndarray, offsets: np.ndarray, valid: np.ndarray, lengths: np.ndarray):
+    """A chunk of a column with null rows (which hold no values), laid out like ``lengths`` (the token
+    column's): ``(laid, given)``, ``given`` the ``(sum(lengths),)`` bool positions of the rows with a
+    value, ``laid`` their values there and 0 elsewhere. Those rows are as long as ``lengths`` says
+    (:func:`~packkit.rules.check_aligned`), so one ``np.repeat`` of ``valid`` on each side gathers them all (measured
+    78 ms against 493 ms for a copy row by row, 1M rows with 10% null): ``values [5, 6]``, ``offsets
+    [0, 0, 2]``, ``valid [F, T]``, ``lengths [1, 2]`` -> ``[0, 5, 6]``, ``[F, T, T]``."""
+    given = np.repeat(valid, lengths)
+    laid = np.zeros(given.size, values.dtype)
+    laid[given] = values[np.repeat(valid, np.diff(offsets))]
+    return laid, given
