@@ -40,6 +40,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import os
 import secrets
 import shlex
@@ -203,21 +204,17 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(dst))
 
 
-_libc_cache: list = []
-
-
+@functools.cache
 def _libc_renameat2():
-    if not _libc_cache:
-        func = None
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            func = libc.renameat2
-            func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            func.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            func = None
-        _libc_cache.append(func)
-    return _libc_cache[0]
+    """libc's ``renameat2`` (looked up once), or None where libc has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        func = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
 
 
 def _remove(path: Path) -> None:
