@@ -293,14 +293,14 @@ def test_with_trainer_as_pasted(tmp_path, monkeypatch):
 
 def test_vision_language_as_pasted(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
-    from test_vl_model import make_example, tiny_vl_model
+    from testlib import tiny_vl_model, vl_example
 
     g = torch.Generator().manual_seed(0)
     grids = ([(1, 4, 4)], [], [(1, 2, 4), (1, 4, 2)], [(1, 4, 4)])
-    rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in make_example(g, 3 + i % 5, grids[i % 4]).items()}
-            for i in range(8)]
+    examples = [vl_example(g, 3 + i % 5, grids[i % 4]) for i in range(8)]
+    rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in ex.items()} for ex in examples]
     dataset = datasets.Dataset.from_list(rows)  # as a processor's map leaves it: lists, None where no image
-    scope = run_readme("## Vision-language models", 0, tmp_path, monkeypatch, model=tiny_vl_model(torch.float32),
+    scope = run_readme("## Vision-language models", 0, tmp_path, monkeypatch, model=tiny_vl_model(dtype=torch.float32),
                        dataset=dataset)
     trainer = scope["trainer"]
     assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step

@@ -15,55 +15,24 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator  # noqa: E402
-from packkit.model_inputs import HybridCollator, VisionLanguageCollator, mrope_position_ids  # noqa: E402
+from packkit.model_inputs import (VISION_KEYS, HybridCollator, VisionLanguageCollator,  # noqa: E402
+                                  mrope_position_ids)
+
+from testlib import VL_TOKENS, tiny_vl_model, vl_example  # noqa: E402
 
 TOL = 1e-10  # float64
-IMG, VS, VE = 120, 122, 123  # image, vision start, vision end tokens
-MERGE = 2  # spatial_merge_size
-PATCH_DIM = 3 * 2 * 2 * 2  # channels * temporal_patch_size * patch_size**2
-
-
-def tiny_vl_model(dtype=torch.float64):
-    """A tiny random Qwen2VLForConditionalGeneration (2 text layers, 1 vision block) on sdpa."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=None, eos_token_id=None, sliding_window=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
-                           spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3),
-        image_token_id=IMG, video_token_id=121, vision_start_token_id=VS, vision_end_token_id=VE)
-    return transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=dtype)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_vl_model().eval()
-
-
-def make_example(g, text, grids):
-    """What the processor gives for one conversation: text tokens (ids from 1: 0 pads), then per image
-    ``<vs> <im>*k <ve>`` and three text tokens; ``pixel_values (patches, PATCH_DIM)``,
-    ``image_grid_thw (images, 3)``, ``mm_token_type_ids`` (1 on image tokens); no loss on vision tokens."""
-    ids = torch.randint(1, 100, (text,), generator=g).tolist()
-    pixels = []
-    for t, h, w in grids:
-        ids += [VS] + [IMG] * (t * h * w // MERGE ** 2) + [VE] + torch.randint(1, 100, (3,), generator=g).tolist()
-        pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=g, dtype=torch.float64))
-    ex = {"input_ids": ids, "labels": [-100 if x in (IMG, VS, VE) else x for x in ids],
-          "mm_token_type_ids": [int(x == IMG) for x in ids]}
-    if grids:
-        ex["pixel_values"] = torch.cat(pixels)
-        ex["image_grid_thw"] = torch.tensor(grids)
-    return ex
+    return tiny_vl_model()
 
 
 @pytest.fixture(scope="module")
 def examples():
     g = torch.Generator().manual_seed(1)
-    out = [make_example(g, 4, [(1, 4, 4)]), make_example(g, 6, []), make_example(g, 2, [(1, 2, 4), (1, 4, 2)]),
-           make_example(g, 4, [(1, 4, 4)]), make_example(g, 3, [])]
+    out = [vl_example(g, 4, images=[(1, 4, 4)]), vl_example(g, 6), vl_example(g, 2, images=[(1, 2, 4), (1, 4, 2)]),
+           vl_example(g, 4, images=[(1, 4, 4)]), vl_example(g, 3), vl_example(g, 2, videos=[(2, 4, 4)])]
     # a look-alike of example 3: the same tokens and grid, another image (only its logits tell them apart)
     out.append(dict(out[3], pixel_values=torch.randn(out[3]["pixel_values"].shape, generator=g, dtype=torch.float64)))
     return out
@@ -72,10 +41,7 @@ def examples():
 def model_inputs(ex):
     """One example as a batch of one, as the processor returns it."""
     out = {"input_ids": torch.tensor([ex["input_ids"]]), "mm_token_type_ids": torch.tensor([ex["mm_token_type_ids"]])}
-    for key in ("pixel_values", "image_grid_thw"):
-        if key in ex:
-            out[key] = ex[key]
-    return out
+    return dict(out, **{key: ex[key] for key in VISION_KEYS if key in ex})
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +53,9 @@ def alone(model, examples):
 
 def rope_index_alone(model, ex):
     """``(3, n)``: the model's own ``get_rope_index`` of one example (text positions for text only)."""
-    if "image_grid_thw" not in ex:
+    if not any(key in ex for key in VISION_KEYS):
         return torch.arange(len(ex["input_ids"])).expand(3, -1)
-    inputs = model_inputs(ex)
-    pos, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
-                                        image_grid_thw=inputs["image_grid_thw"])
-    return pos[:, 0]
+    return model.model.get_rope_index(**model_inputs(ex))[0][:, 0]
 
 
 def documents(batch):
@@ -129,12 +92,28 @@ def check_documents(model, batch, examples, alone):
 def test_padding_free_row_equals_each_document_alone(model, examples, alone):
     batch = VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)(examples)
     assert batch["position_ids"].shape == (4, 1, sum(len(ex["input_ids"]) for ex in examples))
-    assert torch.equal(batch["image_grid_thw"], torch.cat([ex["image_grid_thw"] for ex in examples
-                                                           if "image_grid_thw" in ex]))
+    for key in VISION_KEYS:  # in document order, as the model scatters the features
+        parts = [ex[key] for ex in examples if key in ex]
+        assert torch.equal(batch[key], torch.cat(parts)) if parts else key not in batch
     text = PaddingFreeCollator()(examples)
     assert torch.equal(batch.cu_seqlens, text.cu_seqlens) and torch.equal(batch["cu_seq_lens_q"], text.cu_seqlens)
     assert torch.equal(batch["position_ids"][0], text.position_ids)
     assert check_documents(model, batch, examples, alone) == list(range(len(examples)))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_other_families_equal_each_document_alone(examples, family):
+    """Qwen2.5-VL (windowed vision attention) and Qwen3-VL (interleaved mRoPE, deepstack), images only;
+    Qwen3-VL reads 2-D ids as the text row, but then rotates the images' tokens as text."""
+    model, docs = tiny_vl_model(family), examples[:3]
+    with torch.no_grad():
+        alone = [model(**model_inputs(ex), use_cache=False).logits[0] for ex in docs]
+        plain = model(**PaddingFreeCollator()(docs)).logits[0]
+    assert check_documents(model, VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)(
+        docs), docs, alone) == [0, 1, 2]
+    diff = (plain - torch.cat(alone)).abs().max().item()
+    print(f"{family}, 2-D positions: logits max abs diff {diff:.3e}")
+    assert diff > 1e-3
 
 
 def test_fixed_windows_reordered_with_stored_positions(model, examples, alone):

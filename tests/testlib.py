@@ -53,3 +53,64 @@ def tiny_token_lm(vocab: int, width: int, *, seed: int = 0) -> torch.nn.Module:
     """
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Embedding(vocab, width), torch.nn.Tanh(), torch.nn.Linear(width, vocab)).double()
+
+
+# -- vision-language: tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL and processor-like examples -----------------
+
+#: special tokens of the tiny vision-language models (a vocabulary of 128; text ids are drawn below 100)
+VL_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+VL_MERGE = 2  # spatial_merge_size
+VL_PATCH_DIM = 3 * 2 * 2 * 2  # channels * temporal_patch_size * patch_size**2
+
+# family -> (model class, config class, vision config, extra rope parameters), as named in transformers
+VL_FAMILIES = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", dict(depth=1, embed_dim=16, hidden_size=32),
+                 {}),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
+                   dict(depth=2, hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=8,
+                        fullatt_block_indexes=[1]), {}),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLConfig",
+                 dict(depth=2, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0]), {"mrope_interleaved": True}),
+}
+
+
+def tiny_vl_model(family: str = "qwen2_vl", *, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """A tiny random mRoPE vision-language model (2 text layers of width 32, a 1-2 block vision tower
+    that merges 2x2 patches of 2x2 pixels), sdpa, in eval mode. ``tiny_vl_model().config.image_token_id -> 120``.
+    """
+    import transformers
+
+    model_cls, config_cls, vision, rope = VL_FAMILIES[family]
+    text = dict(TINY, vocab_size=128, max_position_embeddings=256, head_dim=8, bos_token_id=None, eos_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], **rope})
+    vision = dict(vision, num_heads=2, patch_size=2, spatial_merge_size=VL_MERGE, temporal_patch_size=2, in_channels=3)
+    config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, **VL_TOKENS)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)._from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+
+
+def vl_example(g: torch.Generator, text: int, images=(), videos=()) -> dict:
+    """What a processor gives for one conversation: ``text`` text tokens (ids 1..99: 0 pads), then for every
+    image (then video) grid ``(t, h, w)`` ``<vs> <im>*(t*h*w/4) <ve>`` and three text tokens;
+    ``pixel_values``/``pixel_values_videos`` ``(t*h*w, VL_PATCH_DIM)`` float64, ``image_grid_thw``/``video_grid_thw``,
+    ``mm_token_type_ids`` (1 image, 2 video), ``labels`` (-100 on vision tokens).
+    ``len(vl_example(g, 2, images=[(1, 4, 4)])["input_ids"]) -> 11``.
+    """
+    ids = torch.randint(1, 100, (text,), generator=g).tolist()
+    types = [0] * text
+    ex = {}
+    kinds = ((images, "image_token_id", 1, "pixel_values", "image_grid_thw"),
+             (videos, "video_token_id", 2, "pixel_values_videos", "video_grid_thw"))
+    for grids, token, kind, pixels, grid_key in kinds:
+        for t, h, w in grids:
+            n = t * h * w // VL_MERGE ** 2
+            ids += [VL_TOKENS["vision_start_token_id"]] + [VL_TOKENS[token]] * n + [VL_TOKENS["vision_end_token_id"]]
+            ids += torch.randint(1, 100, (3,), generator=g).tolist()
+            types += [0] + [kind] * n + [0] * 4
+        if grids:
+            ex[pixels] = torch.cat([torch.randn(t * h * w, VL_PATCH_DIM, generator=g, dtype=torch.float64)
+                                    for t, h, w in grids])
+            ex[grid_key] = torch.tensor(grids)
+    special = {VL_TOKENS[k] for k in VL_TOKENS}
+    return {"input_ids": ids, "labels": [-100 if x in special else x for x in ids], "mm_token_type_ids": types, **ex}
