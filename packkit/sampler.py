@@ -63,11 +63,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import numbers
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
+from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, pack
+from .errors import ArgumentError, arg
 from .segments import lengths_to_offsets
 
 __all__ = [
@@ -75,10 +78,12 @@ __all__ = [
     "TokenBudgetBatchSampler",
     "PackedBatchSampler",
     "EpochStats",
+    "ResumeWarning",
+    "Schedule",
     "lengths_from_dataset",
 ]
 
-BALANCE = (None, "tokens", "sqlen")
+BALANCE = (None, "tokens", "sqlen", "compute")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +237,11 @@ def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray
 
 def batch_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     """Sum of ``values`` over each CSR batch (empty batches give 0): ``([1, 2, 3], [0, 2, 3]) -> [3, 3]``."""
-    csum = lengths_to_offsets(values)  # prefix sums: the offsets of runs of these sizes
+    values = np.asarray(values)
+    if values.dtype.kind == "f":  # costs: float prefix sums
+        csum = np.concatenate(([0.0], np.cumsum(values)))
+    else:
+        csum = lengths_to_offsets(values)  # prefix sums: the offsets of runs of these sizes
     return csum[ptr[1:]] - csum[ptr[:-1]]
 
 
@@ -259,20 +268,57 @@ def arrange_steps(cost: np.ndarray, world_size: int, rng, *, shuffle: bool, bala
     return steps.reshape(-1)
 
 
-def share_tail(units: np.ndarray, world_size: int, pool: np.ndarray) -> tuple[np.ndarray, int]:
-    """Pad ``units`` to a multiple of ``world_size`` with the first items of ``pool`` (cycled).
+def split_pieces(parts: list[np.ndarray], count: int) -> tuple[list[np.ndarray], int]:
+    """Split the piece with the most examples in halves until there are ``count``; repeat if all are single.
 
-    Returns the padded units and how many were repeated: ``share_tail([4, 5, 6], 2, [0, 1]) -> ([4, 5, 6, 0], 1)``.
+    Halves of a batch within its budget are within it too. Returns the pieces and the examples repeated:
+    ``split_pieces([[3, 4, 5]], 2) -> ([[3], [4, 5]], 0)``; ``split_pieces([[3]], 2) -> ([[3], [3]], 1)``.
     """
-    units = np.asarray(units, np.int64)
-    need = -units.size % world_size
-    extra = np.resize(np.asarray(pool, np.int64), need)
-    return np.concatenate((units, extra)), need
+    parts = [np.asarray(p, np.int64) for p in parts]
+    while len(parts) < count:
+        j = max(range(len(parts)), key=lambda i: parts[i].size)
+        if parts[j].size < 2:
+            break
+        p = parts.pop(j)
+        h = p.size // 2
+        parts[j:j] = [p[:h], p[h:]]
+    repeated = 0
+    i = 0
+    while len(parts) < count:
+        parts.append(parts[i])
+        repeated += parts[i].size
+        i += 1
+    return parts, repeated
+
+
+def mask_bits(mask: int, start: int, stop: int) -> np.ndarray:
+    """(stop - start,) bool, bit ``u - start`` of ``mask`` for each unit: ``mask_bits(0b101, 10, 13) -> [T, F, T]``."""
+    n = stop - start
+    if n <= 0 or not mask:
+        return np.zeros(max(n, 0), bool)
+    raw = np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8)
+    return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
+
+
+def bits_mask(bits: np.ndarray) -> int:
+    """The integer whose bit ``i`` is ``bits[i]``: ``bits_mask([True, False, True]) -> 5``."""
+    bits = np.asarray(bits, bool)
+    if not bits.any():
+        return 0
+    return int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little")
 
 
 # ----------------------------------------------------------------------------------------------
 # what an epoch looks like
 # ----------------------------------------------------------------------------------------------
+
+
+class ResumeWarning(UserWarning):
+    """A resume on another world size (or step size) moved step boundaries: said once, in one line.
+
+    No example is repeated or skipped; only which examples share an optimiser step changes from the
+    resume point on. Silence it with ``warnings.filterwarnings("ignore", category=ResumeWarning)``.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,15 +328,28 @@ class EpochStats:
     Fields:
         epoch, world_size: which epoch, how many ranks.
         steps: batches per rank (the same on every rank).
+        accumulation_steps: micro-batches per rank per optimiser step (``step_batches // world_size``).
         examples: distinct examples yielded over all ranks.
-        repeated: extra yields of examples already in the epoch (``drop_last=False`` padding).
+        repeated: extra yields of examples already in the epoch (``drop_last=False``, only when a last
+            step holds fewer examples than ranks).
         dropped: examples not yielded this epoch (``drop_last=True`` tail, ``overflow="drop"``).
         tokens: real tokens yielded over all ranks (repeats counted; truncated tokens not).
         padded_tokens: tokens after padding: batch size x longest per batch (length-grouped, token
             budget), or windows x W (packed).
         padding_waste: ``1 - tokens / padded_tokens``.
-        step_imbalance: ``sum over steps of the costliest rank / sum of the mean rank, - 1`` (0: every
-            rank of every step has the same work), cost measured as ``balance`` says (tokens if None).
+        step_imbalance: ``sum over optimiser steps of the costliest rank / sum of the mean rank, - 1``
+            (0: every rank of every step has the same work), cost measured as ``balance`` says (tokens
+            if None, the cost model under ``"compute"``).
+        compute_imbalance: the same ratio under the cost model, whatever the policy, not less 1
+            (:func:`packkit.balance.compute_imbalance`: 1.0 is perfect; a run takes this many times the
+            time of a perfectly balanced one). A rank's cost in a step is the sum over its
+            micro-batches of that step (accumulation) of ``cost.linear * L + L**2 / cp_size``.
+        examples_per_step_cv: coefficient of variation (std / mean) of the examples an optimiser step
+            holds over all ranks, the last, partial step left out (when there are others): how much
+            the policy changed what a step holds (random steps set the reference).
+        queued, deferred: ``balance="compute"`` with one or two windows per rank only
+            (:func:`packkit.balance.pack_to_cost`): long documents held for a later step, and documents
+            moved to the next step; 0 otherwise.
     """
 
     epoch: int
@@ -303,31 +362,111 @@ class EpochStats:
     padded_tokens: int
     padding_waste: float
     step_imbalance: float
+    compute_imbalance: float = 1.0
+    examples_per_step_cv: float = 0.0
+    accumulation_steps: int = 1
+    queued: int = 0
+    deferred: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Epoch:
-    """Global batches of an epoch, step-major: batch ``s * world_size + r`` is step ``s`` of rank ``r``.
+class _Sequence:
+    """An epoch as a world-size-free sequence of *units* (windows, or batches), ``step`` units a step.
 
-    ``flat``: (total,) int64 example indices; ``ptr``: (steps * world_size + 1,) int64 CSR offsets.
+    ``flat``: (n,) int64 example indices; ``ptr``: (units + 1,) int64 CSR offsets of the units. The
+    first ``full`` units make full steps; the rest (fewer than ``step``) a last, partial step.
+    ``plan``: packed samplers' windows, unit ``i`` = window ``i``.
     """
 
     flat: np.ndarray
     ptr: np.ndarray
-    steps: int
-    stats: EpochStats
-    plan: Plan | None = None  # packed samplers: the windows, in the order of ``flat``
+    step: int
+    full: int
+    plan: Plan | None = None
+    dropped: int = 0
+    queued: int = 0
+    deferred: int = 0
+
+    @property
+    def units(self) -> int:
+        return int(self.ptr.size - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    """Where a pass starts in a sequence of ``seq_step`` units a step (``None``: this run's step size).
+
+    A clean step boundary is ``_Point(start=u)``. Inside a step: the step is units ``start ..
+    start + span - 1``, of which the bits of ``mask`` were used before it was dealt as ``deal`` =
+    ``(world_size, accumulation_steps)`` (None: not dealt yet), and ``rows`` rows of that deal are done.
+    """
+
+    start: int = 0
+    span: int = 0
+    mask: int = 0
+    deal: tuple | None = None
+    rows: int = 0
+    seq_step: int | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.rows == 0 and self.mask == 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """Batches of every rank from a position on, row-major: batch ``i * world_size + r`` is rank ``r``'s
+    ``i``-th (a *row* is one micro-batch on every rank).
+
+    ``flat``: (n,) int64 example indices; ``ptr``: (rows * world_size + 1,) int64 CSR offsets;
+    ``step_row``: (steps + 1,) int64, the first row of each optimiser step (relative to this schedule;
+    the first may be negative when the pass resumes inside a step); ``step_start``, ``step_span``:
+    (steps,) int64 units of the sequence each step covers; ``mask0``: the units of the first step used
+    before it was dealt; ``pieces``: (rows * world_size,) int64 units (windows) each batch holds;
+    ``repeated``: examples yielded twice (a last step with fewer examples than ranks); ``moved``: the
+    one-line notice when step boundaries moved, else ''.
+    """
+
+    flat: np.ndarray
+    ptr: np.ndarray
+    world_size: int
+    accumulation_steps: int
+    step_row: np.ndarray
+    step_start: np.ndarray
+    step_span: np.ndarray
+    mask0: int
+    pieces: np.ndarray
+    repeated: int
+    moved: str
+
+    @property
+    def rows(self) -> int:
+        return int((self.ptr.size - 1) // self.world_size)
+
+    def batches(self, rank: int) -> list[np.ndarray]:
+        """Rank ``rank``'s batches: ``[flat[ptr[i*R + rank]:ptr[i*R + rank + 1]] for each row i]``."""
+        R = self.world_size
+        return [self.flat[self.ptr[i * R + rank]:self.ptr[i * R + rank + 1]] for i in range(self.rows)]
+
+
+def _chunks(units: np.ndarray, size: int) -> list[np.ndarray]:
+    """``units`` in consecutive runs of ``size`` (the last shorter): ``_chunks([1, 2, 3], 2) -> [[1, 2], [3]]``."""
+    return [units[i:i + size] for i in range(0, units.size, size)]
 
 
 # ----------------------------------------------------------------------------------------------
-# the shared machinery: epochs, ranks, resuming
+# the shared machinery: sequences, dealing to ranks, resuming
 # ----------------------------------------------------------------------------------------------
 
 
 class _BatchSampler:
-    """Caches the global epoch, hands this rank its batches, and saves/restores the position."""
+    """Builds the world-size-free sequence of an epoch, deals its steps to the ranks, saves/restores
+    the position."""
 
-    def __init__(self, lengths, *, dataset, key, seed, rank, world_size, drop_last, balance, shuffle):
+    _unit_name = "batches"
+
+    def __init__(self, lengths, *, dataset, key, seed, rank, world_size, drop_last, balance, shuffle,
+                 step_batches, cost, cp_size):
         self.lengths = _lengths(lengths, dataset, key)
         self.lengths.setflags(write=False)
         self.seed = check_seed(seed, allow_none=False)
@@ -337,41 +476,267 @@ class _BatchSampler:
         if balance not in BALANCE:
             raise ValueError(f"balance must be one of {BALANCE}, got {balance!r}")
         self.drop_last, self.balance, self.shuffle = drop_last, balance, bool(shuffle)
+        self.cost = cost_model(cost, cp_size=cp_size)
+        R = self.world_size
+        self.step_batches = R if step_batches is None else _positive_int(step_batches, "step_batches")
+        if self.step_batches % R:
+            lo = max(R, self.step_batches // R * R)
+            raise ArgumentError("{sb} is not a multiple of world_size={R}: every rank takes the same number of "
+                                "micro-batches a step; pass {fix}", sb=arg("step_batches", self.step_batches),
+                                R=R, fix=arg("step_batches", lo, lo + R))
         self._epoch_num = 0
-        self._start = 0  # batches of this epoch already yielded before a resume
-        self._yielded = 0
-        self._cache: tuple[tuple[int, int], _Epoch] | None = None
-        self._built(0)  # bad input fails here, not at the first step
+        self._point = _Point()  # where the next pass starts
+        self._active: tuple[Schedule, int] | None = None  # the pass in progress, and its rows before it
+        self._offset = 0  # rows of the epoch before the next pass (a resume)
+        self._yielded = 0  # rows the active pass has yielded
+        self._seq_cache: tuple | None = None
+        self._sched_cache: tuple | None = None
+        self._stats_cache: tuple | None = None
+        self.epoch_stats()  # bad input fails here, not at the first step
 
-    # -- subclasses build the global epoch ------------------------------------------------------
+    # -- subclasses build the sequence ----------------------------------------------------------
 
-    def _build(self, rng, epoch: int) -> _Epoch:  # pragma: no cover - abstract
+    _k = 1  # units per micro-batch
+
+    def _sequence_of(self, rng, step: int) -> _Sequence:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _config(self) -> dict:
-        return {"drop_last": self.drop_last, "balance": self.balance, "shuffle": self.shuffle}
+        return {"drop_last": self.drop_last, "balance": self.balance, "shuffle": self.shuffle,
+                "cost": (self.cost.linear, self.cost.cp_size)}
 
-    def _built(self, epoch: int, *, seed: int | None = None) -> _Epoch:
-        """The global epoch for ``(seed, epoch)`` (``seed``: this sampler's by default), cached."""
-        key = (self.seed if seed is None else seed, epoch)
-        if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self._build(np.random.default_rng(key), epoch))
-        return self._cache[1]
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches each rank takes per optimiser step: ``step_batches // world_size``."""
+        return self.step_batches // self.world_size
 
-    def _stats(self, epoch: int, steps, repeated, dropped, tokens, padded, cost) -> EpochStats:
+    @property
+    def _step_units(self) -> int:
+        return self.step_batches * self._k
+
+    def _sequence(self, epoch: int, seed: int, step: int) -> _Sequence:
+        """The sequence for ``(seed, epoch)`` cut into steps of ``step`` units, cached."""
+        key = (seed, epoch, step)
+        if self._seq_cache is None or self._seq_cache[0] != key:
+            self._seq_cache = (key, self._sequence_of(np.random.default_rng((seed, epoch)), step))
+        return self._seq_cache[1]
+
+    def _policy_cost(self, lengths: np.ndarray) -> np.ndarray:
+        """Per-example cost for ``balance``: tokens, squared lengths (attention), or the cost model."""
+        if self.balance == "sqlen":
+            return lengths * lengths
+        if self.balance == "compute":
+            return self.cost.costs(lengths)
+        return lengths
+
+    def _lengths_used(self) -> np.ndarray:
+        """(n,) int64 the tokens of each example a batch carries (packed: at most W)."""
+        return self.lengths
+
+    # -- dealing steps to ranks ------------------------------------------------------------------
+
+    def _deal_full(self, seq: _Sequence, units: np.ndarray) -> np.ndarray:
+        """Units of full steps ``(steps, S)`` in batch order: ``(steps, m, R, k)`` flattened, batch ``b``
+        = ``k`` consecutive units, row-major (row = step * m + i, then rank).
+
+        Under ``"compute"`` each rank gets the ``m * k`` units that :func:`lpt_assign` gives it (its
+        micro-batches in sequence order); otherwise unit ``j`` of a step is micro-batch ``j // k``,
+        dealt row after row.
+        """
+        R, m, k = self.world_size, self.accumulation_steps, self._k
+        steps, S = units.shape
+        if self.balance == "compute" and R > 1:
+            unit_cost = batch_sums(self._example_cost()[seq.flat], seq.ptr)
+            rank_of = lpt_assign(unit_cost[units], R)
+            by_rank = np.argsort(rank_of * S + np.arange(S), axis=1, kind="stable")
+            units = np.take_along_axis(units, by_rank, axis=1)
+            return units.reshape(steps, R, m, k).transpose(0, 2, 1, 3).reshape(-1)
+        return units.reshape(-1)
+
+    def _deal_partial(self, seq: _Sequence, units: np.ndarray) -> tuple[list[np.ndarray], list[int], int]:
+        """A step of fewer units than a full one: ``R * m_s`` batches, ``m_s`` the fewest rows that hold
+        them (at most ``m``), units dealt in runs as even as possible; fewer units than ranks are split
+        by examples (then repeated, counted). Returns batches (row-major), units per batch, repeats."""
+        R, m, k = self.world_size, self.accumulation_steps, self._k
+        u = units.size
+        rows = min(m, max(1, -(-u // (R * k))))
+        n = R * rows
+        if u >= n:
+            parts = np.array_split(units, n)
+            return ([np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in p]) for p in parts],
+                    [p.size for p in parts], 0)
+        pieces, repeated = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in units], R)
+        return pieces, [1] * R, repeated
+
+    def _example_cost(self) -> np.ndarray:
+        key = ("cost",)
+        if getattr(self, "_ex_cost", None) is None:
+            self._ex_cost = self.cost.costs(self._lengths_used())
+        return self._ex_cost
+
+    def _schedule(self, point: _Point) -> Schedule:
+        """The batches of every rank from ``point`` to the end of the epoch, cached."""
+        key = (self.seed, self._epoch_num, point, self.world_size, self.accumulation_steps)
+        if self._sched_cache is not None and self._sched_cache[0] == key:
+            return self._sched_cache[1]
+        R, m, k = self.world_size, self.accumulation_steps, self._k
+        S = R * m * k
+        seq_step = point.seq_step or S
+        seq = self._sequence(self._epoch_num, self.seed, seq_step)
+        U = seq.units
+        parts: list = []  # ("list", batches, pieces) or ("vec", flat, ptr, pieces)
+        rows_of: list[int] = []  # rows of each step
+        starts: list[int] = []
+        spans: list[int] = []
+        repeated, skip, mask0 = 0, 0, 0
+        notes = []
+        q = min(point.start, U)
+        if not point.clean and point.span:
+            lo, hi = point.start, point.start + point.span
+            left = np.arange(lo, hi)[~mask_bits(point.mask, lo, hi)]
+            if point.deal == (R, m):  # the same deal: go on inside it
+                batches, pieces, rep = self._deal_step(seq, left, S)
+                parts.append(("list", batches, pieces))
+                rows_of.append(len(batches) // R)
+                starts.append(lo)
+                spans.append(hi - lo)
+                skip, mask0, repeated = point.rows, point.mask, rep
+            else:  # what the old deal had not handed out yet, dealt to this world size
+                used = np.zeros(hi - lo, bool)
+                used[mask_bits(point.mask, lo, hi)] = True
+                if point.deal is not None and point.rows:
+                    done = self._dealt_units(seq, left, point.deal, point.rows)
+                    used[done - lo] = True
+                rest = np.arange(lo, hi)[~used]
+                for chunk in _chunks(rest, S):
+                    c_lo, c_hi = int(chunk[0]), int(chunk[-1]) + 1
+                    batches, pieces, rep = self._deal_step(seq, chunk, S)
+                    parts.append(("list", batches, pieces))
+                    rows_of.append(len(batches) // R)
+                    starts.append(c_lo)
+                    spans.append(c_hi - c_lo)
+                    if not mask0 and not starts[:-1]:
+                        mask0 = bits_mask(used[c_lo - lo:c_hi - lo])
+                    repeated += rep
+                notes.append(f"the step in progress ({rest.size} of {hi - lo} {self._unit_name} left) is dealt "
+                             f"to world_size={R} as {len(_chunks(rest, S))} step(s) of its own")
+            q = hi
+        if q < U:
+            if S != seq_step or q % seq_step:
+                notes.append(f"from here on a step is {S} {self._unit_name} ({self.step_batches} micro-batches); "
+                             f"the epoch was cut into steps of {seq_step}")
+            nfull = (U - q) // S
+            if nfull:
+                units = np.arange(q, q + nfull * S, dtype=np.int64).reshape(nfull, S)
+                order = self._deal_full(seq, units)
+                flat, uptr = select_batches(seq.flat, seq.ptr, order)
+                parts.append(("vec", flat, uptr[::k], np.full(order.size // k, k, np.int64)))
+                rows_of += [m] * nfull
+                starts += list(range(q, q + nfull * S, S))
+                spans += [S] * nfull
+            if q + nfull * S < U:
+                batches, pieces, rep = self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64))
+                parts.append(("list", batches, pieces))
+                rows_of.append(len(batches) // R)
+                starts.append(q + nfull * S)
+                spans.append(U - q - nfull * S)
+                repeated += rep
+        sched = self._assemble(parts, rows_of, starts, spans, skip, mask0, repeated,
+                               "; ".join(notes))
+        self._sched_cache = (key, sched)
+        return sched
+
+    def _deal_step(self, seq: _Sequence, units: np.ndarray, S: int):
+        """One step's batches, as the schedule deals it: the full deal for ``S`` units, else the partial."""
+        if units.size == S:
+            order = self._deal_full(seq, units.reshape(1, S))
+            k = self._k
+            return ([np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in order[i:i + k]])
+                     for i in range(0, order.size, k)], [k] * (order.size // k), 0)
+        return self._deal_partial(seq, units)
+
+    def _dealt_units(self, seq: _Sequence, units: np.ndarray, deal: tuple, rows: int) -> np.ndarray:
+        """Units handed out by the first ``rows`` rows of ``units`` dealt as ``deal = (R, m)``."""
+        R, m = int(deal[0]), int(deal[1])
+        saved = self.world_size, self.step_batches
+        try:  # the deal of another world size: the same functions with its R and m
+            self.world_size, self.step_batches = R, R * m
+            S = R * m * self._k
+            if units.size == S:
+                order = self._deal_full(seq, units.reshape(1, S))
+                return order[:rows * R * self._k]
+            u, k = units.size, self._k
+            n = R * min(m, max(1, -(-u // (R * k))))
+            if u < n:
+                return units if rows else units[:0]
+            return np.concatenate(np.array_split(units, n)[:rows * R])
+        finally:
+            self.world_size, self.step_batches = saved
+
+    def _assemble(self, parts, rows_of, starts, spans, skip, mask0, repeated, moved) -> Schedule:
         R = self.world_size
-        per_step = cost.reshape(steps, R) if steps else np.zeros((0, R))
-        mean = float(per_step.mean(axis=1).sum()) if steps else 0.0
-        imbalance = float(per_step.max(axis=1).sum()) / mean - 1.0 if mean > 0 else 0.0
-        return EpochStats(
-            epoch=epoch, world_size=R, steps=int(steps), examples=int(self.lengths.size - dropped),
-            repeated=int(repeated), dropped=int(dropped), tokens=int(tokens), padded_tokens=int(padded),
-            padding_waste=1.0 - tokens / padded if padded else 0.0, step_imbalance=imbalance,
-        )
+        flats, sizes, pieces = [], [], []
+        for part in parts:
+            if part[0] == "vec":
+                flats.append(part[1])
+                sizes.append(np.diff(part[2]))
+                pieces.append(part[3])
+            else:
+                flats += part[1]
+                sizes.append(np.array([b.size for b in part[1]], np.int64))
+                pieces.append(np.asarray(part[2], np.int64))
+        flat = np.concatenate(flats) if flats else np.zeros(0, np.int64)
+        sizes = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
+        pieces = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+        ptr = lengths_to_offsets(sizes)
+        step_row = lengths_to_offsets(np.asarray(rows_of, np.int64)) - skip
+        if skip:  # resumed inside the first step: its first rows are done
+            cut = int(ptr[skip * R])
+            flat, ptr, pieces = flat[cut:], ptr[skip * R:] - cut, pieces[skip * R:]
+        return Schedule(flat=flat, ptr=ptr, world_size=R, accumulation_steps=self.accumulation_steps,
+                        step_row=step_row, step_start=np.asarray(starts, np.int64),
+                        step_span=np.asarray(spans, np.int64), mask0=mask0, pieces=pieces,
+                        repeated=int(repeated), moved=moved)
 
-    def _cost(self, lengths: np.ndarray) -> np.ndarray:
-        """Per-item cost for ``balance``: tokens, or squared lengths (attention)."""
-        return lengths * lengths if self.balance == "sqlen" else lengths
+    # -- the figures --------------------------------------------------------------------------
+
+    def _padded(self, sched: Schedule) -> int:
+        """Tokens after padding: batch size x longest (packed samplers: windows x W)."""
+        lens = self._lengths_used()[sched.flat]
+        if not lens.size:
+            return 0
+        longest = np.maximum.reduceat(lens, sched.ptr[:-1]) if sched.flat.size else np.zeros(0, np.int64)
+        return int((np.diff(sched.ptr) * longest).sum())
+
+    def _stats_of(self, sched: Schedule, seq: _Sequence) -> EpochStats:
+        R = self.world_size
+        L = self._lengths_used()
+        lens = L[sched.flat]
+        tokens = int(lens.sum())
+        padded = self._padded(sched)
+        # per optimiser step and rank: the sum over the rank's rows of that step
+        row_starts = np.clip(sched.step_row[:-1], 0, None)
+        nonempty = np.diff(np.clip(sched.step_row, 0, None)) > 0
+        rows = sched.rows
+
+        def per_step(values: np.ndarray) -> np.ndarray:
+            if not rows:
+                return np.zeros((0, R))
+            by_batch = batch_sums(values, sched.ptr).reshape(rows, R)
+            return np.add.reduceat(by_batch, row_starts[nonempty], axis=0)
+
+        policy = per_step(self._policy_cost(lens.astype(np.float64)))
+        compute = per_step(self._example_cost()[sched.flat])
+        per_step_examples = per_step(np.ones(lens.size)).sum(axis=1)
+        full = sched.step_span[nonempty] == self.world_size * self.accumulation_steps * self._k
+        cv = variation(per_step_examples[full] if full.sum() >= 2 else per_step_examples)
+        return EpochStats(
+            epoch=self._epoch_num, world_size=R, steps=rows, examples=int(self.lengths.size - seq.dropped),
+            repeated=sched.repeated, dropped=int(seq.dropped), tokens=tokens, padded_tokens=padded,
+            padding_waste=1.0 - tokens / padded if padded else 0.0,
+            step_imbalance=compute_imbalance(policy) - 1.0, compute_imbalance=compute_imbalance(compute),
+            examples_per_step_cv=cv, accumulation_steps=self.accumulation_steps,
+            queued=int(seq.queued), deferred=int(seq.deferred))
 
     # -- the public protocol ----------------------------------------------------------------
 
@@ -387,34 +752,45 @@ class _BatchSampler:
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
             raise TypeError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self._epoch_num:
-            self._start = 0
-            self._yielded = 0
+            self._point, self._offset, self._active, self._yielded = _Point(), 0, None, 0
         self._epoch_num = int(epoch)
+
+    def schedule(self) -> Schedule:
+        """The batches of every rank that the next pass yields (all ranks, row-major): see :class:`Schedule`."""
+        return self._schedule(self._point)
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches of a whole epoch on this rank (the same on every rank)."""
-        return self._built(self._epoch_num).steps
+        """Batches of a whole epoch on this rank (the same on every rank), without a resume."""
+        return self._schedule(_Point()).rows
 
     def __len__(self) -> int:
         """Batches the next pass yields: the epoch, less the batches already yielded before a resume."""
-        return self.batches_per_epoch - self._start
+        return self.schedule().rows
 
     def epoch_stats(self) -> EpochStats:
-        """Figures of the current epoch over all ranks: see :class:`EpochStats`."""
-        return self._built(self._epoch_num).stats
+        """Figures of the current epoch over all ranks, as this run deals it: see :class:`EpochStats`."""
+        key = (self.seed, self._epoch_num)
+        if self._stats_cache is None or self._stats_cache[0] != key:
+            sched = self._schedule(_Point())
+            seq = self._sequence(self._epoch_num, self.seed, self._step_units)
+            self._stats_cache = (key, self._stats_of(sched, seq))
+        return self._stats_cache[1]
 
     def __iter__(self):
-        ep = self._built(self._epoch_num)
-        start, self._start = self._start, 0
-        self._yielded = start
-        return self._iterate(ep, start)
+        sched = self.schedule()
+        if sched.moved:
+            warnings.warn(ResumeWarning(f"{type(self).__name__} resumed on world_size={self.world_size}: "
+                                        f"{sched.moved}; no example is repeated or skipped"), stacklevel=2)
+        self._active = (sched, self._point, self._offset)
+        self._point, self._offset, self._yielded = _Point(), 0, 0  # the pass after this one: the whole epoch
+        return self._iterate(sched)
 
-    def _iterate(self, ep: _Epoch, start: int):
-        flat, ptr, R, r = ep.flat, ep.ptr, self.world_size, self.rank
-        for s in range(start, ep.steps):
-            g = s * R + r
-            self._yielded = s + 1  # counted before the consumer sees the batch
+    def _iterate(self, sched: Schedule):
+        flat, ptr, R, r = sched.flat, sched.ptr, self.world_size, self.rank
+        for i in range(sched.rows):
+            g = i * R + r
+            self._yielded = i + 1  # counted before the consumer sees the batch
             yield flat[ptr[g]:ptr[g + 1]].tolist()
 
     def _fingerprint(self) -> str:
@@ -423,31 +799,109 @@ class _BatchSampler:
         h.update(self.lengths.tobytes())
         return h.hexdigest()
 
-    def state_dict(self, *, batches_consumed: int | None = None) -> dict:
-        """Where this rank is: ``{"epoch", "seed", "batches_yielded", "world_size", "rank", ...}``.
+    def _point_after(self, sched: Schedule, base: _Point, rows: int) -> _Point:
+        """The position after ``rows`` rows of ``sched`` (which started at ``base``)."""
+        seq_step = base.seq_step or self._step_units
+        s = int(np.searchsorted(sched.step_row, rows, side="right")) - 1
+        if s >= sched.step_start.size:  # the epoch is done
+            end = int(sched.step_start[-1] + sched.step_span[-1]) if sched.step_start.size else base.start
+            return _Point(start=end, seq_step=seq_step)
+        r_in = rows - int(sched.step_row[s])
+        mask = sched.mask0 if s == 0 else 0
+        start, span = int(sched.step_start[s]), int(sched.step_span[s])
+        if r_in == 0 and mask == 0:
+            return _Point(start=start, seq_step=seq_step)
+        return _Point(start=start, span=span, mask=mask, deal=(self.world_size, self.accumulation_steps),
+                      rows=r_in, seq_step=seq_step)
 
-        ``batches_consumed``: the number of this epoch's batches the training loop actually used, when
-        that differs from what the sampler handed out (a DataLoader with workers prefetches).
+    def state_dict(self, *, batches_consumed: int | None = None) -> dict:
+        """Where the run is, the same dict on every rank: ``{"epoch", "seed", "batches_yielded", ...}``.
+
+        The position is global (units of the world-size-free sequence and the step in progress), so any
+        world size can load it. ``batches_consumed``: the number of this epoch's batches the training
+        loop actually used, when that differs from what the sampler handed out (a DataLoader with
+        workers prefetches).
         """
-        done = self._yielded if batches_consumed is None else batches_consumed
-        if isinstance(done, bool) or not isinstance(done, numbers.Integral) or not 0 <= done <= self.batches_per_epoch:
-            raise ValueError(f"batches_consumed must be in [0, {self.batches_per_epoch}], got {done!r}")
+        if self._active is not None:
+            sched, base, offset = self._active
+            done_rows = self._yielded
+        else:
+            sched, base, offset = self.schedule(), self._point, self._offset
+            done_rows = 0
+        total = offset + sched.rows
+        done = offset + done_rows if batches_consumed is None else batches_consumed
+        if isinstance(done, bool) or not isinstance(done, numbers.Integral) or not offset <= done <= total:
+            raise ValueError(f"batches_consumed must be in [{offset}, {total}], got {done!r}")
+        point = self._point_after(sched, base, int(done) - offset) if done > offset or base.clean else base
         return {
             "sampler": type(self).__name__,
+            "version": 2,
             "epoch": self._epoch_num,
             "seed": self.seed,
             "batches_yielded": int(done),
-            "batches_per_epoch": self.batches_per_epoch,
+            "batches_per_epoch": total,
             "world_size": self.world_size,
-            "rank": self.rank,
+            "accumulation_steps": self.accumulation_steps,
+            "step_units": point.seq_step or self._step_units,
+            "start": point.start,
+            "span": point.span,
+            "mask": format(point.mask, "x"),
+            "deal": list(point.deal) if point.deal else None,
+            "rows": point.rows,
             "fingerprint": self._fingerprint(),
         }
 
+    def merge_state_dicts(self, states) -> dict:
+        """One state from the per-rank states of a run: identical ones (this version) pass through;
+        per-rank ones of an older packkit (each rank's own ``batches_yielded``) become the global position,
+        the batches some ranks had taken beyond the others counted as used. Every rank must be there."""
+        states = list(states)
+        if not states:
+            raise ValueError("merge_state_dicts needs the states of every rank, got none")
+        if all(s.get("version") == 2 for s in states):
+            for s in states[1:]:
+                bad = [k for k in s if s[k] != states[0].get(k)]
+                if bad:
+                    raise ValueError(f"the rank states differ in {', '.join(bad)}: save them at the same step")
+            return dict(states[0])
+        for name in ("sampler", "epoch", "seed", "world_size", "fingerprint"):
+            vals = {repr(s.get(name)) for s in states}
+            if len(vals) > 1:
+                raise ValueError(f"the rank states differ in {name!r} ({', '.join(sorted(vals))}): they are "
+                                 "not from one run")
+        R = int(states[0]["world_size"])
+        ranks = sorted(int(s["rank"]) for s in states)
+        if ranks != list(range(R)):
+            missing = sorted(set(range(R)) - set(ranks))
+            raise ValueError(f"merge_state_dicts needs one state per rank of world_size={R}; missing ranks "
+                             f"{missing}, repeated {sorted(r for r in set(ranks) if ranks.count(r) > 1)}: "
+                             "a rank's progress left out would be trained again")
+        yields = {int(s["rank"]): int(s["batches_yielded"]) for s in states}
+        lo, hi = min(yields.values()), max(yields.values())
+        if hi - lo > 1:
+            raise ValueError(f"the ranks yielded {lo} to {hi} batches: states saved at one training step "
+                             "differ by at most one")
+        k = self._k
+        S = R * k  # an older packkit dealt one micro-batch per rank a step
+        state = {**states[0], "version": 2, "batches_yielded": lo, "accumulation_steps": 1, "step_units": S,
+                 "start": lo * S, "span": 0, "mask": "0", "deal": None, "rows": 0}
+        state.pop("rank", None)
+        if hi > lo:
+            bits = np.zeros(S, bool)
+            for r, y in yields.items():
+                if y > lo:
+                    bits[r * k:(r + 1) * k] = True
+            state.update(span=S, mask=format(bits_mask(bits), "x"))
+        return state
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore seed, epoch and position: the next pass yields exactly the batches not yet yielded.
+        """Restore seed, epoch and position: the next pass yields exactly the batches not yet yielded,
+        on any world size (where the step boundaries move, a :class:`ResumeWarning` says so).
 
         Every field is checked before anything is assigned, so a state that does not fit this sampler
-        leaves it as it was; the error names the field (``sampler state field 'epoch': ...``).
+        leaves it as it was; the error names the field (``sampler state field 'epoch': ...``). A state
+        of an older packkit (one rank's ``batches_yielded``) is read as the position of every rank;
+        give :meth:`merge_state_dicts` all ranks' states when they may differ.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"sampler state must be the dict state_dict() returned, got {type(state).__name__}")
@@ -459,13 +913,16 @@ class _BatchSampler:
         def field_error(name: str, why: str, exc=ValueError):
             return exc(f"sampler state field {name!r}: {why}")
 
+        def count(name: str, low: int = 0):
+            v = state[name]
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise field_error(name, f"must be an integer, got {v!r}", TypeError)
+            if v < low:
+                raise field_error(name, f"must be at least {low}, got {v!r}")
+            return int(v)
+
         if state["sampler"] != type(self).__name__:
             raise field_error("sampler", f"the state is from a {state['sampler']}, this is a {type(self).__name__}")
-        if state["world_size"] != self.world_size:
-            raise field_error(
-                "world_size", f"the state was saved with world_size={state['world_size']}, this run has "
-                f"{self.world_size}: the batches of a step depend on the world size; resume with the same "
-                "number of ranks or start the epoch over")
         if state["fingerprint"] != self._fingerprint():
             raise field_error(
                 "fingerprint", "the state was saved for other lengths or options (batch size, window, policy): "
@@ -478,16 +935,33 @@ class _BatchSampler:
         if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
             raise field_error("epoch", f"must be a non-negative integer, got {epoch!r}",
                               ValueError if isinstance(epoch, numbers.Integral) else TypeError)
-        done = state["batches_yielded"]
-        if isinstance(done, bool) or not isinstance(done, numbers.Integral):
-            raise field_error("batches_yielded", f"must be an integer, got {done!r}", TypeError)
-        steps = self._built(int(epoch), seed=seed).steps  # the epoch the state describes; nothing assigned yet
-        if not 0 <= done <= steps:
-            raise field_error("batches_yielded", f"{int(done)} is outside [0, {steps}], the batches of epoch "
+        old_R = count("world_size", 1)
+        done = count("batches_yielded")
+        if state.get("version") == 2:
+            seq_step = count("step_units", 1)
+            start, span, rows = count("start"), count("span"), count("rows")
+            try:
+                mask = int(str(state["mask"]), 16)
+            except (TypeError, ValueError):
+                raise field_error("mask", f"must be a hexadecimal string, got {state['mask']!r}") from None
+            deal = state["deal"]
+            if deal is not None and (not isinstance(deal, (list, tuple)) or len(deal) != 2):
+                raise field_error("deal", f"must be [world_size, accumulation_steps] or None, got {deal!r}")
+            deal = None if deal is None else (int(deal[0]), int(deal[1]))
+        else:  # an older packkit: one micro-batch per rank a step, this rank's count for every rank
+            seq_step, start, span, mask, deal, rows = old_R * self._k, done * old_R * self._k, 0, 0, None, 0
+        if start == 0 and mask == 0 and rows == 0:  # nothing used yet: this run cuts its own steps
+            seq_step = self._step_units
+        seq = self._sequence(int(epoch), seed, seq_step)  # the epoch the state describes; nothing assigned yet
+        if done > seq.units:
+            raise field_error("batches_yielded", f"{done} is outside [0, {seq.units}], the batches of epoch "
                               f"{int(epoch)}")
+        if start > seq.units or start + span > seq.units or mask >> max(span, 0):
+            raise field_error("start", f"units {start}..{start + span} are outside the epoch's {seq.units}")
         # -- every field checked: assign --
         self.seed, self._epoch_num = seed, int(epoch)
-        self._start = self._yielded = int(done)
+        self._point = _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step)
+        self._offset, self._active, self._yielded = done, None, 0
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
@@ -502,6 +976,14 @@ def _default_mult(mult, full_steps: int) -> int:
     return _positive_int(mult, "megabatch_mult")
 
 
+def _tail_units(flat: np.ndarray, ptr: np.ndarray, tail: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Units ``flat, ptr`` with the ``tail`` units appended: ``([1, 2], [0, 2], [[3]]) -> ([1, 2, 3], [0, 2, 3])``."""
+    if not tail:
+        return flat, ptr
+    sizes = np.array([t.size for t in tail], np.int64)
+    return np.concatenate((flat, *tail)), np.concatenate((ptr, ptr[-1] + np.cumsum(sizes)))
+
+
 # ----------------------------------------------------------------------------------------------
 # length-grouped batches (the padded fallback)
 # ----------------------------------------------------------------------------------------------
@@ -511,70 +993,64 @@ class LengthGroupedSampler(_BatchSampler):
     """Batches of ``batch_size`` examples of similar length, in random order.
 
     Each epoch: a seeded permutation, cut into megabatches of ``megabatch_mult`` steps
-    (``megabatch_mult x batch_size x world_size`` examples), each sorted longest first; consecutive
-    runs of ``batch_size`` form batches, runs of ``world_size`` batches form steps, and steps are
+    (``megabatch_mult x batch_size x step_batches`` examples), each sorted longest first; consecutive
+    runs of ``batch_size`` form batches, runs of ``step_batches`` batches form steps, and steps are
     shuffled. ``longest_first`` puts the step holding the longest example first, so an out-of-memory
-    error shows at step one.
+    error shows at step one. The last step holds what is left, in batches of at most ``batch_size``.
 
     Args:
         lengths: (num_examples,) ints >= 1, or None with ``dataset=`` (read from ``dataset[i][key]``).
         batch_size: examples per batch on each rank.
         megabatch_mult: steps per megabatch; None: min(50, steps // 4), as Hugging Face's sampler.
-        seed, rank, world_size, drop_last, balance, shuffle: see the module docstring.
+        seed, rank, world_size, step_batches, drop_last, balance, cost, cp_size, shuffle: see the module
+            docstring.
         dataset: optional; checked against ``lengths``.
     """
 
     def __init__(self, lengths=None, *, batch_size: int, megabatch_mult: int | None = None,
                  seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                 drop_last: bool = False, longest_first: bool = False, balance: str | None = None,
-                 shuffle: bool = True, dataset=None, key: str = "input_ids"):
+                 step_batches: int | None = None, drop_last: bool = False, longest_first: bool = False,
+                 balance: str | None = None, cost=None, cp_size: int = 1, shuffle: bool = True, dataset=None,
+                 key: str = "input_ids"):
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.megabatch_mult = None if megabatch_mult is None else _positive_int(megabatch_mult, "megabatch_mult")
         self.longest_first = bool(longest_first)
         super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
-                         drop_last=drop_last, balance=balance, shuffle=shuffle)
+                         drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
+                         cost=cost, cp_size=cp_size)
 
     def _config(self):
         return {"batch_size": self.batch_size, "megabatch_mult": self.megabatch_mult,
                 "longest_first": self.longest_first, **super()._config()}
 
-    def _build(self, rng, epoch: int) -> _Epoch:
-        L, R, B = self.lengths, self.world_size, self.batch_size
-        n, step = L.size, R * B
-        full = n // step * step
+    def _sequence_of(self, rng, step: int) -> _Sequence:
+        L, B = self.lengths, self.batch_size
+        n, span = L.size, step * B
+        full = n // span * span
         if full == 0 and self.drop_last:
             raise ValueError(
-                f"{n} examples do not fill one step of world_size x batch_size = {step}; "
+                f"{n} examples do not fill one step of step_batches x batch_size = {span}; "
                 "pass drop_last=False or a smaller batch_size"
             )
         perm = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
         body, tail = perm[:full], perm[full:]  # the tail is a random subset
-        mult = _default_mult(self.megabatch_mult, full // step)
-        order = sort_megabatches(body, L, mult * step)
+        mult = _default_mult(self.megabatch_mult, full // span)
+        order = sort_megabatches(body, L, mult * span)
         ptr = np.arange(0, full + 1, B, dtype=np.int64)
-        cost = batch_sums(self._cost(L[order]), ptr)
+        cost = batch_sums(self._policy_cost(L[order]), ptr)
         first = None
         if self.longest_first and full:
             first = int(np.argmax(L[order])) // B
-        arrangement = arrange_steps(cost, R, rng, shuffle=self.shuffle, balance=self.balance is not None,
-                                    first=first)
+        arrangement = arrange_steps(cost, step, rng, shuffle=self.shuffle,
+                                    balance=self.balance in ("tokens", "sqlen"), first=first)
         flat, ptr = select_batches(order, ptr, arrangement)
-        repeated = dropped = 0
+        dropped = 0
         if tail.size and self.drop_last:
             dropped = tail.size
         elif tail.size:
-            units, repeated = share_tail(tail, R, perm)
-            units = units[np.argsort(-L[units], kind="stable")]
-            flat = np.concatenate((flat, units))
-            ptr = np.concatenate((ptr, ptr[-1] + np.arange(1, R + 1) * (units.size // R)))
-        steps = (ptr.size - 1) // R
-        lens = L[flat]
-        tokens = int(lens.sum())
-        sizes = np.diff(ptr)
-        longest = np.maximum.reduceat(lens, ptr[:-1]) if flat.size else np.zeros(0, np.int64)
-        stats = self._stats(epoch, steps, repeated, dropped, tokens,
-                            int((sizes * longest).sum()), batch_sums(self._cost(lens), ptr))
-        return _Epoch(flat=flat, ptr=ptr, steps=steps, stats=stats)
+            tail = tail[np.argsort(-L[tail], kind="stable")]
+            flat, ptr = _tail_units(flat, ptr, _chunks(tail, B))
+        return _Sequence(flat=flat, ptr=ptr, step=step, full=full // B, dropped=dropped)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,9 +1063,10 @@ class TokenBudgetBatchSampler(_BatchSampler):
 
     Each epoch: a seeded permutation cut into megabatches of ``megabatch_size`` examples, each sorted
     longest first and cut greedily into batches (a batch takes ``max_tokens // its longest`` examples,
-    at most ``max_batch_size``). Runs of ``world_size`` batches form steps, shuffled. With several ranks,
-    the batches that do not fill a step (a random few) are split in halves, or as a last resort repeated,
-    so every rank gets one (``drop_last=False``), or dropped (``drop_last=True``).
+    at most ``max_batch_size``). Runs of ``step_batches`` batches form steps, shuffled; the batches that
+    do not fill a step (a random few) make the last step, split in halves where there are fewer than
+    ranks (``drop_last=False``), or are dropped (``drop_last=True``). ``balance="compute"`` deals each
+    step's batches to the ranks by their cost under ``cost`` (a number, a CostModel or a model config).
 
     Args:
         lengths: (num_examples,) ints >= 1 (each at most ``max_tokens``), or None with ``dataset=``.
@@ -600,8 +1077,9 @@ class TokenBudgetBatchSampler(_BatchSampler):
 
     def __init__(self, lengths=None, *, max_tokens: int, max_batch_size: int | None = None,
                  megabatch_size: int | None = None, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, drop_last: bool = False, longest_first: bool = False,
-                 balance: str | None = None, shuffle: bool = True, dataset=None, key: str = "input_ids"):
+                 world_size: int | None = None, step_batches: int | None = None, drop_last: bool = False,
+                 longest_first: bool = False, balance: str | None = None, cost=None, cp_size: int = 1,
+                 shuffle: bool = True, dataset=None, key: str = "input_ids"):
         self.max_tokens = _positive_int(max_tokens, "max_tokens")
         self.max_batch_size = None if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
         self.megabatch_size = None if megabatch_size is None else _positive_int(megabatch_size, "megabatch_size")
@@ -616,84 +1094,55 @@ class TokenBudgetBatchSampler(_BatchSampler):
                 "raise max_tokens, or truncate or filter long examples first"
             )
         super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
-                         drop_last=drop_last, balance=balance, shuffle=shuffle)
+                         drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
+                         cost=cost, cp_size=cp_size)
 
     def _config(self):
         return {"max_tokens": self.max_tokens, "max_batch_size": self.max_batch_size,
                 "megabatch_size": self.megabatch_size, "longest_first": self.longest_first,
                 **super()._config()}
 
-    def _block(self) -> int:
+    def _block(self, step: int) -> int:
         if self.megabatch_size is not None:
             return self.megabatch_size
         per_batch = max(1, self.max_tokens // max(1, int(self.lengths.mean())))
         if self.max_batch_size is not None:
             per_batch = min(per_batch, self.max_batch_size)
-        return 50 * per_batch * self.world_size
+        return 50 * per_batch * step
 
-    def _build(self, rng, epoch: int) -> _Epoch:
-        L, R = self.lengths, self.world_size
+    def _sequence_of(self, rng, step: int) -> _Sequence:
+        L = self.lengths
         n = L.size
         perm = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
-        order = sort_megabatches(perm, L, self._block())
-        bounds = budget_batch_bounds(L[order], max_tokens=self.max_tokens, block=self._block(),
+        block = self._block(step)
+        order = sort_megabatches(perm, L, block)
+        bounds = budget_batch_bounds(L[order], max_tokens=self.max_tokens, block=block,
                                      max_batch_size=self.max_batch_size)
         G = bounds.size - 1
-        t = G % R
+        t = G % step
         # -- a random few batches make the tail; the rest keep their megabatch order --
         pick = rng.permutation(G) if self.shuffle else np.arange(G, dtype=np.int64)
         tail_ids, body_ids = pick[G - t:], np.sort(pick[: G - t])
         if body_ids.size == 0 and self.drop_last:
             raise ValueError(
                 f"{n} examples make {G} batches of max_tokens={self.max_tokens:,}, fewer than "
-                f"world_size={R}: pass drop_last=False or lower max_tokens"
+                f"step_batches={step}: pass drop_last=False or lower max_tokens"
             )
         flat, ptr = select_batches(order, bounds, body_ids)
-        cost = batch_sums(self._cost(L[flat]), ptr)
+        cost = batch_sums(self._policy_cost(L[flat]), ptr)
         first = None
         if self.longest_first and flat.size:
             first = int(np.searchsorted(ptr, int(np.argmax(L[flat])), side="right") - 1)
-        arrangement = arrange_steps(cost, R, rng, shuffle=self.shuffle, balance=self.balance is not None,
-                                    first=first)
+        arrangement = arrange_steps(cost, step, rng, shuffle=self.shuffle,
+                                    balance=self.balance in ("tokens", "sqlen"), first=first)
         flat, ptr = select_batches(flat, ptr, arrangement)
-        repeated = dropped = 0
-        if t:
-            parts = [order[bounds[b]:bounds[b + 1]] for b in tail_ids.tolist()]  # fewer than R batches
-            if self.drop_last:
-                dropped = sum(p.size for p in parts)
-            else:
-                parts, repeated = _split_to(parts, R)
-                flat = np.concatenate([flat, *parts])
-                ptr = np.concatenate((ptr, ptr[-1] + lengths_to_offsets([p.size for p in parts])[1:]))
-        steps = (ptr.size - 1) // R
-        lens = L[flat]
-        longest = np.maximum.reduceat(lens, ptr[:-1]) if flat.size else np.zeros(0, np.int64)
-        stats = self._stats(epoch, steps, repeated, dropped,
-                            int(lens.sum()), int((np.diff(ptr) * longest).sum()), batch_sums(self._cost(lens), ptr))
-        return _Epoch(flat=flat, ptr=ptr, steps=steps, stats=stats)
-
-
-def _split_to(parts: list[np.ndarray], count: int) -> tuple[list[np.ndarray], int]:
-    """Split the largest batch in halves until there are ``count`` batches; repeat if all are single.
-
-    Halves of a batch within the budget are within it too. Returns the batches and the repeats:
-    ``_split_to([[3, 4, 5]], 2) -> ([[3], [4, 5]], 0)`` (order of the halves aside).
-    """
-    parts = list(parts)
-    while len(parts) < count:
-        j = max(range(len(parts)), key=lambda i: parts[i].size)
-        if parts[j].size < 2:
-            break
-        p = parts.pop(j)
-        h = p.size // 2
-        parts += [p[:h], p[h:]]
-    repeated = 0
-    i = 0
-    while len(parts) < count:
-        parts.append(parts[i])
-        repeated += parts[i].size
-        i += 1
-    return parts, repeated
+        parts = [order[bounds[b]:bounds[b + 1]] for b in tail_ids.tolist()]  # fewer than a step
+        dropped = 0
+        if parts and self.drop_last:
+            dropped = sum(p.size for p in parts)
+        else:
+            flat, ptr = _tail_units(flat, ptr, parts)
+        return _Sequence(flat=flat, ptr=ptr, step=step, full=G - t, dropped=dropped)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -706,11 +1155,16 @@ class PackedBatchSampler(_BatchSampler):
 
     Each epoch: :func:`packkit.binpack.pack` over the whole dataset (``"bfd"``: best fit, the fewest
     windows; ``"shuffle_ff"``: first fit in a seeded random order, windows not grouped by length),
-    then the windows in a seeded random order (``plan.shuffled``), ``windows_per_batch`` per batch.
-    A batch lists the example indices of its windows, window after window, so
+    then the windows in a seeded random order (``plan.shuffled``), ``step_batches x windows_per_batch``
+    a step. A batch lists the example indices of its windows, window after window, so
     ``FixedWindowCollator(window=W, strategy="next_fit", num_windows=k)`` packs them back into at most
-    ``k`` windows. With ``drop_last=False`` the windows left over after the last full step are shared
-    out (the fewest windows repeated so every rank gets one); the last batch may hold fewer windows.
+    ``k`` windows. With ``drop_last=False`` the windows left over after the last full step make a last
+    step (a batch may hold fewer windows; fewer windows than ranks are split by examples).
+
+    ``balance="compute"``: each step's windows go to the ranks that balance the cost model
+    (:func:`packkit.balance.lpt_assign`); with one or two windows per batch (``k <= 2``) the windows
+    themselves are built step by step to a cost target (:func:`packkit.balance.pack_to_cost`; long
+    documents queued, counted in ``epoch_stats().queued``).
 
     Args:
         lengths: (num_examples,) ints >= 1, or None with ``dataset=``.
@@ -727,10 +1181,13 @@ class PackedBatchSampler(_BatchSampler):
             ``FixedWindowCollator(..., group_key=...)`` so the collator keeps them together too.
     """
 
+    _unit_name = "windows"
+
     def __init__(self, lengths=None, *, window: int, windows_per_batch: int = 1, strategy: str = "bfd",
                  overflow: str = "error", seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, drop_last: bool = False, balance: str | None = None,
-                 shuffle: bool = True, dataset=None, key: str = "input_ids", groups=None, group_sizes=None):
+                 world_size: int | None = None, step_batches: int | None = None, drop_last: bool = False,
+                 balance: str | None = None, cost=None, cp_size: int = 1, shuffle: bool = True, dataset=None,
+                 key: str = "input_ids", groups=None, group_sizes=None):
         self.window = check_window(window)
         self.windows_per_batch = _positive_int(windows_per_batch, "windows_per_batch")
         self._groups = {"groups": groups, "group_sizes": group_sizes}
@@ -744,13 +1201,24 @@ class PackedBatchSampler(_BatchSampler):
         self.strategy, self.overflow = strategy, overflow
         self._plan_cache: Plan | None = None
         super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
-                         drop_last=drop_last, balance=balance, shuffle=shuffle)
+                         drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
+                         cost=cost, cp_size=cp_size)
+
+    @property
+    def _k(self) -> int:
+        return self.windows_per_batch
 
     def _config(self):
         groups = {k: hashlib.sha1(np.asarray(v).tobytes()).hexdigest() for k, v in self._groups.items()
                   if v is not None}
         return {"window": self.window, "windows_per_batch": self.windows_per_batch,
                 "strategy": self.strategy, "overflow": self.overflow, **groups, **super()._config()}
+
+    def _lengths_used(self) -> np.ndarray:
+        return np.minimum(self.lengths, self.window)
+
+    def _padded(self, sched: Schedule) -> int:
+        return int(sched.pieces.sum()) * self.window
 
     def _plan(self, rng) -> Plan:
         if self.strategy == "shuffle_ff":  # a new random order each epoch
@@ -762,44 +1230,60 @@ class PackedBatchSampler(_BatchSampler):
         return self._plan_cache
 
     def plan(self) -> Plan:
-        """The plan of the current epoch, windows in training order (all ranks, step-major)."""
-        return self._built(self._epoch_num).plan
+        """The windows of the current epoch in sequence order (steps of ``step_batches x k`` windows,
+        then the last, partial step; the same for every world size with this ``step_batches``)."""
+        return self._sequence(self._epoch_num, self.seed, self._point.seq_step or self._step_units).plan
 
-    def _build(self, rng, epoch: int) -> _Epoch:
-        R, k = self.world_size, self.windows_per_batch
+    def _sequence_of(self, rng, step: int) -> _Sequence:
+        k = self.windows_per_batch
         plan = self._plan(rng)
+        if self.balance == "compute" and k <= 2 and all(v is None for v in self._groups.values()):
+            return self._to_cost(plan, rng, step)  # (groups keep their windows: they take the LPT deal)
         if self.shuffle:
             plan = plan.shuffled(int(rng.integers(1 << 62)))
         nw = plan.num_windows
-        full = nw // (R * k) * R * k
+        full = nw // step * step
         if full == 0 and self.drop_last:
             raise ValueError(
-                f"the plan has {nw} windows, fewer than one step of world_size x windows_per_batch = "
-                f"{R * k}: pass drop_last=False or fewer windows_per_batch"
+                f"the plan has {nw} windows, fewer than one step of step_batches x windows_per_batch = "
+                f"{step}: pass drop_last=False or fewer windows_per_batch"
             )
-        seg_sq = plan.seg_length * plan.seg_length if self.balance == "sqlen" else plan.seg_length
-        win_cost = batch_sums(seg_sq, plan.window_ptr)
-        bptr = np.arange(0, full + 1, k, dtype=np.int64)  # rank-batches of k windows, over windows
-        arrangement = arrange_steps(batch_sums(win_cost, bptr), R, rng, shuffle=self.shuffle,
-                                    balance=self.balance is not None)
-        wins, bptr = select_batches(np.arange(nw, dtype=np.int64), bptr, arrangement)
-        repeated_windows = 0
-        dropped_windows = np.arange(0)
-        if full < nw and self.drop_last:
-            dropped_windows = np.arange(full, nw)
-        elif full < nw:
-            units, repeated_windows = share_tail(np.arange(full, nw), R, np.arange(nw))
-            wins = np.concatenate((wins, units))
-            bptr = np.concatenate((bptr, bptr[-1] + np.arange(1, R + 1) * (units.size // R)))
-        sel = plan.select(wins, allow_repeats=True)  # repeats are the counted remainder policy
-        flat = sel.seg_example
-        ptr = sel.window_ptr[bptr]  # batch offsets, from windows to segments
-        steps = (bptr.size - 1) // R
+        win_cost = batch_sums(self._policy_cost(plan.seg_length), plan.window_ptr)
+        bptr = np.arange(0, full + 1, k, dtype=np.int64)  # micro-batches of k windows, over windows
+        arrangement = arrange_steps(batch_sums(win_cost, bptr), step // k, rng, shuffle=self.shuffle,
+                                    balance=self.balance in ("tokens", "sqlen"))
+        wins, _ = select_batches(np.arange(nw, dtype=np.int64), bptr, arrangement)
         dropped = int(plan.dropped_examples.size)
-        if dropped_windows.size:
-            dropped += int(plan.segments_per_window[dropped_windows].sum())
-        repeated = int(plan.segments_per_window[wins[wins.size - repeated_windows:]].sum()) if repeated_windows else 0
-        stats = self._stats(epoch, steps, repeated, dropped,
-                            int(sel.seg_length.sum()), wins.size * self.window,
-                            batch_sums(win_cost[wins], bptr))
-        return _Epoch(flat=flat, ptr=ptr, steps=steps, stats=stats, plan=sel)
+        if full < nw and self.drop_last:
+            dropped += int(plan.segments_per_window[full:].sum())
+        else:
+            wins = np.concatenate((wins, np.arange(full, nw, dtype=np.int64)))
+        sel = plan.select(wins)
+        return _Sequence(flat=sel.seg_example, ptr=sel.window_ptr, step=step, full=full, plan=sel,
+                         dropped=dropped)
+
+    def _to_cost(self, plan: Plan, rng, step: int) -> _Sequence:
+        """Windows built step by step to a cost target (:func:`packkit.balance.pack_to_cost`)."""
+        kept = np.ones(self.lengths.size, bool)
+        kept[plan.dropped_examples] = False
+        order = np.flatnonzero(kept)
+        if self.shuffle:
+            order = order[rng.permutation(order.size)]
+        used = self._lengths_used()
+        tc = pack_to_cost(used, order, window=self.window, step_windows=step, cost=self.cost)
+        nw = tc.window_ptr.size - 1
+        full = nw // step * step
+        if full == 0 and self.drop_last:
+            raise ValueError(
+                f"the documents make {nw} windows, fewer than one step of step_batches x windows_per_batch = "
+                f"{step}: pass drop_last=False or fewer windows_per_batch"
+            )
+        seg, ptr = tc.seg_example, tc.window_ptr
+        dropped = int(plan.dropped_examples.size)
+        if full < nw and self.drop_last:
+            dropped += int(ptr[nw] - ptr[full])
+            seg, ptr = seg[:ptr[full]], ptr[:full + 1]
+        windows = dataclasses.replace(plan, seg_example=seg, seg_start=np.zeros(seg.size, np.int64),
+                                      seg_length=used[seg], window_ptr=ptr, strategy="to_cost")
+        return _Sequence(flat=seg, ptr=ptr, step=step, full=full, plan=windows, dropped=dropped,
+                         queued=tc.queued, deferred=tc.deferred)

@@ -1,0 +1,290 @@
+"""Compute balance across data-parallel ranks: what a document costs, who gets which window, and the
+two figures every schedule reports.
+
+A data-parallel step waits for its slowest rank, and a rank's time is not its token count: attention is
+quadratic per document. The cost model (WLB-LLM, verl's ``calculate_workload``) is, per document of
+``L`` tokens::
+
+    cost(L) = linear * L + L**2 / cp_size
+
+``linear`` is the per-token work (the matmuls) in units of the per-token-pair attention work; a context-
+parallel group of ``cp_size`` ranks shares a document's attention, so its quadratic part is divided.
+:meth:`CostModel.from_config` derives ``linear`` from a model config; :data:`DEFAULT_LINEAR` is verl's
+figure for a 7B model (``6 x hidden_size`` at 4096).
+
+    >>> CostModel(linear=10).costs([1, 4]).tolist()
+    [11.0, 56.0]
+    >>> compute_imbalance([[3.0, 1.0], [2.0, 2.0]])      # (3 + 2) / (2 + 2)
+    1.25
+
+Balancing stays *inside* a step: the steps are drawn at random as without balancing (so what a step
+holds is unchanged, see :func:`variation` of examples per step), and only which rank gets which of the
+step's windows is chosen (:func:`lpt_assign`). For one or two windows per rank there is too little to
+choose from, and :func:`pack_to_cost` builds the step's windows from documents to a cost target instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import numbers
+
+import numpy as np
+
+from .errors import ArgumentError, arg
+
+__all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "lpt_assign", "pack_to_cost",
+           "ToCost", "cost_model"]
+
+#: verl's per-token weight for a 7B model (``6 x 4096``): cost = 24576 * L + L**2.
+DEFAULT_LINEAR = 24576.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """``cost(L) = linear * L + L**2 / cp_size`` per document; a rank's cost is the sum over its documents.
+
+    Args:
+        linear: per-token weight, > 0 (see :meth:`from_config`, or measure it once: the time of a
+            window of many short documents over that of one long document tells ``linear`` apart).
+        cp_size: context-parallel ranks that share each document's attention (>= 1).
+
+    ``CostModel(linear=2, cp_size=2).costs([4]) -> [16.0]`` (2 * 4 + 16 / 2).
+    """
+
+    linear: float = DEFAULT_LINEAR
+    cp_size: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.linear, bool) or not isinstance(self.linear, numbers.Real) or not self.linear > 0:
+            raise ArgumentError("{a} must be a positive number, got {got!r}", a=arg("cost"), got=self.linear)
+        if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, numbers.Integral) or self.cp_size < 1:
+            raise ArgumentError("{cp} must be a positive integer, got {got!r}", cp=arg("cp_size"), got=self.cp_size)
+        object.__setattr__(self, "linear", float(self.linear))
+        object.__setattr__(self, "cp_size", int(self.cp_size))
+
+    def costs(self, lengths) -> np.ndarray:
+        """(n,) float64 cost of each document: ``CostModel(linear=10).costs([1, 4]) -> [11., 56.]``."""
+        L = np.asarray(lengths, np.float64)
+        return self.linear * L + L * L / self.cp_size
+
+    @classmethod
+    def from_config(cls, config=None, *, hidden_size: int | None = None, intermediate_size: int | None = None,
+                    kv_size: int | None = None, cp_size: int = 1) -> "CostModel":
+        """The weight of a decoder from its sizes (a transformers config, or the sizes by name).
+
+        Per layer and token, the projections cost ``2 * (2 h^2 + 2 h kv + 3 h f)`` FLOPs (q and o,
+        k and v of width ``kv = num_key_value_heads * head_dim``, a gated MLP of width ``f``); causal
+        attention over a document of ``L`` tokens costs ``2 L^2 h`` (QK^T and PV, halved by the mask).
+        The layers cancel, and per unit of attention ``linear = 2 h + 2 kv + 3 f``:
+        ``from_config(hidden_size=4096, intermediate_size=11008) -> linear 49408`` (Llama-2 7B; the
+        embedding and the LM head are left out, as verl's 24576 = 6 h leaves out the MLP's width).
+        """
+        if config is not None:
+            hidden_size = getattr(config, "hidden_size", hidden_size)
+            intermediate_size = getattr(config, "intermediate_size", intermediate_size)
+            heads = getattr(config, "num_attention_heads", None)
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            head_dim = getattr(config, "head_dim", None) or (hidden_size // heads if heads else None)
+            if kv_size is None and kv_heads and head_dim:
+                kv_size = int(kv_heads) * int(head_dim)
+        if not hidden_size:
+            raise ArgumentError("{c} needs a hidden size: pass a model config with hidden_size, or {h}",
+                                c=arg("CostModel.from_config"), h=arg("hidden_size", metavar="H"))
+        h = int(hidden_size)
+        f = int(intermediate_size) if intermediate_size else 4 * h
+        kv = int(kv_size) if kv_size else h
+        return cls(linear=float(2 * h + 2 * kv + 3 * f), cp_size=cp_size)
+
+
+def cost_model(cost=None, *, cp_size: int = 1) -> CostModel:
+    """A :class:`CostModel` from what a sampler was given: None (the default weight), a number (the
+    weight), a :class:`CostModel`, or a model config (:meth:`CostModel.from_config`).
+
+    ``cost_model(100, cp_size=2) -> CostModel(linear=100.0, cp_size=2)``.
+    """
+    if isinstance(cost, CostModel):
+        if cp_size != 1 and cost.cp_size not in (1, cp_size):
+            raise ArgumentError("{cp} disagrees with the cost model's cp_size={m}: pass one of them",
+                                cp=arg("cp_size", cp_size), m=cost.cp_size)
+        return dataclasses.replace(cost, cp_size=max(cost.cp_size, cp_size))
+    if cost is None:
+        return CostModel(cp_size=cp_size)
+    if isinstance(cost, numbers.Real) and not isinstance(cost, bool):
+        return CostModel(linear=cost, cp_size=cp_size)
+    if hasattr(cost, "hidden_size"):
+        return CostModel.from_config(cost, cp_size=cp_size)
+    raise ArgumentError("{c} must be a number (the per-token weight), a CostModel or a model config, got {t}",
+                        c=arg("cost"), t=type(cost).__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# the two figures
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_imbalance(rank_cost) -> float:
+    """How much longer steps take than if every rank had the mean: ``sum_s max_r c[s, r] / sum_s mean_r c[s, r]``.
+
+    ``rank_cost``: (steps, ranks) the cost each rank carries in each optimiser step (the sum over its
+    micro-batches of that step). 1.0 is perfect balance; with synchronous steps, a run takes
+    ``compute_imbalance`` times the time of a perfectly balanced one (at equal per-rank speed). No steps,
+    or no cost: 1.0. ``compute_imbalance([[3, 1], [2, 2]]) -> 1.25``.
+    """
+    c = np.asarray(rank_cost, np.float64)
+    if c.ndim != 2:
+        raise ValueError(f"rank_cost must be (steps, ranks), got shape {c.shape}")
+    if c.size == 0:
+        return 1.0
+    mean = float(c.mean(axis=1).sum())
+    return float(c.max(axis=1).sum()) / mean if mean > 0 else 1.0
+
+
+def variation(values) -> float:
+    """Coefficient of variation, ``std / mean`` (population std); 0.0 when empty or the mean is 0.
+
+    Of examples per step, it says how much balancing changed what a step holds: ``variation([2, 4]) -> 1/3``.
+    """
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        return 0.0
+    mean = float(v.mean())
+    return float(v.std()) / mean if mean > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# which rank gets which of a step's windows
+# ----------------------------------------------------------------------------------------------
+
+
+def lpt_assign(cost, ranks: int) -> np.ndarray:
+    """(steps, n) int64 rank of each item, each rank getting ``n // ranks`` items of every step.
+
+    Longest-processing-time first with equal counts, all steps at once: the items of a step, costliest
+    first, are dealt in rounds of ``ranks``; in each round the costliest item goes to the rank carrying
+    the least so far, the next to the next lightest, and so on (``n // ranks`` rounds of one sort of
+    ``ranks`` loads each, vectorised over steps). ``n`` must be a multiple of ``ranks``.
+    ``lpt_assign([[5, 1, 4, 2]], 2) -> [[0, 0, 1, 1]]`` (5 + 1 and 4 + 2).
+    """
+    c = np.asarray(cost, np.float64)
+    steps, n = c.shape
+    if n % ranks:
+        raise ValueError(f"{n} items per step do not share out evenly over {ranks} ranks")
+    order = np.argsort(-c, axis=1, kind="stable")
+    sorted_cost = np.take_along_axis(c, order, axis=1)
+    loads = np.zeros((steps, ranks))
+    out = np.empty((steps, n), np.int64)
+    rows = np.arange(steps)[:, None]
+    for j in range(n // ranks):
+        lightest = np.argsort(loads, axis=1, kind="stable")  # (steps, ranks), lightest first
+        cols = order[:, j * ranks:(j + 1) * ranks]
+        out[rows, cols] = lightest
+        loads[rows, lightest] += sorted_cost[:, j * ranks:(j + 1) * ranks]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# one or two windows per rank: pack documents to a cost target
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToCost:
+    """Windows built step by step by :func:`pack_to_cost`, in training order.
+
+    ``seg_example``: (segments,) int64 document of each segment; ``window_ptr``: (windows + 1,) int64 CSR
+    offsets, ``step_windows`` windows a step but in the last steps. ``queued``: long documents held back for a later step (outliers
+    wait until a step takes one per window); ``deferred``: documents that fitted no window of their step
+    and went into the next one.
+    """
+
+    seg_example: np.ndarray
+    window_ptr: np.ndarray
+    queued: int
+    deferred: int
+
+
+def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel,
+                 outlier: float = 0.25, slack: float = 0.0, lookahead: int | None = None) -> ToCost:
+    """Fill each step's ``step_windows`` windows with documents taken in ``order``, to equal cost.
+
+    ``lengths``: (n,) int64, each at most ``window``; ``order``: (m,) the documents to place, at random.
+    Each document, in order, goes to the cheapest window of the step that has room for it, unless that
+    would take the window over the target cost (the mean cost of a window at the lower bound of windows,
+    times ``1 + slack``); a document that fits no window waits for the next step (``deferred``, it goes
+    first there), and a step closes after ``lookahead`` (default ``4 * step_windows``) misses in a row.
+    A document whose attention part alone exceeds ``outlier`` times a full window's linear part is
+    *queued* (WLB-LLM's outlier queue): it waits until ``step_windows`` outliers are queued, and those
+    open a step together, the longest first, one per window, so no rank carries one alone; what is left
+    at the end opens the last steps. Every step but the last has exactly ``step_windows`` windows.
+    ``pack_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))`` gives the
+    windows ``[0, 2], [1, 3]``.
+    """
+    L = np.asarray(lengths, np.int64)
+    order = np.asarray(order, np.int64)
+    S = int(step_windows)
+    look = 4 * S if lookahead is None else int(lookahead)
+    a, cp = cost.linear, cost.cp_size
+    Lo = L[order]
+    is_out = (Lo.astype(np.float64) ** 2 / cp) > outlier * a * window
+    lower = max(1, -(-int(Lo.sum()) // window))
+    target = float(cost.costs(Lo).sum()) / lower * (1.0 + slack)
+    per_step = S * window / max(1.0, float(Lo.mean()))  # documents a step meets, about
+    # -- Python lists: a step touches S windows, and numpy calls on S items cost more than loops --
+    Ll = L.tolist()
+    stream = order[~is_out].tolist()
+    outliers = order[is_out].tolist()
+    out_at = np.cumsum(~is_out)[is_out].tolist()  # stream documents before each outlier
+    queue: list[int] = []
+    seg: list[int] = []
+    ptr = [0]
+    deferred = 0
+    pos = oi = 0
+    pending: list[int] = []
+    while pos < len(stream) or pending or oi < len(outliers) or queue:
+        while oi < len(outliers) and (out_at[oi] <= pos + per_step or (pos >= len(stream) and not pending)):
+            queue.append(outliers[oi])
+            oi += 1
+        cost_w = [0.0] * S
+        room = [window] * S
+        members: list[list[int]] = [[] for _ in range(S)]
+        if len(queue) >= S or (queue and pos >= len(stream) and not pending and oi == len(outliers)):
+            take = sorted(queue[:S], key=lambda d: -Ll[d])
+            del queue[:len(take)]
+            for w, d in enumerate(take):
+                members[w].append(d)
+                room[w] -= Ll[d]
+                cost_w[w] = a * Ll[d] + Ll[d] * Ll[d] / cp
+        misses = ci = 0
+        cands, pending = pending, []
+        while misses < look:
+            if ci < len(cands):
+                d = cands[ci]
+                ci += 1
+            elif pos < len(stream):
+                d = stream[pos]
+                pos += 1
+            else:
+                break
+            n = Ll[d]
+            c = a * n + n * n / cp
+            best, best_cost = -1, 0.0
+            for w in range(S):
+                if room[w] >= n and (best < 0 or cost_w[w] < best_cost):
+                    best, best_cost = w, cost_w[w]
+            if best < 0 or (members[best] and best_cost + c > target):
+                pending.append(d)
+                misses += 1
+                continue
+            misses = 0
+            members[best].append(d)
+            room[best] -= n
+            cost_w[best] += c
+        pending += cands[ci:]
+        deferred += len(pending)
+        used = [m for m in members if m]
+        for m in used:
+            seg += m
+            ptr.append(len(seg))
+    return ToCost(seg_example=np.asarray(seg, np.int64), window_ptr=np.asarray(ptr, np.int64),
+                  queued=len(outliers), deferred=deferred)
