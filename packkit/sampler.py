@@ -84,6 +84,7 @@ __all__ = [
 ]
 
 BALANCE = (None, "tokens", "sqlen", "compute")
+CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
 
 
 # ----------------------------------------------------------------------------------------------
@@ -489,10 +490,10 @@ class _BatchSampler:
         self._active: tuple[Schedule, int] | None = None  # the pass in progress, and its rows before it
         self._offset = 0  # rows of the epoch before the next pass (a resume)
         self._yielded = 0  # rows the active pass has yielded
-        self._seq_cache: tuple | None = None
-        self._sched_cache: tuple | None = None
+        self._seq_cache: dict = {}  # (seed, epoch, units a step) -> _Sequence, the last CACHED
+        self._sched_cache: dict = {}  # (seed, epoch, _Point) -> Schedule, the last CACHED
         self._stats_cache: tuple | None = None
-        self.epoch_stats()  # bad input fails here, not at the first step
+        self._sequence(0, self.seed, self._step_units)  # bad input fails here, not at the first step
 
     # -- subclasses build the sequence ----------------------------------------------------------
 
@@ -517,9 +518,11 @@ class _BatchSampler:
     def _sequence(self, epoch: int, seed: int, step: int) -> _Sequence:
         """The sequence for ``(seed, epoch)`` cut into steps of ``step`` units, cached."""
         key = (seed, epoch, step)
-        if self._seq_cache is None or self._seq_cache[0] != key:
-            self._seq_cache = (key, self._sequence_of(np.random.default_rng((seed, epoch)), step))
-        return self._seq_cache[1]
+        if key not in self._seq_cache:
+            if len(self._seq_cache) >= CACHED:
+                self._seq_cache.pop(next(iter(self._seq_cache)))
+            self._seq_cache[key] = self._sequence_of(np.random.default_rng((seed, epoch)), step)
+        return self._seq_cache[key]
 
     def _policy_cost(self, lengths: np.ndarray) -> np.ndarray:
         """Per-example cost for ``balance``: tokens, squared lengths (attention), or the cost model."""
@@ -553,20 +556,30 @@ class _BatchSampler:
             return units.reshape(steps, R, m, k).transpose(0, 2, 1, 3).reshape(-1)
         return units.reshape(-1)
 
+    def _partial_rows(self, units: np.ndarray, R: int, m: int) -> list[np.ndarray]:
+        """The units of a short step in rows: the fewest rows (at most ``m``) whose ``R`` batches of at most
+        ``k`` units hold them, as even as possible: ``(units 0..4, R=2, m=2, k=2) -> [[0, 1, 2], [3, 4]]``."""
+        rows = min(m, max(1, -(-units.size // (R * self._k))))
+        return np.array_split(units, rows)
+
     def _deal_partial(self, seq: _Sequence, units: np.ndarray) -> tuple[list[np.ndarray], list[int], int]:
-        """A step of fewer units than a full one: ``R * m_s`` batches, ``m_s`` the fewest rows that hold
-        them (at most ``m``), units dealt in runs as even as possible; fewer units than ranks are split
-        by examples (then repeated, counted). Returns batches (row-major), units per batch, repeats."""
-        R, m, k = self.world_size, self.accumulation_steps, self._k
-        u = units.size
-        rows = min(m, max(1, -(-u // (R * k))))
-        n = R * rows
-        if u >= n:
-            parts = np.array_split(units, n)
-            return ([np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in p]) for p in parts],
-                    [p.size for p in parts], 0)
-        pieces, repeated = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in units], R)
-        return pieces, [1] * R, repeated
+        """A step of fewer units than a full one, row by row (:meth:`_partial_rows`): a row's units in runs
+        as even as possible over the ranks; a row with fewer units than ranks is split by examples
+        (then repeated, counted). Each row uses whole units, so a resume inside the step is exact.
+        Returns batches (row-major), units per batch, examples repeated."""
+        R = self.world_size
+        batches, pieces, repeated = [], [], 0
+        for row in self._partial_rows(units, R, self.accumulation_steps):
+            if row.size >= R:
+                parts = np.array_split(row, R)
+                batches += [np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in p]) for p in parts]
+                pieces += [p.size for p in parts]
+            else:
+                split, rep = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R)
+                batches += split
+                pieces += [1] * R
+                repeated += rep
+        return batches, pieces, repeated
 
     def _example_cost(self) -> np.ndarray:
         key = ("cost",)
@@ -576,9 +589,9 @@ class _BatchSampler:
 
     def _schedule(self, point: _Point) -> Schedule:
         """The batches of every rank from ``point`` to the end of the epoch, cached."""
-        key = (self.seed, self._epoch_num, point, self.world_size, self.accumulation_steps)
-        if self._sched_cache is not None and self._sched_cache[0] == key:
-            return self._sched_cache[1]
+        key = (self.seed, self._epoch_num, point)
+        if key in self._sched_cache:
+            return self._sched_cache[key]
         R, m, k = self.world_size, self.accumulation_steps, self._k
         S = R * m * k
         seq_step = point.seq_step or S
@@ -643,7 +656,9 @@ class _BatchSampler:
                 repeated += rep
         sched = self._assemble(parts, rows_of, starts, spans, skip, mask0, repeated,
                                "; ".join(notes))
-        self._sched_cache = (key, sched)
+        if len(self._sched_cache) >= CACHED:
+            self._sched_cache.pop(next(iter(self._sched_cache)))
+        self._sched_cache[key] = sched
         return sched
 
     def _deal_step(self, seq: _Sequence, units: np.ndarray, S: int):
@@ -665,11 +680,7 @@ class _BatchSampler:
             if units.size == S:
                 order = self._deal_full(seq, units.reshape(1, S))
                 return order[:rows * R * self._k]
-            u, k = units.size, self._k
-            n = R * min(m, max(1, -(-u // (R * k))))
-            if u < n:
-                return units if rows else units[:0]
-            return np.concatenate(np.array_split(units, n)[:rows * R])
+            return np.concatenate([units[:0], *self._partial_rows(units, R, m)[:rows]])
         finally:
             self.world_size, self.step_batches = saved
 
@@ -693,6 +704,8 @@ class _BatchSampler:
         if skip:  # resumed inside the first step: its first rows are done
             cut = int(ptr[skip * R])
             flat, ptr, pieces = flat[cut:], ptr[skip * R:] - cut, pieces[skip * R:]
+        # repeats are whole pieces inside one row of a split step: count what this schedule yields twice
+        repeated = int(flat.size - np.count_nonzero(np.bincount(flat))) if repeated and flat.size else 0
         return Schedule(flat=flat, ptr=ptr, world_size=R, accumulation_steps=self.accumulation_steps,
                         step_row=step_row, step_start=np.asarray(starts, np.int64),
                         step_span=np.asarray(spans, np.int64), mask0=mask0, pieces=pieces,
@@ -794,6 +807,11 @@ class _BatchSampler:
             yield flat[ptr[g]:ptr[g + 1]].tolist()
 
     def _fingerprint(self) -> str:
+        if getattr(self, "_fingerprint_cache", None) is None:  # lengths and options are fixed at build
+            self._fingerprint_cache = self._hash()
+        return self._fingerprint_cache
+
+    def _hash(self) -> str:
         h = hashlib.sha1(type(self).__name__.encode())
         h.update(repr(sorted(self._config().items())).encode())
         h.update(self.lengths.tobytes())
