@@ -269,14 +269,15 @@ def arrange_steps(cost: np.ndarray, world_size: int, rng, *, shuffle: bool, bala
     return steps.reshape(-1)
 
 
-def split_pieces(parts: list[np.ndarray], count: int) -> tuple[list[np.ndarray], int]:
-    """Split the piece with the most examples in halves until there are ``count``; repeat if all are single.
+def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> tuple[list[np.ndarray], int]:
+    """Split the piece with the most examples in halves until there are ``count``; repeat if all are single
+    (or at once with ``split=False``: pieces whose examples must stay together, as groups do).
 
     Halves of a batch within its budget are within it too. Returns the pieces and the examples repeated:
     ``split_pieces([[3, 4, 5]], 2) -> ([[3], [4, 5]], 0)``; ``split_pieces([[3]], 2) -> ([[3], [3]], 1)``.
     """
     parts = [np.asarray(p, np.int64) for p in parts]
-    while len(parts) < count:
+    while split and len(parts) < count:
         j = max(range(len(parts)), key=lambda i: parts[i].size)
         if parts[j].size < 2:
             break
@@ -498,6 +499,7 @@ class _BatchSampler:
     # -- subclasses build the sequence ----------------------------------------------------------
 
     _k = 1  # units per micro-batch
+    _splittable = True  # a unit may be split by examples (groups may not)
 
     def _sequence_of(self, rng, step: int) -> _Sequence:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -575,7 +577,8 @@ class _BatchSampler:
                 batches += [np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in p]) for p in parts]
                 pieces += [p.size for p in parts]
             else:
-                split, rep = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R)
+                split, rep = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R,
+                                          split=self._splittable)
                 batches += split
                 pieces += [1] * R
                 repeated += rep
@@ -1226,6 +1229,10 @@ class PackedBatchSampler(_BatchSampler):
     def _k(self) -> int:
         return self.windows_per_batch
 
+    @property
+    def _splittable(self) -> bool:
+        return all(v is None for v in self._groups.values())
+
     def _config(self):
         groups = {k: hashlib.sha1(np.asarray(v).tobytes()).hexdigest() for k, v in self._groups.items()
                   if v is not None}
@@ -1255,7 +1262,7 @@ class PackedBatchSampler(_BatchSampler):
     def _sequence_of(self, rng, step: int) -> _Sequence:
         k = self.windows_per_batch
         plan = self._plan(rng)
-        if self.balance == "compute" and k <= 2 and all(v is None for v in self._groups.values()):
+        if self.balance == "compute" and k <= 2 and self._splittable:
             return self._to_cost(plan, rng, step)  # (groups keep their windows: they take the LPT deal)
         if self.shuffle:
             plan = plan.shuffled(int(rng.integers(1 << 62)))

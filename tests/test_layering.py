@@ -17,7 +17,7 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp", "rules"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp", "rules", "balance"],
     # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention
     ["listcolumns", "examples", "chat", "writers", "attention", "sampler"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
