@@ -3,8 +3,13 @@
 Every file or folder packkit writes goes through :func:`atomic_output`: the writer fills a temporary
 path *beside* the target (same folder, so the same file system), the result is flushed to disk
 (``fsync``), and only then renamed over the target, in one step. Killed at any moment, the target
-holds its previous complete content or does not exist; a temporary ``.NAME.packkit-tmp-*`` may be
-left beside it, never a short file under the target's name::
+holds its previous complete content or does not exist, never a short file under the target's name.
+
+Every temporary file or folder packkit makes is named ``.NAME.packkit-tmp-XXXXXXXX`` (:data:`TMP_PATTERN`:
+a dot, NAME, ``.packkit-tmp-``, 8 hex digits) beside what it is for: NAME is the target's name, cut
+short where the whole would pass the file system's limit (``NAME_MAX``, 255 bytes), or ``staged`` for
+input staged beside the output (:mod:`packkit.sources`). It is removed on any error and on SIGINT,
+SIGTERM and SIGHUP (:mod:`packkit.interrupts`); only SIGKILL or a crash can leave one::
 
     with atomic_output("packed.parquet", inputs=["data.parquet"]) as tmp:
         pyarrow.parquet.write_table(table, tmp)     # tmp: a path that does not exist yet
@@ -25,6 +30,8 @@ other way round
 parent folder missing                     ``MissingFolderError`` (also a ``FileNotFoundError``)
                                           unless ``parents=True``
 parent folder not writable                ``OutputError``
+a name longer than the file system        ``OutputError``: refused before any work, not after
+allows, or a path that is not UTF-8       (pyarrow opens files by UTF-8 paths)
 ========================================  =====================================================
 
 Renames use Linux's ``renameat2`` where it exists: ``RENAME_NOREPLACE`` so that a target that
@@ -42,17 +49,22 @@ import ctypes.util
 import errno
 import functools
 import os
+import re
 import secrets
 import shlex
 import shutil
 from pathlib import Path
 
 from .errors import OutputError, arg
+from .interrupts import deferred
 
-__all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "atomic_output", "check_output", "fsync_tree", "temp_sibling"]
+__all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "atomic_output", "check_output", "fsync_tree",
+           "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max", "named_os_error"]
 
 #: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
 TMP_MARK = ".packkit-tmp-"
+#: Every temporary name packkit makes: ``TMP_PATTERN.fullmatch(".out.parquet.packkit-tmp-1a2b3c4d")``.
+TMP_PATTERN = re.compile(r"\..*" + re.escape(TMP_MARK) + r"[0-9a-f]{8}", re.DOTALL)
 
 
 class OutputExistsError(OutputError, FileExistsError):
@@ -113,6 +125,7 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
     target = Path(target)
     if target.name in ("", ".", ".."):
         raise ValueError(f"{str(target)!r} names no file or folder to write; give a name")
+    check_name(target)
     for src in inputs:
         src = Path(src)
         if _same(src, target) or (not os.path.lexists(target)
@@ -141,6 +154,46 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"folder {str(parent)!r} is not writable, so {str(target)!r} cannot be written there")
     return target
+
+
+def name_max(folder) -> int:
+    """The longest file name, in bytes, the file system of ``folder`` takes (``NAME_MAX``; 255 where it
+    cannot be asked): ``name_max("/tmp") -> 255``."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+def check_name(target) -> None:
+    """Refuse a target whose name the file system, or pyarrow, cannot take, before any work:
+    ``check_name("o" * 300 + ".parquet")`` raises ``OutputError`` (the name is 308 bytes, 255 at most)."""
+    target = Path(target)
+    try:
+        str(target).encode("utf-8")
+    except UnicodeEncodeError:
+        raise OutputError(f"{str(target)!r} is not a UTF-8 path (pyarrow, which writes the output, takes only "
+                          "UTF-8 paths); choose a UTF-8 name") from None
+    folder = target.parent if target.parent.is_dir() else Path(".")
+    size, most = len(os.fsencode(target.name)), name_max(folder)
+    if size > most:
+        raise OutputError(f"{str(target)!r}: its name is {size:,} bytes, longer than the file system takes "
+                          f"({most:,}); choose a shorter name")
+
+
+def named_os_error(exc: OSError, path) -> OSError:
+    """``exc`` naming ``path`` when it names no file (pyarrow's write errors don't):
+    ``named_os_error(OSError(28, "...No space left on device"), "out.parquet").filename -> "out.parquet"``.
+    The errno is read from pyarrow's ``[errno N]`` text when the exception lacks it."""
+    if exc.filename is not None:
+        return exc
+    code = exc.errno
+    if code is None:
+        m = re.search(r"\[errno (\d+)\]", str(exc), re.IGNORECASE)
+        code = int(m.group(1)) if m else None
+    if code is None:
+        return exc
+    return OSError(code, os.strerror(code), str(path))  # OSError picks the subclass of the errno
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,11 +228,25 @@ def fsync_tree(path) -> None:
         _fsync_path(Path(root), directory=True)
 
 
+def temp_name(name: str, *, limit: int = 255) -> str:
+    """A fresh temporary name for ``name`` of at most ``limit`` bytes (:data:`TMP_PATTERN`):
+    ``temp_name("out.parquet") -> ".out.parquet.packkit-tmp-1a2b3c4d"``; a name within 22 bytes of the
+    limit is cut (at a character boundary) so that the temporary one still fits."""
+    tail = f"{TMP_MARK}{secrets.token_hex(4)}"
+    room = max(limit - 1 - len(tail), 1)
+    raw = os.fsencode(name)
+    if len(raw) > room:
+        name = raw[:room].decode("utf-8", "ignore") or "x"
+    return f".{name}{tail}"
+
+
 def temp_sibling(target) -> Path:
-    """A fresh path beside ``target`` that does not exist: ``out.parquet -> .out.parquet.packkit-tmp-1a2b3c4d``."""
+    """A fresh path beside ``target`` that does not exist: ``out.parquet -> .out.parquet.packkit-tmp-1a2b3c4d``
+    (:func:`temp_name`: no longer than the file system's limit)."""
     target = Path(target)
+    limit = name_max(target.parent if target.parent.is_dir() else Path("."))
     while True:
-        tmp = target.with_name(f".{target.name}{TMP_MARK}{secrets.token_hex(4)}")
+        tmp = target.with_name(temp_name(target.name, limit=limit))
         if not os.path.lexists(tmp):
             return tmp
 
@@ -218,10 +285,11 @@ def _libc_renameat2():
 
 
 def _remove(path: Path) -> None:
+    """Remove a temporary file or folder; never fails (a cleanup error must not hide the real one)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             path.unlink()
 
 
@@ -267,9 +335,11 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
     """Write ``target`` through a temporary path beside it; yields that path (it does not exist yet).
 
     On a normal exit the temporary file or folder is flushed to disk and renamed over ``target`` in one
-    step (then the folder holding it is flushed too); on an exception it is removed and ``target`` is
-    untouched. The arguments are :func:`check_output`'s, checked before the writer runs and again, for
-    an existing target, at the rename.
+    step (then the folder holding it is flushed too); on an exception (a ``KeyboardInterrupt`` included)
+    it is removed and ``target`` is untouched. A stop signal during the rename or the removal is held
+    until it is done (:func:`packkit.interrupts.deferred`). An ``OSError`` that names no file (pyarrow's
+    "No space left on device") is raised naming ``target``. The arguments are :func:`check_output`'s,
+    checked before the writer runs and again, for an existing target, at the rename.
     """
     target = check_output(target, kind=kind, inputs=inputs, overwrite=overwrite, parents=parents,
                           overwrite_hint=overwrite_hint)
@@ -282,8 +352,12 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
             raise ValueError(f"the writer made a {'folder' if tmp.is_dir() else 'file'} for {str(target)!r}, "
                              f"expected a {'folder' if kind == 'dir' else 'file'}")
         fsync_tree(tmp)
-        _place(tmp, target, overwrite=overwrite, overwrite_hint=overwrite_hint)
-    except BaseException:
-        _remove(tmp)
+        with deferred():
+            _place(tmp, target, overwrite=overwrite, overwrite_hint=overwrite_hint)
+    except BaseException as exc:
+        with deferred():
+            _remove(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:
+            raise named_os_error(exc, target) from exc
         raise
     _fsync_path(target.parent, directory=True)

@@ -18,8 +18,10 @@ inside it. A gather then reads only the pages its segments touch: the tokens sta
 
 Batches that are copies (rows taken through a ``select`` / ``shuffle`` view of a dataset, parquet
 decoded a row group at a time) or columns numpy cannot view (Arrow's bit-packed booleans) are
-*staged*: appended to a temporary Arrow file beside the output, which is memory-mapped and unlinked
-once the scan ends (so nothing is left behind, even if the process is killed later). Either way the
+*staged*: appended to a temporary Arrow file beside the output (``.staged.packkit-tmp-XXXXXXXX``, the
+name pattern of every temporary file, :data:`packkit.fileio.TMP_PATTERN`), which is memory-mapped and
+unlinked once the scan ends (so nothing is left behind, even if the process is killed later). An error
+or a stop signal while staging removes it (a full disk included: its removal needs no space). Either way the
 anonymous memory the scan holds is a few arrays of one entry per example, plus one batch.
 """
 
@@ -35,7 +37,8 @@ import numpy as np
 
 from .arrow import pyarrow
 from .datafiles import parquet_batches, parquet_schema
-from .fileio import TMP_MARK
+from .fileio import name_max, named_os_error, temp_name
+from .interrupts import deferred, join
 from .listcolumns import list_chunks
 from .packer import FlatColumn
 
@@ -169,12 +172,14 @@ def prefetch(iterable, depth: int = 2):
             yield item
     finally:
         stop.set()
-        while thread.is_alive():  # let a blocked producer see the stop
-            try:
-                items.get_nowait()
-            except queue.Empty:
-                pass
-            thread.join(timeout=0.05)
+        with deferred():  # a signal here waits for the producer: pyarrow must not decode during exit
+            while thread.is_alive():  # let a blocked producer see the stop
+                try:
+                    items.get_nowait()
+                except queue.Empty:
+                    pass
+                thread.join(timeout=0.05)
+            join(thread)
 
 
 def _is_view_of(arr, roots: set) -> bool:
@@ -291,11 +296,13 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
             path, fh, writer = stage
             writer.close()
             fh.close()
-            mapped = ipc.open_stream(pa.memory_map(str(path))).read_all()
+            try:
+                mapped = ipc.open_stream(pa.memory_map(str(path))).read_all()
+            finally:
+                with deferred(), contextlib.suppress(OSError):
+                    os.unlink(path)  # the map keeps the data; nothing is left on disk
+                stage = None
             source.keep.append(mapped)
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # the map keeps the data; nothing is left on disk
-            stage = None
             batches = mapped.to_batches()
             if len(batches) != len(staged_batches):  # pragma: no cover - one write_batch, one batch
                 raise RuntimeError("the staging file does not hold the batches written to it")
@@ -303,12 +310,14 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
                 parts[c] = [_locate(regions, c, batches[p[1]].column(c)) if isinstance(p[0], str) else p
                             for p in parts[c]]
             staged_rows = sum(b.num_rows for b in batches)
+    except OSError as exc:
+        if stage is None:
+            raise
+        raise named_os_error(exc, f"{stage[0].parent} (staging {source.describe} there)") from exc
     finally:
-        if stage is not None:  # an error while staging: remove the partial file
-            stage[2].close()
-            stage[1].close()
-            with contextlib.suppress(OSError):
-                os.unlink(stage[0])
+        if stage is not None:  # an error or a signal while staging: remove the partial file
+            with deferred():
+                _close_stage(stage)
     lengths = np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64)
     out = {}
     for c in columns:
@@ -380,16 +389,40 @@ def _locate(regions: dict, name: str, arr) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _open_stage(source: ArrowSource, columns, types):
-    """A temporary Arrow stream file beside the output, for batches that are not views."""
+    """A temporary Arrow stream file beside the output (``.staged.packkit-tmp-XXXXXXXX``), for batches
+    that are not views: ``(path, file, writer)``."""
     pa = pyarrow()
     import pyarrow.ipc as ipc
 
     folder = Path(source.stage_dir) if source.stage_dir is not None else Path(tempfile.gettempdir())
-    fd, path = tempfile.mkstemp(prefix=f".staged{TMP_MARK}", suffix=".arrow", dir=str(folder))
-    os.close(fd)
-    fields = [pa.field(c, pa.list_(pa.uint8() if pa.types.is_boolean(types[c]) else types[c])) for c in columns]
-    fh = pa.OSFile(path, "wb")
-    return Path(path), fh, ipc.new_stream(fh, pa.schema(fields))
+    while True:
+        path = folder / temp_name("staged", limit=name_max(folder))
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            break
+        except FileExistsError:  # pragma: no cover - 2**32 names
+            continue
+    stage = (path, None, None)
+    try:
+        fields = [pa.field(c, pa.list_(pa.uint8() if pa.types.is_boolean(types[c]) else types[c])) for c in columns]
+        fh = pa.OSFile(str(path), "wb")
+        stage = (path, fh, None)
+        return path, fh, ipc.new_stream(fh, pa.schema(fields))
+    except BaseException:
+        with deferred():
+            _close_stage(stage)
+        raise
+
+
+def _close_stage(stage) -> None:
+    """Close and remove a staging file whatever happened (closing on a full disk fails; removing does not)."""
+    path, fh, writer = stage
+    for closer in (writer, fh):
+        if closer is not None:
+            with contextlib.suppress(Exception):
+                closer.close()
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _stageable(batch, columns, types, pc):

@@ -37,6 +37,7 @@ import numpy as np
 
 from .errors import ArgumentError
 from .fileio import atomic_output
+from .interrupts import join
 
 __all__ = ["FORMATS", "output_format", "write_batches", "MAX_SHARD_BYTES", "ENCODING_FACTOR"]
 
@@ -243,13 +244,20 @@ def _write_inline(sink, batches) -> None:
 
 def _write_behind(sink, batches) -> None:
     """``sink.write`` on a thread (pyarrow writes and encodes without the GIL) while ``batches`` makes
-    the next batch; two batches at most: one being written, one being made."""
+    the next batch; two batches at most: one being written, one being made.
+
+    However the main thread leaves (an error making a batch, Ctrl-C), the thread has ended before this
+    returns: it drops the batches not yet written, and the wait for it cannot be cut short by a signal
+    (:func:`packkit.interrupts.join`), so the caller never closes the file under a write (which crashed
+    the process in pyarrow).
+    """
     import queue
     import threading
 
     todo: queue.Queue = queue.Queue()
     slots = threading.Semaphore(2)
     failed: list = []
+    stop = threading.Event()
 
     def writer():
         while True:
@@ -257,7 +265,7 @@ def _write_behind(sink, batches) -> None:
             if batch is None:
                 return
             try:
-                if not failed:
+                if not failed and not stop.is_set():
                     sink.write(batch)
             except BaseException as exc:  # handed to the caller's thread below
                 failed.append(exc)
@@ -278,8 +286,11 @@ def _write_behind(sink, batches) -> None:
                 break
             todo.put(batch)
             del batch
+    except BaseException:
+        stop.set()
+        raise
     finally:
         todo.put(None)
-        thread.join()
+        join(thread)
     if failed:
         raise failed[0]

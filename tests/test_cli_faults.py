@@ -15,10 +15,12 @@ is byte-identical afterwards. A line ``fault-injection: N cases tried, N passed`
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -351,3 +353,252 @@ def test_broken_pipe_exits_quietly(argv):
         proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env(), timeout=120)
         assert proc.stdout.strip() == "rc=141", (proc.stdout, proc.stderr)
         assert proc.stderr == ""
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile moments (issue 19): stop signals, a full disk, a file-size limit, names the disk refuses
+# ----------------------------------------------------------------------------------------------
+
+#: Runs `packkit.cli.main` on many cases in one process (imports paid once): prints {"start": k} before
+#: a case and its result after, then waits for a line on stdin when the case says so. Stop signals that
+#: land between cases are held (the test sends them at random moments, some after `main` returned).
+DRIVER = r"""
+import contextlib, io, json, os, resource, signal, sys
+from packkit.cli import main
+late = []
+for s in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(s, lambda n, f: late.append(n))
+for k, case in enumerate(json.loads(sys.argv[1])):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if case.get("fsize"):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (case["fsize"], hard))
+    print(json.dumps({"start": k}), flush=True)
+    err, said = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(said):
+        code = main(case["argv"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    listing = {d: sorted(os.listdir(d)) for d in case.get("list", [])}
+    print(json.dumps({"k": k, "code": code, "stderr": err.getvalue(), "listing": listing, "late": len(late)}),
+          flush=True)
+    if case.get("wait"):
+        sys.stdin.readline()
+"""
+
+
+def driver(tmp_path, cases, *, prefix=(), stdin=None):
+    """Start the in-process driver on ``cases`` (``prefix``: a command to run it under, e.g. unshare)."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    argv = [*prefix, sys.executable, str(script), json.dumps([{**c, "argv": [str(a) for a in c["argv"]]}
+                                                             for c in cases])]
+    return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+
+
+def small_parquet(path: Path, rows: int = 1500, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, 50_000, n).tolist() for n in rng.integers(8, 200, rows)]
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), path, row_group_size=500)
+    return ids
+
+
+def packed_tokens(path: Path, fmt: str) -> list:
+    """Every token of a packed output, in document order within rows, sorted as multiset of documents."""
+    rows = read_output(path, fmt)
+    return sorted(t for row in rows for t in row)
+
+
+def test_stop_signals_at_random_moments_leave_nothing(tmp_path):
+    """SIGINT / SIGTERM at random moments of `pack` (the scan, staging parquet, the writer thread, the
+    rename), 32 tries in four formats: each run returns 130 / 143 with one line (or 0 when the signal came
+    after the work), OUT is absent or complete, and no temporary file is left; every temporary name seen
+    while running matches TMP_PATTERN. It used to end in SIGSEGV / SIGABRT (the file closed under the writer
+    thread) with `.OUT.packkit-tmp-*` left behind."""
+    from packkit.fileio import TMP_PATTERN
+
+    src = tmp_path / "in.parquet"
+    tokens = sorted(t for ex in small_parquet(src) for t in ex)
+    outs = tmp_path / "o"
+    outs.mkdir()
+    names = ["o.parquet", "o.arrow", "o.jsonl", "ods"]
+    tries = 32
+    argv = lambda name: ("pack", src, outs / name, "-w", "256", "-q", "--buffer-mb", "4")  # noqa: E731
+    cases = [{"argv": argv(names[k % 4]), "wait": True, "list": [str(outs)]} for k in range(2 + tries)]
+    proc = driver(tmp_path, cases, stdin=subprocess.PIPE)
+    rng = random.Random(19)
+    seen, codes, took, writing = set(), [], [], []
+
+    def look() -> bool:
+        found = {p.name for p in outs.iterdir() if TMP_MARK in p.name}
+        seen.update(found | {p.name for p in tmp_path.iterdir() if TMP_MARK in p.name})
+        return bool(found)
+
+    for k in range(2 + tries):
+        assert json.loads(proc.stdout.readline()) == {"start": k}
+        t0 = time.monotonic()
+        if k < 2:  # timed: the whole run, and how long OUT's temporary file lives (the first run pays imports)
+            first = last = None
+            while not select.select([proc.stdout], [], [], 0.001)[0]:
+                if look():
+                    first, last = first or time.monotonic(), time.monotonic()
+            writing.append((last - first) if first else 0.0)
+        elif k % 2:  # half the moments while OUT's temporary file is written (the writer thread)
+            while not look() and not select.select([proc.stdout], [], [], 0.001)[0]:
+                pass
+            time.sleep(rng.uniform(0, writing[1]))
+        else:  # half over the whole run (the scan, staging, the rename)
+            deadline = t0 + rng.uniform(0, took[1])
+            while time.monotonic() < deadline:
+                look()
+                time.sleep(0.001)
+        if k >= 2:
+            proc.send_signal(rng.choice([signal.SIGINT, signal.SIGTERM]))
+        line = proc.stdout.readline()
+        assert line, f"try {k}: the process died with {proc.wait()}: {proc.stderr.read()[-2000:]}"
+        result = json.loads(line)
+        took.append(time.monotonic() - t0)
+        name = names[k % 4]
+        with Case():
+            code, err = result["code"], result["stderr"]
+            assert code in (0, 130, 143), result
+            if code:
+                assert err == "packkit pack: " + ("interrupted\n" if code == 130 else "stopped by SIGTERM\n"), err
+            assert not [n for n in result["listing"][str(outs)] if n != name], result  # no temporary left
+            assert not [p for p in tmp_path.iterdir() if TMP_MARK in p.name]
+            fmt = "folder" if name == "ods" else output_format_of(name)
+            if code == 0 or (outs / name).exists():
+                assert packed_tokens(outs / name, fmt) == tokens
+            codes.append(code)
+        (shutil.rmtree if name == "ods" else os.unlink)(outs / name) if (outs / name).exists() else None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    stderr = proc.stderr.read()
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr
+    assert seen and all(TMP_PATTERN.fullmatch(n) for n in seen), seen
+    print(f"stop signals: {tries} tries, exit codes {sorted(collections.Counter(codes[2:]).items())}, "
+          f"a run {took[1]:.2f} s (writing {writing[1]:.2f} s), temporary names seen {len(seen)}")
+    assert codes[2:].count(0) < tries // 2, "most signals came after the work: the moments are not spread over it"
+
+
+def output_format_of(name: str) -> str:
+    from packkit.writers import output_format
+
+    return output_format(name)
+
+
+def test_sigterm_to_the_packkit_command_removes_its_temporary_file(tmp_path, data):
+    """The real command, SIGTERM while OUT's temporary file is written: exit 143, one line, nothing left
+    (SIGTERM used to end the process before any cleanup)."""
+    with Case():
+        out = tmp_path / "o.parquet"
+        proc = subprocess.Popen(packkit_argv("pack", data["parquet"], out, "-w", "2048", "-q", "--buffer-mb", "1"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+        while not temp_beside(out) and proc.poll() is None:
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode in (143, 0), err
+        if proc.returncode == 143:
+            assert err == "packkit pack: stopped by SIGTERM\n" and not out.exists()
+        assert not [p for p in tmp_path.iterdir() if TMP_MARK in p.name]
+
+
+def _tmpfs_prefix(mount: Path, size: str) -> tuple | None:
+    """`unshare -m sh -c 'mount tmpfs at MOUNT; exec "$@"'`: a small real file system in a private mount
+    namespace (gone with the process); None where this machine does not allow it (not root)."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return None
+    mount.mkdir(exist_ok=True)
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mount}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        return None
+    return ("unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"', "sh")
+
+
+def test_full_disk_and_file_size_limit_leave_nothing(tmp_path):
+    """A disk that fills while parquet input is staged beside OUT, or while OUT is written (a real small
+    tmpfs where the machine allows it, else a file-size limit), and a file-size limit (EFBIG): exit 4, one
+    line naming OUT or the folder staged in, nothing left on the disk. The staging file used to stay
+    (the disk stayed full), EFBIG exited 3 naming no file."""
+    src, jsonl = tmp_path / "in.parquet", tmp_path / "in.jsonl"
+    ids = small_parquet(src, rows=3000)
+    jsonl.write_text("".join(json.dumps({"input_ids": x}) + "\n" for x in ids))
+    disk = tmp_path / "disk"
+    prefix = _tmpfs_prefix(disk, "256k")
+    if prefix is None:
+        disk.mkdir(exist_ok=True)
+    full = {} if prefix is not None else {"fsize": 256 << 10}
+    cases = [{"argv": ("pack", src, disk / "o.parquet", "-w", "256", "-q"), "list": [str(disk)], **full}]
+    cases += [{"argv": ("pack", jsonl, disk / name, "-w", "256", "-q"), "list": [str(disk)], **full}
+              for name in ("o.parquet", "o.arrow", "o.jsonl", "ods")]
+    cases += [{"argv": ("pack", jsonl, tmp_path / "big.parquet", "-w", "256", "-q"), "list": [str(tmp_path)],
+               "fsize": 64 << 10}]
+    proc = driver(tmp_path, cases, prefix=prefix or ())
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    assert len(results) == len(cases)
+    why = "No space left on device" if prefix is not None else "File too large"
+    for case, result in zip(cases, results):
+        with Case():
+            assert result["code"] == 4, result
+            assert result["stderr"].count("\n") == 1, result
+            folder, = result["listing"]
+            assert not [n for n in result["listing"][folder] if TMP_MARK in n], result
+            target = Path(case["argv"][2])
+            staged = case["argv"][1] == src
+            named = f"{target.parent} (staging '{src}' there)" if staged else str(target)
+            assert f"packkit pack: error: {named}: " in result["stderr"], result
+            assert ("File too large" if case.get("fsize") == 64 << 10 else why) in result["stderr"], result
+            assert not target.exists()
+    print(f"full disk: {'tmpfs' if prefix else 'RLIMIT_FSIZE'}, {len(cases)} cases")
+
+
+def test_names_the_disk_cannot_take_are_refused_before_any_work(tmp_path, data):
+    """A legal 255-byte OUT name is written (its temporary name is cut to fit; it used to fail after all
+    the work, 22 bytes too long); a longer one, or one that is not UTF-8, is refused at once, naming it."""
+    src = data["small"]
+    longest = "a" * (255 - len(".jsonl")) + ".jsonl"
+    cases = [{"argv": ("pack", src, tmp_path / longest, "-w", "8", "-q")},
+             {"argv": ("pack", src, tmp_path / ("b" + longest), "-w", "8", "-q")},
+             {"argv": ("pack", src, tmp_path / "é" / longest, "-w", "8", "-q")},
+             {"argv": ("pack", src, os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xff.parquet"), "-w", "8")}]
+    (tmp_path / "é").mkdir()
+    proc = driver(tmp_path, cases)
+    out, err = proc.communicate(timeout=300)
+    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    with Case():
+        assert results[0]["code"] == 0 and len(read_output(tmp_path / longest, "jsonl")) > 0, results[0]
+    with Case():
+        assert results[1]["code"] == 2 and "its name is 256 bytes, longer than the file system takes (255)" in \
+            results[1]["stderr"], results[1]
+    with Case():
+        assert results[2]["code"] == 0, results[2]
+    with Case():  # a name that is not UTF-8 (bytes from another locale: Python's argv holds surrogates)
+        assert results[3]["code"] == 2 and "is not a UTF-8 path" in results[3]["stderr"], results[3]
+        assert results[3]["stderr"].count("\n") == 1
+    assert not [p for p in tmp_path.iterdir() if TMP_MARK in p.name]
+
+
+def test_empty_input_is_one_rule_for_every_format(tmp_path):
+    """0 rows is refused with exit 3 by every command for every format (a 0-row parquet used to pack
+    into an empty OUT with exit 0, which `waste` then refused)."""
+    t = pa.table({"input_ids": pa.array([], pa.list_(pa.int32()))})
+    files = {"e.parquet": lambda p: pq.write_table(t, p), "e.jsonl": lambda p: p.write_text("\n"),
+             "e.arrow": lambda p: pa.ipc.new_stream(str(p), t.schema).close()}
+    cases = []
+    for name, make in files.items():
+        make(tmp_path / name)
+        cases += [{"argv": ("pack", tmp_path / name, tmp_path / "o.parquet", "-w", "8")},
+                  {"argv": ("waste", tmp_path / name)}, {"argv": ("plan", tmp_path / name)}]
+    proc = driver(tmp_path, cases)
+    out, err = proc.communicate(timeout=300)
+    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    assert len(results) == len(cases), err
+    for case, result in zip(cases, results):
+        with Case():
+            assert result["code"] == 3 and "holds no examples" in result["stderr"], (case, result)
+            assert result["stderr"].count("\n") == 1
+    assert not (tmp_path / "o.parquet").exists()

@@ -176,3 +176,73 @@ def test_sigkill_at_random_moments(tmp_path, kind):
             else:
                 write_file(target, old)
     print("outcomes", outcomes)
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile moments and names (issue 19)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp_path, monkeypatch):
+    """Ctrl-C while the main thread waits for the writer thread used to close the file under the write
+    (SIGSEGV / SIGABRT in pyarrow): the wait now ends with the write, then the interrupt is raised, the
+    file closed once and the temporary file removed."""
+    import threading
+
+    from packkit import writers
+
+    events = []
+
+    class SlowSink:
+        def __init__(self, fmt, path, schema, **options):
+            path.write_bytes(b"partial")
+
+        def write(self, batch):
+            events.append("write")
+            time.sleep(0.4)
+            events.append("written")
+
+        def close(self):
+            events.append("close")
+
+    monkeypatch.setattr(writers, "_sink", SlowSink)
+    main = threading.main_thread().ident  # a real SIGINT to the main thread: it cuts a blocking wait short
+    timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        writers.write_batches(tmp_path / "o.parquet", None, iter([object()]))
+    timer.join()
+    assert events == ["write", "written", "close"]
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_deferred_holds_a_signal_until_the_block_ends():
+    from packkit.interrupts import deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred():
+            signal.raise_signal(signal.SIGINT)
+            done.append("cleanup finished")
+    assert done == ["cleanup finished"]
+
+
+def test_temporary_names_fit_the_file_system(tmp_path):
+    """`.NAME.packkit-tmp-XXXXXXXX` is 22 bytes longer than NAME: a 255-byte name's temporary name is cut
+    (at a character boundary) to 255 bytes, and every name matches TMP_PATTERN."""
+    for name in ("out.parquet", "a" * 240 + ".parquet", "é" * 127 + ".jsonl"):
+        tmp = fileio.temp_sibling(tmp_path / name)
+        raw = os.fsencode(tmp.name)
+        assert len(raw) <= 255 and raw.decode("utf-8") and fileio.TMP_PATTERN.fullmatch(tmp.name), tmp.name
+    with pytest.raises(ValueError, match="its name is 256 bytes, longer than the file system takes"):
+        check_output(tmp_path / ("b" * 248 + ".parquet"))
+
+
+def test_os_errors_without_a_file_name_the_target(tmp_path):
+    """pyarrow's "[errno 27] File too large" names no file; atomic_output raises it naming the target."""
+    with pytest.raises(OSError) as info:
+        with atomic_output(tmp_path / "o.bin") as tmp:
+            write_file(tmp, b"x")
+            raise OSError("Error writing bytes to file. Detail: [errno 27] File too large")
+    assert info.value.errno == 27 and info.value.filename == str(tmp_path / "o.bin")
+    assert leftovers(tmp_path) == []

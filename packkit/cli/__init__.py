@@ -21,8 +21,9 @@ Exit codes (also in ``packkit --help`` and the README):
 3     data: the input cannot be read (missing, damaged, truncated) or holds an example packkit
       refuses; the message names the file, and the row or line
 4     system: a missing optional package (the message says which extra to install), out of
-      memory, a full disk or another error of the operating system
-130   interrupted (Ctrl-C)
+      memory, a full disk or a file-size limit or quota, another error of the operating system
+130   interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM), 129 hung up (SIGHUP): every temporary
+      file is removed first (:mod:`packkit.interrupts`)
 141   the reader of the output went away (``packkit waste | head -1``): quietly, as a Unix tool
       killed by SIGPIPE
 ====  ======================================================================================
@@ -36,10 +37,12 @@ import errno
 import importlib
 import os
 import re
+import signal
 import sys
 
 from .. import __version__
 from ..errors import ArgumentError, DataError, OutputError, PackkitError
+from ..interrupts import Interrupted, signals_raise
 
 SUBCOMMANDS = {
     "waste": ("packkit.cli.waste", "padding waste of each batching strategy, with a table and a plot"),
@@ -56,7 +59,7 @@ EXIT_CODES = """exit codes:
   2    usage: the command line is wrong (bad option or value, OUT exists or is IN)
   3    data: the input cannot be read or holds an example packkit refuses
   4    system: a missing optional package, out of memory, disk full
-  130  interrupted; 141 the output pipe was closed (quietly)"""
+  130  interrupted (143 SIGTERM, 129 SIGHUP); 141 the output pipe was closed (quietly)"""
 
 USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit COMMAND --help for more)\n\n"
          + "\n".join(f"  {name:<7} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
@@ -171,7 +174,7 @@ def options_of(parser: argparse.ArgumentParser, aliases: dict | None = None) -> 
 # one line for every error
 # ----------------------------------------------------------------------------------------------
 
-_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
+_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
                   errno.EACCES, errno.EPERM}
 
 
@@ -269,6 +272,11 @@ def _top(argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    with signals_raise():  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     name, options = (argv or ["packkit"])[0], None
     try:
         code = _top(argv)
@@ -290,11 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if os.environ.get("PACKKIT_DEBUG"):
             raise
-        print(f"packkit {name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        stopped = isinstance(exc, Interrupted) and exc.signum != signal.SIGINT
+        with contextlib.suppress(OSError, ValueError):
+            print(f"packkit {name}: " + (f"stopped by {exc.name}" if stopped else "interrupted"), file=sys.stderr)
+        return exc.exit_code if stopped else EXIT_INTERRUPTED
     except Exception as exc:
         if os.environ.get("PACKKIT_DEBUG"):
             raise

@@ -140,6 +140,8 @@ def run(args, options=None) -> int:
                              columns=columns, seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc,
                              example_ids=args.example_ids, progress=False if quiet else None, who="packkit pack")
         plan = packed.plan
+        if plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
+            raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
         max_tokens = packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR[fmt], in_flight=2)
         total = plan.total_tokens * len(packed.spec.written())

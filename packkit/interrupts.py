@@ -1,0 +1,117 @@
+"""Signals that end a run (Ctrl-C, ``kill``, a closed terminal), met so that the run ends cleanly.
+
+Python turns SIGINT into ``KeyboardInterrupt`` between two bytecodes of the main thread, wherever that
+is: inside a ``finally`` that removes a temporary file, or while the main thread waits for a writer
+thread, whose file would then be closed under it (a crash in pyarrow: SIGSEGV or SIGABRT). Two rules
+make any moment safe:
+
+- **Cleanup and waiting run under** :func:`deferred`: a signal that arrives there is held and raised
+  at the end of the block, once the thread has finished or the temporary file is gone::
+
+      try:
+          write(tmp)
+      except BaseException:
+          with deferred():            # a second Ctrl-C cannot leave tmp behind
+              remove(tmp)
+          raise
+
+- **SIGTERM and SIGHUP** end the process without running any ``finally`` by default. Under
+  :func:`signals_raise` (the ``packkit`` command runs inside it) they raise :class:`Interrupted`, a
+  ``KeyboardInterrupt``, like SIGINT: every cleanup runs, and the command exits ``128 + signal``
+  (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP).
+
+Only the main thread can set handlers; elsewhere both are no-ops (signals are met by the main thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "deferred", "join"]
+
+#: The signals that ask a run to stop (not SIGKILL, which nothing can meet).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived: ``Interrupted(signal.SIGTERM).exit_code -> 143``; caught wherever a
+    ``KeyboardInterrupt`` is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        """``SIGTERM``."""
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a process ended by the signal: ``128 + signum``."""
+        return 128 + self.signum
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_raise(signums=STOP_SIGNALS):
+    """Inside, each of ``signums`` raises :class:`Interrupted` in the main thread (SIGTERM no longer
+    ends the process before cleanup); the previous handlers are restored on exit. A signal ignored
+    (``SIG_IGN``, e.g. SIGINT of a ``nohup`` job) stays ignored."""
+    if not _main_thread():
+        yield
+        return
+    old = {}
+    try:
+        for s in signums:
+            current = signal.getsignal(s)
+            if current is signal.SIG_IGN or current is None:
+                continue
+            old[s] = signal.signal(s, _raise)
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def deferred(signums=STOP_SIGNALS):
+    """Hold the stop signals that arrive inside the block; raise the first of them at its end.
+
+    The held signal is raised again with the handler that was in place (an exception for SIGINT, or
+    under :func:`signals_raise`; the default action otherwise, e.g. SIGTERM ending a library user's
+    process, after the block). Nested blocks hold for the outermost.
+    """
+    if not _main_thread():
+        yield
+        return
+    held: list = []
+    old = {}
+    try:
+        for s in signums:
+            current = signal.getsignal(s)
+            if current is signal.SIG_IGN or current is None:
+                continue
+            old[s] = signal.signal(s, lambda signum, frame: held.append(signum))
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if held:
+            signal.raise_signal(held[0])
+
+
+def join(thread: threading.Thread) -> None:
+    """``thread.join()`` that a signal cannot cut short (it is held until the thread has ended): the
+    caller never closes a file a thread still writes."""
+    with deferred():
+        thread.join()
