@@ -249,7 +249,7 @@ def main() -> int:
 
     from packkit import attention
 
-    fn, err = attention._torch_varlen_attn()
+    fn, err = attention.kernel("torch")
     probe_q = torch.zeros(1, nheads, head_dims[0], device=device, dtype=dtype)
     if fn is None:
         torch_call = f"torch.nn.attention.varlen.varlen_attn: unavailable ({err})"

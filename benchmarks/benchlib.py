@@ -150,7 +150,7 @@ def smoke_or_cuda(script: str, *, smoke: bool) -> str | None:
 def install_cpu_fakes() -> None:
     """--cpu-smoke: stand-ins for the CUDA-only backends, with their real signatures (flash-attn 2's
     flash_attn_varlen_func; torch 2.11's varlen_attn, which has no enable_gqa), computing through the
-    reference. CPU tensors pass for CUDA ones in packkit.attention's availability checks."""
+    reference, registered for CPU tensors through packkit.attention's public seam (register_kernel)."""
     from packkit import attention
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -166,6 +166,5 @@ def install_cpu_fakes() -> None:
         return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
                                                      causal=window_size == (-1, 0), scale=scale)
 
-    attention._flash_attn_varlen_func = lambda: (flash_attn_varlen_func, None)
-    attention._torch_varlen_attn = lambda: (varlen_attn, None)
-    attention._on_cuda = lambda t: True
+    attention.register_kernel("flash_attn", flash_attn_varlen_func, devices=("cpu",))
+    attention.register_kernel("torch", varlen_attn, devices=("cpu",))

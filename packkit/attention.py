@@ -22,6 +22,13 @@ Backends, in the order ``backend="auto"`` tries them (each only where it can run
 
 Forcing a backend that cannot run raises :class:`BackendUnavailableError` saying why.
 
+The library functions behind ``"flash_attn"`` and ``"torch"`` can be swapped for a stand-in with the
+same signature (:func:`register_kernel`, or :func:`use_kernel` for one block): the benchmarks' CPU
+smoke runs and the tests run packkit's whole call path on the CPU that way, e.g.::
+
+    with use_kernel("torch", my_varlen_attn, devices=("cpu",)):
+        varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend="torch")   # calls my_varlen_attn
+
 Empty segments (static-shape padding of ``cu_seqlens``) never reach flash-attn or torch's varlen_attn
 (flash-attention#1537). Pass ``num_segments`` (a Python int from the collator) and they are sliced
 off with no GPU sync, which keeps ``torch.compile`` graphs whole; without it they are dropped by
@@ -35,10 +42,12 @@ function reading the packed batch's ``cu_seq_lens_q``; see ``PackedBatch.hf_kwar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +93,8 @@ def _nonempty_cu_seqlens(cu_seqlens: torch.Tensor, *, sliced: bool) -> torch.Ten
     """
     if sliced:
         return cu_seqlens
-    if _on_cuda(cu_seqlens) and _graph_unfriendly():
+    # Only the CUDA kernels (or a stand-in for one) come here: the device is not asked.
+    if _graph_unfriendly():
         raise ValueError(
             "varlen_attention needs num_segments=<Python int, the number of real (non-empty) segments> "
             "under torch.compile / CUDA graphs on the flash_attn and torch backends: without it packkit "
@@ -113,14 +123,75 @@ def _import(module: str, attr: str | None = None):
     return _IMPORTS[key]
 
 
-def _flash_attn_varlen_func():
-    """flash-attn's function, imported on first use; None when not installed."""
-    return _import("flash_attn", "flash_attn_varlen_func")
+# -- the library functions behind the flash_attn and torch backends, and their stand-ins --
+
+# backend -> (module, attribute) of the library function it calls.
+KERNELS = {"flash_attn": ("flash_attn", "flash_attn_varlen_func"), "torch": ("torch.nn.attention.varlen", "varlen_attn")}
+
+# backend -> (stand-in function, device types it runs on). A registry in the manner of transformers'
+# AttentionInterface: process-wide by nature (a stand-in must reach every call, in any thread), empty
+# unless a benchmark's smoke run or a test registers one. A plain dict: torch.compile reads it.
+_STAND_INS: dict[str, tuple[Callable, tuple[str, ...]]] = {}
 
 
-def _torch_varlen_attn():
-    """torch.nn.attention.varlen.varlen_attn; None before torch 2.10."""
-    return _import("torch.nn.attention.varlen", "varlen_attn")
+def _check_kernel_name(backend: str) -> None:
+    if backend not in KERNELS:
+        raise ValueError(f"backend {backend!r} calls no library function that a stand-in could replace; "
+                         f"choose one of {tuple(KERNELS)}")
+
+
+def register_kernel(backend: str, fn: Callable | None, *, devices: tuple[str, ...] = ("cuda",)) -> None:
+    """From now on, ``backend`` ("flash_attn" or "torch") calls ``fn`` in place of its library function
+    (``flash_attn_varlen_func`` / ``torch.nn.attention.varlen.varlen_attn``), on tensors of the device
+    types ``devices``; ``fn=None`` gives the library's own back. ``fn`` takes the library function's
+    signature (packkit reads it, as it reads the real one's: see :func:`torch_varlen_call`).
+
+    ``register_kernel("torch", fake_varlen_attn, devices=("cpu",))`` -> the torch backend runs on CPU
+    tensors through ``fake_varlen_attn``: every check and argument packkit passes, nothing measured.
+    """
+    _check_kernel_name(backend)
+    if fn is None:
+        _STAND_INS.pop(backend, None)
+        return
+    if isinstance(devices, str) or not devices or not all(isinstance(d, str) for d in devices):
+        raise TypeError(f"devices must be a tuple of device types such as ('cpu',); got {devices!r}")
+    _STAND_INS[backend] = fn, tuple(devices)
+
+
+@contextlib.contextmanager
+def use_kernel(backend: str, fn: Callable | None, *, devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
+    """:func:`register_kernel` for the block only: what was registered before (or the library's own
+    function) comes back when it ends, errors included.
+
+    ``with use_kernel("flash_attn", fake, devices=("cpu",)): varlen_attention(..., backend="flash_attn")``
+    """
+    _check_kernel_name(backend)
+    before = _STAND_INS.get(backend)
+    register_kernel(backend, fn, devices=devices)
+    try:
+        yield
+    finally:
+        if before is None:
+            register_kernel(backend, None)
+        else:
+            register_kernel(backend, before[0], devices=before[1])
+
+
+def kernel(backend: str) -> tuple[Callable | None, str | None]:
+    """``(function, None)``: what ``backend`` ("flash_attn" or "torch") calls, its stand-in if one is
+    registered, else the library's (imported on first use); ``(None, why)`` when it cannot be imported.
+
+    ``kernel("flash_attn")`` on a machine without flash-attn -> ``(None, "ModuleNotFoundError: ...")``.
+    """
+    _check_kernel_name(backend)
+    if backend in _STAND_INS:
+        return _STAND_INS[backend][0], None
+    return _import(*KERNELS[backend])
+
+
+def _kernel_devices(backend: str) -> tuple[str, ...]:
+    """The device types ``backend``'s function runs on: a stand-in's own, else CUDA's."""
+    return _STAND_INS[backend][1] if backend in _STAND_INS else ("cuda",)
 
 
 def _triton_kernels():
@@ -131,10 +202,10 @@ def _triton_kernels():
 # -- availability: why a backend cannot run here, or None --
 
 def _flash_attn_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    fn, err = _flash_attn_varlen_func()
+    fn, err = kernel("flash_attn")
     if fn is None:
         return f"flash-attn is not installed ({err}); pip install 'packkit[flash]' on a CUDA machine"
-    if not _on_cuda(q):
+    if q.device.type not in _kernel_devices("flash_attn"):
         return f"flash-attn needs CUDA tensors; q is on {q.device}"
     if q.dtype not in _HALF_DTYPES:
         return f"flash-attn takes float16 or bfloat16; got {q.dtype} (cast q, k, v, or use backend='triton')"
@@ -144,10 +215,10 @@ def _flash_attn_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> st
 
 
 def _torch_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    fn, err = _torch_varlen_attn()
+    fn, err = kernel("torch")
     if fn is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (needs >= 2.10): {err}"
-    if not _on_cuda(q):
+    if q.device.type not in _kernel_devices("torch"):
         return f"torch's varlen_attn needs CUDA tensors; q is on {q.device}"
     if q.dtype not in _HALF_DTYPES:
         return f"torch's varlen_attn takes float16 or bfloat16; got {q.dtype}"
@@ -230,7 +301,7 @@ def reference_varlen_attention(
 def _flash_attn_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deterministic):
     cu = _nonempty_cu_seqlens(cu_seqlens, sliced=sliced)
     extra = {} if deterministic is None else {"deterministic": deterministic}
-    return _flash_attn_varlen_func()[0](
+    return kernel("flash_attn")[0](
         q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=causal, **extra,
     )
 
@@ -285,7 +356,7 @@ def torch_varlen_call(q: torch.Tensor) -> TorchVarlenCall:
     once, and for grouped heads without ``enable_gqa`` probed once (a few tiny launches), then cached.
     Inside a compiled graph or a CUDA-graph capture an unprobed function is called with repeated k, v
     and nothing is cached (the probe runs eagerly, on the next call outside)."""
-    fn = _torch_varlen_attn()[0]
+    fn = kernel("torch")[0]
     key = (fn, str(q.device))
     plan = _TORCH_CALLS.get(key)
     if plan is not None:
@@ -324,7 +395,7 @@ def _torch_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deter
         elif plan.gqa == "repeat":
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     cu = _nonempty_cu_seqlens(cu_seqlens, sliced=sliced)
-    return _torch_varlen_attn()[0](q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
+    return kernel("torch")[0](q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
 def _triton_backend(q, k, v, cu_seqlens, max_seqlen, causal, scale, sliced, deterministic):

@@ -1,10 +1,12 @@
 """What the attention and kernel tests share (not a test module): the one float64 reference, the one
-tolerance table, inputs, and the verbose comparison."""
+tolerance table, inputs, the verbose comparison, and the stand-ins for the CUDA-only library functions
+(registered through ``packkit.attention.use_kernel``)."""
 
 from __future__ import annotations
 
 import torch
 
+from packkit.attention import reference_varlen_attention
 from packkit.segments import lengths_to_cu_seqlens
 
 # Max |err| <= atol + rtol * max|ref| against float64, per dtype: (forward, gradients). fp32 runs
@@ -87,3 +89,55 @@ def check_against_float64(run, lengths, nheads, nheads_kv, headdim, dtype, devic
     assert_close("dk", k.grad, k64.grad, *tol["bwd"])
     assert_close("dv", v.grad, v64.grad, *tol["bwd"])
     return out, q.grad, k.grad, v.grad
+
+
+# -- stand-ins for flash-attn's and torch's varlen functions, with their real signatures --
+
+def fake_varlen_attn(calls: list, *, release: str = "2.11"):
+    """A stand-in for ``torch.nn.attention.varlen.varlen_attn`` with the signature of torch ``release``,
+    computing through packkit's reference; each call appends ``dict(kv_heads=, cu=, **its keywords)``.
+
+    - "2.13": causal as ``window_size``, ``scale``, ``enable_gqa`` (and the paged-attention keywords).
+    - "2.11": ``window_size`` and ``scale``, no ``enable_gqa``; its kernel takes grouped k, v as they are.
+    - "2.10": ``is_causal`` only (no scale: q comes pre-scaled); grouped k, v refused, as the real op does.
+
+    ``use_kernel("torch", fake_varlen_attn(calls), devices=("cpu",))`` runs the torch backend on the CPU.
+    """
+    def run(query, key, value, cu, max_q, causal, softmax_scale, **keywords):
+        calls.append(dict(kv_heads=key.shape[1], cu=cu.tolist(), **keywords))
+        return reference_varlen_attention(query, key, value, cu, max_q, causal=causal, scale=softmax_scale)
+
+    def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        assert return_aux is None and window_size in ((-1, 0), (-1, -1))
+        return run(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale, window_size=window_size,
+                   enable_gqa=enable_gqa, scale=scale)
+
+    def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+        assert return_aux is None and window_size in ((-1, 0), (-1, -1))
+        return run(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale, window_size=window_size,
+                   scale=scale)
+
+    def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        if key.shape[1] != query.shape[1]:  # what the real op raises for heads it cannot group
+            raise RuntimeError(f"number of heads in key/value must equal query's; got {key.shape[1]} and "
+                               f"{query.shape[1]}")
+        return run(query, key, value, cu_seq_q, max_q, is_causal, None, is_causal=is_causal)
+
+    return {"2.13": varlen_attn_2_13, "2.11": varlen_attn_2_11, "2.10": varlen_attn_2_10}[release]
+
+
+def fake_flash_attn_varlen_func(calls: list):
+    """A stand-in for flash-attn's ``flash_attn_varlen_func`` (its signature), computing through packkit's
+    reference; each call appends its ``cu_seqlens_q`` as a list, and an empty segment reaching it fails
+    the test (flash-attention#1537)."""
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        calls.append(cu_seqlens_q.tolist())
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k and dropout_p == 0.0
+        assert bool((cu_seqlens_q[1:] > cu_seqlens_q[:-1]).all()), f"empty segment reached flash-attn: {calls[-1]}"
+        return reference_varlen_attention(q, k, v, cu_seqlens_q, max_seqlen_q, causal=causal, scale=softmax_scale)
+
+    return flash_attn_varlen_func

@@ -8,12 +8,23 @@ it could not take effect and there is no CUDA device, the Triton CPU cases fail 
 rather than skip (tests/test_kernels_flash_varlen.py explains the cases).
 """
 
+import contextlib
+import importlib.util
 import math
 import os
 
 import pytest
 import torch
-from attention_testlib import TOLERANCES, assert_close, attention_ref, check_against_float64, cu_seqlens_of, random_qkv
+from attention_testlib import (
+    TOLERANCES,
+    assert_close,
+    attention_ref,
+    check_against_float64,
+    cu_seqlens_of,
+    fake_flash_attn_varlen_func,
+    fake_varlen_attn,
+    random_qkv,
+)
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -21,17 +32,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before packkit.kernels is imported: see above
 
 from packkit import attention  # noqa: E402
-from packkit.attention import BackendUnavailableError, varlen_attention  # noqa: E402
+from packkit.attention import BackendUnavailableError, use_kernel, varlen_attention  # noqa: E402
 
 LENGTHS = [1, 17, 0, 97, 123]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_torch_call_plans():
-    """torch_varlen_call caches a plan per function; each test's fake is a new function anyway."""
-    attention._TORCH_CALLS.clear()
-    yield
-    attention._TORCH_CALLS.clear()
+CPU = ("cpu",)  # a stand-in registered with use_kernel(..., devices=CPU) runs on CPU tensors
 
 
 def skip_if_unavailable(backend, q, k, v):
@@ -41,7 +47,7 @@ def skip_if_unavailable(backend, q, k, v):
     if problem is None:
         return
     if backend == "triton" and q.device.type == "cpu" and not torch.cuda.is_available() \
-            and attention._triton_kernels()[0] is not None:
+            and importlib.util.find_spec("triton") is not None:
         pytest.fail(f"no CUDA device and the Triton interpreter is off, so the Triton backend would go "
                     f"untested: {problem}")
     pytest.skip(f"backend {backend!r} cannot run here: {problem}")
@@ -218,6 +224,8 @@ def test_auto_picks_the_reference_on_cpu():
     ],
 )
 def test_auto_takes_the_first_available_backend(monkeypatch, available, expected):
+    """The order of backend="auto" over a table of which backends can run (the table is patched: no
+    machine has every combination)."""
     q, k, v = _cpu_qkv()
     monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     for name in attention.BACKENDS:
@@ -226,41 +234,79 @@ def test_auto_takes_the_first_available_backend(monkeypatch, available, expected
     assert attention.select_backend(q, k, v) == expected
 
 
+@pytest.mark.parametrize("stand_ins, expected", [(("flash_attn", "torch"), "flash_attn"), (("torch",), "torch"),
+                                                 ((), "reference")], ids=["both", "torch-only", "none"])
+def test_auto_prefers_the_varlen_kernels_it_can_run(stand_ins, expected):
+    """The same order through the public seam: stand-ins registered for CPU tensors are picked, first
+    flash-attn, then torch's varlen_attn; without them the CPU gets the reference."""
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    with contextlib.ExitStack() as stack:
+        for name in stand_ins:
+            fake = fake_flash_attn_varlen_func([]) if name == "flash_attn" else fake_varlen_attn([])
+            stack.enter_context(use_kernel(name, fake, devices=CPU))
+        assert attention.select_backend(q, k, v) == expected
+    assert attention.select_backend(q, k, v) == "reference"  # and the stand-ins are gone after the block
+
+
 def test_auto_skips_triton_on_cpu(monkeypatch):
     q, k, v = _cpu_qkv()
     monkeypatch.setitem(attention._PROBLEMS, "triton", lambda q, k, v: None)
     assert attention.select_backend(q, k, v) == "reference"
 
 
-def test_forcing_flash_attn_when_not_installed(monkeypatch):
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func",
-                        lambda: (None, "ModuleNotFoundError: No module named 'flash_attn'"))
+def test_forcing_flash_attn_when_not_installed():
+    if attention.kernel("flash_attn")[0] is not None:
+        pytest.skip("flash-attn is installed here")
     q, k, v = _cpu_qkv(torch.bfloat16)
     with pytest.raises(BackendUnavailableError, match="not installed"):
         varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="flash_attn")
 
 
+def stand_in(backend, calls=None, **options):
+    """A fake of ``backend``'s library function (see attention_testlib), recording into ``calls``."""
+    calls = [] if calls is None else calls
+    return fake_flash_attn_varlen_func(calls) if backend == "flash_attn" else fake_varlen_attn(calls, **options)
+
+
 @pytest.mark.parametrize("backend", ["flash_attn", "torch"])
-def test_forcing_a_cuda_backend_on_cpu(monkeypatch, backend):
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (lambda *a, **kw: None, None))
+def test_forcing_a_cuda_backend_on_cpu(backend):
     q, k, v = _cpu_qkv(torch.bfloat16)
-    with pytest.raises(BackendUnavailableError, match="needs CUDA"):
+    with use_kernel(backend, stand_in(backend)), pytest.raises(BackendUnavailableError, match="needs CUDA"):
         varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "torch"])
-def test_forcing_a_half_precision_backend_with_fp32(monkeypatch, backend):
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (lambda *a, **kw: None, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
+def test_forcing_a_half_precision_backend_with_fp32(backend):
     q, k, v = _cpu_qkv(torch.float32)
-    with pytest.raises(BackendUnavailableError, match="float16 or bfloat16"):
+    with use_kernel(backend, stand_in(backend), devices=CPU), \
+            pytest.raises(BackendUnavailableError, match="float16 or bfloat16"):
         varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend=backend)
+
+
+def test_use_kernel_restores_what_was_there():
+    """use_kernel swaps a function for one block, errors included, and gives back what was registered
+    before it (nested blocks unwind in order); a wrong name or devices is refused, naming the choices."""
+    q, k, v = _cpu_qkv(torch.bfloat16)
+    outer, inner = [], []
+    outer_fn, inner_fn = fake_varlen_attn(outer), fake_varlen_attn(inner)
+    with use_kernel("torch", outer_fn, devices=CPU):
+        with pytest.raises(RuntimeError, match="inside"), use_kernel("torch", inner_fn, devices=CPU):
+            assert attention.kernel("torch") == (inner_fn, None)
+            varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="torch")
+            raise RuntimeError("inside")
+        assert attention.kernel("torch") == (outer_fn, None)
+        varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="torch")
+    assert [c["cu"] for c in inner][-1:] == [c["cu"] for c in outer][-1:] == [[0, 3, 7]]
+    assert len(outer) == 3 and len(inner) == 3  # each: the grouped-heads probe (2 calls), then the call
+    assert attention.kernel("torch")[0] is not outer_fn and attention.select_backend(q, k, v) == "reference"
+    with pytest.raises(ValueError, match="one of \\('flash_attn', 'torch'\\)"):
+        attention.register_kernel("triton", fake_varlen_attn([]))
+    with pytest.raises(TypeError, match="tuple of device types"):
+        attention.register_kernel("torch", fake_varlen_attn([]), devices="cpu")
 
 
 def test_forcing_triton_without_the_interpreter_on_cpu(monkeypatch):
-    kernels, _ = attention._triton_kernels()
-    if kernels is None:
-        pytest.skip("triton is not installed")
+    kernels = pytest.importorskip("packkit.kernels.flash_varlen", reason="triton is not installed")
     monkeypatch.setattr(kernels, "interpreted", lambda: False)
     q, k, v = _cpu_qkv()
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
@@ -273,103 +319,74 @@ def test_unknown_backend():
         varlen_attention(q, k, v, cu_seqlens_of([3, 0, 4]), 4, backend="flash")
 
 
-def test_flash_attn_never_sees_empty_segments(monkeypatch):
+def test_flash_attn_never_sees_empty_segments():
     """Regression guard for Dao-AILab/flash-attention#1537 (empty segments with max_seqlen == 1):
     static-shape padding repeats offsets, so packkit compacts cu_seqlens before calling flash-attn."""
     calls = []
-
-    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
-        calls.append(cu_q.tolist())
-        assert cu_q is cu_k and max_q == max_k == 1 and dropout_p == 0.0
-        assert bool((cu_q[1:] > cu_q[:-1]).all()), f"empty segment reached flash-attn: {cu_q.tolist()}"
-        return attention.reference_varlen_attention(q, k, v, cu_q, max_q, causal=causal, scale=softmax_scale)
-
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (fake_flash, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     lengths = [1, 0, 1, 1, 0, 0]
     q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
     cu = cu_seqlens_of(lengths)
-    assert attention.select_backend(q, k, v) == "flash_attn"
-    out = varlen_attention(q, k, v, cu, 1)
+    with use_kernel("flash_attn", fake_flash_attn_varlen_func(calls), devices=CPU):
+        assert attention.select_backend(q, k, v) == "flash_attn"
+        out = varlen_attention(q, k, v, cu, 1)
     assert calls == [[0, 1, 2, 3]]
     assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 1))
 
 
-def test_torch_varlen_attn_call(monkeypatch):
-    """torch 2.13's signature: causal is window_size=(-1, 0), GQA through enable_gqa, no empty segment."""
+def test_torch_varlen_attn_call():
+    """torch 2.13's signature: causal is window_size=(-1, 0), GQA through enable_gqa (k, v keep their 2
+    heads: not repeated), no empty segment."""
     calls = []
-
-    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                         window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-                         num_splits=None):
-        calls.append(dict(cu=cu_seq_q.tolist(), window_size=window_size, enable_gqa=enable_gqa, scale=scale))
-        assert key.shape[1] == 2  # k, v are not repeated when the op takes enable_gqa
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
-                                                     causal=window_size == (-1, 0), scale=scale)
-
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     q, k, v = _cpu_qkv(torch.bfloat16)
     cu = cu_seqlens_of([3, 0, 4])
-    for causal in (True, False):
-        out = varlen_attention(q, k, v, cu, 4, causal=causal, scale=0.5, backend="torch")
-        ref = attention.reference_varlen_attention(q, k, v, cu, 4, causal=causal, scale=0.5)
-        assert torch.equal(out, ref)
-    assert calls == [dict(cu=[0, 3, 7], window_size=(-1, 0), enable_gqa=True, scale=0.5),
-                     dict(cu=[0, 3, 7], window_size=(-1, -1), enable_gqa=True, scale=0.5)]
+    with use_kernel("torch", fake_varlen_attn(calls, release="2.13"), devices=CPU):
+        for causal in (True, False):
+            out = varlen_attention(q, k, v, cu, 4, causal=causal, scale=0.5, backend="torch")
+            ref = attention.reference_varlen_attention(q, k, v, cu, 4, causal=causal, scale=0.5)
+            assert torch.equal(out, ref)
+    assert calls == [dict(kv_heads=2, cu=[0, 3, 7], window_size=(-1, 0), enable_gqa=True, scale=0.5),
+                     dict(kv_heads=2, cu=[0, 3, 7], window_size=(-1, -1), enable_gqa=True, scale=0.5)]
 
 
-def test_torch_2_11_signature_with_grouped_heads(monkeypatch):
+def kv_heads(calls):
+    return [c["kv_heads"] for c in calls]
+
+
+def test_torch_2_11_signature_with_grouped_heads():
     """torch 2.11's varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux, scale,
     window_size) has no enable_gqa, and its kernel takes grouped k, v: the probe finds that once, and
     every call after passes k, v with their own heads (no repeat, which would slow the baseline)."""
     calls = []
-
-    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                         window_size=(-1, -1)):
-        calls.append(key.shape[1])
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
-                                                     causal=window_size == (-1, 0), scale=scale)
-
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     q, k, v = _cpu_qkv(torch.bfloat16)
     cu = cu_seqlens_of([3, 0, 4])
-    for _ in range(3):
-        out = varlen_attention(q, k, v, cu, 4, backend="torch")
-        assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 4))
-    plan = attention.torch_varlen_call(q)
+    with use_kernel("torch", fake_varlen_attn(calls), devices=CPU):
+        for _ in range(3):
+            out = varlen_attention(q, k, v, cu, 4, backend="torch")
+            assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 4))
+        plan = attention.torch_varlen_call(q)
     assert plan.gqa == "native" and plan.causal_arg == "window_size" and plan.takes_scale
     assert "window_size" in plan.signature and "enable_gqa" not in plan.signature
-    assert calls[:2] == [1, 2]  # the probe: grouped, then repeated (once)
-    assert calls[2:] == [2, 2, 2]  # then the three calls: k, v with their 2 heads, never repeated to 4
+    assert kv_heads(calls)[:2] == [1, 2]  # the probe: grouped, then repeated (once)
+    assert kv_heads(calls)[2:] == [2, 2, 2]  # then the three calls: k, v with their 2 heads, never repeated to 4
 
 
 @pytest.mark.parametrize("first_call_mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
-def test_probe_under_no_grad_or_inference_mode_still_finds_grouped_heads(monkeypatch, first_call_mode):
+def test_probe_under_no_grad_or_inference_mode_still_finds_grouped_heads(first_call_mode):
     """Regression (the grouped-heads probe under no_grad / inference_mode): the probe differentiates a tiny
     call; when the first torch-backend call ran under torch.no_grad() or torch.inference_mode(), its
     backward raised, the probe answered False and torch_varlen_call cached gqa="repeat" for good, so every
     later training call repeated k and v. The probe now enables grad itself: the plan is "native"."""
     calls = []
-
-    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                         window_size=(-1, -1)):  # torch 2.11's signature: no enable_gqa
-        calls.append(key.shape[1])
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
-                                                     causal=window_size == (-1, 0), scale=scale)
-
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     q, k, v = _cpu_qkv(torch.bfloat16)
     cu = cu_seqlens_of([3, 0, 4])
-    with first_call_mode():
-        out = varlen_attention(q, k, v, cu, 4, backend="torch")
-    assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 4))
-    assert attention.torch_varlen_call(q).gqa == "native"
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    varlen_attention(*leaves, cu, 4, backend="torch").float().sum().backward()  # a training call after
-    assert calls == [1, 2, 2, 2]  # probe (grouped, repeated), then both calls with k, v's own 2 heads
+    with use_kernel("torch", fake_varlen_attn(calls), devices=CPU):  # torch 2.11's signature: no enable_gqa
+        with first_call_mode():
+            out = varlen_attention(q, k, v, cu, 4, backend="torch")
+        assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 4))
+        assert attention.torch_varlen_call(q).gqa == "native"
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        varlen_attention(*leaves, cu, 4, backend="torch").float().sum().backward()  # a training call after
+    assert kv_heads(calls) == [1, 2, 2, 2]  # probe (grouped, repeated), then both calls with k, v's own 2 heads
 
 
 def test_no_probe_inside_a_graph_and_nothing_cached(monkeypatch):
@@ -377,42 +394,27 @@ def test_no_probe_inside_a_graph_and_nothing_cached(monkeypatch):
     launches and backward would spoil the graph: k, v are repeated for that call and no plan is cached,
     so the next eager call probes and passes grouped heads."""
     calls = []
-
-    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                         window_size=(-1, -1)):
-        calls.append(key.shape[1])
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
-                                                     causal=window_size == (-1, 0), scale=scale)
-
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     lengths = [3, 4, 0]  # static-shape padding: inside a graph num_segments is needed anyway
     q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
     cu = cu_seqlens_of(lengths)
-    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: True)
-    varlen_attention(q, k, v, cu, 4, backend="torch", num_segments=2)
-    assert calls == [4] and attention._TORCH_CALLS == {}  # repeated to q's 4 heads, no probe, no plan kept
-    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: False)
-    varlen_attention(q, k, v, cu, 4, backend="torch")
-    assert calls == [4, 1, 2, 2] and attention.torch_varlen_call(q).gqa == "native"
+    with use_kernel("torch", fake_varlen_attn(calls), devices=CPU):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces
+        varlen_attention(q, k, v, cu, 4, backend="torch", num_segments=2)
+        assert kv_heads(calls) == [4]  # repeated to q's 4 heads, no probe
+        monkeypatch.undo()
+        varlen_attention(q, k, v, cu, 4, backend="torch")  # no plan was kept: this eager call probes
+        assert kv_heads(calls) == [4, 1, 2, 2] and attention.torch_varlen_call(q).gqa == "native"
 
 
-def test_torch_varlen_attn_older_signature(monkeypatch):
+def test_torch_varlen_attn_older_signature():
     """A release with is_causal and without enable_gqa / scale, whose kernel refuses grouped k, v:
     the probe finds that once, then k, v are repeated and q pre-scaled."""
-    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
-        if key.shape[1] != query.shape[1]:  # what the real op raises for heads it cannot group
-            raise RuntimeError(f"number of heads in key/value must equal query's; got {key.shape[1]} and {query.shape[1]}")
-        assert is_causal
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q, causal=is_causal)
-
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
-    q, k, v = _cpu_qkv(torch.float32)
-    q = q.to(torch.float16)
-    k, v = k.to(torch.float16), v.to(torch.float16)
+    calls = []
+    q, k, v = (t.to(torch.float16) for t in _cpu_qkv(torch.float32))
     cu = cu_seqlens_of([3, 0, 4])
-    out = varlen_attention(q, k, v, cu, 4, scale=0.1, backend="torch")
+    with use_kernel("torch", fake_varlen_attn(calls, release="2.10"), devices=CPU):
+        out = varlen_attention(q, k, v, cu, 4, scale=0.1, backend="torch")
+    assert calls[-1] == dict(kv_heads=4, cu=[0, 3, 7], is_causal=True)  # repeated to q's 4 heads
     ref, _ = attention_ref(q, k, v, cu, True, 0.1)
     assert_close("out", out, ref, *TOLERANCES[torch.float16]["fwd"])
 
@@ -485,14 +487,6 @@ def test_torch_compile_smoke():
 
 # -- review finding A: no compaction (sync, data-dependent shape) when the segment count is known --
 
-def _fake_flash_recording(calls):
-    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
-        calls.append(cu_q.tolist())
-        assert bool((cu_q[1:] > cu_q[:-1]).all()), f"empty segment reached flash-attn: {cu_q.tolist()}"
-        return attention.reference_varlen_attention(q, k, v, cu_q, max_q, causal=causal, scale=softmax_scale)
-    return fake_flash
-
-
 def _no_compaction(cu):
     raise AssertionError("compact_cu_seqlens ran although num_segments was given")
 
@@ -503,22 +497,13 @@ def test_num_segments_slices_without_compacting(monkeypatch, backend):
     cu_seqlens[:num_segments + 1] (a view, no sync, no data-dependent shape) and compact_cu_seqlens
     (unique_consecutive) never runs; the static-shape padding still never reaches the kernel."""
     calls = []
-
-    def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
-                         window_size=(-1, -1), enable_gqa=False):
-        calls.append(cu_seq_q.tolist())
-        return attention.reference_varlen_attention(query, key, value, cu_seq_q, max_q,
-                                                     causal=window_size == (-1, 0), scale=scale)
-
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (_fake_flash_recording(calls), None))
-    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: (fake_varlen_attn, None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
     monkeypatch.setattr(attention, "compact_cu_seqlens", _no_compaction)
     lengths = [3, 5, 2, 0, 0, 0]  # three real segments, then static-shape padding
     q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
     cu = cu_seqlens_of(lengths)
-    out = varlen_attention(q, k, v, cu, 5, backend=backend, num_segments=3)
-    assert calls == [[0, 3, 8, 10]]
+    with use_kernel(backend, stand_in(backend, calls, release="2.13"), devices=CPU):
+        out = varlen_attention(q, k, v, cu, 5, backend=backend, num_segments=3)
+    assert [c if backend == "flash_attn" else c["cu"] for c in calls] == [[0, 3, 8, 10]]
     assert torch.equal(out, attention.reference_varlen_attention(q, k, v, cu, 5))
 
 
@@ -527,27 +512,24 @@ def test_without_num_segments_compaction_is_refused_inside_a_graph(monkeypatch):
     varlen_attention refuses to compact (it would sync and give a data-dependent shape) and names
     the fix, rather than breaking the graph or letting empty segments reach flash-attn (#1537)."""
     calls = []
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (_fake_flash_recording(calls), None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces
     lengths = [3, 5, 0]
     q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
-    with pytest.raises(ValueError, match="num_segments="):
-        varlen_attention(q, k, v, cu_seqlens_of(lengths), 5)
-    assert calls == []
-    out = varlen_attention(q, k, v, cu_seqlens_of(lengths), 5, num_segments=2)  # the fix works there
+    with use_kernel("flash_attn", fake_flash_attn_varlen_func(calls), devices=CPU):
+        with pytest.raises(ValueError, match="num_segments="):
+            varlen_attention(q, k, v, cu_seqlens_of(lengths), 5)
+        assert calls == []
+        out = varlen_attention(q, k, v, cu_seqlens_of(lengths), 5, num_segments=2)  # the fix works there
     assert calls == [[0, 3, 8]] and out.shape == q.shape
 
 
-def test_without_num_segments_eager_still_compacts(monkeypatch):
+def test_without_num_segments_eager_still_compacts():
     """Review finding A: eager mode with no num_segments keeps the #1537 guard by compacting."""
     calls = []
-    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: (_fake_flash_recording(calls), None))
-    monkeypatch.setattr(attention, "_on_cuda", lambda t: True)
-    monkeypatch.setattr(attention, "_graph_unfriendly", lambda: False)
     lengths = [3, 0, 5, 0]
     q, k, v = random_qkv(lengths, 4, 2, 16, torch.bfloat16, "cpu")
-    varlen_attention(q, k, v, cu_seqlens_of(lengths), 5)
+    with use_kernel("flash_attn", fake_flash_attn_varlen_func(calls), devices=CPU):
+        varlen_attention(q, k, v, cu_seqlens_of(lengths), 5)
     assert calls == [[0, 3, 8]]
 
 
