@@ -61,7 +61,7 @@ rebuild it from its items (``Trainer`` runs ``type(batch)({k: v.to(device) ...})
 count is kept on the tensor it describes, in that tensor's own ``__dict__`` (its *note*): the
 loss-token count on the label tensor, the segment facts (``max_seqlen``, the real segments, how much
 is padding) on ``cu_seqlens``, the token and document counts of the padded view on its
-``attention_mask``. A read asks the tensor the view holds now: a new tensor under a key is counted
+``attention_mask`` (with its ``cu_seqlens``). A read asks the tensor the view holds now: a new tensor under a key is counted
 afresh (one read from its device), an unchanged one costs nothing, and a rebuild from the same tensors
 (``accelerate`` moves the batch with ``.to()``, which carries the notes over, then ``Trainer`` rebuilds
 it from those very tensors) has every count with no device work. Chosen because it needs no hook on
@@ -197,7 +197,9 @@ class PackedBatch(dict):
             raise TypeError("cannot rebuild a PackedBatch from a mapping without 'cu_seq_lens_q' or 'position_ids' "
                             "(the segments)")
         dict.update(self, mapping)
-        cu = mapping.get("cu_seq_lens_q")
+        cu, mask = mapping.get("cu_seq_lens_q"), mapping.get("attention_mask")
+        if cu is None:  # a padded view: its segments ride on its mask
+            cu = _note(mask).get("cu_seqlens")
         self.__dict__.update(_cu=cu, _gone=None)
         if isinstance(cu, torch.Tensor) and "max_length_q" in mapping:  # a static shape's max_seqlen is W
             _note(cu).setdefault("max_seqlen", int(mapping["max_length_q"]))
@@ -263,7 +265,7 @@ class PackedBatch(dict):
         cu = dict.get(self, "cu_seq_lens_q")
         if cu is None:
             cu = self.__dict__["_cu"]
-        if cu is None:  # a padded view rebuilt from a bare dict
+        if cu is None:  # a padded view rebuilt from tensors packkit did not make
             flat = self["position_ids"]
             flat = (flat[0] if flat.dim() == 3 else flat).reshape(-1)  # mRoPE [4, B, L]: row 0 is the text
             starts = torch.nonzero(flat == 0).reshape(-1)
@@ -561,8 +563,10 @@ def _fill(obj, input_ids, labels, position_ids, cu, max_seqlen, seq_idx, num_los
     else:
         dict.__init__(obj, input_ids=input_ids, labels=labels, position_ids=position_ids,
                       attention_mask=attention_mask)
+        note = _note(attention_mask)
+        note["cu_seqlens"] = cu
         if num_tokens is not None and num_examples is not None:
-            _note(attention_mask).update(num_tokens=num_tokens, num_examples=num_examples)
+            note.update(num_tokens=num_tokens, num_examples=num_examples)
     if shifted:
         dict.__setitem__(obj, "shift_labels", labels)
     dict.__setitem__(obj, "use_cache", False)

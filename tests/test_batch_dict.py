@@ -156,6 +156,21 @@ def test_trainer_rebuild_keeps_padding():
     assert (cloned.num_tokens, cloned.num_examples) == (want[1] - 3, want[2] - 2)
 
 
+def test_counts_follow_the_tensors_to_another_device_without_reading_it():
+    """.to() carries every count to the moved tensors (what accelerate does before Trainer's rebuild):
+    on the meta device, which holds no data, any read from the device would raise, yet the moved batch
+    and a rebuild from its tensors answer every count, padded view included."""
+    windows, examples = windows_with_unlabelled_last_documents()
+    padded = PaddedCollator()([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [IGNORE]}])
+    for b, want in ((windows, ref_counts(examples)), (padded, (2, 4, 2))):
+        b.seq_idx  # computed on the CPU: moved with the batch
+        moved = b.to("meta")
+        for x in (moved, type(moved)({k: v for k, v in moved.items()})):
+            assert x.device.type == "meta" and counts(x) == want
+            assert (x.num_real_segments, x.max_seqlen, x.labels_shifted) == (b.num_real_segments, b.max_seqlen, False)
+            assert x.seq_idx.device.type == "meta" and x.seq_idx.shape == b.seq_idx.shape
+
+
 def test_rebuilds_from_the_batchs_tensors_are_exact_and_others_fall_back():
     """The counts ride on the tensors they describe: any rebuild that holds the batch's tensors (dict(b),
     {**b}, its items, after .to() or unpickling) is exact; tensors the batch never held (clones) read the
