@@ -1,0 +1,808 @@
+"""Preference pairs and RL groups, packed: a prompt and its continuations as one atom.
+
+DPO needs, for every pair, the log-probability of the chosen and of the rejected completion given the
+prompt; GRPO-style RL needs it for each of a prompt's ``k`` completions. Both are *groups*: a prompt
+with continuations. packkit packs whole groups (:func:`packkit.binpack.pack_groups`: a group never
+spans two windows, ranks or steps) in one of two layouts.
+
+``layout="pairs"`` (plain): every continuation is its own sequence ``prompt + continuation``, positions
+from 0, a group's sequences adjacent. Any varlen consumer reads it (``cu_seqlens``, restarting
+``position_ids``: Hugging Face models find the sequences themselves), like TRL's padding-free DPO, but
+several groups share a window.
+
+``layout="tree"`` (shared prompt): the prompt once, then each continuation, whose positions continue
+from the prompt; a continuation sees the prompt and itself only (arXiv 2410.20305). A pair with prompt
+``p0 p1``, chosen ``c0 c1``, rejected ``r0``::
+
+    input_ids      p0  p1  c0  c1  r0
+    position_ids    0   1   2   3   2       r0 continues from the prompt, as c0 does
+    sequence_ids   -1  -1   0   0   1       the prompt belongs to both sequences
+    scored              .   c0  c1  r0      c0 and r0 are both predicted from p1's logits
+
+    dense_mask()[0]  (query row, key column; 1 = may attend)
+          p0 p1 c0 c1 r0
+      p0   1  .  .  .  .
+      p1   1  1  .  .  .
+      c0   1  1  1  .  .
+      c1   1  1  1  1  .
+      r0   1  1  .  .  1      r0 sees the prompt and itself, not the chosen reply
+
+It saves the prompt's tokens once per extra continuation (a pair costs ``prompt + chosen + rejected``
+tokens instead of ``2 * prompt + chosen + rejected``), but position restarts no longer describe the
+mask, so the model needs it explicitly: :meth:`SequenceBatch.model_inputs` hands a Hugging Face model
+the additive 4-D mask (eager, sdpa) or a FlexAttention ``BlockMask`` (flex_attention), and refuses flash
+attention, which takes no mask; :meth:`SequenceBatch.varlen_kwargs` is the recipe for your own varlen
+kernel (each later continuation a query segment whose keys are the prompt's plus its own, gathered,
+with bottom-right causal alignment: flash-attn >= 2.1's ``causal=True`` when ``seqlen_q < seqlen_k``).
+
+Log-probabilities: :func:`sequence_logps` reads every scored token from the logits that predict it
+(``score_source``; in the tree the first token of every continuation reads the prompt's last token), and
+returns per sequence, in group order, the sum and mean of its completion tokens' log-probabilities,
+exactly what the unpacked sequence gives (float64: within 1e-10). :func:`dpo_loss` is TRL's sigmoid DPO
+loss on them.
+
+Collators: :class:`PreferenceCollator` takes TRL's preference format (``prompt`` / ``chosen`` /
+``rejected``, text or conversations, tokenized here as TRL's ``DPOTrainer`` does:
+:func:`tokenize_preference`) or its tokenized columns (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``);
+:class:`GroupCollator` takes ``prompt_ids`` with ``completion_ids`` (a list of ``k`` lists) and optional
+per-completion values (``advantages``...). :func:`shard_groups` splits a generation batch of groups into
+micro-batches so that every rank gets the same number of micro-batches and none is empty (TRL PR #7328
+found ranks starved when a micro-batch held fewer groups than ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import numpy as np
+import torch
+
+from .batch import PackedBatch
+from .binpack import check_strategy, check_window, pack
+from .chat import common_prefix_lengths
+from .collate import padding_free_batch, rows_batch
+from .errors import ArgumentError, DataError, arg
+from .examples import location, read_column
+from .segments import IGNORE_INDEX, lengths_to_offsets
+
+__all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "dpo_loss",
+           "PreferenceCollator", "GroupCollator", "tokenize_preference", "shard_groups", "tree_tokens"]
+
+#: ``"pairs"``: each continuation its own sequence with its prompt; ``"tree"``: the prompt once.
+LAYOUTS = ("pairs", "tree")
+
+
+def check_layout(layout) -> str:
+    """``layout`` if it is one of :data:`LAYOUTS`, else an error naming the choices."""
+    if layout not in LAYOUTS:
+        raise ArgumentError("unknown layout {got!r}; choose one of {choices}", got=layout,
+                            choices=arg("layout", *LAYOUTS))
+    return layout
+
+
+def tree_tokens(prompt, continuations, *, layout: str = "tree") -> np.ndarray:
+    """Tokens a group costs in ``layout``: ``tree_tokens([3], [[2, 4]]) -> [9]`` (``"pairs"``: ``[12]``).
+
+    Args:
+        prompt: (G,) prompt lengths; continuations: (G, k) lengths, or a ragged list of lists.
+    Returns:
+        (G,) int64: ``prompt + sum(continuations)`` (tree) or ``k * prompt + sum(continuations)`` (pairs).
+    """
+    prompt = np.asarray(prompt, np.int64)
+    k = np.array([len(c) for c in continuations], np.int64)
+    total = np.array([int(np.sum(c)) for c in continuations], np.int64)
+    return prompt * (1 if check_layout(layout) == "tree" else k) + total
+
+
+# ----------------------------------------------------------------------------------------------
+# the batch
+# ----------------------------------------------------------------------------------------------
+
+
+class SequenceBatch(dict):
+    """Packed groups (prompt + continuations) and what a sequence-level loss reads: a ``dict`` (so that
+    ``transformers.Trainer`` moves and rebuilds it as it does any batch) whose items are also attributes.
+    Not a model's keyword arguments: ``model(**batch.model_inputs(model))``.
+
+    Tensors (``B`` rows of ``L`` tokens: ``[1, T]`` padding-free, or ``[B, W]`` windows):
+
+    input_ids:      int64 ``[B, L]``
+    position_ids:   int64 ``[B, L]``, from 0 per sequence (pairs) or per tree, continuations after the prompt
+    labels:         int64 ``[B, L]``, the continuation tokens whose predictor is the token before them in the
+                    row (every scored token in ``"pairs"``; in ``"tree"`` not the first token of a later
+                    continuation), ``-100`` elsewhere: for an NLL term with a shifting loss
+    seq_idx:        int32 ``[B, L]``, the segment (a sequence, a tree, or a row's padding tail) of each token
+    sequence_ids:   int64 ``[B, L]``, the sequence of each token: ``-1`` on padding and on a tree's prompt
+    branch_ids:     int64 ``[B, L]``, ``n + 1`` on the tokens of continuation ``n``, 0 on prompts and padding
+    cu_seqlens:     int32 ``[S + 1]``, the segments over the row-major flattened batch; ``max_seqlen``: int
+    score_source:   int64 ``[M]``, flat index (into ``B * L``) of the logits that predict each scored token
+    score_target:   int64 ``[M]``, flat index of each scored token
+    score_sequence: int64 ``[M]``, its sequence
+    num_tokens:     int64 ``[N]``, scored tokens of each sequence
+    group_ptr:      int64 ``[G + 1]``, group ``g`` is sequences ``group_ptr[g]:group_ptr[g + 1]`` (a pair:
+                    chosen then rejected)
+    sequence_values: dict of float64 ``[N]``, per-sequence values given with the examples (``advantages``...)
+    layout:         ``"pairs"`` or ``"tree"``; ``num_real_tokens``: int, tokens that are not padding
+
+    Sequences are numbered in group order (the order of the examples), whatever the packing order.
+    """
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self["num_tokens"].shape[0])
+
+    @property
+    def num_groups(self) -> int:
+        return int(self["group_ptr"].shape[0] - 1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self["input_ids"].shape)
+
+    def to(self, device, non_blocking: bool = False) -> "SequenceBatch":
+        """The batch on ``device`` (a new batch; ``max_seqlen`` and ``layout`` stay host values)."""
+        def move(v):
+            if isinstance(v, torch.Tensor):
+                return v.to(device, non_blocking=non_blocking)
+            return {k: move(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+        return type(self)({k: move(v) for k, v in self.items()})
+
+    # -- masks --------------------------------------------------------------------------------
+
+    def dense_mask(self) -> torch.Tensor:
+        """``[B, L, L]`` bool, True where query ``q`` may attend key ``k``: same segment, ``k <= q``, and ``k``
+        on the prompt or on ``q``'s own continuation. For SDPA's ``attn_mask`` (``mask[:, None]``) and
+        FlexAttention; a Hugging Face model takes :meth:`hf_mask`. Quadratic in ``L``."""
+        seg, br = self.seq_idx, self.branch_ids
+        length = seg.shape[-1]
+        pos = torch.arange(length, device=seg.device)
+        causal = pos[None, :] <= pos[:, None]
+        same = seg[:, :, None] == seg[:, None, :]
+        branch = (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
+        return same & causal & branch
+
+    def hf_mask(self, model, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The additive float mask ``[B, 1, L, L]`` (0 where :meth:`dense_mask` allows, the dtype's minimum
+        elsewhere) that eager and sdpa attention of a Hugging Face model add to the scores as given.
+
+        ``model``: a ``PreTrainedModel`` or its config. ``dtype``: the scores' dtype (default: the model's
+        parameters'). Refused for attention implementations that take no such mask and for models with
+        sliding-window layers (an explicit mask replaces the model's window).
+        """
+        config = _text_config(model)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in (None, "eager", "sdpa"):
+            raise ArgumentError(f"hf_mask is the mask of eager and sdpa attention; this model uses "
+                                f"attn_implementation={impl!r}: call model_inputs(model), which picks the view")
+        if getattr(config, "sliding_window", None) is not None and (
+                "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])):
+            raise ArgumentError("the model has sliding-window layers, which an explicit mask would widen to full "
+                                "attention; use layout='pairs' (no mask needed) for this model")
+        if dtype is None:
+            param = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+            dtype = param.dtype if param is not None else torch.get_default_dtype()
+        allowed = self.dense_mask()
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+    def mask_mod(self):
+        """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` of :meth:`dense_mask` (index tensors
+        broadcast: ``mask_mod(b, 0, q[:, None], k[None, :])`` is row ``b`` of the dense mask)."""
+        seg, br = self.seq_idx, self.branch_ids
+
+        def tree_causal(b, h, q_idx, kv_idx):
+            k_branch = br[b, kv_idx]
+            return ((seg[b, q_idx] == seg[b, kv_idx]) & (kv_idx <= q_idx)
+                    & ((k_branch == 0) | (k_branch == br[b, q_idx])))
+
+        return tree_causal
+
+    def block_mask(self, *, BLOCK_SIZE: int = 128):
+        """A FlexAttention ``BlockMask`` of :meth:`dense_mask` (flex is imported lazily: optional)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        batch, length = self.seq_idx.shape
+        return create_block_mask(self.mask_mod(), batch, None, length, length, device=self.seq_idx.device,
+                                 BLOCK_SIZE=BLOCK_SIZE)
+
+    def varlen_kwargs(self) -> dict:
+        """The varlen recipe: query segments, and the key/value tokens each reads, for a varlen kernel.
+
+        Every segment is a query segment, except that in a tree each continuation after the first starts its
+        own; its keys are the prompt's tokens followed by its own (gathered: ``k_var = k_flat[kv_index]``), and
+        causality is aligned bottom-right (flash-attn >= 2.1 ``causal=True`` with ``seqlen_q <= seqlen_k``)::
+
+            k_var, v_var = k.flatten(0, 1)[kw["kv_index"]], v.flatten(0, 1)[kw["kv_index"]]
+            out = flash_attn_varlen_func(q.flatten(0, 1), k_var, v_var, kw["cu_seqlens_q"], kw["cu_seqlens_k"],
+                                         kw["max_seqlen_q"], kw["max_seqlen_k"], causal=True)
+
+        Returns ``kv_index`` int64 ``[K]``, ``cu_seqlens_q`` / ``cu_seqlens_k`` int32, ``max_seqlen_q`` /
+        ``max_seqlen_k`` int (host values). In ``"pairs"`` it is the plain varlen call (``kv_index`` the identity).
+        """
+        seg = self.seq_idx.reshape(-1).cpu().numpy()
+        br = self.branch_ids.reshape(-1).cpu().numpy()
+        n = seg.size
+        new = np.ones(n, bool)
+        new[1:] = (seg[1:] != seg[:-1]) | ((br[1:] != br[:-1]) & (br[:-1] != 0))
+        q_start = np.flatnonzero(new)
+        q_len = np.diff(np.append(q_start, n))
+        unit_start = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+        prompt = np.bincount(seg, weights=(br == 0), minlength=seg.max() + 1 if n else 0).astype(np.int64)
+        later = q_start != unit_start[seg[q_start]]  # a continuation after the first: reads the prompt first
+        pre_start = unit_start[seg[q_start]]
+        pre_len = np.where(later, prompt[seg[q_start]], 0)
+        starts = np.stack([pre_start, q_start], 1).reshape(-1)
+        lens = np.stack([pre_len, q_len], 1).reshape(-1)
+        out = lengths_to_offsets(lens)
+        kv_index = np.repeat(starts - out[:-1], lens) + np.arange(int(out[-1]), dtype=np.int64)
+        k_len = pre_len + q_len
+        dev = self.input_ids.device
+        return {"kv_index": torch.from_numpy(kv_index).to(dev),
+                "cu_seqlens_q": torch.from_numpy(lengths_to_offsets(q_len).astype(np.int32)).to(dev),
+                "cu_seqlens_k": torch.from_numpy(lengths_to_offsets(k_len).astype(np.int32)).to(dev),
+                "max_seqlen_q": int(q_len.max(initial=0)), "max_seqlen_k": int(k_len.max(initial=0))}
+
+    def model_inputs(self, model=None) -> dict:
+        """Keyword arguments for a Hugging Face causal LM: ``logits = model(**batch.model_inputs(model)).logits``.
+
+        ``"pairs"``: ``input_ids``, ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``,
+        ``use_cache=False`` and no mask (the packed view, :class:`packkit.batch.PackedBatch`: every
+        attention implementation finds the sequences). ``"tree"``: ``input_ids``, ``position_ids``,
+        ``use_cache=False`` and ``attention_mask``: :meth:`hf_mask` for eager and sdpa, :meth:`block_mask`
+        for flex_attention; flash attention takes no mask and is refused (use ``"pairs"``, or
+        :meth:`varlen_kwargs` in your own attention). No labels: the loss reads :func:`sequence_logps`.
+        """
+        out = {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        if self.layout == "pairs":
+            cu = self.cu_seqlens
+            out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=self.max_seqlen, max_length_k=self.max_seqlen)
+            return out
+        if model is None:
+            raise ArgumentError("layout='tree' needs the model to build its mask: pass model_inputs(model)")
+        impl = getattr(_text_config(model), "_attn_implementation", None)
+        if impl == "flex_attention":
+            out["attention_mask"] = self.block_mask()
+        elif impl in (None, "eager", "sdpa"):
+            out["attention_mask"] = self.hf_mask(model)
+        else:
+            raise ArgumentError(f"layout='tree' needs a mask, and attn_implementation={impl!r} takes none: load the "
+                                "model with 'sdpa', 'eager' or 'flex_attention', or use layout='pairs'")
+        return out
+
+    def __repr__(self) -> str:
+        return (f"SequenceBatch(layout={self.layout!r}, shape={list(self.shape)}, groups={self.num_groups}, "
+                f"sequences={self.num_sequences}, scored_tokens={int(self.score_target.shape[0])})")
+
+
+def _text_config(model):
+    config = getattr(model, "config", model)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# ----------------------------------------------------------------------------------------------
+# building a batch from token arrays
+# ----------------------------------------------------------------------------------------------
+
+
+def _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr):
+    """The layout as pieces in row order: ``(start, length, is_continuation, sequence, unit)`` arrays.
+
+    ``order``: the units in packing order (``"pairs"``: sequences; ``"tree"``: groups). Example, one group with
+    prompt 2 and continuations 2, 1: pairs -> pieces ``P C0 P C1``; tree -> ``P C0 C1``.
+    """
+    if layout == "pairs":
+        group = np.repeat(np.arange(p_len.size), np.diff(c_ptr))[order]
+        start = np.stack([p_start[group], c_start[order]], 1).reshape(-1)
+        length = np.stack([p_len[group], c_len[order]], 1).reshape(-1)
+        is_cont = np.tile([False, True], order.size)
+        seq = np.repeat(order, 2)
+        unit = np.repeat(np.arange(order.size), 2)
+        return start, length, is_cont, seq, unit
+    k = np.diff(c_ptr)[order]
+    count = k + 1
+    unit = np.repeat(np.arange(order.size), count)
+    j = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(lengths_to_offsets(count)[:-1], count)
+    group = order[unit]
+    is_cont = j > 0
+    seq = np.where(is_cont, c_ptr[group] + j - 1, -1)
+    start = np.where(is_cont, c_start[np.maximum(seq, 0)], p_start[group])
+    length = np.where(is_cont, c_len[np.maximum(seq, 0)], p_len[group])
+    return start, length, is_cont, seq, unit
+
+
+def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths, completions_per_group, *,
+                 layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
+                 strategy: str = "bfd", pad_token_id: int = 0, values: dict | None = None,
+                 where=None) -> SequenceBatch:
+    """Pack groups (a prompt and its completions) into one :class:`SequenceBatch`.
+
+    Args:
+        prompt_ids: (sum of prompt lengths,) int, the prompts back to back; prompt_lengths: (G,) int >= 0.
+        completion_ids: (sum of completion lengths,) int; completion_lengths: (N,) int >= 1, group after group.
+        completions_per_group: (G,) int >= 1 (2 for a preference pair: chosen, then rejected).
+        layout: ``"pairs"`` or ``"tree"`` (module docstring).
+        window: ``None``: one ``[1, T]`` row, groups in order; else ``[B, W]`` windows planned by ``strategy``
+            over whole groups (a group longer than ``W`` is an error naming it). num_windows: fixed ``B``.
+        values: ``{name: (N,) float}``, per-sequence values carried along (``advantages``...).
+        where: the dataset rows of the groups (errors name them), or None.
+
+    Example: ``build_groups([1, 2], [2], [3, 4, 5], [2, 1], [2], layout="tree")`` gives ``input_ids
+    [[1, 2, 3, 4, 5]]``, ``position_ids [[0, 1, 2, 3, 2]]`` and scores token 3 from position 1, 4 from 2,
+    5 from 1.
+    """
+    layout = check_layout(layout)
+    p_len = np.asarray(prompt_lengths, np.int64)
+    c_len = np.asarray(completion_lengths, np.int64)
+    k = np.asarray(completions_per_group, np.int64)
+    c_ptr = lengths_to_offsets(k)
+    if k.size != p_len.size or int(c_ptr[-1]) != c_len.size:
+        raise ValueError(f"{p_len.size} prompts, {k.size} group sizes and {c_len.size} completions (the sizes sum to "
+                         f"{int(c_ptr[-1])}) do not describe the same groups")
+    if (k < 1).any():
+        i = int(np.argmax(k < 1))
+        raise DataError(f"{location(i, where)} has no completion: a group needs at least one")
+    if (c_len < 1).any():
+        n = int(np.argmax(c_len < 1))
+        g = int(np.searchsorted(c_ptr, n, side="right") - 1)
+        raise DataError(f"{location(g, where)}: completion {n - int(c_ptr[g])} is empty (no token to score)")
+    values_np = {name: np.asarray(v, np.float64) for name, v in (values or {}).items()}
+    p_vals = np.asarray(prompt_ids, np.int64)
+    tokens = np.concatenate([p_vals, np.asarray(completion_ids, np.int64)])
+    p_start = lengths_to_offsets(p_len)[:-1]
+    c_start = lengths_to_offsets(c_len)[:-1] + p_vals.size
+    # -- units and their packing order --
+    group_of_seq = np.repeat(np.arange(k.size), k)
+    if layout == "pairs":
+        unit_len = p_len[group_of_seq] + c_len
+    else:
+        unit_len = p_len + np.add.reduceat(c_len, c_ptr[:-1]) if k.size else np.zeros(0, np.int64)
+    if window is None:
+        order = np.arange(unit_len.size, dtype=np.int64)
+        window_ptr = None
+    else:
+        window = check_window(window)
+        group_len = unit_len if layout == "tree" else np.bincount(group_of_seq, weights=unit_len,
+                                                                  minlength=k.size).astype(np.int64)
+        over = np.flatnonzero(group_len > window)
+        if over.size:
+            g = int(over[0])
+            fix = ", use layout='tree' (the prompt once)" if layout == "pairs" else ""
+            raise DataError("{at} has {n:,} tokens in layout={layout!r} > {w}; raise {wn}{fix} or shorten it "
+                            "(TRL's max_length)", at=location(g, where), n=int(group_len[g]), layout=layout,
+                            w=arg("window", window), wn=arg("window"), fix=fix)
+        plan = pack(unit_len, window=window, strategy=strategy,
+                    **({"group_sizes": k} if layout == "pairs" else {}))
+        order, window_ptr = plan.seg_example, plan.window_ptr
+    # -- tokens, row after row --
+    start, length, is_cont, seq, unit = _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr)
+    out = lengths_to_offsets(length)
+    total = int(out[-1])
+    piece = np.repeat(np.arange(length.size), length)
+    within = np.arange(total, dtype=np.int64) - out[:-1][piece]
+    ids = tokens[start[piece] + within]
+    unit_off = lengths_to_offsets(unit_len[order])
+    tok_unit = unit[piece]
+    group_of_unit = group_of_seq[order] if layout == "pairs" else order
+    plen_tok = p_len[group_of_unit[tok_unit]]
+    cont = is_cont[piece]
+    position = np.where(cont, plen_tok + within, within)
+    tok_seq = seq[piece]
+    sequence_ids = tok_seq if layout == "pairs" else np.where(cont, tok_seq, -1)
+    branch = np.where(cont, tok_seq + 1, 0)
+    flat = np.arange(total, dtype=np.int64)
+    scored = cont & ((within > 0) | (plen_tok > 0))
+    source = np.where(within > 0, flat - 1, unit_off[:-1][tok_unit] + plen_tok - 1)
+    labels = np.where(scored & (source == flat - 1), ids, IGNORE_INDEX)
+    # -- rows: one [1, T] row, or [B, W] windows (each window's padding tail its own segment) --
+    if window_ptr is None:
+        packed = padding_free_batch(ids, labels.copy(), unit_len[order])
+        dest = flat
+        width = total
+    else:
+        packed = rows_batch(ids, labels, unit_len[order], window_ptr, width=window, num_rows=num_windows,
+                            pad_token_id=pad_token_id)
+        width = window
+        loads = unit_off[window_ptr[1:]] - unit_off[window_ptr[:-1]]
+        win_of_tok = np.repeat(np.arange(loads.size), loads)
+        dest = win_of_tok * window + flat - unit_off[window_ptr[:-1]][win_of_tok]
+    rows = packed.input_ids.shape[0]
+
+    def laid(values_, fill):
+        buf = np.full(rows * width, fill, np.int64) if np.isscalar(fill) else fill.reshape(-1).numpy().copy()
+        buf[dest] = values_
+        return torch.from_numpy(buf.reshape(rows, width))
+
+    sel = np.flatnonzero(scored)
+    num_seq = c_len.size
+    return SequenceBatch(
+        input_ids=packed.input_ids,
+        position_ids=laid(position, packed.position_ids) if layout == "tree" else packed.position_ids,
+        labels=packed.labels, seq_idx=packed.seq_idx, sequence_ids=laid(sequence_ids, -1),
+        branch_ids=laid(branch, 0), cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
+        score_source=torch.from_numpy(dest[source[sel]]), score_target=torch.from_numpy(dest[sel]),
+        score_sequence=torch.from_numpy(tok_seq[sel]),
+        num_tokens=torch.from_numpy(np.bincount(tok_seq[sel], minlength=num_seq).astype(np.int64)),
+        group_ptr=torch.from_numpy(c_ptr), layout=layout, num_real_tokens=total,
+        sequence_values={name: torch.from_numpy(v) for name, v in values_np.items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probabilities and the DPO loss
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLogps:
+    """Per sequence, in group order: ``sum`` and ``mean`` ``[N]`` of the completion tokens' log-probabilities
+    (float32, or the logits' dtype when wider), ``num_tokens`` int64 ``[N]``. For pairs (two sequences a
+    group), ``chosen`` / ``rejected`` are the sums and ``chosen_mean`` / ``rejected_mean`` the means ``[P]``."""
+
+    sum: torch.Tensor
+    mean: torch.Tensor
+    num_tokens: torch.Tensor
+
+    def _pair(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        if x.shape[0] % 2:
+            raise ValueError(f"{x.shape[0]} sequences are not pairs: chosen/rejected need two sequences a group")
+        return x.view(-1, 2)[:, j]
+
+    @property
+    def chosen(self) -> torch.Tensor:
+        return self._pair(self.sum, 0)
+
+    @property
+    def rejected(self) -> torch.Tensor:
+        return self._pair(self.sum, 1)
+
+    @property
+    def chosen_mean(self) -> torch.Tensor:
+        return self._pair(self.mean, 0)
+
+    @property
+    def rejected_mean(self) -> torch.Tensor:
+        return self._pair(self.mean, 1)
+
+
+def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: float = 1.0) -> SequenceLogps:
+    """Sum and mean of every sequence's completion log-probabilities from packed logits.
+
+    ``logits``: ``[B, L, V]`` of ``model(**batch.model_inputs(model))``. Only the ``M`` scored positions are
+    read (``batch.score_source``): ``log_softmax`` over ``[M, V]`` rows, in float32 for half-precision logits
+    (the log-sum-exp of a vocabulary loses digits in 16 bits), in the logits' own dtype otherwise.
+    Equal to the unpacked computation (TRL's: ``log_softmax(logits[:, :-1])`` gathered at the next tokens
+    under the completion mask, summed per row).
+    """
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(batch.input_ids.shape):
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {tuple(batch.input_ids.shape)}: "
+                         "pass the [B, L, V] logits of model(**batch.model_inputs(model))")
+    rows = logits.reshape(-1, logits.shape[-1])[batch.score_source]
+    if rows.dtype in (torch.float16, torch.bfloat16):
+        rows = rows.float()
+    if temperature != 1.0:
+        rows = rows / temperature
+    target = batch.input_ids.reshape(-1)[batch.score_target]
+    per_token = rows.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
+    total = per_token.new_zeros(batch.num_sequences).index_add_(0, batch.score_sequence, per_token)
+    count = batch.num_tokens.to(total.device)
+    return SequenceLogps(sum=total, mean=total / count.clamp(min=1).to(total.dtype), num_tokens=count)
+
+
+def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float = 0.1) -> torch.Tensor:
+    """TRL's sigmoid DPO loss (``DPOConfig(loss_type="sigmoid")``, the default), averaged over pairs:
+    ``-logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))``."""
+    delta = (policy.chosen - reference.chosen) - (policy.rejected - reference.rejected)
+    return -torch.nn.functional.logsigmoid(beta * delta).mean()
+
+
+class PackedDPOMixin:
+    """TRL's ``DPOTrainer`` on packed pairs: mix it in first and pass a :class:`PreferenceCollator`::
+
+        class PackedDPOTrainer(PackedDPOMixin, trl.DPOTrainer):
+            pass
+
+        trainer = PackedDPOTrainer(model=model, ref_model=ref, args=DPOConfig(..., max_length=None),
+                                   train_dataset=ds, processing_class=tok,
+                                   data_collator=PreferenceCollator(layout="tree", window=4096))
+
+    The trainer tokenizes the dataset as usual (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``); the loss is
+    computed from :func:`sequence_logps` of the policy and the reference model on the packed batch, with
+    :func:`dpo_loss`: TRL's default sigmoid loss, the same value as ``DPOTrainer`` on the padded batch. What this
+    path does not compute (other ``loss_type``\\ s, ``f_divergence_type``, ``ld_alpha``, ``use_weighting``, MoE
+    auxiliary losses, precomputed or PEFT-adapter reference log-probabilities) is refused in one line, not
+    approximated. The packed collator never truncates: set ``max_length=None`` (TRL's collator would cut long
+    pairs; a pair longer than the collator's window is an error naming it).
+    """
+
+    def _packed_dpo_unsupported(self) -> str | None:
+        checks = (
+            (list(self.loss_types) != ["sigmoid"], f"loss_type={self.loss_types!r} (only 'sigmoid')"),
+            (self.f_divergence_type != "reverse_kl", f"f_divergence_type={self.f_divergence_type!r}"),
+            (self.ld_alpha is not None, "ld_alpha"),
+            (getattr(self, "use_weighting", False), "use_weighting"),
+            (getattr(self, "aux_loss_enabled", False), "a MoE auxiliary loss (router_aux_loss_coef)"),
+            (self.precompute_ref_logps, "precompute_ref_log_probs"),
+            (self.ref_model is None, "no ref_model (a PEFT adapter as reference)"),
+        )
+        return next((why for bad, why in checks if bad), None)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if not isinstance(inputs, SequenceBatch):
+            raise TypeError(f"PackedDPOMixin takes packed batches, got {type(inputs).__name__}: pass "
+                            "data_collator=packkit.preference.PreferenceCollator(...)")
+        why = self._packed_dpo_unsupported()
+        if why is not None:
+            raise ArgumentError(f"packed DPO computes TRL's sigmoid DPO loss only; this config asks for {why}: use "
+                                "trl.DPOTrainer without packing for it")
+        outputs = model(**inputs.model_inputs(model))
+        policy = sequence_logps(outputs.logits, inputs)
+        with torch.no_grad():
+            reference = sequence_logps(self.ref_model(**inputs.model_inputs(self.ref_model)).logits, inputs)
+        loss = dpo_loss(policy, reference, beta=self.beta) * (self.loss_weights[0] if self.loss_weights else 1.0)
+        mode = "train" if self.model.training else "eval"
+        metrics, gather = self._metrics[mode], self.accelerator.gather
+        chosen = self.beta * (policy.chosen - reference.chosen).detach()
+        rejected = self.beta * (policy.rejected - reference.rejected).detach()
+        if mode == "train":
+            self._total_train_tokens += int(inputs.num_real_tokens)
+        metrics["num_tokens"] = [self._total_train_tokens]
+        metrics["rewards/chosen"].append(gather(chosen).mean().item())
+        metrics["rewards/rejected"].append(gather(rejected).mean().item())
+        metrics["rewards/accuracies"].append(gather((chosen > rejected).float()).mean().item())
+        metrics["rewards/margins"].append(gather(chosen - rejected).mean().item())
+        metrics["logps/chosen"].append(gather(policy.chosen.detach()).mean().item())
+        metrics["logps/rejected"].append(gather(policy.rejected.detach()).mean().item())
+        return (loss, outputs) if return_outputs else loss
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL's tokenization of preference data
+# ----------------------------------------------------------------------------------------------
+
+
+def _encode(tok, x, **template_kwargs) -> list:
+    """One text (``tokenizer(text)``) or conversation (``apply_chat_template``), as TRL's ``_tokenize``."""
+    if isinstance(x, str):
+        return list(tok(text=x)["input_ids"])
+    out = tok.apply_chat_template(list(x), tokenize=True, return_dict=True, **template_kwargs)
+    return list(out["input_ids"])
+
+
+def tokenize_preference(examples, tokenizer) -> list[dict]:
+    """``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` of TRL preference examples, as TRL 1.16's
+    ``DPOTrainer`` makes them.
+
+    Text: EOS appended to ``chosen`` / ``rejected`` when they do not end with it, then ``tokenizer(prompt)``,
+    ``tokenizer(prompt + chosen)``, ``tokenizer(prompt + rejected)``. Conversations: the chat template over the
+    prompt (with the generation prompt) and over prompt + chosen, prompt + rejected (``tools`` and
+    ``chat_template_kwargs`` per example passed on). The completions start where both tokenized sequences stop
+    sharing the tokenized prompt (:func:`packkit.chat.common_prefix_lengths`).
+
+    ``examples``: a list of dicts (or a ``datasets.Dataset``). Returns a list of dicts with the three columns.
+    ``tokenizer``: a loaded ``transformers`` tokenizer.
+    """
+    out = []
+    for i, ex in enumerate(examples):
+        for key in ("prompt", "chosen", "rejected"):
+            if ex.get(key) is None:
+                fix = (" (TRL's implicit-prompt format: extract it with trl.data_utils.extract_prompt)"
+                       if key == "prompt" else "")
+                raise DataError(f"example {i} has no {key!r}{fix}")
+        prompt, chosen, rejected = ex["prompt"], ex["chosen"], ex["rejected"]
+        if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(rejected, str):
+            raise DataError(f"example {i}: 'prompt', 'chosen' and 'rejected' must all be text or all be conversations")
+        kwargs = {}
+        if not isinstance(prompt, str):
+            tools = ex.get("tools")
+            if isinstance(tools, str):
+                import json  # stdlib, only for this rare column
+
+                tools = json.loads(tools)
+            kwargs = {"tools": tools, **(ex.get("chat_template_kwargs") or {})}
+            p = _encode(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+            pc = _encode(tokenizer, list(prompt) + list(chosen), **kwargs)
+            pr = _encode(tokenizer, list(prompt) + list(rejected), **kwargs)
+        else:
+            eos = tokenizer.eos_token or ""
+            chosen = chosen if chosen.endswith(eos) else chosen + eos
+            rejected = rejected if rejected.endswith(eos) else rejected + eos
+            p, pc, pr = (_encode(tokenizer, prompt), _encode(tokenizer, prompt + chosen),
+                         _encode(tokenizer, prompt + rejected))
+        shared = common_prefix_lengths([0, len(p), 2 * len(p)], p + p, [0, len(pc), len(pc) + len(pr)], pc + pr)
+        n = int(shared.min())
+        out.append({"prompt_ids": p[:n], "chosen_ids": pc[n:], "rejected_ids": pr[n:]})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# collators
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_num_windows(num_windows):
+    if num_windows is None:
+        return None
+    if isinstance(num_windows, bool) or not isinstance(num_windows, numbers.Integral) or num_windows < 1:
+        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("num_windows"), got=num_windows)
+    return int(num_windows)
+
+
+def _read_ids(examples, key: str, missing: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values (T,) int64, lengths (n,) int64)`` of one token-id column of every example (checked)."""
+    values, lengths = read_column(examples, key, missing=missing)
+    return np.asarray(values, np.int64), np.asarray(lengths, np.int64)
+
+
+class PreferenceCollator:
+    """TRL preference examples -> a packed :class:`SequenceBatch` (two sequences a pair: chosen, rejected).
+
+    ``PreferenceCollator(layout="tree")([{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}])``
+    gives ``input_ids [[1, 2, 3, 4, 5]]``, ``position_ids [[0, 1, 2, 3, 2]]``.
+
+    Args:
+        layout: ``"pairs"`` (default: every sequence with its own prompt copy, no mask needed) or ``"tree"``
+            (the prompt once, an explicit mask).
+        window: ``None`` (default): one ``[1, T]`` row. An int ``W``: ``[B, W]`` windows, pairs packed whole
+            by ``strategy`` (a pair longer than ``W`` is an error naming it). num_windows: a fixed ``B``.
+        tokenizer: a loaded ``transformers`` tokenizer: examples may then be raw TRL rows (``prompt`` /
+            ``chosen`` / ``rejected``, text or conversations), tokenized as ``DPOTrainer`` does
+            (:func:`tokenize_preference`). Without it they carry ``prompt_ids`` / ``chosen_ids`` /
+            ``rejected_ids`` (what ``DPOTrainer`` tokenizes a dataset into).
+        pad_token_id: the id of padding in windows.
+    """
+
+    KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+    def __init__(self, *, layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
+                 strategy: str = "bfd", tokenizer=None, pad_token_id: int = 0):
+        self.layout = check_layout(layout)
+        self.window = None if window is None else check_window(window)
+        self.num_windows = _check_num_windows(num_windows)
+        self.strategy = check_strategy(strategy)
+        self.tokenizer = tokenizer
+        self.pad_token_id = int(pad_token_id)
+
+    def __call__(self, examples) -> SequenceBatch:
+        examples = list(examples)
+        if not examples:
+            raise ValueError("a collator needs at least one example")
+        if self.tokenizer is not None and "prompt_ids" not in examples[0]:
+            examples = tokenize_preference(examples, self.tokenizer)
+        missing = ("TRL's tokenized preference columns are prompt_ids, chosen_ids and rejected_ids: pass "
+                   "tokenizer= for raw prompt/chosen/rejected rows (and remove_unused_columns=False under a Trainer)")
+        p_vals, p_len = _read_ids(examples, "prompt_ids", missing)
+        c_vals, c_len = _read_ids(examples, "chosen_ids", missing)
+        r_vals, r_len = _read_ids(examples, "rejected_ids", missing)
+        # completions group after group: chosen_i then rejected_i
+        c_off, r_off = lengths_to_offsets(c_len), lengths_to_offsets(r_len)
+        starts = np.stack([c_off[:-1], r_off[:-1] + c_vals.size], 1).reshape(-1)
+        lens = np.stack([c_len, r_len], 1).reshape(-1)
+        both = np.concatenate([c_vals, r_vals])
+        out = lengths_to_offsets(lens)
+        comp = both[np.repeat(starts - out[:-1], lens) + np.arange(int(out[-1]), dtype=np.int64)]
+        for j, name in ((0, "chosen_ids"), (1, "rejected_ids")):
+            empty = np.flatnonzero(lens[j::2] < 1)
+            if empty.size:
+                raise DataError(f"example {int(empty[0])} has an empty {name!r}: nothing to score")
+        return build_groups(p_vals, p_len, comp, lens, np.full(len(examples), 2), layout=self.layout,
+                            window=self.window, num_windows=self.num_windows, strategy=self.strategy,
+                            pad_token_id=self.pad_token_id)
+
+    def __repr__(self) -> str:
+        return f"PreferenceCollator(layout={self.layout!r}, window={self.window}, num_windows={self.num_windows})"
+
+
+class GroupCollator:
+    """RL groups -> a packed :class:`SequenceBatch`: one example per prompt, with ``prompt_ids`` and
+    ``completion_ids`` (a list of its ``k`` completions' token lists; ``k`` may differ between prompts).
+
+    ``GroupCollator(layout="tree")([{"prompt_ids": [1, 2], "completion_ids": [[3], [4, 5]]}])`` gives
+    ``input_ids [[1, 2, 3, 4, 5]]``, ``position_ids [[0, 1, 2, 2, 3]]``; log-probabilities come back in
+    group order (prompt after prompt, completion after completion).
+
+    Args:
+        layout, window, num_windows, strategy, pad_token_id: as in :class:`PreferenceCollator`.
+        sequence_keys: keys of per-completion numbers (one per completion) carried into ``batch.sequence_values``
+            as float64 ``[N]`` (``batch.sequence_values``) in the same order, when the examples have them (``advantages``, ``rewards``).
+    """
+
+    def __init__(self, *, layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
+                 strategy: str = "bfd", pad_token_id: int = 0, sequence_keys=("advantages", "rewards")):
+        self.layout = check_layout(layout)
+        self.window = None if window is None else check_window(window)
+        self.num_windows = _check_num_windows(num_windows)
+        self.strategy = check_strategy(strategy)
+        self.pad_token_id = int(pad_token_id)
+        self.sequence_keys = tuple(sequence_keys)
+
+    def __call__(self, examples) -> SequenceBatch:
+        examples = list(examples)
+        if not examples:
+            raise ValueError("a collator needs at least one example")
+        missing = "an RL group is prompt_ids with completion_ids (a list of token lists)"
+        p_vals, p_len = _read_ids(examples, "prompt_ids", missing)
+        k = []
+        flat = []
+        for i, ex in enumerate(examples):
+            comps = ex.get("completion_ids") if hasattr(ex, "get") else None
+            if comps is None or isinstance(comps, (str, bytes)) or not hasattr(comps, "__len__"):
+                raise DataError(f"example {i} has no 'completion_ids' list; {missing}")
+            k.append(len(comps))
+            flat.extend({"completion_ids": c} for c in comps)
+        c_vals, c_len = _read_ids(flat, "completion_ids", missing) if flat else (np.zeros(0, np.int64),) * 2
+        values = {}
+        for key in self.sequence_keys:
+            if all(hasattr(ex, "get") and ex.get(key) is not None for ex in examples):
+                got = [np.asarray(ex[key], np.float64).reshape(-1) for ex in examples]
+                bad = next((i for i, (v, n) in enumerate(zip(got, k)) if v.size != n), None)
+                if bad is not None:
+                    raise DataError(f"example {bad} has {got[bad].size} {key!r} for {k[bad]} completions")
+                values[key] = np.concatenate(got)
+        return build_groups(p_vals, p_len, c_vals, c_len, np.asarray(k, np.int64), layout=self.layout,
+                            window=self.window, num_windows=self.num_windows, strategy=self.strategy,
+                            pad_token_id=self.pad_token_id, values=values)
+
+    def __repr__(self) -> str:
+        return f"GroupCollator(layout={self.layout!r}, window={self.window}, num_windows={self.num_windows})"
+
+
+# ----------------------------------------------------------------------------------------------
+# micro-batches across ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def shard_groups(group_tokens, *, world_size: int, max_tokens: int) -> list[list[np.ndarray]]:
+    """Split groups into micro-batches for ``world_size`` ranks: every rank the same number of micro-batches,
+    none empty, a group never split, at most ``max_tokens`` tokens a micro-batch.
+
+    Groups go to ranks longest first, each to the rank with the fewest tokens (every rank gets one before any
+    gets two), then each rank's groups are packed best fit into micro-batches of ``max_tokens``; a rank with
+    fewer micro-batches splits its fullest one (between groups) until all ranks have as many. ``ranks[r][m]``
+    is the group indices of rank ``r``'s micro-batch ``m``.
+
+    ``shard_groups([5, 3, 4, 2], world_size=2, max_tokens=8) -> [[[0, 3]], [[2, 1]]]`` (as arrays).
+
+    Raises a one-line error naming the fix when there are fewer groups than ranks (a rank would idle: TRL PR
+    #7328), a group longer than ``max_tokens``, or counts that cannot be evened without splitting a group.
+    """
+    tokens = np.asarray(group_tokens, np.int64)
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("world_size"), got=world_size)
+    max_tokens = check_window(max_tokens)
+    if tokens.size < world_size:
+        raise DataError(f"{tokens.size} groups for {world_size} ranks: a rank would have no work (and a collective "
+                        "would hang); generate at least one group per rank")
+    over = np.flatnonzero(tokens > max_tokens)
+    if over.size:
+        raise DataError(f"group {int(over[0])} has {int(tokens[over[0]]):,} tokens > max_tokens={max_tokens:,}; "
+                        "raise max_tokens")
+    order = np.argsort(-tokens, kind="stable")
+    load = np.zeros(world_size, np.int64)
+    share: list[list[int]] = [[] for _ in range(world_size)]
+    for i, g in enumerate(order.tolist()):
+        r = i if i < world_size else int(np.argmin(load))
+        share[r].append(g)
+        load[r] += tokens[g]
+    ranks = []
+    for groups in share:
+        idx = np.asarray(groups, np.int64)
+        plan = pack(tokens[idx], window=max_tokens)
+        ranks.append([idx[w] for w in plan.windows()])
+    target = max(len(m) for m in ranks)
+    for r, micro in enumerate(ranks):
+        while len(micro) < target:
+            j = max(range(len(micro)), key=lambda m: (micro[m].size, int(tokens[micro[m]].sum())))
+            if micro[j].size < 2:
+                raise DataError(f"rank {r} has {len(micro)} micro-batches of single groups and others have {target}: "
+                                "raise max_tokens so that every rank needs as many, or send more groups")
+            part = micro.pop(j)
+            half = part.size // 2
+            micro += [part[:half], part[half:]]
+    return ranks
