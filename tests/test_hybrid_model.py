@@ -27,7 +27,8 @@ from transformers.models.bamba import modeling_bamba  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator  # noqa: E402
-from packkit.model_inputs import HybridCollator  # noqa: E402
+from packkit.model_inputs import VISION_KEYS, HybridCollator, VisionLanguageCollator  # noqa: E402
+from testlib import tiny_vl_model, vl_example  # noqa: E402
 
 #: float64, but the GatedDeltaNet fallback computes in float32 inside (transformers casts to it)
 TOL = {"bamba": 1e-10, "qwen3_5": 1e-6}
@@ -206,3 +207,21 @@ def test_jamba_mamba1_layers_take_no_seq_idx(models, examples, alone):
     diff = max_diff(models["jamba"], HYBRID(examples), examples, alone["jamba"])
     print(f"jamba with seq_idx: logits max abs diff {diff:.3e}")
     assert diff > 1e-6
+
+
+def test_qwen3_5_vision_language_needs_both_wrappers(examples, reference_kernels):
+    """Qwen3.5 is both: mRoPE positions [4, B, L] with its images (VisionLanguageCollator) and seq_idx beside
+    cu_seq_lens_q (HybridCollator); with both, every document's logits are its own alone, and without
+    seq_idx its convolution mixes documents."""
+    model = tiny_vl_model("qwen3_5")
+    g = torch.Generator().manual_seed(1)
+    docs = [vl_example(g, 4, images=[(1, 4, 4)]), vl_example(g, 6), vl_example(g, 2, images=[(1, 2, 4), (1, 4, 2)])]
+    with torch.no_grad():
+        refs = [model(input_ids=torch.tensor([ex["input_ids"]]), use_cache=False,
+                      mm_token_type_ids=torch.tensor([ex["mm_token_type_ids"]]),
+                      **{k: ex[k] for k in VISION_KEYS if k in ex}).logits[0] for ex in docs]
+        vl = VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)
+        both = (model(**HybridCollator(vl)(docs)).logits[0] - torch.cat(refs)).abs().max().item()
+        vl_only = (model(**vl(docs)).logits[0] - torch.cat(refs)).abs().max().item()
+    print(f"qwen3_5 VL: both wrappers {both:.3e}, without seq_idx {vl_only:.3e}")
+    assert both < TOL["qwen3_5"] < 100 * TOL["qwen3_5"] < vl_only

@@ -62,16 +62,22 @@ VL_TOKENS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=1
 VL_MERGE = 2  # spatial_merge_size
 VL_PATCH_DIM = 3 * 2 * 2 * 2  # channels * temporal_patch_size * patch_size**2
 
-# family -> (model class, config class, vision config, extra rope parameters), as named in transformers
+# family -> (model class, config class, vision config, extra text config, extra rope parameters)
 VL_FAMILIES = {
     "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLConfig", dict(depth=1, embed_dim=16, hidden_size=32),
-                 {}),
+                 {}, {}),
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
                    dict(depth=2, hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=8,
-                        fullatt_block_indexes=[1]), {}),
+                        fullatt_block_indexes=[1]), {}, {}),
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLConfig",
                  dict(depth=2, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16,
-                      deepstack_visual_indexes=[0]), {"mrope_interleaved": True}),
+                      deepstack_visual_indexes=[0]), {}, {"mrope_interleaved": True}),
+    # hybrid too: a GatedDeltaNet layer, then an attention layer
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config",
+                dict(depth=1, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16),
+                dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+                     linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8),
+                {"mrope_interleaved": True, "partial_rotary_factor": 1.0}),
 }
 
 
@@ -81,9 +87,10 @@ def tiny_vl_model(family: str = "qwen2_vl", *, dtype: torch.dtype = torch.float6
     """
     import transformers
 
-    model_cls, config_cls, vision, rope = VL_FAMILIES[family]
+    model_cls, config_cls, vision, text, rope = VL_FAMILIES[family]
     text = dict(TINY, vocab_size=128, max_position_embeddings=256, head_dim=8, bos_token_id=None, eos_token_id=None,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], **rope})
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], **rope},
+                **text)
     vision = dict(vision, num_heads=2, patch_size=2, spatial_merge_size=VL_MERGE, temporal_patch_size=2, in_channels=3)
     config = getattr(transformers, config_cls)(text_config=text, vision_config=vision, **VL_TOKENS)
     torch.manual_seed(seed)
