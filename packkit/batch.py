@@ -60,13 +60,14 @@ Where the counts live (no global state). The counts (``num_loss_tokens``, ``num_
 rebuild it from its items (``Trainer`` runs ``type(batch)({k: v.to(device) ...})`` every step). Each
 count is kept on the tensor it describes, in that tensor's own ``__dict__`` (its *note*): the
 loss-token count on the label tensor, the segment facts (``max_seqlen``, the real segments, how much
-is padding) on ``cu_seqlens``, the token and document counts of the padded view on its
-``attention_mask`` (with its ``cu_seqlens``). A read asks the tensor the view holds now: a new tensor under a key is counted
-afresh (one read from its device), an unchanged one costs nothing, and a rebuild from the same tensors
-(``accelerate`` moves the batch with ``.to()``, which carries the notes over, then ``Trainer`` rebuilds
-it from those very tensors) has every count with no device work. Chosen because it needs no hook on
-assignment, no table of what makes what stale and no registry of batches (the design it replaced
-overrode 11 dict methods and filed every batch in a process-wide table of weak references). Limits:
+is padding) on ``cu_seqlens``, the token and document counts of the padded view (and its
+``cu_seqlens``) on its ``attention_mask``. A read asks the tensor the view holds now: a new tensor
+under a key is counted afresh (one read from its device), an unchanged one costs nothing, and a
+rebuild from the same tensors (``accelerate`` moves the batch with ``.to()``, which carries the notes
+over, then ``Trainer`` rebuilds it from those very tensors) has every count with no device work.
+Chosen because it needs no hook on assignment, no table of what makes what stale and no registry of
+batches (the design it replaced overrode 11 dict methods and filed every batch in a process-wide
+table of weak references). Limits:
 
 * padding cannot be read from a view (a row's padding tail and a last document without loss tokens
   look the same), so a batch rebuilt from *other* tensors (cloned, moved by hand, a plain dict from
