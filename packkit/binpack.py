@@ -53,7 +53,7 @@ import os
 
 import numpy as np
 
-from .errors import ArgumentError, DataError, Message, arg
+from .errors import ArgumentError, DataError, Message, arg, check_int
 from .segments import lengths_to_offsets
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
@@ -93,11 +93,7 @@ def max_window() -> int:
 
 def check_window(window) -> int:
     """Return ``window`` as a Python int in ``[1, max_window()]``, or raise: ``check_window(2048) -> 2048``."""
-    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"window must be an integer number of tokens, got {window!r}")
-    window = int(window)
-    if window < 1:
-        raise ArgumentError("{arg} must be at least 1 token, got {window}", arg=arg("window"), window=window)
+    window = check_int(window, "window", unit=" token")
     limit = max_window()
     if window > limit:
         why = ("the planners keep tables of window + 1 entries (8 bytes each) and cu_seqlens are int32"
@@ -115,11 +111,7 @@ def check_seed(seed, *, allow_none: bool = True) -> int | None:
     """
     if seed is None and allow_none:
         return None
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be a non-negative integer{' or None' if allow_none else ''}, got {seed!r}")
-    if seed < 0:
-        raise ArgumentError("{arg} must be a non-negative integer, got {seed}", arg=arg("seed"), seed=int(seed))
-    return int(seed)
+    return check_int(seed, "seed", low=0)
 
 
 def check_strategy(strategy) -> str:
@@ -413,9 +405,7 @@ class Plan:
 
         ``pack([5, 3, 4, 2], window=8).chunks(8) -> [(0, 1), (1, 2)]``; ``.chunks(100) -> [(0, 2)]``.
         """
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
-            raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("max_tokens"),
-                                got=max_tokens)
+        max_tokens = check_int(max_tokens, "max_tokens")
         ends = lengths_to_offsets(self.window_loads)
         out, start = [], 0
         while start < self.num_windows:
@@ -1012,10 +1002,7 @@ def lower_bound(lengths, *, window: int) -> int:
 
 def check_buffer_size(buffer_size) -> int:
     """Return ``buffer_size`` as a positive int, or raise: ``check_buffer_size(1000) -> 1000``."""
-    if isinstance(buffer_size, bool) or not isinstance(buffer_size, numbers.Integral) or buffer_size < 1:
-        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("buffer_size"),
-                            got=buffer_size)
-    return int(buffer_size)
+    return check_int(buffer_size, "buffer_size")
 
 
 def stream_windows(items, *, window: int, buffer_size: int = 1000):

@@ -34,13 +34,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import numbers
 import warnings
 
 import numpy as np
 
 from .binpack import Plan, as_lengths, check_window, overflow_note, pack
-from .errors import ArgumentError, Message, arg
+from .errors import Message, arg, check_int
 
 __all__ = [
     "Advice",
@@ -208,21 +207,17 @@ def _spread(s: Spread) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        fix = {"devices": "at least one device (1 for a single GPU or the CPU)",
-               "accumulation_steps": "{one} means no accumulation"}.get(name, "pass 1 or more")
-        raise ArgumentError("{name} must be >= 1, got {value}: " + fix, name=arg(name), value=int(value),
-                            one=arg(name, 1))
-    return int(value)
+def _at_least_one(value, name: str) -> int:
+    """``check_int`` with the fix each count of :func:`plan_budget` suggests: ``_at_least_one(8, "devices") -> 8``."""
+    fix = {"devices": ": at least one device (1 for a single GPU or the CPU)",
+           "accumulation_steps": ": {one} means no accumulation"}.get(name, ": pass 1 or more")
+    return check_int(value, name, fix=fix, one=arg(name, 1))
 
 
 def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1) -> int:
     """``per_device_batch x accumulation_steps x devices``: ``(4, 8, 2) -> 64``."""
-    return (_positive_int(per_device_batch, "per_device_batch") * _positive_int(accumulation_steps, "accumulation_steps")
-            * _positive_int(devices, "devices"))
+    return (_at_least_one(per_device_batch, "per_device_batch") * _at_least_one(accumulation_steps, "accumulation_steps")
+            * _at_least_one(devices, "devices"))
 
 
 def step_sums(values, group: int) -> np.ndarray:
@@ -258,7 +253,7 @@ def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> t
     Prompt and completion lengths are log-normal (medians about 100 and 180 tokens, long right tails),
     as in chat instruction data; the total is clipped to ``max_length``. Deterministic for a seed.
     """
-    n = _positive_int(n, "n")
+    n = _at_least_one(n, "n")
     rng = np.random.default_rng(seed)
     prompt = np.maximum(rng.lognormal(np.log(100), 0.9, n).astype(np.int64), 4)
     completion = np.maximum(rng.lognormal(np.log(180), 1.0, n).astype(np.int64), 1)
@@ -319,12 +314,12 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     >>> r.effective_batch, r.steps_per_epoch, r.full_steps_per_epoch, [a.code for a in r.advice]
     (64, 13, 12, ['few_steps_per_epoch'])
     """
-    per_device_batch = _positive_int(per_device_batch, "per_device_batch")
-    accumulation_steps = _positive_int(accumulation_steps, "accumulation_steps")
-    devices = _positive_int(devices, "devices")
+    per_device_batch = _at_least_one(per_device_batch, "per_device_batch")
+    accumulation_steps = _at_least_one(accumulation_steps, "accumulation_steps")
+    devices = _at_least_one(devices, "devices")
     group = per_device_batch * accumulation_steps * devices
     if target_tokens_per_step is not None:
-        target_tokens_per_step = _positive_int(target_tokens_per_step, "target_tokens_per_step")
+        target_tokens_per_step = _at_least_one(target_tokens_per_step, "target_tokens_per_step")
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a packkit.binpack.Plan, got {type(plan).__name__}")
@@ -516,8 +511,8 @@ def find_max_micro_batch(step, *, high: int, low: int = 1, multiple_of: int = 1)
     >>> find_max_micro_batch(lambda b: None if b <= 37 else (_ for _ in ()).throw(MemoryError()), high=64)
     MicroBatchSearch(batch_size=37, attempts=6, trials=((32, True), (48, False), (40, False), (36, True), (38, False), (37, True)))
     """
-    multiple_of = _positive_int(multiple_of, "multiple_of")
-    low, high = _positive_int(low, "low"), _positive_int(high, "high")
+    multiple_of = _at_least_one(multiple_of, "multiple_of")
+    low, high = _at_least_one(low, "low"), _at_least_one(high, "high")
     lo_k, hi_k = -(-low // multiple_of), high // multiple_of  # candidate sizes k * multiple_of
     if lo_k > hi_k:
         raise ValueError(f"no multiple of {multiple_of} lies in [low={low}, high={high}]")

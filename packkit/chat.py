@@ -58,7 +58,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .errors import ArgumentError, DataError, arg
+from .errors import ArgumentError, DataError, arg, check_int
 from .arrow import list_array
 from .progress import progress_bar
 from .segments import lengths_to_offsets
@@ -634,8 +634,7 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     if fmt is None:
         raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
                         f"are {table.column_names}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("batch_size"), got=batch_size)
+    check_int(batch_size, "batch_size")
     enc = _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
     ids_chunks, mask_chunks = [], []

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from .batch import PackedBatch
-from .binpack import check_overflow, check_strategy, check_window, overflow_error, pack
+from .binpack import check_overflow, check_seed, check_strategy, check_window, overflow_error, pack
+from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
 from .rules import MASK_KEYS, check_loss_mask_mode, location
@@ -268,33 +269,13 @@ _NUMPY_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, to
 ForkingPickler.register(PackedBatch, _reduce_by_value)
 
 
-def _int_at_least(value, name: str, low: int) -> int:
-    """``value`` as an int: ``TypeError`` for a non-integer (or a bool), ``ValueError`` below ``low``.
-
-    The same contract as ``packkit.sampler``/``packkit.budget``: ``_int_at_least(3, "seed", 0) -> 3``.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
-def _check_pad(pad_token_id) -> int:
-    return _int_at_least(pad_token_id, "pad_token_id", 0)
-
-
-def _positive_int(value, name: str) -> int:
-    return _int_at_least(value, name, 1)
-
-
 def _check_static(static_shape: bool, num_windows, max_segments):
     if num_windows is not None:
-        num_windows = _positive_int(num_windows, "num_windows")
+        num_windows = check_int(num_windows, "num_windows")
     if max_segments is not None:
         if not static_shape:
             raise ValueError("max_segments only applies with static_shape=True")
-        max_segments = _positive_int(max_segments, "max_segments")
+        max_segments = check_int(max_segments, "max_segments")
     if static_shape and (num_windows is None or max_segments is None):
         raise ValueError(
             "static_shape=True needs num_windows=B and max_segments=S (every batch then has B rows and "
@@ -383,10 +364,10 @@ class FixedWindowCollator:
         self.group_key = group_key
         self.window = check_window(window)
         self.strategy, self.overflow = check_strategy(strategy), check_overflow(overflow)
-        self.seed = _int_at_least(seed, "seed", 0)
+        self.seed = check_seed(seed, allow_none=False)
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
-        self.pad_token_id = _check_pad(pad_token_id)
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
         self.mask_first_label = bool(mask_first_label)
         self.loss_mask = check_loss_mask_mode(loss_mask)
         self._warned = [False]  # LossMaskWarning given (once per collator and process)
@@ -449,7 +430,7 @@ class PackedRowsCollator:
         self.window = check_window(window)
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
-        self.pad_token_id = _check_pad(pad_token_id)
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
         self.mask_first_label = bool(mask_first_label)
         self.loss_mask = check_loss_mask_mode(loss_mask)
         self._warned = [False]  # LossMaskWarning given (once per collator and process)
@@ -556,9 +537,9 @@ class PaddedCollator:
 
     def __init__(self, *, pad_token_id: int = 0, pad_to_multiple_of: int | None = None,
                  return_attention_mask: bool = True, mask_first_label: bool = True, loss_mask: str = "auto"):
-        self.pad_token_id = _check_pad(pad_token_id)
+        self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
         self.pad_to_multiple_of = (None if pad_to_multiple_of is None
-                                   else _positive_int(pad_to_multiple_of, "pad_to_multiple_of"))
+                                   else check_int(pad_to_multiple_of, "pad_to_multiple_of"))
         self.return_attention_mask = bool(return_attention_mask)
         self.mask_first_label = bool(mask_first_label)
         self.loss_mask = check_loss_mask_mode(loss_mask)

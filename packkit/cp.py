@@ -71,7 +71,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .errors import ArgumentError, arg
+from .errors import ArgumentError, arg, check_int
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets
 
 __all__ = ["LAYOUTS", "METHODS", "CPPlan", "CPShard", "TEParams", "Llama3Args", "plan_cp", "shard",
@@ -84,10 +84,7 @@ METHODS = ("ring", "allgather", "alltoall")
 
 def check_cp_size(cp_size) -> int:
     """``cp_size``: a Python int >= 1 (1 means no context parallelism)."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
-        raise ArgumentError("{cp} must be an integer >= 1 (the ranks of the context-parallel group), got {got!r}",
-                            cp=arg("cp_size"), got=cp_size)
-    return int(cp_size)
+    return check_int(cp_size, "cp_size")
 
 
 def _check_layout(layout: str) -> str:
@@ -598,8 +595,7 @@ def shard(batch, *, cp_size: int, rank: int, layout: str = "hybrid", pad_id: int
     ([0, 3, 4, 7], [[0, 3, 0, 3]])
     """
     cp = check_cp_size(cp_size)
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < cp:
-        raise ArgumentError("{rank} must be an integer in [0, {cp}), got {got!r}", rank=arg("rank"), cp=cp, got=rank)
+    rank = check_int(rank, "rank", low=0, high=cp - 1)
     ids, labels, shifted, lengths = _batch_fields(batch)
     if plan is None:
         plan = plan_cp(lengths, cp_size=cp, layout=layout)

@@ -24,14 +24,19 @@ class                  meaning                                              ``pa
 :class:`DataError`     the input cannot be read or holds a bad example      data, 3
 =====================  ===================================================  ==========
 
-All three are ``ValueError``\\ s, so ``except ValueError`` keeps working in user code.
+All three are ``ValueError``\\ s, so ``except ValueError`` keeps working in user code. An argument of
+the wrong type (``window="8"``) is an :class:`ArgumentTypeError`: an :class:`ArgumentError` and a
+``TypeError``. Every integer argument is checked by :func:`check_int`, so one mistake reads the same
+(class, wording, exit code) whichever entry point met it.
 """
 
 from __future__ import annotations
 
+import numbers
 import shlex
 
-__all__ = ["Arg", "arg", "Message", "PackkitError", "ArgumentError", "DataError", "MissingError", "OutputError"]
+__all__ = ["Arg", "arg", "check_int", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError", "DataError",
+           "MissingError", "OutputError"]
 
 
 class Arg:
@@ -147,6 +152,30 @@ def _rebuild(cls, template, fields):
 
 class ArgumentError(PackkitError, ValueError):
     """An argument has a value packkit refuses: ``window=0``, ``seed=-1``, an unknown policy."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type: ``window="8"``, ``seed=1.5``, ``batch_size=True``."""
+
+
+def check_int(value, name: str, *, low: int = 1, high: int | None = None, unit: str = "", fix: str = "",
+              **fields) -> int:
+    """``value`` as a Python int in ``[low, high]``, or the one error for that mistake, naming ``name``.
+
+    ``check_int(16, "batch_size") -> 16``; ``check_int(np.int64(0), "seed", low=0) -> 0``. A bool, a float
+    (2.0 too), a string or None raises :class:`ArgumentTypeError` ``"batch_size must be an integer, got
+    2.0 (float)"``; a value out of range :class:`ArgumentError` ``"window must be at least 1 token, got
+    0"`` (``unit=" token"``) or ``"rank must be between 0 and 3, got 4"``. ``fix`` (a template over
+    ``fields``, which may hold :func:`arg`) follows the message: ``": {one} means no accumulation"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError("{name} must be an integer, got {got!r} ({kind})", name=arg(name), got=value,
+                                kind=type(value).__name__)
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"at least {low}{unit}" if high is None else f"between {low} and {high}{unit}"
+        raise ArgumentError("{name} must be " + bound + ", got {got}" + fix, name=arg(name), got=value, **fields)
+    return value
 
 
 class DataError(PackkitError, ValueError):

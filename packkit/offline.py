@@ -67,7 +67,6 @@ against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250
 
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +75,7 @@ from . import arrow
 from .arrow import list_array
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format, load_tokenizer, prepare_dataset
-from .errors import ArgumentError, arg
+from .errors import ArgumentError, arg, check_int
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
 from .rules import check_column, column_kind
@@ -127,9 +126,8 @@ def _check_common(window, strategy, overflow, seed, num_proc):
     check_strategy(strategy)
     check_overflow(overflow)
     check_seed(seed)
-    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, numbers.Integral)
-                                 or num_proc < 1):
-        raise ValueError(f"num_proc must be a positive integer or None, got {num_proc!r}")
+    if num_proc is not None:
+        check_int(num_proc, "num_proc")
     return window
 
 
@@ -215,9 +213,7 @@ class PackedTable:
         """Tokens per record batch so that ``in_flight`` batches (a writer writing one while the next
         is gathered: 2), their temporaries and ``encoding`` times their size held by a writer
         (:data:`packkit.writers.ENCODING_FACTOR`) stay within ``buffer_bytes``."""
-        if isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, numbers.Integral) or buffer_bytes < 1:
-            raise ArgumentError("{arg} must be a positive number of bytes, got {got!r}", arg=arg("buffer_bytes"),
-                                got=buffer_bytes)
+        check_int(buffer_bytes, "buffer_bytes", unit=" byte")
         # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
         per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
         return max(1, min(int(buffer_bytes / per_token), arrow.MAX_LIST_VALUES))  # int32 list offsets per batch

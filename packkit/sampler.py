@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import numbers
 import warnings
 from collections.abc import Mapping
 
@@ -70,7 +69,7 @@ import numpy as np
 
 from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, pack
-from .errors import ArgumentError, arg
+from .errors import ArgumentError, arg, check_int
 from .segments import lengths_to_offsets
 
 __all__ = [
@@ -90,15 +89,6 @@ CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the
 # ----------------------------------------------------------------------------------------------
 # input checking
 # ----------------------------------------------------------------------------------------------
-
-
-def _positive_int(value, name: str) -> int:
-    """``_positive_int(16, "batch_size") -> 16``; a bool, a non-integer or a value < 1 raises."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return int(value)
 
 
 def resolve_rank(rank, world_size) -> tuple[int, int]:
@@ -121,10 +111,8 @@ def resolve_rank(rank, world_size) -> tuple[int, int]:
                 f"got rank={rank!r} and world_size={world_size!r} with no process group: "
                 "pass both, or neither (then the default process group is used when initialised)"
             )
-    world_size = _positive_int(world_size, "world_size")
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
-    return int(rank), world_size
+    world_size = check_int(world_size, "world_size")
+    return check_int(rank, "rank", low=0, high=world_size - 1), world_size
 
 
 def lengths_from_dataset(dataset, *, key: str = "input_ids") -> np.ndarray:
@@ -480,7 +468,7 @@ class _BatchSampler:
         self.drop_last, self.balance, self.shuffle = drop_last, balance, bool(shuffle)
         self.cost = cost_model(cost, cp_size=cp_size)
         R = self.world_size
-        self.step_batches = R if step_batches is None else _positive_int(step_batches, "step_batches")
+        self.step_batches = R if step_batches is None else check_int(step_batches, "step_batches")
         if self.step_batches % R:
             lo = max(R, self.step_batches // R * R)
             raise ArgumentError("{sb} is not a multiple of world_size={R}: every rank takes the same number of "
@@ -765,9 +753,8 @@ class _BatchSampler:
 
         Setting the epoch that :meth:`load_state_dict` restored keeps the resume position.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
-            raise TypeError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if int(epoch) != self._epoch_num:
+        epoch = check_int(epoch, "epoch", low=0)
+        if epoch != self._epoch_num:
             self._point, self._offset, self._active, self._yielded = _Point(), 0, None, 0
         self._epoch_num = int(epoch)
 
@@ -851,8 +838,7 @@ class _BatchSampler:
             done_rows = 0
         total = offset + sched.rows
         done = offset + done_rows if batches_consumed is None else batches_consumed
-        if isinstance(done, bool) or not isinstance(done, numbers.Integral) or not offset <= done <= total:
-            raise ValueError(f"batches_consumed must be in [{offset}, {total}], got {done!r}")
+        done = check_int(done, "batches_consumed", low=offset, high=total)
         point = self._point_after(sched, base, int(done) - offset) if done > offset or base.clean else base
         return {
             "sampler": type(self).__name__,
@@ -935,12 +921,10 @@ class _BatchSampler:
             return exc(f"sampler state field {name!r}: {why}")
 
         def count(name: str, low: int = 0):
-            v = state[name]
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise field_error(name, f"must be an integer, got {v!r}", TypeError)
-            if v < low:
-                raise field_error(name, f"must be at least {low}, got {v!r}")
-            return int(v)
+            try:
+                return check_int(state[name], name, low=low)
+            except ArgumentError as exc:
+                raise field_error(name, str(exc), type(exc)) from None
 
         if state["sampler"] != type(self).__name__:
             raise field_error("sampler", f"the state is from a {state['sampler']}, this is a {type(self).__name__}")
@@ -950,12 +934,9 @@ class _BatchSampler:
                 "build the sampler with the same dataset and arguments before loading")
         try:
             seed = check_seed(state["seed"], allow_none=False)
-        except (TypeError, ValueError) as exc:
+        except ArgumentError as exc:
             raise field_error("seed", str(exc), type(exc)) from None
-        epoch = state["epoch"]
-        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
-            raise field_error("epoch", f"must be a non-negative integer, got {epoch!r}",
-                              ValueError if isinstance(epoch, numbers.Integral) else TypeError)
+        epoch = count("epoch")
         old_R = count("world_size", 1)
         done = count("batches_yielded")
         if state.get("version") == 2:
@@ -994,7 +975,7 @@ def _default_mult(mult, full_steps: int) -> int:
     """Steps per megabatch: the given number, or min(50, a quarter of the steps) (Hugging Face's rule)."""
     if mult is None:
         return max(1, min(50, full_steps // 4))
-    return _positive_int(mult, "megabatch_mult")
+    return check_int(mult, "megabatch_mult")
 
 
 def _tail_units(flat: np.ndarray, ptr: np.ndarray, tail: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -1033,8 +1014,8 @@ class LengthGroupedSampler(_BatchSampler):
                  step_batches: int | None = None, drop_last: bool = False, longest_first: bool = False,
                  balance: str | None = None, cost=None, cp_size: int = 1, shuffle: bool = True, dataset=None,
                  key: str = "input_ids"):
-        self.batch_size = _positive_int(batch_size, "batch_size")
-        self.megabatch_mult = None if megabatch_mult is None else _positive_int(megabatch_mult, "megabatch_mult")
+        self.batch_size = check_int(batch_size, "batch_size")
+        self.megabatch_mult = None if megabatch_mult is None else check_int(megabatch_mult, "megabatch_mult")
         self.longest_first = bool(longest_first)
         super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
                          drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
@@ -1101,9 +1082,9 @@ class TokenBudgetBatchSampler(_BatchSampler):
                  world_size: int | None = None, step_batches: int | None = None, drop_last: bool = False,
                  longest_first: bool = False, balance: str | None = None, cost=None, cp_size: int = 1,
                  shuffle: bool = True, dataset=None, key: str = "input_ids"):
-        self.max_tokens = _positive_int(max_tokens, "max_tokens")
-        self.max_batch_size = None if max_batch_size is None else _positive_int(max_batch_size, "max_batch_size")
-        self.megabatch_size = None if megabatch_size is None else _positive_int(megabatch_size, "megabatch_size")
+        self.max_tokens = check_int(max_tokens, "max_tokens")
+        self.max_batch_size = None if max_batch_size is None else check_int(max_batch_size, "max_batch_size")
+        self.megabatch_size = None if megabatch_size is None else check_int(megabatch_size, "megabatch_size")
         self.longest_first = bool(longest_first)
         lengths = _lengths(lengths, dataset, key)
         over = np.flatnonzero(lengths > self.max_tokens)
@@ -1210,7 +1191,7 @@ class PackedBatchSampler(_BatchSampler):
                  balance: str | None = None, cost=None, cp_size: int = 1, shuffle: bool = True, dataset=None,
                  key: str = "input_ids", groups=None, group_sizes=None):
         self.window = check_window(window)
-        self.windows_per_batch = _positive_int(windows_per_batch, "windows_per_batch")
+        self.windows_per_batch = check_int(windows_per_batch, "windows_per_batch")
         self._groups = {"groups": groups, "group_sizes": group_sizes}
         grouped = groups is not None or group_sizes is not None
         if strategy not in ("bfd", "ffd", "shuffle_ff"):

@@ -45,7 +45,7 @@ import numpy as np
 from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 from .segments import lengths_to_offsets
-from .errors import DataError, arg
+from .errors import DataError, arg, check_int
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
 from .sampler import LengthGroupedSampler
@@ -258,12 +258,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     raw = as_lengths(lengths)
     if raw.size == 0:
         raise ValueError("no examples: the dataset is empty")
-    for name, v in (("batch_size", batch_size), ("buffer_size", buffer_size)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    k = batch_size if windows_per_step is None else windows_per_step
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"windows_per_step must be a positive integer, got {k!r}")
+    batch_size, buffer_size = check_int(batch_size, "batch_size"), check_int(buffer_size, "buffer_size")
+    k = batch_size if windows_per_step is None else check_int(windows_per_step, "windows_per_step")
     strategies = tuple(strategies)
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:

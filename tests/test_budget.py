@@ -67,9 +67,9 @@ def packed_units_ref(plan, lengths, loss):
 
 def test_effective_batch_and_bad_input():
     assert effective_batch_size(per_device_batch=4, accumulation_steps=8, devices=2) == 64
-    with pytest.raises(ValueError, match="devices must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="devices must be at least 1, got 0"):
         plan_budget([5, 6], per_device_batch=1, devices=0)
-    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="accumulation_steps must be at least 1, got 0"):
         plan_budget([5, 6], per_device_batch=1, accumulation_steps=0)
     with pytest.raises(ValueError, match="lengths is empty"):
         plan_budget([], per_device_batch=1)
@@ -342,8 +342,8 @@ def test_cli_inputs_agree(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,code,message", [
     ((), 2, "give a lengths FILE or --synthetic N"),
-    (("--synthetic", "10", "-d", "0"), 2, "--devices must be >= 1"),
-    (("--synthetic", "10", "-a", "0"), 2, "--accumulation-steps must be >= 1"),
+    (("--synthetic", "10", "-d", "0"), 2, "--devices must be at least 1"),
+    (("--synthetic", "10", "-a", "0"), 2, "--accumulation-steps must be at least 1"),
     (("missing.npy",), 3, "does not exist"),
 ])
 def test_cli_errors_are_one_line(capsys, argv, code, message):

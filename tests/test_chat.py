@@ -630,7 +630,7 @@ def test_pack_dataset_checks_its_arguments_before_tokenizing(tok_dir, monkeypatc
             pack_dataset(data, window=0, tokenizer=str(tok_dir))
         with pytest.raises(ArgumentError, match="unknown overflow"):
             pack_dataset(data, window=24, overflow="wrap", tokenizer=str(tok_dir))
-        with pytest.raises(ArgumentError, match="seed must be a non-negative integer"):
+        with pytest.raises(ArgumentError, match="seed must be at least 0"):
             pack_dataset(data, window=24, seed=-1, tokenizer=str(tok_dir))
     with pytest.raises(ValueError, match="strategy must be 'bfd', got 'ffd'"):
         pack_dataset(ds.to_iterable_dataset(), window=24, strategy="ffd", tokenizer=str(tok_dir))

@@ -194,8 +194,8 @@ def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
                                                                                    "--text-column NAME"),
     (["pack", "{tmp}/saved_dict", "{tmp}/o.parquet", "-w", "8", "--split", "dev"], 3, "no split 'dev'"),
     (["pack", "{tmp}/saved", "{tmp}/o.parquet", "-w", "8", "--split", "dev"], 3, "not a DatasetDict: drop --split"),
-    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--seed", "-1"], 2, "--seed must be a non-negative"),
-    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--num-proc", "0"], 2, "--num-proc must be a positive"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--seed", "-1"], 2, "--seed must be at least 0"),
+    (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "8", "--num-proc", "0"], 2, "--num-proc must be at least 1"),
     (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", str(2**40)], 2, "is above the largest window"),
     (["pack", "{tmp}/d.jsonl", "{tmp}/d.jsonl", "-w", "8", "--overwrite"], 2, "is the input"),
     (["pack", "{tmp}/d.jsonl", "{tmp}/no/such/o.parquet", "-w", "8"], 2, "does not exist; create it first"),
@@ -203,7 +203,7 @@ def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
     (["pack", "{tmp}/d.jsonl", "{tmp}/d.parquet", "-w", "8"], 2, "exists; pass --overwrite to replace it"),
     (["pack", "{tmp}/d.jsonl", "{tmp}/saved.parquet", "-w", "8"], 2, "is a folder, and the output is a file"),
     (["pack", "{tmp}/d.jsonl", "-w", "8"], 2, "the following arguments are required: output"),
-    (["plan", "--synthetic", "100", "-a", "0"], 2, "--accumulation-steps must be >= 1, got 0: "
+    (["plan", "--synthetic", "100", "-a", "0"], 2, "--accumulation-steps must be at least 1, got 0: "
                                                   "--accumulation-steps 1 means no accumulation"),
     (["plan", "--synthetic", "100", "-w", "8", "--padded"], 2, "not allowed with argument"),
     (["plan"], 2, "give a lengths FILE or --synthetic N"),

@@ -435,9 +435,9 @@ def test_bad_options():
         FixedWindowCollator(window=0)
     with pytest.raises(ValueError, match="unknown strategy"):
         FixedWindowCollator(window=8, strategy="best")
-    with pytest.raises(ValueError, match="num_windows must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_windows must be at least 1, got 0"):
         FixedWindowCollator(window=8, num_windows=0)
-    with pytest.raises(ValueError, match="pad_token_id must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="pad_token_id must be at least 0, got -1"):
         PaddedCollator(pad_token_id=-1)
     with pytest.raises(ValueError, match="max_segments only applies with static_shape=True"):
         FixedWindowCollator(window=8, max_segments=4)
@@ -445,12 +445,12 @@ def test_bad_options():
 
 @pytest.mark.parametrize("make, error, match", [
     (lambda: FixedWindowCollator(window=8, seed="x"), TypeError, "seed must be an integer, got 'x'"),
-    (lambda: FixedWindowCollator(window=8, seed=-1), ValueError, "seed must be >= 0, got -1"),
+    (lambda: FixedWindowCollator(window=8, seed=-1), ValueError, "seed must be at least 0, got -1"),
     (lambda: FixedWindowCollator(window=8, seed=True), TypeError, "seed must be an integer"),
     (lambda: FixedWindowCollator(window=8, num_windows=2.5), TypeError, "num_windows must be an integer"),
     (lambda: FixedWindowCollator(window=8, num_windows=True), TypeError, "num_windows must be an integer"),
     (lambda: PaddedCollator(pad_to_multiple_of=2.5), TypeError, "pad_to_multiple_of must be an integer"),
-    (lambda: PaddedCollator(pad_to_multiple_of=0), ValueError, "pad_to_multiple_of must be >= 1"),
+    (lambda: PaddedCollator(pad_to_multiple_of=0), ValueError, "pad_to_multiple_of must be at least 1"),
     (lambda: PaddedCollator(pad_token_id="0"), TypeError, "pad_token_id must be an integer"),
     (lambda: PackedRowsCollator(window=8, num_windows=2, static_shape=True, max_segments=1.0), TypeError,
      "max_segments must be an integer"),

@@ -150,9 +150,9 @@ def test_hybrid_balances_short_documents_and_pads_little():
 
 def test_bad_arguments_are_one_line_errors():
     batch = PaddingFreeCollator()(examples([5, 3]))
-    with pytest.raises(ValueError, match="cp_size must be an integer >= 1"):
+    with pytest.raises(ValueError, match="cp_size must be at least 1, got"):
         shard(batch, cp_size=0, rank=0)
-    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 2\)"):
+    with pytest.raises(ValueError, match="rank must be between 0 and 1, got"):
         shard(batch, cp_size=2, rank=2)
     with pytest.raises(ValueError, match="unknown CP layout 'ring'"):
         shard(batch, cp_size=2, rank=0, layout="ring")

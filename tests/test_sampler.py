@@ -320,13 +320,13 @@ def test_load_state_dict_refuses_a_different_setup():
 
 
 @pytest.mark.parametrize("field, value, exc, match", [
-    ("epoch", -3, ValueError, "field 'epoch': must be a non-negative integer, got -3"),
-    ("epoch", 1.5, TypeError, "field 'epoch': must be a non-negative integer, got 1.5"),
-    ("seed", -1, ValueError, "field 'seed': seed must be a non-negative integer, got -1"),
+    ("epoch", -3, ValueError, "field 'epoch': epoch must be at least 0, got -3"),
+    ("epoch", 1.5, TypeError, r"field 'epoch': epoch must be an integer, got 1.5 \(float\)"),
+    ("seed", -1, ValueError, "field 'seed': seed must be at least 0, got -1"),
     ("seed", "7", TypeError, "field 'seed'"),
     ("batches_yielded", 10_000, ValueError, r"field 'batches_yielded': 10000 is outside \[0, "),
     ("batches_yielded", -1, ValueError, "field 'batches_yielded'"),
-    ("batches_yielded", None, TypeError, "field 'batches_yielded': must be an integer"),
+    ("batches_yielded", None, TypeError, "field 'batches_yielded': batches_yielded must be an integer"),
     ("world_size", 0, ValueError, "field 'world_size'"),
     ("fingerprint", "0" * 40, ValueError, "field 'fingerprint'"),
     ("sampler", "PackedBatchSampler", ValueError, "field 'sampler'"),

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
-import numbers
 from pathlib import Path
 
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
-from ..errors import ArgumentError, DataError, arg
+from ..errors import DataError, check_int
 from ..datafiles import check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
 from ..offline import DEFAULT_BUFFER_BYTES, plan_source, show_progress
@@ -112,10 +111,10 @@ def run(args, options=None) -> int:
     # -- checks that cost nothing, before anything is read: a refusal loses no work --
     check_window(args.window)
     check_seed(args.seed)
-    if args.num_proc is not None and (not isinstance(args.num_proc, numbers.Integral) or args.num_proc < 1):
-        raise ArgumentError("{arg} must be a positive integer, got {n}", arg=arg("num_proc"), n=args.num_proc)
-    if args.buffer_mb is not None and args.buffer_mb < 1:
-        raise ArgumentError("{arg} must be at least 1 MiB, got {n}", arg=arg("buffer_bytes"), n=args.buffer_mb)
+    if args.num_proc is not None:
+        check_int(args.num_proc, "num_proc")
+    if args.buffer_mb is not None:
+        check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
     buffer_bytes = DEFAULT_BUFFER_BYTES if args.buffer_mb is None else args.buffer_mb * 2**20
     src, out = Path(args.input), Path(args.output)
     fmt = output_format(out)
