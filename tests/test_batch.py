@@ -118,8 +118,9 @@ def test_construction_errors():
 
 
 def test_counts_survive_to_pickle_and_rebuild():
-    """Review 4: the batch carries num_tokens/num_examples/num_real_segments/labels_shifted as Python
-    ints through .to(), pickling and the Trainer-style rebuild from the HF view."""
+    """Before the fix, counts were recomputed from the tensors (a row whose last document has no loss
+    label lost that document to padding). The batch carries num_tokens/num_examples/num_real_segments/
+    labels_shifted as Python ints through .to(), pickling and the Trainer-style rebuild from the HF view."""
     b = FixedWindowCollator(window=8)([{"input_ids": [1, 2, 3]}, {"input_ids": [4] * 6}, {"input_ids": [5, 6]}])
     assert (b.num_tokens, b.num_examples, b.num_real_segments, b.labels_shifted) == (11, 3, 4, False)
     rebuilt = type(b)({k: v for k, v in b.items()})
@@ -129,7 +130,7 @@ def test_counts_survive_to_pickle_and_rebuild():
 
 
 def test_static_batch_hf_kwargs_can_drop_zero_length_segments():
-    """Review 5: a static-shape batch sent its zero-length cu_seqlens padding straight to HF's flash
+    """Before the fix, a static-shape batch sent its zero-length cu_seqlens padding straight to HF's flash
     path (flash-attn #1537). hf_kwargs()/flash_kwargs() keep the static length by default (what
     torch.compile wants); static=False cuts to the real segments on the host, without a copy."""
     b = FixedWindowCollator(window=8, num_windows=3, static_shape=True, max_segments=9)(
@@ -148,9 +149,9 @@ def test_static_batch_hf_kwargs_can_drop_zero_length_segments():
 
 
 def test_pre_shifted_labels_carry_shift_labels_in_the_hf_view():
-    """Review 3 (HF side): a batch built with mask_first_label=False holds pre-shifted labels; its HF
-    view must also carry them as shift_labels, or HF's loss (and Trainer's num_items_in_batch) shift
-    them a second time."""
+    """A batch built with mask_first_label=False holds pre-shifted labels; its HF view must also carry
+    them as shift_labels, or HF's loss (and Trainer's num_items_in_batch) shift them a second time, as
+    they did before the fix."""
     b = PaddingFreeCollator(mask_first_label=False)([{"input_ids": [5, 6, 7], "labels": [6, 7, -100]}])
     assert b.labels_shifted and b["shift_labels"] is b.labels and "shift_labels" in list(b)
     assert list(b)[-1] == "use_cache"

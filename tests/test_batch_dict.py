@@ -1,4 +1,4 @@
-"""PackedBatch is the dict trainers expect (issue 11): item assignment, pop, update, del, copy, ``**batch``,
+"""PackedBatch is the dict trainers expect: item assignment, pop, update, del, copy, ``**batch``,
 pickling, ``.to()``; its counts never go stale, and a batch rebuilt from its bare view (what ``Trainer``
 does every step) keeps its padding.
 
@@ -54,8 +54,8 @@ def test_a_batch_is_a_dict():
 
 
 def test_trl_sets_use_cache_and_counts_stay_cached():
-    """Issue 11: TRL 1.16's SFTTrainer.compute_loss runs inputs["use_cache"] = False, and PackedBatch was a
-    read-only Mapping (TypeError: 'PackedBatch' object does not support item assignment)."""
+    """Before the fix, TRL 1.16's SFTTrainer.compute_loss (inputs["use_cache"] = False) crashed: PackedBatch
+    was a read-only Mapping (TypeError: 'PackedBatch' object does not support item assignment)."""
     b, examples = windows_with_unlabelled_last_documents()
     b["use_cache"] = False
     b["output_router_logits"] = True
@@ -137,8 +137,8 @@ def test_copy_deepcopy_pickle_and_to_keep_the_counts():
 
 
 def test_trainer_rebuild_keeps_padding():
-    """Issue 11 (a known open item): Trainer rebuilds a batch as type(batch)({k: v.to(device)}); the view
-    holds no padding marker, so a row whose last document had no loss token was counted as padding.
+    """Trainer rebuilds a batch as type(batch)({k: v.to(device)}); the view holds no padding marker, so
+    before the fix a row whose last document had no loss token was counted as padding.
     accelerate moves the batch with .to() first, then Trainer rebuilds it from those very tensors:
     the rebuilt batch finds its padding (and every count) again, with no device work."""
     b, examples = windows_with_unlabelled_last_documents()

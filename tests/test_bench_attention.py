@@ -1,7 +1,7 @@
 """benchmarks/bench_attention.py in CI: ``--cpu-smoke`` runs every provider's call path on the CPU
 (Triton under its interpreter; flash-attn's flash_attn_varlen_func and torch 2.11's varlen_attn as fakes
-with their real signatures), so a call that would crash on the first GPU (issue 15: a private backend
-called with the wrong number of arguments, after the Triton timings, so no table was printed) fails here."""
+with their real signatures), so a call that would crash on the first GPU (before the fix, a private
+backend called with the wrong number of arguments, after the Triton timings, so no table was printed) fails here."""
 
 import json
 import os

@@ -323,7 +323,7 @@ def test_select_and_segments():
 
 
 def test_select_rejects_repeated_and_out_of_range_windows():
-    """Regression (review): select([0, 0]) silently duplicated a window's tokens."""
+    """Before the fix, select([0, 0]) silently duplicated a window's tokens."""
     plan = pack([5, 3, 4, 2], window=8)
     with pytest.raises(ValueError, match="twice"):
         plan.select([0, 0])
@@ -374,7 +374,7 @@ def test_over_long_error_names_example_and_fix():
 
 
 def test_window_upper_bound_is_checked_before_any_allocation(monkeypatch):
-    """Issue 12: `-w 1099511627776` tried to allocate 8 TiB (a table of window + 1 entries) and
+    """Before the fix, `-w 1099511627776` tried to allocate 8 TiB (a table of window + 1 entries) and
     `waste -w 2147483648` was killed by the OOM killer. check_window bounds the window with the reason;
     PACKKIT_MAX_WINDOW moves the bound."""
     from packkit.binpack import MAX_WINDOW, check_window

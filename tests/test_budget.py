@@ -306,7 +306,8 @@ def run_cli(capsys, *argv):
 
 
 def test_cli_inputs_agree(tmp_path, capsys):
-    """Review 8: ``packkit plan`` reads every format ``packkit waste`` reads (through packkit.datafiles), and
+    """``packkit plan`` reads every format ``packkit waste`` reads (one reader, packkit.datafiles: before the
+    fix budget had its own), and
     the loss tokens agree whichever way the file carries them (labels, a JSON list, Parquet, Arrow,
     save_to_disk, a completion mask)."""
     import datasets
@@ -352,7 +353,7 @@ def test_cli_errors_are_one_line(capsys, argv, code, message):
 
 
 def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
-    """Review 8: budget read a .txt as one length per line while packkit.datafiles (packkit waste) reads one
+    """Before the fix, budget read a .txt as one length per line while packkit.datafiles (packkit waste) reads one
     text example per line, so the two commands disagreed on the same file. Both read text now."""
     (tmp_path / "t.txt").write_text("12\n7\nhello world\n")
     assert read_lengths(str(tmp_path / "t.txt")).lengths.tolist() == [2, 1, 11]
@@ -374,7 +375,7 @@ def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
      ValueError, "dataset row 1 has label -7 in 'labels'"),
 ])
 def test_loss_columns_are_checked(tmp_path, rows, error, match):
-    """Review 8: the jsonl reader did not check that labels are as long as input_ids (and counted any
+    """Before the fix, the jsonl reader did not check that labels are as long as input_ids (and counted any
     non-zero mask value as loss)."""
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

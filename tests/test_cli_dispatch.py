@@ -38,7 +38,8 @@ def test_user_error_is_one_line_and_debug_reraises(capsys, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
 def test_every_option_has_help_and_one_overflow_default(name):
-    """Issue 12: every option has help text; --overflow has one default across commands."""
+    """Every option has help text; --overflow has one default across commands (before the fix, plan and
+    pack defaulted to error, waste to truncate)."""
     parser = importlib.import_module(cli.SUBCOMMANDS[name][0]).parser()
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
@@ -50,7 +51,8 @@ def test_every_option_has_help_and_one_overflow_default(name):
 
 
 def test_library_wording_becomes_the_commands_options(capsys, monkeypatch):
-    """Issue 12: a library error that names arguments (overflow='split') reads in the CLI's syntax, through
+    """A library error that names arguments (overflow='split'; before the fix, as the CLI printed it) reads
+    in the CLI's syntax, through
     one translation (each command's own flags; aliases where the library's name differs)."""
     from packkit.cli import waste
 
@@ -67,7 +69,7 @@ def test_library_wording_becomes_the_commands_options(capsys, monkeypatch):
 
 
 def test_missing_extra_says_what_to_install(capsys, monkeypatch):
-    """Issue 12: `packkit pack` without datasets said "No module named 'datasets'" and nothing more."""
+    """Before the fix, `packkit pack` without datasets said "No module named 'datasets'" and nothing more."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "datasets" else real(n, *a))
     assert cli.main(["pack", "in.jsonl", "out.parquet", "-w", "8"]) == 3  # the input is checked first

@@ -1,4 +1,4 @@
-"""Fault injection on the real `packkit` command (issue 12), each case a subprocess as a user runs it.
+"""Fault injection on the real `packkit` command, each case a subprocess as a user runs it.
 
 - SIGKILL at random moments of `packkit pack` in every output format: the target is absent or
   complete, and a previous target is byte-identical;
@@ -356,7 +356,7 @@ def test_broken_pipe_exits_quietly(argv):
 
 
 # ----------------------------------------------------------------------------------------------
-# hostile moments (issue 19): stop signals, a full disk, a file-size limit, names the disk refuses
+# hostile moments: stop signals, a full disk, a file-size limit, names the disk refuses
 # ----------------------------------------------------------------------------------------------
 
 #: Runs `packkit.cli.main` on many cases in one process (imports paid once): prints {"start": k} before

@@ -209,7 +209,8 @@ def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
     (["plan"], 2, "give a lengths FILE or --synthetic N"),
 ])
 def test_bad_input_is_one_line_with_its_exit_code(files, tmp_path, capsys, argv, code, match):
-    """Issue 12: one line naming the option in the CLI's syntax, exit 2 for the command line, 3 for the input."""
+    """One line naming the option in the CLI's syntax, exit 2 for the command line, 3 for the input (before
+    the fix: tracebacks, library argument names, and one exit code for both)."""
     (tmp_path / "x.csv").write_text("a,b\n")
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     (tmp_path / "empty.jsonl").write_text("")
@@ -224,7 +225,7 @@ def test_bad_input_is_one_line_with_its_exit_code(files, tmp_path, capsys, argv,
 
 
 def test_pack_command_turns_a_loss_mask_into_labels(tmp_path, capsys):
-    """Review 1 (CLI): `packkit pack` on SFT data with a completion_mask wrote input_ids and seq_lengths
+    """Before the fix, `packkit pack` on SFT data with a completion_mask wrote input_ids and seq_lengths
     only, dropping the mask, so training on the output learned the prompts. The mask now becomes
     labels (-100 where it is 0, and on every segment's first token)."""
     src = tmp_path / "sft.jsonl"
@@ -241,8 +242,8 @@ def test_pack_command_turns_a_loss_mask_into_labels(tmp_path, capsys):
 
 
 def test_pack_command_rejects_bad_label_values(tmp_path, capsys):
-    """Review 17 (CLI): a label of -5 is an error at pack time that names the example and its line, one
-    line, exit 3 (data)."""
+    """A label of -5 is an error at pack time that names the example and its line, one line, exit 3
+    (data); before the fix it was packed and failed only when a collator read it."""
     src = tmp_path / "bad.jsonl"
     src.write_text("\n".join(json.dumps({"input_ids": x, "labels": y})
                              for x, y in [([1, 2], [1, 2]), ([3, 4], [-100, -5])]) + "\n")

@@ -456,7 +456,7 @@ def test_bad_options():
      "max_segments must be an integer"),
 ])
 def test_options_are_checked_in_init_with_one_contract(make, error, match):
-    """Review 18/19: a bad seed used to fail only at the first batch (inside a DataLoader worker), and
+    """Before the fix, a bad seed failed only at the first batch (inside a DataLoader worker), and
     collate's option checks raised ValueError for non-integers where sampler/budget raise TypeError.
     Now: checked in __init__, TypeError for a non-integer or a bool, ValueError for a value out of range."""
     with pytest.raises(error, match=match):
@@ -464,7 +464,7 @@ def test_options_are_checked_in_init_with_one_contract(make, error, match):
 
 
 def test_static_shape_requires_max_segments():
-    """Review 6-bis: the default max_segments was num_windows * window (cu_seqlens B*W+1 long, B*W
+    """Before the fix, the default max_segments was num_windows * window (cu_seqlens B*W+1 long, B*W
     mostly empty kernel programs). static_shape now needs an explicit bound, and the error says how
     to choose it."""
     with pytest.raises(ValueError, match=r"needs num_windows=B and max_segments=S.*window // shortest_example"):
@@ -484,7 +484,7 @@ def test_static_shape_requires_max_segments():
     ([{"input_ids": np.array([1, 2])}, {"input_ids": [3, 2.5]}], r"example 1 has 2.5 \(float\) in 'input_ids'"),
 ])
 def test_bools_after_the_first_token_are_rejected(examples, match):
-    """Review 15: only the first element of a list was type-checked and struct.pack('q', True) takes a
+    """Before the fix, only the first element of a list was type-checked and struct.pack('q', True) takes a
     bool as 1, so [3, True] collated silently as [3, 1] (and lists mixed with arrays went through
     np.array, which truncates floats). Every list element is now held to the integer rule."""
     with pytest.raises(TypeError, match=match):
@@ -500,7 +500,7 @@ def test_token_ids_zero_and_one_are_still_fine():
 @pytest.mark.parametrize("key", ["completion_mask", "assistant_masks"])
 @pytest.mark.parametrize("bad", [2, -1])
 def test_mask_values_other_than_zero_and_one_are_rejected(key, bad):
-    """Review 16: a completion mask of 2 or -1 silently counted as "loss". Now a ValueError naming
+    """Before the fix, a completion mask of 2 or -1 silently counted as "loss". Now a ValueError naming
     the example and the value; bool masks still work."""
     ok = {"input_ids": [1, 2, 3], key: [0, 1, 1]}
     with pytest.raises(ValueError, match=f"example 1 has {bad} in the loss mask '{key}'; a loss mask holds 1"):

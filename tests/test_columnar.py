@@ -147,7 +147,7 @@ def test_dataloader_with_two_workers_and_samplers(sampler_kind):
 
 
 def test_a_bad_row_deep_in_an_epoch_with_two_workers_names_the_dataset_row():
-    """Issue 12: collator errors named the position inside the batch ("example 7"), so under a
+    """Before the fix, collator errors named the position inside the batch ("example 7"), so under a
     DataLoader with workers the bad row could not be found. Through ColumnarDataset the batch carries
     its dataset indices: the one error names the dataset row, and the rule."""
     rng = np.random.default_rng(0)
@@ -229,7 +229,7 @@ def masked_counts(rows):
 
 
 def test_trainer_defaults_with_columnar_dataset_honour_the_mask(tmp_path):
-    """Issue 11: Trainer's default remove_unused_columns=True dropped completion_mask before the collator
+    """Before the fix, Trainer's default remove_unused_columns=True dropped completion_mask before the collator
     saw it (8 of 68 labels masked instead of half). Through ColumnarDataset the mask arrives: every
     batch's loss tokens are the masked count, on every example."""
     rows = chat_rows(12, seed=5, mixed=False)

@@ -40,7 +40,7 @@ def test_list_array_switches_to_large_list_past_the_limit():
 
 @pytest.mark.parametrize("limit", [None, 7, 6])
 def test_tokenize_uses_64_bit_offsets_past_int32(tokenizer_json, monkeypatch, limit):
-    """Review 7: tokenize (a tokenizer.json) built int32 offsets with astype(int32), which wraps past
+    """Before the fix, tokenize (a tokenizer.json) built int32 offsets with astype(int32), which wraps past
     2**31 - 1 tokens (byte_tokenize had the large_list branch, tokenize did not). Both now go through
     arrow.list_array; the limit is lowered here to exercise the switch on 8 tokens."""
     if limit is not None:

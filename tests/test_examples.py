@@ -44,7 +44,7 @@ def labels_by_hand(examples):
 
 
 def test_a_mask_on_example_1_is_honoured_when_example_0_has_none():
-    """Issue 11: PaddingFreeCollator()([{"input_ids":[3,4,5]}, {"input_ids":[6,7,8], "completion_mask":[0,0,1]}])
+    """Before the fix, PaddingFreeCollator()([{"input_ids":[3,4,5]}, {"input_ids":[6,7,8], "completion_mask":[0,0,1]}])
     gave labels [-100,4,5,-100,7,8]: example 1's mask was ignored because example 0 had none."""
     from packkit.collate import PaddingFreeCollator
 
@@ -172,7 +172,7 @@ def test_offline_packing_names_the_dataset_row(case):
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_waste_plan_and_pack_commands_refuse_what_pack_refuses(case, tmp_path, capsys):
-    """Issue 12: `packkit waste` measured float, NaN and negative ids and nested lists' outer lengths that
+    """Before the fix, `packkit waste` measured float, NaN and negative ids and nested lists' outer lengths that
     `pack` rejects; `plan` counted label -7 as a loss token. Now the three refuse the same rows, in the
     same words."""
     from packkit.datafiles import read_lengths
@@ -252,7 +252,7 @@ def test_nan_in_a_float_column_is_named():
 
 
 def test_plan_does_not_count_bad_labels_as_loss():
-    """Issue 12: `plan` counted label -7 as a loss token; now it is refused, and -100 is not counted."""
+    """Before the fix, `plan` counted label -7 as a loss token; now it is refused, and -100 is not counted."""
     table = pa.table({"input_ids": [[1, 2, 3]], "labels": [[-100, -7, 3]]})
     with pytest.raises(ValueError, match="dataset row 0 has label -7"):
         loss_lengths(table)

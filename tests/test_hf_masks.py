@@ -4,7 +4,7 @@ Gemma2, Gemma3 (full and sliding layers mixed) and Phi3 (sliding window), each w
 
 Views: the batch as is (``model(**batch)``: no mask, documents found from ``position_ids``), the
 explicit mask ``hf_mask(model)`` (additive float, 4-D, windowed; a dict per layer type where layers
-mix), and the padded fallback's own 2-D mask. Regression tests pin the two wrong masks of issue 11: a
+mix), and the padded fallback's own 2-D mask. Regression tests pin the two wrong masks packkit advised before the fix: a
 bool mask under eager attention (added to the scores: documents attend across) and a mask without the
 window on a sliding-window model (any explicit mask replaces the model's own window).
 """
@@ -107,8 +107,8 @@ def test_every_mask_view_equals_each_document_alone(family, impl, examples):
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(SLIDING))
 def test_a_mask_without_the_window_loses_it(family, impl, examples):
-    """Issue 11: any explicit 4-D mask replaces a sliding-window model's own window (0.16 to 0.6 logit
-    error): the full block-diagonal mask ``dense_mask()`` (the old advice) lets tokens see past it."""
+    """Any explicit 4-D mask replaces a sliding-window model's own window (0.16 to 0.6 logit
+    error): the full block-diagonal mask ``dense_mask()`` (the advice before the fix) lets tokens see past it."""
     model = build(family, impl)
     batch = PaddingFreeCollator()(examples)
     full = torch.zeros(batch.dense_mask().shape, dtype=torch.float32).masked_fill_(~batch.dense_mask(), torch.finfo(
@@ -120,7 +120,7 @@ def test_a_mask_without_the_window_loses_it(family, impl, examples):
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_a_bool_mask_under_eager_attends_across_documents(family, examples):
-    """Issue 11: ``attention_mask=batch.dense_mask()[:, None]`` (the old advice) is added to the scores by
+    """``attention_mask=batch.dense_mask()[:, None]`` (the advice before the fix) is added to the scores by
     eager attention: True/False become +1/0 and every token attends across documents."""
     model = build(family, "eager")
     batch = PaddingFreeCollator()(examples)

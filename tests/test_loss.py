@@ -368,7 +368,7 @@ def test_packed_and_padded_give_the_same_loss_and_gradient(layout):
 
 
 def test_pre_shifted_batch_counts_one_way():
-    """Review 3: with mask_first_label=False (pre-shifted labels) batch.num_loss_tokens counted every
+    """Before the fix, with mask_first_label=False (pre-shifted labels) batch.num_loss_tokens counted every
     label (2) while count_loss_tokens and step.loss read labels[..., 1:] (1 term), and
     accumulation_step trusted the batch's 2: the divisor disagreed with the summed terms. The batch
     now says labels_shifted and every count and the loss follow it."""
@@ -394,7 +394,7 @@ def test_pre_shifted_batch_counts_one_way():
 
 
 def test_last_document_without_loss_tokens_is_not_padding():
-    """Review 4: a padding-free batch of [5, 6, 7] and [8] whose last document has no loss label was
+    """Before the fix, a padding-free batch of [5, 6, 7] and [8] whose last document has no loss label was
     counted as 3 tokens and 1 example (the last segment taken for padding). Collated batches carry
     the exact counts now."""
     from packkit.collate import FixedWindowCollator, PaddingFreeCollator

@@ -298,7 +298,7 @@ def test_any_buffer_size_gives_the_same_rows(tmp_path, buffer_bytes):
     assert reassemble(ref, plan) == {i: t for i, t in enumerate(ds["input_ids"])}
 
 
-# -- review regressions ---------------------------------------------------------------------------
+# -- regressions ---------------------------------------------------------------------------------
 
 
 def masked_examples(lengths, mask_key, *, labels, seed=0):
@@ -318,7 +318,7 @@ def masked_examples(lengths, mask_key, *, labels, seed=0):
 @pytest.mark.parametrize("labels", [False, True])
 @pytest.mark.parametrize("select", [False, True])
 def test_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, labels, select):
-    """Review 1: offline packing kept only input_ids (+ labels) and dropped a completion_mask /
+    """Before the fix, offline packing kept only input_ids (+ labels) and dropped a completion_mask /
     assistant_masks column without a word, so PackedRowsCollator then trained on the prompt tokens
     (labels [[-100, 2, 3, 4, -100, 6, 7]], 5 loss tokens, where the online collator gives
     [[-100, -100, 3, 4, -100, 6, 7]], 4). Every offline row must now collate to exactly what the
@@ -343,8 +343,8 @@ def test_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, labels, 
         assert row["labels"] == want.labels[0, :len(row["input_ids"])].tolist()
 
 
-def test_review_repro_two_masked_examples_window_8():
-    """Review 1, the reported repro: two examples with completion_mask, window 8."""
+def test_two_masked_examples_in_a_window_of_8():
+    """The reported repro of the dropped mask (the test above): two examples with completion_mask, window 8."""
     collate = pytest.importorskip("packkit.collate")
     exs = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]},
            {"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}]
@@ -356,7 +356,7 @@ def test_review_repro_two_masked_examples_window_8():
 
 @pytest.mark.parametrize("select", [False, True])
 def test_label_values_are_checked_when_packing(select):
-    """Review 17: a label such as -5 (neither a token id nor -100) was packed without a word and failed
+    """Before the fix, a label such as -5 (neither a token id nor -100) was packed without a word and failed
     only at collate time inside a DataLoader worker; it now fails at pack time, naming the example
     (its index in the selection when the dataset is a selection; rows left out are not checked)."""
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3], [4, 5, 6], [7]],
@@ -371,7 +371,8 @@ def test_label_values_are_checked_when_packing(select):
 
 
 def test_option_errors_are_binpacks_own():
-    """Review 23: strategy/overflow checks and the overflow error were copied (text and all) into hf; they
+    """Before the fix, the strategy/overflow checks and the overflow error were copied (text and all) into
+    the offline module; they
     are binpack's now, so the wording cannot drift."""
     from packkit.binpack import check_overflow, check_strategy, overflow_error
 
@@ -389,7 +390,7 @@ def test_option_errors_are_binpacks_own():
 
 
 def test_loss_mask_values_other_than_0_and_1_are_rejected_offline():
-    """Regression (review): offline packing treated a mask value of 2 as "loss" while the collators
+    """Before the fix, offline packing treated a mask value of 2 as "loss" while the collators
     reject it; both now refuse it and name the example."""
     import datasets
 

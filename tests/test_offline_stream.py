@@ -207,7 +207,7 @@ def test_iterable_dataset_streams_the_same_rows():
         pack_dataset(ids, window=10, strategy="next_fit")
 
 
-# -- review regressions ---------------------------------------------------------------------------
+# -- regressions ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("exs, match", [
@@ -216,7 +216,7 @@ def test_iterable_dataset_streams_the_same_rows():
     ([{"input_ids": [1, 2], "labels": np.array([True, True])}], r"example 0 has True \(bool\) in 'labels'"),
 ])
 def test_boolean_token_ids_and_labels_are_rejected(exs, match):
-    """Review 15: PackedStream accepted boolean token ids (dtype kind "b") and packed them as 0/1."""
+    """Before the fix, PackedStream accepted boolean token ids (dtype kind "b") and packed them as 0/1."""
     with pytest.raises(TypeError, match=match):
         list(pack_stream(exs, window=4))
 
@@ -229,7 +229,7 @@ def test_boolean_loss_mask_is_accepted():
 @pytest.mark.parametrize("mask_key", ["completion_mask", "assistant_masks"])
 @pytest.mark.parametrize("labels", [False, True])
 def test_stream_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, labels):
-    """Review 1 (streaming): pack_stream dropped a completion_mask / assistant_masks without a word; every
+    """Before the fix, pack_stream dropped a completion_mask / assistant_masks without a word; every
     streamed row must now collate to what the online collator makes of the same examples."""
     collate = pytest.importorskip("packkit.collate")
     W = 16
@@ -253,14 +253,15 @@ def test_stream_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, l
 
 
 def test_stream_label_values_are_checked():
-    """Review 17 (streaming): a label that is neither a token id nor -100 names its example."""
+    """A label that is neither a token id nor -100 names its example (before the fix it was packed, and
+    failed only when a collator read it)."""
     with pytest.raises(ValueError, match=r"example 1 has label -3 in 'labels'"):
         list(pack_stream([{"input_ids": [1], "labels": [1]}, {"input_ids": [2, 3], "labels": [-100, -3]}],
                          window=4))
 
 
 def test_stream_overflow_error_is_binpacks_text():
-    """Review 23: the stream's overflow error was a copy of binpack's text; it is binpack's now."""
+    """Before the fix, the stream's overflow error was a copy of binpack's text; it is binpack's now."""
     from packkit.binpack import overflow_error
 
     with pytest.raises(ValueError) as got:
@@ -270,7 +271,7 @@ def test_stream_overflow_error_is_binpacks_text():
 
 
 def test_iterable_dataset_honours_shuffle_seed_progress_and_refuses_num_proc(capsys):
-    """Review 14: on an IterableDataset, pack_dataset silently ignored seed, shuffle, num_proc and progress.
+    """Before the fix, on an IterableDataset, pack_dataset silently ignored seed, shuffle, num_proc and progress.
     Now shuffle=True (the default) gives a seeded shuffle of the same rows, progress draws a bar, and
     num_proc (which a stream cannot use) is an error."""
     src = list(examples(np.random.default_rng(0).integers(1, 9, 60).tolist(), labels=True))

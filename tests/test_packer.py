@@ -89,7 +89,7 @@ def test_pack_columns_matches_reference(lengths, window, overflow, with_labels, 
 
 
 def test_pack_arrays_rejects_offsets_that_disagree_with_the_plan():
-    """Review 2: pack_arrays/gather_index never compared ``offsets`` with ``plan.lengths``, so a plan made
+    """Before the fix, pack_arrays/gather_index never compared ``offsets`` with ``plan.lengths``, so a plan made
     from other lengths duplicated or lost tokens in silence: pack([3, 2]) with offsets [0, 2, 5] gave
     [0, 1, 2, 2, 3] (token 2 twice, token 4 lost)."""
     plan = pack([3, 2], window=4)

@@ -306,7 +306,7 @@ def test_global_mode_equals_hf_pack_dataset(data):
 
 
 # ----------------------------------------------------------------------------------------------
-# review regressions
+# regressions
 # ----------------------------------------------------------------------------------------------
 
 
@@ -332,7 +332,7 @@ def blocks_of(table, blocks):
 @pytest.mark.parametrize("mask_key", ["completion_mask", "assistant_masks"])
 @pytest.mark.parametrize("labels", [False, True])
 def test_loss_mask_becomes_labels(local_ray, mask_key, labels):
-    """Review 1 (Ray): pack_dataset knew only label_key and dropped a completion_mask / assistant_masks
+    """Before the fix, pack_dataset knew only label_key and dropped a completion_mask / assistant_masks
     column without a word, so the prompt tokens were trained on. Global mode must now give exactly the
     rows of packkit.offline.pack_dataset (which follows the collators' rule), and local mode the same labels
     for every token (the packed token ids are unique, so each label can be checked where it lands)."""
@@ -360,7 +360,7 @@ def test_loss_mask_becomes_labels(local_ray, mask_key, labels):
 
 
 def test_label_values_are_checked_with_the_global_index(local_ray):
-    """Review 17 (Ray): labels other than token ids and -100 were packed and failed only at collate time;
+    """Before the fix, labels other than token ids and -100 were packed and failed only at collate time;
     pass 0 now names the example's index in the whole dataset."""
     lengths = make_lengths(n=400, seed=5, hi=W)
     table = make_table(lengths)
@@ -372,7 +372,7 @@ def test_label_values_are_checked_with_the_global_index(local_ray):
 
 
 def test_loss_mask_values_are_checked_with_the_global_index(local_ray):
-    """Regression (review): a loss mask of 2 or -1 was taken as "loss" offline while the collators
+    """Before the fix, a loss mask of 2 or -1 was taken as "loss" offline while the collators
     reject it; pass 0 now names the example's index in the whole dataset."""
     lengths = make_lengths(n=400, seed=5, hi=W)
     ids = make_table(lengths).column("input_ids")
@@ -384,7 +384,7 @@ def test_loss_mask_values_are_checked_with_the_global_index(local_ray):
 
 
 def test_pass2_windows_are_spread_after_each_block(local_ray):
-    """Review 12: local mode put every pass-2 window into one last output block, so they were all
+    """Before the fix, local mode put every pass-2 window into one last output block, so they were all
     trained last. The output is now block 0's windows, then pass-2 piece 0, block 1's windows, piece 1,
     ... (near-equal contiguous pieces, empty ones left out), deterministically."""
     lengths = make_lengths(n=1200, seed=6, hi=W)
@@ -407,7 +407,7 @@ def test_pass2_windows_are_spread_after_each_block(local_ray):
 
 
 def test_scatter_block_matches_a_per_token_reference():
-    """Review 9: the global map side built an int64 index of every token and fancy-indexed; it now copies
+    """Before the fix, the global map side built an int64 index of every token and fancy-indexed; it now copies
     with packer.gather_segments. The pieces must be what the per-token index gave."""
     lengths = np.array([5, 3, 7, 1, 4])
     table = make_table(lengths)
@@ -425,7 +425,7 @@ def test_scatter_block_matches_a_per_token_reference():
 
 
 def test_option_errors_are_binpacks_own(local_ray):
-    """Review 23: raydata had its own copies of the strategy/overflow checks and the overflow error text."""
+    """Before the fix, raydata had its own copies of the strategy/overflow checks and the overflow error text."""
     from packkit.binpack import check_overflow, check_strategy, overflow_error
 
     lengths = np.array([3, W + 2, 4, W + 9])

@@ -154,7 +154,7 @@ def readme_block(heading: str, lang: str = "bash") -> list[str]:
 
 
 def test_command_line_lines_work_as_pasted(tmp_path):
-    """Issue 12: the README's `packkit plan` line failed as pasted on data longer than the window (plan
+    """Before the fix, the README's `packkit plan` line failed as pasted on data longer than the window (plan
     and pack defaulted to overflow=error, waste to truncate). Each line of the README's command-line
     block runs here in a shell, as pasted, on data with examples longer than the window; each exits 0
     and says what it did with them."""

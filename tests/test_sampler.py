@@ -332,7 +332,7 @@ def test_load_state_dict_refuses_a_different_setup():
     ("sampler", "PackedBatchSampler", ValueError, "field 'sampler'"),
 ])
 def test_failed_load_leaves_the_sampler_as_it_was(field, value, exc, match):
-    """Issue 12: load_state_dict assigned epoch -3 before checking it, so a failed load left a sampler
+    """Before the fix, load_state_dict assigned epoch -3 before checking it, so a failed load left a sampler
     that then raised on iteration, and the message named no field. Every field is checked first now."""
     lengths = list(range(1, 81))
     s = LengthGroupedSampler(lengths, batch_size=4, seed=5)

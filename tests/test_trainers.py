@@ -1,4 +1,4 @@
-"""packkit's collators inside the real trainers (issue 11): TRL's ``SFTTrainer`` and ``transformers.Trainer``,
+"""packkit's collators inside the real trainers: TRL's ``SFTTrainer`` and ``transformers.Trainer``,
 three optimiser steps each (two micro-batches a step), on a tiny random Llama (CPU, float64), a tokenizer
 built here and generated data.
 
@@ -224,7 +224,7 @@ SAME_EXAMPLES = {
 
 @pytest.mark.parametrize("name", list(SAME_EXAMPLES))
 def test_sft_trainer_each_collator_matches_trl_padding_free(work, data, sft_reference, name):
-    """Issue 11: SFTTrainer crashed on inputs["use_cache"] = False. Same examples a micro-batch as TRL's
+    """Before the fix, SFTTrainer crashed on inputs["use_cache"] = False. Same examples a micro-batch as TRL's
     padding-free path, laid out by each collator: the same loss at every micro-batch."""
     got = sft(work / f"sft-{name}", data, SAME_EXAMPLES[name](), max_length=None)
     assert_same_losses(got, sft_reference, f"SFTTrainer + {name}")

@@ -109,8 +109,8 @@ def test_measure_waste_matches_reference(lengths, batch_size, window, k):
         assert s.tokens_per_step == pytest.approx(real / s.steps)
     assert by["stream"].real_tokens == int(L.sum())
     # every packing strategy needs at least ceil(tokens / W) windows. Not "bfd never needs more windows
-    # than next_fit": the data's own order can beat longest-first (issue 14: lengths [8, 6, 6, 8, 6, 6]
-    # at W=20 take 2 windows in order, 8+6+6 twice, and 3 by best fit decreasing)
+    # than next_fit" (what this check said before the fix): the data's own order can beat longest-first
+    # (lengths [8, 6, 6, 8, 6, 6] at W=20 take 2 windows in order, 8+6+6 twice, and 3 by best fit decreasing)
     for name in ("bfd", "shuffle_ff", "next_fit", "stream"):
         assert by[name].rows >= -(-int(L.sum()) // window)
 
