@@ -62,7 +62,7 @@ from .packer import gather_index
 from .rules import location
 from .segments import lengths_to_offsets
 
-__all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "VISION_KEYS"]
+__all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "example_positions", "VISION_KEYS"]
 
 #: Per-document vision inputs, concatenated along dim 0 in the order the documents take in the batch
 #: (the model scatters image features into the image tokens in that order, and the vision tower isolates
@@ -102,14 +102,17 @@ def _has_vision(ex) -> bool:
     return any(ex.get(key) is not None for key in VISION_KEYS)
 
 
-def example_positions(ex, i: int, rope_index=None) -> np.ndarray:
-    """Example ``i``'s mRoPE positions, ``(3, n)`` int64 for its ``n`` tokens.
+def example_positions(ex, *, rope_index=None, where: int = 0) -> np.ndarray:
+    """One example's mRoPE positions, ``(3, n)`` int64 for its ``n`` tokens (``where``: its index in the
+    batch, for errors). To store them in a dataset: ``ds.map(lambda ex: {"position_ids":
+    example_positions(ex, rope_index=model.model.get_rope_index)})``.
 
     From its ``position_ids`` (``(3, n)``, or ``(3, 1, n)`` as ``get_rope_index`` returns for one
     sequence); else from ``rope_index`` (the model's ``get_rope_index``) when it carries images or
-    videos; else, text only, ``0..n-1`` on all three rows. ``example_positions({"input_ids": [5, 6]}, 0)``
+    videos; else, text only, ``0..n-1`` on all three rows. ``example_positions({"input_ids": [5, 6]})``
     -> ``[[0, 1], [0, 1], [0, 1]]``.
     """
+    i = where
     n = len(ex["input_ids"])
     given = ex.get("position_ids")
     if given is not None:
@@ -182,7 +185,7 @@ class VisionLanguageCollator:
             raise TypeError(f"VisionLanguageCollator takes a list of examples (dicts), got {type(examples).__name__}")
         examples = list(examples)
         batch, index, dest, order = self._layout(examples)
-        positions = [example_positions(ex, i, self.rope_index) for i, ex in enumerate(examples)]
+        positions = [example_positions(ex, rope_index=self.rope_index, where=i) for i, ex in enumerate(examples)]
         batch["position_ids"] = torch.from_numpy(
             mrope_position_ids(batch["position_ids"].numpy(), np.concatenate(positions, axis=1), index, dest))
         for key, value in _vision_inputs(examples, order).items():

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator  # noqa: E402
 from packkit.model_inputs import (VISION_KEYS, HybridCollator, VisionLanguageCollator,  # noqa: E402
-                                  mrope_position_ids)
+                                  example_positions, mrope_position_ids)
 
 from testlib import VL_TOKENS, tiny_vl_model, vl_example  # noqa: E402
 
@@ -119,8 +119,9 @@ def test_other_families_equal_each_document_alone(examples, family):
 def test_fixed_windows_reordered_with_stored_positions(model, examples, alone):
     """Best-fit packing reorders the documents: the images follow their documents (two look-alike
     documents hold different pixels), padding tails extend every row, stored positions (as a dataset holds
-    them, from get_rope_index) are used as given; through a DataLoader with two workers."""
-    stored = [dict(ex, position_ids=rope_index_alone(model, ex).tolist()) for ex in examples]
+    them, from example_positions) are used as given; through a DataLoader with two workers."""
+    rope_index = model.model.get_rope_index
+    stored = [dict(ex, position_ids=example_positions(ex, rope_index=rope_index).tolist()) for ex in examples]
     for ex in stored:
         del ex["mm_token_type_ids"]  # not needed once positions are stored
     collate = VisionLanguageCollator(FixedWindowCollator(window=32, num_windows=4))
@@ -215,3 +216,21 @@ def test_padded_view_rebuilt_from_a_plain_dict_reads_segments_from_the_text_row(
     vl = VisionLanguageCollator(PaddedCollator(), rope_index=model.model.get_rope_index)(examples)
     rebuilt = PackedBatch({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vl.items()})
     assert torch.equal(rebuilt.cu_seqlens, vl.cu_seqlens)
+
+
+def test_explicit_4d_mask_view_with_mrope_positions(model, examples, alone):
+    """The explicit-mask view (``hf_mask``: additive float [B, 1, L, L]) with the [4, B, L] positions: the
+    mask isolates the documents by itself, the positions rotate them; each document as alone."""
+    batch = VisionLanguageCollator(FixedWindowCollator(window=32, num_windows=4),
+                                   rope_index=model.model.get_rope_index)(examples)
+    inputs = {k: v for k, v in batch.items() if not k.startswith(("cu_seq_lens", "max_length"))}
+    with torch.no_grad():
+        out = model(**inputs, attention_mask=batch.hf_mask(model)).logits.reshape(-1, 128)
+    ids = batch.input_ids.reshape(-1).tolist()
+    diff = 0.0
+    for a, n in documents(batch):
+        i = min((i for i, ex in enumerate(examples) if ex["input_ids"] == ids[a: a + n]),
+                key=lambda i: (out[a: a + n] - alone[i]).abs().max().item())
+        diff = max(diff, (out[a: a + n] - alone[i]).abs().max().item())
+    print(f"4-D mask logits max abs diff {diff:.3e}")
+    assert diff < TOL
