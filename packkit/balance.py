@@ -33,8 +33,8 @@ import numpy as np
 
 from .errors import ArgumentError, arg
 
-__all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "lpt_assign", "pack_to_cost",
-           "ToCost", "cost_model"]
+__all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign",
+           "pack_to_cost", "ToCost", "cost_model"]
 
 #: verl's per-token weight for a 7B model (``6 x 4096``): cost = 24576 * L + L**2.
 DEFAULT_LINEAR = 24576.0
@@ -150,6 +150,23 @@ def variation(values) -> float:
         return 0.0
     mean = float(v.mean())
     return float(v.std()) / mean if mean > 0 else 0.0
+
+
+def step_figures(unit_cost, unit_examples, *, ranks: int, per_rank: int) -> tuple[float, float]:
+    """``(compute_imbalance, examples_per_step_cv)`` of units (windows, or padded micro-batches) taken in
+    training order, ``ranks * per_rank`` a step, rank ``r`` of a step taking its ``r``-th run of
+    ``per_rank``; full steps only (all units as one step when there is no full step).
+
+    ``step_figures([3, 1, 2, 2], [1, 1, 2, 2], ranks=2, per_rank=1) -> (1.25, 1/3)``.
+    """
+    c = np.asarray(unit_cost, np.float64)
+    e = np.asarray(unit_examples, np.float64)
+    span = ranks * per_rank
+    full = c.size // span * span
+    if full == 0:
+        return 1.0, 0.0
+    rank_cost = c[:full].reshape(-1, ranks, per_rank).sum(axis=2)
+    return compute_imbalance(rank_cost), variation(e[:full].reshape(-1, span).sum(axis=1))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import warnings
 
 import numpy as np
 
+from .balance import CostModel, step_figures
 from .binpack import Plan, as_lengths, check_window, overflow_note, pack
 from .errors import Message, arg, check_int
 
@@ -135,6 +136,10 @@ class BudgetReport:
     advice:               tuple of :class:`Advice`
     overflow, overflow_examples, cut_tokens: the policy for examples longer than ``window``, how many
                           were, and the tokens it cut (``None``, 0, 0 when padded)
+    compute_imbalance:    float, the slowest of ``devices`` ranks over the mean, summed over steps
+                          (:func:`packkit.balance.step_figures`; a document costs ``24576 L + L^2``,
+                          a padded micro-batch its size x ``24576 P + P^2``); 1.0 is balanced
+    examples_per_step_cv: float, std / mean of the examples per step (full steps)
     """
 
     mode: str
@@ -158,6 +163,8 @@ class BudgetReport:
     overflow: str | None = None
     overflow_examples: int = 0
     cut_tokens: int = 0
+    compute_imbalance: float = 1.0
+    examples_per_step_cv: float = 0.0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -181,6 +188,9 @@ class BudgetReport:
             ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
             ("padding", f"{100 * self.padding_fraction:.1f}% of the "
                         + ("window slots" if self.mode == "packed" else "padded positions")),
+            ("compute imbalance", f"{self.compute_imbalance:.3f} (slowest of {self.devices} device"
+                                  f"{'s' if self.devices != 1 else ''} / mean, cost 24576 L + L^2; "
+                                  f"examples per step cv {self.examples_per_step_cv:.2f})"),
         ]
         if self.target_tokens_per_step is not None:
             rows.append(("for the target", f"{self.target_tokens_per_step:,} tokens/step: " + arg(
@@ -348,6 +358,9 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         units_loss = np.bincount(win, weights=seg_loss, minlength=plan.num_windows)
         num_units, num_tokens = plan.num_windows, plan.total_tokens
         padding = 1.0 - plan.fill
+        units_cost = np.bincount(win, weights=CostModel().costs(plan.seg_length), minlength=plan.num_windows)
+        imbalance, cv = step_figures(units_cost, units_examples, ranks=devices,
+                                     per_rank=per_device_batch * accumulation_steps)
     else:
         mode = "padded"
         order = np.random.default_rng(seed).permutation(lengths.size)
@@ -357,6 +370,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         micro_max = np.maximum.reduceat(units_tokens, np.arange(0, num_units, per_device_batch))
         micro_size = np.diff(np.append(np.arange(0, num_units, per_device_batch), num_units))
         padding = 1.0 - num_tokens / float((micro_max * micro_size).sum())
+        imbalance, cv = step_figures(micro_size * CostModel().costs(micro_max), micro_size, ranks=devices,
+                                     per_rank=accumulation_steps)
 
     full_steps = num_units // group
     steps = full_steps if drop_last else -(-num_units // group)
@@ -386,6 +401,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         overflow=None if mode == "padded" else plan.overflow,
         overflow_examples=0 if mode == "padded" else int(plan.overflow_examples.size),
         cut_tokens=0 if mode == "padded" else int(plan.cut_tokens),
+        compute_imbalance=imbalance, examples_per_step_cv=cv,
     )
     advice = _advise(report, per_accum=per_accum, lora=lora, min_tokens_per_step=min_tokens_per_step,
                      min_steps_per_epoch=min_steps_per_epoch, lora_max_batch=lora_max_batch)

@@ -46,6 +46,7 @@ from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 from .segments import lengths_to_offsets
 from .errors import DataError, arg, check_int
+from .balance import CostModel, step_figures
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
 from .sampler import LengthGroupedSampler
@@ -80,6 +81,10 @@ class StrategyWaste:
         slot_tokens: tokens of the padded tensors (rows x padded length)
         attention: sum over rows of the attention cost (module docstring)
         row_fill: (rows,) float64, real tokens / padded length of every row (for the plot)
+        compute_imbalance, examples_per_step_cv: over ``ranks`` data-parallel ranks, each taking a
+            step's rows in turn (packed windows in a random order, as a sampler deals them), under the
+            cost model ``24576 * L + L**2`` per document (a padded row of length ``P``: ``24576 * P + P**2``):
+            :func:`packkit.balance.step_figures`
     """
 
     name: str
@@ -91,6 +96,8 @@ class StrategyWaste:
     slot_tokens: int
     attention: float
     row_fill: np.ndarray = dataclasses.field(repr=False, compare=False)
+    compute_imbalance: float = 1.0
+    examples_per_step_cv: float = 0.0
 
     @property
     def padding_fraction(self) -> float:
@@ -130,6 +137,7 @@ class WasteReport:
     lengths: np.ndarray = dataclasses.field(repr=False, compare=False)
     strategies: tuple = ()
     loss_tokens: int | None = None
+    ranks: int = 1
 
     @property
     def baseline_attention(self) -> float:
@@ -144,12 +152,14 @@ class WasteReport:
             "windows_per_step": self.windows_per_step, "overflow": self.overflow,
             "buffer_size": self.buffer_size, "seed": self.seed, "examples": self.examples,
             "input_tokens": self.input_tokens, "cut_tokens": self.cut_tokens,
-            "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens,
+            "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens, "ranks": self.ranks,
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
                  "rows": s.rows, "steps": s.steps, "tokens_per_step": round(s.tokens_per_step, 2),
                  "real_tokens": s.real_tokens, "slot_tokens": s.slot_tokens,
-                 "attention_vs_padded": round(self.attention_vs_padded(s), 6)}
+                 "attention_vs_padded": round(self.attention_vs_padded(s), 6),
+                 "compute_imbalance": round(s.compute_imbalance, 6),
+                 "examples_per_step_cv": round(s.examples_per_step_cv, 6)}
                 for s in self.strategies
             ],
         }
@@ -192,26 +202,32 @@ def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, bat
     return np.repeat(longest, sizes), order
 
 
-def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int) -> StrategyWaste:
+def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int, *,
+            batch_size: int = 1, ranks: int = 1) -> StrategyWaste:
     real = lengths[order]
+    imbalance, cv = step_figures(CostModel().costs(padded), np.ones(order.size), ranks=ranks, per_rank=batch_size)
     return StrategyWaste(
         name=name, label=LABELS[name], packed=False, rows=int(order.size), steps=steps,
         real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
         attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
+        compute_imbalance=imbalance, examples_per_step_cv=cv,
     )
 
 
 def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_ptr: np.ndarray,
-            windows_per_step: int) -> StrategyWaste:
-    """Figures of windows given as CSR segment lengths."""
+            windows_per_step: int, *, ranks: int = 1, seed: int = 0) -> StrategyWaste:
+    """Figures of windows given as CSR segment lengths (the rank figures over a seeded window order)."""
     rows = window_ptr.size - 1
     csum = lengths_to_offsets(seg_length)
     loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
     attention = float(np.sum(seg_length.astype(np.float64) ** 2) + np.sum((window - loads).astype(np.float64) ** 2))
+    cost = np.add.reduceat(CostModel().costs(seg_length), window_ptr[:-1]) if rows else np.zeros(0)
+    order = np.random.default_rng(seed).permutation(rows)
+    imbalance, cv = step_figures(cost[order], np.diff(window_ptr)[order], ranks=ranks, per_rank=windows_per_step)
     return StrategyWaste(
         name=name, label=label, packed=True, rows=int(rows), steps=math.ceil(rows / windows_per_step),
         real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
-        row_fill=loads / window,
+        row_fill=loads / window, compute_imbalance=imbalance, examples_per_step_cv=cv,
     )
 
 
@@ -239,7 +255,7 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
-                  progress: bool | None = None, loss_lengths=None) -> WasteReport:
+                  progress: bool | None = None, loss_lengths=None, ranks: int = 1) -> WasteReport:
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
     Args:
@@ -251,6 +267,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
         loss_lengths: (num_examples,) loss-bearing tokens of each example (reported as ``loss_tokens``).
+        ranks: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step`` windows
+            a step: the compute imbalance and the spread of examples per step (``StrategyWaste``).
     Returns:
         A frozen :class:`WasteReport`.
     """
@@ -259,6 +277,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     if raw.size == 0:
         raise ValueError("no examples: the dataset is empty")
     batch_size, buffer_size = check_int(batch_size, "batch_size"), check_int(buffer_size, "buffer_size")
+    ranks = check_int(ranks, "ranks")
     k = batch_size if windows_per_step is None else check_int(windows_per_step, "windows_per_step")
     strategies = tuple(strategies)
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
@@ -284,27 +303,29 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         for name in strategies:
             if name == "pad_longest":
                 order = np.arange(L.size)
-                results.append(_padded(name, L, np.full(L.size, int(L.max()), np.int64), order, steps_padded))
+                results.append(_padded(name, L, np.full(L.size, int(L.max()), np.int64), order, steps_padded,
+                                       batch_size=batch_size, ranks=ranks))
             elif name == "random":
                 order = np.random.default_rng(seed).permutation(L.size)
                 padded, order = padded_rows(L, order, batch_size)
-                results.append(_padded(name, L, padded, order, steps_padded))
+                results.append(_padded(name, L, padded, order, steps_padded, batch_size=batch_size, ranks=ranks))
             elif name == "grouped":
                 batches = length_grouped_batches(L, batch_size, seed)
                 padded, order = padded_rows(L, batches)
-                results.append(_padded(name, L, padded, order, len(batches)))
+                results.append(_padded(name, L, padded, order, len(batches), batch_size=batch_size, ranks=ranks))
             elif name == "stream":
                 seg, ptr = stream_plan(L, window=window, buffer_size=buffer_size)
                 label = f"{LABELS[name]} (buffer {buffer_size:,})"
-                results.append(_packed(name, label, window, seg, ptr, k))
+                results.append(_packed(name, label, window, seg, ptr, k, ranks=ranks, seed=seed))
             else:
                 plan = pack(L, window=window, strategy=name, seed=seed)
-                results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k))
+                results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k, ranks=ranks,
+                                       seed=seed))
             bar.update(1)
     return WasteReport(
         source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
         buffer_size=buffer_size, seed=seed, examples=int(raw.size), input_tokens=int(raw.sum()), cut_tokens=cut,
-        overflow_examples=n_over, lengths=L, strategies=tuple(results), loss_tokens=loss_tokens,
+        overflow_examples=n_over, lengths=L, strategies=tuple(results), loss_tokens=loss_tokens, ranks=ranks,
     )
 
 
@@ -323,7 +344,7 @@ def format_table(report: WasteReport, *, options=None) -> str:
         f"{report.examples:,} examples, {report.input_tokens:,} {u}; median {q[0]:,}, p90 {q[1]:,}, "
         f"p99 {q[2]:,}, longest {int(report.lengths.max()):,} (after overflow)",
         f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
-        f"{report.windows_per_step} packed windows",
+        f"{report.windows_per_step} packed windows" + (f" on each of {report.ranks} ranks" if report.ranks > 1 else ""),
     ]
     if report.loss_tokens is not None:
         lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
@@ -333,9 +354,11 @@ def format_table(report: WasteReport, *, options=None) -> str:
     if note is not None:
         lines.append(note.render(options))
     lines.append("")
-    head = ("strategy", "padding", "rows/epoch", "steps/epoch", f"{u}/step", "attention vs padded")
+    head = ("strategy", "padding", "rows/epoch", "steps/epoch", f"{u}/step", "attention vs padded",
+            "imbalance", "examples/step cv")
     rows = [(s.label, f"{s.padding_fraction:.1%}", f"{s.rows:,}", f"{s.steps:,}", f"{s.tokens_per_step:,.0f}",
-             f"{report.attention_vs_padded(s):.3f}") for s in report.strategies]
+             f"{report.attention_vs_padded(s):.3f}", f"{s.compute_imbalance:.3f}", f"{s.examples_per_step_cv:.2f}")
+            for s in report.strategies]
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     fmt = "  ".join(["{:<%d}" % widths[0]] + ["{:>%d}" % w for w in widths[1:]])
     lines.append(fmt.format(*head))
@@ -346,6 +369,9 @@ def format_table(report: WasteReport, *, options=None) -> str:
         "padding = 1 - real / (rows x padded length); packed rows are windows of W.",
         "attention vs padded = sum over rows of cost / (examples x longest^2), where a padded row costs "
         "P^2 and a packed window sum(L_i^2) + (W - load)^2 (varlen attention).",
+        f"imbalance = sum over steps of the slowest of {report.ranks} rank(s) / sum of the mean rank, a document "
+        "costing 24576 L + L^2 (packed windows in a random order; --ranks sets the ranks); examples/step cv = "
+        "std / mean of the examples a step holds over all ranks (full steps).",
     ]
     if u == "bytes":
         lines.append("lengths are UTF-8 bytes (byte-level tokenizer); pass --tokenizer tokenizer.json "

@@ -79,10 +79,48 @@ def _worker(rank: int, port: int, out_dir: str):
                                               "world_size": sampler.world_size, "seen": seen,
                                               "stats": sampler.epoch_stats()})
             results[name] = gathered
+        results["elastic"] = _elastic(rank, lengths, ds)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _elastic(rank, lengths, ds):
+    """Grow 1 -> 2 ranks, then shrink 2 -> 1, through DataLoaders, with balance="compute": rank 0 runs
+    alone and sends its state; both ranks resume from it (a barrier each step); then rank 0 resumes alone
+    from the state both saved. Returns what was consumed in each phase."""
+    import warnings
+
+    from packkit.sampler import PackedBatchSampler, ResumeWarning
+
+    warnings.simplefilter("ignore", ResumeWarning)
+    make = lambda **kw: PackedBatchSampler(lengths, window=64, windows_per_batch=2, seed=4,  # noqa: E731
+                                           balance="compute", **kw)
+    out = {"alone": [], "grown": [], "states": None, "shrunk": []}
+    box = [None]
+    if rank == 0:  # phase 1: one rank, five batches
+        s = make(rank=0, world_size=1)
+        it = iter(torch.utils.data.DataLoader(ds, batch_sampler=s, collate_fn=_collate))
+        out["alone"] = [i for _ in range(5) for i in next(it)]
+        box = [s.state_dict(batches_consumed=5)]
+    dist.broadcast_object_list(box, src=0)
+    s = make(step_batches=4)  # phase 2: both ranks, from the process group, two micro-batches a step
+    s.load_state_dict(box[0])
+    it = iter(torch.utils.data.DataLoader(ds, batch_sampler=s, collate_fn=_collate))
+    for _ in range(3):  # one and a half optimiser steps
+        out["grown"] += next(it)
+        dist.barrier()
+    states = [None] * WORLD_SIZE
+    dist.all_gather_object(states, s.state_dict())  # no workers: what was yielded was consumed
+    out["states"] = states
+    if rank == 0:  # phase 3: rank 0 alone again
+        s = make(rank=0, world_size=1)
+        s.load_state_dict(states[0])
+        out["shrunk"] = [i for b in torch.utils.data.DataLoader(ds, batch_sampler=s, collate_fn=_collate) for i in b]
+    gathered = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, out)
+    return gathered
 
 
 def test_two_processes_equal_steps_disjoint_and_complete():
@@ -98,6 +136,13 @@ def test_two_processes_equal_steps_disjoint_and_complete():
                     p.kill()
             pytest.fail("the two-process run did not finish in 90 s (a rank waiting on a missing step?)")
         results = torch.load(os.path.join(out_dir, "results.pt"), weights_only=False)
+
+    elastic = results.pop("elastic")
+    assert elastic[0]["states"][0] == elastic[0]["states"][1]  # the same state on every rank
+    used = (elastic[0]["alone"] + elastic[0]["grown"] + elastic[1]["grown"] + elastic[0]["shrunk"])
+    print("elastic 1 -> 2 -> 1:", len(elastic[0]["alone"]), len(elastic[0]["grown"]) + len(elastic[1]["grown"]),
+          len(elastic[0]["shrunk"]))
+    assert sorted(set(used)) == list(range(N)) and len(used) - N <= 1  # a last step of one example: repeated
 
     for name, ranks in results.items():
         print(name, [(r["steps"], len(r["seen"])) for r in ranks], ranks[0]["stats"])

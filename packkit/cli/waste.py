@@ -25,6 +25,8 @@ def parser() -> Parser:
     p.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
     p.add_argument("--windows-per-step", type=int, default=None,
                    help="windows per packed step (default: the batch size)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="data-parallel ranks, each taking a step's rows: compute imbalance across them (default 1)")
     p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
     p.add_argument("--buffer-size", type=int, default=1000,
                    help="examples held by the streaming packer (default 1000)")
@@ -67,7 +69,7 @@ def run(args, options=None) -> int:
             data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
             overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
             source=data.source, unit=data.unit, progress=None if not args.quiet else False,
-            loss_lengths=data.loss_lengths)
+            loss_lengths=data.loss_lengths, ranks=args.ranks)
     if args.plot:
         plot_waste(report, args.plot, overwrite=args.overwrite)
     if args.json:
