@@ -32,6 +32,7 @@ from .segments import lengths_to_offsets
 
 __all__ = [
     "Lengths",
+    "read_preference_lengths",
     "bundled_sample",
     "load_table",
     "load_dataset",
@@ -511,3 +512,36 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
     return Lengths(lengths, source, unit, loss)
+
+
+#: TRL's tokenized preference columns, then integer columns of lengths, read by :func:`read_preference_lengths`.
+PREFERENCE_COLUMNS = (("prompt_ids", "chosen_ids", "rejected_ids"), ("prompt", "chosen", "rejected"))
+
+
+def read_preference_lengths(path, *, split: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """``(prompt, chosen, rejected, source)``: per-pair token counts of a preference file.
+
+    The columns are TRL's tokenized ones (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, what
+    ``DPOTrainer`` or :func:`packkit.preference.tokenize_preference` makes), or integer columns ``prompt`` /
+    ``chosen`` / ``rejected`` holding the counts. Text is refused with the way to tokenize it.
+    """
+    path = check_path(path)
+    pa = pyarrow()
+    table = load_table(path, split=split)
+    names = table.column_names
+    for cols in PREFERENCE_COLUMNS:
+        if not all(c in names for c in cols):
+            continue
+        out = []
+        for c in cols:
+            col = table.column(c)
+            if pa.types.is_integer(col.type):
+                out.append(np.asarray(col.to_numpy(), np.int64))
+            elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+                out.append(token_lengths(col, key=c))
+            else:
+                raise DataError(f"column {c!r} of {str(path)!r} holds {col.type}: tokenize the pairs first "
+                                "(packkit.preference.tokenize_preference, as TRL's DPOTrainer does)")
+        return (*out, f"{path.name}, columns {', '.join(cols)}")
+    raise MissingError("{path!r} has no preference columns (prompt_ids, chosen_ids, rejected_ids); the columns "
+                       "are {names}", path=str(path), names=names)

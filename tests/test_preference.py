@@ -440,3 +440,40 @@ def test_build_groups_docstring_example():
     b = build_groups([1, 2], [2], [3, 4, 5], [2, 1], [2], layout="tree")
     assert b.input_ids.tolist() == [[1, 2, 3, 4, 5]] and b.position_ids.tolist() == [[0, 1, 2, 3, 2]]
     assert b.score_source.tolist() == [1, 2, 1] and b.score_target.tolist() == [2, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# packkit waste --preference: what each layout computes, from a real file
+# ----------------------------------------------------------------------------------------------
+
+
+def test_waste_reports_tree_tokens_per_pair(tmp_path, capsys):
+    """The tree's real tokens per pair are prompt + chosen + rejected; the pairs layout's 2 * prompt + chosen +
+    rejected; packing reaches >= 0.99 of the lower bound on UltraFeedback-like lengths; a text column is refused
+    with the way to tokenize it."""
+    import json
+
+    from packkit.cli import main
+    from packkit.preference import preference_waste
+
+    rows = tokenize_preference(preference_rows(40, 3, conversational=False), tokenizer())
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert main(["waste", str(path), "--preference", "--window", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p, c, r = (np.array([len(x[k]) for x in rows]) for k in PreferenceCollator.KEYS)
+    assert out["rows"]["packkit_tree"]["real_per_pair"] == (p + c + r).mean()
+    assert out["rows"]["packkit_pairs"]["real_per_pair"] == (2 * p + c + r).mean()
+    assert out["rows"]["trl_padding_free"]["real_per_pair"] == (2 * p + c + r).mean()
+    assert main(["waste", str(path), "--preference", "--window", "64"]) == 0
+    assert "packkit_tree" in capsys.readouterr().out
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}))
+    assert main(["waste", str(tmp_path / "text.jsonl"), "--preference"]) != 0
+    assert "tokenize the pairs first" in capsys.readouterr().err
+    rng = np.random.default_rng(0)
+    n = 3000
+    lengths = [np.minimum(rng.lognormal(mu, s, n).astype(int) + 4, 1500) for mu, s in ((4.6, 0.9), (5.3, 0.8),
+                                                                                      (5.3, 0.8))]
+    rep = preference_waste(*lengths, window=4096)["rows"]
+    for name in ("packkit_pairs", "packkit_tree"):
+        assert rep[name]["lower_bound"] / rep[name]["windows"] >= 0.99, rep[name]

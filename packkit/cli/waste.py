@@ -6,9 +6,10 @@ import json
 
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
-from ..datafiles import read_lengths
+from ..datafiles import read_lengths, read_preference_lengths
 from ..errors import ArgumentError, arg
 from ..fileio import check_output
+from ..preference import format_preference_waste, preference_waste
 from ..waste import WASTE_STRATEGIES, format_table, measure_waste, plot_waste
 from ._chat import add_tokenizer_arguments, chat_options
 
@@ -40,6 +41,9 @@ def parser() -> Parser:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write the length histogram and fill plot to PNG (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot PNG")
+    p.add_argument("--preference", action="store_true",
+                   help="preference pairs (prompt_ids, chosen_ids, rejected_ids): tokens per pair of TRL's layouts "
+                        "and of packkit's pairs and shared-prompt trees")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -50,6 +54,8 @@ def run(args, options=None) -> int:
     # -- checks that cost nothing, before anything is read --
     check_window(args.window)
     check_seed(args.seed)
+    if args.preference:
+        return _preference(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:
@@ -81,4 +87,18 @@ def run(args, options=None) -> int:
         print(format_table(report, options=options))
         if args.plot:
             print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _preference(args) -> int:
+    """``packkit waste FILE --preference``: :func:`packkit.preference.preference_waste` of the file's pairs."""
+    if args.input is None:
+        raise ArgumentError("{pref} reads a file of preference pairs: give FILE", pref=arg("preference"))
+    prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split)
+    report = preference_waste(prompt, chosen, rejected, window=args.window, batch_size=args.batch_size,
+                              seed=args.seed)
+    if args.json:
+        print(json.dumps({"source": source, **report}))
+    else:
+        print(f"{source}\n{format_preference_waste(report)}")
     return 0
