@@ -20,7 +20,8 @@ def pyarrow():
     try:
         import pyarrow  # lazy: pyarrow is an optional dependency
     except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
-        raise ImportError("reading Arrow data needs pyarrow: pip install 'packkit[datasets]'") from None
+        raise ModuleNotFoundError("reading Arrow data needs pyarrow: pip install 'packkit[datasets]'",
+                                  name="pyarrow") from None
     return pyarrow
 
 

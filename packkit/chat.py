@@ -291,7 +291,8 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
     try:
         import transformers
     except ImportError:
-        raise ImportError("a chat template needs transformers: pip install 'packkit[chat]'") from None
+        raise ModuleNotFoundError("a chat template needs transformers: pip install 'packkit[chat]'",
+                                  name="transformers") from None
     text = str(spec)
     path = Path(text).expanduser()
     fix = "pass a tokenizer folder (save_pretrained), a tokenizer.json, or a model id"

@@ -94,7 +94,8 @@ def _load_tokenizer(spec, *, trust_remote_code: bool = False):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ImportError("a tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from None
+        raise ModuleNotFoundError("a tokenizer.json needs the 'tokenizers' package: pip install tokenizers",
+                                  name="tokenizers") from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises its own exception type
@@ -339,14 +340,34 @@ def _read_arrow(path: Path):
                         f"not Arrow): {exc}") from None
 
 
+def text_lines(path):
+    """The examples of a text file, one a line, read a line at a time (no pyarrow, memory of one line):
+    blank lines hold none, a UTF-8 byte-order mark is not text, ``\n`` and ``\r\n`` end lines.
+    ``"\ufeffhi\n\nthere\r\n" -> ["hi", "there"]``; bytes that are not UTF-8 are an error naming the line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{str(path)!r} is not UTF-8 text: line {number:,} holds "
+                                f"{exc.object[exc.start:exc.end]!r} ({exc.reason})") from None
+            if line.strip():
+                yield line
+
+
 def _read_text(path: Path):
     pa = pyarrow()
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{str(path)!r} is not UTF-8 text: {exc}") from None
-    return pa.table({"text": pa.array([line for line in lines if line.strip()], pa.string())})
+    return pa.table({"text": pa.array(list(text_lines(path)), pa.string())})
+
+
+def _text_byte_lengths(path: Path) -> np.ndarray:
+    """``(num_lines,) int64``: the UTF-8 bytes of every example line of a text file (what the byte-level
+    tokenizer makes of it), without pyarrow and a line at a time."""
+    return np.fromiter((len(line.encode("utf-8")) for line in text_lines(path)), np.int64)
 
 
 def load_dataset(path, *, split: str | None = None):
@@ -355,7 +376,8 @@ def load_dataset(path, *, split: str | None = None):
     try:
         import datasets
     except ImportError:
-        raise ImportError("reading a saved dataset needs datasets: pip install 'packkit[datasets]'") from None
+        raise ModuleNotFoundError("reading a saved dataset needs datasets: pip install 'packkit[datasets]'",
+                                  name="datasets") from None
     obj = datasets.load_from_disk(str(path))
     if isinstance(obj, datasets.DatasetDict):
         names = list(obj)
@@ -487,6 +509,10 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
         lengths = as_lengths(arr, name=f"lengths in {path.name}")
         source = f"{path.name} (lengths)"
         unit = "tokens"
+    elif path.is_file() and _suffix(path) in (".txt", ".text") and tokenizer == "bytes" and text_column == "text" \
+            and column != "text":  # text lines in bytes: the same lengths as the Arrow path, without pyarrow
+        lengths = _text_byte_lengths(path)
+        source, unit = f"{path.name}, column 'text' tokenized with bytes", "bytes"
     else:
         pa = pyarrow()
         table = load_table(path, split=split)

@@ -364,6 +364,8 @@ def test_broken_pipe_exits_quietly(argv):
 #: land between cases are held (the test sends them at random moments, some after `main` returned).
 DRIVER = r"""
 import contextlib, io, json, os, resource, signal, sys
+for name in filter(None, os.environ.get("PACKKIT_TEST_BLOCK", "").split(",")):
+    sys.modules[name] = None  # as if not installed: importing it raises ModuleNotFoundError
 from packkit.cli import main
 late = []
 for s in (signal.SIGINT, signal.SIGTERM):
@@ -385,13 +387,15 @@ for k, case in enumerate(json.loads(sys.argv[1])):
 """
 
 
-def driver(tmp_path, cases, *, prefix=(), stdin=None):
-    """Start the in-process driver on ``cases`` (``prefix``: a command to run it under, e.g. unshare)."""
+def driver(tmp_path, cases, *, prefix=(), stdin=None, block=()):
+    """Start the in-process driver on ``cases`` (``prefix``: a command to run it under, e.g. unshare;
+    ``block``: modules made uninstalled)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     argv = [*prefix, sys.executable, str(script), json.dumps([{**c, "argv": [str(a) for a in c["argv"]]}
                                                              for c in cases])]
-    return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env(), "PACKKIT_TEST_BLOCK": ",".join(block)})
 
 
 def small_parquet(path: Path, rows: int = 1500, seed: int = 0) -> list:
@@ -602,3 +606,29 @@ def test_empty_input_is_one_rule_for_every_format(tmp_path):
             assert result["code"] == 3 and "holds no examples" in result["stderr"], (case, result)
             assert result["stderr"].count("\n") == 1
     assert not (tmp_path / "o.parquet").exists()
+
+
+def test_without_extras_every_command_runs_or_names_the_extra(tmp_path):
+    """As after `pip install packkit` alone (pyarrow, datasets, matplotlib missing): the bundled sample, a
+    .txt and a .npy are measured; jsonl, parquet, --plot and pack stop in one line naming the extra, exit 4
+    (`waste data.jsonl` used to end in a traceback, exit 1). .ci/run checks the same on the real wheel."""
+    (tmp_path / "d.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    (tmp_path / "d.txt").write_text("\ufeffa line\n\nanother line\n")
+    np.save(tmp_path / "l.npy", np.array([3, 5, 8]))
+    runs = [("waste",), ("waste", tmp_path / "d.txt"), ("plan", tmp_path / "d.txt"), ("waste", tmp_path / "l.npy")]
+    hints = [(("waste", tmp_path / "d.jsonl"), "datasets"), (("plan", tmp_path / "d.jsonl"), "datasets"),
+             (("waste", "--plot", tmp_path / "w.png"), "plot"),
+             (("pack", tmp_path / "d.jsonl", tmp_path / "o.parquet", "-w", "8"), "datasets")]
+    cases = [{"argv": a} for a in runs] + [{"argv": a} for a, _ in hints]
+    proc = driver(tmp_path, cases, block=("pyarrow", "datasets", "matplotlib"))
+    out, err = proc.communicate(timeout=300)
+    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    assert len(results) == len(cases) and "Traceback" not in err, err
+    for result in results[:len(runs)]:
+        with Case():
+            assert result["code"] == 0, result
+    for (argv, extra), result in zip(hints, results[len(runs):]):
+        with Case():
+            assert result["code"] == 4 and result["stderr"].count("\n") == 1, (argv, result)
+            assert f"pip install 'packkit[{extra}]'" in result["stderr"], (argv, result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "d.txt", "driver.py", "l.npy"]

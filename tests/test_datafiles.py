@@ -58,3 +58,18 @@ def test_tokenize_uses_64_bit_offsets_past_int32(tokenizer_json, monkeypatch, li
 def test_tokenize_null_text_names_the_example(tokenizer_json):
     with pytest.raises(ValueError, match="example 1 has no text"):
         pio.tokenize(pa.array(["a", None]), str(tokenizer_json))
+
+
+def test_text_lines_drop_the_bom_and_read_without_pyarrow(tmp_path):
+    """A UTF-8 BOM was counted as 3 bytes of the first example; a .txt measured in bytes needs no pyarrow
+    (the same lengths as the Arrow path), and bytes that are not UTF-8 name their line."""
+    from packkit.datafiles import load_table, read_lengths, text_lines
+
+    path = tmp_path / "t.txt"
+    path.write_bytes("\ufeffhé\n\n  \nthere\r\nlast".encode())
+    assert list(text_lines(path)) == ["hé", "there", "last"]
+    assert read_lengths(path).lengths.tolist() == [3, 5, 4]
+    assert load_table(path).column("text").to_pylist() == ["hé", "there", "last"]
+    path.write_bytes(b"fine\nbad \xff here\n")
+    with pytest.raises(ValueError, match=r"is not UTF-8 text: line 2 holds b'\\xff'"):
+        read_lengths(path)

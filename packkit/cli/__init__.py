@@ -220,7 +220,8 @@ def classify(exc: BaseException, options: dict | None = None) -> tuple[int, str]
     if isinstance(exc, MemoryError):
         detail = str(exc) or "an allocation failed"
         return EXIT_SYSTEM, f"out of memory ({detail}); free memory, or process a smaller input"
-    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] not in ("", "packkit"):
+    if isinstance(exc, ImportError) and ((exc.name or "").split(".")[0] not in ("", "packkit")
+                                         or "pip install" in str(exc)):
         return EXIT_SYSTEM, install_hint(exc)  # an ImportError inside packkit is a bug: re-raised
     if isinstance(exc, OSError):
         text = str(exc)
