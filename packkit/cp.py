@@ -533,11 +533,13 @@ def _take(x: torch.Tensor, index: torch.Tensor, shape: tuple, fill) -> torch.Ten
     else:
         raise ValueError(f"a per-token tensor of the batch must be shaped {tuple(shape)} + features or "
                          f"({num_tokens},) + features; got {tuple(x.shape)}")
-    out = flat[index.clamp_min(0).to(flat.device)]
-    pad = (index < 0).to(flat.device)
+    index = index.to(flat.device)
+    # index_select, not flat[index]: advanced indexing fans out to the thread pool (17 ms against 9 us
+    # for 4k tokens of a 32k row on a loaded 2-core machine)
+    out = flat.index_select(0, index.clamp_min(0))
+    pad = index < 0
     if bool(pad.any()):
-        out = out.clone()
-        out[pad] = fill
+        out.masked_fill_(pad.view(-1, *[1] * (out.dim() - 1)), fill)
     return out
 
 
