@@ -723,7 +723,9 @@ class _RingAttention(torch.autograd.Function):
             # grouped heads: every query head of a group adds into its kv head
             dk = dk + dke.reshape(dke.shape[0], -1, group_heads, dke.shape[-1]).sum(2)
             dv = dv + dve.reshape(dve.shape[0], -1, group_heads, dve.shape[-1]).sum(2)
-            blk = _p2p_shift([bk, bv, bs, bp, dk, dv], group, rank, size)
+            blk = [bk, bv, bs, bp, dk, dv]
+            if size > 1:  # cp_size sends bring every block, with its gradients, back to its rank
+                blk = _p2p_shift(blk, group, rank, size)
         return dq, blk[4], blk[5], None, None, None, None, None, None
 
 
