@@ -40,7 +40,8 @@ import numpy as np
 
 from .balance import CostModel, step_figures
 from .binpack import Plan, as_lengths, check_window, overflow_note, pack
-from .errors import Message, arg, check_int
+from .cp import LAYOUTS as CP_LAYOUTS, check_cp_size, cp_multiples
+from .errors import ArgumentError, Message, arg, check_int
 
 __all__ = [
     "Advice",
@@ -299,7 +300,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
                 strategy: str = "bfd", overflow: str = "error", lora: bool = False,
                 target_tokens_per_step: int | None = None, min_tokens_per_step: int = 4000,
                 min_steps_per_epoch: int = 50, lora_max_batch: int = 32, drop_last: bool = False,
-                seed: int = 0, warn: bool = True) -> BudgetReport:
+                seed: int = 0, warn: bool = True, cp_size: int = 1, cp_layout: str = "hybrid") -> BudgetReport:
     """Examples, tokens and loss tokens per optimiser step, steps per epoch, and advice.
 
     Args:
@@ -317,6 +318,10 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         target_tokens_per_step: report (and advise) the accumulation steps that reach it.
         drop_last: leave out the last partial step.
         warn: also emit each advice as a :class:`BudgetWarning`.
+        cp_size, cp_layout: context parallelism (:mod:`packkit.cp`): with ``"zigzag"`` every example is
+            planned padded to a multiple of ``2 * cp_size`` (the padding fills window slots and counts in
+            ``padding_fraction``, not in the tokens); the other layouts need ``window`` (and padded
+            micro-batches) to be multiples of ``cp_size``. ``devices`` stays the data-parallel count.
 
     Returns: a :class:`BudgetReport`.
 
@@ -345,19 +350,34 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         raise ValueError("lengths is empty: a plan needs at least one example")
     assumed = loss_lengths is None
     loss = lengths - 1 if assumed else _check_loss_lengths(loss_lengths, lengths)
+    cp_size = check_cp_size(cp_size)
+    if cp_layout not in CP_LAYOUTS:
+        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=cp_layout, fix=arg("cp_layout", *CP_LAYOUTS))
+    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
+    row_round = doc_multiple * row_multiple
+    if window is not None and check_window(window) % row_round:
+        raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to {up:,}",
+                            window=arg("window", window), m=row_round, layout=arg("cp_layout", cp_layout),
+                            cp=arg("cp_size", cp_size), w=arg("window"), up=-(-window // row_round) * row_round)
+    if plan is not None and doc_multiple > 1:
+        raise ValueError("plan= with a zigzag CP layout: pass lengths and window instead (the plan must be made "
+                         "from the CP-padded lengths)")
 
     if plan is None and window is not None:
-        plan = pack(lengths, window=check_window(window), strategy=strategy, overflow=overflow,
+        # zigzag: each example planned at its CP-padded length (its padding goes to the end of its last piece)
+        planned = -(-lengths // doc_multiple) * doc_multiple
+        plan = pack(planned, window=check_window(window), strategy=strategy, overflow=overflow,
                     seed=seed).shuffled(seed)
     if plan is not None:
         mode, window = "packed", plan.window
-        seg_loss = segment_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, lengths, loss)
+        seg_real = np.clip(lengths[plan.seg_example] - plan.seg_start, 0, plan.seg_length)
+        seg_loss = segment_loss_tokens(plan.seg_example, plan.seg_start, seg_real, lengths, loss)
         win = plan.seg_window
-        units_tokens = plan.window_loads
+        units_tokens = np.bincount(win, weights=seg_real, minlength=plan.num_windows).astype(np.int64)
         units_examples = np.bincount(win, weights=plan.seg_start == 0, minlength=plan.num_windows)
         units_loss = np.bincount(win, weights=seg_loss, minlength=plan.num_windows)
-        num_units, num_tokens = plan.num_windows, plan.total_tokens
-        padding = 1.0 - plan.fill
+        num_units, num_tokens = plan.num_windows, int(seg_real.sum())
+        padding = 1.0 - num_tokens / float(plan.num_windows * plan.window) if plan.num_windows else 0.0
         units_cost = np.bincount(win, weights=CostModel().costs(plan.seg_length), minlength=plan.num_windows)
         imbalance, cv = step_figures(units_cost, units_examples, ranks=devices,
                                      per_rank=per_device_batch * accumulation_steps)
@@ -368,6 +388,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         num_units, num_tokens = lengths.size, int(lengths.sum())
         # per-device micro-batches padded to their longest
         micro_max = np.maximum.reduceat(units_tokens, np.arange(0, num_units, per_device_batch))
+        micro_max = -(-micro_max // row_round) * row_round  # a padded row is cut as one sequence
         micro_size = np.diff(np.append(np.arange(0, num_units, per_device_batch), num_units))
         padding = 1.0 - num_tokens / float((micro_max * micro_size).sum())
         imbalance, cv = step_figures(micro_size * CostModel().costs(micro_max), micro_size, ranks=devices,

@@ -75,7 +75,7 @@ from .errors import ArgumentError, arg, check_int
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets
 
 __all__ = ["LAYOUTS", "METHODS", "CPPlan", "CPShard", "TEParams", "Llama3Args", "plan_cp", "shard",
-           "restore", "shift_labels", "causal_work", "cp_padding", "cp_attention", "check_cp_size",
+           "restore", "shift_labels", "causal_work", "cp_padding", "cp_multiples", "cp_attention", "check_cp_size",
            "hf_cp_attention", "register_hf_cp_attention"]
 
 LAYOUTS = ("zigzag", "contiguous", "ulysses", "hybrid")
@@ -351,6 +351,14 @@ def plan_cp(lengths, *, cp_size: int, layout: str = "hybrid") -> CPPlan:
     plan = CPPlan(layout, cp, lengths, padded, num_segments, local_len,
                   rank[order], seg[order], off[order], length[order])
     return plan
+
+
+def cp_multiples(*, cp_size: int, layout: str) -> tuple[int, int]:
+    """``(document multiple, row multiple)`` a layout pads to: zigzag pads every document to a multiple
+    of ``2 * cp``, the others cut the row in ``cp`` equal pieces. ``cp_multiples(cp_size=4,
+    layout="zigzag") -> (8, 1)``; ``layout="hybrid" -> (1, 4)``."""
+    cp = check_cp_size(cp_size)
+    return (2 * cp, 1) if _check_layout(layout) == "zigzag" else (1, cp)
 
 
 def cp_padding(row_lengths, *, cp_size: int, layout: str) -> int:

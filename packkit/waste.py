@@ -44,8 +44,9 @@ import numpy as np
 
 from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
+from .cp import LAYOUTS as CP_LAYOUTS, check_cp_size, cp_multiples
 from .segments import lengths_to_offsets
-from .errors import DataError, arg, check_int
+from .errors import ArgumentError, DataError, arg, check_int
 from .balance import CostModel, step_figures
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
@@ -138,6 +139,8 @@ class WasteReport:
     strategies: tuple = ()
     loss_tokens: int | None = None
     ranks: int = 1
+    cp_size: int = 1
+    cp_layout: str = "hybrid"
 
     @property
     def baseline_attention(self) -> float:
@@ -153,6 +156,7 @@ class WasteReport:
             "buffer_size": self.buffer_size, "seed": self.seed, "examples": self.examples,
             "input_tokens": self.input_tokens, "cut_tokens": self.cut_tokens,
             "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens, "ranks": self.ranks,
+            "cp_size": self.cp_size, "cp_layout": self.cp_layout,
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
                  "rows": s.rows, "steps": s.steps, "tokens_per_step": round(s.tokens_per_step, 2),
@@ -215,12 +219,17 @@ def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarra
 
 
 def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_ptr: np.ndarray,
-            windows_per_step: int, *, ranks: int = 1, seed: int = 0) -> StrategyWaste:
-    """Figures of windows given as CSR segment lengths (the rank figures over a seeded window order)."""
+            windows_per_step: int, *, ranks: int = 1, seed: int = 0,
+            seg_real: np.ndarray | None = None) -> StrategyWaste:
+    """Figures of windows given as CSR segment lengths (the rank figures over a seeded window order;
+    ``seg_real``: the segments' real tokens, when context parallelism padded each one: the padding is a
+    slot, not a token)."""
     rows = window_ptr.size - 1
-    csum = lengths_to_offsets(seg_length)
+    planned = lengths_to_offsets(seg_length)
+    tail = window - (planned[window_ptr[1:]] - planned[window_ptr[:-1]])
+    csum = planned if seg_real is None else lengths_to_offsets(seg_real)
     loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
-    attention = float(np.sum(seg_length.astype(np.float64) ** 2) + np.sum((window - loads).astype(np.float64) ** 2))
+    attention = float(np.sum(seg_length.astype(np.float64) ** 2) + np.sum(tail.astype(np.float64) ** 2))
     cost = np.add.reduceat(CostModel().costs(seg_length), window_ptr[:-1]) if rows else np.zeros(0)
     order = np.random.default_rng(seed).permutation(rows)
     imbalance, cv = step_figures(cost[order], np.diff(window_ptr)[order], ranks=ranks, per_rank=windows_per_step)
@@ -237,11 +246,13 @@ def length_grouped_batches(lengths: np.ndarray, batch_size: int, seed: int) -> l
     return [np.asarray(b, np.int64) for b in sampler]
 
 
-def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
-    """Segment lengths and window offsets of :func:`packkit.binpack.stream_windows` over ``lengths`` in order."""
+def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int, payload: np.ndarray | None = None):
+    """Segment lengths and window offsets of :func:`packkit.binpack.stream_windows` over ``lengths`` in order
+    (the segments hold ``payload[i]`` for example ``i``, ``lengths`` by default)."""
 
     seg, ptr = [], [0]
-    for win in stream_windows(zip(lengths.tolist(), lengths.tolist()), window=window, buffer_size=buffer_size):
+    payload = lengths if payload is None else payload
+    for win in stream_windows(zip(payload.tolist(), lengths.tolist()), window=window, buffer_size=buffer_size):
         seg.extend(win)
         ptr.append(len(seg))
     return np.asarray(seg, np.int64), np.asarray(ptr, np.int64)
@@ -255,7 +266,8 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int):
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
-                  progress: bool | None = None, loss_lengths=None, ranks: int = 1) -> WasteReport:
+                  progress: bool | None = None, loss_lengths=None, ranks: int = 1, cp_size: int = 1,
+                  cp_layout: str = "hybrid") -> WasteReport:
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
     Args:
@@ -269,6 +281,10 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         loss_lengths: (num_examples,) loss-bearing tokens of each example (reported as ``loss_tokens``).
         ranks: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step`` windows
             a step: the compute imbalance and the spread of examples per step (``StrategyWaste``).
+        cp_size, cp_layout: context parallelism (:mod:`packkit.cp`): ``"zigzag"`` pads every example to a
+            multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots);
+            the other layouts cut a row in ``cp_size`` pieces, so ``W`` (and a padded row) is a multiple of
+            ``cp_size``. ``W`` must be a multiple of what the layout needs.
     Returns:
         A frozen :class:`WasteReport`.
     """
@@ -290,7 +306,19 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
             raise ValueError(f"loss_lengths must be {raw.size:,} integers, one per example, got {loss.dtype} "
                              f"of shape {loss.shape}")
         loss_tokens = int(loss.sum())
+    cp_size = check_cp_size(cp_size)
+    if cp_layout not in CP_LAYOUTS:
+        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=cp_layout, fix=arg("cp_layout", *CP_LAYOUTS))
+    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
+    if window % (doc_multiple * row_multiple):
+        raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to "
+                            "{up:,}", window=arg("window", window), m=doc_multiple * row_multiple,
+                            layout=arg("cp_layout", cp_layout), cp=arg("cp_size", cp_size), w=arg("window"),
+                            up=-(-window // (doc_multiple * row_multiple)) * doc_multiple * row_multiple)
     L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
+    # what a CP rank group computes: every example padded to the layout's document multiple (zigzag)
+    planned = -(-L // doc_multiple) * doc_multiple
+    row_round = doc_multiple * row_multiple  # a padded row is one sequence, split by the layout
     if L.size == 0:
         raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
                         window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
@@ -303,29 +331,33 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         for name in strategies:
             if name == "pad_longest":
                 order = np.arange(L.size)
-                results.append(_padded(name, L, np.full(L.size, int(L.max()), np.int64), order, steps_padded,
-                                       batch_size=batch_size, ranks=ranks))
-            elif name == "random":
-                order = np.random.default_rng(seed).permutation(L.size)
-                padded, order = padded_rows(L, order, batch_size)
+                padded = np.full(L.size, -(-int(L.max()) // row_round) * row_round, np.int64)
                 results.append(_padded(name, L, padded, order, steps_padded, batch_size=batch_size, ranks=ranks))
-            elif name == "grouped":
-                batches = length_grouped_batches(L, batch_size, seed)
-                padded, order = padded_rows(L, batches)
-                results.append(_padded(name, L, padded, order, len(batches), batch_size=batch_size, ranks=ranks))
+            elif name in ("random", "grouped"):
+                if name == "random":
+                    batches, steps = np.random.default_rng(seed).permutation(L.size), steps_padded
+                    padded, order = padded_rows(L, batches, batch_size)
+                else:
+                    batches = length_grouped_batches(L, batch_size, seed)
+                    padded, order = padded_rows(L, batches)
+                    steps = len(batches)
+                results.append(_padded(name, L, -(-padded // row_round) * row_round, order, steps,
+                                       batch_size=batch_size, ranks=ranks))
             elif name == "stream":
-                seg, ptr = stream_plan(L, window=window, buffer_size=buffer_size)
+                seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
                 label = f"{LABELS[name]} (buffer {buffer_size:,})"
-                results.append(_packed(name, label, window, seg, ptr, k, ranks=ranks, seed=seed))
+                results.append(_packed(name, label, window, planned[seg], ptr, k, ranks=ranks, seed=seed,
+                                       seg_real=L[seg]))
             else:
-                plan = pack(L, window=window, strategy=name, seed=seed)
+                plan = pack(planned, window=window, strategy=name, seed=seed)
                 results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k, ranks=ranks,
-                                       seed=seed))
+                                       seed=seed, seg_real=L[plan.seg_example]))
             bar.update(1)
     return WasteReport(
         source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
         buffer_size=buffer_size, seed=seed, examples=int(raw.size), input_tokens=int(raw.sum()), cut_tokens=cut,
         overflow_examples=n_over, lengths=L, strategies=tuple(results), loss_tokens=loss_tokens, ranks=ranks,
+        cp_size=cp_size, cp_layout=cp_layout,
     )
 
 
@@ -353,6 +385,16 @@ def format_table(report: WasteReport, *, options=None) -> str:
                          cut=report.cut_tokens, tokens=report.input_tokens, unit=u)
     if note is not None:
         lines.append(note.render(options))
+    if report.cp_size > 1:
+        doc_multiple, row_multiple = cp_multiples(cp_size=report.cp_size, layout=report.cp_layout)
+        if doc_multiple > 1:
+            extra = int((-report.lengths % doc_multiple).sum())
+            lines.append(f"context parallel, cp={report.cp_size} {report.cp_layout}: every example padded to a "
+                         f"multiple of {doc_multiple} ({extra:,} {u}, {extra / report.lengths.sum():.2%}), counted as "
+                         f"padding")
+        else:
+            lines.append(f"context parallel, cp={report.cp_size} {report.cp_layout}: rows cut in {row_multiple} "
+                         f"pieces (padded rows rounded up to a multiple of {row_multiple}; windows of W need none)")
     lines.append("")
     head = ("strategy", "padding", "rows/epoch", "steps/epoch", f"{u}/step", "attention vs padded",
             "imbalance", "examples/step cv")

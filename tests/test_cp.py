@@ -161,3 +161,45 @@ def test_bad_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="one part per rank"):
         restore([batch.input_ids], plan=plan_cp([5, 3], cp_size=2, layout="zigzag"))
     assert lengths_to_cu_seqlens([5, 3]).tolist() == batch.cu_seqlens.tolist()
+
+
+def test_waste_and_plan_count_cp_padding(tmp_path, capsys):
+    """The planner learns CP: zigzag pads every example to a multiple of 2*cp before packing (the padding
+    fills window slots, never counted as tokens); row layouts need W to be a multiple of cp; the command
+    line says so in its own syntax."""
+    from packkit.budget import plan_budget
+    from packkit.cli import main
+    from packkit.waste import format_table, measure_waste
+
+    lengths = np.random.default_rng(0).integers(1, 900, 400)
+    plain = measure_waste(lengths, window=2048, strategies=("bfd", "random"))
+    zig = measure_waste(lengths, window=2048, strategies=("bfd", "random"), cp_size=8, cp_layout="zigzag")
+    extra = int((-lengths % 16).sum())
+    for a, b in zip(plain.strategies, zig.strategies):
+        assert a.real_tokens == b.real_tokens == lengths.sum()
+        assert b.padding_fraction > a.padding_fraction
+    assert zig.strategies[0].slot_tokens >= lengths.sum() + extra  # windows hold the padded examples
+    assert f"padded to a multiple of 16 ({extra:,} tokens" in format_table(zig)
+    assert zig.to_dict()["cp_size"] == 8 and zig.to_dict()["cp_layout"] == "zigzag"
+    hyb = measure_waste(lengths, window=2048, strategies=("bfd",), cp_size=8, cp_layout="hybrid")
+    assert hyb.strategies[0].padding_fraction == plain.strategies[0].padding_fraction
+    with pytest.raises(ValueError, match="window=2050 is not a multiple of 16, which cp_layout='zigzag' with "
+                                         "cp_size=8 needs; raise window to 2,064"):
+        measure_waste(lengths, window=2050, cp_size=8, cp_layout="zigzag")
+
+    b0 = plan_budget(lengths, per_device_batch=1, window=2048, warn=False)
+    b8 = plan_budget(lengths, per_device_batch=1, window=2048, warn=False, cp_size=8, cp_layout="zigzag")
+    assert b8.num_tokens == b0.num_tokens == lengths.sum()
+    assert b8.padding_fraction > b0.padding_fraction
+    assert b8.loss_tokens_per_step.mean * b8.steps_per_epoch == pytest.approx(b0.loss_tokens_per_step.mean
+                                                                             * b0.steps_per_epoch, rel=0.05)
+
+    np.save(tmp_path / "lengths.npy", lengths)
+    assert main(["waste", str(tmp_path / "lengths.npy"), "-w", "100", "--cp", "3", "--cp-layout", "zigzag"]) == 2
+    err = capsys.readouterr().err
+    assert "--window 100 is not a multiple of 6, which --cp-layout zigzag with --cp 3 needs; raise --window to 102" in err
+    assert main(["plan", str(tmp_path / "lengths.npy"), "-w", "2048", "--cp", "8", "--cp-layout", "zigzag",
+                 "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["padding_fraction"] == pytest.approx(b8.padding_fraction)

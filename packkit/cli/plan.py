@@ -7,6 +7,7 @@ import warnings
 
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
+from ..cp import LAYOUTS as CP_LAYOUTS
 from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
 from ..datafiles import read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
@@ -44,6 +45,11 @@ def parser() -> Parser:
     p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
     p.add_argument("--drop-last", action="store_true", help="leave out the last partial step")
     p.add_argument("--seed", type=int, default=0, help="seed of the window order and synthetic data (default 0)")
+    p.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N",
+                   help="context-parallel ranks a row is cut across (default 1); -d stays the data-parallel count")
+    p.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS,
+                   help="zigzag pads every example to a multiple of 2*N (counted as padding); contiguous, ulysses "
+                        "and hybrid need W to be a multiple of N (default hybrid)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     return p
 
@@ -70,7 +76,8 @@ def run(args, options=None) -> int:
         report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,
                              accumulation_steps=args.accumulation_steps, devices=args.devices, window=window,
                              strategy=args.strategy, overflow=args.overflow, lora=args.lora,
-                             target_tokens_per_step=args.target_tokens, drop_last=args.drop_last, seed=args.seed)
+                             target_tokens_per_step=args.target_tokens, drop_last=args.drop_last, seed=args.seed,
+                             cp_size=args.cp_size, cp_layout=args.cp_layout)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

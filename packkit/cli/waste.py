@@ -7,6 +7,7 @@ import json
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
 from ..datafiles import read_lengths, read_preference_lengths
+from ..cp import LAYOUTS as CP_LAYOUTS
 from ..errors import ArgumentError, arg
 from ..fileio import check_output
 from ..preference import format_preference_waste, preference_waste
@@ -34,6 +35,11 @@ def parser() -> Parser:
     p.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
                    help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batches and orders (default 0)")
+    p.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N",
+                   help="context-parallel ranks a row is cut across (default 1): counts the padding the layout adds")
+    p.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS,
+                   help="zigzag pads every example to a multiple of 2*N; contiguous, ulysses and hybrid cut rows "
+                        "in N pieces (default hybrid)")
     p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
     p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
     add_tokenizer_arguments(p, default="bytes")
@@ -75,7 +81,8 @@ def run(args, options=None) -> int:
             data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
             overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
             source=data.source, unit=data.unit, progress=None if not args.quiet else False,
-            loss_lengths=data.loss_lengths, ranks=args.ranks)
+            loss_lengths=data.loss_lengths, ranks=args.ranks,
+            cp_size=args.cp_size, cp_layout=args.cp_layout)
     if args.plot:
         plot_waste(report, args.plot, overwrite=args.overwrite)
     if args.json:
