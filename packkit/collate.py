@@ -37,6 +37,7 @@ tensors are checked by dtype.
 
 from __future__ import annotations
 
+import collections.abc
 import numbers
 from multiprocessing.reduction import ForkingPickler
 
@@ -48,16 +49,27 @@ from .binpack import check_overflow, check_seed, check_strategy, check_window, o
 from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
-from .rules import MASK_KEYS, check_loss_mask_mode, location
-from .segments import IGNORE_INDEX, lengths_to_offsets, position_ids_to_lengths
+from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, location, row_segments,
+                    segment_key)
+from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
 
 
-def _first_bad(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
-    """``(example index, value)`` of the first ``bad`` value. ``offsets`` is ``(n + 1,)``."""
-    t = int(np.argmax(bad))
-    return int(np.searchsorted(offsets, t, side="right") - 1), int(values[t])
+def _refuse_packed_rows(examples, who: str) -> None:
+    """Refuse a packed row (one carrying ``seq_lengths``) given to a collator of examples: read as one
+    example, its documents would attend to each other. The error names the row and the fix."""
+    if isinstance(examples, ExampleBatch):
+        col = examples.columns.get("seq_lengths")
+        i = None if col is None else next((i for i, v in enumerate(col) if v is not None), None)
+        rows = examples.rows
+    else:
+        i = next((i for i, ex in enumerate(examples)
+                  if isinstance(ex, collections.abc.Mapping) and ex.get("seq_lengths") is not None), None)
+        rows = None
+    if i is not None:
+        raise ExampleValueError(f"{location(i, rows)} is a packed row (it has 'seq_lengths'); {who} would read it "
+                                f"as one example and let its documents attend to each other: {PACKED_FIX}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +328,7 @@ class PaddingFreeCollator:
         self._warned = [False]  # LossMaskWarning given (once per collator and process)
 
     def __call__(self, examples) -> PackedBatch:
+        _refuse_packed_rows(examples, type(self).__name__)
         input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
                                                 loss_mask=self.loss_mask, warned=self._warned)
         return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
@@ -380,6 +393,7 @@ class FixedWindowCollator:
         """``(batch, plan)``: the batch and the :class:`~packkit.binpack.Plan` that laid it out (which
         example's tokens went to which window, in order), for :mod:`packkit.model_inputs`, which lays out
         the inputs that travel with the tokens (positions, images) the same way."""
+        _refuse_packed_rows(examples, type(self).__name__)
         input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
                                                 loss_mask=self.loss_mask, warned=self._warned)
         groups = None if self.group_key is None else _group_ids(examples, self.group_key)
@@ -484,42 +498,14 @@ _SEGMENTS_MISSING = ("a packed row needs its segments (transformers.Trainer drop
 
 def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np.ndarray]:
     """Segment lengths ``(S,)`` and row pointers ``(R + 1,)`` of packed rows, from their
-    ``seq_lengths`` or ``position_ids``, checked against the row lengths. Every row must carry the
-    same one of the two keys."""
+    ``seq_lengths`` or ``position_ids`` (:func:`packkit.rules.row_segments`), checked against the row
+    lengths. Every row must carry the same one of the two keys."""
     keys = set(rows.columns) if isinstance(rows, ExampleBatch) else set().union(*rows)
-    key = "seq_lengths" if "seq_lengths" in keys else "position_ids" if "position_ids" in keys else None
+    key = segment_key(keys)
     if key is None:
         raise ValueError(f"{location(0, where)} has no 'seq_lengths' or 'position_ids'; {_SEGMENTS_MISSING}")
     flat, counts = read_column(rows, key, missing=_SEGMENTS_MISSING, rows=where)
-    if key == "seq_lengths":
-        if (flat < 1).any():
-            i, v = _first_bad(flat, flat < 1, lengths_to_offsets(counts))
-            raise ValueError(f"{location(i, where)} has a segment of length {v}; seq_lengths must be >= 1")
-        seg_ptr = lengths_to_offsets(counts)
-        csum = lengths_to_offsets(flat)
-        sums = csum[seg_ptr[1:]] - csum[seg_ptr[:-1]]
-        bad = sums != lengths
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"{location(i, where)} has seq_lengths summing to {int(sums[i])} for "
-                             f"{int(lengths[i])} input_ids; they must match")
-        return flat, seg_ptr
-    # position_ids: a segment starts at every 0; inside a segment positions go up by one
-    bad = counts != lengths
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"{location(i, where)} has {int(counts[i])} position_ids for {int(lengths[i])} input_ids")
-    row_offsets = lengths_to_offsets(lengths)
-    prev = np.concatenate(([-1], flat[:-1]))
-    prev[row_offsets[:-1]] = -1
-    is_start = flat == 0
-    bad = ~is_start & (flat != prev + 1)
-    if bad.any():
-        i, v = _first_bad(flat, bad, row_offsets)
-        raise ValueError(f"{location(i, where)} has position_ids that neither restart at 0 nor go up by one "
-                         f"(value {v}); pass seq_lengths instead")
-    seg_ptr = np.searchsorted(np.flatnonzero(is_start), row_offsets, side="left").astype(np.int64)
-    return position_ids_to_lengths(flat), seg_ptr
+    return row_segments(key, flat, counts, lengths, rows=where)
 
 
 class PaddedCollator:
@@ -546,6 +532,7 @@ class PaddedCollator:
         self._warned = [False]  # LossMaskWarning given (once per collator and process)
 
     def __call__(self, examples) -> PackedBatch:
+        _refuse_packed_rows(examples, type(self).__name__)
         input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
                                                 loss_mask=self.loss_mask, warned=self._warned)
         width = int(lengths.max())

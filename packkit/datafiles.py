@@ -26,7 +26,7 @@ from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import chat_format, load_tokenizer, tokenize_chat
 from .errors import ArgumentError, DataError, MissingError, arg
-from .listcolumns import loss_lengths, token_lengths
+from .listcolumns import loss_lengths, packed_segments, token_lengths
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -495,7 +495,9 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
     data goes through its chat template (:func:`tokens_table`; ``chat``: the options of
     :func:`packkit.chat.tokenize_chat`). The loss lengths come from ``labels`` or a loss mask when the
-    data has one (:func:`packkit.listcolumns.loss_lengths`).
+    data has one (:func:`packkit.listcolumns.loss_lengths`). Packed rows (a ``seq_lengths`` or restarting
+    ``position_ids`` column, as ``packkit pack`` writes) are read as their documents
+    (:func:`packkit.listcolumns.packed_segments`): a document is an example, never a row.
     """
     if path is None:
         return bundled_sample()
@@ -534,7 +536,14 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             source = f"{path.name}, " + (how or f"column {column!r}")
             if how is not None and tokenizer in (None, "bytes"):  # text measured by the byte-level tokenizer
                 unit = "bytes"
-            loss = loss_lengths(table, lengths, key=token_col) if lengths.size else None
+            segments = packed_segments(table, lengths, key=token_col) if lengths.size else None
+            if segments is not None:  # packed rows (packkit's own output): their documents are the examples
+                seg_lengths, seg_ptr = segments
+                loss = loss_lengths(table, lengths, key=token_col, segments=seg_lengths)
+                source += f"; {lengths.size:,} packed rows read as their {seg_lengths.size:,} documents"
+                lengths = seg_lengths
+            else:
+                loss = loss_lengths(table, lengths, key=token_col) if lengths.size else None
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
     return Lengths(lengths, source, unit, loss)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from .arrow import pyarrow
-from .rules import (MASK_KEYS, check_column, check_dtype, check_values, column_kind, nested, not_integer,
-                    null_inside)
+from .rules import (MASK_KEYS, check_column, check_dtype, check_not_null, check_values, column_kind, nested,
+                    not_integer, null_inside, row_segments, segment_key)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["list_chunks", "token_lengths", "loss_lengths", "table_labels"]
+__all__ = ["list_chunks", "token_lengths", "loss_lengths", "packed_segments", "table_labels"]
 
 
 def _is_list(pa, t) -> bool:
@@ -100,9 +100,11 @@ def token_lengths(column, *, key: str = "input_ids", rows: int = 0) -> np.ndarra
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
+def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0, segments=None) -> np.ndarray | None:
     """Loss tokens of every example of an Arrow table, as a packed batch counts them, or None when the
-    table has neither ``labels`` nor a loss mask (:data:`~packkit.rules.MASK_KEYS`).
+    table has neither ``labels`` nor a loss mask (:data:`~packkit.rules.MASK_KEYS`). ``segments``: the
+    ``(S,)`` document lengths of packed rows (:func:`packed_segments`), laid end to end like the rows;
+    then every document is an example and the counts are ``(S,)``.
 
     A position counts when it is not the example's first (the model shifts labels), its label (the
     token id when the example has no labels) is not -100, and every loss mask the example carries is 1.
@@ -121,9 +123,34 @@ def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0) 
         if given is not None:  # a null row has no such key: every one of its tokens is kept
             keep |= ~given
         loss[span] &= keep
+    if segments is not None:  # the documents of packed rows are the examples
+        offsets = lengths_to_offsets(np.asarray(segments, np.int64))
     loss[offsets[:-1]] = False  # the first token of an example is never a target
     csum = lengths_to_offsets(loss)  # loss tokens before each flat index
     return csum[offsets[1:]] - csum[offsets[:-1]]
+
+
+def packed_segments(table, lengths=None, *, key: str = "input_ids", rows: int = 0):
+    """The documents of packed rows (a ``seq_lengths`` or restarting ``position_ids`` column,
+    :data:`~packkit.rules.SEGMENT_KEYS`): ``(seg_lengths (S,) int64, seg_ptr (R + 1,) int64)``
+    (:func:`~packkit.rules.row_segments`), or None when ``table`` has neither column. ``lengths`` are the
+    rows' token lengths (read from ``key`` when None). A row never reads as one example when it says it
+    holds several. ``input_ids [[1, 2, 3]]``, ``seq_lengths [[2, 1]]`` -> ``([2, 1], [0, 2])``.
+    """
+    seg_key = segment_key(table.column_names)
+    if seg_key is None:
+        return None
+    if lengths is None:
+        lengths = token_lengths(table.column(key), key=key, rows=rows)
+    flat, counts = [], []
+    for values, off, valid, first in list_chunks(table.column(seg_key), key=seg_key, kind="ids", rows=rows):
+        check_not_null(valid, key=seg_key, rows=first)
+        check_values(values, off, kind="ids", key=seg_key, rows=first)
+        flat.append(values)
+        counts.append(np.diff(off))
+    flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+    counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    return row_segments(seg_key, flat, counts, lengths, rows=rows)
 
 
 def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:

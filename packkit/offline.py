@@ -79,7 +79,7 @@ from .errors import ArgumentError, arg, check_int
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
 from .rules import check_column, column_kind
-from .sources import ArrowSource, scan
+from .sources import ArrowSource, scan, scan_documents
 from .writers import ENCODING_FACTOR, write_batches
 
 __all__ = [
@@ -262,6 +262,7 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "
     progress = show_progress(source) if progress is None else progress
     with progress_bar(total=None, unit="rows", enabled=progress, desc=f"{who}: reading") as bar:
         found = scan(source, spec.read, kinds=_kinds(spec), check=_column_checks(spec), progress=bar)
+        found = scan_documents(source, found)  # packed rows are read as their documents
     plan = pack(found.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
     if shuffle:
         plan = plan.shuffled(seed)

@@ -42,7 +42,7 @@ from numpy.lib.stride_tricks import as_strided
 from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
 from .errors import MissingError, arg
 from .examples import example_arrays
-from .rules import MASK_KEYS, first_bad_label, first_bad_mask
+from .rules import MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 
 __all__ = [
@@ -629,22 +629,37 @@ class PackedStream:
                                      f"{self._columns}")
         return out
 
+    def _documents(self, i: int, ex, arrays: dict) -> list:
+        """Example ``i`` as its documents: ``[arrays]``, or for a packed row (``seq_lengths`` or restarting
+        ``position_ids``, :func:`packkit.rules.row_segments`) one dict of views per document."""
+        key = segment_key(k for k, v in ex.items() if v is not None) if isinstance(ex, collections.abc.Mapping) else None
+        if key is None:
+            return [arrays]
+        n = arrays[self._columns[0]].size
+        flat = np.asarray(ex[key]).reshape(-1)
+        try:
+            seg, _ = row_segments(key, flat, [flat.size], [n])
+        except ExampleValueError as exc:
+            raise ExampleValueError(f"example {i} {exc.text}", i, exc.text) from None
+        starts = lengths_to_offsets(seg)[:-1].tolist()
+        return [{c: a[s: s + m] for c, a in arrays.items()} for s, m in zip(starts, seg.tolist())]
+
     def _items(self):
         W, counts = self.window, self._counts
         for i, ex in enumerate(self._examples):
-            arrays = self._example_arrays(i, ex)
-            n = arrays[self._columns[0]].size
-            counts["examples"] += 1
-            counts["tokens"] += n
-            if n <= W:
-                yield (i, 0, arrays), n
-                continue
-            pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=i)
-            counts["cut_tokens"] += pieces.cut_tokens
-            key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
-            counts[key[self._overflow]] += 1
-            for s, length in zip(pieces.start.tolist(), pieces.length.tolist()):
-                yield (i, s, {c: a[s: s + length] for c, a in arrays.items()}), length
+            for arrays in self._documents(i, ex, self._example_arrays(i, ex)):  # a packed row: its documents
+                n = arrays[self._columns[0]].size
+                counts["examples"] += 1
+                counts["tokens"] += n
+                if n <= W:
+                    yield (i, 0, arrays), n
+                    continue
+                pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=i)
+                counts["cut_tokens"] += pieces.cut_tokens
+                key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
+                counts[key[self._overflow]] += 1
+                for s, length in zip(pieces.start.tolist(), pieces.length.tolist()):
+                    yield (i, s, {c: a[s: s + length] for c, a in arrays.items()}), length
 
     def __iter__(self):
         return self

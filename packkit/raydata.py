@@ -53,7 +53,7 @@ import numpy as np
 from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
                       pack)
 from .arrow import list_array
-from .listcolumns import list_chunks, table_labels, token_lengths
+from .listcolumns import list_chunks, packed_segments, table_labels, token_lengths
 from .offline import packed_batch, packed_schema
 from .packer import gather_segments, label_dtype, log_overflow, pack_columns
 from .rules import MASK_KEYS, ExampleTypeError, ExampleValueError, relocate
@@ -126,6 +126,14 @@ def _list_column(table, name: str):
     return values, offsets, None if valid is None else ~valid
 
 
+def _documents(table, key: str, offsets: np.ndarray) -> np.ndarray:
+    """The example offsets of a block: its rows' ``offsets``, or where the rows are packed (a
+    ``seq_lengths`` or restarting ``position_ids`` column) the offsets of their documents, over the same
+    flat values (:func:`packkit.listcolumns.packed_segments`): a packed row is never one example."""
+    segments = packed_segments(table, np.diff(offsets), key=key)
+    return offsets if segments is None else lengths_to_offsets(segments[0])
+
+
 def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_KEYS) -> dict:
     """Lengths of a block's examples, and the first problem found (a local example index), if any.
 
@@ -144,7 +152,8 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
         out["error"] = (KeyError(text), None, text)
         return out
     try:
-        out["lengths"] = token_lengths(table.column(input_key), key=input_key)
+        lengths = token_lengths(table.column(input_key), key=input_key)
+        out["lengths"] = np.diff(_documents(table, input_key, lengths_to_offsets(lengths)))
         out["value_type"] = _value_type(table, input_key)
         if label_key is not None and label_key in table.column_names:
             out["has_labels"] = True
@@ -243,6 +252,7 @@ def _pass1_block(table, block: int, opts: dict):
     """Local plan of one block: (full windows table, handed-over segments, stats)."""
     key = opts["input_key"]
     values, offsets, _ = _list_column(table, key)
+    offsets = _documents(table, key, offsets)
     has_labels = opts["has_labels"]
     labels = _block_labels(table, opts, values)
     columns = _columns(values, labels, offsets)
@@ -314,6 +324,7 @@ def _scatter_block(table, opts: dict, seg_local, seg_start, seg_length, chunk_pt
     ``(values, labels | None)`` per chunk.
     """
     values, offsets, _ = _list_column(table, opts["input_key"])
+    offsets = _documents(table, opts["input_key"], offsets)
     labels = _block_labels(table, opts, values)
     src_start = offsets[seg_local] + seg_start
     tok_ptr = lengths_to_offsets(seg_length)[chunk_ptr]
@@ -430,7 +441,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     """Pack a ``ray.data.Dataset`` of tokenized examples into windows of ``window`` tokens.
 
     Args:
-        ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_key`` and optionally
+        ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_key`` (rows packed already, with
+            ``seq_lengths`` or restarting ``position_ids``, are read as their documents) and optionally
             ``label_key`` and/or a loss mask ``completion_mask`` / ``assistant_masks`` (same lengths;
             the mask becomes labels: -100 where it is 0, on the labels or else the token ids). Its blocks are the unit of work: repartition first for more
             parallelism (``ds.repartition(n)``); the result is deterministic for a fixed block layout.

@@ -416,3 +416,75 @@ def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids",
     if bad.any():
         i = int(np.argmax(bad))
         raise length_mismatch(i, rows, key, int(lengths[i]), ref_key, int(ref_lengths[i]))
+
+
+# ----------------------------------------------------------------------------------------------
+# packed rows: their documents
+# ----------------------------------------------------------------------------------------------
+
+#: Keys that mark a packed row (packkit's own output, or another packer's): its documents are
+#: ``seq_lengths`` (segment lengths summing to the row length) or restarting ``position_ids``.
+SEGMENT_KEYS = ("seq_lengths", "position_ids")
+
+#: How to read a packed row as its documents, for the errors of readers that cannot.
+PACKED_FIX = ("a packed row holds several documents; repack it with packkit pack / pack_dataset (they read "
+              "its documents), or collate it with PackedRowsCollator")
+
+
+def segment_key(names) -> str | None:
+    """The key that marks packed rows among ``names`` (:data:`SEGMENT_KEYS`), or None.
+
+    ``segment_key(["input_ids", "seq_lengths"]) -> "seq_lengths"``; ``position_ids`` alone marks them too
+    (whether they restart is :func:`row_segments`' to decide).
+    """
+    names = set(names)
+    return next((k for k in SEGMENT_KEYS if k in names), None)
+
+
+def _first_bad_row(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
+    """``(row, value)`` of the first ``bad`` value of a flat column with ``(n + 1,)`` ``offsets``."""
+    t = int(np.argmax(bad))
+    return int(np.searchsorted(offsets, t, side="right") - 1), int(values[t])
+
+
+def row_segments(key: str, flat, counts, lengths, *, rows=None) -> tuple[np.ndarray, np.ndarray]:
+    """The documents of packed rows: ``(seg_lengths (S,) int64, seg_ptr (R + 1,) int64)``, row ``r``
+    holding ``seg_lengths[seg_ptr[r]:seg_ptr[r + 1]]``, from their ``key`` column (``seq_lengths``, or
+    ``position_ids`` that restart at 0 at each document) as flat values with ``counts`` per row, checked
+    against the rows' token ``lengths`` (errors name the row, :func:`location`).
+
+    ``row_segments("seq_lengths", [2, 1, 3], [2, 1], [3, 3]) -> ([2, 1, 3], [0, 2, 3])``;
+    ``row_segments("position_ids", [0, 1, 0, 0, 1, 2], [3, 3], [3, 3]) -> ([2, 1, 3], [0, 2, 3])``.
+    """
+    flat = np.asarray(flat, np.int64)
+    counts, lengths = np.asarray(counts, np.int64), np.asarray(lengths, np.int64)
+    if key == "seq_lengths":
+        seg_ptr = lengths_to_offsets(counts)
+        if (flat < 1).any():
+            i, v = _first_bad_row(flat, flat < 1, seg_ptr)
+            raise located(ExampleValueError, i, rows, f"has a segment of length {v}; seq_lengths must be >= 1")
+        csum = lengths_to_offsets(flat)
+        sums = csum[seg_ptr[1:]] - csum[seg_ptr[:-1]]
+        bad = sums != lengths
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise located(ExampleValueError, i, rows, f"has seq_lengths summing to {int(sums[i])} for "
+                          f"{int(lengths[i])} input_ids; they must match")
+        return flat, seg_ptr
+    bad = counts != lengths
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise located(ExampleValueError, i, rows, f"has {int(counts[i])} position_ids for {int(lengths[i])} "
+                      "input_ids")
+    row_offsets = lengths_to_offsets(lengths)
+    prev = np.concatenate(([-1], flat[:-1]))
+    prev[row_offsets[:-1]] = -1
+    is_start = flat == 0
+    bad = ~is_start & (flat != prev + 1)
+    if bad.any():
+        i, v = _first_bad_row(flat, bad, row_offsets)
+        raise located(ExampleValueError, i, rows, "has position_ids that neither restart at 0 nor go up by one "
+                      f"(value {v}); pass seq_lengths instead")
+    starts = np.flatnonzero(is_start)
+    seg_ptr = np.searchsorted(starts, row_offsets, side="left").astype(np.int64)
+    return np.diff(np.append(starts, flat.size)).astype(np.int64), seg_ptr

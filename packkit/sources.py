@@ -41,8 +41,10 @@ from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
 from .listcolumns import list_chunks
 from .packer import FlatColumn
+from .rules import check_not_null, check_values, row_segments, segment_key
+from .segments import lengths_to_offsets
 
-__all__ = ["ArrowSource", "Scan", "scan", "prefetch", "DEFAULT_BATCH_ROWS"]
+__all__ = ["ArrowSource", "Scan", "scan", "scan_documents", "prefetch", "DEFAULT_BATCH_ROWS"]
 
 #: Rows per record batch read from a ``datasets.Dataset`` or a parquet file (bounds a staged batch).
 DEFAULT_BATCH_ROWS = 4096
@@ -207,6 +209,25 @@ class Scan:
     lengths: np.ndarray
     types: dict
     staged_rows: int = 0
+    packed_rows: int | None = None
+
+    def documents(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray) -> "Scan":
+        """The scan with every packed row read as its documents: ``seg_lengths (S,)`` lengths, row ``r``
+        holding ``seg_lengths[seg_ptr[r]:seg_ptr[r + 1]]`` (:func:`packkit.rules.row_segments`). Each
+        column becomes a view per document (its row's region, the row's start plus the document's offset
+        inside the row): no token is copied. ``packed_rows`` keeps the row count.
+
+        Rows ``[[1, 2, 3]]`` with ``seq_lengths [[2, 1]]``: documents ``[1, 2]`` and ``[3]``.
+        """
+        seg_lengths = np.asarray(seg_lengths, np.int64)
+        counts = np.diff(np.asarray(seg_ptr, np.int64))
+        row = np.repeat(np.arange(counts.size), counts)
+        seg_off = lengths_to_offsets(seg_lengths)[:-1]
+        within = seg_off - seg_off[np.asarray(seg_ptr[:-1])][row] if seg_lengths.size else seg_off
+        columns = {name: FlatColumn(col.regions, None if col.region is None else col.region[row],
+                                    col.starts[row] + within, col.dtype)
+                   for name, col in self.columns.items()}
+        return dataclasses.replace(self, columns=columns, lengths=seg_lengths, packed_rows=int(counts.size))
 
 
 class _Regions:
@@ -332,6 +353,31 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
         if not valid.all():
             out[c] = _fill_nulls(out[c], ~valid, out[token], lengths, ones=kinds.get(c) == "mask")
     return Scan(out, lengths, types, staged_rows)
+
+
+def scan_documents(source: ArrowSource, found: Scan, *, progress=None) -> Scan:
+    """``found`` (:func:`scan` of ``source``) with packed rows read as their documents when ``source`` has
+    a ``seq_lengths`` or ``position_ids`` column (:data:`packkit.rules.SEGMENT_KEYS`): one more pass over
+    that column only, checked against the rows' lengths (errors name the dataset row); ``found`` as it
+    is when it has neither. A packed row is never one example: its documents would attend to each other.
+    """
+    key = segment_key(source.names)
+    if key is None:
+        return found
+    flat, counts, row = [], [], 0
+    for batch, _ in source.batches([key]):
+        for values, off, valid, first in list_chunks(batch.column(key), key=key, kind="ids", rows=row):
+            check_not_null(valid, key=key, rows=first)
+            check_values(values, off, kind="ids", key=key, rows=first)
+            flat.append(np.array(values, np.int64))
+            counts.append(np.diff(off))
+        row += batch.num_rows
+        if progress is not None:
+            progress.update(batch.num_rows)
+    flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+    counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    seg_lengths, seg_ptr = row_segments(key, flat, counts, found.lengths, rows=0)
+    return found.documents(seg_lengths, seg_ptr)
 
 
 def _fill_nulls(col: FlatColumn, null: np.ndarray, tokens: FlatColumn, lengths: np.ndarray, *,

@@ -509,3 +509,26 @@ def test_handed_segments_past_int32_offsets_are_large_list(monkeypatch):
     got, stats = raydata._pass2_tail(opts, pa.int32(), 0, *tables)
     want, _ = raydata._pass2_tail(opts, pa.int32(), 0, tables[0], tables[0])
     assert got.equals(want) and stats["tokens"] == 20
+
+
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_packed_rows_repack_as_their_documents(data, mode):
+    """Ray's pack of its own output reads each row's documents (``seq_lengths``): the same documents and
+    labels, none merged. Before the fix every packed row was one example, its documents merged."""
+    _, ds = data
+    once = collect(raydata.pack_dataset(ds, window=W, overflow="split"))
+
+    def documents(rows):
+        out = []
+        for ids, labels, segs in zip(rows["input_ids"], rows["labels"], rows["seq_lengths"]):
+            pos = 0
+            for n in segs:
+                out.append((tuple(ids[pos: pos + n]), tuple(labels[pos: pos + n])))
+                pos += n
+        return sorted(out)
+
+    table = pa.table(once)
+    cuts = np.linspace(0, table.num_rows, 4).astype(int)
+    packed_ds = ray.data.from_arrow([table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])])
+    twice = collect(raydata.pack_dataset(packed_ds, window=W, mode=mode, overflow="error"))
+    assert documents(twice) == documents(once)

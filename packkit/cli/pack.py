@@ -154,13 +154,16 @@ def run(args, options=None) -> int:
     input_tokens = s["tokens"] + s["cut_tokens"]
     note = overflow_note(s["overflow"], over=s["overflow_examples"], examples=s["examples"], cut=s["cut_tokens"],
                          tokens=input_tokens)
+    packed_rows = packed.scan.packed_rows  # IN held packed rows, read as their documents
     if args.json:
         print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": names,
                           "rows": plan.num_windows, "input_tokens": input_tokens, "seed": args.seed,
-                          "shuffled": not args.no_shuffle, "tokenized": how, **s}))
+                          "shuffled": not args.no_shuffle, "tokenized": how, "packed_rows_in": packed_rows, **s}))
         return 0
     if how is not None:
         print(f"tokenized {how}")
+    if packed_rows is not None:
+        print(f"{packed_rows:,} packed rows read as their {s['examples']:,} documents (an example is a document)")
     print(f"packed {s['examples']:,} examples ({input_tokens:,} tokens) into {s['windows']:,} "
           f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
     if note is not None:
