@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import ArgumentError, arg
 
-__all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign",
+__all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign", "swap_refine",
            "pack_to_cost", "ToCost", "cost_model"]
 
 #: verl's per-token weight for a 7B model (``6 x 4096``): cost = 24576 * L + L**2.
@@ -174,14 +174,14 @@ def step_figures(unit_cost, unit_examples, *, ranks: int, per_rank: int) -> tupl
 # ----------------------------------------------------------------------------------------------
 
 
-def lpt_assign(cost, ranks: int) -> np.ndarray:
+def lpt_assign(cost, ranks: int, *, swaps: int = 4) -> np.ndarray:
     """(steps, n) int64 rank of each item, each rank getting ``n // ranks`` items of every step.
 
     Longest-processing-time first with equal counts, all steps at once: the items of a step, costliest
     first, are dealt in rounds of ``ranks``; in each round the costliest item goes to the rank carrying
     the least so far, the next to the next lightest, and so on (``n // ranks`` rounds of one sort of
-    ``ranks`` loads each, vectorised over steps). ``n`` must be a multiple of ``ranks``.
-    ``lpt_assign([[5, 1, 4, 2]], 2) -> [[0, 0, 1, 1]]`` (5 + 1 and 4 + 2).
+    ``ranks`` loads each, vectorised over steps). Then ``swaps`` rounds of :func:`swap_refine`. ``n``
+    must be a multiple of ``ranks``. ``lpt_assign([[5, 1, 4, 2]], 2) -> [[0, 0, 1, 1]]`` (5 + 1 and 4 + 2).
     """
     c = np.asarray(cost, np.float64)
     steps, n = c.shape
@@ -197,7 +197,44 @@ def lpt_assign(cost, ranks: int) -> np.ndarray:
         cols = order[:, j * ranks:(j + 1) * ranks]
         out[rows, cols] = lightest
         loads[rows, lightest] += sorted_cost[:, j * ranks:(j + 1) * ranks]
+    for _ in range(swaps if ranks > 1 else 0):
+        out, changed = swap_refine(c, out, ranks)
+        if not changed:
+            break
     return out
+
+
+def swap_refine(cost, rank_of, ranks: int) -> tuple[np.ndarray, bool]:
+    """One round of the best swap per step between its heaviest and its lightest rank.
+
+    ``cost``, ``rank_of``: (steps, n); each rank holds ``n // ranks`` items. For each step, the pair (an
+    item of the heaviest rank, one of the lightest) whose exchange brings the two loads closest is
+    swapped when that lowers the heavier of the two (so the step's maximum never rises). Returns the new
+    ranks and whether any step changed: ``swap_refine([[4, 3, 2, 1]], [[0, 0, 1, 1]], 2) -> [[1, 0, 0, 1]]``
+    (loads 7, 3 -> 5, 5).
+    """
+    c = np.asarray(cost, np.float64)
+    rank_of = np.array(rank_of, np.int64)
+    steps, n = c.shape
+    q = n // ranks
+    at = np.arange(steps)
+    loads = np.bincount((rank_of + at[:, None] * ranks).ravel(), weights=c.ravel(),
+                        minlength=steps * ranks).reshape(steps, ranks)
+    heavy, light = loads.argmax(axis=1), loads.argmin(axis=1)
+    by_rank = np.argsort(rank_of, axis=1, kind="stable").reshape(steps, ranks, q)
+    h_items, l_items = by_rank[at, heavy], by_rank[at, light]  # (steps, q)
+    delta = np.take_along_axis(c, h_items, 1)[:, :, None] - np.take_along_axis(c, l_items, 1)[:, None, :]
+    gap = (loads[at, heavy] - loads[at, light])[:, None, None]
+    after = np.maximum(gap - delta, delta)  # the heavier of the two, relative to the light load
+    after = np.where((delta > 0) & (delta < gap), after, np.inf).reshape(steps, -1)
+    best = after.argmin(axis=1)
+    ok = np.isfinite(after[at, best]) & (after[at, best] < gap[:, 0, 0])
+    if not ok.any():
+        return rank_of, False
+    s = at[ok]
+    i, j = h_items[s, best[ok] // q], l_items[s, best[ok] % q]
+    rank_of[s, i], rank_of[s, j] = light[ok], heavy[ok]
+    return rank_of, True
 
 
 # ----------------------------------------------------------------------------------------------

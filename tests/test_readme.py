@@ -316,3 +316,24 @@ def test_hybrid_models_as_pasted(tmp_path, monkeypatch):
     lengths = [len(x["input_ids"]) for x in dataset(4)]
     assert batch["seq_idx"].tolist() == [np.repeat(np.arange(4), lengths).tolist()]
     assert batch["cu_seq_lens_q"].tolist() == [0, *np.cumsum(lengths).tolist()]
+
+
+def test_many_gpus_balance_and_elastic_resume_as_pasted(tmp_path, monkeypatch):
+    """The section's two blocks as pasted: a balanced sampler feeding a DataLoader, then a resume from its
+    state that yields the unused examples exactly once."""
+    from packkit.sampler import PackedBatchSampler
+
+    lengths = np.random.default_rng(0).integers(16, 600, size=600)
+    data = [{"input_ids": list(range(1, int(n) + 1))} for n in lengths]
+    scope = run_readme("## Many GPUs: balanced compute, elastic resume", 0, tmp_path, monkeypatch,
+                       lengths=lengths, dataset=data)
+    sampler, loader = scope["sampler"], scope["loader"]
+    assert sampler.accumulation_steps == 32 and scope["stats"].compute_imbalance >= 1.0
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    assert all(tuple(b["input_ids"].shape) == (8, 2048) for b in first)
+    used = [i for b in list(sampler.schedule().batches(0))[:3] for i in b.tolist()]
+    scope = run_readme("## Many GPUs: balanced compute, elastic resume", 1, tmp_path, monkeypatch,
+                       lengths=lengths, sampler=sampler, PackedBatchSampler=PackedBatchSampler)
+    rest = [i for b in scope["sampler"] for i in b]
+    assert sorted(used + rest) == list(range(600))

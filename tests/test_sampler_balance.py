@@ -17,7 +17,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from packkit.balance import CostModel, compute_imbalance, cost_model, lpt_assign, pack_to_cost, step_figures, variation
+from packkit.balance import (CostModel, compute_imbalance, cost_model, lpt_assign, pack_to_cost, step_figures,
+                             swap_refine, variation)
 from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
 from packkit.waste import measure_waste
 
@@ -79,9 +80,13 @@ def test_lpt_assign_matches_reference(cost, ranks):
     n = len(cost) // ranks * ranks
     if n == 0:
         return
-    got = lpt_assign(np.array([cost[:n]], np.float64), ranks)[0].tolist()
-    assert got == ref_lpt([float(c) for c in cost[:n]], ranks)
-    assert collections.Counter(got) == {r: n // ranks for r in range(ranks)}
+    c = np.array([cost[:n]], np.float64)
+    got = lpt_assign(c, ranks, swaps=0)[0].tolist()
+    assert got == ref_lpt([float(x) for x in cost[:n]], ranks)
+    refined = lpt_assign(c, ranks)[0]  # the swaps keep the counts and never raise the heaviest rank
+    assert collections.Counter(refined.tolist()) == {r: n // ranks for r in range(ranks)}
+    heaviest = lambda a: max(sum(x for x, r in zip(cost[:n], a) if r == q) for q in range(ranks))  # noqa: E731
+    assert heaviest(refined) <= heaviest(got)
 
 
 def test_cost_model_from_config_cp_and_figures():
@@ -99,6 +104,7 @@ def test_cost_model_from_config_cp_and_figures():
         cost_model(CostModel(cp_size=2), cp_size=4)
     assert compute_imbalance([[3, 1], [2, 2]]) == 1.25 and compute_imbalance(np.zeros((0, 2))) == 1.0
     assert variation([2, 4]) == pytest.approx(1 / 3)
+    assert swap_refine([[4, 3, 2, 1]], [[0, 0, 1, 1]], 2)[0].tolist() == [[1, 0, 0, 1]]
     assert step_figures([3, 1, 2, 2], [1, 1, 2, 2], ranks=2, per_rank=1) == (1.25, pytest.approx(1 / 3))
 
 

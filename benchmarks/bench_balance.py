@@ -1,0 +1,203 @@
+"""Compute balance across data-parallel ranks: packkit's policies beside verl's Karmarkar-Karp partition
+and round-robin, on real chat lengths, in one run.
+
+Lengths: ``benchlib.chat_lengths(200_000)``, 17,545 ShareGPT conversations under Qwen3's tokenizer drawn
+200,000 times *with replacement*; examples longer than the window are truncated (``overflow="truncate"``).
+A document of ``L`` tokens costs ``24576 * L + L**2`` (verl's workload model for a 7B). Every policy is
+measured here from the batches each rank gets (``sampler.schedule()``), not from the sampler's report:
+
+* imbalance = sum over optimiser steps of the costliest rank / sum over steps of the mean rank (1.0 is
+  perfect; a synchronous run takes that many times a perfectly balanced one);
+* examples/step CV = std / mean of the examples a step holds over all ranks (full steps), and its ratio
+  to random steps' (what balancing did to step composition);
+* windows over the lower bound ``ceil(tokens / W)``;
+* plan time: building the sampler and its epoch (best of 3).
+
+Policies, on the same windows (best-fit decreasing) unless said:
+
+* ``random``: packkit ``balance=None``, random steps, each rank its run of ``k`` windows;
+* ``round-robin``: the same steps, window ``j`` of a step to rank ``j % dp`` (a plain distributed sampler);
+* ``verl KK``: the same steps, each partitioned into ``dp`` parts of ``k`` windows by the Karmarkar-Karp
+  largest differencing method with equal sizes (verl's ``get_seqlen_balanced_partitions``, rewritten here
+  from its published description);
+* ``packkit sqlen``: steps of similar attention cost over the whole epoch (``balance="sqlen"``);
+* ``packkit compute``: random steps, the step's windows dealt by LPT under the cost model (then the best
+  swaps between the heaviest and the lightest rank); for ``k <= 2``
+  windows built step by step to a cost target, long documents queued (``balance="compute"``).
+
+    python benchmarks/bench_balance.py            # ~2 minutes on 2 busy cores
+    python benchmarks/bench_balance.py --n 50000 --plan-n 200000
+
+Prints a table last, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import time
+
+import numpy as np
+from benchlib import chat_lengths, emit_json, versions
+
+from packkit.balance import CostModel, compute_imbalance, variation
+from packkit.sampler import PackedBatchSampler
+
+COST = CostModel(linear=24576.0)
+CONFIGS = [  # (window, dp, k windows per rank per step)
+    (8192, 8, 1), (8192, 8, 4), (8192, 8, 8), (8192, 8, 16), (8192, 32, 8), (8192, 32, 16), (32768, 8, 1),
+    (32768, 8, 2),
+]
+
+
+def karmarkar_karp(values, parts: int) -> list[list[int]]:
+    """Indices of ``values`` in ``parts`` partitions of equal size (``len(values)`` a multiple of
+    ``parts``), by largest differencing: values sorted, each run of ``parts`` consecutive values a
+    partial solution with one value per part; the two partial solutions of largest spread are merged
+    (the heaviest part of one with the lightest of the other) until one is left."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    heap = []
+    for n, start in enumerate(range(0, len(order), parts)):
+        sets = [(float(values[i]), [i]) for i in order[start:start + parts]]
+        sets.sort(key=lambda s: -s[0])
+        heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), n, sets))
+    n = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(a[i][0] + b[parts - 1 - i][0], a[i][1] + b[parts - 1 - i][1]) for i in range(parts)]
+        merged.sort(key=lambda s: -s[0])
+        n += 1
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), n, merged))
+    return [s[1] for s in heap[0][2]]
+
+
+def figures(sched, lengths, window, dp) -> dict:
+    """Imbalance, examples/step CV and windows from a schedule's batches (row-major, ``dp`` ranks)."""
+    used = np.minimum(lengths, window)
+    doc_cost = COST.costs(used)
+    csum = np.concatenate(([0.0], np.cumsum(doc_cost[sched.flat])))
+    batch_cost = (csum[sched.ptr[1:]] - csum[sched.ptr[:-1]]).reshape(sched.rows, dp)
+    starts = sched.step_row[:-1]
+    rank_cost = np.add.reduceat(batch_cost, starts, axis=0)
+    examples = np.add.reduceat(np.diff(sched.ptr).reshape(sched.rows, dp).sum(axis=1), starts)
+    full = sched.step_span == sched.step_span.max()  # the last, partial step left out
+    return {"imbalance": compute_imbalance(rank_cost), "cv": variation(examples[full]),
+            "windows": int(sched.pieces.sum())}
+
+
+def step_windows(sampler):
+    """Window costs and examples of each full step (same steps as the sampler's), from its plan."""
+    plan = sampler.plan()
+    S = sampler.step_batches * sampler.windows_per_batch
+    seg_cost = COST.costs(plan.seg_length)
+    win_cost = np.add.reduceat(seg_cost, plan.window_ptr[:-1])
+    win_examples = np.diff(plan.window_ptr)
+    full = plan.num_windows // S * S
+    return win_cost[:full].reshape(-1, S), win_examples[:full].reshape(-1, S)
+
+
+def baselines(sampler, dp, k) -> dict:
+    """Round-robin and verl's KK over the sampler's own steps."""
+    cost, examples = step_windows(sampler)
+    rr = cost.reshape(cost.shape[0], k, dp).sum(axis=1)  # window j of a step to rank j % dp
+    t = time.perf_counter()
+    kk = np.array([[step[p].sum() for p in karmarkar_karp(step.tolist(), dp)] for step in cost])
+    kk_time = time.perf_counter() - t
+    cv = variation(examples.sum(axis=1))
+    return {"round-robin": {"imbalance": compute_imbalance(rr), "cv": cv},
+            "verl KK": {"imbalance": compute_imbalance(kk), "cv": cv, "time": kk_time}}
+
+
+def run(lengths, window, dp, k) -> list[dict]:
+    out = []
+    lower = -(-int(np.minimum(lengths, window).sum()) // window)
+    made = {}
+    for policy in (None, "sqlen", "compute"):
+        best = None
+        for _ in range(3 if policy == "compute" else 1):
+            t = time.perf_counter()
+            s = PackedBatchSampler(lengths, window=window, windows_per_batch=k, world_size=dp, rank=0, seed=0,
+                                   balance=policy, overflow="truncate", cost=COST)
+            sched = s.schedule()
+            dt = time.perf_counter() - t
+            best = dt if best is None else min(best, dt)
+        made[policy] = s
+        f = figures(sched, lengths, window, dp)
+        name = {None: "random", "sqlen": "packkit sqlen", "compute": "packkit compute"}[policy]
+        out.append({"policy": name, **f, "plan_s": best, "queued": s.epoch_stats().queued})
+    for name, f in baselines(made[None], dp, k).items():
+        out.append({"policy": name, "imbalance": f["imbalance"], "cv": f["cv"], "windows": out[0]["windows"],
+                    "plan_s": f.get("time"), "queued": 0})
+    random_cv = out[0]["cv"]
+    for r in out:
+        r.update(window=window, dp=dp, k=k, lower_bound=lower, over_lower=r["windows"] / lower - 1,
+                 cv_vs_random=r["cv"] / random_cv if random_cv else 1.0)
+    return out
+
+
+def plan_time(n: int, k: int, window: int = 8192, dp: int = 8) -> float:
+    lengths = chat_lengths(n, seed=1)
+    best = None
+    for _ in range(3 if k > 2 else 1):
+        t = time.perf_counter()
+        PackedBatchSampler(lengths, window=window, windows_per_batch=k, world_size=dp, rank=0,
+                           balance="compute", overflow="truncate", cost=COST).schedule()
+        dt = time.perf_counter() - t
+        best = dt if best is None else min(best, dt)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=200_000, help="documents (drawn with replacement past 17,545)")
+    ap.add_argument("--plan-n", type=int, default=1_000_000, help="documents for the planning-time target")
+    ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
+    args = ap.parse_args()
+    lengths = chat_lengths(args.n, seed=0)
+    rows = []
+    for window, dp, k in CONFIGS:
+        rows += run(lengths, window, dp, k)
+    t_lpt = plan_time(args.plan_n, 8)
+    t_doc = plan_time(args.plan_n, 1, window=32768)
+
+    def pick(window, dp, k, policy):
+        return next(r for r in rows if (r["window"], r["dp"], r["k"], r["policy"]) == (window, dp, k, policy))
+
+    checks = []
+    for dp in (8, 32):
+        for k in (8, 16):
+            r = pick(8192, dp, k, "packkit compute")
+            checks.append((f"compute W=8k dp {dp} k={k}: imbalance <= 1.02", r["imbalance"] <= 1.02,
+                           f"{r['imbalance']:.4f}"))
+            checks.append((f"compute W=8k dp {dp} k={k}: examples/step CV within 5% of random",
+                           abs(r["cv_vs_random"] - 1) <= 0.05, f"{r['cv_vs_random']:.3f}x random"))
+    r = pick(32768, 8, 1, "packkit compute")
+    checks.append(("compute W=32k dp 8 k=1: imbalance <= 1.05", r["imbalance"] <= 1.05, f"{r['imbalance']:.4f}"))
+    checks.append(("compute W=32k dp 8 k=1: windows <= lower bound + 1%", r["over_lower"] <= 0.01,
+                   f"+{100 * r['over_lower']:.2f}%"))
+    checks.append((f"plan {args.plan_n:,} documents (compute, W=8k, dp 8, k=8) <= 1 s", t_lpt <= 1.0, f"{t_lpt:.2f} s"))
+    checks.append((f"plan {args.plan_n:,} documents (compute, W=32k, dp 8, k=1, cost-target packer) <= 1 s",
+                   t_doc <= 1.0, f"{t_doc:.2f} s"))
+
+    v = versions()
+    print(f"bench_balance: {args.n:,} chat lengths (ShareGPT under Qwen3's tokenizer, drawn with replacement), "
+          f"cost 24576 L + L^2, truncated to W; {v}")
+    head = f"{'W':>6} {'dp':>3} {'k':>3}  {'policy':<16} {'imbalance':>9} {'ex/step cv':>10} {'vs random':>9} " \
+           f"{'windows':>8} {'+LB':>7} {'queued':>6} {'plan s':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        plan = "" if r["plan_s"] is None else f"{r['plan_s']:.3f}"
+        print(f"{r['window']:>6} {r['dp']:>3} {r['k']:>3}  {r['policy']:<16} {r['imbalance']:>9.4f} {r['cv']:>10.3f} "
+              f"{r['cv_vs_random']:>8.3f}x {r['windows']:>8,} {100 * r['over_lower']:>6.2f}% {r['queued']:>6} {plan:>7}")
+    print()
+    for text, ok, value in checks:
+        print(f"  {'met   ' if ok else 'MISSED'} {text}: {value}")
+    emit_json({"bench": "balance", "n": args.n, "plan_n": args.plan_n, "versions": v, "rows": rows,
+               "plan_time_s": {"compute_k8_w8k": t_lpt, "compute_k1_w32k": t_doc},
+               "checks": [{"check": t, "met": ok, "value": val} for t, ok, val in checks]}, args.json_out)
+
+
+if __name__ == "__main__":
+    main()
