@@ -337,3 +337,60 @@ def test_many_gpus_balance_and_elastic_resume_as_pasted(tmp_path, monkeypatch):
                        lengths=lengths, sampler=sampler, PackedBatchSampler=PackedBatchSampler)
     rest = [i for b in scope["sampler"] for i in b]
     assert sorted(used + rest) == list(range(600))
+
+# ----------------------------------------------------------------------------------------------
+# "DPO with TRL": DPOTrainer on packed trees, your own loop, RL groups
+# ----------------------------------------------------------------------------------------------
+
+
+def preference_pairs(n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    words = lambda k: " ".join(f"t{i}" for i in rng.integers(3, 101, k))  # noqa: E731
+    return [{"prompt": words(int(rng.integers(2, 10))) + " ", "chosen": words(int(rng.integers(1, 8))),
+             "rejected": words(int(rng.integers(1, 8)))} for _ in range(n)]
+
+
+def test_dpo_with_trl_as_pasted(tmp_path, monkeypatch):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import functools
+
+    from packkit.preference import SequenceBatch
+    from testlib import tiny_causal_lm
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(trl, "DPOConfig", functools.partial(trl.DPOConfig, bf16=False))
+    pairs = datasets.Dataset.from_list(preference_pairs(8))
+    scope = run_readme("## DPO with TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
+                       ref_model=tiny_causal_lm(dtype=torch.float32, max_position_embeddings=256, seed=1),
+                       pairs=pairs)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 3  # 3 epochs of 8 pairs, 8 a step
+    final = trainer.state.log_history[-1]
+    assert np.isfinite(final["train_loss"]) and "rewards/margins" in final
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    assert isinstance(batch, SequenceBatch) and batch.layout == "tree" and batch.num_groups == 8
+
+
+def test_dpo_own_loop_as_pasted(tmp_path, monkeypatch):
+    pytest.importorskip("trl")
+    from testlib import tiny_causal_lm
+
+    model = tiny_model()
+    scope = run_readme("## DPO with TRL", 1, tmp_path, monkeypatch, model=model, tokenizer=word_tokenizer(),
+                       ref_model=tiny_causal_lm(dtype=torch.float32, max_position_embeddings=256, seed=1),
+                       pairs=preference_pairs())
+    assert torch.isfinite(scope["loss"]) and scope["policy"].chosen.shape == (8,)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_rl_groups_as_pasted(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    rollouts = [(rng.integers(3, 101, int(rng.integers(2, 9))).tolist(),
+                 [rng.integers(3, 101, int(rng.integers(1, 9))).tolist() for _ in range(4)],
+                 rng.normal(size=4).tolist()) for _ in range(16)]
+    tokens = [len(p) + sum(map(len, c)) for p, c, _ in rollouts]
+    scope = run_readme("## DPO with TRL", 2, tmp_path, monkeypatch, model=tiny_model(), rollouts=rollouts,
+                       tokens_per_group=tokens, rank=3)
+    assert scope["logps"].sum.shape == (64,) and torch.isfinite(scope["loss"])
+    assert scope["micro_batches"] and all(mb.size for mb in scope["micro_batches"])
