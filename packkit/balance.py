@@ -31,7 +31,7 @@ import numbers
 
 import numpy as np
 
-from .errors import ArgumentError, arg
+from .errors import ArgumentError, arg, check_int
 
 __all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign", "swap_refine",
            "pack_to_cost", "ToCost", "cost_model"]
@@ -58,10 +58,8 @@ class CostModel:
     def __post_init__(self):
         if isinstance(self.linear, bool) or not isinstance(self.linear, numbers.Real) or not self.linear > 0:
             raise ArgumentError("{a} must be a positive number, got {got!r}", a=arg("cost"), got=self.linear)
-        if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, numbers.Integral) or self.cp_size < 1:
-            raise ArgumentError("{cp} must be a positive integer, got {got!r}", cp=arg("cp_size"), got=self.cp_size)
         object.__setattr__(self, "linear", float(self.linear))
-        object.__setattr__(self, "cp_size", int(self.cp_size))
+        object.__setattr__(self, "cp_size", check_int(self.cp_size, "cp_size"))
 
     def costs(self, lengths) -> np.ndarray:
         """(n,) float64 cost of each document: ``CostModel(linear=10).costs([1, 4]) -> [11., 56.]``."""

@@ -35,27 +35,40 @@ A small run, with the indices each step gets::
 
 Distributed
 -----------
-``rank`` and ``world_size`` are taken from the default process group when not given. Every rank builds
-the same global epoch (same seed, same epoch) and takes its share: step ``s`` of rank ``r`` is global
-batch ``s * world_size + r``, so **every rank gets exactly the same number of batches** (uneven counts
-hang DDP). The tail that does not fill a whole step follows ``drop_last``:
+``rank`` and ``world_size`` are taken from the default process group when not given. An epoch is a
+sequence of *units* (windows, or batches) cut into global steps of ``step_batches`` micro-batches
+(default ``world_size``: one per rank; a multiple of it: each rank accumulates
+``accumulation_steps = step_batches // world_size``). The sequence depends on the seed, the epoch and
+``step_batches``, never on the world size; it is dealt to the ranks only when iterated, the same deal on
+every rank with no collective, so **every rank gets exactly the same number of micro-batches** (uneven
+counts hang DDP). :meth:`schedule` shows every rank's batches. The tail that does not fill a whole step
+follows ``drop_last``:
 
-- ``drop_last=False`` (default): nothing is lost. The tail is shared out among the ranks in one last,
-  smaller step; where it cannot be shared evenly, the fewest examples (or windows) needed are repeated,
-  and :meth:`epoch_stats` reports how many (``repeated``).
+- ``drop_last=False`` (default): nothing is lost. The tail makes one last, smaller step (the fewest rows
+  of at most ``k`` units); where a row has fewer units than ranks, units are split by examples, and only
+  where there are fewer examples than ranks are some repeated, counted in ``epoch_stats().repeated``.
 - ``drop_last=True``: only full steps; the tail (chosen at random each epoch) is left out and counted
   (``dropped``).
 
-``balance="tokens"`` or ``"sqlen"`` groups batches of similar cost (tokens, or the sum of squared lengths,
-which is what attention costs) into the same step, so no rank waits on a heavier one; steps are then
-shuffled. :meth:`epoch_stats` reports the imbalance that remains.
+``balance``: ``"tokens"`` or ``"sqlen"`` sort the epoch's micro-batches by cost (tokens, or the sum of
+squared lengths) and cut steps from the sorted order, then shuffle the steps: balanced ranks, but what a
+step holds is no longer random. ``"compute"`` keeps the steps random and deals each step's units to the
+ranks that balance ``cost`` (``a * L + L**2 / cp_size`` per document, :mod:`packkit.balance`): LPT, then
+swaps between the heaviest and the lightest rank; with one or two windows per rank the packed sampler
+builds the windows to a cost target instead. :meth:`epoch_stats` reports, whatever the policy, the
+compute imbalance and the spread of examples per step.
 
-Resuming
---------
-``state_dict()`` stores the seed, the epoch and the number of batches this rank has yielded in the
-epoch; ``load_state_dict()`` regenerates the epoch and the next pass yields exactly the batches that
-were not yielded. A DataLoader with workers fetches ahead of the training loop: pass the number of
-steps the loop actually consumed, ``state_dict(batches_consumed=step + 1)``.
+Resuming, on any number of ranks
+--------------------------------
+``state_dict()`` is the same small dict on every rank: the seed, the epoch, the step size the epoch was cut
+with and the position in it (the first unit of the step in progress, the units of that step used before
+it was dealt, the deal and its rows done). ``load_state_dict()`` on any world size yields every unit not
+yet used, exactly once. With the same ``step_batches`` and a world size dividing it, the global steps are
+the ones the first run would have made (a step in progress on another world size ends as a step of its
+own); otherwise step boundaries move from the resume point on, said once by a :class:`ResumeWarning`.
+A DataLoader with workers fetches ahead of the training loop: pass the number of batches the loop
+actually consumed in the epoch, ``state_dict(batches_consumed=...)`` (torchdata's ``StatefulDataLoader``
+tracks this itself). :meth:`merge_state_dicts` turns the per-rank states of an older packkit into one.
 """
 
 from __future__ import annotations
@@ -573,7 +586,7 @@ class _BatchSampler:
         return batches, pieces, repeated
 
     def _example_cost(self) -> np.ndarray:
-        key = ("cost",)
+        """(n,) float64 cost of each example under ``cost`` (packed: its first ``W`` tokens), cached."""
         if getattr(self, "_ex_cost", None) is None:
             self._ex_cost = self.cost.costs(self._lengths_used())
         return self._ex_cost

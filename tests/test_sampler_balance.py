@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import collections
 import math
-import subprocess
-import sys
 import types
 
 import numpy as np
@@ -236,12 +234,15 @@ def test_waste_ranks_figures_match_a_numpy_count():
     assert r.strategies[0].compute_imbalance > 1.0 and r.to_dict()["ranks"] == 4
 
 
-def test_cli_waste_ranks_and_plan_print_both_figures(tmp_path):
+def test_cli_waste_ranks_and_plan_print_both_figures(tmp_path, capsys):
+    """The two commands on a real file: waste --ranks and plan --ranks print both figures."""
+    from packkit.cli import main
+
     path = tmp_path / "lengths.npy"
     np.save(path, heavy_tail(2000, 4, top=2048))
-    out = subprocess.run([sys.executable, "-m", "packkit.cli", "waste", str(path), "--ranks", "4", "-w", "2048",
-                          "--strategies", "random,bfd"], capture_output=True, text=True, check=True).stdout
+    assert main(["waste", str(path), "--ranks", "4", "-w", "2048", "--strategies", "random,bfd", "-q"]) == 0
+    out = capsys.readouterr().out
     assert "on each of 4 ranks" in out and "imbalance" in out and "examples/step cv" in out
-    out = subprocess.run([sys.executable, "-m", "packkit.cli", "plan", str(path), "-d", "4", "-w", "2048"],
-                         capture_output=True, text=True, check=True).stdout
-    assert "compute imbalance" in out and "examples per step cv" in out
+    assert main(["plan", str(path), "--ranks", "4", "-w", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "compute imbalance" in out and "slowest of 4 devices" in out and "examples per step cv" in out

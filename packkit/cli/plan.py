@@ -34,7 +34,8 @@ def parser() -> Parser:
                    help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
     p.add_argument("-a", "--accumulation-steps", type=int, default=1,
                    help="micro-batches accumulated per optimiser step (default 1)")
-    p.add_argument("-d", "--devices", type=int, default=1, help="data-parallel devices (default 1)")
+    p.add_argument("-d", "--devices", "--ranks", type=int, default=1,
+                   help="data-parallel devices (ranks): the compute imbalance is across them (default 1)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("-w", "--window", type=int, help="pack into windows of W tokens (default 2048)")
     g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
