@@ -225,3 +225,27 @@ def test_qwen3_5_vision_language_needs_both_wrappers(examples, reference_kernels
         vl_only = (model(**vl(docs)).logits[0] - torch.cat(refs)).abs().max().item()
     print(f"qwen3_5 VL: both wrappers {both:.3e}, without seq_idx {vl_only:.3e}")
     assert both < TOL["qwen3_5"] < 100 * TOL["qwen3_5"] < vl_only
+
+
+def test_seq_idx_reaches_the_layers_under_trainer(models, examples, reference_kernels, monkeypatch, tmp_path):
+    """Under ``transformers.Trainer`` (default arguments: it moves and rebuilds the batch), in train mode, the
+    layers' kernels receive HybridCollator's seq_idx. (Bamba's fused train-mode kernel, mamba-ssm's, is
+    absent here: its fallback says so by returning None, and the layer runs the kernels above.)"""
+    seen = []
+    conv = modeling_bamba.causal_conv1d_fn
+
+    def recording_conv(*args, seq_idx=None, **kwargs):
+        seen.append(seq_idx)
+        return conv(*args, seq_idx=seq_idx, **kwargs)
+
+    monkeypatch.setattr(modeling_bamba, "causal_conv1d_fn", recording_conv)
+    monkeypatch.setattr(modeling_bamba, "mamba2_split_conv1d_scan_combined", lambda *args, **kwargs: None)
+    model = build("bamba")
+    collate = HybridCollator(PLAIN)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=len(examples))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=collate)
+    trainer.train()
+    assert trainer.state.global_step == 3 and len(seen) == 3  # 3 epochs of one step, one Mamba-2 layer
+    for s in seen:  # the step's documents (Trainer shuffles them), one segment each
+        assert s is not None and s.dtype == torch.int32 and s.shape == (1, sum(LENGTHS))
+        assert s[0].tolist() == sorted(s[0].tolist()) and sorted(e - a for a, e in runs(s[0])) == sorted(LENGTHS)
