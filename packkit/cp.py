@@ -51,6 +51,9 @@ DeepSpeed ALST / Ulysses (HF)   :meth:`CPShard.hf_kwargs` (ulysses): ``input_ids
                                 ``shift_labels`` of the rank (``labels`` popped, as its adapter does),
                                 ``use_cache=False``; :meth:`CPShard.ulysses_flash_kwargs`: the whole
                                 row's ``cu_seq_lens_q/k``, ``max_length_q/k`` after the all-to-all
+flash-attn, any layout          :meth:`CPShard.allgather_args` (the hybrid's GPU path): K/V
+                                all-gathered, ``k_index`` picks each query piece's keys,
+                                ``cu_seqlens_q/k``, ``max_seqlen_q/k`` for ``flash_attn_varlen_func``
 torch ``context_parallel``      :meth:`CPPlan.torch_indices`: the ``(1, T)`` rearrange (or restore)
                                 indices of torch's ``_LoadBalancer._generate_indices``
 packkit's reference             :func:`cp_attention` (float64, any process group, CPU/gloo):
@@ -74,7 +77,7 @@ import torch
 from .errors import ArgumentError, arg, check_int
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets
 
-__all__ = ["LAYOUTS", "METHODS", "CPPlan", "CPShard", "TEParams", "Llama3Args", "plan_cp", "shard",
+__all__ = ["LAYOUTS", "METHODS", "CPPlan", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "plan_cp", "shard",
            "restore", "shift_labels", "causal_work", "cp_padding", "cp_multiples", "cp_attention", "check_cp_size",
            "hf_cp_attention", "register_hf_cp_attention"]
 
@@ -420,6 +423,23 @@ class Llama3Args(NamedTuple):
     local_k_slice: slice
 
 
+class AllGatherArgs(NamedTuple):
+    """Any layout on flash-attn after an all-gather of K/V (``dist.all_gather_into_tensor``: rank 0's
+    tokens first): ``k_index`` picks, for each of this rank's query pieces, its document's keys from the
+    start to the piece's last token, so ``flash_attn_varlen_func(q, kg[k_index], vg[k_index],
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)`` (causal aligned bottom-right,
+    flash-attn >= 2.1) is the unsharded attention of this rank's queries.
+
+    ``cu_seqlens_q``: ``(P + 1,)`` int32 over the rank's tokens (one segment a piece); ``cu_seqlens_k``:
+    ``(P + 1,)`` int32 over ``k_index``; ``k_index``: ``(M,)`` int64 into the gathered ``cp * n`` tokens."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    k_index: torch.Tensor
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class CPShard:
     """One rank's part of a packed batch (``[1, local_len]`` tensors), and its consumers' arguments.
@@ -498,6 +518,23 @@ class CPShard:
         dev = self._device()
         return Llama3Args(torch.from_numpy(cu_q).to(dev), torch.from_numpy(cu_k).to(dev), int(q_len.max()),
                           int(k_len.max()), slice(int(seg_start[0]), int(seg_end[-1])))
+
+    # -- flash-attn after an all-gather (any layout, the hybrid's GPU path) --
+
+    def allgather_args(self) -> AllGatherArgs:
+        """This rank's pieces as flash-attn varlen arguments over all-gathered K/V (:class:`AllGatherArgs`)."""
+        plan, p = self.plan, self.plan.rank_pieces(self.rank)
+        # where every slot of the padded stream G sits in the gathered buffer (rank-major)
+        where = np.empty(plan.cp_size * plan.local_len, np.int64)
+        where[np.concatenate([plan.g_index(r) for r in range(plan.cp_size)])] = np.arange(where.size)
+        _, g_start = plan._seg_starts()
+        seg, off, n = plan.piece_seg[p], plan.piece_offset[p], plan.piece_len[p]
+        keys = off + n  # a piece sees its document from position 0 to its own last token
+        k_index = where[_ranges(g_start[seg], keys)]
+        dev = self._device()
+        return AllGatherArgs(torch.from_numpy(lengths_to_cu_seqlens(n)).to(dev),
+                             torch.from_numpy(lengths_to_cu_seqlens(keys)).to(dev), int(n.max(initial=0)),
+                             int(keys.max(initial=0)), torch.from_numpy(k_index).to(dev))
 
     # -- Hugging Face / DeepSpeed ALST (ulysses; any layout with packkit's cp_attention) --
 

@@ -1,8 +1,8 @@
 """packkit.cp on real gloo processes: CP attention equals the unsharded packed attention, forward and
 backward (dq, dk, dv), float64, <= 1e-12, for every layout and method, cp in {2, 4, 8}; the
 consumers' arguments give the same attention through signature-level fakes of TransformerEngine's
-``DotProductAttention`` and ring-flash-attn's ``llama3_flash_attn_varlen_func``, and DeepSpeed's Ulysses
-cu_seqlens; a tiny float64 Hugging Face Llama sharded over 2 ranks gives the single process's per-token
+``DotProductAttention``, ring-flash-attn's ``llama3_flash_attn_varlen_func`` and flash-attn's
+``flash_attn_varlen_func`` over all-gathered K/V (every layout), and DeepSpeed's Ulysses cu_seqlens; a tiny float64 Hugging Face Llama sharded over 2 ranks gives the single process's per-token
 loss and gradients, where ring attention over the row as one sequence (axolotl #3608) does not.
 
 Eight processes are spawned once; the CP groups of 2 and 4 ranks are sub-groups of them, made once,
@@ -114,6 +114,26 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     return torch.cat(outs)
 
 
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's ``flash_attn_varlen_func`` (its signature): per segment, causal aligned bottom-right
+    when the keys outnumber the queries (flash-attn >= 2.1)."""
+    assert causal and type(max_seqlen_q) is int and type(max_seqlen_k) is int
+    outs = []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        qs, ks, vs = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+        nq, nk = qs.shape[0], ks.shape[0]
+        assert nq <= max_seqlen_q and nk <= max_seqlen_k
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        group_heads = q.shape[1] // k.shape[1]
+        ke, ve = ks.repeat_interleave(group_heads, 1), vs.repeat_interleave(group_heads, 1)
+        s = torch.einsum("nhd,mhd->hnm", qs, ke) / qs.shape[-1] ** 0.5
+        outs.append(torch.einsum("hnm,mhd->nhd", torch.softmax(s.masked_fill(~allowed, float("-inf")), -1), ve))
+    return torch.cat(outs)
+
+
 # ----------------------------------------------------------------------------------------------
 # the cases and the worker
 # ----------------------------------------------------------------------------------------------
@@ -172,6 +192,16 @@ def run_case(lengths, seed, cp, group, rank, results, cross=True):
             errs = [max_err(out.detach(), wants[0], keep)] + [max_err(t.grad, g, keep) for t, g in
                                                                zip(leaves, wants[1:])]
             results.append(("attention", cp, layout, method, tuple(lengths), max(errs)))
+        # every layout on flash-attn after an all-gather of K/V (the hybrid's GPU path)
+        import torch.distributed as dist
+
+        a = s.allgather_args()
+        kg, vg = (torch.empty(cp * t.shape[0], *t.shape[1:], dtype=t.dtype) for t in (s.take(k), s.take(v)))
+        dist.all_gather_into_tensor(kg, s.take(k), group=group)
+        dist.all_gather_into_tensor(vg, s.take(v), group=group)
+        out = flash_attn_varlen_func(s.take(q), kg[a.k_index], vg[a.k_index], a.cu_seqlens_q, a.cu_seqlens_k,
+                                     a.max_seqlen_q, a.max_seqlen_k, causal=True)
+        results.append(("flash_allgather", cp, layout, "fake", tuple(lengths), max_err(out, wants[0], keep)))
         if layout == "zigzag":
             te = s.te_params()
             out = te_dot_product_attention_forward(s.take(q), s.take(k), s.take(v), **te._asdict(),
@@ -183,8 +213,6 @@ def run_case(lengths, seed, cp, group, rank, results, cross=True):
             results.append(("llama3", cp, layout, "fake", tuple(lengths), max_err(out, wants[0], keep)))
         if layout == "ulysses":
             # DeepSpeed's UlyssesSPAttentionHF: position_ids all-gathered in rank order find the documents
-            import torch.distributed as dist
-
             pos = [torch.empty_like(s.position_ids) for _ in range(cp)]
             dist.all_gather(pos, s.position_ids, group=group)
             cu = s.ulysses_flash_kwargs()["cu_seq_lens_q"]
@@ -328,7 +356,7 @@ def test_cp_attention_equals_unsharded_on_gloo(tmp_path):
     for key, err in sorted(worst.items()):
         print(f"{key}: max abs error {err:.2e}")
     kinds = {k[0] for k in worst}
-    assert kinds == {"attention", "te", "llama3", "ulysses_cu", "hf_llama", "axolotl_3608"}
+    assert kinds == {"attention", "te", "llama3", "ulysses_cu", "hf_llama", "axolotl_3608", "flash_allgather"}
     gap = worst.pop(("axolotl_3608", 2, "hybrid", "ring"))
     assert gap > 1e-4, f"ring attention over the row as one sequence should change per-token losses; {gap:.2e}"
     assert {(k[1], k[2], k[3]) for k in worst if k[0] == "attention"} == {
@@ -347,3 +375,6 @@ def test_fakes_have_the_libraries_signatures():
     llama3 = list(inspect.signature(llama3_flash_attn_varlen_func).parameters)
     assert llama3[:9] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
                           "heads_k_stride", "local_k_slice"]
+    flash = list(inspect.signature(flash_attn_varlen_func).parameters)
+    assert flash[:10] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+                          "softmax_scale", "causal"]
