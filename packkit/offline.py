@@ -75,7 +75,7 @@ from . import arrow
 from .arrow import list_array
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format, load_tokenizer, prepare_dataset
-from .errors import ArgumentError, arg, check_int
+from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
 from .rules import check_column, column_kind
@@ -248,14 +248,15 @@ def show_progress(source) -> bool:
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
                 seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
                 mask_first_label: bool = True, example_ids: bool = False, progress: bool | None = None,
-                who: str = "pack_dataset") -> PackedTable:
+                who: str = "pack_dataset", groups=None) -> PackedTable:
     """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens.
 
     One pass over the source reads the list columns' offsets into lengths, checks every batch (the
     rules of :func:`pack_dataset`) and keeps flat views of the columns (memory-mapped batches stay
     where they are; copies are staged to a memory-mapped file); then :func:`packkit.binpack.pack` plans
     the windows. The arguments are :func:`pack_dataset`'s (``progress``: :func:`show_progress`'s
-    default when None). Returns a :class:`PackedTable`.
+    default when None). ``groups``: a group id per row, groups kept whole in one window
+    (:func:`packkit.binpack.pack_groups`). Returns a :class:`PackedTable`.
     """
     window = _check_common(window, strategy, overflow, seed, num_proc)
     spec = resolve_columns(source.names, columns)
@@ -263,7 +264,10 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "
     with progress_bar(total=None, unit="rows", enabled=progress, desc=f"{who}: reading") as bar:
         found = scan(source, spec.read, kinds=_kinds(spec), check=_column_checks(spec), progress=bar)
         found = scan_documents(source, found)  # packed rows are read as their documents
-    plan = pack(found.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
+    if groups is not None and len(found.lengths) != len(groups):
+        raise DataError(f"{who}: the rows are packed rows ({len(groups):,} rows, {len(found.lengths):,} documents); "
+                        "groups name examples: pack the unpacked examples with their group column")
+    plan = pack(found.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed, groups=groups)
     if shuffle:
         plan = plan.shuffled(seed)
     log_overflow(who, overflow=plan.overflow, over=int(plan.overflow_examples.size), examples=plan.num_examples,
@@ -283,7 +287,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                  progress: bool | None = None, return_plan: bool = False, split: str | None = None,
                  tokenizer=None, chat_template=None, assistant_only_loss: bool | None = None,
                  completion_only_loss: bool = True, trust_remote_code: bool = False,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None):
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None,
+                 group_column: str | None = None):
     """Pack a ``datasets.Dataset`` into windows of at most ``window`` tokens, one row per window.
 
     Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the
@@ -332,6 +337,10 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
             (``ds.cleanup_cache_files()`` removes unused ones, as for ``map``).
         keep_in_memory: build the result in memory instead of a cache file. Default: in memory only
             when ``ds`` itself has no cache files (an in-memory dataset stays in memory).
+        group_column: a column of group ids (int or string, one per row): rows of one group (a preference
+            pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
+            (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
+            the windows it costs). Not for an ``IterableDataset`` (its buffer plans no atoms).
 
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
@@ -356,7 +365,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                             progress=progress, tokenizer=tokenizer, chat_template=chat_template,
                             assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
                             trust_remote_code=trust_remote_code, buffer_bytes=buffer_bytes,
-                            cache_file_name=cache_file_name, keep_in_memory=keep_in_memory)
+                            cache_file_name=cache_file_name, keep_in_memory=keep_in_memory, group_column=group_column)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
@@ -368,6 +377,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                              assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
                              trust_remote_code=trust_remote_code, progress=progress)
     if isinstance(ds, datasets.IterableDataset):
+        if group_column is not None:
+            raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
+                                "inside a bounded buffer: pack a datasets.Dataset", arg=arg("group_column"))
         return _pack_iterable(ds, window=checked, buffer_size=buffer_size, overflow=overflow, columns=columns,
                               seed=seed, shuffle=shuffle, mask_first_label=mask_first_label,
                               example_ids=example_ids, progress=bool(progress))
@@ -382,9 +394,24 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         on_disk = True
     source = ArrowSource.from_dataset(ds)
     progress = show_progress(source) if progress is None else progress
+    groups = None
+    if group_column is not None:
+        if group_column not in ds.column_names:
+            raise MissingError("no group column {got!r}; the columns are {names}", got=group_column,
+                               names=ds.column_names)
+        import pyarrow as pa
+
+        col = ds.with_format("arrow")[group_column]
+        if col.null_count:
+            raise DataError(f"column {group_column!r} has a null group id (row {col.to_pylist().index(None)})")
+        if not (pa.types.is_integer(col.type) or pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            raise DataError(f"column {group_column!r} holds {col.type}: a group id is an integer or a string")
+        # integer codes, one a row (no Python object per row, strings included)
+        groups = col.combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
     packed = plan_source(source, window=window, strategy=strategy, overflow=overflow,
                          columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
-                         mask_first_label=mask_first_label, example_ids=example_ids, progress=progress)
+                         mask_first_label=mask_first_label, example_ids=example_ids, progress=progress,
+                         groups=groups)
     plan = packed.plan
     # A fingerprint that names the input and the arguments when the input is files on disk (datasets
     # hashes their paths, not their tokens); an in-memory table would be hashed whole: a random one.
@@ -392,7 +419,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     if ds.cache_files:
         fingerprint = update_fingerprint(generate_fingerprint(ds), "packkit.pack_dataset", dict(
             window=window, strategy=strategy, overflow=overflow, columns=packed.spec.read, seed=seed,
-            shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids))
+            shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids, group_column=group_column))
     total = plan.total_tokens * len(packed.spec.written())
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
         if on_disk:

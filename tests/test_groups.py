@@ -208,3 +208,34 @@ def test_collator_group_key_with_sampler_and_workers():
     assert seen == n
     with pytest.raises(ValueError, match="example 1 has no group id under 'pair'"):
         collate([{"input_ids": [1], "pair": 0}, {"input_ids": [2]}])
+
+
+def test_pack_dataset_keeps_groups_whole(tmp_path):
+    """Offline packing (a real Arrow file on disk, memory-mapped): the rows of one group share a packed row,
+    adjacent and in order; a group longer than the window is named; a stream is refused."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import pack_dataset
+
+    rng = np.random.default_rng(4)
+    n = 60
+    gid = np.repeat(np.arange(n // 3), 3)  # a prompt's 3 completions
+    rows = [{"input_ids": rng.integers(3, 50, int(rng.integers(2, 20))).tolist(), "prompt": f"p{g}"}
+            for g in gid]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    ds = datasets.load_from_disk(str(tmp_path / "ds"))
+    out, plan = pack_dataset(ds, window=64, group_column="prompt", example_ids=True, return_plan=True)
+    assert plan.num_groups == n // 3 and plan.summary()["group_cost_windows"] >= 0
+    seen = []
+    for row in out:
+        ids = row["example_ids"]
+        for g in set(gid[ids].tolist()):
+            at = [k for k, i in enumerate(ids) if gid[i] == g]
+            assert [ids[k] for k in at] == [3 * g, 3 * g + 1, 3 * g + 2] and at == list(range(at[0], at[0] + 3))
+        seen += ids
+        assert sum(row["seq_lengths"]) == len(row["input_ids"]) <= 64
+    assert sorted(seen) == list(range(n))
+    short = ds.select(range(3)).map(lambda r: {"input_ids": r["input_ids"][:2]})  # a group of 6 tokens
+    with pytest.raises(DataError, match=r"group 0 \(examples 0, 1, 2\) has 6 tokens > window=5"):
+        pack_dataset(short, window=5, group_column="prompt")
+    with pytest.raises(ArgumentError, match="group_column needs the whole dataset"):
+        pack_dataset(ds.to_iterable_dataset(), window=64, group_column="prompt")
