@@ -31,12 +31,11 @@ from packkit.kernels import flash_varlen  # noqa: E402
 # Odd lengths, a single token, a length that is a block plus a ragged tail, and an empty segment.
 LENGTHS = [1, 17, 0, 97, 123]
 
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
 def device_params():
-    return [
-        pytest.param("cpu", id="cpu"),
-        pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="no CUDA device on this machine")),
-    ]
+    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=NO_CUDA)]
 
 
 def skip_unless_runnable(device: str) -> None:
@@ -48,9 +47,9 @@ def skip_unless_runnable(device: str) -> None:
         pytest.fail(f"no CUDA device and the Triton interpreter is off, so these kernels would go untested: {problem}")
 
 
-# (dtype, causal, headdim, nheads, nheads_kv): every dtype both ways with GQA at d=32, then MHA at 64,
-# 128, the padded head dims 80 and 96 (96 with MQA, a group of 3).
-CASES = [
+# (dtype, causal, headdim, nheads, nheads_kv). On CUDA: every dtype both ways with GQA at d=32, then MHA
+# at 64, 128, the padded head dims 80 and 96 (96 with MQA, a group of 3).
+CUDA_CASES = [
     (torch.float32, True, 32, 2, 1),
     (torch.float32, False, 32, 2, 1),
     (torch.float16, True, 32, 2, 1),
@@ -62,12 +61,34 @@ CASES = [
     (torch.float16, False, 80, 2, 1),
     (torch.float32, True, 96, 3, 1),
 ]
+# Under the interpreter a case costs about its number of programs (heads x blocks); the head dim hardly
+# matters, and no code path depends on its size (the interpreter runs one block size, and a head dim is
+# padded to a power of two the same way at 24 as at 80). So: every dtype both ways, one head at d=16,
+# except where the heads are what is tested: GQA (a group of 2), MHA (kv head 1 read by query head 1),
+# and the padded head dims 24 and 40 (40 with MQA, a group of 3).
+CPU_CASES = [
+    (torch.float32, True, 16, 2, 1),
+    (torch.float32, False, 16, 1, 1),
+    (torch.float16, True, 16, 1, 1),
+    (torch.float16, False, 16, 2, 1),
+    (torch.bfloat16, True, 16, 2, 2),
+    (torch.bfloat16, False, 16, 1, 1),
+    (torch.float16, False, 24, 1, 1),
+    (torch.float32, True, 40, 3, 1),
+]
 
 
-@pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("dtype,causal,headdim,nheads,nheads_kv", CASES,
-                         ids=[f"{str(c[0])[6:]}-{'causal' if c[1] else 'full'}-d{c[2]}-h{c[3]}kv{c[4]}"
-                              for c in CASES])
+def case_params(cpu_cases, cuda_cases):
+    """pytest params: the CPU (interpreter) cases, then the CUDA ones, each with its id. The CPU sweep past
+    its first case is ``slow`` (make test-fast runs one interpreter case, make test all)."""
+    def name(device, c):
+        return f"{str(c[0])[6:]}-{'causal' if c[1] else 'full'}-d{c[2]}-h{c[3]}kv{c[4]}-{device}"
+    return ([pytest.param("cpu", *c, id=name("cpu", c), marks=[pytest.mark.slow] if i else [])
+             for i, c in enumerate(cpu_cases)]
+            + [pytest.param("cuda", *c, id=name("cuda", c), marks=NO_CUDA) for c in cuda_cases])
+
+
+@pytest.mark.parametrize("device,dtype,causal,headdim,nheads,nheads_kv", case_params(CPU_CASES, CUDA_CASES))
 def test_forward_and_gradients_match_float64(device, dtype, causal, headdim, nheads, nheads_kv):
     skip_unless_runnable(device)
     check_against_float64(triton_attention(max(LENGTHS), causal), LENGTHS, nheads, nheads_kv, headdim, dtype,
@@ -79,39 +100,23 @@ def triton_attention(max_seqlen, causal, **options):
     return lambda q, k, v, cu: varlen_attention(q, k, v, cu, max_seqlen, causal=causal, backend="triton", **options)
 
 
-@pytest.mark.parametrize("device", device_params())
-@pytest.mark.parametrize("dtype,causal,nheads,nheads_kv", [(torch.float32, True, 4, 2), (torch.float32, False, 3, 1),
-                                                           (torch.bfloat16, True, 2, 2)],
-                         ids=["float32-causal-gqa", "float32-full-mqa", "bfloat16-causal-mha"])
-def test_atomic_dq_matches_float64(device, dtype, causal, nheads, nheads_kv):
+@pytest.mark.parametrize("device,dtype,causal,headdim,nheads,nheads_kv", case_params(
+    [(torch.float32, True, 16, 2, 1), (torch.float32, False, 16, 3, 1), (torch.bfloat16, True, 16, 2, 2)],
+    [(torch.float32, True, 32, 4, 2), (torch.float32, False, 32, 3, 1), (torch.bfloat16, True, 32, 2, 2)]))
+def test_atomic_dq_matches_float64(device, dtype, causal, headdim, nheads, nheads_kv):
     """deterministic=False: dq added with atomics from the dk/dv kernel (FlashAttention-2's backward)."""
     skip_unless_runnable(device)
     check_against_float64(triton_attention(max(LENGTHS), causal, deterministic=False), LENGTHS, nheads, nheads_kv,
-                          32, dtype, device, causal)
+                          headdim, dtype, device, causal)
 
 
 @pytest.mark.parametrize("device", device_params())
-def test_padding_segments_counted_on_the_device(device):
+def test_padding_segments_counted_on_the_device(device, monkeypatch):
     """Static-shape padding (trailing empty segments) without num_segments: the launcher counts the live
     segments on the device; the result equals num_segments given on the host, forward and backward,
-    and the reference."""
+    and the reference. The forward op counts them once and returns the count, and the backward reuses it
+    (before the fix it ran the searchsorted again); with num_segments nothing is counted (an empty count)."""
     skip_unless_runnable(device)
-    lengths = [9, 40, 1, 0, 0, 0, 0]
-    results = []
-    for num_segments in (None, 3):
-        out = check_against_float64(triton_attention(40, True, num_segments=num_segments), lengths, 2, 1, 32,
-                                    torch.float32, device, True)
-        results.append(out)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("num_segments, counted", [(None, [(1,)]), (3, [(0,)])], ids=["counted", "num_segments"])
-def test_live_segments_counted_once_per_step(monkeypatch, num_segments, counted):
-    """Without num_segments the forward op counts the live segments on the device and returns the
-    count; the backward reuses it (it used to run the searchsorted again). With num_segments nothing is
-    counted: the op's count is empty."""
-    skip_unless_runnable("cpu")
     calls = []
 
     def live_count(cu_seqlens, num_segments):
@@ -121,9 +126,16 @@ def test_live_segments_counted_once_per_step(monkeypatch, num_segments, counted)
 
     real = flash_varlen._live_count
     monkeypatch.setattr(flash_varlen, "_live_count", live_count)
-    check_against_float64(triton_attention(40, True, num_segments=num_segments), [9, 40, 1, 0, 0], 2, 1, 32,
-                          torch.float32, "cpu", True)
-    assert calls == counted
+    lengths = [9, 40, 1, 0, 0, 0, 0]
+    results, counted = [], []
+    for num_segments in (None, 3):
+        calls.clear()
+        results.append(check_against_float64(triton_attention(40, True, num_segments=num_segments), lengths, 1, 1,
+                                             16, torch.float32, device, True))
+        counted.append(list(calls))
+    assert counted == [[(1,)], [(0,)]]  # one count per step, forward and backward together
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", device_params())
@@ -193,7 +205,7 @@ def test_deterministic(device):
     torch.manual_seed(3)
     cu = cu_seqlens_of([9, 40], device)
     grads = []
-    base = [torch.randn(49, h, 32, device=device, dtype=torch.float16) for h in (2, 1, 1)]
+    base = [torch.randn(49, h, 16, device=device, dtype=torch.float16) for h in (2, 1, 1)]
     for _ in range(2):
         q, k, v = (t.clone().requires_grad_() for t in base)
         out = varlen_attention(q, k, v, cu, 40, backend="triton")
@@ -238,6 +250,7 @@ def test_launcher_and_varlen_attention_refuse_num_segments_alike(num_segments, e
     assert messages[0] == messages[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("num_segments,deterministic", [(None, True), (2, False)])
 def test_custom_op_registration(device, num_segments, deterministic):
@@ -253,6 +266,7 @@ def test_custom_op_registration(device, num_segments, deterministic):
     assert result and all(outcome == "SUCCESS" for outcome in result.values()), result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", device_params())
 def test_torch_compile_fullgraph(device):
     """The custom op compiles into one graph (fake tensors through register_fake), forward and backward."""
@@ -260,7 +274,7 @@ def test_torch_compile_fullgraph(device):
     torch._dynamo.reset()
     torch.manual_seed(5)
     cu = cu_seqlens_of([7, 0, 20], device)
-    base = [torch.randn(27, h, 32, device=device) for h in (2, 1, 1)]
+    base = [torch.randn(27, h, 16, device=device) for h in (2, 1, 1)]
 
     def step(q, k, v):
         return flash_varlen.flash_varlen_attention(q, k, v, cu, 20, causal=True).square().sum()
@@ -277,7 +291,7 @@ def test_torch_compile_fullgraph(device):
         torch.testing.assert_close(comp, eager, rtol=0, atol=0)
 
 
-# -- issue 15: tuning and the launch boundary, the parts a CPU can check --
+# -- tuning and the launch boundary, the parts a CPU can check --
 
 @pytest.mark.parametrize("limit, head_dim, expected", [
     (232_448, 128, [(128, 64, 8, 3), (64, 64, 4, 3)]),  # H100/H200; the d<=64 rows are not listed for 128
@@ -325,10 +339,11 @@ def test_second_device_while_first_is_current():
         check_against_float64(triton_attention(40, True), [9, 40], 2, 1, 32, torch.bfloat16, "cuda:1", True)
 
 
-# -- review finding B: (segment, block) pairs on grid axis 0, so any number of segments launches --
+# -- (segment, block) pairs on grid axis 0, so any number of segments launches (before the fix segments
+# sat on grid axis 1, whose CUDA limit is 65,535) --
 
 def test_segment_grid_goes_past_cudas_65535_on_axis_0():
-    """Review finding B: a static-shape batch of 16 x 4096 with max_segments = B * W = 65,536 (and a
+    """A static-shape batch of 16 x 4096 with max_segments = B * W = 65,536 (and a
     padding-free batch of 70,000 documents) needs more than 65,535 segment slots. The grid puts them
     on axis 0 (limit 2**31 - 1) and keeps the heads on axis 1, inside CUDA's limits."""
     for total, segments in [(16 * 4096, 16 * 4096), (140_000, 70_000)]:
@@ -374,7 +389,7 @@ def needed_blocks(lengths, block):
 @pytest.mark.parametrize("lengths, block", [([1, 17, 0, 97, 123], 32), ([0, 0, 5], 16), ([64, 64, 0, 0, 1], 32),
                                             ([0], 16), ([31, 32, 33, 0, 95, 96, 97], 32)])
 def test_locate_block_covers_every_block_once(device, lengths, block):
-    """Review finding B: over the whole flat grid, every block of every segment is owned by exactly one
+    """Over the whole flat grid, every block of every segment is owned by exactly one
     program, and every other program (an empty segment's, a spare one) lands past its segment's end."""
     skip_unless_runnable(device)
     cu = cu_seqlens_of(lengths, device)
@@ -385,9 +400,10 @@ def test_locate_block_covers_every_block_once(device, lengths, block):
     assert all(0 <= s < len(lengths) and b >= 0 for s, b in zip(seg, start))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", device_params())
 def test_locate_block_past_65535_segments(device):
-    """Review finding B: with 70,000 segments (padding-free, 1-3 tokens each, then static-shape
+    """With 70,000 segments (padding-free, 1-3 tokens each, then static-shape
     padding) the programs past id 65,535 find their segment; checked on a slice of ids around 65,535
     and at the end of the grid (the whole grid would take the interpreter too long)."""
     skip_unless_runnable(device)
@@ -396,7 +412,7 @@ def test_locate_block_past_65535_segments(device):
     block = 32
     cu = cu_seqlens_of(lengths, device)
     grid0, _ = flash_varlen.segment_grid(sum(lengths), len(lengths), block, 1)
-    pids = list(range(65_480, 65_600)) + list(range(grid0 - 40, grid0))
+    pids = list(range(65_520, 65_552)) + list(range(grid0 - 8, grid0))
     seg, start = locate(cu, pids, block)
     # Reference over the whole grid in Python: block-start b(s) = cu[s] // block + s, every pid after.
     offsets = cu.tolist()
@@ -412,7 +428,7 @@ def test_locate_block_past_65535_segments(device):
     assert max(seg) > 65_535
 
 
-# -- review finding C: a wrong TRITON_INTERPRET is named, never a silent skip --
+# -- a wrong TRITON_INTERPRET is named, never a silent skip (as the CPU cases did before the fix) --
 
 def _pytest_here(env_value, *extra):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -422,9 +438,10 @@ def _pytest_here(env_value, *extra):
                            "-k", "logsumexp", *extra], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour (here CUDA runs the kernels)")
 def test_interpreter_setting_outside_make_test():
-    """Review finding C: run outside ``make test`` (TRITON_INTERPRET unset) the CPU cases really run,
+    """Run outside ``make test`` (TRITON_INTERPRET unset) the CPU cases really run,
     because the module sets it before packkit.kernels is imported; with TRITON_INTERPRET=0 they fail
     naming the variable instead of skipping in silence; set after the import, the message says so."""
     unset = _pytest_here(None)
@@ -444,8 +461,9 @@ def test_interpreter_setting_outside_make_test():
 RESOURCES = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "kernel_resources.py")
 
 
+@pytest.mark.slow
 def test_fixed_configs_compile_for_sm90_without_spills():
-    """Review finding B and issue 15 (tuning that fits): the interpreter does not type-check the kernels
+    """The interpreter does not type-check the kernels
     (the binary search's loop-carried scalars, the flat grid's int32 arithmetic), so compile them for
     sm_90 through Triton and its ptxas, in a process without TRITON_INTERPRET, at the largest head dim:
     every fixed half-precision config (what PACKKIT_TRITON_AUTOTUNE=0 and the GPU tests launch)
@@ -475,7 +493,7 @@ def test_fixed_configs_compile_for_sm90_without_spills():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (65,536 segments are too slow for the interpreter)")
 @pytest.mark.parametrize("known", [False, True], ids=["counted-on-device", "num_segments"])
 def test_static_shape_batch_of_65536_segments_on_cuda(known):
-    """Review finding B on the GPU: a static-shape batch of 16 x 4096 tokens with cu_seqlens padded to
+    """On the GPU: a static-shape batch of 16 x 4096 tokens with cu_seqlens padded to
     max_segments = 65,536 (the collator's default B * W) launches, forward and backward, and matches
     the reference; before, segments sat on grid axis 1 (CUDA's limit 65,535) and the launch failed.
     Without num_segments the padding segments are counted on the device and their programs return
