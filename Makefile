@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test waste test test-thorough bench
+.PHONY: setup setup-test waste test test-fast test-thorough bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ waste: setup
 
 test: setup-test
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+# The inner loop: everything but the tests marked slow (real Trainer runs, spawned processes, Ray, the
+# Triton interpreter sweeps past their first case, fault injection; see tests/conftest.py).
+test-fast: setup-test
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
 
 # The property tests only (every @given test carries the `property` marker, see tests/conftest.py),
 # under the `thorough` profile and a random seed, printed first: `make test-thorough SEED=<seed>`

@@ -13,6 +13,10 @@ Profiles (``HYPOTHESIS_PROFILE=...``, or ``--hypothesis-profile``):
 
 Every ``@given`` test carries the ``property`` marker (added here, so none can be forgotten):
 ``pytest -m property`` selects exactly the property tests.
+
+Two lanes: ``make test`` (CI) runs everything; ``make test-fast`` (the inner loop) runs ``-m "not slow"``.
+``slow`` marks real Trainer runs, spawned processes and subprocesses, Ray, the Triton interpreter sweeps
+past their first case and fault injection; every ``distributed`` test is ``slow`` too (added here).
 """
 
 import os
@@ -58,6 +62,8 @@ def pytest_collection_modifyitems(config, items):
     factor = examples_factor()
     scaled = set()  # parametrized cases share one function: scale it once
     for item in items:
+        if item.get_closest_marker("distributed") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
         if not (isinstance(item, pytest.Function) and is_hypothesis_test(item.obj)):
             continue
         item.add_marker(pytest.mark.property)

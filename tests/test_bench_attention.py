@@ -27,6 +27,7 @@ def smoke(tmp_path_factory):
     return run, out
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_provider(smoke):
     run, out = smoke
     print(run.stdout[-4000:])
@@ -61,6 +62,7 @@ def test_pack_first_fit_example():
     assert bench_attention.pack_first_fit(np.array([3, 2, 4]), window=5, num_windows=2) == [[3, 2], [4]]
 
 
+@pytest.mark.slow
 def test_train_step_cpu_smoke(tmp_path):
     """benchmarks/bench_train_step.py --cpu-smoke: the packed providers (torch's varlen_attn faked, Triton
     interpreted, sdpa) and the padded one train a tiny Llama one step each from the same weights, and

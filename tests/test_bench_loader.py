@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # a benchmark's smoke run in a subprocess: make test runs it, make test-fast does not
+
 BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_loader.py")
 
 

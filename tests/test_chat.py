@@ -545,6 +545,7 @@ def test_pack_a_saved_dataset_dict_split(tok_dir, tmp_path, capsys):
     assert code == 0 and json.loads(out_)["loss_tokens"] == sum(HAND_LOSS)
 
 
+@pytest.mark.slow
 def test_cli_subprocess_waste_and_an_unreachable_model_id(tok_dir, chat_jsonl, tmp_path):
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0",
                TRANSFORMERS_OFFLINE="0", PYTHONWARNINGS="ignore")
@@ -565,6 +566,7 @@ def test_cli_subprocess_waste_and_an_unreachable_model_id(tok_dir, chat_jsonl, t
     assert not (tmp_path / "o.parquet").exists()
 
 
+@pytest.mark.slow
 def test_cli_subprocess_trust_remote_code(remote_code_dir, chat_jsonl, tmp_path):
     path, marker = remote_code_dir
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")

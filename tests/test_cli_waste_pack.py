@@ -62,6 +62,7 @@ def files(tmp_path):
 # -- io ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @given(st.lists(st.text(max_size=12), max_size=10))
 @example([""])  # an empty text: an empty row
 @example(["é", "\U0001f600 x"])  # two- and four-byte characters
@@ -111,6 +112,7 @@ def test_tokenizer_json(files, tmp_path):
 # -- packkit waste ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_waste_bundled_sample_table_json_and_plot(tmp_path, capsys):
     png = tmp_path / "waste.png"
     code, out, err = run(["waste", "--plot", str(png)], capsys)

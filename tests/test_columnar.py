@@ -228,6 +228,7 @@ def masked_counts(rows):
     return out
 
 
+@pytest.mark.slow
 def test_trainer_defaults_with_columnar_dataset_honour_the_mask(tmp_path):
     """Before the fix, Trainer's default remove_unused_columns=True dropped completion_mask before the collator
     saw it (8 of 68 labels masked instead of half). Through ColumnarDataset the mask arrives: every
@@ -243,6 +244,7 @@ def test_trainer_defaults_with_columnar_dataset_honour_the_mask(tmp_path):
         assert b.num_loss_tokens < b.num_tokens - b.num_examples  # prompts are masked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("as_list", [False, True], ids=["datasets.Dataset", "list of dicts"])
 def test_trainer_defaults_with_masked_data_name_the_setting(tmp_path, as_list):
     """The bad-data matrix row "Trainer's default columns with masked data": the mask is dropped by
@@ -260,6 +262,7 @@ def test_trainer_defaults_with_masked_data_name_the_setting(tmp_path, as_list):
     assert all(int((b.labels == IGNORE_INDEX).sum()) > b.num_examples for b in recording.batches)
 
 
+@pytest.mark.slow
 def test_packed_rows_under_trainer_defaults(tmp_path):
     """PackedRowsCollator failed under Trainer's defaults with an error that did not name the setting;
     now it names it, and the columnar path keeps seq_lengths."""

@@ -143,6 +143,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["file", "dir"])
 def test_sigkill_at_random_moments(tmp_path, kind):
     """A writer killed with SIGKILL at random moments: the target is the previous complete content,

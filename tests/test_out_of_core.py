@@ -277,6 +277,7 @@ def inputs(tmp_path):
     return cols, paths
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out_name", ["o.parquet", "o.arrow", "o.feather", "o.jsonl", "o_folder"])
 def test_pack_command_every_format_same_rows(inputs, tmp_path, out_name, capsys):
     from packkit.cli import main

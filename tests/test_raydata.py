@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 pa = pytest.importorskip("pyarrow")
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.slow  # a local Ray cluster: make test runs it, make test-fast does not
+
 from packkit import raydata  # noqa: E402
 from packkit.binpack import pack  # noqa: E402
 from packkit.packer import pack_arrays  # noqa: E402

@@ -153,6 +153,7 @@ def readme_block(heading: str, lang: str = "bash") -> list[str]:
     return [line for line in readme_code(heading, lang).splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_command_line_lines_work_as_pasted(tmp_path):
     """Before the fix, the README's `packkit plan` line failed as pasted on data longer than the window (plan
     and pack defaulted to overflow=error, waste to truncate). Each line of the README's command-line
@@ -237,6 +238,7 @@ def run_readme(heading, index, tmp_path, monkeypatch, **names):
     return scope
 
 
+@pytest.mark.slow
 def test_with_trl_as_pasted(tmp_path, monkeypatch):
     """TRL tokenizes prompt/completion text, masks the prompts into labels, and the collator packs them."""
     pytest.importorskip("trl")
@@ -259,6 +261,7 @@ def test_with_trl_as_pasted(tmp_path, monkeypatch):
     assert batch.num_loss_tokens < sum(len(row["input_ids"]) - 1 for row in rows)
 
 
+@pytest.mark.slow
 def test_with_trl_packed_rows_as_pasted(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     tokenized = masked_dataset(48)
@@ -271,6 +274,7 @@ def test_with_trl_packed_rows_as_pasted(tmp_path, monkeypatch):
     assert sum(x == -100 for row in rows["labels"] for x in row) >= masked  # prompts masked (and first labels)
 
 
+@pytest.mark.slow
 def test_with_trainer_as_pasted(tmp_path, monkeypatch):
     tokenized = masked_dataset()
     scope = run_readme("## With Trainer", 0, tmp_path, monkeypatch, model=tiny_model(), tokenized=tokenized)

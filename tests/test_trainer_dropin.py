@@ -8,6 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # a real Trainer run: make test runs it, make test-fast does not
+
 from testlib import tiny_causal_lm  # noqa: E402
 
 from packkit.batch import PackedBatch  # noqa: E402

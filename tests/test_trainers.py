@@ -29,6 +29,8 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
+pytestmark = pytest.mark.slow  # real Trainer and SFTTrainer runs: make test runs it, make test-fast does not
+
 from testlib import tiny_causal_lm  # noqa: E402
 
 from packkit.batch import PackedBatch, real_tokens_and_documents  # noqa: E402

@@ -120,6 +120,7 @@ def test_padded_rows():
     assert padded.tolist() == [5, 5, 4, 4, 1] and order.tolist() == [4, 0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_report_json_table_and_plot(tmp_path):
     lengths = np.random.default_rng(0).integers(1, 300, 500)
     r = measure_waste(lengths, window=256, batch_size=4, source="test data")
@@ -135,6 +136,7 @@ def test_report_json_table_and_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
 
 
+@pytest.mark.slow
 def test_waste_plot_of_data_with_labels(tmp_path):
     """Regression: `packkit waste data.jsonl --plot w.png` on data with labels (or a loss mask) crashed
     with NameError ('lines' is not defined): plot_waste held a copy of format_table's loss-token line."""
