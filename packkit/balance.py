@@ -246,8 +246,8 @@ class ToCost:
 
     ``seg_example``: (segments,) int64 document of each segment; ``window_ptr``: (windows + 1,) int64 CSR
     offsets, ``step_windows`` windows a step but in the last steps. ``queued``: long documents held back for a later step (outliers
-    wait until a step takes one per window); ``deferred``: documents that fitted no window of their step
-    and went into the next one.
+    wait until a step takes one per window); ``deferred``: moves of a document that fitted no window of
+    its step into the next one (a document moved twice counts twice).
     """
 
     seg_example: np.ndarray

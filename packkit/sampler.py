@@ -351,8 +351,9 @@ class EpochStats:
             holds over all ranks, the last, partial step left out (when there are others): how much
             the policy changed what a step holds (random steps set the reference).
         queued, deferred: ``balance="compute"`` with one or two windows per rank only
-            (:func:`packkit.balance.pack_to_cost`): long documents held for a later step, and documents
-            moved to the next step; 0 otherwise.
+            (:func:`packkit.balance.pack_to_cost`): long documents held back until a step takes one per
+            window, and moves of a document to the next step because it fitted no window of its own (a
+            document moved twice counts twice); 0 otherwise.
     """
 
     epoch: int

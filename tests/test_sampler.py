@@ -128,7 +128,7 @@ def test_small_helpers_examples():
 @pytest.mark.parametrize("kind", list(SAMPLERS))
 @settings(max_examples=40)
 @given(lengths=lengths_st, world_size=st.integers(1, 4), drop_last=st.booleans(), seed=st.integers(0, 9),
-       epoch=st.integers(0, 3), balance=st.sampled_from([None, "tokens", "sqlen"]))
+       epoch=st.integers(0, 3), balance=st.sampled_from([None, "tokens", "sqlen", "compute"]))
 # world size larger than the data: one example for four ranks, kept (repeated) or refused by name
 @example(lengths=[5], world_size=4, drop_last=False, seed=0, epoch=0, balance=None)
 @example(lengths=[5], world_size=4, drop_last=True, seed=0, epoch=0, balance="tokens")
