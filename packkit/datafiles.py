@@ -147,6 +147,9 @@ def check_path(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
+    if not path.is_dir() and not path.is_file():  # a named pipe, /dev/stdin from a pipe, a device
+        raise DataError(f"{str(path)!r} is a pipe or a device, not a file: packkit reads its input more than once "
+                        "(to measure, then to gather, and to name a bad line); save it to a file first")
     if path.is_dir():
         if not any((path / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")):
             raise ValueError(
@@ -252,6 +255,37 @@ def _locate_json_lines_error(path: Path) -> DataError | None:
     return None
 
 
+def longest_line(path, *, chunk: int = 1 << 24) -> int:
+    """Bytes of the longest line of a file, its newline included, read ``chunk`` bytes at a time
+    (numpy finds the newlines): ``b"ab\\nc" -> 3``."""
+    longest, run = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return max(longest, run)
+            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+            if not ends.size:
+                run += len(block)
+                continue
+            longest = max(longest, run + int(ends[0]) + 1, int(np.diff(ends).max(initial=0)))
+            run = len(block) - int(ends[-1]) - 1
+
+
+#: pyarrow's JSON reader takes blocks of at most 2**31 - 1 bytes; a line must fit in one.
+MAX_JSON_BLOCK = 2**31 - 1
+
+
+def json_block_size(path) -> int:
+    """A block size for pyarrow's JSON reader that holds the longest line of ``path`` (1 MiB at least);
+    a line past 2 GiB is refused naming the file."""
+    need = longest_line(path) + 1
+    if need > MAX_JSON_BLOCK:
+        raise DataError(f"{str(path)!r} holds a line of {need - 1:,} bytes; JSON lines are read up to "
+                        f"{MAX_JSON_BLOCK:,} bytes a line: split the example, or store it as parquet")
+    return max(need, 1 << 20)
+
+
 def _read_json(path: Path):
     pa = pyarrow()
     import pyarrow.json as pj
@@ -273,7 +307,14 @@ def _read_json(path: Path):
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise DataError(f"cannot read {str(path)!r}: {exc}") from None
     try:
-        return pj.read_json(str(path))
+        try:
+            return pj.read_json(str(path))
+        except pa.ArrowInvalid as exc:
+            if "straddl" not in str(exc):
+                raise
+        # a line longer than pyarrow's block (1 MiB: one long document, one 400k-token example): blocks
+        # that hold the longest line
+        return pj.read_json(str(path), read_options=pj.ReadOptions(block_size=json_block_size(path)))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as first:
         located = _locate_json_lines_error(path)
         if located is not None:
@@ -370,6 +411,34 @@ def _text_byte_lengths(path: Path) -> np.ndarray:
     return np.fromiter((len(line.encode("utf-8")) for line in text_lines(path)), np.int64)
 
 
+def _damaged_folder(path: Path) -> DataError | None:
+    """The one-line error naming what is damaged in a ``save_to_disk`` folder that ``datasets`` could not
+    load (a cut ``state.json``, a truncated shard, no shard at all), or None when every file reads.
+    The error path only: each JSON file is parsed and each listed shard read through once."""
+    pa = pyarrow()
+    metas = sorted(p for name in ("dataset_dict.json", "state.json", "dataset_info.json") for p in path.rglob(name))
+    states = []
+    for meta in metas:
+        try:
+            parsed = json.loads(meta.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            return DataError(f"cannot read {str(meta)!r}, part of the datasets folder {str(path)!r} (damaged or cut: "
+                             f"{exc}); save the dataset again")
+        if meta.name == "state.json":
+            states.append((meta.parent, parsed))
+    shards = [folder / f["filename"] for folder, state in states for f in state.get("_data_files", [])]
+    if states and not shards:
+        return DataError(f"{str(path)!r} holds no examples (its datasets folder lists no data files)")
+    for shard in shards:
+        try:
+            with pa.memory_map(str(shard)) as source:
+                pa.ipc.open_stream(source).read_all()
+        except Exception as exc:  # pyarrow's errors, or a shard that is missing
+            return DataError(f"cannot read {str(shard)!r}, part of the datasets folder {str(path)!r}, as an Arrow "
+                             f"IPC stream (damaged, truncated, or missing: {exc}); save the dataset again")
+    return None
+
+
 def load_dataset(path, *, split: str | None = None):
     """A ``datasets.Dataset`` from a ``save_to_disk`` folder (memory-mapped), choosing ``split`` of a
     ``DatasetDict`` (default ``"train"``, or its only split)."""
@@ -378,7 +447,13 @@ def load_dataset(path, *, split: str | None = None):
     except ImportError:
         raise ModuleNotFoundError("reading a saved dataset needs datasets: pip install 'packkit[datasets]'",
                                   name="datasets") from None
-    obj = datasets.load_from_disk(str(path))
+    try:
+        obj = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        named = _damaged_folder(Path(path))
+        if named is None:
+            raise
+        raise named from exc
     if isinstance(obj, datasets.DatasetDict):
         names = list(obj)
         if split is None:

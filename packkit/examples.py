@@ -22,8 +22,8 @@ import warnings
 
 import numpy as np
 
-from .rules import (MASK_KEYS, RULES, UNSUPERVISED_WARNING, ExampleTypeError, ExampleValueError, LossMaskWarning,
-                    any_bad_id, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode, column_kind,
+from .rules import (INT64_MAX, MASK_KEYS, RULES, UNSUPERVISED_WARNING, ExampleTypeError, ExampleValueError,
+                    LossMaskWarning, any_bad_id, beyond_int64, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode, column_kind,
                     empty_example, length_mismatch, locate, located, location, mask_not_expected, nested, no_labels,
                     no_mask, not_integer, not_integral, null_tokens)
 from .segments import IGNORE_INDEX, lengths_to_offsets
@@ -110,6 +110,8 @@ def _checked_array(x, i: int, key: str, kind: str, rows) -> np.ndarray:
         if x.size == 0:
             return x.astype(np.int64)
         raise not_integer(i, rows, key, kind, x[int(np.argmax(not_integral(x)))] if k == "f" else x[0])
+    if k == "u" and x.itemsize == 8 and kind != "mask" and x.size and x.max() > INT64_MAX:  # int64 would wrap it
+        raise beyond_int64(i, rows, key, kind, x[int(np.argmax(x > INT64_MAX))])
     return x
 
 
@@ -465,6 +467,8 @@ def _concat(parts: list, layout: str, total: int, key: str, kind: str, rows) -> 
             return out
         if layout == "mixed":  # lists mixed with arrays: each list through struct
             parts = [p if isinstance(p, np.ndarray) else _list_array(p, bools_ok) for p in parts]
+        if any(p.dtype == np.uint64 for p in parts):  # past int64 the cast below would wrap: refused by name
+            _locate_bad_part(parts, key, kind, rows)
         return np.concatenate(parts, out=out, casting="unsafe")
     except (_BoolAt, ValueError, TypeError, OverflowError, struct.error):
         _locate_bad_part(parts, key, kind, rows)
@@ -487,7 +491,7 @@ def _locate_bad_part(parts: list, key: str, kind: str, rows) -> None:
         for v in p:
             if type(v) is int:
                 if not -2**63 <= v < 2**63:
-                    raise located(ExampleValueError, i, rows, f"has {v} in {key!r}, outside int64; {RULES[kind]}")
+                    raise beyond_int64(i, rows, key, kind, v)
                 continue
             if isinstance(v, (bool, np.bool_)):
                 if kind == "mask":

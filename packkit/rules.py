@@ -145,6 +145,13 @@ def nested(i, rows, key: str, detail: str):
     return located(ExampleTypeError, i, rows, f"has a nested list in {key!r} ({detail}); {_NESTED_FIX}")
 
 
+def beyond_int64(i, rows, key: str, kind: str, v):
+    """A value packkit cannot keep: token ids and labels are written as int64 (2**64 - 1 would read back
+    as -1), and a JSON integer past int64 arrives as a float; never cast silently."""
+    return located(ExampleValueError, i, rows, f"has {_value_text(v)} in {key!r}, beyond int64 (-2**63 .. "
+                   f"2**63 - 1, what packkit writes: no value is cast silently); {RULES[kind]}")
+
+
 def _negative(i, rows, key: str, v):
     return located(ExampleValueError, i, rows, f"has token id {v} in {key!r}; {RULES['ids']}")
 
@@ -316,16 +323,28 @@ def not_integral(values: np.ndarray) -> np.ndarray:
     return ~np.isfinite(values) | (values != np.round(values))
 
 
+#: The largest value packkit keeps: tokens and labels are int64 (uint64 past it would wrap to negatives).
+INT64_MAX = np.iinfo(np.int64).max
+
+
 def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows) -> None:
-    """Integer values (bools too in a mask); the error shows the first value of the first example."""
+    """Integer values that int64 holds (bools too in a mask); the error names the first value of the
+    first example that breaks the rule: ``uint64`` past ``2**63 - 1``, a float that is not an integer,
+    or one past int64 (a JSON integer too large for int64 arrives as a float: its own row, not row 0)."""
     k = values.dtype.kind
-    if k in "iu" or (k == "b" and kind == "mask"):
-        return
     if not values.size:
         return  # no values in any example: nothing to refuse
+    if k == "u" and values.dtype.itemsize == 8 and kind != "mask" and values.max() > INT64_MAX:
+        found = _first_with(values > INT64_MAX, starts, lengths)
+        if found is not None:
+            raise beyond_int64(found[0], rows, key, kind, values[found[1]])
+    if k in "iu" or (k == "b" and kind == "mask"):
+        return
     found = None
     if k == "f":  # the first value that is not an integer (NaN included), as the Python reader reports it
-        found = _first_with(not_integral(values), starts, lengths)
+        found = _first_with(not_integral(values) | (np.abs(values) >= 2.0 ** 63), starts, lengths)
+        if found is not None and np.isfinite(values[found[1]]) and abs(values[found[1]]) >= 2.0 ** 63:
+            raise beyond_int64(found[0], rows, key, kind, values[found[1]])
     if found is None:
         found = _first_with(np.ones(values.size, bool), starts, lengths)
     if found is not None:

@@ -632,3 +632,53 @@ def test_without_extras_every_command_runs_or_names_the_extra(tmp_path):
             assert result["code"] == 4 and result["stderr"].count("\n") == 1, (argv, result)
             assert f"pip install 'packkit[{extra}]'" in result["stderr"], (argv, result)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "d.txt", "driver.py", "l.npy"]
+
+
+def test_hostile_files_are_read_or_refused_by_name(tmp_path):
+    """Values past int64 (parquet list<uint64> holding 2**64-1 was written as label -1; a jsonl value past
+    int64 on line 2 was reported as row 0, line 1, value 1.0), a jsonl line of 200k tokens (pyarrow's
+    "straddling object"), a BOM, a named pipe (hung forever), damaged save_to_disk folders (errors naming
+    no file) and one listing no data files (a traceback): each packs, or stops in one line naming the file,
+    the row and line, or the value."""
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 3], [4, 5, 6]], pa.list_(pa.uint64())),
+                             "labels": pa.array([[1, 2, 3], [4, 2**64 - 1, 6]], pa.list_(pa.uint64()))}),
+                   tmp_path / "u64.parquet")
+    (tmp_path / "big.jsonl").write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 18446744073709551615, 6]}\n')
+    huge = list(range(200_000))  # 1.3 MB: past pyarrow's 1 MiB block
+    (tmp_path / "huge.jsonl").write_text("\ufeff" + "".join(json.dumps({"input_ids": x}) + "\n"
+                                                              for x in ([5, 6], huge, [7])))
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    ds = tmp_path / "ds"
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]] * 3000}).save_to_disk(str(ds))
+    cut, trunc, empty = tmp_path / "cut", tmp_path / "trunc", tmp_path / "empty"
+    shutil.copytree(ds, cut)
+    (cut / "state.json").write_text((ds / "state.json").read_text()[:18])
+    shutil.copytree(ds, trunc)
+    shard = next(trunc.glob("*.arrow"))
+    shard.write_bytes(shard.read_bytes()[:20_000])
+    datasets.Dataset.from_dict({"input_ids": [[1]]}).select([]).save_to_disk(str(empty))
+    o = tmp_path / "o.parquet"
+    refused = [
+        (("pack", tmp_path / "u64.parquet", o, "-w", "8"), "dataset row 1 has 18446744073709551615 (int) in 'labels', "
+                                                           "beyond int64"),
+        (("waste", tmp_path / "big.jsonl"), f"dataset row 1 (line 2 of '{tmp_path / 'big.jsonl'}') has "
+                                            "1.8446744073709552e+19 (float) in 'input_ids', beyond int64"),
+        (("pack", tmp_path / "pipe.jsonl", o, "-w", "8"), "pipe.jsonl' is a pipe or a device, not a file"),
+        (("waste", tmp_path / "pipe.jsonl"), "pipe.jsonl' is a pipe or a device, not a file"),
+        (("waste", cut), f"cannot read '{cut / 'state.json'}', part of the datasets folder"),
+        (("pack", trunc, o, "-w", "8"), f"cannot read '{shard}', part of the datasets folder"),
+        (("plan", empty), "holds no examples"),
+        (("pack", empty, o, "-w", "8"), "holds no examples"),
+    ]
+    cases = [{"argv": a} for a, _ in refused] + [{"argv": ("pack", tmp_path / "huge.jsonl", o, "-w", "4096", "-q")}]
+    proc = driver(tmp_path, cases)
+    out, err = proc.communicate(timeout=300)
+    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    assert len(results) == len(cases) and "Traceback" not in err, err
+    for (argv, match), result in zip(refused, results):
+        with Case():
+            assert result["code"] == 3 and match in result["stderr"], (argv, result)
+            assert result["stderr"].count("\n") == 1, result
+    with Case():  # the 200k-token line packs, every token in place; the BOM is not part of the first line
+        assert results[-1]["code"] == 0, results[-1]
+        assert packed_tokens(o, "parquet") == sorted([5, 6, 7] + huge)

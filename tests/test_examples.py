@@ -414,3 +414,16 @@ def test_jsonl_with_a_float_line_is_refused_by_waste(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in [{"input_ids": [1, 2]}, {"input_ids": [3, 4.5]}]))
     with pytest.raises(TypeError, match=r"dataset row 1 has 4.5 \(float\) in 'input_ids'"):
         read_lengths(str(path))
+
+
+def test_values_past_int64_are_refused_by_name_never_cast():
+    """uint64 token ids or labels past 2**63 - 1 (a parquet list<uint64> read into a collator) used to wrap
+    to negatives (2**64 - 1 read as -1): every reader names the example and the value (packkit.rules)."""
+    from packkit.examples import read_examples
+
+    for ex, key in (({"input_ids": np.array([1, 2**64 - 1], np.uint64)}, "input_ids"),
+                    ({"input_ids": [1, 2], "labels": np.array([1, 2**64 - 1], np.uint64)}, "labels"),
+                    ({"input_ids": [1, 2**64 - 1]}, "input_ids")):
+        with pytest.raises(ValueError, match=rf"example 1 has 18446744073709551615 \(int\) in '{key}', beyond int64"):
+            read_examples([{"input_ids": [3]}, ex])
+    assert read_examples([{"input_ids": np.array([1, 2**63 - 1], np.uint64)}])[0].tolist() == [1, 2**63 - 1]
