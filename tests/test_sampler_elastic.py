@@ -65,6 +65,7 @@ def resume(a, b, rows: int, *, iterate: bool = False):
     return sa, sb, state, notes
 
 
+@pytest.mark.slow  # about 5 s of CPU: the inner loop keeps the regression tests below
 def test_ten_thousand_random_resumes_exactly_once():
     """World A -> B in 1..16, any position, seed, policy and sampler kind: 0 repeats and 0 skips against
     the uninterrupted run (repeats only where a last step holds fewer examples than ranks, and then
@@ -235,6 +236,7 @@ def test_merge_per_rank_states_of_an_older_run():
         new[0].merge_state_dicts(states[:2])
 
 
+@pytest.mark.slow  # a DataLoader worker process
 def test_stateful_dataloader_protocol():
     """torchdata's StatefulDataLoader saves the batch sampler's state_dict and restores it with
     load_state_dict before iterating: with workers prefetching, the resumed loader yields exactly the
