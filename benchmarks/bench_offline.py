@@ -418,9 +418,9 @@ def main(argv=None) -> int:
         ("trl bfd (whole dataset)", lambda: trl_pack(ds, W, strategy="bfd", map_kwargs={"batch_size": len(ds)}),
          "trl", kept_trunc),
         ("packkit bfd (truncate)", lambda: pack_dataset(ds, window=W, overflow="truncate", progress=False,
-                                                        return_plan=True), "packkit", kept_trunc),
+                                                        return_report=True), "packkit", kept_trunc),
         ("packkit bfd (split)", lambda: pack_dataset(ds, window=W, overflow="split", progress=False,
-                                                     return_plan=True), "packkit", int(lengths.sum())),
+                                                     return_report=True), "packkit", int(lengths.sum())),
     ]
     import logging
 

@@ -58,8 +58,8 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .errors import ArgumentError, DataError, arg, check_int
 from .arrow import list_array
+from .errors import ArgumentError, DataError, arg, check_int
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -71,7 +71,7 @@ __all__ = [
     "has_generation_markers",
     "load_tokenizer",
     "mask_from",
-    "prepare_dataset",
+    "tokenize_dataset",
     "tokenize_chat",
     "training_template",
 ]
@@ -82,7 +82,7 @@ CHAT_FORMATS = ("messages", "conversations", "prompt_completion", "conversationa
 #: Conversations rendered and tokenized per call.
 BATCH_SIZE = 512
 
-#: :func:`prepare_dataset` shows a progress bar by default from this many examples on.
+#: :func:`tokenize_dataset` shows a progress bar by default from this many examples on.
 PROGRESS_EXAMPLES = 10_000
 
 #: Seconds to wait for the Hub's host before calling a model id unreachable.
@@ -686,27 +686,36 @@ def _as_table(data):
     raise TypeError(f"tokenize_chat takes a pyarrow.Table or a datasets.Dataset, got {type(data).__name__}")
 
 
-def prepare_dataset(ds, *, tokenizer=None, columns=None, chat_template=None, assistant_only_loss=None,
-                    completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None):
-    """``ds`` ready to pack: conversational data tokenized through the chat template, else ``ds`` itself.
+def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=None,
+                     completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None):
+    """Conversational ``datasets`` data tokenized through ``tokenizer``'s chat template: the step before
+    :func:`packkit.offline.pack_dataset` (``packkit pack`` composes both).
 
-    The entry point :func:`packkit.offline.pack_dataset` calls (the options are :func:`tokenize_chat`'s). A
-    ``datasets.Dataset`` comes back as an in-memory ``Dataset`` of :func:`tokenize_chat`'s columns
-    (``progress=None``: a bar from :data:`PROGRESS_EXAMPLES` examples on); an ``IterableDataset`` is
-    mapped lazily, batch by batch. ``columns`` given: ``ds`` is packed as the user named it, untouched.
+    ``ds``: a ``Dataset`` (comes back as an in-memory ``Dataset`` of :func:`tokenize_chat`'s columns,
+    ``input_ids`` and the loss mask TRL would train with; ``progress=None``: a bar from
+    :data:`PROGRESS_EXAMPLES` examples on), an ``IterableDataset`` (mapped lazily, batch by batch), or a
+    ``DatasetDict`` / ``IterableDatasetDict`` (every split; a tokenizer given by name is loaded once, not
+    once a split). ``tokenizer`` and the options are :func:`tokenize_chat`'s. Data that already holds
+    ``input_ids`` comes back as it is.
+
+    ``pack_dataset(tokenize_dataset(ds, "Qwen/Qwen3-0.6B"), window=2048)``.
     """
     import datasets
 
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+        return type(ds)({name: tokenize_dataset(
+            split, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
+            completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, progress=progress)
+            for name, split in ds.items()})
     features = ds.features
     fmt = chat_format(features.arrow_schema) if features is not None else None
-    if fmt is None or columns is not None:
-        if tokenizer is not None and fmt is None and columns is None and "input_ids" not in (ds.column_names or []):
-            raise ArgumentError("{arg} tokenizes conversational data (messages, conversations, or prompt + "
-                                "completion); the columns are {names}", arg=arg("tokenizer"), names=ds.column_names)
-        return ds
-    if tokenizer is None:
-        raise ArgumentError("the dataset is conversational ({fmt}): pass {arg}, a tokenizer with a chat template (a "
-                            "local folder, or a model id)", fmt=fmt, arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
+    if fmt is None:
+        if "input_ids" in (ds.column_names or []):
+            return ds
+        raise DataError("the dataset is not conversational (no messages, conversations, or prompt + completion "
+                        "columns); the columns are {names}", names=ds.column_names)
     options = dict(chat_template=chat_template, assistant_only_loss=assistant_only_loss,
                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
     if isinstance(ds, datasets.Dataset):

@@ -74,7 +74,7 @@ import numpy as np
 from . import arrow
 from .arrow import list_array
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
-from .chat import chat_format, load_tokenizer, prepare_dataset
+from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
@@ -284,12 +284,12 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "
 def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
                  seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
                  mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
-                 progress: bool | None = None, return_plan: bool = False, split: str | None = None,
-                 tokenizer=None, chat_template=None, assistant_only_loss: bool | None = None,
-                 completion_only_loss: bool = True, trust_remote_code: bool = False,
+                 progress: bool | None = None, return_report: bool = False, split: str | None = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None,
                  group_column: str | None = None):
-    """Pack a ``datasets.Dataset`` into windows of at most ``window`` tokens, one row per window.
+    """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row
+    per window. Conversational data is tokenized first, through its chat template, by
+    :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
 
     Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the
     Arrow list offsets and checks each batch; the plan is made from the lengths alone; then windows are
@@ -302,15 +302,15 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     Args:
         ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split and returns a
             ``Dataset``; without it every split is packed and a ``DatasetDict`` comes back, with a dict
-            of plans under ``return_plan``); or a ``datasets.IterableDataset``: that one is packed with
+            of plans under ``return_report``); or a ``datasets.IterableDataset``: that one is packed with
             :func:`pack_stream` and an ``IterableDataset`` comes back; then ``strategy`` must be
             ``"bfd"`` (best fit inside ``buffer_size`` examples), ``shuffle`` shuffles the rows inside a
             seeded buffer of ``buffer_size`` rows, ``progress`` defaults to off, ``num_proc`` must be
-            unset and ``return_plan`` is not available.
+            unset and ``return_report`` is not available.
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
         overflow: examples longer than ``W``: ``"error"`` (default), ``"truncate"``, ``"split"``,
-            ``"drop"``. Cut tokens are counted and logged (``return_plan=True`` returns the counts).
+            ``"drop"``. Cut tokens are counted and logged (``return_report=True`` returns the counts).
         columns: list columns to pack, the token column first; default ``input_ids``, plus ``labels``
             and the first of ``completion_mask`` / ``assistant_masks`` when the dataset has them. A loss
             mask becomes ``labels`` (-100 where the mask is 0, on the given labels or the token ids),
@@ -323,14 +323,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         example_ids: also write ``example_ids``, the source row of every segment.
         buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
         progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
-        return_plan: return ``(dataset, plan)``, the :class:`~packkit.binpack.Plan` in row order.
+        return_report: return ``(dataset, plan)``: what was packed, the :class:`~packkit.binpack.Plan` in row
+            order (``plan.summary()``: windows, fill, lower bound, what the overflow policy touched).
         split: the split of a ``DatasetDict`` to pack (default: all of them).
-        tokenizer: conversational data (TRL's ``messages``, ``conversations``, or ``prompt`` +
-            ``completion`` columns) is first tokenized through this tokenizer's chat template: a local
-            folder, a ``tokenizer.json``, a model id, or a loaded tokenizer. Its loss mask becomes
-            ``labels`` with -100 on prompt tokens (:func:`packkit.chat.tokenize_chat`, which
-            ``chat_template``, ``assistant_only_loss``, ``completion_only_loss`` and ``trust_remote_code``
-            are passed to).
         buffer_bytes: bound on the packed rows in flight (default 256 MiB).
         cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist).
             Default: ``cache-packkit-<random>.arrow`` in the folder of ``ds``'s first cache file
@@ -358,24 +353,22 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
 
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         _check_args(isinstance(ds, datasets.IterableDatasetDict), window=window, strategy=strategy,
-                    overflow=overflow, seed=seed, num_proc=num_proc, return_plan=return_plan)
-        return _pack_splits(ds, split, return_plan=return_plan, window=window, strategy=strategy, overflow=overflow,
+                    overflow=overflow, seed=seed, num_proc=num_proc, return_report=return_report)
+        return _pack_splits(ds, split, return_report=return_report, window=window, strategy=strategy, overflow=overflow,
                             columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
                             mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
-                            progress=progress, tokenizer=tokenizer, chat_template=chat_template,
-                            assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
-                            trust_remote_code=trust_remote_code, buffer_bytes=buffer_bytes,
-                            cache_file_name=cache_file_name, keep_in_memory=keep_in_memory, group_column=group_column)
+                            progress=progress, buffer_bytes=buffer_bytes, cache_file_name=cache_file_name,
+                            keep_in_memory=keep_in_memory, group_column=group_column)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
-        # the arguments first: a conversational dataset is tokenized whole before it is packed
         checked = _check_args(isinstance(ds, datasets.IterableDataset), window=window, strategy=strategy,
-                              overflow=overflow, seed=seed, num_proc=num_proc, return_plan=return_plan)
-        ds = prepare_dataset(ds, tokenizer=tokenizer, columns=columns, chat_template=chat_template,
-                             assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss,
-                             trust_remote_code=trust_remote_code, progress=progress)
+                              overflow=overflow, seed=seed, num_proc=num_proc, return_report=return_report)
+        fmt = chat_format(ds.features.arrow_schema) if ds.features is not None else None
+        if fmt is not None and columns is None and "input_ids" not in ds.column_names:
+            raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
+                            "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
     if isinstance(ds, datasets.IterableDataset):
         if group_column is not None:
             raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
@@ -436,20 +429,20 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         else:
             batches = list(packed.record_batches(max_tokens=packed.chunk_tokens(buffer_bytes), bar=bar))
             out = datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
-    return (out, plan) if return_plan else out
+    return (out, plan) if return_report else out
 
 
-def _check_args(iterable: bool, *, window, strategy, overflow, seed, num_proc, return_plan) -> int:
+def _check_args(iterable: bool, *, window, strategy, overflow, seed, num_proc, return_report) -> int:
     """:func:`pack_dataset`'s argument checks, made before any data is read or tokenized; returns ``window``.
 
     An ``IterableDataset`` (``iterable``) is packed with best fit inside a buffer, in one stream, with no
-    whole plan: ``strategy`` must be ``"bfd"``, ``return_plan`` and ``num_proc`` unset.
+    whole plan: ``strategy`` must be ``"bfd"``, ``return_report`` and ``num_proc`` unset.
     """
     if iterable and strategy != "bfd":
         raise ValueError(f"an IterableDataset is packed with best fit inside a buffer; strategy must be "
                          f"'bfd', got {strategy!r}")
-    if iterable and return_plan:
-        raise ValueError("return_plan is not available for an IterableDataset (there is no whole plan)")
+    if iterable and return_report:
+        raise ValueError("return_report is not available for an IterableDataset (a stream has no whole plan)")
     window = _check_common(window, strategy, overflow, seed, num_proc)
     if iterable and num_proc not in (None, 1):
         raise ValueError(f"num_proc={num_proc!r}: an IterableDataset is packed in one stream as it is "
@@ -457,12 +450,8 @@ def _check_args(iterable: bool, *, window, strategy, overflow, seed, num_proc, r
     return window
 
 
-def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
-    """:func:`pack_dataset` on a ``DatasetDict``: the ``split`` named, or every split into a ``DatasetDict``.
-
-    A tokenizer given by name is loaded once (:func:`packkit.chat.load_tokenizer`) for every
-    conversational split, not once a split (a model id costs a Hub probe each time).
-    """
+def _pack_splits(dd, split, *, return_report: bool, **kwargs):
+    """:func:`pack_dataset` on a ``DatasetDict``: the ``split`` named, or every split into a ``DatasetDict``."""
     import datasets
 
     names = list(dd)
@@ -470,19 +459,16 @@ def _pack_splits(dd, split, *, return_plan: bool, **kwargs):
         if split not in dd:
             raise ArgumentError("the DatasetDict has no split {got!r}; it has {names}: pass {arg}", got=split,
                                 names=names, arg=arg("split", metavar="NAME"))
-        return pack_dataset(dd[split], return_plan=return_plan, **kwargs)
+        return pack_dataset(dd[split], return_report=return_report, **kwargs)
     if not names:
         raise ValueError("the DatasetDict has no splits")
     if kwargs.get("cache_file_name") is not None and len(names) > 1:
         raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split "
                             "({split}) or leave the cache file names to packkit", arg=arg("cache_file_name"),
                             names=names, split=arg("split", metavar="NAME"))
-    if kwargs["tokenizer"] is not None and kwargs["columns"] is None and any(
-            dd[n].features is not None and chat_format(dd[n].features.arrow_schema) is not None for n in names):
-        kwargs["tokenizer"] = load_tokenizer(kwargs["tokenizer"], trust_remote_code=kwargs["trust_remote_code"])
-    packed = {name: pack_dataset(dd[name], return_plan=return_plan, **kwargs) for name in names}
+    packed = {name: pack_dataset(dd[name], return_report=return_report, **kwargs) for name in names}
     kind = datasets.DatasetDict if isinstance(dd, datasets.DatasetDict) else datasets.IterableDatasetDict
-    if return_plan:
+    if return_report:
         return kind({n: p[0] for n, p in packed.items()}), {n: p[1] for n, p in packed.items()}
     return kind(packed)
 

@@ -53,6 +53,7 @@ import numpy as np
 from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
                       pack)
 from .arrow import list_array
+from .errors import ArgumentError, arg
 from .listcolumns import list_chunks, packed_segments, table_labels, token_lengths
 from .offline import packed_batch, packed_schema
 from .packer import gather_segments, label_dtype, log_overflow, pack_columns
@@ -160,7 +161,7 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
             out["label_type"] = _value_type(table, label_key)
         out["mask_key"] = next((k for k in mask_keys if k in table.column_names), None)
         if out["has_labels"] or out["mask_key"] is not None:
-            table_labels(_with_labels_named(table, label_key), key=input_key)  # checks labels and masks
+            table_labels(table, key=input_key)  # checks labels and masks
     except (TypeError, ValueError) as exc:
         if isinstance(exc, (ExampleValueError, ExampleTypeError)) and exc.index is not None:
             out["error"] = (exc, exc.index, exc.text)  # an example's error: the driver locates it
@@ -169,16 +170,16 @@ def _block_lengths(table, input_key: str, label_key: str | None, mask_keys=MASK_
     return out
 
 
-def _with_labels_named(table, label_key: str | None):
-    """``table`` with its label column (``label_key``, None: none) named ``labels``, as packkit.listcolumns reads it."""
-    names = table.column_names
-    if label_key == "labels":
-        return table
-    if "labels" in names:
-        table = table.drop(["labels"])
-    if label_key is None or label_key not in names:
-        return table
-    return table.rename_columns(["labels" if c == label_key else c for c in table.column_names])
+def _token_column(columns) -> str:
+    """``columns=`` as :func:`packkit.offline.pack_dataset` takes it, for Ray: the token column first, then
+    optionally ``labels`` (loss masks are found by name): ``_token_column(None) -> "input_ids"``."""
+    if columns is None:
+        return "input_ids"
+    columns = [columns] if isinstance(columns, str) else list(columns)
+    if not columns or any(c != "labels" for c in columns[1:]):
+        raise ArgumentError("{arg} on Ray names the token column, then optionally 'labels' (a loss mask is read "
+                            "by its name); got {got}", arg=arg("columns"), got=columns)
+    return columns[0]
 
 
 def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
@@ -186,7 +187,7 @@ def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
     example has none, -100 where a loss mask is 0), in the label dtype; None when the run has no labels."""
     if not opts["has_labels"]:
         return None
-    labels = table_labels(_with_labels_named(table, opts["label_key"]), key=opts["input_key"])
+    labels = table_labels(table, key=opts["input_key"])
     if labels is None:  # this block has no label or mask column: its token ids are its labels
         labels = values
     return labels.astype(label_dtype(values.dtype), copy=False)
@@ -436,20 +437,22 @@ def _same_in_every_block(infos, starts, key):
 
 def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd", overflow: str = "error",
                  seed: int | None = 0, shuffle: bool = True, tail_slack: float = 0.0005,
-                 input_key: str = "input_ids", label_key: str = "labels", mask_first_label: bool = True,
-                 num_output_blocks: int | None = None, return_report: bool = False):
+                 columns=None, mask_first_label: bool = True, num_output_blocks: int | None = None,
+                 return_report: bool = False):
     """Pack a ``ray.data.Dataset`` of tokenized examples into windows of ``window`` tokens.
 
     Args:
-        ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_key`` (rows packed already, with
+        ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_ids`` (rows packed already, with
             ``seq_lengths`` or restarting ``position_ids``, are read as their documents) and optionally
-            ``label_key`` and/or a loss mask ``completion_mask`` / ``assistant_masks`` (same lengths;
+            ``labels`` and/or a loss mask ``completion_mask`` / ``assistant_masks`` (same lengths;
             the mask becomes labels: -100 where it is 0, on the labels or else the token ids). Its blocks are the unit of work: repartition first for more
             parallelism (``ds.repartition(n)``); the result is deterministic for a fixed block layout.
         window: tokens per window (``W``).
         mode: ``"local"`` (default: per-block best fit, then one pass over the under-filled windows)
             or ``"global"`` (one plan over all lengths: the windows of ``packkit.binpack.pack``).
         strategy, overflow, seed: as in :func:`packkit.binpack.pack`.
+        columns: as in :func:`packkit.offline.pack_dataset`: the token column first (default
+            ``input_ids``), then optionally ``labels``.
         shuffle: put each output block's windows in a seeded random order (default True).
         tail_slack: local mode: the fraction of its tokens that a block's kept windows may waste; the
             rest of its windows go to pass 2.
@@ -473,6 +476,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     import pyarrow as pa
 
     window = check_window(window)
+    input_key, label_key = _token_column(columns), "labels"
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     check_strategy(strategy)

@@ -26,8 +26,9 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from testlib import tiny_causal_lm  # noqa: E402
 
-from packkit import chat, offline  # noqa: E402
-from packkit.chat import ChatWarning, chat_format, common_prefix_lengths, mask_from, tokenize_chat  # noqa: E402
+from packkit import chat  # noqa: E402
+from packkit.chat import (ChatWarning, chat_format, common_prefix_lengths, mask_from, tokenize_chat,  # noqa: E402
+                          tokenize_dataset)
 from packkit.cli import main  # noqa: E402
 from packkit.errors import ArgumentError, DataError  # noqa: E402
 from packkit.offline import pack_dataset  # noqa: E402
@@ -591,58 +592,39 @@ def expected_labels(example_ids, seq_lengths):
 
 def test_pack_dataset_on_messages(tok_dir):
     ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS])
-    packed = pack_dataset(ds, window=24, tokenizer=str(tok_dir), example_ids=True)
+    packed = pack_dataset(tokenize_dataset(ds, str(tok_dir)), window=24, example_ids=True)
     for row in packed:
         assert row["labels"] == expected_labels(row["example_ids"], row["seq_lengths"])
-    with pytest.raises(ArgumentError, match=r"conversational \(messages\): pass tokenizer=FOLDER_OR_MODEL_ID"):
+    with pytest.raises(DataError, match=r"conversational \(messages\): tokenize it first with "
+                                        r"packkit.chat.tokenize_dataset"):
         pack_dataset(ds, window=24)
+    with pytest.raises(DataError, match="not conversational"):
+        tokenize_dataset(datasets.Dataset.from_dict({"text": ["hi"]}), str(tok_dir))
 
 
 def test_pack_dataset_dict_each_split_or_one(tok_dir):
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]),
                                "test": datasets.Dataset.from_list([{"messages": CONVERSATIONS[2]}])})
-    packed, plans = pack_dataset(dd, window=24, tokenizer=str(tok_dir), return_plan=True, example_ids=True)
+    tokenized = tokenize_dataset(dd, str(tok_dir))
+    packed, plans = pack_dataset(tokenized, window=24, return_report=True, example_ids=True)
     assert isinstance(packed, datasets.DatasetDict) and set(packed) == {"train", "test"}
     assert plans["train"].num_examples == 3 and plans["test"].num_examples == 1
     assert packed["test"]["input_ids"] == [reference_tokens(CONVERSATIONS[2])[0]]
     for row in packed["train"]:
         assert row["labels"] == expected_labels(row["example_ids"], row["seq_lengths"])
-    one = pack_dataset(dd, window=24, tokenizer=str(tok_dir), split="test")
+    one = pack_dataset(tokenized, window=24, split="test")
     assert isinstance(one, datasets.Dataset) and one["input_ids"] == packed["test"]["input_ids"]
     with pytest.raises(ArgumentError, match="no split 'dev'.*pass split=NAME"):
-        pack_dataset(dd, window=24, tokenizer=str(tok_dir), split="dev")
+        pack_dataset(tokenized, window=24, split="dev")
     with pytest.raises(ArgumentError, match="split='train' picks a split of a DatasetDict"):
-        pack_dataset(dd["train"], window=24, tokenizer=str(tok_dir), split="train")
-    tokenized = datasets.DatasetDict({"a": datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]})})
-    assert pack_dataset(tokenized, window=4)["a"]["seq_lengths"] == [[2, 1]]
+        pack_dataset(tokenized["train"], window=24, split="train")
+    plain = datasets.DatasetDict({"a": datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]})})
+    assert pack_dataset(plain, window=4)["a"]["seq_lengths"] == [[2, 1]]
 
 
-def test_pack_dataset_checks_its_arguments_before_tokenizing(tok_dir, monkeypatch):
-    """Bug: pack_dataset checked window/strategy/overflow/seed/num_proc only after prepare_dataset had
-    loaded the tokenizer and tokenized a whole conversational dataset; the same errors now come first."""
-    def no_tokenizer(*args, **kwargs):
-        raise AssertionError("the tokenizer was loaded before the arguments were checked")
-
-    monkeypatch.setattr(chat, "load_tokenizer", no_tokenizer)
-    monkeypatch.setattr(offline, "load_tokenizer", no_tokenizer)
-    ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS])
-    dd = datasets.DatasetDict({"train": ds, "test": ds})
-    for data in (ds, dd, ds.to_iterable_dataset()):
-        with pytest.raises(ArgumentError, match="window must be at least 1 token, got 0"):
-            pack_dataset(data, window=0, tokenizer=str(tok_dir))
-        with pytest.raises(ArgumentError, match="unknown overflow"):
-            pack_dataset(data, window=24, overflow="wrap", tokenizer=str(tok_dir))
-        with pytest.raises(ArgumentError, match="seed must be at least 0"):
-            pack_dataset(data, window=24, seed=-1, tokenizer=str(tok_dir))
-    with pytest.raises(ValueError, match="strategy must be 'bfd', got 'ffd'"):
-        pack_dataset(ds.to_iterable_dataset(), window=24, strategy="ffd", tokenizer=str(tok_dir))
-    with pytest.raises(ValueError, match="num_proc=2: an IterableDataset is packed in one stream"):
-        pack_dataset(ds.to_iterable_dataset(), window=24, num_proc=2, tokenizer=str(tok_dir))
-
-
-def test_pack_dataset_dict_loads_the_tokenizer_once(tok_dir, monkeypatch):
-    """Bug: pack_dataset on a DatasetDict loaded the tokenizer once a split (for a model id, a Hub probe of
-    up to 5 s each); it is now loaded once (chat.load_tokenizer) and the object passed to every split."""
+def test_tokenize_dataset_dict_loads_the_tokenizer_once(tok_dir, monkeypatch):
+    """Bug: packing a DatasetDict loaded the tokenizer once a split (for a model id, a Hub probe of up to
+    5 s each); tokenize_dataset loads it once (chat.load_tokenizer) and passes the object to every split."""
     loads = []
     real = chat.load_tokenizer
 
@@ -652,9 +634,8 @@ def test_pack_dataset_dict_loads_the_tokenizer_once(tok_dir, monkeypatch):
         return real(spec, **kwargs)
 
     monkeypatch.setattr(chat, "load_tokenizer", counting)
-    monkeypatch.setattr(offline, "load_tokenizer", counting)
     splits = {name: datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]) for name in ("a", "b", "c")}
-    packed = pack_dataset(datasets.DatasetDict(splits), window=24, tokenizer=str(tok_dir), example_ids=True)
+    packed = pack_dataset(tokenize_dataset(datasets.DatasetDict(splits), str(tok_dir)), window=24, example_ids=True)
     assert loads == [str(tok_dir)]
     for name in splits:
         for row in packed[name]:
@@ -662,27 +643,27 @@ def test_pack_dataset_dict_loads_the_tokenizer_once(tok_dir, monkeypatch):
     # an error about the tokenizer still names it as given (a tokenizer.json has no chat template)
     spec = str(tok_dir / "tokenizer.json")
     with pytest.raises(ArgumentError) as one:
-        pack_dataset(splits["a"], window=24, tokenizer=spec)
+        tokenize_dataset(splits["a"], spec)
     with pytest.raises(ArgumentError) as every:
-        pack_dataset(datasets.DatasetDict(splits), window=24, tokenizer=spec)
+        tokenize_dataset(datasets.DatasetDict(splits), spec)
     assert str(every.value) == str(one.value) and repr(spec) in str(one.value)
 
 
 def test_pack_dataset_on_an_iterable_dataset(tok_dir):
     ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]).to_iterable_dataset()
-    rows = list(pack_dataset(ds, window=24, tokenizer=str(tok_dir), shuffle=False, example_ids=True))
+    rows = list(pack_dataset(tokenize_dataset(ds, str(tok_dir)), window=24, shuffle=False, example_ids=True))
     assert sorted(e for r in rows for e in r["example_ids"]) == [0, 1, 2]
     for row in rows:
         assert list(row["labels"]) == expected_labels(row["example_ids"], row["seq_lengths"])
     bad = datasets.Dataset.from_list([{"messages": CONVERSATIONS[0]}] * 3 + [{"messages": CONVERSATIONS[0][:1]}])
     with pytest.raises(DataError, match="example 3 has no assistant token"):
-        list(pack_dataset(bad.to_iterable_dataset(), window=24, tokenizer=str(tok_dir), shuffle=False))
+        list(pack_dataset(tokenize_dataset(bad.to_iterable_dataset(), str(tok_dir)), window=24, shuffle=False))
 
 
 def test_pack_dataset_with_a_loaded_tokenizer_and_prompt_completion(tok_dir):
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     ds = datasets.Dataset.from_list([{"prompt": "what is two plus three", "completion": " five"}])
-    packed = pack_dataset(ds, window=16, tokenizer=tok)
+    packed = pack_dataset(tokenize_dataset(ds, tok), window=16)
     v = VOCAB
     assert packed["labels"] == [[-100] * 6 + [v["five"], v["</s>"]]]
 

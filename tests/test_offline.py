@@ -112,7 +112,7 @@ def test_pack_dataset_nothing_lost_and_capacity(case, strategy, overflow, shuffl
         lengths = lengths + [1]
     ds = make_ds(lengths)
     packed, plan = pack_dataset(ds, window=window, strategy=strategy, overflow=overflow, shuffle=shuffle,
-                                return_plan=True, example_ids=True)
+                                return_report=True, example_ids=True)
     assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids"]
     assert len(packed) == plan.num_windows
     src = ds["input_ids"]
@@ -148,7 +148,7 @@ def test_default_rows_are_shuffled_and_deterministic(tmp_path):
     a = pack_dataset(ds, window=32)
     b = pack_dataset(ds, window=32)
     c = pack_dataset(ds, window=32, seed=1)
-    unshuffled, plan = pack_dataset(ds, window=32, shuffle=False, return_plan=True)
+    unshuffled, plan = pack_dataset(ds, window=32, shuffle=False, return_report=True)
     assert a["input_ids"] == b["input_ids"] and a["seq_lengths"] == b["seq_lengths"]
     # on-disk input: the fingerprint names the input and the arguments (datasets' caching works)
     assert a._fingerprint == b._fingerprint != c._fingerprint
@@ -163,7 +163,7 @@ def test_default_rows_are_shuffled_and_deterministic(tmp_path):
 def test_rows_match_plan_and_lower_bound():
     lengths = np.random.default_rng(4).integers(1, 100, 2000)
     ds = make_ds(lengths.tolist(), labels=False)
-    packed, plan = pack_dataset(ds, window=128, return_plan=True)
+    packed, plan = pack_dataset(ds, window=128, return_report=True)
     assert packed.column_names == ["input_ids", "seq_lengths"]
     assert len(packed) <= plan.lower_bound + 2
     assert [len(r) for r in packed["input_ids"]] == plan.window_loads.tolist()
@@ -176,7 +176,7 @@ def test_selection_multichunk_and_int32_columns():
     assert full.data.table.column("input_ids").num_chunks == 3
     view = full.shuffle(seed=0).select(range(2, 11))
     assert view._indices is not None
-    packed, plan = pack_dataset(view, window=9, return_plan=True)
+    packed, plan = pack_dataset(view, window=9, return_report=True)
     got = reassemble(packed, plan)
     assert got == {i: toks for i, toks in enumerate(view["input_ids"])}
     assert packed.features["input_ids"].feature.dtype == "int32"
@@ -212,7 +212,7 @@ def test_rows_feed_the_packed_rows_collator():
 def test_truncation_is_logged_with_counts(caplog):
     ds = make_ds([5, 12, 3])
     with caplog.at_level(logging.WARNING, logger="packkit"):
-        _, plan = pack_dataset(ds, window=8, overflow="truncate", return_plan=True)
+        _, plan = pack_dataset(ds, window=8, overflow="truncate", return_report=True)
     assert plan.cut_tokens == 4
     assert "truncated 1 of 3" in caplog.text and "cutting 4 of 20 tokens" in caplog.text
 
@@ -288,7 +288,7 @@ def test_any_buffer_size_gives_the_same_rows(tmp_path, buffer_bytes):
     rows of one whole gather, in memory and through the cache file."""
     lengths = np.random.default_rng(8).integers(1, 40, 300).tolist()
     ds = make_ds(lengths)
-    ref, plan = pack_dataset(ds, window=48, return_plan=True, buffer_bytes=10**9)
+    ref, plan = pack_dataset(ds, window=48, return_report=True, buffer_bytes=10**9)
     ds.save_to_disk(str(tmp_path / "ds"))
     disk = datasets.load_from_disk(str(tmp_path / "ds"))
     for source in (ds, disk):

@@ -105,7 +105,7 @@ def test_pack_dataset_under_a_memory_limit_below_its_token_data(tmp_path):
         import json, datasets
         from packkit.offline import pack_dataset
         ds = datasets.Dataset.from_file({str(src)!r})
-        got, plan = pack_dataset(ds, window=8192, example_ids=True, buffer_bytes=32 << 20, return_plan=True,
+        got, plan = pack_dataset(ds, window=8192, example_ids=True, buffer_bytes=32 << 20, return_report=True,
                                  cache_file_name={str(out)!r})
         status = dict(line.split(":", 1) for line in open("/proc/self/status"))
         print(json.dumps({{"rows": len(got), "windows": plan.num_windows, "hwm": status["VmHWM"].strip()}}))

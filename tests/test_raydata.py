@@ -264,7 +264,7 @@ def test_errors_name_the_example_index_in_the_whole_dataset(local_ray):
     with pytest.raises(ValueError, match="dataset row 701 has .* 'labels'"):
         raydata.pack_dataset(ray.data.from_arrow([bad.slice(0, 500), bad.slice(500)]), window=4 * W)
     with pytest.raises(KeyError, match="no column 'tokens'"):
-        raydata.pack_dataset(make_ds(lengths), window=4 * W, input_key="tokens")
+        raydata.pack_dataset(make_ds(lengths), window=4 * W, columns=["tokens"])
     with pytest.raises(ValueError, match="unknown mode"):
         raydata.pack_dataset(make_ds(lengths), window=W, mode="cluster")
     with pytest.raises(TypeError, match="ray.data.Dataset"):
