@@ -1,18 +1,18 @@
-"""Arrow list columns at the bottom floor: the pyarrow import, lengths from offsets, list arrays from
-flat values, and the byte-level tokenizer. Imports nothing from packkit, so every floor can use it::
+"""Arrow at the bottom floor: the pyarrow import, list arrays from flat values and offsets, and the
+byte-level tokenizer. Imports nothing from packkit, so every floor can use it (Arrow list columns read
+under the rules of an example: :mod:`packkit.listcolumns`)::
 
     >>> byte_tokenize(["hi", "é"]).to_pylist()
     [[104, 105], [195, 169]]
-    >>> import pyarrow as pa
-    >>> list_lengths(pa.array([[1, 2, 3], [4]])).tolist()
-    [3, 1]
+    >>> list_array([0, 2, 3], np.array([5, 6, 7])).to_pylist()
+    [[5, 6], [7]]
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["pyarrow", "list_lengths", "list_array", "byte_tokenize", "MAX_LIST_VALUES"]
+__all__ = ["pyarrow", "list_array", "byte_tokenize", "MAX_LIST_VALUES"]
 
 
 def pyarrow():
@@ -24,28 +24,6 @@ def pyarrow():
                                   name="pyarrow") from None
     return pyarrow
 
-
-
-def list_lengths(column, *, name: str = "input_ids") -> np.ndarray:
-    """Lengths of the lists of an Arrow list column, from its offsets: ``[[1, 2, 3], [4]] -> [3, 1]``.
-
-    Args:
-        column: a pyarrow ``ListArray`` / ``LargeListArray`` or a ``ChunkedArray`` of them.
-    Returns:
-        (num_rows,) int64. A null row is an error that names the row.
-    """
-    pa = pyarrow()
-    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-    out, base = [], 0
-    for chunk in chunks:
-        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
-            raise TypeError(f"column {name!r} holds {chunk.type}, not lists of token ids")
-        if chunk.null_count:
-            i = base + int(np.argmax(~np.asarray(chunk.is_valid())))
-            raise ValueError(f"example {i} has no {name!r} (null); drop or fill it before packing")
-        out.append(np.diff(chunk.offsets.to_numpy()).astype(np.int64, copy=False))
-        base += len(chunk)
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 #: Past this many values a list array needs 64-bit offsets (``large_list``): int32's maximum.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections.abc
 import numbers
-import operator
 import struct
 import sys
 import warnings
@@ -216,8 +215,8 @@ def _read_rules(form, need_labels: bool, mode: str):
     if any_bad_id(input_ids):
         raise locate(input_ids, "ids", "input_ids", rows, lengths=lengths)
     xs = form.get("labels")
-    kinds = _NO_KEY if xs is None else set(map(type, xs))
-    supervised = kinds != _NO_KEY  # a key every example holds as None is a key none of them has
+    kinds = {_NONE} if xs is None else set(map(type, xs))
+    supervised = kinds != {_NONE}  # a key every example holds as None is a key none of them has
     if supervised:
         if _NONE in kinds:  # examples without labels: their token ids are their labels
             if need_labels:
@@ -233,8 +232,8 @@ def _read_rules(form, need_labels: bool, mode: str):
     masked = None  # per example: it carries a loss mask (None: no example does)
     for key in MASK_KEYS:
         xs = form.get(key)
-        kinds = _NO_KEY if xs is None else set(map(type, xs))
-        if kinds == _NO_KEY:
+        kinds = {_NONE} if xs is None else set(map(type, xs))
+        if kinds == {_NONE}:
             continue
         if mode == "none":
             raise mask_not_expected(next(i for i, x in enumerate(xs) if x is not None), rows, key)
@@ -256,7 +255,7 @@ def _read_rules(form, need_labels: bool, mode: str):
 
 class _Dicts:
     """Column access over Python examples (a list of mappings of lists, numpy arrays or tensors) for
-    :func:`_read_rules`. A column's parts are checked as they are read, with C-level ``map``/``set``
+    :func:`_read_rules`. A column's parts are checked as they are read, with one set over the batch
     over the batch (:func:`_parts`), and joined by one ``struct.pack_into`` or ``np.concatenate``
     (:func:`_concat`); ``lengths`` is a list."""
 
@@ -306,9 +305,7 @@ class _Dicts:
 class _Columns:
     """Column access over an :class:`ExampleBatch` for :func:`_read_rules`: every part is a 1-D numpy
     array (a view of an Arrow buffer), the lengths are known; a column is checked as long as the token
-    ids, then by dtype and shape over the batch, and joined by one ``np.concatenate`` (:func:`_join_arrays`).
-    The lengths are compared as a list: measured 0.3 us against 2.4 us for ``np.array_equal`` at 8 examples,
-    1.1 against 3.3 at 32."""
+    ids, then by dtype and shape over the batch, and joined by one ``np.concatenate`` (:func:`_join_arrays`)."""
 
     __slots__ = ("columns", "rows", "array", "lengths", "total")
 
@@ -340,16 +337,9 @@ def _first_none(xs: list) -> int:
 
 
 _NONE = type(None)
-_NO_KEY = {_NONE}
 _INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
                                                   np.uint32, np.uint64))
 _MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
-_first_item = operator.itemgetter(0)
-_dtype_of = operator.attrgetter("dtype")
-_ndim_of = operator.attrgetter("ndim")
-_ONE = {1}
-_LIST, _NDARRAY = {list}, {np.ndarray}
-_INT_ITEM, _MASK_ITEMS = {int}, {int, bool}
 
 
 def _values(examples, key: str) -> list:
@@ -362,22 +352,20 @@ def _values(examples, key: str) -> list:
 
 def _parts(xs: list, key: str, kind: str, rows, kinds=None) -> tuple[list, list, str]:
     """One column of every example: ``(parts, lengths, layout)``, each part a list or a 1-D integer
-    array, ``layout`` ``"lists"``, ``"arrays"`` or ``"mixed"``. Checks run over the whole column with
-    C-level ``map``/``set`` (no per-example Python statements) and fall back to a checked loop that
-    names the offending example. ``_parts([[5, 6]], "input_ids", "ids", None) -> ([[5, 6]], [2], "lists")``.
+    array, ``layout`` ``"lists"``, ``"arrays"`` or ``"mixed"``. The types are checked over the whole
+    column at once (a set of them), with a checked loop that names the offending example as fallback. ``_parts([[5, 6]], "input_ids", "ids", None) -> ([[5, 6]], [2], "lists")``.
     ``kinds``: ``set(map(type, xs))`` when the caller has it.
     """
     if kinds is None:
         kinds = set(map(type, xs))
-    if kinds == _LIST:
+    if kinds == {list}:
         lengths = list(map(len, xs))
-        if 0 not in lengths and set(map(type, map(_first_item, xs))) <= (_MASK_ITEMS if kind == "mask"
-                                                                          else _INT_ITEM):
+        if 0 not in lengths and {type(x[0]) for x in xs} <= ({int, bool} if kind == "mask" else {int}):
             return xs, lengths, "lists"
-    elif kinds == _NDARRAY:
+    elif kinds == {np.ndarray}:
         # ndim is checked where it is cheap: len() of a 0-d array raises, and a 2-D array makes the
         # concatenation fail; both fall back to the checked loop below, which names the example.
-        if set(map(_dtype_of, xs)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
+        if {x.dtype for x in xs} <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
             try:
                 return xs, list(map(len, xs)), "arrays"
             except TypeError:
@@ -415,10 +403,9 @@ def _column(x, i: int, key: str, kind: str, rows):
 def _join_arrays(parts: list, key: str, kind: str, rows, total: int | None = None) -> np.ndarray:
     """Every example's part of a column, 1-D integer numpy arrays (bools too in a mask), joined into one
     writable ``(total,)`` int64 array (``total``: the sum of their lengths, counted when None). The
-    dtypes and shapes are tested over the batch with C-level ``map``/``set`` first, then the error names
-    the first part that fails (:func:`_column`)."""
-    if not set(map(_dtype_of, parts)) <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) \
-            or set(map(_ndim_of, parts)) != _ONE:
+    dtypes and shapes are tested over the whole batch first, then the error names the first part that fails (:func:`_column`)."""
+    if not {p.dtype for p in parts} <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) \
+            or any(p.ndim != 1 for p in parts):
         for i, p in enumerate(parts):
             _column(p, i, key, kind, rows)
     out = np.empty(sum(map(len, parts)) if total is None else total, np.int64)
@@ -437,7 +424,7 @@ def _list_into(flat: list, out: np.ndarray, bools_ok: bool) -> None:
     """
     struct.pack_into(f"{len(flat)}q", out, 0, *flat)
     if not bools_ok:
-        cand = (out.view(np.uint64) <= 1).nonzero()[0]  # out is 1-D: 0.9 us less than np.flatnonzero's wrapper
+        cand = np.flatnonzero(out.view(np.uint64) <= 1)
         if cand.size:
             for t in cand.tolist():
                 if type(flat[t]) is not int and isinstance(flat[t], (bool, np.bool_)):
