@@ -223,7 +223,7 @@ def test_pack_dataset_keeps_groups_whole(tmp_path):
             for g in gid]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
     ds = datasets.load_from_disk(str(tmp_path / "ds"))
-    out, plan = pack_dataset(ds, window=64, group_column="prompt", example_ids=True, return_plan=True)
+    out, plan = pack_dataset(ds, window=64, group_column="prompt", example_ids=True, return_report=True)
     assert plan.num_groups == n // 3 and plan.summary()["group_cost_windows"] >= 0
     seen = []
     for row in out:
