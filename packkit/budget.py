@@ -138,7 +138,7 @@ class BudgetReport:
     overflow, overflow_examples, cut_tokens: the policy for examples longer than ``window``, how many
                           were, and the tokens it cut (``None``, 0, 0 when padded)
     compute_imbalance:    float, the slowest of ``devices`` ranks over the mean, summed over steps
-                          (:func:`packkit.balance.step_figures`; a document costs ``24576 L + L^2``,
+                          (:func:`packkit.balance.step_figures`; a document costs ``24576 L + L^2 / cp``,
                           a padded micro-batch its size x ``24576 P + P^2``); 1.0 is balanced
     examples_per_step_cv: float, std / mean of the examples per step (full steps)
     """
@@ -378,7 +378,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         units_loss = np.bincount(win, weights=seg_loss, minlength=plan.num_windows)
         num_units, num_tokens = plan.num_windows, int(seg_real.sum())
         padding = 1.0 - num_tokens / float(plan.num_windows * plan.window) if plan.num_windows else 0.0
-        units_cost = np.bincount(win, weights=CostModel().costs(plan.seg_length), minlength=plan.num_windows)
+        units_cost = np.bincount(win, weights=CostModel(cp_size=cp_size).costs(plan.seg_length),
+                                 minlength=plan.num_windows)
         imbalance, cv = step_figures(units_cost, units_examples, ranks=devices,
                                      per_rank=per_device_batch * accumulation_steps)
     else:
@@ -391,8 +392,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         micro_max = -(-micro_max // row_round) * row_round  # a padded row is cut as one sequence
         micro_size = np.diff(np.append(np.arange(0, num_units, per_device_batch), num_units))
         padding = 1.0 - num_tokens / float((micro_max * micro_size).sum())
-        imbalance, cv = step_figures(micro_size * CostModel().costs(micro_max), micro_size, ranks=devices,
-                                     per_rank=accumulation_steps)
+        imbalance, cv = step_figures(micro_size * CostModel(cp_size=cp_size).costs(micro_max), micro_size,
+                                     ranks=devices, per_rank=accumulation_steps)
 
     full_steps = num_units // group
     steps = full_steps if drop_last else -(-num_units // group)

@@ -84,7 +84,8 @@ class StrategyWaste:
         row_fill: (rows,) float64, real tokens / padded length of every row (for the plot)
         compute_imbalance, examples_per_step_cv: over ``ranks`` data-parallel ranks, each taking a
             step's rows in turn (packed windows in a random order, as a sampler deals them), under the
-            cost model ``24576 * L + L**2`` per document (a padded row of length ``P``: ``24576 * P + P**2``):
+            cost model ``24576 * L + L**2 / cp_size`` per document (a padded row of length ``P``:
+            ``24576 * P + P**2 / cp_size``):
             :func:`packkit.balance.step_figures`
     """
 
@@ -207,9 +208,10 @@ def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, bat
 
 
 def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int, *,
-            batch_size: int = 1, ranks: int = 1) -> StrategyWaste:
+            batch_size: int = 1, ranks: int = 1, cp_size: int = 1) -> StrategyWaste:
     real = lengths[order]
-    imbalance, cv = step_figures(CostModel().costs(padded), np.ones(order.size), ranks=ranks, per_rank=batch_size)
+    imbalance, cv = step_figures(CostModel(cp_size=cp_size).costs(padded), np.ones(order.size), ranks=ranks,
+                                 per_rank=batch_size)
     return StrategyWaste(
         name=name, label=LABELS[name], packed=False, rows=int(order.size), steps=steps,
         real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
@@ -220,7 +222,7 @@ def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarra
 
 def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_ptr: np.ndarray,
             windows_per_step: int, *, ranks: int = 1, seed: int = 0,
-            seg_real: np.ndarray | None = None) -> StrategyWaste:
+            seg_real: np.ndarray | None = None, cp_size: int = 1) -> StrategyWaste:
     """Figures of windows given as CSR segment lengths (the rank figures over a seeded window order;
     ``seg_real``: the segments' real tokens, when context parallelism padded each one: the padding is a
     slot, not a token)."""
@@ -230,7 +232,7 @@ def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_p
     csum = planned if seg_real is None else lengths_to_offsets(seg_real)
     loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
     attention = float(np.sum(seg_length.astype(np.float64) ** 2) + np.sum(tail.astype(np.float64) ** 2))
-    cost = np.add.reduceat(CostModel().costs(seg_length), window_ptr[:-1]) if rows else np.zeros(0)
+    cost = np.add.reduceat(CostModel(cp_size=cp_size).costs(seg_length), window_ptr[:-1]) if rows else np.zeros(0)
     order = np.random.default_rng(seed).permutation(rows)
     imbalance, cv = step_figures(cost[order], np.diff(window_ptr)[order], ranks=ranks, per_rank=windows_per_step)
     return StrategyWaste(
@@ -332,7 +334,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
             if name == "pad_longest":
                 order = np.arange(L.size)
                 padded = np.full(L.size, -(-int(L.max()) // row_round) * row_round, np.int64)
-                results.append(_padded(name, L, padded, order, steps_padded, batch_size=batch_size, ranks=ranks))
+                results.append(_padded(name, L, padded, order, steps_padded, batch_size=batch_size, ranks=ranks,
+                                       cp_size=cp_size))
             elif name in ("random", "grouped"):
                 if name == "random":
                     batches, steps = np.random.default_rng(seed).permutation(L.size), steps_padded
@@ -342,16 +345,16 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
                     padded, order = padded_rows(L, batches)
                     steps = len(batches)
                 results.append(_padded(name, L, -(-padded // row_round) * row_round, order, steps,
-                                       batch_size=batch_size, ranks=ranks))
+                                       batch_size=batch_size, ranks=ranks, cp_size=cp_size))
             elif name == "stream":
                 seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
                 label = f"{LABELS[name]} (buffer {buffer_size:,})"
                 results.append(_packed(name, label, window, planned[seg], ptr, k, ranks=ranks, seed=seed,
-                                       seg_real=L[seg]))
+                                       seg_real=L[seg], cp_size=cp_size))
             else:
                 plan = pack(planned, window=window, strategy=name, seed=seed)
                 results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k, ranks=ranks,
-                                       seed=seed, seg_real=L[plan.seg_example]))
+                                       seed=seed, seg_real=L[plan.seg_example], cp_size=cp_size))
             bar.update(1)
     return WasteReport(
         source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
@@ -412,7 +415,8 @@ def format_table(report: WasteReport, *, options=None) -> str:
         "attention vs padded = sum over rows of cost / (examples x longest^2), where a padded row costs "
         "P^2 and a packed window sum(L_i^2) + (W - load)^2 (varlen attention).",
         f"imbalance = sum over steps of the slowest of {report.ranks} rank(s) / sum of the mean rank, a document "
-        "costing 24576 L + L^2 (packed windows in a random order; --ranks sets the ranks); examples/step cv = "
+        f"costing 24576 L + L^2{f' / {report.cp_size}' if report.cp_size > 1 else ''} (packed windows in a random "
+        "order; --ranks sets the ranks); examples/step cv = "
         "std / mean of the examples a step holds over all ranks (full steps).",
     ]
     if u == "bytes":
