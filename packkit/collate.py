@@ -11,6 +11,8 @@ collator                    output
 
 Use one as ``DataLoader(ds, batch_size=..., collate_fn=PaddingFreeCollator())`` or as
 ``Trainer(..., data_collator=PaddingFreeCollator())``.
+For mRoPE vision-language models (Qwen2-VL and kin) and hybrid linear-attention models, wrap one in
+:mod:`packkit.model_inputs` (``VisionLanguageCollator``, ``HybridCollator``).
 
 An example is a mapping with ``input_ids`` (a list, numpy array or tensor of non-negative integers)
 and optionally ``labels`` (same length; ``-100`` where no loss is wanted) and/or a
