@@ -212,6 +212,21 @@ def test_layout_properties(groups, layout, window):
         assert torch.equal(b.mask_mod()(r, 0, q_idx, k_idx), b.dense_mask()[r])
 
 
+@pytest.mark.slow  # FlexAttention on the CPU runs unfused (about 10 s on a loaded 2-core machine)
+def test_flex_attention_with_the_block_mask_equals_the_dense_mask():
+    """The tree's BlockMask through FlexAttention itself (eager, float64) against SDPA with the dense mask."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    b = GroupCollator(layout="tree", window=32)(random_groups(6, 4, (1, 3), empty_prompt=True))
+    B, L = b.shape
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, 2, L, 8, dtype=torch.float64) for _ in range(3))
+    got = flex.flex_attention(q, k, v, block_mask=b.block_mask(BLOCK_SIZE=16))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.dense_mask()[:, None])
+    d = (got - want).abs().max().item()
+    print(f"flex with the tree BlockMask: max |diff| {d:.1e}")
+    assert d < 1e-12
+
+
 def test_varlen_recipe_equals_the_dense_mask():
     """The recipe for a varlen kernel (query segments, gathered keys, bottom-right causal) against SDPA with the
     dense tree mask, float64; the reference varlen attention lives here."""
@@ -295,6 +310,7 @@ def dpo_trainer(tmp_path, rows, cls=None, collator=None, **kw):
                processing_class=tokenizer(), data_collator=collator)
 
 
+@pytest.mark.slow  # a real DPOTrainer: make test runs it, make test-fast does not
 @pytest.mark.parametrize("conversational", [False, True])
 def test_tokenize_preference_matches_dpo_trainer(tmp_path, conversational):
     rows = preference_rows(6, 0, conversational)
@@ -322,6 +338,7 @@ class RecordingPackedDPO(PackedDPOTrainer):
         return loss
 
 
+@pytest.mark.slow  # a real DPOTrainer: make test runs it, make test-fast does not
 def test_dpo_loss_equals_dpo_trainer(tmp_path):
     """Same pairs, same seed: TRL's DPOTrainer on its padded batch, and dpo_loss on packkit's packed pairs and
     trees (the reference model another random Llama, so the log-ratios are not zero). TRL's fused LM head
@@ -349,6 +366,7 @@ def test_dpo_loss_equals_dpo_trainer(tmp_path):
             assert abs(got - want) < 1e-6 and abs(got - exact) < 1e-12
 
 
+@pytest.mark.slow  # a real DPOTrainer: make test runs it, make test-fast does not
 def test_dpo_trainer_trains_on_packed_pairs(tmp_path):
     """DPOTrainer end to end (2 optimiser steps, 4 pairs a step) with PackedDPOMixin and the tree layout in
     windows: the loss of every step equals plain DPOTrainer's within 1e-6 (the second after an update)."""

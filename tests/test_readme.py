@@ -354,6 +354,7 @@ def preference_pairs(n=16, seed=0):
              "rejected": words(int(rng.integers(1, 8)))} for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_dpo_with_trl_as_pasted(tmp_path, monkeypatch):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
