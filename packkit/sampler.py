@@ -542,15 +542,16 @@ class _BatchSampler:
 
     # -- dealing steps to ranks ------------------------------------------------------------------
 
-    def _deal_full(self, seq: _Sequence, units: np.ndarray) -> np.ndarray:
-        """Units of full steps ``(steps, S)`` in batch order: ``(steps, m, R, k)`` flattened, batch ``b``
-        = ``k`` consecutive units, row-major (row = step * m + i, then rank).
+    def _deal_full(self, seq: _Sequence, units: np.ndarray, R: int, m: int) -> np.ndarray:
+        """Units of full steps ``(steps, S)`` dealt to ``R`` ranks of ``m`` micro-batches, in batch order:
+        ``(steps, m, R, k)`` flattened, batch ``b`` = ``k`` consecutive units, row-major (row = step * m + i,
+        then rank).
 
         Under ``"compute"`` each rank gets the ``m * k`` units that :func:`lpt_assign` gives it (its
         micro-batches in sequence order); otherwise unit ``j`` of a step is micro-batch ``j // k``,
         dealt row after row.
         """
-        R, m, k = self.world_size, self.accumulation_steps, self._k
+        k = self._k
         steps, S = units.shape
         if self.balance == "compute" and R > 1:
             unit_cost = batch_sums(self._example_cost()[seq.flat], seq.ptr)
@@ -566,14 +567,14 @@ class _BatchSampler:
         rows = min(m, max(1, -(-units.size // (R * self._k))))
         return np.array_split(units, rows)
 
-    def _deal_partial(self, seq: _Sequence, units: np.ndarray) -> tuple[list[np.ndarray], list[int], int]:
+    def _deal_partial(self, seq: _Sequence, units: np.ndarray, R: int,
+                      m: int) -> tuple[list[np.ndarray], list[int], int]:
         """A step of fewer units than a full one, row by row (:meth:`_partial_rows`): a row's units in runs
         as even as possible over the ranks; a row with fewer units than ranks is split by examples
         (then repeated, counted). Each row uses whole units, so a resume inside the step is exact.
         Returns batches (row-major), units per batch, examples repeated."""
-        R = self.world_size
         batches, pieces, repeated = [], [], 0
-        for row in self._partial_rows(units, R, self.accumulation_steps):
+        for row in self._partial_rows(units, R, m):
             if row.size >= R:
                 parts = np.array_split(row, R)
                 batches += [np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in p]) for p in parts]
@@ -646,14 +647,14 @@ class _BatchSampler:
             nfull = (U - q) // S
             if nfull:
                 units = np.arange(q, q + nfull * S, dtype=np.int64).reshape(nfull, S)
-                order = self._deal_full(seq, units)
+                order = self._deal_full(seq, units, R, m)
                 flat, uptr = select_batches(seq.flat, seq.ptr, order)
                 parts.append(("vec", flat, uptr[::k], np.full(order.size // k, k, np.int64)))
                 rows_of += [m] * nfull
                 starts += list(range(q, q + nfull * S, S))
                 spans += [S] * nfull
             if q + nfull * S < U:
-                batches, pieces, rep = self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64))
+                batches, pieces, rep = self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64), R, m)
                 parts.append(("list", batches, pieces))
                 rows_of.append(len(batches) // R)
                 starts.append(q + nfull * S)
@@ -668,26 +669,21 @@ class _BatchSampler:
 
     def _deal_step(self, seq: _Sequence, units: np.ndarray, S: int):
         """One step's batches, as the schedule deals it: the full deal for ``S`` units, else the partial."""
+        R, m, k = self.world_size, self.accumulation_steps, self._k
         if units.size == S:
-            order = self._deal_full(seq, units.reshape(1, S))
-            k = self._k
+            order = self._deal_full(seq, units.reshape(1, S), R, m)
             return ([np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in order[i:i + k]])
                      for i in range(0, order.size, k)], [k] * (order.size // k), 0)
-        return self._deal_partial(seq, units)
+        return self._deal_partial(seq, units, R, m)
 
     def _dealt_units(self, seq: _Sequence, units: np.ndarray, deal: tuple, rows: int) -> np.ndarray:
-        """Units handed out by the first ``rows`` rows of ``units`` dealt as ``deal = (R, m)``."""
+        """Units handed out by the first ``rows`` rows of ``units`` dealt as ``deal = (R, m)`` (another
+        run's world size: the same deal functions with its ``R`` and ``m``)."""
         R, m = int(deal[0]), int(deal[1])
-        saved = self.world_size, self.step_batches
-        try:  # the deal of another world size: the same functions with its R and m
-            self.world_size, self.step_batches = R, R * m
-            S = R * m * self._k
-            if units.size == S:
-                order = self._deal_full(seq, units.reshape(1, S))
-                return order[:rows * R * self._k]
-            return np.concatenate([units[:0], *self._partial_rows(units, R, m)[:rows]])
-        finally:
-            self.world_size, self.step_batches = saved
+        S = R * m * self._k
+        if units.size == S:
+            return self._deal_full(seq, units.reshape(1, S), R, m)[:rows * R * self._k]
+        return np.concatenate([units[:0], *self._partial_rows(units, R, m)[:rows]])
 
     def _assemble(self, parts, rows_of, starts, spans, skip, mask0, repeated, moved) -> Schedule:
         R = self.world_size
