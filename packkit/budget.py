@@ -40,8 +40,8 @@ import numpy as np
 
 from .balance import CostModel, step_figures
 from .binpack import Plan, as_lengths, check_window, overflow_note, pack
-from .cp import LAYOUTS as CP_LAYOUTS, check_cp_size, cp_multiples
-from .errors import ArgumentError, Message, arg, check_int
+from .cp import check_cp_window, cp_multiples, plan_for_cp
+from .errors import Message, arg, check_int
 
 __all__ = [
     "Advice",
@@ -350,34 +350,27 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         raise ValueError("lengths is empty: a plan needs at least one example")
     assumed = loss_lengths is None
     loss = lengths - 1 if assumed else _check_loss_lengths(loss_lengths, lengths)
-    cp_size = check_cp_size(cp_size)
-    if cp_layout not in CP_LAYOUTS:
-        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=cp_layout, fix=arg("cp_layout", *CP_LAYOUTS))
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
     row_round = doc_multiple * row_multiple
-    if window is not None and check_window(window) % row_round:
-        raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to {up:,}",
-                            window=arg("window", window), m=row_round, layout=arg("cp_layout", cp_layout),
-                            cp=arg("cp_size", cp_size), w=arg("window"), up=-(-window // row_round) * row_round)
+    if window is not None:
+        check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
     if plan is not None and doc_multiple > 1:
         raise ValueError("plan= with a zigzag CP layout: pass lengths and window instead (the plan must be made "
                          "from the CP-padded lengths)")
 
     if plan is None and window is not None:
-        # zigzag: each example planned at its CP-padded length (its padding goes to the end of its last piece)
-        planned = -(-lengths // doc_multiple) * doc_multiple
-        plan = pack(planned, window=check_window(window), strategy=strategy, overflow=overflow,
-                    seed=seed).shuffled(seed)
+        # zigzag: each example planned at its CP-padded length; the plan holds the real ones
+        plan = plan_for_cp(lengths, window=check_window(window), cp_size=cp_size, cp_layout=cp_layout,
+                           strategy=strategy, overflow=overflow, seed=seed).shuffled(seed)
     if plan is not None:
         mode, window = "packed", plan.window
-        seg_real = np.clip(lengths[plan.seg_example] - plan.seg_start, 0, plan.seg_length)
-        seg_loss = segment_loss_tokens(plan.seg_example, plan.seg_start, seg_real, lengths, loss)
+        seg_loss = segment_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, lengths, loss)
         win = plan.seg_window
-        units_tokens = np.bincount(win, weights=seg_real, minlength=plan.num_windows).astype(np.int64)
+        units_tokens = plan.window_loads
         units_examples = np.bincount(win, weights=plan.seg_start == 0, minlength=plan.num_windows)
         units_loss = np.bincount(win, weights=seg_loss, minlength=plan.num_windows)
-        num_units, num_tokens = plan.num_windows, int(seg_real.sum())
-        padding = 1.0 - num_tokens / float(plan.num_windows * plan.window) if plan.num_windows else 0.0
+        num_units, num_tokens = plan.num_windows, plan.total_tokens
+        padding = 1.0 - plan.fill
         units_cost = np.bincount(win, weights=CostModel(cp_size=cp_size).costs(plan.seg_length),
                                  minlength=plan.num_windows)
         imbalance, cv = step_figures(units_cost, units_examples, ranks=devices,

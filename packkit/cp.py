@@ -74,11 +74,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .binpack import Plan, pack
 from .errors import ArgumentError, arg, check_int
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets
 
 __all__ = ["LAYOUTS", "METHODS", "CPPlan", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "plan_cp", "shard",
-           "restore", "shift_labels", "causal_work", "cp_padding", "cp_multiples", "cp_attention", "check_cp_size",
+           "restore", "shift_labels", "causal_work", "cp_padding", "cp_multiples", "check_cp_window", "plan_for_cp", "cp_attention", "check_cp_size",
            "hf_cp_attention", "register_hf_cp_attention"]
 
 LAYOUTS = ("zigzag", "contiguous", "ulysses", "hybrid")
@@ -362,6 +363,42 @@ def cp_multiples(*, cp_size: int, layout: str) -> tuple[int, int]:
     layout="zigzag") -> (8, 1)``; ``layout="hybrid" -> (1, 4)``."""
     cp = check_cp_size(cp_size)
     return (2 * cp, 1) if _check_layout(layout) == "zigzag" else (1, cp)
+
+
+def check_cp_window(window: int, *, cp_size: int, layout: str) -> int:
+    """``window`` if a row of it can be cut for the layout (a multiple of ``2 * cp`` for zigzag, of ``cp``
+    for the others), else a one-line error naming the window to pass: ``check_cp_window(4096, cp_size=8,
+    layout="zigzag") -> 4096``."""
+    if layout not in LAYOUTS:
+        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=layout, fix=arg("cp_layout", *LAYOUTS))
+    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=layout)
+    m = doc_multiple * row_multiple
+    if window % m:
+        raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to {up:,}",
+                            window=arg("window", window), m=m, layout=arg("cp_layout", layout),
+                            cp=arg("cp_size", cp_size), w=arg("window"), up=-(-window // m) * m)
+    return window
+
+
+def plan_for_cp(lengths, *, window: int, cp_size: int = 1, cp_layout: str = "hybrid", **pack_kwargs) -> Plan:
+    """:func:`packkit.binpack.pack` for rows a CP group will shard: with ``"zigzag"`` every example is
+    planned at its length padded to a multiple of ``2 * cp_size`` (so each row still holds ``window``
+    tokens once :func:`shard` pads its documents), then the plan is given back over the real lengths
+    (a split example's padding sits in its last piece). The other layouts plan as ``pack`` does, with
+    ``window`` a multiple of ``cp_size``. ``plan_for_cp([7, 6, 1], window=8, cp_size=2,
+    cp_layout="zigzag").num_windows -> 3``: ``pack`` alone makes 2 (``[7, 1]``, ``[6]``), but 7 and 1
+    padded to 8 and 4 no longer share a window.
+    """
+    check_cp_window(window, cp_size=cp_size, layout=cp_layout)
+    doc_multiple, _ = cp_multiples(cp_size=cp_size, layout=cp_layout)
+    if doc_multiple == 1:
+        return pack(lengths, window=window, **pack_kwargs)
+    plan = pack(lengths, window=window, **pack_kwargs)  # checks lengths as pack does
+    real = plan.lengths
+    padded = pack(_round_up(real, doc_multiple), window=window, **pack_kwargs)
+    seg_length = np.clip(real[padded.seg_example] - padded.seg_start, 0, padded.seg_length)
+    cut = int(real.sum() - seg_length.sum()) - int(real[padded.dropped_examples].sum())
+    return dataclasses.replace(padded, lengths=real, seg_length=seg_length, cut_tokens=cut)
 
 
 def cp_padding(row_lengths, *, cp_size: int, layout: str) -> int:

@@ -76,6 +76,7 @@ from .arrow import list_array
 from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
+from .cp import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
 from .rules import check_column, column_kind
@@ -248,7 +249,7 @@ def show_progress(source) -> bool:
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
                 seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
                 mask_first_label: bool = True, example_ids: bool = False, progress: bool | None = None,
-                who: str = "pack_dataset", groups=None) -> PackedTable:
+                who: str = "pack_dataset", groups=None, cp_size: int = 1, cp_layout: str = "hybrid") -> PackedTable:
     """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens.
 
     One pass over the source reads the list columns' offsets into lengths, checks every batch (the
@@ -267,7 +268,9 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "
     if groups is not None and len(found.lengths) != len(groups):
         raise DataError(f"{who}: the rows are packed rows ({len(groups):,} rows, {len(found.lengths):,} documents); "
                         "groups name examples: pack the unpacked examples with their group column")
-    plan = pack(found.lengths, window=window, strategy=strategy, overflow=overflow, seed=seed, groups=groups)
+    # rows a CP group will shard: zigzag plans each example at its CP-padded length (packkit.cp)
+    plan = plan_for_cp(found.lengths, window=window, cp_size=cp_size, cp_layout=cp_layout, strategy=strategy,
+                       overflow=overflow, seed=seed, groups=groups)
     if shuffle:
         plan = plan.shuffled(seed)
     log_overflow(who, overflow=plan.overflow, over=int(plan.overflow_examples.size), examples=plan.num_examples,
@@ -286,7 +289,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                  mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
                  progress: bool | None = None, return_report: bool = False, split: str | None = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None,
-                 group_column: str | None = None):
+                 group_column: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid"):
     """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row
     per window. Conversational data is tokenized first, through its chat template, by
     :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
@@ -336,6 +339,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
             pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
             (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
             the windows it costs). Not for an ``IterableDataset`` (its buffer plans no atoms).
+        cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp.shard`): with
+            ``"zigzag"`` every example is planned at its length padded to a multiple of ``2 * cp_size``,
+            so a row still fits ``window`` once its documents are padded for TE; the other layouts need
+            ``window`` to be a multiple of ``cp_size`` (:func:`packkit.cp.plan_for_cp`). Not for an
+            ``IterableDataset``.
 
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
@@ -358,7 +366,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                             columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
                             mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
                             progress=progress, buffer_bytes=buffer_bytes, cache_file_name=cache_file_name,
-                            keep_in_memory=keep_in_memory, group_column=group_column)
+                            keep_in_memory=keep_in_memory, group_column=group_column,
+                            cp_size=cp_size, cp_layout=cp_layout)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
@@ -373,6 +382,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         if group_column is not None:
             raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
                                 "inside a bounded buffer: pack a datasets.Dataset", arg=arg("group_column"))
+        if cp_size != 1:
+            raise ArgumentError("{arg} plans the whole dataset for a CP group; a streamed dataset is packed inside "
+                                "a bounded buffer: pack a datasets.Dataset", arg=arg("cp_size", cp_size))
         return _pack_iterable(ds, window=checked, buffer_size=buffer_size, overflow=overflow, columns=columns,
                               seed=seed, shuffle=shuffle, mask_first_label=mask_first_label,
                               example_ids=example_ids, progress=bool(progress))
@@ -404,7 +416,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     packed = plan_source(source, window=window, strategy=strategy, overflow=overflow,
                          columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
                          mask_first_label=mask_first_label, example_ids=example_ids, progress=progress,
-                         groups=groups)
+                         groups=groups, cp_size=cp_size, cp_layout=cp_layout)
     plan = packed.plan
     # A fingerprint that names the input and the arguments when the input is files on disk (datasets
     # hashes their paths, not their tokens); an in-memory table would be hashed whole: a random one.
@@ -412,7 +424,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
     if ds.cache_files:
         fingerprint = update_fingerprint(generate_fingerprint(ds), "packkit.pack_dataset", dict(
             window=window, strategy=strategy, overflow=overflow, columns=packed.spec.read, seed=seed,
-            shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids, group_column=group_column))
+            shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids, group_column=group_column,
+            cp_size=cp_size, cp_layout=cp_layout))
     total = plan.total_tokens * len(packed.spec.written())
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
         if on_disk:

@@ -44,9 +44,9 @@ import numpy as np
 
 from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
-from .cp import LAYOUTS as CP_LAYOUTS, check_cp_size, cp_multiples
+from .cp import check_cp_window, cp_multiples
 from .segments import lengths_to_offsets
-from .errors import ArgumentError, DataError, arg, check_int
+from .errors import DataError, arg, check_int
 from .balance import CostModel, step_figures
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
@@ -308,15 +308,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
             raise ValueError(f"loss_lengths must be {raw.size:,} integers, one per example, got {loss.dtype} "
                              f"of shape {loss.shape}")
         loss_tokens = int(loss.sum())
-    cp_size = check_cp_size(cp_size)
-    if cp_layout not in CP_LAYOUTS:
-        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=cp_layout, fix=arg("cp_layout", *CP_LAYOUTS))
+    check_cp_window(window, cp_size=cp_size, layout=cp_layout)
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
-    if window % (doc_multiple * row_multiple):
-        raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to "
-                            "{up:,}", window=arg("window", window), m=doc_multiple * row_multiple,
-                            layout=arg("cp_layout", cp_layout), cp=arg("cp_size", cp_size), w=arg("window"),
-                            up=-(-window // (doc_multiple * row_multiple)) * doc_multiple * row_multiple)
     L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
     # what a CP rank group computes: every example padded to the layout's document multiple (zigzag)
     planned = -(-L // doc_multiple) * doc_multiple

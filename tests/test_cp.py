@@ -203,3 +203,43 @@ def test_waste_and_plan_count_cp_padding(tmp_path, capsys):
     import json
 
     assert json.loads(capsys.readouterr().out)["padding_fraction"] == pytest.approx(b8.padding_fraction)
+
+
+def test_rows_packed_for_a_cp_group_fit_their_window_once_sharded(tmp_path):
+    """pack_dataset(cp_size=, cp_layout='zigzag') and `packkit pack --cp`: every row's documents, padded
+    to a multiple of 2*cp as TE needs, still fit the window, so each rank holds W / cp tokens; rows
+    packed without it overflow (what a file packed for another CP size would do)."""
+    datasets = pytest.importorskip("datasets")
+    import json
+
+    from packkit.cli import main
+    from packkit.collate import PackedRowsCollator
+    from packkit.offline import pack_dataset
+
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 30, 80)
+    ds = datasets.Dataset.from_list(examples(lengths))
+    W, cp = 64, 4
+
+    def worst(rows):
+        return max(int(sum(-(-n // (2 * cp)) * 2 * cp for n in r)) for r in rows["seq_lengths"])
+
+    plain = pack_dataset(ds, window=W)
+    packed = pack_dataset(ds, window=W, cp_size=cp, cp_layout="zigzag")
+    assert worst(plain) > W >= worst(packed)
+    assert sum(map(sum, packed["seq_lengths"])) == lengths.sum()  # no token lost or added
+    # a row as TE's THD batch (its documents, no padding tail): every rank holds at most W / cp tokens
+    assert max(plan_cp(r, cp_size=cp, layout="zigzag").local_len for r in packed["seq_lengths"]) <= W // cp
+    assert max(plan_cp(r, cp_size=cp, layout="zigzag").local_len for r in plain["seq_lengths"]) > W // cp
+    batch = PackedRowsCollator(window=W)([packed[i] for i in range(4)])
+    assert shard(batch, cp_size=cp, rank=0, layout="zigzag").num_loss_tokens == batch.num_loss_tokens
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        pack_dataset(ds, window=60, cp_size=cp, cp_layout="zigzag")
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": e["input_ids"]}) + "\n" for e in examples(lengths)))
+    out = tmp_path / "packed.parquet"
+    assert main(["pack", str(path), str(out), "-w", str(W), "--cp", str(cp), "--cp-layout", "zigzag", "--json",
+                 "-q"]) == 0
+    written = datasets.Dataset.from_parquet(str(out))
+    assert worst(written) <= W and sum(map(sum, written["seq_lengths"])) == lengths.sum()

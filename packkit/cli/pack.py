@@ -27,6 +27,7 @@ from pathlib import Path
 
 from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
+from ..cp import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, check_int
 from ..datafiles import check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
@@ -71,6 +72,11 @@ def parser() -> Parser:
     p.add_argument("--seed", type=int, default=0, help="seed of the row order and of shuffle_ff (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the planner's window order")
     p.add_argument("--example-ids", action="store_true", help="also write the source row of every segment")
+    p.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N",
+                   help="rows for a context-parallel group of N ranks (default 1): with --cp-layout zigzag every "
+                        "example is planned padded to a multiple of 2*N, so a row still fits W once sharded")
+    p.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS,
+                   help="the layout packkit.cp.shard will cut rows with (default hybrid; W a multiple of N)")
     p.add_argument("--num-proc", type=int, default=None, help="threads for the token copy (default 1)")
     p.add_argument("--buffer-mb", type=int, default=None,
                    help=f"memory for packed rows in flight, in MiB (default {DEFAULT_BUFFER_BYTES >> 20}); "
@@ -137,7 +143,8 @@ def run(args, options=None) -> int:
         source, how = _source(src, out, args, columns, quiet)
         packed = plan_source(source, window=args.window, strategy=args.strategy, overflow=args.overflow,
                              columns=columns, seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc,
-                             example_ids=args.example_ids, progress=False if quiet else None, who="packkit pack")
+                             example_ids=args.example_ids, progress=False if quiet else None, who="packkit pack",
+                             cp_size=args.cp_size, cp_layout=args.cp_layout)
         plan = packed.plan
         if plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
@@ -158,7 +165,8 @@ def run(args, options=None) -> int:
     if args.json:
         print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": names,
                           "rows": plan.num_windows, "input_tokens": input_tokens, "seed": args.seed,
-                          "shuffled": not args.no_shuffle, "tokenized": how, "packed_rows_in": packed_rows, **s}))
+                          "shuffled": not args.no_shuffle, "tokenized": how, "packed_rows_in": packed_rows,
+                          "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
         return 0
     if how is not None:
         print(f"tokenized {how}")
@@ -168,5 +176,7 @@ def run(args, options=None) -> int:
           f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
     if note is not None:
         print(note.render(options))
+    if args.cp_size > 1:
+        print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
     print(f"wrote {str(out)!r} as {FORMAT_NAMES[fmt]}; columns {names}")
     return 0
