@@ -357,7 +357,7 @@ def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(str(path), memory_map=True, pre_buffer=False)
+        pf = pq.ParquetFile(str(path), memory_map=True, pre_buffer=False, page_checksum_verification=True)
         yield from pf.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
     except Exception as exc:
         raise _parquet_error(path, exc) from None
@@ -488,7 +488,7 @@ def load_table(path, *, split: str | None = None):
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(str(path), memory_map=True)
+            return pq.read_table(str(path), memory_map=True, page_checksum_verification=True)
         except Exception as exc:
             raise _parquet_error(path, exc) from None
     if suffix in (".arrow", ".feather", ".ipc"):

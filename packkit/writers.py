@@ -10,7 +10,8 @@ format          written as                                                 read 
 ==============  ========================================================  ==========================
 ``parquet``     one row group per batch, no dictionary encoding (token     ``datasets.load_dataset(
                 ids barely repeat: dictionaries cost time and save          "parquet", ...)``, pyarrow
-                little), snappy as pyarrow's default
+                little), snappy as pyarrow's default, a CRC32
+                checksum on every page
 ``arrow``       Arrow IPC stream, one record batch per batch (the format   ``datasets.Dataset.from_file``,
                 of ``datasets``' cache files)                              ``pyarrow.ipc.open_stream``
 ``feather``     Arrow IPC file (random access)                            ``pyarrow.ipc.open_file``
@@ -72,7 +73,9 @@ class _ParquetSink:
     def __init__(self, path: Path, schema, *, compression="snappy"):
         import pyarrow.parquet as pq
 
-        self.writer = pq.ParquetWriter(str(path), schema, use_dictionary=False, compression=compression)
+        # page checksums: a page damaged on disk fails its CRC when read (README, "Parquet page checksums")
+        self.writer = pq.ParquetWriter(str(path), schema, use_dictionary=False, compression=compression,
+                                       write_page_checksum=True)
 
     def write(self, batch) -> None:
         self.writer.write_batch(batch, row_group_size=batch.num_rows or None)
