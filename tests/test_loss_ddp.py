@@ -8,13 +8,11 @@ per-micro-batch means does not.
 
 import datetime
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from testlib import tiny_token_lm
+from testlib import free_port, run_processes, tiny_token_lm
 
 from packkit.loss import accumulation_step, count_loss_tokens
 
@@ -77,21 +75,8 @@ def worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_two_ranks_uneven_counts_match_single_process(tmp_path):
-    ctx = mp.start_processes(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
-    while not ctx.join(timeout=1):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"the 2-process DDP run did not finish in {TIMEOUT_S}s")
+    run_processes(worker, 2, (2, free_port(), str(tmp_path)), timeout_s=TIMEOUT_S)
 
     # single process over all the data: mean CE over every loss token of both ranks
     all_mbs = rank_batches(0) + rank_batches(1)

@@ -1,11 +1,17 @@
-"""What many test files share (not a test module): tiny models built from a config, with random weights.
+"""What many test files share (not a test module): tiny models built from a config, with random weights,
+and real processes for the distributed tests.
 
 Nothing is downloaded: every model here is a few thousand parameters, seeded, on the CPU.
 """
 
 from __future__ import annotations
 
+import socket
+import time
+
+import pytest
 import torch
+import torch.multiprocessing as mp
 
 # The shape every tiny transformer shares: 2 layers, hidden 32, 4 query heads over 2 kv heads (GQA).
 TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -121,3 +127,24 @@ def vl_example(g: torch.Generator, text: int, images=(), videos=()) -> dict:
             ex[grid_key] = torch.tensor(grids)
     special = {VL_TOKENS[k] for k in VL_TOKENS}
     return {"input_ids": ids, "labels": [-100 if x in special else x for x in ids], "mm_token_type_ids": types, **ex}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's ``init_method=tcp://127.0.0.1:PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_method: str = "spawn") -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` real processes and wait for them all; past ``timeout_s``
+    seconds kill them and fail the test (a rank waiting on a collective another never reaches would
+    otherwise hang the suite). An exception in a rank is raised here, with its traceback."""
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"the {nprocs}-process run did not finish in {timeout_s:g} s")
