@@ -66,7 +66,8 @@ from .errors import ArgumentError, DataError, arg
 from .examples import location, read_column
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "dpo_loss",
+__all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
+           "dpo_loss",
            "PreferenceCollator", "GroupCollator", "tokenize_preference", "shard_groups", "tree_tokens",
            "preference_waste", "format_preference_waste"]
 
@@ -475,14 +476,14 @@ class SequenceLogps:
         return self._pair(self.mean, 1)
 
 
-def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: float = 1.0) -> SequenceLogps:
-    """Sum and mean of every sequence's completion log-probabilities from packed logits.
+def token_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of every scored token, ``[M]`` in the batch's scoring order (``batch.score_sequence``
+    names each one's sequence; tokens of a sequence in order): what a token-level loss (GRPO's clipped
+    ratios) reads. Float32 for half-precision logits, else the logits' dtype.
 
     ``logits``: ``[B, L, V]`` of ``model(**batch.model_inputs(model))``. Only the ``M`` scored positions are
-    read (``batch.score_source``): ``log_softmax`` over ``[M, V]`` rows, in float32 for half-precision logits
-    (the log-sum-exp of a vocabulary loses digits in 16 bits), in the logits' own dtype otherwise.
-    Equal to the unpacked computation (TRL's: ``log_softmax(logits[:, :-1])`` gathered at the next tokens
-    under the completion mask, summed per row).
+    read (``batch.score_source``: in a tree the first token of every continuation reads the prompt's last
+    token), one ``log_softmax`` over ``[M, V]`` rows (the log-sum-exp of a vocabulary loses digits in 16 bits).
     """
     if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(batch.input_ids.shape):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {tuple(batch.input_ids.shape)}: "
@@ -493,7 +494,17 @@ def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: f
     if temperature != 1.0:
         rows = rows / temperature
     target = batch.input_ids.reshape(-1)[batch.score_target]
-    per_token = rows.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
+    return rows.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
+
+
+def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: float = 1.0) -> SequenceLogps:
+    """Sum and mean of every sequence's completion log-probabilities from packed logits (:func:`token_logps`
+    summed per sequence), in group order.
+
+    Equal to the unpacked computation (TRL's: ``log_softmax(logits[:, :-1])`` gathered at the next tokens
+    under the completion mask, summed per row).
+    """
+    per_token = token_logps(logits, batch, temperature=temperature)
     total = per_token.new_zeros(batch.num_sequences).index_add_(0, batch.score_sequence, per_token)
     count = batch.num_tokens.to(total.device)
     return SequenceLogps(sum=total, mean=total / count.clamp(min=1).to(total.dtype), num_tokens=count)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from packkit.errors import ArgumentError, DataError
 from packkit.preference import (GroupCollator, PackedDPOMixin, PreferenceCollator, SequenceBatch, build_groups,
-                                dpo_loss, sequence_logps, shard_groups, tokenize_preference, tree_tokens)
+                                dpo_loss, sequence_logps, shard_groups, token_logps, tokenize_preference,
+                                tree_tokens)
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,8 +73,9 @@ def as_pairs(groups):
             for g in groups]
 
 
-def unpacked_logps(model, groups):
-    """Reference: each sequence alone; (sum, mean) per sequence in group order."""
+def unpacked_logps(model, groups, tokens=None):
+    """Reference: each sequence alone; (sum, mean) per sequence in group order (and each sequence's per-token
+    log-probabilities appended to ``tokens``)."""
     sums, means = [], []
     with torch.no_grad():
         for g in groups:
@@ -84,12 +86,16 @@ def unpacked_logps(model, groups):
                 scored = logp[max(len(p), 1) - 1:]  # targets at positions >= len(prompt) (position 0 has no predictor)
                 sums.append(scored.sum())
                 means.append(scored.mean())
+                if tokens is not None:
+                    tokens.append(scored)
     return torch.stack(sums), torch.stack(means)
 
 
-def packed_logps(model, batch: SequenceBatch):
+def packed_logps(model, batch: SequenceBatch, tokens=False):
     with torch.no_grad():
-        return sequence_logps(model(**batch.model_inputs(model)).logits, batch)
+        logits = model(**batch.model_inputs(model)).logits
+        got = sequence_logps(logits, batch)
+        return (got, token_logps(logits, batch)) if tokens else got
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,17 +108,25 @@ def test_sequence_logps_equal_unpacked(kind, exact_eager):
     groups = random_groups(0, 3, (1, 4), empty_prompt=True)  # k from 1 to 4 completions, one empty prompt
     pairs = random_groups(1, 3, 2)
     sdpa = tiny(kind, "sdpa")
-    refs = [unpacked_logps(sdpa, data) for data in (groups, pairs)]  # eager agrees with it to ~1e-15
+    per_token = [[], []]
+    refs = [unpacked_logps(sdpa, data, t) for data, t in zip((groups, pairs), per_token)]  # eager: to ~1e-15
     for impl in ("eager", "sdpa"):
         model = tiny(kind, impl)
-        for (data, make), (ref_sum, ref_mean) in zip(
+        for (data, make), (ref_sum, ref_mean), ref_tokens in zip(
                 ((groups, lambda **kw: GroupCollator(**kw)),
-                 (pairs, lambda **kw: _PairsFromGroups(PreferenceCollator(**kw)))), refs):
+                 (pairs, lambda **kw: _PairsFromGroups(PreferenceCollator(**kw)))), refs, per_token):
             for layout in ("pairs", "tree"):
-                for window in (None, 64):
+                sizes = tree_tokens([len(g["prompt_ids"]) for g in data],
+                                    [[len(c) for c in g["completion_ids"]] for g in data], layout=layout)
+                for window in (None, int(sizes.max())):  # the tightest window: several [B, W] rows
                     batch = make(layout=layout, window=window)(data)
-                    got = packed_logps(model, batch)
-                    d = max((got.sum - ref_sum).abs().max().item(), (got.mean - ref_mean).abs().max().item())
+                    assert window is None or batch.shape[0] > 1
+                    got, tokens = packed_logps(model, batch, tokens=True)
+                    d = max((got.sum - ref_sum).abs().max().item(), (got.mean - ref_mean).abs().max().item(),
+                            max((tokens[batch.score_sequence == n] - t).abs().max().item() if t.numel() else 0.0
+                                for n, t in enumerate(ref_tokens)))
+                    assert [int((batch.score_sequence == n).sum()) for n in range(len(ref_tokens))] == [
+                        t.numel() for t in ref_tokens]
                     print(f"{kind} {impl} {layout} window={window} {tuple(batch.shape)}: max |diff| {d:.1e}")
                     assert d < TOL, (kind, impl, layout, window)
     # pairs: chosen/rejected views in pair order
