@@ -399,6 +399,21 @@ class Plan:
                                    window_ptr=self.window_ptr[start: stop + 1] - lo,
                                    seg_group=None if self.seg_group is None else self.seg_group[lo:hi])
 
+    def keep_segments(self, keep) -> "Plan":
+        """The plan with only the segments where ``keep`` (``(num_segments,)`` bool) is True, each window
+        keeping its order; windows left empty are gone (a dropped segment leaves room, not a move).
+
+        ``pack([3, 2], window=4, strategy="next_fit").keep_segments([False, True]).seg_length -> [2]``.
+        """
+        keep = np.asarray(keep, bool)
+        if keep.shape != self.seg_example.shape:
+            raise ValueError(f"keep must be one bool per segment ({self.num_segments:,}), got shape {keep.shape}")
+        counts = np.diff(lengths_to_offsets(keep)[self.window_ptr])  # kept segments per window
+        return dataclasses.replace(
+            self, seg_example=self.seg_example[keep], seg_start=self.seg_start[keep], seg_length=self.seg_length[keep],
+            window_ptr=lengths_to_offsets(counts[counts > 0]),
+            seg_group=None if self.seg_group is None else self.seg_group[keep])
+
     def chunks(self, max_tokens: int) -> list[tuple[int, int]]:
         """Consecutive window ranges ``(start, stop)`` of at most ``max_tokens`` tokens each (a window
         larger than that is a range of its own), covering every window in order.

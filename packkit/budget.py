@@ -42,6 +42,7 @@ from .balance import CostModel, step_figures
 from .binpack import Plan, as_lengths, check_window, overflow_note, pack
 from .cp import check_cp_window, cp_multiples, plan_for_cp
 from .errors import Message, arg, check_int
+from .segments import lengths_to_offsets, piece_loss_tokens
 
 __all__ = [
     "Advice",
@@ -166,6 +167,12 @@ class BudgetReport:
     cut_tokens: int = 0
     compute_imbalance: float = 1.0
     examples_per_step_cv: float = 0.0
+    loss_tokens: int = 0
+    loss_free_units: int = 0
+    loss_free_steps: int = 0
+    dropped_pieces: int = 0
+    dropped_tokens: int = 0
+    longest_example: int = 0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -184,8 +191,9 @@ class BudgetReport:
                                 f"{'s' if self.devices != 1 else ''}"),
             ("examples per step", _spread(self.examples_per_step)),
             ("tokens per step", _spread(self.tokens_per_step)),
-            ("loss tokens per step", _spread(self.loss_tokens_per_step)
+            ("loss tokens", f"{self.loss_tokens:,} in the epoch"
              + ("  (assumed: all but each example's first)" if self.loss_tokens_assumed else "")),
+            ("loss tokens per step", _spread(self.loss_tokens_per_step)),
             ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
             ("padding", f"{100 * self.padding_fraction:.1f}% of the "
                         + ("window slots" if self.mode == "packed" else "padded positions")),
@@ -201,6 +209,9 @@ class BudgetReport:
             tokens=self.num_tokens + self.cut_tokens)
         if note is not None:
             rows.append(("overflow", note.render(options)))
+        if self.dropped_pieces:
+            rows.append(("loss-free", f"left out {self.dropped_pieces:,} pieces with no loss token "
+                                      f"({self.dropped_tokens:,} tokens)"))
         width = max(len(k) for k, _ in rows)
         lines = [f"packkit plan: {self.num_examples:,} examples, {self.num_tokens:,} tokens, {head}"]
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
@@ -243,19 +254,12 @@ def step_sums(values, group: int) -> np.ndarray:
 
 
 def segment_loss_tokens(seg_example, seg_start, seg_length, lengths, loss_lengths) -> np.ndarray:
-    """Loss tokens of each segment when an example's loss tokens are its last ``loss_lengths`` tokens.
-
-    The completion of example ``e`` is tokens ``[len_e - loss_e, len_e)``; a segment ``[s, s + l)``
-    holds its overlap with it, less one when the overlap starts at the segment's first token (that
-    label is -100 in packed rows). ``([0], [0], [5], [5], [3]) -> [3]``; a segment that is the whole
-    completion loses its first: ``([0], [0], [3], [3], [3]) -> [2]``.
+    """Loss tokens of each segment when an example's loss tokens are its last ``loss_lengths`` tokens
+    (:func:`packkit.segments.piece_loss_tokens`' model without per-token targets): ``([0], [0], [5], [5], [3])
+    -> [3]``; a segment that is the whole completion loses its first: ``([0], [0], [3], [3], [3]) -> [2]``.
     """
-    lengths, loss_lengths = np.asarray(lengths), np.asarray(loss_lengths)
-    e = np.asarray(seg_example)
-    s, end = np.asarray(seg_start), np.asarray(seg_start) + np.asarray(seg_length)
-    lo = np.maximum(s, lengths[e] - loss_lengths[e])
-    overlap = np.maximum(np.minimum(end, lengths[e]) - lo, 0)
-    return overlap - ((lo == s) & (overlap > 0))
+    return piece_loss_tokens(seg_example, seg_start, seg_length, offsets=lengths_to_offsets(lengths),
+                             loss_lengths=loss_lengths)
 
 
 def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:
@@ -296,7 +300,8 @@ def _check_loss_lengths(loss_lengths, lengths: np.ndarray) -> np.ndarray:
 
 
 def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1,
-                window: int | None = None, plan: Plan | None = None, loss_lengths=None,
+                window: int | None = None, plan: Plan | None = None, loss_lengths=None, targets=None,
+                drop_loss_free: bool = False,
                 strategy: str = "bfd", overflow: str = "error", lora: bool = False,
                 target_tokens_per_step: int | None = None, min_tokens_per_step: int = 4000,
                 min_steps_per_epoch: int = 50, lora_max_batch: int = 32, drop_last: bool = False,
@@ -314,6 +319,11 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
             ``plan.shuffled()`` for a training order).
         loss_lengths: (num_examples,) loss-bearing tokens per example (the completion, at the end of
             the example). Default: every token but the first.
+        targets: (sum(lengths),) bool, where the loss is taken token by token
+            (``packkit.datafiles.Lengths.targets``): the exact loss tokens of every packed segment, as
+            ``packkit waste`` and ``packkit pack`` count them.
+        drop_loss_free: leave out the segments (packed) or examples (padded) that hold no loss token,
+            counted in ``dropped_pieces`` / ``dropped_tokens`` (windows emptied by it are gone).
         lora: an adapter run (adds the large-batch advice).
         target_tokens_per_step: report (and advise) the accumulation steps that reach it.
         drop_last: leave out the last partial step.
@@ -362,9 +372,18 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         # zigzag: each example planned at its CP-padded length; the plan holds the real ones
         plan = plan_for_cp(lengths, window=check_window(window), cp_size=cp_size, cp_layout=cp_layout,
                            strategy=strategy, overflow=overflow, seed=seed).shuffled(seed)
+    if targets is not None and np.shape(targets) != (int(lengths.sum()),):
+        raise ValueError(f"targets must be one bool per token ({int(lengths.sum()):,}), got shape {np.shape(targets)}")
+    offsets = lengths_to_offsets(lengths)
+    dropped_pieces = dropped_tokens = 0
     if plan is not None:
         mode, window = "packed", plan.window
-        seg_loss = segment_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, lengths, loss)
+        seg_loss = piece_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, offsets=offsets,
+                                     targets=targets, loss_lengths=loss)
+        if drop_loss_free and (seg_loss == 0).any():
+            keep = seg_loss > 0
+            dropped_pieces, dropped_tokens = int((~keep).sum()), int(plan.seg_length[~keep].sum())
+            plan, seg_loss = plan.keep_segments(keep), seg_loss[keep]
         win = plan.seg_window
         units_tokens = plan.window_loads
         units_examples = np.bincount(win, weights=plan.seg_start == 0, minlength=plan.num_windows)
@@ -378,7 +397,12 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     else:
         mode = "padded"
         order = np.random.default_rng(seed).permutation(lengths.size)
-        units_tokens, units_examples, units_loss = lengths[order], np.ones(lengths.size), loss[order]
+        ex_loss = piece_loss_tokens(np.arange(lengths.size), np.zeros(lengths.size, np.int64), lengths,
+                                    offsets=offsets, targets=targets, loss_lengths=loss)
+        if drop_loss_free and (ex_loss == 0).any():
+            dropped_pieces, dropped_tokens = int((ex_loss == 0).sum()), int(lengths[ex_loss == 0].sum())
+            order = order[ex_loss[order] > 0]
+        units_tokens, units_examples, units_loss = lengths[order], np.ones(order.size), ex_loss[order]
         num_units, num_tokens = lengths.size, int(lengths.sum())
         # per-device micro-batches padded to their longest
         micro_max = np.maximum.reduceat(units_tokens, np.arange(0, num_units, per_device_batch))
@@ -396,6 +420,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     tokens = step_sums(units_tokens[:keep], group)
     examples = step_sums(units_examples[:keep], group)
     loss_steps = step_sums(units_loss[:keep], group)
+    all_steps = step_sums(units_loss[:full_steps * group if drop_last else num_units], group)
     tokens_spread = Spread.of(tokens)
 
     # accumulation for a target: one accumulation step carries, on average, the tokens of
@@ -411,7 +436,10 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         steps_per_epoch=int(steps), full_steps_per_epoch=int(full_steps),
         examples_per_step=Spread.of(examples), tokens_per_step=tokens_spread,
         loss_tokens_per_step=Spread.of(loss_steps), padding_fraction=float(padding),
-        loss_tokens_assumed=assumed, target_tokens_per_step=target_tokens_per_step,
+        loss_tokens_assumed=assumed and targets is None, target_tokens_per_step=target_tokens_per_step,
+        loss_tokens=int(round(float(units_loss.sum()))), loss_free_units=int((units_loss == 0).sum()),
+        loss_free_steps=int((all_steps == 0).sum()), dropped_pieces=dropped_pieces, dropped_tokens=dropped_tokens,
+        longest_example=int(lengths.max()),
         accumulation_for_target=accumulation_for_target, advice=(),
         overflow=None if mode == "padded" else plan.overflow,
         overflow_examples=0 if mode == "padded" else int(plan.overflow_examples.size),
@@ -464,6 +492,34 @@ def _advise(r: BudgetReport, *, per_accum: float, lora: bool, min_tokens_per_ste
             "with small effective batches; lower {acc} or {batch}.",
             per_step=r.examples_per_step.mean, max=lora_max_batch, acc=arg("accumulation_steps"),
             batch=arg("per_device_batch"),
+        ))
+    if r.loss_free_units:
+        unit = "windows" if r.mode == "packed" else "examples"
+        out.append(_advice(
+            "loss_free",
+            {"loss_free_units": r.loss_free_units, "loss_free_steps": r.loss_free_steps, "unit": unit},
+            "{n:,} {unit} and {steps:,} optimiser steps hold no loss token (they train on nothing; a step of "
+            "them has loss 0): pass {drop} to leave the pieces without one out" + (", or raise {w}" if r.mode ==
+                                                                                     "packed" else ""),
+            n=r.loss_free_units, unit=unit, steps=r.loss_free_steps, drop=arg("drop_loss_free", True), w=arg("window"),
+        ))
+    if r.window is not None and r.longest_example > 4 * r.window:
+        out.append(_advice(
+            "far_beyond_window",
+            {"longest_example": r.longest_example, "window": r.window},
+            "the longest example has {longest:,} tokens, {times:,.0f} times the window of {window:,}: "
+            + ("it is split into {pieces:,} pieces that see only their own window; " if r.overflow == "split" else "")
+            + "check it (a concatenated or runaway example?), or raise {w}",
+            longest=r.longest_example, times=r.longest_example / r.window, window=r.window,
+            pieces=-(-r.longest_example // r.window), w=arg("window"),
+        ))
+    elif r.window is None and r.longest_example > 64 * max(1.0, r.tokens_per_step.mean / max(1, r.effective_batch)):
+        out.append(_advice(
+            "far_beyond_batch",
+            {"longest_example": r.longest_example},
+            "the longest example has {longest:,} tokens, far beyond the typical one: every padded micro-batch "
+            "that holds it is padded to it; check it, or pack into windows ({w})",
+            longest=r.longest_example, w=arg("window", metavar="W"),
         ))
     if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
         a = r.accumulation_for_target

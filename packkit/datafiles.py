@@ -26,7 +26,7 @@ from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import chat_format, load_tokenizer, tokenize_chat
 from .errors import ArgumentError, DataError, MissingError, arg
-from .listcolumns import loss_lengths, packed_segments, token_lengths
+from .listcolumns import loss_targets, packed_segments, token_lengths
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -67,12 +67,16 @@ class Lengths:
         unit:    ``"tokens"``, or ``"bytes"`` when the byte-level tokenizer counted them
         loss_lengths: (num_examples,) int64 loss-bearing tokens of each example, from ``labels`` or a
                  loss mask (a chat template writes one), or None when the data has neither
+        targets: (sum(lengths),) bool, where the loss is taken token by token (the examples end to end;
+                 :func:`packkit.listcolumns.loss_targets`), or None with ``loss_lengths``: what counts the
+                 loss tokens left after the overflow policy splits an example
     """
 
     lengths: np.ndarray
     source: str
     unit: str = "tokens"
     loss_lengths: np.ndarray | None = None
+    targets: np.ndarray | None = None
 
 
 def _load_tokenizer(spec, *, trust_remote_code: bool = False):
@@ -570,14 +574,14 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
     data goes through its chat template (:func:`tokens_table`; ``chat``: the options of
     :func:`packkit.chat.tokenize_chat`). The loss lengths come from ``labels`` or a loss mask when the
-    data has one (:func:`packkit.listcolumns.loss_lengths`). Packed rows (a ``seq_lengths`` or restarting
+    data has one (:func:`packkit.listcolumns.loss_targets`). Packed rows (a ``seq_lengths`` or restarting
     ``position_ids`` column, as ``packkit pack`` writes) are read as their documents
     (:func:`packkit.listcolumns.packed_segments`): a document is an example, never a row.
     """
     if path is None:
         return bundled_sample()
     path = check_path(path)
-    loss = None
+    loss = targets = None
     if path.is_file() and _suffix(path) == ".npy":
         try:
             arr = np.load(path, allow_pickle=False)
@@ -612,16 +616,19 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             if how is not None and tokenizer in (None, "bytes"):  # text measured by the byte-level tokenizer
                 unit = "bytes"
             segments = packed_segments(table, lengths, key=token_col) if lengths.size else None
+            seg_lengths = None
             if segments is not None:  # packed rows (packkit's own output): their documents are the examples
-                seg_lengths, seg_ptr = segments
-                loss = loss_lengths(table, lengths, key=token_col, segments=seg_lengths)
+                seg_lengths = segments[0]
                 source += f"; {lengths.size:,} packed rows read as their {seg_lengths.size:,} documents"
-                lengths = seg_lengths
-            else:
-                loss = loss_lengths(table, lengths, key=token_col) if lengths.size else None
+            targets = loss_targets(table, lengths, key=token_col, segments=seg_lengths) if lengths.size else None
+            lengths = lengths if seg_lengths is None else seg_lengths
+            if targets is not None:
+                csum = lengths_to_offsets(targets)
+                offsets = lengths_to_offsets(lengths)
+                loss = csum[offsets[1:]] - csum[offsets[:-1]]
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
-    return Lengths(lengths, source, unit, loss)
+    return Lengths(lengths, source, unit, loss, targets)
 
 
 #: TRL's tokenized preference columns, then integer columns of lengths, read by :func:`read_preference_lengths`.

@@ -18,7 +18,7 @@ from .rules import (MASK_KEYS, check_column, check_dtype, check_not_null, check_
                     not_integer, null_inside, row_segments, segment_key)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["list_chunks", "token_lengths", "loss_lengths", "packed_segments", "table_labels"]
+__all__ = ["list_chunks", "token_lengths", "loss_lengths", "loss_targets", "packed_segments", "table_labels"]
 
 
 def _is_list(pa, t) -> bool:
@@ -100,16 +100,16 @@ def token_lengths(column, *, key: str = "input_ids", rows: int = 0) -> np.ndarra
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0, segments=None) -> np.ndarray | None:
-    """Loss tokens of every example of an Arrow table, as a packed batch counts them, or None when the
-    table has neither ``labels`` nor a loss mask (:data:`~packkit.rules.MASK_KEYS`). ``segments``: the
-    ``(S,)`` document lengths of packed rows (:func:`packed_segments`), laid end to end like the rows;
-    then every document is an example and the counts are ``(S,)``.
+def loss_targets(table, lengths=None, *, key: str = "input_ids", rows: int = 0, segments=None) -> np.ndarray | None:
+    """Where the loss is taken, token by token: ``(T,)`` bool over the examples laid end to end, or None
+    when the table has neither ``labels`` nor a loss mask (:data:`~packkit.rules.MASK_KEYS`).
 
     A position counts when it is not the example's first (the model shifts labels), its label (the
     token id when the example has no labels) is not -100, and every loss mask the example carries is 1.
     Labels and masks follow the rules (values, lengths); a null is a key the example does not have.
-    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]``. ``(n,)`` int64.
+    ``segments``: the ``(S,)`` document lengths of packed rows (:func:`packed_segments`), laid end to
+    end like the rows; then every document's first token is the one that does not count.
+    ``labels [[-100, 7, 8], [9, -100]]`` -> ``[F, T, T, F, F]``.
     """
     if not _loss_keys(table):
         return None
@@ -126,7 +126,21 @@ def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0, 
     if segments is not None:  # the documents of packed rows are the examples
         offsets = lengths_to_offsets(np.asarray(segments, np.int64))
     loss[offsets[:-1]] = False  # the first token of an example is never a target
-    csum = lengths_to_offsets(loss)  # loss tokens before each flat index
+    return loss
+
+
+def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0, segments=None) -> np.ndarray | None:
+    """Loss tokens of every example of an Arrow table, as a packed batch counts them (:func:`loss_targets`
+    summed per example; per document of packed rows with ``segments``), or None when the table has
+    neither ``labels`` nor a loss mask. ``labels [[-100, 7, 8], [9, -100]]`` -> ``[2, 0]``. ``(n,)`` int64.
+    """
+    targets = loss_targets(table, lengths, key=key, rows=rows, segments=segments)
+    if targets is None:
+        return None
+    if segments is None:
+        segments = token_lengths(table.column(key), key=key, rows=rows) if lengths is None else lengths
+    offsets = lengths_to_offsets(np.asarray(segments, np.int64))
+    csum = lengths_to_offsets(targets)  # loss tokens before each flat index
     return csum[offsets[1:]] - csum[offsets[:-1]]
 
 

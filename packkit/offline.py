@@ -79,7 +79,8 @@ from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .cp import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
-from .rules import check_column, column_kind
+from .rules import MASK_KEYS, check_column, column_kind
+from .segments import IGNORE_INDEX, lengths_to_offsets
 from .sources import ArrowSource, scan, scan_documents
 from .writers import ENCODING_FACTOR, write_batches
 
@@ -199,6 +200,10 @@ class PackedTable:
                  num_threads: int = 1):
         self.scan, self.spec, self.plan = scan, spec, plan
         self.mask_first_label, self.example_ids, self.num_threads = mask_first_label, example_ids, num_threads
+        #: what the rows written so far train on: loss tokens (labels other than -100; without labels every
+        #: token but each segment's first), and windows holding none
+        self.loss_tokens = self.loss_free_windows = 0
+        self.dropped_pieces = self.dropped_tokens = 0
         token = spec.read[0]
         self.schema = packed_schema([(name, scan.types.get(name, scan.types[token]) if name == "labels"
                                       else scan.types[name]) for name in spec.written()], example_ids=example_ids)
@@ -219,15 +224,48 @@ class PackedTable:
         per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
         return max(1, min(int(buffer_bytes / per_token), arrow.MAX_LIST_VALUES))  # int32 list offsets per batch
 
+    def _rows(self, sub: Plan, columns, bar=None):
+        spec = self.spec
+        return pack_columns(sub, columns, loss_mask=spec.mask, keep_mask=spec.keep_mask, extra_masks=spec.other_masks,
+                            mask_first_label=self.mask_first_label, num_threads=self.num_threads, bar=bar)
+
+    def segment_loss(self, rows) -> np.ndarray:
+        """``(S,)`` loss tokens of every segment of packed ``rows`` (labels other than -100; with no labels,
+        every token but the segment's first, as a collator takes them)."""
+        seg_off = lengths_to_offsets(rows.seq_lengths)
+        labels = rows.columns.get("labels")
+        if labels is None:
+            return np.maximum(rows.seq_lengths - 1, 0)
+        csum = lengths_to_offsets(labels != IGNORE_INDEX)
+        if not self.mask_first_label:  # labels pre-shifted: the first label of a segment counts as given
+            return csum[seg_off[1:]] - csum[seg_off[:-1]]
+        return csum[seg_off[1:]] - csum[np.minimum(seg_off[:-1] + 1, seg_off[1:])]
+
+    def drop_loss_free(self, max_tokens: int) -> None:
+        """Leave out every segment with no loss token (:meth:`segment_loss`, read in a first pass over the
+        loss columns only), counted in ``dropped_pieces`` / ``dropped_tokens``; windows emptied by it are
+        gone, the others keep their order (:meth:`packkit.binpack.Plan.keep_segments`)."""
+        read = {c: self.scan.columns[c] for c in self.spec.read if c == self.spec.read[0] or c == "labels"
+                or c in MASK_KEYS}
+        parts = [self.segment_loss(self._rows(self.plan.window_range(a, b), read))
+                 for a, b in self.plan.chunks(max_tokens)]
+        seg_loss = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        keep = seg_loss > 0
+        self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
+        if self.dropped_pieces:
+            self.plan = self.plan.keep_segments(keep)
+
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
-        tokens each (a longer window alone), in the plan's window order."""
-        spec = self.spec
+        tokens each (a longer window alone), in the plan's window order. Counts their loss tokens and the
+        windows without one on the way (``loss_tokens``, ``loss_free_windows``)."""
         for start, stop in self.plan.chunks(max_tokens):
             sub = self.plan.window_range(start, stop)
-            rows = pack_columns(sub, self.scan.columns, loss_mask=spec.mask, keep_mask=spec.keep_mask,
-                                extra_masks=spec.other_masks, mask_first_label=self.mask_first_label,
-                                num_threads=self.num_threads, bar=bar)
+            rows = self._rows(sub, self.scan.columns, bar)
+            seg_loss = self.segment_loss(rows)
+            self.loss_tokens += int(seg_loss.sum())
+            if rows.num_rows:
+                self.loss_free_windows += int((np.add.reduceat(seg_loss, rows.seq_offsets[:-1]) == 0).sum())
             batch = packed_batch(rows, self.schema)
             del rows
             yield batch

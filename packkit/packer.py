@@ -632,7 +632,9 @@ class PackedStream:
     def _documents(self, i: int, ex, arrays: dict) -> list:
         """Example ``i`` as its documents: ``[arrays]``, or for a packed row (``seq_lengths`` or restarting
         ``position_ids``, :func:`packkit.rules.row_segments`) one dict of views per document."""
-        key = segment_key(k for k, v in ex.items() if v is not None) if isinstance(ex, collections.abc.Mapping) else None
+        if not isinstance(ex, collections.abc.Mapping):
+            return [arrays]
+        key = segment_key(k for k, v in ex.items() if v is not None)
         if key is None:
             return [arrays]
         n = arrays[self._columns[0]].size

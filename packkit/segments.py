@@ -27,6 +27,7 @@ __all__ = [
     "cu_seqlens_to_lengths",
     "position_ids_to_lengths",
     "segment_starts",
+    "piece_loss_tokens",
 ]
 
 #: The label that cross entropy ignores (PyTorch's and Hugging Face's default ``ignore_index``).
@@ -108,3 +109,29 @@ def segment_starts(lengths) -> np.ndarray:
     """Flat index of the first token of every non-empty segment: ``[2, 4, 3] -> [0, 2, 6]``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     return lengths_to_offsets(lengths)[:-1][lengths > 0]
+
+
+def piece_loss_tokens(example, start, length, *, offsets, targets=None, loss_lengths=None) -> np.ndarray:
+    """Loss tokens of each piece ``[start, start + length)`` of example ``example`` once packed: its
+    targets but the piece's first token (the model shifts labels, so a piece's first label is -100).
+
+    ``targets`` is the flat ``(T,)`` bool of the examples laid end to end (``offsets``: ``(n + 1,)``), True
+    where a token carries the loss (its label is not -100 and every loss mask is 1). Without it,
+    ``loss_lengths`` ``(n,)`` says how many of each example's last tokens carry it (a completion at the
+    end: exact for whole examples, a model for pieces); with neither, every token does.
+    ``piece_loss_tokens([0, 0], [0, 2], [2, 2], offsets=[0, 4], targets=[0, 1, 1, 1]) -> [1, 1]``
+    (the piece at 2 loses its first target). ``(P,)`` int64.
+    """
+    example = np.asarray(example, np.int64)
+    start, length = np.asarray(start, np.int64), np.asarray(length, np.int64)
+    offsets = np.asarray(offsets, np.int64)
+    if targets is not None:
+        first = offsets[example] + start
+        csum = lengths_to_offsets(np.asarray(targets, bool))  # targets before each flat index
+        return np.where(length > 0, csum[first + length] - csum[np.minimum(first + 1, first + length)], 0)
+    if loss_lengths is None:
+        return np.maximum(length - 1, 0)
+    total = np.diff(offsets)[example]
+    lo = np.maximum(start, total - np.asarray(loss_lengths, np.int64)[example])
+    overlap = np.maximum(np.minimum(start + length, total) - lo, 0)
+    return overlap - ((lo == start) & (overlap > 0))

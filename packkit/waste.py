@@ -45,8 +45,8 @@ import numpy as np
 from . import binpack
 from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 from .cp import check_cp_window, cp_multiples
-from .segments import lengths_to_offsets
-from .errors import DataError, arg, check_int
+from .segments import lengths_to_offsets, piece_loss_tokens
+from .errors import DataError, Message, arg, check_int
 from .balance import CostModel, step_figures
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
@@ -87,6 +87,8 @@ class StrategyWaste:
             cost model ``24576 * L + L**2 / cp_size`` per document (a padded row of length ``P``:
             ``24576 * P + P**2 / cp_size``):
             :func:`packkit.balance.step_figures`
+        loss_free_rows, loss_free_steps: rows (padded examples or windows) and steps that hold no loss
+            token: they train on nothing (a step of them is a step with loss 0)
     """
 
     name: str
@@ -100,6 +102,8 @@ class StrategyWaste:
     row_fill: np.ndarray = dataclasses.field(repr=False, compare=False)
     compute_imbalance: float = 1.0
     examples_per_step_cv: float = 0.0
+    loss_free_rows: int = 0
+    loss_free_steps: int = 0
 
     @property
     def padding_fraction(self) -> float:
@@ -121,7 +125,12 @@ class WasteReport:
     ``lengths`` are the examples after the overflow policy (what every strategy packed or padded);
     ``examples``, ``input_tokens`` describe the input; ``cut_tokens`` and ``overflow_examples`` what the
     policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost);
-    ``loss_tokens`` the input's loss-bearing tokens (labels or a loss mask), None when it has none.
+    ``input_lengths`` the examples before it (the real longest example). ``loss_tokens`` the loss
+    tokens that train once packed: after the overflow policy, every piece's first token excluded
+    (:func:`packkit.segments.piece_loss_tokens`), the number ``packkit plan`` and ``packkit pack`` report
+    too; ``loss_tokens_assumed`` when the data has no labels or loss mask (every token but a piece's
+    first). ``loss_free_pieces``: pieces (examples after the policy) with no loss token;
+    ``dropped_pieces`` / ``dropped_tokens``: those left out under ``drop_loss_free``.
     """
 
     source: str
@@ -142,6 +151,11 @@ class WasteReport:
     ranks: int = 1
     cp_size: int = 1
     cp_layout: str = "hybrid"
+    input_lengths: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+    loss_tokens_assumed: bool = False
+    loss_free_pieces: int = 0
+    dropped_pieces: int = 0
+    dropped_tokens: int = 0
 
     @property
     def baseline_attention(self) -> float:
@@ -156,7 +170,11 @@ class WasteReport:
             "windows_per_step": self.windows_per_step, "overflow": self.overflow,
             "buffer_size": self.buffer_size, "seed": self.seed, "examples": self.examples,
             "input_tokens": self.input_tokens, "cut_tokens": self.cut_tokens,
-            "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens, "ranks": self.ranks,
+            "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens,
+            "loss_tokens_assumed": self.loss_tokens_assumed, "loss_free_pieces": self.loss_free_pieces,
+            "dropped_pieces": self.dropped_pieces, "dropped_tokens": self.dropped_tokens,
+            "longest_example": None if self.input_lengths is None else int(self.input_lengths.max()),
+            "longest_piece": int(self.lengths.max()), "ranks": self.ranks,
             "cp_size": self.cp_size, "cp_layout": self.cp_layout,
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
@@ -164,7 +182,8 @@ class WasteReport:
                  "real_tokens": s.real_tokens, "slot_tokens": s.slot_tokens,
                  "attention_vs_padded": round(self.attention_vs_padded(s), 6),
                  "compute_imbalance": round(s.compute_imbalance, 6),
-                 "examples_per_step_cv": round(s.examples_per_step_cv, 6)}
+                 "examples_per_step_cv": round(s.examples_per_step_cv, 6),
+                 "loss_free_rows": s.loss_free_rows, "loss_free_steps": s.loss_free_steps}
                 for s in self.strategies
             ],
         }
@@ -207,25 +226,38 @@ def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, bat
     return np.repeat(longest, sizes), order
 
 
+def loss_free(row_loss: np.ndarray, per_step: int) -> tuple[int, int]:
+    """``(rows, steps)`` with no loss token, rows taken ``per_step`` a step in order:
+    ``loss_free([0, 3, 0, 0], 2) -> (3, 1)``."""
+    row_loss = np.asarray(row_loss)
+    if row_loss.size == 0:
+        return 0, 0
+    steps = np.add.reduceat(row_loss, np.arange(0, row_loss.size, per_step))
+    return int((row_loss == 0).sum()), int((steps == 0).sum())
+
+
 def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int, *,
-            batch_size: int = 1, ranks: int = 1, cp_size: int = 1) -> StrategyWaste:
+            batch_size: int = 1, ranks: int = 1, cp_size: int = 1,
+            piece_loss: np.ndarray | None = None) -> StrategyWaste:
     real = lengths[order]
     imbalance, cv = step_figures(CostModel(cp_size=cp_size).costs(padded), np.ones(order.size), ranks=ranks,
                                  per_rank=batch_size)
+    free_rows, free_steps = loss_free(piece_loss[order], batch_size * ranks) if piece_loss is not None else (0, 0)
     return StrategyWaste(
         name=name, label=LABELS[name], packed=False, rows=int(order.size), steps=steps,
         real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
         attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
-        compute_imbalance=imbalance, examples_per_step_cv=cv,
+        compute_imbalance=imbalance, examples_per_step_cv=cv, loss_free_rows=free_rows, loss_free_steps=free_steps,
     )
 
 
 def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_ptr: np.ndarray,
             windows_per_step: int, *, ranks: int = 1, seed: int = 0,
-            seg_real: np.ndarray | None = None, cp_size: int = 1) -> StrategyWaste:
+            seg_real: np.ndarray | None = None, cp_size: int = 1,
+            seg_loss: np.ndarray | None = None) -> StrategyWaste:
     """Figures of windows given as CSR segment lengths (the rank figures over a seeded window order;
     ``seg_real``: the segments' real tokens, when context parallelism padded each one: the padding is a
-    slot, not a token)."""
+    slot, not a token; ``seg_loss``: the segments' loss tokens, for the windows and steps without any)."""
     rows = window_ptr.size - 1
     planned = lengths_to_offsets(seg_length)
     tail = window - (planned[window_ptr[1:]] - planned[window_ptr[:-1]])
@@ -235,10 +267,15 @@ def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_p
     cost = np.add.reduceat(CostModel(cp_size=cp_size).costs(seg_length), window_ptr[:-1]) if rows else np.zeros(0)
     order = np.random.default_rng(seed).permutation(rows)
     imbalance, cv = step_figures(cost[order], np.diff(window_ptr)[order], ranks=ranks, per_rank=windows_per_step)
+    free_rows = free_steps = 0
+    if seg_loss is not None and rows:
+        win_loss = np.add.reduceat(seg_loss, window_ptr[:-1])
+        free_rows, free_steps = loss_free(win_loss[order], windows_per_step * ranks)
     return StrategyWaste(
         name=name, label=label, packed=True, rows=int(rows), steps=math.ceil(rows / windows_per_step),
         real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
         row_fill=loads / window, compute_imbalance=imbalance, examples_per_step_cv=cv,
+        loss_free_rows=free_rows, loss_free_steps=free_steps,
     )
 
 
@@ -269,7 +306,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
                   overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
                   progress: bool | None = None, loss_lengths=None, ranks: int = 1, cp_size: int = 1,
-                  cp_layout: str = "hybrid") -> WasteReport:
+                  cp_layout: str = "hybrid", targets=None, drop_loss_free: bool = False) -> WasteReport:
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
     Args:
@@ -280,7 +317,12 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         overflow: examples longer than ``W``: ``"truncate"`` (default), ``"split"``, ``"drop"``, ``"error"``.
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
-        loss_lengths: (num_examples,) loss-bearing tokens of each example (reported as ``loss_tokens``).
+        loss_lengths: (num_examples,) loss-bearing tokens of each example, taken as its last tokens.
+        targets: (sum(lengths),) bool, where the loss is taken token by token (``packkit.datafiles.Lengths.targets``):
+            the exact loss tokens of every piece. ``loss_tokens`` is counted after the overflow policy,
+            every piece's first token excluded (:func:`packkit.segments.piece_loss_tokens`).
+        drop_loss_free: leave out the pieces (examples after the overflow policy) that hold no loss
+            token, counted in ``dropped_pieces`` / ``dropped_tokens``.
         ranks: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step`` windows
             a step: the compute imbalance and the spread of examples per step (``StrategyWaste``).
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp`): ``"zigzag"`` pads every example to a
@@ -301,16 +343,28 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(WASTE_STRATEGIES)}")
-    loss_tokens = None
     if loss_lengths is not None:
         loss = np.asarray(loss_lengths)
         if loss.shape != raw.shape or loss.dtype.kind not in "iu":
             raise ValueError(f"loss_lengths must be {raw.size:,} integers, one per example, got {loss.dtype} "
                              f"of shape {loss.shape}")
-        loss_tokens = int(loss.sum())
+    if targets is not None and np.shape(targets) != (int(raw.sum()),):
+        raise ValueError(f"targets must be one bool per token ({int(raw.sum()):,}), got shape {np.shape(targets)}")
     check_cp_window(window, cp_size=cp_size, layout=cp_layout)
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
-    L, cut, n_over = apply_overflow(raw, window=window, overflow=overflow)
+    pieces = binpack.apply_overflow(raw, window=window, overflow=check_overflow(overflow), in_order=True)
+    L, cut, n_over = pieces.length, pieces.cut_tokens, int(pieces.overflow_examples.size)
+    # the loss tokens that train once packed: one count for waste, plan and pack
+    piece_loss = piece_loss_tokens(pieces.example, pieces.start, L, offsets=lengths_to_offsets(raw),
+                                   targets=targets, loss_lengths=loss_lengths)
+    loss_tokens, free = int(piece_loss.sum()), piece_loss == 0
+    dropped_pieces = dropped_tokens = 0
+    if drop_loss_free and free.any():
+        dropped_pieces, dropped_tokens = int(free.sum()), int(L[free].sum())
+        L, piece_loss = L[~free], piece_loss[~free]
+        if L.size == 0:
+            raise DataError("no piece holds a loss token, and {drop} left every one out",
+                            drop=arg("drop_loss_free", True))
     # what a CP rank group computes: every example padded to the layout's document multiple (zigzag)
     planned = -(-L // doc_multiple) * doc_multiple
     row_round = doc_multiple * row_multiple  # a padded row is one sequence, split by the layout
@@ -328,7 +382,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
                 order = np.arange(L.size)
                 padded = np.full(L.size, -(-int(L.max()) // row_round) * row_round, np.int64)
                 results.append(_padded(name, L, padded, order, steps_padded, batch_size=batch_size, ranks=ranks,
-                                       cp_size=cp_size))
+                                       cp_size=cp_size, piece_loss=piece_loss))
             elif name in ("random", "grouped"):
                 if name == "random":
                     batches, steps = np.random.default_rng(seed).permutation(L.size), steps_padded
@@ -338,22 +392,25 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
                     padded, order = padded_rows(L, batches)
                     steps = len(batches)
                 results.append(_padded(name, L, -(-padded // row_round) * row_round, order, steps,
-                                       batch_size=batch_size, ranks=ranks, cp_size=cp_size))
+                                       batch_size=batch_size, ranks=ranks, cp_size=cp_size, piece_loss=piece_loss))
             elif name == "stream":
                 seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
                 label = f"{LABELS[name]} (buffer {buffer_size:,})"
                 results.append(_packed(name, label, window, planned[seg], ptr, k, ranks=ranks, seed=seed,
-                                       seg_real=L[seg], cp_size=cp_size))
+                                       seg_real=L[seg], cp_size=cp_size, seg_loss=piece_loss[seg]))
             else:
                 plan = pack(planned, window=window, strategy=name, seed=seed)
                 results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k, ranks=ranks,
-                                       seed=seed, seg_real=L[plan.seg_example], cp_size=cp_size))
+                                       seed=seed, seg_real=L[plan.seg_example], cp_size=cp_size,
+                                       seg_loss=piece_loss[plan.seg_example]))
             bar.update(1)
     return WasteReport(
         source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
         buffer_size=buffer_size, seed=seed, examples=int(raw.size), input_tokens=int(raw.sum()), cut_tokens=cut,
         overflow_examples=n_over, lengths=L, strategies=tuple(results), loss_tokens=loss_tokens, ranks=ranks,
-        cp_size=cp_size, cp_layout=cp_layout,
+        cp_size=cp_size, cp_layout=cp_layout, input_lengths=raw,
+        loss_tokens_assumed=targets is None and loss_lengths is None, loss_free_pieces=int(free.sum()),
+        dropped_pieces=dropped_pieces, dropped_tokens=dropped_tokens,
     )
 
 
@@ -362,25 +419,58 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
 # ----------------------------------------------------------------------------------------------
 
 
+def length_stats(lengths) -> str:
+    """``median 145, p90 256, p99 256, longest 256`` of ``lengths``."""
+    q = np.percentile(lengths, [50, 90, 99]).astype(int).tolist()
+    return f"median {q[0]:,}, p90 {q[1]:,}, p99 {q[2]:,}, longest {int(np.max(lengths)):,}"
+
+
+def loss_free_lines(report: WasteReport) -> list:
+    """What trains on nothing, with the fix, as :class:`~packkit.errors.Message`\\ s: pieces without a loss
+    token, the windows (of best fit decreasing, what ``packkit pack`` writes, else the first strategy that
+    has some) and steps without one, or what ``drop_loss_free`` left out. None when there are none."""
+    drop = arg("drop_loss_free", True)
+    lines = []
+    if report.dropped_pieces:
+        lines.append(Message("{drop}: left out {n:,} pieces with no loss token ({t:,} {u})", drop=drop,
+                             n=report.dropped_pieces, t=report.dropped_tokens, u=report.unit))
+    elif report.loss_free_pieces and not report.loss_tokens_assumed:
+        lines.append(Message("{n:,} of {p:,} pieces hold no loss token (they train on nothing); pass {drop} to "
+                             "leave them out", n=report.loss_free_pieces, p=report.lengths.size, drop=drop))
+    some = [s for s in report.strategies if s.loss_free_rows]
+    s = next((s for s in some if s.name == "bfd"), some[0] if some else None)
+    if s is not None:
+        lines.append(Message("{label}: {rows:,} of {all:,} {what} and {steps:,} of {all_steps:,} steps hold no loss "
+                             "token (a step of loss 0); pass {drop}" + (", or raise {w}" if s.packed else ""),
+                             label=s.label, rows=s.loss_free_rows, all=s.rows, what="windows" if s.packed else "rows",
+                             steps=s.loss_free_steps, all_steps=s.steps, drop=drop, w=arg("window")))
+    return lines
+
+
 def format_table(report: WasteReport, *, options=None) -> str:
     """The terminal table of a report, with the formulas under it (``options``: ``packkit.errors.Arg.render``'s,
     to name arguments in the command line's syntax)."""
     u = report.unit
-    q = np.percentile(report.lengths, [50, 90, 99]).astype(int).tolist()
-    lines = [
-        f"packkit waste: {report.source}",
-        f"{report.examples:,} examples, {report.input_tokens:,} {u}; median {q[0]:,}, p90 {q[1]:,}, "
-        f"p99 {q[2]:,}, longest {int(report.lengths.max()):,} (after overflow)",
-        f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
-        f"{report.windows_per_step} packed windows" + (f" on each of {report.ranks} ranks" if report.ranks > 1 else ""),
-    ]
+    lines = [f"packkit waste: {report.source}"]
+    before = report.input_lengths if report.input_lengths is not None else report.lengths
+    lines.append(f"{report.examples:,} examples, {report.input_tokens:,} {u}; " + length_stats(before)
+                 + " (examples as given)")
+    if report.lengths.size != before.size or report.cut_tokens or report.dropped_pieces:
+        lines.append(Message("{n:,} pieces after {overflow}: ", n=report.lengths.size,
+                             overflow=arg("overflow", report.overflow)).render(options) + length_stats(report.lengths))
+    lines.append(f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
+                 f"{report.windows_per_step} packed windows"
+                 + (f" on each of {report.ranks} ranks" if report.ranks > 1 else ""))
     if report.loss_tokens is not None:
+        how = ("no labels or loss mask: every token but each piece's first" if report.loss_tokens_assumed
+               else "labels or a loss mask, the first token of each piece excluded, as packed")
         lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
-                     f"{u}; labels or a loss mask, the first token of each example excluded)")
+                     f"{u}; {how})")
     note = overflow_note(report.overflow, over=report.overflow_examples, examples=report.examples,
                          cut=report.cut_tokens, tokens=report.input_tokens, unit=u)
     if note is not None:
         lines.append(note.render(options))
+    lines.extend(m.render(options) for m in loss_free_lines(report))
     if report.cp_size > 1:
         doc_multiple, row_multiple = cp_multiples(cp_size=report.cp_size, layout=report.cp_layout)
         if doc_multiple > 1:
@@ -430,7 +520,7 @@ def plot_waste(report: WasteReport, path, *, overwrite: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    L = report.lengths
+    L = report.lengths if report.input_lengths is None else report.input_lengths  # the examples, before splitting
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6), gridspec_kw={"width_ratios": [1, 1.35]})
     # -- length histogram, log-spaced bins --
     lo, hi = max(1, int(L.min())), int(L.max())
@@ -450,7 +540,7 @@ def plot_waste(report: WasteReport, path, *, overwrite: bool = False) -> None:
         what = {"truncate": "truncated", "drop": "dropped", "split": "split"}[report.overflow]
         ax1.text(0.98, 0.75, f"{report.overflow_examples:,} longer than W {what}", transform=ax1.transAxes,
                  ha="right", va="top", color="#C44E52", fontsize=9)
-    ax1.set_xlabel(f"example length ({report.unit}, log scale)")
+    ax1.set_xlabel(f"example length before the overflow policy ({report.unit}, log scale)")
     ax1.set_ylabel("examples")
     ax1.set_title(f"{report.examples:,} examples, {report.input_tokens:,} {report.unit}", fontsize=11)
     ax1.grid(axis="y", alpha=0.3)

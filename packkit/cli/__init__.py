@@ -73,6 +73,12 @@ OVERFLOW_HELP = ("examples longer than the window: split (default: every token k
                  "(refuse them)")
 
 
+#: Default of ``--window`` for every command (``pack``, ``waste`` and ``plan`` read the same data the same way).
+DEFAULT_WINDOW = 2048
+DROP_LOSS_FREE_HELP = ("leave out the pieces (examples after --overflow) that hold no loss token: they would train on "
+                       "nothing, and a step of them has loss 0 (counted and printed)")
+
+
 class UsageError(Exception):
     """The command line is wrong: one line, exit code 2."""
 

@@ -25,10 +25,10 @@ import json
 import logging
 from pathlib import Path
 
-from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
+from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..cp import LAYOUTS as CP_LAYOUTS
-from ..errors import DataError, check_int
+from ..errors import DataError, Message, arg, check_int
 from ..datafiles import check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
 from ..offline import DEFAULT_BUFFER_BYTES, plan_source, show_progress
@@ -57,10 +57,12 @@ def parser() -> Parser:
     p.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
     p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow (Arrow IPC stream), OUT.feather (Arrow IPC "
                                   "file), or a folder name (save_to_disk); its folder must exist")
-    p.add_argument("-w", "--window", type=int, required=True, help="tokens per window")
+    p.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"tokens per window (default {DEFAULT_WINDOW}, as in packkit waste and plan)")
     p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
                    help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
     p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
+    p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
     p.add_argument("--columns", default=None,
                    help="comma-separated list columns to pack, token ids first "
                         "(default: input_ids, plus labels and a completion_mask / assistant_masks loss "
@@ -145,11 +147,16 @@ def run(args, options=None) -> int:
                              columns=columns, seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc,
                              example_ids=args.example_ids, progress=False if quiet else None, who="packkit pack",
                              cp_size=args.cp_size, cp_layout=args.cp_layout)
-        plan = packed.plan
-        if plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
+        if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
         max_tokens = packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR[fmt], in_flight=2)
+        if args.drop_loss_free:
+            packed.drop_loss_free(max_tokens)
+        plan = packed.plan
+        if plan.num_windows == 0:
+            raise DataError("no piece of {src!r} holds a loss token, and {drop} left every one out", src=str(src),
+                            drop=arg("drop_loss_free", True))
         total = plan.total_tokens * len(packed.spec.written())
         with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
                           desc="packkit pack") as bar:
@@ -158,7 +165,10 @@ def run(args, options=None) -> int:
     names = packed.schema.names
 
     s = plan.summary()
-    input_tokens = s["tokens"] + s["cut_tokens"]
+    input_tokens = s["tokens"] + s["cut_tokens"] + packed.dropped_tokens
+    loss = {"loss_tokens": packed.loss_tokens, "loss_tokens_assumed": "labels" not in packed.schema.names,
+            "loss_free_windows": packed.loss_free_windows, "dropped_pieces": packed.dropped_pieces,
+            "dropped_tokens": packed.dropped_tokens}
     note = overflow_note(s["overflow"], over=s["overflow_examples"], examples=s["examples"], cut=s["cut_tokens"],
                          tokens=input_tokens)
     packed_rows = packed.scan.packed_rows  # IN held packed rows, read as their documents
@@ -166,7 +176,7 @@ def run(args, options=None) -> int:
         print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": names,
                           "rows": plan.num_windows, "input_tokens": input_tokens, "seed": args.seed,
                           "shuffled": not args.no_shuffle, "tokenized": how, "packed_rows_in": packed_rows,
-                          "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
+                          "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s, **loss}))
         return 0
     if how is not None:
         print(f"tokenized {how}")
@@ -178,5 +188,15 @@ def run(args, options=None) -> int:
         print(note.render(options))
     if args.cp_size > 1:
         print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
+    print(f"loss tokens {packed.loss_tokens:,} ({packed.loss_tokens / max(1, input_tokens):.1%} of the tokens; "
+          + ("no labels or loss mask: every token but each segment's first)" if loss["loss_tokens_assumed"]
+             else "labels other than -100, each segment's first token masked)"))
+    if packed.dropped_pieces:
+        print(f"--drop-loss-free: left out {packed.dropped_pieces:,} pieces with no loss token "
+              f"({packed.dropped_tokens:,} tokens)")
+    if packed.loss_free_windows:
+        print(Message("{n:,} of {w:,} windows hold no loss token (a step of them has loss 0); pass {drop}, or raise "
+                      "{window}", n=packed.loss_free_windows, w=plan.num_windows, drop=arg("drop_loss_free", True),
+                      window=arg("window")).render(options))
     print(f"wrote {str(out)!r} as {FORMAT_NAMES[fmt]}; columns {names}")
     return 0

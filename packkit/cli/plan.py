@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
+from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
 from ..cp import LAYOUTS as CP_LAYOUTS
 from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
@@ -37,11 +37,12 @@ def parser() -> Parser:
     p.add_argument("-d", "--devices", "--ranks", type=int, default=1,
                    help="data-parallel devices (ranks): the compute imbalance is across them (default 1)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("-w", "--window", type=int, help="pack into windows of W tokens (default 2048)")
+    g.add_argument("-w", "--window", type=int, help=f"pack into windows of W tokens (default {DEFAULT_WINDOW})")
     g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
     p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
                    help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
     p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
+    p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
     p.add_argument("--lora", action="store_true", help="an adapter (LoRA) run: adds the large-batch advice")
     p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
     p.add_argument("--drop-last", action="store_true", help="leave out the last partial step")
@@ -60,21 +61,23 @@ def run(args, options=None) -> int:
     # -- checks that cost nothing, before anything is read --
     if (args.file is None) == (args.synthetic is None):
         raise UsageError("give a lengths FILE or --synthetic N (one of them; see packkit plan --help)")
-    window = None if args.padded else (2048 if args.window is None else check_window(args.window))
+    window = None if args.padded else (DEFAULT_WINDOW if args.window is None else check_window(args.window))
     check_seed(args.seed)
     if args.synthetic is not None:
         if args.synthetic < 1:
             raise UsageError(f"--synthetic must be at least 1 example, got {args.synthetic}")
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
+        targets = None
     else:
         with rows_as_lines(args.file):
             data = read_lengths(args.file, column=args.column, text_column=args.text_column,
                                 tokenizer=args.tokenizer, split=args.split, chat=chat_options(args),
                                 progress=not args.json)
-            lengths, loss = data.lengths, data.loss_lengths
+            lengths, loss, targets = data.lengths, data.loss_lengths, data.targets
     with warnings.catch_warnings(), rows_as_lines(args.file):
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
-        report = plan_budget(lengths, loss_lengths=loss, per_device_batch=args.per_device_batch,
+        report = plan_budget(lengths, loss_lengths=loss, targets=targets, drop_loss_free=args.drop_loss_free,
+                             per_device_batch=args.per_device_batch,
                              accumulation_steps=args.accumulation_steps, devices=args.devices, window=window,
                              strategy=args.strategy, overflow=args.overflow, lora=args.lora,
                              target_tokens_per_step=args.target_tokens, drop_last=args.drop_last, seed=args.seed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from . import DEFAULT_OVERFLOW, OVERFLOW_HELP, Parser, require, rows_as_lines
+from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
 from ..datafiles import read_lengths, read_preference_lengths
 from ..cp import LAYOUTS as CP_LAYOUTS
@@ -23,13 +23,15 @@ def parser() -> Parser:
     p.add_argument("input", nargs="?", default=None,
                    help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a line), or "
                         ".npy of lengths; omitted: the bundled sample")
-    p.add_argument("-w", "--window", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"tokens per window (default {DEFAULT_WINDOW})")
     p.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
     p.add_argument("--windows-per-step", type=int, default=None,
                    help="windows per packed step (default: the batch size)")
     p.add_argument("--ranks", type=int, default=1,
                    help="data-parallel ranks, each taking a step's rows: compute imbalance across them (default 1)")
     p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
+    p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
     p.add_argument("--buffer-size", type=int, default=1000,
                    help="examples held by the streaming packer (default 1000)")
     p.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
@@ -81,7 +83,7 @@ def run(args, options=None) -> int:
             data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
             overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
             source=data.source, unit=data.unit, progress=None if not args.quiet else False,
-            loss_lengths=data.loss_lengths, ranks=args.ranks,
+            loss_lengths=data.loss_lengths, targets=data.targets, drop_loss_free=args.drop_loss_free, ranks=args.ranks,
             cp_size=args.cp_size, cp_layout=args.cp_layout)
     if args.plot:
         plot_waste(report, args.plot, overwrite=args.overwrite)
