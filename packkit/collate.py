@@ -48,6 +48,7 @@ import torch
 
 from .batch import PackedBatch
 from .binpack import check_overflow, check_seed, check_strategy, check_window, overflow_error, pack
+from .cp import check_cp_window, cp_multiples
 from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
@@ -438,12 +439,18 @@ class PackedRowsCollator:
 
     ``transformers.Trainer`` drops ``seq_lengths`` by default (its model's forward does not name it):
     pass ``TrainingArguments(remove_unused_columns=False)``; the error says so.
+
+    ``cp_size`` / ``cp_layout``: the rows go to a context-parallel group (:func:`packkit.cp.shard`); a
+    row whose documents, padded as the layout needs (zigzag: to a multiple of ``2 * cp_size``), no longer
+    fit ``window`` was packed for another CP size, and is refused naming the row and how to repack.
     """
 
     def __init__(self, *, window: int, num_windows: int | None = None, static_shape: bool = False,
                  max_segments: int | None = None, pad_token_id: int = 0, mask_first_label: bool = True,
-                 loss_mask: str = "auto"):
-        self.window = check_window(window)
+                 loss_mask: str = "auto", cp_size: int = 1, cp_layout: str = "hybrid"):
+        self.window = check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
+        self.cp_size, self.cp_layout = int(cp_size), cp_layout
+        self._doc_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)[0]
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
@@ -461,10 +468,27 @@ class PackedRowsCollator:
             raise ValueError(f"{location(i, where)} is a packed row of {int(lengths[i])} tokens > "
                              f"window={self.window}; collate with the window it was packed for")
         seg_lengths, seg_ptr = _row_segments(rows, lengths, where)
+        if self._doc_multiple > 1:
+            self._check_cp(seg_lengths, seg_ptr, where)
         return rows_batch(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
                           num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
                           max_segments=self.max_segments)
+
+    def _check_cp(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray, where) -> None:
+        """Every row's documents, padded to the layout's multiple, fit the window (else: packed for
+        another CP size)."""
+        m = self._doc_multiple
+        padded = np.zeros(seg_ptr.size - 1, np.int64)
+        np.add.at(padded, np.repeat(np.arange(seg_ptr.size - 1), np.diff(seg_ptr)), -(-seg_lengths // m) * m)
+        over = np.flatnonzero(padded > self.window)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"{location(i, where)} holds documents of {int(padded[i]):,} tokens once padded to "
+                             f"multiples of {m} for cp_size={self.cp_size} cp_layout={self.cp_layout!r} > "
+                             f"window={self.window}: the rows were packed for another CP size; repack with "
+                             f"pack_dataset(..., cp_size={self.cp_size}, cp_layout={self.cp_layout!r}) (packkit pack "
+                             f"--cp {self.cp_size} --cp-layout {self.cp_layout})")
 
     def __repr__(self) -> str:
         return (f"PackedRowsCollator(window={self.window}, num_windows={self.num_windows}, "

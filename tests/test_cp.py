@@ -208,7 +208,8 @@ def test_waste_and_plan_count_cp_padding(tmp_path, capsys):
 def test_rows_packed_for_a_cp_group_fit_their_window_once_sharded(tmp_path):
     """pack_dataset(cp_size=, cp_layout='zigzag') and `packkit pack --cp`: every row's documents, padded
     to a multiple of 2*cp as TE needs, still fit the window, so each rank holds W / cp tokens; rows
-    packed without it overflow (what a file packed for another CP size would do)."""
+    packed without it overflow, and PackedRowsCollator(cp_size=, cp_layout=) refuses them (a file packed
+    for another CP size is not used silently)."""
     datasets = pytest.importorskip("datasets")
     import json
 
@@ -231,8 +232,14 @@ def test_rows_packed_for_a_cp_group_fit_their_window_once_sharded(tmp_path):
     # a row as TE's THD batch (its documents, no padding tail): every rank holds at most W / cp tokens
     assert max(plan_cp(r, cp_size=cp, layout="zigzag").local_len for r in packed["seq_lengths"]) <= W // cp
     assert max(plan_cp(r, cp_size=cp, layout="zigzag").local_len for r in plain["seq_lengths"]) > W // cp
-    batch = PackedRowsCollator(window=W)([packed[i] for i in range(4)])
+    batch = PackedRowsCollator(window=W, cp_size=cp, cp_layout="zigzag")([packed[i] for i in range(len(packed))])
     assert shard(batch, cp_size=cp, rank=0, layout="zigzag").num_loss_tokens == batch.num_loss_tokens
+    # rows packed for no CP are refused by a collator told the CP group they go to, naming the row and the fix
+    with pytest.raises(ValueError, match=r"once padded to multiples of 8 for cp_size=4 cp_layout='zigzag' > "
+                                         r"window=64: the rows were packed for another CP size; repack with "
+                                         r"pack_dataset\(..., cp_size=4, cp_layout='zigzag'\)"):
+        PackedRowsCollator(window=W, cp_size=cp, cp_layout="zigzag")([plain[i] for i in range(len(plain))])
+    PackedRowsCollator(window=W, cp_size=cp, cp_layout="hybrid")([plain[i] for i in range(len(plain))])
     with pytest.raises(ValueError, match="not a multiple of 8"):
         pack_dataset(ds, window=60, cp_size=cp, cp_layout="zigzag")
 
