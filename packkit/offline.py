@@ -367,7 +367,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
         return_report: return ``(dataset, plan)``: what was packed, the :class:`~packkit.binpack.Plan` in row
             order (``plan.summary()``: windows, fill, lower bound, what the overflow policy touched).
         split: the split of a ``DatasetDict`` to pack (default: all of them).
-        buffer_bytes: bound on the packed rows in flight (default 256 MiB).
+        buffer_bytes: bound on the packed rows in flight while the cache file is written (default 256 MiB;
+            a result kept in memory is gathered whole).
         cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist).
             Default: ``cache-packkit-<random>.arrow`` in the folder of ``ds``'s first cache file
             (``ds.cleanup_cache_files()`` removes unused ones, as for ``map``).
@@ -478,7 +479,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
                           format="arrow")
             out = datasets.Dataset(MemoryMappedTable.from_file(str(cache_file_name)), fingerprint=fingerprint)
         else:
-            batches = list(packed.record_batches(max_tokens=packed.chunk_tokens(buffer_bytes), bar=bar))
+            # The rows stay in memory whole, so chunks would bound nothing and only cost CPU
+            # (benchmarks/RESULTS.md, issue 23): one gather, record batches as int32 list offsets need.
+            batches = list(packed.record_batches(max_tokens=arrow.MAX_LIST_VALUES, bar=bar))
             out = datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
     return (out, plan) if return_report else out
 
