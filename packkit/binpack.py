@@ -122,6 +122,14 @@ def check_strategy(strategy) -> str:
     return strategy
 
 
+#: The overflow policy of every path that prepares or measures data (``pack_dataset``, offline and on Ray,
+#: ``pack_stream``, ``plan_budget``, ``measure_waste`` and every command): ``"split"`` keeps every token
+#: (an example longer than the window continues in the next one) and says how many it split. The planner
+#: here (:func:`pack`), the collators and the samplers, which see whole examples at batch time, refuse
+#: them unless told (``"error"``).
+DEFAULT_OVERFLOW = "split"
+
+
 def check_overflow(overflow) -> str:
     """Return ``overflow`` if it is one of :data:`OVERFLOW_POLICIES`, else raise naming the choices."""
     if overflow not in OVERFLOW_POLICIES:

@@ -39,7 +39,7 @@ import warnings
 import numpy as np
 
 from .balance import CostModel, step_figures
-from .binpack import Plan, as_lengths, check_window, overflow_note, pack
+from .binpack import DEFAULT_OVERFLOW, Plan, as_lengths, check_window, overflow_note, pack
 from .cp import check_cp_window, cp_multiples, plan_for_cp
 from .errors import Message, arg, check_int
 from .segments import lengths_to_offsets, piece_loss_tokens
@@ -302,7 +302,7 @@ def _check_loss_lengths(loss_lengths, lengths: np.ndarray) -> np.ndarray:
 def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1,
                 window: int | None = None, plan: Plan | None = None, loss_lengths=None, targets=None,
                 drop_loss_free: bool = False,
-                strategy: str = "bfd", overflow: str = "error", lora: bool = False,
+                strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, lora: bool = False,
                 target_tokens_per_step: int | None = None, min_tokens_per_step: int = 4000,
                 min_steps_per_epoch: int = 50, lora_max_batch: int = 32, drop_last: bool = False,
                 seed: int = 0, warn: bool = True, cp_size: int = 1, cp_layout: str = "hybrid") -> BudgetReport:

@@ -73,7 +73,7 @@ import numpy as np
 
 from . import arrow
 from .arrow import list_array
-from .binpack import Plan, check_overflow, check_seed, check_strategy, check_window, pack
+from .binpack import DEFAULT_OVERFLOW, Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .cp import plan_for_cp
@@ -284,7 +284,7 @@ def show_progress(source) -> bool:
     return enabled and source.nbytes >= PROGRESS_BYTES
 
 
-def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
+def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, columns=None,
                 seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
                 mask_first_label: bool = True, example_ids: bool = False, progress: bool | None = None,
                 who: str = "pack_dataset", groups=None, cp_size: int = 1, cp_layout: str = "hybrid") -> PackedTable:
@@ -322,7 +322,7 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = "
 # ----------------------------------------------------------------------------------------------
 
 
-def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "error", columns=None,
+def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, columns=None,
                  seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
                  mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
                  progress: bool | None = None, return_report: bool = False, split: str | None = None,
@@ -350,8 +350,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = "err
             unset and ``return_report`` is not available.
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
-        overflow: examples longer than ``W``: ``"error"`` (default), ``"truncate"``, ``"split"``,
-            ``"drop"``. Cut tokens are counted and logged (``return_report=True`` returns the counts).
+        overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: every token
+            kept, the example continues in the next window; logged), ``"truncate"``, ``"drop"``,
+            ``"error"``. Cut tokens are counted and logged (``return_report=True`` returns the counts).
         columns: list columns to pack, the token column first; default ``input_ids``, plus ``labels``
             and the first of ``completion_mask`` / ``assistant_masks`` when the dataset has them. A loss
             mask becomes ``labels`` (-100 where the mask is 0, on the given labels or the token ids),

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .binpack import Plan, apply_overflow, check_overflow, check_window, stream_windows
+from .binpack import DEFAULT_OVERFLOW, Plan, apply_overflow, check_overflow, check_window, stream_windows
 from .errors import MissingError, arg
 from .examples import example_arrays
 from .rules import MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
@@ -341,7 +341,8 @@ def log_overflow(who: str, *, overflow: str, over: int, examples: int, window: i
                        "(%.2f%%)", who, overflow, what, over, examples, window, cut_tokens, tokens,
                        100.0 * cut_tokens / max(tokens, 1))
     else:
-        logger.info("%s: split %d of %d examples longer than window=%d into pieces", who, over, examples, window)
+        logger.warning("%s: split %d of %d examples longer than window=%d into pieces of at most the window "
+                       "(every token kept; a piece sees only its own window)", who, over, examples, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -681,7 +682,7 @@ class PackedStream:
         return row
 
 
-def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str = "error", columns=None,
+def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str = DEFAULT_OVERFLOW, columns=None,
                 mask_first_label: bool = True, example_ids: bool = False) -> PackedStream:
     """Pack an iterable of examples as it streams, holding at most ``buffer_size`` examples.
 
@@ -690,7 +691,7 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
             ``labels`` (or the ``columns`` named), e.g. a ``datasets.IterableDataset``.
         window: tokens per window.
         buffer_size: examples held for best fit (module docstring: fill against buffer size).
-        overflow: ``"error"`` (default), ``"truncate"``, ``"split"`` or ``"drop"``; counted in ``.stats``.
+        overflow: ``"split"`` (default), ``"truncate"``, ``"drop"`` or ``"error"``; counted in ``.stats``.
     Returns:
         A :class:`PackedStream`: iterate it for row dicts with ``input_ids``, ``labels`` (when present),
         ``seq_lengths`` (int32) and optionally ``example_ids`` (the index of each segment's example in the

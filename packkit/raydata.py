@@ -50,8 +50,8 @@ import dataclasses
 
 import numpy as np
 
-from .binpack import (Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy, check_window,
-                      pack)
+from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy,
+                      check_window, pack)
 from .arrow import list_array
 from .errors import ArgumentError, arg
 from .listcolumns import list_chunks, packed_segments, table_labels, token_lengths
@@ -435,7 +435,7 @@ def _same_in_every_block(infos, starts, key):
 # ----------------------------------------------------------------------------------------------
 
 
-def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd", overflow: str = "error",
+def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
                  seed: int | None = 0, shuffle: bool = True, tail_slack: float = 0.0005,
                  columns=None, mask_first_label: bool = True, num_output_blocks: int | None = None,
                  return_report: bool = False):
@@ -450,7 +450,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
         window: tokens per window (``W``).
         mode: ``"local"`` (default: per-block best fit, then one pass over the under-filled windows)
             or ``"global"`` (one plan over all lengths: the windows of ``packkit.binpack.pack``).
-        strategy, overflow, seed: as in :func:`packkit.binpack.pack`.
+        strategy, overflow, seed: as in :func:`packkit.binpack.pack`, but ``overflow`` defaults to ``"split"``
+            (:data:`packkit.binpack.DEFAULT_OVERFLOW`, as in :func:`packkit.offline.pack_dataset`).
         columns: as in :func:`packkit.offline.pack_dataset`: the token column first (default
             ``input_ids``), then optionally ``labels``.
         shuffle: put each output block's windows in a seeded random order (default True).

@@ -15,7 +15,7 @@ the same example lengths at a batch size and a window ``W``:
 
 A packed step is ``windows_per_step`` windows (default: ``batch_size``, so a packed step has the
 ``[batch_size, W]`` shape of a padded step at ``max_length=W``). Examples longer than ``W`` are
-handled first, the same way for every strategy (``overflow="truncate"`` by default; the cut tokens are
+handled first, the same way for every strategy (``overflow="split"`` by default; the cut tokens are
 reported).
 
 Figures, per strategy:
@@ -43,7 +43,7 @@ import math
 import numpy as np
 
 from . import binpack
-from .binpack import as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
+from .binpack import DEFAULT_OVERFLOW, as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 from .cp import check_cp_window, cp_multiples
 from .segments import lengths_to_offsets, piece_loss_tokens
 from .errors import DataError, Message, arg, check_int
@@ -194,7 +194,7 @@ class WasteReport:
 # ----------------------------------------------------------------------------------------------
 
 
-def apply_overflow(lengths, *, window: int, overflow: str = "truncate"):
+def apply_overflow(lengths, *, window: int, overflow: str = DEFAULT_OVERFLOW):
     """Lengths after the overflow policy, tokens cut, and how many examples were longer than ``window``.
 
     ``apply_overflow([3, 9, 4], window=4, overflow="split") -> ([3, 4, 4, 1, 4], 0, 1)``
@@ -303,7 +303,7 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int, payload: 
 
 
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
-                  overflow: str = "truncate", buffer_size: int = 1000, seed: int = 0,
+                  overflow: str = DEFAULT_OVERFLOW, buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
                   progress: bool | None = None, loss_lengths=None, ranks: int = 1, cp_size: int = 1,
                   cp_layout: str = "hybrid", targets=None, drop_loss_free: bool = False) -> WasteReport:
@@ -314,7 +314,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         window: ``W``, tokens per packed window (and ``max_length`` of the padded strategies).
         batch_size: examples per step of the padded strategies.
         windows_per_step: windows per step of the packed ones (default ``batch_size``).
-        overflow: examples longer than ``W``: ``"truncate"`` (default), ``"split"``, ``"drop"``, ``"error"``.
+        overflow: examples longer than ``W``: ``"split"`` (default), ``"truncate"``, ``"drop"``, ``"error"``.
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
         loss_lengths: (num_examples,) loss-bearing tokens of each example, taken as its last tokens.

@@ -139,3 +139,28 @@ def test_loss_free_windows_are_named_with_the_fix(files, capsys):
     text = capsys.readouterr().out
     assert "pieces hold no loss token (they train on nothing); pass --drop-loss-free" in text
     assert "(examples as given)" in text and "pieces after --overflow split:" in text
+
+
+def test_one_overflow_default_in_python_and_on_the_command_line(caplog):
+    """Before the fix pack_dataset defaulted to overflow='error' and every command to 'split', so the
+    README's snippets raised on real data (after every row was tokenized). One default now, and a line
+    says what it did."""
+    import inspect
+    import logging
+
+    import datasets
+
+    from packkit import binpack, budget, offline, packer, raydata, waste
+    from packkit.cli import pack as cli_pack, plan as cli_plan, waste as cli_waste
+
+    assert binpack.DEFAULT_OVERFLOW == "split"
+    for fn in (offline.pack_dataset, offline.plan_source, raydata.pack_dataset, packer.pack_stream,
+               budget.plan_budget, waste.measure_waste):
+        assert inspect.signature(fn).parameters["overflow"].default == binpack.DEFAULT_OVERFLOW, fn.__qualname__
+    for mod in (cli_pack, cli_plan, cli_waste):
+        assert mod.parser().get_default("overflow") == binpack.DEFAULT_OVERFLOW
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5, 6], [7]]})
+    with caplog.at_level(logging.WARNING, logger="packkit"):
+        out = offline.pack_dataset(ds, window=4, shuffle=False)
+    assert sorted(sum(out["input_ids"], [])) == list(range(1, 8))  # every token kept
+    assert "split 1 of 2 examples longer than window=4" in caplog.text

@@ -236,7 +236,7 @@ def test_extra_columns_and_unsigned_labels():
 
 @pytest.mark.parametrize("cols, kwargs, exc, match", [
     ({"input_ids": [[1], [], [2]]}, {}, ValueError, r"dataset row 1 is empty \(0 tokens in 'input_ids'\)"),
-    ({"input_ids": [[1], [2, 3, 4, 5, 6]]}, {}, ValueError, "example 1 has 5 tokens > window=4"),
+    ({"input_ids": [[1], [2, 3, 4, 5, 6]]}, {"overflow": "error"}, ValueError, "example 1 has 5 tokens > window=4"),
     ({"input_ids": [[1, 2], [3]], "labels": [[1, 2], [3, 4]]}, {}, ValueError,
      "dataset row 1 has 2 'labels' for 1 'input_ids'; they must match token for token"),
     ({"input_ids": [[1, 2], [3, -4]]}, {}, ValueError, "dataset row 1 has token id -4 in 'input_ids'"),
@@ -385,7 +385,7 @@ def test_option_errors_are_binpacks_own():
             call()
         assert str(got.value) == str(want.value)
     with pytest.raises(ValueError) as got:
-        pack_dataset(ds, window=4)
+        pack_dataset(ds, window=4, overflow="error")
     assert str(got.value) == str(overflow_error(np.array([1, 5]), 4))
 
 

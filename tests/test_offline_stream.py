@@ -191,7 +191,7 @@ def test_pack_stream_accepts_numpy_and_tensors_and_is_deterministic():
 ])
 def test_pack_stream_bad_input(exs, match, exc):
     with pytest.raises(exc, match=match):
-        list(pack_stream(exs, window=4))
+        list(pack_stream(exs, window=4, overflow="error"))
 
 
 def test_iterable_dataset_streams_the_same_rows():
@@ -265,7 +265,8 @@ def test_stream_overflow_error_is_binpacks_text():
     from packkit.binpack import overflow_error
 
     with pytest.raises(ValueError) as got:
-        list(pack_stream([{"input_ids": [1]}, {"input_ids": [2]}, {"input_ids": list(range(9))}], window=4))
+        list(pack_stream([{"input_ids": [1]}, {"input_ids": [2]}, {"input_ids": list(range(9))}], window=4,
+                         overflow="error"))
     assert str(got.value) == str(overflow_error(np.array([1, 1, 9]), 4))
     assert str(got.value).startswith("example 2 has 9 tokens > window=4")
 

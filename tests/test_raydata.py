@@ -251,7 +251,7 @@ def test_errors_name_the_example_index_in_the_whole_dataset(local_ray):
     lengths = make_lengths(n=800, seed=3, hi=W)
     lengths[613] = W + 5  # in block 6 of 8
     with pytest.raises(ValueError, match=r"example 613 has 261 tokens > window=256.*overflow='split'"):
-        raydata.pack_dataset(make_ds(lengths), window=W)
+        raydata.pack_dataset(make_ds(lengths), window=W, overflow="error")
     table = make_table(lengths)
     ids = table.column("input_ids").to_pylist()
     ids[450] = []
@@ -440,7 +440,7 @@ def test_option_errors_are_binpacks_own(local_ray):
             raydata.pack_dataset(ds, window=W, **kwargs)
         assert str(got.value) == str(want.value)
     with pytest.raises(ValueError) as got:
-        raydata.pack_dataset(ds, window=W)
+        raydata.pack_dataset(ds, window=W, overflow="error")
     assert str(got.value) == str(overflow_error(lengths, W))
 
 

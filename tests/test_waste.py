@@ -72,7 +72,8 @@ def packed_ref(windows_lengths, window):
 @example([1], 1, 20, 1)  # a single one-token example
 @example([50] * 7, 3, 20, 2)  # all equal, every one over the window (truncated)
 def test_measure_waste_matches_reference(lengths, batch_size, window, k):
-    r = measure_waste(lengths, window=window, batch_size=batch_size, windows_per_step=k, buffer_size=4, seed=3)
+    r = measure_waste(lengths, window=window, batch_size=batch_size, windows_per_step=k, buffer_size=4, seed=3,
+                      overflow="truncate")
     L = np.minimum(np.asarray(lengths), window)
     by = {s.name: s for s in r.strategies}
     assert tuple(by) == WASTE_STRATEGIES
@@ -123,7 +124,7 @@ def test_padded_rows():
 @pytest.mark.slow
 def test_report_json_table_and_plot(tmp_path):
     lengths = np.random.default_rng(0).integers(1, 300, 500)
-    r = measure_waste(lengths, window=256, batch_size=4, source="test data")
+    r = measure_waste(lengths, window=256, batch_size=4, source="test data", overflow="truncate")
     d = json.loads(json.dumps(r.to_dict()))
     assert [s["name"] for s in d["strategies"]] == list(WASTE_STRATEGIES)
     assert d["overflow_examples"] == int((lengths > 256).sum()) and d["cut_tokens"] == int(np.maximum(lengths - 256, 0).sum())

@@ -41,6 +41,7 @@ import signal
 import sys
 
 from .. import __version__
+from ..binpack import DEFAULT_OVERFLOW  # noqa: F401 - the --overflow default of every command
 from ..errors import ArgumentError, DataError, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise
 
@@ -65,9 +66,6 @@ USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit CO
          + "\n".join(f"  {name:<7} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
          + "\n\n" + EXIT_CODES)
 
-#: Default of ``--overflow`` for every command: ``split`` keeps every token (an example longer than the
-#: window continues in the next window) and each command says how many examples it split.
-DEFAULT_OVERFLOW = "split"
 OVERFLOW_HELP = ("examples longer than the window: split (default: every token kept, the example continues "
                  "in the next window), truncate or drop (the tokens cut are counted and printed), error "
                  "(refuse them)")
