@@ -130,3 +130,12 @@ def test_switches_render_as_their_flags():
     assert arg("assistant_only_loss", True).render(opts) == "--assistant-only-loss"
     assert arg("overwrite", True).render(opts) == "--overwrite"
     assert arg("assistant_only_loss", False).render(None) == "assistant_only_loss=False"
+
+
+def test_python_dash_m_packkit_is_the_command():
+    """Before the fix ``python -m packkit`` failed (no ``packkit/__main__.py``); it is the command now."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "packkit", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("packkit "), out.stderr
