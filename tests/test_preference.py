@@ -324,15 +324,6 @@ def dpo_trainer(tmp_path, rows, cls=None, collator=None, **kw):
                processing_class=tokenizer(), data_collator=collator)
 
 
-@pytest.mark.slow  # a real DPOTrainer: make test runs it, make test-fast does not
-@pytest.mark.parametrize("conversational", [False, True])
-def test_tokenize_preference_matches_dpo_trainer(tmp_path, conversational):
-    rows = preference_rows(6, 0, conversational)
-    trainer = dpo_trainer(tmp_path, rows)
-    want = [{k: ex[k] for k in PreferenceCollator.KEYS} for ex in trainer.train_dataset]
-    assert tokenize_preference(rows, tokenizer()) == want
-
-
 class PackedDPOTrainer(PackedDPOMixin, trl.DPOTrainer):
     pass
 
@@ -361,6 +352,8 @@ def test_dpo_loss_equals_dpo_trainer(tmp_path):
     rows = preference_rows(8, 1, conversational=True)
     trainer = dpo_trainer(tmp_path / "ref", rows, other_ref=True)
     examples = [trainer.train_dataset[i] for i in range(len(rows))]
+    # conversations tokenized as DPOTrainer does (chat template, generation prompt, common prefix)
+    assert tokenize_preference(rows, tokenizer()) == [{k: ex[k] for k in PreferenceCollator.KEYS} for ex in examples]
     trl_batch = trainer.data_collator(examples)
     with torch.no_grad():
         want = float(trainer.compute_loss(trainer.model, trl_batch))
@@ -386,6 +379,9 @@ def test_dpo_trainer_trains_on_packed_pairs(tmp_path):
     windows: the loss of every step equals plain DPOTrainer's within 1e-6 (the second after an update)."""
     rows = preference_rows(8, 2, conversational=False)
     ref = dpo_trainer(tmp_path / "a", rows, cls=RecordingDPO, other_ref=True, max_steps=2)
+    # text tokenized as DPOTrainer does (EOS appended, common prefix)
+    assert tokenize_preference(rows, tokenizer()) == [{k: ex[k] for k in PreferenceCollator.KEYS}
+                                                      for ex in ref.train_dataset]
     packed = dpo_trainer(tmp_path / "b", rows, cls=RecordingPackedDPO, other_ref=True, max_steps=2,
                          collator=PreferenceCollator(layout="tree", window=64))
     for t in (ref, packed):
