@@ -171,29 +171,46 @@ class SequenceBatch(dict):
         branch = (br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None])
         return same & causal & branch
 
-    def hf_mask(self, model, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def hf_mask(self, model, *, dtype: torch.dtype | None = None):
         """The additive float mask ``[B, 1, L, L]`` (0 where :meth:`dense_mask` allows, the dtype's minimum
         elsewhere) that eager and sdpa attention of a Hugging Face model add to the scores as given.
 
+        An explicit mask replaces the model's own sliding window, so sliding-window layers get it here:
+        ``q - k < config.sliding_window`` in the batch's positions (a continuation's distance to its prompt
+        is what it would be unpacked). A model mixing full and sliding layers (``config.layer_types``) gets a
+        dict ``{"full_attention": mask, "sliding_attention": mask}``, which such models take per layer.
+
         ``model``: a ``PreTrainedModel`` or its config. ``dtype``: the scores' dtype (default: the model's
-        parameters'). Refused for attention implementations that take no such mask and for models with
-        sliding-window layers (an explicit mask replaces the model's window).
+        parameters'). Refused for attention implementations that take no such mask and for other layer
+        kinds (chunked, linear), whose masks it cannot build.
         """
         config = _text_config(model)
         impl = getattr(config, "_attn_implementation", None)
         if impl not in (None, "eager", "sdpa"):
             raise ArgumentError(f"hf_mask is the mask of eager and sdpa attention; this model uses "
                                 f"attn_implementation={impl!r}: call model_inputs(model), which picks the view")
-        if getattr(config, "sliding_window", None) is not None and (
-                "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])):
-            raise ArgumentError("the model has sliding-window layers, which an explicit mask would widen to full "
-                                "attention; use layout='pairs' (no mask needed) for this model")
+        window = getattr(config, "sliding_window", None)
+        types = set(getattr(config, "layer_types", None) or
+                    ["sliding_attention" if window is not None else "full_attention"])
+        other = sorted(types - {"full_attention", "sliding_attention"})
+        if other:
+            raise ArgumentError(f"the model has {other} layers, whose masks a tree cannot give: use layout='pairs' "
+                                "(the model builds its own masks from the positions)")
+        if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+            raise ArgumentError(f"the model has sliding-window layers but config.sliding_window is {window!r}")
         if dtype is None:
             param = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
             dtype = param.dtype if param is not None else torch.get_default_dtype()
         allowed = self.dense_mask()
-        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        masks = {}
+        for kind in sorted(types):
+            ok = allowed
+            if kind == "sliding_attention":
+                pos = self.position_ids
+                ok = allowed & ((pos[:, :, None] - pos[:, None, :]) < window)
+            additive = torch.zeros(ok.shape, dtype=dtype, device=ok.device)
+            masks[kind] = additive.masked_fill_(~ok, torch.finfo(dtype).min)[:, None]
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def mask_mod(self):
         """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` of :meth:`dense_mask` (index tensors

@@ -51,9 +51,10 @@ def eager_float64(module, query, key, value, attention_mask, scaling, dropout=0.
 @pytest.fixture
 def exact_eager(monkeypatch):
     from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2
 
-    for mod in (modeling_llama, modeling_qwen2):
+    for mod in (modeling_llama, modeling_qwen2, modeling_mistral):
         monkeypatch.setattr(mod, "eager_attention_forward", eager_float64)
 
 
@@ -503,3 +504,22 @@ def test_waste_reports_tree_tokens_per_pair(tmp_path, capsys):
     rep = preference_waste(*lengths, window=4096)["rows"]
     for name in ("packkit_pairs", "packkit_tree"):
         assert rep[name]["lower_bound"] / rep[name]["windows"] >= 0.99, rep[name]
+
+
+def test_tree_on_a_sliding_window_model(exact_eager):
+    """A model whose layers slide (Mistral, window 5 here) and one that mixes full and sliding layers (Qwen2
+    with max_window_layers): the tree's explicit mask carries the window, in the tokens' own positions, so the
+    log-probabilities still equal the unpacked ones (the model applies its own window there)."""
+    groups = random_groups(7, 3, 2)
+    for family, extra in (("mistral", {"sliding_window": 5}),
+                          ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})):
+        for impl in ("eager", "sdpa"):
+            model = tiny_causal_lm(family, dtype=torch.float64, attn_implementation=impl, vocab_size=VOCAB,
+                                   max_position_embeddings=256, **extra).eval()
+            ref_sum, _ = unpacked_logps(model, groups)
+            batch = GroupCollator(layout="tree", window=32)(groups)
+            mask = batch.hf_mask(model)
+            assert isinstance(mask, dict) == (family == "qwen2")
+            d = (packed_logps(model, batch).sum - ref_sum).abs().max().item()
+            print(f"{family} {impl} tree with its sliding window: max |diff| {d:.1e}")
+            assert d < TOL
