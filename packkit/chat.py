@@ -59,7 +59,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .arrow import list_array
-from .errors import ArgumentError, DataError, arg, check_int
+from .errors import ArgumentError, DataError, Message, arg, check_int
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -67,6 +67,8 @@ __all__ = [
     "CHAT_FORMATS",
     "ChatWarning",
     "chat_format",
+    "check_special_tokens",
+    "ignored_columns",
     "common_prefix_lengths",
     "has_generation_markers",
     "load_tokenizer",
@@ -96,7 +98,9 @@ _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
 class ChatWarning(UserWarning):
-    """Something about a chat template or its output a user should know (the data is still tokenized)."""
+    """Something about a chat template or its output a user should know (the data is still tokenized).
+    Its text may be a :class:`~packkit.errors.Message` (the first argument), which the command line renders
+    with its own options (``--format messages``, not ``format='messages'``)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,11 +188,14 @@ def _is_text(typ) -> bool:
     return pa.types.is_string(typ) or pa.types.is_large_string(typ)
 
 
-def chat_format(schema) -> str | None:
+def chat_format(schema, *, format: str | None = None) -> str | None:
     """Which of :data:`CHAT_FORMATS` a table holds, from its schema (a ``pyarrow.Schema``, a table, or
     ``datasets.Features``), or None (token ids, text, or something else).
 
-    A table with ``input_ids`` is already tokenized (None), as TRL treats it.
+    A table with ``input_ids`` is already tokenized (None), as TRL treats it. Rows holding both
+    ``prompt`` + ``completion`` and ``messages`` (or ``conversations``) are read as prompt/completion,
+    as TRL 1.16's ``SFTTrainer`` tokenizes them (``"prompt" in example`` decides first); ``format``
+    (one of :data:`CHAT_FORMATS`, or ``"auto"``/None) chooses instead, and must fit the columns.
     """
     if hasattr(schema, "arrow_schema"):  # datasets.Features
         schema = schema.arrow_schema
@@ -197,24 +204,62 @@ def chat_format(schema) -> str | None:
     names = schema.names
     if "input_ids" in names:
         return None
+    if format not in (None, "auto"):
+        return _chosen_format(schema, format)
+    if "prompt" in names and "completion" in names:
+        return _pair_format(schema)
     if "messages" in names and _is_message_list(schema.field("messages").type):
         return "messages"
     if "conversations" in names and _is_message_list(schema.field("conversations").type, ("from", "value")):
         return "conversations"
-    if "prompt" in names and "completion" in names:
-        p, c = schema.field("prompt").type, schema.field("completion").type
-        if _is_text(p) and _is_text(c):
-            return "prompt_completion"
-        if _is_message_list(p) and _is_message_list(c):
-            return "conversational_prompt_completion"
-        raise DataError(f"columns 'prompt' ({p}) and 'completion' ({c}) must both be text or both be lists of "
-                        "{role, content} messages (TRL's prompt/completion formats)")
     for name in ("messages", "conversations"):
         if name in names:
             raise DataError(f"column {name!r} holds {schema.field(name).type}, not a list of "
                             + ("{role, content}" if name == "messages" else "{from, value}")
                             + " messages (TRL's conversational format)")
     return None
+
+
+def _pair_format(schema) -> str:
+    """``prompt_completion`` or ``conversational_prompt_completion`` from the two columns' types."""
+    p, c = schema.field("prompt").type, schema.field("completion").type
+    if _is_text(p) and _is_text(c):
+        return "prompt_completion"
+    if _is_message_list(p) and _is_message_list(c):
+        return "conversational_prompt_completion"
+    raise DataError(f"columns 'prompt' ({p}) and 'completion' ({c}) must both be text or both be lists of "
+                    "{role, content} messages (TRL's prompt/completion formats)")
+
+
+def _chosen_format(schema, format: str) -> str:
+    """``format`` when the columns hold it, else the one-line error naming the columns."""
+    if format not in CHAT_FORMATS:
+        raise ArgumentError("unknown chat format {got!r}; pass {fix}", got=format,
+                            fix=arg("format", "auto", *CHAT_FORMATS))
+    needs = {"messages": ["messages"], "conversations": ["conversations"]}.get(format, ["prompt", "completion"])
+    missing = [c for c in needs if c not in schema.names]
+    if missing:
+        raise ArgumentError("{fmt} needs the column(s) {missing}; the columns are {names}", fmt=arg("format", format),
+                            missing=missing, names=list(schema.names))
+    if format.endswith("prompt_completion"):
+        got = _pair_format(schema)
+        if got != format:
+            raise ArgumentError("{fmt}: the prompt/completion columns hold {got}; pass {fix}", fmt=arg("format", format),
+                                got=got, fix=arg("format", got))
+        return format
+    keys = ("role", "content") if format == "messages" else ("from", "value")
+    if not _is_message_list(schema.field(format).type, keys):
+        raise DataError(f"column {format!r} holds {schema.field(format).type}, not a list of "
+                        "{" + ", ".join(keys) + "} messages (TRL's conversational format)")
+    return format
+
+
+def ignored_columns(schema, fmt: str) -> list:
+    """The conversational columns a table holds besides those ``fmt`` reads (mixed rows): said in one line."""
+    names = schema.names
+    read = {"messages": {"messages"}, "conversations": {"conversations"}}.get(fmt, {"prompt", "completion"})
+    return [c for c in ("messages", "conversations", "prompt", "completion") if c in names and c not in read
+            and not (c in ("prompt", "completion") and not {"prompt", "completion"} <= set(names))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -556,6 +601,21 @@ def _mask_name(assistant: bool, completion: bool) -> str | None:
     return "assistant_masks" if assistant else None
 
 
+def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None:
+    """Refuse, in one line, a tokenizer that lacks a token this data needs (a bare ``tokenizer.json`` defines
+    neither EOS nor BOS): prompt/completion strings get the EOS appended, as TRL does, or the model never
+    learns to stop; a template that writes ``bos_token`` (or ``eos_token``) would render it empty."""
+    fix = ("pass the tokenizer's folder (its tokenizer_config.json names the special tokens), or a model id")
+    if fmt == "prompt_completion" and not tok.eos_token:
+        raise ArgumentError("{arg} {name!r} defines no EOS token (a bare tokenizer.json?): TRL appends it to every "
+                            "completion, without it the model never learns to stop; " + fix, arg=arg("tokenizer"),
+                            name=name)
+    for special in ("bos_token", "eos_token"):
+        if template and re.search(r"\b" + special + r"\b", template) and not getattr(tok, special, None):
+            raise ArgumentError("{arg} {name!r} defines no {special}, and its chat template writes it (it would render "
+                                "empty); " + fix, arg=arg("tokenizer"), name=name, special=special.replace("_token", "").upper())
+
+
 class _Encoder:
     """One tokenizer, template and loss choice, applied to Arrow batches of one conversational format."""
 
@@ -575,6 +635,7 @@ class _Encoder:
                           "{% generation %}...{% endgeneration %}: the model is never trained to stop (the loss "
                           "looks fine; it shows at inference); move the token inside the markers",
                           ChatWarning, stacklevel=4)
+        check_special_tokens(self.tok, fmt, self.template, str(name))
         self.mask_name = _mask_name(self.assistant, self.completion)
         self.columns = [fmt] if fmt in ("messages", "conversations") else ["prompt", "completion"]
         self.diverged = 0
@@ -605,7 +666,7 @@ class _Encoder:
 
 def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
                   completion_only_loss: bool = True, trust_remote_code: bool = False,
-                  batch_size: int = BATCH_SIZE, progress: bool = False):
+                  batch_size: int = BATCH_SIZE, progress: bool = False, format: str | None = None):
     """Token ids and TRL's loss mask of conversational data (module docstring), as an Arrow table.
 
     Args:
@@ -619,6 +680,9 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
         batch_size: conversations per tokenizer call.
         progress: a progress bar (examples) on stderr.
+        format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's
+            precedence: rows holding both ``prompt`` + ``completion`` and ``messages`` are read as
+            prompt/completion, and a :class:`ChatWarning` names the column left unread).
     Returns:
         ``pyarrow.Table`` with ``input_ids`` (list<int32>; large_list when one batch passes 2**31 - 1
         tokens) and, unless no mask applies, one loss mask (list<int8>, the same): ``assistant_masks`` (assistant-only loss) or ``completion_mask`` (completion-only
@@ -631,7 +695,13 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     import pyarrow as pa
 
     table = _as_table(data)
-    fmt = chat_format(table.schema)
+    fmt = chat_format(table.schema, format=format)
+    unread = ignored_columns(table.schema, fmt) if fmt is not None else []
+    if unread:
+        other = "messages" if "messages" in unread else "conversations" if "conversations" in unread else "prompt_completion"
+        warnings.warn(ChatWarning(Message("the rows hold {unread} too: read as {fmt}, as TRL's SFTTrainer reads "
+                                          "them; {other} reads the other", unread=", ".join(map(repr, unread)),
+                                          fmt=fmt, other=arg("format", other))), stacklevel=2)
     if fmt is None:
         raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
                         f"are {table.column_names}")
@@ -687,7 +757,8 @@ def _as_table(data):
 
 
 def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=None,
-                     completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None):
+                     completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None,
+                     format: str | None = None):
     """Conversational ``datasets`` data tokenized through ``tokenizer``'s chat template: the step before
     :func:`packkit.offline.pack_dataset` (``packkit pack`` composes both).
 
@@ -707,10 +778,10 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
             tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
         return type(ds)({name: tokenize_dataset(
             split, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
-            completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, progress=progress)
-            for name, split in ds.items()})
+            completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, progress=progress,
+            format=format) for name, split in ds.items()})
     features = ds.features
-    fmt = chat_format(features.arrow_schema) if features is not None else None
+    fmt = chat_format(features.arrow_schema, format=format) if features is not None else None
     if fmt is None:
         if "input_ids" in (ds.column_names or []):
             return ds
@@ -721,7 +792,7 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
     if isinstance(ds, datasets.Dataset):
         if progress is None:
             progress = len(ds) >= PROGRESS_EXAMPLES and datasets.utils.logging.is_progress_bar_enabled()
-        table = tokenize_chat(ds, tokenizer, progress=progress, **options)
+        table = tokenize_chat(ds, tokenizer, progress=progress, format=format, **options)
         return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
     import pyarrow as pa
 

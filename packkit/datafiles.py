@@ -542,7 +542,7 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
     (:func:`token_column`).
     """
     if column not in table.column_names:
-        fmt = chat_format(table.schema)
+        fmt = chat_format(table.schema, format=(chat or {}).get("format"))
         if fmt is not None:
             if tokenizer in (None, "bytes"):
                 raise ArgumentError("{where} is conversational ({fmt}): pass {arg}, a tokenizer with a chat "
@@ -550,7 +550,10 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
             out = tokenize_chat(table, tokenizer, progress=progress, **(chat or {}))
             name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
-            return out, f"{fmt} through the chat template of {os.path.basename(str(name).rstrip('/')) or name}"
+            name = os.path.basename(str(name).rstrip("/")) or name
+            if fmt == "prompt_completion":  # strings: no template, the EOS appended (tokenize_chat refuses none)
+                return out, f"prompt/completion strings with {name} (no chat template; EOS appended to each completion)"
+            return out, f"{fmt} through the chat template of {name}"
     col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer, progress=progress,
                        trust_remote_code=bool((chat or {}).get("trust_remote_code")))
     if column in table.column_names:

@@ -39,10 +39,11 @@ import os
 import re
 import signal
 import sys
+import warnings
 
 from .. import __version__
 from ..binpack import DEFAULT_OVERFLOW  # noqa: F401 - the --overflow default of every command
-from ..errors import ArgumentError, DataError, OutputError, PackkitError
+from ..errors import ArgumentError, DataError, Message, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise
 
 SUBCOMMANDS = {
@@ -281,14 +282,35 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+def _one_line_warnings(name: str, state: dict):
+    """Warnings as ``packkit NAME: warning: ...`` on stderr, one line each (not Python's format, with
+    its source path and line), for as long as the command runs; a warning whose text is a
+    :class:`~packkit.errors.Message` names arguments as the command spells them (``state["options"]``)."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = message.args[0] if isinstance(message, Warning) and message.args else message
+        text = text.render(state.get("options")) if isinstance(text, Message) else str(text)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"packkit {name}: warning: {_one_line(text)}", file=sys.stderr)
+
+    return show
+
+
 def _main(argv: list[str]) -> int:
-    name, options = (argv or ["packkit"])[0], None
+    name, state = (argv or ["packkit"])[0], {}
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warnings(name, state)
+        return _run(argv, name, state)
+
+
+def _run(argv: list[str], name: str, state: dict) -> int:
+    options = None
     try:
         code = _top(argv)
         if code is None:
             module = importlib.import_module(SUBCOMMANDS[name][0])
             parser = module.parser()
-            options = options_of(parser, getattr(module, "ALIASES", None))
+            options = state["options"] = options_of(parser, getattr(module, "ALIASES", None))
             args = parser.parse_args(argv[1:])
             code = int(module.run(args, options) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..chat import CHAT_FORMATS
+
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | None) -> None:
     """``--tokenizer`` and the chat-template options (:func:`packkit.chat.tokenize_chat`)."""
@@ -20,6 +22,9 @@ def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | N
                         "default: on for messages, off for prompt + completion")
     g.add_argument("--completion-only-loss", default=True, action=argparse.BooleanOptionalAction,
                    help="loss on the completion only, for prompt + completion data (default: on)")
+    g.add_argument("--format", default="auto", choices=("auto", *CHAT_FORMATS),
+                   help="which columns to read as the conversation (default auto: TRL's precedence, prompt + "
+                        "completion before messages when a row holds both)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="let a tokenizer run its own Python code (off by default)")
 
@@ -27,4 +32,5 @@ def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | N
 def chat_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of :func:`packkit.chat.tokenize_chat` that the options above give."""
     return dict(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
-                completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code)
+                completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
+                format=args.format)

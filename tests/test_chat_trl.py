@@ -1,0 +1,94 @@
+"""Chat data as TRL trains it, where the data or the tokenizer is not the tidy case.
+
+Before the fix: rows holding both ``messages`` and ``prompt``/``completion`` were read as ``messages`` by
+packkit and as prompt/completion by TRL's ``SFTTrainer`` (68,944 against 30,577 tokens on 50 rows), with
+nothing to choose; a bare ``tokenizer.json`` (no EOS, no BOS) tokenized prompt/completion strings without
+the EOS TRL appends (the model is never trained to stop) and rendered ``{{ bos_token }}`` empty, silently;
+the command line printed Python's warning format (a source path and line).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pyarrow as pa
+import pytest
+
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from test_chat import CONVERSATIONS, TEMPLATE, make_tokenizer, our_labels, trl_labels  # noqa: E402
+
+from packkit.chat import ChatWarning, chat_format, tokenize_chat  # noqa: E402
+from packkit.cli import main  # noqa: E402
+from packkit.errors import ArgumentError  # noqa: E402
+
+PAIRS = [("what is two plus three", " five"), ("hello", "there"), ("how are", " you fine")]
+
+
+def mixed_rows():
+    """Rows holding both a conversation and a prompt/completion pair (a dataset that kept both views)."""
+    return [{"messages": conv, "prompt": p, "completion": c} for conv, (p, c) in zip(CONVERSATIONS, PAIRS)]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tiny-chat"
+    make_tokenizer(bos=True).save_pretrained(str(path))
+    return path
+
+
+def test_mixed_rows_follow_trls_precedence_and_format_chooses(tok_dir):
+    """TRL's SFTTrainer tokenizes a row with ``prompt`` as prompt/completion (``"prompt" in example``
+    decides first): the same tokens and labels as its preparation of those pairs, a warning naming the
+    column left unread, and ``format="messages"`` reading the conversations instead."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    mixed = pa.Table.from_pylist(mixed_rows())
+    assert chat_format(mixed.schema) == "prompt_completion"
+    with pytest.warns(ChatWarning, match=r"the rows hold 'messages' too: read as prompt_completion.*format='messages'"):
+        got = our_labels(tokenize_chat(mixed, tok))
+    pairs = datasets.Dataset.from_list([{"prompt": p, "completion": c} for p, c in PAIRS])
+    assert got == trl_labels(pairs, tok)
+    with pytest.warns(ChatWarning, match="'prompt', 'completion' too: read as messages"):
+        as_messages = tokenize_chat(mixed, tok, format="messages")
+    only = tokenize_chat(pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS]), tok)
+    assert as_messages.equals(only)
+    with pytest.raises(ArgumentError, match="format='conversations' needs the column"):
+        tokenize_chat(mixed, tok, format="conversations")
+
+
+def test_a_tokenizer_without_eos_or_bos_is_refused_in_one_line(tok_dir, tmp_path):
+    """A bare tokenizer.json defines no special tokens: prompt/completion strings would get no EOS (TRL
+    appends it), a template writing ``{{ bos_token }}`` would render it empty. The folder works."""
+    pairs = pa.Table.from_pylist([{"prompt": p, "completion": c} for p, c in PAIRS])
+    bare = tok_dir / "tokenizer.json"
+    with pytest.raises(ArgumentError, match=r"defines no EOS token \(a bare tokenizer.json\?\).*tokenizer's folder"):
+        tokenize_chat(pairs, str(bare))
+    eos = transformers.AutoTokenizer.from_pretrained(str(tok_dir)).eos_token_id
+    ids = tokenize_chat(pairs, str(tok_dir)).column("input_ids").to_pylist()
+    assert all(row[-1] == eos for row in ids)
+    convs = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS])
+    with pytest.raises(ArgumentError, match="defines no BOS, and its chat template writes it"):
+        tokenize_chat(convs, str(bare), chat_template="{{ bos_token }}" + TEMPLATE)
+    assert tokenize_chat(convs, str(bare), chat_template=TEMPLATE).num_rows == len(CONVERSATIONS)
+
+
+def test_cli_warns_in_one_line_and_names_what_it_did(tok_dir, tmp_path, capsys):
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in mixed_rows()))
+    assert main(["waste", str(src), "--tokenizer", str(tok_dir), "-q"]) == 0
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0] == ("packkit waste: warning: the rows hold 'messages' too: read as prompt_completion, as TRL's "
+                        "SFTTrainer reads them; --format messages reads the other"), err
+    assert all(line.startswith("packkit waste: warning: ") for line in lines) and ".py:" not in err, err
+    assert "prompt/completion strings with tiny-chat (no chat template; EOS appended to each completion)" in out
+    assert main(["waste", str(src), "--tokenizer", str(tok_dir), "-q", "--format", "messages"]) == 0
+    out, err = capsys.readouterr()
+    assert "messages through the chat template of tiny-chat" in out
+    shown = warnings.showwarning
+    assert main(["waste", str(src), "--tokenizer", str(tok_dir / "tokenizer.json"), "-q"]) == 2
+    assert "defines no EOS token" in capsys.readouterr().err
+    assert warnings.showwarning is shown  # the command leaves Python's warning machinery as it found it
