@@ -211,6 +211,11 @@ def child(argv) -> int:
     import os
 
     kind = argv[0]
+    if kind == "packkit-in-memory":  # today's path for JSON lines (issue 19): parsed whole, then packed
+        from packkit.sources import ArrowSource
+
+        ArrowSource.from_json_lines = classmethod(lambda cls, *a, **k: None)
+        kind = "packkit"
     if kind == "packkit":
         src, out, window = argv[1], argv[2], argv[3]
         import datasets  # noqa: F401 - imported before the clock starts, as the floor imports pyarrow
@@ -273,6 +278,71 @@ def child(argv) -> int:
 
     fsync_tree(out)
     print(json.dumps({"wall": wall, "cpu": cpu, "base_anon_mib": base / 1024, "fsync": time.perf_counter() - t1}))
+    return 0
+
+
+def make_jsonl(folder, n: int) -> tuple[str, int]:
+    """JSON lines of ``n`` SFT-like examples (token ids), written by packkit's jsonl writer; made once."""
+    import os
+
+    from packkit.writers import write_batches
+
+    path = os.path.join(folder, f"in-{n}.jsonl")
+    lengths = sft_like_lengths(n)
+    if not os.path.exists(path):
+        table = make_dataset(lengths, vocab=128_000).with_format("arrow")[:].replace_schema_metadata(None)
+        os.makedirs(folder, exist_ok=True)
+        write_batches(path, table.schema, table.to_batches(max_chunksize=10_000), format="jsonl")
+    return path, int(lengths.sum())
+
+
+def jsonl_mode(args) -> int:
+    """``--files --jsonl``: packkit pack of JSON lines, streamed (issue 19) against today's in-memory path
+    (the same code with the stream turned off: the file parsed whole, then packed), in the same run."""
+    import os
+
+    import pyarrow as pa
+
+    src, tokens = make_jsonl(args.dir, args.n)
+    token_mib = tokens * 4 / 2**20
+    out = os.path.join(args.dir, "out-jsonl.arrow")
+    runs: dict = {}
+    loads = []
+    for r in range(args.repeat):
+        for who in (("packkit-in-memory", "packkit") if r % 2 else ("packkit", "packkit-in-memory")):
+            warm(src)
+            loads.append(os.getloadavg()[0])
+            got = run_child([who, src, out, str(args.window)])
+            rows = pa.ipc.open_stream(pa.memory_map(out)).read_all().column("input_ids")
+            assert sum(len(c.values) for c in rows.chunks) == tokens  # every token written
+            runs.setdefault(who, []).append(got)
+            print(f"round {r}: {who}: {got['wall']:.1f}s (cpu {got['cpu']:.1f}s), peak {got['peak_anon_mib']:,.0f} "
+                  f"MiB (after imports {got['base_anon_mib']:,.0f}), load {loads[-1]:.1f}", file=sys.stderr)
+    _remove(out)
+    table = []
+    for who in ("packkit", "packkit-in-memory"):
+        best = min(runs[who], key=lambda g: g["wall"])
+        peak = min(g["peak_anon_mib"] - g["base_anon_mib"] for g in runs[who])
+        table.append(dict(provider=who, wall_s=best["wall"], cpu_s=best["cpu"], peak_over_imports_mib=peak,
+                          peak_over_tokens=peak / token_mib))
+    print()
+    print(f"packkit pack of JSON lines, {args.n:,} SFT-like examples, {tokens:,} tokens ({token_mib:,.0f} MiB int32, "
+          f"{os.path.getsize(src) / 2**20:,.0f} MiB of text), W={args.window}, out .arrow; best of {args.repeat} "
+          f"interleaved rounds; load average {min(loads):.1f}..{max(loads):.1f} on {os.cpu_count()} cores")
+    print(f"{'provider':<20}{'wall s':>8}{'cpu s':>8}{'peak MiB over imports':>23}{'x tokens':>10}")
+    for row in table:
+        print(f"{row['provider']:<20}{row['wall_s']:>8.2f}{row['cpu_s']:>8.2f}{row['peak_over_imports_mib']:>23,.0f}"
+              f"{row['peak_over_tokens']:>10.2f}")
+    ours, old = table
+    met_mem, met_time = ours["peak_over_tokens"] <= 0.5, ours["wall_s"] <= old["wall_s"]
+    print(f"memory target (<= 0.5x the tokens as int32 over imports): {'met' if met_mem else 'MISSED'}; "
+          f"time target (no slower than the in-memory path): {'met' if met_time else 'MISSED'} "
+          f"({ours['wall_s'] / old['wall_s']:.2f}x)")
+    print(json.dumps(dict(bench="offline-jsonl", versions=versions("datasets", "pyarrow"), n=args.n, tokens=tokens,
+                          window=args.window, repeat=args.repeat, load=[min(loads), max(loads)], results=table,
+                          memory_target_met=met_mem, time_target_met=met_time)))
+    if not args.keep:
+        _remove(src)
     return 0
 
 
@@ -378,6 +448,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", default="/tmp/packkit-bench-offline", help="--files: where the files go")
     parser.add_argument("--scale", action="store_true", help="--files: also a folder of twice the rows")
     parser.add_argument("--keep", action="store_true", help="--files: keep the input files")
+    parser.add_argument("--jsonl", action="store_true",
+                        help="--files: JSON lines input, streamed against today's in-memory path (issue 19)")
     args = parser.parse_args(argv)
     if args.stream_table:
         stream_table(min(args.n, 200_000), args.window)
@@ -385,7 +457,7 @@ def main(argv=None) -> int:
     if args.files:
         if args.window == 2048 and "--window" not in (argv or sys.argv):
             args.window = 8192
-        return files_mode(args)
+        return jsonl_mode(args) if args.jsonl else files_mode(args)
 
     import datasets
     import trl

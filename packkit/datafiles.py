@@ -290,6 +290,65 @@ def json_block_size(path) -> int:
     return max(need, 1 << 20)
 
 
+#: Bytes of JSON text parsed at a time when JSON lines are streamed (:func:`json_batches`).
+JSON_BLOCK_BYTES = 8 << 20
+
+
+class JsonLinesChanged(DataError):
+    """A streamed JSON lines file changed a column's type (or gained a column) after its first block, with no
+    line to blame (ints, then floats): the caller reads it whole instead, as pyarrow unifies types then."""
+
+
+def json_lines_schema(path, *, block_size: int | None = None):
+    """The ``pyarrow.Schema`` pyarrow infers from the first block of a JSON lines file (None for a file
+    that is one JSON list, or empty)."""
+    pa = pyarrow()
+    import pyarrow.json as pj
+
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if not head.strip() or head.lstrip()[:1] == b"[":
+        return None
+    try:
+        reader = pj.open_json(str(path), read_options=pj.ReadOptions(block_size=block_size or JSON_BLOCK_BYTES))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise _json_lines_error(path, exc) from None
+    schema = reader.schema
+    reader.close()
+    return schema
+
+
+def json_batches(path, *, block_size: int | None = None):
+    """Record batches of a JSON lines file in order, parsed ``block_size`` bytes at a time (memory: one
+    block, never the file; default :data:`JSON_BLOCK_BYTES`, grown to hold the longest line). A bad line is
+    the one-line error naming it; a type that changes after the first block is :class:`JsonLinesChanged`."""
+    pa = pyarrow()
+    import pyarrow.json as pj
+
+    block = block_size or max(JSON_BLOCK_BYTES, json_block_size(path))
+    try:
+        reader = pj.open_json(str(path), read_options=pj.ReadOptions(block_size=block))
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                return
+            yield batch
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        located = _locate_json_lines_error(path)
+        if located is not None:
+            raise located from None
+        raise JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}") from None
+
+
+def _json_lines_error(path, exc) -> DataError:
+    located = _locate_json_lines_error(path)
+    if located is not None:
+        return located
+    detail = re.sub(r" in row \d+", "", str(exc))  # pyarrow's row counts inside a block, from 0
+    return DataError(f"cannot read {str(path)!r} as JSON lines: {detail}")
+
+
 def _read_json(path: Path):
     pa = pyarrow()
     import pyarrow.json as pj

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from .arrow import pyarrow
-from .datafiles import parquet_batches, parquet_schema
+from .datafiles import (JSON_BLOCK_BYTES, JsonLinesChanged, json_batches, json_block_size, json_lines_schema,
+                        parquet_batches, parquet_schema)
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
 from .listcolumns import list_chunks
@@ -106,6 +107,28 @@ class ArrowSource:
 
         return cls(parquet_schema(path), batches, stage_dir if stage_dir is not None else path.parent,
                    repr(str(path)), nbytes=path.stat().st_size)
+
+    @classmethod
+    def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
+        """A JSON lines file parsed a block at a time (:func:`packkit.datafiles.json_batches`: blocks of
+        ``block_size`` bytes, 8 MiB by default, grown to hold the longest line) on a thread, ahead of the
+        scan; every batch is staged, so memory holds a block or two, never the file. None for a file
+        that is one JSON list (read whole). The scan raises
+        :class:`~packkit.datafiles.JsonLinesChanged` where a column's type changes after the first block."""
+        path = Path(path)
+        block = block_size or max(JSON_BLOCK_BYTES, json_block_size(path))
+        schema = json_lines_schema(path, block_size=block)
+        if schema is None:
+            return None
+
+        def batches(columns):
+            for batch in prefetch(json_batches(path, block_size=block)):
+                if batch.schema.names != schema.names:  # a key that appears after the first block
+                    raise JsonLinesChanged(f"{str(path)!r} gains keys after its first block")
+                yield batch.select(list(columns)), False
+
+        return cls(schema, batches, stage_dir if stage_dir is not None else path.parent, repr(str(path)),
+                   nbytes=path.stat().st_size)
 
     @classmethod
     def from_dataset(cls, ds, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":

@@ -418,3 +418,103 @@ def test_prefetch_keeps_order_errors_and_stops():
     it = prefetch(iter(range(10**9)), depth=2)  # an early stop ends the producer thread
     assert next(it) == 0
     it.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON lines streamed a block at a time (issue 19)
+# ----------------------------------------------------------------------------------------------
+
+
+def _small_blocks(monkeypatch, size: int = 64 << 10):
+    """Blocks of ``size`` bytes instead of 8 MiB, so that a small file streams in many blocks."""
+    import packkit.sources as sources
+
+    monkeypatch.setattr(sources, "JSON_BLOCK_BYTES", size)
+    monkeypatch.setattr(sources, "json_block_size", lambda path: size)
+
+
+def test_json_lines_stream_a_block_at_a_time_same_rows(tmp_path, monkeypatch, capsys):
+    """`pack data.jsonl` parses one block at a time (staged beside OUT like parquet): the rows equal the
+    in-memory reference's, with labels and a loss mask, over many blocks; nothing is left beside OUT."""
+    from packkit.cli import main
+    from packkit.datafiles import json_batches
+
+    cols = _examples(1500, labels=True, mask=True)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({k: cols[k][i] for k in cols}) + "\n" for i in range(1500)))
+    _small_blocks(monkeypatch, 32 << 10)
+    assert len(list(json_batches(src, block_size=32 << 10))) > 5  # many blocks
+    out = tmp_path / "o.parquet"
+    assert main(["pack", str(src), str(out), "-w", "200", "-q", "--buffer-mb", "1"]) == 0
+    assert _read_rows(out) == _in_memory_reference(cols, window=200).with_format("arrow")[:].to_pylist()
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o.parquet"]
+    capsys.readouterr()
+
+
+def test_json_lines_whose_types_change_after_the_first_block_are_read_whole(tmp_path, monkeypatch, capsys):
+    """A key that first appears in a later block, or a float where the first block held integers, cannot
+    stream (pyarrow fixes the types from the first block): the file is read whole, as before, so labels
+    are kept and a float is named by its row and line."""
+    from packkit.cli import main
+
+    cols = _examples(3000, labels=True)
+    src = tmp_path / "late.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": cols["input_ids"][i]} | ({"labels": cols["labels"][i]}
+                                                                             if i >= 2000 else {})) + "\n"
+                           for i in range(3000)))
+    _small_blocks(monkeypatch)
+    out = tmp_path / "o.parquet"
+    assert main(["pack", str(src), str(out), "-w", "200", "-q"]) == 0
+    ref = dict(cols)
+    ref["labels"] = [x if i >= 2000 else list(cols["input_ids"][i]) for i, x in enumerate(cols["labels"])]
+    assert _read_rows(out) == _in_memory_reference(ref, window=200).with_format("arrow")[:].to_pylist()
+    bad = tmp_path / "float.jsonl"
+    lines = [json.dumps({"input_ids": x}) for x in cols["input_ids"]]
+    lines[2500] = '{"input_ids": [3, 1.5, 4]}'
+    bad.write_text("\n".join(lines) + "\n")
+    assert main(["pack", str(bad), str(tmp_path / "o2.parquet"), "-w", "200", "-q"]) == 3
+    err = capsys.readouterr().err
+    assert f"dataset row 2500 (line 2,501 of '{bad}') has 1.5 (float) in 'input_ids'" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["float.jsonl", "late.jsonl", "o.parquet"]
+
+
+JSONL_TOKENS = 12_000_000  # 78 MB of JSON text; parsed whole it needs ~300 MiB over the imports
+JSONL_LIMIT_MIB = 512  # the command's imports take ~250 MiB of it; thread stacks count too
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA caps anonymous mappings on Linux only")
+def test_pack_json_lines_under_a_memory_limit(tmp_path):
+    """`packkit pack data.jsonl` streams under a 512 MiB cap on private memory (about 260 MiB above the
+    command's imports, thread stacks included), every token checked; the in-memory path (today's, the file parsed whole) fails
+    under the same cap, so the cap is known to bite."""
+    from packkit.writers import write_batches
+
+    lengths = _lengths(JSONL_TOKENS, seed=1)
+    src = tmp_path / "data.jsonl"
+    arrow = tmp_path / "data.arrow"
+    _write_arrow(arrow, lengths, batch_rows=5000)
+    reader = pa.ipc.open_stream(pa.memory_map(str(arrow)))
+    write_batches(src, reader.schema, reader, format="jsonl", background=False)
+    arrow.unlink()
+    out = tmp_path / "packed.arrow"
+    code = f"""
+        import sys
+        from packkit.cli import main
+        if sys.argv[1:] == ["in-memory"]:  # today's path: the file parsed whole, then packed
+            from packkit.sources import ArrowSource
+            ArrowSource.from_json_lines = classmethod(lambda cls, *a, **k: None)
+        code = main(["pack", {str(src)!r}, {str(out)!r}, "-w", "8192", "--example-ids", "-q", "--buffer-mb", "16"])
+        status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        print(code, status["VmHWM"].strip(), status["VmData"].strip())
+        sys.exit(code)
+    """
+    packed = _run_limited(code, JSONL_LIMIT_MIB)
+    print("streamed under the limit:", packed.stdout.strip(), packed.stderr.strip()[-300:])
+    assert packed.returncode == 0, packed.stderr[-3000:]
+    _check_every_token(out, lengths)
+    out.unlink()
+    old = _run_limited(code.replace("sys.argv[1:]", '["in-memory"]'), JSONL_LIMIT_MIB)
+    print("in-memory path:", old.returncode, old.stderr.strip().splitlines()[-1:])
+    assert old.returncode != 0 and ("out of memory" in old.stderr or "MemoryError" in old.stderr), old.stderr[-2000:]
+    assert not out.exists()

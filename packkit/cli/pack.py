@@ -8,8 +8,10 @@ OUT's format follows its name (:data:`packkit.writers.FORMATS`): ``.parquet``, `
 Out of core: IN is read once for its lengths (memory-mapped where it is Arrow: a ``save_to_disk``
 folder, an ``.arrow`` file; parquet is staged through a memory-mapped Arrow file beside OUT), and
 the packed rows are gathered and written a record batch at a time (:mod:`packkit.writers`), so memory
-holds the plan and ``--buffer-mb`` of rows, never the tokens (JSON lines and text input are parsed
-into memory first).
+holds the plan and ``--buffer-mb`` of rows, never the tokens. JSON lines holding token ids are parsed a
+block at a time and staged the same way (:meth:`packkit.sources.ArrowSource.from_json_lines`; a file whose
+types change after its first block is read whole, as before); text and conversations to tokenize are
+read into memory.
 
 OUT is written beside its final name and renamed into place when complete
 (:func:`packkit.fileio.atomic_output`): killed at any moment, OUT holds its previous content or does
@@ -29,7 +31,7 @@ from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HE
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..cp import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, Message, arg, check_int
-from ..datafiles import check_path, load_dataset, load_table, parquet_schema, tokens_table
+from ..datafiles import JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
 from ..offline import DEFAULT_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
@@ -91,9 +93,10 @@ def parser() -> Parser:
     return p
 
 
-def _source(src: Path, out: Path, args, columns, quiet: bool):
-    """IN as a :class:`packkit.sources.ArrowSource` (memory-mapped where the format allows), and how
-    its tokens were made (None: IN holds them)."""
+def _source(src: Path, out: Path, args, columns, quiet: bool, *, stream: bool = True):
+    """IN as a :class:`packkit.sources.ArrowSource` (memory-mapped where the format allows, JSON lines
+    streamed a block at a time unless ``stream`` is False), and how its tokens were made (None: IN
+    holds them)."""
     stage_dir = out.parent if out.parent.is_dir() else None
     token_col = columns[0] if columns else "input_ids"
     if src.is_dir():
@@ -105,6 +108,9 @@ def _source(src: Path, out: Path, args, columns, quiet: bool):
         table = ds.with_format("arrow")[:]  # text or conversations to tokenize
     elif src.suffix.lower() in (".parquet", ".pq") and token_col in parquet_schema(src).names:
         return ArrowSource.from_parquet(src, stage_dir=stage_dir), None
+    elif stream and src.suffix.lower() in (".jsonl", ".ndjson", ".json") and token_col in getattr(
+            streamed := ArrowSource.from_json_lines(src, stage_dir=stage_dir), "names", ()):
+        return streamed, None  # token ids in JSON lines: streamed and staged, never parsed whole
     else:
         table = load_table(src)  # memory-mapped for Arrow files; parsed into memory otherwise
     table, how = tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
@@ -143,10 +149,15 @@ def run(args, options=None) -> int:
     logging.getLogger("packkit").setLevel(logging.ERROR)
     with rows_as_lines(src):
         source, how = _source(src, out, args, columns, quiet)
-        packed = plan_source(source, window=args.window, strategy=args.strategy, overflow=args.overflow,
-                             columns=columns, seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc,
-                             example_ids=args.example_ids, progress=False if quiet else None, who="packkit pack",
-                             cp_size=args.cp_size, cp_layout=args.cp_layout)
+        planned = lambda source: plan_source(  # noqa: E731
+            source, window=args.window, strategy=args.strategy, overflow=args.overflow, columns=columns,
+            seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc, example_ids=args.example_ids,
+            progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
+        try:
+            packed = planned(source)
+        except JsonLinesChanged:  # a type that changes after the first block: read whole (pyarrow unifies it)
+            source, how = _source(src, out, args, columns, quiet, stream=False)
+            packed = planned(source)
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
