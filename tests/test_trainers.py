@@ -230,6 +230,15 @@ def test_sft_trainer_each_collator_matches_trl_padding_free(work, data, sft_refe
     padding-free path, laid out by each collator: the same loss at every micro-batch."""
     got = sft(work / f"sft-{name}", data, SAME_EXAMPLES[name](), max_length=None)
     assert_same_losses(got, sft_reference, f"SFTTrainer + {name}")
+    # TRL logs num_tokens from attention_mask.sum(), else position_ids.size(1): right for [1, T] rows
+    # (padding-free) and padded rows, W a micro-batch for [B, W] windows (the README says so, and which to use)
+    logged = [h["num_tokens"] for h in got.state.log_history if "num_tokens" in h]
+    want = [h["num_tokens"] for h in sft_reference.state.log_history if "num_tokens" in h]
+    print(f"SFTTrainer + {name}: TRL logs {logged[-1]:,} tokens, its padding-free path {want[-1]:,}")
+    if name in ("padding_free", "padded"):
+        assert logged == want
+    else:  # W per micro-batch, B windows in it: fewer than trained (documented in the README)
+        assert logged[-1] < want[-1]
 
 
 def test_sft_trainer_packed_rows_packkit_offline(work, packkit_rows):
