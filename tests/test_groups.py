@@ -236,6 +236,6 @@ def test_pack_dataset_keeps_groups_whole(tmp_path):
     assert sorted(seen) == list(range(n))
     short = ds.select(range(3)).map(lambda r: {"input_ids": r["input_ids"][:2]})  # a group of 6 tokens
     with pytest.raises(DataError, match=r"group 0 \(examples 0, 1, 2\) has 6 tokens > window=5"):
-        pack_dataset(short, window=5, group_column="prompt")
+        pack_dataset(short, window=5, group_column="prompt", overflow="error")
     with pytest.raises(ArgumentError, match="group_column needs the whole dataset"):
         pack_dataset(ds.to_iterable_dataset(), window=64, group_column="prompt")
