@@ -430,12 +430,26 @@ def test_locate_block_past_65535_segments(device):
 
 # -- a wrong TRITON_INTERPRET is named, never a silent skip (as the CPU cases did before the fix) --
 
-def _pytest_here(env_value, *extra):
+def _without_interpret(value=None) -> dict:
+    """This process's environment with TRITON_INTERPRET removed, or set to ``value``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if env_value is not None:
-        env["TRITON_INTERPRET"] = env_value
-    return subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-                           "-k", "logsumexp", *extra], env=env, capture_output=True, text=True, timeout=300)
+    if value is not None:
+        env["TRITON_INTERPRET"] = value
+    return env
+
+
+def _run_together(commands):
+    """Run ``(argv, env)`` pairs as concurrent subprocesses (each one a fresh interpreter: the variable is
+    read at import); returns ``(returncode, stdout + stderr)`` for each, in order."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv, env in commands]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 @pytest.mark.slow
@@ -443,17 +457,16 @@ def _pytest_here(env_value, *extra):
 def test_interpreter_setting_outside_make_test():
     """Run outside ``make test`` (TRITON_INTERPRET unset) the CPU cases really run,
     because the module sets it before packkit.kernels is imported; with TRITON_INTERPRET=0 they fail
-    naming the variable instead of skipping in silence; set after the import, the message says so."""
-    unset = _pytest_here(None)
-    assert unset.returncode == 0 and "1 passed" in unset.stdout, unset.stdout[-2000:]
-    off = _pytest_here("0")
-    assert off.returncode == 1 and "TRITON_INTERPRET is '0'" in off.stdout, off.stdout[-2000:]
-    late = subprocess.run(
-        [sys.executable, "-c", "import os, packkit.kernels.flash_varlen as f; os.environ['TRITON_INTERPRET'] = '1'; "
-                               "print(f.interpreter_problem())"],
-        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, capture_output=True, text=True,
-        timeout=300)
-    assert "was set after packkit.kernels was imported (it was unset then)" in late.stdout, late.stdout + late.stderr
+    naming the variable instead of skipping in silence; set after the import, the message says so.
+    (Three fresh interpreters, run side by side.)"""
+    here = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "logsumexp"]
+    late = [sys.executable, "-c", "import os, packkit.kernels.flash_varlen as f; os.environ['TRITON_INTERPRET'] = '1'; "
+                                  "print(f.interpreter_problem())"]
+    (unset_rc, unset), (off_rc, off), (_, late_out) = _run_together(
+        [(here, _without_interpret()), (here, _without_interpret("0")), (late, _without_interpret())])
+    assert unset_rc == 0 and "1 passed" in unset, unset[-2000:]
+    assert off_rc == 1 and "TRITON_INTERPRET is '0'" in off, off[-2000:]
+    assert "was set after packkit.kernels was imported (it was unset then)" in late_out, late_out
 
 
 # -- the compiled path, checked without a GPU: the kernels compile for sm_90 --

@@ -247,11 +247,11 @@ def test_with_trl_as_pasted(tmp_path, monkeypatch):
     words = lambda n: " ".join(f"t{i}" for i in rng.integers(3, 101, n))  # noqa: E731
     data = datasets.Dataset.from_list([{"prompt": words(int(rng.integers(2, 12))),
                                         "completion": " " + words(int(rng.integers(1, 12))) + " t2"}
-                                       for _ in range(24)])
+                                       for _ in range(8)])
     scope = run_readme("## With TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
                        dataset=data)
     trainer = scope["trainer"]
-    assert trainer.state.global_step == 9  # 3 epochs of 24 examples, 8 a step
+    assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step
     assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
     # the prompts carry no loss: labels as TRL prepared them, packed with every document's first label masked
     rows = [trainer.train_dataset[i] for i in range(8)]
@@ -276,10 +276,10 @@ def test_with_trl_packed_rows_as_pasted(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_with_trainer_as_pasted(tmp_path, monkeypatch):
-    tokenized = masked_dataset()
+    tokenized = masked_dataset(8)
     scope = run_readme("## With Trainer", 0, tmp_path, monkeypatch, model=tiny_model(), tokenized=tokenized)
     trainer = scope["trainer"]
-    assert trainer.state.global_step == 9
+    assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step
     assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
     # what remove_unused_columns=False is for: without it the mask column never reaches the collator
     code = readme_code("## With Trainer", "python")

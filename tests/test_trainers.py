@@ -1,5 +1,5 @@
 """packkit's collators inside the real trainers: TRL's ``SFTTrainer`` and ``transformers.Trainer``,
-three optimiser steps each (two micro-batches a step), on a tiny random Llama (CPU, float64), a tokenizer
+two optimiser steps each (two micro-batches a step: the second step's losses follow the first update), on a tiny random Llama (CPU, float64), a tokenizer
 built here and generated data.
 
 The reference is TRL's own padding-free path on the same data and seed: ``SFTConfig(padding_free=True)``
@@ -38,7 +38,7 @@ from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedColla
 from packkit.loss import hf_compute_loss_func, token_normalized_loss  # noqa: E402
 
 TOL = 1e-6
-VOCAB, WINDOW, STEPS, BATCH, ACCUM = 64, 48, 3, 4, 2
+VOCAB, WINDOW, STEPS, BATCH, ACCUM = 64, 48, 2, 4, 2
 IGNORE = -100
 
 
