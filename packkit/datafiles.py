@@ -621,6 +621,37 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
     return table.append_column(column, col), f"column {text_column!r} tokenized with {tok}"
 
 
+def _json_lines_lengths(path: Path, column: str):
+    """``(lengths, targets or None)`` of a JSON lines file of token ids, read a block at a time (memory: a
+    block, one entry per example and one bool per token for the loss targets; the rules of the Arrow path,
+    errors naming the dataset row); None where it does not apply (another format, no list column
+    ``column`` in the first block, packed rows, a type or key that changes after it: read whole instead)."""
+    if not path.is_file() or _suffix(path) not in (".jsonl", ".ndjson", ".json"):
+        return None
+    pa = pyarrow()
+    block = max(JSON_BLOCK_BYTES, json_block_size(path))
+    schema = json_lines_schema(path, block_size=block)
+    if (schema is None or column not in schema.names or not pa.types.is_list(schema.field(column).type)
+            or {"seq_lengths", "position_ids"} & set(schema.names)):
+        return None
+    lengths, targets, row = [], [], 0
+    try:
+        for batch in json_batches(path, block_size=block):
+            if batch.schema.names != schema.names:  # a key that appears after the first block
+                return None
+            table = pa.Table.from_batches([batch])
+            n = token_lengths(table.column(column), key=column, rows=row)
+            lengths.append(n)
+            targets.append(loss_targets(table, n, key=column, rows=row))
+            row += batch.num_rows
+    except JsonLinesChanged:
+        return None
+    if any(t is None for t in targets) != all(t is None for t in targets):
+        return None  # a loss column in some blocks only: read whole
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    return lengths, (np.concatenate(targets) if targets and targets[0] is not None else None)
+
+
 def bundled_sample() -> Lengths:
     """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
     lengths = np.load(SAMPLE_PATH).astype(np.int64)
@@ -656,6 +687,12 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             and column != "text":  # text lines in bytes: the same lengths as the Arrow path, without pyarrow
         lengths = _text_byte_lengths(path)
         source, unit = f"{path.name}, column 'text' tokenized with bytes", "bytes"
+    elif (streamed := _json_lines_lengths(path, column)) is not None:  # JSON lines a block at a time
+        lengths, targets = as_lengths(streamed[0], name=f"lengths in {path.name}"), streamed[1]
+        source, unit = f"{path.name}, column {column!r}", "tokens"
+        if targets is not None:
+            csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
+            loss = csum[offsets[1:]] - csum[offsets[:-1]]
     else:
         pa = pyarrow()
         table = load_table(path, split=split)

@@ -518,3 +518,23 @@ def test_pack_json_lines_under_a_memory_limit(tmp_path):
     print("in-memory path:", old.returncode, old.stderr.strip().splitlines()[-1:])
     assert old.returncode != 0 and ("out of memory" in old.stderr or "MemoryError" in old.stderr), old.stderr[-2000:]
     assert not out.exists()
+
+
+def test_waste_and_plan_read_json_lines_a_block_at_a_time(tmp_path, monkeypatch):
+    """read_lengths (what `waste` and `plan` measure) streams JSON lines of token ids: lengths, loss lengths
+    and loss targets equal the whole-file read's over many blocks; packed rows are read whole (as their
+    documents)."""
+    import packkit.datafiles as datafiles
+
+    cols = _examples(1500, labels=True)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({k: cols[k][i] for k in cols}) + "\n" for i in range(1500)))
+    monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 32 << 10)
+    monkeypatch.setattr(datafiles, "json_block_size", lambda path: 32 << 10)
+    streamed = datafiles._json_lines_lengths(src, "input_ids")
+    assert streamed is not None
+    got = datafiles.read_lengths(src)
+    monkeypatch.setattr(datafiles, "_json_lines_lengths", lambda *a: None)
+    whole = datafiles.read_lengths(src)
+    assert np.array_equal(got.lengths, whole.lengths) and np.array_equal(got.loss_lengths, whole.loss_lengths)
+    assert np.array_equal(got.targets, whole.targets) and got.lengths.tolist() == [len(x) for x in cols["input_ids"]]
