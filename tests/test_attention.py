@@ -254,9 +254,12 @@ def test_auto_prefers_the_varlen_kernels_it_can_run(stand_ins, expected):
     assert attention.select_backend(q, k, v) == "reference"  # and the stand-ins are gone after the block
 
 
-def test_auto_skips_triton_on_cpu(monkeypatch):
+def test_auto_skips_triton_on_cpu():
+    """The Triton kernels can run here (under the interpreter: no problem reported), yet auto skips them."""
     q, k, v = _cpu_qkv()
-    monkeypatch.setitem(attention._PROBLEMS, "triton", lambda q, k, v: None)
+    problem = attention.backend_problems(q, k, v)["triton"]
+    if problem is not None:
+        pytest.skip(f"the Triton kernels cannot run here: {problem}")
     assert attention.select_backend(q, k, v) == "reference"
 
 
