@@ -92,3 +92,31 @@ def test_cli_warns_in_one_line_and_names_what_it_did(tok_dir, tmp_path, capsys):
     assert main(["waste", str(src), "--tokenizer", str(tok_dir / "tokenizer.json"), "-q"]) == 2
     assert "defines no EOS token" in capsys.readouterr().err
     assert warnings.showwarning is shown  # the command leaves Python's warning machinery as it found it
+
+
+@pytest.mark.parametrize("out_name", ["tok.parquet", "tok.jsonl"])
+def test_tokenize_once_then_waste_plan_pack_read_it(tok_dir, tmp_path, capsys, out_name):
+    """``packkit tokenize IN OUT`` writes input_ids and TRL's loss mask; waste, plan and pack then report
+    on OUT exactly what they report on IN with the tokenizer (examples, tokens, loss tokens), without it."""
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 5))
+    out = tmp_path / out_name
+    assert main(["tokenize", str(src), str(out), "--tokenizer", str(tok_dir), "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["columns"] == ["input_ids", "assistant_masks"] and made["examples"] == 5 * len(CONVERSATIONS)
+
+    def report(*argv):
+        assert main(list(argv)) == 0, capsys.readouterr().err
+        return json.loads(capsys.readouterr().out)
+
+    for cmd in (["waste", "-q"], ["plan"]):
+        direct = report(cmd[0], str(src), "--tokenizer", str(tok_dir), "-w", "16", "--json", *cmd[1:])
+        again = report(cmd[0], str(out), "-w", "16", "--json", *cmd[1:])
+        keys = ("examples", "input_tokens", "loss_tokens") if cmd[0] == "waste" else (
+            "num_examples", "num_tokens", "loss_tokens", "steps_per_epoch")
+        assert {k: direct[k] for k in keys} == {k: again[k] for k in keys}
+    a = report("pack", str(src), str(tmp_path / "a.parquet"), "--tokenizer", str(tok_dir), "-w", "16", "--json")
+    b = report("pack", str(out), str(tmp_path / "b.parquet"), "-w", "16", "--json")
+    assert (a["loss_tokens"], a["rows"], a["tokens"]) == (b["loss_tokens"], b["rows"], b["tokens"])
+    assert main(["tokenize", str(out), str(tmp_path / "again.parquet"), "--tokenizer", str(tok_dir)]) == 3
+    assert "holds token ids already" in capsys.readouterr().err

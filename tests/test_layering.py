@@ -25,7 +25,7 @@ FLOORS = [
     ["collate", "sources", "model_inputs"],
     ["offline"],
     ["raydata"],
-    ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.__main__", "__main__"],
+    ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
 ]
 
 

@@ -3,6 +3,7 @@
     packkit waste [FILE]          padding waste of each batching strategy (the main job)
     packkit pack IN OUT -w W      offline packing of a dataset
     packkit plan [FILE]           effective batch, tokens per step, steps per epoch, advice
+    packkit tokenize IN OUT       token ids and TRL's loss mask of text or chat data, written once
 
 Each subcommand is a module of this package with ``parser() -> Parser`` and ``run(args) -> int`` over the
 library functions of the module that owns its subject. This file parses, dispatches, and turns every
@@ -50,6 +51,7 @@ SUBCOMMANDS = {
     "waste": ("packkit.cli.waste", "padding waste of each batching strategy, with a table and a plot"),
     "pack": ("packkit.cli.pack", "pack a dataset offline into windows (parquet, jsonl, arrow, datasets folder)"),
     "plan": ("packkit.cli.plan", "effective batch, tokens per step and steps per epoch, with advice"),
+    "tokenize": ("packkit.cli.tokenize", "tokenize text or chat data once (input_ids, TRL's loss mask) for the others"),
 }
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DATA, EXIT_SYSTEM = 0, 1, 2, 3, 4
