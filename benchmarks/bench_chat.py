@@ -14,9 +14,11 @@ Providers, each on the same ``datasets.Dataset`` with assistant-only loss:
   ``SFTTrainer(train_dataset=...)`` runs before training, one example at a time through ``Dataset.map``;
 * one ``apply_chat_template`` call per example (the tokenizing step alone, as TRL calls it).
 
-The labels must agree exactly (checked). Prints a table, then one JSON line.
+The labels must agree exactly (checked). With ``--num-proc 1,2`` packkit (``tokenize_chat(num_proc=N)``) and
+TRL (``SFTConfig(dataset_num_proc=N)``) are measured at each process count, and each result checked
+identical to the one-process labels. Prints a table, then one JSON line.
 
-    python benchmarks/bench_chat.py [--conversations 4000] [--repeat 3]
+    python benchmarks/bench_chat.py [--conversations 4000] [--repeat 3] [--num-proc 1,2]
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=4000)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--num-proc", default="1", help="comma-separated process counts (default 1)")
     args = p.parse_args()
+    procs = [int(x) for x in args.num_proc.split(",")]
 
     import datasets
     import transformers
@@ -99,6 +103,11 @@ def main() -> None:
     t_packkit, table = best_of(lambda: tokenize_chat(ds, tok), args.repeat)
     ids = table.column("input_ids").to_pylist()
     ours = labels_of(ids, table.column("assistant_masks").to_pylist())
+    t_procs = {1: t_packkit}
+    for n in procs:
+        if n > 1:
+            t_procs[n], got = best_of(lambda: tokenize_chat(ds, tok, num_proc=n), args.repeat)
+            assert got.equals(table), f"packkit with num_proc={n} differs from one process"
     tokens = sum(len(x) for x in ids)
     loss = sum(sum(x != -100 for x in row) for row in ours)
 
@@ -111,7 +120,15 @@ def main() -> None:
                             assistant_only_loss=True)
         trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds.select(range(8)), processing_class=tok)
         t_trl, prepared = best_of(lambda: trainer._prepare_dataset(ds, tok, cfg, False, None, "train"), args.repeat)
-    assert prepared["input_ids"] == ids and prepared["labels"] == ours, "packkit and TRL disagree"
+        assert prepared["input_ids"] == ids and prepared["labels"] == ours, "packkit and TRL disagree"
+        t_trl_procs = {1: t_trl}
+        for n in procs:
+            if n > 1:
+                cfg_n = trl.SFTConfig(output_dir=d, report_to=[], bf16=False, use_cpu=True, max_length=None,
+                                      assistant_only_loss=True, dataset_num_proc=n)
+                t_trl_procs[n], prep = best_of(lambda: trainer._prepare_dataset(ds, tok, cfg_n, False, None, "train"),
+                                               args.repeat)
+                assert prep["input_ids"] == ids and prep["labels"] == ours, f"TRL with {n} processes disagrees"
 
     def per_example():
         return [tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -122,15 +139,23 @@ def main() -> None:
 
     rows = [("packkit tokenize_chat", t_packkit), ("TRL SFTTrainer._prepare_dataset", t_trl),
             ("apply_chat_template per example", t_loop)]
+    for n in procs:
+        if n > 1:
+            rows += [(f"packkit tokenize_chat, {n} procs", t_procs[n]), (f"TRL _prepare_dataset, {n} procs",
+                                                                         t_trl_procs[n])]
     v = versions("transformers", "tokenizers", "trl", "datasets", "pyarrow")
     print(f"chat data: {len(convs):,} conversations, {tokens:,} tokens, {loss:,} loss tokens (assistant replies); "
           f"byte-level BPE (8,192), best of {args.repeat}")
     print(f"{'provider':<34} {'seconds':>8} {'tokens/s':>12} {'vs packkit':>10}")
     for name, t in rows:
         print(f"{name:<34} {t:>8.3f} {tokens / t:>12,.0f} {t / t_packkit:>9.2f}x")
-    print("labels identical across the three: yes")
+    print("labels identical across every provider and process count: yes")
+    speedup = {n: round(t_trl_procs[n] / t_procs[n], 3) for n in procs}
+    for n in procs:
+        print(f"{n} process(es): packkit {speedup[n]:.2f}x faster than TRL's preparation (target >= 2x: "
+              f"{'met' if speedup[n] >= 2 else 'MISSED'})")
     print(json.dumps({"bench": "chat", "conversations": len(convs), "tokens": tokens, "loss_tokens": loss,
-                      "seconds": {name: round(t, 4) for name, t in rows}, "versions": v}))
+                      "seconds": {name: round(t, 4) for name, t in rows}, "speedup_vs_trl": speedup, "versions": v}))
 
 
 if __name__ == "__main__":

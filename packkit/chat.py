@@ -666,7 +666,8 @@ class _Encoder:
 
 def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
                   completion_only_loss: bool = True, trust_remote_code: bool = False,
-                  batch_size: int = BATCH_SIZE, progress: bool = False, format: str | None = None):
+                  batch_size: int = BATCH_SIZE, progress: bool = False, format: str | None = None,
+                  num_proc: int | None = None):
     """Token ids and TRL's loss mask of conversational data (module docstring), as an Arrow table.
 
     Args:
@@ -680,6 +681,9 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
         batch_size: conversations per tokenizer call.
         progress: a progress bar (examples) on stderr.
+        num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s: the rows are cut
+            into ``num_proc`` contiguous parts, each encoded in its own process (forked where the platform
+            allows), and joined in order: the same table as one process gives.
         format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's
             precedence: rows holding both ``prompt`` + ``completion`` and ``messages`` are read as
             prompt/completion, and a :class:`ChatWarning` names the column left unread).
@@ -706,16 +710,15 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
                         f"are {table.column_names}")
     check_int(batch_size, "batch_size")
+    num_proc = 1 if num_proc is None else check_int(num_proc, "num_proc")
     enc = _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
-    ids_chunks, mask_chunks = [], []
     n = table.num_rows
     with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
-        for lo in range(0, n, batch_size):
-            ids, mask = enc.encode(table.slice(lo, batch_size), lo)
-            ids_chunks.append(ids)
-            mask_chunks.append(mask)
-            bar.update(len(ids))
+        if num_proc > 1 and n > batch_size:
+            ids_chunks, mask_chunks, enc.diverged = _encode_in_processes(enc, table, batch_size, num_proc, bar)
+        else:
+            ids_chunks, mask_chunks, _ = _encode_range(enc, table, 0, batch_size, bar)
     enc.warn_diverged(n)
     names = ["input_ids"]
     arrays = [_chunked(ids_chunks, pa.int32())]
@@ -723,6 +726,52 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         names.append(enc.mask_name)
         arrays.append(_chunked(mask_chunks, pa.int8()))
     return pa.Table.from_arrays(arrays, names=names)
+
+
+def _encode_range(enc: _Encoder, table, base: int, batch_size: int, bar=None):
+    """``(ids chunks, mask chunks, diverged)`` of ``table``'s rows (the first is example ``base``), a batch
+    at a time: what :func:`tokenize_chat` joins."""
+    ids_chunks, mask_chunks = [], []
+    for lo in range(0, table.num_rows, batch_size):
+        ids, mask = enc.encode(table.slice(lo, batch_size), base + lo)
+        ids_chunks.append(ids)
+        mask_chunks.append(mask)
+        if bar is not None:
+            bar.update(len(ids))
+    return ids_chunks, mask_chunks, enc.diverged
+
+
+def _encode_part(job):
+    """A worker's part (module level, to be pickled): ``(enc, table, base, batch_size)`` -> :func:`_encode_range`."""
+    enc, table, base, batch_size = job
+    enc.diverged = 0
+    return _encode_range(enc, table, base, batch_size)
+
+
+def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, bar):
+    """:func:`_encode_range` over ``num_proc`` contiguous parts of ``table``, one process each, joined in order.
+
+    Forked where the platform allows (no re-import; the tokenizer's Rust thread pool is told not to run
+    in the children, ``TOKENIZERS_PARALLELISM=false``, as ``tokenizers`` asks of forked processes)."""
+    import concurrent.futures
+    import multiprocessing
+
+    n = table.num_rows
+    cuts = np.linspace(0, n, num_proc + 1).astype(np.int64)
+    jobs = [(enc, table.slice(int(a), int(b - a)), int(a), batch_size) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context(method)) as pool:
+            parts = []
+            for part in pool.map(_encode_part, jobs):
+                parts.append(part)
+                bar.update(sum(len(c) for c in part[0]))
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    return ([c for p in parts for c in p[0]], [c for p in parts for c in p[1]], sum(p[2] for p in parts))
 
 
 def _chunked(chunks: list, value_type):
@@ -758,7 +807,7 @@ def _as_table(data):
 
 def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=None,
                      completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None,
-                     format: str | None = None):
+                     format: str | None = None, num_proc: int | None = None):
     """Conversational ``datasets`` data tokenized through ``tokenizer``'s chat template: the step before
     :func:`packkit.offline.pack_dataset` (``packkit pack`` composes both).
 
@@ -779,7 +828,7 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
         return type(ds)({name: tokenize_dataset(
             split, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
             completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, progress=progress,
-            format=format) for name, split in ds.items()})
+            format=format, num_proc=num_proc) for name, split in ds.items()})
     features = ds.features
     fmt = chat_format(features.arrow_schema, format=format) if features is not None else None
     if fmt is None:
@@ -792,7 +841,7 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
     if isinstance(ds, datasets.Dataset):
         if progress is None:
             progress = len(ds) >= PROGRESS_EXAMPLES and datasets.utils.logging.is_progress_bar_enabled()
-        table = tokenize_chat(ds, tokenizer, progress=progress, format=format, **options)
+        table = tokenize_chat(ds, tokenizer, progress=progress, format=format, num_proc=num_proc, **options)
         return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
     import pyarrow as pa
 

@@ -120,3 +120,15 @@ def test_tokenize_once_then_waste_plan_pack_read_it(tok_dir, tmp_path, capsys, o
     assert (a["loss_tokens"], a["rows"], a["tokens"]) == (b["loss_tokens"], b["rows"], b["tokens"])
     assert main(["tokenize", str(out), str(tmp_path / "again.parquet"), "--tokenizer", str(tok_dir)]) == 3
     assert "holds token ids already" in capsys.readouterr().err
+
+
+def test_num_proc_gives_the_same_table(tok_dir):
+    """``tokenize_chat(num_proc=2)`` cuts the rows into two parts, one process each, and joins them in
+    order: the same table as one process, the example numbers in errors and warnings those of the whole."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
+    one = tokenize_chat(table, tok, batch_size=16)
+    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one)
+    bad = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40] + [{"messages": []}])
+    with pytest.raises(ValueError, match=f"example {bad.num_rows - 1} has an empty 'messages' conversation"):
+        tokenize_chat(bad, tok, batch_size=16, num_proc=2)

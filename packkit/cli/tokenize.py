@@ -35,6 +35,8 @@ def parser() -> Parser:
     p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow, OUT.feather, or a folder name (save_to_disk)")
     p.add_argument("--text-column", default="text", help="text column, when the data is not conversational")
     add_tokenizer_arguments(p, default=None)
+    p.add_argument("--num-proc", type=int, default=None,
+                   help="processes that render and tokenize (default 1), as datasets.map's num_proc")
     p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (never IN)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
@@ -54,7 +56,7 @@ def run(args, options=None) -> int:
             raise DataError(f"{str(src)!r} holds token ids already (input_ids): nothing to tokenize; packkit waste, "
                             "plan and pack read it as it is")
         table, how = tokens_table(table, tokenizer=args.tokenizer, text_column=args.text_column,
-                                  chat=chat_options(args), progress=not (args.quiet or args.json),
+                                  chat={**chat_options(args), "num_proc": args.num_proc}, progress=not (args.quiet or args.json),
                                   where=repr(str(src)))
     if table.num_rows == 0:
         raise DataError(f"{str(src)!r} holds no examples")
