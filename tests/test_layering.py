@@ -7,6 +7,7 @@ function-level imports; the walk of a file path through ``packkit plan`` doubled
 """
 
 import ast
+import functools
 import graphlib
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def _imports(name: str, path: Path, modules: dict):
                 yield t, node.lineno, id(node) in inside
 
 
+@functools.cache
 def _graph():
     modules = _modules()
     return modules, {name: list(_imports(name, path, modules)) for name, path in modules.items()}
