@@ -53,7 +53,6 @@ found ranks starved when a micro-batch held fewer groups than ranks).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import numpy as np
 import torch
@@ -62,7 +61,7 @@ from .batch import PackedBatch
 from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
 from .collate import padding_free_batch, rows_batch
-from .errors import ArgumentError, DataError, arg
+from .errors import ArgumentError, DataError, arg, check_int
 from .examples import location, read_column
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
@@ -661,9 +660,7 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
 def _check_num_windows(num_windows):
     if num_windows is None:
         return None
-    if isinstance(num_windows, bool) or not isinstance(num_windows, numbers.Integral) or num_windows < 1:
-        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("num_windows"), got=num_windows)
-    return int(num_windows)
+    return check_int(num_windows, "num_windows")
 
 
 def _read_ids(examples, key: str, missing: str) -> tuple[np.ndarray, np.ndarray]:
@@ -805,8 +802,7 @@ def shard_groups(group_tokens, *, world_size: int, max_tokens: int) -> list[list
     #7328), a group longer than ``max_tokens``, or counts that cannot be evened without splitting a group.
     """
     tokens = np.asarray(group_tokens, np.int64)
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ArgumentError("{arg} must be a positive integer, got {got!r}", arg=arg("world_size"), got=world_size)
+    world_size = check_int(world_size, "world_size")
     max_tokens = check_window(max_tokens)
     if tokens.size < world_size:
         raise DataError(f"{tokens.size} groups for {world_size} ranks: a rank would have no work (and a collective "
