@@ -524,20 +524,24 @@ def _tmpfs_prefix(mount: Path, size: str) -> tuple | None:
 def test_full_disk_and_file_size_limit_leave_nothing(tmp_path):
     """A disk that fills while parquet input is staged beside OUT, or while OUT is written (a real small
     tmpfs where the machine allows it, else a file-size limit), and a file-size limit (EFBIG): exit 4, one
-    line naming OUT or the folder staged in, nothing left on the disk. The staging file used to stay
+    line naming OUT or the folder its input is staged in, nothing left on the disk. The staging file used to stay
     (the disk stayed full), EFBIG exited 3 naming no file."""
-    src, jsonl = tmp_path / "in.parquet", tmp_path / "in.jsonl"
+    src, jsonl, arrow = tmp_path / "in.parquet", tmp_path / "in.jsonl", tmp_path / "in.arrow"
     ids = small_parquet(src, rows=3000)
     jsonl.write_text("".join(json.dumps({"input_ids": x}) + "\n" for x in ids))
+    table = pq.read_table(src)
+    with pa.ipc.new_stream(str(arrow), table.schema) as w:  # memory-mapped, not staged: OUT fills the disk
+        w.write_table(table)
     disk = tmp_path / "disk"
     prefix = _tmpfs_prefix(disk, "256k")
     if prefix is None:
         disk.mkdir(exist_ok=True)
     full = {} if prefix is not None else {"fsize": 256 << 10}
     cases = [{"argv": ("pack", src, disk / "o.parquet", "-w", "256", "-q"), "list": [str(disk)], **full}]
-    cases += [{"argv": ("pack", jsonl, disk / name, "-w", "256", "-q"), "list": [str(disk)], **full}
+    cases += [{"argv": ("pack", jsonl, disk / "o.arrow", "-w", "256", "-q"), "list": [str(disk)], **full}]
+    cases += [{"argv": ("pack", arrow, disk / name, "-w", "256", "-q"), "list": [str(disk)], **full}
               for name in ("o.parquet", "o.arrow", "o.jsonl", "ods")]
-    cases += [{"argv": ("pack", jsonl, tmp_path / "big.parquet", "-w", "256", "-q"), "list": [str(tmp_path)],
+    cases += [{"argv": ("pack", arrow, tmp_path / "big.parquet", "-w", "256", "-q"), "list": [str(tmp_path)],
                "fsize": 64 << 10}]
     proc = driver(tmp_path, cases, prefix=prefix or ())
     out, err = proc.communicate(timeout=300)
@@ -551,9 +555,9 @@ def test_full_disk_and_file_size_limit_leave_nothing(tmp_path):
             assert result["stderr"].count("\n") == 1, result
             folder, = result["listing"]
             assert not [n for n in result["listing"][folder] if TMP_MARK in n], result
-            target = Path(case["argv"][2])
-            staged = case["argv"][1] == src
-            named = f"{target.parent} (staging '{src}' there)" if staged else str(target)
+            target, staged_from = Path(case["argv"][2]), case["argv"][1]
+            # parquet and JSON lines input are staged beside OUT (the disk fills there); Arrow is mapped
+            named = str(target) if staged_from == arrow else f"{target.parent} (staging '{staged_from}' there)"
             assert f"packkit pack: error: {named}: " in result["stderr"], result
             assert ("File too large" if case.get("fsize") == 64 << 10 else why) in result["stderr"], result
             assert not target.exists()
