@@ -194,6 +194,7 @@ class BudgetReport:
             ("loss tokens", f"{self.loss_tokens:,} in the epoch"
              + ("  (assumed: all but each example's first)" if self.loss_tokens_assumed else "")),
             ("loss tokens per step", _spread(self.loss_tokens_per_step)),
+            ("longest example", f"{self.longest_example:,} tokens (as given, before the overflow policy)"),
             ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
             ("padding", f"{100 * self.padding_fraction:.1f}% of the "
                         + ("window slots" if self.mode == "packed" else "padded positions")),

@@ -164,3 +164,17 @@ def test_one_overflow_default_in_python_and_on_the_command_line(caplog):
         out = offline.pack_dataset(ds, window=4, shuffle=False)
     assert sorted(sum(out["input_ids"], [])) == list(range(1, 8))  # every token kept
     assert "split 1 of 2 examples longer than window=4" in caplog.text
+
+
+def test_plan_warns_about_an_example_far_beyond_the_window(tmp_path, capsys):
+    """Before the fix ``plan --padded`` gave no advice for a 235,001-token example, and no command showed
+    the real longest example. Now: a row with it, and advice packed and padded."""
+    lengths = np.random.default_rng(0).integers(50, 800, 500)
+    lengths[5] = 235_001
+    np.save(tmp_path / "l.npy", lengths)
+    assert main(["plan", str(tmp_path / "l.npy")]) == 0
+    out = capsys.readouterr().out
+    assert "longest example       235,001 tokens (as given" in out
+    assert "[far_beyond_window] the longest example has 235,001 tokens, 115 times the window of 2,048" in out
+    assert main(["plan", str(tmp_path / "l.npy"), "--padded"]) == 0
+    assert "[far_beyond_batch] the longest example has 235,001 tokens" in capsys.readouterr().out
