@@ -40,6 +40,7 @@ def tok_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # builds a real SFTTrainer (TRL's dataset preparation)
 def test_mixed_rows_follow_trls_precedence_and_format_chooses(tok_dir):
     """TRL's SFTTrainer tokenizes a row with ``prompt`` as prompt/completion (``"prompt" in example``
     decides first): the same tokens and labels as its preparation of those pairs, a warning naming the
@@ -122,6 +123,7 @@ def test_tokenize_once_then_waste_plan_pack_read_it(tok_dir, tmp_path, capsys, o
     assert "holds token ids already" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # processes
 def test_num_proc_gives_the_same_table(tok_dir):
     """``tokenize_chat(num_proc=2)`` cuts the rows into two parts, one process each, and joins them in
     order: the same table as one process, the example numbers in errors and warnings those of the whole."""

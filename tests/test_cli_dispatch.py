@@ -132,6 +132,7 @@ def test_switches_render_as_their_flags():
     assert arg("assistant_only_loss", False).render(None) == "assistant_only_loss=False"
 
 
+@pytest.mark.slow  # processes
 def test_python_dash_m_packkit_is_the_command():
     """Before the fix ``python -m packkit`` failed (no ``packkit/__main__.py``); it is the command now."""
     import subprocess
