@@ -62,6 +62,17 @@ def _raise(signum, frame):
     raise Interrupted(signum)
 
 
+def _install(signums, handler, old: dict) -> None:
+    """Set ``handler`` for each of ``signums`` not ignored (``SIG_IGN``) or foreign (``None``), filing
+    the handler it replaces in ``old`` (filled as it goes, so a caller's ``finally`` restores a partial
+    install)."""
+    for s in signums:
+        current = signal.getsignal(s)
+        if current is signal.SIG_IGN or current is None:
+            continue
+        old[s] = signal.signal(s, handler)
+
+
 @contextlib.contextmanager
 def signals_raise(signums=STOP_SIGNALS):
     """Inside, each of ``signums`` raises :class:`Interrupted` in the main thread (SIGTERM no longer
@@ -72,11 +83,7 @@ def signals_raise(signums=STOP_SIGNALS):
         return
     old = {}
     try:
-        for s in signums:
-            current = signal.getsignal(s)
-            if current is signal.SIG_IGN or current is None:
-                continue
-            old[s] = signal.signal(s, _raise)
+        _install(signums, _raise, old)
         yield
     finally:
         for s, handler in old.items():
@@ -97,11 +104,7 @@ def deferred(signums=STOP_SIGNALS):
     held: list = []
     old = {}
     try:
-        for s in signums:
-            current = signal.getsignal(s)
-            if current is signal.SIG_IGN or current is None:
-                continue
-            old[s] = signal.signal(s, lambda signum, frame: held.append(signum))
+        _install(signums, lambda signum, frame: held.append(signum), old)
         yield
     finally:
         for s, handler in old.items():

@@ -100,18 +100,7 @@ def llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     dist.all_gather(kg, k.contiguous(), group=group)
     dist.all_gather(vg, v.contiguous(), group=group)
     kk, vv = torch.cat(kg)[local_k_slice], torch.cat(vg)[local_k_slice]
-    outs = []
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(cq) - 1):
-        qs, ks, vs = q[cq[i]:cq[i + 1]], kk[ck[i]:ck[i + 1]], vv[ck[i]:ck[i + 1]]
-        nq, nk = qs.shape[0], ks.shape[0]
-        assert nq <= max_seqlen_q and nk <= max_seqlen_k
-        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
-        group_heads = q.shape[1] // k.shape[1]
-        ke, ve = ks.repeat_interleave(group_heads, 1), vs.repeat_interleave(group_heads, 1)
-        s = torch.einsum("nhd,mhd->hnm", qs, ke) / qs.shape[-1] ** 0.5
-        outs.append(torch.einsum("hnm,mhd->nhd", torch.softmax(s.masked_fill(~allowed, float("-inf")), -1), ve))
-    return torch.cat(outs)
+    return flash_attn_varlen_func(q, kk, vv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
