@@ -26,7 +26,6 @@ choose from, and :func:`pack_to_cost` builds the step's windows from documents t
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import numbers
 
 import numpy as np

@@ -85,6 +85,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .errors import ArgumentError
 from .segments import IGNORE_INDEX
 
 __all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents"]
@@ -484,9 +485,7 @@ class PackedBatch(dict):
         ``block_mask()``), for layer types other than full and sliding attention (chunked, linear...),
         and for bidirectional sliding windows.
         """
-        config = getattr(model, "config", model)
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
+        config = text_config(model)
         impl = getattr(config, "_attn_implementation", None)
         if impl not in (None, "eager", "sdpa"):
             how = ("pass the batch without a mask (model(**batch)): flash attention reads cu_seq_lens_q/k"
@@ -497,24 +496,16 @@ class PackedBatch(dict):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("hf_mask builds causal masks; this model uses bidirectional attention "
                              "(config.use_bidirectional_attention), whose window is not causal")
-        types = _layer_types(config)
+        types = layer_types(config)
         other = sorted(types - {"full_attention", "sliding_attention"})
         if other:
             raise ValueError(f"hf_mask knows full and sliding-window attention layers; this model also has "
                              f"{other} layers, whose masks it cannot build: pass the batch without a mask "
                              "(model(**batch)) and let the model build them from position_ids")
-        window = None
-        if "sliding_attention" in types:
-            window = getattr(config, "sliding_window", None)
-            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-                raise ValueError(f"the model has sliding-window layers but config.sliding_window is {window!r}; "
-                                 "set it to the window (a positive int)")
-        dtype = _mask_dtype(model, config, dtype)
-        masks = {}
-        for kind in sorted(types):
-            allowed = self.dense_mask(sliding_window=window if kind == "sliding_attention" else None)
-            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            masks[kind] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        window = sliding_window(config, types)
+        dtype = mask_dtype(model, config, dtype)
+        masks = {kind: additive_mask(self.dense_mask(sliding_window=window if kind == "sliding_attention" else None),
+                                     dtype) for kind in sorted(types)}
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def block_mask(self, *, BLOCK_SIZE: int = 128):
@@ -616,7 +607,14 @@ def _positive(value, name: str) -> int:
     return value
 
 
-def _layer_types(config) -> set[str]:
+def text_config(model):
+    """The config whose layers a mask is for: ``model.config`` (or ``model`` itself, a config), its text
+    config for a multimodal model."""
+    config = getattr(model, "config", model)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_types(config) -> set[str]:
     """The attention kinds of a transformers config's layers: ``config.layer_types`` when it has them,
     else all sliding when ``config.sliding_window`` is set (Mistral, Phi3), else all full (Llama)."""
     types = getattr(config, "layer_types", None)
@@ -626,7 +624,20 @@ def _layer_types(config) -> set[str]:
     return {"sliding_attention"} if getattr(config, "sliding_window", None) is not None else {"full_attention"}
 
 
-def _mask_dtype(model, config, dtype) -> torch.dtype:
+def sliding_window(config, types: set[str]) -> int | None:
+    """``config.sliding_window`` when ``types`` has sliding layers (None otherwise), or an error if it is
+    not a positive int."""
+    if "sliding_attention" not in types:
+        return None
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ArgumentError(f"the model has sliding-window layers but config.sliding_window is {window!r}; "
+                            "set it to the window (a positive int)")
+    return window
+
+
+def mask_dtype(model, config, dtype) -> torch.dtype:
+    """``dtype``, by default the model's parameters' dtype, else the config's, else torch's default."""
     if dtype is None:
         param = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
         dtype = param.dtype if param is not None else getattr(config, "dtype", None)
@@ -639,7 +650,11 @@ def _mask_dtype(model, config, dtype) -> torch.dtype:
     return dtype
 
 
-# -- the registry that lets a batch rebuilt from its bare view find its padding again -----------
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, L, L]`` bool -> the additive float ``[B, 1, L, L]`` of ``dtype`` that eager and sdpa attention
+    add to the scores: 0 where allowed, the dtype's minimum elsewhere."""
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def _seq_idx_of(cu: torch.Tensor, shape) -> torch.Tensor:

@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from .rules import (INT64_MAX, MASK_KEYS, RULES, UNSUPERVISED_WARNING, ExampleTypeError, ExampleValueError,
+from .rules import (INT64_MAX, MASK_KEYS, UNSUPERVISED_WARNING, ExampleTypeError, ExampleValueError,
                     LossMaskWarning, any_bad_id, beyond_int64, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode, column_kind,
                     empty_example, length_mismatch, locate, located, location, mask_not_expected, nested, no_labels,
                     no_mask, not_integer, not_integral, null_tokens)

@@ -57,7 +57,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from .batch import PackedBatch
+from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
 from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
 from .collate import padding_free_batch, rows_batch
@@ -179,36 +179,27 @@ class SequenceBatch(dict):
         is what it would be unpacked). A model mixing full and sliding layers (``config.layer_types``) gets a
         dict ``{"full_attention": mask, "sliding_attention": mask}``, which such models take per layer.
 
-        ``model``: a ``PreTrainedModel`` or its config. ``dtype``: the scores' dtype (default: the model's
-        parameters'). Refused for attention implementations that take no such mask and for other layer
+        ``model``: a ``PreTrainedModel`` or its config. ``dtype``: the scores' dtype (default as in
+        :meth:`packkit.batch.PackedBatch.hf_mask`). Refused for attention implementations that take no such mask and for other layer
         kinds (chunked, linear), whose masks it cannot build.
         """
-        config = _text_config(model)
+        config = text_config(model)
         impl = getattr(config, "_attn_implementation", None)
         if impl not in (None, "eager", "sdpa"):
             raise ArgumentError(f"hf_mask is the mask of eager and sdpa attention; this model uses "
                                 f"attn_implementation={impl!r}: call model_inputs(model), which picks the view")
-        window = getattr(config, "sliding_window", None)
-        types = set(getattr(config, "layer_types", None) or
-                    ["sliding_attention" if window is not None else "full_attention"])
+        types = layer_types(config)
         other = sorted(types - {"full_attention", "sliding_attention"})
         if other:
             raise ArgumentError(f"the model has {other} layers, whose masks a tree cannot give: use layout='pairs' "
                                 "(the model builds its own masks from the positions)")
-        if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
-            raise ArgumentError(f"the model has sliding-window layers but config.sliding_window is {window!r}")
-        if dtype is None:
-            param = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
-            dtype = param.dtype if param is not None else torch.get_default_dtype()
-        allowed = self.dense_mask()
+        window = sliding_window(config, types)
+        dtype = mask_dtype(model, config, dtype)
+        allowed, pos = self.dense_mask(), self.position_ids
         masks = {}
         for kind in sorted(types):
-            ok = allowed
-            if kind == "sliding_attention":
-                pos = self.position_ids
-                ok = allowed & ((pos[:, :, None] - pos[:, None, :]) < window)
-            additive = torch.zeros(ok.shape, dtype=dtype, device=ok.device)
-            masks[kind] = additive.masked_fill_(~ok, torch.finfo(dtype).min)[:, None]
+            ok = allowed if kind == "full_attention" else allowed & ((pos[:, :, None] - pos[:, None, :]) < window)
+            masks[kind] = additive_mask(ok, dtype)
         return next(iter(masks.values())) if len(masks) == 1 else masks
 
     def mask_mod(self):
@@ -285,7 +276,7 @@ class SequenceBatch(dict):
             return out
         if model is None:
             raise ArgumentError("layout='tree' needs the model to build its mask: pass model_inputs(model)")
-        impl = getattr(_text_config(model), "_attn_implementation", None)
+        impl = getattr(text_config(model), "_attn_implementation", None)
         if impl == "flex_attention":
             out["attention_mask"] = self.block_mask()
         elif impl in (None, "eager", "sdpa"):
@@ -298,11 +289,6 @@ class SequenceBatch(dict):
     def __repr__(self) -> str:
         return (f"SequenceBatch(layout={self.layout!r}, shape={list(self.shape)}, groups={self.num_groups}, "
                 f"sequences={self.num_sequences}, scored_tokens={int(self.score_target.shape[0])})")
-
-
-def _text_config(model):
-    config = getattr(model, "config", model)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 # ----------------------------------------------------------------------------------------------

@@ -511,7 +511,6 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
                 tail_slack=float(tail_slack), input_key=input_key, label_key=label_key, mask_key=mask_key,
                 has_labels=given_labels is not None or mask_key is not None, label_type=label_type,
                 mask_first_label=mask_first_label)
-    has_labels = opts["has_labels"]
     input_tokens = int(lengths.sum())
     common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
                   examples=int(lengths.size), input_tokens=input_tokens, overflow_examples=n_over,
