@@ -59,8 +59,7 @@ __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "
 
 
 def _refuse_packed_rows(examples, who: str) -> None:
-    """Refuse a packed row (one carrying ``seq_lengths``) given to a collator of examples: read as one
-    example, its documents would attend to each other. The error names the row and the fix."""
+    """Refuse a packed row (one carrying ``seq_lengths``) given to ``who``, a collator of examples."""
     if isinstance(examples, ExampleBatch):
         col = examples.columns.get("seq_lengths")
         i = None if col is None else next((i for i, v in enumerate(col) if v is not None), None)
@@ -234,13 +233,13 @@ def _reduce_by_value(batch):
     are unchanged.
     """
     rv = batch.__reduce__()
-    tensors = {}
-    _find_tensors(rv[1:], tensors)
-    if not all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in tensors.values()) or \
-            sum(t.nbytes for t in tensors.values()) > SHIP_BY_VALUE_BYTES:
+    wrapped = {}  # id -> one wrapper per tensor: shared ones stay shared
+    args = _swap(rv[1:], wrapped)
+    tensors = [w.tensor for w in wrapped.values()]
+    if not all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in tensors) or \
+            sum(t.nbytes for t in tensors) > SHIP_BY_VALUE_BYTES:
         return rv
-    wrapped = {k: _ByValue(t) for k, t in tensors.items()}  # one wrapper per tensor: shared ones stay shared
-    return (rv[0], *_swap(rv[1:], wrapped))
+    return (rv[0], *args)
 
 
 class _ByValue:
@@ -255,19 +254,12 @@ class _ByValue:
         return torch.from_numpy, (self.tensor.numpy(),)
 
 
-def _find_tensors(obj, out: dict) -> None:
-    if isinstance(obj, torch.Tensor):
-        out[id(obj)] = obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _find_tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _find_tensors(x, out)
-
-
 def _swap(obj, wrapped: dict):
+    """``obj`` with every tensor inside its tuples, lists and dicts wrapped in a :class:`_ByValue`, the
+    wrappers kept in ``wrapped`` by tensor id."""
     if isinstance(obj, torch.Tensor):
+        if id(obj) not in wrapped:
+            wrapped[id(obj)] = _ByValue(obj)
         return wrapped[id(obj)]
     if isinstance(obj, tuple):
         return tuple(_swap(x, wrapped) for x in obj)
@@ -305,7 +297,26 @@ def _check_static(static_shape: bool, num_windows, max_segments):
 # ----------------------------------------------------------------------------------------------
 
 
-class PaddingFreeCollator:
+class _Collator:
+    """What every collator shares: it reads its examples' labels under ``mask_first_label`` and
+    ``loss_mask``, and warns once per collator and process when none carries labels or a mask."""
+
+    def __init__(self, *, mask_first_label: bool, loss_mask: str):
+        self.mask_first_label = bool(mask_first_label)
+        self.loss_mask = check_loss_mask_mode(loss_mask)
+        self._warned = [False]  # LossMaskWarning given
+
+    def _read(self, examples, *, packed_rows: bool = False):
+        """``(input_ids, labels, lengths)`` (:func:`packkit.examples.read_batch`); a packed row (one with
+        ``seq_lengths``) is refused unless ``packed_rows``: read as one example, its documents would attend
+        to each other, so the error names the row and the fix."""
+        if not packed_rows:
+            _refuse_packed_rows(examples, type(self).__name__)
+        return read_batch(examples, need_labels=not self.mask_first_label, loss_mask=self.loss_mask,
+                          warned=self._warned)
+
+
+class PaddingFreeCollator(_Collator):
     """Examples -> one ``[1, T]`` packed row (no padding), as a :class:`PackedBatch`.
 
     ``PaddingFreeCollator()([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])`` gives
@@ -325,21 +336,17 @@ class PaddingFreeCollator:
     """
 
     def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto"):
-        self.mask_first_label = bool(mask_first_label)
-        self.loss_mask = check_loss_mask_mode(loss_mask)
-        self._warned = [False]  # LossMaskWarning given (once per collator and process)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
 
     def __call__(self, examples) -> PackedBatch:
-        _refuse_packed_rows(examples, type(self).__name__)
-        input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
-                                                loss_mask=self.loss_mask, warned=self._warned)
+        input_ids, labels, lengths = self._read(examples)
         return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
 
     def __repr__(self) -> str:
         return f"PaddingFreeCollator(mask_first_label={self.mask_first_label}, loss_mask={self.loss_mask!r})"
 
 
-class FixedWindowCollator:
+class FixedWindowCollator(_Collator):
     """Examples -> ``[B, W]`` windows packed with :func:`packkit.binpack.pack` inside the mini-batch.
 
     Args:
@@ -383,9 +390,7 @@ class FixedWindowCollator:
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
-        self.mask_first_label = bool(mask_first_label)
-        self.loss_mask = check_loss_mask_mode(loss_mask)
-        self._warned = [False]  # LossMaskWarning given (once per collator and process)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
         self.cut_tokens = 0
 
     def __call__(self, examples) -> PackedBatch:
@@ -395,9 +400,7 @@ class FixedWindowCollator:
         """``(batch, plan)``: the batch and the :class:`~packkit.binpack.Plan` that laid it out (which
         example's tokens went to which window, in order), for :mod:`packkit.model_inputs`, which lays out
         the inputs that travel with the tokens (positions, images) the same way."""
-        _refuse_packed_rows(examples, type(self).__name__)
-        input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
-                                                loss_mask=self.loss_mask, warned=self._warned)
+        input_ids, labels, lengths = self._read(examples)
         groups = None if self.group_key is None else _group_ids(examples, self.group_key)
         if self.overflow == "error" and int(lengths.max()) > self.window and groups is None:
             rows = _rows_of(examples)
@@ -424,7 +427,7 @@ class FixedWindowCollator:
                 f"static_shape={self.static_shape}, loss_mask={self.loss_mask!r})")
 
 
-class PackedRowsCollator:
+class PackedRowsCollator(_Collator):
     """Rows packed offline -> ``[B, W]``. A row has ``input_ids`` (at most ``W`` tokens), optional
     ``labels``, and its segments as ``seq_lengths`` (summing to the row length) or ``position_ids``
     (a segment starts at every 0).
@@ -453,13 +456,10 @@ class PackedRowsCollator:
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
-        self.mask_first_label = bool(mask_first_label)
-        self.loss_mask = check_loss_mask_mode(loss_mask)
-        self._warned = [False]  # LossMaskWarning given (once per collator and process)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
 
     def __call__(self, rows) -> PackedBatch:
-        input_ids, labels, lengths = read_batch(rows, need_labels=not self.mask_first_label,
-                                                loss_mask=self.loss_mask, warned=self._warned)
+        input_ids, labels, lengths = self._read(rows, packed_rows=True)
         where = _rows_of(rows)
         over = np.flatnonzero(lengths > self.window)
         if over.size:
@@ -533,7 +533,7 @@ def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np
     return row_segments(key, flat, counts, lengths, rows=where)
 
 
-class PaddedCollator:
+class PaddedCollator(_Collator):
     """Examples -> ``[B, L]`` right-padded rows with an ``attention_mask`` (the fallback when varlen
     attention is not available). ``L`` is the longest example, rounded up to ``pad_to_multiple_of``.
 
@@ -552,14 +552,10 @@ class PaddedCollator:
         self.pad_to_multiple_of = (None if pad_to_multiple_of is None
                                    else check_int(pad_to_multiple_of, "pad_to_multiple_of"))
         self.return_attention_mask = bool(return_attention_mask)
-        self.mask_first_label = bool(mask_first_label)
-        self.loss_mask = check_loss_mask_mode(loss_mask)
-        self._warned = [False]  # LossMaskWarning given (once per collator and process)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
 
     def __call__(self, examples) -> PackedBatch:
-        _refuse_packed_rows(examples, type(self).__name__)
-        input_ids, labels, lengths = read_batch(examples, need_labels=not self.mask_first_label,
-                                                loss_mask=self.loss_mask, warned=self._warned)
+        input_ids, labels, lengths = self._read(examples)
         width = int(lengths.max())
         if self.pad_to_multiple_of is not None:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
