@@ -643,19 +643,32 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_num_windows(num_windows):
-    if num_windows is None:
-        return None
-    return check_int(num_windows, "num_windows")
-
-
 def _read_ids(examples, key: str, missing: str) -> tuple[np.ndarray, np.ndarray]:
     """``(values (T,) int64, lengths (n,) int64)`` of one token-id column of every example (checked)."""
     values, lengths = read_column(examples, key, missing=missing)
     return np.asarray(values, np.int64), np.asarray(lengths, np.int64)
 
 
-class PreferenceCollator:
+class _GroupsCollator:
+    """What both collators share: the layout and windows of the batch, built by :func:`build_groups`."""
+
+    def __init__(self, *, layout: str, window: int | None, num_windows: int | None, strategy: str, pad_token_id: int):
+        self.layout = check_layout(layout)
+        self.window = None if window is None else check_window(window)
+        self.num_windows = None if num_windows is None else check_int(num_windows, "num_windows")
+        self.strategy = check_strategy(strategy)
+        self.pad_token_id = int(pad_token_id)
+
+    def _build(self, prompt_ids, prompt_lengths, completion_ids, completion_lengths, k, **options) -> SequenceBatch:
+        return build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths, k, layout=self.layout,
+                            window=self.window, num_windows=self.num_windows, strategy=self.strategy,
+                            pad_token_id=self.pad_token_id, **options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layout={self.layout!r}, window={self.window}, num_windows={self.num_windows})"
+
+
+class PreferenceCollator(_GroupsCollator):
     """TRL preference examples -> a packed :class:`SequenceBatch` (two sequences a pair: chosen, rejected).
 
     ``PreferenceCollator(layout="tree")([{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}])``
@@ -677,12 +690,9 @@ class PreferenceCollator:
 
     def __init__(self, *, layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
                  strategy: str = "bfd", tokenizer=None, pad_token_id: int = 0):
-        self.layout = check_layout(layout)
-        self.window = None if window is None else check_window(window)
-        self.num_windows = _check_num_windows(num_windows)
-        self.strategy = check_strategy(strategy)
+        super().__init__(layout=layout, window=window, num_windows=num_windows, strategy=strategy,
+                         pad_token_id=pad_token_id)
         self.tokenizer = tokenizer
-        self.pad_token_id = int(pad_token_id)
 
     def __call__(self, examples) -> SequenceBatch:
         examples = list(examples)
@@ -706,15 +716,10 @@ class PreferenceCollator:
             empty = np.flatnonzero(lens[j::2] < 1)
             if empty.size:
                 raise DataError(f"example {int(empty[0])} has an empty {name!r}: nothing to score")
-        return build_groups(p_vals, p_len, comp, lens, np.full(len(examples), 2), layout=self.layout,
-                            window=self.window, num_windows=self.num_windows, strategy=self.strategy,
-                            pad_token_id=self.pad_token_id)
-
-    def __repr__(self) -> str:
-        return f"PreferenceCollator(layout={self.layout!r}, window={self.window}, num_windows={self.num_windows})"
+        return self._build(p_vals, p_len, comp, lens, np.full(len(examples), 2))
 
 
-class GroupCollator:
+class GroupCollator(_GroupsCollator):
     """RL groups -> a packed :class:`SequenceBatch`: one example per prompt, with ``prompt_ids`` and
     ``completion_ids`` (a list of its ``k`` completions' token lists; ``k`` may differ between prompts).
 
@@ -730,11 +735,8 @@ class GroupCollator:
 
     def __init__(self, *, layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
                  strategy: str = "bfd", pad_token_id: int = 0, sequence_keys=("advantages", "rewards")):
-        self.layout = check_layout(layout)
-        self.window = None if window is None else check_window(window)
-        self.num_windows = _check_num_windows(num_windows)
-        self.strategy = check_strategy(strategy)
-        self.pad_token_id = int(pad_token_id)
+        super().__init__(layout=layout, window=window, num_windows=num_windows, strategy=strategy,
+                         pad_token_id=pad_token_id)
         self.sequence_keys = tuple(sequence_keys)
 
     def __call__(self, examples) -> SequenceBatch:
@@ -760,12 +762,7 @@ class GroupCollator:
                 if bad is not None:
                     raise DataError(f"example {bad} has {got[bad].size} {key!r} for {k[bad]} completions")
                 values[key] = np.concatenate(got)
-        return build_groups(p_vals, p_len, c_vals, c_len, np.asarray(k, np.int64), layout=self.layout,
-                            window=self.window, num_windows=self.num_windows, strategy=self.strategy,
-                            pad_token_id=self.pad_token_id, values=values)
-
-    def __repr__(self) -> str:
-        return f"GroupCollator(layout={self.layout!r}, window={self.window}, num_windows={self.num_windows})"
+        return self._build(p_vals, p_len, c_vals, c_len, np.asarray(k, np.int64), values=values)
 
 
 # ----------------------------------------------------------------------------------------------
