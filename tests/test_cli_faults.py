@@ -1,4 +1,9 @@
-"""Fault injection on the real `packkit` command, each case a subprocess as a user runs it.
+"""Fault injection on the `packkit` command.
+
+A real process where the process is the point (SIGKILL, SIGINT / SIGTERM, a broken pipe, an address-space or
+file-size limit, a small disk, modules made uninstalled); everywhere else (refusals, damaged input) the
+command's own ``packkit.cli.main`` in this process, which is what the ``packkit`` script calls: the same
+exit code and stderr, without paying the imports once a case.
 
 - SIGKILL at random moments of `packkit pack` in every output format: the target is absent or
   complete, and a previous target is byte-identical;
@@ -16,7 +21,9 @@ is byte-identical afterwards. A line ``fault-injection: N cases tried, N passed`
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -35,6 +42,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 
+from packkit.cli import main  # noqa: E402
 from packkit.fileio import TMP_MARK  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -53,6 +61,23 @@ def env() -> dict:
     e.pop("PACKKIT_MAX_WINDOW", None)
     e["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
     return e
+
+
+@pytest.fixture(autouse=True)
+def same_env_in_process(monkeypatch):
+    """The in-process runs see what :func:`env` gives the spawned ones."""
+    for name in ("PACKKIT_DEBUG", "PACKKIT_MAX_WINDOW"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+
+def cli(argv) -> tuple[int, str, str]:
+    """``packkit ARGV`` in this process: ``packkit.cli.main`` (what the script calls) -> (exit code, stdout,
+    stderr). ``cli(["plan", "--synthetic", "0"])[0] -> 2``."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
 
 
 def digest(path: Path) -> str:
@@ -86,16 +111,16 @@ class Case:
         return False
 
 
-def assert_refused(argv, code: int, match: str, inputs, cwd=None):
-    """Run packkit; assert the exit code, one stderr line containing ``match`` with no traceback, and
-    inputs unchanged."""
+def assert_refused(argv, code: int, match: str, inputs) -> str:
+    """Run ``packkit ARGV`` (in this process); assert the exit code, one stderr line containing ``match``
+    with no traceback, and inputs unchanged; return stderr."""
     before = {p: digest(p) for p in inputs}
-    proc = subprocess.run(packkit_argv(*argv), capture_output=True, text=True, env=env(), cwd=cwd, timeout=300)
-    assert proc.returncode == code, (argv, proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert match in proc.stderr, proc.stderr
+    got, _, err = cli(argv)
+    assert got == code, (argv, got, err)
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert match in err, err
     assert {p: digest(p) for p in inputs} == before
-    return proc
+    return err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,27 +195,98 @@ def temp_beside(target: Path) -> bool:
     return any(TMP_MARK in p.name and p.name.startswith(f".{target.name}") for p in target.parent.iterdir())
 
 
+#: A fork server: imports `packkit.cli` and what `pack` writes with once, then for each line of stdin (an
+#: argv as JSON) forks a child that runs the command (``os._exit(main(argv))``, stdout and stderr to
+#: /dev/null), prints the child's pid, waits for it and prints its exit status (-9: SIGKILL). A kill then
+#: costs the packing, not the interpreter's start and the imports. The server runs nothing before it forks
+#: (no thread of pyarrow's pools exists yet).
+FORKER = r"""
+import json, os, sys
+import datasets, pyarrow.ipc, pyarrow.parquet  # noqa: F401 - imported once, before any fork
+import packkit.cli.pack  # noqa: F401
+from packkit.cli import main
+print("ready", flush=True)
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os._exit(main(json.loads(line)))
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+class Forker:
+    """The test's side of :data:`FORKER`: ``start(argv) -> pid``, ``finished(wait) -> bool``, ``status()``."""
+
+    def __init__(self, root: Path):
+        script = root / "forker.py"
+        script.write_text(FORKER)
+        self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     bufsize=0, env=env())
+        self.buf = b""
+        assert self._line() == "ready"  # imports done: the runs are timed from here
+
+    def _line(self) -> str:
+        while b"\n" not in self.buf:
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            assert chunk, f"the fork server died: {self.proc.wait()}"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def start(self, argv) -> int:
+        self.proc.stdin.write(json.dumps([str(a) for a in argv]).encode() + b"\n")
+        return int(self._line())
+
+    def finished(self, wait: float) -> bool:
+        """Whether the child's exit status has come (waiting up to ``wait`` seconds for it)."""
+        return b"\n" in self.buf or bool(select.select([self.proc.stdout], [], [], wait)[0])
+
+    def kill(self, pid: int) -> int:
+        """SIGKILL the child (if it has not ended already) -> its exit status."""
+        with contextlib.suppress(ProcessLookupError):  # it ended and the server reaped it
+            os.kill(pid, signal.SIGKILL)
+        return self.status()
+
+    def status(self) -> int:
+        return int(self._line())
+
+    def close(self):
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory):
+    f = Forker(tmp_path_factory.mktemp("forker"))
+    yield f
+    f.close()
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_sigkill_at_random_moments_of_pack(tmp_path, data, fmt):
+def test_sigkill_at_random_moments_of_pack(tmp_path, data, forker, fmt):
     """`packkit pack IN OUT --overwrite` killed with SIGKILL at random moments (most during the write,
     timed from the moment its temporary file appears): OUT is the previous complete output byte for
-    byte, or the new complete output, or (with no previous output) absent. IN is never touched."""
+    byte, or the new complete output, or (with no previous output) absent. IN is never touched. Each run
+    is forked from a server that imported packkit once (:data:`FORKER`), so the moments fall on the work."""
     src = data["parquet"]
     src_digest = digest(src)
     out = tmp_path / FORMATS[fmt]
     argv = ("pack", src, out, "-w", "2048", "-q", "--overwrite")
     # the new output, from an uninterrupted run, and how long its temporary file lives (the write,
-    # fsync and rename; the interpreter's exit comes after)
+    # fsync and rename)
     t0 = time.monotonic()
-    proc = subprocess.Popen(packkit_argv(*argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env())
+    pid = forker.start(argv)
     first = last = None
-    while proc.poll() is None:
+    while not forker.finished(0.002):
         if temp_beside(out):
             first = first or time.monotonic()
             last = time.monotonic()
-        time.sleep(0.002)
     end = time.monotonic()
-    assert proc.returncode == 0, proc.stderr.read()
+    assert forker.status() == 0, f"pid {pid}: the uninterrupted {fmt} run failed"
     new_rows = read_output(out, fmt)
     write_time = (last - first) if first else 0.05
     # the previous output: any complete content other than the new one
@@ -212,17 +308,15 @@ def test_sigkill_at_random_moments_of_pack(tmp_path, data, fmt):
             if not fresh:
                 (shutil.copytree if fmt == "folder" else shutil.copyfile)(old, out)
             old_digest = None if fresh else digest(out)
-            proc = subprocess.Popen(packkit_argv(*argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    env=env())
+            pid = forker.start(argv)
             if trial >= TRIALS - 2:  # kills at uniformly random moments of the whole run
                 time.sleep(rng.uniform(0, end - t0))
             else:  # a kill while the temporary file is being written
                 deadline = time.monotonic() + 300
-                while not temp_beside(out) and proc.poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.002)
+                while not temp_beside(out) and time.monotonic() < deadline and not forker.finished(0.002):
+                    pass
                 time.sleep(rng.uniform(0, write_time))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            assert forker.kill(pid) in (0, -signal.SIGKILL)
             if not out.exists():
                 assert fresh, f"trial {trial}: the previous {fmt} output is gone"
                 outcomes["absent"] += 1
@@ -307,8 +401,8 @@ def test_damaged_input_is_one_line_naming_it(tmp_path, data, cmd, name, match):
     with Case():
         src = data[name]
         argv = ("waste", src) if cmd == "waste" else ("pack", src, tmp_path / "o.parquet", "-w", "256")
-        proc = assert_refused(argv, 3, match, [src])
-        assert src.name in proc.stderr
+        err = assert_refused(argv, 3, match, [src])
+        assert src.name in err
         assert not (tmp_path / "o.parquet").exists() and not list(tmp_path.iterdir())
 
 
@@ -320,39 +414,42 @@ def test_bad_row_deep_in_a_jsonl_names_its_line(tmp_path, data):
                     [data["neg.jsonl"]])
 
 
-@pytest.mark.parametrize("argv", [
-    ("waste", "-w", str(2**40)),
-    ("waste", "-w", str(2**31)),
-    ("plan", "--synthetic", "100", "-w", str(2**40)),
-    ("pack", "{small}", "{tmp}/o.parquet", "-w", str(2**40)),
-])
-def test_window_far_too_large_is_refused_before_any_allocation(tmp_path, data, argv):
+def test_window_far_too_large_is_refused_before_any_allocation(tmp_path, data):
     """`-w 1099511627776` tried to allocate 8 TiB and `waste -w 2147483648` was OOM-killed; now a usage
-    error with the reason, under a 4 GiB address-space limit to show that nothing large is allocated."""
+    error with the reason, in a process under a 4 GiB address-space limit to show that nothing large is
+    allocated (one process, every command in turn)."""
     import resource
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
-    with Case():
-        argv = [a.format(small=data["small"], tmp=tmp_path) for a in argv]
-        proc = subprocess.run(packkit_argv(*argv), capture_output=True, text=True, env=env(), preexec_fn=limit,
-                              timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-        assert "--window" in proc.stderr and "is above the largest window packkit accepts, 16,777,216" in proc.stderr
-        assert not (tmp_path / "o.parquet").exists()
+    argvs = [("waste", "-w", 2**40), ("waste", "-w", 2**31), ("plan", "--synthetic", "100", "-w", 2**40),
+             ("pack", data["small"], tmp_path / "o.parquet", "-w", 2**40)]
+    proc = driver(tmp_path, [{"argv": a} for a in argvs], preexec_fn=limit)
+    out, err = proc.communicate(timeout=300)
+    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    assert proc.returncode == 0 and len(results) == len(argvs) and "Traceback" not in err, err
+    for argv, result in zip(argvs, results):
+        with Case():
+            assert result["code"] == 2, (argv, result)
+            assert result["stderr"].count("\n") == 1, (argv, result)
+            assert "--window" in result["stderr"], (argv, result)
+            assert "is above the largest window packkit accepts, 16,777,216" in result["stderr"], (argv, result)
+    assert not (tmp_path / "o.parquet").exists()
 
 
-@pytest.mark.parametrize("argv", [("waste",), ("waste", "--json"), ("plan", "--synthetic", "1000")])
-def test_broken_pipe_exits_quietly(argv):
+def test_broken_pipe_exits_quietly():
     """`packkit waste | head -1` could print a BrokenPipeError traceback. The reader here goes away
-    before packkit writes (`| true`): exit 141, as a Unix tool killed by SIGPIPE, and nothing on stderr."""
-    with Case():
-        line = " ".join(packkit_argv(*argv)) + " | true; echo \"rc=${PIPESTATUS[0]}\""
-        proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env(), timeout=120)
-        assert proc.stdout.strip() == "rc=141", (proc.stdout, proc.stderr)
-        assert proc.stderr == ""
+    before packkit writes (`| true`): exit 141, as a Unix tool killed by SIGPIPE, and nothing on stderr
+    (three real commands, one shell)."""
+    argvs = [("waste",), ("waste", "--json"), ("plan", "--synthetic", "1000")]
+    line = "; ".join(" ".join(packkit_argv(*a)) + ' | true; echo "rc=${PIPESTATUS[0]}"' for a in argvs)
+    proc = subprocess.run(["bash", "-c", line], capture_output=True, text=True, env=env(), timeout=300)
+    for _ in argvs:
+        TALLY["tried"] += 1
+    assert proc.stdout.split() == ["rc=141"] * len(argvs), (proc.stdout, proc.stderr)
+    assert proc.stderr == ""
+    TALLY["passed"] += len(argvs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,15 +484,15 @@ for k, case in enumerate(json.loads(sys.argv[1])):
 """
 
 
-def driver(tmp_path, cases, *, prefix=(), stdin=None, block=()):
+def driver(tmp_path, cases, *, prefix=(), stdin=None, block=(), preexec_fn=None):
     """Start the in-process driver on ``cases`` (``prefix``: a command to run it under, e.g. unshare;
-    ``block``: modules made uninstalled)."""
+    ``block``: modules made uninstalled; ``preexec_fn``: run in the child before it starts, e.g. a limit)."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     argv = [*prefix, sys.executable, str(script), json.dumps([{**c, "argv": [str(a) for a in c["argv"]]}
                                                              for c in cases])]
     return subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**env(), "PACKKIT_TEST_BLOCK": ",".join(block)})
+                            env={**env(), "PACKKIT_TEST_BLOCK": ",".join(block)}, preexec_fn=preexec_fn)
 
 
 def small_parquet(path: Path, rows: int = 1500, seed: int = 0) -> list:
@@ -574,9 +671,7 @@ def test_names_the_disk_cannot_take_are_refused_before_any_work(tmp_path, data):
              {"argv": ("pack", src, tmp_path / "é" / longest, "-w", "8", "-q")},
              {"argv": ("pack", src, os.fsdecode(os.fsencode(str(tmp_path)) + b"/\xff.parquet"), "-w", "8")}]
     (tmp_path / "é").mkdir()
-    proc = driver(tmp_path, cases)
-    out, err = proc.communicate(timeout=300)
-    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
+    results = [dict(zip(("code", "stdout", "stderr"), cli(case["argv"]))) for case in cases]
     with Case():
         assert results[0]["code"] == 0 and len(read_output(tmp_path / longest, "jsonl")) > 0, results[0]
     with Case():
@@ -601,10 +696,7 @@ def test_empty_input_is_one_rule_for_every_format(tmp_path):
         make(tmp_path / name)
         cases += [{"argv": ("pack", tmp_path / name, tmp_path / "o.parquet", "-w", "8")},
                   {"argv": ("waste", tmp_path / name)}, {"argv": ("plan", tmp_path / name)}]
-    proc = driver(tmp_path, cases)
-    out, err = proc.communicate(timeout=300)
-    results = [json.loads(line) for line in out.splitlines() if '"code"' in line]
-    assert len(results) == len(cases), err
+    results = [dict(zip(("code", "stdout", "stderr"), cli(case["argv"]))) for case in cases]
     for case, result in zip(cases, results):
         with Case():
             assert result["code"] == 3 and "holds no examples" in result["stderr"], (case, result)
