@@ -53,7 +53,7 @@ from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
 from .rules import PACKED_FIX, ExampleValueError, check_loss_mask_mode, location, row_segments, segment_key
-from .segments import IGNORE_INDEX, lengths_to_offsets
+from .segments import IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
 
@@ -78,23 +78,6 @@ def _refuse_packed_rows(examples, who: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _segment_fields(seg_lengths: np.ndarray):
-    """Segment lengths -> ``(cu_seqlens int32 (S+1,), position_ids int64 (T,))``.
-
-    ``[2, 1] -> ([0, 2, 3], [0, 1, 0])``. One cumsum shared by both (the same arithmetic as
-    ``packkit.segments``, fused for the collators' hot path); ``seq_idx`` is left to the batch,
-    which derives it from ``cu_seqlens`` when a consumer asks.
-    """
-    cu = lengths_to_offsets(seg_lengths)
-    total = int(cu[-1])
-    if total > _INT32_MAX:
-        raise ValueError(f"{total:,} tokens do not fit in int32 cu_seqlens; use smaller batches")
-    position_ids = np.arange(total, dtype=np.int64)
-    position_ids -= np.repeat(cu[:-1], seg_lengths)
-    return cu.astype(np.int32), position_ids
-
-
-_INT32_MAX = np.iinfo(np.int32).max
 _tensor = torch.from_numpy
 
 
@@ -104,7 +87,7 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
     ``[-100, 6, -100]``, ``num_loss_tokens 1``.
     """
     n, total = lengths.size, input_ids.size
-    cu, position_ids = _segment_fields(lengths)
+    cu, position_ids = lengths_to_cu_seqlens(lengths), lengths_to_position_ids(lengths)
     if mask_first_label:
         labels[cu[:-1]] = IGNORE_INDEX
     ignored = int(np.count_nonzero(labels == IGNORE_INDEX))
@@ -170,7 +153,7 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
     tail_at[:num_content] = seg_ptr[1:]
     all_lengths = np.insert(seg_lengths, tail_at, tails)
     all_lengths = all_lengths[all_lengths > 0]
-    cu, position_ids = _segment_fields(all_lengths)
+    cu, position_ids = lengths_to_cu_seqlens(all_lengths), lengths_to_position_ids(all_lengths)
     # where every real token lands in the flattened [B, W] batch
     total = int(csum[-1])
     dest = row_destinations(loads, width)

@@ -63,7 +63,7 @@ from .chat import common_prefix_lengths
 from .collate import padding_free_batch, rows_batch
 from .errors import ArgumentError, DataError, arg, check_int
 from .examples import location, read_column
-from .segments import IGNORE_INDEX, lengths_to_offsets
+from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx
 
 __all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
            "dpo_loss",
@@ -312,8 +312,8 @@ def _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr):
         return start, length, is_cont, seq, unit
     k = np.diff(c_ptr)[order]
     count = k + 1
-    unit = np.repeat(np.arange(order.size), count)
-    j = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(lengths_to_offsets(count)[:-1], count)
+    unit = lengths_to_seq_idx(count)
+    j = lengths_to_position_ids(count)
     group = order[unit]
     is_cont = j > 0
     seq = np.where(is_cont, c_ptr[group] + j - 1, -1)
@@ -387,10 +387,9 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
         order, window_ptr = plan.seg_example, plan.window_ptr
     # -- tokens, row after row --
     start, length, is_cont, seq, unit = _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr)
-    out = lengths_to_offsets(length)
-    total = int(out[-1])
-    piece = np.repeat(np.arange(length.size), length)
-    within = np.arange(total, dtype=np.int64) - out[:-1][piece]
+    total = int(length.sum())
+    piece = lengths_to_seq_idx(length)
+    within = lengths_to_position_ids(length)
     ids = tokens[start[piece] + within]
     unit_off = lengths_to_offsets(unit_len[order])
     tok_unit = unit[piece]
@@ -427,8 +426,7 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
     sel = np.flatnonzero(scored)
     num_seq = c_len.size
     cu = packed.cu_seqlens.numpy()
-    seq_idx = np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu))  # segment of every token (numpy:
-    # the batch's own seq_idx is built with torch.searchsorted, 30x slower here)
+    seq_idx = lengths_to_seq_idx(np.diff(cu))  # numpy: the batch's own seq_idx (torch.searchsorted) is 30x slower
     return SequenceBatch(
         input_ids=packed.input_ids,
         position_ids=laid(position, packed.position_ids) if layout == "tree" else packed.position_ids,
