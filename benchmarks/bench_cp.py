@@ -31,7 +31,8 @@ import numpy as np
 from benchlib import chat_lengths, emit_json, median_time, versions
 
 from packkit.binpack import pack
-from packkit.cp import LAYOUTS, plan_cp, shard
+from packkit.cp import shard
+from packkit.cp_plan import LAYOUTS, plan_cp
 
 TARGET_PADDING = 0.003
 TARGET_IMBALANCE = 1.05

@@ -32,7 +32,8 @@ import numpy as np
 
 from benchlib import chat_lengths, emit_json, verdict, versions
 
-from packkit.preference import PreferenceCollator, preference_waste
+from packkit.preference import PreferenceCollator
+from packkit.waste import preference_waste
 
 TARGET_FILL = 0.99
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from .balance import CostModel, step_figures
 from .binpack import DEFAULT_OVERFLOW, Plan, as_lengths, check_window, overflow_note, pack
-from .cp import check_cp_window, cp_multiples, plan_for_cp
+from .cp_plan import check_cp_window, cp_multiples, plan_for_cp
 from .errors import Message, arg, check_int
 from .segments import lengths_to_offsets, piece_loss_tokens
 
@@ -329,7 +329,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         target_tokens_per_step: report (and advise) the accumulation steps that reach it.
         drop_last: leave out the last partial step.
         warn: also emit each advice as a :class:`BudgetWarning`.
-        cp_size, cp_layout: context parallelism (:mod:`packkit.cp`): with ``"zigzag"`` every example is
+        cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): with ``"zigzag"`` every example is
             planned padded to a multiple of ``2 * cp_size`` (the padding fills window slots and counts in
             ``padding_fraction``, not in the tokens); the other layouts need ``window`` (and padded
             micro-batches) to be multiples of ``cp_size``. ``devices`` stays the data-parallel count.

@@ -76,7 +76,7 @@ from .arrow import list_array
 from .binpack import DEFAULT_OVERFLOW, Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
-from .cp import plan_for_cp
+from .cp_plan import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
 from .rules import MASK_KEYS, check_column, column_kind
@@ -275,13 +275,15 @@ class PackedTable:
 def show_progress(source) -> bool:
     """Progress bars by default: for a source of :data:`PROGRESS_BYTES` or more, when ``datasets``
     shows its own bars (``datasets.disable_progress_bars()`` turns packkit's off too)."""
+    if source.nbytes < PROGRESS_BYTES:  # asked first: a small source imports no datasets (1 s) to ask it
+        return False
     try:
         import datasets
 
         enabled = datasets.utils.logging.is_progress_bar_enabled()
     except ImportError:  # pragma: no cover - datasets comes with pyarrow in the extras
         enabled = True
-    return enabled and source.nbytes >= PROGRESS_BYTES
+    return enabled
 
 
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, columns=None,
@@ -306,7 +308,7 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
     if groups is not None and len(found.lengths) != len(groups):
         raise DataError(f"{who}: the rows are packed rows ({len(groups):,} rows, {len(found.lengths):,} documents); "
                         "groups name examples: pack the unpacked examples with their group column")
-    # rows a CP group will shard: zigzag plans each example at its CP-padded length (packkit.cp)
+    # rows a CP group will shard: zigzag plans each example at its CP-padded length (packkit.cp_plan)
     plan = plan_for_cp(found.lengths, window=window, cp_size=cp_size, cp_layout=cp_layout, strategy=strategy,
                        overflow=overflow, seed=seed, groups=groups)
     if shuffle:
@@ -382,7 +384,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp.shard`): with
             ``"zigzag"`` every example is planned at its length padded to a multiple of ``2 * cp_size``,
             so a row still fits ``window`` once its documents are padded for TE; the other layouts need
-            ``window`` to be a multiple of ``cp_size`` (:func:`packkit.cp.plan_for_cp`). Not for an
+            ``window`` to be a multiple of ``cp_size`` (:func:`packkit.cp_plan.plan_for_cp`). Not for an
             ``IterableDataset``.
 
     Returns:

@@ -67,8 +67,7 @@ from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids,
 
 __all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
            "dpo_loss",
-           "PreferenceCollator", "GroupCollator", "tokenize_preference", "shard_groups", "tree_tokens",
-           "preference_waste", "format_preference_waste"]
+           "PreferenceCollator", "GroupCollator", "tokenize_preference", "shard_groups", "tree_tokens"]
 
 #: ``"pairs"``: each continuation its own sequence with its prompt; ``"tree"``: the prompt once.
 LAYOUTS = ("pairs", "tree")
@@ -815,84 +814,3 @@ def shard_groups(group_tokens, *, world_size: int, max_tokens: int) -> list[list
             half = part.size // 2
             micro += [part[:half], part[half:]]
     return ranks
-
-
-# ----------------------------------------------------------------------------------------------
-# what each layout computes: ``packkit waste --preference``
-# ----------------------------------------------------------------------------------------------
-
-
-def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int = 8, seed: int = 0) -> dict:
-    """Tokens computed per pair by each way of batching preference pairs, on lengths only.
-
-    ``prompt``, ``chosen``, ``rejected``: ``(P,)`` token counts (prompt may be 0, completions >= 1).
-
-    ====================  ==========================================================================
-    row                   tokens computed
-    ====================  ==========================================================================
-    ``trl_padded``        TRL's ``DataCollatorForPreference``: ``2 * B * longest`` per batch of
-                          ``batch_size`` pairs in a seeded random order
-    ``trl_padding_free``  TRL's padding-free layout: each pair as two sequences with their prompt,
-                          no padding (``2 * prompt + chosen + rejected``), batches of any length
-    ``packkit_pairs``     the same sequences, pairs kept whole in windows of ``window`` (best fit)
-    ``packkit_tree``      the prompt once (``prompt + chosen + rejected``), trees in windows
-    ====================  ==========================================================================
-
-    Each row: ``tokens`` computed (padding included), ``real`` tokens, ``per_pair`` (tokens / pairs),
-    ``real_per_pair`` (the layout's own tokens a pair: ``prompt + chosen + rejected`` for the tree),
-    ``fill`` (real / tokens); windowed rows also ``windows``, ``lower_bound`` (``ceil(real / window)``)
-    and ``dropped`` pairs longer than the window (left out of every row's count, said here).
-    ``preference_waste([3], [2], [4], window=16)["rows"]["packkit_tree"]["per_pair"] -> 16.0``.
-    """
-    window = check_window(window)
-    p = np.asarray(prompt, np.int64)
-    c = np.asarray(chosen, np.int64)
-    r = np.asarray(rejected, np.int64)
-    if not (p.shape == c.shape == r.shape) or p.ndim != 1 or p.size == 0:
-        raise ValueError(f"prompt, chosen and rejected need one length each per pair, got shapes {p.shape}, "
-                         f"{c.shape}, {r.shape}")
-    if (p < 0).any() or (c < 1).any() or (r < 1).any():
-        raise DataError("a pair needs a prompt of >= 0 tokens and completions of >= 1 token")
-    pairs_len = 2 * p + c + r
-    keep = np.maximum(p + c, p + r) <= window  # a sequence fits; its pair may still not (said per row)
-    pair_fits = keep & (pairs_len <= window)
-    tree_fits = (p + c + r) <= window
-    use = pair_fits & tree_fits
-    dropped = int((~use).sum())
-    p, c, r = p[use], c[use], r[use]
-    n = p.size
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(n)
-    longest = np.maximum(p + c, p + r)[order]
-    starts = np.arange(0, n, batch_size)
-    per_batch_max = np.maximum.reduceat(longest, starts) if n else np.zeros(0, np.int64)
-    sizes = np.diff(np.append(starts, n))
-    real_pairs = int((2 * p + c + r).sum())
-    real_tree = int((p + c + r).sum())
-    rows = {}
-
-    def row(tokens, real, **extra):
-        return {"tokens": int(tokens), "real": int(real), "per_pair": tokens / max(n, 1),
-                "real_per_pair": real / max(n, 1),
-                "fill": real / tokens if tokens else 1.0, **extra}
-
-    rows["trl_padded"] = row(int((2 * sizes * per_batch_max).sum()), real_pairs)
-    rows["trl_padding_free"] = row(real_pairs, real_pairs)
-    seqs = np.stack([p + c, p + r], 1).reshape(-1)
-    plan = pack(seqs, window=window, group_sizes=np.full(n, 2)) if n else None
-    tree = pack(p + c + r, window=window) if n else None
-    for name, pl, real in (("packkit_pairs", plan, real_pairs), ("packkit_tree", tree, real_tree)):
-        w = pl.num_windows if pl is not None else 0
-        rows[name] = row(w * window, real, windows=w, lower_bound=-(-real // window), dropped=dropped)
-    return {"pairs": n, "window": window, "batch_size": batch_size, "dropped": dropped, "rows": rows}
-
-
-def format_preference_waste(report: dict) -> str:
-    """:func:`preference_waste` as a table, one row per way of batching."""
-    lines = [f"{report['pairs']:,} pairs, window {report['window']:,}, {report['batch_size']} pairs a padded batch"
-             + (f"; {report['dropped']:,} pairs longer than the window left out" if report["dropped"] else ""),
-             f"{'layout':<18} {'real/pair':>10} {'tokens/pair':>12} {'fill':>8} {'windows':>9} {'lower bound':>12}"]
-    for name, r in report["rows"].items():
-        w = f"{r['windows']:>9,} {r['lower_bound']:>12,}" if "windows" in r else f"{'-':>9} {'-':>12}"
-        lines.append(f"{name:<18} {r['real_per_pair']:>10.1f} {r['per_pair']:>12.1f} {r['fill']:>8.2%} {w}")
-    return "\n".join(lines)

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import binpack
 from .binpack import DEFAULT_OVERFLOW, as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
-from .cp import check_cp_window, cp_multiples
+from .cp_plan import check_cp_window, cp_multiples
 from .segments import lengths_to_offsets, piece_loss_tokens
 from .errors import DataError, Message, arg, check_int
 from .balance import CostModel, step_figures
@@ -53,7 +53,7 @@ from .progress import progress_bar
 from .sampler import LengthGroupedSampler
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
-           "plot_waste"]
+           "plot_waste", "preference_waste", "format_preference_waste"]
 
 WASTE_STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
 LABELS = {
@@ -325,7 +325,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
             token, counted in ``dropped_pieces`` / ``dropped_tokens``.
         ranks: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step`` windows
             a step: the compute imbalance and the spread of examples per step (``StrategyWaste``).
-        cp_size, cp_layout: context parallelism (:mod:`packkit.cp`): ``"zigzag"`` pads every example to a
+        cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): ``"zigzag"`` pads every example to a
             multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots);
             the other layouts cut a row in ``cp_size`` pieces, so ``W`` (and a padded row) is a multiple of
             ``cp_size``. ``W`` must be a multiple of what the layout needs.
@@ -412,6 +412,88 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         loss_tokens_assumed=targets is None and loss_lengths is None, loss_free_pieces=int(free.sum()),
         dropped_pieces=dropped_pieces, dropped_tokens=dropped_tokens,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# preference pairs: what each layout computes (``packkit waste --preference``)
+# ----------------------------------------------------------------------------------------------
+
+
+def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int = 8, seed: int = 0) -> dict:
+    """Tokens computed per pair by each way of batching preference pairs (:mod:`packkit.preference`'s
+    layouts), on lengths only.
+
+    ``prompt``, ``chosen``, ``rejected``: ``(P,)`` token counts (prompt may be 0, completions >= 1).
+
+    ====================  ==========================================================================
+    row                   tokens computed
+    ====================  ==========================================================================
+    ``trl_padded``        TRL's ``DataCollatorForPreference``: ``2 * B * longest`` per batch of
+                          ``batch_size`` pairs in a seeded random order
+    ``trl_padding_free``  TRL's padding-free layout: each pair as two sequences with their prompt,
+                          no padding (``2 * prompt + chosen + rejected``), batches of any length
+    ``packkit_pairs``     the same sequences, pairs kept whole in windows of ``window`` (best fit)
+    ``packkit_tree``      the prompt once (``prompt + chosen + rejected``), trees in windows
+    ====================  ==========================================================================
+
+    Each row: ``tokens`` computed (padding included), ``real`` tokens, ``per_pair`` (tokens / pairs),
+    ``real_per_pair`` (the layout's own tokens a pair: ``prompt + chosen + rejected`` for the tree),
+    ``fill`` (real / tokens); windowed rows also ``windows``, ``lower_bound`` (``ceil(real / window)``)
+    and ``dropped`` pairs longer than the window (left out of every row's count, said here).
+    ``preference_waste([3], [2], [4], window=16)["rows"]["packkit_tree"]["per_pair"] -> 16.0``.
+    """
+    window = check_window(window)
+    p = np.asarray(prompt, np.int64)
+    c = np.asarray(chosen, np.int64)
+    r = np.asarray(rejected, np.int64)
+    if not (p.shape == c.shape == r.shape) or p.ndim != 1 or p.size == 0:
+        raise ValueError(f"prompt, chosen and rejected need one length each per pair, got shapes {p.shape}, "
+                         f"{c.shape}, {r.shape}")
+    if (p < 0).any() or (c < 1).any() or (r < 1).any():
+        raise DataError("a pair needs a prompt of >= 0 tokens and completions of >= 1 token")
+    pairs_len = 2 * p + c + r
+    keep = np.maximum(p + c, p + r) <= window  # a sequence fits; its pair may still not (said per row)
+    pair_fits = keep & (pairs_len <= window)
+    tree_fits = (p + c + r) <= window
+    use = pair_fits & tree_fits
+    dropped = int((~use).sum())
+    p, c, r = p[use], c[use], r[use]
+    n = p.size
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(n)
+    longest = np.maximum(p + c, p + r)[order]
+    starts = np.arange(0, n, batch_size)
+    per_batch_max = np.maximum.reduceat(longest, starts) if n else np.zeros(0, np.int64)
+    sizes = np.diff(np.append(starts, n))
+    real_pairs = int((2 * p + c + r).sum())
+    real_tree = int((p + c + r).sum())
+    rows = {}
+
+    def row(tokens, real, **extra):
+        return {"tokens": int(tokens), "real": int(real), "per_pair": tokens / max(n, 1),
+                "real_per_pair": real / max(n, 1),
+                "fill": real / tokens if tokens else 1.0, **extra}
+
+    rows["trl_padded"] = row(int((2 * sizes * per_batch_max).sum()), real_pairs)
+    rows["trl_padding_free"] = row(real_pairs, real_pairs)
+    seqs = np.stack([p + c, p + r], 1).reshape(-1)
+    plan = pack(seqs, window=window, group_sizes=np.full(n, 2)) if n else None
+    tree = pack(p + c + r, window=window) if n else None
+    for name, pl, real in (("packkit_pairs", plan, real_pairs), ("packkit_tree", tree, real_tree)):
+        w = pl.num_windows if pl is not None else 0
+        rows[name] = row(w * window, real, windows=w, lower_bound=-(-real // window), dropped=dropped)
+    return {"pairs": n, "window": window, "batch_size": batch_size, "dropped": dropped, "rows": rows}
+
+
+def format_preference_waste(report: dict) -> str:
+    """:func:`preference_waste` as a table, one row per way of batching."""
+    lines = [f"{report['pairs']:,} pairs, window {report['window']:,}, {report['batch_size']} pairs a padded batch"
+             + (f"; {report['dropped']:,} pairs longer than the window left out" if report["dropped"] else ""),
+             f"{'layout':<18} {'real/pair':>10} {'tokens/pair':>12} {'fill':>8} {'windows':>9} {'lower bound':>12}"]
+    for name, r in report["rows"].items():
+        w = f"{r['windows']:>9,} {r['lower_bound']:>12,}" if "windows" in r else f"{'-':>9} {'-':>12}"
+        lines.append(f"{name:<18} {r['real_per_pair']:>10.1f} {r['per_pair']:>12.1f} {r['fill']:>8.2%} {w}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

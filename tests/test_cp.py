@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator
-from packkit.cp import LAYOUTS, cp_padding, plan_cp, restore, shard
+from packkit.cp import restore, shard
+from packkit.cp_plan import LAYOUTS, cp_padding, plan_cp
 from packkit.segments import IGNORE_INDEX, lengths_to_cu_seqlens
 
 
@@ -125,14 +126,16 @@ def test_llama3_args_match_ring_flash_attn_example():
 
 
 def test_zigzag_indices_equal_torch_head_tail_load_balancer():
-    """One document filling the row: the zigzag order is torch's own head-tail load balancer's."""
+    """One document filling the row: the zigzag order (the plan's numpy index, the shard's tensor) is torch's
+    own head-tail load balancer's."""
     lb = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
+    batch = PaddingFreeCollator()(examples([64]))
     for cp in (2, 4, 8):
-        plan = plan_cp([64], cp_size=cp, layout="zigzag")
+        s = shard(batch, cp_size=cp, rank=0, layout="zigzag")
         for restore_ in (False, True):
-            ours = plan.torch_indices(restore=restore_)
-            theirs = lb._HeadTailLoadBalancer(64, cp, "cpu")._generate_indices(restore=restore_)
-            assert torch.equal(ours, theirs.long())
+            theirs = lb._HeadTailLoadBalancer(64, cp, "cpu")._generate_indices(restore=restore_).long()
+            assert torch.equal(torch.from_numpy(s.plan.rearrange_index(restore=restore_)), theirs)
+            assert torch.equal(s.torch_indices(restore=restore_), theirs)
 
 
 def test_hybrid_balances_short_documents_and_pads_little():

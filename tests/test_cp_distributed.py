@@ -165,7 +165,8 @@ OWN_METHOD = {"zigzag": "ring", "contiguous": "allgather", "ulysses": "alltoall"
 
 
 def run_case(lengths, seed, cp, group, rank, results, cross=True):
-    from packkit.cp import LAYOUTS, METHODS, cp_attention, shard
+    from packkit.cp import METHODS, cp_attention, shard
+    from packkit.cp_plan import LAYOUTS
     from packkit.segments import position_ids_to_lengths
 
     batch = make_batch(lengths, seed)

@@ -1,6 +1,8 @@
 """The house has floors: every packkit module imports only from its own floor or below, the imports
 form no circle (function-level imports included), and no function hides an import of a packkit module
 unless it keeps an optional dependency lazy and says so with a ``# lazy:`` comment on that line.
+Planning, measuring and the command line import no torch (2 s), datasets, pandas nor transformers on the way
+in: a command imports them where it needs them (``tests/test_cli_startup.py`` runs the commands).
 
 Before the fix, ``io`` -> ``chat`` -> ``io`` and ``io`` -> ``budget`` -> ``io`` were circles hidden behind
 function-level imports; the walk of a file path through ``packkit plan`` doubled back.
@@ -18,9 +20,9 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp", "rules", "balance"],
-    # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention
-    ["listcolumns", "examples", "chat", "writers", "attention", "sampler"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "balance"],
+    # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention, CP shards
+    ["listcolumns", "examples", "chat", "writers", "attention", "sampler", "cp"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "columnar"],
     ["collate", "sources", "model_inputs"],
@@ -28,6 +30,12 @@ FLOORS = [
     ["raydata"],
     ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
 ]
+
+#: Modules whose import (and that of every packkit module they import at module level) pulls none of
+#: :data:`HEAVY`: the CP planner, the budget and waste figures, the offline packer, every command.
+LIGHT = ["cp_plan", "budget", "waste", "offline", "datafiles", "sources", "writers",
+         "cli", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"]
+HEAVY = {"torch", "datasets", "pandas", "transformers"}
 
 
 def _modules() -> dict:
@@ -104,3 +112,36 @@ def test_no_hidden_function_level_import_of_packkit():
         hidden += [f"{modules[m].relative_to(ROOT)}:{line} imports {t} inside a function"
                    for t, line, in_function in deps if in_function and "# lazy:" not in lines[line - 1]]
     assert not hidden, "\n".join(hidden)
+
+
+def _heavy_imports(path: Path) -> list:
+    """``(name, lineno)`` of every module-level import of a :data:`HEAVY` package in ``path``."""
+    tree = ast.parse(path.read_text())
+    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in inside:
+            continue
+        if isinstance(node, ast.Import):
+            names += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.append((node.module, node.lineno))
+    return [(n, line) for n, line in names if n.split(".")[0] in HEAVY]
+
+
+def test_planning_and_the_command_line_import_no_torch():
+    """Before the split, ``packkit.cp`` held the numpy planner and the torch shards in one module: every
+    command imported torch (2 of ``packkit waste``'s 2.8 s) to read ``LAYOUTS``."""
+    modules, graph = _graph()
+    todo, seen = [f"packkit.{m}" for m in LIGHT], set()
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += [t for t, _, in_function in graph[m] if not in_function]
+    assert {"packkit.cp_plan", "packkit.binpack", "packkit.cli"} <= seen, "the walk itself is broken"
+    heavy = [f"{modules[m].relative_to(ROOT)}:{line} imports {name}" for m in sorted(seen)
+             for name, line in _heavy_imports(modules[m])]
+    assert not heavy, "a light module imports a heavy package on the way in:\n" + "\n".join(heavy)
+

@@ -481,7 +481,7 @@ def test_waste_reports_tree_tokens_per_pair(tmp_path, capsys):
     import json
 
     from packkit.cli import main
-    from packkit.preference import preference_waste
+    from packkit.waste import preference_waste
 
     rows = tokenize_preference(preference_rows(40, 3, conversational=False), tokenizer())
     path = tmp_path / "pairs.jsonl"

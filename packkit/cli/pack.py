@@ -29,7 +29,7 @@ from pathlib import Path
 
 from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
-from ..cp import LAYOUTS as CP_LAYOUTS
+from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
@@ -138,12 +138,11 @@ def run(args, options=None) -> int:
     kind = "dir" if fmt == "folder" else "file"
     check_output(out, kind=kind, inputs=[src], overwrite=args.overwrite)
     require("datasets", "pyarrow")
-
-    import datasets
-
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     quiet = args.quiet or args.json
-    if quiet:
+    if quiet and src.is_dir():  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
+        import datasets
+
         datasets.disable_progress_bars()
     # What the overflow policy did is printed below; the library's log line would repeat it on stderr.
     logging.getLogger("packkit").setLevel(logging.ERROR)

@@ -7,7 +7,7 @@ import warnings
 
 from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
-from ..cp import LAYOUTS as CP_LAYOUTS
+from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
 from ..datafiles import read_lengths
 from ._chat import add_tokenizer_arguments, chat_options

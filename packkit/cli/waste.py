@@ -7,11 +7,10 @@ import json
 from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, require, rows_as_lines
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
 from ..datafiles import read_lengths, read_preference_lengths
-from ..cp import LAYOUTS as CP_LAYOUTS
+from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import ArgumentError, arg
 from ..fileio import check_output
-from ..preference import format_preference_waste, preference_waste
-from ..waste import WASTE_STRATEGIES, format_table, measure_waste, plot_waste
+from ..waste import WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste, plot_waste, preference_waste
 from ._chat import add_tokenizer_arguments, chat_options
 
 
@@ -100,7 +99,7 @@ def run(args, options=None) -> int:
 
 
 def _preference(args) -> int:
-    """``packkit waste FILE --preference``: :func:`packkit.preference.preference_waste` of the file's pairs."""
+    """``packkit waste FILE --preference``: :func:`packkit.waste.preference_waste` of the file's pairs."""
     if args.input is None:
         raise ArgumentError("{pref} reads a file of preference pairs: give FILE", pref=arg("preference"))
     prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split)
