@@ -52,7 +52,8 @@ from .cp_plan import check_cp_window, cp_multiples
 from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
-from .rules import PACKED_FIX, ExampleValueError, check_loss_mask_mode, location, row_segments, segment_key
+from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, location, row_segments,
+                    segment_key)
 from .segments import IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
