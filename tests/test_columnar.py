@@ -328,5 +328,5 @@ def test_batches_cross_processes_by_value():
             assert got["cu_seq_lens_q"] is got["cu_seq_lens_k"]
     big = PaddingFreeCollator()([{"input_ids": np.zeros(collate.SHIP_BY_VALUE_BYTES // 16, np.int64)}])
     tensors = {}
-    collate._find_tensors(collate._reduce_by_value(big)[1:], tensors)
+    collate._swap(collate._reduce_by_value(big)[1:], tensors)
     assert tensors  # still tensors: torch's reducer (shared memory) ships them
