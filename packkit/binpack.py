@@ -54,7 +54,7 @@ import os
 import numpy as np
 
 from .errors import ArgumentError, DataError, Message, arg, check_int
-from .segments import lengths_to_offsets
+from .segments import lengths_to_offsets, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
            "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "overflow_error", "overflow_note",
@@ -382,8 +382,7 @@ class Plan:
         """:meth:`select` without the checks (``order`` known to be valid)."""
         counts = self.segments_per_window[order]
         ptr = lengths_to_offsets(counts)
-        # Segment indices of the chosen windows, in order, without a per-window Python loop.
-        seg = np.repeat(self.window_ptr[order] - ptr[:-1], counts) + np.arange(ptr[-1])
+        seg = range_index(self.window_ptr[order], counts)  # the chosen windows' segments, in order
         return dataclasses.replace(
             self,
             seg_example=self.seg_example[seg],
@@ -987,10 +986,8 @@ def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = 
     seg_item, item_window_ptr, _ = _plan_items(item_length, window, strategy, seed)
     # expand every item into its members, in order
     count = np.diff(item_ptr)[seg_item]
-    out = lengths_to_offsets(count)
-    seg_pos = np.repeat(item_ptr[seg_item] - out[:-1], count) + np.arange(int(out[-1]), dtype=np.int64)
-    seg_example = member[seg_pos]
-    window_ptr = out[item_window_ptr]
+    seg_example = member[range_index(item_ptr[seg_item], count)]
+    window_ptr = lengths_to_offsets(count)[item_window_ptr]
     kept_lengths = lengths[member]
     ungrouped = int(_plan_items(kept_lengths, window, strategy, seed)[1].size - 1) if kept_lengths.size else 0
     return Plan(

@@ -54,7 +54,8 @@ from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
 from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, location, row_segments,
                     segment_key)
-from .segments import IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids
+from .segments import (IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids,
+                       range_index)
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
 
@@ -108,7 +109,6 @@ def padding_free_batch(input_ids, labels, lengths, *, mask_first_label: bool = T
     )
 
 
-
 def row_destinations(loads, width: int) -> np.ndarray:
     """Where every real token lands in a row-major flattened ``[R, width]`` batch whose row ``r`` holds
     ``loads[r]`` tokens from its start (the rest of the row is padding): ``(sum(loads),)`` int64.
@@ -116,11 +116,7 @@ def row_destinations(loads, width: int) -> np.ndarray:
     ``row_destinations([2, 1], 3) -> [0, 1, 3]``. The one home of the rows' layout: :func:`rows_batch`
     puts tokens there, :mod:`packkit.model_inputs` the per-token inputs that travel with them.
     """
-    loads = np.asarray(loads, dtype=np.int64)
-    start = lengths_to_offsets(loads)
-    dest = np.repeat(np.arange(loads.size, dtype=np.int64) * width - start[:-1], loads)
-    dest += np.arange(int(start[-1]), dtype=np.int64)
-    return dest
+    return range_index(np.arange(len(loads), dtype=np.int64) * width, loads)
 
 
 def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows: int | None = None,

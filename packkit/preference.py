@@ -60,10 +60,11 @@ import torch
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
 from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
-from .collate import padding_free_batch, rows_batch
+from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, DataError, arg, check_int
 from .examples import location, read_column
-from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx
+from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
+                       range_index)
 
 __all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
            "dpo_loss",
@@ -249,8 +250,7 @@ class SequenceBatch(dict):
         pre_len = np.where(later, prompt[seg[q_start]], 0)
         starts = np.stack([pre_start, q_start], 1).reshape(-1)
         lens = np.stack([pre_len, q_len], 1).reshape(-1)
-        out = lengths_to_offsets(lens)
-        kv_index = np.repeat(starts - out[:-1], lens) + np.arange(int(out[-1]), dtype=np.int64)
+        kv_index = range_index(starts, lens)
         k_len = pre_len + q_len
         dev = self.input_ids.device
         return {"kv_index": torch.from_numpy(kv_index).to(dev),
@@ -412,9 +412,7 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
         packed = rows_batch(ids, labels, unit_len[order], window_ptr, width=window, num_rows=num_windows,
                             pad_token_id=pad_token_id)
         width = window
-        loads = unit_off[window_ptr[1:]] - unit_off[window_ptr[:-1]]
-        win_of_tok = np.repeat(np.arange(loads.size), loads)
-        dest = win_of_tok * window + flat - unit_off[window_ptr[:-1]][win_of_tok]
+        dest = row_destinations(unit_off[window_ptr[1:]] - unit_off[window_ptr[:-1]], window)
     rows = packed.input_ids.shape[0]
 
     def laid(values_, fill):
@@ -707,8 +705,7 @@ class PreferenceCollator(_GroupsCollator):
         starts = np.stack([c_off[:-1], r_off[:-1] + c_vals.size], 1).reshape(-1)
         lens = np.stack([c_len, r_len], 1).reshape(-1)
         both = np.concatenate([c_vals, r_vals])
-        out = lengths_to_offsets(lens)
-        comp = both[np.repeat(starts - out[:-1], lens) + np.arange(int(out[-1]), dtype=np.int64)]
+        comp = both[range_index(starts, lens)]
         for j, name in ((0, "chosen_ids"), (1, "rejected_ids")):
             empty = np.flatnonzero(lens[j::2] < 1)
             if empty.size:

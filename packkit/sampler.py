@@ -83,7 +83,7 @@ import numpy as np
 from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, pack
 from .errors import ArgumentError, arg, check_int
-from .segments import lengths_to_offsets
+from .segments import lengths_to_offsets, range_index
 
 __all__ = [
     "LengthGroupedSampler",
@@ -232,9 +232,7 @@ def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray
     flat, ptr = np.asarray(flat), np.asarray(ptr, np.int64)
     order = np.asarray(order, np.int64)
     counts = ptr[order + 1] - ptr[order]
-    out_ptr = lengths_to_offsets(counts)
-    src = np.repeat(ptr[order] - out_ptr[:-1], counts) + np.arange(out_ptr[-1], dtype=np.int64)
-    return flat[src], out_ptr
+    return flat[range_index(ptr[order], counts)], lengths_to_offsets(counts)
 
 
 def batch_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:

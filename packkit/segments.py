@@ -27,6 +27,7 @@ __all__ = [
     "cu_seqlens_to_lengths",
     "position_ids_to_lengths",
     "segment_starts",
+    "range_index",
     "piece_loss_tokens",
 ]
 
@@ -109,6 +110,15 @@ def segment_starts(lengths) -> np.ndarray:
     """Flat index of the first token of every non-empty segment: ``[2, 4, 3] -> [0, 2, 6]``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     return lengths_to_offsets(lengths)[:-1][lengths > 0]
+
+
+def range_index(starts, lengths) -> np.ndarray:
+    """Flat index of the ranges ``[start, start + length)`` laid end to end, ``(sum(lengths),)`` int64:
+    ``range_index([5, 0], [2, 3]) -> [5, 6, 0, 1, 2]``. The gather behind every CSR selection (windows
+    of a plan, batches of a schedule, tokens of segments), without a Python loop."""
+    lengths = np.asarray(lengths, np.int64)
+    out = lengths_to_offsets(lengths)
+    return np.repeat(np.asarray(starts, np.int64) - out[:-1], lengths) + np.arange(int(out[-1]), dtype=np.int64)
 
 
 def piece_loss_tokens(example, start, length, *, offsets, targets=None, loss_lengths=None) -> np.ndarray:
