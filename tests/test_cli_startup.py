@@ -1,0 +1,87 @@
+"""The commands start light: ``packkit --help``, ``waste`` on the bundled sample, ``plan``, ``pack`` of JSON
+lines to ``.arrow`` and ``.parquet`` and ``tokenize`` of text import none of torch (2 s), datasets (1 s,
+with pandas) and transformers; pandas only where pyarrow reads data (pyarrow 26 imports it on its first
+``pa.array`` or ``to_numpy``, not packkit).
+
+Before the fix every command imported torch through ``packkit.cp`` (for its ``LAYOUTS``), and ``pack``
+imported datasets whatever its input: ``packkit waste`` took 2.9 s of CPU, all but 0.5 s of it imports.
+
+``sys.modules`` is the point, so the commands run in one fresh interpreter; the same commands run in this
+process (torch and datasets loaded) print the same lines and write the same bytes.
+"""
+
+import json
+import subprocess
+import sys
+
+import datasets  # noqa: F401 - this process runs the same commands with the heavy packages loaded
+import pytest
+import torch  # noqa: F401
+
+from packkit import cli
+
+pytestmark = pytest.mark.slow  # a subprocess
+
+HEAVY = ("torch", "datasets", "pandas", "transformers")
+
+#: ``(argv, reads data with pyarrow)``; OUT paths are relative to the folder the commands run in.
+COMMANDS = [
+    (["--help"], False),
+    (["waste"], False),
+    (["waste", "--cp", "4", "--json"], False),
+    (["plan", "--synthetic", "500", "--cp", "2"], False),
+    (["pack", "in.jsonl", "out.arrow", "--window", "64", "-q"], True),
+    (["pack", "in.jsonl", "out.parquet", "--window", "64", "--cp", "2", "--cp-layout", "zigzag"], True),
+    (["tokenize", "text.jsonl", "tok.arrow", "--tokenizer", "bytes"], True),
+]
+
+#: Runs in a fresh interpreter: every command through cli.main, what it printed and what it had imported.
+CHILD = """
+import contextlib, io, json, sys
+from packkit import cli
+out = []
+for argv in json.loads(sys.argv[1]):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main(argv)
+    out.append({"code": code, "stdout": buf.getvalue(),
+                "loaded": [m for m in %r + ("pyarrow",) if m in sys.modules]})
+print(json.dumps(out))
+""" % (HEAVY,)
+
+
+def _inputs(folder):
+    rows = [{"input_ids": list(range(1, 2 + (7 * i) % 50))} for i in range(40)]
+    (folder / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "text.jsonl").write_text("".join(json.dumps({"text": f"example {i} " * i}) + "\n" for i in range(1, 9)))
+
+
+def _run_here(folder, capsys, monkeypatch) -> list:
+    monkeypatch.chdir(folder)
+    capsys.readouterr()
+    out = []
+    for argv, _ in COMMANDS:
+        code = cli.main(argv)
+        out.append({"code": code, "stdout": capsys.readouterr().out})
+    return out
+
+
+def test_commands_import_no_torch_datasets_transformers(tmp_path, capsys, monkeypatch):
+    fresh, here = tmp_path / "fresh", tmp_path / "here"
+    for folder in (fresh, here):
+        folder.mkdir()
+        _inputs(folder)
+    argvs = json.dumps([argv for argv, _ in COMMANDS])
+    proc = subprocess.run([sys.executable, "-c", CHILD, argvs], cwd=fresh, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    child = json.loads(proc.stdout.splitlines()[-1])
+    ours = _run_here(here, capsys, monkeypatch)
+    for (argv, reads), got, want in zip(COMMANDS, child, ours):
+        print(argv, got["loaded"])
+        heavy = set(got["loaded"]) - {"pyarrow"} - ({"pandas"} if reads and "pyarrow" in got["loaded"] else set())
+        assert not heavy, f"packkit {' '.join(argv)} imported {sorted(heavy)}"
+        assert got["code"] == want["code"] == 0, argv
+        assert got["stdout"].replace(str(fresh), str(here)) == want["stdout"], argv
+    for name in ("out.arrow", "out.parquet", "tok.arrow"):
+        assert (fresh / name).read_bytes() == (here / name).read_bytes(), name
