@@ -14,27 +14,13 @@ Use one as ``DataLoader(ds, batch_size=..., collate_fn=PaddingFreeCollator())`` 
 For mRoPE vision-language models (Qwen2-VL and kin) and hybrid linear-attention models, wrap one in
 :mod:`packkit.model_inputs` (``VisionLanguageCollator``, ``HybridCollator``).
 
-An example is a mapping with ``input_ids`` (a list, numpy array or tensor of non-negative integers)
-and optionally ``labels`` (same length; ``-100`` where no loss is wanted) and/or a
-``completion_mask`` / ``assistant_masks`` (loss only where it is 1). Examples are read, and their
-rules checked, by :mod:`packkit.rules`: each example's own keys decide its labels (an example
-without labels is trained on its token ids; a loss mask is honoured on every example that carries
-one, whatever the first example carries). A batch with neither labels nor a mask warns once
-(``LossMaskWarning``: ``transformers.Trainer`` drops mask columns unless
-``remove_unused_columns=False``); ``loss_mask="required"`` makes an example without a mask an error
-that names that setting, and ``loss_mask="none"`` (pretraining) says every token is a target. A
-collator also takes the columnar batch of :class:`packkit.columnar.ColumnarDataset` directly (no
-Python object per token); its errors then name the dataset row.
-
-With ``mask_first_label=True`` (default: the model shifts labels, as Hugging Face models do) the
-first label of every segment becomes ``-100``, so no loss term predicts a document's first token
-from the document before it. With ``mask_first_label=False`` labels are pre-shifted (``labels[i]``
-is the target of token ``i``) and are used exactly as given; every example then needs ``labels``.
-
-Tokens are moved with one conversion of the concatenated lists (``struct.pack_into`` into the
-output array), or one ``np.concatenate`` of the arrays, then numpy index arithmetic; tensors leave
-through ``torch.from_numpy`` (no copy). Lists must hold Python (or numpy) integers; arrays and
-tensors are checked by dtype.
+An example is a mapping with ``input_ids`` (a list, numpy array or tensor of non-negative integers),
+optionally ``labels`` (same length; ``-100`` where no loss is wanted) and/or a loss mask
+(``completion_mask`` / ``assistant_masks``: loss only where it is 1); each example's own keys decide its
+labels, under the rules of :mod:`packkit.rules` (``mask_first_label`` and ``loss_mask``: see
+:class:`PaddingFreeCollator`). A collator also takes the columnar batch of
+:class:`packkit.columnar.ColumnarDataset` directly (no Python object per token); its errors then name
+the dataset row. Tensors leave through ``torch.from_numpy`` (no copy).
 """
 
 from __future__ import annotations
@@ -281,7 +267,7 @@ class _Collator:
     """What every collator shares: it reads its examples' labels under ``mask_first_label`` and
     ``loss_mask``, and warns once per collator and process when none carries labels or a mask."""
 
-    def __init__(self, *, mask_first_label: bool, loss_mask: str):
+    def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto"):
         self.mask_first_label = bool(mask_first_label)
         self.loss_mask = check_loss_mask_mode(loss_mask)
         self._warned = [False]  # LossMaskWarning given
@@ -314,9 +300,6 @@ class PaddingFreeCollator(_Collator):
             setting. ``"none"``: no mask expected, every token a target (pretraining; no warning, and
             a mask that does arrive is an error).
     """
-
-    def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto"):
-        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
 
     def __call__(self, examples) -> PackedBatch:
         input_ids, labels, lengths = self._read(examples)
