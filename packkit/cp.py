@@ -48,8 +48,7 @@ import torch
 
 from .cp_plan import CPPlan, check_cp_size, plan_cp
 from .errors import ArgumentError, arg, check_int
-from .segments import (IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets,
-                       lengths_to_position_ids)
+from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
 __all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "restore", "shift_labels",
            "cp_attention", "hf_cp_attention", "register_hf_cp_attention"]
@@ -217,7 +216,7 @@ class CPShard:
         _, g_start = plan._seg_starts()
         seg, off, n = plan.piece_seg[p], plan.piece_offset[p], plan.piece_len[p]
         keys = off + n  # a piece sees its document from position 0 to its own last token
-        k_index = where[np.repeat(g_start[seg], keys) + lengths_to_position_ids(keys)]
+        k_index = where[range_index(g_start[seg], keys)]
         dev = self._device()
         return AllGatherArgs(torch.from_numpy(lengths_to_cu_seqlens(n)).to(dev),
                              torch.from_numpy(lengths_to_cu_seqlens(keys)).to(dev), int(n.max(initial=0)),

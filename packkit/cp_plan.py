@@ -44,7 +44,7 @@ import numpy as np
 
 from .binpack import Plan, pack
 from .errors import ArgumentError, arg, check_int
-from .segments import lengths_to_offsets
+from .segments import lengths_to_offsets, range_index
 
 __all__ = ["LAYOUTS", "CPPlan", "plan_cp", "causal_work", "cp_padding", "cp_multiples", "check_cp_window",
            "plan_for_cp", "check_cp_size"]
@@ -60,14 +60,6 @@ def _check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
         raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=layout, fix=arg("layout", *LAYOUTS))
     return layout
-
-
-def _ranges(starts, lengths) -> np.ndarray:
-    """Concatenated ``arange(s, s + n)``: ``([5, 0], [2, 3]) -> [5, 6, 0, 1, 2]`` (int64, vectorised)."""
-    starts = np.asarray(starts, np.int64)
-    lengths = np.asarray(lengths, np.int64)
-    off = lengths_to_offsets(lengths)
-    return np.arange(int(off[-1]), dtype=np.int64) - np.repeat(off[:-1] - starts, lengths)
 
 
 def causal_work(length, offset=0):
@@ -150,7 +142,7 @@ class CPPlan:
         batch of each (``-1`` for CP padding), its segment and its position in the segment."""
         p = self.rank_pieces(rank)
         seg = np.repeat(self.piece_seg[p], self.piece_len[p])
-        pos = _ranges(self.piece_offset[p], self.piece_len[p])
+        pos = range_index(self.piece_offset[p], self.piece_len[p])
         flat_start, _ = self._seg_starts()
         source = np.where(pos < self.lengths[seg], flat_start[seg] + pos, -1)
         return source, seg, pos
@@ -159,7 +151,7 @@ class CPPlan:
         """``(local_len,)`` int64: where ``rank``'s tokens sit in the padded stream ``G``."""
         p = self.rank_pieces(rank)
         _, g_start = self._seg_starts()
-        return _ranges(g_start[self.piece_seg[p]] + self.piece_offset[p], self.piece_len[p])
+        return range_index(g_start[self.piece_seg[p]] + self.piece_offset[p], self.piece_len[p])
 
     def rearrange_index(self, *, restore: bool = False) -> np.ndarray:
         """``(1, cp_size * local_len)`` int64, what torch's ``_LoadBalancer._generate_indices(restore)``
