@@ -39,7 +39,7 @@ import warnings
 import numpy as np
 
 from .balance import CostModel, step_figures
-from .binpack import DEFAULT_OVERFLOW, Plan, as_lengths, check_window, overflow_note, pack
+from .binpack import DEFAULT_OVERFLOW, Plan, as_lengths, check_window, overflow_note
 from .cp_plan import check_cp_window, cp_multiples, plan_for_cp
 from .errors import Message, arg, check_int
 from .segments import lengths_to_offsets, piece_loss_tokens
@@ -252,15 +252,6 @@ def step_sums(values, group: int) -> np.ndarray:
     if values.size == 0:
         return values[:0]
     return np.add.reduceat(values, np.arange(0, values.size, group))
-
-
-def segment_loss_tokens(seg_example, seg_start, seg_length, lengths, loss_lengths) -> np.ndarray:
-    """Loss tokens of each segment when an example's loss tokens are its last ``loss_lengths`` tokens
-    (:func:`packkit.segments.piece_loss_tokens`' model without per-token targets): ``([0], [0], [5], [5], [3])
-    -> [3]``; a segment that is the whole completion loses its first: ``([0], [0], [3], [3], [3]) -> [2]``.
-    """
-    return piece_loss_tokens(seg_example, seg_start, seg_length, offsets=lengths_to_offsets(lengths),
-                             loss_lengths=loss_lengths)
 
 
 def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:

@@ -21,13 +21,13 @@ from packkit.budget import (
     find_max_micro_batch,
     is_out_of_memory,
     plan_budget,
-    segment_loss_tokens,
     step_sums,
     synthetic_sft_lengths,
 )
 from packkit.datafiles import read_lengths
 from packkit.listcolumns import loss_lengths
 from packkit.packer import pack_arrays
+from packkit.segments import lengths_to_offsets, piece_loss_tokens
 
 IGNORE = -100
 
@@ -90,11 +90,12 @@ def test_effective_batch_and_bad_input():
 @example([(1, 0)], 1, "truncate")  # a one-token example in a window of 1: no loss token
 @example([(40, 39)] * 3, 1, "split")  # all equal, window 1: every piece one token
 @example([(40, 39), (3, 0)], 40, "split")
-def test_segment_loss_tokens_match_real_packed_labels(examples, window, overflow):
+def test_piece_loss_tokens_of_loss_lengths_match_real_packed_labels(examples, window, overflow):
     lengths = np.array([n for n, _ in examples])
     loss = np.array([min(c, n - 1) for n, c in examples])
     plan = pack(lengths, window=window, overflow=overflow)
-    got = segment_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, lengths, loss)
+    got = piece_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, offsets=lengths_to_offsets(lengths),
+                            loss_lengths=loss)
     want = np.array([u[2] for u in packed_units_ref(plan, lengths, loss)])
     per_window = np.bincount(plan.seg_window, weights=got, minlength=plan.num_windows)
     np.testing.assert_array_equal(per_window, want)
