@@ -451,6 +451,14 @@ class Schedule:
         return [self.flat[self.ptr[i * R + rank]:self.ptr[i * R + rank + 1]] for i in range(self.rows)]
 
 
+def _remember(cache: dict, key, value):
+    """``cache[key] = value``, the oldest entry forgotten past :data:`CACHED`; returns ``value``."""
+    if len(cache) >= CACHED:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 def _chunks(units: np.ndarray, size: int) -> list[np.ndarray]:
     """``units`` in consecutive runs of ``size`` (the last shorter): ``_chunks([1, 2, 3], 2) -> [[1, 2], [3]]``."""
     return [units[i:i + size] for i in range(0, units.size, size)]
@@ -521,9 +529,7 @@ class _BatchSampler:
         """The sequence for ``(seed, epoch)`` cut into steps of ``step`` units, cached."""
         key = (seed, epoch, step)
         if key not in self._seq_cache:
-            if len(self._seq_cache) >= CACHED:
-                self._seq_cache.pop(next(iter(self._seq_cache)))
-            self._seq_cache[key] = self._sequence_of(np.random.default_rng((seed, epoch)), step)
+            _remember(self._seq_cache, key, self._sequence_of(np.random.default_rng((seed, epoch)), step))
         return self._seq_cache[key]
 
     def _policy_cost(self, lengths: np.ndarray) -> np.ndarray:
@@ -575,7 +581,7 @@ class _BatchSampler:
         for row in self._partial_rows(units, R, m):
             if row.size >= R:
                 parts = np.array_split(row, R)
-                batches += [np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in p]) for p in parts]
+                batches += [select_batches(seq.flat, seq.ptr, p)[0] for p in parts]
                 pieces += [p.size for p in parts]
             else:
                 split, rep = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R,
@@ -607,16 +613,20 @@ class _BatchSampler:
         spans: list[int] = []
         repeated, skip, mask0 = 0, 0, 0
         notes = []
+
+        def add_step(batches, pieces, start: int, span: int) -> None:  # a step dealt batch by batch
+            parts.append(("list", batches, pieces))
+            rows_of.append(len(batches) // R)
+            starts.append(start)
+            spans.append(span)
+
         q = min(point.start, U)
         if not point.clean and point.span:
             lo, hi = point.start, point.start + point.span
             left = np.arange(lo, hi)[~mask_bits(point.mask, lo, hi)]
             if point.deal == (R, m):  # the same deal: go on inside it
                 batches, pieces, rep = self._deal_step(seq, left, S)
-                parts.append(("list", batches, pieces))
-                rows_of.append(len(batches) // R)
-                starts.append(lo)
-                spans.append(hi - lo)
+                add_step(batches, pieces, lo, hi - lo)
                 skip, mask0, repeated = point.rows, point.mask, rep
             else:  # what the old deal had not handed out yet, dealt to this world size
                 used = np.zeros(hi - lo, bool)
@@ -628,10 +638,7 @@ class _BatchSampler:
                 for chunk in _chunks(rest, S):
                     c_lo, c_hi = int(chunk[0]), int(chunk[-1]) + 1
                     batches, pieces, rep = self._deal_step(seq, chunk, S)
-                    parts.append(("list", batches, pieces))
-                    rows_of.append(len(batches) // R)
-                    starts.append(c_lo)
-                    spans.append(c_hi - c_lo)
+                    add_step(batches, pieces, c_lo, c_hi - c_lo)
                     if not mask0 and not starts[:-1]:
                         mask0 = bits_mask(used[c_lo - lo:c_hi - lo])
                     repeated += rep
@@ -653,25 +660,18 @@ class _BatchSampler:
                 spans += [S] * nfull
             if q + nfull * S < U:
                 batches, pieces, rep = self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64), R, m)
-                parts.append(("list", batches, pieces))
-                rows_of.append(len(batches) // R)
-                starts.append(q + nfull * S)
-                spans.append(U - q - nfull * S)
+                add_step(batches, pieces, q + nfull * S, U - q - nfull * S)
                 repeated += rep
-        sched = self._assemble(parts, rows_of, starts, spans, skip, mask0, repeated,
-                               "; ".join(notes))
-        if len(self._sched_cache) >= CACHED:
-            self._sched_cache.pop(next(iter(self._sched_cache)))
-        self._sched_cache[key] = sched
-        return sched
+        return _remember(self._sched_cache, key, self._assemble(parts, rows_of, starts, spans, skip, mask0,
+                                                                repeated, "; ".join(notes)))
 
     def _deal_step(self, seq: _Sequence, units: np.ndarray, S: int):
         """One step's batches, as the schedule deals it: the full deal for ``S`` units, else the partial."""
         R, m, k = self.world_size, self.accumulation_steps, self._k
         if units.size == S:
             order = self._deal_full(seq, units.reshape(1, S), R, m)
-            return ([np.concatenate([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in order[i:i + k]])
-                     for i in range(0, order.size, k)], [k] * (order.size // k), 0)
+            return ([select_batches(seq.flat, seq.ptr, order[i:i + k])[0] for i in range(0, order.size, k)],
+                    [k] * (order.size // k), 0)
         return self._deal_partial(seq, units, R, m)
 
     def _dealt_units(self, seq: _Sequence, units: np.ndarray, deal: tuple, rows: int) -> np.ndarray:
@@ -805,15 +805,13 @@ class _BatchSampler:
             yield flat[ptr[g]:ptr[g + 1]].tolist()
 
     def _fingerprint(self) -> str:
-        if getattr(self, "_fingerprint_cache", None) is None:  # lengths and options are fixed at build
-            self._fingerprint_cache = self._hash()
+        """A hash of the sampler's class, options and lengths (fixed at build, so computed once)."""
+        if getattr(self, "_fingerprint_cache", None) is None:
+            h = hashlib.sha1(type(self).__name__.encode())
+            h.update(repr(sorted(self._config().items())).encode())
+            h.update(self.lengths.tobytes())
+            self._fingerprint_cache = h.hexdigest()
         return self._fingerprint_cache
-
-    def _hash(self) -> str:
-        h = hashlib.sha1(type(self).__name__.encode())
-        h.update(repr(sorted(self._config().items())).encode())
-        h.update(self.lengths.tobytes())
-        return h.hexdigest()
 
     def _point_after(self, sched: Schedule, base: _Point, rows: int) -> _Point:
         """The position after ``rows`` rows of ``sched`` (which started at ``base``)."""
