@@ -53,7 +53,7 @@ import os
 
 import numpy as np
 
-from .errors import ArgumentError, DataError, Message, arg, check_int
+from .errors import ArgumentError, DataError, Message, arg, check_choice, check_int
 from .segments import lengths_to_offsets, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
@@ -116,10 +116,7 @@ def check_seed(seed, *, allow_none: bool = True) -> int | None:
 
 def check_strategy(strategy) -> str:
     """Return ``strategy`` if it is one of :data:`STRATEGIES`, else raise naming the choices."""
-    if strategy not in STRATEGIES:
-        raise ArgumentError("unknown strategy {got!r}; choose one of {choices}", got=strategy,
-                            choices=arg("strategy", *STRATEGIES))
-    return strategy
+    return check_choice(strategy, "strategy", STRATEGIES)
 
 
 #: The overflow policy of every path that prepares or measures data (``pack_dataset``, offline and on Ray,
@@ -132,10 +129,7 @@ DEFAULT_OVERFLOW = "split"
 
 def check_overflow(overflow) -> str:
     """Return ``overflow`` if it is one of :data:`OVERFLOW_POLICIES`, else raise naming the choices."""
-    if overflow not in OVERFLOW_POLICIES:
-        raise ArgumentError("unknown overflow policy {got!r}; choose one of {choices}", got=overflow,
-                            choices=arg("overflow", *OVERFLOW_POLICIES))
-    return overflow
+    return check_choice(overflow, "overflow", OVERFLOW_POLICIES, what="overflow policy")
 
 
 def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0) -> DataError | None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numbers
 import shlex
 
-__all__ = ["Arg", "arg", "check_int", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError", "DataError",
+__all__ = ["Arg", "arg", "check_int", "check_choice", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError", "DataError",
            "MissingError", "OutputError"]
 
 
@@ -175,6 +175,19 @@ def check_int(value, name: str, *, low: int = 1, high: int | None = None, unit: 
     if value < low or (high is not None and value > high):
         bound = f"at least {low}{unit}" if high is None else f"between {low} and {high}{unit}"
         raise ArgumentError("{name} must be " + bound + ", got {got}" + fix, name=arg(name), got=value, **fields)
+    return value
+
+
+def check_choice(value, name: str, choices, *, what: str | None = None):
+    """``value`` if it is one of ``choices``, else the one error for that mistake, naming ``name``.
+
+    ``check_choice("bfd", "strategy", ("bfd", "ffd")) -> "bfd"``; ``"best"`` raises :class:`ArgumentError`
+    ``"unknown strategy 'best'; choose one of strategy='bfd' or 'ffd'"`` (``what``: the kind of value the
+    message names, default ``name``).
+    """
+    if value not in choices:
+        raise ArgumentError("unknown {what} {got!r}; choose one of {choices}", what=what or name, got=value,
+                            choices=arg(name, *choices))
     return value
 
 

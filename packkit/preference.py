@@ -61,7 +61,7 @@ from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_
 from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
-from .errors import ArgumentError, DataError, arg, check_int
+from .errors import ArgumentError, DataError, arg, check_choice, check_int
 from .examples import location, read_column
 from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
                        range_index)
@@ -76,10 +76,7 @@ LAYOUTS = ("pairs", "tree")
 
 def check_layout(layout) -> str:
     """``layout`` if it is one of :data:`LAYOUTS`, else an error naming the choices."""
-    if layout not in LAYOUTS:
-        raise ArgumentError("unknown layout {got!r}; choose one of {choices}", got=layout,
-                            choices=arg("layout", *LAYOUTS))
-    return layout
+    return check_choice(layout, "layout", LAYOUTS)
 
 
 def tree_tokens(prompt, continuations, *, layout: str = "tree") -> np.ndarray:

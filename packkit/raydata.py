@@ -53,7 +53,7 @@ import numpy as np
 from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_overflow, check_seed, check_strategy,
                       check_window, pack)
 from .arrow import list_array
-from .errors import ArgumentError, arg
+from .errors import ArgumentError, arg, check_choice
 from .listcolumns import list_chunks, packed_segments, table_labels, token_lengths
 from .offline import packed_batch, packed_schema
 from .packer import gather_segments, label_dtype, log_overflow, pack_columns
@@ -478,8 +478,7 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
 
     window = check_window(window)
     input_key, label_key = _token_column(columns), "labels"
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    check_choice(mode, "mode", MODES)
     check_strategy(strategy)
     check_overflow(overflow)
     seed = check_seed(seed)

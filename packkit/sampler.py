@@ -82,7 +82,7 @@ import numpy as np
 
 from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, pack
-from .errors import ArgumentError, arg, check_int
+from .errors import ArgumentError, arg, check_choice, check_int
 from .segments import lengths_to_offsets, range_index
 
 __all__ = [
@@ -483,8 +483,7 @@ class _BatchSampler:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         if not isinstance(drop_last, bool):
             raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
-        if balance not in BALANCE:
-            raise ValueError(f"balance must be one of {BALANCE}, got {balance!r}")
+        check_choice(balance, "balance", BALANCE)
         self.drop_last, self.balance, self.shuffle = drop_last, balance, bool(shuffle)
         self.cost = cost_model(cost, cp_size=cp_size)
         R = self.world_size
