@@ -459,12 +459,8 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     dropped = int((~use).sum())
     p, c, r = p[use], c[use], r[use]
     n = p.size
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(n)
-    longest = np.maximum(p + c, p + r)[order]
-    starts = np.arange(0, n, batch_size)
-    per_batch_max = np.maximum.reduceat(longest, starts) if n else np.zeros(0, np.int64)
-    sizes = np.diff(np.append(starts, n))
+    # TRL pads both sequences of every pair of a batch to the batch's longest
+    padded, _ = padded_rows(np.maximum(p + c, p + r), np.random.default_rng(seed).permutation(n), batch_size)
     real_pairs = int((2 * p + c + r).sum())
     real_tree = int((p + c + r).sum())
     rows = {}
@@ -474,7 +470,7 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
                 "real_per_pair": real / max(n, 1),
                 "fill": real / tokens if tokens else 1.0, **extra}
 
-    rows["trl_padded"] = row(int((2 * sizes * per_batch_max).sum()), real_pairs)
+    rows["trl_padded"] = row(2 * int(padded.sum()), real_pairs)
     rows["trl_padding_free"] = row(real_pairs, real_pairs)
     seqs = np.stack([p + c, p + r], 1).reshape(-1)
     plan = pack(seqs, window=window, group_sizes=np.full(n, 2)) if n else None
