@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .cp_plan import CPPlan, check_cp_size, plan_cp
-from .errors import ArgumentError, arg, check_int
+from .errors import ArgumentError, check_choice, check_int
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
 __all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "restore", "shift_labels",
@@ -530,8 +530,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_idx: 
     """
     import torch.distributed as dist  # lazy, as in _p2p_shift
 
-    if method not in METHODS:
-        raise ArgumentError("unknown cp_attention method {got!r}; pass {fix}", got=method, fix=arg("method", *METHODS))
+    check_choice(method, "method", METHODS, what="cp_attention method")
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"cp_attention takes q (n, H, D) and k, v (n, Hkv, D) with H % Hkv == 0; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

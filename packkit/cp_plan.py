@@ -43,7 +43,7 @@ import dataclasses
 import numpy as np
 
 from .binpack import Plan, pack
-from .errors import ArgumentError, arg, check_int
+from .errors import ArgumentError, arg, check_choice, check_int
 from .segments import lengths_to_offsets, range_index
 
 __all__ = ["LAYOUTS", "CPPlan", "plan_cp", "causal_work", "cp_padding", "cp_multiples", "check_cp_window",
@@ -56,10 +56,8 @@ def check_cp_size(cp_size) -> int:
     return check_int(cp_size, "cp_size")
 
 
-def _check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=layout, fix=arg("layout", *LAYOUTS))
-    return layout
+def _check_layout(layout: str, name: str = "layout") -> str:
+    return check_choice(layout, name, LAYOUTS, what="CP layout")
 
 
 def causal_work(length, offset=0):
@@ -323,8 +321,7 @@ def check_cp_window(window: int, *, cp_size: int, layout: str) -> int:
     """``window`` if a row of it can be cut for the layout (a multiple of ``2 * cp`` for zigzag, of ``cp``
     for the others), else a one-line error naming the window to pass: ``check_cp_window(4096, cp_size=8,
     layout="zigzag") -> 4096``."""
-    if layout not in LAYOUTS:
-        raise ArgumentError("unknown CP layout {got!r}; pass {fix}", got=layout, fix=arg("cp_layout", *LAYOUTS))
+    _check_layout(layout, "cp_layout")
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=layout)
     m = doc_multiple * row_multiple
     if window % m:
