@@ -291,7 +291,11 @@ def json_block_size(path) -> int:
 
 
 #: Bytes of JSON text parsed at a time when JSON lines are streamed (:func:`json_batches`).
-JSON_BLOCK_BYTES = 8 << 20
+JSON_BLOCK_BYTES = 4 << 20
+
+#: pyarrow parses a chunk of JSON text in blocks of this many bytes on its threads (a chunk whose line is
+#: longer is parsed as one block).
+JSON_PARSE_BLOCK = 1 << 20
 
 
 class JsonLinesChanged(DataError):
@@ -299,46 +303,87 @@ class JsonLinesChanged(DataError):
     line to blame (ints, then floats): the caller reads it whole instead, as pyarrow unifies types then."""
 
 
-def json_lines_schema(path, *, block_size: int | None = None):
-    """The ``pyarrow.Schema`` pyarrow infers from the first block of a JSON lines file (None for a file
-    that is one JSON list, or empty)."""
+def line_chunks(path, *, size: int = JSON_BLOCK_BYTES):
+    """The bytes of a file in chunks of whole lines, about ``size`` bytes each (a longer line whole, in a
+    chunk of its own), a UTF-8 byte-order mark left out; memory: one chunk. ``b"a\nbb\nc"`` at
+    ``size=2`` -> ``[b"a\n", b"bb\n", b"c"]``. What the longest line needs is found as it is read:
+    no pass over the file before."""
+    with open(path, "rb") as f:
+        rest = f.read(3)
+        if rest == b"\xef\xbb\xbf":
+            rest = b""
+        while True:
+            block = f.read(size)
+            if not block:
+                if rest:
+                    yield rest
+                return
+            cut = block.rfind(b"\n")
+            if cut < 0:  # inside a line longer than a chunk: keep reading
+                rest += block
+                continue
+            yield rest + block[: cut + 1]
+            rest = block[cut + 1:]
+
+
+def _parse_json_chunk(chunk: bytes, schema, path):
+    """``chunk`` (whole JSON lines) as a ``pyarrow.Table``: with ``schema`` (the first chunk's types; a new key
+    or another type is an error), or inferred. pyarrow's threads parse it :data:`JSON_PARSE_BLOCK` at a time;
+    a line longer than that is parsed in one block (up to :data:`MAX_JSON_BLOCK`)."""
     pa = pyarrow()
     import pyarrow.json as pj
 
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-    if not head.strip() or head.lstrip()[:1] == b"[":
-        return None
+    parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None \
+        else pj.ParseOptions()
     try:
-        reader = pj.open_json(str(path), read_options=pj.ReadOptions(block_size=block_size or JSON_BLOCK_BYTES))
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise _json_lines_error(path, exc) from None
-    schema = reader.schema
-    reader.close()
-    return schema
+        return pj.read_json(pa.BufferReader(chunk), read_options=pj.ReadOptions(block_size=JSON_PARSE_BLOCK),
+                            parse_options=parse)
+    except pa.ArrowInvalid as exc:
+        if "straddl" not in str(exc):
+            raise
+    if len(chunk) + 1 > MAX_JSON_BLOCK:
+        raise DataError(f"{str(path)!r} holds a line of more than {MAX_JSON_BLOCK:,} bytes; JSON lines are read up "
+                        "to that many bytes a line: split the example, or store it as parquet")
+    return pj.read_json(pa.BufferReader(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
+                        parse_options=parse)
+
+
+def json_tables(path, *, block_size: int | None = None):
+    """Tables of a JSON lines file in order, one per chunk of about ``block_size`` bytes of whole lines
+    (default :data:`JSON_BLOCK_BYTES`; :func:`line_chunks`): memory holds a chunk and its table, never
+    the file. The first chunk's types hold for every later one, as in pyarrow's streaming reader. A bad
+    line is the one-line error naming it; a type or key that changes after the first chunk with no line to
+    blame is :class:`JsonLinesChanged`. Nothing for a file that is one JSON list (``[{...}, ...]``) or empty."""
+    pa = pyarrow()
+    schema = None
+    for chunk in line_chunks(path, size=block_size or JSON_BLOCK_BYTES):
+        if schema is None:
+            if not chunk.strip():
+                continue
+            if chunk.lstrip()[:1] == b"[":  # one JSON list of objects, not JSON lines
+                return
+        try:
+            table = _parse_json_chunk(chunk, schema, path)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise (_json_lines_error(path, exc) if schema is None else _json_lines_changed(path, exc)) from None
+        del chunk
+        schema = table.schema if schema is None else schema
+        yield table
 
 
 def json_batches(path, *, block_size: int | None = None):
-    """Record batches of a JSON lines file in order, parsed ``block_size`` bytes at a time (memory: one
-    block, never the file; default :data:`JSON_BLOCK_BYTES`, grown to hold the longest line). A bad line is
-    the one-line error naming it; a type that changes after the first block is :class:`JsonLinesChanged`."""
-    pa = pyarrow()
-    import pyarrow.json as pj
+    """Record batches of a JSON lines file in order (:func:`json_tables`, a chunk at a time)."""
+    for table in json_tables(path, block_size=block_size):
+        yield from table.to_batches()
 
-    block = block_size or max(JSON_BLOCK_BYTES, json_block_size(path))
-    try:
-        reader = pj.open_json(str(path), read_options=pj.ReadOptions(block_size=block))
-        while True:
-            try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                return
-            yield batch
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        located = _locate_json_lines_error(path)
-        if located is not None:
-            raise located from None
-        raise JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}") from None
+
+def _json_lines_changed(path, exc) -> DataError:
+    """A chunk after the first that pyarrow refused: the line to blame when one is (:func:`_locate_json_lines_error`),
+    else :class:`JsonLinesChanged`."""
+    located = _locate_json_lines_error(path)
+    if located is not None:
+        return located
+    return JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}")
 
 
 def _json_lines_error(path, exc) -> DataError:
@@ -629,23 +674,20 @@ def _json_lines_lengths(path: Path, column: str):
     if not path.is_file() or _suffix(path) not in (".jsonl", ".ndjson", ".json"):
         return None
     pa = pyarrow()
-    block = max(JSON_BLOCK_BYTES, json_block_size(path))
-    schema = json_lines_schema(path, block_size=block)
-    if (schema is None or column not in schema.names or not pa.types.is_list(schema.field(column).type)
-            or {"seq_lengths", "position_ids"} & set(schema.names)):
-        return None
     lengths, targets, row = [], [], 0
     try:
-        for batch in json_batches(path, block_size=block):
-            if batch.schema.names != schema.names:  # a key that appears after the first block
+        for table in json_tables(path):
+            if row == 0 and (column not in table.column_names or not pa.types.is_list(table.schema.field(column).type)
+                             or {"seq_lengths", "position_ids"} & set(table.column_names)):
                 return None
-            table = pa.Table.from_batches([batch])
             n = token_lengths(table.column(column), key=column, rows=row)
             lengths.append(n)
             targets.append(loss_targets(table, n, key=column, rows=row))
-            row += batch.num_rows
+            row += table.num_rows
     except JsonLinesChanged:
         return None
+    if not lengths:
+        return None  # one JSON list, or no line: read whole (the one rule for empty input)
     if any(t is None for t in targets) != all(t is None for t in targets):
         return None  # a loss column in some blocks only: read whole
     lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)

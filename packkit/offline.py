@@ -141,6 +141,11 @@ def _check_common(window, strategy, overflow, seed, num_proc):
 #: writer's encoding of them), in bytes. The plan (about 40 bytes per example) comes on top.
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
+#: A buffer sized to the data (:meth:`PackedTable.chunk_tokens` with no ``buffer_bytes``) holds this
+#: fraction of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES` and :data:`DEFAULT_BUFFER_BYTES`.
+BUFFER_FRACTION = 1 / 16
+MIN_BUFFER_BYTES = 8 * 2**20
+
 
 def packed_schema(columns, *, example_ids: bool = False):
     """The offline row format's ``pyarrow.Schema``: the packed list columns, then ``seq_lengths``.
@@ -214,11 +219,17 @@ class PackedTable:
         per = sum(f.type.value_type.bit_width // 8 for f in self.schema if f.name not in ("seq_lengths", "example_ids"))
         return per + (8 if "labels" in self.schema.names else 0)
 
-    def chunk_tokens(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
+    def chunk_tokens(self, buffer_bytes: int | None = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
                      in_flight: int = 1) -> int:
         """Tokens per record batch so that ``in_flight`` batches (a writer writing one while the next
         is gathered: 2), their temporaries and ``encoding`` times their size held by a writer
-        (:data:`packkit.writers.ENCODING_FACTOR`) stay within ``buffer_bytes``."""
+        (:data:`packkit.writers.ENCODING_FACTOR`) stay within ``buffer_bytes``. ``None`` sizes the buffer
+        to the data: :data:`BUFFER_FRACTION` of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES`
+        and :data:`DEFAULT_BUFFER_BYTES` (40.7M int64 tokens: 19.4 MiB), so that a small input is not
+        packed with a buffer larger than itself."""
+        if buffer_bytes is None:
+            data = self.plan.total_tokens * self.bytes_per_token
+            buffer_bytes = int(min(DEFAULT_BUFFER_BYTES, max(MIN_BUFFER_BYTES, data * BUFFER_FRACTION)))
         check_int(buffer_bytes, "buffer_bytes", unit=" byte")
         # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
         per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -36,8 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrow import pyarrow
-from .datafiles import (JSON_BLOCK_BYTES, JsonLinesChanged, json_batches, json_block_size, json_lines_schema,
-                        parquet_batches, parquet_schema)
+from .datafiles import json_tables, parquet_batches, parquet_schema
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
 from .listcolumns import list_chunks
@@ -110,24 +110,30 @@ class ArrowSource:
 
     @classmethod
     def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
-        """A JSON lines file parsed a block at a time (:func:`packkit.datafiles.json_batches`: blocks of
-        ``block_size`` bytes, 8 MiB by default, grown to hold the longest line) on a thread, ahead of the
-        scan; every batch is staged, so memory holds a block or two, never the file. None for a file
-        that is one JSON list (read whole). The scan raises
-        :class:`~packkit.datafiles.JsonLinesChanged` where a column's type changes after the first block."""
+        """A JSON lines file parsed a chunk of whole lines at a time (:func:`packkit.datafiles.json_tables`:
+        about ``block_size`` bytes, 4 MiB by default, a longer line whole) on a thread, ahead of the scan;
+        every batch is staged, so memory holds a chunk or two, never the file. The first chunk (its types are
+        the schema) is parsed once. None for a file that is one JSON list, or holds no line (read whole). The
+        scan raises :class:`~packkit.datafiles.JsonLinesChanged` where a type changes after the first chunk."""
         path = Path(path)
-        block = block_size or max(JSON_BLOCK_BYTES, json_block_size(path))
-        schema = json_lines_schema(path, block_size=block)
-        if schema is None:
+        tables = json_tables(path, block_size=block_size)
+        first = next(tables, None)
+        if first is None:
             return None
+        pending = [first, tables]  # the first pass continues the parse begun here; a later pass starts over
 
         def batches(columns):
-            for batch in prefetch(json_batches(path, block_size=block)):
-                if batch.schema.names != schema.names:  # a key that appears after the first block
-                    raise JsonLinesChanged(f"{str(path)!r} gains keys after its first block")
-                yield batch.select(list(columns)), False
+            if pending:
+                head, rest = pending
+                pending.clear()
+                chunks = itertools.chain([head], rest)
+            else:
+                chunks = json_tables(path, block_size=block_size)
+            for table in prefetch(chunks):
+                for batch in table.select(list(columns)).to_batches():
+                    yield batch, False
 
-        return cls(schema, batches, stage_dir if stage_dir is not None else path.parent, repr(str(path)),
+        return cls(first.schema, batches, stage_dir if stage_dir is not None else path.parent, repr(str(path)),
                    nbytes=path.stat().st_size)
 
     @classmethod

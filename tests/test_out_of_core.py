@@ -427,10 +427,9 @@ def test_prefetch_keeps_order_errors_and_stops():
 
 def _small_blocks(monkeypatch, size: int = 64 << 10):
     """Blocks of ``size`` bytes instead of 8 MiB, so that a small file streams in many blocks."""
-    import packkit.sources as sources
+    import packkit.datafiles as datafiles
 
-    monkeypatch.setattr(sources, "JSON_BLOCK_BYTES", size)
-    monkeypatch.setattr(sources, "json_block_size", lambda path: size)
+    monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", size)
 
 
 def test_json_lines_stream_a_block_at_a_time_same_rows(tmp_path, monkeypatch, capsys):
@@ -530,7 +529,6 @@ def test_waste_and_plan_read_json_lines_a_block_at_a_time(tmp_path, monkeypatch)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({k: cols[k][i] for k in cols}) + "\n" for i in range(1500)))
     monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 32 << 10)
-    monkeypatch.setattr(datafiles, "json_block_size", lambda path: 32 << 10)
     streamed = datafiles._json_lines_lengths(src, "input_ids")
     assert streamed is not None
     got = datafiles.read_lengths(src)

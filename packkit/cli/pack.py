@@ -33,7 +33,7 @@ from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, tokens_table
 from ..fileio import check_output
-from ..offline import DEFAULT_BUFFER_BYTES, plan_source, show_progress
+from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
 from ..sources import ArrowSource
 from ..writers import ENCODING_FACTOR, output_format, write_batches
@@ -83,8 +83,9 @@ def parser() -> Parser:
                    help="the layout packkit.cp.shard will cut rows with (default hybrid; W a multiple of N)")
     p.add_argument("--num-proc", type=int, default=None, help="threads for the token copy (default 1)")
     p.add_argument("--buffer-mb", type=int, default=None,
-                   help=f"memory for packed rows in flight, in MiB (default {DEFAULT_BUFFER_BYTES >> 20}); "
-                        "the tokens are read from IN as needed, never held whole")
+                   help=f"memory for packed rows in flight, in MiB (default: a sixteenth of the packed tokens, "
+                        f"{MIN_BUFFER_BYTES >> 20} to {DEFAULT_BUFFER_BYTES >> 20}); the tokens are read from IN as "
+                        "needed, never held whole")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing OUT (never IN, nor a folder holding IN)")
     p.add_argument("--json", action="store_true",
@@ -129,7 +130,7 @@ def run(args, options=None) -> int:
         check_int(args.num_proc, "num_proc")
     if args.buffer_mb is not None:
         check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
-    buffer_bytes = DEFAULT_BUFFER_BYTES if args.buffer_mb is None else args.buffer_mb * 2**20
+    buffer_bytes = None if args.buffer_mb is None else args.buffer_mb * 2**20  # None: sized to the data
     src, out = Path(args.input), Path(args.output)
     fmt = output_format(out)
     src = check_path(src)
