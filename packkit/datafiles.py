@@ -291,7 +291,7 @@ def json_block_size(path) -> int:
 
 
 #: Bytes of JSON text parsed at a time when JSON lines are streamed (:func:`json_batches`).
-JSON_BLOCK_BYTES = 4 << 20
+JSON_BLOCK_BYTES = 2 << 20
 
 #: pyarrow parses a chunk of JSON text in blocks of this many bytes on its threads (a chunk whose line is
 #: longer is parsed as one block).

@@ -111,7 +111,7 @@ class ArrowSource:
     @classmethod
     def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
         """A JSON lines file parsed a chunk of whole lines at a time (:func:`packkit.datafiles.json_tables`:
-        about ``block_size`` bytes, 4 MiB by default, a longer line whole) on a thread, ahead of the scan;
+        about ``block_size`` bytes, 2 MiB by default, a longer line whole) on a thread, ahead of the scan;
         every batch is staged, so memory holds a chunk or two, never the file. The first chunk (its types are
         the schema) is parsed once. None for a file that is one JSON list, or holds no line (read whole). The
         scan raises :class:`~packkit.datafiles.JsonLinesChanged` where a type changes after the first chunk."""

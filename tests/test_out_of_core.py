@@ -40,8 +40,9 @@ def _lengths(total: int, seed: int = 0) -> np.ndarray:
     return np.append(lengths, total - int(lengths.sum()))
 
 
-def _write_arrow(path, lengths: np.ndarray, *, batch_rows: int = 1000) -> None:
-    """An Arrow IPC stream (a ``datasets`` cache file) whose token ids are their global positions."""
+def _write_arrow(path, lengths: np.ndarray, *, batch_rows: int = 1000, id_base: int = 0) -> None:
+    """An Arrow IPC stream (a ``datasets`` cache file) whose token ids are their global positions (plus
+    ``id_base``)."""
     offsets = lengths_to_offsets(lengths)
     schema = pa.schema([("input_ids", pa.list_(pa.int64()))])
     with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, schema) as w:
@@ -49,7 +50,7 @@ def _write_arrow(path, lengths: np.ndarray, *, batch_rows: int = 1000) -> None:
             b = min(a + batch_rows, lengths.size)
             off = offsets[a: b + 1]
             col = pa.ListArray.from_arrays(pa.array((off - off[0]).astype(np.int32)),
-                                           pa.array(np.arange(off[0], off[-1], dtype=np.int64)))
+                                           pa.array(np.arange(off[0], off[-1], dtype=np.int64) + id_base))
             w.write_batch(pa.record_batch([col], schema=schema))
 
 
@@ -70,8 +71,9 @@ def _run_limited(code: str, limit_mib: int) -> subprocess.CompletedProcess:
                           preexec_fn=limit, env=env, timeout=600)
 
 
-def _check_every_token(out_path, lengths: np.ndarray) -> None:
-    """Every example appears once, whole, its tokens in order (ids are global positions), rows <= W."""
+def _check_every_token(out_path, lengths: np.ndarray, *, id_base: int = 0) -> None:
+    """Every example appears once, whole, its tokens in order (ids are global positions plus ``id_base``),
+    rows <= W."""
     offsets = lengths_to_offsets(lengths)
     seen = np.zeros(lengths.size, np.int64)
     reader = pa.ipc.open_stream(pa.memory_map(str(out_path)))
@@ -86,7 +88,7 @@ def _check_every_token(out_path, lengths: np.ndarray) -> None:
         assert (np.diff(ids.offsets.to_numpy()) <= 8192).all()
         assert np.array_equal(seg_len, lengths[seg_ex])
         dst = lengths_to_offsets(seg_len)
-        expect = np.repeat(offsets[seg_ex] - dst[:-1], seg_len) + np.arange(int(dst[-1]), dtype=np.int64)
+        expect = np.repeat(offsets[seg_ex] - dst[:-1], seg_len) + np.arange(int(dst[-1]), dtype=np.int64) + id_base
         assert np.array_equal(tokens, expect)
         np.add.at(seen, seg_ex, 1)
     assert (seen == 1).all(), "an example is missing or packed twice"
@@ -477,44 +479,64 @@ def test_json_lines_whose_types_change_after_the_first_block_are_read_whole(tmp_
     assert sorted(os.listdir(tmp_path)) == ["float.jsonl", "late.jsonl", "o.parquet"]
 
 
-JSONL_TOKENS = 12_000_000  # 78 MB of JSON text; parsed whole it needs ~300 MiB over the imports
-JSONL_LIMIT_MIB = 512  # the command's imports take ~250 MiB of it; thread stacks count too
+#: Private memory the packing of a JSON lines file may take above the command once warm (imports, pyarrow's
+#: thread pools and allocator, the reader's and writer's threads; it needs 21-24 MiB, measured), and the
+#: tokens: 12M, 132 MB of JSON text (ids of 10 digits), 3.1x the headroom (48 MB as int32, 1.1x).
+JSONL_HEADROOM_MIB = 40
+JSONL_ID_BASE = 10**9
+JSONL_TOKENS = 12_000_000
+
+_HEADROOM_CHILD = """
+import resource, sys
+import pyarrow as pa
+from packkit.cli import main
+pa.set_cpu_count(2)  # thread stacks count against RLIMIT_DATA: as many threads as the warm-up starts
+pa.set_io_thread_count(2)
+if "in-memory" in sys.argv:  # the path before streaming: the file parsed whole, then packed
+    from packkit.sources import ArrowSource
+    ArrowSource.from_json_lines = classmethod(lambda cls, *a, **k: None)
+def status():
+    return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in open("/proc/self/status")) if "kB" in v}
+warm, src, out, headroom_mib = sys.argv[-4:]
+assert main(["pack", warm, out + ".warm.arrow", "-w", "8192", "-q", "--overwrite"]) == 0  # imports, threads, allocator
+before = status()["VmData"]
+limit = (before << 10) + (int(headroom_mib) << 20)
+resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+code = main(["pack", src, out, "-w", "8192", "--example-ids", "-q"])
+after = status()
+print(code, before, after["VmData"], after["VmHWM"])
+sys.exit(code)
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA caps anonymous mappings on Linux only")
-def test_pack_json_lines_under_a_memory_limit(tmp_path):
-    """`packkit pack data.jsonl` streams under a 512 MiB cap on private memory (about 260 MiB above the
-    command's imports, thread stacks included), every token checked; the in-memory path (today's, the file parsed whole) fails
-    under the same cap, so the cap is known to bite."""
+def test_pack_json_lines_several_times_the_memory_limit(tmp_path):
+    """`packkit pack data.jsonl` with private memory capped at 40 MiB above the warm command (RLIMIT_DATA, set
+    in the process after a small pack has loaded everything) packs a JSON lines file 3.1x that size, the
+    buffer sized to the data, every token checked; the path that parses the file whole fails under the same
+    cap, so the cap is known to bite."""
     from packkit.writers import write_batches
 
     lengths = _lengths(JSONL_TOKENS, seed=1)
-    src = tmp_path / "data.jsonl"
-    arrow = tmp_path / "data.arrow"
-    _write_arrow(arrow, lengths, batch_rows=5000)
+    src, arrow, warm = tmp_path / "data.jsonl", tmp_path / "data.arrow", tmp_path / "warm.jsonl"
+    _write_arrow(arrow, lengths, batch_rows=5000, id_base=JSONL_ID_BASE)
     reader = pa.ipc.open_stream(pa.memory_map(str(arrow)))
     write_batches(src, reader.schema, reader, format="jsonl", background=False)
     arrow.unlink()
+    warm.write_text("".join(json.dumps({"input_ids": list(range(k))}) + "\n" for k in range(1, 800)))  # 2 MiB
+    assert src.stat().st_size > 3 * (JSONL_HEADROOM_MIB << 20)
     out = tmp_path / "packed.arrow"
-    code = f"""
-        import sys
-        from packkit.cli import main
-        if sys.argv[1:] == ["in-memory"]:  # today's path: the file parsed whole, then packed
-            from packkit.sources import ArrowSource
-            ArrowSource.from_json_lines = classmethod(lambda cls, *a, **k: None)
-        code = main(["pack", {str(src)!r}, {str(out)!r}, "-w", "8192", "--example-ids", "-q", "--buffer-mb", "16"])
-        status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-        print(code, status["VmHWM"].strip(), status["VmData"].strip())
-        sys.exit(code)
-    """
-    packed = _run_limited(code, JSONL_LIMIT_MIB)
-    print("streamed under the limit:", packed.stdout.strip(), packed.stderr.strip()[-300:])
+    env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system", MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1",
+               HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    argv = [sys.executable, "-c", _HEADROOM_CHILD, str(warm), str(src), str(out), str(JSONL_HEADROOM_MIB)]
+    packed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    print("streamed (code, VmData kB before and after, VmHWM kB):", packed.stdout.strip().splitlines()[-1:])
     assert packed.returncode == 0, packed.stderr[-3000:]
-    _check_every_token(out, lengths)
+    _check_every_token(out, lengths, id_base=JSONL_ID_BASE)
     out.unlink()
-    old = _run_limited(code.replace("sys.argv[1:]", '["in-memory"]'), JSONL_LIMIT_MIB)
-    print("in-memory path:", old.returncode, old.stderr.strip().splitlines()[-1:])
+    old = subprocess.run(argv[:3] + ["in-memory"] + argv[3:], capture_output=True, text=True, env=env, timeout=300)
+    print("parsed whole:", old.returncode, old.stderr.strip().splitlines()[-1:])
     assert old.returncode != 0 and ("out of memory" in old.stderr or "MemoryError" in old.stderr), old.stderr[-2000:]
     assert not out.exists()
 
