@@ -3,8 +3,9 @@ lines to ``.arrow`` and ``.parquet`` and ``tokenize`` of text import none of tor
 with pandas) and transformers; pandas only where pyarrow reads data (pyarrow 26 imports it on its first
 ``pa.array`` or ``to_numpy``, not packkit).
 
-Before the fix every command imported torch through ``packkit.cp`` (for its ``LAYOUTS``), and ``pack``
-imported datasets whatever its input: ``packkit waste`` took 2.9 s of CPU, all but 0.5 s of it imports.
+Before the fix every command imported torch through ``packkit.cp`` (for its ``LAYOUTS``), ``waste
+--preference`` through ``packkit.preference`` too, and ``pack`` imported datasets whatever its input:
+``packkit waste`` took 2.9 s of CPU, all but 0.5 s of it imports.
 
 ``sys.modules`` is the point, so the commands run in one fresh interpreter; the same commands run in this
 process (torch and datasets loaded) print the same lines and write the same bytes.
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow  # a subprocess
 
 HEAVY = ("torch", "datasets", "pandas", "transformers")
 
-#: ``(argv, reads data with pyarrow)``; OUT paths are relative to the folder the commands run in.
+#: ``(argv, reads data with pyarrow)``, in this order: what a command imported stays imported for the next
+#: ones, so those that read no file come first. OUT paths are relative to the folder the commands run in.
 COMMANDS = [
     (["--help"], False),
     (["waste"], False),
@@ -33,6 +35,7 @@ COMMANDS = [
     (["pack", "in.jsonl", "out.arrow", "--window", "64", "-q"], True),
     (["pack", "in.jsonl", "out.parquet", "--window", "64", "--cp", "2", "--cp-layout", "zigzag"], True),
     (["tokenize", "text.jsonl", "tok.arrow", "--tokenizer", "bytes"], True),
+    (["waste", "pairs.jsonl", "--preference", "--window", "64"], True),
 ]
 
 #: Runs in a fresh interpreter: every command through cli.main, what it printed and what it had imported.
@@ -53,6 +56,9 @@ print(json.dumps(out))
 def _inputs(folder):
     rows = [{"input_ids": list(range(1, 2 + (7 * i) % 50))} for i in range(40)]
     (folder / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = [{"prompt_ids": [1] * (2 + i % 7), "chosen_ids": [2] * (1 + i % 5), "rejected_ids": [3] * (1 + i % 3)}
+             for i in range(20)]
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     (folder / "text.jsonl").write_text("".join(json.dumps({"text": f"example {i} " * i}) + "\n" for i in range(1, 9)))
 
 
