@@ -47,6 +47,7 @@ import array
 import bisect
 import collections
 import dataclasses
+import heapq
 import math
 import numbers
 import os
@@ -54,7 +55,7 @@ import os
 import numpy as np
 
 from .errors import ArgumentError, DataError, Message, arg, check_choice, check_int
-from .segments import lengths_to_offsets, range_index
+from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
            "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "overflow_error", "overflow_note",
@@ -639,12 +640,10 @@ def _best_fit_decreasing(lengths: np.ndarray, window: int):
     q, p, r, ev_length = np.frombuffer(ev, np.int64).reshape(-1, 4).T
     m = np.array([ids.size for ids in ev_ids], np.int64)
     run_window = np.concatenate(ev_ids) if ev_ids else np.zeros(0, np.int64)
-    event_of = np.repeat(np.arange(m.size), m)
-    last = np.cumsum(m) - 1
-    within = np.arange(run_window.size, dtype=np.int64) - (last - m + 1)[event_of]
-    run_first = p[event_of] + within * q[event_of]
+    event_of = lengths_to_seq_idx(m)
+    run_first = p[event_of] + lengths_to_position_ids(m) * q[event_of]
     run_count = q[event_of]
-    run_count[last] = r
+    run_count[np.cumsum(m) - 1] = r  # each event's last window
     return order, run_window, run_count, run_first, num_windows, ev_length[event_of]
 
 
@@ -702,8 +701,6 @@ def _first_fit(lengths: np.ndarray, window: int, order: np.ndarray):
     smallest id over the buckets that fit is the first-fit window. Windows whose room is below the
     shortest length are closed.
     """
-    import heapq
-
     seq = lengths[order]
     min_len = int(seq.min()) if seq.size else 1
     inf = np.iinfo(np.int64).max
@@ -767,8 +764,7 @@ def _runs_to_csr(order, run_window, run_count, run_first, num_windows, run_lengt
     if run_first is None:  # runs given in placement order
         run_first = lengths_to_offsets(run_count)[:-1]  # position in ``order`` of each run's first item
     counts = run_count[perm]
-    out_first = lengths_to_offsets(counts)[:-1]
-    items = order[np.repeat(run_first[perm] - out_first, counts) + np.arange(order.size)]
+    items = order[range_index(run_first[perm], counts)]
     per_window = np.bincount(run_window, weights=run_count, minlength=num_windows)
     window_ptr = lengths_to_offsets(per_window.astype(np.int64))
     item_lengths = None if run_length is None else np.repeat(run_length[perm], counts)
