@@ -539,7 +539,7 @@ def apply_overflow(lengths, *, window: int, overflow: str, in_order: bool = Fals
     # split: example i becomes ceil(L / W) pieces, all of W tokens but the last.
     count = -(-lengths // window)
     example = np.repeat(idx, count)
-    start = (np.arange(example.size, dtype=np.int64) - np.repeat(lengths_to_offsets(count)[:-1], count)) * window
+    start = lengths_to_position_ids(count) * window
     if not in_order:  # the planners' layout: every first piece (start 0), then the later ones, each in order
         p = np.argsort(start != 0, kind="stable")
         example, start = example[p], start[p]

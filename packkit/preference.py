@@ -299,7 +299,7 @@ def _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr):
     prompt 2 and continuations 2, 1: pairs -> pieces ``P C0 P C1``; tree -> ``P C0 C1``.
     """
     if layout == "pairs":
-        group = np.repeat(np.arange(p_len.size), np.diff(c_ptr))[order]
+        group = lengths_to_seq_idx(np.diff(c_ptr))[order]
         start = np.stack([p_start[group], c_start[order]], 1).reshape(-1)
         length = np.stack([p_len[group], c_len[order]], 1).reshape(-1)
         is_cont = np.tile([False, True], order.size)
@@ -359,7 +359,7 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
     p_start = lengths_to_offsets(p_len)[:-1]
     c_start = lengths_to_offsets(c_len)[:-1] + p_vals.size
     # -- units and their packing order --
-    group_of_seq = np.repeat(np.arange(k.size), k)
+    group_of_seq = lengths_to_seq_idx(k)
     if layout == "pairs":
         unit_len = p_len[group_of_seq] + c_len
     else:
