@@ -146,14 +146,10 @@ class PackedBatch(dict):
     ``pin_memory()`` all work, and ``**batch`` passes exactly the dict's items. ``==`` is identity
     (tensors have no truth value), so a batch is also hashable.
 
-    **Counts are never stale.** Each is read from the tensor the view holds now (see the module
-    docstring): the collator notes them on its tensors, on the host; a tensor put under a key is
-    counted on first read (one read from its device). The loss count follows the labels the loss
-    reads (``shift_labels`` when present, else ``labels``); ``use_cache`` and other keys change
-    nothing. Removing labels (what a loss does before the forward) keeps the count of the labels
-    removed, so ``labels = batch.pop("labels")`` leaves ``batch.num_loss_tokens`` describing them.
-    ``PackedBatch(mapping)`` takes a bare view back (``Trainer``'s rebuild); its counts are exact when
-    it holds the batch's tensors, else padding is read from the labels (the module docstring's limits).
+    **Counts are never stale**: each is read from the tensor the view holds now (the module docstring says
+    where the counts live, and the limits). The loss count follows the labels the loss reads
+    (``shift_labels`` when present, else ``labels``), and ``labels = batch.pop("labels")`` leaves
+    ``batch.num_loss_tokens`` describing the labels removed.
     """
 
     # -- construction ---------------------------------------------------------------------------
