@@ -15,13 +15,13 @@ import numpy as np
 __all__ = ["pyarrow", "list_array", "byte_tokenize", "MAX_LIST_VALUES"]
 
 
-def pyarrow():
-    """The ``pyarrow`` module, imported when first needed (it comes with the datasets extra)."""
+def pyarrow(what: str = "reading Arrow data"):
+    """The ``pyarrow`` module, imported when first needed (it comes with the datasets extra); without it, the
+    one-line error names ``what`` needs it: ``pyarrow("reading JSON lines")``."""
     try:
         import pyarrow  # lazy: pyarrow is an optional dependency
     except ImportError:  # pragma: no cover - pyarrow comes with the datasets extra
-        raise ModuleNotFoundError("reading Arrow data needs pyarrow: pip install 'packkit[datasets]'",
-                                  name="pyarrow") from None
+        raise ModuleNotFoundError(f"{what} needs pyarrow: pip install 'packkit[datasets]'", name="pyarrow") from None
     return pyarrow
 
 

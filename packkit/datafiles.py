@@ -39,6 +39,7 @@ __all__ = [
     "parquet_batches",
     "parquet_schema",
     "read_lengths",
+    "reader_pyarrow",
     "token_column",
     "tokens_table",
     "tokenize",
@@ -143,6 +144,14 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
 
 def _suffix(path: Path) -> str:
     return path.suffix.lower()
+
+
+def reader_pyarrow(path):
+    """pyarrow, to read ``path``; without it, the one-line error naming the format and the extra:
+    ``reading JSON lines ('data.jsonl') needs pyarrow: pip install 'packkit[datasets]'``."""
+    path = Path(path)
+    what = "a datasets folder" if path.is_dir() else FORMATS.get(_suffix(path), "this format")
+    return pyarrow(f"reading {what.split(' (')[0].split(',')[0]} ({path.name!r})")
 
 
 def check_path(path) -> Path:
@@ -585,7 +594,7 @@ def load_table(path, *, split: str | None = None):
     A saved dataset is memory-mapped, and a selection (indices mapping) is applied.
     """
     path = check_path(path)
-    pa = pyarrow()
+    pa = reader_pyarrow(path)
     if path.is_dir():
         # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
@@ -673,7 +682,7 @@ def _json_lines_lengths(path: Path, column: str):
     ``column`` in the first block, packed rows, a type or key that changes after it: read whole instead)."""
     if not path.is_file() or _suffix(path) not in (".jsonl", ".ndjson", ".json"):
         return None
-    pa = pyarrow()
+    pa = reader_pyarrow(path)
     lengths, targets, row = [], [], 0
     try:
         for table in json_tables(path):
@@ -736,7 +745,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
             loss = csum[offsets[1:]] - csum[offsets[:-1]]
     else:
-        pa = pyarrow()
+        pa = reader_pyarrow(path)
         table = load_table(path, split=split)
         unit = "tokens"
         if column in table.column_names and pa.types.is_integer(table.column(column).type):

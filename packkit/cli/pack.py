@@ -31,7 +31,8 @@ from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HE
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, Message, arg, check_int
-from ..datafiles import JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, tokens_table
+from ..datafiles import (JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, reader_pyarrow,
+                         tokens_table)
 from ..fileio import check_output
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
@@ -138,7 +139,8 @@ def run(args, options=None) -> int:
         raise DataError(f"{str(src)!r} holds lengths only; packing needs token ids (jsonl, parquet, arrow)")
     kind = "dir" if fmt == "folder" else "file"
     check_output(out, kind=kind, inputs=[src], overwrite=args.overwrite)
-    require("datasets", "pyarrow")
+    reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
+    require("datasets")
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     quiet = args.quiet or args.json
     if quiet and src.is_dir():  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars

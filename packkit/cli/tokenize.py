@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import Parser, require, rows_as_lines
-from ..datafiles import check_path, load_dataset, load_table, tokens_table
+from . import Parser, rows_as_lines
+from ..datafiles import check_path, load_dataset, load_table, reader_pyarrow, tokens_table
 from ..errors import DataError
 from ..fileio import check_output
 from ..rules import MASK_KEYS
@@ -49,7 +49,7 @@ def run(args, options=None) -> int:
     src, out = check_path(args.input), Path(args.output)
     fmt = output_format(out)
     check_output(out, kind="dir" if fmt == "folder" else "file", inputs=[src], overwrite=args.overwrite)
-    require("pyarrow")
+    reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
     with rows_as_lines(src):
         table = load_dataset(src, split=args.split).with_format("arrow")[:] if src.is_dir() else load_table(src)
         if "input_ids" in table.column_names:
