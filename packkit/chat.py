@@ -66,6 +66,7 @@ from .segments import lengths_to_offsets
 __all__ = [
     "CHAT_FORMATS",
     "ChatWarning",
+    "chat_encoder",
     "chat_format",
     "check_special_tokens",
     "ignored_columns",
@@ -656,6 +657,29 @@ class _Encoder:
         ids = list_array(offsets, values.astype(np.int32))
         return ids, (None if mask is None else list_array(offsets, pa.array(mask, pa.int8())))
 
+    def encode_table(self, table, base: int, *, batch_size: int = BATCH_SIZE, progress: bool = False,
+                     num_proc: int | None = None):
+        """``table``'s rows (the first is example ``base``) as :func:`tokenize_chat`'s table: ``input_ids``
+        (list<int32>) and the loss mask (list<int8>) when one applies, ``batch_size`` conversations per
+        tokenizer call, in ``num_proc`` processes."""
+        import pyarrow as pa
+
+        check_int(batch_size, "batch_size")
+        num_proc = 1 if num_proc is None else check_int(num_proc, "num_proc")
+        n = table.num_rows
+        with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
+            if num_proc > 1 and n > batch_size:
+                ids_chunks, mask_chunks, diverged = _encode_in_processes(self, table, batch_size, num_proc, bar, base)
+                self.diverged += diverged
+            else:
+                ids_chunks, mask_chunks, _ = _encode_range(self, table, base, batch_size, bar)
+        names = ["input_ids"]
+        arrays = [_chunked(ids_chunks, pa.int32())]
+        if self.mask_name is not None:
+            names.append(self.mask_name)
+            arrays.append(_chunked(mask_chunks, pa.int8()))
+        return pa.Table.from_arrays(arrays, names=names)
+
     def warn_diverged(self, n: int) -> None:
         if self.diverged:
             warnings.warn(f"{self.diverged:,} of {n:,} examples: the tokenized prompt is not a prefix of the "
@@ -696,36 +720,37 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         empty conversation, a template that fails on an example, a template without generation
         markers under assistant-only loss, an example with no assistant token (as TRL does).
     """
-    import pyarrow as pa
-
     table = _as_table(data)
-    fmt = chat_format(table.schema, format=format)
-    unread = ignored_columns(table.schema, fmt) if fmt is not None else []
+    check_int(batch_size, "batch_size")  # before the tokenizer is loaded
+    if num_proc is not None:
+        check_int(num_proc, "num_proc")
+    enc = chat_encoder(table.schema, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
+                       completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, format=format,
+                       stacklevel=3)
+    out = enc.encode_table(table, 0, batch_size=batch_size, progress=progress, num_proc=num_proc)
+    enc.warn_diverged(table.num_rows)
+    return out
+
+
+def chat_encoder(schema, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
+                 completion_only_loss: bool = True, trust_remote_code: bool = False, format: str | None = None,
+                 stacklevel: int = 2) -> "_Encoder":
+    """The encoder :func:`tokenize_chat` applies, made once for rows of ``schema`` (the tokenizer loaded, the
+    template and the loss chosen, the columns left unread warned about), so that a file can be tokenized a
+    chunk at a time: ``enc.encode_table(chunk, first_row)`` per chunk, ``enc.warn_diverged(rows)`` at the end.
+    The arguments are :func:`tokenize_chat`'s."""
+    fmt = chat_format(schema, format=format)
+    unread = ignored_columns(schema, fmt) if fmt is not None else []
     if unread:
         other = "messages" if "messages" in unread else "conversations" if "conversations" in unread else "prompt_completion"
         warnings.warn(ChatWarning(Message("the rows hold {unread} too: read as {fmt}, as TRL's SFTTrainer reads "
                                           "them; {other} reads the other", unread=", ".join(map(repr, unread)),
-                                          fmt=fmt, other=arg("format", other))), stacklevel=2)
+                                          fmt=fmt, other=arg("format", other))), stacklevel=stacklevel)
     if fmt is None:
         raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
-                        f"are {table.column_names}")
-    check_int(batch_size, "batch_size")
-    num_proc = 1 if num_proc is None else check_int(num_proc, "num_proc")
-    enc = _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
-                   completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
-    n = table.num_rows
-    with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
-        if num_proc > 1 and n > batch_size:
-            ids_chunks, mask_chunks, enc.diverged = _encode_in_processes(enc, table, batch_size, num_proc, bar)
-        else:
-            ids_chunks, mask_chunks, _ = _encode_range(enc, table, 0, batch_size, bar)
-    enc.warn_diverged(n)
-    names = ["input_ids"]
-    arrays = [_chunked(ids_chunks, pa.int32())]
-    if enc.mask_name is not None:
-        names.append(enc.mask_name)
-        arrays.append(_chunked(mask_chunks, pa.int8()))
-    return pa.Table.from_arrays(arrays, names=names)
+                        f"are {schema.names}")
+    return _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
+                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
 
 
 def _encode_range(enc: _Encoder, table, base: int, batch_size: int, bar=None):
@@ -748,7 +773,7 @@ def _encode_part(job):
     return _encode_range(enc, table, base, batch_size)
 
 
-def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, bar):
+def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, bar, base: int = 0):
     """:func:`_encode_range` over ``num_proc`` contiguous parts of ``table``, one process each, joined in order.
 
     Forked where the platform allows (no re-import; the tokenizer's Rust thread pool is told not to run
@@ -758,7 +783,8 @@ def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, b
 
     n = table.num_rows
     cuts = np.linspace(0, n, num_proc + 1).astype(np.int64)
-    jobs = [(enc, table.slice(int(a), int(b - a)), int(a), batch_size) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+    jobs = [(enc, table.slice(int(a), int(b - a)), base + int(a), batch_size) for a, b in zip(cuts[:-1], cuts[1:])
+            if b > a]
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -24,7 +24,7 @@ import numpy as np
 
 from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
-from .chat import chat_format, load_tokenizer, tokenize_chat
+from .chat import chat_encoder, chat_format, load_tokenizer
 from .errors import ArgumentError, DataError, MissingError, arg
 from .listcolumns import loss_targets, packed_segments, token_lengths
 from .progress import progress_bar
@@ -40,8 +40,11 @@ __all__ = [
     "parquet_schema",
     "read_lengths",
     "reader_pyarrow",
-    "token_column",
+    "table_chunks",
+    "tokenized_tables",
+    "tokenizing",
     "tokens_table",
+    "Tokenizing",
     "tokenize",
     "FORMATS",
 ]
@@ -87,6 +90,8 @@ def _load_tokenizer(spec, *, trust_remote_code: bool = False):
     ``trust_remote_code``)."""
     if spec is None or spec == "bytes":
         return None
+    if hasattr(spec, "encode_batch") and not isinstance(spec, (str, os.PathLike)):  # loaded already
+        return spec
     path = Path(spec)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
@@ -113,8 +118,9 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
 
     Args:
         texts: pyarrow string array (or list of str).
-        tokenizer: ``"bytes"``, the path of a local ``tokenizer.json`` (or its folder), or a model id
-            (:func:`packkit.chat.load_tokenizer`: no remote code unless ``trust_remote_code``).
+        tokenizer: ``"bytes"``, the path of a local ``tokenizer.json`` (or its folder), a model id
+            (:func:`packkit.chat.load_tokenizer`: no remote code unless ``trust_remote_code``), or a loaded
+            ``tokenizers.Tokenizer``.
     Returns:
         pyarrow ``ListArray`` of int32, a ``LargeListArray`` past 2**31 - 1 tokens (:func:`list_array`).
     """
@@ -615,33 +621,74 @@ def load_table(path, *, split: str | None = None):
     raise DataError(f"{str(path)!r}: a {FORMATS[suffix]} file has no table of examples")
 
 
-def token_column(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-                 progress: bool = False, trust_remote_code: bool = False):
-    """The token-id list column of ``table``: ``column`` if present, else ``text_column`` tokenized.
+class Tokenizing:
+    """How rows of one schema get their token column, decided and checked once, applied a chunk at a time.
 
-    ``tokenizer=None`` refuses to tokenize (so text without token ids is an error that says what to
-    pass); ``"bytes"`` or a ``tokenizer.json`` path tokenizes. Returns a pyarrow (chunked) list array.
+    Made by :func:`tokenizing`. ``encode(table, first_row)`` returns the chunk with its tokens: conversational
+    rows (TRL's ``messages``, ``conversations`` or ``prompt`` + ``completion``) become ``input_ids`` plus the
+    loss mask TRL would train with (:func:`packkit.chat.chat_encoder`, its tokenizer loaded once); text gets
+    ``column`` appended (list<int32>, :func:`tokenize`). Errors name the example by its row in the whole input
+    (``first_row`` is the chunk's). ``finish(rows)`` gives the warnings that need every row; ``how`` says
+    what was done, in words.
     """
-    pa = pyarrow()
-    names = table.column_names
-    if column in names:
-        col = table.column(column)
-        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
-            raise TypeError(f"column {column!r} holds {col.type}, not lists of token ids")
-        return col
-    if text_column in names:
+
+    def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: dict | None, where: str):
+        chat = dict(chat or {})
+        self.column, self.text_column, self.chat = column, text_column, None
+        fmt = chat_format(schema, format=chat.get("format"))
+        if fmt is not None:
+            if tokenizer in (None, "bytes"):
+                raise ArgumentError("{where} is conversational ({fmt}): pass {arg}, a tokenizer with a chat "
+                                    "template (a local folder, or a model id)", where=where, fmt=fmt,
+                                    arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
+            self.num_proc = chat.pop("num_proc", None)
+            self.chat = chat_encoder(schema, tokenizer, stacklevel=4, **chat)
+            name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
+            name = os.path.basename(str(name).rstrip("/")) or name
+            self.how = (f"prompt/completion strings with {name} (no chat template; EOS appended to each completion)"
+                        if fmt == "prompt_completion"  # strings: no template, the EOS appended (tokenize_chat refuses none)
+                        else f"{fmt} through the chat template of {name}")
+            return
+        if text_column not in schema.names:
+            raise MissingError("no column {column!r} (token ids) or {text!r} (text); the columns are {names}: pass "
+                               "{col} or {text_col}", column=column, text=text_column, names=schema.names,
+                               col=arg("column", metavar="NAME"), text_col=arg("text_column", metavar="NAME"))
         if tokenizer is None:
             raise DataError("no token ids (no column {column!r}), only text in {text!r}: pass {tok} (or {bytes})",
                             column=column, text=text_column, tok=arg("tokenizer", "tokenizer.json"),
                             bytes=arg("tokenizer", "bytes"))
-        col = table.column(text_column)
-        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-            raise TypeError(f"column {text_column!r} holds {col.type}, not text")
-        return tokenize(col.combine_chunks() if col.num_chunks != 1 else col.chunk(0), tokenizer,
-                        progress=progress, trust_remote_code=trust_remote_code)
-    raise MissingError("no column {column!r} (token ids) or {text!r} (text); the columns are {names}: pass "
-                       "{col} or {text_col}", column=column, text=text_column, names=names,
-                       col=arg("column", metavar="NAME"), text_col=arg("text_column", metavar="NAME"))
+        pa = pyarrow()
+        typ = schema.field(text_column).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+            raise TypeError(f"column {text_column!r} holds {typ}, not text")
+        self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code=bool(chat.get("trust_remote_code"))) or "bytes"
+        self.how = (f"column {text_column!r} tokenized with "
+                    + ("bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))))
+
+    def encode(self, table, first_row: int = 0, *, progress: bool = False):
+        """``table`` (a chunk of the input whose first row is ``first_row``) with its tokens (class docstring)."""
+        if self.chat is not None:
+            return self.chat.encode_table(table, first_row, progress=progress, num_proc=self.num_proc)
+        texts = table.column(self.text_column)
+        if texts.null_count:
+            raise ValueError(f"example {first_row + texts.to_pylist().index(None)} has no text (null)")
+        return table.append_column(self.column, tokenize(texts, self.tokenizer, progress=progress))
+
+    def finish(self, rows: int) -> None:
+        """The warnings that need every row (``rows`` of them): prompts that did not prefix their completion."""
+        if self.chat is not None:
+            self.chat.warn_diverged(rows)
+
+
+def tokenizing(schema, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
+               chat: dict | None = None, where: str = "the data") -> Tokenizing | None:
+    """How rows of ``schema`` get their token column (:class:`Tokenizing`), or None when they hold ``column``;
+    conversational data without a chat tokenizer, text without ``tokenizer``, or neither text nor tokens is
+    the one-line error naming what to pass. ``chat``: :func:`packkit.chat.tokenize_chat`'s options (and
+    ``num_proc``)."""
+    if column in schema.names:
+        return None
+    return Tokenizing(schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, where=where)
 
 
 def tokens_table(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
@@ -652,27 +699,100 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
     ``conversations`` or ``prompt`` + ``completion`` columns) goes through ``tokenizer``'s chat template
     (:func:`packkit.chat.tokenize_chat`, with ``chat`` as its keyword arguments): the table becomes
     ``input_ids`` plus the loss mask TRL would train with. Text is tokenized into ``column``
-    (:func:`token_column`).
+    (:class:`Tokenizing`, the whole table at once; :func:`tokenized_tables` a chunk at a time).
     """
-    if column not in table.column_names:
-        fmt = chat_format(table.schema, format=(chat or {}).get("format"))
-        if fmt is not None:
-            if tokenizer in (None, "bytes"):
-                raise ArgumentError("{where} is conversational ({fmt}): pass {arg}, a tokenizer with a chat "
-                                    "template (a local folder, or a model id)", where=where, fmt=fmt,
-                                    arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
-            out = tokenize_chat(table, tokenizer, progress=progress, **(chat or {}))
-            name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
-            name = os.path.basename(str(name).rstrip("/")) or name
-            if fmt == "prompt_completion":  # strings: no template, the EOS appended (tokenize_chat refuses none)
-                return out, f"prompt/completion strings with {name} (no chat template; EOS appended to each completion)"
-            return out, f"{fmt} through the chat template of {name}"
-    col = token_column(table, column=column, text_column=text_column, tokenizer=tokenizer, progress=progress,
-                       trust_remote_code=bool((chat or {}).get("trust_remote_code")))
-    if column in table.column_names:
+    how = tokenizing(table.schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, where=where)
+    if how is None:
+        typ = table.schema.field(column).type
+        if not (pyarrow().types.is_list(typ) or pyarrow().types.is_large_list(typ)):
+            raise TypeError(f"column {column!r} holds {typ}, not lists of token ids")
         return table, None
-    tok = "bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))
-    return table.append_column(column, col), f"column {text_column!r} tokenized with {tok}"
+    out = how.encode(table, 0, progress=progress)
+    how.finish(table.num_rows)
+    return out, how.how
+
+
+#: Rows per chunk when an Arrow table (a memory-mapped file or folder) is tokenized a chunk at a time.
+TOKENIZE_ROWS = 4096
+
+
+def text_tables(path, *, size: int | None = None):
+    """The examples of a text file (:func:`text_lines`) as one-column tables (``text``) of about ``size``
+    bytes of text each (default :data:`JSON_BLOCK_BYTES`): memory holds one."""
+    pa = reader_pyarrow(path)
+    size = size or JSON_BLOCK_BYTES
+    lines, held = [], 0
+    for line in text_lines(path):
+        lines.append(line)
+        held += len(line)
+        if held >= size:
+            yield pa.table({"text": pa.array(lines, pa.string())})
+            lines, held = [], 0
+    if lines:
+        yield pa.table({"text": pa.array(lines, pa.string())})
+
+
+def table_chunks(path, *, split: str | None = None, block_size: int | None = None):
+    """The rows of a data file (or a ``save_to_disk`` folder) as ``pyarrow.Table``\\ s in order, a bounded chunk
+    at a time: JSON lines and text parsed ``block_size`` bytes at a time (:func:`json_tables`,
+    :func:`text_tables`), parquet decoded a batch at a time, Arrow memory-mapped and sliced
+    (:data:`TOKENIZE_ROWS` rows); a file that is one JSON list is read whole. Empty input yields nothing."""
+    path = Path(path)
+    suffix = "" if path.is_dir() else _suffix(path)
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        any_table = False
+        for table in json_tables(path, block_size=block_size):
+            any_table = True
+            yield table
+        if any_table or not path.read_bytes()[:1 << 16].strip():
+            return
+    elif suffix in (".txt", ".text"):
+        yield from text_tables(path, size=block_size)
+        return
+    elif suffix in (".parquet", ".pq"):
+        pa = reader_pyarrow(path)
+        for batch in parquet_batches(path, batch_rows=TOKENIZE_ROWS):
+            yield pa.Table.from_batches([batch])
+        return
+    table = load_table(path, split=split)  # memory-mapped (Arrow, a folder), or one JSON list
+    for lo in range(0, table.num_rows, TOKENIZE_ROWS):
+        yield table.slice(lo, TOKENIZE_ROWS)
+
+
+def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
+                     chat: dict | None = None, split: str | None = None, where: str | None = None,
+                     block_size: int | None = None):
+    """``(make, how)``: ``make()`` yields the tables of ``path`` (:func:`table_chunks`) with their tokens
+    (:class:`Tokenizing`, decided from the first chunk and checked before any other is read), a chunk at a
+    time; ``how`` says how the tokens were made. None when ``path``'s rows hold ``column`` already or hold no
+    row. The first call of ``make`` continues the read begun here; a later call reads again."""
+    import itertools
+
+    chunks = table_chunks(path, split=split, block_size=block_size)
+    first = next(chunks, None)
+    if first is None:
+        return None
+    how = tokenizing(first.schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat,
+                     where=where or repr(str(path)))
+    if how is None:
+        return None
+    pending = [first, chunks]
+
+    def make():
+        if pending:
+            head, rest = pending
+            pending.clear()
+            tables = itertools.chain([head], rest)
+        else:
+            tables = table_chunks(path, split=split, block_size=block_size)
+        row = 0
+        for table in tables:
+            if table.num_rows:
+                yield how.encode(table, row)
+                row += table.num_rows
+        how.finish(row)
+
+    return make, how.how
 
 
 def _json_lines_lengths(path: Path, column: str):
