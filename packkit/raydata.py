@@ -442,11 +442,9 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     """Pack a ``ray.data.Dataset`` of tokenized examples into windows of ``window`` tokens.
 
     Args:
-        ds: a ``ray.data.Dataset`` with a list-of-integers column ``input_ids`` (rows packed already, with
-            ``seq_lengths`` or restarting ``position_ids``, are read as their documents) and optionally
-            ``labels`` and/or a loss mask ``completion_mask`` / ``assistant_masks`` (same lengths;
-            the mask becomes labels: -100 where it is 0, on the labels or else the token ids). Its blocks are the unit of work: repartition first for more
-            parallelism (``ds.repartition(n)``); the result is deterministic for a fixed block layout.
+        ds: a ``ray.data.Dataset`` of tokenized examples (the module docstring's columns; rows packed
+            already, with ``seq_lengths`` or restarting ``position_ids``, are read as their documents).
+            Its blocks are the unit of work: repartition first for more parallelism (``ds.repartition(n)``).
         window: tokens per window (``W``).
         mode: ``"local"`` (default: per-block best fit, then one pass over the under-filled windows)
             or ``"global"`` (one plan over all lengths: the windows of ``packkit.binpack.pack``).
@@ -463,9 +461,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
             bound, what the overflow policy touched); the overflow counts are logged either way.
 
     Returns:
-        A ``ray.data.Dataset`` of rows ``input_ids``, ``labels`` (when the input has them),
-        ``seq_lengths``: the columns and types of :func:`packkit.offline.pack_dataset`. The work runs when
-        this is called; the packed blocks are then in Ray's object store (``.write_parquet(path)``).
+        A ``ray.data.Dataset`` of the packed rows of the module docstring. The work runs when this is
+        called; the packed blocks are then in Ray's object store (``.write_parquet(path)``).
 
     Raises:
         ValueError / TypeError / KeyError naming the example's index in the whole dataset (its
