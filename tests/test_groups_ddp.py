@@ -8,14 +8,12 @@ group once.
 import datetime
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from testlib import tiny_causal_lm
+from testlib import free_port, run_processes, tiny_causal_lm
 
 from packkit.preference import GroupCollator, sequence_logps, shard_groups
 
@@ -63,14 +61,8 @@ def worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_rank_steps_as_often_and_no_group_is_lost(tmp_path):
-    mp.spawn(worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    run_processes(worker, WORLD, (WORLD, free_port(), str(tmp_path)), timeout_s=120)
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     print(out)
     assert len({o["micro_batches"] for o in out}) == 1 and out[0]["micro_batches"] == out[0]["max_micro_batches"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 import tempfile
 
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-mp = pytest.importorskip("torch.multiprocessing")
+
+from testlib import free_port, run_processes  # noqa: E402
 
 pytestmark = [
     pytest.mark.distributed,
@@ -25,12 +25,6 @@ pytestmark = [
 
 WORLD_SIZE = 2
 N = 203  # odd on purpose: the tail does not fill a step
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -124,17 +118,8 @@ def _elastic(rank, lengths, ds):
 
 
 def test_two_processes_equal_steps_disjoint_and_complete():
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(_free_port(), out_dir), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")
-        for _ in range(90):  # seconds
-            if ctx.join(timeout=1):
-                break
-        else:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail("the two-process run did not finish in 90 s (a rank waiting on a missing step?)")
+    with tempfile.TemporaryDirectory() as out_dir:  # past 90 s: a rank waiting on a missing step?
+        run_processes(_worker, WORLD_SIZE, (free_port(), out_dir), timeout_s=90)
         results = torch.load(os.path.join(out_dir, "results.pt"), weights_only=False)
 
     elastic = results.pop("elastic")
