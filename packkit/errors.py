@@ -35,8 +35,8 @@ from __future__ import annotations
 import numbers
 import shlex
 
-__all__ = ["Arg", "arg", "check_int", "check_choice", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError", "DataError",
-           "MissingError", "OutputError"]
+__all__ = ["Arg", "arg", "check_int", "check_choice", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError",
+           "DataError", "MissingError", "OutputError"]
 
 
 class Arg:

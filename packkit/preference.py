@@ -177,8 +177,8 @@ class SequenceBatch(dict):
         dict ``{"full_attention": mask, "sliding_attention": mask}``, which such models take per layer.
 
         ``model``: a ``PreTrainedModel`` or its config. ``dtype``: the scores' dtype (default as in
-        :meth:`packkit.batch.PackedBatch.hf_mask`). Refused for attention implementations that take no such mask and for other layer
-        kinds (chunked, linear), whose masks it cannot build.
+        :meth:`packkit.batch.PackedBatch.hf_mask`). Refused for attention implementations that take no
+        such mask and for other layer kinds (chunked, linear), whose masks it cannot build.
         """
         config = text_config(model)
         impl = getattr(config, "_attn_implementation", None)
@@ -635,12 +635,6 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _read_ids(examples, key: str, missing: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(values (T,) int64, lengths (n,) int64)`` of one token-id column of every example (checked)."""
-    values, lengths = read_column(examples, key, missing=missing)
-    return np.asarray(values, np.int64), np.asarray(lengths, np.int64)
-
-
 class _GroupsCollator:
     """What both collators share: the layout and windows of the batch, built by :func:`build_groups`."""
 
@@ -694,9 +688,9 @@ class PreferenceCollator(_GroupsCollator):
             examples = tokenize_preference(examples, self.tokenizer)
         missing = ("TRL's tokenized preference columns are prompt_ids, chosen_ids and rejected_ids: pass "
                    "tokenizer= for raw prompt/chosen/rejected rows (and remove_unused_columns=False under a Trainer)")
-        p_vals, p_len = _read_ids(examples, "prompt_ids", missing)
-        c_vals, c_len = _read_ids(examples, "chosen_ids", missing)
-        r_vals, r_len = _read_ids(examples, "rejected_ids", missing)
+        p_vals, p_len = read_column(examples, "prompt_ids", missing=missing)
+        c_vals, c_len = read_column(examples, "chosen_ids", missing=missing)
+        r_vals, r_len = read_column(examples, "rejected_ids", missing=missing)
         # completions group after group: chosen_i then rejected_i
         c_off, r_off = lengths_to_offsets(c_len), lengths_to_offsets(r_len)
         starts = np.stack([c_off[:-1], r_off[:-1] + c_vals.size], 1).reshape(-1)
@@ -735,7 +729,7 @@ class GroupCollator(_GroupsCollator):
         if not examples:
             raise ValueError("a collator needs at least one example")
         missing = "an RL group is prompt_ids with completion_ids (a list of token lists)"
-        p_vals, p_len = _read_ids(examples, "prompt_ids", missing)
+        p_vals, p_len = read_column(examples, "prompt_ids", missing=missing)
         k = []
         flat = []
         for i, ex in enumerate(examples):
@@ -744,7 +738,7 @@ class GroupCollator(_GroupsCollator):
                 raise DataError(f"example {i} has no 'completion_ids' list; {missing}")
             k.append(len(comps))
             flat.extend({"completion_ids": c} for c in comps)
-        c_vals, c_len = _read_ids(flat, "completion_ids", missing) if flat else (np.zeros(0, np.int64),) * 2
+        c_vals, c_len = read_column(flat, "completion_ids", missing=missing) if flat else (np.zeros(0, np.int64),) * 2
         values = {}
         for key in self.sequence_keys:
             if all(hasattr(ex, "get") and ex.get(key) is not None for ex in examples):
