@@ -15,6 +15,7 @@ With no file, :func:`read_lengths` returns the bundled sample of real lengths (`
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -766,8 +767,6 @@ def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "tex
     (:class:`Tokenizing`, decided from the first chunk and checked before any other is read), a chunk at a
     time; ``how`` says how the tokens were made. None when ``path``'s rows hold ``column`` already or hold no
     row. The first call of ``make`` continues the read begun here; a later call reads again."""
-    import itertools
-
     chunks = table_chunks(path, split=split, block_size=block_size)
     first = next(chunks, None)
     if first is None:

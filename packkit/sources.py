@@ -109,18 +109,16 @@ class ArrowSource:
                    repr(str(path)), nbytes=path.stat().st_size)
 
     @classmethod
-    def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
-        """A JSON lines file parsed a chunk of whole lines at a time (:func:`packkit.datafiles.json_tables`:
-        about ``block_size`` bytes, 2 MiB by default, a longer line whole) on a thread, ahead of the scan;
-        every batch is staged, so memory holds a chunk or two, never the file. The first chunk (its types are
-        the schema) is parsed once. None for a file that is one JSON list, or holds no line (read whole). The
-        scan raises :class:`~packkit.datafiles.JsonLinesChanged` where a type changes after the first chunk."""
-        path = Path(path)
-        tables = json_tables(path, block_size=block_size)
+    def from_tables(cls, make, *, stage_dir=None, describe: str = "the data", nbytes: int = 0) -> "ArrowSource | None":
+        """Tables made a bounded chunk at a time by ``make()`` (an iterator of ``pyarrow.Table``, all of the first
+        one's schema: JSON lines parsed, text tokenized), on a thread ahead of the scan; every batch is staged,
+        so memory holds a chunk or two, never the data. The first table is made here, for the schema, and the
+        first pass continues from it; a later pass calls ``make()`` again. None when ``make()`` yields nothing."""
+        tables = make()
         first = next(tables, None)
         if first is None:
             return None
-        pending = [first, tables]  # the first pass continues the parse begun here; a later pass starts over
+        pending = [first, tables]
 
         def batches(columns):
             if pending:
@@ -128,13 +126,24 @@ class ArrowSource:
                 pending.clear()
                 chunks = itertools.chain([head], rest)
             else:
-                chunks = json_tables(path, block_size=block_size)
+                chunks = make()
             for table in prefetch(chunks):
                 for batch in table.select(list(columns)).to_batches():
                     yield batch, False
 
-        return cls(first.schema, batches, stage_dir if stage_dir is not None else path.parent, repr(str(path)),
-                   nbytes=path.stat().st_size)
+        return cls(first.schema, batches, stage_dir, describe, nbytes=nbytes)
+
+    @classmethod
+    def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
+        """A JSON lines file parsed a chunk of whole lines at a time (:func:`packkit.datafiles.json_tables`:
+        about ``block_size`` bytes, 2 MiB by default, a longer line whole), staged (:meth:`from_tables`;
+        beside the file unless ``stage_dir``). None for a file that is one JSON list, or holds no line (read
+        whole). The scan raises :class:`~packkit.datafiles.JsonLinesChanged` where a type changes after the
+        first chunk."""
+        path = Path(path)
+        return cls.from_tables(lambda: json_tables(path, block_size=block_size),
+                               stage_dir=stage_dir if stage_dir is not None else path.parent,
+                               describe=repr(str(path)), nbytes=path.stat().st_size)
 
     @classmethod
     def from_dataset(cls, ds, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":

@@ -8,10 +8,12 @@ OUT's format follows its name (:data:`packkit.writers.FORMATS`): ``.parquet``, `
 Out of core: IN is read once for its lengths (memory-mapped where it is Arrow: a ``save_to_disk``
 folder, an ``.arrow`` file; parquet is staged through a memory-mapped Arrow file beside OUT), and
 the packed rows are gathered and written a record batch at a time (:mod:`packkit.writers`), so memory
-holds the plan and ``--buffer-mb`` of rows, never the tokens. JSON lines holding token ids are parsed a
-block at a time and staged the same way (:meth:`packkit.sources.ArrowSource.from_json_lines`; a file whose
-types change after its first block is read whole, as before); text and conversations to tokenize are
-read into memory.
+holds the plan and ``--buffer-mb`` of rows (by default a sixteenth of the packed tokens, 8 to 256 MiB),
+never the tokens. JSON lines holding token ids are parsed a chunk of lines at a time and staged the same
+way (:meth:`packkit.sources.ArrowSource.from_json_lines`), and so are text (``.txt`` lines, a text column)
+and conversations, tokenized a chunk at a time (:func:`packkit.datafiles.tokenized_tables`). A JSON lines
+file whose types change after its first chunk (integers, then floats), or a ``.json`` that is one list,
+is read whole.
 
 OUT is written beside its final name and renamed into place when complete
 (:func:`packkit.fileio.atomic_output`): killed at any moment, OUT holds its previous content or does
@@ -32,7 +34,7 @@ from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, o
 from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import (JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, reader_pyarrow,
-                         tokens_table)
+                         tokenized_tables, tokens_table)
 from ..fileio import check_output
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
@@ -96,25 +98,39 @@ def parser() -> Parser:
 
 
 def _source(src: Path, out: Path, args, columns, quiet: bool, *, stream: bool = True):
-    """IN as a :class:`packkit.sources.ArrowSource` (memory-mapped where the format allows, JSON lines
-    streamed a block at a time unless ``stream`` is False), and how its tokens were made (None: IN
-    holds them)."""
+    """IN as a :class:`packkit.sources.ArrowSource`, and how its tokens were made (None: IN holds them).
+
+    Token ids stay where they are (memory-mapped Arrow) or are staged as they are read (parquet, JSON
+    lines a chunk at a time); text and conversations are tokenized a chunk at a time and staged
+    (:func:`packkit.datafiles.tokenized_tables`). With ``stream`` False (a JSON lines file whose types
+    change after its first chunk), or for a file that is one JSON list, IN is read whole, then tokenized."""
     stage_dir = out.parent if out.parent.is_dir() else None
     token_col = columns[0] if columns else "input_ids"
+    suffix = "" if src.is_dir() else src.suffix.lower()
+    whole = not stream
     if src.is_dir():
         ds = load_dataset(src, split=args.split)
         if len(ds) == 0:
             raise DataError(f"{str(src)!r} holds no examples")
         if token_col in ds.column_names:
             return ArrowSource.from_dataset(ds, stage_dir=stage_dir), None
-        table = ds.with_format("arrow")[:]  # text or conversations to tokenize
-    elif src.suffix.lower() in (".parquet", ".pq") and token_col in parquet_schema(src).names:
+    elif suffix in (".parquet", ".pq") and token_col in parquet_schema(src).names:
         return ArrowSource.from_parquet(src, stage_dir=stage_dir), None
-    elif stream and src.suffix.lower() in (".jsonl", ".ndjson", ".json") and token_col in getattr(
-            streamed := ArrowSource.from_json_lines(src, stage_dir=stage_dir), "names", ()):
-        return streamed, None  # token ids in JSON lines: streamed and staged, never parsed whole
-    else:
-        table = load_table(src)  # memory-mapped for Arrow files; parsed into memory otherwise
+    elif stream and suffix in (".jsonl", ".ndjson", ".json"):
+        streamed = ArrowSource.from_json_lines(src, stage_dir=stage_dir)
+        if streamed is not None and token_col in streamed.names:
+            return streamed, None  # token ids in JSON lines: streamed and staged, never parsed whole
+        whole = streamed is None  # one JSON list (or no line): read whole
+    if not whole:  # text or conversations: tokenized a chunk at a time (None: IN holds token ids, or no row)
+        made = tokenized_tables(src, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
+                                chat=chat_options(args), split=args.split, where=repr(str(src)))
+        if made is not None:
+            size = sum(f.stat().st_size for f in src.rglob("*.arrow")) if src.is_dir() else src.stat().st_size
+            streamed = ArrowSource.from_tables(made[0], stage_dir=stage_dir if stage_dir is not None else src.parent,
+                                               describe=repr(str(src)), nbytes=size)
+            if streamed is not None:
+                return streamed, made[1]
+    table = ds.with_format("arrow")[:] if src.is_dir() else load_table(src)  # memory-mapped Arrow; else in memory
     table, how = tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
                               chat=chat_options(args), progress=not quiet, where=repr(str(src)))
     if table.num_rows == 0:
@@ -157,7 +173,7 @@ def run(args, options=None) -> int:
             progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
         try:
             packed = planned(source)
-        except JsonLinesChanged:  # a type that changes after the first block: read whole (pyarrow unifies it)
+        except JsonLinesChanged:  # a type that changes after the first chunk: read whole (pyarrow unifies it)
             source, how = _source(src, out, args, columns, quiet, stream=False)
             packed = planned(source)
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result

@@ -2,7 +2,9 @@
 
 Conversational data (TRL's ``messages``, ``conversations``, ``prompt`` + ``completion``) goes through
 ``--tokenizer``'s chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized
-(:func:`packkit.datafiles.tokens_table`). OUT holds ``input_ids`` and the loss mask (``assistant_masks``
+(:class:`packkit.datafiles.Tokenizing`). IN is read, tokenized and written a bounded chunk at a time
+(:func:`packkit.datafiles.tokenized_tables`: JSON lines and ``.txt`` about 2 MiB of text, parquet and
+Arrow 4,096 rows), so memory never holds IN or its tokens whole. OUT holds ``input_ids`` and the loss mask (``assistant_masks``
 or ``completion_mask``) when one applies, in any format ``packkit pack`` writes; ``packkit waste``,
 ``plan`` and ``pack`` then read OUT without tokenizing again, and measure exactly what they would have
 measured on IN with the same options. OUT is written beside its name and renamed when complete.
@@ -10,11 +12,13 @@ measured on IN with the same options. OUT is written beside its name and renamed
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 from . import Parser, rows_as_lines
-from ..datafiles import check_path, load_dataset, load_table, reader_pyarrow, tokens_table
+from ..datafiles import (JsonLinesChanged, check_path, load_table, reader_pyarrow, table_chunks, tokenized_tables,
+                         tokens_table)
 from ..errors import DataError
 from ..fileio import check_output
 from ..rules import MASK_KEYS
@@ -50,25 +54,55 @@ def run(args, options=None) -> int:
     fmt = output_format(out)
     check_output(out, kind="dir" if fmt == "folder" else "file", inputs=[src], overwrite=args.overwrite)
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
+    chat = {**chat_options(args), "num_proc": args.num_proc}
     with rows_as_lines(src):
-        table = load_dataset(src, split=args.split).with_format("arrow")[:] if src.is_dir() else load_table(src)
-        if "input_ids" in table.column_names:
-            raise DataError(f"{str(src)!r} holds token ids already (input_ids): nothing to tokenize; packkit waste, "
-                            "plan and pack read it as it is")
-        table, how = tokens_table(table, tokenizer=args.tokenizer, text_column=args.text_column,
-                                  chat={**chat_options(args), "num_proc": args.num_proc}, progress=not (args.quiet or args.json),
-                                  where=repr(str(src)))
-    if table.num_rows == 0:
-        raise DataError(f"{str(src)!r} holds no examples")
-    keep = [c for c in ("input_ids", "labels", *MASK_KEYS) if c in table.column_names]
-    table = table.select(keep)
-    write_batches(out, table.schema, iter(table.to_batches(max_chunksize=BATCH_ROWS)), format=fmt, inputs=[src],
-                  overwrite=args.overwrite)
-    tokens = sum(len(chunk.values) for chunk in table.column("input_ids").chunks)
+        try:  # a bounded chunk at a time: read, tokenized, written
+            made = tokenized_tables(src, tokenizer=args.tokenizer, text_column=args.text_column, chat=chat,
+                                    split=args.split, where=repr(str(src)))
+            if made is None:  # token ids already, or no row
+                _refuse(src, next(table_chunks(src, split=args.split), None))
+            how = made[1]
+            rows, tokens, keep = _write(made[0](), out, fmt, src, args.overwrite)
+        except JsonLinesChanged:  # a type that changes after the first chunk: read whole (pyarrow unifies it)
+            table = load_table(src, split=args.split)
+            _refuse(src, table)
+            table, how = tokens_table(table, tokenizer=args.tokenizer, text_column=args.text_column, chat=chat,
+                                      progress=not (args.quiet or args.json), where=repr(str(src)))
+            rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite)
     if args.json:
         print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": keep,
-                          "examples": table.num_rows, "tokens": tokens, "tokenized": how}))
+                          "examples": rows, "tokens": tokens, "tokenized": how}))
     else:
-        print(f"tokenized {table.num_rows:,} examples ({tokens:,} tokens): {how}")
+        print(f"tokenized {rows:,} examples ({tokens:,} tokens): {how}")
         print(f"wrote {str(out)!r}; columns {keep}: packkit waste, plan and pack read it without tokenizing again")
     return 0
+
+
+def _refuse(src: Path, table) -> None:
+    """The one-line refusal of an input with nothing to tokenize: no row (``table`` None or empty), or token
+    ids already."""
+    if table is None or table.num_rows == 0:
+        raise DataError(f"{str(src)!r} holds no examples")
+    if "input_ids" in table.column_names:
+        raise DataError(f"{str(src)!r} holds token ids already (input_ids): nothing to tokenize; packkit waste, "
+                        "plan and pack read it as it is")
+
+
+def _write(tables, out: Path, fmt: str, src: Path, overwrite: bool):
+    """Write the token columns of ``tables`` (tokenized chunks, the first one's schema) to ``out`` as they
+    come: ``(rows, tokens, columns)``."""
+    first = next(tables, None)
+    if first is None:  # rows none (a parquet file of empty row groups): refused before OUT is written
+        raise DataError(f"{str(src)!r} holds no examples")
+    keep = [c for c in ("input_ids", "labels", *MASK_KEYS) if c in first.column_names]
+    counts = [0, 0]
+
+    def batches():
+        for table in itertools.chain([first], tables):
+            table = table.select(keep)
+            counts[0] += table.num_rows
+            counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in table.column("input_ids").chunks)
+            yield from table.to_batches(max_chunksize=BATCH_ROWS)
+
+    write_batches(out, first.select(keep).schema, batches(), format=fmt, inputs=[src], overwrite=overwrite)
+    return counts[0], counts[1], keep

@@ -1,0 +1,189 @@
+"""Text and conversations tokenized a bounded chunk at a time (`packkit pack --tokenizer`, `packkit tokenize`).
+
+Each case runs the command twice on the same file: streamed (chunks of a few KiB instead of 2 MiB, so a small
+file crosses many chunk boundaries) and read whole (the path before streaming: ``ArrowSource.from_tables``
+turned off, or the whole-file branch of ``tokenize``). The outputs must be equal row for row, nothing may be
+left beside OUT (the staging file goes), and errors must name the row of the whole input, not of its chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+datasets = pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+
+from packkit.cli import main  # noqa: E402
+from test_chat import CONVERSATIONS, make_tokenizer, reference_tokens, msg  # noqa: E402
+
+datasets.disable_progress_bars()
+
+WORDS = ["hello", "there", "hi", "friend", "how", "are", "you", "fine", "thanks", "five", "é", "日本"]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tiny-chat"
+    make_tokenizer(bos=True).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 KiB of text (JSON lines, .txt) and 64 rows (Arrow), so that a small file streams in many."""
+    import packkit.datafiles as datafiles
+
+    monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 4 << 10)
+    monkeypatch.setattr(datafiles, "TOKENIZE_ROWS", 64)
+
+
+def _texts(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(rng.integers(1, 60)))) for _ in range(n)]
+
+
+def _conversations(n: int, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    words = ["hello", "there", "hi", "friend", "how", "are", "you", "fine", "thanks", "five"]
+    out = []
+    for _ in range(n):
+        turns = []
+        for _ in range(int(rng.integers(1, 4))):
+            turns += [msg("user", " ".join(rng.choice(words, int(rng.integers(1, 12))))),
+                      msg("assistant", " ".join(rng.choice(words, int(rng.integers(1, 12)))))]
+        out.append(turns)
+    return out
+
+
+def _rows(path):
+    path = str(path)
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".arrow"):
+        return pa.ipc.open_stream(pa.memory_map(path)).read_all().to_pylist()
+    return [json.loads(line) for line in open(path)]
+
+
+def _whole(monkeypatch):
+    """The path before streaming: every input read whole, then tokenized."""
+    from packkit.sources import ArrowSource
+
+    monkeypatch.setattr(ArrowSource, "from_tables", classmethod(lambda cls, *a, **k: None))
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl-text", "jsonl-messages", "arrow-messages"])
+def test_pack_streams_text_and_conversations_same_rows(kind, tok_dir, tmp_path, small_chunks, monkeypatch, capsys):
+    """`pack --tokenizer` of .txt lines, JSON lines of text or of messages, an Arrow file of messages, tokenized
+    a chunk at a time across many chunks: the rows (ids, labels from the assistant mask, seq_lengths, example
+    ids) equal the whole-read path's; the staging file is gone."""
+    if kind == "txt":
+        src = tmp_path / "in.txt"
+        src.write_text("\ufeff" + "\n\n".join(_texts(600)) + "\n")  # a BOM and blank lines hold no example
+        tok = "bytes"
+    elif kind == "jsonl-text":
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(600)))
+        tok = "bytes"
+    else:
+        rows = [{"messages": c} for c in _conversations(400)]
+        src = tmp_path / ("in.jsonl" if kind == "jsonl-messages" else "in.arrow")
+        if kind == "jsonl-messages":
+            src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            table = pa.Table.from_pylist(rows)
+            with pa.OSFile(str(src), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+                w.write_table(table, max_chunksize=50)
+        tok = str(tok_dir)
+    argv = ["-w", "96", "--tokenizer", tok, "--example-ids", "-q"]
+    from packkit.datafiles import Tokenizing
+
+    chunks = []
+    encode = Tokenizing.encode
+    monkeypatch.setattr(Tokenizing, "encode", lambda self, table, *a, **k: chunks.append(table.num_rows)
+                        or encode(self, table, *a, **k))
+    assert main(["pack", str(src), str(tmp_path / "s.parquet"), *argv]) == 0
+    assert len(chunks) > 5 and max(chunks) < sum(chunks) / 5, chunks  # many chunks, none of them the file
+    with monkeypatch.context() as m:
+        _whole(m)
+        assert main(["pack", str(src), str(tmp_path / "w.parquet"), *argv]) == 0
+    streamed, whole = _rows(tmp_path / "s.parquet"), _rows(tmp_path / "w.parquet")
+    assert streamed == whole and len(streamed) > 10
+    if kind.endswith("messages"):  # against the slow reference, not only the other path
+        refs = [reference_tokens(r["messages"])[0] for r in rows]
+        for row in streamed:
+            starts = np.cumsum([0] + row["seq_lengths"])
+            for ex, a, b in zip(row["example_ids"], starts[:-1], starts[1:]):
+                assert row["input_ids"][a:b] == refs[ex]
+    assert sorted(os.listdir(tmp_path)) == sorted([src.name, "s.parquet", "w.parquet"])
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("out_name", ["tok.arrow", "tok.jsonl"])
+def test_tokenize_streams_and_round_trips(out_name, tok_dir, tmp_path, small_chunks, monkeypatch, capsys):
+    """`packkit tokenize` of conversations writes each chunk as it is tokenized: the same table as the whole
+    read, with TRL's assistant mask; packkit's own output then goes back through waste, plan and pack, which
+    measure and pack exactly what they do on the conversations with the tokenizer."""
+    rows = [{"messages": c} for c in _conversations(500, seed=1)]
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, ref = tmp_path / out_name, tmp_path / ("whole-" + out_name)
+    assert main(["tokenize", str(src), str(out), "--tokenizer", str(tok_dir), "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["examples"] == 500 and line["columns"] == ["input_ids", "assistant_masks"]
+    import packkit.cli.tokenize as cli_tokenize
+    from packkit.datafiles import JsonLinesChanged
+
+    def whole(*a, **k):
+        raise JsonLinesChanged("read whole")
+
+    with monkeypatch.context() as m:
+        m.setattr(cli_tokenize, "tokenized_tables", whole)
+        assert main(["tokenize", str(src), str(ref), "--tokenizer", str(tok_dir), "-q"]) == 0
+    assert _rows(out) == _rows(ref)
+    assert [r["input_ids"] for r in _rows(out)] == [reference_tokens(r["messages"])[0] for r in rows]
+    assert line["tokens"] == sum(len(r["input_ids"]) for r in _rows(out))
+    capsys.readouterr()
+    for cmd in (["waste", "--json"], ["plan", "--json", "-b", "2", "-a", "1", "-d", "1", "-w", "96"]):
+        assert main([cmd[0], str(out), *cmd[1:]]) == 0
+        from_tokens = json.loads(capsys.readouterr().out)
+        assert main([cmd[0], str(src), *cmd[1:], "--tokenizer", str(tok_dir)]) == 0
+        from_text = json.loads(capsys.readouterr().out)
+        from_tokens.pop("source", None), from_text.pop("source", None)
+        assert from_tokens == from_text
+    packed = tmp_path / "packed.parquet"
+    assert main(["pack", str(out), str(packed), "-w", "96", "-q"]) == 0
+    assert main(["pack", str(src), str(tmp_path / "p2.parquet"), "-w", "96", "-q", "--tokenizer", str(tok_dir)]) == 0
+    assert _rows(packed) == _rows(tmp_path / "p2.parquet")
+    repacked = tmp_path / "repacked.parquet"  # packed rows back in: read as their documents
+    assert main(["pack", str(packed), str(repacked), "-w", "96", "-q", "--no-shuffle"]) == 0
+    assert sum(sum(r["seq_lengths"]) for r in _rows(repacked)) == line["tokens"]
+    capsys.readouterr()
+
+
+def test_errors_name_the_row_of_the_whole_input(tok_dir, tmp_path, small_chunks, capsys):
+    """A null text, or a conversation that fails, far past the first chunk is named by its row in the file and
+    its line, not by its place in the chunk; nothing is left beside OUT."""
+    texts = _texts(900)
+    src = tmp_path / "t.jsonl"
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[700] = json.dumps({"text": None})
+    src.write_text("\n".join(lines) + "\n")
+    assert main(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "96", "--tokenizer", "bytes", "-q"]) == 3
+    err = capsys.readouterr().err
+    assert "example 700 (line 701 of" in err and "has no text (null)" in err, err
+    chat = tmp_path / "c.jsonl"
+    rows = [{"messages": c} for c in _conversations(600, seed=2)]
+    rows[555] = {"messages": [msg("user", "hello there")]}  # no assistant token: TRL raises too
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["tokenize", str(chat), str(tmp_path / "o.arrow"), "--tokenizer", str(tok_dir), "-q"]) == 3
+    err = capsys.readouterr().err
+    assert "example 555 (line 556 of" in err and "no assistant token" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "t.jsonl"]
