@@ -211,13 +211,13 @@ def child(argv) -> int:
     import os
 
     kind = argv[0]
-    if kind == "packkit-in-memory":  # today's path for JSON lines (issue 19): parsed whole, then packed
+    if kind == "packkit-in-memory":  # the path before streaming (issue 19): JSON lines and text read whole
         from packkit.sources import ArrowSource
 
-        ArrowSource.from_json_lines = classmethod(lambda cls, *a, **k: None)
+        ArrowSource.from_tables = classmethod(lambda cls, *a, **k: None)  # from_json_lines goes through it
         kind = "packkit"
     if kind == "packkit":
-        src, out, window = argv[1], argv[2], argv[3]
+        src, out, window, extra = argv[1], argv[2], argv[3], argv[4:]
         import datasets  # noqa: F401 - imported before the clock starts, as the floor imports pyarrow
 
         import packkit.cli.pack  # noqa: F401 - the subcommand and what it imports, before the clock too
@@ -226,7 +226,7 @@ def child(argv) -> int:
         _remove(out)
         base = _status_kib(os.getpid(), "RssAnon:")
         c0, t0 = _cpu(), time.perf_counter()
-        code = cli(["pack", src, out, "-w", window, "-q"])
+        code = cli(["pack", src, out, "-w", window, "-q", *extra])
         wall, cpu = time.perf_counter() - t0, _cpu() - c0
         assert code == 0
         print(json.dumps({"wall": wall, "cpu": cpu, "base_anon_mib": base / 1024}))
@@ -296,15 +296,48 @@ def make_jsonl(folder, n: int) -> tuple[str, int]:
     return path, int(lengths.sum())
 
 
+def make_text(folder, n: int) -> tuple[str, str]:
+    """A ``.txt`` of ``n`` lines of English prose (CPython's help topics, cut at SFT-like lengths times 4
+    bytes), and a byte-level BPE ``tokenizer.json`` trained on the same topics (``bench_chat.tokenizer``);
+    made once."""
+    import os
+    import tempfile
+
+    from bench_chat import corpus, tokenizer
+
+    path, tok = os.path.join(folder, f"in-{n}.txt"), os.path.join(folder, "bpe", "tokenizer.json")
+    sections = corpus()
+    if not os.path.exists(tok):
+        tokenizer(sections, os.path.dirname(tok))
+    if not os.path.exists(path):
+        text = " ".join(" ".join(body.split()) for _, body in sections)
+        rng = np.random.default_rng(0)
+        sizes = sft_like_lengths(n) * 4
+        starts = rng.integers(0, len(text) - int(sizes.max()), n)
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as f:
+            for a, k in zip(starts, sizes):
+                f.write(text[a: a + k] + "\n")
+        os.replace(f.name, path)
+    return path, tok
+
+
 def jsonl_mode(args) -> int:
     """``--files --jsonl``: packkit pack of JSON lines, streamed (issue 19) against today's in-memory path
-    (the same code with the stream turned off: the file parsed whole, then packed), in the same run."""
+    (the same code with the stream turned off: the file parsed whole, then packed), in the same run. With
+    ``--text``, a ``.txt`` of prose tokenized with a BPE ``tokenizer.json`` instead (streamed: tokenized a
+    chunk at a time and staged; in memory: read and tokenized whole)."""
     import os
 
     import pyarrow as pa
 
-    src, tokens = make_jsonl(args.dir, args.n)
-    token_mib = tokens * 4 / 2**20
+    extra = []
+    if args.text:
+        src, tok = make_text(args.dir, args.n)
+        extra = ["--tokenizer", tok]
+        tokens = None  # counted from the first run's output; every run must write as many
+    else:
+        src, tokens = make_jsonl(args.dir, args.n)
     out = os.path.join(args.dir, "out-jsonl.arrow")
     runs: dict = {}
     loads = []
@@ -312,13 +345,16 @@ def jsonl_mode(args) -> int:
         for who in (("packkit-in-memory", "packkit") if r % 2 else ("packkit", "packkit-in-memory")):
             warm(src)
             loads.append(os.getloadavg()[0])
-            got = run_child([who, src, out, str(args.window)])
+            got = run_child([who, src, out, str(args.window), *extra])
             rows = pa.ipc.open_stream(pa.memory_map(out)).read_all().column("input_ids")
-            assert sum(len(c.values) for c in rows.chunks) == tokens  # every token written
+            written = sum(len(c.values) for c in rows.chunks)
+            tokens = written if tokens is None else tokens
+            assert written == tokens  # every token written
             runs.setdefault(who, []).append(got)
             print(f"round {r}: {who}: {got['wall']:.1f}s (cpu {got['cpu']:.1f}s), peak {got['peak_anon_mib']:,.0f} "
                   f"MiB (after imports {got['base_anon_mib']:,.0f}), load {loads[-1]:.1f}", file=sys.stderr)
     _remove(out)
+    token_mib = tokens * 4 / 2**20
     table = []
     for who in ("packkit", "packkit-in-memory"):
         best = min(runs[who], key=lambda g: g["wall"])
@@ -326,7 +362,9 @@ def jsonl_mode(args) -> int:
         table.append(dict(provider=who, wall_s=best["wall"], cpu_s=best["cpu"], peak_over_imports_mib=peak,
                           peak_over_tokens=peak / token_mib))
     print()
-    print(f"packkit pack of JSON lines, {args.n:,} SFT-like examples, {tokens:,} tokens ({token_mib:,.0f} MiB int32, "
+    what = ("a .txt of prose tokenized with a byte-level BPE (vocabulary 8,192)" if args.text
+            else "JSON lines of token ids")
+    print(f"packkit pack of {what}, {args.n:,} SFT-like examples, {tokens:,} tokens ({token_mib:,.0f} MiB int32, "
           f"{os.path.getsize(src) / 2**20:,.0f} MiB of text), W={args.window}, out .arrow; best of {args.repeat} "
           f"interleaved rounds; load average {min(loads):.1f}..{max(loads):.1f} on {os.cpu_count()} cores")
     print(f"{'provider':<20}{'wall s':>8}{'cpu s':>8}{'peak MiB over imports':>23}{'x tokens':>10}")
@@ -338,7 +376,8 @@ def jsonl_mode(args) -> int:
     print(f"memory target (<= 0.5x the tokens as int32 over imports): {'met' if met_mem else 'MISSED'}; "
           f"time target (no slower than the in-memory path): {'met' if met_time else 'MISSED'} "
           f"({ours['wall_s'] / old['wall_s']:.2f}x)")
-    print(json.dumps(dict(bench="offline-jsonl", versions=versions("datasets", "pyarrow"), n=args.n, tokens=tokens,
+    print(json.dumps(dict(bench="offline-text" if args.text else "offline-jsonl",
+                          versions=versions("datasets", "pyarrow", "tokenizers"), n=args.n, tokens=tokens,
                           window=args.window, repeat=args.repeat, load=[min(loads), max(loads)], results=table,
                           memory_target_met=met_mem, time_target_met=met_time)))
     if not args.keep:
@@ -450,6 +489,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="--files: keep the input files")
     parser.add_argument("--jsonl", action="store_true",
                         help="--files: JSON lines input, streamed against today's in-memory path (issue 19)")
+    parser.add_argument("--text", action="store_true",
+                        help="--files --jsonl: a .txt of prose and a BPE tokenizer instead of JSON lines of ids")
     args = parser.parse_args(argv)
     if args.stream_table:
         stream_table(min(args.n, 200_000), args.window)

@@ -134,9 +134,12 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
             raise ValueError(f"example {texts.to_pylist().index(None)} has no text (null)")
         texts = texts.to_pylist()
     parts = []
+    # only the ids are kept: the fast call computes no offsets (measured on 7M tokens of prose with a BPE of
+    # 8,192: 12.9 s CPU against 14.1 s, and less slowed by small batches: 13.1 against 19.4 s at 2,500 texts)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     with progress_bar(total=len(texts), unit="ex", enabled=progress, desc="tokenize") as bar:
         for lo in range(0, len(texts), batch_size):
-            encs = tok.encode_batch(texts[lo: lo + batch_size])
+            encs = encode(texts[lo: lo + batch_size])
             for e in encs:
                 parts.append(np.asarray(e.ids, np.int32))
             bar.update(len(encs))
@@ -716,6 +719,10 @@ def tokens_table(table, *, column: str = "input_ids", text_column: str = "text",
 #: Rows per chunk when an Arrow table (a memory-mapped file or folder) is tokenized a chunk at a time.
 TOKENIZE_ROWS = 4096
 
+#: Bytes of text (JSON lines, ``.txt``) per chunk tokenized at a time: larger than :data:`JSON_BLOCK_BYTES`,
+#: since a tokenizer's batch call runs its threads better over more texts.
+TOKENIZE_BLOCK_BYTES = 4 << 20
+
 
 def text_tables(path, *, size: int | None = None):
     """The examples of a text file (:func:`text_lines`) as one-column tables (``text``) of about ``size``
@@ -767,6 +774,7 @@ def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "tex
     (:class:`Tokenizing`, decided from the first chunk and checked before any other is read), a chunk at a
     time; ``how`` says how the tokens were made. None when ``path``'s rows hold ``column`` already or hold no
     row. The first call of ``make`` continues the read begun here; a later call reads again."""
+    block_size = block_size or TOKENIZE_BLOCK_BYTES
     chunks = table_chunks(path, split=split, block_size=block_size)
     first = next(chunks, None)
     if first is None:
@@ -822,6 +830,31 @@ def _json_lines_lengths(path: Path, column: str):
     return lengths, (np.concatenate(targets) if targets and targets[0] is not None else None)
 
 
+def _tokenized_lengths(path: Path, *, column: str, text_column: str, tokenizer, chat, split):
+    """``(lengths, targets or None, how)`` of text or conversations tokenized a chunk at a time
+    (:func:`tokenized_tables`; memory: a chunk, one entry per example, one bool per token for the loss
+    targets); None where there is nothing to tokenize (token ids, lengths, no row) or where a JSON lines
+    file changes a type after its first chunk (read whole instead)."""
+    if _suffix(path) == ".npy":
+        return None
+    made = tokenized_tables(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
+    if made is None:
+        return None
+    lengths, targets, row = [], [], 0
+    try:
+        for table in made[0]():
+            key = column if column in table.column_names else "input_ids"
+            n = token_lengths(table.column(key), key=key, rows=row)
+            lengths.append(n)
+            targets.append(loss_targets(table, n, key=key, rows=row))
+            row += table.num_rows
+    except JsonLinesChanged:
+        return None
+    if any(t is None for t in targets) != all(t is None for t in targets):  # pragma: no cover - one encoder
+        raise RuntimeError("a loss mask in some chunks only")
+    return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None), made[1]
+
+
 def bundled_sample() -> Lengths:
     """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
     lengths = np.load(SAMPLE_PATH).astype(np.int64)
@@ -860,6 +893,14 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     elif (streamed := _json_lines_lengths(path, column)) is not None:  # JSON lines a block at a time
         lengths, targets = as_lengths(streamed[0], name=f"lengths in {path.name}"), streamed[1]
         source, unit = f"{path.name}, column {column!r}", "tokens"
+        if targets is not None:
+            csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
+            loss = csum[offsets[1:]] - csum[offsets[:-1]]
+    elif (tokenized := _tokenized_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer,
+                                          chat=chat, split=split)) is not None:  # tokenized a chunk at a time
+        lengths, targets, how = tokenized
+        lengths = as_lengths(lengths, name=f"lengths in {path.name}")
+        source, unit = f"{path.name}, {how}", "bytes" if tokenizer in (None, "bytes") else "tokens"
         if targets is not None:
             csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
             loss = csum[offsets[1:]] - csum[offsets[:-1]]

@@ -40,6 +40,7 @@ def small_chunks(monkeypatch):
     import packkit.datafiles as datafiles
 
     monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 4 << 10)
+    monkeypatch.setattr(datafiles, "TOKENIZE_BLOCK_BYTES", 4 << 10)
     monkeypatch.setattr(datafiles, "TOKENIZE_ROWS", 64)
 
 
@@ -187,3 +188,29 @@ def test_errors_name_the_row_of_the_whole_input(tok_dir, tmp_path, small_chunks,
     err = capsys.readouterr().err
     assert "example 555 (line 556 of" in err and "no assistant token" in err, err
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "t.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["messages", "text"])
+def test_waste_and_plan_tokenize_a_chunk_at_a_time(kind, tok_dir, tmp_path, small_chunks, monkeypatch):
+    """read_lengths (what `waste` and `plan` measure) tokenizes conversations and text a chunk at a time:
+    lengths, loss lengths and loss targets equal the whole read's."""
+    import packkit.datafiles as datafiles
+
+    src = tmp_path / "in.jsonl"
+    rows = ([{"messages": c} for c in _conversations(400, seed=3)] if kind == "messages"
+            else [{"text": t} for t in _texts(400, seed=3)])
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = str(tok_dir) if kind == "messages" else "bytes"
+    chunks = []
+    encode = datafiles.Tokenizing.encode
+    monkeypatch.setattr(datafiles.Tokenizing, "encode", lambda self, table, *a, **k: chunks.append(table.num_rows)
+                        or encode(self, table, *a, **k))
+    got = datafiles.read_lengths(src, tokenizer=tok)
+    assert len(chunks) > 5
+    monkeypatch.setattr(datafiles, "_tokenized_lengths", lambda *a, **k: None)
+    whole = datafiles.read_lengths(src, tokenizer=tok)
+    assert np.array_equal(got.lengths, whole.lengths) and got.unit == whole.unit and got.source == whole.source
+    for field in ("loss_lengths", "targets"):
+        a, b = getattr(got, field), getattr(whole, field)
+        assert (a is None and b is None) or np.array_equal(a, b)
+    assert (got.loss_lengths is not None) == (kind == "messages")

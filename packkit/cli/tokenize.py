@@ -3,7 +3,7 @@
 Conversational data (TRL's ``messages``, ``conversations``, ``prompt`` + ``completion``) goes through
 ``--tokenizer``'s chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized
 (:class:`packkit.datafiles.Tokenizing`). IN is read, tokenized and written a bounded chunk at a time
-(:func:`packkit.datafiles.tokenized_tables`: JSON lines and ``.txt`` about 2 MiB of text, parquet and
+(:func:`packkit.datafiles.tokenized_tables`: JSON lines and ``.txt`` about 8 MiB of text, parquet and
 Arrow 4,096 rows), so memory never holds IN or its tokens whole. OUT holds ``input_ids`` and the loss mask (``assistant_masks``
 or ``completion_mask``) when one applies, in any format ``packkit pack`` writes; ``packkit waste``,
 ``plan`` and ``pack`` then read OUT without tokenizing again, and measure exactly what they would have
