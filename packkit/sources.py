@@ -136,7 +136,7 @@ class ArrowSource:
     @classmethod
     def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
         """A JSON lines file parsed a chunk of whole lines at a time (:func:`packkit.datafiles.json_tables`:
-        about ``block_size`` bytes, 2 MiB by default, a longer line whole), staged (:meth:`from_tables`;
+        about ``block_size`` bytes, 1 MiB by default, a longer line whole), staged (:meth:`from_tables`;
         beside the file unless ``stage_dir``). None for a file that is one JSON list, or holds no line (read
         whole). The scan raises :class:`~packkit.datafiles.JsonLinesChanged` where a type changes after the
         first chunk."""

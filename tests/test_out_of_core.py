@@ -524,7 +524,7 @@ def test_pack_json_lines_several_times_the_memory_limit(tmp_path):
     reader = pa.ipc.open_stream(pa.memory_map(str(arrow)))
     write_batches(src, reader.schema, reader, format="jsonl", background=False)
     arrow.unlink()
-    warm.write_text("".join(json.dumps({"input_ids": list(range(k))}) + "\n" for k in range(1, 800)))  # 2 MiB
+    warm.write_text("".join(json.dumps({"input_ids": list(range(k))}) + "\n" for k in range(1, 1400)))  # 5 MiB
     assert src.stat().st_size > 3 * (JSONL_HEADROOM_MIB << 20)
     out = tmp_path / "packed.arrow"
     env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system", MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1",
