@@ -670,9 +670,9 @@ class Tokenizing:
             self.chat = chat_encoder(schema, tokenizer, stacklevel=4, **chat)
             name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
             name = os.path.basename(str(name).rstrip("/")) or name
+            # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none)
             self.how = (f"prompt/completion strings with {name} (no chat template; EOS appended to each completion)"
-                        if fmt == "prompt_completion"  # strings: no template, the EOS appended (tokenize_chat refuses none)
-                        else f"{fmt} through the chat template of {name}")
+                        if fmt == "prompt_completion" else f"{fmt} through the chat template of {name}")
             return
         if text_column not in schema.names:
             raise MissingError("no column {column!r} (token ids) or {text!r} (text); the columns are {names}: pass "
@@ -823,47 +823,17 @@ def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "tex
     return make, how.how
 
 
-def _json_lines_lengths(path: Path, column: str):
-    """``(lengths, targets or None)`` of a JSON lines file of token ids, read a block at a time (memory: a
-    block, one entry per example and one bool per token for the loss targets; the rules of the Arrow path,
-    errors naming the dataset row); None where it does not apply (another format, no list column
-    ``column`` in the first block, packed rows, a type or key that changes after it: read whole instead)."""
-    if not path.is_file() or _suffix(path) not in (".jsonl", ".ndjson", ".json"):
-        return None
-    pa = reader_pyarrow(path)
+def _chunk_lengths(tables, column: str, *, first_ok=None):
+    """``(lengths, targets or None)`` of tables of token ids read in order, a chunk at a time (memory: a chunk,
+    one entry per example and one bool per token for the loss targets; the rules of the Arrow path, errors
+    naming the row in the whole input): ``column``, or the ``input_ids`` a chat template wrote. None where
+    the whole read must do instead: ``first_ok(first table)`` is False, no table, a type that changes after
+    the first chunk (:class:`JsonLinesChanged`), or a loss column in some chunks only."""
     lengths, targets, row = [], [], 0
     try:
-        for table in json_tables(path):
-            if row == 0 and (column not in table.column_names or not pa.types.is_list(table.schema.field(column).type)
-                             or {"seq_lengths", "position_ids"} & set(table.column_names)):
+        for table in tables:
+            if row == 0 and first_ok is not None and not first_ok(table):
                 return None
-            n = token_lengths(table.column(column), key=column, rows=row)
-            lengths.append(n)
-            targets.append(loss_targets(table, n, key=column, rows=row))
-            row += table.num_rows
-    except JsonLinesChanged:
-        return None
-    if not lengths:
-        return None  # one JSON list, or no line: read whole (the one rule for empty input)
-    if any(t is None for t in targets) != all(t is None for t in targets):
-        return None  # a loss column in some blocks only: read whole
-    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    return lengths, (np.concatenate(targets) if targets and targets[0] is not None else None)
-
-
-def _tokenized_lengths(path: Path, *, column: str, text_column: str, tokenizer, chat, split):
-    """``(lengths, targets or None, how)`` of text or conversations tokenized a chunk at a time
-    (:func:`tokenized_tables`; memory: a chunk, one entry per example, one bool per token for the loss
-    targets); None where there is nothing to tokenize (token ids, lengths, no row) or where a JSON lines
-    file changes a type after its first chunk (read whole instead)."""
-    if _suffix(path) == ".npy":
-        return None
-    made = tokenized_tables(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
-    if made is None:
-        return None
-    lengths, targets, row = [], [], 0
-    try:
-        for table in made[0]():
             key = column if column in table.column_names else "input_ids"
             n = token_lengths(table.column(key), key=key, rows=row)
             lengths.append(n)
@@ -871,9 +841,30 @@ def _tokenized_lengths(path: Path, *, column: str, text_column: str, tokenizer, 
             row += table.num_rows
     except JsonLinesChanged:
         return None
-    if any(t is None for t in targets) != all(t is None for t in targets):  # pragma: no cover - one encoder
-        raise RuntimeError("a loss mask in some chunks only")
-    return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None), made[1]
+    if not lengths or any(t is None for t in targets) != all(t is None for t in targets):
+        return None
+    return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None)
+
+
+def _streamed_lengths(path: Path, *, column: str, text_column: str, tokenizer, chat, split):
+    """``(lengths, targets or None, how)`` of a file read a chunk at a time (:func:`_chunk_lengths`): JSON
+    lines of token ids (``how`` None; not packed rows, which are read whole as their documents), or text
+    and conversations tokenized (:func:`tokenized_tables`); None where neither applies (read whole)."""
+    if path.is_file() and _suffix(path) == ".npy":
+        return None
+    if path.is_file() and _suffix(path) in (".jsonl", ".ndjson", ".json"):
+        pa = reader_pyarrow(path)
+
+        def token_ids(t):  # a list column of token ids, not packed rows (those are read whole, as documents)
+            return (column in t.column_names and pa.types.is_list(t.schema.field(column).type)
+                    and not {"seq_lengths", "position_ids"} & set(t.column_names))
+
+        got = _chunk_lengths(json_tables(path), column, first_ok=token_ids)
+        if got is not None:
+            return (*got, None)
+    made = tokenized_tables(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
+    got = None if made is None else _chunk_lengths(made[0](), column)
+    return None if got is None else (*got, made[1])
 
 
 def bundled_sample() -> Lengths:
@@ -911,20 +902,12 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
             and column != "text":  # text lines in bytes: the same lengths as the Arrow path, without pyarrow
         lengths = _text_byte_lengths(path)
         source, unit = f"{path.name}, column 'text' tokenized with bytes", "bytes"
-    elif (streamed := _json_lines_lengths(path, column)) is not None:  # JSON lines a block at a time
-        lengths, targets = as_lengths(streamed[0], name=f"lengths in {path.name}"), streamed[1]
-        source, unit = f"{path.name}, column {column!r}", "tokens"
-        if targets is not None:
-            csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
-            loss = csum[offsets[1:]] - csum[offsets[:-1]]
-    elif (tokenized := _tokenized_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer,
-                                          chat=chat, split=split)) is not None:  # tokenized a chunk at a time
-        lengths, targets, how = tokenized
+    elif (streamed := _streamed_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer,
+                                        chat=chat, split=split)) is not None:  # a chunk at a time
+        lengths, targets, how = streamed
         lengths = as_lengths(lengths, name=f"lengths in {path.name}")
-        source, unit = f"{path.name}, {how}", "bytes" if tokenizer in (None, "bytes") else "tokens"
-        if targets is not None:
-            csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
-            loss = csum[offsets[1:]] - csum[offsets[:-1]]
+        source = f"{path.name}, " + (how or f"column {column!r}")
+        unit = "bytes" if how is not None and tokenizer in (None, "bytes") else "tokens"
     else:
         pa = reader_pyarrow(path)
         table = load_table(path, split=split)
@@ -953,10 +936,9 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
                 source += f"; {lengths.size:,} packed rows read as their {seg_lengths.size:,} documents"
             targets = loss_targets(table, lengths, key=token_col, segments=seg_lengths) if lengths.size else None
             lengths = lengths if seg_lengths is None else seg_lengths
-            if targets is not None:
-                csum = lengths_to_offsets(targets)
-                offsets = lengths_to_offsets(lengths)
-                loss = csum[offsets[1:]] - csum[offsets[:-1]]
+    if targets is not None:  # loss tokens of each example, from the targets laid end to end
+        csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
+        loss = csum[offsets[1:]] - csum[offsets[:-1]]
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
     return Lengths(lengths, source, unit, loss, targets)

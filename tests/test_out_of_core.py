@@ -487,26 +487,49 @@ JSONL_ID_BASE = 10**9
 JSONL_TOKENS = 12_000_000
 
 _HEADROOM_CHILD = """
-import resource, sys
+import json, resource, sys
 import pyarrow as pa
 from packkit.cli import main
+job = json.loads(sys.argv[1])
 pa.set_cpu_count(2)  # thread stacks count against RLIMIT_DATA: as many threads as the warm-up starts
 pa.set_io_thread_count(2)
-if "in-memory" in sys.argv:  # the path before streaming: the file parsed whole, then packed
+if job["whole"]:  # the path before streaming: the file read whole (parsed, tokenized), then packed
     from packkit.sources import ArrowSource
-    ArrowSource.from_json_lines = classmethod(lambda cls, *a, **k: None)
+    ArrowSource.from_tables = classmethod(lambda cls, *a, **k: None)
+exec(job["setup"])
 def status():
     return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in open("/proc/self/status")) if "kB" in v}
-warm, src, out, headroom_mib = sys.argv[-4:]
-assert main(["pack", warm, out + ".warm.arrow", "-w", "8192", "-q", "--overwrite"]) == 0  # imports, threads, allocator
+argv = ["-w", "8192", "-q", *job["argv"]]
+assert main(["pack", job["warm"], job["out"] + ".warm.arrow", *argv, "--overwrite"]) == 0  # imports, threads, allocator
 before = status()["VmData"]
-limit = (before << 10) + (int(headroom_mib) << 20)
+limit = (before << 10) + (job["headroom_mib"] << 20)
 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-code = main(["pack", src, out, "-w", "8192", "--example-ids", "-q"])
-after = status()
-print(code, before, after["VmData"], after["VmHWM"])
+code = main(["pack", job["src"], job["out"], *argv, "--example-ids"])
+print(code, before, status()["VmData"], status()["VmHWM"])
 sys.exit(code)
 """
+
+
+def pack_with_headroom(warm, src, out, headroom_mib: int, *, argv=(), setup: str = "",
+                       whole: bool = False) -> subprocess.CompletedProcess:
+    """`packkit pack src out --example-ids` in a fresh interpreter whose private writable memory is capped
+    (RLIMIT_DATA) at ``headroom_mib`` above what it holds after packing ``warm`` (imports, pyarrow's thread
+    pools and allocator, the reader's and writer's threads); ``whole``: the path before streaming (the file
+    read whole). Prints the exit code, VmData before and after (kB) and VmHWM."""
+    job = dict(warm=str(warm), src=str(src), out=str(out), headroom_mib=headroom_mib, argv=list(argv), setup=setup,
+               whole=whole)
+    env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system", MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1",
+               HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+    done = subprocess.run([sys.executable, "-c", _HEADROOM_CHILD, json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    print("read whole:" if whole else "streamed:", done.returncode, "(code, VmData kB before and after, VmHWM kB)",
+          done.stdout.strip().splitlines()[-1:], done.stderr.strip().splitlines()[-1:])
+    return done
+
+
+def out_of_memory(done: subprocess.CompletedProcess) -> bool:
+    """The command stopped for lack of memory (the cap bit), in one line."""
+    return done.returncode != 0 and ("out of memory" in done.stderr or "MemoryError" in done.stderr)
 
 
 @pytest.mark.slow
@@ -527,17 +550,12 @@ def test_pack_json_lines_several_times_the_memory_limit(tmp_path):
     warm.write_text("".join(json.dumps({"input_ids": list(range(k))}) + "\n" for k in range(1, 1400)))  # 5 MiB
     assert src.stat().st_size > 3 * (JSONL_HEADROOM_MIB << 20)
     out = tmp_path / "packed.arrow"
-    env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system", MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1",
-               HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    argv = [sys.executable, "-c", _HEADROOM_CHILD, str(warm), str(src), str(out), str(JSONL_HEADROOM_MIB)]
-    packed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-    print("streamed (code, VmData kB before and after, VmHWM kB):", packed.stdout.strip().splitlines()[-1:])
+    packed = pack_with_headroom(warm, src, out, JSONL_HEADROOM_MIB)
     assert packed.returncode == 0, packed.stderr[-3000:]
     _check_every_token(out, lengths, id_base=JSONL_ID_BASE)
     out.unlink()
-    old = subprocess.run(argv[:3] + ["in-memory"] + argv[3:], capture_output=True, text=True, env=env, timeout=300)
-    print("parsed whole:", old.returncode, old.stderr.strip().splitlines()[-1:])
-    assert old.returncode != 0 and ("out of memory" in old.stderr or "MemoryError" in old.stderr), old.stderr[-2000:]
+    old = pack_with_headroom(warm, src, out, JSONL_HEADROOM_MIB, whole=True)
+    assert out_of_memory(old), old.stderr[-2000:]
     assert not out.exists()
 
 
@@ -551,10 +569,11 @@ def test_waste_and_plan_read_json_lines_a_block_at_a_time(tmp_path, monkeypatch)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({k: cols[k][i] for k in cols}) + "\n" for i in range(1500)))
     monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 32 << 10)
-    streamed = datafiles._json_lines_lengths(src, "input_ids")
+    streamed = datafiles._streamed_lengths(src, column="input_ids", text_column="text", tokenizer="bytes", chat=None,
+                                           split=None)
     assert streamed is not None
     got = datafiles.read_lengths(src)
-    monkeypatch.setattr(datafiles, "_json_lines_lengths", lambda *a: None)
+    monkeypatch.setattr(datafiles, "_streamed_lengths", lambda *a, **k: None)
     whole = datafiles.read_lengths(src)
     assert np.array_equal(got.lengths, whole.lengths) and np.array_equal(got.loss_lengths, whole.loss_lengths)
     assert np.array_equal(got.targets, whole.targets) and got.lengths.tolist() == [len(x) for x in cols["input_ids"]]

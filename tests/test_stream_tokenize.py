@@ -20,7 +20,8 @@ datasets = pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 
 from packkit.cli import main  # noqa: E402
-from test_chat import CONVERSATIONS, make_tokenizer, reference_tokens, msg  # noqa: E402
+from test_chat import make_tokenizer, msg, reference_tokens  # noqa: E402
+from test_out_of_core import out_of_memory, pack_with_headroom  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -207,7 +208,7 @@ def test_waste_and_plan_tokenize_a_chunk_at_a_time(kind, tok_dir, tmp_path, smal
                         or encode(self, table, *a, **k))
     got = datafiles.read_lengths(src, tokenizer=tok)
     assert len(chunks) > 5
-    monkeypatch.setattr(datafiles, "_tokenized_lengths", lambda *a, **k: None)
+    monkeypatch.setattr(datafiles, "_streamed_lengths", lambda *a, **k: None)
     whole = datafiles.read_lengths(src, tokenizer=tok)
     assert np.array_equal(got.lengths, whole.lengths) and got.unit == whole.unit and got.source == whole.source
     for field in ("loss_lengths", "targets"):
@@ -222,39 +223,12 @@ def test_waste_and_plan_tokenize_a_chunk_at_a_time(kind, tok_dir, tmp_path, smal
 TXT_HEADROOM_MIB = 24
 TXT_BYTES = 80 << 20
 
-_TXT_CHILD = """
-import resource, sys
-import pyarrow as pa
-import packkit.datafiles as datafiles
-from packkit.cli import main
-pa.set_cpu_count(2)  # thread stacks count against RLIMIT_DATA: as many threads as the warm-up starts
-pa.set_io_thread_count(2)
-if "in-memory" in sys.argv:  # the path before streaming: the file read whole, then tokenized
-    from packkit.sources import ArrowSource
-    ArrowSource.from_tables = classmethod(lambda cls, *a, **k: None)
-datafiles.TOKENIZE_BLOCK_BYTES = 256 << 10
-def status():
-    return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in open("/proc/self/status")) if "kB" in v}
-warm, src, out, headroom_mib = sys.argv[-4:]
-argv = ["-w", "8192", "-q", "--tokenizer", "bytes"]
-assert main(["pack", warm, out + ".warm.arrow", *argv, "--overwrite"]) == 0  # imports, threads, allocator
-before = status()["VmData"]
-limit = (before << 10) + (int(headroom_mib) << 20)
-resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-code = main(["pack", src, out, *argv, "--example-ids"])
-print(code, before, status()["VmData"], status()["VmHWM"])
-sys.exit(code)
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA caps anonymous mappings on Linux only")
 def test_pack_of_a_txt_several_times_the_memory_limit(tmp_path):
     """`packkit pack data.txt --tokenizer bytes` with private memory capped at 24 MiB above the warm command
     (RLIMIT_DATA, set in the process after a small pack) packs 80 MB of text lines (3.3x the cap; 80M tokens),
     every token checked against the file's bytes; reading the file whole fails under the same cap."""
-    import subprocess
-
     rng = np.random.default_rng(0)
     lengths = np.clip(np.round(rng.lognormal(np.log(1000), 1.0, TXT_BYTES // 800)), 8, 8192).astype(np.int64)
     lengths = lengths[: int(np.searchsorted(np.cumsum(lengths + 1), TXT_BYTES))]
@@ -265,11 +239,9 @@ def test_pack_of_a_txt_several_times_the_memory_limit(tmp_path):
     warm.write_bytes(text[: 3 << 20])
     del text
     assert src.stat().st_size > 3 * (TXT_HEADROOM_MIB << 20)
-    env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system", MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1",
-               HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    argv = [sys.executable, "-c", _TXT_CHILD, str(warm), str(src), str(out), str(TXT_HEADROOM_MIB)]
-    packed = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-    print("streamed (code, VmData kB before and after, VmHWM kB):", packed.stdout.strip().splitlines()[-1:])
+    options = dict(argv=["--tokenizer", "bytes"],
+                   setup="import packkit.datafiles as d; d.TOKENIZE_BLOCK_BYTES = 256 << 10")
+    packed = pack_with_headroom(warm, src, out, TXT_HEADROOM_MIB, **options)
     assert packed.returncode == 0, packed.stderr[-3000:]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     seen = np.zeros(lengths.size, np.int64)
@@ -284,7 +256,6 @@ def test_pack_of_a_txt_several_times_the_memory_limit(tmp_path):
         np.add.at(seen, seg_ex, 1)
     assert (seen == 1).all(), "a line is missing or packed twice"
     out.unlink()
-    old = subprocess.run(argv[:3] + ["in-memory"] + argv[3:], capture_output=True, text=True, env=env, timeout=300)
-    print("read whole:", old.returncode, old.stderr.strip().splitlines()[-1:])
-    assert old.returncode != 0 and ("out of memory" in old.stderr or "MemoryError" in old.stderr), old.stderr[-2000:]
+    old = pack_with_headroom(warm, src, out, TXT_HEADROOM_MIB, whole=True, **options)
+    assert out_of_memory(old), old.stderr[-2000:]
     assert not out.exists()

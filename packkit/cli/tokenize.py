@@ -3,11 +3,12 @@
 Conversational data (TRL's ``messages``, ``conversations``, ``prompt`` + ``completion``) goes through
 ``--tokenizer``'s chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized
 (:class:`packkit.datafiles.Tokenizing`). IN is read, tokenized and written a bounded chunk at a time
-(:func:`packkit.datafiles.tokenized_tables`: JSON lines and ``.txt`` about 8 MiB of text, parquet and
-Arrow 4,096 rows), so memory never holds IN or its tokens whole. OUT holds ``input_ids`` and the loss mask (``assistant_masks``
-or ``completion_mask``) when one applies, in any format ``packkit pack`` writes; ``packkit waste``,
-``plan`` and ``pack`` then read OUT without tokenizing again, and measure exactly what they would have
-measured on IN with the same options. OUT is written beside its name and renamed when complete.
+(:func:`packkit.datafiles.tokenized_tables`: JSON lines and ``.txt`` about 4 MiB of text, parquet and
+Arrow 4,096 rows), so memory never holds IN or its tokens whole. OUT holds ``input_ids`` and the loss
+mask (``assistant_masks`` or ``completion_mask``) when one applies, in any format ``packkit pack``
+writes; ``packkit waste``, ``plan`` and ``pack`` then read OUT without tokenizing again, and measure
+exactly what they would have measured on IN with the same options. OUT is written beside its name and
+renamed when complete.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _write(tables, out: Path, fmt: str, src: Path, overwrite: bool):
         for table in itertools.chain([first], tables):
             table = table.select(keep)
             counts[0] += table.num_rows
-            counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in table.column("input_ids").chunks)
+            ids = table.column("input_ids").chunks
+            counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in ids)
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
 
     write_batches(out, first.select(keep).schema, batches(), format=fmt, inputs=[src], overwrite=overwrite)
