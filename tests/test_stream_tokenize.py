@@ -81,9 +81,9 @@ def _whole(monkeypatch):
     monkeypatch.setattr(ArrowSource, "from_tables", classmethod(lambda cls, *a, **k: None))
 
 
-@pytest.mark.parametrize("kind", ["txt", "jsonl-text", "jsonl-messages", "arrow-messages"])
+@pytest.mark.parametrize("kind", ["txt", "jsonl-text", "parquet-text", "jsonl-messages", "arrow-messages"])
 def test_pack_streams_text_and_conversations_same_rows(kind, tok_dir, tmp_path, small_chunks, monkeypatch, capsys):
-    """`pack --tokenizer` of .txt lines, JSON lines of text or of messages, an Arrow file of messages, tokenized
+    """`pack --tokenizer` of .txt lines, JSON lines or parquet of text, JSON lines or Arrow of messages, tokenized
     a chunk at a time across many chunks: the rows (ids, labels from the assistant mask, seq_lengths, example
     ids) equal the whole-read path's; the staging file is gone."""
     if kind == "txt":
@@ -93,6 +93,12 @@ def test_pack_streams_text_and_conversations_same_rows(kind, tok_dir, tmp_path, 
     elif kind == "jsonl-text":
         src = tmp_path / "in.jsonl"
         src.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(600)))
+        tok = "bytes"
+    elif kind == "parquet-text":
+        import pyarrow.parquet as pq
+
+        src = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"text": _texts(600), "id": list(range(600))}), src, row_group_size=100)
         tok = "bytes"
     else:
         rows = [{"messages": c} for c in _conversations(400)]
