@@ -21,13 +21,18 @@ setup-test: $(BIN)/python
 waste: setup
 	$(BIN)/packkit waste --plot waste.png --overwrite
 
+# Two pytest-xdist workers (this machine has two cores), each test file whole on one worker (--dist loadfile:
+# a file's module fixtures are built once, and its subprocesses and process groups run beside no other test
+# of that file). `make test XDIST=` runs in one process.
+XDIST ?= -n 2 --dist loadfile
+
 test: setup-test
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(XDIST)
 
 # The inner loop: everything but the tests marked slow (real Trainer runs, spawned processes, Ray, the
 # Triton interpreter sweeps past their first case, fault injection; see tests/conftest.py).
 test-fast: setup-test
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow" $(XDIST)
 
 # The property tests only (every @given test carries the `property` marker, see tests/conftest.py),
 # under the `thorough` profile and a random seed, printed first: `make test-thorough SEED=<seed>`
