@@ -204,7 +204,11 @@ def prefetch(iterable, depth: int = 2):
     thread.start()
     try:
         while True:
-            item, exc = items.get()
+            with deferred():  # Queue.get takes a lock: a signal's exception inside it would leave the lock held
+                try:
+                    item, exc = items.get(timeout=0.1)  # a signal waits at most this long (the producer may hang)
+                except queue.Empty:
+                    continue
             if item is done:
                 if exc is not None:
                     raise exc
@@ -342,7 +346,8 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
                     parts[c].append(_locate(regions, c, batch.column(c)))
             else:
                 if stage is None:
-                    stage = _open_stage(source, columns, types)
+                    with deferred():  # a signal waits until the new file is named in `stage` (then removed)
+                        stage = _open_stage(source, columns, types)
                 stage[2].write_batch(_stageable(batch, columns, types, pc))
                 for c in columns:
                     parts[c].append(("staged", len(staged_batches)))

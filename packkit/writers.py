@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import ArgumentError
 from .fileio import atomic_output
-from .interrupts import join
+from .interrupts import deferred, join
 
 __all__ = ["FORMATS", "output_format", "write_batches", "MAX_SHARD_BYTES", "ENCODING_FACTOR"]
 
@@ -280,20 +280,25 @@ def _write_behind(sink, batches) -> None:
     try:
         it = iter(batches)
         while True:
-            slots.acquire()
+            # the semaphore and the queue take a lock inside: a signal's exception raised there leaves it held,
+            # and the put(None) below waited on it forever (a Ctrl-C that hung); the signal waits for them
+            with deferred():
+                slots.acquire()
             if failed:
                 break
             try:
                 batch = next(it)
             except StopIteration:
                 break
-            todo.put(batch)
+            with deferred():
+                todo.put(batch)
             del batch
     except BaseException:
         stop.set()
         raise
     finally:
-        todo.put(None)
+        with deferred():
+            todo.put(None)
         join(thread)
     if failed:
         raise failed[0]
