@@ -265,3 +265,25 @@ def test_pack_of_a_txt_several_times_the_memory_limit(tmp_path):
     old = pack_with_headroom(warm, src, out, TXT_HEADROOM_MIB, whole=True, **options)
     assert out_of_memory(old), old.stderr[-2000:]
     assert not out.exists()
+
+
+@pytest.mark.slow  # forks two processes per chunk
+def test_tokenize_num_proc_per_chunk_names_the_row_of_the_whole_input(tok_dir, tmp_path, monkeypatch, capsys):
+    """`tokenize --num-proc 2` splits each chunk between two processes: the same table as one process, and a
+    conversation that fails in a later chunk's second process is named by its row in the file."""
+    import packkit.datafiles as datafiles
+
+    monkeypatch.setattr(datafiles, "TOKENIZE_BLOCK_BYTES", 192 << 10)  # chunks of ~700 rows: past a batch (512)
+    rows = [{"messages": c} for c in _conversations(2400, seed=4)]
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["tokenize", str(src), str(tmp_path / "one.arrow"), "--tokenizer", str(tok_dir), "-q"]) == 0
+    assert main(["tokenize", str(src), str(tmp_path / "two.arrow"), "--tokenizer", str(tok_dir), "-q",
+                 "--num-proc", "2"]) == 0
+    assert _rows(tmp_path / "one.arrow") == _rows(tmp_path / "two.arrow")
+    rows[1900] = {"messages": [msg("user", "hello there")]}  # no assistant token: 3rd chunk, 2nd process
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["tokenize", str(src), str(tmp_path / "bad.arrow"), "--tokenizer", str(tok_dir), "-q",
+                 "--num-proc", "2"]) == 3
+    err = capsys.readouterr().err
+    assert "example 1900 (line 1,901 of" in err and "no assistant token" in err, err
