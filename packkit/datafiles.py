@@ -27,6 +27,7 @@ from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import chat_encoder, chat_format, load_tokenizer
 from .errors import ArgumentError, DataError, MissingError, arg
+from .interrupts import deferred
 from .listcolumns import loss_targets, packed_segments, token_lengths
 from .progress import progress_bar
 from .segments import lengths_to_offsets
@@ -400,15 +401,17 @@ def json_tables(path, *, block_size: int | None = None):
             chunk = None  # held by the pending parse only
             while pending and (done or len(pending) > workers):
                 try:
-                    table = pending.pop(0).result()
+                    with deferred():  # a wait takes a lock: a signal waits for the chunk's parse (milliseconds)
+                        table = pending.pop(0).result()
                 except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
                     raise _json_lines_changed(path, exc) from None
                 yield table
                 del table
     finally:
-        for future in pending:
-            future.cancel()
-        pool.shutdown(wait=True)
+        with deferred():  # no parse outlives the reader
+            for future in pending:
+                future.cancel()
+            pool.shutdown(wait=True)
 
 
 def json_batches(path, *, block_size: int | None = None):
