@@ -44,6 +44,7 @@ import warnings
 
 from .. import __version__
 from ..binpack import DEFAULT_OVERFLOW  # noqa: F401 - the --overflow default of every command
+from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import ArgumentError, DataError, Message, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise
 
@@ -78,6 +79,17 @@ OVERFLOW_HELP = ("examples longer than the window: split (default: every token k
 DEFAULT_WINDOW = 2048
 DROP_LOSS_FREE_HELP = ("leave out the pieces (examples after --overflow) that hold no loss token: they would train on "
                        "nothing, and a step of them has loss 0 (counted and printed)")
+
+
+def add_cp_arguments(parser: argparse.ArgumentParser, *, cp_help: str, layout_help: str) -> None:
+    """``--cp N`` (``dest="cp_size"``, default 1) and ``--cp-layout`` (default hybrid), with each command's help.
+
+    >>> p = argparse.ArgumentParser(); add_cp_arguments(p, cp_help="ranks", layout_help="layout")
+    >>> p.parse_args(["--cp", "2"]).cp_size, p.parse_args([]).cp_layout
+    (2, 'hybrid')
+    """
+    parser.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N", help=cp_help)
+    parser.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS, help=layout_help)
 
 
 class UsageError(Exception):

@@ -29,9 +29,9 @@ import json
 import logging
 from pathlib import Path
 
-from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, require, rows_as_lines
+from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
+               require, rows_as_lines)
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
-from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import (JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, reader_pyarrow,
                          tokenized_tables, tokens_table)
@@ -79,11 +79,9 @@ def parser() -> Parser:
     p.add_argument("--seed", type=int, default=0, help="seed of the row order and of shuffle_ff (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the planner's window order")
     p.add_argument("--example-ids", action="store_true", help="also write the source row of every segment")
-    p.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N",
-                   help="rows for a context-parallel group of N ranks (default 1): with --cp-layout zigzag every "
-                        "example is planned padded to a multiple of 2*N, so a row still fits W once sharded")
-    p.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS,
-                   help="the layout packkit.cp.shard will cut rows with (default hybrid; W a multiple of N)")
+    add_cp_arguments(p, cp_help="rows for a context-parallel group of N ranks (default 1): with --cp-layout zigzag "
+                             "every example is planned padded to a multiple of 2*N, so a row still fits W once sharded",
+                     layout_help="the layout packkit.cp.shard will cut rows with (default hybrid; W a multiple of N)")
     p.add_argument("--num-proc", type=int, default=None, help="threads for the token copy (default 1)")
     p.add_argument("--buffer-mb", type=int, default=None,
                    help=f"memory for packed rows in flight, in MiB (default: a sixteenth of the packed tokens, "

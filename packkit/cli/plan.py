@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import warnings
 
-from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, UsageError, rows_as_lines
+from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
+               UsageError, rows_as_lines)
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
-from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
 from ..datafiles import read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
@@ -47,11 +47,10 @@ def parser() -> Parser:
     p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
     p.add_argument("--drop-last", action="store_true", help="leave out the last partial step")
     p.add_argument("--seed", type=int, default=0, help="seed of the window order and synthetic data (default 0)")
-    p.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N",
-                   help="context-parallel ranks a row is cut across (default 1); -d stays the data-parallel count")
-    p.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS,
-                   help="zigzag pads every example to a multiple of 2*N (counted as padding); contiguous, ulysses "
-                        "and hybrid need W to be a multiple of N (default hybrid)")
+    add_cp_arguments(p, cp_help="context-parallel ranks a row is cut across (default 1); -d stays the data-parallel "
+                             "count",
+                     layout_help="zigzag pads every example to a multiple of 2*N (counted as padding); contiguous, "
+                                 "ulysses and hybrid need W to be a multiple of N (default hybrid)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     return p
 

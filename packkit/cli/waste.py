@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from . import DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, require, rows_as_lines
+from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
+               require, rows_as_lines)
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
 from ..datafiles import read_lengths, read_preference_lengths
-from ..cp_plan import LAYOUTS as CP_LAYOUTS
 from ..errors import ArgumentError, arg
 from ..fileio import check_output
 from ..waste import WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste, plot_waste, preference_waste
@@ -36,11 +36,10 @@ def parser() -> Parser:
     p.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
                    help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batches and orders (default 0)")
-    p.add_argument("--cp", type=int, default=1, dest="cp_size", metavar="N",
-                   help="context-parallel ranks a row is cut across (default 1): counts the padding the layout adds")
-    p.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS,
-                   help="zigzag pads every example to a multiple of 2*N; contiguous, ulysses and hybrid cut rows "
-                        "in N pieces (default hybrid)")
+    add_cp_arguments(p, cp_help="context-parallel ranks a row is cut across (default 1): counts the padding the "
+                             "layout adds",
+                     layout_help="zigzag pads every example to a multiple of 2*N; contiguous, ulysses and hybrid cut "
+                                 "rows in N pieces (default hybrid)")
     p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
     p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
     add_tokenizer_arguments(p, default="bytes")
