@@ -546,35 +546,75 @@ def test_pack_a_saved_dataset_dict_split(tok_dir, tmp_path, capsys):
     assert code == 0 and json.loads(out_)["loss_tokens"] == sum(HAND_LOSS)
 
 
+#: One fresh interpreter runs every CLI case that needs one (HF_ENDPOINT and HF_HOME are read when
+#: huggingface_hub is imported; trust_remote_code imports the folder's class into that process): each
+#: case goes through ``python -m packkit.cli``'s own ``__main__`` (runpy), with file descriptors 1 and 2
+#: sent to its own files, so a stray line from a library's logger or a C extension counts too. Starting
+#: one interpreter (torch, transformers) instead of three saves ~2 interpreter starts of this file's time.
+CLI_DRIVER = r"""
+import json, os, runpy, sys
+out, folder, cases = {}, sys.argv[1], json.loads(sys.argv[2])
+for name, argv in cases.items():
+    files = [os.path.join(folder, f"{name}.{fd}") for fd in (1, 2)]
+    saved = [os.dup(1), os.dup(2)]
+    for fd, path in zip((1, 2), files):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = ["packkit"] + argv
+    try:
+        runpy.run_module("packkit.cli", run_name="__main__", alter_sys=True)
+        code = "no exit"
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+    out[name] = [code] + [open(path).read() for path in files]
+print(json.dumps(out))
+"""
+
+
+def run_cli_cases(cases, tmp_path, env):
+    """``{name: argv}`` -> ``{name: (exit code, stdout, stderr)}``, all in one fresh interpreter."""
+    done = subprocess.run([sys.executable, "-c", CLI_DRIVER, str(tmp_path), json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    return {name: tuple(v) for name, v in json.loads(done.stdout).items()}
+
+
 @pytest.mark.slow
-def test_cli_subprocess_waste_and_an_unreachable_model_id(tok_dir, chat_jsonl, tmp_path):
+def test_cli_subprocess_waste_unreachable_model_id_and_trust_remote_code(tok_dir, chat_jsonl, remote_code_dir,
+                                                                        tmp_path):
+    """In a fresh ``python -m packkit.cli``: waste --json on a local tokenizer folder; a model id behind
+    an unreachable HF_ENDPOINT is one error line naming the endpoint, exit 2, nothing written; and
+    --trust-remote-code runs the folder's own class (its import writes MARKER)."""
+    path, marker = remote_code_dir
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0",
                TRANSFORMERS_OFFLINE="0", PYTHONWARNINGS="ignore")
-    ok = subprocess.run([sys.executable, "-m", "packkit.cli", "waste", str(chat_jsonl), "--tokenizer", str(tok_dir),
-                         "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["loss_tokens"] == sum(HAND_LOSS)
     start = time.perf_counter()
-    bad = subprocess.run([sys.executable, "-m", "packkit.cli", "pack", str(chat_jsonl), str(tmp_path / "o.parquet"),
-                          "-w", "32", "--tokenizer", "packkit-test/no-such-model"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    took = time.perf_counter() - start
-    print(bad.stderr, f"{took:.1f}s")
-    assert bad.returncode == 2
-    assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    got = run_cli_cases({
+        "waste": ["waste", str(chat_jsonl), "--tokenizer", str(tok_dir), "--json"],
+        "unreachable": ["pack", str(chat_jsonl), str(tmp_path / "o.parquet"), "-w", "32",
+                        "--tokenizer", "packkit-test/no-such-model"],
+        "remote_code": ["waste", str(chat_jsonl), "--tokenizer", str(path), "--trust-remote-code", "--json"],
+    }, tmp_path, env)
+    print({name: (code, err) for name, (code, _, err) in got.items()}, f"{time.perf_counter() - start:.1f}s")
+    code, out, err = got["waste"]
+    assert code == 0, err
+    assert json.loads(out)["loss_tokens"] == sum(HAND_LOSS)
+    code, out, err = got["unreachable"]
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
     assert re.search(r"packkit pack: error: (--)?tokenizer 'packkit-test/no-such-model' cannot be loaded: "
-                     r"http://127.0.0.1:9 cannot be reached", bad.stderr)
+                     r"http://127.0.0.1:9 cannot be reached", err)
     assert not (tmp_path / "o.parquet").exists()
-
-
-@pytest.mark.slow
-def test_cli_subprocess_trust_remote_code(remote_code_dir, chat_jsonl, tmp_path):
-    path, marker = remote_code_dir
-    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-m", "packkit.cli", "waste", str(chat_jsonl), "--tokenizer", str(path),
-                           "--trust-remote-code", "--json"], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert marker.exists() and json.loads(done.stdout)["loss_tokens"] == sum(HAND_LOSS)
+    code, out, err = got["remote_code"]
+    assert code == 0, err
+    assert marker.exists() and json.loads(out)["loss_tokens"] == sum(HAND_LOSS)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from hypothesis import given, settings, strategies as st
+from testlib import thorough
 
 pytestmark = pytest.mark.distributed
 
@@ -34,7 +35,7 @@ def cp_sizes():
     """The CP sizes run, each a sub-group of the first ranks, the largest the world: (2, 4), and
     (2, 4, 8) under the ``thorough`` profile. Read in the test (conftest loaded the profile), not in
     the spawned workers."""
-    return (2, 4, 8) if settings.default.max_examples > settings.get_profile("dev").max_examples else (2, 4)
+    return (2, 4, 8) if thorough() else (2, 4)
 
 TIMEOUT_S = 240
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 4

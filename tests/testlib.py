@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from hypothesis import settings
 import torch.multiprocessing as mp
 
 # The shape every tiny transformer shares: 2 layers, hidden 32, 4 query heads over 2 kv heads (GQA).
@@ -128,6 +129,13 @@ def vl_example(g: torch.Generator, text: int, images=(), videos=()) -> dict:
             ex[grid_key] = torch.tensor(grids)
     special = {VL_TOKENS[k] for k in VL_TOKENS}
     return {"input_ids": ids, "labels": [-100 if x in special else x for x in ids], "mm_token_type_ids": types, **ex}
+
+
+def thorough() -> bool:
+    """True under the ``thorough`` hypothesis profile (``make test-thorough``), where the sweeps too slow
+    for ``make test`` run whole: ``thorough() -> False`` under ``ci``. Read it in the test, after
+    conftest loaded the profile (a spawned process sees hypothesis' default profile)."""
+    return settings.default.max_examples > settings.get_profile("dev").max_examples
 
 
 def free_port() -> int:
