@@ -158,10 +158,16 @@ def test_a_bad_row_deep_in_an_epoch_with_two_workers_names_the_dataset_row():
     cds = ColumnarDataset(datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}))
     loader = DataLoader(cds, batch_size=16, shuffle=True, num_workers=2, collate_fn=PaddingFreeCollator(),
                         generator=torch.Generator().manual_seed(0), timeout=120)
-    seen = 0
-    with pytest.raises(ValueError) as got:
-        for batch in loader:
-            seen += batch.num_examples
+    seen, batches = 0, iter(loader)
+    try:
+        with pytest.raises(ValueError) as got:
+            for batch in batches:
+                seen += batch.num_examples
+    finally:
+        # the error's traceback holds the iterator in a cycle: left to the garbage collector, its two workers
+        # were shut down during the next test and took 10 s there (DataLoader's 5 s join timeout each);
+        # shut down here they take 0.03 s
+        batches._shutdown_workers()
     msg = str(got.value)
     print(msg.splitlines()[-1], f"(after {seen} examples)")
     assert f"dataset row {bad} has label -7 in 'labels'; labels are token ids (>= 0) or -100" in msg
