@@ -23,8 +23,9 @@ waste: setup
 
 # Two pytest-xdist workers (this machine has two cores), each test file whole on one worker (--dist loadfile:
 # a file's module fixtures are built once, and its subprocesses and process groups run beside no other test
-# of that file). `make test XDIST=` runs in one process.
-XDIST ?= -n 2 --dist loadfile
+# of that file), longest files first (by the seconds the last whole run recorded in .pytest_cache; see
+# tests/conftest.py), an order xdist keeps with --no-loadscope-reorder. `make test XDIST=` runs in one process.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup-test
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(XDIST)

@@ -17,10 +17,20 @@ Every ``@given`` test carries the ``property`` marker (added here, so none can b
 Two lanes: ``make test`` (CI) runs everything; ``make test-fast`` (the inner loop) runs ``-m "not slow"``.
 ``slow`` marks real Trainer runs, spawned processes and subprocesses, Ray, the Triton interpreter sweeps
 past their first case and fault injection; every ``distributed`` test is ``slow`` too (added here).
+
+Longest files first. ``make test`` hands whole files to two xdist workers (``--dist loadfile``), each
+taking the next file of a queue when it is free; a long file near the end of the queue leaves the other
+worker idle until it ends. So a whole-suite xdist run records each file's seconds in pytest's cache
+(``.pytest_cache``, key ``packkit/seconds_per_file``), and the next run queues the files by them, longest
+first (a file not recorded yet goes first: it may be long); with nothing recorded (a fresh checkout) the
+files with the most tests go first, as xdist's own default did. The Makefile passes
+``--no-loadscope-reorder`` so that xdist keeps this order.
 """
 
 import gc
+import math
 import os
+from collections import Counter, defaultdict
 
 import pytest
 from hypothesis import HealthCheck, is_hypothesis_test, settings
@@ -71,7 +81,63 @@ def pytest_unconfigure(config):
     gc.unfreeze()  # the interpreter's shutdown frees as without the freeze
 
 
+SECONDS_KEY = "packkit/seconds_per_file"
+
+
+def file_of(nodeid: str) -> str:
+    """The file part of a test id: ``file_of("tests/test_x.py::test_y[1]") -> "tests/test_x.py"``."""
+    return nodeid.split("::", 1)[0]
+
+
+def longest_first(files: list[str], seconds: dict[str, float], counts: Counter) -> list[str]:
+    """Files in the order to queue them: by recorded seconds, longest first, unrecorded ones before all;
+    with nothing recorded, by number of tests. ``longest_first(["a", "b", "c"], {"a": 1.0, "b": 9.0}, Counter())
+    -> ["c", "b", "a"]``."""
+    if not seconds:
+        return sorted(files, key=lambda f: -counts[f])
+    return sorted(files, key=lambda f: -seconds.get(f, math.inf))
+
+
+def whole_suite_under_xdist(config) -> bool:
+    """This process is an xdist controller running every test (no file, -k or -m chosen): its seconds per
+    file are the ones to queue the next run by."""
+    return (bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+            and config.args == config.getini("testpaths") and not config.option.keyword
+            and not config.option.markexpr)
+
+
+class FileSeconds:
+    """A plugin for the xdist controller: sums each file's setup, call and teardown seconds over every
+    worker's reports and stores them in the cache at the end."""
+
+    def __init__(self, cache):
+        self.cache, self.seconds = cache, defaultdict(float)
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[file_of(report.nodeid)] += report.duration
+
+    def pytest_sessionfinish(self, exitstatus):
+        if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            self.cache.set(SECONDS_KEY, {f: round(s, 2) for f, s in sorted(self.seconds.items())})
+
+
+def pytest_configure(config):
+    cache = getattr(config, "cache", None)
+    if cache is not None and whole_suite_under_xdist(config):
+        config.pluginmanager.register(FileSeconds(cache), "packkit-file-seconds")
+
+
+def queue_longest_files_first(config, items) -> None:
+    """Reorder ``items`` in place, whole files together, by :func:`longest_first`."""
+    cache = getattr(config, "cache", None)
+    seconds = cache.get(SECONDS_KEY, {}) if cache is not None else {}
+    counts = Counter(file_of(item.nodeid) for item in items)
+    rank = {f: i for i, f in enumerate(longest_first(list(counts), seconds, counts))}
+    items.sort(key=lambda item: rank[file_of(item.nodeid)])  # stable: a file's own order is kept
+
+
 def pytest_collection_modifyitems(config, items):
+    queue_longest_files_first(config, items)
     factor = examples_factor()
     scaled = set()  # parametrized cases share one function: scale it once
     for item in items:
