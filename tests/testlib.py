@@ -150,14 +150,16 @@ PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "transfor
            "packkit"]
 
 
-def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_method: str = "forkserver") -> None:
+def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_method: str = "spawn") -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` real processes and wait for them all; past ``timeout_s``
     seconds kill them and fail the test (a rank waiting on a collective another never reaches would
     otherwise hang the suite). An exception in a rank is raised here, with its traceback.
 
-    The ranks are fresh processes forked from one server per test process that imported :data:`PRELOAD`
-    once (``forkserver``), so no rank pays torch's and transformers' imports again (with ``spawn`` each
-    rank is a new interpreter: about 3-5 s of imports a rank on a 2-core machine)."""
+    The ranks are fresh interpreters (``spawn``: about 3-5 s of imports a rank on a 2-core machine).
+    ``start_method="forkserver"`` forks them from one server per test process that imported :data:`PRELOAD`
+    once, which is faster, but it is not the default: under ``make test`` a 2-rank ``forkserver`` run of
+    tests/test_groups_ddp.py once hung past its 120 s limit with nothing printed (1 of 5 whole-suite runs,
+    2026-12-01; never alone), and ``spawn`` had run these tests without a hang since they were written."""
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once this process's server runs
     ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
