@@ -18,7 +18,7 @@ from .rules import (MASK_KEYS, check_column, check_dtype, check_not_null, check_
                     not_integer, null_inside, row_segments, segment_key)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["list_chunks", "token_lengths", "loss_lengths", "loss_targets", "packed_segments", "table_labels"]
+__all__ = ["list_chunks", "check_float_culprit", "token_lengths", "loss_lengths", "loss_targets", "packed_segments", "table_labels"]
 
 
 def _is_list(pa, t) -> bool:
@@ -49,6 +49,8 @@ def list_chunks(column, *, key: str = "input_ids", kind: str = "ids", rows: int 
         raise TypeError(f"column {key!r} holds {t}, not lists of token ids: map your tokenizer so that each "
                         "row holds a list")
     vt = t.value_type
+    if pa.types.is_floating(vt) and len(chunks) > 1:  # refused below at its first value: name the culprit
+        check_float_culprit(column, key=key, kind=kind, rows=rows)
     base = rows
     for chunk in chunks:
         n = len(chunk)
@@ -80,6 +82,26 @@ def list_chunks(column, *, key: str = "input_ids", kind: str = "ids", rows: int 
             values = np.zeros(0, np.int64)
         yield values, offsets, valid, base
         base += n
+
+
+def check_float_culprit(column, *, key: str, kind: str, rows: int = 0) -> None:
+    """Refuse the first value of a float list column that is not an integer or is past int64, if any (the
+    error names its row, ``rows`` being the column's first). :func:`list_chunks` refuses any float column at
+    its first value; where floats came from one line elsewhere (JSON lines read whole: one ``2.5`` or
+    ``2**64 - 1`` makes the whole column float), this names that line's row instead of row 0. Error path only.
+    """
+    pa = pyarrow()
+    for chunk in column.chunks if isinstance(column, pa.ChunkedArray) else [column]:
+        if pa.types.is_fixed_size_list(chunk.type):
+            chunk = chunk.cast(pa.list_(chunk.type.value_type))
+        offsets = chunk.offsets.to_numpy().astype(np.int64)
+        child = chunk.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        if child.null_count:  # list_chunks names the null
+            return
+        offsets -= offsets[0]
+        check_dtype(child.to_numpy(zero_copy_only=False), offsets[:-1], np.diff(offsets), key=key, kind=kind,
+                    rows=rows, culprit_only=True)
+        rows += len(chunk)
 
 
 def _first_nonempty(offsets, valid):

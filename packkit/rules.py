@@ -327,10 +327,11 @@ def not_integral(values: np.ndarray) -> np.ndarray:
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows) -> None:
+def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows, culprit_only: bool = False) -> None:
     """Integer values that int64 holds (bools too in a mask); the error names the first value of the
     first example that breaks the rule: ``uint64`` past ``2**63 - 1``, a float that is not an integer,
-    or one past int64 (a JSON integer too large for int64 arrives as a float: its own row, not row 0)."""
+    or one past int64 (a JSON integer too large for int64 arrives as a float: its own row, not row 0).
+    Floats that are all integers are refused at the first, unless ``culprit_only``."""
     k = values.dtype.kind
     if not values.size:
         return  # no values in any example: nothing to refuse
@@ -345,7 +346,7 @@ def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, row
         found = _first_with(not_integral(values) | (np.abs(values) >= 2.0 ** 63), starts, lengths)
         if found is not None and np.isfinite(values[found[1]]) and abs(values[found[1]]) >= 2.0 ** 63:
             raise beyond_int64(found[0], rows, key, kind, values[found[1]])
-    if found is None:
+    if found is None and not culprit_only:
         found = _first_with(np.ones(values.size, bool), starts, lengths)
     if found is not None:
         raise not_integer(found[0], rows, key, kind, values[found[1]])

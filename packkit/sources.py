@@ -40,7 +40,7 @@ from .arrow import pyarrow
 from .datafiles import json_tables, parquet_batches, parquet_schema
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
-from .listcolumns import list_chunks
+from .listcolumns import check_float_culprit, list_chunks
 from .packer import FlatColumn
 from .rules import check_not_null, check_values, row_segments, segment_key
 from .segments import lengths_to_offsets
@@ -325,6 +325,13 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
     length_parts: list = []
     stage = None  # (path, file, writer) while staging
     staged_batches: list = []  # the dataset row of every staged batch
+    floats = [c for c in columns if pa.types.is_floating(types[c])]
+    if floats:  # refused below at its first value; first look for the value to blame in any batch
+        row = 0
+        for batch, _ in source.batches(floats):
+            for c in floats:
+                check_float_culprit(batch.column(c), key=c, kind=kinds.get(c, "other"), rows=row)
+            row += batch.num_rows
     row = 0
     try:
         for batch, is_view in source.batches(columns):

@@ -798,6 +798,23 @@ def test_hostile_files_are_read_or_refused_by_name(tmp_path):
         assert packed_tokens(o, "parquet") == sorted([5, 6, 7] + huge)
 
 
+def test_a_bad_value_past_the_first_chunk_of_a_jsonl_is_named_by_its_row(tmp_path):
+    """Before the fix, a jsonl whose bad value (2.5, or 2**64 - 1) came after the first streamed chunk (1 MiB)
+    was read whole, where pyarrow makes the whole column float, and waste, plan and pack named row 0, line 1
+    and its value 1.0; each now names the culprit's row, line and value, and writes nothing."""
+    good = "".join(json.dumps({"input_ids": [1, 2, 3, 4, 5, 6, 7]}) + "\n" for _ in range(60_000))  # 2.2 MB
+    files = {"frac.jsonl": ('{"input_ids": [1, 2.5, 3]}', "has 2.5 (float) in 'input_ids'; token ids are"),
+             "u64.jsonl": ('{"input_ids": [1, 18446744073709551615]}', "has 1.8446744073709552e+19 (float) in "
+                                                                       "'input_ids', beyond int64")}
+    for name, (bad, says) in files.items():
+        path = tmp_path / name
+        path.write_text(good + bad + "\n" + '{"input_ids": [8, 9]}\n')
+        for argv in (("waste", path), ("plan", path), ("pack", path, tmp_path / "o.arrow", "-w", "64")):
+            with Case():
+                err = assert_refused(argv, 3, f"dataset row 60000 (line 60,001 of '{path}') {says}", [path])
+                assert {p.name for p in tmp_path.iterdir()} <= set(files), err  # no OUT, no temporary file
+
+
 def test_a_damaged_parquet_page_is_caught_by_its_checksum(tmp_path):
     """packkit's parquet carries page checksums and packkit's readers verify them: 8 bytes zeroed inside a
     data page read back as other token ids, silently, without them (asserted first, on the same file);
