@@ -20,7 +20,7 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "balance"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance"],
     # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention, CP shards
     ["listcolumns", "examples", "chat", "writers", "attention", "sampler", "cp"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
