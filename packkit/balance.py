@@ -26,6 +26,7 @@ choose from, and :func:`pack_to_cost` builds the step's windows from documents t
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import numpy as np
@@ -55,8 +56,10 @@ class CostModel:
     cp_size: int = 1
 
     def __post_init__(self):
-        if isinstance(self.linear, bool) or not isinstance(self.linear, numbers.Real) or not self.linear > 0:
-            raise ArgumentError("{a} must be a positive number, got {got!r}", a=arg("cost"), got=self.linear)
+        if (isinstance(self.linear, bool) or not isinstance(self.linear, numbers.Real) or not self.linear > 0
+                or not math.isfinite(self.linear)):  # inf would make every cost inf, and every ratio of them NaN
+            raise ArgumentError("{a} must be a finite positive number (the per-token weight), got {got!r}",
+                                a=arg("cost"), got=self.linear)
         object.__setattr__(self, "linear", float(self.linear))
         object.__setattr__(self, "cp_size", check_int(self.cp_size, "cp_size"))
 
@@ -133,6 +136,11 @@ def compute_imbalance(rank_cost) -> float:
         raise ValueError(f"rank_cost must be (steps, ranks), got shape {c.shape}")
     if c.size == 0:
         return 1.0
+    bad = ~np.isfinite(c) | (c < 0)  # a NaN step would make the ratio NaN, or 1.0 where NaN compares False
+    if bad.any():
+        s, r = np.unravel_index(int(np.argmax(bad)), c.shape)
+        raise ValueError(f"rank_cost[{s}, {r}] = {float(c[s, r])!r}: a rank's cost is a finite number >= 0 "
+                         "(check the cost model's weight)")
     mean = float(c.mean(axis=1).sum())
     return float(c.max(axis=1).sum()) / mean if mean > 0 else 1.0
 

@@ -49,12 +49,12 @@ import collections
 import dataclasses
 import heapq
 import math
-import numbers
 import os
 
 import numpy as np
 
 from .errors import ArgumentError, DataError, Message, arg, check_choice, check_int
+from .rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
@@ -166,68 +166,6 @@ def overflow_note(overflow: str, *, over: int, examples: int, cut: int, tokens: 
     cut_text = f"{cut:,} of {tokens:,} {unit} cut ({cut / max(tokens, 1):.2%})" if cut else f"no {unit[:-1]} cut"
     return Message("{policy}: {over:,} of {examples:,} examples longer than the window {what}; {cut}",
                    policy=arg("overflow", overflow), over=over, examples=examples, what=what, cut=cut_text)
-
-
-def as_lengths(lengths, *, name: str = "lengths") -> np.ndarray:
-    """Check example lengths and return them as a 1-D int64 array: ``as_lengths([3, 1]) -> [3, 1]``.
-
-    Accepts a list, tuple, numpy array or torch tensor of positive integers. Integral floats
-    (``3.0``) are accepted; NaN, fractions, zero, negatives, booleans, nested and ragged input are not,
-    and the error names the first offending example.
-    """
-    if hasattr(lengths, "detach") and hasattr(lengths, "cpu"):  # a torch tensor, without importing torch
-        lengths = lengths.detach().cpu().numpy()
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-        raise TypeError(f"{name} must be a 1-D sequence of integers, got {type(lengths).__name__}")
-    if not isinstance(lengths, np.ndarray):
-        for i, x in enumerate(lengths):
-            if isinstance(x, (list, tuple, np.ndarray, dict)):
-                raise TypeError(
-                    f"{name}[{i}] is a {type(x).__name__}, not an integer: pass one length per example "
-                    "(nested or ragged input is not a list of lengths)"
-                )
-            if isinstance(x, (bool, np.bool_, str, bytes)):
-                raise TypeError(f"{name}[{i}] is {x!r} ({type(x).__name__}): lengths must be integers")
-        try:
-            arr = np.asarray(lengths)
-        except (ValueError, TypeError) as exc:  # pragma: no cover - numpy's own message is kept
-            raise TypeError(f"{name} could not be read as a 1-D array of integers: {exc}") from None
-    else:
-        arr = lengths
-    if arr.ndim != 1:
-        raise TypeError(f"{name} must be 1-D (one length per example), got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype == np.bool_ or arr.dtype == object or arr.dtype.kind in "USV":
-        bad = 0
-        if arr.dtype == object:
-            bad = next(
-                (i for i, x in enumerate(arr) if isinstance(x, bool) or not isinstance(x, numbers.Real)),
-                None,
-            )
-            if bad is None:
-                arr = arr.astype(np.float64)
-        if arr.dtype != np.float64:
-            raise TypeError(
-                f"{name}[{bad}] is {arr[bad]!r} ({type(arr[bad]).__name__}): lengths must be integers"
-            )
-    if arr.dtype.kind == "f":
-        finite = np.isfinite(arr)
-        integral = finite & (arr == np.floor(np.where(finite, arr, 0)))
-        if not integral.all():
-            i = int(np.argmin(integral))
-            raise ValueError(f"{name}[{i}] = {float(arr[i])!r} is not a whole number of tokens")
-    elif arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    nonpositive = arr < 1
-    if nonpositive.any():
-        i = int(np.argmax(nonpositive))
-        raise ValueError(
-            f"example {i} has length {int(arr[i])}: every example needs at least 1 token "
-            "(filter empty examples out before packing)"
-        )
-    return arr
 
 
 # ----------------------------------------------------------------------------------------------

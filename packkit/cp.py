@@ -356,16 +356,44 @@ def shard(batch, *, cp_size: int, rank: int, layout: str = "hybrid", pad_id: int
         max_seqlen=int(lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
 
 
+def _restore_parts(parts, plan: CPPlan) -> list:
+    """``restore``'s parts checked, as tensors ``(local_len, ...)``: one per rank, each a tensor, a numpy
+    array or a (nested) list of numbers, of equal trailing shape and dtype; errors name the part (its rank)."""
+    if isinstance(parts, (torch.Tensor, np.ndarray)) and parts.ndim >= 2:
+        parts = list(parts)  # the parts stacked, rank after rank
+    if isinstance(parts, (torch.Tensor, np.ndarray, str, bytes, Mapping)) or not hasattr(parts, "__len__"):
+        raise TypeError(f"restore takes a list of {plan.cp_size} parts (one per rank, in rank order), got "
+                        f"{type(parts).__name__}")
+    if len(parts) != plan.cp_size:
+        raise ValueError(f"restore needs one part per rank ({plan.cp_size}), got {len(parts)}")
+    out = []
+    for r, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            try:
+                a = np.asarray(p)
+            except ValueError:  # ragged nested lists
+                a = np.asarray(None, dtype=object)
+            if a.dtype.kind not in "biuf":
+                raise TypeError(f"restore: part {r} (rank {r}) is a {type(p).__name__} of {a.dtype} values, not "
+                                "numbers; pass each rank's output as a tensor (or a numpy array)")
+            p = torch.from_numpy(np.ascontiguousarray(a))
+        if p.dim() > 1 and p.shape[0] == 1 and p.shape[1] == plan.local_len:
+            p = p[0]
+        if p.dim() == 0 or p.shape[0] != plan.local_len:
+            raise ValueError(f"restore: part {r} (rank {r}) has shape {tuple(p.shape)}; every part holds the "
+                             f"rank's local_len={plan.local_len} tokens, (local_len, ...) or (1, local_len, ...)")
+        if out and (p.shape[1:] != out[0].shape[1:] or p.dtype != out[0].dtype):
+            raise ValueError(f"restore: part {r} (rank {r}) is {tuple(p.shape)} {p.dtype} and part 0 "
+                             f"{tuple(out[0].shape)} {out[0].dtype}; every rank's output has one shape and dtype")
+        out.append(p)
+    return out
+
+
 def restore(parts, *, plan: CPPlan, shape=None) -> torch.Tensor:
     """Every rank's per-token outputs (``(local_len, ...)`` or ``(1, local_len, ...)``, rank order) back in
     the batch's flat order: ``(num_tokens, ...)``, or ``shape`` (e.g. the batch's ``[B, W]``) when given.
     ``restore([shard(b, rank=r, ...).input_ids for r in ranks], plan=...)`` is ``b.input_ids`` flattened."""
-    if len(parts) != plan.cp_size:
-        raise ValueError(f"restore needs one part per rank ({plan.cp_size}), got {len(parts)}")
-    parts = [p[0] if p.dim() > 1 and p.shape[0] == 1 and p.shape[1] == plan.local_len else p for p in parts]
-    if any(p.shape[0] != plan.local_len for p in parts):
-        raise ValueError(f"every part must hold local_len={plan.local_len} tokens, got "
-                         f"{[tuple(p.shape) for p in parts]}")
+    parts = _restore_parts(parts, plan)
     cat = torch.cat(parts)
     out = cat[torch.from_numpy(plan.inverse()).to(cat.device)]
     return out if shape is None else out.reshape(*shape, *out.shape[1:])

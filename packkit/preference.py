@@ -63,6 +63,7 @@ from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, DataError, arg, check_choice, check_int
 from .examples import location, read_column
+from .rules import as_lengths
 from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
                        range_index)
 
@@ -769,7 +770,7 @@ def shard_groups(group_tokens, *, world_size: int, max_tokens: int) -> list[list
     Raises a one-line error naming the fix when there are fewer groups than ranks (a rank would idle: TRL PR
     #7328), a group longer than ``max_tokens``, or counts that cannot be evened without splitting a group.
     """
-    tokens = np.asarray(group_tokens, np.int64)
+    tokens = as_lengths(group_tokens, name="group_tokens", item="group")
     world_size = check_int(world_size, "world_size")
     max_tokens = check_window(max_tokens)
     if tokens.size < world_size:
