@@ -348,11 +348,14 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
             raise ArgumentError("{arg} {text!r} is a file but not a tokenizer.json: {fix}", arg=tok_arg, text=text,
                                 fix=fix)
         try:
-            # named by its file (else ""), as errors about it name it once it is loaded
-            return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), name_or_path=text)
+            # no name while it is built: transformers takes a name for a Hub id when the vocabulary passes 100,000
+            # (its Mistral regex check), which fails on a path under HF_HUB_OFFLINE=1 ("Repo id must be ...")
+            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), name_or_path=None)
         except Exception as exc:  # tokenizers raises its own exception type
             raise ArgumentError("could not read {arg} {text!r}: {why}", arg=tok_arg, text=text,
                                 why=_one_line(exc)) from None
+        tok.name_or_path = text  # named by its file, as errors about it name it once it is loaded
+        return tok
     if path.is_dir():
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
             raise ArgumentError("{arg} folder {text!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): "
@@ -409,9 +412,10 @@ def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: boo
         enable_progress_bars()
 
 
-def training_template(tokenizer) -> str | None:
-    """TRL's training version of ``tokenizer``'s chat template (one with ``{% generation %}`` markers),
-    when TRL is installed and knows the template; else None.
+def training_template(tokenizer, template: str | None = None) -> str | None:
+    """TRL's training version of ``tokenizer``'s chat template (or of ``template``, a template passed instead of
+    the tokenizer's, as TRL's ``chat_template_path`` does), one with ``{% generation %}`` markers, when TRL is
+    installed and knows the template; else None.
 
     TRL's ``SFTTrainer(assistant_only_loss=True)`` swaps the same template in, so loss counts made here
     match what it trains on. The templates are TRL's: packkit ships none.
@@ -420,10 +424,15 @@ def training_template(tokenizer) -> str | None:
         from trl.chat_template_utils import get_training_chat_template
     except ImportError:
         return None
+    own = tokenizer.chat_template
     try:
+        if template is not None:  # TRL reads the template off the tokenizer: set for the call, then restored
+            tokenizer.chat_template = template
         return get_training_chat_template(tokenizer)
     except (ValueError, TypeError):
         return None
+    finally:
+        tokenizer.chat_template = own
 
 
 def stop_token_trained(tok, template: str) -> bool:
@@ -451,9 +460,16 @@ def stop_token_trained(tok, template: str) -> bool:
     return False
 
 
-def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> str:
-    """The template to render with: ``chat_template`` or the tokenizer's, checked for what is asked."""
+def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tuple[str, str]:
+    """``(template, what)``: the template to render with (``chat_template`` or the tokenizer's, swapped for TRL's
+    training version when assistant masks need markers and TRL knows it), checked for what is asked, and where
+    it came from in words (the file passed, else the tokenizer), for errors and summaries."""
     given = _read_template(chat_template)
+    if given is not None:
+        text = str(chat_template)
+        what = "the chat template given" if "{%" in text or "{{" in text else f"the chat template {text!r}"
+    else:
+        what = f"the chat template of {spec_name!r}"
     template = given if given is not None else tok.chat_template
     if isinstance(template, dict):
         template = template.get("default")
@@ -462,16 +478,15 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> str
                             "has one", tok=arg("tokenizer"), name=spec_name,
                             tpl=arg("chat_template", metavar="FILE.jinja"))
     if need_markers and not has_generation_markers(template):
-        if given is None:
-            swapped = training_template(tok)
-            if swapped and has_generation_markers(swapped):
-                return swapped
+        swapped = training_template(tok, given)
+        if swapped and has_generation_markers(swapped):
+            return swapped, f"TRL's training version of {what}"
         raise ArgumentError(
-            "the chat template of {name!r} has no {{% generation %}} markers, so assistant tokens cannot be told from "
-            "the rest: pass {tpl} that wraps each assistant reply in {{% generation %}}...{{% endgeneration %}} (TRL "
-            "ships such templates for common models), or {all} to put the loss on every token", name=spec_name,
+            "{what} has no {{% generation %}} markers, so assistant tokens cannot be told from the rest: pass {tpl} "
+            "that wraps each assistant reply in {{% generation %}}...{{% endgeneration %}} (TRL ships such templates "
+            "for common models), or {all} to put the loss on every token", what=what,
             tpl=arg("chat_template", metavar="FILE.jinja"), all=arg("assistant_only_loss", False))
-    return template
+    return template, what
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,6 +601,8 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
 
 
 def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[bool, bool]:
+    """``(assistant, completion)``: the loss options for ``fmt`` (None: the default), or the one-line error for
+    an option the format cannot honour (it would be ignored)."""
     conversational = fmt in ("messages", "conversations", "conversational_prompt_completion")
     paired = fmt.endswith("prompt_completion")
     assistant = (not paired) if assistant_only_loss is None else bool(assistant_only_loss)
@@ -593,7 +610,12 @@ def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[
         raise ArgumentError("{arg} needs conversational data (messages); prompt/completion strings have no "
                             "assistant turns: drop it and keep {keep} (the default)", arg=arg("assistant_only_loss"),
                             keep=arg("completion_only_loss"))
-    return assistant, bool(completion_only_loss) and paired
+    if completion_only_loss is not None and not paired:
+        raise ArgumentError("{arg} applies to prompt/completion data; {fmt} rows have no completion (it would be "
+                            "ignored): drop it, and pass {all} for the loss on every token", fmt=fmt,
+                            arg=arg("completion_only_loss", bool(completion_only_loss)),
+                            all=arg("assistant_only_loss", False))
+    return assistant, (completion_only_loss is None or bool(completion_only_loss)) and paired
 
 
 def _mask_name(assistant: bool, completion: bool) -> str | None:
@@ -625,14 +647,22 @@ class _Encoder:
         self.fmt = fmt
         self.assistant, self.completion = _resolve_loss(fmt, assistant_only_loss, completion_only_loss)
         name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
+        if fmt == "prompt_completion" and chat_template is not None:
+            raise ArgumentError("{arg} is not used on prompt/completion strings: TRL tokenizes them as text, with no "
+                                "chat template (it would be ignored); drop it, or give the prompt and completion as "
+                                "lists of {{role, content}} messages", arg=arg("chat_template"))
         self.tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
-        self.template = (None if fmt == "prompt_completion"
-                         else _template_for(self.tok, str(name), chat_template, self.assistant))
+        self.template, self.template_words, self.swapped = None, None, False
+        if fmt != "prompt_completion":
+            self.template, self.template_words = _template_for(self.tok, str(name), chat_template, self.assistant)
+            self.swapped = self.template_words.startswith("TRL's")
+        self.template_file = (None if chat_template is None or isinstance(chat_template, dict)
+                              or "{%" in str(chat_template) or "{{" in str(chat_template) else str(chat_template))
         if self.assistant and not getattr(self.tok, "is_fast", False):
             raise ArgumentError("{arg} {name!r} is not a fast (Rust) tokenizer: assistant masks need its token "
                                 "offsets; pass a folder with tokenizer.json", arg=arg("tokenizer"), name=str(name))
         if self.assistant and not stop_token_trained(self.tok, self.template):
-            warnings.warn(f"the chat template of {str(name)!r} leaves an assistant reply's end-of-turn token outside "
+            warnings.warn(f"{self.template_words} leaves an assistant reply's end-of-turn token outside "
                           "{% generation %}...{% endgeneration %}: the model is never trained to stop (the loss "
                           "looks fine; it shows at inference); move the token inside the markers",
                           ChatWarning, stacklevel=4)
@@ -681,15 +711,21 @@ class _Encoder:
         return pa.Table.from_arrays(arrays, names=names)
 
     def warn_diverged(self, n: int) -> None:
-        if self.diverged:
-            warnings.warn(f"{self.diverged:,} of {n:,} examples: the tokenized prompt is not a prefix of the "
-                          "tokenized prompt + completion (the template renders the prompt alone differently, or "
-                          "tokens merge across the boundary); their completion starts where the two diverge, as "
-                          "in TRL", ChatWarning, stacklevel=3)
+        if not self.diverged:
+            return
+        if self.fmt == "prompt_completion":  # no template: the tokenizer merges tokens across the boundary
+            why = ("the prompt's last characters and the completion's first tokenize as one token (no space or "
+                   "newline between them?); start each completion with a space, or end each prompt with a newline")
+        else:
+            why = (f"{self.template_words} renders the prompt alone (with the generation prompt) otherwise than at the "
+                   "start of prompt + completion; check the template's generation prompt")
+        warnings.warn(f"{self.diverged:,} of {n:,} examples: the tokenized prompt is not a prefix of the tokenized "
+                      f"prompt + completion, so their completion starts where the two diverge, as in TRL: {why}",
+                      ChatWarning, stacklevel=3)
 
 
 def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
-                  completion_only_loss: bool = True, trust_remote_code: bool = False,
+                  completion_only_loss: bool | None = None, trust_remote_code: bool = False,
                   batch_size: int = BATCH_SIZE, progress: bool = False, format: str | None = None,
                   num_proc: int | None = None):
     """Token ids and TRL's loss mask of conversational data (module docstring), as an Arrow table.
@@ -701,7 +737,9 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         chat_template: Jinja text or a ``.jinja`` file, instead of the tokenizer's own template.
         assistant_only_loss: loss on assistant tokens only (needs ``{% generation %}`` markers).
             Default: on for ``messages`` / ``conversations``, off for prompt/completion pairs.
-        completion_only_loss: loss on the completion only (prompt/completion pairs; default on).
+        completion_only_loss: loss on the completion only (prompt/completion pairs; default None: on). Given on
+            other formats, it is refused (it would be ignored), as ``assistant_only_loss`` on prompt/completion
+            strings, and so is a ``chat_template`` on prompt/completion strings.
         trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
         batch_size: conversations per tokenizer call.
         progress: a progress bar (examples) on stderr.
@@ -733,7 +771,7 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
 
 
 def chat_encoder(schema, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
-                 completion_only_loss: bool = True, trust_remote_code: bool = False, format: str | None = None,
+                 completion_only_loss: bool | None = None, trust_remote_code: bool = False, format: str | None = None,
                  stacklevel: int = 2) -> "_Encoder":
     """The encoder :func:`tokenize_chat` applies, made once for rows of ``schema`` (the tokenizer loaded, the
     template and the loss chosen, the columns left unread warned about), so that a file can be tokenized a
@@ -743,9 +781,15 @@ def chat_encoder(schema, tokenizer, *, chat_template=None, assistant_only_loss: 
     unread = ignored_columns(schema, fmt) if fmt is not None else []
     if unread:
         other = "messages" if "messages" in unread else "conversations" if "conversations" in unread else "prompt_completion"
-        warnings.warn(ChatWarning(Message("the rows hold {unread} too: read as {fmt}, as TRL's SFTTrainer reads "
-                                          "them; {other} reads the other", unread=", ".join(map(repr, unread)),
-                                          fmt=fmt, other=arg("format", other))), stacklevel=stacklevel)
+        try:  # what TRL's SFTTrainer reads ("prompt" in example decides first)
+            trl = chat_format(schema)
+        except (ArgumentError, DataError):  # prompt/completion columns TRL cannot read either
+            trl = fmt
+        how = ("as TRL's SFTTrainer reads them" if fmt == trl else
+               "as asked; TRL's SFTTrainer reads such rows as {trl}, so its loss differs")
+        warnings.warn(ChatWarning(Message("the rows hold {unread} too: read as {fmt}, " + how + "; {other} reads the "
+                                          "other", unread=", ".join(map(repr, unread)), fmt=fmt, trl=trl,
+                                          other=arg("format", other))), stacklevel=stacklevel)
     if fmt is None:
         raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
                         f"are {schema.names}")
@@ -832,7 +876,7 @@ def _as_table(data):
 
 
 def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=None,
-                     completion_only_loss: bool = True, trust_remote_code: bool = False, progress=None,
+                     completion_only_loss: bool | None = None, trust_remote_code: bool = False, progress=None,
                      format: str | None = None, num_proc: int | None = None):
     """Conversational ``datasets`` data tokenized through ``tokenizer``'s chat template: the step before
     :func:`packkit.offline.pack_dataset` (``packkit pack`` composes both).

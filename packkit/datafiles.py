@@ -674,8 +674,13 @@ class Tokenizing:
             name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
             name = os.path.basename(str(name).rstrip("/")) or name
             # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none)
+            enc = self.chat  # the template named as it was given: the file passed, else the tokenizer's own
+            words = (f"the chat template {os.path.basename(enc.template_file)!r} (tokenizer {name})"
+                     if enc.template_file else f"the chat template of {name}")
+            if enc.swapped:
+                words = f"TRL's training version of {words}"
             self.how = (f"prompt/completion strings with {name} (no chat template; EOS appended to each completion)"
-                        if fmt == "prompt_completion" else f"{fmt} through the chat template of {name}")
+                        if fmt == "prompt_completion" else f"{fmt} through {words}")
             return
         if text_column not in schema.names:
             raise MissingError("no column {column!r} (token ids) or {text!r} (text); the columns are {names}: pass "

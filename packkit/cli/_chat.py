@@ -16,12 +16,14 @@ def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | N
              "conversations, prompt + completion) goes through its chat template")
     g = parser.add_argument_group("chat data (TRL's conversational formats)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a .jinja chat template to use instead of the tokenizer's")
+                   help="a .jinja chat template to use instead of the tokenizer's (conversations only; TRL's training "
+                        "version is swapped in for a stock one, as SFTTrainer(assistant_only_loss=True) does)")
     g.add_argument("--assistant-only-loss", default=None, action=argparse.BooleanOptionalAction,
                    help="loss on assistant tokens only (needs {%% generation %%} markers in the template); "
                         "default: on for messages, off for prompt + completion")
-    g.add_argument("--completion-only-loss", default=True, action=argparse.BooleanOptionalAction,
-                   help="loss on the completion only, for prompt + completion data (default: on)")
+    g.add_argument("--completion-only-loss", default=None, action=argparse.BooleanOptionalAction,
+                   help="loss on the completion only, for prompt + completion data (default: on; refused on "
+                        "messages, which have no completion)")
     g.add_argument("--format", default="auto", choices=("auto", *CHAT_FORMATS),
                    help="which columns to read as the conversation (default auto: TRL's precedence, prompt + "
                         "completion before messages when a row holds both)")

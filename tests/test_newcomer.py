@@ -1,0 +1,212 @@
+"""A newcomer's first day (issue 33): each friction met on the way from raw chat rows to a trained model,
+reproduced as a new user meets it (the command line, real files, TRL's own templates and trainer).
+
+Before the fixes: a bare ``tokenizer.json`` of a large vocabulary failed under ``HF_HUB_OFFLINE=1`` with
+"Repo id must be in the form ..."; ``--chat-template`` on prompt/completion strings and
+``--no-completion-only-loss`` on messages were ignored in silence; TRL's stock ``qwen3.jinja`` passed with
+``--chat-template`` was refused (TRL swaps in its training version), naming the tokenizer folder; with
+``--format messages`` the warning said TRL reads such rows as messages (it reads them as prompt/completion).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+datasets = pytest.importorskip("datasets")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from test_chat import CONVERSATIONS, TEMPLATE, VOCAB, make_tokenizer, our_labels, trl_labels  # noqa: E402
+
+from packkit.chat import ChatWarning, tokenize_chat  # noqa: E402
+from packkit.cli import main  # noqa: E402
+from packkit.errors import ArgumentError  # noqa: E402
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cli(argv, capsys):
+    """``(exit code, stdout, stderr)`` of ``packkit ARGV``."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tiny-chat"
+    make_tokenizer(bos=True).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture
+def chat_jsonl(tmp_path):
+    return write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
+
+
+@pytest.fixture
+def pairs_jsonl(tmp_path):
+    return write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "hello there", "completion": " hi friend"},
+                                                  {"prompt": "how are you", "completion": " fine thanks"}])
+
+
+# -- 1. a bare tokenizer.json of a large vocabulary, offline ---------------------------------------------------
+
+
+def test_bare_tokenizer_json_of_a_large_vocabulary_reads_offline(tmp_path, chat_jsonl, capsys, monkeypatch):
+    """Friction 1: transformers takes the name of a tokenizer of more than 100,000 tokens for a Hub id (its
+    Mistral regex check); packkit named the tokenizer by its file, so under HF_HUB_OFFLINE=1 a bare
+    tokenizer.json of Llama-3's or Qwen3's size failed with "Repo id must be in the form ..."."""
+    from huggingface_hub import constants
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = dict(VOCAB, **{f"w{i}": len(VOCAB) + i for i in range(100_001)})  # past transformers' 100,000
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    bare = tmp_path / "big" / "tokenizer.json"
+    bare.parent.mkdir()
+    tk.save(str(bare))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    code, out, err = cli(["waste", chat_jsonl, "--tokenizer", bare, "--chat-template", write_template(tmp_path),
+                          "--json", "-q"], capsys)
+    assert code == 0, err
+    assert "Repo id" not in err
+    assert json.loads(out)["input_tokens"] == 8 + 13 + 16  # the hand count of test_chat
+
+
+def write_template(tmp_path: Path, text: str = TEMPLATE, name: str = "chat.jinja") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- 2. options that do not apply are refused, not ignored ------------------------------------------------------
+
+
+def test_chat_template_on_prompt_completion_strings_is_refused(tok_dir, pairs_jsonl, capsys):
+    """Friction 2: TRL tokenizes prompt/completion strings with no template; ``--chat-template`` (even a missing
+    file) was ignored with exit 0, while ``--assistant-only-loss`` on the same rows is an error."""
+    code, _, err = cli(["waste", pairs_jsonl, "--tokenizer", tok_dir, "--chat-template", "missing.jinja"], capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and "--chat-template is not used on prompt/completion strings" in err
+    code, _, err = cli(["waste", pairs_jsonl, "--tokenizer", tok_dir, "--assistant-only-loss"], capsys)
+    assert code == 2 and "--assistant-only-loss needs conversational data" in err
+
+
+@pytest.mark.parametrize("flag", ["--no-completion-only-loss", "--completion-only-loss"])
+def test_completion_only_loss_on_messages_is_refused(tok_dir, chat_jsonl, capsys, flag):
+    """Friction 2: ``--no-completion-only-loss`` on messages was accepted and changed nothing (the loss stayed on
+    the assistant tokens); the error names the option that does what was meant."""
+    code, _, err = cli(["waste", chat_jsonl, "--tokenizer", tok_dir, flag], capsys)
+    assert code == 2, err
+    assert f"{flag} applies to prompt/completion data; messages rows have no completion" in err
+    assert "pass --no-assistant-only-loss for the loss on every token" in err
+    assert cli(["waste", chat_jsonl, "--tokenizer", tok_dir, "-q"], capsys)[0] == 0  # the default still runs
+    with pytest.raises(ArgumentError, match="completion_only_loss=False applies to prompt/completion data"):
+        tokenize_chat(pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS]), str(tok_dir),
+                      completion_only_loss=False)
+
+
+# -- 3. a stock template passed with --chat-template --------------------------------------------------------------
+
+
+def trl_template(name: str) -> Path:
+    """A template TRL ships (``trl/chat_templates/``)."""
+    trl = pytest.importorskip("trl")
+    path = Path(trl.__file__).parent / "chat_templates" / name
+    if not path.is_file():
+        pytest.skip(f"this TRL ships no {name}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwenish_dir(tmp_path_factory):
+    """A word-level tokenizer that knows Qwen's special tokens, with no chat template of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = dict(VOCAB, **{"<|im_start|>": len(VOCAB), "<|im_end|>": len(VOCAB) + 1})
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>",
+                                               unk_token="<unk>", additional_special_tokens=["<|im_start|>",
+                                                                                             "<|im_end|>"])
+    path = tmp_path_factory.mktemp("tok") / "qwenish"
+    tok.save_pretrained(str(path))
+    return path
+
+
+def test_stock_template_given_is_swapped_for_trls_training_version(qwenish_dir, chat_jsonl, capsys):
+    """Friction 3: TRL's ``SFTTrainer(chat_template_path="qwen3.jinja", assistant_only_loss=True)`` swaps in
+    ``qwen3_training.jinja``; packkit refused the same file ("no {% generation %} markers"), naming the tokenizer
+    folder. Now it swaps too, and the summary names the file and the swap."""
+    stock = trl_template("qwen3.jinja")
+    code, out, err = cli(["waste", chat_jsonl, "--tokenizer", qwenish_dir, "--chat-template", stock, "-q"], capsys)
+    assert code == 0, err
+    assert "messages through TRL's training version of the chat template 'qwen3.jinja' (tokenizer qwenish)" in out
+
+
+@pytest.mark.slow
+def test_stock_template_given_trains_on_trls_loss_tokens(qwenish_dir):
+    """Friction 3, through TRL itself: the tokens and labels of SFTTrainer's own preparation with the same file."""
+    stock = trl_template("qwen3.jinja")
+    tok = transformers.AutoTokenizer.from_pretrained(str(qwenish_dir))
+    ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ChatWarning)
+        got = our_labels(tokenize_chat(ds, tok, chat_template=str(stock)))
+    want = trl_labels(ds, tok, assistant_only_loss=True, chat_template_path=str(stock))
+    assert got == want
+    assert all(any(x != -100 for x in labels) for labels in got[1])
+
+
+def test_a_template_without_markers_is_named_by_its_file(tok_dir, chat_jsonl, tmp_path, capsys):
+    """Friction 3: the error named the tokenizer folder, not the template file that was passed."""
+    plain = write_template(tmp_path, TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""),
+                           "plain.jinja")
+    code, _, err = cli(["waste", chat_jsonl, "--tokenizer", tok_dir, "--chat-template", plain], capsys)
+    assert code == 2, err
+    assert f"the chat template {str(plain)!r} has no {{% generation %}} markers" in err
+    assert "tiny-chat" not in err
+
+
+# -- 4. --format messages on rows TRL reads as prompt/completion ---------------------------------------------------
+
+
+def test_format_messages_warning_says_what_trl_reads(tok_dir, tmp_path, capsys):
+    """Friction 4: with ``--format messages`` on rows holding prompt/completion too, the warning said they were
+    "read as messages, as TRL's SFTTrainer reads them"; TRL 1.16 reads them as prompt/completion
+    (``if "prompt" in example`` first, trl/trainer/sft_trainer.py)."""
+    rows = [{"messages": c, "prompt": "hello", "completion": " there"} for c in CONVERSATIONS]
+    src = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    code, _, err = cli(["waste", src, "--tokenizer", tok_dir, "--format", "messages", "-q"], capsys)
+    assert code == 0, err
+    assert ("read as messages, as asked; TRL's SFTTrainer reads such rows as prompt_completion, so its loss "
+            "differs") in err
+    assert "as TRL's SFTTrainer reads them" not in err
+    code, _, err = cli(["waste", src, "--tokenizer", tok_dir, "-q"], capsys)
+    assert "read as prompt_completion, as TRL's SFTTrainer reads them" in err
+
+
+# -- 11. the prefix warning on plain strings ------------------------------------------------------------------------
+
+
+def test_prefix_warning_on_strings_does_not_blame_a_template(tok_dir):
+    """Friction 11: prompt/completion strings are tokenized with no template, yet the warning blamed "the
+    template" and gave no fix."""
+    pairs = pa.Table.from_pylist([{"prompt": "hello", "completion": "there"}])  # one word: "hellothere"
+    with pytest.warns(ChatWarning) as caught:
+        tokenize_chat(pairs, str(tok_dir))
+    text = str(caught[0].message)
+    assert "template" not in text
+    assert "start each completion with a space, or end each prompt with a newline" in text
+
