@@ -12,7 +12,7 @@ $(BIN)/python:
 # torch==2.13.0 first: the CPU build that lies on this disk. The package itself does not pin torch.
 setup: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[datasets,plot]'
+	$(BIN)/pip install --quiet -e '.[datasets,plot,chat]'
 
 setup-test: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0

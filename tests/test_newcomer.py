@@ -210,3 +210,45 @@ def test_prefix_warning_on_strings_does_not_blame_a_template(tok_dir):
     assert "template" not in text
     assert "start each completion with a space, or end each prompt with a newline" in text
 
+
+# -- 9 and 11. the README's install lines, the Makefile and the extras ---------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def makefile_value(name: str) -> str:
+    """A ``NAME ?= value`` or ``NAME := value`` line of the Makefile."""
+    import re
+
+    m = re.search(rf"^{name}\s*[?:]?=\s*(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, name
+    return m.group(1).strip()
+
+
+def test_readme_names_every_extra_and_make_waste_can_tokenize_chat():
+    """Friction 9: the README's list of extras omitted ``chat``, the extra the exit-4 error asks for on chat data,
+    and the venv ``make waste`` creates (and the README's line without make) could not tokenize chat data."""
+    import re
+    import tomllib
+
+    from packkit.cli import _extra_for
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (ROOT / "README.md").read_text()
+    listed = re.search(r"Extras: (.*?)\.\s", readme, re.S).group(1)
+    assert sorted(set(re.findall(r"`(\w+)`", listed))) == sorted(extras)
+    asked = _extra_for("transformers")  # what `packkit waste chat.jsonl --tokenizer T` asks for without it
+    assert asked == "chat"
+    setup = re.search(r"^setup:.*?\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    made = set(re.search(r"-e '\.\[([\w,]+)\]'", setup).group(1).split(","))
+    assert asked in made
+    by_hand = re.search(r"pip install -e '\.\[([\w,]+)\]' && \.venv/bin/packkit waste", readme).group(1)
+    assert set(by_hand.split(",")) == made
+
+
+def test_readme_test_command_without_make_is_make_test():
+    """Friction 11: the README's test command without make ran xdist without ``--no-loadscope-reorder``, so
+    the files ran in another order than ``make test`` runs them."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if "-e '.[test]'" in x and "pytest" in x)
+    assert line.endswith("pytest -q " + makefile_value("XDIST")), line
