@@ -229,7 +229,7 @@ def test_readme_names_every_extra_and_make_waste_can_tokenize_chat():
     """Friction 9: the README's list of extras omitted ``chat``, the extra the exit-4 error asks for on chat data,
     and the venv ``make waste`` creates (and the README's line without make) could not tokenize chat data."""
     import re
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     from packkit.cli import _extra_for
 
