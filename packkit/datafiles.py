@@ -328,21 +328,21 @@ def line_chunks(path, *, size: int = JSON_BLOCK_BYTES):
     ``size=2`` -> ``[b"a\n", b"bb\n", b"c"]``. What the longest line needs is found as it is read:
     no pass over the file before."""
     with open(path, "rb") as f:
-        rest = f.read(3)
-        if rest == b"\xef\xbb\xbf":
-            rest = b""
+        head = f.read(3)
+        rest = [] if head == b"\xef\xbb\xbf" else [head]  # the pieces of the line being read, joined once
         while True:
             block = f.read(size)
             if not block:
-                if rest:
-                    yield rest
+                if any(rest):
+                    yield b"".join(rest)
                 return
             cut = block.rfind(b"\n")
-            if cut < 0:  # inside a line longer than a chunk: keep reading
-                rest += block
+            if cut < 0:  # inside a line longer than a chunk: keep its pieces (``+=`` would copy the line each time)
+                rest.append(block)
                 continue
-            yield rest + block[: cut + 1]
-            rest = block[cut + 1:]
+            rest.append(block[: cut + 1])
+            yield b"".join(rest)
+            rest = [block[cut + 1:]]
 
 
 def _parse_json_chunk(chunk: bytes, schema, path):

@@ -73,3 +73,29 @@ def test_text_lines_drop_the_bom_and_read_without_pyarrow(tmp_path):
     path.write_bytes(b"fine\nbad \xff here\n")
     with pytest.raises(ValueError, match=r"is not UTF-8 text: line 2 holds b'\\xff'"):
         read_lengths(path)
+
+
+def test_a_line_many_chunks_long_is_read_in_linear_time(tmp_path):
+    """Issue 28: a line longer than a chunk grew with ``rest += block`` (a copy of the whole line for each chunk
+    read: quadratic; a 128 MiB JSON line took 9-13x the same bytes in 1 MiB lines). At a chunk of 256 bytes, a
+    2 MiB line is 8,192 chunks: the old growth copied ~8 GiB (a minute here); joined once, it costs what the
+    same bytes in short lines cost. The chunks are whole lines and hold every byte."""
+    import time
+
+    from packkit.datafiles import line_chunks
+
+    body = ",".join("7" * (1 << 20))  # one digit and a comma each: 2 MiB of text
+    long_path, short_path = tmp_path / "long.jsonl", tmp_path / "short.jsonl"
+    long_path.write_text('{"input_ids": [' + body + "]}\n")
+    cut = [body[i: i + 1000].strip(",") for i in range(0, len(body), 1000)]
+    short_path.write_text("".join('{"input_ids": [' + c + "]}\n" for c in cut if c))
+
+    def clock(path):
+        t = time.perf_counter()
+        n = sum(len(c) for c in line_chunks(path, size=256))
+        return time.perf_counter() - t, n
+
+    (t_long, n_long), (t_short, n_short) = clock(long_path), clock(short_path)
+    assert n_long == long_path.stat().st_size and n_short == short_path.stat().st_size
+    assert t_long < 0.25 + 4 * t_short, (t_long, t_short)
+    assert [len(c) for c in line_chunks(long_path, size=256)] == [long_path.stat().st_size]
