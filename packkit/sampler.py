@@ -66,16 +66,23 @@ it was dealt, the deal and its rows done). ``load_state_dict()`` on any world si
 yet used, exactly once. With the same ``step_batches`` and a world size dividing it, the global steps are
 the ones the first run would have made (a step in progress on another world size ends as a step of its
 own); otherwise step boundaries move from the resume point on, said once by a :class:`ResumeWarning`.
-A DataLoader with workers fetches ahead of the training loop: pass the number of batches the loop
-actually consumed in the epoch, ``state_dict(batches_consumed=...)`` (torchdata's ``StatefulDataLoader``
-tracks this itself). :meth:`merge_state_dicts` turns the per-rank states of an older packkit into one.
+The state counts the batches the training loop consumed, not those the sampler handed out: a DataLoader
+with workers (and accelerate's loader, one batch ahead) fetches ahead of the loop, so the sampler asks the
+DataLoader iterator that drives it how many batches it gave the loop; torchdata's ``StatefulDataLoader``
+saves the sampler's state as each batch is drawn. A pass starts at its first batch, not at ``iter()``
+(a DataLoader with workers calls it twice), so a loaded state is the next pass behind any loader. Where the
+loop cannot be told (a wrapper between the loader and the sampler, ``in_order=False``), a
+:class:`ResumeWarning` says so and names ``state_dict(batches_consumed=...)``.
+:meth:`merge_state_dicts` turns the per-rank states of an older packkit into one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -464,6 +471,57 @@ def _chunks(units: np.ndarray, size: int) -> list[np.ndarray]:
     return [units[i:i + size] for i in range(0, units.size, size)]
 
 
+class _Pass:
+    """One pass of a sampler over its schedule: an iterator of batches (lists of example indices).
+
+    It starts at its first ``next()`` (:meth:`_BatchSampler._start`), so an iterator made and dropped spends
+    nothing. ``loader``, ``shard``: weak references to the DataLoader iterator (and accelerate's
+    ``DataLoaderShard`` around it) that called ``iter()``, or None; ``yielded``: batches handed out.
+    """
+
+    __slots__ = ("sampler", "loader", "shard", "sched", "yielded", "__weakref__")
+
+    def __init__(self, sampler, asked: tuple):
+        self.sampler, (self.loader, self.shard) = sampler, asked
+        self.sched: Schedule | None = None
+        self.yielded = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list:
+        if self.sched is None:
+            self.sched = self.sampler._start(self)
+        sched, i = self.sched, self.yielded
+        if i >= sched.rows:
+            raise StopIteration
+        g = i * sched.world_size + self.sampler.rank
+        self.yielded = i + 1  # counted before the consumer sees the batch
+        return sched.flat[sched.ptr[g]:sched.ptr[g + 1]].tolist()
+
+
+def _asking_loader() -> tuple:
+    """Weak references to the torch DataLoader iterator whose construction or reset calls ``iter()`` on a
+    batch sampler, and to accelerate's ``DataLoaderShard`` around it; ``(None, None)`` for another caller.
+
+    A DataLoader hands its iterator nothing else: this is how a sampler learns which loop consumes it.
+    """
+    dl = sys.modules.get("torch.utils.data.dataloader")  # no torch loaded: no DataLoader asking
+    loader = shard = None
+    f = sys._getframe(2) if dl is not None else None
+    for _ in range(8):
+        if f is None:
+            break
+        obj = f.f_locals.get("self")
+        if loader is None and isinstance(obj, dl._BaseDataLoaderIter):
+            loader = obj
+        elif loader is not None and type(obj).__name__ == "DataLoaderShard":
+            shard = obj
+            break
+        f = f.f_back
+    return (None if loader is None else weakref.ref(loader), None if shard is None else weakref.ref(shard))
+
+
 # ----------------------------------------------------------------------------------------------
 # the shared machinery: sequences, dealing to ranks, resuming
 # ----------------------------------------------------------------------------------------------
@@ -495,9 +553,8 @@ class _BatchSampler:
                                 R=R, fix=arg("step_batches", lo, lo + R))
         self._epoch_num = 0
         self._point = _Point()  # where the next pass starts
-        self._active: tuple[Schedule, int] | None = None  # the pass in progress, and its rows before it
+        self._active: tuple | None = None  # the pass in progress: (schedule, its start, rows before it, _Pass)
         self._offset = 0  # rows of the epoch before the next pass (a resume)
-        self._yielded = 0  # rows the active pass has yielded
         self._seq_cache: dict = {}  # (seed, epoch, units a step) -> _Sequence, the last CACHED
         self._sched_cache: dict = {}  # (seed, epoch, _Point) -> Schedule, the last CACHED
         self._stats_cache: tuple | None = None
@@ -762,7 +819,7 @@ class _BatchSampler:
         """
         epoch = check_int(epoch, "epoch", low=0)
         if epoch != self._epoch_num:
-            self._point, self._offset, self._active, self._yielded = _Point(), 0, None, 0
+            self._point, self._offset, self._active = _Point(), 0, None
         self._epoch_num = int(epoch)
 
     def schedule(self) -> Schedule:
@@ -788,20 +845,54 @@ class _BatchSampler:
         return self._stats_cache[1]
 
     def __iter__(self):
+        """A pass over the rest of the epoch, started by its first ``next()``: a DataLoader with workers calls
+        ``iter()`` on its batch sampler twice and uses the second, so making an iterator spends nothing (it
+        ends the pass before it: the state is where the new one starts)."""
+        self._active = None
+        return _Pass(self, _asking_loader())
+
+    def _start(self, p: _Pass) -> Schedule:
+        """``p``'s first batch is asked for: it becomes the pass in progress, from the position it starts at."""
         sched = self.schedule()
         if sched.moved:
             warnings.warn(ResumeWarning(f"{type(self).__name__} resumed on world_size={self.world_size}: "
-                                        f"{sched.moved}; no example is repeated or skipped"), stacklevel=2)
-        self._active = (sched, self._point, self._offset)
-        self._point, self._offset, self._yielded = _Point(), 0, 0  # the pass after this one: the whole epoch
-        return self._iterate(sched)
+                                        f"{sched.moved}; no example is repeated or skipped"), stacklevel=3)
+        self._active = (sched, self._point, self._offset, p)
+        self._point, self._offset = _Point(), 0  # the pass after this one: the whole epoch
+        return sched
 
-    def _iterate(self, sched: Schedule):
-        flat, ptr, R, r = sched.flat, sched.ptr, self.world_size, self.rank
-        for i in range(sched.rows):
-            g = i * R + r
-            self._yielded = i + 1  # counted before the consumer sees the batch
-            yield flat[ptr[g]:ptr[g + 1]].tolist()
+    def _consumed(self, p: _Pass, caller: str) -> int:
+        """Batches of pass ``p`` the training loop has received.
+
+        A DataLoader's workers fetch ahead of the loop, so the sampler's own count runs ahead of it: where
+        the DataLoader iterator that asked for ``p`` still draws from ``p``, its count of the batches it
+        handed to the loop is the answer (less the one batch accelerate's loader holds back). torchdata's
+        ``StatefulDataLoader`` saves the sampler's state as each batch is drawn, so its calls get the
+        sampler's own count. Where neither can be told, a :class:`ResumeWarning` says so.
+        """
+        loader = p.loader() if p.loader is not None else None
+        if loader is None or caller.startswith("torchdata."):
+            return p.yielded
+        workers = getattr(loader, "_num_workers", 0)
+        stateful = type(loader).__module__.startswith("torchdata.")
+        if getattr(loader, "_sampler_iter", None) is p and not stateful and isinstance(
+                getattr(loader, "_num_yielded", None), int):
+            if workers and not getattr(loader, "_in_order", True):
+                warnings.warn(ResumeWarning(
+                    f"{type(self).__name__}.state_dict() behind DataLoader(in_order=False) cannot tell which "
+                    "batches the loop trained: pass in_order=True, or state_dict(batches_consumed=...)"), stacklevel=3)
+            held = 0
+            shard = p.shard() if p.shard is not None else None
+            if shard is not None and not getattr(shard, "end_of_dataloader", True):
+                held = 1  # accelerate's DataLoaderShard fetches one batch ahead of the loop
+            return max(0, min(p.yielded, loader._num_yielded - held))
+        if workers or p.shard is not None:
+            fix = ("save loader.state_dict() instead (it holds the sampler's)" if stateful else
+                   "pass state_dict(batches_consumed=...) with the batches this epoch's loop consumed")
+            warnings.warn(ResumeWarning(
+                f"{type(self).__name__}.state_dict() counts {p.yielded} batches handed out this pass, but a "
+                f"loader fetched some of them ahead of the loop and cannot be asked: {fix}"), stacklevel=3)
+        return p.yielded
 
     def _fingerprint(self) -> str:
         """A hash of the sampler's class, options and lengths (fixed at build, so computed once)."""
@@ -831,13 +922,14 @@ class _BatchSampler:
         """Where the run is, the same dict on every rank: ``{"epoch", "seed", "batches_yielded", ...}``.
 
         The position is global (units of the world-size-free sequence and the step in progress), so any
-        world size can load it. ``batches_consumed``: the number of this epoch's batches the training
-        loop actually used, when that differs from what the sampler handed out (a DataLoader with
-        workers prefetches).
+        world size can load it. The batches done are those the training loop received from the DataLoader
+        iterating this sampler (its workers' prefetched batches are not done); ``batches_consumed``
+        overrides that count: this epoch's batches the loop actually used.
         """
         if self._active is not None:
-            sched, base, offset = self._active
-            done_rows = self._yielded
+            sched, base, offset, p = self._active
+            done_rows = self._consumed(p, sys._getframe(1).f_globals.get("__name__", "")) \
+                if batches_consumed is None else p.yielded
         else:
             sched, base, offset = self.schedule(), self._point, self._offset
             done_rows = 0
@@ -968,7 +1060,7 @@ class _BatchSampler:
         # -- every field checked: assign --
         self.seed, self._epoch_num = seed, int(epoch)
         self._point = _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step)
-        self._offset, self._active, self._yielded = done, None, 0
+        self._offset, self._active = done, None
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())

@@ -52,7 +52,7 @@ def step_sets(sched) -> dict[int, frozenset]:
 
 def resume(a, b, rows: int, *, iterate: bool = False):
     """Save ``a`` after ``rows`` rows, load into ``b``; a's and b's schedules, the state, the notices
-    (``iterate``: start b's pass, which is where the notice is given)."""
+    (``iterate``: start b's pass: its first batch is where the notice is given)."""
     sa = a.schedule()
     state = a.state_dict(batches_consumed=rows)
     b.load_state_dict(state)
@@ -61,7 +61,7 @@ def resume(a, b, rows: int, *, iterate: bool = False):
     if iterate:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            iter(b)
+            next(iter(b), None)  # a pass starts at its first batch
         notes = [w for w in caught if issubclass(w.category, ResumeWarning)]
     return sa, sb, state, notes
 

@@ -1,0 +1,221 @@
+"""Resume through the loops users write: a plain DataLoader with 0 and 2 workers, torchdata's
+StatefulDataLoader with workers. The state a loop saves must name exactly the batches the loop consumed,
+and a loaded state must be the next pass whatever calls iter() on the sampler.
+
+Before the fix (issue 27): behind ``DataLoader(num_workers=2)`` ``sampler.state_dict()`` counted the
+batches the workers had prefetched (a resume skipped them), and a loaded state was ignored (the DataLoader
+calls ``iter()`` on its batch sampler twice; the first call spent the resume position, the second
+restarted the epoch, so every batch already trained was trained again).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from testlib import thorough
+from torch.utils.data import DataLoader
+
+from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
+
+N = 150
+LENGTHS = np.random.default_rng(0).integers(1, 64, size=N)
+
+
+def ids(items):
+    """The collate_fn of these tests: a batch is the list of its example indices."""
+    return list(items)
+
+
+def packed(**kw):
+    return PackedBatchSampler(LENGTHS, window=64, windows_per_batch=2, seed=1, **kw)
+
+
+def loader(sampler, workers: int, **kw):
+    return DataLoader(range(N), batch_sampler=sampler, collate_fn=ids, num_workers=workers,
+                      timeout=120 if workers else 0, **kw)
+
+
+@pytest.mark.slow  # DataLoader worker processes
+def test_state_dict_behind_workers_counts_what_the_loop_consumed():
+    """Before the fix the state counted the 4 batches the two workers had prefetched (prefetch_factor 2):
+    the resume skipped them."""
+    full = list(loader(packed(), 0))
+    for stop in (0, 1, 5, len(full) - 1, len(full)):
+        s = packed()
+        it = iter(loader(s, 2))
+        head = [next(it) for _ in range(stop)]
+        state = s.state_dict()  # the common loop: no argument
+        del it
+        assert state["batches_yielded"] == stop, stop
+        t = packed()
+        t.load_state_dict(state)
+        assert head + list(loader(t, 0)) == full, stop
+
+
+@pytest.mark.slow  # DataLoader worker processes
+def test_a_loaded_state_is_the_next_pass_behind_workers():
+    """Before the fix a DataLoader with workers started the resumed epoch again from its first batch."""
+    full = list(loader(packed(), 0))
+    s = packed()
+    it = iter(loader(s, 0))
+    head = [next(it) for _ in range(7)]
+    state = s.state_dict()
+    t = packed()
+    t.load_state_dict(state)
+    rest = list(loader(t, 2))
+    assert head + rest == full
+    assert list(loader(t, 2)) == full  # and the pass after it is the whole epoch
+
+
+@pytest.mark.slow
+def test_persistent_workers_resume_each_pass():
+    """persistent_workers=True: one loader, the sampler resumed between passes (each pass one iter())."""
+    s = LengthGroupedSampler(LENGTHS, batch_size=4, seed=2)
+    dl = loader(s, 2, persistent_workers=True)
+    full = list(dl)
+    for stop in (3, 11):
+        it = iter(dl)
+        head = [next(it) for _ in range(stop)]
+        state = s.state_dict()
+        s.load_state_dict(state)
+        assert head + list(dl) == full, stop
+
+
+# ----------------------------------------------------------------------------------------------
+# random stop points through each loop, scaled by the hypothesis profile
+# ----------------------------------------------------------------------------------------------
+
+CONFIGS = {
+    "packed": lambda: PackedBatchSampler(LENGTHS, window=64, windows_per_batch=2, seed=5, balance="compute"),
+    "grouped": lambda: LengthGroupedSampler(LENGTHS, batch_size=4, seed=6),
+    "budget": lambda: TokenBudgetBatchSampler(LENGTHS, max_tokens=128, seed=7, balance="sqlen"),
+}
+
+
+def stops(ci: int, total: int) -> int:
+    """Stop points of one loop: ``ci`` under the ci/dev profiles, ``total`` under ``thorough``."""
+    return total if thorough() else ci
+
+
+def draw(rng, sampler) -> tuple[int, int, list]:
+    """A random epoch and stop point of ``sampler``, and that epoch's batches, uninterrupted."""
+    epoch = int(rng.integers(0, 3))
+    sampler.set_epoch(epoch)
+    full = [b.tolist() for b in sampler.schedule().batches(sampler.rank)]
+    return epoch, int(rng.integers(0, len(full) + 1)), full
+
+
+def check(where, head: list, rest: list, full: list) -> None:
+    """The interrupted run is the uninterrupted one: nothing skipped, nothing repeated, same order."""
+    assert len(head) + len(rest) == len(full), (where, len(head), len(rest), len(full))
+    assert head + rest == full, where
+
+
+def run_plain(workers: int, points: int, seed: int) -> int:
+    """Stop points through ``DataLoader(batch_sampler=...)`` with ``workers`` (persistent, so a stop point
+    costs a pass, not two new workers); the state is ``sampler.state_dict()`` as the loop saves it, loaded
+    into another sampler behind another loader."""
+    rng = np.random.default_rng(seed)
+    pairs = {}
+    for kind, make in CONFIGS.items():
+        a, b = make(), make()
+        kw = dict(persistent_workers=True) if workers else {}
+        pairs[kind] = (a, b, loader(a, workers, **kw), loader(b, workers, **kw))
+    for point in range(points):
+        kind = list(CONFIGS)[point % len(CONFIGS)]
+        a, b, la, lb = pairs[kind]
+        epoch, stop, full = draw(rng, a)
+        it = iter(la)
+        head = [next(it) for _ in range(stop)]
+        state = a.state_dict()
+        del it
+        b.set_epoch(int(rng.integers(0, 3)))  # whatever b did before, the state decides
+        b.load_state_dict(state)
+        b.set_epoch(epoch)  # the loop's set_epoch for the resumed epoch keeps the position
+        check((kind, workers, epoch, stop), head, list(lb), full)
+    return points
+
+
+@pytest.mark.slow  # DataLoader worker processes
+@pytest.mark.parametrize("workers", [0, 2])
+def test_random_stop_points_plain_dataloader(workers):
+    n = run_plain(workers, stops(30 if workers else 300, 3000), seed=workers)
+    print(f"{n} stop points through DataLoader(num_workers={workers})")
+
+
+@pytest.mark.slow  # DataLoader worker processes
+def test_random_stop_points_stateful_dataloader():
+    """torchdata's StatefulDataLoader with 2 workers: loader.state_dict() holds the sampler's, taken as each
+    batch is drawn; a new loader (new workers: it cannot load into persistent ones) resumes from it."""
+    tdl = pytest.importorskip("torchdata.stateful_dataloader")
+    rng = np.random.default_rng(11)
+    points = stops(6, 300)
+    for point in range(points):
+        kind = list(CONFIGS)[point % len(CONFIGS)]
+        a = CONFIGS[kind]()
+        epoch, stop, full = draw(rng, a)
+        first = tdl.StatefulDataLoader(range(N), batch_sampler=a, collate_fn=ids, num_workers=2, timeout=120)
+        it = iter(first)
+        head = [next(it) for _ in range(stop)]
+        state = first.state_dict()
+        del it
+        b = CONFIGS[kind]()
+        b.set_epoch(epoch)
+        again = tdl.StatefulDataLoader(range(N), batch_sampler=b, collate_fn=ids, num_workers=2, timeout=120)
+        again.load_state_dict(state)
+        check((kind, epoch, stop), head, list(again), full)
+    print(f"{points} stop points through StatefulDataLoader(num_workers=2)")
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_accelerate_prepared_loader(workers):
+    """accelerate's DataLoaderShard fetches one batch ahead of the loop (to know the last): the state
+    counts the batches the loop received, up to the last one."""
+    accelerate = pytest.importorskip("accelerate")
+    full = list(loader(packed(), 0))
+    acc = accelerate.Accelerator(cpu=True)
+    for stop in (0, 1, 5, len(full) - 1, len(full)):
+        s = packed()
+        it = iter(acc.prepare(loader(s, workers)))
+        head = [list(map(int, next(it))) for _ in range(stop)]
+        state = s.state_dict()
+        del it
+        t = packed()
+        t.load_state_dict(state)
+        assert head + list(loader(t, 0)) == full, stop
+
+
+class Wrapped:
+    """A batch sampler around packkit's (as accelerate's SkipBatchSampler is): the DataLoader draws from it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        yield from self.inner
+
+    def __len__(self):
+        return len(self.inner)
+
+
+@pytest.mark.slow  # DataLoader worker processes
+def test_where_the_loop_cannot_be_told_a_warning_names_the_fix():
+    from packkit.sampler import ResumeWarning
+
+    s = packed()
+    it = iter(DataLoader(range(N), batch_sampler=Wrapped(s), collate_fn=ids, num_workers=2, timeout=120))
+    head = [next(it) for _ in range(3)]
+    with pytest.warns(ResumeWarning, match=r"batches_consumed=\.\.\.") as record:
+        s.state_dict()
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    state = s.state_dict(batches_consumed=len(head))  # the fix it names
+    t = packed()
+    t.load_state_dict(state)
+    assert head + list(loader(t, 0)) == list(loader(packed(), 0))
+    del it
+    s = packed()
+    it = iter(loader(s, 2, in_order=False))
+    next(it)
+    with pytest.warns(ResumeWarning, match="in_order=True"):
+        s.state_dict()
+    del it
