@@ -62,8 +62,8 @@ from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, DataError, arg, check_choice, check_int
-from .examples import location, read_column
-from .rules import as_lengths
+from .examples import read_column
+from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
 from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
                        range_index)
 
@@ -322,7 +322,7 @@ def _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr):
 def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths, completions_per_group, *,
                  layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
                  strategy: str = "bfd", pad_token_id: int = 0, values: dict | None = None,
-                 where=None) -> SequenceBatch:
+                 where=None, keys=None) -> SequenceBatch:
     """Pack groups (a prompt and its completions) into one :class:`SequenceBatch`.
 
     Args:
@@ -334,6 +334,9 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
             over whole groups (a group longer than ``W`` is an error naming it). num_windows: fixed ``B``.
         values: ``{name: (N,) float}``, per-sequence values carried along (``advantages``...).
         where: the dataset rows of the groups (errors name them), or None.
+        keys: the completions' keys in errors (``("chosen_ids", "rejected_ids")`` for pairs), or None
+            (``'completion_ids' (completion j)``). A group must have something to score
+            (:func:`packkit.rules.check_groups`).
 
     Example: ``build_groups([1, 2], [2], [3, 4, 5], [2, 1], [2], layout="tree")`` gives ``input_ids
     [[1, 2, 3, 4, 5]]``, ``position_ids [[0, 1, 2, 3, 2]]`` and scores token 3 from position 1, 4 from 2,
@@ -347,13 +350,7 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
     if k.size != p_len.size or int(c_ptr[-1]) != c_len.size:
         raise ValueError(f"{p_len.size} prompts, {k.size} group sizes and {c_len.size} completions (the sizes sum to "
                          f"{int(c_ptr[-1])}) do not describe the same groups")
-    if (k < 1).any():
-        i = int(np.argmax(k < 1))
-        raise DataError(f"{location(i, where)} has no completion: a group needs at least one")
-    if (c_len < 1).any():
-        n = int(np.argmax(c_len < 1))
-        g = int(np.searchsorted(c_ptr, n, side="right") - 1)
-        raise DataError(f"{location(g, where)}: completion {n - int(c_ptr[g])} is empty (no token to score)")
+    check_groups(p_len, c_len, k, rows=where, keys=keys)
     values_np = {name: np.asarray(v, np.float64) for name, v in (values or {}).items()}
     p_vals = np.asarray(prompt_ids, np.int64)
     tokens = np.concatenate([p_vals, np.asarray(completion_ids, np.int64)])
@@ -508,6 +505,9 @@ def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: f
 def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float = 0.1) -> torch.Tensor:
     """TRL's sigmoid DPO loss (``DPOConfig(loss_type="sigmoid")``, the default), averaged over pairs:
     ``-logsigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))``."""
+    if policy.sum.shape != reference.sum.shape:
+        raise ValueError(f"policy has {policy.sum.shape[0]} sequences and reference {reference.sum.shape[0]}: compute "
+                         "both from the same batch")
     delta = (policy.chosen - reference.chosen) - (policy.rejected - reference.rejected)
     return -torch.nn.functional.logsigmoid(beta * delta).mean()
 
@@ -620,7 +620,12 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
             pc = _encode(tokenizer, list(prompt) + list(chosen), **kwargs)
             pr = _encode(tokenizer, list(prompt) + list(rejected), **kwargs)
         else:
-            eos = tokenizer.eos_token or ""
+            eos = tokenizer.eos_token
+            if not eos:
+                raise ArgumentError(f"example {i} is text and the tokenizer has no EOS token (eos_token is "
+                                    f"{eos!r}): TRL's DPOTrainer ends every text reply with it, so the replies would "
+                                    "end without one; set tokenizer.eos_token to the model's end-of-turn token, or "
+                                    "pass conversations (the chat template ends them)")
             chosen = chosen if chosen.endswith(eos) else chosen + eos
             rejected = rejected if rejected.endswith(eos) else rejected + eos
             p, pc, pr = (_encode(tokenizer, prompt), _encode(tokenizer, prompt + chosen),
@@ -634,6 +639,15 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # collators
 # ----------------------------------------------------------------------------------------------
+
+
+def _token_column(examples, key: str, missing: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(values (T,) int64, lengths (n,) int64)`` of a token column of every example, by the token-id rule
+    (:func:`packkit.rules.check_values`: integers >= 0, none past int64); empty is fine here (a prompt may be:
+    :func:`packkit.rules.check_groups` decides what a group needs)."""
+    values, lengths = read_column(examples, key, missing=missing)
+    check_values(values, lengths=lengths, kind="ids", key=key, empty_ok=True)
+    return values, lengths
 
 
 class _GroupsCollator:
@@ -689,20 +703,14 @@ class PreferenceCollator(_GroupsCollator):
             examples = tokenize_preference(examples, self.tokenizer)
         missing = ("TRL's tokenized preference columns are prompt_ids, chosen_ids and rejected_ids: pass "
                    "tokenizer= for raw prompt/chosen/rejected rows (and remove_unused_columns=False under a Trainer)")
-        p_vals, p_len = read_column(examples, "prompt_ids", missing=missing)
-        c_vals, c_len = read_column(examples, "chosen_ids", missing=missing)
-        r_vals, r_len = read_column(examples, "rejected_ids", missing=missing)
+        (p_vals, p_len), (c_vals, c_len), (r_vals, r_len) = (_token_column(examples, key, missing) for key in self.KEYS)
         # completions group after group: chosen_i then rejected_i
         c_off, r_off = lengths_to_offsets(c_len), lengths_to_offsets(r_len)
         starts = np.stack([c_off[:-1], r_off[:-1] + c_vals.size], 1).reshape(-1)
         lens = np.stack([c_len, r_len], 1).reshape(-1)
         both = np.concatenate([c_vals, r_vals])
         comp = both[range_index(starts, lens)]
-        for j, name in ((0, "chosen_ids"), (1, "rejected_ids")):
-            empty = np.flatnonzero(lens[j::2] < 1)
-            if empty.size:
-                raise DataError(f"example {int(empty[0])} has an empty {name!r}: nothing to score")
-        return self._build(p_vals, p_len, comp, lens, np.full(len(examples), 2))
+        return self._build(p_vals, p_len, comp, lens, np.full(len(examples), 2), keys=self.KEYS[1:])
 
 
 class GroupCollator(_GroupsCollator):
@@ -730,7 +738,7 @@ class GroupCollator(_GroupsCollator):
         if not examples:
             raise ValueError("a collator needs at least one example")
         missing = "an RL group is prompt_ids with completion_ids (a list of token lists)"
-        p_vals, p_len = read_column(examples, "prompt_ids", missing=missing)
+        p_vals, p_len = _token_column(examples, "prompt_ids", missing)
         k = []
         flat = []
         for i, ex in enumerate(examples):
@@ -739,15 +747,15 @@ class GroupCollator(_GroupsCollator):
                 raise DataError(f"example {i} has no 'completion_ids' list; {missing}")
             k.append(len(comps))
             flat.extend({"completion_ids": c} for c in comps)
-        c_vals, c_len = read_column(flat, "completion_ids", missing=missing) if flat else (np.zeros(0, np.int64),) * 2
+        try:  # each completion read as an example, its errors told about its group
+            c_vals, c_len = _token_column(flat, "completion_ids", missing) if flat else (np.zeros(0, np.int64),) * 2
+        except DataError as exc:
+            raise relocate_part(exc, k) from None
         values = {}
         for key in self.sequence_keys:
-            if all(hasattr(ex, "get") and ex.get(key) is not None for ex in examples):
-                got = [np.asarray(ex[key], np.float64).reshape(-1) for ex in examples]
-                bad = next((i for i, (v, n) in enumerate(zip(got, k)) if v.size != n), None)
-                if bad is not None:
-                    raise DataError(f"example {bad} has {got[bad].size} {key!r} for {k[bad]} completions")
-                values[key] = np.concatenate(got)
+            got = example_values([ex.get(key) if hasattr(ex, "get") else None for ex in examples], k, key=key)
+            if got is not None:
+                values[key] = got
         return self._build(p_vals, p_len, c_vals, c_len, np.asarray(k, np.int64), values=values)
 
 

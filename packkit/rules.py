@@ -42,11 +42,14 @@ import numbers
 import numpy as np
 
 from .errors import DataError
-from .segments import IGNORE_INDEX, lengths_to_offsets
+from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx
 
 __all__ = [
     "MASK_KEYS",
     "as_lengths",
+    "check_groups",
+    "example_values",
+    "relocate_part",
     "ExampleTypeError",
     "ExampleValueError",
     "LossMaskWarning",
@@ -365,14 +368,15 @@ def locate(values: np.ndarray, kind: str, key: str, rows, *, offsets=None, start
 
 
 def check_values(values, offsets=None, *, kind: str, key: str, starts=None, lengths=None, rows=None,
-                 valid=None) -> None:
+                 valid=None, empty_ok: bool = False) -> None:
     """Examples' values of one column laid out flat, checked by the rule of ``kind``: ``"ids"`` integers
     ``>= 0``, no empty or null example; ``"labels"`` integers, each a token id or ``-100``; ``"mask"`` 0 or
     1, integers or bools; ``"other"`` integers.
 
     Example ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (or ``values[starts[i]:][:lengths[i]]``);
     ``valid`` is the ``(n,)`` bool non-null mask of a table column (None: no nulls; a null is an error for
-    token ids only); ``rows`` locates errors (:func:`location`).
+    token ids only); ``rows`` locates errors (:func:`location`); ``empty_ok``: token ids of none are fine (a
+    preference pair's prompt).
     ``check_values(np.array([3, -1]), [0, 1, 2], kind="ids", key="input_ids")`` raises
     ``ExampleValueError("example 1 has token id -1 in 'input_ids'; token ids are integers >= 0")``.
     """
@@ -380,7 +384,7 @@ def check_values(values, offsets=None, *, kind: str, key: str, starts=None, leng
     starts, lengths = _spans(offsets, starts, lengths)
     if kind == "ids":
         check_not_null(valid, key=key, rows=rows)
-        if lengths.size and lengths.min() == 0:
+        if lengths.size and lengths.min() == 0 and not empty_ok:
             raise empty_example(int(np.argmin(lengths)), rows, key)
     check_dtype(values, starts, lengths, key=key, kind=kind, rows=rows)
     any_bad = _ANY_BAD.get(kind)
@@ -438,6 +442,126 @@ def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids",
     if bad.any():
         i = int(np.argmax(bad))
         raise length_mismatch(i, rows, key, int(lengths[i]), ref_key, int(ref_lengths[i]))
+
+
+# ----------------------------------------------------------------------------------------------
+# groups: a prompt and its completions (preference pairs, RL groups)
+# ----------------------------------------------------------------------------------------------
+
+
+def _part(j: int, keys) -> tuple[str, str]:
+    """``(key, where)`` of completion ``j`` of a group: ``keys`` names one key per completion (a preference
+    pair's ``("chosen_ids", "rejected_ids")``), else every completion is ``'completion_ids' (completion j)``."""
+    if keys:
+        return keys[j % len(keys)], ""
+    return "completion_ids", f" (completion {j})"
+
+
+def check_groups(prompt_lengths, completion_lengths, group_sizes, *, rows=None, keys=None,
+                 prompt_key: str = "prompt_ids") -> None:
+    """Groups that each have something to score: at least one completion, no empty completion, and no
+    completion of one token after an empty prompt (its only token has no token before it to be predicted
+    from). ``prompt_lengths`` ``(G,)``, ``completion_lengths`` ``(N,)`` group after group, ``group_sizes``
+    ``(G,)``; ``keys``: the completions' keys for the errors (:func:`_part`).
+    ``check_groups([0], [1, 2], [2], keys=("chosen_ids", "rejected_ids"))`` raises ``"example 0 has an empty
+    'prompt_ids' and 1 token in 'chosen_ids': nothing to score (...); give it a prompt (a BOS token) or filter
+    it out"``.
+    """
+    p_len, c_len = np.asarray(prompt_lengths, np.int64), np.asarray(completion_lengths, np.int64)
+    k = np.asarray(group_sizes, np.int64)
+    if (k < 1).any():
+        g = int(np.argmax(k < 1))
+        raise located(ExampleValueError, g, rows, "has no completion; a group needs at least one")
+    group = lengths_to_seq_idx(k)
+    unscored = (c_len < 1) | ((c_len < 2) & (p_len[group] < 1))
+    if unscored.any():
+        n = int(np.argmax(unscored))
+        g = int(group[n])
+        key, where = _part(n - int(lengths_to_offsets(k)[g]), keys)
+        if c_len[n] < 1:
+            text = f"has an empty {key!r}{where}: nothing to score; filter such examples out first"
+        else:
+            text = (f"has an empty {prompt_key!r} and 1 token in {key!r}{where}: nothing to score (a sequence's first "
+                    "token has no token before it to be predicted from); give it a prompt (a BOS token) or filter "
+                    "it out")
+        raise located(ExampleValueError, g, rows, text)
+
+
+def relocate_part(exc: Exception, group_sizes, *, rows=None, keys=None) -> Exception:
+    """An error about the ``n``-th completion (completions laid out group after group, each read as an
+    example) as the same error about its group: ``"example 1 has token id -1 in 'completion_ids'"`` about
+    completion 1 of groups of sizes ``[1, 2]`` reads ``"example 1 has token id -1 in 'completion_ids'
+    (completion 0)"`` (:func:`_part`); other errors as they are."""
+    if not (isinstance(exc, _Located) and exc.index is not None):
+        return exc
+    offsets = lengths_to_offsets(np.asarray(group_sizes, np.int64))
+    g = int(np.searchsorted(offsets, exc.index, side="right") - 1)
+    key, where = _part(exc.index - int(offsets[g]), keys)
+    return located(type(exc), g, rows, exc.text.replace(f"{key!r}", f"{key!r}{where}", 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-example values: numbers that ride along (advantages, rewards, weights)
+# ----------------------------------------------------------------------------------------------
+
+
+def example_values(values: list, sizes, *, key: str, rows=None, what: str = "completion") -> np.ndarray | None:
+    """Every example's ``key`` (``values``: one entry per example, None where it lacks the key), checked and
+    laid end to end as float64 ``(sum(sizes),)``; None when no example has it.
+
+    The rule: present on every example or on none (a batch where some lack it is refused, never trained
+    without it); each a number or a flat list (array, tensor) of ``sizes[i]`` numbers, one per ``what``;
+    every number finite. Bools, text, nulls and nested lists are refused. The error names the example:
+    ``example_values([[1.0, nan]], [2], key="advantages")`` raises ``"example 0 has nan (float) in
+    'advantages' (completion 1); advantages are finite numbers, one per completion: fix or drop the example"``.
+    """
+    missing = [i for i, v in enumerate(values) if v is None]
+    if len(missing) == len(values):
+        return None
+    rule = f"{key} are finite numbers, one per {what}"
+    if missing:
+        have = next(i for i, v in enumerate(values) if v is not None)
+        raise located(ExampleValueError, missing[0], rows,
+                      f"has no {key!r} while {location(have, rows)} has them; {rule}, on every example or on none "
+                      "(a batch cannot be trained with some): fill it in or drop the column")
+    sizes = np.asarray(sizes, np.int64)
+    out = []
+    for i, v in enumerate(values):
+        if hasattr(v, "detach") and hasattr(v, "cpu"):  # a torch tensor, without importing torch
+            v = v.detach().cpu().numpy()
+        if isinstance(v, (str, bytes)):
+            raise located(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {rule}")
+        try:
+            arr = np.asarray(v)
+        except ValueError:  # ragged nested lists
+            arr = np.asarray(None, dtype=object)
+            shape = "ragged"
+        else:
+            shape = f"shape {list(arr.shape)}"
+        if arr.ndim > 1 or (arr.dtype == object and (shape == "ragged" or any(
+                isinstance(x, (list, tuple, np.ndarray)) for x in arr.flat))):
+            raise located(ExampleTypeError, i, rows, f"has a nested list in {key!r} ({shape}); {rule}: pass one flat "
+                          "list per example")
+        arr = arr.reshape(-1)
+        if arr.dtype.kind not in "iuf" or (isinstance(v, (list, tuple)) and any(isinstance(x, (bool, np.bool_))
+                                                                                 for x in v)):  # [1.0, True]
+            items = list(v) if isinstance(v, (list, tuple)) else arr.tolist()
+            j = next((j for j, x in enumerate(items) if x is None or isinstance(x, (bool, np.bool_, str, bytes))
+                      or not isinstance(x, numbers.Real)), 0)
+            x = items[j] if items else v
+            text = f"has a null in {key!r} ({what} {j})" if x is None else f"has {_value_text(x)} in {key!r} ({what} {j})"
+            raise located(ExampleTypeError, i, rows, f"{text}; {rule}")
+        if arr.size != sizes[i]:
+            raise located(ExampleValueError, i, rows, f"has {arr.size} {key!r} for {int(sizes[i])} {what}s; give one "
+                          f"per {what}")
+        arr = arr.astype(np.float64)
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise located(ExampleValueError, i, rows, f"has {_value_text(arr[j])} in {key!r} ({what} {j}); {rule}: "
+                          "fix or drop the example")
+        out.append(arr)
+    return np.concatenate(out) if out else np.zeros(0, np.float64)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,8 +64,10 @@ def random_groups(seed: int, n: int, k, *, empty_prompt=False):
     for i in range(n):
         p = 0 if empty_prompt and i == 1 else int(rng.integers(1, 9))
         kk = int(k if np.isscalar(k) else rng.integers(k[0], k[1] + 1))
+        shortest = 1 if p else 2  # after an empty prompt a 1-token completion has nothing to score (refused)
         out.append({"prompt_ids": rng.integers(3, VOCAB, p).tolist(),
-                    "completion_ids": [rng.integers(3, VOCAB, int(rng.integers(1, 8))).tolist() for _ in range(kk)]})
+                    "completion_ids": [rng.integers(3, VOCAB, int(rng.integers(shortest, 8))).tolist()
+                                       for _ in range(kk)]})
     return out
 
 
@@ -165,13 +167,14 @@ def group_lists(draw):
     groups = []
     for _ in range(n):
         p = draw(st.lists(st.integers(0, 50), max_size=5))
-        comps = draw(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=4), min_size=1, max_size=3))
+        # after an empty prompt a 1-token completion has nothing to score: refused (test_surface_rules.py)
+        comps = draw(st.lists(st.lists(st.integers(0, 50), min_size=1 if p else 2, max_size=4), min_size=1, max_size=3))
         groups.append({"prompt_ids": p, "completion_ids": comps})
     return groups
 
 
 @given(group_lists(), st.sampled_from(["pairs", "tree"]), st.sampled_from([None, 9, 16]))
-@example([{"prompt_ids": [], "completion_ids": [[1], [2, 3]]}], "tree", 9)
+@example([{"prompt_ids": [], "completion_ids": [[1, 4], [2, 3]]}], "tree", 9)
 @example([{"prompt_ids": [7, 8], "completion_ids": [[1, 2], [3]]}] * 3, "tree", 9)
 def test_layout_properties(groups, layout, window):
     """Tokens conserved (the prompt once per group in a tree, once per sequence in pairs); no group split across

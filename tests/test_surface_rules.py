@@ -128,3 +128,140 @@ def test_restore_takes_numpy_arrays_and_lists_and_names_a_bad_part():
         with pytest.raises((TypeError, ValueError)) as info:
             restore(parts, plan=plan)
         assert one_line(info).startswith(words), str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# preference pairs and RL groups: token ids, something to score, per-example values
+# ----------------------------------------------------------------------------------------------
+
+from packkit.errors import DataError  # noqa: E402
+from packkit.preference import GroupCollator, PreferenceCollator, tokenize_preference  # noqa: E402
+
+PAIR = {"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}
+GROUP = {"prompt_ids": [1, 2], "completion_ids": [[3, 4], [5]]}
+
+
+@pytest.mark.parametrize("collate, examples, words", [
+    (PreferenceCollator(), [PAIR, dict(PAIR, prompt_ids=[], chosen_ids=[3], rejected_ids=[5])],
+     "example 1 has an empty 'prompt_ids' and 1 token in 'chosen_ids': nothing to score (a sequence's first token "
+     "has no token before it to be predicted from); give it a prompt (a BOS token) or filter it out"),
+    (PreferenceCollator(layout="tree", window=8), [dict(PAIR, prompt_ids=[], chosen_ids=[3, 4], rejected_ids=[5])],
+     "example 0 has an empty 'prompt_ids' and 1 token in 'rejected_ids': nothing to score"),
+    (GroupCollator(), [GROUP, {"prompt_ids": [], "completion_ids": [[3, 4], [5]]}],
+     "example 1 has an empty 'prompt_ids' and 1 token in 'completion_ids' (completion 1): nothing to score"),
+    (GroupCollator(), [GROUP, {"prompt_ids": [1], "completion_ids": [[3, 4], []]}],
+     "example 1 has an empty 'completion_ids' (completion 1): nothing to score; filter such examples out first"),
+    (PreferenceCollator(), [dict(PAIR, rejected_ids=[])],
+     "example 0 has an empty 'rejected_ids': nothing to score; filter such examples out first"),
+    (PreferenceCollator(), [PAIR, dict(PAIR, chosen_ids=[3, -4])],
+     "example 1 has token id -4 in 'chosen_ids'; token ids are integers >= 0"),
+    (PreferenceCollator(), [dict(PAIR, prompt_ids=np.array([1, -2]))],
+     "example 0 has token id -2 in 'prompt_ids'; token ids are integers >= 0"),
+    (PreferenceCollator(), [dict(PAIR, rejected_ids=torch.tensor([-1]))],
+     "example 0 has token id -1 in 'rejected_ids'; token ids are integers >= 0"),
+    (GroupCollator(), [GROUP, {"prompt_ids": [1], "completion_ids": [[3], [4], [5, -6]]}],
+     "example 1 has token id -6 in 'completion_ids' (completion 2); token ids are integers >= 0"),
+    (GroupCollator(), [GROUP, {"prompt_ids": [1], "completion_ids": [[3], [4.5]]}],
+     "example 1 has 4.5 (float) in 'completion_ids' (completion 1); token ids are integers >= 0"),
+    (GroupCollator(), [{"prompt_ids": [-1], "completion_ids": [[3]]}],
+     "example 0 has token id -1 in 'prompt_ids'; token ids are integers >= 0"),
+    (GroupCollator(), [{"prompt_ids": [1], "completion_ids": [[2**64 - 1]]}],
+     "example 0 has 18446744073709551615 (int) in 'completion_ids' (completion 0), beyond int64"),
+])
+def test_pairs_and_groups_follow_the_token_rules(collate, examples, words):
+    """Before: all accepted (a sequence with no scored token gave sum 0 and mean 0 to the DPO loss; negative ids
+    reached the embedding), but for the empty reply (own wording) and the float (named by its flat completion)."""
+    with pytest.raises(DataError) as info:
+        collate(examples)
+    assert one_line(info).startswith(words), str(info.value)
+
+
+ADVANTAGES = [
+    ([[1.0, float("nan")], [0.5]], "example 0 has nan (float) in 'advantages' (completion 1); advantages are finite "
+                                   "numbers, one per completion: fix or drop the example"),
+    ([[1.0, 2.0], np.array([np.inf])], "example 1 has inf (float) in 'advantages' (completion 0)"),
+    ([[1.0, 2.0], torch.tensor([-np.inf])], "example 1 has -inf (float) in 'advantages' (completion 0)"),
+    ([[1.0, 2.0], None], "example 1 has no 'advantages' while example 0 has them; advantages are finite numbers, one "
+                         "per completion, on every example or on none (a batch cannot be trained with some): fill it "
+                         "in or drop the column"),
+    ([None, [1.0]], "example 0 has no 'advantages' while example 1 has them"),
+    ([[[1.0], [2.0, 3.0]], [1.0]], "example 0 has a nested list in 'advantages' (ragged); advantages are finite "
+                                   "numbers, one per completion: pass one flat list per example"),
+    ([[[1.0], [2.0]], [1.0]], "example 0 has a nested list in 'advantages' (shape [2, 1])"),
+    ([["high", "low"], [1.0]], "example 0 has 'high' (str) in 'advantages' (completion 0); advantages are finite "
+                               "numbers, one per completion"),
+    (["0.5", [1.0]], "example 0 has '0.5' (str) in 'advantages'"),
+    ([[1.0, None], [1.0]], "example 0 has a null in 'advantages' (completion 1)"),
+    ([[1.0, True], [1.0]], "example 0 has True (bool) in 'advantages' (completion 1)"),
+    ([[1.0], [1.0]], "example 0 has 1 'advantages' for 2 completions; give one per completion"),
+]
+
+
+@pytest.mark.parametrize("values, words", ADVANTAGES, ids=[w[:40] for _, w in ADVANTAGES])
+def test_advantages_are_finite_and_on_every_example_or_none(values, words):
+    """Before: NaN and inf kept in ``sequence_values``; a batch where one example lacked them dropped the column
+    for all (nothing said); ragged or text values ended in numpy's 'setting an array element with a sequence' or
+    'could not convert string to float', naming no example; a bool read as 1.0."""
+    groups = [dict(GROUP, advantages=values[0]), {"prompt_ids": [7], "completion_ids": [[8]], "advantages": values[1]}]
+    with pytest.raises(DataError) as info:
+        GroupCollator()([{k: v for k, v in g.items() if v is not None} for g in groups])
+    assert one_line(info).startswith(words), str(info.value)
+
+
+def test_good_advantages_ride_along_and_errors_cross_dataloader_workers():
+    groups = [dict(GROUP, advantages=torch.tensor([0.5, -1.0])), {"prompt_ids": [7], "completion_ids": [[8]],
+                                                                   "advantages": 2}]
+    assert GroupCollator()(groups).sequence_values["advantages"].tolist() == [0.5, -1.0, 2.0]
+    assert GroupCollator()([GROUP]).sequence_values == {}  # on none: no column
+    bad = groups * 3 + [dict(GROUP, advantages=[1.0, float("nan")])]
+    loader = torch.utils.data.DataLoader(bad, batch_size=7, num_workers=2, collate_fn=GroupCollator(layout="tree"))
+    with pytest.raises(DataError, match=r"example 6 has nan \(float\) in 'advantages' \(completion 1\)"):
+        list(loader)
+    pairs = [PAIR, dict(PAIR, chosen_ids=[-3])]
+    loader = torch.utils.data.DataLoader(pairs, batch_size=2, num_workers=2, collate_fn=PreferenceCollator())
+    with pytest.raises(DataError, match="example 1 has token id -3 in 'chosen_ids'; token ids are integers >= 0"):
+        list(loader)
+
+
+def word_tokenizer(eos_token):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    transformers = pytest.importorskip("transformers")
+
+    words = ["<pad>", "<unk>", "</s>", "a", "b", "c", "d"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos_token, pad_token="<pad>",
+                                                unk_token="<unk>")
+
+
+def test_a_tokenizer_without_eos_is_refused_for_text_pairs():
+    """Before: ``eos_token or ""`` appended nothing, and the replies ended without an EOS (TRL appends one)."""
+    rows = [{"prompt": "a b ", "chosen": "c", "rejected": "d"}]
+    assert tokenize_preference(rows, word_tokenizer("</s>")) == [{"prompt_ids": [3, 4], "chosen_ids": [5, 2],
+                                                                 "rejected_ids": [6, 2]}]
+    for collate in (lambda: tokenize_preference(rows, word_tokenizer(None)),
+                    lambda: PreferenceCollator(tokenizer=word_tokenizer(None))(rows)):
+        with pytest.raises(ArgumentError) as info:
+            collate()
+        assert one_line(info) == (
+            "example 0 is text and the tokenizer has no EOS token (eos_token is None): TRL's DPOTrainer ends every "
+            "text reply with it, so the replies would end without one; set tokenizer.eos_token to the model's "
+            "end-of-turn token, or pass conversations (the chat template ends them)")
+
+
+@pytest.mark.slow  # a real DPOTrainer (22 s at load 7): make test runs it, make test-fast does not
+def test_dpo_trainer_with_packed_pairs_refuses_a_pair_with_nothing_to_score(tmp_path):
+    """The real consumer: TRL's DPOTrainer with packkit's PackedDPOMixin and PreferenceCollator. A text pair whose
+    prompt is empty and whose chosen reply is the EOS alone tokenizes (as DPOTrainer does) to no prompt token and a
+    1-token reply. Before: trained, that sequence's log-probability a sum over no token (0) in the DPO loss."""
+    pytest.importorskip("trl")
+    from test_preference import PackedDPOTrainer, dpo_trainer, preference_rows
+
+    rows = preference_rows(4, 0, conversational=False)
+    rows[2] = {"prompt": "", "chosen": "</s>", "rejected": rows[2]["rejected"]}
+    trainer = dpo_trainer(tmp_path, rows, cls=PackedDPOTrainer, max_steps=1,
+                          collator=PreferenceCollator(layout="tree", window=64))
+    assert trainer.train_dataset[2]["prompt_ids"] == [] and len(trainer.train_dataset[2]["chosen_ids"]) == 1
+    with pytest.raises(DataError) as info:
+        trainer.train()
+    assert "has an empty 'prompt_ids' and 1 token in 'chosen_ids': nothing to score" in one_line(info)
