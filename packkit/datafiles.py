@@ -27,6 +27,7 @@ from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import chat_encoder, chat_format, load_tokenizer
 from .errors import ArgumentError, DataError, MissingError, arg
+from .fileio import held_still
 from .interrupts import deferred
 from .listcolumns import loss_targets, packed_segments, token_lengths
 from .progress import progress_bar
@@ -897,6 +898,12 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     if path is None:
         return bundled_sample()
     path = check_path(path)
+    with held_still([path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
+        return _read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
+                             progress=progress, chat=chat)
+
+
+def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split, progress: bool, chat) -> Lengths:
     loss = targets = None
     if path.is_file() and _suffix(path) == ".npy":
         try:
@@ -964,6 +971,11 @@ def read_preference_lengths(path, *, split: str | None = None) -> tuple[np.ndarr
     ``chosen`` / ``rejected`` holding the counts. Text is refused with the way to tokenize it.
     """
     path = check_path(path)
+    with held_still([path]):
+        return _read_preference_lengths(path, split=split)
+
+
+def _read_preference_lengths(path: Path, *, split: str | None):
     pa = pyarrow()
     table = load_table(path, split=split)
     names = table.column_names

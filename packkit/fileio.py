@@ -53,13 +53,16 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
+import threading
 from pathlib import Path
 
-from .errors import OutputError, arg
+from .errors import DataError, OutputError, arg
 from .interrupts import deferred
 
-__all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "atomic_output", "check_output", "fsync_tree",
-           "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max", "named_os_error"]
+__all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
+           "check_output", "fsync_tree", "held_still", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
+           "named_os_error"]
 
 #: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
 TMP_MARK = ".packkit-tmp-"
@@ -361,3 +364,165 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
             raise named_os_error(exc, target) from exc
         raise
     _fsync_path(target.parent, directory=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs held still while they are read
+# ----------------------------------------------------------------------------------------------
+
+
+class InputChangedError(DataError):
+    """An input file was written, truncated or replaced in place while packkit read it (a ``DataError``)."""
+
+
+def _input_files(paths) -> list:
+    """The regular files of ``paths`` (a folder stands for every file in it, at any depth), each once."""
+    out, seen = [], set()
+    for p in paths:
+        p = Path(p)
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                key = os.path.realpath(f)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(f)
+    return out
+
+
+def _stamp(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class _Hold:
+    """What :func:`held_still` holds: a read lease per file where the kernel grants one, else the file's stamp."""
+
+    def __init__(self, files):
+        self.files = list(files)
+        self.fds: dict = {}      # path -> fd holding a read lease
+        self.stamps: dict = {}   # path -> (dev, inode, size, mtime) of the files read without a lease
+        self.broken: list = []   # the leased files another process opened to write
+
+    def changed(self) -> Path | None:
+        """The first file that another process is changing (a lease broken) or changed (its stamp), or None."""
+        if self.broken:
+            return self.broken[0]
+        for path, stamp in self.stamps.items():
+            try:
+                if _stamp(os.stat(path)) != stamp:
+                    return path
+            except OSError:
+                return path
+        return None
+
+    def check(self) -> None:
+        """Raise :class:`InputChangedError` naming the file if one changed since it was first read."""
+        path = self.changed()
+        if path is not None:
+            raise _changed_error(path)
+
+
+def _changed_error(path) -> InputChangedError:
+    return InputChangedError(f"{str(path)!r} was changed by another process while packkit read it (written, "
+                             "truncated or replaced in place); nothing was written: run again once it is complete, "
+                             "or copy it and read the copy")
+
+
+def _lease(path: Path):
+    """``(fd, None)`` holding a read lease on ``path``, or ``(None, errno)`` where the kernel grants none."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as exc:
+        os.close(fd)
+        return None, exc.errno
+    return fd, None
+
+
+@contextlib.contextmanager
+def held_still(paths):
+    """Inside, the input files ``paths`` (a folder: every file in it) may not change under the reader.
+
+    Arrow inputs are memory-mapped: a page read after another process truncated the file is a SIGBUS, which
+    kills the process with nothing printed and its temporary files left beside the output. No check before
+    and after a read closes that race (the file can shrink between the check and the page), and a SIGBUS
+    cannot be caught from Python (its handler runs after the faulting instruction, which faults again). So
+    each file is held with a **read lease** (Linux ``fcntl(F_SETLEASE, F_RDLCK)``): another process that
+    opens it to write, or truncates it, waits in the kernel while this one is told (SIGIO); the signal stops
+    the run as Ctrl-C does (every temporary file removed, threads joined: :mod:`packkit.interrupts`), and the
+    block raises :class:`InputChangedError` naming the file; the leases go last, so the writer proceeds only
+    once nothing reads the map. The kernel waits ``/proc/sys/fs/lease-break-time`` seconds (45 by default)
+    for that, far more than a stop takes.
+
+    A file that another process holds open for writing gets no lease: it is being written, so reading it now
+    would read half of it; that is refused at once naming the file. Where the kernel grants no lease for
+    another reason (a file of another user, a file system without leases, not Linux, not the main thread),
+    the file's size, inode and modification time are compared at each :meth:`check` and at the end, and a
+    change is the same error; a truncation there can still end in SIGBUS (no lease, no warning).
+
+    Yields the hold: ``hold.check()`` raises if a file changed (:class:`InputChangedError`).
+    """
+    hold = _Hold(_input_files(paths))
+    main = threading.current_thread() is threading.main_thread()
+    use_leases = main and hasattr(signal, "SIGIO") and _leases_possible()
+    previous = None
+    if use_leases:
+        def on_break(signum, frame):
+            for path, fd in list(hold.fds.items()):
+                try:
+                    import fcntl
+
+                    breaking = fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK
+                except OSError:
+                    breaking = False
+                if breaking and path not in hold.broken:
+                    hold.broken.append(path)
+            if hold.broken:  # stop as Ctrl-C stops (held where cleanup runs: packkit.interrupts.deferred)
+                stop = signal.getsignal(signal.SIGINT)
+                (stop if callable(stop) else signal.default_int_handler)(signal.SIGINT, frame)
+            elif callable(previous):
+                previous(signum, frame)
+
+        previous = signal.signal(signal.SIGIO, on_break)
+    try:
+        for path in hold.files:
+            fd, err = _lease(path) if use_leases else (None, None)
+            if fd is not None:
+                hold.fds[path] = fd
+                continue
+            if err == errno.EAGAIN:
+                raise InputChangedError(f"{str(path)!r} is open for writing in another process: packkit reads a "
+                                        "file only while nothing writes it (it could change or shrink under "
+                                        "packkit's memory map); run again once it is written, or copy it")
+            hold.stamps[path] = _stamp(os.stat(path))
+        yield hold
+        hold.check()
+    except KeyboardInterrupt:
+        if hold.broken:
+            raise _changed_error(hold.broken[0]) from None
+        raise
+    finally:
+        if use_leases:
+            with deferred():  # released before the SIGIO handler goes: its default action ends the process
+                signal.signal(signal.SIGIO, signal.SIG_IGN)
+                for fd in hold.fds.values():
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                signal.signal(signal.SIGIO, previous if previous is not None else signal.SIG_DFL)
+
+
+@functools.cache
+def _leases_possible() -> bool:
+    """Linux with leases enabled (``/proc/sys/fs/leases-enable``)."""
+    try:
+        import fcntl
+
+        fcntl.F_SETLEASE  # noqa: B018 - Linux only
+    except (ImportError, AttributeError):
+        return False
+    try:
+        with open("/proc/sys/fs/leases-enable") as f:
+            return f.read().strip() != "0"
+    except OSError:
+        return True

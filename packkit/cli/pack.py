@@ -35,7 +35,7 @@ from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, o
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import (JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, reader_pyarrow,
                          tokenized_tables, tokens_table)
-from ..fileio import check_output
+from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
 from ..sources import ArrowSource
@@ -136,6 +136,15 @@ def _source(src: Path, out: Path, args, columns, quiet: bool, *, stream: bool = 
     return ArrowSource.from_table(table, stage_dir=stage_dir, describe=repr(str(src))), how
 
 
+def _checked(batches, hold):
+    """``batches``, IN checked unchanged before each and after the last, before OUT is renamed into place
+    (:meth:`packkit.fileio.held_still`'s hold: where no lease holds IN, its size and time are compared)."""
+    for batch in batches:
+        hold.check()
+        yield batch
+    hold.check()
+
+
 def run(args, options=None) -> int:
     """``packkit pack IN OUT --window W``: pack a dataset file offline."""
     # -- checks that cost nothing, before anything is read: a refusal loses no work --
@@ -163,7 +172,8 @@ def run(args, options=None) -> int:
         datasets.disable_progress_bars()
     # What the overflow policy did is printed below; the library's log line would repeat it on stderr.
     logging.getLogger("packkit").setLevel(logging.ERROR)
-    with rows_as_lines(src):
+    # IN may not change while it is read (a truncated memory map is a SIGBUS): packkit.fileio.held_still
+    with held_still([src]) as hold, rows_as_lines(src):
         source, how = _source(src, out, args, columns, quiet)
         planned = lambda source: plan_source(  # noqa: E731
             source, window=args.window, strategy=args.strategy, overflow=args.overflow, columns=columns,
@@ -187,8 +197,8 @@ def run(args, options=None) -> int:
         total = plan.total_tokens * len(packed.spec.written())
         with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
                           desc="packkit pack") as bar:
-            write_batches(out, packed.schema, packed.record_batches(max_tokens=max_tokens, bar=bar), format=fmt,
-                          inputs=[src], overwrite=args.overwrite)
+            write_batches(out, packed.schema, _checked(packed.record_batches(max_tokens=max_tokens, bar=bar), hold),
+                          format=fmt, inputs=[src], overwrite=args.overwrite)
     names = packed.schema.names
 
     s = plan.summary()
