@@ -58,7 +58,7 @@ from .rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
-           "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "overflow_error", "overflow_note",
+           "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "StreamBuffer", "overflow_error", "overflow_note",
            "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
@@ -953,7 +953,47 @@ def check_buffer_size(buffer_size) -> int:
     return check_int(buffer_size, "buffer_size")
 
 
-def stream_windows(items, *, window: int, buffer_size: int = 1000):
+class StreamBuffer:
+    """The items :func:`stream_windows` holds: read out between windows, put back to resume a stream.
+
+    ``StreamBuffer([("a", 3), ("b", 1)]).items() -> [("a", 3), ("b", 1)]`` (arrival order). The
+    generator works on these very containers, so a buffer read between two windows is exactly what the
+    next window will be planned from; a new generator given a copy plans the same windows.
+    """
+
+    __slots__ = ("by_length", "present", "arrivals", "held", "seq")
+
+    def __init__(self, items=()):
+        self.by_length: dict[int, collections.deque] = {}  # length -> seqs, oldest first
+        self.present: list[int] = []  # sorted distinct lengths in the buffer
+        self.arrivals: collections.deque = collections.deque()  # (seq, length), oldest first; taken ones skipped
+        self.held: dict[int, object] = {}  # seq -> payload
+        self.seq = 0
+        for payload, length in items:
+            self.add(payload, int(length))
+
+    def add(self, payload, length: int) -> None:
+        seq = self.seq
+        self.seq += 1
+        self.held[seq] = payload
+        self.arrivals.append((seq, length))
+        q = self.by_length.get(length)
+        if q is None:
+            self.by_length[length] = collections.deque([seq])
+            bisect.insort(self.present, length)
+        else:
+            q.append(seq)
+
+    def items(self) -> list:
+        """``[(payload, length), ...]`` of the items held, oldest first."""
+        held = self.held
+        return [(held[seq], length) for seq, length in self.arrivals if seq in held]
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+
+def stream_windows(items, *, window: int, buffer_size: int = 1000, buffer: StreamBuffer | None = None):
     """Windows from a stream of ``(payload, length)`` items, best fit inside a bounded buffer.
 
     Each window starts with the oldest buffered item, then repeatedly takes the longest buffered item
@@ -964,17 +1004,20 @@ def stream_windows(items, *, window: int, buffer_size: int = 1000):
     Args:
         items: iterable of ``(payload, length)`` with ``1 <= length <= window`` (an overflow policy,
             :func:`apply_overflow`, has cut longer examples before).
+        buffer: the :class:`StreamBuffer` to plan in (default a new, empty one): between two windows it
+            holds what was read and not yet placed, so a stream resumes from a copy of it and the items
+            not yet read, with the same windows. It may hold more than ``buffer_size`` items (a resume
+            on fewer shards): nothing more is read until it holds fewer.
     Yields:
         lists of payloads, one list per window.
     """
     window = check_window(window)
     buffer_size = check_buffer_size(buffer_size)
     it = iter(items)
-    by_length: dict[int, collections.deque] = {}
-    present: list[int] = []  # sorted distinct lengths in the buffer
-    arrivals: collections.deque = collections.deque()  # (seq, length), oldest first; taken ones skipped
-    held: dict[int, object] = {}  # seq -> payload
-    state = {"seq": 0, "done": False}
+    buf = StreamBuffer() if buffer is None else buffer
+    by_length, present, arrivals, held = buf.by_length, buf.present, buf.arrivals, buf.held
+    add = buf.add
+    state = {"done": False}
 
     def fill():
         while not state["done"] and len(held) < buffer_size:
@@ -985,17 +1028,8 @@ def stream_windows(items, *, window: int, buffer_size: int = 1000):
                 return
             length = int(length)
             if not 1 <= length <= window:
-                raise ValueError(f"item {state['seq']} has length {length}, outside [1, window={window}]")
-            seq = state["seq"]
-            state["seq"] += 1
-            held[seq] = payload
-            arrivals.append((seq, length))
-            q = by_length.get(length)
-            if q is None:
-                by_length[length] = collections.deque([seq])
-                bisect.insort(present, length)
-            else:
-                q.append(seq)
+                raise ValueError(f"item {buf.seq} has length {length}, outside [1, window={window}]")
+            add(payload, length)
 
     def take(length: int):
         q = by_length[length]

@@ -34,16 +34,21 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import logging
+import numbers
+import sys
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .binpack import DEFAULT_OVERFLOW, Plan, apply_overflow, check_overflow, check_window, stream_windows
-from .errors import MissingError, arg
+from .binpack import (DEFAULT_OVERFLOW, Plan, StreamBuffer, apply_overflow, check_buffer_size, check_overflow, check_window,
+                      stream_windows)
+from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .examples import example_arrays
 from .rules import MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
+from .states import StateError, StateFields, StateTypeError
 
 __all__ = [
     "MASK_KEYS",
@@ -573,27 +578,74 @@ class StreamStats:
         return self.packed_tokens / (self.windows * self.window) if self.windows else 1.0
 
 
-class PackedStream:
-    """Iterator of packed rows from an iterable of examples (see :func:`pack_stream`)."""
+#: The version of the state :meth:`PackedStream.state_dict` writes, the only one :meth:`~PackedStream.load_state_dict` reads.
+STREAM_STATE_VERSION = 1
+#: What :class:`StreamStats` counts (and a stream state carries).
+STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens", "truncated_examples",
+                 "dropped_examples", "split_examples")
 
-    def __init__(self, examples, *, window, buffer_size, overflow, columns, mask_first_label, example_ids):
+
+def _token_digest(ids) -> int:
+    """CRC-32 of token ids as int64 (whatever their dtype): ``_token_digest([1, 2]) == _token_digest(np.int32([1, 2]))``."""
+    return zlib.crc32(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+
+
+def _dataset_rows(ds, batch_size: int = 256):
+    """The rows of a ``datasets.IterableDataset`` through its public ``iter`` (read whole in a DataLoader
+    worker too, where iterating it directly yields only that worker's files)."""
+    for batch in ds.iter(batch_size=batch_size):
+        keys = list(batch)
+        for r in range(len(batch[keys[0]]) if keys else 0):
+            yield {k: batch[k][r] for k in keys}
+
+
+class PackedStream:
+    """Iterator of packed rows from an iterable of examples (see :func:`pack_stream`), with a state.
+
+    Shards: a stream that is shard ``s`` of ``S`` (ranks x DataLoader workers) packs the examples whose
+    index in the source is ``s`` modulo ``S``; every shard reads the source from its start.
+
+    State (:meth:`state_dict`, taken between two rows): the options, the examples read (everything before
+    ``position`` of this shard's share, and the indices in ``skip``), the buffer of examples read and not yet
+    packed, with their tokens, the pieces of an example cut but not yet buffered (``pending``), the counts,
+    and the CRC of the last example read. :meth:`load_state_dict` restores it; a list of every shard's
+    state resumes on any number of shards.
+    """
+
+    def __init__(self, examples, *, window, buffer_size, overflow, columns, mask_first_label, example_ids,
+                 shard: int = 0, num_shards: int = 1):
         self.window = check_window(window)
         check_overflow(overflow)
+        self._buffer_size = check_buffer_size(buffer_size)
+        self._num_shards = check_int(num_shards, "num_shards")
+        self._shard = check_int(shard, "shard", low=0, high=self._num_shards - 1)
         if isinstance(columns, str):
             columns = [columns]
+        self._columns_arg = None if columns is None else list(columns)
         self._columns = self._mask = None
         self._keep_mask = False
         self._other_masks = []
         if columns is not None:
             self._set_columns(resolve_columns(list(columns), columns))
         self._examples = examples
-        self._buffer_size = buffer_size
+        self._one_shot = isinstance(examples, collections.abc.Iterator)
         self._overflow = overflow
         self._mask_first_label = mask_first_label
         self._example_ids = example_ids
-        self._counts = dict(examples=0, tokens=0, windows=0, packed_tokens=0, cut_tokens=0,
-                            truncated_examples=0, dropped_examples=0, split_examples=0)
-        self._rows = stream_windows(self._items(), window=self.window, buffer_size=buffer_size)
+        self._restore(_StreamPosition(start=0, skip=(), position=0, checks={}, items=[], pending=[],
+                                      counts=dict.fromkeys(STREAM_COUNTS, 0)))
+
+    def _restore(self, pos: "_StreamPosition") -> None:
+        """Start from ``pos``: the source is read again from its start when the next row is asked for."""
+        self._start, self._skip, self._position = pos.start, frozenset(pos.skip), pos.position
+        self._checks = dict(pos.checks)
+        self._counts = dict(pos.counts)
+        self._pending = collections.deque(pos.pending)
+        self._buffer = StreamBuffer(pos.items)
+        self._last = None  # (index, example) of the last example read
+        self._read_any = False
+        self._rows = stream_windows(self._items(), window=self.window, buffer_size=self._buffer_size,
+                                    buffer=self._buffer)
 
     @property
     def stats(self) -> StreamStats:
@@ -647,22 +699,56 @@ class PackedStream:
         starts = lengths_to_offsets(seg)[:-1].tolist()
         return [{c: a[s: s + m] for c, a in arrays.items()} for s, m in zip(starts, seg.tolist())]
 
+    def _source(self):
+        """The source from its start (a ``datasets.IterableDataset`` read whole, see :func:`_dataset_rows`)."""
+        datasets = sys.modules.get("datasets")
+        if datasets is not None and isinstance(self._examples, datasets.IterableDataset):
+            return _dataset_rows(self._examples)
+        return iter(self._examples)
+
+    def _check_digest(self, j: int, ex) -> None:
+        """Example ``j`` must be the one the state was saved after (the same source, from its start)."""
+        want = self._checks.pop(j)
+        got = _token_digest(example_arrays(ex, self._columns[:1], index=j)[self._columns[0]])
+        if got != want:
+            raise DataError(f"example {j} of the source is not the example {j} the stream state was saved after "
+                            "(its tokens differ): resume over the same source, iterated from its start")
+
     def _items(self):
-        W, counts = self.window, self._counts
-        for i, ex in enumerate(self._examples):
-            for arrays in self._documents(i, ex, self._example_arrays(i, ex)):  # a packed row: its documents
+        """``(payload, length)`` of every piece of this shard's examples, the ``pending`` pieces first.
+
+        A payload is ``[example index, start in the example, {column: array}, cached state entry]``."""
+        W, counts, pending = self.window, self._counts, self._pending
+        S, s, begin, skip, checks = self._num_shards, self._shard, self._position, self._skip, self._checks
+        key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
+        while pending:
+            yield pending.popleft()
+        self._read_any = True
+        for j, ex in enumerate(self._source()):
+            if checks and j in checks:
+                self._check_digest(j, ex)
+            if j < begin or j % S != s or j in skip:  # read before this resume, or another shard's
+                continue
+            self._position, self._last = j + 1, (j, ex)
+            got = []
+            for arrays in self._documents(j, ex, self._example_arrays(j, ex)):  # a packed row: its documents
                 n = arrays[self._columns[0]].size
                 counts["examples"] += 1
                 counts["tokens"] += n
                 if n <= W:
-                    yield (i, 0, arrays), n
+                    got.append(([j, 0, arrays, None], n))
                     continue
-                pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=i)
+                pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=j)
                 counts["cut_tokens"] += pieces.cut_tokens
-                key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
                 counts[key[self._overflow]] += 1
-                for s, length in zip(pieces.start.tolist(), pieces.length.tolist()):
-                    yield (i, s, {c: a[s: s + length] for c, a in arrays.items()}), length
+                for p, length in zip(pieces.start.tolist(), pieces.length.tolist()):
+                    got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None], length))
+            if len(got) == 1:
+                yield got[0]
+            else:  # pieces not yet buffered are part of the state while the buffer takes them one by one
+                pending.extend(got)
+                while pending:
+                    yield pending.popleft()
 
     def __iter__(self):
         return self
@@ -681,9 +767,275 @@ class PackedStream:
         self._counts["packed_tokens"] += int(lengths.sum())
         return row
 
+    # -- state ---------------------------------------------------------------------------------
+
+    def _options(self) -> dict:
+        return {"window": self.window, "buffer_size": self._buffer_size, "overflow": self._overflow,
+                "columns": self._columns_arg, "mask_first_label": self._mask_first_label,
+                "example_ids": self._example_ids}
+
+    def state_dict(self) -> dict:
+        """Where this shard of the stream is, between two rows: JSON-safe, loaded by :meth:`load_state_dict`.
+
+        Holds the tokens of the examples buffered (at most ``buffer_size`` examples; each entry is built
+        once and reused by later states, so saving after every row, as torchdata's ``StatefulDataLoader``
+        does, costs the new entries only).
+        """
+        checks = dict(self._checks)
+        if self._last is not None:
+            j, ex = self._last
+            if not isinstance(ex, int):  # keep the digest, not the example
+                ex = _token_digest(example_arrays(ex, self._columns[:1], index=j)[self._columns[0]])
+                self._last = (j, ex)
+            checks[j] = ex
+        return {
+            "version": STREAM_STATE_VERSION,
+            **self._options(),
+            "read": None if self._columns is None else list(self._columns),
+            "shard": self._shard,
+            "num_shards": self._num_shards,
+            "start": self._start,
+            "skip": sorted(self._skip),
+            "position": self._position,
+            "checks": [[j, c] for j, c in sorted(checks.items())],
+            "buffer": {str(k): _item_entry(p) for k, (p, _) in enumerate(self._buffer.items())},
+            "pending": [_item_entry(p) for p, _ in self._pending],
+            "stats": dict(self._counts),
+        }
+
+    def load_state_dict(self, state) -> None:
+        """Resume from :meth:`state_dict`'s dict (this shard's), or from the list of every shard's states of
+        a run on any number of shards (ranks x workers).
+
+        Same shards: the rows that follow are exactly those the saved stream would have given next (the
+        buffer and the pieces not yet buffered are restored). Another number of shards: the examples read
+        and not yet packed are dealt to the new shards (index modulo shards), the examples not read are
+        read once by their new shard; every example is packed once, in other windows.
+
+        Every field is checked first (type, range, consistency with this stream's options and shard); a
+        refused state leaves the stream as it was. The source is read again from its start up to the
+        position (not packed); the example the state was saved after is checked by its CRC then.
+        """
+        states = state if isinstance(state, (list, tuple)) else None
+        if states is not None:
+            if not states:
+                raise StateError("stream state: the list of shard states is empty; pass every shard's state_dict()")
+            parsed = [self._parse(st) for st in states]
+            pos = _share(parsed, shard=self._shard, num_shards=self._num_shards)
+        else:
+            parsed = [self._parse(state)]
+            p = parsed[0]
+            if p.num_shards == 1 and self._num_shards != 1:
+                pos = _share(parsed, shard=self._shard, num_shards=self._num_shards)
+            elif (p.shard, p.num_shards) != (self._shard, self._num_shards):
+                raise StateError(f"stream state field 'shard': the state is shard {p.shard} of {p.num_shards}, this "
+                                 f"stream is shard {self._shard} of {self._num_shards}: pass the list of every "
+                                 "shard's state to resume on another number of ranks or workers")
+            else:
+                pos = p.pos
+        if self._one_shot and self._read_any:
+            raise ArgumentError("load_state_dict on a stream that has read from its one-shot iterator: build a new "
+                                "pack_stream over a fresh iterator of the source, then load the state")
+        read = next((p.read for p in parsed if p.read is not None), None)
+        if read is not None and self._columns is None:
+            self._set_columns(resolve_columns(read, None))
+        self._restore(pos)
+
+    def _parse(self, state) -> "_ParsedState":
+        """Every field of ``state`` checked against this stream's options; nothing assigned."""
+        f = StateFields(state, owner="stream", versions=(STREAM_STATE_VERSION,))
+        for name, mine in self._options().items():
+            f.equal(name, mine, "the state was saved by a stream with other options: build pack_stream with "
+                    "the options it was saved with")
+        read = f.get("read")
+        if read is not None and not (isinstance(read, list) and read and all(isinstance(c, str) for c in read)):
+            f.fail("read", f"must be a list of column names or None, got {read!r}", StateTypeError)
+        if read is not None and self._columns is not None and read != list(self._columns):
+            f.fail("read", f"the state's stream read the columns {read}, this one reads {list(self._columns)}")
+        num_shards = f.int("num_shards", low=1)
+        shard = f.int("shard", low=0, high=num_shards - 1)
+        start = f.int("start")
+        position = f.int("position", low=start)
+        skip = _int_list(f, "skip", low=start)
+        if any(b <= a for a, b in zip(skip, skip[1:])):
+            f.fail("skip", "must be sorted, without repeats")
+        checks = {}
+        raw = f.get("checks")
+        if not isinstance(raw, list):
+            f.fail("checks", f"must be a list of [example, crc32] pairs, got {type(raw).__name__}", StateTypeError)
+        for pair in raw:
+            ok = (isinstance(pair, (list, tuple)) and len(pair) == 2
+                  and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in pair))
+            if not ok or not (0 <= pair[0] < max(position, 1 + max(skip, default=-1))) or not 0 <= pair[1] < 2**32:
+                f.fail("checks", f"{pair!r} is not an [example read, crc32] pair")
+            checks[int(pair[0])] = int(pair[1])
+        cols = read if read is not None else []
+        raw = f.get("buffer")
+        if not isinstance(raw, collections.abc.Mapping):
+            f.fail("buffer", f"must be a dict of buffered examples, got {type(raw).__name__}", StateTypeError)
+        try:
+            order = sorted(raw, key=int)
+        except (TypeError, ValueError):
+            f.fail("buffer", "its keys must be the arrival numbers state_dict() wrote")
+        items = [_parse_item(f, "buffer", k, raw[k], cols, self.window) for k in order]
+        raw = f.get("pending")
+        if not isinstance(raw, list):
+            f.fail("pending", f"must be a list of pieces, got {type(raw).__name__}", StateTypeError)
+        pending = [_parse_item(f, "pending", k, x, cols, self.window) for k, x in enumerate(raw)]
+        skipped = set(skip)
+        for name, group in (("buffer", items), ("pending", pending)):
+            for k, (p, _) in enumerate(group):
+                j = p[0]
+                if j % num_shards != shard or not (j < position or j in skipped):
+                    f.fail(name, f"entry {k}: example {j} is not one shard {shard} of {num_shards} has read "
+                           f"(position {position})")
+        if (items or pending) and read is None:
+            f.fail("read", "None, but the state buffers examples: pass the dict state_dict() returned")
+        raw = f.get("stats")
+        if not isinstance(raw, collections.abc.Mapping) or sorted(raw) != sorted(STREAM_COUNTS):
+            f.fail("stats", f"must be a dict of the counts {list(STREAM_COUNTS)}", StateTypeError)
+        counts = {}
+        for name in STREAM_COUNTS:
+            v = raw[name]
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                f.fail("stats", f"count {name!r} must be an integer of at least 0, got {v!r}")
+            counts[name] = int(v)
+        f.done()
+        pos = _StreamPosition(start=start, skip=tuple(skip), position=position, checks=checks, items=items,
+                              pending=pending, counts=counts)
+        return _ParsedState(shard=shard, num_shards=num_shards, read=read, pos=pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StreamPosition:
+    """What a stream resumes from: examples before ``start`` and those in ``skip`` were read; a shard has
+    read its share of ``[start, position)``; ``items`` (buffered) and ``pending`` as ``(payload, length)``."""
+
+    start: int
+    skip: tuple
+    position: int
+    checks: dict
+    items: list
+    pending: list
+    counts: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _ParsedState:
+    shard: int
+    num_shards: int
+    read: list | None
+    pos: _StreamPosition
+
+
+def _item_entry(payload) -> dict:
+    """The state entry of a buffered piece, built once per piece (lists of Python numbers: JSON-safe)."""
+    if payload[3] is None:
+        arrays = payload[2]
+        payload[3] = {"example": payload[0], "start": payload[1],
+                      "tokens": {c: a.tolist() for c, a in arrays.items()},
+                      "dtypes": {c: a.dtype.str for c, a in arrays.items()}}
+    return payload[3]
+
+
+def _parse_item(f, name: str, k, raw, cols: list, window: int):
+    """One state entry back to ``(payload, length)``, every part checked (errors name ``name`` and the entry)."""
+    where = f"entry {k}"
+    if not isinstance(raw, collections.abc.Mapping) or sorted(raw) != ["dtypes", "example", "start", "tokens"]:
+        f.fail(name, f"{where} must be a dict with example, start, tokens and dtypes", StateTypeError)
+    j, p = raw["example"], raw["start"]
+    for what, v in (("example", j), ("start", p)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            f.fail(name, f"{where}: {what} must be an integer of at least 0, got {v!r}")
+    tokens, dtypes = raw["tokens"], raw["dtypes"]
+    if not isinstance(tokens, collections.abc.Mapping) or not isinstance(dtypes, collections.abc.Mapping) \
+            or sorted(tokens) != sorted(cols) or sorted(dtypes) != sorted(cols):
+        f.fail(name, f"{where}: tokens and dtypes must hold the columns {cols}")
+    arrays, n = {}, None
+    for c in cols:
+        try:
+            dtype = np.dtype(dtypes[c])
+            if dtype.kind not in "iub":
+                raise TypeError(dtype)
+            values = tokens[c]
+            if not isinstance(values, list):
+                raise TypeError(type(values))
+            read = np.asarray(values)
+            if read.size and read.dtype.kind not in "iub":  # floats, strings, nested lists
+                raise TypeError(read.dtype)
+            a = read.astype(dtype)
+            if a.size and not np.array_equal(a, read):  # a value outside the dtype
+                raise OverflowError(dtype)
+        except (TypeError, ValueError, OverflowError):
+            f.fail(name, f"{where}: column {c!r} must be a list of integers of an integer dtype")
+        if a.ndim != 1 or (n is not None and a.size != n) or not 1 <= a.size <= window:
+            f.fail(name, f"{where}: column {c!r} has {a.size} values; every column needs the piece's 1 to "
+                   f"window={window} tokens")
+        n = a.size
+        if c == cols[0] and a.min() < 0:
+            f.fail(name, f"{where}: a negative token id ({int(a.min())})")
+        arrays[c] = a
+    return [int(j), int(p), arrays, None], n
+
+
+def _int_list(f, name: str, *, low: int) -> list:
+    v = f.get(name)
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in v):
+        f.fail(name, f"must be a list of integers, got {type(v).__name__}", StateTypeError)
+    if any(x < low for x in v):
+        f.fail(name, f"must hold integers of at least {low}")
+    return [int(x) for x in v]
+
+
+def _share(parsed: list, *, shard: int, num_shards: int) -> _StreamPosition:
+    """Shard ``shard`` of ``num_shards``'s part of a run saved on the shards of ``parsed`` (every one of them).
+
+    The examples read: before ``start``, in ``skip``, and each old shard's share of ``[start, position)``.
+    The new ``start`` is the first example no shard read; ``skip`` the examples read past it. The pieces
+    read and not yet packed go to the shard of their example (index modulo ``num_shards``), in example
+    order; the counts go to shard 0."""
+    S = parsed[0].num_shards
+    if len(parsed) != S or sorted(p.shard for p in parsed) != list(range(S)):
+        got = sorted(p.shard for p in parsed)
+        raise StateError(f"stream state field 'shard': {len(parsed)} states with shards {got}, of a run on "
+                         f"{S} shards: pass the state of every shard once (a shard left out would be read again)")
+    first = parsed[0]
+    for p in parsed[1:]:
+        for name in ("num_shards", "read"):
+            a, b = getattr(p, name), getattr(first, name)
+            if a != b and not (name == "read" and None in (a, b)):  # a shard that read nothing yet has no columns
+                raise StateError(f"stream state field {name!r}: the shard states differ ({a!r}, {b!r}): they are not "
+                                 "from one run")
+        for name in ("start", "skip"):
+            if getattr(p.pos, name) != getattr(first.pos, name):
+                raise StateError(f"stream state field {name!r}: the shard states differ: they are not from one run")
+    parsed = sorted(parsed, key=lambda p: p.shard)
+    if S == num_shards:
+        return parsed[shard].pos
+    start, skip = first.pos.start, set(first.pos.skip)
+    ends = []
+    for p in parsed:  # each old shard's first example not read
+        s, j = p.shard, p.pos.position
+        j += (s - j) % S
+        while j in skip:
+            j += S
+        ends.append(j)
+    new_start = min(ends)
+    new_skip = {j for j in skip if j >= new_start}
+    for p in parsed:
+        a = new_start + (p.shard - new_start) % S
+        new_skip.update(range(a, p.pos.position, S))
+    pieces = sorted((item for p in parsed for item in (*p.pos.items, *p.pos.pending)), key=lambda it: it[0][:2])
+    mine = [it for it in pieces if it[0][0] % num_shards == shard]
+    counts = {k: sum(p.pos.counts[k] for p in parsed) if shard == 0 else 0 for k in STREAM_COUNTS}
+    checks = {j: c for p in parsed for j, c in p.pos.checks.items()}
+    return _StreamPosition(start=new_start, skip=tuple(sorted(new_skip)), position=new_start, checks=checks,
+                           items=mine, pending=[], counts=counts)
+
 
 def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str = DEFAULT_OVERFLOW, columns=None,
-                mask_first_label: bool = True, example_ids: bool = False) -> PackedStream:
+                mask_first_label: bool = True, example_ids: bool = False, shard: int = 0,
+                num_shards: int = 1) -> PackedStream:
     """Pack an iterable of examples as it streams, holding at most ``buffer_size`` examples.
 
     Args:
@@ -692,14 +1044,18 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
         window: tokens per window.
         buffer_size: examples held for best fit (module docstring: fill against buffer size).
         overflow: ``"split"`` (default), ``"truncate"``, ``"drop"`` or ``"error"``; counted in ``.stats``.
+        shard, num_shards: pack only the examples whose index in ``examples`` is ``shard`` modulo
+            ``num_shards`` (one rank or DataLoader worker of many; :class:`packkit.streaming.PackedIterable`
+            picks them itself).
     Returns:
         A :class:`PackedStream`: iterate it for row dicts with ``input_ids``, ``labels`` (when present),
         ``seq_lengths`` (int32) and optionally ``example_ids`` (the index of each segment's example in the
-        stream), all numpy arrays; ``.stats`` counts what happened.
+        stream), all numpy arrays; ``.stats`` counts what happened; ``state_dict()`` / ``load_state_dict()``
+        save and resume it (the buffer with it), exactly once.
 
     Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->
     ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays). Fill against
     ``buffer_size`` is tabled in :mod:`packkit.offline`.
     """
     return PackedStream(examples, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
-                        mask_first_label=mask_first_label, example_ids=example_ids)
+                        mask_first_label=mask_first_label, example_ids=example_ids, shard=shard, num_shards=num_shards)

@@ -25,7 +25,7 @@ FLOORS = [
     ["listcolumns", "examples", "chat", "writers", "attention", "sampler", "cp"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "columnar"],
-    ["collate", "sources", "model_inputs"],
+    ["collate", "sources", "model_inputs", "streaming"],
     ["offline"],
     ["raydata"],
     ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
