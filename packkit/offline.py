@@ -359,8 +359,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             of plans under ``return_report``); or a ``datasets.IterableDataset``: that one is packed with
             :func:`pack_stream` and an ``IterableDataset`` comes back; then ``strategy`` must be
             ``"bfd"`` (best fit inside ``buffer_size`` examples), ``shuffle`` shuffles the rows inside a
-            seeded buffer of ``buffer_size`` rows, ``progress`` defaults to off, ``num_proc`` must be
-            unset and ``return_report`` is not available.
+            seeded buffer of ``buffer_size`` rows (the same order every epoch), ``progress`` defaults to
+            off, ``num_proc`` must be unset and ``return_report`` is not available. Its ``state_dict()`` /
+            ``load_state_dict()`` resume exactly by packing again up to the rows yielded (pass a ``seed``
+            when the resume is another process); :class:`packkit.streaming.PackedIterable` restores the
+            buffer instead, with DataLoader workers and on another number of ranks.
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
         overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: every token
@@ -545,9 +548,15 @@ def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle,
                    progress):
     """:func:`pack_dataset` on a ``datasets.IterableDataset``: :func:`pack_stream` as an IterableDataset.
 
-    ``shuffle`` shuffles the packed rows with ``IterableDataset.shuffle(seed=seed, buffer_size=buffer_size)``
-    (seeded; ``set_epoch`` changes the order per epoch); ``progress`` counts packed tokens (no total:
-    a stream has no known length).
+    The source is read whole by the one stream (a ``datasets.IterableDataset`` read in a DataLoader worker
+    yields only that worker's files; the output has one shard, so one worker packs all of it). ``shuffle``
+    shuffles the packed rows inside a buffer of ``buffer_size`` rows with packkit's seeded shuffle
+    (:func:`_shuffled`), so that the rows are a function of the source and the options: the output's own
+    ``state_dict()`` / ``load_state_dict()`` (``datasets``' position: rows yielded) resumes exactly, by packing
+    again from the source's start and skipping the rows already yielded (``datasets``' ``shuffle`` would drop
+    its buffer on a resume: 11 to 14 of 364 rows lost in a test). The order is the same every epoch;
+    ``seed=None`` draws one seed for this dataset. ``progress`` counts packed tokens (no total: a stream has
+    no known length).
     """
     import datasets
 
@@ -564,17 +573,33 @@ def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle,
         features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
         if example_ids:
             features["example_ids"] = ids
+    if shuffle and seed is None:
+        seed = int(np.random.SeedSequence().entropy % 2**63)  # one order for this dataset, replayed on a resume
 
     def rows():
         stream = pack_stream(ds, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
                              mask_first_label=mask_first_label, example_ids=example_ids)
         with progress_bar(total=None, unit="tok", enabled=progress, desc="pack_dataset (stream)") as bar:
-            for row in stream:
+            for row in _shuffled(stream, seed=seed, size=buffer_size) if shuffle else stream:
                 bar.update(int(row["seq_lengths"].sum()))
                 # Unknown columns (no features to cast numpy arrays with): plain lists, as datasets gives.
                 yield row if features is not None else {k: v.tolist() for k, v in row.items()}
 
-    out = datasets.IterableDataset.from_generator(rows, features=features)
-    return out.shuffle(seed=seed, buffer_size=buffer_size) if shuffle else out
+    return datasets.IterableDataset.from_generator(rows, features=features)
 
 
+def _shuffled(rows, *, seed: int, size: int):
+    """``rows`` in a seeded random order inside a buffer of ``size``: each row read replaces a random one
+    of a full buffer, which is yielded; the rest in a random order at the end. The same rows and seed
+    give the same order. ``list(_shuffled(range(5), seed=0, size=1)) -> [0, 1, 2, 3, 4]``."""
+    rng = np.random.default_rng(seed)
+    buf = []
+    for row in rows:
+        if len(buf) < size:
+            buf.append(row)
+            continue
+        k = int(rng.integers(size))
+        yield buf[k]
+        buf[k] = row
+    for k in rng.permutation(len(buf)).tolist():
+        yield buf[k]

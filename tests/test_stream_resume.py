@@ -463,6 +463,53 @@ def test_a_killed_process_resumes_from_its_last_checkpoint(tmp_path):
     assert rows == [{k: np.asarray(v).tolist() for k, v in r.items()} for r in want]
 
 
+# -- pack_dataset's IterableDataset -------------------------------------------------------------------------
+
+
+def sharded_source(n=300, seed=10):
+    """A datasets.IterableDataset of ``n`` examples in 3 shards (files, as a hub dataset has)."""
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(seed)
+    src = [{"input_ids": rng.integers(0, 100, k).tolist()} for k in rng.integers(1, 70, n)]
+    parts = [src[i::3] for i in range(3)]
+    ids = datasets.IterableDataset.from_generator(lambda parts: (e for p in parts for e in p),
+                                                  gen_kwargs={"parts": parts})
+    assert ids.num_shards == 3
+    return ids
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_pack_dataset_iterable_resumes_exactly_through_its_state(shuffle):
+    """Before, with shuffle=True (the default), datasets' shuffle dropped its buffer on load_state_dict:
+    11 to 14 of 364 rows were never trained, with a log line only. Now the rows are a function of the
+    source and the options, and datasets' state (rows yielded) resumes them exactly."""
+    from packkit.offline import pack_dataset
+
+    ids = sharded_source()
+    make = lambda: pack_dataset(ids, window=64, buffer_size=16, shuffle=shuffle, seed=3, example_ids=True)  # noqa: E731
+    full = list(make())
+    for k in (0, 7, len(full) // 2, len(full)):
+        out = make()
+        it = iter(out)
+        first = [next(it) for _ in range(k)]
+        state = roundtrip(out.state_dict())
+        again = make()
+        again.load_state_dict(state)
+        assert first + list(again) == full, k
+
+
+@pytest.mark.slow
+def test_pack_dataset_iterable_in_two_workers_packs_every_example():
+    """Before, the one worker that packs (the output has one shard) iterated the source inside a worker,
+    where datasets yields that worker's files only: 200 of 600 examples were silently never packed."""
+    from packkit.offline import pack_dataset
+
+    ids = sharded_source(600)
+    out = pack_dataset(ids, window=64, buffer_size=16, shuffle=False, example_ids=True)
+    rows = list(DataLoader(out, batch_size=None, num_workers=2))
+    assert sorted({int(e) for r in rows for e in r["example_ids"]}) == list(range(600))
+
+
 @pytest.mark.slow
 def test_the_readme_streaming_snippet_runs_as_pasted():
     """The README's streaming snippet, taken from the README itself, on real chat lengths (2 workers)."""
