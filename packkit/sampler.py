@@ -83,7 +83,6 @@ import hashlib
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping
 
 import numpy as np
 
@@ -91,6 +90,7 @@ from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, va
 from .binpack import Plan, as_lengths, check_seed, check_window, pack
 from .errors import ArgumentError, arg, check_choice, check_int
 from .segments import lengths_to_offsets, range_index
+from .states import StateFields
 
 __all__ = [
     "LengthGroupedSampler",
@@ -103,6 +103,7 @@ __all__ = [
 ]
 
 BALANCE = (None, "tokens", "sqlen", "compute")
+STATE_VERSION = 2  # of the dict state_dict() writes (1: an older packkit's per-rank state, no "version")
 CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
 
 
@@ -939,7 +940,7 @@ class _BatchSampler:
         point = self._point_after(sched, base, int(done) - offset) if done > offset or base.clean else base
         return {
             "sampler": type(self).__name__,
-            "version": 2,
+            "version": STATE_VERSION,
             "epoch": self._epoch_num,
             "seed": self.seed,
             "batches_yielded": int(done),
@@ -962,7 +963,7 @@ class _BatchSampler:
         states = list(states)
         if not states:
             raise ValueError("merge_state_dicts needs the states of every rank, got none")
-        if all(s.get("version") == 2 for s in states):
+        if all(s.get("version") == STATE_VERSION for s in states):
             for s in states[1:]:
                 bad = [k for k in s if s[k] != states[0].get(k)]
                 if bad:
@@ -987,7 +988,7 @@ class _BatchSampler:
                              "differ by at most one")
         k = self._k
         S = R * k  # an older packkit dealt one micro-batch per rank a step
-        state = {**states[0], "version": 2, "batches_yielded": lo, "accumulation_steps": 1, "step_units": S,
+        state = {**states[0], "version": STATE_VERSION, "batches_yielded": lo, "accumulation_steps": 1, "step_units": S,
                  "start": lo * S, "span": 0, "mask": "0", "deal": None, "rows": 0}
         state.pop("rank", None)
         if hi > lo:
@@ -999,66 +1000,65 @@ class _BatchSampler:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore seed, epoch and position: the next pass yields exactly the batches not yet yielded,
-        on any world size (where the step boundaries move, a :class:`ResumeWarning` says so).
+        """Restore the epoch and position: the next pass yields exactly the batches not yet yielded, on any
+        world size (where the step boundaries move, a :class:`ResumeWarning` says so).
 
-        Every field is checked before anything is assigned, so a state that does not fit this sampler
-        leaves it as it was; the error names the field (``sampler state field 'epoch': ...``). A state
-        of an older packkit (one rank's ``batches_yielded``) is read as the position of every rank;
-        give :meth:`merge_state_dicts` all ranks' states when they may differ.
+        A state is input (:mod:`packkit.states`): its version must be one this packkit writes (2; a
+        state without one is an older packkit's, one rank's ``batches_yielded`` read as every rank's:
+        give :meth:`merge_state_dicts` all ranks' states when they may differ), and every field is
+        checked (type, range, and against this sampler: its class, lengths and options through the
+        fingerprint, its seed, the epoch's length) before anything is assigned, so a refused state leaves
+        the sampler as it was. The error is one line naming the field: ``sampler state field 'seed': ...``.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"sampler state must be the dict state_dict() returned, got {type(state).__name__}")
-        missing = [k for k in ("sampler", "epoch", "seed", "batches_yielded", "world_size", "fingerprint")
-                   if k not in state]
-        if missing:
-            raise KeyError(f"sampler state lacks {', '.join(missing)}: pass what state_dict() returned")
-
-        def field_error(name: str, why: str, exc=ValueError):
-            return exc(f"sampler state field {name!r}: {why}")
-
-        def count(name: str, low: int = 0):
-            try:
-                return check_int(state[name], name, low=low)
-            except ArgumentError as exc:
-                raise field_error(name, str(exc), type(exc)) from None
-
-        if state["sampler"] != type(self).__name__:
-            raise field_error("sampler", f"the state is from a {state['sampler']}, this is a {type(self).__name__}")
-        if state["fingerprint"] != self._fingerprint():
-            raise field_error(
-                "fingerprint", "the state was saved for other lengths or options (batch size, window, policy): "
-                "build the sampler with the same dataset and arguments before loading")
-        try:
-            seed = check_seed(state["seed"], allow_none=False)
-        except ArgumentError as exc:
-            raise field_error("seed", str(exc), type(exc)) from None
-        epoch = count("epoch")
-        old_R = count("world_size", 1)
-        done = count("batches_yielded")
-        if state.get("version") == 2:
-            seq_step = count("step_units", 1)
-            start, span, rows = count("start"), count("span"), count("rows")
-            try:
-                mask = int(str(state["mask"]), 16)
-            except (TypeError, ValueError):
-                raise field_error("mask", f"must be a hexadecimal string, got {state['mask']!r}") from None
-            deal = state["deal"]
-            if deal is not None and (not isinstance(deal, (list, tuple)) or len(deal) != 2):
-                raise field_error("deal", f"must be [world_size, accumulation_steps] or None, got {deal!r}")
-            deal = None if deal is None else (int(deal[0]), int(deal[1]))
+        f = StateFields(state, owner="sampler", versions=(STATE_VERSION,), legacy=1)
+        name = type(self).__name__
+        f.equal("sampler", name, f"the state is from another sampler: build a {f.state.get('sampler')} "
+                "with the arguments of the run that saved it")
+        f.equal("fingerprint", self._fingerprint(), "the state was saved for other lengths or options (batch "
+                "size, window, policy): build the sampler with the same dataset and arguments before loading")
+        seed = f.int("seed")
+        if seed != self.seed:
+            f.fail("seed", f"the state was saved with seed={seed}, this sampler has seed={self.seed}: build it "
+                   f"with seed={seed} to resume that run")
+        epoch, old_R, done = f.int("epoch"), f.int("world_size", low=1), f.int("batches_yielded")
+        k = self._k
+        if f.version == STATE_VERSION:
+            total = f.int("batches_per_epoch")
+            f.int("accumulation_steps", low=1)
+            seq_step = f.int("step_units", low=1)
+            start, span, rows, mask = f.int("start"), f.int("span"), f.int("rows"), f.hex("mask")
+            deal = f.ints("deal", 2, low=1)
         else:  # an older packkit: one micro-batch per rank a step, this rank's count for every rank
-            seq_step, start, span, mask, deal, rows = old_R * self._k, done * old_R * self._k, 0, 0, None, 0
+            total = f.int("batches_per_epoch") if "batches_per_epoch" in f.state else None
+            if "rank" in f.state:
+                f.int("rank", high=old_R - 1)
+            seq_step, start, span, mask, deal, rows = old_R * k, done * old_R * k, 0, 0, None, 0
+        f.done()
+        if total is not None and done > total:
+            f.fail("batches_yielded", f"{done} is more than the epoch's batches_per_epoch={total}")
+        if seq_step % k:
+            f.fail("step_units", f"{seq_step} is not a multiple of {k} {self._unit_name} a batch")
+        if rows and deal is None:
+            f.fail("deal", f"is None, but rows={rows} rows of a step are done: the deal says which")
+        if deal is not None and rows > deal[1]:
+            f.fail("rows", f"{rows} is more than the {deal[1]} rows a step of the deal {list(deal)} has")
+        if (mask or rows) and not span:
+            f.fail("span", "is 0, but the state says a step is in progress (mask or rows)")
         if start == 0 and mask == 0 and rows == 0:  # nothing used yet: this run cuts its own steps
             seq_step = self._step_units
-        seq = self._sequence(int(epoch), seed, seq_step)  # the epoch the state describes; nothing assigned yet
-        if done > seq.units:
-            raise field_error("batches_yielded", f"{done} is outside [0, {seq.units}], the batches of epoch "
-                              f"{int(epoch)}")
-        if start > seq.units or start + span > seq.units or mask >> max(span, 0):
-            raise field_error("start", f"units {start}..{start + span} are outside the epoch's {seq.units}")
+        try:  # the epoch the state describes; nothing assigned yet
+            seq = self._sequence(epoch, seed, seq_step)
+        except ValueError as exc:
+            f.fail("step_units", f"{seq_step} cannot cut epoch {epoch}: {exc}")
+        units = f"the epoch's {seq.units} {self._unit_name}"
+        if start > seq.units:
+            f.fail("start", f"{start} is past the end of {units}")
+        if start + span > seq.units:
+            f.fail("span", f"{span} {self._unit_name} from start={start} end past the end of {units}")
+        if mask >> span:
+            f.fail("mask", f"{mask:x} marks {self._unit_name} past the {span} of the step in progress (span)")
         # -- every field checked: assign --
-        self.seed, self._epoch_num = seed, int(epoch)
+        self._epoch_num = epoch
         self._point = _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step)
         self._offset, self._active = done, None
 

@@ -63,7 +63,8 @@ class StateFields:
             raise StateTypeError("{owner} state must be the dict state_dict() returned, got {kind}", owner=owner,
                                  kind=type(state).__name__)
         self.state, self.owner, self._read = state, owner, {"version"}
-        if "version" not in state and legacy is not None:
+        self._versioned = "version" in state
+        if not self._versioned and legacy is not None:
             self.version = legacy
             return
         v = self.get("version")
@@ -140,6 +141,9 @@ class StateFields:
     def done(self) -> None:
         """Refuse the fields no reader asked for: the state is not of this version or owner."""
         extra = sorted(str(k) for k in self.state if k not in self._read)
+        if extra and not self._versioned:  # a newer state that lost its version, most likely
+            self.fail("version", f"is missing, which makes this a version-{self.version} state, but it has the "
+                      f"field {extra[0]!r}: pass the dict state_dict() returned, unedited")
         if extra:
             self.fail(extra[0], f"is not a field of a version-{self.version} {self.owner} state: pass the dict "
                       "state_dict() returned, unedited")

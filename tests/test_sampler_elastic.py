@@ -99,6 +99,7 @@ def test_random_resumes_exactly_once():
             B = int(rng.integers(1, 17))
             same_step = step % B == 0 and rng.random() < 0.7
             b = sampler(kind, policy, B, step if same_step else B * int(rng.integers(1, 3)))
+            b.seed = a.seed  # a state loads into a sampler of its seed
             for trial in range(5):
                 a.set_epoch(epoch + 1)  # another epoch and back: a fresh pass (a may be b, resumed)
                 a.set_epoch(epoch)
