@@ -170,6 +170,7 @@ class BudgetReport:
     loss_tokens: int = 0
     loss_free_units: int = 0
     loss_free_steps: int = 0
+    loss_free_pieces: int = 0
     dropped_pieces: int = 0
     dropped_tokens: int = 0
     longest_example: int = 0
@@ -177,6 +178,8 @@ class BudgetReport:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["advice"] = [a.as_dict() for a in self.advice]
+        # the key packkit waste and pack use for the same count (loss_free_units is its name in either mode)
+        d["loss_free_windows" if self.mode == "packed" else "loss_free_rows"] = self.loss_free_units
         return d
 
     def table(self, *, options=None) -> str:
@@ -372,7 +375,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         mode, window = "packed", plan.window
         seg_loss = piece_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, offsets=offsets,
                                      targets=targets, loss_lengths=loss)
-        if drop_loss_free and (seg_loss == 0).any():
+        free_pieces = int((seg_loss == 0).sum())
+        if drop_loss_free and free_pieces:
             keep = seg_loss > 0
             dropped_pieces, dropped_tokens = int((~keep).sum()), int(plan.seg_length[~keep].sum())
             plan, seg_loss = plan.keep_segments(keep), seg_loss[keep]
@@ -391,7 +395,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         order = np.random.default_rng(seed).permutation(lengths.size)
         ex_loss = piece_loss_tokens(np.arange(lengths.size), np.zeros(lengths.size, np.int64), lengths,
                                     offsets=offsets, targets=targets, loss_lengths=loss)
-        if drop_loss_free and (ex_loss == 0).any():
+        free_pieces = int((ex_loss == 0).sum())
+        if drop_loss_free and free_pieces:
             dropped_pieces, dropped_tokens = int((ex_loss == 0).sum()), int(lengths[ex_loss == 0].sum())
             order = order[ex_loss[order] > 0]
         units_tokens, units_examples, units_loss = lengths[order], np.ones(order.size), ex_loss[order]
@@ -430,7 +435,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         loss_tokens_per_step=Spread.of(loss_steps), padding_fraction=float(padding),
         loss_tokens_assumed=assumed and targets is None, target_tokens_per_step=target_tokens_per_step,
         loss_tokens=int(round(float(units_loss.sum()))), loss_free_units=int((units_loss == 0).sum()),
-        loss_free_steps=int((all_steps == 0).sum()), dropped_pieces=dropped_pieces, dropped_tokens=dropped_tokens,
+        loss_free_steps=int((all_steps == 0).sum()), loss_free_pieces=free_pieces, dropped_pieces=dropped_pieces,
+        dropped_tokens=dropped_tokens,
         longest_example=int(lengths.max()),
         accumulation_for_target=accumulation_for_target, advice=(),
         overflow=None if mode == "padded" else plan.overflow,

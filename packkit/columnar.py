@@ -124,8 +124,9 @@ class ColumnarDataset:
                 raise KeyError(f"no column {missing[0]!r}; the columns are {names}")
             keys = list(self._columns)
         if "input_ids" not in keys:
-            raise KeyError(f"no 'input_ids' column; the columns are {names}: tokenize first (or rename the "
-                           "token column to 'input_ids')")
+            raise KeyError(f"no 'input_ids' column; the columns are {names}: tokenize first (packkit tokenize IN "
+                           "OUT --tokenizer T, or packkit.chat.tokenize_dataset for chat data), or rename the token "
+                           "column to 'input_ids'")
         if table.num_rows and max(table.column(k).num_chunks for k in keys) > max(64, table.num_rows // 256):
             table = table.combine_chunks()  # a gathered view (one chunk per row): one copy, then views
         self._n = table.num_rows

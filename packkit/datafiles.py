@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import chat_encoder, chat_format, load_tokenizer
-from .errors import ArgumentError, DataError, MissingError, arg
+from .errors import ArgumentError, DataError, Message, MissingError, arg
 from .fileio import held_still
 from .interrupts import deferred
 from .listcolumns import loss_targets, packed_segments, token_lengths
@@ -876,6 +877,14 @@ def _streamed_lengths(path: Path, *, column: str, text_column: str, tokenizer, c
     return None if got is None else (*got, made[1])
 
 
+def warn_unused_tokenizer(tokenizer, where: str) -> None:
+    """Say in one line that ``tokenizer``, asked for by name, was not used: ``where`` held token ids or lengths
+    already (a default ``"bytes"`` or None is never said)."""
+    if tokenizer not in (None, "bytes"):
+        warnings.warn(UserWarning(Message("{where} holds token ids already: {arg} is not used (nothing is "
+                                          "tokenized)", where=where, arg=arg("tokenizer"))), stacklevel=3)
+
+
 def bundled_sample() -> Lengths:
     """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
     lengths = np.load(SAMPLE_PATH).astype(np.int64)
@@ -904,7 +913,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
 
 
 def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split, progress: bool, chat) -> Lengths:
-    loss = targets = None
+    loss = targets = how = None
     if path.is_file() and _suffix(path) == ".npy":
         try:
             arr = np.load(path, allow_pickle=False)
@@ -956,6 +965,8 @@ def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split
         loss = csum[offsets[1:]] - csum[offsets[:-1]]
     if lengths.size == 0:
         raise ValueError(f"{str(path)!r} holds no examples")
+    if how is None:
+        warn_unused_tokenizer(tokenizer, repr(str(path)))
     return Lengths(lengths, source, unit, loss, targets)
 
 

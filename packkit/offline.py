@@ -207,7 +207,7 @@ class PackedTable:
         self.mask_first_label, self.example_ids, self.num_threads = mask_first_label, example_ids, num_threads
         #: what the rows written so far train on: loss tokens (labels other than -100; without labels every
         #: token but each segment's first), and windows holding none
-        self.loss_tokens = self.loss_free_windows = 0
+        self.loss_tokens = self.loss_free_windows = self.loss_free_pieces = 0
         self.dropped_pieces = self.dropped_tokens = 0
         token = spec.read[0]
         self.schema = packed_schema([(name, scan.types.get(name, scan.types[token]) if name == "labels"
@@ -263,18 +263,21 @@ class PackedTable:
         seg_loss = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         keep = seg_loss > 0
         self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
+        self.loss_free_pieces += self.dropped_pieces
         if self.dropped_pieces:
             self.plan = self.plan.keep_segments(keep)
 
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
         tokens each (a longer window alone), in the plan's window order. Counts their loss tokens and the
-        windows without one on the way (``loss_tokens``, ``loss_free_windows``)."""
+        windows and pieces without one on the way (``loss_tokens``, ``loss_free_windows``, ``loss_free_pieces``:
+        the pieces :meth:`drop_loss_free` left out count there too)."""
         for start, stop in self.plan.chunks(max_tokens):
             sub = self.plan.window_range(start, stop)
             rows = self._rows(sub, self.scan.columns, bar)
             seg_loss = self.segment_loss(rows)
             self.loss_tokens += int(seg_loss.sum())
+            self.loss_free_pieces += int((seg_loss == 0).sum())
             if rows.num_rows:
                 self.loss_free_windows += int((np.add.reduceat(seg_loss, rows.seq_offsets[:-1]) == 0).sum())
             batch = packed_batch(rows, self.schema)

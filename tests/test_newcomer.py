@@ -252,3 +252,84 @@ def test_readme_test_command_without_make_is_make_test():
     readme = (ROOT / "README.md").read_text()
     line = next(x for x in readme.splitlines() if "-e '.[test]'" in x and "pytest" in x)
     assert line.endswith("pytest -q " + makefile_value("XDIST")), line
+
+
+# -- 11. the small ones: plan -q, one JSON key a count, --tokenizer not used, help, the ColumnarDataset error -------
+
+
+def ids_rows(n: int = 30, seed: int = 0) -> list:
+    """Token ids with labels; every fifth example has no loss token, the others a masked prompt half."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        ids = rng.integers(5, 90, int(rng.integers(3, 40))).tolist()
+        half = len(ids) // 2
+        rows.append({"input_ids": ids, "labels": [-100] * len(ids) if i % 5 == 0 else [-100] * half + ids[half:]})
+    return rows
+
+
+@pytest.fixture
+def ids_jsonl(tmp_path):
+    return write_jsonl(tmp_path / "ids.jsonl", ids_rows())
+
+
+def test_loss_free_counts_have_one_key_in_every_command(ids_jsonl, tmp_path, capsys):
+    """Friction 11: the loss-free counts were ``loss_free_pieces`` in waste, ``loss_free_windows`` in pack and
+    ``loss_free_units`` in plan; now every command's JSON has ``loss_free_pieces``, and plan's windows go by
+    pack's key. The values agree on the same file and options."""
+    common = ["-w", "32", "--json", "-q"]
+    waste = json.loads(cli(["waste", ids_jsonl, *common], capsys)[1])
+    plan = json.loads(cli(["plan", ids_jsonl, *common], capsys)[1])
+    pack = json.loads(cli(["pack", ids_jsonl, tmp_path / "out.jsonl", *common], capsys)[1])
+    assert waste["loss_free_pieces"] == plan["loss_free_pieces"] == pack["loss_free_pieces"] > 0
+    assert plan["loss_free_windows"] == pack["loss_free_windows"] == plan["loss_free_units"] > 0
+    dropped = json.loads(cli(["pack", ids_jsonl, tmp_path / "dropped.jsonl", *common, "--drop-loss-free"],
+                             capsys)[1])
+    assert dropped["loss_free_pieces"] == dropped["dropped_pieces"] == pack["loss_free_pieces"]
+
+
+def test_plan_has_quiet(ids_jsonl, capsys):
+    """Friction 11: ``packkit plan -q`` was a usage error; waste, pack and tokenize all have it."""
+    code, out, err = cli(["plan", ids_jsonl, "-q"], capsys)
+    assert code == 0, err
+
+
+def test_tokenizer_on_token_ids_is_said_not_ignored(ids_jsonl, tok_dir, tmp_path, capsys):
+    """Friction 11: ``--tokenizer`` on data that holds token ids already was ignored in silence."""
+    for argv in (["waste", ids_jsonl], ["plan", ids_jsonl], ["pack", ids_jsonl, tmp_path / "o.parquet"]):
+        code, _, err = cli([*argv, "--tokenizer", tok_dir, "-q"], capsys)
+        assert code == 0, err
+        assert f"warning: {str(ids_jsonl)!r} holds token ids already: --tokenizer is not used" in err, argv
+        code, _, err = cli([*argv, "-q", "--overwrite"] if argv[0] == "pack" else [*argv, "-q"], capsys)
+        assert "warning" not in err
+
+
+def test_top_level_help_is_aligned(capsys):
+    """Friction 11: ``tokenize`` is 8 characters; the command column was 7 wide, so its line was off by one."""
+    code, out, _ = cli(["--help"], capsys)
+    lines = [x for x in out.splitlines() if x.startswith("  ") and x.split()[0] in ("waste", "pack", "plan",
+                                                                                      "tokenize")]
+    assert len(lines) == 4
+    assert len({x.index(x.split(None, 1)[1]) for x in lines}) == 1, out  # every help text in one column
+
+
+def test_columnar_dataset_without_input_ids_names_packkit_tokenize():
+    """Friction 11: "tokenize first" did not say with what."""
+    from packkit.columnar import ColumnarDataset
+
+    with pytest.raises(KeyError, match="packkit tokenize IN OUT --tokenizer T"):
+        len(ColumnarDataset(pa.table({"text": ["hello there"]})))
+
+
+def test_drop_loss_free_prints_the_tokens_packed(ids_jsonl, tmp_path, capsys):
+    """Friction 8: after ``--drop-loss-free`` the summary printed the input's token count as the tokens packed."""
+    code, out, err = cli(["pack", ids_jsonl, tmp_path / "o.jsonl", "-w", "32", "-q", "--drop-loss-free"], capsys)
+    assert code == 0, err
+    report = json.loads(cli(["pack", ids_jsonl, tmp_path / "o2.jsonl", "-w", "32", "--json", "--drop-loss-free"],
+                            capsys)[1])
+    kept, given = report["tokens"], report["input_tokens"]
+    assert kept < given
+    assert f"({kept:,} of {given:,} tokens) into" in out, out
+

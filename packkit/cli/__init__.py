@@ -67,7 +67,7 @@ EXIT_CODES = """exit codes:
   130  interrupted (143 SIGTERM, 129 SIGHUP); 141 the output pipe was closed (quietly)"""
 
 USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit COMMAND --help for more)\n\n"
-         + "\n".join(f"  {name:<7} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+         + "\n".join(f"  {name:<{max(map(len, SUBCOMMANDS))}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items())
          + "\n\n" + EXIT_CODES)
 
 OVERFLOW_HELP = ("examples longer than the window: split (default: every token kept, the example continues "

@@ -34,7 +34,7 @@ from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_H
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import (JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, reader_pyarrow,
-                         tokenized_tables, tokens_table)
+                         tokenized_tables, tokens_table, warn_unused_tokenizer)
 from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
@@ -175,6 +175,8 @@ def run(args, options=None) -> int:
     # IN may not change while it is read (a truncated memory map is a SIGBUS): packkit.fileio.held_still
     with held_still([src]) as hold, rows_as_lines(src):
         source, how = _source(src, out, args, columns, quiet)
+        if how is None:
+            warn_unused_tokenizer(args.tokenizer, repr(str(src)))
         planned = lambda source: plan_source(  # noqa: E731
             source, window=args.window, strategy=args.strategy, overflow=args.overflow, columns=columns,
             seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc, example_ids=args.example_ids,
@@ -204,7 +206,8 @@ def run(args, options=None) -> int:
     s = plan.summary()
     input_tokens = s["tokens"] + s["cut_tokens"] + packed.dropped_tokens
     loss = {"loss_tokens": packed.loss_tokens, "loss_tokens_assumed": "labels" not in packed.schema.names,
-            "loss_free_windows": packed.loss_free_windows, "dropped_pieces": packed.dropped_pieces,
+            "loss_free_windows": packed.loss_free_windows, "loss_free_pieces": packed.loss_free_pieces,
+            "dropped_pieces": packed.dropped_pieces,
             "dropped_tokens": packed.dropped_tokens}
     note = overflow_note(s["overflow"], over=s["overflow_examples"], examples=s["examples"], cut=s["cut_tokens"],
                          tokens=input_tokens)
@@ -219,13 +222,14 @@ def run(args, options=None) -> int:
         print(f"tokenized {how}")
     if packed_rows is not None:
         print(f"{packed_rows:,} packed rows read as their {s['examples']:,} documents (an example is a document)")
-    print(f"packed {s['examples']:,} examples ({input_tokens:,} tokens) into {s['windows']:,} "
+    held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
+    print(f"packed {s['examples']:,} examples ({held} tokens) into {s['windows']:,} "
           f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
     if note is not None:
         print(note.render(options))
     if args.cp_size > 1:
         print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
-    print(f"loss tokens {packed.loss_tokens:,} ({packed.loss_tokens / max(1, input_tokens):.1%} of the tokens; "
+    print(f"loss tokens {packed.loss_tokens:,} ({packed.loss_tokens / max(1, s['tokens']):.1%} of the tokens; "
           + ("no labels or loss mask: every token but each segment's first)" if loss["loss_tokens_assumed"]
              else "labels other than -100, each segment's first token masked)"))
     if packed.dropped_pieces:

@@ -52,6 +52,7 @@ def parser() -> Parser:
                      layout_help="zigzag pads every example to a multiple of 2*N (counted as padding); contiguous, "
                                  "ulysses and hybrid need W to be a multiple of N (default hybrid)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
 
 
@@ -71,7 +72,7 @@ def run(args, options=None) -> int:
         with rows_as_lines(args.file):
             data = read_lengths(args.file, column=args.column, text_column=args.text_column,
                                 tokenizer=args.tokenizer, split=args.split, chat=chat_options(args),
-                                progress=not args.json)
+                                progress=not (args.json or args.quiet))
             lengths, loss, targets = data.lengths, data.loss_lengths, data.targets
     with warnings.catch_warnings(), rows_as_lines(args.file):
         warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
