@@ -77,7 +77,7 @@ from .binpack import DEFAULT_OVERFLOW, Plan, check_overflow, check_seed, check_s
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .cp_plan import plan_for_cp
-from .packer import ColumnSpec, label_dtype, log_overflow, pack_columns, pack_stream, resolve_columns
+from .packer import ColumnSpec, label_dtype, log_overflow, logger, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
 from .rules import MASK_KEYS, check_column, column_kind
 from .segments import IGNORE_INDEX, lengths_to_offsets
@@ -343,7 +343,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                  mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
                  progress: bool | None = None, return_report: bool = False, split: str | None = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None,
-                 group_column: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid"):
+                 group_column: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid",
+                 drop_loss_free: bool = False):
     """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row
     per window. Conversational data is tokenized first, through its chat template, by
     :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
@@ -403,6 +404,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             so a row still fits ``window`` once its documents are padded for TE; the other layouts need
             ``window`` to be a multiple of ``cp_size`` (:func:`packkit.cp_plan.plan_for_cp`). Not for an
             ``IterableDataset``.
+        drop_loss_free: leave out the pieces (examples after ``overflow``) that hold no loss token (they would
+            train on nothing, and a step of them has loss 0), counted and logged, as ``packkit pack
+            --drop-loss-free``. Without it, windows that hold no loss token are counted and logged with this
+            fix (TRL's ``SFTTrainer`` with a ``max_length`` drops such rows without a word). Not for an
+            ``IterableDataset``.
 
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
@@ -426,7 +432,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                             mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
                             progress=progress, buffer_bytes=buffer_bytes, cache_file_name=cache_file_name,
                             keep_in_memory=keep_in_memory, group_column=group_column,
-                            cp_size=cp_size, cp_layout=cp_layout)
+                            cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
@@ -444,6 +450,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         if cp_size != 1:
             raise ArgumentError("{arg} plans the whole dataset for a CP group; a streamed dataset is packed inside "
                                 "a bounded buffer: pack a datasets.Dataset", arg=arg("cp_size", cp_size))
+        if drop_loss_free:
+            raise ArgumentError("{arg} is not available for a streamed dataset: filter the examples without a loss "
+                                "token first (ds.filter), or pack a datasets.Dataset", arg=arg("drop_loss_free", True))
         return _pack_iterable(ds, window=checked, buffer_size=buffer_size, overflow=overflow, columns=columns,
                               seed=seed, shuffle=shuffle, mask_first_label=mask_first_label,
                               example_ids=example_ids, progress=bool(progress))
@@ -476,6 +485,16 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                          columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
                          mask_first_label=mask_first_label, example_ids=example_ids, progress=progress,
                          groups=groups, cp_size=cp_size, cp_layout=cp_layout)
+    max_tokens = (packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR["arrow"], in_flight=2) if on_disk
+                  else arrow.MAX_LIST_VALUES)
+    if drop_loss_free:
+        packed.drop_loss_free(max_tokens)
+        if packed.plan.num_windows == 0:
+            raise DataError("no piece holds a loss token, and {drop} left every one out",
+                            drop=arg("drop_loss_free", True))
+        if packed.dropped_pieces:
+            logger.warning("pack_dataset: drop_loss_free left out %d pieces with no loss token (%d tokens)",
+                           packed.dropped_pieces, packed.dropped_tokens)
     plan = packed.plan
     # A fingerprint that names the input and the arguments when the input is files on disk (datasets
     # hashes their paths, not their tokens); an in-memory table would be hashed whole: a random one.
@@ -484,7 +503,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         fingerprint = update_fingerprint(generate_fingerprint(ds), "packkit.pack_dataset", dict(
             window=window, strategy=strategy, overflow=overflow, columns=packed.spec.read, seed=seed,
             shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids, group_column=group_column,
-            cp_size=cp_size, cp_layout=cp_layout))
+            cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free))
     total = plan.total_tokens * len(packed.spec.written())
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
         if on_disk:
@@ -494,15 +513,17 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                 folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
                           else Path(datasets.config.HF_DATASETS_CACHE))
                 cache_file_name = folder / f"cache-packkit-{generate_random_fingerprint()}.arrow"
-            max_tokens = packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR["arrow"], in_flight=2)
             write_batches(cache_file_name, packed.schema, packed.record_batches(max_tokens=max_tokens, bar=bar),
                           format="arrow")
             out = datasets.Dataset(MemoryMappedTable.from_file(str(cache_file_name)), fingerprint=fingerprint)
         else:
             # The rows stay in memory whole, so chunks would bound nothing and only cost CPU
             # (benchmarks/RESULTS.md, issue 23): one gather, record batches as int32 list offsets need.
-            batches = list(packed.record_batches(max_tokens=arrow.MAX_LIST_VALUES, bar=bar))
+            batches = list(packed.record_batches(max_tokens=max_tokens, bar=bar))
             out = datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
+    if packed.loss_free_windows:  # counted as the rows were written
+        logger.warning("pack_dataset: %d of %d windows hold no loss token (a step of them has loss 0); pass "
+                       "drop_loss_free=True, or raise window", packed.loss_free_windows, plan.num_windows)
     return (out, plan) if return_report else out
 
 

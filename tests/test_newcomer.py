@@ -333,3 +333,36 @@ def test_drop_loss_free_prints_the_tokens_packed(ids_jsonl, tmp_path, capsys):
     assert kept < given
     assert f"({kept:,} of {given:,} tokens) into" in out, out
 
+
+# -- 10. pack_dataset and loss-free windows ---------------------------------------------------------------------
+
+
+def test_pack_dataset_says_loss_free_windows_and_drops_them_when_asked(caplog):
+    """Friction 10: Python's ``pack_dataset`` had no ``drop_loss_free`` (``packkit pack`` has) and said nothing
+    of the windows without a loss token (TRL's SFTTrainer then drops them in silence when max_length is set)."""
+    import logging
+
+    import numpy as np
+
+    from packkit.collate import PackedRowsCollator
+    from packkit.offline import pack_dataset
+
+    ds = datasets.Dataset.from_list(ids_rows())
+    with caplog.at_level(logging.WARNING, logger="packkit"):
+        rows = pack_dataset(ds, window=32, overflow="split")
+    free = sum(1 for labels, seq in zip(rows["labels"], rows["seq_lengths"])
+               if all(x == -100 for x in labels))
+    assert free > 0
+    assert f"{free} of {len(rows)} windows hold no loss token" in caplog.text
+    assert "drop_loss_free=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="packkit"):
+        kept, plan = pack_dataset(ds, window=32, overflow="split", drop_loss_free=True, return_report=True)
+    assert all(any(x != -100 for x in labels) for labels in kept["labels"])
+    assert "windows hold no loss token" not in caplog.text and "drop_loss_free left out" in caplog.text
+    assert sum(map(sum, kept["seq_lengths"])) == plan.total_tokens < sum(map(sum, rows["seq_lengths"]))
+    batch = PackedRowsCollator(window=32)([kept[i] for i in range(len(kept))])  # what a trainer gets
+    assert int((batch["labels"] != -100).sum()) == sum(sum(x != -100 for x in labels) for labels in kept["labels"])
+    assert np.all([(np.asarray(lab) != -100).any() for lab in kept["labels"]])
+    with pytest.raises(ArgumentError, match="drop_loss_free=True is not available for a streamed dataset"):
+        pack_dataset(ds.to_iterable_dataset(), window=32, drop_loss_free=True)
