@@ -701,8 +701,11 @@ def row_segments(key: str, flat, counts, lengths, *, rows=None) -> tuple[np.ndar
         bad = sums != lengths
         if bad.any():
             i = int(np.argmax(bad))
+            cut = ("; they must match (input_ids cut after packing? TRL's SFTConfig(max_length=...) below the packing "
+                   "window truncates packed rows: pass max_length=None, the rows already fit the window)"
+                   if sums[i] > lengths[i] else "; they must match")
             raise located(ExampleValueError, i, rows, f"has seq_lengths summing to {int(sums[i])} for "
-                          f"{int(lengths[i])} input_ids; they must match")
+                          f"{int(lengths[i])} input_ids{cut}")
         return flat, seg_ptr
     bad = counts != lengths
     if bad.any():

@@ -366,3 +366,87 @@ def test_pack_dataset_says_loss_free_windows_and_drops_them_when_asked(caplog):
     assert np.all([(np.asarray(lab) != -100).any() for lab in kept["labels"]])
     with pytest.raises(ArgumentError, match="drop_loss_free=True is not available for a streamed dataset"):
         pack_dataset(ds.to_iterable_dataset(), window=32, drop_loss_free=True)
+
+
+# -- 6 and 7. packed rows through TRL's SFTTrainer: max_length, the rows it drops, num_tokens -------------------
+
+
+def trl_run(tmp_path, rows, **config):
+    """A tiny SFTTrainer over packed ``rows`` with PackedRowsCollator(window=32): the trainer, after 2 steps."""
+    trl = pytest.importorskip("trl")
+    from testlib import tiny_causal_lm
+
+    from packkit.collate import PackedRowsCollator
+
+    collator, made = PackedRowsCollator(window=32), []
+
+    def recorded(features):  # what the trainer trains on, a micro-batch at a time
+        batch = collator(features)
+        made.append(batch.num_tokens)
+        return batch
+
+    tok = make_tokenizer()
+    model = tiny_causal_lm(vocab_size=96, max_position_embeddings=64, pad_token_id=0)
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", max_steps=2,
+                         per_device_train_batch_size=2, logging_steps=1, disable_tqdm=True, bf16=False,
+                         dataloader_num_workers=0, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
+                                 data_collator=recorded)
+        trainer.train()
+    trainer.trained_tokens = made
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def packed_rows():
+    """Rows packed at window 32 from ids_rows(): some hold no loss token; the count packkit logs with them."""
+    import logging
+
+    from packkit.offline import pack_dataset
+
+    logs = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logs.append(record.getMessage())
+    logging.getLogger("packkit").addHandler(handler)
+    try:
+        rows = pack_dataset(datasets.Dataset.from_list(ids_rows(60)), window=32)
+    finally:
+        logging.getLogger("packkit").removeHandler(handler)
+    free = [int(m.split()[1]) for m in logs if "windows hold no loss token" in m]
+    assert len(free) == 1 and free[0] > 0
+    return rows, free[0]
+
+
+@pytest.mark.slow
+def test_trl_max_length_below_the_window_is_named(packed_rows, tmp_path):
+    """Friction 6: TRL's max_length (1024 by default) below the packing window truncated the packed rows, and
+    the collator's error said only that seq_lengths and input_ids differ; it now names max_length."""
+    rows, _ = packed_rows
+    with pytest.raises(ValueError, match=r"TRL's SFTConfig\(max_length=\.\.\.\) below the packing window truncates "
+                                         r"packed rows: pass max_length=None"):
+        trl_run(tmp_path, rows, max_length=16)
+
+
+@pytest.mark.slow
+def test_trl_drops_the_loss_free_windows_packkit_counted(packed_rows, tmp_path):
+    """Friction 6: with a max_length, TRL drops the rows without a loss token in silence; they are exactly the
+    windows pack_dataset now logs, and max_length=None (the README's) keeps every row."""
+    rows, free = packed_rows
+    assert len(trl_run(tmp_path / "a", rows, max_length=32).train_dataset) == len(rows) - free
+    assert len(trl_run(tmp_path / "b", rows, max_length=None).train_dataset) == len(rows)
+
+
+@pytest.mark.slow
+def test_trl_num_tokens_with_packed_rows_counts_the_window(packed_rows, tmp_path):
+    """Friction 7: TRL's logged num_tokens with PackedRowsCollator is W a micro-batch (position_ids.size(1)),
+    not the B windows' tokens; the README's note said so of FixedWindowCollator only."""
+    rows, _ = packed_rows
+    trainer = trl_run(tmp_path, rows, max_length=None)
+    logged = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h][-1]
+    trained = sum(trainer.trained_tokens[:2])  # the two micro-batches trained (accelerate collates one ahead)
+    print(f"TRL logged {logged} tokens for {trained} trained")
+    assert logged == 2 * 32 < trained
+    note = next(p for p in (ROOT / "README.md").read_text().split("\n- ") if "logged `num_tokens`" in p)
+    assert "PackedRowsCollator" in note and "FixedWindowCollator" in note
