@@ -59,17 +59,20 @@ import torch
 from .batch import PackedBatch
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
 from .packer import gather_index
-from .rules import location
+from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
 from .segments import lengths_to_offsets
 
-__all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "example_positions", "VISION_KEYS"]
+__all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "example_positions", "check_vision",
+           "vision_spec", "VISION_KEYS"]
 
 #: Per-document vision inputs, concatenated along dim 0 in the order the documents take in the batch
 #: (the model scatters image features into the image tokens in that order, and the vision tower isolates
 #: images by their grid): patches ``(num_patches, C * T * P * P)``, grids ``(num_images, 3)`` (t, h, w),
 #: and Qwen2.5-VL's seconds per video grid ``(num_videos,)``.
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-_GRIDS = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
+#: Per kind of vision input: its patches, its grids, the config's placeholder token, its mm_token_type_ids value.
+_KINDS = (("image", "pixel_values", "image_grid_thw", "image_token_id", 1),
+          ("video", "pixel_values_videos", "video_grid_thw", "video_token_id", 2))
 _ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
@@ -164,9 +167,13 @@ class VisionLanguageCollator:
             ``rope_index(input_ids=(1, n), mm_token_type_ids=(1, n), image_grid_thw=..., ...)`` for
             examples with images and without ``position_ids``. In DataLoader workers started by
             ``spawn`` it pickles the model: store the positions in the dataset instead.
+        config: the model's config (``model.config``), whose placeholder tokens (``image_token_id``,
+            ``video_token_id``) and ``vision_config.spatial_merge_size`` every document's images are checked
+            against (:func:`check_vision`); read from ``rope_index``'s model when not given. Examples with
+            images need one of the two.
     """
 
-    def __init__(self, collator, *, rope_index=None):
+    def __init__(self, collator, *, rope_index=None, config=None):
         if isinstance(collator, PackedRowsCollator):
             raise TypeError("VisionLanguageCollator packs examples itself: rows packed offline carry no per-document "
                             "mRoPE positions or images; wrap PaddingFreeCollator or FixedWindowCollator instead")
@@ -179,12 +186,14 @@ class VisionLanguageCollator:
         if rope_index is not None and not callable(rope_index):
             raise TypeError(f"rope_index must be the model's get_rope_index (a callable), got {rope_index!r}")
         self.collator, self.rope_index = collator, rope_index
+        self.vision = vision_spec(config, rope_index)
 
     def __call__(self, examples) -> PackedBatch:
         if not isinstance(examples, collections.abc.Sequence) or isinstance(examples, collections.abc.Mapping):
             raise TypeError(f"VisionLanguageCollator takes a list of examples (dicts), got {type(examples).__name__}")
         examples = list(examples)
         batch, index, dest, order = self._layout(examples)
+        check_vision(examples, self.vision)
         positions = [example_positions(ex, rope_index=self.rope_index, where=i) for i, ex in enumerate(examples)]
         batch["position_ids"] = torch.from_numpy(
             mrope_position_ids(batch["position_ids"].numpy(), np.concatenate(positions, axis=1), index, dest))
@@ -211,21 +220,119 @@ class VisionLanguageCollator:
         return f"VisionLanguageCollator({self.collator!r}, rope_index={self.rope_index!r})"
 
 
+def vision_spec(config=None, rope_index=None) -> tuple[int, int, int] | None:
+    """``(image_token_id, video_token_id, spatial_merge_size)`` of a vision-language model, from its ``config``
+    or from the model that ``rope_index`` (``model.model.get_rope_index``) is bound to; None when neither tells.
+    A ``config`` that lacks them is an error naming what it lacks."""
+    source = config if config is not None else getattr(getattr(rope_index, "__self__", None), "config", None)
+    if source is None:
+        return None
+    merge = getattr(getattr(source, "vision_config", None), "spatial_merge_size", None)
+    spec = {"image_token_id": getattr(source, "image_token_id", None),
+            "video_token_id": getattr(source, "video_token_id", None), "vision_config.spatial_merge_size": merge}
+    lacks = [name for name, v in spec.items() if v is None]
+    if lacks:
+        if config is None:
+            return None
+        raise TypeError(f"config must be the vision-language model's config (model.config), with image_token_id, "
+                        f"video_token_id and vision_config.spatial_merge_size; this {type(config).__name__} has no "
+                        f"{', '.join(lacks)}")
+    return tuple(int(v) for v in spec.values())
+
+
+def _shape(value) -> list | None:
+    """The shape of patches given as a tensor, an array or nested lists; None when ragged."""
+    if hasattr(value, "shape"):
+        return list(value.shape)
+    try:
+        return list(np.shape(value))
+    except ValueError:
+        return None
+
+
+def check_vision(examples, spec) -> None:
+    """Every document's images and videos against what the model will compute from them, before any is
+    concatenated (the model checks only the batch's totals, so a document's surplus patches would become the
+    next document's image, silently).
+
+    Per document and kind (images, videos): patches and grids come together; the grids are ``(n, 3)``
+    integers >= 1 whose h and w the vision tower can merge (:func:`packkit.rules.grid_rows`); the patch rows
+    are ``sum(t * h * w)`` (the tower reads ``t * h * w`` rows per grid) of one width across the batch; the text
+    holds ``sum(t * h * w) / spatial_merge_size**2`` placeholder tokens (one per merged patch: the features the
+    model scatters into them), as many as ``mm_token_type_ids`` marks; ``second_per_grid_ts``, one finite number
+    per video. ``spec``: :func:`vision_spec`'s ``(image_token_id, video_token_id, merge)``, or None (then a
+    document with images is an error: there is nothing to check them against).
+    """
+    width = {}
+    for i, ex in enumerate(examples):
+        ids = types = None
+        for what, pixels, grid_key, token_attr, type_id in _KINDS:
+            has_pixels, has_grid = ex.get(pixels) is not None, ex.get(grid_key) is not None
+            if has_pixels != has_grid:
+                have, lack = (pixels, grid_key) if has_pixels else (grid_key, pixels)
+                raise located(ExampleValueError, i, None, f"has {have!r} but no {lack!r}; keep both columns the "
+                              "processor returned")
+            if spec is None:
+                if has_pixels:
+                    raise located(ExampleValueError, i, None, "has images or videos, which VisionLanguageCollator "
+                                  "checks against the model's placeholder tokens and merge size; pass "
+                                  "config=model.config (or rope_index=model.model.get_rope_index)")
+                continue
+            token, merge = spec[0 if what == "image" else 1], spec[2]
+            if ids is None:
+                ids = _as_array(ex["input_ids"]).reshape(-1)
+                types = None if ex.get("mm_token_type_ids") is None else _as_array(ex["mm_token_type_ids"]).reshape(-1)
+                if types is not None and types.size != ids.size:
+                    raise located(ExampleValueError, i, None, f"has {types.size} 'mm_token_type_ids' for {ids.size} "
+                                  "'input_ids'; they must match token for token")
+            tokens = int(np.count_nonzero(ids == token))
+            if not has_pixels:
+                if tokens:
+                    raise located(ExampleValueError, i, None, f"has {tokens} {what} placeholder tokens ({token_attr}="
+                                  f"{token}) in 'input_ids' but no {pixels!r}; they would take another document's "
+                                  f"{what} features: keep the {what}s the processor returned with this example")
+                continue
+            grid = grid_rows(ex[grid_key], i, key=grid_key, merge=merge)
+            patches = int(grid.prod(axis=1).sum())
+            shape = _shape(ex[pixels])
+            if shape is None or len(shape) != 2 or shape[0] != patches:
+                raise located(ExampleValueError, i, None, f"has {pixels!r} of shape {shape or 'ragged'} for {grid_key} "
+                              f"{grid.tolist()}, which needs {patches} patch rows (t*h*w summed); keep the {pixels} and "
+                              f"{grid_key} the processor returned for this example together")
+            first = width.setdefault(pixels, (shape[1], i))
+            if shape[1] != first[0]:
+                raise located(ExampleValueError, i, None, f"has {pixels!r} rows of {shape[1]} values and "
+                              f"{location(first[1])} of {first[0]}; every {what} of a batch comes from the same "
+                              "processor (channels * temporal_patch_size * patch_size**2)")
+            want = patches // merge ** 2
+            if tokens != want:
+                raise located(ExampleValueError, i, None, f"has {tokens} {what} placeholder tokens ({token_attr}="
+                              f"{token}) in 'input_ids' for {grid_key} {grid.tolist()}, which the model turns into "
+                              f"{want} (t*h*w / spatial_merge_size**2 = {patches} / {merge ** 2}); keep the text and "
+                              f"the {what}s the processor returned together")
+            marked = None if types is None else int(np.count_nonzero(types == type_id))
+            if marked is not None and marked != tokens:
+                raise located(ExampleValueError, i, None, f"has {marked} {what} tokens marked {type_id} in "
+                              f"'mm_token_type_ids' for {tokens} {what} placeholder tokens in 'input_ids'; keep the "
+                              "mm_token_type_ids the processor returned")
+        seconds = ex.get("second_per_grid_ts")
+        if seconds is not None and spec is not None:
+            videos = 0 if ex.get("video_grid_thw") is None else len(grid_rows(ex["video_grid_thw"], i,
+                                                                               key="video_grid_thw"))
+            try:
+                example_values([seconds], [videos], key="second_per_grid_ts", what="video")
+            except (ExampleValueError, ExampleTypeError) as exc:  # about example 0 of one: this example
+                raise located(type(exc), i, None, exc.text) from None
+
+
 def _vision_inputs(examples, order) -> dict:
-    """The vision inputs of the documents, in ``order``: ``{key: tensor}`` for every key of
-    :data:`VISION_KEYS` some document carries; an image without its grid is an error naming it."""
+    """The vision inputs of the documents (checked by :func:`check_vision`), in ``order``: ``{key: tensor}``
+    for every key of :data:`VISION_KEYS` some document carries."""
     out = {}
     for key in VISION_KEYS:
         parts = [torch.as_tensor(examples[i][key]) for i in order if examples[i].get(key) is not None]
         if parts:
             out[key] = torch.cat(parts)
-    for pixels, grid in _GRIDS.items():
-        for i in order:
-            ex = examples[i]
-            if (ex.get(pixels) is None) != (ex.get(grid) is None):
-                have, lack = (pixels, grid) if ex.get(pixels) is not None else (grid, pixels)
-                raise ValueError(f"{location(i)} has {have!r} but no {lack!r}; keep both columns the processor "
-                                 "returned")
     return out
 
 

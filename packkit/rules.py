@@ -49,6 +49,7 @@ __all__ = [
     "as_lengths",
     "check_groups",
     "example_values",
+    "grid_rows",
     "relocate_part",
     "ExampleTypeError",
     "ExampleValueError",
@@ -562,6 +563,51 @@ def example_values(values: list, sizes, *, key: str, rows=None, what: str = "com
                           "fix or drop the example")
         out.append(arr)
     return np.concatenate(out) if out else np.zeros(0, np.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# per-example grids: the (t, h, w) of each image or video
+# ----------------------------------------------------------------------------------------------
+
+
+def grid_rows(value, i: int, *, key: str, rows=None, merge: int | None = None) -> np.ndarray:
+    """One example's grids (``image_grid_thw``, ``video_grid_thw``: one ``(t, h, w)`` row of patches per image
+    or video) as ``(n, 3)`` int64, checked: integers >= 1, three a row, and ``h`` and ``w`` multiples of
+    ``merge`` (the vision tower merges ``merge x merge`` patches into one token) when given.
+    ``grid_rows([[1, 4, 4]], 0, key="image_grid_thw") -> [[1, 4, 4]]``; ``[[4, 4]]`` raises ``"example 0 has
+    image_grid_thw of shape [1, 2]; a grid is one (t, h, w) row per image, as the processor returns it"``.
+    """
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    try:
+        grid = np.asarray(value)
+    except ValueError:  # ragged rows
+        grid = np.asarray(None, dtype=object)
+    what = "image" if "image" in key else "video"
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        shape = f"shape {list(grid.shape)}" if grid.dtype != object or grid.ndim else "ragged rows"
+        raise located(ExampleValueError, i, rows, f"has {key} of {shape}; a grid is one (t, h, w) row per {what}, as "
+                      "the processor returns it")
+    if grid.dtype.kind not in "iu":
+        bad = not_integral(grid.astype(np.float64)) if grid.dtype.kind == "f" else np.ones(grid.shape, bool)
+        if grid.dtype.kind != "f" or bad.any():
+            r, c = np.unravel_index(int(np.argmax(bad)), grid.shape)
+            raise located(ExampleTypeError, i, rows, f"has {_value_text(grid[r, c])} in {key} ({what} {r}); a grid "
+                          "holds integers >= 1 (patches along t, h, w)")
+    small = grid < 1
+    if small.any():
+        r, c = np.unravel_index(int(np.argmax(small)), grid.shape)
+        raise located(ExampleValueError, i, rows, f"has {key} {grid[r].tolist()} ({what} {r}); a grid holds integers "
+                      ">= 1 (patches along t, h, w)")
+    grid = grid.astype(np.int64)
+    if merge is not None:
+        odd = (grid[:, 1:] % merge != 0).any(axis=1)
+        if odd.any():
+            r = int(np.argmax(odd))
+            raise located(ExampleValueError, i, rows, f"has {key} {grid[r].tolist()} ({what} {r}), whose h and w are "
+                          f"not multiples of the model's spatial_merge_size={merge}; keep the grid the model's "
+                          "processor returned")
+    return grid
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ Every token id is its global index + 1 (0 pads), so each token of the batch name
 offset: the reference reads the expected four rows and image order straight from there.
 """
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -17,15 +19,23 @@ from packkit.model_inputs import HybridCollator, VisionLanguageCollator
 KINDS = ("padding_free", "fixed_bfd", "fixed_next_fit", "fixed_drop", "padded")
 
 
+#: The image placeholder token, and a model config that says so (no merging: one token a patch).
+IMG = 10**6
+CONFIG = types.SimpleNamespace(image_token_id=IMG, video_token_id=IMG + 1,
+                               vision_config=types.SimpleNamespace(spatial_merge_size=1))
+
+
 def make(lengths, seed):
-    """Examples with unique ids, random (3, n) positions, and every other one an 'image' whose rows hold its index."""
+    """Examples with unique ids, random (3, n) positions, and every other one of two tokens or more an 'image' of
+    ``k`` patches whose rows hold its index, its ``k`` placeholder tokens (``IMG``) ending the text."""
     rng = np.random.default_rng(seed)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     out = []
     for i, n in enumerate(lengths):
         ex = {"input_ids": list(range(starts[i] + 1, starts[i] + n + 1)), "position_ids": rng.integers(0, 99, (3, n))}
-        if i % 2 == 0:
-            k = int(rng.integers(1, 4))
+        if i % 2 == 0 and n > 1:
+            k = int(rng.integers(1, min(3, n - 1) + 1))
+            ex["input_ids"][-k:] = [IMG] * k
             ex["pixel_values"] = torch.full((k, 2), float(i))
             ex["image_grid_thw"] = torch.tensor([[1, 1, k]])
         out.append(ex)
@@ -52,9 +62,9 @@ def test_every_token_takes_its_documents_positions_and_images_follow_their_docum
     examples = make(lengths, seed)
     if min(lengths) > window:  # every document dropped: an error, as from the collator alone
         with pytest.raises(ValueError, match="dropped all"):
-            VisionLanguageCollator(collator(kind, window))(examples)
+            VisionLanguageCollator(collator(kind, window), config=CONFIG)(examples)
         return
-    batch = VisionLanguageCollator(collator(kind, window))(examples)
+    batch = VisionLanguageCollator(collator(kind, window), config=CONFIG)(examples)
     ids = batch.input_ids.reshape(-1).numpy()
     pos = batch["position_ids"]
     assert pos.shape == (4, *batch.input_ids.shape) and pos.dtype == torch.int64
@@ -66,8 +76,11 @@ def test_every_token_takes_its_documents_positions_and_images_follow_their_docum
         if token == 0:  # padding: every row its text position
             assert (pos[1:, p] == pos[0, p]).all()
             continue
-        i = int(np.searchsorted(starts, token - 1, side="right") - 1)
-        offset = token - 1 - starts[i]
+        if token == IMG:  # an image token: the next token of the document before it (documents are whole)
+            offset += 1
+        else:
+            i = int(np.searchsorted(starts, token - 1, side="right") - 1)
+            offset = token - 1 - starts[i]
         assert (pos[1:, p] == examples[i]["position_ids"][:, offset]).all()
         if offset == 0:
             order.append(i)

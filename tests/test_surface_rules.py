@@ -13,7 +13,8 @@ import torch
 
 from packkit.balance import CostModel, compute_imbalance, cost_model
 from packkit.binpack import pack
-from packkit.collate import PaddingFreeCollator
+from packkit.collate import FixedWindowCollator, PaddingFreeCollator
+from packkit.model_inputs import VisionLanguageCollator
 from packkit.cp import restore, shard
 from packkit.errors import ArgumentError
 from packkit.preference import shard_groups
@@ -265,3 +266,126 @@ def test_dpo_trainer_with_packed_pairs_refuses_a_pair_with_nothing_to_score(tmp_
     with pytest.raises(DataError) as info:
         trainer.train()
     assert "has an empty 'prompt_ids' and 1 token in 'chosen_ids': nothing to score" in one_line(info)
+
+
+# ----------------------------------------------------------------------------------------------
+# vision-language documents: images against their grids and their placeholder tokens
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vl():
+    """A tiny random Qwen2-VL (2x2 patches merged into one token) and what its processor would give: document 0
+    with a (1, 4, 4) image (16 patch rows, 4 placeholder tokens), 1 with a (1, 2, 4) image (8 rows, 2 tokens),
+    2 with a (2, 4, 4) video (32 rows, 8 tokens), 3 text only."""
+    pytest.importorskip("transformers")
+    from testlib import tiny_vl_model, vl_example
+
+    g = torch.Generator().manual_seed(0)
+    docs = [vl_example(g, 3, images=[(1, 4, 4)]), vl_example(g, 2, images=[(1, 2, 4)]),
+            vl_example(g, 2, videos=[(2, 4, 4)]), vl_example(g, 5)]
+    return tiny_vl_model(), docs
+
+
+def _without(ex, drop: int, token: int) -> dict:
+    """``ex`` with ``drop`` of its ``token`` placeholders removed (ids, types, labels alike); ``drop < 0`` adds them."""
+    keep = list(range(len(ex["input_ids"])))
+    at = [j for j in keep if ex["input_ids"][j] == token]
+    if drop >= 0:
+        keep = [j for j in keep if j not in at[:drop]]
+    else:
+        keep = keep[:at[-1] + 1] + [at[-1]] * -drop + keep[at[-1] + 1:]
+    return dict(ex, **{k: [ex[k][j] for j in keep] for k in ("input_ids", "mm_token_type_ids", "labels")})
+
+
+def _vl_case(name, docs):
+    """The documents of one hostile case (each keeps the batch's totals of patches and tokens where it can, so
+    the model's own check, which reads totals, passes)."""
+    a, b, v, t = (dict(d) for d in docs)
+    if name == "patches_moved":  # 4 patch rows of document 0's image given to document 1's
+        a["pixel_values"], b["pixel_values"] = docs[0]["pixel_values"][:12], torch.cat(
+            [docs[0]["pixel_values"][12:], docs[1]["pixel_values"]])
+    elif name == "tokens_moved":  # 2 placeholder tokens moved from document 0 to document 1
+        a, b = _without(a, 2, 120), _without(b, -2, 120)
+    elif name == "tokens_without_image":  # document 1's 2 placeholder tokens moved into the text-only document
+        b = _without(b, 2, 120)
+        t = dict(t, input_ids=t["input_ids"][:1] + [120] * 2 + t["input_ids"][1:], mm_token_type_ids=[0, 1, 1] + [0] * 4,
+                 labels=t["labels"][:1] + [-100] * 2 + t["labels"][1:])
+    elif name == "two_number_grid":
+        a["image_grid_thw"] = torch.tensor([[4, 4]])
+    elif name == "video_patches":
+        v["pixel_values_videos"] = docs[2]["pixel_values_videos"][:24]
+    elif name == "unmergeable_grid":  # 1 x 3 x 4 = 12 patch rows, but 3 rows of patches cannot merge 2 by 2
+        b["image_grid_thw"], b["pixel_values"] = torch.tensor([[1, 3, 4]]), docs[1]["pixel_values"][:6].repeat(2, 1)
+    elif name == "patch_width":
+        b["pixel_values"] = docs[1]["pixel_values"][:, :12]
+    elif name == "types_disagree":
+        a["mm_token_type_ids"] = [0] * len(a["input_ids"])
+    elif name == "seconds":
+        v["second_per_grid_ts"] = [1.0, 2.0]
+    return [t, a, b, v]  # the text document first: errors name examples 1-3 by their place here
+
+
+VL_CASES = [
+    ("patches_moved", "example 1 has 'pixel_values' of shape [12, 24] for image_grid_thw [[1, 4, 4]], which needs 16 "
+                      "patch rows (t*h*w summed); keep the pixel_values and image_grid_thw the processor returned for "
+                      "this example together"),
+    ("tokens_moved", "example 1 has 2 image placeholder tokens (image_token_id=120) in 'input_ids' for image_grid_thw "
+                     "[[1, 4, 4]], which the model turns into 4 (t*h*w / spatial_merge_size**2 = 16 / 4); keep the "
+                     "text and the images the processor returned together"),
+    ("tokens_without_image", "example 0 has 2 image placeholder tokens (image_token_id=120) in 'input_ids' but no "
+                             "'pixel_values'; they would take another document's image features"),
+    ("two_number_grid", "example 1 has image_grid_thw of shape [1, 2]; a grid is one (t, h, w) row per image, as the "
+                        "processor returns it"),
+    ("video_patches", "example 3 has 'pixel_values_videos' of shape [24, 24] for video_grid_thw [[2, 4, 4]], which "
+                      "needs 32 patch rows"),
+    ("unmergeable_grid", "example 2 has image_grid_thw [1, 3, 4] (image 0), whose h and w are not multiples of the "
+                         "model's spatial_merge_size=2"),
+    ("patch_width", "example 2 has 'pixel_values' rows of 12 values and example 1 of 24; every image of a batch comes "
+                    "from the same processor"),
+    ("types_disagree", "example 1 has 0 image tokens marked 1 in 'mm_token_type_ids' for 4 image placeholder tokens "
+                       "in 'input_ids'; keep the mm_token_type_ids the processor returned"),
+    ("seconds", "example 3 has 2 'second_per_grid_ts' for 1 videos; give one per video"),
+]
+
+
+@pytest.mark.parametrize("name, words", VL_CASES, ids=[c[0] for c in VL_CASES])
+def test_vision_language_documents_are_checked_against_their_grids(vl, name, words):
+    """Before (positions stored, as a dataset holds them): patches or placeholder tokens moved between documents,
+    mm_token_type_ids that disagree with the tokens, and a second_per_grid_ts too many were collated and the model
+    ran (it checks the batch's totals only), training documents on another's image, silently; the others ended in
+    torch's or transformers' errors naming no example ("Sizes of tensors must match", "shape '[1, 2, 2, 2]' is
+    invalid")."""
+    model, docs = vl
+    examples = _vl_case(name, docs)
+    rope = None if name == "two_number_grid" else model.model.get_rope_index
+    for collate in (VisionLanguageCollator(PaddingFreeCollator(), config=model.config),
+                    VisionLanguageCollator(PaddingFreeCollator(), rope_index=rope, config=model.config),
+                    VisionLanguageCollator(FixedWindowCollator(window=64), rope_index=model.model.get_rope_index)):
+        stored = [dict(ex, position_ids=np.broadcast_to(np.arange(len(ex["input_ids"])), (3, len(ex["input_ids"]))))
+                  for ex in examples] if collate.rope_index is None else examples
+        with pytest.raises(DataError) as info:
+            collate(stored)
+        assert one_line(info).startswith(words), str(info.value)
+
+
+def test_vision_checks_pass_real_documents_and_cross_dataloader_workers(vl):
+    model, docs = vl
+    collate = VisionLanguageCollator(FixedWindowCollator(window=64, num_windows=2), rope_index=model.model.get_rope_index)
+    batch = collate(docs)
+    with torch.no_grad():
+        model(**batch)  # the model takes what passed the checks
+    loader = torch.utils.data.DataLoader(_vl_case("patches_moved", docs), batch_size=4, num_workers=2,
+                                         collate_fn=VisionLanguageCollator(PaddingFreeCollator(),
+                                                                           rope_index=model.model.get_rope_index))
+    with pytest.raises(DataError, match=r"example 1 has 'pixel_values' of shape \[12, 24\]"):
+        list(loader)
+    with pytest.raises(TypeError, match="config must be the vision-language model's config .* this LlamaConfig has no "
+                                        "image_token_id, video_token_id, vision_config.spatial_merge_size"):
+        VisionLanguageCollator(PaddingFreeCollator(), config=transformers_config("LlamaConfig"))
+
+
+def transformers_config(name):
+    import transformers
+
+    return getattr(transformers, name)()

@@ -124,7 +124,7 @@ def test_fixed_windows_reordered_with_stored_positions(model, examples, alone):
     stored = [dict(ex, position_ids=example_positions(ex, rope_index=rope_index).tolist()) for ex in examples]
     for ex in stored:
         del ex["mm_token_type_ids"]  # not needed once positions are stored
-    collate = VisionLanguageCollator(FixedWindowCollator(window=32, num_windows=4))
+    collate = VisionLanguageCollator(FixedWindowCollator(window=32, num_windows=4), config=model.config)
     loader = torch.utils.data.DataLoader(stored, batch_size=len(stored), collate_fn=collate, num_workers=2)
     (batch,) = list(loader)
     assert batch["position_ids"].shape == (4, 4, 32)
@@ -190,11 +190,14 @@ def test_mrope_position_ids_against_a_loop():
 
 
 def test_errors_name_the_example_and_the_fix(model, examples):
-    with pytest.raises(ValueError, match=r"example 0 has images or videos but no 3-D position_ids; pass rope_index="):
+    with pytest.raises(ValueError, match=r"example 0 has images or videos, which VisionLanguageCollator checks against "
+                                         r"the model's placeholder tokens and merge size; pass config=model.config"):
         VisionLanguageCollator(PaddingFreeCollator())(examples)
+    with pytest.raises(ValueError, match=r"example 0 has images or videos but no 3-D position_ids; pass rope_index="):
+        VisionLanguageCollator(PaddingFreeCollator(), config=model.config)(examples)
     bad = [examples[1], dict(examples[0], position_ids=[[0, 1]] * 3)]
     with pytest.raises(ValueError, match=r"example 1 has position_ids of shape \[3, 2\] .* for 13 input_ids"):
-        VisionLanguageCollator(PaddingFreeCollator())(bad)
+        VisionLanguageCollator(PaddingFreeCollator(), config=model.config)(bad)
     no_grid = [examples[1], {k: v for k, v in examples[0].items() if k != "image_grid_thw"}]
     with pytest.raises(ValueError, match="example 1 has 'pixel_values' but no 'image_grid_thw'"):
         VisionLanguageCollator(PaddingFreeCollator(), rope_index=lambda **kw: 1 / 0)(
