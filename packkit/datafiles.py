@@ -885,6 +885,43 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
                                           "tokenized)", where=where, arg=arg("tokenizer"))), stacklevel=3)
 
 
+def read_npy(path) -> np.ndarray:
+    """The array of a ``.npy`` file, its header checked against the file before anything is allocated.
+
+    numpy sizes its array from the header alone (a 40-byte file that says ``shape (2**40,)`` asks for 8 TiB),
+    and its errors advise loading a file it cannot read with pickle, which runs the file's code. Refused
+    naming the file: no numpy header, Python objects (a pickle: packkit never loads one), or fewer bytes
+    than the header's shape needs (truncated or damaged).
+    """
+    from numpy.lib import format as npy
+
+    name = str(path)
+    with open(path, "rb") as f:
+        try:
+            version = npy.read_magic(f)
+            read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+            if read_header is not None:
+                shape, _, dtype = read_header(f)
+            else:  # version 3.0 (utf-8 field names): numpy's own reader of any version
+                shape, _, dtype = npy._read_array_header(f, version)
+        except (ValueError, SyntaxError, EOFError) as exc:
+            raise DataError(f"{name!r} is not a .npy file ({str(exc).split(';')[0].rstrip('.')}): save the lengths "
+                            "with numpy.save(path, lengths), one integer per example") from None
+        if dtype.hasobject:
+            raise DataError(f"{name!r} holds Python objects (a pickle), not integers: packkit never loads a pickle "
+                            "(it runs the file's code); save the lengths as integers: "
+                            "numpy.save(path, numpy.asarray(lengths, dtype='int64'))")
+        need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+        have = os.fstat(f.fileno()).st_size - f.tell()
+    if need > have:
+        raise DataError(f"{name!r} is truncated or damaged: its header says {shape} values of {dtype} "
+                        f"({need:,} bytes), and it holds {have:,} bytes after the header")
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise DataError(f"cannot read {name!r} as a numpy array of lengths: {str(exc).split('. ')[0]}") from None
+
+
 def bundled_sample() -> Lengths:
     """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
     lengths = np.load(SAMPLE_PATH).astype(np.int64)
@@ -915,11 +952,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
 def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split, progress: bool, chat) -> Lengths:
     loss = targets = how = None
     if path.is_file() and _suffix(path) == ".npy":
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except ValueError as exc:
-            raise ValueError(f"cannot read {str(path)!r} as a numpy array of lengths: {exc}") from None
-        lengths = as_lengths(arr, name=f"lengths in {path.name}")
+        lengths = as_lengths(read_npy(path), name=repr(str(path)))
         source = f"{path.name} (lengths)"
         unit = "tokens"
     elif path.is_file() and _suffix(path) in (".txt", ".text") and tokenizer == "bytes" and text_column == "text" \

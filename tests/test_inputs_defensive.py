@@ -3,6 +3,9 @@
 - an input truncated while `packkit pack` memory-maps it (a real process, a real truncation): an error naming
   the file, exit 3, nothing beside OUT (it was a SIGBUS: nothing printed, a temporary file left);
 - an input open for writing elsewhere, and one changed where no lease holds it;
+- one absurd value that would allocate without bound: a length of 2**40 in a .npy (waste, plan, the library's
+  planners), a .npy header claiming 2**40 values; a file that is not .npy, or a pickle, refused by name (numpy's
+  advice was to load it with pickle);
 
 Every refusal is one line on stderr naming the file, row, line, field or option to blame, read here.
 In-process through ``packkit.cli.main`` (what the script calls) except where a process is the point.
@@ -120,3 +123,68 @@ def test_input_changed_without_a_lease_is_named_at_the_next_check(tmp_path):
     t.start()
     t.join()
     assert got and got[0].startswith(f"'{src}' was changed by another process while packkit read it"), got
+
+
+def test_a_length_of_2_40_is_refused_before_any_allocation_naming_it(tmp_path):
+    """Issue 28: a .npy of lengths holding 2**40 made waste and plan split it into 537M pieces (tens of GiB) until
+    the machine ran out of memory, naming no example. The pieces are counted first: more than memory can plan is
+    the error naming the example, in the command's syntax and in Python's."""
+    from packkit.binpack import pack
+    from packkit.budget import plan_budget
+    from packkit.errors import DataError
+    from packkit.waste import measure_waste
+
+    src = tmp_path / "lengths.npy"
+    np.save(src, np.array([10, 2**60, 5]))
+    for argv in (["waste", src, "-q"], ["plan", src]):
+        code, out, err = cli(argv)
+        line = one_line(err)
+        assert code == 3 and out == "", (argv, code, err)
+        assert "example 1 has 1,152,921,504,606,846,976 tokens: --overflow split cuts it into" in line, line
+        assert "pieces of --window 2048" in line and "pass --overflow truncate or drop, or raise --window" in line
+    lengths = np.array([10, 2**60, 5])
+    for call in (lambda: pack(lengths, window=2048, overflow="split"),
+                 lambda: measure_waste(lengths, window=2048, batch_size=8, overflow="split", progress=False),
+                 lambda: plan_budget(lengths, per_device_batch=1, window=2048, overflow="split")):
+        with pytest.raises(DataError, match=r"example 1 has 1,152,921,504,606,846,976 tokens: overflow='split' "
+                                            r"cuts it into .* pieces of window=2048.*pass overflow='truncate' or 'drop'"):
+            call()
+    assert cli(["waste", src, "-q", "--overflow", "truncate"])[0] == 0  # nothing split: nothing to plan
+
+
+@pytest.mark.parametrize("name, make, match", [
+    ("notnpy.npy", lambda p: p.write_bytes(b"10\n20\n30\n"),
+     "'{p}' is not a .npy file (the magic string is not correct): save the lengths with numpy.save(path, lengths)"),
+    ("pickle.npy", lambda p: np.save(p, np.array([1, "a"], dtype=object), allow_pickle=True),
+     "'{p}' holds Python objects (a pickle), not integers: packkit never loads a pickle"),
+    ("claims.npy", lambda p: p.write_bytes(_npy_header((2**40,)) + bytes(16)),
+     "'{p}' is truncated or damaged: its header says (1099511627776,) values of int64 (8,796,093,022,208 bytes), "
+     "and it holds 16 bytes after the header"),
+    ("cut.npy", lambda p: p.write_bytes(_npy_header((4,)) + bytes(24)),
+     "'{p}' is truncated or damaged: its header says (4,) values of int64 (32 bytes), and it holds 24 bytes"),
+    ("empty.npy", lambda p: p.write_bytes(b""), "'{p}' is not a .npy file"),
+])
+def test_a_file_that_is_not_a_npy_of_lengths_is_refused_naming_it(tmp_path, name, make, match):
+    """Issue 28: a file that is not .npy (or a pickle) passed on numpy's advice to load it with pickle (which runs
+    the file's code); a header claiming 2**40 values asked numpy for 8 TiB before reading a byte. The header is
+    read first and checked against the file."""
+    from packkit.datafiles import read_lengths
+    from packkit.errors import DataError
+
+    path = tmp_path / name
+    make(path)
+    want = match.format(p=path)
+    code, _, err = cli(["waste", path, "-q"])
+    assert code == 3 and want in one_line(err), err
+    assert "pickle.load" not in err and "allow_pickle" not in err
+    with pytest.raises(DataError) as info:
+        read_lengths(path)
+    assert want in str(info.value)
+
+
+def _npy_header(shape) -> bytes:
+    from numpy.lib import format as npy
+
+    buf = io.BytesIO()
+    npy.write_array_header_1_0(buf, {"descr": "<i8", "fortran_order": False, "shape": shape})
+    return buf.getvalue()
