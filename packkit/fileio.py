@@ -422,9 +422,9 @@ class _Hold:
 
 
 def _changed_error(path) -> InputChangedError:
-    return InputChangedError(f"{str(path)!r} was changed by another process while packkit read it (written, "
-                             "truncated or replaced in place); nothing was written: run again once it is complete, "
-                             "or copy it and read the copy")
+    return InputChangedError(f"{str(path)!r} was changed while packkit read it (written, truncated or replaced in "
+                             "place by another program); nothing was written: run again once it is complete, or copy "
+                             "it and read the copy")
 
 
 def _lease(path: Path):
@@ -455,11 +455,11 @@ def held_still(paths):
     once nothing reads the map. The kernel waits ``/proc/sys/fs/lease-break-time`` seconds (45 by default)
     for that, far more than a stop takes.
 
-    A file that another process holds open for writing gets no lease: it is being written, so reading it now
-    would read half of it; that is refused at once naming the file. Where the kernel grants no lease for
-    another reason (a file of another user, a file system without leases, not Linux, not the main thread),
-    the file's size, inode and modification time are compared at each :meth:`check` and at the end, and a
-    change is the same error; a truncation there can still end in SIGBUS (no lease, no warning).
+    Where the kernel grants no lease (the file is open for writing somewhere, this process included: a
+    pyarrow writer given a path keeps its file open until collected; a file of another user; a file system
+    without leases; not Linux; not the main thread), the file's size, inode and modification time are compared
+    at each :meth:`check` and at the end, and a change is the same error; a truncation there can still end
+    in SIGBUS.
 
     Yields the hold: ``hold.check()`` raises if a file changed (:class:`InputChangedError`).
     """
@@ -491,10 +491,6 @@ def held_still(paths):
             if fd is not None:
                 hold.fds[path] = fd
                 continue
-            if err == errno.EAGAIN:
-                raise InputChangedError(f"{str(path)!r} is open for writing in another process: packkit reads a "
-                                        "file only while nothing writes it (it could change or shrink under "
-                                        "packkit's memory map); run again once it is written, or copy it")
             hold.stamps[path] = _stamp(os.stat(path))
         yield hold
         hold.check()
