@@ -46,7 +46,7 @@ from . import binpack
 from .binpack import DEFAULT_OVERFLOW, as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
 from .cp_plan import check_cp_window, cp_multiples
 from .segments import lengths_to_offsets, piece_loss_tokens
-from .errors import DataError, Message, arg, check_int
+from .errors import ArgumentError, DataError, Message, arg, check_int
 from .balance import CostModel, step_figures
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
@@ -419,7 +419,12 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
 # ----------------------------------------------------------------------------------------------
 
 
-def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int = 8, seed: int = 0) -> dict:
+#: What ``overflow`` may say for preference pairs: a pair is packed whole (the collator refuses a longer one).
+PREFERENCE_OVERFLOW = ("drop", "error")
+
+
+def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int = 8, seed: int = 0,
+                     overflow: str = "drop") -> dict:
     """Tokens computed per pair by each way of batching preference pairs (:mod:`packkit.preference`'s
     layouts), on lengths only.
 
@@ -441,8 +446,18 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     ``fill`` (real / tokens); windowed rows also ``windows``, ``lower_bound`` (``ceil(real / window)``)
     and ``dropped`` pairs longer than the window (left out of every row's count, said here).
     ``preference_waste([3], [2], [4], window=16)["rows"]["packkit_tree"]["per_pair"] -> 16.0``.
+
+    ``overflow``: a pair that does not fit the window whole (either layout) is left out and counted
+    (``"drop"``), or is the error naming it (``"error"``, what :class:`packkit.preference.PreferenceCollator`
+    does); a pair is never split or truncated here, so those policies are refused. Every pair left out is
+    an error too: there would be nothing to measure.
     """
     window = check_window(window)
+    if overflow not in PREFERENCE_OVERFLOW:
+        check_overflow(overflow)
+        raise ArgumentError("{got}: a preference pair is packed whole, never split or truncated (the collator refuses "
+                            "a longer pair); pass {fix}, or raise {w}", got=arg("overflow", overflow),
+                            fix=arg("overflow", *PREFERENCE_OVERFLOW), w=arg("window"))
     p = np.asarray(prompt, np.int64)
     c = np.asarray(chosen, np.int64)
     r = np.asarray(rejected, np.int64)
@@ -457,6 +472,14 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     tree_fits = (p + c + r) <= window
     use = pair_fits & tree_fits
     dropped = int((~use).sum())
+    if dropped and (overflow == "error" or dropped == use.size):
+        i = int(np.argmin(use))
+        every = "" if overflow == "error" else f"every pair is longer than the window ({dropped:,} of them), so none is left to measure: "
+        raise DataError("{every}example {i} has {n:,} tokens as two sequences with their prompt (prompt {p:,} twice, "
+                        "chosen {c:,}, rejected {r:,}) > {window}; raise {w}" + (", or pass {drop} (left out, counted)"
+                                                                               if overflow == "error" else ""),
+                        every=every, i=i, n=int(pairs_len[i]), p=int(p[i]), c=int(c[i]), r=int(r[i]),
+                        window=arg("window", window), w=arg("window"), drop=arg("overflow", "drop"))
     p, c, r = p[use], c[use], r[use]
     n = p.size
     # TRL pads both sequences of every pair of a batch to the batch's longest

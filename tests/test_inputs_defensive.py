@@ -191,3 +191,49 @@ def _npy_header(shape) -> bytes:
     npy.write_array_header_1_0(buf, {"descr": "<i8", "fortran_order": False, "shape": shape})
     return buf.getvalue()
 
+
+def _pairs(path: Path, chosen_lengths) -> Path:
+    import json
+
+    with open(path, "w") as f:
+        for i, n in enumerate(chosen_lengths):
+            f.write(json.dumps({"prompt_ids": [1] * 10, "chosen_ids": [2] * n, "rejected_ids": [3] * 10}) + "\n")
+            if i == 0:
+                f.write("\n")  # a blank line: rows and lines differ from here on
+    return path
+
+
+def test_waste_preference_honours_overflow_and_names_lines(tmp_path):
+    """Issue 28: `waste --preference` ignored --overflow (--overflow error exited 0; a file where every pair is too
+    long reported 0 pairs at 100% fill) and named rows but not lines. --overflow error refuses the first pair that
+    does not fit whole, by example and line; drop (the default here) leaves pairs out and says how many, but not
+    every one; split and truncate cannot apply to a pair and are refused before the file is read."""
+    from packkit.errors import ArgumentError, DataError
+    from packkit.waste import preference_waste
+
+    some = _pairs(tmp_path / "some.jsonl", [10, 10, 3000, 10])
+    code, _, err = cli(["waste", some, "--preference", "-w", "1024", "--overflow", "error"])
+    assert code == 3 and (f"example 2 (line 4 of '{some}') has 3,030 tokens as two sequences with their prompt "
+                          "(prompt 10 twice, chosen 3,000, rejected 10) > --window 1024; raise --window, or pass "
+                          "--overflow drop (left out, counted)") in one_line(err), err
+    code, out, _ = cli(["waste", some, "--preference", "-w", "1024"])
+    assert code == 0 and "3 pairs, window 1,024" in out and "1 pairs longer than the window left out" in out
+    every = _pairs(tmp_path / "every.jsonl", [3000, 3000])
+    code, out, err = cli(["waste", every, "--preference", "-w", "1024"])
+    assert code == 3 and out == "" and "every pair is longer than the window (2 of them), so none is left to measure: " \
+        f"example 0 (line 1 of '{every}') has 3,030 tokens" in one_line(err), err
+    for policy in ("split", "truncate"):
+        code, _, err = cli(["waste", tmp_path / "missing.jsonl", "--preference", "--overflow", policy])
+        assert code == 2 and f"--overflow {policy}: a preference pair is packed whole, never split or truncated" \
+            in one_line(err), err
+    bad = tmp_path / "bad.jsonl"
+    lines = some.read_text().splitlines()
+    lines[2] = lines[2].replace('"chosen_ids": [2,', '"chosen_ids": [-2,', 1)
+    bad.write_text("\n".join(lines) + "\n")
+    code, _, err = cli(["waste", bad, "--preference"])
+    assert code == 3 and f"dataset row 1 (line 3 of '{bad}') has token id -2 in 'chosen_ids'" in one_line(err), err
+    with pytest.raises(DataError, match=r"^example 1 has 30 tokens .* > window=16; raise window, or pass overflow='drop'"):
+        preference_waste([1, 10], [1, 5], [1, 5], window=16, overflow="error")
+    with pytest.raises(ArgumentError, match="overflow='split': a preference pair is packed whole"):
+        preference_waste([1], [1], [1], window=16, overflow="split")
+    assert preference_waste([1, 10], [1, 5], [1, 5], window=16)["dropped"] == 1

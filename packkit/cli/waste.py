@@ -10,8 +10,14 @@ from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
 from ..datafiles import read_lengths, read_preference_lengths
 from ..errors import ArgumentError, arg
 from ..fileio import check_output
-from ..waste import WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste, plot_waste, preference_waste
+from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
+                     plot_waste, preference_waste)
 from ._chat import add_tokenizer_arguments, chat_options
+
+
+class _Default(str):
+    """An option's default, told apart from the same value passed (``--preference`` reads ``--overflow``'s
+    default as drop, and refuses ``--overflow split`` passed)."""
 
 
 def parser() -> Parser:
@@ -29,7 +35,8 @@ def parser() -> Parser:
                    help="windows per packed step (default: the batch size)")
     p.add_argument("--ranks", type=int, default=1,
                    help="data-parallel ranks, each taking a step's rows: compute imbalance across them (default 1)")
-    p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
+    p.add_argument("--overflow", default=_Default(DEFAULT_OVERFLOW), choices=OVERFLOW_POLICIES,
+                   help=OVERFLOW_HELP + "; with --preference, drop (default there) or error: a pair is packed whole")
     p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
     p.add_argument("--buffer-size", type=int, default=1000,
                    help="examples held by the streaming packer (default 1000)")
@@ -101,9 +108,13 @@ def _preference(args) -> int:
     """``packkit waste FILE --preference``: :func:`packkit.waste.preference_waste` of the file's pairs."""
     if args.input is None:
         raise ArgumentError("{pref} reads a file of preference pairs: give FILE", pref=arg("preference"))
-    prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split)
-    report = preference_waste(prompt, chosen, rejected, window=args.window, batch_size=args.batch_size,
-                              seed=args.seed)
+    overflow = "drop" if isinstance(args.overflow, _Default) else args.overflow  # a pair is never split
+    if overflow not in PREFERENCE_OVERFLOW:  # refused before the file is read
+        preference_waste([0], [1], [1], window=args.window, overflow=overflow)
+    with rows_as_lines(args.input):  # a pair is a row: its line too
+        prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split)
+        report = preference_waste(prompt, chosen, rejected, window=args.window, batch_size=args.batch_size,
+                                  seed=args.seed, overflow=overflow)
     if args.json:
         print(json.dumps({"source": source, **report}))
     else:
