@@ -292,7 +292,7 @@ def make_jsonl(folder, n: int) -> tuple[str, int]:
     """JSON lines of ``n`` SFT-like examples (token ids), written by packkit's jsonl writer; made once."""
     import os
 
-    from packkit.writers import write_batches
+    from packkit.outputs import write_batches
 
     path = os.path.join(folder, f"in-{n}.jsonl")
     lengths = sft_like_lengths(n)

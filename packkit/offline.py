@@ -35,7 +35,7 @@ the list offsets, every batch checked, and flat numpy *views* of the list column
 lies (a memory map stays a memory map; copies are staged to a memory-mapped file). The plan needs
 the lengths only. Then :class:`PackedTable` gathers consecutive windows, at most ``buffer_bytes`` of
 them at a time (:func:`packkit.packer.copy_segments`: strided copies of length groups, slices for
-the rest), into one ``pyarrow.RecordBatch`` that a writer (:mod:`packkit.writers`, or the cache file
+the rest), into one ``pyarrow.RecordBatch`` that a writer (:mod:`packkit.outputs`, or the cache file
 of the returned dataset) writes before the next is gathered::
 
     memory-mapped input ──scan──> lengths ──pack──> plan ──chunk 0──> batch 0 ──write──> OUT
@@ -82,7 +82,9 @@ from .progress import progress_bar
 from .rules import MASK_KEYS, check_column, column_kind
 from .segments import IGNORE_INDEX, lengths_to_offsets
 from .sources import ArrowSource, scan, scan_documents
-from .writers import ENCODING_FACTOR, write_batches
+from . import outputs
+from .fileio import check_output
+from .planindex import example_stats
 
 __all__ = [
     "pack_dataset",
@@ -209,6 +211,9 @@ class PackedTable:
         #: token but each segment's first), and windows holding none
         self.loss_tokens = self.loss_free_windows = self.loss_free_pieces = 0
         self.dropped_pieces = self.dropped_tokens = 0
+        #: how the plan was made (what an index-only plan records to plan again), the source's description
+        self.options: dict = {}
+        self.groups, self.scan_source = None, ""
         token = spec.read[0]
         self.schema = packed_schema([(name, scan.types.get(name, scan.types[token]) if name == "labels"
                                       else scan.types[name]) for name in spec.written()], example_ids=example_ids)
@@ -223,7 +228,7 @@ class PackedTable:
                      in_flight: int = 1) -> int:
         """Tokens per record batch so that ``in_flight`` batches (a writer writing one while the next
         is gathered: 2), their temporaries and ``encoding`` times their size held by a writer
-        (:data:`packkit.writers.ENCODING_FACTOR`) stay within ``buffer_bytes``. ``None`` sizes the buffer
+        (:attr:`packkit.outputs.Format.encoding`) stay within ``buffer_bytes``. ``None`` sizes the buffer
         to the data: :data:`BUFFER_FRACTION` of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES`
         and :data:`DEFAULT_BUFFER_BYTES` (40.7M int64 tokens: 19.4 MiB), so that a small input is not
         packed with a buffer larger than itself."""
@@ -267,6 +272,44 @@ class PackedTable:
         if self.dropped_pieces:
             self.plan = self.plan.keep_segments(keep)
 
+    def example_stats(self, *, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each example's loss tokens when whole and the sum of its tokens for a fingerprint
+        (:func:`packkit.planindex.example_stats`), in one pass over the token and loss columns, ``max_tokens``
+        at a time; counts ``loss_tokens`` and ``loss_free_windows`` as :meth:`record_batches` does. Where
+        the plan truncated or dropped examples, a second pass reads them whole (a fingerprint of the source,
+        not of the plan)."""
+        loss, sums = self._stats(self.plan, max_tokens, count=True)
+        if self.plan.cut_tokens or self.plan.dropped_examples.size:
+            lengths = self.plan.lengths
+            whole = pack(lengths, window=max(int(lengths.max(initial=1)), 1), strategy="next_fit")
+            loss, sums = self._stats(whole, max_tokens, count=False)
+        return loss, sums
+
+    def _stats(self, plan: Plan, max_tokens: int, *, count: bool):
+        spec = self.spec
+        read = {c: self.scan.columns[c] for c in spec.read if c == spec.read[0] or c == "labels" or c in MASK_KEYS}
+        loss, sums = np.zeros(plan.num_examples, np.int64), np.zeros(plan.num_examples, np.uint64)
+        for start, stop in plan.chunks(max_tokens):
+            sub = plan.window_range(start, stop)
+            rows = pack_columns(sub, read, loss_mask=spec.mask, keep_mask=spec.keep_mask, extra_masks=spec.other_masks,
+                                mask_first_label=False, num_threads=self.num_threads)
+            part = example_stats(sub, rows)
+            loss += part[0]
+            sums += part[1]
+            if count:
+                self._count_loss(rows)
+        return loss, sums
+
+    def _count_loss(self, rows) -> None:
+        """Add the loss tokens of packed ``rows`` (:meth:`segment_loss`: each segment's first label is not
+        counted under :attr:`mask_first_label`, masked or not) to ``loss_tokens``, and their windows
+        without one to ``loss_free_windows``."""
+        seg_loss = self.segment_loss(rows)
+        self.loss_tokens += int(seg_loss.sum())
+        self.loss_free_pieces += int((seg_loss == 0).sum())
+        if rows.num_rows:
+            self.loss_free_windows += int((np.add.reduceat(seg_loss, rows.seq_offsets[:-1]) == 0).sum())
+
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
         tokens each (a longer window alone), in the plan's window order. Counts their loss tokens and the
@@ -275,11 +318,7 @@ class PackedTable:
         for start, stop in self.plan.chunks(max_tokens):
             sub = self.plan.window_range(start, stop)
             rows = self._rows(sub, self.scan.columns, bar)
-            seg_loss = self.segment_loss(rows)
-            self.loss_tokens += int(seg_loss.sum())
-            self.loss_free_pieces += int((seg_loss == 0).sum())
-            if rows.num_rows:
-                self.loss_free_windows += int((np.add.reduceat(seg_loss, rows.seq_offsets[:-1]) == 0).sum())
+            self._count_loss(rows)
             batch = packed_batch(rows, self.schema)
             del rows
             yield batch
@@ -329,8 +368,12 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
         plan = plan.shuffled(seed)
     log_overflow(who, overflow=plan.overflow, over=int(plan.overflow_examples.size), examples=plan.num_examples,
                  window=plan.window, cut_tokens=plan.cut_tokens, tokens=int(plan.lengths.sum()))
-    return PackedTable(found, spec, plan, mask_first_label=mask_first_label, example_ids=example_ids,
-                       num_threads=num_proc or 1)
+    table = PackedTable(found, spec, plan, mask_first_label=mask_first_label, example_ids=example_ids,
+                        num_threads=num_proc or 1)
+    table.options = {"strategy": strategy, "overflow": overflow, "seed": seed, "shuffle": bool(shuffle),
+                     "cp_size": cp_size, "cp_layout": cp_layout}
+    table.groups, table.scan_source = groups, source.describe
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +387,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                  progress: bool | None = None, return_report: bool = False, split: str | None = None,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None,
                  group_column: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid",
-                 drop_loss_free: bool = False):
+                 drop_loss_free: bool = False, output=None, output_format: str | None = None):
     """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row
     per window. Conversational data is tokenized first, through its chat template, by
     :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
@@ -409,6 +452,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             --drop-loss-free``. Without it, windows that hold no loss token are counted and logged with this
             fix (TRL's ``SFTTrainer`` with a ``max_length`` drops such rows without a word). Not for an
             ``IterableDataset``.
+        output, output_format: write the packed rows to the file or folder ``output`` (it must not exist), in
+            the format ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`: parquet,
+            arrow, jsonl, a ``datasets`` folder, Megatron ``.bin/.idx``, Megatron-Bridge parquet, MosaicML MDS,
+            or an index-only plan ``.packplan``), and return its path instead of a dataset. Not for an
+            ``IterableDataset``.
 
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
@@ -416,6 +464,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         ``seq_lengths`` (list of int32 segment lengths summing to the row length) and optionally
         ``example_ids`` (int64); backed by the cache file (memory-mapped) or in memory.
         ``save_to_disk`` / ``to_parquet`` it as usual, or write files directly with ``packkit pack``.
+        With ``output``: its ``pathlib.Path`` (``(path, plan)`` under ``return_report``).
 
     Raises:
         ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null
@@ -432,7 +481,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                             mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
                             progress=progress, buffer_bytes=buffer_bytes, cache_file_name=cache_file_name,
                             keep_in_memory=keep_in_memory, group_column=group_column,
-                            cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free)
+                            cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free, output=output,
+                            output_format=output_format)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
@@ -443,6 +493,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         if fmt is not None and columns is None and "input_ids" not in ds.column_names:
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
+    out_format = None if output is None else _check_output_arg(ds, output, output_format)
     if isinstance(ds, datasets.IterableDataset):
         if group_column is not None:
             raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
@@ -485,8 +536,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                          columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
                          mask_first_label=mask_first_label, example_ids=example_ids, progress=progress,
                          groups=groups, cp_size=cp_size, cp_layout=cp_layout)
-    max_tokens = (packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR["arrow"], in_flight=2) if on_disk
-                  else arrow.MAX_LIST_VALUES)
+    written = out_format or outputs.FORMATS["arrow"]  # OUT, or the cache file
+    max_tokens = (packed.chunk_tokens(buffer_bytes, encoding=written.encoding, in_flight=2)
+                  if on_disk or out_format is not None else arrow.MAX_LIST_VALUES)
     if drop_loss_free:
         packed.drop_loss_free(max_tokens)
         if packed.plan.num_windows == 0:
@@ -505,6 +557,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids, group_column=group_column,
             cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free))
     total = plan.total_tokens * len(packed.spec.written())
+    if out_format is not None:
+        with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
+            path = outputs.write_packed(output, packed, format=out_format, max_tokens=max_tokens, bar=bar,
+                                        inputs=[f["filename"] for f in ds.cache_files])
+        return (path, plan) if return_report else path
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
         if on_disk:
             from datasets.table import MemoryMappedTable
@@ -513,8 +570,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                 folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
                           else Path(datasets.config.HF_DATASETS_CACHE))
                 cache_file_name = folder / f"cache-packkit-{generate_random_fingerprint()}.arrow"
-            write_batches(cache_file_name, packed.schema, packed.record_batches(max_tokens=max_tokens, bar=bar),
-                          format="arrow")
+            outputs.write_packed(cache_file_name, packed, format="arrow", max_tokens=max_tokens, bar=bar)
             out = datasets.Dataset(MemoryMappedTable.from_file(str(cache_file_name)), fingerprint=fingerprint)
         else:
             # The rows stay in memory whole, so chunks would bound nothing and only cost CPU
@@ -545,6 +601,19 @@ def _check_args(iterable: bool, *, window, strategy, overflow, seed, num_proc, r
     return window
 
 
+def _check_output_arg(ds, output, output_format):
+    """The :class:`packkit.outputs.Format` of ``pack_dataset(..., output=)``, checked before any data is read
+    (an existing ``output`` or one that is an input file of ``ds`` is refused as ``packkit pack`` refuses it)."""
+    import datasets
+
+    if isinstance(ds, datasets.IterableDataset):
+        raise ArgumentError("{arg} writes a plan of the whole dataset; a streamed dataset is packed inside a bounded "
+                            "buffer: pack a datasets.Dataset", arg=arg("output"))
+    fmt = outputs.output_format(output, output_format)
+    check_output(output, kind=fmt.kind, inputs=[f["filename"] for f in getattr(ds, "cache_files", None) or []])
+    return fmt
+
+
 def _pack_splits(dd, split, *, return_report: bool, **kwargs):
     """:func:`pack_dataset` on a ``DatasetDict``: the ``split`` named, or every split into a ``DatasetDict``."""
     import datasets
@@ -557,6 +626,9 @@ def _pack_splits(dd, split, *, return_report: bool, **kwargs):
         return pack_dataset(dd[split], return_report=return_report, **kwargs)
     if not names:
         raise ValueError("the DatasetDict has no splits")
+    if kwargs.get("output") is not None and len(names) > 1:
+        raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split ({split})",
+                            arg=arg("output"), names=names, split=arg("split", metavar="NAME"))
     if kwargs.get("cache_file_name") is not None and len(names) > 1:
         raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split "
                             "({split}) or leave the cache file names to packkit", arg=arg("cache_file_name"),

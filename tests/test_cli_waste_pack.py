@@ -260,7 +260,7 @@ def test_disk_full_while_writing_leaves_the_old_output(files, tmp_path, capsys, 
     the temporary file is removed and the previous OUT is untouched."""
     import errno
 
-    from packkit import writers
+    from packkit import outputs
 
     out = tmp_path / "out.parquet"
     out.write_bytes(b"the previous complete output")
@@ -268,7 +268,7 @@ def test_disk_full_while_writing_leaves_the_old_output(files, tmp_path, capsys, 
     def full_disk(self, batch):  # the first record batch finds the disk full
         raise OSError(errno.ENOSPC, "No space left on device", "out.parquet")
 
-    monkeypatch.setattr(writers._ParquetSink, "write", full_disk)
+    monkeypatch.setattr(outputs._ParquetSink, "write", full_disk)
     code, _, err = run(["pack", str(files["jsonl"]), str(out), "-w", "6", "--overwrite"], capsys)
     assert code == 4 and err.count("\n") == 1 and "No space left on device" in err
     assert out.read_bytes() == b"the previous complete output"

@@ -1,6 +1,7 @@
 """packkit.fileio: atomic, non-destructive output. Killed at any moment, a target holds its previous
 complete content or does not exist; inputs are never written; an existing target needs ``overwrite``."""
 
+import dataclasses
 import os
 import random
 import signal
@@ -190,12 +191,12 @@ def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp
     file closed once and the temporary file removed."""
     import threading
 
-    from packkit import writers
+    from packkit import outputs
 
     events = []
 
     class SlowSink:
-        def __init__(self, fmt, path, schema, **options):
+        def __init__(self, path, schema, **options):
             path.write_bytes(b"partial")
 
         def write(self, batch):
@@ -206,12 +207,12 @@ def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp
         def close(self):
             events.append("close")
 
-    monkeypatch.setattr(writers, "_sink", SlowSink)
+    monkeypatch.setitem(outputs.FORMATS, "parquet", dataclasses.replace(outputs.FORMATS["parquet"], sink=SlowSink))
     main = threading.main_thread().ident  # a real SIGINT to the main thread: it cuts a blocking wait short
     timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
     timer.start()
     with pytest.raises(KeyboardInterrupt):
-        writers.write_batches(tmp_path / "o.parquet", None, iter([object()]))
+        outputs.write_batches(tmp_path / "o.parquet", None, iter([object()]))
     timer.join()
     assert events == ["write", "written", "close"]
     assert sorted(os.listdir(tmp_path)) == []

@@ -21,19 +21,20 @@ FLOORS = [
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
     ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance"],
-    # readers of examples (Arrow list columns, Python examples), chat templates, writers, attention, CP shards
-    ["listcolumns", "examples", "chat", "writers", "attention", "sampler", "cp"],
+    # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
+    # CP shards
+    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "cp"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
-    ["packer", "loss", "budget", "waste", "datafiles", "columnar"],
+    ["packer", "loss", "budget", "waste", "datafiles", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],
     ["offline"],
-    ["raydata"],
+    ["raydata", "planned"],
     ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
 ]
 
 #: Modules whose import (and that of every packkit module they import at module level) pulls none of
 #: :data:`HEAVY`: the CP planner, the budget and waste figures, the offline packer, every command.
-LIGHT = ["cp_plan", "budget", "waste", "offline", "datafiles", "sources", "writers",
+LIGHT = ["cp_plan", "budget", "waste", "offline", "datafiles", "sources", "outputs", "planindex",
          "cli", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"]
 HEAVY = {"torch", "datasets", "pandas", "transformers"}
 

@@ -297,7 +297,7 @@ def test_pack_command_every_format_same_rows(inputs, tmp_path, out_name, capsys)
 def test_a_dataset_folder_rolls_shards(inputs, tmp_path):
     from packkit.offline import plan_source
     from packkit.sources import ArrowSource
-    from packkit.writers import write_batches
+    from packkit.outputs import write_batches
 
     cols, paths = inputs
     packed = plan_source(ArrowSource.from_table(pa.table(cols)), window=200)
@@ -309,7 +309,7 @@ def test_a_dataset_folder_rolls_shards(inputs, tmp_path):
 
 
 def _write_ref(tmp_path, packed):
-    from packkit.writers import write_batches
+    from packkit.outputs import write_batches
 
     path = tmp_path / "ref.feather"
     write_batches(path, packed.schema, packed.record_batches(max_tokens=10**9))
@@ -539,7 +539,7 @@ def test_pack_json_lines_several_times_the_memory_limit(tmp_path):
     in the process after a small pack has loaded everything) packs a JSON lines file 3.1x that size, the
     buffer sized to the data, every token checked; the path that parses the file whole fails under the same
     cap, so the cap is known to bite."""
-    from packkit.writers import write_batches
+    from packkit.outputs import write_batches
 
     lengths = _lengths(JSONL_TOKENS, seed=1)
     src, arrow, warm = tmp_path / "data.jsonl", tmp_path / "data.arrow", tmp_path / "warm.jsonl"

@@ -1,13 +1,14 @@
 """``packkit pack IN OUT --window W``: pack a dataset file offline into windows.
 
-OUT's format follows its name (:data:`packkit.writers.FORMATS`): ``.parquet``, ``.jsonl``, ``.arrow``
-(an Arrow IPC stream, the format of the ``datasets`` cache: ``datasets.Dataset.from_file`` reads it),
-``.feather`` (an Arrow IPC file), or a name without a suffix: a folder written with ``save_to_disk``
-(``datasets.load_from_disk``).
+OUT's format is ``--format NAME``, or follows its name (:data:`packkit.outputs.FORMATS`): ``.parquet``,
+``.jsonl``, ``.arrow`` (an Arrow IPC stream, the format of the ``datasets`` cache), ``.feather`` (an Arrow
+IPC file), a name without a suffix (a ``save_to_disk`` folder), and the packed formats other stacks read:
+``.megatron`` (megatron-core's indexed ``.bin/.idx``), ``.idx.parquet`` (Megatron-Bridge packed parquet),
+``.mds`` (MosaicML MDS), and ``.packplan``, an index-only plan that writes no token.
 
 Out of core: IN is read once for its lengths (memory-mapped where it is Arrow: a ``save_to_disk``
 folder, an ``.arrow`` file; parquet is staged through a memory-mapped Arrow file beside OUT), and
-the packed rows are gathered and written a record batch at a time (:mod:`packkit.writers`), so memory
+the packed rows are gathered and written a record batch at a time (:mod:`packkit.outputs`), so memory
 holds the plan and ``--buffer-mb`` of rows (by default a sixteenth of the packed tokens, 8 to 256 MiB),
 never the tokens. JSON lines holding token ids are parsed a chunk of lines at a time and staged the same
 way (:meth:`packkit.sources.ArrowSource.from_json_lines`), and so are text (``.txt`` lines, a text column)
@@ -39,11 +40,9 @@ from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
 from ..sources import ArrowSource
-from ..writers import ENCODING_FACTOR, output_format, write_batches
+from ..outputs import FORMATS, output_format, write_packed
 from ._chat import add_tokenizer_arguments, chat_options
 
-FORMAT_NAMES = {"parquet": "parquet", "jsonl": "JSON lines", "arrow": "an Arrow IPC stream",
-                "feather": "an Arrow IPC file", "folder": "a datasets folder (load with datasets.load_from_disk)"}
 #: The library's ``column`` (the token column) is the first of ``--columns`` here; ``buffer_bytes``
 #: is ``--buffer-mb`` (MiB).
 ALIASES = {"column": "columns", "buffer_bytes": "buffer_mb"}
@@ -61,7 +60,10 @@ def parser() -> Parser:
     )
     p.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
     p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow (Arrow IPC stream), OUT.feather (Arrow IPC "
-                                  "file), or a folder name (save_to_disk); its folder must exist")
+                                  "file), a folder name (save_to_disk), OUT.megatron, OUT.idx.parquet (Megatron-Bridge), "
+                                  "OUT.mds, OUT.packplan (index only); its folder must exist")
+    p.add_argument("--output-format", default=None, choices=list(FORMATS), metavar="NAME",
+                   help=f"OUT's format whatever its name: {', '.join(FORMATS)} (default: from OUT's suffix)")
     p.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,
                    help=f"tokens per window (default {DEFAULT_WINDOW}, as in packkit waste and plan)")
     p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
@@ -156,12 +158,11 @@ def run(args, options=None) -> int:
         check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
     buffer_bytes = None if args.buffer_mb is None else args.buffer_mb * 2**20  # None: sized to the data
     src, out = Path(args.input), Path(args.output)
-    fmt = output_format(out)
+    fmt = output_format(out, args.output_format)
     src = check_path(src)
     if src.is_file() and src.suffix.lower() == ".npy":
         raise DataError(f"{str(src)!r} holds lengths only; packing needs token ids (jsonl, parquet, arrow)")
-    kind = "dir" if fmt == "folder" else "file"
-    check_output(out, kind=kind, inputs=[src], overwrite=args.overwrite)
+    check_output(out, kind=fmt.kind, inputs=[src], overwrite=args.overwrite)
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
     require("datasets")
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
@@ -189,7 +190,7 @@ def run(args, options=None) -> int:
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
-        max_tokens = packed.chunk_tokens(buffer_bytes, encoding=ENCODING_FACTOR[fmt], in_flight=2)
+        max_tokens = packed.chunk_tokens(buffer_bytes, encoding=fmt.encoding, in_flight=2)
         if args.drop_loss_free:
             packed.drop_loss_free(max_tokens)
         plan = packed.plan
@@ -199,8 +200,8 @@ def run(args, options=None) -> int:
         total = plan.total_tokens * len(packed.spec.written())
         with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
                           desc="packkit pack") as bar:
-            write_batches(out, packed.schema, _checked(packed.record_batches(max_tokens=max_tokens, bar=bar), hold),
-                          format=fmt, inputs=[src], overwrite=args.overwrite)
+            write_packed(out, packed, format=fmt, max_tokens=max_tokens, bar=bar, inputs=[src], overwrite=args.overwrite,
+                         through=lambda batches: _checked(batches, hold))
     names = packed.schema.names
 
     s = plan.summary()
@@ -213,7 +214,7 @@ def run(args, options=None) -> int:
                          tokens=input_tokens)
     packed_rows = packed.scan.packed_rows  # IN held packed rows, read as their documents
     if args.json:
-        print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": names,
+        print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": names,
                           "rows": plan.num_windows, "input_tokens": input_tokens, "seed": args.seed,
                           "shuffled": not args.no_shuffle, "tokenized": how, "packed_rows_in": packed_rows,
                           "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s, **loss}))
@@ -239,5 +240,5 @@ def run(args, options=None) -> int:
         print(Message("{n:,} of {w:,} windows hold no loss token (a step of them has loss 0); pass {drop}, or raise "
                       "{window}", n=packed.loss_free_windows, w=plan.num_windows, drop=arg("drop_loss_free", True),
                       window=arg("window")).render(options))
-    print(f"wrote {str(out)!r} as {FORMAT_NAMES[fmt]}; columns {names}")
+    print(f"wrote {str(out)!r} as {fmt.title}" + ("" if fmt.sink is None else f"; columns {names}"))
     return 0

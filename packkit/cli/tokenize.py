@@ -20,10 +20,10 @@ from pathlib import Path
 from . import Parser, rows_as_lines
 from ..datafiles import (JsonLinesChanged, check_path, load_table, reader_pyarrow, table_chunks, tokenized_tables,
                          tokens_table)
-from ..errors import DataError
+from ..errors import ArgumentError, DataError
 from ..fileio import check_output
 from ..rules import MASK_KEYS
-from ..writers import output_format, write_batches
+from ..outputs import output_format, write_batches
 from ._chat import add_tokenizer_arguments, chat_options
 
 #: Rows per record batch written.
@@ -53,7 +53,10 @@ def run(args, options=None) -> int:
     """``packkit tokenize IN OUT --tokenizer T``."""
     src, out = check_path(args.input), Path(args.output)
     fmt = output_format(out)
-    check_output(out, kind="dir" if fmt == "folder" else "file", inputs=[src], overwrite=args.overwrite)
+    if fmt.packed:
+        raise ArgumentError(f"{str(out)!r} would be {fmt.title}, which holds packed rows; tokenize writes examples: "
+                            "name OUT .parquet, .jsonl, .arrow, .feather or a folder (then packkit pack it)")
+    check_output(out, kind=fmt.kind, inputs=[src], overwrite=args.overwrite)
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
     chat = {**chat_options(args), "num_proc": args.num_proc}
     with rows_as_lines(src):
@@ -71,7 +74,7 @@ def run(args, options=None) -> int:
                                       progress=not (args.quiet or args.json), where=repr(str(src)))
             rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite)
     if args.json:
-        print(json.dumps({"input": str(src), "output": str(out), "format": fmt, "columns": keep,
+        print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": keep,
                           "examples": rows, "tokens": tokens, "tokenized": how}))
     else:
         print(f"tokenized {rows:,} examples ({tokens:,} tokens): {how}")
@@ -89,7 +92,7 @@ def _refuse(src: Path, table) -> None:
                         "plan and pack read it as it is")
 
 
-def _write(tables, out: Path, fmt: str, src: Path, overwrite: bool):
+def _write(tables, out: Path, fmt, src: Path, overwrite: bool):
     """Write the token columns of ``tables`` (tokenized chunks, the first one's schema) to ``out`` as they
     come: ``(rows, tokens, columns)``."""
     first = next(tables, None)
