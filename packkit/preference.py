@@ -53,6 +53,7 @@ found ranks starved when a micro-batch held fewer groups than ranks).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_
 from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
-from .errors import ArgumentError, DataError, arg, check_choice, check_int
+from .errors import ArgumentError, ArgumentTypeError, DataError, arg, check_choice, check_int
 from .examples import read_column
 from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
 from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
@@ -319,6 +320,16 @@ def _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr):
     return start, length, is_cont, seq, unit
 
 
+def _sequence_values(v, name: str, k: np.ndarray, where) -> np.ndarray:
+    """``values[name]`` of :func:`build_groups`, ``(N,)`` float64 one per completion (group after group),
+    checked by the per-example rule (:func:`packkit.rules.example_values`: finite, errors naming the group)."""
+    v = np.asarray(v)
+    if v.ndim != 1 or v.size != int(k.sum()):
+        raise ValueError(f"values[{name!r}] has shape {list(v.shape)} for {int(k.sum())} completions; pass one number "
+                         "per completion, group after group")
+    return example_values(np.split(v, np.cumsum(k)[:-1]), k, key=name, rows=where)
+
+
 def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths, completions_per_group, *,
                  layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
                  strategy: str = "bfd", pad_token_id: int = 0, values: dict | None = None,
@@ -351,9 +362,15 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
         raise ValueError(f"{p_len.size} prompts, {k.size} group sizes and {c_len.size} completions (the sizes sum to "
                          f"{int(c_ptr[-1])}) do not describe the same groups")
     check_groups(p_len, c_len, k, rows=where, keys=keys)
-    values_np = {name: np.asarray(v, np.float64) for name, v in (values or {}).items()}
-    p_vals = np.asarray(prompt_ids, np.int64)
-    tokens = np.concatenate([p_vals, np.asarray(completion_ids, np.int64)])
+    p_vals, c_vals = np.asarray(prompt_ids), np.asarray(completion_ids)
+    check_values(p_vals, lengths=p_len, kind="ids", key="prompt_ids", rows=where, empty_ok=True)
+    try:  # errors about the n-th completion told about its group
+        check_values(c_vals, lengths=c_len, kind="ids", key="completion_ids")
+    except DataError as exc:
+        raise relocate_part(exc, k, rows=where, keys=keys) from None
+    values_np = {name: _sequence_values(v, name, k, where) for name, v in (values or {}).items()}
+    p_vals = p_vals.astype(np.int64, copy=False)
+    tokens = np.concatenate([p_vals, c_vals.astype(np.int64, copy=False)])
     p_start = lengths_to_offsets(p_len)[:-1]
     c_start = lengths_to_offsets(c_len)[:-1] + p_vals.size
     # -- units and their packing order --
@@ -477,6 +494,11 @@ def token_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: floa
     read (``batch.score_source``: in a tree the first token of every continuation reads the prompt's last
     token), one ``log_softmax`` over ``[M, V]`` rows (the log-sum-exp of a vocabulary loses digits in 16 bits).
     """
+    if not isinstance(batch, SequenceBatch):
+        raise TypeError(f"batch must be the SequenceBatch the logits were computed from (a PreferenceCollator or "
+                        f"GroupCollator batch), got {type(batch).__name__}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        raise ArgumentError("{t} must be a finite number > 0, got {got!r}", t=arg("temperature"), got=temperature)
     if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(batch.input_ids.shape):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {tuple(batch.input_ids.shape)}: "
                          "pass the [B, L, V] logits of model(**batch.model_inputs(model))")
@@ -641,15 +663,6 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _token_column(examples, key: str, missing: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(values (T,) int64, lengths (n,) int64)`` of a token column of every example, by the token-id rule
-    (:func:`packkit.rules.check_values`: integers >= 0, none past int64); empty is fine here (a prompt may be:
-    :func:`packkit.rules.check_groups` decides what a group needs)."""
-    values, lengths = read_column(examples, key, missing=missing)
-    check_values(values, lengths=lengths, kind="ids", key=key, empty_ok=True)
-    return values, lengths
-
-
 class _GroupsCollator:
     """What both collators share: the layout and windows of the batch, built by :func:`build_groups`."""
 
@@ -703,7 +716,8 @@ class PreferenceCollator(_GroupsCollator):
             examples = tokenize_preference(examples, self.tokenizer)
         missing = ("TRL's tokenized preference columns are prompt_ids, chosen_ids and rejected_ids: pass "
                    "tokenizer= for raw prompt/chosen/rejected rows (and remove_unused_columns=False under a Trainer)")
-        (p_vals, p_len), (c_vals, c_len), (r_vals, r_len) = (_token_column(examples, key, missing) for key in self.KEYS)
+        (p_vals, p_len), (c_vals, c_len), (r_vals, r_len) = (read_column(examples, key, missing=missing)
+                                                             for key in self.KEYS)
         # completions group after group: chosen_i then rejected_i
         c_off, r_off = lengths_to_offsets(c_len), lengths_to_offsets(r_len)
         starts = np.stack([c_off[:-1], r_off[:-1] + c_vals.size], 1).reshape(-1)
@@ -731,6 +745,9 @@ class GroupCollator(_GroupsCollator):
                  strategy: str = "bfd", pad_token_id: int = 0, sequence_keys=("advantages", "rewards")):
         super().__init__(layout=layout, window=window, num_windows=num_windows, strategy=strategy,
                          pad_token_id=pad_token_id)
+        if isinstance(sequence_keys, str) or not all(isinstance(key, str) for key in sequence_keys):
+            raise ArgumentTypeError("{a} must be a list of keys, got {got!r}; pass {fix}", a=arg("sequence_keys"),
+                                    got=sequence_keys, fix=arg("sequence_keys", ("advantages",)))
         self.sequence_keys = tuple(sequence_keys)
 
     def __call__(self, examples) -> SequenceBatch:
@@ -738,7 +755,7 @@ class GroupCollator(_GroupsCollator):
         if not examples:
             raise ValueError("a collator needs at least one example")
         missing = "an RL group is prompt_ids with completion_ids (a list of token lists)"
-        p_vals, p_len = _token_column(examples, "prompt_ids", missing)
+        p_vals, p_len = read_column(examples, "prompt_ids", missing=missing)
         k = []
         flat = []
         for i, ex in enumerate(examples):
@@ -748,7 +765,7 @@ class GroupCollator(_GroupsCollator):
             k.append(len(comps))
             flat.extend({"completion_ids": c} for c in comps)
         try:  # each completion read as an example, its errors told about its group
-            c_vals, c_len = _token_column(flat, "completion_ids", missing) if flat else (np.zeros(0, np.int64),) * 2
+            c_vals, c_len = read_column(flat, "completion_ids", missing=missing) if flat else (np.zeros(0, np.int64),) * 2
         except DataError as exc:
             raise relocate_part(exc, k) from None
         values = {}

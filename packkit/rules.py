@@ -490,15 +490,15 @@ def check_groups(prompt_lengths, completion_lengths, group_sizes, *, rows=None, 
 
 def relocate_part(exc: Exception, group_sizes, *, rows=None, keys=None) -> Exception:
     """An error about the ``n``-th completion (completions laid out group after group, each read as an
-    example) as the same error about its group: ``"example 1 has token id -1 in 'completion_ids'"`` about
-    completion 1 of groups of sizes ``[1, 2]`` reads ``"example 1 has token id -1 in 'completion_ids'
-    (completion 0)"`` (:func:`_part`); other errors as they are."""
+    example of ``'completion_ids'``) as the same error about its group: ``"example 1 has token id -1 in
+    'completion_ids'"`` about completion 1 of groups of sizes ``[1, 2]`` reads ``"example 1 has token id -1 in
+    'completion_ids' (completion 0)"``, or with ``keys`` its own key (:func:`_part`); other errors as they are."""
     if not (isinstance(exc, _Located) and exc.index is not None):
         return exc
     offsets = lengths_to_offsets(np.asarray(group_sizes, np.int64))
     g = int(np.searchsorted(offsets, exc.index, side="right") - 1)
     key, where = _part(exc.index - int(offsets[g]), keys)
-    return located(type(exc), g, rows, exc.text.replace(f"{key!r}", f"{key!r}{where}", 1))
+    return located(type(exc), g, rows, exc.text.replace("'completion_ids'", f"{key!r}{where}", 1))
 
 
 # ----------------------------------------------------------------------------------------------

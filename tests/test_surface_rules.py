@@ -389,3 +389,87 @@ def transformers_config(name):
     import transformers
 
     return getattr(transformers, name)()
+
+
+# ----------------------------------------------------------------------------------------------
+# the rest of the rules' messages, each read once
+# ----------------------------------------------------------------------------------------------
+
+
+def test_build_groups_applies_the_rules_itself():
+    """The collators' builder, public: the same rules, with the same wording, for its own callers."""
+    from packkit.preference import build_groups
+
+    cases = [
+        (lambda: build_groups([1], [1], [2, -3], [1, 1], [2], keys=("chosen_ids", "rejected_ids")), DataError,
+         "example 0 has token id -3 in 'rejected_ids'; token ids are integers >= 0"),
+        (lambda: build_groups([1, 2], [1, 1], [2, 3, -4], [1, 2], [1, 1]), DataError,
+         "example 1 has token id -4 in 'completion_ids' (completion 0); token ids are integers >= 0"),
+        (lambda: build_groups([-1], [1], [2], [1], [1]), DataError,
+         "example 0 has token id -1 in 'prompt_ids'; token ids are integers >= 0"),
+        (lambda: build_groups([1], [1], [2], [1], [0]), DataError, None),  # sizes that do not describe the groups
+        (lambda: build_groups([1, 2], [1, 1], [2], [1], [1, 0]), DataError,
+         "example 1 has no completion; a group needs at least one"),
+        (lambda: build_groups([1], [1], [2, 3], [1, 1], [2], values={"w": [1.0]}), ValueError,
+         "values['w'] has shape [1] for 2 completions; pass one number per completion, group after group"),
+        (lambda: build_groups([1], [1], [2, 3], [1, 1], [2], values={"w": [1.0, np.nan]}), DataError,
+         "example 0 has nan (float) in 'w' (completion 1); w are finite numbers, one per completion"),
+    ]
+    for call, cls, words in cases:
+        with pytest.raises(ValueError) as info:
+            call()
+        if words is None:
+            assert "do not describe the same groups" in one_line(info)
+            continue
+        assert isinstance(info.value, cls) and one_line(info).startswith(words), str(info.value)
+    with pytest.raises(DataError, match="example 1 has no completion; a group needs at least one"):
+        GroupCollator()([GROUP, {"prompt_ids": [1], "completion_ids": []}])
+
+
+def test_sequence_logps_dpo_loss_and_group_collator_arguments():
+    from packkit.errors import ArgumentTypeError
+    from packkit.preference import SequenceLogps, dpo_loss, sequence_logps
+
+    batch = GroupCollator()([GROUP])
+    logits = torch.zeros(1, batch.num_real_tokens, 9)
+    assert torch.equal(sequence_logps(logits, batch, temperature=0.5).num_tokens, torch.tensor([2, 1]))
+    for t in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ArgumentError) as info:
+            sequence_logps(logits, batch, temperature=t)
+        assert one_line(info) == f"temperature must be a finite number > 0, got {t!r}"
+    with pytest.raises(TypeError) as info:
+        sequence_logps(logits, dict(batch))
+    assert one_line(info) == ("batch must be the SequenceBatch the logits were computed from (a PreferenceCollator or "
+                              "GroupCollator batch), got dict")
+    four, two = (SequenceLogps(sum=torch.zeros(n), mean=torch.zeros(n), num_tokens=torch.ones(n)) for n in (4, 2))
+    with pytest.raises(ValueError) as info:
+        dpo_loss(four, two)  # before: broadcast when one side had a single pair, or torch's size error
+    assert one_line(info) == "policy has 4 sequences and reference 2: compute both from the same batch"
+    with pytest.raises(ArgumentTypeError) as info:
+        GroupCollator(sequence_keys="advantages")  # before: the keys 'a', 'd', 'v', ...: the values dropped silently
+    assert one_line(info) == "sequence_keys must be a list of keys, got 'advantages'; pass sequence_keys=('advantages',)"
+
+
+@pytest.mark.parametrize("grid, words", [
+    ([[1, 2.5, 4]], "example 0 has 2.5 (float) in image_grid_thw (image 0); a grid holds integers >= 1"),
+    ([[1, 4, 4], [0, 2, 2]], "example 0 has image_grid_thw [0, 2, 2] (image 1); a grid holds integers >= 1"),
+    ([["1", "4", "4"]], "example 0 has '1' (str) in image_grid_thw (image 0)"),
+    ([[1, 4, 4], [1, 4]], "example 0 has image_grid_thw of ragged rows; a grid is one (t, h, w) row per image"),
+    ([1, 4, 4], "example 0 has image_grid_thw of shape [3]; a grid is one (t, h, w) row per image"),
+])
+def test_grid_rule(grid, words):
+    from packkit.rules import grid_rows
+
+    with pytest.raises(DataError) as info:
+        grid_rows(grid, 0, key="image_grid_thw", merge=2)
+    assert one_line(info).startswith(words), str(info.value)
+    assert grid_rows(np.array([[1.0, 4.0, 2.0]]), 0, key="video_grid_thw", merge=2).tolist() == [[1, 4, 2]]
+
+
+def test_mm_token_type_ids_of_another_length_are_refused(vl):
+    model, docs = vl
+    bad = dict(docs[0], mm_token_type_ids=docs[0]["mm_token_type_ids"][:-1])
+    with pytest.raises(DataError) as info:
+        VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)([docs[3], bad])
+    assert one_line(info) == (f"example 1 has {len(bad['input_ids']) - 1} 'mm_token_type_ids' for "
+                              f"{len(bad['input_ids'])} 'input_ids'; they must match token for token")
