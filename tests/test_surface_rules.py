@@ -55,7 +55,8 @@ def test_a_uint64_length_file_through_the_command_line(tmp_path, capsys):
     for command in (["waste", str(path)], ["plan", str(path), "-w", "8"]):
         assert main(command) == 3
         err = capsys.readouterr().err.strip()
-        assert f"example 1 has length 18446744073709551615 (uint64) in lengths in {path.name}, beyond int64" in err
+        assert "example 1 has length 18446744073709551615 (uint64) in " in err and path.name in err
+        assert "beyond int64" in err
         assert "-1" not in err.replace("2**63 - 1", "") and len(err.splitlines()) == 1
 
 
