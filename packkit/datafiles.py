@@ -1007,35 +1007,62 @@ def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split
 PREFERENCE_COLUMNS = (("prompt_ids", "chosen_ids", "rejected_ids"), ("prompt", "chosen", "rejected"))
 
 
-def read_preference_lengths(path, *, split: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+def preference_columns(names) -> tuple | None:
+    """Which of :data:`PREFERENCE_COLUMNS` a table's column ``names`` hold (token ids first), or None."""
+    return next((cols for cols in PREFERENCE_COLUMNS if all(c in names for c in cols)), None)
+
+
+def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
+    """TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (list<int32>) of a table of text or
+    conversational ``prompt`` / ``chosen`` / ``rejected`` pairs, as TRL 1.16's ``DPOTrainer`` tokenizes them
+    (:func:`packkit.preference.tokenize_preference`; errors name the example). ``tokenizer``: as
+    :func:`packkit.chat.load_tokenizer` takes it. The pairs are tokenized in one pass over the table."""
+    from .preference import tokenize_preference  # lazy: torch, only for text pairs
+
+    pa = pyarrow()
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    keep = [c for c in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs") if c in table.column_names]
+    rows = tokenize_preference(table.select(keep).to_pylist(), tok)
+    names = ("prompt_ids", "chosen_ids", "rejected_ids")
+    return pa.table({c: pa.array([r[c] for r in rows], pa.list_(pa.int32())) for c in names})
+
+
+def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
+                            trust_remote_code: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """``(prompt, chosen, rejected, source)``: per-pair token counts of a preference file.
 
     The columns are TRL's tokenized ones (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, what
-    ``DPOTrainer`` or :func:`packkit.preference.tokenize_preference` makes), or integer columns ``prompt`` /
-    ``chosen`` / ``rejected`` holding the counts. Text is refused with the way to tokenize it.
+    ``DPOTrainer``, :func:`packkit.preference.tokenize_preference` or ``packkit tokenize`` makes), integer
+    columns ``prompt`` / ``chosen`` / ``rejected`` holding the counts, or text (or conversations) there,
+    tokenized with ``tokenizer`` (:func:`tokenize_pairs`); text without one is refused with the ways to
+    tokenize it, and a ``tokenizer`` that tokenizes nothing is said (:func:`warn_unused_tokenizer`).
     """
     path = check_path(path)
-    with held_still([path]):
-        return _read_preference_lengths(path, split=split)
-
-
-def _read_preference_lengths(path: Path, *, split: str | None):
     pa = pyarrow()
     table = load_table(path, split=split)
     names = table.column_names
-    for cols in PREFERENCE_COLUMNS:
-        if not all(c in names for c in cols):
-            continue
-        out = []
-        for c in cols:
-            col = table.column(c)
-            if pa.types.is_integer(col.type):
-                out.append(np.asarray(col.to_numpy(), np.int64))
-            elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-                out.append(token_lengths(col, key=c))
-            else:
-                raise DataError(f"column {c!r} of {str(path)!r} holds {col.type}: tokenize the pairs first "
-                                "(packkit.preference.tokenize_preference, as TRL's DPOTrainer does)")
-        return (*out, f"{path.name}, columns {', '.join(cols)}")
-    raise MissingError("{path!r} has no preference columns (prompt_ids, chosen_ids, rejected_ids); the columns "
-                       "are {names}", path=str(path), names=names)
+    cols = preference_columns(names)
+    if cols is None:
+        raise MissingError("{path!r} has no preference columns (prompt_ids, chosen_ids, rejected_ids); the columns "
+                           "are {names}", path=str(path), names=names)
+    how = f"columns {', '.join(cols)}"
+    if cols[0] == "prompt" and not pa.types.is_integer(table.column("prompt").type):
+        if tokenizer in (None, "bytes"):
+            raise DataError("column 'prompt' of {path!r} holds {typ}: pass {tok} to tokenize the pairs as TRL's "
+                            "DPOTrainer does (or once, for every later run: packkit tokenize IN OUT --tokenizer T; "
+                            "in Python packkit.preference.tokenize_preference)", path=str(path),
+                            typ=str(table.column("prompt").type), tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
+        table, cols = tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code), PREFERENCE_COLUMNS[0]
+        how = f"pairs tokenized with {os.path.basename(str(tokenizer).rstrip('/'))}"
+    else:
+        warn_unused_tokenizer(tokenizer, repr(str(path)))
+    out = []
+    for c in cols:
+        col = table.column(c)
+        if pa.types.is_integer(col.type):
+            out.append(np.asarray(col.to_numpy(), np.int64))
+        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            out.append(token_lengths(col, key=c))
+        else:
+            raise DataError(f"column {c!r} of {str(path)!r} holds {col.type}, not token ids or counts")
+    return (*out, f"{path.name}, {how}")

@@ -450,3 +450,54 @@ def test_trl_num_tokens_with_packed_rows_counts_the_window(packed_rows, tmp_path
     assert logged == 2 * 32 < trained
     note = next(p for p in (ROOT / "README.md").read_text().split("\n- ") if "logged `num_tokens`" in p)
     assert "PackedRowsCollator" in note and "FixedWindowCollator" in note
+
+
+# -- 5. from text preference pairs to waste --preference on the command line -------------------------------------
+
+PREF = [{"prompt": "hello there", "chosen": " hi friend", "rejected": " what"},
+        {"prompt": "how are you", "chosen": " fine thanks", "rejected": " ok"}]
+
+
+def test_text_preference_pairs_tokenize_then_waste(tok_dir, tmp_path, capsys):
+    """Friction 5: ``packkit tokenize`` on prompt/chosen/rejected failed with "pass column=NAME" (Python syntax:
+    tokenize has no --column); ``waste --preference`` refused text and ignored ``--tokenizer``. Now tokenize
+    writes TRL's prompt_ids/chosen_ids/rejected_ids (tokenize_preference's, as DPOTrainer), waste reads them,
+    and waste --preference --tokenizer on the text gives the same report."""
+    from packkit.chat import load_tokenizer
+    from packkit.preference import tokenize_preference
+
+    src = write_jsonl(tmp_path / "pairs.jsonl", PREF)
+    out = tmp_path / "pairs.parquet"
+    code, text, err = cli(["tokenize", src, out, "--tokenizer", tok_dir], capsys)
+    assert code == 0, err
+    import pyarrow.parquet as pq
+
+    got = pq.read_table(out).to_pylist()
+    assert got == tokenize_preference(PREF, load_tokenizer(str(tok_dir)))
+    assert all(r["prompt_ids"] and r["chosen_ids"] and r["rejected_ids"] for r in got)
+    code, tokenized, err = cli(["waste", out, "--preference", "-w", "64", "--json"], capsys)
+    assert code == 0, err
+    code, direct, err = cli(["waste", src, "--preference", "-w", "64", "--json", "--tokenizer", tok_dir], capsys)
+    assert code == 0, err
+    assert json.loads(tokenized)["rows"] == json.loads(direct)["rows"]
+    code, _, err = cli(["waste", out, "--preference", "-w", "64", "--tokenizer", tok_dir], capsys)
+    assert code == 0 and "holds token ids already: --tokenizer is not used" in err
+
+
+def test_text_preference_pairs_without_a_tokenizer_name_the_ways(tmp_path, capsys):
+    """Friction 5: the error named a Python function the README did not mention, and no command-line way."""
+    src = write_jsonl(tmp_path / "pairs.jsonl", PREF)
+    code, _, err = cli(["waste", src, "--preference"], capsys)
+    assert code == 3 and "pass --tokenizer FOLDER_OR_MODEL_ID to tokenize the pairs" in err
+    assert "packkit tokenize IN OUT --tokenizer T" in err and "packkit.preference.tokenize_preference" in err
+    assert "packkit.preference.tokenize_preference" in (ROOT / "README.md").read_text()
+    code, _, err = cli(["tokenize", src, tmp_path / "o.jsonl"], capsys)
+    assert code == 2 and "holds preference pairs (prompt, chosen, rejected): pass --tokenizer" in err
+
+
+def test_tokenize_names_its_own_options(tok_dir, tmp_path, capsys):
+    """Friction 5: tokenize's error said "pass column=NAME" (the library's spelling; tokenize has no --column)."""
+    src = write_jsonl(tmp_path / "other.jsonl", [{"body": "hello there"}])
+    code, _, err = cli(["tokenize", src, tmp_path / "o.jsonl", "--tokenizer", tok_dir], capsys)
+    assert code == 3, err
+    assert "column=" not in err and "pass --text-column NAME" in err

@@ -499,7 +499,7 @@ def test_waste_reports_tree_tokens_per_pair(tmp_path, capsys):
     assert "packkit_tree" in capsys.readouterr().out
     (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}))
     assert main(["waste", str(tmp_path / "text.jsonl"), "--preference"]) != 0
-    assert "tokenize the pairs first" in capsys.readouterr().err
+    assert "pass --tokenizer FOLDER_OR_MODEL_ID to tokenize the pairs" in capsys.readouterr().err
     rng = np.random.default_rng(0)
     n = 3000
     lengths = [np.minimum(rng.lognormal(mu, s, n).astype(int) + 4, 1500) for mu, s in ((4.6, 0.9), (5.3, 0.8),

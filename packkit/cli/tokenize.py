@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 from . import Parser, rows_as_lines
-from ..datafiles import (JsonLinesChanged, check_path, load_table, reader_pyarrow, table_chunks, tokenized_tables,
-                         tokens_table)
-from ..errors import ArgumentError, DataError
+from ..chat import chat_format
+from ..datafiles import (JsonLinesChanged, check_path, load_table, preference_columns, reader_pyarrow, table_chunks,
+                         tokenize_pairs, tokenized_tables, tokens_table)
+from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output
 from ..rules import MASK_KEYS
 from ..outputs import output_format, write_batches
@@ -59,7 +61,15 @@ def run(args, options=None) -> int:
     check_output(out, kind=fmt.kind, inputs=[src], overwrite=args.overwrite)
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
     chat = {**chat_options(args), "num_proc": args.num_proc}
+    first = next(table_chunks(src, split=args.split), None)
+    if first is not None and preference_columns(first.column_names) == ("prompt", "chosen", "rejected"):
+        return _pairs(args, src, out, fmt)
     with rows_as_lines(src):
+        if first is not None and args.text_column not in first.column_names and "input_ids" not in first.column_names:
+            if chat_format(first.schema, format=chat["format"]) is None:  # tokenize has no --column to name
+                raise MissingError("{src!r} holds no text column {text!r}, conversation or preference pair; the "
+                                   "columns are {names}: pass {fix}", src=str(src), text=args.text_column,
+                                   names=first.column_names, fix=arg("text_column", metavar="NAME"))
         try:  # a bounded chunk at a time: read, tokenized, written
             made = tokenized_tables(src, tokenizer=args.tokenizer, text_column=args.text_column, chat=chat,
                                     split=args.split, where=repr(str(src)))
@@ -82,6 +92,27 @@ def run(args, options=None) -> int:
     return 0
 
 
+def _pairs(args, src: Path, out: Path, fmt) -> int:
+    """``packkit tokenize`` of preference pairs (text or conversational ``prompt`` / ``chosen`` / ``rejected``):
+    TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (:func:`packkit.datafiles.tokenize_pairs`), what
+    ``packkit waste --preference`` and :class:`packkit.preference.PreferenceCollator` read. Read whole."""
+    if args.tokenizer is None:
+        raise ArgumentError("{src!r} holds preference pairs (prompt, chosen, rejected): pass {tok}", src=str(src),
+                            tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
+    with rows_as_lines(src):
+        table = tokenize_pairs(load_table(src, split=args.split), args.tokenizer,
+                               trust_remote_code=args.trust_remote_code)
+    how = f"preference pairs with {os.path.basename(str(args.tokenizer).rstrip('/'))}, as TRL's DPOTrainer"
+    rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, keep=list(table.column_names))
+    if args.json:
+        print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": keep,
+                          "examples": rows, "tokens": tokens, "tokenized": how}))
+    else:
+        print(f"tokenized {rows:,} pairs ({tokens:,} tokens): {how}")
+        print(f"wrote {str(out)!r}; columns {keep}: packkit waste --preference reads it")
+    return 0
+
+
 def _refuse(src: Path, table) -> None:
     """The one-line refusal of an input with nothing to tokenize: no row (``table`` None or empty), or token
     ids already."""
@@ -92,21 +123,23 @@ def _refuse(src: Path, table) -> None:
                         "plan and pack read it as it is")
 
 
-def _write(tables, out: Path, fmt, src: Path, overwrite: bool):
-    """Write the token columns of ``tables`` (tokenized chunks, the first one's schema) to ``out`` as they
-    come: ``(rows, tokens, columns)``."""
+def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None = None):
+    """Write the token columns of ``tables`` (tokenized chunks, the first one's schema; ``keep``, else
+    ``input_ids`` and the loss columns) to ``out`` as they come: ``(rows, tokens, columns)``, the tokens those
+    of the ``*_ids`` columns."""
     first = next(tables, None)
     if first is None:  # rows none (a parquet file of empty row groups): refused before OUT is written
         raise DataError(f"{str(src)!r} holds no examples")
-    keep = [c for c in ("input_ids", "labels", *MASK_KEYS) if c in first.column_names]
+    keep = keep or [c for c in ("input_ids", "labels", *MASK_KEYS) if c in first.column_names]
     counts = [0, 0]
 
     def batches():
         for table in itertools.chain([first], tables):
             table = table.select(keep)
             counts[0] += table.num_rows
-            ids = table.column("input_ids").chunks
-            counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in ids)
+            for name in (c for c in keep if c.endswith("_ids")):
+                ids = table.column(name).chunks
+                counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in ids)
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
 
     write_batches(out, first.select(keep).schema, batches(), format=fmt, inputs=[src], overwrite=overwrite)

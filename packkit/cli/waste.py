@@ -55,8 +55,9 @@ def parser() -> Parser:
                    help="write the length histogram and fill plot to PNG (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot PNG")
     p.add_argument("--preference", action="store_true",
-                   help="preference pairs (prompt_ids, chosen_ids, rejected_ids): tokens per pair of TRL's layouts "
-                        "and of packkit's pairs and shared-prompt trees")
+                   help="preference pairs (prompt_ids, chosen_ids, rejected_ids; or prompt, chosen, rejected, "
+                        "tokenized with --tokenizer): tokens per pair of TRL's layouts and of packkit's pairs and "
+                        "shared-prompt trees")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -112,7 +113,9 @@ def _preference(args) -> int:
     if overflow not in PREFERENCE_OVERFLOW:  # refused before the file is read
         preference_waste([0], [1], [1], window=args.window, overflow=overflow)
     with rows_as_lines(args.input):  # a pair is a row: its line too
-        prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split)
+        prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split,
+                                                                   tokenizer=args.tokenizer,
+                                                                   trust_remote_code=args.trust_remote_code)
         report = preference_waste(prompt, chosen, rejected, window=args.window, batch_size=args.batch_size,
                                   seed=args.seed, overflow=overflow)
     if args.json:
