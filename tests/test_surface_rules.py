@@ -57,7 +57,7 @@ def test_a_uint64_length_file_through_the_command_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert "example 1 has length 18446744073709551615 (uint64) in " in err and path.name in err
         assert "beyond int64" in err
-        assert "-1" not in err.replace("2**63 - 1", "") and len(err.splitlines()) == 1
+        assert "-1" not in err.replace(str(path), "").replace("2**63 - 1", "") and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("tokens, words", [
