@@ -133,12 +133,15 @@ def check_overflow(overflow) -> str:
     return check_choice(overflow, "overflow", OVERFLOW_POLICIES, what="overflow policy")
 
 
-def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0) -> DataError | None:
+def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0,
+                   fixes: tuple = ("split", "truncate", "drop"), why: str = "") -> DataError | None:
     """The error ``overflow="error"`` raises for these lengths, or None when every example fits.
 
     ``overflow_error(np.array([3, 9]), 8)`` -> ``DataError("example 1 has 9 tokens > window=8; ...")``
     (a ``ValueError``; from the command line it reads ``--window 8`` and ``--overflow split``).
     ``first``: the dataset index of ``lengths[0]`` (a stream or a block names its own examples).
+    ``fixes``: the policies the caller offers; ``why``: a note after them (a batch sampler offers no
+    ``"split"`` and says its collator needs the same policy).
     """
     lengths = np.asarray(lengths)
     over = np.flatnonzero(lengths > window)
@@ -146,9 +149,9 @@ def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0) -> DataE
         return None
     i = int(over[0])
     more = f" (and {over.size - 1:,} more)" if over.size > 1 else ""
-    return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}, or raise {w}", i=first + i,
+    return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}{why}, or raise {w}", i=first + i,
                      n=int(lengths[i]), window=arg("window", window), more=more,
-                     fix=arg("overflow", "split", "truncate", "drop"), w=arg("window"))
+                     fix=arg("overflow", *fixes), why=why, w=arg("window"))
 
 
 #: Bytes a planner holds per item (a piece of a split example) at its peak: measured 132 for ``packkit plan``'s

@@ -87,7 +87,7 @@ import weakref
 import numpy as np
 
 from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
-from .binpack import Plan, as_lengths, check_seed, check_window, pack
+from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack
 from .errors import ArgumentError, arg, check_choice, check_int
 from .segments import lengths_to_offsets, range_index
 from .states import StateFields
@@ -356,6 +356,8 @@ class EpochStats:
         examples_per_step_cv: coefficient of variation (std / mean) of the examples an optimiser step
             holds over all ranks, the last, partial step left out (when there are others): how much
             the policy changed what a step holds (random steps set the reference).
+        cut_tokens: tokens past the window of examples longer than it, left out of the epoch
+            (``PackedBatchSampler(overflow="truncate")``; 0 otherwise).
         queued, deferred: ``balance="compute"`` with one or two windows per rank only
             (:func:`packkit.balance.pack_to_cost`): long documents held back until a step takes one per
             window, and moves of a document to the next step because it fitted no window of its own (a
@@ -377,6 +379,7 @@ class EpochStats:
     accumulation_steps: int = 1
     queued: int = 0
     deferred: int = 0
+    cut_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -550,7 +553,8 @@ class _BatchSampler:
         if self.step_batches % R:
             lo = max(R, self.step_batches // R * R)
             raise ArgumentError("{sb} is not a multiple of world_size={R}: every rank takes the same number of "
-                                "micro-batches a step; pass {fix}", sb=arg("step_batches", self.step_batches),
+                                "micro-batches a step; pass {fix} (a state saved with another step_batches "
+                                "loads)", sb=arg("step_batches", self.step_batches),
                                 R=R, fix=arg("step_batches", lo, lo + R))
         self._epoch_num = 0
         self._point = _Point()  # where the next pass starts
@@ -600,6 +604,10 @@ class _BatchSampler:
     def _lengths_used(self) -> np.ndarray:
         """(n,) int64 the tokens of each example a batch carries (packed: at most W)."""
         return self.lengths
+
+    def _cut_tokens(self) -> int:
+        """Tokens an epoch leaves out of the examples it yields (packed, ``overflow="truncate"``)."""
+        return 0
 
     # -- dealing steps to ranks ------------------------------------------------------------------
 
@@ -805,7 +813,8 @@ class _BatchSampler:
             padding_waste=1.0 - tokens / padded if padded else 0.0,
             step_imbalance=compute_imbalance(policy) - 1.0, compute_imbalance=compute_imbalance(compute),
             examples_per_step_cv=cv, accumulation_steps=self.accumulation_steps,
-            queued=int(seq.queued), deferred=int(seq.deferred))
+            queued=int(seq.queued), deferred=int(seq.deferred),
+            cut_tokens=self._cut_tokens())
 
     # -- the public protocol ----------------------------------------------------------------
 
@@ -1320,10 +1329,18 @@ class PackedBatchSampler(_BatchSampler):
     def _lengths_used(self) -> np.ndarray:
         return np.minimum(self.lengths, self.window)
 
+    def _cut_tokens(self) -> int:
+        return int((self.lengths - self._lengths_used()).sum()) if self.overflow == "truncate" else 0
+
     def _padded(self, sched: Schedule) -> int:
         return int(sched.pieces.sum()) * self.window
 
     def _plan(self, rng) -> Plan:
+        if self.overflow == "error" and self._splittable:  # the fixes a batch sampler offers (no "split")
+            err = overflow_error(self.lengths, self.window, fixes=("truncate", "drop"),
+                                 why=" (and the same overflow to the collator)")
+            if err is not None:
+                raise err
         if self.strategy == "shuffle_ff":  # a new random order each epoch
             return pack(self.lengths, window=self.window, strategy="shuffle_ff", overflow=self.overflow,
                         seed=int(rng.integers(1 << 62)), **self._groups)

@@ -5,6 +5,8 @@ If one of these fails, the README is wrong: fix the README or the API, not this 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -322,25 +324,56 @@ def test_hybrid_models_as_pasted(tmp_path, monkeypatch):
     assert batch["cu_seq_lens_q"].tolist() == [0, *np.cumsum(lengths).tolist()]
 
 
+MANY_GPUS = "## Many GPUs: balanced compute, elastic resume"
+
+
+@pytest.mark.slow  # DataLoader worker processes, a few thousand real conversations
 def test_many_gpus_balance_and_elastic_resume_as_pasted(tmp_path, monkeypatch):
-    """The section's two blocks as pasted: a balanced sampler feeding a DataLoader, then a resume from its
-    state that yields the unused examples exactly once."""
+    """The section's three blocks as pasted on real ShareGPT lengths (2,000 drawn from benchmarks/data/, a
+    third of them longer than the window): the balanced sampler and its loader with two workers, the loop
+    killed inside the epoch after a random number of batches, then a restart that loads the state the
+    loop saved and runs the loop again. Before the fix the block failed on these lengths (its advice,
+    overflow='split', was refused by the sampler), and the state the loop saved behind the workers
+    skipped the batches they had prefetched."""
+    from resume_testlib import KillAfter, Killed, sharegpt, TokenRows
+
+    lengths = sharegpt(2000, seed=0)
+    dataset = TokenRows(lengths)
+    scope = run_readme(MANY_GPUS, 0, tmp_path, monkeypatch, lengths=lengths, dataset=dataset)
+    sampler, stats = scope["sampler"], scope["stats"]
+    assert sampler.accumulation_steps == 32 and stats.compute_imbalance >= 1.0
+    assert stats.cut_tokens == int(np.maximum(lengths - 2048, 0).sum()) > 0
+    total = sampler.batches_per_epoch
+    stop = int(np.random.default_rng(1).integers(1, total))
+    head = KillAfter(scope["loader"], stop)
+    with pytest.raises(Killed):
+        run_readme(MANY_GPUS, 1, tmp_path, monkeypatch, sampler=sampler, loader=head, epochs=1)
+    state = head.scope_state
+    assert state["batches_yielded"] == stop
+    scope = run_readme(MANY_GPUS, 0, tmp_path, monkeypatch, lengths=lengths, dataset=dataset)  # the restart
+    run_readme(MANY_GPUS, 2, tmp_path, monkeypatch, sampler=scope["sampler"], state=state)
+    rest = KillAfter(scope["loader"], None)
+    run_readme(MANY_GPUS, 1, tmp_path, monkeypatch, sampler=scope["sampler"], loader=rest, epochs=1)
+    seen = np.bincount(np.concatenate(head.examples + rest.examples), minlength=lengths.size)
+    assert (seen == 1).all(), (np.flatnonzero(seen == 0)[:5], np.flatnonzero(seen > 1)[:5])
+
+
+def test_many_gpus_error_advice_is_what_the_sampler_takes():
+    """The sampler's refusal of long examples names the fixes it accepts (it advised overflow='split', which
+    it then refused), and the step_batches refusal names the values that load the same state."""
     from packkit.sampler import PackedBatchSampler
 
-    lengths = np.random.default_rng(0).integers(16, 600, size=600)
-    data = [{"input_ids": list(range(1, int(n) + 1))} for n in lengths]
-    scope = run_readme("## Many GPUs: balanced compute, elastic resume", 0, tmp_path, monkeypatch,
-                       lengths=lengths, dataset=data)
-    sampler, loader = scope["sampler"], scope["loader"]
-    assert sampler.accumulation_steps == 32 and scope["stats"].compute_imbalance >= 1.0
-    it = iter(loader)
-    first = [next(it) for _ in range(3)]
-    assert all(tuple(b["input_ids"].shape) == (8, 2048) for b in first)
-    used = [i for b in list(sampler.schedule().batches(0))[:3] for i in b.tolist()]
-    scope = run_readme("## Many GPUs: balanced compute, elastic resume", 1, tmp_path, monkeypatch,
-                       lengths=lengths, sampler=sampler, PackedBatchSampler=PackedBatchSampler)
-    rest = [i for b in scope["sampler"] for i in b]
-    assert sorted(used + rest) == list(range(600))
+    code = readme_code(MANY_GPUS, "python", 0)
+    assert code.count('overflow="truncate"') == 2  # the sampler and the collator
+    lengths = np.array([10, 3000, 20])
+    with pytest.raises(ValueError, match=r"example 1 has 3,000 tokens > window=2048; pass overflow='truncate' "
+                                         r"or 'drop' \(and the same overflow to the collator\), or raise window"):
+        PackedBatchSampler(lengths, window=2048, rank=0, world_size=1)
+    PackedBatchSampler(lengths, window=2048, overflow="truncate", rank=0, world_size=1)  # the advice works
+    with pytest.raises(ValueError, match=r"pass step_batches=30 or 33 \(a state saved with another step_batches"):
+        PackedBatchSampler(lengths, window=2048, overflow="truncate", step_batches=32, rank=0, world_size=3)
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "pass step_batches=30 or 33" in text[text.index(MANY_GPUS):]
 
 # ----------------------------------------------------------------------------------------------
 # "DPO with TRL": DPOTrainer on packed trees, your own loop, RL groups
