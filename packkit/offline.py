@@ -67,6 +67,7 @@ against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -206,7 +207,15 @@ class PackedTable:
     def __init__(self, scan, spec: ColumnSpec, plan: Plan, *, mask_first_label: bool, example_ids: bool,
                  num_threads: int = 1):
         self.scan, self.spec, self.plan = scan, spec, plan
+        # packed input with example_ids: written again, each document keeping the id of its example
+        example_ids = example_ids or scan.doc_ids is not None
         self.mask_first_label, self.example_ids, self.num_threads = mask_first_label, example_ids, num_threads
+        #: packed input with example_ids: documents that are pieces of an example split when it was packed
+        #: (its id repeats), and those examples; they stay pieces (a piece's first label was masked then)
+        self.split_pieces = self.split_examples = 0
+        if scan.doc_ids is not None and scan.doc_ids.size:
+            counts = np.unique(scan.doc_ids, return_counts=True)[1]
+            self.split_pieces, self.split_examples = int(counts[counts > 1].sum()), int((counts > 1).sum())
         #: what the rows written so far train on: loss tokens (labels other than -100; without labels every
         #: token but each segment's first), and windows holding none
         self.loss_tokens = self.loss_free_windows = self.loss_free_pieces = 0
@@ -319,6 +328,8 @@ class PackedTable:
             sub = self.plan.window_range(start, stop)
             rows = self._rows(sub, self.scan.columns, bar)
             self._count_loss(rows)
+            if self.scan.doc_ids is not None:  # the ids of the examples the input was packed from
+                rows = dataclasses.replace(rows, seg_example=self.scan.doc_ids[rows.seg_example])
             batch = packed_batch(rows, self.schema)
             del rows
             yield batch
@@ -425,7 +436,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         shuffle: rows in a seeded random order (default), not in the planner's (length-sorted) order.
         num_proc: threads for the token copy (numpy releases the GIL), default 1.
         mask_first_label: set ``labels`` to -100 on the first token of every segment (models shift labels).
-        example_ids: also write ``example_ids``, the source row of every segment.
+        example_ids: also write ``example_ids``, the source row of every segment. Packed rows that carry
+            ``example_ids`` (re-packed, at another window) keep them: each document its example's id.
         buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
         progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
         return_report: return ``(dataset, plan)``: what was packed, the :class:`~packkit.binpack.Plan` in row

@@ -38,6 +38,7 @@ import numpy as np
 
 from .arrow import pyarrow
 from .datafiles import json_tables, parquet_batches, parquet_schema
+from .errors import DataError
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
 from .listcolumns import check_float_culprit, list_chunks
@@ -245,6 +246,9 @@ class Scan:
         lengths: (num_examples,) int64, examples' lengths (the token column's)
         types:   name -> the pyarrow value type of the source column
         staged_rows: rows that went through the staging file (0 when every batch was a view)
+        packed_rows: rows of packed input read as their documents (None: examples)
+        doc_ids: (num_examples,) int64, each document's ``example_ids`` in packed input that has them (the
+                 examples it was packed from; a repeated id is an example split into pieces), else None
     """
 
     columns: dict
@@ -252,6 +256,7 @@ class Scan:
     types: dict
     staged_rows: int = 0
     packed_rows: int | None = None
+    doc_ids: np.ndarray | None = None
 
     def documents(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray) -> "Scan":
         """The scan with every packed row read as its documents: ``seg_lengths (S,)`` lengths, row ``r``
@@ -427,7 +432,29 @@ def scan_documents(source: ArrowSource, found: Scan, *, progress=None) -> Scan:
     flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
     counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
     seg_lengths, seg_ptr = row_segments(key, flat, counts, found.lengths, rows=0)
-    return found.documents(seg_lengths, seg_ptr)
+    docs = found.documents(seg_lengths, seg_ptr)
+    if "example_ids" in source.names:  # packkit's own ids, one per document: carried, not dropped
+        docs = dataclasses.replace(docs, doc_ids=_document_ids(source, np.diff(seg_ptr)))
+    return docs
+
+
+def _document_ids(source: ArrowSource, counts: np.ndarray) -> np.ndarray:
+    """The ``example_ids`` column of packed rows, flat: one id per document, ``counts`` documents a row (checked
+    row by row: a row whose ids do not match its documents is refused naming it)."""
+    flat, row = [], 0
+    for batch, _ in source.batches(["example_ids"]):
+        for values, off, valid, first in list_chunks(batch.column("example_ids"), key="example_ids", kind="ids",
+                                                     rows=row):
+            check_not_null(valid, key="example_ids", rows=first)
+            n = np.diff(off)
+            bad = np.flatnonzero(n != counts[first:first + n.size])
+            if bad.size:
+                i = first + int(bad[0])
+                raise DataError(f"dataset row {i} has {int(n[bad[0]])} example_ids for {int(counts[i])} documents "
+                                "(seq_lengths); they must match")
+            flat.append(np.array(values, np.int64))
+        row += batch.num_rows
+    return np.concatenate(flat) if flat else np.zeros(0, np.int64)
 
 
 def _fill_nulls(col: FlatColumn, null: np.ndarray, tokens: FlatColumn, lengths: np.ndarray, *,

@@ -501,3 +501,38 @@ def test_tokenize_names_its_own_options(tok_dir, tmp_path, capsys):
     code, _, err = cli(["tokenize", src, tmp_path / "o.jsonl", "--tokenizer", tok_dir], capsys)
     assert code == 3, err
     assert "column=" not in err and "pass --text-column NAME" in err
+
+
+# -- 8. re-packing packed rows at a larger window ----------------------------------------------------------------
+
+
+def test_repacking_keeps_the_example_ids_and_says_what_stays_split(ids_jsonl, tmp_path, capsys):
+    """Friction 8: re-packing packkit's rows at a larger window dropped their ``example_ids`` (or, with
+    --example-ids, wrote ids of the input's documents, not of the examples) and said nothing of the pieces an
+    example was split into at the smaller window."""
+    import pyarrow.parquet as pq
+
+    small, large = tmp_path / "w16.parquet", tmp_path / "w64.parquet"
+    code, _, err = cli(["pack", ids_jsonl, small, "-w", "16", "--example-ids", "-q"], capsys)
+    assert code == 0, err
+    code, out, err = cli(["pack", small, large, "-w", "64", "-q"], capsys)
+    assert code == 0, err
+    examples = [r["input_ids"] for r in ids_rows()]
+    split = [i for i, ids in enumerate(examples) if len(ids) > 16]
+    pieces = sum(-(-len(examples[i]) // 16) for i in split)
+    assert f"{pieces:,} of the documents are pieces of {len(split):,} examples split when the rows were packed" in out
+    docs = {}
+    for row in pq.read_table(large).to_pylist():
+        start = 0
+        for n, i in zip(row["seq_lengths"], row["example_ids"]):
+            docs.setdefault(i, []).append(row["input_ids"][start:start + n])
+            start += n
+    assert sorted(docs) == list(range(len(examples)))  # the examples' ids, not the 16-token documents'
+    for i, parts in docs.items():
+        if i not in split:
+            assert parts == [examples[i]]
+        else:
+            assert sorted(map(len, parts)) == sorted([16] * (len(examples[i]) // 16) + [len(examples[i]) % 16] * (
+                len(examples[i]) % 16 > 0))
+    code, out, err = cli(["pack", tmp_path / "w64.parquet", tmp_path / "again.parquet", "-w", "64", "-q"], capsys)
+    assert code == 0 and "pieces of" in out  # ids carried twice: still the examples'

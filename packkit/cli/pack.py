@@ -217,12 +217,20 @@ def run(args, options=None) -> int:
         print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": names,
                           "rows": plan.num_windows, "input_tokens": input_tokens, "seed": args.seed,
                           "shuffled": not args.no_shuffle, "tokenized": how, "packed_rows_in": packed_rows,
+                          "split_pieces_in": packed.split_pieces, "split_examples_in": packed.split_examples,
                           "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s, **loss}))
         return 0
     if how is not None:
         print(f"tokenized {how}")
     if packed_rows is not None:
         print(f"{packed_rows:,} packed rows read as their {s['examples']:,} documents (an example is a document)")
+        if packed.split_pieces:  # example_ids repeat: pieces of examples split at the window they were packed at
+            print(f"{packed.split_pieces:,} of the documents are pieces of {packed.split_examples:,} examples split "
+                  "when the rows were packed (their example_ids repeat): they stay separate documents (their first "
+                  "labels were masked then); pack the unpacked examples to rejoin them")
+        elif packed.scan.doc_ids is None:
+            print("examples split when the rows were packed stay pieces (the rows carry no example_ids to tell); "
+                  "pack the unpacked examples to rejoin them")
     held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
     print(f"packed {s['examples']:,} examples ({held} tokens) into {s['windows']:,} "
           f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
