@@ -91,9 +91,9 @@ class CostModel:
         if not hidden_size:
             raise ArgumentError("{c} needs a hidden size: pass a model config with hidden_size, or {h}",
                                 c=arg("CostModel.from_config"), h=arg("hidden_size", metavar="H"))
-        h = int(hidden_size)
-        f = int(intermediate_size) if intermediate_size else 4 * h
-        kv = int(kv_size) if kv_size else h
+        h = check_int(hidden_size, "hidden_size")
+        f = check_int(intermediate_size, "intermediate_size") if intermediate_size else 4 * h
+        kv = check_int(kv_size, "kv_size") if kv_size else h
         return cls(linear=float(2 * h + 2 * kv + 3 * f), cp_size=cp_size)
 
 

@@ -125,19 +125,23 @@ def example_positions(ex, *, rope_index=None, where: int = 0) -> np.ndarray:
         if pos.ndim == 3 and pos.shape[1] == 1:
             pos = pos[:, 0]
         if pos.shape != (3, n) or pos.dtype.kind not in "iu":
-            raise ValueError(f"{location(i)} has position_ids of shape {list(pos.shape)} ({pos.dtype}) for {n} "
-                             f"input_ids; mRoPE needs integer (3, {n}) positions (temporal, height, width), as the "
-                             "model's get_rope_index gives them for this one example")
+            raise located(ExampleValueError, i, None, f"has position_ids of shape {list(pos.shape)} ({pos.dtype}) "
+                          f"for {n} input_ids; mRoPE needs integer (3, {n}) positions (temporal, height, width), as "
+                          "the model's get_rope_index gives them for this one example")
         return pos.astype(np.int64, copy=False)
     if not _has_vision(ex):
         return np.broadcast_to(np.arange(n, dtype=np.int64), (3, n))
     if rope_index is None:
-        raise ValueError(f"{location(i)} has images or videos but no 3-D position_ids; pass "
-                         "rope_index=model.model.get_rope_index, or store each example's positions from it")
+        raise located(ExampleValueError, i, None, "has images or videos but no 3-D position_ids; pass "
+                      "rope_index=model.model.get_rope_index, or store each example's positions from it")
     types = ex.get("mm_token_type_ids")
     if types is None:
-        raise ValueError(f"{location(i)} has images or videos but no 'mm_token_type_ids', which get_rope_index "
-                         "needs (the model's processor returns it); keep that column")
+        raise located(ExampleValueError, i, None, "has images or videos but no 'mm_token_type_ids', which "
+                      "get_rope_index needs (the model's processor returns it); keep that column")
+    try:  # the model's own errors about a bad grid name no example: the rules first, this example named
+        check_vision([ex], vision_spec(None, rope_index))
+    except (ExampleValueError, ExampleTypeError) as exc:
+        raise located(type(exc), i, None, exc.text) from None
     kwargs = {key: torch.as_tensor(ex[key]) for key in _ROPE_KEYS if ex.get(key) is not None}
     pos, _ = rope_index(input_ids=torch.as_tensor(ex["input_ids"]).reshape(1, -1),
                         mm_token_type_ids=torch.as_tensor(types).reshape(1, -1), **kwargs)

@@ -474,3 +474,35 @@ def test_mm_token_type_ids_of_another_length_are_refused(vl):
         VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)([docs[3], bad])
     assert one_line(info) == (f"example 1 has {len(bad['input_ids']) - 1} 'mm_token_type_ids' for "
                               f"{len(bad['input_ids'])} 'input_ids'; they must match token for token")
+
+
+def test_example_positions_checks_the_grids_before_the_model_reads_them(vl):
+    """Before: a two-number grid or surplus patches reached get_rope_index, whose errors name no example (or,
+    for patches, none was raised: positions need the grid only)."""
+    from packkit.model_inputs import example_positions
+
+    model, docs = vl
+    rope = model.model.get_rope_index
+    assert example_positions(docs[0], rope_index=rope).shape == (3, len(docs[0]["input_ids"]))
+    for bad, words in ((dict(docs[0], image_grid_thw=torch.tensor([[4, 4]])),
+                        "example 5 has image_grid_thw of shape [1, 2]; a grid is one (t, h, w) row per image"),
+                       (dict(docs[0], pixel_values=docs[0]["pixel_values"][:12]),
+                        "example 5 has 'pixel_values' of shape [12, 24] for image_grid_thw [[1, 4, 4]], which needs 16")):
+        with pytest.raises(DataError) as info:
+            example_positions(bad, rope_index=rope, where=5)
+        assert one_line(info).startswith(words), str(info.value)
+
+
+def test_cost_model_from_config_sizes_are_integers():
+    """Before: ``hidden_size=inf`` raised ``OverflowError: cannot convert float infinity to integer``, and 2.5 was
+    read as 2."""
+    from packkit.errors import ArgumentTypeError
+
+    for kw, cls, words in ((dict(hidden_size=float("inf")), ArgumentTypeError, "hidden_size must be an integer, got inf"),
+                           (dict(hidden_size=64, intermediate_size=2.5), ArgumentTypeError,
+                            "intermediate_size must be an integer, got 2.5 (float)"),
+                           (dict(hidden_size=-4), ArgumentError, "hidden_size must be at least 1, got -4")):
+        with pytest.raises(cls) as info:
+            CostModel.from_config(**kw)
+        assert one_line(info).startswith(words)
+    assert CostModel.from_config(hidden_size=4096, intermediate_size=11008).linear == 49408
