@@ -396,7 +396,13 @@ def restore(parts, *, plan: CPPlan, shape=None) -> torch.Tensor:
     parts = _restore_parts(parts, plan)
     cat = torch.cat(parts)
     out = cat[torch.from_numpy(plan.inverse()).to(cat.device)]
-    return out if shape is None else out.reshape(*shape, *out.shape[1:])
+    if shape is None:
+        return out
+    shape = tuple(shape)
+    if not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape) or math.prod(shape) != out.shape[0]:
+        raise ValueError(f"restore: shape={shape} for the batch's {out.shape[0]} tokens; pass the batch's own "
+                         "input_ids.shape (or no shape, for the flat order)")
+    return out.reshape(*shape, *out.shape[1:])
 
 
 # ----------------------------------------------------------------------------------------------

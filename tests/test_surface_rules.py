@@ -130,6 +130,12 @@ def test_restore_takes_numpy_arrays_and_lists_and_names_a_bad_part():
         with pytest.raises((TypeError, ValueError)) as info:
             restore(parts, plan=plan)
         assert one_line(info).startswith(words), str(info.value)
+    assert torch.equal(restore(ids, plan=plan, shape=batch.input_ids.shape), batch.input_ids)
+    for shape in ((2, 5), (8, 0.5)):  # before: torch's "shape '[2, 5]' is invalid for input of size 8"
+        with pytest.raises(ValueError) as info:
+            restore(ids, plan=plan, shape=shape)
+        assert one_line(info) == (f"restore: shape={shape} for the batch's 8 tokens; pass the batch's own "
+                                  "input_ids.shape (or no shape, for the flat order)")
 
 
 # ----------------------------------------------------------------------------------------------
