@@ -493,6 +493,9 @@ class _Pass:
     def __iter__(self):
         return self
 
+    def __reduce__(self):  # a sampler pickled mid-pass keeps its count; the loader asking is this process's
+        return _unpickle_pass, (self.sampler, self.sched, self.yielded)
+
     def __next__(self) -> list:
         if self.sched is None:
             self.sched = self.sampler._start(self)
@@ -502,6 +505,12 @@ class _Pass:
         g = i * sched.world_size + self.sampler.rank
         self.yielded = i + 1  # counted before the consumer sees the batch
         return sched.flat[sched.ptr[g]:sched.ptr[g + 1]].tolist()
+
+
+def _unpickle_pass(sampler, sched, yielded) -> _Pass:
+    p = _Pass(sampler, (None, None))
+    p.sched, p.yielded = sched, yielded
+    return p
 
 
 def _asking_loader() -> tuple:

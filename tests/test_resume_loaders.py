@@ -277,3 +277,17 @@ def test_random_stop_points_onto_another_world_size():
         assert (counts >= 1).all(), (where, np.flatnonzero(counts == 0))
         assert int((counts - 1).sum()) <= repeated, (where, np.flatnonzero(counts > 1))
     print(f"{points} stop points onto another world size")
+
+
+def test_a_sampler_pickled_mid_pass_keeps_its_place():
+    import copy
+    import pickle
+
+    s = packed()
+    it = iter(loader(s, 0))
+    head = [next(it) for _ in range(3)]
+    for t in (pickle.loads(pickle.dumps(s)), copy.deepcopy(s)):
+        assert t.state_dict() == s.state_dict()
+        u = packed()
+        u.load_state_dict(t.state_dict())
+        assert head + list(loader(u, 0)) == list(loader(packed(), 0))
