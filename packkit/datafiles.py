@@ -204,7 +204,7 @@ def _json_kind(value):
     if isinstance(value, str):
         return ("text",)
     if isinstance(value, dict):
-        return ("object",)
+        return ("object", {k: _json_kind(v) for k, v in value.items()})
     item = None
     for v in value:
         k = _json_kind(v)
@@ -221,12 +221,32 @@ def _merge_kinds(a, b):
         return a if b is None else b
     if a[0] != b[0] or a[0] == "mixed":
         return None
+    if a[0] == "object":  # field by field (pyarrow reads a struct): a field missing from one fits
+        fields = dict(a[1])
+        for k, v in b[1].items():
+            merged = _merge_kinds(fields.get(k), v)
+            if merged is None and v is not None:
+                return None
+            fields[k] = merged
+        return ("object", fields)
     if a[0] != "list":
         return a
     if a[1] is None or b[1] is None:
         return a if b[1] is None else b
     item = _merge_kinds(a[1], b[1])
     return None if item is None else ("list", item)
+
+
+def _conflict(a, b, where: str) -> tuple:
+    """``(where, a, b)`` at the deepest place two kinds that do not merge differ: ``messages[].role``, a number
+    against text, rather than ``messages`` against itself."""
+    if a is not None and b is not None and a[0] == b[0] == "list" and a[1] is not None and b[1] is not None:
+        return _conflict(a[1], b[1], where + "[]")
+    if a is not None and b is not None and a[0] == b[0] == "object":
+        for k, v in b[1].items():
+            if k in a[1] and _merge_kinds(a[1][k], v) is None:
+                return _conflict(a[1][k], v, f"{where}.{k}")
+    return where, a, b
 
 
 def _kind_text(kind) -> str:
@@ -265,19 +285,70 @@ def _locate_json_lines_error(path: Path) -> DataError | None:
             for key, value in obj.items():
                 kind = _json_kind(value)
                 if kind is not None and kind[0] == "mixed":
-                    return DataError(f"{name!r} line {lineno:,}: {key!r} mixes {_kind_text(kind[1])} and "
-                                     f"{_kind_text(kind[2])} in one list")
+                    field, first, then = _conflict(kind[1], kind[2], key + "[]")
+                    return DataError(f"{name!r} line {lineno:,}: {field!r} mixes {_kind_text(first)} and "
+                                     f"{_kind_text(then)} in one list")
                 if key not in seen:
                     if kind is not None:
                         seen[key] = (kind, lineno)
                     continue
                 merged = _merge_kinds(seen[key][0], kind)
                 if merged is None:
-                    before, where = seen[key]
-                    return DataError(f"{name!r} line {lineno:,}: {key!r} holds {_kind_text(kind)}, but "
-                                     f"{_kind_text(before)} on line {where:,}; every line must give a key "
+                    field, before, now = _conflict(seen[key][0], kind, key)
+                    return DataError(f"{name!r} line {lineno:,}: {field!r} holds {_kind_text(now)}, but "
+                                     f"{_kind_text(before)} on line {seen[key][1]:,}; every line must give a key "
                                      "the same kind of value")
                 seen[key] = (merged, seen[key][1])
+    return None
+
+
+_FLOAT_ERROR = re.compile(r"^(?:example|dataset row) \d+ has (-?[\d.e+]+) \(float\) in '([^']+)'")
+
+
+def relocate_json_float(exc: BaseException, path) -> BaseException | None:
+    """The error about a float token (``1.0 (float)``) moved to the line of a JSON lines ``path`` that wrote one,
+    or None when ``exc`` is not that error or no line writes a float there.
+
+    One ``5.0`` on line 900 makes pyarrow read the whole column as floats, so the rules met the first value,
+    ``1.0`` on line 1, and blamed it. Python's reader tells ``5.0`` from ``5``: the first line whose ``key`` holds
+    a float (at any depth) is the one to blame, named by its row (the caller adds the line). Error path only.
+    """
+    m = _FLOAT_ERROR.match(str(exc))
+    if m is None or "beyond int64" in str(exc) or "one makes pyarrow" in str(exc):  # not it, or moved already
+        return None
+    if path is None or not os.path.isfile(path) or _suffix(Path(path)) not in (".jsonl", ".ndjson", ".json"):
+        return None
+    key = m.group(2)
+    row = -1
+    with open(path, "rb") as f:
+        if f.read(1 << 12).lstrip()[:1] == b"[":  # one JSON list: pyarrow's rows are its objects, not lines
+            return None
+        f.seek(0)
+        for raw in f:
+            if not raw.strip():
+                continue
+            row += 1
+            try:
+                value = json.loads(raw).get(key)
+            except (ValueError, AttributeError):
+                return None
+            found = _first_float(value)
+            if found is not None:
+                text = _FLOAT_ERROR.sub("", str(exc), count=1)
+                return type(exc)(f"dataset row {row} has {found!r} (float) in {key!r}{text} (a JSON number "
+                                 "written with a decimal point or an exponent; one makes pyarrow read the whole "
+                                 "column as floats)")
+    return None
+
+
+def _first_float(value):
+    if isinstance(value, float):
+        return value
+    if isinstance(value, list):
+        for v in value:
+            found = _first_float(v)
+            if found is not None:
+                return found
     return None
 
 
@@ -945,8 +1016,14 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
         return bundled_sample()
     path = check_path(path)
     with held_still([path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
-        return _read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
-                             progress=progress, chat=chat)
+        try:
+            return _read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
+                                 progress=progress, chat=chat)
+        except TypeError as exc:
+            moved = relocate_json_float(exc, path)
+            if moved is None:
+                raise
+            raise moved from None
 
 
 def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split, progress: bool, chat) -> Lengths:

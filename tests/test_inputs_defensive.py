@@ -237,3 +237,56 @@ def test_waste_preference_honours_overflow_and_names_lines(tmp_path):
     with pytest.raises(ArgumentError, match="overflow='split': a preference pair is packed whole"):
         preference_waste([1], [1], [1], window=16, overflow="split")
     assert preference_waste([1, 10], [1, 5], [1, 5], window=16)["dropped"] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# errors that named nothing, or the wrong thing
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_integral_float_is_blamed_on_its_own_line(tmp_path):
+    """Issue 28: one integral ``5.0`` on line 7 made pyarrow read the whole column as floats, and waste, plan and
+    pack blamed row 0 / line 1 (value 1.0). Python's reader tells 5.0 from 5: its row and line are named."""
+    import json
+
+    from packkit.datafiles import read_lengths
+    from packkit.rules import ExampleTypeError
+
+    src = tmp_path / "ids.jsonl"
+    rows = [json.dumps({"input_ids": [1, 2, 3]})] * 5 + ["", '{"input_ids": [4, 5.0, 6]}']
+    src.write_text("\n".join(rows) + "\n")
+    want = (f"dataset row 5 (line 7 of '{src}') has 5.0 (float) in 'input_ids'; token ids are integers >= 0 (a JSON "
+            "number written with a decimal point or an exponent")
+    for argv in (["waste", src, "-q"], ["plan", src], ["pack", src, tmp_path / "o.parquet", "-q"]):
+        code, _, err = cli(argv)
+        assert code == 3 and want in one_line(err), (argv, err)
+    with pytest.raises(ExampleTypeError, match=r"^dataset row 5 has 5.0 \(float\) in 'input_ids'"):
+        read_lengths(src)
+
+
+def test_a_numeric_role_names_its_line_and_field(tmp_path):
+    """Issue 28: a message whose role is a number ended in pyarrow's 'Column(/messages/[]/role) changed from string
+    to number', with no line: the line and the field inside the conversation are named (across lines, and inside
+    one list)."""
+    import json
+
+    src = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    src.write_text("\n".join([json.dumps(good)] * 3 + [json.dumps({"messages": [{"role": 5, "content": "hi"}]})]) + "\n")
+    code, _, err = cli(["waste", src, "-q"])
+    assert code == 3 and (f"'{src}' line 4: 'messages[].role' holds a number, but text on line 1; every line must "
+                          "give a key the same kind of value") in one_line(err), err
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": 7, "content": "x"}]}) + "\n")
+    code, _, err = cli(["waste", src, "-q"])
+    assert code == 3 and f"'{src}' line 1: 'messages[].role' mixes text and a number in one list" in one_line(err), err
+
+
+def test_a_uint64_length_is_shown_as_given(tmp_path):
+    """Issue 28: a uint64 length of 2**64 - 1 in a .npy was cast to int64 and shown as -1."""
+    src = tmp_path / "u64.npy"
+    np.save(src, np.array([10, 2**64 - 1, 5], dtype=np.uint64))
+    for argv in (["waste", src, "-q"], ["plan", src]):
+        code, _, err = cli(argv)
+        line = one_line(err)
+        assert code == 3 and "example 1 has length 18446744073709551615 (uint64)" in line and "length -1" not in line, err
+        assert f"'{src}'" in line, line

@@ -126,10 +126,13 @@ def rows_as_lines(path):
     try:
         yield
     except (ValueError, TypeError, KeyError) as exc:
-        located = _with_line(exc, path)
-        if located is None:
+        from ..datafiles import relocate_json_float
+
+        moved = relocate_json_float(exc, path)  # a float token blamed on row 0: the line that wrote a float
+        located = _with_line(moved or exc, path)
+        if located is None and moved is None:
             raise
-        raise located from exc
+        raise (located or moved) from exc
 
 
 def line_of_row(path, row: int) -> int | None:
