@@ -310,7 +310,49 @@ def _read_template(template) -> str | None:
     if not path.is_file():
         raise ArgumentError("{arg} {text!r} is neither a file nor Jinja text: pass a .jinja file (or a folder "
                             "holding chat_template.jinja)", arg=arg("chat_template"), text=text)
-    return path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ArgumentError("{arg} {path!r} is not UTF-8 text: line {line:,} holds {bad!r} ({why}); save it as UTF-8",
+                            arg=arg("chat_template"), path=str(path), line=line, bad=raw[exc.start:exc.end],
+                            why=exc.reason) from None
+
+
+def _not_utf8(folder) -> tuple | None:
+    """``(path, line, bytes)`` of the first text file of a tokenizer folder (``.json``, ``.jinja``, ``.txt``) that is
+    not UTF-8, or None. The error path only."""
+    if not os.path.isdir(folder):
+        return None
+    for path in sorted(Path(folder).iterdir()):
+        if path.suffix not in (".json", ".jinja", ".txt") or not path.is_file():
+            continue
+        raw = path.read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return str(path), raw.count(b"\n", 0, exc.start) + 1, raw[exc.start:exc.end]
+    return None
+
+
+def check_template_syntax(template: str, what: str) -> None:
+    """Compile ``template`` as ``apply_chat_template`` will (transformers' Jinja environment, with its
+    ``{% generation %}`` tag): a syntax error is the one-line error naming ``what`` (the file, or the tokenizer
+    whose template it is) and the template's line, before any example is rendered (it was blamed on example 0)."""
+    try:
+        from transformers.utils import chat_template_utils as ctu
+        from jinja2 import TemplateSyntaxError
+    except ImportError:  # an older transformers: the first render says it
+        return
+    compile_ = getattr(ctu, "_compile_jinja_template", None)
+    if compile_ is None:
+        return
+    try:
+        compile_(template)
+    except TemplateSyntaxError as exc:
+        raise ArgumentError("{what}, line {line}: Jinja syntax error: {msg}; fix the template or pass {tpl}", what=what,
+                            line=exc.lineno, msg=str(exc.message).rstrip("."), tpl=arg("chat_template", metavar="FILE.jinja")) from None
 
 
 def load_tokenizer(spec, *, trust_remote_code: bool = False):
@@ -387,6 +429,13 @@ def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: boo
             warnings.simplefilter("ignore")
             return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
                                                               local_files_only=local)
+    except UnicodeDecodeError as exc:  # a file of the folder that is not UTF-8 (a chat_template.jinja saved as Latin-1)
+        bad = _not_utf8(where)
+        if bad is None:
+            raise ArgumentError("could not load {arg} {spec!r}: {why}", arg=tok_arg, spec=spec,
+                                why=_one_line(exc)) from None
+        raise ArgumentError("could not load {arg} {spec!r}: {file!r} is not UTF-8 text: line {line:,} holds {b!r}; "
+                            "save it as UTF-8", arg=tok_arg, spec=spec, file=bad[0], line=bad[1], b=bad[2]) from None
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise ArgumentError("{arg} {spec!r} runs its own Python code (auto_map in tokenizer_config.json); read "
@@ -477,6 +526,7 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tup
         raise ArgumentError("{tok} {name!r} has no chat template: pass {tpl}, or a tokenizer folder or model id that "
                             "has one", tok=arg("tokenizer"), name=spec_name,
                             tpl=arg("chat_template", metavar="FILE.jinja"))
+    check_template_syntax(template, what)
     if need_markers and not has_generation_markers(template):
         swapped = training_template(tok, given)
         if swapped and has_generation_markers(swapped):

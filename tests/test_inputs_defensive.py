@@ -281,6 +281,68 @@ def test_a_numeric_role_names_its_line_and_field(tmp_path):
     assert code == 3 and f"'{src}' line 1: 'messages[].role' mixes text and a number in one list" in one_line(err), err
 
 
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    import json
+
+    pytest.importorskip("transformers")
+    from test_chat import CONVERSATIONS, TEMPLATE, make_tokenizer
+
+    folder = tmp_path_factory.mktemp("chat")
+    make_tokenizer().save_pretrained(str(folder / "tok"))
+    (folder / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    return folder, TEMPLATE
+
+
+def test_a_template_syntax_error_names_the_template_and_its_line(chat_files, tmp_path):
+    """Issue 28: a chat template with a syntax error was blamed on example 0 of the data (exit 3): the template is
+    compiled before any example, and its file (or the tokenizer it came with) and line are named (exit 2)."""
+    import shutil
+
+    from packkit.chat import tokenize_chat
+    from packkit.errors import ArgumentError
+
+    folder, template = chat_files
+    bad = tmp_path / "train.jinja"
+    bad.write_text(template.replace("{% endfor %}", "{% endfor %}\n\n{% if x %}oops{% endfi %}"))
+    want = f"the chat template '{bad}', line 3: Jinja syntax error: Encountered unknown tag 'endfi'"
+    for argv in (["waste", folder / "chat.jsonl", "--tokenizer", folder / "tok", "--chat-template", bad, "-q"],
+                 ["pack", folder / "chat.jsonl", tmp_path / "o.parquet", "--tokenizer", folder / "tok",
+                  "--chat-template", bad, "-q"]):
+        code, _, err = cli(argv)
+        line = one_line(err)
+        assert code == 2 and want in line and "example" not in line, (argv, err)
+    own = tmp_path / "tok"
+    shutil.copytree(folder / "tok", own)
+    (own / "chat_template.jinja").write_text(bad.read_text())
+    code, _, err = cli(["waste", folder / "chat.jsonl", "--tokenizer", own, "-q"])
+    assert code == 2 and f"the chat template of '{own}', line 3: Jinja syntax error" in one_line(err), err
+    pa_table = pa.table({"messages": pa.array([[{"role": "user", "content": "hi"}]])})
+    with pytest.raises(ArgumentError, match=r"line 3: Jinja syntax error: .*; fix the template or pass "
+                                            r"chat_template=FILE.jinja"):
+        tokenize_chat(pa_table, folder / "tok", chat_template=bad)
+
+
+def test_a_template_that_is_not_utf8_names_its_file_and_line(chat_files, tmp_path):
+    """Issue 28: a chat template file that is not UTF-8 ended in a bare codec error ("'utf-8' codec can't decode
+    byte 0xe9 in position 412"): the file, its line and the option are named, for --chat-template and for the
+    tokenizer folder's own chat_template.jinja."""
+    import shutil
+
+    folder, template = chat_files
+    latin = tmp_path / "latin.jinja"
+    latin.write_bytes(template.encode() + b"\n\n caf\xe9 ")
+    code, _, err = cli(["waste", folder / "chat.jsonl", "--tokenizer", folder / "tok", "--chat-template", latin, "-q"])
+    assert code == 2 and (f"--chat-template '{latin}' is not UTF-8 text: line 3 holds b'\\xe9' (invalid continuation "
+                          "byte); save it as UTF-8") in one_line(err), err
+    own = tmp_path / "tok"
+    shutil.copytree(folder / "tok", own)
+    (own / "chat_template.jinja").write_bytes(b"{{ x }}\ncaf\xe9")
+    code, _, err = cli(["waste", folder / "chat.jsonl", "--tokenizer", own, "-q"])
+    assert code == 2 and (f"could not load --tokenizer '{own}': '{own}/chat_template.jinja' is not UTF-8 text: line 2 "
+                          "holds b'\\xe9'") in one_line(err), err
+
+
 def test_a_uint64_length_is_shown_as_given(tmp_path):
     """Issue 28: a uint64 length of 2**64 - 1 in a .npy was cast to int64 and shown as -1."""
     src = tmp_path / "u64.npy"
