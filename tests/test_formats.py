@@ -387,3 +387,82 @@ def test_readme_offline_formats_snippet(tmp_path, monkeypatch):
     exec(compile(code, "README.md offline formats", "exec"), scope)
     assert scope["rows"].window == 4096 and len(scope["rows"]) > 0
     assert sorted(os.listdir(tmp_path)) == ["train.idx.parquet", "train.mds", "train.megatron", "train.packplan"]
+
+
+def _complete_tokens(out) -> int:
+    """Tokens an output holds, read back whole (a partial one fails to read)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    if out.name.endswith(".megatron"):
+        about = json.loads((out / "packkit.json").read_text())
+        assert (out / "tokens.bin").stat().st_size == about["tokens"] * np.dtype(about["token_dtype"]).itemsize
+        return about["tokens"]
+    if out.name.endswith(".mds"):
+        return sum(len(s["input_ids"]) for s in mds_samples(out))
+    if out.name.endswith(".packplan"):
+        return PlanIndex.load(out).plan.total_tokens
+    return sum(len(x) for x in pq.read_table(out, columns=["input_ids"]).column(0).to_pylist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["o.megatron", "o.idx.parquet", "o.mds", "o.packplan"])
+def test_sigint_at_random_moments_of_the_command_leaves_nothing(tmp_path, name):
+    """`packkit pack` in a real process, SIGINT at random moments of its run from its first temporary file on
+    (staging, planning, the writer thread, the rename): exit 130 with one line, or 0 (or killed by the signal
+    on its way out) when it came after the work with OUT complete; OUT absent or complete; no temporary file
+    left beside it."""
+    import random
+    import shutil
+    import signal
+    import subprocess
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packkit.fileio import TMP_MARK
+
+    if name == "o.mds":
+        streaming_dataset()
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 600, 6000)
+    total = int(lengths.sum())
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 30000, total).astype(np.int32)))
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": ids}), src)
+    outs = tmp_path / "o"
+    outs.mkdir()
+    out = outs / name
+    argv = [sys.executable, "-m", "packkit.cli", "pack", str(src), str(out), "-w", "1024", "-q", "--buffer-mb", "1"]
+    t0 = time.monotonic()
+    subprocess.run(argv, check=True, capture_output=True, timeout=120)
+    took = time.monotonic() - t0
+    assert _complete_tokens(out) == total
+    rand = random.Random(3)
+    codes = []
+    for _ in range(3):
+        if out.exists():
+            (shutil.rmtree if out.is_dir() else os.unlink)(out)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # from the first temporary file on (the staged input, then OUT's): the command's handlers are in place
+        # (a signal during Python's own start-up is Python's KeyboardInterrupt, not packkit's)
+        while proc.poll() is None and not any(TMP_MARK in p.name for d in (tmp_path, outs) for p in d.iterdir()):
+            time.sleep(0.001)
+        time.sleep(rand.uniform(0, took / 4))
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        codes.append(proc.returncode)
+        # -2: the signal came after the work, once the command had given its handlers back (on its way out)
+        assert proc.returncode in (0, 130, -signal.SIGINT), err
+        assert proc.returncode != -signal.SIGINT or out.exists(), err
+        if proc.returncode == 130:
+            assert err == "packkit pack: interrupted\n", err
+        assert [p.name for p in outs.iterdir() if TMP_MARK in p.name] == []
+        assert [p.name for p in tmp_path.iterdir() if TMP_MARK in p.name] == []
+        if out.exists():
+            assert _complete_tokens(out) == total
+        else:
+            assert proc.returncode == 130
+    print(f"{name}: a run {took:.2f} s, exit codes {codes}")
