@@ -409,11 +409,15 @@ def packed_rows():
     logs = []
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())
-    logging.getLogger("packkit").addHandler(handler)
+    logger = logging.getLogger("packkit")
+    level = logger.level  # packkit pack, run in this process before, sets ERROR (it prints the notes itself)
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
     try:
         rows = pack_dataset(datasets.Dataset.from_list(ids_rows(60)), window=32)
     finally:
-        logging.getLogger("packkit").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     free = [int(m.split()[1]) for m in logs if "windows hold no loss token" in m]
     assert len(free) == 1 and free[0] > 0
     return rows, free[0]
