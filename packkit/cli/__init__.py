@@ -126,7 +126,7 @@ def rows_as_lines(path):
     try:
         yield
     except (ValueError, TypeError, KeyError) as exc:
-        from ..datafiles import relocate_json_float
+        from ..datafiles import relocate_json_float  # lazy: numpy and the readers, on the error path only
 
         moved = relocate_json_float(exc, path)  # a float token blamed on row 0: the line that wrote a float
         located = _with_line(moved or exc, path)
