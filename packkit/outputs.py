@@ -59,7 +59,7 @@ from .interrupts import deferred, join
 from .planindex import write_plan
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["Format", "FORMATS", "output_format", "write_batches", "write_packed", "MAX_SHARD_BYTES"]
+__all__ = ["Format", "FORMATS", "output_format", "example_suffixes", "write_batches", "write_packed", "MAX_SHARD_BYTES"]
 
 #: Shards of a ``folder`` folder hold at most this many bytes (``datasets``' own default, 500 MB).
 MAX_SHARD_BYTES = 500 * 10**6
@@ -485,6 +485,12 @@ FORMATS = {f.name: f for f in (
     Format("plan", (".packplan",), "file", "an index-only plan (packkit.planindex.PlanIndex.load; no token "
            "written)", None, packed=True),
 )}
+
+
+def example_suffixes() -> list:
+    """The first suffix of every format that holds examples, not only packed rows (what ``packkit tokenize``
+    writes): ``[".parquet", ".arrow", ".feather", ".jsonl"]``."""
+    return [f.suffixes[0] for f in FORMATS.values() if f.suffixes[0] and not f.packed]
 
 
 def output_format(path, format: str | None = None) -> Format:

@@ -278,6 +278,9 @@ def test_cli_output_format(tmp_path, capsys):
     assert main(["pack", str(src), str(tmp_path / "p.packplan"), "-w", "8", "-q", "--json"]) == 0
     assert '"format": "plan"' in capsys.readouterr().out
     assert PlanIndex.load(tmp_path / "p.packplan").plan.total_tokens == 17
+    capsys.readouterr()
+    assert main(["tokenize", str(src), str(tmp_path / "t.megatron"), "--tokenizer", "nowhere"]) == 2
+    assert "holds packed rows; tokenize writes examples: name OUT .parquet, .arrow" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,9 +59,9 @@ def parser() -> Parser:
                     "replaced only with --overwrite.",
     )
     p.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
-    p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow (Arrow IPC stream), OUT.feather (Arrow IPC "
-                                  "file), a folder name (save_to_disk), OUT.megatron, OUT.idx.parquet (Megatron-Bridge), "
-                                  "OUT.mds, OUT.packplan (index only); its folder must exist")
+    p.add_argument("output", help="the file or folder to write, its format chosen by its suffix: "
+                                  + ", ".join(f"OUT{f.suffixes[0]}" for f in FORMATS.values() if f.suffixes[0])
+                                  + ", or a folder without one (save_to_disk); its folder must exist")
     p.add_argument("--output-format", default=None, choices=list(FORMATS), metavar="NAME",
                    help=f"OUT's format whatever its name: {', '.join(FORMATS)} (default: from OUT's suffix)")
     p.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,

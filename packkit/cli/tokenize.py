@@ -25,7 +25,7 @@ from ..datafiles import (JsonLinesChanged, check_path, load_table, preference_co
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output
 from ..rules import MASK_KEYS
-from ..outputs import output_format, write_batches
+from ..outputs import example_suffixes, output_format, write_batches
 from ._chat import add_tokenizer_arguments, chat_options
 
 #: Rows per record batch written.
@@ -57,7 +57,7 @@ def run(args, options=None) -> int:
     fmt = output_format(out)
     if fmt.packed:
         raise ArgumentError(f"{str(out)!r} would be {fmt.title}, which holds packed rows; tokenize writes examples: "
-                            "name OUT .parquet, .jsonl, .arrow, .feather or a folder (then packkit pack it)")
+                            f"name OUT {', '.join(example_suffixes())} or a folder (then packkit pack it)")
     check_output(out, kind=fmt.kind, inputs=[src], overwrite=args.overwrite)
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
     chat = {**chat_options(args), "num_proc": args.num_proc}
