@@ -540,3 +540,21 @@ def test_repacking_keeps_the_example_ids_and_says_what_stays_split(ids_jsonl, tm
                 len(examples[i]) % 16 > 0))
     code, out, err = cli(["pack", tmp_path / "w64.parquet", tmp_path / "again.parquet", "-w", "64", "-q"], capsys)
     assert code == 0 and "pieces of" in out  # ids carried twice: still the examples'
+
+
+def test_every_option_the_readme_uses_is_in_its_commands_help():
+    """Issue 33's goal: ``packkit COMMAND --help`` mentions every option the documentation uses with it."""
+    import importlib
+    import re
+
+    from packkit.cli import SUBCOMMANDS
+
+    readme = (ROOT / "README.md").read_text()
+    used = {}
+    for cmd, rest in re.findall(r"packkit (waste|pack|plan|tokenize)\b([^`\n#|]*)", readme):
+        used.setdefault(cmd, set()).update(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest))
+    assert used.get("pack") and used.get("tokenize")
+    for cmd, options in used.items():
+        helptext = importlib.import_module(SUBCOMMANDS[cmd][0]).parser().format_help()
+        missing = sorted(o for o in options if not re.search(rf"(?<![\w-]){o}(?![\w-])", helptext))
+        assert not missing, f"packkit {cmd} --help does not mention {missing}"
