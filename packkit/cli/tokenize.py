@@ -35,8 +35,10 @@ BATCH_ROWS = 8192
 def parser() -> Parser:
     p = Parser(
         prog="packkit tokenize",
-        description="Tokenize text or conversational data once (input_ids, and TRL's loss mask for chat data), "
-                    "so that packkit waste, plan and pack read the result without tokenizing again.",
+        description="Tokenize text or conversational data once (input_ids, and TRL's loss mask for chat data),\n"
+                    "so that packkit waste, plan and pack read the result without tokenizing again. Preference\n"
+                    "pairs (prompt, chosen, rejected) become TRL's prompt_ids, chosen_ids and rejected_ids,\n"
+                    "for packkit waste --preference.",
     )
     p.add_argument("input", help="jsonl, parquet, arrow, .txt (one example a line), or a save_to_disk folder")
     p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow, OUT.feather, or a folder name (save_to_disk)")
