@@ -518,6 +518,8 @@ def _asking_loader() -> tuple:
     batch sampler, and to accelerate's ``DataLoaderShard`` around it; ``(None, None)`` for another caller.
 
     A DataLoader hands its iterator nothing else: this is how a sampler learns which loop consumes it.
+    accelerate's ``BatchSamplerShard`` dealing a sampler that is already one rank's over its processes
+    again (``accelerator.prepare`` on many processes) would train a fraction of the data: refused.
     """
     dl = sys.modules.get("torch.utils.data.dataloader")  # no torch loaded: no DataLoader asking
     loader = shard = None
@@ -526,6 +528,13 @@ def _asking_loader() -> tuple:
         if f is None:
             break
         obj = f.f_locals.get("self")
+        if type(obj).__name__ == "BatchSamplerShard" and getattr(obj, "num_processes", 1) > 1 and \
+                getattr(getattr(obj, "batch_sampler", None), "world_size", 1) > 1:
+            raise ValueError(
+                f"accelerate's BatchSamplerShard deals the batches of {type(obj.batch_sampler).__name__} over "
+                f"{obj.num_processes} processes again, but they are already one rank's of "
+                f"{obj.batch_sampler.world_size} (each rank would train 1/{obj.num_processes} of them): after "
+                "accelerator.prepare(loader), set loader.batch_sampler.num_processes = 1 and process_index = 0")
         if loader is None and isinstance(obj, dl._BaseDataLoaderIter):
             loader = obj
         elif loader is not None and type(obj).__name__ == "DataLoaderShard":
@@ -567,6 +576,7 @@ class _BatchSampler:
                                 R=R, fix=arg("step_batches", lo, lo + R))
         self._epoch_num = 0
         self._point = _Point()  # where the next pass starts
+        self._loaded = False  # the position was loaded and its pass has not started
         self._active: tuple | None = None  # the pass in progress: (schedule, its start, rows before it, _Pass)
         self._offset = 0  # rows of the epoch before the next pass (a resume)
         self._seq_cache: dict = {}  # (seed, epoch, units a step) -> _Sequence, the last CACHED
@@ -834,12 +844,19 @@ class _BatchSampler:
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch``: the order is a function of ``(seed, epoch)`` only, the same on every rank.
 
-        Setting the epoch that :meth:`load_state_dict` restored keeps the resume position.
+        Setting the epoch that :meth:`load_state_dict` restored keeps the resume position; another epoch
+        before the resumed pass starts drops it, which trains an epoch again or skips the rest of one: a
+        :class:`ResumeWarning` says so (start the loop at ``sampler.epoch``).
         """
         epoch = check_int(epoch, "epoch", low=0)
         if epoch != self._epoch_num:
+            if self._loaded and (self._offset or not self._point.clean):
+                warnings.warn(ResumeWarning(
+                    f"{type(self).__name__}.set_epoch({epoch}) drops the position loaded for epoch "
+                    f"{self._epoch_num} ({self._offset} batches done): start the loop at the loaded epoch, "
+                    "for epoch in range(sampler.epoch, epochs)"), stacklevel=2)
             self._point, self._offset, self._active = _Point(), 0, None
-        self._epoch_num = int(epoch)
+        self._epoch_num, self._loaded = int(epoch), False
 
     def schedule(self) -> Schedule:
         """The batches of every rank that the next pass yields (all ranks, row-major): see :class:`Schedule`."""
@@ -877,7 +894,7 @@ class _BatchSampler:
             warnings.warn(ResumeWarning(f"{type(self).__name__} resumed on world_size={self.world_size}: "
                                         f"{sched.moved}; no example is repeated or skipped"), stacklevel=3)
         self._active = (sched, self._point, self._offset, p)
-        self._point, self._offset = _Point(), 0  # the pass after this one: the whole epoch
+        self._point, self._offset, self._loaded = _Point(), 0, False  # the pass after this one: the whole epoch
         return sched
 
     def _consumed(self, p: _Pass, caller: str) -> int:
@@ -1078,7 +1095,7 @@ class _BatchSampler:
         # -- every field checked: assign --
         self._epoch_num = epoch
         self._point = _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step)
-        self._offset, self._active = done, None
+        self._offset, self._active, self._loaded = done, None, True
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
