@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -133,8 +134,6 @@ def read_bridge(path):
 def mds_samples(folder):
     """Every sample of an MDS folder through streaming's shard reader (``MDSReader.from_json`` on each shard
     of ``index.json``, as StreamingDataset opens them), in order."""
-    import json
-
     streaming_dataset()
     from streaming.base.format.mds import MDSReader
 
@@ -394,8 +393,6 @@ def test_readme_offline_formats_snippet(tmp_path, monkeypatch):
 
 def _complete_tokens(out) -> int:
     """Tokens an output holds, read back whole (a partial one fails to read)."""
-    import json
-
     import pyarrow.parquet as pq
 
     if out.name.endswith(".megatron"):
@@ -469,3 +466,29 @@ def test_sigint_at_random_moments_of_the_command_leaves_nothing(tmp_path, name):
         else:
             assert proc.returncode == 130
     print(f"{name}: a run {took:.2f} s, exit codes {codes}")
+
+
+def test_a_plan_from_the_command_reads_the_rows_the_command_writes(tmp_path, capsys):
+    """`packkit pack IN OUT.packplan`, then PlannedDataset over IN loaded with datasets: the rows (and the loss
+    tokens the command counts) are those of `packkit pack IN OUT.parquet`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from packkit.cli import main
+
+    rng = np.random.default_rng(0)
+    ex = [rng.integers(0, 1000, rng.integers(1, 50)).tolist() for _ in range(300)]
+    pq.write_table(pa.table({"input_ids": ex, "labels": [[t if rng.random() < .5 else -100 for t in e] for e in ex]}),
+                   tmp_path / "in.parquet")
+    outs = []
+    for name in ("p.packplan", "r.parquet"):
+        assert main(["pack", str(tmp_path / "in.parquet"), str(tmp_path / name), "-w", "64", "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["loss_tokens"] == outs[1]["loss_tokens"] and outs[0]["rows"] == outs[1]["rows"]
+    rows = PlannedDataset(tmp_path / "p.packplan",
+                          datasets.load_dataset("parquet", data_files=str(tmp_path / "in.parquet"))["train"])
+    written = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert len(rows) == len(written)
+    for i, want in enumerate(written):
+        for key in ("input_ids", "labels", "seq_lengths"):
+            assert rows[i][key].tolist() == want[key], (i, key)
