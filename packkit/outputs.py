@@ -303,7 +303,10 @@ class _MegatronSink:
       this mask's ``[1:]`` within a document).
     - ``packkit.json``: the rows, documents and tokens written, and what the two files hold.
 
-    Data prefixes for Megatron: ``OUT/tokens`` and ``OUT/loss_mask``.
+    Data prefixes for Megatron: ``OUT/tokens`` and ``OUT/loss_mask``. Megatron's own datasets (``GPTDataset``,
+    the packed ``SFTDataset`` of Megatron-LM PR #5017, which re-packs conversations itself) take one sequence as
+    one document, so they see every document whole; ``document_indices`` carries packkit's rows for a reader
+    that trains on them as packed.
     """
 
     def __init__(self, path: Path, schema):
