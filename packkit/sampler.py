@@ -998,17 +998,23 @@ class _BatchSampler:
         states = list(states)
         if not states:
             raise ValueError("merge_state_dicts needs the states of every rank, got none")
+        for state in states:  # each a state of this sampler, every field checked
+            self._read_state(state)
         if all(s.get("version") == STATE_VERSION for s in states):
             for s in states[1:]:
                 bad = [k for k in s if s[k] != states[0].get(k)]
                 if bad:
                     raise ValueError(f"the rank states differ in {', '.join(bad)}: save them at the same step")
             return dict(states[0])
-        for name in ("sampler", "epoch", "seed", "world_size", "fingerprint"):
+        for name in ("version", "sampler", "epoch", "seed", "world_size", "fingerprint"):
             vals = {repr(s.get(name)) for s in states}
             if len(vals) > 1:
                 raise ValueError(f"the rank states differ in {name!r} ({', '.join(sorted(vals))}): they are "
                                  "not from one run")
+        lacking = [i for i, s in enumerate(states) if "rank" not in s]
+        if lacking:
+            raise ValueError(f"sampler state field 'rank': states {lacking} lack it; an older packkit's per-rank "
+                             "states each name their rank: pass them as saved")
         R = int(states[0]["world_size"])
         ranks = sorted(int(s["rank"]) for s in states)
         if ranks != list(range(R)):
@@ -1045,6 +1051,14 @@ class _BatchSampler:
         fingerprint, its seed, the epoch's length) before anything is assigned, so a refused state leaves
         the sampler as it was. The error is one line naming the field: ``sampler state field 'seed': ...``.
         """
+        epoch, point, done = self._read_state(state)
+        # -- every field checked: assign --
+        self._epoch_num, self._point = epoch, point
+        self._offset, self._active, self._loaded = done, None, True
+
+    def _read_state(self, state) -> tuple[int, _Point, int]:
+        """``(epoch, position, batches done)`` of a saved state, every field checked against this sampler
+        (see :meth:`load_state_dict`); nothing is assigned."""
         f = StateFields(state, owner="sampler", versions=(STATE_VERSION,), legacy=1)
         name = type(self).__name__
         f.equal("sampler", name, f"the state is from another sampler: build a {f.state.get('sampler')} "
@@ -1092,10 +1106,7 @@ class _BatchSampler:
             f.fail("span", f"{span} {self._unit_name} from start={start} end past the end of {units}")
         if mask >> span:
             f.fail("mask", f"{mask:x} marks {self._unit_name} past the {span} of the step in progress (span)")
-        # -- every field checked: assign --
-        self._epoch_num = epoch
-        self._point = _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step)
-        self._offset, self._active, self._loaded = done, None, True
+        return epoch, _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step), done
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())

@@ -203,3 +203,22 @@ def test_a_garbled_field_is_refused_or_yields_each_example_at_most_once(kind, fi
     counts = np.bincount(sched.flat, minlength=LENGTHS.size)
     assert int(np.maximum(counts - 1, 0).sum()) == sched.repeated
     assert sum(len(b) for b in s) == int(np.diff(sched.ptr)[s.rank::s.world_size].sum())
+
+
+def test_merge_checks_every_rank_state():
+    """merge_state_dicts read per-rank states unchecked (a garbled one crashed with a bare KeyError or merged):
+    each is read as load_state_dict reads it, and a mix of versions is refused."""
+    s = MAKE["packed"](world_size=2, rank=0, step_batches=2)
+    old = [{"sampler": "PackedBatchSampler", "epoch": 0, "seed": 4, "batches_yielded": 3, "world_size": 2,
+            "rank": r, "fingerprint": s._fingerprint()} for r in range(2)]
+    assert s.merge_state_dicts(old)["start"] == 3 * 2 * 2
+    for damage, match in [({"batches_yielded": "3"}, "field 'batches_yielded': must be an integer"),
+                          ({"rank": 5}, r"field 'rank': must be in \[0, 1\]"),
+                          ({"seed": 5}, "field 'seed': the state was saved with seed=5"),
+                          ({"extra": 1}, "field 'extra'")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            s.merge_state_dicts([old[0], {**old[1], **damage}])
+    with pytest.raises(ValueError, match="field 'rank': states \\[1\\] lack it"):
+        s.merge_state_dicts([old[0], {k: v for k, v in old[1].items() if k != "rank"}])
+    with pytest.raises(ValueError, match="differ in 'version'"):
+        s.merge_state_dicts([old[0], s.state_dict()])
