@@ -11,7 +11,10 @@ measured here from the batches each rank gets (``sampler.schedule()``), not from
 * examples/step CV = std / mean of the examples a step holds over all ranks (full steps), and its ratio
   to random steps' (what balancing did to step composition);
 * windows over the lower bound ``ceil(tokens / W)``;
-* plan time: building the sampler and its epoch (best of 3).
+* plan time: building the sampler and its epoch (best of 3); for the cost-target packer at 1M documents
+  (k = 1, W = 32k, dp 8) against ``--baseline``'s ``pack_to_cost`` (a named revision, loaded with ``git show``)
+  in alternating pairs, garbage collected outside the clock: medians, the spread of the pair ratios, the
+  load average beside them, and whether the two schedules are identical.
 
 Policies, on the same windows (best-fit decreasing) unless said:
 
@@ -38,7 +41,7 @@ import heapq
 import time
 
 import numpy as np
-from benchlib import chat_lengths, emit_json, versions
+from benchlib import ab_pairs, chat_lengths, emit_json, loadavg, module_at, ratio_spread, versions
 
 from packkit.balance import CostModel, compute_imbalance, variation
 from packkit.sampler import PackedBatchSampler
@@ -148,10 +151,47 @@ def plan_time(n: int, k: int, window: int = 8192, dp: int = 8) -> float:
     return best
 
 
+def plan_ab(n: int, rounds: int, baseline: str, window: int = 32768, dp: int = 8) -> dict:
+    """The cost-target packer (``balance="compute"``, k = 1) planning ``n`` documents: today's
+    ``pack_to_cost`` against ``baseline``'s (``git show``), alternating pairs, garbage collected outside the
+    clock; the whole sampler (plan + schedule) and ``pack_to_cost`` alone. The schedules must be equal."""
+    import packkit.sampler as sampler_module
+
+    lengths = chat_lengths(n, seed=1)
+    ours = sampler_module.pack_to_cost
+    theirs = module_at(baseline, "packkit/balance.py").pack_to_cost
+
+    def sampler_with(fn):
+        def run():
+            sampler_module.pack_to_cost = fn
+            try:
+                return PackedBatchSampler(lengths, window=window, windows_per_batch=1, world_size=dp, rank=0,
+                                          balance="compute", overflow="truncate", cost=COST).schedule()
+            finally:
+                sampler_module.pack_to_cost = ours
+        return run
+
+    a, b = sampler_with(ours)(), sampler_with(theirs)()
+    same = np.array_equal(a.flat, b.flat) and np.array_equal(a.ptr, b.ptr)
+    used = np.minimum(lengths, window)
+    order = np.random.default_rng(2).permutation(n)
+    alone = {fn: (lambda fn=fn: fn(used, order, window=window, step_windows=dp, cost=COST)) for fn in (ours, theirs)}
+    load = [loadavg()]
+    t_new, t_old = ab_pairs(sampler_with(ours), sampler_with(theirs), rounds)
+    load.append(loadavg())
+    p_new, p_old = ab_pairs(alone[ours], alone[theirs], rounds)
+    load.append(loadavg())
+    return {"n": n, "baseline": baseline, "identical": bool(same), "load": load,
+            "sampler": {"new": t_new, "old": t_old, "ratio_old_new": ratio_spread(t_old, t_new)},
+            "pack_to_cost": {"new": p_new, "old": p_old, "ratio_old_new": ratio_spread(p_old, p_new)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200_000, help="documents (drawn with replacement past 17,545)")
     ap.add_argument("--plan-n", type=int, default=1_000_000, help="documents for the planning-time target")
+    ap.add_argument("--baseline", default="5803dad", help="revision whose pack_to_cost the 1M k=1 case runs against")
+    ap.add_argument("--ab-rounds", type=int, default=5, help="alternating pairs for the 1M k=1 case")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
     args = ap.parse_args()
     lengths = chat_lengths(args.n, seed=0)
@@ -159,7 +199,8 @@ def main() -> None:
     for window, dp, k in CONFIGS:
         rows += run(lengths, window, dp, k)
     t_lpt = plan_time(args.plan_n, 8)
-    t_doc = plan_time(args.plan_n, 1, window=32768)
+    ab = plan_ab(args.plan_n, args.ab_rounds, args.baseline)
+    t_doc = ab["sampler"]["ratio_old_new"]["den_median"]
 
     def pick(window, dp, k, policy):
         return next(r for r in rows if (r["window"], r["dp"], r["k"], r["policy"]) == (window, dp, k, policy))
@@ -177,8 +218,13 @@ def main() -> None:
     checks.append(("compute W=32k dp 8 k=1: windows <= lower bound + 1%", r["over_lower"] <= 0.01,
                    f"+{100 * r['over_lower']:.2f}%"))
     checks.append((f"plan {args.plan_n:,} documents (compute, W=8k, dp 8, k=8) <= 1 s", t_lpt <= 1.0, f"{t_lpt:.2f} s"))
+    sp, pc = ab["sampler"]["ratio_old_new"], ab["pack_to_cost"]["ratio_old_new"]
     checks.append((f"plan {args.plan_n:,} documents (compute, W=32k, dp 8, k=1, cost-target packer) <= 1 s",
-                   t_doc <= 1.0, f"{t_doc:.2f} s"))
+                   t_doc <= 1.0, f"median {t_doc:.2f} s over {sp['pairs']} pairs (range {min(ab['sampler']['new']):.2f}-"
+                   f"{max(ab['sampler']['new']):.2f}); {args.baseline} {sp['num_median']:.2f} s; {args.baseline}/today "
+                   f"{sp['median']:.2f}x (pairs {sp['low']:.2f}-{sp['high']:.2f}); pack_to_cost alone "
+                   f"{pc['den_median']:.2f} s vs {pc['num_median']:.2f} s, {pc['median']:.2f}x ({pc['low']:.2f}-"
+                   f"{pc['high']:.2f}); schedules identical: {ab['identical']}; load {'/'.join(f'{x:.1f}' for x in ab['load'])}"))
 
     v = versions()
     print(f"bench_balance: {args.n:,} chat lengths (ShareGPT under Qwen3's tokenizer, drawn with replacement), "
@@ -195,7 +241,7 @@ def main() -> None:
     for text, ok, value in checks:
         print(f"  {'met   ' if ok else 'MISSED'} {text}: {value}")
     emit_json({"bench": "balance", "n": args.n, "plan_n": args.plan_n, "versions": v, "rows": rows,
-               "plan_time_s": {"compute_k8_w8k": t_lpt, "compute_k1_w32k": t_doc},
+               "plan_time_s": {"compute_k8_w8k": t_lpt, "compute_k1_w32k": t_doc}, "plan_ab_k1": ab,
                "checks": [{"check": t, "met": ok, "value": val} for t, ok, val in checks]}, args.json_out)
 
 

@@ -13,8 +13,10 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 
@@ -72,6 +74,56 @@ def best_of(fn, repeat: int):
         out = fn()
         times.append(time.perf_counter() - t)
     return min(times), out
+
+
+def module_at(rev: str, path: str):
+    """The module at ``path`` (``"packkit/balance.py"``) as it was at git revision ``rev``, for an A/B in one
+    process: imported beside today's package (its relative imports resolve against today's modules), under the
+    name ``<package>._at_<rev>_<module>``. ``module_at("5803dad", "packkit/balance.py").pack_to_cost``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = subprocess.run(["git", "-C", root, "show", f"{rev}:{path}"], check=True, capture_output=True,
+                         text=True).stdout
+    package, module = path[:-3].rsplit("/", 1)
+    package = package.replace("/", ".")
+    mod = types.ModuleType(f"{package}._at_{rev}_{module}")
+    mod.__package__, mod.__file__ = package, f"{rev}:{path}"
+    sys.modules[mod.__name__] = mod  # (dataclasses look their module up there)
+    exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def ab_pairs(a, b, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds of ``a()`` and ``b()`` over ``rounds`` pairs, alternating (which runs first flips every round),
+    garbage collected before each call and disabled during it: ``(times_a, times_b)``."""
+    ta, tb = [], []
+    for r in range(rounds):
+        for fn, out in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
+            gc.collect()
+            gc.disable()
+            try:
+                t = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t)
+            finally:
+                gc.enable()
+    return ta, tb
+
+
+def ratio_spread(num, den) -> dict:
+    """The pair ratios ``num[i] / den[i]``: median, lowest and highest, and the medians of each side.
+    ``ratio_spread([2, 3], [1, 1]) -> {"median": 2.5, "low": 2.0, "high": 3.0, ...}``."""
+    r = [x / y for x, y in zip(num, den)]
+    return {"median": statistics.median(r), "low": min(r), "high": max(r), "num_median": statistics.median(num),
+            "den_median": statistics.median(den), "pairs": len(r)}
+
+
+def loadavg() -> float:
+    """The 1-minute load average (``/proc/loadavg``; nan where there is none): written beside each figure."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return float("nan")
 
 
 def median_time(fn, *, warmup: int, reps: int, device: str) -> float:

@@ -26,6 +26,8 @@ choose from, and :func:`pack_to_cost` builds the step's windows from documents t
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 import numbers
 
@@ -283,15 +285,24 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     order = np.asarray(order, np.int64)
     S = int(step_windows)
     look = 4 * S if lookahead is None else int(lookahead)
+    if look < 1:
+        raise ValueError(f"lookahead must be at least 1, got {lookahead!r}")
     a, cp = cost.linear, cost.cp_size
     Lo = L[order]
     is_out = (Lo.astype(np.float64) ** 2 / cp) > outlier * a * window
     lower = max(1, -(-int(Lo.sum()) // window))
     target = float(cost.costs(Lo).sum()) / lower * (1.0 + slack)
-    per_step = S * window / max(1.0, float(Lo.mean()))  # documents a step meets, about
-    # -- Python lists: a step touches S windows, and numpy calls on S items cost more than loops --
+    per_step = S * window / max(1.0, float(Lo.mean()) if Lo.size else 1.0)  # documents a step meets, about
+    # -- one pass in Python, step after step (a step starts where the last one stopped). A document is a
+    # (document, length, cost) triple made by numpy; the cheapest window is the top of a heap of the
+    # step's window costs (floats: cheap to compare) and the first window holding that cost
+    # (``list.index``), which is the original scan's choice among equal costs; runs of documents longer
+    # than any window's room are missed in bulk (C-level scans, no per-document Python) --
+    stream = order[~is_out]
+    sn = L[stream].tolist()
+    docs = zip(stream.tolist(), sn, cost.costs(L[stream]).tolist())
+    ns = len(sn)
     Ll = L.tolist()
-    stream = order[~is_out].tolist()
     outliers = order[is_out].tolist()
     out_at = np.cumsum(~is_out)[is_out].tolist()  # stream documents before each outlier
     queue: list[int] = []
@@ -299,51 +310,88 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     ptr = [0]
     deferred = 0
     pos = oi = 0
-    pending: list[int] = []
-    while pos < len(stream) or pending or oi < len(outliers) or queue:
-        while oi < len(outliers) and (out_at[oi] <= pos + per_step or (pos >= len(stream) and not pending)):
+    pending: list[tuple] = []
+    replace, heapify = heapq.heapreplace, heapq.heapify
+    while pos < ns or pending or oi < len(outliers) or queue:
+        while oi < len(outliers) and (out_at[oi] <= pos + per_step or (pos >= ns and not pending)):
             queue.append(outliers[oi])
             oi += 1
         cost_w = [0.0] * S
         room = [window] * S
         members: list[list[int]] = [[] for _ in range(S)]
-        if len(queue) >= S or (queue and pos >= len(stream) and not pending and oi == len(outliers)):
+        seeded = 0
+        if len(queue) >= S or (queue and pos >= ns and not pending and oi == len(outliers)):
             take = sorted(queue[:S], key=lambda d: -Ll[d])
             del queue[:len(take)]
             for w, d in enumerate(take):
                 members[w].append(d)
                 room[w] -= Ll[d]
                 cost_w[w] = a * Ll[d] + Ll[d] * Ll[d] / cp
-        misses = ci = 0
+            seeded = len(take)
+        heap = sorted(cost_w)
+        index, add = cost_w.index, [m.append for m in members]
         cands, pending = pending, []
-        while misses < look:
-            if ci < len(cands):
-                d = cands[ci]
-                ci += 1
-            elif pos < len(stream):
-                d = stream[pos]
-                pos += 1
+        todo = itertools.chain(cands, docs)
+        misses = 0
+        for d, n, c in todo:
+            k = heap[0]
+            w = index(k)
+            if room[w] < n or (k + c > target and members[w]):
+                if room[w] < n:
+                    k, w = _cheapest_with_room(n, cost_w, room)
+                if w < 0 or (k + c > target and members[w]):
+                    pending.append((d, n, c))
+                    misses += 1
+                    if misses >= look:
+                        break
+                    if w < 0:
+                        misses = _miss_run(docs, sn, pos, _seen(members, seeded, pending) - len(cands),
+                                           max(room), look - misses, pending, misses)
+                        if misses >= look:
+                            break
+                    continue
+                heap[heap.index(k)] = k + c
+                heapify(heap)
             else:
-                break
-            n = Ll[d]
-            c = a * n + n * n / cp
-            best, best_cost = -1, 0.0
-            for w in range(S):
-                if room[w] >= n and (best < 0 or cost_w[w] < best_cost):
-                    best, best_cost = w, cost_w[w]
-            if best < 0 or (members[best] and best_cost + c > target):
-                pending.append(d)
-                misses += 1
-                continue
+                replace(heap, k + c)
+            cost_w[w] = k + c
+            room[w] -= n
+            add[w](d)
             misses = 0
-            members[best].append(d)
-            room[best] -= n
-            cost_w[best] += c
-        pending += cands[ci:]
+        taken = _seen(members, seeded, pending)  # documents this step looked at
+        pos += max(0, taken - len(cands))
+        pending += cands[taken:]
         deferred += len(pending)
-        used = [m for m in members if m]
-        for m in used:
-            seg += m
-            ptr.append(len(seg))
+        for m in members:
+            if m:
+                seg += m
+                ptr.append(len(seg))
     return ToCost(seg_example=np.asarray(seg, np.int64), window_ptr=np.asarray(ptr, np.int64),
                   queued=len(outliers), deferred=deferred)
+
+
+def _cheapest_with_room(n: int, cost_w: list, room: list) -> tuple[float, int]:
+    """``(cost, window)`` of the cheapest window with ``room`` for ``n`` tokens (the first of equal ones, as a scan
+    in window order finds it), or ``(0.0, -1)``: ``_cheapest_with_room(3, [5.0, 1.0, 1.0], [9, 2, 3]) -> (1.0, 2)``."""
+    if n > max(room):
+        return 0.0, -1
+    return min(itertools.compress(zip(cost_w, itertools.count()), map(n.__le__, room)))
+
+
+def _seen(members, seeded: int, pending) -> int:
+    """Documents a step of :func:`pack_to_cost` has looked at: placed (less the queued ones it opened with) and missed."""
+    return sum(map(len, members)) - seeded + len(pending)
+
+
+def _miss_run(docs, sn, pos: int, past: int, room: int, most: int, pending, misses: int) -> int:
+    """Miss, in one go, the stream documents after the first ``pos + past`` that are longer than ``room`` (so fit
+    no window), up to ``most`` of them: ``docs`` moves past them, ``pending`` takes their triples; returns
+    ``misses`` plus their number. ``past`` below 0 (the step is still on its deferred documents): none."""
+    if past < 0:
+        return misses
+    at = pos + past
+    run = next(itertools.compress(itertools.count(), map(room.__ge__, sn[at:at + most])), None)
+    run = min(most, len(sn) - at) if run is None else run
+    if run:
+        pending += itertools.islice(docs, run)
+    return misses + run
