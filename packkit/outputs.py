@@ -296,8 +296,9 @@ class _MegatronSink:
     - ``tokens.bin`` / ``tokens.idx``: every document (segment) of every packed row is one *sequence*, and
       every packed row one *document* (``IndexedDataset(prefix).document_indices``: row ``r`` is sequences
       ``document_indices[r]:document_indices[r + 1]``), so both the rows and the boundaries inside them
-      are the reader's own index. Token ids keep the input's integer type where megatron-core has it
-      (uint8, int8, int16, uint16, int32, int64; other types as int64).
+      are the reader's own index. Token ids keep the input's integer type where it is narrower than 32 bits
+      (uint8, int8, int16, uint16) and are int32 otherwise, as Megatron's own preprocessing writes them (an
+      id past int32 is refused, not wrapped).
     - ``loss_mask.bin`` / ``loss_mask.idx``: uint8, 1 where the token is trained on (a label other than
       -100), aligned with the token (Megatron's ``loss_mask`` goes with ``labels = tokens[1:]``, so it is
       this mask's ``[1:]`` within a document).
@@ -313,7 +314,7 @@ class _MegatronSink:
         self.folder = Path(path)
         self.folder.mkdir()
         token_type = np.dtype(schema.field("input_ids").type.value_type.to_pandas_dtype())
-        self.dtype = token_type if token_type in _MEGATRON_DTYPES else np.dtype(np.int64)
+        self.dtype = token_type if token_type in _MEGATRON_DTYPES and token_type.itemsize < 4 else np.dtype(np.int32)
         self.tokens = open(self.folder / "tokens.bin", "wb")
         self.mask = open(self.folder / "loss_mask.bin", "wb")
         self.seq_lengths: list = []

@@ -195,6 +195,11 @@ def test_megatron_keeps_the_token_type_and_names_its_prefixes(tmp_path):
     pack_dataset(ds, window=8, output=tmp_path / "o", output_format="megatron")
     tokens = IndexedDataset(str(tmp_path / "o" / "tokens"))
     assert tokens[0].dtype == np.uint16 and int(tokens.sequence_lengths.sum()) == 12
+    pack_dataset(make_dataset([3, 4], 0), window=8, output=tmp_path / "w.megatron")  # int64 ids: written as int32
+    assert IndexedDataset(str(tmp_path / "w.megatron" / "tokens"))[0].dtype == np.int32
+    big = datasets.Dataset.from_dict({"input_ids": [[5, 2**31]]})
+    with pytest.raises(DataError, match="a token id of 2,147,483,648 .* does not fit the int32 ids of the megatron"):
+        pack_dataset(big, window=8, output=tmp_path / "big.megatron")
     assert sorted(os.listdir(tmp_path / "o")) == ["loss_mask.bin", "loss_mask.idx", "packkit.json", "tokens.bin",
                                                   "tokens.idx"]
 
