@@ -470,15 +470,16 @@ def check_groups(prompt_lengths, completion_lengths, group_sizes, *, rows=None, 
     """
     p_len, c_len = np.asarray(prompt_lengths, np.int64), np.asarray(completion_lengths, np.int64)
     k = np.asarray(group_sizes, np.int64)
-    if (k < 1).any():
-        g = int(np.argmax(k < 1))
-        raise located(ExampleValueError, g, rows, "has no completion; a group needs at least one")
     group = lengths_to_seq_idx(k)
     unscored = (c_len < 1) | ((c_len < 2) & (p_len[group] < 1))
-    if unscored.any():
-        n = int(np.argmax(unscored))
-        g = int(group[n])
-        key, where = _part(n - int(lengths_to_offsets(k)[g]), keys)
+    bad = (k < 1) | (np.bincount(group, weights=unscored, minlength=k.size) > 0)
+    if bad.any():  # the first group (in order) with nothing to score, then what it lacks
+        g = int(np.argmax(bad))
+        if k[g] < 1:
+            raise located(ExampleValueError, g, rows, "has no completion; a group needs at least one")
+        offset = int(lengths_to_offsets(k)[g])
+        n = offset + int(np.argmax(unscored[offset: offset + int(k[g])]))
+        key, where = _part(n - offset, keys)
         if c_len[n] < 1:
             text = f"has an empty {key!r}{where}: nothing to score; filter such examples out first"
         else:

@@ -512,3 +512,65 @@ def test_cost_model_from_config_sizes_are_integers():
             CostModel.from_config(**kw)
         assert one_line(info).startswith(words)
     assert CostModel.from_config(hidden_size=4096, intermediate_size=11008).linear == 49408
+
+
+# ----------------------------------------------------------------------------------------------
+# the group and per-example value rules against nested-loop references
+# ----------------------------------------------------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 3), max_size=3)), min_size=1, max_size=6))
+def test_check_groups_against_a_loop(groups):
+    """The first group (in order) with no completion, or with a completion with no scored token (empty, or one
+    token after an empty prompt), is the one named; any other batch passes."""
+    from packkit.rules import check_groups
+
+    want = None
+    for g, (p, comps) in enumerate(groups):
+        if not comps:
+            want = f"example {g} has no completion"
+            break
+        j = next((j for j, c in enumerate(comps) if c == 0 or (c == 1 and p == 0)), None)
+        if j is not None:
+            want = f"example {g} has an empty {'prompt_ids' if comps[j] else 'completion_ids'!r}"
+            want += f" and 1 token in 'completion_ids' (completion {j})" if comps[j] else f" (completion {j})"
+            break
+    args = ([p for p, _ in groups], [c for _, cs in groups for c in cs], [len(cs) for _, cs in groups])
+    if want is None:
+        check_groups(*args)
+        return
+    with pytest.raises(DataError) as info:
+        check_groups(*args)
+    assert one_line(info).startswith(want), (str(info.value), want)
+
+
+@given(st.lists(st.one_of(st.none(), st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                                                       st.integers(-5, 5)), min_size=1, max_size=3)),
+                min_size=1, max_size=5))
+def test_example_values_against_a_loop(values):
+    """Values one per completion (each example's count its own list's length): refused at the first missing
+    example when some have them, else at the first value that is not finite; else laid end to end."""
+    from packkit.rules import example_values
+
+    sizes = [1 if v is None else len(v) for v in values]
+    present = [v is not None for v in values]
+    if not any(present):
+        assert example_values(values, sizes, key="advantages") is None
+        return
+    if not all(present):
+        want = f"example {present.index(False)} has no 'advantages' while example {present.index(True)} has them"
+    else:
+        bad = [(i, j) for i, v in enumerate(values) for j, x in enumerate(v) if not np.isfinite(x)]
+        want = f"example {bad[0][0]} has " if bad else None
+    if want is None:
+        got = example_values(values, sizes, key="advantages")
+        assert got.dtype == np.float64 and got.tolist() == [float(x) for v in values for x in v]
+        return
+    with pytest.raises(DataError) as info:
+        example_values(values, sizes, key="advantages")
+    assert one_line(info).startswith(want), (str(info.value), want)
+    if all(present):
+        assert f"(completion {bad[0][1]})" in str(info.value)
