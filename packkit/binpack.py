@@ -155,7 +155,8 @@ def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0,
 
 
 #: Bytes a planner holds per item (a piece of a split example) at its peak: measured 132 for ``packkit plan``'s
-#: bfd and 304 for ``packkit waste``'s five strategies on one example split into 4M pieces; the planner's own.
+#: bfd and 304 for ``packkit waste``'s five strategies on one example split into 4M pieces, 110 per example for
+#: ``packkit plan --synthetic 4000000``; the planner's own.
 PLAN_BYTES_PER_ITEM = 128
 
 

@@ -152,6 +152,9 @@ def test_a_length_of_2_40_is_refused_before_any_allocation_naming_it(tmp_path):
                                             r"cuts it into .* pieces of window=2048.*pass overflow='truncate' or 'drop'"):
             call()
     assert cli(["waste", src, "-q", "--overflow", "truncate"])[0] == 0  # nothing split: nothing to plan
+    code, _, err = cli(["plan", "--synthetic", 2**40])  # the same class: numpy asked for 8 TiB (exit 4, no option)
+    assert code == 2 and "--synthetic 1,099,511,627,776 examples need about 131,072.0 GiB to draw and plan" \
+        in one_line(err), err
 
 
 @pytest.mark.parametrize("name, make, match", [

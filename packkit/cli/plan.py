@@ -7,7 +7,7 @@ import warnings
 
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
                UsageError, rows_as_lines)
-from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window
+from ..binpack import OVERFLOW_POLICIES, PLAN_BYTES_PER_ITEM, STRATEGIES, check_seed, check_window, memory_available
 from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
 from ..datafiles import read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
@@ -66,6 +66,11 @@ def run(args, options=None) -> int:
     if args.synthetic is not None:
         if args.synthetic < 1:
             raise UsageError(f"--synthetic must be at least 1 example, got {args.synthetic}")
+        need, have = args.synthetic * PLAN_BYTES_PER_ITEM, memory_available()
+        if have is not None and need > have:  # refused before drawing: numpy would ask for it all at once
+            raise UsageError(f"--synthetic {args.synthetic:,} examples need about {need / 2**30:,.1f} GiB to draw and "
+                             f"plan ({PLAN_BYTES_PER_ITEM} bytes each), more than the {have / 2**30:,.1f} GiB of memory "
+                             "available; ask for fewer")
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
         targets = None
     else:
