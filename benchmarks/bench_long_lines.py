@@ -1,6 +1,7 @@
 """Reading one long JSON line against the same bytes in short lines (issue 28: linear time for any line length).
 
-The data: ``--mib`` MiB (default 128) of token ids (random ints in [0, 100,000), about 6 bytes each as text)
+The data: ``--mib`` MiB (default 128) of token ids (random ints in [0, 100,000), about 6 bytes each as text, with
+``json.dumps``' separators ``", "``)
 written twice: as ONE line ``{"input_ids": [...]}``, and as the same ids cut into lines of about ``--line-kib``
 KiB (default 1,024). Both are read by :func:`packkit.datafiles.read_lengths` (what ``packkit waste`` and ``plan``
 read with; ``pack`` streams through the same :func:`packkit.datafiles.json_tables`), alternating which goes
@@ -10,7 +11,9 @@ and the ratio long / short. Target: the long line within 1.5x the short lines' w
 
 Before the fix, :func:`packkit.datafiles.line_chunks` grew a line longer than a chunk with ``rest += block``
 (a copy of the whole line per MiB read: quadratic); ``--before`` also times that old chunking alone, in the
-same run, on the long file.
+same run, on the long file. Then pyarrow parsed the one line on one thread (a line never spans two blocks)
+while short lines were parsed two at once; its long lists of integers are now parsed apart on pyarrow's
+threads (:func:`packkit.datafiles._one_long_line`).
 
     python benchmarks/bench_long_lines.py [--mib 128] [--repeat 3] [--before]
 """
@@ -37,11 +40,11 @@ def write_files(folder: str, mib: int, line_kib: int, seed: int = 0) -> tuple[st
     ids = rng.integers(0, 100_000, (mib << 20) // 6).astype(str)
     long_path, short_path = os.path.join(folder, "one_line.jsonl"), os.path.join(folder, "short_lines.jsonl")
     with open(long_path, "w") as f:
-        f.write('{"input_ids": [' + ",".join(ids) + "]}\n")
+        f.write('{"input_ids": [' + ", ".join(ids) + "]}\n")  # json.dumps' own separators
     per_line = max(1, (line_kib << 10) // 6)
     with open(short_path, "w") as f:
         for lo in range(0, ids.size, per_line):
-            f.write('{"input_ids": [' + ",".join(ids[lo: lo + per_line]) + "]}\n")
+            f.write('{"input_ids": [' + ", ".join(ids[lo: lo + per_line]) + "]}\n")
     return long_path, short_path
 
 

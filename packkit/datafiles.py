@@ -430,9 +430,88 @@ def _parse_json_chunk(chunk: bytes, schema, path):
                         "to that many bytes a line: split the example, or store it as parquet")
     parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None \
         else pj.ParseOptions()
+    if len(chunk) >= LONG_LINE_BYTES and chunk.count(b"\n", 0, len(chunk) - 1) == 0:
+        fast = _one_long_line(chunk, parse)
+        if fast is not None:
+            return fast
     return pj.read_json(pa.BufferReader(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1,
                                                                             use_threads=False),
                         parse_options=parse)
+
+
+#: A chunk that is one line of at least this many bytes has its long lists of integers parsed on many threads.
+LONG_LINE_BYTES = 8 << 20
+
+#: A list of integers at least this long (bytes of text) is parsed apart from its line (:func:`_one_long_line`).
+LONG_LIST_BYTES = 1 << 20
+
+
+def _one_long_line(chunk: bytes, parse):
+    """One JSON line whose long flat lists of integers (``"input_ids": [5, 6, ...]``, at least
+    :data:`LONG_LIST_BYTES` of text each) are parsed on pyarrow's threads, the rest of the line by its JSON reader;
+    None where the line is anything else, or a list is not plain integers (the caller parses the whole line,
+    whose errors then name what is wrong).
+
+    pyarrow parses a block on one thread and a line never spans two blocks, so one 128 MiB line took one core
+    where the same bytes in short lines took every core (1.76x the wall at load 8.5 on 2 cores). The numbers of a
+    long list are what takes the time: with the commas made newlines they are one CSV column of int64 (blocks
+    on every thread; an empty value, a float, text or a value past int64 fails the parse, and the whole line goes
+    the usual way). Each list is cut out of the line (the line keeps ``[]`` there), then put back as the row's.
+    """
+    pa = pyarrow()
+    import pyarrow.csv as pcsv
+    import pyarrow.json as pj
+
+    spans, at = [], 0
+    while True:
+        lo = chunk.find(b"[", at)
+        if lo < 0:
+            break
+        hi = chunk.find(b"]", lo)
+        if hi < 0:
+            return None
+        at = hi + 1
+        if hi - lo < LONG_LIST_BYTES:
+            continue
+        body = chunk[lo + 1: hi]
+        if any(body.find(c) >= 0 for c in (b"[", b"{", b'"')):  # nested or text: not a flat list of numbers
+            return None
+        head = chunk[max(0, lo - 4096): lo].rstrip()
+        if not head.endswith(b":"):
+            return None  # a list inside a list, or not a key's value
+        key = head[:-1].rstrip()
+        start = key.rfind(b'"', 0, len(key) - 1)
+        if not key.endswith(b'"') or start < 0 or b"\\" in key[start:]:
+            return None
+        spans.append((key[start + 1: -1].decode("utf-8", "replace"), lo, hi, body))
+    if not spans:
+        return None
+    skeleton, last = [], 0
+    for _, lo, hi, _ in spans:  # the line with each long list emptied: "input_ids": []
+        skeleton += [chunk[last: lo + 1], b"]"]
+        last = hi + 1
+    skeleton.append(chunk[last:])
+    try:
+        table = pj.read_json(pa.BufferReader(b"".join(skeleton)), parse_options=parse)
+        if table.num_rows != 1:
+            return None
+        for key, _, _, body in spans:
+            text = body.translate(None, b" \t\r\n").replace(b",", b"\n")
+            values = pcsv.read_csv(pa.BufferReader(text), read_options=pcsv.ReadOptions(column_names=["v"]),
+                                   parse_options=pcsv.ParseOptions(ignore_empty_lines=False),
+                                   convert_options=pcsv.ConvertOptions(column_types={"v": pa.int64()})).column("v")
+            if values.null_count or key not in table.column_names:
+                return None
+            field = table.schema.field(key)
+            if not pa.types.is_list(field.type):
+                return None
+            vtype = field.type.value_type if not pa.types.is_null(field.type.value_type) else pa.int64()
+            values = values.combine_chunks().cast(vtype)
+            row = pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values)
+            table = table.set_column(table.schema.get_field_index(key), key, row.cast(pa.list_(vtype)))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, UnicodeDecodeError):
+        return None
+    return table
 
 
 def json_tables(path, *, block_size: int | None = None):

@@ -99,3 +99,37 @@ def test_a_line_many_chunks_long_is_read_in_linear_time(tmp_path):
     assert n_long == long_path.stat().st_size and n_short == short_path.stat().st_size
     assert t_long < 0.25 + 4 * t_short, (t_long, t_short)
     assert [len(c) for c in line_chunks(long_path, size=256)] == [long_path.stat().st_size]
+
+
+@pytest.mark.parametrize("sep", [",", ", ", " ,\t"])
+def test_a_long_line_of_integers_parses_on_threads_as_pyarrow_reads_it(tmp_path, monkeypatch, sep):
+    """Issue 28: one long JSON line was parsed by pyarrow on one thread (a line never spans two blocks) while the
+    same bytes in short lines took every core. Its long flat lists of integers are parsed apart, as one CSV column
+    on pyarrow's threads: the table equals pyarrow's own (other keys, negative ids, any spacing between numbers,
+    the first chunk's schema on a later chunk); a list that is not plain integers (5.0, past int64, an empty
+    value, nested) goes the usual way, so its error is the usual one, naming its row."""
+    import json
+
+    import pyarrow.json as pj
+
+    monkeypatch.setattr(pio, "LONG_LINE_BYTES", 64)
+    monkeypatch.setattr(pio, "LONG_LIST_BYTES", 16)
+    ids = list(range(-3, 60))
+    body = sep.join(map(str, ids))
+    line = '{"source": "a [bracket]", "input_ids": [' + body + '], "labels": [' + body + '], "n": 3}\n'
+    got = pio._parse_json_chunk(line.encode(), None, tmp_path / "x.jsonl")
+    want = pj.read_json(pa.BufferReader(line.encode()))
+    assert got is not None and got.equals(want), (got, want)
+    assert pio._one_long_line(line.encode(), pj.ParseOptions()) is not None  # the threaded path was taken
+    schema = pa.schema([("source", pa.string()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int64())),
+                        ("n", pa.int64())])
+    later = pio._parse_json_chunk(line.encode(), schema, tmp_path / "x.jsonl")
+    assert later.schema == schema and later.column("input_ids").to_pylist() == [ids]
+    for bad in ("5.0", str(2**64), "", "[1]"):
+        odd = line.replace(", 7,", f", {bad},").replace(",7,", f",{bad},").replace(" ,\t7 ,", f" ,\t{bad} ,")
+        assert pio._one_long_line(odd.encode(), pj.ParseOptions()) is None, bad
+    path = tmp_path / "ids.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line.replace(", 7,", ", 7.5,").replace(",7,", ",7.5,")
+                    .replace(" ,\t7 ,", " ,\t7.5 ,"))
+    with pytest.raises(ValueError, match=r"dataset row 1 has 7.5 \(float\) in 'input_ids'"):
+        pio.read_lengths(path)
