@@ -355,3 +355,37 @@ def test_a_uint64_length_is_shown_as_given(tmp_path):
         line = one_line(err)
         assert code == 3 and "example 1 has length 18446744073709551615 (uint64)" in line and "length -1" not in line, err
         assert f"'{src}'" in line, line
+
+
+def _break_lease_of(path: Path) -> None:
+    """Open ``path`` for writing without waiting (``O_NONBLOCK``): where packkit holds a read lease on it, the
+    kernel refuses the open (EAGAIN) and starts the lease break, as another program's write would."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except BlockingIOError:
+        pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read leases are Linux's")
+def test_tokenize_stops_naming_an_input_written_while_it_reads_it(tmp_path, monkeypatch):
+    """`packkit tokenize` holds IN too (a memory-mapped IN truncated under it was a SIGBUS): a write to IN while its
+    chunks are written stops it with the one line naming IN, exit 3, nothing left beside OUT."""
+    from packkit.cli import tokenize as tokenize_cmd
+
+    src, out = tmp_path / "t.txt", tmp_path / "o.jsonl"
+    src.write_text("hello there\nsecond line\n" * 50)
+    real = tokenize_cmd._write
+
+    def write_then_touch(tables, *a, **k):
+        def touched():
+            for i, t in enumerate(tables):
+                if i == 0:
+                    _break_lease_of(src)
+                    time.sleep(0.2)  # the signal is met at the next bytecode
+                yield t
+        return real(touched(), *a, **k)
+
+    monkeypatch.setattr(tokenize_cmd, "_write", write_then_touch)
+    code, _, err = cli(["tokenize", src, out, "--tokenizer", "bytes"])
+    assert code == 3 and f"'{src}' was changed while packkit read it" in one_line(err), err
+    assert not out.exists() and leftovers(tmp_path) == []

@@ -23,7 +23,7 @@ from ..chat import chat_format
 from ..datafiles import (JsonLinesChanged, check_path, load_table, preference_columns, reader_pyarrow, table_chunks,
                          tokenize_pairs, tokenized_tables, tokens_table)
 from ..errors import ArgumentError, DataError, MissingError, arg
-from ..fileio import check_output
+from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
 from ..outputs import example_suffixes, output_format, write_batches
 from ._chat import add_tokenizer_arguments, chat_options
@@ -54,7 +54,13 @@ def parser() -> Parser:
 
 
 def run(args, options=None) -> int:
-    """``packkit tokenize IN OUT --tokenizer T``."""
+    """``packkit tokenize IN OUT --tokenizer T``: IN held still while it is read (:func:`packkit.fileio.held_still`:
+    a memory-mapped IN truncated under the read was a SIGBUS)."""
+    with held_still([check_path(args.input)]):
+        return _run(args)
+
+
+def _run(args) -> int:
     src, out = check_path(args.input), Path(args.output)
     fmt = output_format(out)
     if fmt.packed:
