@@ -1012,7 +1012,7 @@ class StreamBuffer:
     next window will be planned from; a new generator given a copy plans the same windows.
     """
 
-    __slots__ = ("by_length", "present", "arrivals", "held", "seq")
+    __slots__ = ("by_length", "present", "arrivals", "held", "seq", "taken")
 
     def __init__(self, items=()):
         self.by_length: dict[int, collections.deque] = {}  # length -> seqs, oldest first
@@ -1020,6 +1020,7 @@ class StreamBuffer:
         self.arrivals: collections.deque = collections.deque()  # (seq, length), oldest first; taken ones skipped
         self.held: dict[int, object] = {}  # seq -> payload
         self.seq = 0
+        self.taken: list | None = None  # a list: the seqs taken are appended to it (a reader of changes)
         for payload, length in items:
             self.add(payload, int(length))
 
@@ -1088,6 +1089,8 @@ def stream_windows(items, *, window: int, buffer_size: int = 1000, buffer: Strea
         if not q:
             del by_length[length]
             del present[bisect.bisect_left(present, length)]
+        if buf.taken is not None:
+            buf.taken.append(seq)
         return held.pop(seq)
 
     fill()

@@ -31,6 +31,8 @@ Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the wi
 
 from __future__ import annotations
 
+import base64
+import binascii
 import collections.abc
 import dataclasses
 import logging
@@ -642,6 +644,7 @@ class PackedStream:
         self._counts = dict(pos.counts)
         self._pending = collections.deque(pos.pending)
         self._buffer = StreamBuffer(pos.items)
+        self._entries, self._entries_seen = {}, 0  # the buffer's state entries (see _buffer_entries)
         self._last = None  # (index, example) of the last example read
         self._read_any = False
         self._rows = stream_windows(self._items(), window=self.window, buffer_size=self._buffer_size,
@@ -777,9 +780,9 @@ class PackedStream:
     def state_dict(self) -> dict:
         """Where this shard of the stream is, between two rows: JSON-safe, loaded by :meth:`load_state_dict`.
 
-        Holds the tokens of the examples buffered (at most ``buffer_size`` examples; each entry is built
-        once and reused by later states, so saving after every row, as torchdata's ``StatefulDataLoader``
-        does, costs the new entries only).
+        Holds the tokens of the examples buffered (at most ``buffer_size`` examples), each column as base64
+        text of its bytes with its dtype; an entry is built once and keeps its key, so saving after every
+        row, as torchdata's ``StatefulDataLoader`` does, encodes (and sends) the new entries only.
         """
         checks = dict(self._checks)
         if self._last is not None:
@@ -798,10 +801,32 @@ class PackedStream:
             "skip": sorted(self._skip),
             "position": self._position,
             "checks": [[j, c] for j, c in sorted(checks.items())],
-            "buffer": {str(k): _item_entry(p) for k, (p, _) in enumerate(self._buffer.items())},
+            "buffer": self._buffer_entries(),
             "pending": [_item_entry(p) for p, _ in self._pending],
             "stats": dict(self._counts),
         }
+
+    def _buffer_entries(self) -> dict:
+        """``{arrival number: entry}`` of the buffer. An entry keeps its key from one state to the next
+        (torchdata sends the new ones only), and the entries are kept between calls and brought up to date
+        from what the buffer took (:attr:`StreamBuffer.taken`) and received since: a state costs the
+        entries that changed, not the buffer."""
+        buf, entries = self._buffer, self._entries
+        if buf.taken is None:  # the first state of this buffer: every entry
+            buf.taken = []
+            seen = min(buf.held, default=buf.seq)
+        else:
+            for seq in buf.taken:
+                entries.pop(str(seq), None)
+            buf.taken.clear()
+            seen = self._entries_seen
+        held = buf.held
+        for seq in range(seen, buf.seq):
+            p = held.get(seq)
+            if p is not None:
+                entries[str(seq)] = _item_entry(p)
+        self._entries_seen = buf.seq
+        return dict(entries)
 
     def load_state_dict(self, state) -> None:
         """Resume from :meth:`state_dict`'s dict (this shard's), or from the list of every shard's states of
@@ -928,26 +953,27 @@ class _ParsedState:
     pos: _StreamPosition
 
 
-def _item_entry(payload) -> dict:
-    """The state entry of a buffered piece, built once per piece (lists of Python numbers: JSON-safe)."""
+def _item_entry(payload) -> list:
+    """The state entry of a buffered piece, built once per piece: ``[example, start, {column: base64 of its
+    bytes}, {column: dtype}]`` (``"<i4"``): JSON-safe, compact, exact in its dtype, and one value (not a
+    dict) so that torchdata's incremental worker state compares and sends it whole or not at all."""
     if payload[3] is None:
         arrays = payload[2]
-        payload[3] = {"example": payload[0], "start": payload[1],
-                      "tokens": {c: a.tolist() for c, a in arrays.items()},
-                      "dtypes": {c: a.dtype.str for c, a in arrays.items()}}
+        payload[3] = [payload[0], payload[1],
+                      {c: base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii") for c, a in arrays.items()},
+                      {c: a.dtype.str for c, a in arrays.items()}]
     return payload[3]
 
 
 def _parse_item(f, name: str, k, raw, cols: list, window: int):
     """One state entry back to ``(payload, length)``, every part checked (errors name ``name`` and the entry)."""
     where = f"entry {k}"
-    if not isinstance(raw, collections.abc.Mapping) or sorted(raw) != ["dtypes", "example", "start", "tokens"]:
-        f.fail(name, f"{where} must be a dict with example, start, tokens and dtypes", StateTypeError)
-    j, p = raw["example"], raw["start"]
+    if not isinstance(raw, (list, tuple)) or len(raw) != 4:
+        f.fail(name, f"{where} must be [example, start, {{column: base64}}, {{column: dtype}}]", StateTypeError)
+    j, p, tokens, dtypes = raw
     for what, v in (("example", j), ("start", p)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             f.fail(name, f"{where}: {what} must be an integer of at least 0, got {v!r}")
-    tokens, dtypes = raw["tokens"], raw["dtypes"]
     if not isinstance(tokens, collections.abc.Mapping) or not isinstance(dtypes, collections.abc.Mapping) \
             or sorted(tokens) != sorted(cols) or sorted(dtypes) != sorted(cols):
         f.fail(name, f"{where}: tokens and dtypes must hold the columns {cols}")
@@ -957,18 +983,13 @@ def _parse_item(f, name: str, k, raw, cols: list, window: int):
             dtype = np.dtype(dtypes[c])
             if dtype.kind not in "iub":
                 raise TypeError(dtype)
-            values = tokens[c]
-            if not isinstance(values, list):
-                raise TypeError(type(values))
-            read = np.asarray(values)
-            if read.size and read.dtype.kind not in "iub":  # floats, strings, nested lists
-                raise TypeError(read.dtype)
-            a = read.astype(dtype)
-            if a.size and not np.array_equal(a, read):  # a value outside the dtype
-                raise OverflowError(dtype)
-        except (TypeError, ValueError, OverflowError):
-            f.fail(name, f"{where}: column {c!r} must be a list of integers of an integer dtype")
-        if a.ndim != 1 or (n is not None and a.size != n) or not 1 <= a.size <= window:
+            data = base64.b64decode(tokens[c], validate=True)
+            if len(data) % dtype.itemsize:
+                raise ValueError(len(data))
+            a = np.frombuffer(data, dtype).copy()  # writable, owned
+        except (TypeError, ValueError, binascii.Error):
+            f.fail(name, f"{where}: column {c!r} must be base64 of {dtypes[c]!r} values (an integer dtype)")
+        if (n is not None and a.size != n) or not 1 <= a.size <= window:
             f.fail(name, f"{where}: column {c!r} has {a.size} values; every column needs the piece's 1 to "
                    f"window={window} tokens")
         n = a.size

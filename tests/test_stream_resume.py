@@ -76,7 +76,8 @@ def roundtrip(state):
 
 def run_with_stops(src, opts, rng, p_stop: float, *, json_every: int = 1):
     """The rows of ``src``, stopping after each row with probability ``p_stop``: a new stream resumes from
-    the state (JSON round trip every ``json_every``-th stop). Returns rows, stops and the last stream."""
+    the state (JSON round trip every ``json_every``-th stop). States are also taken without stopping.
+    Returns rows, stops and the last stream."""
     stream = pack_stream(src, **opts)
     rows, stops = [], 0
     while True:
@@ -84,6 +85,8 @@ def run_with_stops(src, opts, rng, p_stop: float, *, json_every: int = 1):
             rows.append(next(stream))
         except StopIteration:
             return rows, stops, stream
+        if rng.random() < 0.5:  # a state taken and let go (torchdata takes one every step): the next
+            stream.state_dict()  # state is brought up to date from it
         if rng.random() < p_stop:
             state = stream.state_dict()
             stops += 1
@@ -205,6 +208,13 @@ def mid_stream():
     return stream, state
 
 
+def b64(values, item, column) -> str:
+    """``values`` encoded as a state entry holds ``column`` (base64 of its dtype's bytes)."""
+    import base64
+
+    return base64.b64encode(np.asarray(values, item[3][column]).tobytes()).decode()
+
+
 def damaged():
     _, good = mid_stream()
     key = next(iter(good["buffer"]))
@@ -223,17 +233,20 @@ def damaged():
         ("checks", {"checks": [[1]]}), ("checks", {"checks": [[1, -5]]}), ("checks", {"checks": [[99, 1]]}),
         ("checks", {"checks": {}}),
         ("buffer", {"buffer": []}), ("buffer", {"buffer": {"x": item}}),
-        ("buffer", {"buffer": {key: {**item, "example": -1}}}),
-        ("buffer", {"buffer": {key: {**item, "example": 99}}}),  # never read
-        ("buffer", {"buffer": {key: {**item, "tokens": {"input_ids": item["tokens"]["input_ids"]}}}}),
-        ("buffer", {"buffer": {key: {**item, "tokens": {**item["tokens"], "input_ids": [-1] * len(item["tokens"]["input_ids"])}}}}),
-        ("buffer", {"buffer": {key: {**item, "tokens": {**item["tokens"], "input_ids": [1.5] * len(item["tokens"]["input_ids"])}}}}),
-        ("buffer", {"buffer": {key: {**item, "tokens": {c: [1] * 9 for c in item["tokens"]}}}}),  # > window
-        ("buffer", {"buffer": {key: {**item, "tokens": {c: [] for c in item["tokens"]}}}}),
-        ("buffer", {"buffer": {key: {**item, "dtypes": {c: "float32" for c in item["dtypes"]}}}}),
-        ("buffer", {"buffer": {key: {**item, "dtypes": {c: "nonsense" for c in item["dtypes"]}}}}),
-        ("buffer", {"buffer": {key: {**item, "extra": 1}}}), ("buffer", {"buffer": {key: [1, 2]}}),
-        ("pending", {"pending": {}}), ("pending", {"pending": [{"example": 0}]}),
+        ("buffer", {"buffer": {key: [-1, *item[1:]]}}),
+        ("buffer", {"buffer": {key: [99, *item[1:]]}}),  # never read
+        ("buffer", {"buffer": {key: [*item[:2], {"input_ids": item[2]["input_ids"]}, item[3]]}}),
+        ("buffer", {"buffer": {key: [*item[:2], {**item[2], "input_ids": b64([-1, 2], item, "input_ids")}, item[3]]}}),
+        ("buffer", {"buffer": {key: [*item[:2], {**item[2], "input_ids": [1, 2]}, item[3]]}}),
+        ("buffer", {"buffer": {key: [*item[:2], {**item[2], "input_ids": "not base64!"}, item[3]]}}),
+        ("buffer", {"buffer": {key: [*item[:2], {**item[2], "input_ids": "AAA="}, item[3]]}}),  # 2 bytes of int32
+        ("buffer", {"buffer": {key: [*item[:2], {c: b64([1] * 9, item, c) for c in item[2]}, item[3]]}}),  # > W
+        ("buffer", {"buffer": {key: [*item[:2], {c: "" for c in item[2]}, item[3]]}}),
+        ("buffer", {"buffer": {key: [*item[:2], {**item[2], "labels": b64([1], item, "labels")}, item[3]]}}),
+        ("buffer", {"buffer": {key: [*item[:3], {c: "float32" for c in item[3]}]}}),
+        ("buffer", {"buffer": {key: [*item[:3], {c: "nonsense" for c in item[3]}]}}),
+        ("buffer", {"buffer": {key: [*item, 1]}}), ("buffer", {"buffer": {key: {"example": 0}}}),
+        ("pending", {"pending": {}}), ("pending", {"pending": [[0, 0]]}),
         ("stats", {"stats": {**good["stats"], "windows": -1}}), ("stats", {"stats": {"windows": 1}}),
         ("stats", {"stats": None}), ("stats", {"stats": {**good["stats"], "tokens": 1.0}}),
         ("surprise", {"surprise": 1}),  # a field of no version
@@ -527,3 +540,48 @@ def test_the_readme_streaming_snippet_runs_as_pasted():
     assert len(full) > 100 and len(rest) == len(full) - saved_at - 1
     same_rows([{c: np.asarray(v) for c, v in r.items()} for r in rest],
               [{c: np.asarray(v) for c, v in r.items()} for r in full[saved_at + 1:]])
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, folder: str, stop: int):
+    """One data-parallel rank: packs its shard, stops after ``stop + rank`` rows, and rank 0 gathers every
+    rank's state (all_gather_object, as a checkpoint would) into a file."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        folder = Path(folder)
+        ds = PackedIterable(LOADER_SRC, rank=rank, world_size=world_size, **LOADER_OPTS)
+        rows = []
+        for row in DataLoader(ds, batch_size=None, num_workers=0):
+            rows.append({c: np.asarray(v) for c, v in row.items()})
+            if len(rows) > stop + rank:
+                break
+        (folder / f"rows-{rank}.pkl").write_bytes(pickle.dumps(rows))
+        states = [None] * world_size
+        dist.all_gather_object(states, ds.state_dict())
+        if rank == 0:
+            (folder / "states.json").write_text(json.dumps(states))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_world_size_change_after_gloo_ranks(tmp_path):
+    """2 gloo ranks stopped at different rows, their states gathered on rank 0 and saved; 3 ranks resume from
+    that file: every piece of every example once."""
+    import pickle
+
+    from testlib import free_port, run_processes
+
+    run_processes(_gloo_rank, 2, (2, free_port(), str(tmp_path), 7), timeout_s=120)
+    rows = [r for f in sorted(tmp_path.glob("rows-*.pkl")) for r in pickle.loads(f.read_bytes())]
+    states = json.loads((tmp_path / "states.json").read_text())
+    for rank in range(3):
+        ds = PackedIterable(LOADER_SRC, rank=rank, world_size=3, **LOADER_OPTS)
+        ds.load_state_dict(states)
+        rows += [{c: np.asarray(v) for c, v in r.items()} for r in DataLoader(ds, batch_size=None)]
+    assert pieces(rows) == pieces(full_rows())
