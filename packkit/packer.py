@@ -26,7 +26,19 @@ segment when ``mask_first_label`` (models that shift labels)::
 Rows are not padded here: the collators pad windows to ``W`` at batch time.
 
 Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the windows planned by
-:func:`packkit.binpack.stream_windows`, best fit inside a bounded buffer), with the same label rule.
+:func:`packkit.binpack.stream_windows`, best fit inside a bounded buffer), with the same label rule. Its
+state (:meth:`PackedStream.state_dict`, between two rows) holds the buffered examples' tokens, so
+:meth:`~PackedStream.load_state_dict` resumes exactly once: the same rows on the same shards, every example
+once on another number of shards (:mod:`packkit.streaming` runs it behind a DataLoader)::
+
+    >>> src = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6]}, {"input_ids": [7, 8, 9]}]
+    >>> stream = pack_stream(src, window=4, buffer_size=2)
+    >>> next(stream)["input_ids"].tolist()
+    [1, 2, 3, 6]
+    >>> again = pack_stream(src, window=4, buffer_size=2)
+    >>> again.load_state_dict(stream.state_dict())      # e.g. after a restart, from a checkpoint
+    >>> [row["input_ids"].tolist() for row in again]
+    [[4, 5], [7, 8, 9]]
 """
 
 from __future__ import annotations
@@ -645,7 +657,7 @@ class PackedStream:
         self._pending = collections.deque(pos.pending)
         self._buffer = StreamBuffer(pos.items)
         self._entries, self._entries_seen = {}, 0  # the buffer's state entries (see _buffer_entries)
-        self._last = None  # (index, example) of the last example read
+        self._last = None  # (index, token ids or their digest) of the last example read
         self._read_any = False
         self._rows = stream_windows(self._items(), window=self.window, buffer_size=self._buffer_size,
                                     buffer=self._buffer)
@@ -732,9 +744,10 @@ class PackedStream:
                 self._check_digest(j, ex)
             if j < begin or j % S != s or j in skip:  # read before this resume, or another shard's
                 continue
-            self._position, self._last = j + 1, (j, ex)
+            arrays = self._example_arrays(j, ex)
+            self._position, self._last = j + 1, (j, arrays[self._columns[0]])
             got = []
-            for arrays in self._documents(j, ex, self._example_arrays(j, ex)):  # a packed row: its documents
+            for arrays in self._documents(j, ex, arrays):  # a packed row: its documents
                 n = arrays[self._columns[0]].size
                 counts["examples"] += 1
                 counts["tokens"] += n
@@ -786,11 +799,11 @@ class PackedStream:
         """
         checks = dict(self._checks)
         if self._last is not None:
-            j, ex = self._last
-            if not isinstance(ex, int):  # keep the digest, not the example
-                ex = _token_digest(example_arrays(ex, self._columns[:1], index=j)[self._columns[0]])
-                self._last = (j, ex)
-            checks[j] = ex
+            j, ids = self._last
+            if not isinstance(ids, int):  # keep the digest, not the tokens
+                ids = _token_digest(ids)
+                self._last = (j, ids)
+            checks[j] = ids
         return {
             "version": STREAM_STATE_VERSION,
             **self._options(),
