@@ -765,6 +765,10 @@ class PackedStream:
                 pending.extend(got)
                 while pending:
                     yield pending.popleft()
+        if checks:  # the source ended before an example the state was saved after
+            j = min(checks)
+            raise DataError(f"the source ended before example {j}, which the stream state was saved after: resume "
+                            "over the same source, iterated from its start")
 
     def __iter__(self):
         return self

@@ -280,6 +280,15 @@ def test_a_state_of_another_source_is_refused_at_the_example_it_was_saved_after(
         list(stream)
 
 
+def test_a_state_past_the_end_of_a_shorter_source_is_refused():
+    _, state = mid_stream()
+    j = state["checks"][-1][0]
+    stream = pack_stream(SRC[:j], **OPTS)
+    stream.load_state_dict(state)
+    with pytest.raises(DataError, match=f"the source ended before example {j}, which the stream state was saved"):
+        list(stream)
+
+
 def test_shards_of_another_run_or_a_missing_shard_are_refused():
     src = make_examples([3, 5, 2, 7, 1, 4, 6, 2], seed=6)
     rng = np.random.default_rng(0)
