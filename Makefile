@@ -14,9 +14,15 @@ setup: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[datasets,plot,chat]'
 
+# mosaicml-streaming's own reader checks the MDS output (tests/test_formats.py). Installed without its
+# dependencies: they would downgrade numpy and transformers and pull cloud SDKs and a CUDA torchvision, none of
+# which its local MDS reader uses; the few it does use are named here.
+MDS_READER := mosaicml-streaming==0.13.0 Brotli python-snappy cramjam zstd catalogue
+
 setup-test: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(MDS_READER)
 
 waste: setup
 	$(BIN)/packkit waste --plot waste.png --overwrite

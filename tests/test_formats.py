@@ -44,8 +44,8 @@ def streaming_dataset():
     """mosaicml-streaming's StreamingDataset. Its package __init__ imports streaming.vision, which needs
     torchvision; the MDS reader does not, so without torchvision the package is entered below its __init__."""
     if importlib.util.find_spec("streaming") is None:
-        pytest.skip("mosaicml-streaming is not installed (its dependencies, cloud SDKs and torchvision among them, "
-                    "are too heavy for the test extra: pip install mosaicml-streaming==0.13.0)")
+        pytest.skip("mosaicml-streaming is not installed: make setup-test installs it without its dependencies "
+                    "(cloud SDKs, torchvision; see MDS_READER in the Makefile)")
     try:
         from streaming.base import StreamingDataset
     except ModuleNotFoundError as exc:
