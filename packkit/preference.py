@@ -625,7 +625,8 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
         for key in ("prompt", "chosen", "rejected"):
             if ex.get(key) is None:
                 fix = (" (TRL's implicit-prompt format: extract it with trl.data_utils.extract_prompt)"
-                       if key == "prompt" else "")
+                       if key == "prompt" else "; a preference pair is 'prompt', 'chosen' and 'rejected', text or "
+                       "conversations (or their tokenized prompt_ids, chosen_ids and rejected_ids)")
                 raise DataError(f"example {i} has no {key!r}{fix}")
         prompt, chosen, rejected = ex["prompt"], ex["chosen"], ex["rejected"]
         if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(rejected, str):

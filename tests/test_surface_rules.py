@@ -247,6 +247,10 @@ def test_a_tokenizer_without_eos_is_refused_for_text_pairs():
     rows = [{"prompt": "a b ", "chosen": "c", "rejected": "d"}]
     assert tokenize_preference(rows, word_tokenizer("</s>")) == [{"prompt_ids": [3, 4], "chosen_ids": [5, 2],
                                                                  "rejected_ids": [6, 2]}]
+    with pytest.raises(DataError) as info:  # before: "example 1 has no 'rejected'", no fix
+        tokenize_preference(rows + [{"prompt": "a", "chosen": "b"}], word_tokenizer("</s>"))
+    assert one_line(info) == ("example 1 has no 'rejected'; a preference pair is 'prompt', 'chosen' and 'rejected', "
+                              "text or conversations (or their tokenized prompt_ids, chosen_ids and rejected_ids)")
     for collate in (lambda: tokenize_preference(rows, word_tokenizer(None)),
                     lambda: PreferenceCollator(tokenizer=word_tokenizer(None))(rows)):
         with pytest.raises(ArgumentError) as info:
