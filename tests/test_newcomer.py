@@ -22,7 +22,8 @@ datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from test_chat import CONVERSATIONS, TEMPLATE, VOCAB, make_tokenizer, our_labels, trl_labels  # noqa: E402
+from test_chat import (CONVERSATIONS, TEMPLATE, VOCAB, make_tokenizer, our_labels, tok_dir,  # noqa: E402,F401
+                       trl_labels)
 
 from packkit.chat import ChatWarning, tokenize_chat  # noqa: E402
 from packkit.cli import main  # noqa: E402
@@ -39,13 +40,6 @@ def cli(argv, capsys):
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tiny-chat"
-    make_tokenizer(bos=True).save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture

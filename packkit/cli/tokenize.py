@@ -91,12 +91,19 @@ def _run(args) -> int:
             table, how = tokens_table(table, tokenizer=args.tokenizer, text_column=args.text_column, chat=chat,
                                       progress=not (args.quiet or args.json), where=repr(str(src)))
             rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite)
+    return _report(args, src, out, fmt, rows, tokens, keep, how, what="examples",
+                   readers="packkit waste, plan and pack read it without tokenizing again")
+
+
+def _report(args, src: Path, out: Path, fmt, rows: int, tokens: int, keep: list, how: str, *, what: str,
+            readers: str) -> int:
+    """What tokenize wrote: one JSON line (``--json``), else two lines (``what`` were tokenized; ``readers``)."""
     if args.json:
         print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": keep,
                           "examples": rows, "tokens": tokens, "tokenized": how}))
     else:
-        print(f"tokenized {rows:,} examples ({tokens:,} tokens): {how}")
-        print(f"wrote {str(out)!r}; columns {keep}: packkit waste, plan and pack read it without tokenizing again")
+        print(f"tokenized {rows:,} {what} ({tokens:,} tokens): {how}")
+        print(f"wrote {str(out)!r}; columns {keep}: {readers}")
     return 0
 
 
@@ -112,13 +119,8 @@ def _pairs(args, src: Path, out: Path, fmt) -> int:
                                trust_remote_code=args.trust_remote_code)
     how = f"preference pairs with {os.path.basename(str(args.tokenizer).rstrip('/'))}, as TRL's DPOTrainer"
     rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, keep=list(table.column_names))
-    if args.json:
-        print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": keep,
-                          "examples": rows, "tokens": tokens, "tokenized": how}))
-    else:
-        print(f"tokenized {rows:,} pairs ({tokens:,} tokens): {how}")
-        print(f"wrote {str(out)!r}; columns {keep}: packkit waste --preference reads it")
-    return 0
+    return _report(args, src, out, fmt, rows, tokens, keep, how, what="pairs",
+                   readers="packkit waste --preference reads it")
 
 
 def _refuse(src: Path, table) -> None:
