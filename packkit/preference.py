@@ -763,6 +763,11 @@ class GroupCollator(_GroupsCollator):
             comps = ex.get("completion_ids") if hasattr(ex, "get") else None
             if comps is None or isinstance(comps, (str, bytes)) or not hasattr(comps, "__len__"):
                 raise DataError(f"example {i} has no 'completion_ids' list; {missing}")
+            flat_list = next((j for j, c in enumerate(comps) if isinstance(c, (int, float, np.number))), None)
+            if flat_list is not None:  # one completion's tokens given as the list of completions
+                raise DataError(f"example {i} has {comps[flat_list]!r} ({type(comps[flat_list]).__name__}) as "
+                                f"completion {flat_list} of 'completion_ids'; {missing} (one per completion: "
+                                "[[3, 4], [5]], not [3, 4, 5])")
             k.append(len(comps))
             flat.extend({"completion_ids": c} for c in comps)
         try:  # each completion read as an example, its errors told about its group

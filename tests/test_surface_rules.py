@@ -171,6 +171,9 @@ GROUP = {"prompt_ids": [1, 2], "completion_ids": [[3, 4], [5]]}
      "example 1 has token id -6 in 'completion_ids' (completion 2); token ids are integers >= 0"),
     (GroupCollator(), [GROUP, {"prompt_ids": [1], "completion_ids": [[3], [4.5]]}],
      "example 1 has 4.5 (float) in 'completion_ids' (completion 1); token ids are integers >= 0"),
+    (GroupCollator(), [GROUP, {"prompt_ids": [1], "completion_ids": [3, 4]}],
+     "example 1 has 3 (int) as completion 0 of 'completion_ids'; an RL group is prompt_ids with completion_ids (a list "
+     "of token lists) (one per completion: [[3, 4], [5]], not [3, 4, 5])"),
     (GroupCollator(), [{"prompt_ids": [-1], "completion_ids": [[3]]}],
      "example 0 has token id -1 in 'prompt_ids'; token ids are integers >= 0"),
     (GroupCollator(), [{"prompt_ids": [1], "completion_ids": [[2**64 - 1]]}],
