@@ -18,7 +18,7 @@ rank, for ``torch.utils.data.DataLoader(dataset, batch_sampler=...)``::
     sampler = LengthGroupedSampler(lengths, batch_size=16, seed=0)
     loader = DataLoader(ds, batch_sampler=sampler, collate_fn=PaddedCollator())
 
-    for epoch in range(num_epochs):
+    for epoch in range(sampler.epoch, num_epochs):       # a resumed run starts in its saved epoch
         sampler.set_epoch(epoch)                         # seeded by (seed, epoch): same on every rank
         for step, batch in enumerate(loader):
             ...
