@@ -455,6 +455,7 @@ CHILD = textwrap.dedent("""
 def test_a_killed_process_resumes_from_its_last_checkpoint(tmp_path):
     """A real training-loop process (StatefulDataLoader, 2 workers) killed with SIGKILL after its checkpoint
     at a random row, then run again: it resumes from the checkpoint; the rows logged equal one run's."""
+    pytest.importorskip("torchdata")
     src = [{"input_ids": ex["input_ids"].tolist()} for ex in LOADER_SRC[:150]]
     (tmp_path / "src.jsonl").write_text("".join(json.dumps(e) + "\n" for e in src))
     script = tmp_path / "child.py"
