@@ -273,3 +273,22 @@ def test_disk_full_while_writing_leaves_the_old_output(files, tmp_path, capsys, 
     assert code == 4 and err.count("\n") == 1 and "No space left on device" in err
     assert out.read_bytes() == b"the previous complete output"
     assert sorted(p.name for p in tmp_path.iterdir() if "packkit-tmp" in p.name) == []
+
+
+def test_pack_puts_the_packkit_log_level_back(files, tmp_path, capsys):
+    """packkit pack quiets the packkit logger while it prints its own notes; run in a program's own process
+    (packkit.cli.main), it left the level at ERROR, so every later packkit warning of that process was lost
+    (a pack_dataset run after it logged no loss-free windows)."""
+    import logging
+
+    logger = logging.getLogger("packkit")
+    before = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        code, _, err = run(["pack", str(files["jsonl"]), str(tmp_path / "o.parquet"), "--window", "6"], capsys)
+        assert code == 0, err
+        assert logger.level == logging.INFO
+        code, _, _ = run(["pack", str(files["jsonl"]), str(tmp_path / "o.parquet"), "--window", "0"], capsys)
+        assert code != 0 and logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)

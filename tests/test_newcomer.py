@@ -404,7 +404,7 @@ def packed_rows():
     handler = logging.Handler()
     handler.emit = lambda record: logs.append(record.getMessage())
     logger = logging.getLogger("packkit")
-    level = logger.level  # packkit pack, run in this process before, sets ERROR (it prints the notes itself)
+    level = logger.level  # whatever the process set, put back after
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
     try:

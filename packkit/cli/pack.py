@@ -149,6 +149,18 @@ def _checked(batches, hold):
 
 def run(args, options=None) -> int:
     """``packkit pack IN OUT --window W``: pack a dataset file offline."""
+    # What the overflow policy did is printed by the command; the library's log line would repeat it on stderr.
+    # The level is put back after: a program (or a test) that runs the command in its own process keeps its logs.
+    logger = logging.getLogger("packkit")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return _run(args, options)
+    finally:
+        logger.setLevel(level)
+
+
+def _run(args, options) -> int:
     # -- checks that cost nothing, before anything is read: a refusal loses no work --
     check_window(args.window)
     check_seed(args.seed)
@@ -171,8 +183,6 @@ def run(args, options=None) -> int:
         import datasets
 
         datasets.disable_progress_bars()
-    # What the overflow policy did is printed below; the library's log line would repeat it on stderr.
-    logging.getLogger("packkit").setLevel(logging.ERROR)
     # IN may not change while it is read (a truncated memory map is a SIGBUS): packkit.fileio.held_still
     with held_still([src]) as hold, rows_as_lines(src):
         source, how = _source(src, out, args, columns, quiet)
