@@ -55,6 +55,8 @@ import torch.nn.functional as F
 # Shape checks shared with the Triton launcher; varlen_layout imports torch only (no triton).
 from packkit.kernels.varlen_layout import check_num_segments, check_varlen_shapes
 
+from .integrations import transformers as hf  # transformers' attention call, read in one place
+
 BACKENDS = ("flash_attn", "torch", "triton", "reference")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -522,23 +524,13 @@ def hf_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
     Registered under a name of its own, transformers builds no mask for it (its padding mask would
     not reach this function), so a batch without ``cu_seq_lens_q`` is refused rather than guessed.
     """
-    cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-    if cu_seqlens is None or max_seqlen is None:
-        raise ValueError("the packkit_varlen attention needs a packed batch's cu_seq_lens_q and max_length_q "
-                         "(model(**packed_batch.hf_kwargs())); for padded batches use attn_implementation='sdpa'")
-    if attention_mask is not None:
-        raise ValueError("the packkit_varlen attention takes no attention_mask: documents come from cu_seq_lens_q "
-                         "(PackedBatch.hf_kwargs() carries no mask)")
-    if dropout:
-        raise ValueError(f"the packkit_varlen attention has no attention dropout; got dropout={dropout} "
-                         f"(set the model config's attention_dropout to 0)")
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None or getattr(module, name, None) is not None:
-            raise ValueError(f"the packkit_varlen attention does not implement {name}; use attn_implementation='sdpa'")
+    q, k, v, (cu_seqlens, max_seqlen), is_causal = hf.read_call(
+        HF_ATTENTION_NAME, module, query, key, value, attention_mask, dropout, kwargs,
+        needs=("cu_seq_lens_q", "max_length_q"), instead="; use attn_implementation='sdpa'",
+        hint="a packed batch's cu_seq_lens_q and max_length_q (model(**packed_batch.hf_kwargs())); for padded "
+             "batches use attn_implementation='sdpa'")
     batch, nheads, seq, head_dim = query.shape
-    # (batch, heads, seq, d) -> (batch * seq, heads, d): the packed layout (one copy each).
-    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
-    out = varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), causal=kwargs.get("is_causal", module.is_causal),
+    out = varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), causal=is_causal,
                            scale=scaling, backend=backend, num_segments=kwargs.get("num_segments"))
     return out.view(batch, seq, nheads, head_dim), None
 
@@ -546,10 +538,8 @@ def hf_varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: t
 def register_hf_attention(name: str = HF_ATTENTION_NAME, *, backend: str = "auto") -> str:
     """Register :func:`hf_varlen_attention` with transformers under ``name`` (pinned to ``backend``)
     and return the name, for ``from_pretrained(..., attn_implementation=name)``."""
-    from transformers import AttentionInterface
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         return hf_varlen_attention(module, query, key, value, attention_mask, backend=backend, **kwargs)
 
-    AttentionInterface.register(name, attention)
-    return name
+    return hf.register(name, attention)

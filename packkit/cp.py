@@ -48,6 +48,7 @@ import torch
 
 from .cp_plan import CPPlan, check_cp_size, plan_cp
 from .errors import ArgumentError, check_choice, check_int
+from .integrations import transformers as hf  # transformers' attention call, read in one place
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
 __all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "restore", "shift_labels",
@@ -608,22 +609,14 @@ def hf_cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     ``model(**shard.hf_cp_kwargs())``. The documents come from the ``cp_seq_idx`` / ``cp_position_ids``
     kwargs; the attention runs :func:`cp_attention` over ``group``. Returns ``((1, n, H, D), None)``.
     """
-    seq_idx, positions = kwargs.get("cp_seq_idx"), kwargs.get("cp_position_ids")
-    if seq_idx is None or positions is None:
-        raise ValueError("the packkit_cp attention needs a CP shard's cp_seq_idx and cp_position_ids "
-                         "(model(**shard.hf_cp_kwargs()))")
-    if attention_mask is not None:
-        raise ValueError("the packkit_cp attention takes no attention_mask: documents come from cp_seq_idx")
-    if dropout:
-        raise ValueError(f"the packkit_cp attention has no attention dropout; got dropout={dropout}")
-    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
-        raise ValueError("the packkit_cp attention is causal only (CP shards a causal LM's rows)")
-    for name in ("sliding_window", "softcap", "s_aux"):
-        if kwargs.get(name) is not None or getattr(module, name, None) is not None:
-            raise ValueError(f"the packkit_cp attention does not implement {name}")
     if query.shape[0] != 1:
         raise ValueError(f"a CP shard is one row ([1, n]); got a batch of {query.shape[0]}")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (n, heads, D)
+    q, k, v, (seq_idx, positions), is_causal = hf.read_call(
+        HF_CP_ATTENTION_NAME, module, query, key, value, attention_mask, dropout, kwargs,
+        needs=("cp_seq_idx", "cp_position_ids"), hint="a CP shard's cp_seq_idx and cp_position_ids "
+        "(model(**shard.hf_cp_kwargs()))")  # q, k, v: (n, heads, D), views of the one row
+    if not is_causal:
+        raise ValueError("the packkit_cp attention is causal only (CP shards a causal LM's rows)")
     out = cp_attention(q, k, v, seq_idx=seq_idx.reshape(-1), position_ids=positions.reshape(-1), group=group,
                        method=method, scale=scaling)
     return out[None], None
@@ -632,10 +625,8 @@ def hf_cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 def register_hf_cp_attention(name: str = HF_CP_ATTENTION_NAME, *, group=None, method: str = "ring") -> str:
     """Register :func:`hf_cp_attention` (over ``group`` with ``method``) with transformers under ``name``
     and return the name, for ``model.set_attn_implementation(name)`` or ``attn_implementation=name``."""
-    from transformers import AttentionInterface  # optional dependency, imported when used
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         return hf_cp_attention(module, query, key, value, attention_mask, group=group, method=method, **kwargs)
 
-    AttentionInterface.register(name, attention)
-    return name
+    return hf.register(name, attention)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Bottom to top. A module may import from its own floor (without a circle) or any floor below.
 FLOORS = [
     # the ground: nothing from packkit
-    ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels"],
+    ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
+     "integrations", "integrations.transformers"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
     ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,

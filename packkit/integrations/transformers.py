@@ -1,0 +1,88 @@
+"""What packkit relies on in transformers, in one place: the attention-function registry and the call a model's
+attention layer makes.
+
+A transformers attention function is called by every attention layer as::
+
+    out, weights = fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs)
+
+with ``query: (batch, nheads, seq, headdim)``, ``key, value: (batch, nheads_kv, seq, headdim)``, and returns
+``out: (batch, seq, nheads, headdim)``. The ``kwargs`` are the model's own: what the user passed to
+``model(...)`` (a packed batch's ``cu_seq_lens_q`` / ``max_length_q``, a CP shard's ``cp_seq_idx``) and the
+layer's (``is_causal``, ``sliding_window``, ``softcap``, ``s_aux``). packkit's attention functions
+(:func:`packkit.attention.hf_varlen_attention`, :func:`packkit.cp.hf_cp_attention`) read that call through
+:func:`read_call` and are registered by :func:`register`; nothing else in packkit names these keywords.
+
+Checked against transformers 5.24 (``tests/test_integrations.py`` runs a tiny model through a registered
+function and fails when the installed version leaves :data:`SUPPORTED`: widen it there after checking).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register"]
+
+#: ``[first, past)``: the transformers releases this module is checked against (major.minor).
+SUPPORTED = ((5, 0), (6, 0))
+
+#: Keywords of a layer's call that packkit's attention functions do not implement (refused, not ignored).
+UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
+
+
+def installed_version() -> str | None:
+    """transformers' version string, or None when it is not installed (read from its metadata, not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported(version: str) -> bool:
+    """``is_supported("5.24.0") -> True``; ``"4.45.0"`` and ``"6.1.0"`` -> False (outside :data:`SUPPORTED`)."""
+    major_minor = tuple(int(p) for p in version.split(".")[:2])
+    return SUPPORTED[0] <= major_minor < SUPPORTED[1]
+
+
+def register(name: str, attention) -> str:
+    """Register ``attention`` with transformers' ``AttentionInterface`` under ``name`` and return the name, for
+    ``attn_implementation=name``; warns, in one line, when the installed transformers is outside
+    :data:`SUPPORTED` (the call may have changed)."""
+    from transformers import AttentionInterface  # optional dependency, imported when used
+
+    version = installed_version()
+    if version is not None and not is_supported(version):
+        first, past = (".".join(map(str, v)) for v in SUPPORTED)
+        warnings.warn(f"packkit's {name!r} attention is checked against transformers >={first},<{past}; "
+                      f"transformers {version} is installed: compare its outputs with attn_implementation='sdpa' "
+                      "before training", stacklevel=3)
+    AttentionInterface.register(name, attention)
+    return name
+
+
+def read_call(name: str, module, query, key, value, attention_mask, dropout: float, kwargs: dict, *,
+              needs: tuple, hint: str, instead: str = ""):
+    """``(q, k, v, needed, is_causal)`` of one call to a packkit attention function registered as ``name``.
+
+    Refuses (ValueError, naming ``name``) a call without every keyword of ``needs`` (``hint`` says how a batch
+    carries them), with an ``attention_mask``, with attention dropout, or with a feature of
+    :data:`UNSUPPORTED_FEATURES` (``instead``, e.g. ``"; use attn_implementation='sdpa'"``, ends that error).
+    ``q, k, v``: the packed layout ``(batch * seq, heads, headdim)`` (a view for one row, else one copy each);
+    ``needed``: the values of ``needs``, in order; ``is_causal``: the call's, else the layer's.
+    """
+    needed = tuple(kwargs.get(k) for k in needs)
+    if any(v is None for v in needed):
+        raise ValueError(f"the {name} attention needs {hint}")
+    if attention_mask is not None:
+        raise ValueError(f"the {name} attention takes no attention_mask: documents come from {needs[0]}")
+    if dropout:
+        raise ValueError(f"the {name} attention has no attention dropout; got dropout={dropout} "
+                         "(set the model config's attention_dropout to 0)")
+    for feature in UNSUPPORTED_FEATURES:
+        if kwargs.get(feature) is not None or getattr(module, feature, None) is not None:
+            raise ValueError(f"the {name} attention does not implement {feature}{instead}")
+    batch, _, seq, head_dim = query.shape
+    # (batch, heads, seq, d) -> (batch * seq, heads, d): the packed layout.
+    q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
+    return q, k, v, needed, kwargs.get("is_causal", getattr(module, "is_causal", True))

@@ -1,0 +1,105 @@
+"""Each framework integration is pinned to the versions it declares and to the hooks it uses.
+
+``packkit.integrations.transformers`` declares ``SUPPORTED``; here the installed transformers must lie in it (a
+newer one fails here, in one place, until the hooks below pass on it and the range is widened), and the hooks
+packkit relies on must exist as it calls them: ``AttentionInterface.register(key, value)``, and a model's
+attention layer calling a registered function as ``fn(module, query, key, value, attention_mask, scaling=...,
+dropout=..., **kwargs)`` with the ``model(...)`` keywords a packed batch (``cu_seq_lens_q``, ``max_length_q``)
+and a CP shard (``cp_seq_idx``, ``cp_position_ids``) carry, the tensors in the layout ``read_call`` assumes.
+Before, the registry and these keywords were read in ``attention.py`` and ``cp.py`` each.
+"""
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from packkit import attention, cp  # noqa: E402
+from packkit.collate import PaddingFreeCollator  # noqa: E402
+from packkit.integrations import transformers as hf  # noqa: E402
+from testlib import tiny_causal_lm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_is_supported_reads_major_minor_against_the_range():
+    first, past = hf.SUPPORTED
+    assert hf.is_supported(".".join(map(str, first)) + ".0")
+    assert hf.is_supported(f"{first[0]}.{first[1]}.0.dev0")
+    assert not hf.is_supported(".".join(map(str, past)) + ".0")
+    assert not hf.is_supported("4.45.2")
+
+
+def test_the_installed_transformers_is_in_the_supported_range():
+    version = hf.installed_version()
+    assert version == transformers.__version__
+    assert hf.is_supported(version), (
+        f"transformers {version} is installed; packkit.integrations.transformers declares {hf.SUPPORTED}: run "
+        "this file on it and widen SUPPORTED when its hooks pass")
+
+
+def test_attention_interface_register_takes_a_key_and_a_function():
+    params = list(inspect.signature(transformers.AttentionInterface.register).parameters)
+    assert params == ["key", "value"], params
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_models_attention_layer_calls_a_registered_function_as_read_call_reads_it(family):
+    """A spy registered through ``hf.register`` sees each layer's call: the positional layout, the packed batch's
+    and a CP shard's keywords, passed through ``model(...)`` untouched; it then runs packkit's own function."""
+    calls = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module, query.shape, key.shape, attention_mask, dict(kwargs)))
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("cp_")}
+        return attention.hf_varlen_attention(module, query, key, value, attention_mask, backend="reference",
+                                             **kwargs)
+
+    name = hf.register(f"packkit_spy_{family}", spy)
+    model = tiny_causal_lm(family, dtype=torch.float32, attn_implementation=name)
+    batch = PaddingFreeCollator(loss_mask="none")([{"input_ids": list(range(1, 1 + n))} for n in (5, 3, 7)])
+    marker = torch.arange(15)
+    out = model(**batch.hf_kwargs(), cp_seq_idx=marker, cp_position_ids=marker)
+    assert out.logits.shape[:2] == (1, 15)
+    assert len(calls) == model.config.num_hidden_layers
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // heads
+    for module, q_shape, k_shape, mask, kwargs in calls:
+        assert tuple(q_shape) == (1, heads, 15, head_dim) and tuple(k_shape) == (1, kv_heads, 15, head_dim)
+        assert mask is None  # a function of our own name gets no mask built for it
+        assert {"scaling", "dropout"} <= kwargs.keys()
+        assert torch.equal(kwargs["cu_seq_lens_q"], batch.hf_kwargs()["cu_seq_lens_q"])
+        assert kwargs["max_length_q"] == 7
+        assert kwargs["cp_seq_idx"] is marker and kwargs["cp_position_ids"] is marker
+        assert hasattr(module, "is_causal")
+        assert not any(kwargs.get(f) is not None or getattr(module, f, None) is not None
+                       for f in hf.UNSUPPORTED_FEATURES)
+
+
+def test_read_call_refuses_a_feature_it_does_not_implement_naming_it():
+    q = torch.zeros(1, 2, 4, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with pytest.raises(ValueError, match="packkit_varlen attention does not implement softcap; use"):
+        attention.hf_varlen_attention(module, q, q, q, None, cu_seq_lens_q=torch.tensor([0, 4], dtype=torch.int32),
+                                      max_length_q=4, softcap=30.0)
+    with pytest.raises(ValueError, match="packkit_cp attention needs a CP shard's cp_seq_idx"):
+        cp.hf_cp_attention(module, q, q, q, None)
+    with pytest.raises(ValueError, match="packkit_cp attention takes no attention_mask: documents come from "
+                                         "cp_seq_idx"):
+        cp.hf_cp_attention(module, q, q, q, q, cp_seq_idx=q, cp_position_ids=q)
+
+
+def test_register_outside_the_range_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(hf, "SUPPORTED", ((0, 1), (0, 2)))
+    with pytest.warns(UserWarning, match=r"checked against transformers >=0\.1,<0\.2; transformers .* is installed"):
+        hf.register("packkit_range_check", lambda *a, **k: None)
+
+
+def test_only_the_integration_touches_the_attention_registry():
+    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "packkit").rglob("*.py")
+                   if "import AttentionInterface" in p.read_text())
+    assert users == ["packkit/integrations/transformers.py"]
