@@ -211,27 +211,67 @@ HYBRID_WORK_FRACTION = 0.05
 def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
     """Zigzag without padding: each segment in ``seg`` gives every rank ``len // cp`` tokens, its
     remainder going to the ranks that hold the fewest so far (so no rank ends over its share); a rank's
-    share is its head chunk (``share // 2`` tokens, chunk ``r``) and its tail chunk (chunk ``2cp-1-r``)."""
-    held = np.zeros(cp, np.int64)
+    share is its head chunk (``share // 2`` tokens, chunk ``r``) and its tail chunk (chunk ``2cp-1-r``).
+
+    "Fewest so far, the lower rank first" deals the remainders round the ranks like cards: ranks
+    ``P .. cp-1`` hold one token fewer than ranks ``0 .. P-1``, ``P`` the remainders dealt so far mod
+    ``cp``; so segment ``i`` adds one token to ranks ``P_i, P_i + 1, ...`` (mod cp), all segments at once.
+    ``_halves_pieces([0, 1], [5, 5], 2)`` gives rank 0 three tokens of segment 0 and two of segment 1."""
+    seg = np.asarray(seg, np.int64)
+    n = lengths[seg]
+    rem = n % cp
+    dealt = (np.cumsum(rem) - rem) % cp  # P_i: where segment i's remainder starts
     ranks = np.arange(cp)
+    share = n[:, None] // cp + ((ranks[None, :] - dealt[:, None]) % cp < rem[:, None])  # (segments, cp)
+    head = share // 2
+    sizes = np.concatenate([head, (share - head)[:, ::-1]], axis=1)  # chunk j's size, in the document's order
+    offsets = np.cumsum(sizes, axis=1) - sizes
     rank_col = np.concatenate([ranks, ranks[::-1]])  # owner of chunk j: j, then 2cp-1-j
-    out = []
-    for s in seg.tolist():
-        n = int(lengths[s])
-        share = np.full(cp, n // cp, np.int64)
-        share[np.argsort(held, kind="stable")[: n % cp]] += 1
-        held += share
-        head = share // 2
-        sizes = np.concatenate([head, (share - head)[::-1]])  # chunk j's size, in the document's order
-        offsets = lengths_to_offsets(sizes)[:-1]
-        out.append(np.stack([rank_col, np.full(2 * cp, s), offsets, sizes], 1))
-    table = np.concatenate(out) if out else np.zeros((0, 4), np.int64)
-    return tuple(table.T)
+    return (np.broadcast_to(rank_col, sizes.shape).ravel(), np.repeat(seg, 2 * cp), offsets.ravel(),
+            sizes.ravel())
+
+
+def _lpt_equal(work, room, n: int, count: int) -> np.ndarray:
+    """Ranks of ``count`` documents of ``n`` tokens dealt one by one to the rank of least ``work`` with room
+    for them (the lower rank among equal ones), all at once; ``work`` and ``room`` are updated. Fewer than
+    ``count`` when the ranks run out of room.
+
+    The documents are equal, so rank ``r`` offers the values ``work[r] + j * w`` (``w`` a document's causal
+    work) for ``j < room[r] // n``, and one-by-one least-work dealing takes the ``count`` smallest offers
+    in ``(value, rank)`` order: ``_lpt_equal([0., 5.], [9, 9], 2, 3) -> [0, 0, 1]`` (offers 0, 3, 6 | 5, 8).
+    Works are exact integers in float64, so the order is the loop's."""
+    w = n * (n + 1) // 2
+    cap = np.minimum(room // n, count)
+    total = int(cap.sum())
+    rank = np.repeat(np.arange(cap.size), cap)
+    j = np.arange(total) - np.repeat(np.cumsum(cap) - cap, cap)
+    pick = rank[np.lexsort((rank, work[rank] + j * w))[:count]]
+    took = np.bincount(pick, minlength=cap.size)
+    work += took * w
+    room -= took * n
+    return pick
+
+
+def _cut_over_ranks(s: int, n: int, work, room, pieces: list) -> None:
+    """A document no rank has room for whole: cut over the ranks with the most room (small documents, last)."""
+    off = 0
+    for r in np.argsort(-room, kind="stable").tolist():
+        take = int(min(room[r], n - off))
+        if take:
+            pieces.append((r, s, off, take))
+            work[r] += int(causal_work(take, off))
+            room[r] -= take
+            off += take
+        if off == n:
+            break
 
 
 def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     """Long segments zigzag (unpadded chunks); short ones whole, LPT by causal work into the room every
-    rank has left of ``ceil(T / cp)`` tokens; that room's remainder (under cp tokens) is padding."""
+    rank has left of ``ceil(T / cp)`` tokens; that room's remainder (under cp tokens) is padding.
+
+    The LPT takes the short segments longest first, one run of equal lengths at a time (:func:`_lpt_equal`:
+    one numpy pass a run, not a Python step a document: a row of 2,443 chat turns has a few dozen runs)."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
     total = int(lengths.sum())
     local_len = -(-total // cp)
@@ -241,31 +281,23 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.float64)
     room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
     short = np.flatnonzero(~long)
-    pieces = []  # (rank, seg, offset, length)
-    for s in short[np.argsort(-lengths[short], kind="stable")].tolist():
-        n = int(lengths[s])
-        fits = room >= n
-        if fits.any():
-            r = int(np.argmin(np.where(fits, work, np.inf)))
-            pieces.append((r, s, 0, n))
-            room[r] -= n
-            work[r] += n * (n + 1) // 2
-            continue
-        # no rank has room for it whole: cut it over the ranks with the most room (small documents, last)
-        off = 0
-        for r in np.argsort(-room, kind="stable").tolist():
-            take = int(min(room[r], n - off))
-            if take:
-                pieces.append((r, s, off, take))
-                work[r] += int(causal_work(take, off))
-                room[r] -= take
-                off += take
-            if off == n:
-                break
+    short = short[np.argsort(-lengths[short], kind="stable")]
+    runs = lengths_to_offsets(np.unique(lengths[short], return_counts=True)[1][::-1])
+    whole_rank, whole_seg, cut = [], [], []  # cut: (rank, seg, offset, length)
+    for a, b in zip(runs[:-1].tolist(), runs[1:].tolist()):
+        n = int(lengths[short[a]])
+        rank = _lpt_equal(work, room, n, b - a)
+        whole_rank.append(rank)
+        whole_seg.append(short[a:a + rank.size])
+        for s in short[a + rank.size:b].tolist():  # no rank has room for it whole
+            _cut_over_ranks(s, n, work, room, cut)
+    whole_rank = np.concatenate(whole_rank) if whole_rank else np.zeros(0, np.int64)
+    whole_seg = np.concatenate(whole_seg) if whole_seg else np.zeros(0, np.int64)
     # what room is left becomes one padding segment per rank, after the batch's segments
     fill = np.flatnonzero(room > 0)
     seg_ids = len(lengths) + np.arange(fill.size)
-    parts = [np.array(pieces, np.int64).reshape(-1, 4),
+    parts = [np.stack([whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg]], 1),
+             np.array(cut, np.int64).reshape(-1, 4),
              np.stack([z_rank, z_seg, z_off, z_len], 1).astype(np.int64),
              np.stack([fill, seg_ids, np.zeros_like(fill), room[fill]], 1).astype(np.int64)]
     table = np.concatenate(parts)

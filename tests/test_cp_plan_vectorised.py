@@ -1,0 +1,108 @@
+"""The hybrid CP plan made with numpy passes (issue 34, part 3) against the Python loops it replaced
+(``ref_halves`` and ``ref_hybrid`` below, as they stood at 5803dad): the same pieces, bit for bit, on drawn rows
+(thousands of short documents, equal lengths, rows no rank has room for, cp 1 to 16).
+
+The cause of the 26 ms a rank on a 32k row of 2,443 chat turns: the LPT placed the short documents one Python
+step (and five numpy calls) at a time. ``test_one_numpy_pass_per_run_of_equal_lengths`` keeps it from coming back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from packkit import cp_plan
+from packkit.cp_plan import HYBRID_WORK_FRACTION, causal_work, plan_cp
+from packkit.segments import lengths_to_offsets
+
+
+def ref_halves(seg, lengths, cp):
+    """5803dad's zigzag without padding, one segment at a time."""
+    held = np.zeros(cp, np.int64)
+    ranks = np.arange(cp)
+    rank_col = np.concatenate([ranks, ranks[::-1]])
+    out = []
+    for s in np.asarray(seg).tolist():
+        n = int(lengths[s])
+        share = np.full(cp, n // cp, np.int64)
+        share[np.argsort(held, kind="stable")[: n % cp]] += 1
+        held += share
+        head = share // 2
+        sizes = np.concatenate([head, (share - head)[::-1]])
+        out.append(np.stack([rank_col, np.full(2 * cp, s), lengths_to_offsets(sizes)[:-1], sizes], 1))
+    return tuple((np.concatenate(out) if out else np.zeros((0, 4), np.int64)).T)
+
+
+def ref_hybrid(lengths, cp):
+    """5803dad's hybrid plan, the LPT one document at a time: ``(padded, lengths, {(rank, seg, off, len)})``."""
+    lengths = np.asarray(lengths, np.int64)
+    local_len = -(-int(lengths.sum()) // cp)
+    doc_work = causal_work(lengths)
+    long = (lengths > local_len) | ((doc_work > HYBRID_WORK_FRACTION * doc_work.sum() / cp) & (lengths >= 2 * cp))
+    z = ref_halves(np.flatnonzero(long), lengths, cp)
+    work = np.bincount(z[0], weights=causal_work(z[3], z[2]), minlength=cp).astype(np.float64)
+    room = local_len - np.bincount(z[0], weights=z[3], minlength=cp).astype(np.int64)
+    pieces = list(zip(*(x.tolist() for x in z)))
+    short = np.flatnonzero(~long)
+    for s in short[np.argsort(-lengths[short], kind="stable")].tolist():
+        n = int(lengths[s])
+        fits = room >= n
+        if fits.any():
+            r = int(np.argmin(np.where(fits, work, np.inf)))
+            pieces.append((r, s, 0, n))
+            room[r] -= n
+            work[r] += n * (n + 1) // 2
+            continue
+        off = 0
+        for r in np.argsort(-room, kind="stable").tolist():
+            take = int(min(room[r], n - off))
+            if take:
+                pieces.append((r, s, off, take))
+                work[r] += int(causal_work(take, off))
+                room[r] -= take
+                off += take
+            if off == n:
+                break
+    fill = np.flatnonzero(room > 0)
+    pieces += [(int(r), len(lengths) + i, 0, int(room[r])) for i, r in enumerate(fill)]
+    padded = np.concatenate([lengths, room[fill]])
+    return padded, np.concatenate([lengths, np.zeros(fill.size, np.int64)]), {p for p in pieces if p[3] > 0}
+
+
+rows = st.one_of(
+    st.lists(st.integers(1, 30), min_size=1, max_size=3000),             # many short turns, equal lengths
+    st.lists(st.integers(1, 5000), min_size=1, max_size=60),              # chat rows
+    st.lists(st.sampled_from([1, 2, 3, 64, 97, 4096, 40_000]), min_size=1, max_size=40),
+)
+
+
+@given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 5, 8, 16]))
+def test_hybrid_plan_equals_the_loop(lengths, cp):
+    plan = plan_cp(lengths, cp_size=cp, layout="hybrid")
+    padded, lens, pieces = ref_hybrid(lengths, cp)
+    assert plan.padded.tolist() == padded.tolist()
+    assert plan.lengths.tolist() == lens.tolist()
+    got = set(zip(*(x.tolist() for x in (plan.piece_rank, plan.piece_seg, plan.piece_offset, plan.piece_len))))
+    assert got == pieces and len(got) == plan.piece_rank.size
+
+
+@given(lengths=st.lists(st.integers(1, 5000), min_size=0, max_size=50), cp=st.sampled_from([1, 2, 3, 4, 8, 16]))
+def test_zigzag_halves_equal_the_loop(lengths, cp):
+    lengths = np.asarray(lengths, np.int64)
+    seg = np.flatnonzero(lengths % 3 != 1)
+    for got, want in zip(cp_plan._halves_pieces(seg, lengths, cp), ref_halves(seg, lengths, cp)):
+        assert got.tolist() == want.tolist()
+
+
+def test_one_numpy_pass_per_run_of_equal_lengths(monkeypatch):
+    """Regression (issue 34, part 3): a 32k row of 2,443 short documents planned the hybrid LPT in 2,443 Python
+    steps (26 ms a rank). Now one :func:`cp_plan._lpt_equal` pass per distinct length among the short ones."""
+    calls = []
+    real = cp_plan._lpt_equal
+    monkeypatch.setattr(cp_plan, "_lpt_equal", lambda *a: calls.append(a[2]) or real(*a))
+    lengths = np.random.default_rng(0).integers(1, 27, 2443)
+    plan_cp(lengths, cp_size=8, layout="hybrid")
+    assert 0 < len(calls) <= np.unique(lengths).size
+    assert len(set(calls)) == len(calls)
