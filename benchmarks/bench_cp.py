@@ -11,7 +11,13 @@ decreasing, examples over ``W`` split), one row a CP step. For every CP size and
 * imbalance: ``sum over steps of the busiest rank's causal work / sum over steps of the mean rank's``
   (a rank's causal work: the keys its real queries attend, ``sum(position + 1)``); every rank waits for
   the busiest at each step;
-* shard time: ``packkit.cp.shard`` of one ``[1, W]`` ``PackedBatch`` for one rank (plan included), median.
+* shard time: ``packkit.cp.shard`` of one ``[1, W]`` ``PackedBatch`` for one rank (plan included), median;
+* shard against a plain zigzag: for every layout, ``shard`` beside a plain vectorised numpy/torch zigzag of the
+  same row for the same rank (:func:`plain_zigzag`: what a user writes without packkit: the rank's two chunks of
+  every document, tokens and shifted labels gathered, positions), alternating pairs of ``--reps`` calls each,
+  garbage collected outside the clock; the median pair ratio and its spread, on three rows: the row holding the
+  longest document, a median row, and a row of short documents (the real lengths of at most 32 tokens, 125
+  conversations, drawn with replacement up to ``W``: thousands of documents). Target (issue 34): <= 1.2x.
 
 The baselines a user picks today are measured in the same run: zigzag (TransformerEngine THD, zigzag
 ring) and contiguous (llama3 ring, DeepSpeed Ulysses). Targets (issue 20, at cp = 8): hybrid padding
@@ -28,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchlib import chat_lengths, emit_json, median_time, versions
+from benchlib import ab_pairs, chat_lengths, emit_json, loadavg, median_time, ratio_spread, versions
 
 from packkit.binpack import pack
 from packkit.cp import shard
@@ -36,6 +42,7 @@ from packkit.cp_plan import LAYOUTS, plan_cp
 
 TARGET_PADDING = 0.003
 TARGET_IMBALANCE = 1.05
+TARGET_SHARD_RATIO = 1.2
 
 
 def rows_of(lengths, window, seed):
@@ -72,6 +79,74 @@ def shard_time(row, cp, layout):
     return median_time(lambda: shard(batch, cp_size=cp, rank=cp - 1, layout=layout), warmup=2, reps=15, device="cpu")
 
 
+def plain_zigzag(ids, labels, cu_seqlens, cp: int, rank: int, pad_id: int = 0):
+    """The baseline: one rank's zigzag part of a ``[1, T]`` row, vectorised, as a user writes it without
+    packkit (TE's THD layout: every document padded to a multiple of ``2 * cp``, the rank taking chunks
+    ``rank`` and ``2cp-1-rank``): ``(input_ids, shift_labels, position_ids, seq_idx)`` of the rank, ``(n,)``."""
+    import torch
+
+    cu = cu_seqlens.numpy().astype(np.int64)
+    lengths = np.diff(cu)
+    chunk = -(-lengths // (2 * cp))
+    starts = np.stack([rank * chunk, (2 * cp - 1 - rank) * chunk], 1).ravel()
+    sizes = np.repeat(chunk, 2)
+    out = np.cumsum(sizes) - sizes
+    pos = np.repeat(starts - out, sizes) + np.arange(int(sizes.sum()))
+    doc = np.repeat(np.arange(lengths.size).repeat(2), sizes)
+    src = torch.from_numpy(np.where(pos < lengths[doc], cu[:-1][doc] + pos, -1))
+    pad, keep = src < 0, src.clamp_min(0)
+    targets = torch.nn.functional.pad(labels.reshape(-1)[1:], (0, 1), value=-100)
+    return (ids.reshape(-1).index_select(0, keep).masked_fill_(pad, pad_id),
+            targets.index_select(0, keep).masked_fill_(pad, -100), torch.from_numpy(pos),
+            torch.from_numpy(doc.astype(np.int32)))
+
+
+def row_batch(row):
+    """A ``[1, sum(row)]`` PackedBatch of random tokens with the given segment lengths."""
+    import torch
+
+    from packkit.batch import PackedBatch
+    from packkit.segments import lengths_to_cu_seqlens, lengths_to_position_ids
+
+    ids = torch.randint(1, 32000, (1, int(row.sum())), generator=torch.Generator().manual_seed(0))
+    return PackedBatch(input_ids=ids, labels=ids.clone(), cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(row)),
+                       position_ids=torch.from_numpy(lengths_to_position_ids(row))[None])
+
+
+def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int) -> dict:
+    """``shard`` (plan included) against :func:`plain_zigzag` for rank ``cp - 1`` of ``row``: alternating pairs
+    of ``reps`` calls each; the pair ratios (shard / plain) with their median and spread."""
+    batch = row_batch(row)
+    ours = lambda: [shard(batch, cp_size=cp, rank=cp - 1, layout=layout) for _ in range(reps)]  # noqa: E731
+    plain = lambda: [plain_zigzag(batch.input_ids, batch.labels, batch.cu_seqlens, cp, cp - 1)  # noqa: E731
+                     for _ in range(reps)]
+    ours(), plain()  # warm up
+    load = loadavg()
+    t_ours, t_plain = ab_pairs(ours, plain, rounds)
+    return {"ratio": ratio_spread(t_ours, t_plain), "shard_ms": float(np.median(t_ours)) / reps * 1e3,
+            "plain_ms": float(np.median(t_plain)) / reps * 1e3, "load": [load, loadavg()]}
+
+
+def check_plain_zigzag(row, cp: int) -> bool:
+    """The baseline holds what ``shard(layout="zigzag")`` holds (tokens, targets, positions, documents)."""
+    batch = row_batch(row)
+    s = shard(batch, cp_size=cp, rank=cp - 1, layout="zigzag")
+    ids, targets, pos, doc = plain_zigzag(batch.input_ids, batch.labels, batch.cu_seqlens, cp, cp - 1)
+    return bool((s.input_ids[0] == ids).all() and (s.shift_labels[0] == targets).all()
+                and (s.position_ids[0] == pos).all() and (s.seq_idx[0] == doc).all())
+
+
+def short_row(window: int, seed: int) -> np.ndarray:
+    """Thousands of short documents: the real lengths of at most 32 tokens, drawn with replacement up to
+    ``window`` tokens (the last one cut to fit)."""
+    real = chat_lengths()
+    pool = real[real <= 32]
+    draw = np.random.default_rng(seed).choice(pool, window)  # more than enough
+    row = draw[: int(np.searchsorted(np.cumsum(draw), window)) + 1].copy()
+    row[-1] -= int(row.sum()) - window
+    return row[row > 0]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=200_000, help="chat examples (drawn with replacement past 17,545)")
@@ -79,6 +154,8 @@ def main(argv=None):
     p.add_argument("--cp", default="2,4,8")
     p.add_argument("--rows", type=int, default=None, help="measure only the first N rows (quick runs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=15, help="alternating pairs, shard against the plain zigzag")
+    p.add_argument("--reps", type=int, default=5, help="calls timed together in each half of a pair")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     cps = [int(c) for c in args.cp.split(",")]
@@ -115,6 +192,26 @@ def main(argv=None):
         print(f"\nhybrid at cp=8: padding {hybrid['padding']:.3%} ({'met' if pad_ok else 'MISSED'}, target <= "
               f"{TARGET_PADDING:.1%}); imbalance {hybrid['imbalance']:.3f} ({'met' if imb_ok else 'MISSED'}, "
               f"target <= {TARGET_IMBALANCE})")
+
+    shapes = {"longest-document row": long_row, "median row": sorted(rows, key=len)[len(rows) // 2],
+              "short-document row": short_row(args.window, args.seed)}
+    print(f"\nshard (plan included) against a plain vectorised zigzag, rank cp-1, {args.rounds} alternating pairs of "
+          f"{args.reps} calls; ratio = shard / plain, median (lowest-highest pair); target <= {TARGET_SHARD_RATIO}x")
+    print("| row | docs | cp | layout | shard ms | plain zigzag ms | ratio | pairs | load | |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- |")
+    record["shard_vs_plain"] = []
+    for name, row in shapes.items():
+        for cp in cps:
+            same = check_plain_zigzag(row, cp)
+            for layout in LAYOUTS:
+                m = shard_vs_plain(row, cp, layout, args.rounds, args.reps)
+                r = m["ratio"]
+                ok = r["median"] <= TARGET_SHARD_RATIO
+                record["shard_vs_plain"].append({"row": name, "docs": int(row.size), "cp": cp, "layout": layout,
+                                                 "baseline_checked": same, **m})
+                print(f"| {name} | {row.size:,} | {cp} | {layout} | {m['shard_ms']:.3f} | {m['plain_ms']:.3f} | "
+                      f"{r['median']:.2f}x | {r['low']:.2f}-{r['high']:.2f} | {m['load'][0]:.1f}-{m['load'][1]:.1f} | "
+                      f"{'met' if ok else 'MISSED'}{'' if same else ' (baseline differs from zigzag!)'} |")
     emit_json(record, args.json_out)
 
 

@@ -180,14 +180,15 @@ def _round_up(x, m):
 
 
 def _zigzag_pieces(seg, padded, cp) -> tuple[np.ndarray, ...]:
-    """Rank r holds chunks r and 2cp-1-r of every segment in ``seg`` (padded to a multiple of 2cp)."""
+    """Rank r holds chunks r and 2cp-1-r of every segment in ``seg`` (padded to a multiple of 2cp); the
+    pieces come rank by rank, in their order in ``G`` (head chunk before tail chunk), as the plan keeps them."""
     chunk = padded[seg] // (2 * cp)
     ranks = np.arange(cp)
-    # (segments, ranks, 2): the head chunk then the tail chunk of every segment, for every rank
-    offsets = np.stack([ranks[None, :] * chunk[:, None], (2 * cp - 1 - ranks)[None, :] * chunk[:, None]], -1)
-    rank = np.broadcast_to(ranks[None, :, None], offsets.shape)
-    segs = np.broadcast_to(seg[:, None, None], offsets.shape)
-    lens = np.broadcast_to(chunk[:, None, None], offsets.shape)
+    # (ranks, segments, 2): for every rank, the head chunk then the tail chunk of every segment
+    offsets = np.stack([ranks[:, None] * chunk[None, :], (2 * cp - 1 - ranks)[:, None] * chunk[None, :]], -1)
+    rank = np.broadcast_to(ranks[:, None, None], offsets.shape)
+    segs = np.broadcast_to(seg[None, :, None], offsets.shape)
+    lens = np.broadcast_to(chunk[None, :, None], offsets.shape)
     return rank.ravel(), segs.ravel(), offsets.ravel(), lens.ravel()
 
 
@@ -331,14 +332,14 @@ def plan_cp(lengths, *, cp_size: int, layout: str = "hybrid") -> CPPlan:
     else:
         padded, lengths, pieces = _hybrid_pieces(lengths, cp)
     rank, seg, off, length = (np.asarray(x, np.int64) for x in pieces)
-    keep = length > 0
-    rank, seg, off, length = rank[keep], seg[keep], off[keep], length[keep]
-    g_start = lengths_to_offsets(padded)[:-1]
-    order = np.lexsort((g_start[seg] + off, rank))
+    if layout == "hybrid":  # pieces in dealing order, some empty; zigzag's and contiguous' come in plan order
+        keep = length > 0
+        rank, seg, off, length = rank[keep], seg[keep], off[keep], length[keep]
+        g_start = lengths_to_offsets(padded)[:-1]
+        order = np.lexsort((g_start[seg] + off, rank))
+        rank, seg, off, length = rank[order], seg[order], off[order], length[order]
     local_len = int(padded.sum()) // cp
-    plan = CPPlan(layout, cp, lengths, padded, num_segments, local_len,
-                  rank[order], seg[order], off[order], length[order])
-    return plan
+    return CPPlan(layout, cp, lengths, padded, num_segments, local_len, rank, seg, off, length)
 
 
 def cp_multiples(*, cp_size: int, layout: str) -> tuple[int, int]:

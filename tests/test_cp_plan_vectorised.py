@@ -106,3 +106,14 @@ def test_one_numpy_pass_per_run_of_equal_lengths(monkeypatch):
     plan_cp(lengths, cp_size=8, layout="hybrid")
     assert 0 < len(calls) <= np.unique(lengths).size
     assert len(set(calls)) == len(calls)
+
+
+@given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(cp_plan.LAYOUTS))
+def test_pieces_in_plan_order_without_a_sort(lengths, cp, layout):
+    """Every layout's pieces come rank by rank in their order in the padded stream, none empty (zigzag and
+    contiguous pieces are built in that order: no sort of every rank's pieces to shard one rank)."""
+    plan = plan_cp(lengths, cp_size=cp, layout=layout)
+    g = lengths_to_offsets(plan.padded)[:-1][plan.piece_seg] + plan.piece_offset
+    assert (plan.piece_len > 0).all()
+    assert np.array_equal(np.lexsort((g, plan.piece_rank)), np.arange(g.size))
+    assert np.array_equal(np.bincount(plan.piece_rank, weights=plan.piece_len, minlength=cp), [plan.local_len] * cp)
