@@ -64,6 +64,7 @@ from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, ArgumentTypeError, DataError, arg, check_choice, check_int
 from .examples import read_column
+from .integrations.trl import DPOLossHook  # TRL's private loss hook, config and metrics, in one place
 from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
 from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
                        range_index)
@@ -534,7 +535,7 @@ def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float = 0
     return -torch.nn.functional.logsigmoid(beta * delta).mean()
 
 
-class PackedDPOMixin:
+class PackedDPOMixin(DPOLossHook):
     """TRL's ``DPOTrainer`` on packed pairs: mix it in first and pass a :class:`PreferenceCollator`::
 
         class PackedDPOTrainer(PackedDPOMixin, trl.DPOTrainer):
@@ -553,45 +554,17 @@ class PackedDPOMixin:
     pairs; a pair longer than the collator's window is an error naming it).
     """
 
-    def _packed_dpo_unsupported(self) -> str | None:
-        checks = (
-            (list(self.loss_types) != ["sigmoid"], f"loss_type={self.loss_types!r} (only 'sigmoid')"),
-            (self.f_divergence_type != "reverse_kl", f"f_divergence_type={self.f_divergence_type!r}"),
-            (self.ld_alpha is not None, "ld_alpha"),
-            (getattr(self, "use_weighting", False), "use_weighting"),
-            (getattr(self, "aux_loss_enabled", False), "a MoE auxiliary loss (router_aux_loss_coef)"),
-            (self.precompute_ref_logps, "precompute_ref_log_probs"),
-            (self.ref_model is None, "no ref_model (a PEFT adapter as reference)"),
-        )
-        return next((why for bad, why in checks if bad), None)
-
-    def _compute_loss(self, model, inputs, return_outputs):
+    def _packed_dpo_loss(self, model, ref_model, inputs, *, beta: float):
+        """``(loss, outputs, policy, reference)`` of a packed batch: :func:`dpo_loss` of the policy's and the
+        reference's :func:`sequence_logps` (TRL's side, its config and metrics: :class:`DPOLossHook`)."""
         if not isinstance(inputs, SequenceBatch):
             raise TypeError(f"PackedDPOMixin takes packed batches, got {type(inputs).__name__}: pass "
                             "data_collator=packkit.preference.PreferenceCollator(...)")
-        why = self._packed_dpo_unsupported()
-        if why is not None:
-            raise ArgumentError(f"packed DPO computes TRL's sigmoid DPO loss only; this config asks for {why}: use "
-                                "trl.DPOTrainer without packing for it")
         outputs = model(**inputs.model_inputs(model))
         policy = sequence_logps(outputs.logits, inputs)
         with torch.no_grad():
-            reference = sequence_logps(self.ref_model(**inputs.model_inputs(self.ref_model)).logits, inputs)
-        loss = dpo_loss(policy, reference, beta=self.beta) * (self.loss_weights[0] if self.loss_weights else 1.0)
-        mode = "train" if self.model.training else "eval"
-        metrics, gather = self._metrics[mode], self.accelerator.gather
-        chosen = self.beta * (policy.chosen - reference.chosen).detach()
-        rejected = self.beta * (policy.rejected - reference.rejected).detach()
-        if mode == "train":
-            self._total_train_tokens += int(inputs.num_real_tokens)
-        metrics["num_tokens"] = [self._total_train_tokens]
-        metrics["rewards/chosen"].append(gather(chosen).mean().item())
-        metrics["rewards/rejected"].append(gather(rejected).mean().item())
-        metrics["rewards/accuracies"].append(gather((chosen > rejected).float()).mean().item())
-        metrics["rewards/margins"].append(gather(chosen - rejected).mean().item())
-        metrics["logps/chosen"].append(gather(policy.chosen.detach()).mean().item())
-        metrics["logps/rejected"].append(gather(policy.rejected.detach()).mean().item())
-        return (loss, outputs) if return_outputs else loss
+            reference = sequence_logps(ref_model(**inputs.model_inputs(ref_model)).logits, inputs)
+        return dpo_loss(policy, reference, beta=beta), outputs, policy, reference
 
 
 # ----------------------------------------------------------------------------------------------

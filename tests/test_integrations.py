@@ -99,7 +99,53 @@ def test_register_outside_the_range_says_so_in_one_line(monkeypatch):
         hf.register("packkit_range_check", lambda *a, **k: None)
 
 
-def test_only_the_integration_touches_the_attention_registry():
-    users = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "packkit").rglob("*.py")
-                   if "import AttentionInterface" in p.read_text())
-    assert users == ["packkit/integrations/transformers.py"]
+def test_only_the_integrations_touch_the_private_hooks():
+    def users(text):
+        return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "packkit").rglob("*.py") if text in p.read_text())
+
+    assert users("import AttentionInterface") == ["packkit/integrations/transformers.py"]
+    assert users("def _compute_loss(") == ["packkit/integrations/trl.py"]
+
+
+# -- TRL -------------------------------------------------------------------------------------------------------
+
+
+def test_the_installed_trl_is_in_the_supported_range():
+    trl = pytest.importorskip("trl")
+    from packkit.integrations import trl as hooks
+
+    assert hooks.installed_version() == trl.__version__
+    assert hooks.is_supported(trl.__version__), (
+        f"trl {trl.__version__} is installed; packkit.integrations.trl declares {hooks.SUPPORTED}: run this file "
+        "and test_preference's DPOTrainer tests on it and widen SUPPORTED when they pass")
+    assert not hooks.is_supported("1.15.2") and not hooks.is_supported("2.0.0")
+
+
+def test_dpo_trainers_private_loss_hook_has_the_signature_overridden():
+    trl = pytest.importorskip("trl")
+    params = list(inspect.signature(trl.DPOTrainer._compute_loss).parameters)
+    assert params == ["self", "model", "inputs", "return_outputs"], params
+
+
+@pytest.mark.slow  # a real DPOTrainer
+def test_a_dpo_trainer_holds_what_the_hook_reads_and_compute_loss_reaches_it(tmp_path):
+    pytest.importorskip("trl")
+    from test_preference import PackedDPOTrainer, dpo_trainer, preference_rows, tokenizer
+
+    from packkit.integrations import trl as hooks
+    from packkit.preference import PreferenceCollator
+
+    rows = preference_rows(4, 3, conversational=False)
+    trainer = dpo_trainer(tmp_path, rows, cls=PackedDPOTrainer, other_ref=True,
+                          collator=PreferenceCollator(layout="tree", window=64))
+    missing = [a for a in hooks.CONFIG_ATTRIBUTES if not hasattr(trainer, a)]
+    assert not missing, f"trl.DPOTrainer no longer holds {missing}"
+    assert trainer._packed_dpo_unsupported() is None  # DPOConfig's defaults: the sigmoid loss
+    seen = []
+    own = trainer._packed_dpo_loss
+    trainer._packed_dpo_loss = lambda *a, **k: seen.append(k) or own(*a, **k)
+    mode = "train" if trainer.model.training else "eval"
+    before = len(trainer._metrics[mode]["rewards/chosen"])
+    loss = trainer.compute_loss(trainer.model, PreferenceCollator(tokenizer=tokenizer())(rows))
+    assert seen == [{"beta": trainer.beta}] and torch.isfinite(loss)
+    assert len(trainer._metrics[mode]["rewards/chosen"]) == before + 1

@@ -21,7 +21,7 @@ FLOORS = [
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
      "integrations", "integrations.transformers"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance", "integrations.trl"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # CP shards
     ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "cp"],

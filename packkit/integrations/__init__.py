@@ -5,4 +5,22 @@ installed framework.
 
 * :mod:`packkit.integrations.transformers`: attention functions (``AttentionInterface``), the keyword
   arguments a model's attention layer passes them, and the layouts of their tensors.
+* :mod:`packkit.integrations.trl`: ``DPOTrainer``'s private ``_compute_loss``, the config it holds, its metrics.
 """
+
+from __future__ import annotations
+
+
+def installed_version(distribution: str) -> str | None:
+    """``distribution``'s version string, or None when it is not installed (read from its metadata, not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported(version: str, supported: tuple) -> bool:
+    """``is_supported("5.24.0", ((5, 0), (6, 0))) -> True``: ``version``'s major.minor lies in ``[first, past)``."""
+    return supported[0] <= tuple(int(p) for p in version.split(".")[:2]) < supported[1]

@@ -18,6 +18,8 @@ function and fails when the installed version leaves :data:`SUPPORTED`: widen it
 
 from __future__ import annotations
 
+from .. import integrations
+
 import warnings
 
 __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register"]
@@ -30,19 +32,13 @@ UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
 
 
 def installed_version() -> str | None:
-    """transformers' version string, or None when it is not installed (read from its metadata, not imported)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        return None
+    """transformers's version string, or None when it is not installed."""
+    return integrations.installed_version("transformers")
 
 
 def is_supported(version: str) -> bool:
     """``is_supported("5.24.0") -> True``; ``"4.45.0"`` and ``"6.1.0"`` -> False (outside :data:`SUPPORTED`)."""
-    major_minor = tuple(int(p) for p in version.split(".")[:2])
-    return SUPPORTED[0] <= major_minor < SUPPORTED[1]
+    return integrations.is_supported(version, SUPPORTED)
 
 
 def register(name: str, attention) -> str:
