@@ -840,3 +840,21 @@ def test_a_damaged_parquet_page_is_caught_by_its_checksum(tmp_path):
         with pytest.raises(ValueError, match=r"o.parquet' as Parquet \(damaged, truncated, or not Parquet\): "
                                              r"could not verify page integrity"):
             read_lengths(out)
+
+
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGTERM, 143, "stopped by SIGTERM")])
+def test_a_stop_signal_outside_the_command_body_is_one_line(monkeypatch, capsys, signum, code, said):
+    """A stop signal that lands while main enters or leaves its blocks (the warnings block, the signal
+    handlers' restore), outside the command's own handlers, ended packkit with a Python traceback and exit 1
+    (found by test_formats' SIGINT at random moments under a random seed); now the same line and code as a
+    stop inside the command."""
+    import packkit.cli as cli
+    from packkit.interrupts import Interrupted
+
+    def stopped(argv):
+        raise Interrupted(signum)
+
+    monkeypatch.setattr(cli, "_main", stopped)
+    assert cli.main(["waste"]) == code
+    assert capsys.readouterr().err.strip() == f"packkit waste: {said}"

@@ -295,8 +295,21 @@ def _top(argv: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    with signals_raise():  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
-        return _main(argv)
+    try:
+        with signals_raise():  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
+            return _main(argv)
+    except KeyboardInterrupt as exc:  # a stop signal outside _run's handlers: entering or leaving its blocks
+        return _stopped((argv or ["packkit"])[0], exc)
+
+
+def _stopped(name: str, exc: KeyboardInterrupt) -> int:
+    """Say that a stop signal ended the command, in one line; its exit code (130 for Ctrl-C, 128 + signum)."""
+    if os.environ.get("PACKKIT_DEBUG"):
+        raise exc
+    stopped = isinstance(exc, Interrupted) and exc.signum != signal.SIGINT
+    with contextlib.suppress(OSError, ValueError):
+        print(f"packkit {name}: " + (f"stopped by {exc.name}" if stopped else "interrupted"), file=sys.stderr)
+    return exc.exit_code if stopped else EXIT_INTERRUPTED
 
 
 def _one_line_warnings(name: str, state: dict):
@@ -343,12 +356,7 @@ def _run(argv: list[str], name: str, state: dict) -> int:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt as exc:
-        if os.environ.get("PACKKIT_DEBUG"):
-            raise
-        stopped = isinstance(exc, Interrupted) and exc.signum != signal.SIGINT
-        with contextlib.suppress(OSError, ValueError):
-            print(f"packkit {name}: " + (f"stopped by {exc.name}" if stopped else "interrupted"), file=sys.stderr)
-        return exc.exit_code if stopped else EXIT_INTERRUPTED
+        return _stopped(name, exc)
     except Exception as exc:
         if os.environ.get("PACKKIT_DEBUG"):
             raise
