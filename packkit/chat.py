@@ -60,6 +60,7 @@ import numpy as np
 
 from .arrow import list_array
 from .errors import ArgumentError, DataError, Message, arg, check_int
+from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -341,12 +342,11 @@ def check_template_syntax(template: str, what: str) -> None:
     ``{% generation %}`` tag): a syntax error is the one-line error naming ``what`` (the file, or the tokenizer
     whose template it is) and the template's line, before any example is rendered (it was blamed on example 0)."""
     try:
-        from transformers.utils import chat_template_utils as ctu
         from jinja2 import TemplateSyntaxError
-    except ImportError:  # an older transformers: the first render says it
+    except ImportError:  # no jinja2: the first render says it
         return
-    compile_ = getattr(ctu, "_compile_jinja_template", None)
-    if compile_ is None:
+    compile_ = hf.jinja_compiler()
+    if compile_ is None:  # an older transformers: the first render says it
         return
     try:
         compile_(template)

@@ -93,6 +93,18 @@ def test_read_call_refuses_a_feature_it_does_not_implement_naming_it():
         cp.hf_cp_attention(module, q, q, q, q, cp_seq_idx=q, cp_position_ids=q)
 
 
+def test_the_chat_template_compiler_is_transformers_own_and_refuses_bad_syntax():
+    """packkit.chat compiles a template before any example is rendered, with this private function (a syntax error
+    was blamed on example 0 without it)."""
+    from jinja2 import TemplateSyntaxError
+
+    compile_ = hf.jinja_compiler()
+    assert compile_ is transformers.utils.chat_template_utils._compile_jinja_template
+    compile_("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    with pytest.raises(TemplateSyntaxError):
+        compile_("{% if x %}y{% endfi %}")
+
+
 def test_register_outside_the_range_says_so_in_one_line(monkeypatch):
     monkeypatch.setattr(hf, "SUPPORTED", ((0, 1), (0, 2)))
     with pytest.warns(UserWarning, match=r"checked against transformers >=0\.1,<0\.2; transformers .* is installed"):
@@ -105,6 +117,7 @@ def test_only_the_integrations_touch_the_private_hooks():
 
     assert users("import AttentionInterface") == ["packkit/integrations/transformers.py"]
     assert users("def _compute_loss(") == ["packkit/integrations/trl.py"]
+    assert users("_compile_jinja_template") == ["packkit/integrations/transformers.py"]
 
 
 # -- TRL -------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""What packkit relies on in transformers, in one place: the attention-function registry and the call a model's
-attention layer makes.
+"""What packkit relies on in transformers, in one place: the attention-function registry, the call a model's
+attention layer makes, and the compiler of chat templates (:func:`jinja_compiler`).
 
 A transformers attention function is called by every attention layer as::
 
@@ -22,7 +22,8 @@ from .. import integrations
 
 import warnings
 
-__all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register"]
+__all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register",
+           "jinja_compiler"]
 
 #: ``[first, past)``: the transformers releases this module is checked against (major.minor).
 SUPPORTED = ((5, 0), (6, 0))
@@ -82,3 +83,15 @@ def read_call(name: str, module, query, key, value, attention_mask, dropout: flo
     # (batch, heads, seq, d) -> (batch * seq, heads, d): the packed layout.
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
     return q, k, v, needed, kwargs.get("is_causal", getattr(module, "is_causal", True))
+
+
+def jinja_compiler():
+    """transformers' own compiler of chat templates, ``chat_template_utils._compile_jinja_template`` (private: the
+    Jinja environment ``apply_chat_template`` renders with, its ``{% generation %}`` tag included), or None where
+    transformers or that function is missing. ``jinja_compiler()(template)`` raises jinja2's
+    ``TemplateSyntaxError`` on a template that does not compile."""
+    try:
+        from transformers.utils import chat_template_utils
+    except ImportError:
+        return None
+    return getattr(chat_template_utils, "_compile_jinja_template", None)
