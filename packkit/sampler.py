@@ -1083,8 +1083,9 @@ class _BatchSampler:
                 f.int("rank", high=old_R - 1)
             seq_step, start, span, mask, deal, rows = old_R * k, done * old_R * k, 0, 0, None, 0
         f.done()
-        if total is not None and done > total:
-            f.fail("batches_yielded", f"{done} is more than the epoch's batches_per_epoch={total}")
+        if total is not None and done > total:  # the two fields disagree: either may be the damaged one
+            f.fail("batches_yielded", f"{done} is more than the epoch's batches_per_epoch={total} "
+                   "(field 'batches_per_epoch' of the same state: one of the two is damaged)")
         if seq_step % k:
             f.fail("step_units", f"{seq_step} is not a multiple of {k} {self._unit_name} a batch")
         if rows and deal is None:
@@ -1106,6 +1107,9 @@ class _BatchSampler:
             f.fail("span", f"{span} {self._unit_name} from start={start} end past the end of {units}")
         if mask >> span:
             f.fail("mask", f"{mask:x} marks {self._unit_name} past the {span} of the step in progress (span)")
+        if span and mask == (1 << span) - 1:  # a step wholly used is over: a state of this packkit says start+span
+            f.fail("mask", f"{mask:x} marks every one of the {span} {self._unit_name} of the step in progress "
+                   "as used, but the step is not over (start)")
         return epoch, _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step), done
 
     def __repr__(self) -> str:

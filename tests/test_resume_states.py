@@ -67,7 +67,7 @@ def test_good_fields_read_and_unknown_ones_refused():
 # ----------------------------------------------------------------------------------------------
 
 import numpy as np  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler  # noqa: E402
@@ -185,6 +185,8 @@ VALUES = st.one_of(st.integers(-3, 3), st.integers(-(2**70), 2**70), st.none(), 
                                                                   "start", "span", "mask", "deal", "rows", "seed",
                                                                   "version"]),
        value=VALUES)
+@example(kind="grouped", field="mask", value="FF")  # every unit of the step used: loaded, then crashed dealing it
+@example(kind="packed", field="batches_per_epoch", value=0)  # refused naming 'batches_yielded' only
 def test_a_garbled_field_is_refused_or_yields_each_example_at_most_once(kind, field, value):
     """Before the fix some garbled states loaded and then crashed when iterated, or repeated examples. A
     garbled field is refused by name, with the sampler unchanged; a value that happens to be valid loads a
