@@ -147,3 +147,16 @@ def test_planning_and_the_command_line_import_no_torch():
              for name, line in _heavy_imports(modules[m])]
     assert not heavy, "a light module imports a heavy package on the way in:\n" + "\n".join(heavy)
 
+
+
+def test_the_wheel_ships_every_package():
+    """pyproject lists packkit's packages by hand (kernels/ ships as packkit.kernels): a new subpackage left out
+    of the list is missing from the wheel, and `pip install packkit` then fails at import (packkit.integrations
+    was, until .ci/run's base-install check caught it). Every folder with an __init__.py is listed."""
+    tomllib = __import__("pytest").importorskip("tomllib")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "packkit").rglob("__init__.py")}
+    found |= {"packkit.kernels"} if (ROOT / "kernels" / "__init__.py").exists() else set()
+    assert found == listed, f"packages in the tree but not in pyproject: {sorted(found - listed)}; " \
+                            f"listed but absent: {sorted(listed - found)}"
