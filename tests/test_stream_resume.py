@@ -436,7 +436,8 @@ CHILD = textwrap.dedent("""
     log = open(os.path.join(folder, "rows.jsonl"), "r+" if done else "w")
     for _ in range(done):      # the rows trained after the checkpoint are trained again: drop them
         log.readline()
-    log.truncate(log.tell())
+    log.seek(log.tell())       # drop the read-ahead: a text file's writes after reads went past EOF (NUL bytes)
+    log.truncate()
     for row in loader:
         log.write(json.dumps({k: np.asarray(v).tolist() for k, v in row.items()}) + "\\n")
         log.flush()
