@@ -1,4 +1,4 @@
-"""The hybrid CP plan made with numpy passes (issue 34, part 3) against the Python loops it replaced
+"""The hybrid CP plan made with numpy passes against the Python loops it replaced
 (``ref_halves`` and ``ref_hybrid`` below, as they stood at 5803dad): the same pieces, bit for bit, on drawn rows
 (thousands of short documents, equal lengths, rows no rank has room for, cp 1 to 16).
 
@@ -97,7 +97,7 @@ def test_zigzag_halves_equal_the_loop(lengths, cp):
 
 
 def test_one_numpy_pass_per_run_of_equal_lengths(monkeypatch):
-    """Regression (issue 34, part 3): a 32k row of 2,443 short documents planned the hybrid LPT in 2,443 Python
+    """Regression: a 32k row of 2,443 short documents planned the hybrid LPT in 2,443 Python
     steps (26 ms a rank). Now one :func:`cp_plan._lpt_equal` pass per distinct length among the short ones."""
     calls = []
     real = cp_plan._lpt_equal

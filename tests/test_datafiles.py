@@ -76,7 +76,7 @@ def test_text_lines_drop_the_bom_and_read_without_pyarrow(tmp_path):
 
 
 def test_a_line_many_chunks_long_is_read_in_linear_time(tmp_path):
-    """Issue 28: a line longer than a chunk grew with ``rest += block`` (a copy of the whole line for each chunk
+    """A line longer than a chunk grew with ``rest += block`` (a copy of the whole line for each chunk
     read: quadratic; a 128 MiB JSON line took 9-13x the same bytes in 1 MiB lines). At a chunk of 256 bytes, a
     2 MiB line is 8,192 chunks: the old growth copied ~8 GiB (a minute here); joined once, it costs what the
     same bytes in short lines cost. The chunks are whole lines and hold every byte."""
@@ -103,7 +103,7 @@ def test_a_line_many_chunks_long_is_read_in_linear_time(tmp_path):
 
 @pytest.mark.parametrize("sep", [",", ", ", " ,\t"])
 def test_a_long_line_of_integers_parses_on_threads_as_pyarrow_reads_it(tmp_path, monkeypatch, sep):
-    """Issue 28: one long JSON line was parsed by pyarrow on one thread (a line never spans two blocks) while the
+    """One long JSON line was parsed by pyarrow on one thread (a line never spans two blocks) while the
     same bytes in short lines took every core. Its long flat lists of integers are parsed apart, as one CSV column
     on pyarrow's threads: the table equals pyarrow's own (other keys, negative ids, any spacing between numbers,
     the first chunk's schema on a later chunk); a list that is not plain integers (5.0, past int64, an empty

@@ -1,4 +1,4 @@
-"""The documentation site (issue 33): ``mkdocs build --strict`` (warnings are errors: a broken link, a
+"""The documentation site: ``mkdocs build --strict`` (warnings are errors: a broken link, a
 docstring reference mkdocstrings cannot resolve, a page missing from the nav) into a temporary folder, never
 into the repository; and the docstring conversion the API reference relies on (docs/griffe_rst.py)."""
 

@@ -1,4 +1,4 @@
-"""Atoms (issue 22, part 1): ``pack(..., groups=)`` keeps a group (a preference pair, a prompt's k completions)
+"""Atoms: ``pack(..., groups=)`` keeps a group (a preference pair, a prompt's k completions)
 in one window, members adjacent and in example order, through the planner, ``PackedBatchSampler`` across ranks
 and ``FixedWindowCollator(group_key=)`` inside a DataLoader with workers.
 

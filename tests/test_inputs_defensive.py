@@ -1,4 +1,4 @@
-"""Issue 28, files read defensively: each class through the public API and the `packkit` command.
+"""Files read defensively: each class through the public API and the `packkit` command.
 
 - an input truncated while `packkit pack` memory-maps it (a real process, a real truncation): an error naming
   the file, exit 3, nothing beside OUT (it was a SIGBUS: nothing printed, a temporary file left);
@@ -64,7 +64,7 @@ def leftovers(folder: Path) -> list:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read leases are Linux's")
 def test_input_truncated_while_pack_maps_it_is_an_error_naming_it(tmp_path):
-    """Issue 28: an .arrow IN truncated while `packkit pack` read it through its memory map ended in SIGBUS (exit
+    """An .arrow IN truncated while `packkit pack` read it through its memory map ended in SIGBUS (exit
     -7 / 135, nothing printed, ``.out.parquet.packkit-tmp-*`` left). The truncation here comes from another
     process once OUT's temporary file exists (mid-pack); packkit holds IN with a read lease, so the truncation
     waits while packkit stops: exit 3, one line naming IN, nothing beside OUT, and the truncation then done."""
@@ -128,7 +128,7 @@ def test_input_changed_without_a_lease_is_named_at_the_next_check(tmp_path):
 
 
 def test_a_length_of_2_40_is_refused_before_any_allocation_naming_it(tmp_path):
-    """Issue 28: a .npy of lengths holding 2**40 made waste and plan split it into 537M pieces (tens of GiB) until
+    """A .npy of lengths holding 2**40 made waste and plan split it into 537M pieces (tens of GiB) until
     the machine ran out of memory, naming no example. The pieces are counted first: more than memory can plan is
     the error naming the example, in the command's syntax and in Python's."""
     from packkit.binpack import pack
@@ -170,7 +170,7 @@ def test_a_length_of_2_40_is_refused_before_any_allocation_naming_it(tmp_path):
     ("empty.npy", lambda p: p.write_bytes(b""), "'{p}' is not a .npy file"),
 ])
 def test_a_file_that_is_not_a_npy_of_lengths_is_refused_naming_it(tmp_path, name, make, match):
-    """Issue 28: a file that is not .npy (or a pickle) passed on numpy's advice to load it with pickle (which runs
+    """A file that is not .npy (or a pickle) passed on numpy's advice to load it with pickle (which runs
     the file's code); a header claiming 2**40 values asked numpy for 8 TiB before reading a byte. The header is
     read first and checked against the file."""
     from packkit.datafiles import read_lengths
@@ -207,7 +207,7 @@ def _pairs(path: Path, chosen_lengths) -> Path:
 
 
 def test_waste_preference_honours_overflow_and_names_lines(tmp_path):
-    """Issue 28: `waste --preference` ignored --overflow (--overflow error exited 0; a file where every pair is too
+    """`waste --preference` ignored --overflow (--overflow error exited 0; a file where every pair is too
     long reported 0 pairs at 100% fill) and named rows but not lines. --overflow error refuses the first pair that
     does not fit whole, by example and line; drop (the default here) leaves pairs out and says how many, but not
     every one; split and truncate cannot apply to a pair and are refused before the file is read."""
@@ -248,7 +248,7 @@ def test_waste_preference_honours_overflow_and_names_lines(tmp_path):
 
 
 def test_an_integral_float_is_blamed_on_its_own_line(tmp_path):
-    """Issue 28: one integral ``5.0`` on line 7 made pyarrow read the whole column as floats, and waste, plan and
+    """One integral ``5.0`` on line 7 made pyarrow read the whole column as floats, and waste, plan and
     pack blamed row 0 / line 1 (value 1.0). Python's reader tells 5.0 from 5: its row and line are named."""
     import json
 
@@ -268,7 +268,7 @@ def test_an_integral_float_is_blamed_on_its_own_line(tmp_path):
 
 
 def test_a_numeric_role_names_its_line_and_field(tmp_path):
-    """Issue 28: a message whose role is a number ended in pyarrow's 'Column(/messages/[]/role) changed from string
+    """A message whose role is a number ended in pyarrow's 'Column(/messages/[]/role) changed from string
     to number', with no line: the line and the field inside the conversation are named (across lines, and inside
     one list)."""
     import json
@@ -298,7 +298,7 @@ def chat_files(tmp_path_factory):
 
 
 def test_a_template_syntax_error_names_the_template_and_its_line(chat_files, tmp_path):
-    """Issue 28: a chat template with a syntax error was blamed on example 0 of the data (exit 3): the template is
+    """A chat template with a syntax error was blamed on example 0 of the data (exit 3): the template is
     compiled before any example, and its file (or the tokenizer it came with) and line are named (exit 2)."""
     import shutil
 
@@ -327,7 +327,7 @@ def test_a_template_syntax_error_names_the_template_and_its_line(chat_files, tmp
 
 
 def test_a_template_that_is_not_utf8_names_its_file_and_line(chat_files, tmp_path):
-    """Issue 28: a chat template file that is not UTF-8 ended in a bare codec error ("'utf-8' codec can't decode
+    """A chat template file that is not UTF-8 ended in a bare codec error ("'utf-8' codec can't decode
     byte 0xe9 in position 412"): the file, its line and the option are named, for --chat-template and for the
     tokenizer folder's own chat_template.jinja."""
     import shutil
@@ -347,7 +347,7 @@ def test_a_template_that_is_not_utf8_names_its_file_and_line(chat_files, tmp_pat
 
 
 def test_a_uint64_length_is_shown_as_given(tmp_path):
-    """Issue 28: a uint64 length of 2**64 - 1 in a .npy was cast to int64 and shown as -1."""
+    """A uint64 length of 2**64 - 1 in a .npy was cast to int64 and shown as -1."""
     src = tmp_path / "u64.npy"
     np.save(src, np.array([10, 2**64 - 1, 5], dtype=np.uint64))
     for argv in (["waste", src, "-q"], ["plan", src]):

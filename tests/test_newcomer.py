@@ -1,4 +1,4 @@
-"""A newcomer's first day (issue 33): each friction met on the way from raw chat rows to a trained model,
+"""A newcomer's first day: each friction met on the way from raw chat rows to a trained model,
 reproduced as a new user meets it (the command line, real files, TRL's own templates and trainer).
 
 Before the fixes: a bare ``tokenizer.json`` of a large vocabulary failed under ``HF_HUB_OFFLINE=1`` with
@@ -537,7 +537,7 @@ def test_repacking_keeps_the_example_ids_and_says_what_stays_split(ids_jsonl, tm
 
 
 def test_every_option_the_readme_uses_is_in_its_commands_help():
-    """Issue 33's goal: ``packkit COMMAND --help`` mentions every option the documentation uses with it."""
+    """``packkit COMMAND --help`` mentions every option the documentation uses with it."""
     import importlib
     import re
 

@@ -423,7 +423,7 @@ def test_prefetch_keeps_order_errors_and_stops():
 
 
 # ----------------------------------------------------------------------------------------------
-# JSON lines streamed a block at a time (issue 19)
+# JSON lines streamed a block at a time: a file larger than one read is parsed whole and in order
 # ----------------------------------------------------------------------------------------------
 
 

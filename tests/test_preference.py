@@ -1,4 +1,4 @@
-"""Preference pairs and RL groups, packed (issue 22, parts 2-3): ``packkit.preference``.
+"""Preference pairs and RL groups, packed: ``packkit.preference``.
 
 The reference is the unpacked computation, in this file: every sequence ``prompt + completion`` run alone
 through the model, ``log_softmax`` of its logits gathered at the next tokens, summed over the completion

@@ -535,7 +535,7 @@ DOCS_BLOCKS = {
 
 
 def test_every_readme_block_is_run_or_says_why():
-    """Issue 33: every code block of the README and of the docs pages is run by a test as pasted, or named with the reason it cannot
+    """Every code block of the README and of the docs pages is run by a test as pasted, or named with the reason it cannot
     be (a cluster, the package registry). Before, the quickstart's blocks 1, 2, 3, 5, 6 and 7 were copied by
     hand into tests (the copies ran; the README's text did not)."""
     blocks = readme_blocks()

@@ -2,7 +2,7 @@
 StatefulDataLoader with workers. The state a loop saves must name exactly the batches the loop consumed,
 and a loaded state must be the next pass whatever calls iter() on the sampler.
 
-Before the fix (issue 27): behind ``DataLoader(num_workers=2)`` ``sampler.state_dict()`` counted the
+Before the fix: behind ``DataLoader(num_workers=2)`` ``sampler.state_dict()`` counted the
 batches the workers had prefetched (a resume skipped them), and a loaded state was ignored (the DataLoader
 calls ``iter()`` on its batch sampler twice; the first call spent the resume position, the second
 restarted the epoch, so every batch already trained was trained again).

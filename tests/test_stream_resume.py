@@ -1,4 +1,4 @@
-"""Streaming packing resumes exactly once (issue 27, part 2): pack_stream's state_dict / load_state_dict,
+"""Streaming packing resumes exactly once: pack_stream's state_dict / load_state_dict,
 PackedIterable behind a DataLoader with 0 and 2 workers and torchdata's StatefulDataLoader, a world-size
 change at the resume, a killed process, and every kind of damaged state refused by name.
 

@@ -1,4 +1,4 @@
-"""Issue 28: the rules of :mod:`packkit.rules` on the surfaces added after the SFT paths: lengths (``pack``,
+"""The rules of :mod:`packkit.rules` on the surfaces added after the SFT paths: lengths (``pack``,
 ``waste``, ``shard_groups``), cost models, CP ``restore``, preference pairs and RL groups. One fault a test,
 each failing on the code before the fix (the old behaviour is in the docstring), through the public API and,
 where one exists, its real consumer (the command line, a DataLoader with workers, TRL's DPOTrainer); every test
