@@ -331,6 +331,79 @@ def _sequence_values(v, name: str, k: np.ndarray, where) -> np.ndarray:
     return example_values(np.split(v, np.cumsum(k)[:-1]), k, key=name, rows=where)
 
 
+def _check_groups_input(prompt_ids, prompt_lengths, completion_ids, completion_lengths, completions_per_group,
+                        values, where, keys):
+    """:func:`build_groups`' arguments checked: ``(tokens, p_len, p_start, c_len, c_start, k, c_ptr, values)``,
+    the prompts then the completions back to back in ``tokens`` (int64), ``*_start`` their offsets there."""
+    p_len = np.asarray(prompt_lengths, np.int64)
+    c_len = np.asarray(completion_lengths, np.int64)
+    k = np.asarray(completions_per_group, np.int64)
+    c_ptr = lengths_to_offsets(k)
+    if k.size != p_len.size or int(c_ptr[-1]) != c_len.size:
+        raise ValueError(f"{p_len.size} prompts, {k.size} group sizes and {c_len.size} completions (the sizes sum to "
+                         f"{int(c_ptr[-1])}) do not describe the same groups")
+    check_groups(p_len, c_len, k, rows=where, keys=keys)
+    p_vals, c_vals = np.asarray(prompt_ids), np.asarray(completion_ids)
+    check_values(p_vals, lengths=p_len, kind="ids", key="prompt_ids", rows=where, empty_ok=True)
+    try:  # errors about the n-th completion told about its group
+        check_values(c_vals, lengths=c_len, kind="ids", key="completion_ids")
+    except DataError as exc:
+        raise relocate_part(exc, k, rows=where, keys=keys) from None
+    values_np = {name: _sequence_values(v, name, k, where) for name, v in (values or {}).items()}
+    p_vals = p_vals.astype(np.int64, copy=False)
+    tokens = np.concatenate([p_vals, c_vals.astype(np.int64, copy=False)])
+    p_start = lengths_to_offsets(p_len)[:-1]
+    c_start = lengths_to_offsets(c_len)[:-1] + p_vals.size
+    return tokens, p_len, p_start, c_len, c_start, k, c_ptr, values_np
+
+
+def _plan_units(layout, p_len, c_len, k, c_ptr, *, window, strategy, where):
+    """``(unit_len, order, window_ptr)``: the units' lengths (``"pairs"``: sequences; ``"tree"``: groups), their
+    packing order, and ``window_ptr`` (``None`` for one ``[1, T]`` row: the units in order)."""
+    group_of_seq = lengths_to_seq_idx(k)
+    if layout == "pairs":
+        unit_len = p_len[group_of_seq] + c_len
+    else:
+        unit_len = p_len + np.add.reduceat(c_len, c_ptr[:-1]) if k.size else np.zeros(0, np.int64)
+    if window is None:
+        return unit_len, np.arange(unit_len.size, dtype=np.int64), None
+    window = check_window(window)
+    group_len = unit_len if layout == "tree" else np.bincount(group_of_seq, weights=unit_len,
+                                                              minlength=k.size).astype(np.int64)
+    over = np.flatnonzero(group_len > window)
+    if over.size:
+        g = int(over[0])
+        fix = ", use layout='tree' (the prompt once)" if layout == "pairs" else ""
+        raise DataError("{at} has {n:,} tokens in layout={layout!r} > {w}; raise {wn}{fix} or shorten it "
+                        "(TRL's max_length)", at=location(g, where), n=int(group_len[g]), layout=layout,
+                        w=arg("window", window), wn=arg("window"), fix=fix)
+    plan = pack(unit_len, window=window, strategy=strategy, **({"group_sizes": k} if layout == "pairs" else {}))
+    return unit_len, plan.seg_example, plan.window_ptr
+
+
+def _lay_tokens(layout, tokens, order, unit_len, p_len, p_start, c_len, c_start, k, c_ptr) -> dict:
+    """Per token in row order (numpy, ``(T,)``): ``ids``, ``position``, ``sequence`` (``-1`` on a tree's prompt),
+    ``branch``, ``seq`` (the continuation's sequence, ``-1`` on prompts), ``scored``, ``source`` (flat index of
+    the token whose logits predict it) and ``labels`` (the scored tokens predicted by the token before them)."""
+    start, length, is_cont, seq, unit = _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr)
+    piece = lengths_to_seq_idx(length)
+    within = lengths_to_position_ids(length)
+    ids = tokens[start[piece] + within]
+    unit_off = lengths_to_offsets(unit_len[order])
+    tok_unit = unit[piece]
+    group_of_unit = lengths_to_seq_idx(k)[order] if layout == "pairs" else order
+    plen_tok = p_len[group_of_unit[tok_unit]]
+    cont = is_cont[piece]
+    tok_seq = seq[piece]
+    flat = np.arange(ids.size, dtype=np.int64)
+    scored = cont & ((within > 0) | (plen_tok > 0))
+    source = np.where(within > 0, flat - 1, unit_off[:-1][tok_unit] + plen_tok - 1)
+    return {"ids": ids, "position": np.where(cont, plen_tok + within, within), "seq": tok_seq,
+            "sequence": tok_seq if layout == "pairs" else np.where(cont, tok_seq, -1),
+            "branch": np.where(cont, tok_seq + 1, 0), "scored": scored, "source": source,
+            "labels": np.where(scored & (source == flat - 1), ids, IGNORE_INDEX)}
+
+
 def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths, completions_per_group, *,
                  layout: str = "pairs", window: int | None = None, num_windows: int | None = None,
                  strategy: str = "bfd", pad_token_id: int = 0, values: dict | None = None,
@@ -355,77 +428,21 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
     5 from 1.
     """
     layout = check_layout(layout)
-    p_len = np.asarray(prompt_lengths, np.int64)
-    c_len = np.asarray(completion_lengths, np.int64)
-    k = np.asarray(completions_per_group, np.int64)
-    c_ptr = lengths_to_offsets(k)
-    if k.size != p_len.size or int(c_ptr[-1]) != c_len.size:
-        raise ValueError(f"{p_len.size} prompts, {k.size} group sizes and {c_len.size} completions (the sizes sum to "
-                         f"{int(c_ptr[-1])}) do not describe the same groups")
-    check_groups(p_len, c_len, k, rows=where, keys=keys)
-    p_vals, c_vals = np.asarray(prompt_ids), np.asarray(completion_ids)
-    check_values(p_vals, lengths=p_len, kind="ids", key="prompt_ids", rows=where, empty_ok=True)
-    try:  # errors about the n-th completion told about its group
-        check_values(c_vals, lengths=c_len, kind="ids", key="completion_ids")
-    except DataError as exc:
-        raise relocate_part(exc, k, rows=where, keys=keys) from None
-    values_np = {name: _sequence_values(v, name, k, where) for name, v in (values or {}).items()}
-    p_vals = p_vals.astype(np.int64, copy=False)
-    tokens = np.concatenate([p_vals, c_vals.astype(np.int64, copy=False)])
-    p_start = lengths_to_offsets(p_len)[:-1]
-    c_start = lengths_to_offsets(c_len)[:-1] + p_vals.size
-    # -- units and their packing order --
-    group_of_seq = lengths_to_seq_idx(k)
-    if layout == "pairs":
-        unit_len = p_len[group_of_seq] + c_len
-    else:
-        unit_len = p_len + np.add.reduceat(c_len, c_ptr[:-1]) if k.size else np.zeros(0, np.int64)
-    if window is None:
-        order = np.arange(unit_len.size, dtype=np.int64)
-        window_ptr = None
-    else:
-        window = check_window(window)
-        group_len = unit_len if layout == "tree" else np.bincount(group_of_seq, weights=unit_len,
-                                                                  minlength=k.size).astype(np.int64)
-        over = np.flatnonzero(group_len > window)
-        if over.size:
-            g = int(over[0])
-            fix = ", use layout='tree' (the prompt once)" if layout == "pairs" else ""
-            raise DataError("{at} has {n:,} tokens in layout={layout!r} > {w}; raise {wn}{fix} or shorten it "
-                            "(TRL's max_length)", at=location(g, where), n=int(group_len[g]), layout=layout,
-                            w=arg("window", window), wn=arg("window"), fix=fix)
-        plan = pack(unit_len, window=window, strategy=strategy,
-                    **({"group_sizes": k} if layout == "pairs" else {}))
-        order, window_ptr = plan.seg_example, plan.window_ptr
-    # -- tokens, row after row --
-    start, length, is_cont, seq, unit = _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr)
-    total = int(length.sum())
-    piece = lengths_to_seq_idx(length)
-    within = lengths_to_position_ids(length)
-    ids = tokens[start[piece] + within]
-    unit_off = lengths_to_offsets(unit_len[order])
-    tok_unit = unit[piece]
-    group_of_unit = group_of_seq[order] if layout == "pairs" else order
-    plen_tok = p_len[group_of_unit[tok_unit]]
-    cont = is_cont[piece]
-    position = np.where(cont, plen_tok + within, within)
-    tok_seq = seq[piece]
-    sequence_ids = tok_seq if layout == "pairs" else np.where(cont, tok_seq, -1)
-    branch = np.where(cont, tok_seq + 1, 0)
-    flat = np.arange(total, dtype=np.int64)
-    scored = cont & ((within > 0) | (plen_tok > 0))
-    source = np.where(within > 0, flat - 1, unit_off[:-1][tok_unit] + plen_tok - 1)
-    labels = np.where(scored & (source == flat - 1), ids, IGNORE_INDEX)
+    tokens, p_len, p_start, c_len, c_start, k, c_ptr, values_np = _check_groups_input(
+        prompt_ids, prompt_lengths, completion_ids, completion_lengths, completions_per_group, values, where, keys)
+    unit_len, order, window_ptr = _plan_units(layout, p_len, c_len, k, c_ptr, window=window, strategy=strategy,
+                                              where=where)
+    t = _lay_tokens(layout, tokens, order, unit_len, p_len, p_start, c_len, c_start, k, c_ptr)
     # -- rows: one [1, T] row, or [B, W] windows (each window's padding tail its own segment) --
+    total = int(t["ids"].size)
     if window_ptr is None:
-        packed = padding_free_batch(ids, labels.copy(), unit_len[order])
-        dest = flat
-        width = total
+        packed = padding_free_batch(t["ids"], t["labels"].copy(), unit_len[order])
+        dest, width = np.arange(total, dtype=np.int64), total
     else:
-        packed = rows_batch(ids, labels, unit_len[order], window_ptr, width=window, num_rows=num_windows,
+        packed = rows_batch(t["ids"], t["labels"], unit_len[order], window_ptr, width=window, num_rows=num_windows,
                             pad_token_id=pad_token_id)
-        width = window
-        dest = row_destinations(unit_off[window_ptr[1:]] - unit_off[window_ptr[:-1]], window)
+        unit_off = lengths_to_offsets(unit_len[order])
+        dest, width = row_destinations(unit_off[window_ptr[1:]] - unit_off[window_ptr[:-1]], window), window
     rows = packed.input_ids.shape[0]
 
     def laid(values_, fill):
@@ -433,18 +450,16 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
         buf[dest] = values_
         return torch.from_numpy(buf.reshape(rows, width))
 
-    sel = np.flatnonzero(scored)
-    num_seq = c_len.size
-    cu = packed.cu_seqlens.numpy()
-    seq_idx = lengths_to_seq_idx(np.diff(cu))  # numpy: the batch's own seq_idx (torch.searchsorted) is 30x slower
+    sel = np.flatnonzero(t["scored"])
+    seq_idx = lengths_to_seq_idx(np.diff(packed.cu_seqlens.numpy()))  # numpy: torch.searchsorted is 30x slower
     return SequenceBatch(
         input_ids=packed.input_ids,
-        position_ids=laid(position, packed.position_ids) if layout == "tree" else packed.position_ids,
-        labels=packed.labels, seq_idx=torch.from_numpy(seq_idx.reshape(rows, width)), sequence_ids=laid(sequence_ids, -1),
-        branch_ids=laid(branch, 0), cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
-        score_source=torch.from_numpy(dest[source[sel]]), score_target=torch.from_numpy(dest[sel]),
-        score_sequence=torch.from_numpy(tok_seq[sel]),
-        num_tokens=torch.from_numpy(np.bincount(tok_seq[sel], minlength=num_seq).astype(np.int64)),
+        position_ids=laid(t["position"], packed.position_ids) if layout == "tree" else packed.position_ids,
+        labels=packed.labels, seq_idx=torch.from_numpy(seq_idx.reshape(rows, width)),
+        sequence_ids=laid(t["sequence"], -1), branch_ids=laid(t["branch"], 0), cu_seqlens=packed.cu_seqlens,
+        max_seqlen=packed.max_seqlen, score_source=torch.from_numpy(dest[t["source"][sel]]),
+        score_target=torch.from_numpy(dest[sel]), score_sequence=torch.from_numpy(t["seq"][sel]),
+        num_tokens=torch.from_numpy(np.bincount(t["seq"][sel], minlength=c_len.size).astype(np.int64)),
         group_ptr=torch.from_numpy(c_ptr), layout=layout, num_real_tokens=total,
         sequence_values={name: torch.from_numpy(v) for name, v in values_np.items()})
 

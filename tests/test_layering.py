@@ -167,7 +167,7 @@ def test_the_wheel_ships_every_package():
 TOO_LONG = {
     "packkit.balance:pack_to_cost", "packkit.binpack:pack_groups", "packkit.budget:plan_budget",
     "packkit.cli.pack:_run", "packkit.loss:accumulation_step", "packkit.offline:pack_dataset",
-    "packkit.packer:copy_segments", "packkit.preference:build_groups", "packkit.raydata:pack_dataset",
+    "packkit.packer:copy_segments", "packkit.raydata:pack_dataset",
     "packkit.sources:scan", "packkit.waste:measure_waste",
 }
 TOO_MANY_PARAMETERS = {
