@@ -892,6 +892,37 @@ def _group_error(g: int, member: np.ndarray, tokens: int, window: int) -> DataEr
                      fix=arg("overflow", "split", "drop"), w=arg("window"))
 
 
+def _split_groups(lengths: np.ndarray, member: np.ndarray, gptr: np.ndarray, glen: np.ndarray,
+                  window: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(item_ptr, item_group)``: the groups as items, each group longer than ``window`` cut between its
+    examples into consecutive parts (next fit over its members); an example longer than ``window`` is the
+    error naming it and its group. ``_split_groups([3, 4, 2], [0, 1, 2], [0, 3], [9], 7) -> ([0, 2, 3], [0, 0])``."""
+    num_groups = int(gptr.size - 1)
+    lengths_m = lengths[member]
+    big = np.flatnonzero(lengths_m > window)
+    if big.size:
+        i = int(member[big[0]])
+        g = int(np.searchsorted(gptr, big[0], side="right") - 1)
+        raise DataError("example {i} (group {g}) has {n:,} tokens > {window}: one sequence of a group cannot be "
+                        "cut; pass {fix}, or raise {w}", i=i, g=g, n=int(lengths[i]),
+                        window=arg("window", window), fix=arg("overflow", "drop"), w=arg("window"))
+    starts, owners = [], []
+    for g in range(num_groups):
+        lo, hi = int(gptr[g]), int(gptr[g + 1])
+        if glen[g] <= window:
+            starts.append(lo)
+            owners.append(g)
+            continue
+        room = 0
+        for j in range(lo, hi):
+            if lengths_m[j] > room:
+                starts.append(j)
+                owners.append(g)
+                room = window
+            room -= int(lengths_m[j])
+    return np.asarray(starts + [member.size], np.int64), np.asarray(owners, np.int64)
+
+
 def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error", seed: int | None = 0,
                 groups=None, group_sizes=None) -> Plan:
     """:func:`pack` with atoms: every group's examples share one window, adjacent, in example order.
@@ -936,30 +967,7 @@ def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = 
         item_ptr = lengths_to_offsets(np.diff(gptr)[~is_over])
         member = member[np.repeat(~is_over, np.diff(gptr))]
     elif over.size:  # split between examples, next fit over each over-long group's members
-        lengths_m = lengths[member]
-        big = np.flatnonzero(lengths_m > window)
-        if big.size:
-            i = int(member[big[0]])
-            g = int(np.searchsorted(gptr, big[0], side="right") - 1)
-            raise DataError("example {i} (group {g}) has {n:,} tokens > {window}: one sequence of a group cannot be "
-                            "cut; pass {fix}, or raise {w}", i=i, g=g, n=int(lengths[i]),
-                            window=arg("window", window), fix=arg("overflow", "drop"), w=arg("window"))
-        starts, owners = [], []
-        for g in range(num_groups):
-            lo, hi = int(gptr[g]), int(gptr[g + 1])
-            if glen[g] <= window:
-                starts.append(lo)
-                owners.append(g)
-                continue
-            room = 0
-            for j in range(lo, hi):
-                if lengths_m[j] > room:
-                    starts.append(j)
-                    owners.append(g)
-                    room = window
-                room -= int(lengths_m[j])
-        item_ptr = np.asarray(starts + [member.size], np.int64)
-        item_group = np.asarray(owners, np.int64)
+        item_ptr, item_group = _split_groups(lengths, member, gptr, glen, window)
     csum = lengths_to_offsets(lengths[member])
     item_length = csum[item_ptr[1:]] - csum[item_ptr[:-1]]
     seg_item, item_window_ptr, _ = _plan_items(item_length, window, strategy, seed)

@@ -208,6 +208,33 @@ def gather_segments(values, src_start, seg_length, *, num_threads: int = 1, bar=
     return out
 
 
+def copy_tasks(seg_length: np.ndarray) -> tuple[np.ndarray, list]:
+    """How :func:`copy_segments` cuts its work: ``(order, tasks)``, ``order`` the segments sorted by length
+    (stable), a task either ``(lo, hi, length)``, the strided copy of segments ``order[lo:hi]`` of one length,
+    or an index array of up to 4,096 segments copied slice by slice (rare or long lengths).
+
+    ``copy_tasks(np.array([5, 2]))[1] -> [array([1, 0])]`` (two lengths of one segment each: slices).
+    """
+    # Group segments by length (a radix sort when lengths fit in 16 bits).
+    key = seg_length.astype(np.uint16) if seg_length.max() < 1 << 16 else seg_length
+    order = np.argsort(key, kind="stable")
+    sorted_len = seg_length[order]
+    cuts = np.flatnonzero(sorted_len[1:] != sorted_len[:-1]) + 1
+    tasks, singles = [], []
+    for a, b in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [order.size])).tolist()):
+        length = int(sorted_len[a])
+        if b - a < STRIDED_MIN_SEGMENTS or length > STRIDED_MAX_LENGTH:
+            singles.append(order[a:b])
+            continue
+        step = max(1, GROUP_TOKENS // length)
+        tasks.extend((lo, min(lo + step, b), length) for lo in range(a, b, step))
+    if singles:
+        # one batch of slice copies a few thousand segments long (a unit for threads and the bar)
+        flat = np.concatenate(singles)
+        tasks.extend(flat[i: i + 4096] for i in range(0, flat.size, 4096))
+    return order, tasks
+
+
 def copy_segments(out, dst_start, values, src_start, seg_length, *, num_threads: int = 1, bar=None) -> None:
     """``out[d : d + l] = values[s : s + l]`` for every ``(d, s, l)``, with few numpy calls.
 
@@ -244,19 +271,7 @@ def copy_segments(out, dst_start, values, src_start, seg_length, *, num_threads:
     if (seg_length.min() < 1 or src_start.min() < 0 or int((src_start + seg_length).max()) > values.size
             or dst_start.min() < 0 or int((dst_start + seg_length).max()) > out.size):
         raise ValueError("every segment must have length >= 1 and lie inside values and out")
-    # Group segments by length (a radix sort when lengths fit in 16 bits).
-    key = seg_length.astype(np.uint16) if seg_length.max() < 1 << 16 else seg_length
-    order = np.argsort(key, kind="stable")
-    sorted_len = seg_length[order]
-    cuts = np.flatnonzero(sorted_len[1:] != sorted_len[:-1]) + 1
-    tasks, singles = [], []
-    for a, b in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [order.size])).tolist()):
-        length = int(sorted_len[a])
-        if b - a < STRIDED_MIN_SEGMENTS or length > STRIDED_MAX_LENGTH:
-            singles.append(order[a:b])
-            continue
-        step = max(1, GROUP_TOKENS // length)
-        tasks.extend((lo, min(lo + step, b), length) for lo in range(a, b, step))
+    order, tasks = copy_tasks(seg_length)
     item = values.itemsize
 
     def copy(task) -> int:
@@ -276,10 +291,6 @@ def copy_segments(out, dst_start, values, src_start, seg_length, *, num_threads:
             out[d_: d_ + n_] = values[s_: s_ + n_]
         return sum(n)
 
-    if singles:
-        # one batch of slice copies a few thousand segments long (a unit for threads and the bar)
-        flat = np.concatenate(singles)
-        tasks.extend(flat[i: i + 4096] for i in range(0, flat.size, 4096))
     run = lambda t: copy(t) if isinstance(t, tuple) else copy_singles(t)  # noqa: E731
     if num_threads > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(num_threads) as pool:
