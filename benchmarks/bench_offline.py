@@ -219,9 +219,9 @@ def child(argv) -> int:
 
     kind = argv[0]
     if kind == "packkit-in-memory":  # the path before streaming (issue 19): JSON lines and text read whole
-        from packkit.sources import ArrowSource
+        from packkit.datafiles import Input
 
-        ArrowSource.from_tables = classmethod(lambda cls, *a, **k: None)  # from_json_lines goes through it
+        Input.chunks = lambda self: None  # JSON lines and text read whole, not a chunk at a time
         kind = "packkit"
     if kind == "packkit":
         src, out, window, extra = argv[1], argv[2], argv[3], argv[4:]

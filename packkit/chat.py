@@ -47,6 +47,7 @@ offsets. The pure pieces::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -68,6 +69,7 @@ __all__ = [
     "CHAT_FORMATS",
     "ChatWarning",
     "chat_encoder",
+    "ChatOptions",
     "chat_format",
     "check_special_tokens",
     "ignored_columns",
@@ -689,19 +691,41 @@ def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None
                                 "empty); " + fix, arg=arg("tokenizer"), name=name, special=special.replace("_token", "").upper())
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How conversational rows become tokens: :func:`tokenize_chat`'s options as one object, what the readers of
+    :mod:`packkit.datafiles` (and ``packkit waste``, ``plan``, ``pack``, ``tokenize``) take.
+
+    Fields:
+        chat_template: Jinja text or a ``.jinja`` file instead of the tokenizer's own template (None: its own).
+        assistant_only_loss: loss on assistant tokens only (None: on for messages, off for prompt/completion).
+        completion_only_loss: loss on the completion only (None: on for prompt/completion; refused elsewhere).
+        trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
+        format: which of :data:`CHAT_FORMATS` to read (None or ``"auto"``: :func:`chat_format`'s choice).
+        num_proc: processes that render and tokenize (None: one).
+    """
+
+    chat_template: object = None
+    assistant_only_loss: bool | None = None
+    completion_only_loss: bool | None = None
+    trust_remote_code: bool = False
+    format: str | None = None
+    num_proc: int | None = None
+
+
 class _Encoder:
     """One tokenizer, template and loss choice, applied to Arrow batches of one conversational format."""
 
-    def __init__(self, fmt: str, tokenizer, *, chat_template, assistant_only_loss, completion_only_loss,
-                 trust_remote_code):
-        self.fmt = fmt
-        self.assistant, self.completion = _resolve_loss(fmt, assistant_only_loss, completion_only_loss)
+    def __init__(self, fmt: str, tokenizer, options: ChatOptions):
+        self.fmt, self.num_proc = fmt, options.num_proc
+        chat_template = options.chat_template
+        self.assistant, self.completion = _resolve_loss(fmt, options.assistant_only_loss, options.completion_only_loss)
         name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
         if fmt == "prompt_completion" and chat_template is not None:
             raise ArgumentError("{arg} is not used on prompt/completion strings: TRL tokenizes them as text, with no "
                                 "chat template (it would be ignored); drop it, or give the prompt and completion as "
                                 "lists of {{role, content}} messages", arg=arg("chat_template"))
-        self.tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+        self.tok = load_tokenizer(tokenizer, trust_remote_code=options.trust_remote_code)
         self.template, self.template_words, self.swapped = None, None, False
         if fmt != "prompt_completion":
             self.template, self.template_words = _template_for(self.tok, str(name), chat_template, self.assistant)
@@ -737,15 +761,14 @@ class _Encoder:
         ids = list_array(offsets, values.astype(np.int32))
         return ids, (None if mask is None else list_array(offsets, pa.array(mask, pa.int8())))
 
-    def encode_table(self, table, base: int, *, batch_size: int = BATCH_SIZE, progress: bool = False,
-                     num_proc: int | None = None):
+    def encode_table(self, table, base: int, *, batch_size: int = BATCH_SIZE, progress: bool = False):
         """``table``'s rows (the first is example ``base``) as :func:`tokenize_chat`'s table: ``input_ids``
         (list<int32>) and the loss mask (list<int8>) when one applies, ``batch_size`` conversations per
-        tokenizer call, in ``num_proc`` processes."""
+        tokenizer call, in the options' ``num_proc`` processes."""
         import pyarrow as pa
 
         check_int(batch_size, "batch_size")
-        num_proc = 1 if num_proc is None else check_int(num_proc, "num_proc")
+        num_proc = 1 if self.num_proc is None else check_int(self.num_proc, "num_proc")
         n = table.num_rows
         with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
             if num_proc > 1 and n > batch_size:
@@ -812,22 +835,20 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     check_int(batch_size, "batch_size")  # before the tokenizer is loaded
     if num_proc is not None:
         check_int(num_proc, "num_proc")
-    enc = chat_encoder(table.schema, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
-                       completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, format=format,
-                       stacklevel=3)
-    out = enc.encode_table(table, 0, batch_size=batch_size, progress=progress, num_proc=num_proc)
+    options = ChatOptions(chat_template, assistant_only_loss, completion_only_loss, trust_remote_code, format, num_proc)
+    enc = chat_encoder(table.schema, tokenizer, options, stacklevel=3)
+    out = enc.encode_table(table, 0, batch_size=batch_size, progress=progress)
     enc.warn_diverged(table.num_rows)
     return out
 
 
-def chat_encoder(schema, tokenizer, *, chat_template=None, assistant_only_loss: bool | None = None,
-                 completion_only_loss: bool | None = None, trust_remote_code: bool = False, format: str | None = None,
-                 stacklevel: int = 2) -> "_Encoder":
+def chat_encoder(schema, tokenizer, options: ChatOptions | None = None, *, stacklevel: int = 2) -> "_Encoder":
     """The encoder :func:`tokenize_chat` applies, made once for rows of ``schema`` (the tokenizer loaded, the
     template and the loss chosen, the columns left unread warned about), so that a file can be tokenized a
     chunk at a time: ``enc.encode_table(chunk, first_row)`` per chunk, ``enc.warn_diverged(rows)`` at the end.
-    The arguments are :func:`tokenize_chat`'s."""
-    fmt = chat_format(schema, format=format)
+    ``options``: :class:`ChatOptions` (:func:`tokenize_chat`'s keywords)."""
+    options = options or ChatOptions()
+    fmt = chat_format(schema, format=options.format)
     unread = ignored_columns(schema, fmt) if fmt is not None else []
     if unread:
         other = "messages" if "messages" in unread else "conversations" if "conversations" in unread else "prompt_completion"
@@ -843,8 +864,7 @@ def chat_encoder(schema, tokenizer, *, chat_template=None, assistant_only_loss: 
     if fmt is None:
         raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
                         f"are {schema.names}")
-    return _Encoder(fmt, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
-                    completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
+    return _Encoder(fmt, tokenizer, options)
 
 
 def _encode_range(enc: _Encoder, table, base: int, batch_size: int, bar=None):
@@ -965,7 +985,7 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
         return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
     import pyarrow as pa
 
-    enc = _Encoder(fmt, tokenizer, **options)
+    enc = _Encoder(fmt, tokenizer, ChatOptions(**options))
     schema = features.arrow_schema
 
     def encode(batch, indices):

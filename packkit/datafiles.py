@@ -26,11 +26,12 @@ import numpy as np
 
 from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
-from .chat import chat_encoder, chat_format, load_tokenizer
+from .chat import ChatOptions, chat_encoder, chat_format, load_tokenizer
 from .errors import ArgumentError, DataError, Message, MissingError, arg
 from .fileio import held_still
 from .interrupts import deferred
 from .listcolumns import loss_targets, packed_segments, token_lengths
+from .rules import segment_key
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -51,18 +52,35 @@ __all__ = [
     "Tokenizing",
     "tokenize",
     "FORMATS",
+    "INPUTS",
+    "Input",
+    "Rows",
+    "input_format",
 ]
 
-#: Suffixes (lower case) of the file formats read here; a folder is a ``save_to_disk`` dataset.
-FORMATS = {
-    ".npy": "numpy array of lengths",
-    ".jsonl": "JSON lines", ".ndjson": "JSON lines", ".json": "JSON (lines, or one list of objects)",
-    ".parquet": "Parquet", ".pq": "Parquet",
-    ".arrow": "Arrow IPC", ".feather": "Arrow IPC", ".ipc": "Arrow IPC",
-    ".txt": "text, one example per line", ".text": "text, one example per line",
+#: The input formats: suffix (lower case) -> (how it is read, :func:`input_format`; its name in messages). A folder
+#: is a ``save_to_disk`` dataset. This module is the only one that knows them (``tests/test_layering.py``).
+INPUTS = {
+    ".npy": ("npy", "numpy array of lengths"),
+    ".jsonl": ("json", "JSON lines"), ".ndjson": ("json", "JSON lines"),
+    ".json": ("json", "JSON (lines, or one list of objects)"),
+    ".parquet": ("parquet", "Parquet"), ".pq": ("parquet", "Parquet"),
+    ".arrow": ("arrow", "Arrow IPC"), ".feather": ("arrow", "Arrow IPC"), ".ipc": ("arrow", "Arrow IPC"),
+    ".txt": ("text", "text, one example per line"), ".text": ("text", "text, one example per line"),
 }
 
+#: Suffix -> the format's name in messages.
+FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
+
 SAMPLE_PATH = Path(__file__).with_name("data") / "sample_lengths.npy"
+
+
+def input_format(path) -> str:
+    """How ``path`` is read, by its suffix (the one place an input's format is chosen): ``"folder"`` (a
+    ``save_to_disk`` folder), ``"npy"``, ``"json"`` (lines, or one list), ``"parquet"``, ``"arrow"``, ``"text"``,
+    or ``""`` (unknown). ``input_format("d.JSONL") -> "json"``."""
+    path = Path(path)
+    return "folder" if path.is_dir() else INPUTS.get(path.suffix.lower(), ("",))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,15 +173,11 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
 # ----------------------------------------------------------------------------------------------
 
 
-def _suffix(path: Path) -> str:
-    return path.suffix.lower()
-
-
 def reader_pyarrow(path):
     """pyarrow, to read ``path``; without it, the one-line error naming the format and the extra:
     ``reading JSON lines ('data.jsonl') needs pyarrow: pip install 'packkit[datasets]'``."""
     path = Path(path)
-    what = "a datasets folder" if path.is_dir() else FORMATS.get(_suffix(path), "this format")
+    what = "a datasets folder" if path.is_dir() else FORMATS.get(path.suffix.lower(), "this format")
     return pyarrow(f"reading {what.split(' (')[0].split(',')[0]} ({path.name!r})")
 
 
@@ -182,7 +196,7 @@ def check_path(path) -> Path:
                 f"{str(path)!r} is a folder but not a dataset saved with save_to_disk "
                 "(no state.json or dataset_dict.json in it)"
             )
-    elif _suffix(path) not in FORMATS:
+    elif not input_format(path):
         raise ValueError(
             f"cannot read {str(path)!r}: unknown format {path.suffix or '(no suffix)'!r}; "
             f"use one of {', '.join(sorted(FORMATS))}, or a folder saved with save_to_disk"
@@ -316,7 +330,7 @@ def relocate_json_float(exc: BaseException, path) -> BaseException | None:
     m = _FLOAT_ERROR.match(str(exc))
     if m is None or "beyond int64" in str(exc) or "one makes pyarrow" in str(exc):  # not it, or moved already
         return None
-    if path is None or not os.path.isfile(path) or _suffix(Path(path)) not in (".jsonl", ".ndjson", ".json"):
+    if path is None or not os.path.isfile(path) or input_format(path) != "json":
         return None
     key = m.group(2)
     row = -1
@@ -618,12 +632,8 @@ def _read_json(path: Path):
         # a line longer than pyarrow's block (1 MiB: one long document, one 400k-token example): blocks
         # that hold the longest line
         return pj.read_json(str(path), read_options=pj.ReadOptions(block_size=json_block_size(path)))
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as first:
-        located = _locate_json_lines_error(path)
-        if located is not None:
-            raise located from None
-        detail = re.sub(r" in row \d+", "", str(first))  # pyarrow's row counts inside a block, from 0
-        raise DataError(f"cannot read {str(path)!r} as JSON lines: {detail}") from None
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise _json_lines_error(path, exc) from None
 
 
 def _unreadable(exc: BaseException) -> bool:
@@ -784,21 +794,21 @@ def load_table(path, *, split: str | None = None):
     if path.is_dir():
         # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
-    suffix = _suffix(path)
-    if suffix in (".jsonl", ".ndjson", ".json"):
+    kind = input_format(path)
+    if kind == "json":
         return _read_json(path)
-    if suffix in (".parquet", ".pq"):
+    if kind == "parquet":
         import pyarrow.parquet as pq
 
         try:
             return pq.read_table(str(path), memory_map=True, page_checksum_verification=True)
         except Exception as exc:
             raise _parquet_error(path, exc) from None
-    if suffix in (".arrow", ".feather", ".ipc"):
+    if kind == "arrow":
         return _read_arrow(path)
-    if suffix in (".txt", ".text"):
+    if kind == "text":
         return _read_text(path)
-    raise DataError(f"{str(path)!r}: a {FORMATS[suffix]} file has no table of examples")
+    raise DataError(f"{str(path)!r}: a {FORMATS[path.suffix.lower()]} file has no table of examples")
 
 
 class Tokenizing:
@@ -812,21 +822,20 @@ class Tokenizing:
     what was done, in words.
     """
 
-    def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: dict | None, where: str):
-        chat = dict(chat or {})
+    def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: ChatOptions | None, where: str):
+        chat = chat or ChatOptions()
         self.column, self.text_column, self.chat = column, text_column, None
-        fmt = chat_format(schema, format=chat.get("format"))
+        fmt = chat_format(schema, format=chat.format)
         if fmt is not None:
             if tokenizer in (None, "bytes"):
                 raise ArgumentError("{where} is conversational ({fmt}): pass {arg}, a tokenizer with a chat "
                                     "template (a local folder, or a model id)", where=where, fmt=fmt,
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
-            self.num_proc = chat.pop("num_proc", None)
-            self.chat = chat_encoder(schema, tokenizer, stacklevel=4, **chat)
+            self.chat = enc = chat_encoder(schema, tokenizer, chat, stacklevel=4)
             name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
             name = os.path.basename(str(name).rstrip("/")) or name
-            # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none)
-            enc = self.chat  # the template named as it was given: the file passed, else the tokenizer's own
+            # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none); the template
+            # named as it was given: the file passed, else the tokenizer's own
             words = (f"the chat template {os.path.basename(enc.template_file)!r} (tokenizer {name})"
                      if enc.template_file else f"the chat template of {name}")
             if enc.swapped:
@@ -846,14 +855,14 @@ class Tokenizing:
         typ = schema.field(text_column).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise TypeError(f"column {text_column!r} holds {typ}, not text")
-        self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code=bool(chat.get("trust_remote_code"))) or "bytes"
+        self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
         self.how = (f"column {text_column!r} tokenized with "
                     + ("bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))))
 
     def encode(self, table, first_row: int = 0, *, progress: bool = False):
         """``table`` (a chunk of the input whose first row is ``first_row``) with its tokens (class docstring)."""
         if self.chat is not None:
-            return self.chat.encode_table(table, first_row, progress=progress, num_proc=self.num_proc)
+            return self.chat.encode_table(table, first_row, progress=progress)
         texts = table.column(self.text_column)
         if texts.null_count:
             raise ValueError(f"example {first_row + texts.to_pylist().index(None)} has no text (null)")
@@ -866,25 +875,24 @@ class Tokenizing:
 
 
 def tokenizing(schema, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-               chat: dict | None = None, where: str = "the data") -> Tokenizing | None:
+               chat: ChatOptions | None = None, where: str = "the data") -> Tokenizing | None:
     """How rows of ``schema`` get their token column (:class:`Tokenizing`), or None when they hold ``column``;
     conversational data without a chat tokenizer, text without ``tokenizer``, or neither text nor tokens is
-    the one-line error naming what to pass. ``chat``: :func:`packkit.chat.tokenize_chat`'s options (and
-    ``num_proc``)."""
+    the one-line error naming what to pass. ``chat``: :class:`packkit.chat.ChatOptions`."""
     if column in schema.names:
         return None
     return Tokenizing(schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, where=where)
 
 
 def tokens_table(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-                 chat: dict | None = None, progress: bool = False, where: str = "the data"):
+                 chat: ChatOptions | None = None, progress: bool = False, where: str = "the data"):
     """``(table, how)``: ``table`` holding its token-id column, and how that column was made.
 
     A table with ``column`` comes back as is (``how`` None). Conversational data (TRL's ``messages``,
     ``conversations`` or ``prompt`` + ``completion`` columns) goes through ``tokenizer``'s chat template
-    (:func:`packkit.chat.tokenize_chat`, with ``chat`` as its keyword arguments): the table becomes
-    ``input_ids`` plus the loss mask TRL would train with. Text is tokenized into ``column``
-    (:class:`Tokenizing`, the whole table at once; :func:`tokenized_tables` a chunk at a time).
+    (:func:`packkit.chat.tokenize_chat`, with ``chat``'s options): the table becomes ``input_ids`` plus the
+    loss mask TRL would train with. Text is tokenized into ``column`` (:class:`Tokenizing`, the whole table at
+    once; :func:`tokenized_tables` a chunk at a time).
     """
     how = tokenizing(table.schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, where=where)
     if how is None:
@@ -927,18 +935,18 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
     :func:`text_tables`), parquet decoded a batch at a time, Arrow memory-mapped and sliced
     (:data:`TOKENIZE_ROWS` rows); a file that is one JSON list is read whole. Empty input yields nothing."""
     path = Path(path)
-    suffix = "" if path.is_dir() else _suffix(path)
-    if suffix in (".jsonl", ".ndjson", ".json"):
+    kind = input_format(path)
+    if kind == "json":
         any_table = False
         for table in json_tables(path, block_size=block_size):
             any_table = True
             yield table
         if any_table or not path.read_bytes()[:1 << 16].strip():
             return
-    elif suffix in (".txt", ".text"):
+    elif kind == "text":
         yield from text_tables(path, size=block_size)
         return
-    elif suffix in (".parquet", ".pq"):
+    elif kind == "parquet":
         pa = reader_pyarrow(path)
         for batch in parquet_batches(path, batch_rows=TOKENIZE_ROWS):
             yield pa.Table.from_batches([batch])
@@ -948,33 +956,42 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
         yield table.slice(lo, TOKENIZE_ROWS)
 
 
+def _replay(first, rest, again):
+    """``make()``: its first call yields ``first`` then ``rest`` (a read begun by the caller, continued), a later
+    call ``again()`` (the read from the start)."""
+    pending = [first, rest]
+
+    def make():
+        if not pending:
+            return again()
+        head, tail = pending
+        pending.clear()
+        return itertools.chain([head], tail)
+
+    return make
+
+
 def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-                     chat: dict | None = None, split: str | None = None, where: str | None = None,
+                     chat: ChatOptions | None = None, split: str | None = None, where: str | None = None,
                      block_size: int | None = None):
     """``(make, how)``: ``make()`` yields the tables of ``path`` (:func:`table_chunks`) with their tokens
     (:class:`Tokenizing`, decided from the first chunk and checked before any other is read), a chunk at a
     time; ``how`` says how the tokens were made. None when ``path``'s rows hold ``column`` already or hold no
     row. The first call of ``make`` continues the read begun here; a later call reads again."""
-    block_size = block_size or TOKENIZE_BLOCK_BYTES
-    chunks = table_chunks(path, split=split, block_size=block_size)
-    first = next(chunks, None)
+    chunks = lambda: table_chunks(path, split=split, block_size=block_size or TOKENIZE_BLOCK_BYTES)  # noqa: E731
+    rest = chunks()
+    first = next(rest, None)
     if first is None:
         return None
     how = tokenizing(first.schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat,
                      where=where or repr(str(path)))
     if how is None:
         return None
-    pending = [first, chunks]
+    tables = _replay(first, rest, chunks)
 
     def make():
-        if pending:
-            head, rest = pending
-            pending.clear()
-            tables = itertools.chain([head], rest)
-        else:
-            tables = table_chunks(path, split=split, block_size=block_size)
         row = 0
-        for table in tables:
+        for table in tables():
             if table.num_rows:
                 yield how.encode(table, row)
                 row += table.num_rows
@@ -987,44 +1004,20 @@ def _chunk_lengths(tables, column: str, *, first_ok=None):
     """``(lengths, targets or None)`` of tables of token ids read in order, a chunk at a time (memory: a chunk,
     one entry per example and one bool per token for the loss targets; the rules of the Arrow path, errors
     naming the row in the whole input): ``column``, or the ``input_ids`` a chat template wrote. None where
-    the whole read must do instead: ``first_ok(first table)`` is False, no table, a type that changes after
-    the first chunk (:class:`JsonLinesChanged`), or a loss column in some chunks only."""
+    the whole read must do instead: ``first_ok(first table)`` is False, no table, or a loss column in some
+    chunks only."""
     lengths, targets, row = [], [], 0
-    try:
-        for table in tables:
-            if row == 0 and first_ok is not None and not first_ok(table):
-                return None
-            key = column if column in table.column_names else "input_ids"
-            n = token_lengths(table.column(key), key=key, rows=row)
-            lengths.append(n)
-            targets.append(loss_targets(table, n, key=key, rows=row))
-            row += table.num_rows
-    except JsonLinesChanged:
-        return None
+    for table in tables:
+        if row == 0 and first_ok is not None and not first_ok(table):
+            return None
+        key = column if column in table.column_names else "input_ids"
+        n = token_lengths(table.column(key), key=key, rows=row)
+        lengths.append(n)
+        targets.append(loss_targets(table, n, key=key, rows=row))
+        row += table.num_rows
     if not lengths or any(t is None for t in targets) != all(t is None for t in targets):
         return None
     return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None)
-
-
-def _streamed_lengths(path: Path, *, column: str, text_column: str, tokenizer, chat, split):
-    """``(lengths, targets or None, how)`` of a file read a chunk at a time (:func:`_chunk_lengths`): JSON
-    lines of token ids (``how`` None; not packed rows, which are read whole as their documents), or text
-    and conversations tokenized (:func:`tokenized_tables`); None where neither applies (read whole)."""
-    if path.is_file() and _suffix(path) == ".npy":
-        return None
-    if path.is_file() and _suffix(path) in (".jsonl", ".ndjson", ".json"):
-        pa = reader_pyarrow(path)
-
-        def token_ids(t):  # a list column of token ids, not packed rows (those are read whole, as documents)
-            return (column in t.column_names and pa.types.is_list(t.schema.field(column).type)
-                    and not {"seq_lengths", "position_ids"} & set(t.column_names))
-
-        got = _chunk_lengths(json_tables(path), column, first_ok=token_ids)
-        if got is not None:
-            return (*got, None)
-    made = tokenized_tables(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
-    got = None if made is None else _chunk_lengths(made[0](), column)
-    return None if got is None else (*got, made[1])
 
 
 def warn_unused_tokenizer(tokenizer, where: str) -> None:
@@ -1033,6 +1026,199 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
     if tokenizer not in (None, "bytes"):
         warnings.warn(UserWarning(Message("{where} holds token ids already: {arg} is not used (nothing is "
                                           "tokenized)", where=where, arg=arg("tokenizer"))), stacklevel=3)
+
+
+@dataclasses.dataclass
+class Rows:
+    """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a ``datasets.Dataset``
+    holding the token ids, memory-mapped), ``parquet`` (the path of a Parquet file holding them), ``make`` (a
+    chunk at a time: JSON lines parsed, text tokenized; :func:`_replay`) or ``table`` (read whole, tokenized).
+    ``how``: how the tokens were made (None: the rows held them); ``nbytes``: the input's size on disk."""
+
+    path: Path
+    how: str | None = None
+    dataset: object = None
+    parquet: Path | None = None
+    make: object = None
+    table: object = None
+    nbytes: int = 0
+
+
+class Input:
+    """One input, read through the one door in: its format, how its tokens come and whether it is read a chunk
+    at a time or whole, decided here once.
+
+    ``Input(path, column=..., text_column=..., tokenizer=..., chat=ChatOptions(...), split=...)`` checks the path
+    (:func:`check_path`) and knows its format (:func:`input_format`). Its readers: :meth:`lengths` (what
+    ``packkit waste`` and ``plan`` measure, :func:`read_lengths`), :meth:`rows` (what ``packkit pack`` packs,
+    :meth:`packkit.sources.ArrowSource.of`), :meth:`tokenized` (what ``packkit tokenize`` writes). Each reads a
+    chunk at a time where it can; :meth:`read` falls back to the whole read where a JSON lines file changes a
+    column's type after its first chunk (pyarrow unifies types only over the whole file), for every reader.
+    """
+
+    def __init__(self, path, *, column: str = "input_ids", text_column: str = "text", tokenizer="bytes",
+                 chat: ChatOptions | None = None, split: str | None = None):
+        self.path = check_path(path)
+        self.format = input_format(self.path)
+        self.column, self.text_column, self.tokenizer, self.split = column, text_column, tokenizer, split
+        self.chat = chat or ChatOptions()
+        self.where = repr(str(self.path))
+
+    def read(self, use):
+        """``use(whole=False)``, and ``use(whole=True)`` where that read met :class:`JsonLinesChanged`: the one
+        place a chunked read falls back to the whole read."""
+        try:
+            return use(whole=False)
+        except JsonLinesChanged:
+            return use(whole=True)
+
+    def _tokens(self, **kw) -> dict:
+        return dict(column=self.column, text_column=self.text_column, tokenizer=self.tokenizer, chat=self.chat, **kw)
+
+    def chunks(self):
+        """``(make, how)``: ``make()`` yields the rows with their token column a bounded chunk at a time (JSON lines
+        of token ids parsed, text and conversations tokenized; ``how`` None when the rows held the tokens); None
+        where the rows are read as they are (a memory-mapped or Parquet file of token ids) or whole."""
+        if self.format == "json":
+            rest = json_tables(self.path)
+            first = next(rest, None)
+            if first is not None and self.column in first.column_names:  # token ids: parsed a chunk at a time
+                return _replay(first, rest, lambda: json_tables(self.path)), None
+        return tokenized_tables(self.path, split=self.split, where=self.where, **self._tokens())
+
+    def table(self, *, progress: bool = False):
+        """``(table, how)``: the rows read whole (a folder or an Arrow file memory-mapped), with their tokens
+        (:func:`tokens_table`)."""
+        return tokens_table(load_table(self.path, split=self.split), progress=progress, where=self.where,
+                            **self._tokens())
+
+    def tokenized(self, *, whole: bool = False, progress: bool = False):
+        """``(tables, how)``: the rows with their tokens, a chunk at a time (whole with ``whole``); ``how`` None when
+        the rows held token ids already or there is no row."""
+        if whole:
+            table, how = self.table(progress=progress)
+            return iter([table]), how
+        made = self.chunks()
+        return (iter(()), None) if made is None or made[1] is None else (made[0](), made[1])
+
+    def rows(self, *, whole: bool = False, progress: bool = False) -> Rows:
+        """How ``packkit pack`` reads the rows (:class:`Rows`): token ids where they are (a folder, Parquet), or a
+        chunk at a time (:meth:`chunks`), or whole (``whole``, one JSON list, an Arrow file); an input without a
+        row is refused."""
+        empty = DataError(f"{self.where} holds no examples")
+        got = None
+        if self.format == "folder":
+            ds = load_dataset(self.path, split=self.split)
+            if len(ds) == 0:
+                raise empty
+            if self.column in ds.column_names:
+                got = Rows(self.path, dataset=ds)
+        elif self.format == "parquet" and self.column in parquet_schema(self.path).names:
+            got = Rows(self.path, parquet=self.path)
+        if got is None and not whole and (made := self.chunks()) is not None:
+            size = (sum(f.stat().st_size for f in self.path.rglob("*.arrow")) if self.path.is_dir()
+                    else self.path.stat().st_size)
+            got = Rows(self.path, made[1], make=made[0], nbytes=size)
+        if got is None:
+            table, how = self.table(progress=progress)
+            if table.num_rows == 0:
+                raise empty
+            got = Rows(self.path, how, table=table)
+        if got.how is None:
+            warn_unused_tokenizer(self.tokenizer, self.where)
+        return got
+
+    def lengths(self, *, progress: bool = False) -> Lengths:
+        """The examples' lengths and loss targets (:func:`read_lengths`), a chunk at a time where the input allows."""
+        targets = how = source = None
+        if self.format == "npy":
+            lengths, source = as_lengths(read_npy(self.path), name=self.where), f"{self.path.name} (lengths)"
+        elif self.format == "text" and self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text":
+            lengths, how = _text_byte_lengths(self.path), "column 'text' tokenized with bytes"  # no pyarrow needed
+        elif (streamed := self.read(self._streamed_lengths)) is not None:  # a chunk at a time
+            lengths, targets, how = streamed
+            lengths = as_lengths(lengths, name=f"lengths in {self.path.name}")
+        else:
+            lengths, targets, how, source = self._whole_lengths(progress)
+        source = source or f"{self.path.name}, " + (how or f"column {self.column!r}")
+        loss = None
+        if targets is not None:  # loss tokens of each example, from the targets laid end to end
+            csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
+            loss = csum[offsets[1:]] - csum[offsets[:-1]]
+        if lengths.size == 0:
+            raise ValueError(f"{self.where} holds no examples")
+        if how is None:
+            warn_unused_tokenizer(self.tokenizer, self.where)
+        unit = "bytes" if how is not None and self.tokenizer in (None, "bytes") else "tokens"  # the byte tokenizer
+        return Lengths(lengths, source, unit, loss, targets)
+
+    def _streamed_lengths(self, whole: bool):
+        """``(lengths, targets or None, how)`` read a chunk at a time (:func:`_chunk_lengths`): JSON lines of token ids
+        (not packed rows, read whole as their documents), text and conversations tokenized; None to read whole."""
+        made = None if whole or self.format == "npy" else self.chunks()
+        if made is None:
+            return None
+        pa = pyarrow()
+        token_ids = (lambda t: pa.types.is_list(t.schema.field(self.column).type)  # noqa: E731
+                     and segment_key(t.column_names) is None)
+        got = _chunk_lengths(made[0](), self.column, first_ok=token_ids if made[1] is None else None)
+        return None if got is None else (*got, made[1])
+
+    def _whole_lengths(self, progress: bool):
+        """``(lengths, targets, how, source)`` of the rows read whole: an integer column of lengths, or token ids
+        (packed rows, packkit's own output, read as their documents: a document is an example)."""
+        pa = reader_pyarrow(self.path)
+        table = load_table(self.path, split=self.split)
+        col, name = self.column, self.path.name
+        if col in table.column_names and pa.types.is_integer(table.column(col).type):
+            if table.column(col).null_count:
+                raise ValueError(f"column {col!r} has null lengths")
+            lengths = as_lengths(table.column(col).to_numpy(), name=f"column {col!r}")
+            return lengths, None, None, f"{name}, column {col!r} (lengths)"
+        table, how = tokens_table(table, progress=progress, where=self.where, **self._tokens())
+        key = col if col in table.column_names else "input_ids"
+        # every rule the collators and `packkit pack` hold token ids to (packkit.rules): waste and plan measure
+        # exactly what pack accepts
+        lengths = as_lengths(token_lengths(table.column(key), key=key), name=f"lengths in {name}")
+        source = f"{name}, " + (how or f"column {col!r}")
+        docs = packed_segments(table, lengths, key=key) if lengths.size else None
+        docs = None if docs is None else docs[0]
+        if docs is not None:
+            source += f"; {lengths.size:,} packed rows read as their {docs.size:,} documents"
+        targets = loss_targets(table, lengths, key=key, segments=docs) if lengths.size else None
+        return (lengths if docs is None else docs), targets, how, source
+
+
+def bundled_sample() -> Lengths:
+    """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
+    lengths = np.load(SAMPLE_PATH).astype(np.int64)
+    return Lengths(lengths, "bundled sample: CPython's own docs as instruction examples", "bytes")
+
+
+def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",
+                 tokenizer="bytes", split: str | None = None, progress: bool = False,
+                 chat: ChatOptions | None = None) -> Lengths:
+    """Example lengths from a file (module docstring), or the bundled sample when ``path`` is None.
+
+    ``column`` may also name an integer column of lengths. Text is tokenized with ``tokenizer``
+    (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
+    data goes through its chat template (:func:`tokens_table`; ``chat``: :class:`packkit.chat.ChatOptions`).
+    The loss lengths come from ``labels`` or a loss mask when the data has one
+    (:func:`packkit.listcolumns.loss_targets`). Packed rows (a ``seq_lengths`` or restarting ``position_ids``
+    column, as ``packkit pack`` writes) are read as their documents (:func:`packkit.listcolumns.packed_segments`):
+    a document is an example, never a row. :meth:`Input.lengths` reads them.
+    """
+    if path is None:
+        return bundled_sample()
+    inp = Input(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
+    with held_still([inp.path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
+        try:
+            return inp.lengths(progress=progress)
+        except TypeError as exc:
+            moved = relocate_json_float(exc, inp.path)
+            if moved is None:
+                raise
+            raise moved from None
 
 
 def read_npy(path) -> np.ndarray:
@@ -1070,93 +1256,6 @@ def read_npy(path) -> np.ndarray:
         return np.load(path, allow_pickle=False)
     except ValueError as exc:
         raise DataError(f"cannot read {name!r} as a numpy array of lengths: {str(exc).split('. ')[0]}") from None
-
-
-def bundled_sample() -> Lengths:
-    """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
-    lengths = np.load(SAMPLE_PATH).astype(np.int64)
-    return Lengths(lengths, "bundled sample: CPython's own docs as instruction examples", "bytes")
-
-
-def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",
-                 tokenizer="bytes", split: str | None = None, progress: bool = False,
-                 chat: dict | None = None) -> Lengths:
-    """Example lengths from a file (module docstring), or the bundled sample when ``path`` is None.
-
-    ``column`` may also name an integer column of lengths. Text is tokenized with ``tokenizer``
-    (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
-    data goes through its chat template (:func:`tokens_table`; ``chat``: the options of
-    :func:`packkit.chat.tokenize_chat`). The loss lengths come from ``labels`` or a loss mask when the
-    data has one (:func:`packkit.listcolumns.loss_targets`). Packed rows (a ``seq_lengths`` or restarting
-    ``position_ids`` column, as ``packkit pack`` writes) are read as their documents
-    (:func:`packkit.listcolumns.packed_segments`): a document is an example, never a row.
-    """
-    if path is None:
-        return bundled_sample()
-    path = check_path(path)
-    with held_still([path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
-        try:
-            return _read_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer, split=split,
-                                 progress=progress, chat=chat)
-        except TypeError as exc:
-            moved = relocate_json_float(exc, path)
-            if moved is None:
-                raise
-            raise moved from None
-
-
-def _read_lengths(path: Path, *, column: str, text_column: str, tokenizer, split, progress: bool, chat) -> Lengths:
-    loss = targets = how = None
-    if path.is_file() and _suffix(path) == ".npy":
-        lengths = as_lengths(read_npy(path), name=repr(str(path)))
-        source = f"{path.name} (lengths)"
-        unit = "tokens"
-    elif path.is_file() and _suffix(path) in (".txt", ".text") and tokenizer == "bytes" and text_column == "text" \
-            and column != "text":  # text lines in bytes: the same lengths as the Arrow path, without pyarrow
-        lengths = _text_byte_lengths(path)
-        source, unit = f"{path.name}, column 'text' tokenized with bytes", "bytes"
-    elif (streamed := _streamed_lengths(path, column=column, text_column=text_column, tokenizer=tokenizer,
-                                        chat=chat, split=split)) is not None:  # a chunk at a time
-        lengths, targets, how = streamed
-        lengths = as_lengths(lengths, name=f"lengths in {path.name}")
-        source = f"{path.name}, " + (how or f"column {column!r}")
-        unit = "bytes" if how is not None and tokenizer in (None, "bytes") else "tokens"
-    else:
-        pa = reader_pyarrow(path)
-        table = load_table(path, split=split)
-        unit = "tokens"
-        if column in table.column_names and pa.types.is_integer(table.column(column).type):
-            col = table.column(column)
-            if col.null_count:
-                raise ValueError(f"column {column!r} has null lengths")
-            lengths = as_lengths(col.to_numpy(), name=f"column {column!r}")
-            source = f"{path.name}, column {column!r} (lengths)"
-        else:
-            table, how = tokens_table(table, column=column, text_column=text_column, tokenizer=tokenizer,
-                                      chat=chat, progress=progress, where=repr(str(path)))
-            token_col = column if column in table.column_names else "input_ids"
-            # every rule the collators and `packkit pack` hold token ids to (packkit.rules), so
-            # that waste and plan measure exactly what pack accepts
-            lengths = as_lengths(token_lengths(table.column(token_col), key=token_col),
-                                 name=f"lengths in {path.name}")
-            source = f"{path.name}, " + (how or f"column {column!r}")
-            if how is not None and tokenizer in (None, "bytes"):  # text measured by the byte-level tokenizer
-                unit = "bytes"
-            segments = packed_segments(table, lengths, key=token_col) if lengths.size else None
-            seg_lengths = None
-            if segments is not None:  # packed rows (packkit's own output): their documents are the examples
-                seg_lengths = segments[0]
-                source += f"; {lengths.size:,} packed rows read as their {seg_lengths.size:,} documents"
-            targets = loss_targets(table, lengths, key=token_col, segments=seg_lengths) if lengths.size else None
-            lengths = lengths if seg_lengths is None else seg_lengths
-    if targets is not None:  # loss tokens of each example, from the targets laid end to end
-        csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
-        loss = csum[offsets[1:]] - csum[offsets[:-1]]
-    if lengths.size == 0:
-        raise ValueError(f"{str(path)!r} holds no examples")
-    if how is None:
-        warn_unused_tokenizer(tokenizer, repr(str(path)))
-    return Lengths(lengths, source, unit, loss, targets)
 
 
 #: TRL's tokenized preference columns, then integer columns of lengths, read by :func:`read_preference_lengths`.

@@ -581,7 +581,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             if cache_file_name is None:
                 folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
                           else Path(datasets.config.HF_DATASETS_CACHE))
-                cache_file_name = folder / f"cache-packkit-{generate_random_fingerprint()}.arrow"
+                cache_file_name = folder / f"cache-packkit-{generate_random_fingerprint()}{outputs.FORMATS['arrow'].suffixes[0]}"
             outputs.write_packed(cache_file_name, packed, format="arrow", max_tokens=max_tokens, bar=bar)
             out = datasets.Dataset(MemoryMappedTable.from_file(str(cache_file_name)), fingerprint=fingerprint)
         else:

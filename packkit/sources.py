@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrow import pyarrow
-from .datafiles import json_tables, parquet_batches, parquet_schema
+from .datafiles import parquet_batches, parquet_schema
 from .errors import DataError
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
@@ -135,16 +135,18 @@ class ArrowSource:
         return cls(first.schema, batches, stage_dir, describe, nbytes=nbytes)
 
     @classmethod
-    def from_json_lines(cls, path, *, stage_dir=None, block_size: int | None = None) -> "ArrowSource | None":
-        """A JSON lines file parsed a chunk of whole lines at a time (:func:`packkit.datafiles.json_tables`:
-        about ``block_size`` bytes, 1 MiB by default, a longer line whole), staged (:meth:`from_tables`;
-        beside the file unless ``stage_dir``). None for a file that is one JSON list, or holds no line (read
-        whole). The scan raises :class:`~packkit.datafiles.JsonLinesChanged` where a type changes after the
-        first chunk."""
-        path = Path(path)
-        return cls.from_tables(lambda: json_tables(path, block_size=block_size),
-                               stage_dir=stage_dir if stage_dir is not None else path.parent,
-                               describe=repr(str(path)), nbytes=path.stat().st_size)
+    def of(cls, rows, *, stage_dir=None) -> "ArrowSource":
+        """The source of an input's rows as the door in read them (:meth:`packkit.datafiles.Input.rows`): a
+        dataset's or an in-memory table's views, a Parquet file decoded, or chunks made a chunk at a time (staged
+        beside ``stage_dir``, else beside the input)."""
+        near = stage_dir if stage_dir is not None else rows.path.parent
+        if rows.dataset is not None:
+            return cls.from_dataset(rows.dataset, stage_dir=stage_dir)
+        if rows.parquet is not None:
+            return cls.from_parquet(rows.parquet, stage_dir=near)
+        if rows.make is not None:
+            return cls.from_tables(rows.make, stage_dir=near, describe=repr(str(rows.path)), nbytes=rows.nbytes)
+        return cls.from_table(rows.table, stage_dir=stage_dir, describe=repr(str(rows.path)))
 
     @classmethod
     def from_dataset(cls, ds, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":

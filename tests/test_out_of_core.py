@@ -494,8 +494,8 @@ job = json.loads(sys.argv[1])
 pa.set_cpu_count(2)  # thread stacks count against RLIMIT_DATA: as many threads as the warm-up starts
 pa.set_io_thread_count(2)
 if job["whole"]:  # the path before streaming: the file read whole (parsed, tokenized), then packed
-    from packkit.sources import ArrowSource
-    ArrowSource.from_tables = classmethod(lambda cls, *a, **k: None)
+    from packkit.datafiles import Input
+    Input.chunks = lambda self: None
 exec(job["setup"])
 def status():
     return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in open("/proc/self/status")) if "kB" in v}
@@ -569,11 +569,10 @@ def test_waste_and_plan_read_json_lines_a_block_at_a_time(tmp_path, monkeypatch)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({k: cols[k][i] for k in cols}) + "\n" for i in range(1500)))
     monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 32 << 10)
-    streamed = datafiles._streamed_lengths(src, column="input_ids", text_column="text", tokenizer="bytes", chat=None,
-                                           split=None)
+    streamed = datafiles.Input(src)._streamed_lengths(whole=False)
     assert streamed is not None
     got = datafiles.read_lengths(src)
-    monkeypatch.setattr(datafiles, "_streamed_lengths", lambda *a, **k: None)
+    monkeypatch.setattr(datafiles.Input, "_streamed_lengths", lambda self, whole: None)
     whole = datafiles.read_lengths(src)
     assert np.array_equal(got.lengths, whole.lengths) and np.array_equal(got.loss_lengths, whole.loss_lengths)
     assert np.array_equal(got.targets, whole.targets) and got.lengths.tolist() == [len(x) for x in cols["input_ids"]]

@@ -1,8 +1,8 @@
 """Text and conversations tokenized a bounded chunk at a time (`packkit pack --tokenizer`, `packkit tokenize`).
 
 Each case runs the command twice on the same file: streamed (chunks of a few KiB instead of 2 MiB, so a small
-file crosses many chunk boundaries) and read whole (the path before streaming: ``ArrowSource.from_tables``
-turned off, or the whole-file branch of ``tokenize``). The outputs must be equal row for row, nothing may be
+file crosses many chunk boundaries) and read whole (the path before streaming: the door's ``Input.chunks``
+turned off, or its whole-read fallback). The outputs must be equal row for row, nothing may be
 left beside OUT (the staging file goes), and errors must name the row of the whole input, not of its chunk.
 """
 
@@ -76,9 +76,9 @@ def _rows(path):
 
 def _whole(monkeypatch):
     """The path before streaming: every input read whole, then tokenized."""
-    from packkit.sources import ArrowSource
+    from packkit.datafiles import Input
 
-    monkeypatch.setattr(ArrowSource, "from_tables", classmethod(lambda cls, *a, **k: None))
+    monkeypatch.setattr(Input, "chunks", lambda self: None)
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl-text", "parquet-text", "jsonl-messages", "arrow-messages"])
@@ -146,14 +146,13 @@ def test_tokenize_streams_and_round_trips(out_name, tok_dir, tmp_path, small_chu
     assert main(["tokenize", str(src), str(out), "--tokenizer", str(tok_dir), "--json"]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["examples"] == 500 and line["columns"] == ["input_ids", "assistant_masks"]
-    import packkit.cli.tokenize as cli_tokenize
-    from packkit.datafiles import JsonLinesChanged
+    from packkit.datafiles import Input, JsonLinesChanged
 
-    def whole(*a, **k):
+    def whole(self):
         raise JsonLinesChanged("read whole")
 
     with monkeypatch.context() as m:
-        m.setattr(cli_tokenize, "tokenized_tables", whole)
+        m.setattr(Input, "chunks", whole)
         assert main(["tokenize", str(src), str(ref), "--tokenizer", str(tok_dir), "-q"]) == 0
     assert _rows(out) == _rows(ref)
     assert [r["input_ids"] for r in _rows(out)] == [reference_tokens(r["messages"])[0] for r in rows]
@@ -214,7 +213,7 @@ def test_waste_and_plan_tokenize_a_chunk_at_a_time(kind, tok_dir, tmp_path, smal
                         or encode(self, table, *a, **k))
     got = datafiles.read_lengths(src, tokenizer=tok)
     assert len(chunks) > 5
-    monkeypatch.setattr(datafiles, "_streamed_lengths", lambda *a, **k: None)
+    monkeypatch.setattr(datafiles.Input, "_streamed_lengths", lambda self, whole: None)
     whole = datafiles.read_lengths(src, tokenizer=tok)
     assert np.array_equal(got.lengths, whole.lengths) and got.unit == whole.unit and got.source == whole.source
     for field in ("loss_lengths", "targets"):

@@ -151,8 +151,9 @@ def line_of_row(path, row: int) -> int | None:
 
 
 def _with_line(exc: BaseException, path) -> BaseException | None:
-    if path is None or not os.path.isfile(path) or os.path.splitext(str(path))[1].lower() not in (
-            ".jsonl", ".ndjson", ".json"):
+    from ..datafiles import input_format  # lazy: the error path only
+
+    if path is None or not os.path.isfile(path) or input_format(path) != "json":
         return None
     fields = exc.fields if isinstance(exc, PackkitError) else {}
     text = exc.template if isinstance(exc, PackkitError) else str(exc.args[0] if exc.args else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..chat import CHAT_FORMATS
+from ..chat import CHAT_FORMATS, ChatOptions
 
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | None) -> None:
@@ -31,8 +31,8 @@ def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | N
                    help="let a tokenizer run its own Python code (off by default)")
 
 
-def chat_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of :func:`packkit.chat.tokenize_chat` that the options above give."""
-    return dict(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
-                completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
-                format=args.format)
+def chat_options(args: argparse.Namespace, *, num_proc: int | None = None) -> ChatOptions:
+    """The :class:`packkit.chat.ChatOptions` that the options above give (``num_proc``: processes that render)."""
+    return ChatOptions(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
+                       completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
+                       format=args.format, num_proc=num_proc)

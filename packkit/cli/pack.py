@@ -11,10 +11,9 @@ folder, an ``.arrow`` file; parquet is staged through a memory-mapped Arrow file
 the packed rows are gathered and written a record batch at a time (:mod:`packkit.outputs`), so memory
 holds the plan and ``--buffer-mb`` of rows (by default a sixteenth of the packed tokens, 8 to 256 MiB),
 never the tokens. JSON lines holding token ids are parsed a chunk of lines at a time and staged the same
-way (:meth:`packkit.sources.ArrowSource.from_json_lines`), and so are text (``.txt`` lines, a text column)
-and conversations, tokenized a chunk at a time (:func:`packkit.datafiles.tokenized_tables`). A JSON lines
-file whose types change after its first chunk (integers, then floats), or a ``.json`` that is one list,
-is read whole.
+way, and so are text (``.txt`` lines, a text column) and conversations, tokenized a chunk at a time: how is
+the door in's decision (:meth:`packkit.datafiles.Input.rows`). A JSON lines file whose types change after its
+first chunk (integers, then floats), or a ``.json`` that is one list, is read whole.
 
 OUT is written beside its final name and renamed into place when complete
 (:func:`packkit.fileio.atomic_output`): killed at any moment, OUT holds its previous content or does
@@ -34,8 +33,7 @@ from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_H
                require, rows_as_lines)
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
-from ..datafiles import (JsonLinesChanged, check_path, load_dataset, load_table, parquet_schema, reader_pyarrow,
-                         tokenized_tables, tokens_table, warn_unused_tokenizer)
+from ..datafiles import Input, reader_pyarrow
 from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
@@ -97,47 +95,6 @@ def parser() -> Parser:
     return p
 
 
-def _source(src: Path, out: Path, args, columns, quiet: bool, *, stream: bool = True):
-    """IN as a :class:`packkit.sources.ArrowSource`, and how its tokens were made (None: IN holds them).
-
-    Token ids stay where they are (memory-mapped Arrow) or are staged as they are read (parquet, JSON
-    lines a chunk at a time); text and conversations are tokenized a chunk at a time and staged
-    (:func:`packkit.datafiles.tokenized_tables`). With ``stream`` False (a JSON lines file whose types
-    change after its first chunk), or for a file that is one JSON list, IN is read whole, then tokenized."""
-    stage_dir = out.parent if out.parent.is_dir() else None
-    token_col = columns[0] if columns else "input_ids"
-    suffix = "" if src.is_dir() else src.suffix.lower()
-    whole = not stream
-    if src.is_dir():
-        ds = load_dataset(src, split=args.split)
-        if len(ds) == 0:
-            raise DataError(f"{str(src)!r} holds no examples")
-        if token_col in ds.column_names:
-            return ArrowSource.from_dataset(ds, stage_dir=stage_dir), None
-    elif suffix in (".parquet", ".pq") and token_col in parquet_schema(src).names:
-        return ArrowSource.from_parquet(src, stage_dir=stage_dir), None
-    elif stream and suffix in (".jsonl", ".ndjson", ".json"):
-        streamed = ArrowSource.from_json_lines(src, stage_dir=stage_dir)
-        if streamed is not None and token_col in streamed.names:
-            return streamed, None  # token ids in JSON lines: streamed and staged, never parsed whole
-        whole = streamed is None  # one JSON list (or no line): read whole
-    if not whole:  # text or conversations: tokenized a chunk at a time (None: IN holds token ids, or no row)
-        made = tokenized_tables(src, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
-                                chat=chat_options(args), split=args.split, where=repr(str(src)))
-        if made is not None:
-            size = sum(f.stat().st_size for f in src.rglob("*.arrow")) if src.is_dir() else src.stat().st_size
-            streamed = ArrowSource.from_tables(made[0], stage_dir=stage_dir if stage_dir is not None else src.parent,
-                                               describe=repr(str(src)), nbytes=size)
-            if streamed is not None:
-                return streamed, made[1]
-    table = ds.with_format("arrow")[:] if src.is_dir() else load_table(src)  # memory-mapped Arrow; else in memory
-    table, how = tokens_table(table, column=token_col, text_column=args.text_column, tokenizer=args.tokenizer,
-                              chat=chat_options(args), progress=not quiet, where=repr(str(src)))
-    if table.num_rows == 0:
-        raise DataError(f"{str(src)!r} holds no examples")
-    return ArrowSource.from_table(table, stage_dir=stage_dir, describe=repr(str(src))), how
-
-
 def _checked(batches, hold):
     """``batches``, IN checked unchanged before each and after the last, before OUT is renamed into place
     (:meth:`packkit.fileio.held_still`'s hold: where no lease holds IN, its size and time are compared)."""
@@ -161,59 +118,66 @@ def run(args, options=None) -> int:
 
 
 def _run(args, options) -> int:
-    # -- checks that cost nothing, before anything is read: a refusal loses no work --
-    check_window(args.window)
-    check_seed(args.seed)
-    if args.num_proc is not None:
-        check_int(args.num_proc, "num_proc")
-    if args.buffer_mb is not None:
-        check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
-    buffer_bytes = None if args.buffer_mb is None else args.buffer_mb * 2**20  # None: sized to the data
-    src, out = Path(args.input), Path(args.output)
-    fmt = output_format(out, args.output_format)
-    src = check_path(src)
-    if src.is_file() and src.suffix.lower() == ".npy":
-        raise DataError(f"{str(src)!r} holds lengths only; packing needs token ids (jsonl, parquet, arrow)")
-    check_output(out, kind=fmt.kind, inputs=[src], overwrite=args.overwrite)
-    reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
-    require("datasets")
-    columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
+    inp, out, fmt, buffer_bytes, columns = _checks(args)
     quiet = args.quiet or args.json
-    if quiet and src.is_dir():  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
+    if quiet and inp.format == "folder":  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
         import datasets
 
         datasets.disable_progress_bars()
+    src = inp.path
     # IN may not change while it is read (a truncated memory map is a SIGBUS): packkit.fileio.held_still
     with held_still([src]) as hold, rows_as_lines(src):
-        source, how = _source(src, out, args, columns, quiet)
-        if how is None:
-            warn_unused_tokenizer(args.tokenizer, repr(str(src)))
-        planned = lambda source: plan_source(  # noqa: E731
-            source, window=args.window, strategy=args.strategy, overflow=args.overflow, columns=columns,
-            seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc, example_ids=args.example_ids,
-            progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
-        try:
-            packed = planned(source)
-        except JsonLinesChanged:  # a type that changes after the first chunk: read whole (pyarrow unifies it)
-            source, how = _source(src, out, args, columns, quiet, stream=False)
-            packed = planned(source)
+        def plan(whole: bool):
+            rows = inp.rows(whole=whole, progress=not quiet)
+            source = ArrowSource.of(rows, stage_dir=out.parent if out.parent.is_dir() else None)
+            return source, rows.how, plan_source(
+                source, window=args.window, strategy=args.strategy, overflow=args.overflow, columns=columns,
+                seed=args.seed, shuffle=not args.no_shuffle, num_proc=args.num_proc, example_ids=args.example_ids,
+                progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
+
+        source, how, packed = inp.read(plan)  # a type that changes after the first chunk: read whole, there
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
         max_tokens = packed.chunk_tokens(buffer_bytes, encoding=fmt.encoding, in_flight=2)
         if args.drop_loss_free:
             packed.drop_loss_free(max_tokens)
-        plan = packed.plan
-        if plan.num_windows == 0:
+        if packed.plan.num_windows == 0:
             raise DataError("no piece of {src!r} holds a loss token, and {drop} left every one out", src=str(src),
                             drop=arg("drop_loss_free", True))
-        total = plan.total_tokens * len(packed.spec.written())
+        total = packed.plan.total_tokens * len(packed.spec.written())
         with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
                           desc="packkit pack") as bar:
             write_packed(out, packed, format=fmt, max_tokens=max_tokens, bar=bar, inputs=[src], overwrite=args.overwrite,
                          through=lambda batches: _checked(batches, hold))
-    names = packed.schema.names
+    return _report(args, options, src, out, fmt, packed, how)
 
+
+def _checks(args):
+    """The checks that cost nothing, before anything is read (a refusal loses no work): ``(input, OUT, its
+    format, buffer bytes or None, columns or None)``."""
+    check_window(args.window)
+    check_seed(args.seed)
+    if args.num_proc is not None:
+        check_int(args.num_proc, "num_proc")
+    if args.buffer_mb is not None:
+        check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
+    out = Path(args.output)
+    fmt = output_format(out, args.output_format)
+    inp = Input(args.input, column=columns[0] if columns else "input_ids", text_column=args.text_column,
+                tokenizer=args.tokenizer, chat=chat_options(args), split=args.split)
+    if inp.format == "npy":
+        raise DataError(f"{inp.where} holds lengths only; packing needs token ids (jsonl, parquet, arrow)")
+    check_output(out, kind=fmt.kind, inputs=[inp.path], overwrite=args.overwrite)
+    reader_pyarrow(inp.path)  # without pyarrow: one line naming IN's format and the extra
+    require("datasets")
+    return inp, out, fmt, None if args.buffer_mb is None else args.buffer_mb * 2**20, columns  # None: sized to the data
+
+
+def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
+    """What was packed and written: one JSON line (``--json``), else the summary's lines."""
+    plan, names = packed.plan, packed.schema.names
     s = plan.summary()
     input_tokens = s["tokens"] + s["cut_tokens"] + packed.dropped_tokens
     loss = {"loss_tokens": packed.loss_tokens, "loss_tokens_assumed": "labels" not in packed.schema.names,

@@ -3,7 +3,7 @@
 Conversational data (TRL's ``messages``, ``conversations``, ``prompt`` + ``completion``) goes through
 ``--tokenizer``'s chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized
 (:class:`packkit.datafiles.Tokenizing`). IN is read, tokenized and written a bounded chunk at a time
-(:func:`packkit.datafiles.tokenized_tables`: JSON lines and ``.txt`` about 4 MiB of text, parquet and
+(:meth:`packkit.datafiles.Input.tokenized`: JSON lines and ``.txt`` about 4 MiB of text, parquet and
 Arrow 4,096 rows), so memory never holds IN or its tokens whole. OUT holds ``input_ids`` and the loss
 mask (``assistant_masks`` or ``completion_mask``) when one applies, in any format ``packkit pack``
 writes; ``packkit waste``, ``plan`` and ``pack`` then read OUT without tokenizing again, and measure
@@ -20,8 +20,7 @@ from pathlib import Path
 
 from . import Parser, rows_as_lines
 from ..chat import chat_format
-from ..datafiles import (JsonLinesChanged, check_path, load_table, preference_columns, reader_pyarrow, table_chunks,
-                         tokenize_pairs, tokenized_tables, tokens_table)
+from ..datafiles import Input, load_table, preference_columns, reader_pyarrow, table_chunks, tokenize_pairs
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
@@ -56,41 +55,37 @@ def parser() -> Parser:
 def run(args, options=None) -> int:
     """``packkit tokenize IN OUT --tokenizer T``: IN held still while it is read (:func:`packkit.fileio.held_still`:
     a memory-mapped IN truncated under the read was a SIGBUS)."""
-    with held_still([check_path(args.input)]):
-        return _run(args)
+    inp = Input(args.input, tokenizer=args.tokenizer, text_column=args.text_column, split=args.split,
+                chat=chat_options(args, num_proc=args.num_proc))
+    with held_still([inp.path]):
+        return _run(args, inp)
 
 
-def _run(args) -> int:
-    src, out = check_path(args.input), Path(args.output)
+def _run(args, inp: Input) -> int:
+    src, out = inp.path, Path(args.output)
     fmt = output_format(out)
     if fmt.packed:
         raise ArgumentError(f"{str(out)!r} would be {fmt.title}, which holds packed rows; tokenize writes examples: "
                             f"name OUT {', '.join(example_suffixes())} or a folder (then packkit pack it)")
     check_output(out, kind=fmt.kind, inputs=[src], overwrite=args.overwrite)
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
-    chat = {**chat_options(args), "num_proc": args.num_proc}
     first = next(table_chunks(src, split=args.split), None)
     if first is not None and preference_columns(first.column_names) == ("prompt", "chosen", "rejected"):
         return _pairs(args, src, out, fmt)
     with rows_as_lines(src):
         if first is not None and args.text_column not in first.column_names and "input_ids" not in first.column_names:
-            if chat_format(first.schema, format=chat["format"]) is None:  # tokenize has no --column to name
+            if chat_format(first.schema, format=inp.chat.format) is None:  # tokenize has no --column to name
                 raise MissingError("{src!r} holds no text column {text!r}, conversation or preference pair; the "
                                    "columns are {names}: pass {fix}", src=str(src), text=args.text_column,
                                    names=first.column_names, fix=arg("text_column", metavar="NAME"))
-        try:  # a bounded chunk at a time: read, tokenized, written
-            made = tokenized_tables(src, tokenizer=args.tokenizer, text_column=args.text_column, chat=chat,
-                                    split=args.split, where=repr(str(src)))
-            if made is None:  # token ids already, or no row
+
+        def write(whole: bool):  # a bounded chunk at a time: read, tokenized, written (whole where it must)
+            tables, how = inp.tokenized(whole=whole, progress=not (args.quiet or args.json))
+            if how is None:  # token ids already, or no row
                 _refuse(src, next(table_chunks(src, split=args.split), None))
-            how = made[1]
-            rows, tokens, keep = _write(made[0](), out, fmt, src, args.overwrite)
-        except JsonLinesChanged:  # a type that changes after the first chunk: read whole (pyarrow unifies it)
-            table = load_table(src, split=args.split)
-            _refuse(src, table)
-            table, how = tokens_table(table, tokenizer=args.tokenizer, text_column=args.text_column, chat=chat,
-                                      progress=not (args.quiet or args.json), where=repr(str(src)))
-            rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite)
+            return (*_write(tables, out, fmt, src, args.overwrite), how)
+
+        rows, tokens, keep, how = inp.read(write)
     return _report(args, src, out, fmt, rows, tokens, keep, how, what="examples",
                    readers="packkit waste, plan and pack read it without tokenizing again")
 
