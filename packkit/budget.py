@@ -2,16 +2,18 @@
 
 The number that governs gradient noise is tokens per optimiser step, not examples::
 
-    effective batch = per-device batch x accumulation steps x devices
+    effective batch = per-device batch x accumulation steps x world size (data-parallel devices)
                       (windows of W tokens when packed, examples when padded)
 
-    >>> effective_batch_size(per_device_batch=4, accumulation_steps=8, devices=2)
+    >>> effective_batch_size(per_device_batch=4, accumulation_steps=8, world_size=2)
     64
 
-:func:`plan_budget` walks one epoch of the user's lengths (packed with packkit's planner, or in random
-padded batches) and reports examples, tokens and loss tokens per step (mean and spread), steps per
-epoch and padding, plus advice a practitioner would give, each an :class:`Advice` (code, message and
-the numbers) also emitted as a :class:`BudgetWarning`:
+:func:`plan_budget` walks one epoch of the user's lengths as packkit's sampler deals it (:func:`deal`: a
+``PackedBatchSampler`` over packed windows, or a ``LengthGroupedSampler`` over padded batches, under any
+``balance``; ``packkit waste`` reads the same schedule) and reports examples, tokens and loss tokens per step
+(mean and spread), steps per epoch, padding and the compute imbalance across ranks, plus the advice a
+practitioner would give (:func:`advise`), each an :class:`Advice` (code, message and the numbers) also
+emitted as a :class:`BudgetWarning`:
 
 =========================  ==========================================================================
 code                       when
@@ -38,10 +40,11 @@ import warnings
 
 import numpy as np
 
-from .balance import CostModel, step_figures
-from .binpack import DEFAULT_OVERFLOW, Plan, as_lengths, check_window, overflow_note
-from .cp_plan import check_cp_window, cp_multiples, plan_for_cp
+from .binpack import DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_overflow, check_window, overflow_note
+from .cp_plan import check_cp_window, cp_multiples
+from .datafiles import Lengths
 from .errors import Message, arg, check_int
+from .sampler import LengthGroupedSampler, PackedBatchSampler, batch_sums
 from .segments import lengths_to_offsets, piece_loss_tokens
 
 __all__ = [
@@ -49,6 +52,10 @@ __all__ = [
     "BudgetWarning",
     "Spread",
     "BudgetReport",
+    "AdviceOptions",
+    "Dealt",
+    "advise",
+    "deal",
     "MicroBatchSearch",
     "effective_batch_size",
     "plan_budget",
@@ -90,7 +97,7 @@ class BudgetWarning(UserWarning):
     """The warning :func:`plan_budget` emits for each :class:`Advice` (``.advice``, ``.code``).
 
     Silence it with ``warnings.filterwarnings("ignore", category=packkit.budget.BudgetWarning)`` or
-    ``plan_budget(..., warn=False)``; the advice stays in ``report.advice``.
+    ``plan_budget(..., advice=AdviceOptions(warn=False))``; the advice stays in ``report.advice``.
     """
 
     def __init__(self, advice: Advice):
@@ -123,13 +130,14 @@ class BudgetReport:
     Fields
     ------
     mode:                 ``"packed"`` (windows of ``window`` tokens) or ``"padded"``
-    per_device_batch, accumulation_steps, devices: as given
+    per_device_batch, accumulation_steps, world_size, balance: as given
     effective_batch:      int, windows (packed) or examples (padded) per optimiser step
     window:               int or None
     num_examples, num_tokens: the dataset (tokens after the overflow policy)
-    steps_per_epoch:      int, optimiser steps (the last one partial unless ``drop_last``)
+    num_units:            int, windows (packed) or examples (padded) dealt
+    steps_per_epoch:      int, optimiser steps the sampler deals (the last one partial unless ``drop_last``)
     full_steps_per_epoch: int, steps with the whole effective batch
-    examples_per_step, tokens_per_step, loss_tokens_per_step: :class:`Spread` over the epoch's full
+    examples_per_step, tokens_per_step, loss_tokens_per_step: :class:`Spread` over the dealt epoch's full
                           steps (over the one partial step when there is no full step)
     padding_fraction:     float, slots (window or padded positions) that hold no real token
     loss_tokens_assumed:  bool, no loss lengths were given: every token but each example's first
@@ -138,16 +146,15 @@ class BudgetReport:
     advice:               tuple of :class:`Advice`
     overflow, overflow_examples, cut_tokens: the policy for examples longer than ``window``, how many
                           were, and the tokens it cut (``None``, 0, 0 when padded)
-    compute_imbalance:    float, the slowest of ``devices`` ranks over the mean, summed over steps
-                          (:func:`packkit.balance.step_figures`; a document costs ``24576 L + L^2 / cp``,
-                          a padded micro-batch its size x ``24576 P + P^2``); 1.0 is balanced
-    examples_per_step_cv: float, std / mean of the examples per step (full steps)
+    compute_imbalance, examples_per_step_cv: the sampler's ``epoch_stats()``: the slowest of ``world_size``
+                          ranks over the mean, summed over steps (a document costs ``24576 L + L^2 / cp``;
+                          1.0 is balanced), and std / mean of the examples (pieces) per step
     """
 
     mode: str
     per_device_batch: int
     accumulation_steps: int
-    devices: int
+    world_size: int
     effective_batch: int
     window: int | None
     num_examples: int
@@ -174,6 +181,8 @@ class BudgetReport:
     dropped_pieces: int = 0
     dropped_tokens: int = 0
     longest_example: int = 0
+    num_units: int = 0
+    balance: str | None = None
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -187,11 +196,11 @@ class BudgetReport:
         command line does, see ``packkit.errors.Arg.render``)."""
         unit = "windows" if self.mode == "packed" else "examples"
         head = (f"packed into windows of {self.window:,} tokens" if self.mode == "packed"
-                else "padded to the longest example of each micro-batch")
+                else "length-grouped micro-batches, each padded to its longest example")
+        plural = "s" if self.world_size != 1 else ""
         rows = [
             ("effective batch", f"{self.effective_batch:,} {unit}/step = {self.per_device_batch} per device "
-                                f"x {self.accumulation_steps} accumulation x {self.devices} device"
-                                f"{'s' if self.devices != 1 else ''}"),
+                                f"x {self.accumulation_steps} accumulation x {self.world_size} device{plural}"),
             ("examples per step", _spread(self.examples_per_step)),
             ("tokens per step", _spread(self.tokens_per_step)),
             ("loss tokens", f"{self.loss_tokens:,} in the epoch"
@@ -201,9 +210,9 @@ class BudgetReport:
             ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
             ("padding", f"{100 * self.padding_fraction:.1f}% of the "
                         + ("window slots" if self.mode == "packed" else "padded positions")),
-            ("compute imbalance", f"{self.compute_imbalance:.3f} (slowest of {self.devices} device"
-                                  f"{'s' if self.devices != 1 else ''} / mean, cost 24576 L + L^2; "
-                                  f"examples per step cv {self.examples_per_step_cv:.2f})"),
+            ("compute imbalance", f"{self.compute_imbalance:.3f} (slowest of {self.world_size} device{plural} / "
+                                  f"mean, cost 24576 L + L^2; examples per step cv {self.examples_per_step_cv:.2f}; "
+                                  f"as the sampler deals them, balance {self.balance or 'none'})"),
         ]
         if self.target_tokens_per_step is not None:
             rows.append(("for the target", f"{self.target_tokens_per_step:,} tokens/step: " + arg(
@@ -235,26 +244,15 @@ def _spread(s: Spread) -> str:
 
 def _at_least_one(value, name: str) -> int:
     """``check_int`` with the fix each count of :func:`plan_budget` suggests: ``_at_least_one(8, "devices") -> 8``."""
-    fix = {"devices": ": at least one device (1 for a single GPU or the CPU)",
+    fix = {"world_size": ": at least one device (1 for a single GPU or the CPU)",
            "accumulation_steps": ": {one} means no accumulation"}.get(name, ": pass 1 or more")
     return check_int(value, name, fix=fix, one=arg(name, 1))
 
 
-def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1) -> int:
-    """``per_device_batch x accumulation_steps x devices``: ``(4, 8, 2) -> 64``."""
+def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, world_size: int = 1) -> int:
+    """``per_device_batch x accumulation_steps x world_size``: ``(4, 8, 2) -> 64``."""
     return (_at_least_one(per_device_batch, "per_device_batch") * _at_least_one(accumulation_steps, "accumulation_steps")
-            * _at_least_one(devices, "devices"))
-
-
-def step_sums(values, group: int) -> np.ndarray:
-    """Sums of consecutive groups of ``group`` values (the last may be shorter).
-
-    ``step_sums([1, 2, 3, 4, 5], 2) -> [3, 7, 5]``.
-    """
-    values = np.asarray(values)
-    if values.size == 0:
-        return values[:0]
-    return np.add.reduceat(values, np.arange(0, values.size, group))
+            * _at_least_one(world_size, "world_size"))
 
 
 def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:
@@ -294,203 +292,372 @@ def _check_loss_lengths(loss_lengths, lengths: np.ndarray) -> np.ndarray:
     return loss
 
 
-def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int = 1, devices: int = 1,
-                window: int | None = None, plan: Plan | None = None, loss_lengths=None, targets=None,
-                drop_loss_free: bool = False,
-                strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, lora: bool = False,
-                target_tokens_per_step: int | None = None, min_tokens_per_step: int = 4000,
-                min_steps_per_epoch: int = 50, lora_max_batch: int = 32, drop_last: bool = False,
-                seed: int = 0, warn: bool = True, cp_size: int = 1, cp_layout: str = "hybrid") -> BudgetReport:
-    """Examples, tokens and loss tokens per optimiser step, steps per epoch, and advice.
+def read_lengths_object(data) -> Lengths:
+    """``data`` as a :class:`packkit.datafiles.Lengths` (what :func:`plan_budget` and
+    :func:`packkit.waste.measure_waste` read): one as it is (its loss counts checked), the lengths of a
+    :class:`~packkit.binpack.Plan`, or an array of lengths (no loss counts: every token but a piece's first).
+    ``read_lengths_object([3, 4]).lengths -> [3, 4]``."""
+    if not isinstance(data, Lengths):
+        return Lengths(as_lengths(data.lengths if isinstance(data, Plan) else data), "lengths")
+    lengths = as_lengths(data.lengths)
+    if data.targets is not None and np.shape(data.targets) != (int(lengths.sum()),):
+        raise ValueError(f"targets must be one bool per token ({int(lengths.sum()):,}), got shape "
+                         f"{np.shape(data.targets)}")
+    loss = None if data.loss_lengths is None else _check_loss_lengths(data.loss_lengths, lengths)
+    return dataclasses.replace(data, lengths=lengths, loss_lengths=loss)
+
+
+def loss_of(data: Lengths, example, start, length) -> np.ndarray:
+    """Loss tokens of pieces of ``data``'s examples once packed (:func:`packkit.segments.piece_loss_tokens`)."""
+    return piece_loss_tokens(example, start, length, offsets=lengths_to_offsets(data.lengths), targets=data.targets,
+                             loss_lengths=data.loss_lengths)
+
+
+# ----------------------------------------------------------------------------------------------
+# the epoch a sampler deals: the one place plan and waste cut an epoch into steps
+# ----------------------------------------------------------------------------------------------
+
+
+class _GivenPlan(PackedBatchSampler):
+    """A :class:`~packkit.sampler.PackedBatchSampler` dealing windows planned already (a plan given to
+    :func:`plan_budget`, next fit in order, the streaming packer): every segment is an example of its own."""
+
+    def __init__(self, plan: Plan, **kwargs):
+        n, empty = plan.num_segments, np.zeros(0, np.int64)
+        self._given = dataclasses.replace(
+            plan, lengths=plan.seg_length, seg_example=np.arange(n, dtype=np.int64), seg_start=np.zeros(n, np.int64),
+            overflow="error", overflow_examples=empty, dropped_examples=empty, cut_tokens=0, seg_group=None,
+            num_groups=None, ungrouped_windows=None, overflow_groups=empty)
+        super().__init__(plan.seg_length, window=plan.window, **kwargs)
+
+    def _plan(self, rng) -> Plan:
+        return self._given
+
+
+def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int = 1, window: int | None = None,
+         strategy: str = "bfd", balance: str | None = None, seed: int = 0, drop_last: bool = False,
+         cp_size: int = 1, shuffle: bool = True):
+    """The sampler (rank 0 of ``world_size``) that deals an epoch of ``lengths``, whose schedule ``packkit plan``
+    and ``packkit waste`` report: :class:`~packkit.sampler.PackedBatchSampler` with ``window`` (``per_rank``
+    windows a batch; every length at most ``window``), a :class:`~packkit.binpack.Plan` as ``lengths`` (its
+    windows, each segment an example of its own), else :class:`~packkit.sampler.LengthGroupedSampler`
+    (``per_rank`` examples a batch). ``drop_last`` with no full step: the sampler without it (the caller counts
+    no step).
+
+    ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
+    """
+    kw = dict(world_size=world_size, rank=0, step_batches=world_size * accumulation_steps, balance=balance,
+              cp_size=cp_size, seed=seed, shuffle=shuffle)
+    for last in (True, False) if drop_last else (False,):
+        try:
+            if isinstance(lengths, Plan):
+                return _GivenPlan(lengths, windows_per_batch=per_rank, drop_last=last, **kw)
+            if window is not None:
+                return PackedBatchSampler(lengths, window=window, windows_per_batch=per_rank, strategy=strategy,
+                                          drop_last=last, **kw)
+            return LengthGroupedSampler(lengths, batch_size=per_rank, drop_last=last, **kw)
+        except ValueError:
+            if not last:
+                raise
+
+
+@dataclasses.dataclass(frozen=True)
+class Dealt:
+    """An epoch as a sampler deals it: ``per_step(values)`` sums ``values`` (one per example the sampler
+    deals) over every rank of each optimiser step; ``full`` marks the full steps (``drop_last``: only those
+    are steps); ``stats`` is the sampler's :meth:`~packkit.sampler.PackedBatchSampler.epoch_stats`."""
+
+    sampler: object
+    schedule: object
+    full: np.ndarray
+    drop_last: bool
+
+    @classmethod
+    def of(cls, sampler, *, drop_last: bool = False) -> "Dealt":
+        sched = sampler.schedule()
+        if isinstance(sampler, PackedBatchSampler):  # a full step: every window of it
+            full = sched.units_per_step == sampler.step_batches * sampler.windows_per_batch
+        else:  # every batch of it whole (the last batch of a dataset may be short)
+            full = sched.per_step(np.ones(sched.flat.size)).sum(axis=1) == sampler.step_batches * sampler.batch_size
+        return cls(sampler, sched, full, drop_last)
+
+    @property
+    def stats(self):
+        if self.drop_last and not self.sampler.drop_last:  # no full step: none dealt
+            return dataclasses.replace(self.sampler.epoch_stats(), steps=0, compute_imbalance=1.0,
+                                       examples_per_step_cv=0.0)
+        return self.sampler.epoch_stats()
+
+    @property
+    def steps(self) -> int:
+        return int(self.full.sum()) if self.drop_last else int(self.full.size)
+
+    def per_step(self, values, *, full_only: bool = False) -> np.ndarray:
+        """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one)."""
+        sums = self.schedule.per_step(np.asarray(values)[self.schedule.flat]).sum(axis=1)
+        if full_only:
+            return sums[self.full] if self.full.any() else sums
+        return sums[self.full] if self.drop_last else sums
+
+    def loss_free(self, unit_loss, values) -> tuple[int, int]:
+        """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example), ``values`` the
+        loss per example dealt."""
+        return int((np.asarray(unit_loss) == 0).sum()), int((self.per_step(values) == 0).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# plan_budget
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AdviceOptions:
+    """The thresholds of :func:`advise` (module docstring), and whether :func:`plan_budget` warns.
+
+    ``lora``: an adapter run (adds the large-batch advice); ``target_tokens_per_step``: report (and advise) the
+    accumulation steps that reach it; ``warn``: also emit each advice as a :class:`BudgetWarning`.
+    """
+
+    lora: bool = False
+    target_tokens_per_step: int | None = None
+    min_tokens_per_step: int = 4000
+    min_steps_per_epoch: int = 50
+    lora_max_batch: int = 32
+    warn: bool = True
+
+
+def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int = 1, world_size: int = 1,
+                window: int | None = None, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
+                balance: str | None = None, drop_loss_free: bool = False, drop_last: bool = False, seed: int = 0,
+                cp_size: int = 1, cp_layout: str = "hybrid", advice: AdviceOptions | None = None) -> BudgetReport:
+    """Examples, tokens and loss tokens per optimiser step, steps per epoch, and advice, of the epoch a
+    sampler deals (:func:`deal`: the figures are those of its schedule, whatever ``balance``).
 
     Args:
-        lengths: (num_examples,) tokens per example (list, numpy, torch). Not needed with ``plan``.
-        per_device_batch: windows per device per micro-batch when packed (``window`` or ``plan``
-            given), else examples per device per micro-batch (padded to the micro-batch's longest).
-        accumulation_steps, devices: >= 1.
-        window: pack into windows of this many tokens with ``strategy``/``overflow`` (see
-            :func:`packkit.binpack.pack`), shuffled with ``seed`` as a sampler would.
-        plan: an existing :class:`~packkit.binpack.Plan`, its windows taken in the order given (pass
-            ``plan.shuffled()`` for a training order).
-        loss_lengths: (num_examples,) loss-bearing tokens per example (the completion, at the end of
-            the example). Default: every token but the first.
-        targets: (sum(lengths),) bool, where the loss is taken token by token
-            (``packkit.datafiles.Lengths.targets``): the exact loss tokens of every packed segment, as
-            ``packkit waste`` and ``packkit pack`` count them.
-        drop_loss_free: leave out the segments (packed) or examples (padded) that hold no loss token,
-            counted in ``dropped_pieces`` / ``dropped_tokens`` (windows emptied by it are gone).
-        lora: an adapter run (adds the large-batch advice).
-        target_tokens_per_step: report (and advise) the accumulation steps that reach it.
+        lengths: (num_examples,) tokens per example (list, numpy, torch), a lengths object
+            (:class:`packkit.datafiles.Lengths`: its ``loss_lengths`` or ``targets`` count the loss tokens, else
+            every token but each piece's first), or a :class:`~packkit.binpack.Plan` (its windows dealt in the
+            order given, its window, strategy and overflow taken as made).
+        per_device_batch: windows per device per micro-batch when packed (``window`` or a plan given), else
+            examples per device per micro-batch in length-grouped batches padded to their longest
+            (:class:`~packkit.sampler.LengthGroupedSampler`).
+        accumulation_steps, world_size: >= 1 (``world_size``: data-parallel ranks).
+        window, strategy, overflow: pack into windows of this many tokens (:func:`packkit.binpack.pack`; the
+            sampler plans the pieces the overflow policy leaves), dealt by a
+            :class:`~packkit.sampler.PackedBatchSampler` seeded with ``seed``.
+        balance: the samplers' ``balance`` (None, ``"tokens"``, ``"sqlen"``, ``"compute"``).
+        drop_loss_free: leave out the pieces (packed) or examples (padded) that hold no loss token, counted in
+            ``dropped_pieces`` / ``dropped_tokens``.
         drop_last: leave out the last partial step.
-        warn: also emit each advice as a :class:`BudgetWarning`.
-        cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): with ``"zigzag"`` every example is
+        cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): with ``"zigzag"`` every piece is
             planned padded to a multiple of ``2 * cp_size`` (the padding fills window slots and counts in
             ``padding_fraction``, not in the tokens); the other layouts need ``window`` (and padded
-            micro-batches) to be multiples of ``cp_size``. ``devices`` stays the data-parallel count.
+            micro-batches) to be multiples of ``cp_size``. ``world_size`` stays the data-parallel count.
+        advice: :class:`AdviceOptions` (default: the defaults), read by :func:`advise`.
 
     Returns: a :class:`BudgetReport`.
 
-    >>> r = plan_budget([300] * 800, per_device_batch=8, accumulation_steps=8, warn=False)
+    >>> r = plan_budget([300] * 800, per_device_batch=8, accumulation_steps=8, advice=AdviceOptions(warn=False))
     >>> r.effective_batch, r.steps_per_epoch, r.full_steps_per_epoch, [a.code for a in r.advice]
     (64, 13, 12, ['few_steps_per_epoch'])
     """
     per_device_batch = _at_least_one(per_device_batch, "per_device_batch")
     accumulation_steps = _at_least_one(accumulation_steps, "accumulation_steps")
-    devices = _at_least_one(devices, "devices")
-    group = per_device_batch * accumulation_steps * devices
-    if target_tokens_per_step is not None:
-        target_tokens_per_step = _at_least_one(target_tokens_per_step, "target_tokens_per_step")
-    if plan is not None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a packkit.binpack.Plan, got {type(plan).__name__}")
-        if lengths is not None and not np.array_equal(as_lengths(lengths), plan.lengths):
-            raise ValueError("lengths and plan disagree: pass one of them (the plan carries its lengths)")
-        if window is not None and check_window(window) != plan.window:
-            raise ValueError(f"window={window} but the plan was made for window={plan.window}")
-        lengths = plan.lengths
-    elif lengths is None:
+    world_size = _at_least_one(world_size, "world_size")
+    if lengths is None:
         raise ValueError("pass the dataset's lengths (or a packed plan)")
-    lengths = as_lengths(lengths)
-    if lengths.size == 0:
+    data = read_lengths_object(lengths)
+    if data.lengths.size == 0:
         raise ValueError("lengths is empty: a plan needs at least one example")
-    assumed = loss_lengths is None
-    loss = lengths - 1 if assumed else _check_loss_lengths(loss_lengths, lengths)
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
-    row_round = doc_multiple * row_multiple
-    if window is not None:
-        check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
-    if plan is not None and doc_multiple > 1:
-        raise ValueError("plan= with a zigzag CP layout: pass lengths and window instead (the plan must be made "
+    given = lengths if isinstance(lengths, Plan) else None
+    if given is not None and doc_multiple > 1:
+        raise ValueError("a plan with a zigzag CP layout: pass lengths and window instead (the plan must be made "
                          "from the CP-padded lengths)")
-
-    if plan is None and window is not None:
-        # zigzag: each example planned at its CP-padded length; the plan holds the real ones
-        plan = plan_for_cp(lengths, window=check_window(window), cp_size=cp_size, cp_layout=cp_layout,
-                           strategy=strategy, overflow=overflow, seed=seed).shuffled(seed)
-    if targets is not None and np.shape(targets) != (int(lengths.sum()),):
-        raise ValueError(f"targets must be one bool per token ({int(lengths.sum()):,}), got shape {np.shape(targets)}")
-    offsets = lengths_to_offsets(lengths)
-    dropped_pieces = dropped_tokens = 0
-    if plan is not None:
-        mode, window = "packed", plan.window
-        seg_loss = piece_loss_tokens(plan.seg_example, plan.seg_start, plan.seg_length, offsets=offsets,
-                                     targets=targets, loss_lengths=loss)
-        free_pieces = int((seg_loss == 0).sum())
-        if drop_loss_free and free_pieces:
-            keep = seg_loss > 0
-            dropped_pieces, dropped_tokens = int((~keep).sum()), int(plan.seg_length[~keep].sum())
-            plan, seg_loss = plan.keep_segments(keep), seg_loss[keep]
-        win = plan.seg_window
-        units_tokens = plan.window_loads
-        units_examples = np.bincount(win, weights=plan.seg_start == 0, minlength=plan.num_windows)
-        units_loss = np.bincount(win, weights=seg_loss, minlength=plan.num_windows)
-        num_units, num_tokens = plan.num_windows, plan.total_tokens
-        padding = 1.0 - plan.fill
-        units_cost = np.bincount(win, weights=CostModel(cp_size=cp_size).costs(plan.seg_length),
-                                 minlength=plan.num_windows)
-        imbalance, cv = step_figures(units_cost, units_examples, ranks=devices,
-                                     per_rank=per_device_batch * accumulation_steps)
+    if given is not None or window is not None:
+        window = check_cp_window(check_window(given.window if given else window), cp_size=cp_size, layout=cp_layout)
+        units = _packed_units(data, given, window=window, overflow=overflow, doc_multiple=doc_multiple,
+                              drop_loss_free=drop_loss_free)
     else:
-        mode = "padded"
-        order = np.random.default_rng(seed).permutation(lengths.size)
-        ex_loss = piece_loss_tokens(np.arange(lengths.size), np.zeros(lengths.size, np.int64), lengths,
-                                    offsets=offsets, targets=targets, loss_lengths=loss)
-        free_pieces = int((ex_loss == 0).sum())
-        if drop_loss_free and free_pieces:
-            dropped_pieces, dropped_tokens = int((ex_loss == 0).sum()), int(lengths[ex_loss == 0].sum())
-            order = order[ex_loss[order] > 0]
-        units_tokens, units_examples, units_loss = lengths[order], np.ones(order.size), ex_loss[order]
-        num_units, num_tokens = lengths.size, int(lengths.sum())
-        # per-device micro-batches padded to their longest
-        micro_max = np.maximum.reduceat(units_tokens, np.arange(0, num_units, per_device_batch))
-        micro_max = -(-micro_max // row_round) * row_round  # a padded row is cut as one sequence
-        micro_size = np.diff(np.append(np.arange(0, num_units, per_device_batch), num_units))
-        padding = 1.0 - num_tokens / float((micro_max * micro_size).sum())
-        imbalance, cv = step_figures(micro_size * CostModel(cp_size=cp_size).costs(micro_max), micro_size,
-                                     ranks=devices, per_rank=accumulation_steps)
+        units = _padded_units(data, row_round=doc_multiple * row_multiple, drop_loss_free=drop_loss_free)
+    dealt = Dealt.of(deal(units.given if given is not None else units.planned, per_rank=per_device_batch,
+                          accumulation_steps=accumulation_steps, world_size=world_size, window=window,
+                          strategy=strategy, balance=balance, seed=seed, drop_last=drop_last, cp_size=cp_size,
+                          shuffle=given is None), drop_last=drop_last)
+    report = _report(data, units, dealt, per_device_batch=per_device_batch, accumulation_steps=accumulation_steps,
+                     world_size=world_size, window=window, balance=balance)
+    return _with_advice(report, advice or AdviceOptions())
 
-    full_steps = num_units // group
-    steps = full_steps if drop_last else -(-num_units // group)
-    # the spreads describe full steps (a partial last step would bias the mean); with no full step,
-    # the one partial step
-    keep = full_steps * group if full_steps else num_units
-    tokens = step_sums(units_tokens[:keep], group)
-    examples = step_sums(units_examples[:keep], group)
-    loss_steps = step_sums(units_loss[:keep], group)
-    all_steps = step_sums(units_loss[:full_steps * group if drop_last else num_units], group)
-    tokens_spread = Spread.of(tokens)
 
-    # accumulation for a target: one accumulation step carries, on average, the tokens of
-    # per_device_batch x devices units
-    per_accum = num_tokens / num_units * per_device_batch * devices
-    accumulation_for_target = None
-    if target_tokens_per_step is not None and per_accum > 0:
-        accumulation_for_target = max(1, math.ceil(target_tokens_per_step / per_accum))
+@dataclasses.dataclass(frozen=True)
+class _Units:
+    """What a sampler deals for :func:`plan_budget`, one entry per example it deals (a piece when packed):
+    ``planned`` lengths (CP-padded), ``tokens``, ``first`` (1 where a piece starts its example) and ``loss``;
+    ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left out;
+    ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
 
-    report = BudgetReport(
-        mode=mode, per_device_batch=per_device_batch, accumulation_steps=accumulation_steps, devices=devices,
-        effective_batch=group, window=window, num_examples=int(lengths.size), num_tokens=int(num_tokens),
-        steps_per_epoch=int(steps), full_steps_per_epoch=int(full_steps),
-        examples_per_step=Spread.of(examples), tokens_per_step=tokens_spread,
-        loss_tokens_per_step=Spread.of(loss_steps), padding_fraction=float(padding),
-        loss_tokens_assumed=assumed and targets is None, target_tokens_per_step=target_tokens_per_step,
-        loss_tokens=int(round(float(units_loss.sum()))), loss_free_units=int((units_loss == 0).sum()),
-        loss_free_steps=int((all_steps == 0).sum()), loss_free_pieces=free_pieces, dropped_pieces=dropped_pieces,
-        dropped_tokens=dropped_tokens,
-        longest_example=int(lengths.max()),
-        accumulation_for_target=accumulation_for_target, advice=(),
-        overflow=None if mode == "padded" else plan.overflow,
-        overflow_examples=0 if mode == "padded" else int(plan.overflow_examples.size),
-        cut_tokens=0 if mode == "padded" else int(plan.cut_tokens),
-        compute_imbalance=imbalance, examples_per_step_cv=cv,
-    )
-    advice = _advise(report, per_accum=per_accum, lora=lora, min_tokens_per_step=min_tokens_per_step,
-                     min_steps_per_epoch=min_steps_per_epoch, lora_max_batch=lora_max_batch)
-    report = dataclasses.replace(report, advice=tuple(advice))
-    if warn:
-        for a in advice:
-            warnings.warn(BudgetWarning(a), stacklevel=2)
+    planned: np.ndarray
+    tokens: np.ndarray
+    first: np.ndarray
+    loss: np.ndarray
+    free: int
+    dropped: int = 0
+    dropped_tokens: int = 0
+    given: Plan | None = None
+    overflow: str | None = None
+    overflow_examples: int = 0
+    cut_tokens: int = 0
+    row_round: int = 1
+
+    def keep(self, keep: np.ndarray) -> "_Units":
+        return dataclasses.replace(self, planned=self.planned[keep], tokens=self.tokens[keep], first=self.first[keep],
+                                   loss=self.loss[keep], dropped=int((~keep).sum()),
+                                   dropped_tokens=int(self.tokens[~keep].sum()))
+
+
+def _packed_units(data: Lengths, given: Plan | None, *, window: int, overflow: str, doc_multiple: int,
+                  drop_loss_free: bool) -> _Units:
+    """The pieces a packed epoch deals: the overflow policy's (or a given plan's segments), CP-padded."""
+    if given is not None:
+        example, start, length = given.seg_example, given.seg_start, given.seg_length
+        over, cut, overflow = given.overflow_examples.size, given.cut_tokens, given.overflow
+    else:
+        pieces = apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
+        example, start, length = pieces.example, pieces.start, pieces.length
+        over, cut = pieces.overflow_examples.size, pieces.cut_tokens
+    loss = loss_of(data, example, start, length)
+    units = _Units(-(-length // doc_multiple) * doc_multiple, length, (start == 0).astype(np.int64), loss,
+                   int((loss == 0).sum()), given=given, overflow=overflow, overflow_examples=int(over),
+                   cut_tokens=int(cut))
+    if drop_loss_free and units.free:
+        units = units.keep(loss > 0)
+        if given is not None:
+            units = dataclasses.replace(units, given=given.keep_segments(loss > 0))
+    return units
+
+
+def _padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> _Units:
+    """The examples a padded epoch deals, whole."""
+    n = data.lengths.size
+    loss = loss_of(data, np.arange(n), np.zeros(n, np.int64), data.lengths)
+    units = _Units(data.lengths, data.lengths, np.ones(n, np.int64), loss, int((loss == 0).sum()),
+                   row_round=row_round)
+    return units.keep(loss > 0) if drop_loss_free and units.free else units
+
+
+def _report(data: Lengths, units: _Units, dealt: Dealt, *, per_device_batch: int, accumulation_steps: int,
+            world_size: int, window: int | None, balance: str | None) -> BudgetReport:
+    """The figures of the epoch ``dealt`` deals (:func:`plan_budget`)."""
+    sched, stats = dealt.schedule, dealt.stats
+    if window is not None:
+        plan = dealt.sampler.plan()
+        units_loss = batch_sums(units.loss[plan.seg_example], plan.window_ptr)
+        padding = 1.0 - int(units.tokens.sum()) / float(plan.num_windows * window) if plan.num_windows else 0.0
+        num_units = plan.num_windows
+    else:
+        rows = np.maximum.reduceat(units.planned[sched.flat], sched.ptr[:-1]) if sched.flat.size else sched.flat
+        rows = -(-rows // units.row_round) * units.row_round  # a padded row is cut as one sequence
+        padding = 1.0 - int(units.tokens.sum()) / float((rows * np.diff(sched.ptr)).sum()) if rows.size else 0.0
+        units_loss, num_units = units.loss, units.tokens.size
+    return BudgetReport(
+        mode="packed" if window is not None else "padded", per_device_batch=per_device_batch,
+        accumulation_steps=accumulation_steps, world_size=world_size,
+        effective_batch=per_device_batch * accumulation_steps * world_size, window=window,
+        num_examples=int(data.lengths.size), num_tokens=int(units.tokens.sum()), num_units=int(num_units),
+        steps_per_epoch=dealt.steps, full_steps_per_epoch=int(dealt.full.sum()),
+        examples_per_step=Spread.of(dealt.per_step(units.first, full_only=True)),
+        tokens_per_step=Spread.of(dealt.per_step(units.tokens, full_only=True)),
+        loss_tokens_per_step=Spread.of(dealt.per_step(units.loss, full_only=True)), padding_fraction=float(padding),
+        loss_tokens_assumed=data.loss_lengths is None and data.targets is None, target_tokens_per_step=None, accumulation_for_target=None, advice=(),
+        loss_tokens=int(units.loss.sum()), loss_free_units=dealt.loss_free(units_loss, units.loss)[0],
+        loss_free_steps=dealt.loss_free(units_loss, units.loss)[1], loss_free_pieces=units.free,
+        dropped_pieces=units.dropped, dropped_tokens=units.dropped_tokens, longest_example=int(data.lengths.max()),
+        overflow=units.overflow, overflow_examples=units.overflow_examples, cut_tokens=units.cut_tokens,
+        compute_imbalance=stats.compute_imbalance, examples_per_step_cv=stats.examples_per_step_cv,
+        balance=balance)
+
+
+def _with_advice(report: BudgetReport, options: AdviceOptions) -> BudgetReport:
+    """``report`` with the accumulation for the target and :func:`advise`'s advice (warned, unless told not to)."""
+    target = options.target_tokens_per_step
+    if target is not None:
+        target = _at_least_one(target, "target_tokens_per_step")
+        per_accum = _per_accumulation(report)
+        report = dataclasses.replace(report, target_tokens_per_step=target,
+                                     accumulation_for_target=max(1, math.ceil(target / per_accum)) if per_accum > 0
+                                     else None)
+    report = dataclasses.replace(report, advice=advise(report, options))
+    if options.warn:
+        for a in report.advice:
+            warnings.warn(BudgetWarning(a), stacklevel=3)
     return report
 
 
-def _advise(r: BudgetReport, *, per_accum: float, lora: bool, min_tokens_per_step: int,
-            min_steps_per_epoch: int, lora_max_batch: int) -> list[Advice]:
+def _per_accumulation(r: BudgetReport) -> float:
+    """Tokens one accumulation step carries on average: the tokens of ``per_device_batch x world_size`` units."""
+    return r.num_tokens / r.num_units * r.per_device_batch * r.world_size if r.num_units else 0.0
+
+
+def advise(r: BudgetReport, options: AdviceOptions | None = None) -> tuple:
+    """The :class:`Advice` a practitioner would give on ``r`` (module docstring), under ``options``' thresholds."""
+    o = options or AdviceOptions()
+    per_accum, tok = _per_accumulation(r), r.tokens_per_step.mean
     out = []
-    tok = r.tokens_per_step.mean
-    if 0 < tok < min_tokens_per_step:
-        need = math.ceil(min_tokens_per_step / per_accum)
+    if 0 < tok < o.min_tokens_per_step:
+        need = math.ceil(o.min_tokens_per_step / per_accum)
         out.append(_advice(
             "low_tokens_per_step",
-            {"tokens_per_step": tok, "min_tokens_per_step": min_tokens_per_step,
+            {"tokens_per_step": tok, "min_tokens_per_step": o.min_tokens_per_step,
              "accumulation_steps": r.accumulation_steps, "suggested_accumulation_steps": need},
             "about {tok:,.0f} tokens per optimiser step (< {min:,}): gradients are noisy. Raise {acc} from {now} "
             "to {need} (about {tokens:,.0f} tokens per step) rather than raising the learning rate.",
-            tok=tok, min=min_tokens_per_step, acc=arg("accumulation_steps"), now=r.accumulation_steps,
+            tok=tok, min=o.min_tokens_per_step, acc=arg("accumulation_steps"), now=r.accumulation_steps,
             need=need, tokens=need * per_accum,
         ))
-    if r.steps_per_epoch < min_steps_per_epoch:
-        per_step = r.examples_per_step.mean
-        batch_for_min = max(1, r.num_examples // min_steps_per_epoch)
-        out.append(_advice(
-            "few_steps_per_epoch",
-            {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
-             "examples": r.num_examples, "examples_per_step": per_step,
-             "min_steps_per_epoch": min_steps_per_epoch, "suggested_examples_per_step": batch_for_min},
-            "only {full:,} full optimiser steps per epoch ({n:,} examples at about {per_step:,.0f} examples per "
-            "step): the optimiser and the learning-rate schedule get few updates. For {min} steps use about "
-            "{batch:,} examples per step, or train more epochs.",
-            full=r.full_steps_per_epoch, n=r.num_examples, per_step=per_step, min=min_steps_per_epoch,
-            batch=batch_for_min,
-        ))
-    if lora and r.examples_per_step.mean > lora_max_batch:
+    if r.steps_per_epoch < o.min_steps_per_epoch:
+        out.append(_few_steps(r, o.min_steps_per_epoch))
+    if o.lora and r.examples_per_step.mean > o.lora_max_batch:
         out.append(_advice(
             "lora_large_batch",
-            {"examples_per_step": r.examples_per_step.mean, "lora_max_batch": lora_max_batch},
+            {"examples_per_step": r.examples_per_step.mean, "lora_max_batch": o.lora_max_batch},
             "LoRA/adapter run at about {per_step:,.0f} examples per step (> {max}): adapters tend to train better "
             "with small effective batches; lower {acc} or {batch}.",
-            per_step=r.examples_per_step.mean, max=lora_max_batch, acc=arg("accumulation_steps"),
+            per_step=r.examples_per_step.mean, max=o.lora_max_batch, acc=arg("accumulation_steps"),
             batch=arg("per_device_batch"),
         ))
+    out += _data_advice(r)
+    if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
+        a = r.accumulation_for_target
+        out.append(_advice(
+            "accumulation_for_target",
+            {"target_tokens_per_step": r.target_tokens_per_step, "accumulation_steps": r.accumulation_steps,
+             "suggested_accumulation_steps": a, "tokens_per_step": tok},
+            "to reach {target:,} tokens per step use {acc} (about {tokens:,.0f} tokens per step; now {now}, "
+            "about {tok:,.0f}).",
+            target=r.target_tokens_per_step, acc=arg("accumulation_steps", a), tokens=a * per_accum,
+            now=r.accumulation_steps, tok=tok,
+        ))
+    return tuple(out)
+
+
+def _few_steps(r: BudgetReport, min_steps: int) -> Advice:
+    per_step = r.examples_per_step.mean
+    batch_for_min = max(1, r.num_examples // min_steps)
+    return _advice(
+        "few_steps_per_epoch",
+        {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
+         "examples": r.num_examples, "examples_per_step": per_step,
+         "min_steps_per_epoch": min_steps, "suggested_examples_per_step": batch_for_min},
+        "only {full:,} full optimiser steps per epoch ({n:,} examples at about {per_step:,.0f} examples per "
+        "step): the optimiser and the learning-rate schedule get few updates. For {min} steps use about "
+        "{batch:,} examples per step, or train more epochs.",
+        full=r.full_steps_per_epoch, n=r.num_examples, per_step=per_step, min=min_steps, batch=batch_for_min,
+    )
+
+
+def _data_advice(r: BudgetReport) -> list:
+    """The advice about the data itself: windows or steps with no loss token, an example far beyond the rest."""
+    out = []
     if r.loss_free_units:
         unit = "windows" if r.mode == "packed" else "examples"
         out.append(_advice(
@@ -518,17 +685,6 @@ def _advise(r: BudgetReport, *, per_accum: float, lora: bool, min_tokens_per_ste
             "the longest example has {longest:,} tokens, far beyond the typical one: every padded micro-batch "
             "that holds it is padded to it; check it, or pack into windows ({w})",
             longest=r.longest_example, w=arg("window", metavar="W"),
-        ))
-    if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
-        a = r.accumulation_for_target
-        out.append(_advice(
-            "accumulation_for_target",
-            {"target_tokens_per_step": r.target_tokens_per_step, "accumulation_steps": r.accumulation_steps,
-             "suggested_accumulation_steps": a, "tokens_per_step": tok},
-            "to reach {target:,} tokens per step use {acc} (about {tokens:,.0f} tokens per step; now {now}, "
-            "about {tok:,.0f}).",
-            target=r.target_tokens_per_step, acc=arg("accumulation_steps", a), tokens=a * per_accum,
-            now=r.accumulation_steps, tok=tok,
         ))
     return out
 

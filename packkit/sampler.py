@@ -461,6 +461,27 @@ class Schedule:
         R = self.world_size
         return [self.flat[self.ptr[i * R + rank]:self.ptr[i * R + rank + 1]] for i in range(self.rows)]
 
+    @property
+    def _steps_held(self) -> np.ndarray:
+        """(steps,) bool, the optimiser steps that hold a row here (a resumed first step may not)."""
+        return np.diff(np.clip(self.step_row, 0, None)) > 0
+
+    def per_step(self, values) -> np.ndarray:
+        """``(steps, world_size)``: ``values`` (one per entry of ``flat``) summed over each rank's batches of each
+        optimiser step held here (the figures of :meth:`_BatchSampler.epoch_stats`, and of ``packkit plan`` and
+        ``packkit waste``, which read the schedule a sampler deals)."""
+        R, rows = self.world_size, self.rows
+        if not rows:
+            return np.zeros((0, R))
+        by_batch = batch_sums(values, self.ptr).reshape(rows, R)
+        return np.add.reduceat(by_batch, np.clip(self.step_row[:-1], 0, None)[self._steps_held], axis=0)
+
+    @property
+    def units_per_step(self) -> np.ndarray:
+        """(steps,) int64 units (windows, or batches) of each optimiser step held here: a full step has
+        ``step_batches x windows_per_batch`` (``step_batches`` batches for the other samplers)."""
+        return self.step_span[self._steps_held]
+
 
 def _remember(cache: dict, key, value):
     """``cache[key] = value``, the oldest entry forgotten past :data:`CACHED`; returns ``value``."""
@@ -811,23 +832,13 @@ class _BatchSampler:
         tokens = int(lens.sum())
         padded = self._padded(sched)
         # per optimiser step and rank: the sum over the rank's rows of that step
-        row_starts = np.clip(sched.step_row[:-1], 0, None)
-        nonempty = np.diff(np.clip(sched.step_row, 0, None)) > 0
-        rows = sched.rows
-
-        def per_step(values: np.ndarray) -> np.ndarray:
-            if not rows:
-                return np.zeros((0, R))
-            by_batch = batch_sums(values, sched.ptr).reshape(rows, R)
-            return np.add.reduceat(by_batch, row_starts[nonempty], axis=0)
-
-        policy = per_step(self._policy_cost(lens.astype(np.float64)))
-        compute = per_step(self._example_cost()[sched.flat])
-        per_step_examples = per_step(np.ones(lens.size)).sum(axis=1)
-        full = sched.step_span[nonempty] == self.world_size * self.accumulation_steps * self._k
+        policy = sched.per_step(self._policy_cost(lens.astype(np.float64)))
+        compute = sched.per_step(self._example_cost()[sched.flat])
+        per_step_examples = sched.per_step(np.ones(lens.size)).sum(axis=1)
+        full = sched.units_per_step == self.world_size * self.accumulation_steps * self._k
         cv = variation(per_step_examples[full] if full.sum() >= 2 else per_step_examples)
         return EpochStats(
-            epoch=self._epoch_num, world_size=R, steps=rows, examples=int(self.lengths.size - seq.dropped),
+            epoch=self._epoch_num, world_size=R, steps=sched.rows, examples=int(self.lengths.size - seq.dropped),
             repeated=sched.repeated, dropped=int(seq.dropped), tokens=tokens, padded_tokens=padded,
             padding_waste=1.0 - tokens / padded if padded else 0.0,
             step_imbalance=compute_imbalance(policy) - 1.0, compute_imbalance=compute_imbalance(compute),

@@ -43,14 +43,17 @@ import math
 import numpy as np
 
 from . import binpack
-from .binpack import DEFAULT_OVERFLOW, as_lengths, check_overflow, check_window, overflow_note, pack, stream_windows
-from .cp_plan import check_cp_window, cp_multiples
-from .segments import lengths_to_offsets, piece_loss_tokens
-from .errors import ArgumentError, DataError, Message, arg, check_int
 from .balance import CostModel, step_figures
+from .binpack import (DEFAULT_OVERFLOW, Plan, as_lengths, check_overflow, check_window, overflow_note, pack,
+                      stream_windows)
+from .budget import Dealt, deal, loss_of, read_lengths_object
+from .cp_plan import check_cp_window, cp_multiples
+from .datafiles import Lengths
+from .errors import ArgumentError, DataError, Message, arg, check_int
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
-from .sampler import LengthGroupedSampler
+from .sampler import LengthGroupedSampler, batch_sums
+from .segments import lengths_to_offsets
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
            "plot_waste", "preference_waste", "format_preference_waste"]
@@ -82,11 +85,13 @@ class StrategyWaste:
         slot_tokens: tokens of the padded tensors (rows x padded length)
         attention: sum over rows of the attention cost (module docstring)
         row_fill: (rows,) float64, real tokens / padded length of every row (for the plot)
-        compute_imbalance, examples_per_step_cv: over ``ranks`` data-parallel ranks, each taking a
-            step's rows in turn (packed windows in a random order, as a sampler deals them), under the
-            cost model ``24576 * L + L**2 / cp_size`` per document (a padded row of length ``P``:
-            ``24576 * P + P**2 / cp_size``):
-            :func:`packkit.balance.step_figures`
+        steps: optimiser steps of ``world_size`` ranks in an epoch
+        compute_imbalance, examples_per_step_cv: over ``world_size`` data-parallel ranks, under the cost model
+            ``24576 * L + L**2 / cp_size`` per document: for ``grouped`` and the packed strategies, the
+            ``epoch_stats()`` of the schedule packkit's sampler deals under ``balance``
+            (:func:`packkit.budget.deal`); ``pad_longest`` and ``random`` (a plain DataLoader's batches, no
+            packkit sampler) take a step's rows in turn, a padded row of length ``P`` costing
+            ``24576 * P + P**2 / cp_size`` (:func:`packkit.balance.step_figures`)
         loss_free_rows, loss_free_steps: rows (padded examples or windows) and steps that hold no loss
             token: they train on nothing (a step of them is a step with loss 0)
     """
@@ -148,7 +153,8 @@ class WasteReport:
     lengths: np.ndarray = dataclasses.field(repr=False, compare=False)
     strategies: tuple = ()
     loss_tokens: int | None = None
-    ranks: int = 1
+    world_size: int = 1
+    balance: str | None = None
     cp_size: int = 1
     cp_layout: str = "hybrid"
     input_lengths: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -174,7 +180,7 @@ class WasteReport:
             "loss_tokens_assumed": self.loss_tokens_assumed, "loss_free_pieces": self.loss_free_pieces,
             "dropped_pieces": self.dropped_pieces, "dropped_tokens": self.dropped_tokens,
             "longest_example": None if self.input_lengths is None else int(self.input_lengths.max()),
-            "longest_piece": int(self.lengths.max()), "ranks": self.ranks,
+            "longest_piece": int(self.lengths.max()), "world_size": self.world_size, "balance": self.balance,
             "cp_size": self.cp_size, "cp_layout": self.cp_layout,
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
@@ -237,12 +243,14 @@ def loss_free(row_loss: np.ndarray, per_step: int) -> tuple[int, int]:
 
 
 def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int, *,
-            batch_size: int = 1, ranks: int = 1, cp_size: int = 1,
+            batch_size: int = 1, world_size: int = 1, cp_size: int = 1,
             piece_loss: np.ndarray | None = None) -> StrategyWaste:
+    """Figures of padded rows no packkit sampler deals (``pad_longest``, ``random``: a plain DataLoader's
+    batches), ``batch_size`` rows a rank in the order given."""
     real = lengths[order]
-    imbalance, cv = step_figures(CostModel(cp_size=cp_size).costs(padded), np.ones(order.size), ranks=ranks,
+    imbalance, cv = step_figures(CostModel(cp_size=cp_size).costs(padded), np.ones(order.size), ranks=world_size,
                                  per_rank=batch_size)
-    free_rows, free_steps = loss_free(piece_loss[order], batch_size * ranks) if piece_loss is not None else (0, 0)
+    free_rows, free_steps = loss_free(piece_loss[order], batch_size * world_size) if piece_loss is not None else (0, 0)
     return StrategyWaste(
         name=name, label=LABELS[name], packed=False, rows=int(order.size), steps=steps,
         real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
@@ -251,31 +259,42 @@ def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarra
     )
 
 
-def _packed(name: str, label: str, window: int, seg_length: np.ndarray, window_ptr: np.ndarray,
-            windows_per_step: int, *, ranks: int = 1, seed: int = 0,
-            seg_real: np.ndarray | None = None, cp_size: int = 1,
-            seg_loss: np.ndarray | None = None) -> StrategyWaste:
-    """Figures of windows given as CSR segment lengths (the rank figures over a seeded window order;
-    ``seg_real``: the segments' real tokens, when context parallelism padded each one: the padding is a
-    slot, not a token; ``seg_loss``: the segments' loss tokens, for the windows and steps without any)."""
-    rows = window_ptr.size - 1
-    planned = lengths_to_offsets(seg_length)
-    tail = window - (planned[window_ptr[1:]] - planned[window_ptr[:-1]])
-    csum = planned if seg_real is None else lengths_to_offsets(seg_real)
-    loads = csum[window_ptr[1:]] - csum[window_ptr[:-1]]
-    attention = float(np.sum(seg_length.astype(np.float64) ** 2) + np.sum(tail.astype(np.float64) ** 2))
-    cost = np.add.reduceat(CostModel(cp_size=cp_size).costs(seg_length), window_ptr[:-1]) if rows else np.zeros(0)
-    order = np.random.default_rng(seed).permutation(rows)
-    imbalance, cv = step_figures(cost[order], np.diff(window_ptr)[order], ranks=ranks, per_rank=windows_per_step)
-    free_rows = free_steps = 0
-    if seg_loss is not None and rows:
-        win_loss = np.add.reduceat(seg_loss, window_ptr[:-1])
-        free_rows, free_steps = loss_free(win_loss[order], windows_per_step * ranks)
+def _grouped(lengths: np.ndarray, sampler, *, row_round: int, piece_loss: np.ndarray) -> StrategyWaste:
+    """Figures of length-grouped batches as a :class:`~packkit.sampler.LengthGroupedSampler` deals them, each
+    padded to its longest (rounded up to ``row_round``)."""
+    dealt = Dealt.of(sampler)
+    order, ptr = dealt.schedule.flat, dealt.schedule.ptr
+    real = lengths[order]
+    longest = np.maximum.reduceat(real, ptr[:-1]) if real.size else real
+    padded = np.repeat(-(-longest // row_round) * row_round, np.diff(ptr))
+    free_rows, free_steps = dealt.loss_free(piece_loss[order], piece_loss)
     return StrategyWaste(
-        name=name, label=label, packed=True, rows=int(rows), steps=math.ceil(rows / windows_per_step),
-        real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
-        row_fill=loads / window, compute_imbalance=imbalance, examples_per_step_cv=cv,
+        name="grouped", label=LABELS["grouped"], packed=False, rows=int(order.size), steps=dealt.steps,
+        real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
+        attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
+        compute_imbalance=dealt.stats.compute_imbalance, examples_per_step_cv=dealt.stats.examples_per_step_cv,
         loss_free_rows=free_rows, loss_free_steps=free_steps,
+    )
+
+
+def _packed(name: str, label: str, sampler, piece_of: np.ndarray, lengths: np.ndarray,
+            piece_loss: np.ndarray) -> StrategyWaste:
+    """Figures of the windows a :class:`~packkit.sampler.PackedBatchSampler` deals (its element ``e`` is piece
+    ``piece_of[e]``: ``lengths`` its real tokens, ``piece_loss`` its loss tokens; the windows hold its planned,
+    CP-padded length, the padding a slot, not a token)."""
+    dealt = Dealt.of(sampler)
+    plan, window = sampler.plan(), sampler.window
+    piece = piece_of[plan.seg_example]
+    loads = batch_sums(lengths[piece], plan.window_ptr)
+    tail = window - batch_sums(plan.seg_length, plan.window_ptr)
+    attention = float(np.sum(plan.seg_length.astype(np.float64) ** 2) + np.sum(tail.astype(np.float64) ** 2))
+    free_rows, free_steps = dealt.loss_free(batch_sums(piece_loss[piece], plan.window_ptr), piece_loss[piece_of])
+    rows = plan.num_windows
+    return StrategyWaste(
+        name=name, label=label, packed=True, rows=int(rows), steps=dealt.steps,
+        real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
+        row_fill=loads / window, compute_imbalance=dealt.stats.compute_imbalance,
+        examples_per_step_cv=dealt.stats.examples_per_step_cv, loss_free_rows=free_rows, loss_free_steps=free_steps,
     )
 
 
@@ -297,34 +316,78 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int, payload: 
     return np.asarray(seg, np.int64), np.asarray(ptr, np.int64)
 
 
+def _given_plan(seg: np.ndarray, ptr: np.ndarray, planned: np.ndarray, window: int, strategy: str) -> Plan:
+    """Windows of pieces ``seg`` (CSR ``ptr``) as a :class:`~packkit.binpack.Plan` over the planned lengths."""
+    empty = np.zeros(0, np.int64)
+    return Plan(window=window, lengths=planned, seg_example=seg, seg_start=np.zeros(seg.size, np.int64),
+                seg_length=planned[seg], window_ptr=ptr, strategy=strategy, overflow="error", seed=None,
+                overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # the measurement
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+    """The examples after the overflow policy (and ``drop_loss_free``), as every strategy packs or pads them."""
+
+    lengths: np.ndarray
+    planned: np.ndarray
+    loss: np.ndarray
+    cut: int
+    over: int
+    free: int
+    dropped: int = 0
+    dropped_tokens: int = 0
+
+
+def _pieces(data: Lengths, *, window: int, overflow: str, doc_multiple: int, drop_loss_free: bool) -> _Pieces:
+    pieces = binpack.apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
+    L = pieces.length
+    # the loss tokens that train once packed: one count for waste, plan and pack
+    loss = loss_of(data, pieces.example, pieces.start, L)
+    free = loss == 0
+    out = _Pieces(L, L, loss, pieces.cut_tokens, int(pieces.overflow_examples.size), int(free.sum()))
+    if drop_loss_free and free.any():
+        out = dataclasses.replace(out, lengths=L[~free], loss=loss[~free], dropped=int(free.sum()),
+                                  dropped_tokens=int(L[free].sum()))
+        if out.lengths.size == 0:
+            raise DataError("no piece holds a loss token, and {drop} left every one out",
+                            drop=arg("drop_loss_free", True))
+    if out.lengths.size == 0:
+        raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
+                        window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
+                        fix=arg("overflow", "split", "truncate"))
+    # what a CP rank group computes: every example padded to the layout's document multiple (zigzag)
+    return dataclasses.replace(out, planned=-(-out.lengths // doc_multiple) * doc_multiple)
+
+
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = DEFAULT_OVERFLOW, buffer_size: int = 1000, seed: int = 0,
-                  strategies=WASTE_STRATEGIES, source: str = "lengths", unit: str = "tokens",
-                  progress: bool | None = None, loss_lengths=None, ranks: int = 1, cp_size: int = 1,
-                  cp_layout: str = "hybrid", targets=None, drop_loss_free: bool = False) -> WasteReport:
+                  strategies=WASTE_STRATEGIES, progress: bool | None = None, world_size: int = 1,
+                  balance: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid",
+                  drop_loss_free: bool = False) -> WasteReport:
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
     Args:
-        lengths: (num_examples,) ints >= 1.
+        lengths: (num_examples,) ints >= 1, or a lengths object (:class:`packkit.datafiles.Lengths`: its source,
+            unit, and loss tokens by ``loss_lengths`` or ``targets``: the exact loss tokens of every piece).
+            ``loss_tokens`` is counted after the overflow policy, every piece's first token excluded
+            (:func:`packkit.segments.piece_loss_tokens`).
         window: ``W``, tokens per packed window (and ``max_length`` of the padded strategies).
         batch_size: examples per step of the padded strategies.
         windows_per_step: windows per step of the packed ones (default ``batch_size``).
         overflow: examples longer than ``W``: ``"split"`` (default), ``"truncate"``, ``"drop"``, ``"error"``.
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
-        loss_lengths: (num_examples,) loss-bearing tokens of each example, taken as its last tokens.
-        targets: (sum(lengths),) bool, where the loss is taken token by token (``packkit.datafiles.Lengths.targets``):
-            the exact loss tokens of every piece. ``loss_tokens`` is counted after the overflow policy,
-            every piece's first token excluded (:func:`packkit.segments.piece_loss_tokens`).
         drop_loss_free: leave out the pieces (examples after the overflow policy) that hold no loss
             token, counted in ``dropped_pieces`` / ``dropped_tokens``.
-        ranks: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step`` windows
-            a step: the compute imbalance and the spread of examples per step (``StrategyWaste``).
+        world_size, balance: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step``
+            windows a step, and the samplers' ``balance``: ``grouped`` and the packed strategies are dealt by
+            packkit's samplers (:func:`packkit.budget.deal`), their steps, compute imbalance and spread of
+            examples per step those of the schedule dealt (``StrategyWaste``).
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): ``"zigzag"`` pads every example to a
             multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots);
             the other layouts cut a row in ``cp_size`` pieces, so ``W`` (and a padded row) is a multiple of
@@ -332,86 +395,64 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     Returns:
         A frozen :class:`WasteReport`.
     """
-    window = check_window(window)
-    raw = as_lengths(lengths)
-    if raw.size == 0:
+    data = read_lengths_object(lengths)
+    if data.lengths.size == 0:
         raise ValueError("no examples: the dataset is empty")
+    window = check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
     batch_size, buffer_size = check_int(batch_size, "batch_size"), check_int(buffer_size, "buffer_size")
-    ranks = check_int(ranks, "ranks")
     k = batch_size if windows_per_step is None else check_int(windows_per_step, "windows_per_step")
     strategies = tuple(strategies)
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:
         raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(WASTE_STRATEGIES)}")
-    if loss_lengths is not None:
-        loss = np.asarray(loss_lengths)
-        if loss.shape != raw.shape or loss.dtype.kind not in "iu":
-            raise ValueError(f"loss_lengths must be {raw.size:,} integers, one per example, got {loss.dtype} "
-                             f"of shape {loss.shape}")
-    if targets is not None and np.shape(targets) != (int(raw.sum()),):
-        raise ValueError(f"targets must be one bool per token ({int(raw.sum()):,}), got shape {np.shape(targets)}")
-    check_cp_window(window, cp_size=cp_size, layout=cp_layout)
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
-    pieces = binpack.apply_overflow(raw, window=window, overflow=check_overflow(overflow), in_order=True)
-    L, cut, n_over = pieces.length, pieces.cut_tokens, int(pieces.overflow_examples.size)
-    # the loss tokens that train once packed: one count for waste, plan and pack
-    piece_loss = piece_loss_tokens(pieces.example, pieces.start, L, offsets=lengths_to_offsets(raw),
-                                   targets=targets, loss_lengths=loss_lengths)
-    loss_tokens, free = int(piece_loss.sum()), piece_loss == 0
-    dropped_pieces = dropped_tokens = 0
-    if drop_loss_free and free.any():
-        dropped_pieces, dropped_tokens = int(free.sum()), int(L[free].sum())
-        L, piece_loss = L[~free], piece_loss[~free]
-        if L.size == 0:
-            raise DataError("no piece holds a loss token, and {drop} left every one out",
-                            drop=arg("drop_loss_free", True))
-    # what a CP rank group computes: every example padded to the layout's document multiple (zigzag)
-    planned = -(-L // doc_multiple) * doc_multiple
-    row_round = doc_multiple * row_multiple  # a padded row is one sequence, split by the layout
-    if L.size == 0:
-        raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
-                        window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
-                        fix=arg("overflow", "split", "truncate"))
-    if progress is None:
-        progress = L.size >= PROGRESS_EXAMPLES
+    p = _pieces(data, window=window, overflow=overflow, doc_multiple=doc_multiple, drop_loss_free=drop_loss_free)
+    dealing = dict(accumulation_steps=1, world_size=check_int(world_size, "world_size"), balance=balance,
+                   seed=seed, cp_size=cp_size)
     results = []
-    steps_padded = math.ceil(L.size / batch_size)
-    with progress_bar(total=len(strategies), unit="strategy", enabled=progress, desc="waste") as bar:
+    enabled = p.lengths.size >= PROGRESS_EXAMPLES if progress is None else progress
+    with progress_bar(total=len(strategies), unit="strategy", enabled=enabled, desc="waste") as bar:
         for name in strategies:
-            if name == "pad_longest":
-                order = np.arange(L.size)
-                padded = np.full(L.size, -(-int(L.max()) // row_round) * row_round, np.int64)
-                results.append(_padded(name, L, padded, order, steps_padded, batch_size=batch_size, ranks=ranks,
-                                       cp_size=cp_size, piece_loss=piece_loss))
-            elif name in ("random", "grouped"):
-                if name == "random":
-                    batches, steps = np.random.default_rng(seed).permutation(L.size), steps_padded
-                    padded, order = padded_rows(L, batches, batch_size)
-                else:
-                    batches = length_grouped_batches(L, batch_size, seed)
-                    padded, order = padded_rows(L, batches)
-                    steps = len(batches)
-                results.append(_padded(name, L, -(-padded // row_round) * row_round, order, steps,
-                                       batch_size=batch_size, ranks=ranks, cp_size=cp_size, piece_loss=piece_loss))
-            elif name == "stream":
-                seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
-                label = f"{LABELS[name]} (buffer {buffer_size:,})"
-                results.append(_packed(name, label, window, planned[seg], ptr, k, ranks=ranks, seed=seed,
-                                       seg_real=L[seg], cp_size=cp_size, seg_loss=piece_loss[seg]))
-            else:
-                plan = pack(planned, window=window, strategy=name, seed=seed)
-                results.append(_packed(name, LABELS[name], window, plan.seg_length, plan.window_ptr, k, ranks=ranks,
-                                       seed=seed, seg_real=L[plan.seg_example], cp_size=cp_size,
-                                       seg_loss=piece_loss[plan.seg_example]))
+            results.append(_strategy(name, p, window=window, batch_size=batch_size, k=k, buffer_size=buffer_size,
+                                     row_round=doc_multiple * row_multiple, dealing=dealing))
             bar.update(1)
     return WasteReport(
-        source=source, unit=unit, window=window, batch_size=batch_size, windows_per_step=k, overflow=overflow,
-        buffer_size=buffer_size, seed=seed, examples=int(raw.size), input_tokens=int(raw.sum()), cut_tokens=cut,
-        overflow_examples=n_over, lengths=L, strategies=tuple(results), loss_tokens=loss_tokens, ranks=ranks,
-        cp_size=cp_size, cp_layout=cp_layout, input_lengths=raw,
-        loss_tokens_assumed=targets is None and loss_lengths is None, loss_free_pieces=int(free.sum()),
-        dropped_pieces=dropped_pieces, dropped_tokens=dropped_tokens,
+        source=data.source, unit=data.unit, window=window, batch_size=batch_size, windows_per_step=k,
+        overflow=overflow, buffer_size=buffer_size, seed=seed, examples=int(data.lengths.size),
+        input_tokens=int(data.lengths.sum()), cut_tokens=p.cut, overflow_examples=p.over, lengths=p.lengths,
+        strategies=tuple(results), loss_tokens=int(p.loss.sum()),
+        world_size=dealing["world_size"], balance=balance, cp_size=cp_size, cp_layout=cp_layout,
+        input_lengths=data.lengths, loss_tokens_assumed=data.loss_lengths is None and data.targets is None, loss_free_pieces=p.free,
+        dropped_pieces=p.dropped, dropped_tokens=p.dropped_tokens,
     )
+
+
+def _strategy(name: str, p: _Pieces, *, window: int, batch_size: int, k: int, buffer_size: int, row_round: int,
+              dealing: dict) -> StrategyWaste:
+    """One strategy's figures over the pieces ``p`` (:func:`measure_waste`)."""
+    L, planned, R = p.lengths, p.planned, dealing["world_size"]
+    if name in ("pad_longest", "random"):
+        if name == "pad_longest":
+            order = np.arange(L.size)
+            padded = np.full(L.size, -(-int(L.max()) // row_round) * row_round, np.int64)
+        else:
+            padded, order = padded_rows(L, np.random.default_rng(dealing["seed"]).permutation(L.size), batch_size)
+            padded = -(-padded // row_round) * row_round
+        return _padded(name, L, padded, order, math.ceil(L.size / (batch_size * R)), batch_size=batch_size,
+                       world_size=R, cp_size=dealing["cp_size"], piece_loss=p.loss)
+    if name == "grouped":
+        return _grouped(L, deal(L, per_rank=batch_size, **dealing), row_round=row_round, piece_loss=p.loss)
+    if name in ("bfd", "ffd", "shuffle_ff"):
+        sampler, piece_of = deal(planned, per_rank=k, window=window, strategy=name, **dealing), np.arange(L.size)
+    elif name == "stream":
+        seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
+        given = _given_plan(seg, ptr, planned, window, "stream")
+        sampler, piece_of = deal(given, per_rank=k, **dealing), given.seg_example
+    else:
+        given = pack(planned, window=window, strategy=name)
+        sampler, piece_of = deal(given, per_rank=k, **dealing), given.seg_example
+    label = f"{LABELS[name]} (buffer {buffer_size:,})" if name == "stream" else LABELS[name]
+    return _packed(name, label, sampler, piece_of, L, p.loss)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,7 +602,7 @@ def format_table(report: WasteReport, *, options=None) -> str:
                              overflow=arg("overflow", report.overflow)).render(options) + length_stats(report.lengths))
     lines.append(f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
                  f"{report.windows_per_step} packed windows"
-                 + (f" on each of {report.ranks} ranks" if report.ranks > 1 else ""))
+                 + (f" on each of {report.world_size} ranks" if report.world_size > 1 else ""))
     if report.loss_tokens is not None:
         how = ("no labels or loss mask: every token but each piece's first" if report.loss_tokens_assumed
                else "labels or a loss mask, the first token of each piece excluded, as packed")
@@ -598,10 +639,10 @@ def format_table(report: WasteReport, *, options=None) -> str:
         "padding = 1 - real / (rows x padded length); packed rows are windows of W.",
         "attention vs padded = sum over rows of cost / (examples x longest^2), where a padded row costs "
         "P^2 and a packed window sum(L_i^2) + (W - load)^2 (varlen attention).",
-        f"imbalance = sum over steps of the slowest of {report.ranks} rank(s) / sum of the mean rank, a document "
-        f"costing 24576 L + L^2{f' / {report.cp_size}' if report.cp_size > 1 else ''} (packed windows in a random "
-        "order; --ranks sets the ranks); examples/step cv = "
-        "std / mean of the examples a step holds over all ranks (full steps).",
+        f"imbalance = sum over steps of the slowest of {report.world_size} rank(s) / sum of the mean rank, a "
+        f"document costing 24576 L + L^2{f' / {report.cp_size}' if report.cp_size > 1 else ''}, in the steps "
+        f"packkit's sampler deals (balance {report.balance or 'none'}; random batches: a plain DataLoader's); "
+        "examples/step cv = std / mean of the examples a step holds over all ranks (full steps).",
     ]
     if u == "bytes":
         lines.append("lengths are UTF-8 bytes (byte-level tokenizer); pass --tokenizer tokenizer.json "

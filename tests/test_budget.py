@@ -16,20 +16,22 @@ from packkit import cli
 from packkit.binpack import pack
 from packkit.budget import (
     Advice,
+    AdviceOptions,
     BudgetWarning,
     effective_batch_size,
     find_max_micro_batch,
     is_out_of_memory,
     plan_budget,
-    step_sums,
     synthetic_sft_lengths,
 )
-from packkit.datafiles import read_lengths
+from packkit.datafiles import Lengths, read_lengths
 from packkit.listcolumns import loss_lengths
 from packkit.packer import pack_arrays
+from packkit.sampler import LengthGroupedSampler, PackedBatchSampler
 from packkit.segments import lengths_to_offsets, piece_loss_tokens
 
 IGNORE = -100
+QUIET = AdviceOptions(warn=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,9 +68,9 @@ def packed_units_ref(plan, lengths, loss):
 
 
 def test_effective_batch_and_bad_input():
-    assert effective_batch_size(per_device_batch=4, accumulation_steps=8, devices=2) == 64
-    with pytest.raises(ValueError, match="devices must be at least 1, got 0"):
-        plan_budget([5, 6], per_device_batch=1, devices=0)
+    assert effective_batch_size(per_device_batch=4, accumulation_steps=8, world_size=2) == 64
+    with pytest.raises(ValueError, match="world_size must be at least 1, got 0"):
+        plan_budget([5, 6], per_device_batch=1, world_size=0)
     with pytest.raises(ValueError, match="accumulation_steps must be at least 1, got 0"):
         plan_budget([5, 6], per_device_batch=1, accumulation_steps=0)
     with pytest.raises(ValueError, match="lengths is empty"):
@@ -78,10 +80,9 @@ def test_effective_batch_and_bad_input():
     with pytest.raises(TypeError, match="per_device_batch must be an integer"):
         plan_budget([5], per_device_batch=2.5)
     with pytest.raises(ValueError, match="example 1 has loss_lengths=6 with length 6"):
-        plan_budget([5, 6], per_device_batch=1, loss_lengths=[2, 6])
+        plan_budget(Lengths(np.array([5, 6]), "t", loss_lengths=np.array([2, 6])), per_device_batch=1)
     with pytest.raises(ValueError, match="lengths \\(or a packed plan\\)"):
         plan_budget(per_device_batch=1)
-    assert list(step_sums([1, 2, 3, 4, 5], 2)) == [3, 7, 5]
 
 
 @settings(max_examples=40)
@@ -106,28 +107,54 @@ def test_piece_loss_tokens_of_loss_lengths_match_real_packed_labels(examples, wi
 # ----------------------------------------------------------------------------------------------
 
 
+def dealt_steps_ref(make, world_size, accumulation, full_steps, values):
+    """Per optimiser step, the sum of ``values`` over every rank's batches, read in loops from each rank's own
+    sampler (``make(rank)``): full steps are ``accumulation`` batches on every rank and come first, the rest is
+    one partial step. ``(sums of the full steps, or of the partial one when there is none), steps``."""
+    per_rank = [[list(b) for b in make(r)] for r in range(world_size)]
+    rows = len(per_rank[0])
+    bounds = list(range(0, full_steps * accumulation, accumulation)) + ([full_steps * accumulation]
+                                                                       if rows > full_steps * accumulation else [])
+    sums = [sum(values[i] for batches in per_rank for b in batches[lo:hi] for i in b)
+            for lo, hi in zip(bounds, bounds[1:] + [rows])]
+    return (sums[:full_steps] if full_steps else sums), len(sums)
+
+
 @settings(max_examples=30)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=120), st.integers(1, 4), st.integers(1, 3),
-       st.integers(1, 2), st.integers(0, 5), st.booleans())
-@example([300], 4, 3, 2, 0, True)  # one window, a step of 24: no full step
-@example([300], 4, 3, 2, 0, False)
-@example([1] * 120, 1, 1, 1, 5, False)  # all equal: one window
-@example([150] * 4, 1, 1, 2, 1, True)  # every step alike (std 0)
-def test_packed_report_matches_reference(lengths, b, a, d, seed, drop_last):
+       st.integers(1, 2), st.integers(0, 5), st.booleans(), st.sampled_from([None, "tokens", "sqlen", "compute"]))
+@example([300], 4, 3, 2, 0, True, None)  # one window, a step of 24: no full step
+@example([300], 4, 3, 2, 0, False, None)
+@example([1] * 120, 1, 1, 1, 5, False, None)  # all equal: one window
+@example([150] * 4, 1, 1, 2, 1, True, "compute")  # every step alike (std 0)
+def test_packed_report_is_the_schedule_the_sampler_deals(lengths, b, a, d, seed, drop_last, balance):
+    """The per-step figures are those of the epoch a real PackedBatchSampler (same window, windows per batch,
+    ranks, accumulation, seed and balance) deals, read here rank by rank, whatever the balance policy: before,
+    plan_budget cut its own order of the windows into steps, not the sampler's."""
     lengths = np.array(lengths)
     loss = lengths // 2
-    plan = pack(lengths, window=300, seed=seed).shuffled()
-    r = plan_budget(plan=plan, per_device_batch=b, accumulation_steps=a, devices=d, loss_lengths=loss,
-                    drop_last=drop_last, warn=False)
-    steps, n_steps, n_full = steps_ref(packed_units_ref(plan, lengths, loss), b * a * d)
-    assert r.mode == "packed" and r.effective_batch == b * a * d
-    assert r.full_steps_per_epoch == n_full
-    assert r.steps_per_epoch == (n_full if drop_last else n_steps)
-    for k, spread in enumerate((r.tokens_per_step, r.examples_per_step, r.loss_tokens_per_step)):
-        vals = [s[k] for s in steps]
+    r = plan_budget(Lengths(lengths, "t", loss_lengths=loss), window=300, per_device_batch=b, accumulation_steps=a,
+                    world_size=d, seed=seed, drop_last=drop_last, balance=balance, advice=QUIET)
+    probe = PackedBatchSampler(lengths, window=300, windows_per_batch=b, world_size=d, rank=0, step_batches=d * a,
+                               seed=seed, balance=balance)
+    full = probe.plan().num_windows // (b * a * d)
+
+    def make(rank):
+        return PackedBatchSampler(lengths, window=300, windows_per_batch=b, world_size=d, rank=rank,
+                                  step_batches=d * a, seed=seed, balance=balance, drop_last=drop_last and full > 0)
+
+    sampler = make(0)
+    assert r.mode == "packed" and r.effective_batch == b * a * d and r.full_steps_per_epoch == full
+    for values, spread in ((lengths, r.tokens_per_step), (np.ones_like(lengths), r.examples_per_step),
+                           (loss, r.loss_tokens_per_step)):
+        vals, steps = dealt_steps_ref(make, d, a, full, values)
         assert spread.mean == pytest.approx(np.mean(vals)) and spread.min == min(vals) and spread.max == max(vals)
         assert spread.std == pytest.approx(np.std(vals), abs=1e-9)
-    assert r.padding_fraction == pytest.approx(1 - lengths.sum() / (plan.num_windows * 300))
+    assert r.steps_per_epoch == (full if drop_last else steps)
+    assert r.padding_fraction == pytest.approx(1 - lengths.sum() / (sampler.plan().num_windows * 300))
+    if full or not drop_last:
+        stats = sampler.epoch_stats()
+        assert (r.compute_imbalance, r.examples_per_step_cv) == (stats.compute_imbalance, stats.examples_per_step_cv)
 
 
 @settings(max_examples=30)
@@ -135,18 +162,33 @@ def test_packed_report_matches_reference(lengths, b, a, d, seed, drop_last):
        st.integers(0, 5))
 @example([1], 4, 3, 0)  # one one-token example: no loss token, one partial step
 @example([300] * 12, 4, 3, 1)  # all equal: no padding, one full step
-def test_padded_report_matches_reference(lengths, b, a, seed):
+def test_padded_report_is_the_schedule_the_sampler_deals(lengths, b, a, seed):
+    """Padded: the length-grouped batches a real LengthGroupedSampler deals, each padded to its longest."""
     lengths = np.array(lengths)
-    r = plan_budget(lengths, per_device_batch=b, accumulation_steps=a, seed=seed, warn=False)
-    order = np.random.default_rng(seed).permutation(len(lengths))  # the padded path's random order
-    units = [(int(lengths[i]), 1, int(lengths[i]) - 1) for i in order]
-    steps, n_steps, n_full = steps_ref(units, b * a)
+    r = plan_budget(lengths, per_device_batch=b, accumulation_steps=a, seed=seed, advice=QUIET)
+
+    def make(rank):
+        return LengthGroupedSampler(lengths, batch_size=b, world_size=1, rank=rank, step_batches=a, seed=seed)
+
+    sampler, full = make(0), len(lengths) // (a * b)
+    vals, steps = dealt_steps_ref(make, 1, a, full, lengths)
     assert r.mode == "padded" and r.loss_tokens_assumed
-    assert r.steps_per_epoch == n_steps and r.full_steps_per_epoch == n_full
-    assert r.tokens_per_step.mean == pytest.approx(np.mean([s[0] for s in steps]))
-    assert r.loss_tokens_per_step.mean == pytest.approx(np.mean([s[2] for s in steps]))
-    padded = sum(len(order[i:i + b]) * lengths[order[i:i + b]].max() for i in range(0, len(order), b))
+    assert r.steps_per_epoch == steps and r.full_steps_per_epoch == full
+    assert r.tokens_per_step.mean == pytest.approx(np.mean(vals))
+    assert r.loss_tokens_per_step.mean == pytest.approx(np.mean(dealt_steps_ref(make, 1, a, full, lengths - 1)[0]))
+    padded = sum(len(batch) * lengths[batch].max() for batch in sampler)
     assert r.padding_fraction == pytest.approx(1 - lengths.sum() / padded)
+
+
+def test_a_plan_given_is_dealt_in_its_order():
+    """A Plan as lengths: its windows dealt in the order given (no shuffle), steps of b x a x d windows."""
+    lengths = np.array([300, 200, 100, 250, 50, 120, 80, 290, 10] * 5)
+    plan = pack(lengths, window=300).shuffled(3)
+    r = plan_budget(plan, per_device_batch=2, accumulation_steps=1, world_size=2, advice=QUIET)
+    tokens = plan.window_loads
+    want = [int(tokens[i:i + 4].sum()) for i in range(0, plan.num_windows // 4 * 4, 4)]
+    assert r.steps_per_epoch == -(-plan.num_windows // 4) and r.tokens_per_step.mean == pytest.approx(np.mean(want))
+    assert r.tokens_per_step.max == max(want) and r.window == 300
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +202,7 @@ def codes(report):
 
 def test_few_steps_per_epoch_800_examples_at_64_is_twelve_steps():
     with pytest.warns(BudgetWarning, match="few_steps_per_epoch") as rec:
-        r = plan_budget([500] * 800, per_device_batch=8, accumulation_steps=4, devices=2)
+        r = plan_budget([500] * 800, per_device_batch=8, accumulation_steps=4, world_size=2)
     assert r.effective_batch == 64 and r.full_steps_per_epoch == 12 and r.steps_per_epoch == 13
     assert codes(r) == ["few_steps_per_epoch"]
     w = [x.message for x in rec if isinstance(x.message, BudgetWarning)][0]
@@ -171,31 +213,31 @@ def test_few_steps_per_epoch_800_examples_at_64_is_twelve_steps():
 
 
 def test_low_tokens_per_step_suggests_accumulation_that_reaches_the_threshold():
-    r = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=2, warn=False)  # 800 tokens/step
+    r = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=2, advice=QUIET)  # 800 tokens/step
     (adv,) = [a for a in r.advice if a.code == "low_tokens_per_step"]
     assert adv.values["tokens_per_step"] == 800
     assert adv.values["suggested_accumulation_steps"] == 10  # 10 x 400 = 4,000
     assert "rather than raising the learning rate" in adv.message
-    r2 = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=10, warn=False)
+    r2 = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=10, advice=QUIET)
     assert "low_tokens_per_step" not in codes(r2)
 
 
 def test_lora_large_batch_and_target_accumulation():
     lengths = [200] * 20_000
-    r = plan_budget(lengths, per_device_batch=16, accumulation_steps=4, lora=True, warn=False)
+    r = plan_budget(lengths, per_device_batch=16, accumulation_steps=4, advice=AdviceOptions(lora=True, warn=False))
     assert "lora_large_batch" in codes(r)
     assert "lora_large_batch" not in codes(plan_budget(lengths, per_device_batch=16, accumulation_steps=2,
-                                                       lora=True, warn=False))
+                                                       advice=AdviceOptions(lora=True, warn=False)))
     assert "lora_large_batch" not in codes(plan_budget(lengths, per_device_batch=16, accumulation_steps=4,
-                                                       warn=False))
+                                                       advice=QUIET))
     # packed: 2 windows of 2,000 tokens per accumulation step (x 2 devices): 8,000 tokens; target 50,000
-    r = plan_budget([1000] * 4000, window=2000, per_device_batch=2, devices=2, accumulation_steps=1,
-                    target_tokens_per_step=50_000, warn=False)
+    r = plan_budget([1000] * 4000, window=2000, per_device_batch=2, world_size=2, accumulation_steps=1,
+                    advice=AdviceOptions(target_tokens_per_step=50_000, warn=False))
     assert r.accumulation_for_target == math.ceil(50_000 / 8000) == 7
     (adv,) = [a for a in r.advice if a.code == "accumulation_for_target"]
     assert adv.values["suggested_accumulation_steps"] == 7
-    r = plan_budget([1000] * 4000, window=2000, per_device_batch=2, devices=2, accumulation_steps=7,
-                    target_tokens_per_step=50_000, warn=False)
+    r = plan_budget([1000] * 4000, window=2000, per_device_batch=2, world_size=2, accumulation_steps=7,
+                    advice=AdviceOptions(target_tokens_per_step=50_000, warn=False))
     assert "accumulation_for_target" not in codes(r) and r.accumulation_for_target == 7
 
 
@@ -204,15 +246,15 @@ def test_a_healthy_run_gets_no_advice_and_warn_false_is_silent():
         warnings.simplefilter("error")
         r = plan_budget([1000] * 100_000, window=4096, per_device_batch=4, accumulation_steps=2)
         assert r.advice == ()
-        plan_budget([10] * 10, per_device_batch=1, warn=False)  # would advise, but silently
+        plan_budget([10] * 10, per_device_batch=1, advice=QUIET)  # would advise, but silently
     assert isinstance(Advice("x", "y", {}).as_dict(), dict)
 
 
 def test_report_table_and_dict():
     lengths, loss = synthetic_sft_lengths(3000, seed=1)
     assert lengths.max() <= 2048 and (loss <= lengths - 1).all() and (loss >= 1).all()
-    r = plan_budget(lengths, loss_lengths=loss, window=2048, per_device_batch=2, accumulation_steps=2,
-                    warn=False)
+    r = plan_budget(Lengths(lengths, "t", loss_lengths=loss), window=2048, per_device_batch=2, accumulation_steps=2,
+                    advice=QUIET)
     text = r.table()
     assert "tokens per step" in text and "steps per epoch" in text
     d = json.loads(json.dumps(r.as_dict()))
@@ -334,7 +376,8 @@ def test_cli_inputs_agree(tmp_path, capsys):
         results.append(json.loads(out))
     assert len({r["tokens_per_step"]["mean"] for r in results}) == 1
     assert results[0]["loss_tokens_assumed"] and not any(r["loss_tokens_assumed"] for r in results[1:])
-    want = plan_budget(lengths, loss_lengths=loss, window=2048, per_device_batch=2, accumulation_steps=3, warn=False)
+    want = plan_budget(Lengths(lengths, "t", loss_lengths=loss), window=2048, per_device_batch=2, accumulation_steps=3,
+                       advice=QUIET)
     for r in results[1:]:
         assert r["loss_tokens_per_step"]["mean"] == pytest.approx(want.loss_tokens_per_step.mean)
 
@@ -344,7 +387,7 @@ def test_cli_inputs_agree(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,code,message", [
     ((), 2, "give a lengths FILE or --synthetic N"),
-    (("--synthetic", "10", "-d", "0"), 2, "--devices must be at least 1"),
+    (("--synthetic", "10", "-d", "0"), 2, "--world-size must be at least 1"),
     (("--synthetic", "10", "-a", "0"), 2, "--accumulation-steps must be at least 1"),
     (("missing.npy",), 3, "does not exist"),
 ])

@@ -170,7 +170,7 @@ def test_waste_and_plan_count_cp_padding(tmp_path, capsys):
     """The planner learns CP: zigzag pads every example to a multiple of 2*cp before packing (the padding
     fills window slots, never counted as tokens); row layouts need W to be a multiple of cp; the command
     line says so in its own syntax."""
-    from packkit.budget import plan_budget
+    from packkit.budget import AdviceOptions, plan_budget
     from packkit.cli import main
     from packkit.waste import format_table, measure_waste
 
@@ -190,8 +190,9 @@ def test_waste_and_plan_count_cp_padding(tmp_path, capsys):
                                          "cp_size=8 needs; raise window to 2,064"):
         measure_waste(lengths, window=2050, cp_size=8, cp_layout="zigzag")
 
-    b0 = plan_budget(lengths, per_device_batch=1, window=2048, warn=False)
-    b8 = plan_budget(lengths, per_device_batch=1, window=2048, warn=False, cp_size=8, cp_layout="zigzag")
+    b0 = plan_budget(lengths, per_device_batch=1, window=2048, advice=AdviceOptions(warn=False))
+    b8 = plan_budget(lengths, per_device_batch=1, window=2048, advice=AdviceOptions(warn=False), cp_size=8,
+                     cp_layout="zigzag")
     assert b8.num_tokens == b0.num_tokens == lengths.sum()
     assert b8.padding_fraction > b0.padding_fraction
     assert b8.loss_tokens_per_step.mean * b8.steps_per_epoch == pytest.approx(b0.loss_tokens_per_step.mean

@@ -216,22 +216,58 @@ def test_cost_target_packer_one_window_per_rank():
     assert t.seg_example.tolist() == [0, 2, 1, 3] and t.window_ptr.tolist() == [0, 2, 4]
 
 
-def test_waste_ranks_figures_match_a_numpy_count():
-    """measure_waste(ranks=) reports, for packed windows, the imbalance of the windows in a seeded order
-    dealt k per rank: recounted here from the plan."""
+def test_waste_random_batches_figures_match_a_numpy_count():
+    """measure_waste(world_size=) reports, for random padded batches (a plain DataLoader's: no packkit sampler
+    deals them), the imbalance of the seeded order dealt batch_size rows per rank: recounted here."""
     L = heavy_tail(3000, 3, top=2048)
-    r = measure_waste(L, window=2048, batch_size=4, ranks=4, seed=5, strategies=("random", "bfd"))
-    bfd = r.strategies[1]
-    from packkit.binpack import pack
+    r = measure_waste(L, window=2048, batch_size=4, world_size=4, seed=5, strategies=("random",))
+    order = np.random.default_rng(5).permutation(L.size)
+    longest = np.maximum.reduceat(L[order], np.arange(0, L.size, 4))
+    padded = np.repeat(longest, np.diff(np.append(np.arange(0, L.size, 4), L.size)))
+    cost = 24576.0 * padded + padded.astype(float) ** 2
+    full = L.size // 16 * 16
+    per = cost[:full].reshape(-1, 4, 4).sum(axis=2)
+    assert r.strategies[0].compute_imbalance == pytest.approx(per.max(axis=1).sum() / per.mean(axis=1).sum())
+    assert r.strategies[0].compute_imbalance > 1.0 and r.to_dict()["world_size"] == 4
 
-    plan = pack(L, window=2048, strategy="bfd", seed=5)
-    cost = np.array([(24576.0 * plan.segments(i)[2] + plan.segments(i)[2].astype(float) ** 2).sum()
-                     for i in range(plan.num_windows)])
-    order = np.random.default_rng(5).permutation(plan.num_windows)
-    full = order.size // 16 * 16
-    per = cost[order][:full].reshape(-1, 4, 4).sum(axis=2)
-    assert bfd.compute_imbalance == pytest.approx(per.max(axis=1).sum() / per.mean(axis=1).sum())
-    assert r.strategies[0].compute_imbalance > 1.0 and r.to_dict()["ranks"] == 4
+
+@pytest.mark.parametrize("balance", [None, "tokens", "sqlen", "compute"])
+def test_plan_and_waste_print_the_schedule_the_sampler_deals(tmp_path, capsys, balance):
+    """``packkit plan`` and ``packkit waste`` print the steps, compute imbalance and spread of examples per step of
+    the epoch a real sampler with the same arguments deals, for every balance policy: before, each command cut
+    the epoch into steps its own way, so under balance="compute" they printed the imbalance of a schedule no
+    sampler deals (and had no --balance)."""
+    import json
+
+    from packkit.cli import main
+
+    L = heavy_tail(3000, 6, top=2048)
+    path = tmp_path / "lengths.npy"
+    np.save(path, L)
+    policy = ["--balance", balance or "none"]
+    kw = dict(world_size=4, rank=0, seed=0, balance=balance)
+    packed = PackedBatchSampler(L, window=2048, windows_per_batch=2, step_batches=8, **kw)
+    grouped = LengthGroupedSampler(L, batch_size=3, step_batches=4, **kw)
+
+    def steps(sampler):
+        return sampler.schedule().step_row.size - 1
+
+    assert main(["plan", str(path), "-w", "2048", "-b", "2", "-a", "2", "--ranks", "4", "--json", *policy]) == 0
+    got = json.loads(capsys.readouterr().out)
+    stats = packed.epoch_stats()
+    assert (got["compute_imbalance"], got["examples_per_step_cv"], got["steps_per_epoch"]) == \
+        (stats.compute_imbalance, stats.examples_per_step_cv, steps(packed))
+    assert main(["waste", str(path), "-w", "2048", "-b", "3", "--windows-per-step", "2", "--world-size", "4",
+                 "--strategies", "grouped,bfd", "--json", "-q", *policy]) == 0
+    got = {s["name"]: s for s in json.loads(capsys.readouterr().out)["strategies"]}
+    bfd = PackedBatchSampler(L, window=2048, windows_per_batch=2, **kw)
+    for name, sampler in (("grouped", grouped), ("bfd", bfd)):
+        stats = sampler.epoch_stats()
+        print(name, balance, "imbalance printed", got[name]["compute_imbalance"], "dealt", stats.compute_imbalance)
+        assert got[name]["compute_imbalance"] == pytest.approx(stats.compute_imbalance, abs=1e-6)
+        assert got[name]["examples_per_step_cv"] == pytest.approx(stats.examples_per_step_cv, abs=1e-6)
+        assert got[name]["steps"] == steps(sampler)
+    assert got["bfd"]["rows"] == bfd.plan().num_windows
 
 
 def test_cli_waste_ranks_and_plan_print_both_figures(tmp_path, capsys):

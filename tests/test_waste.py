@@ -11,6 +11,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.binpack import pack
+from packkit.datafiles import Lengths
+from packkit.sampler import PackedBatchSampler
 from packkit.waste import WASTE_STRATEGIES, apply_overflow, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
 
 
@@ -97,9 +99,13 @@ def test_measure_waste_matches_reference(lengths, batch_size, window, k):
     assert sorted(i for b in batches for i in b) == list(range(n))
     real, slots, att = padded_ref(L.tolist(), batches)
     assert (g.real_tokens, g.slot_tokens, g.steps) == (real, slots, len(batches)) and g.attention == pytest.approx(att)
-    # packed strategies: against the plan, one window at a time
+    # packed strategies: against the plan, one window at a time; first fit in a random order is the plan
+    # the sampler that deals it makes (its own seed for the epoch)
     for name in ("bfd", "shuffle_ff", "next_fit"):
         plan = pack(L, window=window, strategy=name, seed=3)
+        if name == "shuffle_ff":
+            plan = PackedBatchSampler(L, window=window, windows_per_batch=k, strategy=name, seed=3, rank=0,
+                                      world_size=1).plan()
         wl = [plan.segments(i)[2].tolist() for i in range(plan.num_windows)]
         real, slots, att = packed_ref(wl, window)
         s = by[name]
@@ -124,7 +130,7 @@ def test_padded_rows():
 @pytest.mark.slow
 def test_report_json_table_and_plot(tmp_path):
     lengths = np.random.default_rng(0).integers(1, 300, 500)
-    r = measure_waste(lengths, window=256, batch_size=4, source="test data", overflow="truncate")
+    r = measure_waste(Lengths(lengths, "test data"), window=256, batch_size=4, overflow="truncate")
     d = json.loads(json.dumps(r.to_dict()))
     assert [s["name"] for s in d["strategies"]] == list(WASTE_STRATEGIES)
     assert d["overflow_examples"] == int((lengths > 256).sum()) and d["cut_tokens"] == int(np.maximum(lengths - 256, 0).sum())
@@ -149,7 +155,8 @@ def test_waste_plot_of_data_with_labels(tmp_path):
     png = tmp_path / "w.png"
     assert main(["waste", str(data), "-w", "16", "-b", "2", "--plot", str(png), "-q"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    r = measure_waste([3, 9, 5, 12, 7], window=16, batch_size=2, loss_lengths=[1, 4, 2, 6, 3])
+    r = measure_waste(Lengths(np.array([3, 9, 5, 12, 7]), "t", loss_lengths=np.array([1, 4, 2, 6, 3])), window=16,
+                      batch_size=2)
     plot_waste(r, tmp_path / "v.png")
     assert (tmp_path / "v.png").stat().st_size > 20_000
 

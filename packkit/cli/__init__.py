@@ -92,6 +92,27 @@ def add_cp_arguments(parser: argparse.ArgumentParser, *, cp_help: str, layout_he
     parser.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS, help=layout_help)
 
 
+def _balance(value: str):
+    return None if value == "none" else value
+
+
+def add_dealing_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--world-size N`` (aliases ``-d``, ``--devices``, ``--ranks``; the samplers' ``world_size``) and ``--balance``
+    (the samplers' ``balance``; ``none`` is None): how ``plan`` and ``waste`` deal the epoch to the ranks.
+
+    >>> p = argparse.ArgumentParser(); add_dealing_arguments(p)
+    >>> p.parse_args(["--ranks", "4", "--balance", "compute"]).world_size, p.parse_args([]).balance
+    (4, None)
+    """
+    parser.add_argument("-d", "--world-size", "--devices", "--ranks", type=int, default=1, dest="world_size",
+                        metavar="N", help="data-parallel ranks (devices) the sampler deals each step to: the compute "
+                                          "imbalance is across them (default 1)")
+    parser.add_argument("--balance", type=_balance, default=None, choices=(None, "tokens", "sqlen", "compute"),
+                        metavar="{none,tokens,sqlen,compute}",
+                        help="the samplers' balance policy; the figures are those of the schedule it deals (default "
+                             "none)")
+
+
 class UsageError(Exception):
     """The command line is wrong: one line, exit code 2."""
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               UsageError, rows_as_lines)
+               add_dealing_arguments, UsageError, rows_as_lines)
 from ..binpack import OVERFLOW_POLICIES, PLAN_BYTES_PER_ITEM, STRATEGIES, check_seed, check_window, memory_available
-from ..budget import BudgetWarning, plan_budget, synthetic_sft_lengths
-from ..datafiles import read_lengths
+from ..budget import AdviceOptions, plan_budget, synthetic_sft_lengths
+from ..datafiles import Lengths, read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
 
 #: The library's argument names that this command spells otherwise.
@@ -34,8 +33,7 @@ def parser() -> Parser:
                    help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
     p.add_argument("-a", "--accumulation-steps", type=int, default=1,
                    help="micro-batches accumulated per optimiser step (default 1)")
-    p.add_argument("-d", "--devices", "--ranks", type=int, default=1,
-                   help="data-parallel devices (ranks): the compute imbalance is across them (default 1)")
+    add_dealing_arguments(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("-w", "--window", type=int, help=f"pack into windows of W tokens (default {DEFAULT_WINDOW})")
     g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
@@ -72,21 +70,19 @@ def run(args, options=None) -> int:
                              f"plan ({PLAN_BYTES_PER_ITEM} bytes each), more than the {have / 2**30:,.1f} GiB of memory "
                              "available; ask for fewer")
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
-        targets = None
+        data = Lengths(lengths, f"{args.synthetic:,} synthetic examples", loss_lengths=loss)
     else:
         with rows_as_lines(args.file):
             data = read_lengths(args.file, column=args.column, text_column=args.text_column,
                                 tokenizer=args.tokenizer, split=args.split, chat=chat_options(args),
                                 progress=not (args.json or args.quiet))
-            lengths, loss, targets = data.lengths, data.loss_lengths, data.targets
-    with warnings.catch_warnings(), rows_as_lines(args.file):
-        warnings.simplefilter("ignore", BudgetWarning)  # printed below, once, with the table
-        report = plan_budget(lengths, loss_lengths=loss, targets=targets, drop_loss_free=args.drop_loss_free,
-                             per_device_batch=args.per_device_batch,
-                             accumulation_steps=args.accumulation_steps, devices=args.devices, window=window,
-                             strategy=args.strategy, overflow=args.overflow, lora=args.lora,
-                             target_tokens_per_step=args.target_tokens, drop_last=args.drop_last, seed=args.seed,
-                             cp_size=args.cp_size, cp_layout=args.cp_layout)
+    with rows_as_lines(args.file):  # the advice is printed below, once, with the table: no warnings
+        advice = AdviceOptions(lora=args.lora, target_tokens_per_step=args.target_tokens, warn=False)
+        report = plan_budget(data, per_device_batch=args.per_device_batch, accumulation_steps=args.accumulation_steps,
+                             world_size=args.world_size, window=window, strategy=args.strategy,
+                             overflow=args.overflow, balance=args.balance, drop_loss_free=args.drop_loss_free,
+                             drop_last=args.drop_last, seed=args.seed, cp_size=args.cp_size,
+                             cp_layout=args.cp_layout, advice=advice)
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

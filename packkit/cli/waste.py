@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               require, rows_as_lines)
+               add_dealing_arguments, require, rows_as_lines)
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
 from ..datafiles import read_lengths, read_preference_lengths
 from ..errors import ArgumentError, arg
@@ -33,8 +33,7 @@ def parser() -> Parser:
     p.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
     p.add_argument("--windows-per-step", type=int, default=None,
                    help="windows per packed step (default: the batch size)")
-    p.add_argument("--ranks", type=int, default=1,
-                   help="data-parallel ranks, each taking a step's rows: compute imbalance across them (default 1)")
+    add_dealing_arguments(p)
     p.add_argument("--overflow", default=_Default(DEFAULT_OVERFLOW), choices=OVERFLOW_POLICIES,
                    help=OVERFLOW_HELP + "; with --preference, drop (default there) or error: a pair is packed whole")
     p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
@@ -86,11 +85,10 @@ def run(args, options=None) -> int:
                             tokenizer=args.tokenizer, split=args.split, progress=not args.quiet and not args.json,
                             chat=chat_options(args))
         report = measure_waste(
-            data.lengths, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
+            data, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
             overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
-            source=data.source, unit=data.unit, progress=None if not args.quiet else False,
-            loss_lengths=data.loss_lengths, targets=data.targets, drop_loss_free=args.drop_loss_free, ranks=args.ranks,
-            cp_size=args.cp_size, cp_layout=args.cp_layout)
+            progress=None if not args.quiet else False, world_size=args.world_size, balance=args.balance,
+            cp_size=args.cp_size, cp_layout=args.cp_layout, drop_loss_free=args.drop_loss_free)
     if args.plot:
         plot_waste(report, args.plot, overwrite=args.overwrite)
     if args.json:
