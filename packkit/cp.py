@@ -341,20 +341,53 @@ def shard(batch, *, cp_size: int, rank: int, layout: str = "hybrid", pad_id: int
         plan = plan_cp(lengths, cp_size=cp, layout=layout)
     elif plan.cp_size != cp or plan.layout != layout or not np.array_equal(plan.lengths[:plan.num_segments], lengths):
         raise ValueError("the plan passed to shard was made for another batch, cp_size or layout")
-    source, seg, pos = plan.local(int(rank))
+    source, seg, pos, pad_at, first, real, out = plan.local_tokens(int(rank))
     dev = ids.device
     index = torch.from_numpy(source).to(dev)
-    targets = shift_labels(labels, shifted=shifted)
-    local_targets = _take(targets, index, tuple(ids.shape), IGNORE_INDEX)
-    total = int((targets != IGNORE_INDEX).sum())
-    local = int((local_targets != IGNORE_INDEX).sum())
+    take = index.clamp_min(0)
+    pad = torch.from_numpy(pad_at).to(dev)
+    if shifted:
+        local_targets = _gather(labels, take, pad, IGNORE_INDEX)
+    else:  # the targets read where they sit in the row (the next token), not from a shifted copy of the batch
+        after, no_target = _next_in_row(source, pad_at, first, real, out, ids.shape[-1])
+        local_targets = _gather(labels, torch.from_numpy(after).to(dev), torch.from_numpy(no_target).to(dev),
+                                IGNORE_INDEX)
     return CPShard(
-        input_ids=_take(ids, index, tuple(ids.shape), pad_id)[None],
+        input_ids=_gather(ids, take, pad, pad_id)[None],
         shift_labels=local_targets[None],
         position_ids=torch.from_numpy(pos).to(dev)[None],
         seq_idx=torch.from_numpy(seg.astype(np.int32)).to(dev)[None],
-        index=index, num_loss_tokens=total, num_local_loss_tokens=local,
+        index=index, num_loss_tokens=_count_targets(labels if shifted else labels[:, 1:]),
+        num_local_loss_tokens=_count_targets(local_targets),
         max_seqlen=int(lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor, fill_at: torch.Tensor, fill) -> torch.Tensor:
+    """``x.reshape(-1)[index]`` (every index valid) with ``fill`` at the places ``fill_at``, ``(n,)``."""
+    out = x.reshape(-1).index_select(0, index)
+    return out.index_fill_(0, fill_at, fill) if fill_at.numel() else out
+
+
+def _next_in_row(source, pad_at, first, real, out, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(after, no_target)``: the flat index of the token after each of a rank's tokens (``source``, ``-1`` for
+    CP padding: :meth:`CPPlan.local_tokens`) and the places that have no next token in their row of ``width``
+    (a row's last token: labels shift per row) or are padding. The rows' last tokens are found from the pieces
+    (``first`` token, ``real`` tokens, place ``out``): a per-token ``% width`` costs as much as the shard.
+    One row ``[0..3]``, a rank holding ``[2, 3, -1]`` -> ``after [3, 0, 0]``, ``no_target [2, 1]``."""
+    first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
+    count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)
+    ends = np.repeat(out + first_end - first, count) + range_index(np.zeros(count.size, np.int64), count) * width
+    after = source + 1  # padding (-1) reads token 0, then is filled
+    no_target = np.concatenate([pad_at, ends])
+    after[ends] = 0
+    return after, no_target
+
+
+def _count_targets(targets: torch.Tensor) -> int:
+    """Targets that are not ``IGNORE_INDEX`` (on the host: one pass, no tensor op per call)."""
+    if targets.device.type == "cpu":
+        return int(np.count_nonzero(targets.numpy() != IGNORE_INDEX))
+    return int(torch.count_nonzero(targets != IGNORE_INDEX))
 
 
 def _restore_parts(parts, plan: CPPlan) -> list:

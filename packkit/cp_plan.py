@@ -90,7 +90,9 @@ class CPPlan:
         local_len: Python int, tokens every rank holds (equal on all ranks).
         piece_rank, piece_seg, piece_offset, piece_len: ``(P,)`` int64, sorted by rank then by place in
             ``G``: rank ``piece_rank[i]`` holds positions ``piece_offset[i] : + piece_len[i]`` of segment
-            ``piece_seg[i]``.
+            ``piece_seg[i]``. Built on first use: one rank's tokens (:meth:`local`) need only that rank's
+            pieces (zigzag and contiguous ones follow from ``padded``; the hybrid's are dealt in
+            :func:`plan_cp` and kept as dealt, ``dealt``, sorted when every rank's are asked for).
     """
 
     layout: str
@@ -99,10 +101,38 @@ class CPPlan:
     padded: np.ndarray
     num_segments: int
     local_len: int
-    piece_rank: np.ndarray
-    piece_seg: np.ndarray
-    piece_offset: np.ndarray
-    piece_len: np.ndarray
+    #: the hybrid's pieces ``(rank, seg, offset, len)`` in dealing order, some empty (None for the others)
+    dealt: tuple | None = dataclasses.field(default=None, repr=False)
+
+    # -- pieces --
+
+    def _pieces(self) -> tuple[np.ndarray, ...]:
+        """Every rank's pieces in plan order (built once, kept)."""
+        table = self.__dict__.get("_table")
+        if table is None:
+            if self.dealt is None:
+                table = _layout_pieces(self.layout, self.padded, self.cp_size)
+            else:
+                table = _plan_order(self.dealt, self.padded)
+            object.__setattr__(self, "_table", table)  # a cache: the plan stays what it was made as
+        return table
+
+    piece_rank = property(lambda self: self._pieces()[0])
+    piece_seg = property(lambda self: self._pieces()[1])
+    piece_offset = property(lambda self: self._pieces()[2])
+    piece_len = property(lambda self: self._pieces()[3])
+
+    def own_pieces(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(seg, offset, len)`` of ``rank``'s pieces in their order in ``G``, built for that rank alone (the
+        zigzag of 1,472 documents at cp 8: 2,944 pieces, not 23,552): the rank's rows of the piece arrays."""
+        if "_table" in self.__dict__:
+            p = self.rank_pieces(rank)
+            return self.piece_seg[p], self.piece_offset[p], self.piece_len[p]
+        if self.dealt is not None:
+            return _plan_order(self.dealt, self.padded, rank)[1:]
+        if self.layout == "zigzag":
+            return _zigzag_rank(self.padded, self.cp_size, rank)
+        return _contiguous_rank(self.padded, self.local_len, rank)
 
     # -- figures --
 
@@ -138,18 +168,27 @@ class CPPlan:
     def local(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(source, seg, position)`` of ``rank``'s ``local_len`` tokens, int64: the flat index into the
         batch of each (``-1`` for CP padding), its segment and its position in the segment."""
-        p = self.rank_pieces(rank)
-        seg = np.repeat(self.piece_seg[p], self.piece_len[p])
-        pos = range_index(self.piece_offset[p], self.piece_len[p])
-        flat_start, _ = self._seg_starts()
-        source = np.where(pos < self.lengths[seg], flat_start[seg] + pos, -1)
-        return source, seg, pos
+        return self.local_tokens(rank)[:3]
+
+    def local_tokens(self, rank: int) -> tuple[np.ndarray, ...]:
+        """:meth:`local`'s ``(source, seg, position)`` and ``(pad_at, first, real, out)``: where the CP padding
+        sits among the rank's tokens (``(padding,)``), and for each of its pieces the flat index of its first
+        token, its real tokens and its place among the rank's tokens. The padding is a piece's tail, so it is
+        marked piece by piece (a few slots), not found token by token."""
+        seg, off, n = self.own_pieces(rank)
+        out = lengths_to_offsets(n)
+        start = lengths_to_offsets(self.lengths)[:-1][seg]
+        real = np.clip(self.lengths[seg] - off, 0, n)
+        pos = np.repeat(off - out[:-1], n) + np.arange(out[-1])
+        source = np.repeat(start, n) + pos
+        pad_at = range_index(out[:-1] + real, n - real)
+        source[pad_at] = -1
+        return source, np.repeat(seg, n), pos, pad_at, start + off, real, out[:-1]
 
     def g_index(self, rank: int) -> np.ndarray:
         """``(local_len,)`` int64: where ``rank``'s tokens sit in the padded stream ``G``."""
-        p = self.rank_pieces(rank)
-        _, g_start = self._seg_starts()
-        return range_index(g_start[self.piece_seg[p]] + self.piece_offset[p], self.piece_len[p])
+        seg, off, n = self.own_pieces(rank)
+        return range_index(lengths_to_offsets(self.padded)[:-1][seg] + off, n)
 
     def rearrange_index(self, *, restore: bool = False) -> np.ndarray:
         """``(1, cp_size * local_len)`` int64, what torch's ``_LoadBalancer._generate_indices(restore)``
@@ -158,6 +197,7 @@ class CPPlan:
         permutation). For zigzag on one document of ``2 * cp`` chunks it equals torch's
         ``_HeadTailLoadBalancer``: ``plan_cp([4], cp_size=2, layout="zigzag").rearrange_index() ->
         [[0, 3, 1, 2]]``."""
+        self._pieces()  # every rank's: built once
         idx = np.concatenate([self.g_index(r) for r in range(self.cp_size)])
         if restore:
             idx = np.argsort(idx, kind="stable")
@@ -167,6 +207,7 @@ class CPPlan:
     def inverse(self) -> np.ndarray:
         """``(num_tokens,)`` int64: for every token of the batch (flat order) its place in the ranks'
         concatenated local tokens (rank 0's first)."""
+        self._pieces()  # every rank's: built once
         source = np.concatenate([self.local(r)[0] for r in range(self.cp_size)])
         inv = np.empty(self.num_tokens, np.int64)
         keep = source >= 0
@@ -203,6 +244,43 @@ def _contiguous_pieces(padded, cp) -> tuple[np.ndarray, ...]:
     return starts // local, seg, starts - g_start[seg], ends - starts
 
 
+def _zigzag_rank(padded, cp, rank) -> tuple[np.ndarray, ...]:
+    """``(seg, offset, len)`` of one rank's zigzag pieces: chunks ``rank`` and ``2cp-1-rank`` of every segment,
+    segment by segment (:func:`_zigzag_pieces`' rows of that rank)."""
+    chunk = padded // (2 * cp)
+    off = np.stack([rank * chunk, (2 * cp - 1 - rank) * chunk], 1).ravel()
+    return np.arange(chunk.size).repeat(2), off, chunk.repeat(2)
+
+
+def _contiguous_rank(padded, local_len, rank) -> tuple[np.ndarray, ...]:
+    """``(seg, offset, len)`` of one rank's contiguous pieces: the segments that cross ``G[rank * local_len :
+    (rank + 1) * local_len]``, clipped to it (:func:`_contiguous_pieces`' rows of that rank)."""
+    cu = lengths_to_offsets(padded)
+    lo, hi = rank * local_len, (rank + 1) * local_len
+    first, last = np.searchsorted(cu, lo, side="right") - 1, np.searchsorted(cu, hi, side="left")
+    seg = np.arange(first, last)
+    start = np.maximum(cu[first:last], lo)
+    return seg, start - cu[first:last], np.minimum(cu[first + 1:last + 1], hi) - start
+
+
+def _layout_pieces(layout, padded, cp) -> tuple[np.ndarray, ...]:
+    """Every rank's zigzag or contiguous pieces, in plan order."""
+    if layout == "zigzag":
+        return _zigzag_pieces(np.arange(padded.size), padded, cp)
+    return _contiguous_pieces(padded, cp)
+
+
+def _plan_order(dealt, padded, rank=None) -> tuple[np.ndarray, ...]:
+    """Dealt pieces ``(rank, seg, offset, len)`` without the empty ones, sorted by rank then by place in ``G``
+    (``rank`` given: that rank's only, the sort of its own pieces alone)."""
+    r, seg, off, n = dealt
+    keep = n > 0 if rank is None else (n > 0) & (r == rank)
+    r, seg, off, n = r[keep], seg[keep], off[keep], n[keep]
+    g = lengths_to_offsets(padded)[:-1][seg] + off
+    order = np.argsort(g, kind="stable") if rank is not None else np.lexsort((g, r))
+    return r[order], seg[order], off[order], n[order]
+
+
 #: the hybrid layout zigzags a document whose causal work alone exceeds this fraction of a rank's
 #: mean work (besides every document over the per-rank share): placed whole, it would make its rank
 #: the straggler, since every rank holds the same number of tokens
@@ -232,32 +310,64 @@ def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
             sizes.ravel())
 
 
-def _lpt_equal(work, room, n: int, count: int) -> np.ndarray:
-    """Ranks of ``count`` documents of ``n`` tokens dealt one by one to the rank of least ``work`` with room
-    for them (the lower rank among equal ones), all at once; ``work`` and ``room`` are updated. Fewer than
-    ``count`` when the ranks run out of room.
+def _deal_equal(work: list, room: list, n: int, count: int) -> list:
+    """How many of ``count`` documents of ``n`` tokens each rank gets when they are dealt one by one to the rank of
+    least ``work`` with room for them (the lower rank among equal ones); ``work`` and ``room`` (Python ints, one per
+    rank) are updated. Fewer than ``count`` in all when the ranks run out of room.
 
-    The documents are equal, so rank ``r`` offers the values ``work[r] + j * w`` (``w`` a document's causal
-    work) for ``j < room[r] // n``, and one-by-one least-work dealing takes the ``count`` smallest offers
-    in ``(value, rank)`` order: ``_lpt_equal([0., 5.], [9, 9], 2, 3) -> [0, 0, 1]`` (offers 0, 3, 6 | 5, 8).
-    Works are exact integers in float64, so the order is the loop's."""
+    The documents are equal, so rank ``r`` offers the values ``work[r] + j * w`` (``w`` a document's causal work)
+    for ``j < room[r] // n``, and the dealing takes the ``count`` smallest offers in ``(value, rank)`` order. With
+    ``work[r] = q[r] * w + f[r]`` an offer's value orders by its level ``q[r] + j`` first, so the count-th offer's
+    level ``t`` is found on the breakpoints of "offers below a level" (a few per rank, not an offer each):
+    every offer below ``t``, then the ranks offering at ``t`` in ``(f, rank)`` order until ``count``.
+    ``_deal_equal([0, 5], [9, 9], 2, 3) -> [2, 1]`` (offers 0, 3, 6 | 5, 8: work [6, 8])."""
     w = n * (n + 1) // 2
-    cap = np.minimum(room // n, count)
-    total = int(cap.sum())
-    rank = np.repeat(np.arange(cap.size), cap)
-    j = np.arange(total) - np.repeat(np.cumsum(cap) - cap, cap)
-    pick = rank[np.lexsort((rank, work[rank] + j * w))[:count]]
-    took = np.bincount(pick, minlength=cap.size)
-    work += took * w
-    room -= took * n
-    return pick
+    cp = len(work)
+    cap = [min(r // n, count) for r in room]
+    if sum(cap) <= count:
+        took = cap
+    else:
+        q = [x // w for x in work]
+        # below(L) = sum(min(max(L - q, 0), cap)): offers under level L, piecewise linear in L; its slope
+        # steps up at every q and down at every q + cap (a cap of count cannot bind: left out)
+        steps = sorted([(q[r], 1) for r in range(cp) if cap[r]] + [(q[r] + cap[r], -1) for r in range(cp)
+                                                                     if 0 < cap[r] < count])
+        below = slope = 0
+        at = steps[0][0]
+        for point, step in steps + [(steps[-1][0] + count + 1, 0)]:  # past the last step: reached before
+            if slope and below + slope * (point - at) >= count:
+                break
+            below += slope * (point - at)
+            slope, at = slope + step, point
+        level = at + (count - below - 1) // slope
+        took = [min(max(level - q[r], 0), cap[r]) for r in range(cp)]
+        at = sorted((work[r] - q[r] * w, r) for r in range(cp) if q[r] <= level < q[r] + cap[r])
+        for _, r in at[:count - sum(took)]:
+            took[r] += 1
+    for r in range(cp):
+        work[r] += took[r] * w
+        room[r] -= took[r] * n
+    return took
 
 
-def _cut_over_ranks(s: int, n: int, work, room, pieces: list) -> None:
+def _dealt_ranks(before, took, w) -> np.ndarray:
+    """The rank of every document dealt by :func:`_deal_equal`, run after run, in dealing order, in one numpy
+    pass: ``before`` ``(runs, cp)`` the ranks' work as each run began, ``took`` ``(runs, cp)`` the documents each
+    rank got, ``w`` ``(runs,)`` a document's work; within a run the offers are taken in ``(value, rank)`` order."""
+    runs, cp = took.shape
+    took = took.ravel()
+    rank = np.repeat(np.tile(np.arange(cp), runs), took)
+    run = np.repeat(np.arange(runs).repeat(cp), took)
+    j = np.arange(rank.size) - np.repeat(lengths_to_offsets(took)[:-1], took)
+    value = np.repeat(before.ravel(), took) + j * w[run]
+    return rank[np.lexsort((rank, value, run))]
+
+
+def _cut_over_ranks(s: int, n: int, work: list, room: list, pieces: list) -> None:
     """A document no rank has room for whole: cut over the ranks with the most room (small documents, last)."""
     off = 0
-    for r in np.argsort(-room, kind="stable").tolist():
-        take = int(min(room[r], n - off))
+    for r in sorted(range(len(room)), key=lambda r: -room[r]):
+        take = min(room[r], n - off)
         if take:
             pieces.append((r, s, off, take))
             work[r] += int(causal_work(take, off))
@@ -271,29 +381,33 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     """Long segments zigzag (unpadded chunks); short ones whole, LPT by causal work into the room every
     rank has left of ``ceil(T / cp)`` tokens; that room's remainder (under cp tokens) is padding.
 
-    The LPT takes the short segments longest first, one run of equal lengths at a time (:func:`_lpt_equal`:
-    one numpy pass a run, not a Python step a document: a row of 2,443 chat turns has a few dozen runs)."""
+    The LPT takes the short segments longest first, one run of equal lengths at a time (:func:`_deal_equal`: a
+    few Python steps a rank for a run, not a step a document: a row of 2,443 chat turns has a few dozen runs),
+    and the ranks of every dealt document come in one numpy pass at the end (:func:`_dealt_ranks`)."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
     total = int(lengths.sum())
     local_len = -(-total // cp)
     doc_work = causal_work(lengths)
     long = (lengths > local_len) | ((doc_work > fraction * doc_work.sum() / cp) & (lengths >= 2 * cp))
     z_rank, z_seg, z_off, z_len = _halves_pieces(np.flatnonzero(long), lengths, cp)
-    work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.float64)
-    room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
+    work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
+    room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
     short = np.flatnonzero(~long)
     short = short[np.argsort(-lengths[short], kind="stable")]
-    runs = lengths_to_offsets(np.unique(lengths[short], return_counts=True)[1][::-1])
-    whole_rank, whole_seg, cut = [], [], []  # cut: (rank, seg, offset, length)
-    for a, b in zip(runs[:-1].tolist(), runs[1:].tolist()):
-        n = int(lengths[short[a]])
-        rank = _lpt_equal(work, room, n, b - a)
-        whole_rank.append(rank)
-        whole_seg.append(short[a:a + rank.size])
-        for s in short[a + rank.size:b].tolist():  # no rank has room for it whole
+    values, counts = np.unique(lengths[short], return_counts=True)
+    runs = lengths_to_offsets(counts[::-1]).tolist()
+    before, took, whole_seg, cut = [], [], [], []  # cut: (rank, seg, offset, length)
+    for n, a, b in zip(values[::-1].tolist(), runs[:-1], runs[1:]):
+        before.append(list(work))
+        took.append(_deal_equal(work, room, n, b - a))
+        placed = a + sum(took[-1])
+        whole_seg.append(short[a:placed])
+        for s in short[placed:b].tolist():  # no rank has room for it whole
             _cut_over_ranks(s, n, work, room, cut)
-    whole_rank = np.concatenate(whole_rank) if whole_rank else np.zeros(0, np.int64)
+    whole_rank = (_dealt_ranks(np.array(before, np.int64), np.array(took, np.int64), values[::-1] * (values[::-1] + 1) // 2)
+                  if took else np.zeros(0, np.int64))
     whole_seg = np.concatenate(whole_seg) if whole_seg else np.zeros(0, np.int64)
+    room = np.array(room, np.int64)
     # what room is left becomes one padding segment per rank, after the batch's segments
     fill = np.flatnonzero(room > 0)
     seg_ids = len(lengths) + np.arange(fill.size)
@@ -301,7 +415,7 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
              np.array(cut, np.int64).reshape(-1, 4),
              np.stack([z_rank, z_seg, z_off, z_len], 1).astype(np.int64),
              np.stack([fill, seg_ids, np.zeros_like(fill), room[fill]], 1).astype(np.int64)]
-    table = np.concatenate(parts)
+    table = np.concatenate(parts).astype(np.int64, copy=False)
     lengths = np.concatenate([lengths, np.zeros(fill.size, np.int64)])
     padded = np.concatenate([lengths[:len(lengths) - fill.size], room[fill]])
     return padded, lengths, tuple(table.T)
@@ -320,26 +434,18 @@ def plan_cp(lengths, *, cp_size: int, layout: str = "hybrid") -> CPPlan:
     if lengths.size and lengths.min() < 1:
         raise ArgumentError("segment lengths must be >= 1 (drop empty segments), got {x}", x=int(lengths.min()))
     num_segments = int(lengths.size)
+    dealt = None
     if layout == "zigzag":
         padded = _round_up(lengths, 2 * cp)
-        pieces = _zigzag_pieces(np.arange(num_segments), padded, cp)
     elif layout in ("contiguous", "ulysses"):
         pad = (-int(lengths.sum())) % cp
         if pad:  # one padding segment at the end of the row (positions from 0, no loss)
             lengths = np.append(lengths, 0)
         padded = np.append(lengths[:num_segments], pad) if pad else lengths.copy()
-        pieces = _contiguous_pieces(padded, cp)
     else:
-        padded, lengths, pieces = _hybrid_pieces(lengths, cp)
-    rank, seg, off, length = (np.asarray(x, np.int64) for x in pieces)
-    if layout == "hybrid":  # pieces in dealing order, some empty; zigzag's and contiguous' come in plan order
-        keep = length > 0
-        rank, seg, off, length = rank[keep], seg[keep], off[keep], length[keep]
-        g_start = lengths_to_offsets(padded)[:-1]
-        order = np.lexsort((g_start[seg] + off, rank))
-        rank, seg, off, length = rank[order], seg[order], off[order], length[order]
+        padded, lengths, dealt = _hybrid_pieces(lengths, cp)
     local_len = int(padded.sum()) // cp
-    return CPPlan(layout, cp, lengths, padded, num_segments, local_len, rank, seg, off, length)
+    return CPPlan(layout, cp, lengths, padded, num_segments, local_len, dealt)
 
 
 def cp_multiples(*, cp_size: int, layout: str) -> tuple[int, int]:

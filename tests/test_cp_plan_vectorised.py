@@ -96,16 +96,39 @@ def test_zigzag_halves_equal_the_loop(lengths, cp):
         assert got.tolist() == want.tolist()
 
 
-def test_one_numpy_pass_per_run_of_equal_lengths(monkeypatch):
-    """Regression: a 32k row of 2,443 short documents planned the hybrid LPT in 2,443 Python
-    steps (26 ms a rank). Now one :func:`cp_plan._lpt_equal` pass per distinct length among the short ones."""
+def test_one_dealing_step_per_run_of_equal_lengths(monkeypatch):
+    """Regression: a 32k row of 2,443 short documents planned the hybrid LPT in 2,443 Python steps (26 ms a
+    rank). Now one :func:`cp_plan._deal_equal` step per distinct length among the short ones, each a few Python
+    steps a rank whatever the number of documents."""
     calls = []
-    real = cp_plan._lpt_equal
-    monkeypatch.setattr(cp_plan, "_lpt_equal", lambda *a: calls.append(a[2]) or real(*a))
+    real = cp_plan._deal_equal
+    monkeypatch.setattr(cp_plan, "_deal_equal", lambda *a: calls.append(a[2]) or real(*a))
     lengths = np.random.default_rng(0).integers(1, 27, 2443)
     plan_cp(lengths, cp_size=8, layout="hybrid")
     assert 0 < len(calls) <= np.unique(lengths).size
     assert len(set(calls)) == len(calls)
+
+
+def test_deal_equal_is_one_by_one_least_work_dealing():
+    """The closed form against dealing the documents one at a time (least work with room, lower rank first)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        cp = int(rng.integers(1, 9))
+        n = int(rng.integers(1, 40))
+        work = rng.integers(0, 5000, cp).tolist()
+        room = rng.integers(0, 300, cp).tolist()
+        count = int(rng.integers(1, 120))
+        want_work, want_room, want = list(work), list(room), [0] * cp
+        for _ in range(count):
+            fits = [r for r in range(cp) if want_room[r] >= n]
+            if not fits:
+                break
+            r = min(fits, key=lambda r: (want_work[r], r))
+            want[r] += 1
+            want_work[r] += n * (n + 1) // 2
+            want_room[r] -= n
+        assert cp_plan._deal_equal(work, room, n, count) == want
+        assert (work, room) == (want_work, want_room)
 
 
 @given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(cp_plan.LAYOUTS))
@@ -117,3 +140,39 @@ def test_pieces_in_plan_order_without_a_sort(lengths, cp, layout):
     assert (plan.piece_len > 0).all()
     assert np.array_equal(np.lexsort((g, plan.piece_rank)), np.arange(g.size))
     assert np.array_equal(np.bincount(plan.piece_rank, weights=plan.piece_len, minlength=cp), [plan.local_len] * cp)
+
+
+@given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(cp_plan.LAYOUTS))
+def test_one_ranks_pieces_built_alone_equal_its_rows_of_every_ranks(lengths, cp, layout):
+    """``own_pieces(rank)`` built for that rank alone (zigzag, contiguous: from ``padded``; hybrid: its dealt pieces
+    sorted alone) are the rank's rows of the plan's piece arrays, and ``local``'s tokens follow from them."""
+    alone = [plan_cp(lengths, cp_size=cp, layout=layout).own_pieces(r) for r in range(cp)]
+    plan = plan_cp(lengths, cp_size=cp, layout=layout)
+    for r in range(cp):
+        p = plan.rank_pieces(r)
+        for got, want in zip(alone[r], (plan.piece_seg[p], plan.piece_offset[p], plan.piece_len[p])):
+            assert got.tolist() == want.tolist()
+
+
+def test_sharding_one_rank_builds_only_its_pieces(monkeypatch):
+    """Regression: ``shard`` built every rank's pieces (2 x cp a document: 23,552 for 1,472 documents at cp 8) to use
+    one rank's. The zigzag and contiguous plans now build a rank's alone; every rank's only when asked for."""
+    import torch
+
+    from packkit.batch import PackedBatch
+    from packkit.cp import shard
+    from packkit.segments import lengths_to_cu_seqlens, lengths_to_position_ids
+
+    lengths = np.random.default_rng(0).integers(1, 33, 1472)
+    ids = torch.arange(int(lengths.sum()))[None]
+    batch = PackedBatch(input_ids=ids, labels=ids, cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(lengths)),
+                        position_ids=torch.from_numpy(lengths_to_position_ids(lengths))[None])
+    built = []
+    for name in ("_zigzag_pieces", "_contiguous_pieces"):  # every rank's pieces
+        real = getattr(cp_plan, name)
+        monkeypatch.setattr(cp_plan, name, lambda *a, real=real, name=name: built.append(name) or real(*a))
+    for layout in ("zigzag", "contiguous", "ulysses"):
+        s = shard(batch, cp_size=8, rank=7, layout=layout)
+        assert built == [], layout
+        assert s.plan.piece_rank.size >= 8 and len(built) == 1  # built when asked for
+        built.clear()
