@@ -96,6 +96,19 @@ def tree_tokens(prompt, continuations, *, layout: str = "tree") -> np.ndarray:
     return prompt * (1 if check_layout(layout) == "tree" else k) + total
 
 
+def varlen_recipe(kv_starts, kv_lengths, q_len, k_len, device) -> dict:
+    """The fields of a varlen call over gathered keys (``varlen_kwargs`` of a tree's batch): ``kv_index``, the
+    runs ``[kv_starts, kv_starts + kv_lengths)`` laid end to end (int64 ``[K]``), ``cu_seqlens_q`` / ``cu_seqlens_k``
+    of the query and key segments' lengths (int32), ``max_seqlen_q`` / ``max_seqlen_k`` (host ints).
+    ``varlen_recipe([0, 0, 2], [2, 1, 1], [2, 1], [2, 2], "cpu")["kv_index"] -> [0, 1, 0, 2]``."""
+    q_len, k_len = np.asarray(q_len, np.int64), np.asarray(k_len, np.int64)
+    kv_index = range_index(np.asarray(kv_starts, np.int64), np.asarray(kv_lengths, np.int64))
+    return {"kv_index": torch.from_numpy(kv_index).to(device),
+            "cu_seqlens_q": torch.from_numpy(lengths_to_offsets(q_len).astype(np.int32)).to(device),
+            "cu_seqlens_k": torch.from_numpy(lengths_to_offsets(k_len).astype(np.int32)).to(device),
+            "max_seqlen_q": int(q_len.max(initial=0)), "max_seqlen_k": int(k_len.max(initial=0))}
+
+
 # ----------------------------------------------------------------------------------------------
 # the batch
 # ----------------------------------------------------------------------------------------------
@@ -250,13 +263,7 @@ class SequenceBatch(dict):
         pre_len = np.where(later, prompt[seg[q_start]], 0)
         starts = np.stack([pre_start, q_start], 1).reshape(-1)
         lens = np.stack([pre_len, q_len], 1).reshape(-1)
-        kv_index = range_index(starts, lens)
-        k_len = pre_len + q_len
-        dev = self.input_ids.device
-        return {"kv_index": torch.from_numpy(kv_index).to(dev),
-                "cu_seqlens_q": torch.from_numpy(lengths_to_offsets(q_len).astype(np.int32)).to(dev),
-                "cu_seqlens_k": torch.from_numpy(lengths_to_offsets(k_len).astype(np.int32)).to(dev),
-                "max_seqlen_q": int(q_len.max(initial=0)), "max_seqlen_k": int(k_len.max(initial=0))}
+        return varlen_recipe(starts, lens, q_len, pre_len + q_len, self.input_ids.device)
 
     def model_inputs(self, model=None) -> dict:
         """Keyword arguments for a Hugging Face causal LM: ``logits = model(**batch.model_inputs(model)).logits``.

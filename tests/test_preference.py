@@ -245,9 +245,27 @@ def test_flex_attention_with_the_block_mask_equals_the_dense_mask():
     assert d < 1e-12
 
 
+def varlen_reference(kw, q, k, v):
+    """Attention by a varlen recipe (``varlen_kwargs``), one query segment at a time: its gathered keys,
+    bottom-right causal; ``q, k, v``: ``(B, H, L, D)``, the result the same."""
+    B, H, L, D = q.shape
+    qf, kf, vf = (x.transpose(1, 2).reshape(B * L, H, D) for x in (q, k, v))
+    kv, cq, ck = kw["kv_index"], kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    kg, vg = kf[kv], vf[kv]
+    out = torch.empty_like(qf)
+    for s in range(len(cq) - 1):
+        qs = qf[cq[s]:cq[s + 1]].transpose(0, 1)
+        ks, vs = kg[ck[s]:ck[s + 1]].transpose(0, 1), vg[ck[s]:ck[s + 1]].transpose(0, 1)
+        nq, nk = qs.shape[1], ks.shape[1]
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)  # bottom-right causal
+        out[cq[s]:cq[s + 1]] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=allowed).transpose(0, 1)
+    return out.reshape(B, L, H, D).transpose(1, 2)
+
+
 def test_varlen_recipe_equals_the_dense_mask():
     """The recipe for a varlen kernel (query segments, gathered keys, bottom-right causal) against SDPA with the
-    dense tree mask, float64; the reference varlen attention lives here."""
+    dense tree mask, float64 (the reference varlen attention: varlen_reference, above)."""
     groups = random_groups(4, 5, (1, 3), empty_prompt=True)
     for window in (None, 48):
         b = GroupCollator(layout="tree", window=window)(groups)
@@ -256,18 +274,8 @@ def test_varlen_recipe_equals_the_dense_mask():
         q, k, v = (torch.randn(B, 2, L, 8, dtype=torch.float64) for _ in range(3))
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.dense_mask()[:, None])
         kw = b.varlen_kwargs()
-        qf, kf, vf = (x.transpose(1, 2).reshape(B * L, 2, 8) for x in (q, k, v))
-        kv, cq, ck = kw["kv_index"], kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
-        kg, vg = kf[kv], vf[kv]
-        out = torch.empty_like(qf)
-        for s in range(len(cq) - 1):
-            qs = qf[cq[s]:cq[s + 1]].transpose(0, 1)
-            ks, vs = kg[ck[s]:ck[s + 1]].transpose(0, 1), vg[ck[s]:ck[s + 1]].transpose(0, 1)
-            nq, nk = qs.shape[1], ks.shape[1]
-            allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)  # bottom-right causal
-            out[cq[s]:cq[s + 1]] = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=allowed).transpose(0, 1)
-        got = out.reshape(B, L, 2, 8).transpose(1, 2)
+        got = varlen_reference(kw, q, k, v)
+        cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
         assert kw["max_seqlen_q"] == max(np.diff(cq)) and kw["max_seqlen_k"] == max(np.diff(ck))
         d = (got - want).abs().max().item()
         print(f"varlen recipe window={window}: max |diff| {d:.1e}")

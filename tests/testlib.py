@@ -23,6 +23,7 @@ TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_lay
 FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
     "mistral": ("MistralForCausalLM", "MistralConfig"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),

@@ -1,0 +1,588 @@
+"""Shared prefixes computed once: the prefix tree (trie) of a batch of samples, and its packed views.
+
+Multi-turn reasoning SFT (each assistant turn its own sample, its history rendered before it) and RL rollouts
+(a group's completions after one prompt, agentic rollouts forking at tool calls) give samples that share long
+prefixes. :func:`build_tree` finds them from the token ids alone (no rollout metadata) and lays every distinct
+prefix out once, a tree after another, each tree in depth-first order, so that a node's subtree is the
+contiguous range ``[tin, tout)`` (an Euler tour) and "``k`` is an ancestor of ``q``" is
+``tin[k] <= tin[q] < tout[k]``. Three samples ``a b c``, ``a b d e`` and ``a f``::
+
+    sample tokens   a b c | a b d e | a f
+    path            0 1 2 | 0 1 3 4 | 0 5       the layout index of every sample token
+    input_ids       a  b  c  d  e  f            one node a distinct prefix: 6 tokens forwarded, not 9
+    position_ids    0  1  2  2  3  1            depth along the path (a sample's own positions)
+    parent         -1  0  1  1  3  0
+    tin             0  1  2  3  4  5
+    tout            6  5  3  5  5  6            a's subtree is everything, c's is c alone
+
+    mask (query row, key column; 1 = may attend: the key is an ancestor of the query, or the query)
+          a b c d e f
+      a   1 . . . . .
+      b   1 1 . . . .
+      c   1 1 1 . . .
+      d   1 1 . 1 . .       d continues b, it does not see the sibling c
+      e   1 1 . 1 1 .
+      f   1 . . . . 1
+
+A sample's loss stays defined on the original sample: its loss tokens are read from the logits of the node
+that precedes them on its own path (``score_source``), one entry per (sample, loss token), so a token that two
+samples train on is scored twice, as unpacked, and per-token values (advantages, old log-probabilities) come
+back aligned with those entries. :class:`TreeBatch` is a :class:`packkit.preference.SequenceBatch` whose mask is
+the ancestor test, so :func:`packkit.preference.sequence_logps` / :func:`~packkit.preference.token_logps` read
+it as they read a pair or a group.
+
+Construction is vectorised: a 64-bit polynomial hash of every prefix (prefix sums of ``x_k B^-k`` modulo
+``2**64``), one sort, then an exact check that every node's tokens carry the same token and the same parent
+node (by induction on depth, equal prefixes); a collision (only adversarial data produces one) falls back to
+an exact level-by-level construction. Only the chains that samples add (one per sample) are handled in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .batch import layer_types, text_config
+from .binpack import check_strategy, check_window, pack
+from .collate import padding_free_batch, row_destinations, rows_batch
+from .errors import ArgumentError, DataError, arg
+from .preference import SequenceBatch, varlen_recipe
+from .rules import as_lengths, check_values, example_values, location
+from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
+
+__all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes"]
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
+_BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
+_BASE_INV = pow(_BASE, -1, 2 ** 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# nodes: which sample tokens are the same prefix
+# ----------------------------------------------------------------------------------------------
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    """``base**0 .. base**(n-1)`` modulo ``2**64``, ``(n,)`` uint64 (numpy's integer products wrap)."""
+    out = np.full(n, base, np.uint64)
+    if n:
+        out[0] = 1
+    with np.errstate(over="ignore"):
+        return np.cumprod(out, dtype=np.uint64)
+
+
+def prefix_hashes(ids: np.ndarray, starts: np.ndarray, sample: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+    """The 64-bit polynomial hash of every token's prefix (its sample from the start, the group hint first):
+    ``h_i = g B^(i-a+1) + sum_{a<=k<=i} x_k B^(i-k)`` for a sample starting at ``a``, ``(T,)`` uint64.
+
+    Vectorised through prefix sums: ``h_i = B^i (S_i - S_(a-1) + g B^-(a-1))`` with ``S_i = sum_k x_k B^-k``.
+    """
+    n = ids.size
+    with np.errstate(over="ignore"):
+        inv = np.empty(n + 1, np.uint64)  # inv[k + 1] = B^-k, k from -1
+        inv[0] = _BASE
+        inv[1:] = _powers(_BASE_INV, n)
+        s = np.zeros(n + 1, np.uint64)
+        x = ids.astype(np.uint64)
+        x += np.uint64(1)
+        x *= _MIX
+        x *= inv[1:]
+        np.cumsum(x, dtype=np.uint64, out=s[1:])
+        head = s[starts]
+        if groups is not None:
+            head -= (groups.astype(np.uint64) + np.uint64(1)) * _MIX * inv[starts]
+        np.subtract(s[1:], head[sample], out=x)
+        x *= _powers(_BASE, n)
+        return x
+
+
+def _first_of_equal(h: np.ndarray) -> np.ndarray:
+    """For every item, the index of the first item with the same hash, ``(T,)`` int64.
+
+    One ``np.sort`` of keys that carry the index in their low bits (numpy sorts uint64 values ~8x faster than
+    it argsorts them); the few runs whose full hashes differ below those bits are re-sorted on their own."""
+    n = h.size
+    bits = max(int(n).bit_length(), 1)
+    low = np.uint64((1 << bits) - 1)
+    key = h & ~low
+    key |= np.arange(n, dtype=np.uint64)
+    key.sort()
+    order = (key & low).view(np.int64)  # the index, < 2**63
+    hs = h[order]
+    diff = hs[1:] != hs[:-1]
+    key >>= np.uint64(bits)
+    same_high = key[1:] == key[:-1]
+    mixed = same_high & diff
+    if mixed.any():  # equal high bits, different hashes: sort those runs by (hash, index)
+        run = np.concatenate([[0], np.cumsum(~same_high)])
+        at = np.flatnonzero(np.isin(run, run[1:][mixed]))
+        sub = np.lexsort((order[at], hs[at]))
+        order[at], hs[at] = order[at][sub], hs[at][sub]
+        diff = hs[1:] != hs[:-1]
+    first = np.zeros(n, np.int64)  # the sorted position where each run starts (np.repeat is 5x slower)
+    first[1:][diff] = np.flatnonzero(diff) + 1
+    np.maximum.accumulate(first, out=first)
+    rep = np.empty(n, np.int64)
+    rep[order] = order[first]
+    return rep
+
+
+def _parents(node: np.ndarray, at_start: np.ndarray) -> np.ndarray:
+    """The node of the token before each one in its sample, ``-1`` at a sample's first token."""
+    parent = np.empty_like(node)
+    parent[0:1] = -1
+    parent[1:] = node[:-1]
+    parent[at_start] = -1
+    return parent
+
+
+def _exact_nodes(ids, lengths, starts, groups) -> np.ndarray:
+    """The same as the hashed construction, level by level (depth ``d``: one ``np.unique`` over the pairs
+    ``(node at d - 1, token)``): exact whatever the data, one numpy pass a depth."""
+    n = ids.size
+    sample = lengths_to_seq_idx(lengths).astype(np.int64)
+    depth = np.arange(n, dtype=np.int64) - starts[sample]
+    order = np.lexsort((np.arange(n), depth))
+    bounds = np.searchsorted(depth[order], np.arange(int(lengths.max(initial=0)) + 1))
+    node = np.empty(n, np.int64)
+    g = np.zeros(n, np.int64) if groups is None else groups[sample]
+    for d in range(bounds.size - 1):
+        at = order[bounds[d]:bounds[d + 1]]
+        parent = g[at] if d == 0 else node[at - 1]
+        pairs = np.stack([parent, ids[at]], 1)
+        _, inv = np.unique(pairs, axis=0, return_inverse=True)
+        first = np.full(inv.max() + 1, n, np.int64)
+        np.minimum.at(first, inv.reshape(-1), at)
+        node[at] = first[inv.reshape(-1)]
+    return node
+
+
+def prefix_nodes(ids, lengths, *, groups=None) -> np.ndarray:
+    """For every sample token, the first token (flat index) with the same prefix: its trie node.
+
+    ``prefix_nodes([1, 2, 1, 3, 1, 2, 4], [2, 2, 3]) -> [0, 1, 0, 3, 0, 1, 6]``: the prefix ``1`` is token 0's
+    everywhere, ``1 2`` is token 1's, the rest are new. ``groups``: ``(N,)`` ints, samples share prefixes only
+    within a group. Exact: a hash collision is detected and the level-by-level construction takes over.
+    """
+    ids = np.asarray(ids, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    off = lengths_to_offsets(lengths)
+    starts = off[:-1]
+    groups = None if groups is None else np.asarray(groups, np.int64)
+    sample = lengths_to_seq_idx(lengths).astype(np.int64)
+    node = _first_of_equal(prefix_hashes(ids, starts, sample, groups))
+    at_start = starts[lengths > 0]
+    parent = _parents(node, at_start)
+    ok = (ids[node] == ids).all() and (parent[node] == parent).all()
+    if ok and groups is not None:
+        ok = bool((groups[sample[node]] == groups[sample]).all())
+    return node if ok else _exact_nodes(ids, lengths, starts, groups)
+
+
+# ----------------------------------------------------------------------------------------------
+# the layout: every tree depth first, a node's subtree contiguous
+# ----------------------------------------------------------------------------------------------
+
+
+def _chain_starts(parent_chain: np.ndarray, attach: np.ndarray, size: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Where each sample's chain of new nodes starts in the layout, ``(N,)`` int64 (``-1``: no chain).
+
+    A chain's children (the chains attached to its nodes) follow it, deepest attachment first (so that the
+    subtree of the chain's node at offset ``j`` is its chain from ``j`` and the children attached at ``>= j``),
+    then by sample; roots (``parent_chain == -1``) tree after tree in sample order. ``size``: each chain's
+    subtree in tokens. Parents come before their children in sample order: one pass in that order."""
+    n = parent_chain.size
+    has = length > 0
+    key_parent = np.where(parent_chain < 0, -1, parent_chain)
+    order = np.lexsort((np.arange(n), -attach, key_parent))
+    order = order[has[order]]
+    sizes = size[order]
+    group_start = np.ones(order.size, bool)
+    group_start[1:] = key_parent[order][1:] != key_parent[order][:-1]
+    csum = np.cumsum(sizes) - sizes
+    sib = csum - np.maximum.accumulate(np.where(group_start, csum, 0))
+    sib_off = np.zeros(n, np.int64)
+    sib_off[order] = sib
+    start = np.full(n, -1, np.int64)
+    par, off, lens = parent_chain.tolist(), sib_off.tolist(), length.tolist()
+    out = start.tolist()
+    for c in np.flatnonzero(has).tolist():  # parents first: a chain attaches to an earlier sample's nodes
+        p = par[c]
+        out[c] = off[c] if p < 0 else out[p] + lens[p] + off[c]
+    return np.asarray(out, np.int64)
+
+
+def _subtree_sizes(parent_chain: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Tokens in each chain's subtree (its own and its descendants' chains), children after parents."""
+    size = length.tolist()
+    for c, p in reversed(list(enumerate(parent_chain.tolist()))):
+        if p >= 0:
+            size[p] += size[c]
+    return np.asarray(size, np.int64)
+
+
+def _layout(node: np.ndarray, lengths: np.ndarray, off: np.ndarray):
+    """``(path, parent, depth, tout)`` of the trie given every token's node (:func:`prefix_nodes`): the layout
+    index of every sample token ``(T,)``, and per layout node its parent (``-1`` at roots), depth and the end
+    of its subtree ``(P,)``."""
+    n_tok = node.size
+    sample = lengths_to_seq_idx(lengths).astype(np.int64)
+    is_new = node == np.arange(n_tok)
+    # a sample's new tokens are a suffix of it: shared[s] tokens first, seen in earlier samples
+    new_count = np.bincount(sample, weights=is_new, minlength=lengths.size).astype(np.int64)
+    shared = lengths - new_count
+    first_new = off[:-1] + shared
+    attach_tok = np.where(shared > 0, node[np.maximum(first_new - 1, 0)], -1)
+    parent_chain = np.where(attach_tok >= 0, sample[np.maximum(attach_tok, 0)], -1)
+    attach = np.where(attach_tok >= 0, attach_tok - first_new[np.maximum(parent_chain, 0)], -1)
+    size = _subtree_sizes(parent_chain, new_count)
+    start = _chain_starts(parent_chain, attach, size, new_count)
+    # the new tokens, chain after chain, and where they land
+    new_tok = np.flatnonzero(is_new)
+    owner = sample[new_tok]
+    pos_of_new = start[owner] + (new_tok - first_new[owner])
+    place = np.empty(n_tok, np.int64)
+    place[new_tok] = pos_of_new
+    path = place[node]
+    total = new_tok.size
+    depth = np.empty(total, np.int64)
+    depth[pos_of_new] = new_tok - off[:-1][owner]
+    parent = np.empty(total, np.int64)
+    prev = np.where(new_tok == first_new[owner], -1, pos_of_new - 1)
+    roots = prev < 0
+    joined = roots & (attach_tok[owner] >= 0)
+    prev[joined] = place[attach_tok[owner[joined]]]
+    parent[pos_of_new] = prev
+    # subtree sizes: each chain's nodes count themselves and the chains attached at or below them
+    extra = np.zeros(total + 1, np.int64)
+    child = np.flatnonzero((new_count > 0) & (attach_tok >= 0))
+    np.add.at(extra, place[attach_tok[child]], size[child])
+    per = extra[:total] + 1
+    chain_of = np.empty(total, np.int64)
+    chain_of[pos_of_new] = owner
+    rev = np.cumsum(per[::-1])[::-1]  # suffix sums, cut at each chain's end
+    chain_end = start[chain_of] + new_count[chain_of]
+    after = np.where(chain_end < total, rev[np.minimum(chain_end, total - 1)], 0)
+    tout = np.arange(total) + rev - after
+    return path, parent, depth, tout
+
+
+# ----------------------------------------------------------------------------------------------
+# the tree of a batch of samples
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixTree:
+    """The trie of ``N`` samples (``T`` tokens) laid out as ``P`` nodes, trees one after another (numpy, host).
+
+    Per node (layout order; ``tin`` is the index itself):
+
+    input_ids:     int64 ``(P,)``
+    position_ids:  int64 ``(P,)``, depth along the path (what the token's position is in each of its samples)
+    parent:        int64 ``(P,)``, the parent node, ``-1`` at a tree's root
+    tout:          int64 ``(P,)``, the end of the node's subtree: ``k`` is an ancestor of ``q`` (or ``q``) iff
+                   ``k <= q < tout[k]``
+    segment:       int64 ``(P,)``, the branch segment (a run whose parent is the token before it) of each node
+    tree_ptr:      int64 ``(R + 1,)``, tree ``r`` is nodes ``tree_ptr[r]:tree_ptr[r + 1]``
+    num_samples:   int64 ``(P,)``, samples whose path passes through the node
+
+    Per sample token: ``path`` int64 ``(T,)``, its node; sample ``s`` is ``path[sample_ptr[s]:sample_ptr[s + 1]]``.
+    Per scored token (``M``, sample after sample, each sample's loss tokens in order; a sample's first token is
+    never scored: nothing precedes it): ``score_source`` (the node whose logits predict it), ``score_target``
+    (its node), ``score_sample`` int64 ``(M,)``; ``values``: ``{name: (M,) float64}``, the per-token values
+    given with the samples at those tokens; ``num_tokens`` int64 ``(N,)``, scored tokens per sample.
+    """
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    parent: np.ndarray
+    tout: np.ndarray
+    segment: np.ndarray
+    tree_ptr: np.ndarray
+    num_samples: np.ndarray
+    path: np.ndarray
+    sample_ptr: np.ndarray
+    score_source: np.ndarray
+    score_target: np.ndarray
+    score_sample: np.ndarray
+    num_tokens: np.ndarray
+    values: dict
+
+    @property
+    def num_nodes(self) -> int:
+        """Tokens forwarded with sharing: one per distinct prefix."""
+        return int(self.input_ids.size)
+
+    @property
+    def num_sample_tokens(self) -> int:
+        """Tokens forwarded without sharing: every sample whole."""
+        return int(self.path.size)
+
+    @property
+    def tree_sizes(self) -> np.ndarray:
+        """``(R,)`` int64, nodes of each tree."""
+        return np.diff(self.tree_ptr)
+
+    def __repr__(self) -> str:
+        return (f"PrefixTree(samples={self.sample_ptr.size - 1}, trees={self.tree_ptr.size - 1}, nodes={self.num_nodes:,}, "
+                f"sample_tokens={self.num_sample_tokens:,}, scored={self.score_target.size:,})")
+
+
+def _check_samples(ids, lengths, loss_mask, values, groups, rows):
+    """The inputs of :func:`build_tree`, checked by packkit's rules (errors name the sample)."""
+    lengths = as_lengths(lengths, name="lengths", item="sample")
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size != int(lengths.sum()):
+        raise ValueError(f"input_ids has shape {list(ids.shape)} for lengths summing to {int(lengths.sum()):,}: pass "
+                         "the samples' token ids back to back, flat")
+    check_values(ids, lengths=lengths, kind="ids", key="input_ids", rows=rows)
+    if loss_mask is None:
+        mask = np.ones(ids.size, bool)
+    else:
+        mask = np.asarray(loss_mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"loss_mask has shape {list(mask.shape)} for {ids.size:,} tokens: one 0/1 a token")
+        check_values(mask, lengths=lengths, kind="mask", key="loss_mask", rows=rows)
+        mask = mask.astype(bool)
+    vals = {}
+    off = lengths_to_offsets(lengths)
+    for name, v in (values or {}).items():
+        v = np.asarray(v)
+        if v.shape != ids.shape:
+            raise ValueError(f"values[{name!r}] has shape {list(v.shape)} for {ids.size:,} tokens: one number a token, "
+                             "flat like input_ids")
+        if v.dtype.kind not in "iuf" or not np.isfinite(v).all():  # the per-example rule names the sample
+            example_values(np.split(v, off[1:-1]), lengths, key=name, rows=rows, what="token")
+        vals[name] = v.astype(np.float64)
+    if groups is not None:
+        groups = np.asarray(groups)
+        if groups.shape != lengths.shape or groups.dtype.kind not in "iu":
+            raise ArgumentError("{g} must be one integer a sample ({n} samples), got shape {got}",
+                                g=arg("groups"), n=lengths.size, got=list(groups.shape))
+        groups = groups.astype(np.int64)
+    return ids.astype(np.int64, copy=False), lengths, mask, vals, groups
+
+
+def build_tree(input_ids, lengths, *, loss_mask=None, values=None, groups=None, rows=None) -> PrefixTree:
+    """The prefix tree of a batch of samples (module docstring), found from the token ids alone.
+
+    Args:
+        input_ids: ``(T,)`` int, the samples' tokens back to back; lengths: ``(N,)`` int >= 1.
+        loss_mask: ``(T,)`` 0/1, the tokens each sample trains on (default: all); scored from the token before
+            them on the sample's own path, so a sample's first token is never scored.
+        values: ``{name: (T,) float}``, per-token numbers (advantages, old log-probabilities), carried to the
+            scored tokens (``tree.values[name]``, aligned with ``score_target``).
+        groups: ``(N,)`` int, a hint: samples share prefixes only within their group (a conversation, a
+            prompt's rollouts), so that each group's tree can be packed apart. Default: the whole batch.
+        rows: the dataset rows of the samples (errors name them), or None.
+
+    ``build_tree([1, 2, 3, 1, 2, 4], [3, 3]).input_ids -> [1, 2, 3, 4]`` (the prefix ``1 2`` once).
+    Raises a one-line error naming the sample for bad ids or masks, and for a sample with nothing to score.
+    """
+    ids, lengths, mask, vals, groups = _check_samples(input_ids, lengths, loss_mask, values, groups, rows)
+    off = lengths_to_offsets(lengths)
+    node = prefix_nodes(ids, lengths, groups=groups)
+    path, parent, depth, tout = _layout(node, lengths, off)
+    total = parent.size
+    nodes_ids = np.empty(total, np.int64)
+    nodes_ids[path] = ids
+    sample = lengths_to_seq_idx(lengths).astype(np.int64)
+    scored = mask.copy()
+    scored[off[:-1][lengths > 0]] = False
+    num_tokens = np.bincount(sample[scored], minlength=lengths.size).astype(np.int64)
+    if (num_tokens == 0).any():
+        s = int(np.argmin(num_tokens))
+        raise DataError(f"{location(s, rows)} has no loss token after its first token: nothing of it would be trained; "
+                        "drop it or fix its loss mask")
+    at = np.flatnonzero(scored)
+    segment = np.cumsum((parent != np.arange(total) - 1) | (parent < 0)) - 1
+    return PrefixTree(input_ids=nodes_ids, position_ids=depth, parent=parent, tout=tout, segment=segment,
+                      tree_ptr=np.append(np.flatnonzero(parent < 0), total).astype(np.int64),
+                      num_samples=np.bincount(path, minlength=total).astype(np.int64), path=path, sample_ptr=off,
+                      score_source=path[at - 1], score_target=path[at], score_sample=sample[at],
+                      num_tokens=num_tokens, values={k: v[at] for k, v in vals.items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# the batch a model reads
+# ----------------------------------------------------------------------------------------------
+
+#: the layer kinds whose attention an ancestor mask describes; any other (linear attention, Mamba) carries a
+#: state along the row, which would flow from one branch into its sibling
+MASKED_KINDS = {"full_attention", "sliding_attention", "attention"}
+
+
+def check_attention_only(model) -> None:
+    """Refuse, in one line, a model with layers other than attention (hybrid linear-attention, Mamba): their
+    recurrent state runs along the packed row, so a branch would read its sibling's tokens."""
+    config = text_config(model)
+    kinds = set(layer_types(config)) | set(getattr(config, "layers_block_type", None) or ())
+    other = sorted(kinds - MASKED_KINDS)
+    if other:
+        raise ArgumentError(f"the model has {other} layers, whose state would run from one branch of a prefix tree into "
+                            "the next (it needs a state per branch): train it on unshared samples (packkit's collators), "
+                            "not on a TreeBatch")
+
+
+class TreeBatch(SequenceBatch):
+    """Packed prefix trees (:func:`tree_batch`): a :class:`packkit.preference.SequenceBatch` whose sequences are
+    the samples, so that :func:`~packkit.preference.sequence_logps` and :func:`~packkit.preference.token_logps`
+    read it unchanged. Its fields (``B`` rows of ``L``):
+
+    input_ids, position_ids (depth along the path), labels, seq_idx (one segment a tree, and a row's padding
+    tail), cu_seqlens, max_seqlen: as in :class:`~packkit.preference.SequenceBatch`
+    tin / tout:     int64 ``[B, L]``, the Euler tour in row columns: key ``k`` may be read by query ``q`` iff
+                    ``tin[k] <= tin[q] < tout[k]`` (a padding tail: causal within itself)
+    parent:         int64 ``[B, L]``, flat index (into ``B * L``) of each node's parent, ``-1`` at roots and at a
+                    padding tail's first token
+    sequence_ids:   int64 ``[B, L]``, the sample of each node on one sample's path only, ``-1`` on nodes shared by
+                    several (and on padding)
+    score_source / score_target / score_sequence / num_tokens: as in ``SequenceBatch`` (sequences = samples)
+    token_values:   ``{name: float64 [M]}``, the per-token values at the scored tokens
+    num_real_tokens: nodes forwarded; num_sample_tokens: tokens the samples have unshared
+    """
+
+    def dense_mask(self) -> torch.Tensor:
+        """``[B, L, L]`` bool, True where query ``q`` may attend key ``k``: ``k`` an ancestor of ``q`` or ``q``."""
+        tin, tout = self.tin, self.tout
+        return (tin[:, None, :] <= tin[:, :, None]) & (tin[:, :, None] < tout[:, None, :])
+
+    def mask_mod(self):
+        """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` of :meth:`dense_mask`: the Euler-tour test."""
+        tin, tout = self.tin, self.tout
+
+        def ancestor(b, h, q_idx, kv_idx):
+            q = tin[b, q_idx]
+            return (tin[b, kv_idx] <= q) & (q < tout[b, kv_idx])
+
+        return ancestor
+
+    def varlen_kwargs(self) -> dict:
+        """The varlen recipe: every branch segment (a run whose parent is the token before it) is a query segment,
+        whose keys are its ancestors' tokens root first, then its own (gathered: ``k_var = k_flat[kv_index]``),
+        causal aligned bottom-right (flash-attn >= 2.1 ``causal=True``); called as in
+        :meth:`packkit.preference.SequenceBatch.varlen_kwargs`. Same fields."""
+        parent = self.parent.reshape(-1).cpu().numpy()
+        n = parent.size
+        new = (parent != np.arange(n) - 1) | (parent < 0)
+        q_start = np.flatnonzero(new)
+        q_len = np.diff(np.append(q_start, n))
+        seg_of = np.cumsum(new) - 1
+        pieces: list[list[tuple[int, int]]] = []  # per segment: its ancestors as (start, length) runs
+        for s, a in enumerate(q_start.tolist()):
+            p = int(parent[a])
+            if p < 0:
+                pieces.append([])
+            else:
+                ps = int(seg_of[p])
+                pieces.append(pieces[ps] + [(int(q_start[ps]), p - int(q_start[ps]) + 1)])
+        starts, lens = [], []
+        for s, runs in enumerate(pieces):
+            starts += [r[0] for r in runs] + [int(q_start[s])]
+            lens += [r[1] for r in runs] + [int(q_len[s])]
+        k_len = q_len + np.asarray([sum(r[1] for r in runs) for runs in pieces], np.int64)
+        return varlen_recipe(starts, lens, q_len, k_len, self.input_ids.device)
+
+    def model_inputs(self, model=None) -> dict:
+        """``input_ids``, ``position_ids``, ``use_cache=False`` and the mask the model's attention takes: the
+        additive 4-D mask (eager, sdpa) or a FlexAttention ``BlockMask`` (flex_attention); flash attention takes
+        no mask and is refused (:meth:`varlen_kwargs` is the recipe for your own kernel), and so are models with
+        layers other than attention (:func:`check_attention_only`)."""
+        if model is None:
+            raise ArgumentError("a TreeBatch needs the model to build its mask: pass model_inputs(model)")
+        check_attention_only(model)
+        return super().model_inputs(model)
+
+    def __repr__(self) -> str:
+        return (f"TreeBatch(shape={list(self.shape)}, samples={self.num_sequences}, nodes={self.num_real_tokens:,}, "
+                f"sample_tokens={self.num_sample_tokens:,}, scored_tokens={int(self.score_target.shape[0])})")
+
+
+def tree_batch(tree: PrefixTree, *, window: int | None = None, num_windows: int | None = None, strategy: str = "bfd",
+               pad_token_id: int = 0) -> TreeBatch:
+    """A :class:`TreeBatch` of ``tree``: one ``[1, P]`` row (``window=None``), or ``[B, W]`` windows holding whole
+    trees planned by ``strategy`` (a tree longer than ``W`` is an error naming it and the fix).
+
+    ``tree_batch(build_tree([1, 2, 3, 1, 2, 4], [3, 3])).input_ids -> [[1, 2, 3, 4]]``.
+    """
+    sizes = tree.tree_sizes
+    if window is None:
+        order, window_ptr = np.arange(sizes.size, dtype=np.int64), None
+    else:
+        window = check_window(window)
+        over = np.flatnonzero(sizes > window)
+        if over.size:
+            r = int(over[0])
+            raise DataError("tree {r} (from sample {s}) has {n:,} nodes > {w}; raise {wn}, or build smaller trees "
+                            "(groups= one conversation or prompt a tree)", r=r,
+                            s=_first_sample(tree, r), n=int(sizes[r]),
+                            w=arg("window", window), wn=arg("window"))
+        plan = pack(sizes, window=window, strategy=check_strategy(strategy))
+        order, window_ptr = plan.seg_example, plan.window_ptr
+    # the nodes, tree after tree in packing order, and where each lands in the flattened rows
+    moved = range_index(tree.tree_ptr[:-1][order], sizes[order])
+    new_of_old = np.empty(moved.size, np.int64)
+    new_of_old[moved] = np.arange(moved.size)
+    ids = tree.input_ids[moved]
+    total = moved.size
+    if window_ptr is None:
+        packed = padding_free_batch(ids, np.full(total, IGNORE_INDEX, np.int64), sizes[order])
+        width, dest = total, np.arange(total, dtype=np.int64)
+    else:
+        packed = rows_batch(ids, np.full(total, IGNORE_INDEX, np.int64), sizes[order], window_ptr, width=window,
+                            num_rows=num_windows, pad_token_id=pad_token_id)
+        width = window
+        off = lengths_to_offsets(sizes[order])
+        dest = row_destinations(off[window_ptr[1:]] - off[window_ptr[:-1]], window)
+    return _assemble(tree, packed, moved, new_of_old, dest, width)
+
+
+def _first_sample(tree: PrefixTree, r: int) -> int:
+    """The first sample whose path starts at tree ``r``'s root."""
+    starts = tree.path[tree.sample_ptr[:-1]]
+    return int(np.flatnonzero(starts == tree.tree_ptr[r])[0])
+
+
+def _assemble(tree: PrefixTree, packed, moved, new_of_old, dest, width) -> TreeBatch:
+    """The :class:`TreeBatch` fields of ``tree`` laid out by ``moved`` (old node of each new place) into ``dest``."""
+    rows = packed.input_ids.shape[0]
+    col = dest % width
+    row_start = dest - col
+    flat_of_old = dest[new_of_old]
+
+    def laid(values, fill):
+        buf = fill.reshape(-1).numpy().copy() if isinstance(fill, torch.Tensor) else np.full(rows * width, fill, np.int64)
+        buf[dest] = values
+        return torch.from_numpy(buf.reshape(rows, width))
+
+    cu = packed.cu_seqlens.numpy()
+    seq_idx = lengths_to_seq_idx(np.diff(cu))
+    # padding tails: causal within themselves (tin = column, tout = the row's end; parent = the token before)
+    grid = np.arange(rows * width, dtype=np.int64)
+    tail_parent = np.where(np.r_[True, seq_idx[1:] != seq_idx[:-1]], -1, grid - 1)
+    old_parent = tree.parent[moved]
+    parent = np.where(old_parent < 0, -1, flat_of_old[np.maximum(old_parent, 0)])
+    tout = row_start + (tree.tout[moved] - moved) + col  # the subtree keeps its extent
+    sample_ids = np.full(tree.num_nodes, -1, np.int64)
+    only = tree.num_samples == 1
+    sample_of_node = np.zeros(tree.num_nodes, np.int64)
+    sample_of_node[tree.path] = lengths_to_seq_idx(np.diff(tree.sample_ptr))
+    sample_ids[only] = sample_of_node[only]
+    labels = np.full(rows * width, IGNORE_INDEX, np.int64)
+    src, tgt = flat_of_old[tree.score_source], flat_of_old[tree.score_target]
+    next_ok = src == tgt - 1
+    labels[tgt[next_ok]] = packed.input_ids.reshape(-1).numpy()[tgt[next_ok]]
+    return TreeBatch(
+        input_ids=packed.input_ids, position_ids=laid(tree.position_ids[moved], packed.position_ids),
+        labels=torch.from_numpy(labels.reshape(rows, width)), seq_idx=torch.from_numpy(seq_idx.reshape(rows, width)),
+        tin=torch.from_numpy(grid.reshape(rows, width) % width),
+        tout=laid(tout - row_start, torch.full((rows, width), width, dtype=torch.int64)),
+        parent=laid(parent, torch.from_numpy(tail_parent.reshape(rows, width))),
+        sequence_ids=laid(sample_ids[moved], -1), cu_seqlens=packed.cu_seqlens, max_seqlen=packed.max_seqlen,
+        score_source=torch.from_numpy(src), score_target=torch.from_numpy(tgt),
+        score_sequence=torch.from_numpy(tree.score_sample), num_tokens=torch.from_numpy(tree.num_tokens),
+        token_values={k: torch.from_numpy(v) for k, v in tree.values.items()}, sequence_values={},
+        layout="tree", num_real_tokens=tree.num_nodes, num_sample_tokens=tree.num_sample_tokens)

@@ -1,0 +1,313 @@
+"""Prefix trees (``packkit.prefixtree``): shared prefixes found from token ids, computed once, losses unchanged.
+
+The structure is checked against a nested-loop trie (dict insertion, sample after sample) in this file; the
+model-level goal against the unpacked computation (every sample alone through the model, ``log_softmax`` of its
+logits gathered at the next tokens, at its loss tokens): per-token and per-sample log-probabilities within 1e-10
+in float64 on tiny Llama, Qwen2 and Qwen3 with eager, sdpa and flex attention, on random trees of depth <= 4 and
+branching <= 16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from packkit import prefixtree
+from packkit.errors import ArgumentError, DataError
+from packkit.prefixtree import build_tree, prefix_nodes, tree_batch
+from packkit.preference import sequence_logps, token_logps
+
+transformers = pytest.importorskip("transformers")
+
+from test_preference import eager_float64, varlen_reference  # noqa: E402
+from testlib import tiny_causal_lm, tiny_config  # noqa: E402
+
+VOCAB = 64
+TOL = 1e-10
+
+
+# ----------------------------------------------------------------------------------------------
+# random trees and the nested-loop reference
+# ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def trees(draw, *, max_samples: int = 40, vocab: int = 6):
+    """Samples that are root-to-node paths of a random tree: depth <= 4, branching <= 16, chunks of 1-4 tokens
+    from a small vocabulary (so that siblings also share tokens by chance), some internal nodes also samples,
+    several roots (or one group of them). Returns ``[(ids, loss_mask, group), ...]``."""
+    samples = []
+
+    def grow(prefix, depth):
+        if len(samples) >= max_samples:
+            return
+        k = draw(st.integers(0 if depth else 1, 16 if depth < 4 else 0))
+        if k == 0 or draw(st.integers(0, 5)) == 0:  # a leaf, or an internal node that is a sample too
+            samples.append(prefix)
+        for _ in range(k):
+            chunk = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4))
+            grow(prefix + chunk, depth + 1)
+
+    for _ in range(draw(st.integers(1, 3))):
+        grow([], 0)
+    samples = [s for s in samples if len(s) >= 2] or [[1, 2]]
+    out = []
+    for s in samples:
+        mask = draw(st.lists(st.booleans(), min_size=len(s), max_size=len(s)))
+        mask[draw(st.integers(1, len(s) - 1))] = True
+        out.append((s, mask, draw(st.integers(0, 1))))
+    return out
+
+
+def flat(samples):
+    ids = np.concatenate([np.asarray(s, np.int64) for s, _, _ in samples])
+    lengths = np.array([len(s) for s, _, _ in samples])
+    mask = np.concatenate([np.asarray(m, bool) for _, m, _ in samples])
+    groups = np.array([g for _, _, g in samples])
+    return ids, lengths, mask, groups
+
+
+def reference_trie(samples, groups=None):
+    """Nested loops: insert every sample into a dict trie; ``(number of nodes, node of every sample token)``."""
+    root, count, out = {}, 0, []
+    for s, (ids, _, g) in enumerate(samples):
+        level = root.setdefault(g if groups is not None else None, {})
+        for t in ids:
+            if t not in level:
+                level[t] = (count, {})
+                count += 1
+            node, level = level[t]
+            out.append(node)
+    return count, np.asarray(out)
+
+
+def check_structure(tree, samples, groups=None):
+    ids, lengths, mask, _ = flat(samples)
+    count, ref_node = reference_trie(samples, groups)
+    assert tree.num_nodes == count  # tokens forwarded == trie nodes, exactly
+    assert tree.num_sample_tokens == ids.size
+    # the same partition of sample tokens into nodes
+    pairs = np.unique(np.stack([ref_node, tree.path], 1), axis=0)
+    assert len(pairs) == count == len(np.unique(tree.path))
+    off = tree.sample_ptr
+    for s in range(len(samples)):
+        p = tree.path[off[s]:off[s + 1]]
+        assert np.array_equal(tree.input_ids[p], ids[off[s]:off[s + 1]])
+        assert np.array_equal(tree.position_ids[p], np.arange(p.size))
+        assert tree.parent[p[0]] == -1 and np.array_equal(tree.parent[p[1:]], p[:-1])
+    # the Euler tour against the parent chains: k <= q < tout[k] iff k is q or an ancestor of q
+    anc = np.zeros((count, count), bool)
+    k = np.arange(count)
+    while (k >= 0).any():  # every node walks up its parent chain at once
+        live = np.flatnonzero(k >= 0)
+        anc[live, k[live]] = True
+        k[live] = tree.parent[k[live]]
+    tin = np.arange(count)
+    assert np.array_equal(anc, (tin[None, :] <= tin[:, None]) & (tin[:, None] < tree.tout[None, :]))
+    # scored tokens: sample after sample, loss tokens after the first, read from the node before on the path
+    want = [(s, tree.path[off[s] + j - 1], tree.path[off[s] + j]) for s in range(len(samples))
+            for j in range(1, lengths[s]) if mask[off[s] + j]]
+    got = list(zip(tree.score_sample.tolist(), tree.score_source.tolist(), tree.score_target.tolist()))
+    assert got == [tuple(map(int, w)) for w in want]
+
+
+@given(trees(max_samples=80))
+@settings(max_examples=30)
+@example([([1, 2, 3], [0, 1, 1], 0), ([1, 2, 4, 5], [0, 0, 1, 1], 0), ([1, 6], [0, 1], 0)])  # the docstring's
+@example([([1, 2], [0, 1], 0), ([1, 2], [0, 1], 0), ([1, 2, 3], [1, 1, 1], 1)])  # a duplicate, a prefix of another
+def test_tree_is_the_trie(samples):
+    ids, lengths, mask, groups = flat(samples)
+    check_structure(build_tree(ids, lengths, loss_mask=mask), samples)
+    check_structure(build_tree(ids, lengths, loss_mask=mask, groups=groups), samples, groups=groups)
+
+
+def test_docstring_example():
+    t = build_tree([1, 2, 3, 1, 2, 4, 5, 1, 6], [3, 4, 2])
+    assert t.path.tolist() == [0, 1, 2, 0, 1, 3, 4, 0, 5]
+    assert t.input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert t.position_ids.tolist() == [0, 1, 2, 2, 3, 1]
+    assert t.parent.tolist() == [-1, 0, 1, 1, 3, 0]
+    assert t.tout.tolist() == [6, 5, 3, 5, 5, 6]
+    assert prefix_nodes([1, 2, 1, 3, 1, 2, 4], [2, 2, 3]).tolist() == [0, 1, 0, 3, 0, 1, 6]
+    assert tree_batch(build_tree([1, 2, 3, 1, 2, 4], [3, 3])).input_ids.tolist() == [[1, 2, 3, 4]]
+
+
+@given(trees(max_samples=60))
+@settings(max_examples=20)
+def test_a_hash_collision_falls_back_to_the_exact_construction(samples, ):
+    """Every prefix hashed to one value (the worst collision): the check finds it and the level-by-level
+    construction gives the same trie."""
+    ids, lengths, mask, groups = flat(samples)
+    real = prefixtree.prefix_hashes
+    try:
+        prefixtree.prefix_hashes = lambda ids, *a: np.zeros(ids.size, np.uint64)
+        collided = build_tree(ids, lengths, loss_mask=mask, groups=groups)
+    finally:
+        prefixtree.prefix_hashes = real
+    check_structure(collided, samples, groups=groups)
+
+
+def test_values_follow_the_scored_tokens():
+    ids = [1, 2, 3, 1, 2, 4]
+    adv = np.arange(6, dtype=float) * 10
+    t = build_tree(ids, [3, 3], loss_mask=[0, 1, 1, 0, 0, 1], values={"advantages": adv})
+    assert t.values["advantages"].tolist() == [10.0, 20.0, 50.0]
+    assert t.num_tokens.tolist() == [2, 1]
+
+
+# ----------------------------------------------------------------------------------------------
+# the model-level goal
+# ----------------------------------------------------------------------------------------------
+
+
+def flex_uncompiled(query, key, value, training=False, **kwargs):
+    """transformers' flex path without ``torch.compile``: Inductor's CPU FlexAttention has no float64; the
+    uncompiled kernel (the same ``mask_mod`` and ``BlockMask``) does."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(query, key, value, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def exact_kernels():
+    """Eager attention with its softmax in float64 (test_preference's ``eager_float64``), flex uncompiled
+    (module-scoped: hypothesis runs every example inside one fixture)."""
+    from transformers.integrations import flex_attention
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    with pytest.MonkeyPatch.context() as mp:
+        for mod in (modeling_llama, modeling_qwen2, modeling_qwen3):
+            mp.setattr(mod, "eager_attention_forward", eager_float64)
+        mp.setattr(flex_attention, "compile_friendly_flex_attention", flex_uncompiled)
+        yield
+
+
+MODELS = {}
+
+
+def tiny(family: str, impl: str):
+    if (family, impl) not in MODELS:
+        MODELS[family, impl] = tiny_causal_lm(family, dtype=torch.float64, attn_implementation=impl,
+                                              vocab_size=VOCAB, max_position_embeddings=256).eval()
+    return MODELS[family, impl]
+
+
+def unpacked(model, samples):
+    """Every sample alone: the log-probability of each of its loss tokens after the first, ``[M]``."""
+    out = []
+    with torch.no_grad():
+        for s, m, _ in samples:
+            x = torch.tensor([s])
+            logp = model(input_ids=x).logits[0, :-1].log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
+            out.append(logp[torch.tensor(m[1:], dtype=torch.bool)])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@given(samples=trees(max_samples=12, vocab=VOCAB))
+@settings(max_examples=2)
+@example(samples=[([5, 6, 7, 8], [0, 1, 1, 1], 0), ([5, 6, 9], [0, 0, 1], 0), ([5, 10, 11, 12], [0, 1, 0, 1], 1),
+                  ([5, 6, 7, 8, 13], [0, 0, 0, 0, 1], 0)])
+def test_log_probs_equal_unpacked(family, samples, exact_kernels):
+    ids, lengths, mask, groups = flat(samples)
+    tree = build_tree(ids, lengths, loss_mask=mask)
+    ref_tokens = unpacked(tiny(family, "sdpa"), samples)
+    ref = torch.cat(ref_tokens)
+    ref_sum = torch.stack([t.sum() for t in ref_tokens])
+    for impl in ("eager", "sdpa", "flex_attention"):
+        model = tiny(family, impl)
+        for window in (None, int(tree.tree_sizes.max()) + 1):
+            batch = tree_batch(tree, window=window)
+            with torch.no_grad():
+                logits = model(**batch.model_inputs(model)).logits
+            got, per_seq = token_logps(logits, batch), sequence_logps(logits, batch)
+            d = max((got - ref).abs().max().item(), (per_seq.sum - ref_sum).abs().max().item())
+            print(f"{family} {impl} window={window} {tuple(batch.shape)} nodes {tree.num_nodes}/{tree.num_sample_tokens}:"
+                  f" max |diff| {d:.1e}")
+            assert d < TOL, (family, impl, window)
+            assert per_seq.num_tokens.tolist() == [t.numel() for t in ref_tokens]
+
+
+# ----------------------------------------------------------------------------------------------
+# the views
+# ----------------------------------------------------------------------------------------------
+
+
+def some_batch(window):
+    samples = [([5, 6, 7, 8], [0, 1, 1, 1], 0), ([5, 6, 9, 3, 3], [0, 0, 1, 1, 1], 0), ([5, 10, 11], [0, 1, 1], 0),
+               ([4, 6, 7], [0, 1, 1], 0), ([5, 6, 7, 8, 1, 2], [0, 1, 1, 1, 1, 1], 0)]
+    ids, lengths, mask, _ = flat(samples)
+    return tree_batch(build_tree(ids, lengths, loss_mask=mask), window=window)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_varlen_recipe_equals_the_dense_mask(window):
+    """Each branch segment attending to its gathered ancestors then itself (bottom-right causal), against SDPA
+    with the dense ancestor mask, float64; the reference varlen attention lives here."""
+    b = some_batch(window)
+    B, L = b.shape
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, 2, L, 8, dtype=torch.float64) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.dense_mask()[:, None])
+    kw = b.varlen_kwargs()
+    cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+    assert cq[-1] == B * L and max(np.diff(cq)) == kw["max_seqlen_q"] and max(np.diff(ck)) == kw["max_seqlen_k"]
+    d = (varlen_reference(kw, q, k, v) - want).abs().max().item()
+    print(f"varlen recipe: max |diff| {d:.1e}")
+    assert d < 1e-12
+
+
+@pytest.mark.slow  # FlexAttention on the CPU runs unfused (about 10 s on a loaded 2-core machine)
+@pytest.mark.parametrize("window", [None, 12])
+def test_flex_block_mask_and_mask_mod_equal_the_dense_mask(window):
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    b = some_batch(window)
+    B, L = b.shape
+    q_idx, k_idx = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    for r in range(B):
+        assert torch.equal(b.mask_mod()(r, 0, q_idx, k_idx), b.dense_mask()[r])
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, 2, L, 8, dtype=torch.float64) for _ in range(3))
+    got = flex.flex_attention(q, k, v, block_mask=b.block_mask(BLOCK_SIZE=16))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.dense_mask()[:, None])
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def test_hybrid_linear_attention_and_flash_are_refused_in_one_line():
+    b = some_batch(None)
+    hybrid = transformers.Qwen3NextConfig(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2) \
+        if hasattr(transformers, "Qwen3NextConfig") else None
+    for config in filter(None, [hybrid, transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1])]):
+        with pytest.raises(ArgumentError, match="state per branch") as e:
+            b.model_inputs(config)
+        assert "\n" not in str(e.value)
+    config = tiny_config("llama")
+    config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ArgumentError, match="takes none") as e:
+        b.model_inputs(config)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_sample_and_the_fix():
+    with pytest.raises(DataError, match="example 1 has no loss token after its first token"):
+        build_tree([1, 2, 1, 3], [2, 2], loss_mask=[0, 1, 1, 0])
+    with pytest.raises(DataError, match="example 1 has token id -3"):
+        build_tree([1, 2, 1, -3], [2, 2])
+    with pytest.raises(DataError, match=r"example 1 has nan \(float\) in 'adv' \(token 0\)"):
+        build_tree([1, 2, 1, 3], [2, 2], values={"adv": [0.0, 1.0, float("nan"), 1.0]})
+    with pytest.raises(ValueError, match="one number a token"):
+        build_tree([1, 2, 1, 3], [2, 2], values={"adv": [0.0, 1.0]})
+    with pytest.raises(ValueError, match="sample 1 has length 0"):
+        build_tree([1, 2], [2, 0])
+    with pytest.raises(DataError, match=r"tree 1 \(from sample 1\) has 4 nodes > window=3; raise window"):
+        tree_batch(build_tree([1, 2, 5, 6, 7, 8], [2, 4]), window=3)
