@@ -89,6 +89,7 @@ from .planindex import example_stats
 
 __all__ = [
     "pack_dataset",
+    "PackOptions",
     "plan_source",
     "PackedTable",
     "packed_schema",
@@ -148,6 +149,72 @@ DEFAULT_BUFFER_BYTES = 256 * 2**20
 #: fraction of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES` and :data:`DEFAULT_BUFFER_BYTES`.
 BUFFER_FRACTION = 1 / 16
 MIN_BUFFER_BYTES = 8 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """What :func:`pack_dataset` and :func:`plan_source` do beyond the plan's own knobs (``window``, ``strategy``,
+    ``overflow``, ``seed``, ``shuffle``). Pass ``options=PackOptions(...)``, or any field as a keyword of
+    those functions (``pack_dataset(ds, window=W, example_ids=True)``): a new knob is a field here.
+
+    Fields:
+        columns: list columns to pack, the token column first; default ``input_ids``, plus ``labels`` and the
+            first of ``completion_mask`` / ``assistant_masks`` when the dataset has them. A loss mask becomes
+            ``labels`` (-100 where the mask is 0, on the given labels or the token ids), as the collators do;
+            it is written as well only when ``columns`` names it. Other columns (text, ids) are not carried over.
+        mask_first_label: set ``labels`` to -100 on the first token of every segment (models shift labels).
+        example_ids: also write ``example_ids``, the source row of every segment. Packed rows that carry
+            ``example_ids`` (re-packed, at another window) keep them: each document its example's id.
+        group_column: a column of group ids (int or string, one per row): rows of one group (a preference
+            pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
+            (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
+            the windows it costs). Not for an ``IterableDataset`` (its buffer plans no atoms).
+        cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp.shard`): with
+            ``"zigzag"`` every example is planned at its length padded to a multiple of ``2 * cp_size``, so a
+            row still fits ``window`` once its documents are padded for TE; the other layouts need ``window``
+            to be a multiple of ``cp_size`` (:func:`packkit.cp_plan.plan_for_cp`). Not for an ``IterableDataset``.
+        drop_loss_free: leave out the pieces (examples after ``overflow``) that hold no loss token (they would
+            train on nothing, and a step of them has loss 0), counted and logged, as ``packkit pack
+            --drop-loss-free``. Without it, windows that hold no loss token are counted and logged with this
+            fix (TRL's ``SFTTrainer`` with a ``max_length`` drops such rows without a word). Not for an
+            ``IterableDataset``.
+        num_proc: threads for the token copy (numpy releases the GIL), default 1.
+        progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
+        buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
+        buffer_bytes: bound on the packed rows in flight while the cache file is written (default 256 MiB;
+            a result kept in memory is gathered whole).
+        cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist).
+            Default: ``cache-packkit-<random>.arrow`` in the folder of ``ds``'s first cache file
+            (``ds.cleanup_cache_files()`` removes unused ones, as for ``map``).
+        keep_in_memory: build the result in memory instead of a cache file. Default: in memory only
+            when ``ds`` itself has no cache files (an in-memory dataset stays in memory).
+        output_format: the format of ``pack_dataset(..., output=)`` (:data:`packkit.outputs.FORMATS`), when its
+            suffix does not say it.
+    """
+
+    columns: object = None
+    mask_first_label: bool = True
+    example_ids: bool = False
+    group_column: str | None = None
+    cp_size: int = 1
+    cp_layout: str = "hybrid"
+    drop_loss_free: bool = False
+    num_proc: int | None = None
+    progress: bool | None = None
+    buffer_size: int = 1000
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    cache_file_name: object = None
+    keep_in_memory: bool | None = None
+    output_format: str | None = None
+
+    @classmethod
+    def of(cls, options: "PackOptions | None", keywords: dict, who: str) -> "PackOptions":
+        """``options`` (default: the defaults) with ``keywords`` for its fields; another keyword is the
+        ``TypeError`` Python raises for it: ``PackOptions.of(None, {"example_ids": True}, "f").example_ids -> True``."""
+        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+        return dataclasses.replace(options or cls(), **keywords)
 
 
 def packed_schema(columns, *, example_ids: bool = False):
@@ -350,22 +417,22 @@ def show_progress(source) -> bool:
     return enabled
 
 
-def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, columns=None,
-                seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
-                mask_first_label: bool = True, example_ids: bool = False, progress: bool | None = None,
-                who: str = "pack_dataset", groups=None, cp_size: int = 1, cp_layout: str = "hybrid") -> PackedTable:
+def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
+                seed: int | None = 0, shuffle: bool = True, options: PackOptions | None = None,
+                who: str = "pack_dataset", groups=None, **option_keywords) -> PackedTable:
     """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens.
 
     One pass over the source reads the list columns' offsets into lengths, checks every batch (the
     rules of :func:`pack_dataset`) and keeps flat views of the columns (memory-mapped batches stay
     where they are; copies are staged to a memory-mapped file); then :func:`packkit.binpack.pack` plans
-    the windows. The arguments are :func:`pack_dataset`'s (``progress``: :func:`show_progress`'s
-    default when None). ``groups``: a group id per row, groups kept whole in one window
-    (:func:`packkit.binpack.pack_groups`). Returns a :class:`PackedTable`.
+    the windows. The arguments are :func:`pack_dataset`'s (``options`` and its fields as keywords:
+    :class:`PackOptions`; ``progress``: :func:`show_progress`'s default when None). ``groups``: a group id
+    per row, groups kept whole in one window (:func:`packkit.binpack.pack_groups`). Returns a :class:`PackedTable`.
     """
-    window = _check_common(window, strategy, overflow, seed, num_proc)
-    spec = resolve_columns(source.names, columns)
-    progress = show_progress(source) if progress is None else progress
+    o = PackOptions.of(options, option_keywords, "plan_source")
+    window = _check_common(window, strategy, overflow, seed, o.num_proc)
+    spec = resolve_columns(source.names, o.columns)
+    progress = show_progress(source) if o.progress is None else o.progress
     with progress_bar(total=None, unit="rows", enabled=progress, desc=f"{who}: reading") as bar:
         found = scan(source, spec.read, kinds=_kinds(spec), check=_column_checks(spec), progress=bar)
         found = scan_documents(source, found)  # packed rows are read as their documents
@@ -373,16 +440,16 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
         raise DataError(f"{who}: the rows are packed rows ({len(groups):,} rows, {len(found.lengths):,} documents); "
                         "groups name examples: pack the unpacked examples with their group column")
     # rows a CP group will shard: zigzag plans each example at its CP-padded length (packkit.cp_plan)
-    plan = plan_for_cp(found.lengths, window=window, cp_size=cp_size, cp_layout=cp_layout, strategy=strategy,
+    plan = plan_for_cp(found.lengths, window=window, cp_size=o.cp_size, cp_layout=o.cp_layout, strategy=strategy,
                        overflow=overflow, seed=seed, groups=groups)
     if shuffle:
         plan = plan.shuffled(seed)
     log_overflow(who, overflow=plan.overflow, over=int(plan.overflow_examples.size), examples=plan.num_examples,
                  window=plan.window, cut_tokens=plan.cut_tokens, tokens=int(plan.lengths.sum()))
-    table = PackedTable(found, spec, plan, mask_first_label=mask_first_label, example_ids=example_ids,
-                        num_threads=num_proc or 1)
+    table = PackedTable(found, spec, plan, mask_first_label=o.mask_first_label, example_ids=o.example_ids,
+                        num_threads=o.num_proc or 1)
     table.options = {"strategy": strategy, "overflow": overflow, "seed": seed, "shuffle": bool(shuffle),
-                     "cp_size": cp_size, "cp_layout": cp_layout}
+                     "cp_size": o.cp_size, "cp_layout": o.cp_layout}
     table.groups, table.scan_source = groups, source.describe
     return table
 
@@ -392,22 +459,17 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
 # ----------------------------------------------------------------------------------------------
 
 
-def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, columns=None,
-                 seed: int | None = 0, shuffle: bool = True, num_proc: int | None = None,
-                 mask_first_label: bool = True, example_ids: bool = False, buffer_size: int = 1000,
-                 progress: bool | None = None, return_report: bool = False, split: str | None = None,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, cache_file_name=None, keep_in_memory: bool | None = None,
-                 group_column: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid",
-                 drop_loss_free: bool = False, output=None, output_format: str | None = None):
+def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, seed: int | None = 0,
+                 shuffle: bool = True, output=None, split: str | None = None, return_report: bool = False,
+                 options: PackOptions | None = None, **option_keywords):
     """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row
     per window. Conversational data is tokenized first, through its chat template, by
     :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
 
-    Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the
-    Arrow list offsets and checks each batch; the plan is made from the lengths alone; then windows are
-    gathered a chunk of at most ``buffer_bytes`` at a time from the memory-mapped Arrow data and written
-    to a cache file beside the dataset's own (as ``datasets.map`` does), which the returned dataset
-    reads. Peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the
+    Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the Arrow list
+    offsets and checks each batch; the plan is made from the lengths alone; then windows are gathered a chunk
+    of at most ``buffer_bytes`` at a time from the memory-mapped Arrow data and written to a cache file
+    beside the dataset's own (as ``datasets.map`` does), which the returned dataset reads. Peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the
     dataset's size; rows seen through a ``select`` / ``shuffle`` / ``filter`` are staged to a
     temporary memory-mapped file first. Only public ``datasets`` API is used.
 
@@ -427,48 +489,18 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: every token
             kept, the example continues in the next window; logged), ``"truncate"``, ``"drop"``,
             ``"error"``. Cut tokens are counted and logged (``return_report=True`` returns the counts).
-        columns: list columns to pack, the token column first; default ``input_ids``, plus ``labels``
-            and the first of ``completion_mask`` / ``assistant_masks`` when the dataset has them. A loss
-            mask becomes ``labels`` (-100 where the mask is 0, on the given labels or the token ids),
-            as the collators do; it is written as well only when ``columns`` names it. Other columns
-            (text, ids) are not carried over.
         seed: seeds ``"shuffle_ff"`` and the order of the rows.
         shuffle: rows in a seeded random order (default), not in the planner's (length-sorted) order.
-        num_proc: threads for the token copy (numpy releases the GIL), default 1.
-        mask_first_label: set ``labels`` to -100 on the first token of every segment (models shift labels).
-        example_ids: also write ``example_ids``, the source row of every segment. Packed rows that carry
-            ``example_ids`` (re-packed, at another window) keep them: each document its example's id.
-        buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
-        progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
+        output: write the packed rows to the file or folder ``output`` (it must not exist), in the format
+            ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`: parquet, arrow,
+            jsonl, a ``datasets`` folder, Megatron ``.bin/.idx``, Megatron-Bridge parquet, MosaicML MDS, or an
+            index-only plan ``.packplan``), and return its path instead of a dataset. Not for an
+            ``IterableDataset``.
+        split: the split of a ``DatasetDict`` to pack (default: all of them).
         return_report: return ``(dataset, plan)``: what was packed, the :class:`~packkit.binpack.Plan` in row
             order (``plan.summary()``: windows, fill, lower bound, what the overflow policy touched).
-        split: the split of a ``DatasetDict`` to pack (default: all of them).
-        buffer_bytes: bound on the packed rows in flight while the cache file is written (default 256 MiB;
-            a result kept in memory is gathered whole).
-        cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist).
-            Default: ``cache-packkit-<random>.arrow`` in the folder of ``ds``'s first cache file
-            (``ds.cleanup_cache_files()`` removes unused ones, as for ``map``).
-        keep_in_memory: build the result in memory instead of a cache file. Default: in memory only
-            when ``ds`` itself has no cache files (an in-memory dataset stays in memory).
-        group_column: a column of group ids (int or string, one per row): rows of one group (a preference
-            pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
-            (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
-            the windows it costs). Not for an ``IterableDataset`` (its buffer plans no atoms).
-        cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp.shard`): with
-            ``"zigzag"`` every example is planned at its length padded to a multiple of ``2 * cp_size``,
-            so a row still fits ``window`` once its documents are padded for TE; the other layouts need
-            ``window`` to be a multiple of ``cp_size`` (:func:`packkit.cp_plan.plan_for_cp`). Not for an
-            ``IterableDataset``.
-        drop_loss_free: leave out the pieces (examples after ``overflow``) that hold no loss token (they would
-            train on nothing, and a step of them has loss 0), counted and logged, as ``packkit pack
-            --drop-loss-free``. Without it, windows that hold no loss token are counted and logged with this
-            fix (TRL's ``SFTTrainer`` with a ``max_length`` drops such rows without a word). Not for an
-            ``IterableDataset``.
-        output, output_format: write the packed rows to the file or folder ``output`` (it must not exist), in
-            the format ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`: parquet,
-            arrow, jsonl, a ``datasets`` folder, Megatron ``.bin/.idx``, Megatron-Bridge parquet, MosaicML MDS,
-            or an index-only plan ``.packplan``), and return its path instead of a dataset. Not for an
-            ``IterableDataset``.
+        options: :class:`PackOptions` (columns, labels, example ids, groups, CP, loss-free pieces, threads,
+            progress, buffers, the cache file); each of its fields is also a keyword of this function.
 
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
@@ -478,80 +510,63 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         ``save_to_disk`` / ``to_parquet`` it as usual, or write files directly with ``packkit pack``.
         With ``output``: its ``pathlib.Path`` (``(path, plan)`` under ``return_report``).
 
-    Raises:
-        ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null
-        example, negative token id, a label that is neither a token id nor -100, columns of different
-        lengths, an example longer than ``window`` under ``overflow="error"``, a column missing.
+    Raises ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null example,
+    negative token id, a label neither a token id nor -100, columns of different lengths, an example longer
+    than ``window`` under ``overflow="error"``, a column missing.
     """
     import datasets
 
+    o = PackOptions.of(options, option_keywords, "pack_dataset")
+    planning = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle)
+    streamed = isinstance(ds, (datasets.IterableDataset, datasets.IterableDatasetDict))
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        _check_args(isinstance(ds, datasets.IterableDatasetDict), window=window, strategy=strategy,
-                    overflow=overflow, seed=seed, num_proc=num_proc, return_report=return_report)
-        return _pack_splits(ds, split, return_report=return_report, window=window, strategy=strategy, overflow=overflow,
-                            columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
-                            mask_first_label=mask_first_label, example_ids=example_ids, buffer_size=buffer_size,
-                            progress=progress, buffer_bytes=buffer_bytes, cache_file_name=cache_file_name,
-                            keep_in_memory=keep_in_memory, group_column=group_column,
-                            cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free, output=output,
-                            output_format=output_format)
+        _check_args(streamed, o, return_report=return_report, **planning)
+        return _pack_splits(ds, split, return_report=return_report, output=output, options=o, **planning)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
-        checked = _check_args(isinstance(ds, datasets.IterableDataset), window=window, strategy=strategy,
-                              overflow=overflow, seed=seed, num_proc=num_proc, return_report=return_report)
+        window = _check_args(streamed, o, return_report=return_report, **planning)
         fmt = chat_format(ds.features.arrow_schema) if ds.features is not None else None
-        if fmt is not None and columns is None and "input_ids" not in ds.column_names:
+        if fmt is not None and o.columns is None and "input_ids" not in ds.column_names:
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
-    out_format = None if output is None else _check_output_arg(ds, output, output_format)
-    if isinstance(ds, datasets.IterableDataset):
-        if group_column is not None:
-            raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
-                                "inside a bounded buffer: pack a datasets.Dataset", arg=arg("group_column"))
-        if cp_size != 1:
-            raise ArgumentError("{arg} plans the whole dataset for a CP group; a streamed dataset is packed inside "
-                                "a bounded buffer: pack a datasets.Dataset", arg=arg("cp_size", cp_size))
-        if drop_loss_free:
-            raise ArgumentError("{arg} is not available for a streamed dataset: filter the examples without a loss "
-                                "token first (ds.filter), or pack a datasets.Dataset", arg=arg("drop_loss_free", True))
-        return _pack_iterable(ds, window=checked, buffer_size=buffer_size, overflow=overflow, columns=columns,
-                              seed=seed, shuffle=shuffle, mask_first_label=mask_first_label,
-                              example_ids=example_ids, progress=bool(progress))
+    out_format = None if output is None else _check_output_arg(ds, output, o.output_format)
+    if streamed:
+        return _pack_iterable(ds, o, window=window, overflow=overflow, seed=seed, shuffle=shuffle)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
+    result, plan = _pack_table(ds, o, out_format, output=output, **planning)
+    return (result, plan) if return_report else result
+
+
+def _group_ids(ds, column: str) -> np.ndarray:
+    """Integer codes of the group ids in ``column`` (int or string, one a row; no Python object a row)."""
     import pyarrow as pa
-    from datasets.fingerprint import generate_fingerprint, generate_random_fingerprint, update_fingerprint
 
-    on_disk = bool(ds.cache_files) if keep_in_memory is None else not keep_in_memory
-    if cache_file_name is not None:
-        on_disk = True
+    if column not in ds.column_names:
+        raise MissingError("no group column {got!r}; the columns are {names}", got=column, names=ds.column_names)
+    col = ds.with_format("arrow")[column]
+    if col.null_count:
+        raise DataError(f"column {column!r} has a null group id (row {col.to_pylist().index(None)})")
+    if not (pa.types.is_integer(col.type) or pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise DataError(f"column {column!r} holds {col.type}: a group id is an integer or a string")
+    return col.combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
+
+
+def _pack_table(ds, o: PackOptions, out_format, *, output, **planning):
+    """:func:`pack_dataset` on a ``datasets.Dataset``: ``(the dataset or OUT's path, the plan)``."""
     source = ArrowSource.from_dataset(ds)
-    progress = show_progress(source) if progress is None else progress
-    groups = None
-    if group_column is not None:
-        if group_column not in ds.column_names:
-            raise MissingError("no group column {got!r}; the columns are {names}", got=group_column,
-                               names=ds.column_names)
-        import pyarrow as pa
-
-        col = ds.with_format("arrow")[group_column]
-        if col.null_count:
-            raise DataError(f"column {group_column!r} has a null group id (row {col.to_pylist().index(None)})")
-        if not (pa.types.is_integer(col.type) or pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-            raise DataError(f"column {group_column!r} holds {col.type}: a group id is an integer or a string")
-        # integer codes, one a row (no Python object per row, strings included)
-        groups = col.combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
-    packed = plan_source(source, window=window, strategy=strategy, overflow=overflow,
-                         columns=columns, seed=seed, shuffle=shuffle, num_proc=num_proc,
-                         mask_first_label=mask_first_label, example_ids=example_ids, progress=progress,
-                         groups=groups, cp_size=cp_size, cp_layout=cp_layout)
+    progress = show_progress(source) if o.progress is None else o.progress
+    groups = None if o.group_column is None else _group_ids(ds, o.group_column)
+    packed = plan_source(source, options=dataclasses.replace(o, progress=progress), groups=groups, **planning)
+    on_disk = o.cache_file_name is not None or (bool(ds.cache_files) if o.keep_in_memory is None
+                                                else not o.keep_in_memory)
     written = out_format or outputs.FORMATS["arrow"]  # OUT, or the cache file
-    max_tokens = (packed.chunk_tokens(buffer_bytes, encoding=written.encoding, in_flight=2)
+    max_tokens = (packed.chunk_tokens(o.buffer_bytes, encoding=written.encoding, in_flight=2)
                   if on_disk or out_format is not None else arrow.MAX_LIST_VALUES)
-    if drop_loss_free:
+    if o.drop_loss_free:
         packed.drop_loss_free(max_tokens)
         if packed.plan.num_windows == 0:
             raise DataError("no piece holds a loss token, and {drop} left every one out",
@@ -559,56 +574,63 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         if packed.dropped_pieces:
             logger.warning("pack_dataset: drop_loss_free left out %d pieces with no loss token (%d tokens)",
                            packed.dropped_pieces, packed.dropped_tokens)
-    plan = packed.plan
-    # A fingerprint that names the input and the arguments when the input is files on disk (datasets
-    # hashes their paths, not their tokens); an in-memory table would be hashed whole: a random one.
+    total = packed.plan.total_tokens * len(packed.spec.written())
+    with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
+        if out_format is not None:
+            return outputs.write_packed(output, packed, format=out_format, max_tokens=max_tokens, bar=bar,
+                                        inputs=[f["filename"] for f in ds.cache_files]), packed.plan
+        out = _dataset(ds, packed, o, on_disk=on_disk, max_tokens=max_tokens, bar=bar, **planning)
+    if packed.loss_free_windows:  # counted as the rows were written
+        logger.warning("pack_dataset: %d of %d windows hold no loss token (a step of them has loss 0); pass "
+                       "drop_loss_free=True, or raise window", packed.loss_free_windows, packed.plan.num_windows)
+    return out, packed.plan
+
+
+def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_tokens: int, bar, **planning):
+    """The packed rows as a ``datasets.Dataset``: a memory-mapped cache file written beside ``ds``'s own, or in
+    memory. Its fingerprint names the input and the arguments when the input is files on disk (``datasets``
+    hashes their paths, not their tokens); an in-memory table would be hashed whole: a random one."""
+    import datasets
+    import pyarrow as pa
+    from datasets.fingerprint import generate_fingerprint, generate_random_fingerprint, update_fingerprint
+
     fingerprint = generate_random_fingerprint()
     if ds.cache_files:
         fingerprint = update_fingerprint(generate_fingerprint(ds), "packkit.pack_dataset", dict(
-            window=window, strategy=strategy, overflow=overflow, columns=packed.spec.read, seed=seed,
-            shuffle=shuffle, mask_first_label=mask_first_label, example_ids=example_ids, group_column=group_column,
-            cp_size=cp_size, cp_layout=cp_layout, drop_loss_free=drop_loss_free))
-    total = plan.total_tokens * len(packed.spec.written())
-    if out_format is not None:
-        with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
-            path = outputs.write_packed(output, packed, format=out_format, max_tokens=max_tokens, bar=bar,
-                                        inputs=[f["filename"] for f in ds.cache_files])
-        return (path, plan) if return_report else path
-    with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
-        if on_disk:
-            from datasets.table import MemoryMappedTable
+            **planning, columns=packed.spec.read, mask_first_label=o.mask_first_label, example_ids=o.example_ids,
+            group_column=o.group_column, cp_size=o.cp_size, cp_layout=o.cp_layout, drop_loss_free=o.drop_loss_free))
+    if not on_disk:
+        # The rows stay in memory whole, so chunks would bound nothing and only cost CPU
+        # (benchmarks/RESULTS.md, issue 23): one gather, record batches as int32 list offsets need.
+        batches = list(packed.record_batches(max_tokens=max_tokens, bar=bar))
+        return datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
+    from datasets.table import MemoryMappedTable
 
-            if cache_file_name is None:
-                folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
-                          else Path(datasets.config.HF_DATASETS_CACHE))
-                cache_file_name = folder / f"cache-packkit-{generate_random_fingerprint()}{outputs.FORMATS['arrow'].suffixes[0]}"
-            outputs.write_packed(cache_file_name, packed, format="arrow", max_tokens=max_tokens, bar=bar)
-            out = datasets.Dataset(MemoryMappedTable.from_file(str(cache_file_name)), fingerprint=fingerprint)
-        else:
-            # The rows stay in memory whole, so chunks would bound nothing and only cost CPU
-            # (benchmarks/RESULTS.md, issue 23): one gather, record batches as int32 list offsets need.
-            batches = list(packed.record_batches(max_tokens=max_tokens, bar=bar))
-            out = datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
-    if packed.loss_free_windows:  # counted as the rows were written
-        logger.warning("pack_dataset: %d of %d windows hold no loss token (a step of them has loss 0); pass "
-                       "drop_loss_free=True, or raise window", packed.loss_free_windows, plan.num_windows)
-    return (out, plan) if return_report else out
+    name = o.cache_file_name
+    if name is None:
+        folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
+                  else Path(datasets.config.HF_DATASETS_CACHE))
+        name = folder / f"cache-packkit-{generate_random_fingerprint()}{outputs.FORMATS['arrow'].suffixes[0]}"
+    outputs.write_packed(name, packed, format="arrow", max_tokens=max_tokens, bar=bar)
+    return datasets.Dataset(MemoryMappedTable.from_file(str(name)), fingerprint=fingerprint)
 
 
-def _check_args(iterable: bool, *, window, strategy, overflow, seed, num_proc, return_report) -> int:
+def _check_args(iterable: bool, o: PackOptions, *, window, strategy, overflow, seed, shuffle,
+                return_report) -> int:
     """:func:`pack_dataset`'s argument checks, made before any data is read or tokenized; returns ``window``.
 
     An ``IterableDataset`` (``iterable``) is packed with best fit inside a buffer, in one stream, with no
-    whole plan: ``strategy`` must be ``"bfd"``, ``return_report`` and ``num_proc`` unset.
+    whole plan: ``strategy`` must be ``"bfd"``, ``return_report`` and ``num_proc`` unset, and the options
+    that need the whole dataset (groups, CP, loss-free pieces) unset.
     """
     if iterable and strategy != "bfd":
         raise ValueError(f"an IterableDataset is packed with best fit inside a buffer; strategy must be "
                          f"'bfd', got {strategy!r}")
     if iterable and return_report:
         raise ValueError("return_report is not available for an IterableDataset (a stream has no whole plan)")
-    window = _check_common(window, strategy, overflow, seed, num_proc)
-    if iterable and num_proc not in (None, 1):
-        raise ValueError(f"num_proc={num_proc!r}: an IterableDataset is packed in one stream as it is "
+    window = _check_common(window, strategy, overflow, seed, o.num_proc)
+    if iterable and o.num_proc not in (None, 1):
+        raise ValueError(f"num_proc={o.num_proc!r}: an IterableDataset is packed in one stream as it is "
                          "read; leave num_proc unset (or shard the source and pack each shard)")
     return window
 
@@ -641,7 +663,7 @@ def _pack_splits(dd, split, *, return_report: bool, **kwargs):
     if kwargs.get("output") is not None and len(names) > 1:
         raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split ({split})",
                             arg=arg("output"), names=names, split=arg("split", metavar="NAME"))
-    if kwargs.get("cache_file_name") is not None and len(names) > 1:
+    if kwargs["options"].cache_file_name is not None and len(names) > 1:
         raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split "
                             "({split}) or leave the cache file names to packkit", arg=arg("cache_file_name"),
                             names=names, split=arg("split", metavar="NAME"))
@@ -652,8 +674,7 @@ def _pack_splits(dd, split, *, return_report: bool, **kwargs):
     return kind(packed)
 
 
-def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle, mask_first_label, example_ids,
-                   progress):
+def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
     """:func:`pack_dataset` on a ``datasets.IterableDataset``: :func:`pack_stream` as an IterableDataset.
 
     The source is read whole by the one stream (a ``datasets.IterableDataset`` read in a DataLoader worker
@@ -668,6 +689,16 @@ def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle,
     """
     import datasets
 
+    if o.group_column is not None:
+        raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
+                            "inside a bounded buffer: pack a datasets.Dataset", arg=arg("group_column"))
+    if o.cp_size != 1:
+        raise ArgumentError("{arg} plans the whole dataset for a CP group; a streamed dataset is packed inside "
+                            "a bounded buffer: pack a datasets.Dataset", arg=arg("cp_size", o.cp_size))
+    if o.drop_loss_free:
+        raise ArgumentError("{arg} is not available for a streamed dataset: filter the examples without a loss "
+                            "token first (ds.filter), or pack a datasets.Dataset", arg=arg("drop_loss_free", True))
+    columns, buffer_size = o.columns, o.buffer_size
     if ds.column_names:
         names = resolve_columns(ds.column_names, columns).written()
     elif columns is not None:
@@ -679,15 +710,15 @@ def _pack_iterable(ds, *, window, buffer_size, overflow, columns, seed, shuffle,
         ids = datasets.Sequence(datasets.Value("int64"))
         features = datasets.Features({c: ids for c in names})
         features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
-        if example_ids:
+        if o.example_ids:
             features["example_ids"] = ids
     if shuffle and seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)  # one order for this dataset, replayed on a resume
 
     def rows():
         stream = pack_stream(ds, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
-                             mask_first_label=mask_first_label, example_ids=example_ids)
-        with progress_bar(total=None, unit="tok", enabled=progress, desc="pack_dataset (stream)") as bar:
+                             mask_first_label=o.mask_first_label, example_ids=o.example_ids)
+        with progress_bar(total=None, unit="tok", enabled=bool(o.progress), desc="pack_dataset (stream)") as bar:
             for row in _shuffled(stream, seed=seed, size=buffer_size) if shuffle else stream:
                 bar.update(int(row["seq_lengths"].sum()))
                 # Unknown columns (no features to cast numpy arrays with): plain lists, as datasets gives.

@@ -471,10 +471,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
         an example longer than ``window`` under ``overflow="error"``, a column missing.
     """
     ray = _require_ray()
-    import pyarrow as pa
-
     window = check_window(window)
-    input_key, label_key = _token_column(columns), "labels"
+    input_key = _token_column(columns)
     check_choice(mode, "mode", MODES)
     check_strategy(strategy)
     check_overflow(overflow)
@@ -484,8 +482,28 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     if not hasattr(ds, "to_arrow_refs"):
         raise TypeError(f"ds must be a ray.data.Dataset, got {type(ds).__name__} (ray.data.from_items(...) makes one)")
 
-    # -- pass 0: lengths only travel to the driver, which checks them and names bad examples --
     refs = ds.to_arrow_refs()
+    lengths, starts, opts, value_type = _pass0(ray, refs, window=window, strategy=strategy, overflow=overflow,
+                                               seed=seed, shuffle=shuffle, tail_slack=float(tail_slack),
+                                               input_key=input_key, mask_first_label=mask_first_label)
+    pieces = apply_overflow(lengths, window=window, overflow=overflow)  # raises under "error"
+    common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
+                  examples=int(lengths.size), input_tokens=int(lengths.sum()),
+                  overflow_examples=pieces.overflow_examples.size, dropped_examples=pieces.dropped_examples.size,
+                  cut_tokens=pieces.cut_tokens)
+    if mode == "local":
+        out_refs, report = _local(ray, refs, opts, value_type, common)
+    else:
+        out_refs, report = _global(ray, refs, lengths, starts, opts, value_type, common, num_output_blocks)
+    return _finish(ray.data.from_arrow_refs(out_refs), report, return_report)
+
+
+def _pass0(ray, refs, *, input_key: str, **options):
+    """Pass 0: lengths only travel to the driver, which checks them and names bad examples. Returns
+    ``(lengths, block starts, the options every block task reads, the value type of every block)``."""
+    import pyarrow as pa
+
+    label_key = "labels"
     lengths_task = ray.remote(num_cpus=1)(_block_lengths)
     infos = ray.get([lengths_task.remote(r, input_key, label_key) for r in refs])
     starts = lengths_to_offsets([info["lengths"].size for info in infos])
@@ -495,50 +513,49 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
     given_labels = _same_in_every_block(infos, starts, lambda info: label_key if info["has_labels"] else None)
     mask_key = _same_in_every_block(infos, starts, lambda info: info["mask_key"])
     lengths = as_lengths(np.concatenate([info["lengths"] for info in infos]) if infos else [])
-    pieces = apply_overflow(lengths, window=window, overflow=overflow)  # raises under "error"
-    n_over, n_dropped, cut = pieces.overflow_examples.size, pieces.dropped_examples.size, pieces.cut_tokens
     types = {info["value_type"] for info in infos if info["lengths"].size}
     value_type = max(types, key=lambda t: t.bit_width) if types else pa.int64()  # one schema for all blocks
     label_types = {info["label_type"] for info in infos if info["lengths"].size and info["label_type"]}
     label_type = max(label_types, key=lambda t: t.bit_width) if label_types else None
     if mask_key is not None and not given_labels:
         label_type = value_type  # labels are the masked token ids (packed_schema widens them if needed)
-    opts = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle,
-                tail_slack=float(tail_slack), input_key=input_key, label_key=label_key, mask_key=mask_key,
-                has_labels=given_labels is not None or mask_key is not None, label_type=label_type,
-                mask_first_label=mask_first_label)
-    input_tokens = int(lengths.sum())
-    common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
-                  examples=int(lengths.size), input_tokens=input_tokens, overflow_examples=n_over,
-                  dropped_examples=n_dropped, cut_tokens=cut)
+    opts = dict(options, input_key=input_key, label_key=label_key, mask_key=mask_key,
+                has_labels=given_labels is not None or mask_key is not None, label_type=label_type)
+    return lengths, starts, opts, value_type
 
-    if mode == "local":
-        pass1 = ray.remote(num_cpus=1, num_returns=3)(_pass1_block)
-        outs = [pass1.remote(r, b, opts) for b, r in enumerate(refs)]
-        full_refs = [o[0] for o in outs]
-        stats = ray.get([o[2] for o in outs])
-        parts = max(1, len(refs))
-        pass2 = ray.remote(num_cpus=1, num_returns=parts + 1)(_pass2_spread)
-        *tail_refs, tail_stats_ref = pass2.remote(opts, value_type, len(refs), parts, *[o[1] for o in outs])
-        tail_stats = ray.get(tail_stats_ref)
-        # Pass-2 piece b goes after block b's windows (empty pieces left out): spread, not all last.
-        sizes = [a.size for a in np.array_split(np.arange(tail_stats["windows"]), parts)]
-        order = [r for b, r in enumerate(full_refs) for r in ([r, tail_refs[b]] if sizes[b] else [r])]
-        if not full_refs:
-            order = tail_refs[:1]
-        tokens = sum(s["tokens"] for s in stats) + tail_stats["tokens"]
-        report = RayPackReport(
-            mode=mode, windows=sum(s["windows"] for s in stats) + tail_stats["windows"], tokens=tokens,
-            lower_bound=-(-tokens // window), handed_windows=sum(s["handed_windows"] for s in stats),
-            handed_tokens=sum(s["handed_tokens"] for s in stats), pass2_windows=tail_stats["windows"],
-            **common,
-        )
-        return _finish(ray.data.from_arrow_refs(order), report, return_report)
 
-    # -- global: one plan over every length, then map (per source block) / reduce (per chunk) --
-    plan = pack(lengths, window=window, strategy=strategy, overflow=overflow, seed=seed)
-    if shuffle:
-        plan = plan.shuffled(seed)
+def _local(ray, refs, opts: dict, value_type, common: dict):
+    """Local mode: per-block best fit (pass 1), then one pass over the under-filled windows (pass 2)."""
+    window = opts["window"]
+    pass1 = ray.remote(num_cpus=1, num_returns=3)(_pass1_block)
+    outs = [pass1.remote(r, b, opts) for b, r in enumerate(refs)]
+    full_refs = [o[0] for o in outs]
+    stats = ray.get([o[2] for o in outs])
+    parts = max(1, len(refs))
+    pass2 = ray.remote(num_cpus=1, num_returns=parts + 1)(_pass2_spread)
+    *tail_refs, tail_stats_ref = pass2.remote(opts, value_type, len(refs), parts, *[o[1] for o in outs])
+    tail_stats = ray.get(tail_stats_ref)
+    # Pass-2 piece b goes after block b's windows (empty pieces left out): spread, not all last.
+    sizes = [a.size for a in np.array_split(np.arange(tail_stats["windows"]), parts)]
+    order = [r for b, r in enumerate(full_refs) for r in ([r, tail_refs[b]] if sizes[b] else [r])]
+    if not full_refs:
+        order = tail_refs[:1]
+    tokens = sum(s["tokens"] for s in stats) + tail_stats["tokens"]
+    report = RayPackReport(
+        mode="local", windows=sum(s["windows"] for s in stats) + tail_stats["windows"], tokens=tokens,
+        lower_bound=-(-tokens // window), handed_windows=sum(s["handed_windows"] for s in stats),
+        handed_tokens=sum(s["handed_tokens"] for s in stats), pass2_windows=tail_stats["windows"],
+        **common,
+    )
+    return order, report
+
+
+def _global(ray, refs, lengths, starts, opts: dict, value_type, common: dict, num_output_blocks):
+    """Global mode: one plan over every length, then map (per source block) / reduce (per chunk)."""
+    plan = pack(lengths, window=opts["window"], strategy=opts["strategy"], overflow=opts["overflow"],
+                seed=opts["seed"])
+    if opts["shuffle"]:
+        plan = plan.shuffled(opts["seed"])
     k = max(1, min(num_output_blocks or len(refs), plan.num_windows)) if plan.num_windows else 1
     chunk_of_window = np.repeat(np.arange(k), [a.size for a in np.array_split(np.arange(plan.num_windows), k)])
     seg_chunk = chunk_of_window[plan.seg_window]
@@ -562,10 +579,12 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
         s0, s1 = int(plan.window_ptr[w0]), int(plan.window_ptr[w1])
         out_refs.append(gather.remote(opts, value_type, seg_block[s0:s1], plan.seg_length[s0:s1],
                                       plan.window_ptr[w0:w1 + 1] - s0, *[p[c] for p in pieces]))
-    report = RayPackReport(mode=mode, windows=plan.num_windows, tokens=plan.total_tokens,
+    report = RayPackReport(mode="global", windows=plan.num_windows, tokens=plan.total_tokens,
                            lower_bound=plan.lower_bound, **common)
     ray.get(out_refs)
-    return _finish(ray.data.from_arrow_refs(out_refs), report, return_report)
+    return out_refs, report
+
+
 
 
 def _finish(packed, report: RayPackReport, return_report: bool):
