@@ -1,4 +1,4 @@
-"""The README's "Context parallelism" blocks, run as pasted: packkit's CP attention on a tiny Llama in a
+"""The "Context parallelism" page's blocks (docs/cp.md), run as pasted: packkit's CP attention on a tiny Llama in a
 one-process gloo group; Megatron-Core's ``PackedSeqParams``, a ``GPTModel.forward`` and ring-flash-attn's
 ``llama3_flash_attn_varlen_func`` as signature-level fakes (their parameter names, not their kernels: the
 libraries need CUDA); the ALST keys through a real Hugging Face model (cp = 1 on one CPU process).
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_readme import readme_code
+from tests.test_readme import doc_code
 
 transformers = pytest.importorskip("transformers")
 
-HEADING = "## Context parallelism"
+PAGE, HEADING = "docs/cp.md", "# Context parallelism"
 
 
 def tiny_llama():
@@ -49,7 +49,7 @@ def unsharded_loss(model, batch):
 
 def run_block(index, **names):
     scope = dict(names)
-    exec(compile(readme_code(HEADING, "python", index), f"README.md {HEADING} block {index}", "exec"), scope)
+    exec(compile(doc_code(PAGE, HEADING, "python", index), f"{PAGE} block {index}", "exec"), scope)
     return scope
 
 

@@ -39,7 +39,7 @@ def test_the_site_builds_with_no_warning(tmp_path):
     api = (site / "api" / "index.html").read_text()
     assert "PaddingFreeCollator" in api and "&gt;&gt;&gt;" in api  # the docstrings, their doctests as code
     assert "<blockquote>" not in api  # a doctest read as Markdown quotes (>>>) was three nested quotes
-    trl = (site / "trl" / "index.html").read_text()  # a way-in page: the README's sections, code and all
+    trl = (site / "trl" / "index.html").read_text()  # a way-in page, code and all
     assert "With Trainer" in trl and "PackedRowsCollator" in trl and "remove_unused_columns" in trl
     assert not (ROOT / "site").exists()
 
@@ -74,35 +74,6 @@ def test_docstring_blocks_become_markdown_code():
                    "```pycon", ">>> pack([3, 4], window=8).bins", "[[0, 1]]", "```",
                    "```text", "======  ======", "name    what", "======  ======", "``a``   one", "======  ======", "```",
                    "See `PackedBatch` and `packkit.binpack.pack`."]
-
-
-def docs_hooks():
-    pytest.importorskip("mkdocs")
-    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_a_page_includes_the_readme_section_up_to_the_next_heading_of_its_level():
-    """A page's ``<!-- README: ## H -->`` line is the README's section H: its own subsections and code blocks
-    (a ``#`` comment inside a fence is no heading) up to the next heading of H's level or above."""
-    hooks = docs_hooks()
-    text = "# t\n## A\na\n```python\n# not a heading\n```\n### A.1\nb\n## B\nc\n"
-    assert hooks.readme_section("## A", text) == "## A\na\n```python\n# not a heading\n```\n### A.1\nb\n"
-    assert hooks.readme_section("### A.1", text) == "### A.1\nb\n"
-    readme = (ROOT / "README.md").read_text()
-    for page in sorted((ROOT / "docs").glob("*.md")):
-        for heading in hooks.INCLUDE.findall(page.read_text()):  # every page's includes resolve today
-            assert hooks.readme_section(heading, readme).startswith(heading + "\n"), (page.name, heading)
-
-
-def test_a_heading_the_readme_no_longer_has_stops_the_build():
-    from mkdocs.exceptions import PluginError
-
-    page = type("Page", (), {"file": type("File", (), {"src_path": "trl.md"})()})()
-    with pytest.raises(PluginError, match=r"trl.md: README.md has no heading '## Gone'"):
-        docs_hooks().on_page_markdown("<!-- README: ## Gone -->\n", page)
 
 
 def pq_rows(path: Path) -> int:

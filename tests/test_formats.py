@@ -383,15 +383,15 @@ def test_plan_costs_at_most_16_bytes_an_example_and_replans_a_million_quickly():
     assert again.plan.total_tokens == int(lengths.sum()) and again.window == 8192
 
 
-def test_readme_offline_formats_snippet(tmp_path, monkeypatch):
-    """The README's snippet (section 3's python block that writes train.packplan) runs as written, on a small
+def test_offline_formats_snippet_runs_as_pasted(tmp_path, monkeypatch):
+    """The offline page's output-formats block (it writes train.packplan) runs as written, on a small
     dataset."""
-    from test_readme import readme_code
+    from test_readme import doc_code
 
     monkeypatch.chdir(tmp_path)
     scope = {"ds": make_dataset(np.random.default_rng(5).integers(1, 3000, 40).tolist(), 5)}
-    code = next(c for c in (readme_code("### 3. Offline packing", "python", i) for i in range(6)) if "packplan" in c)
-    exec(compile(code, "README.md offline formats", "exec"), scope)
+    code = doc_code("docs/offline.md", "## Other stacks, and index-only plans", "python")
+    exec(compile(code, "docs/offline.md output formats", "exec"), scope)
     assert scope["rows"].window == 4096 and len(scope["rows"]) > 0
     assert sorted(os.listdir(tmp_path)) == ["train.idx.parquet", "train.mds", "train.megatron", "train.packplan"]
 

@@ -439,14 +439,14 @@ def test_trl_drops_the_loss_free_windows_packkit_counted(packed_rows, tmp_path):
 @pytest.mark.slow
 def test_trl_num_tokens_with_packed_rows_counts_the_window(packed_rows, tmp_path):
     """Friction 7: TRL's logged num_tokens with PackedRowsCollator is W a micro-batch (position_ids.size(1)),
-    not the B windows' tokens; the README's note said so of FixedWindowCollator only."""
+    not the B windows' tokens; the TRL page's note said so of FixedWindowCollator only."""
     rows, _ = packed_rows
     trainer = trl_run(tmp_path, rows, max_length=None)
     logged = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h][-1]
     trained = sum(trainer.trained_tokens[:2])  # the two micro-batches trained (accelerate collates one ahead)
     print(f"TRL logged {logged} tokens for {trained} trained")
     assert logged == 2 * 32 < trained
-    note = next(p for p in (ROOT / "README.md").read_text().split("\n- ") if "logged `num_tokens`" in p)
+    note = next(p for p in (ROOT / "docs" / "trl.md").read_text().split("\n- ") if "logged `num_tokens`" in p)
     assert "PackedRowsCollator" in note and "FixedWindowCollator" in note
 
 
@@ -483,12 +483,12 @@ def test_text_preference_pairs_tokenize_then_waste(tok_dir, tmp_path, capsys):
 
 
 def test_text_preference_pairs_without_a_tokenizer_name_the_ways(tmp_path, capsys):
-    """Friction 5: the error named a Python function the README did not mention, and no command-line way."""
+    """Friction 5: the error named a Python function the documentation did not mention, and no command-line way."""
     src = write_jsonl(tmp_path / "pairs.jsonl", PREF)
     code, _, err = cli(["waste", src, "--preference"], capsys)
     assert code == 3 and "pass --tokenizer FOLDER_OR_MODEL_ID to tokenize the pairs" in err
     assert "packkit tokenize IN OUT --tokenizer T" in err and "packkit.preference.tokenize_preference" in err
-    assert "packkit.preference.tokenize_preference" in (ROOT / "README.md").read_text()
+    assert "packkit.preference.tokenize_preference" in (ROOT / "docs" / "dpo.md").read_text()
     code, _, err = cli(["tokenize", src, tmp_path / "o.jsonl"], capsys)
     assert code == 2 and "holds preference pairs (prompt, chosen, rejected): pass --tokenizer" in err
 
@@ -536,16 +536,16 @@ def test_repacking_keeps_the_example_ids_and_says_what_stays_split(ids_jsonl, tm
     assert code == 0 and "pieces of" in out  # ids carried twice: still the examples'
 
 
-def test_every_option_the_readme_uses_is_in_its_commands_help():
+def test_every_option_the_documentation_uses_is_in_its_commands_help():
     """``packkit COMMAND --help`` mentions every option the documentation uses with it."""
     import importlib
     import re
 
     from packkit.cli import SUBCOMMANDS
 
-    readme = (ROOT / "README.md").read_text()
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     used = {}
-    for cmd, rest in re.findall(r"packkit (waste|pack|plan|tokenize)\b([^`\n#|]*)", readme):
+    for cmd, rest in re.findall(r"packkit (waste|pack|plan|tokenize)\b([^`\n#|]*)", docs):
         used.setdefault(cmd, set()).update(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest))
     assert used.get("pack") and used.get("tokenize")
     for cmd, options in used.items():

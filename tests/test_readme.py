@@ -1,6 +1,7 @@
-"""The README's quickstart snippets, run as a user would paste them (tiny model, generated data).
+"""The code blocks of the README and of the documentation pages (docs/*.md), run as a user would paste them
+(tiny models; real text and real lengths where a block is about real data).
 
-If one of these fails, the README is wrong: fix the README or the API, not this test.
+If one of these fails, the page is wrong: fix the page or the API, not this test.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from torch.utils.data import DataLoader
 transformers = pytest.importorskip("transformers")
 
 from testlib import tiny_causal_lm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_model():
@@ -46,10 +49,10 @@ def your_training_arguments(*args, **kwargs):
 
 
 def test_quickstart_collate_fn(tmp_path, monkeypatch):
-    """Quickstart 1, as pasted: the loader's batches reach the model, the static-shape collator gives [8, 2048],
+    """The collate page's first block, as pasted: the loader's batches reach the model, the static-shape collator gives [8, 2048],
     the Trainer takes the collator, and ColumnarDataset feeds two workers."""
     ds, model = hf_rows(), tiny_model()
-    scope = run_readme("### 1. A `collate_fn`", 0, tmp_path, monkeypatch, ds=ds, model=model,
+    scope = run_doc("docs/collate.md", "## The DataLoader or the Hugging Face `Trainer`", 0, tmp_path, monkeypatch, ds=ds, model=model,
                        Trainer=transformers.Trainer, TrainingArguments=your_training_arguments)
     assert torch.isfinite(scope["loss"])
     assert tuple(scope["collate"](list(ds)[:8]).input_ids.shape) == (8, 2048)
@@ -59,9 +62,9 @@ def test_quickstart_collate_fn(tmp_path, monkeypatch):
 
 
 def test_quickstart_sampler(tmp_path, monkeypatch):
-    """Quickstart 2, as pasted: every example once an epoch, in [4, 2048] windows."""
+    """The samplers page's block, as pasted: every example once an epoch, in [4, 2048] windows."""
     ds = dataset(60)
-    scope = run_readme("### 2. Batch samplers", 0, tmp_path, monkeypatch, ds=ds, DataLoader=DataLoader, epochs=2,
+    scope = run_doc("docs/samplers.md", "# Batch samplers", 0, tmp_path, monkeypatch, ds=ds, DataLoader=DataLoader, epochs=2,
                        lengths=[len(x["input_ids"]) for x in ds])
     batches = list(scope["loader"])
     assert {tuple(b.input_ids.shape) for b in batches} == {(4, 2048)}
@@ -84,12 +87,12 @@ def test_quickstart_columnar_dataset():
 
 
 def test_quickstart_offline_datasets(tmp_path, monkeypatch):
-    """Quickstart 3's first block, as pasted: the parquet it writes reads back with PackedRowsCollator."""
+    """The offline page's first block, as pasted: the parquet it writes reads back with PackedRowsCollator."""
     pq = pytest.importorskip("pyarrow.parquet")
     from packkit.collate import PackedRowsCollator
 
     ds = hf_rows(50)
-    scope = run_readme("### 3. Offline packing", 0, tmp_path, monkeypatch, ds=ds)
+    scope = run_doc("docs/offline.md", "## One machine: `pack_dataset`", 0, tmp_path, monkeypatch, ds=ds)
     assert set(scope["packed"].column_names) == {"input_ids", "labels", "seq_lengths"}
     rows = pq.read_table(tmp_path / "packed.parquet").to_pylist()
     batch = PackedRowsCollator(window=2048)(rows)
@@ -102,7 +105,7 @@ def test_quickstart_loss_under_accumulation(tmp_path, monkeypatch):
     model = tiny_model()
     micro_batches = [PaddingFreeCollator()(dataset()[i:i + 6]) for i in range(0, 24, 6)]
     before = [p.detach().clone() for p in model.parameters()]
-    scope = run_readme("### 5. Exact loss", 0, tmp_path, monkeypatch, micro_batches=micro_batches, model=model,
+    scope = run_doc("docs/collate.md", "## Exact loss under gradient accumulation", 0, tmp_path, monkeypatch, micro_batches=micro_batches, model=model,
                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert scope["step"].num_loss_tokens == sum(mb.num_loss_tokens for mb in micro_batches)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step was taken
@@ -114,38 +117,50 @@ def test_quickstart_attention(tmp_path, monkeypatch):
     batch = FixedWindowCollator(window=64, num_windows=2, static_shape=True, max_segments=16)(dataset(8))
     q = torch.randn(batch.input_ids.numel(), 4, 16)
     k = v = torch.randn(batch.input_ids.numel(), 2, 16)
-    scope = run_readme("### 6. Varlen attention", 0, tmp_path, monkeypatch, q=q, k=k, v=v, batch=batch)
+    scope = run_doc("docs/collate.md", "## Varlen attention, any backend", 0, tmp_path, monkeypatch, q=q, k=k, v=v, batch=batch)
     assert scope["out"].shape == q.shape and torch.isfinite(scope["out"]).all()
 
 
 def test_quickstart_engine(tmp_path, monkeypatch):
-    """Quickstart 7, as pasted, on lengths that fit the window (its first line packs with overflow="error"),
+    """The engine's block, as pasted, on lengths that fit the window (its first line packs with overflow="error"),
     and the error its text block shows, word for word but the figures, on one that does not."""
     from packkit.binpack import pack
 
     lengths = np.random.default_rng(0).integers(1, 2049, 500)
-    scope = run_readme("### 7. The engine", 0, tmp_path, monkeypatch, lengths=lengths)
+    scope = run_doc("docs/collate.md", "## The engine", 0, tmp_path, monkeypatch, lengths=lengths)
     plan = scope["plan"]
     assert plan.num_windows >= plan.lower_bound and 0 < plan.fill <= 1
     assert scope["seg_lengths"].sum() <= 2048
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    shown = next(line for line in text[text.index("### 7. The engine"):].splitlines()
+    shown = next(line for line in page_section("docs/collate.md", "## The engine").splitlines()
                  if line.startswith("packkit.errors."))  # the text block under the code
     with pytest.raises(ValueError) as e:
         pack([5, 9_310], window=8192)
     assert f"{type(e.value).__module__}.{type(e.value).__name__}: {e.value}" == shown.replace("example 812", "example 1")
 
 
-def readme_code(heading: str, lang: str = "bash", index: int = 0) -> str:
-    """The text of the ``index``-th ``lang`` code block of the README section under ``heading`` (up to the
-    next heading of the same level)."""
-    from pathlib import Path
+def page_section(page: str, heading: str) -> str:
+    """The section of ``page`` (``"README.md"``, ``"docs/trl.md"``) under the line ``heading`` (``"## With TRL"``),
+    that line included, up to the next heading of the same or a higher level (a ``#`` line inside a fence is
+    code, not a heading)."""
+    level = len(heading) - len(heading.lstrip("#"))
+    out, fence = None, False
+    for line in (ROOT / page).read_text().splitlines():
+        if out is None:
+            if line.strip() == heading:
+                out = [line]
+            continue
+        fence ^= line.startswith("```")
+        hashes = len(line) - len(line.lstrip("#"))
+        if not fence and 0 < hashes <= level and line[hashes:hashes + 1] == " ":
+            break
+        out.append(line)
+    assert out is not None, f"{page} has no heading {heading!r}"
+    return "\n".join(out) + "\n"
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rest = text[text.index(heading):]
-    level = heading.split(" ")[0] + " "
-    end = rest.find("\n" + level, len(heading))
-    section = rest if end < 0 else rest[:end]
+
+def doc_code(page: str, heading: str, lang: str = "bash", index: int = 0) -> str:
+    """The text of the ``index``-th ``lang`` code block of ``page``'s section under ``heading``."""
+    section = page_section(page, heading)
     start = -1
     for _ in range(index + 1):
         start = section.index(f"```{lang}\n", start + 1)
@@ -153,15 +168,15 @@ def readme_code(heading: str, lang: str = "bash", index: int = 0) -> str:
     return section[start: section.index("```", start)]
 
 
-def readme_block(heading: str, lang: str = "bash") -> list[str]:
-    """The lines of the first ``lang`` code block after ``heading`` in the README."""
-    return [line for line in readme_code(heading, lang).splitlines() if line.strip()]
+def doc_lines(page: str, heading: str, lang: str = "bash", index: int = 0) -> list[str]:
+    """The non-blank lines of that block."""
+    return [line for line in doc_code(page, heading, lang, index).splitlines() if line.strip()]
 
 
 @pytest.mark.slow
 def test_command_line_lines_work_as_pasted(tmp_path):
-    """Before the fix, the README's `packkit plan` line failed as pasted on data longer than the window (plan
-    and pack defaulted to overflow=error, waste to truncate). Each line of the README's command-line
+    """Before the fix, the documented `packkit plan` line failed as pasted on data longer than the window (plan
+    and pack defaulted to overflow=error, waste to truncate). Each line of the command-line page's
     block runs here in a shell, as pasted, on data with examples longer than the window; each exits 0
     and says what it did with them."""
     import json
@@ -185,7 +200,7 @@ def test_command_line_lines_work_as_pasted(tmp_path):
     np.save(tmp_path / "lengths.npy", lengths)
     env = dict(os.environ, PATH=f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
     env.pop("PACKKIT_DEBUG", None)
-    lines = readme_block("### 4. The command line")
+    lines = doc_lines("docs/cli.md", "# The command line")
     assert [line.split()[:2] for line in lines] == [["packkit", "waste"], ["packkit", "waste"],
                                                    ["packkit", "pack"], ["packkit", "plan"]]
     for line in lines:
@@ -199,6 +214,62 @@ def test_command_line_lines_work_as_pasted(tmp_path):
             assert json.loads(proc.stdout)["overflow_examples"] == 2
     assert (tmp_path / "waste.png").read_bytes()[:4] == b"\x89PNG"
     assert pq.read_table(tmp_path / "packed.parquet").num_rows > 0
+
+
+def pydoc_chat(path: Path) -> int:
+    """Conversations of real text, one a line: each of Python's documentation topics as the assistant's reply
+    (what the getting-started page builds); returns how many."""
+    import json
+
+    from pydoc_data.topics import topics
+
+    with open(path, "w") as f:
+        for name, text in sorted(topics.items()):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Explain {name} in Python."},
+                                             {"role": "assistant", "content": text.strip()}]}) + "\n")
+    return len(topics)
+
+
+@pytest.mark.slow  # three packkit processes, then a tiny model over every packed row
+def test_readme_quickstart_as_pasted(tmp_path, monkeypatch):
+    """The README's quickstart, both blocks as pasted and in order, on real text (Python's documentation
+    topics as chat rows: real lengths, a few longer than the window) through a local chat tokenizer saved as
+    ./my-tokenizer: tokenize, waste and pack exit 0, the packed rows hold every conversation's tokens, and
+    the loop runs the model on every batch of them."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    pytest.importorskip("datasets")
+    from test_chat import VOCAB, make_tokenizer
+
+    exe = Path(sys.executable).parent / "packkit"
+    if not exe.exists() or not shutil.which("bash"):
+        pytest.skip("the packkit command is not installed next to this interpreter")
+    n = pydoc_chat(tmp_path / "chat.jsonl")
+    make_tokenizer(bos=True).save_pretrained(str(tmp_path / "my-tokenizer"))
+    env = dict(os.environ, PATH=f"{exe.parent}{os.pathsep}{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    env.pop("PACKKIT_DEBUG", None)
+    proc = subprocess.run(["bash", "-eo", "pipefail", "-c", doc_code("README.md", "## Quickstart")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    tokens = pq.read_table(tmp_path / "tokens.parquet")
+    lengths = [len(ids) for ids in tokens.column("input_ids").to_pylist()]
+    assert len(lengths) == n and max(lengths) > 4096  # real lengths: the longest topics exceed the window
+    packed = pq.read_table(tmp_path / "packed.parquet").to_pylist()
+    assert sum(map(sum, (r["seq_lengths"] for r in packed))) == sum(lengths)  # every token, none loss-free
+    assert "packed: best fit decreasing" in proc.stdout  # waste's table
+    model, losses = tiny_causal_lm(dtype=torch.float32, vocab_size=len(VOCAB), max_position_embeddings=4096), []
+
+    def counted(**batch):
+        out = model(**batch)
+        losses.append(float(out.loss.detach()))
+        return out
+
+    run_doc("README.md", "## Quickstart", 0, tmp_path, monkeypatch, model=counted)
+    assert len(losses) == -(-len(packed) // 4) and all(np.isfinite(losses))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,11 +294,12 @@ def masked_dataset(n=24, seed=0):
     return datasets.Dataset.from_list(rows)
 
 
-def run_readme(heading, index, tmp_path, monkeypatch, **names):
-    """Run a README code block as pasted (in a fresh folder), with ``names`` defined; returns its names.
+def run_doc(page, heading, index, tmp_path, monkeypatch, **names):
+    """Run ``page``'s ``index``-th python block under ``heading`` as pasted (in a fresh folder), with ``names``
+    defined; returns its names.
 
     TRL's ``SFTConfig`` defaults to ``bf16=True``, which transformers refuses on a machine without a GPU:
-    there the test gives it ``bf16=False`` (what the README tells CPU users), the block's text unchanged.
+    there the test gives it ``bf16=False`` (what the TRL page tells CPU users), the block's text unchanged.
     """
     import functools
 
@@ -239,7 +311,7 @@ def run_readme(heading, index, tmp_path, monkeypatch, **names):
     if trl is not None and not torch.cuda.is_available():
         monkeypatch.setattr(trl, "SFTConfig", functools.partial(trl.SFTConfig, bf16=False))
     scope = dict(names)
-    exec(compile(readme_code(heading, "python", index), f"README.md {heading} block {index}", "exec"), scope)
+    exec(compile(doc_code(page, heading, "python", index), f"{page} {heading} block {index}", "exec"), scope)
     return scope
 
 
@@ -253,7 +325,7 @@ def test_with_trl_as_pasted(tmp_path, monkeypatch):
     data = datasets.Dataset.from_list([{"prompt": words(int(rng.integers(2, 12))),
                                         "completion": " " + words(int(rng.integers(1, 12))) + " t2"}
                                        for _ in range(8)])
-    scope = run_readme("## With TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
+    scope = run_doc("docs/trl.md", "## With TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
                        dataset=data)
     trainer = scope["trainer"]
     assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step
@@ -270,7 +342,7 @@ def test_with_trl_as_pasted(tmp_path, monkeypatch):
 def test_with_trl_packed_rows_as_pasted(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     tokenized = masked_dataset(48)
-    scope = run_readme("## With TRL", 1, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
+    scope = run_doc("docs/trl.md", "## With TRL", 1, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
                        tokenized=tokenized)
     rows, trainer = scope["rows"], scope["trainer"]
     assert set(rows.column_names) == {"input_ids", "labels", "seq_lengths"}
@@ -282,12 +354,12 @@ def test_with_trl_packed_rows_as_pasted(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_with_trainer_as_pasted(tmp_path, monkeypatch):
     tokenized = masked_dataset(8)
-    scope = run_readme("## With Trainer", 0, tmp_path, monkeypatch, model=tiny_model(), tokenized=tokenized)
+    scope = run_doc("docs/trl.md", "## With Trainer", 0, tmp_path, monkeypatch, model=tiny_model(), tokenized=tokenized)
     trainer = scope["trainer"]
     assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step
     assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
     # what remove_unused_columns=False is for: without it the mask column never reaches the collator
-    code = readme_code("## With Trainer", "python")
+    code = doc_code("docs/trl.md", "## With Trainer", "python")
     assert "remove_unused_columns=False" in code
     monkeypatch.chdir(tmp_path)
     scope = dict(model=tiny_model(), tokenized=tokenized)
@@ -309,7 +381,7 @@ def test_vision_language_as_pasted(tmp_path, monkeypatch):
     examples = [vl_example(g, 3 + i % 5, grids[i % 4]) for i in range(8)]
     rows = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in ex.items()} for ex in examples]
     dataset = datasets.Dataset.from_list(rows)  # as a processor's map leaves it: lists, None where no image
-    scope = run_readme("## Vision-language models", 0, tmp_path, monkeypatch, model=tiny_vl_model(dtype=torch.float32),
+    scope = run_doc("docs/vl.md", VL, 0, tmp_path, monkeypatch, model=tiny_vl_model(dtype=torch.float32),
                        dataset=dataset)
     trainer = scope["trainer"]
     assert trainer.state.global_step == 3  # 3 epochs of 8 examples, 8 a step
@@ -320,14 +392,15 @@ def test_vision_language_as_pasted(tmp_path, monkeypatch):
 
 
 def test_hybrid_models_as_pasted(tmp_path, monkeypatch):
-    scope = run_readme("## Vision-language models", 1, tmp_path, monkeypatch)
+    scope = run_doc("docs/vl.md", VL, 1, tmp_path, monkeypatch)
     batch = scope["collate"](dataset(4))
     lengths = [len(x["input_ids"]) for x in dataset(4)]
     assert batch["seq_idx"].tolist() == [np.repeat(np.arange(4), lengths).tolist()]
     assert batch["cu_seq_lens_q"].tolist() == [0, *np.cumsum(lengths).tolist()]
 
 
-MANY_GPUS = "## Many GPUs: balanced compute, elastic resume"
+VL = "# Vision-language and hybrid models"
+MANY_GPUS = "# Many GPUs"
 
 
 @pytest.mark.slow  # DataLoader worker processes, a few thousand real conversations
@@ -342,7 +415,7 @@ def test_many_gpus_balance_and_elastic_resume_as_pasted(tmp_path, monkeypatch):
 
     lengths = sharegpt(2000, seed=0)
     dataset = TokenRows(lengths)
-    scope = run_readme(MANY_GPUS, 0, tmp_path, monkeypatch, lengths=lengths, dataset=dataset)
+    scope = run_doc("docs/many-gpus.md", MANY_GPUS, 0, tmp_path, monkeypatch, lengths=lengths, dataset=dataset)
     sampler, stats = scope["sampler"], scope["stats"]
     assert sampler.accumulation_steps == 32 and stats.compute_imbalance >= 1.0
     assert stats.cut_tokens == int(np.maximum(lengths - 2048, 0).sum()) > 0
@@ -350,13 +423,13 @@ def test_many_gpus_balance_and_elastic_resume_as_pasted(tmp_path, monkeypatch):
     stop = int(np.random.default_rng(1).integers(1, total))
     head = KillAfter(scope["loader"], stop)
     with pytest.raises(Killed):
-        run_readme(MANY_GPUS, 1, tmp_path, monkeypatch, sampler=sampler, loader=head, epochs=1)
+        run_doc("docs/many-gpus.md", MANY_GPUS, 1, tmp_path, monkeypatch, sampler=sampler, loader=head, epochs=1)
     state = head.scope_state
     assert state["batches_yielded"] == stop
-    scope = run_readme(MANY_GPUS, 0, tmp_path, monkeypatch, lengths=lengths, dataset=dataset)  # the restart
-    run_readme(MANY_GPUS, 2, tmp_path, monkeypatch, sampler=scope["sampler"], state=state)
+    scope = run_doc("docs/many-gpus.md", MANY_GPUS, 0, tmp_path, monkeypatch, lengths=lengths, dataset=dataset)  # the restart
+    run_doc("docs/many-gpus.md", MANY_GPUS, 2, tmp_path, monkeypatch, sampler=scope["sampler"], state=state)
     rest = KillAfter(scope["loader"], None)
-    run_readme(MANY_GPUS, 1, tmp_path, monkeypatch, sampler=scope["sampler"], loader=rest, epochs=1)
+    run_doc("docs/many-gpus.md", MANY_GPUS, 1, tmp_path, monkeypatch, sampler=scope["sampler"], loader=rest, epochs=1)
     seen = np.bincount(np.concatenate(head.examples + rest.examples), minlength=lengths.size)
     assert (seen == 1).all(), (np.flatnonzero(seen == 0)[:5], np.flatnonzero(seen > 1)[:5])
 
@@ -366,7 +439,7 @@ def test_many_gpus_error_advice_is_what_the_sampler_takes():
     it then refused), and the step_batches refusal names the values that load the same state."""
     from packkit.sampler import PackedBatchSampler
 
-    code = readme_code(MANY_GPUS, "python", 0)
+    code = doc_code("docs/many-gpus.md", MANY_GPUS, "python", 0)
     assert code.count('overflow="truncate"') == 2  # the sampler and the collator
     lengths = np.array([10, 3000, 20])
     with pytest.raises(ValueError, match=r"example 1 has 3,000 tokens > window=2048; pass overflow='truncate' "
@@ -375,8 +448,7 @@ def test_many_gpus_error_advice_is_what_the_sampler_takes():
     PackedBatchSampler(lengths, window=2048, overflow="truncate", rank=0, world_size=1)  # the advice works
     with pytest.raises(ValueError, match=r"pass step_batches=30 or 33 \(a state saved with another step_batches"):
         PackedBatchSampler(lengths, window=2048, overflow="truncate", step_batches=32, rank=0, world_size=3)
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "pass step_batches=30 or 33" in text[text.index(MANY_GPUS):]
+    assert "pass step_batches=30 or 33" in page_section("docs/many-gpus.md", MANY_GPUS)
 
 # ----------------------------------------------------------------------------------------------
 # "DPO with TRL": DPOTrainer on packed trees, your own loop, RL groups
@@ -402,7 +474,7 @@ def test_dpo_with_trl_as_pasted(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setattr(trl, "DPOConfig", functools.partial(trl.DPOConfig, bf16=False))
     pairs = datasets.Dataset.from_list(preference_pairs(8))
-    scope = run_readme("## DPO with TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
+    scope = run_doc("docs/dpo.md", "## DPO with TRL", 0, tmp_path, monkeypatch, model=tiny_model(), tokenizer=word_tokenizer(),
                        ref_model=tiny_causal_lm(dtype=torch.float32, max_position_embeddings=256, seed=1),
                        pairs=pairs)
     trainer = scope["trainer"]
@@ -418,7 +490,7 @@ def test_dpo_own_loop_as_pasted(tmp_path, monkeypatch):
     from testlib import tiny_causal_lm
 
     model = tiny_model()
-    scope = run_readme("## DPO with TRL", 1, tmp_path, monkeypatch, model=model, tokenizer=word_tokenizer(),
+    scope = run_doc("docs/dpo.md", "## DPO with TRL", 1, tmp_path, monkeypatch, model=model, tokenizer=word_tokenizer(),
                        ref_model=tiny_causal_lm(dtype=torch.float32, max_position_embeddings=256, seed=1),
                        pairs=preference_pairs())
     assert torch.isfinite(scope["loss"]) and scope["policy"].chosen.shape == (8,)
@@ -431,17 +503,17 @@ def test_rl_groups_as_pasted(tmp_path, monkeypatch):
                  [rng.integers(3, 101, int(rng.integers(1, 9))).tolist() for _ in range(4)],
                  rng.normal(size=4).tolist()) for _ in range(16)]
     tokens = [len(p) + sum(map(len, c)) for p, c, _ in rollouts]
-    scope = run_readme("## DPO with TRL", 2, tmp_path, monkeypatch, model=tiny_model(), rollouts=rollouts,
+    scope = run_doc("docs/dpo.md", "## RL groups", 0, tmp_path, monkeypatch, model=tiny_model(), rollouts=rollouts,
                        tokens_per_group=tokens, rank=3)
     assert scope["logps"].sum.shape == (64,) and torch.isfinite(scope["loss"])
     assert scope["micro_batches"] and all(mb.size for mb in scope["micro_batches"])
 
 
 # ----------------------------------------------------------------------------------------------
-# every code block of the README is run by a test, as pasted, or named here with the reason it is not
+# every code block of the README and the pages is run by a test, as pasted, or named here with the reason it is not
 # ----------------------------------------------------------------------------------------------
 
-#: ``(section heading, language, index in the section)`` -> the test that runs that block as pasted
+#: ``(section heading, language, index in the section)`` -> the test that runs that README block as pasted
 #: (``file::test``), or ``"not run: why"``. A block added to the README without an entry fails
 #: :func:`test_every_readme_block_is_run_or_says_why`; so does an entry whose test is gone.
 README_BLOCKS = {
@@ -449,43 +521,8 @@ README_BLOCKS = {
                             "(CI runs make test from a fresh clone: .ci/run); test_newcomer.py checks the extras",
     ("packkit", "bash", 1): "not run: the same two without make (they install from the registry); "
                             "test_newcomer.py::test_readme_test_command_without_make_is_make_test checks them",
-    ("1. A `collate_fn` for the DataLoader or the Hugging Face `Trainer`", "python", 0):
-        "test_readme.py::test_quickstart_collate_fn",
-    ("2. Batch samplers: packed, length-grouped, token budget; one GPU or many", "python", 0):
-        "test_readme.py::test_quickstart_sampler",
-    ("3. Offline packing: one machine (`datasets`) or a cluster (Ray)", "python", 0):
-        "test_readme.py::test_quickstart_offline_datasets",
-    ("3. Offline packing: one machine (`datasets`) or a cluster (Ray)", "python", 1):
-        "not run: it needs a Ray cluster's address and an object store; test_raydata.py runs the same "
-        "pack_dataset on a local Ray",
-    ("3. Offline packing: one machine (`datasets`) or a cluster (Ray)", "python", 2):
-        "test_stream_resume.py::test_the_readme_streaming_snippet_runs_as_pasted",
-    ("3. Offline packing: one machine (`datasets`) or a cluster (Ray)", "python", 3):
-        "test_formats.py::test_readme_offline_formats_snippet",
-    ("4. The command line", "bash", 0): "test_readme.py::test_command_line_lines_work_as_pasted",
-    ("5. Exact loss under gradient accumulation", "python", 0): "test_readme.py::test_quickstart_loss_under_accumulation",
-    ("6. Varlen attention, any backend", "python", 0): "test_readme.py::test_quickstart_attention",
-    ("7. The engine", "python", 0): "test_readme.py::test_quickstart_engine",
-    ("7. The engine", "", 0): "test_readme.py::test_quickstart_engine",  # the error it prints, word for word
-    ("With TRL", "python", 0): "test_readme.py::test_with_trl_as_pasted",
-    ("With TRL", "python", 1): "test_readme.py::test_with_trl_packed_rows_as_pasted",
-    ("With Trainer", "python", 0): "test_readme.py::test_with_trainer_as_pasted",
-    ("Many GPUs: balanced compute, elastic resume", "python", 0):
-        "test_readme.py::test_many_gpus_balance_and_elastic_resume_as_pasted",
-    ("Many GPUs: balanced compute, elastic resume", "python", 1):
-        "test_readme.py::test_many_gpus_balance_and_elastic_resume_as_pasted",
-    ("Many GPUs: balanced compute, elastic resume", "python", 2):
-        "test_resume_distributed.py::test_readme_resume_on_another_world_size_in_real_ranks",
-    ("DPO with TRL", "python", 0): "test_readme.py::test_dpo_with_trl_as_pasted",
-    ("DPO with TRL", "python", 1): "test_readme.py::test_dpo_own_loop_as_pasted",
-    ("RL groups", "python", 0): "test_readme.py::test_rl_groups_as_pasted",
-    ("Vision-language models", "python", 0): "test_readme.py::test_vision_language_as_pasted",
-    ("Vision-language models", "python", 1): "test_readme.py::test_hybrid_models_as_pasted",
-    ("Context parallelism", "python", 0): "test_cp_readme.py::test_hf_block_as_pasted",
-    ("Context parallelism", "python", 1): "test_cp_readme.py::test_megatron_and_ring_flash_attn_blocks_as_pasted",
-    ("Context parallelism", "python", 2): "test_cp_readme.py::test_megatron_and_ring_flash_attn_blocks_as_pasted",
-    ("Context parallelism", "python", 3): "test_cp_readme.py::test_alst_block_as_pasted",
-    ("Contributing", "bash", 0): "not run: the make targets run the suite itself (make test is CI's command)",
+    ("Quickstart", "bash", 0): "test_readme.py::test_readme_quickstart_as_pasted",
+    ("Quickstart", "python", 0): "test_readme.py::test_readme_quickstart_as_pasted",
 }
 
 
@@ -522,8 +559,7 @@ def readme_blocks() -> list:
 
 
 #: The same table for the pages of ``docs/``: ``(page, heading, language, index)`` -> the test that runs the
-#: block as pasted, or ``"not run: why"``. The way-in pages include README sections (docs/hooks.py), whose
-#: blocks README_BLOCKS lists; a block written in a page itself is listed here.
+#: block as pasted, or ``"not run: why"``.
 DOCS_BLOCKS = {
     **{("docs/getting-started.md", heading, lang, i): "test_docs.py::test_getting_started_runs_as_pasted"
        for heading, lang, i in [("1. A real tokenizer and raw chat rows", "bash", 0),
@@ -531,6 +567,38 @@ DOCS_BLOCKS = {
                                 ("2. Tokenize once", "bash", 0), ("3. Measure before training", "bash", 0),
                                 ("3. Measure before training", "bash", 1), ("4. Pack", "bash", 0),
                                 ("5. Train with TRL", "python", 0)]},
+    ("docs/collate.md", "The DataLoader or the Hugging Face `Trainer`", "python", 0):
+        "test_readme.py::test_quickstart_collate_fn",
+    ("docs/collate.md", "Exact loss under gradient accumulation", "python", 0):
+        "test_readme.py::test_quickstart_loss_under_accumulation",
+    ("docs/collate.md", "Varlen attention, any backend", "python", 0): "test_readme.py::test_quickstart_attention",
+    ("docs/collate.md", "The engine", "python", 0): "test_readme.py::test_quickstart_engine",
+    ("docs/collate.md", "The engine", "", 0): "test_readme.py::test_quickstart_engine",  # the error, word for word
+    ("docs/samplers.md", "Batch samplers", "python", 0): "test_readme.py::test_quickstart_sampler",
+    ("docs/offline.md", "One machine: `pack_dataset`", "python", 0): "test_readme.py::test_quickstart_offline_datasets",
+    ("docs/offline.md", "A cluster: Ray Data", "python", 0):
+        "not run: it needs a Ray cluster's address and an object store; test_raydata.py runs the same "
+        "pack_dataset on a local Ray",
+    ("docs/offline.md", "Streams", "python", 0): "test_stream_resume.py::test_the_streaming_snippet_runs_as_pasted",
+    ("docs/offline.md", "Other stacks, and index-only plans", "python", 0):
+        "test_formats.py::test_offline_formats_snippet_runs_as_pasted",
+    ("docs/cli.md", "The command line", "bash", 0): "test_readme.py::test_command_line_lines_work_as_pasted",
+    ("docs/trl.md", "With TRL", "python", 0): "test_readme.py::test_with_trl_as_pasted",
+    ("docs/trl.md", "With TRL", "python", 1): "test_readme.py::test_with_trl_packed_rows_as_pasted",
+    ("docs/trl.md", "With Trainer", "python", 0): "test_readme.py::test_with_trainer_as_pasted",
+    **{("docs/many-gpus.md", "Many GPUs", "python", i):
+       "test_readme.py::test_many_gpus_balance_and_elastic_resume_as_pasted" for i in (0, 1, 2)},
+    ("docs/dpo.md", "DPO with TRL", "python", 0): "test_readme.py::test_dpo_with_trl_as_pasted",
+    ("docs/dpo.md", "DPO with TRL", "python", 1): "test_readme.py::test_dpo_own_loop_as_pasted",
+    ("docs/dpo.md", "RL groups", "python", 0): "test_readme.py::test_rl_groups_as_pasted",
+    ("docs/vl.md", "Vision-language and hybrid models", "python", 0): "test_readme.py::test_vision_language_as_pasted",
+    ("docs/vl.md", "Vision-language and hybrid models", "python", 1): "test_readme.py::test_hybrid_models_as_pasted",
+    ("docs/cp.md", "Context parallelism", "python", 0): "test_cp_readme.py::test_hf_block_as_pasted",
+    ("docs/cp.md", "Context parallelism", "python", 1): "test_cp_readme.py::test_megatron_and_ring_flash_attn_blocks_as_pasted",
+    ("docs/cp.md", "Context parallelism", "python", 2): "test_cp_readme.py::test_megatron_and_ring_flash_attn_blocks_as_pasted",
+    ("docs/cp.md", "Context parallelism", "python", 3): "test_cp_readme.py::test_alst_block_as_pasted",
+    ("docs/contributing.md", "Running the tests", "bash", 0):
+        "not run: the make targets run the suite itself (make test is CI's command)",
 }
 
 

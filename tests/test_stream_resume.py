@@ -535,15 +535,15 @@ def test_pack_dataset_iterable_in_two_workers_packs_every_example():
 
 
 @pytest.mark.slow
-def test_the_readme_streaming_snippet_runs_as_pasted():
-    """The README's streaming snippet, taken from the README itself, on real chat lengths (2 workers)."""
+def test_the_streaming_snippet_runs_as_pasted():
+    """The offline page's streaming block, taken from the page itself, on real chat lengths (2 workers)."""
     pytest.importorskip("torchdata")
-    text = (ROOT / "README.md").read_text()
-    start = text.index("from packkit.streaming import PackedIterable\n")
-    code = text[start: text.index("```", start)]
+    from test_readme import doc_code
+
+    code = doc_code("docs/offline.md", "## Streams", "python")
     lengths = np.load(LENGTHS)[:400]
     namespace = {"examples": make_examples(lengths, seed=11), "rank": 0, "world_size": 1}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/offline.md", "exec"), namespace)
     full = list(DataLoader(PackedIterable(namespace["examples"], window=2048), batch_size=None, num_workers=2))
     saved_at = namespace["step"] // 100 * 100  # the last checkpoint: after row saved_at
     rest = list(namespace["loader"])
