@@ -302,6 +302,47 @@ class PackedBatch(dict):
                                  doc="Python int, non-empty segments (padding tails included)")
     max_seqlen = property(lambda self: self._segments()["max_seqlen"], doc="Python int, the longest segment")
 
+    @property
+    def loss_weight(self) -> torch.Tensor:
+        """float32, the shape of the labels the loss reads: each label's factor ``a_c`` under the batch's
+        ``loss_weighting`` (:mod:`packkit.weighting`; 0 where the label is -100), before the step's
+        normaliser ``Z``. Without a weighting (the token mean) ``a_c = 1``: built from the labels."""
+        labels, _ = self._loss_source()
+        note = _note(labels)
+        if "loss_weight" not in note:
+            exact = note.get("loss_factor")
+            note["loss_weight"] = (labels.ne(IGNORE_INDEX) if exact is None else exact).to(torch.float32)
+        return note["loss_weight"]
+
+    @property
+    def loss_norm(self) -> float:
+        """Python float, this batch's part of the step's normaliser ``Z`` (the sum of its documents'
+        ``z_c``; the token mean's is ``num_loss_tokens``)."""
+        labels, _ = self._loss_source()
+        return _note(labels).get("loss_norm", float(self.num_loss_tokens))
+
+    @property
+    def loss_weighting(self) -> str | None:
+        """The name of the :mod:`packkit.weighting` the batch's weights were made under (None: the token
+        mean)."""
+        return _note(self._loss_source()[0]).get("loss_weighting")
+
+    @property
+    def loss_step_constant(self) -> float:
+        """The part of ``Z`` its weighting counts once a step, not per document (verl's
+        ``seq-mean-token-sum-norm``: its length), else 0."""
+        return _note(self._loss_source()[0]).get("loss_step_constant", 0.0)
+
+    def _weigh(self, loss_weight: torch.Tensor, loss_norm: float, weighting) -> "PackedBatch":
+        """Note a weighting's per-token factors (float64, exact: :attr:`loss_weight` is their float32 view)
+        and normaliser part on the labels (the collators). Names
+        and numbers only: a batch crosses processes, a weighting's callable may not."""
+        note = _note(self._loss_source()[0])
+        note.pop("loss_weight", None)
+        note.update(loss_factor=loss_weight, loss_norm=float(loss_norm), loss_weighting=weighting.name,
+                    loss_step_constant=weighting.step_constant())
+        return self
+
     def _loss_source(self) -> tuple[torch.Tensor, bool]:
         """``(labels, shifted)`` the loss reads, or the last ones removed."""
         source = _loss_source(self) or self.__dict__["_gone"]

@@ -38,10 +38,11 @@ from .cp_plan import check_cp_window, cp_multiples
 from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
 from .packer import gather_index
-from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, location, row_segments,
-                    segment_key)
+from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, example_values, location,
+                    row_segments, segment_key)
 from .segments import (IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids,
                        range_index)
+from .weighting import ColumnWeighting, resolve, token_weights
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
 
@@ -265,12 +266,36 @@ def _check_static(static_shape: bool, num_windows, max_segments):
 
 class _Collator:
     """What every collator shares: it reads its examples' labels under ``mask_first_label`` and
-    ``loss_mask``, and warns once per collator and process when none carries labels or a mask."""
+    ``loss_mask``, and warns once per collator and process when none carries labels or a mask; it weighs
+    the loss tokens under ``loss_weighting`` (:mod:`packkit.weighting`: ``"token"``, the default, adds
+    nothing; any other notes ``batch.loss_weight`` and ``batch.loss_norm``)."""
 
-    def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto"):
+    def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto", loss_weighting="token"):
         self.mask_first_label = bool(mask_first_label)
         self.loss_mask = check_loss_mask_mode(loss_mask)
+        self.loss_weighting = resolve(loss_weighting)
         self._warned = [False]  # LossMaskWarning given
+
+    def _weigh(self, batch: PackedBatch, examples, seg_lengths, *, seg_ptr=None, width=None,
+               seg_doc=None) -> PackedBatch:
+        """``batch`` with its loss weights noted (nothing under the token mean). Segments ``seg_lengths``
+        laid out from row starts (``seg_ptr``, rows of ``width``) or end to end; ``seg_doc`` the example
+        of each segment (a split example's pieces share its ``|O_c|``)."""
+        weighting = self.loss_weighting
+        if weighting.is_token_mean:
+            return batch
+        values = _column_values(examples, weighting.key) if isinstance(weighting, ColumnWeighting) else None
+        if values is not None and seg_doc is None and values.size != seg_lengths.size:
+            raise ValueError(f"loss_weighting=Column({weighting.key!r}) weighs examples; these rows hold "
+                             f"{seg_lengths.size} documents for {values.size} values: collate examples, not packed rows")
+        labels = batch.labels
+        dest = None
+        if seg_ptr is not None:
+            csum = lengths_to_offsets(seg_lengths)
+            dest = row_destinations(csum[seg_ptr[1:]] - csum[seg_ptr[:-1]], width)
+        weights, z = token_weights(weighting, labels.numpy().reshape(-1), seg_lengths, dest=dest, seg_doc=seg_doc,
+                                   values=values)
+        return batch._weigh(_tensor(weights.reshape(labels.shape)), z, weighting)
 
     def _read(self, examples, *, packed_rows: bool = False):
         """``(input_ids, labels, lengths)`` (:func:`packkit.examples.read_batch`); a packed row (one with
@@ -299,14 +324,22 @@ class PaddingFreeCollator(_Collator):
             ``"required"``: every example must carry a mask, else an error names the example and that
             setting. ``"none"``: no mask expected, every token a target (pretraining; no warning, and
             a mask that does arrive is an error).
+        loss_weighting: how much each loss token weighs in the optimiser step's loss
+            (:mod:`packkit.weighting`): ``"token"`` (default: every loss token ``1 / N``), ``"sample"``
+            (each document counts once), ``"sqrt"``, verl's and TRL's modes, ``Column(key)`` (a weight per
+            example), a callable of ``|O_c|``. The batch then carries ``loss_weight`` (float32, the shape
+            of ``labels``) and ``loss_norm``; :func:`packkit.loss.accumulation_step` (or
+            :func:`packkit.loss.hf_compute_loss_func` under ``Trainer``) divides by the step's ``Z``.
     """
 
     def __call__(self, examples) -> PackedBatch:
         input_ids, labels, lengths = self._read(examples)
-        return padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
+        batch = padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
+        return self._weigh(batch, examples, lengths)
 
     def __repr__(self) -> str:
-        return f"PaddingFreeCollator(mask_first_label={self.mask_first_label}, loss_mask={self.loss_mask!r})"
+        return (f"PaddingFreeCollator(mask_first_label={self.mask_first_label}, loss_mask={self.loss_mask!r}, "
+                f"loss_weighting={self.loss_weighting.name!r})")
 
 
 class FixedWindowCollator(_Collator):
@@ -332,7 +365,8 @@ class FixedWindowCollator(_Collator):
             raises). ``batch.hf_kwargs(static=False)`` drops the zero-length tail when flash-attn
             #1537 bites.
         pad_token_id: id of padding tokens (default 0; their labels are -100 whatever it is).
-        mask_first_label, loss_mask: as in :class:`PaddingFreeCollator` (apply to every segment).
+        mask_first_label, loss_mask, loss_weighting: as in :class:`PaddingFreeCollator` (apply to every
+            segment; a split example's pieces share one ``|O_c|`` and one weight).
         seed: the order of ``"shuffle_ff"``.
         group_key: the key of an example holding its group id (a pair, a prompt's completions): a
             group's examples share one window, adjacent, in batch order
@@ -343,7 +377,7 @@ class FixedWindowCollator(_Collator):
                  num_windows: int | None = None, static_shape: bool = False,
                  max_segments: int | None = None, pad_token_id: int = 0,
                  mask_first_label: bool = True, seed: int = 0, loss_mask: str = "auto",
-                 group_key: str | None = None):
+                 group_key: str | None = None, loss_weighting="token"):
         if group_key is not None and not isinstance(group_key, str):
             raise TypeError(f"group_key must be the name of an example's key, got {group_key!r}")
         self.group_key = group_key
@@ -353,7 +387,7 @@ class FixedWindowCollator(_Collator):
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
-        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask, loss_weighting=loss_weighting)
         self.cut_tokens = 0
 
     def __call__(self, examples) -> PackedBatch:
@@ -382,6 +416,8 @@ class FixedWindowCollator(_Collator):
                            width=self.window, num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                            mask_first_label=self.mask_first_label, static_shape=self.static_shape,
                            max_segments=self.max_segments)
+        batch = self._weigh(batch, examples, plan.seg_length, seg_ptr=plan.window_ptr, width=self.window,
+                            seg_doc=plan.seg_example)
         return batch, plan
 
     def __repr__(self) -> str:
@@ -399,7 +435,8 @@ class PackedRowsCollator(_Collator):
     ``input_ids [[5, 6, 7, 0]]``, ``position_ids [[0, 1, 0, 0]]``, ``cu_seqlens [0, 2, 3, 4]``.
 
     Options as in :class:`FixedWindowCollator` (``num_windows``, ``static_shape``, ``max_segments``,
-    ``pad_token_id``, ``mask_first_label``, ``loss_mask``). Labels of offline rows already carry -100
+    ``pad_token_id``, ``mask_first_label``, ``loss_mask``, ``loss_weighting``: each document of a row its
+    own, so a piece of an example split offline counts its own ``|O_c|``). Labels of offline rows already carry -100
     on every segment's first token; masking again changes nothing.
 
     ``transformers.Trainer`` drops ``seq_lengths`` by default (its model's forward does not name it):
@@ -412,14 +449,14 @@ class PackedRowsCollator(_Collator):
 
     def __init__(self, *, window: int, num_windows: int | None = None, static_shape: bool = False,
                  max_segments: int | None = None, pad_token_id: int = 0, mask_first_label: bool = True,
-                 loss_mask: str = "auto", cp_size: int = 1, cp_layout: str = "hybrid"):
+                 loss_mask: str = "auto", cp_size: int = 1, cp_layout: str = "hybrid", loss_weighting="token"):
         self.window = check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
         self.cp_size, self.cp_layout = int(cp_size), cp_layout
         self._doc_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)[0]
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
-        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask, loss_weighting=loss_weighting)
 
     def __call__(self, rows) -> PackedBatch:
         input_ids, labels, lengths = self._read(rows, packed_rows=True)
@@ -432,10 +469,11 @@ class PackedRowsCollator(_Collator):
         seg_lengths, seg_ptr = _row_segments(rows, lengths, where)
         if self._doc_multiple > 1:
             self._check_cp(seg_lengths, seg_ptr, where)
-        return rows_batch(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
-                          num_rows=self.num_windows, pad_token_id=self.pad_token_id,
-                          mask_first_label=self.mask_first_label, static_shape=self.static_shape,
-                          max_segments=self.max_segments)
+        batch = rows_batch(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
+                           num_rows=self.num_windows, pad_token_id=self.pad_token_id,
+                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
+                           max_segments=self.max_segments)
+        return self._weigh(batch, rows, seg_lengths, seg_ptr=seg_ptr, width=self.window)
 
     def _check_cp(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray, where) -> None:
         """Every row's documents, padded to the layout's multiple, fit the window (else: packed for
@@ -510,23 +548,43 @@ class PaddedCollator(_Collator):
     """
 
     def __init__(self, *, pad_token_id: int = 0, pad_to_multiple_of: int | None = None,
-                 return_attention_mask: bool = True, mask_first_label: bool = True, loss_mask: str = "auto"):
+                 return_attention_mask: bool = True, mask_first_label: bool = True, loss_mask: str = "auto",
+                 loss_weighting="token"):
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)
         self.pad_to_multiple_of = (None if pad_to_multiple_of is None
                                    else check_int(pad_to_multiple_of, "pad_to_multiple_of"))
         self.return_attention_mask = bool(return_attention_mask)
-        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask)
+        super().__init__(mask_first_label=mask_first_label, loss_mask=loss_mask, loss_weighting=loss_weighting)
 
     def __call__(self, examples) -> PackedBatch:
         input_ids, labels, lengths = self._read(examples)
         width = int(lengths.max())
         if self.pad_to_multiple_of is not None:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        return rows_batch(input_ids, labels, lengths, np.arange(lengths.size + 1, dtype=np.int64),
-                          width=width, pad_token_id=self.pad_token_id,
-                          mask_first_label=self.mask_first_label,
-                          attention_mask=self.return_attention_mask)
+        seg_ptr = np.arange(lengths.size + 1, dtype=np.int64)
+        batch = rows_batch(input_ids, labels, lengths, seg_ptr, width=width, pad_token_id=self.pad_token_id,
+                           mask_first_label=self.mask_first_label, attention_mask=self.return_attention_mask)
+        return self._weigh(batch, examples, lengths, seg_ptr=seg_ptr, width=width)
 
     def __repr__(self) -> str:
         return (f"PaddedCollator(pad_token_id={self.pad_token_id}, pad_to_multiple_of={self.pad_to_multiple_of}, "
                 f"return_attention_mask={self.return_attention_mask}, loss_mask={self.loss_mask!r})")
+
+
+def _column_values(examples, key: str) -> np.ndarray:
+    """``(n,)`` float64, every example's ``key`` (one finite number each, :func:`packkit.rules.example_values`),
+    or an error naming the key and ``remove_unused_columns=False`` when no example carries it."""
+    where = _rows_of(examples)
+    if isinstance(examples, ExampleBatch):
+        raw = examples.columns.get(key, [None] * len(examples.rows if where is not None else examples))
+    else:
+        raw = [ex.get(key) if hasattr(ex, "get") else None for ex in examples]
+    values = example_values(raw, [1] * len(raw), key=key, rows=where, what="example")
+    if values is None:
+        raise ValueError(f"loss_weighting=Column({key!r}) weighs each example by its {key!r}, and no example carries "
+                         "one (transformers.Trainer drops columns its model does not name unless "
+                         "TrainingArguments(remove_unused_columns=False))")
+    if (values < 0).any():
+        i = int(np.argmax(values < 0))
+        raise ExampleValueError(f"{location(i, where)} has {key}={float(values[i])!r} < 0; loss weights are finite numbers >= 0")
+    return values

@@ -56,7 +56,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import PackedBatch, real_tokens_and_documents
+from .batch import PackedBatch, _note, real_tokens_and_documents
+from .integrations.transformers import StepCountHook  # Trainer's private step count, in one place
 from .segments import IGNORE_INDEX
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "hf_compute_loss_func",
     "AccumulationStep",
     "accumulation_step",
+    "WeightedLossMixin",
 ]
 
 
@@ -156,8 +158,13 @@ def _check_count(num_loss_tokens):
 
 
 def token_normalized_loss(logits: torch.Tensor, labels, *, num_loss_tokens=None, shifted: bool = False,
-                          ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                          ignore_index: int = IGNORE_INDEX, loss_weight=None) -> torch.Tensor:
     """Summed cross entropy over the loss-bearing tokens, divided by ``num_loss_tokens``.
+
+    With ``loss_weight`` (float, the shape of ``labels``, aligned with them: the weight of the label at
+    ``t``; :attr:`packkit.batch.PackedBatch.loss_weight`) each token's cross entropy is multiplied by its
+    weight before the sum, and ``num_loss_tokens`` is the step's normaliser ``Z`` of
+    :mod:`packkit.weighting`: ``sum_t w_t * CE_t / Z``.
 
     Packed (``[1, T]`` or ``[B, W]`` windows) and padded batches alike: only labels matter.
 
@@ -192,8 +199,16 @@ def token_normalized_loss(logits: torch.Tensor, labels, *, num_loss_tokens=None,
         labels = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # accumulate the sum in fp32
-    summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
-                             ignore_index=ignore_index, reduction="sum")
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long()
+    if loss_weight is None:
+        summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    else:
+        weight = torch.as_tensor(loss_weight).to(logits.device)
+        if not shifted:  # the weight travels with its label
+            weight = F.pad(weight[..., 1:], (0, 1))
+        per_token = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="none")
+        # the weights in the cross entropy's dtype (float64 stays float64: the factors are kept exact)
+        summed = (per_token * weight.reshape(-1).to(per_token.dtype)).sum()
     if num_loss_tokens is None:
         num_loss_tokens = _count_tensor(labels, shifted=True, ignore_index=ignore_index)
     if isinstance(num_loss_tokens, torch.Tensor):
@@ -207,9 +222,36 @@ def hf_compute_loss_func(outputs, labels, *, num_items_in_batch=None) -> torch.T
     ``Trainer`` pops ``labels`` from the inputs, calls the model, then calls this with the model's
     outputs (``.logits`` or a dict with ``"logits"``) and the step's loss-token count. Without a count it
     is the batch mean.
+
+    Labels collated under a ``loss_weighting`` (:mod:`packkit.weighting`) carry their weights: the loss is
+    ``sum_t w_t CE_t / Z``. ``Z`` is the step's: from
+    :class:`WeightedLossMixin` (a ``Trainer`` that counts it over the
+    step's micro-batches and ranks, as it counts ``num_items_in_batch``), or, under a plain ``Trainer``,
+    this micro-batch's own part when it holds every loss token of the step (``num_items_in_batch`` equals
+    its count on one process: ``gradient_accumulation_steps=1``, the default); otherwise an error says so.
     """
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
-    return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch)
+    note = _note(labels) if isinstance(labels, torch.Tensor) else {}
+    if note.get("loss_factor") is None:
+        return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch)
+    z = getattr(num_items_in_batch, "loss_normalizer", None)
+    if z is None:
+        z = _own_normalizer(labels, note, num_items_in_batch)
+    return token_normalized_loss(logits, labels, num_loss_tokens=z, loss_weight=note["loss_factor"])
+
+
+def _own_normalizer(labels: torch.Tensor, note: dict, num_items_in_batch) -> float:
+    """A micro-batch's own ``Z`` when it holds every loss token of the step, else a one-line error."""
+    import torch.distributed as dist
+
+    own = int(labels.ne(IGNORE_INDEX).sum())  # packkit's labels mask every document's first: either shift agrees
+    alone = not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    if num_items_in_batch is None or not alone or int(num_items_in_batch) != own:
+        raise ValueError(
+            f"loss_weighting={note.get('loss_weighting')!r} divides by the optimiser step's normaliser, and this "
+            f"micro-batch holds {own} of the step's {num_items_in_batch} loss tokens (or other ranks hold some): "
+            "use a Trainer with packkit.loss.WeightedLossMixin (class T(WeightedLossMixin, Trainer)), which counts it over the step")
+    return note["loss_norm"] + note.get("loss_step_constant", 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,7 +265,7 @@ class AccumulationStep:
 
     Fields (counts are over every micro-batch of the step and, when reduced, every rank)
     -------------------------------------------------------------------------------------
-    num_loss_tokens:    int, loss-bearing tokens of the step: the divisor
+    num_loss_tokens:    int, loss-bearing tokens of the step: the divisor of the token mean
     num_tokens:         int, real (non-padding) tokens of the step
     num_examples:       int, examples (documents) of the step
     local_loss_tokens:  int, this rank's loss tokens
@@ -233,6 +275,9 @@ class AccumulationStep:
                         (DDP, FSDP), else 1
     shifted, ignore_index: how labels are read
     group:              the process group the counts were reduced over (None: the default group)
+    loss_normalizer:    float, ``Z`` of the batches' ``loss_weighting`` (:mod:`packkit.weighting`) over
+                        the step; ``num_loss_tokens`` for the token mean
+    loss_weighting:     str, the name of that weighting (None: the token mean)
     """
 
     num_loss_tokens: int
@@ -245,28 +290,44 @@ class AccumulationStep:
     shifted: bool = False
     ignore_index: int = IGNORE_INDEX
     group: object = dataclasses.field(default=None, repr=False, compare=False)
+    loss_normalizer: float | None = None
+    loss_weighting: str | None = None
 
     @property
     def num_micro_batches(self) -> int:
         return len(self.micro_loss_tokens)
 
     @property
+    def _z(self) -> float:
+        """The divisor: ``Z`` (at least 1 for the token mean's count; a weighting's ``Z`` of 0 means every
+        weight is 0, and divides by 1)."""
+        if self.loss_weighting is None:
+            return max(self.num_loss_tokens, 1)
+        return self.loss_normalizer if self.loss_normalizer > 0 else 1.0
+
+    @property
     def scale(self) -> float:
-        """Multiplier of a micro-batch's *summed* cross entropy: ``grad_multiplier / num_loss_tokens``."""
-        return self.grad_multiplier / max(self.num_loss_tokens, 1)
+        """Multiplier of a micro-batch's *summed* (weighted) cross entropy: ``grad_multiplier / Z``."""
+        return self.grad_multiplier / self._z
 
     def loss(self, logits: torch.Tensor, batch) -> torch.Tensor:
-        """The loss to ``backward()`` for one micro-batch: ``grad_multiplier * sum_CE / num_loss_tokens``.
+        """The loss to ``backward()`` for one micro-batch: ``grad_multiplier * sum_t w_t CE_t / Z``
+        (``w_t = 1``, ``Z = num_loss_tokens`` for the token mean).
 
         ``batch`` is the micro-batch (``PackedBatch``, dict with ``labels``) or its label tensor.
         """
         labels, shifted = _labels_of(batch, shifted=self.shifted)
-        loss = token_normalized_loss(logits, labels, num_loss_tokens=self.num_loss_tokens, shifted=shifted,
-                                     ignore_index=self.ignore_index)
+        factor = _note(labels).get("loss_factor") if isinstance(labels, torch.Tensor) else None
+        if (factor is None) != (self.loss_weighting is None):
+            raise ValueError(f"this micro-batch was collated under loss_weighting="
+                             f"{_note(labels).get('loss_weighting', 'token')!r}, the step under "
+                             f"{self.loss_weighting or 'token'!r}: count the step on the micro-batches it trains")
+        loss = token_normalized_loss(logits, labels, num_loss_tokens=self._z, shifted=shifted,
+                                     ignore_index=self.ignore_index, loss_weight=factor)
         return loss * self.grad_multiplier if self.grad_multiplier != 1 else loss
 
     def mean_loss(self, step_loss) -> float:
-        """The step's mean loss over every loss token of every rank, for logging.
+        """The step's loss over every loss token of every rank (the weighting's ``L``), for logging.
 
         ``step_loss`` is this rank's sum of :meth:`loss` values (detached) over the step's micro-batches;
         under ``torch.distributed`` it is summed over ranks (a collective: call it on every rank).
@@ -332,17 +393,23 @@ def _reduce_device(group) -> torch.device:
 def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_reduce: bool | None = None,
                       group=None, ddp_average: bool = True,
                       ignore_index: int = IGNORE_INDEX) -> AccumulationStep:
-    """Count one optimiser step's loss tokens once, across ranks, before the first forward.
+    """Count one optimiser step's loss tokens (and its ``loss_weighting``'s ``Z``) once, across ranks,
+    before the first forward.
 
     Args:
         micro_batches: the micro-batches of the step, each a ``PackedBatch``, a dict with ``labels``
             (``shift_labels`` counts as shifted) or a label tensor (B, T) / (T,).
         shifted: the labels are already shifted (see :func:`count_loss_tokens`); a ``PackedBatch``
             follows its own ``labels_shifted`` instead.
-        all_reduce: sum the counts over the ranks of ``group`` (one collective of three int64s, every
+        all_reduce: sum the counts over the ranks of ``group`` (one collective of four float64s, every
             rank must call it). ``None``: when ``torch.distributed`` is initialised.
         ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
             loss is multiplied back by the world size. ``False`` for a reduction that sums.
+
+    The weighting travels with the batches (the collators' ``loss_weighting``, :mod:`packkit.weighting`):
+    each carries its documents' factors ``a_c`` and its part of ``Z``; the step sums the parts in the same
+    collective as the counts, so a weighting costs no communication of its own. Every micro-batch of the
+    step must be collated under one weighting.
 
     Returns: an :class:`AccumulationStep`; ``step.loss(logits, micro_batch)`` is the loss to
     ``backward()``. A loop reads::
@@ -366,34 +433,72 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         )
     if len(micro_batches) == 0:
         raise ValueError("an optimiser step needs at least one micro-batch, got an empty list")
-    counts, tokens, examples = [], [], []
-    for i, mb in enumerate(micro_batches):
-        try:
-            labels, mb_shifted = _labels_of(mb, shifted=shifted)
-            labels = _as_label_tensor(labels)
-        except (TypeError, KeyError, ValueError) as exc:
-            raise type(exc)(f"micro-batch {i}: {exc.args[0] if exc.args else exc}") from None
-        known = getattr(mb, "num_loss_tokens", None)
-        # A PackedBatch counted its loss tokens on the CPU (no device work); trust that count only when
-        # it was made under the convention the loss will use (pre-shifted labels or not).
-        if (isinstance(known, numbers.Integral) and not isinstance(known, bool)
-                and bool(getattr(mb, "labels_shifted", False)) == mb_shifted):
-            counts.append(int(known))
-        else:
-            counts.append(_count_tensor(labels, shifted=mb_shifted, ignore_index=ignore_index))
-        t, e = _real_tokens_and_examples(mb, labels, ignore_index)
-        tokens.append(t)
-        examples.append(e)
-
-    # A (micro_batches, 3) table on the labels' device, so that the whole step costs one host sync.
-    device = next((x.device for x in (*counts, *tokens, *examples) if isinstance(x, torch.Tensor)),
-                  torch.device("cpu"))
+    rows = [_micro_counts(mb, i, shifted, ignore_index) for i, mb in enumerate(micro_batches)]
+    weighting, constant = _one_weighting([row[4:] for row in rows])
+    # A (micro_batches, 4) float64 table on the labels' device (counts stay exact below 2**53), so that
+    # the whole step costs one host sync and one collective.
+    device = next((x.device for row in rows for x in row[:4] if isinstance(x, torch.Tensor)), torch.device("cpu"))
     table = torch.stack([
-        torch.stack([torch.as_tensor(x, device=device).to(torch.int64).reshape(()) for x in row])
-        for row in zip(counts, tokens, examples)
+        torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(()) for x in row[:4]])
+        for row in rows
     ])
     local = table.sum(0)
+    world_size, reduced, group = _reduce(local, all_reduce, group)
+    table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
+    n_loss, n_tokens, n_examples, z = reduced
+    return AccumulationStep(
+        num_loss_tokens=int(n_loss),
+        num_tokens=int(n_tokens),
+        num_examples=int(n_examples),
+        local_loss_tokens=int(local[0]),
+        micro_loss_tokens=tuple(int(row[0]) for row in table),
+        world_size=world_size,
+        grad_multiplier=float(world_size) if (ddp_average and world_size > 1) else 1.0,
+        shifted=shifted,
+        ignore_index=ignore_index,
+        group=group,
+        loss_normalizer=(z + constant) if weighting is not None else float(n_loss),
+        loss_weighting=weighting,
+    )
 
+
+def _micro_counts(mb, i: int, shifted: bool, ignore_index: int) -> tuple:
+    """``(loss tokens, tokens, examples, z, weighting name, step constant)`` of micro-batch ``i``: ints,
+    floats or 0-dim tensors (no host sync)."""
+    try:
+        labels, mb_shifted = _labels_of(mb, shifted=shifted)
+        labels = _as_label_tensor(labels)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise type(exc)(f"micro-batch {i}: {exc.args[0] if exc.args else exc}") from None
+    known = getattr(mb, "num_loss_tokens", None)
+    # A PackedBatch counted its loss tokens on the CPU (no device work); trust that count only when
+    # it was made under the convention the loss will use (pre-shifted labels or not).
+    if (isinstance(known, numbers.Integral) and not isinstance(known, bool)
+            and bool(getattr(mb, "labels_shifted", False)) == mb_shifted):
+        count = int(known)
+    else:
+        count = _count_tensor(labels, shifted=mb_shifted, ignore_index=ignore_index)
+    tokens, examples = _real_tokens_and_examples(mb, labels, ignore_index)
+    note = _note(labels)
+    name = note.get("loss_weighting")
+    z = note["loss_norm"] if name is not None else count
+    return count, tokens, examples, z, name, note.get("loss_step_constant", 0.0)
+
+
+def _one_weighting(rows: list) -> tuple:
+    """``(name, step constant)`` shared by every micro-batch of the step, or an error naming the first
+    that differs."""
+    first = rows[0]
+    for i, row in enumerate(rows):
+        if row != first:
+            raise ValueError(f"micro-batch {i} was collated under loss_weighting={row[0] or 'token'!r}, micro-batch 0 "
+                             f"under {first[0] or 'token'!r}: collate every micro-batch of a step under one weighting")
+    return first
+
+
+def _reduce(local: torch.Tensor, all_reduce, group) -> tuple:
+    """``(world_size, summed, group)``: ``local`` summed over the ranks of ``group`` (one collective) when
+    asked, or when ``torch.distributed`` is initialised and ``all_reduce`` is None."""
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
@@ -402,23 +507,26 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     if all_reduce and not initialised:
         raise ValueError("all_reduce=True needs an initialised torch.distributed process group "
                          "(torch.distributed.init_process_group), or pass all_reduce=False")
-    world_size = 1
-    reduced = local.clone()
-    if all_reduce:
-        world_size = dist.get_world_size(group)
-        reduced = reduced.to(_reduce_device(group))
-        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-    table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
-    n_loss, n_tokens, n_examples = reduced
-    return AccumulationStep(
-        num_loss_tokens=n_loss,
-        num_tokens=n_tokens,
-        num_examples=n_examples,
-        local_loss_tokens=local[0],
-        micro_loss_tokens=tuple(row[0] for row in table),
-        world_size=world_size,
-        grad_multiplier=float(world_size) if (ddp_average and world_size > 1) else 1.0,
-        shifted=shifted,
-        ignore_index=ignore_index,
-        group=group if all_reduce else None,
-    )
+    if not all_reduce:
+        return 1, local.clone(), None
+    reduced = local.to(_reduce_device(group))
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    return dist.get_world_size(group), reduced, group
+
+
+class WeightedLossMixin(StepCountHook):
+    """A ``transformers.Trainer`` mixin for batches collated under a ``loss_weighting``:
+    ``class MyTrainer(WeightedLossMixin, Trainer)`` with ``compute_loss_func=packkit.loss.hf_compute_loss_func``.
+
+    Where ``Trainer`` counts the loss tokens of an optimiser step's micro-batches (before the first forward;
+    :class:`packkit.integrations.transformers.StepCountHook`), this counts the weighting's ``Z`` with
+    :func:`accumulation_step` (one collective of four numbers across processes, as ``Trainer``'s own gather)
+    and hands it to :func:`hf_compute_loss_func`, so ``sum_t w_t CE_t / Z`` summed over the micro-batches and
+    averaged over ranks is the recipe's loss. Steps without a weighting keep ``Trainer``'s count.
+    """
+
+    def _step_normalizer(self, batch_samples: list, all_reduce: bool):
+        labels = [b.get("labels") if isinstance(b, Mapping) else None for b in batch_samples]
+        if not any(_note(t).get("loss_weighting") for t in labels):
+            return None
+        return accumulation_step(batch_samples, all_reduce=all_reduce, ddp_average=False).loss_normalizer

@@ -23,7 +23,7 @@ from .. import integrations
 import warnings
 
 __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register",
-           "jinja_compiler"]
+           "jinja_compiler", "StepCountHook", "StepNormalizer"]
 
 #: ``[first, past)``: the transformers releases this module is checked against (major.minor).
 SUPPORTED = ((5, 0), (6, 0))
@@ -95,3 +95,32 @@ def jinja_compiler():
     except ImportError:
         return None
     return getattr(chat_template_utils, "_compile_jinja_template", None)
+
+
+
+class StepNormalizer(float):
+    """The optimiser step's normaliser ``Z`` of a ``loss_weighting`` (:mod:`packkit.weighting`), handed to
+    ``compute_loss_func`` where ``Trainer`` hands its ``num_items_in_batch``
+    (:func:`packkit.loss.hf_compute_loss_func` reads :attr:`loss_normalizer`)."""
+
+    @property
+    def loss_normalizer(self) -> float:
+        return float(self)
+
+
+class StepCountHook:
+    """Overrides ``Trainer._get_num_items_in_batch(batch_samples, device)`` (private: ``Trainer`` draws every
+    micro-batch of an optimiser step before the first forward and counts their loss tokens there, gathered
+    over processes with ``average_tokens_across_devices``, then multiplies each loss back by the number of
+    processes). A subclass supplies ``_step_normalizer(batch_samples, all_reduce)``: a :class:`StepNormalizer`,
+    or None to keep ``Trainer``'s count (:class:`packkit.loss.WeightedLossMixin`)."""
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        world = self.args.world_size
+        z = self._step_normalizer(batch_samples, world > 1)
+        if z is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        if world > 1 and not self.args.average_tokens_across_devices:
+            raise ValueError("a loss_weighting needs TrainingArguments(average_tokens_across_devices=True) on "
+                             f"{world} processes: Trainer then multiplies each loss back by the process count")
+        return StepNormalizer(z)

@@ -1,0 +1,242 @@
+"""How much each loss token weighs: the recipe's loss, over the whole optimiser step.
+
+Every weighting here is one formula over the **optimiser step** ``S``: every document ``c`` of every
+micro-batch on every rank of the step, ``O_c`` its loss tokens, ``l_t`` a token's loss::
+
+    L = sum_{c in S} a_c * sum_{t in O_c} l_t  /  Z,        Z = sum_{c in S} z_c
+
+A weighting gives each document its factor ``a_c`` and its share ``z_c`` of the normaliser; the token
+weight is ``a_c / Z``. A document with no loss token weighs 0 (``a_c = z_c = 0``, never NaN) and is not
+counted in ``|B|``, the documents of the step with at least one loss token.
+
+``|O_c|`` is counted over the whole document where the collator sees it whole: an example split across
+the windows of one batch (``FixedWindowCollator(overflow="split")``) keeps one count and one factor, and a
+row sharded over a CP group afterwards (:func:`packkit.cp.shard`; take the weights with the shard's
+``take``) keeps the factors of the whole row. The pieces of an example split offline into separate packed
+rows reach the collator as separate documents, and each counts its own.
+
+The weightings (a name, or an object of this module), each with its loss and its factors::
+
+    name (aliases)                              L                                    a_c          z_c
+    "token"  (verl token-mean, TRL dapo)        sum_t l_t / sum_c |O_c|              1            |O_c|
+    "sample" (verl seq-mean-token-mean,         (1/|B|) sum_c (1/|O_c|) sum_t l_t    1/|O_c|      1
+              TRL grpo)
+    "sqrt"                                      sum_c |O_c|^-1/2 sum_t l_t           |O_c|^-1/2   |O_c|^1/2
+                                                  / sum_c |O_c|^1/2
+    "seq-mean-token-sum" (verl)                 (1/|B|) sum_c sum_t l_t              1            1
+    SeqSumNorm(L_max)                           sum_c sum_t l_t / L_max              1            L_max, once
+      (verl seq-mean-token-sum-norm)
+    DrGRPO(L_max)  (TRL dr_grpo)                sum_c sum_t l_t / (|B| L_max)        1            L_max
+    Column(key): a weight w_c per example       sum_c w_c sum_t l_t                  w_c          w_c |O_c|
+                                                  / sum_c w_c |O_c|
+    Weights(fn), or a callable: w_c = fn(|O_c|) the same                             w_c          w_c |O_c|
+
+``"sample"`` is the per-conversation mean of Nemotron 3 Super's second SFT stage
+(``L = (1/|B|) sum_c (1/|O_c|) sum_t l_t``); a callable gives LongAlign's ``1/N_i`` and the like.
+verl's ``seq-mean-token-sum-norm`` divides by a constant (its response length), once for the whole
+step: its ``z`` is counted once, not per document (:attr:`LossWeighting.z_once`).
+
+A batch carries the *unnormalised* factors (``batch.loss_weight``: ``a_c`` on every loss token) and its
+part of ``Z`` (``batch.loss_norm``); :func:`packkit.loss.accumulation_step` sums the parts of the
+step's micro-batches (and of the ranks, in the one collective it already makes) and divides.
+
+>>> resolve("sample").factors([4, 0, 1])
+(array([0.25, 0.  , 1.  ]), array([1., 0., 1.]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from .errors import ArgumentError
+from .segments import IGNORE_INDEX, lengths_to_offsets
+
+__all__ = ["LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "token_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeighting:
+    """A named weighting whose factors depend on ``|O_c|`` only: ``a_c = |O_c| ** a_power``,
+    ``z_c = |O_c| ** z_power`` (or the constant ``z_const``), both 0 for a document without loss
+    tokens. ``z_once``: the constant is the whole step's normaliser, not a document's share."""
+
+    name: str
+    a_power: float = 0.0
+    z_power: float = 1.0
+    z_const: float | None = None
+    z_once: bool = False
+
+    #: the example key that carries per-example weights (``Column`` only)
+    key = None
+
+    @property
+    def is_token_mean(self) -> bool:
+        """The default: every loss token weighs ``1 / N`` (no per-token weights needed)."""
+        return type(self) is LossWeighting and self.a_power == 0.0 and self.z_power == 1.0 and self.z_const is None
+
+    def factors(self, loss_counts, values=None) -> tuple[np.ndarray, np.ndarray]:
+        """``(a, z)``, float64 ``(D,)`` each, for documents of ``loss_counts`` loss tokens (``values``:
+        their per-example weights, for ``Column`` only)."""
+        n = np.asarray(loss_counts, np.float64)
+        has = n > 0
+        safe = np.where(has, n, 1.0)
+        a = np.where(has, safe ** self.a_power, 0.0)
+        if self.z_const is not None:
+            z = np.where(has, self.z_const, 0.0) if not self.z_once else np.zeros_like(n)
+        else:
+            z = np.where(has, safe ** self.z_power, 0.0)
+        return a, z
+
+    def step_constant(self) -> float:
+        """The part of ``Z`` counted once a step (``SeqSumNorm``'s ``L_max``), else 0."""
+        return float(self.z_const) if self.z_once else 0.0
+
+
+def SeqSumNorm(max_length: int) -> LossWeighting:
+    """verl's ``seq-mean-token-sum-norm``: ``L = sum_c sum_t l_t / L_max`` (``L_max``: the response length
+    of the rollout, a constant)."""
+    return LossWeighting(f"seq-mean-token-sum-norm({_positive(max_length)})", 0.0, 0.0, float(max_length), True)
+
+
+def DrGRPO(max_length: int) -> LossWeighting:
+    """TRL's ``dr_grpo``: ``L = sum_c sum_t l_t / (|B| * max_completion_length)``."""
+    return LossWeighting(f"dr_grpo({_positive(max_length)})", 0.0, 0.0, float(max_length))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallableWeighting(LossWeighting):
+    """``fn(|O_c|) -> w_c``: the weighted token mean (:func:`Weights`)."""
+
+    fn: Callable | None = None
+
+    def factors(self, loss_counts, values=None):
+        n = np.asarray(loss_counts, np.float64)
+        has = n > 0  # a document without loss tokens weighs 0 whatever fn says (fn(0) may divide by 0)
+        got = np.asarray(self.fn(n[has]), np.float64).reshape(-1)
+        if got.size != int(has.sum()):
+            raise ArgumentError(f"loss_weighting's callable returned {got.size} weights for {int(has.sum())} "
+                                "documents; return one weight per document")
+        w = np.zeros_like(n)
+        w[has] = got
+        return _weighted_mean(n, w, "loss_weighting's callable")
+
+
+def Weights(fn: Callable) -> CallableWeighting:
+    """``fn(|O_c|) -> w_c`` (numpy ``(D,)`` float64 in, ``(D,)`` finite ``>= 0`` out, called on the documents
+    with loss tokens): the weighted token mean ``sum_c w_c sum_t l_t / sum_c w_c |O_c|``.
+    ``Weights(lambda n: 1 / n)`` is ``"sample"``."""
+    if not callable(fn):
+        raise ArgumentError(f"Weights takes a callable of the documents' loss-token counts, got {fn!r}")
+    return CallableWeighting(f"weights({getattr(fn, '__name__', 'callable')})", fn=fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnWeighting(LossWeighting):
+    """A weight per example, from the example's ``key`` (:func:`Column`)."""
+
+    key: str = "loss_weight"
+
+    def factors(self, loss_counts, values=None):
+        if values is None:
+            raise ArgumentError(f"loss_weighting=Column({self.key!r}) needs the examples' {self.key!r} values")
+        return _weighted_mean(np.asarray(loss_counts, np.float64), np.asarray(values, np.float64),
+                              f"the examples' {self.key!r}")
+
+
+def Column(key: str = "loss_weight") -> ColumnWeighting:
+    """A weight per example, read from the example's ``key`` (finite, ``>= 0``, on every example): the
+    weighted token mean ``sum_c w_c sum_t l_t / sum_c w_c |O_c|``. A split example's pieces share its weight."""
+    if not isinstance(key, str):
+        raise ArgumentError(f"Column takes the name of the examples' weight key, got {key!r}")
+    return ColumnWeighting(f"column({key})", key=key)
+
+
+def _weighted_mean(n: np.ndarray, w: np.ndarray, what: str):
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        raise ArgumentError(f"{what} gave {float(w[bad][0])!r} for document {int(np.argmax(bad))}; weights are finite "
+                            "numbers >= 0")
+    a = np.where(n > 0, w, 0.0)
+    return a, a * n
+
+
+def _positive(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ArgumentError(f"max_length must be a positive int (the constant normaliser), got {value!r}")
+    return int(value)
+
+
+TOKEN = LossWeighting("token")
+SAMPLE = LossWeighting("sample", -1.0, 0.0)
+SQRT = LossWeighting("sqrt", -0.5, 0.5)
+SEQ_SUM = LossWeighting("seq-mean-token-sum", 0.0, 0.0)
+
+#: the names a string may give, and the weighting each means
+NAMES = {"token": TOKEN, "token-mean": TOKEN, "dapo": TOKEN, "sample": SAMPLE, "seq-mean-token-mean": SAMPLE,
+         "grpo": SAMPLE, "sqrt": SQRT, "seq-mean-token-sum": SEQ_SUM}
+
+
+def resolve(spec) -> LossWeighting:
+    """A ``loss_weighting=`` value as a :class:`LossWeighting`: a name of :data:`NAMES`, a weighting, or a
+    callable (:class:`Weights`). ``None`` is ``"token"``. ``resolve("grpo").name -> 'sample'``."""
+    if spec is None:
+        return TOKEN
+    if isinstance(spec, LossWeighting):
+        return spec
+    if isinstance(spec, str):
+        if spec in NAMES:
+            return NAMES[spec]
+        need = {"seq-mean-token-sum-norm": "SeqSumNorm", "dr_grpo": "DrGRPO"}.get(spec)
+        if need:
+            raise ArgumentError(f"loss_weighting={spec!r} divides by a constant length: pass "
+                                f"packkit.weighting.{need}(max_length) instead of the name")
+        raise ArgumentError(f"loss_weighting must be one of {sorted(NAMES)}, a packkit.weighting object or a "
+                            f"callable, got {spec!r}")
+    if callable(spec):
+        return Weights(spec)
+    raise ArgumentError(f"loss_weighting must be a name ({', '.join(sorted(NAMES))}), a packkit.weighting object "
+                        f"or a callable, got {type(spec).__name__}")
+
+
+def token_weights(weighting: LossWeighting, labels: np.ndarray, seg_lengths: np.ndarray, *, dest=None,
+                  seg_doc=None, values=None) -> tuple[np.ndarray, float]:
+    """The per-token factors of a batch and its part of ``Z``: ``(weights, z)``.
+
+    Args:
+        labels: ``(n,)`` int64, the batch's flattened labels (``-100`` where no loss: a loss token is a
+            label ``!= -100``, under either shift convention, as packkit's batches mask each document's
+            first label).
+        seg_lengths: ``(S,)`` the lengths of the segments holding real tokens, in order (``>= 1``).
+        dest: ``(sum(seg_lengths),)`` where each real token lies in ``labels`` (None: ``labels`` is the
+            real tokens, in order).
+        seg_doc: ``(S,)`` the document of each segment (pieces of a split example share one, so its
+            ``|O_c|`` is counted over all of them); None: every segment its own document.
+        values: ``(D,)`` per-document weights (:class:`Column`).
+
+    Returns: ``weights`` float64 ``(n,)``, ``a_c`` on every loss token, 0 elsewhere (float64 so that a
+    float64 loss is exact; ``batch.loss_weight`` is its float32 view); ``z`` a float.
+
+    >>> w, z = token_weights(resolve("sample"), np.array([-100, 5, 6, -100, 7]), np.array([3, 2]))
+    >>> w.tolist(), z
+    ([0.0, 0.5, 0.5, 0.0, 1.0], 2.0)
+    """
+    real = labels if dest is None else labels[dest]
+    loss = real != IGNORE_INDEX
+    per_seg = np.add.reduceat(loss, lengths_to_offsets(seg_lengths)[:-1], dtype=np.int64) if loss.size else \
+        np.zeros(0, np.int64)
+    if seg_doc is not None:
+        per_doc = np.bincount(seg_doc, weights=per_seg, minlength=0 if values is None else len(values))
+        a, z = weighting.factors(per_doc, values)
+        a = a[seg_doc]
+    else:
+        a, z = weighting.factors(per_seg, values)
+    per_token = np.repeat(a, seg_lengths)
+    per_token *= loss
+    if dest is None:
+        return per_token, float(z.sum())
+    out = np.zeros(labels.size, np.float64)
+    out[dest] = per_token
+    return out, float(z.sum())

@@ -1,0 +1,299 @@
+"""Loss weightings (packkit.weighting) over the optimiser step: float64 loss and gradients of packed,
+accumulated batches equal the unpacked reference definition of every mode within 1e-12.
+
+The reference lives here and reads each mode's formula directly (per-document means, square roots,
+column weights, verl's and TRL's normalisers) over unpacked documents; the packed side collates random
+partitions of the documents into micro-batches with each collator and sums ``accumulation_step``'s losses.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from testlib import tiny_token_lm
+
+from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeCollator
+from packkit.errors import ArgumentError
+from packkit.loss import accumulation_step, hf_compute_loss_func, token_normalized_loss
+from packkit.weighting import Column, ColumnWeighting, DrGRPO, SeqSumNorm, Weights, resolve
+
+IGNORE = -100
+VOCAB = 13
+L_MAX = 16
+MODES = ["token", "sample", "sqrt", "seq-mean-token-sum", "grpo", "dapo", SeqSumNorm(L_MAX), DrGRPO(L_MAX),
+         Column("w"), Weights(np.log1p)]
+
+
+def reference_loss(model, docs, mode, dropped=None):
+    """The mode's loss over unpacked documents, read off its formula: ``ce[c]`` the cross entropies of
+    document ``c``'s loss tokens (labels ``!= -100`` after position 0, minus ``dropped[c]``, the first
+    labels of a split document's later pieces)."""
+    ce, w = [], []
+    for c, doc in enumerate(docs):
+        ids = torch.tensor(doc["input_ids"])
+        logits = model(ids[None])[0]
+        targets = [t for t in range(1, len(ids)) if doc["labels"][t] != IGNORE and t not in (dropped or {}).get(c, ())]
+        ce.append(F.cross_entropy(logits[[t - 1 for t in targets]], torch.tensor(doc["labels"])[targets],
+                                  reduction="none") if targets else logits.sum() * 0)
+        w.append(doc.get("w", 1.0))
+    n = [int(x.numel()) if x.dim() else 0 for x in ce]
+    kept = [c for c in range(len(docs)) if n[c] > 0]
+    zero = sum(model(torch.tensor([[0]])).sum() * 0 for _ in (0,))
+    if not kept:
+        return zero
+    total = sum(ce[c].sum() for c in kept)
+    name = mode if isinstance(mode, str) else resolve(mode).name
+    if name in ("token", "dapo"):
+        return total / sum(n)
+    if name in ("sample", "grpo"):
+        return sum(ce[c].mean() for c in kept) / len(kept)
+    if name == "sqrt":
+        return sum(ce[c].sum() / math.sqrt(n[c]) for c in kept) / sum(math.sqrt(n[c]) for c in kept)
+    if name == "seq-mean-token-sum":
+        return total / len(kept)
+    if name.startswith("seq-mean-token-sum-norm"):
+        return total / L_MAX
+    if name.startswith("dr_grpo"):
+        return total / (len(kept) * L_MAX)
+    weights = [w[c] if isinstance(mode, ColumnWeighting) else float(np.log1p(n[c])) for c in range(len(docs))]
+    den = sum(weights[c] * n[c] for c in kept)
+    return sum(weights[c] * ce[c].sum() for c in kept) / den if den else zero
+
+
+def collator(kind, mode):
+    if kind == "free":
+        return PaddingFreeCollator(loss_weighting=mode)
+    if kind == "padded":
+        return PaddedCollator(loss_weighting=mode)
+    return FixedWindowCollator(window=5, overflow="split", strategy="next_fit", loss_weighting=mode)
+
+
+def packed_loss(model, docs, mode, parts, kind):
+    """The step's loss: ``parts`` (lists of document indices) collated as micro-batches, one
+    ``accumulation_step``, every micro-batch's loss summed. Also the pieces' dropped first labels."""
+    coll = collator(kind, mode)
+    mbs, dropped = [], {}
+    for part in parts:
+        examples = [docs[i] for i in part]
+        if kind == "split":
+            batch, plan = coll._pack(examples)
+            for ex, start in zip(plan.seg_example.tolist(), plan.seg_start.tolist()):
+                if start > 0:
+                    dropped.setdefault(part[ex], set()).add(start)
+        else:
+            batch = coll(examples)
+        mbs.append(batch)
+    step = accumulation_step(mbs, all_reduce=False)
+    return sum(step.loss(model(mb["input_ids"]), mb) for mb in mbs), dropped, step
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def check_equal(docs, mode, parts, kind):
+    model = tiny_token_lm(VOCAB, 4)
+    got, dropped, _ = packed_loss(model, docs, mode, parts, kind)
+    got.backward()
+    g_got = grads(model)
+    ref_model = tiny_token_lm(VOCAB, 4)
+    want = reference_loss(ref_model, docs, mode, dropped)
+    want.backward()
+    g_want = grads(ref_model)
+    err, gerr = abs(float(got.detach()) - float(want.detach())), float((g_got - g_want).abs().max())
+    print(f"{getattr(mode, 'name', mode):>28} {kind:>6}: loss {float(got.detach()):.6f} vs {float(want.detach()):.6f} (|d| {err:.1e}), max |d grad| {gerr:.1e}")
+    assert err <= 1e-12 and gerr <= 1e-12
+
+
+@st.composite
+def step_of_documents(draw):
+    n = draw(st.integers(1, 10))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    docs = []
+    for _ in range(n):
+        length = draw(st.sampled_from([1, 2, 3, 5, 7, 12]))
+        ids = rng.integers(0, VOCAB, length).tolist()
+        masked = rng.random(length) < draw(st.sampled_from([0.0, 0.3, 1.0]))
+        docs.append({"input_ids": ids, "labels": [IGNORE if m else x for x, m in zip(ids, masked)],
+                     "w": float(rng.uniform(0.1, 3.0))})
+    k = draw(st.integers(1, min(8, n)))  # micro-batches of the step (every rank's, summed)
+    order = rng.permutation(n)
+    cuts = np.sort(rng.choice(np.arange(1, n), k - 1, replace=False)) if k > 1 else []
+    parts = [p.tolist() for p in np.split(order, cuts)]
+    return docs, parts
+
+
+@settings(deadline=None)
+@given(step_of_documents(), st.sampled_from(range(len(MODES))), st.sampled_from(["free", "padded", "split"]))
+def test_every_mode_equals_its_unpacked_definition(case, m, kind):
+    """Random packings, 1-8 micro-batches, every collator (split documents included: their pieces keep one
+    |O_c|), documents without loss tokens: loss and gradients equal the reference within 1e-12."""
+    docs, parts = case
+    check_equal(docs, MODES[m], parts, kind)
+
+
+def test_split_document_keeps_one_count():
+    """A 12-token document split into windows of 5 is one document: under "sample" its pieces share
+    1/|O_c| (per piece, the two 2-token documents of the step would weigh as much as the long one)."""
+    docs = [{"input_ids": list(range(1, 13)), "labels": list(range(1, 13))},
+            {"input_ids": [3, 4], "labels": [3, 4]}]
+    batch = collator("split", "sample")(docs)
+    weights = batch.loss_weight[batch.labels != IGNORE]
+    assert sorted(set(weights.tolist())) == pytest.approx([1 / 9, 1.0])  # 12 tokens - 3 first labels
+    assert batch.loss_norm == 2.0
+    check_equal(docs, "sample", [[0, 1]], "split")
+
+
+def test_document_without_loss_tokens_weighs_zero():
+    docs = [{"input_ids": [1, 2, 3], "labels": [IGNORE] * 3, "w": 1.0}, {"input_ids": [4], "labels": [4], "w": 2.0}]
+    for mode in MODES:
+        batch = PaddingFreeCollator(loss_weighting=mode)(docs)
+        assert torch.isfinite(batch.loss_weight).all() and float(batch.loss_weight.abs().sum()) == 0
+        model = tiny_token_lm(VOCAB, 4)
+        step = accumulation_step([batch], all_reduce=False)
+        loss = step.loss(model(batch["input_ids"]), batch)
+        loss.backward()
+        assert float(loss.detach()) == 0 and torch.isfinite(grads(model)).all()
+
+
+def _logits_with_ce(values):
+    """(T, 2) float64 logits whose cross entropy against target 1 is ``values[t]``."""
+    v = torch.tensor(values, dtype=torch.float64)
+    return torch.stack([torch.zeros_like(v), -torch.log(torch.expm1(v))], -1)
+
+
+def test_per_micro_batch_sample_mean_regression():
+    """The per-micro-batch bug (TRL #7206's two micro-batches, GRPO's per-sequence mean): micro-batch 0 holds
+    one sequence whose tokens lose 2.0 each, micro-batch 1 nine sequences whose tokens lose 0.5. Each
+    micro-batch's own mean, averaged over micro-batches, gives 1.25; the mean over the step's ten sequences
+    is (2.0 + 9 * 0.5) / 10 = 0.65, which accumulation_step gives."""
+    mb0 = PaddingFreeCollator(loss_weighting="grpo")([{"input_ids": [1, 1, 1], "labels": [1, 1, 1]}])
+    mb1 = PaddingFreeCollator(loss_weighting="grpo")([{"input_ids": [1, 1], "labels": [1, 1]}] * 9)
+    ce = {id(mb0): [2.0, 2.0, 2.0], id(mb1): [0.5] * 18}
+    naive = sum(token_normalized_loss(_logits_with_ce(ce[id(mb)])[None], torch.ones_like(mb["labels"]) * 0 +
+                                      mb["labels"], loss_weight=mb.loss_weight, num_loss_tokens=mb.loss_norm)
+                for mb in (mb0, mb1)) / 2
+    step = accumulation_step([mb0, mb1], all_reduce=False)
+    exact = sum(step.loss(_logits_with_ce(ce[id(mb)])[None], mb) for mb in (mb0, mb1))
+    print(f"per micro-batch {float(naive):.4f}, over the step {float(exact):.4f}")
+    assert float(naive) == pytest.approx(1.25, abs=1e-12)
+    assert float(exact) == pytest.approx(0.65, abs=1e-12)
+    assert step.loss_normalizer == 10.0 and step.loss_weighting == "sample"
+
+
+def test_mixed_weightings_in_one_step_refused():
+    a = PaddingFreeCollator(loss_weighting="sample")([{"input_ids": [1, 2]}])
+    b = PaddingFreeCollator()([{"input_ids": [1, 2]}])
+    with pytest.raises(ValueError, match="micro-batch 1 was collated under loss_weighting='token'"):
+        accumulation_step([a, b], all_reduce=False)
+
+
+def test_bad_weightings_refused_in_one_line():
+    with pytest.raises(ArgumentError, match="one of"):
+        resolve("median")
+    with pytest.raises(ArgumentError, match="SeqSumNorm"):
+        resolve("seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="no example carries one.*remove_unused_columns=False"):
+        PaddingFreeCollator(loss_weighting=Column("w"))([{"input_ids": [1, 2]}])
+    with pytest.raises(ValueError, match="example 1 has w=-1.0 < 0"):
+        PaddingFreeCollator(loss_weighting=Column("w"))([{"input_ids": [1, 2], "w": 1}, {"input_ids": [1], "w": -1}])
+    with pytest.raises(ArgumentError, match="callable gave"):
+        PaddingFreeCollator(loss_weighting=lambda n: -n)([{"input_ids": [1, 2]}])
+
+
+def test_weights_survive_moves_and_pickling():
+    """The weights ride on the labels (their note): ``.to()``, a copy, a pickle (a DataLoader worker's
+    queue) and a popped label tensor (``Trainer`` with ``compute_loss_func``) keep them."""
+    import pickle
+
+    batch = PaddingFreeCollator(loss_weighting="sample")([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    want = batch.loss_weight.clone()
+    for other in (batch.to("cpu"), batch.copy(), pickle.loads(pickle.dumps(batch)), type(batch)(dict(batch))):
+        torch.testing.assert_close(other.loss_weight, want)
+        assert other.loss_norm == 2.0 and other.loss_weighting == "sample"
+    assert batch.loss_weight.dtype == torch.float32 and batch.loss_weight.shape == batch.labels.shape
+    labels = batch.pop("labels")
+    model = tiny_token_lm(VOCAB, 4)
+    out = {"logits": model(batch["input_ids"])}
+    got = hf_compute_loss_func(out, labels, num_items_in_batch=3)
+    ref = reference_loss(tiny_token_lm(VOCAB, 4), [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
+                                                   {"input_ids": [4, 5], "labels": [4, 5]}], "sample")
+    assert abs(float(got) - float(ref)) < 1e-12
+    with pytest.raises(ValueError, match="WeightedLossMixin"):
+        hf_compute_loss_func(out, labels, num_items_in_batch=7)  # the step holds more than this micro-batch
+
+
+# -- real ranks (gloo): the step's Z rides in accumulation_step's one collective --------------------------
+
+DDP_MODES = ["sample", "sqrt", Column("w"), DrGRPO(L_MAX), SeqSumNorm(L_MAX)]
+
+
+def ddp_documents():
+    """24 documents of 1-30 tokens, masked prompts (some wholly masked), dealt to ranks below."""
+    rng = np.random.default_rng(7)
+    docs = []
+    for i in range(24):
+        length = int(rng.integers(1, 31))
+        ids = rng.integers(0, VOCAB, length).tolist()
+        prompt = length if i % 7 == 3 else int(rng.integers(0, length))
+        docs.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:], "w": float(rng.uniform(0.1, 3))})
+    return docs
+
+
+def rank_parts(rank, world_size, accumulation):
+    """Rank ``rank``'s micro-batches: documents dealt round-robin to ``world_size * accumulation`` slots."""
+    slots = world_size * accumulation
+    return [[i for i in range(24) if i % slots == rank * accumulation + j] for j in range(accumulation)]
+
+
+def ddp_worker(rank, world_size, accumulation, port, out_dir):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        docs, out = ddp_documents(), {}
+        for mode in DDP_MODES:
+            model = DDP(tiny_token_lm(VOCAB, 4))
+            coll = PaddingFreeCollator(loss_weighting=mode)
+            mbs = [coll([docs[i] for i in part]) for part in rank_parts(rank, world_size, accumulation)]
+            step = accumulation_step(mbs)  # the one collective: counts and Z
+            for i, mb in enumerate(mbs):
+                if i < len(mbs) - 1:
+                    with model.no_sync():
+                        step.loss(model(mb["input_ids"]), mb).backward()
+                else:
+                    step.loss(model(mb["input_ids"]), mb).backward()
+            out[resolve(mode).name] = grads(model.module)
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_real_ranks_equal_the_reference(tmp_path, world_size):
+    """Uneven micro-batches on 1, 2 and 4 gloo ranks (DDP averaging, 2 micro-batches a rank): every rank's
+    gradient equals the unpacked reference gradient of each mode within 1e-12."""
+    from testlib import free_port, run_processes
+
+    run_processes(ddp_worker, world_size, (world_size, 2, free_port(), str(tmp_path)), timeout_s=120 * max(world_size, 2))
+    docs = ddp_documents()
+    for mode in DDP_MODES:
+        model = tiny_token_lm(VOCAB, 4)
+        reference_loss(model, docs, mode).backward()
+        want = grads(model)
+        for rank in range(world_size):
+            got = torch.load(tmp_path / f"rank{rank}.pt")[resolve(mode).name]
+            err = float((got - want).abs().max())
+            print(f"{resolve(mode).name:>28} rank {rank}/{world_size}: max |d grad| {err:.1e}")
+            assert err <= 1e-12
