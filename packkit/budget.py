@@ -40,7 +40,8 @@ import warnings
 
 import numpy as np
 
-from .binpack import DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_overflow, check_window, overflow_note
+from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_overflow, check_window, overflow_note,
+                      pack)
 from .cp_plan import check_cp_window, cp_multiples
 from .datafiles import Lengths
 from .errors import Message, arg, check_int
@@ -341,13 +342,16 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
     and ``packkit waste`` report: :class:`~packkit.sampler.PackedBatchSampler` with ``window`` (``per_rank``
     windows a batch; every length at most ``window``), a :class:`~packkit.binpack.Plan` as ``lengths`` (its
     windows, each segment an example of its own), else :class:`~packkit.sampler.LengthGroupedSampler`
-    (``per_rank`` examples a batch). ``drop_last`` with no full step: the sampler without it (the caller counts
+    (``per_rank`` examples a batch); ``strategy="next_fit"`` (no sampler plans it) is planned here and dealt as a
+    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts
     no step).
 
     ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
     """
     kw = dict(world_size=world_size, rank=0, step_batches=world_size * accumulation_steps, balance=balance,
               cp_size=cp_size, seed=seed, shuffle=shuffle)
+    if window is not None and strategy == "next_fit":  # next fit in dataset order: planned here, dealt as given
+        lengths = pack(lengths, window=window, strategy=strategy)
     for last in (True, False) if drop_last else (False,):
         try:
             if isinstance(lengths, Plan):

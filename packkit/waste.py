@@ -242,38 +242,15 @@ def loss_free(row_loss: np.ndarray, per_step: int) -> tuple[int, int]:
     return int((row_loss == 0).sum()), int((steps == 0).sum())
 
 
-def _padded(name: str, lengths: np.ndarray, padded: np.ndarray, order: np.ndarray, steps: int, *,
-            batch_size: int = 1, world_size: int = 1, cp_size: int = 1,
-            piece_loss: np.ndarray | None = None) -> StrategyWaste:
-    """Figures of padded rows no packkit sampler deals (``pad_longest``, ``random``: a plain DataLoader's
-    batches), ``batch_size`` rows a rank in the order given."""
-    real = lengths[order]
-    imbalance, cv = step_figures(CostModel(cp_size=cp_size).costs(padded), np.ones(order.size), ranks=world_size,
-                                 per_rank=batch_size)
-    free_rows, free_steps = loss_free(piece_loss[order], batch_size * world_size) if piece_loss is not None else (0, 0)
+def _padded(name: str, real: np.ndarray, padded: np.ndarray, steps: int, imbalance: float, cv: float,
+            free: tuple) -> StrategyWaste:
+    """Figures of padded rows: the ``real`` tokens and ``padded`` length of each row, ``free`` the (rows, steps)
+    that hold no loss token."""
     return StrategyWaste(
-        name=name, label=LABELS[name], packed=False, rows=int(order.size), steps=steps,
+        name=name, label=LABELS[name], packed=False, rows=int(real.size), steps=steps,
         real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
         attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
-        compute_imbalance=imbalance, examples_per_step_cv=cv, loss_free_rows=free_rows, loss_free_steps=free_steps,
-    )
-
-
-def _grouped(lengths: np.ndarray, sampler, *, row_round: int, piece_loss: np.ndarray) -> StrategyWaste:
-    """Figures of length-grouped batches as a :class:`~packkit.sampler.LengthGroupedSampler` deals them, each
-    padded to its longest (rounded up to ``row_round``)."""
-    dealt = Dealt.of(sampler)
-    order, ptr = dealt.schedule.flat, dealt.schedule.ptr
-    real = lengths[order]
-    longest = np.maximum.reduceat(real, ptr[:-1]) if real.size else real
-    padded = np.repeat(-(-longest // row_round) * row_round, np.diff(ptr))
-    free_rows, free_steps = dealt.loss_free(piece_loss[order], piece_loss)
-    return StrategyWaste(
-        name="grouped", label=LABELS["grouped"], packed=False, rows=int(order.size), steps=dealt.steps,
-        real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
-        attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
-        compute_imbalance=dealt.stats.compute_imbalance, examples_per_step_cv=dealt.stats.examples_per_step_cv,
-        loss_free_rows=free_rows, loss_free_steps=free_steps,
+        compute_imbalance=imbalance, examples_per_step_cv=cv, loss_free_rows=free[0], loss_free_steps=free[1],
     )
 
 
@@ -431,26 +408,27 @@ def _strategy(name: str, p: _Pieces, *, window: int, batch_size: int, k: int, bu
               dealing: dict) -> StrategyWaste:
     """One strategy's figures over the pieces ``p`` (:func:`measure_waste`)."""
     L, planned, R = p.lengths, p.planned, dealing["world_size"]
-    if name in ("pad_longest", "random"):
-        if name == "pad_longest":
-            order = np.arange(L.size)
-            padded = np.full(L.size, -(-int(L.max()) // row_round) * row_round, np.int64)
-        else:
-            padded, order = padded_rows(L, np.random.default_rng(dealing["seed"]).permutation(L.size), batch_size)
-            padded = -(-padded // row_round) * row_round
-        return _padded(name, L, padded, order, math.ceil(L.size / (batch_size * R)), batch_size=batch_size,
-                       world_size=R, cp_size=dealing["cp_size"], piece_loss=p.loss)
-    if name == "grouped":
-        return _grouped(L, deal(L, per_rank=batch_size, **dealing), row_round=row_round, piece_loss=p.loss)
-    if name in ("bfd", "ffd", "shuffle_ff"):
-        sampler, piece_of = deal(planned, per_rank=k, window=window, strategy=name, **dealing), np.arange(L.size)
-    elif name == "stream":
+    if name in ("pad_longest", "random"):  # a plain DataLoader's batches, in order: no packkit sampler deals them
+        order = np.arange(L.size) if name == "pad_longest" else np.random.default_rng(dealing["seed"]).permutation(L.size)
+        padded = np.full(L.size, L.max()) if name == "pad_longest" else padded_rows(L, order, batch_size)[0]
+        padded = -(-padded // row_round) * row_round  # a padded row is one sequence, cut by the CP layout
+        figures = step_figures(CostModel(cp_size=dealing["cp_size"]).costs(padded), np.ones(L.size), ranks=R,
+                               per_rank=batch_size)
+        return _padded(name, L[order], padded, math.ceil(L.size / (batch_size * R)), *figures,
+                       loss_free(p.loss[order], batch_size * R))
+    if name == "grouped":  # as a LengthGroupedSampler deals them, each batch padded to its longest
+        dealt = Dealt.of(deal(L, per_rank=batch_size, **dealing))
+        order, ptr = dealt.schedule.flat, dealt.schedule.ptr
+        padded = np.repeat(np.maximum.reduceat(L[order], ptr[:-1]), np.diff(ptr))
+        return _padded(name, L[order], -(-padded // row_round) * row_round, dealt.steps,
+                       dealt.stats.compute_imbalance, dealt.stats.examples_per_step_cv,
+                       dealt.loss_free(p.loss[order], p.loss))
+    if name == "stream":
         seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
         given = _given_plan(seg, ptr, planned, window, "stream")
         sampler, piece_of = deal(given, per_rank=k, **dealing), given.seg_example
-    else:
-        given = pack(planned, window=window, strategy=name)
-        sampler, piece_of = deal(given, per_rank=k, **dealing), given.seg_example
+    else:  # bfd, ffd, shuffle_ff, next_fit: element i of the sampler is piece i
+        sampler, piece_of = deal(planned, per_rank=k, window=window, strategy=name, **dealing), np.arange(L.size)
     label = f"{LABELS[name]} (buffer {buffer_size:,})" if name == "stream" else LABELS[name]
     return _packed(name, label, sampler, piece_of, L, p.loss)
 

@@ -180,6 +180,15 @@ def test_padded_report_is_the_schedule_the_sampler_deals(lengths, b, a, seed):
     assert r.padding_fraction == pytest.approx(1 - lengths.sum() / padded)
 
 
+def test_next_fit_is_dealt_as_planned_in_order():
+    """No sampler plans next fit: plan_budget plans it (in dataset order) and deals those windows."""
+    lengths = np.array([300, 200, 100, 250, 50, 120, 80, 290, 10] * 5)
+    r = plan_budget(lengths, window=300, strategy="next_fit", per_device_batch=2, advice=QUIET)
+    windows = pack(lengths, window=300, strategy="next_fit").num_windows
+    assert r.num_units == windows and r.steps_per_epoch == -(-windows // 2)
+    assert r.padding_fraction == pytest.approx(1 - lengths.sum() / (windows * 300))
+
+
 def test_a_plan_given_is_dealt_in_its_order():
     """A Plan as lengths: its windows dealt in the order given (no shuffle), steps of b x a x d windows."""
     lengths = np.array([300, 200, 100, 250, 50, 120, 80, 290, 10] * 5)
