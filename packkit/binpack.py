@@ -53,7 +53,7 @@ import os
 
 import numpy as np
 
-from .errors import ArgumentError, DataError, Message, arg, check_choice, check_int
+from .errors import ArgumentError, DataError, Message, Where, arg, check_choice, check_int
 from .rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
@@ -149,7 +149,7 @@ def overflow_error(lengths: np.ndarray, window: int, *, first: int = 0,
         return None
     i = int(over[0])
     more = f" (and {over.size - 1:,} more)" if over.size > 1 else ""
-    return DataError("example {i} has {n:,} tokens > {window}{more}; pass {fix}{why}, or raise {w}", i=first + i,
+    return DataError("{i} has {n:,} tokens > {window}{more}; pass {fix}{why}, or raise {w}", i=Where(first + i),
                      n=int(lengths[i]), window=arg("window", window), more=more,
                      fix=arg("overflow", *fixes), why=why, w=arg("window"))
 
@@ -903,8 +903,8 @@ def _split_groups(lengths: np.ndarray, member: np.ndarray, gptr: np.ndarray, gle
     if big.size:
         i = int(member[big[0]])
         g = int(np.searchsorted(gptr, big[0], side="right") - 1)
-        raise DataError("example {i} (group {g}) has {n:,} tokens > {window}: one sequence of a group cannot be "
-                        "cut; pass {fix}, or raise {w}", i=i, g=g, n=int(lengths[i]),
+        raise DataError("{i} (group {g}) has {n:,} tokens > {window}: one sequence of a group cannot be "
+                        "cut; pass {fix}, or raise {w}", i=Where(i), g=g, n=int(lengths[i]),
                         window=arg("window", window), fix=arg("overflow", "drop"), w=arg("window"))
     starts, owners = [], []
     for g in range(num_groups):

@@ -60,7 +60,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from .arrow import list_array
-from .errors import ArgumentError, DataError, Message, arg, check_int
+from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
 from .segments import lengths_to_offsets
@@ -548,13 +548,13 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tup
 
 def _messages(value, i: int, name: str, keys=("role", "content")) -> list:
     if value is None:
-        raise DataError(f"example {i} has no {name!r} (null); drop or fill it")
+        raise DataError("{i} has no {name!r} (null); drop or fill it", i=Where(i), name=name)
     if not value:
-        raise DataError(f"example {i} has an empty {name!r} conversation; every example needs a message")
+        raise DataError("{i} has an empty {name!r} conversation; every example needs a message", i=Where(i), name=name)
     out = []
     for m in value:
         if m is None or m.get(keys[0]) is None:
-            raise DataError(f"example {i}: a message in {name!r} has no {keys[0]!r}")
+            raise DataError("{i}: a message in {name!r} has no {key!r}", i=Where(i), name=name, key=keys[0])
         if keys[0] == "from":  # ShareGPT keys, renamed as TRL does (roles are kept as written)
             m = {("role" if k == "from" else "content" if k == "value" else k): v for k, v in m.items()}
         out.append(m)
@@ -595,8 +595,8 @@ def _render_one(tok, conv, i, template, tools, extra, add_generation_prompt, ass
                                           add_generation_prompt=add_generation_prompt,
                                           return_assistant_tokens_mask=assistant_mask, **(extra or {}))
     except Exception as exc:
-        raise DataError(f"example {i}: the chat template failed on it: {type(exc).__name__}: "
-                         f"{_one_line(exc)}") from None
+        raise DataError("{i}: the chat template failed on it: {kind}: {why}", i=Where(i), kind=type(exc).__name__,
+                        why=_one_line(exc)) from None
     return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
 
 
@@ -622,7 +622,7 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
     prompts, completions = rows["prompt"], rows["completion"]
     for j, (p, c) in enumerate(zip(prompts, completions)):
         if p is None or c is None:
-            raise DataError(f"example {base + j} has no {'prompt' if p is None else 'completion'!r} (null)")
+            raise DataError("{i} has no {key!r} (null)", i=Where(base + j), key="prompt" if p is None else "completion")
     amask = None
     if fmt == "prompt_completion":
         if eos:
@@ -929,9 +929,9 @@ def _check_assistant_tokens(offsets: np.ndarray, mask: np.ndarray, base: int) ->
     csum = lengths_to_offsets(mask)  # mask tokens before each flat index
     none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
     if none.size:
-        raise DataError("example {i} has no assistant token in its rendered conversation (no assistant message, or "
+        raise DataError("{i} has no assistant token in its rendered conversation (no assistant message, or "
                         "the template's {{% generation %}} markers do not cover it): drop the example, or pass {all}",
-                        i=base + int(none[0]), all=arg("assistant_only_loss", False))
+                        i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
 
 
 def _as_table(data):

@@ -14,6 +14,7 @@ With no file, :func:`read_lengths` returns the bundled sample of real lengths (`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,11 +28,11 @@ import numpy as np
 from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import ChatOptions, chat_encoder, chat_format, load_tokenizer
-from .errors import ArgumentError, DataError, Message, MissingError, arg
+from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
 from .fileio import held_still
 from .interrupts import deferred
 from .listcolumns import loss_targets, packed_segments, token_lengths
-from .rules import segment_key
+from .rules import ExampleTypeError, located, not_integer, segment_key
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -56,6 +57,7 @@ __all__ = [
     "Input",
     "Rows",
     "input_format",
+    "lines_named",
 ]
 
 #: The input formats: suffix (lower case) -> (how it is read, :func:`input_format`; its name in messages). A folder
@@ -152,7 +154,7 @@ def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bo
         return byte_tokenize(texts)
     if isinstance(texts, (pa.Array, pa.ChunkedArray)):
         if texts.null_count:
-            raise ValueError(f"example {texts.to_pylist().index(None)} has no text (null)")
+            raise DataError("{i} has no text (null)", i=Where(texts.to_pylist().index(None)))
         texts = texts.to_pylist()
     parts = []
     # only the ids are kept: the fast call computes no offsets (measured on 7M tokens of prose with a BPE of
@@ -316,43 +318,87 @@ def _locate_json_lines_error(path: Path) -> DataError | None:
     return None
 
 
-_FLOAT_ERROR = re.compile(r"^(?:example|dataset row) \d+ has (-?[\d.e+]+) \(float\) in '([^']+)'")
-
-
 def relocate_json_float(exc: BaseException, path) -> BaseException | None:
-    """The error about a float token (``1.0 (float)``) moved to the line of a JSON lines ``path`` that wrote one,
-    or None when ``exc`` is not that error or no line writes a float there.
+    """The error about a float token (``1.0 (float)``, :func:`packkit.rules.not_integer`) moved to the row of a JSON
+    lines ``path`` that wrote one, or None when ``exc`` is not that error or no line writes a float there.
 
     One ``5.0`` on line 900 makes pyarrow read the whole column as floats, so the rules met the first value,
     ``1.0`` on line 1, and blamed it. Python's reader tells ``5.0`` from ``5``: the first line whose ``key`` holds
-    a float (at any depth) is the one to blame, named by its row (the caller adds the line). Error path only.
+    a float (at any depth) is the one to blame, named by its row (:func:`lines_named` adds the line). The value and
+    the key are the error's fields (no message is read). Error path only.
     """
-    m = _FLOAT_ERROR.match(str(exc))
-    if m is None or "beyond int64" in str(exc) or "one makes pyarrow" in str(exc):  # not it, or moved already
+    fields = exc.fields if isinstance(exc, ExampleTypeError) else {}
+    if not isinstance(fields.get("value"), float) or not _json_lines(path):
         return None
-    if path is None or not os.path.isfile(path) or input_format(path) != "json":
-        return None
-    key = m.group(2)
-    row = -1
+    key, row = fields["key"], -1
     with open(path, "rb") as f:
-        if f.read(1 << 12).lstrip()[:1] == b"[":  # one JSON list: pyarrow's rows are its objects, not lines
-            return None
-        f.seek(0)
         for raw in f:
             if not raw.strip():
                 continue
             row += 1
             try:
-                value = json.loads(raw).get(key)
+                found = _first_float(json.loads(raw).get(key))
             except (ValueError, AttributeError):
                 return None
-            found = _first_float(value)
             if found is not None:
-                text = _FLOAT_ERROR.sub("", str(exc), count=1)
-                return type(exc)(f"dataset row {row} has {found!r} (float) in {key!r}{text} (a JSON number "
-                                 "written with a decimal point or an exponent; one makes pyarrow read the whole "
-                                 "column as floats)")
+                text = not_integer(row, 0, key, fields["kind"], found).text
+                return located(ExampleTypeError, row, 0, f"{text} (a JSON number written with a decimal point or an "
+                               "exponent; one makes pyarrow read the whole column as floats)")
     return None
+
+
+def _json_lines(path) -> bool:
+    """Whether ``path`` is a file of JSON lines (not one JSON list), whose rows are its non-blank lines."""
+    if path is None or input_format(path) != "json" or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(1 << 12).lstrip()[:1] != b"["
+
+
+def line_of_row(path, row: int) -> int | None:
+    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
+
+    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
+    """
+    k = -1
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                k += 1
+                if k == row:
+                    return lineno
+    return None
+
+
+def _packed_rows(path) -> bool:
+    """Whether the first row of a JSON lines file is a packed row (its examples are documents, not lines)."""
+    with open(path, "rb") as f:
+        first = next((raw for raw in f if raw.strip()), b"{}")
+    try:
+        return segment_key(list(json.loads(first))) is not None
+    except (ValueError, TypeError):
+        return False
+
+
+@contextlib.contextmanager
+def lines_named(path):
+    """Inside, an error about a row of the JSON lines file ``path`` names that row's line too: ``dataset row 149999
+    (line 150,001 of 'data.jsonl') has ...`` (an example is a row, unless the rows are packed), and a float token
+    is blamed on the line that wrote it (:func:`relocate_json_float`). The error's row is its
+    :class:`packkit.errors.Where` field, read as a number: no message is parsed."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        moved = relocate_json_float(exc, path) or exc
+        where = moved.where if isinstance(moved, PackkitError) else None
+        line = None
+        if where is not None and not where.line and _json_lines(path) and (where.row or not _packed_rows(path)):
+            line = line_of_row(path, where.number)
+        if line is not None:
+            moved = moved.at_line(f"line {line:,} of {str(path)!r}")
+        if moved is exc:
+            raise
+        raise moved from exc
 
 
 def _first_float(value):
@@ -865,7 +911,7 @@ class Tokenizing:
             return self.chat.encode_table(table, first_row, progress=progress)
         texts = table.column(self.text_column)
         if texts.null_count:
-            raise ValueError(f"example {first_row + texts.to_pylist().index(None)} has no text (null)")
+            raise DataError("{i} has no text (null)", i=Where(first_row + texts.to_pylist().index(None)))
         return table.append_column(self.column, tokenize(texts, self.tokenizer, progress=progress))
 
     def finish(self, rows: int) -> None:
@@ -1066,11 +1112,13 @@ class Input:
 
     def read(self, use):
         """``use(whole=False)``, and ``use(whole=True)`` where that read met :class:`JsonLinesChanged`: the one
-        place a chunked read falls back to the whole read."""
-        try:
-            return use(whole=False)
-        except JsonLinesChanged:
-            return use(whole=True)
+        place a chunked read falls back to the whole read. An error about a row names its line
+        (:func:`lines_named`)."""
+        with lines_named(self.path):
+            try:
+                return use(whole=False)
+            except JsonLinesChanged:
+                return use(whole=True)
 
     def _tokens(self, **kw) -> dict:
         return dict(column=self.column, text_column=self.text_column, tokenizer=self.tokenizer, chat=self.chat, **kw)
@@ -1130,6 +1178,10 @@ class Input:
 
     def lengths(self, *, progress: bool = False) -> Lengths:
         """The examples' lengths and loss targets (:func:`read_lengths`), a chunk at a time where the input allows."""
+        with lines_named(self.path):
+            return self._lengths(progress)
+
+    def _lengths(self, progress: bool) -> Lengths:
         targets = how = source = None
         if self.format == "npy":
             lengths, source = as_lengths(read_npy(self.path), name=self.where), f"{self.path.name} (lengths)"
@@ -1212,13 +1264,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
         return bundled_sample()
     inp = Input(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
     with held_still([inp.path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
-        try:
-            return inp.lengths(progress=progress)
-        except TypeError as exc:
-            moved = relocate_json_float(exc, inp.path)
-            if moved is None:
-                raise
-            raise moved from None
+        return inp.lengths(progress=progress)
 
 
 def read_npy(path) -> np.ndarray:

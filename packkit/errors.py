@@ -35,7 +35,7 @@ from __future__ import annotations
 import numbers
 import shlex
 
-__all__ = ["Arg", "arg", "check_int", "check_choice", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError",
+__all__ = ["Arg", "arg", "Where", "check_int", "check_choice", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError",
            "DataError", "MissingError", "OutputError"]
 
 
@@ -92,6 +92,34 @@ def arg(name: str, *values, metavar: str | None = None) -> Arg:
     return Arg(name, *values, metavar=metavar)
 
 
+class Where:
+    """The example or dataset row a message blames, as a field: ``Where(812)`` reads ``example 812``,
+    ``Where(812, row=True)`` ``dataset row 812``, and with the line the reader of the file knows
+    (:meth:`PackkitError.at_line`) ``example 812 (line 813 of 'd.jsonl')``. The number stays a number: nobody
+    parses a message to find it."""
+
+    __slots__ = ("number", "row", "line")
+
+    def __init__(self, number: int, *, row: bool = False, line: str | None = None):
+        self.number, self.row, self.line = int(number), row, line
+
+    def __str__(self) -> str:
+        return f"{'dataset row' if self.row else 'example'} {self.number}" + (f" ({self.line})" if self.line else "")
+
+    def __format__(self, spec: str) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"Where({self.number}{', row=True' if self.row else ''})"
+
+    def __reduce__(self):
+        return (_where, (self.number, self.row, self.line))
+
+
+def _where(number, row, line):
+    return Where(number, row=row, line=line)
+
+
 def _render(template: str, fields: dict, options) -> str:
     if not fields:
         return template
@@ -144,6 +172,19 @@ class PackkitError(Exception):
 
     def __reduce__(self):  # pickled across DataLoader workers and processes with its fields
         return (_rebuild, (type(self), self.template, self.fields))
+
+    @property
+    def where(self) -> Where | None:
+        """The example or row the message blames (its :class:`Where` field), or None."""
+        return next((v for v in self.fields.values() if isinstance(v, Where)), None)
+
+    def at_line(self, line: str) -> "PackkitError":
+        """The same error, its :class:`Where` naming ``line`` too (``"line 813 of 'd.jsonl'"``)."""
+        return self._again({k: Where(v.number, row=v.row, line=line) if isinstance(v, Where) else v
+                            for k, v in self.fields.items()})
+
+    def _again(self, fields: dict) -> "PackkitError":
+        return type(self)(self.template, **fields)
 
 
 def _rebuild(cls, template, fields):

@@ -62,7 +62,7 @@ from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_
 from .binpack import check_strategy, check_window, pack
 from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
-from .errors import ArgumentError, ArgumentTypeError, DataError, arg, check_choice, check_int
+from .errors import ArgumentError, ArgumentTypeError, DataError, Where, arg, check_choice, check_int
 from .examples import read_column
 from .integrations.trl import DPOLossHook  # TRL's private loss hook, config and metrics, in one place
 from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
@@ -622,10 +622,10 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
                 fix = (" (TRL's implicit-prompt format: extract it with trl.data_utils.extract_prompt)"
                        if key == "prompt" else "; a preference pair is 'prompt', 'chosen' and 'rejected', text or "
                        "conversations (or their tokenized prompt_ids, chosen_ids and rejected_ids)")
-                raise DataError(f"example {i} has no {key!r}{fix}")
+                raise DataError("{i} has no {key!r}{fix}", i=Where(i), key=key, fix=fix)
         prompt, chosen, rejected = ex["prompt"], ex["chosen"], ex["rejected"]
         if isinstance(prompt, str) != isinstance(chosen, str) or isinstance(chosen, str) != isinstance(rejected, str):
-            raise DataError(f"example {i}: 'prompt', 'chosen' and 'rejected' must all be text or all be conversations")
+            raise DataError("{i}: 'prompt', 'chosen' and 'rejected' must all be text or all be conversations", i=Where(i))
         kwargs = {}
         if not isinstance(prompt, str):
             tools = ex.get("tools")

@@ -41,7 +41,7 @@ import numbers
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, Where
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx
 
 __all__ = [
@@ -91,11 +91,15 @@ def location(i: int, rows=None) -> str:
     ``location(3) -> "example 3"``; ``location(3, rows=800) -> "dataset row 803"``;
     ``location(1, rows=[9, 4]) -> "dataset row 4"``.
     """
+    return str(where_of(i, rows))
+
+
+def where_of(i: int, rows=None) -> Where:
+    """:func:`location` as a message field (:class:`packkit.errors.Where`): ``where_of(3, rows=800)`` reads
+    ``dataset row 803``, and can name its line."""
     if rows is None:
-        return f"example {i}"
-    if isinstance(rows, numbers.Integral):
-        return f"dataset row {int(rows) + i}"
-    return f"dataset row {int(rows[i])}"
+        return Where(i)
+    return Where(int(rows) + i if isinstance(rows, numbers.Integral) else int(rows[i]), row=True)
 
 
 class _Located:
@@ -104,12 +108,19 @@ class _Located:
     can say where it is with :func:`relocate`. ``cls(message)`` alone works too (pickling, and
     PyTorch's DataLoader re-raising a worker's error)."""
 
-    def __init__(self, message: str, index: int | None = None, text: str | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, index: int | None = None, text: str | None = None, **fields):
+        super().__init__(message, **fields)
         self.index, self.text = index, text
 
     def __reduce__(self):  # pickled (Ray, DataLoader workers) with its location
-        return (type(self), (str(self), self.index, self.text))
+        return (_located_again, (type(self), self.template, self.index, self.text, self.fields))
+
+    def _again(self, fields: dict):
+        return _located_again(type(self), self.template, self.index, self.text, fields)
+
+
+def _located_again(cls, template, index, text, fields):
+    return cls(template, index, text, **fields)
 
 
 class ExampleValueError(_Located, DataError):
@@ -122,8 +133,10 @@ class ExampleTypeError(_Located, DataError, TypeError):
     ``TypeError``, and a :class:`packkit.errors.DataError` like every error about the data."""
 
 
-def located(cls, i: int, rows, text: str):
-    return cls(f"{location(i, rows)} {text}", i, text)
+def located(cls, i: int, rows, text: str, **facts):
+    """The error ``cls`` about example ``i`` (:func:`where_of`): ``"{where} " + text``, ``text`` as it is; ``facts``
+    ride along as fields (what a reader that knows more reads, never the message)."""
+    return cls("{where} " + text.replace("{", "{{").replace("}", "}}"), i, text, where=where_of(i, rows), **facts)
 
 
 def relocate(exc: Exception, rows) -> Exception:
@@ -144,7 +157,9 @@ def _value_text(v) -> str:
 
 
 def not_integer(i, rows, key: str, kind: str, v):
-    return located(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {RULES[kind]}")
+    """``has 1.5 (float) in 'input_ids'; token ids are ...``: the value, its column and rule kept as fields."""
+    return located(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {RULES[kind]}", value=v, key=key,
+                   kind=kind)
 
 
 def nested(i, rows, key: str, detail: str):

@@ -49,7 +49,7 @@ from .binpack import (DEFAULT_OVERFLOW, Plan, as_lengths, check_overflow, check_
 from .budget import Dealt, deal, loss_of, read_lengths_object
 from .cp_plan import check_cp_window, cp_multiples
 from .datafiles import Lengths
-from .errors import ArgumentError, DataError, Message, arg, check_int
+from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
 from .sampler import LengthGroupedSampler, batch_sums
@@ -494,10 +494,10 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     if dropped and (overflow == "error" or dropped == use.size):
         i = int(np.argmin(use))
         every = "" if overflow == "error" else f"every pair is longer than the window ({dropped:,} of them), so none is left to measure: "
-        raise DataError("{every}example {i} has {n:,} tokens as two sequences with their prompt (prompt {p:,} twice, "
+        raise DataError("{every}{i} has {n:,} tokens as two sequences with their prompt (prompt {p:,} twice, "
                         "chosen {c:,}, rejected {r:,}) > {window}; raise {w}" + (", or pass {drop} (left out, counted)"
                                                                                if overflow == "error" else ""),
-                        every=every, i=i, n=int(pairs_len[i]), p=int(p[i]), c=int(c[i]), r=int(r[i]),
+                        every=every, i=Where(i), n=int(pairs_len[i]), p=int(p[i]), c=int(c[i]), r=int(r[i]),
                         window=arg("window", window), w=arg("window"), drop=arg("overflow", "drop"))
     p, c, r = p[use], c[use], r[use]
     n = p.size

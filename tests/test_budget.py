@@ -420,16 +420,16 @@ def test_cli_txt_means_text_as_in_packkit_waste(tmp_path, capsys):
 
 @pytest.mark.parametrize("rows, error, match", [
     ([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"input_ids": [1, 2], "labels": [IGNORE]}],
-     ValueError, "dataset row 1 has 1 'labels' for 2 'input_ids'"),
+     ValueError, r"dataset row 1 \(line 2 of '[^']+'\) has 1 'labels' for 2 'input_ids'"),
     ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}, {"input_ids": [1, 2], "completion_mask": [0, 2]}],
-     ValueError, "dataset row 1 has 2 in the loss mask 'completion_mask'"),
-    ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1]}], ValueError, "dataset row 0 has 2 'completion_mask' for 3 'input_ids'"),
+     ValueError, r"dataset row 1 \(line 2 of '[^']+'\) has 2 in the loss mask 'completion_mask'"),
+    ([{"input_ids": [1, 2, 3], "completion_mask": [0, 1]}], ValueError, r"dataset row 0 \(line 1 of '[^']+'\) has 2 'completion_mask' for 3 'input_ids'"),
     ([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]}, {"input_ids": [1, 2], "labels": [IGNORE, -7]}],
-     ValueError, "dataset row 1 has label -7 in 'labels'"),
+     ValueError, r"dataset row 1 \(line 2 of '[^']+'\) has label -7 in 'labels'"),
 ])
 def test_loss_columns_are_checked(tmp_path, rows, error, match):
     """Before the fix, the jsonl reader did not check that labels are as long as input_ids (and counted any
-    non-zero mask value as loss)."""
+    non-zero mask value as loss). The reader names the row and its line."""
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(error, match=match):

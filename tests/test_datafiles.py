@@ -131,5 +131,5 @@ def test_a_long_line_of_integers_parses_on_threads_as_pyarrow_reads_it(tmp_path,
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line.replace(", 7,", ", 7.5,").replace(",7,", ",7.5,")
                     .replace(" ,\t7 ,", " ,\t7.5 ,"))
-    with pytest.raises(ValueError, match=r"dataset row 1 has 7.5 \(float\) in 'input_ids'"):
+    with pytest.raises(ValueError, match=r"dataset row 1 \(line 2 of '[^']+'\) has 7.5 \(float\) in 'input_ids'"):
         pio.read_lengths(path)

@@ -408,11 +408,13 @@ def test_list_chunks_of_sliced_chunked_columns():
 
 
 def test_jsonl_with_a_float_line_is_refused_by_waste(tmp_path):
+    """The reader names the row and its line itself, from Python too (the command line added the line by parsing
+    the message)."""
     from packkit.datafiles import read_lengths
 
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in [{"input_ids": [1, 2]}, {"input_ids": [3, 4.5]}]))
-    with pytest.raises(TypeError, match=r"dataset row 1 has 4.5 \(float\) in 'input_ids'"):
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"input_ids": [1, 2]}, {}, {"input_ids": [3, 4.5]}]))
+    with pytest.raises(TypeError, match=r"dataset row 2 \(line 3 of .*d.jsonl'\) has 4.5 \(float\) in 'input_ids'"):
         read_lengths(str(path))
 
 

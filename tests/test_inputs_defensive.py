@@ -263,7 +263,7 @@ def test_an_integral_float_is_blamed_on_its_own_line(tmp_path):
     for argv in (["waste", src, "-q"], ["plan", src], ["pack", src, tmp_path / "o.parquet", "-q"]):
         code, _, err = cli(argv)
         assert code == 3 and want in one_line(err), (argv, err)
-    with pytest.raises(ExampleTypeError, match=r"^dataset row 5 has 5.0 \(float\) in 'input_ids'"):
+    with pytest.raises(ExampleTypeError, match=r"^dataset row 5 \(line 7 of '[^']+'\) has 5.0 \(float\) in 'input_ids'"):
         read_lengths(src)
 
 

@@ -213,3 +213,21 @@ def test_collators_of_examples_refuse_packed_rows(name):
         coll(cds.__getitems__([1, 0]))
     batch = collate.PackedRowsCollator(window=4, loss_mask="none")(cds.__getitems__([0]))
     assert batch.position_ids.tolist() == [[0, 1, 0, 0]]
+
+
+def test_an_error_about_a_document_of_packed_rows_names_no_line(tmp_path, capsys):
+    """An example of packed JSON lines is a document, not a line: ``example 2`` is the second row's first document
+    here. The command line found ``example N`` in the message text and named line N + 1 (line 3, a row that
+    does not exist); the reader now reads the error's row as a number and names a line for a dataset row only."""
+    src = tmp_path / "packed.jsonl"
+    rows = [{"input_ids": [1, 2, 3, 4], "seq_lengths": [2, 2]}, {"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [5]},
+            {"input_ids": [1], "seq_lengths": [1]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "4", "--overflow", "error", "-q"]) == 3
+    err = capsys.readouterr().err
+    assert "example 2 has 5 tokens > --window 4" in err and "(line" not in err, err
+    bad = tmp_path / "bad.jsonl"  # a dataset row is a line, packed or not
+    bad.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps({"input_ids": [5, -6], "seq_lengths": [2]}) + "\n")
+    assert main(["pack", str(bad), str(tmp_path / "o.parquet"), "-w", "4", "-q"]) == 3
+    err = capsys.readouterr().err
+    assert f"dataset row 1 (line 3 of '{bad}') has token id -6" in err, err

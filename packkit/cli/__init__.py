@@ -139,65 +139,6 @@ def require(*modules: str) -> None:
             raise ModuleNotFoundError(f"No module named {m!r}", name=m)
 
 
-@contextlib.contextmanager
-def rows_as_lines(path):
-    """Inside, an error that names ``example N`` or ``dataset row N`` of a JSON lines ``path`` also names the
-    line holding it: ``dataset row 149999 (line 150,001 of 'data.jsonl') has ...`` (blank lines hold no
-    example)."""
-    try:
-        yield
-    except (ValueError, TypeError, KeyError) as exc:
-        from ..datafiles import relocate_json_float  # lazy: numpy and the readers, on the error path only
-
-        moved = relocate_json_float(exc, path)  # a float token blamed on row 0: the line that wrote a float
-        located = _with_line(moved or exc, path)
-        if located is None and moved is None:
-            raise
-        raise (located or moved) from exc
-
-
-def line_of_row(path, row: int) -> int | None:
-    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
-
-    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
-    """
-    k = -1
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                k += 1
-                if k == row:
-                    return lineno
-    return None
-
-
-def _with_line(exc: BaseException, path) -> BaseException | None:
-    from ..datafiles import input_format  # lazy: the error path only
-
-    if path is None or not os.path.isfile(path) or input_format(path) != "json":
-        return None
-    fields = exc.fields if isinstance(exc, PackkitError) else {}
-    text = exc.template if isinstance(exc, PackkitError) else str(exc.args[0] if exc.args else "")
-    # "example 12" / "dataset row 12" in the text, or "example {i}" in a template whose field i is 12
-    m = re.search(r"\b(?:example|dataset row) (?:(\d[\d,]*)|\{(\w+)(?::[^}]*)?\})(?! \(line)", text)
-    if not m:
-        return None
-    row = m.group(1).replace(",", "") if m.group(1) else fields.get(m.group(2))
-    if not isinstance(row, (int, str)) or not str(row).isdigit():
-        return None
-    with open(path, "rb") as f:
-        if f.read(1 << 12).lstrip()[:1] == b"[":  # one JSON list, not lines
-            return None
-    line = line_of_row(path, int(row))
-    if line is None:
-        return None
-    where = f" (line {line:,} of {str(path)!r})"
-    if fields:
-        where = where.replace("{", "{{").replace("}", "}}")
-    located = text[:m.end()] + where + text[m.end():]
-    return type(exc)(located, **fields) if isinstance(exc, PackkitError) else DataError(located)
-
-
 def options_of(parser: argparse.ArgumentParser, aliases: dict | None = None) -> dict:
     """``{argument name: (flag, takes_value[, negative flag])}`` of a parser's options, for
     ``packkit.errors.Arg.render``: the library's ``window`` is ``--window``; a ``--x/--no-x`` switch

@@ -30,10 +30,10 @@ import logging
 from pathlib import Path
 
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               require, rows_as_lines)
+               require)
 from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
-from ..datafiles import Input, reader_pyarrow
+from ..datafiles import Input, lines_named, reader_pyarrow
 from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
@@ -126,7 +126,7 @@ def _run(args, options) -> int:
         datasets.disable_progress_bars()
     src = inp.path
     # IN may not change while it is read (a truncated memory map is a SIGBUS): packkit.fileio.held_still
-    with held_still([src]) as hold, rows_as_lines(src):
+    with held_still([src]) as hold, lines_named(src):
         def plan(whole: bool):
             rows = inp.rows(whole=whole, progress=not quiet)
             source = ArrowSource.of(rows, stage_dir=out.parent if out.parent.is_dir() else None)

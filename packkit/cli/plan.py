@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               add_dealing_arguments, UsageError, rows_as_lines)
+               add_dealing_arguments, UsageError)
 from ..binpack import OVERFLOW_POLICIES, PLAN_BYTES_PER_ITEM, STRATEGIES, check_seed, check_window, memory_available
 from ..budget import AdviceOptions, plan_budget, synthetic_sft_lengths
-from ..datafiles import Lengths, read_lengths
+from ..datafiles import Lengths, lines_named, read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
 
 #: The library's argument names that this command spells otherwise.
@@ -72,11 +72,11 @@ def run(args, options=None) -> int:
         lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
         data = Lengths(lengths, f"{args.synthetic:,} synthetic examples", loss_lengths=loss)
     else:
-        with rows_as_lines(args.file):
+        with lines_named(args.file):
             data = read_lengths(args.file, column=args.column, text_column=args.text_column,
                                 tokenizer=args.tokenizer, split=args.split, chat=chat_options(args),
                                 progress=not (args.json or args.quiet))
-    with rows_as_lines(args.file):  # the advice is printed below, once, with the table: no warnings
+    with lines_named(args.file):  # the advice is printed below, once, with the table: no warnings
         advice = AdviceOptions(lora=args.lora, target_tokens_per_step=args.target_tokens, warn=False)
         report = plan_budget(data, per_device_batch=args.per_device_batch, accumulation_steps=args.accumulation_steps,
                              world_size=args.world_size, window=window, strategy=args.strategy,

@@ -18,9 +18,9 @@ import json
 import os
 from pathlib import Path
 
-from . import Parser, rows_as_lines
+from . import Parser
 from ..chat import chat_format
-from ..datafiles import Input, load_table, preference_columns, reader_pyarrow, table_chunks, tokenize_pairs
+from ..datafiles import Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks, tokenize_pairs
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
@@ -72,7 +72,7 @@ def _run(args, inp: Input) -> int:
     first = next(table_chunks(src, split=args.split), None)
     if first is not None and preference_columns(first.column_names) == ("prompt", "chosen", "rejected"):
         return _pairs(args, src, out, fmt)
-    with rows_as_lines(src):
+    with lines_named(src):
         if first is not None and args.text_column not in first.column_names and "input_ids" not in first.column_names:
             if chat_format(first.schema, format=inp.chat.format) is None:  # tokenize has no --column to name
                 raise MissingError("{src!r} holds no text column {text!r}, conversation or preference pair; the "
@@ -109,7 +109,7 @@ def _pairs(args, src: Path, out: Path, fmt) -> int:
     if args.tokenizer is None:
         raise ArgumentError("{src!r} holds preference pairs (prompt, chosen, rejected): pass {tok}", src=str(src),
                             tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
-    with rows_as_lines(src):
+    with lines_named(src):
         table = tokenize_pairs(load_table(src, split=args.split), args.tokenizer,
                                trust_remote_code=args.trust_remote_code)
     how = f"preference pairs with {os.path.basename(str(args.tokenizer).rstrip('/'))}, as TRL's DPOTrainer"

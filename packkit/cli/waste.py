@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               add_dealing_arguments, require, rows_as_lines)
+               add_dealing_arguments, require)
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
-from ..datafiles import read_lengths, read_preference_lengths
+from ..datafiles import lines_named, read_lengths, read_preference_lengths
 from ..errors import ArgumentError, arg
 from ..fileio import check_output
 from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
@@ -80,7 +80,7 @@ def run(args, options=None) -> int:
                                 plot=arg("plot"), got=args.plot)
         check_output(args.plot, inputs=[args.input] if args.input else [], overwrite=args.overwrite)
         require("matplotlib")
-    with rows_as_lines(args.input):
+    with lines_named(args.input):
         data = read_lengths(args.input, column=args.column, text_column=args.text_column,
                             tokenizer=args.tokenizer, split=args.split, progress=not args.quiet and not args.json,
                             chat=chat_options(args))
@@ -110,7 +110,7 @@ def _preference(args) -> int:
     overflow = "drop" if isinstance(args.overflow, _Default) else args.overflow  # a pair is never split
     if overflow not in PREFERENCE_OVERFLOW:  # refused before the file is read
         preference_waste([0], [1], [1], window=args.window, overflow=overflow)
-    with rows_as_lines(args.input):  # a pair is a row: its line too
+    with lines_named(args.input):  # a pair is a row: its line too
         prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split,
                                                                    tokenizer=args.tokenizer,
                                                                    trust_remote_code=args.trust_remote_code)
