@@ -42,9 +42,8 @@ import math
 
 import numpy as np
 
-from . import binpack
 from .balance import CostModel, step_figures
-from .binpack import (DEFAULT_OVERFLOW, Plan, as_lengths, check_overflow, check_window, overflow_note, pack,
+from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, check_overflow, check_window, overflow_note, pack,
                       stream_windows)
 from .budget import Dealt, deal, loss_of, read_lengths_object
 from .cp_plan import check_cp_window, cp_multiples
@@ -55,7 +54,7 @@ from .progress import progress_bar
 from .sampler import LengthGroupedSampler, batch_sums
 from .segments import lengths_to_offsets
 
-__all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "apply_overflow", "format_table",
+__all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "format_table",
            "plot_waste", "preference_waste", "format_preference_waste"]
 
 WASTE_STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
@@ -171,17 +170,11 @@ class WasteReport:
         return s.attention / self.baseline_attention if self.baseline_attention else 0.0
 
     def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if f.name not in ("lengths", "input_lengths", "strategies")}
         return {
-            "source": self.source, "unit": self.unit, "window": self.window, "batch_size": self.batch_size,
-            "windows_per_step": self.windows_per_step, "overflow": self.overflow,
-            "buffer_size": self.buffer_size, "seed": self.seed, "examples": self.examples,
-            "input_tokens": self.input_tokens, "cut_tokens": self.cut_tokens,
-            "overflow_examples": self.overflow_examples, "loss_tokens": self.loss_tokens,
-            "loss_tokens_assumed": self.loss_tokens_assumed, "loss_free_pieces": self.loss_free_pieces,
-            "dropped_pieces": self.dropped_pieces, "dropped_tokens": self.dropped_tokens,
-            "longest_example": None if self.input_lengths is None else int(self.input_lengths.max()),
-            "longest_piece": int(self.lengths.max()), "world_size": self.world_size, "balance": self.balance,
-            "cp_size": self.cp_size, "cp_layout": self.cp_layout,
+            **d, "longest_example": None if self.input_lengths is None else int(self.input_lengths.max()),
+            "longest_piece": int(self.lengths.max()),
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
                  "rows": s.rows, "steps": s.steps, "tokens_per_step": round(s.tokens_per_step, 2),
@@ -200,36 +193,16 @@ class WasteReport:
 # ----------------------------------------------------------------------------------------------
 
 
-def apply_overflow(lengths, *, window: int, overflow: str = DEFAULT_OVERFLOW):
-    """Lengths after the overflow policy, tokens cut, and how many examples were longer than ``window``.
-
-    ``apply_overflow([3, 9, 4], window=4, overflow="split") -> ([3, 4, 4, 1, 4], 0, 1)``
-    (the pieces of a split example follow each other). The policy is :func:`packkit.binpack.apply_overflow`'s.
-    """
-    lengths = as_lengths(lengths)
-    window = check_window(window)
-    check_overflow(overflow)
-    pieces = binpack.apply_overflow(lengths, window=window, overflow=overflow, in_order=True)
-    return pieces.length, pieces.cut_tokens, int(pieces.overflow_examples.size)
-
-
-def padded_rows(lengths: np.ndarray, batches: list[np.ndarray] | np.ndarray, batch_size: int | None = None):
-    """Padded length of every row, given batches (a list of index arrays, or one order cut every ``batch_size``).
+def padded_rows(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(padded length of every row, order)``: ``order`` cut every ``batch_size``, each batch padded to its longest.
 
     ``padded_rows(np.array([3, 1, 4, 1]), np.array([0, 1, 2, 3]), 2) -> [3, 3, 4, 4]``.
     """
-    if isinstance(batches, np.ndarray):
-        order = batches
-        starts = np.arange(0, order.size, batch_size)
-        sizes = np.diff(np.append(starts, order.size))
-    else:
-        order = np.concatenate(batches) if batches else np.zeros(0, np.int64)
-        sizes = np.array([len(b) for b in batches], np.int64)
-        starts = lengths_to_offsets(sizes)[:-1]
+    starts = np.arange(0, order.size, batch_size)
     if order.size == 0:
         return np.zeros(0, np.int64), order
     longest = np.maximum.reduceat(lengths[order], starts)
-    return np.repeat(longest, sizes), order
+    return np.repeat(longest, np.diff(np.append(starts, order.size))), order
 
 
 def loss_free(row_loss: np.ndarray, per_step: int) -> tuple[int, int]:
@@ -321,7 +294,7 @@ class _Pieces:
 
 
 def _pieces(data: Lengths, *, window: int, overflow: str, doc_multiple: int, drop_loss_free: bool) -> _Pieces:
-    pieces = binpack.apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
+    pieces = apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
     L = pieces.length
     # the loss tokens that train once packed: one count for waste, plan and pack
     loss = loss_of(data, pieces.example, pieces.start, L)
@@ -381,7 +354,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     strategies = tuple(strategies)
     unknown = [s for s in strategies if s not in WASTE_STRATEGIES]
     if unknown or not strategies:
-        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(WASTE_STRATEGIES)}")
+        raise ArgumentError("unknown strategies {bad}; choose from {choices}", bad=unknown,
+                            choices=arg("strategies", ",".join(WASTE_STRATEGIES)))
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
     p = _pieces(data, window=window, overflow=overflow, doc_multiple=doc_multiple, drop_loss_free=drop_loss_free)
     dealing = dict(accumulation_steps=1, world_size=check_int(world_size, "world_size"), balance=balance,

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from packkit.binpack import pack
+from packkit.binpack import apply_overflow, pack
 from packkit.datafiles import Lengths
 from packkit.sampler import PackedBatchSampler
-from packkit.waste import WASTE_STRATEGIES, apply_overflow, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
+from packkit.waste import WASTE_STRATEGIES, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
 
 
 def overflow_ref(lengths, window, overflow):
@@ -39,14 +39,16 @@ def overflow_ref(lengths, window, overflow):
 @example([40] * 3, 1, "split")  # all equal, every token its own piece
 @example([12, 12], 12, "drop")  # exactly the window: kept
 def test_apply_overflow(lengths, window, overflow):
-    got, cut, over = apply_overflow(lengths, window=window, overflow=overflow)
+    """The pieces every waste strategy packs or pads: the one overflow policy, pieces of an example in order."""
+    p = apply_overflow(np.array(lengths), window=window, overflow=overflow, in_order=True)
     ref, ref_cut = overflow_ref(lengths, window, overflow)
-    assert got.tolist() == ref and cut == ref_cut and over == sum(n > window for n in lengths)
+    assert p.length.tolist() == ref and p.cut_tokens == ref_cut
+    assert p.overflow_examples.size == sum(n > window for n in lengths)
 
 
 def test_apply_overflow_error_names_example():
     with pytest.raises(ValueError, match="example 1 has 9 tokens > window=4"):
-        apply_overflow([3, 9], window=4, overflow="error")
+        measure_waste([3, 9], window=4, overflow="error")
 
 
 def padded_ref(lengths, batches):
