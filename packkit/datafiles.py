@@ -1002,7 +1002,7 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
         yield table.slice(lo, TOKENIZE_ROWS)
 
 
-def _replay(first, rest, again):
+def replay(first, rest, again):
     """``make()``: its first call yields ``first`` then ``rest`` (a read begun by the caller, continued), a later
     call ``again()`` (the read from the start)."""
     pending = [first, rest]
@@ -1033,7 +1033,7 @@ def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "tex
                      where=where or repr(str(path)))
     if how is None:
         return None
-    tables = _replay(first, rest, chunks)
+    tables = replay(first, rest, chunks)
 
     def make():
         row = 0
@@ -1078,7 +1078,7 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
 class Rows:
     """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a ``datasets.Dataset``
     holding the token ids, memory-mapped), ``parquet`` (the path of a Parquet file holding them), ``make`` (a
-    chunk at a time: JSON lines parsed, text tokenized; :func:`_replay`) or ``table`` (read whole, tokenized).
+    chunk at a time: JSON lines parsed, text tokenized; :func:`replay`) or ``table`` (read whole, tokenized).
     ``how``: how the tokens were made (None: the rows held them); ``nbytes``: the input's size on disk."""
 
     path: Path
@@ -1131,7 +1131,7 @@ class Input:
             rest = json_tables(self.path)
             first = next(rest, None)
             if first is not None and self.column in first.column_names:  # token ids: parsed a chunk at a time
-                return _replay(first, rest, lambda: json_tables(self.path)), None
+                return replay(first, rest, lambda: json_tables(self.path)), None
         return tokenized_tables(self.path, split=self.split, where=self.where, **self._tokens())
 
     def table(self, *, progress: bool = False):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrow import pyarrow
-from .datafiles import parquet_batches, parquet_schema
+from .datafiles import parquet_batches, parquet_schema, replay
 from .errors import DataError
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
@@ -119,16 +118,10 @@ class ArrowSource:
         first = next(tables, None)
         if first is None:
             return None
-        pending = [first, tables]
+        again = replay(first, tables, make)
 
         def batches(columns):
-            if pending:
-                head, rest = pending
-                pending.clear()
-                chunks = itertools.chain([head], rest)
-            else:
-                chunks = make()
-            for table in prefetch(chunks):
+            for table in prefetch(again()):
                 for batch in table.select(list(columns)).to_batches():
                     yield batch, False
 
@@ -319,97 +312,132 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
         progress: a bar advanced by rows scanned, or None.
     """
     pa = pyarrow()
-    import pyarrow.compute as pc
-    import pyarrow.ipc as ipc
-
     columns = list(columns)
     kinds = dict(kinds or {}) or {c: "ids" if i == 0 else "other" for i, c in enumerate(columns)}
-    token = columns[0]
     types = {c: _list_value_type(source.schema.field(c).type, c) for c in columns}
+    _blame_floats(source, [c for c in columns if pa.types.is_floating(types[c])], kinds)
     regions: dict = {}
     parts = {c: [] for c in columns}  # per column: (region, starts) or ("staged", batch index)
     valid_parts = {c: [] for c in columns}
     length_parts: list = []
-    stage = None  # (path, file, writer) while staging
-    staged_batches: list = []  # the dataset row of every staged batch
-    floats = [c for c in columns if pa.types.is_floating(types[c])]
-    if floats:  # refused below at its first value; first look for the value to blame in any batch
-        row = 0
-        for batch, _ in source.batches(floats):
-            for c in floats:
-                check_float_culprit(batch.column(c), key=c, kind=kinds.get(c, "other"), rows=row)
-            row += batch.num_rows
-    row = 0
-    try:
+    row = staged_rows = 0
+    with _Stage(source, columns, types) as stage:
         for batch, is_view in source.batches(columns):
             if batch.num_rows == 0:
                 continue
-            lengths = None
-            for c in columns:
-                ((values, offsets, valid, _),) = list_chunks(batch.column(c), key=c, kind=kinds.get(c, "other"),
-                                                             rows=row)
-                if lengths is None:
-                    lengths = np.diff(offsets)
-                if check is not None:
-                    check(c, values, offsets, valid, row, lengths)
-                valid_parts[c].append(np.ones(batch.num_rows, bool) if valid is None else valid)
-            length_parts.append(lengths)
-            viewable = is_view and all(not pa.types.is_boolean(types[c]) for c in columns)
-            if viewable:
+            length_parts.append(_read_batch(batch, columns, kinds, check, row, valid_parts))
+            if is_view and all(not pa.types.is_boolean(types[c]) for c in columns):
                 for c in columns:
                     parts[c].append(_locate(regions, c, batch.column(c)))
             else:
-                if stage is None:
-                    with deferred():  # a signal waits until the new file is named in `stage` (then removed)
-                        stage = _open_stage(source, columns, types)
-                stage[2].write_batch(_stageable(batch, columns, types, pc))
+                k = stage.write(batch, row)
                 for c in columns:
-                    parts[c].append(("staged", len(staged_batches)))
-                staged_batches.append(row)
+                    parts[c].append(("staged", k))
             row += batch.num_rows
             if progress is not None:
                 progress.update(batch.num_rows)
-        staged_rows = 0
-        if stage is not None:
-            path, fh, writer = stage
-            writer.close()
-            fh.close()
-            try:
-                mapped = ipc.open_stream(pa.memory_map(str(path))).read_all()
-            finally:
-                with deferred(), contextlib.suppress(OSError):
-                    os.unlink(path)  # the map keeps the data; nothing is left on disk
-                stage = None
-            source.keep.append(mapped)
-            batches = mapped.to_batches()
-            if len(batches) != len(staged_batches):  # pragma: no cover - one write_batch, one batch
-                raise RuntimeError("the staging file does not hold the batches written to it")
+        if stage.open is not None:
+            batches = stage.mapped()
             for c in columns:
                 parts[c] = [_locate(regions, c, batches[p[1]].column(c)) if isinstance(p[0], str) else p
                             for p in parts[c]]
             staged_rows = sum(b.num_rows for b in batches)
-    except OSError as exc:
-        if stage is None:
-            raise
-        raise named_os_error(exc, f"{stage[0].parent} (staging {source.describe} there)") from exc
-    finally:
-        if stage is not None:  # an error or a signal while staging: remove the partial file
-            with deferred():
-                _close_stage(stage)
     lengths = np.concatenate(length_parts) if length_parts else np.zeros(0, np.int64)
-    out = {}
-    for c in columns:
-        reg = regions.get(c) or _Regions(_numpy_type(types.get(c)))
-        if not reg.views:
-            reg.views.append(np.zeros(0, reg.dtype))
-        region = np.concatenate([p[0] for p in parts[c]]) if parts[c] else np.zeros(0, np.int32)
-        starts = np.concatenate([p[1] for p in parts[c]]) if parts[c] else np.zeros(0, np.int64)
-        out[c] = FlatColumn(reg.views, region if len(reg.views) > 1 else None, starts)
+    out = {c: _flat_column(regions.get(c), parts[c], types.get(c)) for c in columns}
     for c in columns[1:]:
         valid = np.concatenate(valid_parts[c]) if valid_parts[c] else np.ones(0, bool)
         if not valid.all():
-            out[c] = _fill_nulls(out[c], ~valid, out[token], lengths, ones=kinds.get(c) == "mask")
+            out[c] = _fill_nulls(out[c], ~valid, out[columns[0]], lengths, ones=kinds.get(c) == "mask")
     return Scan(out, lengths, types, staged_rows)
+
+
+def _blame_floats(source: ArrowSource, floats: list, kinds: dict) -> None:
+    """Float columns are refused at their first value; first the value to blame is looked for in every batch
+    (:func:`packkit.listcolumns.check_float_culprit`: a ``2.5`` on row 900, not the ``1.0`` of row 0)."""
+    row = 0
+    for batch, _ in source.batches(floats) if floats else ():
+        for c in floats:
+            check_float_culprit(batch.column(c), key=c, kind=kinds.get(c, "other"), rows=row)
+        row += batch.num_rows
+
+
+def _read_batch(batch, columns: list, kinds: dict, check, row: int, valid_parts: dict) -> np.ndarray:
+    """One batch's columns read by the rules (:func:`packkit.listcolumns.list_chunks`, then ``check``), each
+    column's non-null mask kept in ``valid_parts``; the examples' lengths (the token column's)."""
+    lengths = None
+    for c in columns:
+        ((values, offsets, valid, _),) = list_chunks(batch.column(c), key=c, kind=kinds.get(c, "other"), rows=row)
+        if lengths is None:
+            lengths = np.diff(offsets)
+        if check is not None:
+            check(c, values, offsets, valid, row, lengths)
+        valid_parts[c].append(np.ones(batch.num_rows, bool) if valid is None else valid)
+    return lengths
+
+
+def _flat_column(reg, parts: list, vtype) -> FlatColumn:
+    """The :class:`~packkit.packer.FlatColumn` of one column's ``(region, starts)`` parts over its regions."""
+    reg = reg or _Regions(_numpy_type(vtype))
+    if not reg.views:
+        reg.views.append(np.zeros(0, reg.dtype))
+    region = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
+    starts = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+    return FlatColumn(reg.views, region if len(reg.views) > 1 else None, starts)
+
+
+class _Stage:
+    """The staging file of one scan (module docstring): opened at the first batch that is not a view, memory-mapped
+    back and unlinked when the scan ends (:meth:`mapped`), removed whatever happens (an error or a stop signal while
+    staging; a full disk included, its removal needs no space), an error of the system naming its folder."""
+
+    def __init__(self, source: ArrowSource, columns: list, types: dict):
+        self.source, self.columns, self.types = source, columns, types
+        self.open = None  # (path, file, writer) while staging
+        self.rows: list = []  # the dataset row of every staged batch
+
+    def write(self, batch, row: int) -> int:
+        """Stage ``batch`` (its first example is dataset row ``row``); its index among the staged batches."""
+        import pyarrow.compute as pc
+
+        if self.open is None:
+            with deferred():  # a signal waits until the new file is named in `open` (then removed)
+                self.open = _open_stage(self.source, self.columns, self.types)
+        self.open[2].write_batch(_stageable(batch, self.columns, self.types, pc))
+        self.rows.append(row)
+        return len(self.rows) - 1
+
+    def mapped(self) -> list:
+        """The staged batches, read back from the memory-mapped file, which is unlinked (the map keeps the data;
+        nothing is left on disk) and kept alive by the source."""
+        pa = pyarrow()
+        import pyarrow.ipc as ipc
+
+        path, fh, writer = self.open
+        writer.close()
+        fh.close()
+        try:
+            mapped = ipc.open_stream(pa.memory_map(str(path))).read_all()
+        finally:
+            with deferred(), contextlib.suppress(OSError):
+                os.unlink(path)
+            self.open = None
+        self.source.keep.append(mapped)
+        batches = mapped.to_batches()
+        if len(batches) != len(self.rows):  # pragma: no cover - one write_batch, one batch
+            raise RuntimeError("the staging file does not hold the batches written to it")
+        return batches
+
+    def __enter__(self) -> "_Stage":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        stage, self.open = self.open, None
+        if stage is None:
+            return
+        with deferred():
+            _close_stage(stage)
+        if isinstance(exc, OSError):
+            raise named_os_error(exc, f"{stage[0].parent} (staging {self.source.describe} there)") from exc
 
 
 def scan_documents(source: ArrowSource, found: Scan, *, progress=None) -> Scan:

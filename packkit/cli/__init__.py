@@ -45,7 +45,7 @@ import warnings
 from .. import __version__
 from ..binpack import DEFAULT_OVERFLOW  # noqa: F401 - the --overflow default of every command
 from ..cp_plan import LAYOUTS as CP_LAYOUTS
-from ..errors import ArgumentError, DataError, Message, OutputError, PackkitError
+from ..errors import ArgumentError, Message, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise
 
 SUBCOMMANDS = {
