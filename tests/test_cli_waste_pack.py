@@ -187,6 +187,8 @@ def test_pack_text_with_tokenizer_and_overflow_counts(files, tmp_path, capsys):
     (["waste", "{tmp}"], 3, "not a dataset saved with save_to_disk"),
     (["waste", "--strategies", "bfd,best"], 2, "unknown strategies ['best']; choose from --strategies"),
     (["waste", "--window", "x"], 2, "argument -w/--window: invalid int value: 'x' (see packkit waste --help)"),
+    (["waste", "--balance", "bogus"], 2, "--balance: invalid choice: 'bogus' (choose from none, tokens, sqlen, compute)"),
+    (["plan", "--synthetic", "9", "--ranks", "0"], 2, "--world-size must be at least 1, got 0"),
     (["pack", "{tmp}/t.jsonl", "{tmp}/o.parquet", "-w", "8"], 3, "pass --tokenizer tokenizer.json (or --tokenizer bytes)"),
     (["pack", "{tmp}/l.npy", "{tmp}/o.parquet", "-w", "8"], 3, "lengths only"),
     (["pack", "{tmp}/d.jsonl", "{tmp}/o.parquet", "-w", "2", "--overflow", "error"], 3,

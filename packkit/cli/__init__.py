@@ -92,7 +92,13 @@ def add_cp_arguments(parser: argparse.ArgumentParser, *, cp_help: str, layout_he
     parser.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS, help=layout_help)
 
 
+BALANCE_NAMES = ("none", "tokens", "sqlen", "compute")
+
+
 def _balance(value: str):
+    """``--balance``'s value as the samplers take it (``none`` is None)."""
+    if value not in BALANCE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(BALANCE_NAMES)})")
     return None if value == "none" else value
 
 
@@ -107,8 +113,7 @@ def add_dealing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-d", "--world-size", "--devices", "--ranks", type=int, default=1, dest="world_size",
                         metavar="N", help="data-parallel ranks (devices) the sampler deals each step to: the compute "
                                           "imbalance is across them (default 1)")
-    parser.add_argument("--balance", type=_balance, default=None, choices=(None, "tokens", "sqlen", "compute"),
-                        metavar="{none,tokens,sqlen,compute}",
+    parser.add_argument("--balance", type=_balance, default=None, metavar="{" + ",".join(BALANCE_NAMES) + "}",
                         help="the samplers' balance policy; the figures are those of the schedule it deals (default "
                              "none)")
 
