@@ -46,13 +46,15 @@ import torch
 
 from .batch import layer_types, text_config
 from .binpack import check_strategy, check_window, pack
+from .chat import tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, DataError, arg
 from .preference import SequenceBatch, varlen_recipe
 from .rules import as_lengths, check_values, example_values, location
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
-__all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes"]
+__all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
+           "turn_tokens"]
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
 _BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
@@ -586,3 +588,61 @@ def _assemble(tree: PrefixTree, packed, moved, new_of_old, dest, width) -> TreeB
         score_sequence=torch.from_numpy(tree.score_sample), num_tokens=torch.from_numpy(tree.num_tokens),
         token_values={k: torch.from_numpy(v) for k, v in tree.values.items()}, sequence_values={},
         layout="tree", num_real_tokens=tree.num_nodes, num_sample_tokens=tree.num_sample_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-turn chat: one sample per assistant turn, then their tree
+# ----------------------------------------------------------------------------------------------
+
+
+def turn_rows(conversations) -> tuple[list, np.ndarray]:
+    """Every assistant turn of every conversation as TRL's conversational prompt/completion row: the messages
+    before it (``prompt``) and the turn (``completion``), so that the chat template renders the history as it
+    renders it before that turn (Qwen3's drops the reasoning of earlier assistant turns, and keeps the last's).
+
+    ``turn_rows([[u1, a1, u2, a2]])`` -> rows ``{prompt: [u1], completion: [a1]}``, ``{prompt: [u1, a1, u2],
+    completion: [a2]}`` and their conversation ``[0, 0]``.
+    """
+    rows, conv = [], []
+    for i, messages in enumerate(conversations):
+        messages = list(messages)
+        turns = [t for t, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+        if not turns:
+            raise DataError(f"conversation {i} has no assistant message: nothing of it would be trained; drop it")
+        if turns[0] == 0:
+            raise DataError(f"conversation {i} starts with an assistant message: no prompt precedes it to train it "
+                            "on; drop that message or put the user's first")
+        rows += [{"prompt": messages[:t], "completion": [messages[t]]} for t in turns]
+        conv += [i] * len(turns)
+    return rows, np.asarray(conv, np.int64)
+
+
+def chat_tree(conversations, tokenizer, *, chat_template=None, values=None) -> PrefixTree:
+    """The prefix tree of multi-turn conversations trained turn by turn: :func:`turn_rows`, each rendered and
+    tokenized as TRL's SFTTrainer tokenizes a conversational prompt/completion row
+    (:func:`packkit.chat.tokenize_chat`: the loss on the completion, the turn), then :func:`build_tree` with one
+    group a conversation (each conversation a tree). Samples are in turn order, conversation after conversation.
+
+    ``conversations``: lists of ``{"role", "content"[, "reasoning_content"]}`` messages; ``tokenizer`` and
+    ``chat_template`` as in :func:`~packkit.chat.tokenize_chat` (the tokenizer's own template by default: pass
+    the model's real one, so that what it removes from earlier turns is removed here).
+    """
+    import pyarrow as pa  # lazy: only chat data needs Arrow
+
+    rows, conv = turn_rows(conversations)
+    table = tokenize_chat(pa.Table.from_pylist(rows), tokenizer, chat_template=chat_template)
+    ids = table.column("input_ids").combine_chunks()
+    mask = table.column("completion_mask").combine_chunks()
+    lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
+    return build_tree(ids.values.to_numpy(), lengths, loss_mask=mask.values.to_numpy(), groups=conv, values=values)
+
+
+def turn_tokens(conversations, tokenizer, *, chat_template=None) -> dict:
+    """What training ``conversations`` turn by turn forwards (:func:`chat_tree`): ``turn_tokens`` (every turn's
+    sample whole), ``tree_tokens`` (shared histories once: the trees' nodes) and their ``ratio``, with the counts
+    of ``conversations`` and ``turns``. What ``packkit waste FILE --turns`` prints."""
+    conversations = list(conversations)
+    tree = chat_tree(conversations, tokenizer, chat_template=chat_template)
+    return {"conversations": len(conversations), "turns": int(tree.sample_ptr.size - 1),
+            "turn_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
+            "ratio": tree.num_sample_tokens / tree.num_nodes}

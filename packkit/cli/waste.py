@@ -7,8 +7,8 @@ import json
 from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
                add_dealing_arguments, require)
 from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
-from ..datafiles import lines_named, read_lengths, read_preference_lengths
-from ..errors import ArgumentError, arg
+from ..datafiles import lines_named, load_table, read_lengths, read_preference_lengths
+from ..errors import ArgumentError, DataError, arg
 from ..fileio import check_output
 from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
                      plot_waste, preference_waste)
@@ -57,6 +57,10 @@ def parser() -> Parser:
                    help="preference pairs (prompt_ids, chosen_ids, rejected_ids; or prompt, chosen, rejected, "
                         "tokenized with --tokenizer): tokens per pair of TRL's layouts and of packkit's pairs and "
                         "shared-prompt trees")
+    p.add_argument("--turns", action="store_true",
+                   help="messages trained turn by turn (one sample an assistant turn, its history rendered by the "
+                        "chat template, as Qwen3's needs): tokens forwarded with every turn whole and with shared "
+                        "histories once (prefix trees)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return p
@@ -69,6 +73,8 @@ def run(args, options=None) -> int:
     check_seed(args.seed)
     if args.preference:
         return _preference(args)
+    if args.turns:
+        return _turns(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]  # measure_waste names a bad one
     if args.plot:
         if not args.plot.lower().endswith(".png"):
@@ -116,4 +122,28 @@ def _preference(args) -> int:
         print(json.dumps({"source": source, **report}))
     else:
         print(f"{source}\n{format_preference_waste(report)}")
+    return 0
+
+
+def _turns(args) -> int:
+    """``packkit waste FILE --turns --tokenizer TOK``: :func:`packkit.prefixtree.turn_tokens` of the file's
+    ``messages``."""
+    if args.input is None or args.tokenizer in (None, "bytes"):
+        raise ArgumentError("{turns} renders the conversations of FILE through a chat template: give FILE and "
+                            "{tok}", turns=arg("turns"), tok=arg("tokenizer", "PATH_OR_ID"))
+    from ..prefixtree import turn_tokens  # lazy: torch, only for --turns
+
+    with lines_named(args.input):  # a conversation is a row: its line too
+        table = load_table(args.input, split=args.split)
+        if "messages" not in table.column_names:
+            raise DataError(f"{args.input} has no 'messages' column (its columns: {table.column_names}): --turns "
+                            "reads conversations as lists of role/content messages")
+        report = turn_tokens(table.column("messages").to_pylist(), args.tokenizer, chat_template=args.chat_template)
+    if args.json:
+        print(json.dumps({"source": str(args.input), **report}))
+    else:
+        print(f"{args.input}: {report['conversations']:,} conversations, {report['turns']:,} assistant turns\n"
+              f"  tokens forwarded, every turn whole:        {report['turn_tokens']:,}\n"
+              f"  tokens forwarded, shared histories once:   {report['tree_tokens']:,} "
+              f"({report['ratio']:.2f}x fewer; prefix trees, packkit.prefixtree)")
     return 0

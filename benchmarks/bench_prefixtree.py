@@ -1,0 +1,185 @@
+"""Prefix trees: tokens forwarded with and without shared prefixes, and the tree's construction speed.
+
+On real structure (``benchmarks/data/sharegpt_qwen3_turns.npz``, ``make_turn_lengths.py``): every assistant turn
+of the ShareGPT conversations as its own sample, rendered through Qwen3's real chat template (earlier reasoning
+dropped) and tokenized with Qwen3's tokenizer; token ids are rebuilt with exactly that sharing (each sample's
+shared tokens copied from the earlier sample it shares them with, the rest fresh ids) and the tree is built
+from the ids alone, one conversation a tree (``groups=``). Figures:
+
+* multi-turn: tokens per turn (every sample whole, the baseline) against trie nodes (forwarded once each);
+  checked against the file's own count; target >= 2.7x;
+* RL groups: ``n`` completions of one prompt (n = 4, 8, 16), prompts and completions drawn (seeded) from the
+  same file's first-turn prompts and assistant replies; target >= 1.5x at n = 8;
+* speed: ``build_tree`` on the multi-turn ids in batches of ``--batch-tokens`` (CPU seconds,
+  ``time.process_time``), A/B alternated with the baseline a user would write: a dict trie, sample by sample,
+  token by token (on a ``--baseline-tokens`` share of the batch, scaled to tokens per second); target >= 5M
+  tokens/s on one core. The load average is printed beside every timing (2 cores shared by 8 engineers).
+
+Usage: ``python benchmarks/bench_prefixtree.py [--turns FILE] [--batch-tokens 4000000] [--rounds 3]``.
+Prints a table last, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import numpy as np
+
+from benchlib import emit_json, loadavg, verdict, versions
+
+from packkit.prefixtree import build_tree
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TURNS = os.path.join(HERE, "data", "sharegpt_qwen3_turns.npz")  # Qwen3's template: earlier reasoning dropped
+#: the same conversations through TRL's qwen3_training.jinja (every turn's think block kept: histories are prefixes)
+TRAINING_TURNS = os.path.join(HERE, "data", "sharegpt_qwen3_training_turns.npz")
+VOCAB = 151_643  # Qwen3's ordinary tokens
+
+
+def rebuild(data) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids with the file's sharing: sample ``s`` is ``ids(source[s])[:shared[s]]`` then fresh ids."""
+    lengths = data["length"].astype(np.int64)
+    shared, source = data["shared"].astype(np.int64), data["source"].astype(np.int64)
+    off = np.zeros(lengths.size + 1, np.int64)
+    off[1:] = np.cumsum(lengths)
+    ids = np.empty(int(off[-1]), np.int64)
+    fresh = lengths - shared
+    ids_fresh = np.arange(int(fresh.sum()), dtype=np.int64) % VOCAB + VOCAB  # never equal to a shared id by chance
+    f_off = np.zeros(lengths.size + 1, np.int64)
+    f_off[1:] = np.cumsum(fresh)
+    for s in range(lengths.size):  # sources come first: one copy a sample
+        a, m = off[s], shared[s]
+        if m:
+            ids[a:a + m] = ids[off[source[s]]:off[source[s]] + m]
+        ids[a + m:off[s + 1]] = ids_fresh[f_off[s]:f_off[s + 1]]
+    return ids, lengths
+
+
+def multi_turn(data) -> dict:
+    ids, lengths = rebuild(data)
+    loss = data["loss"].astype(np.int64)
+    mask = np.zeros(ids.size, np.int8)
+    ends = np.cumsum(lengths)
+    mask[np.concatenate([np.arange(e - n, e) for e, n in zip(ends, loss)])] = 1
+    tree = build_tree(ids, lengths, loss_mask=mask, groups=data["conversation"])
+    expected = int(lengths.sum() - data["shared"].astype(np.int64).sum())
+    assert tree.num_nodes == expected, (tree.num_nodes, expected)
+    return {"conversations": int(np.unique(data["conversation"]).size), "samples": int(lengths.size),
+            "turn_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
+            "ratio": tree.num_sample_tokens / tree.num_nodes, "ids": ids, "lengths": lengths,
+            "groups": data["conversation"].astype(np.int64)}
+
+
+def rl_groups(data, n: int, *, prompts: int, seed: int) -> dict:
+    """``prompts`` groups of ``n`` completions, lengths drawn from the file's first-turn prompts and replies."""
+    rng = np.random.default_rng(seed)
+    first = data["shared"] == 0
+    prompt_pool = (data["length"] - data["loss"])[first].astype(np.int64)
+    reply_pool = data["loss"].astype(np.int64)
+    p = rng.choice(prompt_pool, prompts)
+    c = rng.choice(reply_pool, (prompts, n))
+    lengths = (p[:, None] + c).reshape(-1)
+    ids = rng.integers(0, VOCAB, int(lengths.sum()))
+    off = np.concatenate([[0], np.cumsum(lengths)])
+    for g in range(prompts):  # the group's samples start with its first sample's prompt
+        a = off[g * n]
+        for j in range(1, n):
+            ids[off[g * n + j]:off[g * n + j] + p[g]] = ids[a:a + p[g]]
+    tree = build_tree(ids, lengths, groups=np.repeat(np.arange(prompts), n))
+    return {"n": n, "groups": prompts, "sample_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
+            "ratio": tree.num_sample_tokens / tree.num_nodes,
+            "formula": float((n * p + c.sum(1)).sum() / (p + c.sum(1)).sum())}
+
+
+def dict_trie(ids, lengths, groups) -> int:
+    """The baseline: insert every sample into a dict trie (one dict a node), token by token; nodes."""
+    roots, count, at = {}, 0, 0
+    ids = ids.tolist()
+    for s, n in enumerate(lengths.tolist()):
+        level = roots.setdefault(int(groups[s]), {})
+        for t in ids[at:at + n]:
+            nxt = level.get(t)
+            if nxt is None:
+                nxt = level[t] = {}
+                count += 1
+            level = nxt
+        at += n
+    return count
+
+
+def cpu(fn) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        t = time.process_time()
+        fn()
+        return time.process_time() - t
+    finally:
+        gc.enable()
+
+
+def speed(mt: dict, *, batch_tokens: int, baseline_tokens: int, rounds: int) -> dict:
+    """Tokens per CPU second of build_tree and of the dict trie, A/B alternated, on the first batch."""
+    lengths, ids, groups = mt["lengths"], mt["ids"], mt["groups"]
+    k = int(np.searchsorted(np.cumsum(lengths), batch_tokens)) + 1
+    kb = int(np.searchsorted(np.cumsum(lengths), baseline_tokens)) + 1
+    n_tok, b_tok = int(lengths[:k].sum()), int(lengths[:kb].sum())
+    ids_k, ids_b = ids[:n_tok], ids[:b_tok]
+    ours, base, loads = [], [], []
+    for r in range(rounds):
+        pair = [("ours", lambda: build_tree(ids_k, lengths[:k], groups=groups[:k])),
+                ("base", lambda: dict_trie(ids_b, lengths[:kb], groups[:kb]))]
+        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+            loads.append(loadavg())
+            (ours if name == "ours" else base).append((n_tok if name == "ours" else b_tok) / cpu(fn))
+    assert build_tree(ids_b, lengths[:kb], groups=groups[:kb]).num_nodes == dict_trie(ids_b, lengths[:kb], groups[:kb])
+    return {"batch_tokens": n_tok, "baseline_tokens": b_tok, "ours_tok_s": statistics.median(ours),
+            "ours_low": min(ours), "ours_high": max(ours), "base_tok_s": statistics.median(base),
+            "speedup": statistics.median([a / b for a, b in zip(ours, base)]), "load": statistics.median(loads)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", default=TURNS)
+    parser.add_argument("--training-turns", default=TRAINING_TURNS, help="the prefix-preserving template's file "
+                        "(multi-turn ratio only; skipped when absent)")
+    parser.add_argument("--batch-tokens", type=int, default=4_000_000)
+    parser.add_argument("--baseline-tokens", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+
+    data = dict(np.load(args.turns))
+    mt = multi_turn(data)
+    groups = [rl_groups(data, n, prompts=args.prompts, seed=n) for n in (4, 8, 16)]
+    sp = speed(mt, batch_tokens=args.batch_tokens, baseline_tokens=args.baseline_tokens, rounds=args.rounds)
+    training = multi_turn(dict(np.load(args.training_turns))) if os.path.exists(args.training_turns) else None
+    print(f"\nprefix trees on {os.path.basename(args.turns)} ({mt['conversations']:,} conversations, {mt['samples']:,} "
+          f"assistant turns); load {sp['load']:.1f}; {versions('numpy')}")
+    print(f"{'case':34s} {'tokens unshared':>16s} {'tokens forwarded':>17s}  ratio")
+    print(f"{'multi-turn, one sample a turn':34s} {mt['turn_tokens']:>16,} {mt['tree_tokens']:>17,}  "
+          f"{verdict(mt['ratio'], 2.7)}")
+    if training is not None:
+        print(f"{'  the same, qwen3_training.jinja':34s} {training['turn_tokens']:>16,} {training['tree_tokens']:>17,}  "
+              f"{verdict(training['ratio'], 2.7)}")
+    for g in groups:
+        target = f"{verdict(g['ratio'], 1.5)}" if g["n"] == 8 else f"{g['ratio']:.2f}x"
+        print(f"{'RL groups of ' + str(g['n']) + ' (' + format(g['groups'], ',') + ' prompts)':34s} "
+              f"{g['sample_tokens']:>16,} {g['tree_tokens']:>17,}  {target} (lengths alone: {g['formula']:.2f}x)")
+    print(f"build_tree: {sp['ours_tok_s'] / 1e6:.2f}M tokens/CPU s (range {sp['ours_low'] / 1e6:.2f}-"
+          f"{sp['ours_high'] / 1e6:.2f}M; {sp['batch_tokens']:,} tokens a batch) against the dict trie's "
+          f"{sp['base_tok_s'] / 1e6:.2f}M ({sp['baseline_tokens']:,} tokens): {sp['speedup']:.1f}x; "
+          f"target 5M: {'met' if sp['ours_tok_s'] >= 5e6 else 'MISSED'}; load {sp['load']:.1f}")
+    mt, training = ({k: v for k, v in x.items() if k not in ("ids", "lengths", "groups")} if x else None
+                    for x in (mt, training))
+    emit_json({"bench": "prefixtree", "multi_turn": mt, "multi_turn_training_template": training, "groups": groups, "speed": sp, **versions("numpy")},
+              args.json_out)
+
+
+if __name__ == "__main__":
+    main()
