@@ -47,9 +47,6 @@ __all__ = [
     "read_lengths",
     "reader_pyarrow",
     "table_chunks",
-    "tokenized_tables",
-    "tokenizing",
-    "tokens_table",
     "Tokenizing",
     "tokenize",
     "FORMATS",
@@ -860,7 +857,7 @@ def load_table(path, *, split: str | None = None):
 class Tokenizing:
     """How rows of one schema get their token column, decided and checked once, applied a chunk at a time.
 
-    Made by :func:`tokenizing`. ``encode(table, first_row)`` returns the chunk with its tokens: conversational
+    Made by :meth:`Input.tokenizing`. ``encode(table, first_row)`` returns the chunk with its tokens: conversational
     rows (TRL's ``messages``, ``conversations`` or ``prompt`` + ``completion``) become ``input_ids`` plus the
     loss mask TRL would train with (:func:`packkit.chat.chat_encoder`, its tokenizer loaded once); text gets
     ``column`` appended (list<int32>, :func:`tokenize`). Errors name the example by its row in the whole input
@@ -918,37 +915,6 @@ class Tokenizing:
         """The warnings that need every row (``rows`` of them): prompts that did not prefix their completion."""
         if self.chat is not None:
             self.chat.warn_diverged(rows)
-
-
-def tokenizing(schema, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-               chat: ChatOptions | None = None, where: str = "the data") -> Tokenizing | None:
-    """How rows of ``schema`` get their token column (:class:`Tokenizing`), or None when they hold ``column``;
-    conversational data without a chat tokenizer, text without ``tokenizer``, or neither text nor tokens is
-    the one-line error naming what to pass. ``chat``: :class:`packkit.chat.ChatOptions`."""
-    if column in schema.names:
-        return None
-    return Tokenizing(schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, where=where)
-
-
-def tokens_table(table, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-                 chat: ChatOptions | None = None, progress: bool = False, where: str = "the data"):
-    """``(table, how)``: ``table`` holding its token-id column, and how that column was made.
-
-    A table with ``column`` comes back as is (``how`` None). Conversational data (TRL's ``messages``,
-    ``conversations`` or ``prompt`` + ``completion`` columns) goes through ``tokenizer``'s chat template
-    (:func:`packkit.chat.tokenize_chat`, with ``chat``'s options): the table becomes ``input_ids`` plus the
-    loss mask TRL would train with. Text is tokenized into ``column`` (:class:`Tokenizing`, the whole table at
-    once; :func:`tokenized_tables` a chunk at a time).
-    """
-    how = tokenizing(table.schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, where=where)
-    if how is None:
-        typ = table.schema.field(column).type
-        if not (pyarrow().types.is_list(typ) or pyarrow().types.is_large_list(typ)):
-            raise TypeError(f"column {column!r} holds {typ}, not lists of token ids")
-        return table, None
-    out = how.encode(table, 0, progress=progress)
-    how.finish(table.num_rows)
-    return out, how.how
 
 
 #: Rows per chunk when an Arrow table (a memory-mapped file or folder) is tokenized a chunk at a time.
@@ -1015,35 +981,6 @@ def replay(first, rest, again):
         return itertools.chain([head], tail)
 
     return make
-
-
-def tokenized_tables(path, *, column: str = "input_ids", text_column: str = "text", tokenizer=None,
-                     chat: ChatOptions | None = None, split: str | None = None, where: str | None = None,
-                     block_size: int | None = None):
-    """``(make, how)``: ``make()`` yields the tables of ``path`` (:func:`table_chunks`) with their tokens
-    (:class:`Tokenizing`, decided from the first chunk and checked before any other is read), a chunk at a
-    time; ``how`` says how the tokens were made. None when ``path``'s rows hold ``column`` already or hold no
-    row. The first call of ``make`` continues the read begun here; a later call reads again."""
-    chunks = lambda: table_chunks(path, split=split, block_size=block_size or TOKENIZE_BLOCK_BYTES)  # noqa: E731
-    rest = chunks()
-    first = next(rest, None)
-    if first is None:
-        return None
-    how = tokenizing(first.schema, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat,
-                     where=where or repr(str(path)))
-    if how is None:
-        return None
-    tables = replay(first, rest, chunks)
-
-    def make():
-        row = 0
-        for table in tables():
-            if table.num_rows:
-                yield how.encode(table, row)
-                row += table.num_rows
-        how.finish(row)
-
-    return make, how.how
 
 
 def _chunk_lengths(tables, column: str, *, first_ok=None):
@@ -1120,25 +1057,59 @@ class Input:
             except JsonLinesChanged:
                 return use(whole=True)
 
-    def _tokens(self, **kw) -> dict:
-        return dict(column=self.column, text_column=self.text_column, tokenizer=self.tokenizer, chat=self.chat, **kw)
+    def tokenizing(self, schema) -> Tokenizing | None:
+        """How rows of ``schema`` get their token column (:class:`Tokenizing`), or None when they hold it;
+        conversational data without a chat tokenizer, text without a tokenizer, or neither text nor tokens is the
+        one-line error naming what to pass."""
+        if self.column in schema.names:
+            return None
+        return Tokenizing(schema, column=self.column, text_column=self.text_column, tokenizer=self.tokenizer,
+                          chat=self.chat, where=self.where)
 
     def chunks(self):
-        """``(make, how)``: ``make()`` yields the rows with their token column a bounded chunk at a time (JSON lines
-        of token ids parsed, text and conversations tokenized; ``how`` None when the rows held the tokens); None
-        where the rows are read as they are (a memory-mapped or Parquet file of token ids) or whole."""
+        """``(make, how)``: ``make()`` yields the rows with their token column a bounded chunk at a time
+        (:func:`table_chunks`; its first call continues the read begun here, a later one reads again): JSON lines of
+        token ids parsed (``how`` None), text and conversations tokenized (:class:`Tokenizing`, decided from the
+        first chunk and checked before any other is read; ``how`` says how). None where the rows are read as they
+        are (a memory-mapped or Parquet file of token ids) or whole, or hold no row."""
         if self.format == "json":
             rest = json_tables(self.path)
             first = next(rest, None)
             if first is not None and self.column in first.column_names:  # token ids: parsed a chunk at a time
                 return replay(first, rest, lambda: json_tables(self.path)), None
-        return tokenized_tables(self.path, split=self.split, where=self.where, **self._tokens())
+        again = lambda: table_chunks(self.path, split=self.split, block_size=TOKENIZE_BLOCK_BYTES)  # noqa: E731
+        rest = again()
+        first = next(rest, None)
+        how = None if first is None else self.tokenizing(first.schema)
+        if how is None:
+            return None
+        tables = replay(first, rest, again)
 
-    def table(self, *, progress: bool = False):
-        """``(table, how)``: the rows read whole (a folder or an Arrow file memory-mapped), with their tokens
-        (:func:`tokens_table`)."""
-        return tokens_table(load_table(self.path, split=self.split), progress=progress, where=self.where,
-                            **self._tokens())
+        def make():
+            row = 0
+            for table in tables():
+                if table.num_rows:
+                    yield how.encode(table, row)
+                    row += table.num_rows
+            how.finish(row)
+
+        return make, how.how
+
+    def table(self, *, progress: bool = False, table=None):
+        """``(table, how)``: the rows read whole (a folder or an Arrow file memory-mapped; ``table`` when given)
+        holding their token column, and how it was made (None: they held it). Conversational data (TRL's
+        ``messages``, ``conversations`` or ``prompt`` + ``completion``) goes through the tokenizer's chat template
+        and gets the loss mask TRL would train with; text is tokenized (:class:`Tokenizing`)."""
+        table = load_table(self.path, split=self.split) if table is None else table
+        how = self.tokenizing(table.schema)
+        if how is None:
+            typ = table.schema.field(self.column).type
+            if not (pyarrow().types.is_list(typ) or pyarrow().types.is_large_list(typ)):
+                raise TypeError(f"column {self.column!r} holds {typ}, not lists of token ids")
+            return table, None
+        out = how.encode(table, 0, progress=progress)
+        how.finish(table.num_rows)
+        return out, how.how
 
     def tokenized(self, *, whole: bool = False, progress: bool = False):
         """``(tables, how)``: the rows with their tokens, a chunk at a time (whole with ``whole``); ``how`` None when
@@ -1227,7 +1198,7 @@ class Input:
                 raise ValueError(f"column {col!r} has null lengths")
             lengths = as_lengths(table.column(col).to_numpy(), name=f"column {col!r}")
             return lengths, None, None, f"{name}, column {col!r} (lengths)"
-        table, how = tokens_table(table, progress=progress, where=self.where, **self._tokens())
+        table, how = self.table(progress=progress, table=table)
         key = col if col in table.column_names else "input_ids"
         # every rule the collators and `packkit pack` hold token ids to (packkit.rules): waste and plan measure
         # exactly what pack accepts
@@ -1254,7 +1225,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
 
     ``column`` may also name an integer column of lengths. Text is tokenized with ``tokenizer``
     (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
-    data goes through its chat template (:func:`tokens_table`; ``chat``: :class:`packkit.chat.ChatOptions`).
+    data goes through its chat template (:meth:`Input.table`; ``chat``: :class:`packkit.chat.ChatOptions`).
     The loss lengths come from ``labels`` or a loss mask when the data has one
     (:func:`packkit.listcolumns.loss_targets`). Packed rows (a ``seq_lengths`` or restarting ``position_ids``
     column, as ``packkit pack`` writes) are read as their documents (:func:`packkit.listcolumns.packed_segments`):
