@@ -408,6 +408,8 @@ class PackedBatch(dict):
         moved = {}
 
         def move(v):
+            if isinstance(v, dict):  # a mask per layer type (packkit.media.span_masks)
+                return {k: move(x) for k, x in v.items()}
             if not isinstance(v, torch.Tensor):
                 return v
             if id(v) not in moved:

@@ -56,8 +56,9 @@ import collections.abc
 import numpy as np
 import torch
 
-from .batch import PackedBatch
+from .batch import PackedBatch, text_config
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
+from .media import check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
 from .packer import gather_index
 from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
 from .segments import lengths_to_offsets
@@ -189,13 +190,19 @@ class VisionLanguageCollator:
                              "tokens apart from their features; use overflow='error' or 'drop', or raise window")
         if rope_index is not None and not callable(rope_index):
             raise TypeError(f"rope_index must be the model's get_rope_index (a callable), got {rope_index!r}")
-        self.collator, self.rope_index = collator, rope_index
-        self.vision = vision_spec(config, rope_index)
+        self.collator, self.rope_index, self.config = collator, rope_index, config
+        self.family = family_of(config)
+        if self.family is not None and rope_index is not None:
+            raise TypeError(f"rope_index is for mRoPE models; {self.family.name} takes position_ids as text models do: "
+                            "pass config=model.config alone")
+        self.vision = None if self.family is not None else vision_spec(config, rope_index)
 
     def __call__(self, examples) -> PackedBatch:
         if not isinstance(examples, collections.abc.Sequence) or isinstance(examples, collections.abc.Mapping):
             raise TypeError(f"VisionLanguageCollator takes a list of examples (dicts), got {type(examples).__name__}")
         examples = list(examples)
+        if self.family is not None:
+            return self._family_batch(examples)
         batch, index, dest, order = self._layout(examples)
         check_vision(examples, self.vision)
         positions = [example_positions(ex, rope_index=self.rope_index, where=i) for i, ex in enumerate(examples)]
@@ -203,6 +210,28 @@ class VisionLanguageCollator:
             mrope_position_ids(batch["position_ids"].numpy(), np.concatenate(positions, axis=1), index, dest))
         for key, value in _vision_inputs(examples, order).items():
             batch[key] = value
+        return batch
+
+    def _family_batch(self, examples) -> PackedBatch:
+        """A family of :data:`packkit.media.FAMILIES`: its token columns, its media in batch order, and for a
+        family whose own packed mask is wrong (Gemma 3's image spans), the mask of every layer type."""
+        family = self.family
+        if family.spans is not None:
+            impl = getattr(text_config(self.config), "_attn_implementation", None) or "sdpa"
+            if impl not in ("eager", "sdpa", "flex_attention"):
+                raise ValueError(f"{family.name}'s {family.spans} tokens attend both ways, which "
+                                 f"attn_implementation={impl!r} cannot express in a packed batch; load the model with "
+                                 "attn_implementation='sdpa', 'eager' or 'flex_attention' (never approximated)")
+        media = check_media(family, self.config, examples)
+        batch, index, dest, order = self._layout(examples)
+        for key, value in token_columns(family, examples, index, dest, tuple(batch.input_ids.shape)).items():
+            batch[key] = value
+        for key, value in media_inputs(family, media, order).items():
+            batch[key] = value
+        if family.own_mask and not isinstance(self.collator, PaddedCollator):
+            blocks = span_blocks(family.spans, batch["token_type_ids"], batch.seq_idx)
+            batch["attention_mask"] = span_masks(self.config, batch.seq_idx, blocks,
+                                                 window_bounds_spans=family.window_bounds_spans)
         return batch
 
     def _layout(self, examples):

@@ -24,7 +24,7 @@ FLOORS = [
     ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance", "integrations.trl"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # CP shards
-    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "cp"],
+    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "cp", "media"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],

@@ -1,0 +1,395 @@
+"""Multimodal families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, Qwen2-Audio) packed through
+``VisionLanguageCollator(collator, config=model.config)``, each on a tiny random model built from a config
+(float64, CPU): every document's logits equal those of the document run alone, changing one document's
+media leaves every other document's logits bit for bit, the media follow their documents after best-fit
+packing (checked by content), and the naive text collation is shown wrong for each family.
+
+Tolerances: 1e-10 under sdpa; transformers' eager attention takes its softmax in float32
+(``eager_attention_forward``'s ``dtype=torch.float32``), whose sums round differently over rows of different
+lengths, so eager agrees within 1e-6, the float32 level (the alone-vs-alone spread of that softmax).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeCollator  # noqa: E402
+from packkit.media import FAMILIES, allowed_mask, span_blocks  # noqa: E402
+from packkit.model_inputs import VisionLanguageCollator  # noqa: E402
+
+TOL = {"sdpa": 1e-10, "eager": 1e-6}
+IMG, BOI, EOI = 120, 121, 122
+TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+            pad_token_id=0)
+SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+              patch_size=2, num_channels=3)
+
+
+def build(family: str, impl: str = "sdpa"):
+    """``(model, make)``: a tiny random model of ``family`` and ``make(g, text, units)``, one example as its
+    processor gives it (``text`` text tokens, ``units`` images or audio clips)."""
+    t = transformers
+    if family == "gemma3":
+        config = t.Gemma3Config(text_config=dict(TEXT, **SLIDING), vision_config=SIGLIP, mm_tokens_per_image=4,
+                                image_token_index=IMG, boi_token_index=BOI, eoi_token_index=EOI)
+        cls, make = t.Gemma3ForConditionalGeneration, _gemma3_example
+    elif family == "paligemma":  # PaliGemma 2's Gemma 2 text: full and sliding layers, eager only
+        config = t.PaliGemmaConfig(text_config=dict(TEXT, model_type="gemma2", **SLIDING), projection_dim=32,
+                                   vision_config=dict(SIGLIP, model_type="siglip_vision_model"), image_token_index=IMG)
+        cls, make = t.PaliGemmaForConditionalGeneration, _paligemma_example
+    elif family in ("idefics3", "smolvlm"):
+        config_cls = t.Idefics3Config if family == "idefics3" else t.SmolVLMConfig
+        config = config_cls(text_config=dict(TEXT, model_type="llama"), scale_factor=2, image_token_id=IMG,
+                            vision_config=dict(SIGLIP, image_size=8, patch_size=2))
+        cls = t.Idefics3ForConditionalGeneration if family == "idefics3" else t.SmolVLMForConditionalGeneration
+        make = _idefics3_example
+    elif family == "internvl":
+        config = t.InternVLConfig(text_config=dict(TEXT, model_type="qwen2"), image_token_id=IMG, downsample_ratio=0.5,
+                                  vision_config=dict(SIGLIP, image_size=[8, 8], patch_size=[2, 2]))
+        cls, make = t.InternVLForConditionalGeneration, _internvl_example
+    else:
+        config = t.Qwen2AudioConfig(text_config=dict(TEXT, model_type="qwen2"), audio_token_id=IMG,
+                                    audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
+                                                      encoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8))
+        cls, make = t.Qwen2AudioForConditionalGeneration, _audio_example
+    torch.manual_seed(0)
+    model = cls._from_config(config, attn_implementation=impl, dtype=torch.float64).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("mm_input_projection_weight"):  # Gemma 3 starts it at zero: images would not count
+            torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(1))
+    return model, lambda g, text, units: make(model.config, g, text, units)
+
+
+def _words(g, n):
+    return torch.randint(1, 100, (n,), generator=g).tolist()
+
+
+def _pixels(g, units, size=8):
+    return torch.randn(units, 3, size, size, generator=g, dtype=torch.float64)
+
+
+def _gemma3_example(config, g, text, units):
+    ids = _words(g, text)
+    for _ in range(units):
+        ids += [BOI] + [IMG] * config.mm_tokens_per_image + [EOI] + _words(g, 3)
+    ex = {"input_ids": ids, "token_type_ids": [int(x == IMG) for x in ids]}
+    return dict(ex, pixel_values=_pixels(g, units)) if units else ex
+
+
+def _paligemma_example(config, g, text, units):
+    prefix = [IMG] * (config.text_config.num_image_tokens * units) + _words(g, text)
+    suffix = _words(g, 4)
+    ex = {"input_ids": prefix + suffix, "token_type_ids": [0] * len(prefix) + [1] * len(suffix)}
+    return dict(ex, pixel_values=_pixels(g, units)) if units else ex
+
+
+def _idefics3_example(config, g, text, units):
+    ids = _words(g, text)
+    for _ in range(units):
+        ids += [BOI] + [IMG] * 4 + [BOI] + _words(g, 2)
+    if not units:
+        return {"input_ids": ids}
+    return {"input_ids": ids, "pixel_values": _pixels(g, units)[None],  # (1, images, C, H, W), as the processor
+            "pixel_attention_mask": torch.ones(1, units, 8, 8, dtype=torch.bool)}
+
+
+def _internvl_example(config, g, text, units):
+    ids = _words(g, text)
+    for _ in range(units):
+        ids += [BOI] + [IMG] * 4 + [EOI] + _words(g, 2)
+    return dict({"input_ids": ids}, pixel_values=_pixels(g, units)) if units else {"input_ids": ids}
+
+
+def _audio_example(config, g, text, units):
+    frames = torch.randint(6, 17, (units,), generator=g)  # real frames of each clip, padded to 16
+    ids = _words(g, text)
+    for n in frames.tolist():
+        ids += [BOI] + [IMG] * ((((n - 1) // 2 + 1) - 2) // 2 + 1) + [EOI] + _words(g, 2)
+    if not units:
+        return {"input_ids": ids}
+    mask = (torch.arange(16)[None] < frames[:, None]).to(torch.int64)
+    return {"input_ids": ids, "input_features": torch.randn(units, 8, 16, generator=g, dtype=torch.float64) * mask[:, None],
+            "feature_attention_mask": mask}
+
+
+def alone_inputs(ex):
+    """One example as a batch of one, as its processor returns it."""
+    out = {}
+    for key, value in ex.items():
+        v = torch.as_tensor(value)
+        out[key] = v[None] if key in ("input_ids", "token_type_ids") else v
+    return out
+
+
+def logits(model, inputs):
+    with torch.no_grad():
+        return model(**{**inputs, "use_cache": False}).logits
+
+
+def documents(batch, examples):
+    """``(flat start, example)`` of every document of the batch, in batch order (its tokens tell which:
+    every example here has tokens of its own)."""
+    cu, ids = batch.cu_seqlens.tolist(), batch.input_ids.reshape(-1).tolist()
+    out = []
+    for a, b in zip(cu, cu[1:]):
+        match = [i for i, ex in enumerate(examples) if list(ex["input_ids"]) == ids[a:b]]
+        if match:
+            out.append((a, match[0]))
+    return out
+
+
+#: every family once under ``make test``; a second attention implementation under ``-m slow``
+FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"),
+                ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"),
+                pytest.param(("internvl", "eager"), marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=FAMILY_IMPLS, ids=lambda p: f"{p[0]}-{p[1]}")
+def case(request):
+    family, impl = request.param
+    model, make = build(family, impl)
+    g = torch.Generator().manual_seed(3)
+    examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2), make(g, 4, 1), make(g, 6, 0)]
+    alone = [logits(model, alone_inputs(ex))[0] for ex in examples]
+    return family, impl, model, examples, alone
+
+
+def check(model, batch, examples, alone, tol):
+    """Every document's logits against its example's alone; returns the examples in batch order."""
+    out = logits(model, batch)
+    flat = out.reshape(-1, out.shape[-1])
+    docs = documents(batch, examples)
+    diff = max((flat[a:a + len(examples[i]["input_ids"])] - alone[i]).abs().max().item() for a, i in docs)
+    print(f"logits max abs diff {diff:.3e}")
+    assert diff < tol and sorted(i for _, i in docs) == list(range(len(examples)))
+    return [i for _, i in docs], flat
+
+
+def test_padding_free_equals_each_document_alone(case):
+    family, impl, model, examples, alone = case
+    batch = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)(examples)
+    check(model, batch, examples, alone, TOL[impl])
+
+
+def test_fixed_windows_media_follow_their_documents(case):
+    """Best-fit packing moves documents; each document's media are found, by content, where the model
+    reads them: concatenated in the order the batch holds the documents."""
+    family, impl, model, examples, alone = case
+    batch = VisionLanguageCollator(FixedWindowCollator(window=40, num_windows=3, loss_mask="none"), config=model.config)(examples)
+    order, _ = check(model, batch, examples, alone, TOL[impl])
+    assert order != sorted(order)
+    key = "input_features" if family == "qwen2_audio" else "pixel_values"
+    got = batch[key][0] if FAMILIES[family].batch_axis else batch[key]
+    want = [torch.as_tensor(examples[i][key]).reshape(-1, *got.shape[1:]) for i in order if key in examples[i]]
+    assert torch.equal(got, torch.cat(want))
+
+
+def test_one_documents_media_changed_leaves_the_others_exactly(case):
+    family, impl, model, examples, alone = case
+    collate = VisionLanguageCollator(FixedWindowCollator(window=40, num_windows=3, loss_mask="none"), config=model.config)
+    key = "input_features" if family == "qwen2_audio" else "pixel_values"
+    changed = [dict(ex) for ex in examples]
+    media = torch.as_tensor(examples[2][key])
+    changed[2][key] = media + torch.randn(media.shape, generator=torch.Generator().manual_seed(9), dtype=media.dtype)
+    before, after = collate(examples), collate(changed)
+    out_before, out_after = logits(model, before), logits(model, after)
+    flat_b, flat_a = out_before.reshape(-1, out_before.shape[-1]), out_after.reshape(-1, out_after.shape[-1])
+    for a, i in documents(before, examples):
+        n = len(examples[i]["input_ids"])
+        same = torch.equal(flat_b[a:a + n], flat_a[a:a + n])
+        assert same != (i == 2), f"example {i}"
+
+
+def test_padded_fallback_equals_each_document_alone(case):
+    family, impl, model, examples, alone = case
+    if (family, impl) == ("gemma3", "eager"):
+        pytest.skip("transformers 5.24's Gemma 3 eager attention gives NaN on a right-padded row in float64 (its "
+                    "float32 softmax turns the float64 minimum into -inf; float32 is fine): no packing involved")
+    batch = VisionLanguageCollator(PaddedCollator(loss_mask="none"), config=model.config)(examples)
+    out = logits(model, batch)
+    diff = max((out[r, :len(ex["input_ids"])] - alone[r]).abs().max().item() for r, ex in enumerate(examples))
+    print(f"padded logits max abs diff {diff:.3e}")
+    assert diff < TOL[impl]
+
+
+def naive_batch(family, model, examples):
+    """What a text collator gives (input_ids, labels, position_ids reset per document), with the media
+    concatenated as a user would: for Gemma 3 and PaliGemma its token_type_ids laid out too."""
+    text = [{"input_ids": ex["input_ids"]} for ex in examples]
+    batch = dict(PaddingFreeCollator(loss_mask="none")(text))
+    spec = FAMILIES[family]
+    for key, _ in spec.media:
+        parts = [torch.as_tensor(ex[key]).reshape(-1, *torch.as_tensor(ex[key]).shape[-(_ + 1) + 1:])
+                 for ex in examples if key in ex]
+        batch[key] = torch.cat(parts)[None] if spec.batch_axis else torch.cat(parts)
+    if spec.token_keys:
+        batch["token_type_ids"] = torch.tensor([sum((list(ex["token_type_ids"]) for ex in examples), [])])
+    return batch
+
+
+@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+def test_naive_collation_is_wrong(family):
+    """Gemma 3 given the text batch and its token_type_ids (transformers 5.24 composes the mask itself):
+    its sliding layers read each image span at the token's position, not its index, so every document after
+    the first attends wrongly inside itself; PaliGemma without token_type_ids (a text collator drops them)
+    loses its prefix span."""
+    model, make = build(family, "eager" if family == "paligemma" else "sdpa")
+    g = torch.Generator().manual_seed(3)
+    examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2)]
+    alone = [logits(model, alone_inputs(ex))[0] for ex in examples]
+    batch = naive_batch(family, model, examples)
+    if family == "paligemma":
+        del batch["token_type_ids"]
+    out = logits(model, batch)[0]
+    starts = np.cumsum([0] + [len(ex["input_ids"]) for ex in examples])
+    diffs = [(out[a:a + len(ex["input_ids"])] - al).abs().max().item() for a, ex, al in zip(starts, examples, alone)]
+    print(f"{family} naive: per-document max abs diff {diffs}")
+    assert max(diffs) > 1e-3
+
+
+def test_span_blocks_and_mask_against_a_loop():
+    """The composition (document, causal, span, window) against a per-pair loop."""
+    rng = np.random.default_rng(0)
+    tt = torch.from_numpy(rng.integers(0, 2, (2, 23)))
+    seg = torch.from_numpy(np.sort(rng.integers(0, 4, (2, 23)), axis=1))
+    tt[seg != torch.roll(seg, 1, 1)] = 0  # a document starts with text
+    for spans in ("image", "prefix"):
+        blk = span_blocks(spans, tt, seg)
+        for window, bounds in ((None, True), (3, True), (3, False)):
+            got = allowed_mask(seg, blk, window=window, window_bounds_spans=bounds)
+            for b in range(2):
+                for q in range(23):
+                    for k in range(23):
+                        near = window is None or q - k < window
+                        span = blk[b, q] >= 0 and blk[b, q] == blk[b, k] and (near or not bounds)
+                        want = seg[b, q] == seg[b, k] and ((k <= q and near) or span)
+                        assert bool(got[b, q, k]) == bool(want), (spans, window, bounds, b, q, k)
+
+
+def test_media_in_example_order_give_documents_each_others_media(case):
+    """The naive way for every family: a text packer's batch (best fit moves documents) with the media
+    concatenated in the examples' order, as a collator that does not follow the packer gives them: documents
+    take each other's images or audio, silently (the model checks only the batch's totals)."""
+    family, impl, model, examples, alone = case
+    packer = FixedWindowCollator(window=40, num_windows=3, loss_mask="none")
+    batch = VisionLanguageCollator(packer, config=model.config)(examples)
+    naive = dict(batch)
+    for key, dims in FAMILIES[family].media:
+        parts = [torch.as_tensor(ex[key]).reshape(-1, *torch.as_tensor(ex[key]).shape[-dims:]) for ex in examples
+                 if key in ex]
+        naive[key] = torch.cat(parts)[None] if FAMILIES[family].batch_axis else torch.cat(parts)
+    out = logits(model, naive)
+    flat = out.reshape(-1, out.shape[-1])
+    diff = max((flat[a:a + len(examples[i]["input_ids"])] - alone[i]).abs().max().item()
+               for a, i in documents(batch, examples))
+    print(f"{family}, media in example order: logits max abs diff {diff:.3e}")
+    assert diff > 1e-3
+
+
+def test_errors_name_the_example_and_the_fix(case):
+    family, impl, model, examples, alone = case
+    collate = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)
+    key = FAMILIES[family].media[0][0]
+    short = dict(examples[2], input_ids=[5] + list(examples[2]["input_ids"]))
+    short["input_ids"].remove(IMG)
+    if "token_type_ids" in short:
+        short["token_type_ids"] = list(short["token_type_ids"])
+    with pytest.raises(ValueError, match=r"^example 1 has \d+ placeholder tokens \(id 120\) in 'input_ids' for 2 "
+                                         r"media units, which .* turns into \d+ features; keep the text and the media"):
+        collate([examples[0], short])
+    lost = {k: v for k, v in examples[0].items() if k != key}
+    with pytest.raises(ValueError, match=r"^example 1 has (\d+ placeholder tokens|'\w+' but no '\w+')"):
+        collate([examples[1], lost])
+    with pytest.raises(TypeError, match=r"rope_index is for mRoPE models; .* pass config=model.config alone"):
+        VisionLanguageCollator(PaddingFreeCollator(), config=model.config, rope_index=lambda **kw: None)
+
+
+def test_gemma3_refuses_flash_attention_and_unmarked_images():
+    model, make = build("gemma3", "sdpa")
+    g = torch.Generator().manual_seed(3)
+    ex = make(g, 3, 1)
+    collate = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)
+    with pytest.raises(ValueError, match=r"^example 0 has no 'token_type_ids', which mark the image tokens"):
+        collate([{k: v for k, v in ex.items() if k != "token_type_ids"}])
+    with pytest.raises(ValueError, match=r"^example 0 has 'token_type_ids' that do not mark exactly its image"):
+        collate([dict(ex, token_type_ids=[0] * len(ex["input_ids"]))])
+    model.config.get_text_config()._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"Gemma 3's image tokens attend both ways, which "
+                                         r"attn_implementation='flash_attention_2' cannot express .*never approximated"):
+        collate([ex])
+
+
+def test_flex_block_mask_is_the_same_mask():
+    """The flex view: the BlockMask's mask_mod, materialised, is the eager/sdpa mask exactly, and
+    FlexAttention with it equals SDPA with the bool mask (float32: flex on the CPU takes no float64).
+    transformers' flex path compiles flex_attention, which fails to build on this CPU (torch 2.13 inductor),
+    so the model-level flex check runs where a GPU is lent."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from packkit.media import span_masks
+
+    model, make = build("gemma3", "sdpa")
+    g = torch.Generator().manual_seed(3)
+    examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2)]
+    batch = VisionLanguageCollator(FixedWindowCollator(window=48, num_windows=2, loss_mask="none"),
+                                   config=model.config)(examples)
+    config = model.config.get_text_config()
+    blocks = span_blocks("image", batch["token_type_ids"], batch.seq_idx)
+    config._attn_implementation = "flex_attention"
+    try:
+        masks = span_masks(model.config, batch.seq_idx, blocks)
+    finally:
+        config._attn_implementation = "sdpa"
+    q, k, v = torch.randn(3, 2, 2, 48, 8, generator=g).unbind(0)
+    for kind, dense in batch["attention_mask"].items():
+        block = masks[kind]
+        got = flex.create_mask(block.mask_mod, 2, None, 48, 48, device="cpu")
+        assert torch.equal(got, dense.expand(2, 1, 48, 48))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        diff = (flex.flex_attention(q, k, v, block_mask=block) - want).abs().max().item()
+        print(f"{kind}: flex against sdpa max abs diff {diff:.1e}")
+        assert diff < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_docs_block_trains_as_pasted(family, tmp_path, monkeypatch):
+    """docs/vl.md's block, as pasted, trains a tiny Gemma 3 (its mask per layer type moved by Trainer with the
+    batch) and a tiny Idefics3 with transformers.Trainer's default arguments: finite losses, 2 steps; and its
+    first batch's loss equals the sum of each document's loss alone over all their loss tokens."""
+    from pathlib import Path
+
+    from test_readme import page_blocks
+
+    monkeypatch.chdir(tmp_path)
+    model, make = build(family, "sdpa")
+    model.float().train()
+    g = torch.Generator().manual_seed(5)
+    dataset = []
+    for i in range(16):
+        ex = make(g, 3 + i % 5, i % 3)
+        ids = list(ex["input_ids"])
+        ex["labels"] = [-100 if x >= IMG else x for x in ids]
+        dataset.append({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in ex.items()})
+    code = [c for page in ["docs/vl.md"] for h, lang, i, c in page_blocks(page) if h == "More model families"]
+    assert len(code) == 1 and (Path(__file__).resolve().parents[1] / "docs/vl.md").exists()
+    scope = {"model": model, "dataset": dataset}
+    exec(compile(code[0], "docs/vl.md More model families block 0", "exec"), scope)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 3 * 2  # 3 epochs of 16 examples, 8 a step
+    assert all(np.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+    model.eval()
+    batch = scope["collate"](dataset[:8])
+    with torch.no_grad():
+        packed = model(**batch).loss * batch.num_loss_tokens
+        alone = 0.0
+        for ex in dataset[:8]:
+            inputs = alone_inputs({k: v for k, v in ex.items() if k != "labels"})
+            labels = torch.tensor([ex["labels"]])
+            out = model(**inputs, labels=labels, use_cache=False)
+            alone += out.loss * (labels[0, 1:] != -100).sum()
+    print(f"{family}: summed loss packed {packed.item():.6f}, alone {alone.item():.6f}")
+    assert torch.allclose(packed, alone, rtol=1e-5)
