@@ -38,7 +38,9 @@ with bottom-right causal alignment: flash-attn >= 2.1's ``causal=True`` when ``s
 Log-probabilities: :func:`sequence_logps` reads every scored token from the logits that predict it
 (``score_source``; in the tree the first token of every continuation reads the prompt's last token), and
 returns per sequence, in group order, the sum and mean of its completion tokens' log-probabilities,
-exactly what the unpacked sequence gives (float64: within 1e-10). :func:`dpo_loss` is TRL's sigmoid DPO
+exactly what the unpacked sequence gives (float64: within 1e-10), in tiles (:mod:`packkit.logps`: no
+``[tokens, vocab]`` log-softmax); :func:`forward_logps` runs the model with its LM head fused into them, so
+that the logits are never made (what TRL's trainers do unpacked). :func:`dpo_loss` is TRL's sigmoid DPO
 loss on them.
 
 Collators: :class:`PreferenceCollator` takes TRL's preference format (``prompt`` / ``chosen`` /
@@ -53,7 +55,6 @@ found ranks starved when a micro-batch held fewer groups than ranks).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import torch
@@ -65,11 +66,13 @@ from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, ArgumentTypeError, DataError, Where, arg, check_choice, check_int
 from .examples import read_column
 from .integrations.trl import DPOLossHook  # TRL's private loss hook, config and metrics, in one place
+from .logps import logits_logps, scored_logps, segment_sums
 from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
 from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
                        range_index)
 
 __all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
+           "forward_logps",
            "dpo_loss",
            "PreferenceCollator", "GroupCollator", "tokenize_preference", "shard_groups", "tree_tokens"]
 
@@ -479,12 +482,22 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
 @dataclasses.dataclass(frozen=True)
 class SequenceLogps:
     """Per sequence, in group order: ``sum`` and ``mean`` ``[N]`` of the completion tokens' log-probabilities
-    (float32, or the logits' dtype when wider), ``num_tokens`` int64 ``[N]``. For pairs (two sequences a
-    group), ``chosen`` / ``rejected`` are the sums and ``chosen_mean`` / ``rejected_mean`` the means ``[P]``."""
+    (float32, or the logits' dtype when wider), ``num_tokens`` int64 ``[N]``; ``tokens`` ``[M]``, every scored
+    token's, in the batch's scoring order (``batch.score_sequence`` names each one's sequence). For pairs (two
+    sequences a group), ``chosen`` / ``rejected`` are the sums and ``chosen_mean`` / ``rejected_mean`` the means
+    ``[P]``."""
 
     sum: torch.Tensor
     mean: torch.Tensor
     num_tokens: torch.Tensor
+    tokens: torch.Tensor | None = None
+
+    @classmethod
+    def of_tokens(cls, per_token: torch.Tensor, batch: "SequenceBatch") -> "SequenceLogps":
+        """Summed per sequence (:func:`packkit.logps.segment_sums`)."""
+        total = segment_sums(per_token, batch.score_sequence, batch.num_sequences)
+        count = batch.num_tokens.to(total.device)
+        return cls(sum=total, mean=total / count.clamp(min=1).to(total.dtype), num_tokens=count, tokens=per_token)
 
     def _pair(self, x: torch.Tensor, j: int) -> torch.Tensor:
         if x.shape[0] % 2:
@@ -508,6 +521,14 @@ class SequenceLogps:
         return self._pair(self.mean, 1)
 
 
+def _scored(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(source, target)`` of the batch's scored tokens: flat indices of the predicting positions, token ids."""
+    if not isinstance(batch, SequenceBatch):
+        raise TypeError(f"batch must be the SequenceBatch the logits were computed from (a PreferenceCollator or "
+                        f"GroupCollator batch), got {type(batch).__name__}")
+    return batch.score_source, batch.input_ids.reshape(-1)[batch.score_target]
+
+
 def token_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of every scored token, ``[M]`` in the batch's scoring order (``batch.score_sequence``
     names each one's sequence; tokens of a sequence in order): what a token-level loss (GRPO's clipped
@@ -515,23 +536,14 @@ def token_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: floa
 
     ``logits``: ``[B, L, V]`` of ``model(**batch.model_inputs(model))``. Only the ``M`` scored positions are
     read (``batch.score_source``: in a tree the first token of every continuation reads the prompt's last
-    token), one ``log_softmax`` over ``[M, V]`` rows (the log-sum-exp of a vocabulary loses digits in 16 bits).
+    token), in tiles (:func:`packkit.logps.logits_logps`): no ``[M, V]`` log-softmax is made, in the forward or
+    the backward. :func:`forward_logps` also keeps the model from making the logits.
     """
-    if not isinstance(batch, SequenceBatch):
-        raise TypeError(f"batch must be the SequenceBatch the logits were computed from (a PreferenceCollator or "
-                        f"GroupCollator batch), got {type(batch).__name__}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
-        raise ArgumentError("{t} must be a finite number > 0, got {got!r}", t=arg("temperature"), got=temperature)
+    source, target = _scored(batch)
     if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(batch.input_ids.shape):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {tuple(batch.input_ids.shape)}: "
                          "pass the [B, L, V] logits of model(**batch.model_inputs(model))")
-    rows = logits.reshape(-1, logits.shape[-1])[batch.score_source]
-    if rows.dtype in (torch.float16, torch.bfloat16):
-        rows = rows.float()
-    if temperature != 1.0:
-        rows = rows / temperature
-    target = batch.input_ids.reshape(-1)[batch.score_target]
-    return rows.log_softmax(-1).gather(1, target[:, None]).squeeze(1)
+    return logits_logps(logits, source, target, temperature=temperature)
 
 
 def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: float = 1.0) -> SequenceLogps:
@@ -541,10 +553,18 @@ def sequence_logps(logits: torch.Tensor, batch: SequenceBatch, *, temperature: f
     Equal to the unpacked computation (TRL's: ``log_softmax(logits[:, :-1])`` gathered at the next tokens
     under the completion mask, summed per row).
     """
-    per_token = token_logps(logits, batch, temperature=temperature)
-    total = per_token.new_zeros(batch.num_sequences).index_add_(0, batch.score_sequence, per_token)
-    count = batch.num_tokens.to(total.device)
-    return SequenceLogps(sum=total, mean=total / count.clamp(min=1).to(total.dtype), num_tokens=count)
+    return SequenceLogps.of_tokens(token_logps(logits, batch, temperature=temperature), batch)
+
+
+def forward_logps(model, batch: SequenceBatch, *, temperature: float = 1.0):
+    """``(SequenceLogps, outputs)``: ``model`` run on the batch with its LM head fused into the log-probabilities
+    (:func:`packkit.logps.scored_logps`): the ``[B, L, V]`` logits are never made, only tiles of the scored
+    tokens' (``outputs.logits`` holds the last position's). The same values as
+    ``sequence_logps(model(**batch.model_inputs(model)).logits, batch)``, at the memory of a tile.
+    """
+    source, target = _scored(batch)
+    per_token, outputs = scored_logps(model, batch.model_inputs(model), source, target, temperature=temperature)
+    return SequenceLogps.of_tokens(per_token, batch), outputs
 
 
 def dpo_loss(policy: SequenceLogps, reference: SequenceLogps, *, beta: float = 0.1) -> torch.Tensor:
@@ -568,8 +588,8 @@ class PackedDPOMixin(DPOLossHook):
                                    data_collator=PreferenceCollator(layout="tree", window=4096))
 
     The trainer tokenizes the dataset as usual (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``); the loss is
-    computed from :func:`sequence_logps` of the policy and the reference model on the packed batch, with
-    :func:`dpo_loss`: TRL's default sigmoid loss, the same value as ``DPOTrainer`` on the padded batch. What this
+    computed from :func:`forward_logps` of the policy and the reference model on the packed batch (the LM head
+    fused, as TRL's own: no ``[tokens, vocab]`` logits, so packing costs no memory), with :func:`dpo_loss`: TRL's default sigmoid loss, the same value as ``DPOTrainer`` on the padded batch. What this
     path does not compute (other ``loss_type``\\ s, ``f_divergence_type``, ``ld_alpha``, ``use_weighting``, MoE
     auxiliary losses, precomputed or PEFT-adapter reference log-probabilities) is refused in one line, not
     approximated. The packed collator never truncates: set ``max_length=None`` (TRL's collator would cut long
@@ -578,14 +598,13 @@ class PackedDPOMixin(DPOLossHook):
 
     def _packed_dpo_loss(self, model, ref_model, inputs, *, beta: float):
         """``(loss, outputs, policy, reference)`` of a packed batch: :func:`dpo_loss` of the policy's and the
-        reference's :func:`sequence_logps` (TRL's side, its config and metrics: :class:`DPOLossHook`)."""
+        reference's :func:`forward_logps` (TRL's side, its config and metrics: :class:`DPOLossHook`)."""
         if not isinstance(inputs, SequenceBatch):
             raise TypeError(f"PackedDPOMixin takes packed batches, got {type(inputs).__name__}: pass "
                             "data_collator=packkit.preference.PreferenceCollator(...)")
-        outputs = model(**inputs.model_inputs(model))
-        policy = sequence_logps(outputs.logits, inputs)
+        policy, outputs = forward_logps(model, inputs)
         with torch.no_grad():
-            reference = sequence_logps(ref_model(**inputs.model_inputs(ref_model)).logits, inputs)
+            reference, _ = forward_logps(ref_model, inputs)
         return dpo_loss(policy, reference, beta=beta), outputs, policy, reference
 
 

@@ -24,6 +24,7 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+    "cohere": ("CohereForCausalLM", "CohereConfig"),
     "mistral": ("MistralForCausalLM", "MistralConfig"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
