@@ -44,7 +44,7 @@ from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_
                       pack)
 from .cp_plan import check_cp_window, cp_multiples
 from .datafiles import Lengths
-from .errors import Message, arg, check_int
+from .errors import DataError, Message, arg, check_int
 from .sampler import LengthGroupedSampler, PackedBatchSampler, batch_sums
 from .segments import lengths_to_offsets, piece_loss_tokens
 
@@ -55,8 +55,10 @@ __all__ = [
     "BudgetReport",
     "AdviceOptions",
     "Dealt",
+    "Units",
     "advise",
     "deal",
+    "packed_units",
     "MicroBatchSearch",
     "effective_batch_size",
     "plan_budget",
@@ -480,8 +482,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
                          "from the CP-padded lengths)")
     if given is not None or window is not None:
         window = check_cp_window(check_window(given.window if given else window), cp_size=cp_size, layout=cp_layout)
-        units = _packed_units(data, given, window=window, overflow=overflow, doc_multiple=doc_multiple,
-                              drop_loss_free=drop_loss_free)
+        units = packed_units(data, given, window=window, overflow=overflow, doc_multiple=doc_multiple,
+                             drop_loss_free=drop_loss_free)
     else:
         units = _padded_units(data, row_round=doc_multiple * row_multiple, drop_loss_free=drop_loss_free)
     dealt = Dealt.of(deal(units.given if given is not None else units.planned, per_rank=per_device_batch,
@@ -494,11 +496,11 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Units:
-    """What a sampler deals for :func:`plan_budget`, one entry per example it deals (a piece when packed):
-    ``planned`` lengths (CP-padded), ``tokens``, ``first`` (1 where a piece starts its example) and ``loss``;
-    ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left out;
-    ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
+class Units:
+    """What a sampler deals for ``packkit plan`` and ``packkit waste``, one entry per example it deals (a piece
+    when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (1 where a piece starts its example) and
+    ``loss``; ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left
+    out; ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
 
     planned: np.ndarray
     tokens: np.ndarray
@@ -513,15 +515,23 @@ class _Units:
     cut_tokens: int = 0
     row_round: int = 1
 
-    def keep(self, keep: np.ndarray) -> "_Units":
+    def keep(self, keep: np.ndarray) -> "Units":
+        """The units kept (``drop_loss_free``): none left is the error naming it."""
+        if not keep.any():
+            raise DataError("no piece holds a loss token, and {drop} left every one out",
+                            drop=arg("drop_loss_free", True))
         return dataclasses.replace(self, planned=self.planned[keep], tokens=self.tokens[keep], first=self.first[keep],
                                    loss=self.loss[keep], dropped=int((~keep).sum()),
-                                   dropped_tokens=int(self.tokens[~keep].sum()))
+                                   dropped_tokens=int(self.tokens[~keep].sum()),
+                                   given=None if self.given is None else self.given.keep_segments(keep))
 
 
-def _packed_units(data: Lengths, given: Plan | None, *, window: int, overflow: str, doc_multiple: int,
-                  drop_loss_free: bool) -> _Units:
-    """The pieces a packed epoch deals: the overflow policy's (or a given plan's segments), CP-padded."""
+def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overflow: str, doc_multiple: int = 1,
+                 drop_loss_free: bool = False) -> Units:
+    """The pieces a packed epoch deals: the overflow policy's (or a given plan's segments), CP-padded to
+    ``doc_multiple`` (:func:`packkit.cp_plan.cp_multiples`); the loss tokens that train once packed, one count
+    for waste, plan and pack. ``packed_units(Lengths(np.array([5]), "x"), window=4, overflow="split").tokens
+    -> [4, 1]``."""
     if given is not None:
         example, start, length = given.seg_example, given.seg_start, given.seg_length
         over, cut, overflow = given.overflow_examples.size, given.cut_tokens, given.overflow
@@ -530,26 +540,27 @@ def _packed_units(data: Lengths, given: Plan | None, *, window: int, overflow: s
         example, start, length = pieces.example, pieces.start, pieces.length
         over, cut = pieces.overflow_examples.size, pieces.cut_tokens
     loss = loss_of(data, example, start, length)
-    units = _Units(-(-length // doc_multiple) * doc_multiple, length, (start == 0).astype(np.int64), loss,
-                   int((loss == 0).sum()), given=given, overflow=overflow, overflow_examples=int(over),
-                   cut_tokens=int(cut))
-    if drop_loss_free and units.free:
-        units = units.keep(loss > 0)
-        if given is not None:
-            units = dataclasses.replace(units, given=given.keep_segments(loss > 0))
+    units = Units(-(-length // doc_multiple) * doc_multiple, length, (start == 0).astype(np.int64), loss,
+                  int((loss == 0).sum()), given=given, overflow=overflow, overflow_examples=int(over),
+                  cut_tokens=int(cut))
+    units = units.keep(loss > 0) if drop_loss_free and units.free else units
+    if units.tokens.size == 0:
+        raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
+                        window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
+                        fix=arg("overflow", "split", "truncate"))
     return units
 
 
-def _padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> _Units:
+def _padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> Units:
     """The examples a padded epoch deals, whole."""
     n = data.lengths.size
     loss = loss_of(data, np.arange(n), np.zeros(n, np.int64), data.lengths)
-    units = _Units(data.lengths, data.lengths, np.ones(n, np.int64), loss, int((loss == 0).sum()),
-                   row_round=row_round)
+    units = Units(data.lengths, data.lengths, np.ones(n, np.int64), loss, int((loss == 0).sum()),
+                  row_round=row_round)
     return units.keep(loss > 0) if drop_loss_free and units.free else units
 
 
-def _report(data: Lengths, units: _Units, dealt: Dealt, *, per_device_batch: int, accumulation_steps: int,
+def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int, accumulation_steps: int,
             world_size: int, window: int | None, balance: str | None) -> BudgetReport:
     """The figures of the epoch ``dealt`` deals (:func:`plan_budget`)."""
     sched, stats = dealt.schedule, dealt.stats
@@ -572,7 +583,8 @@ def _report(data: Lengths, units: _Units, dealt: Dealt, *, per_device_batch: int
         examples_per_step=Spread.of(dealt.per_step(units.first, full_only=True)),
         tokens_per_step=Spread.of(dealt.per_step(units.tokens, full_only=True)),
         loss_tokens_per_step=Spread.of(dealt.per_step(units.loss, full_only=True)), padding_fraction=float(padding),
-        loss_tokens_assumed=data.loss_lengths is None and data.targets is None, target_tokens_per_step=None, accumulation_for_target=None, advice=(),
+        loss_tokens_assumed=data.loss_lengths is None and data.targets is None, target_tokens_per_step=None,
+        accumulation_for_target=None, advice=(),
         loss_tokens=int(units.loss.sum()), loss_free_units=dealt.loss_free(units_loss, units.loss)[0],
         loss_free_steps=dealt.loss_free(units_loss, units.loss)[1], loss_free_pieces=units.free,
         dropped_pieces=units.dropped, dropped_tokens=units.dropped_tokens, longest_example=int(data.lengths.max()),

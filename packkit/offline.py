@@ -469,9 +469,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the Arrow list
     offsets and checks each batch; the plan is made from the lengths alone; then windows are gathered a chunk
     of at most ``buffer_bytes`` at a time from the memory-mapped Arrow data and written to a cache file
-    beside the dataset's own (as ``datasets.map`` does), which the returned dataset reads. Peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the
-    dataset's size; rows seen through a ``select`` / ``shuffle`` / ``filter`` are staged to a
-    temporary memory-mapped file first. Only public ``datasets`` API is used.
+    beside the dataset's own (as ``datasets.map`` does), which the returned dataset reads. Peak memory is the
+    plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the dataset's size; rows seen through a
+    ``select`` / ``shuffle`` / ``filter`` are staged to a temporary memory-mapped file first (public ``datasets`` API).
 
     Args:
         ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split and returns a

@@ -43,9 +43,9 @@ import math
 import numpy as np
 
 from .balance import CostModel, step_figures
-from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, check_overflow, check_window, overflow_note, pack,
+from .binpack import (DEFAULT_OVERFLOW, Plan, check_overflow, check_window, overflow_note, pack,
                       stream_windows)
-from .budget import Dealt, deal, loss_of, read_lengths_object
+from .budget import Dealt, Units, deal, packed_units, read_lengths_object
 from .cp_plan import check_cp_window, cp_multiples
 from .datafiles import Lengths
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
@@ -279,41 +279,6 @@ def _given_plan(seg: np.ndarray, ptr: np.ndarray, planned: np.ndarray, window: i
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Pieces:
-    """The examples after the overflow policy (and ``drop_loss_free``), as every strategy packs or pads them."""
-
-    lengths: np.ndarray
-    planned: np.ndarray
-    loss: np.ndarray
-    cut: int
-    over: int
-    free: int
-    dropped: int = 0
-    dropped_tokens: int = 0
-
-
-def _pieces(data: Lengths, *, window: int, overflow: str, doc_multiple: int, drop_loss_free: bool) -> _Pieces:
-    pieces = apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
-    L = pieces.length
-    # the loss tokens that train once packed: one count for waste, plan and pack
-    loss = loss_of(data, pieces.example, pieces.start, L)
-    free = loss == 0
-    out = _Pieces(L, L, loss, pieces.cut_tokens, int(pieces.overflow_examples.size), int(free.sum()))
-    if drop_loss_free and free.any():
-        out = dataclasses.replace(out, lengths=L[~free], loss=loss[~free], dropped=int(free.sum()),
-                                  dropped_tokens=int(L[free].sum()))
-        if out.lengths.size == 0:
-            raise DataError("no piece holds a loss token, and {drop} left every one out",
-                            drop=arg("drop_loss_free", True))
-    if out.lengths.size == 0:
-        raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
-                        window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
-                        fix=arg("overflow", "split", "truncate"))
-    # what a CP rank group computes: every example padded to the layout's document multiple (zigzag)
-    return dataclasses.replace(out, planned=-(-out.lengths // doc_multiple) * doc_multiple)
-
-
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = DEFAULT_OVERFLOW, buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, progress: bool | None = None, world_size: int = 1,
@@ -357,11 +322,11 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         raise ArgumentError("unknown strategies {bad}; choose from {choices}", bad=unknown,
                             choices=arg("strategies", ",".join(WASTE_STRATEGIES)))
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
-    p = _pieces(data, window=window, overflow=overflow, doc_multiple=doc_multiple, drop_loss_free=drop_loss_free)
+    p = packed_units(data, window=window, overflow=overflow, doc_multiple=doc_multiple, drop_loss_free=drop_loss_free)
     dealing = dict(accumulation_steps=1, world_size=check_int(world_size, "world_size"), balance=balance,
                    seed=seed, cp_size=cp_size)
     results = []
-    enabled = p.lengths.size >= PROGRESS_EXAMPLES if progress is None else progress
+    enabled = p.tokens.size >= PROGRESS_EXAMPLES if progress is None else progress
     with progress_bar(total=len(strategies), unit="strategy", enabled=enabled, desc="waste") as bar:
         for name in strategies:
             results.append(_strategy(name, p, window=window, batch_size=batch_size, k=k, buffer_size=buffer_size,
@@ -370,20 +335,21 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     return WasteReport(
         source=data.source, unit=data.unit, window=window, batch_size=batch_size, windows_per_step=k,
         overflow=overflow, buffer_size=buffer_size, seed=seed, examples=int(data.lengths.size),
-        input_tokens=int(data.lengths.sum()), cut_tokens=p.cut, overflow_examples=p.over, lengths=p.lengths,
-        strategies=tuple(results), loss_tokens=int(p.loss.sum()),
+        input_tokens=int(data.lengths.sum()), cut_tokens=p.cut_tokens, overflow_examples=p.overflow_examples,
+        lengths=p.tokens, strategies=tuple(results), loss_tokens=int(p.loss.sum()),
         world_size=dealing["world_size"], balance=balance, cp_size=cp_size, cp_layout=cp_layout,
-        input_lengths=data.lengths, loss_tokens_assumed=data.loss_lengths is None and data.targets is None, loss_free_pieces=p.free,
-        dropped_pieces=p.dropped, dropped_tokens=p.dropped_tokens,
+        input_lengths=data.lengths, loss_tokens_assumed=data.loss_lengths is None and data.targets is None,
+        loss_free_pieces=p.free, dropped_pieces=p.dropped, dropped_tokens=p.dropped_tokens,
     )
 
 
-def _strategy(name: str, p: _Pieces, *, window: int, batch_size: int, k: int, buffer_size: int, row_round: int,
+def _strategy(name: str, p: Units, *, window: int, batch_size: int, k: int, buffer_size: int, row_round: int,
               dealing: dict) -> StrategyWaste:
     """One strategy's figures over the pieces ``p`` (:func:`measure_waste`)."""
-    L, planned, R = p.lengths, p.planned, dealing["world_size"]
+    L, planned, R = p.tokens, p.planned, dealing["world_size"]
     if name in ("pad_longest", "random"):  # a plain DataLoader's batches, in order: no packkit sampler deals them
-        order = np.arange(L.size) if name == "pad_longest" else np.random.default_rng(dealing["seed"]).permutation(L.size)
+        rng = np.random.default_rng(dealing["seed"])
+        order = np.arange(L.size) if name == "pad_longest" else rng.permutation(L.size)
         padded = np.full(L.size, L.max()) if name == "pad_longest" else padded_rows(L, order, batch_size)[0]
         padded = -(-padded // row_round) * row_round  # a padded row is one sequence, cut by the CP layout
         figures = step_figures(CostModel(cp_size=dealing["cp_size"]).costs(padded), np.ones(L.size), ranks=R,
