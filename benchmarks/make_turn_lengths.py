@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--template", default=None, help="default: TRL's qwen3.jinja")
     parser.add_argument("--chunk", type=int, default=500)
+    parser.add_argument("--sample", type=int, default=None,
+                        help="conversations drawn at random (seeded, in file order) instead of all of them")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", type=int, default=50, help="conversations checked against chat_tree")
     parser.add_argument("--out", default=OUT)
     args = parser.parse_args()
@@ -136,6 +139,10 @@ def main() -> None:
         if m:
             convs.append(m)
     print(f"{read:,} conversations read, {len(convs):,} with an assistant turn after a user message", flush=True)
+    if args.sample is not None and args.sample < len(convs):
+        keep = np.sort(np.random.default_rng(args.seed).choice(len(convs), args.sample, replace=False))
+        convs = [convs[i] for i in keep]
+        print(f"{len(convs):,} of them drawn at random (seed {args.seed})", flush=True)
     text = open(template).read()
     if args.check:  # the cached encoding against TRL's tokenization of every row
         ids, lengths, mask, conv = turn_samples(convs[:args.check], tok, text)

@@ -49,12 +49,12 @@ from .binpack import check_strategy, check_window, pack
 from .chat import tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, DataError, arg
-from .preference import SequenceBatch, varlen_recipe
+from .preference import SequenceBatch, shard_groups, varlen_recipe
 from .rules import as_lengths, check_values, example_values, location
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
 __all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
-           "turn_tokens"]
+           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal"]
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
 _BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
@@ -294,7 +294,7 @@ class PrefixTree:
     Per sample token: ``path`` int64 ``(T,)``, its node; sample ``s`` is ``path[sample_ptr[s]:sample_ptr[s + 1]]``.
     Per scored token (``M``, sample after sample, each sample's loss tokens in order; a sample's first token is
     never scored: nothing precedes it): ``score_source`` (the node whose logits predict it), ``score_target``
-    (its node), ``score_sample`` int64 ``(M,)``; ``values``: ``{name: (M,) float64}``, the per-token values
+    (its node), ``score_sample``, ``score_token`` (its flat index among the sample tokens) int64 ``(M,)``; ``values``: ``{name: (M,) float64}``, the per-token values
     given with the samples at those tokens; ``num_tokens`` int64 ``(N,)``, scored tokens per sample.
     """
 
@@ -310,6 +310,7 @@ class PrefixTree:
     score_source: np.ndarray
     score_target: np.ndarray
     score_sample: np.ndarray
+    score_token: np.ndarray
     num_tokens: np.ndarray
     values: dict
 
@@ -404,7 +405,7 @@ def build_tree(input_ids, lengths, *, loss_mask=None, values=None, groups=None, 
     return PrefixTree(input_ids=nodes_ids, position_ids=depth, parent=parent, tout=tout, segment=segment,
                       tree_ptr=np.append(np.flatnonzero(parent < 0), total).astype(np.int64),
                       num_samples=np.bincount(path, minlength=total).astype(np.int64), path=path, sample_ptr=off,
-                      score_source=path[at - 1], score_target=path[at], score_sample=sample[at],
+                      score_source=path[at - 1], score_target=path[at], score_sample=sample[at], score_token=at,
                       num_tokens=num_tokens, values={k: v[at] for k, v in vals.items()})
 
 
@@ -518,8 +519,8 @@ def tree_batch(tree: PrefixTree, *, window: int | None = None, num_windows: int 
         over = np.flatnonzero(sizes > window)
         if over.size:
             r = int(over[0])
-            raise DataError("tree {r} (from sample {s}) has {n:,} nodes > {w}; raise {wn}, or build smaller trees "
-                            "(groups= one conversation or prompt a tree)", r=r,
+            raise DataError("tree {r} (from sample {s}) has {n:,} nodes > {w}; raise {wn}, or split it at node "
+                            "boundaries with split_trees (its shared prefix recomputed in each part)", r=r,
                             s=_first_sample(tree, r), n=int(sizes[r]),
                             w=arg("window", window), wn=arg("window"))
         plan = pack(sizes, window=window, strategy=check_strategy(strategy))
@@ -646,3 +647,119 @@ def turn_tokens(conversations, tokenizer, *, chat_template=None) -> dict:
     return {"conversations": len(conversations), "turns": int(tree.sample_ptr.size - 1),
             "turn_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
             "ratio": tree.num_sample_tokens / tree.num_nodes}
+
+
+
+# ----------------------------------------------------------------------------------------------
+# trees larger than a window, and trees dealt to ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def _dfs_samples(tree: PrefixTree):
+    """Samples in depth-first order of their last node, with each one's shared length with the one before
+    (in that order the previous sample shares the most with it among all earlier ones)."""
+    off = tree.sample_ptr
+    order = np.lexsort((np.arange(off.size - 1), tree.path[off[1:] - 1]))
+    lcp = np.zeros(order.size, np.int64)
+    tree_of = np.searchsorted(tree.tree_ptr, tree.path[off[:-1]], side="right") - 1
+    for i in range(1, order.size):  # one numpy compare a sample
+        a, b = order[i - 1], order[i]
+        if tree_of[a] != tree_of[b]:
+            continue
+        pa, pb = tree.path[off[a]:off[a + 1]], tree.path[off[b]:off[b + 1]]
+        n = min(pa.size, pb.size)
+        diff = np.flatnonzero(pa[:n] != pb[:n])
+        lcp[i] = diff[0] if diff.size else n
+    return order, lcp, tree_of
+
+
+def split_trees(tree: PrefixTree, *, window: int) -> tuple[np.ndarray, int]:
+    """Cut every tree of more than ``window`` nodes at node boundaries: its samples, depth first, go to parts of at
+    most ``window`` nodes each, a part recomputing the prefix it shares with the part before. Returns each
+    sample's part ``(N,)`` int64 (parts numbered tree by tree) and the tokens recomputed (forwarded again).
+
+    ``split_trees(build_tree([1, 2, 3, 1, 2, 4], [3, 3]), window=3) -> ([0, 1], 2)``: ``1 2`` forwarded twice.
+    Raises a one-line error naming a sample longer than ``window`` (no cut inside a sample keeps its loss whole).
+    """
+    window = check_window(window)
+    lengths = np.diff(tree.sample_ptr)
+    over = np.flatnonzero(lengths > window)
+    if over.size:
+        raise DataError(f"sample {int(over[0])} has {int(lengths[over[0]]):,} tokens > window={window:,}: a tree is cut "
+                        "between samples, never inside one; raise window")
+    order, lcp, tree_of = _dfs_samples(tree)
+    part = np.empty(lengths.size, np.int64)
+    count, load, last_tree = -1, 0, -1
+    for s, shared in zip(order.tolist(), lcp.tolist()):
+        new = int(lengths[s]) - (shared if tree_of[s] == last_tree else 0)
+        if tree_of[s] != last_tree or load + new > window:
+            count, load, last_tree = count + 1, int(lengths[s]), int(tree_of[s])
+        else:
+            load += new
+        part[s] = count
+    ids = tree.input_ids[tree.path]
+    nodes = prefix_nodes(ids, lengths, groups=part)
+    return part, int(np.count_nonzero(nodes == np.arange(nodes.size))) - tree.num_nodes
+
+
+def subtree(tree: PrefixTree, samples, *, groups=None) -> PrefixTree:
+    """The tree of some of ``tree``'s samples (``samples``: their indices, in the order wanted), built again from
+    their tokens, loss tokens and values (``groups``: one per chosen sample, e.g. :func:`split_trees`' parts)."""
+    samples = np.asarray(samples, np.int64)
+    off = tree.sample_ptr
+    lengths = np.diff(off)[samples]
+    flat = range_index(off[:-1][samples], lengths)
+    mask = np.zeros(off[-1], bool)
+    mask[tree.score_token] = True
+    values = {}
+    for name, v in tree.values.items():
+        full = np.zeros(off[-1], np.float64)
+        full[tree.score_token] = v
+        values[name] = full[flat]
+    return build_tree(tree.input_ids[tree.path[flat]], lengths, loss_mask=mask[flat], values=values, groups=groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeDeal:
+    """Trees dealt to ranks (:func:`deal_trees`). ``ranks[r][m]``: the sample indices of rank ``r``'s micro-batch
+    ``m`` (every rank the same number of micro-batches, none empty); ``part``: each sample's part (``(N,)``);
+    ``recomputed``: tokens forwarded again because a tree was cut (counted, never silent)."""
+
+    ranks: list
+    part: np.ndarray
+    recomputed: int
+
+    def batch(self, tree: PrefixTree, rank: int, micro: int, **batch_options) -> TreeBatch:
+        """The :class:`TreeBatch` of rank ``rank``'s micro-batch ``micro`` (sequences in its sample order)."""
+        samples = self.ranks[rank][micro]
+        return tree_batch(subtree(tree, samples, groups=self.part[samples]), **batch_options)
+
+
+def deal_trees(tree: PrefixTree, *, world_size: int, max_tokens: int) -> TreeDeal:
+    """Deal the samples of ``tree`` to ``world_size`` ranks in micro-batches of at most ``max_tokens`` nodes: a
+    subtree is the atom (trees over ``max_tokens`` cut by :func:`split_trees`), and when there are fewer parts than
+    ranks the largest part is cut again (between samples, its prefix recomputed) until every rank can have one;
+    then :func:`packkit.preference.shard_groups` gives every rank the same number of micro-batches, none empty.
+    Every sample is in exactly one micro-batch. Fewer samples than ranks is a one-line error (a rank would idle).
+    """
+    world_size = max(1, int(world_size))
+    n = tree.sample_ptr.size - 1
+    if n < world_size:
+        raise DataError(f"{n} samples for {world_size} ranks: a rank would have no work (and a collective would hang); "
+                        "give every step at least one sample per rank")
+    part, _ = split_trees(tree, window=max_tokens)
+    lengths = np.diff(tree.sample_ptr)
+    while part.max() + 1 < world_size:  # fewer parts than ranks: cut the largest part that has two samples
+        sizes = np.bincount(part, weights=lengths)
+        counts = np.bincount(part)
+        big = int(np.argmax(np.where(counts > 1, sizes, -1)))
+        members = np.flatnonzero(part == big)
+        part[members[members.size // 2:]] = part.max() + 1
+    ids = tree.input_ids[tree.path]
+    nodes = prefix_nodes(ids, lengths, groups=part)
+    sizes = np.bincount(part[lengths_to_seq_idx(lengths)[nodes == np.arange(nodes.size)]], minlength=part.max() + 1)
+    recomputed = int(sizes.sum()) - tree.num_nodes
+    ranks = shard_groups(sizes, world_size=world_size, max_tokens=max_tokens)
+    members = [np.flatnonzero(part == p) for p in range(sizes.size)]
+    return TreeDeal(ranks=[[np.concatenate([members[p] for p in micro]) for micro in rank] for rank in ranks],
+                    part=part, recomputed=recomputed)

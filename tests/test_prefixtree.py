@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from packkit import prefixtree
 from packkit.errors import ArgumentError, DataError
-from packkit.prefixtree import build_tree, prefix_nodes, tree_batch
+from packkit.prefixtree import build_tree, deal_trees, prefix_nodes, split_trees, subtree, tree_batch
 from packkit.preference import sequence_logps, token_logps
 
 transformers = pytest.importorskip("transformers")
@@ -311,3 +311,82 @@ def test_errors_name_the_sample_and_the_fix():
         build_tree([1, 2], [2, 0])
     with pytest.raises(DataError, match=r"tree 1 \(from sample 1\) has 4 nodes > window=3; raise window"):
         tree_batch(build_tree([1, 2, 5, 6, 7, 8], [2, 4]), window=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# trees larger than a window, and trees dealt to ranks
+# ----------------------------------------------------------------------------------------------
+
+
+@given(trees(max_samples=40), st.integers(4, 30))
+@settings(max_examples=30)
+def test_split_trees_cuts_at_node_boundaries_within_the_window(samples, window):
+    ids, lengths, mask, _ = flat(samples)
+    window = max(window, int(lengths.max()))
+    tree = build_tree(ids, lengths, loss_mask=mask)
+    part, recomputed = split_trees(tree, window=window)
+    cut = subtree(tree, np.arange(lengths.size), groups=part)
+    assert cut.tree_sizes.max() <= window
+    assert cut.num_nodes == tree.num_nodes + recomputed and recomputed >= 0
+    assert np.array_equal(cut.input_ids[cut.path], ids)  # every sample whole, in its order
+    assert np.array_equal(cut.score_token, tree.score_token)  # the same loss tokens
+    fits = tree.tree_sizes.max() <= window
+    assert (recomputed == 0) if fits else True
+    # a part never mixes two trees: the tree of a sample is the tree of its part
+    tree_of = np.searchsorted(tree.tree_ptr, tree.path[tree.sample_ptr[:-1]], side="right") - 1
+    assert all(np.unique(tree_of[part == p]).size == 1 for p in np.unique(part))
+
+
+def test_split_tree_log_probs_equal_unpacked(exact_kernels):
+    """A tree cut across windows (its shared prefix recomputed in each part) still gives every sample's
+    log-probabilities as the sample alone does."""
+    samples = [([5, 6, 7, 8, 9, 10], [0, 1, 1, 1, 1, 1], 0), ([5, 6, 7, 8, 11, 12], [0, 0, 0, 0, 1, 1], 0),
+               ([5, 6, 7, 13, 14], [0, 1, 0, 1, 1], 0), ([5, 6, 15, 16, 17, 18], [0, 0, 1, 1, 1, 1], 0),
+               ([5, 6, 15, 19], [0, 1, 1, 1], 0)]
+    ids, lengths, mask, _ = flat(samples)
+    tree = build_tree(ids, lengths, loss_mask=mask)
+    assert tree.num_nodes > 10
+    part, recomputed = split_trees(tree, window=10)
+    with pytest.raises(DataError, match="split_trees"):
+        tree_batch(tree, window=10)
+    batch = tree_batch(subtree(tree, np.arange(len(samples)), groups=part), window=10)
+    ref = torch.cat(unpacked(tiny("llama", "sdpa"), samples))
+    for impl in ("eager", "sdpa"):
+        model = tiny("llama", impl)
+        with torch.no_grad():
+            got = token_logps(model(**batch.model_inputs(model)).logits, batch)
+        d = (got - ref).abs().max().item()
+        print(f"tree of {tree.num_nodes} nodes in windows of 10: {batch.shape[0]} rows, {recomputed} tokens recomputed, "
+              f"{impl}: max |diff| {d:.1e}")
+        assert d < TOL and recomputed > 0
+
+
+@given(trees(max_samples=30), st.integers(1, 9), st.integers(8, 60))
+@settings(max_examples=40)
+@example([([1, 2, 3], [0, 1, 1], 0)] * 8, 8, 10)  # one tree of 8 identical samples, 8 ranks
+def test_deal_trees_never_starves_or_drops(samples, world_size, max_tokens):
+    """No rank is ever empty and every rank gets the same number of micro-batches (TRL PR #7328 found ranks starved
+    when a micro-batch held fewer groups than ranks: here one tree is cut between its samples until every rank has
+    a part), and every sample is dealt exactly once (open-instruct PR #1271 silently dropped up to world - 1 packed
+    sequences a step); fewer samples than ranks is one line."""
+    ids, lengths, mask, _ = flat(samples)
+    tree = build_tree(ids, lengths, loss_mask=mask)
+    max_tokens = max(max_tokens, int(lengths.max()))
+    if lengths.size < world_size:
+        with pytest.raises(DataError, match=f"{lengths.size} samples for {world_size} ranks") as e:
+            deal_trees(tree, world_size=world_size, max_tokens=max_tokens)
+        assert "\n" not in str(e.value)
+        return
+    try:
+        deal = deal_trees(tree, world_size=world_size, max_tokens=max_tokens)
+    except DataError as e:  # shard_groups' own refusal: counts that cannot be evened without cutting a sample
+        assert "raise max_tokens" in str(e) and "\n" not in str(e)
+        return
+    assert len(deal.ranks) == world_size
+    assert len({len(r) for r in deal.ranks}) == 1 and all(m.size for r in deal.ranks for m in r)
+    dealt = np.sort(np.concatenate([m for r in deal.ranks for m in r]))
+    assert np.array_equal(dealt, np.arange(lengths.size))
+    for r in deal.ranks:
+        for m in r:
+            cut = subtree(tree, m, groups=deal.part[m])
+            assert cut.num_nodes <= max_tokens
