@@ -88,7 +88,7 @@ import torch
 from .errors import ArgumentError
 from .segments import IGNORE_INDEX
 
-__all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents"]
+__all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors"]
 
 #: the attributes of every batch (the varlen convention), whatever its view holds
 FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "seq_idx", "num_loss_tokens",
@@ -306,12 +306,13 @@ class PackedBatch(dict):
     def loss_weight(self) -> torch.Tensor:
         """float32, the shape of the labels the loss reads: each label's factor ``a_c`` under the batch's
         ``loss_weighting`` (:mod:`packkit.weighting`; 0 where the label is -100), before the step's
-        normaliser ``Z``. Without a weighting (the token mean) ``a_c = 1``: built from the labels."""
+        normaliser ``Z``. Without a weighting (the token mean) ``a_c = 1``. Built on first use, on the
+        labels' device (:func:`loss_factors`: the collator notes the segments, nothing per token)."""
         labels, _ = self._loss_source()
         note = _note(labels)
         if "loss_weight" not in note:
-            exact = note.get("loss_factor")
-            note["loss_weight"] = (labels.ne(IGNORE_INDEX) if exact is None else exact).to(torch.float32)
+            found = loss_factors(labels)
+            note["loss_weight"] = (labels.ne(IGNORE_INDEX) if found is None else found[0]).to(torch.float32)
         return note["loss_weight"]
 
     @property
@@ -319,7 +320,8 @@ class PackedBatch(dict):
         """Python float, this batch's part of the step's normaliser ``Z`` (the sum of its documents'
         ``z_c``; the token mean's is ``num_loss_tokens``)."""
         labels, _ = self._loss_source()
-        return _note(labels).get("loss_norm", float(self.num_loss_tokens))
+        found = loss_factors(labels)
+        return float(self.num_loss_tokens) if found is None else float(found[1])
 
     @property
     def loss_weighting(self) -> str | None:
@@ -333,14 +335,18 @@ class PackedBatch(dict):
         ``seq-mean-token-sum-norm``: its length), else 0."""
         return _note(self._loss_source()[0]).get("loss_step_constant", 0.0)
 
-    def _weigh(self, loss_weight: torch.Tensor, loss_norm: float, weighting) -> "PackedBatch":
-        """Note a weighting's per-token factors (float64, exact: :attr:`loss_weight` is their float32 view)
-        and normaliser part on the labels (the collators). Names
-        and numbers only: a batch crosses processes, a weighting's callable may not."""
+    def _weigh(self, weighting, **parts) -> "PackedBatch":
+        """Note a weighting on the labels (the collators): its name, the segments (``cu``) and what
+        :func:`loss_factors` needs (``seg_doc``, ``values``, ``num_docs``), or the factors already made
+        (``seg_factor`` float64 per segment, ``z``: a callable's, computed where it runs). Tensors, names,
+        numbers and plain weightings only: a batch crosses processes, a callable may not."""
         note = _note(self._loss_source()[0])
-        note.pop("loss_weight", None)
-        note.update(loss_factor=loss_weight, loss_norm=float(loss_norm), loss_weighting=weighting.name,
-                    loss_step_constant=weighting.step_constant())
+        for key in [k for k in note if k.startswith("loss_")]:
+            del note[key]
+        note.update({f"loss_{k}": v for k, v in parts.items() if v is not None})
+        note.update(loss_weighting=weighting.name, loss_step_constant=weighting.step_constant())
+        if "seg_factor" not in parts:
+            note["loss_rule"] = weighting
         return self
 
     def _loss_source(self) -> tuple[torch.Tensor, bool]:
@@ -721,3 +727,52 @@ def real_tokens_and_documents(cu_seqlens: torch.Tensor, labels: torch.Tensor,
     tail = (cu[1:] % labels.shape[-1] == 0) & (loss_per_seg == 0) & (seg_len > 0)
     tokens = flat.numel() - (seg_len * tail).sum()
     return tokens, ((seg_len > 0) & ~tail).sum()
+
+
+
+def loss_factors(labels: torch.Tensor):
+    """``(factors, z)`` of labels collated under a loss weighting (:mod:`packkit.weighting`), None without
+    one: ``factors`` float64 the shape of ``labels``, every label's ``a_c`` (its document's; 0 where the label
+    is -100); ``z`` a 0-dim float64 tensor, the batch's part of ``Z``. Made on first use from what the
+    collator noted (the segments, and for split examples or per-example weights which example each segment
+    is), on the labels' device with no host sync, and kept on the labels: a collator pays nothing per token.
+
+    ``segments [0, 3, 5]``, labels ``[[-100, 5, 6, -100, 7]]`` under ``"sample"`` -> factors
+    ``[[0, 0.5, 0.5, 0, 1]]``, ``z = 2``.
+    """
+    note = _note(labels)
+    if "loss_factor" not in note:
+        if "loss_weighting" not in note:
+            return None
+        dev = labels.device
+        cu = note["loss_cu"].to(dev)
+        seg_factor, z = note.get("loss_seg_factor"), note.get("loss_z")
+        if seg_factor is None:
+            seg_factor, z = _segment_factors(labels, cu, note)
+        seg = _seq_idx_of(cu, labels.shape).long()
+        note["loss_factor"] = seg_factor.to(dev)[seg] * labels.ne(IGNORE_INDEX)
+        note["loss_z"] = torch.as_tensor(z, dtype=torch.float64, device=dev)
+    return note["loss_factor"], note["loss_z"]
+
+
+def _segment_factors(labels: torch.Tensor, cu: torch.Tensor, note: dict):
+    """``(factor of each segment of cu, z)``: loss tokens counted per segment (one cumulative sum), gathered
+    per example where segments share one (``loss_seg_doc``: the example of each segment, -1 for padding),
+    weighed by the noted rule."""
+    cu = cu.long()
+    csum = torch.nn.functional.pad(labels.reshape(-1).ne(IGNORE_INDEX).cumsum(0), (1, 0))
+    counts = (csum[cu[1:]] - csum[cu[:-1]]).to(torch.float64)
+    rule, seg_doc = note["loss_rule"], note.get("loss_seg_doc")
+    values = note.get("loss_values")
+    values = None if values is None else values.to(labels.device)
+    if seg_doc is None:
+        a, z = rule.factors(counts, values)
+        return a, z.sum()
+    seg_doc = seg_doc.to(labels.device)
+    docs = seg_doc >= 0
+    per_doc = torch.zeros(int(note["loss_num_docs"]), dtype=torch.float64, device=labels.device)
+    per_doc.index_add_(0, seg_doc[docs], counts[docs])
+    a, z = rule.factors(per_doc, values)
+    seg_factor = torch.zeros_like(counts)
+    seg_factor[docs] = a[seg_doc[docs]]
+    return seg_factor, z.sum()

@@ -42,7 +42,7 @@ from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mo
                     row_segments, segment_key)
 from .segments import (IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids,
                        range_index)
-from .weighting import ColumnWeighting, resolve, token_weights
+from .weighting import CallableWeighting, ColumnWeighting, resolve, segment_factors
 
 __all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
 
@@ -278,9 +278,11 @@ class _Collator:
 
     def _weigh(self, batch: PackedBatch, examples, seg_lengths, *, seg_ptr=None, width=None,
                seg_doc=None) -> PackedBatch:
-        """``batch`` with its loss weights noted (nothing under the token mean). Segments ``seg_lengths``
-        laid out from row starts (``seg_ptr``, rows of ``width``) or end to end; ``seg_doc`` the example
-        of each segment (a split example's pieces share its ``|O_c|``)."""
+        """``batch`` with its loss weights noted (nothing under the token mean): one factor per segment of
+        ``cu_seqlens`` (:func:`packkit.weighting.segment_factors`). The documents are ``seg_lengths``,
+        laid out from row starts (``seg_ptr``, rows of ``width``, each row's padding tail a segment after
+        its documents) or end to end; ``seg_doc`` the example of each (a split example's pieces share
+        its ``|O_c|``)."""
         weighting = self.loss_weighting
         if weighting.is_token_mean:
             return batch
@@ -288,14 +290,20 @@ class _Collator:
         if values is not None and seg_doc is None and values.size != seg_lengths.size:
             raise ValueError(f"loss_weighting=Column({weighting.key!r}) weighs examples; these rows hold "
                              f"{seg_lengths.size} documents for {values.size} values: collate examples, not packed rows")
-        labels = batch.labels
-        dest = None
-        if seg_ptr is not None:
-            csum = lengths_to_offsets(seg_lengths)
-            dest = row_destinations(csum[seg_ptr[1:]] - csum[seg_ptr[:-1]], width)
-        weights, z = token_weights(weighting, labels.numpy().reshape(-1), seg_lengths, dest=dest, seg_doc=seg_doc,
-                                   values=values)
-        return batch._weigh(_tensor(weights.reshape(labels.shape)), z, weighting)
+        cu = batch.cu_seqlens
+        doc_of = None  # the example of each segment of cu (-1: padding), where segments are not examples 1:1
+        if seg_doc is not None or (values is not None and seg_ptr is not None):
+            doc_of = np.full(cu.shape[0] - 1, -1, np.int64)
+            real = np.arange(seg_lengths.size) if seg_ptr is None else _document_segments(seg_lengths, seg_ptr, width)
+            doc_of[real] = np.arange(seg_lengths.size) if seg_doc is None else seg_doc
+        if isinstance(weighting, CallableWeighting):  # made here: the callable may not cross processes
+            real = None if doc_of is None else np.flatnonzero(doc_of >= 0)
+            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), real=real,
+                                         seg_doc=None if real is None else doc_of[real], values=values)
+            return batch._weigh(weighting, cu=cu, seg_factor=_tensor(factors), z=z)
+        return batch._weigh(weighting, cu=cu, seg_doc=None if doc_of is None else _tensor(doc_of),
+                            values=None if values is None else _tensor(values), num_docs=len(seg_lengths) if
+                            seg_doc is None else len(examples))
 
     def _read(self, examples, *, packed_rows: bool = False):
         """``(input_ids, labels, lengths)`` (:func:`packkit.examples.read_batch`); a packed row (one with
@@ -588,3 +596,16 @@ def _column_values(examples, key: str) -> np.ndarray:
         i = int(np.argmax(values < 0))
         raise ExampleValueError(f"{location(i, where)} has {key}={float(values[i])!r} < 0; loss weights are finite numbers >= 0")
     return values
+
+
+def _document_segments(seg_lengths: np.ndarray, seg_ptr: np.ndarray, width: int) -> np.ndarray:
+    """Where each document lies among the segments of ``cu_seqlens`` of :func:`rows_batch`'s rows, whose
+    every row not full ends in a padding tail: ``(S,)`` int64. ``seg_lengths=[2, 1, 3]``, ``seg_ptr=[0, 2, 3]``,
+    ``width=4``: segments ``[a a b .] [c c c .]`` -> ``[0, 1, 3]``. (A few numpy calls on per-row arrays:
+    this runs once a batch.)"""
+    csum = np.cumsum(seg_lengths)
+    ends = csum[seg_ptr[1:] - 1]
+    loads = ends - np.concatenate(([0], ends[:-1]))
+    tails = loads < width
+    before = np.cumsum(tails) - tails  # padding tails of the rows before each row
+    return np.arange(seg_lengths.size) + np.repeat(before, seg_ptr[1:] - seg_ptr[:-1])

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import PackedBatch, _note, real_tokens_and_documents
+from .batch import PackedBatch, _note, loss_factors, real_tokens_and_documents
 from .integrations.transformers import StepCountHook  # Trainer's private step count, in one place
 from .segments import IGNORE_INDEX
 
@@ -231,13 +231,13 @@ def hf_compute_loss_func(outputs, labels, *, num_items_in_batch=None) -> torch.T
     its count on one process: ``gradient_accumulation_steps=1``, the default); otherwise an error says so.
     """
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
-    note = _note(labels) if isinstance(labels, torch.Tensor) else {}
-    if note.get("loss_factor") is None:
+    found = loss_factors(labels) if isinstance(labels, torch.Tensor) else None
+    if found is None:
         return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch)
     z = getattr(num_items_in_batch, "loss_normalizer", None)
     if z is None:
-        z = _own_normalizer(labels, note, num_items_in_batch)
-    return token_normalized_loss(logits, labels, num_loss_tokens=z, loss_weight=note["loss_factor"])
+        z = _own_normalizer(labels, _note(labels), num_items_in_batch)
+    return token_normalized_loss(logits, labels, num_loss_tokens=z, loss_weight=found[0])
 
 
 def _own_normalizer(labels: torch.Tensor, note: dict, num_items_in_batch) -> float:
@@ -251,7 +251,7 @@ def _own_normalizer(labels: torch.Tensor, note: dict, num_items_in_batch) -> flo
             f"loss_weighting={note.get('loss_weighting')!r} divides by the optimiser step's normaliser, and this "
             f"micro-batch holds {own} of the step's {num_items_in_batch} loss tokens (or other ranks hold some): "
             "use a Trainer with packkit.loss.WeightedLossMixin (class T(WeightedLossMixin, Trainer)), which counts it over the step")
-    return note["loss_norm"] + note.get("loss_step_constant", 0.0)
+    return float(loss_factors(labels)[1]) + note.get("loss_step_constant", 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +317,8 @@ class AccumulationStep:
         ``batch`` is the micro-batch (``PackedBatch``, dict with ``labels``) or its label tensor.
         """
         labels, shifted = _labels_of(batch, shifted=self.shifted)
-        factor = _note(labels).get("loss_factor") if isinstance(labels, torch.Tensor) else None
+        found = loss_factors(labels) if isinstance(labels, torch.Tensor) else None
+        factor = None if found is None else found[0]
         if (factor is None) != (self.loss_weighting is None):
             raise ValueError(f"this micro-batch was collated under loss_weighting="
                              f"{_note(labels).get('loss_weighting', 'token')!r}, the step under "
@@ -481,7 +482,7 @@ def _micro_counts(mb, i: int, shifted: bool, ignore_index: int) -> tuple:
     tokens, examples = _real_tokens_and_examples(mb, labels, ignore_index)
     note = _note(labels)
     name = note.get("loss_weighting")
-    z = note["loss_norm"] if name is not None else count
+    z = loss_factors(labels)[1] if name is not None else count  # a tensor on the labels' device: no sync
     return count, tokens, examples, z, name, note.get("loss_step_constant", 0.0)
 
 

@@ -52,9 +52,9 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ArgumentError
-from .segments import IGNORE_INDEX, lengths_to_offsets
+from .segments import IGNORE_INDEX
 
-__all__ = ["LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "token_weights"]
+__all__ = ["LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,17 +77,19 @@ class LossWeighting:
         """The default: every loss token weighs ``1 / N`` (no per-token weights needed)."""
         return type(self) is LossWeighting and self.a_power == 0.0 and self.z_power == 1.0 and self.z_const is None
 
-    def factors(self, loss_counts, values=None) -> tuple[np.ndarray, np.ndarray]:
+    def factors(self, loss_counts, values=None):
         """``(a, z)``, float64 ``(D,)`` each, for documents of ``loss_counts`` loss tokens (``values``:
-        their per-example weights, for ``Column`` only)."""
-        n = np.asarray(loss_counts, np.float64)
+        their per-example weights, for ``Column`` only). numpy in, numpy out; a torch tensor in, torch out
+        (on its device: the batches' lazy path, no host sync)."""
+        xp = _xp(loss_counts)
+        n = xp.asarray(loss_counts, dtype=xp.float64)
         has = n > 0
-        safe = np.where(has, n, 1.0)
-        a = np.where(has, safe ** self.a_power, 0.0)
+        safe = xp.where(has, n, 1.0)
+        a = xp.where(has, safe ** self.a_power, 0.0)
         if self.z_const is not None:
-            z = np.where(has, self.z_const, 0.0) if not self.z_once else np.zeros_like(n)
+            z = xp.where(has, self.z_const, 0.0) if not self.z_once else xp.zeros_like(n)
         else:
-            z = np.where(has, safe ** self.z_power, 0.0)
+            z = xp.where(has, safe ** self.z_power, 0.0)
         return a, z
 
     def step_constant(self) -> float:
@@ -142,8 +144,13 @@ class ColumnWeighting(LossWeighting):
     def factors(self, loss_counts, values=None):
         if values is None:
             raise ArgumentError(f"loss_weighting=Column({self.key!r}) needs the examples' {self.key!r} values")
-        return _weighted_mean(np.asarray(loss_counts, np.float64), np.asarray(values, np.float64),
-                              f"the examples' {self.key!r}")
+        xp = _xp(loss_counts)
+        n = xp.asarray(loss_counts, dtype=xp.float64)
+        w = xp.asarray(values, dtype=xp.float64)
+        if xp is np:
+            _check_weights(w, f"the examples' {self.key!r}")
+        a = xp.where(n > 0, w, 0.0)  # (checked when collated on the lazy path)
+        return a, a * n
 
 
 def Column(key: str = "loss_weight") -> ColumnWeighting:
@@ -155,12 +162,45 @@ def Column(key: str = "loss_weight") -> ColumnWeighting:
 
 
 def _weighted_mean(n: np.ndarray, w: np.ndarray, what: str):
+    _check_weights(w, what)
+    a = np.where(n > 0, w, 0.0)
+    return a, a * n
+
+
+def _check_weights(w: np.ndarray, what: str) -> None:
     bad = ~np.isfinite(w) | (w < 0)
     if bad.any():
         raise ArgumentError(f"{what} gave {float(w[bad][0])!r} for document {int(np.argmax(bad))}; weights are finite "
                             "numbers >= 0")
-    a = np.where(n > 0, w, 0.0)
-    return a, a * n
+
+
+class _Torch:
+    """The few numpy names :meth:`LossWeighting.factors` uses, for torch tensors."""
+
+    float64 = None
+
+    @staticmethod
+    def asarray(x, dtype=None):
+        import torch
+
+        return x.to(torch.float64)
+
+    @staticmethod
+    def where(cond, x, y):
+        import torch
+
+        return torch.where(cond, x, torch.as_tensor(y, dtype=torch.float64, device=cond.device))
+
+    @staticmethod
+    def zeros_like(x):
+        import torch
+
+        return torch.zeros_like(x)
+
+
+def _xp(x):
+    """numpy, or the torch stand-in for a tensor (torch is not imported here unless a tensor came in)."""
+    return np if isinstance(x, (np.ndarray, list, tuple)) or not hasattr(x, "device") else _Torch
 
 
 def _positive(value) -> int:
@@ -201,42 +241,39 @@ def resolve(spec) -> LossWeighting:
                         f"or a callable, got {type(spec).__name__}")
 
 
-def token_weights(weighting: LossWeighting, labels: np.ndarray, seg_lengths: np.ndarray, *, dest=None,
-                  seg_doc=None, values=None) -> tuple[np.ndarray, float]:
-    """The per-token factors of a batch and its part of ``Z``: ``(weights, z)``.
+def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np.ndarray, *, real=None,
+                    seg_doc=None, values=None) -> tuple[np.ndarray, float]:
+    """Each segment's factor ``a_c`` and the batch's part of ``Z``: ``(factors, z)``.
 
     Args:
         labels: ``(n,)`` int64, the batch's flattened labels (``-100`` where no loss: a loss token is a
             label ``!= -100``, under either shift convention, as packkit's batches mask each document's
             first label).
-        seg_lengths: ``(S,)`` the lengths of the segments holding real tokens, in order (``>= 1``).
-        dest: ``(sum(seg_lengths),)`` where each real token lies in ``labels`` (None: ``labels`` is the
-            real tokens, in order).
-        seg_doc: ``(S,)`` the document of each segment (pieces of a split example share one, so its
-            ``|O_c|`` is counted over all of them); None: every segment its own document.
-        values: ``(D,)`` per-document weights (:class:`Column`).
+        cu_seqlens: ``(S + 1,)`` the segments over ``labels`` (padding tails and zero-length ones included).
+        real: ``(D,)`` the segments that are documents, in order (None: every segment; the others weigh 0).
+        seg_doc: ``(D,)`` the example of each document (pieces of a split example share one, so its
+            ``|O_c|`` is counted over all of them); None: every document its own.
+        values: per-example weights (:class:`ColumnWeighting`).
 
-    Returns: ``weights`` float64 ``(n,)``, ``a_c`` on every loss token, 0 elsewhere (float64 so that a
-    float64 loss is exact; ``batch.loss_weight`` is its float32 view); ``z`` a float.
+    Returns: ``factors`` float64 ``(S,)`` (a token's weight is its segment's factor where its label is not
+    -100: :func:`packkit.batch.PackedBatch.loss_weight`); ``z`` a float. Two passes over the labels (a
+    comparison and ``flatnonzero``); the rest is per segment.
 
-    >>> w, z = token_weights(resolve("sample"), np.array([-100, 5, 6, -100, 7]), np.array([3, 2]))
-    >>> w.tolist(), z
-    ([0.0, 0.5, 0.5, 0.0, 1.0], 2.0)
+    >>> f, z = segment_factors(resolve("sample"), np.array([-100, 5, 6, -100, 7]), np.array([0, 3, 5]))
+    >>> f.tolist(), z
+    ([0.5, 1.0], 2.0)
     """
-    real = labels if dest is None else labels[dest]
-    loss = real != IGNORE_INDEX
-    per_seg = np.add.reduceat(loss, lengths_to_offsets(seg_lengths)[:-1], dtype=np.int64) if loss.size else \
-        np.zeros(0, np.int64)
+    where = np.flatnonzero(labels != IGNORE_INDEX)
+    counts = np.diff(np.searchsorted(where, cu_seqlens))
+    docs = counts if real is None else counts[real]
     if seg_doc is not None:
-        per_doc = np.bincount(seg_doc, weights=per_seg, minlength=0 if values is None else len(values))
-        a, z = weighting.factors(per_doc, values)
+        per_example = np.bincount(seg_doc, weights=docs, minlength=0 if values is None else len(values))
+        a, z = weighting.factors(per_example, values)
         a = a[seg_doc]
     else:
-        a, z = weighting.factors(per_seg, values)
-    per_token = np.repeat(a, seg_lengths)
-    per_token *= loss
-    if dest is None:
-        return per_token, float(z.sum())
-    out = np.zeros(labels.size, np.float64)
-    out[dest] = per_token
-    return out, float(z.sum())
+        a, z = weighting.factors(docs, values)
+    if real is None:
+        return a, float(z.sum())
+    factors = np.zeros(counts.size, np.float64)
+    factors[real] = a
+    return factors, float(z.sum())

@@ -297,3 +297,87 @@ def test_real_ranks_equal_the_reference(tmp_path, world_size):
             err = float((got - want).abs().max())
             print(f"{resolve(mode).name:>28} rank {rank}/{world_size}: max |d grad| {err:.1e}")
             assert err <= 1e-12
+
+
+# -- elastic resume: the global steps, so every weight, survive a new world size ----------------------------
+
+
+def step_weights(sched, examples, mode):
+    """``{example: a_c / Z}`` over every whole step of a sampler's schedule: each step's micro-batches (every
+    rank's) collated, ``Z`` from their accumulation_step."""
+    from packkit.batch import loss_factors
+
+    coll, R, out = PaddingFreeCollator(loss_weighting=mode), sched.world_size, {}
+    for s in range(sched.step_start.size):
+        lo, hi = int(sched.step_row[s]), int(sched.step_row[s + 1])
+        if lo < 0:
+            continue
+        parts = [sched.flat[sched.ptr[b]:sched.ptr[b + 1]].tolist() for b in range(lo * R, hi * R)]
+        parts = [p for p in parts if p]
+        mbs = [coll([examples[i] for i in p]) for p in parts]
+        z = accumulation_step(mbs, all_reduce=False).loss_normalizer
+        for part, mb in zip(parts, mbs):
+            factors, cu = loss_factors(mb["labels"])[0].reshape(-1), mb.cu_seqlens.tolist()
+            for i, ex in enumerate(part):
+                out[ex] = float(factors[cu[i]:cu[i + 1]].max()) / z
+    return out
+
+
+@pytest.mark.parametrize("new_world", [1, 4])
+def test_resume_onto_another_world_size_keeps_every_weight(new_world):
+    """A run on 2 ranks (4 micro-batches a step) saved after two steps and resumed on 1 or 4 ranks: every
+    example left gets the weight a_c / Z it had in the uninterrupted run (the global steps are the same)."""
+    from packkit.sampler import PackedBatchSampler
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(2, 40, 90)
+    examples = []
+    for n in lengths.tolist():
+        ids = rng.integers(0, VOCAB, n).tolist()
+        prompt = int(rng.integers(0, n + 1))
+        examples.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]})
+    for mode in ("sample", "sqrt", DrGRPO(L_MAX)):
+        a = PackedBatchSampler(lengths, window=64, step_batches=4, rank=0, world_size=2, seed=3)
+        b = PackedBatchSampler(lengths, window=64, step_batches=4, rank=0, world_size=new_world, seed=3)
+        whole = step_weights(a.schedule(), examples, mode)
+        b.load_state_dict(a.state_dict(batches_consumed=4))  # two whole steps of 2 rows
+        resumed = step_weights(b.schedule(), examples, mode)
+        done = a.schedule().ptr[4 * 2]  # the examples of the first 4 rows of 2 ranks
+        assert resumed and len(resumed) + done == len(whole)
+        worst = max(abs(resumed[e] - whole[e]) for e in resumed)
+        print(f"{resolve(mode).name}: {len(resumed)} examples after the resume on {new_world} ranks, max |d w| {worst:.1e}")
+        assert worst <= 1e-15
+
+
+# -- context parallelism: the factors of the whole row, taken by each CP rank -------------------------------
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "ulysses", "hybrid"])
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_cp_shards_sum_to_the_whole_row(layout, cp_size):
+    """A packed row sharded over a CP group (every layout, 1/2/4 ranks): each rank's weighted loss, its weights
+    taken by the shard from the whole row's factors (shifted with the labels), sums to the row's loss within
+    1e-12; no rank needs another's |O_c|."""
+    from packkit.batch import loss_factors
+    from packkit.cp import shard
+
+    rng = np.random.default_rng(cp_size)
+    docs = []
+    for n in (17, 3, 29, 8, 1, 12):
+        ids = rng.integers(0, VOCAB, n).tolist()
+        docs.append({"input_ids": ids, "labels": [IGNORE] * (n // 3) + ids[n // 3:]})
+    model = tiny_token_lm(VOCAB, 4)
+    for mode in ("sample", "sqrt", DrGRPO(L_MAX)):
+        batch = PaddingFreeCollator(loss_weighting=mode)(docs)
+        step = accumulation_step([batch], all_reduce=False)
+        whole = step.loss(model(batch["input_ids"]), batch)
+        factors = loss_factors(batch["labels"])[0]
+        shifted = F.pad(factors[..., 1:], (0, 1))  # the weight of each token's target, as shift_labels
+        parts = []
+        for rank in range(cp_size):
+            part = shard(batch, cp_size=cp_size, rank=rank, layout=layout)
+            parts.append(token_normalized_loss(model(part.input_ids), part.shift_labels, shifted=True,
+                                               loss_weight=part.take(shifted)[None], num_loss_tokens=step.loss_normalizer))
+        err = abs(float(sum(parts).detach()) - float(whole.detach()))
+        print(f"{resolve(mode).name} {layout} cp={cp_size}: |sum of ranks - row| {err:.1e}")
+        assert err <= 1e-12

@@ -1,0 +1,79 @@
+"""What a loss weighting costs the collator: ``loss_weighting="sample"`` (per-token factors and the batch's
+part of Z) against the token mean (``"token"``, nothing added), the same collator on the same batches.
+
+Real chat lengths (ShareGPT under Qwen3's tokenizer, ``data/sharegpt_qwen3_lengths.npy``), each example's
+first third masked in its labels (a prompt), numpy examples in mini-batches of ``--batch-size``. Two
+collators: ``PaddingFreeCollator`` and ``FixedWindowCollator(window=W, overflow="split")`` (split examples
+keep one count: the costlier path). A/B pairs alternate (which runs first flips each round), GC outside the
+clock, CPU time (``time.process_time``); the figure is the median of the pair ratios, with their spread and
+the load average beside it. The target: overhead <= 2%. Prints a table last and one JSON line.
+``python benchmarks/bench_weighting.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from benchlib import ab_pairs, chat_lengths, loadavg, ratio_spread, versions
+
+from packkit.collate import FixedWindowCollator, PaddingFreeCollator
+
+TARGET = 0.02  # overhead of the weights, at most
+
+
+def make_batches(num_batches: int, batch_size: int, *, seed: int) -> list[list[dict]]:
+    rng = np.random.default_rng(seed)
+    lengths = chat_lengths(num_batches * batch_size, seed=seed)
+    examples = []
+    for n in lengths.tolist():
+        ids = rng.integers(0, 151_000, n, dtype=np.int64)
+        labels = ids.copy()
+        labels[: n // 3] = -100
+        examples.append({"input_ids": ids, "labels": labels})
+    return [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.batches = 3, 4
+    batches = make_batches(args.batches, args.batch_size, seed=0)
+    tokens = sum(len(ex["input_ids"]) for b in batches for ex in b)
+    rows = []
+    for name, make in (("padding_free", lambda w: PaddingFreeCollator(loss_weighting=w)),
+                       ("fixed_window_split", lambda w: FixedWindowCollator(window=args.window, overflow="split",
+                                                                            loss_weighting=w))):
+        base, weighted = make("token"), make("sample")
+        check = weighted(batches[0])
+        assert check.loss_weighting == "sample" and base(batches[0]).loss_weighting is None
+
+        def run(coll):
+            return lambda: [coll(b) for b in batches]
+
+        load = loadavg()
+        t_w, t_b = ab_pairs(run(weighted), run(base), args.rounds, clock=time.process_time)
+        spread = ratio_spread(t_w, t_b)
+        rows.append({"collator": name, "overhead_median": spread["median"] - 1, "overhead_low": spread["low"] - 1,
+                     "overhead_high": spread["high"] - 1, "token_s": spread["den_median"],
+                     "sample_s": spread["num_median"], "pairs": spread["pairs"], "load": load})
+    print(f"{tokens:,} tokens in {args.batches} batches of {args.batch_size} real chat examples, window {args.window}")
+    print(f"{'collator':<20} {'token (s)':>10} {'sample (s)':>11} {'overhead':>9} {'low..high':>16} {'load':>6}  target <= 2%")
+    for r in rows:
+        ok = "met" if r["overhead_median"] <= TARGET else "MISSED"
+        print(f"{r['collator']:<20} {r['token_s']:>10.4f} {r['sample_s']:>11.4f} {r['overhead_median']:>8.1%} "
+              f"{r['overhead_low']:>7.1%}..{r['overhead_high']:<7.1%} {r['load']:>6.1f}  {ok}")
+    print(json.dumps({"bench": "weighting", "rows": rows, "tokens": tokens, **versions("numpy", "torch")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
