@@ -52,9 +52,10 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ArgumentError
+from .fileio import atomic_output, check_output
 from .segments import IGNORE_INDEX
 
-__all__ = ["LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
+__all__ = ["WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,3 +278,91 @@ def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np
     factors = np.zeros(counts.size, np.float64)
     factors[real] = a
     return factors, float(z.sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# what a weighting does to a dataset: the loss weight by length decile (packkit plan --loss-weighting)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightShares:
+    """The share of the loss weight each tenth of the examples (by length) carries, under a weighting and
+    under the token mean: ``shares[i] = sum_{c in decile i} a_c |O_c| / sum_c a_c |O_c|``, the data read as
+    one step (within a step every document's ``Z`` is the same; steps differ only in what they hold).
+
+    Fields: ``weighting`` (its name); ``edges`` ``(11,)`` the lengths bounding the deciles; ``examples``
+    ``(10,)``; ``shares`` and ``token_shares`` ``(10,)`` float64, each summing to 1.
+    """
+
+    weighting: str
+    edges: np.ndarray
+    examples: np.ndarray
+    shares: np.ndarray
+    token_shares: np.ndarray
+
+    def table(self) -> str:
+        lines = [f"loss weight by length decile under loss_weighting={self.weighting!r} (token mean beside it)",
+                 f"  {'decile':>6}  {'lengths':>15}  {'examples':>9}  {self.weighting:>10}  {'token':>7}"]
+        for i in range(self.shares.size):
+            span = f"{int(self.edges[i]):,}-{int(self.edges[i + 1]):,}"
+            lines.append(f"  {i + 1:>6}  {span:>15}  {int(self.examples[i]):>9,}  {self.shares[i]:>10.1%}  "
+                         f"{self.token_shares[i]:>7.1%}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"weighting": self.weighting, "edges": self.edges.tolist(), "examples": self.examples.tolist(),
+                "shares": self.shares.tolist(), "token_shares": self.token_shares.tolist()}
+
+
+def weight_shares(lengths, loss_lengths, weighting) -> WeightShares:
+    """:class:`WeightShares` of examples of ``lengths`` tokens with ``loss_lengths`` loss tokens each.
+
+    >>> weight_shares([10] * 5 + [100] * 5, [9] * 5 + [99] * 5, "sample").shares.round(2).tolist()
+    [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    """
+    lengths, n = np.asarray(lengths, np.int64), np.asarray(loss_lengths, np.float64)
+    rule = resolve(weighting)
+    if isinstance(rule, ColumnWeighting):
+        raise ArgumentError("the shares of a per-example weight column need the column: pass a name or a callable")
+    order = np.argsort(lengths, kind="stable")
+    groups = np.array_split(order, 10)
+    shares = []
+    for r in (rule, TOKEN):
+        a, _ = r.factors(n)
+        w = a * n
+        total = w.sum()
+        shares.append(np.array([w[g].sum() / total if total > 0 else 0.0 for g in groups]))
+    edges = np.array([int(lengths[g].min()) if g.size else 0 for g in groups] + [int(lengths.max(initial=0))])
+    return WeightShares(rule.name, edges, np.array([g.size for g in groups]), shares[0], shares[1])
+
+
+def plot_weight_shares(shares: WeightShares, path, *, overwrite: bool = False) -> None:
+    """A PNG of the shares by decile, the weighting's bars beside the token mean's. Written beside ``path`` and
+    renamed into place when complete; an existing ``path`` is replaced only with ``overwrite=True``."""
+    check_output(path, overwrite=overwrite)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = np.arange(shares.shares.size)
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    ax.bar(x - 0.2, shares.token_shares, width=0.4, color="#8C8C8C", label="token mean")
+    ax.bar(x + 0.2, shares.shares, width=0.4, color="#4C72B0", label=shares.weighting)
+    ax.axhline(0.1, color="0.5", linestyle=":", linewidth=1)
+    labels = [f"{int(shares.edges[i]):,}-\n{int(shares.edges[i + 1]):,}" for i in x]
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xlabel("length decile (tokens)")
+    ax.set_ylabel("share of the loss weight")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_title(f"loss weight by length decile: {shares.weighting} against the token mean", fontsize=11)
+    ax.legend(frameon=False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    try:
+        with atomic_output(path, overwrite=overwrite) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")
+    finally:
+        plt.close(fig)

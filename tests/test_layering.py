@@ -21,7 +21,8 @@ FLOORS = [
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
      "integrations", "integrations.transformers"],
     # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance", "integrations.trl"],
+    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance", "integrations.trl",
+     "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # CP shards
     ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "cp", "media"],
@@ -30,7 +31,7 @@ FLOORS = [
     ["collate", "sources", "model_inputs", "streaming"],
     ["offline"],
     ["raydata", "planned"],
-    ["cli", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
+    ["cli", "cli._chat", "cli._weighting", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
 ]
 
 #: Modules whose import (and that of every packkit module they import at module level) pulls none of

@@ -10,6 +10,7 @@ from ..binpack import OVERFLOW_POLICIES, PLAN_BYTES_PER_ITEM, STRATEGIES, check_
 from ..budget import AdviceOptions, plan_budget, synthetic_sft_lengths
 from ..datafiles import Lengths, lines_named, read_lengths
 from ._chat import add_tokenizer_arguments, chat_options
+from ._weighting import add_weighting_arguments, weighting_report
 
 #: The library's argument names that this command spells otherwise.
 ALIASES = {"target_tokens_per_step": "target_tokens"}
@@ -51,6 +52,7 @@ def parser() -> Parser:
                                  "ulysses and hybrid need W to be a multiple of N (default hybrid)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_weighting_arguments(p)
     return p
 
 
@@ -83,8 +85,9 @@ def run(args, options=None) -> int:
                              overflow=args.overflow, balance=args.balance, drop_loss_free=args.drop_loss_free,
                              drop_last=args.drop_last, seed=args.seed, cp_size=args.cp_size,
                              cp_layout=args.cp_layout, advice=advice)
+    shares = weighting_report(args, data)
     if args.json:
-        print(json.dumps(report.as_dict()))
+        print(json.dumps({**report.as_dict(), **({"loss_weighting": shares.as_dict()} if shares else {})}))
     else:
-        print(report.table(options=options))
+        print(report.table(options=options) + ("\n\n" + shares.table() if shares else ""))
     return 0

@@ -1,0 +1,30 @@
+"""``packkit plan --loss-weighting MODE [--weight-plot PNG]``: the share of the loss weight by length decile
+(:func:`packkit.weighting.weight_shares`), the hook ``plan`` calls."""
+
+from __future__ import annotations
+
+from . import UsageError
+from ..weighting import NAMES, plot_weight_shares, weight_shares
+
+
+def add_weighting_arguments(p) -> None:
+    p.add_argument("--loss-weighting", choices=sorted(NAMES), metavar="MODE",
+                   help="also show the share of the loss weight by length decile under MODE "
+                        f"({', '.join(sorted(NAMES))}) beside the token mean")
+    p.add_argument("--weight-plot", metavar="PNG", help="with --loss-weighting: write those shares as a bar chart")
+    p.add_argument("--overwrite-plot", action="store_true", help="replace an existing --weight-plot file")
+
+
+def weighting_report(args, data):
+    """The :class:`~packkit.weighting.WeightShares` asked for (None without ``--loss-weighting``), its plot
+    written when asked. The loss tokens are the data's (labels, a loss mask, a chat template), else every
+    token after each example's first."""
+    if args.loss_weighting is None:
+        if args.weight_plot:
+            raise UsageError("--weight-plot draws the --loss-weighting shares: pass --loss-weighting MODE too")
+        return None
+    loss = data.loss_lengths if data.loss_lengths is not None else data.lengths - 1
+    shares = weight_shares(data.lengths, loss, args.loss_weighting)
+    if args.weight_plot:
+        plot_weight_shares(shares, args.weight_plot, overwrite=args.overwrite_plot)
+    return shares
