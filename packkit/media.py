@@ -1,4 +1,5 @@
-"""Multimodal model families beyond mRoPE: one small adapter a family, read by
+"""Multimodal model families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT,
+Qwen2-Audio): one small adapter a family, read by
 :class:`~packkit.model_inputs.VisionLanguageCollator` (``config=model.config`` picks it by ``model_type``).
 
 A family says four things, and nothing else differs between them:
@@ -76,6 +77,9 @@ class Family:
         own_mask: packkit hands the model its mask (:func:`span_masks`): the model's own packed mask
             is wrong for this family (Gemma 3); else the model composes spans and documents itself from
             ``token_type_ids`` and ``position_ids`` (PaliGemma, checked equal to each document alone).
+        ragged: the media key whose units differ in their first dimension (LLaVA-NeXT's tiles per image):
+            padded with zeros to the batch's longest, as the model's processor pads a batch (the model
+            reads each image's own tiles from ``image_sizes``).
     """
 
     name: str
@@ -86,6 +90,7 @@ class Family:
     window_bounds_spans: bool = True
     batch_axis: bool = False
     own_mask: bool = False
+    ragged: str | None = None
 
 
 def _fixed(config, count: int):
@@ -120,6 +125,25 @@ def _qwen2_audio(config, ex, units):
     return int(config.audio_token_id), int((((frames - 1) // 2 + 1 - 2) // 2 + 1).sum())
 
 
+def _llava_next(config, ex, units):
+    """Each image's features as ``LlavaNextModel.pack_image_features`` lays them out: the base tile's patches,
+    then the tiles' grid unpadded to the image's aspect ratio, a newline after every row."""
+    if not units:
+        return int(config.image_token_id), 0
+    from transformers.models.llava_next.modeling_llava_next import (  # lazy: transformers only for this family
+        get_anyres_image_grid_shape, unpad_image)
+
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    base = side ** 2 + (config.vision_feature_select_strategy == "full")
+    total = 0
+    for size in _as_tensor(ex["image_sizes"]).reshape(units, 2).tolist():
+        rows, cols = get_anyres_image_grid_shape(size, config.image_grid_pinpoints, vision.image_size)
+        grid = unpad_image(torch.empty(1, rows * side, cols * side), size)
+        total += base + grid.shape[1] * (grid.shape[2] + 1)
+    return int(config.image_token_id), total
+
+
 #: ``model_type -> Family``: the families VisionLanguageCollator packs besides the mRoPE ones.
 FAMILIES = {
     "gemma3": Family("Gemma 3", (("pixel_values", 3),), _gemma3, ("token_type_ids",), "image", True, own_mask=True),
@@ -127,6 +151,7 @@ FAMILIES = {
     "idefics3": Family("Idefics3", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "smolvlm": Family("SmolVLM", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "internvl": Family("InternVL", (("pixel_values", 3),), _internvl),
+    "llava_next": Family("LLaVA-NeXT", (("pixel_values", 4), ("image_sizes", 1)), _llava_next, ragged="pixel_values"),
     "qwen2_audio": Family("Qwen2-Audio", (("input_features", 2), ("feature_attention_mask", 1)), _qwen2_audio),
 }
 
@@ -179,8 +204,9 @@ def check_media(family: Family, config, examples) -> list[dict]:
                           f"for {units} media units, which {family.name} turns into {want} features; keep the text "
                           "and the media the processor returned together")
         for key, t in mine.items():
-            first = shapes.setdefault(key, (tuple(t.shape[1:]), i))
-            if tuple(t.shape[1:]) != first[0]:
+            unit = tuple(t.shape[2 if key == family.ragged else 1:])
+            first = shapes.setdefault(key, (unit, i))
+            if unit != first[0]:
                 raise located(ExampleValueError, i, None, f"has {key!r} units of shape {list(t.shape[1:])} and "
                               f"{location(first[1])} {list(first[0])}; {family.name} encodes a batch's units "
                               "together: give every example the same processor's size")
@@ -207,6 +233,9 @@ def media_inputs(family: Family, media: list[dict], order) -> dict:
     out = {}
     for key, _ in family.media:
         parts = [media[i][key] for i in order if key in media[i]]
+        if parts and key == family.ragged:
+            longest = max(p.shape[1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, longest - p.shape[1])) for p in parts]
         if parts:
             cat = torch.cat(parts)
             out[key] = cat[None] if family.batch_axis else cat

@@ -1,4 +1,4 @@
-"""Multimodal families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, Qwen2-Audio) packed through
+"""Multimodal families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT, Qwen2-Audio) packed through
 ``VisionLanguageCollator(collator, config=model.config)``, each on a tiny random model built from a config
 (float64, CPU): every document's logits equal those of the document run alone, changing one document's
 media leaves every other document's logits bit for bit, the media follow their documents after best-fit
@@ -51,6 +51,11 @@ def build(family: str, impl: str = "sdpa"):
         config = t.InternVLConfig(text_config=dict(TEXT, model_type="qwen2"), image_token_id=IMG, downsample_ratio=0.5,
                                   vision_config=dict(SIGLIP, image_size=[8, 8], patch_size=[2, 2]))
         cls, make = t.InternVLForConditionalGeneration, _internvl_example
+    elif family == "llava_next":
+        config = t.LlavaNextConfig(text_config=dict(TEXT, model_type="llama"), image_token_index=IMG,
+                                   vision_config=dict(SIGLIP, model_type="clip_vision_model", projection_dim=16),
+                                   image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]], vision_feature_layer=-1)
+        cls, make = t.LlavaNextForConditionalGeneration, None
     else:
         config = t.Qwen2AudioConfig(text_config=dict(TEXT, model_type="qwen2"), audio_token_id=IMG,
                                     audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
@@ -61,6 +66,8 @@ def build(family: str, impl: str = "sdpa"):
     for name, p in model.named_parameters():
         if name.endswith("mm_input_projection_weight"):  # Gemma 3 starts it at zero: images would not count
             torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(1))
+    if family == "llava_next":
+        return model, lambda g, text, units: _llava_next_example(model, g, text, units)
     return model, lambda g, text, units: make(model.config, g, text, units)
 
 
@@ -104,6 +111,25 @@ def _internvl_example(config, g, text, units):
     return dict({"input_ids": ids}, pixel_values=_pixels(g, units)) if units else {"input_ids": ids}
 
 
+def _llava_next_example(model, g, text, units):
+    """Images of random sizes, each cut in 3 or 5 tiles (the base tile and its grid), padded to the example's
+    most; as many placeholders as the model's own get_image_features gives features for each image."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    shapes = torch.tensor([[5, 12], [14, 15], [12, 6], [16, 9]])  # 3, 5, 3 and 5 tiles
+    sizes = shapes[torch.randint(0, 4, (units,), generator=g)]
+    tiles = [image_size_to_num_patches(s, model.config.image_grid_pinpoints, 8) for s in sizes.tolist()]
+    pixels = torch.randn(units, max(tiles, default=1), 3, 8, 8, generator=g, dtype=torch.float64)
+    ids = _words(g, text)
+    if not units:
+        return {"input_ids": ids}
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True)
+    for f in features.pooler_output:
+        ids += [BOI] + [IMG] * f.shape[0] + [EOI] + _words(g, 2)
+    return {"input_ids": ids, "pixel_values": pixels, "image_sizes": sizes}
+
+
 def _audio_example(config, g, text, units):
     frames = torch.randint(6, 17, (units,), generator=g)  # real frames of each clip, padded to 16
     ids = _words(g, text)
@@ -144,7 +170,7 @@ def documents(batch, examples):
 
 #: every family once under ``make test``; a second attention implementation under ``-m slow``
 FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"),
-                ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"),
+                ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"), ("llava_next", "sdpa"),
                 pytest.param(("internvl", "eager"), marks=pytest.mark.slow)]
 
 
@@ -156,6 +182,12 @@ def case(request):
     examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2), make(g, 4, 1), make(g, 6, 0)]
     alone = [logits(model, alone_inputs(ex))[0] for ex in examples]
     return family, impl, model, examples, alone
+
+
+def best_fit(examples):
+    """Best-fit windows of 40 tokens (or the longest example's, LLaVA-NeXT's images being long): they move
+    the documents."""
+    return FixedWindowCollator(window=max(40, *(len(ex["input_ids"]) for ex in examples)), loss_mask="none")
 
 
 def check(model, batch, examples, alone, tol):
@@ -179,18 +211,23 @@ def test_fixed_windows_media_follow_their_documents(case):
     """Best-fit packing moves documents; each document's media are found, by content, where the model
     reads them: concatenated in the order the batch holds the documents."""
     family, impl, model, examples, alone = case
-    batch = VisionLanguageCollator(FixedWindowCollator(window=40, num_windows=3, loss_mask="none"), config=model.config)(examples)
+    batch = VisionLanguageCollator(best_fit(examples), config=model.config)(examples)
     order, _ = check(model, batch, examples, alone, TOL[impl])
     assert order != sorted(order)
     key = "input_features" if family == "qwen2_audio" else "pixel_values"
     got = batch[key][0] if FAMILIES[family].batch_axis else batch[key]
-    want = [torch.as_tensor(examples[i][key]).reshape(-1, *got.shape[1:]) for i in order if key in examples[i]]
-    assert torch.equal(got, torch.cat(want))
+    dims = dict(FAMILIES[family].media)[key]
+    want = [unit for i in order if key in examples[i]
+            for unit in torch.as_tensor(examples[i][key]).reshape(-1, *torch.as_tensor(examples[i][key]).shape[-dims:])]
+    assert len(got) == len(want)
+    assert not FAMILIES[family].ragged or any(len(unit) < got.shape[1] for unit in want)
+    for have, unit in zip(got, want):  # LLaVA-NeXT's tiles: padded with zeros to the batch's most
+        assert torch.equal(have[:len(unit)], unit) and not have[len(unit):].any()
 
 
 def test_one_documents_media_changed_leaves_the_others_exactly(case):
     family, impl, model, examples, alone = case
-    collate = VisionLanguageCollator(FixedWindowCollator(window=40, num_windows=3, loss_mask="none"), config=model.config)
+    collate = VisionLanguageCollator(best_fit(examples), config=model.config)
     key = "input_features" if family == "qwen2_audio" else "pixel_values"
     changed = [dict(ex) for ex in examples]
     media = torch.as_tensor(examples[2][key])
@@ -275,12 +312,15 @@ def test_media_in_example_order_give_documents_each_others_media(case):
     concatenated in the examples' order, as a collator that does not follow the packer gives them: documents
     take each other's images or audio, silently (the model checks only the batch's totals)."""
     family, impl, model, examples, alone = case
-    packer = FixedWindowCollator(window=40, num_windows=3, loss_mask="none")
+    packer = best_fit(examples)
     batch = VisionLanguageCollator(packer, config=model.config)(examples)
     naive = dict(batch)
     for key, dims in FAMILIES[family].media:
         parts = [torch.as_tensor(ex[key]).reshape(-1, *torch.as_tensor(ex[key]).shape[-dims:]) for ex in examples
                  if key in ex]
+        if key == FAMILIES[family].ragged:  # tiles padded to the most, as the processor pads a batch
+            most = max(p.shape[1] for p in parts)
+            parts = [torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts]
         naive[key] = torch.cat(parts)[None] if FAMILIES[family].batch_axis else torch.cat(parts)
     out = logits(model, naive)
     flat = out.reshape(-1, out.shape[-1])
