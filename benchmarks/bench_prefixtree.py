@@ -9,7 +9,8 @@ from the ids alone, one conversation a tree (``groups=``). Figures:
 * multi-turn: tokens per turn (every sample whole, the baseline) against trie nodes (forwarded once each);
   checked against the file's own count; target >= 2.7x;
 * RL groups: ``n`` completions of one prompt (n = 4, 8, 16), prompts and completions drawn (seeded) from the
-  same file's first-turn prompts and assistant replies; target >= 1.5x at n = 8;
+  same file's assistant replies and its first-turn prompts (a first user message), then again with every turn's
+  prompt (the conversation before the turn); target >= 1.5x at n = 8;
 * speed: ``build_tree`` on the multi-turn ids in batches of ``--batch-tokens`` (CPU seconds,
   ``time.process_time``), A/B alternated with the baseline a user would write: a dict trie, sample by sample,
   token by token (on a ``--baseline-tokens`` share of the batch, scaled to tokens per second); target >= 5M
@@ -74,10 +75,11 @@ def multi_turn(data) -> dict:
             "groups": data["conversation"].astype(np.int64)}
 
 
-def rl_groups(data, n: int, *, prompts: int, seed: int) -> dict:
-    """``prompts`` groups of ``n`` completions, lengths drawn from the file's first-turn prompts and replies."""
+def rl_groups(data, n: int, *, prompts: int, seed: int, history: bool = False) -> dict:
+    """``prompts`` groups of ``n`` completions, lengths drawn from the file's replies and its first-turn prompts
+    (``history``: every turn's prompt, the conversation before it)."""
     rng = np.random.default_rng(seed)
-    first = data["shared"] == 0
+    first = np.ones(data["length"].size, bool) if history else data["shared"] == 0
     prompt_pool = (data["length"] - data["loss"])[first].astype(np.int64)
     reply_pool = data["loss"].astype(np.int64)
     p = rng.choice(prompt_pool, prompts)
@@ -90,7 +92,7 @@ def rl_groups(data, n: int, *, prompts: int, seed: int) -> dict:
         for j in range(1, n):
             ids[off[g * n + j]:off[g * n + j] + p[g]] = ids[a:a + p[g]]
     tree = build_tree(ids, lengths, groups=np.repeat(np.arange(prompts), n))
-    return {"n": n, "groups": prompts, "sample_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
+    return {"n": n, "groups": prompts, "prompts": "every turn's history" if history else "first turn", "sample_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
             "ratio": tree.num_sample_tokens / tree.num_nodes,
             "formula": float((n * p + c.sum(1)).sum() / (p + c.sum(1)).sum())}
 
@@ -156,7 +158,7 @@ def main() -> None:
 
     data = dict(np.load(args.turns))
     mt = multi_turn(data)
-    groups = [rl_groups(data, n, prompts=args.prompts, seed=n) for n in (4, 8, 16)]
+    groups = [rl_groups(data, n, prompts=args.prompts, seed=n, history=h) for h in (False, True) for n in (4, 8, 16)]
     sp = speed(mt, batch_tokens=args.batch_tokens, baseline_tokens=args.baseline_tokens, rounds=args.rounds)
     training = multi_turn(dict(np.load(args.training_turns))) if os.path.exists(args.training_turns) else None
     print(f"\nprefix trees on {os.path.basename(args.turns)} ({mt['conversations']:,} conversations, {mt['samples']:,} "
@@ -169,7 +171,7 @@ def main() -> None:
               f"{verdict(training['ratio'], 2.7)}")
     for g in groups:
         target = f"{verdict(g['ratio'], 1.5)}" if g["n"] == 8 else f"{g['ratio']:.2f}x"
-        print(f"{'RL groups of ' + str(g['n']) + ' (' + format(g['groups'], ',') + ' prompts)':34s} "
+        print(f"{'RL groups of ' + str(g['n']) + ', ' + g['prompts'] + ' prompts':34s} "
               f"{g['sample_tokens']:>16,} {g['tree_tokens']:>17,}  {target} (lengths alone: {g['formula']:.2f}x)")
     print(f"build_tree: {sp['ours_tok_s'] / 1e6:.2f}M tokens/CPU s (range {sp['ours_low'] / 1e6:.2f}-"
           f"{sp['ours_high'] / 1e6:.2f}M; {sp['batch_tokens']:,} tokens a batch) against the dict trie's "

@@ -66,13 +66,23 @@ _BASE_INV = pow(_BASE, -1, 2 ** 64)
 # ----------------------------------------------------------------------------------------------
 
 
+_POWERS: dict = {}  # base -> its powers so far: a trainer builds a tree every step, of similar sizes
+_POWERS_CACHED = 1 << 24  # at most 128 MiB a base kept; larger batches compute theirs each time
+
+
 def _powers(base: int, n: int) -> np.ndarray:
-    """``base**0 .. base**(n-1)`` modulo ``2**64``, ``(n,)`` uint64 (numpy's integer products wrap)."""
-    out = np.full(n, base, np.uint64)
-    if n:
+    """``base**0 .. base**(n-1)`` modulo ``2**64``, ``(n,)`` uint64 (numpy's integer products wrap); computed
+    once for the largest ``n`` asked up to ``_POWERS_CACHED`` (read-only views after)."""
+    have = _POWERS.get(base)
+    if have is None or have.size < n:
+        out = np.full(max(n, 1), base, np.uint64)
         out[0] = 1
-    with np.errstate(over="ignore"):
-        return np.cumprod(out, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            have = np.cumprod(out, dtype=np.uint64)
+        have.flags.writeable = False
+        if n <= _POWERS_CACHED:
+            _POWERS[base] = have
+    return have[:n]
 
 
 def prefix_hashes(ids: np.ndarray, starts: np.ndarray, sample: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
@@ -119,7 +129,9 @@ def _first_of_equal(h: np.ndarray) -> np.ndarray:
     mixed = same_high & diff
     if mixed.any():  # equal high bits, different hashes: sort those runs by (hash, index)
         run = np.concatenate([[0], np.cumsum(~same_high)])
-        at = np.flatnonzero(np.isin(run, run[1:][mixed]))
+        marked = np.zeros(int(run[-1]) + 1, bool)
+        marked[run[1:][mixed]] = True
+        at = np.flatnonzero(marked[run])
         sub = np.lexsort((order[at], hs[at]))
         order[at], hs[at] = order[at][sub], hs[at][sub]
         diff = hs[1:] != hs[:-1]
