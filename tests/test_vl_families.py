@@ -383,6 +383,9 @@ def test_flex_block_mask_is_the_same_mask():
         masks = span_masks(model.config, batch.seq_idx, blocks)
     finally:
         config._attn_implementation = "sdpa"
+    import pickle
+
+    masks = pickle.loads(pickle.dumps(masks))  # a DataLoader worker sends it through a queue
     q, k, v = torch.randn(3, 2, 2, 48, 8, generator=g).unbind(0)
     for kind, dense in batch["attention_mask"].items():
         block = masks[kind]
@@ -433,3 +436,39 @@ def test_docs_block_trains_as_pasted(family, tmp_path, monkeypatch):
             alone += out.loss * (labels[0, 1:] != -100).sum()
     print(f"{family}: summed loss packed {packed.item():.6f}, alone {alone.item():.6f}")
     assert torch.allclose(packed, alone, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_image, window", [(256, 4096), (256, 8192), (1024, 16384)])
+def test_best_fit_fills_windows_on_vlm_like_lengths(per_image, window):
+    """A document's length is its input_ids, placeholders included, so the planner packs media as tokens:
+    real ShareGPT text lengths (Qwen3 tokenizer) plus 0-4 images of ``per_image`` tokens and two markers
+    each (Gemma 3 takes 256 an image), examples above the window left out; best fit's windows within 1% of
+    the lower bound max(ceil(tokens / W), documents longer than W / 2)."""
+    from pathlib import Path
+
+    from packkit.binpack import pack
+
+    text = np.load(Path(__file__).resolve().parents[1] / "benchmarks/data/sharegpt_qwen3_lengths.npy")
+    images = np.random.default_rng(0).choice([0, 1, 1, 2, 3, 4], size=len(text))
+    lengths = text + images * (per_image + 2)
+    lengths = lengths[lengths <= window]
+    windows = pack(lengths, window=window).num_windows
+    bound = max(-(-int(lengths.sum()) // window), int((lengths > window / 2).sum()))
+    print(f"W={window}, {per_image} tokens an image: {windows} windows, lower bound {bound}, fill {bound / windows:.4f}")
+    assert bound / windows >= 0.99
+
+
+def test_gemma3_masks_cross_dataloader_workers():
+    """Gemma 3's batch with its mask per layer type, made in two DataLoader workers (pickled across the
+    queue), equals the batch made in the process, and the model's documents equal each alone."""
+    model, make = build("gemma3", "sdpa")
+    g = torch.Generator().manual_seed(3)
+    examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2), make(g, 4, 1)]
+    alone = [logits(model, alone_inputs(ex))[0] for ex in examples]
+    collate = VisionLanguageCollator(best_fit(examples), config=model.config)
+    loader = torch.utils.data.DataLoader(examples, batch_size=len(examples), collate_fn=collate, num_workers=2)
+    (batch,) = list(loader)
+    here = collate(examples)
+    assert sorted(batch["attention_mask"]) == ["full_attention", "sliding_attention"]
+    assert all(torch.equal(batch["attention_mask"][k], here["attention_mask"][k]) for k in here["attention_mask"])
+    check(model, batch, examples, alone, TOL["sdpa"])
