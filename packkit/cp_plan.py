@@ -404,8 +404,9 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
         whole_seg.append(short[a:placed])
         for s in short[placed:b].tolist():  # no rank has room for it whole
             _cut_over_ranks(s, n, work, room, cut)
-    whole_rank = (_dealt_ranks(np.array(before, np.int64), np.array(took, np.int64), values[::-1] * (values[::-1] + 1) // 2)
-                  if took else np.zeros(0, np.int64))
+    doc_w = values[::-1] * (values[::-1] + 1) // 2  # a document's causal work, run by run
+    whole_rank = (_dealt_ranks(np.array(before, np.int64), np.array(took, np.int64), doc_w) if took
+                  else np.zeros(0, np.int64))
     whole_seg = np.concatenate(whole_seg) if whole_seg else np.zeros(0, np.int64)
     room = np.array(room, np.int64)
     # what room is left becomes one padding segment per rank, after the batch's segments

@@ -23,7 +23,7 @@ from .. import integrations
 import warnings
 
 __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register",
-           "jinja_compiler", "StepCountHook", "StepNormalizer"]
+           "jinja_compiler", "StepCountHook", "StepNormalizer", "render_chat", "fast_backend"]
 
 #: ``[first, past)``: the transformers releases this module is checked against (major.minor).
 SUPPORTED = ((5, 0), (6, 0))
@@ -97,7 +97,6 @@ def jinja_compiler():
     return getattr(chat_template_utils, "_compile_jinja_template", None)
 
 
-
 class StepNormalizer(float):
     """The optimiser step's normaliser ``Z`` of a ``loss_weighting`` (:mod:`packkit.weighting`), handed to
     ``compute_loss_func`` where ``Trainer`` hands its ``num_items_in_batch``
@@ -124,3 +123,34 @@ class StepCountHook:
             raise ValueError("a loss_weighting needs TrainingArguments(average_tokens_across_devices=True) on "
                              f"{world} processes: Trainer then multiplies each loss back by the process count")
         return StepNormalizer(z)
+
+
+def render_chat(tok, conversations: list, *, template: str, add_generation_prompt: bool = False,
+                assistant_mask: bool = False) -> tuple[list, list | None] | None:
+    """What ``tok.apply_chat_template(conversations, chat_template=template, tokenize=True, ...)`` renders before it
+    tokenizes: ``(texts, spans)``, the rendered conversations and, with ``assistant_mask``, each one's
+    ``{% generation %}`` character spans ``[(start, end), ...]`` (the ones its assistant mask marks the tokens of).
+    The same steps as ``apply_chat_template`` (its messages normalised, the tokenizer's special tokens as template
+    variables), through ``chat_template_utils``' ``_normalize_chat_messages`` and ``render_jinja_template``; None
+    where transformers lacks them (call ``apply_chat_template`` then)."""
+    try:
+        from transformers.utils import chat_template_utils as ctu
+    except ImportError:
+        return None
+    normalize, render = (getattr(ctu, n, None) for n in ("_normalize_chat_messages", "render_jinja_template"))
+    if normalize is None or render is None:
+        return None
+    texts, spans = render(conversations=[normalize(c) for c in conversations],
+                          chat_template=tok.get_chat_template(template, None),
+                          return_assistant_tokens_mask=assistant_mask, add_generation_prompt=add_generation_prompt,
+                          **tok.special_tokens_map)
+    return texts, (spans if assistant_mask else None)
+
+
+def fast_backend(tok):
+    """The Rust ``tokenizers.Tokenizer`` behind a fast tokenizer when ``tok(texts, add_special_tokens=False)`` is
+    its ``encode_batch(texts, add_special_tokens=False)`` (no truncation or padding set on it), else None."""
+    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    return backend
