@@ -321,16 +321,22 @@ def loss_of(data: Lengths, example, start, length) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
+def windows_plan(seg_length: np.ndarray, window_ptr: np.ndarray, *, window: int, strategy: str) -> Plan:
+    """Windows laid out already (CSR ``window_ptr`` over ``seg_length``) as a :class:`~packkit.binpack.Plan`
+    whose every segment is an example of its own: ``windows_plan(np.array([3, 2, 4]), np.array([0, 2, 3]),
+    window=5, strategy="stream").num_windows -> 2``."""
+    n, empty = len(seg_length), np.zeros(0, np.int64)
+    return Plan(window=window, lengths=seg_length, seg_example=np.arange(n, dtype=np.int64),
+                seg_start=np.zeros(n, np.int64), seg_length=seg_length, window_ptr=window_ptr, strategy=strategy,
+                overflow="error", seed=None, overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
+
+
 class _GivenPlan(PackedBatchSampler):
     """A :class:`~packkit.sampler.PackedBatchSampler` dealing windows planned already (a plan given to
     :func:`plan_budget`, next fit in order, the streaming packer): every segment is an example of its own."""
 
     def __init__(self, plan: Plan, **kwargs):
-        n, empty = plan.num_segments, np.zeros(0, np.int64)
-        self._given = dataclasses.replace(
-            plan, lengths=plan.seg_length, seg_example=np.arange(n, dtype=np.int64), seg_start=np.zeros(n, np.int64),
-            overflow="error", overflow_examples=empty, dropped_examples=empty, cut_tokens=0, seg_group=None,
-            num_groups=None, ungrouped_windows=None, overflow_groups=empty)
+        self._given = windows_plan(plan.seg_length, plan.window_ptr, window=plan.window, strategy=plan.strategy)
         super().__init__(plan.seg_length, window=plan.window, **kwargs)
 
     def _plan(self, rng) -> Plan:

@@ -43,16 +43,13 @@ import math
 import numpy as np
 
 from .balance import CostModel, step_figures
-from .binpack import (DEFAULT_OVERFLOW, Plan, check_overflow, check_window, overflow_note, pack,
-                      stream_windows)
-from .budget import Dealt, Units, deal, packed_units, read_lengths_object
+from .binpack import DEFAULT_OVERFLOW, check_overflow, check_window, overflow_note, pack, stream_windows
+from .budget import Dealt, Units, deal, packed_units, read_lengths_object, windows_plan
 from .cp_plan import check_cp_window, cp_multiples
-from .datafiles import Lengths
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .fileio import atomic_output, check_output
 from .progress import progress_bar
 from .sampler import LengthGroupedSampler, batch_sums
-from .segments import lengths_to_offsets
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "format_table",
            "plot_waste", "preference_waste", "format_preference_waste"]
@@ -79,7 +76,6 @@ class StrategyWaste:
         name, label: strategy key and a readable label
         packed: windows of ``W`` (True) or padded batches (False)
         rows: padded examples or windows in an epoch
-        steps: optimiser steps in an epoch (``ceil(rows / rows per step)``)
         real_tokens: tokens of the examples
         slot_tokens: tokens of the padded tensors (rows x padded length)
         attention: sum over rows of the attention cost (module docstring)
@@ -254,24 +250,14 @@ def length_grouped_batches(lengths: np.ndarray, batch_size: int, seed: int) -> l
     return [np.asarray(b, np.int64) for b in sampler]
 
 
-def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int, payload: np.ndarray | None = None):
-    """Segment lengths and window offsets of :func:`packkit.binpack.stream_windows` over ``lengths`` in order
-    (the segments hold ``payload[i]`` for example ``i``, ``lengths`` by default)."""
-
+def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(example of every segment, window offsets)`` of :func:`packkit.binpack.stream_windows` over ``lengths``
+    in order: ``stream_plan(np.array([3, 4, 2]), window=5, buffer_size=2) -> ([0, 2, 1], [0, 2, 3])``."""
     seg, ptr = [], [0]
-    payload = lengths if payload is None else payload
-    for win in stream_windows(zip(payload.tolist(), lengths.tolist()), window=window, buffer_size=buffer_size):
+    for win in stream_windows(enumerate(lengths.tolist()), window=window, buffer_size=buffer_size):
         seg.extend(win)
         ptr.append(len(seg))
     return np.asarray(seg, np.int64), np.asarray(ptr, np.int64)
-
-
-def _given_plan(seg: np.ndarray, ptr: np.ndarray, planned: np.ndarray, window: int, strategy: str) -> Plan:
-    """Windows of pieces ``seg`` (CSR ``ptr``) as a :class:`~packkit.binpack.Plan` over the planned lengths."""
-    empty = np.zeros(0, np.int64)
-    return Plan(window=window, lengths=planned, seg_example=seg, seg_start=np.zeros(seg.size, np.int64),
-                seg_length=planned[seg], window_ptr=ptr, strategy=strategy, overflow="error", seed=None,
-                overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,9 +350,8 @@ def _strategy(name: str, p: Units, *, window: int, batch_size: int, k: int, buff
                        dealt.stats.compute_imbalance, dealt.stats.examples_per_step_cv,
                        dealt.loss_free(p.loss[order], p.loss))
     if name == "stream":
-        seg, ptr = stream_plan(planned, window=window, buffer_size=buffer_size, payload=np.arange(L.size))
-        given = _given_plan(seg, ptr, planned, window, "stream")
-        sampler, piece_of = deal(given, per_rank=k, **dealing), given.seg_example
+        piece_of, ptr = stream_plan(planned, window=window, buffer_size=buffer_size)
+        sampler = deal(windows_plan(planned[piece_of], ptr, window=window, strategy="stream"), per_rank=k, **dealing)
     else:  # bfd, ffd, shuffle_ff, next_fit: element i of the sampler is piece i
         sampler, piece_of = deal(planned, per_rank=k, window=window, strategy=name, **dealing), np.arange(L.size)
     label = f"{LABELS[name]} (buffer {buffer_size:,})" if name == "stream" else LABELS[name]
