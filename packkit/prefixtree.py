@@ -50,11 +50,12 @@ from .chat import tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, DataError, arg
 from .preference import SequenceBatch, shard_groups, varlen_recipe
-from .rules import as_lengths, check_values, example_values, location
+from .examples import read_column
+from .rules import MASK_KEYS, as_lengths, check_values, example_values, location
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
 __all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
-           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal"]
+           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator"]
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
 _BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
@@ -775,3 +776,48 @@ def deal_trees(tree: PrefixTree, *, world_size: int, max_tokens: int) -> TreeDea
     members = [np.flatnonzero(part == p) for p in range(sizes.size)]
     return TreeDeal(ranks=[[np.concatenate([members[p] for p in micro]) for micro in rank] for rank in ranks],
                     part=part, recomputed=recomputed)
+
+
+# ----------------------------------------------------------------------------------------------
+# a DataLoader's collate_fn
+# ----------------------------------------------------------------------------------------------
+
+
+class TreeCollator:
+    """Samples -> a :class:`TreeBatch`, their shared prefixes found and computed once: a DataLoader's
+    ``collate_fn`` for turn-by-turn SFT samples or RL rollouts.
+
+    Each example has ``input_ids``, optionally a loss mask (the first of :data:`packkit.rules.MASK_KEYS` it has:
+    ``completion_mask``, ``assistant_masks``; none: every token after the first), per-token ``value_keys``
+    (``advantages``, ``old_logps``: one number a token, on every example or none) and a ``group_key`` (an int:
+    samples share prefixes only within a group). ``TreeCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2,
+    4]}]).input_ids -> [[1, 2, 3, 4]]``. ``window``, ``num_windows``, ``strategy``, ``pad_token_id``: as
+    :func:`tree_batch` (a tree over ``window`` is an error naming :func:`split_trees`).
+    """
+
+    def __init__(self, *, window: int | None = None, num_windows: int | None = None, strategy: str = "bfd",
+                 pad_token_id: int = 0, value_keys=("advantages", "old_logps"), group_key: str | None = None):
+        self.window = None if window is None else check_window(window)
+        self.options = {"window": self.window, "num_windows": num_windows, "strategy": check_strategy(strategy),
+                        "pad_token_id": int(pad_token_id)}
+        self.value_keys, self.group_key = tuple(value_keys), group_key
+
+    def __call__(self, examples) -> TreeBatch:
+        examples = list(examples)
+        if not examples:
+            raise ValueError("a collator needs at least one example")
+        ids, lengths = read_column(examples, "input_ids", missing="a sample is input_ids (and optionally a loss mask)")
+        key = next((k for k in MASK_KEYS if k in examples[0]), None)
+        mask = None if key is None else read_column(examples, key, missing=f"every example needs {key!r} when the "
+                                                   "first has it")[0]
+        values = {}
+        for name in self.value_keys:
+            got = example_values([ex.get(name) for ex in examples], lengths, key=name, what="token")
+            if got is not None:
+                values[name] = got
+        groups = None if self.group_key is None else [ex.get(self.group_key) for ex in examples]
+        tree = build_tree(ids, lengths, loss_mask=mask, values=values, groups=groups)
+        return tree_batch(tree, **self.options)
+
+    def __repr__(self) -> str:
+        return f"TreeCollator(window={self.window}, group_key={self.group_key!r})"

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from packkit import prefixtree
 from packkit.errors import ArgumentError, DataError
-from packkit.prefixtree import build_tree, deal_trees, prefix_nodes, split_trees, subtree, tree_batch
+from packkit.prefixtree import (TreeCollator, build_tree, deal_trees, prefix_nodes, split_trees, subtree,
+                                tree_batch)
 from packkit.preference import sequence_logps, token_logps
 
 transformers = pytest.importorskip("transformers")
@@ -390,3 +391,41 @@ def test_deal_trees_never_starves_or_drops(samples, world_size, max_tokens):
         for m in r:
             cut = subtree(tree, m, groups=deal.part[m])
             assert cut.num_nodes <= max_tokens
+
+
+def rollouts(seed: int, groups: int = 4, n: int = 3):
+    """RL rollouts: a prompt, ``n`` completions forking after it, a completion mask and advantages a token."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(3, VOCAB, int(rng.integers(2, 6))).tolist()
+        for _ in range(n):
+            comp = rng.integers(3, VOCAB, int(rng.integers(1, 5))).tolist()
+            adv = float(rng.normal())
+            out.append({"input_ids": prompt + comp, "completion_mask": [0] * len(prompt) + [1] * len(comp),
+                        "advantages": [0.0] * len(prompt) + [adv] * len(comp), "prompt": g})
+    return out
+
+
+def test_tree_collator_in_a_dataloader_with_workers():
+    """TreeCollator as a DataLoader's collate_fn with 2 worker processes: the batches the main process would
+    collate, their advantages at the scored tokens, and log-probs equal to each rollout alone."""
+    data = rollouts(0, groups=6)
+    collate = TreeCollator(window=32, group_key="prompt")
+    loader = torch.utils.data.DataLoader(data, batch_size=6, collate_fn=collate, num_workers=2)
+    got = list(loader)
+    assert len(got) == 3
+    model = tiny("qwen3", "sdpa")
+    for i, batch in enumerate(got):
+        chunk = data[6 * i:6 * i + 6]
+        want = collate(chunk)
+        assert torch.equal(batch.input_ids, want.input_ids) and torch.equal(batch.tout, want.tout)
+        assert batch.num_real_tokens < batch.num_sample_tokens  # the prompts once
+        adv = torch.cat([torch.tensor(ex["advantages"], dtype=torch.float64)[torch.tensor(ex["completion_mask"], dtype=torch.bool)]
+                         for ex in chunk])
+        assert torch.equal(batch.token_values["advantages"], adv)
+        samples = [(ex["input_ids"], ex["completion_mask"], 0) for ex in chunk]
+        with torch.no_grad():
+            logp = token_logps(model(**batch.model_inputs(model)).logits, batch)
+        d = (logp - torch.cat(unpacked(model, samples))).abs().max().item()
+        assert d < TOL, d
