@@ -100,11 +100,50 @@ __all__ = [
     "ResumeWarning",
     "Schedule",
     "lengths_from_dataset",
+    "SamplerOptions",
 ]
 
 BALANCE = (None, "tokens", "sqlen", "compute")
 STATE_VERSION = 2  # of the dict state_dict() writes (1: an older packkit's per-rank state, no "version")
 CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOptions:
+    """How every sampler cuts an epoch into steps and deals them to the ranks (the module docstring tells
+    the whole story). Pass ``options=SamplerOptions(...)``, or any field as a keyword of a sampler
+    (``PackedBatchSampler(L, window=W, seed=3, world_size=2, rank=0)``): a new knob is a field here.
+
+    Fields:
+        seed: the epoch's order is seeded by ``(seed, epoch)``, the same on every rank.
+        rank, world_size: this rank and the ranks (default: the default process group's, else 0 and 1).
+        step_batches: micro-batches of a global step, a multiple of ``world_size`` (default ``world_size``).
+        drop_last: leave the tail that does not fill a step out (counted) instead of a last, smaller step.
+        balance: ``None``, ``"tokens"``, ``"sqlen"`` or ``"compute"``; cost, cp_size: the cost model of
+            ``"compute"`` (:func:`packkit.balance.cost_model`).
+        shuffle: the units (and steps) in a seeded random order.
+    """
+
+    seed: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    step_batches: int | None = None
+    drop_last: bool = False
+    balance: str | None = None
+    cost: object = None
+    cp_size: int = 1
+    shuffle: bool = True
+
+    @classmethod
+    def of(cls, options: "SamplerOptions | None", keywords: dict, who: str) -> "SamplerOptions":
+        """``options`` (default: the defaults) with ``keywords`` for its fields; another keyword is the
+        ``TypeError`` Python raises for it: ``SamplerOptions.of(None, {"seed": 3}, "S").seed -> 3``."""
+        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"{who}(options=...) takes a SamplerOptions, got {type(options).__name__}")
+        return dataclasses.replace(options or cls(), **keywords)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -576,19 +615,19 @@ class _BatchSampler:
 
     _unit_name = "batches"
 
-    def __init__(self, lengths, *, dataset, key, seed, rank, world_size, drop_last, balance, shuffle,
-                 step_batches, cost, cp_size):
+    def __init__(self, lengths, *, dataset, key, options: SamplerOptions):
         self.lengths = _lengths(lengths, dataset, key)
         self.lengths.setflags(write=False)
-        self.seed = check_seed(seed, allow_none=False)
-        self.rank, self.world_size = resolve_rank(rank, world_size)
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"drop_last must be True or False, got {drop_last!r}")
-        check_choice(balance, "balance", BALANCE)
-        self.drop_last, self.balance, self.shuffle = drop_last, balance, bool(shuffle)
-        self.cost = cost_model(cost, cp_size=cp_size)
+        o = options
+        self.seed = check_seed(o.seed, allow_none=False)
+        self.rank, self.world_size = resolve_rank(o.rank, o.world_size)
+        if not isinstance(o.drop_last, bool):
+            raise TypeError(f"drop_last must be True or False, got {o.drop_last!r}")
+        check_choice(o.balance, "balance", BALANCE)
+        self.drop_last, self.balance, self.shuffle = o.drop_last, o.balance, bool(o.shuffle)
+        self.cost = cost_model(o.cost, cp_size=o.cp_size)
         R = self.world_size
-        self.step_batches = R if step_batches is None else check_int(step_batches, "step_batches")
+        self.step_batches = R if o.step_batches is None else check_int(o.step_batches, "step_batches")
         if self.step_batches % R:
             lo = max(R, self.step_batches // R * R)
             raise ArgumentError("{sb} is not a multiple of world_size={R}: every rank takes the same number of "
@@ -1162,22 +1201,19 @@ class LengthGroupedSampler(_BatchSampler):
         lengths: (num_examples,) ints >= 1, or None with ``dataset=`` (read from ``dataset[i][key]``).
         batch_size: examples per batch on each rank.
         megabatch_mult: steps per megabatch; None: min(50, steps // 4), as Hugging Face's sampler.
-        seed, rank, world_size, step_batches, drop_last, balance, cost, cp_size, shuffle: see the module
-            docstring.
+        options: a :class:`SamplerOptions` (seed, rank, world_size, step_batches, drop_last, balance, cost,
+            cp_size, shuffle: see the module docstring), or any of its fields as a keyword.
         dataset: optional; checked against ``lengths``.
     """
 
     def __init__(self, lengths=None, *, batch_size: int, megabatch_mult: int | None = None,
-                 seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                 step_batches: int | None = None, drop_last: bool = False, longest_first: bool = False,
-                 balance: str | None = None, cost=None, cp_size: int = 1, shuffle: bool = True, dataset=None,
-                 key: str = "input_ids"):
+                 longest_first: bool = False, dataset=None, key: str = "input_ids",
+                 options: SamplerOptions | None = None, **option_keywords):
         self.batch_size = check_int(batch_size, "batch_size")
         self.megabatch_mult = None if megabatch_mult is None else check_int(megabatch_mult, "megabatch_mult")
         self.longest_first = bool(longest_first)
-        super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
-                         drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
-                         cost=cost, cp_size=cp_size)
+        super().__init__(lengths, dataset=dataset, key=key,
+                         options=SamplerOptions.of(options, option_keywords, type(self).__name__))
 
     def _config(self):
         return {"batch_size": self.batch_size, "megabatch_mult": self.megabatch_mult,
@@ -1233,13 +1269,12 @@ class TokenBudgetBatchSampler(_BatchSampler):
         max_tokens: padded tokens per batch on each rank.
         max_batch_size: optional cap on examples per batch.
         megabatch_size: examples per sorted megabatch; None: about 50 steps' worth.
+        options: a :class:`SamplerOptions` (seed, ranks, steps, balance), or any of its fields as a keyword.
     """
 
     def __init__(self, lengths=None, *, max_tokens: int, max_batch_size: int | None = None,
-                 megabatch_size: int | None = None, seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, step_batches: int | None = None, drop_last: bool = False,
-                 longest_first: bool = False, balance: str | None = None, cost=None, cp_size: int = 1,
-                 shuffle: bool = True, dataset=None, key: str = "input_ids"):
+                 megabatch_size: int | None = None, longest_first: bool = False, dataset=None,
+                 key: str = "input_ids", options: SamplerOptions | None = None, **option_keywords):
         self.max_tokens = check_int(max_tokens, "max_tokens")
         self.max_batch_size = None if max_batch_size is None else check_int(max_batch_size, "max_batch_size")
         self.megabatch_size = None if megabatch_size is None else check_int(megabatch_size, "megabatch_size")
@@ -1253,9 +1288,8 @@ class TokenBudgetBatchSampler(_BatchSampler):
                 f"example {i} has {int(lengths[i]):,} tokens > max_tokens={self.max_tokens:,}{more}; "
                 "raise max_tokens, or truncate or filter long examples first"
             )
-        super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
-                         drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
-                         cost=cost, cp_size=cp_size)
+        super().__init__(lengths, dataset=dataset, key=key,
+                         options=SamplerOptions.of(options, option_keywords, type(self).__name__))
 
     def _config(self):
         return {"max_tokens": self.max_tokens, "max_batch_size": self.max_batch_size,
@@ -1339,15 +1373,14 @@ class PackedBatchSampler(_BatchSampler):
             sizes (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups).
             A batch lists a group's examples adjacent; collate with
             ``FixedWindowCollator(..., group_key=...)`` so the collator keeps them together too.
+        options: a :class:`SamplerOptions` (seed, ranks, steps, balance), or any of its fields as a keyword.
     """
 
     _unit_name = "windows"
 
     def __init__(self, lengths=None, *, window: int, windows_per_batch: int = 1, strategy: str = "bfd",
-                 overflow: str = "error", seed: int = 0, rank: int | None = None,
-                 world_size: int | None = None, step_batches: int | None = None, drop_last: bool = False,
-                 balance: str | None = None, cost=None, cp_size: int = 1, shuffle: bool = True, dataset=None,
-                 key: str = "input_ids", groups=None, group_sizes=None):
+                 overflow: str = "error", dataset=None, key: str = "input_ids", groups=None, group_sizes=None,
+                 options: SamplerOptions | None = None, **option_keywords):
         self.window = check_window(window)
         self.windows_per_batch = check_int(windows_per_batch, "windows_per_batch")
         self._groups = {"groups": groups, "group_sizes": group_sizes}
@@ -1360,9 +1393,8 @@ class PackedBatchSampler(_BatchSampler):
             raise ValueError(f"overflow must be 'error', 'truncate' or 'drop', got {overflow!r}{hint}")
         self.strategy, self.overflow = strategy, overflow
         self._plan_cache: Plan | None = None
-        super().__init__(lengths, dataset=dataset, key=key, seed=seed, rank=rank, world_size=world_size,
-                         drop_last=drop_last, balance=balance, shuffle=shuffle, step_batches=step_batches,
-                         cost=cost, cp_size=cp_size)
+        super().__init__(lengths, dataset=dataset, key=key,
+                         options=SamplerOptions.of(options, option_keywords, type(self).__name__))
 
     @property
     def _k(self) -> int:
