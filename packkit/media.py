@@ -1,5 +1,5 @@
 """Multimodal model families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT,
-Qwen2-Audio): one small adapter a family, read by
+LLaVA-OneVision, Qwen2-Audio): one small adapter a family, read by
 :class:`~packkit.model_inputs.VisionLanguageCollator` (``config=model.config`` picks it by ``model_type``).
 
 A family says four things, and nothing else differs between them:
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -80,6 +81,8 @@ class Family:
         ragged: the media key whose units differ in their first dimension (LLaVA-NeXT's tiles per image):
             padded with zeros to the batch's longest, as the model's processor pads a batch (the model
             reads each image's own tiles from ``image_sizes``).
+        refused: keys the family reads per batch row, which a packed row would give to all its documents
+            (LLaVA-OneVision's ``batch_num_images``): an example carrying one is refused by name.
     """
 
     name: str
@@ -91,6 +94,7 @@ class Family:
     batch_axis: bool = False
     own_mask: bool = False
     ragged: str | None = None
+    refused: tuple[str, ...] = ()
 
 
 def _fixed(config, count: int):
@@ -127,7 +131,9 @@ def _qwen2_audio(config, ex, units):
 
 def _llava_next(config, ex, units):
     """Each image's features as ``LlavaNextModel.pack_image_features`` lays them out: the base tile's patches,
-    then the tiles' grid unpadded to the image's aspect ratio, a newline after every row."""
+    then the tiles' grid unpadded to the image's aspect ratio, a newline after every row. LLaVA-OneVision
+    (``config.vision_aspect_ratio = "anyres_max_N"``) first shrinks a grid above ``1.1 * sqrt(N)`` tiles' worth of
+    patches, as its ``pack_image_features`` does."""
     if not units:
         return int(config.image_token_id), 0
     from transformers.models.llava_next.modeling_llava_next import (  # lazy: transformers only for this family
@@ -135,12 +141,17 @@ def _llava_next(config, ex, units):
 
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
-    base = side ** 2 + (config.vision_feature_select_strategy == "full")
+    most = getattr(config, "vision_aspect_ratio", None)  # OneVision: its tower has no CLS token to keep
+    base = side ** 2 + (most is None and config.vision_feature_select_strategy == "full")
     total = 0
     for size in _as_tensor(ex["image_sizes"]).reshape(units, 2).tolist():
         rows, cols = get_anyres_image_grid_shape(size, config.image_grid_pinpoints, vision.image_size)
-        grid = unpad_image(torch.empty(1, rows * side, cols * side), size)
-        total += base + grid.shape[1] * (grid.shape[2] + 1)
+        height, width = unpad_image(torch.empty(1, rows * side, cols * side), size).shape[1:]
+        if most is not None:
+            ratio = math.sqrt(height * width / (int(most.strip("anyres_max_")) * side ** 2))
+            if ratio > 1.1:
+                height, width = int(height // ratio), int(width // ratio)
+        total += base + height * (width + 1)
     return int(config.image_token_id), total
 
 
@@ -152,6 +163,8 @@ FAMILIES = {
     "smolvlm": Family("SmolVLM", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "internvl": Family("InternVL", (("pixel_values", 3),), _internvl),
     "llava_next": Family("LLaVA-NeXT", (("pixel_values", 4), ("image_sizes", 1)), _llava_next, ragged="pixel_values"),
+    "llava_onevision": Family("LLaVA-OneVision", (("pixel_values", 4), ("image_sizes", 1)), _llava_next,
+                              ragged="pixel_values", refused=("batch_num_images",)),
     "qwen2_audio": Family("Qwen2-Audio", (("input_features", 2), ("feature_attention_mask", 1)), _qwen2_audio),
 }
 
@@ -189,11 +202,26 @@ def _units(family: Family, ex, i: int) -> dict:
     return out
 
 
+#: Columns that carry media: one a family does not pack is refused (else it would be dropped, silently).
+_MEDIA_PREFIXES = ("pixel_values", "input_features", "image_", "video_", "audio_")
+
+
 def check_media(family: Family, config, examples) -> list[dict]:
     """Every document's media against its placeholder tokens (and ``token_type_ids``), before any is
     concatenated; returns each document's media (:func:`_units`). One unit shape across the batch."""
     shapes, media = {}, []
+    known = {key for key, _ in family.media}
     for i, ex in enumerate(examples):
+        for key in ex:
+            if key.startswith(_MEDIA_PREFIXES) and key not in known and ex[key] is not None:
+                raise located(ExampleValueError, i, None, f"has {key!r}, which packkit does not pack for "
+                              f"{family.name} (it packs {', '.join(sorted(known))}): drop it, or the example, knowing "
+                              "its placeholders would stay unfilled")
+        for key in family.refused:
+            if ex.get(key) is not None:
+                raise located(ExampleValueError, i, None, f"has {key!r}, which {family.name} reads per batch row "
+                              "(not per document), so packkit does not pack it: drop the column for examples of one "
+                              "image (it changes nothing there)")
         mine = _units(family, ex, i)
         ids = np.asarray(ex["input_ids"]).reshape(-1)
         units = next(iter(mine.values())).shape[0] if mine else 0

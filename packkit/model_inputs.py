@@ -6,8 +6,8 @@ collator                       for
 ``VisionLanguageCollator``     vision-language models with mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
                                ``position_ids`` ``[4, B, L]``, and the images and videos of the batch's
                                documents (``pixel_values``, ``image_grid_thw``, ...) in document order;
-                               with ``config=`` of Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT
-                               or Qwen2-Audio, that family's media and masks (:mod:`packkit.media`)
+                               with ``config=`` of Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT,
+                               LLaVA-OneVision or Qwen2-Audio, that family's media and masks (:mod:`packkit.media`)
 ``HybridCollator``             hybrid linear-attention and state-space models (Qwen3-Next and Qwen3.5's
                                GatedDeltaNet, Bamba, FalconH1, GraniteMoeHybrid, NemotronH, LFM2): ``seq_idx``
 =============================  ==================================================================================
@@ -155,8 +155,8 @@ class VisionLanguageCollator:
     """Wrap a packkit collator for an mRoPE vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
     its batch, with ``position_ids`` ``[4, B, L]`` and the documents' images (module docstring). Given the
     ``config`` of another multimodal family (:data:`packkit.media.FAMILIES`: Gemma 3, PaliGemma, Idefics3,
-    SmolVLM, InternVL, LLaVA-NeXT, Qwen2-Audio), that family's media in batch order, its ``token_type_ids``
-    and, for Gemma 3, its mask per layer type instead (:mod:`packkit.media`).
+    SmolVLM, InternVL, LLaVA-NeXT, LLaVA-OneVision, Qwen2-Audio), that family's media in batch order, its
+    ``token_type_ids`` and, for Gemma 3, its mask per layer type instead (:mod:`packkit.media`).
 
     ``VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)`` then
     ``model(**batch)``: each document's logits are those of the document run alone.

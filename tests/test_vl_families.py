@@ -1,4 +1,5 @@
-"""Multimodal families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT, Qwen2-Audio) packed through
+"""Multimodal families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT, LLaVA-OneVision,
+Qwen2-Audio) packed through
 ``VisionLanguageCollator(collator, config=model.config)``, each on a tiny random model built from a config
 (float64, CPU): every document's logits equal those of the document run alone, changing one document's
 media leaves every other document's logits bit for bit, the media follow their documents after best-fit
@@ -51,6 +52,12 @@ def build(family: str, impl: str = "sdpa"):
         config = t.InternVLConfig(text_config=dict(TEXT, model_type="qwen2"), image_token_id=IMG, downsample_ratio=0.5,
                                   vision_config=dict(SIGLIP, image_size=[8, 8], patch_size=[2, 2]))
         cls, make = t.InternVLForConditionalGeneration, _internvl_example
+    elif family == "llava_onevision":  # anyres_max_1: a grid above one tile's patches is shrunk
+        config = t.LlavaOnevisionConfig(text_config=dict(TEXT, model_type="qwen2"), image_token_index=IMG,
+                                        vision_config=dict(SIGLIP, model_type="siglip_vision_model"),
+                                        image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]], vision_feature_layer=-1,
+                                        vision_aspect_ratio="anyres_max_1")
+        cls, make = t.LlavaOnevisionForConditionalGeneration, None
     elif family == "llava_next":
         config = t.LlavaNextConfig(text_config=dict(TEXT, model_type="llama"), image_token_index=IMG,
                                    vision_config=dict(SIGLIP, model_type="clip_vision_model", projection_dim=16),
@@ -66,7 +73,7 @@ def build(family: str, impl: str = "sdpa"):
     for name, p in model.named_parameters():
         if name.endswith("mm_input_projection_weight"):  # Gemma 3 starts it at zero: images would not count
             torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(1))
-    if family == "llava_next":
+    if family in ("llava_next", "llava_onevision"):
         return model, lambda g, text, units: _llava_next_example(model, g, text, units)
     return model, lambda g, text, units: make(model.config, g, text, units)
 
@@ -138,7 +145,8 @@ def _audio_example(config, g, text, units):
     if not units:
         return {"input_ids": ids}
     mask = (torch.arange(16)[None] < frames[:, None]).to(torch.int64)
-    return {"input_ids": ids, "input_features": torch.randn(units, 8, 16, generator=g, dtype=torch.float64) * mask[:, None],
+    features = torch.randn(units, 8, 16, generator=g, dtype=torch.float64) * mask[:, None]
+    return {"input_ids": ids, "input_features": features,
             "feature_attention_mask": mask}
 
 
@@ -170,7 +178,8 @@ def documents(batch, examples):
 
 #: every family once under ``make test``; a second attention implementation under ``-m slow``
 FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"),
-                ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"), ("llava_next", "sdpa"),
+                ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"),
+                ("llava_next", "sdpa"), ("llava_onevision", "sdpa"),
                 pytest.param(("internvl", "eager"), marks=pytest.mark.slow)]
 
 
@@ -344,6 +353,9 @@ def test_errors_name_the_example_and_the_fix(case):
     lost = {k: v for k, v in examples[0].items() if k != key}
     with pytest.raises(ValueError, match=r"^example 1 has (\d+ placeholder tokens|'\w+' but no '\w+')"):
         collate([examples[1], lost])
+    video = dict(examples[0], pixel_values_videos=torch.zeros(1, 3, 8, 8))
+    with pytest.raises(ValueError, match=r"^example 0 has 'pixel_values_videos', which packkit does not pack for "):
+        collate([video])
     with pytest.raises(TypeError, match=r"rope_index is for mRoPE models; .* pass config=model.config alone"):
         VisionLanguageCollator(PaddingFreeCollator(), config=model.config, rope_index=lambda **kw: None)
 
@@ -358,8 +370,8 @@ def test_gemma3_refuses_flash_attention_and_unmarked_images():
     with pytest.raises(ValueError, match=r"^example 0 has 'token_type_ids' that do not mark exactly its image"):
         collate([dict(ex, token_type_ids=[0] * len(ex["input_ids"]))])
     model.config.get_text_config()._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match=r"Gemma 3's image tokens attend both ways, which "
-                                         r"attn_implementation='flash_attention_2' cannot express .*never approximated"):
+    with pytest.raises(ValueError, match=r"Gemma 3's image tokens attend both ways, which attn_implementation="
+                                         r"'flash_attention_2' cannot express .*never approximated"):
         collate([ex])
 
 
@@ -454,7 +466,8 @@ def test_best_fit_fills_windows_on_vlm_like_lengths(per_image, window):
     lengths = lengths[lengths <= window]
     windows = pack(lengths, window=window).num_windows
     bound = max(-(-int(lengths.sum()) // window), int((lengths > window / 2).sum()))
-    print(f"W={window}, {per_image} tokens an image: {windows} windows, lower bound {bound}, fill {bound / windows:.4f}")
+    print(f"W={window}, {per_image} tokens an image: {windows} windows, lower bound {bound}, "
+          f"fill {bound / windows:.4f}")
     assert bound / windows >= 0.99
 
 
@@ -472,3 +485,14 @@ def test_gemma3_masks_cross_dataloader_workers():
     assert sorted(batch["attention_mask"]) == ["full_attention", "sliding_attention"]
     assert all(torch.equal(batch["attention_mask"][k], here["attention_mask"][k]) for k in here["attention_mask"])
     check(model, batch, examples, alone, TOL["sdpa"])
+
+
+def test_llava_onevision_refuses_a_per_row_image_count():
+    """LLaVA-OneVision reads batch_num_images per batch row (several images of one row go untiled): a packed
+    row would give one document's count to all of them, so an example carrying it is refused by name."""
+    model, make = build("llava_onevision", "sdpa")
+    ex = make(torch.Generator().manual_seed(3), 3, 1)
+    collate = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)
+    with pytest.raises(ValueError, match=r"^example 1 has 'batch_num_images', which LLaVA-OneVision reads per batch "
+                                         r"row \(not per document\), so packkit does not pack it: drop the column"):
+        collate([ex, dict(ex, batch_num_images=torch.tensor([1]))])
