@@ -333,7 +333,8 @@ def span_masks(config, seq_idx, blocks, *, window_bounds_spans: bool = True, dty
     ``mask``: for ``attn_implementation="eager"`` additive float ``[B, 1, L, L]`` (0 / dtype minimum,
     ``dtype`` default the config's); ``"sdpa"`` bool ``[B, 1, L, L]`` (True = attend); ``"flex_attention"``
     a ``BlockMask``. Flash attention is refused: it takes no mask, and a causal kernel cannot give the
-    spans; never approximated.
+    spans; never approximated. Memory: ``B * L * L`` elements a layer type for eager and sdpa (quadratic in
+    the window: prefer flex for long windows); the ``BlockMask`` keeps only the blocks that attend.
     """
     config = text_config(config)
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
