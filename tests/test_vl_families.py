@@ -496,3 +496,30 @@ def test_llava_onevision_refuses_a_per_row_image_count():
     with pytest.raises(ValueError, match=r"^example 1 has 'batch_num_images', which LLaVA-OneVision reads per batch "
                                          r"row \(not per document\), so packkit does not pack it: drop the column"):
         collate([ex, dict(ex, batch_num_images=torch.tensor([1]))])
+
+
+def test_waste_and_plan_read_multimodal_rows(tmp_path):
+    """``packkit waste`` and ``packkit plan`` on a file of Gemma 3 rows as a processor writes them (input_ids with
+    their image placeholders, token_type_ids, pixel_values as nested lists, labels -100 on the image tokens):
+    a document's length is its input_ids, placeholders included, and its loss tokens are its labels'."""
+    import json
+    import subprocess
+    import sys
+
+    model, make = build("gemma3", "sdpa")
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for i in range(12):
+        ex = make(g, 2 + i, i % 3)
+        rows.append(dict(ex, labels=[-100 if x >= IMG else x for x in ex["input_ids"]],
+                         **({"pixel_values": ex["pixel_values"].tolist()} if "pixel_values" in ex else {})))
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    loss = sum(sum(x != -100 for x in r["labels"][1:]) for r in rows)
+    for command, keys in (("waste", ("examples", "input_tokens")), ("plan", ("num_examples", "num_tokens"))):
+        out = subprocess.run([sys.executable, "-m", "packkit", command, str(path), "--window", "64", "--json"],
+                             capture_output=True, text=True, check=True).stdout
+        report = json.loads(out.strip().splitlines()[-1])
+        print(command, {k: report[k] for k in (*keys, "loss_tokens")})
+        assert [report[k] for k in (*keys, "loss_tokens")] == [12, tokens, loss]
