@@ -1143,7 +1143,7 @@ class Input:
             if table.num_rows == 0:
                 raise empty
             got = Rows(self.path, how, table=table)
-        if got.how is None:
+        if got.how is None and not whole:  # said once: a whole read follows a chunked one (:meth:`read`)
             warn_unused_tokenizer(self.tokenizer, self.where)
         return got
 
