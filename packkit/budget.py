@@ -169,9 +169,9 @@ class BudgetReport:
     loss_tokens_per_step: Spread
     padding_fraction: float
     loss_tokens_assumed: bool
-    target_tokens_per_step: int | None
-    accumulation_for_target: int | None
-    advice: tuple
+    target_tokens_per_step: int | None = None
+    accumulation_for_target: int | None = None
+    advice: tuple = ()
     overflow: str | None = None
     overflow_examples: int = 0
     cut_tokens: int = 0
@@ -351,8 +351,7 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
     windows a batch; every length at most ``window``), a :class:`~packkit.binpack.Plan` as ``lengths`` (its
     windows, each segment an example of its own), else :class:`~packkit.sampler.LengthGroupedSampler`
     (``per_rank`` examples a batch); ``strategy="next_fit"`` (no sampler plans it) is planned here and dealt as a
-    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts
-    no step).
+    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts no step).
 
     ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
     """
@@ -572,14 +571,14 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
     sched, stats = dealt.schedule, dealt.stats
     if window is not None:
         plan = dealt.sampler.plan()
-        units_loss = batch_sums(units.loss[plan.seg_example], plan.window_ptr)
+        free = dealt.loss_free(batch_sums(units.loss[plan.seg_example], plan.window_ptr), units.loss)
         padding = 1.0 - int(units.tokens.sum()) / float(plan.num_windows * window) if plan.num_windows else 0.0
         num_units = plan.num_windows
     else:
         rows = np.maximum.reduceat(units.planned[sched.flat], sched.ptr[:-1]) if sched.flat.size else sched.flat
         rows = -(-rows // units.row_round) * units.row_round  # a padded row is cut as one sequence
         padding = 1.0 - int(units.tokens.sum()) / float((rows * np.diff(sched.ptr)).sum()) if rows.size else 0.0
-        units_loss, num_units = units.loss, units.tokens.size
+        free, num_units = dealt.loss_free(units.loss, units.loss), units.tokens.size
     return BudgetReport(
         mode="packed" if window is not None else "padded", per_device_batch=per_device_batch,
         accumulation_steps=accumulation_steps, world_size=world_size,
@@ -589,14 +588,11 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
         examples_per_step=Spread.of(dealt.per_step(units.first, full_only=True)),
         tokens_per_step=Spread.of(dealt.per_step(units.tokens, full_only=True)),
         loss_tokens_per_step=Spread.of(dealt.per_step(units.loss, full_only=True)), padding_fraction=float(padding),
-        loss_tokens_assumed=data.loss_lengths is None and data.targets is None, target_tokens_per_step=None,
-        accumulation_for_target=None, advice=(),
-        loss_tokens=int(units.loss.sum()), loss_free_units=dealt.loss_free(units_loss, units.loss)[0],
-        loss_free_steps=dealt.loss_free(units_loss, units.loss)[1], loss_free_pieces=units.free,
-        dropped_pieces=units.dropped, dropped_tokens=units.dropped_tokens, longest_example=int(data.lengths.max()),
-        overflow=units.overflow, overflow_examples=units.overflow_examples, cut_tokens=units.cut_tokens,
-        compute_imbalance=stats.compute_imbalance, examples_per_step_cv=stats.examples_per_step_cv,
-        balance=balance)
+        loss_tokens_assumed=data.loss_lengths is None and data.targets is None, loss_tokens=int(units.loss.sum()),
+        loss_free_units=free[0], loss_free_steps=free[1], loss_free_pieces=units.free, dropped_pieces=units.dropped,
+        dropped_tokens=units.dropped_tokens, longest_example=int(data.lengths.max()), overflow=units.overflow,
+        overflow_examples=units.overflow_examples, cut_tokens=units.cut_tokens, balance=balance,
+        compute_imbalance=stats.compute_imbalance, examples_per_step_cv=stats.examples_per_step_cv)
 
 
 def _with_advice(report: BudgetReport, options: AdviceOptions) -> BudgetReport:

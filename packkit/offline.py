@@ -316,10 +316,15 @@ class PackedTable:
         per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
         return max(1, min(int(buffer_bytes / per_token), arrow.MAX_LIST_VALUES))  # int32 list offsets per batch
 
-    def _rows(self, sub: Plan, columns, bar=None):
-        spec = self.spec
+    def _rows(self, sub: Plan, columns, bar=None, *, mask_first_label: bool | None = None):
+        spec, first = self.spec, self.mask_first_label if mask_first_label is None else mask_first_label
         return pack_columns(sub, columns, loss_mask=spec.mask, keep_mask=spec.keep_mask, extra_masks=spec.other_masks,
-                            mask_first_label=self.mask_first_label, num_threads=self.num_threads, bar=bar)
+                            mask_first_label=first, num_threads=self.num_threads, bar=bar)
+
+    def _loss_columns(self) -> dict:
+        """The token column and the columns that carry the loss (labels, a loss mask), as scanned."""
+        token = self.spec.read[0]
+        return {c: self.scan.columns[c] for c in self.spec.read if c in (token, "labels") or c in MASK_KEYS}
 
     def segment_loss(self, rows) -> np.ndarray:
         """``(S,)`` loss tokens of every segment of packed ``rows`` (labels other than -100; with no labels,
@@ -337,8 +342,7 @@ class PackedTable:
         """Leave out every segment with no loss token (:meth:`segment_loss`, read in a first pass over the
         loss columns only), counted in ``dropped_pieces`` / ``dropped_tokens``; windows emptied by it are
         gone, the others keep their order (:meth:`packkit.binpack.Plan.keep_segments`)."""
-        read = {c: self.scan.columns[c] for c in self.spec.read if c == self.spec.read[0] or c == "labels"
-                or c in MASK_KEYS}
+        read = self._loss_columns()
         parts = [self.segment_loss(self._rows(self.plan.window_range(a, b), read))
                  for a, b in self.plan.chunks(max_tokens)]
         seg_loss = np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -362,13 +366,11 @@ class PackedTable:
         return loss, sums
 
     def _stats(self, plan: Plan, max_tokens: int, *, count: bool):
-        spec = self.spec
-        read = {c: self.scan.columns[c] for c in spec.read if c == spec.read[0] or c == "labels" or c in MASK_KEYS}
+        read = self._loss_columns()
         loss, sums = np.zeros(plan.num_examples, np.int64), np.zeros(plan.num_examples, np.uint64)
         for start, stop in plan.chunks(max_tokens):
             sub = plan.window_range(start, stop)
-            rows = pack_columns(sub, read, loss_mask=spec.mask, keep_mask=spec.keep_mask, extra_masks=spec.other_masks,
-                                mask_first_label=False, num_threads=self.num_threads)
+            rows = self._rows(sub, read, mask_first_label=False)
             part = example_stats(sub, rows)
             loss += part[0]
             sums += part[1]
@@ -410,24 +412,20 @@ def show_progress(source) -> bool:
         return False
     try:
         import datasets
-
-        enabled = datasets.utils.logging.is_progress_bar_enabled()
     except ImportError:  # pragma: no cover - datasets comes with pyarrow in the extras
-        enabled = True
-    return enabled
+        return True
+    return datasets.utils.logging.is_progress_bar_enabled()
 
 
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
                 seed: int | None = 0, shuffle: bool = True, options: PackOptions | None = None,
                 who: str = "pack_dataset", groups=None, **option_keywords) -> PackedTable:
-    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens.
-
-    One pass over the source reads the list columns' offsets into lengths, checks every batch (the
-    rules of :func:`pack_dataset`) and keeps flat views of the columns (memory-mapped batches stay
-    where they are; copies are staged to a memory-mapped file); then :func:`packkit.binpack.pack` plans
-    the windows. The arguments are :func:`pack_dataset`'s (``options`` and its fields as keywords:
-    :class:`PackOptions`; ``progress``: :func:`show_progress`'s default when None). ``groups``: a group id
-    per row, groups kept whole in one window (:func:`packkit.binpack.pack_groups`). Returns a :class:`PackedTable`.
+    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens: one
+    pass reads its lengths, checks every batch and keeps views of its columns (module docstring), then
+    :func:`packkit.binpack.pack` plans the windows. The arguments are :func:`pack_dataset`'s (``options`` and
+    its fields as keywords: :class:`PackOptions`; ``progress``: :func:`show_progress`'s default when None).
+    ``groups``: a group id per row, groups kept whole in one window (:func:`packkit.binpack.pack_groups`).
+    Returns a :class:`PackedTable`.
     """
     o = PackOptions.of(options, option_keywords, "plan_source")
     window = _check_common(window, strategy, overflow, seed, o.num_proc)
@@ -466,12 +464,10 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     per window. Conversational data is tokenized first, through its chat template, by
     :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
 
-    Out of core: the tokens are never all in memory. One pass reads the examples' lengths from the Arrow list
-    offsets and checks each batch; the plan is made from the lengths alone; then windows are gathered a chunk
-    of at most ``buffer_bytes`` at a time from the memory-mapped Arrow data and written to a cache file
-    beside the dataset's own (as ``datasets.map`` does), which the returned dataset reads. Peak memory is the
-    plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the dataset's size; rows seen through a
-    ``select`` / ``shuffle`` / ``filter`` are staged to a temporary memory-mapped file first (public ``datasets`` API).
+    Out of core (module docstring): the rows are written to a cache file beside the dataset's own (as
+    ``datasets.map`` does), which the returned dataset reads. Peak memory is the plan (about 40 bytes an example)
+    plus ``buffer_bytes``, whatever the dataset's size; rows seen through a ``select`` / ``shuffle`` / ``filter``
+    are staged to a temporary memory-mapped file first (public ``datasets`` API).
 
     Args:
         ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split and returns a
@@ -699,16 +695,11 @@ def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
         raise ArgumentError("{arg} is not available for a streamed dataset: filter the examples without a loss "
                             "token first (ds.filter), or pack a datasets.Dataset", arg=arg("drop_loss_free", True))
     columns, buffer_size = o.columns, o.buffer_size
-    if ds.column_names:
-        names = resolve_columns(ds.column_names, columns).written()
-    elif columns is not None:
-        names = resolve_columns(list(columns) if not isinstance(columns, str) else [columns], columns).written()
-    else:
-        names = None
+    known = ds.column_names or (None if columns is None else [columns] if isinstance(columns, str) else list(columns))
     features = None
-    if names is not None:
+    if known is not None:
         ids = datasets.Sequence(datasets.Value("int64"))
-        features = datasets.Features({c: ids for c in names})
+        features = datasets.Features({c: ids for c in resolve_columns(known, columns).written()})
         features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
         if o.example_ids:
             features["example_ids"] = ids

@@ -402,19 +402,14 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
         raise ArgumentError("{got}: a preference pair is packed whole, never split or truncated (the collator refuses "
                             "a longer pair); pass {fix}, or raise {w}", got=arg("overflow", overflow),
                             fix=arg("overflow", *PREFERENCE_OVERFLOW), w=arg("window"))
-    p = np.asarray(prompt, np.int64)
-    c = np.asarray(chosen, np.int64)
-    r = np.asarray(rejected, np.int64)
+    p, c, r = (np.asarray(x, np.int64) for x in (prompt, chosen, rejected))
     if not (p.shape == c.shape == r.shape) or p.ndim != 1 or p.size == 0:
         raise ValueError(f"prompt, chosen and rejected need one length each per pair, got shapes {p.shape}, "
                          f"{c.shape}, {r.shape}")
     if (p < 0).any() or (c < 1).any() or (r < 1).any():
         raise DataError("a pair needs a prompt of >= 0 tokens and completions of >= 1 token")
     pairs_len = 2 * p + c + r
-    keep = np.maximum(p + c, p + r) <= window  # a sequence fits; its pair may still not (said per row)
-    pair_fits = keep & (pairs_len <= window)
-    tree_fits = (p + c + r) <= window
-    use = pair_fits & tree_fits
+    use = pairs_len <= window  # then each sequence and the tree (prompt once) fit too
     dropped = int((~use).sum())
     if dropped and (overflow == "error" or dropped == use.size):
         i = int(np.argmin(use))
