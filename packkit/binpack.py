@@ -53,6 +53,7 @@ import os
 
 import numpy as np
 
+from .choices import DEFAULT_OVERFLOW, OVERFLOW_POLICIES
 from .errors import ArgumentError, DataError, Message, Where, arg, check_choice, check_int
 from .rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
@@ -62,7 +63,6 @@ __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_len
            "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
-OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,12 +120,6 @@ def check_strategy(strategy) -> str:
     return check_choice(strategy, "strategy", STRATEGIES)
 
 
-#: The overflow policy of every path that prepares or measures data (``pack_dataset``, offline and on Ray,
-#: ``pack_stream``, ``plan_budget``, ``measure_waste`` and every command): ``"split"`` keeps every token
-#: (an example longer than the window continues in the next one) and says how many it split. The planner
-#: here (:func:`pack`), the collators and the samplers, which see whole examples at batch time, refuse
-#: them unless told (``"error"``).
-DEFAULT_OVERFLOW = "split"
 
 
 def check_overflow(overflow) -> str:

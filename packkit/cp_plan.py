@@ -43,13 +43,14 @@ import dataclasses
 import numpy as np
 
 from .binpack import Plan, pack
+from .choices import CP_LAYOUTS
 from .errors import ArgumentError, arg, check_choice, check_int
 from .segments import lengths_to_offsets, range_index
 
 __all__ = ["LAYOUTS", "CPPlan", "plan_cp", "causal_work", "cp_padding", "cp_multiples", "check_cp_window",
            "plan_for_cp", "check_cp_size"]
 
-LAYOUTS = ("zigzag", "contiguous", "ulysses", "hybrid")
+LAYOUTS = CP_LAYOUTS  # (their home: packkit.choices, which the command line reads without numpy)
 
 def check_cp_size(cp_size) -> int:
     """``cp_size``: a Python int >= 1 (1 means no context parallelism)."""

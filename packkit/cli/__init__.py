@@ -43,8 +43,7 @@ import sys
 import warnings
 
 from .. import __version__
-from ..binpack import DEFAULT_OVERFLOW  # noqa: F401 - the --overflow default of every command
-from ..cp_plan import LAYOUTS as CP_LAYOUTS
+from ..choices import CP_LAYOUTS, DEFAULT_OVERFLOW  # noqa: F401 - --overflow's default; numpy-free
 from ..errors import ArgumentError, Message, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise
 

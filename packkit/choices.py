@@ -1,0 +1,23 @@
+"""The words packkit's options take, shared by the library and the command line, in a module that imports
+nothing: ``packkit --help`` and a refused argument build their parser from these without numpy (the library
+modules that use them, :mod:`packkit.binpack` and :mod:`packkit.cp_plan`, import numpy at once).
+
+``OVERFLOW_POLICIES``: what to do with an example longer than the window; ``DEFAULT_OVERFLOW`` the choice of
+every path that prepares or measures data. ``CP_LAYOUTS``: how a row is cut across a context-parallel group
+(drawn in :mod:`packkit.cp_plan`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["OVERFLOW_POLICIES", "DEFAULT_OVERFLOW", "CP_LAYOUTS"]
+
+OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
+
+#: The overflow policy of every path that prepares or measures data (``pack_dataset``, offline and on Ray,
+#: ``pack_stream``, ``plan_budget``, ``measure_waste`` and every command): ``"split"`` keeps every token
+#: (an example longer than the window continues in the next one) and says how many it split. The planner
+#: (:func:`packkit.binpack.pack`), the collators and the samplers, which see whole examples at batch time,
+#: refuse them unless told (``"error"``).
+DEFAULT_OVERFLOW = "split"
+
+CP_LAYOUTS = ("zigzag", "contiguous", "ulysses", "hybrid")
