@@ -311,53 +311,15 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     deferred = 0
     pos = oi = 0
     pending: list[tuple] = []
-    replace, heapify = heapq.heapreplace, heapq.heapify
     while pos < ns or pending or oi < len(outliers) or queue:
         while oi < len(outliers) and (out_at[oi] <= pos + per_step or (pos >= ns and not pending)):
             queue.append(outliers[oi])
             oi += 1
-        cost_w = [0.0] * S
-        room = [window] * S
-        members: list[list[int]] = [[] for _ in range(S)]
-        seeded = 0
-        if len(queue) >= S or (queue and pos >= ns and not pending and oi == len(outliers)):
-            take = sorted(queue[:S], key=lambda d: -Ll[d])
-            del queue[:len(take)]
-            for w, d in enumerate(take):
-                members[w].append(d)
-                room[w] -= Ll[d]
-                cost_w[w] = a * Ll[d] + Ll[d] * Ll[d] / cp
-            seeded = len(take)
-        heap = sorted(cost_w)
-        index, add = cost_w.index, [m.append for m in members]
+        flush = pos >= ns and not pending and oi == len(outliers)
+        cost_w, room, members, seeded = _open_step(queue, S, Ll, window, a, cp, flush)
         cands, pending = pending, []
-        todo = itertools.chain(cands, docs)
-        misses = 0
-        for d, n, c in todo:
-            k = heap[0]
-            w = index(k)
-            if room[w] < n or (k + c > target and members[w]):
-                if room[w] < n:
-                    k, w = _cheapest_with_room(n, cost_w, room)
-                if w < 0 or (k + c > target and members[w]):
-                    pending.append((d, n, c))
-                    misses += 1
-                    if misses >= look:
-                        break
-                    if w < 0:
-                        misses = _miss_run(docs, sn, pos, _seen(members, seeded, pending) - len(cands),
-                                           max(room), look - misses, pending, misses)
-                        if misses >= look:
-                            break
-                    continue
-                heap[heap.index(k)] = k + c
-                heapify(heap)
-            else:
-                replace(heap, k + c)
-            cost_w[w] = k + c
-            room[w] -= n
-            add[w](d)
-            misses = 0
+        _fill_step(itertools.chain(cands, docs), (docs, sn, pos, len(cands)), cost_w, room, members, seeded,
+                   target, look, pending)
         taken = _seen(members, seeded, pending)  # documents this step looked at
         pos += max(0, taken - len(cands))
         pending += cands[taken:]
@@ -368,6 +330,62 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
                 ptr.append(len(seg))
     return ToCost(seg_example=np.asarray(seg, np.int64), window_ptr=np.asarray(ptr, np.int64),
                   queued=len(outliers), deferred=deferred)
+
+
+def _open_step(queue: list, S: int, Ll: list, window: int, a: float, cp: int, flush: bool):
+    """A step's empty windows ``(cost_w, room, members, seeded)``, the queued outliers opening it one a window
+    (the longest first) when ``S`` of them wait, or when ``flush`` (nothing else is left) and any wait."""
+    cost_w = [0.0] * S
+    room = [window] * S
+    members: list[list[int]] = [[] for _ in range(S)]
+    seeded = 0
+    if len(queue) >= S or (queue and flush):
+        take = sorted(queue[:S], key=lambda d: -Ll[d])
+        del queue[:len(take)]
+        for w, d in enumerate(take):
+            members[w].append(d)
+            room[w] -= Ll[d]
+            cost_w[w] = a * Ll[d] + Ll[d] * Ll[d] / cp
+        seeded = len(take)
+    return cost_w, room, members, seeded
+
+
+def _fill_step(todo, stream: tuple, cost_w: list, room: list, members: list, seeded: int, target: float,
+               look: int, pending: list) -> None:
+    """One step of :func:`pack_to_cost`: each ``(document, length, cost)`` of ``todo`` to the cheapest window with
+    room under ``target`` (the top of a heap of the window costs, the first window of that cost as a scan finds
+    it), else onto ``pending``; the step closes after ``look`` misses in a row. ``stream`` is ``(docs, lengths,
+    position, candidates)``, what :func:`_miss_run` needs to skip a run of documents no window has room for."""
+    docs, sn, pos, ncands = stream
+    replace, heapify = heapq.heapreplace, heapq.heapify
+    heap = sorted(cost_w)
+    index, add = cost_w.index, [m.append for m in members]
+    misses = 0
+    for d, n, c in todo:
+        k = heap[0]
+        w = index(k)
+        if room[w] < n or (k + c > target and members[w]):
+            if room[w] < n:
+                k, w = _cheapest_with_room(n, cost_w, room)
+            if w < 0 or (k + c > target and members[w]):
+                pending.append((d, n, c))
+                misses += 1
+                if misses >= look:
+                    return
+                if w < 0:
+                    misses = _miss_run(docs, sn, pos, _seen(members, seeded, pending) - ncands,
+                                       max(room), look - misses, pending, misses)
+                    if misses >= look:
+                        return
+                continue
+            heap[heap.index(k)] = k + c
+            heapify(heap)
+        else:
+            replace(heap, k + c)
+        cost_w[w] = k + c
+        room[w] -= n
+        add[w](d)
+        misses = 0
 
 
 def _cheapest_with_room(n: int, cost_w: list, room: list) -> tuple[float, int]:

@@ -165,9 +165,7 @@ def test_the_wheel_ships_every_package():
 
 #: Functions still over a limit, by ``module:qualified name``; a name leaves this list when its function is cut
 #: below the limit (the test then fails until it is removed, so the list only shrinks).
-TOO_LONG = {
-    "packkit.balance:pack_to_cost",
-}
+TOO_LONG = set()
 TOO_MANY_PARAMETERS = set()
 MAX_LINES, MAX_PARAMETERS = 80, 14
 
