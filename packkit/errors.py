@@ -32,6 +32,7 @@ the wrong type (``window="8"``) is an :class:`ArgumentTypeError`: an :class:`Arg
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import shlex
 
@@ -230,6 +231,18 @@ def check_choice(value, name: str, choices, *, what: str | None = None):
         raise ArgumentError("unknown {what} {got!r}; choose one of {choices}", what=what or name, got=value,
                             choices=arg(name, *choices))
     return value
+
+
+def with_keywords(cls, options, keywords: dict, who: str):
+    """``options`` (an instance of the dataclass ``cls``; default: its defaults) with ``keywords`` for its fields,
+    as a function taking an options object and its fields as keywords builds it; a keyword that is not a field is
+    the ``TypeError`` Python raises for it, an ``options`` of another type one naming the type it takes."""
+    unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+    if options is not None and not isinstance(options, cls):
+        raise TypeError(f"{who}(options=...) takes a {cls.__name__}, got {type(options).__name__}")
+    return dataclasses.replace(options or cls(), **keywords)
 
 
 class DataError(PackkitError, ValueError):

@@ -76,7 +76,7 @@ from . import arrow
 from .arrow import list_array
 from .binpack import DEFAULT_OVERFLOW, Plan, check_overflow, check_seed, check_strategy, check_window, pack
 from .chat import chat_format
-from .errors import ArgumentError, DataError, MissingError, arg, check_int
+from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, logger, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
@@ -211,10 +211,7 @@ class PackOptions:
     def of(cls, options: "PackOptions | None", keywords: dict, who: str) -> "PackOptions":
         """``options`` (default: the defaults) with ``keywords`` for its fields; another keyword is the
         ``TypeError`` Python raises for it: ``PackOptions.of(None, {"example_ids": True}, "f").example_ids -> True``."""
-        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
-        return dataclasses.replace(options or cls(), **keywords)
+        return with_keywords(cls, options, keywords, who)
 
 
 def packed_schema(columns, *, example_ids: bool = False):

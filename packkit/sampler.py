@@ -88,7 +88,7 @@ import numpy as np
 
 from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack
-from .errors import ArgumentError, arg, check_choice, check_int
+from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .segments import lengths_to_offsets, range_index
 from .states import StateFields
 
@@ -138,12 +138,7 @@ class SamplerOptions:
     def of(cls, options: "SamplerOptions | None", keywords: dict, who: str) -> "SamplerOptions":
         """``options`` (default: the defaults) with ``keywords`` for its fields; another keyword is the
         ``TypeError`` Python raises for it: ``SamplerOptions.of(None, {"seed": 3}, "S").seed -> 3``."""
-        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
-        if options is not None and not isinstance(options, cls):
-            raise TypeError(f"{who}(options=...) takes a SamplerOptions, got {type(options).__name__}")
-        return dataclasses.replace(options or cls(), **keywords)
+        return with_keywords(cls, options, keywords, who)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -76,3 +76,20 @@ def test_check_int_takes_numpy_integers_and_keeps_value_and_type_errors_apart():
         check_int(4, "rank", low=0, high=3)
     with pytest.raises(TypeError):  # an ArgumentTypeError is a TypeError and a ValueError (ArgumentError)
         check_int(None, "n")
+
+
+def test_an_options_object_of_the_wrong_kind_is_refused_by_name_at_every_door():
+    """``pack_dataset`` and the samplers take their rarer knobs as an options object or as keywords, through one
+    helper: an unknown keyword is Python's own ``TypeError``, and the other door's options object (an easy
+    mistake: both are dataclasses of knobs) is refused naming the type each takes, not read field by field."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import PackOptions, pack_dataset
+    from packkit.sampler import LengthGroupedSampler, SamplerOptions
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5]]})
+    with pytest.raises(TypeError, match=r"pack_dataset\(options=\.\.\.\) takes a PackOptions, got SamplerOptions"):
+        pack_dataset(ds, window=8, options=SamplerOptions())
+    with pytest.raises(TypeError, match=r"takes a SamplerOptions, got PackOptions"):
+        LengthGroupedSampler([3, 2], batch_size=1, options=PackOptions())
+    with pytest.raises(TypeError, match=r"pack_dataset\(\) got an unexpected keyword argument 'windo'"):
+        pack_dataset(ds, window=8, windo=3)
