@@ -510,7 +510,7 @@ def _reduce(local: torch.Tensor, all_reduce, group) -> tuple:
                          "(torch.distributed.init_process_group), or pass all_reduce=False")
     if not all_reduce:
         return 1, local.clone(), None
-    reduced = local.to(_reduce_device(group))
+    reduced = local.to(_reduce_device(group), copy=True)  # a copy: all_reduce works in place, local stays this rank's
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     return dist.get_world_size(group), reduced, group
 
