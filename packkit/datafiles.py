@@ -586,7 +586,7 @@ def json_tables(path, *, block_size: int | None = None):
     """
     import concurrent.futures
 
-    pa = pyarrow()
+    pa = reader_pyarrow(path)
     chunks = iter(line_chunks(path, size=block_size or JSON_BLOCK_BYTES))
     first = next((c for c in chunks if c.strip()), None)
     if first is None or first.lstrip()[:1] == b"[":  # empty, or one JSON list of objects: not JSON lines

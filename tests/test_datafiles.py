@@ -133,3 +133,20 @@ def test_a_long_line_of_integers_parses_on_threads_as_pyarrow_reads_it(tmp_path,
                     .replace(" ,\t7 ,", " ,\t7.5 ,"))
     with pytest.raises(ValueError, match=r"dataset row 1 \(line 2 of '[^']+'\) has 7.5 \(float\) in 'input_ids'"):
         pio.read_lengths(path)
+
+
+@pytest.mark.parametrize("command", ["waste", "plan", "pack"])
+def test_without_pyarrow_the_error_names_the_file_and_its_format(tmp_path, command):
+    """On the base install (no pyarrow), a JSON lines input is one line naming the file, its format and the
+    extra to install, whichever reader meets it first (the chunked JSON reader said "reading Arrow data")."""
+    import subprocess
+    import sys
+
+    (tmp_path / "data.jsonl").write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
+    argv = [command, "data.jsonl"] + (["out.parquet", "-w", "8"] if command == "pack" else [])
+    code = ("import sys; sys.modules['pyarrow'] = None\nfrom packkit.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stderr.strip() == (f"packkit {command}: error: reading JSON lines ('data.jsonl') needs pyarrow: "
+                                   "pip install 'packkit[datasets]'")
