@@ -61,12 +61,17 @@ def pieces(rows) -> list:
     return sorted(out)
 
 
-def same_rows(a: list, b: list) -> None:
-    assert len(a) == len(b), (len(a), len(b))
+def row_mismatch(a: list, b: list) -> str | None:
+    """Where rows ``a`` first differ from rows ``b`` (count, columns, dtype or values); None when equal."""
+    if len(a) != len(b):
+        return f"{len(a)} rows against {len(b)}"
     for k, (x, y) in enumerate(zip(a, b)):
-        assert x.keys() == y.keys(), k
+        if x.keys() != y.keys():
+            return f"row {k}: columns {sorted(x)} against {sorted(y)}"
         for c in x:
-            assert x[c].dtype == y[c].dtype and np.array_equal(x[c], y[c]), (k, c)
+            if x[c].dtype != y[c].dtype or not np.array_equal(x[c], y[c]):
+                return f"row {k}, column {c!r}: {x[c]} against {y[c]}"
+    return None
 
 
 def roundtrip(state):
@@ -113,7 +118,7 @@ def test_random_stops_give_the_uninterrupted_rows(c, overflow, buffer_size, labe
     full = list(pack_stream(src, **opts))
     rows, stops, last = run_with_stops(src, opts, np.random.default_rng(seed), 0.4)
     print(len(full), "rows", stops, "stops")
-    same_rows(rows, full)
+    assert row_mismatch(rows, full) is None
     ref = pack_stream(src, **opts)
     list(ref)
     assert last.stats == ref.stats  # the counts travel with the state
@@ -132,7 +137,7 @@ def test_many_random_stops_on_real_lengths():
     rows, stops, _ = run_with_stops(src, opts, rng, min(1.0, n_stops / len(full)), json_every=10)
     print(f"{n} examples, {len(full)} rows, {stops} stops")
     assert stops >= 0.8 * min(n_stops, len(full))
-    same_rows(rows, full)
+    assert row_mismatch(rows, full) is None
 
 
 # -- another number of shards ---------------------------------------------------------------------------
@@ -190,7 +195,7 @@ def test_same_shards_resume_bit_for_bit():
             for saved in (states[s], states):
                 again = pack_stream(src, shard=s, num_shards=S, **opts)
                 again.load_state_dict(roundtrip(saved))
-                same_rows(first[s] + list(again), full)
+                assert row_mismatch(first[s] + list(again), full) is None
 
 
 # -- a saved state is input ---------------------------------------------------------------------------------
@@ -266,7 +271,7 @@ def test_a_damaged_state_is_refused_by_name_and_the_stream_is_unchanged(name, ba
     print(msg)
     assert "\n" not in msg and f"'{name}'" in msg, msg
     assert stream.state_dict() == before
-    same_rows(list(stream), list(twin))  # the stream goes on as if nothing had been loaded
+    assert row_mismatch(list(stream), list(twin)) is None  # the stream goes on as if nothing had been loaded
 
 
 def test_a_state_of_another_source_is_refused_at_the_example_it_was_saved_after():
@@ -340,7 +345,7 @@ def test_dataloader_without_workers_resumes_at_random_batches():
         again = PackedIterable(LOADER_SRC, **LOADER_OPTS)
         again.load_state_dict(state)
         rest = list(DataLoader(again, batch_size=None, num_workers=0))
-        same_rows([{c: np.asarray(v) for c, v in r.items()} for r in first + rest], full)
+        assert row_mismatch([{c: np.asarray(v) for c, v in r.items()} for r in first + rest], full) is None
 
 
 @pytest.mark.slow
@@ -375,8 +380,8 @@ def test_stateful_dataloader_with_two_workers_resumes_exactly():
         rest = list(again)
         print(k, len(first), len(rest), len(full))
         # the same workers: the rows of an uninterrupted run, in its order
-        same_rows([{c: np.asarray(v) for c, v in r.items()} for r in first + rest],
-                  [{c: np.asarray(v) for c, v in r.items()} for r in full])
+        assert row_mismatch([{c: np.asarray(v) for c, v in r.items()} for r in first + rest],
+                            [{c: np.asarray(v) for c, v in r.items()} for r in full]) is None
 
 
 @pytest.mark.slow
@@ -549,8 +554,8 @@ def test_the_streaming_snippet_runs_as_pasted():
     rest = list(namespace["loader"])
     print(len(full), "rows, checkpoint after row", saved_at)
     assert len(full) > 100 and len(rest) == len(full) - saved_at - 1
-    same_rows([{c: np.asarray(v) for c, v in r.items()} for r in rest],
-              [{c: np.asarray(v) for c, v in r.items()} for r in full[saved_at + 1:]])
+    assert row_mismatch([{c: np.asarray(v) for c, v in r.items()} for r in rest],
+                        [{c: np.asarray(v) for c, v in r.items()} for r in full[saved_at + 1:]]) is None
 
 
 def _gloo_rank(rank: int, world_size: int, port: int, folder: str, stop: int):
