@@ -22,7 +22,7 @@ import platform
 import time
 
 import numpy as np
-from benchlib import sft_like_lengths, verdict, versions
+from benchlib import best_interleaved, parse_quick, sft_like_lengths, verdict, versions
 import torch
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator
@@ -49,17 +49,11 @@ def make_examples(num: int, *, seed: int, window: int, as_numpy: bool) -> list[d
 def time_providers(providers: dict, batches, *, iters: int, repeats: int) -> dict:
     """Best seconds per call of every provider over ``repeats`` interleaved rounds, each round
     ``iters`` calls cycling through ``batches``."""
-    best = {}
-    for name, fn in providers.items():
+    for fn in providers.values():
         fn(batches[0])
-        best[name] = float("inf")
-    for _ in range(repeats):
-        for name, fn in providers.items():
-            start = time.perf_counter()
-            for k in range(iters):
-                fn(batches[k % len(batches)])
-            best[name] = min(best[name], (time.perf_counter() - start) / iters)
-    return best
+    rounds = {name: (lambda fn=fn: [fn(batches[k % len(batches)]) for k in range(iters)])
+              for name, fn in providers.items()}
+    return {name: t / iters for name, t in best_interleaved(rounds, repeats).items()}
 
 
 def main(argv=None) -> int:
@@ -68,10 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.iters, args.repeats = 5, 2
+    args = parse_quick(parser, argv, "fewer iterations", iters=5, repeats=2)
 
     import transformers
     from transformers import DataCollatorWithFlattening

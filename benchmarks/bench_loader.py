@@ -30,7 +30,7 @@ import warnings
 
 import numpy as np
 import torch
-from benchlib import sft_like_lengths, verdict, versions
+from benchlib import parse_quick, sft_like_lengths, verdict, versions
 from torch.utils.data import DataLoader
 
 from packkit.collate import PaddingFreeCollator
@@ -102,10 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="2,000 rows, one epoch each (a smoke run)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rows, args.repeats = 2000, 1
+    args = parse_quick(parser, argv, "2,000 rows, one epoch each", rows=2000, repeats=1)
 
     import transformers
     from transformers import DataCollatorWithFlattening

@@ -8,7 +8,7 @@ keep one count: the costlier path). A/B pairs alternate (which runs first flips 
 clock, CPU time (``time.process_time``); the figure is the median of the pair ratios, with their spread and
 the load average beside it. Under a heavy load those pairs scatter by tens of percent, so the weights' own
 step is also timed alone (``isolated``: the least time of ``--rounds`` repeats of the collator's ``_weigh`` on
-every batch, over the least time of the whole weighted collate), which load disturbs far less. The target:
+every batch, over the least time of the whole weighted collate, the two interleaved), which load disturbs far less. The target:
 overhead <= 2%. Prints a table last and one JSON line.
 ``python benchmarks/bench_weighting.py [--quick]``.
 """
@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import timeit
 
 import numpy as np
-from benchlib import ab_pairs, chat_lengths, loadavg, ratio_spread, versions
+from benchlib import ab_pairs, best_interleaved, chat_lengths, loadavg, parse_quick, ratio_spread, versions
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator
 
@@ -51,10 +50,9 @@ def weigh_share(coll, batches, repeats: int) -> float:
         [coll(b) for b in batches]
     finally:
         del coll._weigh
-    timer = time.process_time
-    weigh = min(timeit.repeat(lambda: [real(*a, **k) for a, k in calls], number=1, repeat=repeats, timer=timer))
-    whole = min(timeit.repeat(lambda: [coll(b) for b in batches], number=1, repeat=repeats, timer=timer))
-    return weigh / whole
+    best = best_interleaved({"weigh": lambda: [real(*a, **k) for a, k in calls],
+                             "whole": lambda: [coll(b) for b in batches]}, repeats, clock=time.process_time)
+    return best["weigh"] / best["whole"]
 
 
 def main(argv=None) -> int:
@@ -63,10 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.batches = 3, 4
+    args = parse_quick(parser, argv, "fewer rounds", rounds=3, batches=4)
     batches = make_batches(args.batches, args.batch_size, seed=0)
     tokens = sum(len(ex["input_ids"]) for b in batches for ex in b)
     rows = []

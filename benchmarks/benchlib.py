@@ -110,6 +110,35 @@ def ab_pairs(a, b, rounds: int, *, clock=time.perf_counter) -> tuple[list[float]
     return ta, tb
 
 
+def best_interleaved(fns: dict, repeats: int, *, clock=time.perf_counter) -> dict:
+    """The least seconds of one call of each of ``fns`` (name -> callable) over ``repeats`` rounds, the rounds
+    interleaved (round 1 of every callable, then round 2, ...) so a burst of load hits all of them, garbage
+    collected before each call and disabled during it: ``{name: seconds}``. ``clock``: as :func:`ab_pairs`'."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            gc.collect()
+            gc.disable()
+            try:
+                t = clock()
+                fn()
+                best[name] = min(best[name], clock() - t)
+            finally:
+                gc.enable()
+    return best
+
+
+def parse_quick(parser, argv, what: str, **quick):
+    """``parser``'s arguments from ``argv``, with a ``--quick`` switch (a smoke run: ``what``) that sets the
+    fields of ``quick``: ``parse_quick(p, ["--quick"], "fewer rounds", rounds=3).rounds -> 3``."""
+    parser.add_argument("--quick", action="store_true", help=f"{what} (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in quick.items():
+            setattr(args, name, value)
+    return args
+
+
 def ratio_spread(num, den) -> dict:
     """The pair ratios ``num[i] / den[i]``: median, lowest and highest, and the medians of each side.
     ``ratio_spread([2, 3], [1, 1]) -> {"median": 2.5, "low": 2.0, "high": 3.0, ...}``."""
