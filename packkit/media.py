@@ -1,4 +1,4 @@
-"""Multimodal model families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT,
+"""Multimodal model families beyond mRoPE (Gemma 3, Gemma 4, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT,
 LLaVA-OneVision, Qwen2-Audio): one small adapter a family, read by
 :class:`~packkit.model_inputs.VisionLanguageCollator` (``config=model.config`` picks it by ``model_type``).
 
@@ -9,15 +9,19 @@ A family says four things, and nothing else differs between them:
   the flattened batch in that order);
 * **placeholders**: how many placeholder tokens each document's media become, checked document by document
   (the model checks only the batch's totals, so one document's surplus would become the next one's image);
-* **token columns**: per-token inputs laid out like ``input_ids`` (``token_type_ids``), 0 on padding;
-* **spans**: which tokens attend bidirectionally. Gemma 3: the tokens of one image, among themselves;
-  PaliGemma: a document's prefix (image and prompt, ``token_type_ids == 0``).
+* **token columns**: per-token inputs laid out like ``input_ids`` (``token_type_ids``, Gemma 4's
+  ``mm_token_type_ids``), 0 on padding;
+* **spans**: which tokens attend bidirectionally, on which layer types. Gemma 3: the tokens of one image, among
+  themselves, on every layer; Gemma 4 (``use_bidirectional_attention="vision"``): the same, on its sliding
+  layers only (its full layers stay causal); PaliGemma: a document's prefix (image and prompt,
+  ``token_type_ids == 0``).
 
 Which mask (checked against transformers 5.24, ``tests/test_vl_families.py``): packed through ``position_ids``
 and ``token_type_ids``, Gemma 3 reads its sliding-window layers' image spans at each token's *position*
 instead of its index (the span overlay is remapped with the causal mask), so every document after the first
-attends wrongly inside itself, silently (logits off by 0.18-0.36 on a tiny model): packkit hands Gemma 3 its
-mask, one per layer type (:func:`span_masks`). A 4-D mask is used as given, so the mask carries the whole
+attends wrongly inside itself, silently (logits off by 0.18-0.36 on a tiny model), and Gemma 4 the same
+through ``mm_token_type_ids`` (0.28-0.38): packkit hands Gemma 3 and Gemma 4 their mask, one per layer type
+(:func:`span_masks`). A 4-D mask is used as given, so the mask carries the whole
 policy itself: documents, causality, spans and windows. PaliGemma composes its prefix, its documents (from
 ``position_ids``) and its windows right, given ``token_type_ids``; and it could not take a mask per layer type
 (one 4-D mask would reach its sliding layers unwindowed): packkit lays out ``token_type_ids`` only. The
@@ -51,7 +55,7 @@ import torch
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
 from .rules import ExampleValueError, located, location
 
-__all__ = ["Family", "FAMILIES", "family_of", "span_blocks", "span_masks", "allowed_mask", "media_inputs",
+__all__ = ["Family", "FAMILIES", "family_of", "active_spans", "span_blocks", "span_masks", "allowed_mask", "media_inputs",
            "check_media", "token_columns"]
 
 
@@ -71,9 +75,12 @@ class Family:
         per_unit: ``(config, ex, units) -> (token_id, expected placeholder count)``.
         token_keys: per-token columns laid out like ``input_ids`` (0 on padding).
         spans: ``None``, ``"image"`` (each run of ``token_type_ids == 1``) or ``"prefix"`` (``token_type_ids
-            == 0`` in a document): the tokens that attend bidirectionally among themselves.
+            == 0`` in a document): the tokens that attend bidirectionally among themselves; the column read is
+            ``token_keys[0]``.
         window_bounds_spans: on sliding layers, the window applies to span pairs too (Gemma 3), or a span is
             seen whole (PaliGemma 2).
+        spans_on: the layer types whose attention has the spans (None: every type); the others are causal.
+        spans_switch: a text config attribute that turns the spans on (:func:`active_spans`).
         batch_axis: the media tensors are sent as ``(1, units, ...)`` (Idefics3) instead of ``(units, ...)``.
         own_mask: packkit hands the model its mask (:func:`span_masks`): the model's own packed mask
             is wrong for this family (Gemma 3); else the model composes spans and documents itself from
@@ -91,6 +98,8 @@ class Family:
     token_keys: tuple[str, ...] = ()
     spans: str | None = None
     window_bounds_spans: bool = True
+    spans_on: tuple[str, ...] | None = None
+    spans_switch: str | None = None
     batch_axis: bool = False
     own_mask: bool = False
     ragged: str | None = None
@@ -103,6 +112,15 @@ def _fixed(config, count: int):
 
 def _gemma3(config, ex, units):
     return _fixed(config, units * int(config.mm_tokens_per_image))
+
+
+def _gemma4(config, ex, units):
+    """Each image's real patches (``image_position_ids`` not ``(-1, -1)``) pooled ``k * k`` into one soft token
+    (``k = vision_config.pooling_kernel_size``), as ``Gemma4Model.get_image_features`` splits its features."""
+    if not units:
+        return _fixed(config, 0)
+    real = (_as_tensor(ex["image_position_ids"]).reshape(units, -1, 2) != -1).all(-1).sum(-1)
+    return _fixed(config, int((real // config.vision_config.pooling_kernel_size ** 2).sum()))
 
 
 def _paligemma(config, ex, units):
@@ -158,6 +176,8 @@ def _llava_next(config, ex, units):
 #: ``model_type -> Family``: the families VisionLanguageCollator packs besides the mRoPE ones.
 FAMILIES = {
     "gemma3": Family("Gemma 3", (("pixel_values", 3),), _gemma3, ("token_type_ids",), "image", True, own_mask=True),
+    "gemma4": Family("Gemma 4", (("pixel_values", 2), ("image_position_ids", 2)), _gemma4, ("mm_token_type_ids",),
+                     "image", spans_on=("sliding_attention",), spans_switch="use_bidirectional_attention", own_mask=True),
     "paligemma": Family("PaliGemma", (("pixel_values", 3),), _paligemma, ("token_type_ids",), "prefix", False),
     "idefics3": Family("Idefics3", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "smolvlm": Family("SmolVLM", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
@@ -239,20 +259,34 @@ def check_media(family: Family, config, examples) -> list[dict]:
                               f"{location(first[1])} {list(first[0])}; {family.name} encodes a batch's units "
                               "together: give every example the same processor's size")
         if family.spans == "image":
-            _check_types(ex, i, ids, token)
+            _check_types(family, ex, i, ids, token)
         media.append(mine)
     return media
 
 
-def _check_types(ex, i: int, ids: np.ndarray, token: int) -> None:
-    types = ex.get("token_type_ids")
+def _check_types(family: Family, ex, i: int, ids: np.ndarray, token: int) -> None:
+    key = family.token_keys[0]
+    types = ex.get(key)
     if types is None:
-        raise located(ExampleValueError, i, None, "has no 'token_type_ids', which mark the image tokens that attend "
+        raise located(ExampleValueError, i, None, f"has no {key!r}, which mark the image tokens that attend "
                       "each other both ways; keep the column the processor returned")
     types = np.asarray(types).reshape(-1)
     if types.shape != ids.shape or not np.array_equal(types == 1, ids == token):
-        raise located(ExampleValueError, i, None, "has 'token_type_ids' that do not mark exactly its image "
+        raise located(ExampleValueError, i, None, f"has {key!r} that do not mark exactly its image "
                       f"placeholder tokens (id {token}) with 1; keep the column the processor returned")
+
+
+def active_spans(family: Family, config) -> str | None:
+    """The family's spans for this model's config: a family with ``spans_switch`` has them only when its text
+    config's switch reads ``"vision"`` (Gemma 4's ``use_bidirectional_attention``; None: causal, as text), and
+    ``"all"`` (every token both ways, an encoder) is refused."""
+    if family.spans_switch is None:
+        return family.spans
+    value = getattr(text_config(config), family.spans_switch, None)
+    if value not in (None, "vision"):
+        raise ValueError(f"{family.name} with {family.spans_switch}={value!r} attends both ways over whole documents; "
+                         f"packkit packs it with {family.spans_switch}='vision' or None (causal text, image spans)")
+    return family.spans if value == "vision" else None
 
 
 def media_inputs(family: Family, media: list[dict], order) -> dict:
@@ -325,10 +359,11 @@ def _mask_mod(seg, blk, window, window_bounds_spans, b, h, q_idx, kv_idx):
     return (seg[b, q_idx] == seg[b, kv_idx]) & (causal | span)
 
 
-def span_masks(config, seq_idx, blocks, *, window_bounds_spans: bool = True, dtype=None):
+def span_masks(config, seq_idx, blocks, *, window_bounds_spans: bool = True, spans_on=None, dtype=None):
     """The attention mask of a packed batch with bidirectional spans, for each layer type of the model:
-    ``{"full_attention": mask, "sliding_attention": mask}`` (the types its layers have), what Gemma 3 and
-    PaliGemma take as ``attention_mask`` as given, every layer its own.
+    ``{"full_attention": mask, "sliding_attention": mask}`` (the types its layers have), what Gemma 3, Gemma 4
+    and PaliGemma take as ``attention_mask`` as given, every layer its own; the spans only on the layer types
+    of ``spans_on`` (None: all; Gemma 4: its sliding layers), the others causal.
 
     ``mask``: for ``attn_implementation="eager"`` additive float ``[B, 1, L, L]`` (0 / dtype minimum,
     ``dtype`` default the config's); ``"sdpa"`` bool ``[B, 1, L, L]`` (True = attend); ``"flex_attention"``
@@ -346,16 +381,17 @@ def span_masks(config, seq_idx, blocks, *, window_bounds_spans: bool = True, dty
     if other:
         raise ValueError(f"span_masks knows full and sliding-window attention layers; this model also has {other}")
     window = sliding_window(config, types)
-    out = {}
+    out, none = {}, torch.full_like(torch.as_tensor(blocks), -1)
     for kind in sorted(types):
         w = window if kind == "sliding_attention" else None
+        blk = blocks if spans_on is None or kind in spans_on else none
         if impl == "flex_attention":
             from torch.nn.attention.flex_attention import create_block_mask  # lazy: flex only when asked for
 
             seg = torch.as_tensor(seq_idx)
-            mod = functools.partial(_mask_mod, seg, torch.as_tensor(blocks), w, window_bounds_spans)
+            mod = functools.partial(_mask_mod, seg, torch.as_tensor(blk), w, window_bounds_spans)
             out[kind] = create_block_mask(mod, seg.shape[0], None, seg.shape[1], seg.shape[1], device=seg.device)
             continue
-        allowed = allowed_mask(seq_idx, blocks, window=w, window_bounds_spans=window_bounds_spans)
+        allowed = allowed_mask(seq_idx, blk, window=w, window_bounds_spans=window_bounds_spans)
         out[kind] = allowed[:, None] if impl == "sdpa" else additive_mask(allowed, mask_dtype(None, config, dtype))
     return out

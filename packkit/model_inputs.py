@@ -6,8 +6,9 @@ collator                       for
 ``VisionLanguageCollator``     vision-language models with mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
                                ``position_ids`` ``[4, B, L]``, and the images and videos of the batch's
                                documents (``pixel_values``, ``image_grid_thw``, ...) in document order;
-                               with ``config=`` of Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT,
-                               LLaVA-OneVision or Qwen2-Audio, that family's media and masks (:mod:`packkit.media`)
+                               with ``config=`` of Gemma 3, Gemma 4, PaliGemma, Idefics3, SmolVLM, InternVL,
+                               LLaVA-NeXT, LLaVA-OneVision or Qwen2-Audio, that family's media and masks
+                               (:mod:`packkit.media`)
 ``HybridCollator``             hybrid linear-attention and state-space models (Qwen3-Next and Qwen3.5's
                                GatedDeltaNet, Bamba, FalconH1, GraniteMoeHybrid, NemotronH, LFM2): ``seq_idx``
 =============================  ==================================================================================
@@ -60,7 +61,7 @@ import torch
 
 from .batch import PackedBatch, text_config
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
-from .media import check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
+from .media import active_spans, check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
 from .packer import gather_index
 from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
 from .segments import lengths_to_offsets
@@ -154,9 +155,9 @@ def example_positions(ex, *, rope_index=None, where: int = 0) -> np.ndarray:
 class VisionLanguageCollator:
     """Wrap a packkit collator for an mRoPE vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5):
     its batch, with ``position_ids`` ``[4, B, L]`` and the documents' images (module docstring). Given the
-    ``config`` of another multimodal family (:data:`packkit.media.FAMILIES`: Gemma 3, PaliGemma, Idefics3,
-    SmolVLM, InternVL, LLaVA-NeXT, LLaVA-OneVision, Qwen2-Audio), that family's media in batch order, its
-    ``token_type_ids`` and, for Gemma 3, its mask per layer type instead (:mod:`packkit.media`).
+    ``config`` of another multimodal family (:data:`packkit.media.FAMILIES`: Gemma 3, Gemma 4, PaliGemma,
+    Idefics3, SmolVLM, InternVL, LLaVA-NeXT, LLaVA-OneVision, Qwen2-Audio), that family's media in batch order, its
+    ``token_type_ids`` and, for Gemma 3 and Gemma 4, its mask per layer type instead (:mod:`packkit.media`).
 
     ``VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)`` then
     ``model(**batch)``: each document's logits are those of the document run alone.
@@ -222,10 +223,11 @@ class VisionLanguageCollator:
         """A family of :data:`packkit.media.FAMILIES`: its token columns, its media in batch order, and for a
         family whose own packed mask is wrong (Gemma 3's image spans), the mask of every layer type."""
         family = self.family
-        if family.spans is not None:
+        spans = active_spans(family, self.config)
+        if spans is not None:
             impl = getattr(text_config(self.config), "_attn_implementation", None) or "sdpa"
             if impl not in ("eager", "sdpa", "flex_attention"):
-                raise ValueError(f"{family.name}'s {family.spans} tokens attend both ways, which "
+                raise ValueError(f"{family.name}'s {spans} tokens attend both ways, which "
                                  f"attn_implementation={impl!r} cannot express in a packed batch; load the model with "
                                  "attn_implementation='sdpa', 'eager' or 'flex_attention' (never approximated)")
         media = check_media(family, self.config, examples)
@@ -234,9 +236,9 @@ class VisionLanguageCollator:
             batch[key] = value
         for key, value in media_inputs(family, media, order).items():
             batch[key] = value
-        if family.own_mask and not isinstance(self.collator, PaddedCollator):
-            blocks = span_blocks(family.spans, batch["token_type_ids"], batch.seq_idx)
-            batch["attention_mask"] = span_masks(self.config, batch.seq_idx, blocks,
+        if family.own_mask and spans is not None and not isinstance(self.collator, PaddedCollator):
+            blocks = span_blocks(spans, batch[family.token_keys[0]], batch.seq_idx)
+            batch["attention_mask"] = span_masks(self.config, batch.seq_idx, blocks, spans_on=family.spans_on,
                                                  window_bounds_spans=family.window_bounds_spans)
         return batch
 

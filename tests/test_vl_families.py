@@ -1,4 +1,4 @@
-"""Multimodal families beyond mRoPE (Gemma 3, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT, LLaVA-OneVision,
+"""Multimodal families beyond mRoPE (Gemma 3, Gemma 4, PaliGemma, Idefics3, SmolVLM, InternVL, LLaVA-NeXT, LLaVA-OneVision,
 Qwen2-Audio) packed through
 ``VisionLanguageCollator(collator, config=model.config)``, each on a tiny random model built from a config
 (float64, CPU): every document's logits equal those of the document run alone, changing one document's
@@ -26,6 +26,10 @@ TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
             pad_token_id=0)
 SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+GEMMA4_TEXT = dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, global_head_dim=8,
+                   use_bidirectional_attention="vision")
+GEMMA4_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=8, patch_size=2, pooling_kernel_size=2, position_embedding_size=16)
 SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
               patch_size=2, num_channels=3)
 
@@ -38,6 +42,11 @@ def build(family: str, impl: str = "sdpa"):
         config = t.Gemma3Config(text_config=dict(TEXT, **SLIDING), vision_config=SIGLIP, mm_tokens_per_image=4,
                                 image_token_index=IMG, boi_token_index=BOI, eoi_token_index=EOI)
         cls, make = t.Gemma3ForConditionalGeneration, _gemma3_example
+    elif family == "gemma4":  # its larger checkpoints' image spans (bidirectional on the sliding layers only)
+        config = t.Gemma4Config(text_config=dict(TEXT, **SLIDING, **GEMMA4_TEXT), vision_config=GEMMA4_VISION,
+                                audio_config=None, image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI,
+                                video_token_id=123, audio_token_id=124, boa_token_id=125, eoa_token_index=126)
+        cls, make = t.Gemma4ForConditionalGeneration, _gemma4_example
     elif family == "paligemma":  # PaliGemma 2's Gemma 2 text: full and sliding layers, eager only
         config = t.PaliGemmaConfig(text_config=dict(TEXT, model_type="gemma2", **SLIDING), projection_dim=32,
                                    vision_config=dict(SIGLIP, model_type="siglip_vision_model"), image_token_index=IMG)
@@ -92,6 +101,22 @@ def _gemma3_example(config, g, text, units):
         ids += [BOI] + [IMG] * config.mm_tokens_per_image + [EOI] + _words(g, 3)
     ex = {"input_ids": ids, "token_type_ids": [int(x == IMG) for x in ids]}
     return dict(ex, pixel_values=_pixels(g, units)) if units else ex
+
+
+def _gemma4_example(config, g, text, units):
+    """Images of 4x4, 2x4, 4x2 or 2x2 patches (4, 2, 2 or 1 soft tokens: 2x2 patches pooled into one), each padded
+    to 16 patches with position (-1, -1), as Gemma 4's image processor pads to its max_patches."""
+    ids, grids = _words(g, text), [(4, 4), (2, 4), (4, 2), (2, 2)]
+    pixels = torch.rand(units, 16, 12, generator=g, dtype=torch.float64)
+    positions = torch.full((units, 16, 2), -1)
+    for u in range(units):
+        w, h = grids[torch.randint(0, 4, (1,), generator=g).item()]
+        grid = torch.stack(torch.meshgrid(torch.arange(w), torch.arange(h), indexing="xy"), -1).reshape(-1, 2)
+        positions[u, :len(grid)] = grid
+        pixels[u, len(grid):] = 0
+        ids += [BOI] + [IMG] * (len(grid) // 4) + [EOI] + _words(g, 3)
+    ex = {"input_ids": ids, "mm_token_type_ids": [int(x == IMG) for x in ids]}
+    return dict(ex, pixel_values=pixels, image_position_ids=positions) if units else ex
 
 
 def _paligemma_example(config, g, text, units):
@@ -155,7 +180,7 @@ def alone_inputs(ex):
     out = {}
     for key, value in ex.items():
         v = torch.as_tensor(value)
-        out[key] = v[None] if key in ("input_ids", "token_type_ids") else v
+        out[key] = v[None] if key in ("input_ids", "token_type_ids", "mm_token_type_ids") else v
     return out
 
 
@@ -177,7 +202,8 @@ def documents(batch, examples):
 
 
 #: every family once under ``make test``; a second attention implementation under ``-m slow``
-FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"),
+FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("gemma4", "sdpa"),
+                ("gemma4", "eager"), ("paligemma", "eager"),
                 ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"),
                 ("llava_next", "sdpa"), ("llava_onevision", "sdpa"),
                 pytest.param(("internvl", "eager"), marks=pytest.mark.slow)]
@@ -199,21 +225,22 @@ def best_fit(examples):
     return FixedWindowCollator(window=max(40, *(len(ex["input_ids"]) for ex in examples)), loss_mask="none")
 
 
-def check(model, batch, examples, alone, tol):
-    """Every document's logits against its example's alone; returns the examples in batch order."""
+def against_alone(model, batch, examples, alone):
+    """``(diff, order)``: the largest difference of any document's logits in the batch from its example's alone,
+    and the examples in the order the batch holds them (every example once when nothing was lost)."""
     out = logits(model, batch)
     flat = out.reshape(-1, out.shape[-1])
     docs = documents(batch, examples)
     diff = max((flat[a:a + len(examples[i]["input_ids"])] - alone[i]).abs().max().item() for a, i in docs)
     print(f"logits max abs diff {diff:.3e}")
-    assert diff < tol and sorted(i for _, i in docs) == list(range(len(examples)))
-    return [i for _, i in docs], flat
+    return diff, [i for _, i in docs]
 
 
 def test_padding_free_equals_each_document_alone(case):
     family, impl, model, examples, alone = case
     batch = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)(examples)
-    check(model, batch, examples, alone, TOL[impl])
+    diff, order = against_alone(model, batch, examples, alone)
+    assert diff < TOL[impl] and order == list(range(len(examples)))
 
 
 def test_fixed_windows_media_follow_their_documents(case):
@@ -221,7 +248,8 @@ def test_fixed_windows_media_follow_their_documents(case):
     reads them: concatenated in the order the batch holds the documents."""
     family, impl, model, examples, alone = case
     batch = VisionLanguageCollator(best_fit(examples), config=model.config)(examples)
-    order, _ = check(model, batch, examples, alone, TOL[impl])
+    diff, order = against_alone(model, batch, examples, alone)
+    assert diff < TOL[impl] and sorted(order) == list(range(len(examples)))
     assert order != sorted(order)
     key = "input_features" if family == "qwen2_audio" else "pixel_values"
     got = batch[key][0] if FAMILIES[family].batch_axis else batch[key]
@@ -252,8 +280,8 @@ def test_one_documents_media_changed_leaves_the_others_exactly(case):
 
 def test_padded_fallback_equals_each_document_alone(case):
     family, impl, model, examples, alone = case
-    if (family, impl) == ("gemma3", "eager"):
-        pytest.skip("transformers 5.24's Gemma 3 eager attention gives NaN on a right-padded row in float64 (its "
+    if family in ("gemma3", "gemma4") and impl == "eager":
+        pytest.skip("transformers 5.24's Gemma 3 and Gemma 4 eager attention give NaN on a right-padded row in float64 (its "
                     "float32 softmax turns the float64 minimum into -inf; float32 is fine): no packing involved")
     batch = VisionLanguageCollator(PaddedCollator(loss_mask="none"), config=model.config)(examples)
     out = logits(model, batch)
@@ -272,16 +300,16 @@ def naive_batch(family, model, examples):
         parts = [torch.as_tensor(ex[key]).reshape(-1, *torch.as_tensor(ex[key]).shape[-(_ + 1) + 1:])
                  for ex in examples if key in ex]
         batch[key] = torch.cat(parts)[None] if spec.batch_axis else torch.cat(parts)
-    if spec.token_keys:
-        batch["token_type_ids"] = torch.tensor([sum((list(ex["token_type_ids"]) for ex in examples), [])])
+    for key in spec.token_keys:
+        batch[key] = torch.tensor([sum((list(ex[key]) for ex in examples), [])])
     return batch
 
 
-@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "paligemma"])
 def test_naive_collation_is_wrong(family):
-    """Gemma 3 given the text batch and its token_type_ids (transformers 5.24 composes the mask itself):
-    its sliding layers read each image span at the token's position, not its index, so every document after
-    the first attends wrongly inside itself; PaliGemma without token_type_ids (a text collator drops them)
+    """Gemma 3 given the text batch and its token_type_ids, Gemma 4 its mm_token_type_ids (transformers 5.24
+    composes the mask itself): their sliding layers read each image span at the token's position, not its
+    index, so every document after the first attends wrongly inside itself; PaliGemma without token_type_ids (a text collator drops them)
     loses its prefix span."""
     model, make = build(family, "eager" if family == "paligemma" else "sdpa")
     g = torch.Generator().manual_seed(3)
@@ -360,19 +388,41 @@ def test_errors_name_the_example_and_the_fix(case):
         VisionLanguageCollator(PaddingFreeCollator(), config=model.config, rope_index=lambda **kw: None)
 
 
-def test_gemma3_refuses_flash_attention_and_unmarked_images():
-    model, make = build("gemma3", "sdpa")
+@pytest.mark.parametrize("family, key", [("gemma3", "token_type_ids"), ("gemma4", "mm_token_type_ids")])
+def test_gemma_refuses_flash_attention_and_unmarked_images(family, key):
+    model, make = build(family, "sdpa")
     g = torch.Generator().manual_seed(3)
     ex = make(g, 3, 1)
     collate = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)
-    with pytest.raises(ValueError, match=r"^example 0 has no 'token_type_ids', which mark the image tokens"):
-        collate([{k: v for k, v in ex.items() if k != "token_type_ids"}])
-    with pytest.raises(ValueError, match=r"^example 0 has 'token_type_ids' that do not mark exactly its image"):
-        collate([dict(ex, token_type_ids=[0] * len(ex["input_ids"]))])
+    with pytest.raises(ValueError, match=rf"^example 0 has no '{key}', which mark the image tokens"):
+        collate([{k: v for k, v in ex.items() if k != key}])
+    with pytest.raises(ValueError, match=rf"^example 0 has '{key}' that do not mark exactly its image"):
+        collate([dict(ex, **{key: [0] * len(ex["input_ids"])})])
     model.config.get_text_config()._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match=r"Gemma 3's image tokens attend both ways, which attn_implementation="
+    name = FAMILIES[family].name
+    with pytest.raises(ValueError, match=rf"{name}'s image tokens attend both ways, which attn_implementation="
                                          r"'flash_attention_2' cannot express .*never approximated"):
         collate([ex])
+
+
+def test_gemma4_without_image_spans_is_causal_and_bidirectional_documents_refused():
+    """Gemma 4 without use_bidirectional_attention (its small checkpoints) is causal like text: the collator
+    lays out its media and mm_token_type_ids and hands no mask, and every document equals itself alone (the
+    model finds documents from position_ids); with use_bidirectional_attention='all' (every token both ways)
+    the collator refuses by name instead of packing documents that would see each other's future."""
+    model, make = build("gemma4", "sdpa")
+    model.config.get_text_config().use_bidirectional_attention = None
+    g = torch.Generator().manual_seed(3)
+    examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2)]
+    alone = [logits(model, alone_inputs(ex))[0] for ex in examples]
+    batch = VisionLanguageCollator(best_fit(examples), config=model.config)(examples)
+    assert "attention_mask" not in batch
+    diff, order = against_alone(model, batch, examples, alone)
+    assert diff < TOL["sdpa"] and sorted(order) == [0, 1, 2]
+    model.config.get_text_config().use_bidirectional_attention = "all"
+    with pytest.raises(ValueError, match=r"^Gemma 4 with use_bidirectional_attention='all' attends both ways over "
+                                         r"whole documents; packkit packs it with"):
+        VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)(examples)
 
 
 def test_flex_block_mask_is_the_same_mask():
@@ -484,7 +534,8 @@ def test_gemma3_masks_cross_dataloader_workers():
     here = collate(examples)
     assert sorted(batch["attention_mask"]) == ["full_attention", "sliding_attention"]
     assert all(torch.equal(batch["attention_mask"][k], here["attention_mask"][k]) for k in here["attention_mask"])
-    check(model, batch, examples, alone, TOL["sdpa"])
+    diff, order = against_alone(model, batch, examples, alone)
+    assert diff < TOL["sdpa"] and sorted(order) == list(range(len(examples)))
 
 
 def test_llava_onevision_refuses_a_per_row_image_count():
