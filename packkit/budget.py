@@ -389,7 +389,7 @@ class Dealt:
         if isinstance(sampler, PackedBatchSampler):  # a full step: every window of it
             full = sched.units_per_step == sampler.step_batches * sampler.windows_per_batch
         else:  # every batch of it whole (the last batch of a dataset may be short)
-            full = sched.per_step(np.ones(sched.flat.size)).sum(axis=1) == sampler.step_batches * sampler.batch_size
+            full = np.diff(sched.step_ptr) == sampler.step_batches * sampler.batch_size
         return cls(sampler, sched, full, drop_last)
 
     @property
@@ -405,7 +405,7 @@ class Dealt:
 
     def per_step(self, values, *, full_only: bool = False) -> np.ndarray:
         """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one)."""
-        sums = self.schedule.per_step(np.asarray(values)[self.schedule.flat]).sum(axis=1)
+        sums = batch_sums(np.asarray(values)[self.schedule.flat], self.schedule.step_ptr)
         if full_only:
             return sums[self.full] if self.full.any() else sums
         return sums[self.full] if self.drop_last else sums

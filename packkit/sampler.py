@@ -79,6 +79,7 @@ loop cannot be told (a wrapper between the loader and the sampler, ``in_order=Fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
 import warnings
@@ -216,11 +217,30 @@ def _lengths(lengths, dataset, key: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
+def stable_argsort(key: np.ndarray) -> np.ndarray:
+    """Stable argsort along the last axis of non-negative integer keys.
+
+    numpy sorts 16-bit keys by radix and wider ones by merge sort, 50x slower on 64,000 ShareGPT lengths
+    (the longest 221,070 tokens). Keys below ``2**32`` are sorted in two stable 16-bit radix passes, the low
+    half first (a least-significant-digit radix sort): the same order. ``stable_argsort([70000, 3, 70000, 1])
+    -> [3, 1, 0, 2]``.
+    """
+    key = np.asarray(key)
+    top = int(key.max()) if key.size else 0
+    if top < 1 << 16:
+        return np.argsort(key.astype(np.uint16), axis=-1, kind="stable")
+    if top >= 1 << 32:
+        return np.argsort(key, axis=-1, kind="stable")
+    by_low = np.argsort((key & 0xFFFF).astype(np.uint16), axis=-1, kind="stable")
+    high = np.take_along_axis((key >> 16).astype(np.uint16), by_low, axis=-1)
+    return np.take_along_axis(by_low, np.argsort(high, axis=-1, kind="stable"), axis=-1)
+
+
 def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
     """``order`` cut into consecutive blocks of ``size``, each sorted longest first (stable).
 
-    One row-wise argsort of ``top - length`` over the full blocks (a radix sort when the keys fit in
-    16 bits, which is 10x faster than one sort over ``(block, -length)`` keys), then the last block:
+    One row-wise :func:`stable_argsort` of ``top - length`` over the full blocks (radix passes: 10x faster
+    than one sort over ``(block, -length)`` keys), then the last block:
     ``sort_megabatches([0, 1, 2, 3], [1, 3, 2, 4], 2) -> [1, 0, 3, 2]``.
     """
     order = np.asarray(order, np.int64)
@@ -228,17 +248,15 @@ def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> np.nd
     if order.size == 0:
         return order
     seq = lengths[order]
-    top = int(seq.max())
-    key = top - seq  # ascending key = longest first
-    key = key.astype(np.uint16 if top < 1 << 16 else np.int64)
+    key = int(seq.max()) - seq  # ascending key = longest first
     nfull = order.size // size * size
     out = np.empty_like(order)
     if nfull:
-        rows = np.argsort(key[:nfull].reshape(-1, size), axis=1, kind="stable")
+        rows = stable_argsort(key[:nfull].reshape(-1, size))
         rows += np.arange(0, nfull, size, dtype=np.int64)[:, None]
         out[:nfull] = order[rows.reshape(-1)]
     if nfull < order.size:
-        out[nfull:] = order[nfull + np.argsort(key[nfull:], kind="stable")]
+        out[nfull:] = order[nfull + stable_argsort(key[nfull:])]
     return out
 
 
@@ -504,11 +522,23 @@ class Schedule:
         """``(steps, world_size)``: ``values`` (one per entry of ``flat``) summed over each rank's batches of each
         optimiser step held here (the figures of :meth:`_BatchSampler.epoch_stats`, and of ``packkit plan`` and
         ``packkit waste``, which read the schedule a sampler deals)."""
-        R, rows = self.world_size, self.rows
-        if not rows:
-            return np.zeros((0, R))
-        by_batch = batch_sums(values, self.ptr).reshape(rows, R)
-        return np.add.reduceat(by_batch, np.clip(self.step_row[:-1], 0, None)[self._steps_held], axis=0)
+        R = self.world_size
+        cells = int(self._steps_held.sum()) * R
+        return np.bincount(self._cell, weights=values, minlength=cells).reshape(-1, R)
+
+    @functools.cached_property
+    def step_ptr(self) -> np.ndarray:
+        """(steps + 1,) int64 offsets into ``flat`` of the optimiser steps held here: step ``s`` is
+        ``flat[step_ptr[s]:step_ptr[s + 1]]``, every rank's batches of it (rows are row-major)."""
+        return self.ptr[np.clip(self.step_row, 0, None)[np.append(self._steps_held, True)] * self.world_size]
+
+    @functools.cached_property
+    def _cell(self) -> np.ndarray:
+        """(n,) int64, ``step * world_size + rank`` of every entry of ``flat``, made once: each of :meth:`per_step`'s
+        sums is then one ``bincount`` (prefix sums over every entry were a third of ``packkit plan``'s time)."""
+        R, per_step = self.world_size, np.diff(self.step_ptr)
+        rank = np.repeat(np.arange(self.ptr.size - 1, dtype=np.int64) % R, np.diff(self.ptr))
+        return np.repeat(np.arange(per_step.size, dtype=np.int64) * R, per_step) + rank
 
     @property
     def units_per_step(self) -> np.ndarray:

@@ -25,6 +25,7 @@ from packkit.sampler import (
     select_batches,
     split_pieces,
     sort_megabatches,
+    stable_argsort,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -92,12 +93,22 @@ lengths_st = st.lists(st.integers(1, 64), min_size=1, max_size=80)
 # ----------------------------------------------------------------------------------------------
 
 
-@given(lengths=st.lists(st.integers(1, 70_000), min_size=1, max_size=60), size=st.integers(1, 9),
-       seed=st.integers(0, 99))
+@given(lengths=st.lists(st.integers(1, 70_000) | st.integers(65_536 - 2, 300_000) | st.integers(1, 2**33),
+                        min_size=1, max_size=60), size=st.integers(1, 9), seed=st.integers(0, 99))
 def test_sort_megabatches_matches_reference(lengths, size, seed):
     order = np.random.default_rng(seed).permutation(len(lengths))
     got = sort_megabatches(order, np.array(lengths), size).tolist()
     assert got == ref_sort_megabatches(order.tolist(), lengths, size)
+
+
+@given(keys=st.lists(st.integers(0, 5) | st.integers(0, 2**17) | st.integers(2**16 - 2, 2**16 + 2)
+                     | st.integers(0, 2**32 - 1) | st.integers(2**32, 2**40), min_size=1, max_size=64),
+       rows=st.integers(1, 4))
+def test_stable_argsort_is_numpys_stable_sort(keys, rows):
+    """Keys of 16, 32 and more bits (two radix passes under 2**32): numpy's merge sort order, row by row."""
+    key = np.array(keys * rows, np.int64).reshape(rows, -1)
+    assert stable_argsort(key).tolist() == np.argsort(key, axis=-1, kind="stable").tolist()
+    assert stable_argsort(key[0]).tolist() == np.argsort(key[0], kind="stable").tolist()
 
 
 @given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=60), max_tokens=st.integers(50, 200),
