@@ -62,7 +62,7 @@ from .interrupts import deferred
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
            "check_output", "fsync_tree", "held_still", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
-           "named_os_error"]
+           "named_os_error", "png_figure"]
 
 #: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
 TMP_MARK = ".packkit-tmp-"
@@ -364,6 +364,31 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
             raise named_os_error(exc, target) from exc
         raise
     _fsync_path(target.parent, directory=True)
+
+
+@contextlib.contextmanager
+def png_figure(path, *, overwrite: bool = False, **subplots):
+    """``(fig, axes)`` of ``matplotlib.pyplot.subplots(**subplots)`` (the Agg backend: no display needed), saved
+    as a PNG at ``path`` when the block ends, through :func:`atomic_output` (``path`` checked before anything is
+    drawn; an existing one replaced only with ``overwrite=True``); the figure is closed either way::
+
+        with png_figure("fill.png", figsize=(9, 4.8)) as (fig, ax):
+            ax.bar(x, y)
+    """
+    check_output(path, overwrite=overwrite)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(**subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        with atomic_output(path, overwrite=overwrite) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")
+    finally:
+        plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------

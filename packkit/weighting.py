@@ -52,7 +52,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ArgumentError
-from .fileio import atomic_output, check_output
+from .fileio import png_figure
 from .segments import IGNORE_INDEX
 
 __all__ = ["WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
@@ -340,29 +340,19 @@ def weight_shares(lengths, loss_lengths, weighting) -> WeightShares:
 def plot_weight_shares(shares: WeightShares, path, *, overwrite: bool = False) -> None:
     """A PNG of the shares by decile, the weighting's bars beside the token mean's. Written beside ``path`` and
     renamed into place when complete; an existing ``path`` is replaced only with ``overwrite=True``."""
-    check_output(path, overwrite=overwrite)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = np.arange(shares.shares.size)
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    ax.bar(x - 0.2, shares.token_shares, width=0.4, color="#8C8C8C", label="token mean")
-    ax.bar(x + 0.2, shares.shares, width=0.4, color="#4C72B0", label=shares.weighting)
-    ax.axhline(0.1, color="0.5", linestyle=":", linewidth=1)
-    labels = [f"{int(shares.edges[i]):,}-\n{int(shares.edges[i + 1]):,}" for i in x]
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_xlabel("length decile (tokens)")
-    ax.set_ylabel("share of the loss weight")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.set_title(f"loss weight by length decile: {shares.weighting} against the token mean", fontsize=11)
-    ax.legend(frameon=False)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    try:
-        with atomic_output(path, overwrite=overwrite) as tmp:
-            fig.savefig(tmp, dpi=130, format="png")
-    finally:
-        plt.close(fig)
+    with png_figure(path, overwrite=overwrite, figsize=(9, 4.8)) as (fig, ax):
+        from matplotlib.ticker import PercentFormatter
+
+        ax.bar(x - 0.2, shares.token_shares, width=0.4, color="#8C8C8C", label="token mean")
+        ax.bar(x + 0.2, shares.shares, width=0.4, color="#4C72B0", label=shares.weighting)
+        ax.axhline(0.1, color="0.5", linestyle=":", linewidth=1)
+        labels = [f"{int(shares.edges[i]):,}-\n{int(shares.edges[i + 1]):,}" for i in x]
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.set_xlabel("length decile (tokens)")
+        ax.set_ylabel("share of the loss weight")
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.set_title(f"loss weight by length decile: {shares.weighting} against the token mean", fontsize=11)
+        ax.legend(frameon=False)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
