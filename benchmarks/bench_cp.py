@@ -57,7 +57,7 @@ def measure(rows, cp, layout):
     pad = real = 0
     top = mean = 0.0
     for row in rows:
-        plan = plan_cp(row, cp_size=cp, layout=layout)
+        plan = plan_cp(row, cp_size=cp, cp_layout=layout)
         work = plan.work()
         pad += plan.padding_tokens
         real += plan.num_tokens
@@ -77,7 +77,7 @@ def shard_time(row, cp, layout):
     ids = torch.randint(1, 32000, (1, T))
     batch = PackedBatch(input_ids=ids, labels=ids.clone(), cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(row)),
                         position_ids=torch.from_numpy(lengths_to_position_ids(row))[None])
-    return median_time(lambda: shard(batch, cp_size=cp, rank=cp - 1, layout=layout), warmup=2, reps=15, device="cpu")
+    return median_time(lambda: shard(batch, cp_size=cp, rank=cp - 1, cp_layout=layout), warmup=2, reps=15, device="cpu")
 
 
 def plain_zigzag(ids, labels, cu_seqlens, cp: int, rank: int, pad_id: int = 0):
@@ -118,7 +118,7 @@ def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int) -> dict:
     """``shard`` (plan included) against :func:`plain_zigzag` for rank ``cp - 1`` of ``row``: alternating pairs
     of ``reps`` calls each; the pair ratios (shard / plain) with their median and spread."""
     batch = row_batch(row)
-    ours = lambda: [shard(batch, cp_size=cp, rank=cp - 1, layout=layout) for _ in range(reps)]  # noqa: E731
+    ours = lambda: [shard(batch, cp_size=cp, rank=cp - 1, cp_layout=layout) for _ in range(reps)]  # noqa: E731
     plain = lambda: [plain_zigzag(batch.input_ids, batch.labels, batch.cu_seqlens, cp, cp - 1)  # noqa: E731
                      for _ in range(reps)]
     ours(), plain()  # warm up
@@ -129,9 +129,9 @@ def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int) -> dict:
 
 
 def check_plain_zigzag(row, cp: int) -> bool:
-    """The baseline holds what ``shard(layout="zigzag")`` holds (tokens, targets, positions, documents)."""
+    """The baseline holds what ``shard(cp_layout="zigzag")`` holds (tokens, targets, positions, documents)."""
     batch = row_batch(row)
-    s = shard(batch, cp_size=cp, rank=cp - 1, layout="zigzag")
+    s = shard(batch, cp_size=cp, rank=cp - 1, cp_layout="zigzag")
     ids, targets, pos, doc = plain_zigzag(batch.input_ids, batch.labels, batch.cu_seqlens, cp, cp - 1)
     return bool((s.input_ids[0] == ids).all() and (s.shift_labels[0] == targets).all()
                 and (s.position_ids[0] == pos).all() and (s.seq_idx[0] == doc).all())

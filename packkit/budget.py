@@ -480,13 +480,13 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     data = read_lengths_object(lengths)
     if data.lengths.size == 0:
         raise ValueError("lengths is empty: a plan needs at least one example")
-    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
+    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
     given = lengths if isinstance(lengths, Plan) else None
     if given is not None and doc_multiple > 1:
         raise ValueError("a plan with a zigzag CP layout: pass lengths and window instead (the plan must be made "
                          "from the CP-padded lengths)")
     if given is not None or window is not None:
-        window = check_cp_window(check_window(given.window if given else window), cp_size=cp_size, layout=cp_layout)
+        window = check_cp_window(check_window(given.window if given else window), cp_size=cp_size, cp_layout=cp_layout)
         units = packed_units(data, given, window=window, overflow=overflow, doc_multiple=doc_multiple,
                              drop_loss_free=drop_loss_free)
     else:

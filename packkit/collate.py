@@ -458,9 +458,9 @@ class PackedRowsCollator(_Collator):
     def __init__(self, *, window: int, num_windows: int | None = None, static_shape: bool = False,
                  max_segments: int | None = None, pad_token_id: int = 0, mask_first_label: bool = True,
                  loss_mask: str = "auto", cp_size: int = 1, cp_layout: str = "hybrid", loss_weighting="token"):
-        self.window = check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
+        self.window = check_cp_window(check_window(window), cp_size=cp_size, cp_layout=cp_layout)
         self.cp_size, self.cp_layout = int(cp_size), cp_layout
-        self._doc_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)[0]
+        self._doc_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)[0]
         self.static_shape = bool(static_shape)
         self.num_windows, self.max_segments = _check_static(self.static_shape, num_windows, max_segments)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id", low=0)

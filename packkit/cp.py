@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .cp_plan import CPPlan, check_cp_size, plan_cp
-from .errors import ArgumentError, check_choice, check_int
+from .errors import ArgumentError, check_choice, check_int, renamed_keyword
 from .integrations import transformers as hf  # transformers' attention call, read in one place
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
@@ -171,8 +171,8 @@ class CPShard:
 
     def _need(self, *layouts) -> None:
         if self.layout not in layouts:
-            raise ValueError(f"this view needs layout={' or '.join(map(repr, layouts))}; the shard was made with "
-                             f"layout={self.layout!r} (shard(batch, ..., layout={layouts[0]!r}))")
+            raise ValueError(f"this view needs cp_layout={' or '.join(map(repr, layouts))}; the shard was made with "
+                             f"cp_layout={self.layout!r} (shard(batch, ..., cp_layout={layouts[0]!r}))")
 
     # -- TransformerEngine / Megatron-Core (zigzag) --
 
@@ -311,15 +311,16 @@ def shift_labels(labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor
     return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def shard(batch, *, cp_size: int, rank: int, layout: str = "hybrid", pad_id: int = 0,
-          plan: CPPlan | None = None) -> CPShard:
+def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: int = 0,
+          plan: CPPlan | None = None, **renamed) -> CPShard:
     """One rank's part of a packed batch for a context-parallel group of ``cp_size`` ranks.
 
     Args:
         batch: a ``PackedBatch`` (or its dict view with ``cu_seq_lens_q``): ``[B, W]`` windows or a
             ``[1, T]`` row; its segments are read from ``cu_seqlens``.
         cp_size, rank: the CP group's size and this rank in it.
-        layout: ``"zigzag"``, ``"contiguous"``, ``"ulysses"`` or ``"hybrid"`` (drawn in :mod:`packkit.cp_plan`).
+        cp_layout: ``"zigzag"``, ``"contiguous"``, ``"ulysses"`` or ``"hybrid"`` (drawn in :mod:`packkit.cp_plan`);
+            its old name ``layout=`` still works, with a ``DeprecationWarning``.
         pad_id: token of the CP padding.
         plan: a :class:`~packkit.cp_plan.CPPlan` of this batch already made (every rank makes the same one).
 
@@ -330,17 +331,18 @@ def shard(batch, *, cp_size: int, rank: int, layout: str = "hybrid", pad_id: int
     >>> ids = torch.arange(8)[None]
     >>> b = PackedBatch(input_ids=ids, labels=ids, position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
     ...                 cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32))
-    >>> s = shard(b, cp_size=2, rank=0, layout="zigzag")
+    >>> s = shard(b, cp_size=2, rank=0, cp_layout="zigzag")
     >>> s.index.tolist(), s.position_ids.tolist()   # rows of the packed row; per-document positions
     ([0, 3, 4, 7], [[0, 3, 0, 3]])
     """
+    layout = renamed_keyword("shard", renamed, "layout", "cp_layout", cp_layout, "hybrid")
     cp = check_cp_size(cp_size)
     rank = check_int(rank, "rank", low=0, high=cp - 1)
     ids, labels, shifted, lengths = _batch_fields(batch)
     if plan is None:
-        plan = plan_cp(lengths, cp_size=cp, layout=layout)
+        plan = plan_cp(lengths, cp_size=cp, cp_layout=layout)
     elif plan.cp_size != cp or plan.layout != layout or not np.array_equal(plan.lengths[:plan.num_segments], lengths):
-        raise ValueError("the plan passed to shard was made for another batch, cp_size or layout")
+        raise ValueError("the plan passed to shard was made for another batch, cp_size or cp_layout")
     source, seg, pos, pad_at, first, real, out = plan.local_tokens(int(rank))
     dev = ids.device
     index = torch.from_numpy(source).to(dev)

@@ -57,8 +57,8 @@ def check_cp_size(cp_size) -> int:
     return check_int(cp_size, "cp_size")
 
 
-def _check_layout(layout: str, name: str = "layout") -> str:
-    return check_choice(layout, name, LAYOUTS, what="CP layout")
+def _check_layout(cp_layout: str) -> str:
+    return check_choice(cp_layout, "cp_layout", LAYOUTS, what="CP layout")
 
 
 def causal_work(length, offset=0):
@@ -196,7 +196,7 @@ class CPPlan:
         returns (as numpy; :meth:`packkit.cp.CPShard.torch_indices` gives the tensor): ``G[idx]`` cut in
         ``cp_size`` equal contiguous pieces gives every rank its tokens (``restore=True``: the inverse
         permutation). For zigzag on one document of ``2 * cp`` chunks it equals torch's
-        ``_HeadTailLoadBalancer``: ``plan_cp([4], cp_size=2, layout="zigzag").rearrange_index() ->
+        ``_HeadTailLoadBalancer``: ``plan_cp([4], cp_size=2, cp_layout="zigzag").rearrange_index() ->
         [[0, 3, 1, 2]]``."""
         self._pieces()  # every rank's: built once
         idx = np.concatenate([self.g_index(r) for r in range(self.cp_size)])
@@ -423,15 +423,15 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     return padded, lengths, tuple(table.T)
 
 
-def plan_cp(lengths, *, cp_size: int, layout: str = "hybrid") -> CPPlan:
+def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
     """Plan one batch for a CP group from its segment lengths (the flattened batch's ``cu_seqlens``
     diffs; a window's padding tail is a segment like any other).
 
-    ``plan_cp([9, 3, 4], cp_size=2, layout="zigzag").padded -> [12, 4, 4]`` (local_len 10);
-    ``plan_cp([9, 3, 4], cp_size=2, layout="contiguous").local_len -> 8``.
+    ``plan_cp([9, 3, 4], cp_size=2, cp_layout="zigzag").padded -> [12, 4, 4]`` (local_len 10);
+    ``plan_cp([9, 3, 4], cp_size=2, cp_layout="contiguous").local_len -> 8``.
     """
     cp = check_cp_size(cp_size)
-    _check_layout(layout)
+    layout = _check_layout(cp_layout)
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     if lengths.size and lengths.min() < 1:
         raise ArgumentError("segment lengths must be >= 1 (drop empty segments), got {x}", x=int(lengths.min()))
@@ -450,24 +450,23 @@ def plan_cp(lengths, *, cp_size: int, layout: str = "hybrid") -> CPPlan:
     return CPPlan(layout, cp, lengths, padded, num_segments, local_len, dealt)
 
 
-def cp_multiples(*, cp_size: int, layout: str) -> tuple[int, int]:
+def cp_multiples(*, cp_size: int, cp_layout: str) -> tuple[int, int]:
     """``(document multiple, row multiple)`` a layout pads to: zigzag pads every document to a multiple
     of ``2 * cp``, the others cut the row in ``cp`` equal pieces. ``cp_multiples(cp_size=4,
-    layout="zigzag") -> (8, 1)``; ``layout="hybrid" -> (1, 4)``."""
+    cp_layout="zigzag") -> (8, 1)``; ``cp_layout="hybrid" -> (1, 4)``."""
     cp = check_cp_size(cp_size)
-    return (2 * cp, 1) if _check_layout(layout) == "zigzag" else (1, cp)
+    return (2 * cp, 1) if _check_layout(cp_layout) == "zigzag" else (1, cp)
 
 
-def check_cp_window(window: int, *, cp_size: int, layout: str) -> int:
+def check_cp_window(window: int, *, cp_size: int, cp_layout: str) -> int:
     """``window`` if a row of it can be cut for the layout (a multiple of ``2 * cp`` for zigzag, of ``cp``
     for the others), else a one-line error naming the window to pass: ``check_cp_window(4096, cp_size=8,
-    layout="zigzag") -> 4096``."""
-    _check_layout(layout, "cp_layout")
-    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=layout)
+    cp_layout="zigzag") -> 4096``."""
+    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
     m = doc_multiple * row_multiple
     if window % m:
         raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to {up:,}",
-                            window=arg("window", window), m=m, layout=arg("cp_layout", layout),
+                            window=arg("window", window), m=m, layout=arg("cp_layout", cp_layout),
                             cp=arg("cp_size", cp_size), w=arg("window"), up=-(-window // m) * m)
     return window
 
@@ -481,8 +480,8 @@ def plan_for_cp(lengths, *, window: int, cp_size: int = 1, cp_layout: str = "hyb
     cp_layout="zigzag").num_windows -> 3``: ``pack`` alone makes 2 (``[7, 1]``, ``[6]``), but 7 and 1
     padded to 8 and 4 no longer share a window.
     """
-    check_cp_window(window, cp_size=cp_size, layout=cp_layout)
-    doc_multiple, _ = cp_multiples(cp_size=cp_size, layout=cp_layout)
+    check_cp_window(window, cp_size=cp_size, cp_layout=cp_layout)
+    doc_multiple, _ = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
     if doc_multiple == 1:
         return pack(lengths, window=window, **pack_kwargs)
     plan = pack(lengths, window=window, **pack_kwargs)  # checks lengths as pack does
@@ -493,17 +492,17 @@ def plan_for_cp(lengths, *, window: int, cp_size: int = 1, cp_layout: str = "hyb
     return dataclasses.replace(padded, lengths=real, seg_length=seg_length, cut_tokens=cut)
 
 
-def cp_padding(row_lengths, *, cp_size: int, layout: str) -> int:
+def cp_padding(row_lengths, *, cp_size: int, cp_layout: str) -> int:
     """CP padding tokens of one row (its segment lengths): ``cp_padding([9, 3, 4], cp_size=2,
-    layout='zigzag') -> 4``. The row-level layouts pad the row to a multiple of ``cp_size``."""
+    cp_layout='zigzag') -> 4``. The row-level layouts pad the row to a multiple of ``cp_size``."""
     cp = check_cp_size(cp_size)
-    _check_layout(layout)
+    layout = _check_layout(cp_layout)
     lengths = np.asarray(row_lengths, np.int64)
     if layout == "zigzag":
         return int((_round_up(lengths, 2 * cp) - lengths).sum())
     if layout in ("contiguous", "ulysses"):
         return (-int(lengths.sum())) % cp
-    return plan_cp(lengths, cp_size=cp, layout=layout).padding_tokens
+    return plan_cp(lengths, cp_size=cp, cp_layout=layout).padding_tokens
 
 
 # ----------------------------------------------------------------------------------------------

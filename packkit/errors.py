@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import shlex
+import warnings
 
 __all__ = ["Arg", "arg", "Where", "check_int", "check_choice", "Message", "PackkitError", "ArgumentError", "ArgumentTypeError",
            "DataError", "MissingError", "OutputError"]
@@ -231,6 +232,22 @@ def check_choice(value, name: str, choices, *, what: str | None = None):
         raise ArgumentError("unknown {what} {got!r}; choose one of {choices}", what=what or name, got=value,
                             choices=arg(name, *choices))
     return value
+
+
+def renamed_keyword(who: str, rest: dict, old: str, new: str, value, default):
+    """``value`` (the keyword ``new``), or the value a caller still passes under its old name ``old`` in ``rest`` (the
+    function's ``**`` keywords), with a one-line ``DeprecationWarning`` naming ``new``; any other keyword in ``rest``
+    is the ``TypeError`` Python gives, and both names given with different values one naming both.
+    ``renamed_keyword("shard", {"layout": "zigzag"}, "layout", "cp_layout", "hybrid", "hybrid") -> "zigzag"``."""
+    unknown = sorted(set(rest) - {old})
+    if unknown:
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
+    if old not in rest:
+        return value
+    if value != default and value != rest[old]:
+        raise TypeError(f"{who}() got {old}={rest[old]!r} and {new}={value!r}; pass {new} only ({old} is its old name)")
+    warnings.warn(f"{who}({old}=...) is deprecated: pass {new}={rest[old]!r}", DeprecationWarning, stacklevel=3)
+    return rest[old]
 
 
 def with_keywords(cls, options, keywords: dict, who: str):

@@ -299,7 +299,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     data = read_lengths_object(lengths)
     if data.lengths.size == 0:
         raise ValueError("no examples: the dataset is empty")
-    window = check_cp_window(check_window(window), cp_size=cp_size, layout=cp_layout)
+    window = check_cp_window(check_window(window), cp_size=cp_size, cp_layout=cp_layout)
     batch_size, buffer_size = check_int(batch_size, "batch_size"), check_int(buffer_size, "buffer_size")
     k = batch_size if windows_per_step is None else check_int(windows_per_step, "windows_per_step")
     strategies = tuple(strategies)
@@ -307,7 +307,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     if unknown or not strategies:
         raise ArgumentError("unknown strategies {bad}; choose from {choices}", bad=unknown,
                             choices=arg("strategies", ",".join(WASTE_STRATEGIES)))
-    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, layout=cp_layout)
+    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
     p = packed_units(data, window=window, overflow=overflow, doc_multiple=doc_multiple, drop_loss_free=drop_loss_free)
     dealing = dict(accumulation_steps=1, world_size=check_int(world_size, "world_size"), balance=balance,
                    seed=seed, cp_size=cp_size)
@@ -512,7 +512,7 @@ def format_table(report: WasteReport, *, options=None) -> str:
         lines.append(note.render(options))
     lines.extend(m.render(options) for m in loss_free_lines(report))
     if report.cp_size > 1:
-        doc_multiple, row_multiple = cp_multiples(cp_size=report.cp_size, layout=report.cp_layout)
+        doc_multiple, row_multiple = cp_multiples(cp_size=report.cp_size, cp_layout=report.cp_layout)
         if doc_multiple > 1:
             extra = int((-report.lengths % doc_multiple).sum())
             lines.append(f"context parallel, cp={report.cp_size} {report.cp_layout}: every example padded to a "

@@ -47,7 +47,7 @@ def test_every_rank_keeps_what_the_row_meant(lengths, cp, layout, windows):
         batch = FixedWindowCollator(window=max(lengths) + 5, strategy="next_fit")(examples(lengths))
     else:
         batch = PaddingFreeCollator()(examples(lengths))
-    shards = [shard(batch, cp_size=cp, rank=r, layout=layout) for r in range(cp)]
+    shards = [shard(batch, cp_size=cp, rank=r, cp_layout=layout) for r in range(cp)]
     T = batch.input_ids.numel()
     sources = torch.cat([s.index for s in shards])
     real = sources[sources >= 0]
@@ -74,7 +74,7 @@ def test_every_rank_keeps_what_the_row_meant(lengths, cp, layout, windows):
     assert plan.padding_tokens == cp * plan.local_len - T >= 0
     if layout == "zigzag":
         assert (plan.padded % (2 * cp) == 0).all()
-        assert plan.padding_tokens == cp_padding(plan.lengths, cp_size=cp, layout="zigzag")
+        assert plan.padding_tokens == cp_padding(plan.lengths, cp_size=cp, cp_layout="zigzag")
     if layout in ("contiguous", "ulysses"):
         assert plan.padding_tokens == (-T) % cp
     if layout == "hybrid":
@@ -87,7 +87,7 @@ def test_megatron_5243_positions_and_packed_table_index():
     (the rows of a packed per-token RoPE table it must read), whose per-document positions are
     [0, 3, 0, 3]. Megatron read the table at [0, 3, 0, 3], reusing sequence 0's positions."""
     batch = PaddingFreeCollator()(examples([4, 4]))
-    s0 = shard(batch, cp_size=2, rank=0, layout="zigzag")
+    s0 = shard(batch, cp_size=2, rank=0, cp_layout="zigzag")
     assert s0.index.tolist() == [0, 3, 4, 7]
     assert s0.position_ids.tolist() == [[0, 3, 0, 3]]
     table = torch.randn(8, 6)  # a packed per-token table (freqs.size(0) == cu_seqlens[-1])
@@ -100,7 +100,7 @@ def test_te_params_padded_and_real_cannot_be_swapped():
     """TE #1409 (NaNs from cu_seqlens given for cu_seqlens_padded): the padded offsets are a view of their
     own, each length a multiple of 2*cp, checked against the real ones; a swap raises."""
     batch = PaddingFreeCollator()(examples([9, 3, 4]))
-    te = shard(batch, cp_size=2, rank=1, layout="zigzag").te_params()
+    te = shard(batch, cp_size=2, rank=1, cp_layout="zigzag").te_params()
     assert te.qkv_format == "thd"
     assert te.cu_seqlens_q.tolist() == te.cu_seqlens_kv.tolist() == [0, 9, 12, 16]
     assert te.cu_seqlens_q_padded.tolist() == te.cu_seqlens_kv_padded.tolist() == [0, 12, 16, 20]
@@ -108,20 +108,20 @@ def test_te_params_padded_and_real_cannot_be_swapped():
     swapped = te._replace(cu_seqlens_q=te.cu_seqlens_q_padded, cu_seqlens_q_padded=te.cu_seqlens_q)
     with pytest.raises(ValueError, match="are they swapped"):
         swapped.check(2)
-    with pytest.raises(ValueError, match="layout='zigzag'"):
-        shard(batch, cp_size=2, rank=0, layout="contiguous").te_params()
+    with pytest.raises(ValueError, match="cp_layout='zigzag'"):
+        shard(batch, cp_size=2, rank=0, cp_layout="contiguous").te_params()
 
 
 def test_llama3_args_match_ring_flash_attn_example():
     """ring-flash-attn's own example (cu_seqlens=[0, 7, 14, 16], world 8: 2 tokens a rank): rank 3 holds
     tokens 6..7 (doc 0's last, doc 1's first), keys from doc 0's start; max_seqlen are Python ints."""
     batch = PaddingFreeCollator()(examples([7, 7, 2]))
-    a = shard(batch, cp_size=8, rank=3, layout="contiguous").llama3_args()
+    a = shard(batch, cp_size=8, rank=3, cp_layout="contiguous").llama3_args()
     assert a.cu_seqlens_q.tolist() == [0, 1, 2]
     assert a.cu_seqlens_k.tolist() == [0, 7, 8]
     assert a.local_k_slice == slice(0, 8)
     assert (a.max_seqlen_q, a.max_seqlen_k) == (1, 7) and all(type(x) is int for x in a[2:4])
-    a = shard(batch, cp_size=8, rank=7, layout="contiguous").llama3_args()
+    a = shard(batch, cp_size=8, rank=7, cp_layout="contiguous").llama3_args()
     assert a.cu_seqlens_q.tolist() == [0, 2] and a.cu_seqlens_k.tolist() == [0, 2] and a.local_k_slice == slice(14, 16)
 
 
@@ -131,7 +131,7 @@ def test_zigzag_indices_equal_torch_head_tail_load_balancer():
     lb = pytest.importorskip("torch.distributed.tensor.experimental._context_parallel._load_balancer")
     batch = PaddingFreeCollator()(examples([64]))
     for cp in (2, 4, 8):
-        s = shard(batch, cp_size=cp, rank=0, layout="zigzag")
+        s = shard(batch, cp_size=cp, rank=0, cp_layout="zigzag")
         for restore_ in (False, True):
             theirs = lb._HeadTailLoadBalancer(64, cp, "cpu")._generate_indices(restore=restore_).long()
             assert torch.equal(torch.from_numpy(s.plan.rearrange_index(restore=restore_)), theirs)
@@ -143,8 +143,8 @@ def test_hybrid_balances_short_documents_and_pads_little():
     ranks' causal work within 5% of each other; contiguous pieces give the last ranks far more."""
     rng = np.random.default_rng(0)
     lengths = np.append(rng.integers(20, 600, 60), 9000)
-    hybrid = plan_cp(lengths, cp_size=8, layout="hybrid")
-    contiguous = plan_cp(lengths, cp_size=8, layout="contiguous")
+    hybrid = plan_cp(lengths, cp_size=8, cp_layout="hybrid")
+    contiguous = plan_cp(lengths, cp_size=8, cp_layout="contiguous")
     assert hybrid.padding_tokens < 8
     assert hybrid.work().max() / hybrid.work().mean() < 1.05
     assert hybrid.work().sum() == contiguous.work().sum()  # the same attention, placed otherwise
@@ -158,12 +158,45 @@ def test_bad_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="rank must be between 0 and 1, got"):
         shard(batch, cp_size=2, rank=2)
     with pytest.raises(ValueError, match="unknown CP layout 'ring'"):
-        shard(batch, cp_size=2, rank=0, layout="ring")
+        shard(batch, cp_size=2, rank=0, cp_layout="ring")
     with pytest.raises(ValueError, match="made for another batch"):
-        shard(batch, cp_size=2, rank=0, layout="zigzag", plan=plan_cp([8], cp_size=2, layout="zigzag"))
+        shard(batch, cp_size=2, rank=0, cp_layout="zigzag", plan=plan_cp([8], cp_size=2, cp_layout="zigzag"))
     with pytest.raises(ValueError, match="one part per rank"):
-        restore([batch.input_ids], plan=plan_cp([5, 3], cp_size=2, layout="zigzag"))
+        restore([batch.input_ids], plan=plan_cp([5, 3], cp_size=2, cp_layout="zigzag"))
     assert lengths_to_cu_seqlens([5, 3]).tolist() == batch.cu_seqlens.tolist()
+
+
+def test_the_cp_layout_knob_has_one_name():
+    """The CP layout is ``cp_layout`` in every function of the API, as on the command line (``--cp-layout``) and in
+    the collators, the budget and the offline packer; ``shard``'s old keyword ``layout=`` still works, with a
+    one-line DeprecationWarning naming ``cp_layout``, and gives the same shard."""
+    import inspect
+    import warnings
+
+    from packkit import cp, cp_plan
+
+    for module in (cp, cp_plan):
+        for name in module.__all__:
+            fn = getattr(module, name)
+            if callable(fn) and not isinstance(fn, type):
+                assert "layout" not in inspect.signature(fn).parameters, f"{module.__name__}.{name}"
+    assert "cp_layout" in inspect.signature(cp_plan.cp_multiples).parameters
+    assert cp_plan.check_cp_window(32, cp_size=4, cp_layout="zigzag") == 32
+    assert cp_padding([9, 3, 4], cp_size=2, cp_layout="zigzag") == 4
+    batch = PaddingFreeCollator()(examples([9, 3, 4]))
+    new = shard(batch, cp_size=2, rank=1, cp_layout="zigzag")
+    with pytest.warns(DeprecationWarning) as caught:
+        old = shard(batch, cp_size=2, rank=1, layout="zigzag")
+    assert len(caught) == 1 and "cp_layout='zigzag'" in str(caught[0].message) and "\n" not in str(caught[0].message)
+    assert caught[0].filename == __file__  # the warning names the caller's line
+    assert old.layout == "zigzag" and torch.equal(old.input_ids, new.input_ids) and torch.equal(old.index, new.index)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shard(batch, cp_size=2, rank=1, cp_layout="contiguous")  # the new name warns nothing
+    with pytest.raises(TypeError, match="layout='zigzag' and cp_layout='contiguous'"):
+        shard(batch, cp_size=2, rank=1, cp_layout="contiguous", layout="zigzag")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lay_out'"):
+        shard(batch, cp_size=2, rank=1, lay_out="zigzag")
 
 
 def test_waste_and_plan_count_cp_padding(tmp_path, capsys):
@@ -234,10 +267,10 @@ def test_rows_packed_for_a_cp_group_fit_their_window_once_sharded(tmp_path):
     assert worst(plain) > W >= worst(packed)
     assert sum(map(sum, packed["seq_lengths"])) == lengths.sum()  # no token lost or added
     # a row as TE's THD batch (its documents, no padding tail): every rank holds at most W / cp tokens
-    assert max(plan_cp(r, cp_size=cp, layout="zigzag").local_len for r in packed["seq_lengths"]) <= W // cp
-    assert max(plan_cp(r, cp_size=cp, layout="zigzag").local_len for r in plain["seq_lengths"]) > W // cp
+    assert max(plan_cp(r, cp_size=cp, cp_layout="zigzag").local_len for r in packed["seq_lengths"]) <= W // cp
+    assert max(plan_cp(r, cp_size=cp, cp_layout="zigzag").local_len for r in plain["seq_lengths"]) > W // cp
     batch = PackedRowsCollator(window=W, cp_size=cp, cp_layout="zigzag")([packed[i] for i in range(len(packed))])
-    assert shard(batch, cp_size=cp, rank=0, layout="zigzag").num_loss_tokens == batch.num_loss_tokens
+    assert shard(batch, cp_size=cp, rank=0, cp_layout="zigzag").num_loss_tokens == batch.num_loss_tokens
     # rows packed for no CP are refused by a collator told the CP group they go to, naming the row and the fix
     with pytest.raises(ValueError, match=r"once padded to multiples of 8 for cp_size=4 cp_layout='zigzag' > "
                                          r"window=64: the rows were packed for another CP size; repack with "

@@ -184,7 +184,7 @@ def run_case(lengths, seed, cp, group, rank, results, cross=True):
     batch = make_batch(lengths, seed)
     (q, k, v, w), want = reference(batch, seed)
     for layout in LAYOUTS:
-        s = shard(batch, cp_size=cp, rank=rank, layout=layout)
+        s = shard(batch, cp_size=cp, rank=rank, cp_layout=layout)
         keep = s.index >= 0
         wants = [s.take(t) for t in want]
         for method in METHODS if cross else (OWN_METHOD[layout],):
@@ -249,7 +249,7 @@ def run_hf(rank, group, results):
 
         model.set_attn_implementation(register_hf_cp_attention(group=group, method=method))
         model.zero_grad()
-        s = shard(batch, cp_size=size, rank=dist.get_rank(group), layout=layout)
+        s = shard(batch, cp_size=size, rank=dist.get_rank(group), cp_layout=layout)
         logits = model(**s.hf_cp_kwargs()).logits
         mine = torch.nn.functional.cross_entropy(logits[0], s.shift_labels[0], ignore_index=-100, reduction="none")
         (mine.sum() / s.num_loss_tokens).backward()

@@ -80,7 +80,7 @@ rows = st.one_of(
 
 @given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 5, 8, 16]))
 def test_hybrid_plan_equals_the_loop(lengths, cp):
-    plan = plan_cp(lengths, cp_size=cp, layout="hybrid")
+    plan = plan_cp(lengths, cp_size=cp, cp_layout="hybrid")
     padded, lens, pieces = ref_hybrid(lengths, cp)
     assert plan.padded.tolist() == padded.tolist()
     assert plan.lengths.tolist() == lens.tolist()
@@ -104,7 +104,7 @@ def test_one_dealing_step_per_run_of_equal_lengths(monkeypatch):
     real = cp_plan._deal_equal
     monkeypatch.setattr(cp_plan, "_deal_equal", lambda *a: calls.append(a[2]) or real(*a))
     lengths = np.random.default_rng(0).integers(1, 27, 2443)
-    plan_cp(lengths, cp_size=8, layout="hybrid")
+    plan_cp(lengths, cp_size=8, cp_layout="hybrid")
     assert 0 < len(calls) <= np.unique(lengths).size
     assert len(set(calls)) == len(calls)
 
@@ -135,7 +135,7 @@ def test_deal_equal_is_one_by_one_least_work_dealing():
 def test_pieces_in_plan_order_without_a_sort(lengths, cp, layout):
     """Every layout's pieces come rank by rank in their order in the padded stream, none empty (zigzag and
     contiguous pieces are built in that order: no sort of every rank's pieces to shard one rank)."""
-    plan = plan_cp(lengths, cp_size=cp, layout=layout)
+    plan = plan_cp(lengths, cp_size=cp, cp_layout=layout)
     g = lengths_to_offsets(plan.padded)[:-1][plan.piece_seg] + plan.piece_offset
     assert (plan.piece_len > 0).all()
     assert np.array_equal(np.lexsort((g, plan.piece_rank)), np.arange(g.size))
@@ -146,8 +146,8 @@ def test_pieces_in_plan_order_without_a_sort(lengths, cp, layout):
 def test_one_ranks_pieces_built_alone_equal_its_rows_of_every_ranks(lengths, cp, layout):
     """``own_pieces(rank)`` built for that rank alone (zigzag, contiguous: from ``padded``; hybrid: its dealt pieces
     sorted alone) are the rank's rows of the plan's piece arrays, and ``local``'s tokens follow from them."""
-    alone = [plan_cp(lengths, cp_size=cp, layout=layout).own_pieces(r) for r in range(cp)]
-    plan = plan_cp(lengths, cp_size=cp, layout=layout)
+    alone = [plan_cp(lengths, cp_size=cp, cp_layout=layout).own_pieces(r) for r in range(cp)]
+    plan = plan_cp(lengths, cp_size=cp, cp_layout=layout)
     for r in range(cp):
         p = plan.rank_pieces(r)
         for got, want in zip(alone[r], (plan.piece_seg[p], plan.piece_offset[p], plan.piece_len[p])):
@@ -172,7 +172,7 @@ def test_sharding_one_rank_builds_only_its_pieces(monkeypatch):
         real = getattr(cp_plan, name)
         monkeypatch.setattr(cp_plan, name, lambda *a, real=real, name=name: built.append(name) or real(*a))
     for layout in ("zigzag", "contiguous", "ulysses"):
-        s = shard(batch, cp_size=8, rank=7, layout=layout)
+        s = shard(batch, cp_size=8, rank=7, cp_layout=layout)
         assert built == [], layout
         assert s.plan.piece_rank.size >= 8 and len(built) == 1  # built when asked for
         built.clear()

@@ -130,7 +130,7 @@ def test_megatron_and_ring_flash_attn_blocks_as_pasted(monkeypatch):
         p = scope["packed_seq_params"]
         assert p.cu_seqlens_q.tolist() == batch.cu_seqlens.tolist()
         assert all(n % 8 == 0 for n in torch.diff(p.cu_seqlens_q_padded).tolist())
-        n = shard(batch, cp_size=4, rank=rank, layout="contiguous").input_ids.shape[1]
+        n = shard(batch, cp_size=4, rank=rank, cp_layout="contiguous").input_ids.shape[1]
         q = torch.randn(n, 4, 8)
         scope = run_block(2, batch=batch, cp_size=4, cp_rank=rank, q=q, k=q[:, :2], v=q[:, :2], cp_group=None,
                           shard=shard)

@@ -375,7 +375,7 @@ def test_cp_shards_sum_to_the_whole_row(layout, cp_size):
         shifted = F.pad(factors[..., 1:], (0, 1))  # the weight of each token's target, as shift_labels
         parts = []
         for rank in range(cp_size):
-            part = shard(batch, cp_size=cp_size, rank=rank, layout=layout)
+            part = shard(batch, cp_size=cp_size, rank=rank, cp_layout=layout)
             parts.append(token_normalized_loss(model(part.input_ids), part.shift_labels, shifted=True,
                                                loss_weight=part.take(shifted)[None], num_loss_tokens=step.loss_normalizer))
         err = abs(float(sum(parts).detach()) - float(whole.detach()))

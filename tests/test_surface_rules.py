@@ -110,7 +110,7 @@ def test_compute_imbalance_refuses_a_cost_that_is_not_finite():
 def test_restore_takes_numpy_arrays_and_lists_and_names_a_bad_part():
     """Before: numpy arrays and lists raised ``AttributeError: 'numpy.ndarray' object has no attribute 'dim'``."""
     batch = PaddingFreeCollator(loss_mask="none")([{"input_ids": [1, 2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}])
-    shards = [shard(batch, cp_size=2, rank=r, layout="zigzag") for r in range(2)]
+    shards = [shard(batch, cp_size=2, rank=r, cp_layout="zigzag") for r in range(2)]
     plan = shards[0].plan
     want = batch.input_ids.reshape(-1)
     for parts in ([s.input_ids.numpy() for s in shards], [s.input_ids.tolist() for s in shards],
