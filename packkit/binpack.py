@@ -53,7 +53,7 @@ import os
 
 import numpy as np
 
-from .choices import DEFAULT_OVERFLOW, OVERFLOW_POLICIES
+from .choices import DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES
 from .errors import ArgumentError, DataError, Message, Where, arg, check_choice, check_int
 from .rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
@@ -61,8 +61,6 @@ from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_se
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
            "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "StreamBuffer", "overflow_error", "overflow_note",
            "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
-
-STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@ nothing: ``packkit --help`` and a refused argument build their parser from these
 modules that use them, :mod:`packkit.binpack` and :mod:`packkit.cp_plan`, import numpy at once).
 
 ``OVERFLOW_POLICIES``: what to do with an example longer than the window; ``DEFAULT_OVERFLOW`` the choice of
-every path that prepares or measures data. ``CP_LAYOUTS``: how a row is cut across a context-parallel group
-(drawn in :mod:`packkit.cp_plan`).
+every path that prepares or measures data. ``STRATEGIES``: the planner's bin packings (:func:`packkit.binpack.pack`).
+``BALANCE``: the samplers' balance policies (:class:`packkit.sampler.SamplerOptions`). ``CP_LAYOUTS``: how a row
+is cut across a context-parallel group (drawn in :mod:`packkit.cp_plan`).
 """
 
 from __future__ import annotations
 
-__all__ = ["OVERFLOW_POLICIES", "DEFAULT_OVERFLOW", "CP_LAYOUTS"]
+__all__ = ["OVERFLOW_POLICIES", "DEFAULT_OVERFLOW", "STRATEGIES", "BALANCE", "CP_LAYOUTS"]
 
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 
@@ -19,5 +20,9 @@ OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 #: (:func:`packkit.binpack.pack`), the collators and the samplers, which see whole examples at batch time,
 #: refuse them unless told (``"error"``).
 DEFAULT_OVERFLOW = "split"
+
+STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
+
+BALANCE = (None, "tokens", "sqlen", "compute")
 
 CP_LAYOUTS = ("zigzag", "contiguous", "ulysses", "hybrid")

@@ -57,12 +57,12 @@ import signal
 import threading
 from pathlib import Path
 
-from .errors import DataError, OutputError, arg
+from .errors import ArgumentError, DataError, OutputError, arg
 from .interrupts import deferred
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
            "check_output", "fsync_tree", "held_still", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
-           "named_os_error", "png_figure"]
+           "named_os_error", "png_figure", "check_plot", "PLOT_SUFFIX"]
 
 #: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
 TMP_MARK = ".packkit-tmp-"
@@ -364,6 +364,19 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
             raise named_os_error(exc, target) from exc
         raise
     _fsync_path(target.parent, directory=True)
+
+
+#: The name ending of a plot (:func:`png_figure` writes a PNG whatever its name; ``packkit waste --plot`` checks it).
+PLOT_SUFFIX = ".png"
+
+
+def check_plot(target, option: str, *, inputs=(), overwrite: bool = False) -> Path:
+    """:func:`check_output` of a plot (:func:`png_figure`), whose name must end in :data:`PLOT_SUFFIX`: else the usage
+    error naming ``option`` (its argument name, :func:`packkit.errors.arg`)."""
+    if not str(target).lower().endswith(PLOT_SUFFIX):
+        raise ArgumentError("{plot} writes a PNG: give a file name ending in .png, got {got!r}", plot=arg(option),
+                            got=str(target))
+    return check_output(target, inputs=inputs, overwrite=overwrite)
 
 
 @contextlib.contextmanager

@@ -89,6 +89,7 @@ import numpy as np
 
 from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack
+from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .segments import lengths_to_offsets, range_index
 from .states import StateFields
@@ -104,7 +105,6 @@ __all__ = [
     "SamplerOptions",
 ]
 
-BALANCE = (None, "tokens", "sqlen", "compute")
 STATE_VERSION = 2  # of the dict state_dict() writes (1: an older packkit's per-rank state, no "version")
 CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
 

@@ -1,33 +1,14 @@
-"""The ``packkit`` command.
+"""The ``packkit`` command (its subcommands: :data:`SUBCOMMANDS`; exit codes: :data:`EXIT_CODES`, printed by every
+``--help``, and their table in ``docs/cli.md``).
 
-    packkit waste [FILE]          padding waste of each batching strategy (the main job)
-    packkit pack IN OUT -w W      offline packing of a dataset
-    packkit plan [FILE]           effective batch, tokens per step, steps per epoch, advice
-    packkit tokenize IN OUT       token ids and TRL's loss mask of text or chat data, written once
-
-Each subcommand is a module of this package with ``parser() -> Parser`` and ``run(args) -> int`` over the
-library functions of the module that owns its subject. This file parses, dispatches, and turns every
-error a user can cause into one line on stderr and an exit code, never a traceback
-(``PACKKIT_DEBUG=1`` re-raises, for a bug report). Library messages name arguments through
-:func:`packkit.errors.arg`; they are rendered here with the command's own options (``--overflow split``,
-not ``overflow='split'``), for every message at once.
-
-Exit codes (also in ``packkit --help`` and the README):
-
-====  ======================================================================================
-0     success
-1     a bug in packkit: the traceback is printed, please report it
-2     usage: the command line is wrong (an unknown option, a bad value, an output that exists
-      without ``--overwrite``, is the input, or holds it, a missing output folder)
-3     data: the input cannot be read (missing, damaged, truncated) or holds an example packkit
-      refuses; the message names the file, and the row or line
-4     system: a missing optional package (the message says which extra to install), out of
-      memory, a full disk or a file-size limit or quota, another error of the operating system
-130   interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM), 129 hung up (SIGHUP): every temporary
-      file is removed first (:mod:`packkit.interrupts`)
-141   the reader of the output went away (``packkit waste | head -1``): quietly, as a Unix tool
-      killed by SIGPIPE
-====  ======================================================================================
+Each subcommand is a module of this package with ``parser() -> Parser`` and ``run(args, options) -> int`` over the
+library functions of the module that owns its subject; the options several commands share are defined once, here
+and in :mod:`packkit.cli._chat`. This file parses, dispatches, and turns every error a user can cause into one
+line on stderr and an exit code, never a traceback (``PACKKIT_DEBUG=1`` re-raises, for a bug report). Library
+messages name arguments through :func:`packkit.errors.arg`; they are rendered here with the command's own options
+(``--overflow split``, not ``overflow='split'``), for every message at once. A stop signal removes every
+temporary file first (:mod:`packkit.interrupts`); a closed output pipe exits quietly, as a Unix tool killed by
+SIGPIPE.
 """
 
 from __future__ import annotations
@@ -43,7 +24,7 @@ import sys
 import warnings
 
 from .. import __version__
-from ..choices import CP_LAYOUTS, DEFAULT_OVERFLOW  # noqa: F401 - --overflow's default; numpy-free
+from ..choices import BALANCE, CP_LAYOUTS, DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES  # numpy-free
 from ..errors import ArgumentError, Message, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise
 
@@ -69,19 +50,48 @@ USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit CO
          + "\n".join(f"  {name:<{max(map(len, SUBCOMMANDS))}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items())
          + "\n\n" + EXIT_CODES)
 
-OVERFLOW_HELP = ("examples longer than the window: split (default: every token kept, the example continues "
-                 "in the next window), truncate or drop (the tokens cut are counted and printed), error "
-                 "(refuse them)")
-
-
 #: Default of ``--window`` for every command (``pack``, ``waste`` and ``plan`` read the same data the same way).
 DEFAULT_WINDOW = 2048
-DROP_LOSS_FREE_HELP = ("leave out the pieces (examples after --overflow) that hold no loss token: they would train on "
-                       "nothing, and a step of them has loss 0 (counted and printed)")
 
 
-def add_cp_arguments(parser: argparse.ArgumentParser, *, cp_help: str, layout_help: str) -> None:
-    """``--cp N`` (``dest="cp_size"``, default 1) and ``--cp-layout`` (default hybrid), with each command's help.
+def add_window_arguments(parser: argparse.ArgumentParser, *, window: bool = True, strategy: bool = True,
+                         overflow_default: str = DEFAULT_OVERFLOW, overflow_help: str = "") -> None:
+    """``-w/--window`` (without ``window``: ``plan`` sets it beside ``--padded``), ``--strategy``, ``--overflow`` and
+    ``--drop-loss-free``: how ``waste``, ``plan`` and ``pack`` cut the examples into windows, defined once.
+
+    >>> p = argparse.ArgumentParser(); add_window_arguments(p, strategy=False)
+    >>> a = p.parse_args(["--overflow", "drop"]); a.window, a.overflow, a.drop_loss_free
+    (2048, 'drop', False)
+    """
+    if window:
+        parser.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,
+                            help=f"tokens per window (default {DEFAULT_WINDOW}, in packkit waste, plan and pack)")
+    if strategy:
+        parser.add_argument("--strategy", default="bfd", choices=STRATEGIES,
+                            help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
+    parser.add_argument("--overflow", default=overflow_default, choices=OVERFLOW_POLICIES,
+                        help="examples longer than the window: split (default: every token kept, the example "
+                             "continues in the next window), truncate or drop (the tokens cut are counted and "
+                             "printed), error (refuse them)" + overflow_help)
+    parser.add_argument("--drop-loss-free", action="store_true",
+                        help="leave out the pieces (examples after --overflow) that hold no loss token: they would "
+                             "train on nothing, and a step of them has loss 0 (counted and printed)")
+
+
+def add_output_switches(parser: argparse.ArgumentParser, *, instead_of: str) -> None:
+    """``--json`` (one JSON line instead of ``instead_of``) and ``-q/--quiet`` (no progress bar), in every command."""
+    parser.add_argument("--json", action="store_true", help=f"print one JSON line instead of {instead_of}")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def add_cp_arguments(parser: argparse.ArgumentParser, *,
+                     cp_help: str = "context-parallel ranks a row is cut across (default 1; -d stays the data-parallel "
+                                    "count): counts the padding the layout adds",
+                     layout_help: str = "zigzag pads every example to a multiple of 2*N (counted as padding); "
+                                        "contiguous, ulysses and hybrid cut rows in N pieces and need W to be a "
+                                        "multiple of N (default hybrid)") -> None:
+    """``--cp N`` (``dest="cp_size"``, default 1) and ``--cp-layout`` (default hybrid): how ``waste`` and ``plan``
+    count a context-parallel group (``pack`` says what it writes for one).
 
     >>> p = argparse.ArgumentParser(); add_cp_arguments(p, cp_help="ranks", layout_help="layout")
     >>> p.parse_args(["--cp", "2"]).cp_size, p.parse_args([]).cp_layout
@@ -91,7 +101,8 @@ def add_cp_arguments(parser: argparse.ArgumentParser, *, cp_help: str, layout_he
     parser.add_argument("--cp-layout", default="hybrid", choices=CP_LAYOUTS, help=layout_help)
 
 
-BALANCE_NAMES = ("none", "tokens", "sqlen", "compute")
+#: ``--balance``'s words: the samplers' policies, ``none`` for None.
+BALANCE_NAMES = ("none", *BALANCE[1:])
 
 
 def _balance(value: str):
@@ -232,14 +243,13 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split()) or "error"
 
 
-def _quiet_stdout() -> None:
-    """After a broken pipe: point stdout at /dev/null so that the flush at exit cannot fail again."""
-    try:
+def _pipe_closed() -> int:
+    """After a broken pipe: stdout pointed at /dev/null so that the flush at exit cannot fail again; the exit code."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stdout is not a real file (captured in tests)
         fd = os.open(os.devnull, os.O_WRONLY)
         os.dup2(fd, sys.stdout.fileno())
         os.close(fd)
-    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured in tests)
-        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _top(argv: list[str]) -> int | None:
@@ -316,12 +326,10 @@ def _run(argv: list[str], name: str, state: dict) -> int:
         try:
             sys.stdout.flush()
         except BrokenPipeError:
-            _quiet_stdout()
-            return EXIT_BROKEN_PIPE
+            return _pipe_closed()
         raise exc
     except BrokenPipeError:
-        _quiet_stdout()
-        return EXIT_BROKEN_PIPE
+        return _pipe_closed()
     except KeyboardInterrupt as exc:
         return _stopped(name, exc)
     except Exception as exc:

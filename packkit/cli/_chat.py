@@ -1,17 +1,29 @@
-"""The tokenizer and chat-template options that ``packkit waste``, ``plan`` and ``pack`` share."""
+"""The input options that ``packkit waste``, ``plan``, ``pack`` and ``tokenize`` share, defined once: the input, its
+columns, ``--split``, and the tokenizer with its chat-template options."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..chat import CHAT_FORMATS, ChatOptions
+from ..datafiles import Lengths, read_lengths
 
 
-def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, default: str | None) -> None:
-    """``--tokenizer`` and the chat-template options (:func:`packkit.chat.tokenize_chat`)."""
-    what = "'bytes' (default), " if default == "bytes" else ""
+def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional: bool = False, column: bool = True,
+                        tokenizer: str | None = "bytes") -> None:
+    """The input (``help``; omitted when ``optional``), ``--column`` (with ``column``: ``pack`` names its own),
+    ``--text-column``, ``--split``, and ``--tokenizer`` (default ``tokenizer``) with the chat-template options
+    (:func:`packkit.chat.tokenize_chat`)."""
+    parser.add_argument("input", nargs="?" if optional else None, default=None, help=help)
+    if column:
+        parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of "
+                                                                  "lengths)")
+    parser.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids "
+                                                              "and the data is not conversational")
+    parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    what = "'bytes' (default), " if tokenizer == "bytes" else ""
     parser.add_argument(
-        "--tokenizer", default=default, metavar="PATH_OR_ID",
+        "--tokenizer", default=tokenizer, metavar="PATH_OR_ID",
         help=f"{what}a local tokenizer.json, a tokenizer folder, or a model id; conversational data (messages, "
              "conversations, prompt + completion) goes through its chat template")
     g = parser.add_argument_group("chat data (TRL's conversational formats)")
@@ -36,3 +48,10 @@ def chat_options(args: argparse.Namespace, *, num_proc: int | None = None) -> Ch
     return ChatOptions(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
                        completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
                        format=args.format, num_proc=num_proc)
+
+
+def input_lengths(args: argparse.Namespace) -> Lengths:
+    """The lengths of the input the options above name (:func:`packkit.datafiles.read_lengths`), as ``waste`` and
+    ``plan`` measure them."""
+    return read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
+                        split=args.split, chat=chat_options(args), progress=not (args.quiet or args.json))

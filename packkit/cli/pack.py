@@ -1,26 +1,11 @@
 """``packkit pack IN OUT --window W``: pack a dataset file offline into windows.
 
-OUT's format is ``--format NAME``, or follows its name (:data:`packkit.outputs.FORMATS`): ``.parquet``,
-``.jsonl``, ``.arrow`` (an Arrow IPC stream, the format of the ``datasets`` cache), ``.feather`` (an Arrow
-IPC file), a name without a suffix (a ``save_to_disk`` folder), and the packed formats other stacks read:
-``.megatron`` (megatron-core's indexed ``.bin/.idx``), ``.idx.parquet`` (Megatron-Bridge packed parquet),
-``.mds`` (MosaicML MDS), and ``.packplan``, an index-only plan that writes no token.
-
-Out of core: IN is read once for its lengths (memory-mapped where it is Arrow: a ``save_to_disk``
-folder, an ``.arrow`` file; parquet is staged through a memory-mapped Arrow file beside OUT), and
-the packed rows are gathered and written a record batch at a time (:mod:`packkit.outputs`), so memory
-holds the plan and ``--buffer-mb`` of rows (by default a sixteenth of the packed tokens, 8 to 256 MiB),
-never the tokens. JSON lines holding token ids are parsed a chunk of lines at a time and staged the same
-way, and so are text (``.txt`` lines, a text column) and conversations, tokenized a chunk at a time: how is
-the door in's decision (:meth:`packkit.datafiles.Input.rows`). A JSON lines file whose types change after its
-first chunk (integers, then floats), or a ``.json`` that is one list, is read whole.
-
-OUT is written beside its final name and renamed into place when complete
-(:func:`packkit.fileio.atomic_output`): killed at any moment, OUT holds its previous content or does
-not exist. Before anything is read, OUT is checked: an existing OUT is refused unless ``--overwrite``;
-OUT that is IN (the same file, through a hard or a symbolic link too) or a folder that holds IN is
-refused even then; the folder OUT goes in must exist (it is not created, so a mistyped path fails
-instead of making folders).
+OUT's format follows its name or ``--output-format`` (:mod:`packkit.outputs`, the door out). Out of core: IN is
+read through the door in (:meth:`packkit.datafiles.Input.rows`: memory-mapped, or a chunk at a time, staged as
+Arrow beside OUT; read whole only where it must), and the packed rows are gathered and written a record batch at a
+time, so memory holds the plan and ``--buffer-mb`` of rows, never the tokens. Every check that costs nothing runs
+before IN is read; OUT is written beside its name and renamed into place when complete, and IN is held still
+while it is read (:mod:`packkit.fileio`).
 """
 
 from __future__ import annotations
@@ -29,9 +14,8 @@ import json
 import logging
 from pathlib import Path
 
-from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               require)
-from ..binpack import OVERFLOW_POLICIES, STRATEGIES, check_seed, check_window, overflow_note
+from . import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
+from ..binpack import check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, reader_pyarrow
 from ..fileio import check_output, held_still
@@ -39,7 +23,7 @@ from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_
 from ..progress import progress_bar
 from ..sources import ArrowSource
 from ..outputs import FORMATS, output_format, write_packed
-from ._chat import add_tokenizer_arguments, chat_options
+from ._chat import add_input_arguments, chat_options
 
 #: The library's ``column`` (the token column) is the first of ``--columns`` here; ``buffer_bytes``
 #: is ``--buffer-mb`` (MiB).
@@ -56,26 +40,18 @@ def parser() -> Parser:
                     "written beside its name and renamed into place when complete; an existing OUT is "
                     "replaced only with --overwrite.",
     )
-    p.add_argument("input", help="jsonl, parquet, arrow, or a folder saved with save_to_disk")
+    add_input_arguments(p, column=False, tokenizer=None, help="jsonl, parquet, arrow, .txt (one example a line), or "
+                                                              "a folder saved with save_to_disk")
     p.add_argument("output", help="the file or folder to write, its format chosen by its suffix: "
                                   + ", ".join(f"OUT{f.suffixes[0]}" for f in FORMATS.values() if f.suffixes[0])
                                   + ", or a folder without one (save_to_disk); its folder must exist")
     p.add_argument("--output-format", default=None, choices=list(FORMATS), metavar="NAME",
                    help=f"OUT's format whatever its name: {', '.join(FORMATS)} (default: from OUT's suffix)")
-    p.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"tokens per window (default {DEFAULT_WINDOW}, as in packkit waste and plan)")
-    p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
-                   help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
-    p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
-    p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
+    add_window_arguments(p)
     p.add_argument("--columns", default=None,
                    help="comma-separated list columns to pack, token ids first "
                         "(default: input_ids, plus labels and a completion_mask / assistant_masks loss "
                         "mask when present; the mask becomes -100 labels)")
-    p.add_argument("--text-column", default="text",
-                   help="text column to tokenize when there are no token ids (needs --tokenizer)")
-    add_tokenizer_arguments(p, default=None)
-    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     p.add_argument("--seed", type=int, default=0, help="seed of the row order and of shuffle_ff (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the planner's window order")
     p.add_argument("--example-ids", action="store_true", help="also write the source row of every segment")
@@ -89,9 +65,7 @@ def parser() -> Parser:
                         "needed, never held whole")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing OUT (never IN, nor a folder holding IN)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON line (what was packed and written) instead of the text summary")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_output_switches(p, instead_of="the summary (what was packed and written)")
     return p
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               add_dealing_arguments, UsageError)
-from ..binpack import OVERFLOW_POLICIES, PLAN_BYTES_PER_ITEM, STRATEGIES, check_seed, check_window, memory_available
+from . import (DEFAULT_WINDOW, Parser, UsageError, add_cp_arguments, add_dealing_arguments, add_output_switches,
+               add_window_arguments)
+from ..binpack import PLAN_BYTES_PER_ITEM, check_seed, check_window, memory_available
 from ..budget import AdviceOptions, plan_budget, synthetic_sft_lengths
-from ..datafiles import Lengths, lines_named, read_lengths
-from ._chat import add_tokenizer_arguments, chat_options
+from ..datafiles import Lengths, lines_named
+from ._chat import add_input_arguments, input_lengths
 from ._weighting import add_weighting_arguments, weighting_report
 
 #: The library's argument names that this command spells otherwise.
@@ -21,14 +21,10 @@ def parser() -> Parser:
         prog="packkit plan",
         description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.",
     )
-    p.add_argument("file", nargs="?", help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
-                   ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
-                   "completion_mask / assistant_masks column give the loss tokens, as does a chat template "
-                   "(--tokenizer) on conversational data")
-    p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
-    p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
-    add_tokenizer_arguments(p, default="bytes")
-    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    add_input_arguments(p, optional=True, help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
+                        ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
+                        "completion_mask / assistant_masks column give the loss tokens, as does a chat template "
+                        "(--tokenizer) on conversational data")
     p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
     p.add_argument("-b", "--per-device-batch", type=int, default=1,
                    help="windows (packed) or examples (padded) per device per micro-batch (default 1)")
@@ -38,47 +34,41 @@ def parser() -> Parser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("-w", "--window", type=int, help=f"pack into windows of W tokens (default {DEFAULT_WINDOW})")
     g.add_argument("--padded", action="store_true", help="padded batches instead of packed windows")
-    p.add_argument("--strategy", default="bfd", choices=STRATEGIES,
-                   help="bin packing: bfd (best-fit decreasing, default), ffd, shuffle_ff, next_fit")
-    p.add_argument("--overflow", default=DEFAULT_OVERFLOW, choices=OVERFLOW_POLICIES, help=OVERFLOW_HELP)
-    p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
+    add_window_arguments(p, window=False)
     p.add_argument("--lora", action="store_true", help="an adapter (LoRA) run: adds the large-batch advice")
     p.add_argument("--target-tokens", type=int, metavar="T", help="tokens per step to reach")
     p.add_argument("--drop-last", action="store_true", help="leave out the last partial step")
     p.add_argument("--seed", type=int, default=0, help="seed of the window order and synthetic data (default 0)")
-    add_cp_arguments(p, cp_help="context-parallel ranks a row is cut across (default 1); -d stays the data-parallel "
-                             "count",
-                     layout_help="zigzag pads every example to a multiple of 2*N (counted as padding); contiguous, "
-                                 "ulysses and hybrid need W to be a multiple of N (default hybrid)")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_cp_arguments(p)
+    add_output_switches(p, instead_of="the table")
     add_weighting_arguments(p)
     return p
+
+
+def _synthetic(n: int, seed: int) -> Lengths:
+    """``--synthetic N``: N SFT-like lengths, refused before drawing when they would not fit in memory (numpy would
+    ask for it all at once)."""
+    if n < 1:
+        raise UsageError(f"--synthetic must be at least 1 example, got {n}")
+    need, have = n * PLAN_BYTES_PER_ITEM, memory_available()
+    if have is not None and need > have:
+        raise UsageError(f"--synthetic {n:,} examples need about {need / 2**30:,.1f} GiB to draw and plan "
+                         f"({PLAN_BYTES_PER_ITEM} bytes each), more than the {have / 2**30:,.1f} GiB of memory "
+                         "available; ask for fewer")
+    lengths, loss = synthetic_sft_lengths(n, seed=seed)
+    return Lengths(lengths, f"{n:,} synthetic examples", loss_lengths=loss)
 
 
 def run(args, options=None) -> int:
     """``packkit plan [FILE | --synthetic N] -b B -a A -d D [-w W | --padded] [--lora] [--target-tokens T]``."""
     # -- checks that cost nothing, before anything is read --
-    if (args.file is None) == (args.synthetic is None):
+    if (args.input is None) == (args.synthetic is None):
         raise UsageError("give a lengths FILE or --synthetic N (one of them; see packkit plan --help)")
     window = None if args.padded else (DEFAULT_WINDOW if args.window is None else check_window(args.window))
     check_seed(args.seed)
-    if args.synthetic is not None:
-        if args.synthetic < 1:
-            raise UsageError(f"--synthetic must be at least 1 example, got {args.synthetic}")
-        need, have = args.synthetic * PLAN_BYTES_PER_ITEM, memory_available()
-        if have is not None and need > have:  # refused before drawing: numpy would ask for it all at once
-            raise UsageError(f"--synthetic {args.synthetic:,} examples need about {need / 2**30:,.1f} GiB to draw and "
-                             f"plan ({PLAN_BYTES_PER_ITEM} bytes each), more than the {have / 2**30:,.1f} GiB of memory "
-                             "available; ask for fewer")
-        lengths, loss = synthetic_sft_lengths(args.synthetic, seed=args.seed)
-        data = Lengths(lengths, f"{args.synthetic:,} synthetic examples", loss_lengths=loss)
-    else:
-        with lines_named(args.file):
-            data = read_lengths(args.file, column=args.column, text_column=args.text_column,
-                                tokenizer=args.tokenizer, split=args.split, chat=chat_options(args),
-                                progress=not (args.json or args.quiet))
-    with lines_named(args.file):  # the advice is printed below, once, with the table: no warnings
+    with lines_named(args.input):
+        data = input_lengths(args) if args.synthetic is None else _synthetic(args.synthetic, args.seed)
+        # the advice is printed below, once, with the table: no warnings
         advice = AdviceOptions(lora=args.lora, target_tokens_per_step=args.target_tokens, warn=False)
         report = plan_budget(data, per_device_batch=args.per_device_batch, accumulation_steps=args.accumulation_steps,
                              world_size=args.world_size, window=window, strategy=args.strategy,

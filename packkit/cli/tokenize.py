@@ -18,14 +18,14 @@ import json
 import os
 from pathlib import Path
 
-from . import Parser
+from . import Parser, add_output_switches
 from ..chat import chat_format
 from ..datafiles import Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks, tokenize_pairs
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
 from ..outputs import example_suffixes, output_format, write_batches
-from ._chat import add_tokenizer_arguments, chat_options
+from ._chat import add_input_arguments, chat_options
 
 #: Rows per record batch written.
 BATCH_ROWS = 8192
@@ -39,16 +39,13 @@ def parser() -> Parser:
                     "pairs (prompt, chosen, rejected) become TRL's prompt_ids, chosen_ids and rejected_ids,\n"
                     "for packkit waste --preference.",
     )
-    p.add_argument("input", help="jsonl, parquet, arrow, .txt (one example a line), or a save_to_disk folder")
+    add_input_arguments(p, column=False, tokenizer=None, help="jsonl, parquet, arrow, .txt (one example a line), or "
+                                                              "a save_to_disk folder")
     p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow, OUT.feather, or a folder name (save_to_disk)")
-    p.add_argument("--text-column", default="text", help="text column, when the data is not conversational")
-    add_tokenizer_arguments(p, default=None)
     p.add_argument("--num-proc", type=int, default=None,
                    help="processes that render and tokenize (default 1), as datasets.map's num_proc")
-    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (never IN)")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the summary")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_output_switches(p, instead_of="the summary")
     return p
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 
-from . import (DEFAULT_OVERFLOW, DEFAULT_WINDOW, DROP_LOSS_FREE_HELP, OVERFLOW_HELP, Parser, add_cp_arguments,
-               add_dealing_arguments, require)
-from ..binpack import OVERFLOW_POLICIES, check_seed, check_window
-from ..datafiles import lines_named, load_table, read_lengths, read_preference_lengths
+from . import (DEFAULT_OVERFLOW, Parser, add_cp_arguments, add_dealing_arguments, add_output_switches,
+               add_window_arguments, require)
+from ..binpack import check_seed, check_window
+from ..datafiles import lines_named, load_table, read_preference_lengths
 from ..errors import ArgumentError, DataError, arg
-from ..fileio import check_output
+from ..fileio import check_plot
 from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
                      plot_waste, preference_waste)
-from ._chat import add_tokenizer_arguments, chat_options
+from ._chat import add_input_arguments, input_lengths
 
 
 class _Default(str):
@@ -25,31 +25,20 @@ def parser() -> Parser:
         prog="packkit waste",
         description="Padding waste of each batching strategy on your data (the bundled sample without FILE).",
     )
-    p.add_argument("input", nargs="?", default=None,
-                   help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a line), or "
-                        ".npy of lengths; omitted: the bundled sample")
-    p.add_argument("-w", "--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"tokens per window (default {DEFAULT_WINDOW})")
+    add_input_arguments(p, optional=True, help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a "
+                                               "line), or .npy of lengths; omitted: the bundled sample")
+    add_window_arguments(p, strategy=False, overflow_default=_Default(DEFAULT_OVERFLOW),
+                         overflow_help="; with --preference, drop (default there) or error: a pair is packed whole")
     p.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
     p.add_argument("--windows-per-step", type=int, default=None,
                    help="windows per packed step (default: the batch size)")
     add_dealing_arguments(p)
-    p.add_argument("--overflow", default=_Default(DEFAULT_OVERFLOW), choices=OVERFLOW_POLICIES,
-                   help=OVERFLOW_HELP + "; with --preference, drop (default there) or error: a pair is packed whole")
-    p.add_argument("--drop-loss-free", action="store_true", help=DROP_LOSS_FREE_HELP)
     p.add_argument("--buffer-size", type=int, default=1000,
                    help="examples held by the streaming packer (default 1000)")
     p.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
                    help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batches and orders (default 0)")
-    add_cp_arguments(p, cp_help="context-parallel ranks a row is cut across (default 1): counts the padding the "
-                             "layout adds",
-                     layout_help="zigzag pads every example to a multiple of 2*N; contiguous, ulysses and hybrid cut "
-                                 "rows in N pieces (default hybrid)")
-    p.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of lengths)")
-    p.add_argument("--text-column", default="text", help="text column, tokenized when there are no token ids")
-    add_tokenizer_arguments(p, default="bytes")
-    p.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    add_cp_arguments(p)
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write the length histogram and fill plot to PNG (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot PNG")
@@ -61,8 +50,7 @@ def parser() -> Parser:
                    help="messages trained turn by turn (one sample an assistant turn, its history rendered by the "
                         "chat template, as Qwen3's needs): tokens forwarded with every turn whole and with shared "
                         "histories once (prefix trees)")
-    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    add_output_switches(p, instead_of="the table")
     return p
 
 
@@ -77,17 +65,11 @@ def run(args, options=None) -> int:
         return _turns(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]  # measure_waste names a bad one
     if args.plot:
-        if not args.plot.lower().endswith(".png"):
-            raise ArgumentError("{plot} writes a PNG: give a file name ending in .png, got {got!r}",
-                                plot=arg("plot"), got=args.plot)
-        check_output(args.plot, inputs=[args.input] if args.input else [], overwrite=args.overwrite)
+        check_plot(args.plot, "plot", inputs=[args.input] if args.input else [], overwrite=args.overwrite)
         require("matplotlib")
     with lines_named(args.input):
-        data = read_lengths(args.input, column=args.column, text_column=args.text_column,
-                            tokenizer=args.tokenizer, split=args.split, progress=not args.quiet and not args.json,
-                            chat=chat_options(args))
         report = measure_waste(
-            data, window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
+            input_lengths(args), window=args.window, batch_size=args.batch_size, windows_per_step=args.windows_per_step,
             overflow=args.overflow, buffer_size=args.buffer_size, seed=args.seed, strategies=strategies,
             progress=None if not args.quiet else False, world_size=args.world_size, balance=args.balance,
             cp_size=args.cp_size, cp_layout=args.cp_layout, drop_loss_free=args.drop_loss_free)
