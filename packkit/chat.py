@@ -67,25 +67,15 @@ from .integrations import transformers as hf  # transformers' private chat-templ
 from .progress import progress_bar
 from .segments import lengths_to_offsets, range_index
 
-__all__ = [
-    "CHAT_FORMATS",
-    "ChatWarning",
-    "chat_encoder",
-    "ChatOptions",
-    "chat_format",
-    "check_special_tokens",
-    "ignored_columns",
-    "common_prefix_lengths",
-    "has_generation_markers",
-    "load_tokenizer",
-    "mask_from",
-    "tokenize_dataset",
-    "tokenize_chat",
-    "training_template",
-]
+__all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
+           "ignored_columns", "common_prefix_lengths", "has_generation_markers", "load_tokenizer", "mask_from",
+           "tokenize_dataset", "tokenize_chat", "training_template"]
 
 #: The conversational formats :func:`chat_format` recognises (module docstring).
 CHAT_FORMATS = ("messages", "conversations", "prompt_completion", "conversational_prompt_completion")
+
+#: The keys of a message in each conversation column (ShareGPT's renamed to role and content, as TRL does).
+_MESSAGE_KEYS = {"messages": ("role", "content"), "conversations": ("from", "value")}
 
 #: Conversations rendered and tokenized per call.
 BATCH_SIZE = 512
@@ -179,7 +169,7 @@ def _flat(lists):
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_message_list(typ, keys=("role", "content")) -> bool:
+def _is_message_list(typ, keys=_MESSAGE_KEYS["messages"]) -> bool:
     import pyarrow as pa
 
     if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)):
@@ -192,6 +182,16 @@ def _is_text(typ) -> bool:
     import pyarrow as pa
 
     return pa.types.is_string(typ) or pa.types.is_large_string(typ)
+
+
+def _columns(fmt: str) -> list:
+    """The columns ``fmt`` reads: ``_columns("prompt_completion") -> ["prompt", "completion"]``."""
+    return [fmt] if fmt in _MESSAGE_KEYS else ["prompt", "completion"]
+
+
+def _not_messages(schema, name: str) -> DataError:
+    return DataError(f"column {name!r} holds {schema.field(name).type}, not a list of "
+                     "{" + ", ".join(_MESSAGE_KEYS[name]) + "} messages (TRL's conversational format)")
 
 
 def chat_format(schema, *, format: str | None = None) -> str | None:
@@ -214,15 +214,12 @@ def chat_format(schema, *, format: str | None = None) -> str | None:
         return _chosen_format(schema, format)
     if "prompt" in names and "completion" in names:
         return _pair_format(schema)
-    if "messages" in names and _is_message_list(schema.field("messages").type):
-        return "messages"
-    if "conversations" in names and _is_message_list(schema.field("conversations").type, ("from", "value")):
-        return "conversations"
-    for name in ("messages", "conversations"):
-        if name in names:
-            raise DataError(f"column {name!r} holds {schema.field(name).type}, not a list of "
-                            + ("{role, content}" if name == "messages" else "{from, value}")
-                            + " messages (TRL's conversational format)")
+    present = [name for name in _MESSAGE_KEYS if name in names]
+    for name in present:
+        if _is_message_list(schema.field(name).type, _MESSAGE_KEYS[name]):
+            return name
+    if present:
+        raise _not_messages(schema, present[0])
     return None
 
 
@@ -242,8 +239,7 @@ def _chosen_format(schema, format: str) -> str:
     if format not in CHAT_FORMATS:
         raise ArgumentError("unknown chat format {got!r}; pass {fix}", got=format,
                             fix=arg("format", "auto", *CHAT_FORMATS))
-    needs = {"messages": ["messages"], "conversations": ["conversations"]}.get(format, ["prompt", "completion"])
-    missing = [c for c in needs if c not in schema.names]
+    missing = [c for c in _columns(format) if c not in schema.names]
     if missing:
         raise ArgumentError("{fmt} needs the column(s) {missing}; the columns are {names}", fmt=arg("format", format),
                             missing=missing, names=list(schema.names))
@@ -253,18 +249,15 @@ def _chosen_format(schema, format: str) -> str:
             raise ArgumentError("{fmt}: the prompt/completion columns hold {got}; pass {fix}", fmt=arg("format", format),
                                 got=got, fix=arg("format", got))
         return format
-    keys = ("role", "content") if format == "messages" else ("from", "value")
-    if not _is_message_list(schema.field(format).type, keys):
-        raise DataError(f"column {format!r} holds {schema.field(format).type}, not a list of "
-                        "{" + ", ".join(keys) + "} messages (TRL's conversational format)")
+    if not _is_message_list(schema.field(format).type, _MESSAGE_KEYS[format]):
+        raise _not_messages(schema, format)
     return format
 
 
 def ignored_columns(schema, fmt: str) -> list:
     """The conversational columns a table holds besides those ``fmt`` reads (mixed rows): said in one line."""
     names = schema.names
-    read = {"messages": {"messages"}, "conversations": {"conversations"}}.get(fmt, {"prompt", "completion"})
-    return [c for c in ("messages", "conversations", "prompt", "completion") if c in names and c not in read
+    return [c for c in ("messages", "conversations", "prompt", "completion") if c in names and c not in _columns(fmt)
             and not (c in ("prompt", "completion") and not {"prompt", "completion"} <= set(names))]
 
 
@@ -316,28 +309,31 @@ def _read_template(template) -> str | None:
         raise ArgumentError("{arg} {text!r} is neither a file nor Jinja text: pass a .jinja file (or a folder "
                             "holding chat_template.jinja)", arg=arg("chat_template"), text=text)
     raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
+    bad = _bad_utf8(raw)
+    if bad is not None:
         raise ArgumentError("{arg} {path!r} is not UTF-8 text: line {line:,} holds {bad!r} ({why}); save it as UTF-8",
-                            arg=arg("chat_template"), path=str(path), line=line, bad=raw[exc.start:exc.end],
-                            why=exc.reason) from None
+                            arg=arg("chat_template"), path=str(path), line=bad[0], bad=bad[1], why=bad[2])
+    return raw.decode("utf-8")
+
+
+def _bad_utf8(raw: bytes) -> tuple | None:
+    """``(line, bytes, reason)`` of the first bytes of ``raw`` that are not UTF-8, or None:
+    ``_bad_utf8(b"a\\n\\xff") -> (2, b"\\xff", "invalid start byte")``."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return raw.count(b"\n", 0, exc.start) + 1, raw[exc.start:exc.end], exc.reason
+    return None
 
 
 def _not_utf8(folder) -> tuple | None:
     """``(path, line, bytes)`` of the first text file of a tokenizer folder (``.json``, ``.jinja``, ``.txt``) that is
     not UTF-8, or None. The error path only."""
-    if not os.path.isdir(folder):
-        return None
-    for path in sorted(Path(folder).iterdir()):
-        if path.suffix not in (".json", ".jinja", ".txt") or not path.is_file():
-            continue
-        raw = path.read_bytes()
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return str(path), raw.count(b"\n", 0, exc.start) + 1, raw[exc.start:exc.end]
+    files = sorted(Path(folder).iterdir()) if os.path.isdir(folder) else []
+    for path in files:
+        bad = _bad_utf8(path.read_bytes()) if path.suffix in (".json", ".jinja", ".txt") and path.is_file() else None
+        if bad is not None:
+            return str(path), bad[0], bad[1]
     return None
 
 
@@ -426,43 +422,38 @@ def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: boo
                      why: str | None = None):
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
-    tok_arg = arg("tokenizer")
     try:
         disable_progress_bars()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
                                                               local_files_only=local)
-    except UnicodeDecodeError as exc:  # a file of the folder that is not UTF-8 (a chat_template.jinja saved as Latin-1)
-        bad = _not_utf8(where)
-        if bad is None:
-            raise ArgumentError("could not load {arg} {spec!r}: {why}", arg=tok_arg, spec=spec,
-                                why=_one_line(exc)) from None
-        raise ArgumentError("could not load {arg} {spec!r}: {file!r} is not UTF-8 text: line {line:,} holds {b!r}; "
-                            "save it as UTF-8", arg=tok_arg, spec=spec, file=bad[0], line=bad[1], b=bad[2]) from None
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise ArgumentError("{arg} {spec!r} runs its own Python code (auto_map in tokenizer_config.json); read "
-                                "it, then pass {trust} to allow it", arg=tok_arg, spec=spec,
-                                trust=arg("trust_remote_code", True)) from None
-        raise ArgumentError("could not load {arg} {spec!r}: {why}", arg=tok_arg, spec=spec,
-                            why=_one_line(exc)) from None
-    except OSError as exc:
-        if why is not None:
-            raise ArgumentError("{arg} {spec!r} cannot be loaded: {why}; pass a local tokenizer folder, or download "
-                                "it once online (hf download NAME)", arg=tok_arg, spec=spec, why=why) from None
-        if not local and ("not a valid model identifier" in str(exc) or "404" in str(exc)
-                          or "401" in str(exc) or "gated" in str(exc).lower()):
-            raise ArgumentError("{arg} {spec!r} is not a model on the Hub you can read (missing, private or gated): "
-                                "check the id, or log in (hf auth login), or pass a local folder", arg=tok_arg,
-                                spec=spec) from None
-        raise ArgumentError("could not load {arg} {spec!r}: {why}", arg=tok_arg, spec=spec,
-                            why=_one_line(exc)) from None
-    except Exception as exc:  # a broken tokenizer file, a template syntax error, ...
-        raise ArgumentError("could not load {arg} {spec!r}: {kind}: {why}", arg=tok_arg, spec=spec,
-                            kind=type(exc).__name__, why=_one_line(exc)) from None
+    except Exception as exc:  # a broken tokenizer file, a template syntax error, ...: one line naming the fix
+        raise _load_error(exc, where, spec, local=local, why=why) from None
     finally:
         enable_progress_bars()
+
+
+def _load_error(exc: Exception, where: str, spec: str, *, local: bool, why: str | None) -> ArgumentError:
+    """What :func:`_from_pretrained` says when ``from_pretrained`` raised ``exc`` (``why``: a Hub id that is
+    not in the cache and cannot be downloaded)."""
+    text, fields = str(exc), {"arg": arg("tokenizer"), "spec": spec}
+    bad = _not_utf8(where) if isinstance(exc, UnicodeDecodeError) else None  # a chat_template.jinja saved as Latin-1
+    if bad is not None:
+        return ArgumentError("could not load {arg} {spec!r}: {file!r} is not UTF-8 text: line {line:,} holds {b!r}; "
+                             "save it as UTF-8", file=bad[0], line=bad[1], b=bad[2], **fields)
+    if isinstance(exc, ValueError) and "trust_remote_code" in text:
+        return ArgumentError("{arg} {spec!r} runs its own Python code (auto_map in tokenizer_config.json); read it, "
+                             "then pass {trust} to allow it", trust=arg("trust_remote_code", True), **fields)
+    if isinstance(exc, OSError) and why is not None:
+        return ArgumentError("{arg} {spec!r} cannot be loaded: {why}; pass a local tokenizer folder, or download it "
+                             "once online (hf download NAME)", why=why, **fields)
+    if isinstance(exc, OSError) and not local and ("not a valid model identifier" in text or "404" in text
+                                                   or "401" in text or "gated" in text.lower()):
+        return ArgumentError("{arg} {spec!r} is not a model on the Hub you can read (missing, private or gated): "
+                             "check the id, or log in (hf auth login), or pass a local folder", **fields)
+    kind = "" if isinstance(exc, (ValueError, OSError)) else type(exc).__name__ + ": "
+    return ArgumentError("could not load {arg} {spec!r}: {kind}{why}", kind=kind, why=_one_line(exc), **fields)
 
 
 def training_template(tokenizer, template: str | None = None) -> str | None:
@@ -548,7 +539,7 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tup
 # ----------------------------------------------------------------------------------------------
 
 
-def _messages(value, i: int, name: str, keys=("role", "content")) -> list:
+def _messages(value, i: int, name: str, keys=_MESSAGE_KEYS["messages"]) -> list:
     if value is None:
         raise DataError("{i} has no {name!r} (null); drop or fill it", i=Where(i), name=name)
     if not value:
@@ -655,9 +646,8 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
         tools = [json.loads(t) if isinstance(t, str) else t for t in tools]
     kwargs = rows.get("chat_template_kwargs")
     diverged = 0
-    if fmt in ("messages", "conversations"):
-        keys = ("role", "content") if fmt == "messages" else ("from", "value")
-        convs = [_messages(v, base + j, fmt, keys) for j, v in enumerate(rows[fmt])]
+    if fmt in _MESSAGE_KEYS:
+        convs = [_messages(v, base + j, fmt, _MESSAGE_KEYS[fmt]) for j, v in enumerate(rows[fmt])]
         offsets, values, mask = _render(tok, convs, base, template=template, tools=tools, kwargs=kwargs,
                                         assistant_mask=assistant)
         return offsets, values, mask, diverged
@@ -733,17 +723,9 @@ def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None
 
 @dataclasses.dataclass(frozen=True)
 class ChatOptions:
-    """How conversational rows become tokens: :func:`tokenize_chat`'s options as one object, what the readers of
-    :mod:`packkit.datafiles` (and ``packkit waste``, ``plan``, ``pack``, ``tokenize``) take.
-
-    Fields:
-        chat_template: Jinja text or a ``.jinja`` file instead of the tokenizer's own template (None: its own).
-        assistant_only_loss: loss on assistant tokens only (None: on for messages, off for prompt/completion).
-        completion_only_loss: loss on the completion only (None: on for prompt/completion; refused elsewhere).
-        trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
-        format: which of :data:`CHAT_FORMATS` to read (None or ``"auto"``: :func:`chat_format`'s choice).
-        num_proc: processes that render and tokenize (None: one).
-    """
+    """How conversational rows become tokens: :func:`tokenize_chat`'s keywords of the same names (documented
+    there) as one object, what the readers of :mod:`packkit.datafiles` (and ``packkit waste``, ``plan``,
+    ``pack``, ``tokenize``) take."""
 
     chat_template: object = None
     assistant_only_loss: bool | None = None
@@ -782,7 +764,7 @@ class _Encoder:
                           ChatWarning, stacklevel=4)
         check_special_tokens(self.tok, fmt, self.template, str(name))
         self.mask_name = _mask_name(self.assistant, self.completion)
-        self.columns = [fmt] if fmt in ("messages", "conversations") else ["prompt", "completion"]
+        self.columns = _columns(fmt)
         self.diverged = 0
 
     def encode(self, table, base: int):
@@ -1000,32 +982,32 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
 
     ``pack_dataset(tokenize_dataset(ds, "Qwen/Qwen3-0.6B"), window=2048)``.
     """
+    options = ChatOptions(chat_template, assistant_only_loss, completion_only_loss, trust_remote_code, format, num_proc)
+    return _tokenize_dataset(ds, tokenizer, options, progress)
+
+
+def _tokenize_dataset(ds, tokenizer, options: ChatOptions, progress):
     import datasets
 
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
-        return type(ds)({name: tokenize_dataset(
-            split, tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss,
-            completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code, progress=progress,
-            format=format, num_proc=num_proc) for name, split in ds.items()})
+            tokenizer = load_tokenizer(tokenizer, trust_remote_code=options.trust_remote_code)
+        return type(ds)({name: _tokenize_dataset(split, tokenizer, options, progress) for name, split in ds.items()})
     features = ds.features
-    fmt = chat_format(features.arrow_schema, format=format) if features is not None else None
+    fmt = chat_format(features.arrow_schema, format=options.format) if features is not None else None
     if fmt is None:
         if "input_ids" in (ds.column_names or []):
             return ds
         raise DataError("the dataset is not conversational (no messages, conversations, or prompt + completion "
                         "columns); the columns are {names}", names=ds.column_names)
-    options = dict(chat_template=chat_template, assistant_only_loss=assistant_only_loss,
-                   completion_only_loss=completion_only_loss, trust_remote_code=trust_remote_code)
     if isinstance(ds, datasets.Dataset):
         if progress is None:
             progress = len(ds) >= PROGRESS_EXAMPLES and datasets.utils.logging.is_progress_bar_enabled()
-        table = tokenize_chat(ds, tokenizer, progress=progress, format=format, num_proc=num_proc, **options)
+        table = tokenize_chat(ds, tokenizer, progress=progress, **dataclasses.asdict(options))
         return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
     import pyarrow as pa
 
-    enc = _Encoder(fmt, tokenizer, ChatOptions(**options))
+    enc = _Encoder(fmt, tokenizer, dataclasses.replace(options, num_proc=None))
     schema = features.arrow_schema
 
     def encode(batch, indices):
