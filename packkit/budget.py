@@ -48,24 +48,9 @@ from .errors import DataError, Message, arg, check_int
 from .sampler import LengthGroupedSampler, PackedBatchSampler, batch_sums
 from .segments import lengths_to_offsets, piece_loss_tokens
 
-__all__ = [
-    "Advice",
-    "BudgetWarning",
-    "Spread",
-    "BudgetReport",
-    "AdviceOptions",
-    "Dealt",
-    "Units",
-    "advise",
-    "deal",
-    "packed_units",
-    "MicroBatchSearch",
-    "effective_batch_size",
-    "plan_budget",
-    "find_max_micro_batch",
-    "is_out_of_memory",
-    "synthetic_sft_lengths",
-]
+__all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "Dealt", "Units", "advise", "deal",
+           "packed_units", "MicroBatchSearch", "effective_batch_size", "plan_budget", "find_max_micro_batch",
+           "is_out_of_memory", "synthetic_sft_lengths"]
 
 
 # ----------------------------------------------------------------------------------------------
