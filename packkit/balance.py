@@ -5,10 +5,13 @@ A data-parallel step waits for its slowest rank, and a rank's time is not its to
 quadratic per document. The cost model (WLB-LLM, verl's ``calculate_workload``) is, per document of
 ``L`` tokens::
 
-    cost(L) = linear * L + L**2 / cp_size
+    cost(L) = linear * L + L**2 / cp_size (+ per_unit * units)
 
 ``linear`` is the per-token work (the matmuls) in units of the per-token-pair attention work; a context-
 parallel group of ``cp_size`` ranks shares a document's attention, so its quadratic part is divided.
+A multimodal document also runs its media through an encoder: ``per_unit`` is one unit's encoder work (an
+image, a tile, an audio clip, at the encoder's fixed input size), ``units`` the document's count of them
+(:meth:`CostModel.from_config` derives both weights from a vision-language config).
 :meth:`CostModel.from_config` derives ``linear`` from a model config; :data:`DEFAULT_LINEAR` is verl's
 figure for a 7B model (``6 x hidden_size`` at 4096).
 
@@ -44,18 +47,23 @@ DEFAULT_LINEAR = 24576.0
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """``cost(L) = linear * L + L**2 / cp_size`` per document; a rank's cost is the sum over its documents.
+    """``cost(L) = linear * L + L**2 / cp_size + per_unit * units`` per document; a rank's cost is the sum over
+    its documents.
 
     Args:
         linear: per-token weight, > 0 (see :meth:`from_config`, or measure it once: the time of a
             window of many short documents over that of one long document tells ``linear`` apart).
         cp_size: context-parallel ranks that share each document's attention (>= 1).
+        per_unit: the encoder work of one media unit (image, tile, audio clip), >= 0, in the same units
+            (one token pair of the decoder's attention); 0 for a text model.
 
-    ``CostModel(linear=2, cp_size=2).costs([4]) -> [16.0]`` (2 * 4 + 16 / 2).
+    ``CostModel(linear=2, cp_size=2).costs([4]) -> [16.0]`` (2 * 4 + 16 / 2);
+    ``CostModel(linear=2, per_unit=100).costs([4], units=[3]) -> [324.0]`` (2 * 4 + 16 + 3 * 100).
     """
 
     linear: float = DEFAULT_LINEAR
     cp_size: int = 1
+    per_unit: float = 0.0
 
     def __post_init__(self):
         if (isinstance(self.linear, bool) or not isinstance(self.linear, numbers.Real) or not self.linear > 0
@@ -64,11 +72,18 @@ class CostModel:
                                 a=arg("cost"), got=self.linear)
         object.__setattr__(self, "linear", float(self.linear))
         object.__setattr__(self, "cp_size", check_int(self.cp_size, "cp_size"))
+        if (isinstance(self.per_unit, bool) or not isinstance(self.per_unit, numbers.Real) or not self.per_unit >= 0
+                or not math.isfinite(self.per_unit)):
+            raise ArgumentError("{a} must be a finite number >= 0 (one media unit's encoder work), got {got!r}",
+                                a=arg("per_unit"), got=self.per_unit)
+        object.__setattr__(self, "per_unit", float(self.per_unit))
 
-    def costs(self, lengths) -> np.ndarray:
-        """(n,) float64 cost of each document: ``CostModel(linear=10).costs([1, 4]) -> [11., 56.]``."""
+    def costs(self, lengths, units=None) -> np.ndarray:
+        """(n,) float64 cost of each document, ``units`` (n,) its media units (None: none):
+        ``CostModel(linear=10).costs([1, 4]) -> [11., 56.]``."""
         L = np.asarray(lengths, np.float64)
-        return self.linear * L + L * L / self.cp_size
+        text = self.linear * L + L * L / self.cp_size
+        return text if units is None or not self.per_unit else text + self.per_unit * np.asarray(units, np.float64)
 
     @classmethod
     def from_config(cls, config=None, *, hidden_size: int | None = None, intermediate_size: int | None = None,
@@ -81,8 +96,14 @@ class CostModel:
         The layers cancel, and per unit of attention ``linear = 2 h + 2 kv + 3 f``:
         ``from_config(hidden_size=4096, intermediate_size=11008) -> linear 49408`` (Llama-2 7B; the
         embedding and the LM head are left out, as verl's 24576 = 6 h leaves out the MLP's width).
+        A multimodal config (``model.config`` of Gemma 3, LLaVA, Qwen2-Audio, ...) gives ``linear`` from its text
+        config and ``per_unit`` from its encoder (:func:`_encoder_work`) over the text's ``2 h`` a layer of its
+        layers: Gemma 3 4B's image ``3.1e7``, about three times the text work of its 256 placeholders.
         """
+        per_unit = 0.0
         if config is not None:
+            per_unit = _encoder_work(config)
+            config = config.get_text_config() if hasattr(config, "get_text_config") else config
             hidden_size = getattr(config, "hidden_size", hidden_size)
             intermediate_size = getattr(config, "intermediate_size", intermediate_size)
             heads = getattr(config, "num_attention_heads", None)
@@ -96,7 +117,34 @@ class CostModel:
         h = check_int(hidden_size, "hidden_size")
         f = check_int(intermediate_size, "intermediate_size") if intermediate_size else 4 * h
         kv = check_int(kv_size, "kv_size") if kv_size else h
-        return cls(linear=float(2 * h + 2 * kv + 3 * f), cp_size=cp_size)
+        layers = getattr(config, "num_hidden_layers", None) or 1
+        return cls(linear=float(2 * h + 2 * kv + 3 * f), cp_size=cp_size, per_unit=per_unit / (2 * h * layers))
+
+
+def _encoder_work(config) -> float:
+    """FLOPs of one media unit through a multimodal config's encoder (0.0 without one): per layer and token
+    ``2 * (4 h^2 + 2 h f)`` (q, k, v, o and a two-matrix MLP of width ``f``), and ``4 p^2 h`` for the
+    attention over the unit's ``p`` tokens (bidirectional: not halved). ``p`` is ``(image_size /
+    patch_size)^2`` for a vision tower, ``max_source_positions`` for an audio one. A SigLIP-400M image of
+    896 pixels (Gemma 3: 4,096 patches, h 1,152, f 4,304, 27 layers) is 5.5e12."""
+    encoder = getattr(config, "vision_config", None) or getattr(config, "audio_config", None)
+    if encoder is None or not hasattr(config, "get_text_config"):
+        return 0.0
+    h = getattr(encoder, "hidden_size", None) or getattr(encoder, "d_model", None)
+    f = getattr(encoder, "intermediate_size", None) or getattr(encoder, "encoder_ffn_dim", None) or 4 * (h or 0)
+    layers = getattr(encoder, "num_hidden_layers", None) or getattr(encoder, "encoder_layers", None)
+    size, patch = getattr(encoder, "image_size", None), getattr(encoder, "patch_size", None)
+    if size is not None and patch is not None:
+        (height, width), (ph, pw) = (tuple(v) if isinstance(v, (list, tuple)) else (v, v) for v in (size, patch))
+        p = (height // ph) * (width // pw)
+    else:
+        p = getattr(encoder, "max_source_positions", None)
+    if not (h and layers and p):
+        raise ArgumentError("{c} cannot size one media unit of {t}'s encoder (it reads hidden_size, "
+                            "num_hidden_layers and image_size / patch_size or max_source_positions): pass "
+                            "CostModel(linear=..., per_unit=...) with the encoder's work measured",
+                            c=arg("CostModel.from_config"), t=type(config).__name__)
+    return float(layers * (2 * (4 * h * h + 2 * h * f) * p + 4 * p * p * h))
 
 
 def cost_model(cost=None, *, cp_size: int = 1) -> CostModel:
@@ -114,7 +162,7 @@ def cost_model(cost=None, *, cp_size: int = 1) -> CostModel:
         return CostModel(cp_size=cp_size)
     if isinstance(cost, numbers.Real) and not isinstance(cost, bool):
         return CostModel(linear=cost, cp_size=cp_size)
-    if hasattr(cost, "hidden_size"):
+    if hasattr(cost, "hidden_size") or hasattr(cost, "get_text_config"):
         return CostModel.from_config(cost, cp_size=cp_size)
     raise ArgumentError("{c} must be a number (the per-token weight), a CostModel or a model config, got {t}",
                         c=arg("cost"), t=type(cost).__name__)
@@ -266,7 +314,7 @@ class ToCost:
 
 
 def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel,
-                 outlier: float = 0.25, slack: float = 0.0, lookahead: int | None = None) -> ToCost:
+                 outlier: float = 0.25, slack: float = 0.0, lookahead: int | None = None, units=None) -> ToCost:
     """Fill each step's ``step_windows`` windows with documents taken in ``order``, to equal cost.
 
     ``lengths``: (n,) int64, each at most ``window``; ``order``: (m,) the documents to place, at random.
@@ -278,6 +326,7 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     *queued* (WLB-LLM's outlier queue): it waits until ``step_windows`` outliers are queued, and those
     open a step together, the longest first, one per window, so no rank carries one alone; what is left
     at the end opens the last steps. Every step but the last has exactly ``step_windows`` windows.
+    ``units``: (n,) each document's media units, whose encoder work (``cost.per_unit``) joins its cost.
     ``pack_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))`` gives the
     windows ``[0, 2], [1, 3]``.
     """
@@ -291,7 +340,8 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     Lo = L[order]
     is_out = (Lo.astype(np.float64) ** 2 / cp) > outlier * a * window
     lower = max(1, -(-int(Lo.sum()) // window))
-    target = float(cost.costs(Lo).sum()) / lower * (1.0 + slack)
+    doc_cost = cost.costs(L, units)
+    target = float(doc_cost[order].sum()) / lower * (1.0 + slack)
     per_step = S * window / max(1.0, float(Lo.mean()) if Lo.size else 1.0)  # documents a step meets, about
     # -- one pass in Python, step after step (a step starts where the last one stopped). A document is a
     # (document, length, cost) triple made by numpy; the cheapest window is the top of a heap of the
@@ -300,9 +350,9 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     # than any window's room are missed in bulk (C-level scans, no per-document Python) --
     stream = order[~is_out]
     sn = L[stream].tolist()
-    docs = zip(stream.tolist(), sn, cost.costs(L[stream]).tolist())
+    docs = zip(stream.tolist(), sn, doc_cost[stream].tolist())
     ns = len(sn)
-    Ll = L.tolist()
+    Ll, Cl = L.tolist(), doc_cost.tolist()
     outliers = order[is_out].tolist()
     out_at = np.cumsum(~is_out)[is_out].tolist()  # stream documents before each outlier
     queue: list[int] = []
@@ -316,7 +366,7 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
             queue.append(outliers[oi])
             oi += 1
         flush = pos >= ns and not pending and oi == len(outliers)
-        cost_w, room, members, seeded = _open_step(queue, S, Ll, window, a, cp, flush)
+        cost_w, room, members, seeded = _open_step(queue, S, Ll, Cl, window, flush)
         cands, pending = pending, []
         _fill_step(itertools.chain(cands, docs), (docs, sn, pos, len(cands)), cost_w, room, members, seeded,
                    target, look, pending)
@@ -332,9 +382,10 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
                   queued=len(outliers), deferred=deferred)
 
 
-def _open_step(queue: list, S: int, Ll: list, window: int, a: float, cp: int, flush: bool):
+def _open_step(queue: list, S: int, Ll: list, Cl: list, window: int, flush: bool):
     """A step's empty windows ``(cost_w, room, members, seeded)``, the queued outliers opening it one a window
-    (the longest first) when ``S`` of them wait, or when ``flush`` (nothing else is left) and any wait."""
+    (the longest first) when ``S`` of them wait, or when ``flush`` (nothing else is left) and any wait;
+    ``Ll``, ``Cl``: each document's length and cost."""
     cost_w = [0.0] * S
     room = [window] * S
     members: list[list[int]] = [[] for _ in range(S)]
@@ -345,7 +396,7 @@ def _open_step(queue: list, S: int, Ll: list, window: int, a: float, cp: int, fl
         for w, d in enumerate(take):
             members[w].append(d)
             room[w] -= Ll[d]
-            cost_w[w] = a * Ll[d] + Ll[d] * Ll[d] / cp
+            cost_w[w] = Cl[d]
         seeded = len(take)
     return cost_w, room, members, seeded
 

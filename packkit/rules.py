@@ -631,7 +631,7 @@ def grid_rows(value, i: int, *, key: str, rows=None, merge: int | None = None) -
 # ----------------------------------------------------------------------------------------------
 
 
-def as_lengths(lengths, *, name: str = "lengths", item: str = "example") -> np.ndarray:
+def as_lengths(lengths, *, name: str = "lengths", item: str = "example", low: int = 1) -> np.ndarray:
     """Check lengths (one token count per ``item``) and return them as a 1-D int64 array:
     ``as_lengths([3, 1]) -> [3, 1]``.
 
@@ -641,6 +641,7 @@ def as_lengths(lengths, *, name: str = "lengths", item: str = "example") -> np.n
     not, and the error names the first offending ``item`` (``name[i]``):
     ``as_lengths([3, 2.5], name="group_tokens", item="group")`` raises
     ``"group_tokens[1] = 2.5 is not a whole number of tokens; pass integer token counts"``.
+    ``low=0`` reads counts that may be zero (media units per example).
     """
     if hasattr(lengths, "detach") and hasattr(lengths, "cpu"):  # a torch tensor, without importing torch
         lengths = lengths.detach().cpu().numpy()
@@ -698,9 +699,11 @@ def as_lengths(lengths, *, name: str = "lengths", item: str = "example") -> np.n
         v = given[i]
         raise _length_past_int64(i, v.item() if isinstance(v, np.generic) else v, given.dtype, name, item)
     arr = arr.astype(np.int64, copy=False)
-    nonpositive = arr < 1
+    nonpositive = arr < low
     if nonpositive.any():
         i = int(np.argmax(nonpositive))
+        if low == 0:
+            raise ValueError(f"{name}[{i}] = {int(arr[i])} is negative: pass counts of 0 or more, one per {item}")
         raise ValueError(
             f"{item} {i} has length {int(arr[i])}: every {item} needs at least 1 token "
             f"(filter empty {item}s out before packing)"

@@ -122,6 +122,9 @@ class SamplerOptions:
         drop_last: leave the tail that does not fill a step out (counted) instead of a last, smaller step.
         balance: ``None``, ``"tokens"``, ``"sqlen"`` or ``"compute"``; cost, cp_size: the cost model of
             ``"compute"`` (:func:`packkit.balance.cost_model`).
+        media_units: ``(n,)`` the media units (images, tiles, audio clips) each example runs through the
+            model's encoder, for ``"compute"`` with a cost model that has ``per_unit`` (a vision-language
+            ``model.config``, or ``CostModel(per_unit=...)``): their encoder work joins each example's cost.
         shuffle: the units (and steps) in a seeded random order.
     """
 
@@ -134,6 +137,7 @@ class SamplerOptions:
     cost: object = None
     cp_size: int = 1
     shuffle: bool = True
+    media_units: object = None
 
     @classmethod
     def of(cls, options: "SamplerOptions | None", keywords: dict, who: str) -> "SamplerOptions":
@@ -194,6 +198,24 @@ def lengths_from_dataset(dataset, *, key: str = "input_ids") -> np.ndarray:
             raise KeyError(f"dataset[{i}] has no {key!r}: pass lengths=... or key=...")
         out[i] = len(item[key])
     return out
+
+
+def _media_units(units, n: int, balance, cost) -> np.ndarray | None:
+    """``media_units`` checked: (n,) int64 counts >= 0, one per example, read by ``balance="compute"`` with a
+    cost model that weighs them (else they would change nothing, silently: refused)."""
+    if units is None:
+        return None
+    units = as_lengths(units, name="media_units", low=0)
+    if units.size != n:
+        raise ValueError(f"media_units has {units.size:,} entries for {n:,} examples: pass one count per example, "
+                         "in dataset order")
+    if balance != "compute" or not cost.per_unit:
+        raise ArgumentError("{m} weigh only under balance='compute' with a cost model that has per_unit (got {b}, "
+                            "per_unit={u}): pass cost=model.config (a vision-language config) or "
+                            "CostModel(per_unit=...), and balance='compute'; or leave media_units out",
+                            m=arg("media_units"), b=arg("balance", balance), u=cost.per_unit)
+    units.setflags(write=False)
+    return units
 
 
 def _lengths(lengths, dataset, key: str) -> np.ndarray:
@@ -404,7 +426,8 @@ class EpochStats:
         compute_imbalance: the same ratio under the cost model, whatever the policy, not less 1
             (:func:`packkit.balance.compute_imbalance`: 1.0 is perfect; a run takes this many times the
             time of a perfectly balanced one). A rank's cost in a step is the sum over its
-            micro-batches of that step (accumulation) of ``cost.linear * L + L**2 / cp_size``.
+            micro-batches of that step (accumulation) of ``cost.linear * L + L**2 / cp_size`` (plus
+            ``cost.per_unit`` an image with ``media_units``).
         examples_per_step_cv: coefficient of variation (std / mean) of the examples an optimiser step
             holds over all ranks, the last, partial step left out (when there are others): how much
             the policy changed what a step holds (random steps set the reference).
@@ -651,6 +674,7 @@ class _BatchSampler:
         check_choice(o.balance, "balance", BALANCE)
         self.drop_last, self.balance, self.shuffle = o.drop_last, o.balance, bool(o.shuffle)
         self.cost = cost_model(o.cost, cp_size=o.cp_size)
+        self.media_units = _media_units(o.media_units, self.lengths.size, self.balance, self.cost)
         R = self.world_size
         self.step_batches = R if o.step_batches is None else check_int(o.step_batches, "step_batches")
         if self.step_batches % R:
@@ -678,8 +702,11 @@ class _BatchSampler:
         raise NotImplementedError
 
     def _config(self) -> dict:
-        return {"drop_last": self.drop_last, "balance": self.balance, "shuffle": self.shuffle,
-                "cost": (self.cost.linear, self.cost.cp_size)}
+        out = {"drop_last": self.drop_last, "balance": self.balance, "shuffle": self.shuffle,
+               "cost": (self.cost.linear, self.cost.cp_size)}
+        if self.media_units is not None:  # (a state saved without them keeps its fingerprint)
+            out["media"] = (self.cost.per_unit, hashlib.sha1(self.media_units.tobytes()).hexdigest()[:12])
+        return out
 
     @property
     def accumulation_steps(self) -> int:
@@ -697,12 +724,13 @@ class _BatchSampler:
             _remember(self._seq_cache, key, self._sequence_of(np.random.default_rng((seed, epoch)), step))
         return self._seq_cache[key]
 
-    def _policy_cost(self, lengths: np.ndarray) -> np.ndarray:
-        """Per-example cost for ``balance``: tokens, squared lengths (attention), or the cost model."""
+    def _policy_cost(self, lengths: np.ndarray, examples: np.ndarray) -> np.ndarray:
+        """Per-example cost for ``balance``: tokens, squared lengths (attention), or the cost model (with the
+        media units of ``examples``, the example of each length)."""
         if self.balance == "sqlen":
             return lengths * lengths
         if self.balance == "compute":
-            return self.cost.costs(lengths)
+            return self.cost.costs(lengths, None if self.media_units is None else self.media_units[examples])
         return lengths
 
     def _lengths_used(self) -> np.ndarray:
@@ -763,7 +791,7 @@ class _BatchSampler:
     def _example_cost(self) -> np.ndarray:
         """(n,) float64 cost of each example under ``cost`` (packed: its first ``W`` tokens), cached."""
         if getattr(self, "_ex_cost", None) is None:
-            self._ex_cost = self.cost.costs(self._lengths_used())
+            self._ex_cost = self.cost.costs(self._lengths_used(), self.media_units)
         return self._ex_cost
 
     def _schedule(self, point: _Point) -> Schedule:
@@ -896,7 +924,7 @@ class _BatchSampler:
         tokens = int(lens.sum())
         padded = self._padded(sched)
         # per optimiser step and rank: the sum over the rank's rows of that step
-        policy = sched.per_step(self._policy_cost(lens.astype(np.float64)))
+        policy = sched.per_step(self._policy_cost(lens.astype(np.float64), sched.flat))
         compute = sched.per_step(self._example_cost()[sched.flat])
         per_step_examples = sched.per_step(np.ones(lens.size)).sum(axis=1)
         full = sched.units_per_step == self.world_size * self.accumulation_steps * self._k
@@ -1258,7 +1286,7 @@ class LengthGroupedSampler(_BatchSampler):
         mult = _default_mult(self.megabatch_mult, full // span)
         order = sort_megabatches(body, L, mult * span)
         ptr = np.arange(0, full + 1, B, dtype=np.int64)
-        cost = batch_sums(self._policy_cost(L[order]), ptr)
+        cost = batch_sums(self._policy_cost(L[order], order), ptr)
         first = None
         if self.longest_first and full:
             first = int(np.argmax(L[order])) // B
@@ -1348,7 +1376,7 @@ class TokenBudgetBatchSampler(_BatchSampler):
                 f"step_batches={step}: pass drop_last=False or lower max_tokens"
             )
         flat, ptr = select_batches(order, bounds, body_ids)
-        cost = batch_sums(self._policy_cost(L[flat]), ptr)
+        cost = batch_sums(self._policy_cost(L[flat], flat), ptr)
         first = None
         if self.longest_first and flat.size:
             first = int(np.searchsorted(ptr, int(np.argmax(L[flat])), side="right") - 1)
@@ -1477,7 +1505,7 @@ class PackedBatchSampler(_BatchSampler):
                 f"the plan has {nw} windows, fewer than one step of step_batches x windows_per_batch = "
                 f"{step}: pass drop_last=False or fewer windows_per_batch"
             )
-        win_cost = batch_sums(self._policy_cost(plan.seg_length), plan.window_ptr)
+        win_cost = batch_sums(self._policy_cost(plan.seg_length, plan.seg_example), plan.window_ptr)
         bptr = np.arange(0, full + 1, k, dtype=np.int64)  # micro-batches of k windows, over windows
         arrangement = arrange_steps(batch_sums(win_cost, bptr), step // k, rng, shuffle=self.shuffle,
                                     balance=self.balance in ("tokens", "sqlen"))
@@ -1499,7 +1527,7 @@ class PackedBatchSampler(_BatchSampler):
         if self.shuffle:
             order = order[rng.permutation(order.size)]
         used = self._lengths_used()
-        tc = pack_to_cost(used, order, window=self.window, step_windows=step, cost=self.cost)
+        tc = pack_to_cost(used, order, window=self.window, step_windows=step, cost=self.cost, units=self.media_units)
         nw = tc.window_ptr.size - 1
         full = nw // step * step
         if full == 0 and self.drop_last:

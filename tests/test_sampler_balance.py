@@ -39,11 +39,12 @@ def ref_lpt(cost: list[float], ranks: int) -> list[int]:
     return out
 
 
-def imbalance_from_batches(per_rank, lengths, accumulation, model=CostModel()):
+def imbalance_from_batches(per_rank, lengths, accumulation, model=CostModel(), units=None):
     """The compute imbalance counted from what each rank yields: steps are runs of ``accumulation`` rows
-    (the last one shorter), a rank's cost the sum of its documents' costs."""
+    (the last one shorter), a rank's cost the sum of its documents' costs (with their media ``units``)."""
     rows = len(per_rank[0])
-    cost = np.array([[model.costs(lengths[b]).sum() for b in batches] for batches in per_rank]).T  # (rows, R)
+    cost = np.array([[model.costs(lengths[b], None if units is None else units[b]).sum() for b in batches]
+                     for batches in per_rank]).T  # (rows, R)
     steps = [cost[i:i + accumulation].sum(axis=0) for i in range(0, rows, accumulation)]
     steps = np.array(steps)
     return steps.max(axis=1).sum() / steps.mean(axis=1).sum()
@@ -282,3 +283,77 @@ def test_cli_waste_ranks_and_plan_print_both_figures(tmp_path, capsys):
     assert main(["plan", str(path), "--ranks", "4", "-w", "2048"]) == 0
     out = capsys.readouterr().out
     assert "compute imbalance" in out and "slowest of 4 devices" in out and "examples per step cv" in out
+
+
+def gemma3_4b_config():
+    """Gemma 3 4B's sizes (text 2,560 wide, 34 layers; SigLIP 1,152 wide, 27 layers, 896-pixel images of
+    14-pixel patches), as a config only: no weights."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.Gemma3Config(
+        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=256),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896,
+                           patch_size=14))
+
+
+def vlm_lengths(n: int, window: int):
+    """Real ShareGPT text lengths (Qwen3 tokenizer) plus 0-4 images of 256 placeholders and two markers each,
+    as Gemma 3 lays them out; examples above the window left out. ``(lengths, images)``."""
+    from pathlib import Path
+
+    text = np.load(Path(__file__).resolve().parents[1] / "benchmarks/data/sharegpt_qwen3_lengths.npy")[:n]
+    images = np.random.default_rng(0).choice([0, 1, 1, 2, 3, 4], size=text.size)
+    lengths = text + images * 258
+    keep = lengths <= window
+    return lengths[keep], images[keep]
+
+
+def test_cost_model_weighs_an_images_encoder_work():
+    """A vision-language config gives the text's per-token weight from its text config and one image's
+    encoder work (projections and bidirectional attention over its patches, all layers) in units of the
+    text's attention pairs: Gemma 3 4B's image is ~3.1e7, three times the text work of its 256 placeholders."""
+    model = CostModel.from_config(gemma3_4b_config())
+    h, f, p, layers = 1152, 4304, 64 * 64, 27
+    assert model.linear == 2 * 2560 + 2 * 4 * 256 + 3 * 10240
+    assert model.per_unit == pytest.approx(layers * (2 * (4 * h * h + 2 * h * f) * p + 4 * p * p * h) / (2 * 2560 * 34))
+    print(f"per image {model.per_unit:.3e}, 258 placeholder tokens {model.costs([258])[0]:.3e}")
+    assert 2.5 < model.per_unit / model.costs([258])[0] < 3.5
+    assert model.costs([10, 20], units=[0, 2]).tolist() == (model.costs([10, 20]) + [0, 2 * model.per_unit]).tolist()
+    assert cost_model(gemma3_4b_config()) == model  # what a sampler's cost=model.config becomes
+    with pytest.raises(ValueError, match=r"per_unit must be a finite number >= 0"):
+        CostModel(per_unit=-1.0)
+
+
+@pytest.mark.parametrize("k", [8, 1])
+def test_media_units_balance_what_the_encoder_costs(k):
+    """Images in the cost: on VLM-like rows (real ShareGPT text plus 0-4 images) over 8 ranks, a compute-balanced
+    deal (k = 8 windows a rank: LPT within the step; k = 1: windows packed to a cost target) that knows each
+    example's images leaves a smaller imbalance of the true cost (encoder included), counted from the batches
+    each rank yields, than the same deal by text cost alone; and epoch_stats reports that true figure."""
+    config = gemma3_4b_config()
+    model = CostModel.from_config(config)
+    L, images = vlm_lengths(6000, 4096)
+    kw = dict(window=4096, windows_per_batch=k, world_size=8, step_batches=8, seed=0, balance="compute", cost=config)
+    figures = {}
+    for name, units in (("text", None), ("media", images)):
+        per_rank = [list(PackedBatchSampler(L, rank=r, media_units=units, **kw)) for r in range(8)]
+        figures[name] = imbalance_from_batches(per_rank, L, 1, model, units=images)
+        if units is not None:
+            stats = PackedBatchSampler(L, rank=0, media_units=units, **kw).epoch_stats()
+            assert stats.compute_imbalance == pytest.approx(figures[name])
+    print(f"k={k}: true compute imbalance, text cost {figures['text']:.4f}, with images {figures['media']:.4f}")
+    assert figures["media"] - 1 < 0.8 * (figures["text"] - 1)
+
+
+def test_media_units_refused_where_they_would_weigh_nothing():
+    L, images = vlm_lengths(200, 4096)
+    config = gemma3_4b_config()
+    with pytest.raises(ValueError, match=r"^media_units weigh only under balance='compute' with a cost model that "
+                                         r"has per_unit \(got balance=None"):
+        PackedBatchSampler(L, window=4096, world_size=1, media_units=images)
+    with pytest.raises(ValueError, match=r"per_unit=0.0\): pass cost=model.config"):
+        PackedBatchSampler(L, window=4096, world_size=1, balance="compute", cost=100.0, media_units=images)
+    with pytest.raises(ValueError, match=r"^media_units has 3 entries for \d+ examples: pass one count per example"):
+        PackedBatchSampler(L, window=4096, world_size=1, balance="compute", cost=config, media_units=[1, 0, 2])
+    with pytest.raises(ValueError, match=r"^media_units\[1\] = -1 is negative: pass counts of 0 or more"):
+        PackedBatchSampler(L[:3], window=4096, world_size=1, balance="compute", cost=config, media_units=[1, -1, 2])
