@@ -45,6 +45,7 @@ from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_
 from .cp_plan import check_cp_window, cp_multiples
 from .datafiles import Lengths
 from .errors import DataError, Message, arg, check_int
+from .rules import check_loss_lengths
 from .sampler import LengthGroupedSampler, PackedBatchSampler, batch_sums
 from .segments import lengths_to_offsets, piece_loss_tokens
 
@@ -263,23 +264,6 @@ def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> t
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_loss_lengths(loss_lengths, lengths: np.ndarray) -> np.ndarray:
-    loss = np.asarray(loss_lengths)
-    if loss.ndim != 1 or loss.size != lengths.size:
-        raise ValueError(f"loss_lengths must have one entry per example ({lengths.size:,}), got shape {loss.shape}")
-    if loss.dtype.kind not in "iu":
-        raise TypeError(f"loss_lengths must be integers, got dtype {loss.dtype}")
-    loss = loss.astype(np.int64)
-    bad = (loss < 0) | (loss > lengths - 1)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(
-            f"example {i} has loss_lengths={int(loss[i])} with length {int(lengths[i])}: "
-            "loss tokens must be between 0 and length - 1 (the first token is never a target)"
-        )
-    return loss
-
-
 def read_lengths_object(data) -> Lengths:
     """``data`` as a :class:`packkit.datafiles.Lengths` (what :func:`plan_budget` and
     :func:`packkit.waste.measure_waste` read): one as it is (its loss counts checked), the lengths of a
@@ -291,7 +275,7 @@ def read_lengths_object(data) -> Lengths:
     if data.targets is not None and np.shape(data.targets) != (int(lengths.sum()),):
         raise ValueError(f"targets must be one bool per token ({int(lengths.sum()):,}), got shape "
                          f"{np.shape(data.targets)}")
-    loss = None if data.loss_lengths is None else _check_loss_lengths(data.loss_lengths, lengths)
+    loss = None if data.loss_lengths is None else check_loss_lengths(data.loss_lengths, lengths)
     return dataclasses.replace(data, lengths=lengths, loss_lengths=loss)
 
 

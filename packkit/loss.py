@@ -393,7 +393,7 @@ def _reduce_device(group) -> torch.device:
 
 def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_reduce: bool | None = None,
                       group=None, ddp_average: bool = True,
-                      ignore_index: int = IGNORE_INDEX) -> AccumulationStep:
+                      ignore_index: int = IGNORE_INDEX, facts=None) -> AccumulationStep:
     """Count one optimiser step's loss tokens (and its ``loss_weighting``'s ``Z``) once, across ranks,
     before the first forward.
 
@@ -406,6 +406,9 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
             rank must call it). ``None``: when ``torch.distributed`` is initialised.
         ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
             loss is multiplied back by the world size. ``False`` for a reduction that sums.
+        facts: the step as a sampler's plan knows it (``sampler.step_facts()``, a
+            :class:`packkit.weighting.StepFacts`): the counts and ``Z`` are read there and no collective is
+            made; this rank's micro-batches are checked against it (their loss tokens and parts of ``Z``).
 
     The weighting travels with the batches (the collators' ``loss_weighting``, :mod:`packkit.weighting`):
     each carries its documents' factors ``a_c`` and its part of ``Z``; the step sums the parts in the same
@@ -444,6 +447,9 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         for row in rows
     ])
     local = table.sum(0)
+    if facts is not None:
+        return _planned_step(facts, table.cpu().tolist(), weighting, shifted=shifted, ddp_average=ddp_average,
+                             ignore_index=ignore_index)
     world_size, reduced, group = _reduce(local, all_reduce, group)
     table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
     n_loss, n_tokens, n_examples, z = reduced
@@ -484,6 +490,29 @@ def _micro_counts(mb, i: int, shifted: bool, ignore_index: int) -> tuple:
     name = note.get("loss_weighting")
     z = loss_factors(labels)[1] if name is not None else count  # a tensor on the labels' device: no sync
     return count, tokens, examples, z, name, note.get("loss_step_constant", 0.0)
+
+
+def _planned_step(facts, table: list, weighting, **how) -> AccumulationStep:
+    """The step of ``facts`` (a sampler's plan: every rank's counts and ``Z``), once this rank's micro-batches
+    (``table``: loss tokens, tokens, examples and part of ``Z`` of each) are found to be the ones it planned."""
+    if weighting != facts.weighting:
+        raise ValueError(f"the micro-batches were collated under loss_weighting={weighting or 'token'!r}, the "
+                         f"sampler plans {facts.weighting or 'token'!r}: give the collator and the sampler one weighting")
+    if len(table) != len(facts.micro):
+        raise ValueError(f"{len(table)} micro-batches were given, the sampler's step has {len(facts.micro)} on this "
+                         "rank: ask step_facts() once the step's micro-batches are drawn, and pass them all")
+    for i, (row, (n, z)) in enumerate(zip(table, facts.micro)):
+        if int(row[0]) != n or abs(row[3] - z) > 1e-9 * max(1.0, abs(z)):
+            raise ValueError(f"micro-batch {i} holds {int(row[0])} loss tokens (Z part {row[3]:g}), the sampler's "
+                             f"loss_lengths say {n} ({z:g}): pass loss_lengths counted as the collator counts "
+                             "(labels other than -100, the first label not counted), or leave them out")
+    world_size = facts.world_size
+    return AccumulationStep(
+        num_loss_tokens=facts.loss_tokens, num_tokens=facts.tokens, num_examples=facts.examples,
+        local_loss_tokens=int(sum(row[0] for row in table)), micro_loss_tokens=tuple(int(row[0]) for row in table),
+        world_size=world_size, grad_multiplier=float(world_size) if (how["ddp_average"] and world_size > 1) else 1.0,
+        shifted=how["shifted"], ignore_index=how["ignore_index"], loss_normalizer=facts.loss_normalizer,
+        loss_weighting=weighting)
 
 
 def _one_weighting(rows: list) -> tuple:

@@ -631,6 +631,26 @@ def grid_rows(value, i: int, *, key: str, rows=None, merge: int | None = None) -
 # ----------------------------------------------------------------------------------------------
 
 
+def check_loss_lengths(loss_lengths, lengths: np.ndarray) -> np.ndarray:
+    """(n,) int64 ``loss_lengths``, one per example of ``lengths``, each between 0 and its length - 1 (the first
+    token is never a target), else the error naming the first example out of range:
+    ``check_loss_lengths([1, 0], np.array([2, 3])) -> [1, 0]``."""
+    loss = np.asarray(loss_lengths)
+    if loss.ndim != 1 or loss.size != lengths.size:
+        raise ValueError(f"loss_lengths must have one entry per example ({lengths.size:,}), got shape {loss.shape}")
+    if loss.dtype.kind not in "iu":
+        raise TypeError(f"loss_lengths must be integers, got dtype {loss.dtype}")
+    loss = loss.astype(np.int64)
+    bad = (loss < 0) | (loss > lengths - 1)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"example {i} has loss_lengths={int(loss[i])} with length {int(lengths[i])}: "
+            "loss tokens must be between 0 and length - 1 (the first token is never a target)"
+        )
+    return loss
+
+
 def as_lengths(lengths, *, name: str = "lengths", item: str = "example", low: int = 1) -> np.ndarray:
     """Check lengths (one token count per ``item``) and return them as a 1-D int64 array:
     ``as_lengths([3, 1]) -> [3, 1]``.

@@ -91,8 +91,10 @@ from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, va
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack
 from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
+from .rules import check_loss_lengths
 from .segments import lengths_to_offsets, range_index
 from .states import StateFields
+from .weighting import StepFacts, resolve
 
 __all__ = [
     "LengthGroupedSampler",
@@ -126,6 +128,10 @@ class SamplerOptions:
             model's encoder, for ``"compute"`` with a cost model that has ``per_unit`` (a vision-language
             ``model.config``, or ``CostModel(per_unit=...)``): their encoder work joins each example's cost.
         shuffle: the units (and steps) in a seeded random order.
+        loss_weighting, loss_lengths: the collators' ``loss_weighting`` (:mod:`packkit.weighting`; a per-example
+            column excepted) and each example's loss tokens as the collator counts them (labels other than -100,
+            the first label not counted): every rank knows every step, so :meth:`_BatchSampler.step_facts`
+            gives ``accumulation_step`` the step's normaliser with no collective.
     """
 
     seed: int = 0
@@ -138,6 +144,8 @@ class SamplerOptions:
     cp_size: int = 1
     shuffle: bool = True
     media_units: object = None
+    loss_weighting: object = None
+    loss_lengths: object = None
 
     @classmethod
     def of(cls, options: "SamplerOptions | None", keywords: dict, who: str) -> "SamplerOptions":
@@ -149,6 +157,26 @@ class SamplerOptions:
 # ----------------------------------------------------------------------------------------------
 # input checking
 # ----------------------------------------------------------------------------------------------
+
+
+def _example_weights(loss_weighting, loss_lengths, lengths: np.ndarray):
+    """``(weighting, loss tokens, z)`` of every example (``z_c`` of :mod:`packkit.weighting`, float64), or None
+    without a ``loss_weighting``."""
+    if loss_weighting is None:
+        if loss_lengths is not None:
+            raise ArgumentError("{n} is read only with {w}: pass both, or neither", n=arg("loss_lengths"),
+                                w=arg("loss_weighting"))
+        return None
+    rule = resolve(loss_weighting)
+    if rule.key is not None:
+        raise ArgumentError("{w} weighs examples by their {k!r} values, which a sampler does not read: leave the "
+                            "sampler's loss_weighting out (accumulation_step sums Z in its collective)",
+                            w=arg("loss_weighting", f"Column({rule.key!r})"), k=rule.key)
+    if loss_lengths is None:
+        raise ArgumentError("{w} on a sampler needs {n}: each example's loss tokens as the collator counts them",
+                            w=arg("loss_weighting", rule.name), n=arg("loss_lengths"))
+    counts = check_loss_lengths(loss_lengths, lengths)
+    return rule, counts, np.asarray(rule.factors(counts)[1], np.float64)
 
 
 def resolve_rank(rank, world_size) -> tuple[int, int]:
@@ -675,6 +703,7 @@ class _BatchSampler:
         self.drop_last, self.balance, self.shuffle = o.drop_last, o.balance, bool(o.shuffle)
         self.cost = cost_model(o.cost, cp_size=o.cp_size)
         self.media_units = _media_units(o.media_units, self.lengths.size, self.balance, self.cost)
+        self._weights = _example_weights(o.loss_weighting, o.loss_lengths, self.lengths)
         R = self.world_size
         self.step_batches = R if o.step_batches is None else check_int(o.step_batches, "step_batches")
         if self.step_batches % R:
@@ -1093,6 +1122,39 @@ class _BatchSampler:
             "rows": point.rows,
             "fingerprint": self._fingerprint(),
         }
+
+    def step_facts(self, *, batches_consumed: int | None = None) -> StepFacts:
+        """The optimiser step of the last batch the training loop received, as the plan knows it (every
+        micro-batch of every rank): ``accumulation_step(micro_batches, facts=sampler.step_facts())`` normalises
+        it with no collective. Needs ``loss_weighting`` and ``loss_lengths``. The batches received are counted
+        as :meth:`state_dict` counts them (``batches_consumed``: this epoch's, where the loader cannot be asked).
+        A pass resumed inside a step under the same deal takes the whole step, the rows done before included."""
+        if self._weights is None:
+            raise ArgumentError("{f} needs the sampler's {w} and {n}: pass them to the sampler, or leave the step's "
+                                "normaliser to accumulation_step's collective", f=arg("step_facts"),
+                                w=arg("loss_weighting"), n=arg("loss_lengths"))
+        if self._active is None:
+            raise ValueError(f"{type(self).__name__}.step_facts(): no batch of this pass was drawn yet: ask after "
+                             "the step's micro-batches are drawn from the loader")
+        sched, base, offset, p = self._active
+        done = offset + self._consumed(p, sys._getframe(1).f_globals.get("__name__", "")) \
+            if batches_consumed is None else batches_consumed
+        row = check_int(done, "batches_consumed", low=offset + 1, high=offset + sched.rows) - offset - 1
+        s = int(np.searchsorted(sched.step_row, row, side="right")) - 1
+        lo, hi = int(sched.step_row[s]), int(sched.step_row[s + 1])
+        R = sched.world_size
+        mine = [sched.flat[sched.ptr[b]:sched.ptr[b + 1]] for b in range(max(lo, 0) * R + self.rank, hi * R, R)]
+        whole = sched
+        if lo < 0:  # resumed inside this step under the same deal: the step from its first row
+            whole = self._schedule(dataclasses.replace(base, rows=0))
+            lo, hi = 0, int(whole.step_row[1])
+        step = whole.flat[whole.ptr[lo * R]:whole.ptr[hi * R]]
+        rule, counts, z = self._weights
+        token_mean = rule.is_token_mean
+        return StepFacts(weighting=None if token_mean else rule.name, loss_tokens=int(counts[step].sum()),
+                         loss_normalizer=float(z[step].sum()) + rule.step_constant(),
+                         tokens=int(self._lengths_used()[step].sum()), examples=int(step.size), world_size=R,
+                         micro=tuple((int(counts[b].sum()), float(z[b].sum())) for b in mine))
 
     def merge_state_dicts(self, states) -> dict:
         """One state from the per-rank states of a run: identical ones (this version) pass through;

@@ -40,6 +40,20 @@ A batch carries the *unnormalised* factors (``batch.loss_weight``: ``a_c`` on ev
 part of ``Z`` (``batch.loss_norm``); :func:`packkit.loss.accumulation_step` sums the parts of the
 step's micro-batches (and of the ranks, in the one collective it already makes) and divides.
 
+Where a sampler deals the steps, every rank knows every step's documents: given the same weighting and
+each example's loss tokens (``PackedBatchSampler(..., loss_weighting="sample", loss_lengths=n)``, any
+sampler), ``sampler.step_facts()`` is the step's ``Z`` and counts (:class:`StepFacts`), and
+``accumulation_step(micro_batches, facts=sampler.step_facts())`` divides by it with no collective at all,
+after checking this rank's micro-batches against it; a resume, on any world size, keeps the steps' ``Z``::
+
+    for mb in loader:                                   # DataLoader(ds, batch_sampler=sampler, collate_fn=...)
+        mbs.append(mb)
+        facts = sampler.step_facts()                    # the step of the batch just drawn
+        if len(mbs) == len(facts.micro):                # all of this rank's micro-batches of it
+            step = accumulation_step(mbs, facts=facts)  # then step.loss(logits, mb) for each, as usual
+            ...
+            mbs = []
+
 >>> resolve("sample").factors([4, 0, 1])
 (array([0.25, 0.  , 1.  ]), array([1., 0., 1.]))
 """
@@ -55,7 +69,7 @@ from .errors import ArgumentError
 from .fileio import png_figure
 from .segments import IGNORE_INDEX
 
-__all__ = ["WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
+__all__ = ["StepFacts", "WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +110,27 @@ class LossWeighting:
     def step_constant(self) -> float:
         """The part of ``Z`` counted once a step (``SeqSumNorm``'s ``L_max``), else 0."""
         return float(self.z_const) if self.z_once else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFacts:
+    """One optimiser step as a sampler's plan knows it (every micro-batch of every rank), so that
+    :func:`packkit.loss.accumulation_step` needs no collective: what it would otherwise sum over the ranks.
+
+    ``weighting``: the name of the step's weighting (None: the token mean); ``loss_tokens``: ``sum_c |O_c|``;
+    ``loss_normalizer``: ``Z`` (with the step's constant; ``loss_tokens`` for the token mean); ``tokens``,
+    ``examples``: the step's tokens and examples; ``world_size``: its ranks; ``micro``: this rank's micro-batches
+    in order, ``(loss tokens, part of Z)`` each, which the step checks against the batches it is given.
+    Made by ``sampler.step_facts()`` (:class:`packkit.sampler.SamplerOptions`' ``loss_weighting``).
+    """
+
+    weighting: str | None
+    loss_tokens: int
+    loss_normalizer: float
+    tokens: int
+    examples: int
+    world_size: int
+    micro: tuple
 
 
 def SeqSumNorm(max_length: int) -> LossWeighting:
