@@ -87,6 +87,7 @@ import torch
 
 from .errors import ArgumentError
 from .segments import IGNORE_INDEX
+from .weighting import piece_factors
 
 __all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors"]
 
@@ -765,6 +766,9 @@ def _segment_factors(labels: torch.Tensor, cu: torch.Tensor, note: dict):
     rule, seg_doc = note["loss_rule"], note.get("loss_seg_doc")
     values = note.get("loss_values")
     values = None if values is None else values.to(labels.device)
+    if "loss_whole" in note:  # pieces of examples split offline: each weighs as its whole example
+        a, z = piece_factors(rule, counts, note["loss_whole"].to(labels.device), values)
+        return a, z.sum()
     if seg_doc is None:
         a, z = rule.factors(counts, values)
         return a, z.sum()

@@ -38,7 +38,7 @@ policy's one home: the planner, the stream packer, Ray's driver and the waste re
 Streams
 -------
 :func:`stream_windows` plans a stream it cannot see whole: best fit inside a bounded buffer of
-items (fill against buffer size is tabled in :mod:`packkit.offline`).
+items (fill against buffer size is tabled in :func:`packkit.packer.pack_stream`).
 """
 
 from __future__ import annotations

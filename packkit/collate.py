@@ -277,15 +277,17 @@ class _Collator:
         self._warned = [False]  # LossMaskWarning given
 
     def _weigh(self, batch: PackedBatch, examples, seg_lengths, *, seg_ptr=None, width=None,
-               seg_doc=None) -> PackedBatch:
+               seg_doc=None, whole=None) -> PackedBatch:
         """``batch`` with its loss weights noted (nothing under the token mean): one factor per segment of
         ``cu_seqlens`` (:func:`packkit.weighting.segment_factors`). The documents are ``seg_lengths``,
         laid out from row starts (``seg_ptr``, rows of ``width``, each row's padding tail a segment after
         its documents) or end to end; ``seg_doc`` the example of each (a split example's pieces share
-        its ``|O_c|``)."""
+        its ``|O_c|``); ``whole`` the loss tokens of each one's whole example (pieces split offline)."""
         weighting = self.loss_weighting
         if weighting.is_token_mean:
             return batch
+        if whole is not None:
+            return self._weigh_pieces(batch, weighting, whole, seg_lengths, seg_ptr, width)
         values = _column_values(examples, weighting.key) if isinstance(weighting, ColumnWeighting) else None
         if values is not None and seg_doc is None and values.size != seg_lengths.size:
             raise ValueError(f"loss_weighting=Column({weighting.key!r}) weighs examples; these rows hold "
@@ -304,6 +306,18 @@ class _Collator:
         return batch._weigh(weighting, cu=cu, seg_doc=None if doc_of is None else _tensor(doc_of),
                             values=None if values is None else _tensor(values), num_docs=len(seg_lengths) if
                             seg_doc is None else len(examples))
+
+    @staticmethod
+    def _weigh_pieces(batch: PackedBatch, weighting, whole, seg_lengths, seg_ptr, width) -> PackedBatch:
+        """:meth:`_weigh` of packed rows whose documents record their whole example's loss tokens (``whole``,
+        :func:`packkit.weighting.piece_factors`)."""
+        cu = batch.cu_seqlens
+        seg_whole = np.zeros(cu.shape[0] - 1, np.float64)
+        seg_whole[_document_segments(seg_lengths, seg_ptr, width)] = whole
+        if isinstance(weighting, CallableWeighting):  # made here: the callable may not cross processes
+            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), whole=seg_whole)
+            return batch._weigh(weighting, cu=cu, seg_factor=_tensor(factors), z=z)
+        return batch._weigh(weighting, cu=cu, whole=_tensor(seg_whole))
 
     def _read(self, examples, *, packed_rows: bool = False):
         """``(input_ids, labels, lengths)`` (:func:`packkit.examples.read_batch`); a packed row (one with
@@ -444,7 +458,8 @@ class PackedRowsCollator(_Collator):
 
     Options as in :class:`FixedWindowCollator` (``num_windows``, ``static_shape``, ``max_segments``,
     ``pad_token_id``, ``mask_first_label``, ``loss_mask``, ``loss_weighting``: each document of a row its
-    own, so a piece of an example split offline counts its own ``|O_c|``). Labels of offline rows already carry -100
+    own; a piece of an example split offline weighs as its whole example where the rows record its
+    ``example_loss``, as ``pack_dataset`` / ``packkit pack`` write them: :func:`packkit.weighting.piece_factors`). Labels of offline rows already carry -100
     on every segment's first token; masking again changes nothing.
 
     ``transformers.Trainer`` drops ``seq_lengths`` by default (its model's forward does not name it):
@@ -481,7 +496,8 @@ class PackedRowsCollator(_Collator):
                            num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                            mask_first_label=self.mask_first_label, static_shape=self.static_shape,
                            max_segments=self.max_segments)
-        return self._weigh(batch, rows, seg_lengths, seg_ptr=seg_ptr, width=self.window)
+        whole = None if self.loss_weighting.is_token_mean else _example_loss(rows, seg_ptr, where)
+        return self._weigh(batch, rows, seg_lengths, seg_ptr=seg_ptr, width=self.window, whole=whole)
 
     def _check_cp(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray, where) -> None:
         """Every row's documents, padded to the layout's multiple, fit the window (else: packed for
@@ -540,6 +556,22 @@ def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np
         raise ValueError(f"{location(0, where)} has no 'seq_lengths' or 'position_ids'; {_SEGMENTS_MISSING}")
     flat, counts = read_column(rows, key, missing=_SEGMENTS_MISSING, rows=where)
     return row_segments(key, flat, counts, lengths, rows=where)
+
+
+def _example_loss(rows, seg_ptr: np.ndarray, where=None):
+    """Each document's whole example's loss tokens, where packed rows record them (``example_loss``,
+    :func:`packkit.offline.packed_schema`), else None; one per document (``seg_ptr``), or refused naming the row."""
+    keys = set(rows.columns) if isinstance(rows, ExampleBatch) else set().union(*rows)
+    if "example_loss" not in keys:
+        return None
+    flat, counts = read_column(rows, "example_loss", missing="packed rows record it on every row or none (a "
+                               "row's documents' whole examples' loss tokens)", rows=where)
+    bad = np.flatnonzero(counts != np.diff(seg_ptr))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{location(i, where)} has {int(counts[i])} example_loss for {int(seg_ptr[i + 1] - seg_ptr[i])} "
+                         "documents (seq_lengths); they must match")
+    return flat
 
 
 class PaddedCollator(_Collator):

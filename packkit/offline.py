@@ -44,25 +44,8 @@ of the returned dataset) writes before the next is gathered::
 
 Streaming
 ---------
-:func:`~packkit.packer.pack_stream` (planned by :func:`~packkit.binpack.stream_windows`) packs any iterable
-of examples (or a ``datasets.IterableDataset``) with a bounded
-buffer: each window starts with the oldest buffered example, then takes the longest buffered example
-that still fits, until none fits (best fit inside the buffer; ``buffer_size=1`` is next fit). Fill
-against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250, sigma 1, clipped to
-[8, 4096], truncated to ``W = 2048``; ``benchmarks/bench_offline.py --stream-table`` reprints it):
-
-    ============== ======== ===================
-    buffer           fill    windows over bound
-    ============== ======== ===================
-    1 (next fit)    0.8262   +21.0%
-    10              0.9916   +0.85%
-    100             0.9981   +0.19%
-    1,000 (default) 0.9989   +0.11%
-    10,000          0.9992   +0.08%
-    offline BFD     0.99993  +0.005%
-    ============== ======== ===================
-
-(About 5 us per example in Python, whatever the buffer size.)
+:func:`~packkit.packer.pack_stream` packs any iterable of examples (or a ``datasets.IterableDataset``) with best
+fit inside a bounded buffer (its docstring tables the fill against the buffer's size).
 """
 
 from __future__ import annotations
@@ -80,7 +63,7 @@ from .errors import ArgumentError, DataError, MissingError, arg, check_int, with
 from .cp_plan import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, logger, pack_columns, pack_stream, resolve_columns
 from .progress import progress_bar
-from .rules import MASK_KEYS, check_column, column_kind
+from .rules import DOCUMENT_KEYS, MASK_KEYS, check_column, column_kind
 from .segments import IGNORE_INDEX, lengths_to_offsets
 from .sources import ArrowSource, scan, scan_documents
 from . import outputs
@@ -163,8 +146,10 @@ class PackOptions:
             ``labels`` (-100 where the mask is 0, on the given labels or the token ids), as the collators do;
             it is written as well only when ``columns`` names it. Other columns (text, ids) are not carried over.
         mask_first_label: set ``labels`` to -100 on the first token of every segment (models shift labels).
-        example_ids: also write ``example_ids``, the source row of every segment. Packed rows that carry
-            ``example_ids`` (re-packed, at another window) keep them: each document its example's id.
+        example_ids: also write ``example_ids`` (the source row of every segment), ``piece_offsets`` (where the
+            segment starts in it) and ``example_loss`` (the example's loss tokens over all its pieces), so that
+            the collators weigh a piece as its whole example. On whenever an example is split into pieces, and
+            for packed input that carries them (re-packed, each document keeps its example's).
         group_column: a column of group ids (int or string, one per row): rows of one group (a preference
             pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
             (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
@@ -218,8 +203,10 @@ def packed_schema(columns, *, example_ids: bool = False):
     """The offline row format's ``pyarrow.Schema``: the packed list columns, then ``seq_lengths``.
 
     ``columns``: ``[(name, pyarrow value type), ...]`` in row order, the token column first; ``labels``
-    takes :func:`~packkit.packer.label_dtype` of the type given (-100 must fit). ``example_ids`` adds
-    ``list<int64>``. ``packed_schema([("input_ids", pa.int32()), ("labels", pa.uint16())])`` ->
+    takes :func:`~packkit.packer.label_dtype` of the type given (-100 must fit). ``example_ids`` adds what a
+    row records of each document's source (:data:`packkit.rules.DOCUMENT_KEYS`): ``example_ids`` (int64), its
+    ``piece_offsets`` in the example and the whole example's ``example_loss`` (int32): 16 bytes a document.
+    ``packed_schema([("input_ids", pa.int32()), ("labels", pa.uint16())])`` ->
     ``input_ids: list<int32>, labels: list<int64>, seq_lengths: list<int32>``.
     """
     import pyarrow as pa
@@ -231,24 +218,25 @@ def packed_schema(columns, *, example_ids: bool = False):
         fields.append(pa.field(name, pa.list_(vtype)))
     fields.append(pa.field("seq_lengths", pa.list_(pa.int32())))
     if example_ids:
-        fields.append(pa.field("example_ids", pa.list_(pa.int64())))
+        fields += [pa.field(k, pa.list_(pa.int64() if k == "example_ids" else pa.int32())) for k in DOCUMENT_KEYS]
     return pa.schema(fields)
 
 
-def packed_batch(rows, schema):
+def packed_batch(rows, schema, documents: dict | None = None):
     """:class:`~packkit.packer.PackedColumns` -> one ``pyarrow.RecordBatch`` of ``schema``
-    (:func:`packed_schema`), one row a window; values are cast to the schema's types where they differ."""
+    (:func:`packed_schema`), one row a window; values are cast to the schema's types where they differ.
+    ``documents``: a ``(S,)`` array per document column of the schema (default ``example_ids``: the plan's)."""
     import pyarrow as pa
 
     if rows.row_offsets[-1] > arrow.MAX_LIST_VALUES:
         raise ValueError(f"one record batch would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31 - 1, "
                          "past int32 list offsets): pack fewer windows a batch")
+    per_doc = {"seq_lengths": rows.seq_lengths, "example_ids": rows.seg_example, **(documents or {})}
     arrays = []
     for field in schema:
-        if field.name == "seq_lengths":
-            arrays.append(list_array(rows.seq_offsets, rows.seq_lengths.astype(np.int32)))
-        elif field.name == "example_ids":
-            arrays.append(list_array(rows.seq_offsets, rows.seg_example.astype(np.int64)))
+        if field.name in per_doc:
+            values = np.asarray(per_doc[field.name]).astype(field.type.value_type.to_pandas_dtype())
+            arrays.append(list_array(rows.seq_offsets, values))
         else:
             values = pa.array(rows.columns[field.name])
             if values.type != field.type.value_type:  # e.g. a staged boolean mask, or a wider common type
@@ -271,8 +259,8 @@ class PackedTable:
     def __init__(self, scan, spec: ColumnSpec, plan: Plan, *, mask_first_label: bool, example_ids: bool,
                  num_threads: int = 1):
         self.scan, self.spec, self.plan = scan, spec, plan
-        # packed input with example_ids: written again, each document keeping the id of its example
-        example_ids = example_ids or scan.doc_ids is not None
+        # packed input with example_ids, or examples split into pieces: each document records its example
+        example_ids = example_ids or scan.doc_ids is not None or plan.split_examples.size > 0
         self.mask_first_label, self.example_ids, self.num_threads = mask_first_label, example_ids, num_threads
         #: packed input with example_ids: documents that are pieces of an example split when it was packed
         #: (its id repeats), and those examples; they stay pieces (a piece's first label was masked then)
@@ -294,7 +282,7 @@ class PackedTable:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one packed token over every list column of a row (plus its label's temporaries)."""
-        per = sum(f.type.value_type.bit_width // 8 for f in self.schema if f.name not in ("seq_lengths", "example_ids"))
+        per = sum(f.type.value_type.bit_width // 8 for f in self.schema if f.name not in ("seq_lengths", *DOCUMENT_KEYS))
         return per + (8 if "labels" in self.schema.names else 0)
 
     def chunk_tokens(self, buffer_bytes: int | None = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
@@ -335,15 +323,30 @@ class PackedTable:
             return csum[seg_off[1:]] - csum[seg_off[:-1]]
         return csum[seg_off[1:]] - csum[np.minimum(seg_off[:-1] + 1, seg_off[1:])]
 
+    def _segment_losses(self, plan: Plan, max_tokens: int) -> np.ndarray:
+        """:meth:`segment_loss` of every segment of ``plan``, in a pass over the loss columns only."""
+        read = self._loss_columns()
+        parts = [self.segment_loss(self._rows(plan.window_range(a, b), read)) for a, b in plan.chunks(max_tokens)]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _whole_loss(self, max_tokens: int) -> np.ndarray | None:
+        """``(S,)`` the loss tokens of each segment's whole example where it lies in several segments (its
+        pieces' :meth:`segment_loss` summed, read first, for those pieces only), -1 elsewhere; None if none does."""
+        keys = self.plan.seg_example if self.scan.doc_ids is None else self.scan.doc_ids[self.plan.seg_example]
+        _, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        piece = counts[inv] > 1
+        if not piece.any():
+            return None
+        whole = np.full(keys.size, -1, np.int64)
+        loss = self._segment_losses(self.plan.keep_segments(piece), max_tokens)
+        whole[piece] = np.bincount(inv[piece], weights=loss, minlength=counts.size).astype(np.int64)[inv[piece]]
+        return whole
+
     def drop_loss_free(self, max_tokens: int) -> None:
         """Leave out every segment with no loss token (:meth:`segment_loss`, read in a first pass over the
         loss columns only), counted in ``dropped_pieces`` / ``dropped_tokens``; windows emptied by it are
         gone, the others keep their order (:meth:`packkit.binpack.Plan.keep_segments`)."""
-        read = self._loss_columns()
-        parts = [self.segment_loss(self._rows(self.plan.window_range(a, b), read))
-                 for a, b in self.plan.chunks(max_tokens)]
-        seg_loss = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        keep = seg_loss > 0
+        keep = self._segment_losses(self.plan, max_tokens) > 0
         self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
         self.loss_free_pieces += self.dropped_pieces
         if self.dropped_pieces:
@@ -375,28 +378,36 @@ class PackedTable:
                 self._count_loss(rows)
         return loss, sums
 
-    def _count_loss(self, rows) -> None:
+    def _count_loss(self, rows) -> np.ndarray:
         """Add the loss tokens of packed ``rows`` (:meth:`segment_loss`: each segment's first label is not
         counted under :attr:`mask_first_label`, masked or not) to ``loss_tokens``, and their windows
-        without one to ``loss_free_windows``."""
+        without one to ``loss_free_windows``; returns the segments' loss tokens."""
         seg_loss = self.segment_loss(rows)
         self.loss_tokens += int(seg_loss.sum())
         self.loss_free_pieces += int((seg_loss == 0).sum())
         if rows.num_rows:
             self.loss_free_windows += int((np.add.reduceat(seg_loss, rows.seq_offsets[:-1]) == 0).sum())
+        return seg_loss
 
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
         tokens each (a longer window alone), in the plan's window order. Counts their loss tokens and the
         windows and pieces without one on the way (``loss_tokens``, ``loss_free_windows``, ``loss_free_pieces``:
         the pieces :meth:`drop_loss_free` left out count there too)."""
+        whole = self._whole_loss(max_tokens) if self.example_ids else None
         for start, stop in self.plan.chunks(max_tokens):
             sub = self.plan.window_range(start, stop)
             rows = self._rows(sub, self.scan.columns, bar)
-            self._count_loss(rows)
-            if self.scan.doc_ids is not None:  # the ids of the examples the input was packed from
-                rows = dataclasses.replace(rows, seg_example=self.scan.doc_ids[rows.seg_example])
-            batch = packed_batch(rows, self.schema)
+            seg_loss = self._count_loss(rows)
+            docs = None
+            if self.example_ids:  # each document's example (the input's ids where it was packed), start, loss
+                ids, starts, scan = sub.seg_example, sub.seg_start, self.scan
+                if whole is not None:
+                    lo, hi = self.plan.window_ptr[start], self.plan.window_ptr[stop]
+                    seg_loss = np.where(whole[lo:hi] >= 0, whole[lo:hi], seg_loss)
+                docs = {"example_ids": ids if scan.doc_ids is None else scan.doc_ids[ids], "example_loss": seg_loss,
+                        "piece_offsets": starts if scan.doc_starts is None else starts + scan.doc_starts[ids]}
+            batch = packed_batch(rows, self.schema, docs)
             del rows
             yield batch
             del batch  # not held while the next one is gathered (a writer may have let it go)
@@ -498,8 +509,8 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     Returns:
         A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
         ``labels`` (when the source has labels or a loss mask), any other packed column,
-        ``seq_lengths`` (list of int32 segment lengths summing to the row length) and optionally
-        ``example_ids`` (int64); backed by the cache file (memory-mapped) or in memory.
+        ``seq_lengths`` (list of int32 segment lengths summing to the row length) and the documents' examples
+        (``options.example_ids``); backed by the cache file (memory-mapped) or in memory.
         ``save_to_disk`` / ``to_parquet`` it as usual, or write files directly with ``packkit pack``.
         With ``output``: its ``pathlib.Path`` (``(path, plan)`` under ``return_report``).
 
@@ -512,14 +523,15 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     o = PackOptions.of(options, option_keywords, "pack_dataset")
     planning = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle)
     streamed = isinstance(ds, (datasets.IterableDataset, datasets.IterableDatasetDict))
+    if streamed:
+        _refuse_streamed(o, strategy=strategy, return_report=return_report, output=output)
+    window = _check_common(window, strategy, overflow, seed, o.num_proc)  # before any data is read or tokenized
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        _check_args(streamed, o, return_report=return_report, **planning)
         return _pack_splits(ds, split, return_report=return_report, output=output, options=o, **planning)
     if split is not None:
         raise ArgumentError("{arg} picks a split of a DatasetDict; this is a single {kind}: drop it",
                             arg=arg("split", split), kind=type(ds).__name__)
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
-        window = _check_args(streamed, o, return_report=return_report, **planning)
         fmt = chat_format(ds.features.arrow_schema) if ds.features is not None else None
         if fmt is not None and o.columns is None and "input_ids" not in ds.column_names:
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
@@ -556,7 +568,7 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, **planning):
     packed = plan_source(source, options=dataclasses.replace(o, progress=progress), groups=groups, **planning)
     on_disk = o.cache_file_name is not None or (bool(ds.cache_files) if o.keep_in_memory is None
                                                 else not o.keep_in_memory)
-    written = out_format or outputs.FORMATS["arrow"]  # OUT, or the cache file
+    written = out_format or outputs.CACHE  # OUT, or the cache file
     max_tokens = (packed.chunk_tokens(o.buffer_bytes, encoding=written.encoding, in_flight=2)
                   if on_disk or out_format is not None else arrow.MAX_LIST_VALUES)
     if o.drop_loss_free:
@@ -601,41 +613,33 @@ def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_toke
 
     name = o.cache_file_name
     if name is None:
-        folder = (Path(ds.cache_files[0]["filename"]).parent if ds.cache_files
-                  else Path(datasets.config.HF_DATASETS_CACHE))
-        name = folder / f"cache-packkit-{generate_random_fingerprint()}{outputs.FORMATS['arrow'].suffixes[0]}"
-    outputs.write_packed(name, packed, format="arrow", max_tokens=max_tokens, bar=bar)
+        folder = Path(ds.cache_files[0]["filename"]).parent if ds.cache_files else datasets.config.HF_DATASETS_CACHE
+        name = outputs.cache_file(folder, generate_random_fingerprint())
+    outputs.write_packed(name, packed, format=outputs.CACHE, max_tokens=max_tokens, bar=bar)
     return datasets.Dataset(MemoryMappedTable.from_file(str(name)), fingerprint=fingerprint)
 
 
-def _check_args(iterable: bool, o: PackOptions, *, window, strategy, overflow, seed, shuffle,
-                return_report) -> int:
-    """:func:`pack_dataset`'s argument checks, made before any data is read or tokenized; returns ``window``.
-
-    An ``IterableDataset`` (``iterable``) is packed with best fit inside a buffer, in one stream, with no
-    whole plan: ``strategy`` must be ``"bfd"``, ``return_report`` and ``num_proc`` unset, and the options
-    that need the whole dataset (groups, CP, loss-free pieces) unset.
-    """
-    if iterable and strategy != "bfd":
-        raise ValueError(f"an IterableDataset is packed with best fit inside a buffer; strategy must be "
-                         f"'bfd', got {strategy!r}")
-    if iterable and return_report:
-        raise ValueError("return_report is not available for an IterableDataset (a stream has no whole plan)")
-    window = _check_common(window, strategy, overflow, seed, o.num_proc)
-    if iterable and o.num_proc not in (None, 1):
-        raise ValueError(f"num_proc={o.num_proc!r}: an IterableDataset is packed in one stream as it is "
-                         "read; leave num_proc unset (or shard the source and pack each shard)")
-    return window
+def _refuse_streamed(o: PackOptions, *, strategy, return_report, output) -> None:
+    """What :func:`pack_dataset` refuses for an ``IterableDataset``: it is packed in one stream as it is read,
+    with best fit inside a bounded buffer, and no whole plan."""
+    for bad, name, why in (
+            (strategy != "bfd", arg("strategy"), "must be 'bfd' (best fit inside the buffer)"),
+            (return_report, arg("return_report"), "reports the whole plan"),
+            (output is not None, arg("output"), "writes a plan of the whole dataset"),
+            (o.num_proc not in (None, 1), arg("num_proc", o.num_proc), "copies a whole plan's tokens in threads; "
+             "leave it unset (or shard the source and pack each shard)"),
+            (o.group_column is not None, arg("group_column"), "needs the whole dataset to keep groups whole"),
+            (o.cp_size != 1, arg("cp_size", o.cp_size), "plans the whole dataset for a CP group"),
+            (o.drop_loss_free, arg("drop_loss_free", True), "reads every piece's loss first (or ds.filter the "
+             "examples without a loss token)")):
+        if bad:
+            raise ArgumentError("{arg} " + why + "; an IterableDataset is packed in one stream inside a bounded "
+                                "buffer: pack a datasets.Dataset", arg=name)
 
 
 def _check_output_arg(ds, output, output_format):
     """The :class:`packkit.outputs.Format` of ``pack_dataset(..., output=)``, checked before any data is read
     (an existing ``output`` or one that is an input file of ``ds`` is refused as ``packkit pack`` refuses it)."""
-    import datasets
-
-    if isinstance(ds, datasets.IterableDataset):
-        raise ArgumentError("{arg} writes a plan of the whole dataset; a streamed dataset is packed inside a bounded "
-                            "buffer: pack a datasets.Dataset", arg=arg("output"))
     fmt = outputs.output_format(output, output_format)
     check_output(output, kind=fmt.kind, inputs=[f["filename"] for f in getattr(ds, "cache_files", None) or []])
     return fmt
@@ -653,13 +657,10 @@ def _pack_splits(dd, split, *, return_report: bool, **kwargs):
         return pack_dataset(dd[split], return_report=return_report, **kwargs)
     if not names:
         raise ValueError("the DatasetDict has no splits")
-    if kwargs.get("output") is not None and len(names) > 1:
-        raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split ({split})",
-                            arg=arg("output"), names=names, split=arg("split", metavar="NAME"))
-    if kwargs["options"].cache_file_name is not None and len(names) > 1:
-        raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split "
-                            "({split}) or leave the cache file names to packkit", arg=arg("cache_file_name"),
-                            names=names, split=arg("split", metavar="NAME"))
+    for name, value in (("output", kwargs.get("output")), ("cache_file_name", kwargs["options"].cache_file_name)):
+        if value is not None and len(names) > 1:
+            raise ArgumentError("{arg} names one file, and the DatasetDict has splits {names}: pack one split ({split}), "
+                                "or leave it unset", arg=arg(name), names=names, split=arg("split", metavar="NAME"))
     packed = {name: pack_dataset(dd[name], return_report=return_report, **kwargs) for name in names}
     kind = datasets.DatasetDict if isinstance(dd, datasets.DatasetDict) else datasets.IterableDatasetDict
     if return_report:
@@ -682,15 +683,6 @@ def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
     """
     import datasets
 
-    if o.group_column is not None:
-        raise ArgumentError("{arg} needs the whole dataset to keep groups whole; a streamed dataset is packed "
-                            "inside a bounded buffer: pack a datasets.Dataset", arg=arg("group_column"))
-    if o.cp_size != 1:
-        raise ArgumentError("{arg} plans the whole dataset for a CP group; a streamed dataset is packed inside "
-                            "a bounded buffer: pack a datasets.Dataset", arg=arg("cp_size", o.cp_size))
-    if o.drop_loss_free:
-        raise ArgumentError("{arg} is not available for a streamed dataset: filter the examples without a loss "
-                            "token first (ds.filter), or pack a datasets.Dataset", arg=arg("drop_loss_free", True))
     columns, buffer_size = o.columns, o.buffer_size
     known = ds.column_names or (None if columns is None else [columns] if isinstance(columns, str) else list(columns))
     features = None

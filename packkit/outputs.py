@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import struct
 from pathlib import Path
@@ -59,7 +60,7 @@ from .interrupts import deferred, join
 from .planindex import write_plan
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["Format", "FORMATS", "output_format", "example_suffixes", "write_batches", "write_packed", "MAX_SHARD_BYTES"]
+__all__ = ["Format", "FORMATS", "CACHE", "cache_file", "output_format", "example_suffixes", "write_batches", "write_packed", "MAX_SHARD_BYTES"]
 
 #: Shards of a ``folder`` folder hold at most this many bytes (``datasets``' own default, 500 MB).
 MAX_SHARD_BYTES = 500 * 10**6
@@ -80,6 +81,8 @@ class Format:
         encoding: bytes the sink holds per byte of a batch while it writes it (measured, rounded up: parquet
             keeps the encoded row group until it closes; JSON text is ~6 bytes a token, built in steps).
         packed: the format holds packed rows only (their ``seq_lengths``), not examples (``packkit tokenize``).
+        documents: the format keeps what a row records of its documents' examples
+            (:data:`packkit.rules.DOCUMENT_KEYS`); one that cannot says so in one line when it is written.
     """
 
     name: str
@@ -89,6 +92,7 @@ class Format:
     sink: Callable | None
     encoding: float = 0.0
     packed: bool = False
+    documents: bool = True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,13 +486,23 @@ FORMATS = {f.name: f for f in (
     Format("jsonl", (".jsonl", ".json", ".ndjson"), "file", "JSON lines", _JsonlSink, encoding=8.0),
     Format("folder", ("",), "dir", "a datasets folder (load with datasets.load_from_disk)", _DatasetSink),
     Format("megatron", (".megatron",), "dir", "a Megatron indexed dataset folder (prefixes OUT/tokens and "
-           "OUT/loss_mask for megatron-core's IndexedDataset)", _MegatronSink, packed=True),
+           "OUT/loss_mask for megatron-core's IndexedDataset)", _MegatronSink, packed=True, documents=False),
     Format("bridge", (".idx.parquet", ".idx.pq"), "file", "Megatron-Bridge packed parquet (input_ids, loss_mask, "
-           "seq_start_id)", _BridgeSink, encoding=1.0, packed=True),
+           "seq_start_id)", _BridgeSink, encoding=1.0, packed=True, documents=False),
     Format("mds", (".mds",), "dir", "a MosaicML MDS folder (streaming.StreamingDataset(local=OUT))", _MdsSink, packed=True),
     Format("plan", (".packplan",), "file", "an index-only plan (packkit.planindex.PlanIndex.load; no token "
            "written)", None, packed=True),
 )}
+
+
+#: The format of ``pack_dataset``'s cache files: ``datasets``' own, an Arrow stream it memory-maps.
+CACHE = FORMATS["arrow"]
+
+
+def cache_file(folder, tag: str) -> Path:
+    """A new cache file of packed rows in ``folder``, named as ``datasets`` names its own:
+    ``cache_file("/c", "ab12") -> Path("/c/cache-packkit-ab12.arrow")``."""
+    return Path(folder) / f"cache-packkit-{tag}{CACHE.suffixes[0]}"
 
 
 def example_suffixes() -> list:
@@ -542,6 +556,11 @@ def write_batches(target, schema, batches, *, format: str | Format | None = None
     fmt = output_format(target, format)
     if fmt.sink is None:
         raise ArgumentError(f"the {fmt.name} format is written from a plan, not from rows: use write_packed")
+    if not fmt.documents and "example_ids" in schema.names:
+        logging.getLogger("packkit").warning(
+            "the %s format has no room for example_ids, piece_offsets and example_loss: the pieces of a split example "
+            "are separate examples there (a per-example loss weighting counts each); write parquet or arrow to keep "
+            "them", fmt.name)
     with atomic_output(target, kind=fmt.kind, inputs=inputs, overwrite=overwrite, overwrite_hint=overwrite_hint) as tmp:
         sink = fmt.sink(Path(tmp), schema, **options)
         ok = False

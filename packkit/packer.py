@@ -60,7 +60,7 @@ from .binpack import (DEFAULT_OVERFLOW, Plan, StreamBuffer, apply_overflow, chec
                       stream_windows)
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .examples import example_arrays
-from .rules import MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
+from .rules import DOCUMENT_KEYS, MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 from .states import StateError, StateFields, StateTypeError
 
@@ -562,7 +562,7 @@ def resolve_columns(names, columns) -> ColumnSpec:
             raise KeyError(f"column {c!r} is not in the dataset; the columns are {list(names)}")
     if len(set(columns)) != len(columns):
         raise ValueError(f"columns {columns} name a column twice")
-    for reserved in ("seq_lengths", "example_ids"):
+    for reserved in ("seq_lengths", *DOCUMENT_KEYS):
         if reserved in columns:
             raise ValueError(f"column {reserved!r} is written by packing; it cannot be packed itself")
     if columns[0] in MASK_KEYS:
@@ -1091,7 +1091,7 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
         examples: iterable of mappings with ``input_ids`` (list, numpy array or tensor) and optionally
             ``labels`` (or the ``columns`` named), e.g. a ``datasets.IterableDataset``.
         window: tokens per window.
-        buffer_size: examples held for best fit (module docstring: fill against buffer size).
+        buffer_size: examples held for best fit (fill against it below).
         overflow: ``"split"`` (default), ``"truncate"``, ``"drop"`` or ``"error"``; counted in ``.stats``.
         shard, num_shards: pack only the examples whose index in ``examples`` is ``shard`` modulo
             ``num_shards`` (one rank or DataLoader worker of many; :class:`packkit.streaming.PackedIterable`
@@ -1103,8 +1103,25 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
         save and resume it (the buffer with it), exactly once.
 
     Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->
-    ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays). Fill against
-    ``buffer_size`` is tabled in :mod:`packkit.offline`.
+    ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays).
+
+    Planned by :func:`~packkit.binpack.stream_windows`: each window starts with the oldest buffered example,
+    then takes the longest buffered example that still fits, until none fits (best fit inside the buffer;
+    ``buffer_size=1`` is next fit). Fill against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250, sigma 1, clipped to
+    [8, 4096], truncated to ``W = 2048``; ``benchmarks/bench_offline.py --stream-table`` reprints it):
+
+        ============== ======== ===================
+        buffer           fill    windows over bound
+        ============== ======== ===================
+        1 (next fit)    0.8262   +21.0%
+        10              0.9916   +0.85%
+        100             0.9981   +0.19%
+        1,000 (default) 0.9989   +0.11%
+        10,000          0.9992   +0.08%
+        offline BFD     0.99993  +0.005%
+        ============== ======== ===================
+
+    (About 5 us per example in Python, whatever the buffer size.)
     """
     return PackedStream(examples, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
                         mask_first_label=mask_first_label, example_ids=example_ids, shard=shard, num_shards=num_shards)

@@ -49,8 +49,13 @@ class PlannedDataset:
                               strategy="next_fit", overflow="split", columns=list(self.index.columns), shuffle=False,
                               mask_first_label=self.index.mask_first_label, progress=False, who="PlannedDataset")
         self._check(scanned, verify)
-        self._table = PackedTable(scanned.scan, scanned.spec, self.index.plan,
-                                  mask_first_label=self.index.mask_first_label, example_ids=False)
+        self._planned(PackedTable(scanned.scan, scanned.spec, self.index.plan,
+                                  mask_first_label=self.index.mask_first_label, example_ids=False))
+
+    def _planned(self, table: PackedTable) -> None:
+        """Read rows through ``table``; where the plan splits examples, the loss tokens of each piece's whole
+        example (:meth:`PackedTable._whole_loss`: a pass over the pieces' loss columns), for the rows."""
+        self._table, self._whole = table, table._whole_loss(table.chunk_tokens(None))
 
     def _check(self, scanned: PackedTable, verify: bool) -> None:
         lengths, want = scanned.plan.lengths, self.index.plan.lengths
@@ -79,18 +84,30 @@ class PlannedDataset:
         out = object.__new__(PlannedDataset)
         out.index, out._data, out._verify = self.index.replan(**options), self._data, self._verify
         t = self._table
-        out._table = PackedTable(t.scan, t.spec, out.index.plan, mask_first_label=t.mask_first_label, example_ids=False)
+        out._planned(PackedTable(t.scan, t.spec, out.index.plan, mask_first_label=t.mask_first_label, example_ids=False))
         return out
 
     def __getitems__(self, indices) -> list:
-        """Rows ``indices`` gathered in one pass: a list of dicts of numpy arrays."""
-        plan = self.index.plan.select(np.asarray(indices, np.int64), allow_repeats=True)
+        """Rows ``indices`` gathered in one pass: a list of dicts of numpy arrays. Where the plan splits examples,
+        each row records its documents' examples as ``pack_dataset`` writes them (``example_ids``,
+        ``piece_offsets``, ``example_loss``: :func:`packkit.offline.packed_schema`)."""
+        indices = np.asarray(indices, np.int64)
+        plan = self.index.plan.select(indices, allow_repeats=True)
         rows = self._table._rows(plan, self._table.scan.columns)
+        if self._whole is not None:
+            ptr = self.index.plan.window_ptr
+            seg = [np.arange(ptr[r], ptr[r + 1]) for r in indices.tolist()]
+            whole = self._whole[np.concatenate(seg) if seg else np.zeros(0, np.int64)]
+            loss = np.where(whole >= 0, whole, self._table.segment_loss(rows)).astype(np.int32)
+            docs = {"example_ids": plan.seg_example, "piece_offsets": plan.seg_start.astype(np.int32), "example_loss": loss}
         out = []
         for r in range(rows.num_rows):
             a, b = rows.row_offsets[r], rows.row_offsets[r + 1]
             row = {name: values[a:b] for name, values in rows.columns.items()}
-            row["seq_lengths"] = rows.seq_lengths[rows.seq_offsets[r]:rows.seq_offsets[r + 1]]
+            s, e = rows.seq_offsets[r], rows.seq_offsets[r + 1]
+            row["seq_lengths"] = rows.seq_lengths[s:e]
+            if self._whole is not None:
+                row.update({k: v[s:e] for k, v in docs.items()})
             out.append(row)
         return out
 

@@ -46,6 +46,7 @@ from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx
 
 __all__ = [
     "MASK_KEYS",
+    "DOCUMENT_KEYS",
     "as_lengths",
     "check_groups",
     "example_values",
@@ -743,6 +744,11 @@ def _length_past_int64(i: int, v, dtype, name: str, item: str) -> ValueError:
 #: Keys that mark a packed row (packkit's own output, or another packer's): its documents are
 #: ``seq_lengths`` (segment lengths summing to the row length) or restarting ``position_ids``.
 SEGMENT_KEYS = ("seq_lengths", "position_ids")
+
+#: What packed rows record of each document's source (:func:`packkit.offline.packed_schema`): its example's id,
+#: where the document starts in that example (a piece of a split example starts past 0), and the loss tokens of
+#: the whole example (what its pieces train on), so that a piece weighs as its whole example.
+DOCUMENT_KEYS = ("example_ids", "piece_offsets", "example_loss")
 
 #: How to read a packed row as its documents, for the errors of readers that cannot.
 PACKED_FIX = ("a packed row holds several documents; repack it with packkit pack / pack_dataset (they read "

@@ -244,6 +244,8 @@ class Scan:
         packed_rows: rows of packed input read as their documents (None: examples)
         doc_ids: (num_examples,) int64, each document's ``example_ids`` in packed input that has them (the
                  examples it was packed from; a repeated id is an example split into pieces), else None
+        doc_starts: (num_examples,) int64, each document's ``piece_offsets`` there (where it starts in its
+                 example), else None
     """
 
     columns: dict
@@ -252,6 +254,7 @@ class Scan:
     staged_rows: int = 0
     packed_rows: int | None = None
     doc_ids: np.ndarray | None = None
+    doc_starts: np.ndarray | None = None
 
     def documents(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray) -> "Scan":
         """The scan with every packed row read as its documents: ``seg_lengths (S,)`` lengths, row ``r``
@@ -463,24 +466,25 @@ def scan_documents(source: ArrowSource, found: Scan, *, progress=None) -> Scan:
     counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
     seg_lengths, seg_ptr = row_segments(key, flat, counts, found.lengths, rows=0)
     docs = found.documents(seg_lengths, seg_ptr)
-    if "example_ids" in source.names:  # packkit's own ids, one per document: carried, not dropped
-        docs = dataclasses.replace(docs, doc_ids=_document_ids(source, np.diff(seg_ptr)))
+    for key, field in (("example_ids", "doc_ids"), ("piece_offsets", "doc_starts")):
+        if key in source.names:  # packkit's own ids and piece offsets, one per document: carried, not dropped
+            docs = dataclasses.replace(docs, **{field: _document_values(source, np.diff(seg_ptr), key)})
     return docs
 
 
-def _document_ids(source: ArrowSource, counts: np.ndarray) -> np.ndarray:
-    """The ``example_ids`` column of packed rows, flat: one id per document, ``counts`` documents a row (checked
-    row by row: a row whose ids do not match its documents is refused naming it)."""
+def _document_values(source: ArrowSource, counts: np.ndarray, key: str) -> np.ndarray:
+    """The column ``key`` of packed rows (``example_ids``, ``piece_offsets``), flat: one value per document,
+    ``counts`` documents a row (checked row by row: a row whose values do not match its documents is refused
+    naming it)."""
     flat, row = [], 0
-    for batch, _ in source.batches(["example_ids"]):
-        for values, off, valid, first in list_chunks(batch.column("example_ids"), key="example_ids", kind="ids",
-                                                     rows=row):
-            check_not_null(valid, key="example_ids", rows=first)
+    for batch, _ in source.batches([key]):
+        for values, off, valid, first in list_chunks(batch.column(key), key=key, kind="ids", rows=row):
+            check_not_null(valid, key=key, rows=first)
             n = np.diff(off)
             bad = np.flatnonzero(n != counts[first:first + n.size])
             if bad.size:
                 i = first + int(bad[0])
-                raise DataError(f"dataset row {i} has {int(n[bad[0]])} example_ids for {int(counts[i])} documents "
+                raise DataError(f"dataset row {i} has {int(n[bad[0]])} {key} for {int(counts[i])} documents "
                                 "(seq_lengths); they must match")
             flat.append(np.array(values, np.int64))
         row += batch.num_rows

@@ -13,7 +13,10 @@ counted in ``|B|``, the documents of the step with at least one loss token.
 the windows of one batch (``FixedWindowCollator(overflow="split")``) keeps one count and one factor, and a
 row sharded over a CP group afterwards (:func:`packkit.cp.shard`; take the weights with the shard's
 ``take``) keeps the factors of the whole row. The pieces of an example split offline into separate packed
-rows reach the collator as separate documents, and each counts its own.
+rows carry the whole example's ``|O_c|`` (``example_loss``, :func:`packkit.offline.packed_schema`): each
+piece takes the factor ``a_c`` of the whole example and the share ``z_c * |O_piece| / |O_c|`` of its ``z_c``
+(:func:`piece_factors`), so an example whose pieces all fall in one step counts once in ``|B|``, and one split
+across steps counts in each step in proportion to the loss tokens it trains there.
 
 The weightings (a name, or an object of this module), each with its loss and its factors::
 
@@ -69,7 +72,7 @@ from .errors import ArgumentError
 from .fileio import png_figure
 from .segments import IGNORE_INDEX
 
-__all__ = ["StepFacts", "WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors"]
+__all__ = ["StepFacts", "WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors", "piece_factors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +280,22 @@ def resolve(spec) -> LossWeighting:
                         f"or a callable, got {type(spec).__name__}")
 
 
+def piece_factors(weighting: LossWeighting, loss_counts, whole, values=None):
+    """``(a, z)`` of documents that are pieces of examples of ``whole`` loss tokens each (``loss_counts``
+    their own): ``a`` the whole example's factor, ``z`` its share in proportion to the piece's loss tokens,
+    so that the pieces of one example add up to its ``z_c``. numpy or torch, as :meth:`LossWeighting.factors`.
+
+    >>> piece_factors(resolve("sample"), np.array([3., 1.]), np.array([4., 4.]))
+    (array([0.25, 0.25]), array([0.75, 0.25]))
+    """
+    a, z = weighting.factors(whole, values)
+    xp = _xp(loss_counts)
+    n, w = xp.asarray(loss_counts, dtype=xp.float64), xp.asarray(whole, dtype=xp.float64)
+    return a, z * n / xp.where(w > 0, w, 1.0)
+
+
 def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np.ndarray, *, real=None,
-                    seg_doc=None, values=None) -> tuple[np.ndarray, float]:
+                    seg_doc=None, values=None, whole=None) -> tuple[np.ndarray, float]:
     """Each segment's factor ``a_c`` and the batch's part of ``Z``: ``(factors, z)``.
 
     Args:
@@ -290,6 +307,8 @@ def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np
         seg_doc: ``(D,)`` the example of each document (pieces of a split example share one, so its
             ``|O_c|`` is counted over all of them); None: every document its own.
         values: per-example weights (:class:`ColumnWeighting`).
+        whole: ``(D,)`` each document's whole example's loss tokens (pieces of examples split offline:
+            :func:`piece_factors`); None: every document is whole (or its pieces share ``seg_doc``).
 
     Returns: ``factors`` float64 ``(S,)`` (a token's weight is its segment's factor where its label is not
     -100: :func:`packkit.batch.PackedBatch.loss_weight`); ``z`` a float. Two passes over the labels (a
@@ -302,7 +321,9 @@ def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np
     where = np.flatnonzero(labels != IGNORE_INDEX)
     counts = np.diff(np.searchsorted(where, cu_seqlens))
     docs = counts if real is None else counts[real]
-    if seg_doc is not None:
+    if whole is not None:
+        a, z = piece_factors(weighting, docs, whole, values)
+    elif seg_doc is not None:
         per_example = np.bincount(seg_doc, weights=docs, minlength=0 if values is None else len(values))
         a, z = weighting.factors(per_example, values)
         a = a[seg_doc]

@@ -113,13 +113,19 @@ def test_pack_dataset_nothing_lost_and_capacity(case, strategy, overflow, shuffl
     ds = make_ds(lengths)
     packed, plan = pack_dataset(ds, window=window, strategy=strategy, overflow=overflow, shuffle=shuffle,
                                 return_report=True, example_ids=True)
-    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids"]
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids", "piece_offsets", "example_loss"]
     assert len(packed) == plan.num_windows
     src = ds["input_ids"]
     # capacity
     assert all(len(r) <= window for r in packed["input_ids"])
-    # example ids column agrees with the plan, window after window
+    # example ids and piece offsets agree with the plan, window after window: each document is its example's
+    # tokens from its offset on
     assert [e for row in packed["example_ids"] for e in row] == plan.seg_example.tolist()
+    assert [o for row in packed["piece_offsets"] for o in row] == plan.seg_start.tolist()
+    for row, seqs, ids, offs in zip(packed["input_ids"], packed["seq_lengths"], packed["example_ids"],
+                                    packed["piece_offsets"]):
+        starts = np.cumsum([0] + seqs[:-1])
+        assert all(row[s:s + n] == src[e][o:o + n] for s, n, e, o in zip(starts, seqs, ids, offs))
     got = reassemble(packed, plan)
     for i, toks in enumerate(src):
         if len(toks) <= window or overflow == "split":
@@ -331,7 +337,7 @@ def test_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, labels, 
         keep = np.random.default_rng(2).permutation(30)[:20]
         ds, exs = ds.select(keep), [exs[i] for i in keep]
     packed = pack_dataset(ds, window=W, example_ids=True)
-    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids"]
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "example_ids", "piece_offsets", "example_loss"]
     online = collate.FixedWindowCollator(window=W, strategy="next_fit")
     offline = collate.PackedRowsCollator(window=W)
     for row in packed:

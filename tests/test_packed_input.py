@@ -96,16 +96,18 @@ def test_repacking_keeps_every_document_and_label(corpus, strategy, extra):
         twice = pack_dataset(once, window=w2, overflow="error", strategy=strategy, seed=2)
         assert documents(rows_of(twice)) == want
         assert all(len(r) <= w2 for r in twice["input_ids"])
-    # a smaller window splits a document (under split) into pieces that reassemble it
+    # a smaller window splits a document (under split) into pieces; by their example ids and offsets (carried
+    # through the repack where the first pack split examples) the pieces reassemble every example
     if window > 2:
         small = pack_dataset(once, window=window - 1, overflow="split", shuffle=False, example_ids=True)
         pieces = collections.defaultdict(list)
         for row in rows_of(small):
             pos = 0
-            for n, e in zip(row["seq_lengths"], row["example_ids"]):
-                pieces[e].extend(row["input_ids"][pos: pos + n])
+            for n, e, o in zip(row["seq_lengths"], row["example_ids"], row["piece_offsets"]):
+                pieces[e].append((o, row["input_ids"][pos: pos + n]))
                 pos += n
-        assert sorted(tuple(p) for p in pieces.values()) == sorted(d[0] for d in want.elements())
+        joined = [tuple(t for _, part in sorted(p) for t in part) for p in pieces.values()]
+        assert sorted(joined) == sorted(tuple(ex["input_ids"]) for ex in examples)
 
 
 def test_position_ids_mark_documents_too():

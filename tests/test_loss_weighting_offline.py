@@ -1,0 +1,123 @@
+"""Examples split offline into separate packed rows weigh as the whole example under every loss weighting:
+packed to a file on disk (pack_dataset, overflow="split"), read back, collated by PackedRowsCollator in a
+DataLoader and summed by accumulation_step, the float64 loss and gradients equal the unpacked definition
+within 1e-12 (the reference of test_loss_weighting, the pieces' masked first labels left out)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from testlib import tiny_token_lm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_loss_weighting import IGNORE, MODES, VOCAB, grads, reference_loss  # noqa: E402
+
+from packkit.collate import PackedRowsCollator
+from packkit.loss import accumulation_step
+from packkit.offline import pack_dataset
+from packkit.weighting import ColumnWeighting
+
+datasets = pytest.importorskip("datasets")
+
+WINDOW = 8
+#: two examples split in 3 pieces, one in 2, four whole; prompts masked on some
+LENGTHS = [20, 3, 12, 5, 17, 7, 2]
+
+
+def examples(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i, n in enumerate(LENGTHS):
+        ids = rng.integers(0, VOCAB, n).tolist()
+        prompt = int(rng.integers(0, n // 2 + 1)) if i % 2 else 0
+        docs.append({"input_ids": ids, "labels": [IGNORE] * prompt + ids[prompt:]})
+    return docs
+
+
+def read(path: Path, fmt: str):
+    if fmt == "parquet":
+        return datasets.Dataset.from_parquet(str(path))
+    if fmt == "arrow":
+        return datasets.Dataset.from_file(str(path))
+    return datasets.load_dataset("json", data_files=str(path), split="train")
+
+
+def packed_step(model, rows, mode, *, batch_size: int, workers: int = 0):
+    loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, num_workers=workers,
+                                         collate_fn=PackedRowsCollator(window=WINDOW, loss_weighting=mode))
+    mbs = list(loader)
+    step = accumulation_step(mbs, all_reduce=False)
+    return sum(step.loss(model(mb["input_ids"]), mb) for mb in mbs)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "jsonl"])
+def test_pieces_in_separate_rows_weigh_as_the_unpacked_example(tmp_path, fmt):
+    """Every mode but Column (a weight per example, refused for packed rows) through parquet; through the other
+    formats, a mode whose weights the batch makes lazily ("sample") and one made in the collator (a callable)."""
+    docs = examples(len(fmt))
+    out, plan = pack_dataset(datasets.Dataset.from_list(docs), window=WINDOW, overflow="split", seed=len(fmt),
+                             output=tmp_path / f"rows.{fmt}", return_report=True)
+    assert plan.split_examples.size == 3 and plan.num_windows > 3
+    dropped = {}  # the first label of every later piece: never trained (it would be predicted across rows)
+    for ex, start in zip(plan.seg_example.tolist(), plan.seg_start.tolist()):
+        if start > 0:
+            dropped.setdefault(ex, set()).add(start)
+    rows = read(out, fmt)
+    assert {"example_ids", "piece_offsets", "example_loss"} <= set(rows.column_names)
+    for m, mode in enumerate(MODES):
+        if isinstance(mode, ColumnWeighting) or (fmt != "parquet" and mode != "sample" and m != len(MODES) - 1):
+            continue
+        model, ref_model = tiny_token_lm(VOCAB, 4), tiny_token_lm(VOCAB, 4)
+        got = packed_step(model, rows, mode, batch_size=2, workers=2 if fmt == "parquet" and m == 1 else 0)
+        want = reference_loss(ref_model, docs, mode, dropped)
+        got.backward()
+        want.backward()
+        err, gerr = abs(float(got.detach() - want.detach())), float((grads(model) - grads(ref_model)).abs().max())
+        assert err <= 1e-12 and gerr <= 1e-12, (getattr(mode, "name", mode), err, gerr)
+
+
+def test_an_index_only_plan_weighs_pieces_as_the_written_rows(tmp_path):
+    """A PlannedDataset's rows record the pieces' examples as the written rows do, and weigh the same."""
+    from packkit.planned import PlannedDataset
+
+    docs = examples(3)
+    ds = datasets.Dataset.from_list(docs)
+    out, plan = pack_dataset(ds, window=WINDOW, seed=3, output=tmp_path / "rows.packplan", return_report=True)
+    planned = PlannedDataset(out, ds)
+    written = pack_dataset(ds, window=WINDOW, seed=3)
+    for r in range(len(written)):
+        assert {k: np.asarray(v).tolist() for k, v in planned[r].items()} == written[r]
+    dropped = {}
+    for ex, start in zip(plan.seg_example.tolist(), plan.seg_start.tolist()):
+        if start > 0:
+            dropped.setdefault(ex, set()).add(start)
+    model, ref_model = tiny_token_lm(VOCAB, 4), tiny_token_lm(VOCAB, 4)
+    got, want = packed_step(model, planned, "sample", batch_size=3), reference_loss(ref_model, docs, "sample", dropped)
+    assert abs(float(got.detach() - want.detach())) <= 1e-12
+
+
+def test_the_rows_record_each_pieces_example_offset_and_loss(tmp_path):
+    """Every document's example id, its offset in the example and the example's trained loss tokens (its
+    pieces' own, summed), read back from the file."""
+    docs = examples()
+    out, plan = pack_dataset(datasets.Dataset.from_list(docs), window=WINDOW, overflow="split", shuffle=False,
+                             output=tmp_path / "rows.parquet", return_report=True)
+    rows = datasets.Dataset.from_parquet(str(out))
+    ids = np.concatenate(rows["example_ids"])
+    starts = np.concatenate(rows["piece_offsets"])
+    loss = np.concatenate(rows["example_loss"])
+    assert np.array_equal(ids, plan.seg_example) and np.array_equal(starts, plan.seg_start)
+    for c, doc in enumerate(docs):
+        cut = {s for e, s in zip(ids.tolist(), starts.tolist()) if e == c}
+        trained = sum(1 for t in range(1, len(doc["labels"])) if doc["labels"][t] != IGNORE and t not in cut)
+        assert set(loss[ids == c].tolist()) == {trained}
+
+
+def test_a_format_without_room_says_so_in_one_line(tmp_path, caplog):
+    docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in examples()]
+    with caplog.at_level("WARNING", logger="packkit"):
+        pack_dataset(datasets.Dataset.from_list(docs), window=WINDOW, output=tmp_path / "rows.idx.parquet")
+    said = [r.getMessage() for r in caplog.records if "example_loss" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and "bridge" in said[0]
