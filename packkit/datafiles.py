@@ -1,15 +1,9 @@
-"""Data files in: tables of examples, their token columns and their lengths, without per-token Python.
-
-Formats (by suffix): ``.npy`` (a 1-D array of lengths), ``.jsonl`` / ``.ndjson`` / ``.json``,
-``.parquet``, ``.arrow`` / ``.feather`` (Arrow IPC file or stream, as ``datasets`` writes its cache),
-``.txt`` (one example per line), and a folder written by ``datasets``' ``save_to_disk``. Lengths come
-from the offsets of an Arrow list column (``input_ids`` by default), from an integer column of lengths,
-or from a text column through a tokenizer: a local Hugging Face ``tokenizer.json``, or the byte-level
-tokenizer (:func:`packkit.arrow.byte_tokenize`, so nothing is ever downloaded); conversational data
-through its chat template (:func:`packkit.chat.tokenize_chat`). This module sits above ``chat`` and
-``examples``: what ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
-
-With no file, :func:`read_lengths` returns the bundled sample of real lengths (``packkit/data/README.md``).
+"""The door in: data files read as tables of examples, their token columns and their lengths, without per-token
+Python. The formats are :data:`INPUTS` (by suffix) and a folder written by ``datasets``' ``save_to_disk``; each
+input is read through an :class:`Input`. Lengths come from the offsets of an Arrow list column (``input_ids`` by
+default), from an integer column of lengths, or from text through a tokenizer (a local ``tokenizer.json``, a
+model's, or the byte-level one, :func:`packkit.arrow.byte_tokenize`); conversational data through its chat template
+(:func:`packkit.chat.tokenize_chat`). What ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
 """
 
 from __future__ import annotations
@@ -36,26 +30,9 @@ from .rules import ExampleTypeError, located, not_integer, segment_key
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
-__all__ = [
-    "Lengths",
-    "read_preference_lengths",
-    "bundled_sample",
-    "load_table",
-    "load_dataset",
-    "parquet_batches",
-    "parquet_schema",
-    "read_lengths",
-    "reader_pyarrow",
-    "table_chunks",
-    "Tokenizing",
-    "tokenize",
-    "FORMATS",
-    "INPUTS",
-    "Input",
-    "Rows",
-    "input_format",
-    "lines_named",
-]
+__all__ = ["Lengths", "read_preference_lengths", "bundled_sample", "load_table", "load_dataset", "parquet_batches",
+           "parquet_schema", "read_lengths", "reader_pyarrow", "table_chunks", "Tokenizing", "tokenize", "FORMATS",
+           "INPUTS", "Input", "Rows", "input_format", "lines_named"]
 
 #: The input formats: suffix (lower case) -> (how it is read, :func:`input_format`; its name in messages). A folder
 #: is a ``save_to_disk`` dataset. This module is the only one that knows them (``tests/test_layering.py``).
@@ -133,6 +110,13 @@ def _load_tokenizer(spec, *, trust_remote_code: bool = False):
         raise ValueError(f"could not read tokenizer {str(path)!r}: {exc}") from None
 
 
+def tokenizer_name(tokenizer) -> str:
+    """How a message names a tokenizer: the last part of its path or model id (``"models/qwen3/" -> "qwen3"``), or a
+    loaded one's ``name_or_path``."""
+    name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
+    return os.path.basename(str(name).rstrip("/")) or str(name)
+
+
 def tokenize(texts, tokenizer="bytes", *, batch_size: int = 10_000, progress: bool = False,
              trust_remote_code: bool = False):
     """Token ids of ``texts`` as a pyarrow list array: byte level, a ``tokenizer.json``, or a model's tokenizer.
@@ -204,18 +188,16 @@ def check_path(path) -> Path:
 
 
 def _json_kind(value):
-    """The JSON kind pyarrow's reader infers a column from: ``[1, 2] -> ("list", ("number",))``; None for null.
+    """The JSON kind pyarrow's reader infers a column from: ``[1, 2] -> ("list", ("a number",))``; None for null.
 
-    Lists carry the kind of their items (None while unknown); a list mixing kinds is ``("mixed", a, b)``.
+    A scalar's kind is its words in messages; lists carry the kind of their items (None while unknown); a list
+    mixing kinds is ``("mixed", a, b)``.
     """
     if value is None:
         return None
-    if isinstance(value, bool):
-        return ("true/false",)
-    if isinstance(value, (int, float)):
-        return ("number",)
-    if isinstance(value, str):
-        return ("text",)
+    for types, words in ((bool, "true/false"), ((int, float), "a number"), (str, "text")):  # bool first: True is an int
+        if isinstance(value, types):
+            return (words,)
     if isinstance(value, dict):
         return ("object", {k: _json_kind(v) for k, v in value.items()})
     item = None
@@ -267,7 +249,7 @@ def _kind_text(kind) -> str:
         return "null"
     if kind[0] == "list":
         return "a list" if kind[1] is None else f"a list of {_kind_text(kind[1]).removeprefix('a ')}s"
-    return {"number": "a number", "text": "text", "true/false": "true/false", "object": "an object"}[kind[0]]
+    return "an object" if kind[0] == "object" else kind[0]
 
 
 def _locate_json_lines_error(path: Path) -> DataError | None:
@@ -280,38 +262,35 @@ def _locate_json_lines_error(path: Path) -> DataError | None:
     """
     seen: dict = {}
     name = str(path)
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
+    for lineno, raw in _lines(path):
+        try:
+            obj = json.loads(raw.rstrip())
+        except UnicodeDecodeError:
+            return DataError(f"{name!r} line {lineno:,}: not UTF-8 text")
+        except ValueError as exc:
+            msg, col = getattr(exc, "msg", str(exc)), getattr(exc, "colno", None)
+            return DataError(f"{name!r} line {lineno:,}: not valid JSON ({msg}"
+                             + (f" at column {col}" if col else "") + "); fix or remove that line")
+        if not isinstance(obj, dict):
+            return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object "
+                             "(one example) was expected")
+        for key, value in obj.items():
+            kind = _json_kind(value)
+            if kind is not None and kind[0] == "mixed":
+                field, first, then = _conflict(kind[1], kind[2], key + "[]")
+                return DataError(f"{name!r} line {lineno:,}: {field!r} mixes {_kind_text(first)} and "
+                                 f"{_kind_text(then)} in one list")
+            if key not in seen:
+                if kind is not None:
+                    seen[key] = (kind, lineno)
                 continue
-            try:
-                obj = json.loads(raw.rstrip())
-            except UnicodeDecodeError:
-                return DataError(f"{name!r} line {lineno:,}: not UTF-8 text")
-            except ValueError as exc:
-                msg, col = getattr(exc, "msg", str(exc)), getattr(exc, "colno", None)
-                return DataError(f"{name!r} line {lineno:,}: not valid JSON ({msg}"
-                                 + (f" at column {col}" if col else "") + "); fix or remove that line")
-            if not isinstance(obj, dict):
-                return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object "
-                                 "(one example) was expected")
-            for key, value in obj.items():
-                kind = _json_kind(value)
-                if kind is not None and kind[0] == "mixed":
-                    field, first, then = _conflict(kind[1], kind[2], key + "[]")
-                    return DataError(f"{name!r} line {lineno:,}: {field!r} mixes {_kind_text(first)} and "
-                                     f"{_kind_text(then)} in one list")
-                if key not in seen:
-                    if kind is not None:
-                        seen[key] = (kind, lineno)
-                    continue
-                merged = _merge_kinds(seen[key][0], kind)
-                if merged is None:
-                    field, before, now = _conflict(seen[key][0], kind, key)
-                    return DataError(f"{name!r} line {lineno:,}: {field!r} holds {_kind_text(now)}, but "
-                                     f"{_kind_text(before)} on line {seen[key][1]:,}; every line must give a key "
-                                     "the same kind of value")
-                seen[key] = (merged, seen[key][1])
+            merged = _merge_kinds(seen[key][0], kind)
+            if merged is None:
+                field, before, now = _conflict(seen[key][0], kind, key)
+                return DataError(f"{name!r} line {lineno:,}: {field!r} holds {_kind_text(now)}, but "
+                                 f"{_kind_text(before)} on line {seen[key][1]:,}; every line must give a key "
+                                 "the same kind of value")
+            seen[key] = (merged, seen[key][1])
     return None
 
 
@@ -327,20 +306,16 @@ def relocate_json_float(exc: BaseException, path) -> BaseException | None:
     fields = exc.fields if isinstance(exc, ExampleTypeError) else {}
     if not isinstance(fields.get("value"), float) or not _json_lines(path):
         return None
-    key, row = fields["key"], -1
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            row += 1
-            try:
-                found = _first_float(json.loads(raw).get(key))
-            except (ValueError, AttributeError):
-                return None
-            if found is not None:
-                text = not_integer(row, 0, key, fields["kind"], found).text
-                return located(ExampleTypeError, row, 0, f"{text} (a JSON number written with a decimal point or an "
-                               "exponent; one makes pyarrow read the whole column as floats)")
+    key = fields["key"]
+    for row, (_, raw) in enumerate(_lines(path)):
+        try:
+            found = _first_float(json.loads(raw).get(key))
+        except (ValueError, AttributeError):
+            return None
+        if found is not None:
+            text = not_integer(row, 0, key, fields["kind"], found).text
+            return located(ExampleTypeError, row, 0, f"{text} (a JSON number written with a decimal point or an "
+                           "exponent; one makes pyarrow read the whole column as floats)")
     return None
 
 
@@ -352,25 +327,23 @@ def _json_lines(path) -> bool:
         return f.read(1 << 12).lstrip()[:1] != b"["
 
 
+def _lines(path):
+    """``(line number from 1, bytes)`` of every non-blank line of a file: the rows of JSON lines."""
+    with open(path, "rb") as f:
+        yield from ((lineno, raw) for lineno, raw in enumerate(f, 1) if raw.strip())
+
+
 def line_of_row(path, row: int) -> int | None:
     """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
 
     ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
     """
-    k = -1
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                k += 1
-                if k == row:
-                    return lineno
-    return None
+    return next((lineno for k, (lineno, _) in enumerate(_lines(path)) if k == row), None)
 
 
 def _packed_rows(path) -> bool:
     """Whether the first row of a JSON lines file is a packed row (its examples are documents, not lines)."""
-    with open(path, "rb") as f:
-        first = next((raw for raw in f if raw.strip()), b"{}")
+    first = next(_lines(path), (0, b"{}"))[1]
     try:
         return segment_key(list(json.loads(first))) is not None
     except (ValueError, TypeError):
@@ -399,14 +372,10 @@ def lines_named(path):
 
 
 def _first_float(value):
-    if isinstance(value, float):
-        return value
+    """The first float of a JSON value, lists searched in order (``[1, [2, 3.0]] -> 3.0``), or None."""
     if isinstance(value, list):
-        for v in value:
-            found = _first_float(v)
-            if found is not None:
-                return found
-    return None
+        return next((f for f in map(_first_float, value) if f is not None), None)
+    return value if isinstance(value, float) else None
 
 
 def longest_line(path, *, chunk: int = 1 << 24) -> int:
@@ -430,14 +399,19 @@ def longest_line(path, *, chunk: int = 1 << 24) -> int:
 MAX_JSON_BLOCK = 2**31 - 1
 
 
+def _block_fits(path, need: int) -> int:
+    """``need`` (bytes of a JSON block: a line, or a chunk of whole lines, and one more) when pyarrow's reader takes
+    it, else the one-line error naming the file."""
+    if need > MAX_JSON_BLOCK:
+        raise DataError(f"{str(path)!r} holds a line of more than {MAX_JSON_BLOCK:,} bytes; JSON lines are read up "
+                        "to that many bytes a line: split the example, or store it as parquet")
+    return need
+
+
 def json_block_size(path) -> int:
     """A block size for pyarrow's JSON reader that holds the longest line of ``path`` (1 MiB at least);
     a line past 2 GiB is refused naming the file."""
-    need = longest_line(path) + 1
-    if need > MAX_JSON_BLOCK:
-        raise DataError(f"{str(path)!r} holds a line of {need - 1:,} bytes; JSON lines are read up to "
-                        f"{MAX_JSON_BLOCK:,} bytes a line: split the example, or store it as parquet")
-    return max(need, 1 << 20)
+    return max(_block_fits(path, longest_line(path) + 1), 1 << 20)
 
 
 #: Bytes of JSON text parsed at a time when JSON lines are streamed (:func:`json_batches`).
@@ -482,9 +456,7 @@ def _parse_json_chunk(chunk: bytes, schema, path):
     pa = pyarrow()
     import pyarrow.json as pj
 
-    if len(chunk) + 1 > MAX_JSON_BLOCK:
-        raise DataError(f"{str(path)!r} holds a line of more than {MAX_JSON_BLOCK:,} bytes; JSON lines are read up "
-                        "to that many bytes a line: split the example, or store it as parquet")
+    _block_fits(path, len(chunk) + 1)
     parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None \
         else pj.ParseOptions()
     if len(chunk) >= LONG_LINE_BYTES and chunk.count(b"\n", 0, len(chunk) - 1) == 0:
@@ -613,7 +585,7 @@ def json_tables(path, *, block_size: int | None = None):
                     with deferred():  # a wait takes a lock: a signal waits for the chunk's parse (milliseconds)
                         table = pending.pop(0).result()
                 except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                    raise _json_lines_changed(path, exc) from None
+                    raise _json_lines_error(path, exc, changed=True) from None
                 yield table
                 del table
     finally:
@@ -629,19 +601,14 @@ def json_batches(path, *, block_size: int | None = None):
         yield from table.to_batches()
 
 
-def _json_lines_changed(path, exc) -> DataError:
-    """A chunk after the first that pyarrow refused: the line to blame when one is (:func:`_locate_json_lines_error`),
-    else :class:`JsonLinesChanged`."""
+def _json_lines_error(path, exc, *, changed: bool = False) -> DataError:
+    """JSON lines pyarrow refused: the line to blame when one is (:func:`_locate_json_lines_error`), else
+    :class:`JsonLinesChanged` for a chunk after the first (``changed``), else pyarrow's words."""
     located = _locate_json_lines_error(path)
     if located is not None:
         return located
-    return JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}")
-
-
-def _json_lines_error(path, exc) -> DataError:
-    located = _locate_json_lines_error(path)
-    if located is not None:
-        return located
+    if changed:
+        return JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}")
     detail = re.sub(r" in row \d+", "", str(exc))  # pyarrow's row counts inside a block, from 0
     return DataError(f"cannot read {str(path)!r} as JSON lines: {detail}")
 
@@ -687,21 +654,27 @@ def _unreadable(exc: BaseException) -> bool:
     return isinstance(exc, (pa.ArrowException, OSError))
 
 
-def _parquet_error(path, exc: BaseException) -> BaseException:
-    """The one-line error for a Parquet file pyarrow cannot read (other errors as they are)."""
-    if not _unreadable(exc):
-        return exc
-    return DataError(f"cannot read {str(path)!r} as Parquet (damaged, truncated, or not Parquet): {exc}")
+@contextlib.contextmanager
+def _damaged(path, what: str):
+    """Inside, an error of pyarrow reading a damaged or foreign file (:func:`_unreadable`) is the one line
+    ``cannot read PATH as WHAT: ...``; other errors pass as they are."""
+    try:
+        yield
+    except Exception as exc:
+        if not _unreadable(exc):
+            raise
+        raise DataError(f"cannot read {str(path)!r} as {what}: {exc}") from None
+
+
+PARQUET = "Parquet (damaged, truncated, or not Parquet)"
 
 
 def parquet_schema(path):
     """The ``pyarrow.Schema`` of a Parquet file (its footer only); a damaged file is one line."""
     import pyarrow.parquet as pq
 
-    try:
+    with _damaged(path, PARQUET):
         return pq.ParquetFile(str(path)).schema_arrow
-    except Exception as exc:
-        raise _parquet_error(path, exc) from None
 
 
 def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
@@ -712,11 +685,16 @@ def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
     ``pyarrow.parquet.read_table`` 6.8 to 7.7 s (each builds every row group's arrays whole)."""
     import pyarrow.parquet as pq
 
-    try:
+    with _damaged(path, PARQUET):
         pf = pq.ParquetFile(str(path), memory_map=True, pre_buffer=False, page_checksum_verification=True)
         yield from pf.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
-    except Exception as exc:
-        raise _parquet_error(path, exc) from None
+
+
+def _read_parquet(path: Path):
+    import pyarrow.parquet as pq
+
+    with _damaged(path, PARQUET):
+        return pq.read_table(str(path), memory_map=True, page_checksum_verification=True)
 
 
 def _read_arrow(path: Path):
@@ -728,13 +706,8 @@ def _read_arrow(path: Path):
     except Exception as exc:
         if not _unreadable(exc):
             raise
-    try:
+    with _damaged(path, "an Arrow IPC file or stream (damaged, truncated, or not Arrow)"):
         return ipc.open_stream(pa.memory_map(str(path))).read_all()
-    except Exception as exc:
-        if not _unreadable(exc):
-            raise
-        raise DataError(f"cannot read {str(path)!r} as an Arrow IPC file or stream (damaged, truncated, or "
-                        f"not Arrow): {exc}") from None
 
 
 def text_lines(path):
@@ -756,9 +729,14 @@ def text_lines(path):
                 yield line
 
 
-def _read_text(path: Path):
+def _text_table(lines):
+    """A table of one ``text`` column holding ``lines``."""
     pa = pyarrow()
-    return pa.table({"text": pa.array(list(text_lines(path)), pa.string())})
+    return pa.table({"text": pa.array(lines, pa.string())})
+
+
+def _read_text(path: Path):
+    return _text_table(list(text_lines(path)))
 
 
 def _text_byte_lengths(path: Path) -> np.ndarray:
@@ -833,24 +811,14 @@ def load_table(path, *, split: str | None = None):
     A saved dataset is memory-mapped, and a selection (indices mapping) is applied.
     """
     path = check_path(path)
-    pa = reader_pyarrow(path)
+    reader_pyarrow(path)
     if path.is_dir():
         # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
-    kind = input_format(path)
-    if kind == "json":
-        return _read_json(path)
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(str(path), memory_map=True, page_checksum_verification=True)
-        except Exception as exc:
-            raise _parquet_error(path, exc) from None
-    if kind == "arrow":
-        return _read_arrow(path)
-    if kind == "text":
-        return _read_text(path)
+    read = {"json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow, "text": _read_text}.get(
+        input_format(path))
+    if read is not None:
+        return read(path)
     raise DataError(f"{str(path)!r}: a {FORMATS[path.suffix.lower()]} file has no table of examples")
 
 
@@ -875,8 +843,7 @@ class Tokenizing:
                                     "template (a local folder, or a model id)", where=where, fmt=fmt,
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
             self.chat = enc = chat_encoder(schema, tokenizer, chat, stacklevel=4)
-            name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
-            name = os.path.basename(str(name).rstrip("/")) or name
+            name = tokenizer_name(tokenizer)
             # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none); the template
             # named as it was given: the file passed, else the tokenizer's own
             words = (f"the chat template {os.path.basename(enc.template_file)!r} (tokenizer {name})"
@@ -899,8 +866,7 @@ class Tokenizing:
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise TypeError(f"column {text_column!r} holds {typ}, not text")
         self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
-        self.how = (f"column {text_column!r} tokenized with "
-                    + ("bytes" if tokenizer in (None, "bytes") else os.path.basename(str(tokenizer))))
+        self.how = f"column {text_column!r} tokenized with {tokenizer_name(tokenizer or 'bytes')}"
 
     def encode(self, table, first_row: int = 0, *, progress: bool = False):
         """``table`` (a chunk of the input whose first row is ``first_row``) with its tokens (class docstring)."""
@@ -928,17 +894,17 @@ TOKENIZE_BLOCK_BYTES = 4 << 20
 def text_tables(path, *, size: int | None = None):
     """The examples of a text file (:func:`text_lines`) as one-column tables (``text``) of about ``size``
     bytes of text each (default :data:`JSON_BLOCK_BYTES`): memory holds one."""
-    pa = reader_pyarrow(path)
+    reader_pyarrow(path)
     size = size or JSON_BLOCK_BYTES
     lines, held = [], 0
     for line in text_lines(path):
         lines.append(line)
         held += len(line)
         if held >= size:
-            yield pa.table({"text": pa.array(lines, pa.string())})
+            yield _text_table(lines)
             lines, held = [], 0
     if lines:
-        yield pa.table({"text": pa.array(lines, pa.string())})
+        yield _text_table(lines)
 
 
 def table_chunks(path, *, split: str | None = None, block_size: int | None = None):
@@ -1097,9 +1063,7 @@ class Input:
 
     def table(self, *, progress: bool = False, table=None):
         """``(table, how)``: the rows read whole (a folder or an Arrow file memory-mapped; ``table`` when given)
-        holding their token column, and how it was made (None: they held it). Conversational data (TRL's
-        ``messages``, ``conversations`` or ``prompt`` + ``completion``) goes through the tokenizer's chat template
-        and gets the loss mask TRL would train with; text is tokenized (:class:`Tokenizing`)."""
+        holding their token column, and how it was made (:class:`Tokenizing`; None: they held it)."""
         table = load_table(self.path, split=self.split) if table is None else table
         how = self.tokenizing(table.schema)
         if how is None:
@@ -1325,7 +1289,7 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             "in Python packkit.preference.tokenize_preference)", path=str(path),
                             typ=str(table.column("prompt").type), tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
         table, cols = tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code), PREFERENCE_COLUMNS[0]
-        how = f"pairs tokenized with {os.path.basename(str(tokenizer).rstrip('/'))}"
+        how = f"pairs tokenized with {tokenizer_name(tokenizer)}"
     else:
         warn_unused_tokenizer(tokenizer, repr(str(path)))
     out = []

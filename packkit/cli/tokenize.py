@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from pathlib import Path
 
 from . import Parser, add_output_switches
 from ..chat import chat_format
-from ..datafiles import Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks, tokenize_pairs
+from ..datafiles import (Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks,
+                         tokenize_pairs, tokenizer_name)
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
@@ -109,7 +109,7 @@ def _pairs(args, src: Path, out: Path, fmt) -> int:
     with lines_named(src):
         table = tokenize_pairs(load_table(src, split=args.split), args.tokenizer,
                                trust_remote_code=args.trust_remote_code)
-    how = f"preference pairs with {os.path.basename(str(args.tokenizer).rstrip('/'))}, as TRL's DPOTrainer"
+    how = f"preference pairs with {tokenizer_name(args.tokenizer)}, as TRL's DPOTrainer"
     rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, keep=list(table.column_names))
     return _report(args, src, out, fmt, rows, tokens, keep, how, what="pairs",
                    readers="packkit waste --preference reads it")
