@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .cp_plan import CPPlan, check_cp_size, plan_cp
+from .cp_plan import CPPlan, _check_layout, _plan, check_cp_size
 from .errors import ArgumentError, check_choice, check_int, renamed_keyword
 from .integrations import transformers as hf  # transformers' attention call, read in one place
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
@@ -58,10 +58,12 @@ METHODS = ("ring", "allgather", "alltoall")
 
 
 def _segments_of(cu_seqlens) -> np.ndarray:
-    lengths = cu_seqlens_to_lengths(np.asarray(cu_seqlens))
-    if lengths.size and lengths.min() < 0:
+    """``(S,)`` int64 segment lengths of ``cu_seqlens``, each >= 1 (checked here, once: the plan trusts them)."""
+    lengths = cu_seqlens_to_lengths(np.asarray(cu_seqlens)).astype(np.int64, copy=False)
+    least = lengths.min() if lengths.size else 1
+    if least < 0:
         raise ArgumentError("cu_seqlens must be non-decreasing, got {cu}", cu=list(np.asarray(cu_seqlens)))
-    return lengths[lengths > 0]  # static-shape zero-length segments hold no token
+    return lengths[lengths > 0] if least == 0 else lengths  # static-shape zero-length segments hold no token
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,31 +337,33 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
     >>> s.index.tolist(), s.position_ids.tolist()   # rows of the packed row; per-document positions
     ([0, 3, 4, 7], [[0, 3, 0, 3]])
     """
-    layout = renamed_keyword("shard", renamed, "layout", "cp_layout", cp_layout, "hybrid")
+    layout = _check_layout(renamed_keyword("shard", renamed, "layout", "cp_layout", cp_layout, "hybrid"))
     cp = check_cp_size(cp_size)
     rank = check_int(rank, "rank", low=0, high=cp - 1)
     ids, labels, shifted, lengths = _batch_fields(batch)
     if plan is None:
-        plan = plan_cp(lengths, cp_size=cp, cp_layout=layout)
+        plan = _plan(lengths, cp, layout)  # the lengths checked once, by _batch_fields
     elif plan.cp_size != cp or plan.layout != layout or not np.array_equal(plan.lengths[:plan.num_segments], lengths):
         raise ValueError("the plan passed to shard was made for another batch, cp_size or cp_layout")
     source, seg, pos, pad_at, first, real, out = plan.local_tokens(int(rank))
     dev = ids.device
-    index = torch.from_numpy(source).to(dev)
-    take = index.clamp_min(0)
-    pad = torch.from_numpy(pad_at).to(dev)
+    on = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
+    take = source
+    if pad_at.size:  # CP padding reads token 0, then is filled
+        take = source.copy()
+        take[pad_at] = 0
+    pad = on(pad_at)
     if shifted:
-        local_targets = _gather(labels, take, pad, IGNORE_INDEX)
+        local_targets = _gather(labels, on(take), pad, IGNORE_INDEX)
     else:  # the targets read where they sit in the row (the next token), not from a shifted copy of the batch
-        after, no_target = _next_in_row(source, pad_at, first, real, out, ids.shape[-1])
-        local_targets = _gather(labels, torch.from_numpy(after).to(dev), torch.from_numpy(no_target).to(dev),
-                                IGNORE_INDEX)
+        after, no_target = _next_in_row(take, pad_at, first, real, out, ids.shape[-1], ids.numel())
+        local_targets = _gather(labels, on(after), on(no_target), IGNORE_INDEX)
     return CPShard(
-        input_ids=_gather(ids, take, pad, pad_id)[None],
+        input_ids=_gather(ids, on(take), pad, pad_id)[None],
         shift_labels=local_targets[None],
-        position_ids=torch.from_numpy(pos).to(dev)[None],
-        seq_idx=torch.from_numpy(seg.astype(np.int32)).to(dev)[None],
-        index=index, num_loss_tokens=_count_targets(labels if shifted else labels[:, 1:]),
+        position_ids=on(pos)[None],
+        seq_idx=on(seg.astype(np.int32))[None],
+        index=on(source), num_loss_tokens=_count_targets(labels if shifted else labels[:, 1:]),
         num_local_loss_tokens=_count_targets(local_targets),
         max_seqlen=int(lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
 
@@ -370,18 +374,24 @@ def _gather(x: torch.Tensor, index: torch.Tensor, fill_at: torch.Tensor, fill) -
     return out.index_fill_(0, fill_at, fill) if fill_at.numel() else out
 
 
-def _next_in_row(source, pad_at, first, real, out, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(after, no_target)``: the flat index of the token after each of a rank's tokens (``source``, ``-1`` for
-    CP padding: :meth:`CPPlan.local_tokens`) and the places that have no next token in their row of ``width``
-    (a row's last token: labels shift per row) or are padding. The rows' last tokens are found from the pieces
-    (``first`` token, ``real`` tokens, place ``out``): a per-token ``% width`` costs as much as the shard.
-    One row ``[0..3]``, a rank holding ``[2, 3, -1]`` -> ``after [3, 0, 0]``, ``no_target [2, 1]``."""
-    first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
-    count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)
-    ends = np.repeat(out + first_end - first, count) + range_index(np.zeros(count.size, np.int64), count) * width
-    after = source + 1  # padding (-1) reads token 0, then is filled
+def _next_in_row(take, pad_at, first, real, out, width: int, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(after, no_target)``: the flat index of the token after each of a rank's tokens (``take``, CP padding at
+    ``pad_at`` reading token 0: :meth:`CPPlan.local_tokens`) and the places that have no next token in their row
+    of ``width`` (a row's last token: labels shift per row) or are padding. The rows' last tokens are found from
+    the pieces (``first`` token, ``real`` tokens, place ``out``): a per-token ``% width`` costs as much as the
+    shard; one row (``width == total``) ends once, at the piece that holds token ``total - 1``.
+    One row ``[0..3]``, a rank holding ``[2, 3, pad]`` -> ``after [3, 0, 0]``, ``no_target [2, 1]``."""
+    if width == total:
+        hit = np.flatnonzero((first + real == total) & (real > 0))
+        ends = out[hit] + real[hit] - 1
+    else:
+        first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
+        count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)
+        ends = (np.repeat(out + first_end - first, count)
+                + range_index(np.zeros(count.size, np.int64), count) * width)
     no_target = np.concatenate([pad_at, ends])
-    after[ends] = 0
+    after = take + 1
+    after[no_target] = 0  # read, then filled
     return after, no_target
 
 

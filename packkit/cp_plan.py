@@ -158,8 +158,12 @@ class CPPlan:
     # -- token-level views --
 
     def _seg_starts(self) -> tuple[np.ndarray, np.ndarray]:
-        """Start of every segment in the batch's flat order and in ``G``."""
-        return lengths_to_offsets(self.lengths)[:-1], lengths_to_offsets(self.padded)[:-1]
+        """Start of every segment in the batch's flat order and in ``G`` (per row: made once, kept)."""
+        starts = self.__dict__.get("_starts")
+        if starts is None:
+            starts = lengths_to_offsets(self.lengths)[:-1], lengths_to_offsets(self.padded)[:-1]
+            object.__setattr__(self, "_starts", starts)  # a cache, as _table
+        return starts
 
     def rank_pieces(self, rank: int) -> slice:
         """The pieces of ``rank`` (a slice of the piece arrays)."""
@@ -177,19 +181,21 @@ class CPPlan:
         token, its real tokens and its place among the rank's tokens. The padding is a piece's tail, so it is
         marked piece by piece (a few slots), not found token by token."""
         seg, off, n = self.own_pieces(rank)
-        out = lengths_to_offsets(n)
-        start = lengths_to_offsets(self.lengths)[:-1][seg]
-        real = np.clip(self.lengths[seg] - off, 0, n)
-        pos = np.repeat(off - out[:-1], n) + np.arange(out[-1])
-        source = np.repeat(start, n) + pos
-        pad_at = range_index(out[:-1] + real, n - real)
+        out = lengths_to_offsets(n)[:-1]
+        first = self._seg_starts()[0][seg] + off
+        real = np.minimum(np.maximum(self.lengths[seg] - off, 0), n)  # not np.clip: its wrapper costs as much
+        ar = np.arange(self.local_len)
+        pos = np.repeat(off - out, n) + ar
+        source = np.repeat(first - out, n) + ar
+        short = np.flatnonzero(real < n)  # the pieces that end in CP padding (a few, or none)
+        pad_at = range_index(out[short] + real[short], n[short] - real[short])
         source[pad_at] = -1
-        return source, np.repeat(seg, n), pos, pad_at, start + off, real, out[:-1]
+        return source, np.repeat(seg, n), pos, pad_at, first, real, out
 
     def g_index(self, rank: int) -> np.ndarray:
         """``(local_len,)`` int64: where ``rank``'s tokens sit in the padded stream ``G``."""
         seg, off, n = self.own_pieces(rank)
-        return range_index(lengths_to_offsets(self.padded)[:-1][seg] + off, n)
+        return range_index(self._seg_starts()[1][seg] + off, n)
 
     def rearrange_index(self, *, restore: bool = False) -> np.ndarray:
         """``(1, cp_size * local_len)`` int64, what torch's ``_LoadBalancer._generate_indices(restore)``
@@ -298,6 +304,8 @@ def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
     ``cp``; so segment ``i`` adds one token to ranks ``P_i, P_i + 1, ...`` (mod cp), all segments at once.
     ``_halves_pieces([0, 1], [5, 5], 2)`` gives rank 0 three tokens of segment 0 and two of segment 1."""
     seg = np.asarray(seg, np.int64)
+    if not seg.size:  # nothing long (a row of short documents): no pieces, no numpy pass
+        return tuple(np.zeros(0, np.int64) for _ in range(4))
     n = lengths[seg]
     rem = n % cp
     dealt = (np.cumsum(rem) - rem) % cp  # P_i: where segment i's remainder starts
@@ -356,6 +364,8 @@ def _dealt_ranks(before, took, w) -> np.ndarray:
     pass: ``before`` ``(runs, cp)`` the ranks' work as each run began, ``took`` ``(runs, cp)`` the documents each
     rank got, ``w`` ``(runs,)`` a document's work; within a run the offers are taken in ``(value, rank)`` order."""
     runs, cp = took.shape
+    if not runs:
+        return np.zeros(0, np.int64)
     took = took.ravel()
     rank = np.repeat(np.tile(np.arange(cp), runs), took)
     run = np.repeat(np.arange(runs).repeat(cp), took)
@@ -386,41 +396,49 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     few Python steps a rank for a run, not a step a document: a row of 2,443 chat turns has a few dozen runs),
     and the ranks of every dealt document come in one numpy pass at the end (:func:`_dealt_ranks`)."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
-    total = int(lengths.sum())
-    local_len = -(-total // cp)
+    local_len = -(-int(lengths.sum()) // cp)
     doc_work = causal_work(lengths)
     long = (lengths > local_len) | ((doc_work > fraction * doc_work.sum() / cp) & (lengths >= 2 * cp))
     z_rank, z_seg, z_off, z_len = _halves_pieces(np.flatnonzero(long), lengths, cp)
     work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
     room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
-    short = np.flatnonzero(~long)
-    short = short[np.argsort(-lengths[short], kind="stable")]
-    values, counts = np.unique(lengths[short], return_counts=True)
-    runs = lengths_to_offsets(counts[::-1]).tolist()
-    before, took, whole_seg, cut = [], [], [], []  # cut: (rank, seg, offset, length)
-    for n, a, b in zip(values[::-1].tolist(), runs[:-1], runs[1:]):
+    short, values, runs = _runs_longest_first(lengths, ~long)
+    before, took, cut = [], [], []  # cut: (rank, seg, offset, length)
+    for n, a, b in zip(values.tolist(), runs[:-1], runs[1:]):
         before.append(list(work))
         took.append(_deal_equal(work, room, n, b - a))
         placed = a + sum(took[-1])
-        whole_seg.append(short[a:placed])
-        for s in short[placed:b].tolist():  # no rank has room for it whole
-            _cut_over_ranks(s, n, work, room, cut)
-    doc_w = values[::-1] * (values[::-1] + 1) // 2  # a document's causal work, run by run
-    whole_rank = (_dealt_ranks(np.array(before, np.int64), np.array(took, np.int64), doc_w) if took
-                  else np.zeros(0, np.int64))
-    whole_seg = np.concatenate(whole_seg) if whole_seg else np.zeros(0, np.int64)
+        if placed < b:  # no rank has room for these whole
+            for s in short[placed:b].tolist():
+                _cut_over_ranks(s, n, work, room, cut)
+    took = np.array(took, np.int64).reshape(-1, cp)
+    whole_seg = short[range_index(runs[:-1], took.sum(1))]  # every run's dealt documents, in dealing order
+    whole_rank = _dealt_ranks(np.array(before, np.int64).reshape(-1, cp), took, values * (values + 1) // 2)
     room = np.array(room, np.int64)
     # what room is left becomes one padding segment per rank, after the batch's segments
     fill = np.flatnonzero(room > 0)
-    seg_ids = len(lengths) + np.arange(fill.size)
-    parts = [np.stack([whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg]], 1),
-             np.array(cut, np.int64).reshape(-1, 4),
-             np.stack([z_rank, z_seg, z_off, z_len], 1).astype(np.int64),
-             np.stack([fill, seg_ids, np.zeros_like(fill), room[fill]], 1).astype(np.int64)]
-    table = np.concatenate(parts).astype(np.int64, copy=False)
-    lengths = np.concatenate([lengths, np.zeros(fill.size, np.int64)])
-    padded = np.concatenate([lengths[:len(lengths) - fill.size], room[fill]])
-    return padded, lengths, tuple(table.T)
+    cut = np.array(cut, np.int64).reshape(-1, 4).T
+    table = tuple(np.concatenate(parts) for parts in zip(
+        (whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg]), cut, (z_rank, z_seg, z_off, z_len),
+        (fill, lengths.size + np.arange(fill.size), np.zeros_like(fill), room[fill])))
+    padded = np.concatenate([lengths, room[fill]])
+    return padded, np.concatenate([lengths, np.zeros(fill.size, np.int64)]), table
+
+
+def _runs_longest_first(lengths, pick) -> tuple[np.ndarray, np.ndarray, list]:
+    """``(seg, values, runs)``: the segments where ``pick`` holds, longest first (stable), their distinct lengths
+    (descending) and the offsets of each run of equal lengths in ``seg``. One stable sort; a radix sort on 16 bits
+    when the lengths fit. ``_runs_longest_first([3, 5, 3], [True] * 3) -> ([1, 0, 2], [5, 3], [0, 1, 3])``."""
+    lengths = np.asarray(lengths, np.int64)
+    seg = np.flatnonzero(pick)
+    key = -lengths[seg]
+    if key.size and key[key.argmin()] > -(1 << 15):  # every length < 32,768: radix sort
+        key = key.astype(np.int16)
+    seg = seg[np.argsort(key, kind="stable")]
+    ordered = lengths[seg]
+    starts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    values = ordered[np.concatenate([[0], starts])] if ordered.size else ordered
+    return seg, values, [0, *starts.tolist(), int(seg.size)] if seg.size else [0]
 
 
 def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
@@ -435,6 +453,11 @@ def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     if lengths.size and lengths.min() < 1:
         raise ArgumentError("segment lengths must be >= 1 (drop empty segments), got {x}", x=int(lengths.min()))
+    return _plan(lengths, cp, layout)
+
+
+def _plan(lengths: np.ndarray, cp: int, layout: str) -> CPPlan:
+    """:func:`plan_cp` of lengths already checked (``(S,)`` int64, each >= 1), ``cp`` and ``layout`` too."""
     num_segments = int(lengths.size)
     dealt = None
     if layout == "zigzag":

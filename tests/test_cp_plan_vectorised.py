@@ -176,3 +176,53 @@ def test_sharding_one_rank_builds_only_its_pieces(monkeypatch):
         assert built == [], layout
         assert s.plan.piece_rank.size >= 8 and len(built) == 1  # built when asked for
         built.clear()
+
+
+def _short_row_batch(n=1472, seed=0):
+    import torch
+
+    from packkit.batch import PackedBatch
+    from packkit.segments import lengths_to_cu_seqlens, lengths_to_position_ids
+
+    lengths = np.random.default_rng(seed).integers(1, 33, n)
+    ids = torch.arange(int(lengths.sum()))[None]
+    return lengths, PackedBatch(input_ids=ids, labels=ids, cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(lengths)),
+                                position_ids=torch.from_numpy(lengths_to_position_ids(lengths))[None])
+
+
+def test_shard_checks_the_lengths_once_and_plans_without_a_second_sort(monkeypatch):
+    """Regression: ``shard`` checked the batch's segment lengths twice (reading ``cu_seqlens``, then again in
+    ``plan_cp``), clipped the pieces' real tokens with ``np.clip`` (whose Python wrapper cost as much as the
+    arithmetic), and the hybrid sorted the short documents twice (a stable sort, then ``np.unique``'s own)."""
+    from packkit import cp
+    from packkit.cp import shard
+
+    _, batch = _short_row_batch()
+    counted = []
+    real_plan = cp_plan.plan_cp
+    monkeypatch.setattr(cp_plan, "plan_cp", lambda *a, **k: counted.append(1) or real_plan(*a, **k))
+    monkeypatch.setattr(cp, "plan_cp", cp_plan.plan_cp, raising=False)
+
+    def refuse(*a, **k):
+        raise AssertionError("not on shard's path")
+
+    monkeypatch.setattr(np, "clip", refuse)
+    monkeypatch.setattr(np, "unique", refuse)
+    for layout in cp_plan.LAYOUTS:
+        s = shard(batch, cp_size=8, rank=7, cp_layout=layout)
+        assert s.index.numel() == s.plan.local_len
+    assert counted == []
+
+
+def test_a_rows_starts_are_made_once_for_every_rank(monkeypatch):
+    """Regression: every rank's tokens (``local``, ``g_index``) recomputed the row's segment starts, a cumsum over
+    the whole row's segments per rank (per-row work done per rank); the plan keeps them."""
+    lengths, _ = _short_row_batch()
+    plan = plan_cp(lengths, cp_size=8, cp_layout="zigzag")
+    whole_row = []
+    real = cp_plan.lengths_to_offsets
+    monkeypatch.setattr(cp_plan, "lengths_to_offsets",
+                        lambda x: (whole_row.append(1) if np.size(x) == lengths.size else None) or real(x))
+    for r in range(8):
+        plan.local(r), plan.g_index(r)
+    assert len(whole_row) == 2  # the flat starts and the padded starts, once each
