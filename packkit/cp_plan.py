@@ -332,6 +332,38 @@ def _deal_equal(work: list, room: list, n: int, count: int) -> list:
     ``_deal_equal([0, 5], [9, 9], 2, 3) -> [2, 1]`` (offers 0, 3, 6 | 5, 8: work [6, 8])."""
     w = n * (n + 1) // 2
     cp = len(work)
+    took = _deal_levels(work, [x // w for x in work], w, count)
+    if any(t * n > r for t, r in zip(took, room)):  # a rank's room binds (the last runs of a row)
+        took = _deal_capped(work, room, n, w, count)
+    # else every rank the dealing picks still has room when it is picked: the same dealing
+    for r in range(cp):
+        work[r] += took[r] * w
+        room[r] -= took[r] * n
+    return took
+
+
+def _deal_levels(work: list, q: list, w: int, count: int) -> list:
+    """:func:`_deal_equal` without room: offers below level ``L`` are ``sum(max(L - q, 0))``, piecewise
+    linear between the sorted ``q``; every offer below the count-th's level, then the ranks at that level in
+    ``(f, rank)`` order. ``_deal_levels([0, 5], [0, 1], 3, 3) -> [2, 1]``."""
+    qs = sorted(q)
+    cp, below = len(q), 0
+    for k in range(1, cp + 1):  # between qs[k-1] and qs[k], k ranks offer at every level
+        if k == cp or below + k * (qs[k] - qs[k - 1]) >= count:
+            level = qs[k - 1] + (count - below - 1) // k
+            break
+        below += k * (qs[k] - qs[k - 1])
+    took = [level - x if x < level else 0 for x in q]
+    rest = count - sum(took)
+    if rest:
+        for _, r in sorted((work[r] - q[r] * w, r) for r in range(cp) if q[r] <= level)[:rest]:
+            took[r] += 1
+    return took
+
+
+def _deal_capped(work: list, room: list, n: int, w: int, count: int) -> list:
+    """:func:`_deal_equal` where some rank's room binds."""
+    cp = len(work)
     cap = [min(r // n, count) for r in room]
     if sum(cap) <= count:
         took = cap
@@ -353,9 +385,6 @@ def _deal_equal(work: list, room: list, n: int, count: int) -> list:
         at = sorted((work[r] - q[r] * w, r) for r in range(cp) if q[r] <= level < q[r] + cap[r])
         for _, r in at[:count - sum(took)]:
             took[r] += 1
-    for r in range(cp):
-        work[r] += took[r] * w
-        room[r] -= took[r] * n
     return took
 
 
@@ -370,8 +399,14 @@ def _dealt_ranks(before, took, w) -> np.ndarray:
     rank = np.repeat(np.tile(np.arange(cp), runs), took)
     run = np.repeat(np.arange(runs).repeat(cp), took)
     j = np.arange(rank.size) - np.repeat(lengths_to_offsets(took)[:-1], took)
-    value = np.repeat(before.ravel(), took) + j * w[run]
-    return rank[np.lexsort((rank, value, run))]
+    # (run, value, rank) as one int64 key: a run's values from its least work on, times cp, plus the rank, each run
+    # past the one before (one sort, not lexsort's three); lexsort where that key could wrap (rows of ~10^9 work)
+    rel = before - before.min(1)[:, None]
+    value = np.repeat(rel.ravel(), took) + j * w[run]
+    if (int(rel.max()) + int(took.max()) * int(w.max()) + 1) * cp * runs >= 1 << 62:
+        return rank[np.lexsort((rank, value, run))]
+    span = ((rel + np.maximum(took.reshape(runs, cp) - 1, 0) * w[:, None]).max(1) + 1) * cp
+    return rank[np.argsort(lengths_to_offsets(span)[run] + value * cp + rank)]
 
 
 def _cut_over_ranks(s: int, n: int, work: list, room: list, pieces: list) -> None:
@@ -403,11 +438,12 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
     room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
     short, values, runs = _runs_longest_first(lengths, ~long)
-    before, took, cut = [], [], []  # cut: (rank, seg, offset, length)
+    before, took, cut = [], [], []  # before, took: (runs * cp) flat; cut: (rank, seg, offset, length)
     for n, a, b in zip(values.tolist(), runs[:-1], runs[1:]):
-        before.append(list(work))
-        took.append(_deal_equal(work, room, n, b - a))
-        placed = a + sum(took[-1])
+        before += work
+        dealt = _deal_equal(work, room, n, b - a)
+        took += dealt
+        placed = a + sum(dealt)
         if placed < b:  # no rank has room for these whole
             for s in short[placed:b].tolist():
                 _cut_over_ranks(s, n, work, room, cut)

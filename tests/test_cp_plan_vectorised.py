@@ -112,11 +112,11 @@ def test_one_dealing_step_per_run_of_equal_lengths(monkeypatch):
 def test_deal_equal_is_one_by_one_least_work_dealing():
     """The closed form against dealing the documents one at a time (least work with room, lower rank first)."""
     rng = np.random.default_rng(0)
-    for _ in range(300):
+    for _ in range(600):
         cp = int(rng.integers(1, 9))
         n = int(rng.integers(1, 40))
         work = rng.integers(0, 5000, cp).tolist()
-        room = rng.integers(0, 300, cp).tolist()
+        room = rng.integers(0, 300 if _ % 2 else 10_000, cp).tolist()  # every other draw: room binds no rank
         count = int(rng.integers(1, 120))
         want_work, want_room, want = list(work), list(room), [0] * cp
         for _ in range(count):
@@ -226,3 +226,18 @@ def test_a_rows_starts_are_made_once_for_every_rank(monkeypatch):
     for r in range(8):
         plan.local(r), plan.g_index(r)
     assert len(whole_row) == 2  # the flat starts and the padded starts, once each
+
+
+@pytest.mark.parametrize("scale", [1, 1 << 55])
+def test_dealt_ranks_order_each_runs_offers_by_value_then_rank(scale):
+    """The ranks of the dealt documents, run after run, each run's offers ``before[r] + j * w`` (``j < took[r]``) in
+    ``(value, rank)`` order: one sort of a combined key, or lexsort where the key could wrap (``scale``)."""
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        runs, cp = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        before = rng.integers(0, 50, (runs, cp)) * scale
+        took = rng.integers(0, 5, (runs, cp))
+        w = np.sort(rng.integers(1, 20, runs))[::-1].copy()
+        want = [r for k in range(runs)
+                for _, r in sorted((int(before[k, r]) + j * int(w[k]), r) for r in range(cp) for j in range(took[k, r]))]
+        assert cp_plan._dealt_ranks(before, took, w).tolist() == want
