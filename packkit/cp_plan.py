@@ -315,7 +315,7 @@ def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
     sizes = np.concatenate([head, (share - head)[:, ::-1]], axis=1)  # chunk j's size, in the document's order
     offsets = np.cumsum(sizes, axis=1) - sizes
     rank_col = np.concatenate([ranks, ranks[::-1]])  # owner of chunk j: j, then 2cp-1-j
-    return (np.broadcast_to(rank_col, sizes.shape).ravel(), np.repeat(seg, 2 * cp), offsets.ravel(),
+    return (np.tile(rank_col, seg.size) if seg.size > 1 else rank_col, np.repeat(seg, 2 * cp), offsets.ravel(),
             sizes.ravel())
 
 
@@ -437,8 +437,27 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     z_rank, z_seg, z_off, z_len = _halves_pieces(np.flatnonzero(long), lengths, cp)
     work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
     room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
-    short, values, runs = _runs_longest_first(lengths, ~long)
-    before, took, cut = [], [], []  # before, took: (runs * cp) flat; cut: (rank, seg, offset, length)
+    whole_rank, whole_seg, cut = _deal_short(lengths, ~long, work, room)
+    room = np.array(room, np.int64)
+    # what room is left becomes one padding segment per rank, after the batch's segments
+    fill = np.flatnonzero(room > 0)
+    cut = np.array(cut, np.int64).reshape(-1, 4).T
+    table = tuple(np.concatenate(parts) for parts in zip(
+        (whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg]), cut, (z_rank, z_seg, z_off, z_len),
+        (fill, lengths.size + np.arange(fill.size), np.zeros_like(fill), room[fill])))
+    padded = np.concatenate([lengths, room[fill]])
+    return padded, np.concatenate([lengths, np.zeros(fill.size, np.int64)]), table
+
+
+def _deal_short(lengths, short, work: list, room: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """The hybrid's LPT of the segments where ``short`` holds, longest first, into ``room`` by ``work`` (both
+    updated): ``(rank, seg)`` of the documents placed whole, in dealing order, and the pieces of those cut over the
+    ranks, ``[(rank, seg, offset, length)]``. One :func:`_deal_equal` a run of equal lengths."""
+    cp = len(work)
+    short, values, runs = _runs_longest_first(lengths, short)
+    if not values.size:  # nothing short (a row of one long document)
+        return np.zeros(0, np.int64), short, []
+    before, took, cut = [], [], []  # before, took: (runs * cp) flat
     for n, a, b in zip(values.tolist(), runs[:-1], runs[1:]):
         before += work
         dealt = _deal_equal(work, room, n, b - a)
@@ -449,16 +468,7 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
                 _cut_over_ranks(s, n, work, room, cut)
     took = np.array(took, np.int64).reshape(-1, cp)
     whole_seg = short[range_index(runs[:-1], took.sum(1))]  # every run's dealt documents, in dealing order
-    whole_rank = _dealt_ranks(np.array(before, np.int64).reshape(-1, cp), took, values * (values + 1) // 2)
-    room = np.array(room, np.int64)
-    # what room is left becomes one padding segment per rank, after the batch's segments
-    fill = np.flatnonzero(room > 0)
-    cut = np.array(cut, np.int64).reshape(-1, 4).T
-    table = tuple(np.concatenate(parts) for parts in zip(
-        (whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg]), cut, (z_rank, z_seg, z_off, z_len),
-        (fill, lengths.size + np.arange(fill.size), np.zeros_like(fill), room[fill])))
-    padded = np.concatenate([lengths, room[fill]])
-    return padded, np.concatenate([lengths, np.zeros(fill.size, np.int64)]), table
+    return _dealt_ranks(np.array(before, np.int64).reshape(-1, cp), took, values * (values + 1) // 2), whole_seg, cut
 
 
 def _runs_longest_first(lengths, pick) -> tuple[np.ndarray, np.ndarray, list]:
