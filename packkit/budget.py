@@ -265,13 +265,15 @@ def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> t
 
 
 def read_lengths_object(data) -> Lengths:
-    """``data`` as a :class:`packkit.datafiles.Lengths` (what :func:`plan_budget` and
+    """``data``, at least one example, as a :class:`packkit.datafiles.Lengths` (what :func:`plan_budget` and
     :func:`packkit.waste.measure_waste` read): one as it is (its loss counts checked), the lengths of a
     :class:`~packkit.binpack.Plan`, or an array of lengths (no loss counts: every token but a piece's first).
     ``read_lengths_object([3, 4]).lengths -> [3, 4]``."""
+    lengths = as_lengths(data.lengths if isinstance(data, (Lengths, Plan)) else data)
+    if lengths.size == 0:
+        raise ValueError("lengths is empty: a plan needs at least one example")
     if not isinstance(data, Lengths):
-        return Lengths(as_lengths(data.lengths if isinstance(data, Plan) else data), "lengths")
-    lengths = as_lengths(data.lengths)
+        return Lengths(lengths, "lengths")
     if data.targets is not None and np.shape(data.targets) != (int(lengths.sum()),):
         raise ValueError(f"targets must be one bool per token ({int(lengths.sum()):,}), got shape "
                          f"{np.shape(data.targets)}")
@@ -447,8 +449,6 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     if lengths is None:
         raise ValueError("pass the dataset's lengths (or a packed plan)")
     data = read_lengths_object(lengths)
-    if data.lengths.size == 0:
-        raise ValueError("lengths is empty: a plan needs at least one example")
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
     given = lengths if isinstance(lengths, Plan) else None
     if given is not None and doc_multiple > 1:

@@ -297,8 +297,6 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         A frozen :class:`WasteReport`.
     """
     data = read_lengths_object(lengths)
-    if data.lengths.size == 0:
-        raise ValueError("no examples: the dataset is empty")
     window = check_cp_window(check_window(window), cp_size=cp_size, cp_layout=cp_layout)
     batch_size, buffer_size = check_int(batch_size, "batch_size"), check_int(buffer_size, "buffer_size")
     k = batch_size if windows_per_step is None else check_int(windows_per_step, "windows_per_step")
