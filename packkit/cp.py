@@ -52,7 +52,7 @@ from .integrations import transformers as hf  # transformers' attention call, re
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
 __all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "restore", "shift_labels",
-           "cp_attention", "hf_cp_attention", "register_hf_cp_attention"]
+           "cp_attention", "sum_over_ranks", "hf_cp_attention", "register_hf_cp_attention"]
 
 METHODS = ("ring", "allgather", "alltoall")
 
@@ -460,12 +460,24 @@ def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
-def _block_scores(q, k, qs, qp, ks, kp, scale):
-    """Masked scores ``(H, n, m)`` of queries against one block of keys: same segment, key position <=
-    query position (document-causal by global positions, whatever the layout's order)."""
+def _block_scores(q, k, q_key, k_key, k_end, scale):
+    """Masked scores ``(H, n, m)`` of queries against one block of keys: a query sees the keys whose range
+    ``[k_key, k_end)`` holds its own key (:func:`_mask_keys`: its document up to it, or its ancestors in a prefix
+    tree), wherever the layout put them."""
     s = torch.einsum("nhd,mhd->hnm", q, k) * scale
-    allowed = (qs[:, None] == ks[None, :]) & (kp[None, :] <= qp[:, None])
+    allowed = (k_key[None, :] <= q_key[:, None]) & (q_key[:, None] < k_end[None, :])
     return s.masked_fill(~allowed, float("-inf"))
+
+
+def _mask_keys(seq_idx, position_ids, tin, tout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(key, end)`` int64 ``(n,)`` of every token, the one mask of :func:`cp_attention`: query ``q`` sees key
+    ``k`` iff ``key[k] <= key[q] < end[k]``. A prefix tree's Euler tour is that test as it is (``tin``, ``tout``:
+    :class:`packkit.prefixtree.TreeBatch`); a document-causal row is its special case ``key = seq << 32 | pos``,
+    ``end = (seq + 1) << 32`` (same segment, key position <= query position)."""
+    if tin is not None:
+        return tin.long(), tout.long()
+    seq = seq_idx.long()
+    return (seq << 32) + position_ids.long(), (seq + 1) << 32
 
 
 def _probs(s, lse):
@@ -474,9 +486,9 @@ def _probs(s, lse):
     return torch.where(finite[..., None], torch.exp(s - torch.where(finite, lse, 0)[..., None]), 0.0)
 
 
-def _masked_attention(q, k, v, qs, qp, ks, kp, scale):
-    """Differentiable document-causal attention of q ``(n, H, D)`` over k, v ``(m, H, D)``."""
-    s = _block_scores(q, k, qs, qp, ks, kp, scale)
+def _masked_attention(q, k, v, q_key, k_key, k_end, scale):
+    """Differentiable masked attention (:func:`_block_scores`) of q ``(n, H, D)`` over k, v ``(m, H, D)``."""
+    s = _block_scores(q, k, q_key, k_key, k_end, scale)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("hnm,mhd->nhd", p, v)
 
@@ -500,14 +512,14 @@ class _RingAttention(torch.autograd.Function):
     backward sends each block's dK/dV along with it until it is home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seq, pos, scale, group, rank, size):
+    def forward(ctx, q, k, v, key, end, scale, group, rank, size):
         heads = q.shape[1]
         out = torch.zeros_like(q)
         lse = torch.full((heads, q.shape[0]), float("-inf"), dtype=q.dtype, device=q.device)
-        blk = (k, v, seq, pos)
+        blk = (k, v, key, end)
         for step in range(size):
-            bk, bv, bs, bp = blk
-            s = _block_scores(q, _expand_kv(bk, heads), seq, pos, bs, bp, scale)
+            bk, bv, b_key, b_end = blk
+            s = _block_scores(q, _expand_kv(bk, heads), key, b_key, b_end, scale)
             blk_lse = torch.logsumexp(s, dim=-1)
             blk_out = torch.einsum("hnm,mhd->nhd", _probs(s, blk_lse), _expand_kv(bv, heads))
             new = torch.logaddexp(lse, blk_lse)
@@ -516,22 +528,22 @@ class _RingAttention(torch.autograd.Function):
             lse = new
             if step < size - 1:
                 blk = tuple(_p2p_shift(list(blk), group, rank, size))
-        ctx.save_for_backward(q, k, v, seq, pos, out, lse)
+        ctx.save_for_backward(q, k, v, key, end, out, lse)
         ctx.args = (scale, group, rank, size)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, seq, pos, out, lse = ctx.saved_tensors
+        q, k, v, key, end, out, lse = ctx.saved_tensors
         scale, group, rank, size = ctx.args
         heads, group_heads = q.shape[1], q.shape[1] // k.shape[1]
         delta = (dout * out).sum(-1).T  # (H, n)
         dq = torch.zeros_like(q)
-        blk = [k, v, seq, pos, torch.zeros_like(k), torch.zeros_like(v)]
+        blk = [k, v, key, end, torch.zeros_like(k), torch.zeros_like(v)]
         for _ in range(size):
-            bk, bv, bs, bp, dk, dv = blk
+            bk, bv, b_key, b_end, dk, dv = blk
             ke, ve = _expand_kv(bk, heads), _expand_kv(bv, heads)
-            p = _probs(_block_scores(q, ke, seq, pos, bs, bp, scale), lse)
+            p = _probs(_block_scores(q, ke, key, b_key, b_end, scale), lse)
             dp = torch.einsum("nhd,mhd->hnm", dout, ve)
             ds = p * (dp - delta[..., None])
             dq += torch.einsum("hnm,mhd->nhd", ds, ke) * scale
@@ -540,7 +552,7 @@ class _RingAttention(torch.autograd.Function):
             # grouped heads: every query head of a group adds into its kv head
             dk = dk + dke.reshape(dke.shape[0], -1, group_heads, dke.shape[-1]).sum(2)
             dv = dv + dve.reshape(dve.shape[0], -1, group_heads, dve.shape[-1]).sum(2)
-            blk = [bk, bv, bs, bp, dk, dv]
+            blk = [bk, bv, b_key, b_end, dk, dv]
             if size > 1:  # cp_size sends bring every block, with its gradients, back to its rank
                 blk = _p2p_shift(blk, group, rank, size)
         return dq, blk[4], blk[5], None, None, None, None, None, None
@@ -589,8 +601,9 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, cat_dim, split_dim, group, size), None, None, None, None
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_idx: torch.Tensor,
-                 position_ids: torch.Tensor, group=None, method: str = "ring",
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_idx: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, tin: torch.Tensor | None = None,
+                 tout: torch.Tensor | None = None, group=None, method: str = "ring",
                  scale: float | None = None) -> torch.Tensor:
     """Causal attention of a CP rank's tokens against the whole batch's, exact (the oracle).
 
@@ -599,6 +612,9 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_idx: 
             ``(n, Hkv, D)``, ``H % Hkv == 0``. Any float dtype; float64 for an oracle.
         seq_idx, position_ids: ``(n,)`` this rank's :meth:`CPShard.attention_kwargs`: a query sees the
             keys of its own segment at positions <= its own, wherever they live. Any layout.
+        tin, tout: ``(n,)`` instead of them, a prefix tree's Euler tour over the whole batch
+            (:meth:`packkit.prefixtree.TreeShard.attention_kwargs`): a query sees key ``k`` iff
+            ``tin[k] <= tin[q] < tout[k]`` (its ancestors and itself).
         group: the CP process group (``None``: the default group).
         method: ``"ring"`` (K/V blocks passed round the ring, outputs merged by log-sum-exp),
             ``"allgather"`` (K/V all-gathered, llama3 / TE all-gather style) or ``"alltoall"`` (Ulysses:
@@ -614,20 +630,21 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_idx: 
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"cp_attention takes q (n, H, D) and k, v (n, Hkv, D) with H % Hkv == 0; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if seq_idx.shape != (q.shape[0],) or position_ids.shape != (q.shape[0],):
-        raise ValueError(f"seq_idx and position_ids must be ({q.shape[0]},), got {tuple(seq_idx.shape)}, "
-                         f"{tuple(position_ids.shape)}")
+    pair = ("tin", "tout") if tin is not None or tout is not None else ("seq_idx", "position_ids")
+    given = (tin, tout) if pair[0] == "tin" else (seq_idx, position_ids)
+    if any(t is None or t.shape != (q.shape[0],) for t in given):
+        raise ValueError(f"{pair[0]} and {pair[1]} must be ({q.shape[0]},), got "
+                         f"{[None if t is None else tuple(t.shape) for t in given]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    seq_idx, position_ids = seq_idx.long(), position_ids.long()
+    key, end = _mask_keys(seq_idx, position_ids, tin, tout)
     if method == "ring":
-        return _RingAttention.apply(q, k, v, seq_idx, position_ids, scale, group, rank, size)
-    meta = torch.stack([seq_idx, position_ids], 1)
-    g_meta = _AllGather.apply(meta, group, rank, size)
+        return _RingAttention.apply(q, k, v, key, end, scale, group, rank, size)
+    g_meta = _AllGather.apply(torch.stack([key, end], 1), group, rank, size)
     if method == "allgather":
         kg, vg = (_AllGather.apply(t, group, rank, size) for t in (k, v))
-        return _masked_attention(q, _expand_kv(kg, q.shape[1]), _expand_kv(vg, q.shape[1]), seq_idx, position_ids,
-                                 g_meta[:, 0], g_meta[:, 1], scale)
+        return _masked_attention(q, _expand_kv(kg, q.shape[1]), _expand_kv(vg, q.shape[1]), key, g_meta[:, 0],
+                                 g_meta[:, 1], scale)
     heads = q.shape[1]
     if heads % size:
         raise ValueError(f"alltoall (Ulysses) needs the query heads ({heads}) divisible by the group size ({size})")
@@ -636,8 +653,33 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_idx: 
     # (n, H, D) -> (size * n, H / size, D): every token of the group, this rank's heads
     qh, kh, vh = (_AllToAll.apply(t, 1, 0, group, size) for t in (q, k, v))
     out = _masked_attention(qh, _expand_kv(kh, qh.shape[1]), _expand_kv(vh, qh.shape[1]), g_meta[:, 0],
-                            g_meta[:, 1], g_meta[:, 0], g_meta[:, 1], scale)
+                            g_meta[:, 0], g_meta[:, 1], scale)
     return _AllToAll.apply(out, 0, 1, group, size)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) in the forward, the identity in the backward: every rank computes the same loss of the
+    summed values, and each rank's gradient reaches its own part once (summed over ranks, the whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist  # lazy, as in _p2p_shift
+
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_ranks(x: torch.Tensor, *, group=None) -> torch.Tensor:
+    """``x`` summed over the CP group's ranks (per-sequence log-probabilities whose tokens several ranks scored),
+    differentiable for a loss every rank computes alike from the sum: the gradients of the replicated
+    parameters, summed over the group, are the unsharded ones. ``sum_over_ranks(tensor([1.]))`` on 2 ranks
+    -> ``[2.]``."""
+    return _SumOverRanks.apply(x, group)
 
 
 # -- Hugging Face models: the CP attention of a sharded batch --
@@ -652,18 +694,22 @@ def hf_cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
     query: ``(1, H, n, D)``; key, value: ``(1, Hkv, n, D)``: the rank's tokens, as the model sees
     ``model(**shard.hf_cp_kwargs())``. The documents come from the ``cp_seq_idx`` / ``cp_position_ids``
-    kwargs; the attention runs :func:`cp_attention` over ``group``. Returns ``((1, n, H, D), None)``.
+    kwargs (a prefix tree's shard: ``cp_tin`` / ``cp_tout``, its ancestors); the attention runs
+    :func:`cp_attention` over ``group``. Returns ``((1, n, H, D), None)``.
     """
     if query.shape[0] != 1:
         raise ValueError(f"a CP shard is one row ([1, n]); got a batch of {query.shape[0]}")
-    q, k, v, (seq_idx, positions), is_causal = hf.read_call(
+    tree = kwargs.get("cp_tin") is not None  # a prefix tree's shard (packkit.prefixtree.TreeShard)
+    q, k, v, (first, second), is_causal = hf.read_call(
         HF_CP_ATTENTION_NAME, module, query, key, value, attention_mask, dropout, kwargs,
-        needs=("cp_seq_idx", "cp_position_ids"), hint="a CP shard's cp_seq_idx and cp_position_ids "
+        needs=("cp_tin", "cp_tout") if tree else ("cp_seq_idx", "cp_position_ids"),
+        hint="a CP shard's cp_seq_idx and cp_position_ids, or a tree shard's cp_tin and cp_tout "
         "(model(**shard.hf_cp_kwargs()))")  # q, k, v: (n, heads, D), views of the one row
     if not is_causal:
         raise ValueError("the packkit_cp attention is causal only (CP shards a causal LM's rows)")
-    out = cp_attention(q, k, v, seq_idx=seq_idx.reshape(-1), position_ids=positions.reshape(-1), group=group,
-                       method=method, scale=scaling)
+    mask = {"tin": first.reshape(-1), "tout": second.reshape(-1)} if tree else \
+        {"seq_idx": first.reshape(-1), "position_ids": second.reshape(-1)}
+    out = cp_attention(q, k, v, **mask, group=group, method=method, scale=scaling)
     return out[None], None
 
 

@@ -48,6 +48,8 @@ from .batch import layer_types, text_config
 from .binpack import check_strategy, check_window, pack
 from .chat import tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
+from .cp import shard, sum_over_ranks
+from .logps import logits_logps
 from .errors import ArgumentError, DataError, arg
 from .preference import SequenceBatch, shard_groups, varlen_recipe
 from .examples import read_column
@@ -55,7 +57,7 @@ from .rules import MASK_KEYS, as_lengths, check_values, example_values, location
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
 __all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
-           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator"]
+           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator", "TreeShard", "shard_tree"]
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
 _BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
@@ -605,6 +607,103 @@ def _assemble(tree: PrefixTree, packed, moved, new_of_old, dest, width) -> TreeB
 
 
 # ----------------------------------------------------------------------------------------------
+# context parallelism: a tree row sharded over a CP group
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShard:
+    """One CP rank's part of a :class:`TreeBatch` (:func:`shard_tree`): its tokens, the ancestor test over the
+    whole batch, and the scored tokens whose logits it holds (``n`` tokens, ``m`` scored here).
+
+    input_ids, position_ids: int64 ``[1, n]``, the nodes and their depth (RoPE), ``pad_id`` / 0 on CP padding
+    tin, tout:        int64 ``(n,)``, the Euler tour over the batch's flattened rows (``tin`` is the flat index):
+                      key ``k`` may be read by query ``q`` iff ``tin[k] <= tin[q] < tout[k]``, wherever they
+                      sit; CP padding has a range of its own (it reads itself only)
+    index:            int64 ``(n,)``, each token's flat index into the batch (``-1``: CP padding)
+    score_local:      int64 ``(m,)``, the place among this rank's tokens of the logits predicting each scored
+                      token this rank holds; score_target_ids int64 ``(m,)``, the tokens predicted
+    score_entry:      int64 ``(m,)``, which of the batch's ``M`` scored tokens they are (``batch.score_sequence``,
+                      ``batch.token_values[name]`` at them); num_scored: ``M``; num_sequences: ``N``
+    cp:               the :class:`packkit.cp.CPShard` of the row (plan, rank, :func:`packkit.cp.restore`)
+
+    Every scored token is held by exactly one rank (the one holding its predicting node), so per-token terms
+    add over the group as they are, and per-sample sums come from :meth:`sequence_logps` (an all-reduce).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    tin: torch.Tensor
+    tout: torch.Tensor
+    index: torch.Tensor
+    score_local: torch.Tensor
+    score_target_ids: torch.Tensor
+    score_entry: torch.Tensor
+    score_sequence: torch.Tensor
+    num_scored: int
+    num_sequences: int
+    cp: object
+
+    def attention_kwargs(self) -> dict:
+        """What :func:`packkit.cp.cp_attention` needs besides q, k, v: ``tin`` and ``tout``, ``(n,)``."""
+        return {"tin": self.tin, "tout": self.tout}
+
+    def hf_cp_kwargs(self) -> dict:
+        """``model(**shard.hf_cp_kwargs())`` under :func:`packkit.cp.register_hf_cp_attention`: ``input_ids``,
+        ``position_ids`` (depth), ``use_cache=False`` and ``cp_tin`` / ``cp_tout`` (``[1, n]``), read by every
+        layer. Refuse hybrid linear-attention models first (:func:`check_attention_only`)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
+                "cp_tin": self.tin[None], "cp_tout": self.tout[None]}
+
+    def token_logps(self, logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+        """``(m,)`` log-probabilities of this rank's scored tokens from its ``[1, n, V]`` logits (tiled:
+        :func:`packkit.logps.logits_logps`); ``score_entry`` places them among the batch's ``M``."""
+        return logits_logps(logits, self.score_local, self.score_target_ids, temperature=temperature)
+
+    def sequence_logps(self, token_logps: torch.Tensor, *, group=None) -> torch.Tensor:
+        """``(N,)`` every sample's summed log-probability over the whole CP group (each rank adds the tokens it
+        scored, then :func:`packkit.cp.sum_over_ranks`): the same on every rank, differentiable for a loss of
+        them (DPO's, GRPO's sequence terms) computed alike on every rank."""
+        sums = token_logps.new_zeros(self.num_sequences).index_add(0, self.score_sequence, token_logps)
+        return sum_over_ranks(sums, group=group)
+
+
+def shard_tree(batch: TreeBatch, *, cp_size: int, rank: int, layout: str = "hybrid", pad_id: int = 0) -> TreeShard:
+    """One rank's part of a :class:`TreeBatch` for a CP group of ``cp_size``: a tree is a segment of the row
+    (:func:`packkit.cp.shard`'s plan: ``"hybrid"`` keeps small trees whole on one rank, balanced, and cuts a tree
+    larger than a rank's share), and the ancestor test goes with every token as global ``tin`` / ``tout``, so
+    the attention (:func:`packkit.cp.cp_attention`) is exact whatever the cut. Shared prefixes are forwarded
+    once on the group, as on one device.
+
+    ``shard_tree(tree_batch(build_tree([1, 2, 3, 1, 2, 4], [3, 3])), cp_size=2, rank=0).tin -> [0, 3]`` (the
+    one tree of 4 nodes cut in zigzag halves).
+    """
+    if not isinstance(batch, TreeBatch):
+        raise TypeError(f"shard_tree takes a TreeBatch (tree_batch, TreeCollator), got {type(batch).__name__}")
+    cp = shard(batch, cp_size=cp_size, rank=rank, layout=layout, pad_id=pad_id)
+    rows, width = batch.input_ids.shape
+    total = rows * width
+    index = cp.index.cpu().numpy()
+    real = index >= 0
+    flat_tout = (np.arange(total) // width * width + batch.tout.reshape(-1).cpu().numpy())
+    here = np.arange(index.size, dtype=np.int64)
+    tin = np.where(real, index, total + cp.rank * index.size + here)  # CP padding: a range of its own
+    tout = np.where(real, flat_tout[np.maximum(index, 0)], tin + 1)
+    local_of = np.full(total, -1, np.int64)
+    local_of[index[real]] = here[real]
+    at = local_of[batch.score_source.cpu().numpy()]
+    entry = np.flatnonzero(at >= 0)
+    dev = batch.input_ids.device
+    target = batch.input_ids.reshape(-1)[batch.score_target.to(dev)[torch.from_numpy(entry).to(dev)]]
+    return TreeShard(
+        input_ids=cp.input_ids, position_ids=cp.take(batch.position_ids, fill=0)[None],
+        tin=torch.from_numpy(tin).to(dev), tout=torch.from_numpy(tout).to(dev), index=cp.index,
+        score_local=torch.from_numpy(at[entry]).to(dev), score_target_ids=target,
+        score_entry=torch.from_numpy(entry).to(dev), score_sequence=batch.score_sequence.to(dev)[entry],
+        num_scored=int(batch.score_source.numel()), num_sequences=int(batch.num_tokens.numel()), cp=cp)
+
+
+# ----------------------------------------------------------------------------------------------
 # multi-turn chat: one sample per assistant turn, then their tree
 # ----------------------------------------------------------------------------------------------
 
@@ -821,3 +920,4 @@ class TreeCollator:
 
     def __repr__(self) -> str:
         return f"TreeCollator(window={self.window}, group_key={self.group_key!r})"
+
