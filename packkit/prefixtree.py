@@ -49,7 +49,7 @@ from .binpack import check_strategy, check_window, pack
 from .chat import tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .cp import shard, sum_over_ranks
-from .logps import logits_logps
+from .logps import logits_logps, scored_logps
 from .errors import ArgumentError, DataError, arg
 from .preference import SequenceBatch, shard_groups, varlen_recipe
 from .examples import read_column
@@ -57,7 +57,8 @@ from .rules import MASK_KEYS, as_lengths, check_values, example_values, location
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
 __all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
-           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator", "TreeShard", "shard_tree"]
+           "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator", "TreeShard", "shard_tree",
+           "TreeSFTMixin"]
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
 _BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
@@ -921,3 +922,39 @@ class TreeCollator:
     def __repr__(self) -> str:
         return f"TreeCollator(window={self.window}, group_key={self.group_key!r})"
 
+
+class TreeSFTMixin:
+    """``transformers.Trainer`` (or TRL's ``SFTTrainer``) on prefix trees: mix it in first and pass a
+    :class:`TreeCollator`::
+
+        class TreeTrainer(TreeSFTMixin, transformers.Trainer):
+            pass
+
+        trainer = TreeTrainer(model=model, args=TrainingArguments(out), train_dataset=turns,
+                              data_collator=TreeCollator(window=8192))
+
+    The loss of a micro-batch is the mean negative log-probability of its scored tokens (every sample's loss
+    tokens, a token two samples train on counted twice, as unpacked), from the LM head fused with the
+    log-probabilities (:func:`packkit.logps.scored_logps`: no ``[tokens, vocab]`` logits). The columns the
+    collator reads (``input_ids``, the loss masks, its value and group keys) are kept under the Trainer's default
+    ``remove_unused_columns=True``, which would otherwise drop the loss mask before the collator sees it.
+    Gradient accumulation averages micro-batch means (the Trainer's way when it is given no token count: its
+    count reads ``labels``, which in a tree misses every branch's first scored token).
+    """
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        collator = getattr(self, "data_collator", None)
+        keys = ["input_ids", *MASK_KEYS]
+        if isinstance(collator, TreeCollator):
+            keys += [*collator.value_keys, *([collator.group_key] if collator.group_key else [])]
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *keys]))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not isinstance(inputs, TreeBatch):
+            raise TypeError(f"TreeSFTMixin takes TreeBatch inputs, got {type(inputs).__name__}: pass "
+                            "data_collator=packkit.prefixtree.TreeCollator(...)")
+        target = inputs.input_ids.reshape(-1)[inputs.score_target]
+        per_token, outputs = scored_logps(model, inputs.model_inputs(model), inputs.score_source, target)
+        loss = -per_token.sum() / max(int(per_token.numel()), 1)
+        return (loss, outputs) if return_outputs else loss
