@@ -4,7 +4,9 @@ part of Z) against the token mean (``"token"``, nothing added), the same collato
 Real chat lengths (ShareGPT under Qwen3's tokenizer, ``data/sharegpt_qwen3_lengths.npy``), each example's
 first third masked in its labels (a prompt), numpy examples in mini-batches of ``--batch-size``. Two
 collators: ``PaddingFreeCollator`` and ``FixedWindowCollator(window=W, overflow="split")`` (split examples
-keep one count: the costlier path). A/B pairs alternate (which runs first flips each round), GC outside the
+keep one count: the costlier path); and ``PackedRowsCollator`` over the same examples packed offline at ``W``
+(``pack_dataset``, split: the rows record each piece's ``example_loss``, read and weighed as the whole example's),
+batches of ``--batch-size // 4`` rows. A/B pairs alternate (which runs first flips each round), GC outside the
 clock, CPU time (``time.process_time``); the figure is the median of the pair ratios, with their spread and
 the load average beside it. Under a heavy load those pairs scatter by tens of percent, so the weights' own
 step is also timed alone (``isolated``: the least time of ``--rounds`` repeats of the collator's ``_weigh`` on
@@ -22,7 +24,7 @@ import time
 import numpy as np
 from benchlib import ab_pairs, best_interleaved, chat_lengths, loadavg, parse_quick, ratio_spread, versions
 
-from packkit.collate import FixedWindowCollator, PaddingFreeCollator
+from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddingFreeCollator
 
 TARGET = 0.02  # overhead of the weights, at most
 
@@ -37,6 +39,17 @@ def make_batches(num_batches: int, batch_size: int, *, seed: int) -> list[list[d
         labels[: n // 3] = -100
         examples.append({"input_ids": ids, "labels": labels})
     return [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
+
+
+def packed_rows(batches, window: int, rows_per_batch: int) -> list[list[dict]]:
+    """The examples of ``batches`` packed offline at ``window`` (``pack_dataset``, split), as numpy rows."""
+    import datasets
+
+    from packkit.offline import pack_dataset
+
+    ds = datasets.Dataset.from_list([ex for b in batches for ex in b])
+    rows = list(pack_dataset(ds, window=window, overflow="split", seed=0).with_format("numpy"))
+    return [rows[i: i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
 
 
 def weigh_share(coll, batches, repeats: int) -> float:
@@ -64,10 +77,12 @@ def main(argv=None) -> int:
     args = parse_quick(parser, argv, "fewer rounds", rounds=3, batches=4)
     batches = make_batches(args.batches, args.batch_size, seed=0)
     tokens = sum(len(ex["input_ids"]) for b in batches for ex in b)
-    rows = []
-    for name, make in (("padding_free", lambda w: PaddingFreeCollator(loss_weighting=w)),
-                       ("fixed_window_split", lambda w: FixedWindowCollator(window=args.window, overflow="split",
-                                                                            loss_weighting=w))):
+    rows, packed = [], packed_rows(batches, args.window, max(1, args.batch_size // 4))
+    for name, make, batches in (
+            ("padding_free", lambda w: PaddingFreeCollator(loss_weighting=w), batches),
+            ("fixed_window_split", lambda w: FixedWindowCollator(window=args.window, overflow="split",
+                                                                 loss_weighting=w), batches),
+            ("packed_rows_pieces", lambda w: PackedRowsCollator(window=args.window, loss_weighting=w), packed)):
         base, weighted = make("token"), make("sample")
         check = weighted(batches[0])
         assert check.loss_weighting == "sample" and base(batches[0]).loss_weighting is None

@@ -60,7 +60,7 @@ from .interrupts import deferred, join
 from .planindex import write_plan
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["Format", "FORMATS", "CACHE", "cache_file", "output_format", "example_suffixes", "write_batches", "write_packed", "MAX_SHARD_BYTES"]
+__all__ = ["Format", "FORMATS", "CACHE", "cache_file", "documents_lost", "output_format", "example_suffixes", "write_batches", "write_packed", "MAX_SHARD_BYTES"]
 
 #: Shards of a ``folder`` folder hold at most this many bytes (``datasets``' own default, 500 MB).
 MAX_SHARD_BYTES = 500 * 10**6
@@ -535,6 +535,16 @@ def output_format(path, format: str | None = None) -> Format:
     return FORMATS["folder"]
 
 
+def documents_lost(fmt: Format, names) -> str | None:
+    """The line that says what ``fmt`` cannot keep of packed rows with columns ``names``
+    (:data:`packkit.rules.DOCUMENT_KEYS`), or None."""
+    if fmt.documents or "example_ids" not in names:
+        return None
+    return (f"the {fmt.name} format has no room for example_ids, piece_offsets and example_loss: the pieces of a split "
+            "example are separate examples there (a per-example loss weighting counts each); write parquet or arrow to "
+            "keep them")
+
+
 def write_batches(target, schema, batches, *, format: str | Format | None = None, inputs=(), overwrite: bool = False,
                   overwrite_hint: str | None = None, background: bool = True, **options) -> Path:
     """Write record ``batches`` (all of ``schema``) to ``target`` as they come, atomically.
@@ -556,11 +566,8 @@ def write_batches(target, schema, batches, *, format: str | Format | None = None
     fmt = output_format(target, format)
     if fmt.sink is None:
         raise ArgumentError(f"the {fmt.name} format is written from a plan, not from rows: use write_packed")
-    if not fmt.documents and "example_ids" in schema.names:
-        logging.getLogger("packkit").warning(
-            "the %s format has no room for example_ids, piece_offsets and example_loss: the pieces of a split example "
-            "are separate examples there (a per-example loss weighting counts each); write parquet or arrow to keep "
-            "them", fmt.name)
+    if documents_lost(fmt, schema.names):
+        logging.getLogger("packkit").warning(documents_lost(fmt, schema.names))
     with atomic_output(target, kind=fmt.kind, inputs=inputs, overwrite=overwrite, overwrite_hint=overwrite_hint) as tmp:
         sink = fmt.sink(Path(tmp), schema, **options)
         ok = False

@@ -115,9 +115,20 @@ def test_the_rows_record_each_pieces_example_offset_and_loss(tmp_path):
         assert set(loss[ids == c].tolist()) == {trained}
 
 
-def test_a_format_without_room_says_so_in_one_line(tmp_path, caplog):
+def test_a_format_without_room_says_so_in_one_line(tmp_path, caplog, capsys):
+    """Megatron-Bridge parquet and Megatron's indexed folders hold no document columns: pack_dataset logs it and
+    packkit pack prints it, one line each; parquet says nothing."""
+    from packkit.cli import main
+
     docs = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in examples()]
     with caplog.at_level("WARNING", logger="packkit"):
         pack_dataset(datasets.Dataset.from_list(docs), window=WINDOW, output=tmp_path / "rows.idx.parquet")
+        pack_dataset(datasets.Dataset.from_list(docs), window=WINDOW, output=tmp_path / "rows.parquet")
     said = [r.getMessage() for r in caplog.records if "example_loss" in r.getMessage()]
     assert len(said) == 1 and "\n" not in said[0] and "bridge" in said[0]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(f'{{"input_ids": {d["input_ids"]}}}\n' for d in docs))
+    for out, lines in (("o.megatron", 1), ("o.parquet", 0)):
+        assert main(["pack", str(src), str(tmp_path / out), "-w", str(WINDOW)]) == 0
+        printed = capsys.readouterr().out
+        assert sum("has no room for example_ids" in line for line in printed.splitlines()) == lines, printed

@@ -22,7 +22,7 @@ from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
 from ..progress import progress_bar
 from ..sources import ArrowSource
-from ..outputs import FORMATS, output_format, write_packed
+from ..outputs import FORMATS, documents_lost, output_format, write_packed
 from ._chat import add_input_arguments, chat_options
 
 #: The library's ``column`` (the token column) is the first of ``--columns`` here; ``buffer_bytes``
@@ -196,5 +196,7 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
         print(Message("{n:,} of {w:,} windows hold no loss token (a step of them has loss 0); pass {drop}, or raise "
                       "{window}", n=packed.loss_free_windows, w=plan.num_windows, drop=arg("drop_loss_free", True),
                       window=arg("window")).render(options))
+    if documents_lost(fmt, names):
+        print(documents_lost(fmt, names))
     print(f"wrote {str(out)!r} as {fmt.title}" + ("" if fmt.sink is None else f"; columns {names}"))
     return 0
