@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
+from .mediarows import media_columns
 from .rules import ExampleValueError, located, location
 
 __all__ = ["Family", "FAMILIES", "family_of", "active_spans", "span_blocks", "span_masks", "allowed_mask", "media_inputs",
@@ -222,8 +223,6 @@ def _units(family: Family, ex, i: int) -> dict:
     return out
 
 
-#: Columns that carry media: one a family does not pack is refused (else it would be dropped, silently).
-_MEDIA_PREFIXES = ("pixel_values", "input_features", "image_", "video_", "audio_")
 
 
 def check_media(family: Family, config, examples) -> list[dict]:
@@ -233,7 +232,7 @@ def check_media(family: Family, config, examples) -> list[dict]:
     known = {key for key, _ in family.media}
     for i, ex in enumerate(examples):
         for key in ex:
-            if key.startswith(_MEDIA_PREFIXES) and key not in known and ex[key] is not None:
+            if media_columns([key]) and key not in known and ex[key] is not None:  # else dropped, silently
                 raise located(ExampleValueError, i, None, f"has {key!r}, which packkit does not pack for "
                               f"{family.name} (it packs {', '.join(sorted(known))}): drop it, or the example, knowing "
                               "its placeholders would stay unfilled")

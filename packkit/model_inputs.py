@@ -61,6 +61,7 @@ import torch
 
 from .batch import PackedBatch, text_config
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
+from .mediarows import row_documents
 from .media import active_spans, check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
 from .packer import gather_index
 from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
@@ -173,7 +174,9 @@ class VisionLanguageCollator:
     Args:
         collator: a :class:`~packkit.collate.PaddingFreeCollator`, :class:`~packkit.collate.FixedWindowCollator`
             (``overflow="error"`` or ``"drop"``: a split or cut document would lose image tokens, or
-            order them apart from their features) or :class:`~packkit.collate.PaddedCollator`.
+            order them apart from their features) or :class:`~packkit.collate.PaddedCollator`; for a family of
+            :data:`packkit.media.FAMILIES`, also :class:`~packkit.collate.PackedRowsCollator` over rows
+            ``pack_dataset`` packed with their media (:mod:`packkit.mediarows`).
         rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``), called as
             ``rope_index(input_ids=(1, n), mm_token_type_ids=(1, n), image_grid_thw=..., ...)`` for
             examples with images and without ``position_ids``. In DataLoader workers started by
@@ -186,12 +189,13 @@ class VisionLanguageCollator:
     """
 
     def __init__(self, collator, *, rope_index=None, config=None):
-        if isinstance(collator, PackedRowsCollator):
-            raise TypeError("VisionLanguageCollator packs examples itself: rows packed offline carry no per-document "
-                            "mRoPE positions or images; wrap PaddingFreeCollator or FixedWindowCollator instead")
-        if not isinstance(collator, (PaddingFreeCollator, FixedWindowCollator, PaddedCollator)):
-            raise TypeError(f"VisionLanguageCollator wraps PaddingFreeCollator, FixedWindowCollator or PaddedCollator, "
-                            f"got {type(collator).__name__}")
+        if isinstance(collator, PackedRowsCollator) and family_of(config) is None:
+            raise TypeError("VisionLanguageCollator reads rows packed offline for the families of packkit.media (their "
+                            "media kept per document, packkit.mediarows); mRoPE rows carry no per-document positions: "
+                            "wrap PaddingFreeCollator or FixedWindowCollator instead")
+        if not isinstance(collator, (PaddingFreeCollator, FixedWindowCollator, PaddedCollator, PackedRowsCollator)):
+            raise TypeError(f"VisionLanguageCollator wraps PaddingFreeCollator, FixedWindowCollator, PaddedCollator "
+                            f"or PackedRowsCollator, got {type(collator).__name__}")
         if isinstance(collator, FixedWindowCollator) and collator.overflow in ("split", "truncate"):
             raise ValueError(f"FixedWindowCollator(overflow={collator.overflow!r}) would cut documents and their image "
                              "tokens apart from their features; use overflow='error' or 'drop', or raise window")
@@ -230,8 +234,10 @@ class VisionLanguageCollator:
                 raise ValueError(f"{family.name}'s {spans} tokens attend both ways, which "
                                  f"attn_implementation={impl!r} cannot express in a packed batch; load the model with "
                                  "attn_implementation='sdpa', 'eager' or 'flex_attention' (never approximated)")
-        media = check_media(family, self.config, examples)
         batch, index, dest, order = self._layout(examples)
+        if isinstance(self.collator, PackedRowsCollator):  # rows packed offline: their documents, in row order
+            examples = row_documents(examples)
+        media = check_media(family, self.config, examples)
         for key, value in token_columns(family, examples, index, dest, tuple(batch.input_ids.shape)).items():
             batch[key] = value
         for key, value in media_inputs(family, media, order).items():
@@ -247,6 +253,11 @@ class VisionLanguageCollator:
         (examples back to back) and flat destination of each of its real tokens, and the examples in
         the order the batch holds them."""
         c = self.collator
+        if isinstance(c, PackedRowsCollator):
+            batch = c(examples)
+            lengths = [len(row["input_ids"]) for row in examples]
+            index = np.arange(sum(lengths), dtype=np.int64)
+            return batch, index, row_destinations(lengths, batch.shape[1]), range(sum(len(r["seq_lengths"]) for r in examples))
         if isinstance(c, FixedWindowCollator):
             batch, plan = c._pack(examples)
             index, _ = gather_index(plan, lengths_to_offsets(plan.lengths))

@@ -62,6 +62,7 @@ from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, logger, pack_columns, pack_stream, resolve_columns
+from .mediarows import attach_media, media_options
 from .progress import progress_bar
 from .rules import DOCUMENT_KEYS, MASK_KEYS, check_column, column_kind
 from .segments import IGNORE_INDEX, lengths_to_offsets
@@ -537,12 +538,14 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
     out_format = None if output is None else _check_output_arg(ds, output, o.output_format)
+    asked, (o, media) = o.example_ids, media_options(ds, o, streamed=streamed, output=output)  # packkit.mediarows
     if streamed:
         return _pack_iterable(ds, o, window=window, overflow=overflow, seed=seed, shuffle=shuffle)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
     result, plan = _pack_table(ds, o, out_format, output=output, **planning)
+    result = attach_media(result, ds, media, plan, example_ids=asked) if media else result
     return (result, plan) if return_report else result
 
 

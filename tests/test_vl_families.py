@@ -574,3 +574,70 @@ def test_waste_and_plan_read_multimodal_rows(tmp_path):
         report = json.loads(out.strip().splitlines()[-1])
         print(command, {k: report[k] for k in (*keys, "loss_tokens")})
         assert [report[k] for k in (*keys, "loss_tokens")] == [12, tokens, loss]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3", "llava_next"])
+def test_offline_packed_rows_train_equal_to_online(family):
+    """pack_dataset of multimodal rows keeps each document's media with it in its packed row (a list over the
+    row's documents, null for text-only ones; token_type_ids packed like the tokens), and
+    VisionLanguageCollator(PackedRowsCollator) reads them back: every document's logits equal it alone, and
+    the summed loss equals the same rows collated online (best-fit windows): logits in float64, the loss at
+    float32's level (transformers' ForCausalLMLoss takes ``logits.float()``)."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.collate import PackedRowsCollator
+    from packkit.offline import pack_dataset
+
+    model, make = build(family, "sdpa")
+    g = torch.Generator().manual_seed(5)
+    examples = [make(g, 3 + i % 4, (i + 1) % 3) for i in range(10)]
+    for ex in examples:
+        ex["labels"] = [-100 if x >= IMG else x for x in ex["input_ids"]]
+    rows = [{k: v.tolist() if torch.is_tensor(v) else v for k, v in ex.items()} for ex in examples]
+    window = max(40, *(len(ex["input_ids"]) for ex in examples))
+    packed = pack_dataset(datasets.Dataset.from_list(rows), window=window, progress=False)
+    media = [k for k, _ in FAMILIES[family].media]
+    assert set(media) <= set(packed.column_names) and "example_ids" not in packed.column_names
+    assert all(len(r[media[0]]) == len(r["seq_lengths"]) for r in packed)  # one entry a document
+    offline = VisionLanguageCollator(PackedRowsCollator(window=window), config=model.config)(list(packed))
+    online = VisionLanguageCollator(FixedWindowCollator(window=window), config=model.config)(examples)
+    alone = [logits(model, alone_inputs({k: v for k, v in ex.items() if k != "labels"}))[0] for ex in examples]
+    diff, order = against_alone(model, offline, examples, alone)
+    assert diff < TOL["sdpa"] and sorted(order) == list(range(len(examples))) and order != sorted(order)
+    with torch.no_grad():
+        loss = [model(**b).loss * b.num_loss_tokens for b in (offline, online)]
+    print(f"{family}: summed loss offline {loss[0].item():.12f}, online {loss[1].item():.12f}")
+    assert offline.num_loss_tokens == online.num_loss_tokens > 0
+    assert torch.allclose(loss[0], loss[1], rtol=1e-6, atol=0)  # transformers' loss upcasts logits to float32 only
+
+
+def test_offline_media_rows_refused_where_media_would_be_lost(tmp_path):
+    """A document longer than the window would be cut from its media; a stream, an output file or packkit pack
+    (tokens only) would drop the media: each refused in one line."""
+    import json
+    import subprocess
+    import sys
+
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import pack_dataset
+
+    model, make = build("gemma3", "sdpa")
+    g = torch.Generator().manual_seed(5)
+    rows = [{k: v.tolist() if torch.is_tensor(v) else v for k, v in make(g, 3 + i, 1).items()} for i in range(4)]
+    ds = datasets.Dataset.from_list(rows)
+    with pytest.raises(ValueError, match=r"^example \d has \d+ tokens > window=12 and media: cutting it would part "
+                                         r"its placeholder tokens from its images; pass overflow='drop'"):
+        pack_dataset(ds, window=12, overflow="split", progress=False)
+    with pytest.raises(ValueError, match=r"carry media \(pixel_values\), which pack_dataset keeps only in a "
+                                         r"datasets.Dataset it returns \(packkit.mediarows\); load the dataset \(not streaming\)"):
+        pack_dataset(ds.to_iterable_dataset(), window=64)
+    with pytest.raises(ValueError, match=r"carry media \(pixel_values\), .*; drop output= and save the returned"):
+        pack_dataset(ds, window=64, output=tmp_path / "out.parquet")
+    dropped = pack_dataset(ds, window=12, overflow="drop", progress=False)
+    assert len(dropped) > 0 and all(r["pixel_values"] for r in dropped)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = subprocess.run([sys.executable, "-m", "packkit", "pack", str(path), str(tmp_path / "packed.parquet"),
+                          "--window", "64"], capture_output=True, text=True)
+    print(run.stderr.strip().splitlines()[-1])
+    assert run.returncode != 0 and not (tmp_path / "packed.parquet").exists()
+    assert "carry media (pixel_values), which pack_dataset keeps only" in run.stderr

@@ -20,6 +20,7 @@ from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, reader_pyarrow
 from ..fileio import check_output, held_still
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
+from ..mediarows import refuse_media
 from ..progress import progress_bar
 from ..sources import ArrowSource
 from ..outputs import FORMATS, documents_lost, output_format, write_packed
@@ -110,6 +111,7 @@ def _run(args, options) -> int:
                 progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
 
         source, how, packed = inp.read(plan)  # a type that changes after the first chunk: read whole, there
+        refuse_media(source.names, "packkit pack writes tokens only: pack them with packkit.offline.pack_dataset")
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
