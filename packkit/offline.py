@@ -150,7 +150,8 @@ class PackOptions:
         example_ids: also write ``example_ids`` (the source row of every segment), ``piece_offsets`` (where the
             segment starts in it) and ``example_loss`` (the example's loss tokens over all its pieces), so that
             the collators weigh a piece as its whole example. On whenever an example is split into pieces, and
-            for packed input that carries them (re-packed, each document keeps its example's).
+            for packed input that carries them (re-packed, each document keeps its example's). An
+            ``IterableDataset`` writes ``example_ids`` only, when asked: its split pieces weigh as examples.
         group_column: a column of group ids (int or string, one per row): rows of one group (a preference
             pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
             (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
