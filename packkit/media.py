@@ -56,8 +56,8 @@ from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_
 from .mediarows import media_columns
 from .rules import ExampleValueError, located, location
 
-__all__ = ["Family", "FAMILIES", "family_of", "active_spans", "span_blocks", "span_masks", "allowed_mask", "media_inputs",
-           "check_media", "token_columns"]
+__all__ = ["Family", "FAMILIES", "family_of", "active_spans", "span_blocks", "span_masks", "allowed_mask",
+           "media_inputs", "check_media", "token_columns"]
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -178,7 +178,8 @@ def _llava_next(config, ex, units):
 FAMILIES = {
     "gemma3": Family("Gemma 3", (("pixel_values", 3),), _gemma3, ("token_type_ids",), "image", True, own_mask=True),
     "gemma4": Family("Gemma 4", (("pixel_values", 2), ("image_position_ids", 2)), _gemma4, ("mm_token_type_ids",),
-                     "image", spans_on=("sliding_attention",), spans_switch="use_bidirectional_attention", own_mask=True),
+                     "image", spans_on=("sliding_attention",), spans_switch="use_bidirectional_attention",
+                     own_mask=True),
     "paligemma": Family("PaliGemma", (("pixel_values", 3),), _paligemma, ("token_type_ids",), "prefix", False),
     "idefics3": Family("Idefics3", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "smolvlm": Family("SmolVLM", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),

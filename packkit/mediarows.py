@@ -22,8 +22,8 @@ import numpy as np
 
 from .rules import MASK_KEYS
 
-__all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "media_columns", "media_options", "refuse_media", "media_pack_columns",
-           "check_whole",
+__all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "media_columns", "media_options", "refuse_media",
+           "media_pack_columns", "check_whole",
            "attach_media", "row_documents"]
 
 #: Columns that carry media (by prefix), and the ones that do without the prefix.

@@ -257,7 +257,8 @@ class VisionLanguageCollator:
             batch = c(examples)
             lengths = [len(row["input_ids"]) for row in examples]
             index = np.arange(sum(lengths), dtype=np.int64)
-            return batch, index, row_destinations(lengths, batch.shape[1]), range(sum(len(r["seq_lengths"]) for r in examples))
+            documents = sum(len(row["seq_lengths"]) for row in examples)
+            return batch, index, row_destinations(lengths, batch.shape[1]), range(documents)
         if isinstance(c, FixedWindowCollator):
             batch, plan = c._pack(examples)
             index, _ = gather_index(plan, lengths_to_offsets(plan.lengths))

@@ -203,7 +203,7 @@ def documents(batch, examples):
 
 #: every family once under ``make test``; a second attention implementation under ``-m slow``
 FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("gemma4", "sdpa"),
-                ("gemma4", "eager"), ("paligemma", "eager"),
+                pytest.param(("gemma4", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"),
                 ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"),
                 ("llava_next", "sdpa"), ("llava_onevision", "sdpa"),
                 pytest.param(("internvl", "eager"), marks=pytest.mark.slow)]
@@ -281,8 +281,9 @@ def test_one_documents_media_changed_leaves_the_others_exactly(case):
 def test_padded_fallback_equals_each_document_alone(case):
     family, impl, model, examples, alone = case
     if family in ("gemma3", "gemma4") and impl == "eager":
-        pytest.skip("transformers 5.24's Gemma 3 and Gemma 4 eager attention give NaN on a right-padded row in float64 (its "
-                    "float32 softmax turns the float64 minimum into -inf; float32 is fine): no packing involved")
+        pytest.skip("transformers 5.24's Gemma 3 and Gemma 4 eager attention give NaN on a right-padded row in "
+                    "float64 (its float32 softmax turns the float64 minimum into -inf; float32 is fine): no packing "
+                    "involved")
     batch = VisionLanguageCollator(PaddedCollator(loss_mask="none"), config=model.config)(examples)
     out = logits(model, batch)
     diff = max((out[r, :len(ex["input_ids"])] - alone[r]).abs().max().item() for r, ex in enumerate(examples))
@@ -309,8 +310,8 @@ def naive_batch(family, model, examples):
 def test_naive_collation_is_wrong(family):
     """Gemma 3 given the text batch and its token_type_ids, Gemma 4 its mm_token_type_ids (transformers 5.24
     composes the mask itself): their sliding layers read each image span at the token's position, not its
-    index, so every document after the first attends wrongly inside itself; PaliGemma without token_type_ids (a text collator drops them)
-    loses its prefix span."""
+    index, so every document after the first attends wrongly inside itself; PaliGemma without token_type_ids
+    (a text collator drops them) loses its prefix span."""
     model, make = build(family, "eager" if family == "paligemma" else "sdpa")
     g = torch.Generator().manual_seed(3)
     examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2)]
@@ -628,7 +629,8 @@ def test_offline_media_rows_refused_where_media_would_be_lost(tmp_path):
                                          r"its placeholder tokens from its images; pass overflow='drop'"):
         pack_dataset(ds, window=12, overflow="split", progress=False)
     with pytest.raises(ValueError, match=r"carry media \(pixel_values\), which pack_dataset keeps only in a "
-                                         r"datasets.Dataset it returns \(packkit.mediarows\); load the dataset \(not streaming\)"):
+                                         r"datasets.Dataset it returns \(packkit.mediarows\); load the dataset "
+                                         r"\(not streaming\)"):
         pack_dataset(ds.to_iterable_dataset(), window=64)
     with pytest.raises(ValueError, match=r"carry media \(pixel_values\), .*; drop output= and save the returned"):
         pack_dataset(ds, window=64, output=tmp_path / "out.parquet")
