@@ -10,6 +10,8 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from test_loss_weighting import L_MAX, VOCAB, grads, reference_loss
 from testlib import tiny_token_lm
 from torch.utils.data import DataLoader
@@ -17,7 +19,7 @@ from torch.utils.data import DataLoader
 from packkit.collate import PaddingFreeCollator
 from packkit.errors import ArgumentError
 from packkit.loss import accumulation_step
-from packkit.sampler import PackedBatchSampler
+from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
 from packkit.weighting import Column, DrGRPO, SeqSumNorm, resolve
 
 IGNORE = -100
@@ -254,3 +256,58 @@ def test_real_ranks_with_no_collective(tmp_path, world_size):
                 err = float((o[resolve(mode).name][k] - want).abs().max())
                 assert err <= 1e-12, (resolve(mode).name, k, err)
         print(f"{resolve(mode).name}: {len(docs)} steps on {world_size} gloo ranks, gradients equal the reference")
+
+
+# -- every sampler: the plan's Z is the sum of what the collated micro-batches carry --------------------------
+
+
+@st.composite
+def sampler_cases(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = draw(st.integers(1, 40))
+    examples, lengths, loss = make_examples(n, seed=int(rng.integers(1 << 30)))
+    world = draw(st.sampled_from([1, 2, 3, 4]))
+    options = dict(rank=0, world_size=world, step_batches=world * draw(st.integers(1, 3)), seed=draw(st.integers(0, 9)),
+                   drop_last=draw(st.booleans()), loss_weighting=MODES[draw(st.integers(0, len(MODES) - 1))],
+                   loss_lengths=loss)
+    kind = draw(st.sampled_from(["packed", "grouped", "budget"]))
+    if kind == "packed":
+        make = lambda r: PackedBatchSampler(lengths, window=64, windows_per_batch=draw_k, **{**options, "rank": r})
+        draw_k = draw(st.integers(1, 2))
+    elif kind == "grouped":
+        bs = draw(st.integers(1, 5))
+        make = lambda r: LengthGroupedSampler(lengths, batch_size=bs, **{**options, "rank": r})
+    else:
+        make = lambda r: TokenBudgetBatchSampler(lengths, max_tokens=80, **{**options, "rank": r})
+    return examples, make, world, options["loss_weighting"]
+
+
+@given(sampler_cases())
+def test_every_sampler_plans_the_z_its_batches_carry(case):
+    """Length-grouped, token-budget and packed samplers, 1-4 ranks, 1-3 micro-batches a rank, short last steps
+    and dropped tails: for every step, the plan's Z and loss tokens are the sums over every rank's collated
+    micro-batches, and each rank's micro-batches are the ones it lists (accumulation_step accepts them)."""
+    examples, make, world, mode = case
+    coll = PaddingFreeCollator(loss_weighting=mode)
+    for r in range(world):
+        try:
+            s = make(r)
+        except ValueError as e:  # drop_last with less than one step: refused, as it should be
+            assume("pass drop_last=False" not in str(e))
+            raise
+        sched = s.schedule()
+        it, mbs, steps = iter(s), [], 0
+        for idx in it:
+            mbs.append(coll([examples[i] for i in idx]))
+            facts = s.step_facts()
+            if len(mbs) < len(facts.micro):
+                continue
+            step = accumulation_step(mbs, facts=facts)
+            lo, hi = int(sched.step_row[steps]), int(sched.step_row[steps + 1])
+            every = [coll([examples[i] for i in sched.flat[sched.ptr[b]:sched.ptr[b + 1]]])
+                     for b in range(lo * world, hi * world) if sched.ptr[b + 1] > sched.ptr[b]]
+            want = accumulation_step(every, all_reduce=False)
+            assert step.num_loss_tokens == want.num_loss_tokens
+            assert abs(step.loss_normalizer - want.loss_normalizer) <= 1e-9 * max(1.0, want.loss_normalizer)
+            mbs, steps = [], steps + 1
+        assert not mbs and steps == sched.step_start.size
