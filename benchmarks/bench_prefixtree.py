@@ -10,7 +10,9 @@ from the ids alone, one conversation a tree (``groups=``). Figures:
   checked against the file's own count; target >= 2.7x;
 * RL groups: ``n`` completions of one prompt (n = 4, 8, 16), prompts and completions drawn (seeded) from the
   same file's assistant replies and its first-turn prompts (a first user message), then again with every turn's
-  prompt (the conversation before the turn); target >= 1.5x at n = 8;
+  prompt (the conversation before the turn); target >= 1.5x at n = 8; beside each draw, the ratio its pools
+  imply without sampling (``(n p + n c) / (p + n c)`` of their mean prompt ``p`` and reply ``c``), which a draw of
+  ``--prompts`` groups estimates;
 * speed: ``build_tree`` on the multi-turn ids in batches of ``--batch-tokens`` (CPU seconds,
   ``time.process_time``), A/B alternated with the baseline a user would write: a dict trie, sample by sample,
   token by token (on a ``--baseline-tokens`` share of the batch, scaled to tokens per second); target >= 5M
@@ -92,9 +94,14 @@ def rl_groups(data, n: int, *, prompts: int, seed: int, history: bool = False) -
         for j in range(1, n):
             ids[off[g * n + j]:off[g * n + j] + p[g]] = ids[a:a + p[g]]
     tree = build_tree(ids, lengths, groups=np.repeat(np.arange(prompts), n))
-    return {"n": n, "groups": prompts, "prompts": "every turn's history" if history else "first turn", "sample_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
+    # what the draws estimate: the pools' own sharing (their means), no sampling
+    pm, cm = float(prompt_pool.mean()), float(reply_pool.mean())
+    return {"n": n, "groups": prompts, "prompts": "every turn's history" if history else "first turn",
+            "sample_tokens": tree.num_sample_tokens, "tree_tokens": tree.num_nodes,
             "ratio": tree.num_sample_tokens / tree.num_nodes,
-            "formula": float((n * p + c.sum(1)).sum() / (p + c.sum(1)).sum())}
+            "formula": float((n * p + c.sum(1)).sum() / (p + c.sum(1)).sum()),
+            "population": (n * pm + n * cm) / (pm + n * cm), "pool_prompts": int(prompt_pool.size),
+            "pool_replies": int(reply_pool.size)}
 
 
 def dict_trie(ids, lengths, groups) -> int:
@@ -172,7 +179,8 @@ def main() -> None:
     for g in groups:
         target = f"{verdict(g['ratio'], 1.5)}" if g["n"] == 8 else f"{g['ratio']:.2f}x"
         print(f"{'RL groups of ' + str(g['n']) + ', ' + g['prompts'] + ' prompts':34s} "
-              f"{g['sample_tokens']:>16,} {g['tree_tokens']:>17,}  {target} (lengths alone: {g['formula']:.2f}x)")
+              f"{g['sample_tokens']:>16,} {g['tree_tokens']:>17,}  {target} (lengths alone: {g['formula']:.2f}x; "
+              f"the pools' own: {g['population']:.3f}x over {g['pool_prompts']:,} prompts, {g['pool_replies']:,} replies)")
     print(f"build_tree: {sp['ours_tok_s'] / 1e6:.2f}M tokens/CPU s (range {sp['ours_low'] / 1e6:.2f}-"
           f"{sp['ours_high'] / 1e6:.2f}M; {sp['batch_tokens']:,} tokens a batch) against the dict trie's "
           f"{sp['base_tok_s'] / 1e6:.2f}M ({sp['baseline_tokens']:,} tokens): {sp['speedup']:.1f}x; "
