@@ -40,6 +40,7 @@ an exact level-by-level construction. Only the chains that samples add (one per 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import torch
@@ -53,7 +54,8 @@ from .logps import logits_logps, scored_logps
 from .errors import ArgumentError, DataError, arg
 from .preference import SequenceBatch, shard_groups, varlen_recipe
 from .examples import read_column
-from .rules import MASK_KEYS, as_lengths, check_values, example_values, location
+from .rules import (MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths, check_loss_mask_mode, check_values,
+                    example_values, location, mask_not_expected, no_mask)
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
 __all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
@@ -892,11 +894,15 @@ class TreeCollator:
     (``advantages``, ``old_logps``: one number a token, on every example or none) and a ``group_key`` (an int:
     samples share prefixes only within a group). ``TreeCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2,
     4]}]).input_ids -> [[1, 2, 3, 4]]``. ``window``, ``num_windows``, ``strategy``, ``pad_token_id``: as
-    :func:`tree_batch` (a tree over ``window`` is an error naming :func:`split_trees`).
+    :func:`tree_batch` (a tree over ``window`` is an error naming :func:`split_trees`). ``loss_mask``: ``"auto"``,
+    ``"required"`` or ``"none"``, as packkit's other collators (:meth:`_mask_key`).
     """
 
     def __init__(self, *, window: int | None = None, num_windows: int | None = None, strategy: str = "bfd",
-                 pad_token_id: int = 0, value_keys=("advantages", "old_logps"), group_key: str | None = None):
+                 pad_token_id: int = 0, value_keys=("advantages", "old_logps"), group_key: str | None = None,
+                 loss_mask: str = "auto"):
+        self.loss_mask = check_loss_mask_mode(loss_mask)
+        self._warned = False
         self.window = None if window is None else check_window(window)
         self.options = {"window": self.window, "num_windows": num_windows, "strategy": check_strategy(strategy),
                         "pad_token_id": int(pad_token_id)}
@@ -907,7 +913,7 @@ class TreeCollator:
         if not examples:
             raise ValueError("a collator needs at least one example")
         ids, lengths = read_column(examples, "input_ids", missing="a sample is input_ids (and optionally a loss mask)")
-        key = next((k for k in MASK_KEYS if k in examples[0]), None)
+        key = self._mask_key(examples[0])
         mask = None if key is None else read_column(examples, key, missing=f"every example needs {key!r} when the "
                                                    "first has it")[0]
         values = {}
@@ -918,6 +924,21 @@ class TreeCollator:
         groups = None if self.group_key is None else [ex.get(self.group_key) for ex in examples]
         tree = build_tree(ids, lengths, loss_mask=mask, values=values, groups=groups)
         return tree_batch(tree, **self.options)
+
+    def _mask_key(self, first: dict):
+        """The loss mask the batch carries (the first of :data:`packkit.rules.MASK_KEYS` its first example has),
+        by the ``loss_mask`` policy of packkit's collators: ``"auto"`` scores every token after the first when
+        there is none and says so once (a Trainer's ``remove_unused_columns=True`` drops mask columns),
+        ``"required"`` refuses, ``"none"`` (every token a target) refuses a mask it would ignore."""
+        key = next((k for k in MASK_KEYS if k in first), None)
+        if key is None and self.loss_mask == "required":
+            raise no_mask(0, None)
+        if key is not None and self.loss_mask == "none":
+            raise mask_not_expected(0, None, key)
+        if key is None and self.loss_mask == "auto" and not self._warned:
+            self._warned = True
+            warnings.warn(UNSUPERVISED_WARNING.format(keys=", ".join(MASK_KEYS)), LossMaskWarning, stacklevel=3)
+        return key
 
     def __repr__(self) -> str:
         return f"TreeCollator(window={self.window}, group_key={self.group_key!r})"

@@ -9,6 +9,8 @@ branching <= 16.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -429,3 +431,24 @@ def test_tree_collator_in_a_dataloader_with_workers():
             logp = token_logps(model(**batch.model_inputs(model)).logits, batch)
         d = (logp - torch.cat(unpacked(model, samples))).abs().max().item()
         assert d < TOL, d
+
+
+def test_tree_collator_says_when_no_loss_mask_reaches_it():
+    """Without a loss mask every token after the first is scored: what a Trainer's remove_unused_columns=True
+    makes of masked data. TreeCollator says so once (loss_mask="auto"), refuses ("required"), or takes it as meant
+    ("none", which refuses a mask it would ignore), as packkit's other collators do."""
+    from packkit.rules import ExampleValueError, LossMaskWarning
+
+    bare = [{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2, 4]}]
+    collate = TreeCollator()
+    with pytest.warns(LossMaskWarning, match="remove_unused_columns=False"):
+        batch = collate(bare)
+    assert int(batch.score_target.numel()) == 4  # every token after the first
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        collate(bare)  # once per collator
+        TreeCollator(loss_mask="none")(bare)
+    with pytest.raises(ExampleValueError, match="example 0 has no loss mask"):
+        TreeCollator(loss_mask="required")(bare)
+    with pytest.raises(ExampleValueError, match="loss_mask='none'"):
+        TreeCollator(loss_mask="none")([{"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]}])
