@@ -286,3 +286,39 @@ def test_tokenize_num_proc_per_chunk_names_the_row_of_the_whole_input(tok_dir, t
                  "--num-proc", "2"]) == 3
     err = capsys.readouterr().err
     assert "example 1900 (line 1,901 of" in err and "no assistant token" in err, err
+
+
+@pytest.mark.parametrize("lines", [40, 1200])
+def test_pack_gives_the_tokenizer_a_bounded_number_of_characters_a_call(lines, tok_dir, tmp_path, monkeypatch, capsys):
+    """`pack --tokenizer tokenizer.json` of a .txt: the tokenizer's working set grows with the text of one call
+    (about 33 bytes a character for Qwen3's), so every call holds at most TOKENIZE_CALL_CHARS characters, whatever
+    the file's size (a longer line alone), and the ids equal one call over every line. Before, a call took 10,000
+    lines, a whole chunk of 4 MiB of text here."""
+    import packkit.datafiles as datafiles
+
+    load, calls = datafiles._load_tokenizer, []
+    real = load(str(tok_dir / "tokenizer.json"))
+
+    class Spy:  # the real tokenizer, each call's texts counted
+        def encode_batch_fast(self, texts):
+            calls.append([len(t) for t in texts])
+            return real.encode_batch_fast(texts)
+
+        encode_batch = encode_batch_fast  # what marks a loaded tokenizer
+
+    monkeypatch.setattr(datafiles, "_load_tokenizer", lambda spec, **kw: Spy() if spec == str(tok_dir) else load(spec, **kw))
+    monkeypatch.setattr(datafiles, "TOKENIZE_CALL_CHARS", 300)
+    texts = _texts(lines, seed=lines) + ["five " * 100]  # a line of 500 characters
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    assert main(["pack", str(src), str(tmp_path / "out.arrow"), "-w", "4096", "--example-ids", "-q",
+                 "--tokenizer", str(tok_dir)]) == 0
+    assert sum(map(len, calls)) == len(texts) and len(calls) > lines // 50
+    assert all(sum(c) <= 300 or len(c) == 1 for c in calls), max(map(sum, calls))
+    assert [500] in calls  # the long line alone
+    refs = [e.ids for e in real.encode_batch(texts)]
+    for row in _rows(tmp_path / "out.arrow"):
+        starts = np.cumsum([0] + row["seq_lengths"])
+        for ex, a, b in zip(row["example_ids"], starts[:-1], starts[1:]):
+            assert row["input_ids"][a:b] == refs[ex]
+    capsys.readouterr()
