@@ -39,19 +39,24 @@ def media_columns(names) -> list[str]:
 
 
 def media_options(ds, options, *, streamed: bool, output):
-    """``(options, media columns)`` for ``pack_dataset`` of ``ds``: with media, the token type columns packed too
-    (:func:`media_pack_columns`) and ``example_ids`` written (:func:`attach_media` reads them); a stream or an
-    ``output`` file with media is refused (their media would be dropped, silently)."""
+    """``(options, hook)`` for ``pack_dataset`` of ``ds``: without media ``hook`` is None; with media, the token
+    type columns packed too (:func:`media_pack_columns`), ``example_ids`` written, and ``hook(packed, plan)``
+    adds the media to the packed rows (:func:`attach_media`); a stream or an ``output`` file with media is
+    refused (their media would be dropped, silently)."""
     import dataclasses
 
     media = media_columns(getattr(ds, "column_names", None) or [])
     if not media:
-        return options, media
+        return options, None
     if streamed or output is not None:
         refuse_media(media, "load the dataset (not streaming)" if streamed else "drop output= and save the "
                      "returned dataset")
     columns = media_pack_columns(ds.column_names, options.columns)
-    return dataclasses.replace(options, columns=columns, example_ids=True), media
+
+    def hook(packed, plan):
+        return attach_media(packed, ds, media, plan, example_ids=options.example_ids)
+
+    return dataclasses.replace(options, columns=columns, example_ids=True), hook
 
 
 def refuse_media(names, fix: str) -> None:

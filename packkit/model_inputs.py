@@ -62,7 +62,7 @@ import torch
 from .batch import PackedBatch, text_config
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
 from .mediarows import row_documents
-from .media import active_spans, check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
+from .media import FAMILIES, active_spans, check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
 from .packer import gather_index
 from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
 from .segments import lengths_to_offsets
@@ -287,6 +287,12 @@ def vision_spec(config=None, rope_index=None) -> tuple[int, int, int] | None:
     if lacks:
         if config is None:
             return None
+        kind = getattr(config, "model_type", None)
+        if kind and spec["image_token_id"] is not None:  # a multimodal model of a family packkit does not pack
+            raise TypeError(f"packkit packs the mRoPE vision-language models (Qwen-VL) and "
+                            f"{', '.join(sorted(FAMILIES))}; model_type {kind!r} is not one of them yet (its "
+                            f"{type(config).__name__} has no {', '.join(lacks)} for the mRoPE way): train it unpacked "
+                            "(PaddedCollator alone)")
         raise TypeError(f"config must be the vision-language model's config (model.config), with image_token_id, "
                         f"video_token_id and vision_config.spatial_merge_size; this {type(config).__name__} has no "
                         f"{', '.join(lacks)}")

@@ -62,7 +62,7 @@ from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
 from .packer import ColumnSpec, label_dtype, log_overflow, logger, pack_columns, pack_stream, resolve_columns
-from .mediarows import attach_media, media_options
+from .mediarows import media_options
 from .progress import progress_bar
 from .rules import DOCUMENT_KEYS, MASK_KEYS, check_column, column_kind
 from .segments import IGNORE_INDEX, lengths_to_offsets
@@ -539,14 +539,13 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
     out_format = None if output is None else _check_output_arg(ds, output, o.output_format)
-    asked, (o, media) = o.example_ids, media_options(ds, o, streamed=streamed, output=output)  # packkit.mediarows
+    o, media = media_options(ds, o, streamed=streamed, output=output)  # packkit.mediarows: None, or its hook
     if streamed:
         return _pack_iterable(ds, o, window=window, overflow=overflow, seed=seed, shuffle=shuffle)
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
-    result, plan = _pack_table(ds, o, out_format, output=output, **planning)
-    result = attach_media(result, ds, media, plan, example_ids=asked) if media else result
+    result, plan = _pack_table(ds, o, out_format, output=output, media=media, **planning)
     return (result, plan) if return_report else result
 
 
@@ -564,8 +563,9 @@ def _group_ids(ds, column: str) -> np.ndarray:
     return col.combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
 
 
-def _pack_table(ds, o: PackOptions, out_format, *, output, **planning):
-    """:func:`pack_dataset` on a ``datasets.Dataset``: ``(the dataset or OUT's path, the plan)``."""
+def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **planning):
+    """:func:`pack_dataset` on a ``datasets.Dataset``: ``(the dataset or OUT's path, the plan)``; ``media``: the
+    hook that adds the rows' media (:func:`packkit.mediarows.media_options`)."""
     source = ArrowSource.from_dataset(ds)
     progress = show_progress(source) if o.progress is None else o.progress
     groups = None if o.group_column is None else _group_ids(ds, o.group_column)
@@ -592,7 +592,7 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, **planning):
     if packed.loss_free_windows:  # counted as the rows were written
         logger.warning("pack_dataset: %d of %d windows hold no loss token (a step of them has loss 0); pass "
                        "drop_loss_free=True, or raise window", packed.loss_free_windows, packed.plan.num_windows)
-    return out, packed.plan
+    return (media(out, packed.plan) if media else out), packed.plan
 
 
 def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_tokens: int, bar, **planning):

@@ -539,6 +539,15 @@ def test_gemma3_masks_cross_dataloader_workers():
     assert diff < TOL["sdpa"] and sorted(order) == list(range(len(examples)))
 
 
+def test_a_family_not_packed_is_refused_by_name():
+    """Gemma 4 unified (transformers' gemma4_unified: another vision embedder and mask code) is not one of the
+    families packkit packs: VisionLanguageCollator refuses its config naming the model_type and the families."""
+    config = transformers.AutoConfig.for_model("gemma4_unified")
+    with pytest.raises(TypeError, match=r"^packkit packs the mRoPE vision-language models \(Qwen-VL\) and gemma3, "
+                                        r"gemma4, .*; model_type 'gemma4_unified' is not one of them yet"):
+        VisionLanguageCollator(PaddingFreeCollator(), config=config)
+
+
 def test_llava_onevision_refuses_a_per_row_image_count():
     """LLaVA-OneVision reads batch_num_images per batch row (several images of one row go untiled): a packed
     row would give one document's count to all of them, so an example carrying it is refused by name."""
