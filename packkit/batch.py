@@ -286,11 +286,7 @@ class PackedBatch(dict):
     def num_loss_tokens(self) -> int:
         """Python int, the loss terms of the labels the loss reads."""
         labels, shifted = self._loss_source()
-        note = _note(labels)
-        key = "shifted_loss_tokens" if shifted else "loss_tokens"
-        if key not in note:
-            note[key] = int((labels if shifted else labels[..., 1:]).ne(IGNORE_INDEX).sum())
-        return note[key]
+        return count_loss_tokens(labels, shifted=shifted)
 
     @property
     def labels_shifted(self) -> bool:
@@ -609,6 +605,17 @@ def _fill(obj, input_ids, labels, position_ids, cu, max_seqlen, seq_idx, num_los
         dict.__setitem__(obj, "shift_labels", labels)
     dict.__setitem__(obj, "use_cache", False)
     obj.__dict__.update(_cu=cu, _gone=None)
+
+
+def count_loss_tokens(labels: torch.Tensor, *, shifted: bool = False) -> int:
+    """Python int, the loss terms of ``labels`` (``[..., W]``): ``labels[..., 1:] != -100``, or every entry of
+    pre-shifted ``shift_labels`` that is not -100; counted once a tensor and kept in its note (a collator that
+    built the batch wrote it there already; every CP rank of a process reads it). ``[[-100, 5, 6]] -> 2``."""
+    note = _note(labels)
+    key = "shifted_loss_tokens" if shifted else "loss_tokens"
+    if key not in note:
+        note[key] = int((labels if shifted else labels[..., 1:]).ne(IGNORE_INDEX).sum())
+    return note[key]
 
 
 def _note(tensor) -> dict:

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .batch import count_loss_tokens
 from .cp_plan import CPPlan, _check_layout, _plan, check_cp_size
 from .errors import ArgumentError, check_choice, check_int, renamed_keyword
 from .integrations import transformers as hf  # transformers' attention call, read in one place
@@ -302,7 +303,7 @@ def _batch_fields(batch) -> tuple[torch.Tensor, torch.Tensor, bool, np.ndarray]:
     lengths = _segments_of(cu.cpu().numpy())
     if int(lengths.sum()) != ids.numel():
         raise ValueError(f"cu_seqlens covers {int(lengths.sum())} tokens but input_ids holds {ids.numel()}")
-    return ids, labels.reshape(ids.shape), shifted, lengths
+    return ids, (labels if labels.shape == ids.shape else labels.reshape(ids.shape)), shifted, lengths
 
 
 def shift_labels(labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
@@ -363,7 +364,7 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
         shift_labels=local_targets[None],
         position_ids=on(pos)[None],
         seq_idx=on(seg.astype(np.int32))[None],
-        index=on(source), num_loss_tokens=_count_targets(labels if shifted else labels[:, 1:]),
+        index=on(source), num_loss_tokens=count_loss_tokens(labels, shifted=shifted),  # the batch's: counted once
         num_local_loss_tokens=_count_targets(local_targets),
         max_seqlen=int(lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
 

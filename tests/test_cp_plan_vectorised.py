@@ -241,3 +241,21 @@ def test_dealt_ranks_order_each_runs_offers_by_value_then_rank(scale):
         want = [r for k in range(runs)
                 for _, r in sorted((int(before[k, r]) + j * int(w[k]), r) for r in range(cp) for j in range(took[k, r]))]
         assert cp_plan._dealt_ranks(before, took, w).tolist() == want
+
+
+def test_every_rank_reads_the_batchs_loss_token_count_instead_of_counting_the_row(monkeypatch):
+    """Regression: every ``shard`` call counted the whole batch's loss tokens (a pass over every label of the row, per
+    rank); it is the batch's count, kept on its labels tensor (``batch.count_loss_tokens``), counted once."""
+    import torch
+
+    from packkit.cp import shard
+
+    _, batch = _short_row_batch()
+    want = batch.num_loss_tokens
+    sizes = []
+    real = np.count_nonzero
+    monkeypatch.setattr(np, "count_nonzero", lambda a, *k, **kw: sizes.append(np.size(a)) or real(a, *k, **kw))
+    monkeypatch.setattr(torch, "count_nonzero", lambda a, *k, **kw: sizes.append(a.numel()) or real(a.numpy()))
+    for r in range(8):
+        assert shard(batch, cp_size=8, rank=r, cp_layout="zigzag").num_loss_tokens == want
+    assert sizes and max(sizes) < batch.input_ids.numel() // 2  # this rank's targets only
