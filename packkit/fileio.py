@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import functools
 import os
@@ -277,6 +276,8 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
 @functools.cache
 def _libc_renameat2():
     """libc's ``renameat2`` (looked up once), or None where libc has none."""
+    import ctypes.util  # imports subprocess and socket (16 ms of the CLI's start): only when a rename asks
+
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         func = libc.renameat2
