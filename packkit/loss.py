@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from .batch import PackedBatch, _note, loss_factors, real_tokens_and_documents
 from .integrations.transformers import StepCountHook  # Trainer's private step count, in one place
+from .rules import DOCUMENT_KEYS, SEGMENT_KEYS
 from .segments import IGNORE_INDEX
 
 __all__ = [
@@ -553,7 +554,14 @@ class WeightedLossMixin(StepCountHook):
     :func:`accumulation_step` (one collective of four numbers across processes, as ``Trainer``'s own gather)
     and hands it to :func:`hf_compute_loss_func`, so ``sum_t w_t CE_t / Z`` summed over the micro-batches and
     averaged over ranks is the recipe's loss. Steps without a weighting keep ``Trainer``'s count.
+
+    It also keeps the packed rows' segment and document columns (``seq_lengths``, ``example_ids``,
+    ``piece_offsets``, ``example_loss``: :data:`packkit.rules.SEGMENT_KEYS`, :data:`~packkit.rules.DOCUMENT_KEYS`)
+    that ``Trainer``'s default ``remove_unused_columns=True`` drops (TRL's keeps ``seq_lengths`` alone), so an
+    example split across rows weighs as one example, as it does in a plain loop.
     """
+
+    kept_columns = (*SEGMENT_KEYS, *DOCUMENT_KEYS)
 
     def _step_normalizer(self, batch_samples: list, all_reduce: bool):
         labels = [b.get("labels") if isinstance(b, Mapping) else None for b in batch_samples]

@@ -132,3 +132,55 @@ def test_a_format_without_room_says_so_in_one_line(tmp_path, caplog, capsys):
         assert main(["pack", str(src), str(tmp_path / out), "-w", str(WINDOW)]) == 0
         printed = capsys.readouterr().out
         assert sum("has no room for example_ids" in line for line in printed.splitlines()) == lines, printed
+
+
+class TokenModel(torch.nn.Module):
+    """:func:`tiny_token_lm` as ``Trainer`` calls a model (``model(**batch)`` -> outputs with ``logits``): a piece of
+    a split example sees only its own window, so the step equals the unpacked definition only where attention is
+    beside the point."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_token_lm(VOCAB, 4)
+
+    def forward(self, input_ids, labels=None, **packed):
+        return {"logits": self.net(input_ids)}
+
+
+@pytest.mark.slow  # a real Trainer run
+@pytest.mark.parametrize("mixin", [True, False])
+def test_trainer_with_default_arguments_keeps_the_piece_columns(tmp_path, mixin):
+    """transformers.Trainer drops every column its model's forward does not name (remove_unused_columns=True, its
+    default; TRL's keeps seq_lengths alone): example_loss with them, and the pieces would weigh as separate
+    examples. WeightedLossMixin keeps the segment and document columns, so one step over the packed file has the
+    unpacked definition's gradient; under a plain Trainer the collator misses the rows' segments and says so."""
+    transformers = pytest.importorskip("transformers")
+    from test_loss_weighting_trainer import Grads, WeightedTrainer
+
+    from packkit.loss import hf_compute_loss_func
+
+    docs = examples(5)
+    out, plan = pack_dataset(datasets.Dataset.from_list(docs), window=WINDOW, overflow="split", seed=5,
+                             output=tmp_path / "rows.parquet", return_report=True)
+    dropped = {}
+    for ex, start in zip(plan.seg_example.tolist(), plan.seg_start.tolist()):
+        if start > 0:
+            dropped.setdefault(ex, set()).add(start)
+    rows = datasets.Dataset.from_parquet(str(out))
+    model, ref_model, grad = TokenModel(), tiny_token_lm(VOCAB, 4), Grads()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], max_steps=1,
+                                          max_grad_norm=0.0, save_strategy="no", disable_tqdm=True,
+                                          per_device_train_batch_size=len(rows))
+    assert args.remove_unused_columns  # the default this test is about
+    trainer = (WeightedTrainer if mixin else transformers.Trainer)(
+        model=model, args=args, train_dataset=rows, callbacks=[grad], compute_loss_func=hf_compute_loss_func,
+        data_collator=PackedRowsCollator(window=WINDOW, loss_weighting="sample"))
+    if not mixin:
+        with pytest.raises(ValueError, match=r"no 'seq_lengths'.*remove_unused_columns=False"):
+            trainer.train()
+        return
+    trainer.train()
+    reference_loss(ref_model, docs, "sample", dropped).backward()
+    err = float((grad.grad - grads(ref_model)).abs().max())
+    print(f"max |grad - unpacked definition| {err:.1e}")
+    assert err <= 1e-12

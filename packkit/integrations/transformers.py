@@ -112,7 +112,16 @@ class StepCountHook:
     micro-batch of an optimiser step before the first forward and counts their loss tokens there, gathered
     over processes with ``average_tokens_across_devices``, then multiplies each loss back by the number of
     processes). A subclass supplies ``_step_normalizer(batch_samples, all_reduce)``: a :class:`StepNormalizer`,
-    or None to keep ``Trainer``'s count (:class:`packkit.loss.WeightedLossMixin`)."""
+    or None to keep ``Trainer``'s count (:class:`packkit.loss.WeightedLossMixin`). Also keeps the dataset columns
+    named by ``kept_columns`` (``Trainer._set_signature_columns_if_needed``, private too)."""
+
+    #: dataset columns the collator reads that no model's ``forward`` names: kept when ``Trainer`` removes the
+    #: unused ones (``remove_unused_columns=True``, its default), which would otherwise drop them unsaid
+    kept_columns: tuple = ()
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()  # Trainer's (or TRL's) list of the columns it keeps
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *self.kept_columns]))
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
         world = self.args.world_size
