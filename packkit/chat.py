@@ -52,7 +52,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import threading
 import warnings
 from operator import itemgetter
@@ -269,6 +268,8 @@ def ignored_columns(schema, fmt: str) -> list:
 def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
     """One connection attempt to the Hub's host (``HF_ENDPOINT``), bounded by ``timeout`` seconds
     including the name lookup: no retries, so an offline machine learns it at once."""
+    import socket  # here, not at start: packkit waste and plan read chat options but never probe the Hub
+
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)

@@ -108,8 +108,9 @@ def test_help_and_a_refused_argument_import_no_numpy():
 
 def test_waste_and_plan_import_no_ctypes_util():
     """Regression: ``packkit waste`` and ``plan`` imported ``ctypes.util`` (and through it ``subprocess``) at start,
-    for :mod:`packkit.fileio`'s ``renameat2``, which only a written output needs: it is looked up then."""
-    code = ("import sys\nimport packkit.cli.waste, packkit.cli.plan\n"
-            "print(sorted(m for m in ('ctypes.util', 'subprocess') if m in sys.modules))")
+    for :mod:`packkit.fileio`'s ``renameat2``, which only a written output needs: it is looked up then; and
+    ``socket`` with :mod:`packkit.chat`, which only the Hub probe of a named tokenizer needs."""
+    code = ("import sys\nimport packkit.cli.waste, packkit.cli.plan, packkit.chat\n"
+            "print(sorted(m for m in ('ctypes.util', 'subprocess', 'socket') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
