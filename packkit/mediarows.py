@@ -11,6 +11,11 @@ without media::
     seq_lengths     [4, 2, 3]
     pixel_values    [a's images, null, c's images]
 
+``pack_dataset(..., output="packed.parquet")`` (or an Arrow stream or file: :data:`MEDIA_FORMATS`) writes the
+same rows, their media added a record batch at a time as they are written (:meth:`MediaRows.batches`), through
+:func:`packkit.outputs.write_batches` (beside the file, renamed when complete); the other formats hold tokens
+only and refuse media rows by name.
+
 A document is never cut from its media: an example split or truncated by the overflow policy is refused by
 name. ``VisionLanguageCollator(PackedRowsCollator(window=W), config=model.config)`` reads the rows back
 (:func:`row_documents`), every document checked against its media as online.
@@ -22,9 +27,8 @@ import numpy as np
 
 from .rules import MASK_KEYS
 
-__all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "media_columns", "media_options", "refuse_media",
-           "media_pack_columns", "check_whole",
-           "attach_media", "row_documents"]
+__all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "media_columns", "media_options",
+           "refuse_media", "media_pack_columns", "check_whole", "MediaRows", "row_documents"]
 
 #: Columns that carry media (by prefix), and the ones that do without the prefix.
 MEDIA_PREFIXES = ("pixel_values", "input_features", "image_", "video_", "audio_")
@@ -38,34 +42,38 @@ def media_columns(names) -> list[str]:
     return [n for n in names if n.startswith(MEDIA_PREFIXES) or n in MEDIA_KEYS]
 
 
-def media_options(ds, options, *, streamed: bool, output):
-    """``(options, hook)`` for ``pack_dataset`` of ``ds``: without media ``hook`` is None; with media, the token
-    type columns packed too (:func:`media_pack_columns`), ``example_ids`` written, and ``hook(packed, plan)``
-    adds the media to the packed rows (:func:`attach_media`); a stream or an ``output`` file with media is
-    refused (their media would be dropped, silently)."""
+#: The output formats that carry nested media columns (Arrow's own lists): the others hold tokens only.
+MEDIA_FORMATS = ("parquet", "arrow", "feather")
+
+
+def media_options(ds, options, *, streamed: bool, out_format=None):
+    """``(options, media)`` for ``pack_dataset`` of ``ds``: without media ``media`` is None; with media, the
+    token type columns packed too (:func:`media_pack_columns`), ``example_ids`` written, and ``media`` a
+    :class:`MediaRows` that adds the media to the packed rows; a stream, or an output format
+    (:class:`packkit.outputs.Format`) outside :data:`MEDIA_FORMATS`, is refused (its media would be dropped)."""
     import dataclasses
 
     media = media_columns(getattr(ds, "column_names", None) or [])
     if not media:
         return options, None
-    if streamed or output is not None:
-        refuse_media(media, "load the dataset (not streaming)" if streamed else "drop output= and save the "
-                     "returned dataset")
+    if streamed:
+        refuse_media(media, "load the dataset (not streaming)")
+    if out_format is not None and out_format.name not in MEDIA_FORMATS:
+        refuse_media(media, f"the {out_format.name} format holds tokens only: write OUT as "
+                     + ", ".join(f".{n}" for n in MEDIA_FORMATS))
     columns = media_pack_columns(ds.column_names, options.columns)
-
-    def hook(packed, plan):
-        return attach_media(packed, ds, media, plan, example_ids=options.example_ids)
-
-    return dataclasses.replace(options, columns=columns, example_ids=True), hook
+    return (dataclasses.replace(options, columns=columns, example_ids=True),
+            MediaRows(ds, media, example_ids=options.example_ids))
 
 
 def refuse_media(names, fix: str) -> None:
-    """Where media columns would be dropped (a stream, a file written, ``packkit pack``): refused, naming them.
-    ``fix``: what to do instead."""
+    """Where media columns would be dropped (a stream, a format of tokens only, ``packkit pack``): refused,
+    naming them. ``fix``: what to do instead."""
     media = media_columns(names)
     if media:
-        raise ValueError(f"the rows carry media ({', '.join(media)}), which pack_dataset keeps only in a "
-                         f"datasets.Dataset it returns (packkit.mediarows); {fix}")
+        raise ValueError(f"the rows carry media ({', '.join(media)}), which only pack_dataset keeps (in the "
+                         f"datasets.Dataset it returns, or an output= file of {'/'.join(MEDIA_FORMATS)}: "
+                         f"packkit.mediarows); {fix}")
 
 
 def media_pack_columns(names, columns):
@@ -89,28 +97,50 @@ def check_whole(plan) -> None:
                          "it would part its placeholder tokens from its images; pass overflow='drop', or raise window")
 
 
-def attach_media(packed, ds, keys, plan, *, example_ids: bool):
-    """``packed`` (a ``datasets.Dataset`` of packed rows with ``example_ids``, planned by ``plan``: every
-    segment a whole example, :func:`check_whole`) with each media column of ``ds`` in ``keys`` as a list over
-    every row's documents (``ds``'s value of each ``example_ids``, null for none), gathered by Arrow ``take``,
-    batch by batch; ``example_ids`` kept only when asked for."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+class MediaRows:
+    """The media columns ``keys`` of ``ds``, added to its packed rows (with ``example_ids``; every segment a
+    whole example, :func:`check_whole`): each a list over a row's documents, ``ds``'s value of each of its
+    ``example_ids`` (null for none), gathered by Arrow ``take``; ``example_ids`` kept only when asked for."""
 
-    check_whole(plan)
-    source = ds.with_format("arrow")
-    cols = {k: source[k] for k in keys}
+    def __init__(self, ds, keys, *, example_ids: bool):
+        source = ds.with_format("arrow")
+        self.keys, self.example_ids = list(keys), example_ids
+        self.cols = {k: source[k] for k in self.keys}
 
-    def add(batch):
-        ids = batch.column("example_ids").combine_chunks()
+    def schema(self, schema):
+        """The packed rows' ``pyarrow.Schema`` with the media columns (and without ``example_ids`` unless kept)."""
+        import pyarrow as pa
+
+        for k in self.keys:
+            schema = schema.append(pa.field(k, pa.list_(self.cols[k].type)))
+        return schema if self.example_ids else schema.remove(schema.get_field_index("example_ids"))
+
+    def add(self, batch, *, drop: bool = False):
+        """``batch`` (a ``pyarrow.RecordBatch`` or ``Table`` of packed rows) with the media columns; ``drop``:
+        without ``example_ids`` unless kept."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        ids = batch.column("example_ids")
+        ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
         offsets = pc.subtract(ids.offsets, ids.offsets[0])
         flat = ids.flatten()
-        for k in keys:
-            batch = batch.append_column(k, pa.ListArray.from_arrays(offsets, cols[k].take(flat).combine_chunks()))
-        return batch
+        for k in self.keys:
+            batch = batch.append_column(k, pa.ListArray.from_arrays(offsets, self.cols[k].take(flat).combine_chunks()))
+        return batch.drop_columns("example_ids") if drop and not self.example_ids else batch
 
-    out = packed.with_format("arrow").map(add, batched=True, desc="packkit: media").with_format(None)
-    return out if example_ids else out.remove_columns("example_ids")
+    def batches(self, batches, plan):
+        """The record ``batches`` of the rows ``plan`` packed, as they come, with their media (what
+        ``pack_dataset(..., output=)`` writes: a batch holds its rows' media besides their tokens, which alone
+        ``buffer_bytes`` bounds)."""
+        check_whole(plan)  # before OUT is begun
+        return (self.add(batch, drop=True) for batch in batches)
+
+    def dataset(self, packed, plan):
+        """``packed`` (a ``datasets.Dataset`` of the rows ``plan`` packed) with the media, batch by batch."""
+        check_whole(plan)
+        out = packed.with_format("arrow").map(self.add, batched=True, desc="packkit: media").with_format(None)
+        return out if self.example_ids else out.remove_columns("example_ids")
 
 
 def row_documents(rows, token_keys=("labels",) + TOKEN_TYPE_KEYS) -> list[dict]:

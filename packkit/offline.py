@@ -539,7 +539,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
     out_format = None if output is None else _check_output_arg(ds, output, o.output_format)
-    o, media = media_options(ds, o, streamed=streamed, output=output)  # packkit.mediarows: None, or its hook
+    o, media = media_options(ds, o, streamed=streamed, out_format=out_format)  # None, or packkit.mediarows.MediaRows
     if streamed:
         return _pack_iterable(ds, o, window=window, overflow=overflow, seed=seed, shuffle=shuffle)
     if not isinstance(ds, datasets.Dataset):
@@ -565,7 +565,7 @@ def _group_ids(ds, column: str) -> np.ndarray:
 
 def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **planning):
     """:func:`pack_dataset` on a ``datasets.Dataset``: ``(the dataset or OUT's path, the plan)``; ``media``: the
-    hook that adds the rows' media (:func:`packkit.mediarows.media_options`)."""
+    :class:`packkit.mediarows.MediaRows` that adds the rows' media (:func:`packkit.mediarows.media_options`)."""
     source = ArrowSource.from_dataset(ds)
     progress = show_progress(source) if o.progress is None else o.progress
     groups = None if o.group_column is None else _group_ids(ds, o.group_column)
@@ -585,14 +585,19 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **plannin
                            packed.dropped_pieces, packed.dropped_tokens)
     total = packed.plan.total_tokens * len(packed.spec.written())
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
+        inputs = [f["filename"] for f in ds.cache_files]
+        if out_format is not None and media:  # the same rows and media as in memory, streamed to OUT atomically
+            batches = media.batches(packed.record_batches(max_tokens=max_tokens, bar=bar), packed.plan)
+            return outputs.write_batches(output, media.schema(packed.schema), batches, format=out_format,
+                                         inputs=inputs), packed.plan
         if out_format is not None:
             return outputs.write_packed(output, packed, format=out_format, max_tokens=max_tokens, bar=bar,
-                                        inputs=[f["filename"] for f in ds.cache_files]), packed.plan
+                                        inputs=inputs), packed.plan
         out = _dataset(ds, packed, o, on_disk=on_disk, max_tokens=max_tokens, bar=bar, **planning)
     if packed.loss_free_windows:  # counted as the rows were written
         logger.warning("pack_dataset: %d of %d windows hold no loss token (a step of them has loss 0); pass "
                        "drop_loss_free=True, or raise window", packed.loss_free_windows, packed.plan.num_windows)
-    return (media(out, packed.plan) if media else out), packed.plan
+    return (media.dataset(out, packed.plan) if media else out), packed.plan
 
 
 def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_tokens: int, bar, **planning):

@@ -620,9 +620,69 @@ def test_offline_packed_rows_train_equal_to_online(family):
     assert torch.allclose(loss[0], loss[1], rtol=1e-6, atol=0)  # transformers' loss upcasts logits to float32 only
 
 
+def same(a, b) -> bool:
+    """``a`` and ``b`` equal, tensor for tensor, through lists, tuples and dicts."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3", "llava_next"])
+def test_offline_packed_media_files_read_back_as_in_memory(family, tmp_path):
+    """pack_dataset(..., output=) of multimodal rows writes each document's media with it, in parquet, an
+    Arrow stream and an Arrow file (written beside OUT, renamed when complete): read back with
+    datasets.Dataset.from_parquet / from_file / pyarrow.ipc, VisionLanguageCollator makes the batches of the in-memory packed rows, tensor for tensor, and
+    the model's logits on them are equal."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow.ipc
+    import pyarrow.parquet
+
+    from packkit.collate import PackedRowsCollator
+    from packkit.offline import pack_dataset
+
+    model, make = build(family, "sdpa")
+    g = torch.Generator().manual_seed(7)
+    rows = [{k: v.tolist() if torch.is_tensor(v) else v for k, v in make(g, 3 + i % 4, (i + 1) % 3).items()}
+            for i in range(10)]
+    for r in rows:
+        r["labels"] = [-100 if x >= IMG else x for x in r["input_ids"]]
+    ds = datasets.Dataset.from_list(rows)
+    window = max(40, *(len(r["input_ids"]) for r in rows))
+    collate = VisionLanguageCollator(PackedRowsCollator(window=window), config=model.config)
+    memory = collate(list(pack_dataset(ds, window=window, seed=3, progress=False)))
+    assert any(len(r["seq_lengths"]) > 1 for r in pack_dataset(ds, window=window, seed=3, progress=False))
+    with torch.no_grad():
+        want = model(**memory).logits
+    feather = lambda p: datasets.Dataset(pyarrow.ipc.open_file(p).read_all())  # noqa: E731
+    written = set()
+    for name, read in (("out.parquet", datasets.Dataset.from_parquet), ("out.arrow", datasets.Dataset.from_file),
+                       ("out.feather", feather)):
+        # buffer_bytes=1: a record batch a window, the media gathered batch by batch as they are written
+        path = pack_dataset(ds, window=window, seed=3, progress=False, output=tmp_path / name, buffer_bytes=1)
+        written.add(name)
+        assert {p.name for p in tmp_path.iterdir()} == written  # renamed into place, nothing left beside it
+        packed = read(str(path))
+        if name == "out.parquet":
+            assert pyarrow.parquet.ParquetFile(path).num_row_groups == len(packed) > 1  # a row group a batch
+        media = [k for k, _ in FAMILIES[family].media]
+        assert set(media) <= set(packed.column_names) and "example_ids" not in packed.column_names
+        batch = collate(list(packed))
+        assert sorted(batch) == sorted(memory)
+        for k in memory:
+            assert same(memory[k], batch[k]), (name, k)
+        with torch.no_grad():
+            assert torch.equal(model(**batch).logits, want), name
+        print(f"{family}: {name} {path.stat().st_size:,} bytes, {len(packed)} rows, batches and logits equal")
+
+
 def test_offline_media_rows_refused_where_media_would_be_lost(tmp_path):
-    """A document longer than the window would be cut from its media; a stream, an output file or packkit pack
-    (tokens only) would drop the media: each refused in one line."""
+    """A document longer than the window would be cut from its media; a stream, an output format of tokens only
+    (jsonl, Megatron, Bridge, MDS, a plan, a datasets folder) or packkit pack would drop the media: each refused
+    in one line, nothing written."""
     import json
     import subprocess
     import sys
@@ -637,12 +697,19 @@ def test_offline_media_rows_refused_where_media_would_be_lost(tmp_path):
     with pytest.raises(ValueError, match=r"^example \d has \d+ tokens > window=12 and media: cutting it would part "
                                          r"its placeholder tokens from its images; pass overflow='drop'"):
         pack_dataset(ds, window=12, overflow="split", progress=False)
-    with pytest.raises(ValueError, match=r"carry media \(pixel_values\), which pack_dataset keeps only in a "
-                                         r"datasets.Dataset it returns \(packkit.mediarows\); load the dataset "
-                                         r"\(not streaming\)"):
+    with pytest.raises(ValueError, match=r"^example \d has \d+ tokens > window=12 and media: cutting"):
+        pack_dataset(ds, window=12, overflow="split", progress=False, output=tmp_path / "cut.parquet")
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"carry media \(pixel_values\), which only pack_dataset keeps \(in the "
+                                         r"datasets.Dataset it returns, or an output= file of parquet/arrow/feather: "
+                                         r"packkit.mediarows\); load the dataset \(not streaming\)"):
         pack_dataset(ds.to_iterable_dataset(), window=64)
-    with pytest.raises(ValueError, match=r"carry media \(pixel_values\), .*; drop output= and save the returned"):
-        pack_dataset(ds, window=64, output=tmp_path / "out.parquet")
+    for name, fmt in (("out.jsonl", "jsonl"), ("out.megatron", "megatron"), ("out.idx.parquet", "bridge"),
+                      ("out.mds", "mds"), ("out.packplan", "plan"), ("out", "folder")):
+        with pytest.raises(ValueError, match=rf"carry media \(pixel_values\), .*; the {fmt} format holds tokens "
+                                             r"only: write OUT as .parquet, .arrow, .feather$"):
+            pack_dataset(ds, window=64, output=tmp_path / name)
+        assert not (tmp_path / name).exists()
     dropped = pack_dataset(ds, window=12, overflow="drop", progress=False)
     assert len(dropped) > 0 and all(r["pixel_values"] for r in dropped)
     path = tmp_path / "rows.jsonl"
@@ -651,4 +718,4 @@ def test_offline_media_rows_refused_where_media_would_be_lost(tmp_path):
                           "--window", "64"], capture_output=True, text=True)
     print(run.stderr.strip().splitlines()[-1])
     assert run.returncode != 0 and not (tmp_path / "packed.parquet").exists()
-    assert "carry media (pixel_values), which pack_dataset keeps only" in run.stderr
+    assert "carry media (pixel_values), which only pack_dataset keeps" in run.stderr

@@ -111,7 +111,8 @@ def _run(args, options) -> int:
                 progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
 
         source, how, packed = inp.read(plan)  # a type that changes after the first chunk: read whole, there
-        refuse_media(source.names, "packkit pack writes tokens only: pack them with packkit.offline.pack_dataset")
+        refuse_media(source.names, "packkit pack writes tokens only: pack them with packkit.offline.pack_dataset(ds, "
+                     "window=..., output=OUT.parquet)")
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
