@@ -719,3 +719,68 @@ def test_offline_media_rows_refused_where_media_would_be_lost(tmp_path):
     print(run.stderr.strip().splitlines()[-1])
     assert run.returncode != 0 and not (tmp_path / "packed.parquet").exists()
     assert "carry media (pixel_values), which only pack_dataset keeps" in run.stderr
+
+
+def test_offline_cli_packs_media_rows_as_pack_dataset(tmp_path):
+    """packkit pack of a .parquet or .arrow file of Gemma 3 rows with their images writes, through the real
+    command, the same file pack_dataset(..., output=) writes for the same options (pyarrow tables equal, media
+    and all), read back by VisionLanguageCollator; --overwrite replaces OUT; an OUT of tokens only is refused in
+    one line, nothing written."""
+    import subprocess
+    import sys
+
+    import pyarrow.parquet
+
+    datasets = pytest.importorskip("datasets")
+    from packkit.collate import PackedRowsCollator
+    from packkit.offline import pack_dataset
+
+    model, make = build("gemma3", "sdpa")
+    g = torch.Generator().manual_seed(11)
+    rows = [{k: v.tolist() if torch.is_tensor(v) else v for k, v in make(g, 3 + i % 4, (i + 1) % 3).items()}
+            for i in range(10)]
+    for r in rows:
+        r["labels"] = [-100 if x >= IMG else x for x in r["input_ids"]]
+    window = max(40, *(len(r["input_ids"]) for r in rows))
+    src = tmp_path / "in.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(src))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    arrow_in = next((tmp_path / "saved").glob("*.arrow"))
+
+    def cli(inp, out, *extra):
+        return subprocess.run([sys.executable, "-m", "packkit", "pack", str(inp), str(out), "-w", str(window),
+                               "--seed", "3", "--buffer-mb", "1", *extra], capture_output=True, text=True)
+
+    read = {".parquet": pyarrow.parquet.read_table, ".arrow": lambda p: datasets.Dataset.from_file(str(p)).data.table}
+    for inp, name, extra in ((src, "cli.parquet", ()), (src, "cli.arrow", ("--strategy", "ffd", "--example-ids")),
+                             (arrow_in, "cli2.parquet", ("--no-shuffle",))):
+        run = cli(inp, tmp_path / name, *extra)
+        assert run.returncode == 0, run.stderr
+        print(run.stdout.strip())
+        ds = datasets.Dataset.from_parquet(str(src))
+        want = pack_dataset(ds, window=window, seed=3, output=tmp_path / f"lib-{name}", buffer_bytes=2**20,
+                            strategy="ffd" if "ffd" in extra else "bfd", example_ids="--example-ids" in extra,
+                            shuffle="--no-shuffle" not in extra, progress=False)
+        got, lib = read[want.suffix](tmp_path / name), read[want.suffix](want)
+        assert "pixel_values" in got.column_names and got.equals(lib), name
+        assert ("example_ids" in got.column_names) == ("--example-ids" in extra)
+        assert f"into {got.num_rows} windows of {window}" in run.stdout
+        assert "with their media (pixel_values)" in run.stdout
+    collate = VisionLanguageCollator(PackedRowsCollator(window=window), config=model.config)
+    memory = collate(list(pack_dataset(datasets.Dataset.from_parquet(str(src)), window=window, seed=3, progress=False)))
+    batch = collate(list(datasets.Dataset.from_parquet(str(tmp_path / "cli.parquet"))))
+    assert all(same(memory[k], batch[k]) for k in memory) and sorted(batch) == sorted(memory)
+    before = (tmp_path / "cli.parquet").read_bytes()
+    assert cli(src, tmp_path / "cli.parquet", "--seed", "4").returncode != 0  # OUT exists: refused
+    assert (tmp_path / "cli.parquet").read_bytes() == before
+    run = cli(src, tmp_path / "cli.parquet", "--seed", "4", "--overwrite")
+    assert run.returncode == 0, run.stderr
+    assert pyarrow.parquet.read_table(tmp_path / "cli.parquet").equals(pyarrow.parquet.read_table(pack_dataset(
+        datasets.Dataset.from_parquet(str(src)), window=window, seed=4, output=tmp_path / "lib4.parquet",
+        buffer_bytes=2**20, progress=False)))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left beside OUT
+    run = cli(src, tmp_path / "none.parquet", "--overflow", "drop", "-w", "2")  # every example dropped: refused
+    assert run.returncode != 0 and "is left to write" in run.stderr and not (tmp_path / "none.parquet").exists()
+    run = cli(src, tmp_path / "out.jsonl")
+    assert run.returncode != 0 and not (tmp_path / "out.jsonl").exists() and len(run.stderr.strip().splitlines()) == 1
+    assert "carry media (pixel_values)" in run.stderr and ".parquet, .arrow, .feather" in run.stderr

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from . import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
 from ..binpack import check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
-from ..datafiles import Input, lines_named, reader_pyarrow
+from ..datafiles import Input, lines_named, load_table, parquet_schema, reader_pyarrow
 from ..fileio import check_output, held_still
-from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, plan_source, show_progress
-from ..mediarows import refuse_media
+from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, pack_dataset, plan_source, show_progress
+from ..mediarows import MEDIA_FORMATS, media_columns, refuse_media
 from ..progress import progress_bar
 from ..sources import ArrowSource
 from ..outputs import FORMATS, documents_lost, output_format, write_packed
@@ -94,6 +95,8 @@ def run(args, options=None) -> int:
 
 def _run(args, options) -> int:
     inp, out, fmt, buffer_bytes, columns = _checks(args)
+    if fmt.name in MEDIA_FORMATS and _media_in(inp):
+        return _pack_media(args, inp, out, fmt, columns, buffer_bytes)
     quiet = args.quiet or args.json
     if quiet and inp.format == "folder":  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
         import datasets
@@ -111,8 +114,9 @@ def _run(args, options) -> int:
                 progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
 
         source, how, packed = inp.read(plan)  # a type that changes after the first chunk: read whole, there
-        refuse_media(source.names, "packkit pack writes tokens only: pack them with packkit.offline.pack_dataset(ds, "
-                     "window=..., output=OUT.parquet)")
+        refuse_media(source.names, "packkit pack keeps them from a .parquet or .arrow IN to an OUT of "
+                     + ", ".join(f".{n}" for n in MEDIA_FORMATS) + ", or pack them with "
+                     "packkit.offline.pack_dataset(ds, window=..., output=OUT.parquet)")
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
@@ -128,6 +132,59 @@ def _run(args, options) -> int:
             write_packed(out, packed, format=fmt, max_tokens=max_tokens, bar=bar, inputs=[src], overwrite=args.overwrite,
                          through=lambda batches: _checked(batches, hold))
     return _report(args, options, src, out, fmt, packed, how)
+
+
+def _media_in(inp) -> list[str]:
+    """The media columns of a .parquet or .arrow IN (its schema only; an Arrow file is memory-mapped)."""
+    if inp.format == "parquet":
+        return media_columns(parquet_schema(inp.path).names)
+    return media_columns(load_table(inp.path).schema.names) if inp.format == "arrow" else []
+
+
+def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
+    """Rows with media (:mod:`packkit.mediarows`): IN read as a ``datasets.Dataset`` and packed by
+    :func:`packkit.offline.pack_dataset` to OUT, each document's media with it. Its log lines (overflow, windows
+    with no loss token, pieces left out) go to stderr as they are; the summary says what the plan holds."""
+    import datasets
+
+    logging.getLogger("packkit").setLevel(logging.WARNING)  # run() puts the level back
+    quiet = args.quiet or args.json
+    if quiet:
+        datasets.disable_progress_bars()
+    # an existing OUT (--overwrite, checked): written beside it, and renamed onto it when complete
+    target = out.with_name(f".{out.name}.packkit-new") if out.exists() else out
+    sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
+    with held_still([inp.path]) as hold:
+        ds = (datasets.Dataset.from_parquet(str(inp.path)) if inp.format == "parquet"
+              else datasets.Dataset(load_table(inp.path)))
+        path, plan = pack_dataset(
+            ds, window=args.window, strategy=args.strategy, overflow=args.overflow, seed=args.seed,
+            shuffle=not args.no_shuffle, output=target, return_report=True, columns=columns,
+            example_ids=args.example_ids, cp_size=args.cp_size, cp_layout=args.cp_layout,
+            drop_loss_free=args.drop_loss_free, num_proc=args.num_proc, progress=False if quiet else None,
+            output_format=fmt.name, **sized)
+        hold.check()
+    if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
+        path.unlink()
+        raise DataError(f"no example of {str(inp.path)!r} is left to write ({args.overflow} and {args.window:,} "
+                        "tokens a window); raise --window")
+    if target != out:
+        os.replace(path, out)
+    names = (parquet_schema(out) if fmt.name == "parquet" else load_table(out).schema).names
+    s = plan.summary()
+    if args.json:
+        print(json.dumps({"input": str(inp.path), "output": str(out), "format": fmt.name, "columns": names,
+                          "media": media_columns(names), "rows": plan.num_windows, "seed": args.seed,
+                          "shuffled": not args.no_shuffle, "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
+        return 0
+    held = f"{s['tokens']:,}" + ("" if not s["cut_tokens"] else f" of {s['tokens'] + s['cut_tokens']:,}")
+    print(f"packed {s['examples']:,} examples ({held} tokens) with their media "
+          f"({', '.join(media_columns(names))}) into {s['windows']:,} windows of {s['window']:,} "
+          f"(lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
+    if args.cp_size > 1:
+        print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
+    print(f"wrote {str(out)!r} as {fmt.title}; columns {names}")
+    return 0
 
 
 def _checks(args):
