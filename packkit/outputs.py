@@ -566,8 +566,9 @@ def write_batches(target, schema, batches, *, format: str | Format | None = None
     fmt = output_format(target, format)
     if fmt.sink is None:
         raise ArgumentError(f"the {fmt.name} format is written from a plan, not from rows: use write_packed")
-    if documents_lost(fmt, schema.names):
-        logging.getLogger("packkit").warning(documents_lost(fmt, schema.names))
+    lost = documents_lost(fmt, schema.names)
+    if lost:
+        logging.getLogger("packkit").warning(lost)
     with atomic_output(target, kind=fmt.kind, inputs=inputs, overwrite=overwrite, overwrite_hint=overwrite_hint) as tmp:
         sink = fmt.sink(Path(tmp), schema, **options)
         ok = False

@@ -46,6 +46,7 @@ give both, keep Arrow in and Arrow out, and build the result with ``ray.data.fro
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 
 import numpy as np
@@ -78,6 +79,11 @@ def _require_ray():
 
 
 # ----------------------------------------------------------------------------------------------
+#: Ray's rows record no document columns (:data:`packkit.rules.DOCUMENT_KEYS`), said once when examples are split
+PIECES_UNRECORDED = ("raydata.pack_dataset: its rows do not record example_ids, piece_offsets and example_loss, so under "
+                     "a per-example loss_weighting each piece of a split example counts as an example; pack with "
+                     "packkit.offline.pack_dataset to keep them")
+
 # small pure pieces (numpy / Arrow, no Ray): each is tested on its own
 # ----------------------------------------------------------------------------------------------
 
@@ -487,6 +493,8 @@ def pack_dataset(ds, *, window: int, mode: str = "local", strategy: str = "bfd",
                                                seed=seed, shuffle=shuffle, tail_slack=float(tail_slack),
                                                input_key=input_key, mask_first_label=mask_first_label)
     pieces = apply_overflow(lengths, window=window, overflow=overflow)  # raises under "error"
+    if overflow == "split" and pieces.overflow_examples.size:
+        logging.getLogger("packkit").warning(PIECES_UNRECORDED)
     common = dict(strategy=strategy, overflow=overflow, window=window, blocks=len(refs),
                   examples=int(lengths.size), input_tokens=int(lengths.sum()),
                   overflow_examples=pieces.overflow_examples.size, dropped_examples=pieces.dropped_examples.size,

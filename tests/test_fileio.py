@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import pyarrow as pa
 import pytest
 
 from packkit import fileio
@@ -210,10 +211,14 @@ def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp
     monkeypatch.setitem(outputs.FORMATS, "parquet", dataclasses.replace(outputs.FORMATS["parquet"], sink=SlowSink))
     main = threading.main_thread().ident  # a real SIGINT to the main thread: it cuts a blocking wait short
     timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
+    schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        outputs.write_batches(tmp_path / "o.parquet", None, iter([object()]))
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            outputs.write_batches(tmp_path / "o.parquet", schema, iter([object()]))
+    finally:  # a write that failed before the timer fired must not leave a SIGINT for whatever runs next
+        timer.cancel()
+        timer.join()
     assert events == ["write", "written", "close"]
     assert sorted(os.listdir(tmp_path)) == []
 

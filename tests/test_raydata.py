@@ -291,7 +291,7 @@ def test_packed_rows_collator_reads_ray_rows(data):
     assert [b - a for a, b in zip(cu[:-1], cu[1:])] == want  # a padding tail is its own segment
 
 
-def test_global_mode_equals_hf_pack_dataset(data):
+def test_global_mode_equals_hf_pack_dataset(data, caplog):
     """Ray's global mode and the single-machine ``packkit.offline.pack_dataset`` give the same rows, in order."""
     hf = pytest.importorskip("packkit.offline")
     datasets = pytest.importorskip("datasets")
@@ -300,9 +300,14 @@ def test_global_mode_equals_hf_pack_dataset(data):
     lengths, ds = data
     want = hf.pack_dataset(datasets.Dataset(InMemoryTable(make_table(lengths))), window=W, overflow="split",
                            seed=5).data.table
-    got = pa.concat_tables(ray.get(raydata.pack_dataset(ds, window=W, mode="global", overflow="split",
-                                                        seed=5).to_arrow_refs()))
-    assert got.column_names == want.column_names == ["input_ids", "labels", "seq_lengths"]
+    with caplog.at_level("WARNING", logger="packkit"):
+        got = pa.concat_tables(ray.get(raydata.pack_dataset(ds, window=W, mode="global", overflow="split",
+                                                            seed=5).to_arrow_refs()))
+    assert raydata.PIECES_UNRECORDED in caplog.text and "\n" not in raydata.PIECES_UNRECORDED
+    # the single machine also records each piece's example (it splits some here); Ray's rows do not, and say so
+    assert got.column_names == ["input_ids", "labels", "seq_lengths"]
+    assert want.column_names == got.column_names + ["example_ids", "piece_offsets", "example_loss"]
+    want = want.select(got.column_names)
     assert got.schema.equals(want.schema), (got.schema, want.schema)
     assert got.equals(want.combine_chunks())
 
