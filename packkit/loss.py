@@ -212,9 +212,12 @@ def token_normalized_loss(logits: torch.Tensor, labels, *, num_loss_tokens=None,
         summed = (per_token * weight.reshape(-1).to(per_token.dtype)).sum()
     if num_loss_tokens is None:
         num_loss_tokens = _count_tensor(labels, shifted=True, ignore_index=ignore_index)
+    # a count divides by at least 1; a weighting's Z is any number > 0 (weights below 1 sum below 1), and 0
+    # only where every weight is 0 (the sum is 0 then: it divides by 1)
     if isinstance(num_loss_tokens, torch.Tensor):
-        return summed / num_loss_tokens.to(summed.device, summed.dtype).clamp_min(1)
-    return summed / max(num_loss_tokens, 1)
+        z = num_loss_tokens.to(summed.device, summed.dtype)
+        return summed / (z.clamp_min(1) if loss_weight is None else torch.where(z > 0, z, torch.ones_like(z)))
+    return summed / (max(num_loss_tokens, 1) if loss_weight is None else (num_loss_tokens if num_loss_tokens > 0 else 1))
 
 
 def hf_compute_loss_func(outputs, labels, *, num_items_in_batch=None) -> torch.Tensor:

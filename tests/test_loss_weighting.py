@@ -136,6 +136,16 @@ def test_every_mode_equals_its_unpacked_definition(case, m, kind):
     check_equal(docs, MODES[m], parts, kind)
 
 
+@pytest.mark.parametrize("mode", [Column("w"), Weights(np.log1p)], ids=["column", "callable"])
+def test_a_step_whose_weights_sum_below_one_divides_by_them(mode):
+    """One document weighing 0.148 with one loss token: Z = 0.148, and the loss is that token's cross entropy.
+    The division floored Z at 1, as for a token count, and gave 0.148 of it under a column of weights (found
+    by a random seed)."""
+    docs = [{"input_ids": [11, 8], "labels": [11, 8], "w": 0.14793014303273438}]
+    for kind in ("free", "padded", "split"):
+        check_equal(docs, mode, [[0]], kind)
+
+
 def test_split_document_keeps_one_count():
     """A 12-token document split into windows of 5 is one document: under "sample" its pieces share
     1/|O_c| (per piece, the two 2-token documents of the step would weigh as much as the long one)."""
