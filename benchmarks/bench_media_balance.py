@@ -27,7 +27,8 @@ import sys
 import time
 
 import numpy as np
-from benchlib import ab_pairs, chat_lengths, emit_json, loadavg, parse_quick, ratio_spread, versions
+from benchlib import (ab_pairs, chat_lengths, emit_json, gemma3_4b_config, loadavg, parse_quick, ratio_spread,
+                      versions, with_images)
 
 from packkit.balance import CostModel, compute_imbalance
 from packkit.sampler import PackedBatchSampler
@@ -35,22 +36,8 @@ from packkit.sampler import PackedBatchSampler
 CONFIGS = [(4096, 8, 1), (4096, 8, 8), (8192, 8, 2), (8192, 8, 8)]  # (window, dp, k windows per rank a step)
 
 
-def gemma3_4b():
-    import transformers
-
-    return transformers.Gemma3Config(
-        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=256),
-        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896,
-                           patch_size=14))
-
-
 def rows(n: int, window: int):
-    text = chat_lengths(n)
-    images = np.random.default_rng(0).choice([0, 1, 1, 2, 3, 4], size=text.size)
-    lengths = text + images * 258
-    keep = lengths <= window
-    return lengths[keep], images[keep]
+    return with_images(chat_lengths(n), window)
 
 
 def figures(sched, cost, dp) -> dict:
@@ -90,7 +77,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=4, help="alternating pairs of the plan timing")
     p.add_argument("--json-out", default=None)
     args = parse_quick(p, argv, "5,000 rows, 2 pairs", n=5_000, rounds=2)
-    config = gemma3_4b()
+    config = gemma3_4b_config()
     model = CostModel.from_config(config)
     print(f"cost: linear {model.linear:,.0f}, per image {model.per_unit:.3e}; load {loadavg():.1f}", flush=True)
     table = []

@@ -49,6 +49,27 @@ def chat_lengths(n: int | None = None, *, seed: int = 0) -> np.ndarray:
     return lengths[rng.choice(len(lengths), n, replace=n > len(lengths))]
 
 
+def gemma3_4b_config():
+    """Gemma 3 4B's sizes (text 2,560 wide, 34 layers; SigLIP 1,152 wide, 27 layers, 896-pixel images of
+    14-pixel patches), as a ``transformers.Gemma3Config`` only: no weights."""
+    import transformers
+
+    return transformers.Gemma3Config(
+        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=256),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896,
+                           patch_size=14))
+
+
+def with_images(text: np.ndarray, window: int, *, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """VLM-like rows from text lengths: 0-4 images each (drawn from 0, 1, 1, 2, 3, 4), 256 placeholders and two
+    markers an image as Gemma 3 lays them out; rows above ``window`` left out. ``(lengths, images)``."""
+    images = np.random.default_rng(seed).choice([0, 1, 1, 2, 3, 4], size=text.size)
+    lengths = text + images * 258
+    keep = lengths <= window
+    return lengths[keep], images[keep]
+
+
 def uniform_lengths(n: int, *, seed: int = 0, low: int = 16, high: int = 512) -> np.ndarray:
     """(n,) int64 lengths uniform in [low, high]."""
     return np.random.default_rng(seed).integers(low, high + 1, n).astype(np.int64)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import sys
 import types
 
 import numpy as np
@@ -19,6 +21,9 @@ from packkit.balance import (CostModel, compute_imbalance, cost_model, lpt_assig
                              swap_refine, variation)
 from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
 from packkit.waste import measure_waste
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import benchlib  # noqa: E402
 
 
 def heavy_tail(n: int, seed: int, top: int = 1024) -> np.ndarray:
@@ -286,26 +291,14 @@ def test_cli_waste_ranks_and_plan_print_both_figures(tmp_path, capsys):
 
 
 def gemma3_4b_config():
-    """Gemma 3 4B's sizes (text 2,560 wide, 34 layers; SigLIP 1,152 wide, 27 layers, 896-pixel images of
-    14-pixel patches), as a config only: no weights."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.Gemma3Config(
-        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=256),
-        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, image_size=896,
-                           patch_size=14))
+    pytest.importorskip("transformers")
+    return benchlib.gemma3_4b_config()
 
 
 def vlm_lengths(n: int, window: int):
-    """Real ShareGPT text lengths (Qwen3 tokenizer) plus 0-4 images of 256 placeholders and two markers each,
-    as Gemma 3 lays them out; examples above the window left out. ``(lengths, images)``."""
-    from pathlib import Path
-
-    text = np.load(Path(__file__).resolve().parents[1] / "benchmarks/data/sharegpt_qwen3_lengths.npy")[:n]
-    images = np.random.default_rng(0).choice([0, 1, 1, 2, 3, 4], size=text.size)
-    lengths = text + images * 258
-    keep = lengths <= window
-    return lengths[keep], images[keep]
+    """Real ShareGPT text lengths (Qwen3 tokenizer, the file's first ``n``) with Gemma 3's images
+    (``benchlib.with_images``). ``(lengths, images)``."""
+    return benchlib.with_images(np.load(benchlib.CHAT_LENGTHS)[:n], window)
 
 
 def test_cost_model_weighs_an_images_encoder_work():
