@@ -15,18 +15,13 @@ test's time, so cp=8 waits for the soak.
 
 from __future__ import annotations
 
-import datetime
 import inspect
-import os
-import socket
-import traceback
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given, settings, strategies as st
-from testlib import thorough
+from testlib import free_port, gloo_rank, rank_results, run_processes, thorough
 
 pytestmark = pytest.mark.distributed
 
@@ -281,11 +276,7 @@ def run_hf(rank, group, results):
 def worker(rank, port, out_dir, cases, sizes):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(sizes),
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    results = []
-    try:
+    with gloo_rank(rank, port, max(sizes), out_dir, timeout_s=TIMEOUT_S) as results:
         # new_group is collective over the world: every rank makes every sub-group, in the same order
         groups = {cp: dist.new_group(list(range(cp))) if cp < max(sizes) else None for cp in sizes}
         for cp, group in groups.items():
@@ -296,18 +287,6 @@ def worker(rank, port, out_dir, cases, sizes):
                     run_case(lengths, i, cp, group, dist.get_rank(group), results, cross=i < CROSS[cp])
         if rank < 2:
             run_hf(rank, groups[2], results)
-        torch.save({"results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 EDGE_CASES = [
@@ -336,24 +315,10 @@ def test_cp_attention_equals_unsharded_on_gloo(tmp_path):
     cases = EDGE_CASES + drawn_cases(4)
     # a fork server that imported torch and transformers once: 8 fresh interpreters importing them would
     # cost most of this test's time
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    sizes = cp_sizes()
-    world = max(sizes)
-    ctx = mp.start_processes(worker, args=(free_port(), str(tmp_path), cases, sizes), nprocs=world, join=False,
-                             start_method="forkserver")
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
-    while not ctx.join(timeout=1):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"the {world}-process CP run did not finish in {TIMEOUT_S}s")
-    results = []
-    for rank in range(world):
-        out = torch.load(tmp_path / f"rank{rank}.pt")
-        assert "error" not in out, out.get("error")
-        results += out["results"]
+    world = max(sizes := cp_sizes())
+    run_processes(worker, world, (free_port(), str(tmp_path), cases, sizes), timeout_s=TIMEOUT_S,
+                  start_method="forkserver", preload=PRELOAD)
+    results = rank_results(tmp_path, world)
     worst = {}
     for kind, cp, layout, method, lengths, err in results:
         key = (kind, cp, layout, method)

@@ -9,15 +9,11 @@ not: a branch would read its sibling.
 
 from __future__ import annotations
 
-import datetime
-import os
-import traceback
-
 import numpy as np
 import pytest
 import torch
 
-from testlib import free_port, run_processes, tiny_causal_lm
+from testlib import free_port, gloo_rank, rank_results, run_processes, tiny_causal_lm
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -159,12 +155,7 @@ def worker(rank, port, out_dir, cases):
     import torch.distributed as dist
 
     float64_norms()
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=200))
-    results = []
-    try:
+    with gloo_rank(rank, port, WORLD, out_dir, timeout_s=200) as results:
         pair = dist.new_group([0, 1])  # collective over the world: every rank makes it
         model = tiny_causal_lm("qwen3", vocab_size=VOCAB)
         refs = {}
@@ -176,21 +167,11 @@ def worker(rank, port, out_dir, cases):
                 run_case(model, samples, ref, group, "hybrid", "ring", False, results, i)
                 if i == 0:  # every tree cut (zigzag), all-gathered keys, windows
                     run_case(model, samples, ref, group, "zigzag", "allgather", True, results, i)
-        torch.save({"results": results}, os.path.join(out_dir, f"rank{rank}.pt"))
-    except Exception:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tree_sharded_over_cp_ranks_equals_unpacked_samples(tmp_path):
     run_processes(worker, WORLD, (free_port(), str(tmp_path), CASES), timeout_s=240)
-    results = []
-    for rank in range(WORLD):
-        out = torch.load(tmp_path / f"rank{rank}.pt")
-        assert "error" not in out, out.get("error")
-        results += out["results"]
+    results = rank_results(tmp_path, WORLD)
     trees = [r for r in results if r["kind"] == "tree"]
     for r in trees:
         print(f"cp={r['cp']} {r['layout']}/{r['method']} case {r['case']} window={r['window']}: max |diff| "

@@ -6,9 +6,13 @@ Nothing is downloaded: every model here is a few thousand parameters, seeded, on
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import multiprocessing
+import os
 import socket
 import time
+import traceback
 
 import pytest
 import torch
@@ -152,18 +156,19 @@ PRELOAD = ["numpy", "torch", "torch.distributed", "torch.nn.parallel", "transfor
            "packkit"]
 
 
-def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_method: str = "spawn") -> None:
+def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_method: str = "spawn",
+                  preload: list[str] = PRELOAD) -> None:
     """Run ``worker(rank, *args)`` in ``nprocs`` real processes and wait for them all; past ``timeout_s``
     seconds kill them and fail the test (a rank waiting on a collective another never reaches would
     otherwise hang the suite). An exception in a rank is raised here, with its traceback.
 
     The ranks are fresh interpreters (``spawn``: about 3-5 s of imports a rank on a 2-core machine).
-    ``start_method="forkserver"`` forks them from one server per test process that imported :data:`PRELOAD`
-    once, which is faster, but it is not the default: under ``make test`` a 2-rank ``forkserver`` run of
+    ``start_method="forkserver"`` forks them from one server per test process that imported ``preload``
+    (:data:`PRELOAD`) once, which is faster, but it is not the default: under ``make test`` a 2-rank ``forkserver`` run of
     tests/test_groups_ddp.py once hung past its 120 s limit with nothing printed (1 of 5 whole-suite runs,
     2026-12-01; never alone), and ``spawn`` had run these tests without a hang since they were written."""
     if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once this process's server runs
+        multiprocessing.set_forkserver_preload(preload)  # no effect once this process's server runs
     ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
@@ -172,3 +177,35 @@ def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_m
                 if p.is_alive():
                     p.kill()
             pytest.fail(f"the {nprocs}-process run did not finish in {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, world: int, out_dir: str, *, timeout_s: float):
+    """One rank of a gloo process group over ``tcp://127.0.0.1:port``, one torch thread, for a spawned worker:
+    yields the list the worker fills with its results and saves it to ``out_dir/rank{rank}.pt``, or the traceback
+    when the worker raises (re-raised), and destroys the group on any exit. :func:`rank_results` reads them."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    results: list = []
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        yield results
+        torch.save({"results": results}, path)
+    except Exception:
+        torch.save({"error": traceback.format_exc()}, path)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_results(out_dir, world: int) -> list:
+    """Every rank's results saved by :func:`gloo_rank`, rank after rank; a rank's traceback fails the test."""
+    results = []
+    for rank in range(world):
+        out = torch.load(os.path.join(out_dir, f"rank{rank}.pt"))
+        assert "error" not in out, out.get("error")
+        results += out["results"]
+    return results
