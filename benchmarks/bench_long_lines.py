@@ -4,16 +4,16 @@ The data: ``--mib`` MiB (default 128) of token ids (random ints in [0, 100,000),
 ``json.dumps``' separators ``", "``)
 written twice: as ONE line ``{"input_ids": [...]}``, and as the same ids cut into lines of about ``--line-kib``
 KiB (default 1,024). Both are read by :func:`packkit.datafiles.read_lengths` (what ``packkit waste`` and ``plan``
-read with; ``pack`` streams through the same :func:`packkit.datafiles.json_tables`), alternating which goes
+read with; ``pack`` streams through the same :func:`packkit.jsonlines.json_tables`), alternating which goes
 first each round, garbage collected outside the clock, ``--repeat`` rounds (default 3), in this process after
 a warm-up read of a small file (imports out of the clock). Reported: the median wall and CPU seconds of each,
 and the ratio long / short. Target: the long line within 1.5x the short lines' wall time.
 
-Before the fix, :func:`packkit.datafiles.line_chunks` grew a line longer than a chunk with ``rest += block``
+Before the fix, :func:`packkit.jsonlines.line_chunks` grew a line longer than a chunk with ``rest += block``
 (a copy of the whole line per MiB read: quadratic); ``--before`` also times that old chunking alone, in the
 same run, on the long file. Then pyarrow parsed the one line on one thread (a line never spans two blocks)
 while short lines were parsed two at once; its long lists of integers are now parsed apart on pyarrow's
-threads (:func:`packkit.datafiles._one_long_line`).
+threads (:func:`packkit.jsonlines._one_long_line`).
 
     python benchmarks/bench_long_lines.py [--mib 128] [--repeat 3] [--before]
 """
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", default=None, help="folder for the two files (default: a temporary one)")
     args = parser.parse_args(argv)
 
-    from packkit.datafiles import line_chunks, read_lengths
+    from packkit.datafiles import read_lengths
+    from packkit.jsonlines import line_chunks
 
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
         long_path, short_path = write_files(folder, args.mib, args.line_kib)

@@ -13,18 +13,17 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from . import jsonlines
 from .arrow import byte_tokenize, list_array, pyarrow
 from .binpack import as_lengths
 from .chat import ChatOptions, chat_encoder, chat_format, load_tokenizer
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
 from .fileio import held_still
-from .interrupts import deferred
 from .listcolumns import loss_targets, packed_segments, token_lengths
 from .rules import ExampleTypeError, located, not_integer, segment_key
 from .progress import progress_bar
@@ -216,113 +215,6 @@ def check_path(path) -> Path:
     return path
 
 
-def _json_kind(value):
-    """The JSON kind pyarrow's reader infers a column from: ``[1, 2] -> ("list", ("a number",))``; None for null.
-
-    A scalar's kind is its words in messages; lists carry the kind of their items (None while unknown); a list
-    mixing kinds is ``("mixed", a, b)``.
-    """
-    if value is None:
-        return None
-    for types, words in ((bool, "true/false"), ((int, float), "a number"), (str, "text")):  # bool first: True is an int
-        if isinstance(value, types):
-            return (words,)
-    if isinstance(value, dict):
-        return ("object", {k: _json_kind(v) for k, v in value.items()})
-    item = None
-    for v in value:
-        k = _json_kind(v)
-        merged = _merge_kinds(item, k)
-        if merged is None:
-            return ("mixed", item, k)
-        item = merged
-    return ("list", item)
-
-
-def _merge_kinds(a, b):
-    """The kind both ``a`` and ``b`` fit (None: a null or an empty list fits anything), or None if none."""
-    if a is None or b is None:
-        return a if b is None else b
-    if a[0] != b[0] or a[0] == "mixed":
-        return None
-    if a[0] == "object":  # field by field (pyarrow reads a struct): a field missing from one fits
-        fields = dict(a[1])
-        for k, v in b[1].items():
-            merged = _merge_kinds(fields.get(k), v)
-            if merged is None and v is not None:
-                return None
-            fields[k] = merged
-        return ("object", fields)
-    if a[0] != "list":
-        return a
-    if a[1] is None or b[1] is None:
-        return a if b[1] is None else b
-    item = _merge_kinds(a[1], b[1])
-    return None if item is None else ("list", item)
-
-
-def _conflict(a, b, where: str) -> tuple:
-    """``(where, a, b)`` at the deepest place two kinds that do not merge differ: ``messages[].role``, a number
-    against text, rather than ``messages`` against itself."""
-    if a is not None and b is not None and a[0] == b[0] == "list" and a[1] is not None and b[1] is not None:
-        return _conflict(a[1], b[1], where + "[]")
-    if a is not None and b is not None and a[0] == b[0] == "object":
-        for k, v in b[1].items():
-            if k in a[1] and _merge_kinds(a[1][k], v) is None:
-                return _conflict(a[1][k], v, f"{where}.{k}")
-    return where, a, b
-
-
-def _kind_text(kind) -> str:
-    if kind is None:
-        return "null"
-    if kind[0] == "list":
-        return "a list" if kind[1] is None else f"a list of {_kind_text(kind[1]).removeprefix('a ')}s"
-    return "an object" if kind[0] == "object" else kind[0]
-
-
-def _locate_json_lines_error(path: Path) -> DataError | None:
-    """The first line of a JSON lines file that pyarrow's reader refuses, named by its 1-based line number.
-
-    pyarrow names a row inside the block it was reading (and counts from 0), so its row is not the
-    file's line; this pass (on the error path only) reads line by line: a line that is not JSON, not
-    an object, or whose value changes kind from an earlier line (a list of numbers, then text).
-    None if every line reads (the caller keeps pyarrow's message).
-    """
-    seen: dict = {}
-    name = str(path)
-    for lineno, raw in _lines(path):
-        try:
-            obj = json.loads(raw.rstrip())
-        except UnicodeDecodeError:
-            return DataError(f"{name!r} line {lineno:,}: not UTF-8 text")
-        except ValueError as exc:
-            msg, col = getattr(exc, "msg", str(exc)), getattr(exc, "colno", None)
-            return DataError(f"{name!r} line {lineno:,}: not valid JSON ({msg}"
-                             + (f" at column {col}" if col else "") + "); fix or remove that line")
-        if not isinstance(obj, dict):
-            return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object "
-                             "(one example) was expected")
-        for key, value in obj.items():
-            kind = _json_kind(value)
-            if kind is not None and kind[0] == "mixed":
-                field, first, then = _conflict(kind[1], kind[2], key + "[]")
-                return DataError(f"{name!r} line {lineno:,}: {field!r} mixes {_kind_text(first)} and "
-                                 f"{_kind_text(then)} in one list")
-            if key not in seen:
-                if kind is not None:
-                    seen[key] = (kind, lineno)
-                continue
-            merged = _merge_kinds(seen[key][0], kind)
-            if merged is None:
-                field, before, now = _conflict(seen[key][0], kind, key)
-                return DataError(f"{name!r} line {lineno:,}: {field!r} holds {_kind_text(now)}, but "
-                                 f"{_kind_text(before)} on line {seen[key][1]:,}; every line must give a key "
-                                 "the same kind of value")
-            seen[key] = (merged, seen[key][1])
-    return None
-
-
 def relocate_json_float(exc: BaseException, path) -> BaseException | None:
     """The error about a float token (``1.0 (float)``, :func:`packkit.rules.not_integer`) moved to the row of a JSON
     lines ``path`` that wrote one, or None when ``exc`` is not that error or no line writes a float there.
@@ -333,19 +225,12 @@ def relocate_json_float(exc: BaseException, path) -> BaseException | None:
     the key are the error's fields (no message is read). Error path only.
     """
     fields = exc.fields if isinstance(exc, ExampleTypeError) else {}
-    if not isinstance(fields.get("value"), float) or not _json_lines(path):
+    found = isinstance(fields.get("value"), float) and _json_lines(path) and jsonlines.first_float(path, fields["key"])
+    if not found:
         return None
-    key = fields["key"]
-    for row, (_, raw) in enumerate(_lines(path)):
-        try:
-            found = _first_float(json.loads(raw).get(key))
-        except (ValueError, AttributeError):
-            return None
-        if found is not None:
-            text = not_integer(row, 0, key, fields["kind"], found).text
-            return located(ExampleTypeError, row, 0, f"{text} (a JSON number written with a decimal point or an "
-                           "exponent; one makes pyarrow read the whole column as floats)")
-    return None
+    text = not_integer(found[0], 0, fields["key"], fields["kind"], found[1]).text
+    return located(ExampleTypeError, found[0], 0, f"{text} (a JSON number written with a decimal point or an "
+                   "exponent; one makes pyarrow read the whole column as floats)")
 
 
 def _json_lines(path) -> bool:
@@ -356,23 +241,9 @@ def _json_lines(path) -> bool:
         return f.read(1 << 12).lstrip()[:1] != b"["
 
 
-def _lines(path):
-    """``(line number from 1, bytes)`` of every non-blank line of a file: the rows of JSON lines."""
-    with open(path, "rb") as f:
-        yield from ((lineno, raw) for lineno, raw in enumerate(f, 1) if raw.strip())
-
-
-def line_of_row(path, row: int) -> int | None:
-    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
-
-    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
-    """
-    return next((lineno for k, (lineno, _) in enumerate(_lines(path)) if k == row), None)
-
-
 def _packed_rows(path) -> bool:
     """Whether the first row of a JSON lines file is a packed row (its examples are documents, not lines)."""
-    first = next(_lines(path), (0, b"{}"))[1]
+    first = next(jsonlines.lines(path), (0, b"{}"))[1]
     try:
         return segment_key(list(json.loads(first))) is not None
     except (ValueError, TypeError):
@@ -392,287 +263,12 @@ def lines_named(path):
         where = moved.where if isinstance(moved, PackkitError) else None
         line = None
         if where is not None and not where.line and _json_lines(path) and (where.row or not _packed_rows(path)):
-            line = line_of_row(path, where.number)
+            line = jsonlines.line_of_row(path, where.number)
         if line is not None:
             moved = moved.at_line(f"line {line:,} of {str(path)!r}")
         if moved is exc:
             raise
         raise moved from exc
-
-
-def _first_float(value):
-    """The first float of a JSON value, lists searched in order (``[1, [2, 3.0]] -> 3.0``), or None."""
-    if isinstance(value, list):
-        return next((f for f in map(_first_float, value) if f is not None), None)
-    return value if isinstance(value, float) else None
-
-
-def longest_line(path, *, chunk: int = 1 << 24) -> int:
-    """Bytes of the longest line of a file, its newline included, read ``chunk`` bytes at a time
-    (numpy finds the newlines): ``b"ab\\nc" -> 3``."""
-    longest, run = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                return max(longest, run)
-            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
-            if not ends.size:
-                run += len(block)
-                continue
-            longest = max(longest, run + int(ends[0]) + 1, int(np.diff(ends).max(initial=0)))
-            run = len(block) - int(ends[-1]) - 1
-
-
-#: pyarrow's JSON reader takes blocks of at most 2**31 - 1 bytes; a line must fit in one.
-MAX_JSON_BLOCK = 2**31 - 1
-
-
-def _block_fits(path, need: int) -> int:
-    """``need`` (bytes of a JSON block: a line, or a chunk of whole lines, and one more) when pyarrow's reader takes
-    it, else the one-line error naming the file."""
-    if need > MAX_JSON_BLOCK:
-        raise DataError(f"{str(path)!r} holds a line of more than {MAX_JSON_BLOCK:,} bytes; JSON lines are read up "
-                        "to that many bytes a line: split the example, or store it as parquet")
-    return need
-
-
-def json_block_size(path) -> int:
-    """A block size for pyarrow's JSON reader that holds the longest line of ``path`` (1 MiB at least);
-    a line past 2 GiB is refused naming the file."""
-    return max(_block_fits(path, longest_line(path) + 1), 1 << 20)
-
-
-#: Bytes of JSON text parsed at a time when JSON lines are streamed (:func:`json_batches`).
-JSON_BLOCK_BYTES = 1 << 20
-
-#: Chunks of JSON lines parsed at once, each on a thread of its own (at most this many, and pyarrow's CPU count).
-JSON_PARSERS = 4
-
-
-class JsonLinesChanged(DataError):
-    """A streamed JSON lines file changed a column's type (or gained a column) after its first block, with no
-    line to blame (ints, then floats): the caller reads it whole instead, as pyarrow unifies types then."""
-
-
-def line_chunks(path, *, size: int = JSON_BLOCK_BYTES):
-    """The bytes of a file in chunks of whole lines, about ``size`` bytes each (a longer line whole, in a
-    chunk of its own), a UTF-8 byte-order mark left out; memory: one chunk. ``b"a\nbb\nc"`` at
-    ``size=2`` -> ``[b"a\n", b"bb\n", b"c"]``. What the longest line needs is found as it is read:
-    no pass over the file before."""
-    with open(path, "rb") as f:
-        head = f.read(3)
-        rest = [] if head == b"\xef\xbb\xbf" else [head]  # the pieces of the line being read, joined once
-        while True:
-            block = f.read(size)
-            if not block:
-                if any(rest):
-                    yield b"".join(rest)
-                return
-            cut = block.rfind(b"\n")
-            if cut < 0:  # inside a line longer than a chunk: keep its pieces (``+=`` would copy the line each time)
-                rest.append(block)
-                continue
-            rest.append(block[: cut + 1])
-            yield b"".join(rest)
-            rest = [block[cut + 1:]]
-
-
-def _parse_json_chunk(chunk: bytes, schema, path):
-    """``chunk`` (whole JSON lines, up to :data:`MAX_JSON_BLOCK` bytes) as a ``pyarrow.Table``, parsed as one
-    block on the calling thread: with ``schema`` (the first chunk's types; a new key or another type is an
-    error), or inferred."""
-    pa = pyarrow()
-    import pyarrow.json as pj
-
-    _block_fits(path, len(chunk) + 1)
-    parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None \
-        else pj.ParseOptions()
-    if len(chunk) >= LONG_LINE_BYTES and chunk.count(b"\n", 0, len(chunk) - 1) == 0:
-        fast = _one_long_line(chunk, parse)
-        if fast is not None:
-            return fast
-    return pj.read_json(pa.BufferReader(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1,
-                                                                            use_threads=False),
-                        parse_options=parse)
-
-
-#: A chunk that is one line of at least this many bytes has its long lists of integers parsed on many threads.
-LONG_LINE_BYTES = 8 << 20
-
-#: A list of integers at least this long (bytes of text) is parsed apart from its line (:func:`_one_long_line`).
-LONG_LIST_BYTES = 1 << 20
-
-
-def _one_long_line(chunk: bytes, parse):
-    """One JSON line whose long flat lists of integers (``"input_ids": [5, 6, ...]``, at least
-    :data:`LONG_LIST_BYTES` of text each) are parsed on pyarrow's threads, the rest of the line by its JSON reader;
-    None where the line is anything else, or a list is not plain integers (the caller parses the whole line,
-    whose errors then name what is wrong).
-
-    pyarrow parses a block on one thread and a line never spans two blocks, so one 128 MiB line took one core
-    where the same bytes in short lines took every core (1.76x the wall at load 8.5 on 2 cores). The numbers of a
-    long list are what takes the time: with the commas made newlines they are one CSV column of int64 (blocks
-    on every thread; an empty value, a float, text or a value past int64 fails the parse, and the whole line goes
-    the usual way). Each list is cut out of the line (the line keeps ``[]`` there), then put back as the row's.
-    """
-    pa = pyarrow()
-    import pyarrow.csv as pcsv
-    import pyarrow.json as pj
-
-    spans, at = [], 0
-    while True:
-        lo = chunk.find(b"[", at)
-        if lo < 0:
-            break
-        hi = chunk.find(b"]", lo)
-        if hi < 0:
-            return None
-        at = hi + 1
-        if hi - lo < LONG_LIST_BYTES:
-            continue
-        body = chunk[lo + 1: hi]
-        if any(body.find(c) >= 0 for c in (b"[", b"{", b'"')):  # nested or text: not a flat list of numbers
-            return None
-        head = chunk[max(0, lo - 4096): lo].rstrip()
-        if not head.endswith(b":"):
-            return None  # a list inside a list, or not a key's value
-        key = head[:-1].rstrip()
-        start = key.rfind(b'"', 0, len(key) - 1)
-        if not key.endswith(b'"') or start < 0 or b"\\" in key[start:]:
-            return None
-        spans.append((key[start + 1: -1].decode("utf-8", "replace"), lo, hi, body))
-    if not spans:
-        return None
-    skeleton, last = [], 0
-    for _, lo, hi, _ in spans:  # the line with each long list emptied: "input_ids": []
-        skeleton += [chunk[last: lo + 1], b"]"]
-        last = hi + 1
-    skeleton.append(chunk[last:])
-    try:
-        table = pj.read_json(pa.BufferReader(b"".join(skeleton)), parse_options=parse)
-        if table.num_rows != 1:
-            return None
-        for key, _, _, body in spans:
-            text = body.translate(None, b" \t\r\n").replace(b",", b"\n")
-            values = pcsv.read_csv(pa.BufferReader(text), read_options=pcsv.ReadOptions(column_names=["v"]),
-                                   parse_options=pcsv.ParseOptions(ignore_empty_lines=False),
-                                   convert_options=pcsv.ConvertOptions(column_types={"v": pa.int64()})).column("v")
-            if values.null_count or key not in table.column_names:
-                return None
-            field = table.schema.field(key)
-            if not pa.types.is_list(field.type):
-                return None
-            vtype = field.type.value_type if not pa.types.is_null(field.type.value_type) else pa.int64()
-            values = values.combine_chunks().cast(vtype)
-            row = pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values)
-            table = table.set_column(table.schema.get_field_index(key), key, row.cast(pa.list_(vtype)))
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, UnicodeDecodeError):
-        return None
-    return table
-
-
-def json_tables(path, *, block_size: int | None = None):
-    """Tables of a JSON lines file in order, one per chunk of about ``block_size`` bytes of whole lines
-    (default :data:`JSON_BLOCK_BYTES`; :func:`line_chunks`): memory holds a few chunks and their tables
-    (:data:`JSON_PARSERS` parsed at once, each on a thread), never the file. The first chunk's types hold
-    for every later one, as in pyarrow's streaming reader. A bad line is the one-line error naming it; a
-    type or key that changes after the first chunk with no line to blame is :class:`JsonLinesChanged`.
-    Nothing for a file that is one JSON list (``[{...}, ...]``) or empty.
-
-    Measured on 240 MB of token ids (2 cores, load 1-1.5): 2.6-2.9 s wall, 4.8-5.5 s CPU with two chunks of
-    1 MiB parsed at once (2.25 s / 4.4 s at 2 MiB, but 40 MiB more memory), against 3.3 s / 5.4 s for one
-    chunk at a time on pyarrow's threads and 2.3-2.5 s / 4.5-4.9 s for ``pyarrow.json.read_json`` of the
-    whole file; packing end to end is faster streamed, since the whole read's table then costs more.
-    """
-    import concurrent.futures
-
-    pa = reader_pyarrow(path)
-    chunks = iter(line_chunks(path, size=block_size or JSON_BLOCK_BYTES))
-    first = next((c for c in chunks if c.strip()), None)
-    if first is None or first.lstrip()[:1] == b"[":  # empty, or one JSON list of objects: not JSON lines
-        return
-    try:
-        table = _parse_json_chunk(first, None, path)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise _json_lines_error(path, exc) from None
-    del first
-    schema = table.schema
-    yield table
-    del table
-    workers = max(1, min(JSON_PARSERS, pa.cpu_count()))
-    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="packkit-json")
-    pending: list = []
-    try:
-        for chunk in itertools.chain(chunks, [None]):
-            done = chunk is None
-            if not done:
-                pending.append(pool.submit(_parse_json_chunk, chunk, schema, path))
-            chunk = None  # held by the pending parse only
-            while pending and (done or len(pending) > workers):
-                try:
-                    with deferred():  # a wait takes a lock: a signal waits for the chunk's parse (milliseconds)
-                        table = pending.pop(0).result()
-                except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                    raise _json_lines_error(path, exc, changed=True) from None
-                yield table
-                del table
-    finally:
-        with deferred():  # no parse outlives the reader
-            for future in pending:
-                future.cancel()
-            pool.shutdown(wait=True)
-
-
-def json_batches(path, *, block_size: int | None = None):
-    """Record batches of a JSON lines file in order (:func:`json_tables`, a chunk at a time)."""
-    for table in json_tables(path, block_size=block_size):
-        yield from table.to_batches()
-
-
-def _json_lines_error(path, exc, *, changed: bool = False) -> DataError:
-    """JSON lines pyarrow refused: the line to blame when one is (:func:`_locate_json_lines_error`), else
-    :class:`JsonLinesChanged` for a chunk after the first (``changed``), else pyarrow's words."""
-    located = _locate_json_lines_error(path)
-    if located is not None:
-        return located
-    if changed:
-        return JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}")
-    detail = re.sub(r" in row \d+", "", str(exc))  # pyarrow's row counts inside a block, from 0
-    return DataError(f"cannot read {str(path)!r} as JSON lines: {detail}")
-
-
-def _read_json(path: Path):
-    pa = pyarrow()
-    import pyarrow.json as pj
-
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-        if not head.strip() and len(head) < 1 << 16:
-            raise DataError(f"{str(path)!r} holds no examples (empty file)")
-    if head.lstrip()[:1] == b"[":  # one JSON list of objects, not JSON lines
-        try:
-            with open(path, encoding="utf-8") as f:
-                rows = json.load(f)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise DataError(f"cannot read {str(path)!r} as JSON: {exc}") from None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise DataError(f"{str(path)!r} must hold JSON objects, one per example")
-        try:
-            return pa.Table.from_pylist(rows)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise DataError(f"cannot read {str(path)!r}: {exc}") from None
-    try:
-        try:
-            return pj.read_json(str(path))
-        except pa.ArrowInvalid as exc:
-            if "straddl" not in str(exc):
-                raise
-        # a line longer than pyarrow's block (1 MiB: one long document, one 400k-token example): blocks
-        # that hold the longest line
-        return pj.read_json(str(path), read_options=pj.ReadOptions(block_size=json_block_size(path)))
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise _json_lines_error(path, exc) from None
 
 
 def _unreadable(exc: BaseException) -> bool:
@@ -844,7 +440,7 @@ def load_table(path, *, split: str | None = None):
     if path.is_dir():
         # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
-    read = {"json": _read_json, "parquet": _read_parquet, "arrow": _read_arrow, "text": _read_text}.get(
+    read = {"json": jsonlines.read_json, "parquet": _read_parquet, "arrow": _read_arrow, "text": _read_text}.get(
         input_format(path))
     if read is not None:
         return read(path)
@@ -915,16 +511,16 @@ class Tokenizing:
 #: Rows per chunk when an Arrow table (a memory-mapped file or folder) is tokenized a chunk at a time.
 TOKENIZE_ROWS = 4096
 
-#: Bytes of text (JSON lines, ``.txt``) per chunk tokenized at a time: larger than :data:`JSON_BLOCK_BYTES`,
+#: Bytes of text (JSON lines, ``.txt``) per chunk tokenized at a time: larger than :data:`packkit.jsonlines.JSON_BLOCK_BYTES`,
 #: since a tokenizer's batch call runs its threads better over more texts.
 TOKENIZE_BLOCK_BYTES = 4 << 20
 
 
 def text_tables(path, *, size: int | None = None):
     """The examples of a text file (:func:`text_lines`) as one-column tables (``text``) of about ``size``
-    bytes of text each (default :data:`JSON_BLOCK_BYTES`): memory holds one."""
+    bytes of text each (default :data:`packkit.jsonlines.JSON_BLOCK_BYTES`): memory holds one."""
     reader_pyarrow(path)
-    size = size or JSON_BLOCK_BYTES
+    size = size or jsonlines.JSON_BLOCK_BYTES
     lines, held = [], 0
     for line in text_lines(path):
         lines.append(line)
@@ -938,14 +534,14 @@ def text_tables(path, *, size: int | None = None):
 
 def table_chunks(path, *, split: str | None = None, block_size: int | None = None):
     """The rows of a data file (or a ``save_to_disk`` folder) as ``pyarrow.Table``\\ s in order, a bounded chunk
-    at a time: JSON lines and text parsed ``block_size`` bytes at a time (:func:`json_tables`,
+    at a time: JSON lines and text parsed ``block_size`` bytes at a time (:func:`packkit.jsonlines.json_tables`,
     :func:`text_tables`), parquet decoded a batch at a time, Arrow memory-mapped and sliced
     (:data:`TOKENIZE_ROWS` rows); a file that is one JSON list is read whole. Empty input yields nothing."""
     path = Path(path)
     kind = input_format(path)
     if kind == "json":
         any_table = False
-        for table in json_tables(path, block_size=block_size):
+        for table in jsonlines.json_tables(path, block_size=block_size):
             any_table = True
             yield table
         if any_table or not path.read_bytes()[:1 << 16].strip():
@@ -1043,13 +639,13 @@ class Input:
         self.where = repr(str(self.path))
 
     def read(self, use):
-        """``use(whole=False)``, and ``use(whole=True)`` where that read met :class:`JsonLinesChanged`: the one
+        """``use(whole=False)``, and ``use(whole=True)`` where that read met :class:`packkit.jsonlines.JsonLinesChanged`: the one
         place a chunked read falls back to the whole read. An error about a row names its line
         (:func:`lines_named`)."""
         with lines_named(self.path):
             try:
                 return use(whole=False)
-            except JsonLinesChanged:
+            except jsonlines.JsonLinesChanged:
                 return use(whole=True)
 
     def tokenizing(self, schema) -> Tokenizing | None:
@@ -1068,10 +664,11 @@ class Input:
         first chunk and checked before any other is read; ``how`` says how). None where the rows are read as they
         are (a memory-mapped or Parquet file of token ids) or whole, or hold no row."""
         if self.format == "json":
-            rest = json_tables(self.path)
+            reader_pyarrow(self.path)  # without pyarrow: the one line naming the format
+            rest = jsonlines.json_tables(self.path)
             first = next(rest, None)
             if first is not None and self.column in first.column_names:  # token ids: parsed a chunk at a time
-                return replay(first, rest, lambda: json_tables(self.path)), None
+                return replay(first, rest, lambda: jsonlines.json_tables(self.path)), None
         again = lambda: table_chunks(self.path, split=self.split, block_size=TOKENIZE_BLOCK_BYTES)  # noqa: E731
         rest = again()
         first = next(rest, None)

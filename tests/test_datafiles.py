@@ -82,7 +82,7 @@ def test_a_line_many_chunks_long_is_read_in_linear_time(tmp_path):
     same bytes in short lines cost. The chunks are whole lines and hold every byte."""
     import time
 
-    from packkit.datafiles import line_chunks
+    from packkit.jsonlines import line_chunks
 
     body = ",".join("7" * (1 << 20))  # one digit and a comma each: 2 MiB of text
     long_path, short_path = tmp_path / "long.jsonl", tmp_path / "short.jsonl"
@@ -112,22 +112,24 @@ def test_a_long_line_of_integers_parses_on_threads_as_pyarrow_reads_it(tmp_path,
 
     import pyarrow.json as pj
 
-    monkeypatch.setattr(pio, "LONG_LINE_BYTES", 64)
-    monkeypatch.setattr(pio, "LONG_LIST_BYTES", 16)
+    from packkit import jsonlines
+
+    monkeypatch.setattr(jsonlines, "LONG_LINE_BYTES", 64)
+    monkeypatch.setattr(jsonlines, "LONG_LIST_BYTES", 16)
     ids = list(range(-3, 60))
     body = sep.join(map(str, ids))
     line = '{"source": "a [bracket]", "input_ids": [' + body + '], "labels": [' + body + '], "n": 3}\n'
-    got = pio._parse_json_chunk(line.encode(), None, tmp_path / "x.jsonl")
+    got = jsonlines._parse_json_chunk(line.encode(), None, tmp_path / "x.jsonl")
     want = pj.read_json(pa.BufferReader(line.encode()))
     assert got is not None and got.equals(want), (got, want)
-    assert pio._one_long_line(line.encode(), pj.ParseOptions()) is not None  # the threaded path was taken
+    assert jsonlines._one_long_line(line.encode(), pj.ParseOptions()) is not None  # the threaded path was taken
     schema = pa.schema([("source", pa.string()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int64())),
                         ("n", pa.int64())])
-    later = pio._parse_json_chunk(line.encode(), schema, tmp_path / "x.jsonl")
+    later = jsonlines._parse_json_chunk(line.encode(), schema, tmp_path / "x.jsonl")
     assert later.schema == schema and later.column("input_ids").to_pylist() == [ids]
     for bad in ("5.0", str(2**64), "", "[1]"):
         odd = line.replace(", 7,", f", {bad},").replace(",7,", f",{bad},").replace(" ,\t7 ,", f" ,\t{bad} ,")
-        assert pio._one_long_line(odd.encode(), pj.ParseOptions()) is None, bad
+        assert jsonlines._one_long_line(odd.encode(), pj.ParseOptions()) is None, bad
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line.replace(", 7,", ", 7.5,").replace(",7,", ",7.5,")
                     .replace(" ,\t7 ,", " ,\t7.5 ,"))

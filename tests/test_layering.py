@@ -20,9 +20,9 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
      "integrations", "integrations.transformers"],
-    # pure planning, files out, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance", "integrations.trl",
-     "weighting"],
+    # pure planning, files out, JSON lines in, the batch, the kernels, the rules of an example and their wording
+    ["fileio", "jsonlines", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance",
+     "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # CP shards
     ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "cp", "media"],

@@ -429,16 +429,16 @@ def test_prefetch_keeps_order_errors_and_stops():
 
 def _small_blocks(monkeypatch, size: int = 64 << 10):
     """Blocks of ``size`` bytes instead of 8 MiB, so that a small file streams in many blocks."""
-    import packkit.datafiles as datafiles
+    import packkit.jsonlines as jsonlines
 
-    monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", size)
+    monkeypatch.setattr(jsonlines, "JSON_BLOCK_BYTES", size)
 
 
 def test_json_lines_stream_a_block_at_a_time_same_rows(tmp_path, monkeypatch, capsys):
     """`pack data.jsonl` parses one block at a time (staged beside OUT like parquet): the rows equal the
     in-memory reference's, with labels and a loss mask, over many blocks; nothing is left beside OUT."""
     from packkit.cli import main
-    from packkit.datafiles import json_batches
+    from packkit.jsonlines import json_batches
 
     cols = _examples(1500, labels=True, mask=True)
     src = tmp_path / "in.jsonl"
@@ -564,11 +564,12 @@ def test_waste_and_plan_read_json_lines_a_block_at_a_time(tmp_path, monkeypatch)
     and loss targets equal the whole-file read's over many blocks; packed rows are read whole (as their
     documents)."""
     import packkit.datafiles as datafiles
+    import packkit.jsonlines as jsonlines
 
     cols = _examples(1500, labels=True)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({k: cols[k][i] for k in cols}) + "\n" for i in range(1500)))
-    monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 32 << 10)
+    monkeypatch.setattr(jsonlines, "JSON_BLOCK_BYTES", 32 << 10)
     streamed = datafiles.Input(src)._streamed_lengths(whole=False)
     assert streamed is not None
     got = datafiles.read_lengths(src)

@@ -39,8 +39,9 @@ def tok_dir(tmp_path_factory):
 def small_chunks(monkeypatch):
     """Chunks of 4 KiB of text (JSON lines, .txt) and 64 rows (Arrow), so that a small file streams in many."""
     import packkit.datafiles as datafiles
+    import packkit.jsonlines as jsonlines
 
-    monkeypatch.setattr(datafiles, "JSON_BLOCK_BYTES", 4 << 10)
+    monkeypatch.setattr(jsonlines, "JSON_BLOCK_BYTES", 4 << 10)
     monkeypatch.setattr(datafiles, "TOKENIZE_BLOCK_BYTES", 4 << 10)
     monkeypatch.setattr(datafiles, "TOKENIZE_ROWS", 64)
 
@@ -146,7 +147,8 @@ def test_tokenize_streams_and_round_trips(out_name, tok_dir, tmp_path, small_chu
     assert main(["tokenize", str(src), str(out), "--tokenizer", str(tok_dir), "--json"]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["examples"] == 500 and line["columns"] == ["input_ids", "assistant_masks"]
-    from packkit.datafiles import Input, JsonLinesChanged
+    from packkit.datafiles import Input
+    from packkit.jsonlines import JsonLinesChanged
 
     def whole(self):
         raise JsonLinesChanged("read whole")
