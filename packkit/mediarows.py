@@ -18,7 +18,9 @@ only and refuse media rows by name.
 
 A document is never cut from its media: an example split or truncated by the overflow policy is refused by
 name. ``VisionLanguageCollator(PackedRowsCollator(window=W), config=model.config)`` reads the rows back
-(:func:`row_documents`), every document checked against its media as online.
+(:func:`row_documents`), every document checked against its media as online; for Qwen-VL (mRoPE) rows,
+``rope_index=model.model.get_rope_index`` makes each document's positions from its packed ``mm_token_type_ids``
+and its grids.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "
 
 #: Columns that carry media (by prefix), and the ones that do without the prefix.
 MEDIA_PREFIXES = ("pixel_values", "input_features", "image_", "video_", "audio_")
-MEDIA_KEYS = ("pixel_attention_mask", "feature_attention_mask")
+MEDIA_KEYS = ("pixel_attention_mask", "feature_attention_mask", "second_per_grid_ts")
 #: Per-token columns of multimodal rows (which tokens are an image's), packed with the tokens.
 TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
 

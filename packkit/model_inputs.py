@@ -174,9 +174,10 @@ class VisionLanguageCollator:
     Args:
         collator: a :class:`~packkit.collate.PaddingFreeCollator`, :class:`~packkit.collate.FixedWindowCollator`
             (``overflow="error"`` or ``"drop"``: a split or cut document would lose image tokens, or
-            order them apart from their features) or :class:`~packkit.collate.PaddedCollator`; for a family of
-            :data:`packkit.media.FAMILIES`, also :class:`~packkit.collate.PackedRowsCollator` over rows
-            ``pack_dataset`` packed with their media (:mod:`packkit.mediarows`).
+            order them apart from their features), :class:`~packkit.collate.PaddedCollator`, or
+            :class:`~packkit.collate.PackedRowsCollator` over rows ``pack_dataset`` packed with their media
+            (:mod:`packkit.mediarows`; an mRoPE document's positions are then computed from its
+            ``mm_token_type_ids`` and grids, packed with it, by ``rope_index``).
         rope_index: the model's ``get_rope_index`` (``model.model.get_rope_index``), called as
             ``rope_index(input_ids=(1, n), mm_token_type_ids=(1, n), image_grid_thw=..., ...)`` for
             examples with images and without ``position_ids``. In DataLoader workers started by
@@ -189,10 +190,6 @@ class VisionLanguageCollator:
     """
 
     def __init__(self, collator, *, rope_index=None, config=None):
-        if isinstance(collator, PackedRowsCollator) and family_of(config) is None:
-            raise TypeError("VisionLanguageCollator reads rows packed offline for the families of packkit.media (their "
-                            "media kept per document, packkit.mediarows); mRoPE rows carry no per-document positions: "
-                            "wrap PaddingFreeCollator or FixedWindowCollator instead")
         if not isinstance(collator, (PaddingFreeCollator, FixedWindowCollator, PaddedCollator, PackedRowsCollator)):
             raise TypeError(f"VisionLanguageCollator wraps PaddingFreeCollator, FixedWindowCollator, PaddedCollator "
                             f"or PackedRowsCollator, got {type(collator).__name__}")
@@ -215,6 +212,8 @@ class VisionLanguageCollator:
         if self.family is not None:
             return self._family_batch(examples)
         batch, index, dest, order = self._layout(examples)
+        if isinstance(self.collator, PackedRowsCollator):  # rows packed offline: their documents, in row order
+            examples = row_documents(examples)
         check_vision(examples, self.vision)
         positions = [example_positions(ex, rope_index=self.rope_index, where=i) for i, ex in enumerate(examples)]
         batch["position_ids"] = torch.from_numpy(
@@ -389,7 +388,7 @@ def _vision_inputs(examples, order) -> dict:
     for every key of :data:`VISION_KEYS` some document carries."""
     out = {}
     for key in VISION_KEYS:
-        parts = [torch.as_tensor(examples[i][key]) for i in order if examples[i].get(key) is not None]
+        parts = [torch.as_tensor(_as_array(examples[i][key])) for i in order if examples[i].get(key) is not None]
         if parts:
             out[key] = torch.cat(parts)
     return out

@@ -207,8 +207,6 @@ def test_errors_name_the_example_and_the_fix(model, examples):
         VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)(no_types)
     with pytest.raises(ValueError, match=r"overflow='split'\) would cut documents"):
         VisionLanguageCollator(FixedWindowCollator(window=8, overflow="split"))
-    with pytest.raises(TypeError, match="rows packed offline"):
-        VisionLanguageCollator(PackedRowsCollator(window=8))
 
 
 def test_padded_view_rebuilt_from_a_plain_dict_reads_segments_from_the_text_row(model, examples):
@@ -237,3 +235,59 @@ def test_explicit_4d_mask_view_with_mrope_positions(model, examples, alone):
         diff = max(diff, (out[a: a + n] - alone[i]).abs().max().item())
     print(f"4-D mask logits max abs diff {diff:.3e}")
     assert diff < TOL
+
+
+def offline_rows(examples):
+    """The examples as a dataset holds them (lists; every row every key, None where it has no such media),
+    with labels (-100 on the vision tokens), for ``pack_dataset``."""
+    keys = ["input_ids", "mm_token_type_ids", *VISION_KEYS]
+    rows = [{k: (ex[k].tolist() if torch.is_tensor(ex[k]) else ex[k]) if k in ex else None for k in keys}
+            for ex in examples]
+    for row in rows:
+        row["labels"] = [-100 if t else x for x, t in zip(row["input_ids"], row["mm_token_type_ids"])]
+    return [{k: v for k, v in row.items() if k != "second_per_grid_ts"} for row in rows]
+
+
+@pytest.mark.parametrize("where", ["memory", "parquet", "arrow"])
+def test_offline_packed_rows_equal_each_document_alone(model, examples, alone, where, tmp_path):
+    """pack_dataset of Qwen-VL rows keeps each document's images, grids and mm_token_type_ids with it (in memory,
+    or written to a file and read back), and VisionLanguageCollator(PackedRowsCollator, rope_index=) makes each
+    document's mRoPE positions from them: every document's logits equal it alone (best-fit moved the documents,
+    and two look-alike documents hold other pixels), the images follow their documents, and the summed loss
+    equals the same examples collated online."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import pack_dataset
+
+    ds = datasets.Dataset.from_list(offline_rows(examples))
+    window = 32
+    if where == "memory":
+        packed = pack_dataset(ds, window=window, seed=3, progress=False)
+    else:
+        path = pack_dataset(ds, window=window, seed=3, progress=False, output=tmp_path / f"packed.{where}")
+        packed = datasets.Dataset.from_parquet(str(path)) if where == "parquet" else datasets.Dataset.from_file(str(path))
+    assert {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"} <= set(packed.column_names)
+    assert any(len(r["seq_lengths"]) > 1 for r in packed)
+    rope_index = model.model.get_rope_index
+    offline = VisionLanguageCollator(PackedRowsCollator(window=window), rope_index=rope_index)(list(packed))
+    assert offline["pixel_values"].dtype == torch.float64
+    order = check_documents(model, offline, examples, alone)
+    assert order != sorted(order)
+    assert torch.equal(offline["image_grid_thw"], torch.cat([examples[i]["image_grid_thw"] for i in order
+                                                             if "image_grid_thw" in examples[i]]))
+    labelled = [dict(ex, labels=row["labels"]) for ex, row in zip(examples, offline_rows(examples))]
+    online = VisionLanguageCollator(FixedWindowCollator(window=window), rope_index=rope_index)(labelled)
+    with torch.no_grad():
+        loss = [model(**b).loss * b.num_loss_tokens for b in (offline, online)]
+    assert offline.num_loss_tokens == online.num_loss_tokens > 0
+    assert torch.allclose(loss[0], loss[1], rtol=1e-6, atol=0)  # transformers' loss upcasts logits to float32 only
+
+
+def test_offline_packed_rows_without_rope_index_name_the_document(model, examples):
+    """Read back without rope_index (and no stored 3-D positions), a document with images is refused by its
+    place in the batch, as online."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import pack_dataset
+
+    packed = pack_dataset(datasets.Dataset.from_list(offline_rows(examples)), window=32, seed=3, progress=False)
+    with pytest.raises(ValueError, match=r"example \d+ has images or videos but no 3-D position_ids; pass rope_index="):
+        VisionLanguageCollator(PackedRowsCollator(window=32), config=model.config)(list(packed))
