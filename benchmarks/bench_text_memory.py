@@ -73,9 +73,10 @@ def child(src: str, out: str, tok: str) -> None:
     import pyarrow as pa
     from packkit.cli import main
 
-    loaded = datafiles._load_tokenizer(tok)  # the tokenizer's own memory is not the data's: loaded before too
-    load = datafiles._load_tokenizer
-    datafiles._load_tokenizer = lambda spec, **kw: loaded if spec == tok else load(spec, **kw)
+    name = "rust_tokenizer" if hasattr(datafiles, "rust_tokenizer") else "_load_tokenizer"  # its name before 46bec5f~
+    load = getattr(datafiles, name)
+    loaded = load(tok)  # the tokenizer's own memory is not the data's: loaded before too
+    setattr(datafiles, name, lambda spec, **kw: loaded if spec == tok else load(spec, **kw))
     warm = out + ".warm.txt"  # what the first pack imports and sets up once (modules, pools) is not the data's either
     with open(warm, "w") as f:
         f.write("a warm-up line\n" * 10)

@@ -31,7 +31,7 @@ both apply their product is written as ``completion_mask``. With neither, no mas
 every token carries the loss.
 
 A tokenizer is a local folder, a ``tokenizer.json`` (with ``chat_template=``), a model id, or a loaded
-``transformers`` tokenizer (:func:`load_tokenizer`): no remote code runs unless asked for by name, and a
+``transformers`` tokenizer (:func:`packkit.tokenizer.load_tokenizer`): no remote code runs unless asked for by name, and a
 model id that is neither cached nor reachable fails at once, in one line, instead of retrying.
 
 Rendering is Jinja, one conversation at a time in Python (as in ``transformers``); tokenization is
@@ -52,11 +52,9 @@ import dataclasses
 import json
 import os
 import re
-import threading
 import warnings
 from operator import itemgetter
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -65,6 +63,7 @@ from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
 from .segments import lengths_to_offsets, range_index
+from .tokenizer import bad_utf8, load_tokenizer, one_line
 
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
            "ignored_columns", "common_prefix_lengths", "has_generation_markers", "load_tokenizer", "mask_from",
@@ -82,14 +81,7 @@ BATCH_SIZE = 512
 #: :func:`tokenize_dataset` shows a progress bar by default from this many examples on.
 PROGRESS_EXAMPLES = 10_000
 
-#: Seconds to wait for the Hub's host before calling a model id unreachable.
-HUB_PROBE_TIMEOUT = 5.0
-
-#: A folder holding one of these is a tokenizer folder (what ``save_pretrained`` writes).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
 class ChatWarning(UserWarning):
@@ -261,37 +253,8 @@ def ignored_columns(schema, fmt: str) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# tokenizers
+# templates
 # ----------------------------------------------------------------------------------------------
-
-
-def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
-    """One connection attempt to the Hub's host (``HF_ENDPOINT``), bounded by ``timeout`` seconds
-    including the name lookup: no retries, so an offline machine learns it at once."""
-    import socket  # here, not at start: packkit waste and plan read chat options but never probe the Hub
-
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    result = []
-
-    def attempt():
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            result.append(True)
-        except OSError:
-            result.append(False)
-
-    t = threading.Thread(target=attempt, daemon=True)
-    t.start()
-    t.join(timeout)
-    return bool(result and result[0])
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _read_template(template) -> str | None:
@@ -310,32 +273,11 @@ def _read_template(template) -> str | None:
         raise ArgumentError("{arg} {text!r} is neither a file nor Jinja text: pass a .jinja file (or a folder "
                             "holding chat_template.jinja)", arg=arg("chat_template"), text=text)
     raw = path.read_bytes()
-    bad = _bad_utf8(raw)
+    bad = bad_utf8(raw)
     if bad is not None:
         raise ArgumentError("{arg} {path!r} is not UTF-8 text: line {line:,} holds {bad!r} ({why}); save it as UTF-8",
                             arg=arg("chat_template"), path=str(path), line=bad[0], bad=bad[1], why=bad[2])
     return raw.decode("utf-8")
-
-
-def _bad_utf8(raw: bytes) -> tuple | None:
-    """``(line, bytes, reason)`` of the first bytes of ``raw`` that are not UTF-8, or None:
-    ``_bad_utf8(b"a\\n\\xff") -> (2, b"\\xff", "invalid start byte")``."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return raw.count(b"\n", 0, exc.start) + 1, raw[exc.start:exc.end], exc.reason
-    return None
-
-
-def _not_utf8(folder) -> tuple | None:
-    """``(path, line, bytes)`` of the first text file of a tokenizer folder (``.json``, ``.jinja``, ``.txt``) that is
-    not UTF-8, or None. The error path only."""
-    files = sorted(Path(folder).iterdir()) if os.path.isdir(folder) else []
-    for path in files:
-        bad = _bad_utf8(path.read_bytes()) if path.suffix in (".json", ".jinja", ".txt") and path.is_file() else None
-        if bad is not None:
-            return str(path), bad[0], bad[1]
-    return None
 
 
 def check_template_syntax(template: str, what: str) -> None:
@@ -355,106 +297,6 @@ def check_template_syntax(template: str, what: str) -> None:
         raise ArgumentError("{what}, line {line}: Jinja syntax error: {msg}; fix the template or pass {tpl}", what=what,
                             line=exc.lineno, msg=str(exc.message).rstrip("."), tpl=arg("chat_template", metavar="FILE.jinja")) from None
 
-
-def load_tokenizer(spec, *, trust_remote_code: bool = False):
-    """A ``transformers`` tokenizer from a folder, a ``tokenizer.json``, a model id, or as given.
-
-    Args:
-        spec: a folder holding ``tokenizer.json`` / ``tokenizer_config.json`` (what ``save_pretrained``
-            writes), the path of a ``tokenizer.json`` (it has no chat template: pass one to
-            :func:`tokenize_chat`), a Hub model id (``"org/name"``), or a loaded tokenizer (returned as is).
-        trust_remote_code: run the tokenizer's own Python code when its config asks for it
-            (``auto_map``). Off by default: such a tokenizer is then an error that names the flag.
-    Returns:
-        A ``transformers.PreTrainedTokenizerBase``.
-    Raises:
-        :class:`~packkit.errors.ArgumentError` in one line naming ``spec`` and the fix: no such
-        folder or file, a model id neither in the local cache nor reachable (one connection attempt;
-        ``HF_HUB_OFFLINE=1`` skips it), a repository that is missing or gated, remote code refused.
-    """
-    if not isinstance(spec, (str, os.PathLike)):
-        if hasattr(spec, "apply_chat_template"):
-            return spec
-        raise TypeError(f"tokenizer must be a folder, a tokenizer.json, a model id or a transformers tokenizer, "
-                        f"got {type(spec).__name__}")
-    try:
-        import transformers
-    except ImportError:
-        raise ModuleNotFoundError("a chat template needs transformers: pip install 'packkit[chat]'",
-                                  name="transformers") from None
-    text = str(spec)
-    path = Path(text).expanduser()
-    fix = "pass a tokenizer folder (save_pretrained), a tokenizer.json, or a model id"
-    tok_arg = arg("tokenizer")
-    if path.is_file():
-        if path.suffix != ".json":
-            raise ArgumentError("{arg} {text!r} is a file but not a tokenizer.json: {fix}", arg=tok_arg, text=text,
-                                fix=fix)
-        try:
-            # no name while it is built: transformers takes a name for a Hub id when the vocabulary passes 100,000
-            # (its Mistral regex check), which fails on a path under HF_HUB_OFFLINE=1 ("Repo id must be ...")
-            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), name_or_path=None)
-        except Exception as exc:  # tokenizers raises its own exception type
-            raise ArgumentError("could not read {arg} {text!r}: {why}", arg=tok_arg, text=text,
-                                why=_one_line(exc)) from None
-        tok.name_or_path = text  # named by its file, as errors about it name it once it is loaded
-        return tok
-    if path.is_dir():
-        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise ArgumentError("{arg} folder {text!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): "
-                                "pass the folder that save_pretrained wrote, or a model id", arg=tok_arg, text=text)
-        return _from_pretrained(transformers, str(path), text, trust_remote_code, local=True)
-    looks_like_path = (text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1
-                       or not _REPO_ID_RE.match(text))
-    if looks_like_path:
-        raise ArgumentError("{arg} {text!r} not found: no such folder or file; {fix}", arg=tok_arg, text=text, fix=fix)
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return _from_pretrained(transformers, text, text, trust_remote_code, local=True,
-                                why="HF_HUB_OFFLINE is set and it is not in the local cache")
-    if not _hub_reachable():
-        return _from_pretrained(transformers, text, text, trust_remote_code, local=True,
-                                why=f"{constants.ENDPOINT} cannot be reached and it is not in the local cache")
-    return _from_pretrained(transformers, text, text, trust_remote_code, local=False)
-
-
-def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: bool, *, local: bool,
-                     why: str | None = None):
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
-
-    try:
-        disable_progress_bars()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
-                                                              local_files_only=local)
-    except Exception as exc:  # a broken tokenizer file, a template syntax error, ...: one line naming the fix
-        raise _load_error(exc, where, spec, local=local, why=why) from None
-    finally:
-        enable_progress_bars()
-
-
-def _load_error(exc: Exception, where: str, spec: str, *, local: bool, why: str | None) -> ArgumentError:
-    """What :func:`_from_pretrained` says when ``from_pretrained`` raised ``exc`` (``why``: a Hub id that is
-    not in the cache and cannot be downloaded)."""
-    text, fields = str(exc), {"arg": arg("tokenizer"), "spec": spec}
-    bad = _not_utf8(where) if isinstance(exc, UnicodeDecodeError) else None  # a chat_template.jinja saved as Latin-1
-    if bad is not None:
-        return ArgumentError("could not load {arg} {spec!r}: {file!r} is not UTF-8 text: line {line:,} holds {b!r}; "
-                             "save it as UTF-8", file=bad[0], line=bad[1], b=bad[2], **fields)
-    if isinstance(exc, ValueError) and "trust_remote_code" in text:
-        return ArgumentError("{arg} {spec!r} runs its own Python code (auto_map in tokenizer_config.json); read it, "
-                             "then pass {trust} to allow it", trust=arg("trust_remote_code", True), **fields)
-    if isinstance(exc, OSError) and why is not None:
-        return ArgumentError("{arg} {spec!r} cannot be loaded: {why}; pass a local tokenizer folder, or download it "
-                             "once online (hf download NAME)", why=why, **fields)
-    if isinstance(exc, OSError) and not local and ("not a valid model identifier" in text or "404" in text
-                                                   or "401" in text or "gated" in text.lower()):
-        return ArgumentError("{arg} {spec!r} is not a model on the Hub you can read (missing, private or gated): "
-                             "check the id, or log in (hf auth login), or pass a local folder", **fields)
-    kind = "" if isinstance(exc, (ValueError, OSError)) else type(exc).__name__ + ": "
-    return ArgumentError("could not load {arg} {spec!r}: {kind}{why}", kind=kind, why=_one_line(exc), **fields)
 
 
 def training_template(tokenizer, template: str | None = None) -> str | None:
@@ -581,7 +423,7 @@ def _render(tok, conversations: list, base: int, *, template: str, tools=None, k
         for j, conv in enumerate(conversations):  # find the example that fails, to name it
             _render_one(tok, conv, base + j, template, None, None, add_generation_prompt, assistant_mask)
         raise DataError(f"examples {base}..{base + len(conversations) - 1}: the chat template failed: "
-                         f"{type(exc).__name__}: {_one_line(exc)}") from None
+                         f"{type(exc).__name__}: {one_line(exc)}") from None
     offsets, ids = _flat(list(out["input_ids"]))
     return offsets, ids, (_flat(list(out["assistant_masks"]))[1].astype(np.int8) if assistant_mask else None)
 
@@ -632,7 +474,7 @@ def _render_one(tok, conv, i, template, tools, extra, add_generation_prompt, ass
                                           return_assistant_tokens_mask=assistant_mask, **(extra or {}))
     except Exception as exc:
         raise DataError("{i}: the chat template failed on it: {kind}: {why}", i=Where(i), kind=type(exc).__name__,
-                        why=_one_line(exc)) from None
+                        why=one_line(exc)) from None
     return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
 
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 
 from . import jsonlines
-from .arrow import byte_tokenize, list_array, pyarrow
+from .arrow import pyarrow
 from .binpack import as_lengths
-from .chat import ChatOptions, chat_encoder, chat_format, load_tokenizer
+from .chat import ChatOptions, chat_encoder, chat_format
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
 from .fileio import held_still
 from .listcolumns import loss_targets, packed_segments, token_lengths
 from .rules import ExampleTypeError, located, not_integer, segment_key
-from .progress import progress_bar
 from .segments import lengths_to_offsets
+from .tokenizer import load_tokenizer, rust_tokenizer, tokenize, tokenizer_name
 
 __all__ = ["Lengths", "read_preference_lengths", "bundled_sample", "load_table", "load_dataset", "parquet_batches",
            "parquet_schema", "read_lengths", "reader_pyarrow", "table_chunks", "Tokenizing", "tokenize", "FORMATS",
@@ -78,105 +78,6 @@ class Lengths:
     unit: str = "tokens"
     loss_lengths: np.ndarray | None = None
     targets: np.ndarray | None = None
-
-
-def _load_tokenizer(spec, *, trust_remote_code: bool = False):
-    """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer;
-    anything else (a model id, a folder without ``tokenizer.json``) -> the Rust tokenizer behind
-    :func:`packkit.chat.load_tokenizer`'s (which runs a tokenizer's own code only under
-    ``trust_remote_code``)."""
-    if spec is None or spec == "bytes":
-        return None
-    if hasattr(spec, "encode_batch") and not isinstance(spec, (str, os.PathLike)):  # loaded already
-        return spec
-    path = Path(spec)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        tok = load_tokenizer(spec, trust_remote_code=trust_remote_code)
-        if getattr(tok, "backend_tokenizer", None) is None:
-            raise ValueError(f"tokenizer {str(spec)!r} has no tokenizer.json (not a fast tokenizer): pass a "
-                             "tokenizer.json, or 'bytes'")
-        return tok.backend_tokenizer
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ModuleNotFoundError("a tokenizer.json needs the 'tokenizers' package: pip install tokenizers",
-                                  name="tokenizers") from None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises its own exception type
-        raise ValueError(f"could not read tokenizer {str(path)!r}: {exc}") from None
-
-
-def tokenizer_name(tokenizer) -> str:
-    """How a message names a tokenizer: the last part of its path or model id (``"models/qwen3/" -> "qwen3"``), or a
-    loaded one's ``name_or_path``."""
-    name = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else getattr(tokenizer, "name_or_path", "?")
-    return os.path.basename(str(name).rstrip("/")) or str(name)
-
-
-#: Characters of text a tokenizer is given in one call of :func:`tokenize` (a longer text alone): the call's working set
-#: (its ``Encoding`` objects and pre-tokenized pieces, freed when the call's ids are taken) is what peaks. Measured
-#: with Qwen3's tokenizer on ShareGPT text: 2.0 MiB at 64 Ki characters (33 bytes a character, 38x its tokens as
-#: int32), 8 MiB at 256 Ki, 27 MiB at 1 Mi, 77 MiB at 4 Mi, and the same CPU time from 64 Ki to 4 Mi a call.
-TOKENIZE_CALL_CHARS = 1 << 16
-
-
-def text_calls(sizes, limit: int) -> list:
-    """``(lo, hi)`` ranges of consecutive texts of ``sizes`` (characters or bytes) holding at most ``limit`` of them
-    together, a longer text alone: ``text_calls([2, 1, 4, 1], 3) -> [(0, 2), (2, 3), (3, 4)]``."""
-    ends = np.cumsum(np.asarray(sizes, np.int64))
-    out, lo = [], 0
-    while lo < ends.size:
-        start = ends[lo - 1] if lo else 0
-        hi = max(lo + 1, int(np.searchsorted(ends, start + limit, side="right")))
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_code: bool = False):
-    """Token ids of ``texts`` as a pyarrow list array: byte level, a ``tokenizer.json``, or a model's tokenizer.
-
-    The tokenizer is given at most :data:`TOKENIZE_CALL_CHARS` characters a call (a longer text alone), so its
-    working set is bounded whatever the number of texts; memory holds the texts, their ids and one call's.
-
-    Args:
-        texts: pyarrow string array (or list of str).
-        tokenizer: ``"bytes"``, the path of a local ``tokenizer.json`` (or its folder), a model id
-            (:func:`packkit.chat.load_tokenizer`: no remote code unless ``trust_remote_code``), or a loaded
-            ``tokenizers.Tokenizer``.
-    Returns:
-        pyarrow ``ListArray`` of int32, a ``LargeListArray`` past 2**31 - 1 tokens (:func:`list_array`).
-    """
-    pa = pyarrow()
-    tok = _load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
-    if tok is None:
-        return byte_tokenize(texts)
-    if isinstance(texts, (pa.Array, pa.ChunkedArray)):
-        if texts.null_count:
-            raise DataError("{i} has no text (null)", i=Where(texts.to_pylist().index(None)))
-        import pyarrow.compute as pc
-
-        sizes = pc.binary_length(texts).to_numpy()  # UTF-8 bytes: at least the characters
-        take = lambda lo, hi: texts.slice(lo, hi - lo).to_pylist()  # noqa: E731 - a call's texts as str only
-    else:
-        sizes = np.fromiter(map(len, texts), np.int64, len(texts))
-        take = lambda lo, hi: texts[lo: hi]  # noqa: E731
-    lengths, ids = [], []
-    # only the ids are kept: the fast call computes no offsets (measured on 7M tokens of prose with a BPE of
-    # 8,192: 12.9 s CPU against 14.1 s)
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    with progress_bar(total=len(sizes), unit="ex", enabled=progress, desc="tokenize") as bar:
-        for lo, hi in text_calls(sizes, TOKENIZE_CALL_CHARS):
-            per = [e.ids for e in encode(take(lo, hi))]  # the call's Encodings go here, its working set with them
-            n = np.fromiter(map(len, per), np.int64, len(per))
-            ids.append(np.fromiter(itertools.chain.from_iterable(per), np.int32, int(n.sum())))
-            lengths.append(n)
-            bar.update(hi - lo)
-    offsets = lengths_to_offsets(np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
-    return list_array(offsets, np.concatenate(ids) if ids else np.zeros(0, np.int32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,7 +354,7 @@ class Tokenizing:
     Made by :meth:`Input.tokenizing`. ``encode(table, first_row)`` returns the chunk with its tokens: conversational
     rows (TRL's ``messages``, ``conversations`` or ``prompt`` + ``completion``) become ``input_ids`` plus the
     loss mask TRL would train with (:func:`packkit.chat.chat_encoder`, its tokenizer loaded once); text gets
-    ``column`` appended (list<int32>, :func:`tokenize`). Errors name the example by its row in the whole input
+    ``column`` appended (list<int32>, :func:`packkit.tokenizer.tokenize`). Errors name the example by its row in the whole input
     (``first_row`` is the chunk's). ``finish(rows)`` gives the warnings that need every row; ``how`` says
     what was done, in words.
     """
@@ -490,7 +391,7 @@ class Tokenizing:
         typ = schema.field(text_column).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise TypeError(f"column {text_column!r} holds {typ}, not text")
-        self.tokenizer = _load_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
+        self.tokenizer = rust_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
         self.how = f"column {text_column!r} tokenized with {tokenizer_name(tokenizer or 'bytes')}"
 
     def encode(self, table, first_row: int = 0, *, progress: bool = False):
@@ -878,7 +779,7 @@ def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
     """TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (list<int32>) of a table of text or
     conversational ``prompt`` / ``chosen`` / ``rejected`` pairs, as TRL 1.16's ``DPOTrainer`` tokenizes them
     (:func:`packkit.preference.tokenize_preference`; errors name the example). ``tokenizer``: as
-    :func:`packkit.chat.load_tokenizer` takes it. The pairs are tokenized in one pass over the table."""
+    :func:`packkit.tokenizer.load_tokenizer` takes it. The pairs are tokenized in one pass over the table."""
     from .preference import tokenize_preference  # lazy: torch, only for text pairs
 
     pa = pyarrow()

@@ -26,7 +26,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from testlib import tiny_causal_lm  # noqa: E402
 
-from packkit import chat  # noqa: E402
+from packkit import chat, tokenizer  # noqa: E402
 from packkit.chat import (ChatWarning, chat_format, common_prefix_lengths, mask_from, tokenize_chat,  # noqa: E402
                           tokenize_dataset)
 from packkit.cli import main  # noqa: E402
@@ -405,14 +405,14 @@ def test_model_id_offline_fails_fast_in_one_line(no_hub):
     print(text, f"{took:.2f}s")
     assert "\n" not in text and "'packkit-test/no-such-model'" in text and "cannot be reached" in text
     assert "local tokenizer folder" in text
-    assert took < chat.HUB_PROBE_TIMEOUT + 5  # one probe, no retry loop
+    assert took < tokenizer.HUB_PROBE_TIMEOUT + 5  # one probe, no retry loop
 
 
 def test_hf_hub_offline_skips_the_network(monkeypatch, no_hub):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(chat, "_hub_reachable", lambda *a, **k: pytest.fail("probed the network under HF_HUB_OFFLINE"))
+    monkeypatch.setattr(tokenizer, "_hub_reachable", lambda *a, **k: pytest.fail("probed the network under HF_HUB_OFFLINE"))
     with pytest.raises(ArgumentError, match="HF_HUB_OFFLINE is set"):
         chat.load_tokenizer("packkit-test/no-such-model")
 

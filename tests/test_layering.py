@@ -20,8 +20,9 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
      "integrations", "integrations.transformers"],
-    # pure planning, files out, JSON lines in, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "jsonlines", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance",
+    # pure planning, files out, JSON lines in, tokenizers, the batch, the kernels, the rules of an example and their
+    # wording
+    ["fileio", "jsonlines", "tokenizer", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules", "states", "balance",
      "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # CP shards
@@ -217,7 +218,7 @@ def test_functions_are_short_and_take_few_parameters():
 DOORS = {"packkit.datafiles", "packkit.outputs"}
 
 #: Suffixes a module outside the doors may name, and why: a tokenizer's own files are not data.
-NOT_DATA = {("packkit.chat", ".json"), ("packkit.chat", ".txt")}
+NOT_DATA = {("packkit.tokenizer", ".json"), ("packkit.tokenizer", ".txt")}
 
 
 def _suffix_literals(path: Path, suffixes: set) -> list:

@@ -297,8 +297,9 @@ def test_pack_gives_the_tokenizer_a_bounded_number_of_characters_a_call(lines, t
     the file's size (a longer line alone), and the ids equal one call over every line. Before, a call took 10,000
     lines, a whole chunk of 4 MiB of text here."""
     import packkit.datafiles as datafiles
+    import packkit.tokenizer as tokenizer
 
-    load, calls = datafiles._load_tokenizer, []
+    load, calls = tokenizer.rust_tokenizer, []
     real = load(str(tok_dir / "tokenizer.json"))
 
     class Spy:  # the real tokenizer, each call's texts counted
@@ -308,8 +309,8 @@ def test_pack_gives_the_tokenizer_a_bounded_number_of_characters_a_call(lines, t
 
         encode_batch = encode_batch_fast  # what marks a loaded tokenizer
 
-    monkeypatch.setattr(datafiles, "_load_tokenizer", lambda spec, **kw: Spy() if spec == str(tok_dir) else load(spec, **kw))
-    monkeypatch.setattr(datafiles, "TOKENIZE_CALL_CHARS", 300)
+    monkeypatch.setattr(datafiles, "rust_tokenizer", lambda spec, **kw: Spy() if spec == str(tok_dir) else load(spec, **kw))
+    monkeypatch.setattr(tokenizer, "TOKENIZE_CALL_CHARS", 300)
     texts = _texts(lines, seed=lines) + ["five " * 100]  # a line of 500 characters
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")

@@ -20,10 +20,11 @@ from pathlib import Path
 from . import Parser, add_output_switches
 from ..chat import chat_format
 from ..datafiles import (Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks,
-                         tokenize_pairs, tokenizer_name)
+                         tokenize_pairs)
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
+from ..tokenizer import tokenizer_name
 from ..outputs import example_suffixes, output_format, write_batches
 from ._chat import add_input_arguments, chat_options
 
