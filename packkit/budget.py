@@ -8,7 +8,7 @@ The number that governs gradient noise is tokens per optimiser step, not example
     >>> effective_batch_size(per_device_batch=4, accumulation_steps=8, world_size=2)
     64
 
-:func:`plan_budget` walks one epoch of the user's lengths as packkit's sampler deals it (:func:`deal`: a
+:func:`plan_budget` walks one epoch of the user's lengths as packkit's sampler deals it (:func:`packkit.epoch.deal`: a
 ``PackedBatchSampler`` over packed windows, or a ``LengthGroupedSampler`` over padded batches, under any
 ``balance``; ``packkit waste`` reads the same schedule) and reports examples, tokens and loss tokens per step
 (mean and spread), steps per epoch, padding and the compute imbalance across ranks, plus the advice a
@@ -40,17 +40,13 @@ import warnings
 
 import numpy as np
 
-from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_overflow, check_window, overflow_note,
-                      pack)
+from .binpack import DEFAULT_OVERFLOW, Plan, check_window, overflow_note
 from .cp_plan import check_cp_window, cp_multiples
-from .datafiles import Lengths
-from .errors import DataError, Message, arg, check_int
-from .rules import check_loss_lengths
-from .sampler import LengthGroupedSampler, PackedBatchSampler, batch_sums
-from .segments import lengths_to_offsets, piece_loss_tokens
+from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object
+from .errors import Message, arg, check_int
+from .sampler import batch_sums
 
-__all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "Dealt", "Units", "advise", "deal",
-           "packed_units", "MicroBatchSearch", "effective_batch_size", "plan_budget", "find_max_micro_batch",
+__all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "advise", "MicroBatchSearch", "effective_batch_size", "plan_budget", "find_max_micro_batch",
            "is_out_of_memory", "synthetic_sft_lengths"]
 
 
@@ -260,134 +256,6 @@ def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> t
 
 
 # ----------------------------------------------------------------------------------------------
-# the plan
-# ----------------------------------------------------------------------------------------------
-
-
-def read_lengths_object(data) -> Lengths:
-    """``data``, at least one example, as a :class:`packkit.datafiles.Lengths` (what :func:`plan_budget` and
-    :func:`packkit.waste.measure_waste` read): one as it is (its loss counts checked), the lengths of a
-    :class:`~packkit.binpack.Plan`, or an array of lengths (no loss counts: every token but a piece's first).
-    ``read_lengths_object([3, 4]).lengths -> [3, 4]``."""
-    lengths = as_lengths(data.lengths if isinstance(data, (Lengths, Plan)) else data)
-    if lengths.size == 0:
-        raise ValueError("lengths is empty: a plan needs at least one example")
-    if not isinstance(data, Lengths):
-        return Lengths(lengths, "lengths")
-    if data.targets is not None and np.shape(data.targets) != (int(lengths.sum()),):
-        raise ValueError(f"targets must be one bool per token ({int(lengths.sum()):,}), got shape "
-                         f"{np.shape(data.targets)}")
-    loss = None if data.loss_lengths is None else check_loss_lengths(data.loss_lengths, lengths)
-    return dataclasses.replace(data, lengths=lengths, loss_lengths=loss)
-
-
-def loss_of(data: Lengths, example, start, length) -> np.ndarray:
-    """Loss tokens of pieces of ``data``'s examples once packed (:func:`packkit.segments.piece_loss_tokens`)."""
-    return piece_loss_tokens(example, start, length, offsets=lengths_to_offsets(data.lengths), targets=data.targets,
-                             loss_lengths=data.loss_lengths)
-
-
-# ----------------------------------------------------------------------------------------------
-# the epoch a sampler deals: the one place plan and waste cut an epoch into steps
-# ----------------------------------------------------------------------------------------------
-
-
-def windows_plan(seg_length: np.ndarray, window_ptr: np.ndarray, *, window: int, strategy: str) -> Plan:
-    """Windows laid out already (CSR ``window_ptr`` over ``seg_length``) as a :class:`~packkit.binpack.Plan`
-    whose every segment is an example of its own: ``windows_plan(np.array([3, 2, 4]), np.array([0, 2, 3]),
-    window=5, strategy="stream").num_windows -> 2``."""
-    n, empty = len(seg_length), np.zeros(0, np.int64)
-    return Plan(window=window, lengths=seg_length, seg_example=np.arange(n, dtype=np.int64),
-                seg_start=np.zeros(n, np.int64), seg_length=seg_length, window_ptr=window_ptr, strategy=strategy,
-                overflow="error", seed=None, overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
-
-
-class _GivenPlan(PackedBatchSampler):
-    """A :class:`~packkit.sampler.PackedBatchSampler` dealing windows planned already (a plan given to
-    :func:`plan_budget`, next fit in order, the streaming packer): every segment is an example of its own."""
-
-    def __init__(self, plan: Plan, **kwargs):
-        self._given = windows_plan(plan.seg_length, plan.window_ptr, window=plan.window, strategy=plan.strategy)
-        super().__init__(plan.seg_length, window=plan.window, **kwargs)
-
-    def _plan(self, rng) -> Plan:
-        return self._given
-
-
-def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int = 1, window: int | None = None,
-         strategy: str = "bfd", balance: str | None = None, seed: int = 0, drop_last: bool = False,
-         cp_size: int = 1, shuffle: bool = True):
-    """The sampler (rank 0 of ``world_size``) that deals an epoch of ``lengths``, whose schedule ``packkit plan``
-    and ``packkit waste`` report: :class:`~packkit.sampler.PackedBatchSampler` with ``window`` (``per_rank``
-    windows a batch; every length at most ``window``), a :class:`~packkit.binpack.Plan` as ``lengths`` (its
-    windows, each segment an example of its own), else :class:`~packkit.sampler.LengthGroupedSampler`
-    (``per_rank`` examples a batch); ``strategy="next_fit"`` (no sampler plans it) is planned here and dealt as a
-    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts no step).
-
-    ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
-    """
-    kw = dict(world_size=world_size, rank=0, step_batches=world_size * accumulation_steps, balance=balance,
-              cp_size=cp_size, seed=seed, shuffle=shuffle)
-    if window is not None and strategy == "next_fit":  # next fit in dataset order: planned here, dealt as given
-        lengths = pack(lengths, window=window, strategy=strategy)
-    for last in (True, False) if drop_last else (False,):
-        try:
-            if isinstance(lengths, Plan):
-                return _GivenPlan(lengths, windows_per_batch=per_rank, drop_last=last, **kw)
-            if window is not None:
-                return PackedBatchSampler(lengths, window=window, windows_per_batch=per_rank, strategy=strategy,
-                                          drop_last=last, **kw)
-            return LengthGroupedSampler(lengths, batch_size=per_rank, drop_last=last, **kw)
-        except ValueError:
-            if not last:
-                raise
-
-
-@dataclasses.dataclass(frozen=True)
-class Dealt:
-    """An epoch as a sampler deals it: ``per_step(values)`` sums ``values`` (one per example the sampler
-    deals) over every rank of each optimiser step; ``full`` marks the full steps (``drop_last``: only those
-    are steps); ``stats`` is the sampler's :meth:`~packkit.sampler.PackedBatchSampler.epoch_stats`."""
-
-    sampler: object
-    schedule: object
-    full: np.ndarray
-    drop_last: bool
-
-    @classmethod
-    def of(cls, sampler, *, drop_last: bool = False) -> "Dealt":
-        sched = sampler.schedule()
-        if isinstance(sampler, PackedBatchSampler):  # a full step: every window of it
-            full = sched.units_per_step == sampler.step_batches * sampler.windows_per_batch
-        else:  # every batch of it whole (the last batch of a dataset may be short)
-            full = np.diff(sched.step_ptr) == sampler.step_batches * sampler.batch_size
-        return cls(sampler, sched, full, drop_last)
-
-    @property
-    def stats(self):
-        if self.drop_last and not self.sampler.drop_last:  # no full step: none dealt
-            return dataclasses.replace(self.sampler.epoch_stats(), steps=0, compute_imbalance=1.0,
-                                       examples_per_step_cv=0.0)
-        return self.sampler.epoch_stats()
-
-    @property
-    def steps(self) -> int:
-        return int(self.full.sum()) if self.drop_last else int(self.full.size)
-
-    def per_step(self, values, *, full_only: bool = False) -> np.ndarray:
-        """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one)."""
-        sums = batch_sums(np.asarray(values)[self.schedule.flat], self.schedule.step_ptr)
-        if full_only:
-            return sums[self.full] if self.full.any() else sums
-        return sums[self.full] if self.drop_last else sums
-
-    def loss_free(self, unit_loss, values) -> tuple[int, int]:
-        """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example), ``values`` the
-        loss per example dealt."""
-        return int((np.asarray(unit_loss) == 0).sum()), int((self.per_step(values) == 0).sum())
-
-
-# ----------------------------------------------------------------------------------------------
 # plan_budget
 # ----------------------------------------------------------------------------------------------
 
@@ -413,11 +281,11 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
                 balance: str | None = None, drop_loss_free: bool = False, drop_last: bool = False, seed: int = 0,
                 cp_size: int = 1, cp_layout: str = "hybrid", advice: AdviceOptions | None = None) -> BudgetReport:
     """Examples, tokens and loss tokens per optimiser step, steps per epoch, and advice, of the epoch a
-    sampler deals (:func:`deal`: the figures are those of its schedule, whatever ``balance``).
+    sampler deals (:func:`packkit.epoch.deal`: the figures are those of its schedule, whatever ``balance``).
 
     Args:
         lengths: (num_examples,) tokens per example (list, numpy, torch), a lengths object
-            (:class:`packkit.datafiles.Lengths`: its ``loss_lengths`` or ``targets`` count the loss tokens, else
+            (:class:`packkit.epoch.Lengths`: its ``loss_lengths`` or ``targets`` count the loss tokens, else
             every token but each piece's first), or a :class:`~packkit.binpack.Plan` (its windows dealt in the
             order given, its window, strategy and overflow taken as made).
         per_device_batch: windows per device per micro-batch when packed (``window`` or a plan given), else
@@ -459,7 +327,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
         units = packed_units(data, given, window=window, overflow=overflow, doc_multiple=doc_multiple,
                              drop_loss_free=drop_loss_free)
     else:
-        units = _padded_units(data, row_round=doc_multiple * row_multiple, drop_loss_free=drop_loss_free)
+        units = padded_units(data, row_round=doc_multiple * row_multiple, drop_loss_free=drop_loss_free)
     dealt = Dealt.of(deal(units.given if given is not None else units.planned, per_rank=per_device_batch,
                           accumulation_steps=accumulation_steps, world_size=world_size, window=window,
                           strategy=strategy, balance=balance, seed=seed, drop_last=drop_last, cp_size=cp_size,
@@ -467,71 +335,6 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     report = _report(data, units, dealt, per_device_batch=per_device_batch, accumulation_steps=accumulation_steps,
                      world_size=world_size, window=window, balance=balance)
     return _with_advice(report, advice or AdviceOptions())
-
-
-@dataclasses.dataclass(frozen=True)
-class Units:
-    """What a sampler deals for ``packkit plan`` and ``packkit waste``, one entry per example it deals (a piece
-    when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (1 where a piece starts its example) and
-    ``loss``; ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left
-    out; ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
-
-    planned: np.ndarray
-    tokens: np.ndarray
-    first: np.ndarray
-    loss: np.ndarray
-    free: int
-    dropped: int = 0
-    dropped_tokens: int = 0
-    given: Plan | None = None
-    overflow: str | None = None
-    overflow_examples: int = 0
-    cut_tokens: int = 0
-    row_round: int = 1
-
-    def keep(self, keep: np.ndarray) -> "Units":
-        """The units kept (``drop_loss_free``): none left is the error naming it."""
-        if not keep.any():
-            raise DataError("no piece holds a loss token, and {drop} left every one out",
-                            drop=arg("drop_loss_free", True))
-        return dataclasses.replace(self, planned=self.planned[keep], tokens=self.tokens[keep], first=self.first[keep],
-                                   loss=self.loss[keep], dropped=int((~keep).sum()),
-                                   dropped_tokens=int(self.tokens[~keep].sum()),
-                                   given=None if self.given is None else self.given.keep_segments(keep))
-
-
-def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overflow: str, doc_multiple: int = 1,
-                 drop_loss_free: bool = False) -> Units:
-    """The pieces a packed epoch deals: the overflow policy's (or a given plan's segments), CP-padded to
-    ``doc_multiple`` (:func:`packkit.cp_plan.cp_multiples`); the loss tokens that train once packed, one count
-    for waste, plan and pack. ``packed_units(Lengths(np.array([5]), "x"), window=4, overflow="split").tokens
-    -> [4, 1]``."""
-    if given is not None:
-        example, start, length = given.seg_example, given.seg_start, given.seg_length
-        over, cut, overflow = given.overflow_examples.size, given.cut_tokens, given.overflow
-    else:
-        pieces = apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
-        example, start, length = pieces.example, pieces.start, pieces.length
-        over, cut = pieces.overflow_examples.size, pieces.cut_tokens
-    loss = loss_of(data, example, start, length)
-    units = Units(-(-length // doc_multiple) * doc_multiple, length, (start == 0).astype(np.int64), loss,
-                  int((loss == 0).sum()), given=given, overflow=overflow, overflow_examples=int(over),
-                  cut_tokens=int(cut))
-    units = units.keep(loss > 0) if drop_loss_free and units.free else units
-    if units.tokens.size == 0:
-        raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
-                        window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
-                        fix=arg("overflow", "split", "truncate"))
-    return units
-
-
-def _padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> Units:
-    """The examples a padded epoch deals, whole."""
-    n = data.lengths.size
-    loss = loss_of(data, np.arange(n), np.zeros(n, np.int64), data.lengths)
-    units = Units(data.lengths, data.lengths, np.ones(n, np.int64), loss, int((loss == 0).sum()),
-                  row_round=row_round)
-    return units.keep(loss > 0) if drop_loss_free and units.free else units
 
 
 def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int, accumulation_steps: int,

@@ -36,13 +36,7 @@ model id that is neither cached nor reachable fails at once, in one line, instea
 
 Rendering is Jinja, one conversation at a time in Python (as in ``transformers``); tokenization is
 batched (a fast tokenizer encodes a batch in Rust), and the masks are computed with numpy over Arrow
-offsets. The pure pieces::
-
-    >>> import numpy as np
-    >>> common_prefix_lengths([0, 3, 5], [1, 2, 3, 7, 8], [0, 4, 7], [1, 2, 3, 4, 7, 9, 9]).tolist()
-    [3, 1]
-    >>> mask_from(np.array([0, 4, 7]), np.array([3, 1])).tolist()
-    [0, 0, 0, 1, 0, 1, 1]
+offsets (:func:`packkit.segments.common_prefix_lengths`, :func:`packkit.segments.mask_from`).
 """
 
 from __future__ import annotations
@@ -62,12 +56,12 @@ from .arrow import list_array
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
-from .segments import lengths_to_offsets, range_index
+from .segments import common_prefix_lengths, lengths_to_offsets, mask_from, range_index
 from .tokenizer import bad_utf8, load_tokenizer, one_line
 
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
-           "ignored_columns", "common_prefix_lengths", "has_generation_markers", "load_tokenizer", "mask_from",
-           "tokenize_dataset", "tokenize_chat", "training_template"]
+           "ignored_columns", "has_generation_markers", "load_tokenizer", "tokenize_dataset", "tokenize_chat",
+           "training_template"]
 
 #: The conversational formats :func:`chat_format` recognises (module docstring).
 CHAT_FORMATS = ("messages", "conversations", "prompt_completion", "conversational_prompt_completion")
@@ -104,45 +98,6 @@ def has_generation_markers(template) -> bool:
     if isinstance(template, dict):
         template = template.get("default", "")
     return bool(template) and _GENERATION_RE.search(template) is not None
-
-
-def common_prefix_lengths(a_offsets, a_values, b_offsets, b_values) -> np.ndarray:
-    """Per example, how many leading tokens two list columns share.
-
-    ``a``'s example i is ``a_values[a_offsets[i]:a_offsets[i + 1]]``, likewise ``b``:
-    ``[[1, 2, 3], [7, 8]]`` against ``[[1, 2, 3, 4], [7, 9, 9]]`` -> ``[3, 1]``.
-
-    Returns:
-        (num_examples,) int64, at most the shorter of the two lengths.
-    """
-    ao, bo = np.asarray(a_offsets, np.int64), np.asarray(b_offsets, np.int64)
-    av, bv = np.asarray(a_values), np.asarray(b_values)
-    m = np.minimum(np.diff(ao), np.diff(bo))
-    out = m.copy()
-    rows = np.flatnonzero(m)
-    if rows.size == 0:
-        return out
-    seg = np.repeat(rows, m[rows])
-    starts = lengths_to_offsets(m[rows])[:-1]
-    j = np.arange(seg.size, dtype=np.int64) - np.repeat(starts, m[rows])
-    differ = av[ao[seg] + j] != bv[bo[seg] + j]
-    first = np.where(differ, j, m[seg])  # a position past the end where they never differ
-    out[rows] = np.minimum.reduceat(first, starts)
-    return out
-
-
-def mask_from(offsets, starts) -> np.ndarray:
-    """A 0/1 mask over flat tokens: 1 from position ``starts[i]`` of each example on.
-
-    ``offsets [0, 4, 7]``, ``starts [3, 1]`` -> ``[0, 0, 0, 1, 0, 1, 1]``.
-
-    Returns:
-        (offsets[-1],) int8.
-    """
-    offsets = np.asarray(offsets, np.int64)
-    lengths = np.diff(offsets)
-    pos = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    return (pos >= np.repeat(np.asarray(starts, np.int64), lengths)).astype(np.int8)
 
 
 def _flat(lists):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import warnings
@@ -22,9 +21,12 @@ from . import jsonlines
 from .arrow import pyarrow
 from .binpack import as_lengths
 from .chat import ChatOptions, chat_encoder, chat_format
+from .epoch import Lengths
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
 from .fileio import held_still
 from .listcolumns import loss_targets, packed_segments, token_lengths
+from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow, read_npy, read_parquet,
+                      read_text, replay, text_byte_lengths, text_tables)
 from .rules import ExampleTypeError, located, not_integer, segment_key
 from .segments import lengths_to_offsets
 from .tokenizer import load_tokenizer, rust_tokenizer, tokenize, tokenizer_name
@@ -56,28 +58,6 @@ def input_format(path) -> str:
     or ``""`` (unknown). ``input_format("d.JSONL") -> "json"``."""
     path = Path(path)
     return "folder" if path.is_dir() else INPUTS.get(path.suffix.lower(), ("",))[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Lengths:
-    """Example lengths and where they came from.
-
-    Fields:
-        lengths: (num_examples,) int64, every entry >= 1
-        source:  a short description, e.g. ``"data.jsonl, column 'input_ids'"``
-        unit:    ``"tokens"``, or ``"bytes"`` when the byte-level tokenizer counted them
-        loss_lengths: (num_examples,) int64 loss-bearing tokens of each example, from ``labels`` or a
-                 loss mask (a chat template writes one), or None when the data has neither
-        targets: (sum(lengths),) bool, where the loss is taken token by token (the examples end to end;
-                 :func:`packkit.listcolumns.loss_targets`), or None with ``loss_lengths``: what counts the
-                 loss tokens left after the overflow policy splits an example
-    """
-
-    lengths: np.ndarray
-    source: str
-    unit: str = "tokens"
-    loss_lengths: np.ndarray | None = None
-    targets: np.ndarray | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,165 +152,6 @@ def lines_named(path):
         raise moved from exc
 
 
-def _unreadable(exc: BaseException) -> bool:
-    """An error of pyarrow reading a damaged or foreign file (not a missing file or a permission)."""
-    pa = pyarrow()
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)):
-        return False
-    return isinstance(exc, (pa.ArrowException, OSError))
-
-
-@contextlib.contextmanager
-def _damaged(path, what: str):
-    """Inside, an error of pyarrow reading a damaged or foreign file (:func:`_unreadable`) is the one line
-    ``cannot read PATH as WHAT: ...``; other errors pass as they are."""
-    try:
-        yield
-    except Exception as exc:
-        if not _unreadable(exc):
-            raise
-        raise DataError(f"cannot read {str(path)!r} as {what}: {exc}") from None
-
-
-PARQUET = "Parquet (damaged, truncated, or not Parquet)"
-
-
-def parquet_schema(path):
-    """The ``pyarrow.Schema`` of a Parquet file (its footer only); a damaged file is one line."""
-    import pyarrow.parquet as pq
-
-    with _damaged(path, PARQUET):
-        return pq.ParquetFile(str(path)).schema_arrow
-
-
-def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
-    """Record batches of a Parquet file in order, decoded ``batch_rows`` rows at a time (memory: one
-    batch and the pages it needs, never a whole row group); a damaged file is one line, wherever the
-    damage is. One thread: measured on 1M SFT-like rows (17 row groups), this streaming decode took
-    2.3 s of CPU where reading whole row groups on two threads took 3.3 to 4.6 s and
-    ``pyarrow.parquet.read_table`` 6.8 to 7.7 s (each builds every row group's arrays whole)."""
-    import pyarrow.parquet as pq
-
-    with _damaged(path, PARQUET):
-        pf = pq.ParquetFile(str(path), memory_map=True, pre_buffer=False, page_checksum_verification=True)
-        yield from pf.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
-
-
-def _read_parquet(path: Path):
-    import pyarrow.parquet as pq
-
-    with _damaged(path, PARQUET):
-        return pq.read_table(str(path), memory_map=True, page_checksum_verification=True)
-
-
-def _read_arrow(path: Path):
-    pa = pyarrow()
-    import pyarrow.ipc as ipc
-
-    try:
-        return ipc.open_file(pa.memory_map(str(path))).read_all()
-    except Exception as exc:
-        if not _unreadable(exc):
-            raise
-    with _damaged(path, "an Arrow IPC file or stream (damaged, truncated, or not Arrow)"):
-        return ipc.open_stream(pa.memory_map(str(path))).read_all()
-
-
-def text_lines(path):
-    """The examples of a text file, one a line, read a line at a time (no pyarrow, memory of one line):
-    blank lines hold none, a UTF-8 byte-order mark is not text, ``\n`` and ``\r\n`` end lines.
-    ``"\ufeffhi\n\nthere\r\n" -> ["hi", "there"]``; bytes that are not UTF-8 are an error naming the line."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            raw = raw[:-1] if raw.endswith(b"\n") else raw
-            raw = raw[:-1] if raw.endswith(b"\r") else raw
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{str(path)!r} is not UTF-8 text: line {number:,} holds "
-                                f"{exc.object[exc.start:exc.end]!r} ({exc.reason})") from None
-            if line.strip():
-                yield line
-
-
-def _text_table(lines):
-    """A table of one ``text`` column holding ``lines``."""
-    pa = pyarrow()
-    return pa.table({"text": pa.array(lines, pa.string())})
-
-
-def _read_text(path: Path):
-    return _text_table(list(text_lines(path)))
-
-
-def _text_byte_lengths(path: Path) -> np.ndarray:
-    """``(num_lines,) int64``: the UTF-8 bytes of every example line of a text file (what the byte-level
-    tokenizer makes of it), without pyarrow and a line at a time."""
-    return np.fromiter((len(line.encode("utf-8")) for line in text_lines(path)), np.int64)
-
-
-def _damaged_folder(path: Path) -> DataError | None:
-    """The one-line error naming what is damaged in a ``save_to_disk`` folder that ``datasets`` could not
-    load (a cut ``state.json``, a truncated shard, no shard at all), or None when every file reads.
-    The error path only: each JSON file is parsed and each listed shard read through once."""
-    pa = pyarrow()
-    metas = sorted(p for name in ("dataset_dict.json", "state.json", "dataset_info.json") for p in path.rglob(name))
-    states = []
-    for meta in metas:
-        try:
-            parsed = json.loads(meta.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            return DataError(f"cannot read {str(meta)!r}, part of the datasets folder {str(path)!r} (damaged or cut: "
-                             f"{exc}); save the dataset again")
-        if meta.name == "state.json":
-            states.append((meta.parent, parsed))
-    shards = [folder / f["filename"] for folder, state in states for f in state.get("_data_files", [])]
-    if states and not shards:
-        return DataError(f"{str(path)!r} holds no examples (its datasets folder lists no data files)")
-    for shard in shards:
-        try:
-            with pa.memory_map(str(shard)) as source:
-                pa.ipc.open_stream(source).read_all()
-        except Exception as exc:  # pyarrow's errors, or a shard that is missing
-            return DataError(f"cannot read {str(shard)!r}, part of the datasets folder {str(path)!r}, as an Arrow "
-                             f"IPC stream (damaged, truncated, or missing: {exc}); save the dataset again")
-    return None
-
-
-def load_dataset(path, *, split: str | None = None):
-    """A ``datasets.Dataset`` from a ``save_to_disk`` folder (memory-mapped), choosing ``split`` of a
-    ``DatasetDict`` (default ``"train"``, or its only split)."""
-    try:
-        import datasets
-    except ImportError:
-        raise ModuleNotFoundError("reading a saved dataset needs datasets: pip install 'packkit[datasets]'",
-                                  name="datasets") from None
-    try:
-        obj = datasets.load_from_disk(str(path))
-    except Exception as exc:
-        named = _damaged_folder(Path(path))
-        if named is None:
-            raise
-        raise named from exc
-    if isinstance(obj, datasets.DatasetDict):
-        names = list(obj)
-        if split is None:
-            if "train" in obj or len(names) == 1:
-                split = "train" if "train" in obj else names[0]
-            else:
-                raise DataError("{path!r} has splits {names}: pass {split}", path=str(path), names=names,
-                                split=arg("split", metavar="NAME"))
-        if split not in obj:
-            raise MissingError(f"{str(path)!r} has no split {split!r}; it has {names}")
-        obj = obj[split]
-    elif split is not None:
-        raise DataError("{path!r} is a single dataset, not a DatasetDict: drop {split}", path=str(path),
-                        split=arg("split"))
-    return obj
-
-
 def load_table(path, *, split: str | None = None):
     """Read a file (or a ``save_to_disk`` folder) into a ``pyarrow.Table``.
 
@@ -341,7 +162,7 @@ def load_table(path, *, split: str | None = None):
     if path.is_dir():
         # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
-    read = {"json": jsonlines.read_json, "parquet": _read_parquet, "arrow": _read_arrow, "text": _read_text}.get(
+    read = {"json": jsonlines.read_json, "parquet": read_parquet, "arrow": read_arrow, "text": read_text}.get(
         input_format(path))
     if read is not None:
         return read(path)
@@ -417,26 +238,10 @@ TOKENIZE_ROWS = 4096
 TOKENIZE_BLOCK_BYTES = 4 << 20
 
 
-def text_tables(path, *, size: int | None = None):
-    """The examples of a text file (:func:`text_lines`) as one-column tables (``text``) of about ``size``
-    bytes of text each (default :data:`packkit.jsonlines.JSON_BLOCK_BYTES`): memory holds one."""
-    reader_pyarrow(path)
-    size = size or jsonlines.JSON_BLOCK_BYTES
-    lines, held = [], 0
-    for line in text_lines(path):
-        lines.append(line)
-        held += len(line)
-        if held >= size:
-            yield _text_table(lines)
-            lines, held = [], 0
-    if lines:
-        yield _text_table(lines)
-
-
 def table_chunks(path, *, split: str | None = None, block_size: int | None = None):
     """The rows of a data file (or a ``save_to_disk`` folder) as ``pyarrow.Table``\\ s in order, a bounded chunk
     at a time: JSON lines and text parsed ``block_size`` bytes at a time (:func:`packkit.jsonlines.json_tables`,
-    :func:`text_tables`), parquet decoded a batch at a time, Arrow memory-mapped and sliced
+    :func:`packkit.readers.text_tables`), parquet decoded a batch at a time, Arrow memory-mapped and sliced
     (:data:`TOKENIZE_ROWS` rows); a file that is one JSON list is read whole. Empty input yields nothing."""
     path = Path(path)
     kind = input_format(path)
@@ -448,7 +253,7 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
         if any_table or not path.read_bytes()[:1 << 16].strip():
             return
     elif kind == "text":
-        yield from text_tables(path, size=block_size)
+        yield from text_tables(path, size=block_size or jsonlines.JSON_BLOCK_BYTES)
         return
     elif kind == "parquet":
         pa = reader_pyarrow(path)
@@ -458,21 +263,6 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
     table = load_table(path, split=split)  # memory-mapped (Arrow, a folder), or one JSON list
     for lo in range(0, table.num_rows, TOKENIZE_ROWS):
         yield table.slice(lo, TOKENIZE_ROWS)
-
-
-def replay(first, rest, again):
-    """``make()``: its first call yields ``first`` then ``rest`` (a read begun by the caller, continued), a later
-    call ``again()`` (the read from the start)."""
-    pending = [first, rest]
-
-    def make():
-        if not pending:
-            return again()
-        head, tail = pending
-        pending.clear()
-        return itertools.chain([head], tail)
-
-    return make
 
 
 def _chunk_lengths(tables, column: str, *, first_ok=None):
@@ -507,7 +297,7 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
 class Rows:
     """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a ``datasets.Dataset``
     holding the token ids, memory-mapped), ``parquet`` (the path of a Parquet file holding them), ``make`` (a
-    chunk at a time: JSON lines parsed, text tokenized; :func:`replay`) or ``table`` (read whole, tokenized).
+    chunk at a time: JSON lines parsed, text tokenized; :func:`packkit.readers.replay`) or ``table`` (read whole, tokenized).
     ``how``: how the tokens were made (None: the rows held them); ``nbytes``: the input's size on disk."""
 
     path: Path
@@ -648,7 +438,7 @@ class Input:
         if self.format == "npy":
             lengths, source = as_lengths(read_npy(self.path), name=self.where), f"{self.path.name} (lengths)"
         elif self.format == "text" and self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text":
-            lengths, how = _text_byte_lengths(self.path), "column 'text' tokenized with bytes"  # no pyarrow needed
+            lengths, how = text_byte_lengths(self.path), "column 'text' tokenized with bytes"  # no pyarrow needed
         elif (streamed := self.read(self._streamed_lengths)) is not None:  # a chunk at a time
             lengths, targets, how = streamed
             lengths = as_lengths(lengths, name=f"lengths in {self.path.name}")
@@ -727,43 +517,6 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     inp = Input(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
     with held_still([inp.path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
         return inp.lengths(progress=progress)
-
-
-def read_npy(path) -> np.ndarray:
-    """The array of a ``.npy`` file, its header checked against the file before anything is allocated.
-
-    numpy sizes its array from the header alone (a 40-byte file that says ``shape (2**40,)`` asks for 8 TiB),
-    and its errors advise loading a file it cannot read with pickle, which runs the file's code. Refused
-    naming the file: no numpy header, Python objects (a pickle: packkit never loads one), or fewer bytes
-    than the header's shape needs (truncated or damaged).
-    """
-    from numpy.lib import format as npy
-
-    name = str(path)
-    with open(path, "rb") as f:
-        try:
-            version = npy.read_magic(f)
-            read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
-            if read_header is not None:
-                shape, _, dtype = read_header(f)
-            else:  # version 3.0 (utf-8 field names): numpy's own reader of any version
-                shape, _, dtype = npy._read_array_header(f, version)
-        except (ValueError, SyntaxError, EOFError) as exc:
-            raise DataError(f"{name!r} is not a .npy file ({str(exc).split(';')[0].rstrip('.')}): save the lengths "
-                            "with numpy.save(path, lengths), one integer per example") from None
-        if dtype.hasobject:
-            raise DataError(f"{name!r} holds Python objects (a pickle), not integers: packkit never loads a pickle "
-                            "(it runs the file's code); save the lengths as integers: "
-                            "numpy.save(path, numpy.asarray(lengths, dtype='int64'))")
-        need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
-        have = os.fstat(f.fileno()).st_size - f.tell()
-    if need > have:
-        raise DataError(f"{name!r} is truncated or damaged: its header says {shape} values of {dtype} "
-                        f"({need:,} bytes), and it holds {have:,} bytes after the header")
-    try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as exc:
-        raise DataError(f"cannot read {name!r} as a numpy array of lengths: {str(exc).split('. ')[0]}") from None
 
 
 #: TRL's tokenized preference columns, then integer columns of lengths, read by :func:`read_preference_lengths`.

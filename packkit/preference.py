@@ -61,15 +61,14 @@ import torch
 
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
 from .binpack import check_strategy, check_window, pack
-from .chat import common_prefix_lengths
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, ArgumentTypeError, DataError, Where, arg, check_choice, check_int
 from .examples import read_column
 from .integrations.trl import DPOLossHook  # TRL's private loss hook, config and metrics, in one place
 from .logps import logits_logps, scored_logps, segment_sums
 from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
-from .segments import (IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx,
-                       range_index)
+from .segments import (IGNORE_INDEX, common_prefix_lengths, lengths_to_offsets, lengths_to_position_ids,
+                       lengths_to_seq_idx, range_index)
 
 __all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
            "forward_logps",
@@ -629,7 +628,7 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
     ``tokenizer(prompt + chosen)``, ``tokenizer(prompt + rejected)``. Conversations: the chat template over the
     prompt (with the generation prompt) and over prompt + chosen, prompt + rejected (``tools`` and
     ``chat_template_kwargs`` per example passed on). The completions start where both tokenized sequences stop
-    sharing the tokenized prompt (:func:`packkit.chat.common_prefix_lengths`).
+    sharing the tokenized prompt (:func:`packkit.segments.common_prefix_lengths`).
 
     ``examples``: a list of dicts (or a ``datasets.Dataset``). Returns a list of dicts with the three columns.
     ``tokenizer``: a loaded ``transformers`` tokenizer.

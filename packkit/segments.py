@@ -12,6 +12,10 @@ Every one is a vectorised numpy expression (no per-token Python), and each has a
     [0, 0, 1, 1, 1, 1, 2, 2, 2]
     >>> cu_seqlens_to_lengths([0, 2, 6, 9]).tolist()
     [2, 4, 3]
+    >>> common_prefix_lengths([0, 3, 5], [1, 2, 3, 7, 8], [0, 4, 7], [1, 2, 3, 4, 7, 9, 9]).tolist()
+    [3, 1]
+    >>> mask_from([0, 4, 7], [3, 1]).tolist()
+    [0, 0, 0, 1, 0, 1, 1]
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ __all__ = [
     "position_ids_to_lengths",
     "segment_starts",
     "range_index",
+    "common_prefix_lengths",
+    "mask_from",
     "piece_loss_tokens",
 ]
 
@@ -145,3 +151,42 @@ def piece_loss_tokens(example, start, length, *, offsets, targets=None, loss_len
     lo = np.maximum(start, total - np.asarray(loss_lengths, np.int64)[example])
     overlap = np.maximum(np.minimum(start + length, total) - lo, 0)
     return overlap - ((lo == start) & (overlap > 0))
+
+
+def common_prefix_lengths(a_offsets, a_values, b_offsets, b_values) -> np.ndarray:
+    """Per example, how many leading tokens two list columns share.
+
+    ``a``'s example i is ``a_values[a_offsets[i]:a_offsets[i + 1]]``, likewise ``b``:
+    ``[[1, 2, 3], [7, 8]]`` against ``[[1, 2, 3, 4], [7, 9, 9]]`` -> ``[3, 1]``.
+
+    Returns:
+        (num_examples,) int64, at most the shorter of the two lengths.
+    """
+    ao, bo = np.asarray(a_offsets, np.int64), np.asarray(b_offsets, np.int64)
+    av, bv = np.asarray(a_values), np.asarray(b_values)
+    m = np.minimum(np.diff(ao), np.diff(bo))
+    out = m.copy()
+    rows = np.flatnonzero(m)
+    if rows.size == 0:
+        return out
+    seg = np.repeat(rows, m[rows])
+    starts = lengths_to_offsets(m[rows])[:-1]
+    j = np.arange(seg.size, dtype=np.int64) - np.repeat(starts, m[rows])
+    differ = av[ao[seg] + j] != bv[bo[seg] + j]
+    first = np.where(differ, j, m[seg])  # a position past the end where they never differ
+    out[rows] = np.minimum.reduceat(first, starts)
+    return out
+
+
+def mask_from(offsets, starts) -> np.ndarray:
+    """A 0/1 mask over flat tokens: 1 from position ``starts[i]`` of each example on.
+
+    ``offsets [0, 4, 7]``, ``starts [3, 1]`` -> ``[0, 0, 0, 1, 0, 1, 1]``.
+
+    Returns:
+        (offsets[-1],) int8.
+    """
+    offsets = np.asarray(offsets, np.int64)
+    lengths = np.diff(offsets)
+    pos = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    return (pos >= np.repeat(np.asarray(starts, np.int64), lengths)).astype(np.int8)

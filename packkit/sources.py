@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrow import pyarrow
-from .datafiles import parquet_batches, parquet_schema, replay
+from .readers import parquet_batches, parquet_schema, replay
 from .errors import DataError
 from .fileio import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
@@ -96,7 +96,7 @@ class ArrowSource:
 
     @classmethod
     def from_parquet(cls, path, *, batch_rows: int = DEFAULT_BATCH_ROWS, stage_dir=None) -> "ArrowSource":
-        """A parquet file, decoded ``batch_rows`` rows at a time (:func:`packkit.datafiles.parquet_batches`)
+        """A parquet file, decoded ``batch_rows`` rows at a time (:func:`packkit.readers.parquet_batches`)
         on a thread, a few batches ahead of the scan (decoding overlaps staging); every batch is a
         fresh copy, so all of it is staged to a memory-mapped file."""
         path = Path(path)

@@ -44,8 +44,8 @@ import numpy as np
 
 from .balance import CostModel, step_figures
 from .binpack import DEFAULT_OVERFLOW, check_overflow, check_window, overflow_note, pack, stream_windows
-from .budget import Dealt, Units, deal, packed_units, read_lengths_object, windows_plan
 from .cp_plan import check_cp_window, cp_multiples
+from .epoch import Dealt, Units, deal, packed_units, read_lengths_object, windows_plan
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .fileio import png_figure
 from .progress import progress_bar
@@ -84,7 +84,7 @@ class StrategyWaste:
         compute_imbalance, examples_per_step_cv: over ``world_size`` data-parallel ranks, under the cost model
             ``24576 * L + L**2 / cp_size`` per document: for ``grouped`` and the packed strategies, the
             ``epoch_stats()`` of the schedule packkit's sampler deals under ``balance``
-            (:func:`packkit.budget.deal`); ``pad_longest`` and ``random`` (a plain DataLoader's batches, no
+            (:func:`packkit.epoch.deal`); ``pad_longest`` and ``random`` (a plain DataLoader's batches, no
             packkit sampler) take a step's rows in turn, a padded row of length ``P`` costing
             ``24576 * P + P**2 / cp_size`` (:func:`packkit.balance.step_figures`)
         loss_free_rows, loss_free_steps: rows (padded examples or windows) and steps that hold no loss
@@ -273,7 +273,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
     """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
 
     Args:
-        lengths: (num_examples,) ints >= 1, or a lengths object (:class:`packkit.datafiles.Lengths`: its source,
+        lengths: (num_examples,) ints >= 1, or a lengths object (:class:`packkit.epoch.Lengths`: its source,
             unit, and loss tokens by ``loss_lengths`` or ``targets``: the exact loss tokens of every piece).
             ``loss_tokens`` is counted after the overflow policy, every piece's first token excluded
             (:func:`packkit.segments.piece_loss_tokens`).
@@ -287,7 +287,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
             token, counted in ``dropped_pieces`` / ``dropped_tokens``.
         world_size, balance: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step``
             windows a step, and the samplers' ``balance``: ``grouped`` and the packed strategies are dealt by
-            packkit's samplers (:func:`packkit.budget.deal`), their steps, compute imbalance and spread of
+            packkit's samplers (:func:`packkit.epoch.deal`), their steps, compute imbalance and spread of
             examples per step those of the schedule dealt (``StrategyWaste``).
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): ``"zigzag"`` pads every example to a
             multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots);

@@ -27,10 +27,10 @@ tokenizers = pytest.importorskip("tokenizers")
 from testlib import tiny_causal_lm  # noqa: E402
 
 from packkit import chat, tokenizer  # noqa: E402
-from packkit.chat import (ChatWarning, chat_format, common_prefix_lengths, mask_from, tokenize_chat,  # noqa: E402
-                          tokenize_dataset)
+from packkit.chat import ChatWarning, chat_format, tokenize_chat, tokenize_dataset  # noqa: E402
 from packkit.cli import main  # noqa: E402
 from packkit.errors import ArgumentError, DataError  # noqa: E402
+from packkit.segments import common_prefix_lengths, mask_from  # noqa: E402
 from packkit.offline import pack_dataset  # noqa: E402
 
 datasets.disable_progress_bars()

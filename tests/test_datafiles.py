@@ -63,7 +63,8 @@ def test_tokenize_null_text_names_the_example(tokenizer_json):
 def test_text_lines_drop_the_bom_and_read_without_pyarrow(tmp_path):
     """A UTF-8 BOM was counted as 3 bytes of the first example; a .txt measured in bytes needs no pyarrow
     (the same lengths as the Arrow path), and bytes that are not UTF-8 name their line."""
-    from packkit.datafiles import load_table, read_lengths, text_lines
+    from packkit.datafiles import load_table, read_lengths
+    from packkit.readers import text_lines
 
     path = tmp_path / "t.txt"
     path.write_bytes("\ufeffhé\n\n  \nthere\r\nlast".encode())
