@@ -41,13 +41,11 @@ offsets (:func:`packkit.segments.common_prefix_lengths`, :func:`packkit.segments
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import os
 import re
 import warnings
-from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +54,9 @@ from .arrow import list_array
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
-from .segments import common_prefix_lengths, lengths_to_offsets, mask_from, range_index
-from .tokenizer import bad_utf8, load_tokenizer, one_line
+from .chatrender import flat, render
+from .segments import common_prefix_lengths, lengths_to_offsets, mask_from
+from .tokenizer import bad_utf8, load_tokenizer
 
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
            "ignored_columns", "has_generation_markers", "load_tokenizer", "tokenize_dataset", "tokenize_chat",
@@ -98,16 +97,6 @@ def has_generation_markers(template) -> bool:
     if isinstance(template, dict):
         template = template.get("default", "")
     return bool(template) and _GENERATION_RE.search(template) is not None
-
-
-def _flat(lists):
-    """``(offsets (n + 1,) int64, values)`` of a list of int lists, through Arrow (no per-token Python)."""
-    import pyarrow as pa
-
-    arr = pa.array(lists, type=pa.list_(pa.int64()))
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.values.to_numpy()[offsets[0]: offsets[-1]]
-    return offsets - offsets[0], values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,87 +341,6 @@ def _messages(value, i: int, name: str, keys=_MESSAGE_KEYS["messages"]) -> list:
     return out
 
 
-def _render(tok, conversations: list, base: int, *, template: str, tools=None, kwargs=None,
-            add_generation_prompt: bool = False, assistant_mask: bool = False):
-    """``apply_chat_template`` on a batch, tokenized: ``(offsets (n + 1,) int64, ids (T,) int64, assistant mask
-    (T,) int8 or None)``.
-
-    One render and one tokenizer call for the batch (:func:`_render_fast`); per example when a ``tools`` or
-    ``chat_template_kwargs`` column gives each its own. An error is re-raised naming the example."""
-    if tools is not None or kwargs is not None:
-        outs = [_render_one(tok, conv, base + j, template, None if tools is None else tools[j],
-                            None if kwargs is None else kwargs[j], add_generation_prompt, assistant_mask)
-                for j, conv in enumerate(conversations)]
-        offsets, ids = _flat([o[0] for o in outs])
-        return offsets, ids, (_flat([o[1] for o in outs])[1].astype(np.int8) if assistant_mask else None)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fast = _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask)
-            if fast is not None:
-                return fast
-            out = tok.apply_chat_template(conversations, chat_template=template, tokenize=True, return_dict=True,
-                                          add_generation_prompt=add_generation_prompt,
-                                          return_assistant_tokens_mask=assistant_mask)
-    except Exception as exc:
-        for j, conv in enumerate(conversations):  # find the example that fails, to name it
-            _render_one(tok, conv, base + j, template, None, None, add_generation_prompt, assistant_mask)
-        raise DataError(f"examples {base}..{base + len(conversations) - 1}: the chat template failed: "
-                         f"{type(exc).__name__}: {one_line(exc)}") from None
-    offsets, ids = _flat(list(out["input_ids"]))
-    return offsets, ids, (_flat(list(out["assistant_masks"]))[1].astype(np.int8) if assistant_mask else None)
-
-
-def _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask):
-    """:func:`_render`'s batch as ``apply_chat_template`` makes it, without its Python loop over every token for
-    the assistant mask (a third of packkit's time on ShareGPT with Qwen3's tokenizer, more than the rendering):
-    rendered by transformers' own steps (:func:`packkit.integrations.transformers.render_chat`), tokenized by the
-    Rust tokenizer in one ``encode_batch``, each ``{% generation %}`` span marked on the tokens that overlap it,
-    found by bisection on the token offsets. None (``apply_chat_template`` then) without a fast tokenizer, or for a
-    conversation whose token offsets are not in order (where the bisection would not be transformers' loop)."""
-    backend = hf.fast_backend(tok)
-    rendered = hf.render_chat(tok, conversations, template=template, add_generation_prompt=add_generation_prompt,
-                              assistant_mask=assistant_mask) if backend is not None else None
-    if rendered is None:
-        return None
-    texts, spans = rendered
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    offsets = lengths_to_offsets([len(e) for e in encodings])
-    ids = np.concatenate([np.array(e.ids, np.int64) for e in encodings]) if encodings else np.zeros(0, np.int64)
-    if not assistant_mask:
-        return offsets, ids, None
-    starts, lengths = [], []
-    for first, e, marked in zip(offsets.tolist(), encodings, spans):
-        if not marked:
-            continue
-        chars = e.offsets
-        if chars != sorted(chars) or chars != sorted(chars, key=itemgetter(1)):
-            return None
-        for lo, hi in marked:  # the tokens that overlap [lo, hi): end > lo and start < hi
-            a = bisect.bisect_right(chars, lo, key=itemgetter(1))
-            b = bisect.bisect_left(chars, hi, key=itemgetter(0))
-            if b > a:
-                starts.append(first + a)
-                lengths.append(b - a)
-    mask = np.zeros(ids.size, np.int8)
-    mask[range_index(starts, lengths)] = 1
-    return offsets, ids, mask
-
-
-def _render_one(tok, conv, i, template, tools, extra, add_generation_prompt, assistant_mask):
-    """:func:`_render` of one conversation, with its own tools and template variables."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = tok.apply_chat_template(conv, chat_template=template, tools=tools, tokenize=True, return_dict=True,
-                                          add_generation_prompt=add_generation_prompt,
-                                          return_assistant_tokens_mask=assistant_mask, **(extra or {}))
-    except Exception as exc:
-        raise DataError("{i}: the chat template failed on it: {kind}: {why}", i=Where(i), kind=type(exc).__name__,
-                        why=one_line(exc)) from None
-    return list(out["input_ids"]), (list(out["assistant_masks"]) if assistant_mask else None)
-
-
 def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: bool, completion: bool, eos):
     """Token ids and the loss mask of one batch (``rows``: column -> list, as ``datasets`` batches).
 
@@ -446,7 +354,7 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
     diverged = 0
     if fmt in _MESSAGE_KEYS:
         convs = [_messages(v, base + j, fmt, _MESSAGE_KEYS[fmt]) for j, v in enumerate(rows[fmt])]
-        offsets, values, mask = _render(tok, convs, base, template=template, tools=tools, kwargs=kwargs,
+        offsets, values, mask = render(tok, convs, base, template=template, tools=tools, kwargs=kwargs,
                                         assistant_mask=assistant)
         return offsets, values, mask, diverged
     prompts, completions = rows["prompt"], rows["completion"]
@@ -457,15 +365,15 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
     if fmt == "prompt_completion":
         if eos:
             completions = [c if c.endswith(eos) else c + eos for c in completions]
-        p_off, p_val = _flat(tok(list(prompts), add_special_tokens=True)["input_ids"])
+        p_off, p_val = flat(tok(list(prompts), add_special_tokens=True)["input_ids"])
         whole = [p + c for p, c in zip(prompts, completions)]
-        offsets, values = _flat(tok(whole, add_special_tokens=True)["input_ids"])
+        offsets, values = flat(tok(whole, add_special_tokens=True)["input_ids"])
     else:
         convs_p = [_messages(v, base + j, "prompt") for j, v in enumerate(prompts)]
         convs_c = [_messages(v, base + j, "completion") for j, v in enumerate(completions)]
-        p_off, p_val, _ = _render(tok, convs_p, base, template=template, tools=tools, kwargs=kwargs,
+        p_off, p_val, _ = render(tok, convs_p, base, template=template, tools=tools, kwargs=kwargs,
                                   add_generation_prompt=True)
-        offsets, values, amask = _render(tok, [p + c for p, c in zip(convs_p, convs_c)], base, template=template,
+        offsets, values, amask = render(tok, [p + c for p, c in zip(convs_p, convs_c)], base, template=template,
                                          tools=tools, kwargs=kwargs, assistant_mask=assistant)
     prefix = common_prefix_lengths(p_off, p_val, offsets, values)
     diverged = int(np.count_nonzero(prefix < np.diff(p_off)))

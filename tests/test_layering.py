@@ -20,10 +20,10 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
      "integrations", "integrations.transformers"],
-    # pure planning, files out, files read (JSON lines, the other formats) and tokenizers behind the door in, the
-    # batch, the kernels, the rules of an example and their wording
-    ["fileio", "jsonlines", "readers", "tokenizer", "binpack", "batch", "kernels.flash_varlen", "cp_plan", "rules",
-     "states", "balance", "integrations.trl", "weighting"],
+    # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
+    # door in, the batch, the kernels, the rules of an example and their wording
+    ["fileio", "jsonlines", "readers", "tokenizer", "chatrender", "binpack", "batch", "kernels.flash_varlen",
+     "cp_plan", "rules", "states", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # the epoch a sampler deals, CP shards
     ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "epoch", "cp", "media"],
@@ -251,9 +251,9 @@ def test_file_suffixes_only_in_the_two_doors():
 FRONT = ["datafiles", "chat", "cli", "budget", "waste", "offline"]
 
 #: Machinery that sat in the front by accident and now has a room of its own behind it: the JSON-lines engine and
-#: the other formats' readers (from datafiles), the tokenizer loader (from chat and datafiles), the epoch a sampler
-#: deals (from budget, which waste read it from).
-BEHIND_THE_FRONT = ["jsonlines", "readers", "tokenizer", "epoch"]
+#: the other formats' readers (from datafiles), the tokenizer loader (from chat and datafiles), a batch of
+#: conversations rendered and masked (from chat), the epoch a sampler deals (from budget, which waste read it from).
+BEHIND_THE_FRONT = ["jsonlines", "readers", "tokenizer", "chatrender", "epoch"]
 
 #: Issue 29's budget for the front, in lines as ``wc -l`` counts them (blank lines and docstrings included).
 FRONT_LINES = 4400
