@@ -34,6 +34,7 @@ import torch
 
 from .batch import PackedBatch
 from .binpack import check_overflow, check_seed, check_strategy, check_window, overflow_error, pack
+from .cp import plan_batch
 from .cp_plan import check_cp_window, cp_multiples
 from .errors import check_int
 from .examples import ExampleBatch, read_batch, read_column
@@ -467,7 +468,9 @@ class PackedRowsCollator(_Collator):
 
     ``cp_size`` / ``cp_layout``: the rows go to a context-parallel group (:func:`packkit.cp.shard`); a
     row whose documents, padded as the layout needs (zigzag: to a multiple of ``2 * cp_size``), no longer
-    fit ``window`` was packed for another CP size, and is refused naming the row and how to repack.
+    fit ``window`` was packed for another CP size, and is refused naming the row and how to repack. Each
+    batch is planned for the group here (:func:`packkit.cp.plan_batch`, in the DataLoader worker), so a
+    rank's ``shard(batch, cp_size=..., rank=..., cp_layout=...)`` reads the plan instead of making it.
     """
 
     def __init__(self, *, window: int, num_windows: int | None = None, static_shape: bool = False,
@@ -497,7 +500,10 @@ class PackedRowsCollator(_Collator):
                            mask_first_label=self.mask_first_label, static_shape=self.static_shape,
                            max_segments=self.max_segments)
         whole = None if self.loss_weighting.is_token_mean else _example_loss(rows, seg_ptr, where)
-        return self._weigh(batch, rows, seg_lengths, seg_ptr=seg_ptr, width=self.window, whole=whole)
+        batch = self._weigh(batch, rows, seg_lengths, seg_ptr=seg_ptr, width=self.window, whole=whole)
+        if self.cp_size > 1:  # planned here (a DataLoader worker), not by every rank's shard
+            plan_batch(batch, cp_size=self.cp_size, cp_layout=self.cp_layout)
+        return batch
 
     def _check_cp(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray, where) -> None:
         """Every row's documents, padded to the layout's multiple, fit the window (else: packed for

@@ -46,14 +46,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .batch import count_loss_tokens
+from .batch import _NOTE, _note, count_loss_tokens
 from .cp_plan import CPPlan, _check_layout, _plan, check_cp_size
 from .errors import ArgumentError, check_choice, check_int, renamed_keyword
 from .integrations import transformers as hf  # transformers' attention call, read in one place
 from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
-__all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "restore", "shift_labels",
-           "cp_attention", "sum_over_ranks", "hf_cp_attention", "register_hf_cp_attention"]
+__all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "plan_batch", "restore",
+           "shift_labels", "cp_attention", "sum_over_ranks", "hf_cp_attention", "register_hf_cp_attention"]
 
 METHODS = ("ring", "allgather", "alltoall")
 
@@ -284,8 +284,8 @@ def _take(x: torch.Tensor, index: torch.Tensor, shape: tuple, fill) -> torch.Ten
     return out
 
 
-def _batch_fields(batch) -> tuple[torch.Tensor, torch.Tensor, bool, np.ndarray]:
-    """``(input_ids [B, W], labels, labels_shifted, segment lengths)`` of a PackedBatch or its dict view."""
+def _batch_fields(batch) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+    """``(input_ids [B, W], labels (any shape), labels_shifted, cu_seqlens)`` of a PackedBatch or its dict view."""
     if not isinstance(batch, Mapping) and not hasattr(batch, "input_ids"):
         raise TypeError(f"shard takes a PackedBatch (or its dict view), got {type(batch).__name__}")
     get = batch.get if isinstance(batch, Mapping) else lambda k, d=None: getattr(batch, k, d)
@@ -299,11 +299,49 @@ def _batch_fields(batch) -> tuple[torch.Tensor, torch.Tensor, bool, np.ndarray]:
         cu = get("cu_seq_lens_q")
     if cu is None:
         raise KeyError("shard needs the batch's segments: a PackedBatch (cu_seqlens) or 'cu_seq_lens_q'")
-    ids = ids if ids.dim() == 2 else ids.reshape(1, -1)
+    return (ids if ids.dim() == 2 else ids.reshape(1, -1)), labels, shifted, cu
+
+
+def _check_tokens(num_tokens: int, ids: torch.Tensor) -> None:
+    if num_tokens != ids.numel():
+        raise ValueError(f"cu_seqlens covers {num_tokens} tokens but input_ids holds {ids.numel()}")
+
+
+#: where a batch keeps its CP plan: in its ``cu_seqlens``' note (:mod:`packkit.batch`), with its other segment facts
+_PLAN_NOTE = "cp_plan"
+
+
+def plan_batch(batch, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
+    """The CP plan of ``batch`` (a ``PackedBatch`` or its dict view), made now and kept with the batch, so that
+    every later :func:`shard` of it for this ``cp_size`` and ``cp_layout`` reads it instead of planning. Made in
+    the ``collate_fn`` (a DataLoader worker), it takes the planning off the rank's step: the plan travels with the
+    batch (in its ``cu_seqlens``' note, through the worker's queue and ``batch.to(device)``), and so does what
+    every rank reads of it (the segment starts; the hybrid's pieces sorted by rank, each rank's a slice).
+    ``PackedRowsCollator(cp_size=...)`` calls it. A batch whose ``cu_seqlens`` is replaced is planned afresh.
+
+    >>> from packkit.batch import PackedBatch
+    >>> b = PackedBatch(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None],
+    ...                 cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32))
+    >>> plan_batch(b, cp_size=2, cp_layout="hybrid") is shard(b, cp_size=2, rank=1, cp_layout="hybrid").plan
+    True
+    """
+    layout = _check_layout(cp_layout)
+    cp = check_cp_size(cp_size)
+    ids, _, _, cu = _batch_fields(batch)
     lengths = _segments_of(cu.cpu().numpy())
-    if int(lengths.sum()) != ids.numel():
-        raise ValueError(f"cu_seqlens covers {int(lengths.sum())} tokens but input_ids holds {ids.numel()}")
-    return ids, (labels if labels.shape == ids.shape else labels.reshape(ids.shape)), shifted, lengths
+    _check_tokens(int(lengths.sum()), ids)
+    plan = _plan(lengths, cp, layout)
+    plan._seg_starts()
+    if plan.dealt is not None:  # the hybrid's pieces dealt in no rank's order: sorted once here, not by every rank
+        plan._pieces()
+    _note(cu)[_PLAN_NOTE] = plan
+    return plan
+
+
+def _noted_plan(cu: torch.Tensor, cp: int, layout: str) -> CPPlan | None:
+    """The plan :func:`plan_batch` kept on ``cu``, if it was made for ``cp`` and ``layout``."""
+    plan = cu.__dict__.get(_NOTE, {}).get(_PLAN_NOTE)
+    return plan if plan is not None and plan.cp_size == cp and plan.layout == layout else None
 
 
 def shift_labels(labels: torch.Tensor, *, shifted: bool = False) -> torch.Tensor:
@@ -341,11 +379,19 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
     layout = _check_layout(renamed_keyword("shard", renamed, "layout", "cp_layout", cp_layout, "hybrid"))
     cp = check_cp_size(cp_size)
     rank = check_int(rank, "rank", low=0, high=cp - 1)
-    ids, labels, shifted, lengths = _batch_fields(batch)
-    if plan is None:
-        plan = _plan(lengths, cp, layout)  # the lengths checked once, by _batch_fields
-    elif plan.cp_size != cp or plan.layout != layout or not np.array_equal(plan.lengths[:plan.num_segments], lengths):
+    ids, labels, shifted, cu = _batch_fields(batch)
+    noted = _noted_plan(cu, cp, layout)  # the collator's (plan_batch): nothing to read or plan
+    if plan is None and noted is None:
+        lengths = _segments_of(cu.cpu().numpy())
+        _check_tokens(int(lengths.sum()), ids)
+        plan = _plan(lengths, cp, layout)  # the lengths checked once, here
+    elif plan is None or plan is noted:
+        plan = noted
+        _check_tokens(plan.num_tokens, ids)
+    elif plan.cp_size != cp or plan.layout != layout or not np.array_equal(plan.lengths[:plan.num_segments],
+                                                                        _segments_of(cu.cpu().numpy())):
         raise ValueError("the plan passed to shard was made for another batch, cp_size or cp_layout")
+    labels = labels if labels.shape == ids.shape else labels.reshape(ids.shape)
     source, seg, pos, pad_at, first, real, out = plan.local_tokens(int(rank))
     dev = ids.device
     on = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
@@ -366,7 +412,7 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
         seq_idx=on(seg.astype(np.int32))[None],
         index=on(source), num_loss_tokens=count_loss_tokens(labels, shifted=shifted),  # the batch's: counted once
         num_local_loss_tokens=_count_targets(local_targets),
-        max_seqlen=int(lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
+        max_seqlen=int(plan.lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, fill_at: torch.Tensor, fill) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from packkit.collate import FixedWindowCollator, PaddingFreeCollator
-from packkit.cp import restore, shard
+from packkit.cp import plan_batch, restore, shard
 from packkit.cp_plan import LAYOUTS, cp_padding, plan_cp
 from packkit.segments import IGNORE_INDEX, lengths_to_cu_seqlens
 
@@ -287,3 +287,30 @@ def test_rows_packed_for_a_cp_group_fit_their_window_once_sharded(tmp_path):
                  "-q"]) == 0
     written = datasets.Dataset.from_parquet(str(out))
     assert worst(written) <= W and sum(map(sum, written["seq_lengths"])) == lengths.sum()
+
+
+@given(lengths=lengths_st, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(LAYOUTS),
+       windows=st.booleans())
+def test_a_batch_planned_once_shards_as_one_each_rank_plans(lengths, cp, layout, windows):
+    """``plan_batch`` (what a collator runs in its DataLoader worker) keeps the plan with the batch, through
+    pickling and ``.to()``; every rank's ``shard`` of it equals the shard the rank plans itself, field by field.
+    A batch whose ``input_ids`` no longer match the planned segments is refused in one line."""
+    import pickle
+
+    if windows:
+        batch = FixedWindowCollator(window=max(lengths) + 5, strategy="next_fit")(examples(lengths))
+    else:
+        batch = PaddingFreeCollator()(examples(lengths))
+    want = [shard(batch, cp_size=cp, rank=r, cp_layout=layout) for r in range(cp)]
+    plan = plan_batch(batch, cp_size=cp, cp_layout=layout)
+    moved = pickle.loads(pickle.dumps(batch)).to("cpu")
+    for r, w in enumerate(want):
+        s = shard(moved, cp_size=cp, rank=r, cp_layout=layout)
+        assert s.plan.local_len == plan.local_len and s.plan.layout == layout
+        for name in ("input_ids", "shift_labels", "position_ids", "seq_idx", "index"):
+            assert getattr(s, name).dtype == getattr(w, name).dtype and torch.equal(getattr(s, name), getattr(w, name))
+        assert (s.num_loss_tokens, s.num_local_loss_tokens, s.max_seqlen) == \
+            (w.num_loss_tokens, w.num_local_loss_tokens, w.max_seqlen)
+    moved["input_ids"] = torch.cat([moved["input_ids"], moved["input_ids"]], -1)
+    with pytest.raises(ValueError, match="cu_seqlens covers"):
+        shard(moved, cp_size=cp, rank=0, cp_layout=layout)
