@@ -12,10 +12,10 @@ measured here from the batches each rank gets (``sampler.schedule()``), not from
   to random steps' (what balancing did to step composition);
 * windows over the lower bound ``ceil(tokens / W)``;
 * plan time: building the sampler and its epoch (best of 3); for the cost-target packer at 1M documents
-  (k = 1, W = 32k, dp 8) against ``--baseline``'s ``pack_to_cost`` (a named revision, loaded with ``git show``)
-  in alternating pairs, garbage collected outside the clock, in CPU time (``time.process_time``): medians, the
-  spread of the pair ratios, the load average beside them, whether the two schedules are identical, and the
-  floor of any exact rewrite in Python (``placement_floor``: one heap placement a document, nothing else).
+  (k = 1, W = 32k, dp 8) against ``--baseline``'s ``pack_to_cost`` (a named revision, loaded with ``git show``;
+  aaf59a2's is planner 1, one document at a time) in alternating pairs, garbage collected outside the clock, in
+  CPU time (``time.process_time``): medians, the spread of the pair ratios, the load average beside them, and
+  the imbalance and windows of each one's schedule.
 
 Policies, on the same windows (best-fit decreasing) unless said:
 
@@ -39,11 +39,10 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import statistics
 import time
 
 import numpy as np
-from benchlib import ab_pairs, best_interleaved, chat_lengths, emit_json, loadavg, module_at, ratio_spread, versions
+from benchlib import ab_pairs, chat_lengths, emit_json, loadavg, module_at, ratio_spread, versions
 
 from packkit.balance import CostModel, compute_imbalance, variation
 from packkit.sampler import PackedBatchSampler
@@ -155,8 +154,9 @@ def plan_time(n: int, k: int, window: int = 8192, dp: int = 8) -> float:
 
 def plan_ab(n: int, rounds: int, baseline: str, window: int = 32768, dp: int = 8) -> dict:
     """The cost-target packer (``balance="compute"``, k = 1) planning ``n`` documents: today's
-    ``pack_to_cost`` against ``baseline``'s (``git show``), alternating pairs, garbage collected outside the
-    clock; the whole sampler (plan + schedule) and ``pack_to_cost`` alone. The schedules must be equal."""
+    ``pack_to_cost`` (planner 2) against ``baseline``'s (``git show``; aaf59a2: planner 1, one document at a
+    time), alternating pairs, garbage collected outside the clock, CPU time; the whole sampler (plan + schedule)
+    and ``pack_to_cost`` alone; and what each schedule gives (imbalance, windows over the lower bound)."""
     import packkit.sampler as sampler_module
 
     lengths = chat_lengths(n, seed=1)
@@ -173,8 +173,12 @@ def plan_ab(n: int, rounds: int, baseline: str, window: int = 32768, dp: int = 8
                 sampler_module.pack_to_cost = ours
         return run
 
-    a, b = sampler_with(ours)(), sampler_with(theirs)()
-    same = np.array_equal(a.flat, b.flat) and np.array_equal(a.ptr, b.ptr)
+    lower = -(-int(np.minimum(lengths, window).sum()) // window)
+    made = {}
+    for name, fn in (("new", ours), ("old", theirs)):
+        f = figures(sampler_with(fn)(), lengths, window, dp)
+        made[name] = {"imbalance": f["imbalance"], "windows": f["windows"], "over_lower": f["windows"] / lower - 1}
+    same = made["new"] == made["old"]
     used = np.minimum(lengths, window)
     order = np.random.default_rng(2).permutation(n)
     alone = {fn: (lambda fn=fn: fn(used, order, window=window, step_windows=dp, cost=COST)) for fn in (ours, theirs)}
@@ -183,36 +187,17 @@ def plan_ab(n: int, rounds: int, baseline: str, window: int = 32768, dp: int = 8
     load.append(loadavg())
     p_new, p_old = ab_pairs(alone[ours], alone[theirs], rounds, clock=time.process_time)
     load.append(loadavg())
-    floor = [best_interleaved({"floor": lambda: placement_floor(used[order], dp, COST)}, 1,
-                              clock=time.process_time)["floor"] for _ in range(rounds)]
-    load.append(loadavg())
-    return {"n": n, "baseline": baseline, "identical": bool(same), "load": load, "floor": floor,
+    return {"n": n, "baseline": baseline, "identical": bool(same), "schedules": made, "load": load,
             "sampler": {"new": t_new, "old": t_old, "ratio_old_new": ratio_spread(t_old, t_new)},
             "pack_to_cost": {"new": p_new, "old": p_old, "ratio_old_new": ratio_spread(p_old, p_new)}}
-
-
-def placement_floor(lengths, windows: int, cost: CostModel) -> None:
-    """What any exact rewrite of the cost-target packer in Python pays at least: each document, in order, to the
-    cheapest of ``windows`` windows (a heap of their costs, the first window of that cost), nothing else checked
-    (no room, no target, no miss, no step). The packer makes this choice, and more, for every document it meets."""
-    costs = cost.costs(lengths).tolist()
-    cost_w = [0.0] * windows
-    heap, index, replace = sorted(cost_w), cost_w.index, heapq.heapreplace
-    members = [[] for _ in range(windows)]
-    add = [m.append for m in members]
-    for d, c in enumerate(costs):
-        k = heap[0]
-        w = index(k)
-        replace(heap, k + c)
-        cost_w[w] = k + c
-        add[w](d)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200_000, help="documents (drawn with replacement past 17,545)")
     ap.add_argument("--plan-n", type=int, default=1_000_000, help="documents for the planning-time target")
-    ap.add_argument("--baseline", default="5803dad", help="revision whose pack_to_cost the 1M k=1 case runs against")
+    ap.add_argument("--baseline", default="aaf59a2", help="revision whose pack_to_cost the 1M k=1 case runs against "
+                    "(aaf59a2: planner 1, one document at a time)")
     ap.add_argument("--ab-rounds", type=int, default=5, help="alternating pairs for the 1M k=1 case")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
     args = ap.parse_args()
@@ -241,13 +226,14 @@ def main() -> None:
                    f"+{100 * r['over_lower']:.2f}%"))
     checks.append((f"plan {args.plan_n:,} documents (compute, W=8k, dp 8, k=8) <= 1 s", t_lpt <= 1.0, f"{t_lpt:.2f} s"))
     sp, pc = ab["sampler"]["ratio_old_new"], ab["pack_to_cost"]["ratio_old_new"]
+    sn, so = ab["schedules"]["new"], ab["schedules"]["old"]
     checks.append((f"plan {args.plan_n:,} documents (compute, W=32k, dp 8, k=1, cost-target packer) <= 1 s",
                    t_doc <= 1.0, f"median {t_doc:.2f} s over {sp['pairs']} pairs (range {min(ab['sampler']['new']):.2f}-"
                    f"{max(ab['sampler']['new']):.2f}); {args.baseline} {sp['num_median']:.2f} s; {args.baseline}/today "
                    f"{sp['median']:.2f}x (pairs {sp['low']:.2f}-{sp['high']:.2f}); pack_to_cost alone "
                    f"{pc['den_median']:.2f} s vs {pc['num_median']:.2f} s, {pc['median']:.2f}x ({pc['low']:.2f}-"
-                   f"{pc['high']:.2f}); schedules identical: {ab['identical']}; the placement floor (placement_floor: one heap "
-                   f"placement a document, nothing else) {statistics.median(ab['floor']):.2f} s; load "
+                   f"{pc['high']:.2f}); imbalance {sn['imbalance']:.4f} vs {so['imbalance']:.4f}, windows "
+                   f"+{100 * sn['over_lower']:.2f}% vs +{100 * so['over_lower']:.2f}% over the lower bound; load "
                    f"{'/'.join(f'{x:.1f}' for x in ab['load'])}; CPU time"))
 
     v = versions()

@@ -39,7 +39,7 @@ import numpy as np
 from .errors import ArgumentError, arg, check_int
 
 __all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign", "swap_refine",
-           "pack_to_cost", "ToCost", "cost_model"]
+           "pack_to_cost", "greedy_to_cost", "PLANNER", "ToCost", "cost_model"]
 
 #: verl's per-token weight for a 7B model (``6 x 4096``): cost = 24576 * L + L**2.
 DEFAULT_LINEAR = 24576.0
@@ -299,12 +299,12 @@ def swap_refine(cost, rank_of, ranks: int) -> tuple[np.ndarray, bool]:
 
 @dataclasses.dataclass(frozen=True)
 class ToCost:
-    """Windows built step by step by :func:`pack_to_cost`, in training order.
+    """Windows built step by step by :func:`pack_to_cost` (or :func:`greedy_to_cost`), in training order.
 
     ``seg_example``: (segments,) int64 document of each segment; ``window_ptr``: (windows + 1,) int64 CSR
-    offsets, ``step_windows`` windows a step but in the last steps. ``queued``: long documents held back for a later step (outliers
-    wait until a step takes one per window); ``deferred``: moves of a document that fitted no window of
-    its step into the next one (a document moved twice counts twice).
+    offsets, ``step_windows`` windows a step but in the last steps. ``queued``: long documents held back for a
+    later step (outliers wait until a step takes one per window); ``deferred``: moves of a document that fitted no
+    window of its step into a later one (a document moved twice counts twice).
     """
 
     seg_example: np.ndarray
@@ -313,9 +313,191 @@ class ToCost:
     deferred: int
 
 
-def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel,
-                 outlier: float = 0.25, slack: float = 0.0, lookahead: int | None = None, units=None) -> ToCost:
-    """Fill each step's ``step_windows`` windows with documents taken in ``order``, to equal cost.
+#: The cost-target planner a sampler state records (``"planner"``): 2 is :func:`pack_to_cost` (steps decided
+#: together by numpy), 1 :func:`greedy_to_cost` (one document at a time; states saved without the field).
+PLANNER = 2
+
+
+def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel, outlier: float = 0.25,
+                 fill: float = 0.998, cap: float = 0.01, rounds: int = 8, units=None) -> ToCost:
+    """Fill each step's ``step_windows`` windows with documents taken in ``order``, to equal cost (planner 2).
+
+    ``lengths``: (n,) int64, each at most ``window``; ``order``: (m,) the documents to place, at random.
+
+    * **Steps**: ``order`` is cut into runs of ``fill * step_windows * window`` tokens, one run a step (at least
+      one document a window). A document whose attention part alone exceeds ``outlier`` times a full window's
+      linear part is *queued* (WLB-LLM's outlier queue): ``step_windows`` of them open a step together, the
+      longest first, one per window (their tokens taken from the step's run), once the last of them is within
+      about a step of the run's start, so no rank carries one alone.
+    * **Windows**: each step's documents, costliest first, go one at a time to the step's cheapest window with
+      room (an empty one first), unless that would take the window over ``1 + cap`` times the step's mean
+      window cost; a document that fits no window moves to the next step (``deferred``, one move a step, at
+      most ``rounds`` moves). Every step but the last has exactly ``step_windows`` windows.
+    * **All steps at once**: the i-th document of every step is placed in one numpy pass (:func:`_deal`), so
+      the Python work is per step and per position in a step, not per document.
+    * **The end**: what no full step took (the run too short for a step, outliers not yet opened, documents
+      still moving after ``rounds``) is planned by :func:`greedy_to_cost` into the last steps.
+
+    ``units``: (n,) each document's media units, whose encoder work (``cost.per_unit``) joins its cost.
+    ``queued`` counts the outliers, ``deferred`` each move of a document to a later step (the last steps'
+    included). 1M ShareGPT lengths at ``step_windows=8``, W = 32k: about 0.25 s CPU (planner 1: 2.1 s), imbalance
+    1.008 (1.013), windows 0.6% over the lower bound (0.7%); benchmarks/RESULTS.md has the other shapes.
+    ``pack_to_cost([4, 3, 2, 1] * 3, range(12), window=10, step_windows=2, cost=CostModel(10))`` gives one full
+    step, ``[0, 1, 2], [4, 5, 6]`` (document 3 would take either window over the cap: it moves on), and the last
+    steps ``[3, 8], [7, 9, 10], [11]``.
+    """
+    L = np.asarray(lengths, np.int64)
+    order = np.asarray(order, np.int64)
+    S = int(step_windows)
+    C = cost.costs(L, units)
+    Lo = L[order]
+    is_out = (Lo.astype(np.float64) ** 2 / cost.cp_size) > outlier * cost.linear * window
+    body, outliers = order[~is_out], order[is_out]
+    per_step = S * window / max(1.0, float(Lo.mean()) if Lo.size else 1.0)  # documents a step meets, about
+    ends, seeds = _cut_steps(L[body], L[outliers], np.cumsum(~is_out)[is_out], S, fill * S * window, per_step)
+    (seg, ptr, deferred), left = _fill_steps(L, C, body, outliers, ends, seeds, window=window, S=S, cap=cap,
+                                            rounds=rounds)
+    # -- the last steps: what no full step took, in ``order`` --
+    rest = np.zeros(L.size, bool)
+    rest[left] = True
+    tail = order[rest[order]]
+    if tail.size:
+        last = greedy_to_cost(L[tail], np.arange(tail.size), window=window, step_windows=S, cost=cost,
+                              outlier=outlier, units=None if units is None else np.asarray(units)[tail])
+        seg = np.concatenate((seg, tail[last.seg_example]))
+        ptr = np.concatenate((ptr, ptr[-1] + last.window_ptr[1:]))
+        deferred += last.deferred
+    return ToCost(seg_example=seg, window_ptr=ptr, queued=int(outliers.size), deferred=int(deferred))
+
+
+def _fill_steps(L, C, body, outliers, ends, seeds, *, window: int, S: int, cap: float, rounds: int):
+    """``((seg_example, window_ptr, deferred), left)``: the full steps of :func:`pack_to_cost` (cut by
+    :func:`_cut_steps`) filled, ``left`` the documents they did not take (their runs past the last step, the
+    outliers not opened, the documents still moving after ``rounds``). ``L``, ``C``: (n,) every document's length
+    and cost; ``body``, ``outliers``: the stream and the queued documents, in order."""
+    steps = ends.size
+    # -- each step's windows, opened by its outliers (one a window, the longest first) --
+    cw = np.zeros((steps, S))
+    room = np.full((steps, S), window, np.int64)
+    count = np.zeros((steps, S), np.int64)
+    seeded = np.flatnonzero(seeds >= 0)
+    first = outliers[seeds[seeded][:, None] + np.arange(S)] if seeded.size else np.zeros((0, S), np.int64)
+    first = np.take_along_axis(first, np.argsort(-L[first], axis=1, kind="stable"), axis=1)
+    cw[seeded], count[seeded] = C[first], 1
+    room[seeded] -= L[first]
+    # -- the steps' documents, costliest first in each, then what moves on, one step a round --
+    step_of = np.repeat(np.arange(steps), np.diff(ends, prepend=0))
+    docs = body[:step_of.size]
+    cap_w = (np.bincount(step_of, weights=C[docs], minlength=steps) + cw.sum(axis=1)) / S * (1.0 + cap)
+    placed = [(seeded[:, None] * S + np.arange(S)).ravel()]  # window (step * S + w) of each document placed, in order
+    members = [first.ravel()]
+    left = [body[step_of.size:], outliers[S * seeded.size:]]
+    step_of, docs = _costliest_first(step_of, docs, C)
+    deferred = 0
+    for r in range(rounds + 1):
+        win = _deal(step_of, L[docs], C[docs], cw, room, count, cap_w)
+        ok = win >= 0
+        placed.append(step_of[ok] * S + win[ok])
+        members.append(docs[ok])
+        step_of, docs = step_of[~ok] + 1, docs[~ok]
+        on = step_of < steps if r < rounds else np.zeros(docs.size, bool)  # moved past the last full step: left
+        left.append(docs[~on])
+        step_of, docs = _costliest_first(step_of[on], docs[on], C)
+        deferred += docs.size + left[-1].size  # a move each, into the next step or the last steps
+        if not docs.size:
+            break
+    at = np.argsort(np.concatenate(placed), kind="stable")  # window by window, each in the order it was filled
+    seg = np.concatenate(members)[at]
+    return (seg, np.concatenate(([0], np.cumsum(count.ravel()))), deferred), np.concatenate(left)
+
+
+def _cut_steps(body_len, out_len, out_at, S: int, budget: float, per_step: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(ends, seeds)``: the full steps of :func:`pack_to_cost`, step ``s`` taking the stream documents
+    ``ends[s-1]:ends[s]`` and, when ``seeds[s] >= 0``, the outliers ``seeds[s]:seeds[s] + S``.
+
+    ``body_len``: (b,) the stream's lengths; ``out_len``, ``out_at``: (o,) each outlier's length and the stream
+    documents before it. A step takes ``budget`` tokens less its outliers' (at least one document a window they
+    leave empty); the next ``S`` outliers open it once the last of them is at most ``per_step`` documents past
+    its start. The run that would reach the stream's end is no full step (the last steps take it). A Python loop
+    per step, each a binary search: ``_cut_steps([2, 2, 2, 2, 2], [], [], 1, 4.0, 9.0) -> ([2, 4], [-1, -1])``.
+    """
+    ctok = np.concatenate(([0.0], np.cumsum(body_len, dtype=np.float64)))  # float: searchsorted takes a float key
+    # without converting the array
+    n, no = ctok.size - 1, len(out_len)
+    group_len = np.asarray(out_len)[:no - no % S].reshape(-1, S).sum(axis=1).tolist()  # each group of S outliers
+    last_at = np.asarray(out_at)[S - 1::S].tolist()
+    ends, seeds = [], []
+    pos = g = 0
+    while True:
+        seed = g < len(group_len) and last_at[g] <= pos + per_step
+        room = budget - (group_len[g] if seed else 0)
+        end = max(int(ctok.searchsorted(ctok[pos] + room, "right")) - 1, pos + (0 if seed else S))
+        if end >= n:
+            break
+        ends.append(end)
+        seeds.append(g * S if seed else -1)
+        g += seed
+        pos = end
+    return np.asarray(ends, np.int64), np.asarray(seeds, np.int64)
+
+
+def _costliest_first(step_of, docs, C) -> tuple[np.ndarray, np.ndarray]:
+    """``(step_of, docs)`` sorted by step, then by cost, highest first (equal costs in the order given): the key is
+    ``step - cost / (2 * max cost)``, so costs within 1e-9 of the largest one of each other count as equal.
+    ``_costliest_first([1, 0, 0], [5, 6, 7], costs) -> ([0, 0, 1], [7, 6, 5])`` where 7 costs more than 6."""
+    step_of, docs = np.asarray(step_of, np.int64), np.asarray(docs, np.int64)
+    scale = 2.0 * float(C.max()) if C.size and C.max() > 0 else 1.0
+    at = np.argsort(step_of - C[docs] / scale, kind="stable")
+    return step_of[at], docs[at]
+
+
+def _deal(step_of, n, c, cw, room, count, cap_w) -> np.ndarray:
+    """(m,) int64 window of each document (-1: none had room under the cap), placing the i-th document of every
+    step at once; ``step_of``: (m,) grouped by step, each group in the order its documents are met; ``n``, ``c``:
+    (m,) their lengths and costs. ``cw``, ``room``, ``count``: (steps, S) each window's cost, room and documents,
+    updated; ``cap_w``: (steps,) a window's cost limit (an empty window takes any document).
+
+    A document goes to the cheapest window with room (an empty one first; the first of equal ones), unless that
+    takes it over the cap. Steps are ranked by their number of documents, so the steps still placing at position
+    i are a prefix: position i costs a dozen numpy calls on that prefix, whatever the documents.
+    ``_deal([0, 0, 0], [3, 2, 2], [3., 2., 2.], zeros((1, 2)), full((1, 2), 4), zeros((1, 2)), [inf]) -> [0, 1, 1]``.
+    """
+    m = len(step_of)
+    out = np.full(m, -1, np.int64)
+    if m == 0:
+        return out
+    S = cw.shape[1]
+    counts = np.bincount(step_of, minlength=cw.shape[0])
+    ranked = np.argsort(-counts, kind="stable")
+    ranked = ranked[:np.count_nonzero(counts)]
+    start = (np.cumsum(counts) - counts)[ranked]  # each ranked step's first document
+    active = np.searchsorted(-counts[ranked], -np.arange(counts.max()), side="left")  # steps still placing at i
+    c_r, room_r, count_r, cap_r = cw[ranked], room[ranked], count[ranked], np.asarray(cap_w, np.float64)[ranked]
+    c_f, room_f, count_f = c_r.reshape(-1), room_r.reshape(-1), count_r.reshape(-1)
+    base = np.arange(ranked.size) * S
+    for i, a in enumerate(active.tolist()):
+        at = start[:a] + i
+        ni, ci = n[at], c[at]
+        key = np.where(count_r[:a] > 0, c_r[:a], -1.0)  # an empty window first
+        key[room_r[:a] < ni[:, None]] = np.inf
+        w = key.argmin(axis=1)
+        f = base[:a] + w
+        ok = (room_f[f] >= ni) & ((c_f[f] + ci <= cap_r[:a]) | (count_f[f] == 0))
+        f, ci, ni = f[ok], ci[ok], ni[ok]
+        c_f[f] += ci
+        room_f[f] -= ni
+        count_f[f] += 1
+        out[at[ok]] = w[ok]
+    cw[ranked], room[ranked], count[ranked] = c_r, room_r, count_r
+    return out
+
+
+def greedy_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel,
+                   outlier: float = 0.25, slack: float = 0.0, lookahead: int | None = None, units=None) -> ToCost:
+    """Planner 1 (packkit before planner 2, see :data:`PLANNER`): one document at a time, in ``order``.
+
+    Kept for the states it saved (a run resumes on the windows it began with) and for the last steps of
+    :func:`pack_to_cost`. Fills each step's ``step_windows`` windows with documents taken in ``order``, to equal cost.
 
     ``lengths``: (n,) int64, each at most ``window``; ``order``: (m,) the documents to place, at random.
     Each document, in order, goes to the cheapest window of the step that has room for it, unless that
@@ -327,8 +509,9 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     open a step together, the longest first, one per window, so no rank carries one alone; what is left
     at the end opens the last steps. Every step but the last has exactly ``step_windows`` windows.
     ``units``: (n,) each document's media units, whose encoder work (``cost.per_unit``) joins its cost.
-    ``pack_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))`` gives the
-    windows ``[0, 2], [1, 3]``.
+    ``greedy_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))`` gives the
+    windows ``[0, 2], [1, 3]``. 1M ShareGPT lengths at ``step_windows=8``, W = 32k: 2.1 s CPU (a Python loop per
+    document).
     """
     L = np.asarray(lengths, np.int64)
     order = np.asarray(order, np.int64)
@@ -383,7 +566,7 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
 
 
 def _open_step(queue: list, S: int, Ll: list, Cl: list, window: int, flush: bool):
-    """A step's empty windows ``(cost_w, room, members, seeded)``, the queued outliers opening it one a window
+    """:func:`greedy_to_cost`: a step's empty windows ``(cost_w, room, members, seeded)``, the queued outliers opening it one a window
     (the longest first) when ``S`` of them wait, or when ``flush`` (nothing else is left) and any wait;
     ``Ll``, ``Cl``: each document's length and cost."""
     cost_w = [0.0] * S
@@ -403,7 +586,7 @@ def _open_step(queue: list, S: int, Ll: list, Cl: list, window: int, flush: bool
 
 def _fill_step(todo, stream: tuple, cost_w: list, room: list, members: list, seeded: int, target: float,
                look: int, pending: list) -> None:
-    """One step of :func:`pack_to_cost`: each ``(document, length, cost)`` of ``todo`` to the cheapest window with
+    """One step of :func:`greedy_to_cost`: each ``(document, length, cost)`` of ``todo`` to the cheapest window with
     room under ``target`` (the top of a heap of the window costs, the first window of that cost as a scan finds
     it), else onto ``pending``; the step closes after ``look`` misses in a row. ``stream`` is ``(docs, lengths,
     position, candidates)``, what :func:`_miss_run` needs to skip a run of documents no window has room for."""
@@ -448,7 +631,7 @@ def _cheapest_with_room(n: int, cost_w: list, room: list) -> tuple[float, int]:
 
 
 def _seen(members, seeded: int, pending) -> int:
-    """Documents a step of :func:`pack_to_cost` has looked at: placed (less the queued ones it opened with) and missed."""
+    """Documents a step of :func:`greedy_to_cost` has looked at: placed (less the queued ones it opened with) and missed."""
     return sum(map(len, members)) - seeded + len(pending)
 
 

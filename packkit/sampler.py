@@ -63,7 +63,9 @@ Resuming, on any number of ranks
 ``state_dict()`` is the same small dict on every rank: the seed, the epoch, the step size the epoch was cut
 with and the position in it (the first unit of the step in progress, the units of that step used before
 it was dealt, the deal and its rows done). ``load_state_dict()`` on any world size yields every unit not
-yet used, exactly once. With the same ``step_batches`` and a world size dividing it, the global steps are
+yet used, exactly once (under ``balance="compute"`` at one or two windows a rank, the state names the planner whose
+windows it counts, :data:`packkit.balance.PLANNER`, and a run resumes on the windows it began with: a state
+without the field is planner 1's). With the same ``step_batches`` and a world size dividing it, the global steps are
 the ones the first run would have made (a step in progress on another world size ends as a step of its
 own); otherwise step boundaries move from the resume point on, said once by a :class:`ResumeWarning`.
 The state counts the batches the training loop consumed, not those the sampler handed out: a DataLoader
@@ -87,7 +89,7 @@ import weakref
 
 import numpy as np
 
-from .balance import compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
+from .balance import PLANNER, compute_imbalance, cost_model, greedy_to_cost, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack
 from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
@@ -463,7 +465,7 @@ class EpochStats:
             (``PackedBatchSampler(overflow="truncate")``; 0 otherwise).
         queued, deferred: ``balance="compute"`` with one or two windows per rank only
             (:func:`packkit.balance.pack_to_cost`): long documents held back until a step takes one per
-            window, and moves of a document to the next step because it fitted no window of its own (a
+            window, and moves of a document to a later step because it fitted no window of its own (a
             document moved twice counts twice); 0 otherwise.
     """
 
@@ -717,7 +719,10 @@ class _BatchSampler:
         self._loaded = False  # the position was loaded and its pass has not started
         self._active: tuple | None = None  # the pass in progress: (schedule, its start, rows before it, _Pass)
         self._offset = 0  # rows of the epoch before the next pass (a resume)
-        self._seq_cache: dict = {}  # (seed, epoch, units a step) -> _Sequence, the last CACHED
+        # the cost-target planner (packkit.balance.PLANNER) of balance="compute" at k <= 2, None where there is none:
+        # a state records it, and a run resumed from a state keeps the one it began with
+        self._planner = PLANNER if self._plans_to_cost else None
+        self._seq_cache: dict = {}  # (seed, epoch, units a step, planner) -> _Sequence, the last CACHED
         self._sched_cache: dict = {}  # (seed, epoch, _Point) -> Schedule, the last CACHED
         self._stats_cache: tuple | None = None
         self._sequence(0, self.seed, self._step_units)  # bad input fails here, not at the first step
@@ -726,6 +731,7 @@ class _BatchSampler:
 
     _k = 1  # units per micro-batch
     _splittable = True  # a unit may be split by examples (groups may not)
+    _plans_to_cost = False  # builds its windows to a cost target (packkit.balance.pack_to_cost)
 
     def _sequence_of(self, rng, step: int) -> _Sequence:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -748,7 +754,7 @@ class _BatchSampler:
 
     def _sequence(self, epoch: int, seed: int, step: int) -> _Sequence:
         """The sequence for ``(seed, epoch)`` cut into steps of ``step`` units, cached."""
-        key = (seed, epoch, step)
+        key = (seed, epoch, step, self._planner)
         if key not in self._seq_cache:
             _remember(self._seq_cache, key, self._sequence_of(np.random.default_rng((seed, epoch)), step))
         return self._seq_cache[key]
@@ -1121,6 +1127,7 @@ class _BatchSampler:
             "deal": list(point.deal) if point.deal else None,
             "rows": point.rows,
             "fingerprint": self._fingerprint(),
+            **({} if self._planner is None else {"planner": self._planner}),
         }
 
     def step_facts(self, *, batches_consumed: int | None = None) -> StepFacts:
@@ -1216,14 +1223,17 @@ class _BatchSampler:
         fingerprint, its seed, the epoch's length) before anything is assigned, so a refused state leaves
         the sampler as it was. The error is one line naming the field: ``sampler state field 'seed': ...``.
         """
-        epoch, point, done = self._read_state(state)
+        epoch, point, done, planner = self._read_state(state)
         # -- every field checked: assign --
+        if planner != self._planner:  # the run's windows are the planner's it began with
+            self._planner, self._sched_cache, self._stats_cache = planner, {}, None
         self._epoch_num, self._point = epoch, point
         self._offset, self._active, self._loaded = done, None, True
 
-    def _read_state(self, state) -> tuple[int, _Point, int]:
-        """``(epoch, position, batches done)`` of a saved state, every field checked against this sampler
-        (see :meth:`load_state_dict`); nothing is assigned."""
+    def _read_state(self, state) -> tuple[int, _Point, int, int | None]:
+        """``(epoch, position, batches done, planner)`` of a saved state, every field checked against this sampler
+        (see :meth:`load_state_dict`); nothing is assigned. ``planner``: the cost-target planner whose windows the
+        state counts (a state without the field was saved by planner 1, :func:`packkit.balance.greedy_to_cost`)."""
         f = StateFields(state, owner="sampler", versions=(STATE_VERSION,), legacy=1)
         name = type(self).__name__
         f.equal("sampler", name, f"the state is from another sampler: build a {f.state.get('sampler')} "
@@ -1235,6 +1245,9 @@ class _BatchSampler:
             f.fail("seed", f"the state was saved with seed={seed}, this sampler has seed={self.seed}: build it "
                    f"with seed={seed} to resume that run")
         epoch, old_R, done = f.int("epoch"), f.int("world_size", low=1), f.int("batches_yielded")
+        planner = self._planner
+        if planner is not None:
+            planner = f.int("planner", low=1, high=PLANNER) if "planner" in f.state else 1
         k = self._k
         if f.version == STATE_VERSION:
             total = f.int("batches_per_epoch")
@@ -1261,10 +1274,13 @@ class _BatchSampler:
             f.fail("span", "is 0, but the state says a step is in progress (mask or rows)")
         if start == 0 and mask == 0 and rows == 0:  # nothing used yet: this run cuts its own steps
             seq_step = self._step_units
-        try:  # the epoch the state describes; nothing assigned yet
+        own, self._planner = self._planner, planner
+        try:  # the epoch the state describes, under its planner; nothing assigned yet
             seq = self._sequence(epoch, seed, seq_step)
         except ValueError as exc:
             f.fail("step_units", f"{seq_step} cannot cut epoch {epoch}: {exc}")
+        finally:
+            self._planner = own
         units = f"the epoch's {seq.units} {self._unit_name}"
         if start > seq.units:
             f.fail("start", f"{start} is past the end of {units}")
@@ -1275,7 +1291,7 @@ class _BatchSampler:
         if span and mask == (1 << span) - 1:  # a step wholly used is over: a state of this packkit says start+span
             f.fail("mask", f"{mask:x} marks every one of the {span} {self._unit_name} of the step in progress "
                    "as used, but the step is not over (start)")
-        return epoch, _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step), done
+        return epoch, _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step), done, planner
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
@@ -1519,6 +1535,10 @@ class PackedBatchSampler(_BatchSampler):
     def _splittable(self) -> bool:
         return all(v is None for v in self._groups.values())
 
+    @property
+    def _plans_to_cost(self) -> bool:
+        return self.balance == "compute" and self.windows_per_batch <= 2 and self._splittable
+
     def _config(self):
         groups = {k: hashlib.sha1(np.asarray(v).tobytes()).hexdigest() for k, v in self._groups.items()
                   if v is not None}
@@ -1556,7 +1576,7 @@ class PackedBatchSampler(_BatchSampler):
     def _sequence_of(self, rng, step: int) -> _Sequence:
         k = self.windows_per_batch
         plan = self._plan(rng)
-        if self.balance == "compute" and k <= 2 and self._splittable:
+        if self._plans_to_cost:
             return self._to_cost(plan, rng, step)  # (groups keep their windows: they take the LPT deal)
         if self.shuffle:
             plan = plan.shuffled(int(rng.integers(1 << 62)))
@@ -1589,7 +1609,8 @@ class PackedBatchSampler(_BatchSampler):
         if self.shuffle:
             order = order[rng.permutation(order.size)]
         used = self._lengths_used()
-        tc = pack_to_cost(used, order, window=self.window, step_windows=step, cost=self.cost, units=self.media_units)
+        planner = pack_to_cost if self._planner == PLANNER else greedy_to_cost  # a run resumed keeps its windows
+        tc = planner(used, order, window=self.window, step_windows=step, cost=self.cost, units=self.media_units)
         nw = tc.window_ptr.size - 1
         full = nw // step * step
         if full == 0 and self.drop_last:

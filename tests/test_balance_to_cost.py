@@ -18,7 +18,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from packkit import balance
-from packkit.balance import CostModel, pack_to_cost
+from packkit.balance import CostModel, greedy_to_cost
 
 
 def ref_pack_to_cost(lengths, order, *, window, step_windows, cost, outlier=0.25, slack=0.0, lookahead=None):
@@ -89,7 +89,7 @@ def ref_pack_to_cost(lengths, order, *, window, step_windows, cost, outlier=0.25
 
 def assert_same(lengths, order, **kw):
     want = ref_pack_to_cost(lengths, order, **kw)
-    got = pack_to_cost(lengths, order, **kw)
+    got = greedy_to_cost(lengths, order, **kw)
     assert got.seg_example.tolist() == want[0]
     assert got.window_ptr.tolist() == want[1]
     assert (got.queued, got.deferred) == want[2:]
@@ -141,7 +141,7 @@ def test_no_scan_per_document(monkeypatch):
     real = balance._cheapest_with_room
     monkeypatch.setattr(balance, "_cheapest_with_room", lambda *a: calls.append(1) or real(*a))
     lengths = chat_sample(20_000, 32768, 0)
-    out = pack_to_cost(lengths, np.random.default_rng(1).permutation(lengths.size), window=32768, step_windows=8,
+    out = greedy_to_cost(lengths, np.random.default_rng(1).permutation(lengths.size), window=32768, step_windows=8,
                        cost=CostModel(24576.0))
     met = lengths.size + out.deferred
     print(f"{len(calls)} scans for {met} documents met")

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from packkit.balance import (CostModel, compute_imbalance, cost_model, lpt_assign, pack_to_cost, step_figures,
+from packkit.balance import (CostModel, compute_imbalance, cost_model, greedy_to_cost, lpt_assign, pack_to_cost, step_figures,
                              swap_refine, variation)
 from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
 from packkit.waste import measure_waste
@@ -218,8 +218,11 @@ def test_cost_target_packer_one_window_per_rank():
     assert b.queued == outliers > 0
     assert plan.num_windows <= 1.06 * lower
     assert b.compute_imbalance < 1 + (a.compute_imbalance - 1) / 2
-    t = pack_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))
+    t = greedy_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))
     assert t.seg_example.tolist() == [0, 2, 1, 3] and t.window_ptr.tolist() == [0, 2, 4]
+    t = pack_to_cost([4, 3, 2, 1] * 3, range(12), window=10, step_windows=2, cost=CostModel(10))  # its docstring's
+    assert [t.seg_example[a:b].tolist() for a, b in zip(t.window_ptr[:-1], t.window_ptr[1:])] == [
+        [0, 1, 2], [4, 5, 6], [3, 8], [7, 9, 10], [11]]
 
 
 def test_waste_random_batches_figures_match_a_numpy_count():
