@@ -1,4 +1,5 @@
-"""The cost-target packer (:func:`packkit.balance.pack_to_cost`, ``balance="compute"`` at k <= 2) against the
+"""Planner 1 of the cost-target packer (:func:`packkit.balance.greedy_to_cost`: the windows of states saved
+without a "planner" field, and planner 2's last steps; planner 2 is tested in test_balance_planner.py) against the
 one-document-at-a-time loop it replaced (``ref_pack_to_cost``, below, as it stood at 5803dad): the same windows,
 queued and deferred counts, bit for bit, on drawn lengths (ties, windows of one token, lookaheads of one,
 outliers) and on real chat lengths (long runs of documents that fit no window, missed in bulk).
