@@ -260,14 +260,16 @@ class PackedBatch(dict):
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """int32 ``[S + 1]`` segment offsets: the view's ``cu_seq_lens_q``, else the batch's own (the
-        padded view, or after ``cu_seq_lens_q`` was removed), else where ``position_ids`` restart."""
+        padded view, or after ``cu_seq_lens_q`` was removed), else where ``position_ids`` restart: a position
+        that does not follow the previous one by one starts a segment, as transformers finds documents (a family
+        numbering from 1, PaliGemma, included)."""
         cu = dict.get(self, "cu_seq_lens_q")
         if cu is None:
             cu = self.__dict__["_cu"]
         if cu is None:  # a padded view rebuilt from tensors packkit did not make
             flat = self["position_ids"]
             flat = (flat[0] if flat.dim() == 3 else flat).reshape(-1)  # mRoPE [4, B, L]: row 0 is the text
-            starts = torch.nonzero(flat == 0).reshape(-1)
+            starts = torch.nonzero(torch.diff(flat, prepend=flat[:1]) != 1).reshape(-1)
             end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
             cu = self.__dict__["_cu"] = torch.cat([starts, end]).to(torch.int32)
         return cu

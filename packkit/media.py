@@ -24,7 +24,8 @@ through ``mm_token_type_ids`` (0.28-0.38): packkit hands Gemma 3 and Gemma 4 the
 (:func:`span_masks`). A 4-D mask is used as given, so the mask carries the whole
 policy itself: documents, causality, spans and windows. PaliGemma composes its prefix, its documents (from
 ``position_ids``) and its windows right, given ``token_type_ids``; and it could not take a mask per layer type
-(one 4-D mask would reach its sliding layers unwindowed): packkit lays out ``token_type_ids`` only. The
+(one 4-D mask would reach its sliding layers unwindowed): packkit lays out ``token_type_ids``, and numbers every
+document from 1, as the model numbers a document alone (``Family.first_position``). The
 other families attend causally; they find documents from ``position_ids`` like text models. For a window of
 two documents, ``a`` (text, an image of 2 tokens, text) and ``b``, under Gemma 3's full layers (1 = may
 attend)::
@@ -91,6 +92,11 @@ class Family:
             reads each image's own tiles from ``image_sizes``).
         refused: keys the family reads per batch row, which a packed row would give to all its documents
             (LLaVA-OneVision's ``batch_num_images``): an example carrying one is refused by name.
+        first_position: the position of a document's first token when the model numbers a document alone
+            (PaliGemma: 1, ``position_ids = arange(L) + 1  # Paligemma positions are 1-indexed`` in transformers'
+            ``PaliGemmaModel.forward``); packkit's ``position_ids`` start every segment there. The relative
+            geometry is the same either way, but RoPE's angles are rounded in float32: numbered from 0, a packed
+            document differs from itself alone by ~5e-8 in float64 logits.
     """
 
     name: str
@@ -105,6 +111,7 @@ class Family:
     own_mask: bool = False
     ragged: str | None = None
     refused: tuple[str, ...] = ()
+    first_position: int = 0
 
 
 def _fixed(config, count: int):
@@ -180,7 +187,8 @@ FAMILIES = {
     "gemma4": Family("Gemma 4", (("pixel_values", 2), ("image_position_ids", 2)), _gemma4, ("mm_token_type_ids",),
                      "image", spans_on=("sliding_attention",), spans_switch="use_bidirectional_attention",
                      own_mask=True),
-    "paligemma": Family("PaliGemma", (("pixel_values", 3),), _paligemma, ("token_type_ids",), "prefix", False),
+    "paligemma": Family("PaliGemma", (("pixel_values", 3),), _paligemma, ("token_type_ids",), "prefix", False,
+                        first_position=1),
     "idefics3": Family("Idefics3", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "smolvlm": Family("SmolVLM", (("pixel_values", 3), ("pixel_attention_mask", 2)), _idefics3, batch_axis=True),
     "internvl": Family("InternVL", (("pixel_values", 3),), _internvl),

@@ -234,6 +234,8 @@ class VisionLanguageCollator:
                                  f"attn_implementation={impl!r} cannot express in a packed batch; load the model with "
                                  "attn_implementation='sdpa', 'eager' or 'flex_attention' (never approximated)")
         batch, index, dest, order = self._layout(examples)
+        if family.first_position:  # every segment numbered as the model numbers a document alone (PaliGemma: 1)
+            batch["position_ids"] = batch["position_ids"] + family.first_position
         if isinstance(self.collator, PackedRowsCollator):  # rows packed offline: their documents, in row order
             examples = row_documents(examples)
         media = check_media(family, self.config, examples)

@@ -5,9 +5,11 @@ Qwen2-Audio) packed through
 media leaves every other document's logits bit for bit, the media follow their documents after best-fit
 packing (checked by content), and the naive text collation is shown wrong for each family.
 
-Tolerances: 1e-10 under sdpa; transformers' eager attention takes its softmax in float32
-(``eager_attention_forward``'s ``dtype=torch.float32``), whose sums round differently over rows of different
-lengths, so eager agrees within 1e-6, the float32 level (the alone-vs-alone spread of that softmax).
+Tolerance: 1e-10 under every attention implementation. transformers' eager attention takes its softmax in
+float32 (``eager_attention_forward``'s ``dtype=torch.float32``), whose sums round differently over rows of
+different lengths: the tests run it in float64 (:func:`exact_eager`). PaliGemma numbers a document from 1 when
+it runs alone; packed from 0 it would differ by 3.5e-8 to 7.3e-8 (RoPE's float32 angles), packkit numbers its
+documents from 1 too (:func:`test_paligemma_documents_numbered_from_one_and_found`).
 """
 
 import numpy as np
@@ -20,13 +22,7 @@ from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeColl
 from packkit.media import FAMILIES, allowed_mask, span_blocks  # noqa: E402
 from packkit.model_inputs import VisionLanguageCollator  # noqa: E402
 
-TOL = {"sdpa": 1e-10, "eager": 1e-10}  # eager with its softmax in float64 (exact_eager below)
-
-
-def tol(family: str, impl: str) -> float:
-    """PaliGemma (Gemma 2 text) measures 3.5e-8 to 7.3e-8 under eager and flex alike, softmax in float64 or not:
-    something of its own rounds in float32 (not explained yet; a mask error is 0.1 or more)."""
-    return 1e-7 if family == "paligemma" else TOL[impl]
+TOL = {"sdpa": 1e-10, "eager": 1e-10, "flex_attention": 1e-10}  # eager's softmax in float64 (exact_eager below)
 IMG, BOI, EOI = 120, 121, 122
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
@@ -53,9 +49,11 @@ def build(family: str, impl: str = "sdpa"):
                                 audio_config=None, image_token_id=IMG, boi_token_id=BOI, eoi_token_id=EOI,
                                 video_token_id=123, audio_token_id=124, boa_token_id=125, eoa_token_index=126)
         cls, make = t.Gemma4ForConditionalGeneration, _gemma4_example
-    elif family == "paligemma":  # PaliGemma 2's Gemma 2 text: full and sliding layers, eager only
-        config = t.PaliGemmaConfig(text_config=dict(TEXT, model_type="gemma2", **SLIDING), projection_dim=32,
-                                   vision_config=dict(SIGLIP, model_type="siglip_vision_model"), image_token_index=IMG)
+    elif family == "paligemma":  # PaliGemma 2's Gemma 2 text (full and sliding layers) takes eager and flex only;
+        # under sdpa, PaliGemma (1)'s Gemma text
+        text = dict(TEXT, model_type="gemma") if impl == "sdpa" else dict(TEXT, model_type="gemma2", **SLIDING)
+        config = t.PaliGemmaConfig(text_config=text, projection_dim=32, image_token_index=IMG,
+                                   vision_config=dict(SIGLIP, model_type="siglip_vision_model"))
         cls, make = t.PaliGemmaForConditionalGeneration, _paligemma_example
     elif family in ("idefics3", "smolvlm"):
         config_cls = t.Idefics3Config if family == "idefics3" else t.SmolVLMConfig
@@ -241,7 +239,7 @@ def documents(batch, examples):
 
 #: every family once under ``make test``; a second attention implementation under ``-m slow``
 FAMILY_IMPLS = [("gemma3", "sdpa"), pytest.param(("gemma3", "eager"), marks=pytest.mark.slow), ("gemma4", "sdpa"),
-                pytest.param(("gemma4", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"),
+                pytest.param(("gemma4", "eager"), marks=pytest.mark.slow), ("paligemma", "eager"), ("paligemma", "sdpa"),
                 ("idefics3", "sdpa"), ("smolvlm", "eager"), ("internvl", "sdpa"), ("qwen2_audio", "sdpa"),
                 ("llava_next", "sdpa"), ("llava_onevision", "sdpa"),
                 pytest.param(("internvl", "eager"), marks=pytest.mark.slow)]
@@ -278,7 +276,7 @@ def test_padding_free_equals_each_document_alone(case):
     family, impl, model, examples, alone = case
     batch = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)(examples)
     diff, order = against_alone(model, batch, examples, alone)
-    assert diff < tol(family, impl) and order == list(range(len(examples)))
+    assert diff < TOL[impl] and order == list(range(len(examples)))
 
 
 def test_fixed_windows_media_follow_their_documents(case):
@@ -287,7 +285,7 @@ def test_fixed_windows_media_follow_their_documents(case):
     family, impl, model, examples, alone = case
     batch = VisionLanguageCollator(best_fit(examples), config=model.config)(examples)
     diff, order = against_alone(model, batch, examples, alone)
-    assert diff < tol(family, impl) and sorted(order) == list(range(len(examples)))
+    assert diff < TOL[impl] and sorted(order) == list(range(len(examples)))
     assert order != sorted(order)
     key = "input_features" if family == "qwen2_audio" else "pixel_values"
     got = batch[key][0] if FAMILIES[family].batch_axis else batch[key]
@@ -326,7 +324,7 @@ def test_padded_fallback_equals_each_document_alone(case):
     out = logits(model, batch)
     diff = max((out[r, :len(ex["input_ids"])] - alone[r]).abs().max().item() for r, ex in enumerate(examples))
     print(f"padded logits max abs diff {diff:.3e}")
-    assert diff < tol(family, impl)
+    assert diff < TOL[impl]
 
 
 def naive_batch(family, model, examples):
@@ -362,6 +360,48 @@ def test_naive_collation_is_wrong(family):
     diffs = [(out[a:a + len(ex["input_ids"])] - al).abs().max().item() for a, ex, al in zip(starts, examples, alone)]
     print(f"{family} naive: per-document max abs diff {diffs}")
     assert max(diffs) > 1e-3
+
+
+def test_paligemma_documents_numbered_from_one_and_found():
+    """PaliGemma numbers a document's tokens from 1 when it runs alone (transformers' ``PaliGemmaModel.forward``:
+    ``arange(L) + 1``); numbered from 0, a packed document's RoPE angles round differently in float32 (3.5e-8 to
+    7.3e-8 in float64 logits). packkit starts every segment at 1 for PaliGemma in every batch it makes (padding-free,
+    best-fit windows with padding tails, the padded fallback, rows packed offline), and transformers still finds
+    every document from those positions (``find_packed_sequence_indices``: a segment starts where a position does
+    not follow the previous one), as does a PackedBatch rebuilt from a dict of copied tensors (what Trainer does
+    after moving a batch). Other families keep 0."""
+    datasets = pytest.importorskip("datasets")
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from packkit.batch import PackedBatch
+    from packkit.collate import PackedRowsCollator
+    from packkit.offline import pack_dataset
+
+    model, make = build("paligemma", "sdpa")
+    g = torch.Generator().manual_seed(3)
+    examples = [make(g, 3, 1), make(g, 5, 0), make(g, 2, 2), make(g, 4, 1), make(g, 6, 0)]
+    rows = [{k: v.tolist() if torch.is_tensor(v) else v for k, v in ex.items()} for ex in examples]
+    window = best_fit(examples).window
+    packed = list(pack_dataset(datasets.Dataset.from_list(rows), window=window, progress=False))
+    for collator, batch_examples in ((PaddingFreeCollator(loss_mask="none"), examples), (best_fit(examples), examples),
+                                     (PaddedCollator(loss_mask="none"), examples),
+                                     (PackedRowsCollator(window=window, loss_mask="none"), packed)):
+        batch = VisionLanguageCollator(collator, config=model.config)(batch_examples)
+        pos, seg = batch["position_ids"], batch.seq_idx.to(torch.int64)
+        starts = seg != torch.nn.functional.pad(seg, (1, 0), value=-1)[:, :-1]
+        ranks = torch.cumsum(torch.ones_like(seg), -1) - 1
+        first = torch.cummax(torch.where(starts, ranks, 0), -1).values
+        assert torch.equal(pos, ranks - first + 1), type(collator).__name__  # 1, 2, ... in every segment
+        found = find_packed_sequence_indices(pos)
+        if "attention_mask" not in batch:  # packed: the model finds the documents from position_ids
+            assert found is not None and torch.equal(found, seg - seg[:, :1]), type(collator).__name__
+        rebuilt = PackedBatch({k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()})
+        assert torch.equal(rebuilt.cu_seqlens, batch.cu_seqlens), type(collator).__name__
+    assert len(packed) < len(examples)
+    other, make_other = build("gemma3", "sdpa")
+    batch = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=other.config)(
+        [make_other(g, 3, 1), make_other(g, 4, 0)])
+    assert batch["position_ids"][0, 0] == 0
 
 
 def test_span_blocks_and_mask_against_a_loop():
@@ -512,7 +552,7 @@ def flex_uncompiled(query, key, value, training=False, **kwargs):
 def test_flex_through_the_model_equals_each_document_alone(family, monkeypatch):
     """The model-level flex check, float64: a tiny model with attn_implementation="flex_attention" (its flex call
     uncompiled) reads best-fit windows through the BlockMasks packkit hands it, and every document's logits equal
-    it run alone through the same model (PaliGemma: see :func:`tol`)."""
+    it run alone through the same model."""
     from transformers.integrations import flex_attention
 
     monkeypatch.setattr(flex_attention, "compile_friendly_flex_attention", flex_uncompiled)
@@ -522,7 +562,7 @@ def test_flex_through_the_model_equals_each_document_alone(family, monkeypatch):
     alone = [logits(model, alone_inputs(ex))[0] for ex in examples]
     diff, order = against_alone(model, VisionLanguageCollator(best_fit(examples), config=model.config)(examples),
                                 examples, alone)
-    assert diff < tol(family, "sdpa") and sorted(order) == list(range(len(examples)))
+    assert diff < TOL["flex_attention"] and sorted(order) == list(range(len(examples)))
 
 
 @pytest.mark.slow
@@ -651,7 +691,7 @@ def test_waste_and_plan_read_multimodal_rows(tmp_path):
         assert [report[k] for k in (*keys, "loss_tokens")] == [12, tokens, loss]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "idefics3", "llava_next"])
+@pytest.mark.parametrize("family", ["gemma3", "idefics3", "llava_next", "paligemma"])
 def test_offline_packed_rows_train_equal_to_online(family):
     """pack_dataset of multimodal rows keeps each document's media with it in its packed row (a list over the
     row's documents, null for text-only ones; token_type_ids packed like the tokens), and
