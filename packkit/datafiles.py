@@ -4,6 +4,8 @@ input is read through an :class:`Input`. Lengths come from the offsets of an Arr
 default), from an integer column of lengths, or from text through a tokenizer (a local ``tokenizer.json``, a
 model's, or the byte-level one, :func:`packkit.arrow.byte_tokenize`); conversational data through its chat template
 (:func:`packkit.chat.tokenize_chat`). What ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
+This module decides; the reading behind it knows nothing of columns or tokenizers: :mod:`packkit.jsonlines`,
+:mod:`packkit.readers`, :mod:`packkit.tokenizer`.
 """
 
 from __future__ import annotations
