@@ -46,8 +46,8 @@ from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read
 from .errors import Message, arg, check_int
 from .sampler import batch_sums
 
-__all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "advise", "MicroBatchSearch", "effective_batch_size", "plan_budget", "find_max_micro_batch",
-           "is_out_of_memory", "synthetic_sft_lengths"]
+__all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "advise", "MicroBatchSearch",
+           "effective_batch_size", "plan_budget", "find_max_micro_batch", "is_out_of_memory", "synthetic_sft_lengths"]
 
 
 # ----------------------------------------------------------------------------------------------

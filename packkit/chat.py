@@ -31,8 +31,8 @@ both apply their product is written as ``completion_mask``. With neither, no mas
 every token carries the loss.
 
 A tokenizer is a local folder, a ``tokenizer.json`` (with ``chat_template=``), a model id, or a loaded
-``transformers`` tokenizer (:func:`packkit.tokenizer.load_tokenizer`): no remote code runs unless asked for by name, and a
-model id that is neither cached nor reachable fails at once, in one line, instead of retrying.
+``transformers`` tokenizer (:func:`packkit.tokenizer.load_tokenizer`): no remote code runs unless asked for by
+name, and a model id that is neither cached nor reachable fails at once, in one line, instead of retrying.
 
 Rendering is Jinja, one conversation at a time in Python (as in ``transformers``); tokenization is
 batched (a fast tokenizer encodes a batch in Rust), and the masks are computed with numpy over Arrow
@@ -534,14 +534,15 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     Args:
         data: a ``pyarrow.Table`` or ``datasets.Dataset`` in one of :data:`CHAT_FORMATS` (optional
             ``tools`` and ``chat_template_kwargs`` columns are passed to the template per example).
-        tokenizer: a folder, ``tokenizer.json``, model id or loaded tokenizer (:func:`load_tokenizer`).
+        tokenizer: a folder, ``tokenizer.json``, model id or loaded tokenizer
+            (:func:`packkit.tokenizer.load_tokenizer`).
         chat_template: Jinja text or a ``.jinja`` file, instead of the tokenizer's own template.
         assistant_only_loss: loss on assistant tokens only (needs ``{% generation %}`` markers).
             Default: on for ``messages`` / ``conversations``, off for prompt/completion pairs.
         completion_only_loss: loss on the completion only (prompt/completion pairs; default None: on). Given on
             other formats, it is refused (it would be ignored), as ``assistant_only_loss`` on prompt/completion
             strings, and so is a ``chat_template`` on prompt/completion strings.
-        trust_remote_code: let a tokenizer run its own code (:func:`load_tokenizer`).
+        trust_remote_code: let a tokenizer run its own code (:func:`packkit.tokenizer.load_tokenizer`).
         batch_size: conversations per tokenizer call.
         progress: a progress bar (examples) on stderr.
         num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s: the rows are cut

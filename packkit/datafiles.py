@@ -177,8 +177,8 @@ class Tokenizing:
     Made by :meth:`Input.tokenizing`. ``encode(table, first_row)`` returns the chunk with its tokens: conversational
     rows (TRL's ``messages``, ``conversations`` or ``prompt`` + ``completion``) become ``input_ids`` plus the
     loss mask TRL would train with (:func:`packkit.chat.chat_encoder`, its tokenizer loaded once); text gets
-    ``column`` appended (list<int32>, :func:`packkit.tokenizer.tokenize`). Errors name the example by its row in the whole input
-    (``first_row`` is the chunk's). ``finish(rows)`` gives the warnings that need every row; ``how`` says
+    ``column`` appended (list<int32>, :func:`packkit.tokenizer.tokenize`). Errors name the example by its row in the
+    whole input (``first_row`` is the chunk's). ``finish(rows)`` gives the warnings that need every row; ``how`` says
     what was done, in words.
     """
 
@@ -235,8 +235,8 @@ class Tokenizing:
 #: Rows per chunk when an Arrow table (a memory-mapped file or folder) is tokenized a chunk at a time.
 TOKENIZE_ROWS = 4096
 
-#: Bytes of text (JSON lines, ``.txt``) per chunk tokenized at a time: larger than :data:`packkit.jsonlines.JSON_BLOCK_BYTES`,
-#: since a tokenizer's batch call runs its threads better over more texts.
+#: Bytes of text (JSON lines, ``.txt``) per chunk tokenized at a time: larger than
+#: :data:`packkit.jsonlines.JSON_BLOCK_BYTES`, since a tokenizer's batch call runs its threads better over more texts.
 TOKENIZE_BLOCK_BYTES = 4 << 20
 
 
@@ -299,8 +299,8 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
 class Rows:
     """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a ``datasets.Dataset``
     holding the token ids, memory-mapped), ``parquet`` (the path of a Parquet file holding them), ``make`` (a
-    chunk at a time: JSON lines parsed, text tokenized; :func:`packkit.readers.replay`) or ``table`` (read whole, tokenized).
-    ``how``: how the tokens were made (None: the rows held them); ``nbytes``: the input's size on disk."""
+    chunk at a time: JSON lines parsed, text tokenized; :func:`packkit.readers.replay`) or ``table`` (read whole,
+    tokenized). ``how``: how the tokens were made (None: the rows held them); ``nbytes``: the input's size on disk."""
 
     path: Path
     how: str | None = None
@@ -332,9 +332,9 @@ class Input:
         self.where = repr(str(self.path))
 
     def read(self, use):
-        """``use(whole=False)``, and ``use(whole=True)`` where that read met :class:`packkit.jsonlines.JsonLinesChanged`: the one
-        place a chunked read falls back to the whole read. An error about a row names its line
-        (:func:`lines_named`)."""
+        """``use(whole=False)``, and ``use(whole=True)`` where that read met
+        :class:`packkit.jsonlines.JsonLinesChanged`: the one place a chunked read falls back to the whole read. An
+        error about a row names its line (:func:`lines_named`)."""
         with lines_named(self.path):
             try:
                 return use(whole=False)
