@@ -14,11 +14,14 @@ from the ids alone, one conversation a tree (``groups=``). Figures:
   imply without sampling (``(n p + n c) / (p + n c)`` of their mean prompt ``p`` and reply ``c``), which a draw of
   ``--prompts`` groups estimates;
 * speed: ``build_tree`` on the multi-turn ids in batches of ``--batch-tokens`` (CPU seconds,
-  ``time.process_time``), A/B alternated with the baseline a user would write: a dict trie, sample by sample,
-  token by token (on a ``--baseline-tokens`` share of the batch, scaled to tokens per second); target >= 5M
-  tokens/s on one core. The load average is printed beside every timing (2 cores shared by 8 engineers).
+  ``time.process_time``, GC outside the clock), A/B alternated in the same run with ``build_tree`` of a named
+  revision (``--against``, read from git; its trees must equal ours, array by array) and with the baseline a
+  user would write: a dict trie, sample by sample, token by token (on a ``--baseline-tokens`` share of the
+  batch, scaled to tokens per second); target >= 5M tokens/s on one core. Median and range of every figure
+  and of the pair ratios; the load average is printed beside them (2 cores shared by 8 engineers).
 
-Usage: ``python benchmarks/bench_prefixtree.py [--turns FILE] [--batch-tokens 4000000] [--rounds 3]``.
+Usage: ``python benchmarks/bench_prefixtree.py [--turns FILE] [--batch-tokens 4000000] [--rounds 5]
+[--against aaf59a2]``.
 Prints a table last, then one JSON line.
 """
 
@@ -26,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -131,24 +137,52 @@ def cpu(fn) -> float:
         gc.enable()
 
 
-def speed(mt: dict, *, batch_tokens: int, baseline_tokens: int, rounds: int) -> dict:
-    """Tokens per CPU second of build_tree and of the dict trie, A/B alternated, on the first batch."""
+def revision_build_tree(rev: str):
+    """``build_tree`` of ``packkit/prefixtree.py`` at git revision ``rev`` (a module of its own, the rest of
+    packkit as checked out)."""
+    src = subprocess.run(["git", "-C", HERE, "show", f"{rev}:packkit/prefixtree.py"], capture_output=True, text=True,
+                         check=True).stdout
+    name = f"packkit._prefixtree_{rev}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__package__ = "packkit"
+    sys.modules[name] = module
+    exec(compile(src, f"{rev}:packkit/prefixtree.py", "exec"), module.__dict__)
+    return module.build_tree
+
+
+def same_tree(a, b) -> bool:
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "position_ids", "parent", "tout",
+               "segment", "tree_ptr", "num_samples", "path", "score_source", "score_target", "num_tokens"))
+
+
+def speed(mt: dict, *, batch_tokens: int, baseline_tokens: int, rounds: int, against: str) -> dict:
+    """Tokens per CPU second of build_tree, of build_tree at revision ``against`` and of the dict trie, A/B
+    alternated, on the first batch."""
     lengths, ids, groups = mt["lengths"], mt["ids"], mt["groups"]
     k = int(np.searchsorted(np.cumsum(lengths), batch_tokens)) + 1
     kb = int(np.searchsorted(np.cumsum(lengths), baseline_tokens)) + 1
     n_tok, b_tok = int(lengths[:k].sum()), int(lengths[:kb].sum())
     ids_k, ids_b = ids[:n_tok], ids[:b_tok]
-    ours, base, loads = [], [], []
+    before = revision_build_tree(against)
+    assert same_tree(build_tree(ids_k, lengths[:k], groups=groups[:k]), before(ids_k, lengths[:k], groups=groups[:k]))
+    runs = {"ours": [], "rev": [], "base": []}
+    loads = []
     for r in range(rounds):
-        pair = [("ours", lambda: build_tree(ids_k, lengths[:k], groups=groups[:k])),
-                ("base", lambda: dict_trie(ids_b, lengths[:kb], groups[:kb]))]
-        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+        trio = [("ours", n_tok, lambda: build_tree(ids_k, lengths[:k], groups=groups[:k])),
+                ("rev", n_tok, lambda: before(ids_k, lengths[:k], groups=groups[:k])),
+                ("base", b_tok, lambda: dict_trie(ids_b, lengths[:kb], groups[:kb]))]
+        for name, tokens, fn in trio if r % 2 == 0 else trio[::-1]:
             loads.append(loadavg())
-            (ours if name == "ours" else base).append((n_tok if name == "ours" else b_tok) / cpu(fn))
+            runs[name].append(tokens / cpu(fn))
     assert build_tree(ids_b, lengths[:kb], groups=groups[:kb]).num_nodes == dict_trie(ids_b, lengths[:kb], groups[:kb])
-    return {"batch_tokens": n_tok, "baseline_tokens": b_tok, "ours_tok_s": statistics.median(ours),
-            "ours_low": min(ours), "ours_high": max(ours), "base_tok_s": statistics.median(base),
-            "speedup": statistics.median([a / b for a, b in zip(ours, base)]), "load": statistics.median(loads)}
+    pairs = [a / b for a, b in zip(runs["ours"], runs["rev"])]
+    return {"batch_tokens": n_tok, "baseline_tokens": b_tok, "against": against,
+            "ours_tok_s": statistics.median(runs["ours"]), "ours_low": min(runs["ours"]), "ours_high": max(runs["ours"]),
+            "rev_tok_s": statistics.median(runs["rev"]), "rev_low": min(runs["rev"]), "rev_high": max(runs["rev"]),
+            "vs_rev": statistics.median(pairs), "vs_rev_low": min(pairs), "vs_rev_high": max(pairs),
+            "base_tok_s": statistics.median(runs["base"]),
+            "speedup": statistics.median([a / b for a, b in zip(runs["ours"], runs["base"])]),
+            "load": statistics.median(loads), "load_low": min(loads), "load_high": max(loads)}
 
 
 def main() -> None:
@@ -158,7 +192,8 @@ def main() -> None:
                         "(multi-turn ratio only; skipped when absent)")
     parser.add_argument("--batch-tokens", type=int, default=4_000_000)
     parser.add_argument("--baseline-tokens", type=int, default=1_000_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--against", default="aaf59a2", help="the git revision whose build_tree is timed beside ours")
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
@@ -166,7 +201,8 @@ def main() -> None:
     data = dict(np.load(args.turns))
     mt = multi_turn(data)
     groups = [rl_groups(data, n, prompts=args.prompts, seed=n, history=h) for h in (False, True) for n in (4, 8, 16)]
-    sp = speed(mt, batch_tokens=args.batch_tokens, baseline_tokens=args.baseline_tokens, rounds=args.rounds)
+    sp = speed(mt, batch_tokens=args.batch_tokens, baseline_tokens=args.baseline_tokens, rounds=args.rounds,
+               against=args.against)
     training = multi_turn(dict(np.load(args.training_turns))) if os.path.exists(args.training_turns) else None
     print(f"\nprefix trees on {os.path.basename(args.turns)} ({mt['conversations']:,} conversations, {mt['samples']:,} "
           f"assistant turns); load {sp['load']:.1f}; {versions('numpy')}")
@@ -182,9 +218,12 @@ def main() -> None:
               f"{g['sample_tokens']:>16,} {g['tree_tokens']:>17,}  {target} (lengths alone: {g['formula']:.2f}x; "
               f"the pools' own: {g['population']:.3f}x over {g['pool_prompts']:,} prompts, {g['pool_replies']:,} replies)")
     print(f"build_tree: {sp['ours_tok_s'] / 1e6:.2f}M tokens/CPU s (range {sp['ours_low'] / 1e6:.2f}-"
-          f"{sp['ours_high'] / 1e6:.2f}M; {sp['batch_tokens']:,} tokens a batch) against the dict trie's "
+          f"{sp['ours_high'] / 1e6:.2f}M; {sp['batch_tokens']:,} tokens a batch); at {sp['against']}: "
+          f"{sp['rev_tok_s'] / 1e6:.2f}M ({sp['rev_low'] / 1e6:.2f}-{sp['rev_high'] / 1e6:.2f}M), the same trees; "
+          f"pair ratio {sp['vs_rev']:.1f}x ({sp['vs_rev_low']:.1f}-{sp['vs_rev_high']:.1f}x); the dict trie's "
           f"{sp['base_tok_s'] / 1e6:.2f}M ({sp['baseline_tokens']:,} tokens): {sp['speedup']:.1f}x; "
-          f"target 5M: {'met' if sp['ours_tok_s'] >= 5e6 else 'MISSED'}; load {sp['load']:.1f}")
+          f"target 5M: {'met' if sp['ours_tok_s'] >= 5e6 else 'MISSED'}; load {sp['load']:.1f} "
+          f"({sp['load_low']:.1f}-{sp['load_high']:.1f})")
     mt, training = ({k: v for k, v in x.items() if k not in ("ids", "lengths", "groups")} if x else None
                     for x in (mt, training))
     emit_json({"bench": "prefixtree", "multi_turn": mt, "multi_turn_training_template": training, "groups": groups, "speed": sp, **versions("numpy")},

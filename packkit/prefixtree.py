@@ -31,10 +31,12 @@ back aligned with those entries. :class:`TreeBatch` is a :class:`packkit.prefere
 the ancestor test, so :func:`packkit.preference.sequence_logps` / :func:`~packkit.preference.token_logps` read
 it as they read a pair or a group.
 
-Construction is vectorised: a 64-bit polynomial hash of every prefix (prefix sums of ``x_k B^-k`` modulo
-``2**64``), one sort, then an exact check that every node's tokens carry the same token and the same parent
-node (by induction on depth, equal prefixes); a collision (only adversarial data produces one) falls back to
-an exact level-by-level construction. Only the chains that samples add (one per sample) are handled in Python.
+Construction works on samples, not tokens (samples share only prefixes): one sort of the samples (a bytes key a
+sample, lexicographic), the prefix each shares with its neighbour in that order (token comparisons, exact, no
+hash), then the most each sample shares with an earlier one (nearest earlier neighbour on either side, one stack
+pass each way) gives its chain of new nodes and where it hangs (:class:`_Chains`); the layout and every per-token
+array follow from the chains in a few numpy passes. Python loops run once a sample, so a batch of very short
+samples (tens of tokens) builds slower per token than one of hundreds (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -62,121 +64,121 @@ __all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes"
            "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator", "TreeShard", "shard_tree",
            "TreeSFTMixin"]
 
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: token ids spread over 64 bits (x + 1) * _MIX
-_BASE = 0xD6E8FEB86659FD93  # odd, so invertible modulo 2**64
-_BASE_INV = pow(_BASE, -1, 2 ** 64)
-
-
 # ----------------------------------------------------------------------------------------------
-# nodes: which sample tokens are the same prefix
+# the trie at the level of samples: what each sample shares with the earlier ones
 # ----------------------------------------------------------------------------------------------
 
 
-_POWERS: dict = {}  # base -> its powers so far: a trainer builds a tree every step, of similar sizes
-_POWERS_CACHED = 1 << 24  # at most 128 MiB a base kept; larger batches compute theirs each time
+@dataclasses.dataclass(frozen=True)
+class _Chains:
+    """The trie of ``N`` samples as chains, one a sample: sample ``s``'s first ``shared[s]`` tokens are nodes of
+    earlier samples (the most it shares with any earlier sample of its group), its other ``new[s]`` tokens are
+    new nodes, its chain. The chain hangs below the node at depth ``shared[s] - 1``, which is the ``attach[s]``-th
+    node of ``parent[s]``'s chain (the earliest sample through it; ``-1`` when ``shared[s] == 0``). All ``(N,)``
+    int64. Samples ``a b c``, ``a b d e``, ``a f``: shared ``[0, 2, 1]``, new ``[3, 2, 1]``, parent
+    ``[-1, 0, 0]``, attach ``[-1, 1, 0]``."""
+
+    shared: np.ndarray
+    new: np.ndarray
+    parent: np.ndarray
+    attach: np.ndarray
 
 
-def _powers(base: int, n: int) -> np.ndarray:
-    """``base**0 .. base**(n-1)`` modulo ``2**64``, ``(n,)`` uint64 (numpy's integer products wrap); computed
-    once for the largest ``n`` asked up to ``_POWERS_CACHED`` (read-only views after)."""
-    have = _POWERS.get(base)
-    if have is None or have.size < n:
-        out = np.full(max(n, 1), base, np.uint64)
-        out[0] = 1
-        with np.errstate(over="ignore"):
-            have = np.cumprod(out, dtype=np.uint64)
-        have.flags.writeable = False
-        if n <= _POWERS_CACHED:
-            _POWERS[base] = have
-    return have[:n]
+def _sorted_samples(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> list:
+    """Sample indices in lexicographic order of ``(group, token ids)``, ties by index: one ``bytes`` key a sample
+    (big-endian, so that the bytes' order is the ids' order), sorted by Python (``memcmp`` on the keys)."""
+    wide = ids.size and int(ids.max()) >= 2 ** 32
+    width = 8 if wide else 4
+    data = ids.astype(">u8" if wide else ">u4").tobytes()  # ids are >= 0 (checked)
+    at = (off * width).tolist()
+    keys = [data[a:b] for a, b in zip(at[:-1], at[1:])]
+    if groups is not None:
+        keys = list(zip(groups.tolist(), keys))
+    return sorted(range(len(keys)), key=keys.__getitem__)
 
 
-def prefix_hashes(ids: np.ndarray, starts: np.ndarray, sample: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
-    """The 64-bit polynomial hash of every token's prefix (its sample from the start, the group hint first):
-    ``h_i = g B^(i-a+1) + sum_{a<=k<=i} x_k B^(i-k)`` for a sample starting at ``a``, ``(T,)`` uint64.
-
-    Vectorised through prefix sums: ``h_i = B^i (S_i - S_(a-1) + g B^-(a-1))`` with ``S_i = sum_k x_k B^-k``.
-    """
-    n = ids.size
-    with np.errstate(over="ignore"):
-        inv = np.empty(n + 1, np.uint64)  # inv[k + 1] = B^-k, k from -1
-        inv[0] = _BASE
-        inv[1:] = _powers(_BASE_INV, n)
-        s = np.zeros(n + 1, np.uint64)
-        x = ids.astype(np.uint64)
-        x += np.uint64(1)
-        x *= _MIX
-        x *= inv[1:]
-        np.cumsum(x, dtype=np.uint64, out=s[1:])
-        head = s[starts]
-        if groups is not None:
-            head -= (groups.astype(np.uint64) + np.uint64(1)) * _MIX * inv[starts]
-        np.subtract(s[1:], head[sample], out=x)
-        x *= _powers(_BASE, n)
-        return x
+_SHORT = 64  #: pairs of samples compared at most this many tokens long are compared all at once, the rest one by one
 
 
-def _first_of_equal(h: np.ndarray) -> np.ndarray:
-    """For every item, the index of the first item with the same hash, ``(T,)`` int64.
+def _neighbour_lcps(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None, order: list) -> list:
+    """Tokens shared by each sample in ``order`` with the one before it (``0`` for the first, and across groups).
 
-    One ``np.sort`` of keys that carry the index in their low bits (numpy sorts uint64 values ~8x faster than
-    it argsorts them); the few runs whose full hashes differ below those bits are re-sorted on their own."""
-    n = h.size
-    bits = max(int(n).bit_length(), 1)
-    low = np.uint64((1 << bits) - 1)
-    key = h & ~low
-    key |= np.arange(n, dtype=np.uint64)
-    key.sort()
-    order = (key & low).view(np.int64)  # the index, < 2**63
-    hs = h[order]
-    diff = hs[1:] != hs[:-1]
-    key >>= np.uint64(bits)
-    same_high = key[1:] == key[:-1]
-    mixed = same_high & diff
-    if mixed.any():  # equal high bits, different hashes: sort those runs by (hash, index)
-        run = np.concatenate([[0], np.cumsum(~same_high)])
-        marked = np.zeros(int(run[-1]) + 1, bool)
-        marked[run[1:][mixed]] = True
-        at = np.flatnonzero(marked[run])
-        sub = np.lexsort((order[at], hs[at]))
-        order[at], hs[at] = order[at][sub], hs[at][sub]
-        diff = hs[1:] != hs[:-1]
-    first = np.zeros(n, np.int64)  # the sorted position where each run starts (np.repeat is 5x slower)
-    first[1:][diff] = np.flatnonzero(diff) + 1
-    np.maximum.accumulate(first, out=first)
-    rep = np.empty(n, np.int64)
-    rep[order] = order[first]
-    return rep
+    At most ``sum(lcp) + N`` tokens compared in all: short pairs in one vectorised compare (a Python loop would
+    cost more than their tokens), long ones one numpy compare each."""
+    order = np.asarray(order, np.int64)
+    a, b = order[:-1], order[1:]
+    n = np.minimum(off[a + 1] - off[a], off[b + 1] - off[b])
+    if groups is not None:
+        n[groups[a] != groups[b]] = 0
+    lcp = np.zeros(order.size, np.int64)
+    short = np.flatnonzero(n <= _SHORT)
+    if short.size:
+        m = n[short]
+        diff = ids[range_index(off[a[short]], m)] != ids[range_index(off[b[short]], m)]
+        ptr = lengths_to_offsets(m)
+        first = np.flatnonzero(diff)  # the first difference of each pair, or its end
+        k = np.searchsorted(first, ptr[:-1])
+        hit = np.append(first, ptr[-1])[k]
+        lcp[1 + short] = np.minimum(hit, ptr[1:]) - ptr[:-1]
+    starts = off.tolist()
+    for i, x, y, k in zip(np.flatnonzero(n > _SHORT).tolist(), a[n > _SHORT].tolist(), b[n > _SHORT].tolist(),
+                          n[n > _SHORT].tolist()):
+        diff = ids[starts[x]:starts[x] + k] != ids[starts[y]:starts[y] + k]
+        j = int(diff.argmax())
+        lcp[i + 1] = j if diff[j] else k
+    return lcp.tolist()
 
 
-def _parents(node: np.ndarray, at_start: np.ndarray) -> np.ndarray:
-    """The node of the token before each one in its sample, ``-1`` at a sample's first token."""
-    parent = np.empty_like(node)
-    parent[0:1] = -1
-    parent[1:] = node[:-1]
-    parent[at_start] = -1
-    return parent
+def _most_shared_earlier(order: list, lcp: list) -> tuple[list, list]:
+    """For every sample, the most tokens it shares with an earlier sample (by index) and one such sample (``-1``).
+
+    In lexicographic order, what two samples share is the least ``lcp`` between them, so the best earlier sample
+    is the nearest earlier one on the left or on the right: one stack pass each way (nearest smaller value),
+    each stack entry carrying the least ``lcp`` from it to the entry above."""
+    n = len(order)
+    shared, source = [0] * n, [-1] * n
+    for seq, gap in ((order, lcp), (order[::-1], [0] + lcp[:0:-1])):  # gap[i]: lcp of seq[i - 1] and seq[i]
+        stack, low = [], []  # sample, least lcp from it to the entry above (the top: to the current position)
+        for v, step in zip(seq, gap):
+            if stack:
+                if step < low[-1]:
+                    low[-1] = step
+                while stack and stack[-1] > v:
+                    stack.pop()
+                    m = low.pop()
+                    if stack and m < low[-1]:
+                        low[-1] = m
+                if stack and low[-1] > shared[v]:
+                    shared[v], source[v] = low[-1], stack[-1]
+            stack.append(v)
+            low.append(1 << 62)
+    return shared, source
 
 
-def _exact_nodes(ids, lengths, starts, groups) -> np.ndarray:
-    """The same as the hashed construction, level by level (depth ``d``: one ``np.unique`` over the pairs
-    ``(node at d - 1, token)``): exact whatever the data, one numpy pass a depth."""
-    n = ids.size
-    sample = lengths_to_seq_idx(lengths).astype(np.int64)
-    depth = np.arange(n, dtype=np.int64) - starts[sample]
-    order = np.lexsort((np.arange(n), depth))
-    bounds = np.searchsorted(depth[order], np.arange(int(lengths.max(initial=0)) + 1))
-    node = np.empty(n, np.int64)
-    g = np.zeros(n, np.int64) if groups is None else groups[sample]
-    for d in range(bounds.size - 1):
-        at = order[bounds[d]:bounds[d + 1]]
-        parent = g[at] if d == 0 else node[at - 1]
-        pairs = np.stack([parent, ids[at]], 1)
-        _, inv = np.unique(pairs, axis=0, return_inverse=True)
-        first = np.full(inv.max() + 1, n, np.int64)
-        np.minimum.at(first, inv.reshape(-1), at)
-        node[at] = first[inv.reshape(-1)]
-    return node
+def _chains(ids: np.ndarray, lengths: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> _Chains:
+    """:class:`_Chains` of the samples: sorted once, shared prefixes compared token by token (exact, no hash)."""
+    order = _sorted_samples(ids, off, groups)
+    shared, source = _most_shared_earlier(order, _neighbour_lcps(ids, off, groups, order))
+    parent, attach = [-1] * len(shared), [-1] * len(shared)
+    for s, m in enumerate(shared):  # the earliest sample through the node at depth m - 1: walk up the chains
+        if m:
+            q = source[s]
+            while m <= shared[q]:
+                q = parent[q]
+            parent[s], attach[s] = q, m - 1 - shared[q]
+    shared = np.asarray(shared, np.int64)
+    return _Chains(shared=shared, new=lengths - shared, parent=np.asarray(parent, np.int64),
+                   attach=np.asarray(attach, np.int64))
+
+
+def _copy_shared(values: np.ndarray, off: np.ndarray, chains: _Chains) -> np.ndarray:
+    """``values`` ``(T,)`` with every sample's shared tokens overwritten by its parent chain's sample's, in sample
+    order (a parent comes first): a token's value becomes its node's first token's."""
+    starts = off[:-1].tolist()
+    for s, p, m in zip(np.flatnonzero(chains.shared).tolist(), chains.parent[chains.shared > 0].tolist(),
+                       chains.shared[chains.shared > 0].tolist()):
+        values[starts[s]:starts[s] + m] = values[starts[p]:starts[p] + m]
+    return values
 
 
 def prefix_nodes(ids, lengths, *, groups=None) -> np.ndarray:
@@ -184,21 +186,13 @@ def prefix_nodes(ids, lengths, *, groups=None) -> np.ndarray:
 
     ``prefix_nodes([1, 2, 1, 3, 1, 2, 4], [2, 2, 3]) -> [0, 1, 0, 3, 0, 1, 6]``: the prefix ``1`` is token 0's
     everywhere, ``1 2`` is token 1's, the rest are new. ``groups``: ``(N,)`` ints, samples share prefixes only
-    within a group. Exact: a hash collision is detected and the level-by-level construction takes over.
+    within a group. Exact: prefixes are compared token by token.
     """
     ids = np.asarray(ids, np.int64)
     lengths = np.asarray(lengths, np.int64)
     off = lengths_to_offsets(lengths)
-    starts = off[:-1]
     groups = None if groups is None else np.asarray(groups, np.int64)
-    sample = lengths_to_seq_idx(lengths).astype(np.int64)
-    node = _first_of_equal(prefix_hashes(ids, starts, sample, groups))
-    at_start = starts[lengths > 0]
-    parent = _parents(node, at_start)
-    ok = (ids[node] == ids).all() and (parent[node] == parent).all()
-    if ok and groups is not None:
-        ok = bool((groups[sample[node]] == groups[sample]).all())
-    return node if ok else _exact_nodes(ids, lengths, starts, groups)
+    return _copy_shared(np.arange(ids.size, dtype=np.int64), off, _chains(ids, lengths, off, groups))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,50 +237,37 @@ def _subtree_sizes(parent_chain: np.ndarray, length: np.ndarray) -> np.ndarray:
     return np.asarray(size, np.int64)
 
 
-def _layout(node: np.ndarray, lengths: np.ndarray, off: np.ndarray):
-    """``(path, parent, depth, tout)`` of the trie given every token's node (:func:`prefix_nodes`): the layout
-    index of every sample token ``(T,)``, and per layout node its parent (``-1`` at roots), depth and the end
-    of its subtree ``(P,)``."""
-    n_tok = node.size
-    sample = lengths_to_seq_idx(lengths).astype(np.int64)
-    is_new = node == np.arange(n_tok)
-    # a sample's new tokens are a suffix of it: shared[s] tokens first, seen in earlier samples
-    new_count = np.bincount(sample, weights=is_new, minlength=lengths.size).astype(np.int64)
-    shared = lengths - new_count
-    first_new = off[:-1] + shared
-    attach_tok = np.where(shared > 0, node[np.maximum(first_new - 1, 0)], -1)
-    parent_chain = np.where(attach_tok >= 0, sample[np.maximum(attach_tok, 0)], -1)
-    attach = np.where(attach_tok >= 0, attach_tok - first_new[np.maximum(parent_chain, 0)], -1)
-    size = _subtree_sizes(parent_chain, new_count)
-    start = _chain_starts(parent_chain, attach, size, new_count)
-    # the new tokens, chain after chain, and where they land
-    new_tok = np.flatnonzero(is_new)
-    owner = sample[new_tok]
-    pos_of_new = start[owner] + (new_tok - first_new[owner])
-    place = np.empty(n_tok, np.int64)
-    place[new_tok] = pos_of_new
-    path = place[node]
-    total = new_tok.size
-    depth = np.empty(total, np.int64)
-    depth[pos_of_new] = new_tok - off[:-1][owner]
-    parent = np.empty(total, np.int64)
-    prev = np.where(new_tok == first_new[owner], -1, pos_of_new - 1)
-    roots = prev < 0
-    joined = roots & (attach_tok[owner] >= 0)
-    prev[joined] = place[attach_tok[owner[joined]]]
-    parent[pos_of_new] = prev
-    # subtree sizes: each chain's nodes count themselves and the chains attached at or below them
-    extra = np.zeros(total + 1, np.int64)
-    child = np.flatnonzero((new_count > 0) & (attach_tok >= 0))
-    np.add.at(extra, place[attach_tok[child]], size[child])
-    per = extra[:total] + 1
-    chain_of = np.empty(total, np.int64)
-    chain_of[pos_of_new] = owner
-    rev = np.cumsum(per[::-1])[::-1]  # suffix sums, cut at each chain's end
-    chain_end = start[chain_of] + new_count[chain_of]
-    after = np.where(chain_end < total, rev[np.minimum(chain_end, total - 1)], 0)
-    tout = np.arange(total) + rev - after
-    return path, parent, depth, tout
+def _layout(chains: _Chains, off: np.ndarray):
+    """``(path, parent, depth, tout, start, chain)`` of the trie (:class:`_Chains`): the layout index of every
+    sample token ``(T,)``; per layout node its parent (``-1`` at roots), depth and the end of its subtree
+    ``(P,)``; where each sample's chain starts ``(N,)`` (``-1``: no chain), and the samples with a chain in
+    layout order. A chain's nodes are contiguous; its children follow it (:func:`_chain_starts`)."""
+    shared, new, up, attach = chains.shared, chains.new, chains.parent, chains.attach
+    size = _subtree_sizes(up, new)
+    start = _chain_starts(up, attach, size, new)
+    # per sample token: its own chain's place, then the shared tokens copied from the parent's sample
+    path = np.repeat(start - off[:-1] - shared, np.diff(off))
+    path += np.arange(path.size, dtype=np.int64)
+    _copy_shared(path, off, chains)
+    # per node, chain after chain in layout order
+    chain = np.flatnonzero(new > 0)
+    chain = chain[np.argsort(start[chain], kind="stable")]
+    count, first = new[chain], start[chain]
+    total = int(count.sum())
+    depth = np.repeat(shared[chain] - first, count)
+    depth += np.arange(total, dtype=np.int64)
+    parent = np.arange(-1, total - 1, dtype=np.int64)
+    joined = up[chain] >= 0
+    parent[first] = np.where(joined, start[np.maximum(up[chain], 0)] + attach[chain], -1)
+    # a node's subtree: the rest of its chain, then the chains attached at or below it (they follow the chain)
+    below = np.zeros(total + 1, np.int64)
+    child = chain[joined]
+    np.add.at(below, start[up[child]] + attach[child], size[child])
+    below = np.cumsum(below[::-1])[::-1]  # below[p]: the chains attached at p or after, in the layout
+    end = first + count
+    tout = np.repeat(end - below[end], count)
+    tout += below[:total]
+    return path, parent, depth, tout, start, chain
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,25 +386,30 @@ def build_tree(input_ids, lengths, *, loss_mask=None, values=None, groups=None, 
     """
     ids, lengths, mask, vals, groups = _check_samples(input_ids, lengths, loss_mask, values, groups, rows)
     off = lengths_to_offsets(lengths)
-    node = prefix_nodes(ids, lengths, groups=groups)
-    path, parent, depth, tout = _layout(node, lengths, off)
+    chains = _chains(ids, lengths, off, groups)
+    path, parent, depth, tout, start, chain = _layout(chains, off)
     total = parent.size
-    nodes_ids = np.empty(total, np.int64)
-    nodes_ids[path] = ids
-    sample = lengths_to_seq_idx(lengths).astype(np.int64)
+    nodes_ids = ids[range_index(off[chain] + chains.shared[chain], chains.new[chain])]
     scored = mask.copy()
-    scored[off[:-1][lengths > 0]] = False
-    num_tokens = np.bincount(sample[scored], minlength=lengths.size).astype(np.int64)
+    scored[off[:-1]] = False
+    at = np.flatnonzero(scored)
+    num_tokens = np.diff(np.searchsorted(at, off))
     if (num_tokens == 0).any():
         s = int(np.argmin(num_tokens))
         raise DataError(f"{location(s, rows)} has no loss token after its first token: nothing of it would be trained; "
                         "drop it or fix its loss mask")
-    at = np.flatnonzero(scored)
-    segment = np.cumsum((parent != np.arange(total) - 1) | (parent < 0)) - 1
-    return PrefixTree(input_ids=nodes_ids, position_ids=depth, parent=parent, tout=tout, segment=segment,
-                      tree_ptr=np.append(np.flatnonzero(parent < 0), total).astype(np.int64),
-                      num_samples=np.bincount(path, minlength=total).astype(np.int64), path=path, sample_ptr=off,
-                      score_source=path[at - 1], score_target=path[at], score_sample=sample[at], score_token=at,
+    # samples through a node: those whose last node is in its subtree (prefix sums over the Euler tour)
+    last = np.where(chains.new > 0, start + chains.new - 1, start[np.maximum(chains.parent, 0)] + chains.attach)
+    through = np.zeros(total + 1, np.int64)
+    np.cumsum(np.bincount(last, minlength=total), out=through[1:])
+    fresh = np.ones(chain.size, bool)  # a chain continues the node before it in the layout, or opens a segment
+    fresh[1:] = parent[start[chain[1:]]] != start[chain[1:]] - 1
+    return PrefixTree(input_ids=nodes_ids, position_ids=depth, parent=parent, tout=tout,
+                      segment=np.repeat(np.cumsum(fresh) - 1, chains.new[chain]),
+                      tree_ptr=np.append(start[chain[chains.parent[chain] < 0]], total).astype(np.int64),
+                      num_samples=through[tout] - through[:-1], path=path, sample_ptr=off,
+                      score_source=path[at - 1], score_target=path[at],
+                      score_sample=np.repeat(np.arange(lengths.size, dtype=np.int64), num_tokens), score_token=at,
                       num_tokens=num_tokens, values={k: v[at] for k, v in vals.items()})
 
 

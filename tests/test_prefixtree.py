@@ -138,19 +138,21 @@ def test_docstring_example():
     assert tree_batch(build_tree([1, 2, 3, 1, 2, 4], [3, 3])).input_ids.tolist() == [[1, 2, 3, 4]]
 
 
-@given(trees(max_samples=60))
+@given(trees(max_samples=60), st.sampled_from([0, 2 ** 40]), st.sampled_from([1, -(2 ** 40)]))
 @settings(max_examples=20)
-def test_a_hash_collision_falls_back_to_the_exact_construction(samples, ):
-    """Every prefix hashed to one value (the worst collision): the check finds it and the level-by-level
-    construction gives the same trie."""
+def test_every_compare_path_gives_the_trie(samples, shift, scale):
+    """The construction's other paths, which short random samples do not take: every pair of neighbours compared
+    one by one (as long samples are), ids past 32 bits (8-byte sort keys), group ids negative and large."""
     ids, lengths, mask, groups = flat(samples)
-    real = prefixtree.prefix_hashes
+    short = prefixtree._SHORT
     try:
-        prefixtree.prefix_hashes = lambda ids, *a: np.zeros(ids.size, np.uint64)
-        collided = build_tree(ids, lengths, loss_mask=mask, groups=groups)
+        prefixtree._SHORT = 0
+        one_by_one = build_tree(ids + shift, lengths, loss_mask=mask, groups=groups * scale)
     finally:
-        prefixtree.prefix_hashes = real
-    check_structure(collided, samples, groups=groups)
+        prefixtree._SHORT = short
+    check_structure(one_by_one, [(np.asarray(s) + shift, m, g) for s, m, g in samples], groups=groups)
+    wide = build_tree(ids + shift, lengths, loss_mask=mask, groups=groups * scale)
+    assert np.array_equal(wide.path, one_by_one.path) and np.array_equal(wide.input_ids, one_by_one.input_ids)
 
 
 def test_values_follow_the_scored_tokens():
