@@ -31,7 +31,7 @@ STATE_FILE = Path(__file__).resolve().parent / "data" / "sampler_state_planner1.
 SAVED_AT = 9  # batches every rank had taken when the state was saved
 
 
-def ref_planner2(lengths, order, *, window, step_windows, cost, outlier=0.25, fill=0.998, cap=0.01, rounds=8):
+def ref_planner2(lengths, order, *, window, step_windows, cost, outlier=0.25, fill=0.998, cap=0.005, rounds=8):
     """Planner 2 as its docstring says it, one document at a time: ``(windows, queued, deferred)``, the windows as
     lists of documents."""
     L = [int(x) for x in lengths]
