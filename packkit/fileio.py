@@ -9,7 +9,8 @@ Every temporary file or folder packkit makes is named ``.NAME.packkit-tmp-XXXXXX
 a dot, NAME, ``.packkit-tmp-``, 8 hex digits) beside what it is for: NAME is the target's name, cut
 short where the whole would pass the file system's limit (``NAME_MAX``, 255 bytes), or ``staged`` for
 input staged beside the output (:mod:`packkit.sources`). It is removed on any error and on SIGINT,
-SIGTERM and SIGHUP (:mod:`packkit.interrupts`); only SIGKILL or a crash can leave one::
+SIGTERM and SIGHUP (:mod:`packkit.interrupts`; in a program that calls packkit and leaves SIGTERM at its
+default, the file is removed and then the process ends by the signal); only SIGKILL or a crash can leave one::
 
     with atomic_output("packed.parquet", inputs=["data.parquet"]) as tmp:
         pyarrow.parquet.write_table(table, tmp)     # tmp: a path that does not exist yet
@@ -27,6 +28,8 @@ the same file as an input                 ``OutputError`` (``os.path.samefile``:
 a folder that contains an input           ``OutputError`` (writing it would replace the input)
 a folder where a file is written, or the  ``OutputError``, even with ``overwrite``
 other way round
+a named pipe, a socket or a device        ``OutputError``, even with ``overwrite`` (renamed over,
+                                          it would be replaced, never written through)
 parent folder missing                     ``MissingFolderError`` (also a ``FileNotFoundError``)
                                           unless ``parents=True``
 parent folder not writable                ``OutputError``
@@ -57,7 +60,7 @@ import threading
 from pathlib import Path
 
 from .errors import ArgumentError, DataError, OutputError, arg
-from .interrupts import deferred
+from .interrupts import deferred, ending_cleanly
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
            "check_output", "fsync_tree", "held_still", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
@@ -138,6 +141,11 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
             raise OutputError(f"{str(target)!r} is a folder that holds the input {str(src)!r}; writing it "
                               "would replace the input: write the output elsewhere")
     if os.path.lexists(target):
+        special = _special_file(target)
+        if special:
+            raise OutputError(f"{str(target)!r} is {special}, not a file: packkit writes beside it and renames the "
+                              "result into place, which would put a file where it is and write nothing through it; "
+                              "give the name of a file to write")
         if target.is_dir() != (kind == "dir"):
             have, want = ("a folder", "a file") if target.is_dir() else ("a file", "a folder")
             raise OutputError(f"{str(target)!r} is {have}, and the output is {want}; remove it or choose "
@@ -156,6 +164,22 @@ def check_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fal
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"folder {str(parent)!r} is not writable, so {str(target)!r} cannot be written there")
     return target
+
+
+def _special_file(path: Path) -> str | None:
+    """What ``path`` is when it is neither a file nor a folder (a named pipe, a socket, a device), else None:
+    ``_special_file(Path("/dev/null")) -> "a character device"``."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # a dangling symbolic link: replaced as a file is
+        return None
+    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return None
 
 
 def name_max(folder) -> int:
@@ -348,22 +372,23 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
     target = check_output(target, kind=kind, inputs=inputs, overwrite=overwrite, parents=parents,
                           overwrite_hint=overwrite_hint)
     tmp = temp_sibling(target)
-    try:
-        yield tmp
-        if not os.path.lexists(tmp):
-            raise FileNotFoundError(f"the writer left nothing at {str(tmp)!r} for {str(target)!r}")
-        if tmp.is_dir() != (kind == "dir"):
-            raise ValueError(f"the writer made a {'folder' if tmp.is_dir() else 'file'} for {str(target)!r}, "
-                             f"expected a {'folder' if kind == 'dir' else 'file'}")
-        fsync_tree(tmp)
-        with deferred():
-            _place(tmp, target, overwrite=overwrite, overwrite_hint=overwrite_hint)
-    except BaseException as exc:
-        with deferred():
-            _remove(tmp)
-        if isinstance(exc, OSError) and exc.filename is None:
-            raise named_os_error(exc, target) from exc
-        raise
+    with ending_cleanly():  # SIGTERM in a program that calls packkit: tmp removed, then the process ends by it
+        try:
+            yield tmp
+            if not os.path.lexists(tmp):
+                raise FileNotFoundError(f"the writer left nothing at {str(tmp)!r} for {str(target)!r}")
+            if tmp.is_dir() != (kind == "dir"):
+                raise ValueError(f"the writer made a {'folder' if tmp.is_dir() else 'file'} for {str(target)!r}, "
+                                 f"expected a {'folder' if kind == 'dir' else 'file'}")
+            fsync_tree(tmp)
+            with deferred():
+                _place(tmp, target, overwrite=overwrite, overwrite_hint=overwrite_hint)
+        except BaseException as exc:
+            with deferred():
+                _remove(tmp)
+            if isinstance(exc, OSError) and exc.filename is None:
+                raise named_os_error(exc, target) from exc
+            raise
     _fsync_path(target.parent, directory=True)
 
 

@@ -29,7 +29,7 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "deferred", "join"]
+__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "ending_cleanly", "deferred", "join"]
 
 #: The signals that ask a run to stop (not SIGKILL, which nothing can meet).
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -85,6 +85,33 @@ def signals_raise(signums=STOP_SIGNALS):
     try:
         _install(signums, _raise, old)
         yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def ending_cleanly(signums=STOP_SIGNALS):
+    """Inside, a stop signal left at its default action (SIGTERM or SIGHUP in a program that calls packkit: the
+    process ends at once and no ``finally`` runs) raises :class:`Interrupted`, so that the block's cleanup runs;
+    when the block ends on it, the default action is put back and the signal raised again: the process ends by
+    that signal, as it would have, with nothing left behind. A signal with a handler (SIGINT's
+    ``KeyboardInterrupt``, :func:`signals_raise`, the program's own) is left as it is; nested blocks act for the
+    outermost (an inner one finds the handler set)."""
+    if not _main_thread():
+        yield
+        return
+    old = {}
+    try:
+        _install([s for s in signums if signal.getsignal(s) is signal.SIG_DFL], _raise, old)
+        yield
+    except Interrupted as exc:
+        if exc.signum in old:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            old.clear()
+            signal.raise_signal(exc.signum)  # the default action: the process ends here
+        raise
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

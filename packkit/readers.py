@@ -2,8 +2,8 @@
 named in one line: the back of the house behind the door in (:mod:`packkit.datafiles` decides which format an input
 is and what its rows are; this module names no suffix and knows nothing of columns, tokenizers or examples).
 
-The interface: :func:`parquet_schema`, :func:`parquet_batches` and :func:`read_parquet`; :func:`read_arrow` (a file
-or a stream, memory-mapped); :func:`text_lines`, :func:`text_tables`, :func:`read_text` and
+The interface: :func:`parquet_schema`, :func:`parquet_batches`, :func:`read_parquet` and :func:`parquet_dataset` (a
+``datasets.Dataset``); :func:`read_arrow` (a file or a stream, memory-mapped); :func:`text_lines`, :func:`text_tables`, :func:`read_text` and
 :func:`text_byte_lengths` (one example a line, no pyarrow for the lines); :func:`read_npy` (its header checked
 before anything is allocated, never a pickle); :func:`load_dataset` (a ``save_to_disk`` folder, a split of a
 ``DatasetDict``, the damaged file named); :func:`replay` (a read begun by the caller, continued, then again).
@@ -22,7 +22,7 @@ import numpy as np
 from .arrow import pyarrow
 from .errors import DataError, MissingError, arg
 
-__all__ = ["load_dataset", "parquet_batches", "parquet_schema", "read_arrow", "read_npy", "read_parquet", "read_text",
+__all__ = ["load_dataset", "parquet_batches", "parquet_dataset", "parquet_schema", "read_arrow", "read_npy", "read_parquet", "read_text",
            "replay", "text_byte_lengths", "text_lines", "text_tables"]
 
 def _unreadable(exc: BaseException) -> bool:
@@ -36,13 +36,15 @@ def _unreadable(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def _damaged(path, what: str):
     """Inside, an error of pyarrow reading a damaged or foreign file (:func:`_unreadable`) is the one line
-    ``cannot read PATH as WHAT: ...``; other errors pass as they are."""
+    ``cannot read PATH as WHAT: ...`` (pyarrow's text on one line, without the control bytes thrift can put in
+    it); other errors pass as they are."""
     try:
         yield
     except Exception as exc:
         if not _unreadable(exc):
             raise
-        raise DataError(f"cannot read {str(path)!r} as {what}: {exc}") from None
+        said = " ".join("".join(c if c.isprintable() else " " for c in str(exc)).split())
+        raise DataError(f"cannot read {str(path)!r} as {what}: {said}") from None
 
 
 PARQUET = "Parquet (damaged, truncated, or not Parquet)"
@@ -54,6 +56,21 @@ def parquet_schema(path):
 
     with _damaged(path, PARQUET):
         return pq.ParquetFile(str(path)).schema_arrow
+
+
+def parquet_dataset(path):
+    """A Parquet file as a ``datasets.Dataset`` (``Dataset.from_parquet``: converted once into ``datasets``' Arrow
+    cache, then memory-mapped); a damaged file is one line naming it, as every reader here (``datasets`` wraps
+    pyarrow's error in its own ``DatasetGenerationError``)."""
+    import datasets
+
+    with _damaged(path, PARQUET):
+        try:
+            return datasets.Dataset.from_parquet(str(path))
+        except datasets.exceptions.DatasetGenerationError as exc:
+            if exc.__cause__ is None or not _unreadable(exc.__cause__):
+                raise
+            raise exc.__cause__ from None
 
 
 def parquet_batches(path, *, columns=None, batch_rows: int = 4096):

@@ -220,11 +220,12 @@ for line in sys.stdin:
 
 
 class Forker:
-    """The test's side of :data:`FORKER`: ``start(argv) -> pid``, ``finished(wait) -> bool``, ``status()``."""
+    """The test's side of :data:`FORKER`: ``start(argv) -> pid``, ``finished(wait) -> bool``, ``status()``;
+    ``server``: another fork server of the same protocol (a JSON line in, the child's pid and exit status out)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, server: str = FORKER):
         script = root / "forker.py"
-        script.write_text(FORKER)
+        script.write_text(server)
         self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      bufsize=0, env=env())
         self.buf = b""

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from . import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
 from ..binpack import check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, load_table, parquet_schema, reader_pyarrow
-from ..fileio import check_output, held_still
-from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, pack_dataset, plan_source, show_progress
+from ..fileio import atomic_output, check_output, held_still
+from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PROGRESS_BYTES, pack_dataset, plan_source, show_progress
 from ..mediarows import MEDIA_FORMATS, media_columns, refuse_media
 from ..progress import progress_bar
+from ..readers import parquet_dataset
 from ..sources import ArrowSource
 from ..outputs import FORMATS, documents_lost, output_format, write_packed
 from ._chat import add_input_arguments, chat_options
@@ -149,27 +149,24 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
 
     logging.getLogger("packkit").setLevel(logging.WARNING)  # run() puts the level back
     quiet = args.quiet or args.json
-    if quiet:
+    if quiet or inp.path.stat().st_size < PROGRESS_BYTES:  # datasets' bars (reading IN) only where packkit's show
         datasets.disable_progress_bars()
-    # an existing OUT (--overwrite, checked): written beside it, and renamed onto it when complete
-    target = out.with_name(f".{out.name}.packkit-new") if out.exists() else out
     sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
-    with held_still([inp.path]) as hold:
-        ds = (datasets.Dataset.from_parquet(str(inp.path)) if inp.format == "parquet"
-              else datasets.Dataset(load_table(inp.path)))
-        path, plan = pack_dataset(
+    # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes its temporary file beside OUT
+    # (an existing one replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged
+    with held_still([inp.path]) as hold, atomic_output(out, kind=fmt.kind, inputs=[inp.path],
+                                                       overwrite=args.overwrite) as tmp:
+        ds = parquet_dataset(inp.path) if inp.format == "parquet" else datasets.Dataset(load_table(inp.path))
+        _, plan = pack_dataset(
             ds, window=args.window, strategy=args.strategy, overflow=args.overflow, seed=args.seed,
-            shuffle=not args.no_shuffle, output=target, return_report=True, columns=columns,
+            shuffle=not args.no_shuffle, output=tmp, return_report=True, columns=columns,
             example_ids=args.example_ids, cp_size=args.cp_size, cp_layout=args.cp_layout,
             drop_loss_free=args.drop_loss_free, num_proc=args.num_proc, progress=False if quiet else None,
             output_format=fmt.name, **sized)
         hold.check()
-    if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
-        path.unlink()
-        raise DataError(f"no example of {str(inp.path)!r} is left to write ({args.overflow} and {args.window:,} "
-                        "tokens a window); raise --window")
-    if target != out:
-        os.replace(path, out)
+        if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
+            raise DataError(f"no example of {str(inp.path)!r} is left to write ({args.overflow} and "
+                            f"{args.window:,} tokens a window); raise --window")
     names = (parquet_schema(out) if fmt.name == "parquet" else load_table(out).schema).names
     s = plan.summary()
     if args.json:
