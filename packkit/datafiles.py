@@ -26,11 +26,11 @@ from .chat import ChatOptions, chat_encoder, chat_format
 from .epoch import Lengths
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
 from .fileio import held_still
-from .listcolumns import loss_targets, packed_segments, token_lengths
+from .listcolumns import loss_targets, packed_segments, source_order, token_lengths
 from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow, read_npy, read_parquet,
                       read_text, replay, text_byte_lengths, text_tables)
 from .rules import ExampleTypeError, located, not_integer, segment_key
-from .segments import lengths_to_offsets
+from .segments import lengths_to_offsets, range_index
 from .tokenizer import load_tokenizer, rust_tokenizer, tokenize, tokenizer_name
 
 __all__ = ["Lengths", "read_preference_lengths", "bundled_sample", "load_table", "load_dataset", "parquet_batches",
@@ -489,9 +489,18 @@ class Input:
         source = f"{name}, " + (how or f"column {col!r}")
         docs = packed_segments(table, lengths, key=key) if lengths.size else None
         docs = None if docs is None else docs[0]
+        targets = loss_targets(table, lengths, key=key, segments=docs) if lengths.size else None
         if docs is not None:
             source += f"; {lengths.size:,} packed rows read as their {docs.size:,} documents"
-        targets = loss_targets(table, lengths, key=key, segments=docs) if lengths.size else None
+            order = source_order(table, docs)
+            if order is None:  # what depends on the order (random batches, streaming) sees the packed order
+                source += (" in packed order (no example_ids: pack with example_ids to measure them in the "
+                           "dataset's order)")
+            else:  # the dataset's own order: every figure as of the rows before packing
+                source += ", in the dataset's order (example_ids)"
+                if targets is not None:
+                    targets = targets[range_index(lengths_to_offsets(docs)[:-1][order], docs[order])]
+                docs = docs[order]
         return (lengths if docs is None else docs), targets, how, source
 
 

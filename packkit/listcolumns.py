@@ -18,7 +18,8 @@ from .rules import (MASK_KEYS, check_column, check_dtype, check_not_null, check_
                     not_integer, null_inside, row_segments, segment_key)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["list_chunks", "check_float_culprit", "token_lengths", "loss_lengths", "loss_targets", "packed_segments", "table_labels"]
+__all__ = ["list_chunks", "check_float_culprit", "token_lengths", "loss_lengths", "loss_targets", "packed_segments",
+           "source_order", "table_labels"]
 
 
 def _is_list(pa, t) -> bool:
@@ -187,6 +188,23 @@ def packed_segments(table, lengths=None, *, key: str = "input_ids", rows: int = 
     flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
     counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
     return row_segments(seg_key, flat, counts, lengths, rows=rows)
+
+
+def source_order(table, seg_lengths) -> np.ndarray | None:
+    """The order that puts the documents of packed rows (``seg_lengths``, :func:`packed_segments`) back in the
+    order of the dataset they were packed from: by their ``example_ids`` (``packkit pack --example-ids``,
+    ``pack_dataset(..., example_ids=True)``), ``(S,)`` int64; None without the column, or when an example is in
+    pieces (an id twice: the dataset's example is not one document here). ``example_ids [[2, 0], [1]]`` ->
+    ``[1, 2, 0]``."""
+    if "example_ids" not in table.column_names:
+        return None
+    pa = pyarrow()
+    col = table.column("example_ids")
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    ids = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    if ids.shape != np.shape(seg_lengths) or np.unique(ids).size != ids.size:
+        return None
+    return np.argsort(ids, kind="stable")
 
 
 def table_labels(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray | None:
