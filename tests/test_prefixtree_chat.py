@@ -133,3 +133,22 @@ def test_waste_turns_reports_tokens_with_and_without_sharing(tmp_path, capsys):
     assert f"{tree.num_nodes:,}" in out and f"{tree.num_sample_tokens / tree.num_nodes:.2f}x fewer" in out
     assert main(["waste", str(data), "--turns"]) != 0  # no tokenizer: one line naming --tokenizer
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_waste_turns_names_the_fix_for_sharegpt_rows(tmp_path, capsys):
+    """ShareGPT rows (``conversations`` of ``from``/``value`` turns, as the real ShareGPT file has them) are refused
+    in one line that says what to write instead: ``messages`` of ``role``/``content``, human -> user, gpt ->
+    assistant (the error named neither the column found nor the fix)."""
+    import json
+
+    from packkit.cli import main
+
+    tok_dir = tmp_path / "qwen3-words"
+    qwen3_tokenizer().save_pretrained(str(tok_dir))
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps([{"id": "0", "conversations": [{"from": "human", "value": "hi"},
+                                                              {"from": "gpt", "value": "hello"}]}]))
+    assert main(["waste", str(data), "--turns", "--tokenizer", str(tok_dir)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'conversations'" in err and "'messages'" in err
+    assert "'human' -> 'user'" in err and "'gpt' -> 'assistant'" in err

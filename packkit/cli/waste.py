@@ -118,8 +118,11 @@ def _turns(args) -> int:
     with lines_named(args.input):  # a conversation is a row: its line too
         table = load_table(args.input, split=args.split)
         if "messages" not in table.column_names:
+            fix = ("its 'conversations' look like ShareGPT's from/value turns: write them as 'messages' of "
+                   "role/content ('human' -> 'user', 'gpt' -> 'assistant')" if "conversations" in table.column_names
+                   else "write each conversation as 'messages', a list of role/content messages")
             raise DataError(f"{args.input} has no 'messages' column (its columns: {table.column_names}): --turns "
-                            "reads conversations as lists of role/content messages")
+                            f"reads conversations as lists of role/content messages; {fix}")
         report = turn_tokens(table.column("messages").to_pylist(), args.tokenizer, chat_template=args.chat_template)
     if args.json:
         print(json.dumps({"source": str(args.input), **report}))
