@@ -14,11 +14,14 @@ decreasing, examples over ``W`` split), one row a CP step. For every CP size and
 * shard time: ``packkit.cp.shard`` of one ``[1, W]`` ``PackedBatch`` for one rank (plan included), median;
 * shard against a plain zigzag: for every layout, ``shard`` beside a plain vectorised numpy/torch zigzag of the
   same row for the same rank (:func:`plain_zigzag`: what a user writes without packkit: the rank's two chunks of
-  every document, tokens and shifted labels gathered, positions), alternating pairs of ``--reps`` calls each,
-  garbage collected outside the clock, in process CPU time (every thread); the median pair ratio and its spread,
-  on three rows: the row holding the
-  longest document, a median row, and a row of short documents (the real lengths of at most 32 tokens, 125
-  conversations, drawn with replacement up to ``W``: thousands of documents). Target (issue 34): <= 1.2x.
+  every document, tokens and shifted labels gathered, positions) and beside a named revision's ``shard``
+  (``--against``, default aaf59a2, imported whole from ``git archive``: its own planner), in rotated rounds of
+  ``--reps`` calls each, garbage collected outside the clock, in process CPU time (every thread); the median round
+  ratio and its spread. Ours twice: on a collated batch (the collator planned it, ``plan_batch``, in the
+  DataLoader worker: the rank's step) and planning the batch itself; the collator's ``plan_batch`` timed beside.
+  Three rows: the row holding the longest document, a median row, and a row of short documents (the real lengths
+  of at most 32 tokens, 125 conversations, drawn with replacement up to ``W``: thousands of documents). The shards
+  are checked equal to the old revision's and the plain zigzag's to zigzag's. Target (issue 34): <= 1.2x.
 
 The baselines a user picks today are measured in the same run: zigzag (TransformerEngine THD, zigzag
 ring) and contiguous (llama3 ring, DeepSpeed Ulysses). Targets (issue 20, at cp = 8): hybrid padding
@@ -31,14 +34,15 @@ Prints a table last, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import numpy as np
 
-from benchlib import ab_pairs, chat_lengths, emit_json, loadavg, median_time, ratio_spread, versions
+from benchlib import chat_lengths, emit_json, loadavg, median_time, package_at, ratio_spread, versions
 
 from packkit.binpack import pack
-from packkit.cp import shard
+from packkit.cp import plan_batch, shard
 from packkit.cp_plan import LAYOUTS, plan_cp
 
 TARGET_PADDING = 0.003
@@ -114,18 +118,62 @@ def row_batch(row):
                        position_ids=torch.from_numpy(lengths_to_position_ids(row))[None])
 
 
-def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int) -> dict:
-    """``shard`` (plan included) against :func:`plain_zigzag` for rank ``cp - 1`` of ``row``: alternating pairs
-    of ``reps`` calls each; the pair ratios (shard / plain) with their median and spread."""
-    batch = row_batch(row)
-    ours = lambda: [shard(batch, cp_size=cp, rank=cp - 1, cp_layout=layout) for _ in range(reps)]  # noqa: E731
-    plain = lambda: [plain_zigzag(batch.input_ids, batch.labels, batch.cu_seqlens, cp, cp - 1)  # noqa: E731
-                     for _ in range(reps)]
-    ours(), plain()  # warm up
+def rotating_rounds(fns: dict, rounds: int, *, clock=time.process_time) -> dict:
+    """Seconds of every callable of ``fns`` (name -> callable) over ``rounds`` rounds, one call of each a round, the
+    order rotated every round (each goes first in turn), garbage collected before each call and disabled during it:
+    ``{name: [seconds, ...]}``, round by round (the pairs of :func:`benchlib.ratio_spread`)."""
+    names = list(fns)
+    out = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            gc.collect()
+            gc.disable()
+            try:
+                t = clock()
+                fns[name]()
+                out[name].append(clock() - t)
+            finally:
+                gc.enable()
+    return out
+
+
+def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int, old_shard) -> dict:
+    """For rank ``cp - 1`` of ``row``, ``reps`` calls each of: ``shard`` of a collated batch (the collator planned it:
+    ``plan_batch``, in the DataLoader worker), ``shard`` planning the batch itself, ``old_shard`` (a named revision's,
+    planning itself), :func:`plain_zigzag`, and the collator's ``plan_batch`` alone; rotated rounds
+    (:func:`rotating_rounds`) in process CPU time. The pair ratios against the plain zigzag and against the old shard,
+    with their median and spread."""
+    batch, collated, planned = row_batch(row), row_batch(row), row_batch(row)
+    plan_batch(collated, cp_size=cp, cp_layout=layout)
+    fns = {
+        "collated": lambda: [shard(collated, cp_size=cp, rank=cp - 1, cp_layout=layout) for _ in range(reps)],
+        "planning": lambda: [shard(batch, cp_size=cp, rank=cp - 1, cp_layout=layout) for _ in range(reps)],
+        "old": lambda: [old_shard(batch, cp_size=cp, rank=cp - 1, cp_layout=layout) for _ in range(reps)],
+        "plain": lambda: [plain_zigzag(batch.input_ids, batch.labels, batch.cu_seqlens, cp, cp - 1)
+                          for _ in range(reps)],
+        "plan_batch": lambda: [plan_batch(planned, cp_size=cp, cp_layout=layout) for _ in range(reps)],
+    }
+    for fn in fns.values():  # warm up
+        fn()
     load = loadavg()
-    t_ours, t_plain = ab_pairs(ours, plain, rounds, clock=time.process_time)
-    return {"ratio": ratio_spread(t_ours, t_plain), "shard_ms": float(np.median(t_ours)) / reps * 1e3,
-            "plain_ms": float(np.median(t_plain)) / reps * 1e3, "load": [load, loadavg()]}
+    t = rotating_rounds(fns, rounds)
+    ms = {name: float(np.median(v)) / reps * 1e3 for name, v in t.items()}
+    return {"collated": ratio_spread(t["collated"], t["plain"]), "planning": ratio_spread(t["planning"], t["plain"]),
+            "old": ratio_spread(t["old"], t["plain"]), "collated_vs_old": ratio_spread(t["collated"], t["old"]),
+            "planning_vs_old": ratio_spread(t["planning"], t["old"]), "ms": ms, "load": [load, loadavg()]}
+
+
+def same_as_old(row, cp: int, layout: str, old_shard) -> bool:
+    """``shard`` of a collated batch, ``shard`` planning itself and the old revision's hold the same tokens, targets,
+    positions, documents and indices for rank ``cp - 1`` (and the same counts)."""
+    batch, collated = row_batch(row), row_batch(row)
+    plan_batch(collated, cp_size=cp, cp_layout=layout)
+    got = [f(b, cp_size=cp, rank=cp - 1, cp_layout=layout) for f, b in ((shard, collated), (shard, batch),
+                                                                          (old_shard, batch))]
+    fields = ("input_ids", "shift_labels", "position_ids", "seq_idx", "index", "num_loss_tokens",
+              "num_local_loss_tokens", "max_seqlen")
+    same = lambda a, b: bool((a == b).all()) if hasattr(a, "shape") else a == b  # noqa: E731
+    return all(same(getattr(g, f), getattr(got[0], f)) for g in got[1:] for f in fields)
 
 
 def check_plain_zigzag(row, cp: int) -> bool:
@@ -155,7 +203,8 @@ def main(argv=None):
     p.add_argument("--cp", default="2,4,8")
     p.add_argument("--rows", type=int, default=None, help="measure only the first N rows (quick runs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=15, help="alternating pairs, shard against the plain zigzag")
+    p.add_argument("--rounds", type=int, default=15, help="rotated rounds, shard against the plain zigzag")
+    p.add_argument("--against", default="aaf59a2", help="the revision whose shard runs in the same rounds")
     p.add_argument("--reps", type=int, default=5, help="calls timed together in each half of a pair")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -196,24 +245,33 @@ def main(argv=None):
 
     shapes = {"longest-document row": long_row, "median row": sorted(rows, key=len)[len(rows) // 2],
               "short-document row": short_row(args.window, args.seed)}
-    print(f"\nshard (plan included) against a plain vectorised zigzag, rank cp-1, {args.rounds} alternating pairs of "
-          f"{args.reps} calls, CPU time; ratio = shard / plain, median (lowest-highest pair); target <= "
-          f"{TARGET_SHARD_RATIO}x")
-    print("| row | docs | cp | layout | shard CPU ms | plain zigzag CPU ms | ratio | pairs | load | |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- |")
+    old_shard = package_at(args.against, "cp").shard
+    print(f"\nshard against a plain vectorised zigzag and against {args.against}'s shard, rank cp-1, {args.rounds} "
+          f"rotated rounds of {args.reps} calls each, CPU time; ratio = ours / plain, median (lowest-highest round); "
+          f"collated: the batch planned by the collator (plan_batch, in the DataLoader worker); planning: shard "
+          f"planning the batch itself; target <= {TARGET_SHARD_RATIO}x")
+    print(f"| row | docs | cp | layout | collated / plain | planning / plain | {args.against} / plain | collated / "
+          f"{args.against} | plain CPU ms | plan_batch CPU ms | load | |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+    record["against"] = args.against
     record["shard_vs_plain"] = []
+    fmt = lambda r: f"{r['median']:.2f}x ({r['low']:.2f}-{r['high']:.2f})"  # noqa: E731
     for name, row in shapes.items():
         for cp in cps:
             same = check_plain_zigzag(row, cp)
             for layout in LAYOUTS:
-                m = shard_vs_plain(row, cp, layout, args.rounds, args.reps)
-                r = m["ratio"]
-                ok = r["median"] <= TARGET_SHARD_RATIO
+                same_old = same_as_old(row, cp, layout, old_shard)
+                m = shard_vs_plain(row, cp, layout, args.rounds, args.reps, old_shard)
+                ok = m["collated"]["median"] <= TARGET_SHARD_RATIO
+                ok_planning = m["planning"]["median"] <= TARGET_SHARD_RATIO
                 record["shard_vs_plain"].append({"row": name, "docs": int(row.size), "cp": cp, "layout": layout,
-                                                 "baseline_checked": same, **m})
-                print(f"| {name} | {row.size:,} | {cp} | {layout} | {m['shard_ms']:.3f} | {m['plain_ms']:.3f} | "
-                      f"{r['median']:.2f}x | {r['low']:.2f}-{r['high']:.2f} | {m['load'][0]:.1f}-{m['load'][1]:.1f} | "
-                      f"{'met' if ok else 'MISSED'}{'' if same else ' (baseline differs from zigzag!)'} |")
+                                                 "baseline_checked": same, "same_as_old": same_old, **m})
+                print(f"| {name} | {row.size:,} | {cp} | {layout} | {fmt(m['collated'])} | {fmt(m['planning'])} | "
+                      f"{fmt(m['old'])} | {fmt(m['collated_vs_old'])} | {m['ms']['plain']:.3f} | "
+                      f"{m['ms']['plan_batch']:.3f} | {m['load'][0]:.1f}-{m['load'][1]:.1f} | "
+                      f"{'met' if ok else 'MISSED'}{'' if ok_planning else ' (planning: missed)'}"
+                      f"{'' if same else ' (baseline differs from zigzag!)'}"
+                      f"{'' if same_old else ' (differs from the old shard!)'} |")
     emit_json(record, args.json_out)
 
 

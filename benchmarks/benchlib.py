@@ -8,13 +8,17 @@ torch is imported only by the helpers that need it.
 from __future__ import annotations
 
 import gc
+import importlib
 import importlib.metadata
+import io
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import types
 
@@ -111,6 +115,27 @@ def module_at(rev: str, path: str):
     sys.modules[mod.__name__] = mod  # (dataclasses look their module up there)
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)
     return mod
+
+
+def package_at(rev: str, module: str, package: str = "packkit"):
+    """``package.module`` as it was at git revision ``rev``, with the whole package of that revision (its modules
+    import each other, not today's), imported beside today's as ``<package>_at_<rev>.<module>`` from a temporary
+    copy made by ``git archive``: an A/B of code that spans modules. ``package_at("aaf59a2", "cp").shard`` is that
+    revision's ``shard`` with its own planner."""
+    name = f"{package}_at_{rev}"
+    if name not in sys.modules:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        tar = subprocess.run(["git", "-C", root, "archive", rev, package], check=True, capture_output=True).stdout
+        where = tempfile.mkdtemp(prefix=f"{name}_")
+        with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+            t.extractall(where, filter="data")
+        os.rename(os.path.join(where, package), os.path.join(where, name))
+        sys.path.insert(0, where)
+        try:
+            importlib.import_module(name)
+        finally:
+            sys.path.remove(where)
+    return importlib.import_module(f"{name}.{module}")
 
 
 def ab_pairs(a, b, rounds: int, *, clock=time.perf_counter) -> tuple[list[float], list[float]]:
