@@ -286,11 +286,12 @@ def _take(x: torch.Tensor, index: torch.Tensor, shape: tuple, fill) -> torch.Ten
 
 def _batch_fields(batch) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
     """``(input_ids [B, W], labels (any shape), labels_shifted, cu_seqlens)`` of a PackedBatch or its dict view."""
-    if not isinstance(batch, Mapping) and not hasattr(batch, "input_ids"):
+    mapping = isinstance(batch, Mapping)  # (an ABC check: once)
+    if not mapping and not hasattr(batch, "input_ids"):
         raise TypeError(f"shard takes a PackedBatch (or its dict view), got {type(batch).__name__}")
-    get = batch.get if isinstance(batch, Mapping) else lambda k, d=None: getattr(batch, k, d)
+    get = batch.get if mapping else lambda k, d=None: getattr(batch, k, d)
     ids = get("input_ids")
-    shifted = "shift_labels" in batch if isinstance(batch, Mapping) else bool(getattr(batch, "labels_shifted", False))
+    shifted = "shift_labels" in batch if mapping else bool(getattr(batch, "labels_shifted", False))
     labels = get("shift_labels") if shifted else get("labels")
     if ids is None or labels is None:
         raise KeyError("shard needs 'input_ids' and 'labels' (or 'shift_labels') in the batch")
@@ -334,6 +335,8 @@ def plan_batch(batch, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
     plan._seg_starts()
     if plan.dealt is not None:  # the hybrid's pieces dealt in no rank's order: sorted once here, not by every rank
         plan._pieces()
+    elif layout == "zigzag":  # the columns every rank's zigzag pieces share
+        plan._zigzag_columns()
     _note(cu)[_PLAN_NOTE] = plan
     return plan
 

@@ -132,8 +132,21 @@ class CPPlan:
         if self.dealt is not None:
             return _plan_order(self.dealt, self.padded, rank)[1:]
         if self.layout == "zigzag":
-            return _zigzag_rank(self.padded, self.cp_size, rank)
+            seg, chunk = self._zigzag_columns()[:2]
+            return seg, _zigzag_offsets(chunk, self.cp_size, rank), chunk
         return _contiguous_rank(self.padded, self.local_len, rank)
+
+    def _zigzag_columns(self) -> tuple[np.ndarray, ...]:
+        """What every rank's zigzag pieces share (made once a plan, kept): ``(seg, len, out, first, real)`` of the
+        pieces, two a segment (head, tail): the segment, the chunk size, the place among a rank's tokens, the flat
+        index of the segment's first token and its real tokens. A rank's own: the offsets (:func:`_zigzag_offsets`)."""
+        cols = self.__dict__.get("_zigzag")
+        if cols is None:
+            chunk = (self.padded // (2 * self.cp_size)).repeat(2)
+            seg = np.arange(self.padded.size).repeat(2)
+            cols = (seg, chunk, lengths_to_offsets(chunk)[:-1], self._seg_starts()[0].repeat(2), self.lengths.repeat(2))
+            object.__setattr__(self, "_zigzag", cols)  # a cache, as _table
+        return cols
 
     # -- figures --
 
@@ -180,10 +193,15 @@ class CPPlan:
         sits among the rank's tokens (``(padding,)``), and for each of its pieces the flat index of its first
         token, its real tokens and its place among the rank's tokens. The padding is a piece's tail, so it is
         marked piece by piece (a few slots), not found token by token."""
-        seg, off, n = self.own_pieces(rank)
-        out = lengths_to_offsets(n)[:-1]
-        first = self._seg_starts()[0][seg] + off
-        real = np.minimum(np.maximum(self.lengths[seg] - off, 0), n)  # not np.clip: its wrapper costs as much
+        if self.layout == "zigzag" and "_table" not in self.__dict__:  # the columns every rank shares, made once
+            seg, n, out, seg_first, seg_real = self._zigzag_columns()
+            off = _zigzag_offsets(n, self.cp_size, rank)
+        else:
+            seg, off, n = self.own_pieces(rank)
+            out = lengths_to_offsets(n)[:-1]
+            seg_first, seg_real = self._seg_starts()[0][seg], self.lengths[seg]
+        first = seg_first + off
+        real = np.minimum(np.maximum(seg_real - off, 0), n)  # not np.clip: its wrapper costs as much
         ar = np.arange(self.local_len)
         pos = np.repeat(off - out, n) + ar
         source = np.repeat(first - out, n) + ar
@@ -251,12 +269,14 @@ def _contiguous_pieces(padded, cp) -> tuple[np.ndarray, ...]:
     return starts // local, seg, starts - g_start[seg], ends - starts
 
 
-def _zigzag_rank(padded, cp, rank) -> tuple[np.ndarray, ...]:
-    """``(seg, offset, len)`` of one rank's zigzag pieces: chunks ``rank`` and ``2cp-1-rank`` of every segment,
-    segment by segment (:func:`_zigzag_pieces`' rows of that rank)."""
-    chunk = padded // (2 * cp)
-    off = np.stack([rank * chunk, (2 * cp - 1 - rank) * chunk], 1).ravel()
-    return np.arange(chunk.size).repeat(2), off, chunk.repeat(2)
+def _zigzag_offsets(chunk, cp, rank) -> np.ndarray:
+    """Where ``rank``'s zigzag pieces start in their segments: chunks ``rank`` and ``2cp-1-rank`` of every segment,
+    ``chunk`` ``(2S,)`` the chunk size of each piece (head, tail, segment by segment).
+    ``_zigzag_offsets([3, 3], 2, 0) -> [0, 9]``."""
+    chunk = np.asarray(chunk, np.int64)
+    off = chunk * rank
+    off[1::2] = chunk[1::2] * (2 * cp - 1 - rank)
+    return off
 
 
 def _contiguous_rank(padded, local_len, rank) -> tuple[np.ndarray, ...]:

@@ -303,3 +303,19 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_zigzag_ranks_share_the_columns_of_their_pieces(monkeypatch):
+    """Regression: every rank's zigzag shard rebuilt what all ranks' pieces share (the chunk of every segment, the
+    pieces' places among the rank's tokens: a cumsum over 2 x 1,472 pieces, the segments' first tokens and real
+    lengths gathered): the plan makes them once (``plan_batch``, in the collator), a rank only its offsets."""
+    from packkit.cp import plan_batch, shard
+
+    lengths, batch = _short_row_batch()
+    plan = plan_batch(batch, cp_size=8, cp_layout="zigzag")
+    sizes = []
+    real = cp_plan.lengths_to_offsets
+    monkeypatch.setattr(cp_plan, "lengths_to_offsets", lambda x: sizes.append(np.size(x)) or real(x))
+    for r in range(8):
+        assert shard(batch, cp_size=8, rank=r, cp_layout="zigzag").plan is plan
+    assert 2 * lengths.size not in sizes
