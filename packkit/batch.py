@@ -268,8 +268,12 @@ class PackedBatch(dict):
             cu = self.__dict__["_cu"]
         if cu is None:  # a padded view rebuilt from tensors packkit did not make
             flat = self["position_ids"]
-            flat = (flat[0] if flat.dim() == 3 else flat).reshape(-1)  # mRoPE [4, B, L]: row 0 is the text
-            starts = torch.nonzero(torch.diff(flat, prepend=flat[:1]) != 1).reshape(-1)
+            if flat.dim() == 3 and flat.shape[0] == 3:  # mRoPE rows without the text row: an image's tokens share
+                flat = flat[0].reshape(-1)            # their temporal position, so only a 0 starts a segment
+                starts = torch.nonzero(flat == 0).reshape(-1)
+            else:
+                flat = (flat[0] if flat.dim() == 3 else flat).reshape(-1)  # mRoPE [4, B, L]: row 0 is the text
+                starts = torch.nonzero(torch.diff(flat, prepend=flat[:1]) != 1).reshape(-1)
             end = torch.tensor([flat.numel()], device=flat.device, dtype=starts.dtype)
             cu = self.__dict__["_cu"] = torch.cat([starts, end]).to(torch.int32)
         return cu

@@ -322,6 +322,7 @@ def plan_batch(batch, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
 
     >>> from packkit.batch import PackedBatch
     >>> b = PackedBatch(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None],
+    ...                 position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
     ...                 cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32))
     >>> plan_batch(b, cp_size=2, cp_layout="hybrid") is shard(b, cp_size=2, rank=1, cp_layout="hybrid").plan
     True

@@ -289,3 +289,21 @@ def test_counts_equal_a_recount_after_any_operations(ops, windows):
             want = int(((labels if shifted else labels[..., 1:]) != IGNORE).sum())
             assert (b.num_loss_tokens, b.labels_shifted) == (want, shifted), op
         assert (b.num_tokens, b.num_examples) == (tokens, docs), op
+
+
+def test_segments_rebuilt_from_positions_of_every_shape():
+    """A batch rebuilt from a plain dict finds its segments from ``position_ids``: for text and for mRoPE's text row
+    (``[4, B, L]``), where a position does not follow the previous one (as transformers finds documents); for
+    mRoPE's three rows alone (``[3, B, L]``, no text row), only where the temporal row is 0, since an image's
+    tokens share their temporal position (the diff rule cut a Qwen2-VL document at its image: [0, 3, 4, 5, 6, 8])."""
+    t = torch.tensor([0, 1, 2, 2, 2, 2, 4, 5, 0, 1])
+    h = torch.tensor([0, 1, 2, 2, 3, 3, 4, 5, 0, 1])
+    w = torch.tensor([0, 1, 2, 3, 2, 3, 4, 5, 0, 1])
+    rows = torch.stack([t, h, w])[:, None]
+    text = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1])[None]
+    make = lambda pos: PackedBatch({"input_ids": torch.arange(1, 11)[None], "labels": torch.arange(1, 11)[None],  # noqa: E731
+                                    "position_ids": pos})
+    assert make(rows).cu_seqlens.tolist() == [0, 8, 10]
+    assert make(torch.cat([text[None], rows])).cu_seqlens.tolist() == [0, 8, 10]
+    assert make(text).cu_seqlens.tolist() == [0, 8, 10]
+    assert make(torch.tensor([[1, 2, 3, 1, 2, 3, 4, 5, 1, 2]])).cu_seqlens.tolist() == [0, 3, 8, 10]  # from 1
