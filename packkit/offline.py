@@ -288,19 +288,21 @@ class PackedTable:
         return per + (8 if "labels" in self.schema.names else 0)
 
     def chunk_tokens(self, buffer_bytes: int | None = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
-                     in_flight: int = 1) -> int:
+                     in_flight: int = 1, media_per_token: float = 0.0) -> int:
         """Tokens per record batch so that ``in_flight`` batches (a writer writing one while the next
         is gathered: 2), their temporaries and ``encoding`` times their size held by a writer
         (:attr:`packkit.outputs.Format.encoding`) stay within ``buffer_bytes``. ``None`` sizes the buffer
         to the data: :data:`BUFFER_FRACTION` of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES`
         and :data:`DEFAULT_BUFFER_BYTES` (40.7M int64 tokens: 19.4 MiB), so that a small input is not
-        packed with a buffer larger than itself."""
+        packed with a buffer larger than itself. ``media_per_token``: bytes of media gathered with each token on
+        average (rows with images, :meth:`packkit.mediarows.MediaRows.bytes_per_token`), counted in the data and
+        in every batch (gathered, made contiguous, then encoded): a batch of images is bounded as its tokens are."""
         if buffer_bytes is None:
-            data = self.plan.total_tokens * self.bytes_per_token
+            data = self.plan.total_tokens * (self.bytes_per_token + media_per_token)
             buffer_bytes = int(min(DEFAULT_BUFFER_BYTES, max(MIN_BUFFER_BYTES, data * BUFFER_FRACTION)))
         check_int(buffer_bytes, "buffer_bytes", unit=" byte")
         # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
-        per_token = (self.bytes_per_token * (1.0 + encoding) + 8) * in_flight
+        per_token = (self.bytes_per_token * (1.0 + encoding) + 8 + media_per_token * (2.0 + encoding)) * in_flight
         return max(1, min(int(buffer_bytes / per_token), arrow.MAX_LIST_VALUES))  # int32 list offsets per batch
 
     def _rows(self, sub: Plan, columns, bar=None, *, mask_first_label: bool | None = None):
@@ -573,7 +575,8 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **plannin
     on_disk = o.cache_file_name is not None or (bool(ds.cache_files) if o.keep_in_memory is None
                                                 else not o.keep_in_memory)
     written = out_format or outputs.CACHE  # OUT, or the cache file
-    max_tokens = (packed.chunk_tokens(o.buffer_bytes, encoding=written.encoding, in_flight=2)
+    max_tokens = (packed.chunk_tokens(o.buffer_bytes, encoding=written.encoding, in_flight=2,
+                                      media_per_token=media.bytes_per_token(packed.plan) if media else 0.0)
                   if on_disk or out_format is not None else arrow.MAX_LIST_VALUES)
     if o.drop_loss_free:
         packed.drop_loss_free(max_tokens)

@@ -408,3 +408,47 @@ def test_loss_mask_values_other_than_0_and_1_are_rejected_offline():
     with pytest.raises(ValueError, match="example 1 has -1 in the loss mask 'completion_mask'"):
         list(pack_stream([{"input_ids": [1, 2], "completion_mask": [0, 1]},
                           {"input_ids": [3, 4], "completion_mask": [1, -1]}], window=8))
+
+
+# -- multimodal rows written to a file in bounded memory ------------------------------------------
+
+MEDIA_POOL = r"""
+import json, sys
+import datasets, pyarrow as pa
+from packkit.offline import pack_dataset
+datasets.disable_progress_bars()
+ds = datasets.Dataset.from_file(sys.argv[1])
+pack_dataset(ds, window=256, output=sys.argv[2], buffer_bytes=1 << 22, progress=False)
+print(json.dumps({"pool_max": pa.default_memory_pool().max_memory()}))
+"""
+
+
+def test_media_rows_are_written_in_bounded_memory(tmp_path):
+    """pack_dataset(..., output=) of rows with images (an Arrow file of 1,200 rows in chunks of 100, 32 MiB of pixel
+    values) within buffer_bytes=4 MiB: the Arrow memory pool's peak stays under half the images' bytes (9.9 MiB). It
+    was three times all of them (101.8 MiB): pyarrow's ChunkedArray.take concatenated the whole memory-mapped pixel
+    column for every record batch, and a batch was sized by its tokens alone (a batch of 341 windows held 160 MB of images in the
+    benchmark of RESULTS.md). mediarows.take_rows gathers chunk by chunk, equal to ChunkedArray.take."""
+    import json
+    import subprocess
+    import sys
+
+    from test_media_faults import media_rows
+
+    from packkit.mediarows import take_rows
+
+    table = media_rows(1200, side=48, tokens_per_image=4)
+    src = tmp_path / "rows.arrow"
+    with pa.ipc.new_stream(str(src), table.schema) as w:
+        w.write_table(table, max_chunksize=100)
+    images = table.column("pixel_values").nbytes
+    run = subprocess.run([sys.executable, "-c", MEDIA_POOL, str(src), str(tmp_path / "out.parquet")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    peak = json.loads(run.stdout.strip().splitlines()[-1])["pool_max"]
+    print(f"images {images / 2**20:.1f} MiB, Arrow pool peak {peak / 2**20:.1f} MiB")
+    assert peak < images / 2
+    col = pa.ipc.open_stream(pa.memory_map(str(src))).read_all().column("pixel_values")
+    rng = np.random.default_rng(0)
+    for rows in (rng.permutation(len(col))[:300], np.array([5, 5, 1199, 0]), np.zeros(0, np.int64)):
+        assert take_rows(col, rows).equals(col.take(pa.array(rows, pa.int64())).combine_chunks())
