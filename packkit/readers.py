@@ -203,7 +203,7 @@ def load_dataset(path, *, split: str | None = None):
 
 def text_tables(path, *, size: int):
     """The examples of a text file (:func:`text_lines`) as one-column tables (``text``) of about ``size``
-    bytes of text each: memory holds one."""
+    characters each (a longer line whole): memory holds one."""
     pyarrow(f"reading text ({Path(path).name!r})")
     lines, held = [], 0
     for line in text_lines(path):

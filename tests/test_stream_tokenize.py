@@ -1,7 +1,7 @@
 """Text and conversations tokenized a bounded chunk at a time (`packkit pack --tokenizer`, `packkit tokenize`).
 
-Each case runs the command twice on the same file: streamed (chunks of a few KiB instead of 2 MiB, so a small
-file crosses many chunk boundaries) and read whole (the path before streaming: the door's ``Input.chunks``
+Each case runs the command twice on the same file: streamed (chunks of a few KiB instead of 256 KiB-4 MiB, so a
+small file crosses many chunk boundaries) and read whole (the path before streaming: the door's ``Input.chunks``
 turned off, or its whole-read fallback). The outputs must be equal row for row, nothing may be
 left beside OUT (the staging file goes), and errors must name the row of the whole input, not of its chunk.
 """
@@ -43,6 +43,7 @@ def small_chunks(monkeypatch):
 
     monkeypatch.setattr(jsonlines, "JSON_BLOCK_BYTES", 4 << 10)
     monkeypatch.setattr(datafiles, "TOKENIZE_BLOCK_BYTES", 4 << 10)
+    monkeypatch.setattr(datafiles, "TEXT_BLOCK_CHARS", 4 << 10)
     monkeypatch.setattr(datafiles, "TOKENIZE_ROWS", 64)
 
 
@@ -225,7 +226,7 @@ def test_waste_and_plan_tokenize_a_chunk_at_a_time(kind, tok_dir, tmp_path, smal
 
 
 #: Private memory a .txt may take above the warm command while it is tokenized (bytes) and packed: chunks of
-#: 256 KiB of text here (the code path of the default 4 MiB; it needs 9-16 MiB, measured), and 80 MB of text,
+#: 256 Ki characters (the default, TEXT_BLOCK_CHARS; it needs 9-16 MiB, measured), and 80 MB of text,
 #: 3.3x the headroom (80M byte tokens, 320 MB as int32).
 TXT_HEADROOM_MIB = 24
 TXT_BYTES = 80 << 20
@@ -246,8 +247,7 @@ def test_pack_of_a_txt_several_times_the_memory_limit(tmp_path):
     warm.write_bytes(text[: 3 << 20])
     del text
     assert src.stat().st_size > 3 * (TXT_HEADROOM_MIB << 20)
-    options = dict(argv=["--tokenizer", "bytes"],
-                   setup="import packkit.datafiles as d; d.TOKENIZE_BLOCK_BYTES = 256 << 10")
+    options = dict(argv=["--tokenizer", "bytes"])
     packed = pack_with_headroom(warm, src, out, TXT_HEADROOM_MIB, **options)
     assert packed.returncode == 0, packed.stderr[-3000:]
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -324,4 +324,56 @@ def test_pack_gives_the_tokenizer_a_bounded_number_of_characters_a_call(lines, t
         starts = np.cumsum([0] + row["seq_lengths"])
         for ex, a, b in zip(row["example_ids"], starts[:-1], starts[1:]):
             assert row["input_ids"][a:b] == refs[ex]
+    capsys.readouterr()
+
+
+def test_pack_tokenizes_a_txt_in_chunks_of_bounded_text(tmp_path, monkeypatch, capsys):
+    """`pack` of a .txt: every chunk handed to the tokenizer holds at most 256 Ki characters (one line more), whatever
+    the file's size. A chunk is made as Python strings (up to 4 bytes a character), then an Arrow array, then its ids,
+    and up to four are in flight: with Qwen3's tokenizer the peak over 16 MB of text was 79 MiB with chunks of 4 MiB
+    (the file in four chunks), 45 MiB with 256 KiB. Before, a 1.3 MB file was one chunk."""
+    import pyarrow.compute as pc
+    from packkit.datafiles import Tokenizing
+
+    texts = _texts(12_000, seed=3)  # about 1.3 MB of lines of up to 60 words
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    chunks = []
+    encode = Tokenizing.encode
+    monkeypatch.setattr(Tokenizing, "encode", lambda self, table, *a, **k: chunks.append(
+        pc.sum(pc.utf8_length(table.column("text"))).as_py()) or encode(self, table, *a, **k))
+    assert main(["pack", str(src), str(tmp_path / "out.arrow"), "-w", "4096", "-q", "--tokenizer", "bytes"]) == 0
+    longest = max(map(len, texts))
+    print(f"{len(chunks)} chunks of {min(chunks):,}-{max(chunks):,} characters; the longest line {longest:,}")
+    assert sum(chunks) == sum(map(len, texts)) and len(chunks) >= 4
+    assert max(chunks) <= (256 << 10) + longest
+    capsys.readouterr()
+
+
+def test_pack_hands_back_what_each_chunk_freed(tok_dir, tmp_path, monkeypatch, capsys):
+    """`pack --tokenizer` of a .txt: once a chunk is tokenized, the memory its tokenizing freed goes back to the
+    system (glibc's malloc_trim, pyarrow's pool) before the next chunk is read. The allocators keep it otherwise:
+    the arenas of the tokenizer's threads and mimalloc's pages grew with the file (Qwen3's tokenizer, 16 MB of text:
+    35 MiB over the warm command with it, 53 MiB without, chunks of 256 KiB both)."""
+    import packkit.datafiles as datafiles
+    import packkit.tokenizer as tokenizer
+
+    events = []
+    real_release, real_text = datafiles.release_freed, datafiles.text_tables
+
+    def text_tables(path, **kw):
+        for table in real_text(path, **kw):
+            events.append("read")
+            yield table
+
+    monkeypatch.setattr(datafiles, "release_freed", lambda: events.append("release") or real_release())
+    monkeypatch.setattr(datafiles, "text_tables", text_tables)
+    monkeypatch.setattr(datafiles, "TEXT_BLOCK_CHARS", 8 << 10)
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(_texts(600, seed=5)) + "\n")
+    assert main(["pack", str(src), str(tmp_path / "out.arrow"), "-w", "4096", "-q", "--tokenizer", str(tok_dir)]) == 0
+    assert events.count("read") > 5
+    assert events == ["read", "release"] * events.count("read"), events  # each chunk's, before the next is read
+    if sys.platform.startswith("linux"):
+        assert tokenizer._MALLOC_TRIM[0] is not None  # glibc's trim found, not a no-op
     capsys.readouterr()
