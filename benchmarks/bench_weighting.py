@@ -19,12 +19,14 @@ overhead <= 2%. Prints a table last and one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
 import numpy as np
-from benchlib import ab_pairs, best_interleaved, chat_lengths, loadavg, parse_quick, ratio_spread, versions
+from benchlib import best_interleaved, chat_lengths, loadavg, module_at, parse_quick, ratio_spread, versions
 
+from packkit import collate
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddingFreeCollator
 
 TARGET = 0.02  # overhead of the weights, at most
@@ -54,19 +56,41 @@ def packed_rows(batches, window: int, rows_per_batch: int) -> list[list[dict]]:
 
 
 def weigh_share(coll, batches, repeats: int) -> float:
-    """The collator's ``_weigh`` (what a weighting adds) over the whole weighted collate, each the least CPU
-    time of ``repeats`` passes over ``batches``; ``_weigh`` is timed on the very batches and arguments the
-    collate gave it (recorded in a first pass)."""
+    """What only a weighting runs (the collator's ``_weigh``, and for packed rows ``_example_loss``, the read of
+    their ``example_loss`` column) over the whole weighted collate, each the least CPU time of ``repeats`` passes
+    over ``batches``; the two are timed on the very batches and arguments the collate gave them (recorded in a
+    first pass). Not in it: the documents' spans, one gather of a batch's document starts in ``rows_batch_spans``."""
     calls = []
-    real = coll._weigh
-    coll._weigh = lambda *a, **k: (calls.append((a, k)), real(*a, **k))[1]
+    real, read = coll._weigh, collate._example_loss
+    coll._weigh = lambda *a, **k: (calls.append((real, a, k)), real(*a, **k))[1]
+    collate._example_loss = lambda *a, **k: (calls.append((read, a, k)), read(*a, **k))[1]
     try:
         [coll(b) for b in batches]
     finally:
         del coll._weigh
-    best = best_interleaved({"weigh": lambda: [real(*a, **k) for a, k in calls],
+        collate._example_loss = read
+    best = best_interleaved({"weigh": lambda: [f(*a, **k) for f, a, k in calls],
                              "whole": lambda: [coll(b) for b in batches]}, repeats, clock=time.process_time)
     return best["weigh"] / best["whole"]
+
+
+def ab_rounds(fns: dict, rounds: int, *, clock=time.process_time) -> dict:
+    """Seconds of every callable of ``fns`` (name -> callable) over ``rounds`` rounds, each round running all of
+    them in an order rotated by one every round, garbage collected before each call and disabled during it:
+    ``{name: [seconds of round 1, ...]}`` (pairs of one round are compared: :func:`benchlib.ratio_spread`)."""
+    names, out = list(fns), {name: [] for name in fns}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            gc.collect()
+            gc.disable()
+            try:
+                t = clock()
+                fns[name]()
+                out[name].append(clock() - t)
+            finally:
+                gc.enable()
+    return out
 
 
 def main(argv=None) -> int:
@@ -75,31 +99,43 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--baseline", default="aaf59a2", help="the revision whose packkit/collate.py runs beside "
+                        "this one, in the same rounds (\"\": none)")
     args = parse_quick(parser, argv, "fewer rounds", rounds=3, batches=4)
     batches = make_batches(args.batches, args.batch_size, seed=0)
     tokens = sum(len(ex["input_ids"]) for b in batches for ex in b)
     rows, packed = [], packed_rows(batches, args.window, max(1, args.batch_size // 4))
+    modules = {"": collate}
+    if args.baseline:
+        modules["@base"] = module_at(args.baseline, "packkit/collate.py")
     for name, make, batches in (
-            ("padding_free", lambda w: PaddingFreeCollator(loss_weighting=w), batches),
-            ("fixed_window_split", lambda w: FixedWindowCollator(window=args.window, overflow="split",
-                                                                 loss_weighting=w), batches),
-            ("packed_rows_pieces", lambda w: PackedRowsCollator(window=args.window, loss_weighting=w), packed)):
-        base, weighted = make("token"), make("sample")
-        check = weighted(batches[0])
-        assert check.loss_weighting == "sample" and base(batches[0]).loss_weighting is None
+            ("padding_free", lambda m, w: m.PaddingFreeCollator(loss_weighting=w), batches),
+            ("fixed_window_split", lambda m, w: m.FixedWindowCollator(window=args.window, overflow="split",
+                                                                      loss_weighting=w), batches),
+            ("packed_rows_pieces", lambda m, w: m.PackedRowsCollator(window=args.window, loss_weighting=w), packed)):
+        sides = {f"{w}{tag}": make(m, w) for tag, m in modules.items() for w in ("token", "sample")}
+        for side, coll in sides.items():
+            assert coll(batches[0]).loss_weighting == (None if side.startswith("token") else "sample")
 
         def run(coll):
             return lambda: [coll(b) for b in batches]
 
         load = loadavg()
-        t_w, t_b = ab_pairs(run(weighted), run(base), args.rounds, clock=time.process_time)
-        spread = ratio_spread(t_w, t_b)
-        isolated = weigh_share(weighted, batches, args.rounds)
-        rows.append({"collator": name, "overhead_median": spread["median"] - 1, "overhead_low": spread["low"] - 1,
-                     "overhead_high": spread["high"] - 1, "overhead_least": min(t_w) / min(t_b) - 1,
-                     "token_s": spread["den_median"],
-                     "sample_s": spread["num_median"], "pairs": spread["pairs"], "isolated": isolated, "load": load})
-    print(f"{tokens:,} tokens in {args.batches} batches of {args.batch_size} real chat examples, window {args.window}")
+        t = ab_rounds({side: run(coll) for side, coll in sides.items()}, args.rounds)
+        spread = ratio_spread(t["sample"], t["token"])
+        isolated = weigh_share(sides["sample"], batches, args.rounds)
+        row = {"collator": name, "overhead_median": spread["median"] - 1, "overhead_low": spread["low"] - 1,
+               "overhead_high": spread["high"] - 1, "overhead_least": min(t["sample"]) / min(t["token"]) - 1,
+               "token_s": spread["den_median"], "sample_s": spread["num_median"], "pairs": spread["pairs"],
+               "isolated": isolated, "load": (load + loadavg()) / 2}
+        if args.baseline:  # the same rounds: the weights' overhead at the baseline, and each side against it
+            for key, num, den in (("base_overhead", "sample@base", "token@base"), ("token_vs_base", "token", "token@base"),
+                                  ("sample_vs_base", "sample", "sample@base")):
+                r = ratio_spread(t[num], t[den])
+                row[key] = {"median": r["median"] - 1, "low": r["low"] - 1, "high": r["high"] - 1}
+        rows.append(row)
+    print(f"{tokens:,} tokens in {args.batches} batches of {args.batch_size} real chat examples, window {args.window}, "
+          f"{args.rounds} rounds")
     print(f"{'collator':<20} {'token (s)':>10} {'sample (s)':>11} {'A/B overhead':>13} {'low..high':>16} "
           f"{'least/least':>11} {'isolated':>9} {'load':>6}  target <= 2%")
     for r in rows:
@@ -109,7 +145,15 @@ def main(argv=None) -> int:
               f"{r['overhead_low']:>7.1%}..{r['overhead_high']:<7.1%} {r['overhead_least']:>11.1%} {r['isolated']:>9.2%} "
               f"{r['load']:>6.1f}  "
               f"A/B {ok}, isolated {iso}")
-    print(json.dumps({"bench": "weighting", "rows": rows, "tokens": tokens, **versions("numpy", "torch")}))
+    if args.baseline:
+        print(f"against {args.baseline}'s collate.py, the same rounds (median of the pair ratios, low..high):")
+        print(f"{'collator':<20} {'overhead @base':>22} {'token / token@base':>24} {'sample / sample@base':>24}")
+        for r in rows:
+            cells = [f"{r[k]['median']:+.1%} ({r[k]['low']:+.0%}..{r[k]['high']:+.0%})"
+                     for k in ("base_overhead", "token_vs_base", "sample_vs_base")]
+            print(f"{r['collator']:<20} {cells[0]:>22} {cells[1]:>24} {cells[2]:>24}")
+    print(json.dumps({"bench": "weighting", "baseline": args.baseline, "rows": rows, "tokens": tokens,
+                      **versions("numpy", "torch")}))
     return 0
 
 

@@ -344,8 +344,9 @@ class PackedBatch(dict):
         (``seg_factor`` float64 per segment, ``z``: a callable's, computed where it runs). Tensors, names,
         numbers and plain weightings only: a batch crosses processes, a callable may not."""
         note = _note(self._loss_source()[0])
-        for key in [k for k in note if k.startswith("loss_")]:
-            del note[key]
+        if not _WEIGHT_NOTES.isdisjoint(note):  # weighed before: the old weights go (the counts of labels stay)
+            for key in _WEIGHT_NOTES.intersection(note):
+                del note[key]
         note.update({f"loss_{k}": v for k, v in parts.items() if v is not None})
         note.update(loss_weighting=weighting.name, loss_step_constant=weighting.step_constant())
         if "seg_factor" not in parts:
@@ -622,6 +623,13 @@ def count_loss_tokens(labels: torch.Tensor, *, shifted: bool = False) -> int:
     if key not in note:
         note[key] = int((labels if shifted else labels[..., 1:]).ne(IGNORE_INDEX).sum())
     return note[key]
+
+
+#: what a weighting notes on the labels (:meth:`PackedBatch._weigh`, :func:`loss_factors`): not their
+#: loss-token counts (``loss_tokens``, ``shifted_loss_tokens``), which are the labels' whatever the weighting
+_WEIGHT_NOTES = frozenset({"loss_weighting", "loss_step_constant", "loss_rule", "loss_cu", "loss_seg_doc",
+                           "loss_values", "loss_whole", "loss_num_docs", "loss_seg_factor", "loss_z", "loss_factor",
+                           "loss_weight"})
 
 
 def _note(tensor) -> dict:

@@ -110,7 +110,19 @@ def row_destinations(loads, width: int) -> np.ndarray:
 def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows: int | None = None,
                pad_token_id: int = 0, mask_first_label: bool = True, static_shape: bool = False,
                max_segments: int | None = None, attention_mask: bool = False) -> PackedBatch:
-    """Lay segments out in ``[B, width]`` rows, each row's padding tail its own segment.
+    """Lay segments out in ``[B, width]`` rows, each row's padding tail its own segment
+    (:func:`rows_batch_spans`, without the documents' spans)."""
+    return rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, width=width, num_rows=num_rows,
+                            pad_token_id=pad_token_id, mask_first_label=mask_first_label, static_shape=static_shape,
+                            max_segments=max_segments, attention_mask=attention_mask)[0]
+
+
+def rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows: int | None = None,
+                     pad_token_id: int = 0, mask_first_label: bool = True, static_shape: bool = False,
+                     max_segments: int | None = None, attention_mask: bool = False,
+                     spans: bool = False) -> tuple[PackedBatch, np.ndarray | None]:
+    """``(batch, doc_cu)``: segments laid out in ``[B, width]`` rows, each row's padding tail its own segment,
+    and with ``spans=True`` the documents' spans over the flattened labels (else None).
 
     Args:
         input_ids, labels: ``(T,)`` int64, the tokens of the rows, row after row.
@@ -119,9 +131,14 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
         width: ``W``, tokens per row; num_rows: ``B`` (default ``R``; extra rows are all padding).
         static_shape: ``cu_seqlens`` padded to ``max_segments + 1`` entries, ``max_seqlen = W``.
         attention_mask: also return the ``[B, W]`` int64 mask of real tokens (padded fallback).
+        spans: also return ``doc_cu`` ``(S + 1,)`` int64, every segment's start over the flattened
+            ``[B * W]`` labels, then ``B * W``: the padding after a segment (its row's tail, the rows of
+            padding after the last) lies in that segment's span. A loss weighting counts loss tokens over
+            these spans, one a document, as over ``cu_seqlens`` (padding holds none: its labels are -100),
+            without finding where the tails lie among the segments.
 
     Example: tokens ``[a a b c]``, ``seg_lengths=[2, 1, 1]``, ``seg_ptr=[0, 2, 3]``, ``width=3``:
-    rows ``[a a b]`` and ``[c pad pad]``, ``cu_seqlens=[0, 2, 3, 4, 6]``.
+    rows ``[a a b]`` and ``[c pad pad]``, ``cu_seqlens=[0, 2, 3, 4, 6]``, ``doc_cu=[0, 2, 3, 6]``.
     """
     num_content = seg_ptr.size - 1
     num_rows = num_content if num_rows is None else num_rows
@@ -146,8 +163,13 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
     out_ids[dest] = input_ids
     out_labels = np.full(num_rows * width, IGNORE_INDEX, np.int64)
     out_labels[dest] = labels
+    starts = dest[csum[:-1]] if mask_first_label or spans else None  # every document's first token
     if mask_first_label:
-        out_labels[dest[csum[:-1]]] = IGNORE_INDEX
+        out_labels[starts] = IGNORE_INDEX
+    doc_cu = None
+    if spans:
+        doc_cu = np.empty(starts.size + 1, np.int64)
+        doc_cu[:-1], doc_cu[-1] = starts, num_rows * width
     max_seqlen = int(all_lengths.max())
     num_real = int(all_lengths.size)
     if static_shape:
@@ -164,7 +186,7 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
         mask = np.zeros(num_rows * width, np.int64)
         mask[dest] = 1
         mask = _tensor(mask.reshape(shape))
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=_tensor(out_ids.reshape(shape)),
         labels=_tensor(out_labels.reshape(shape)),
         position_ids=_tensor(position_ids.reshape(shape)),
@@ -177,6 +199,7 @@ def rows_batch(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num_rows:
         num_real_segments=num_real,
         labels_shifted=not mask_first_label,
     )
+    return batch, doc_cu
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,48 +300,34 @@ class _Collator:
         self.loss_weighting = resolve(loss_weighting)
         self._warned = [False]  # LossMaskWarning given
 
-    def _weigh(self, batch: PackedBatch, examples, seg_lengths, *, seg_ptr=None, width=None,
-               seg_doc=None, whole=None) -> PackedBatch:
-        """``batch`` with its loss weights noted (nothing under the token mean): one factor per segment of
-        ``cu_seqlens`` (:func:`packkit.weighting.segment_factors`). The documents are ``seg_lengths``,
-        laid out from row starts (``seg_ptr``, rows of ``width``, each row's padding tail a segment after
-        its documents) or end to end; ``seg_doc`` the example of each (a split example's pieces share
-        its ``|O_c|``); ``whole`` the loss tokens of each one's whole example (pieces split offline)."""
+    def _weigh(self, batch: PackedBatch, examples, num_docs: int, *, doc_cu=None, seg_doc=None,
+               whole=None) -> PackedBatch:
+        """``batch`` with its loss weights noted (nothing under the token mean): one factor per document
+        (:func:`packkit.weighting.segment_factors`), nothing per token. The documents are the ``num_docs``
+        spans of ``doc_cu`` (:func:`rows_batch_spans`: a row's padding lies in its last document's span)
+        or, without it, the segments of ``batch.cu_seqlens`` (padding-free: every segment a document);
+        ``seg_doc`` ``(D,)`` the example of each (a split example's pieces share its ``|O_c|``); ``whole``
+        ``(D,)`` the loss tokens of each one's whole example (pieces split offline). A few calls on
+        per-document arrays a batch, none per row or token: the collate overhead of a weighting
+        (``benchmarks/bench_weighting.py``)."""
         weighting = self.loss_weighting
         if weighting.is_token_mean:
             return batch
-        if whole is not None:
-            return self._weigh_pieces(batch, weighting, whole, seg_lengths, seg_ptr, width)
-        values = _column_values(examples, weighting.key) if isinstance(weighting, ColumnWeighting) else None
-        if values is not None and seg_doc is None and values.size != seg_lengths.size:
-            raise ValueError(f"loss_weighting=Column({weighting.key!r}) weighs examples; these rows hold "
-                             f"{seg_lengths.size} documents for {values.size} values: collate examples, not packed rows")
-        cu = batch.cu_seqlens
-        doc_of = None  # the example of each segment of cu (-1: padding), where segments are not examples 1:1
-        if seg_doc is not None or (values is not None and seg_ptr is not None):
-            doc_of = np.full(cu.shape[0] - 1, -1, np.int64)
-            real = np.arange(seg_lengths.size) if seg_ptr is None else _document_segments(seg_lengths, seg_ptr, width)
-            doc_of[real] = np.arange(seg_lengths.size) if seg_doc is None else seg_doc
+        cu = batch.cu_seqlens if doc_cu is None else _tensor(doc_cu)
+        values = None
+        if isinstance(weighting, ColumnWeighting):
+            values = _column_values(examples, weighting.key)
+            if seg_doc is None and values.size != num_docs:
+                raise ValueError(f"loss_weighting=Column({weighting.key!r}) weighs examples; these rows hold "
+                                 f"{num_docs} documents for {values.size} values: collate examples, not packed rows")
         if isinstance(weighting, CallableWeighting):  # made here: the callable may not cross processes
-            real = None if doc_of is None else np.flatnonzero(doc_of >= 0)
-            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), real=real,
-                                         seg_doc=None if real is None else doc_of[real], values=values)
+            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), seg_doc=seg_doc,
+                                         values=values, whole=whole)
             return batch._weigh(weighting, cu=cu, seg_factor=_tensor(factors), z=z)
-        return batch._weigh(weighting, cu=cu, seg_doc=None if doc_of is None else _tensor(doc_of),
-                            values=None if values is None else _tensor(values), num_docs=len(seg_lengths) if
-                            seg_doc is None else len(examples))
-
-    @staticmethod
-    def _weigh_pieces(batch: PackedBatch, weighting, whole, seg_lengths, seg_ptr, width) -> PackedBatch:
-        """:meth:`_weigh` of packed rows whose documents record their whole example's loss tokens (``whole``,
-        :func:`packkit.weighting.piece_factors`)."""
-        cu = batch.cu_seqlens
-        seg_whole = np.zeros(cu.shape[0] - 1, np.float64)
-        seg_whole[_document_segments(seg_lengths, seg_ptr, width)] = whole
-        if isinstance(weighting, CallableWeighting):  # made here: the callable may not cross processes
-            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), whole=seg_whole)
-            return batch._weigh(weighting, cu=cu, seg_factor=_tensor(factors), z=z)
-        return batch._weigh(weighting, cu=cu, whole=_tensor(seg_whole))
+        return batch._weigh(weighting, cu=cu, seg_doc=None if seg_doc is None else torch.tensor(seg_doc),
+                            values=None if values is None else _tensor(values),
+                            whole=None if whole is None else _tensor(whole),
+                            num_docs=None if seg_doc is None else len(examples))
 
     def _read(self, examples, *, packed_rows: bool = False):
         """``(input_ids, labels, lengths)`` (:func:`packkit.examples.read_batch`); a packed row (one with
@@ -358,7 +367,7 @@ class PaddingFreeCollator(_Collator):
     def __call__(self, examples) -> PackedBatch:
         input_ids, labels, lengths = self._read(examples)
         batch = padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
-        return self._weigh(batch, examples, lengths)
+        return self._weigh(batch, examples, lengths.size)
 
     def __repr__(self) -> str:
         return (f"PaddingFreeCollator(mask_first_label={self.mask_first_label}, loss_mask={self.loss_mask!r}, "
@@ -435,12 +444,12 @@ class FixedWindowCollator(_Collator):
             raise ValueError(f"overflow='drop' dropped all {lengths.size} examples of this batch (each longer "
                              f"than window={self.window}); raise window or use overflow='split'")
         index, _ = gather_index(plan, lengths_to_offsets(lengths))
-        batch = rows_batch(input_ids[index], labels[index], plan.seg_length, plan.window_ptr,
-                           width=self.window, num_rows=self.num_windows, pad_token_id=self.pad_token_id,
-                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
-                           max_segments=self.max_segments)
-        batch = self._weigh(batch, examples, plan.seg_length, seg_ptr=plan.window_ptr, width=self.window,
-                            seg_doc=plan.seg_example)
+        batch, doc_cu = rows_batch_spans(input_ids[index], labels[index], plan.seg_length, plan.window_ptr,
+                                         width=self.window, num_rows=self.num_windows,
+                                         pad_token_id=self.pad_token_id, mask_first_label=self.mask_first_label,
+                                         static_shape=self.static_shape, max_segments=self.max_segments,
+                                         spans=not self.loss_weighting.is_token_mean)
+        batch = self._weigh(batch, examples, plan.seg_length.size, doc_cu=doc_cu, seg_doc=plan.seg_example)
         return batch, plan
 
     def __repr__(self) -> str:
@@ -495,12 +504,13 @@ class PackedRowsCollator(_Collator):
         seg_lengths, seg_ptr = _row_segments(rows, lengths, where)
         if self._doc_multiple > 1:
             self._check_cp(seg_lengths, seg_ptr, where)
-        batch = rows_batch(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
-                           num_rows=self.num_windows, pad_token_id=self.pad_token_id,
-                           mask_first_label=self.mask_first_label, static_shape=self.static_shape,
-                           max_segments=self.max_segments)
-        whole = None if self.loss_weighting.is_token_mean else _example_loss(rows, seg_ptr, where)
-        batch = self._weigh(batch, rows, seg_lengths, seg_ptr=seg_ptr, width=self.window, whole=whole)
+        weighted = not self.loss_weighting.is_token_mean
+        batch, doc_cu = rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
+                                         num_rows=self.num_windows, pad_token_id=self.pad_token_id,
+                                         mask_first_label=self.mask_first_label, static_shape=self.static_shape,
+                                         max_segments=self.max_segments, spans=weighted)
+        whole = _example_loss(rows, seg_ptr, where) if weighted else None
+        batch = self._weigh(batch, rows, seg_lengths.size, doc_cu=doc_cu, whole=whole)
         if self.cp_size > 1:  # planned here (a DataLoader worker), not by every rank's shard
             plan_batch(batch, cp_size=self.cp_size, cp_layout=self.cp_layout)
         return batch
@@ -572,9 +582,9 @@ def _example_loss(rows, seg_ptr: np.ndarray, where=None):
         return None
     flat, counts = read_column(rows, "example_loss", missing="packed rows record it on every row or none (a "
                                "row's documents' whole examples' loss tokens)", rows=where)
-    bad = np.flatnonzero(counts != np.diff(seg_ptr))
-    if bad.size:
-        i = int(bad[0])
+    bad = counts != seg_ptr[1:] - seg_ptr[:-1]
+    if bad.any():
+        i = int(np.argmax(bad))
         raise ValueError(f"{location(i, where)} has {int(counts[i])} example_loss for {int(seg_ptr[i + 1] - seg_ptr[i])} "
                          "documents (seq_lengths); they must match")
     return flat
@@ -608,9 +618,11 @@ class PaddedCollator(_Collator):
         if self.pad_to_multiple_of is not None:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         seg_ptr = np.arange(lengths.size + 1, dtype=np.int64)
-        batch = rows_batch(input_ids, labels, lengths, seg_ptr, width=width, pad_token_id=self.pad_token_id,
-                           mask_first_label=self.mask_first_label, attention_mask=self.return_attention_mask)
-        return self._weigh(batch, examples, lengths, seg_ptr=seg_ptr, width=width)
+        batch, doc_cu = rows_batch_spans(input_ids, labels, lengths, seg_ptr, width=width,
+                                         pad_token_id=self.pad_token_id, mask_first_label=self.mask_first_label,
+                                         attention_mask=self.return_attention_mask,
+                                         spans=not self.loss_weighting.is_token_mean)
+        return self._weigh(batch, examples, lengths.size, doc_cu=doc_cu)
 
     def __repr__(self) -> str:
         return (f"PaddedCollator(pad_token_id={self.pad_token_id}, pad_to_multiple_of={self.pad_to_multiple_of}, "
@@ -634,16 +646,3 @@ def _column_values(examples, key: str) -> np.ndarray:
         i = int(np.argmax(values < 0))
         raise ExampleValueError(f"{location(i, where)} has {key}={float(values[i])!r} < 0; loss weights are finite numbers >= 0")
     return values
-
-
-def _document_segments(seg_lengths: np.ndarray, seg_ptr: np.ndarray, width: int) -> np.ndarray:
-    """Where each document lies among the segments of ``cu_seqlens`` of :func:`rows_batch`'s rows, whose
-    every row not full ends in a padding tail: ``(S,)`` int64. ``seg_lengths=[2, 1, 3]``, ``seg_ptr=[0, 2, 3]``,
-    ``width=4``: segments ``[a a b .] [c c c .]`` -> ``[0, 1, 3]``. (A few numpy calls on per-row arrays:
-    this runs once a batch.)"""
-    csum = np.cumsum(seg_lengths)
-    ends = csum[seg_ptr[1:] - 1]
-    loads = ends - np.concatenate(([0], ends[:-1]))
-    tails = loads < width
-    before = np.cumsum(tails) - tails  # padding tails of the rows before each row
-    return np.arange(seg_lengths.size) + np.repeat(before, seg_ptr[1:] - seg_ptr[:-1])

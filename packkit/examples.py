@@ -340,6 +340,7 @@ _NONE = type(None)
 _INT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint8, np.uint16,
                                                   np.uint32, np.uint64))
 _MASK_DTYPES = _INT_DTYPES | {np.dtype(np.bool_)}
+_UINT64 = np.dtype(np.uint64)
 
 
 def _values(examples, key: str) -> list:
@@ -454,7 +455,7 @@ def _concat(parts: list, layout: str, total: int, key: str, kind: str, rows) -> 
             return out
         if layout == "mixed":  # lists mixed with arrays: each list through struct
             parts = [p if isinstance(p, np.ndarray) else _list_array(p, bools_ok) for p in parts]
-        if any(p.dtype == np.uint64 for p in parts):  # past int64 the cast below would wrap: refused by name
+        if _UINT64 in {p.dtype for p in parts}:  # past int64 the cast below would wrap: refused by name
             _locate_bad_part(parts, key, kind, rows)
         return np.concatenate(parts, out=out, casting="unsafe")
     except (_BoolAt, ValueError, TypeError, OverflowError, struct.error):
@@ -503,10 +504,15 @@ def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndar
         rows = examples.rows
         examples = list(examples)
     xs = _values(examples, key)
-    if _NONE in set(map(type, xs)):
+    kinds = set(map(type, xs))
+    if kinds == {np.ndarray}:  # the usual rows (numpy-formatted datasets): one concatenation, checked at once
+        dtypes = {x.dtype for x in xs}
+        if dtypes <= _INT_DTYPES and _UINT64 not in dtypes and {x.ndim for x in xs} == {1}:
+            return np.concatenate(xs, dtype=np.int64, casting="unsafe"), np.fromiter(map(len, xs), np.int64, len(xs))
+    if _NONE in kinds:
         i = next(i for i, x in enumerate(xs) if x is None)
         raise located(ExampleValueError, i, rows, f"has no {key!r}; {missing}")
-    parts, lengths, layout = _parts(xs, key, "ids", rows)
+    parts, lengths, layout = _parts(xs, key, "ids", rows, kinds)
     return _concat(parts, layout, sum(lengths), key, "ids", rows), np.array(lengths, np.int64)
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from testlib import tiny_token_lm
 
-from packkit.collate import FixedWindowCollator, PaddedCollator, PaddingFreeCollator
+from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator
 from packkit.errors import ArgumentError
 from packkit.loss import accumulation_step, hf_compute_loss_func, token_normalized_loss
 from packkit.weighting import Column, ColumnWeighting, DrGRPO, SeqSumNorm, Weights, resolve
@@ -391,3 +391,51 @@ def test_cp_shards_sum_to_the_whole_row(layout, cp_size):
         err = abs(float(sum(parts).detach()) - float(whole.detach()))
         print(f"{resolve(mode).name} {layout} cp={cp_size}: |sum of ranks - row| {err:.1e}")
         assert err <= 1e-12
+
+
+def test_weighing_keeps_the_labels_loss_token_count():
+    """Regression: ``PackedBatch._weigh`` dropped every ``loss_`` note of the labels, the collator's loss-token
+    count (``loss_tokens``) with the weighting's, so ``accumulation_step`` recounted every weighted batch over all
+    its labels. The count stays; a batch weighed again drops the old weights only."""
+    from packkit.batch import _note
+
+    docs = [{"input_ids": list(range(1, n + 1)), "labels": [IGNORE] * (n // 2) + list(range(n // 2 + 1, n + 1))}
+            for n in (5, 9, 40, 3)]
+    for coll in (PaddingFreeCollator(loss_weighting="sample"),
+                 FixedWindowCollator(window=16, overflow="split", loss_weighting="sqrt"),
+                 PackedRowsCollator(window=64, loss_weighting="sample")):
+        batch = coll(docs if not isinstance(coll, PackedRowsCollator) else
+                     [{"input_ids": sum((d["input_ids"] for d in docs), []), "labels": sum((d["labels"] for d in docs), []),
+                       "seq_lengths": [len(d["input_ids"]) for d in docs]}])
+        note = _note(batch["labels"])
+        assert note.get("loss_tokens") == int(batch["labels"].ne(IGNORE).sum()), (type(coll).__name__, sorted(note))
+        first = batch.loss_weight.clone()
+        batch._weigh(resolve("sample" if coll.loss_weighting.name == "sqrt" else "sqrt"), cu=batch.cu_seqlens)
+        assert "loss_factor" not in note and "loss_tokens" in note and not torch.equal(batch.loss_weight, first)
+
+
+def test_verl_per_micro_batch_and_tunix_per_row_regressions():
+    """The other per-micro-batch and per-row reductions the issue cites, each against the optimiser step's formula.
+
+    verl's ``loss_agg_mode="seq-mean-token-sum"`` reduces over the tensor it is given, a micro-batch: on TRL #7206's
+    two micro-batches (one sequence of two loss tokens losing 2.0 each; nine of one token losing 0.5) the mean of
+    the micro-batches' own means is (4.0 + 4.5 / 9) / 2 = 2.25; over the step's ten sequences it is 8.5 / 10 = 0.85.
+    google/tunix #1662: under packing a per-sequence mean taken per packed row treats the row as one sequence: rows
+    [A(2 tokens, 2.0) B(1, 0.5)] and [C(1, 0.5) D(1, 0.5)] give (4.5 / 3 + 0.5) / 2 = 1.0 against the documents'
+    (2.0 + 0.5 + 0.5 + 0.5) / 4 = 0.875."""
+    mb0 = PaddingFreeCollator(loss_weighting="seq-mean-token-sum")([{"input_ids": [1, 1, 1]}])
+    mb1 = PaddingFreeCollator(loss_weighting="seq-mean-token-sum")([{"input_ids": [1, 1]}] * 9)
+    ce = {id(mb0): [2.0] * 3, id(mb1): [0.5] * 18}
+    step = accumulation_step([mb0, mb1], all_reduce=False)
+    exact = float(sum(step.loss(_logits_with_ce(ce[id(mb)])[None], mb) for mb in (mb0, mb1)))
+    naive = (2 * 2.0 / 1 + 9 * 0.5 / 9) / 2
+    print(f"verl seq-mean-token-sum: per micro-batch {naive:.4f}, over the step {exact:.4f}")
+    assert exact == pytest.approx(0.85, abs=1e-12) and naive == pytest.approx(2.25)
+
+    rows = [{"input_ids": [1] * 5, "seq_lengths": [3, 2]}, {"input_ids": [1] * 4, "seq_lengths": [2, 2]}]
+    mb = PackedRowsCollator(window=5, loss_weighting="sample")(rows)
+    logits = _logits_with_ce([2.0, 2.0, 2.0, 0.5, 0.5] + [0.5] * 5).reshape(2, 5, 2)
+    exact = float(accumulation_step([mb], all_reduce=False).loss(logits, mb))
+    per_row = ((2 * 2.0 + 0.5) / 3 + (0.5 + 0.5) / 2) / 2
+    print(f"tunix per-row mean {per_row:.4f}, per document {exact:.4f}")
+    assert exact == pytest.approx(0.875, abs=1e-12) and per_row == pytest.approx(1.0)
