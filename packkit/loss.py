@@ -554,9 +554,12 @@ class WeightedLossMixin(StepCountHook):
 
     Where ``Trainer`` counts the loss tokens of an optimiser step's micro-batches (before the first forward;
     :class:`packkit.integrations.transformers.StepCountHook`), this counts the weighting's ``Z`` with
-    :func:`accumulation_step` (one collective of four numbers across processes, as ``Trainer``'s own gather)
-    and hands it to :func:`hf_compute_loss_func`, so ``sum_t w_t CE_t / Z`` summed over the micro-batches and
-    averaged over ranks is the recipe's loss. Steps without a weighting keep ``Trainer``'s count.
+    :func:`accumulation_step` and hands it to :func:`hf_compute_loss_func`, so ``sum_t w_t CE_t / Z`` summed over
+    the micro-batches and averaged over ranks is the recipe's loss. Where the training loader's batch sampler is
+    a packkit sampler that plans the steps (given ``loss_weighting`` and ``loss_lengths``: its ``plans_steps``),
+    ``Z`` is read from its plan (``sampler.step_facts()``) with no collective, this rank's micro-batches checked
+    against it; otherwise one collective of four numbers across processes, as ``Trainer``'s own gather. Steps
+    without a weighting keep ``Trainer``'s count.
 
     It also keeps the packed rows' segment and document columns (``seq_lengths``, ``example_ids``,
     ``piece_offsets``, ``example_loss``: :data:`packkit.rules.SEGMENT_KEYS`, :data:`~packkit.rules.DOCUMENT_KEYS`)
@@ -570,4 +573,7 @@ class WeightedLossMixin(StepCountHook):
         labels = [b.get("labels") if isinstance(b, Mapping) else None for b in batch_samples]
         if not any(_note(t).get("loss_weighting") for t in labels):
             return None
-        return accumulation_step(batch_samples, all_reduce=all_reduce, ddp_average=False).loss_normalizer
+        sampler = self._train_batch_sampler("plans_steps")  # a packkit sampler that knows every step's Z
+        facts = None if sampler is None else sampler.step_facts()
+        return accumulation_step(batch_samples, all_reduce=all_reduce and facts is None, ddp_average=False,
+                                 facts=facts).loss_normalizer

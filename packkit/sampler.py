@@ -1035,22 +1035,23 @@ class _BatchSampler:
         self._point, self._offset, self._loaded = _Point(), 0, False  # the pass after this one: the whole epoch
         return sched
 
-    def _consumed(self, p: _Pass, caller: str) -> int:
-        """Batches of pass ``p`` the training loop has received.
+    def _consumed(self, p: _Pass, caller: str, offset: int) -> int:
+        """Batches of pass ``p`` (which starts ``offset`` batches into the epoch) the training loop has received.
 
         A DataLoader's workers fetch ahead of the loop, so the sampler's own count runs ahead of it: where
         the DataLoader iterator that asked for ``p`` still draws from ``p``, its count of the batches it
         handed to the loop is the answer (less the one batch accelerate's loader holds back). torchdata's
-        ``StatefulDataLoader`` saves the sampler's state as each batch is drawn, so its calls get the
-        sampler's own count. Where neither can be told, a :class:`ResumeWarning` says so.
+        ``StatefulDataLoader`` saves the sampler's state as each batch is drawn, so its own calls get the
+        sampler's own count; asked by anyone else (``step_facts()`` in the loop), its count is the epoch's,
+        the batches before a resume included (restored with its state), so ``offset`` comes off it. Where
+        neither can be told, a :class:`ResumeWarning` says so.
         """
         loader = p.loader() if p.loader is not None else None
         if loader is None or caller.startswith("torchdata."):
             return p.yielded
         workers = getattr(loader, "_num_workers", 0)
         stateful = type(loader).__module__.startswith("torchdata.")
-        if getattr(loader, "_sampler_iter", None) is p and not stateful and isinstance(
-                getattr(loader, "_num_yielded", None), int):
+        if getattr(loader, "_sampler_iter", None) is p and isinstance(getattr(loader, "_num_yielded", None), int):
             if workers and not getattr(loader, "_in_order", True):
                 warnings.warn(ResumeWarning(
                     f"{type(self).__name__}.state_dict() behind DataLoader(in_order=False) cannot tell which "
@@ -1059,7 +1060,12 @@ class _BatchSampler:
             shard = p.shard() if p.shard is not None else None
             if shard is not None and not getattr(shard, "end_of_dataloader", True):
                 held = 1  # accelerate's DataLoaderShard fetches one batch ahead of the loop
-            return max(0, min(p.yielded, loader._num_yielded - held))
+            return max(0, min(p.yielded, loader._num_yielded - held - (offset if stateful else 0)))
+        skip = getattr(loader, "_index_sampler", None)  # accelerate's skip_first_batches (Trainer's resume)
+        if type(skip).__name__ == "SkipBatchSampler" and isinstance(getattr(skip, "skip_batches", None), int) and \
+                isinstance(getattr(loader, "_num_yielded", None), int) and self._wraps(skip):
+            held = 1 if p.shard is not None and not getattr(p.shard(), "end_of_dataloader", True) else 0
+            return max(0, min(p.yielded, skip.skip_batches + loader._num_yielded - held))
         if workers or p.shard is not None:
             fix = ("save loader.state_dict() instead (it holds the sampler's)" if stateful else
                    "pass state_dict(batches_consumed=...) with the batches this epoch's loop consumed")
@@ -1067,6 +1073,17 @@ class _BatchSampler:
                 f"{type(self).__name__}.state_dict() counts {p.yielded} batches handed out this pass, but a "
                 f"loader fetched some of them ahead of the loop and cannot be asked: {fix}"), stacklevel=3)
         return p.yielded
+
+    def _wraps(self, sampler) -> bool:
+        """Whether ``sampler`` (a loader's batch sampler) draws from this one, through at most three
+        ``batch_sampler`` wrappers that pass every batch (accelerate's ``BatchSamplerShard`` on one process)."""
+        for _ in range(3):
+            sampler = getattr(sampler, "batch_sampler", None)
+            if sampler is self:
+                return True
+            if getattr(sampler, "num_processes", 1) != 1:
+                return False
+        return False
 
     def _fingerprint(self) -> str:
         """A hash of the sampler's class, options and lengths (fixed at build, so computed once)."""
@@ -1102,7 +1119,7 @@ class _BatchSampler:
         """
         if self._active is not None:
             sched, base, offset, p = self._active
-            done_rows = self._consumed(p, sys._getframe(1).f_globals.get("__name__", "")) \
+            done_rows = self._consumed(p, sys._getframe(1).f_globals.get("__name__", ""), offset) \
                 if batches_consumed is None else p.yielded
         else:
             sched, base, offset = self.schedule(), self._point, self._offset
@@ -1130,6 +1147,12 @@ class _BatchSampler:
             **({} if self._planner is None else {"planner": self._planner}),
         }
 
+    @property
+    def plans_steps(self) -> bool:
+        """Whether :meth:`step_facts` knows every step's normaliser (``loss_weighting`` and ``loss_lengths``
+        given): :class:`packkit.loss.WeightedLossMixin` then divides with no collective."""
+        return self._weights is not None
+
     def step_facts(self, *, batches_consumed: int | None = None) -> StepFacts:
         """The optimiser step of the last batch the training loop received, as the plan knows it (every
         micro-batch of every rank): ``accumulation_step(micro_batches, facts=sampler.step_facts())`` normalises
@@ -1144,7 +1167,7 @@ class _BatchSampler:
             raise ValueError(f"{type(self).__name__}.step_facts(): no batch of this pass was drawn yet: ask after "
                              "the step's micro-batches are drawn from the loader")
         sched, base, offset, p = self._active
-        done = offset + self._consumed(p, sys._getframe(1).f_globals.get("__name__", "")) \
+        done = offset + self._consumed(p, sys._getframe(1).f_globals.get("__name__", ""), offset) \
             if batches_consumed is None else batches_consumed
         row = check_int(done, "batches_consumed", low=offset + 1, high=offset + sched.rows) - offset - 1
         s = int(np.searchsorted(sched.step_row, row, side="right")) - 1

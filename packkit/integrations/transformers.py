@@ -123,6 +123,20 @@ class StepCountHook:
         super()._set_signature_columns_if_needed()  # Trainer's (or TRL's) list of the columns it keeps
         self._signature_columns = list(dict.fromkeys([*self._signature_columns, *self.kept_columns]))
 
+    def _train_batch_sampler(self, has: str):
+        """The batch sampler under ``Trainer``'s training loader whose attribute ``has`` is true, or None: the
+        loader ``Trainer`` keeps in ``callback_handler.train_dataloader`` (private), its ``batch_sampler``
+        (accelerate's ``BatchSamplerShard``), and so on inward (the sampler given, where a subclass builds the
+        loader with ``batch_sampler=``)."""
+        obj = getattr(getattr(self, "callback_handler", None), "train_dataloader", None)
+        for _ in range(4):
+            obj = getattr(obj, "batch_sampler", None)
+            if obj is None:
+                return None
+            if getattr(obj, has, False):
+                return obj
+        return None
+
     def _get_num_items_in_batch(self, batch_samples: list, device):
         world = self.args.world_size
         z = self._step_normalizer(batch_samples, world > 1)
