@@ -151,7 +151,8 @@ class PackOptions:
             segment starts in it) and ``example_loss`` (the example's loss tokens over all its pieces), so that
             the collators weigh a piece as its whole example. On whenever an example is split into pieces, and
             for packed input that carries them (re-packed, each document keeps its example's). An
-            ``IterableDataset`` writes ``example_ids`` only, when asked: its split pieces weigh as examples.
+            ``IterableDataset`` writes the three when asked (:func:`~packkit.packer.pack_stream`'s
+            ``example_ids``); unasked, its split pieces weigh as examples.
         group_column: a column of group ids (int or string, one per row): rows of one group (a preference
             pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
             (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
@@ -702,8 +703,9 @@ def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
         ids = datasets.Sequence(datasets.Value("int64"))
         features = datasets.Features({c: ids for c in resolve_columns(known, columns).written()})
         features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
-        if o.example_ids:
+        if o.example_ids:  # each document's example, where it starts in it, the whole example's loss tokens
             features["example_ids"] = ids
+            features["piece_offsets"] = features["example_loss"] = datasets.Sequence(datasets.Value("int32"))
     if shuffle and seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)  # one order for this dataset, replayed on a resume
 

@@ -708,14 +708,16 @@ class PackedStream:
                                      f"{self._columns}")
         return out
 
-    def _documents(self, i: int, ex, arrays: dict) -> list:
-        """Example ``i`` as its documents: ``[arrays]``, or for a packed row (``seq_lengths`` or restarting
-        ``position_ids``, :func:`packkit.rules.row_segments`) one dict of views per document."""
+    def _documents(self, i: int, ex, arrays: dict) -> tuple[list, list]:
+        """Example ``i`` as its documents and what each records of its whole example's loss tokens:
+        ``([arrays], [None])``, or for a packed row (``seq_lengths`` or restarting ``position_ids``,
+        :func:`packkit.rules.row_segments`) one dict of views per document, and the row's ``example_loss``
+        where it has one (a piece of an example split when it was packed keeps its example's count)."""
         if not isinstance(ex, collections.abc.Mapping):
-            return [arrays]
+            return [arrays], [None]
         key = segment_key(k for k, v in ex.items() if v is not None)
         if key is None:
-            return [arrays]
+            return [arrays], [None]
         n = arrays[self._columns[0]].size
         flat = np.asarray(ex[key]).reshape(-1)
         try:
@@ -723,7 +725,15 @@ class PackedStream:
         except ExampleValueError as exc:
             raise ExampleValueError(f"example {i} {exc.text}", i, exc.text) from None
         starts = lengths_to_offsets(seg)[:-1].tolist()
-        return [{c: a[s: s + m] for c, a in arrays.items()} for s, m in zip(starts, seg.tolist())]
+        docs = [{c: a[s: s + m] for c, a in arrays.items()} for s, m in zip(starts, seg.tolist())]
+        recorded = ex.get("example_loss")
+        if recorded is None or not self._example_ids:
+            return docs, [None] * len(docs)
+        recorded = np.asarray(recorded).reshape(-1)
+        if recorded.size != len(docs) or recorded.dtype.kind not in "iu" or (recorded < 0).any():
+            raise ExampleValueError(f"example {i} records example_loss {recorded.tolist()} for its {len(docs)} documents "
+                                    f"({key}): one loss-token count >= 0 a document, as packkit pack writes it", i)
+        return docs, recorded.tolist()
 
     def _source(self):
         """The source from its start (a ``datasets.IterableDataset`` read whole, see :func:`_dataset_rows`)."""
@@ -743,7 +753,8 @@ class PackedStream:
     def _items(self):
         """``(payload, length)`` of every piece of this shard's examples, the ``pending`` pieces first.
 
-        A payload is ``[example index, start in the example, {column: array}, cached state entry]``."""
+        A payload is ``[example index, start in the example, {column: array}, cached state entry, whole example's
+        loss tokens]`` (the last None unless the example is split into several pieces and ``example_ids``)."""
         W, counts, pending = self.window, self._counts, self._pending
         S, s, begin, skip, checks = self._num_shards, self._shard, self._position, self._skip, self._checks
         key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
@@ -758,18 +769,23 @@ class PackedStream:
             arrays = self._example_arrays(j, ex)
             self._position, self._last = j + 1, (j, arrays[self._columns[0]])
             got = []
-            for arrays in self._documents(j, ex, arrays):  # a packed row: its documents
+            for arrays, recorded in zip(*self._documents(j, ex, arrays)):  # a packed row: its documents
                 n = arrays[self._columns[0]].size
                 counts["examples"] += 1
                 counts["tokens"] += n
                 if n <= W:
-                    got.append(([j, 0, arrays, None], n))
+                    got.append(([j, 0, arrays, None, recorded], n))
                     continue
                 pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=j)
                 counts["cut_tokens"] += pieces.cut_tokens
                 counts[key[self._overflow]] += 1
-                for p, length in zip(pieces.start.tolist(), pieces.length.tolist()):
-                    got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None], length))
+                starts, lengths = pieces.start.tolist(), pieces.length.tolist()
+                whole = None  # split: its pieces' loss tokens (for a recorded example's piece, its count less the piece's)
+                if self._example_ids and starts and (len(starts) > 1 or recorded is not None):
+                    whole = self._whole_loss(arrays, starts, lengths) + (
+                        0 if recorded is None else recorded - self._whole_loss(arrays, [0], [n]))
+                for p, length in zip(starts, lengths):
+                    got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None, whole], length))
             if len(got) == 1:
                 yield got[0]
             else:  # pieces not yet buffered are part of the state while the buffer takes them one by one
@@ -780,6 +796,14 @@ class PackedStream:
             j = min(checks)
             raise DataError(f"the source ended before example {j}, which the stream state was saved after: resume "
                             "over the same source, iterated from its start")
+
+    def _whole_loss(self, arrays: dict, starts: list, lengths: list) -> int:
+        """The loss tokens of an example split into pieces at ``starts`` (``lengths`` tokens each), as its rows
+        will carry them (each piece's labels made as :meth:`__next__` makes a row's, its first masked under
+        ``mask_first_label``), summed over its pieces: every piece records it (``example_loss``)."""
+        labels = _with_labels({c: a.copy() for c, a in arrays.items()}, mask=self._mask, keep_mask=False,
+                              other_masks=self._other_masks).get("labels")
+        return int(_segment_loss(labels, np.array(lengths), self._mask_first_label, starts=np.array(starts)).sum())
 
     def __iter__(self):
         return self
@@ -792,8 +816,11 @@ class PackedStream:
                           keep_mask=self._keep_mask, other_masks=self._other_masks,
                           first=segment_starts(lengths) if self._mask_first_label else None)
         row["seq_lengths"] = lengths
-        if self._example_ids:
+        if self._example_ids:  # each document's example, where it starts in it, and the whole example's loss tokens
             row["example_ids"] = np.array([p[0] for p in win], np.int64)
+            row["piece_offsets"] = np.array([p[1] for p in win], np.int32)
+            own = _segment_loss(row.get("labels"), lengths, False)  # the row's labels: first labels masked already
+            row["example_loss"] = np.array([own[k] if p[4] is None else p[4] for k, p in enumerate(win)], np.int32)
         self._counts["windows"] += 1
         self._counts["packed_tokens"] += int(lengths.sum())
         return row
@@ -981,25 +1008,43 @@ class _ParsedState:
     pos: _StreamPosition
 
 
+def _segment_loss(labels, lengths: np.ndarray, mask_first_label: bool, *, starts=None) -> np.ndarray:
+    """``(S,)`` loss tokens of segments of ``lengths`` tokens laid end to end over ``labels`` (or starting at
+    ``starts``): labels other than -100, less each segment's first under ``mask_first_label``; with no labels every
+    token but the first, as a collator takes a row without labels. As
+    :meth:`packkit.offline.PackedTable.segment_loss` counts the rows it writes.
+    ``_segment_loss(np.array([-100, 5, 6, 7]), np.array([2, 2]), True) -> [1, 1]``."""
+    lengths = np.asarray(lengths, np.int64)
+    if labels is None:
+        return np.maximum(lengths - 1, 0)
+    starts = lengths_to_offsets(lengths)[:-1] if starts is None else np.asarray(starts, np.int64)
+    csum = lengths_to_offsets(labels != IGNORE_INDEX)
+    first = np.minimum(starts + 1, starts + lengths) if mask_first_label else starts
+    return csum[starts + lengths] - csum[first]
+
+
 def _item_entry(payload) -> list:
     """The state entry of a buffered piece, built once per piece: ``[example, start, {column: base64 of its
-    bytes}, {column: dtype}]`` (``"<i4"``): JSON-safe, compact, exact in its dtype, and one value (not a
+    bytes}, {column: dtype}]`` (``"<i4"``), and a fifth item for a piece of an example split into several, its
+    whole example's loss tokens (``example_loss``): JSON-safe, compact, exact in its dtype, and one value (not a
     dict) so that torchdata's incremental worker state compares and sends it whole or not at all."""
     if payload[3] is None:
         arrays = payload[2]
         payload[3] = [payload[0], payload[1],
                       {c: base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii") for c, a in arrays.items()},
-                      {c: a.dtype.str for c, a in arrays.items()}]
+                      {c: a.dtype.str for c, a in arrays.items()}] + ([] if payload[4] is None else [payload[4]])
     return payload[3]
 
 
 def _parse_item(f, name: str, k, raw, cols: list, window: int):
     """One state entry back to ``(payload, length)``, every part checked (errors name ``name`` and the entry)."""
     where = f"entry {k}"
-    if not isinstance(raw, (list, tuple)) or len(raw) != 4:
-        f.fail(name, f"{where} must be [example, start, {{column: base64}}, {{column: dtype}}]", StateTypeError)
-    j, p, tokens, dtypes = raw
-    for what, v in (("example", j), ("start", p)):
+    if not isinstance(raw, (list, tuple)) or len(raw) not in (4, 5):
+        f.fail(name, f"{where} must be [example, start, {{column: base64}}, {{column: dtype}}] and, for a piece of "
+               "an example split in several, its example's loss tokens", StateTypeError)
+    j, p, tokens, dtypes = raw[:4]
+    whole = raw[4] if len(raw) == 5 else None
+    for what, v in (("example", j), ("start", p)) + ((("example loss", whole),) if whole is not None else ()):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             f.fail(name, f"{where}: {what} must be an integer of at least 0, got {v!r}")
     if not isinstance(tokens, collections.abc.Mapping) or not isinstance(dtypes, collections.abc.Mapping) \
@@ -1024,7 +1069,7 @@ def _parse_item(f, name: str, k, raw, cols: list, window: int):
         if c == cols[0] and a.min() < 0:
             f.fail(name, f"{where}: a negative token id ({int(a.min())})")
         arrays[c] = a
-    return [int(j), int(p), arrays, None], n
+    return [int(j), int(p), arrays, None, None if whole is None else int(whole)], n
 
 
 def _int_list(f, name: str, *, low: int) -> list:
@@ -1098,8 +1143,11 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
             picks them itself).
     Returns:
         A :class:`PackedStream`: iterate it for row dicts with ``input_ids``, ``labels`` (when present),
-        ``seq_lengths`` (int32) and optionally ``example_ids`` (the index of each segment's example in the
-        stream), all numpy arrays; ``.stats`` counts what happened; ``state_dict()`` / ``load_state_dict()``
+        ``seq_lengths`` (int32) and, with ``example_ids=True``, what a row records of each document's
+        example (:data:`packkit.rules.DOCUMENT_KEYS`): ``example_ids`` (int64, its index in the stream),
+        ``piece_offsets`` (int32, where the document starts in it) and ``example_loss`` (int32, the whole
+        example's loss tokens over all its pieces, as the rows carry them), so that a collator's
+        ``loss_weighting`` weighs a piece of a split example as its whole example; all numpy arrays; ``.stats`` counts what happened; ``state_dict()`` / ``load_state_dict()``
         save and resume it (the buffer with it), exactly once.
 
     Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->

@@ -244,7 +244,7 @@ def test_stream_loss_mask_becomes_labels_as_the_online_collator_does(mask_key, l
     rows = list(pack_stream(exs, window=W, buffer_size=4, example_ids=True))
     online = collate.FixedWindowCollator(window=W, strategy="next_fit")
     for row in rows:
-        assert list(row) == ["input_ids", "labels", "seq_lengths", "example_ids"]
+        assert list(row) == ["input_ids", "labels", "seq_lengths", "example_ids", "piece_offsets", "example_loss"]
         want = online([exs[i] for i in row["example_ids"]])
         assert row["labels"].tolist() == want.labels[0, :row["input_ids"].size].tolist()
     out = pack_dataset(datasets.Dataset.from_list(exs).to_iterable_dataset(), window=W, buffer_size=4,
