@@ -311,3 +311,31 @@ def test_every_sampler_plans_the_z_its_batches_carry(case):
             assert abs(step.loss_normalizer - want.loss_normalizer) <= 1e-9 * max(1.0, want.loss_normalizer)
             mbs, steps = [], steps + 1
         assert not mbs and steps == sched.step_start.size
+
+
+def test_longalign_weights_stored_for_another_gpu_count_regression():
+    """LongAlign (THUDM/LongAlign #8): a target token of sequence i weighs K / (N_i M), K the GPUs and M the
+    sequences of the global batch, stored with the packs when they are grouped; asked whether a new GPU count needs
+    the packs sorted and grouped again, the answer is yes. Weights stored for 2 ranks and trained on 4 from a
+    2-rank state: each step's loss (DDP's mean over 4) leaves the per-sample mean of the documents it holds; the
+    sampler's, planned for the world size it runs on, equals it within 1e-12."""
+    examples, lengths, loss = make_examples()
+    old = sampler(lengths, loss, "sample", 0, 2)
+    stored = np.zeros(len(examples))
+    for docs in step_documents(old):  # LongAlign's weights, for 2 GPUs
+        m = int((loss[docs] > 0).sum())
+        for i in docs:
+            stored[i] = 2 / (loss[i] * m) if loss[i] > 0 else 0.0
+    state = old.state_dict(batches_consumed=old.accumulation_steps)
+    new = sampler(lengths, loss, "sample", 0, 4)
+    new.load_state_dict(state)
+    model = tiny_token_lm(VOCAB, 4)
+    worst = 0.0
+    for docs in step_documents(new):
+        sums = [float(reference_loss(model, [examples[i]], "seq-mean-token-sum")) for i in docs]
+        naive = sum(stored[i] * s for i, s in zip(docs, sums)) / 4
+        want = float(reference_loss(model, [examples[i] for i in docs], "sample"))
+        worst = max(worst, abs(naive - want))
+    print(f"weights stored for 2 GPUs, trained on 4: worst step off by {worst:.3f}")
+    assert worst > 1e-2
+    assert check_world(examples, lengths, loss, "sample", 4, state=state) >= 2
