@@ -131,11 +131,9 @@ def rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num
         width: ``W``, tokens per row; num_rows: ``B`` (default ``R``; extra rows are all padding).
         static_shape: ``cu_seqlens`` padded to ``max_segments + 1`` entries, ``max_seqlen = W``.
         attention_mask: also return the ``[B, W]`` int64 mask of real tokens (padded fallback).
-        spans: also return ``doc_cu`` ``(S + 1,)`` int64, every segment's start over the flattened
-            ``[B * W]`` labels, then ``B * W``: the padding after a segment (its row's tail, the rows of
-            padding after the last) lies in that segment's span. A loss weighting counts loss tokens over
-            these spans, one a document, as over ``cu_seqlens`` (padding holds none: its labels are -100),
-            without finding where the tails lie among the segments.
+        spans: also return ``doc_cu`` ``(S + 1,)`` int64, every segment's start over the flattened ``[B * W]``
+            labels, then ``B * W``: the padding after a segment lies in its span (its labels are -100), so a
+            loss weighting counts each document's loss tokens there without finding the padding tails.
 
     Example: tokens ``[a a b c]``, ``seg_lengths=[2, 1, 1]``, ``seg_ptr=[0, 2, 3]``, ``width=3``:
     rows ``[a a b]`` and ``[c pad pad]``, ``cu_seqlens=[0, 2, 3, 4, 6]``, ``doc_cu=[0, 2, 3, 6]``.
@@ -166,10 +164,7 @@ def rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num
     starts = dest[csum[:-1]] if mask_first_label or spans else None  # every document's first token
     if mask_first_label:
         out_labels[starts] = IGNORE_INDEX
-    doc_cu = None
-    if spans:
-        doc_cu = np.empty(starts.size + 1, np.int64)
-        doc_cu[:-1], doc_cu[-1] = starts, num_rows * width
+    doc_cu = np.concatenate((starts, [num_rows * width])) if spans else None
     max_seqlen = int(all_lengths.max())
     num_real = int(all_lengths.size)
     if static_shape:
