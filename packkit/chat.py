@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from .arrow import list_array
+from .choices import CHAT_FORMATS  # the conversational formats chat_format recognises (module docstring)
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
@@ -61,9 +62,6 @@ from .tokenizer import bad_utf8, load_tokenizer
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
            "ignored_columns", "has_generation_markers", "load_tokenizer", "tokenize_dataset", "tokenize_chat",
            "training_template"]
-
-#: The conversational formats :func:`chat_format` recognises (module docstring).
-CHAT_FORMATS = ("messages", "conversations", "prompt_completion", "conversational_prompt_completion")
 
 #: The keys of a message in each conversation column (ShareGPT's renamed to role and content, as TRL does).
 _MESSAGE_KEYS = {"messages": ("role", "content"), "conversations": ("from", "value")}

@@ -5,12 +5,15 @@ modules that use them, :mod:`packkit.binpack` and :mod:`packkit.cp_plan`, import
 ``OVERFLOW_POLICIES``: what to do with an example longer than the window; ``DEFAULT_OVERFLOW`` the choice of
 every path that prepares or measures data. ``STRATEGIES``: the planner's bin packings (:func:`packkit.binpack.pack`).
 ``BALANCE``: the samplers' balance policies (:class:`packkit.sampler.SamplerOptions`). ``CP_LAYOUTS``: how a row
-is cut across a context-parallel group (drawn in :mod:`packkit.cp_plan`).
+is cut across a context-parallel group (drawn in :mod:`packkit.cp_plan`). ``LOSS_WEIGHTINGS``: the names a
+``loss_weighting=`` string may give (the keys of :data:`packkit.weighting.NAMES`). ``CHAT_FORMATS``: the
+conversational formats :mod:`packkit.chat` reads.
 """
 
 from __future__ import annotations
 
-__all__ = ["OVERFLOW_POLICIES", "DEFAULT_OVERFLOW", "STRATEGIES", "BALANCE", "CP_LAYOUTS"]
+__all__ = ["OVERFLOW_POLICIES", "DEFAULT_OVERFLOW", "STRATEGIES", "BALANCE", "CP_LAYOUTS", "LOSS_WEIGHTINGS",
+           "CHAT_FORMATS"]
 
 OVERFLOW_POLICIES = ("error", "truncate", "split", "drop")
 
@@ -26,3 +29,7 @@ STRATEGIES = ("bfd", "ffd", "shuffle_ff", "next_fit")
 BALANCE = (None, "tokens", "sqlen", "compute")
 
 CP_LAYOUTS = ("zigzag", "contiguous", "ulysses", "hybrid")
+
+LOSS_WEIGHTINGS = ("dapo", "grpo", "sample", "seq-mean-token-mean", "seq-mean-token-sum", "sqrt", "token", "token-mean")
+
+CHAT_FORMATS = ("messages", "conversations", "prompt_completion", "conversational_prompt_completion")

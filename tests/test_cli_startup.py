@@ -11,6 +11,7 @@ Before the fix every command imported torch through ``packkit.cp`` (for its ``LA
 process (torch and datasets loaded) print the same lines and write the same bytes.
 """
 
+import argparse
 import json
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 import torch  # noqa: F401
 
 from packkit import cli
+from packkit.cli import plan as plan_command
 
 pytestmark = pytest.mark.slow  # a subprocess
 
@@ -114,3 +116,77 @@ def test_waste_and_plan_import_no_ctypes_util():
             "print(sorted(m for m in ('ctypes.util', 'subprocess', 'socket') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+#: What ``packkit waste`` (the bundled sample) and ``plan --synthetic`` imported at start for nothing, found with
+#: ``python -X importtime`` and cProfile against fd3b24d (issue 34): ``{module: why it must stay out}``.
+LAZY = {
+    "packkit.weighting": "the sampler resolved no weighting (5 dataclasses); plan's --loss-weighting choices",
+    "packkit.chat": "ChatOptions for the bundled sample, which has no chat; CHAT_FORMATS for --format's choices",
+    "packkit.fileio": "png_figure and check_plot for a --plot not asked for; held_still for a file not read",
+    "packkit.listcolumns": "the readers of Arrow list columns, for a file not read",
+    "numpy.ma": "np.percentile's np.unique imports it (10 ms of CPU) for waste's median, p90 and p99",
+    "shutil": "argparse's HelpFormatter imports it (with lzma and bz2) for the terminal width, per add_argument",
+}
+
+
+@pytest.fixture(scope="module")
+def started():
+    """``{command: sys.modules after it ran}`` of ``packkit waste`` and ``plan --synthetic 500``, each in a fresh
+    interpreter (``python -m packkit.cli``'s path: ``cli.main``)."""
+    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    code = cli.main(sys.argv[1:])\n"
+            "print(code, *sorted(sys.modules))")
+    out = {}
+    for argv in (["waste"], ["plan", "--synthetic", "500"]):
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        code_, *modules = proc.stdout.split()
+        assert code_ == "0", proc.stdout
+        out[" ".join(argv)] = set(modules)
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(LAZY))
+def test_waste_and_plan_start_without(started, module):
+    for command, modules in started.items():
+        assert module not in modules, f"packkit {command} imported {module}: {LAZY[module]}"
+
+
+def test_the_command_module_is_imported_with_the_collector_paused():
+    """Regression: the cyclic garbage collector ran among the objects the command's import allocates (numpy's,
+    packkit's), which live as long as the process: 3.5% of ``plan --synthetic``'s instructions. It is paused
+    for that import and collects again when the command runs (and stays off if the caller had turned it off)."""
+    code = ("import contextlib, gc, importlib, io, sys\nfrom packkit import cli\n"
+            "seen = []\nimport_module = importlib.import_module\n"
+            "def spy(name, *a):\n    seen.append((name, gc.isenabled()))\n    return import_module(name, *a)\n"
+            "importlib.import_module = spy\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    cli.main(['plan', '--synthetic', '200'])\n    after = gc.isenabled()\n"
+            "    gc.disable()\n    cli.main(['waste'])\n"
+            "print(seen, after, gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[('packkit.cli.plan', False), ('packkit.cli.waste', False)] True False", out.stdout
+
+
+@pytest.mark.parametrize("columns", [None, "0", "x", "37", "200"])
+def test_help_is_as_wide_as_argparse_makes_it(monkeypatch, columns):
+    """The formatter that reads the width without shutil gives argparse's width: ``COLUMNS`` when a positive
+    integer, else the terminal's, else 80 (the tests' stdout is no terminal)."""
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    assert cli._Formatter("packkit")._width == argparse.RawDescriptionHelpFormatter("packkit")._width
+    ours, stock = plan_command.parser(), plan_command.parser()
+    stock.formatter_class = argparse.RawDescriptionHelpFormatter
+    assert ours.format_help() == stock.format_help()
+
+
+def test_the_words_of_the_lazy_modules_are_theirs():
+    """``--loss-weighting`` and ``--format`` take their choices from :mod:`packkit.choices` (imports nothing) so
+    that ``plan`` and ``waste`` start without :mod:`packkit.weighting` and :mod:`packkit.chat`: the same words."""
+    from packkit import chat, choices, weighting
+
+    assert choices.LOSS_WEIGHTINGS == tuple(sorted(weighting.NAMES))
+    assert chat.CHAT_FORMATS is choices.CHAT_FORMATS

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from packkit.binpack import apply_overflow, pack
 from packkit.datafiles import Lengths
 from packkit.sampler import PackedBatchSampler
-from packkit.waste import WASTE_STRATEGIES, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
+from packkit.waste import WASTE_STRATEGIES, _percentiles, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
 
 
 def overflow_ref(lengths, window, overflow):
@@ -174,3 +174,17 @@ def test_waste_plot_of_data_with_labels(tmp_path):
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         measure_waste(**kwargs)
+
+
+
+@given(values=st.lists(st.integers(0, 2**40), min_size=1, max_size=300) | st.lists(st.integers(0, 9), min_size=1),
+       q=st.lists(st.floats(0, 100), min_size=1, max_size=5) | st.just([50, 90, 99]),
+       dtype=st.sampled_from([np.int64, np.float64]))
+@example(values=[1, 2], q=[50, 90, 99], dtype=np.int64)
+def test_percentiles_are_numpys_without_numpy_ma(values, q, dtype):
+    """waste's median, p90 and p99 (``packkit waste`` prints them) by numpy's own float operations, without the
+    ``np.unique`` of ``np.percentile``, which imports numpy.ma at start: the same floats, bit for bit, and so
+    the same integers printed (tests/test_cli_startup.py checks that the command imports no numpy.ma)."""
+    a = np.asarray(values, dtype)
+    got, want = _percentiles(a, q), np.percentile(a, q)
+    assert got.dtype == want.dtype and np.array_equal(got, want), (got, want)

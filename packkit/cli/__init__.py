@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import importlib
 import os
 import re
@@ -132,12 +133,32 @@ class UsageError(Exception):
     """The command line is wrong: one line, exit code 2."""
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's, as wide as ``shutil.get_terminal_size`` says, read as it reads it but without importing shutil
+    (and lzma and bz2 with it: 1% of ``packkit plan``'s instructions), which argparse's own does for every
+    ``add_argument`` (it formats each option's metavar to check it)."""
+
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+        if width is None:
+            try:
+                columns = int(os.environ["COLUMNS"])
+            except (KeyError, ValueError):
+                columns = 0
+            if columns <= 0:
+                try:
+                    columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+                except (AttributeError, ValueError, OSError):
+                    columns = 80
+            width = columns - 2
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (and exit code 2), not a usage block and a line."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("epilog", EXIT_CODES)
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
@@ -310,12 +331,25 @@ def _main(argv: list[str]) -> int:
         return _run(argv, name, state)
 
 
+def _import_command(module: str):
+    """The command's module, imported with the cyclic garbage collector paused: the import (numpy's among it)
+    allocates objects that live as long as the process, and the collections among them were 3.5% of
+    ``packkit plan --synthetic``'s instructions (22 M of 642 M under valgrind)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return importlib.import_module(module)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _run(argv: list[str], name: str, state: dict) -> int:
     options = None
     try:
         code = _top(argv)
         if code is None:
-            module = importlib.import_module(SUBCOMMANDS[name][0])
+            module = _import_command(SUBCOMMANDS[name][0])
             parser = module.parser()
             options = state["options"] = options_of(parser, getattr(module, "ALIASES", None))
             args = parser.parse_args(argv[1:])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..chat import CHAT_FORMATS, ChatOptions
+from ..choices import CHAT_FORMATS
 from ..datafiles import Lengths, read_lengths
 
 
@@ -43,8 +43,9 @@ def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional:
                    help="let a tokenizer run its own Python code (off by default)")
 
 
-def chat_options(args: argparse.Namespace, *, num_proc: int | None = None) -> ChatOptions:
+def chat_options(args: argparse.Namespace, *, num_proc: int | None = None):
     """The :class:`packkit.chat.ChatOptions` that the options above give (``num_proc``: processes that render)."""
+    from ..chat import ChatOptions  # lazy: 10 ms of compiling at start, for data that is read
     return ChatOptions(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
                        completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
                        format=args.format, num_proc=num_proc)
@@ -52,6 +53,7 @@ def chat_options(args: argparse.Namespace, *, num_proc: int | None = None) -> Ch
 
 def input_lengths(args: argparse.Namespace) -> Lengths:
     """The lengths of the input the options above name (:func:`packkit.datafiles.read_lengths`), as ``waste`` and
-    ``plan`` measure them."""
+    ``plan`` measure them (no input: the bundled sample, which has no chat to render)."""
     return read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
-                        split=args.split, chat=chat_options(args), progress=not (args.quiet or args.json))
+                        split=args.split, chat=None if args.input is None else chat_options(args),
+                        progress=not (args.quiet or args.json))

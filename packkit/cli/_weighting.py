@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from . import UsageError
-from ..weighting import NAMES, plot_weight_shares, weight_shares
+from ..choices import LOSS_WEIGHTINGS
 
 
 def add_weighting_arguments(p) -> None:
-    p.add_argument("--loss-weighting", choices=sorted(NAMES), metavar="MODE",
+    p.add_argument("--loss-weighting", choices=LOSS_WEIGHTINGS, metavar="MODE",
                    help="also show the share of the loss weight by length decile under MODE "
-                        f"({', '.join(sorted(NAMES))}) beside the token mean")
+                        f"({', '.join(LOSS_WEIGHTINGS)}) beside the token mean")
     p.add_argument("--weight-plot", metavar="PNG", help="with --loss-weighting: write those shares as a bar chart")
     p.add_argument("--overwrite-plot", action="store_true", help="replace an existing --weight-plot file")
 
@@ -23,6 +23,7 @@ def weighting_report(args, data):
         if args.weight_plot:
             raise UsageError("--weight-plot draws the --loss-weighting shares: pass --loss-weighting MODE too")
         return None
+    from ..weighting import plot_weight_shares, weight_shares  # lazy: 3 ms of CPU at start, for this option only
     loss = data.loss_lengths if data.loss_lengths is not None else data.lengths - 1
     shares = weight_shares(data.lengths, loss, args.loss_weighting)
     if args.weight_plot:

@@ -9,7 +9,6 @@ from . import (DEFAULT_OVERFLOW, Parser, add_cp_arguments, add_dealing_arguments
 from ..binpack import check_seed, check_window
 from ..datafiles import lines_named, load_table, read_preference_lengths
 from ..errors import ArgumentError, DataError, arg
-from ..fileio import check_plot
 from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
                      plot_waste, preference_waste)
 from ._chat import add_input_arguments, input_lengths
@@ -65,6 +64,7 @@ def run(args, options=None) -> int:
         return _turns(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]  # measure_waste names a bad one
     if args.plot:
+        from ..fileio import check_plot  # lazy: as waste.plot_waste's png_figure
         check_plot(args.plot, "plot", inputs=[args.input] if args.input else [], overwrite=args.overwrite)
         require("matplotlib")
     with lines_named(args.input):
