@@ -32,7 +32,6 @@ the wrong type (``window="8"``) is an :class:`ArgumentTypeError`: an :class:`Arg
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import shlex
 import warnings
@@ -254,6 +253,8 @@ def with_keywords(cls, options, keywords: dict, who: str):
     """``options`` (an instance of the dataclass ``cls``; default: its defaults) with ``keywords`` for its fields,
     as a function taking an options object and its fields as keywords builds it; a keyword that is not a field is
     the ``TypeError`` Python raises for it, an ``options`` of another type one naming the type it takes."""
+    import dataclasses  # here: with inspect, ast and dis it was half of ``packkit --help``'s start
+
     unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
