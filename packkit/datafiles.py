@@ -22,11 +22,8 @@ import numpy as np
 from . import jsonlines
 from .arrow import pyarrow
 from .binpack import as_lengths
-from .chat import ChatOptions, chat_encoder, chat_format
 from .epoch import Lengths
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
-from .fileio import held_still
-from .listcolumns import loss_targets, packed_segments, source_order, token_lengths
 from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow, read_npy, read_parquet,
                       read_text, replay, text_byte_lengths, text_tables)
 from .rules import ExampleTypeError, located, not_integer, segment_key
@@ -183,6 +180,7 @@ class Tokenizing:
     """
 
     def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: ChatOptions | None, where: str):
+        from .chat import ChatOptions, chat_encoder, chat_format  # lazy: off waste and plan's start
         chat = chat or ChatOptions()
         self.column, self.text_column, self.chat = column, text_column, None
         fmt = chat_format(schema, format=chat.format)
@@ -280,6 +278,7 @@ def _chunk_lengths(tables, column: str, *, first_ok=None):
     naming the row in the whole input): ``column``, or the ``input_ids`` a chat template wrote. None where
     the whole read must do instead: ``first_ok(first table)`` is False, no table, or a loss column in some
     chunks only."""
+    from .listcolumns import loss_targets, token_lengths  # lazy: off waste and plan's start
     lengths, targets, row = [], [], 0
     for table in tables:
         if row == 0 and first_ok is not None and not first_ok(table):
@@ -335,6 +334,7 @@ class Input:
         self.path = check_path(path)
         self.format = input_format(self.path)
         self.column, self.text_column, self.tokenizer, self.split = column, text_column, tokenizer, split
+        from .chat import ChatOptions  # lazy: off waste and plan's start
         self.chat = chat or ChatOptions()
         self.where = repr(str(self.path))
 
@@ -495,6 +495,7 @@ class Input:
         key = col if col in table.column_names else "input_ids"
         # every rule the collators and `packkit pack` hold token ids to (packkit.rules): waste and plan measure
         # exactly what pack accepts
+        from .listcolumns import loss_targets, packed_segments, source_order, token_lengths  # lazy: as in _chunk_lengths
         lengths = as_lengths(token_lengths(table.column(key), key=key), name=f"lengths in {name}")
         source = f"{name}, " + (how or f"column {col!r}")
         docs = packed_segments(table, lengths, key=key) if lengths.size else None
@@ -536,6 +537,7 @@ def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "te
     if path is None:
         return bundled_sample()
     inp = Input(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
+    from .fileio import held_still  # lazy: off waste and plan's start
     with held_still([inp.path]):  # no file may change under the read (a truncated memory map is a SIGBUS)
         return inp.lengths(progress=progress)
 
@@ -599,6 +601,7 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
         if pa.types.is_integer(col.type):
             out.append(np.asarray(col.to_numpy(), np.int64))
         elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            from .listcolumns import token_lengths  # lazy: off waste and plan's start
             out.append(token_lengths(col, key=c))
         else:
             raise DataError(f"column {c!r} of {str(path)!r} holds {col.type}, not token ids or counts")

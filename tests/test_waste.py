@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from packkit.binpack import apply_overflow, pack
 from packkit.datafiles import Lengths
 from packkit.sampler import PackedBatchSampler
-from packkit.waste import WASTE_STRATEGIES, _percentiles, length_grouped_batches, format_table, measure_waste, padded_rows, plot_waste
+from packkit.waste import (WASTE_STRATEGIES, _percentiles, length_grouped_batches,
+                           format_table, measure_waste, padded_rows, plot_waste)
 
 
 def overflow_ref(lengths, window, overflow):
