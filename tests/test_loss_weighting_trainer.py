@@ -137,6 +137,8 @@ def planned_trainer(out, examples, mode, steps, *, loader=None, **args):
     class PlannedTrainer(WeightedTrainer):
         def get_train_dataloader(self):
             make = loader or DataLoader
+            if loader is not None:  # accelerate's loader around it stays a StatefulDataLoader
+                self.accelerator.dataloader_config.use_stateful_dataloader = True
             return self.accelerator.prepare(make(self.train_dataset, batch_sampler=s, collate_fn=self.data_collator,
                                                  num_workers=self.args.dataloader_num_workers))
 
@@ -209,9 +211,9 @@ def test_mixin_plan_after_a_resume_at_a_random_step(tmp_path, no_collective):
     Z from the plan. Fails before: the sampler counted the skipped batches' loader as not drawing from it."""
     import numpy as np
 
-    examples = documents(40, 2)
+    examples = documents(100, 2)
     total = len(step_documents(planned(examples, "sqrt")))
-    stop = int(np.random.default_rng().integers(1, total))
+    stop = int(np.random.default_rng().integers(1, total - 1))  # two steps or more left: the workers fetch past one
     first, _ = planned_trainer(tmp_path, examples, "sqrt", Steps(), dataloader_num_workers=2, num_train_epochs=1)
     first.add_callback(StopAt(stop))
     first.train()
@@ -228,10 +230,11 @@ def test_mixin_plan_under_a_stateful_dataloader(tmp_path, no_collective):
     names the step (the sampler's own runs ahead with the workers). Fails before: step_facts named a later step
     and the micro-batches were refused against it."""
     tdl = pytest.importorskip("torchdata.stateful_dataloader")
-    examples = documents(40, 2)
+    examples = documents(100, 2)
     steps = Steps()
     trainer, s = planned_trainer(tmp_path, examples, "sample", steps, loader=tdl.StatefulDataLoader,
                                  dataloader_num_workers=2, num_train_epochs=1)
     trainer.train()
+    assert isinstance(trainer.callback_handler.train_dataloader, tdl.StatefulDataLoader)
     assert no_collective and all(f is not None for f in no_collective)
     check_steps(examples, "sample", s, steps.grads)
