@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rules import MASK_KEYS
+from .rules import MASK_KEYS, row_segments, segment_key
 
 __all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "media_columns", "media_options",
-           "refuse_media", "media_pack_columns", "check_whole", "MediaRows", "take_rows", "row_documents"]
+           "refuse_media", "media_pack_columns", "check_whole", "MediaRows", "take_rows", "row_documents", "row_lengths"]
 
 #: Columns that carry media (by prefix), and the ones that do without the prefix.
 MEDIA_PREFIXES = ("pixel_values", "input_features", "image_", "video_", "audio_")
@@ -173,12 +173,24 @@ def take_rows(col, rows: np.ndarray):
     return gathered.take(pa.array(np.argsort(by_chunk, kind="stable")))
 
 
+def row_lengths(row, where: int = 0) -> np.ndarray:
+    """The lengths of a packed row's documents: its ``seq_lengths``, or where its ``position_ids`` restart at 0
+    (:func:`packkit.rules.row_segments`, which names the row ``where`` when they do not fit its tokens)."""
+    key = segment_key(set(row))
+    if key is None:
+        raise ValueError(f"packed row {where} has no 'seq_lengths' or 'position_ids': its documents (and so their "
+                         "media) cannot be told apart; keep the seq_lengths column pack_dataset writes")
+    values = np.asarray(row[key], np.int64).reshape(-1)
+    return row_segments(key, values, [values.size], [len(row["input_ids"])], rows=[where])[0]
+
+
 def row_documents(rows, token_keys=("labels",) + TOKEN_TYPE_KEYS) -> list[dict]:
     """Packed rows back into their documents, in row order: ``input_ids`` and the per-token ``token_keys`` cut
-    at ``seq_lengths``, each media column's entry of that document (left out where null)."""
+    at ``seq_lengths`` (or where ``position_ids`` restart), each media column's entry of that document (left out
+    where null)."""
     docs = []
-    for row in rows:
-        cut = np.concatenate(([0], np.cumsum(np.asarray(row["seq_lengths"], np.int64))))
+    for r, row in enumerate(rows):
+        cut = np.concatenate(([0], np.cumsum(row_lengths(row, r))))
         media = media_columns(row)
         for j, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist())):
             doc = {k: row[k][a:b] for k in ("input_ids", *token_keys) if row.get(k) is not None}

@@ -61,7 +61,7 @@ import torch
 
 from .batch import PackedBatch, text_config
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
-from .mediarows import row_documents
+from .mediarows import row_documents, row_lengths
 from .media import FAMILIES, active_spans, check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
 from .packer import gather_index
 from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
@@ -204,6 +204,13 @@ class VisionLanguageCollator:
             raise TypeError(f"rope_index is for mRoPE models; {self.family.name} takes position_ids as text models do: "
                             "pass config=model.config alone")
         self.vision = None if self.family is not None else vision_spec(config, rope_index)
+        cp = getattr(collator, "cp_size", 1)
+        spans = active_spans(self.family, config) if self.family is not None else None
+        if cp > 1 and (spans or getattr(self.family, "first_position", 0)):
+            what = (f"its {spans} tokens attend both ways" if spans
+                    else f"it numbers a document from {self.family.first_position}")
+            raise ValueError(f"{self.family.name} under context parallelism (cp_size={cp}): {what}, which "
+                             "packkit.cp.shard does not carry to the ranks; train it with cp_size=1")
 
     def __call__(self, examples) -> PackedBatch:
         if not isinstance(examples, collections.abc.Sequence) or isinstance(examples, collections.abc.Mapping):
@@ -258,7 +265,7 @@ class VisionLanguageCollator:
             batch = c(examples)
             lengths = [len(row["input_ids"]) for row in examples]
             index = np.arange(sum(lengths), dtype=np.int64)
-            documents = sum(len(row["seq_lengths"]) for row in examples)
+            documents = sum(len(row_lengths(row, r)) for r, row in enumerate(examples))
             return batch, index, row_destinations(lengths, batch.shape[1]), range(documents)
         if isinstance(c, FixedWindowCollator):
             batch, plan = c._pack(examples)

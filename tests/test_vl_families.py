@@ -889,3 +889,19 @@ def test_offline_cli_packs_media_rows_as_pack_dataset(tmp_path):
     run = cli(src, tmp_path / "out.jsonl")
     assert run.returncode != 0 and not (tmp_path / "out.jsonl").exists() and len(run.stderr.strip().splitlines()) == 1
     assert "carry media (pixel_values)" in run.stderr and ".parquet, .arrow, .feather" in run.stderr
+
+
+@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+def test_context_parallel_refused_where_the_shard_would_lose_the_mask(family):
+    """Under context parallelism a rank's shard carries positions from 0 and no token_type_ids: Gemma 3's image spans
+    and PaliGemma's prefix would be attended causally and PaliGemma's positions numbered from 0, silently. Refused
+    in one line; a family that attends causally (Idefics3) is not."""
+    from packkit.collate import PackedRowsCollator
+
+    model, _ = build(family, "sdpa")
+    with pytest.raises(ValueError, match=r"under context parallelism \(cp_size=2\): its (image|prefix) tokens attend "
+                                         r"both ways, which packkit.cp.shard does not carry to the ranks; train it with "
+                                         r"cp_size=1"):
+        VisionLanguageCollator(PackedRowsCollator(window=64, cp_size=2, cp_layout="contiguous"), config=model.config)
+    VisionLanguageCollator(PackedRowsCollator(window=64, cp_size=2, cp_layout="contiguous"),
+                           config=build("idefics3", "sdpa")[0].config)

@@ -291,3 +291,20 @@ def test_offline_packed_rows_without_rope_index_name_the_document(model, example
     packed = pack_dataset(datasets.Dataset.from_list(offline_rows(examples)), window=32, seed=3, progress=False)
     with pytest.raises(ValueError, match=r"example \d+ has images or videos but no 3-D position_ids; pass rope_index="):
         VisionLanguageCollator(PackedRowsCollator(window=32), config=model.config)(list(packed))
+
+
+def test_offline_rows_given_by_position_ids_read_as_by_seq_lengths(model, examples):
+    """Packed rows whose documents are marked by position_ids restarting at 0 (PackedRowsCollator's other form) read
+    back as the same rows with seq_lengths (before: KeyError 'seq_lengths', naming neither the row nor the fix)."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import pack_dataset
+
+    rows = list(pack_dataset(datasets.Dataset.from_list(offline_rows(examples)), window=32, seed=3, progress=False))
+    by_pos = [dict({k: v for k, v in r.items() if k != "seq_lengths"},
+                   position_ids=np.concatenate([np.arange(n) for n in r["seq_lengths"]]).tolist()) for r in rows]
+    collate = VisionLanguageCollator(PackedRowsCollator(window=32), rope_index=model.model.get_rope_index)
+    a, b = collate(rows), collate(by_pos)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    with pytest.raises(ValueError, match="packed row 0 has no 'seq_lengths' or 'position_ids'"):
+        from packkit.mediarows import row_lengths
+        row_lengths({"input_ids": [1, 2]})
