@@ -60,7 +60,7 @@ from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_se
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
            "max_window", "check_strategy", "pack_groups", "as_groups", "check_overflow", "check_buffer_size", "StreamBuffer", "overflow_error", "overflow_note",
-           "lower_bound", "STRATEGIES", "OVERFLOW_POLICIES"]
+           "lower_bound", "windows_plan", "STRATEGIES", "OVERFLOW_POLICIES"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -459,6 +459,16 @@ class Plan:
 # ----------------------------------------------------------------------------------------------
 # overflow: from examples to packable items
 # ----------------------------------------------------------------------------------------------
+
+
+def windows_plan(seg_length: np.ndarray, window_ptr: np.ndarray, *, window: int, strategy: str) -> Plan:
+    """Windows laid out already (CSR ``window_ptr`` over ``seg_length``) as a :class:`Plan`
+    whose every segment is an example of its own: ``windows_plan(np.array([3, 2, 4]), np.array([0, 2, 3]),
+    window=5, strategy="stream").num_windows -> 2``."""
+    n, empty = len(seg_length), np.zeros(0, np.int64)
+    return Plan(window=window, lengths=seg_length, seg_example=np.arange(n, dtype=np.int64),
+                seg_start=np.zeros(n, np.int64), seg_length=seg_length, window_ptr=window_ptr, strategy=strategy,
+                overflow="error", seed=None, overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

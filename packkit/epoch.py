@@ -14,10 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from .binpack import Plan, apply_overflow, as_lengths, check_overflow, pack
+from .binpack import Plan, apply_overflow, as_lengths, check_overflow, pack, windows_plan
 from .errors import DataError, arg
 from .rules import check_loss_lengths
-from .sampler import LengthGroupedSampler, PackedBatchSampler, batch_sums
 from .segments import lengths_to_offsets, piece_loss_tokens
 
 __all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "packed_units", "padded_units", "read_lengths_object",
@@ -69,28 +68,6 @@ def loss_of(data: Lengths, example, start, length) -> np.ndarray:
                              loss_lengths=data.loss_lengths)
 
 
-def windows_plan(seg_length: np.ndarray, window_ptr: np.ndarray, *, window: int, strategy: str) -> Plan:
-    """Windows laid out already (CSR ``window_ptr`` over ``seg_length``) as a :class:`~packkit.binpack.Plan`
-    whose every segment is an example of its own: ``windows_plan(np.array([3, 2, 4]), np.array([0, 2, 3]),
-    window=5, strategy="stream").num_windows -> 2``."""
-    n, empty = len(seg_length), np.zeros(0, np.int64)
-    return Plan(window=window, lengths=seg_length, seg_example=np.arange(n, dtype=np.int64),
-                seg_start=np.zeros(n, np.int64), seg_length=seg_length, window_ptr=window_ptr, strategy=strategy,
-                overflow="error", seed=None, overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
-
-
-class _GivenPlan(PackedBatchSampler):
-    """A :class:`~packkit.sampler.PackedBatchSampler` dealing windows planned already (a plan given to
-    :func:`plan_budget`, next fit in order, the streaming packer): every segment is an example of its own."""
-
-    def __init__(self, plan: Plan, **kwargs):
-        self._given = windows_plan(plan.seg_length, plan.window_ptr, window=plan.window, strategy=plan.strategy)
-        super().__init__(plan.seg_length, window=plan.window, **kwargs)
-
-    def _plan(self, rng) -> Plan:
-        return self._given
-
-
 def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int = 1, window: int | None = None,
          strategy: str = "bfd", balance: str | None = None, seed: int = 0, drop_last: bool = False,
          cp_size: int = 1, shuffle: bool = True):
@@ -103,6 +80,8 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
 
     ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
     """
+    from .sampler import LengthGroupedSampler, PackedBatchSampler, _GivenPlan  # lazy: what reads lengths deals none
+
     kw = dict(world_size=world_size, rank=0, step_batches=world_size * accumulation_steps, balance=balance,
               cp_size=cp_size, seed=seed, shuffle=shuffle)
     if window is not None and strategy == "next_fit":  # next fit in dataset order: planned here, dealt as given
@@ -134,7 +113,7 @@ class Dealt:
     @classmethod
     def of(cls, sampler, *, drop_last: bool = False) -> "Dealt":
         sched = sampler.schedule()
-        if isinstance(sampler, PackedBatchSampler):  # a full step: every window of it
+        if hasattr(sampler, "windows_per_batch"):  # a PackedBatchSampler: a full step is every window of it
             full = sched.units_per_step == sampler.step_batches * sampler.windows_per_batch
         else:  # every batch of it whole (the last batch of a dataset may be short)
             full = np.diff(sched.step_ptr) == sampler.step_batches * sampler.batch_size
@@ -153,6 +132,8 @@ class Dealt:
 
     def per_step(self, values, *, full_only: bool = False) -> np.ndarray:
         """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one)."""
+        from .sampler import batch_sums  # lazy: what reads lengths deals none
+
         sums = batch_sums(np.asarray(values)[self.schedule.flat], self.schedule.step_ptr)
         if full_only:
             return sums[self.full] if self.full.any() else sums

@@ -90,7 +90,7 @@ import weakref
 import numpy as np
 
 from .balance import PLANNER, compute_imbalance, cost_model, greedy_to_cost, lpt_assign, pack_to_cost, variation
-from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack
+from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack, windows_plan
 from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .rules import check_loss_lengths
@@ -1651,3 +1651,15 @@ class PackedBatchSampler(_BatchSampler):
                                       seg_length=used[seg], window_ptr=ptr, strategy="to_cost")
         return _Sequence(flat=seg, ptr=ptr, step=step, full=full, plan=windows, dropped=dropped,
                          queued=tc.queued, deferred=tc.deferred)
+
+
+class _GivenPlan(PackedBatchSampler):
+    """A :class:`~packkit.sampler.PackedBatchSampler` dealing windows planned already (a plan given to
+    :func:`plan_budget`, next fit in order, the streaming packer): every segment is an example of its own."""
+
+    def __init__(self, plan: Plan, **kwargs):
+        self._given = windows_plan(plan.seg_length, plan.window_ptr, window=plan.window, strategy=plan.strategy)
+        super().__init__(plan.seg_length, window=plan.window, **kwargs)
+
+    def _plan(self, rng) -> Plan:
+        return self._given

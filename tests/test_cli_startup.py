@@ -201,3 +201,13 @@ def test_help_imports_no_dataclasses():
             "print(sorted(m for m in ('dataclasses', 'inspect') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_tokenize_and_pack_import_no_sampler():
+    """Regression (review of 274f91b's moves): the door in read ``Lengths`` from :mod:`packkit.epoch`, which imported
+    the sampler at the top (with ``balance``, ``weighting`` and ``states``' users): ``packkit tokenize`` and ``pack``,
+    which deal no epoch, started 17% slower. ``epoch`` deals through the sampler on demand."""
+    code = ("import sys\nimport packkit.cli.tokenize, packkit.cli.pack\n"
+            "print(sorted(m for m in ('packkit.sampler', 'packkit.balance', 'packkit.weighting') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
