@@ -195,14 +195,16 @@ def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp
     from packkit import outputs
 
     events = []
+    sent = threading.Event()
 
     class SlowSink:
         def __init__(self, path, schema, **options):
             path.write_bytes(b"partial")
 
-        def write(self, batch):
+        def write(self, batch):  # the write lasts until the signal was sent, however late a loaded machine sends it
             events.append("write")
-            time.sleep(0.4)
+            sent.wait(30)
+            time.sleep(0.2)
             events.append("written")
 
         def close(self):
@@ -210,7 +212,7 @@ def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp
 
     monkeypatch.setitem(outputs.FORMATS, "parquet", dataclasses.replace(outputs.FORMATS["parquet"], sink=SlowSink))
     main = threading.main_thread().ident  # a real SIGINT to the main thread: it cuts a blocking wait short
-    timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer = threading.Timer(0.1, lambda: (signal.pthread_kill(main, signal.SIGINT), sent.set()))
     schema = pa.schema([("input_ids", pa.list_(pa.int32()))])
     timer.start()
     try:
