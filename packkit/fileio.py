@@ -63,7 +63,7 @@ from .errors import ArgumentError, DataError, OutputError, arg
 from .interrupts import deferred, ending_cleanly
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
-           "check_output", "fsync_tree", "held_still", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
+           "check_output", "fsync_tree", "held_still", "temp_folder", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
            "named_os_error", "png_figure", "check_plot", "PLOT_SUFFIX"]
 
 #: Marks the temporary files and folders written beside a target (``.NAME.packkit-tmp-XXXXXXXX``).
@@ -355,6 +355,20 @@ def _place(tmp: Path, target: Path, *, overwrite: bool, overwrite_hint: str | No
     os.rename(target, old)
     os.rename(tmp, target)
     _remove(old)
+
+
+@contextlib.contextmanager
+def temp_folder(target):
+    """A fresh folder beside ``target`` (:func:`temp_sibling`: ``.NAME.packkit-tmp-XXXXXXXX``) for the run's own
+    files, removed when the block ends, however it ends (a stop signal's removal held until done)."""
+    folder = temp_sibling(target)
+    try:
+        with deferred():  # a stop signal between the folder's making and the try would leave it
+            folder.mkdir()
+        yield folder
+    finally:
+        with deferred():
+            _remove(folder)
 
 
 @contextlib.contextmanager

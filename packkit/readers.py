@@ -58,15 +58,15 @@ def parquet_schema(path):
         return pq.ParquetFile(str(path)).schema_arrow
 
 
-def parquet_dataset(path):
+def parquet_dataset(path, *, cache_dir=None):
     """A Parquet file as a ``datasets.Dataset`` (``Dataset.from_parquet``: converted once into ``datasets``' Arrow
-    cache, then memory-mapped); a damaged file is one line naming it, as every reader here (``datasets`` wraps
-    pyarrow's error in its own ``DatasetGenerationError``)."""
+    cache, ``cache_dir`` or its own, then memory-mapped); a damaged file is one line naming it, as every reader here
+    (``datasets`` wraps pyarrow's error in its own ``DatasetGenerationError``)."""
     import datasets
 
     with _damaged(path, PARQUET):
         try:
-            return datasets.Dataset.from_parquet(str(path))
+            return datasets.Dataset.from_parquet(str(path), cache_dir=None if cache_dir is None else str(cache_dir))
         except datasets.exceptions.DatasetGenerationError as exc:
             if exc.__cause__ is None or not _unreadable(exc.__cause__):
                 raise

@@ -12,6 +12,8 @@ it runs alone; packed from 0 it would differ by 3.5e-8 to 7.3e-8 (RoPE's float32
 documents from 1 too (:func:`test_paligemma_documents_numbered_from_one_and_found`).
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -852,9 +854,12 @@ def test_offline_cli_packs_media_rows_as_pack_dataset(tmp_path):
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     arrow_in = next((tmp_path / "saved").glob("*.arrow"))
 
+    cache = tmp_path / "hf-cache"  # the command's datasets cache: IN's Arrow copy must not be left there
+
     def cli(inp, out, *extra):
         return subprocess.run([sys.executable, "-m", "packkit", "pack", str(inp), str(out), "-w", str(window),
-                               "--seed", "3", "--buffer-mb", "1", *extra], capture_output=True, text=True)
+                               "--seed", "3", "--buffer-mb", "1", *extra], capture_output=True, text=True,
+                              env=dict(os.environ, HF_DATASETS_CACHE=str(cache)))
 
     read = {".parquet": pyarrow.parquet.read_table, ".arrow": lambda p: datasets.Dataset.from_file(str(p)).data.table}
     for inp, name, extra in ((src, "cli.parquet", ()), (src, "cli.arrow", ("--strategy", "ffd", "--example-ids")),
@@ -884,6 +889,7 @@ def test_offline_cli_packs_media_rows_as_pack_dataset(tmp_path):
         datasets.Dataset.from_parquet(str(src)), window=window, seed=4, output=tmp_path / "lib4.parquet",
         buffer_bytes=2**20, progress=False)))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left beside OUT
+    assert not [p for p in cache.rglob("*") if p.is_file()], "a copy of IN was left in datasets' cache"
     run = cli(src, tmp_path / "none.parquet", "--overflow", "drop", "-w", "2")  # every example dropped: refused
     assert run.returncode != 0 and "is left to write" in run.stderr and not (tmp_path / "none.parquet").exists()
     run = cli(src, tmp_path / "out.jsonl")

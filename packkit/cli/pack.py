@@ -18,7 +18,7 @@ from . import Parser, add_cp_arguments, add_output_switches, add_window_argument
 from ..binpack import check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, load_table, parquet_schema, reader_pyarrow
-from ..fileio import atomic_output, check_output, held_still
+from ..fileio import atomic_output, check_output, held_still, temp_folder
 from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PROGRESS_BYTES, pack_dataset, plan_source, show_progress
 from ..mediarows import MEDIA_FORMATS, media_columns, refuse_media
 from ..progress import progress_bar
@@ -154,9 +154,12 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
     sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
     # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes its temporary file beside OUT
     # (an existing one replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged
+    # IN's Arrow copy (datasets converts a Parquet file before it maps it) goes beside OUT and away with the run: a
+    # copy of the user's data left in datasets' cache (~/.cache) would be one they never asked for
     with held_still([inp.path]) as hold, atomic_output(out, kind=fmt.kind, inputs=[inp.path],
-                                                       overwrite=args.overwrite) as tmp:
-        ds = parquet_dataset(inp.path) if inp.format == "parquet" else datasets.Dataset(load_table(inp.path))
+                                                       overwrite=args.overwrite) as tmp, temp_folder(out) as cache:
+        ds = (parquet_dataset(inp.path, cache_dir=cache) if inp.format == "parquet"
+              else datasets.Dataset(load_table(inp.path)))
         _, plan = pack_dataset(
             ds, window=args.window, strategy=args.strategy, overflow=args.overflow, seed=args.seed,
             shuffle=not args.no_shuffle, output=tmp, return_report=True, columns=columns,
