@@ -186,7 +186,17 @@ def test_sigkill_at_random_moments(tmp_path, kind):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp_path, monkeypatch):
+@pytest.fixture
+def sigint_raises():
+    """SIGINT as Python sets it up (``KeyboardInterrupt``) for the test, whatever the suite was started with: a
+    background job of a non-interactive shell starts with SIGINT ignored, which Python then leaves ignored (and
+    packkit too: an ignored signal stays ignored), so that these tests saw no ``KeyboardInterrupt`` there."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp_path, monkeypatch, sigint_raises):
     """Ctrl-C while the main thread waits for the writer thread used to close the file under the write
     (SIGSEGV / SIGABRT in pyarrow): the wait now ends with the write, then the interrupt is raised, the
     file closed once and the temporary file removed."""
@@ -225,7 +235,7 @@ def test_interrupt_while_waiting_for_the_writer_thread_never_closes_under_it(tmp
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_deferred_holds_a_signal_until_the_block_ends():
+def test_deferred_holds_a_signal_until_the_block_ends(sigint_raises):
     from packkit.interrupts import deferred
 
     done = []
