@@ -34,12 +34,12 @@ Prints a table last, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 
 import numpy as np
 
-from benchlib import chat_lengths, emit_json, loadavg, median_time, package_at, ratio_spread, versions
+from benchlib import (chat_lengths, emit_json, loadavg, median_time, package_at, ratio_spread, rotating_rounds,
+                      versions)
 
 from packkit.binpack import pack
 from packkit.cp import plan_batch, shard
@@ -116,25 +116,6 @@ def row_batch(row):
     ids = torch.randint(1, 32000, (1, int(row.sum())), generator=torch.Generator().manual_seed(0))
     return PackedBatch(input_ids=ids, labels=ids.clone(), cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(row)),
                        position_ids=torch.from_numpy(lengths_to_position_ids(row))[None])
-
-
-def rotating_rounds(fns: dict, rounds: int, *, clock=time.process_time) -> dict:
-    """Seconds of every callable of ``fns`` (name -> callable) over ``rounds`` rounds, one call of each a round, the
-    order rotated every round (each goes first in turn), garbage collected before each call and disabled during it:
-    ``{name: [seconds, ...]}``, round by round (the pairs of :func:`benchlib.ratio_spread`)."""
-    names = list(fns)
-    out = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            gc.collect()
-            gc.disable()
-            try:
-                t = clock()
-                fns[name]()
-                out[name].append(clock() - t)
-            finally:
-                gc.enable()
-    return out
 
 
 def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int, old_shard) -> dict:

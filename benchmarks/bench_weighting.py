@@ -19,12 +19,12 @@ overhead <= 2%. Prints a table last and one JSON line.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 
 import numpy as np
-from benchlib import best_interleaved, chat_lengths, loadavg, module_at, parse_quick, ratio_spread, versions
+from benchlib import (best_interleaved, chat_lengths, loadavg, module_at, parse_quick, ratio_spread, rotating_rounds,
+                      versions)
 
 from packkit import collate
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddingFreeCollator
@@ -74,25 +74,6 @@ def weigh_share(coll, batches, repeats: int) -> float:
     return best["weigh"] / best["whole"]
 
 
-def ab_rounds(fns: dict, rounds: int, *, clock=time.process_time) -> dict:
-    """Seconds of every callable of ``fns`` (name -> callable) over ``rounds`` rounds, each round running all of
-    them in an order rotated by one every round, garbage collected before each call and disabled during it:
-    ``{name: [seconds of round 1, ...]}`` (pairs of one round are compared: :func:`benchlib.ratio_spread`)."""
-    names, out = list(fns), {name: [] for name in fns}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            gc.collect()
-            gc.disable()
-            try:
-                t = clock()
-                fns[name]()
-                out[name].append(clock() - t)
-            finally:
-                gc.enable()
-    return out
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
@@ -121,7 +102,7 @@ def main(argv=None) -> int:
             return lambda: [coll(b) for b in batches]
 
         load = loadavg()
-        t = ab_rounds({side: run(coll) for side, coll in sides.items()}, args.rounds)
+        t = rotating_rounds({side: run(coll) for side, coll in sides.items()}, args.rounds)
         spread = ratio_spread(t["sample"], t["token"])
         isolated = weigh_share(sides["sample"], batches, args.rounds)
         row = {"collator": name, "overhead_median": spread["median"] - 1, "overhead_low": spread["low"] - 1,

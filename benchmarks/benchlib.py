@@ -185,6 +185,25 @@ def parse_quick(parser, argv, what: str, **quick):
     return args
 
 
+def rotating_rounds(fns: dict, rounds: int, *, clock=time.process_time) -> dict:
+    """Seconds of every callable of ``fns`` (name -> callable) over ``rounds`` rounds, one call of each a round, the
+    order rotated every round (each goes first in turn), garbage collected before each call and disabled during it:
+    ``{name: [seconds, ...]}``, round by round (the pairs of :func:`ratio_spread`)."""
+    names = list(fns)
+    out = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            gc.collect()
+            gc.disable()
+            try:
+                t = clock()
+                fns[name]()
+                out[name].append(clock() - t)
+            finally:
+                gc.enable()
+    return out
+
+
 def ratio_spread(num, den) -> dict:
     """The pair ratios ``num[i] / den[i]``: median, lowest and highest, and the medians of each side.
     ``ratio_spread([2, 3], [1, 1]) -> {"median": 2.5, "low": 2.0, "high": 3.0, ...}``."""
