@@ -619,7 +619,7 @@ def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_toke
             group_column=o.group_column, cp_size=o.cp_size, cp_layout=o.cp_layout, drop_loss_free=o.drop_loss_free))
     if not on_disk:
         # The rows stay in memory whole, so chunks would bound nothing and only cost CPU
-        # (benchmarks/RESULTS.md, issue 23): one gather, record batches as int32 list offsets need.
+        # (benchmarks/RESULTS.md, "The offline regression"): one gather, record batches as int32 list offsets need.
         batches = list(packed.record_batches(max_tokens=max_tokens, bar=bar))
         return datasets.Dataset(pa.Table.from_batches(batches, schema=packed.schema), fingerprint=fingerprint)
     from datasets.table import MemoryMappedTable

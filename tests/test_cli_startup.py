@@ -119,7 +119,7 @@ def test_waste_and_plan_import_no_ctypes_util():
 
 
 #: What ``packkit waste`` (the bundled sample) and ``plan --synthetic`` imported at start for nothing, found with
-#: ``python -X importtime`` and cProfile against fd3b24d (issue 34): ``{module: why it must stay out}``.
+#: ``python -X importtime`` and cProfile against fd3b24d: ``{module: why it must stay out}``.
 LAZY = {
     "packkit.weighting": "the sampler resolved no weighting (5 dataclasses); plan's --loss-weighting choices",
     "packkit.chat": "ChatOptions for the bundled sample, which has no chat; CHAT_FORMATS for --format's choices",
