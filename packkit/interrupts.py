@@ -29,7 +29,7 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "ending_cleanly", "deferred", "join"]
+__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "swallowed", "ending_cleanly", "deferred", "join"]
 
 #: The signals that ask a run to stop (not SIGKILL, which nothing can meet).
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -58,8 +58,21 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+#: The stop signals raised as :class:`Interrupted` since the outermost :func:`signals_raise` began, oldest first.
+_RAISED: list = []
+
+
 def _raise(signum, frame):
+    _RAISED.append(int(signum))
     raise Interrupted(signum)
+
+
+def swallowed() -> "Interrupted | None":
+    """The first stop signal raised inside the current :func:`signals_raise` block, as the exception it raised,
+    or None. For a caller that meets an ordinary error where that exception should have arrived: a library
+    that catches everything (fsspec's ``exists`` has a bare ``except:``) turns the stop into its own failure
+    (``Unable to find '...'``), which would blame the input for the user's stop."""
+    return Interrupted(_RAISED[0]) if _RAISED else None
 
 
 def _install(signums, handler, old: dict) -> None:
@@ -82,6 +95,9 @@ def signals_raise(signums=STOP_SIGNALS):
         yield
         return
     old = {}
+    outermost = signal.getsignal(signal.SIGTERM) is not _raise
+    if outermost:
+        _RAISED.clear()
     try:
         _install(signums, _raise, old)
         yield

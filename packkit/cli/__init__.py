@@ -27,7 +27,7 @@ import warnings
 from .. import __version__
 from ..choices import BALANCE, CP_LAYOUTS, DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES  # numpy-free
 from ..errors import ArgumentError, Message, OutputError, PackkitError
-from ..interrupts import Interrupted, signals_raise
+from ..interrupts import Interrupted, signals_raise, swallowed
 
 SUBCOMMANDS = {
     "waste": ("packkit.cli.waste", "padding waste of each batching strategy, with a table and a plot"),
@@ -367,6 +367,8 @@ def _run(argv: list[str], name: str, state: dict) -> int:
     except KeyboardInterrupt as exc:
         return _stopped(name, exc)
     except Exception as exc:
+        if (stop := swallowed()) is not None:  # a library caught the signal's exception and failed in its stead
+            return _stopped(name, stop)
         if os.environ.get("PACKKIT_DEBUG"):
             raise
         verdict = classify(exc, options)
