@@ -81,9 +81,19 @@ class CostModel:
     def costs(self, lengths, units=None) -> np.ndarray:
         """(n,) float64 cost of each document, ``units`` (n,) its media units (None: none):
         ``CostModel(linear=10).costs([1, 4]) -> [11., 56.]``."""
-        L = np.asarray(lengths, np.float64)
-        text = self.linear * L + L * L / self.cp_size
+        L = np.asarray(lengths)
+        own = L.dtype != np.float64  # the conversion copies: L is ours to scale in place
+        L = L.astype(np.float64) if own else L
+        text = L * L
+        text /= self.cp_size
+        text += np.multiply(L, self.linear, out=L if own else None)  # linear L + L^2 / cp, two arrays made, not five
         return text if units is None or not self.per_unit else text + self.per_unit * np.asarray(units, np.float64)
+
+    def of_sums(self, tokens, squares, units=None) -> np.ndarray:
+        """The summed :meth:`costs` of groups of documents from the groups' sums of ``L``, ``L**2`` and media units
+        (None: none): ``CostModel(linear=10).of_sums([5], [17]) -> [67.]`` (documents of 1 and 4 tokens)."""
+        out = self.linear * np.asarray(tokens, np.float64) + np.asarray(squares, np.float64) / self.cp_size
+        return out if units is None or not self.per_unit else out + self.per_unit * np.asarray(units, np.float64)
 
     @classmethod
     def from_config(cls, config=None, *, hidden_size: int | None = None, intermediate_size: int | None = None,

@@ -418,9 +418,13 @@ class Plan:
 
         ``seed=None`` uses the plan's own seed (0 if it has none). Deterministic for a given seed.
         """
+        return self._take(self.shuffle_order(seed))
+
+    def shuffle_order(self, seed: int | None = None) -> np.ndarray:
+        """The window order :meth:`shuffled` takes: a sampler arranging the shuffled windows in steps selects both
+        at once (``plan.select(plan.shuffle_order(s)[order]) == plan.shuffled(s).select(order)``)."""
         seed = self.seed if seed is None else seed
-        rng = np.random.default_rng(0 if seed is None else seed)
-        return self._take(rng.permutation(self.num_windows))
+        return np.random.default_rng(0 if seed is None else seed).permutation(self.num_windows)
 
     def summary(self) -> dict:
         """The figures a user logs: windows, lower bound, fill and what the overflow policy touched."""

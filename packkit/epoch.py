@@ -62,8 +62,16 @@ def read_lengths_object(data) -> Lengths:
     return dataclasses.replace(data, lengths=lengths, loss_lengths=loss)
 
 
-def loss_of(data: Lengths, example, start, length) -> np.ndarray:
-    """Loss tokens of pieces of ``data``'s examples once packed (:func:`packkit.segments.piece_loss_tokens`)."""
+def loss_of(data: Lengths, example=None, start=None, length=None) -> np.ndarray:
+    """Loss tokens of pieces of ``data``'s examples once packed (:func:`packkit.segments.piece_loss_tokens`); no
+    pieces given: the examples whole."""
+    if length is None:
+        length = data.lengths
+    if data.targets is None and data.loss_lengths is None:  # every token but a piece's first: no offsets needed
+        loss = np.subtract(length, 1, dtype=np.int64)
+        return np.maximum(loss, 0, out=loss)
+    if example is None:
+        example, start = np.arange(length.size), np.zeros(length.size, np.int64)
     return piece_loss_tokens(example, start, length, offsets=lengths_to_offsets(data.lengths), targets=data.targets,
                              loss_lengths=data.loss_lengths)
 
@@ -130,19 +138,28 @@ class Dealt:
     def steps(self) -> int:
         return int(self.full.sum()) if self.drop_last else int(self.full.size)
 
-    def per_step(self, values, *, full_only: bool = False) -> np.ndarray:
-        """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one)."""
-        from .sampler import batch_sums  # lazy: what reads lengths deals none
-
-        sums = batch_sums(np.asarray(values)[self.schedule.flat], self.schedule.step_ptr)
+    def per_step(self, values, *, full_only: bool = False, sums: np.ndarray | None = None) -> np.ndarray:
+        """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one).
+        ``sums``: :meth:`sums` of ``values`` already taken (one pass for both readings)."""
+        sums = self.sums(values) if sums is None else sums
         if full_only:
             return sums[self.full] if self.full.any() else sums
         return sums[self.full] if self.drop_last else sums
 
-    def loss_free(self, unit_loss, values) -> tuple[int, int]:
+    def sums(self, values, *, taken: bool = False) -> np.ndarray:
+        """(steps held,) ``values`` (one per example the sampler deals; ``taken``: one per entry of the schedule,
+        already read through it) summed over every rank of each step."""
+        from .sampler import batch_sums  # lazy: what reads lengths deals none
+
+        sched = self.schedule
+        if taken:  # the batches' sums (remembered: the sampler's figures took them already), then each step's
+            return sched.per_step(values).sum(axis=1)
+        return batch_sums(np.asarray(values)[sched.flat], sched.step_ptr)
+
+    def loss_free(self, unit_loss, values, *, sums: np.ndarray | None = None) -> tuple[int, int]:
         """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example), ``values`` the
-        loss per example dealt."""
-        return int((np.asarray(unit_loss) == 0).sum()), int((self.per_step(values) == 0).sum())
+        loss per example dealt (``sums``: its :meth:`sums`, if taken)."""
+        return int((np.asarray(unit_loss) == 0).sum()), int((self.per_step(values, sums=sums) == 0).sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +221,7 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
 def padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> Units:
     """The examples a padded epoch deals, whole."""
     n = data.lengths.size
-    loss = loss_of(data, np.arange(n), np.zeros(n, np.int64), data.lengths)
-    units = Units(data.lengths, data.lengths, np.ones(n, np.int64), loss, int((loss == 0).sum()),
+    loss = loss_of(data)
+    units = Units(data.lengths, data.lengths, np.broadcast_to(np.int64(1), (n,)), loss, int((loss == 0).sum()),
                   row_round=row_round)
     return units.keep(loss > 0) if drop_loss_free and units.free else units

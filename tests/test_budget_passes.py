@@ -1,0 +1,158 @@
+"""The passes behind ``packkit plan`` (issue 29, goal "no figure regresses"): each test pins a cost that made
+``plan_budget`` on the dealt schedule slower than the figures it replaced, found by cProfile and line timing
+(benchmarks/RESULTS.md, "plan_budget reading the dealt epoch at the speed of the one it replaced").
+"""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from packkit import balance, binpack, budget, sampler
+from packkit.balance import CostModel
+from packkit.binpack import pack
+from packkit.budget import AdviceOptions, plan_budget
+from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, select_batches
+from packkit.segments import lengths_to_offsets
+
+QUIET = AdviceOptions(warn=False)
+
+
+def chat_like(n: int, seed: int = 0) -> np.ndarray:
+    """Lengths like ShareGPT's: lognormal, a few past 16 bits (the longest example 221,070 tokens there)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(600), 1.2, n), 1, 60_000).astype(np.int64)
+    lengths[rng.choice(n, 3, replace=False)] = [70_000, 221_070, 65_535]
+    return lengths
+
+
+@given(lengths=st.lists(st.integers(0, 70_000) | st.integers(65_533, 65_537) | st.integers(1, 2**40),
+                        min_size=1, max_size=60), rows=st.integers(1, 3))
+def test_longest_first_is_a_stable_sort_by_minus_length(lengths, rows):
+    """The reference: numpy's stable sort of -length, row by row (ties in the given order)."""
+    x = np.array(lengths * rows, np.int64).reshape(rows, -1)
+    x[-1] = x[-1][::-1]
+    assert sampler.longest_first(x).tolist() == np.argsort(-x, axis=-1, kind="stable").tolist()
+    assert sampler.longest_first(x[0]).tolist() == np.argsort(-x[0], kind="stable").tolist()
+
+
+def test_megabatches_sorted_in_one_radix_pass(monkeypatch):
+    """sort_megabatches sorted ``top - length`` keys, past 16 bits as soon as one length is (ShareGPT's are): two
+    radix passes over every megabatch (22 ms of plan --padded's then 45). Now one pass over 16-bit keys."""
+    lengths = chat_like(5000)
+    calls = []
+    real = np.argsort
+
+    def spy(a, *args, **kwargs):
+        calls.append((np.asarray(a).size, np.asarray(a).dtype))
+        return real(a, *args, **kwargs)
+
+    monkeypatch.setattr(sampler.np, "argsort", spy)
+    LengthGroupedSampler(lengths, batch_size=8, step_batches=4, world_size=2, rank=0).schedule()
+    big = [c for c in calls if c[0] >= 4000]
+    assert big == [(big[0][0], np.dtype(np.uint16))], calls
+
+
+def test_steps_in_sequence_order_are_a_slice(monkeypatch):
+    """A schedule dealt in sequence order (every policy but balance="compute") gathered every entry again through
+    range_index; the batches in place are a slice of the sequence."""
+    def fail(*args):
+        raise AssertionError("range_index called for batches in place")
+
+    flat, ptr = np.arange(10) * 3, np.array([0, 2, 5, 9, 10])
+    monkeypatch.setattr(sampler, "range_index", fail)
+    got, got_ptr = select_batches(flat, ptr, [1, 2])
+    assert got.tolist() == [6, 9, 12, 15, 18, 21, 24] and got_ptr.tolist() == [0, 3, 7]
+
+
+def test_plan_reads_the_lengths_through_the_schedule_once(monkeypatch):
+    """epoch_stats and plan_budget's report each gathered the dealt lengths (units.tokens[flat], a random gather of
+    every example) and summed them per batch; the schedule remembers both for the read-only lengths it was asked."""
+    made = []
+    real = sampler.Schedule._remembered
+
+    def spy(self, what, values, make):
+        read_only = not values.flags.writeable  # the lengths (the squares, made anew, are summed once anyway)
+        return real(self, what, values, lambda: (made.append(what) if read_only else None) or make())
+
+    monkeypatch.setattr(sampler.Schedule, "_remembered", spy)
+    plan_budget(chat_like(3000), per_device_batch=4, accumulation_steps=2, world_size=4, advice=QUIET)
+    assert sorted(made) == ["longest", "sums", "take"]
+
+
+def test_stats_sum_lengths_not_costs(monkeypatch):
+    """epoch_stats made a cost per example (five arrays of every example), read it through the schedule and
+    summed it; the cost of a rank's step is the model over its sums of L and L^2 (CostModel.of_sums)."""
+    def fail(*args, **kwargs):
+        raise AssertionError("a cost per example")
+
+    lengths = chat_like(2000)
+    expected = LengthGroupedSampler(lengths, batch_size=4, world_size=4, rank=0, step_batches=8, cp_size=2)
+    expected = expected.schedule().per_step(CostModel(cp_size=2).costs(lengths[expected.schedule().flat]))
+    monkeypatch.setattr(balance.CostModel, "costs", fail)
+    s = LengthGroupedSampler(lengths, batch_size=4, world_size=4, rank=0, step_batches=8, cp_size=2)
+    assert s.epoch_stats().compute_imbalance == pytest.approx(balance.compute_imbalance(expected), rel=1e-12)
+
+
+@given(lengths=st.lists(st.integers(1, 300_000), min_size=1, max_size=40), cp=st.integers(1, 4),
+       per_unit=st.sampled_from([0.0, 7.5]))
+def test_of_sums_is_the_sum_of_costs(lengths, cp, per_unit):
+    L = np.array(lengths)
+    units = np.arange(L.size) % 3
+    model = CostModel(linear=24576.0, cp_size=cp, per_unit=per_unit)
+    got = model.of_sums([L.sum()], [(L.astype(float) ** 2).sum()], [units.sum()])
+    assert got[0] == pytest.approx(model.costs(L, units).sum(), rel=1e-12)
+
+
+def test_no_window_costs_unless_steps_are_balanced_by_them(monkeypatch):
+    """Both samplers summed a cost per batch (or window) to order the steps under balance="tokens"/"sqlen" only,
+    and made it under every policy."""
+    def fail(*args):
+        raise AssertionError("_policy_cost with no balance")
+
+    lengths = chat_like(1000)
+    monkeypatch.setattr(sampler._BatchSampler, "_policy_cost", fail)
+    LengthGroupedSampler(lengths, batch_size=4, world_size=2, rank=0).schedule()
+    PackedBatchSampler(np.minimum(lengths, 4096), window=4096, windows_per_batch=2, world_size=2, rank=0).schedule()
+
+
+def test_shuffled_windows_selected_once(monkeypatch):
+    """The packed sampler took the plan's windows twice (Plan.shuffled, then the steps' order): one selection."""
+    lengths = np.minimum(chat_like(2000), 4096)
+    taken = []
+    real = binpack.Plan._take
+    monkeypatch.setattr(binpack.Plan, "_take", lambda self, order: taken.append(order.size) or real(self, order))
+    s = PackedBatchSampler(lengths, window=4096, windows_per_batch=2, world_size=2, rank=0, step_batches=4, seed=3)
+    assert len(taken) == 1
+    monkeypatch.setattr(binpack.Plan, "_take", real)
+    p = pack(lengths, window=4096)
+    seed = int(np.random.default_rng((3, 0)).integers(1 << 62))
+    order = np.random.default_rng(5).permutation(p.num_windows)
+    assert p.select(p.shuffle_order(seed)[order]).seg_example.tolist() == \
+        p.shuffled(seed).select(order).seg_example.tolist()
+    assert s.plan().num_windows == p.num_windows
+
+
+def test_offsets_of_many_lengths_make_no_temporary():
+    """lengths_to_offsets assigned a cumsum into its result: a temporary the size of the result (1.04 ms against
+    0.34 ms on 70,180 lengths). Past 16,384 lengths the sum goes into the result."""
+    lengths = np.ones(1_000_000, np.int64)
+    lengths_to_offsets(lengths[:10])  # (numpy's first-call allocations outside the measure)
+    tracemalloc.start()
+    out = lengths_to_offsets(lengths)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert out[-1] == 1_000_000 and peak < 1.25 * out.nbytes
+
+
+def test_plan_budget_figures_as_the_sampler_deals_them():
+    """The faster passes keep part 4: the report's compute imbalance is the sampler's own, padded and packed."""
+    lengths = chat_like(3000)
+    for kw, make in (({}, lambda: LengthGroupedSampler(lengths, batch_size=4, world_size=4, rank=0, step_batches=8)),
+                     ({"window": 4096}, None)):
+        r = plan_budget(lengths, per_device_batch=4, accumulation_steps=2, world_size=4, advice=QUIET, **kw)
+        if make is not None:
+            assert r.compute_imbalance == make().epoch_stats().compute_imbalance
+        assert r.tokens_per_step.mean > 0 and budget.Spread.of([1, 3]).mean == 2.0
