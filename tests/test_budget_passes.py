@@ -1,6 +1,6 @@
-"""The passes behind ``packkit plan`` (issue 29, goal "no figure regresses"): each test pins a cost that made
+"""The passes behind ``packkit plan`` (the goal that no figure of benchmarks/ regresses): each test pins a cost that made
 ``plan_budget`` on the dealt schedule slower than the figures it replaced, found by cProfile and line timing
-(benchmarks/RESULTS.md, "plan_budget reading the dealt epoch at the speed of the one it replaced").
+(benchmarks/RESULTS.md, "plan_budget reading the dealt epoch faster", engineer budget).
 """
 
 import tracemalloc
