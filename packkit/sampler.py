@@ -253,7 +253,10 @@ def _lengths(lengths, dataset, key: str) -> np.ndarray:
         if dataset is None:
             raise ValueError("pass lengths (one per example) or dataset=...")
         lengths = lengths_from_dataset(dataset, key=key)
+    given = lengths
     lengths = as_lengths(lengths)
+    if isinstance(given, np.ndarray) and np.may_share_memory(lengths, given):
+        lengths = lengths.copy()  # the caller's array stays theirs (writable), and the epoch ours (read-only)
     if lengths.size == 0:
         raise ValueError("the dataset is empty: a sampler needs at least one example")
     if dataset is not None and len(dataset) != lengths.size:

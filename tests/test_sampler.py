@@ -195,6 +195,22 @@ def test_every_example_once_without_a_tail(kind):
     assert samplers[0].epoch_stats().repeated == samplers[0].epoch_stats().dropped == 0
 
 
+@pytest.mark.parametrize("kind", list(SAMPLERS))
+def test_the_callers_lengths_array_stays_writable(kind):
+    """A sampler (and so ``plan_budget``, which builds one) set the caller's own int64 lengths array read-only, so
+    the user's next ``lengths[i] = n`` failed far from packkit; it now keeps a copy of its own, read-only, and a
+    later change to the caller's array changes nothing of the sampler's epoch."""
+    from packkit.budget import plan_budget
+
+    lengths = np.full(96, 8, dtype=np.int64)
+    sampler = SAMPLERS[kind](lengths, world_size=1, rank=0, seed=0)
+    plan_budget(lengths, per_device_batch=2)
+    assert lengths.flags.writeable
+    before = [list(b) for b in sampler]
+    lengths[:] = 40
+    assert [list(b) for b in sampler] == before and not sampler.lengths.flags.writeable
+
+
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=80), max_tokens=st.integers(300, 900),
        cap=st.none() | st.integers(1, 5), world_size=st.integers(1, 3), drop_last=st.booleans())
 @settings(max_examples=40)
