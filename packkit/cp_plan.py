@@ -39,6 +39,7 @@ group will shard so that they still fit the window once padded.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -174,9 +175,18 @@ class CPPlan:
         """Start of every segment in the batch's flat order and in ``G`` (per row: made once, kept)."""
         starts = self.__dict__.get("_starts")
         if starts is None:
-            starts = lengths_to_offsets(self.lengths)[:-1], lengths_to_offsets(self.padded)[:-1]
+            starts = self._flat_starts(), lengths_to_offsets(self.padded)[:-1]
             object.__setattr__(self, "_starts", starts)  # a cache, as _table
         return starts
+
+    def _flat_starts(self) -> np.ndarray:
+        """Start of every segment in the batch's flat order (made once, kept): all a rank's tokens need of the row's
+        starts (not their places in ``G``)."""
+        flat = self.__dict__.get("_flat")
+        if flat is None:
+            flat = lengths_to_offsets(self.lengths)[:-1]
+            object.__setattr__(self, "_flat", flat)  # a cache, as _table
+        return flat
 
     def rank_pieces(self, rank: int) -> slice:
         """The pieces of ``rank`` (a slice of the piece arrays)."""
@@ -199,14 +209,20 @@ class CPPlan:
         else:
             seg, off, n = self.own_pieces(rank)
             out = lengths_to_offsets(n)[:-1]
-            seg_first, seg_real = self._seg_starts()[0][seg], self.lengths[seg]
+            seg_first, seg_real = self._flat_starts()[seg], self.lengths[seg]
         first = seg_first + off
         real = np.minimum(np.maximum(seg_real - off, 0), n)  # not np.clip: its wrapper costs as much
         ar = np.arange(self.local_len)
         pos = np.repeat(off - out, n) + ar
         source = np.repeat(first - out, n) + ar
         short = np.flatnonzero(real < n)  # the pieces that end in CP padding (a few, or none)
-        pad_at = range_index(out[short] + real[short], n[short] - real[short])
+        if not short.size:
+            pad_at = short
+        elif short.size == 1:  # the hybrid's one padding piece, or one document's zigzag padding
+            k = int(short[0])
+            pad_at = np.arange(int(out[k] + real[k]), int(out[k] + n[k]))
+        else:
+            pad_at = range_index(out[short] + real[short], n[short] - real[short])
         source[pad_at] = -1
         return source, np.repeat(seg, n), pos, pad_at, first, real, out
 
@@ -299,12 +315,18 @@ def _layout_pieces(layout, padded, cp) -> tuple[np.ndarray, ...]:
 
 def _plan_order(dealt, padded, rank=None) -> tuple[np.ndarray, ...]:
     """Dealt pieces ``(rank, seg, offset, len)`` without the empty ones, sorted by rank then by place in ``G``
-    (``rank`` given: that rank's only, the sort of its own pieces alone)."""
+    (``rank`` given: that rank's only, the sort of its own pieces alone). A segment's pieces lie in ``G`` in the
+    order of their offsets and the segments in their own, so a rank's pieces sort by ``seg << 32 | offset`` (a
+    batch's offsets are int32: ``cu_seqlens``), without the segments' places in ``G``."""
     r, seg, off, n = dealt
-    keep = n > 0 if rank is None else (n > 0) & (r == rank)
+    if rank is not None:
+        mine = np.flatnonzero(r == rank)  # the hybrid's dealt pieces are none empty (_hybrid_pieces)
+        seg, off, n = seg[mine], off[mine], n[mine]
+        order = np.argsort((seg << 32) + off)
+        return r[mine], seg[order], off[order], n[order]
+    keep = n > 0
     r, seg, off, n = r[keep], seg[keep], off[keep], n[keep]
-    g = lengths_to_offsets(padded)[:-1][seg] + off
-    order = np.argsort(g, kind="stable") if rank is not None else np.lexsort((g, r))
+    order = np.lexsort((lengths_to_offsets(padded)[:-1][seg] + off, r))
     return r[order], seg[order], off[order], n[order]
 
 
@@ -352,13 +374,21 @@ def _deal_equal(work: list, room: list, n: int, count: int) -> list:
     ``_deal_equal([0, 5], [9, 9], 2, 3) -> [2, 1]`` (offers 0, 3, 6 | 5, 8: work [6, 8])."""
     w = n * (n + 1) // 2
     cp = len(work)
-    took = _deal_levels(work, [x // w for x in work], w, count)
-    if any(t * n > r for t, r in zip(took, room)):  # a rank's room binds (the last runs of a row)
+    q = [x // w for x in work]
+    level = (count - 1 + sum(q)) // cp  # the count-th offer's level when it is at or above every rank's own
+    if level >= max(q):  # (the ranks within a level of one another: every run after the first few)
+        took = [level - x for x in q]
+        rest = count - sum(took)  # 1 .. cp ranks offer once more at the level, in (work % w, rank) order
+        f = [x - y * w for x, y in zip(work, q)]
+        for r in sorted(range(cp), key=f.__getitem__)[:rest]:
+            took[r] += 1
+    else:
+        took = _deal_levels(work, q, w, count)
+    if (max(took) * n > min(room)) and any(t * n > r for t, r in zip(took, room)):  # a rank's room binds
         took = _deal_capped(work, room, n, w, count)
     # else every rank the dealing picks still has room when it is picked: the same dealing
-    for r in range(cp):
-        work[r] += took[r] * w
-        room[r] -= took[r] * n
+    work[:] = [x + t * w for x, t in zip(work, took)]
+    room[:] = [x - t * n for x, t in zip(room, took)]
     return took
 
 
@@ -411,22 +441,27 @@ def _deal_capped(work: list, room: list, n: int, w: int, count: int) -> list:
 def _dealt_ranks(before, took, w) -> np.ndarray:
     """The rank of every document dealt by :func:`_deal_equal`, run after run, in dealing order, in one numpy
     pass: ``before`` ``(runs, cp)`` the ranks' work as each run began, ``took`` ``(runs, cp)`` the documents each
-    rank got, ``w`` ``(runs,)`` a document's work; within a run the offers are taken in ``(value, rank)`` order."""
+    rank got, ``w`` ``(runs,)`` a document's work; within a run the offers are taken in ``(value, rank)`` order.
+
+    Every offer as one int64 key, ``run * big + value * cp + rank`` (a run's values from its least work on; ``big``
+    past any run's last value times cp): one sort of the keys, and the rank is the key mod cp (no argsort, no
+    gather). lexsort where that key could wrap (rows of ~10^9 work)."""
     runs, cp = took.shape
     if not runs:
         return np.zeros(0, np.int64)
-    took = took.ravel()
-    rank = np.repeat(np.tile(np.arange(cp), runs), took)
-    run = np.repeat(np.arange(runs).repeat(cp), took)
-    j = np.arange(rank.size) - np.repeat(lengths_to_offsets(took)[:-1], took)
-    # (run, value, rank) as one int64 key: a run's values from its least work on, times cp, plus the rank, each run
-    # past the one before (one sort, not lexsort's three); lexsort where that key could wrap (rows of ~10^9 work)
-    rel = before - before.min(1)[:, None]
-    value = np.repeat(rel.ravel(), took) + j * w[run]
-    if (int(rel.max()) + int(took.max()) * int(w.max()) + 1) * cp * runs >= 1 << 62:
-        return rank[np.lexsort((rank, value, run))]
-    span = ((rel + np.maximum(took.reshape(runs, cp) - 1, 0) * w[:, None]).max(1) + 1) * cp
-    return rank[np.argsort(lengths_to_offsets(span)[run] + value * cp + rank)]
+    cells = took.ravel()
+    rel = before - before.min(1, keepdims=True)
+    big = (int(rel.max()) + int(cells.max()) * int(w.max()) + 1) * cp
+    start = np.cumsum(cells) - cells
+    j = np.arange(int(start[-1] + cells[-1])) - np.repeat(start, cells)  # a document's place among its rank's
+    if big * runs >= 1 << 62:
+        rank = np.repeat(np.tile(np.arange(cp), runs), cells)
+        run = np.repeat(np.arange(runs).repeat(cp), cells)
+        return rank[np.lexsort((rank, np.repeat(rel.ravel(), cells) + j * w[run], run))]
+    base = rel * cp + (np.arange(runs) * big)[:, None] + np.arange(cp)
+    key = np.repeat(base.ravel(), cells) + j * np.repeat(np.repeat(w * cp, cp), cells)
+    key.sort()
+    return key % cp
 
 
 def _cut_over_ranks(s: int, n: int, work: list, room: list, pieces: list) -> None:
@@ -443,68 +478,106 @@ def _cut_over_ranks(s: int, n: int, work: list, room: list, pieces: list) -> Non
             break
 
 
+def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> int:
+    """The least length the hybrid zigzags: a document is long when it holds more than a rank's share
+    ``ceil(T / cp)``, or when its causal work alone exceeds ``fraction`` of a rank's mean work and it has at least
+    ``2 * cp`` tokens. Both tests grow with the length, so "long" is "at least this length": one comparison over the
+    row, not six (the work is compared as float64, as numpy compares an int64 array with a float).
+    ``_least_long(100, 1000, 2, 0.05) -> 7`` (a rank's mean work 500, 5% of it 25: ``6 * 7 / 2 = 21``, ``7 * 8 / 2
+    = 28``)."""
+    limit = fraction * total_work / cp
+    least = max(int(math.sqrt(2 * limit)) - 1, 1)  # n (n + 1) / 2 > limit from about sqrt(2 limit) on
+    while float(least * (least + 1) // 2) <= limit:
+        least += 1
+    while least > 1 and float((least - 1) * least // 2) > limit:
+        least -= 1
+    return min(-(-num_tokens // cp) + 1, max(least, 2 * cp))
+
+
 def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     """Long segments zigzag (unpadded chunks); short ones whole, LPT by causal work into the room every
     rank has left of ``ceil(T / cp)`` tokens; that room's remainder (under cp tokens) is padding.
 
-    The LPT takes the short segments longest first, one run of equal lengths at a time (:func:`_deal_equal`: a
+    The LPT takes the short segments longest first, one run of equal lengths at a time (:func:`_deal_short`: a
     few Python steps a rank for a run, not a step a document: a row of 2,443 chat turns has a few dozen runs),
-    and the ranks of every dealt document come in one numpy pass at the end (:func:`_dealt_ranks`)."""
+    and the ranks of every dealt document come in one numpy pass at the end (:func:`_dealt_ranks`). A row of
+    short documents only (no long one) makes no zigzag pieces and selects nothing: a few dozen numpy calls in all."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
-    local_len = -(-int(lengths.sum()) // cp)
-    doc_work = causal_work(lengths)
-    long = (lengths > local_len) | ((doc_work > fraction * doc_work.sum() / cp) & (lengths >= 2 * cp))
-    z_rank, z_seg, z_off, z_len = _halves_pieces(np.flatnonzero(long), lengths, cp)
-    work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
-    room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
-    whole_rank, whole_seg, cut = _deal_short(lengths, ~long, work, room)
-    room = np.array(room, np.int64)
+    num_tokens = int(lengths.sum())
+    local_len = -(-num_tokens // cp)
+    # sum of n (n + 1) / 2 over the segments, exact in int64 (the dot of int64 arrays is no float sum)
+    least = _least_long(num_tokens, (int(lengths @ lengths) + num_tokens) // 2, cp, fraction)
+    long = np.flatnonzero(lengths >= least) if lengths.size else lengths
+    if long.size:
+        z_rank, z_seg, z_off, z_len = z = _halves_pieces(long, lengths, cp)
+        if not z_len.all():  # a rank's chunk of a document under 2 * cp tokens can be empty: none kept
+            z = tuple(x[z_len > 0] for x in z)
+        work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
+        room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
+        short = np.flatnonzero(lengths < least)
+    else:  # every segment short: the dealing reads the lengths as they are
+        work, room, short = [0] * cp, [local_len] * cp, None
+    whole_rank, whole_seg, cut = _deal_short(lengths, short, least, work, room)
     # what room is left becomes one padding segment per rank, after the batch's segments
-    fill = np.flatnonzero(room > 0)
-    cut = np.array(cut, np.int64).reshape(-1, 4).T
-    table = tuple(np.concatenate(parts) for parts in zip(
-        (whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg]), cut, (z_rank, z_seg, z_off, z_len),
-        (fill, lengths.size + np.arange(fill.size), np.zeros_like(fill), room[fill])))
-    padded = np.concatenate([lengths, room[fill]])
-    return padded, np.concatenate([lengths, np.zeros(fill.size, np.int64)]), table
+    fill = [r for r in range(cp) if room[r] > 0]
+    parts = [(whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg])]
+    if cut:
+        parts.append(np.array(cut, np.int64).reshape(-1, 4).T)
+    if long.size:
+        parts.append(z)
+    if fill:
+        fill_len = np.array([room[r] for r in fill], np.int64)
+        parts.append((np.array(fill, np.int64), lengths.size + np.arange(len(fill)), np.zeros(len(fill), np.int64),
+                      fill_len))
+        padded = np.concatenate([lengths, fill_len])
+        lengths = np.concatenate([lengths, np.zeros(len(fill), np.int64)])
+    else:
+        padded = lengths.copy()
+    table = tuple(np.concatenate(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
+    return padded, lengths, table
 
 
-def _deal_short(lengths, short, work: list, room: list) -> tuple[np.ndarray, np.ndarray, list]:
-    """The hybrid's LPT of the segments where ``short`` holds, longest first, into ``room`` by ``work`` (both
-    updated): ``(rank, seg)`` of the documents placed whole, in dealing order, and the pieces of those cut over the
-    ranks, ``[(rank, seg, offset, length)]``. One :func:`_deal_equal` a run of equal lengths."""
+def _deal_short(lengths, short, least: int, work: list, room: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """The hybrid's LPT of the segments ``short`` (``None``: every segment; each shorter than ``least``), longest
+    first, into ``room`` by ``work`` (both updated): ``(rank, seg)`` of the documents placed whole, in dealing order,
+    and the pieces of those cut over the ranks, ``[(rank, seg, offset, length)]``. One step a run of equal lengths
+    (:func:`_deal_equal`; a run of one document: the least work with room), the runs counted by one ``bincount``."""
     cp = len(work)
-    short, values, runs = _runs_longest_first(lengths, short)
-    if not values.size:  # nothing short (a row of one long document)
-        return np.zeros(0, np.int64), short, []
-    before, took, cut = [], [], []  # before, took: (runs * cp) flat
-    for n, a, b in zip(values.tolist(), runs[:-1], runs[1:]):
+    key = lengths if short is None else lengths[short]
+    if not key.size:  # nothing short (a row of one long document)
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    counts = np.bincount(key)
+    values = np.flatnonzero(counts)[::-1]  # the distinct lengths, longest first
+    # longest first, stable: a radix sort when every length fits 16 bits (all are under least)
+    order = np.argsort(-key.astype(np.int16) if least <= 1 << 15 else -key, kind="stable")
+    seg = order if short is None else short[order]
+    before, took, placed, cut = [], [], [], []  # before, took: (runs * cp) flat
+    at = 0
+    sizes = counts[values]
+    for n, c in zip(values.tolist(), sizes.tolist()):
         before += work
-        dealt = _deal_equal(work, room, n, b - a)
+        if c == 1:  # one document: the rank of least work with room (the lower among equal ones)
+            dealt = [0] * cp
+            r = work.index(min(work))
+            if room[r] < n:
+                r = min((s for s in range(cp) if room[s] >= n), key=work.__getitem__, default=-1)
+            if r >= 0:
+                dealt[r] = 1
+                work[r] += n * (n + 1) // 2
+                room[r] -= n
+        else:
+            dealt = _deal_equal(work, room, n, c)
         took += dealt
-        placed = a + sum(dealt)
-        if placed < b:  # no rank has room for these whole
-            for s in short[placed:b].tolist():
+        k = sum(dealt)
+        placed.append(k)
+        if k < c:  # no rank has room for these whole
+            for s in seg[at + k:at + c].tolist():
                 _cut_over_ranks(s, n, work, room, cut)
+        at += c
     took = np.array(took, np.int64).reshape(-1, cp)
-    whole_seg = short[range_index(runs[:-1], took.sum(1))]  # every run's dealt documents, in dealing order
-    return _dealt_ranks(np.array(before, np.int64).reshape(-1, cp), took, values * (values + 1) // 2), whole_seg, cut
-
-
-def _runs_longest_first(lengths, pick) -> tuple[np.ndarray, np.ndarray, list]:
-    """``(seg, values, runs)``: the segments where ``pick`` holds, longest first (stable), their distinct lengths
-    (descending) and the offsets of each run of equal lengths in ``seg``. One stable sort; a radix sort on 16 bits
-    when the lengths fit. ``_runs_longest_first([3, 5, 3], [True] * 3) -> ([1, 0, 2], [5, 3], [0, 1, 3])``."""
-    lengths = np.asarray(lengths, np.int64)
-    seg = np.flatnonzero(pick)
-    key = -lengths[seg]
-    if key.size and key[key.argmin()] > -(1 << 15):  # every length < 32,768: radix sort
-        key = key.astype(np.int16)
-    seg = seg[np.argsort(key, kind="stable")]
-    ordered = lengths[seg]
-    starts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
-    values = ordered[np.concatenate([[0], starts])] if ordered.size else ordered
-    return seg, values, [0, *starts.tolist(), int(seg.size)] if seg.size else [0]
+    if at > sum(placed):  # every run's dealt documents, in dealing order
+        seg = seg[range_index(lengths_to_offsets(sizes)[:-1], placed)]
+    return _dealt_ranks(np.array(before, np.int64).reshape(-1, cp), took, values * (values + 1) // 2), seg, cut
 
 
 def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
