@@ -187,6 +187,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="rotated rounds, shard against the plain zigzag")
     p.add_argument("--against", default="aaf59a2", help="the revision whose shard runs in the same rounds")
     p.add_argument("--reps", type=int, default=5, help="calls timed together in each half of a pair")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="the layouts of the shard timing (default: every one)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     cps = [int(c) for c in args.cp.split(",")]
@@ -240,7 +241,7 @@ def main(argv=None):
     for name, row in shapes.items():
         for cp in cps:
             same = check_plain_zigzag(row, cp)
-            for layout in LAYOUTS:
+            for layout in args.layouts.split(","):
                 same_old = same_as_old(row, cp, layout, old_shard)
                 m = shard_vs_plain(row, cp, layout, args.rounds, args.reps, old_shard)
                 ok = m["collated"]["median"] <= TARGET_SHARD_RATIO

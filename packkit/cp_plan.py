@@ -374,17 +374,17 @@ def _deal_equal(work: list, room: list, n: int, count: int) -> list:
     ``_deal_equal([0, 5], [9, 9], 2, 3) -> [2, 1]`` (offers 0, 3, 6 | 5, 8: work [6, 8])."""
     w = n * (n + 1) // 2
     cp = len(work)
-    q = [x // w for x in work]
-    level = (count - 1 + sum(q)) // cp  # the count-th offer's level when it is at or above every rank's own
-    if level >= max(q):  # (the ranks within a level of one another: every run after the first few)
-        took = [level - x for x in q]
-        rest = count - sum(took)  # 1 .. cp ranks offer once more at the level, in (work % w, rank) order
-        f = [x - y * w for x, y in zip(work, q)]
-        for r in sorted(range(cp), key=f.__getitem__)[:rest]:
+    f = [x % w for x in work]
+    below = (sum(work) - sum(f)) // w  # the offers below every rank's own level: sum of work // w
+    level = (count - 1 + below) // cp  # the count-th offer's level when it is at or above every rank's own
+    if level >= max(work) // w:  # (the ranks within a level or two of one another: nearly every run)
+        rest = count + below - cp * level  # 1 .. cp ranks offer once more at the level, in (work % w, rank) order
+        took = [level - x // w for x in work]
+        for r in sorted(range(cp), key=f.__getitem__)[:rest] if rest < cp else range(cp):
             took[r] += 1
     else:
-        took = _deal_levels(work, q, w, count)
-    if (max(took) * n > min(room)) and any(t * n > r for t, r in zip(took, room)):  # a rank's room binds
+        took = _deal_levels(work, [x // w for x in work], w, count)
+    if max(took) * n > min(room) and any(t * n > r for t, r in zip(took, room)):  # a rank's room binds
         took = _deal_capped(work, room, n, w, count)
     # else every rank the dealing picks still has room when it is picked: the same dealing
     work[:] = [x + t * w for x, t in zip(work, took)]
@@ -520,21 +520,21 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     whole_rank, whole_seg, cut = _deal_short(lengths, short, least, work, room)
     # what room is left becomes one padding segment per rank, after the batch's segments
     fill = [r for r in range(cp) if room[r] > 0]
-    parts = [(whole_rank, whole_seg, np.zeros_like(whole_seg), lengths[whole_seg])]
+    # the pieces as (4, count) blocks, (rank, seg, offset, len), joined by one concatenate
+    parts = [np.array((whole_rank, whole_seg, whole_seg * 0, lengths[whole_seg]))] if whole_seg.size else []
     if cut:
-        parts.append(np.array(cut, np.int64).reshape(-1, 4).T)
+        parts.append(np.array(cut, np.int64).T)
     if long.size:
-        parts.append(z)
+        parts.append(np.array(z))
     if fill:
-        fill_len = np.array([room[r] for r in fill], np.int64)
-        parts.append((np.array(fill, np.int64), lengths.size + np.arange(len(fill)), np.zeros(len(fill), np.int64),
-                      fill_len))
-        padded = np.concatenate([lengths, fill_len])
-        lengths = np.concatenate([lengths, np.zeros(len(fill), np.int64)])
+        parts.append(np.array((fill, range(lengths.size, lengths.size + len(fill)), [0] * len(fill),
+                               [room[r] for r in fill]), np.int64))
+        padded = np.concatenate([lengths, parts[-1][3]])
+        lengths = np.concatenate([lengths, parts[-1][2]])  # the padding segments hold no token of the batch
     else:
         padded = lengths.copy()
-    table = tuple(np.concatenate(p) for p in zip(*parts)) if len(parts) > 1 else parts[0]
-    return padded, lengths, table
+    table = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((4, 0), np.int64)
+    return padded, lengths, tuple(table)
 
 
 def _deal_short(lengths, short, least: int, work: list, room: list) -> tuple[np.ndarray, np.ndarray, list]:
@@ -552,6 +552,7 @@ def _deal_short(lengths, short, least: int, work: list, room: list) -> tuple[np.
     order = np.argsort(-key.astype(np.int16) if least <= 1 << 15 else -key, kind="stable")
     seg = order if short is None else short[order]
     before, took, placed, cut = [], [], [], []  # before, took: (runs * cp) flat
+    ranks, many = [], False  # the rank of each document of a run of one; whether a run held more
     at = 0
     sizes = counts[values]
     for n, c in zip(values.tolist(), sizes.tolist()):
@@ -561,23 +562,28 @@ def _deal_short(lengths, short, least: int, work: list, room: list) -> tuple[np.
             r = work.index(min(work))
             if room[r] < n:
                 r = min((s for s in range(cp) if room[s] >= n), key=work.__getitem__, default=-1)
-            if r >= 0:
+            k = int(r >= 0)
+            if k:
                 dealt[r] = 1
                 work[r] += n * (n + 1) // 2
                 room[r] -= n
+                ranks.append(r)
         else:
             dealt = _deal_equal(work, room, n, c)
+            k = sum(dealt)
+            many = True
         took += dealt
-        k = sum(dealt)
         placed.append(k)
         if k < c:  # no rank has room for these whole
             for s in seg[at + k:at + c].tolist():
                 _cut_over_ranks(s, n, work, room, cut)
         at += c
-    took = np.array(took, np.int64).reshape(-1, cp)
     if at > sum(placed):  # every run's dealt documents, in dealing order
         seg = seg[range_index(lengths_to_offsets(sizes)[:-1], placed)]
-    return _dealt_ranks(np.array(before, np.int64).reshape(-1, cp), took, values * (values + 1) // 2), seg, cut
+    if not many:  # every run one document (a row of a few): their ranks as dealt
+        return np.array(ranks, np.int64), seg, cut
+    return (_dealt_ranks(np.array(before, np.int64).reshape(-1, cp), np.array(took, np.int64).reshape(-1, cp),
+                         values * (values + 1) // 2), seg, cut)
 
 
 def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:

@@ -319,3 +319,53 @@ def test_zigzag_ranks_share_the_columns_of_their_pieces(monkeypatch):
     for r in range(8):
         assert shard(batch, cp_size=8, rank=r, cp_layout="zigzag").plan is plan
     assert 2 * lengths.size not in sizes
+
+
+def test_a_row_of_few_documents_deals_without_sorting_offers(monkeypatch):
+    """Regression: every hybrid plan sorted the offers of every run (``_dealt_ranks``: ~25 numpy calls) to find the
+    rank of each short document, also when each run held one document (a row of a few chat turns of distinct
+    lengths, or one short beside long ones): the rank the dealing picked is the document's."""
+    lengths = [4000, 2500, 1200, 900, 333, 70, 12, 5]
+    want = plan_cp(lengths, cp_size=4, cp_layout="hybrid")
+    monkeypatch.setattr(cp_plan, "_dealt_ranks", lambda *a: pytest.fail("offers sorted for runs of one document"))
+    plan = plan_cp(lengths, cp_size=4, cp_layout="hybrid")
+    for name in ("padded", "lengths", "piece_rank", "piece_seg", "piece_offset", "piece_len"):
+        assert getattr(plan, name).tolist() == getattr(want, name).tolist(), name
+
+
+def test_one_hybrid_rank_reads_no_places_in_the_padded_stream(monkeypatch):
+    """Regression: one hybrid rank's shard summed the row's padded lengths twice (a cumsum over every segment, for
+    where each sits in the padded stream ``G``: to sort its pieces, and with the flat starts) though it needs only
+    the flat starts: its pieces sort by (segment, offset)."""
+    from packkit.cp import shard
+
+    lengths, batch = _short_row_batch()
+    want = [shard(batch, cp_size=8, rank=r, cp_layout="hybrid") for r in range(8)]
+    sizes = []
+    real = cp_plan.lengths_to_offsets
+    monkeypatch.setattr(cp_plan, "lengths_to_offsets", lambda x: sizes.append(np.size(x)) or real(x))
+    for r in range(8):
+        got = shard(batch, cp_size=8, rank=r, cp_layout="hybrid")
+        assert got.index.tolist() == want[r].index.tolist() and got.position_ids.tolist() == \
+            want[r].position_ids.tolist()
+    assert sum(s >= lengths.size for s in sizes) == 8  # the flat starts, once a rank's plan
+
+
+def test_planning_a_hybrid_row_takes_steps_per_run_not_per_document():
+    """Issue 34: the hybrid plans a row of thousands of short documents with no Python step a document: rows of
+    1,000 and 10,000 documents of the same 26 lengths take the same number of Python calls (one step a run)."""
+    import sys
+
+    def calls(n):
+        lengths = np.random.default_rng(0).integers(1, 27, n)
+        count = [0]
+        sys.setprofile(lambda frame, event, arg: count.__setitem__(0, count[0] + (event in ("call", "c_call"))))
+        try:
+            plan_cp(lengths, cp_size=8, cp_layout="hybrid").own_pieces(7)
+        finally:
+            sys.setprofile(None)
+        return count[0]
+
+    small, large = calls(1_000), calls(10_000)
+    print(small, large)
+    assert large <= small * 1.1 + 20
