@@ -103,7 +103,8 @@ class CPPlan:
     padded: np.ndarray
     num_segments: int
     local_len: int
-    #: the hybrid's pieces ``(rank, seg, offset, len)`` in dealing order, some empty (None for the others)
+    #: the hybrid's pieces ``(rank, seg, offset, len)`` as dealt (rows of one (4, P) array), none empty (None for the
+    #: other layouts)
     dealt: tuple | None = dataclasses.field(default=None, repr=False)
 
     # -- pieces --
@@ -374,21 +375,28 @@ def _deal_equal(work: list, room: list, n: int, count: int) -> list:
     ``_deal_equal([0, 5], [9, 9], 2, 3) -> [2, 1]`` (offers 0, 3, 6 | 5, 8: work [6, 8])."""
     w = n * (n + 1) // 2
     cp = len(work)
-    f = [x % w for x in work]
-    below = (sum(work) - sum(f)) // w  # the offers below every rank's own level: sum of work // w
+    q = [x // w for x in work]
+    below = sum(q)  # the offers below every rank's own level
     level = (count - 1 + below) // cp  # the count-th offer's level when it is at or above every rank's own
-    if level >= max(work) // w:  # (the ranks within a level or two of one another: nearly every run)
+    if level >= max(q):  # (the ranks within a level or two of one another: nearly every run)
         rest = count + below - cp * level  # 1 .. cp ranks offer once more at the level, in (work % w, rank) order
-        took = [level - x // w for x in work]
-        for r in sorted(range(cp), key=f.__getitem__)[:rest] if rest < cp else range(cp):
-            took[r] += 1
+        took = [level - x for x in q]
+        if rest < cp:
+            f = [x % w for x in work]
+            for r in sorted(range(cp), key=f.__getitem__)[:rest]:
+                took[r] += 1
+        else:
+            took = [x + 1 for x in took]
     else:
-        took = _deal_levels(work, [x // w for x in work], w, count)
+        took = _deal_levels(work, q, w, count)
     if max(took) * n > min(room) and any(t * n > r for t, r in zip(took, room)):  # a rank's room binds
         took = _deal_capped(work, room, n, w, count)
     # else every rank the dealing picks still has room when it is picked: the same dealing
-    work[:] = [x + t * w for x, t in zip(work, took)]
-    room[:] = [x - t * n for x, t in zip(room, took)]
+    for r in range(cp):
+        t = took[r]
+        if t:
+            work[r] += t * w
+            room[r] -= t * n
     return took
 
 
