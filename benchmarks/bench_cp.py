@@ -27,7 +27,7 @@ The baselines a user picks today are measured in the same run: zigzag (Transform
 ring) and contiguous (llama3 ring, DeepSpeed Ulysses). Targets (issue 20, at cp = 8): hybrid padding
 <= 0.3% and imbalance <= 1.05.
 
-Usage: ``python benchmarks/bench_cp.py [--n 200000] [--window 32768] [--cp 2,4,8] [--rows N]``.
+Usage: ``python benchmarks/bench_cp.py [--n 200000] [--window 32768] [--cp 2,4,8] [--rows N] [--layouts hybrid]``.
 Prints a table last, then one JSON line.
 """
 
