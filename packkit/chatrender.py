@@ -9,6 +9,8 @@ The interface: :func:`render` (a batch of conversations -> flat token ids over o
 from __future__ import annotations
 
 import bisect
+import itertools
+import unicodedata
 import warnings
 from operator import itemgetter
 
@@ -66,8 +68,9 @@ def _render_fast(tok, conversations, template, add_generation_prompt, assistant_
     """:func:`render`'s batch as ``apply_chat_template`` makes it, without its Python loop over every token for
     the assistant mask (a third of packkit's time on ShareGPT with Qwen3's tokenizer, more than the rendering):
     rendered by transformers' own steps (:func:`packkit.integrations.transformers.render_chat`), tokenized by the
-    Rust tokenizer in one ``encode_batch``, each ``{% generation %}`` span marked on the tokens that overlap it,
-    found by bisection on the token offsets. None (``apply_chat_template`` then) without a fast tokenizer, or for a
+    Rust tokenizer in one call, each ``{% generation %}`` span marked on the tokens that overlap it. A byte-level
+    BPE's texts are tokenized without offsets and marked by the tokens' byte spans (:class:`ByteSpans`); the rest
+    by bisection on the token offsets. None (``apply_chat_template`` then) without a fast tokenizer, or for a
     conversation whose token offsets are not in order (where the bisection would not be transformers' loop)."""
     backend = hf.fast_backend(tok)
     rendered = hf.render_chat(tok, conversations, template=template, add_generation_prompt=add_generation_prompt,
@@ -75,27 +78,178 @@ def _render_fast(tok, conversations, template, add_generation_prompt, assistant_
     if rendered is None:
         return None
     texts, spans = rendered
-    encodings = backend.encode_batch(texts, add_special_tokens=False)
-    offsets = lengths_to_offsets([len(e) for e in encodings])
-    ids = np.concatenate([np.array(e.ids, np.int64) for e in encodings]) if encodings else np.zeros(0, np.int64)
-    if not assistant_mask:
-        return offsets, ids, None
+    if not assistant_mask:  # the ids alone: no offsets to track
+        fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21
+        return (*_flat_ids(fast(texts, add_special_tokens=False)), None)
+    bytewise = ByteSpans.of(backend)
+    if bytewise is None:
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        offsets, ids = _flat_ids(encodings)
+        marked = _char_marks(offsets, [e.offsets for e in encodings], spans, range(len(texts)))
+    else:
+        offsets, ids = _flat_ids(backend.encode_batch_fast(texts, add_special_tokens=False))
+        marked, slow = bytewise.marks(texts, spans, offsets, ids)
+        if slow:  # a text that is not NFC, or whose tokens do not tile its bytes: its offsets, as before
+            rest = _char_marks(offsets, [e.offsets for e in backend.encode_batch([texts[j] for j in slow],
+                                                                                  add_special_tokens=False)],
+                               spans, slow)
+            marked = None if rest is None else (marked[0] + rest[0], marked[1] + rest[1])
+    if marked is None:
+        return None
+    mask = np.zeros(ids.size, np.int8)
+    mask[range_index(*marked)] = 1
+    return offsets, ids, mask
+
+
+def _flat_ids(encodings):
+    """``(offsets (n + 1,) int64, ids (T,) int64)`` of a batch's ``Encoding`` objects."""
+    lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
+    offsets = lengths_to_offsets(lengths)
+    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), np.int64, int(offsets[-1]))
+    return offsets, ids
+
+
+def _char_marks(offsets, char_offsets, spans, which):
+    """``(starts, lengths)`` of the flat tokens that overlap each ``{% generation %}`` span of the texts ``which``
+    (a token ``(start, end)`` overlaps ``[lo, hi)`` when ``end > lo and start < hi``), found by bisection on each
+    text's token character offsets ``char_offsets`` (one list per text of ``which``); None when a text's offsets
+    are not in order."""
     starts, lengths = [], []
-    for first, e, marked in zip(offsets.tolist(), encodings, spans):
+    for j, chars in zip(which, char_offsets):
+        marked = spans[j]
         if not marked:
             continue
-        chars = e.offsets
         if chars != sorted(chars) or chars != sorted(chars, key=itemgetter(1)):
             return None
-        for lo, hi in marked:  # the tokens that overlap [lo, hi): end > lo and start < hi
+        first = int(offsets[j])
+        for lo, hi in marked:
             a = bisect.bisect_right(chars, lo, key=itemgetter(1))
             b = bisect.bisect_left(chars, hi, key=itemgetter(0))
             if b > a:
                 starts.append(first + a)
                 lengths.append(b - a)
-    mask = np.zeros(ids.size, np.int8)
-    mask[range_index(starts, lengths)] = 1
-    return offsets, ids, mask
+    return starts, lengths
+
+
+_BPE_SPLITS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}  # Split behaviours that keep every character
+
+
+class ByteSpans:
+    """Where each token of a byte-level BPE (GPT-2, Llama 3, Qwen 2/3) lies in its text's UTF-8 bytes, from the
+    token ids alone: the token's bytes are its vocabulary string read through the byte-level alphabet (one
+    character a byte), an added token's its content, and a text's tokens tile its bytes in order. So a token's byte
+    span is the running sum of its ids' byte lengths (``lengths``: ``(vocab,)`` int64, -2 not yet read, -1 no exact
+    length), and a token overlaps a ``{% generation %}`` span exactly when its byte span overlaps the span's bytes:
+    the rule of the character offsets (a token's characters are those its bytes touch), without asking the
+    tokenizer for offsets (``encode_batch_fast``: no offsets, no ``Encoding.offsets`` lists).
+
+    Taken only where it is exact: :meth:`of` requires no normalizer or NFC (a text that is not NFC goes through the
+    offsets), a pre-tokenizer that keeps every character (ByteLevel without a prefix space, Splits that remove
+    nothing), a BPE model without dropout, a post-processor that does not trim offsets, and added tokens that strip
+    nothing; and every text is checked, cheaply: each of its ids has a length and their sum is its UTF-8 size.
+    ``marks`` hands back the texts that fail, for their offsets."""
+
+    def __init__(self, backend, nfc: bool):
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        self.backend, self.nfc = backend, nfc
+        self.alphabet = frozenset(ByteLevel.alphabet())
+        self.lengths = np.full(backend.get_vocab_size(with_added_tokens=True), -2, np.int64)
+        self.added = {i: t for i, t in backend.get_added_tokens_decoder().items()}
+        unk = backend.model.unk_token
+        self.unk = None if unk is None else backend.token_to_id(unk)
+
+    @staticmethod
+    def of(backend) -> "ByteSpans | None":
+        """The byte spans of ``backend``'s tokens (a ``tokenizers.Tokenizer``), or None where they would not be
+        exact (the class docstring's conditions), read from its components' settings."""
+        import json
+
+        def state(part):
+            return None if part is None else json.loads(part.__getstate__())
+
+        model = backend.model
+        if not hasattr(backend, "encode_batch_fast") or type(model).__name__ != "BPE" or model.dropout:
+            return None
+        norm = state(backend.normalizer)
+        if norm is not None and norm.get("type") != "NFC":
+            return None
+        pre = state(backend.pre_tokenizer) or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        if not parts or parts[-1].get("type") != "ByteLevel" or parts[-1].get("add_prefix_space"):
+            return None
+        if any(p.get("type") != "Split" or p.get("behavior") not in _BPE_SPLITS for p in parts[:-1]):
+            return None
+        post = state(backend.post_processor)
+        posts = [] if post is None else post.get("processors", []) if post.get("type") == "Sequence" else [post]
+        for p in posts:
+            if p.get("type") not in ("ByteLevel", "TemplateProcessing") or p.get("trim_offsets"):
+                return None
+        key = (id(backend), norm is not None)
+        found = _BYTE_SPANS.get(key)
+        if found is None or found.backend is not backend:
+            found = _BYTE_SPANS[key] = ByteSpans(backend, norm is not None)
+            while len(_BYTE_SPANS) > 4:
+                del _BYTE_SPANS[next(iter(_BYTE_SPANS))]
+        return found
+
+    def length(self, i: int) -> int:
+        """UTF-8 bytes of token ``i`` as it stands in a text, or -1 where that is not one number."""
+        from_model = self.backend.model.id_to_token(i)
+        if i == self.unk:
+            return -1
+        if from_model is not None and not set(from_model) <= self.alphabet:
+            from_model = None
+        n = len(from_model) if from_model else -1
+        added = self.added.get(i)
+        if added is not None:
+            if added.lstrip or added.rstrip or not added.content:
+                return -1
+            size = len(added.content.encode())
+            return size if from_model is None or n == size else -1
+        return n
+
+    def marks(self, texts, spans, offsets, ids):
+        """``((starts, lengths), slow)``: the flat tokens (``ids (T,)`` int64 over ``offsets (n + 1,)``) that
+        overlap each text's ``{% generation %}`` character spans, and the indices of the texts this cannot
+        tell exactly (not NFC, or their tokens do not tile their bytes), left out of the marks."""
+        if ids.size and int(ids.max()) >= self.lengths.size:
+            grown = np.full(int(ids.max()) + 1, -2, np.int64)
+            grown[: self.lengths.size] = self.lengths
+            self.lengths = grown
+        sizes = self.lengths[ids]
+        unread = np.flatnonzero(sizes == -2)
+        if unread.size:
+            for i in np.unique(ids[unread]).tolist():
+                self.lengths[i] = self.length(i)
+            sizes = self.lengths[ids]
+        bad = sizes < 0
+        ends = np.cumsum(np.where(bad, 0, sizes))  # the byte after each token, counted from the batch's first
+        at = np.concatenate([[0], ends])[offsets]  # each text's first byte
+        bad_before = lengths_to_offsets(bad)[offsets]
+        slow, glo, ghi = [], [], []
+        for j, (text, marked) in enumerate(zip(texts, spans)):
+            ascii_ = text.isascii()
+            size = len(text) if ascii_ else len(text.encode())
+            if (bad_before[j + 1] > bad_before[j] or at[j + 1] - at[j] != size
+                    or (self.nfc and not ascii_ and not unicodedata.is_normalized("NFC", text))):
+                slow.append(j)
+                continue
+            for lo, hi in marked or ():
+                if not ascii_:
+                    lo, hi = len(text[:lo].encode()), len(text[:hi].encode())
+                glo.append(at[j] + lo)
+                ghi.append(at[j] + hi)
+        if not glo:
+            return ([], []), slow
+        # the tokens that overlap [lo, hi): end > lo and start < hi (ends and starts never decrease)
+        a = np.searchsorted(ends, glo, side="right")
+        b = np.searchsorted(ends - np.where(bad, 0, sizes), ghi, side="left")
+        keep = b > a
+        return (a[keep].tolist(), (b - a)[keep].tolist()), slow
+
+
+_BYTE_SPANS: dict = {}  # (id(backend), NFC) -> ByteSpans: the lengths read so far, for the tokenizer's next batch
 
 
 def _render_one(tok, conv, i, template, tools, extra, add_generation_prompt, assistant_mask):

@@ -104,3 +104,105 @@ def test_a_tokenizer_with_truncation_set_goes_through_apply_chat_template(tok):
     cut.backend_tokenizer.enable_truncation(8)
     convs = [conversation(TEXTS[:4])]
     assert ours(cut, convs, CHATML) == transformers_masks(cut, convs, CHATML)
+
+
+# -- the byte spans of a byte-level BPE (chatrender.ByteSpans): ids without offsets, the same mask -----------------
+#: Qwen 2/3's pre-tokenizer pattern (a Split, then ByteLevel without its own regex), behind an NFC normalizer
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+#: special tokens inside a generation span, at its start and at its end, and one just outside it
+EDGES = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}<|im_start|>{{ m['content'] }}"
+         "<|endoftext|>{{ m['content'][:3] }}<|im_end|>{% endgeneration %}<|endoftext|>{% else %}<|im_start|>"
+         "{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
+NOT_NFC = "cafe\u0301 and e\u0301te\u0301"  # decomposed accents: NFC changes the text
+
+
+def qwen_like(normalizer=True):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tk = Tokenizer(models.BPE())
+    if normalizer:
+        tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(TEXTS * 3, trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIAL, show_progress=False,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                               additional_special_tokens=SPECIAL[1:])
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return qwen_like()
+
+
+def offsets_path(tok, convs, template, monkeypatch):
+    """The batch through the token character offsets (``ByteSpans`` refused): the reference."""
+    from packkit import chatrender
+
+    with monkeypatch.context() as m:
+        m.setattr(chatrender.ByteSpans, "of", staticmethod(lambda backend: None))
+        return ours(tok, convs, template)
+
+
+MIXED = TEXTS + ["<|im_end|> inside a reply", "ends with a special<|im_start|>", "<|endoftext|>", "ő" * 5 + "😀x"]
+
+
+@pytest.mark.parametrize("template", [CHATML, ODD, EDGES], ids=["chatml", "spans-cut-words", "special-tokens-at-edges"])
+def test_byte_spans_equal_the_offsets_path(qwen, template, monkeypatch):
+    """The ids and the mask from the tokens' byte spans (``encode_batch_fast``, no offsets) equal those from the
+    token character offsets and transformers' own, token for token: characters of 2-4 bytes cut across tokens,
+    special tokens inside, at the start and at the end of a generation span and in the text, a text that is not
+    NFC (its offsets are asked for, alone)."""
+    convs = [conversation(MIXED[i:] + MIXED[:i]) for i in range(len(MIXED))] + [conversation([NOT_NFC, NOT_NFC])]
+    got = ours(qwen, convs, template)
+    ref = offsets_path(qwen, convs, template, monkeypatch)
+    print("tokens", sum(map(len, got[0])), "masked", sum(map(sum, got[1])))
+    assert got == ref
+    assert got == transformers_masks(qwen, convs, template)
+
+
+@settings(max_examples=40, deadline=None)
+@given(texts=st.lists(st.lists(st.text(min_size=2, max_size=30), min_size=2, max_size=5), min_size=1, max_size=4),
+       template=st.sampled_from([CHATML, ODD, EDGES]))
+def test_drawn_texts_byte_spans_equal_apply_chat_template(qwen, texts, template):
+    convs = [conversation(t) for t in texts]
+    assert ours(qwen, convs, template) == transformers_masks(qwen, convs, template)
+
+
+def test_a_byte_level_bpe_takes_the_byte_spans(qwen, tok, monkeypatch):
+    """The byte spans are taken for a byte-level BPE (with and without an NFC normalizer), so the path cannot fall
+    back to the offsets unseen: ``encode_batch`` (offsets) is not called for NFC texts, and only on the text that is
+    not NFC. A post-processor that trims the offsets (the mask would follow the trimmed ones) is refused."""
+    from tokenizers import processors
+
+    from packkit import chatrender
+
+    of = chatrender.ByteSpans.of
+    for t in (qwen, tok):
+        assert of(t.backend_tokenizer) is not None
+    trims = qwen_like()
+    trims.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    assert of(trims.backend_tokenizer) is None
+    with_offsets = []
+    real = type(qwen.backend_tokenizer).encode_batch
+
+    class Spy:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def encode_batch(self, texts, **kw):
+            with_offsets.extend(texts)
+            return real(self.backend, texts, **kw)
+
+    monkeypatch.setattr(chatrender.hf, "fast_backend", lambda t: Spy(t.backend_tokenizer))
+    monkeypatch.setattr(chatrender.ByteSpans, "of", staticmethod(lambda b: of(b.backend)))
+    ours(qwen, [conversation(MIXED[:6])], CHATML)
+    assert with_offsets == []
+    ours(qwen, [conversation(MIXED[:4]), conversation([NOT_NFC, "fine"]), conversation(MIXED[4:8])], CHATML)
+    assert len(with_offsets) == 1 and "e\u0301" in with_offsets[0]
