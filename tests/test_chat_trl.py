@@ -134,3 +134,24 @@ def test_num_proc_gives_the_same_table(tok_dir):
     bad = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40] + [{"messages": []}])
     with pytest.raises(ValueError, match=f"example {bad.num_rows - 1} has an empty 'messages' conversation"):
         tokenize_chat(bad, tok, batch_size=16, num_proc=2)
+
+
+@pytest.mark.slow  # processes
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_forked_workers_read_the_encoder_without_a_pickle(tok_dir, monkeypatch):
+    """Regression (issue 34): each ``num_proc`` worker got the encoder pickled, its tokenizer with it (0.43 s to
+    pickle and 1.33 s to rebuild a worker with Qwen3's tokenizer: most of what ``num_proc=2`` cost over one
+    process). Forked workers read the parent's encoder and table: the encoder cannot be pickled here, and the table
+    is the one process's."""
+    from packkit import chat
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
+    one = tokenize_chat(table, tok, batch_size=16)
+
+    def refuse(self):
+        raise AssertionError("the encoder was pickled for a forked worker")
+
+    monkeypatch.setattr(chat._Encoder, "__reduce__", refuse)
+    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one)
+    assert chat._FORKED == {}
