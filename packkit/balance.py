@@ -39,7 +39,7 @@ import numpy as np
 from .errors import ArgumentError, arg, check_int
 
 __all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign", "swap_refine",
-           "pack_to_cost", "greedy_to_cost", "PLANNER", "ToCost", "cost_model"]
+           "pack_to_cost", "steps_to_cost", "greedy_to_cost", "PLANNER", "PLANNERS", "ToCost", "cost_model"]
 
 #: verl's per-token weight for a 7B model (``6 x 4096``): cost = 24576 * L + L**2.
 DEFAULT_LINEAR = 24576.0
@@ -323,51 +323,92 @@ class ToCost:
     deferred: int
 
 
-#: The cost-target planner a sampler state records (``"planner"``): 2 is :func:`pack_to_cost` (steps decided
-#: together by numpy), 1 :func:`greedy_to_cost` (one document at a time; states saved without the field).
-PLANNER = 2
+#: The cost-target planner a sampler state records (``"planner"``): 3 is :func:`pack_to_cost` (steps dealt a chunk
+#: of steps at a time, by numpy), 2 :func:`steps_to_cost` (each step dealt alone), 1 :func:`greedy_to_cost` (one
+#: document at a time; states saved without the field). :data:`PLANNERS` maps each to its function.
+PLANNER = 3
 
 
 def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel, outlier: float = 0.25,
-                 fill: float = 0.998, cap: float = 0.005, rounds: int = 8, units=None) -> ToCost:
-    """Fill each step's ``step_windows`` windows with documents taken in ``order``, to equal cost (planner 2).
+                 fill: float = 0.998, cap: float = 0.005, rounds: int = 8, units=None, chunk: int = 512) -> ToCost:
+    """Fill each step's ``step_windows`` windows with documents taken in ``order``, to equal cost (planner 3).
 
     ``lengths``: (n,) int64, each at most ``window``; ``order``: (m,) the documents to place, at random.
 
-    * **Steps**: ``order`` is cut into runs of ``fill * step_windows * window`` tokens, one run a step (at least
-      one document a window). A document whose attention part alone exceeds ``outlier`` times a full window's
-      linear part is *queued* (WLB-LLM's outlier queue): ``step_windows`` of them open a step together, the
-      longest first, one per window (their tokens taken from the step's run), once the last of them is within
-      about a step of the run's start, so no rank carries one alone.
-    * **Windows**: each step's documents, costliest first, go one at a time to the step's cheapest window with
-      room (an empty one first), unless that would take the window over ``1 + cap`` times the step's mean
-      window cost; a document that fits no window moves to the next step (``deferred``, one move a step, at
-      most ``rounds`` moves). Every step but the last has exactly ``step_windows`` windows.
-    * **All steps at once**: the i-th document of every step is placed in one numpy pass (:func:`_deal`), so
-      the Python work is per step and per position in a step, not per document.
-    * **The end**: what no full step took (the run too short for a step, outliers not yet opened, documents
-      still moving after ``rounds``) is planned by :func:`greedy_to_cost` into the last steps.
+    * **Steps**: ``order`` is cut into runs, one a step (at least one document a window), step ``s`` ending where
+      the stream's tokens reach ``s + 1`` budgets of ``fill * step_windows * window`` (what one run's last document
+      left short, the next run takes). A document whose attention part alone exceeds ``outlier`` times a full
+      window's linear part is *queued* (WLB-LLM's outlier queue): ``step_windows`` of them open a step together,
+      the longest first, one per window (their tokens taken from the step's budget), once the last of them is
+      within about a step of the run's start, so no rank carries one alone.
+    * **Chunks**: ``G`` consecutive steps are dealt together, ``G = chunk // (documents a step meets)``, at least
+      1 and at most ``64 // step_windows``: their ``G * step_windows`` windows take the runs of all ``G``, so a gap
+      one step leaves is filled by a document of another (planner 2, :func:`steps_to_cost`, dealt each step alone).
+    * **Windows**: each chunk's documents, costliest first, go one at a time to the chunk's cheapest window with
+      room (an empty one first), unless that would take the window over ``1 + cap`` times its target: the
+      chunk's mean window cost, or for a window an outlier opened, its step's. A document of a quarter window or
+      more goes instead to the fullest window it fits under the target (best fit: long documents pair tightly),
+      where there is one. A document that fits no window moves to the next chunk (``deferred``, one move a
+      chunk, at most ``rounds`` moves).
+    * **Steps of a chunk**: its windows, costliest first, are cut into its steps (windows of equal cost meet in a
+      step), the steps in the order of their first document in ``order``. Every step but the last has exactly
+      ``step_windows`` windows.
+    * **All chunks at once**: the i-th document of every chunk is placed in one numpy pass (:func:`_deal`).
+    * **The end**: what no whole chunk took (the run too short for a chunk, outliers not yet opened, documents
+      still moving after ``rounds``: 1-4% of ShareGPT's documents, planner 2 0.2-2%) is planned by
+      :func:`greedy_to_cost` into the last steps.
 
     ``units``: (n,) each document's media units, whose encoder work (``cost.per_unit``) joins its cost.
-    ``queued`` counts the outliers, ``deferred`` each move of a document to a later step (the last steps'
-    included). 1M ShareGPT lengths at ``step_windows=8``, W = 32k: about 0.3 s CPU (planner 1: 0.9-2.1 s), imbalance
-    1.0067 (1.0130), windows 0.66% over the lower bound (0.68%); at W = 8k more windows than planner 1 (+2.8% against
-    +1.6%); benchmarks/RESULTS.md has the figures.
-    ``pack_to_cost([4, 3, 2, 1] * 3, range(12), window=10, step_windows=2, cost=CostModel(10))`` gives one full
-    step, ``[0, 1, 2], [4, 5, 6]`` (document 3 would take either window over the cap: it moves on), and the last
-    steps ``[3, 8], [7, 9, 10], [11]``.
+    ``queued`` counts the outliers, ``deferred`` each move of a document to a later chunk (the last steps'
+    included). On 200,000 ShareGPT lengths (dp 8, k = 1 and 2, W = 2k-32k) fewer windows and a lower imbalance
+    than planner 1 and planner 2 (at 2k, k = 1: +2.0% windows over the lower bound, imbalance 1.006; planner 1
+    +3.6%, 1.048; planner 2 +7.1%, 1.082); benchmarks/RESULTS.md has the figures and the time.
+    ``pack_to_cost([6, 3, 2, 1] * 4, range(16), window=10, step_windows=2, cost=CostModel(10), chunk=16)`` deals
+    its two full steps as one chunk (the 6s are outliers, opening its windows): ``[0, 2, 3], [4, 6, 7], [8, 1],
+    [12, 5]``, 9 tokens each (planner 2's steps hold 8, 7, 8 and 7), then the last steps ``[9, 14, 15],
+    [10, 11, 13]``.
     """
     L = np.asarray(lengths, np.int64)
+    n_order = np.asarray(order).size
+    per_step = int(step_windows) * window / max(1.0, float(L[np.asarray(order, np.int64)].mean()) if n_order else 1.0)
+    G = max(1, min(int(chunk) // max(1, int(per_step)), 64 // int(step_windows)))
+    return _to_cost(L, order, window=window, S=int(step_windows), cost=cost, outlier=outlier, fill=fill, cap=cap,
+                    rounds=rounds, units=units, G=G, regroup=True)
+
+
+def steps_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostModel, outlier: float = 0.25,
+                  fill: float = 0.998, cap: float = 0.005, rounds: int = 8, units=None) -> ToCost:
+    """Planner 2 (packkit a166061's ``pack_to_cost``, see :data:`PLANNER`): :func:`pack_to_cost` with every step
+    dealt alone (a chunk of one step, its windows in the order they were opened). Kept for the states it saved
+    (a run resumes on the windows it began with). At W = 8k, k = 1 it made +2.8% windows over the lower bound
+    (planner 1: +1.6%), at 2k +7.1% (+3.6%): a step's run alone has too few documents to fill its gaps.
+    ``steps_to_cost([4, 3, 2, 1] * 3, range(12), window=10, step_windows=2, cost=CostModel(10))`` gives one full
+    step, ``[0, 1, 2], [4, 5, 6]``, and the last steps ``[3, 8], [7, 9, 10], [11]``.
+    """
+    return _to_cost(np.asarray(lengths, np.int64), order, window=window, S=int(step_windows), cost=cost,
+                    outlier=outlier, fill=fill, cap=cap, rounds=rounds, units=units, G=1, regroup=False)
+
+
+_NEVER = np.iinfo(np.int64).max  # no document is this long: :func:`_deal` never places by best fit
+
+
+def _to_cost(L, order, *, window: int, S: int, cost: CostModel, outlier: float, fill: float, cap: float, rounds: int,
+             units, G: int, regroup: bool) -> ToCost:
+    """Planners 2 and 3 (:func:`steps_to_cost`, :func:`pack_to_cost`): steps cut, dealt ``G`` steps at a time,
+    each chunk's windows cut into steps by cost when ``regroup``, the rest to :func:`greedy_to_cost`."""
     order = np.asarray(order, np.int64)
-    S = int(step_windows)
     C = cost.costs(L, units)
     Lo = L[order]
     is_out = (Lo.astype(np.float64) ** 2 / cost.cp_size) > outlier * cost.linear * window
     body, outliers = order[~is_out], order[is_out]
     per_step = S * window / max(1.0, float(Lo.mean()) if Lo.size else 1.0)  # documents a step meets, about
-    ends, seeds = _cut_steps(L[body], L[outliers], np.cumsum(~is_out)[is_out], S, fill * S * window, per_step)
-    (seg, ptr, deferred), left = _fill_steps(L, C, body, outliers, ends, seeds, window=window, S=S, cap=cap,
-                                            rounds=rounds)
+    ends, seeds = _cut_steps(L[body], L[outliers], np.cumsum(~is_out)[is_out], S, fill * S * window, per_step,
+                             carry=regroup)
+    ends, seeds = ends[:ends.size // G * G], seeds[:ends.size // G * G]  # whole chunks; the rest to the last steps
+    (seg, ptr, deferred, wc), left = _fill_steps(L, C, body, outliers, ends, seeds, window=window, S=S, G=G,
+                                                cap=cap, rounds=rounds, tight=max(1, window // 4) if regroup else _NEVER)
+    if regroup:
+        seg, ptr = _steps_by_cost(seg, ptr, wc, order, S=S, G=G)
     # -- the last steps: what no full step took, in ``order`` --
     rest = np.zeros(L.size, bool)
     rest[left] = True
@@ -381,12 +422,16 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     return ToCost(seg_example=seg, window_ptr=ptr, queued=int(outliers.size), deferred=int(deferred))
 
 
-def _fill_steps(L, C, body, outliers, ends, seeds, *, window: int, S: int, cap: float, rounds: int):
-    """``((seg_example, window_ptr, deferred), left)``: the full steps of :func:`pack_to_cost` (cut by
-    :func:`_cut_steps`) filled, ``left`` the documents they did not take (their runs past the last step, the
-    outliers not opened, the documents still moving after ``rounds``). ``L``, ``C``: (n,) every document's length
-    and cost; ``body``, ``outliers``: the stream and the queued documents, in order."""
+def _fill_steps(L, C, body, outliers, ends, seeds, *, window: int, S: int, G: int, cap: float, rounds: int,
+                tight: int = _NEVER):
+    """``((seg_example, window_ptr, deferred, window_cost), left)``: the full steps of :func:`_to_cost` (cut by
+    :func:`_cut_steps`, a whole number of chunks of ``G`` steps) filled a chunk at a time, ``left`` the documents
+    they did not take (their runs past the last step, the outliers not opened, the documents still moving after
+    ``rounds``). ``L``, ``C``: (n,) every document's length and cost; ``body``, ``outliers``: the stream and the
+    queued documents, in order; ``tight``: see :func:`_deal`. Windows come out step by step, each step's in the
+    order they were opened."""
     steps = ends.size
+    chunks, B = steps // G, G * S
     # -- each step's windows, opened by its outliers (one a window, the longest first) --
     cw = np.zeros((steps, S))
     room = np.full((steps, S), window, np.int64)
@@ -396,41 +441,76 @@ def _fill_steps(L, C, body, outliers, ends, seeds, *, window: int, S: int, cap: 
     first = np.take_along_axis(first, np.argsort(-L[first], axis=1, kind="stable"), axis=1)
     cw[seeded], count[seeded] = C[first], 1
     room[seeded] -= L[first]
-    # -- the steps' documents, costliest first in each, then what moves on, one step a round --
+    # -- the targets: a window's chunk's mean cost; an outlier's window, its step's --
     step_of = np.repeat(np.arange(steps), np.diff(ends, prepend=0))
     docs = body[:step_of.size]
-    cap_w = (np.bincount(step_of, weights=C[docs], minlength=steps) + cw.sum(axis=1)) / S * (1.0 + cap)
+    step_cost = np.bincount(step_of, weights=C[docs], minlength=steps) + cw.sum(axis=1)
+    cap_w = np.repeat((step_cost.reshape(chunks, G).sum(axis=1) / B)[:, None], B, axis=1).reshape(steps, S)
+    cap_w[seeded] = (step_cost[seeded] / S)[:, None]
+    cap_w *= 1.0 + cap
     placed = [(seeded[:, None] * S + np.arange(S)).ravel()]  # window (step * S + w) of each document placed, in order
     members = [first.ravel()]
     left = [body[step_of.size:], outliers[S * seeded.size:]]
-    step_of, docs = _costliest_first(step_of, docs, C)
+    chunk_of, docs = _costliest_first(step_of // G, docs, C)
+    cw, room, count, cap_w = (a.reshape(chunks, B) for a in (cw, room, count, cap_w))
     deferred = 0
     for r in range(rounds + 1):
-        win = _deal(step_of, L[docs], C[docs], cw, room, count, cap_w)
+        win = _deal(chunk_of, L[docs], C[docs], cw, room, count, cap_w, tight)
         ok = win >= 0
-        placed.append(step_of[ok] * S + win[ok])
+        placed.append(chunk_of[ok] * B + win[ok])
         members.append(docs[ok])
-        step_of, docs = step_of[~ok] + 1, docs[~ok]
-        on = step_of < steps if r < rounds else np.zeros(docs.size, bool)  # moved past the last full step: left
+        chunk_of, docs = chunk_of[~ok] + 1, docs[~ok]
+        on = chunk_of < chunks if r < rounds else np.zeros(docs.size, bool)  # moved past the last chunk: left
         left.append(docs[~on])
-        step_of, docs = _costliest_first(step_of[on], docs[on], C)
-        deferred += docs.size + left[-1].size  # a move each, into the next step or the last steps
+        chunk_of, docs = _costliest_first(chunk_of[on], docs[on], C)
+        deferred += docs.size + left[-1].size  # a move each, into the next chunk or the last steps
         if not docs.size:
             break
-    at = np.argsort(np.concatenate(placed), kind="stable")  # window by window, each in the order it was filled
-    seg = np.concatenate(members)[at]
-    return (seg, np.concatenate(([0], np.cumsum(count.ravel()))), deferred), np.concatenate(left)
+    placed = np.concatenate(placed)  # window by window, each in the order it was filled: one sort of unique keys
+    at = np.sort((placed << 32) | np.arange(placed.size, dtype=np.int64)) & 0xFFFFFFFF  # (window, place): a stable
+    seg = np.concatenate(members)[at]  # argsort, several times faster (both fit: windows and documents < 2**31)
+    return (seg, np.concatenate(([0], np.cumsum(count.ravel()))), deferred, cw.ravel()), np.concatenate(left)
 
 
-def _cut_steps(body_len, out_len, out_at, S: int, budget: float, per_step: float) -> tuple[np.ndarray, np.ndarray]:
+def _steps_by_cost(seg, ptr, wc, order, *, S: int, G: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(seg_example, window_ptr)`` of :func:`pack_to_cost`'s full steps: each chunk's ``G * S`` windows sorted by
+    cost, highest first (equal ones in their order), cut into ``G`` steps, the steps in the order of their first
+    document in ``order``; each window keeps its documents in their order. ``seg``, ``ptr``, ``wc``: (segments,),
+    (windows + 1,), (windows,) the windows, chunk by chunk, and their costs. With ``S = 2, G = 2``, windows
+    costing ``[1, 4, 3, 2]`` make the steps ``[1, 2], [3, 0]`` (as old windows) where window 3's first document
+    comes before window 1's in ``order``, ``[3, 0]`` first."""
+    B, nw = G * S, ptr.size - 1
+    if nw == 0:
+        return seg, ptr
+    chunks = nw // B
+    wc = wc.reshape(chunks, B)
+    by_cost = np.argsort(-wc, axis=1, kind="stable")  # (chunks, B) windows, costliest first
+    rank = np.empty(int(order.max()) + 1, np.int64)  # each document's place in ``order``
+    rank[order] = np.arange(order.size)
+    first = np.minimum.reduceat(rank[seg], ptr[:-1]).reshape(chunks, B)  # each window's first document
+    step_first = np.take_along_axis(first, by_cost, axis=1).reshape(chunks, G, S).min(axis=2)
+    steps = np.argsort(step_first, axis=1, kind="stable")  # (chunks, G) the chunk's steps in order
+    wins = np.take_along_axis(by_cost.reshape(chunks, G, S), steps[:, :, None], axis=1)
+    wins = (wins + (np.arange(chunks) * B)[:, None, None]).ravel()  # the new window order, as old windows
+    counts = np.diff(ptr)[wins]
+    new_ptr = np.concatenate(([0], np.cumsum(counts)))
+    src = np.repeat(ptr[wins] - new_ptr[:-1], counts) + np.arange(int(new_ptr[-1]))
+    return seg[src], new_ptr
+
+
+def _cut_steps(body_len, out_len, out_at, S: int, budget: float, per_step: float,
+               carry: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(ends, seeds)``: the full steps of :func:`pack_to_cost`, step ``s`` taking the stream documents
     ``ends[s-1]:ends[s]`` and, when ``seeds[s] >= 0``, the outliers ``seeds[s]:seeds[s] + S``.
 
     ``body_len``: (b,) the stream's lengths; ``out_len``, ``out_at``: (o,) each outlier's length and the stream
     documents before it. A step takes ``budget`` tokens less its outliers' (at least one document a window they
     leave empty); the next ``S`` outliers open it once the last of them is at most ``per_step`` documents past
-    its start. The run that would reach the stream's end is no full step (the last steps take it). A Python loop
-    per step, each a binary search: ``_cut_steps([2, 2, 2, 2, 2], [], [], 1, 4.0, 9.0) -> ([2, 4], [-1, -1])``.
+    its start. The run that would reach the stream's end is no full step (the last steps take it). ``carry``
+    (planner 3): step ``s`` ends where the stream's tokens reach the budgets of steps ``0..s``, so what a step's
+    last document left short of its budget is taken by the next (else each step's run falls short of its budget
+    by half a document on average: 5.5% of a step at W = 2k, k = 1). A Python loop per step, each a binary
+    search: ``_cut_steps([2, 2, 2, 2, 2], [], [], 1, 4.0, 9.0) -> ([2, 4], [-1, -1])``.
     """
     ctok = np.concatenate(([0.0], np.cumsum(body_len, dtype=np.float64)))  # float: searchsorted takes a float key
     # without converting the array
@@ -439,12 +519,15 @@ def _cut_steps(body_len, out_len, out_at, S: int, budget: float, per_step: float
     last_at = np.asarray(out_at)[S - 1::S].tolist()
     ends, seeds = [], []
     pos = g = 0
+    goal = 0.0  # under ``carry``, the tokens the steps so far were to take
     while True:
         seed = g < len(group_len) and last_at[g] <= pos + per_step
         room = budget - (group_len[g] if seed else 0)
-        end = max(int(ctok.searchsorted(ctok[pos] + room, "right")) - 1, pos + (0 if seed else S))
+        base = goal if carry else ctok[pos]
+        end = max(int(ctok.searchsorted(base + room, "right")) - 1, pos + (0 if seed else S))
         if end >= n:
             break
+        goal = max(base + room, ctok[end])
         ends.append(end)
         seeds.append(g * S if seed else -1)
         g += seed
@@ -462,16 +545,19 @@ def _costliest_first(step_of, docs, C) -> tuple[np.ndarray, np.ndarray]:
     return step_of[at], docs[at]
 
 
-def _deal(step_of, n, c, cw, room, count, cap_w) -> np.ndarray:
+def _deal(step_of, n, c, cw, room, count, cap_w, tight: int = _NEVER) -> np.ndarray:
     """(m,) int64 window of each document (-1: none had room under the cap), placing the i-th document of every
     step at once; ``step_of``: (m,) grouped by step, each group in the order its documents are met; ``n``, ``c``:
-    (m,) their lengths and costs. ``cw``, ``room``, ``count``: (steps, S) each window's cost, room and documents,
-    updated; ``cap_w``: (steps,) a window's cost limit (an empty window takes any document).
+    (m,) their lengths and costs. ``cw``, ``room``, ``count``, ``cap_w``: (steps, S) each window's cost, room and
+    documents, updated, and its cost limit (an empty window takes any document).
 
     A document goes to the cheapest window with room (an empty one first; the first of equal ones), unless that
-    takes it over the cap. Steps are ranked by their number of documents, so the steps still placing at position
-    i are a prefix: position i costs a dozen numpy calls on that prefix, whatever the documents.
-    ``_deal([0, 0, 0], [3, 2, 2], [3., 2., 2.], zeros((1, 2)), full((1, 2), 4), zeros((1, 2)), [inf]) -> [0, 1, 1]``.
+    takes it over the cap; one of at least ``tight`` tokens (planner 3: a quarter window) goes to the fullest
+    window with room under the cap (best fit, so long documents pair tightly), or as the others where none is.
+    Steps are ranked by their number of documents, so the steps still placing at position i are a prefix:
+    position i costs a dozen numpy calls on that prefix, whatever the documents.
+    ``_deal([0, 0, 0], [3, 2, 2], [3., 2., 2.], zeros((1, 2)), full((1, 2), 4), zeros((1, 2)),``
+    ``full((1, 2), inf)) -> [0, 1, 1]``.
     """
     m = len(step_of)
     out = np.full(m, -1, np.int64)
@@ -484,20 +570,31 @@ def _deal(step_of, n, c, cw, room, count, cap_w) -> np.ndarray:
     start = (np.cumsum(counts) - counts)[ranked]  # each ranked step's first document
     active = np.searchsorted(-counts[ranked], -np.arange(counts.max()), side="left")  # steps still placing at i
     c_r, room_r, count_r, cap_r = cw[ranked], room[ranked], count[ranked], np.asarray(cap_w, np.float64)[ranked]
-    c_f, room_f, count_f = c_r.reshape(-1), room_r.reshape(-1), count_r.reshape(-1)
+    c_f, room_f, count_f, cap_f = c_r.reshape(-1), room_r.reshape(-1), count_r.reshape(-1), cap_r.reshape(-1)
     base = np.arange(ranked.size) * S
+    kc = np.where(count_r > 0, c_r, -1.0)  # each window's key, kept as it fills: its cost (an empty one first)
+    kt = np.where(count_r > 0, room_r, -1).astype(np.float64)  # and for best fit, its room (an empty one first)
+    kc_f, kt_f = kc.reshape(-1), kt.reshape(-1)
     for i, a in enumerate(active.tolist()):
         at = start[:a] + i
         ni, ci = n[at], c[at]
-        key = np.where(count_r[:a] > 0, c_r[:a], -1.0)  # an empty window first
-        key[room_r[:a] < ni[:, None]] = np.inf
-        w = key.argmin(axis=1)
+        w = kc[:a].argmin(axis=1)  # the cheapest window; where it has no room, the cheapest with room
+        full = np.flatnonzero(room_f[base[:a] + w] < ni)
+        if full.size:
+            w[full] = np.where(room_r[full] >= ni[full, None], kc[full], np.inf).argmin(axis=1)
+        big = np.flatnonzero(ni >= tight)  # to the fullest window it fits under the cap, if any
+        if big.size:
+            under = (room_r[big] >= ni[big, None]) & ((c_r[big] + ci[big, None] <= cap_r[big]) | (count_r[big] == 0))
+            wb = np.where(under, kt[big], np.inf).argmin(axis=1)
+            big, wb = big[under[np.arange(big.size), wb]], wb[under[np.arange(big.size), wb]]
+            w[big] = wb
         f = base[:a] + w
-        ok = (room_f[f] >= ni) & ((c_f[f] + ci <= cap_r[:a]) | (count_f[f] == 0))
+        ok = (room_f[f] >= ni) & ((c_f[f] + ci <= cap_f[f]) | (count_f[f] == 0))
         f, ci, ni = f[ok], ci[ok], ni[ok]
         c_f[f] += ci
         room_f[f] -= ni
         count_f[f] += 1
+        kc_f[f], kt_f[f] = c_f[f], room_f[f]
         out[at[ok]] = w[ok]
     cw[ranked], room[ranked], count[ranked] = c_r, room_r, count_r
     return out
@@ -658,3 +755,7 @@ def _miss_run(docs, sn, pos: int, past: int, room: int, most: int, pending, miss
     if run:
         pending += itertools.islice(docs, run)
     return misses + run
+
+
+#: Each cost-target planner a sampler state may name (:data:`PLANNER` the newest), by number.
+PLANNERS = {1: greedy_to_cost, 2: steps_to_cost, 3: pack_to_cost}

@@ -89,7 +89,7 @@ import weakref
 
 import numpy as np
 
-from .balance import PLANNER, compute_imbalance, cost_model, greedy_to_cost, lpt_assign, pack_to_cost, variation
+from .balance import PLANNER, PLANNERS, compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack, windows_plan
 from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
@@ -1340,7 +1340,8 @@ class _BatchSampler:
     def _read_state(self, state) -> tuple[int, _Point, int, int | None]:
         """``(epoch, position, batches done, planner)`` of a saved state, every field checked against this sampler
         (see :meth:`load_state_dict`); nothing is assigned. ``planner``: the cost-target planner whose windows the
-        state counts (a state without the field was saved by planner 1, :func:`packkit.balance.greedy_to_cost`)."""
+        state counts, its function in :data:`packkit.balance.PLANNERS` (a state without the field was saved by
+        planner 1, :func:`packkit.balance.greedy_to_cost`)."""
         f = StateFields(state, owner="sampler", versions=(STATE_VERSION,), legacy=1)
         name = type(self).__name__
         f.equal("sampler", name, f"the state is from another sampler: build a {f.state.get('sampler')} "
@@ -1716,7 +1717,8 @@ class PackedBatchSampler(_BatchSampler):
         if self.shuffle:
             order = order[rng.permutation(order.size)]
         used = self._lengths_used()
-        planner = pack_to_cost if self._planner == PLANNER else greedy_to_cost  # a run resumed keeps its windows
+        planner = pack_to_cost if self._planner == PLANNER else PLANNERS[self._planner]  # a run resumed keeps its
+        # windows
         tc = planner(used, order, window=self.window, step_windows=step, cost=self.cost, units=self.media_units)
         nw = tc.window_ptr.size - 1
         full = nw // step * step

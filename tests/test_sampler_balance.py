@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from packkit.balance import (CostModel, compute_imbalance, cost_model, greedy_to_cost, lpt_assign, pack_to_cost, step_figures,
-                             swap_refine, variation)
+                             steps_to_cost, swap_refine, variation)
 from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
 from packkit.waste import measure_waste
 
@@ -220,9 +220,12 @@ def test_cost_target_packer_one_window_per_rank():
     assert b.compute_imbalance < 1 + (a.compute_imbalance - 1) / 2
     t = greedy_to_cost([3, 3, 2, 2], [0, 1, 2, 3], window=5, step_windows=2, cost=CostModel(100))
     assert t.seg_example.tolist() == [0, 2, 1, 3] and t.window_ptr.tolist() == [0, 2, 4]
-    t = pack_to_cost([4, 3, 2, 1] * 3, range(12), window=10, step_windows=2, cost=CostModel(10))  # its docstring's
+    t = steps_to_cost([4, 3, 2, 1] * 3, range(12), window=10, step_windows=2, cost=CostModel(10))  # its docstring's
     assert [t.seg_example[a:b].tolist() for a, b in zip(t.window_ptr[:-1], t.window_ptr[1:])] == [
         [0, 1, 2], [4, 5, 6], [3, 8], [7, 9, 10], [11]]
+    t = pack_to_cost([6, 3, 2, 1] * 4, range(16), window=10, step_windows=2, cost=CostModel(10), chunk=16)  # its
+    assert [t.seg_example[a:b].tolist() for a, b in zip(t.window_ptr[:-1], t.window_ptr[1:])] == [  # docstring's
+        [0, 2, 3], [4, 6, 7], [8, 1], [12, 5], [9, 14, 15], [10, 11, 13]]
 
 
 def test_waste_random_batches_figures_match_a_numpy_count():
