@@ -13,9 +13,12 @@ measured here from the batches each rank gets (``sampler.schedule()``), not from
 * windows over the lower bound ``ceil(tokens / W)``;
 * plan time: building the sampler and its epoch (best of 3); for the cost-target packer at 1M documents
   (k = 1, W = 32k, dp 8) against ``--baseline``'s ``pack_to_cost`` (a named revision, loaded with ``git show``;
-  aaf59a2's is planner 1, one document at a time) in alternating pairs, garbage collected outside the clock, in
-  CPU time (``time.process_time``): medians, the spread of the pair ratios, the load average beside them, and
-  the imbalance and windows of each one's schedule.
+  aaf59a2's is planner 1, one document at a time, a166061's planner 2) in alternating pairs, garbage collected
+  outside the clock, in CPU time (``time.process_time``): medians, the spread of the pair ratios, the load
+  average beside them, and the imbalance and windows of each one's schedule;
+* the cost-target planners side by side (``balance="compute"``, k = 1 and 2, dp 8, W = 2k-32k): today's, the
+  baseline's and planner 1 (``greedy_to_cost``), on the same lengths: imbalance, windows over the lower bound,
+  examples/step CV.
 
 Policies, on the same windows (best-fit decreasing) unless said:
 
@@ -154,9 +157,9 @@ def plan_time(n: int, k: int, window: int = 8192, dp: int = 8) -> float:
 
 def plan_ab(n: int, rounds: int, baseline: str, window: int = 32768, dp: int = 8) -> dict:
     """The cost-target packer (``balance="compute"``, k = 1) planning ``n`` documents: today's
-    ``pack_to_cost`` (planner 2) against ``baseline``'s (``git show``; aaf59a2: planner 1, one document at a
-    time), alternating pairs, garbage collected outside the clock, CPU time; the whole sampler (plan + schedule)
-    and ``pack_to_cost`` alone; and what each schedule gives (imbalance, windows over the lower bound)."""
+    ``pack_to_cost`` (planner 3) against ``baseline``'s (``git show``; a166061: planner 2; aaf59a2: planner 1, one
+    document at a time), alternating pairs, garbage collected outside the clock, CPU time; the whole sampler (plan +
+    schedule) and ``pack_to_cost`` alone; and what each schedule gives (imbalance, windows over the lower bound)."""
     import packkit.sampler as sampler_module
 
     lengths = chat_lengths(n, seed=1)
@@ -192,12 +195,37 @@ def plan_ab(n: int, rounds: int, baseline: str, window: int = 32768, dp: int = 8
             "pack_to_cost": {"new": p_new, "old": p_old, "ratio_old_new": ratio_spread(p_old, p_new)}}
 
 
+def planners(lengths, baseline: str, dp: int = 8) -> list[dict]:
+    """The cost-target planners on the same lengths and sampler (``balance="compute"``, k = 1 and 2): today's
+    ``pack_to_cost``, ``baseline``'s and planner 1 (``greedy_to_cost``), from each one's schedule."""
+    import packkit.sampler as sampler_module
+    from packkit.balance import greedy_to_cost
+
+    ours = sampler_module.pack_to_cost
+    fns = {"today": ours, baseline: module_at(baseline, "packkit/balance.py").pack_to_cost, "planner 1": greedy_to_cost}
+    out = []
+    for window in (2048, 4096, 8192, 16384, 32768):
+        lower = -(-int(np.minimum(lengths, window).sum()) // window)
+        for k in (1, 2):
+            for name, fn in fns.items():
+                sampler_module.pack_to_cost = fn
+                try:
+                    sched = PackedBatchSampler(lengths, window=window, windows_per_batch=k, world_size=dp, rank=0,
+                                               seed=0, balance="compute", overflow="truncate", cost=COST).schedule()
+                finally:
+                    sampler_module.pack_to_cost = ours
+                f = figures(sched, lengths, window, dp)
+                out.append({"window": window, "k": k, "planner": name, "imbalance": f["imbalance"], "cv": f["cv"],
+                            "over_lower": f["windows"] / lower - 1})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200_000, help="documents (drawn with replacement past 17,545)")
     ap.add_argument("--plan-n", type=int, default=1_000_000, help="documents for the planning-time target")
-    ap.add_argument("--baseline", default="aaf59a2", help="revision whose pack_to_cost the 1M k=1 case runs against "
-                    "(aaf59a2: planner 1, one document at a time)")
+    ap.add_argument("--baseline", default="a166061", help="revision whose pack_to_cost the 1M k=1 case and the "
+                    "planners' table run against (a166061: planner 2; aaf59a2: planner 1, one document at a time)")
     ap.add_argument("--ab-rounds", type=int, default=5, help="alternating pairs for the 1M k=1 case")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
     args = ap.parse_args()
@@ -205,6 +233,7 @@ def main() -> None:
     rows = []
     for window, dp, k in CONFIGS:
         rows += run(lengths, window, dp, k)
+    table = planners(lengths, args.baseline)
     t_lpt = plan_time(args.plan_n, 8)
     ab = plan_ab(args.plan_n, args.ab_rounds, args.baseline)
     t_doc = ab["sampler"]["ratio_old_new"]["den_median"]
@@ -248,10 +277,24 @@ def main() -> None:
         print(f"{r['window']:>6} {r['dp']:>3} {r['k']:>3}  {r['policy']:<16} {r['imbalance']:>9.4f} {r['cv']:>10.3f} "
               f"{r['cv_vs_random']:>8.3f}x {r['windows']:>8,} {100 * r['over_lower']:>6.2f}% {r['queued']:>6} {plan:>7}")
     print()
+    print(f"cost-target planners, dp 8 (today, {args.baseline}, planner 1): imbalance, windows over the lower bound, "
+          f"examples/step cv")
+    for r in table:
+        print(f"{r['window']:>6} k={r['k']}  {r['planner']:<10} {r['imbalance']:.4f} {100 * r['over_lower']:+6.2f}% "
+              f"{r['cv']:.3f}")
+    for window in (2048, 4096, 8192, 16384, 32768):
+        for k in (1, 2):
+            t, p1 = (next(r for r in table if (r["window"], r["k"], r["planner"]) == (window, k, name))
+                     for name in ("today", "planner 1"))
+            checks.append((f"compute W={window // 1024}k dp 8 k={k}: imbalance and windows no worse than planner 1",
+                           t["imbalance"] <= p1["imbalance"] and t["over_lower"] <= p1["over_lower"],
+                           f"{t['imbalance']:.4f} vs {p1['imbalance']:.4f}, {100 * t['over_lower']:+.2f}% vs "
+                           f"{100 * p1['over_lower']:+.2f}%"))
+    print()
     for text, ok, value in checks:
         print(f"  {'met   ' if ok else 'MISSED'} {text}: {value}")
     emit_json({"bench": "balance", "n": args.n, "plan_n": args.plan_n, "versions": v, "rows": rows,
-               "plan_time_s": {"compute_k8_w8k": t_lpt, "compute_k1_w32k": t_doc}, "plan_ab_k1": ab,
+               "plan_time_s": {"compute_k8_w8k": t_lpt, "compute_k1_w32k": t_doc}, "plan_ab_k1": ab, "planners": table,
                "checks": [{"check": t, "met": ok, "value": val} for t, ok, val in checks]}, args.json_out)
 
 

@@ -342,7 +342,7 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
       the longest first, one per window (their tokens taken from the step's budget), once the last of them is
       within about a step of the run's start, so no rank carries one alone.
     * **Chunks**: ``G`` consecutive steps are dealt together, ``G = chunk // (documents a step meets)``, at least
-      1 and at most ``64 // step_windows``: their ``G * step_windows`` windows take the runs of all ``G``, so a gap
+      2 and at most ``64 // step_windows`` (at least 1): their ``G * step_windows`` windows take the runs of all ``G``, so a gap
       one step leaves is filled by a document of another (planner 2, :func:`steps_to_cost`, dealt each step alone).
     * **Windows**: each chunk's documents, costliest first, go one at a time to the chunk's cheapest window with
       room (an empty one first), unless that would take the window over ``1 + cap`` times its target: the
@@ -371,7 +371,7 @@ def pack_to_cost(lengths, order, *, window: int, step_windows: int, cost: CostMo
     L = np.asarray(lengths, np.int64)
     n_order = np.asarray(order).size
     per_step = int(step_windows) * window / max(1.0, float(L[np.asarray(order, np.int64)].mean()) if n_order else 1.0)
-    G = max(1, min(int(chunk) // max(1, int(per_step)), 64 // int(step_windows)))
+    G = max(1, min(max(2, int(chunk) // max(1, int(per_step))), 64 // int(step_windows)))
     return _to_cost(L, order, window=window, S=int(step_windows), cost=cost, outlier=outlier, fill=fill, cap=cap,
                     rounds=rounds, units=units, G=G, regroup=True)
 

@@ -108,7 +108,7 @@ def ref_planner3(lengths, order, *, window, step_windows, cost, outlier=0.25, fi
     out_q = [d for d in order if L[d] ** 2 / cost.cp_size > outlier * cost.linear * window]
     stream = [d for d in order if d not in set(out_q)]
     per_step = S * window / max(1.0, float(np.mean([L[d] for d in order])) if order else 1.0)
-    G = max(1, min(chunk // max(1, int(per_step)), 64 // S))
+    G = max(1, min(max(2, chunk // max(1, int(per_step))), 64 // S))
     before = [sum(1 for d in order[:order.index(o)] if d not in set(out_q)) for o in out_q]  # stream docs before
     # -- the full steps: runs of the stream up to the budgets of the steps so far, outliers opening some --
     ctok = [0.0]
