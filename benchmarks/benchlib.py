@@ -156,13 +156,16 @@ def ab_pairs(a, b, rounds: int, *, clock=time.perf_counter) -> tuple[list[float]
     return ta, tb
 
 
-def best_interleaved(fns: dict, repeats: int, *, clock=time.perf_counter) -> dict:
+def best_interleaved(fns: dict, repeats: int, *, clock=time.perf_counter, setup=None) -> dict:
     """The least seconds of one call of each of ``fns`` (name -> callable) over ``repeats`` rounds, the rounds
     interleaved (round 1 of every callable, then round 2, ...) so a burst of load hits all of them, garbage
-    collected before each call and disabled during it: ``{name: seconds}``. ``clock``: as :func:`ab_pairs`'."""
+    collected before each call and disabled during it: ``{name: seconds}``. ``clock``: as :func:`ab_pairs`'.
+    ``setup``: called before each call, off the clock (to undo what the last call left)."""
     best = {name: float("inf") for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if setup is not None:
+                setup()
             gc.collect()
             gc.disable()
             try:

@@ -37,7 +37,7 @@ from .binpack import check_overflow, check_seed, check_strategy, check_window, o
 from .cp import plan_batch
 from .cp_plan import check_cp_window, cp_multiples
 from .errors import check_int
-from .examples import ExampleBatch, read_batch, read_column
+from .examples import ExampleBatch, int_arrays, read_batch, read_column
 from .packer import gather_index
 from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, example_values, location,
                     row_segments, segment_key)
@@ -161,10 +161,15 @@ def rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num
     out_ids[dest] = input_ids
     out_labels = np.full(num_rows * width, IGNORE_INDEX, np.int64)
     out_labels[dest] = labels
-    starts = dest[csum[:-1]] if mask_first_label or spans else None  # every document's first token
+    # every document's first token; with spans, then the batch's end (csum's last entry, clipped, overwritten)
+    if spans:
+        doc_cu = dest.take(csum, mode="clip") if total else np.zeros(csum.size, np.int64)
+        doc_cu[-1] = num_rows * width
+        starts = doc_cu[:-1]
+    else:
+        doc_cu, starts = None, dest[csum[:-1]] if mask_first_label else None
     if mask_first_label:
         out_labels[starts] = IGNORE_INDEX
-    doc_cu = np.concatenate((starts, [num_rows * width])) if spans else None
     max_seqlen = int(all_lengths.max())
     num_real = int(all_lengths.size)
     if static_shape:
@@ -319,7 +324,8 @@ class _Collator:
             factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), seg_doc=seg_doc,
                                          values=values, whole=whole)
             return batch._weigh(weighting, cu=cu, seg_factor=_tensor(factors), z=z)
-        return batch._weigh(weighting, cu=cu, seg_doc=None if seg_doc is None else torch.tensor(seg_doc),
+        # seg_doc (a plan's, read-only) copied by numpy: torch.tensor's copy of an array costs four times as much
+        return batch._weigh(weighting, cu=cu, seg_doc=None if seg_doc is None else _tensor(seg_doc.copy()),
                             values=None if values is None else _tensor(values),
                             whole=None if whole is None else _tensor(whole),
                             num_docs=None if seg_doc is None else len(examples))
@@ -496,15 +502,14 @@ class PackedRowsCollator(_Collator):
             i = int(over[0])
             raise ValueError(f"{location(i, where)} is a packed row of {int(lengths[i])} tokens > "
                              f"window={self.window}; collate with the window it was packed for")
-        seg_lengths, seg_ptr = _row_segments(rows, lengths, where)
+        weighted = not self.loss_weighting.is_token_mean
+        seg_lengths, seg_ptr, whole = _row_segments(rows, lengths, where, whole=weighted)
         if self._doc_multiple > 1:
             self._check_cp(seg_lengths, seg_ptr, where)
-        weighted = not self.loss_weighting.is_token_mean
         batch, doc_cu = rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
                                          num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                                          mask_first_label=self.mask_first_label, static_shape=self.static_shape,
                                          max_segments=self.max_segments, spans=weighted)
-        whole = _example_loss(rows, seg_ptr, where) if weighted else None
         batch = self._weigh(batch, rows, seg_lengths.size, doc_cu=doc_cu, whole=whole)
         if self.cp_size > 1:  # planned here (a DataLoader worker), not by every rank's shard
             plan_batch(batch, cp_size=self.cp_size, cp_layout=self.cp_layout)
@@ -557,16 +562,42 @@ _SEGMENTS_MISSING = ("a packed row needs its segments (transformers.Trainer drop
                      "take examples that are not packed rows)")
 
 
-def _row_segments(rows, lengths: np.ndarray, where=None) -> tuple[np.ndarray, np.ndarray]:
-    """Segment lengths ``(S,)`` and row pointers ``(R + 1,)`` of packed rows, from their
-    ``seq_lengths`` or ``position_ids`` (:func:`packkit.rules.row_segments`), checked against the row
-    lengths. Every row must carry the same one of the two keys."""
+def _row_segments(rows, lengths: np.ndarray, where=None, *, whole: bool = False):
+    """``(seg_lengths, seg_ptr, whole)``: the segment lengths ``(S,)`` and row pointers ``(R + 1,)`` of packed
+    rows, from their ``seq_lengths`` or ``position_ids`` (:func:`packkit.rules.row_segments`), checked against the
+    row lengths; with ``whole``, each document's whole example's loss tokens ``(S,)`` where the rows record them
+    (:func:`_example_loss`), else None. Every row must carry the same one of the two keys.
+
+    The usual rows (``seq_lengths`` and ``example_loss`` 1-D integer arrays, as many of each in every row) are
+    read in one join of both columns (:func:`packkit.examples.int_arrays`): ``example_loss`` adds a list of the
+    rows' arrays and a comparison of their lengths, not a second join with its own checks (what a weighting adds
+    to the collate, ``benchmarks/bench_weighting.py``). Any other rows take the checked readers, which refuse
+    naming the row."""
     keys = set(rows.columns) if isinstance(rows, ExampleBatch) else set().union(*rows)
     key = segment_key(keys)
     if key is None:
         raise ValueError(f"{location(0, where)} has no 'seq_lengths' or 'position_ids'; {_SEGMENTS_MISSING}")
+    if whole and key == "seq_lengths" and "example_loss" in keys:
+        seq, loss = _column_parts(rows, key), _column_parts(rows, "example_loss")
+        flat = None if seq is None or loss is None else int_arrays(seq + loss)
+        counts = None if flat is None else list(map(len, seq))
+        if counts is not None and counts == list(map(len, loss)):
+            half = flat.size // 2
+            counts = np.fromiter(counts, np.int64, len(counts))  # (numpy finds a list's dtype element by element)
+            return (*row_segments(key, flat[:half], counts, lengths, rows=where), flat[half:])
     flat, counts = read_column(rows, key, missing=_SEGMENTS_MISSING, rows=where)
-    return row_segments(key, flat, counts, lengths, rows=where)
+    seg_lengths, seg_ptr = row_segments(key, flat, counts, lengths, rows=where)
+    return seg_lengths, seg_ptr, _example_loss(rows, seg_ptr, where) if whole else None
+
+
+def _column_parts(rows, key: str) -> list | None:
+    """Every row's ``key`` as given (``[row[key] for row in rows]``), or None when a row lacks it."""
+    if isinstance(rows, ExampleBatch):
+        return rows.columns.get(key)
+    try:
+        return [row[key] for row in rows]
+    except (KeyError, TypeError):
+        return None
 
 
 def _example_loss(rows, seg_ptr: np.ndarray, where=None):

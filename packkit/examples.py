@@ -491,6 +491,25 @@ def _locate_bad_part(parts: list, key: str, kind: str, rows) -> None:
                 raise not_integer(i, rows, key, kind, v)
 
 
+def int_arrays(xs: list) -> np.ndarray | None:
+    """``xs``, 1-D integer numpy arrays, joined into one new ``(T,)`` int64 array, or None where they are not all
+    that (a list, None, a float or uint64 dtype, a 0-d or 2-D array: the checked readers then name the example).
+    The usual column of numpy-formatted rows, read in three calls over the whole column (its types, its dtypes, one
+    ``np.concatenate`` whose result's ndim is the shapes' check), none per example.
+    ``int_arrays([np.array([2, 1]), np.array([3], np.int32)]) -> [2, 1, 3]``; ``int_arrays([[2, 1]]) -> None``.
+    """
+    if set(map(type, xs)) != {np.ndarray}:
+        return None
+    dtypes = {x.dtype for x in xs}
+    if not dtypes <= _INT_DTYPES or _UINT64 in dtypes:  # past int64 the cast would wrap
+        return None
+    try:  # a 0-d array, or arrays of unequal ndim, fail the join; 2-D arrays of one width join as 2-D
+        flat = np.concatenate(xs, dtype=np.int64, casting="unsafe")
+    except ValueError:
+        return None
+    return flat if flat.ndim == 1 else None
+
+
 def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndarray, np.ndarray]:
     """Another integer column of every example (``seq_lengths``, ``position_ids`` of packed rows):
     ``(values (T,) int64, lengths (n,) int64)``, read with the same rules as token ids' types.
@@ -504,11 +523,10 @@ def read_column(examples, key: str, *, missing: str, rows=None) -> tuple[np.ndar
         rows = examples.rows
         examples = list(examples)
     xs = _values(examples, key)
+    flat = int_arrays(xs)
+    if flat is not None:  # the usual rows (numpy-formatted datasets): one concatenation, checked at once
+        return flat, np.fromiter(map(len, xs), np.int64, len(xs))
     kinds = set(map(type, xs))
-    if kinds == {np.ndarray}:  # the usual rows (numpy-formatted datasets): one concatenation, checked at once
-        dtypes = {x.dtype for x in xs}
-        if dtypes <= _INT_DTYPES and _UINT64 not in dtypes and {x.ndim for x in xs} == {1}:
-            return np.concatenate(xs, dtype=np.int64, casting="unsafe"), np.fromiter(map(len, xs), np.int64, len(xs))
     if _NONE in kinds:
         i = next(i for i, x in enumerate(xs) if x is None)
         raise located(ExampleValueError, i, rows, f"has no {key!r}; {missing}")
