@@ -27,6 +27,7 @@ from .errors import ArgumentError, DataError, Message, MissingError, PackkitErro
 from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow, read_npy, read_parquet,
                       read_text, replay, text_byte_lengths, text_tables)
 from .rules import ExampleTypeError, located, not_integer, segment_key
+from .sample import SAMPLE_PATH, bundled_sample  # noqa: F401 - their home is packkit.sample, off the readers
 from .segments import lengths_to_offsets, range_index
 from .tokenizer import load_tokenizer, release_freed, rust_tokenizer, tokenize, tokenizer_name
 
@@ -47,9 +48,6 @@ INPUTS = {
 
 #: Suffix -> the format's name in messages.
 FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
-
-SAMPLE_PATH = Path(__file__).with_name("data") / "sample_lengths.npy"
-
 
 def input_format(path) -> str:
     """How ``path`` is read, by its suffix (the one place an input's format is chosen): ``"folder"`` (a
@@ -513,12 +511,6 @@ class Input:
                     targets = targets[range_index(lengths_to_offsets(docs)[:-1][order], docs[order])]
                 docs = docs[order]
         return (lengths if docs is None else docs), targets, how, source
-
-
-def bundled_sample() -> Lengths:
-    """The bundled sample of real lengths (``packkit/data/README.md`` says how it was made)."""
-    lengths = np.load(SAMPLE_PATH).astype(np.int64)
-    return Lengths(lengths, "bundled sample: CPython's own docs as instruction examples", "bytes")
 
 
 def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",

@@ -127,6 +127,10 @@ LAZY = {
     "packkit.listcolumns": "the readers of Arrow list columns, for a file not read",
     "numpy.ma": "np.percentile's np.unique imports it (10 ms of CPU) for waste's median, p90 and p99",
     "shutil": "argparse's HelpFormatter imports it (with lzma and bz2) for the terminal width, per add_argument",
+    "packkit.datafiles": "the door in (34 KB to compile), for the bundled sample or --synthetic: no file is read",
+    "packkit.jsonlines": "the JSON-lines engine (20 KB), through datafiles, for no file",
+    "packkit.readers": "the readers of parquet, arrow, npy and text (12 KB), through datafiles, for no file",
+    "packkit.tokenizer": "the tokenizers (16 KB), through datafiles, for no text",
 }
 
 

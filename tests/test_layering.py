@@ -29,7 +29,7 @@ FLOORS = [
     # the epoch a sampler deals, CP shards
     ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "epoch", "cp", "media"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
-    ["packer", "loss", "budget", "waste", "datafiles", "columnar", "outputs"],
+    ["packer", "loss", "budget", "waste", "datafiles", "sample", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],
     ["offline"],
     ["raydata", "planned"],

@@ -4,9 +4,11 @@ columns, ``--split``, and the tokenizer with its chat-template options."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from ..choices import CHAT_FORMATS
-from ..datafiles import Lengths, read_lengths
+from ..epoch import Lengths
+from ..sample import bundled_sample
 
 
 def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional: bool = False, column: bool = True,
@@ -53,7 +55,19 @@ def chat_options(args: argparse.Namespace, *, num_proc: int | None = None):
 
 def input_lengths(args: argparse.Namespace) -> Lengths:
     """The lengths of the input the options above name (:func:`packkit.datafiles.read_lengths`), as ``waste`` and
-    ``plan`` measure them (no input: the bundled sample, which has no chat to render)."""
+    ``plan`` measure them (no input: the bundled sample, which has no chat to render, read without the readers)."""
+    if args.input is None:
+        return bundled_sample()
+    from ..datafiles import read_lengths  # lazy: the readers, off the start of waste and plan without a file
     return read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
-                        split=args.split, chat=None if args.input is None else chat_options(args),
+                        split=args.split, chat=chat_options(args),
                         progress=not (args.quiet or args.json))
+
+
+def lines_named(path):
+    """:func:`packkit.datafiles.lines_named` for a file (an error about a row names its line); nothing without one
+    (the bundled sample, ``--synthetic``: no line to name, and the readers stay off the command's start)."""
+    if path is None:
+        return contextlib.nullcontext()
+    from ..datafiles import lines_named  # lazy: the readers, for a file only
+    return lines_named(path)

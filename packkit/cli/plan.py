@@ -8,8 +8,8 @@ from . import (DEFAULT_WINDOW, Parser, UsageError, add_cp_arguments, add_dealing
                add_window_arguments)
 from ..binpack import PLAN_BYTES_PER_ITEM, check_seed, check_window, memory_available
 from ..budget import AdviceOptions, plan_budget, synthetic_sft_lengths
-from ..datafiles import Lengths, lines_named
-from ._chat import add_input_arguments, input_lengths
+from ..epoch import Lengths
+from ._chat import add_input_arguments, input_lengths, lines_named
 from ._weighting import add_weighting_arguments, weighting_report
 
 #: The library's argument names that this command spells otherwise.

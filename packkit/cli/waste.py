@@ -7,11 +7,10 @@ import json
 from . import (DEFAULT_OVERFLOW, Parser, add_cp_arguments, add_dealing_arguments, add_output_switches,
                add_window_arguments, require)
 from ..binpack import check_seed, check_window
-from ..datafiles import lines_named, load_table, read_preference_lengths
 from ..errors import ArgumentError, DataError, arg
 from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
                      plot_waste, preference_waste)
-from ._chat import add_input_arguments, input_lengths
+from ._chat import add_input_arguments, input_lengths, lines_named
 
 
 class _Default(str):
@@ -94,6 +93,7 @@ def _preference(args) -> int:
     overflow = "drop" if isinstance(args.overflow, _Default) else args.overflow  # a pair is never split
     if overflow not in PREFERENCE_OVERFLOW:  # refused before the file is read
         preference_waste([0], [1], [1], window=args.window, overflow=overflow)
+    from ..datafiles import read_preference_lengths  # lazy: the readers, off the start of waste without a file
     with lines_named(args.input):  # a pair is a row: its line too
         prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split,
                                                                    tokenizer=args.tokenizer,
@@ -113,6 +113,7 @@ def _turns(args) -> int:
     if args.input is None or args.tokenizer in (None, "bytes"):
         raise ArgumentError("{turns} renders the conversations of FILE through a chat template: give FILE and "
                             "{tok}", turns=arg("turns"), tok=arg("tokenizer", "PATH_OR_ID"))
+    from ..datafiles import load_table  # lazy: the readers, off the start of waste without a file
     from ..prefixtree import turn_tokens  # lazy: torch, only for --turns
 
     with lines_named(args.input):  # a conversation is a row: its line too
