@@ -37,6 +37,7 @@ import numbers
 import numpy as np
 
 from .errors import ArgumentError, arg, check_int
+from .records import record
 
 __all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "step_figures", "lpt_assign", "swap_refine",
            "pack_to_cost", "steps_to_cost", "greedy_to_cost", "PLANNER", "PLANNERS", "ToCost", "cost_model"]
@@ -45,7 +46,7 @@ __all__ = ["CostModel", "DEFAULT_LINEAR", "compute_imbalance", "variation", "ste
 DEFAULT_LINEAR = 24576.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class CostModel:
     """``cost(L) = linear * L + L**2 / cp_size + per_unit * units`` per document; a rank's cost is the sum over
     its documents.
@@ -307,7 +308,7 @@ def swap_refine(cost, rank_of, ranks: int) -> tuple[np.ndarray, bool]:
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class ToCost:
     """Windows built step by step by :func:`pack_to_cost` (or :func:`greedy_to_cost`), in training order.
 

@@ -55,6 +55,7 @@ import numpy as np
 
 from .choices import DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES
 from .errors import ArgumentError, DataError, Message, Where, arg, check_choice, check_int
+from .records import record
 from .rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
@@ -215,7 +216,7 @@ def overflow_note(overflow: str, *, over: int, examples: int, cut: int, tokens: 
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@record(eq=False)
 class Plan:
     """Which segment of which example goes into which window, as flat (CSR) index arrays.
 
@@ -475,7 +476,7 @@ def windows_plan(seg_length: np.ndarray, window_ptr: np.ndarray, *, window: int,
                 overflow="error", seed=None, overflow_examples=empty, dropped_examples=empty, cut_tokens=0)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@record(eq=False)
 class Pieces:
     """Examples after an overflow policy: the items a planner packs, each of ``1..W`` tokens.
 

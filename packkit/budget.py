@@ -44,6 +44,7 @@ from .binpack import DEFAULT_OVERFLOW, Plan, check_window, overflow_note
 from .cp_plan import check_cp_window, cp_multiples
 from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object
 from .errors import Message, arg, check_int
+from .records import record
 from .sampler import batch_sums
 
 __all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "advise", "MicroBatchSearch",
@@ -55,7 +56,7 @@ __all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions",
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Advice:
     """One piece of advice: a stable ``code``, a message with the numbers, and the numbers themselves."""
 
@@ -91,7 +92,7 @@ class BudgetWarning(UserWarning):
         self.code = advice.code
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Spread:
     """Mean, standard deviation, min and max of a per-step quantity: ``Spread.of([1, 3]).mean -> 2.0``."""
 
@@ -108,7 +109,7 @@ class Spread:
         return cls(float(v.mean()), float(v.std()), float(v.min()), float(v.max()))
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class BudgetReport:
     """What one epoch looks like at a given effective batch.
 
@@ -260,7 +261,7 @@ def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> t
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class AdviceOptions:
     """The thresholds of :func:`advise` (module docstring), and whether :func:`plan_budget` warns.
 
@@ -525,7 +526,7 @@ def _free_memory() -> None:
         pass
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class MicroBatchSearch:
     """``batch_size``: the largest that fit; ``attempts``: calls made; ``trials``: ``(size, fitted)`` in order."""
 

@@ -46,6 +46,7 @@ import numpy as np
 from .binpack import Plan, pack
 from .choices import CP_LAYOUTS
 from .errors import ArgumentError, arg, check_choice, check_int
+from .records import record
 from .segments import lengths_to_offsets, range_index
 
 __all__ = ["LAYOUTS", "CPPlan", "plan_cp", "causal_work", "cp_padding", "cp_multiples", "check_cp_window",
@@ -75,7 +76,7 @@ def causal_work(length, offset=0):
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@record(eq=False)
 class CPPlan:
     """Where every token of one packed batch goes in a CP group, from segment lengths alone.
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .binpack import Plan, apply_overflow, as_lengths, check_overflow, pack, windows_plan
 from .errors import DataError, arg
+from .records import record
 from .rules import check_loss_lengths
 from .segments import lengths_to_offsets, piece_loss_tokens
 
@@ -23,7 +24,7 @@ __all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "packed_units", "padd
            "windows_plan"]
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Lengths:
     """Example lengths and where they came from.
 
@@ -107,7 +108,7 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
                 raise
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Dealt:
     """An epoch as a sampler deals it: ``per_step(values)`` sums ``values`` (one per example the sampler
     deals) over every rank of each optimiser step; ``full`` marks the full steps (``drop_last``: only those
@@ -162,7 +163,7 @@ class Dealt:
         return int((np.asarray(unit_loss) == 0).sum()), int((self.per_step(values, sums=sums) == 0).sum())
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class Units:
     """What a sampler deals for ``packkit plan`` and ``packkit waste``, one entry per example it deals (a piece
     when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (1 where a piece starts its example) and

@@ -93,6 +93,7 @@ from .balance import PLANNER, PLANNERS, compute_imbalance, cost_model, lpt_assig
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack, windows_plan
 from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
+from .records import record
 from .rules import check_loss_lengths
 from .segments import lengths_to_offsets, range_index
 from .states import StateFields
@@ -112,7 +113,7 @@ STATE_VERSION = 2  # of the dict state_dict() writes (1: an older packkit's per-
 CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class SamplerOptions:
     """How every sampler cuts an epoch into steps and deals them to the ranks (the module docstring tells
     the whole story). Pass ``options=SamplerOptions(...)``, or any field as a keyword of a sampler
@@ -471,7 +472,7 @@ class ResumeWarning(UserWarning):
     """
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class EpochStats:
     """The figures of one epoch, over all ranks.
 
@@ -524,7 +525,7 @@ class EpochStats:
     cut_tokens: int = 0
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@record(eq=False)
 class _Sequence:
     """An epoch as a world-size-free sequence of *units* (windows, or batches), ``step`` units a step.
 
@@ -547,7 +548,7 @@ class _Sequence:
         return int(self.ptr.size - 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class _Point:
     """Where a pass starts in a sequence of ``seq_step`` units a step (``None``: this run's step size).
 
@@ -568,7 +569,7 @@ class _Point:
         return self.rows == 0 and self.mask == 0
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@record(eq=False)
 class Schedule:
     """Batches of every rank from a position on, row-major: batch ``i * world_size + r`` is rank ``r``'s
     ``i``-th (a *row* is one micro-batch on every rank).

@@ -48,6 +48,7 @@ from .cp_plan import check_cp_window, cp_multiples
 from .epoch import Dealt, Units, deal, packed_units, read_lengths_object, windows_plan
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .progress import progress_bar
+from .records import record
 from .sampler import LengthGroupedSampler, batch_sums
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "format_table",
@@ -67,7 +68,7 @@ LABELS = {
 PROGRESS_EXAMPLES = 200_000
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class StrategyWaste:
     """The figures of one strategy over one epoch.
 
@@ -117,7 +118,7 @@ class StrategyWaste:
         return self.real_tokens / self.steps if self.steps else 0.0
 
 
-@dataclasses.dataclass(frozen=True)
+@record
 class WasteReport:
     """Every strategy's figures over the same lengths, and how those lengths were made.
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
-     "integrations", "integrations.transformers"],
+     "integrations", "integrations.transformers", "records"],
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
     ["fileio", "jsonlines", "readers", "tokenizer", "chatrender", "binpack", "batch", "kernels.flash_varlen",
