@@ -853,7 +853,7 @@ def test_a_stop_signal_outside_the_command_body_is_one_line(monkeypatch, capsys,
     import packkit.cli as cli
     from packkit.interrupts import Interrupted
 
-    def stopped(argv):
+    def stopped(argv, *rest):
         raise Interrupted(signum)
 
     monkeypatch.setattr(cli, "_main", stopped)
