@@ -292,8 +292,7 @@ def _top(argv: list[str]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    process = argv is None  # the command is the process (``packkit``, ``python -m packkit.cli``), not a call
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, process = list(sys.argv[1:] if argv is None else argv), argv is None  # process: packkit, python -m
     try:
         with signals_raise():  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
             return _main(argv, process)
@@ -333,12 +332,9 @@ def _main(argv: list[str], process: bool = False) -> int:
 
 
 def _import_command(module: str, *, process: bool = False):
-    """The command's module, imported with the cyclic garbage collector paused: the import (numpy's among it)
-    allocates objects that live as long as the process, and the collections among them were 3.5% of
-    ``packkit plan --synthetic``'s instructions (22 M of 642 M under valgrind). When the command is the process
-    (``process``), what exists then is frozen too (:func:`gc.freeze`): the collections that the command's own work
-    triggers traversed it all again, 7% of ``plan --synthetic``'s instructions (533 M -> 494 M). Not in a call of
-    :func:`main` from Python: the caller's garbage cycles would never be collected."""
+    """The command's module, imported with the collector paused (collections among its objects, which live as long as
+    the process, were 3.5% of ``plan --synthetic``'s instructions) and, as the ``process``, frozen (``gc.freeze``:
+    the command's collections traversed them again, 533 M -> 494 M); not for a caller of main (its cycles stay)."""
     collecting = gc.isenabled()
     gc.disable()
     try:

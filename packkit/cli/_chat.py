@@ -65,8 +65,7 @@ def input_lengths(args: argparse.Namespace) -> Lengths:
 
 
 def lines_named(path):
-    """:func:`packkit.datafiles.lines_named` for a file (an error about a row names its line); nothing without one
-    (the bundled sample, ``--synthetic``: no line to name, and the readers stay off the command's start)."""
+    """:func:`packkit.datafiles.lines_named` for a file; nothing without one (no line to name, no readers)."""
     if path is None:
         return contextlib.nullcontext()
     from ..datafiles import lines_named  # lazy: the readers, for a file only
