@@ -584,7 +584,8 @@ def _row_segments(rows, lengths: np.ndarray, where=None, *, whole: bool = False)
         if counts is not None and counts == list(map(len, loss)):
             half = flat.size // 2
             counts = np.fromiter(counts, np.int64, len(counts))  # (numpy finds a list's dtype element by element)
-            return (*row_segments(key, flat[:half], counts, lengths, rows=where), flat[half:])
+            segments = row_segments(key, flat[:half], counts, lengths, rows=where)
+            return (*segments, _whole_counts(flat[half:], segments[1], where))
     flat, counts = read_column(rows, key, missing=_SEGMENTS_MISSING, rows=where)
     seg_lengths, seg_ptr = row_segments(key, flat, counts, lengths, rows=where)
     return seg_lengths, seg_ptr, _example_loss(rows, seg_ptr, where) if whole else None
@@ -613,7 +614,19 @@ def _example_loss(rows, seg_ptr: np.ndarray, where=None):
         i = int(np.argmax(bad))
         raise ValueError(f"{location(i, where)} has {int(counts[i])} example_loss for {int(seg_ptr[i + 1] - seg_ptr[i])} "
                          "documents (seq_lengths); they must match")
-    return flat
+    return _whole_counts(flat, seg_ptr, where)
+
+
+def _whole_counts(whole: np.ndarray, seg_ptr: np.ndarray, where=None) -> np.ndarray:
+    """``whole`` (each document's whole example's loss tokens), refused naming the row where one is negative:
+    a negative count would weigh its tokens negatively, silently (rows edited or written outside packkit)."""
+    if whole.size and whole.min() < 0:
+        d = int(np.argmax(whole < 0))
+        i = int(np.searchsorted(seg_ptr, d, side="right")) - 1
+        raise ValueError(f"{location(i, where)} records example_loss {int(whole[d])} for its document "
+                         f"{d - int(seg_ptr[i])}: a count of loss tokens is never negative; write the rows again "
+                         "with packkit pack (or pack_dataset(example_ids=True))")
+    return whole
 
 
 class PaddedCollator(_Collator):

@@ -93,6 +93,21 @@ def test_a_missing_or_unreadable_count_is_refused_naming_the_row(bad, says):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("form", ["int32", "lists"])
+def test_a_negative_count_is_refused_naming_the_row(form):
+    """A negative whole-example count (rows edited, or written outside packkit) would weigh that document's loss
+    tokens negatively: training would push its loss up, silently. Refused, naming the row and the document, in
+    the join and in the checked readers alike. Fails before (the batch was made)."""
+    r = rows()
+    r[1]["example_loss"] = np.array([-4], np.int32)
+    if form == "lists":
+        r = [{k: v.tolist() for k, v in row.items()} for row in r]
+    with pytest.raises(ValueError, match=r"^example 1 records example_loss -4 for its document 0: a count of loss "
+                                         r"tokens is never negative; write the rows again") as e:
+        PackedRowsCollator(window=WINDOW, loss_weighting="sample")(r)
+    assert "\n" not in str(e.value)
+
+
 def test_the_token_mean_reads_no_example_loss():
     """Under the token mean nothing weighs by example: the column is not read (a wrong one is not refused)."""
     r = rows()
