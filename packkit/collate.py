@@ -170,16 +170,10 @@ def rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num
         doc_cu, starts = None, dest[csum[:-1]] if mask_first_label else None
     if mask_first_label:
         out_labels[starts] = IGNORE_INDEX
-    max_seqlen = int(all_lengths.max())
+    max_seqlen = width if static_shape else int(all_lengths.max())
     num_real = int(all_lengths.size)
     if static_shape:
-        if max_segments is None:
-            raise ValueError("static_shape=True needs max_segments (the fixed number of segments of every batch)")
-        if cu.size - 1 > max_segments:
-            raise ValueError(f"this batch has {cu.size - 1} segments (padding tails included) > "
-                             f"max_segments={max_segments}; raise max_segments")
-        cu = np.concatenate([cu, np.full(max_segments + 1 - cu.size, cu[-1], np.int32)])
-        max_seqlen = width
+        cu = _static_cu(cu, max_segments)
     shape = (num_rows, width)
     mask = None
     if attention_mask:
@@ -200,6 +194,16 @@ def rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, *, width: int, num
         labels_shifted=not mask_first_label,
     )
     return batch, doc_cu
+
+
+def _static_cu(cu: np.ndarray, max_segments: int | None) -> np.ndarray:
+    """``cu`` padded to ``max_segments + 1`` entries (zero-length segments at the end): every batch one shape."""
+    if max_segments is None:
+        raise ValueError("static_shape=True needs max_segments (the fixed number of segments of every batch)")
+    if cu.size - 1 > max_segments:
+        raise ValueError(f"this batch has {cu.size - 1} segments (padding tails included) > "
+                         f"max_segments={max_segments}; raise max_segments")
+    return np.concatenate([cu, np.full(max_segments + 1 - cu.size, cu[-1], np.int32)])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_num_proc_gives_the_same_table(tok_dir):
 @pytest.mark.slow  # processes
 @pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
 def test_forked_workers_read_the_encoder_without_a_pickle(tok_dir, monkeypatch):
-    """Regression (issue 34): each ``num_proc`` worker got the encoder pickled, its tokenizer with it (0.43 s to
+    """Regression (chat tokenizing speed): each ``num_proc`` worker got the encoder pickled, its tokenizer with it (0.43 s to
     pickle and 1.33 s to rebuild a worker with Qwen3's tokenizer: most of what ``num_proc=2`` cost over one
     process). Forked workers read the parent's encoder and table: the encoder cannot be pickled here, and the table
     is the one process's."""

@@ -30,7 +30,7 @@ def whole_of(batch) -> list:
 
 
 def test_example_loss_is_read_in_the_join_of_seq_lengths():
-    """Regression (issue 31's collate overhead, 4.6% hot and 8.87% in bench_weighting's replay for packed rows with
+    """Regression (the weights' collate overhead, 4.6% hot and 8.87% in bench_weighting's replay for packed rows with
     example_loss): the column was read by a second pass of its own (its keys, a list, three type checks, a join,
     a per-row count check in numpy). Now both columns are one ``np.concatenate``: the documents' lengths and
     their whole examples' loss tokens are views of one buffer. Fails before (no such read)."""

@@ -352,7 +352,7 @@ def test_one_hybrid_rank_reads_no_places_in_the_padded_stream(monkeypatch):
 
 
 def test_planning_a_hybrid_row_takes_steps_per_run_not_per_document():
-    """Issue 34: the hybrid plans a row of thousands of short documents with no Python step a document: rows of
+    """CP sharding at the speed of a plain zigzag: the hybrid plans a row of thousands of short documents with no Python step a document: rows of
     1,000 and 10,000 documents of the same 26 lengths take the same number of Python calls (one step a run)."""
     import sys
 
