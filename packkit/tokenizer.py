@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from .allocators import release_freed
 from .arrow import byte_tokenize, list_array, pyarrow
 from .errors import ArgumentError, DataError, Where, arg
 from .progress import progress_bar
@@ -232,26 +233,6 @@ def tokenizer_name(tokenizer) -> str:
 #: with Qwen3's tokenizer on ShareGPT text: 2.0 MiB at 64 Ki characters (33 bytes a character, 38x its tokens as
 #: int32), 8 MiB at 256 Ki, 27 MiB at 1 Mi, 77 MiB at 4 Mi, and the same CPU time from 64 Ki to 4 Mi a call.
 TOKENIZE_CALL_CHARS = 1 << 16
-
-
-_MALLOC_TRIM: list = []  # glibc's malloc_trim once looked up (None: another C library)
-
-
-def release_freed() -> None:
-    """Hand back to the system the memory freed but kept by the allocators: glibc's ``malloc_trim(0)`` (the
-    arenas of a tokenizer's threads keep what each call freed: 14 MiB after 4 MB of text with Qwen3's tokenizer,
-    measured) and pyarrow's pool (``release_unused``: mimalloc keeps the pages of the chunks freed). Called once a
-    tokenized chunk is made; 16 calls took 30 ms in all for 4 MB of text. A no-op for glibc's part elsewhere."""
-    if not _MALLOC_TRIM:
-        import ctypes
-
-        try:
-            _MALLOC_TRIM.append(getattr(ctypes.CDLL(None), "malloc_trim", None))
-        except (OSError, TypeError):  # no C library to load by name None (Windows)
-            _MALLOC_TRIM.append(None)
-    if _MALLOC_TRIM[0] is not None:
-        _MALLOC_TRIM[0](0)
-    pyarrow().default_memory_pool().release_unused()
 
 
 def text_calls(sizes, limit: int) -> list:

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Bottom to top. A module may import from its own floor (without a circle) or any floor below.
 FLOORS = [
     # the ground: nothing from packkit
-    ["segments", "errors", "arrow", "progress", "interrupts", "kernels.varlen_layout", "kernels.flash_varlen_kernels",
-     "integrations", "integrations.transformers", "records"],
+    ["segments", "errors", "arrow", "progress", "interrupts", "allocators", "kernels.varlen_layout",
+     "kernels.flash_varlen_kernels", "integrations", "integrations.transformers", "records"],
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
     ["fileio", "jsonlines", "readers", "tokenizer", "chatrender", "binpack", "batch", "kernels.flash_varlen",

@@ -355,8 +355,8 @@ def test_pack_hands_back_what_each_chunk_freed(tok_dir, tmp_path, monkeypatch, c
     system (glibc's malloc_trim, pyarrow's pool) before the next chunk is read. The allocators keep it otherwise:
     the arenas of the tokenizer's threads and mimalloc's pages grew with the file (Qwen3's tokenizer, 16 MB of text:
     35 MiB over the warm command with it, 53 MiB without, chunks of 256 KiB both)."""
+    import packkit.allocators as allocators
     import packkit.datafiles as datafiles
-    import packkit.tokenizer as tokenizer
 
     events = []
     real_release, real_text = datafiles.release_freed, datafiles.text_tables
@@ -375,5 +375,41 @@ def test_pack_hands_back_what_each_chunk_freed(tok_dir, tmp_path, monkeypatch, c
     assert events.count("read") > 5
     assert events == ["read", "release"] * events.count("read"), events  # each chunk's, before the next is read
     if sys.platform.startswith("linux"):
-        assert tokenizer._MALLOC_TRIM[0] is not None  # glibc's trim found, not a no-op
+        assert allocators.glibc() is not None  # glibc's trim found, not a no-op
     capsys.readouterr()
+
+
+
+_POOL_AFTER_PACK = """
+import sys
+from packkit.cli import main
+assert main(sys.argv[1:]) == 0
+import pyarrow as pa
+print(pa.default_memory_pool().backend_name)
+"""
+
+
+def _pool_after_pack(tmp_path, tokenizer: str) -> str:
+    """pyarrow's default pool once ``packkit pack IN OUT --tokenizer T`` ran in a fresh process."""
+    import subprocess
+
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(_texts(400, seed=7)) + "\n")
+    out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}.arrow"
+    got = subprocess.run([sys.executable, "-c", _POOL_AFTER_PACK, "pack", str(src), str(out), "-w", "4096", "-q",
+                          "--tokenizer", tokenizer], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)  # the packkit installed (or on PYTHONPATH), not one in the current folder
+    assert got.returncode == 0, got.stderr[-2000:]
+    return got.stdout.split()[-1]
+
+
+def test_pack_with_a_tokenizer_allocates_arrow_from_the_system_pool(tok_dir, tmp_path):
+    """`pack --tokenizer T` puts pyarrow's default pool on the system allocator: mimalloc (pyarrow's default) kept the
+    pages the text chunks freed after ``release_unused`` (Qwen3's tokenizer, 4 MB of ShareGPT text: 32.5-35.0 MiB
+    peak over the warm command at a166061, 27.4-28.9 with the system pool), which ``malloc_trim`` hands back.
+    Before: mimalloc (fails). ``bytes`` runs no tokenizer and leaves the process's pool as it is."""
+    pool = _pool_after_pack(tmp_path, str(tok_dir))
+    default = _pool_after_pack(tmp_path, "bytes")
+    print(f"pool after pack --tokenizer: {pool}; after --tokenizer bytes: {default}")
+    assert pool == "system"
+    assert default != "system" or os.environ.get("ARROW_DEFAULT_MEMORY_POOL") == "system"

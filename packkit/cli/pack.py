@@ -24,6 +24,7 @@ from ..mediarows import MEDIA_FORMATS, media_columns, refuse_media
 from ..progress import progress_bar
 from ..readers import parquet_dataset
 from ..sources import ArrowSource
+from ..allocators import bound_allocators
 from ..outputs import FORMATS, documents_lost, output_format, write_packed
 from ._chat import add_input_arguments, chat_options
 
@@ -95,6 +96,8 @@ def run(args, options=None) -> int:
 
 def _run(args, options) -> int:
     inp, out, fmt, buffer_bytes, columns = _checks(args)
+    if args.tokenizer not in (None, "bytes"):  # pyarrow on the system allocator: what text chunks free goes back
+        bound_allocators()
     if fmt.name in MEDIA_FORMATS and _media_in(inp):
         return _pack_media(args, inp, out, fmt, columns, buffer_bytes)
     quiet = args.quiet or args.json

@@ -24,6 +24,7 @@ from ..datafiles import (Input, lines_named, load_table, preference_columns, rea
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
+from ..allocators import bound_allocators
 from ..tokenizer import tokenizer_name
 from ..outputs import example_suffixes, output_format, write_batches
 from ._chat import add_input_arguments, chat_options
@@ -55,6 +56,8 @@ def run(args, options=None) -> int:
     a memory-mapped IN truncated under the read was a SIGBUS)."""
     inp = Input(args.input, tokenizer=args.tokenizer, text_column=args.text_column, split=args.split,
                 chat=chat_options(args, num_proc=args.num_proc))
+    if args.tokenizer not in (None, "bytes"):  # pyarrow on the system allocator: what text chunks free goes back
+        bound_allocators()
     with held_still([inp.path]):
         return _run(args, inp)
 
