@@ -29,10 +29,12 @@ def glibc():
     return _GLIBC[0]
 
 
-def bound_allocators() -> None:
-    """pyarrow's default pool on the system allocator for the rest of the process (a command's own, that
-    tokenizes): what the text chunks free goes back with :func:`release_freed`'s ``malloc_trim``, where mimalloc kept
-    its pages after ``release_unused``."""
+def bound_allocators(tokenizer) -> None:
+    """pyarrow's default pool on the system allocator for the rest of the process (a command's own) when it
+    tokenizes with ``tokenizer`` (None or ``"bytes"``: nothing changes): what the text chunks free goes back with
+    :func:`release_freed`'s ``malloc_trim``, where mimalloc kept its pages after ``release_unused``."""
+    if tokenizer in (None, "bytes"):
+        return
     import pyarrow as pa
 
     pa.set_memory_pool(pa.system_memory_pool())

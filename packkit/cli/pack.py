@@ -96,8 +96,7 @@ def run(args, options=None) -> int:
 
 def _run(args, options) -> int:
     inp, out, fmt, buffer_bytes, columns = _checks(args)
-    if args.tokenizer not in (None, "bytes"):  # pyarrow on the system allocator: what text chunks free goes back
-        bound_allocators()
+    bound_allocators(args.tokenizer)  # a tokenizer named: pyarrow on the system allocator, for the rest of the process
     if fmt.name in MEDIA_FORMATS and _media_in(inp):
         return _pack_media(args, inp, out, fmt, columns, buffer_bytes)
     quiet = args.quiet or args.json

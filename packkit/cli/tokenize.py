@@ -56,8 +56,7 @@ def run(args, options=None) -> int:
     a memory-mapped IN truncated under the read was a SIGBUS)."""
     inp = Input(args.input, tokenizer=args.tokenizer, text_column=args.text_column, split=args.split,
                 chat=chat_options(args, num_proc=args.num_proc))
-    if args.tokenizer not in (None, "bytes"):  # pyarrow on the system allocator: what text chunks free goes back
-        bound_allocators()
+    bound_allocators(args.tokenizer)  # a tokenizer named: pyarrow on the system allocator, for the rest of the process
     with held_still([inp.path]):
         return _run(args, inp)
 
