@@ -185,6 +185,45 @@ def speed(mt: dict, *, batch_tokens: int, baseline_tokens: int, rounds: int, aga
             "load": statistics.median(loads), "load_low": min(loads), "load_high": max(loads)}
 
 
+def shapes(seed: int = 0) -> dict:
+    """Batches whose construction cost is per sample, not per token: ``(ids, lengths)`` of
+    * 400,000 samples of 10 tokens, Qwen3-sized ids, each sharing its first 0-9 tokens with one of 1,000 prompts;
+    * a deep nest (400 samples, each one token longer than the last) then 20,000 samples of 2 tokens that share
+      only its first token, later ones sorting first: the nearest earlier sample of each in sorted order is the
+      nest's deepest, and a166061's parent search walked up the whole nest from there (quadratic)."""
+    rng = np.random.default_rng(seed)
+    n, width = 400_000, 10
+    prompts = rng.integers(0, VOCAB, (1000, width))
+    ids = rng.integers(0, VOCAB, (n, width))
+    keep = np.arange(width) < rng.integers(0, width, n)[:, None]
+    ids = np.where(keep, prompts[rng.integers(0, 1000, n)], ids)
+    base = rng.integers(0, 100, 401)
+    nest = [base[:k + 2] for k in range(400)] + [np.array([base[0], 20_200 - i]) for i in range(20_000)]
+    return {"400,000 samples of 10 tokens": (ids.reshape(-1), np.full(n, width)),
+            "deep nest + 20,000 shallow siblings": (np.concatenate(nest), np.array([x.size for x in nest]))}
+
+
+def shape_speed(*, rounds: int, against: str) -> list:
+    """Tokens per CPU second on :func:`shapes`, ours and ``against``'s alternated; the trees must be equal."""
+    before = revision_build_tree(against)
+    out = []
+    for name, (ids, lengths) in shapes().items():
+        assert same_tree(build_tree(ids, lengths), before(ids, lengths))
+        runs, loads = {"ours": [], "rev": []}, []
+        for r in range(rounds):
+            pair = [("ours", build_tree), ("rev", before)]
+            for who, fn in pair if r % 2 == 0 else pair[::-1]:
+                loads.append(loadavg())
+                runs[who].append(ids.size / cpu(lambda: fn(ids, lengths)))
+        pairs = [a / b for a, b in zip(runs["ours"], runs["rev"])]
+        out.append({"batch": name, "tokens": int(ids.size), "samples": int(lengths.size), "against": against,
+                    "ours_tok_s": statistics.median(runs["ours"]), "ours_low": min(runs["ours"]),
+                    "ours_high": max(runs["ours"]), "rev_tok_s": statistics.median(runs["rev"]),
+                    "rev_low": min(runs["rev"]), "rev_high": max(runs["rev"]), "vs_rev": statistics.median(pairs),
+                    "vs_rev_low": min(pairs), "vs_rev_high": max(pairs), "load": statistics.median(loads)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", default=TURNS)
@@ -195,6 +234,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--against", default="aaf59a2", help="the git revision whose build_tree is timed beside ours")
     parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--shape-rounds", type=int, default=3, help="A/B rounds on the per-sample shapes (0: skip)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
 
@@ -204,6 +244,7 @@ def main() -> None:
     sp = speed(mt, batch_tokens=args.batch_tokens, baseline_tokens=args.baseline_tokens, rounds=args.rounds,
                against=args.against)
     training = multi_turn(dict(np.load(args.training_turns))) if os.path.exists(args.training_turns) else None
+    shaped = shape_speed(rounds=args.shape_rounds, against=args.against) if args.shape_rounds else []
     print(f"\nprefix trees on {os.path.basename(args.turns)} ({mt['conversations']:,} conversations, {mt['samples']:,} "
           f"assistant turns); load {sp['load']:.1f}; {versions('numpy')}")
     print(f"{'case':34s} {'tokens unshared':>16s} {'tokens forwarded':>17s}  ratio")
@@ -224,9 +265,14 @@ def main() -> None:
           f"{sp['base_tok_s'] / 1e6:.2f}M ({sp['baseline_tokens']:,} tokens): {sp['speedup']:.1f}x; "
           f"target 5M: {'met' if sp['ours_tok_s'] >= 5e6 else 'MISSED'}; load {sp['load']:.1f} "
           f"({sp['load_low']:.1f}-{sp['load_high']:.1f})")
+    for x in shaped:
+        print(f"build_tree on {x['batch']} ({x['tokens']:,} tokens): {x['ours_tok_s'] / 1e6:.2f}M tokens/CPU s "
+              f"({x['ours_low'] / 1e6:.2f}-{x['ours_high'] / 1e6:.2f}M); at {x['against']}: {x['rev_tok_s'] / 1e6:.2f}M "
+              f"({x['rev_low'] / 1e6:.2f}-{x['rev_high'] / 1e6:.2f}M), the same trees; pair ratio {x['vs_rev']:.2f}x "
+              f"({x['vs_rev_low']:.2f}-{x['vs_rev_high']:.2f}x); load {x['load']:.1f}")
     mt, training = ({k: v for k, v in x.items() if k not in ("ids", "lengths", "groups")} if x else None
                     for x in (mt, training))
-    emit_json({"bench": "prefixtree", "multi_turn": mt, "multi_turn_training_template": training, "groups": groups, "speed": sp, **versions("numpy")},
+    emit_json({"bench": "prefixtree", "multi_turn": mt, "multi_turn_training_template": training, "groups": groups, "speed": sp, "shapes": shaped, **versions("numpy")},
               args.json_out)
 
 

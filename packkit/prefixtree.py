@@ -31,12 +31,14 @@ back aligned with those entries. :class:`TreeBatch` is a :class:`packkit.prefere
 the ancestor test, so :func:`packkit.preference.sequence_logps` / :func:`~packkit.preference.token_logps` read
 it as they read a pair or a group.
 
-Construction works on samples, not tokens (samples share only prefixes): one sort of the samples (a bytes key a
-sample, lexicographic), the prefix each shares with its neighbour in that order (token comparisons, exact, no
-hash), then the most each sample shares with an earlier one (nearest earlier neighbour on either side, one stack
-pass each way) gives its chain of new nodes and where it hangs (:class:`_Chains`); the layout and every per-token
-array follow from the chains in a few numpy passes. Python loops run once a sample, so a batch of very short
-samples (tens of tokens) builds slower per token than one of hundreds (``benchmarks/RESULTS.md``).
+Construction works on samples, not tokens (samples share only prefixes): one sort of the samples (lexicographic:
+numpy rounds of packed token words, or Python's sort of one bytes key a sample when samples are long), the prefix
+each shares with its neighbour in that order (token comparisons, exact, no hash), then the most each sample shares
+with an earlier one (the nearest earlier neighbour on either side, and the earliest sample through that node, by
+binary lifting on sparse tables: O(N log N), whatever the nesting) gives its chain of new nodes and where it hangs
+(:class:`_Chains`); the layout and every per-token array follow from the chains in numpy passes, level by level
+of the chains (at most ``sqrt(2 T)`` levels). No Python loop runs once a sample, but the sort of long samples and
+the compares and copies of long shared prefixes (one numpy call each, ``_SHORT``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 
 from .batch import layer_types, text_config
 from .binpack import check_strategy, check_window, pack
-from .chat import tokenize_chat
+from .chat import ChatWarning, tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .cp import shard, sum_over_ranks
 from .logps import logits_logps, scored_logps
@@ -82,30 +84,91 @@ class _Chains:
     new: np.ndarray
     parent: np.ndarray
     attach: np.ndarray
+    levels: list  #: the samples level by level, roots first (:func:`_levels` of ``parent``)
 
 
-def _sorted_samples(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> list:
-    """Sample indices in lexicographic order of ``(group, token ids)``, ties by index: one ``bytes`` key a sample
-    (big-endian, so that the bytes' order is the ids' order), sorted by Python (``memcmp`` on the keys)."""
+_SHORT = 64  #: pairs of samples compared at most this many tokens long are compared all at once, the rest one by one
+#: tokens gathered at most a round of the sort (a round reads each undecided sample's next ``_ROUND // active`` tokens)
+_ROUND = 1 << 20
+_ROUND_MIN = 16  #: and at least this many tokens a sample
+
+
+def _packed_words(tokens: np.ndarray, bits: int) -> np.ndarray:
+    """``(A, k)`` uint64 values below ``2 ** bits`` (``k`` a multiple of ``per = 64 // bits``) -> ``(A, k / per)``
+    uint64 words, ``per`` values a word, the first value in the highest bits, so that the words' order (column
+    after column) is the rows' order: ``_packed_words([[1, 2]], 32) -> [[2 ** 32 + 2]]``."""
+    tokens = np.asarray(tokens, np.uint64)
+    per = 64 // bits
+    shifts = np.uint64(bits) * np.arange(per - 1, -1, -1, dtype=np.uint64)
+    return np.bitwise_or.reduce(tokens.reshape(tokens.shape[0], -1, per) << shifts, axis=2)
+
+
+def _sorted_by_python(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+    """:func:`_sorted_samples` for long samples: one ``bytes`` key a sample, sorted by Python (``memcmp``), which
+    reads each pair only up to its first difference (the rounds re-read ``_ROUND // active`` tokens a sample)."""
     wide = ids.size and int(ids.max()) >= 2 ** 32
     width = 8 if wide else 4
-    data = ids.astype(">u8" if wide else ">u4").tobytes()  # ids are >= 0 (checked)
+    data = ids.astype(">u8" if wide else ">u4").tobytes()  # big-endian: the bytes' order is the ids' order
     at = (off * width).tolist()
     keys = [data[a:b] for a, b in zip(at[:-1], at[1:])]
     if groups is not None:
         keys = list(zip(groups.tolist(), keys))
-    return sorted(range(len(keys)), key=keys.__getitem__)
+    return np.asarray(sorted(range(len(keys)), key=keys.__getitem__), np.int64)
 
 
-_SHORT = 64  #: pairs of samples compared at most this many tokens long are compared all at once, the rest one by one
+def _sorted_samples(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
+    """Sample indices in lexicographic order of ``(group, token ids)``, ties by index, ``(N,)`` int64.
+
+    Rounds of one stable ``np.lexsort``: a round sorts the samples still tied (same bucket) by their bucket, then
+    their next tokens, ``id + 1`` with ``0`` past a sample's end (so that a prefix sorts first), packed into as few
+    64-bit words as their bits allow (:func:`_packed_words`); ties that run past all their samples' ends are
+    equal samples, done. Samples longer than ``_SHORT`` tokens on average are sorted by Python instead
+    (:func:`_sorted_by_python`)."""
+    n = off.size - 1
+    if ids.size > _SHORT * n:
+        return _sorted_by_python(ids, off, groups)
+    lengths = np.diff(off)
+    bits = max(1, (int(ids.max()) + 1).bit_length()) if ids.size else 1  # ids + 1 (ids are >= 0: checked)
+    per = 64 // bits  # tokens a word
+    plus = np.append(ids.astype(np.uint64) + np.uint64(1), np.uint64(0))  # ids + 1, then 0: past every end
+    order = np.arange(n, dtype=np.int64)
+    bucket = np.zeros(n, np.int64)  # per position in ``order``: the first position of its bucket
+    active = order.copy() if n > 1 else order[:0]  # positions whose bucket holds other samples
+    depth = 0
+    group = groups  # the first round's keys start with it
+    while active.size:
+        s = order[active]
+        k = int(min(int(lengths[s].max()) - depth, max(_ROUND_MIN, _ROUND // active.size)))
+        k = -(-k // per) * per  # whole words
+        at = off[s, None] + depth + np.arange(k)
+        words = _packed_words(plus[np.where(at < off[s + 1, None], at, ids.size)], bits)
+        keys = [words[:, j] for j in range(words.shape[1] - 1, -1, -1)]  # np.lexsort: the last key first
+        keys += ([] if group is None else [group[s]]) + ([bucket[active]] if depth else [])  # round one: bucket 0
+        perm = np.lexsort(keys) if len(keys) > 1 else np.argsort(keys[0], kind="stable")
+        words, s = words[perm], s[perm]
+        order[active] = s
+        first = np.ones(s.size, bool)
+        first[1:] = (words[1:] != words[:-1]).any(axis=1)
+        if group is not None:
+            g = group[s]
+            first[1:] |= g[1:] != g[:-1]
+        if depth:
+            b = bucket[active]  # the positions hold their bucket's samples in order: buckets ascending
+            first[1:] |= b[1:] != b[:-1]
+        run = np.flatnonzero(first)
+        size = np.diff(np.append(run, s.size))
+        bucket[active] = active[np.repeat(run, size)]
+        # tied runs go on while one of them goes on (one that ends here sorts first next round: zeros)
+        keep = np.repeat((size > 1) & np.logical_or.reduceat(lengths[s] > depth + k, run), size)
+        active, depth, group = active[keep], depth + k, None
+    return order
 
 
-def _neighbour_lcps(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None, order: list) -> list:
+def _neighbour_lcps(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None, order: np.ndarray) -> np.ndarray:
     """Tokens shared by each sample in ``order`` with the one before it (``0`` for the first, and across groups).
 
     At most ``sum(lcp) + N`` tokens compared in all: short pairs in one vectorised compare (a Python loop would
     cost more than their tokens), long ones one numpy compare each."""
-    order = np.asarray(order, np.int64)
     a, b = order[:-1], order[1:]
     n = np.minimum(off[a + 1] - off[a], off[b + 1] - off[b])
     if groups is not None:
@@ -126,58 +189,137 @@ def _neighbour_lcps(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None,
         diff = ids[starts[x]:starts[x] + k] != ids[starts[y]:starts[y] + k]
         j = int(diff.argmax())
         lcp[i + 1] = j if diff[j] else k
-    return lcp.tolist()
+    return lcp
 
 
-def _most_shared_earlier(order: list, lcp: list) -> tuple[list, list]:
-    """For every sample, the most tokens it shares with an earlier sample (by index) and one such sample (``-1``).
+class _RangeMin:
+    """Range minima of ``a`` ``(n,)`` in O(1) a query, and the longest runs of a bound, by binary lifting: a
+    sparse table, ``table[j, i] = min(a[i:i + 2 ** j])`` (``(log2 n + 1, n)``, past the end: the dtype's max).
+    ``_RangeMin([3, 1, 2]).min([0, 1], [2, 2]) -> [1, 2]``."""
+
+    def __init__(self, a: np.ndarray):
+        big = np.iinfo(a.dtype).max
+        rows = [a]
+        while (1 << len(rows)) <= a.size:
+            h, prev = 1 << (len(rows) - 1), rows[-1]
+            rows.append(np.minimum(prev, np.append(prev[h:], np.full(h, big, a.dtype))))
+        self.table = np.stack(rows)
+
+    def min(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``min(a[lo:hi + 1])`` for each ``lo <= hi``."""
+        j = np.log2(hi - lo + 1).astype(np.int64)  # exact for the powers of two: lengths < 2 ** 52
+        return np.minimum(self.table[j, lo], self.table[j, hi - (1 << j) + 1])
+
+    def _run(self, start: np.ndarray, bound: np.ndarray, above: bool, left: bool) -> np.ndarray:
+        """How far the run of ``a`` beyond ``bound`` goes from ``start`` (exclusive) leftwards or rightwards:
+        galloping up the powers of two, then back down, each element only as many levels as its run needs (work
+        O(sum of log runs), not O(N log N))."""
+        n, levels = self.table.shape[1], self.table.shape[0]
+        end = start.copy()
+
+        def step(j: int, live: np.ndarray) -> np.ndarray:  # extend ``live`` by 2 ** j where that block holds
+            e = end[live]
+            first = e - (1 << j) if left else e + 1  # the block [first, first + 2 ** j)
+            ok = (first >= 0) if left else (first + (1 << j) <= n)
+            m = self.table[j, np.clip(first, 0, n - 1)]
+            ok &= (m > bound[live]) if above else (m >= bound[live])
+            end[live[ok]] = (first if left else first + (1 << j) - 1)[ok]
+            return ok
+
+        top = np.full(end.size, levels, np.int64)  # the first level whose block failed (the run is shorter)
+        live = np.arange(end.size)
+        for j in range(levels):  # up: blocks of 1, 2, 4, ... while they hold
+            if not live.size:
+                break
+            ok = step(j, live)
+            top[live[~ok]] = j
+            live = live[ok]
+        by_top = np.argsort((levels - top).astype(np.uint8), kind="stable")  # radix: top descending
+        count = np.bincount(top, minlength=levels + 1)[::-1].cumsum()[::-1]  # count[j]: elements with top >= j
+        for j in range(levels - 1, -1, -1):  # down: the rest of each run, shorter than its failed block
+            if count[j + 1]:
+                step(j, by_top[:count[j + 1]])
+        return end
+
+    def run_left(self, at: np.ndarray, bound: np.ndarray, *, above: bool) -> np.ndarray:
+        """The least ``lo <= at + 1`` with every ``a[lo:at + 1] > bound`` (``above``) or ``>= bound``."""
+        return self._run(at + 1, bound, above, True)
+
+    def run_right(self, at: np.ndarray, bound: np.ndarray, *, above: bool) -> np.ndarray:
+        """The greatest ``hi >= at - 1`` with every ``a[at:hi + 1] > bound`` (``above``) or ``>= bound``."""
+        return self._run(at - 1, bound, above, False)
+
+
+def _most_shared_earlier(order: np.ndarray, lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For every sample, the most tokens it shares with an earlier sample (by index), ``(N,)`` int64, and the
+    earliest sample through its node at that depth (``-1`` when it shares nothing).
 
     In lexicographic order, what two samples share is the least ``lcp`` between them, so the best earlier sample
-    is the nearest earlier one on the left or on the right: one stack pass each way (nearest smaller value),
-    each stack entry carrying the least ``lcp`` from it to the entry above."""
-    n = len(order)
-    shared, source = [0] * n, [-1] * n
-    for seq, gap in ((order, lcp), (order[::-1], [0] + lcp[:0:-1])):  # gap[i]: lcp of seq[i - 1] and seq[i]
-        stack, low = [], []  # sample, least lcp from it to the entry above (the top: to the current position)
-        for v, step in zip(seq, gap):
-            if stack:
-                if step < low[-1]:
-                    low[-1] = step
-                while stack and stack[-1] > v:
-                    stack.pop()
-                    m = low.pop()
-                    if stack and m < low[-1]:
-                        low[-1] = m
-                if stack and low[-1] > shared[v]:
-                    shared[v], source[v] = low[-1], stack[-1]
-            stack.append(v)
-            low.append(1 << 62)
-    return shared, source
+    is the nearest earlier one on the left or on the right (nearest smaller value of ``order``, by binary
+    lifting on a sparse table); the samples sharing ``m`` tokens with one are a run around it, and the earliest
+    of them is the run's least index. Vectorised, O(N log N) whatever the nesting."""
+    n = order.size
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    dt = np.int32 if n < 2 ** 31 and (lcp.size == 0 or int(lcp.max()) < 2 ** 31) else np.int64
+    samples, gaps = _RangeMin(order.astype(dt)), _RangeMin(lcp.astype(dt))
+    pos = np.arange(n, dtype=np.int64)
+    left = samples.run_left(pos - 1, order, above=True) - 1  # nearest earlier sample to the left (-1: none)
+    right = samples.run_right(pos + 1, order, above=True) + 1  # and to the right (n: none)
+    shared = np.zeros(n, np.int64)
+    has = left >= 0
+    shared[has] = gaps.min(left[has] + 1, pos[has])
+    has = right < n
+    shared[has] = np.maximum(shared[has], gaps.min(pos[has] + 1, right[has]))
+    earliest = np.full(n, -1, np.int64)
+    q = np.flatnonzero(shared)
+    m = shared[q].astype(dt)
+    lo = gaps.run_left(q, m, above=False) - 1  # the run of positions sharing >= m tokens with q's sample
+    hi = gaps.run_right(q + 1, m, above=False)
+    earliest[q] = samples.min(lo, hi)
+    out_shared, out_earliest = np.empty(n, np.int64), np.empty(n, np.int64)
+    out_shared[order], out_earliest[order] = shared, earliest
+    return out_shared, out_earliest
+
+
+def _levels(parent: np.ndarray) -> list:
+    """Samples by depth in the forest ``parent`` (``-1`` at roots): a list of ``(K,)`` int64 index arrays, roots
+    first, each ascending. ``_levels([-1, 0, 0, 1]) -> [[0], [1, 2], [3]]``. Depths by pointer jumping
+    (O(N log depth)); a sample ``d`` levels deep has ``d`` ancestors of at least ``1, 2, ..., d`` tokens, so
+    samples of ``T`` tokens in all have at most ``sqrt(2 T)`` levels."""
+    depth = (parent >= 0).astype(np.int64)  # per sample: the steps from it to ``up`` (or to its root)
+    up = parent.copy()
+    live = np.flatnonzero(up >= 0)
+    while live.size:
+        u = up[live]
+        depth[live] += depth[u]
+        up[live] = up[u]
+        live = live[up[live] >= 0]
+    order = np.argsort(depth.astype(np.min_scalar_type(int(depth.max(initial=0)))), kind="stable")  # radix
+    return np.split(order, np.cumsum(np.bincount(depth))[:-1])
 
 
 def _chains(ids: np.ndarray, lengths: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> _Chains:
     """:class:`_Chains` of the samples: sorted once, shared prefixes compared token by token (exact, no hash)."""
     order = _sorted_samples(ids, off, groups)
-    shared, source = _most_shared_earlier(order, _neighbour_lcps(ids, off, groups, order))
-    parent, attach = [-1] * len(shared), [-1] * len(shared)
-    for s, m in enumerate(shared):  # the earliest sample through the node at depth m - 1: walk up the chains
-        if m:
-            q = source[s]
-            while m <= shared[q]:
-                q = parent[q]
-            parent[s], attach[s] = q, m - 1 - shared[q]
-    shared = np.asarray(shared, np.int64)
-    return _Chains(shared=shared, new=lengths - shared, parent=np.asarray(parent, np.int64),
-                   attach=np.asarray(attach, np.int64))
+    shared, parent = _most_shared_earlier(order, _neighbour_lcps(ids, off, groups, order))
+    has = parent >= 0
+    attach = np.full(shared.size, -1, np.int64)
+    attach[has] = shared[has] - 1 - shared[parent[has]]
+    return _Chains(shared=shared, new=lengths - shared, parent=parent, attach=attach, levels=_levels(parent))
 
 
 def _copy_shared(values: np.ndarray, off: np.ndarray, chains: _Chains) -> np.ndarray:
-    """``values`` ``(T,)`` with every sample's shared tokens overwritten by its parent chain's sample's, in sample
-    order (a parent comes first): a token's value becomes its node's first token's."""
-    starts = off[:-1].tolist()
-    for s, p, m in zip(np.flatnonzero(chains.shared).tolist(), chains.parent[chains.shared > 0].tolist(),
-                       chains.shared[chains.shared > 0].tolist()):
-        values[starts[s]:starts[s] + m] = values[starts[p]:starts[p] + m]
+    """``values`` ``(T,)`` with every sample's shared tokens overwritten by its parent chain's sample's, level by
+    level (a parent's are final first): a token's value becomes its node's first token's. Short copies in one
+    gather a level, long ones one slice each."""
+    for level in chains.levels[1:]:
+        m = chains.shared[level]
+        short = m <= _SHORT
+        s, p, k = level[short], chains.parent[level[short]], m[short]
+        values[range_index(off[s], k)] = values[range_index(off[p], k)]
+        for s, p, k in zip(off[level[~short]].tolist(), off[chains.parent[level[~short]]].tolist(), m[~short].tolist()):
+            values[s:s + k] = values[p:p + k]
     return values
 
 
@@ -200,13 +342,14 @@ def prefix_nodes(ids, lengths, *, groups=None) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def _chain_starts(parent_chain: np.ndarray, attach: np.ndarray, size: np.ndarray, length: np.ndarray) -> np.ndarray:
+def _chain_starts(parent_chain: np.ndarray, attach: np.ndarray, size: np.ndarray, length: np.ndarray,
+                  levels: list) -> np.ndarray:
     """Where each sample's chain of new nodes starts in the layout, ``(N,)`` int64 (``-1``: no chain).
 
     A chain's children (the chains attached to its nodes) follow it, deepest attachment first (so that the
     subtree of the chain's node at offset ``j`` is its chain from ``j`` and the children attached at ``>= j``),
     then by sample; roots (``parent_chain == -1``) tree after tree in sample order. ``size``: each chain's
-    subtree in tokens. Parents come before their children in sample order: one pass in that order."""
+    subtree in tokens. ``levels``: the samples level by level (:func:`_levels`), parents' starts first."""
     n = parent_chain.size
     has = length > 0
     key_parent = np.where(parent_chain < 0, -1, parent_chain)
@@ -220,21 +363,20 @@ def _chain_starts(parent_chain: np.ndarray, attach: np.ndarray, size: np.ndarray
     sib_off = np.zeros(n, np.int64)
     sib_off[order] = sib
     start = np.full(n, -1, np.int64)
-    par, off, lens = parent_chain.tolist(), sib_off.tolist(), length.tolist()
-    out = start.tolist()
-    for c in np.flatnonzero(has).tolist():  # parents first: a chain attaches to an earlier sample's nodes
-        p = par[c]
-        out[c] = off[c] if p < 0 else out[p] + lens[p] + off[c]
-    return np.asarray(out, np.int64)
+    for level in levels:
+        c = level[has[level]]
+        p = parent_chain[c]
+        joined = p >= 0
+        start[c] = np.where(joined, start[np.maximum(p, 0)] + length[np.maximum(p, 0)], 0) + sib_off[c]
+    return start
 
 
-def _subtree_sizes(parent_chain: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Tokens in each chain's subtree (its own and its descendants' chains), children after parents."""
-    size = length.tolist()
-    for c, p in reversed(list(enumerate(parent_chain.tolist()))):
-        if p >= 0:
-            size[p] += size[c]
-    return np.asarray(size, np.int64)
+def _subtree_sizes(parent_chain: np.ndarray, length: np.ndarray, levels: list) -> np.ndarray:
+    """Tokens in each chain's subtree (its own and its descendants' chains), deepest level first."""
+    size = length.copy()
+    for level in levels[:0:-1]:
+        np.add.at(size, parent_chain[level], size[level])
+    return size
 
 
 def _layout(chains: _Chains, off: np.ndarray):
@@ -243,8 +385,8 @@ def _layout(chains: _Chains, off: np.ndarray):
     ``(P,)``; where each sample's chain starts ``(N,)`` (``-1``: no chain), and the samples with a chain in
     layout order. A chain's nodes are contiguous; its children follow it (:func:`_chain_starts`)."""
     shared, new, up, attach = chains.shared, chains.new, chains.parent, chains.attach
-    size = _subtree_sizes(up, new)
-    start = _chain_starts(up, attach, size, new)
+    size = _subtree_sizes(up, new, chains.levels)
+    start = _chain_starts(up, attach, size, new, chains.levels)
     # per sample token: its own chain's place, then the shared tokens copied from the parent's sample
     path = np.repeat(start - off[:-1] - shared, np.diff(off))
     path += np.arange(path.size, dtype=np.int64)
@@ -704,18 +846,32 @@ def turn_rows(conversations) -> tuple[list, np.ndarray]:
 
     ``turn_rows([[u1, a1, u2, a2]])`` -> rows ``{prompt: [u1], completion: [a1]}``, ``{prompt: [u1, a1, u2],
     completion: [a2]}`` and their conversation ``[0, 0]``.
+
+    Assistant messages that open a conversation (ShareGPT's split conversations: a third of them start with
+    ``gpt``) have no prompt to be trained on (a row needs one), so they stay in the history of the later turns,
+    as the data has them, and are not trained themselves; a :class:`~packkit.chat.ChatWarning` counts them.
+    ``[[a0, u1, a1]]`` -> the one row ``{prompt: [a0, u1], completion: [a1]}``. A conversation with no assistant
+    message after another message is refused (nothing of it would be trained).
     """
-    rows, conv = [], []
+    rows, conv, leading, first = [], [], 0, None
     for i, messages in enumerate(conversations):
         messages = list(messages)
         turns = [t for t, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
         if not turns:
             raise DataError(f"conversation {i} has no assistant message: nothing of it would be trained; drop it")
-        if turns[0] == 0:
-            raise DataError(f"conversation {i} starts with an assistant message: no prompt precedes it to train it "
-                            "on; drop that message or put the user's first")
-        rows += [{"prompt": messages[:t], "completion": [messages[t]]} for t in turns]
-        conv += [i] * len(turns)
+        opening = next((k for k, t in enumerate(turns) if t != k), len(turns))  # assistant messages before any other
+        if opening == len(turns):
+            raise DataError(f"conversation {i} starts with an assistant message and has none after another message: "
+                            "no prompt precedes one to train it on; drop the conversation or put a user message first")
+        if opening:
+            leading, first = leading + opening, i if first is None else first
+        rows += [{"prompt": messages[:t], "completion": [messages[t]]} for t in turns[opening:]]
+        conv += [i] * (len(turns) - opening)
+    if leading:
+        warnings.warn(ChatWarning(f"{leading:,} assistant messages open their conversation (the first in conversation "
+                                  f"{first}): no prompt precedes them, so they are history for the later turns and "
+                                  "not trained themselves; drop them to leave them out of the histories too"),
+                      stacklevel=2)
     return rows, np.asarray(conv, np.int64)
 
 

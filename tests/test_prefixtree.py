@@ -142,17 +142,38 @@ def test_docstring_example():
 @settings(max_examples=20)
 def test_every_compare_path_gives_the_trie(samples, shift, scale):
     """The construction's other paths, which short random samples do not take: every pair of neighbours compared
-    one by one (as long samples are), ids past 32 bits (8-byte sort keys), group ids negative and large."""
+    and every shared prefix copied one by one, and the samples sorted by Python (as long samples are); the sort
+    in rounds of one token (as many short samples sharing long prefixes are sorted); ids past 32 bits (8-byte
+    keys, one token a sort word), group ids negative and large."""
     ids, lengths, mask, groups = flat(samples)
-    short = prefixtree._SHORT
+    saved = prefixtree._SHORT, prefixtree._ROUND, prefixtree._ROUND_MIN
     try:
-        prefixtree._SHORT = 0
+        prefixtree._SHORT = 0  # neighbours compared, prefixes copied one by one; sorted by Python
         one_by_one = build_tree(ids + shift, lengths, loss_mask=mask, groups=groups * scale)
+        prefixtree._SHORT, prefixtree._ROUND, prefixtree._ROUND_MIN = saved[0], 1, 1  # sorted a token a round
+        by_rounds = build_tree(ids + shift, lengths, loss_mask=mask, groups=groups * scale)
     finally:
-        prefixtree._SHORT = short
-    check_structure(one_by_one, [(np.asarray(s) + shift, m, g) for s, m, g in samples], groups=groups)
+        prefixtree._SHORT, prefixtree._ROUND, prefixtree._ROUND_MIN = saved
+    shifted = [(np.asarray(s) + shift, m, g) for s, m, g in samples]
+    check_structure(one_by_one, shifted, groups=groups)
+    check_structure(by_rounds, shifted, groups=groups)
     wide = build_tree(ids + shift, lengths, loss_mask=mask, groups=groups * scale)
-    assert np.array_equal(wide.path, one_by_one.path) and np.array_equal(wide.input_ids, one_by_one.input_ids)
+    for tree in (one_by_one, by_rounds):
+        assert np.array_equal(wide.path, tree.path) and np.array_equal(wide.input_ids, tree.input_ids)
+
+
+def test_a_deep_nest_and_its_shallow_siblings():
+    """The shape that made a166061's parent search quadratic (each shallow sample walked up the whole nest from
+    its sorted neighbour, the deepest): 300 samples each one token longer than the last, then 2,000 that share
+    only the first token, later ones sorting first (so that the nest's deepest is the nearest earlier sample of
+    each); and the nest in reverse order. The trie, node for node."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 50, 301)
+    nest = [(base[:k + 2].tolist(), [1] * (k + 2), 0) for k in range(300)]
+    shallow = [([int(base[0]), 2100 - i], [1, 1], 0) for i in range(2000)]
+    for samples in (nest + shallow, nest[::-1] + shallow):
+        ids, lengths, mask, groups = flat(samples)
+        check_structure(build_tree(ids, lengths, loss_mask=mask), samples)
 
 
 def test_values_follow_the_scored_tokens():

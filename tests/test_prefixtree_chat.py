@@ -114,6 +114,29 @@ def test_conversations_without_a_trainable_turn_are_refused(conversations, match
         turn_rows(conversations)
 
 
+def test_an_opening_assistant_message_is_history_of_the_later_turns():
+    """Regression: a conversation that opens with an assistant message (6,222 of ShareGPT's 17,392 trainable ones:
+    its split conversations) was refused ("drop that message"), and the benchmark dropped the message, so every
+    later turn lost it from its history (ShareGPT's per-turn samples 1.3M tokens shorter). Now it is history, as
+    the data has it, not trained itself (no prompt precedes it), and a ChatWarning counts it."""
+    from packkit.chat import ChatWarning
+
+    convs = [[msg("assistant", "hi friend"), msg("user", "how are you"), msg("assistant", "fine thanks"),
+              msg("user", "be brief"), msg("assistant", "ok")], CONVERSATIONS[1]]
+    with pytest.warns(ChatWarning, match=r"^1 assistant messages open their conversation \(the first in conversation "
+                                         r"0\).*not trained themselves"):
+        rows, conv = turn_rows(convs)
+    assert [r["prompt"] for r in rows[:2]] == [convs[0][:2], convs[0][:4]] and conv.tolist() == [0, 0, 1]
+    tok = qwen3_tokenizer()
+    with pytest.warns(ChatWarning):
+        tree = chat_tree(convs, tok)
+    off = tree.sample_ptr
+    for s, row in enumerate(rows):  # each turn's sample is the template's rendering of its whole history
+        full = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)["input_ids"]
+        assert tree.input_ids[tree.path[off[s]:off[s + 1]]].tolist() == list(full)
+    assert "hi friend" in tok.decode(tree.input_ids[tree.path[off[1]:off[2]]])
+
+
 def test_waste_turns_reports_tokens_with_and_without_sharing(tmp_path, capsys):
     """``packkit waste FILE --turns --tokenizer TOK``: the figures chat_tree gives, as a line and as JSON."""
     import json
