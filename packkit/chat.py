@@ -34,9 +34,8 @@ A tokenizer is a local folder, a ``tokenizer.json`` (with ``chat_template=``), a
 ``transformers`` tokenizer (:func:`packkit.tokenizer.load_tokenizer`): no remote code runs unless asked for by
 name, and a model id that is neither cached nor reachable fails at once, in one line, instead of retrying.
 
-Rendering is Jinja, one conversation at a time in Python (as in ``transformers``); tokenization is
-batched (a fast tokenizer encodes a batch in Rust), and the masks are computed with numpy over Arrow
-offsets (:func:`packkit.segments.common_prefix_lengths`, :func:`packkit.segments.mask_from`).
+Rendering is Jinja, a conversation at a time (as in ``transformers``); tokenizing is batched in Rust; the masks
+are numpy over Arrow offsets (:mod:`packkit.chatrender`, :func:`packkit.segments.common_prefix_lengths`).
 """
 
 from __future__ import annotations
@@ -537,9 +536,8 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         chat_template: Jinja text or a ``.jinja`` file, instead of the tokenizer's own template.
         assistant_only_loss: loss on assistant tokens only (needs ``{% generation %}`` markers).
             Default: on for ``messages`` / ``conversations``, off for prompt/completion pairs.
-        completion_only_loss: loss on the completion only (prompt/completion pairs; default None: on). Given on
-            other formats, it is refused (it would be ignored), as ``assistant_only_loss`` on prompt/completion
-            strings, and so is a ``chat_template`` on prompt/completion strings.
+        completion_only_loss: loss on the completion only (prompt/completion pairs; default None: on); refused on
+            other formats, as are ``assistant_only_loss`` and ``chat_template`` on prompt/completion strings.
         trust_remote_code: let a tokenizer run its own code (:func:`packkit.tokenizer.load_tokenizer`).
         batch_size: conversations per tokenizer call.
         progress: a progress bar (examples) on stderr.
@@ -608,9 +606,8 @@ def _encode_range(enc: _Encoder, table, base: int, batch_size: int, bar=None):
 
 
 def _encode_part(job):
-    """A worker's part (module level, to be pickled): ``(enc, table, base, batch_size)`` -> :func:`_encode_range`;
-    in a forked worker ``enc`` is the key of the parent's ``(encoder, table)`` in :data:`_FORKED` and ``table`` the
-    part's ``(first row, rows)``."""
+    """A worker's part: ``(enc, table, base, batch_size)`` -> :func:`_encode_range`; forked, ``enc`` is the key of
+    the parent's ``(encoder, table)`` in :data:`_FORKED` and ``table`` the part's ``(first row, rows)``."""
     enc, table, base, batch_size = job
     if not isinstance(enc, _Encoder):
         enc, whole = _FORKED[enc]
@@ -619,31 +616,27 @@ def _encode_part(job):
     return _encode_range(enc, table, base, batch_size)
 
 
-#: what forked workers read from their parent's memory instead of a pickle: key -> (encoder, table). Pickling the
-#: encoder took 0.43 s and unpickling it 1.33 s a worker with Qwen3's tokenizer (its 11 MB tokenizer.json rebuilt),
-#: most of what num_proc=2 cost over one process.
+#: what forked workers read from their parent's memory, not a pickle: key -> (encoder, table). With Qwen3's tokenizer
+#: the pickle took 0.43 s and 1.33 s a worker to rebuild, most of what num_proc=2 cost over one process.
 _FORKED: dict = {}
 
 
 def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, bar, base: int = 0):
     """:func:`_encode_range` over ``num_proc`` contiguous parts of ``table``, one process each, joined in order.
 
-    Forked where the platform allows (no re-import, and the encoder and the table are the parent's, not pickled:
-    :data:`_FORKED`); the tokenizer's Rust thread pool is told not to run in the children
-    (``TOKENIZERS_PARALLELISM=false``, as ``tokenizers`` asks of forked processes): one thread a process."""
+    Forked where the platform allows (no re-import; the encoder and table the parent's, :data:`_FORKED`), one thread a
+    process (``TOKENIZERS_PARALLELISM=false``, as ``tokenizers`` asks of forked processes)."""
     import concurrent.futures
     import multiprocessing
 
     n = table.num_rows
     cuts = np.linspace(0, n, num_proc + 1).astype(np.int64)
     parts = [(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    key = id(enc)
+    method, key = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn", id(enc)
     if method == "fork":
         _FORKED[key] = (enc, table)
-        jobs = [(key, part, base + part[0], batch_size) for part in parts]
-    else:
-        jobs = [(enc, table.slice(*part), base + part[0], batch_size) for part in parts]
+    jobs = [(key, p, base + p[0], batch_size) if method == "fork" else (enc, table.slice(*p), base + p[0], batch_size)
+            for p in parts]
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -12,20 +12,13 @@ the tokens of each window with numpy, and returns a ``datasets.Dataset`` with on
     {'input_ids': [[6, 7, 8, 9, 10], [1, 2, 3, 4, 5]], 'labels': [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]], 'seq_lengths': [[4, 1], [3, 2]]}
 
 The rows are unpadded; the fixed-window collator pads them to ``W`` and turns ``seq_lengths`` into
-``cu_seqlens`` and ``position_ids``. One window of that output, drawn::
+``cu_seqlens`` and ``position_ids``. One window of that output, drawn (a token attends to the earlier tokens of
+its own document only: 10 sees neither 6 nor 9)::
 
     input_ids     6    7    8    9   10
     labels     -100    7    8    9 -100      first label of each document masked (labels are shifted)
     position_ids  0    1    2    3    0
     seq_lengths  [4, 1]  ->  cu_seqlens [0, 4, 5]
-
-    block-causal mask (1 = may attend)
-          6 7 8 9 10
-       6  1 . . . .
-       7  1 1 . . .
-       8  1 1 1 . .
-       9  1 1 1 1 .
-      10  . . . . 1
 
 How the tokens move
 -------------------
@@ -161,21 +154,18 @@ class PackOptions:
             ``"zigzag"`` every example is planned at its length padded to a multiple of ``2 * cp_size``, so a
             row still fits ``window`` once its documents are padded for TE; the other layouts need ``window``
             to be a multiple of ``cp_size`` (:func:`packkit.cp_plan.plan_for_cp`). Not for an ``IterableDataset``.
-        drop_loss_free: leave out the pieces (examples after ``overflow``) that hold no loss token (they would
-            train on nothing, and a step of them has loss 0), counted and logged, as ``packkit pack
-            --drop-loss-free``. Without it, windows that hold no loss token are counted and logged with this
-            fix (TRL's ``SFTTrainer`` with a ``max_length`` drops such rows without a word). Not for an
-            ``IterableDataset``.
+        drop_loss_free: leave out the pieces (examples after ``overflow``) with no loss token (a step of them has
+            loss 0), counted and logged (``packkit pack --drop-loss-free``). Without it, windows with no loss token
+            are counted and logged with this fix (TRL's ``SFTTrainer`` drops such rows without a word). Not for
+            an ``IterableDataset``.
         num_proc: threads for the token copy (numpy releases the GIL), default 1.
         progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
         buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
         buffer_bytes: bound on the packed rows in flight while the cache file is written (default 256 MiB;
             a result kept in memory is gathered whole).
-        cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist).
-            Default: ``cache-packkit-<random>.arrow`` in the folder of ``ds``'s first cache file
-            (``ds.cleanup_cache_files()`` removes unused ones, as for ``map``).
-        keep_in_memory: build the result in memory instead of a cache file. Default: in memory only
-            when ``ds`` itself has no cache files (an in-memory dataset stays in memory).
+        cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist). Default:
+            ``cache-packkit-<random>.arrow`` beside ``ds``'s first cache file (``ds.cleanup_cache_files()``).
+        keep_in_memory: build the result in memory, not in a cache file. Default: when ``ds`` has no cache file.
         output_format: the format of ``pack_dataset(..., output=)`` (:data:`packkit.outputs.FORMATS`), when its
             suffix does not say it.
     """
@@ -483,16 +473,13 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     are staged to a temporary memory-mapped file first (public ``datasets`` API).
 
     Args:
-        ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split and returns a
-            ``Dataset``; without it every split is packed and a ``DatasetDict`` comes back, with a dict
-            of plans under ``return_report``); or a ``datasets.IterableDataset``: that one is packed with
-            :func:`pack_stream` and an ``IterableDataset`` comes back; then ``strategy`` must be
-            ``"bfd"`` (best fit inside ``buffer_size`` examples), ``shuffle`` shuffles the rows inside a
-            seeded buffer of ``buffer_size`` rows (the same order every epoch), ``progress`` defaults to
-            off, ``num_proc`` must be unset and ``return_report`` is not available. Its ``state_dict()`` /
-            ``load_state_dict()`` resume exactly by packing again up to the rows yielded (pass a ``seed``
-            when the resume is another process); :class:`packkit.streaming.PackedIterable` restores the
-            buffer instead, with DataLoader workers and on another number of ranks.
+        ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split; without it every split, and a
+            ``DatasetDict`` comes back, with a dict of plans under ``return_report``); or an ``IterableDataset``,
+            packed by :func:`pack_stream` into an ``IterableDataset``: ``strategy="bfd"`` (best fit inside
+            ``buffer_size`` examples), ``shuffle`` in a seeded buffer of ``buffer_size`` rows (one order every
+            epoch), ``progress`` off by default, no ``num_proc`` or ``return_report``; its ``state_dict()`` resumes
+            exactly by packing again up to the rows yielded (a ``seed`` for another process), and
+            :class:`packkit.streaming.PackedIterable` restores the buffer, behind workers and on other ranks.
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
         overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: every token
@@ -512,12 +499,10 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
             progress, buffers, the cache file); each of its fields is also a keyword of this function.
 
     Returns:
-        A ``datasets.Dataset`` with columns ``input_ids`` (list of int, length <= W, the source dtype),
-        ``labels`` (when the source has labels or a loss mask), any other packed column,
-        ``seq_lengths`` (list of int32 segment lengths summing to the row length) and the documents' examples
-        (``options.example_ids``); backed by the cache file (memory-mapped) or in memory.
-        ``save_to_disk`` / ``to_parquet`` it as usual, or write files directly with ``packkit pack``.
-        With ``output``: its ``pathlib.Path`` (``(path, plan)`` under ``return_report``).
+        A ``datasets.Dataset`` with ``input_ids`` (length <= W, the source dtype), ``labels`` (when the source has
+        labels or a loss mask), any other packed column, ``seq_lengths`` (int32, summing to the row length) and
+        the documents' examples (``example_ids``), memory-mapped from the cache file or in memory; with
+        ``output``, its ``pathlib.Path`` (``(path, plan)`` under ``return_report``).
 
     Raises ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null example,
     negative token id, a label neither a token id nor -100, columns of different lengths, an example longer
