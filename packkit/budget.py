@@ -86,10 +86,10 @@ class BudgetWarning(UserWarning):
     ``plan_budget(..., advice=AdviceOptions(warn=False))``; the advice stays in ``report.advice``.
     """
 
-    def __init__(self, advice: Advice):
-        super().__init__(f"[{advice.code}] {advice.message}")
-        self.advice = advice
-        self.code = advice.code
+    def __init__(self, advice: "Advice | str"):  # a str: rebuilt from its text (``cls(*args)``: pytest-xdist, pickle)
+        super().__init__(advice if isinstance(advice, str) else f"[{advice.code}] {advice.message}")
+        self.advice = None if isinstance(advice, str) else advice
+        self.code = advice[1:advice.find("]")] if self.advice is None else advice.code
 
 
 @record

@@ -221,6 +221,19 @@ def test_few_steps_per_epoch_800_examples_at_64_is_twelve_steps():
     assert r.advice[0].values["suggested_examples_per_step"] == 800 // 50
 
 
+def test_a_budget_warning_rebuilt_from_its_text():
+    """pytest-xdist sends a warning a test left uncaught to the controller as its class and args and rebuilds it as
+    ``cls(*args)``, and pickle does the same: ``BudgetWarning(str)`` raised AttributeError there, which took down
+    the whole xdist worker (INTERNALERROR, every later test of the run unrun). Rebuilt, it keeps its text and code."""
+    import pickle
+
+    with pytest.warns(BudgetWarning) as rec:
+        plan_budget([500] * 800, per_device_batch=8, accumulation_steps=4, world_size=2)
+    w = [x.message for x in rec if isinstance(x.message, BudgetWarning)][0]
+    for again in (type(w)(*w.args), pickle.loads(pickle.dumps(w))):
+        assert str(again) == str(w) and again.code == w.code == "few_steps_per_epoch"
+
+
 def test_low_tokens_per_step_suggests_accumulation_that_reaches_the_threshold():
     r = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=2, advice=QUIET)  # 800 tokens/step
     (adv,) = [a for a in r.advice if a.code == "low_tokens_per_step"]

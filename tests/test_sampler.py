@@ -200,11 +200,11 @@ def test_the_callers_lengths_array_stays_writable(kind):
     """A sampler (and so ``plan_budget``, which builds one) set the caller's own int64 lengths array read-only, so
     the user's next ``lengths[i] = n`` failed far from packkit; it now keeps a copy of its own, read-only, and a
     later change to the caller's array changes nothing of the sampler's epoch."""
-    from packkit.budget import plan_budget
+    from packkit.budget import AdviceOptions, plan_budget
 
     lengths = np.full(96, 8, dtype=np.int64)
     sampler = SAMPLERS[kind](lengths, world_size=1, rank=0, seed=0)
-    plan_budget(lengths, per_device_batch=2)
+    plan_budget(lengths, per_device_batch=2, advice=AdviceOptions(warn=False))
     assert lengths.flags.writeable
     before = [list(b) for b in sampler]
     lengths[:] = 40
