@@ -67,11 +67,18 @@ def _raise(signum, frame):
     raise Interrupted(signum)
 
 
-def swallowed() -> "Interrupted | None":
+def swallowed(error: BaseException) -> "Interrupted | None":
     """The first stop signal raised inside the current :func:`signals_raise` block, as the exception it raised,
-    or None. For a caller that meets an ordinary error where that exception should have arrived: a library
-    that catches everything (fsspec's ``exists`` has a bare ``except:``) turns the stop into its own failure
-    (``Unable to find '...'``), which would blame the input for the user's stop."""
+    when ``error`` came in its stead, or None. A library that catches everything (fsspec's ``exists`` has a bare
+    ``except:``) turns the stop into a failure of its own (``Unable to find '...'``), which would blame the input
+    for the user's stop. An error raised while handling the stop (``error``'s chain holds it:
+    :func:`packkit.fileio.held_still` turns the stop its lease break made into "IN was changed") is not one."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return None
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
     return Interrupted(_RAISED[0]) if _RAISED else None
 
 

@@ -369,7 +369,7 @@ def _run(argv: list[str], name: str, state: dict, process: bool = False) -> int:
     except KeyboardInterrupt as exc:
         return _stopped(name, exc)
     except Exception as exc:
-        if (stop := swallowed()) is not None:  # a library caught the signal's exception and failed in its stead
+        if (stop := swallowed(exc)) is not None:  # a library caught the signal's exception and failed in its stead
             return _stopped(name, stop)
         if os.environ.get("PACKKIT_DEBUG"):
             raise
