@@ -109,13 +109,18 @@ def test_of_sums_is_the_sum_of_costs(lengths, cp, per_unit):
 def test_no_window_costs_unless_steps_are_balanced_by_them(monkeypatch):
     """Both samplers summed a cost per batch (or window) to order the steps under balance="tokens"/"sqlen" only,
     and made it under every policy."""
-    def fail(*args):
-        raise AssertionError("_policy_cost with no balance")
-
+    calls, real = [], sampler._BatchSampler._policy_cost
+    monkeypatch.setattr(sampler._BatchSampler, "_policy_cost",
+                        lambda self, *a, **k: calls.append(type(self).__name__) or real(self, *a, **k))
     lengths = chat_like(1000)
-    monkeypatch.setattr(sampler._BatchSampler, "_policy_cost", fail)
-    LengthGroupedSampler(lengths, batch_size=4, world_size=2, rank=0).schedule()
-    PackedBatchSampler(np.minimum(lengths, 4096), window=4096, windows_per_batch=2, world_size=2, rank=0).schedule()
+    for balance in (None, "tokens"):
+        kw = {} if balance is None else {"balance": balance}
+        LengthGroupedSampler(lengths, batch_size=4, world_size=2, rank=0, **kw).schedule()
+        PackedBatchSampler(np.minimum(lengths, 4096), window=4096, windows_per_batch=2, world_size=2, rank=0,
+                           **kw).schedule()
+        if balance is None:
+            assert calls == [], calls
+    assert calls, "the probe never ran: balance='tokens' orders steps by _policy_cost"
 
 
 def test_shuffled_windows_selected_once(monkeypatch):
