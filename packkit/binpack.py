@@ -56,7 +56,7 @@ import numpy as np
 from .choices import DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES
 from .errors import ArgumentError, DataError, Message, Where, arg, check_choice, check_int
 from .records import record
-from .rules import as_lengths
+from .length_rules import as_lengths
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",

@@ -41,7 +41,7 @@ import warnings
 import numpy as np
 
 from .binpack import DEFAULT_OVERFLOW, Plan, check_window, overflow_note
-from .cp_plan import check_cp_window, cp_multiples
+from .cp_layouts import check_cp_window, cp_multiples
 from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object
 from .errors import Message, arg, check_int
 from .records import record

@@ -35,7 +35,7 @@ import torch
 from .batch import PackedBatch
 from .binpack import check_overflow, check_seed, check_strategy, check_window, overflow_error, pack
 from .cp import plan_batch
-from .cp_plan import check_cp_window, cp_multiples
+from .cp_layouts import check_cp_window, cp_multiples
 from .errors import check_int
 from .examples import ExampleBatch, int_arrays, read_batch, read_column
 from .packer import gather_index

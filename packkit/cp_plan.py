@@ -45,7 +45,8 @@ import numpy as np
 
 from .binpack import Plan, pack
 from .choices import CP_LAYOUTS
-from .errors import ArgumentError, arg, check_choice, check_int
+from .cp_layouts import _check_layout, check_cp_size, check_cp_window, cp_multiples  # their home, re-exported
+from .errors import ArgumentError
 from .records import record
 from .segments import lengths_to_offsets, range_index
 
@@ -53,14 +54,6 @@ __all__ = ["LAYOUTS", "CPPlan", "plan_cp", "causal_work", "cp_padding", "cp_mult
            "plan_for_cp", "check_cp_size"]
 
 LAYOUTS = CP_LAYOUTS  # (their home: packkit.choices, which the command line reads without numpy)
-
-def check_cp_size(cp_size) -> int:
-    """``cp_size``: a Python int >= 1 (1 means no context parallelism)."""
-    return check_int(cp_size, "cp_size")
-
-
-def _check_layout(cp_layout: str) -> str:
-    return check_choice(cp_layout, "cp_layout", LAYOUTS, what="CP layout")
 
 
 def causal_work(length, offset=0):
@@ -625,27 +618,6 @@ def _plan(lengths: np.ndarray, cp: int, layout: str) -> CPPlan:
         padded, lengths, dealt = _hybrid_pieces(lengths, cp)
     local_len = int(padded.sum()) // cp
     return CPPlan(layout, cp, lengths, padded, num_segments, local_len, dealt)
-
-
-def cp_multiples(*, cp_size: int, cp_layout: str) -> tuple[int, int]:
-    """``(document multiple, row multiple)`` a layout pads to: zigzag pads every document to a multiple
-    of ``2 * cp``, the others cut the row in ``cp`` equal pieces. ``cp_multiples(cp_size=4,
-    cp_layout="zigzag") -> (8, 1)``; ``cp_layout="hybrid" -> (1, 4)``."""
-    cp = check_cp_size(cp_size)
-    return (2 * cp, 1) if _check_layout(cp_layout) == "zigzag" else (1, cp)
-
-
-def check_cp_window(window: int, *, cp_size: int, cp_layout: str) -> int:
-    """``window`` if a row of it can be cut for the layout (a multiple of ``2 * cp`` for zigzag, of ``cp``
-    for the others), else a one-line error naming the window to pass: ``check_cp_window(4096, cp_size=8,
-    cp_layout="zigzag") -> 4096``."""
-    doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
-    m = doc_multiple * row_multiple
-    if window % m:
-        raise ArgumentError("{window} is not a multiple of {m}, which {layout} with {cp} needs; raise {w} to {up:,}",
-                            window=arg("window", window), m=m, layout=arg("cp_layout", cp_layout),
-                            cp=arg("cp_size", cp_size), w=arg("window"), up=-(-window // m) * m)
-    return window
 
 
 def plan_for_cp(lengths, *, window: int, cp_size: int = 1, cp_layout: str = "hybrid", **pack_kwargs) -> Plan:

@@ -89,12 +89,12 @@ import weakref
 
 import numpy as np
 
-from .balance import PLANNER, PLANNERS, compute_imbalance, cost_model, lpt_assign, pack_to_cost, variation
+from .costs import compute_imbalance, cost_model, variation
 from .binpack import Plan, as_lengths, check_seed, check_window, overflow_error, pack, windows_plan
 from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .records import record
-from .rules import check_loss_lengths
+from .length_rules import check_loss_lengths
 from .segments import lengths_to_offsets, range_index
 from .states import StateFields
 
@@ -111,6 +111,13 @@ __all__ = [
 
 STATE_VERSION = 2  # of the dict state_dict() writes (1: an older packkit's per-rank state, no "version")
 CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
+
+
+def _balance():
+    """:mod:`packkit.balance`, imported where ``balance="compute"`` deals: its planners (45 KB) are not compiled at the
+    start of a sampler that never runs them (``packkit plan``, ``packkit waste``)."""
+    from . import balance  # lazy: the cost-target planners and LPT, for balance="compute" only
+    return balance
 
 
 @record
@@ -801,7 +808,7 @@ class _BatchSampler:
         self._offset = 0  # rows of the epoch before the next pass (a resume)
         # the cost-target planner (packkit.balance.PLANNER) of balance="compute" at k <= 2, None where there is none:
         # a state records it, and a run resumed from a state keeps the one it began with
-        self._planner = PLANNER if self._plans_to_cost else None
+        self._planner = _balance().PLANNER if self._plans_to_cost else None
         self._seq_cache: dict = {}  # (seed, epoch, units a step, planner) -> _Sequence, the last CACHED
         self._sched_cache: dict = {}  # (seed, epoch, _Point) -> Schedule, the last CACHED
         self._stats_cache: tuple | None = None
@@ -871,7 +878,7 @@ class _BatchSampler:
         steps, S = units.shape
         if self.balance == "compute" and R > 1:
             unit_cost = batch_sums(self._example_cost()[seq.flat], seq.ptr)
-            rank_of = lpt_assign(unit_cost[units], R)
+            rank_of = _balance().lpt_assign(unit_cost[units], R)
             by_rank = np.argsort(rank_of * S + np.arange(S), axis=1, kind="stable")
             units = np.take_along_axis(units, by_rank, axis=1)
             return units.reshape(steps, R, m, k).transpose(0, 2, 1, 3).reshape(-1)
@@ -1356,7 +1363,7 @@ class _BatchSampler:
         epoch, old_R, done = f.int("epoch"), f.int("world_size", low=1), f.int("batches_yielded")
         planner = self._planner
         if planner is not None:
-            planner = f.int("planner", low=1, high=PLANNER) if "planner" in f.state else 1
+            planner = f.int("planner", low=1, high=_balance().PLANNER) if "planner" in f.state else 1
         k = self._k
         if f.version == STATE_VERSION:
             total = f.int("batches_per_epoch")
@@ -1718,8 +1725,9 @@ class PackedBatchSampler(_BatchSampler):
         if self.shuffle:
             order = order[rng.permutation(order.size)]
         used = self._lengths_used()
-        planner = pack_to_cost if self._planner == PLANNER else PLANNERS[self._planner]  # a run resumed keeps its
-        # windows
+        balance = _balance()
+        planner = balance.pack_to_cost if self._planner == balance.PLANNER else balance.PLANNERS[self._planner]  # a
+        # run resumed keeps its windows
         tc = planner(used, order, window=self.window, step_windows=step, cost=self.cost, units=self.media_units)
         nw = tc.window_ptr.size - 1
         full = nw // step * step

@@ -42,9 +42,9 @@ import math
 
 import numpy as np
 
-from .balance import CostModel, step_figures
+from .costs import CostModel, step_figures
 from .binpack import DEFAULT_OVERFLOW, check_overflow, check_window, overflow_note, pack, stream_windows
-from .cp_plan import check_cp_window, cp_multiples
+from .cp_layouts import check_cp_window, cp_multiples
 from .epoch import Dealt, Units, deal, packed_units, read_lengths_object, windows_plan
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .progress import progress_bar

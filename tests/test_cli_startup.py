@@ -131,6 +131,9 @@ LAZY = {
     "packkit.jsonlines": "the JSON-lines engine (20 KB), through datafiles, for no file",
     "packkit.readers": "the readers of parquet, arrow, npy and text (12 KB), through datafiles, for no file",
     "packkit.tokenizer": "the tokenizers (16 KB), through datafiles, for no text",
+    "packkit.cp_plan": "the CP planner (37 KB to compile from source) for a window check (packkit.cp_layouts)",
+    "packkit.balance": "the cost-target planners and LPT (33 KB), through the sampler, for no balance='compute'",
+    "packkit.rules": "the rules of whole examples (37 KB), through binpack, for as_lengths (packkit.length_rules)",
 }
 
 
