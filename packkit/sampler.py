@@ -96,7 +96,6 @@ from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .records import record
 from .length_rules import check_loss_lengths
 from .segments import lengths_to_offsets, range_index
-from .states import StateFields
 
 __all__ = [
     "LengthGroupedSampler",
@@ -1350,6 +1349,7 @@ class _BatchSampler:
         (see :meth:`load_state_dict`); nothing is assigned. ``planner``: the cost-target planner whose windows the
         state counts, its function in :data:`packkit.balance.PLANNERS` (a state without the field was saved by
         planner 1, :func:`packkit.balance.greedy_to_cost`)."""
+        from .states import StateFields  # lazy: the reader of saved states, for a resume only
         f = StateFields(state, owner="sampler", versions=(STATE_VERSION,), legacy=1)
         name = type(self).__name__
         f.equal("sampler", name, f"the state is from another sampler: build a {f.state.get('sampler')} "

@@ -134,6 +134,7 @@ LAZY = {
     "packkit.cp_plan": "the CP planner (37 KB to compile from source) for a window check (packkit.cp_layouts)",
     "packkit.balance": "the cost-target planners and LPT (33 KB), through the sampler, for no balance='compute'",
     "packkit.rules": "the rules of whole examples (37 KB), through binpack, for as_lengths (packkit.length_rules)",
+    "packkit.states": "the reader of saved states (7 KB), through the sampler, for a resume: no state is loaded",
 }
 
 
