@@ -157,6 +157,13 @@ class Dealt:
             return sched.per_step(values).sum(axis=1)
         return batch_sums(np.asarray(values)[sched.flat], sched.step_ptr)
 
+    def tokens(self, units: "Units") -> np.ndarray:
+        """``units.tokens`` one per entry of the schedule (read-only): where the sampler was given them (no CP padding,
+        no plan given), the lengths it read itself, so that its figures and the report's gather them, and sum and
+        take the longest of each batch, once (the schedule remembers them)."""
+        own = units.given is None and units.planned is units.tokens
+        return self.schedule.take(self.sampler._lengths_used() if own else units.tokens)
+
     def loss_free(self, unit_loss, values, *, sums: np.ndarray | None = None) -> tuple[int, int]:
         """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example), ``values`` the
         loss per example dealt (``sums``: its :meth:`sums`, if taken)."""
@@ -188,7 +195,9 @@ class Units:
         if not keep.any():
             raise DataError("no piece holds a loss token, and {drop} left every one out",
                             drop=arg("drop_loss_free", True))
-        return dataclasses.replace(self, planned=self.planned[keep], tokens=self.tokens[keep], first=self.first[keep],
+        tokens = self.tokens[keep]
+        return dataclasses.replace(self, planned=tokens if self.planned is self.tokens else self.planned[keep],
+                                   tokens=tokens, first=self.first[keep],
                                    loss=self.loss[keep], dropped=int((~keep).sum()),
                                    dropped_tokens=int(self.tokens[~keep].sum()),
                                    given=None if self.given is None else self.given.keep_segments(keep))
@@ -208,7 +217,8 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
         example, start, length = pieces.example, pieces.start, pieces.length
         over, cut = pieces.overflow_examples.size, pieces.cut_tokens
     loss = loss_of(data, example, start, length)
-    units = Units(-(-length // doc_multiple) * doc_multiple, length, (start == 0).astype(np.int64), loss,
+    planned = length if doc_multiple == 1 else -(-length // doc_multiple) * doc_multiple  # (the same: Dealt.tokens)
+    units = Units(planned, length, (start == 0).astype(np.int64), loss,
                   int((loss == 0).sum()), given=given, overflow=overflow, overflow_examples=int(over),
                   cut_tokens=int(cut))
     units = units.keep(loss > 0) if drop_loss_free and units.free else units

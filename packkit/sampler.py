@@ -302,16 +302,20 @@ def longest_first(lengths: np.ndarray) -> np.ndarray:
     """Stable argsort along the last axis of lengths (>= 0), longest first: ``longest_first([3, 70000, 3, 9])
     -> [1, 3, 0, 2]``.
 
-    One 16-bit radix pass over ``0xFFFF - min(length, 0xFFFF)``: the lengths past it (0.03% of ShareGPT's, whose
-    longest is 221,070) tie at the head of their row in the given order, and only they are sorted again, by their
-    whole length. Twice as fast as :func:`stable_argsort`'s two passes over ``top - length`` (no key past 16 bits).
+    Where every length and its position in the row fit 32 bits (ShareGPT's 221,070 in rows up to 8,192), one sort of
+    the unique keys ``(cap - length) << bits | position`` (:func:`_longest_first32`, 2.5x faster than a radix
+    argsort). Else one 16-bit radix pass over ``0xFFFF - min(length, 0xFFFF)``: the lengths past it tie at the head
+    of their row in the given order, and only they are sorted again, by their whole length.
     """
     lengths = np.asarray(lengths)
+    fast = _longest_first32(lengths)
+    if fast is not None:
+        return fast.astype(np.int64)
+    n = lengths.shape[-1] if lengths.ndim else 1
     key = np.empty(lengths.shape, np.uint16)
     np.minimum(lengths, 0xFFFF, out=key, casting="unsafe")  # (cast chunk by chunk: no int64 temporary)
     np.subtract(np.uint16(0xFFFF), key, out=key)
     out = np.argsort(key, axis=-1, kind="stable")
-    n = lengths.shape[-1] if lengths.ndim else 1
     heads = np.count_nonzero((key == 0).reshape(-1, n), axis=1)  # the ties at 0xFFFF and past it, per row
     if heads.any() and lengths.size:
         rows = np.arange(heads.size, dtype=np.int64)
@@ -323,12 +327,26 @@ def longest_first(lengths: np.ndarray) -> np.ndarray:
     return out
 
 
+def _longest_first32(lengths: np.ndarray) -> np.ndarray | None:
+    """:func:`longest_first` as uint32, by one sort of unique 32-bit keys (the position breaks the ties, so any sort
+    is the stable one), or None where a length and its position do not fit 32 bits: ``[3, 9] -> [1, 0]``."""
+    n = lengths.shape[-1] if lengths.ndim else 0
+    bits = max(1, (n - 1).bit_length())  # a position in its row
+    if not n or bits >= 32 or int(lengths.max()) >= 1 << (32 - bits):
+        return None
+    key = np.empty(lengths.shape, np.uint32)
+    np.subtract((1 << (32 - bits)) - 1, lengths, out=key, casting="unsafe")
+    np.left_shift(key, np.uint32(bits), out=key)
+    np.bitwise_or(key, np.arange(n, dtype=np.uint32), out=key)
+    key.sort(axis=-1)
+    return np.bitwise_and(key, np.uint32((1 << bits) - 1), out=key)
+
+
 def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
     """``order`` cut into consecutive blocks of ``size``, each sorted longest first (stable).
 
-    One row-wise :func:`longest_first` over the full blocks (a radix pass: 20x faster than one sort over
-    ``(block, -length)`` keys), then the last block:
-    ``sort_megabatches([0, 1, 2, 3], [1, 3, 2, 4], 2) -> [1, 0, 3, 2]``.
+    One row-wise :func:`longest_first` over the full blocks (20x faster than one sort over ``(block, -length)``
+    keys), then the last block: ``sort_megabatches([0, 1, 2, 3], [1, 3, 2, 4], 2) -> [1, 0, 3, 2]``.
     """
     order = np.asarray(order, np.int64)
     lengths = np.asarray(lengths, np.int64)
@@ -337,12 +355,12 @@ def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> np.nd
     seq = lengths[order]
     nfull = order.size // size * size
     out = np.empty_like(order)  # gathered in place (mode "clip": the indices are in range, numpy buffers none)
-    if nfull:
-        rows = longest_first(seq[:nfull].reshape(-1, size))
-        rows += np.arange(0, nfull, size, dtype=np.int64)[:, None]
-        np.take(order, rows.reshape(-1), out=out[:nfull], mode="clip")
-    if nfull < order.size:
-        np.take(order, nfull + longest_first(seq[nfull:]), out=out[nfull:], mode="clip")
+    for lo, hi, width in ((0, nfull, size), (nfull, order.size, order.size - nfull)):
+        if hi > lo:  # positions in order, longest first in each row (uint32 where they fit: no int64 copy)
+            at = _longest_first32(seq[lo:hi].reshape(-1, width)) if order.size < 1 << 31 else None
+            at = longest_first(seq[lo:hi].reshape(-1, width)) if at is None else at
+            at += np.arange(lo, hi, width, dtype=at.dtype)[:, None]
+            np.take(order, at.reshape(-1), out=out[lo:hi], mode="clip")
     return out
 
 
@@ -1661,7 +1679,14 @@ class PackedBatchSampler(_BatchSampler):
                 "strategy": self.strategy, "overflow": self.overflow, **groups, **super()._config()}
 
     def _lengths_used(self) -> np.ndarray:
-        return np.minimum(self.lengths, self.window)
+        """(n,) the tokens a window holds of each example, read-only and made once: the lengths themselves when none
+        is past ``W`` (so the figures, ``packkit plan``'s and ``waste``'s read them through the schedule once)."""
+        used = self.__dict__.get("_used")
+        if used is None:
+            used = self.lengths if int(self.lengths.max()) <= self.window else np.minimum(self.lengths, self.window)
+            used.setflags(write=False)
+            self._used = used
+        return used
 
     def _cut_tokens(self) -> int:
         return int((self.lengths - self._lengths_used()).sum()) if self.overflow == "truncate" else 0
