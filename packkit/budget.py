@@ -347,19 +347,19 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
     # each sum taken once, the spreads and the loss-free steps read it; with no loss counts a unit's loss is its
     # tokens less one (loss_of), so a step's is its tokens less its entries
     assumed = data.loss_lengths is None and data.targets is None
-    loss = tokens - entries if assumed and units.tokens.min() >= 1 else dealt.sums(units.loss)
+    loss = tokens - entries if units.counted is None and units.tokens.min() >= 1 else dealt.sums(units.loss)
     if window is not None:
         plan = dealt.sampler.plan()
-        free = dealt.loss_free(batch_sums(units.loss[plan.seg_example], plan.window_ptr), units.loss, sums=loss)
+        free = dealt.loss_free(units.free_left and batch_sums(units.loss[plan.seg_example], plan.window_ptr), sums=loss)
         padding = 1.0 - total / float(plan.num_windows * window) if plan.num_windows else 0.0
         num_units = plan.num_windows
     else:  # padded: planned lengths are the tokens (CP rounds the rows)
         rows = sched.longest(lens) if lens.size else lens
         rows = -(-rows // units.row_round) * units.row_round  # a padded row is cut as one sequence
         padding = 1.0 - total / float((rows * np.diff(sched.ptr)).sum()) if rows.size else 0.0
-        free, num_units = dealt.loss_free(units.loss, units.loss, sums=loss), units.tokens.size
+        free, num_units = dealt.loss_free(units.free_left, sums=loss), units.tokens.size
     # an example counted where a piece starts it: every entry when nothing is split (padded rows, whole examples)
-    first = entries if units.first.all() else dealt.sums(units.first)
+    first = dealt.examples(units.first)
     return BudgetReport(
         mode="packed" if window is not None else "padded", per_device_batch=per_device_batch,
         accumulation_steps=accumulation_steps, world_size=world_size,
@@ -369,7 +369,7 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
         examples_per_step=Spread.of(dealt.per_step(None, full_only=True, sums=first)),
         tokens_per_step=Spread.of(dealt.per_step(None, full_only=True, sums=tokens)),
         loss_tokens_per_step=Spread.of(dealt.per_step(None, full_only=True, sums=loss)),
-        padding_fraction=float(padding), loss_tokens_assumed=assumed, loss_tokens=int(units.loss.sum()),
+        padding_fraction=float(padding), loss_tokens_assumed=assumed, loss_tokens=units.loss_sum(),
         loss_free_units=free[0], loss_free_steps=free[1], loss_free_pieces=units.free, dropped_pieces=units.dropped,
         dropped_tokens=units.dropped_tokens, longest_example=int(data.lengths.max()), overflow=units.overflow,
         overflow_examples=units.overflow_examples, cut_tokens=units.cut_tokens, balance=balance,

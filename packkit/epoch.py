@@ -11,6 +11,7 @@ them) and :class:`Dealt` (its schedule summed per optimiser step). Nothing here 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -85,16 +86,19 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
     windows a batch; every length at most ``window``), a :class:`~packkit.binpack.Plan` as ``lengths`` (its
     windows, each segment an example of its own), else :class:`~packkit.sampler.LengthGroupedSampler`
     (``per_rank`` examples a batch); ``strategy="next_fit"`` (no sampler plans it) is planned here and dealt as a
-    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts no step).
+    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts no step). An array of
+    lengths is lent to the sampler, not copied: do not change it while the sampler is in use.
 
     ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
     """
-    from .sampler import LengthGroupedSampler, PackedBatchSampler, _GivenPlan  # lazy: what reads lengths deals none
+    from .sampler import LengthGroupedSampler, PackedBatchSampler, _GivenPlan, _Lent  # lazy: reading deals none
 
     kw = dict(world_size=world_size, rank=0, step_batches=world_size * accumulation_steps, balance=balance,
               cp_size=cp_size, seed=seed, shuffle=shuffle)
     if window is not None and strategy == "next_fit":  # next fit in dataset order: planned here, dealt as given
         lengths = pack(lengths, window=window, strategy=strategy)
+    elif isinstance(lengths, np.ndarray):  # (the sampler lives for one figure: a view of them, not a copy)
+        lengths = _Lent(lengths)
     for last in (True, False) if drop_last else (False,):
         try:
             if isinstance(lengths, Plan):
@@ -164,23 +168,35 @@ class Dealt:
         own = units.given is None and units.planned is units.tokens
         return self.schedule.take(self.sampler._lengths_used() if own else units.tokens)
 
-    def loss_free(self, unit_loss, values, *, sums: np.ndarray | None = None) -> tuple[int, int]:
-        """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example), ``values`` the
-        loss per example dealt (``sums``: its :meth:`sums`, if taken)."""
-        return int((np.asarray(unit_loss) == 0).sum()), int((self.per_step(values, sums=sums) == 0).sum())
+    def loss_free(self, unit_loss, values=None, *, sums: np.ndarray | None = None) -> tuple[int, int]:
+        """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example; or their count, an
+        int), ``values`` the loss per example dealt (``sums``: its :meth:`sums`, if taken)."""
+        free = unit_loss if isinstance(unit_loss, int) else int(np.count_nonzero(np.asarray(unit_loss) == 0))
+        return free, int((self.per_step(values, sums=sums) == 0).sum())
+
+    def examples(self, first: np.ndarray) -> np.ndarray:
+        """(steps held,) examples each step holds: its entries, less the pieces there that do not start their example
+        (``first`` False: the overflow policy's later pieces, a few, found where they fall rather than summed)."""
+        sched = self.schedule
+        entries = np.diff(sched.step_ptr)
+        if first.all():
+            return entries
+        at = np.flatnonzero(~np.asarray(first, bool)[sched.flat])
+        return entries - np.bincount(np.searchsorted(sched.step_ptr, at, side="right") - 1, minlength=entries.size)
 
 
 @record
 class Units:
     """What a sampler deals for ``packkit plan`` and ``packkit waste``, one entry per example it deals (a piece
-    when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (1 where a piece starts its example) and
-    ``loss``; ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left
-    out; ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
+    when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (bool, True where a piece starts its
+    example) and ``loss`` (made when read where ``counted`` is None: every token but a piece's first); ``free``
+    pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left out; ``given``: the
+    plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
 
     planned: np.ndarray
     tokens: np.ndarray
     first: np.ndarray
-    loss: np.ndarray
+    counted: np.ndarray | None
     free: int
     dropped: int = 0
     dropped_tokens: int = 0
@@ -190,6 +206,21 @@ class Units:
     cut_tokens: int = 0
     row_round: int = 1
 
+    @functools.cached_property
+    def loss(self) -> np.ndarray:
+        """(units,) int64 loss tokens of each (made once: ``plan`` reads only their sum and count, :meth:`loss_sum`)."""
+        return self.counted if self.counted is not None else np.maximum(np.subtract(self.tokens, 1), 0)
+
+    @property
+    def free_left(self) -> int:
+        """Units dealt with no loss token (``drop_loss_free`` left none)."""
+        return self.free - self.dropped
+
+    def loss_sum(self) -> int:
+        """Loss tokens of every unit, without :attr:`loss`'s array where no loss counts were given."""
+        return int(self.counted.sum()) if self.counted is not None else int(self.tokens.sum()) - int(
+            np.count_nonzero(self.tokens))
+
     def keep(self, keep: np.ndarray) -> "Units":
         """The units kept (``drop_loss_free``): none left is the error naming it."""
         if not keep.any():
@@ -198,7 +229,8 @@ class Units:
         tokens = self.tokens[keep]
         return dataclasses.replace(self, planned=tokens if self.planned is self.tokens else self.planned[keep],
                                    tokens=tokens, first=self.first[keep],
-                                   loss=self.loss[keep], dropped=int((~keep).sum()),
+                                   counted=None if self.counted is None else self.counted[keep],
+                                   dropped=int((~keep).sum()),
                                    dropped_tokens=int(self.tokens[~keep].sum()),
                                    given=None if self.given is None else self.given.keep_segments(keep))
 
@@ -216,12 +248,11 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
         pieces = apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
         example, start, length = pieces.example, pieces.start, pieces.length
         over, cut = pieces.overflow_examples.size, pieces.cut_tokens
-    loss = loss_of(data, example, start, length)
+    loss = _counted(data, example, start, length)
     planned = length if doc_multiple == 1 else -(-length // doc_multiple) * doc_multiple  # (the same: Dealt.tokens)
-    units = Units(planned, length, (start == 0).astype(np.int64), loss,
-                  int((loss == 0).sum()), given=given, overflow=overflow, overflow_examples=int(over),
-                  cut_tokens=int(cut))
-    units = units.keep(loss > 0) if drop_loss_free and units.free else units
+    units = Units(planned, length, start == 0, loss, _free(loss, length), given=given, overflow=overflow,
+                  overflow_examples=int(over), cut_tokens=int(cut))
+    units = units.keep(units.loss > 0) if drop_loss_free and units.free else units
     if units.tokens.size == 0:
         raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
                         window=arg("window", window), drop=arg("overflow", "drop"), w=arg("window"),
@@ -231,8 +262,17 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
 
 def padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> Units:
     """The examples a padded epoch deals, whole."""
-    n = data.lengths.size
-    loss = loss_of(data)
-    units = Units(data.lengths, data.lengths, np.broadcast_to(np.int64(1), (n,)), loss, int((loss == 0).sum()),
-                  row_round=row_round)
-    return units.keep(loss > 0) if drop_loss_free and units.free else units
+    loss = _counted(data)
+    units = Units(data.lengths, data.lengths, np.broadcast_to(True, data.lengths.shape), loss,
+                  _free(loss, data.lengths), row_round=row_round)
+    return units.keep(units.loss > 0) if drop_loss_free and units.free else units
+
+
+def _counted(data: Lengths, example=None, start=None, length=None) -> np.ndarray | None:
+    """:func:`loss_of`, or None where no loss counts were given (every token but a piece's first: made when read)."""
+    return None if data.targets is None and data.loss_lengths is None else loss_of(data, example, start, length)
+
+
+def _free(counted: np.ndarray | None, length: np.ndarray) -> int:
+    """Units with no loss token: ``counted`` 0, or (None) one token or none."""
+    return int(np.count_nonzero(counted == 0) if counted is not None else np.count_nonzero(length <= 1))

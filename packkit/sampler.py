@@ -255,14 +255,26 @@ def _media_units(units, n: int, balance, cost) -> np.ndarray | None:
     return units
 
 
+class _Lent:
+    """Lengths lent to a sampler made for one figure (:func:`packkit.epoch.deal`, for ``packkit plan`` and ``waste``):
+    it reads them through a read-only view rather than a copy (the caller does not change them meanwhile)."""
+
+    __slots__ = ("lengths",)
+
+    def __init__(self, lengths: np.ndarray):
+        self.lengths = lengths.view()
+        self.lengths.setflags(write=False)
+
+
 def _lengths(lengths, dataset, key: str) -> np.ndarray:
     if lengths is None:
         if dataset is None:
             raise ValueError("pass lengths (one per example) or dataset=...")
         lengths = lengths_from_dataset(dataset, key=key)
-    given = lengths
+    lent = isinstance(lengths, _Lent)
+    given = lengths = lengths.lengths if lent else lengths
     lengths = as_lengths(lengths)
-    if isinstance(given, np.ndarray) and np.may_share_memory(lengths, given):
+    if not lent and isinstance(given, np.ndarray) and np.may_share_memory(lengths, given):
         lengths = lengths.copy()  # the caller's array stays theirs (writable), and the epoch ours (read-only)
     if lengths.size == 0:
         raise ValueError("the dataset is empty: a sampler needs at least one example")
@@ -704,6 +716,23 @@ class Schedule:
         return self.step_span[self._steps_held]
 
 
+def _end_to_end(parts: list[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(parts)``; where the parts lie end to end in one array (the batches of a schedule dealt in
+    sequence order, slices of the sequence), a view of it rather than a copy: ``_end_to_end([a[:2], a[2:5]])`` is
+    ``a[:5]``."""
+    base = parts[0].base if parts[0].base is not None else parts[0]
+    if base.ndim != 1 or not base.flags.c_contiguous or base.dtype != parts[0].dtype:
+        return np.concatenate(parts)
+    start = at = parts[0].__array_interface__["data"][0]
+    for p in parts:
+        if (p.base is not base and p is not base) or p.ndim != 1 or p.strides != base.strides or \
+                p.__array_interface__["data"][0] != at:
+            return np.concatenate(parts)
+        at += p.nbytes
+    first = (start - base.__array_interface__["data"][0]) // base.itemsize
+    return base[first:first + (at - start) // base.itemsize]
+
+
 def _remember(cache: dict, key, value):
     """``cache[key] = value``, the oldest entry forgotten past :data:`CACHED`; returns ``value``."""
     if len(cache) >= CACHED:
@@ -1031,7 +1060,7 @@ class _BatchSampler:
                 flats += part[1]
                 sizes.append(np.array([b.size for b in part[1]], np.int64))
                 pieces.append(np.asarray(part[2], np.int64))
-        flat = np.concatenate(flats) if flats else np.zeros(0, np.int64)
+        flat = _end_to_end(flats) if flats else np.zeros(0, np.int64)
         sizes = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
         pieces = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
         ptr = lengths_to_offsets(sizes)
