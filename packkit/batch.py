@@ -767,7 +767,7 @@ def loss_factors(labels: torch.Tensor):
         if "loss_weighting" not in note:
             return None
         dev = labels.device
-        cu = note["loss_cu"].to(dev)
+        cu = torch.as_tensor(note["loss_cu"], device=dev)  # a collator notes numpy arrays (its worker's cost)
         seg_factor, z = note.get("loss_seg_factor"), note.get("loss_z")
         if seg_factor is None:
             seg_factor, z = _segment_factors(labels, cu, note)
@@ -786,14 +786,14 @@ def _segment_factors(labels: torch.Tensor, cu: torch.Tensor, note: dict):
     counts = (csum[cu[1:]] - csum[cu[:-1]]).to(torch.float64)
     rule, seg_doc = note["loss_rule"], note.get("loss_seg_doc")
     values = note.get("loss_values")
-    values = None if values is None else values.to(labels.device)
+    values = None if values is None else torch.as_tensor(values, device=labels.device)
     if "loss_whole" in note:  # pieces of examples split offline: each weighs as its whole example
-        a, z = piece_factors(rule, counts, note["loss_whole"].to(labels.device), values)
+        a, z = piece_factors(rule, counts, torch.as_tensor(note["loss_whole"], device=labels.device), values)
         return a, z.sum()
     if seg_doc is None:
         a, z = rule.factors(counts, values)
         return a, z.sum()
-    seg_doc = seg_doc.to(labels.device)
+    seg_doc = torch.as_tensor(seg_doc, device=labels.device)
     docs = seg_doc >= 0
     per_doc = torch.zeros(int(note["loss_num_docs"]), dtype=torch.float64, device=labels.device)
     per_doc.index_add_(0, seg_doc[docs], counts[docs])

@@ -317,7 +317,9 @@ class _Collator:
         weighting = self.loss_weighting
         if weighting.is_token_mean:
             return batch
-        cu = batch.cu_seqlens if doc_cu is None else _tensor(doc_cu)
+        # what is noted stays numpy: made tensors on first use (:func:`packkit.batch.loss_factors`), not here, where a
+        # torch.from_numpy costs about as much as the weights' own arithmetic (benchmarks/bench_weighting.py)
+        cu = batch.cu_seqlens if doc_cu is None else doc_cu
         values = None
         if isinstance(weighting, ColumnWeighting):
             values = _column_values(examples, weighting.key)
@@ -325,14 +327,12 @@ class _Collator:
                 raise ValueError(f"loss_weighting=Column({weighting.key!r}) weighs examples; these rows hold "
                                  f"{num_docs} documents for {values.size} values: collate examples, not packed rows")
         if isinstance(weighting, CallableWeighting):  # made here: the callable may not cross processes
-            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), cu.numpy(), seg_doc=seg_doc,
+            factors, z = segment_factors(weighting, batch.labels.numpy().reshape(-1), np.asarray(cu), seg_doc=seg_doc,
                                          values=values, whole=whole)
             return batch._weigh(weighting, cu=cu, seg_factor=_tensor(factors), z=z)
-        # seg_doc (a plan's, read-only) copied by numpy: torch.tensor's copy of an array costs four times as much
-        return batch._weigh(weighting, cu=cu, seg_doc=None if seg_doc is None else _tensor(seg_doc.copy()),
-                            values=None if values is None else _tensor(values),
-                            whole=None if whole is None else _tensor(whole),
-                            num_docs=None if seg_doc is None else len(examples))
+        # seg_doc (a plan's, read-only) copied: the note is the batch's own
+        return batch._weigh(weighting, cu=cu, seg_doc=None if seg_doc is None else seg_doc.copy(), values=values,
+                            whole=whole, num_docs=None if seg_doc is None else len(examples))
 
     def _read(self, examples, *, packed_rows: bool = False):
         """``(input_ids, labels, lengths)`` (:func:`packkit.examples.read_batch`); a packed row (one with

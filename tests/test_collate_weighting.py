@@ -141,7 +141,7 @@ def test_a_split_examples_count_is_noted_without_torchs_copy(monkeypatch):
     seg_doc = _note(batch["labels"])["loss_seg_doc"]
     monkeypatch.undo()
     assert seg_doc.tolist() == plan.seg_example.tolist()
-    assert not np.shares_memory(seg_doc.numpy(), plan.seg_example)
+    assert not np.shares_memory(np.asarray(seg_doc), plan.seg_example)
     assert torch.equal(batch.loss_weight, want)
 
 
@@ -157,3 +157,28 @@ def test_document_spans_against_a_loop(rows_docs, extra_rows):
     _, doc_cu = rows_batch_spans(ids, ids.copy(), seg_lengths, seg_ptr, width=width, num_rows=num_rows, spans=True)
     want = [r * width + sum(d[:k]) for r, d in enumerate(rows_docs) for k in range(len(d))] + [num_rows * width]
     assert doc_cu.tolist() == want
+
+
+
+def split_examples():
+    return [{"input_ids": np.arange(1, n + 1), "labels": np.arange(1, n + 1)} for n in (13, 3, 6)]
+
+
+@pytest.mark.parametrize("make, examples", [
+    (lambda w: PackedRowsCollator(window=WINDOW, loss_weighting=w), rows),
+    (lambda w: FixedWindowCollator(window=WINDOW, overflow="split", loss_weighting=w), split_examples)],
+    ids=["packed_rows", "split_windows"])
+def test_weights_add_no_tensor_to_the_collate(monkeypatch, make, examples):
+    """Regression (packed rows' weights at 3.1% of the collate against the 2% target, bench_weighting at load 1): the
+    collate made a tensor of every array it noted (the documents' spans, their whole examples' loss tokens), each
+    ``torch.from_numpy`` costing about as much as the weights' own arithmetic. The note keeps numpy arrays, made
+    tensors once, where the loss first reads them (``loss_factors``). Fails before (tensors more a batch)."""
+    made = []
+    monkeypatch.setattr(collate, "_tensor", lambda a: made.append(a.shape) or torch.from_numpy(a))
+    counts = {}
+    for w in ("token", "sample"):
+        made.clear()
+        batch = make(w)(examples())
+        counts[w] = len(made)
+    assert counts["sample"] == counts["token"], counts
+    assert batch.loss_weight.dtype == torch.float32 and float(batch.loss_norm) > 0
