@@ -34,11 +34,12 @@ it as they read a pair or a group.
 Construction works on samples, not tokens (samples share only prefixes): one sort of the samples (lexicographic:
 numpy rounds of packed token words, or Python's sort of one bytes key a sample when samples are long), the prefix
 each shares with its neighbour in that order (token comparisons, exact, no hash), then the most each sample shares
-with an earlier one (the nearest earlier neighbour on either side, and the earliest sample through that node, by
-binary lifting on sparse tables: O(N log N), whatever the nesting) gives its chain of new nodes and where it hangs
-(:class:`_Chains`); the layout and every per-token array follow from the chains in numpy passes, level by level
-of the chains (at most ``sqrt(2 T)`` levels). No Python loop runs once a sample, but the sort of long samples and
-the compares and copies of long shared prefixes (one numpy call each, ``_SHORT``).
+with an earlier one and the earliest sample through that node (the runs of samples through each branching node,
+level by level, a deep nest finished by binary lifting on sparse tables: O(N + sum of shared tokens) and
+O(N log N) whatever the nesting) gives its chain of new nodes and where it hangs (:class:`_Chains`); the layout
+and every per-token array follow from the chains in numpy passes, level by level of the chains (at most
+``sqrt(2 T)`` levels). No Python loop runs once a sample, but the sort of long samples and the compares and
+copies of long shared prefixes (one numpy call each, ``_SHORT``).
 """
 
 from __future__ import annotations
@@ -93,14 +94,33 @@ _ROUND = 1 << 20
 _ROUND_MIN = 16  #: and at least this many tokens a sample
 
 
-def _packed_words(tokens: np.ndarray, bits: int) -> np.ndarray:
-    """``(A, k)`` uint64 values below ``2 ** bits`` (``k`` a multiple of ``per = 64 // bits``) -> ``(A, k / per)``
-    uint64 words, ``per`` values a word, the first value in the highest bits, so that the words' order (column
-    after column) is the rows' order: ``_packed_words([[1, 2]], 32) -> [[2 ** 32 + 2]]``."""
+def _packed_words(tokens: np.ndarray, bits: int, per: int) -> np.ndarray:
+    """``(A, k)`` uint64 values below ``2 ** bits`` (``k`` a multiple of ``per``, ``per * bits <= 64``) ->
+    ``(A, k / per)`` uint64 words, ``per`` values a word, the first value in the highest bits, so that the words'
+    order (column after column) is the rows' order: ``_packed_words([[1, 2]], 32, 2) -> [[2 ** 32 + 2]]``."""
     tokens = np.asarray(tokens, np.uint64)
-    per = 64 // bits
     shifts = np.uint64(bits) * np.arange(per - 1, -1, -1, dtype=np.uint64)
     return np.bitwise_or.reduce(tokens.reshape(tokens.shape[0], -1, per) << shifts, axis=2)
+
+
+def _stable_order(keys: list, widths: list) -> np.ndarray:
+    """``np.lexsort(keys)`` (the last key first, ties in place) of ``(A,)`` uint64 keys below ``2 ** widths[i]``.
+    A key with room for the positions' bits beside it is sorted by value with the position in its low bits
+    (numpy sorts uint64 values several times faster than it argsorts them, and the position keeps the sort
+    stable), any other by a stable argsort; one pass a key, the last-but-first first.
+    ``_stable_order([np.array([1, 0], np.uint64)], [1]) -> [1, 0]``."""
+    a = keys[0].size
+    bits = max(1, (a - 1).bit_length())
+    low, index, perm = np.uint64((1 << bits) - 1), np.arange(a, dtype=np.uint64), np.arange(a, dtype=np.int64)
+    for key, width in zip(keys, widths):
+        if width + bits > 64:
+            perm = perm[np.argsort(key[perm], kind="stable")]
+            continue
+        v = key[perm] << np.uint64(bits)
+        v |= index
+        v.sort()
+        perm = perm[(v & low).view(np.int64)]
+    return perm
 
 
 def _sorted_by_python(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
@@ -119,17 +139,16 @@ def _sorted_by_python(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | Non
 def _sorted_samples(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
     """Sample indices in lexicographic order of ``(group, token ids)``, ties by index, ``(N,)`` int64.
 
-    Rounds of one stable ``np.lexsort``: a round sorts the samples still tied (same bucket) by their bucket, then
-    their next tokens, ``id + 1`` with ``0`` past a sample's end (so that a prefix sorts first), packed into as few
-    64-bit words as their bits allow (:func:`_packed_words`); ties that run past all their samples' ends are
-    equal samples, done. Samples longer than ``_SHORT`` tokens on average are sorted by Python instead
-    (:func:`_sorted_by_python`)."""
+    Rounds of one stable sort on several keys (:func:`_stable_order`): a round sorts the samples still tied (same
+    bucket) by their bucket, then their next tokens, ``id + 1`` with ``0`` past a sample's end (so that a prefix
+    sorts first), packed into 64-bit words beside room for the positions' bits (:func:`_packed_words`); ties that
+    run past all their samples' ends are equal samples, done. Samples longer than ``_SHORT`` tokens on average
+    are sorted by Python instead (:func:`_sorted_by_python`)."""
     n = off.size - 1
     if ids.size > _SHORT * n:
         return _sorted_by_python(ids, off, groups)
     lengths = np.diff(off)
     bits = max(1, (int(ids.max()) + 1).bit_length()) if ids.size else 1  # ids + 1 (ids are >= 0: checked)
-    per = 64 // bits  # tokens a word
     plus = np.append(ids.astype(np.uint64) + np.uint64(1), np.uint64(0))  # ids + 1, then 0: past every end
     order = np.arange(n, dtype=np.int64)
     bucket = np.zeros(n, np.int64)  # per position in ``order``: the first position of its bucket
@@ -138,13 +157,23 @@ def _sorted_samples(ids: np.ndarray, off: np.ndarray, groups: np.ndarray | None)
     group = groups  # the first round's keys start with it
     while active.size:
         s = order[active]
+        # tokens a word: room left for the positions' bits beside them (:func:`_stable_order`), else as many as fit
+        per = (64 - max(1, (s.size - 1).bit_length())) // bits or 64 // bits
         k = int(min(int(lengths[s].max()) - depth, max(_ROUND_MIN, _ROUND // active.size)))
         k = -(-k // per) * per  # whole words
         at = off[s, None] + depth + np.arange(k)
-        words = _packed_words(plus[np.where(at < off[s + 1, None], at, ids.size)], bits)
-        keys = [words[:, j] for j in range(words.shape[1] - 1, -1, -1)]  # np.lexsort: the last key first
-        keys += ([] if group is None else [group[s]]) + ([bucket[active]] if depth else [])  # round one: bucket 0
-        perm = np.lexsort(keys) if len(keys) > 1 else np.argsort(keys[0], kind="stable")
+        words = _packed_words(plus[np.where(at < off[s + 1, None], at, ids.size)], bits, per)
+        keys = [words[:, j] for j in range(words.shape[1] - 1, -1, -1)]  # np.lexsort's order: the last key first
+        widths = [per * bits] * len(keys)
+        if group is not None:
+            g = group[s]
+            low = int(g.min())
+            keys.append(g.astype(np.uint64) - np.uint64(low % 2 ** 64))  # wraps to g - low, which is >= 0
+            widths.append((int(g.max()) - low).bit_length())
+        if depth:  # round one: bucket 0
+            keys.append(bucket[active].astype(np.uint64))
+            widths.append(n.bit_length())
+        perm = _stable_order(keys, widths)
         words, s = words[perm], s[perm]
         order[active] = s
         first = np.ones(s.size, bool)
@@ -250,17 +279,12 @@ class _RangeMin:
         return self._run(at - 1, bound, above, False)
 
 
-def _most_shared_earlier(order: np.ndarray, lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For every sample, the most tokens it shares with an earlier sample (by index), ``(N,)`` int64, and the
-    earliest sample through its node at that depth (``-1`` when it shares nothing).
-
-    In lexicographic order, what two samples share is the least ``lcp`` between them, so the best earlier sample
-    is the nearest earlier one on the left or on the right (nearest smaller value of ``order``, by binary
-    lifting on a sparse table); the samples sharing ``m`` tokens with one are a run around it, and the earliest
-    of them is the run's least index. Vectorised, O(N log N) whatever the nesting."""
+def _lifted(order: np.ndarray, lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_most_shared_earlier` per sorted position, by binary lifting on sparse tables: what two samples share
+    is the least ``lcp`` between them, so the best earlier sample is the nearest earlier one on the left or on the
+    right (nearest smaller value of ``order``); the samples sharing ``m`` tokens with one are a run around it, and
+    the earliest of them is the run's least index. O(N log N) whatever the nesting."""
     n = order.size
-    if n == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     dt = np.int32 if n < 2 ** 31 and (lcp.size == 0 or int(lcp.max()) < 2 ** 31) else np.int64
     samples, gaps = _RangeMin(order.astype(dt)), _RangeMin(lcp.astype(dt))
     pos = np.arange(n, dtype=np.int64)
@@ -277,6 +301,47 @@ def _most_shared_earlier(order: np.ndarray, lcp: np.ndarray) -> tuple[np.ndarray
     lo = gaps.run_left(q, m, above=False) - 1  # the run of positions sharing >= m tokens with q's sample
     hi = gaps.run_right(q + 1, m, above=False)
     earliest[q] = samples.min(lo, hi)
+    return shared, earliest
+
+
+_LIFT_AFTER = 16  #: levels of branching nodes taken run by run; samples nested deeper are finished by lifting
+
+
+def _most_shared_earlier(order: np.ndarray, lcp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For every sample, the most tokens it shares with an earlier sample (by index), ``(N,)`` int64, and the
+    earliest sample through its node at that depth (``-1`` when it shares nothing).
+
+    In lexicographic order, the samples through a node are a run of positions, and the node is as deep as the
+    least ``lcp`` inside the run. Runs are taken node by node from the roots down: each run's earliest sample
+    (its least index) is the earliest through its node, so every later sample of the run shares at least that
+    node's depth with an earlier one; below the node the run splits where its ``lcp`` is least, and runs of one
+    sample drop out. The deepest run whose earliest sample is earlier gives a sample's figures. One pass a level
+    of branching nodes over the samples still in runs (O(N + sum(lcp)) in all); after ``_LIFT_AFTER`` levels
+    the runs left (a deep nest) are finished as a problem of their own by :func:`_lifted`, O(N log N)."""
+    n = order.size
+    shared, earliest = np.zeros(n, np.int64), np.full(n, -1, np.int64)
+    inner = lcp > 0  # position i shares with i - 1
+    at = np.flatnonzero(inner | np.append(inner[1:], False))  # the positions in runs of two or more
+    head = ~inner[at]  # a run's first position
+    far = np.iinfo(np.int64).max
+    for _ in range(_LIFT_AFTER):
+        if not at.size:
+            break
+        starts = np.flatnonzero(head)
+        size = np.diff(np.append(starts, at.size))
+        gap, s = lcp[at], order[at]
+        depth = np.repeat(np.minimum.reduceat(np.where(head, far, gap), starts), size)
+        first = np.repeat(np.minimum.reduceat(s, starts), size)
+        later = first < s
+        shared[at[later]], earliest[at[later]] = depth[later], first[later]
+        head |= gap == depth
+        starts = np.flatnonzero(head)
+        size = np.diff(np.append(starts, at.size))
+        keep = np.repeat(size > 1, size)
+        at, head = at[keep], head[keep]
+    if at.size:  # within its run (lcp 0 at the runs' heads), a sample that shares any prefix shares more than before
+        more, first = _lifted(order[at], np.where(head, 0, lcp[at]))
+        shared[at[more > 0]], earliest[at[more > 0]] = more[more > 0], first[more > 0]
     out_shared, out_earliest = np.empty(n, np.int64), np.empty(n, np.int64)
     out_shared[order], out_earliest[order] = shared, earliest
     return out_shared, out_earliest

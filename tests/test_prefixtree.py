@@ -138,13 +138,14 @@ def test_docstring_example():
     assert tree_batch(build_tree([1, 2, 3, 1, 2, 4], [3, 3])).input_ids.tolist() == [[1, 2, 3, 4]]
 
 
-@given(trees(max_samples=60), st.sampled_from([0, 2 ** 40]), st.sampled_from([1, -(2 ** 40)]))
+@given(trees(max_samples=60), st.sampled_from([0, 2 ** 40, 2 ** 62]), st.sampled_from([1, -(2 ** 40), 2 ** 60]))
 @settings(max_examples=20)
 def test_every_compare_path_gives_the_trie(samples, shift, scale):
     """The construction's other paths, which short random samples do not take: every pair of neighbours compared
     and every shared prefix copied one by one, and the samples sorted by Python (as long samples are); the sort
     in rounds of one token (as many short samples sharing long prefixes are sorted); ids past 32 bits (8-byte
-    keys, one token a sort word), group ids negative and large."""
+    keys, one token a sort word), group ids negative and large; ids and group ids too wide for the positions'
+    bits beside them (sorted by a stable argsort, not by value)."""
     ids, lengths, mask, groups = flat(samples)
     saved = prefixtree._SHORT, prefixtree._ROUND, prefixtree._ROUND_MIN
     try:
@@ -174,6 +175,65 @@ def test_a_deep_nest_and_its_shallow_siblings():
     for samples in (nest + shallow, nest[::-1] + shallow):
         ids, lengths, mask, groups = flat(samples)
         check_structure(build_tree(ids, lengths, loss_mask=mask), samples)
+
+
+def _most_shared_by_definition(samples, groups):
+    """Per sample: the longest prefix it shares with an earlier sample of its group, and the earliest sample of
+    its group through that prefix (-1: none), pair by pair."""
+    def common(a, b):
+        n = min(len(a), len(b))
+        return next((i for i in range(n) if a[i] != b[i]), n)
+    shared, earliest = [], []
+    for s, x in enumerate(samples):
+        same = [t for t in range(len(samples)) if groups[t] == groups[s]]
+        m = max([common(x, samples[t]) for t in same if t < s], default=0)
+        shared.append(m)
+        earliest.append(min(t for t in same if common(x, samples[t]) >= m) if m else -1)
+    return shared, earliest
+
+
+@given(trees(max_samples=60), st.sampled_from([0, 1, 2, 16]), st.booleans())
+@settings(max_examples=40)
+@example([([1, 2, 3, 4], [1] * 4, 0), ([1, 2, 3], [1] * 3, 0), ([1, 2], [1] * 2, 0), ([1, 2, 3, 4], [1] * 4, 0),
+          ([1, 5], [1] * 2, 0)], 1, False)  # a nest, deeper than one level of runs, with a repeat
+def test_runs_and_lifting_give_the_same_tree(samples, levels, grouped):
+    """What each sample shares with an earlier one, run by run down the levels of branching nodes and finished by
+    binary lifting after ``levels`` of them (0: lifted from the start, as before), against the definition; and
+    the trees of both ways identical, array for array."""
+    ids, lengths, mask, groups = flat(samples)
+    g = groups if grouped else np.zeros_like(groups)
+    off = np.concatenate([[0], np.cumsum(lengths)])
+    order = prefixtree._sorted_samples(ids, off, g if grouped else None)
+    lcp = prefixtree._neighbour_lcps(ids, off, g if grouped else None, order)
+    saved = prefixtree._LIFT_AFTER
+    try:
+        got = {}
+        for n in (levels, 0):
+            prefixtree._LIFT_AFTER = n
+            got[n] = (prefixtree._most_shared_earlier(order, lcp),
+                      build_tree(ids, lengths, loss_mask=mask, groups=g if grouped else None))
+    finally:
+        prefixtree._LIFT_AFTER = saved
+    want = _most_shared_by_definition([list(s) for s, _, _ in samples], g.tolist())
+    for (shared, earliest), _ in got.values():
+        assert shared.tolist() == want[0] and earliest.tolist() == want[1]
+    a, b = got[levels][1], got[0][1]
+    for field in a.__dataclass_fields__:
+        x, y = getattr(a, field), getattr(b, field)
+        assert (x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)) if isinstance(x, dict) \
+            else np.array_equal(x, y), field
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2 ** 64 - 1), st.integers(0, 1)), min_size=1,
+                max_size=40), st.sampled_from([2, 40, 64]))
+@settings(max_examples=40)
+def test_stable_order_is_lexsort(rows, width):
+    """The sort of the rounds equals ``np.lexsort`` (ties in place), keys sorted by value beside the positions'
+    bits where they have room for them, by a stable argsort where they do not."""
+    keys = [np.array([r[j] for r in rows], np.uint64) for j in range(3)]
+    keys[1] &= np.uint64((1 << width) - 1)
+    got = prefixtree._stable_order(keys, [2, width, 1])
+    assert got.tolist() == np.lexsort(keys).tolist()
 
 
 def test_values_follow_the_scored_tokens():
