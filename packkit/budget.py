@@ -342,7 +342,7 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
             world_size: int, window: int | None, balance: str | None) -> BudgetReport:
     """The figures of the epoch ``dealt`` deals (:func:`plan_budget`)."""
     sched, stats = dealt.schedule, dealt.stats
-    total, lens = int(units.tokens.sum()), dealt.tokens(units)  # (as the sampler read them already)
+    total, lens = units.total, dealt.tokens(units)  # (as the sampler read them already)
     tokens, entries = dealt.sums(lens, taken=True), np.diff(sched.step_ptr)
     # each sum taken once, the spreads and the loss-free steps read it; with no loss counts a unit's loss is its
     # tokens less one (loss_of), so a step's is its tokens less its entries

@@ -174,12 +174,13 @@ class Dealt:
         free = unit_loss if isinstance(unit_loss, int) else int(np.count_nonzero(np.asarray(unit_loss) == 0))
         return free, int((self.per_step(values, sums=sums) == 0).sum())
 
-    def examples(self, first: np.ndarray) -> np.ndarray:
+    def examples(self, first: np.ndarray | None) -> np.ndarray:
         """(steps held,) examples each step holds: its entries, less the pieces there that do not start their example
-        (``first`` False: the overflow policy's later pieces, a few, found where they fall rather than summed)."""
+        (``first`` False: the overflow policy's later pieces, a few, found where they fall rather than summed; None:
+        none)."""
         sched = self.schedule
         entries = np.diff(sched.step_ptr)
-        if first.all():
+        if first is None or first.all():
             return entries
         at = np.flatnonzero(~np.asarray(first, bool)[sched.flat])
         return entries - np.bincount(np.searchsorted(sched.step_ptr, at, side="right") - 1, minlength=entries.size)
@@ -189,13 +190,13 @@ class Dealt:
 class Units:
     """What a sampler deals for ``packkit plan`` and ``packkit waste``, one entry per example it deals (a piece
     when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (bool, True where a piece starts its
-    example) and ``loss`` (made when read where ``counted`` is None: every token but a piece's first); ``free``
-    pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left out; ``given``: the
-    plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
+    example; None: every unit does) and ``loss`` (made when read where ``counted`` is None: every token but a
+    piece's first); ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free``
+    left out; ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
 
     planned: np.ndarray
     tokens: np.ndarray
-    first: np.ndarray
+    first: np.ndarray | None
     counted: np.ndarray | None
     free: int
     dropped: int = 0
@@ -216,10 +217,14 @@ class Units:
         """Units dealt with no loss token (``drop_loss_free`` left none)."""
         return self.free - self.dropped
 
+    @functools.cached_property
+    def total(self) -> int:
+        """Tokens of every unit."""
+        return int(self.tokens.sum())
+
     def loss_sum(self) -> int:
         """Loss tokens of every unit, without :attr:`loss`'s array where no loss counts were given."""
-        return int(self.counted.sum()) if self.counted is not None else int(self.tokens.sum()) - int(
-            np.count_nonzero(self.tokens))
+        return int(self.counted.sum()) if self.counted is not None else self.total - int(np.count_nonzero(self.tokens))
 
     def keep(self, keep: np.ndarray) -> "Units":
         """The units kept (``drop_loss_free``): none left is the error naming it."""
@@ -228,7 +233,7 @@ class Units:
                             drop=arg("drop_loss_free", True))
         tokens = self.tokens[keep]
         return dataclasses.replace(self, planned=tokens if self.planned is self.tokens else self.planned[keep],
-                                   tokens=tokens, first=self.first[keep],
+                                   tokens=tokens, first=None if self.first is None else self.first[keep],
                                    counted=None if self.counted is None else self.counted[keep],
                                    dropped=int((~keep).sum()),
                                    dropped_tokens=int(self.tokens[~keep].sum()),
@@ -263,8 +268,7 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
 def padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> Units:
     """The examples a padded epoch deals, whole."""
     loss = _counted(data)
-    units = Units(data.lengths, data.lengths, np.broadcast_to(True, data.lengths.shape), loss,
-                  _free(loss, data.lengths), row_round=row_round)
+    units = Units(data.lengths, data.lengths, None, loss, _free(loss, data.lengths), row_round=row_round)
     return units.keep(units.loss > 0) if drop_loss_free and units.free else units
 
 

@@ -347,9 +347,14 @@ def _longest_first32(lengths: np.ndarray) -> np.ndarray | None:
     if not n or bits >= 32 or int(lengths.max()) >= 1 << (32 - bits):
         return None
     key = np.empty(lengths.shape, np.uint32)
-    np.subtract((1 << (32 - bits)) - 1, lengths, out=key, casting="unsafe")
+    return _sorted_keys(np.subtract((1 << (32 - bits)) - 1, lengths, out=key, casting="unsafe"), bits)
+
+
+def _sorted_keys(key: np.ndarray, bits: int) -> np.ndarray:
+    """Positions along the last axis of ``key`` (uint32 ``cap - length``, below ``2 ** (32 - bits)``), longest first,
+    stable: each key shifted past ``bits`` bits of its position and sorted (in place). ``([7, 0], 1) -> [1, 0]``."""
     np.left_shift(key, np.uint32(bits), out=key)
-    np.bitwise_or(key, np.arange(n, dtype=np.uint32), out=key)
+    np.bitwise_or(key, np.arange(key.shape[-1], dtype=np.uint32), out=key)
     key.sort(axis=-1)
     return np.bitwise_and(key, np.uint32((1 << bits) - 1), out=key)
 
@@ -364,13 +369,19 @@ def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> np.nd
     lengths = np.asarray(lengths, np.int64)
     if order.size == 0:
         return order
-    seq = lengths[order]
     nfull = order.size // size * size
+    bits = max(1, (min(size, order.size) - 1).bit_length())  # a position in its block
+    keys = None  # (cap - length) of every example as uint32, gathered: the keys of _longest_first32, no int64 copy
+    if bits < 32 and order.size < 1 << 31 and int(lengths.max()) < 1 << (32 - bits):
+        keys = np.subtract((1 << (32 - bits)) - 1, lengths, out=np.empty(lengths.size, np.uint32), casting="unsafe")
+        keys = np.take(keys, order)
+    else:
+        seq = lengths[order]
     out = np.empty_like(order)  # gathered in place (mode "clip": the indices are in range, numpy buffers none)
     for lo, hi, width in ((0, nfull, size), (nfull, order.size, order.size - nfull)):
-        if hi > lo:  # positions in order, longest first in each row (uint32 where they fit: no int64 copy)
-            at = _longest_first32(seq[lo:hi].reshape(-1, width)) if order.size < 1 << 31 else None
-            at = longest_first(seq[lo:hi].reshape(-1, width)) if at is None else at
+        if hi > lo:  # positions in order, longest first in each block
+            at = longest_first(seq[lo:hi].reshape(-1, width)) if keys is None else _sorted_keys(
+                keys[lo:hi].reshape(-1, width), bits)
             at += np.arange(lo, hi, width, dtype=at.dtype)[:, None]
             np.take(order, at.reshape(-1), out=out[lo:hi], mode="clip")
     return out
@@ -1534,10 +1545,11 @@ class LengthGroupedSampler(_BatchSampler):
             first = int(np.argmax(L[order])) // B
         arrangement = arrange_steps(cost, step, rng, shuffle=self.shuffle, balance=balance, first=first)
         dropped = tail.size if self.drop_last else 0
-        flat = np.empty(full + tail.size - dropped, np.int64)  # the steps' batches of B (rows of a 2-D view), the tail
+        tail = tail[np.argsort(-L[tail], kind="stable")] if tail.size and not dropped else None
+        flat = perm[:n - dropped]  # (the permutation's buffer, read already) the steps' batches of B, then the tail
         np.take(order.reshape(-1, B), arrangement, axis=0, out=flat[:full].reshape(-1, B), mode="clip")
-        if tail.size and not dropped:
-            flat[full:] = tail[np.argsort(-L[tail], kind="stable")]
+        if tail is not None:
+            flat[full:] = tail
             ptr = np.concatenate((ptr, np.arange(full + B, n, B, dtype=np.int64), [n]))
         return _Sequence(flat=flat, ptr=ptr, step=step, full=full // B, dropped=dropped)
 
