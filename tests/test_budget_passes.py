@@ -245,3 +245,20 @@ def test_no_loss_per_unit_without_loss_counts(monkeypatch):
     monkeypatch.setattr(epoch, "loss_of", real)
     units = epoch.padded_units(epoch.read_lengths_object(lengths), row_round=1, drop_loss_free=False)
     assert units.loss.tolist() == (lengths - 1).tolist() and units.free == int((lengths == 1).sum())
+
+
+def test_plan_padded_holds_few_arrays_of_every_example():
+    """Each array of every example a plan holds at once is fresh memory the kernel clears page by page (half of
+    plan --padded's system time on 70,180 ShareGPT lengths). 4528c1c peaked at 7.2x the lengths' bytes (the sampler's
+    copy, the loss of every unit, the schedule concatenated, the keys of the sort as int64, a sequence beside the
+    permutation); now about 4.2x."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(600), 1.2, 200_000), 1, 60_000).astype(np.int64)
+    lengths[:3] = [70_000, 221_070, 65_535]
+    kw = dict(per_device_batch=8, accumulation_steps=4, world_size=8, advice=QUIET)
+    plan_budget(lengths, **kw)  # (numpy's first-call allocations outside the measure)
+    tracemalloc.start()
+    plan_budget(lengths, **kw)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 5 * lengths.nbytes, peak / lengths.nbytes
