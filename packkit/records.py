@@ -48,21 +48,22 @@ class _Spec:
 def _init(self, *args, **kwargs):
     spec = type(self).__record__
     names = spec.names
-    if len(args) > len(names):
-        raise TypeError(f"{type(self).__qualname__}() takes {len(names)} arguments, got {len(args)}")
-    values = dict(zip(names, args))
-    for name, value in kwargs.items():
-        if name not in spec.fields:
-            raise TypeError(f"{type(self).__qualname__}() got an unexpected keyword argument {name!r}")
-        if name in values:
-            raise TypeError(f"{type(self).__qualname__}() got multiple values for argument {name!r}")
-        values[name] = value
-    put = object.__setattr__
+    if args:
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__qualname__}() takes {len(names)} arguments, got {len(args)}")
+        for name, value in zip(names, args):  # (kwargs is this call's own dict)
+            if name in kwargs:
+                raise TypeError(f"{type(self).__qualname__}() got multiple values for argument {name!r}")
+            kwargs[name] = value
+    if not spec.fields.issuperset(kwargs):  # one set operation, not a test per keyword (records are made per call)
+        name = next(name for name in kwargs if name not in spec.fields)
+        raise TypeError(f"{type(self).__qualname__}() got an unexpected keyword argument {name!r}")
+    put, defaults = object.__setattr__, spec.defaults
     for name in names:
-        if name in values:
-            put(self, name, values[name])
-        elif name in spec.defaults:
-            put(self, name, spec.defaults[name])
+        if name in kwargs:
+            put(self, name, kwargs[name])
+        elif name in defaults:
+            put(self, name, defaults[name])
         elif name in spec.factories:
             put(self, name, spec.factories[name]())
         else:

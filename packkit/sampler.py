@@ -955,7 +955,13 @@ class _BatchSampler:
         Returns batches (row-major), units per batch, examples repeated."""
         batches, pieces, repeated = [], [], 0
         for row in self._partial_rows(units, R, m):
-            if row.size >= R:
+            if row.size >= R and int(row[-1] - row[0]) == row.size - 1:  # consecutive units: each run a slice
+                q, r = divmod(row.size, R)
+                edges = [int(row[0]) + i * q + min(i, r) for i in range(R + 1)]  # np.array_split's runs
+                at = seq.ptr[edges].tolist()
+                batches += [seq.flat[at[i]:at[i + 1]] for i in range(R)]
+                pieces += [edges[i + 1] - edges[i] for i in range(R)]
+            elif row.size >= R:
                 parts = np.array_split(row, R)
                 batches += [select_batches(seq.flat, seq.ptr, p)[0] for p in parts]
                 pieces += [p.size for p in parts]

@@ -262,3 +262,12 @@ def test_plan_padded_holds_few_arrays_of_every_example():
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 5 * lengths.nbytes, peak / lengths.nbytes
+
+
+@given(values=st.lists(st.floats(-1e12, 1e12, allow_nan=False) | st.integers(0, 300_000), min_size=1, max_size=60))
+def test_spread_is_numpys_mean_and_std(values):
+    """Spread.of computes numpy's mean and std itself (the same sums, without numpy's dispatch, a third of its
+    time): equal to the last bit."""
+    v = np.array(values, dtype=np.float64)
+    s = budget.Spread.of(v)
+    assert (s.mean, s.std, s.min, s.max) == (float(v.mean()), float(v.std()), float(v.min()), float(v.max()))
