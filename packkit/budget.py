@@ -345,7 +345,7 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
     """The figures of the epoch ``dealt`` deals (:func:`plan_budget`)."""
     sched, stats = dealt.schedule, dealt.stats
     total, lens = units.total, dealt.tokens(units)  # (as the sampler read them already)
-    tokens, entries = dealt.sums(lens, taken=True), np.diff(sched.step_ptr)
+    tokens, entries = dealt.sums(lens, taken=True), sched.step_entries
     # each sum taken once; with no loss counts a unit's loss is its tokens less one: a step's, tokens less entries
     assumed = data.loss_lengths is None and data.targets is None
     loss = tokens - entries if units.counted is None and units.tokens.min() >= 1 else dealt.sums(units.loss)
@@ -357,7 +357,7 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
     else:  # padded: planned lengths are the tokens (CP rounds the rows)
         rows = sched.longest(lens) if lens.size else lens
         rows = -(-rows // units.row_round) * units.row_round  # a padded row is cut as one sequence
-        padding = 1.0 - total / float((rows * np.diff(sched.ptr)).sum()) if rows.size else 0.0
+        padding = 1.0 - total / float((rows * sched.sizes).sum()) if rows.size else 0.0
         free, num_units = dealt.loss_free(units.free_left, sums=loss), units.tokens.size
     first = dealt.examples(units.first)  # an example counted where a piece starts it
     return BudgetReport(

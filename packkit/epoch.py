@@ -129,7 +129,7 @@ class Dealt:
         if hasattr(sampler, "windows_per_batch"):  # a PackedBatchSampler: a full step is every window of it
             full = sched.units_per_step == sampler.step_batches * sampler.windows_per_batch
         else:  # every batch of it whole (the last batch of a dataset may be short)
-            full = np.diff(sched.step_ptr) == sampler.step_batches * sampler.batch_size
+            full = sched.step_entries == sampler.step_batches * sampler.batch_size
         return cls(sampler, sched, full, drop_last)
 
     @property
@@ -179,7 +179,7 @@ class Dealt:
         (``first`` False: the overflow policy's later pieces, a few, found where they fall rather than summed; None:
         none)."""
         sched = self.schedule
-        entries = np.diff(sched.step_ptr)
+        entries = sched.step_entries
         if first is None or first.all():
             return entries
         at = np.flatnonzero(~np.asarray(first, bool)[sched.flat])

@@ -660,7 +660,7 @@ class Schedule:
         """``values[flat]``: one value an example read as one an entry (read-only), the last array read remembered
         (the sampler's figures and ``packkit plan``'s read the same lengths through the schedule once; the sums
         and maxima below remember the array they were taken of too)."""
-        return self._remembered("take", values, lambda: np.asarray(values)[self.flat])
+        return self._remembered("take", values, lambda: np.take(values, self.flat))
 
     def _remembered(self, what: str, values, make):
         """``make()``, remembered (read-only) for the last read-only ``values`` asked ``what`` of, by identity: an
@@ -709,7 +709,17 @@ class Schedule:
     def counts(self) -> np.ndarray:
         """``(steps, world_size)`` entries of each rank's batches of each optimiser step held here (:meth:`per_step`
         of ones, as float64), summed over the batches rather than the entries."""
-        return self._cells(np.diff(self.ptr))
+        return self._cells(self.sizes)
+
+    @functools.cached_property
+    def sizes(self) -> np.ndarray:
+        """(batches,) int64 entries of each batch (``np.diff(ptr)``, made once: the figures read it three times)."""
+        return self.ptr[1:] - self.ptr[:-1]
+
+    @functools.cached_property
+    def step_entries(self) -> np.ndarray:
+        """(steps held,) int64 entries of each optimiser step held here (``np.diff(step_ptr)``, made once)."""
+        return self.step_ptr[1:] - self.step_ptr[:-1]
 
     @functools.cached_property
     def _batch_cell(self) -> np.ndarray:
@@ -1100,7 +1110,7 @@ class _BatchSampler:
         if not lens.size:
             return 0
         longest = sched.longest(lens) if sched.flat.size else np.zeros(0, np.int64)
-        return int((np.diff(sched.ptr) * longest).sum())
+        return int((sched.sizes * longest).sum())
 
     def _stats_of(self, sched: Schedule, seq: _Sequence) -> EpochStats:
         R = self.world_size
