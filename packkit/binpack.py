@@ -179,13 +179,14 @@ def check_split_size(lengths: np.ndarray, window: int, *, first: int = 0) -> Non
     ``check_split_size(np.array([10, 2**40]), 2048)`` raises ``DataError("example 1 has 1,099,511,627,776
     tokens: overflow='split' cuts it into 536,870,912 pieces of window=2048 ...")``.
     """
-    count = -(-lengths // window)
-    pieces = float(count.sum(dtype=np.float64))
+    big = np.flatnonzero(lengths > window)  # (the others are one piece each: no division over every example)
+    count = -(-lengths[big] // window)
+    pieces = float(lengths.size - big.size) + float(count.sum(dtype=np.float64))
     need = pieces * PLAN_BYTES_PER_ITEM
     have = memory_available()
     if have is None or need <= have:
         return
-    i = int(np.argmax(count))
+    i, count = int(big[np.argmax(count)]), -(-lengths // window)
     raise DataError("example {i} has {n:,} tokens: {split} cuts it into {k:,} pieces of {window}, and planning "
                     "the data's {pieces:,} pieces needs about {need:.1f} GiB, more than the {have:.1f} GiB of memory "
                     "available; check that length, or pass {fix}, or raise {w}", i=first + i, n=int(lengths[i]),
@@ -531,15 +532,26 @@ def apply_overflow(lengths, *, window: int, overflow: str, in_order: bool = Fals
         return Pieces(idx[keep], zeros[keep], lengths[keep], over, over, int(lengths[over].sum()))
     if overflow != "split":
         check_overflow(overflow)
-    # split: example i becomes ceil(L / W) pieces, all of W tokens but the last.
+    # split: example i becomes ceil(L / W) pieces, all of W tokens but the last: every first piece, then the later
+    # pieces of the few examples past W (no pass over every example per piece)
     check_split_size(lengths, window, first=first)
-    count = -(-lengths // window)
-    example = np.repeat(idx, count)
-    start = lengths_to_position_ids(count) * window
+    extra = -(-lengths[over] // window) - 1  # later pieces of each example past W
+    k = lengths_to_position_ids(extra) + 1  # their number in their example
+    of = np.repeat(over, extra)
+    later = (of, k * window, np.minimum(lengths[of] - k * window, window))
+    firsts = (idx, zeros, np.minimum(lengths, window))
     if not in_order:  # the planners' layout: every first piece (start 0), then the later ones, each in order
-        p = np.argsort(start != 0, kind="stable")
-        example, start = example[p], start[p]
-    return Pieces(example, start, np.minimum(lengths[example] - start, window), over, empty, 0)
+        return Pieces(*(np.concatenate(pair) for pair in zip(firsts, later)), over, empty, 0)
+    before = lengths_to_offsets(extra)  # later pieces before each example past W
+    at = range_index(over + before[:-1] + 1, extra)  # the later pieces follow their first
+    shift = np.zeros(lengths.size, np.int64)  # where each first piece goes: its example, plus the later pieces before
+    shift[over[over + 1 < lengths.size] + 1] = extra[over + 1 < lengths.size]
+    np.cumsum(shift, out=shift)
+    shift += idx
+    out = [np.empty(lengths.size + at.size, np.int64) for _ in range(3)]
+    for o, f, x in zip(out, firsts, later):
+        o[shift], o[at] = f, x
+    return Pieces(*out, over, empty, 0)
 
 
 # ----------------------------------------------------------------------------------------------
