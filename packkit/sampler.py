@@ -716,6 +716,19 @@ class Schedule:
         """(batches,) int64 entries of each batch (``np.diff(ptr)``, made once: the figures read it three times)."""
         return self.ptr[1:] - self.ptr[:-1]
 
+    def square_sums(self, values: np.ndarray) -> np.ndarray:
+        """(batches,) float64 sums of ``values ** 2`` over each batch. The batches of one size at the head (all of a
+        length-grouped epoch's but its tail) by ``einsum`` over the integers, with no array of squares (a fresh array
+        of every entry); exact, so equal to float64 squares' sums to the bit where ``max ** 2 x size < 2 ** 53``."""
+        sizes, b = self.sizes, int(self.sizes[0]) if self.sizes.size else 0
+        if not b or values.dtype.kind not in "iu" or not (sizes > 0).all() or int(values.max()) ** 2 * b >= 1 << 53:
+            squares = values.astype(np.float64)  # (an empty batch: the prefix sums of them all, as before)
+            return self._batch_sums(np.multiply(squares, squares, out=squares))
+        k = sizes.size if (sizes == b).all() else int(np.argmax(sizes != b))
+        head, rest = values[:k * b].reshape(k, b), values[k * b:].astype(np.float64)
+        rest = np.add.reduceat(np.multiply(rest, rest, out=rest), self.ptr[k:-1] - self.ptr[k]) if rest.size else rest
+        return np.concatenate((np.einsum("ij,ij->i", head, head).astype(np.float64), rest))
+
     @functools.cached_property
     def step_entries(self) -> np.ndarray:
         """(steps held,) int64 entries of each optimiser step held here (``np.diff(step_ptr)``, made once)."""
@@ -1120,8 +1133,7 @@ class _BatchSampler:
         # per optimiser step and rank, the sum over the rank's rows of that step: of the lengths (remembered, as
         # packkit plan reads them), their squares, and the cost model over both (not a cost per entry, then summed)
         tokens_at = sched.per_step(lens)
-        squares = lens.astype(np.float64)
-        squares_at = sched.per_step(np.multiply(squares, squares, out=squares))
+        squares_at = sched._cells(sched.square_sums(lens))
         compute = self.cost.of_sums(tokens_at, squares_at, None if self.media_units is None else
                                     sched.per_step(self.media_units[sched.flat]))
         policy = {"compute": compute, "sqlen": squares_at}.get(self.balance, tokens_at)

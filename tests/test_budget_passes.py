@@ -109,7 +109,7 @@ def test_plan_gathers_the_callers_own_lengths_once(monkeypatch, packed):
     twice, by epoch_stats (from the sampler's copy) and by the report (from the caller's array), each gather summed
     per batch and padded its longest again (1 ms of plan --padded's 12 on 70,180 ShareGPT lengths); packed, the
     sampler made min(L, W) anew at each read. The report reads the sampler's own lengths: one gather, one sum per
-    batch of the lengths and one of their squares, one longest."""
+    batch, one longest."""
     made = []
     real = sampler.Schedule._remembered
     monkeypatch.setattr(sampler.Schedule, "_remembered",
@@ -118,7 +118,7 @@ def test_plan_gathers_the_callers_own_lengths_once(monkeypatch, packed):
     lengths = chat_like(3000)
     assert lengths.flags.writeable
     plan_budget(lengths, per_device_batch=4, accumulation_steps=2, world_size=4, advice=QUIET, **kw)
-    assert sorted(made) == sorted(["sums", "sums", "take"] + ([] if packed else ["longest"])), made
+    assert sorted(made) == sorted(["sums", "take"] + ([] if packed else ["longest"])), made  # (squares: square_sums)
 
 
 def test_stats_sum_lengths_not_costs(monkeypatch):
@@ -271,3 +271,15 @@ def test_spread_is_numpys_mean_and_std(values):
     v = np.array(values, dtype=np.float64)
     s = budget.Spread.of(v)
     assert (s.mean, s.std, s.min, s.max) == (float(v.mean()), float(v.std()), float(v.min()), float(v.max()))
+
+
+@given(lengths=st.lists(st.integers(1, 300_000) | st.integers(1, 60), min_size=1, max_size=300),
+       batch=st.integers(1, 9), world=st.integers(1, 4), balance=st.sampled_from([None, "compute"]))
+def test_square_sums_are_float_squares_summed(lengths, batch, world, balance):
+    """epoch_stats squared every dealt length into a fresh float64 array to sum it per batch; the batches of one size
+    are summed by einsum over the integers, with no such array: the same sums to the bit."""
+    L = np.array(lengths, np.int64)
+    sched = LengthGroupedSampler(L, batch_size=batch, world_size=world, rank=0, balance=balance).schedule()
+    lens = L[sched.flat]
+    want = [float((lens[a:b].astype(np.float64) ** 2).sum()) for a, b in zip(sched.ptr[:-1], sched.ptr[1:])]
+    assert sched.square_sums(lens).tolist() == want
