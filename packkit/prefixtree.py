@@ -57,6 +57,7 @@ from .collate import padding_free_batch, row_destinations, rows_batch
 from .cp import shard, sum_over_ranks
 from .logps import logits_logps, scored_logps
 from .errors import ArgumentError, DataError, arg
+from .integrations.transformers import StepCountHook, StepNormalizer  # Trainer's private step count
 from .preference import SequenceBatch, shard_groups, varlen_recipe
 from .examples import read_column
 from .rules import (MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths, check_loss_mask_mode, check_values,
@@ -1151,7 +1152,7 @@ class TreeCollator:
         return f"TreeCollator(window={self.window}, group_key={self.group_key!r})"
 
 
-class TreeSFTMixin:
+class TreeSFTMixin(StepCountHook):
     """``transformers.Trainer`` (or TRL's ``SFTTrainer``) on prefix trees: mix it in first and pass a
     :class:`TreeCollator`::
 
@@ -1161,22 +1162,36 @@ class TreeSFTMixin:
         trainer = TreeTrainer(model=model, args=TrainingArguments(out), train_dataset=turns,
                               data_collator=TreeCollator(window=8192))
 
-    The loss of a micro-batch is the mean negative log-probability of its scored tokens (every sample's loss
-    tokens, a token two samples train on counted twice, as unpacked), from the LM head fused with the
-    log-probabilities (:func:`packkit.logps.scored_logps`: no ``[tokens, vocab]`` logits). The columns the
-    collator reads (``input_ids``, the loss masks, its value and group keys) are kept under the Trainer's default
+    The loss of an optimiser step is the unpacked token mean: the negative log-probabilities of its scored tokens
+    (every sample's loss tokens, a token two samples train on counted twice, as unpacked) summed over every
+    micro-batch of the step and every rank, over their number, counted before the first forward (``Trainer``'s own
+    count reads ``labels``, which in a tree misses every branch's first scored token; averaging micro-batch means
+    would over-weigh the tokens of small micro-batches). The log-probabilities come from the LM head fused with
+    them (:func:`packkit.logps.scored_logps`: no ``[tokens, vocab]`` logits). The columns the collator reads
+    (``input_ids``, the loss masks, its value and group keys) are kept under the Trainer's default
     ``remove_unused_columns=True``, which would otherwise drop the loss mask before the collator sees it.
-    Gradient accumulation averages micro-batch means (the Trainer's way when it is given no token count: its
-    count reads ``labels``, which in a tree misses every branch's first scored token).
     """
 
-    def _set_signature_columns_if_needed(self):
-        super()._set_signature_columns_if_needed()
+    loss_is_scaled_for_ga = True  # transformers' switch: the loss is over the step's count, not one micro-batch's
+
+    @property
+    def kept_columns(self) -> tuple:
         collator = getattr(self, "data_collator", None)
         keys = ["input_ids", *MASK_KEYS]
         if isinstance(collator, TreeCollator):
             keys += [*collator.value_keys, *([collator.group_key] if collator.group_key else [])]
-        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *keys]))
+        return tuple(keys)
+
+    def _step_normalizer(self, batch_samples: list, all_reduce: bool):
+        """The scored tokens of the step's micro-batches (this rank's), summed over the ranks when asked."""
+        if not batch_samples or not all(isinstance(b, TreeBatch) for b in batch_samples):
+            return None
+        local = torch.tensor([sum(int(b.score_target.numel()) for b in batch_samples)], dtype=torch.float64)
+        if all_reduce:
+            import torch.distributed as dist
+
+            dist.all_reduce(local)
+        return StepNormalizer(float(local[0]))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not isinstance(inputs, TreeBatch):
@@ -1184,5 +1199,9 @@ class TreeSFTMixin:
                             "data_collator=packkit.prefixtree.TreeCollator(...)")
         target = inputs.input_ids.reshape(-1)[inputs.score_target]
         per_token, outputs = scored_logps(model, inputs.model_inputs(model), inputs.score_source, target)
-        loss = -per_token.sum() / max(int(per_token.numel()), 1)
+        step = getattr(num_items_in_batch, "loss_normalizer", None)
+        if step is None:  # outside a training step (evaluation): this batch's own mean
+            loss = -per_token.sum() / max(int(per_token.numel()), 1)
+        else:  # ranks average their gradients: the world size takes that mean back to the step's sum over step
+            loss = -per_token.sum() * self.args.world_size / max(step, 1.0)
         return (loss, outputs) if return_outputs else loss

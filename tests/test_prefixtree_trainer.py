@@ -82,3 +82,41 @@ def test_trainer_with_default_arguments_trains_trees_as_unpacked(tmp_path):
     # the loss mask reached the collator (the Trainer's default drops columns its model's forward does not name)
     assert int(batch.score_target.numel()) == sum(sum(r["completion_mask"][1:]) for r in rows)
     assert abs(unmasked - want) > 1e-5
+
+
+def unpacked_gradient(model, rows) -> dict:
+    """The gradient of the unpacked token mean over ``rows`` (every sample alone through the model)."""
+    model.zero_grad()
+    terms = []
+    for r in rows:
+        x = torch.tensor([r["input_ids"]])
+        logp = model(input_ids=x).logits[0, :-1].log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
+        terms.append(logp[torch.tensor(r["completion_mask"][1:], dtype=torch.bool)])
+    (-torch.cat(terms).mean()).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+def test_accumulated_step_is_the_unpacked_token_mean(tmp_path):
+    """Regression: under gradient accumulation the mixin averaged the micro-batches' means (transformers then left
+    the sum of two means undivided, or divided it by the steps), so the tokens of a small micro-batch weighed more than
+    those of a large one, silently unlike unpacked SFT. Now the step's scored tokens are counted before the first
+    forward (``Trainer``'s step count, overridden) and each micro-batch's sum is over that count: one SGD step of
+    learning rate 1 moves every parameter by the unpacked token mean's gradient within 1e-10. Fails before."""
+    rows = turn_samples(seed=3)
+    model = tiny_causal_lm("qwen3", vocab_size=VOCAB)
+    want = unpacked_gradient(model, rows)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=3,
+                                          gradient_accumulation_steps=3, optim="sgd", learning_rate=1.0,
+                                          lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                                          dataloader_num_workers=2, report_to="none")
+    trainer = Recording(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                        data_collator=TreeCollator())
+    trainer.train()
+    sizes = [int(b.score_target.numel()) for b, _ in trainer.seen]
+    assert len(sizes) == 3 and len(set(sizes)) > 1, sizes  # micro-batches of unequal token counts
+    err = max(float((before[n] - p.detach() - want[n]).abs().max()) for n, p in model.named_parameters() if n in want)
+    print(f"scored tokens per micro-batch {sizes}: |step - unpacked token mean's gradient| {err:.1e}")
+    assert err < 1e-10
