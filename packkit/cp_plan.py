@@ -21,16 +21,17 @@ A packed row is cut across the ``cp`` GPUs of a context-parallel group. Document
 
     hybrid (packkit's): a document longer than a rank's share ceil(T / cp), or whose causal work alone
     exceeds 5% of a rank's, is cut zigzag without padding (every rank gets len // cp of its tokens, a
-    head chunk and a tail chunk); the others stay whole and go, longest first, to the rank with the
-    least causal work that has room for them (LPT), cut over the ranks only when none has room; under
-    cp tokens of padding fill the ranks up (here c is cut for its work, b for want of room)
+    head chunk and a tail chunk); the others stay whole and are dealt longest first by causal work (the
+    ranks behind catch up, then a snake over the ranks: 0 1 .. cp-1 cp-1 .. 1 0 ..), each rank keeping
+    what fits its room; the rest are cut over the room left, the roomiest rank first; under cp tokens of
+    padding fill the ranks up (here c is cut for its work, b for want of room)
       rank 0  a0 a1 a6 a7 a8 | b2 | c0 c3        positions 0 1 6 7 8 | 2 | 0 3
       rank 1  a2 a3 a4 a5    | b0 b1 | c1 c2     positions 2 3 4 5   | 0 1 | 1 2
 
 The causal work of a rank is ``sum over its real tokens of (position + 1)``: the keys each query
 attends to. Contiguous pieces give the last rank the most; zigzag balances every document but pads each
-one; the hybrid pads under cp tokens a row and balances the rest by LPT (figures on real chat rows:
-``benchmarks/RESULTS.md``, "Context parallelism").
+one; the hybrid pads under cp tokens a row and balances the rest as an exact LPT does, to 0.1% summed over
+real chat rows, in a few numpy passes (figures: ``benchmarks/RESULTS.md``, "Context parallelism" and ``cphyb``).
 
 The planner (:func:`plan_cp`) reads segment lengths only (no tokens); :func:`plan_for_cp` plans rows a CP
 group will shard so that they still fit the window once padded.
@@ -356,130 +357,6 @@ def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
             sizes.ravel())
 
 
-def _deal_equal(work: list, room: list, n: int, count: int) -> list:
-    """How many of ``count`` documents of ``n`` tokens each rank gets when they are dealt one by one to the rank of
-    least ``work`` with room for them (the lower rank among equal ones); ``work`` and ``room`` (Python ints, one per
-    rank) are updated. Fewer than ``count`` in all when the ranks run out of room.
-
-    The documents are equal, so rank ``r`` offers the values ``work[r] + j * w`` (``w`` a document's causal work)
-    for ``j < room[r] // n``, and the dealing takes the ``count`` smallest offers in ``(value, rank)`` order. With
-    ``work[r] = q[r] * w + f[r]`` an offer's value orders by its level ``q[r] + j`` first, so the count-th offer's
-    level ``t`` is found on the breakpoints of "offers below a level" (a few per rank, not an offer each):
-    every offer below ``t``, then the ranks offering at ``t`` in ``(f, rank)`` order until ``count``.
-    ``_deal_equal([0, 5], [9, 9], 2, 3) -> [2, 1]`` (offers 0, 3, 6 | 5, 8: work [6, 8])."""
-    w = n * (n + 1) // 2
-    cp = len(work)
-    q = [x // w for x in work]
-    below = sum(q)  # the offers below every rank's own level
-    level = (count - 1 + below) // cp  # the count-th offer's level when it is at or above every rank's own
-    if level >= max(q):  # (the ranks within a level or two of one another: nearly every run)
-        rest = count + below - cp * level  # 1 .. cp ranks offer once more at the level, in (work % w, rank) order
-        took = [level - x for x in q]
-        if rest < cp:
-            f = [x % w for x in work]
-            for r in sorted(range(cp), key=f.__getitem__)[:rest]:
-                took[r] += 1
-        else:
-            took = [x + 1 for x in took]
-    else:
-        took = _deal_levels(work, q, w, count)
-    if max(took) * n > min(room) and any(t * n > r for t, r in zip(took, room)):  # a rank's room binds
-        took = _deal_capped(work, room, n, w, count)
-    # else every rank the dealing picks still has room when it is picked: the same dealing
-    for r in range(cp):
-        t = took[r]
-        if t:
-            work[r] += t * w
-            room[r] -= t * n
-    return took
-
-
-def _deal_levels(work: list, q: list, w: int, count: int) -> list:
-    """:func:`_deal_equal` without room: offers below level ``L`` are ``sum(max(L - q, 0))``, piecewise
-    linear between the sorted ``q``; every offer below the count-th's level, then the ranks at that level in
-    ``(f, rank)`` order. ``_deal_levels([0, 5], [0, 1], 3, 3) -> [2, 1]``."""
-    qs = sorted(q)
-    cp, below = len(q), 0
-    for k in range(1, cp + 1):  # between qs[k-1] and qs[k], k ranks offer at every level
-        if k == cp or below + k * (qs[k] - qs[k - 1]) >= count:
-            level = qs[k - 1] + (count - below - 1) // k
-            break
-        below += k * (qs[k] - qs[k - 1])
-    took = [level - x if x < level else 0 for x in q]
-    rest = count - sum(took)
-    if rest:
-        for _, r in sorted((work[r] - q[r] * w, r) for r in range(cp) if q[r] <= level)[:rest]:
-            took[r] += 1
-    return took
-
-
-def _deal_capped(work: list, room: list, n: int, w: int, count: int) -> list:
-    """:func:`_deal_equal` where some rank's room binds."""
-    cp = len(work)
-    cap = [min(r // n, count) for r in room]
-    if sum(cap) <= count:
-        took = cap
-    else:
-        q = [x // w for x in work]
-        # below(L) = sum(min(max(L - q, 0), cap)): offers under level L, piecewise linear in L; its slope
-        # steps up at every q and down at every q + cap (a cap of count cannot bind: left out)
-        steps = sorted([(q[r], 1) for r in range(cp) if cap[r]] + [(q[r] + cap[r], -1) for r in range(cp)
-                                                                     if 0 < cap[r] < count])
-        below = slope = 0
-        at = steps[0][0]
-        for point, step in steps + [(steps[-1][0] + count + 1, 0)]:  # past the last step: reached before
-            if slope and below + slope * (point - at) >= count:
-                break
-            below += slope * (point - at)
-            slope, at = slope + step, point
-        level = at + (count - below - 1) // slope
-        took = [min(max(level - q[r], 0), cap[r]) for r in range(cp)]
-        at = sorted((work[r] - q[r] * w, r) for r in range(cp) if q[r] <= level < q[r] + cap[r])
-        for _, r in at[:count - sum(took)]:
-            took[r] += 1
-    return took
-
-
-def _dealt_ranks(before, took, w) -> np.ndarray:
-    """The rank of every document dealt by :func:`_deal_equal`, run after run, in dealing order, in one numpy
-    pass: ``before`` ``(runs, cp)`` the ranks' work as each run began, ``took`` ``(runs, cp)`` the documents each
-    rank got, ``w`` ``(runs,)`` a document's work; within a run the offers are taken in ``(value, rank)`` order.
-
-    Every offer as one int64 key, ``run * big + value * cp + rank`` (a run's values from its least work on; ``big``
-    past any run's last value times cp): one sort of the keys, and the rank is the key mod cp (no argsort, no
-    gather). lexsort where that key could wrap (rows of ~10^9 work)."""
-    runs, cp = took.shape
-    if not runs:
-        return np.zeros(0, np.int64)
-    cells = took.ravel()
-    rel = before - before.min(1, keepdims=True)
-    big = (int(rel.max()) + int(cells.max()) * int(w.max()) + 1) * cp
-    start = np.cumsum(cells) - cells
-    j = np.arange(int(start[-1] + cells[-1])) - np.repeat(start, cells)  # a document's place among its rank's
-    if big * runs >= 1 << 62:
-        rank = np.repeat(np.tile(np.arange(cp), runs), cells)
-        run = np.repeat(np.arange(runs).repeat(cp), cells)
-        return rank[np.lexsort((rank, np.repeat(rel.ravel(), cells) + j * w[run], run))]
-    base = rel * cp + (np.arange(runs) * big)[:, None] + np.arange(cp)
-    key = np.repeat(base.ravel(), cells) + j * np.repeat(np.repeat(w * cp, cp), cells)
-    key.sort()
-    return key % cp
-
-
-def _cut_over_ranks(s: int, n: int, work: list, room: list, pieces: list) -> None:
-    """A document no rank has room for whole: cut over the ranks with the most room (small documents, last)."""
-    off = 0
-    for r in sorted(range(len(room)), key=lambda r: -room[r]):
-        take = min(room[r], n - off)
-        if take:
-            pieces.append((r, s, off, take))
-            work[r] += int(causal_work(take, off))
-            room[r] -= take
-            off += take
-        if off == n:
-            break
-
-
 def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> int:
     """The least length the hybrid zigzags: a document is long when it holds more than a rank's share
     ``ceil(T / cp)``, or when its causal work alone exceeds ``fraction`` of a rank's mean work and it has at least
@@ -497,95 +374,162 @@ def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> i
 
 
 def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
-    """Long segments zigzag (unpadded chunks); short ones whole, LPT by causal work into the room every
-    rank has left of ``ceil(T / cp)`` tokens; that room's remainder (under cp tokens) is padding.
+    """Long segments zigzag (unpadded chunks); short ones whole, dealt longest first by causal work
+    (:func:`_deal_short`: a few numpy passes, no step a document or a run of equal lengths) into the room every rank has
+    left of ``ceil(T / cp)`` tokens; those that overflow their rank's room are laid over the room left, the
+    roomiest rank first (cut where a rank's room ends), and that room's remainder (under cp tokens) is padding.
 
-    The LPT takes the short segments longest first, one run of equal lengths at a time (:func:`_deal_short`: a
-    few Python steps a rank for a run, not a step a document: a row of 2,443 chat turns has a few dozen runs),
-    and the ranks of every dealt document come in one numpy pass at the end (:func:`_dealt_ranks`). A row of
-    short documents only (no long one) makes no zigzag pieces and selects nothing: a few dozen numpy calls in all."""
+    A row of short documents only (no long one) makes no zigzag pieces and selects nothing; one with nothing short
+    deals nothing: a few dozen numpy calls in all, whatever the number of documents or of distinct lengths."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
     num_tokens = int(lengths.sum())
     local_len = -(-num_tokens // cp)
     # sum of n (n + 1) / 2 over the segments, exact in int64 (the dot of int64 arrays is no float sum)
     least = _least_long(num_tokens, (int(lengths @ lengths) + num_tokens) // 2, cp, fraction)
-    long = np.flatnonzero(lengths >= least) if lengths.size else lengths
+    is_long = lengths >= least
+    long = np.flatnonzero(is_long) if lengths.size else lengths
+    parts = []
     if long.size:
         z_rank, z_seg, z_off, z_len = z = _halves_pieces(long, lengths, cp)
         if not z_len.all():  # a rank's chunk of a document under 2 * cp tokens can be empty: none kept
             z = tuple(x[z_len > 0] for x in z)
-        work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64).tolist()
-        room = (local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)).tolist()
-        short = np.flatnonzero(lengths < least)
-    else:  # every segment short: the dealing reads the lengths as they are
-        work, room, short = [0] * cp, [local_len] * cp, None
-    whole_rank, whole_seg, cut = _deal_short(lengths, short, least, work, room)
-    # what room is left becomes one padding segment per rank, after the batch's segments
-    fill = [r for r in range(cp) if room[r] > 0]
-    # the pieces as (4, count) blocks, (rank, seg, offset, len), joined by one concatenate
-    parts = [np.array((whole_rank, whole_seg, whole_seg * 0, lengths[whole_seg]))] if whole_seg.size else []
-    if cut:
-        parts.append(np.array(cut, np.int64).T)
-    if long.size:
         parts.append(np.array(z))
-    if fill:
-        parts.append(np.array((fill, range(lengths.size, lengths.size + len(fill)), [0] * len(fill),
-                               [room[r] for r in fill]), np.int64))
-        padded = np.concatenate([lengths, parts[-1][3]])
-        lengths = np.concatenate([lengths, parts[-1][2]])  # the padding segments hold no token of the batch
+        room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
+        if long.size < lengths.size:  # short ones too
+            work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64)
+            room = _deal_short(lengths, np.flatnonzero(~is_long), least, work, room, parts)
+    elif lengths.size:  # every segment short: the dealing reads the lengths as they are
+        room = _deal_short(lengths, None, least, None, np.full(cp, local_len, np.int64), parts)
+    else:
+        room = np.zeros(cp, np.int64)
+    # what room is left becomes one padding segment per rank, after the batch's segments
+    fill = np.flatnonzero(room > 0)
+    if fill.size:
+        parts.append(np.array((fill, np.arange(lengths.size, lengths.size + fill.size), fill * 0, room[fill])))
+        padded = np.concatenate([lengths, room[fill]])
+        lengths = np.concatenate([lengths, fill * 0])  # the padding segments hold no token of the batch
     else:
         padded = lengths.copy()
     table = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((4, 0), np.int64)
     return padded, lengths, tuple(table)
 
 
-def _deal_short(lengths, short, least: int, work: list, room: list) -> tuple[np.ndarray, np.ndarray, list]:
-    """The hybrid's LPT of the segments ``short`` (``None``: every segment; each shorter than ``least``), longest
-    first, into ``room`` by ``work`` (both updated): ``(rank, seg)`` of the documents placed whole, in dealing order,
-    and the pieces of those cut over the ranks, ``[(rank, seg, offset, length)]``. One step a run of equal lengths
-    (:func:`_deal_equal`; a run of one document: the least work with room), the runs counted by one ``bincount``."""
-    cp = len(work)
+def _catch_up(n, work, cp: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The ranks behind the busiest catch up first: the largest documents (``n`` tokens each, longest first) laid
+    end to end over the ranks' shortfalls, the rank behind the most first, each document where its middle falls.
+    ``(caught, their ranks, the ranks' work after them)``; ``_catch_up(np.array([4, 3, 1]), np.array([0, 9]), 2)
+    -> (1, [0], [10, 9])``."""
+    w = n * (n + 1) // 2
+    short = work.max() - work  # each rank's shortfall
+    by = np.argsort(-short, kind="stable")
+    ends = np.cumsum(short[by])
+    middle = np.cumsum(w) - (w + 1) // 2
+    caught = int(np.searchsorted(middle, ends[-1]))  # the documents whose middle falls in a shortfall
+    rank = by[np.searchsorted(ends, middle[:caught], side="right")]
+    return caught, rank, work + np.bincount(rank, weights=w[:caught], minlength=cp).astype(np.int64)
+
+
+def _snake(count: int, cp: int) -> np.ndarray:
+    """The places in a snake of ``count`` documents over ``cp`` ranks: ``0 1 .. cp-1 cp-1 .. 1 0 0 1 ..``."""
+    j = np.arange(count) % (2 * cp)
+    return np.minimum(j, 2 * cp - 1 - j)
+
+
+def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarray:
+    """The hybrid's dealing of the segments ``short`` (``None``: every segment; each shorter than ``least``) into
+    ``room`` over ranks that already hold ``work`` of the long ones (``None``: nothing long), longest first, by
+    causal work, in a few numpy passes (no step a document or a run of equal lengths):
+
+    * the ranks behind the busiest catch up (:func:`_catch_up`), then the rest go in a snake over the ranks, least
+      work first (``0 1 .. cp-1 cp-1 .. 1 0 0 1 ..``): every rank gets a like mix of long and short documents, so
+      like work and like tokens;
+    * each rank keeps its documents, in dealing order, while they fit its room; the rest are laid end to end over
+      the room left in their order in the row, the roomiest rank first (stable), cut where a rank's room ends
+      (:func:`_lay_over`).
+
+    This replaced an exact LPT (each document to the rank of least work with room: a Python step a run of equal
+    lengths); on the real rows of ``benchmarks/bench_cp.py`` the busiest rank's work is the LPT's to 5 digits
+    summed over the rows (RESULTS.md, ``cphyb``). Appends the pieces to ``parts`` as ``(4, k)`` blocks ``(rank,
+    seg, offset, len)``; returns the room left."""
+    cp = room.size
     key = lengths if short is None else lengths[short]
-    if not key.size:  # nothing short (a row of one long document)
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), []
-    counts = np.bincount(key)
-    values = np.flatnonzero(counts)[::-1]  # the distinct lengths, longest first
     # longest first, stable: a radix sort when every length fits 16 bits (all are under least)
     order = np.argsort(-key.astype(np.int16) if least <= 1 << 15 else -key, kind="stable")
     seg = order if short is None else short[order]
-    before, took, placed, cut = [], [], [], []  # before, took: (runs * cp) flat
-    ranks, many = [], False  # the rank of each document of a run of one; whether a run held more
-    at = 0
-    sizes = counts[values]
-    for n, c in zip(values.tolist(), sizes.tolist()):
-        before += work
-        if c == 1:  # one document: the rank of least work with room (the lower among equal ones)
-            dealt = [0] * cp
-            r = work.index(min(work))
-            if room[r] < n:
-                r = min((s for s in range(cp) if room[s] >= n), key=work.__getitem__, default=-1)
-            k = int(r >= 0)
-            if k:
-                dealt[r] = 1
-                work[r] += n * (n + 1) // 2
-                room[r] -= n
-                ranks.append(r)
-        else:
-            dealt = _deal_equal(work, room, n, c)
-            k = sum(dealt)
-            many = True
-        took += dealt
-        placed.append(k)
-        if k < c:  # no rank has room for these whole
-            for s in seg[at + k:at + c].tolist():
-                _cut_over_ranks(s, n, work, room, cut)
-        at += c
-    if at > sum(placed):  # every run's dealt documents, in dealing order
-        seg = seg[range_index(lengths_to_offsets(sizes)[:-1], placed)]
-    if not many:  # every run one document (a row of a few): their ranks as dealt
-        return np.array(ranks, np.int64), seg, cut
-    return (_dealt_ranks(np.array(before, np.int64).reshape(-1, cp), np.array(took, np.int64).reshape(-1, cp),
-                         values * (values + 1) // 2), seg, cut)
+    ranks = None  # the snake's ranks, least work first (None: 0 .. cp-1)
+    if work is not None and work.min() < work.max():
+        n = key[order]
+        caught, first, after = _catch_up(n, work, cp)
+        if caught:  # documents dealt to listed ranks
+            rank = np.concatenate([first, np.argsort(after, kind="stable")[_snake(n.size - caught, cp)]])
+            return _deal_listed(lengths, rank, seg, n, room, parts)
+        ranks = np.argsort(work, kind="stable")
+    # the snake as a grid: row pair k holds documents 2cp k .. 2cp (k + 1) - 1, the second row reversed, so that
+    # column c holds rank ranks[c]'s documents in dealing order (-1: none)
+    rows = -(-seg.size // (2 * cp))
+    grid = np.full(rows * 2 * cp, -1, np.int64)
+    grid[:seg.size] = seg
+    pairs = grid.reshape(rows, 2, cp)
+    pairs[:, 1] = pairs[:, 1, ::-1]
+    grid = grid.reshape(2 * rows, cp)
+    n = lengths[grid]
+    if seg.size % (2 * cp):  # none (-1) read the last segment: 0 tokens (in the last two rows)
+        n[-2:][grid[-2:] < 0] = 0
+    room_c = room if ranks is None else room[ranks]
+    fits = n.cumsum(axis=0) <= room_c
+    col = np.arange(cp) if ranks is None else ranks
+    table = np.stack([col.repeat(2 * rows), grid.T.ravel(), np.zeros(grid.size, np.int64), n.T.ravel()])
+    if fits.all():
+        parts.append(table[:, table[1] >= 0] if seg.size % (2 * cp) else table)
+        used = n.sum(0)
+        return room - (used if ranks is None else used[np.argsort(ranks)])
+    whole = fits & (grid >= 0)
+    parts.append(table[:, whole.T.ravel()])
+    left = room_c - (n * fits).sum(0)
+    if ranks is not None:
+        left = left[np.argsort(ranks)]
+    over = np.sort(grid[~fits & (grid >= 0)])
+    return _lay_over(over, lengths[over], left, parts)
+
+
+def _deal_listed(lengths, rank, seg, n, room, parts: list) -> np.ndarray:
+    """:func:`_deal_short` of documents whose ranks are listed (``rank``, in dealing order): each rank keeps its
+    documents while they fit its room, the rest laid over the room left (:func:`_lay_over`)."""
+    cp = room.size
+    # rank by rank, in dealing order (a radix sort: ranks fit 16 bits), each rank's tokens counted up
+    by = np.argsort(rank.astype(np.int16) if cp <= 1 << 15 else rank, kind="stable")
+    rank, seg, n = rank[by], seg[by], n[by]
+    count = np.bincount(rank, minlength=cp)
+    ends = np.cumsum(n)
+    held = ends - np.append(ends - n, 0)[np.cumsum(count) - count].repeat(count)  # a document's end in its rank's
+    fits = held <= room[rank]
+    if fits.all():
+        parts.append(np.array((rank, seg, rank * 0, n)))
+        return room - np.bincount(rank, weights=n, minlength=cp).astype(np.int64)
+    parts.append(np.array((rank[fits], seg[fits], seg[fits] * 0, n[fits])))
+    left = room - np.bincount(rank[fits], weights=n[fits], minlength=cp).astype(np.int64)
+    over = np.sort(seg[~fits])
+    return _lay_over(over, lengths[over], left, parts)
+
+
+def _lay_over(seg, n, left, parts: list) -> np.ndarray:
+    """Documents ``seg`` of ``n`` tokens that did not fit their rank's room, laid end to end in their order in the
+    row (``seg`` sorted) over the room ``left`` (every rank's: it holds them all), the roomiest rank first (stable:
+    as the exact LPT cut a document no rank had room for), cut where a rank's room ends; appends the pieces to
+    ``parts``; returns the room left after them."""
+    by = np.argsort(-left, kind="stable")
+    ends = np.cumsum(left[by])
+    doc_end = np.cumsum(n)
+    total = int(doc_end[-1])
+    starts = np.concatenate([[0], doc_end[:-1], ends[ends < total]])  # every cut, some twice (not union1d: slow)
+    starts.sort()
+    starts = starts[np.append(True, starts[1:] != starts[:-1])]
+    doc = np.searchsorted(doc_end, starts, side="right")
+    slot = np.searchsorted(ends, starts, side="right")
+    parts.append(np.array((by[slot], seg[doc], starts - (doc_end - n)[doc], np.diff(starts, append=total))))
+    left = left.copy()
+    left[by] = np.minimum(np.maximum(ends - total, 0), left[by])
+    return left
 
 
 def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
