@@ -19,9 +19,12 @@ decreasing, examples over ``W`` split), one row a CP step. For every CP size and
   ``--reps`` calls each, garbage collected outside the clock, in process CPU time (every thread); the median round
   ratio and its spread. Ours twice: on a collated batch (the collator planned it, ``plan_batch``, in the
   DataLoader worker: the rank's step) and planning the batch itself; the collator's ``plan_batch`` timed beside.
-  Three rows: the row holding the longest document, a median row, and a row of short documents (the real lengths
-  of at most 32 tokens, 125 conversations, drawn with replacement up to ``W``: thousands of documents). The shards
-  are checked equal to the old revision's and the plain zigzag's to zigzag's. Target (issue 34): <= 1.2x.
+  Four rows: the row holding the longest document, a median row, and a row of short documents (the real lengths
+  of at most 32 tokens, 125 conversations, drawn with replacement up to ``W``: thousands of documents), and a row of
+  the lengths of at most 16 tokens (2,727 documents at 32k). The collated shard is checked equal to the planning one
+  (the worker's plan is the rank's), both to the old revision's (the hybrid's differ from a revision before cphyb:
+  its dealing changed), and the plain zigzag's to zigzag's. Target (issue 34): <= 1.2x.
+* the hybrid's balance against the named revision's planner (the exact LPT before cphyb) on the same rows.
 
 The baselines a user picks today are measured in the same run: zigzag (TransformerEngine THD, zigzag
 ring) and contiguous (llama3 ring, DeepSpeed Ulysses). Targets (issue 20, at cp = 8): hybrid padding
@@ -144,17 +147,18 @@ def shard_vs_plain(row, cp: int, layout: str, rounds: int, reps: int, old_shard)
             "planning_vs_old": ratio_spread(t["planning"], t["old"]), "ms": ms, "load": [load, loadavg()]}
 
 
-def same_as_old(row, cp: int, layout: str, old_shard) -> bool:
-    """``shard`` of a collated batch, ``shard`` planning itself and the old revision's hold the same tokens, targets,
-    positions, documents and indices for rank ``cp - 1`` (and the same counts)."""
+def same_as_old(row, cp: int, layout: str, old_shard) -> tuple[bool, bool]:
+    """Whether ``shard`` of a collated batch and ``shard`` planning itself hold the same tokens, targets, positions,
+    documents and indices for rank ``cp - 1`` (and the same counts): the plan made in the worker is the rank's; and
+    whether the old revision's does too (the hybrid's plan changed at cphyb: its dealing)."""
     batch, collated = row_batch(row), row_batch(row)
     plan_batch(collated, cp_size=cp, cp_layout=layout)
     got = [f(b, cp_size=cp, rank=cp - 1, cp_layout=layout) for f, b in ((shard, collated), (shard, batch),
                                                                           (old_shard, batch))]
     fields = ("input_ids", "shift_labels", "position_ids", "seq_idx", "index", "num_loss_tokens",
               "num_local_loss_tokens", "max_seqlen")
-    same = lambda a, b: bool((a == b).all()) if hasattr(a, "shape") else a == b  # noqa: E731
-    return all(same(getattr(g, f), getattr(got[0], f)) for g in got[1:] for f in fields)
+    same = lambda a, b: (a.shape == b.shape and bool((a == b).all())) if hasattr(a, "shape") else a == b  # noqa: E731
+    return tuple(all(same(getattr(g, f), getattr(got[0], f)) for f in fields) for g in got[1:])
 
 
 def check_plain_zigzag(row, cp: int) -> bool:
@@ -166,11 +170,11 @@ def check_plain_zigzag(row, cp: int) -> bool:
                 and (s.position_ids[0] == pos).all() and (s.seq_idx[0] == doc).all())
 
 
-def short_row(window: int, seed: int) -> np.ndarray:
-    """Thousands of short documents: the real lengths of at most 32 tokens, drawn with replacement up to
-    ``window`` tokens (the last one cut to fit)."""
+def short_row(window: int, seed: int, top: int = 32) -> np.ndarray:
+    """Thousands of short documents: the real lengths of at most ``top`` tokens, drawn with replacement up to
+    ``window`` tokens (the last one cut to fit): 1,472 documents at 32k (``top=32``), 2,727 (``top=16``)."""
     real = chat_lengths()
-    pool = real[real <= 32]
+    pool = real[real <= top]
     draw = np.random.default_rng(seed).choice(pool, window)  # more than enough
     row = draw[: int(np.searchsorted(np.cumsum(draw), window)) + 1].copy()
     row[-1] -= int(row.sum()) - window
@@ -226,8 +230,26 @@ def main(argv=None):
               f"target <= {TARGET_IMBALANCE})")
 
     shapes = {"longest-document row": long_row, "median row": sorted(rows, key=len)[len(rows) // 2],
-              "short-document row": short_row(args.window, args.seed)}
+              "short-document row": short_row(args.window, args.seed),
+              "shorter-document row": short_row(args.window, args.seed, top=16)}
     old_shard = package_at(args.against, "cp").shard
+    old_plan_cp = package_at(args.against, "cp_plan").plan_cp
+    print(f"\nthe hybrid's balance against {args.against}'s planner (busiest rank's causal work / mean rank's), over the "
+          f"{len(rows):,} rows and the short-document rows: summed over the rows, worst row, and the worst row's ratio "
+          f"of busiest ranks (today / {args.against})")
+    record["balance_vs_against"] = []
+    for cp in cps:
+        for name, rs in (("chat rows", rows), ("short-document rows", list(shapes.values())[2:])):
+            ours = [plan_cp(r, cp_size=cp, cp_layout="hybrid").work() for r in rs]
+            theirs = [old_plan_cp(r, cp_size=cp, cp_layout="hybrid").work() for r in rs]
+            imb = lambda ws: float(sum(w.max() for w in ws) / sum(w.mean() for w in ws))  # noqa: E731
+            worst = lambda ws: float(max(w.max() / w.mean() for w in ws))  # noqa: E731
+            top = float(max(a.max() / b.max() for a, b in zip(ours, theirs)))
+            rec = {"cp": cp, "rows": name, "today": imb(ours), "against": imb(theirs), "worst_today": worst(ours),
+                   "worst_against": worst(theirs), "worst_row_ratio": top}
+            record["balance_vs_against"].append(rec)
+            print(f"  cp {cp} {name}: today {rec['today']:.5f} (worst row {rec['worst_today']:.5f}), {args.against} "
+                  f"{rec['against']:.5f} (worst row {rec['worst_against']:.5f}); busiest rank, worst row: {top:.4f}x")
     print(f"\nshard against a plain vectorised zigzag and against {args.against}'s shard, rank cp-1, {args.rounds} "
           f"rotated rounds of {args.reps} calls each, CPU time; ratio = ours / plain, median (lowest-highest round); "
           f"collated: the batch planned by the collator (plan_batch, in the DataLoader worker); planning: shard "
@@ -242,18 +264,20 @@ def main(argv=None):
         for cp in cps:
             same = check_plain_zigzag(row, cp)
             for layout in args.layouts.split(","):
-                same_old = same_as_old(row, cp, layout, old_shard)
+                same_plan, same_old = same_as_old(row, cp, layout, old_shard)
                 m = shard_vs_plain(row, cp, layout, args.rounds, args.reps, old_shard)
                 ok = m["collated"]["median"] <= TARGET_SHARD_RATIO
                 ok_planning = m["planning"]["median"] <= TARGET_SHARD_RATIO
                 record["shard_vs_plain"].append({"row": name, "docs": int(row.size), "cp": cp, "layout": layout,
-                                                 "baseline_checked": same, "same_as_old": same_old, **m})
+                                                 "baseline_checked": same, "worker_plan_same": same_plan,
+                                                 "same_as_old": same_old, **m})
                 print(f"| {name} | {row.size:,} | {cp} | {layout} | {fmt(m['collated'])} | {fmt(m['planning'])} | "
                       f"{fmt(m['old'])} | {fmt(m['collated_vs_old'])} | {m['ms']['plain']:.3f} | "
                       f"{m['ms']['plan_batch']:.3f} | {m['load'][0]:.1f}-{m['load'][1]:.1f} | "
                       f"{'met' if ok else 'MISSED'}{'' if ok_planning else ' (planning: missed)'}"
                       f"{'' if same else ' (baseline differs from zigzag!)'}"
-                      f"{'' if same_old else ' (differs from the old shard!)'} |")
+                      f"{'' if same_plan else ' (the collated shard differs from the planning one!)'}"
+                      f"{'' if same_old else ' (differs from the old shard)'} |")
     emit_json(record, args.json_out)
 
 

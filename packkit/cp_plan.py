@@ -477,14 +477,12 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
         n[-2:][grid[-2:] < 0] = 0
     room_c = room if ranks is None else room[ranks]
     fits = n.cumsum(axis=0) <= room_c
-    col = np.arange(cp) if ranks is None else ranks
-    table = np.stack([col.repeat(2 * rows), grid.T.ravel(), np.zeros(grid.size, np.int64), n.T.ravel()])
+    table = np.stack([np.broadcast_to(np.arange(cp) if ranks is None else ranks, grid.shape), grid, n * 0, n])
     if fits.all():
-        parts.append(table[:, table[1] >= 0] if seg.size % (2 * cp) else table)
+        parts.append(table[:, grid >= 0] if seg.size % (2 * cp) else table.reshape(4, -1))
         used = n.sum(0)
         return room - (used if ranks is None else used[np.argsort(ranks)])
-    whole = fits & (grid >= 0)
-    parts.append(table[:, whole.T.ravel()])
+    parts.append(table[:, fits & (grid >= 0)])
     left = room_c - (n * fits).sum(0)
     if ranks is not None:
         left = left[np.argsort(ranks)]
