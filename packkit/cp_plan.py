@@ -458,12 +458,13 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
     seg = order if short is None else short[order]
     ranks = None  # the snake's ranks, least work first (None: 0 .. cp-1)
     if work is not None and work.min() < work.max():
-        n = key[order]
-        caught, first, after = _catch_up(n, work, cp)
-        if caught:  # documents dealt to listed ranks
+        top = int(key[order[0]])
+        if top * (top + 1) // 4 < cp * int(work.max()) - int(work.sum()):  # the largest one's middle in a shortfall
+            n = key[order]
+            caught, first, after = _catch_up(n, work, cp)
             rank = np.concatenate([first, np.argsort(after, kind="stable")[_snake(n.size - caught, cp)]])
             return _deal_listed(lengths, rank, seg, n, room, parts)
-        ranks = np.argsort(work, kind="stable")
+        ranks = np.argsort(work, kind="stable")  # none catches up
     # the snake as a grid: row pair k holds documents 2cp k .. 2cp (k + 1) - 1, the second row reversed, so that
     # column c holds rank ranks[c]'s documents in dealing order (-1: none)
     rows = -(-seg.size // (2 * cp))
