@@ -58,7 +58,7 @@ from .cp import shard, sum_over_ranks
 from .logps import logits_logps, scored_logps
 from .errors import ArgumentError, DataError, arg
 from .integrations.transformers import StepCountHook, StepNormalizer  # Trainer's private step count
-from .preference import SequenceBatch, shard_groups, varlen_recipe
+from .preference import SequenceBatch, varlen_recipe
 from .examples import read_column
 from .rules import (MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths, check_loss_mask_mode, check_values,
                     example_values, location, mask_not_expected, no_mask)
@@ -1058,12 +1058,78 @@ class TreeDeal:
         return tree_batch(subtree(tree, samples, groups=self.part[samples]), **batch_options)
 
 
+def _run_nodes(first_len: np.ndarray, cum_new: np.ndarray, a, b):
+    """Nodes of the samples at depth-first positions ``[a, b)`` of one tree (:func:`_dfs_samples` order): the first
+    sample whole, then what each adds to the one before (``cum_new``: prefix sums of those, ``(N + 1,)``)."""
+    return first_len[a] + cum_new[b] - cum_new[a + 1]
+
+
+def _positions(run) -> np.ndarray:
+    """The depth-first positions of a part: a run ``(a, b)``, or an array of them (two samples paired)."""
+    return np.arange(*run) if isinstance(run, tuple) else run
+
+
+def _merge_singles(bins, runs, size_of, part, order, first_len, lcp, merges: int, max_tokens: int) -> None:
+    """Make ``merges`` fewer micro-batches of the single-sample ones (``bins`` and the parts' fields, in place):
+    each step adds a single sample to the micro-batch (single or grown) with which it makes the fewest nodes, as
+    one part: a sample adds its tokens less the most it shares with a member (the least ``lcp`` between them in
+    depth-first order; ``0`` across trees). Raises the one-line error when no more fit ``max_tokens``."""
+    single = [i for i, b in enumerate(bins) if len(b) == 1 and isinstance(runs[b[0]], tuple)
+              and runs[b[0]][1] - runs[b[0]][0] == 1]
+    at = np.asarray(sorted(runs[bins[i][0]][0] for i in single), np.int64)  # depth-first positions
+    single = sorted(single, key=lambda i: runs[bins[i][0]][0])
+    k = at.size
+    shared = np.zeros((k, k), np.int64)  # shared[i, j]: tokens samples i and j share
+    for i in range(k - 1):
+        shared[i, i + 1:] = np.minimum.accumulate(lcp[at[i] + 1:at[-1] + 1])[at[i + 1:] - at[i] - 1]
+    shared = np.maximum(shared, shared.T)
+    best = shared.copy()  # per micro-batch (row), the most each sample shares with one of its members
+    size = first_len[at].copy()
+    alone, members = np.ones(k, bool), [[i] for i in range(k)]
+    done = 0
+    for done in range(merges):
+        union = size[:, None] + first_len[at][None, :] - best
+        union[:, ~alone] = max_tokens + 1  # add only samples still alone, to a micro-batch still in play
+        union[[not m for m in members], :] = max_tokens + 1
+        np.fill_diagonal(union, max_tokens + 1)
+        g, x = np.unravel_index(int(np.argmin(union)), union.shape)
+        if union[g, x] > max_tokens:
+            raise DataError(f"{len(bins)} micro-batches of max_tokens={max_tokens:,} nodes, {k} of them single samples, "
+                            f"of which only {done} can be merged into others and the ranks need {merges} merged (a "
+                            "multiple of the world size, none empty): raise max_tokens or send more samples")
+        size[g], alone[x], alone[g] = union[g, x], False, False
+        best[g] = np.maximum(best[g], shared[x])
+        members[g] += members[x]
+        members[x] = []
+    gone = set()
+    for g, m in enumerate(members):
+        if len(m) < 2:
+            continue
+        p = bins[single[g]][0]
+        runs[p] = np.sort(at[m])
+        size_of[p] = int(size[g])
+        for x in m[1:]:
+            q = bins[single[x]][0]
+            part[order[at[x]]] = p  # one part: the members share their prefixes
+            runs[q], size_of[q] = np.zeros(0, np.int64), 0
+            gone.add(single[x])
+    bins[:] = [b for i, b in enumerate(bins) if i not in gone]
+
+
 def deal_trees(tree: PrefixTree, *, world_size: int, max_tokens: int) -> TreeDeal:
-    """Deal the samples of ``tree`` to ``world_size`` ranks in micro-batches of at most ``max_tokens`` nodes: a
-    subtree is the atom (trees over ``max_tokens`` cut by :func:`split_trees`), and when there are fewer parts than
-    ranks the largest part is cut again (between samples, its prefix recomputed) until every rank can have one;
-    then :func:`packkit.preference.shard_groups` gives every rank the same number of micro-batches, none empty.
-    Every sample is in exactly one micro-batch. Fewer samples than ranks is a one-line error (a rank would idle).
+    """Deal the samples of ``tree`` to ``world_size`` ranks in micro-batches of at most ``max_tokens`` nodes, every
+    rank the same number of micro-batches, none empty, every sample in exactly one.
+
+    A subtree is the atom: trees over ``max_tokens`` are cut by :func:`split_trees` into parts (runs of samples in
+    depth-first order), the parts packed best fit into ``K`` micro-batches, and while ``K`` is not a multiple of
+    ``world_size`` (or below it) the micro-batch of most nodes is split: between its parts, or, a single part, between
+    its samples where the halves are most even (the prefix they share recomputed in both, counted in
+    ``recomputed``). Then micro-batches go to ranks largest first, each to the least loaded rank that still needs
+    one. ``deal_trees(build_tree([1, 2, 3, 1, 2, 4], [3, 3]), world_size=2, max_tokens=4).ranks -> [[[0]], [[1]]]``.
+
+    Raises a one-line error for fewer samples than ranks (a rank would idle), for a sample over ``max_tokens``, and
+    when no micro-batch can be split although ranks need more (every one a single sample: raise ``max_tokens``
+    or send more samples).
     """
     world_size = max(1, int(world_size))
     n = tree.sample_ptr.size - 1
@@ -1072,20 +1138,50 @@ def deal_trees(tree: PrefixTree, *, world_size: int, max_tokens: int) -> TreeDea
                         "give every step at least one sample per rank")
     part, _ = split_trees(tree, window=max_tokens)
     lengths = np.diff(tree.sample_ptr)
-    while part.max() + 1 < world_size:  # fewer parts than ranks: cut the largest part that has two samples
-        sizes = np.bincount(part, weights=lengths)
-        counts = np.bincount(part)
-        big = int(np.argmax(np.where(counts > 1, sizes, -1)))
-        members = np.flatnonzero(part == big)
-        part[members[members.size // 2:]] = part.max() + 1
-    ids = tree.input_ids[tree.path]
-    nodes = prefix_nodes(ids, lengths, groups=part)
-    sizes = np.bincount(part[lengths_to_seq_idx(lengths)[nodes == np.arange(nodes.size)]], minlength=part.max() + 1)
-    recomputed = int(sizes.sum()) - tree.num_nodes
-    ranks = shard_groups(sizes, world_size=world_size, max_tokens=max_tokens)
-    members = [np.flatnonzero(part == p) for p in range(sizes.size)]
-    return TreeDeal(ranks=[[np.concatenate([members[p] for p in micro]) for micro in rank] for rank in ranks],
-                    part=part, recomputed=recomputed)
+    order, lcp, _ = _dfs_samples(tree)  # a part is a run of this order, and so is every cut of it
+    first_len = lengths[order]
+    cum_new = np.append(0, np.cumsum(first_len - lcp))
+    pos = part[order]
+    starts = np.flatnonzero(np.r_[True, pos[1:] != pos[:-1]])
+    ends = np.append(starts[1:], n)
+    runs = list(zip(starts.tolist(), ends.tolist()))  # part p: positions runs[p]
+    sizes = _run_nodes(first_len, cum_new, starts, ends)
+    bins = [list(w.tolist()) for w in pack(sizes, window=max_tokens).windows()]
+    size_of = sizes.tolist()
+    target = -(-max(len(bins), world_size) // world_size) * world_size
+    if target > n:  # even every sample alone is too few micro-batches: merge single samples instead, fewer
+        target = n // world_size * world_size
+        _merge_singles(bins, runs, size_of, part, order, first_len, lcp, len(bins) - target, max_tokens)
+    while len(bins) < target:  # always possible: n >= target, and every bin of several samples can be split
+        i = max((i for i, b in enumerate(bins) if len(b) > 1 or runs[b[0]][1] - runs[b[0]][0] > 1),
+                key=lambda i: (sum(size_of[p] for p in bins[i]), -i))
+        b = bins.pop(i)
+        if len(b) > 1:  # between parts: the largest first, each to the lighter half
+            halves, load = ([], []), [0, 0]
+            for p in sorted(b, key=lambda p: -size_of[p]):
+                h = int(load[1] < load[0])
+                halves[h].append(p)
+                load[h] += size_of[p]
+            bins += [halves[0], halves[1]]
+            continue
+        (a, e), p = runs[b[0]], b[0]  # one part of several samples: cut where the halves are most even
+        cut = np.arange(a + 1, e)
+        c = int(cut[np.argmin(np.maximum(_run_nodes(first_len, cum_new, a, cut),
+                                          _run_nodes(first_len, cum_new, cut, e)))])
+        runs[p] = (a, c)
+        runs.append((c, e))
+        size_of[p] = int(_run_nodes(first_len, cum_new, a, c))
+        size_of.append(int(_run_nodes(first_len, cum_new, c, e)))
+        part[order[c:e]] = len(runs) - 1
+        bins += [[p], [len(runs) - 1]]
+    per_rank = target // world_size
+    load = np.zeros(world_size, np.int64)
+    ranks: list[list[np.ndarray]] = [[] for _ in range(world_size)]
+    for b in sorted(bins, key=lambda b: -sum(size_of[p] for p in b)):
+        r = min((r for r in range(world_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+        ranks[r].append(np.sort(np.concatenate([order[_positions(runs[p])] for p in b])))
+        load[r] += sum(size_of[p] for p in b)
+    return TreeDeal(ranks=ranks, part=part, recomputed=int(sum(size_of)) - tree.num_nodes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -447,6 +447,59 @@ def test_split_tree_log_probs_equal_unpacked(exact_kernels):
         assert d < TOL and recomputed > 0
 
 
+def reference_nodes(samples) -> int:
+    """Nodes of a set of samples sharing their prefixes: its distinct prefixes, counted one by one."""
+    return len({tuple(s[:k]) for s in samples for k in range(1, len(s) + 1)})
+
+
+def reference_dealing_exists(samples, world_size: int, max_tokens: int) -> bool:
+    """Whether some dealing exists (every sample fits ``max_tokens``): micro-batches can be split down to single
+    samples (a subset never has more nodes), so ``K`` micro-batches exist for every ``K`` from the fewest to
+    ``N``, and ``N // world * world`` of them needs ``N % world`` samples merged into others. Exhaustive search for
+    that many merges: a sample grows a set (every subset of a set that fits fits), or stays alone."""
+    n = len(samples)
+    if n < world_size:
+        return False
+
+    def merges(free: tuple, need: int) -> bool:
+        if need <= 0:
+            return True
+        if len(free) < 2:
+            return False
+        first, rest = free[0], free[1:]
+
+        def grow(chosen: list, start: int) -> bool:
+            for k in range(start, len(rest)):
+                bigger = chosen + [rest[k]]
+                if reference_nodes([samples[i] for i in bigger]) > max_tokens:
+                    continue
+                left = tuple(i for i in rest if i not in bigger)
+                if merges(left, need - (len(bigger) - 1)) or grow(bigger, k + 1):
+                    return True
+            return False
+
+        return grow([first], 0) or merges(rest, need)
+
+    return merges(tuple(range(n)), n % world_size)
+
+
+def check_deal(tree, deal, world_size: int, max_tokens: int):
+    """Every rank the same number of micro-batches, none empty, every sample once, every micro-batch within
+    ``max_tokens`` nodes, and ``recomputed`` the nodes forwarded beyond the tree's."""
+    n = tree.sample_ptr.size - 1
+    assert len(deal.ranks) == world_size
+    assert len({len(r) for r in deal.ranks}) == 1 and all(m.size for r in deal.ranks for m in r)
+    dealt = np.sort(np.concatenate([m for r in deal.ranks for m in r]))
+    assert np.array_equal(dealt, np.arange(n))
+    forwarded = 0
+    for r in deal.ranks:
+        for m in r:
+            cut = subtree(tree, m, groups=deal.part[m])
+            assert cut.num_nodes <= max_tokens
+            forwarded += cut.num_nodes
+    assert deal.recomputed == forwarded - tree.num_nodes >= 0
+
+
 @given(trees(max_samples=30), st.integers(1, 9), st.integers(8, 60))
 @settings(max_examples=40)
 @example([([1, 2, 3], [0, 1, 1], 0)] * 8, 8, 10)  # one tree of 8 identical samples, 8 ranks
@@ -454,7 +507,9 @@ def test_deal_trees_never_starves_or_drops(samples, world_size, max_tokens):
     """No rank is ever empty and every rank gets the same number of micro-batches (TRL PR #7328 found ranks starved
     when a micro-batch held fewer groups than ranks: here one tree is cut between its samples until every rank has
     a part), and every sample is dealt exactly once (open-instruct PR #1271 silently dropped up to world - 1 packed
-    sequences a step); fewer samples than ranks is one line."""
+    sequences a step); fewer samples than ranks is one line. A refusal only where no dealing exists (the
+    exhaustive reference): the dealing once refused 15% of RL batches that every rank could take (issue 30's
+    review), and this test passed them (it returned on any refusal)."""
     ids, lengths, mask, _ = flat(samples)
     tree = build_tree(ids, lengths, loss_mask=mask)
     max_tokens = max(max_tokens, int(lengths.max()))
@@ -465,17 +520,47 @@ def test_deal_trees_never_starves_or_drops(samples, world_size, max_tokens):
         return
     try:
         deal = deal_trees(tree, world_size=world_size, max_tokens=max_tokens)
-    except DataError as e:  # shard_groups' own refusal: counts that cannot be evened without cutting a sample
+    except DataError as e:
         assert "raise max_tokens" in str(e) and "\n" not in str(e)
+        assert not reference_dealing_exists([s for s, _, _ in samples], world_size, max_tokens), str(e)
         return
-    assert len(deal.ranks) == world_size
-    assert len({len(r) for r in deal.ranks}) == 1 and all(m.size for r in deal.ranks for m in r)
-    dealt = np.sort(np.concatenate([m for r in deal.ranks for m in r]))
-    assert np.array_equal(dealt, np.arange(lengths.size))
-    for r in deal.ranks:
-        for m in r:
-            cut = subtree(tree, m, groups=deal.part[m])
-            assert cut.num_nodes <= max_tokens
+    check_deal(tree, deal, world_size, max_tokens)
+
+
+def test_deal_trees_cuts_a_tree_to_even_the_micro_batches():
+    """Issue 30's review: 4 prompts x 5 completions (20 + 20 tokens: trees of 120 nodes), 3 ranks, max_tokens 200,
+    was refused ("rank 1 has 1 micro-batches of single groups") although every tree fits. 4 trees fill 4
+    micro-batches; 6 are needed, so two are cut between completions, each recomputing its 20-token prompt."""
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(4):
+        prompt = rng.integers(0, 1000, 20).tolist()
+        samples += [prompt + rng.integers(0, 1000, 20).tolist() for _ in range(5)]
+    ids = np.concatenate(samples)
+    lengths = np.full(len(samples), 40)
+    tree = build_tree(ids, lengths)
+    assert tree.tree_sizes.tolist() == [120] * 4
+    deal = deal_trees(tree, world_size=3, max_tokens=200)
+    check_deal(tree, deal, 3, 200)
+    assert [len(r) for r in deal.ranks] == [2, 2, 2] and deal.recomputed == 40
+    for world, max_tokens in [(2, 60), (5, 60), (7, 60), (8, 80), (5, 100), (3, 127)]:  # the review's other refusals
+        check_deal(tree, deal_trees(tree, world_size=world, max_tokens=max_tokens), world, max_tokens)
+
+
+def test_deal_trees_merges_single_samples_when_every_one_alone_is_too_many():
+    """Samples that each fill most of ``max_tokens`` but share a prefix: every one alone would be 5 micro-batches
+    for 4 ranks, so two that share are merged (4 micro-batches, one a rank); with nothing shared, one line."""
+    samples = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7], [8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18, 19],
+               [20, 21, 22, 23, 24, 25]]
+    ids, lengths = np.concatenate(samples), np.full(5, 6)
+    tree = build_tree(ids, lengths)
+    deal = deal_trees(tree, world_size=4, max_tokens=8)
+    check_deal(tree, deal, 4, 8)
+    assert [len(r) for r in deal.ranks] == [1] * 4 and deal.recomputed == 0
+    alone = build_tree(np.arange(30), lengths)
+    with pytest.raises(DataError, match="raise max_tokens or send more samples") as e:
+        deal_trees(alone, world_size=4, max_tokens=8)
+    assert "\n" not in str(e.value) and not reference_dealing_exists(np.arange(30).reshape(5, 6).tolist(), 4, 8)
 
 
 def rollouts(seed: int, groups: int = 4, n: int = 3):
