@@ -1071,9 +1071,10 @@ def _positions(run) -> np.ndarray:
 
 def _merge_singles(bins, runs, size_of, part, order, first_len, lcp, merges: int, max_tokens: int) -> None:
     """Make ``merges`` fewer micro-batches of the single-sample ones (``bins`` and the parts' fields, in place):
-    each step adds a single sample to the micro-batch (single or grown) with which it makes the fewest nodes, as
-    one part: a sample adds its tokens less the most it shares with a member (the least ``lcp`` between them in
-    depth-first order; ``0`` across trees). Raises the one-line error when no more fit ``max_tokens``."""
+    each step adds a single sample to a micro-batch (single or grown) that it fits, as one part, the pair with the
+    fewest other choices first: a sample adds its tokens less the most it shares with a member (the least ``lcp``
+    between them in depth-first order; ``0`` across trees). Raises the one-line error when no more fit
+    ``max_tokens``."""
     single = [i for i, b in enumerate(bins) if len(b) == 1 and isinstance(runs[b[0]], tuple)
               and runs[b[0]][1] - runs[b[0]][0] == 1]
     at = np.asarray(sorted(runs[bins[i][0]][0] for i in single), np.int64)  # depth-first positions
@@ -1092,11 +1093,16 @@ def _merge_singles(bins, runs, size_of, part, order, first_len, lcp, merges: int
         union[:, ~alone] = max_tokens + 1  # add only samples still alone, to a micro-batch still in play
         union[[not m for m in members], :] = max_tokens + 1
         np.fill_diagonal(union, max_tokens + 1)
-        g, x = np.unravel_index(int(np.argmin(union)), union.shape)
-        if union[g, x] > max_tokens:
-            raise DataError(f"{len(bins)} micro-batches of max_tokens={max_tokens:,} nodes, {k} of them single samples, "
-                            f"of which only {done} can be merged into others and the ranks need {merges} merged (a "
-                            "multiple of the world size, none empty): raise max_tokens or send more samples")
+        fit = union <= max_tokens
+        if not fit.any():
+            raise DataError(f"{len(bins)} micro-batches of max_tokens={max_tokens:,} nodes, {k} of them single "
+                            f"samples, of which only {done} can be merged into others and the ranks need {merges} "
+                            "merged (a multiple of the world size, none empty): raise max_tokens or send more samples")
+        # the micro-batch with the fewest samples that fit it, with the sample that fits the fewest (a matching
+        # that pairs the smallest first strands the large ones), then the fewest nodes
+        rows = fit.sum(1)
+        g = int(np.argmin(np.where(rows > 0, rows, k + 1)))
+        x = int(np.lexsort((union[g], np.where(fit[g], fit.sum(0), k + 1)))[0])
         size[g], alone[x], alone[g] = union[g, x], False, False
         best[g] = np.maximum(best[g], shared[x])
         members[g] += members[x]

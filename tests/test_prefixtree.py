@@ -557,6 +557,12 @@ def test_deal_trees_merges_single_samples_when_every_one_alone_is_too_many():
     deal = deal_trees(tree, world_size=4, max_tokens=8)
     check_deal(tree, deal, 4, 8)
     assert [len(r) for r in deal.ranks] == [1] * 4 and deal.recomputed == 0
+    # one prompt of 12 and 8 completions, pairs fit when two completions have <= 38 tokens: merging the two
+    # smallest (17 + 18) first leaves no other pair; 21 + 17 and 19 + 18 make the 6 micro-batches of 6 ranks
+    prompt, ends = list(range(100, 112)), [21, 23, 26, 19, 23, 17, 22, 18]
+    rollouts = [prompt + list(range(1000 * i, 1000 * i + c)) for i, c in enumerate(ends)]
+    tree = build_tree(np.concatenate(rollouts), [len(s) for s in rollouts])
+    check_deal(tree, deal_trees(tree, world_size=6, max_tokens=50), 6, 50)
     alone = build_tree(np.arange(30), lengths)
     with pytest.raises(DataError, match="raise max_tokens or send more samples") as e:
         deal_trees(alone, world_size=4, max_tokens=8)
