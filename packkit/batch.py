@@ -797,6 +797,9 @@ def _segment_factors(labels: torch.Tensor, cu: torch.Tensor, note: dict):
     docs = seg_doc >= 0
     per_doc = torch.zeros(int(note["loss_num_docs"]), dtype=torch.float64, device=labels.device)
     per_doc.index_add_(0, seg_doc[docs], counts[docs])
+    if rule.count_empty:  # an example the batch dropped is no document: -1, no z_c (LossWeighting.factors)
+        seen = torch.zeros_like(per_doc, dtype=torch.bool).index_fill_(0, seg_doc[docs], True)
+        per_doc = torch.where(seen, per_doc, -1.0)
     a, z = rule.factors(per_doc, values)
     seg_factor = torch.zeros_like(counts)
     seg_factor[docs] = a[seg_doc[docs]]

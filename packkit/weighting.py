@@ -6,8 +6,13 @@ micro-batch on every rank of the step, ``O_c`` its loss tokens, ``l_t`` a token'
     L = sum_{c in S} a_c * sum_{t in O_c} l_t  /  Z,        Z = sum_{c in S} z_c
 
 A weighting gives each document its factor ``a_c`` and its share ``z_c`` of the normaliser; the token
-weight is ``a_c / Z``. A document with no loss token weighs 0 (``a_c = z_c = 0``, never NaN) and is not
-counted in ``|B|``, the documents of the step with at least one loss token.
+weight is ``a_c / Z``. A document with no loss token weighs 0 (``a_c = 0``, never NaN) and, as in verl's
+``agg_loss`` ("exclude fully masked sequences"), is not counted in ``|B|``, the documents of the step with at
+least one loss token (``z_c = 0``). TRL's ``grpo`` and ``dr_grpo`` are the exception: TRL divides by every
+completion of the micro-batch (``size(0)``), so a completion whose mask is empty (``mask_truncated_completions``,
+a tool mask) still counts in their ``|B|`` (:attr:`LossWeighting.count_empty`): ``"grpo"`` is ``"sample"``
+except there, ``DrGRPO`` likewise. One limit: an example without loss tokens split *offline* into ``k`` packed
+rows counts ``k`` times in those two ``|B|`` (:func:`piece_factors`; split by a collator it counts once).
 
 ``|O_c|`` is counted over the whole document where the collator sees it whole: an example split across
 the windows of one batch (``FixedWindowCollator(overflow="split")``) keeps one count and one factor, and a
@@ -22,22 +27,48 @@ The weightings (a name, or an object of this module), each with its loss and its
 
     name (aliases)                              L                                    a_c          z_c
     "token"  (verl token-mean, TRL dapo)        sum_t l_t / sum_c |O_c|              1            |O_c|
-    "sample" (verl seq-mean-token-mean,         (1/|B|) sum_c (1/|O_c|) sum_t l_t    1/|O_c|      1
-              TRL grpo)
+    "sample" (verl seq-mean-token-mean)         (1/|B|) sum_c (1/|O_c|) sum_t l_t    1/|O_c|      1
+    "grpo"   (TRL grpo)                         the same, |B| with empty completions 1/|O_c|      1, empty too
     "sqrt"                                      sum_c |O_c|^-1/2 sum_t l_t           |O_c|^-1/2   |O_c|^1/2
                                                   / sum_c |O_c|^1/2
     "seq-mean-token-sum" (verl)                 (1/|B|) sum_c sum_t l_t              1            1
     SeqSumNorm(L_max)                           sum_c sum_t l_t / L_max              1            L_max, once
       (verl seq-mean-token-sum-norm)
-    DrGRPO(L_max)  (TRL dr_grpo)                sum_c sum_t l_t / (|B| L_max)        1            L_max
+    DrGRPO(L_max)  (TRL dr_grpo)                sum_c sum_t l_t / (|B| L_max),       1            L_max, empty
+                                                  |B| with empty completions                      too
     Column(key): a weight w_c per example       sum_c w_c sum_t l_t                  w_c          w_c |O_c|
                                                   / sum_c w_c |O_c|
     Weights(fn), or a callable: w_c = fn(|O_c|) the same                             w_c          w_c |O_c|
 
 ``"sample"`` is the per-conversation mean of Nemotron 3 Super's second SFT stage
 (``L = (1/|B|) sum_c (1/|O_c|) sum_t l_t``); a callable gives LongAlign's ``1/N_i`` and the like.
-verl's ``seq-mean-token-sum-norm`` divides by a constant (its response length), once for the whole
-step: its ``z`` is counted once, not per document (:attr:`LossWeighting.z_once`).
+``SeqSumNorm`` divides by a constant, once for the whole step: its ``z`` is counted once, not per document
+(:attr:`LossWeighting.z_once`).
+
+**How these relate to TRL's and verl's code** (TRL 1.16 ``GRPOTrainer._compute_loss``; verl's ``agg_loss`` in
+``verl/trainer/ppo/core_algos.py``), which reduce over one micro-batch each and scale it into the step:
+
+- TRL ``grpo`` / ``dr_grpo``: each micro-batch's mean over its rows (``size(0)``), divided by the accumulation
+  steps, the ranks averaged by DDP: over a step of equal micro-batches (TRL's ``per_device_train_batch_size``)
+  that is ``"grpo"`` / ``DrGRPO`` exactly, empty completions counted; with micro-batches of unequal rows TRL's
+  mean of means differs, packkit's is the step's. TRL ``dapo``: the micro-batch's sum over ``num_items_in_batch``
+  (the generation batch's loss tokens, all ranks), rescaled by ``steps_per_generation``: the token mean of the
+  step, ``"token"``, where a generation batch is one optimiser step (``steps_per_generation`` = accumulation).
+  ``tests/test_loss_weighting_trl.py`` runs TRL's own ``_compute_loss`` against these.
+- verl ``seq-mean-token-sum-norm``: the micro-batch's token sums over the sequences with a loss token, divided
+  by ``global_batch_size`` (those sequences over the mini-batch and its ranks when verl passes it, else the
+  micro-batch's own count) times ``dp_size``, then by ``loss_scale_factor`` (default ``loss_mask.shape[-1]``,
+  the micro-batch's padded response width, which changes from micro-batch to micro-batch). That is
+  ``sum_c sum_t l_t / (|B| L)``: packkit's ``DrGRPO(L)`` with empty sequences left out of ``|B|``, and the
+  same only where ``loss_scale_factor`` is set to a constant. verl releases before ``global_batch_size``
+  divided the micro-batch's plain sum by ``loss_scale_factor`` and scaled it by ``1 / gradient_accumulation``
+  (or rows / ``ppo_mini_batch_size``), the ranks averaged: ``sum_c sum_t l_t / (L * G * R)`` for ``G``
+  micro-batches on ``R`` ranks. packkit's ``SeqSumNorm(L)`` is that sum over the whole step divided by ``L``
+  once (Dr. GRPO's constant normaliser), with no division by the micro-batches or ranks: ``G * R`` times
+  verl's older value, the same direction; divide the learning rate (or ``L``) by ``G * R`` to match it.
+- verl ``seq-mean-token-sum`` / ``seq-mean-token-mean`` / ``token-mean`` are the step's formulas when verl
+  passes the global counts (``global_batch_size``, ``batch_num_tokens``), per micro-batch when it does not;
+  packkit's are always the step's.
 
 A batch carries the *unnormalised* factors (``batch.loss_weight``: ``a_c`` on every loss token) and its
 part of ``Z`` (``batch.loss_norm``); :func:`packkit.loss.accumulation_step` sums the parts of the
@@ -86,6 +117,9 @@ class LossWeighting:
     z_power: float = 1.0
     z_const: float | None = None
     z_once: bool = False
+    #: a document without loss tokens still takes its ``z_c`` (``z_power`` with ``|O_c| = 1``, or ``z_const``):
+    #: TRL's ``grpo`` and ``dr_grpo`` count every completion of the step in ``|B|``, empty ones included
+    count_empty: bool = False
 
     #: the example key that carries per-example weights (``Column`` only)
     key = None
@@ -98,16 +132,18 @@ class LossWeighting:
     def factors(self, loss_counts, values=None):
         """``(a, z)``, float64 ``(D,)`` each, for documents of ``loss_counts`` loss tokens (``values``:
         their per-example weights, for ``Column`` only). numpy in, numpy out; a torch tensor in, torch out
-        (on its device: the batches' lazy path, no host sync)."""
+        (on its device: the batches' lazy path, no host sync). A count of -1 marks an example that is no
+        document of the batch (dropped by the collator): it weighs 0 and takes no ``z_c`` under any rule."""
         xp = _xp(loss_counts)
         n = xp.asarray(loss_counts, dtype=xp.float64)
         has = n > 0
+        counted = n >= 0 if self.count_empty else has
         safe = xp.where(has, n, 1.0)
         a = xp.where(has, safe ** self.a_power, 0.0)
         if self.z_const is not None:
-            z = xp.where(has, self.z_const, 0.0) if not self.z_once else xp.zeros_like(n)
+            z = xp.where(counted, self.z_const, 0.0) if not self.z_once else xp.zeros_like(n)
         else:
-            z = xp.where(has, safe ** self.z_power, 0.0)
+            z = xp.where(counted, safe ** self.z_power, 0.0)
         return a, z
 
     def step_constant(self) -> float:
@@ -143,8 +179,9 @@ def SeqSumNorm(max_length: int) -> LossWeighting:
 
 
 def DrGRPO(max_length: int) -> LossWeighting:
-    """TRL's ``dr_grpo``: ``L = sum_c sum_t l_t / (|B| * max_completion_length)``."""
-    return LossWeighting(f"dr_grpo({_positive(max_length)})", 0.0, 0.0, float(max_length))
+    """TRL's ``dr_grpo``: ``L = sum_c sum_t l_t / (|B| * max_completion_length)``, ``|B|`` every completion of
+    the step, those without a loss token (``mask_truncated_completions``) included, as TRL's ``size(0)``."""
+    return LossWeighting(f"dr_grpo({_positive(max_length)})", 0.0, 0.0, float(max_length), count_empty=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,15 +289,16 @@ TOKEN = LossWeighting("token")
 SAMPLE = LossWeighting("sample", -1.0, 0.0)
 SQRT = LossWeighting("sqrt", -0.5, 0.5)
 SEQ_SUM = LossWeighting("seq-mean-token-sum", 0.0, 0.0)
+GRPO = LossWeighting("grpo", -1.0, 0.0, count_empty=True)
 
 #: the names a string may give, and the weighting each means
 NAMES = {"token": TOKEN, "token-mean": TOKEN, "dapo": TOKEN, "sample": SAMPLE, "seq-mean-token-mean": SAMPLE,
-         "grpo": SAMPLE, "sqrt": SQRT, "seq-mean-token-sum": SEQ_SUM}
+         "grpo": GRPO, "sqrt": SQRT, "seq-mean-token-sum": SEQ_SUM}
 
 
 def resolve(spec) -> LossWeighting:
     """A ``loss_weighting=`` value as a :class:`LossWeighting`: a name of :data:`NAMES`, a weighting, or a
-    callable (:class:`Weights`). ``None`` is ``"token"``. ``resolve("grpo").name -> 'sample'``."""
+    callable (:class:`Weights`). ``None`` is ``"token"``. ``resolve("seq-mean-token-mean").name -> 'sample'``."""
     if spec is None:
         return TOKEN
     if isinstance(spec, LossWeighting):
@@ -291,7 +329,9 @@ def piece_factors(weighting: LossWeighting, loss_counts, whole, values=None):
     a, z = weighting.factors(whole, values)
     xp = _xp(loss_counts)
     n, w = xp.asarray(loss_counts, dtype=xp.float64), xp.asarray(whole, dtype=xp.float64)
-    return a, z * n / xp.where(w > 0, w, 1.0)
+    # an example without loss tokens (z_c > 0 under count_empty only): each piece takes z_c, which counts an
+    # example in one row once, and one split into k rows k times (the rows do not say which piece is first)
+    return a, xp.where(w > 0, z * n / xp.where(w > 0, w, 1.0), z)
 
 
 def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np.ndarray, *, real=None,
@@ -324,7 +364,9 @@ def segment_factors(weighting: LossWeighting, labels: np.ndarray, cu_seqlens: np
     if whole is not None:
         a, z = piece_factors(weighting, docs, whole, values)
     elif seg_doc is not None:
-        per_example = np.bincount(seg_doc, weights=docs, minlength=0 if values is None else len(values))
+        size = 0 if values is None else len(values)
+        per_example = np.bincount(seg_doc, weights=docs, minlength=size)
+        per_example[np.bincount(seg_doc, minlength=size) == 0] = -1  # examples the batch dropped: no documents
         a, z = weighting.factors(per_example, values)
         a = a[seg_doc]
     else:

@@ -28,10 +28,11 @@ MODES = ["token", "sample", "sqrt", "seq-mean-token-sum", "grpo", "dapo", SeqSum
          Column("w"), Weights(np.log1p)]
 
 
-def reference_loss(model, docs, mode, dropped=None):
+def reference_loss(model, docs, mode, dropped=None, pieces=None):
     """The mode's loss over unpacked documents, read off its formula: ``ce[c]`` the cross entropies of
     document ``c``'s loss tokens (labels ``!= -100`` after position 0, minus ``dropped[c]``, the first
-    labels of a split document's later pieces)."""
+    labels of a split document's later pieces). TRL's ``grpo`` and ``dr_grpo`` count every document in
+    ``|B|``, those without loss tokens too (``pieces[c]`` times for one split offline into that many rows)."""
     ce, w = [], []
     for c, doc in enumerate(docs):
         ids = torch.tensor(doc["input_ids"])
@@ -42,6 +43,7 @@ def reference_loss(model, docs, mode, dropped=None):
         w.append(doc.get("w", 1.0))
     n = [int(x.numel()) if x.dim() else 0 for x in ce]
     kept = [c for c in range(len(docs)) if n[c] > 0]
+    every = len(kept) + sum((pieces or {}).get(c, 1) for c in range(len(docs)) if n[c] == 0)  # TRL's size(0)
     zero = sum(model(torch.tensor([[0]])).sum() * 0 for _ in (0,))
     if not kept:
         return zero
@@ -49,8 +51,10 @@ def reference_loss(model, docs, mode, dropped=None):
     name = mode if isinstance(mode, str) else resolve(mode).name
     if name in ("token", "dapo"):
         return total / sum(n)
-    if name in ("sample", "grpo"):
+    if name == "sample":
         return sum(ce[c].mean() for c in kept) / len(kept)
+    if name == "grpo":
+        return sum(ce[c].mean() for c in kept) / every
     if name == "sqrt":
         return sum(ce[c].sum() / math.sqrt(n[c]) for c in kept) / sum(math.sqrt(n[c]) for c in kept)
     if name == "seq-mean-token-sum":
@@ -58,7 +62,7 @@ def reference_loss(model, docs, mode, dropped=None):
     if name.startswith("seq-mean-token-sum-norm"):
         return total / L_MAX
     if name.startswith("dr_grpo"):
-        return total / (len(kept) * L_MAX)
+        return total / (every * L_MAX)
     weights = [w[c] if isinstance(mode, ColumnWeighting) else float(np.log1p(n[c])) for c in range(len(docs))]
     den = sum(weights[c] * n[c] for c in kept)
     return sum(weights[c] * ce[c].sum() for c in kept) / den if den else zero
@@ -69,17 +73,38 @@ def collator(kind, mode):
         return PaddingFreeCollator(loss_weighting=mode)
     if kind == "padded":
         return PaddedCollator(loss_weighting=mode)
+    if kind == "rows":
+        return PackedRowsCollator(window=5, loss_weighting=mode)
     return FixedWindowCollator(window=5, overflow="split", strategy="next_fit", loss_weighting=mode)
+
+
+def packed_rows(examples):
+    """``examples`` packed offline into rows of 5 tokens (``pack_dataset``, split, each piece's example
+    recorded), and each example's ``(piece starts, pieces)``."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.offline import pack_dataset
+
+    ds = datasets.Dataset.from_list([{"input_ids": ex["input_ids"], "labels": ex["labels"]} for ex in examples])
+    out, plan = pack_dataset(ds, window=5, overflow="split", shuffle=False, example_ids=True, return_report=True)
+    return list(out), plan
 
 
 def packed_loss(model, docs, mode, parts, kind):
     """The step's loss: ``parts`` (lists of document indices) collated as micro-batches, one
-    ``accumulation_step``, every micro-batch's loss summed. Also the pieces' dropped first labels."""
+    ``accumulation_step``, every micro-batch's loss summed. Also the pieces' dropped first labels, and the
+    rows each document's pieces took (packed offline: ``kind="rows"``)."""
     coll = collator(kind, mode)
-    mbs, dropped = [], {}
+    mbs, dropped, pieces = [], {}, {}
     for part in parts:
         examples = [docs[i] for i in part]
-        if kind == "split":
+        if kind == "rows":
+            rows, plan = packed_rows(examples)
+            for ex, start in zip(plan.seg_example.tolist(), plan.seg_start.tolist()):
+                pieces[part[ex]] = pieces.get(part[ex], 0) + 1
+                if start > 0:
+                    dropped.setdefault(part[ex], set()).add(start)
+            batch = coll(rows)
+        elif kind == "split":
             batch, plan = coll._pack(examples)
             for ex, start in zip(plan.seg_example.tolist(), plan.seg_start.tolist()):
                 if start > 0:
@@ -88,7 +113,7 @@ def packed_loss(model, docs, mode, parts, kind):
             batch = coll(examples)
         mbs.append(batch)
     step = accumulation_step(mbs, all_reduce=False)
-    return sum(step.loss(model(mb["input_ids"]), mb) for mb in mbs), dropped, step
+    return sum(step.loss(model(mb["input_ids"]), mb) for mb in mbs), dropped, pieces
 
 
 def grads(model):
@@ -97,11 +122,11 @@ def grads(model):
 
 def check_equal(docs, mode, parts, kind):
     model = tiny_token_lm(VOCAB, 4)
-    got, dropped, _ = packed_loss(model, docs, mode, parts, kind)
+    got, dropped, pieces = packed_loss(model, docs, mode, parts, kind)
     got.backward()
     g_got = grads(model)
     ref_model = tiny_token_lm(VOCAB, 4)
-    want = reference_loss(ref_model, docs, mode, dropped)
+    want = reference_loss(ref_model, docs, mode, dropped, pieces)
     want.backward()
     g_want = grads(ref_model)
     err, gerr = abs(float(got.detach()) - float(want.detach())), float((g_got - g_want).abs().max())
@@ -127,12 +152,20 @@ def step_of_documents(draw):
     return docs, parts
 
 
-@settings(deadline=None)
-@given(step_of_documents(), st.sampled_from(range(len(MODES))), st.sampled_from(["free", "padded", "split"]))
-def test_every_mode_equals_its_unpacked_definition(case, m, kind):
-    """Random packings, 1-8 micro-batches, every collator (split documents included: their pieces keep one
-    |O_c|), documents without loss tokens: loss and gradients equal the reference within 1e-12."""
+@pytest.mark.parametrize("kind", ["free", "padded", "split", "rows"])
+@pytest.mark.parametrize("m", range(len(MODES)), ids=[getattr(m, "name", m) for m in MODES])
+@settings(deadline=None, max_examples=3)
+@given(case=step_of_documents())
+def test_every_mode_equals_its_unpacked_definition(m, kind, case):
+    """Every mode with every collator, on every profile (hypothesis draws the packings): 1-8 micro-batches,
+    documents without loss tokens, split documents (by FixedWindowCollator, whose pieces keep one |O_c|, and
+    offline by pack_dataset into rows that PackedRowsCollator reads with each piece's example): loss and
+    gradients equal the reference within 1e-12. Column weights are refused on packed rows, in one line."""
     docs, parts = case
+    if kind == "rows" and isinstance(MODES[m], ColumnWeighting):
+        with pytest.raises(ValueError, match=r"loss_weighting=Column\('w'\) weighs .*example"):
+            packed_loss(tiny_token_lm(VOCAB, 4), docs, MODES[m], parts, kind)
+        return
     check_equal(docs, MODES[m], parts, kind)
 
 
@@ -192,7 +225,7 @@ def test_per_micro_batch_sample_mean_regression():
     print(f"per micro-batch {float(naive):.4f}, over the step {float(exact):.4f}")
     assert float(naive) == pytest.approx(1.25, abs=1e-12)
     assert float(exact) == pytest.approx(0.65, abs=1e-12)
-    assert step.loss_normalizer == 10.0 and step.loss_weighting == "sample"
+    assert step.loss_normalizer == 10.0 and step.loss_weighting == "grpo"  # TRL's: "sample", empty ones counted
 
 
 def test_mixed_weightings_in_one_step_refused():

@@ -61,3 +61,19 @@ def test_weight_shares_sum_to_one():
         s = weight_shares(lengths, lengths - 1, mode)
         assert s.shares.sum() == pytest.approx(1.0) and s.examples.sum() == 1000
     assert weight_shares(lengths, lengths - 1, "sqrt").shares[-1] < weight_shares(lengths, lengths - 1, "token").shares[-1]
+
+
+def test_length_modes_and_refusals_from_the_command_line(tmp_path, capsys):
+    """``--loss-weighting dr_grpo:L`` and ``seq-mean-token-sum-norm:L`` (TRL's and verl's constant-length modes):
+    every loss token of a step weighs the same under both, so their shares are the token mean's. Without ``:L``,
+    or a column of weights (plan reads lengths, not columns), the option is refused in one line naming why.
+    Before, the option took only the eight names (argparse's 'invalid choice')."""
+    path = rows(tmp_path)
+    for spec, name in (("dr_grpo:512", "dr_grpo(512)"), ("seq-mean-token-sum-norm:64", "seq-mean-token-sum-norm(64)")):
+        rc, out, _ = run_plan(capsys, str(path), "--loss-weighting", spec, "-w", "512", "--json", "-q")
+        got = json.loads(out)["loss_weighting"]
+        assert rc == 0 and got["weighting"] == name and got["shares"] == pytest.approx(got["token_shares"])
+    for spec, says in (("dr_grpo", "pass dr_grpo:L"), ("dr_grpo:0", "pass dr_grpo:L"),
+                       ("column:w", "not read by plan"), ("median", "not a loss weighting")):
+        rc, _, err = run_plan(capsys, str(path), "--loss-weighting", spec, "-w", "512", "-q")
+        assert rc == 2 and says in err and len(err.strip().splitlines()) <= 2, err

@@ -3,14 +3,39 @@
 
 from __future__ import annotations
 
+import argparse
+
 from . import UsageError
 from ..choices import LOSS_WEIGHTINGS
 
+#: the weightings with a constant length, given as NAME:L (packkit.weighting.SeqSumNorm, DrGRPO)
+LENGTH_MODES = ("seq-mean-token-sum-norm", "dr_grpo")
+
+
+def loss_weighting_spec(text: str) -> str:
+    """``--loss-weighting``'s value, checked: a name of :data:`LOSS_WEIGHTINGS`, or ``seq-mean-token-sum-norm:L``
+    / ``dr_grpo:L`` (``L`` a positive int). A column of weights or a callable is refused naming why: the shares
+    are read off the lengths, and a command line carries no Python callable.
+    ``loss_weighting_spec("dr_grpo:4096") -> 'dr_grpo:4096'``."""
+    name, sep, length = text.partition(":")
+    if not sep and name in LOSS_WEIGHTINGS:
+        return text
+    if name in LENGTH_MODES:
+        if sep and length.isdigit() and int(length) > 0:
+            return text
+        raise argparse.ArgumentTypeError(f"{name} divides by a constant length: pass {name}:L, e.g. {name}:4096")
+    if name == "column":
+        raise argparse.ArgumentTypeError("a column of per-example weights is not read by plan (it reads lengths): "
+                                         "use packkit.weighting.weight_shares with the weights in Python")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a loss weighting: one of {', '.join(LOSS_WEIGHTINGS)}, "
+                                     f"or {':L, '.join(LENGTH_MODES)}:L")
+
 
 def add_weighting_arguments(p) -> None:
-    p.add_argument("--loss-weighting", choices=LOSS_WEIGHTINGS, metavar="MODE",
+    p.add_argument("--loss-weighting", type=loss_weighting_spec, metavar="MODE",
                    help="also show the share of the loss weight by length decile under MODE "
-                        f"({', '.join(LOSS_WEIGHTINGS)}) beside the token mean")
+                        f"({', '.join(LOSS_WEIGHTINGS)}, or {':L, '.join(LENGTH_MODES)}:L with L the constant "
+                        "length) beside the token mean")
     p.add_argument("--weight-plot", metavar="PNG", help="with --loss-weighting: write those shares as a bar chart")
     p.add_argument("--overwrite-plot", action="store_true", help="replace an existing --weight-plot file")
 
@@ -23,9 +48,11 @@ def weighting_report(args, data):
         if args.weight_plot:
             raise UsageError("--weight-plot draws the --loss-weighting shares: pass --loss-weighting MODE too")
         return None
-    from ..weighting import plot_weight_shares, weight_shares  # lazy: 3 ms of CPU at start, for this option only
+    from ..weighting import DrGRPO, SeqSumNorm, plot_weight_shares, weight_shares  # lazy: 3 ms at start otherwise
     loss = data.loss_lengths if data.loss_lengths is not None else data.lengths - 1
-    shares = weight_shares(data.lengths, loss, args.loss_weighting)
+    name, _, length = args.loss_weighting.partition(":")
+    mode = {"seq-mean-token-sum-norm": SeqSumNorm, "dr_grpo": DrGRPO}[name](int(length)) if length else name
+    shares = weight_shares(data.lengths, loss, mode)
     if args.weight_plot:
         plot_weight_shares(shares, args.weight_plot, overwrite=args.overwrite_plot)
     return shares
