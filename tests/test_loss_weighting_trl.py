@@ -120,3 +120,15 @@ def test_a_step_of_empty_completions_weighs_nothing_and_no_nan():
     for loss_type in ("grpo", "dr_grpo"):
         weights, loss = trl_weights(loss_type, step, ranks=2)
         assert weights.numel() == 0 and loss == 0.0
+
+
+def test_an_example_the_collator_drops_is_no_completion():
+    """``overflow="drop"`` leaves an example out of the batch: it is no completion of the step, so it is not in
+    TRL's ``|B|`` (the empty completion beside it is). Z = 2 (the kept one and the empty one), not 3."""
+    from packkit.collate import FixedWindowCollator
+
+    docs = [{"input_ids": [1] * 9, "labels": [1] * 9}, {"input_ids": [2, 3], "labels": [2, 3]},
+            {"input_ids": [4, 5], "labels": [IGNORE, IGNORE]}]
+    for mode, z in (("grpo", 2.0), (DrGRPO(T), 2.0 * T)):
+        batch = FixedWindowCollator(window=4, overflow="drop", loss_weighting=mode)(docs)
+        assert batch.loss_norm == z and float(batch.loss_weight.sum()) == 1.0
