@@ -845,10 +845,16 @@ class TreeShard:
         """What :func:`packkit.cp.cp_attention` needs besides q, k, v: ``tin`` and ``tout``, ``(n,)``."""
         return {"tin": self.tin, "tout": self.tout}
 
-    def hf_cp_kwargs(self) -> dict:
-        """``model(**shard.hf_cp_kwargs())`` under :func:`packkit.cp.register_hf_cp_attention`: ``input_ids``,
+    def hf_cp_kwargs(self, model=None) -> dict:
+        """``model(**shard.hf_cp_kwargs(model))`` under :func:`packkit.cp.register_hf_cp_attention`: ``input_ids``,
         ``position_ids`` (depth), ``use_cache=False`` and ``cp_tin`` / ``cp_tout`` (``[1, n]``), read by every
-        layer. Refuse hybrid linear-attention models first (:func:`check_attention_only`)."""
+        layer. A model with layers other than attention (hybrid linear attention, Mamba) is refused in one line
+        (:func:`check_attention_only`: its state would run from one branch into the next), as
+        :meth:`TreeBatch.model_inputs` refuses it; so the model is required."""
+        if model is None:
+            raise ArgumentError("a TreeShard needs the model to check that its layers are all attention: pass "
+                                "hf_cp_kwargs(model)")
+        check_attention_only(model)
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
                 "cp_tin": self.tin[None], "cp_tout": self.tout[None]}
 

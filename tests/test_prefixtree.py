@@ -374,6 +374,15 @@ def test_hybrid_linear_attention_and_flash_are_refused_in_one_line():
         assert "\n" not in str(e.value)
     config = tiny_config("llama")
     config._attn_implementation = "flash_attention_2"
+    for config_ in filter(None, [hybrid, transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1])]):
+        # under CP too (issue 30's review: shard_tree ran a hybrid model silently wrong)
+        shard = prefixtree.shard_tree(b, cp_size=2, rank=0)
+        with pytest.raises(ArgumentError, match="state per branch") as e:
+            shard.hf_cp_kwargs(config_)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ArgumentError, match=r"pass hf_cp_kwargs\(model\)"):
+        prefixtree.shard_tree(b, cp_size=2, rank=0).hf_cp_kwargs()
+    assert set(prefixtree.shard_tree(b, cp_size=2, rank=0).hf_cp_kwargs(config)) >= {"cp_tin", "cp_tout"}
     with pytest.raises(ArgumentError, match="takes none") as e:
         b.model_inputs(config)
     assert "\n" not in str(e.value)

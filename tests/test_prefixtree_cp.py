@@ -96,7 +96,7 @@ def run_case(model, samples, ref, group, layout, method, windowed, results, case
     model.set_attn_implementation(register_hf_cp_attention(group=group, method=method))
     model.zero_grad()
     s = shard_tree(batch, cp_size=size, rank=rank, layout=layout)
-    logits = model(**s.hf_cp_kwargs()).logits
+    logits = model(**s.hf_cp_kwargs(model)).logits
     mine = s.token_logps(logits)
     per_seq = s.sequence_logps(mine, group=group)
     loss = loss_of(mine, per_seq, s.num_scored)
