@@ -9,6 +9,20 @@ Every rank keeps what the unsharded row meant: **global** per-document positions
 document of every token, the **global** loss-token count (the loss is a sum over ranks divided by it)
 and a way back to the row's order.
 
+The loss under CP, every :mod:`packkit.weighting` alike: a rank's loss is ``sum_t w_t CE_t / Z`` over its own
+targets, ``w_t`` the factor ``a_c`` of the target's document counted over the **whole** document (every rank's
+tokens of it; :attr:`CPShard.loss_weight`, sliced like ``shift_labels``), and ``Z`` the step's normaliser, to
+which the batch adds its part once, whatever its number of CP ranks (:attr:`CPShard.loss_norm`: the batch's, the
+same on every rank of the group, as ``num_loss_tokens`` is the batch's count). Summed over the CP group (the
+gradients of the replicated parameters add), the rank's losses are the row's. No rank counts ``|O_c|`` from its
+own tokens (prime-rl #2032's bug: a document cut across ranks would weigh as several) and no collective is
+needed for the weights. :func:`packkit.loss.accumulation_step` takes the shards as micro-batches
+(``step.loss(logits, shard)``) and counts each batch once per CP group: reduce over the group the gradients are
+averaged over, a data-parallel group (one rank of each CP group: each batch is there once) or one that holds
+whole CP groups (DP x CP, the world: the ``cp`` copies of each batch's counts are divided out; the loss is
+multiplied by that group's size, so an average over it is the sum over the CP ranks). A group that holds some
+ranks of a CP group and not others is refused.
+
 Consumers and their exact arguments (:class:`CPShard` views):
 
 ==============================  ===================================================================
@@ -46,7 +60,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .batch import _NOTE, _note, count_loss_tokens
+from .batch import _NOTE, _note, count_loss_tokens, loss_factors, real_tokens_and_documents
 from .cp_plan import CPPlan, _check_layout, _plan, check_cp_size
 from .errors import ArgumentError, check_choice, check_int, renamed_keyword
 from .integrations import transformers as hf  # transformers' attention call, read in one place
@@ -144,9 +158,15 @@ class CPShard:
         index:         int64 ``(n,)``: the flat index into the batch of each token, ``-1`` for CP padding.
         num_loss_tokens: Python int, loss tokens of the **whole** batch (every rank divides by it).
         num_local_loss_tokens: Python int, this rank's share of them.
+        num_tokens, num_examples: Python ints, the whole batch's real tokens and documents (counted once per
+                       CP group by :func:`packkit.loss.accumulation_step`, as ``num_loss_tokens``).
         max_seqlen:    Python int, the batch's longest document (global).
         plan, rank:    the :class:`~packkit.cp_plan.CPPlan` and this rank.
         batch_shape:   the unsharded batch's ``(B, W)``.
+
+    Under a ``loss_weighting`` (:mod:`packkit.weighting`) the ``shift_labels`` carry the rank's weights as a
+    batch's labels do (:func:`packkit.batch.loss_factors`): :attr:`loss_weight`, :attr:`loss_norm`,
+    :attr:`loss_weighting`; ``accumulation_step([shard, ...])`` and ``step.loss(logits, shard)`` read them.
     """
 
     input_ids: torch.Tensor
@@ -160,6 +180,37 @@ class CPShard:
     plan: CPPlan
     rank: int
     batch_shape: tuple
+    num_tokens: int | None = None
+    num_examples: int | None = None
+
+    #: the loss reads ``shift_labels`` (:func:`packkit.loss.accumulation_step`, ``step.loss(logits, shard)``)
+    labels_shifted = True
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """The rank's targets, ``shift_labels`` (``labels_shifted`` is True): what the loss reads."""
+        return self.shift_labels
+
+    @property
+    def loss_weight(self) -> torch.Tensor:
+        """float64 ``[1, n]``: the weight of each target (``shift_labels``' place), the factor ``a_c`` of its
+        document counted over the whole document (every rank's part), 0 on ``-100`` and CP padding; 1 on every
+        target for the token mean. Before ``Z``: the rank's loss is ``sum_t w_t CE_t / Z``."""
+        found = loss_factors(self.shift_labels)
+        return self.shift_labels.ne(IGNORE_INDEX).to(torch.float64) if found is None else found[0]
+
+    @property
+    def loss_norm(self) -> float:
+        """Python float, the **batch's** part of the step's ``Z`` (every document's ``z_c``, whichever ranks
+        hold its tokens), the same on every rank of the CP group: counted once per group, not per rank (the
+        token mean's is ``num_loss_tokens``)."""
+        found = loss_factors(self.shift_labels)
+        return float(self.num_loss_tokens) if found is None else float(found[1])
+
+    @property
+    def loss_weighting(self) -> str | None:
+        """The name of the batch's :mod:`packkit.weighting` (None: the token mean)."""
+        return _note(self.shift_labels).get("loss_weighting")
 
     @property
     def layout(self) -> str:
@@ -308,6 +359,10 @@ def _check_tokens(num_tokens: int, ids: torch.Tensor) -> None:
         raise ValueError(f"cu_seqlens covers {num_tokens} tokens but input_ids holds {ids.numel()}")
 
 
+#: what a shard's ``shift_labels`` note of its place: ``(cp rank, cp size, the batch's loss tokens, real tokens,
+#: documents)`` (:func:`packkit.loss.accumulation_step` counts each batch once per CP group from it)
+_CP_NOTE = "cp_shard"
+
 #: where a batch keeps its CP plan: in its ``cu_seqlens``' note (:mod:`packkit.batch`), with its other segment facts
 _PLAN_NOTE = "cp_plan"
 
@@ -405,18 +460,49 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
         take[pad_at] = 0
     pad = on(pad_at)
     if shifted:
-        local_targets = _gather(labels, on(take), pad, IGNORE_INDEX)
+        where, no_target = on(take), pad
     else:  # the targets read where they sit in the row (the next token), not from a shifted copy of the batch
         after, no_target = _next_in_row(take, pad_at, first, real, out, ids.shape[-1], ids.numel())
-        local_targets = _gather(labels, on(after), on(no_target), IGNORE_INDEX)
+        where, no_target = on(after), on(no_target)
+    local_targets = _gather(labels, where, no_target, IGNORE_INDEX)[None]
+    _carry_weights(labels, local_targets, where, no_target)
+    tokens, examples = _batch_counts(batch, labels, cu)
+    n_loss = count_loss_tokens(labels, shifted=shifted)  # the batch's: counted once
+    # what accumulation_step reads of a shard (or of its hf_kwargs' shift_labels): the batch's counts, once per group
+    _note(local_targets)[_CP_NOTE] = (int(rank), cp, n_loss, tokens, examples)
     return CPShard(
         input_ids=_gather(ids, on(take), pad, pad_id)[None],
-        shift_labels=local_targets[None],
+        shift_labels=local_targets,
         position_ids=on(pos)[None],
         seq_idx=on(seg.astype(np.int32))[None],
-        index=on(source), num_loss_tokens=count_loss_tokens(labels, shifted=shifted),  # the batch's: counted once
+        index=on(source), num_loss_tokens=n_loss,
         num_local_loss_tokens=_count_targets(local_targets),
-        max_seqlen=int(plan.lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape))
+        max_seqlen=int(plan.lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape),
+        num_tokens=tokens, num_examples=examples)
+
+
+def _carry_weights(labels: torch.Tensor, targets: torch.Tensor, where: torch.Tensor, no_target: torch.Tensor) -> None:
+    """Note on the rank's ``targets`` (``[1, n]``) what a weighted batch's ``labels`` note
+    (:func:`packkit.batch.loss_factors`): each target's factor, gathered from the **whole** batch's factors
+    exactly as the target was gathered from its labels (``where``; 0 at ``no_target``), so a document cut
+    across ranks keeps the ``a_c`` of its whole ``|O_c|``; and the batch's part of ``Z``, whole (counted once
+    per CP group). Nothing for a batch without a weighting."""
+    found = loss_factors(labels)
+    if found is None:
+        return
+    factors, z = found
+    note, mine = _note(labels), _note(targets)
+    mine.update(loss_weighting=note["loss_weighting"], loss_step_constant=note.get("loss_step_constant", 0.0),
+                loss_factor=_gather(factors, where, no_target, 0.0)[None], loss_z=z)
+
+
+def _batch_counts(batch, labels: torch.Tensor, cu: torch.Tensor) -> tuple:
+    """``(real tokens, documents)`` of the whole batch: a ``PackedBatch``'s own, else from its segments."""
+    tokens, examples = getattr(batch, "num_tokens", None), getattr(batch, "num_examples", None)
+    if isinstance(tokens, int) and isinstance(examples, int):
+        return tokens, examples
+    tokens, examples = real_tokens_and_documents(cu, labels)
+    return int(tokens), int(examples)
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, fill_at: torch.Tensor, fill) -> torch.Tensor:

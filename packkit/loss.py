@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import PackedBatch, _note, loss_factors, real_tokens_and_documents
+from .cp import _CP_NOTE
 from .integrations.transformers import StepCountHook  # Trainer's private step count, in one place
 from .rules import DOCUMENT_KEYS, SEGMENT_KEYS
 from .segments import IGNORE_INDEX
@@ -323,10 +324,14 @@ class AccumulationStep:
         labels, shifted = _labels_of(batch, shifted=self.shifted)
         found = loss_factors(labels) if isinstance(labels, torch.Tensor) else None
         factor = None if found is None else found[0]
-        if (factor is None) != (self.loss_weighting is None):
+        if factor is None and self.loss_weighting is not None:
+            raise ValueError(f"this micro-batch's labels carry no loss weights and the step is under loss_weighting="
+                             f"{self.loss_weighting!r}: pass the micro-batch the step counted (its PackedBatch or "
+                             "CPShard, or their labels as they are: a copy or slice leaves the weights behind)")
+        if factor is not None and self.loss_weighting is None:
             raise ValueError(f"this micro-batch was collated under loss_weighting="
-                             f"{_note(labels).get('loss_weighting', 'token')!r}, the step under "
-                             f"{self.loss_weighting or 'token'!r}: count the step on the micro-batches it trains")
+                             f"{_note(labels).get('loss_weighting')!r}, the step under the token mean: count the "
+                             "step on the micro-batches it trains")
         loss = token_normalized_loss(logits, labels, num_loss_tokens=self._z, shifted=shifted,
                                      ignore_index=self.ignore_index, loss_weight=factor)
         return loss * self.grad_multiplier if self.grad_multiplier != 1 else loss
@@ -442,13 +447,15 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     if len(micro_batches) == 0:
         raise ValueError("an optimiser step needs at least one micro-batch, got an empty list")
     rows = [_micro_counts(mb, i, shifted, ignore_index) for i, mb in enumerate(micro_batches)]
-    weighting, constant = _one_weighting([row[4:] for row in rows])
-    # A (micro_batches, 4) float64 table on the labels' device (counts stay exact below 2**53), so that
-    # the whole step costs one host sync and one collective.
+    weighting, constant = _one_weighting([row[4:6] for row in rows])
+    # A (micro_batches, 8) float64 table on the labels' device (counts stay exact below 2**53), so that
+    # the whole step costs one host sync and one collective: loss tokens, tokens, examples, part of Z, and
+    # what the CP shards among them are (_cp_columns: how many copies of each batch the group holds)
     device = next((x.device for row in rows for x in row[:4] if isinstance(x, torch.Tensor)), torch.device("cpu"))
     table = torch.stack([
-        torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(()) for x in row[:4]])
-        for row in rows
+        torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(())
+                     for x in (*row[:4], *_cp_columns(rows, i))])
+        for i, row in enumerate(rows)
     ])
     local = table.sum(0)
     if facts is not None:
@@ -456,7 +463,8 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
                              ignore_index=ignore_index)
     world_size, reduced, group = _reduce(local, all_reduce, group)
     table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
-    n_loss, n_tokens, n_examples, z = reduced
+    copies = _cp_copies(*reduced[4:])
+    n_loss, n_tokens, n_examples, z = (x / copies for x in reduced[:4])
     return AccumulationStep(
         num_loss_tokens=int(n_loss),
         num_tokens=int(n_tokens),
@@ -489,11 +497,48 @@ def _micro_counts(mb, i: int, shifted: bool, ignore_index: int) -> tuple:
         count = int(known)
     else:
         count = _count_tensor(labels, shifted=mb_shifted, ignore_index=ignore_index)
-    tokens, examples = _real_tokens_and_examples(mb, labels, ignore_index)
     note = _note(labels)
+    cp = note.get(_CP_NOTE)
+    if cp is not None:  # a CP shard's targets: the whole batch's counts, the same on every rank of the group
+        count, tokens, examples = cp[2:]
+    else:
+        tokens, examples = _real_tokens_and_examples(mb, labels, ignore_index)
     name = note.get("loss_weighting")
     z = loss_factors(labels)[1] if name is not None else count  # a tensor on the labels' device: no sync
-    return count, tokens, examples, z, name, note.get("loss_step_constant", 0.0)
+    return count, tokens, examples, z, name, note.get("loss_step_constant", 0.0), cp
+
+
+def _cp_columns(rows: list, i: int) -> tuple:
+    """``(1, cp rank, cp rank ** 2, cp size)`` of micro-batch ``i`` when it is a CP shard, zeros otherwise (the
+    columns :func:`_cp_copies` reads once summed over the ranks); every micro-batch of a step is a shard or none
+    is (one line naming the first that differs)."""
+    cp, first = rows[i][6], rows[0][6]
+    if (cp is None) != (first is None) or (cp is not None and cp[1] != first[1]):
+        what = ["not a CP shard" if c is None else f"a shard of a CP group of {c[1]}" for c in (cp, first)]
+        raise ValueError(f"micro-batch {i} is {what[0]}, micro-batch 0 {what[1]}: shard every micro-batch of a "
+                         "step over one CP group, or none")
+    return (0, 0, 0, 0) if cp is None else (1, cp[0], cp[0] ** 2, cp[1])
+
+
+def _cp_copies(shards: float, ranks: float, squares: float, sizes: float) -> int:
+    """How many copies of each batch the reduced counts hold, from the CP shards counted over the reduced group
+    (``shards`` of them, ``ranks`` and ``squares`` their CP ranks summed and squared, ``sizes`` their CP sizes): a
+    group with one rank of each CP group (a data-parallel group: every shard of one CP rank) holds each batch once;
+    one of whole CP groups (DP x CP: every CP rank as often) holds it ``cp`` times; any other is refused.
+    ``_cp_copies(4, 2, 2, 8) -> 2`` (CP ranks 0, 1, 0, 1 of groups of 2)."""
+    if shards == 0:
+        return 1
+    cp = sizes / shards
+    if cp != int(cp):
+        raise ValueError("the ranks reduced hold shards of CP groups of different sizes: reduce each step's counts "
+                         "over ranks of one CP size")
+    if squares * shards == ranks * ranks:  # every shard of one CP rank
+        return 1
+    if 2 * ranks == shards * (cp - 1) and 6 * squares == shards * (cp - 1) * (2 * cp - 1) and shards % cp == 0:
+        return int(cp)  # CP ranks 0 .. cp - 1 as often each (their first two moments)
+    raise ValueError(f"the step's counts were reduced over a group that holds {int(shards)} CP shards of some ranks of "
+                     "a CP group and not others; pass group= a data-parallel group (one rank of each CP group) or "
+                     "one of whole CP groups (DP x CP)")
 
 
 def _planned_step(facts, table: list, weighting, **how) -> AccumulationStep:
