@@ -408,11 +408,18 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
 
     Args:
         micro_batches: the micro-batches of the step, each a ``PackedBatch``, a dict with ``labels``
-            (``shift_labels`` counts as shifted) or a label tensor (B, T) / (T,).
+            (``shift_labels`` counts as shifted) or a label tensor (B, T) / (T,); or this rank's CP shards of
+            them (:func:`packkit.cp.shard`, or their ``hf_kwargs()``), which count their whole batch's loss
+            tokens, tokens, documents and part of ``Z``, the same on every rank of the CP group.
         shifted: the labels are already shifted (see :func:`count_loss_tokens`); a ``PackedBatch``
             follows its own ``labels_shifted`` instead.
-        all_reduce: sum the counts over the ranks of ``group`` (one collective of four float64s, every
+        all_reduce: sum the counts over the ranks of ``group`` (one collective of eight float64s, every
             rank must call it). ``None``: when ``torch.distributed`` is initialised.
+        group: the process group of that sum (None: the default group), the group the gradients are
+            averaged over. Under CP each batch is counted once per CP group: a data-parallel group (one rank
+            of each CP group) holds each batch once; a group of whole CP groups (DP x CP, the world) holds it
+            ``cp`` times and the copies are divided out; a group with some ranks of a CP group and not others
+            is refused. Without a collective each CP rank holds its batches' whole counts.
         ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
             loss is multiplied back by the world size. ``False`` for a reduction that sums.
         facts: the step as a sampler's plan knows it (``sampler.step_facts()``, a
@@ -422,7 +429,9 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     The weighting travels with the batches (the collators' ``loss_weighting``, :mod:`packkit.weighting`):
     each carries its documents' factors ``a_c`` and its part of ``Z``; the step sums the parts in the same
     collective as the counts, so a weighting costs no communication of its own. Every micro-batch of the
-    step must be collated under one weighting.
+    step must be collated under one weighting. A CP shard's factors are its targets' documents' ``a_c`` over
+    the whole documents (no rank counts ``|O_c|`` from its own tokens), so the CP ranks' losses, summed as their
+    gradients are, are the batch's.
 
     Returns: an :class:`AccumulationStep`; ``step.loss(logits, micro_batch)`` is the loss to
     ``backward()``. A loop reads::

@@ -16,8 +16,10 @@ rows counts ``k`` times in those two ``|B|`` (:func:`piece_factors`; split by a 
 
 ``|O_c|`` is counted over the whole document where the collator sees it whole: an example split across
 the windows of one batch (``FixedWindowCollator(overflow="split")``) keeps one count and one factor, and a
-row sharded over a CP group afterwards (:func:`packkit.cp.shard`; take the weights with the shard's
-``take``) keeps the factors of the whole row. The pieces of an example split offline into separate packed
+row sharded over a CP group afterwards keeps the factors of the whole row: :func:`packkit.cp.shard` gives each
+rank its targets' factors (``shard.loss_weight``, sliced as ``shift_labels``) and the batch's part of ``Z``
+(``shard.loss_norm``, the same on every rank of the group), and ``accumulation_step(shards)`` counts each batch
+once per CP group, not once per CP rank (:mod:`packkit.cp`: which group to reduce over). The pieces of an example split offline into separate packed
 rows carry the whole example's ``|O_c|`` (``example_loss``, :func:`packkit.offline.packed_schema`): each
 piece takes the factor ``a_c`` of the whole example and the share ``z_c * |O_piece| / |O_c|`` of its ``z_c``
 (:func:`piece_factors`), so an example whose pieces all fall in one step counts once in ``|B|``, and one split

@@ -152,3 +152,33 @@ def test_alst_block_as_pasted():
     scope = run_block(3, batch=batch, model=model, sp_size=1, sp_rank=0, F=F, shard=shard)
     assert set(scope["s"].hf_kwargs()) == {"input_ids", "position_ids", "shift_labels", "use_cache"}
     torch.testing.assert_close(scope["loss"], unsharded_loss(model, batch), rtol=1e-12, atol=1e-12)
+
+
+def test_weighted_block_as_pasted(one_rank_group):
+    """The weighted block (every loss_weighting under CP; cp = 1 on one process here, the gloo ranks in
+    tests/test_cp_weighting.py): two micro-batches of the sample mean give the unpacked per-sample mean."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from packkit.collate import PaddingFreeCollator
+    from packkit.cp import register_hf_cp_attention, shard
+
+    model = tiny_llama()
+    model.set_attn_implementation(register_hf_cp_attention(group=one_rank_group))  # as the first block does
+    exs = examples(6, seed=3)
+    step_examples = [exs[:4], exs[4:]]
+    run_block(4, dist=dist, cp_group=one_rank_group, dp_group=one_rank_group, step_examples=step_examples,
+              PaddingFreeCollator=PaddingFreeCollator, shard=shard, model=model)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    model.set_attn_implementation("sdpa")  # the reference: each example alone, unpacked
+    per_sample = []
+    for ex in exs:
+        ids, labels = torch.tensor([ex["input_ids"]]), torch.tensor(ex["labels"][1:])
+        logits = model(input_ids=ids).logits[0, :-1]
+        per_sample.append(F.cross_entropy(logits, labels, ignore_index=-100))  # the example's own mean
+    (sum(per_sample) / len(per_sample)).backward()
+    want = torch.cat([p.grad.flatten() for p in model.parameters()])
+    err = float((got - want).abs().max())
+    print(f"max |d grad| {err:.1e}")
+    assert err <= 1e-12
