@@ -115,6 +115,18 @@ def check_structure(tree, samples, groups=None):
             for j in range(1, lengths[s]) if mask[off[s] + j]]
     got = list(zip(tree.score_sample.tolist(), tree.score_source.tolist(), tree.score_target.tolist()))
     assert got == [tuple(map(int, w)) for w in want]
+    # samples through each node, segments (a new one wherever a node's parent is not the node before), and the
+    # batch's sequence_ids (the sample of a node on one sample's path only, else -1), node by node
+    through = [[s for s in range(len(samples)) if node in set(tree.path[off[s]:off[s + 1]].tolist())]
+               for node in range(count)]
+    assert tree.num_samples.tolist() == [len(t) for t in through]
+    seg, segments = -1, []
+    for node in range(count):
+        seg += int(node == 0 or tree.parent[node] != node - 1)
+        segments.append(seg)
+    assert tree.segment.tolist() == segments
+    batch = tree_batch(tree)  # one row, the nodes in layout order
+    assert batch.sequence_ids[0].tolist() == [t[0] if len(t) == 1 else -1 for t in through]
 
 
 @given(trees(max_samples=80))
