@@ -409,17 +409,13 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     Args:
         micro_batches: the micro-batches of the step, each a ``PackedBatch``, a dict with ``labels``
             (``shift_labels`` counts as shifted) or a label tensor (B, T) / (T,); or this rank's CP shards of
-            them (:func:`packkit.cp.shard`, or their ``hf_kwargs()``), which count their whole batch's loss
-            tokens, tokens, documents and part of ``Z``, the same on every rank of the CP group.
+            them (:func:`packkit.cp.shard`), which count their whole batch's counts and part of ``Z``.
         shifted: the labels are already shifted (see :func:`count_loss_tokens`); a ``PackedBatch``
             follows its own ``labels_shifted`` instead.
         all_reduce: sum the counts over the ranks of ``group`` (one collective of eight float64s, every
             rank must call it). ``None``: when ``torch.distributed`` is initialised.
-        group: the process group of that sum (None: the default group), the group the gradients are
-            averaged over. Under CP each batch is counted once per CP group: a data-parallel group (one rank
-            of each CP group) holds each batch once; a group of whole CP groups (DP x CP, the world) holds it
-            ``cp`` times and the copies are divided out; a group with some ranks of a CP group and not others
-            is refused. Without a collective each CP rank holds its batches' whole counts.
+        group: that sum's process group (None: the default), the gradients' averaging one; CP shards count
+            each batch once per CP group, over a DP group or whole CP groups (:mod:`packkit.cp`).
         ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
             loss is multiplied back by the world size. ``False`` for a reduction that sums.
         facts: the step as a sampler's plan knows it (``sampler.step_facts()``, a
@@ -429,9 +425,7 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     The weighting travels with the batches (the collators' ``loss_weighting``, :mod:`packkit.weighting`):
     each carries its documents' factors ``a_c`` and its part of ``Z``; the step sums the parts in the same
     collective as the counts, so a weighting costs no communication of its own. Every micro-batch of the
-    step must be collated under one weighting. A CP shard's factors are its targets' documents' ``a_c`` over
-    the whole documents (no rank counts ``|O_c|`` from its own tokens), so the CP ranks' losses, summed as their
-    gradients are, are the batch's.
+    step must be collated under one weighting.
 
     Returns: an :class:`AccumulationStep`; ``step.loss(logits, micro_batch)`` is the loss to
     ``backward()``. A loop reads::
@@ -457,9 +451,7 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         raise ValueError("an optimiser step needs at least one micro-batch, got an empty list")
     rows = [_micro_counts(mb, i, shifted, ignore_index) for i, mb in enumerate(micro_batches)]
     weighting, constant = _one_weighting([row[4:6] for row in rows])
-    # A (micro_batches, 8) float64 table on the labels' device (counts stay exact below 2**53), so that
-    # the whole step costs one host sync and one collective: loss tokens, tokens, examples, part of Z, and
-    # what the CP shards among them are (_cp_columns: how many copies of each batch the group holds)
+    # A (micro_batches, 8) float64 table on the labels' device (exact below 2**53): one host sync, one collective
     device = next((x.device for row in rows for x in row[:4] if isinstance(x, torch.Tensor)), torch.device("cpu"))
     table = torch.stack([
         torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device).reshape(())
