@@ -5,7 +5,7 @@ documents, equal lengths, rows no rank has room for, cp 1 to 16); and ``ref_hybr
 dealing replaced): the busiest rank's work against it.
 
 The causes: the 26 ms a rank on a 32k row of 2,443 chat turns (the LPT placed the short documents one Python step
-at a time), then a Python step a run of equal lengths (issue 34 part 3: a batch without a plan 1.28-2.10x the plain
+at a time), then a Python step a run of equal lengths (a batch without a plan sharded 1.28-2.10x the plain
 zigzag). ``test_planning_a_hybrid_row_takes_the_same_steps_whatever_its_lengths`` keeps them from coming back.
 """
 
@@ -439,7 +439,7 @@ def test_planning_a_hybrid_row_takes_steps_per_run_not_per_document():
 
 
 def test_planning_a_hybrid_row_takes_the_same_steps_whatever_its_lengths():
-    """Regression (issue 34 part 3): the hybrid dealt its short documents by an exact LPT, a Python step a run of
+    """Regression: the hybrid dealt its short documents by an exact LPT, a Python step a run of
     equal lengths (21 on a row of 1,472 chat turns), so a batch without a plan was sharded 1.28-2.10x slower than a
     plain zigzag. Now a few numpy passes: a row of 1,000 documents of 40 lengths and one of 20,000 documents of 2,000
     lengths take the same Python calls, a long document beside them or not."""

@@ -27,7 +27,7 @@ FLOORS = [
      "cp_plan", "cp_layouts", "rules", "states", "costs", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # the epoch a sampler deals, CP shards
-    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "epoch", "cp", "media"],
+    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "epoch", "cp", "media", "plots"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "sample", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],

@@ -387,7 +387,7 @@ def test_hybrid_linear_attention_and_flash_are_refused_in_one_line():
     config = tiny_config("llama")
     config._attn_implementation = "flash_attention_2"
     for config_ in filter(None, [hybrid, transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1])]):
-        # under CP too (issue 30's review: shard_tree ran a hybrid model silently wrong)
+        # under CP too (a review found shard_tree ran a hybrid model silently wrong)
         shard = prefixtree.shard_tree(b, cp_size=2, rank=0)
         with pytest.raises(ArgumentError, match="state per branch") as e:
             shard.hf_cp_kwargs(config_)
@@ -529,8 +529,8 @@ def test_deal_trees_never_starves_or_drops(samples, world_size, max_tokens):
     when a micro-batch held fewer groups than ranks: here one tree is cut between its samples until every rank has
     a part), and every sample is dealt exactly once (open-instruct PR #1271 silently dropped up to world - 1 packed
     sequences a step); fewer samples than ranks is one line. A refusal only where no dealing exists (the
-    exhaustive reference): the dealing once refused 15% of RL batches that every rank could take (issue 30's
-    review), and this test passed them (it returned on any refusal)."""
+    exhaustive reference): the dealing once refused 15% of RL batches that every rank could take (a review
+    found), and this test passed them (it returned on any refusal)."""
     ids, lengths, mask, _ = flat(samples)
     tree = build_tree(ids, lengths, loss_mask=mask)
     max_tokens = max(max_tokens, int(lengths.max()))
@@ -549,7 +549,7 @@ def test_deal_trees_never_starves_or_drops(samples, world_size, max_tokens):
 
 
 def test_deal_trees_cuts_a_tree_to_even_the_micro_batches():
-    """Issue 30's review: 4 prompts x 5 completions (20 + 20 tokens: trees of 120 nodes), 3 ranks, max_tokens 200,
+    """A review's case: 4 prompts x 5 completions (20 + 20 tokens: trees of 120 nodes), 3 ranks, max_tokens 200,
     was refused ("rank 1 has 1 micro-batches of single groups") although every tree fits. 4 trees fill 4
     micro-batches; 6 are needed, so two are cut between completions, each recomputing its 20-token prompt."""
     rng = np.random.default_rng(1)

@@ -3,7 +3,7 @@ micro-batches and none empty, so a DDP backward per micro-batch (one all-reduce 
 has no work (TRL PR #7328's starvation hangs exactly there), and together the ranks train every sample exactly
 once (open-instruct PR #1271 silently dropped up to world - 1 sequences a step). Three RL groups of 4 rollouts fill
 3 micro-batches of ``MAX_TOKENS``, so one tree is cut between its completions (its prompt recomputed) to give each
-rank 2: the dealing issue 30's review found refused. The DDP gradient equals the unpacked one (every rollout alone
+rank 2: the dealing a review found refused. The DDP gradient equals the unpacked one (every rollout alone
 through the model) within 1e-10 in float64.
 """
 

@@ -6,29 +6,16 @@ from __future__ import annotations
 import argparse
 
 from . import UsageError
-from ..choices import LOSS_WEIGHTINGS
-
-#: the weightings with a constant length, given as NAME:L (packkit.weighting.SeqSumNorm, DrGRPO)
-LENGTH_MODES = ("seq-mean-token-sum-norm", "dr_grpo")
+from ..choices import LENGTH_MODES, LOSS_WEIGHTINGS
+from ..choices import loss_weighting_spec as checked_spec
 
 
 def loss_weighting_spec(text: str) -> str:
-    """``--loss-weighting``'s value, checked: a name of :data:`LOSS_WEIGHTINGS`, or ``seq-mean-token-sum-norm:L``
-    / ``dr_grpo:L`` (``L`` a positive int). A column of weights or a callable is refused naming why: the shares
-    are read off the lengths, and a command line carries no Python callable.
-    ``loss_weighting_spec("dr_grpo:4096") -> 'dr_grpo:4096'``."""
-    name, sep, length = text.partition(":")
-    if not sep and name in LOSS_WEIGHTINGS:
-        return text
-    if name in LENGTH_MODES:
-        if sep and length.isdigit() and int(length) > 0:
-            return text
-        raise argparse.ArgumentTypeError(f"{name} divides by a constant length: pass {name}:L, e.g. {name}:4096")
-    if name == "column":
-        raise argparse.ArgumentTypeError("a column of per-example weights is not read by plan (it reads lengths): "
-                                         "use packkit.weighting.weight_shares with the weights in Python")
-    raise argparse.ArgumentTypeError(f"{text!r} is not a loss weighting: one of {', '.join(LOSS_WEIGHTINGS)}, "
-                                     f"or {':L, '.join(LENGTH_MODES)}:L")
+    """``--loss-weighting``'s value, checked (:func:`packkit.choices.loss_weighting_spec`)."""
+    try:
+        return checked_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_weighting_arguments(p) -> None:
