@@ -479,6 +479,7 @@ class _Hold:
         self.fds: dict = {}      # path -> fd holding a read lease
         self.stamps: dict = {}   # path -> (dev, inode, size, mtime) of the files read without a lease
         self.broken: list = []   # the leased files another process opened to write
+        self.done = False        # read to the end (:meth:`release`): a change after it changes nothing read
 
     def changed(self) -> Path | None:
         """The first file that another process is changing (a lease broken) or changed (its stamp), or None."""
@@ -494,9 +495,23 @@ class _Hold:
 
     def check(self) -> None:
         """Raise :class:`InputChangedError` naming the file if one changed since it was first read."""
+        if self.done:
+            return
         path = self.changed()
         if path is not None:
             raise _changed_error(path)
+
+    def release(self) -> None:
+        """The reader is done with the files: :meth:`check` a last time, then let go of the leases, so that a
+        writer waiting on them goes on at once and the output, made whole from unchanged files, is kept.
+        Before, a writer that came after the last read but before the output was renamed into place ended the
+        run with "nothing was written" while the output stood complete."""
+        self.check()  # a break before this line stops the run as ever: nothing is written
+        self.done = True  # from here the SIGIO handler lets a break pass
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
 
 
 def _changed_error(path) -> InputChangedError:
@@ -547,6 +562,10 @@ def held_still(paths):
     previous = None
     if use_leases:
         def on_break(signum, frame):
+            if hold.done:  # the leases are let go (a signal already on its way): nothing read is changed
+                if callable(previous):
+                    previous(signum, frame)
+                return
             for path, fd in list(hold.fds.items()):
                 try:
                     import fcntl

@@ -597,6 +597,7 @@ DOCS_BLOCKS = {
     ("docs/cp.md", "Context parallelism", "python", 1): "test_cp_readme.py::test_megatron_and_ring_flash_attn_blocks_as_pasted",
     ("docs/cp.md", "Context parallelism", "python", 2): "test_cp_readme.py::test_megatron_and_ring_flash_attn_blocks_as_pasted",
     ("docs/cp.md", "Context parallelism", "python", 3): "test_cp_readme.py::test_alst_block_as_pasted",
+    ("docs/cp.md", "Context parallelism", "python", 4): "test_cp_readme.py::test_weighted_block_as_pasted",
     ("docs/contributing.md", "Running the tests", "bash", 0):
         "not run: the make targets run the suite itself (make test is CI's command)",
     ("docs/vl.md", "More model families", "python", 0): "test_vl_families.py::test_docs_block_trains_as_pasted",

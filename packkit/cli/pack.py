@@ -78,7 +78,7 @@ def _checked(batches, hold):
     for batch in batches:
         hold.check()
         yield batch
-    hold.check()
+    hold.release()  # read to the end: a writer of IN waits no longer, and the OUT about to be placed stands
 
 
 def run(args, options=None) -> int:
@@ -168,7 +168,7 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
             example_ids=args.example_ids, cp_size=args.cp_size, cp_layout=args.cp_layout,
             drop_loss_free=args.drop_loss_free, num_proc=args.num_proc, progress=False if quiet else None,
             output_format=fmt.name, **sized)
-        hold.check()
+        hold.release()  # IN read to the end, unchanged: OUT is renamed into place whatever comes after
         if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"no example of {str(inp.path)!r} is left to write ({args.overflow} and "
                             f"{args.window:,} tokens a window); raise --window")

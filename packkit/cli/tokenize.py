@@ -57,11 +57,11 @@ def run(args, options=None) -> int:
     inp = Input(args.input, tokenizer=args.tokenizer, text_column=args.text_column, split=args.split,
                 chat=chat_options(args, num_proc=args.num_proc))
     bound_allocators(args.tokenizer)  # a tokenizer named: pyarrow on the system allocator, for the rest of the process
-    with held_still([inp.path]):
-        return _run(args, inp)
+    with held_still([inp.path]) as hold:
+        return _run(args, inp, hold)
 
 
-def _run(args, inp: Input) -> int:
+def _run(args, inp: Input, hold) -> int:
     src, out = inp.path, Path(args.output)
     fmt = output_format(out)
     if fmt.packed:
@@ -71,7 +71,7 @@ def _run(args, inp: Input) -> int:
     reader_pyarrow(src)  # without pyarrow: one line naming IN's format and the extra
     first = next(table_chunks(src, split=args.split), None)
     if first is not None and preference_columns(first.column_names) == ("prompt", "chosen", "rejected"):
-        return _pairs(args, src, out, fmt)
+        return _pairs(args, src, out, fmt, hold)
     with lines_named(src):
         if first is not None and args.text_column not in first.column_names and "input_ids" not in first.column_names:
             if chat_format(first.schema, format=inp.chat.format) is None:  # tokenize has no --column to name
@@ -83,7 +83,7 @@ def _run(args, inp: Input) -> int:
             tables, how = inp.tokenized(whole=whole, progress=not (args.quiet or args.json))
             if how is None:  # token ids already, or no row
                 _refuse(src, next(table_chunks(src, split=args.split), None))
-            return (*_write(tables, out, fmt, src, args.overwrite), how)
+            return (*_write(tables, out, fmt, src, args.overwrite, hold=hold), how)
 
         rows, tokens, keep, how = inp.read(write)
     return _report(args, src, out, fmt, rows, tokens, keep, how, what="examples",
@@ -102,7 +102,7 @@ def _report(args, src: Path, out: Path, fmt, rows: int, tokens: int, keep: list,
     return 0
 
 
-def _pairs(args, src: Path, out: Path, fmt) -> int:
+def _pairs(args, src: Path, out: Path, fmt, hold) -> int:
     """``packkit tokenize`` of preference pairs (text or conversational ``prompt`` / ``chosen`` / ``rejected``):
     TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (:func:`packkit.datafiles.tokenize_pairs`), what
     ``packkit waste --preference`` and :class:`packkit.preference.PreferenceCollator` read. Read whole."""
@@ -113,7 +113,7 @@ def _pairs(args, src: Path, out: Path, fmt) -> int:
         table = tokenize_pairs(load_table(src, split=args.split), args.tokenizer,
                                trust_remote_code=args.trust_remote_code)
     how = f"preference pairs with {tokenizer_name(args.tokenizer)}, as TRL's DPOTrainer"
-    rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, keep=list(table.column_names))
+    rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, keep=list(table.column_names), hold=hold)
     return _report(args, src, out, fmt, rows, tokens, keep, how, what="pairs",
                    readers="packkit waste --preference reads it")
 
@@ -128,10 +128,11 @@ def _refuse(src: Path, table) -> None:
                         "plan and pack read it as it is")
 
 
-def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None = None):
+def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None = None, hold=None):
     """Write the token columns of ``tables`` (tokenized chunks, the first one's schema; ``keep``, else
     ``input_ids`` and the loss columns) to ``out`` as they come: ``(rows, tokens, columns)``, the tokens those
-    of the ``*_ids`` columns."""
+    of the ``*_ids`` columns. ``hold`` (:func:`packkit.fileio.held_still`'s) is released once IN is read to
+    the end, before OUT is placed."""
     first = next(tables, None)
     if first is None:  # rows none (a parquet file of empty row groups): refused before OUT is written
         raise DataError(f"{str(src)!r} holds no examples")
@@ -146,6 +147,8 @@ def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None
                 ids = table.column(name).chunks
                 counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in ids)
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
+        if hold is not None:
+            hold.release()
 
     write_batches(out, first.select(keep).schema, batches(), format=fmt, inputs=[src], overwrite=overwrite)
     return counts[0], counts[1], keep
