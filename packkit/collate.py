@@ -508,6 +508,8 @@ class PackedRowsCollator(_Collator):
                              f"window={self.window}; collate with the window it was packed for")
         weighted = not self.loss_weighting.is_token_mean
         seg_lengths, seg_ptr, whole = _row_segments(rows, lengths, where, whole=weighted)
+        if whole is not None and self.loss_weighting.count_empty and whole.size and not whole.all():
+            whole = _first_pieces_count(rows, whole, seg_ptr, where)
         if self._doc_multiple > 1:
             self._check_cp(seg_lengths, seg_ptr, where)
         batch, doc_cu = rows_batch_spans(input_ids, labels, seg_lengths, seg_ptr, width=self.window,
@@ -619,6 +621,23 @@ def _example_loss(rows, seg_ptr: np.ndarray, where=None):
         raise ValueError(f"{location(i, where)} has {int(counts[i])} example_loss for {int(seg_ptr[i + 1] - seg_ptr[i])} "
                          "documents (seq_lengths); they must match")
     return _whole_counts(flat, seg_ptr, where)
+
+
+def _first_pieces_count(rows, whole: np.ndarray, seg_ptr: np.ndarray, where=None) -> np.ndarray:
+    """``whole`` with -1 (no document: no weight, no ``z_c``) on the later pieces of examples without loss tokens,
+    read off the rows' ``piece_offsets`` (0 on an example's first piece). Under a weighting that counts such
+    examples in ``|B|`` (TRL's ``grpo``, ``dr_grpo``: :attr:`~packkit.weighting.LossWeighting.count_empty`), an
+    example split into k rows is one completion, counted once: each piece counted, it weighed as k (the pieces'
+    ``example_loss`` alone does not say which is the first). Rows without ``piece_offsets`` are refused."""
+    flat, counts = read_column(rows, "piece_offsets", missing="packed rows whose example_loss has a 0 record "
+                               "piece_offsets too under a weighting that counts examples without loss tokens "
+                               "(grpo, dr_grpo: a split one counts once): write them with packkit pack or "
+                               "pack_dataset(example_ids=True)", rows=where)
+    if flat.size != whole.size:
+        i = int(np.argmax(counts != seg_ptr[1:] - seg_ptr[:-1]))
+        raise ValueError(f"{location(i, where)} has {int(counts[i])} piece_offsets for {int(seg_ptr[i + 1] - seg_ptr[i])} "
+                         "documents (seq_lengths); they must match")
+    return np.where((whole == 0) & (flat != 0), -1, whole)
 
 
 def _whole_counts(whole: np.ndarray, seg_ptr: np.ndarray, where=None) -> np.ndarray:

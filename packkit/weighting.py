@@ -331,8 +331,8 @@ def piece_factors(weighting: LossWeighting, loss_counts, whole, values=None):
     a, z = weighting.factors(whole, values)
     xp = _xp(loss_counts)
     n, w = xp.asarray(loss_counts, dtype=xp.float64), xp.asarray(whole, dtype=xp.float64)
-    # an example without loss tokens (z_c > 0 under count_empty only): each piece takes z_c, which counts an
-    # example in one row once, and one split into k rows k times (the rows do not say which piece is first)
+    # an example without loss tokens (z_c > 0 under count_empty only): the piece takes z_c whole; the collator
+    # marks its later pieces -1 (no z_c) from the rows' piece_offsets, so a split one counts once
     return a, xp.where(w > 0, z * n / xp.where(w > 0, w, 1.0), z)
 
 

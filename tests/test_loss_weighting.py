@@ -32,7 +32,8 @@ def reference_loss(model, docs, mode, dropped=None, pieces=None):
     """The mode's loss over unpacked documents, read off its formula: ``ce[c]`` the cross entropies of
     document ``c``'s loss tokens (labels ``!= -100`` after position 0, minus ``dropped[c]``, the first
     labels of a split document's later pieces). TRL's ``grpo`` and ``dr_grpo`` count every document in
-    ``|B|``, those without loss tokens too (``pieces[c]`` times for one split offline into that many rows)."""
+    ``|B|``, those without loss tokens too, once however many rows it was split into offline (``pieces``: unused
+    since; it counted them once a piece, as packkit did)."""
     ce, w = [], []
     for c, doc in enumerate(docs):
         ids = torch.tensor(doc["input_ids"])
@@ -43,7 +44,7 @@ def reference_loss(model, docs, mode, dropped=None, pieces=None):
         w.append(doc.get("w", 1.0))
     n = [int(x.numel()) if x.dim() else 0 for x in ce]
     kept = [c for c in range(len(docs)) if n[c] > 0]
-    every = len(kept) + sum((pieces or {}).get(c, 1) for c in range(len(docs)) if n[c] == 0)  # TRL's size(0)
+    every = len(docs)  # TRL's size(0): every completion once
     zero = sum(model(torch.tensor([[0]])).sum() * 0 for _ in (0,))
     if not kept:
         return zero
@@ -189,6 +190,25 @@ def test_split_document_keeps_one_count():
     assert sorted(set(weights.tolist())) == pytest.approx([1 / 9, 1.0])  # 12 tokens - 3 first labels
     assert batch.loss_norm == 2.0
     check_equal(docs, "sample", [[0, 1]], "split")
+
+
+@pytest.mark.parametrize("mode", ["grpo", DrGRPO(L_MAX)], ids=["grpo", "dr_grpo"])
+def test_an_empty_completion_split_offline_counts_once(mode):
+    """A completion without loss tokens, 12 tokens split offline into 3 rows of 5, is one completion of TRL's
+    ``|B|``: 2 for this step, not 4 (each piece counted, as the rows' example_loss alone cannot tell the first
+    piece; the collator now reads piece_offsets). The loss was half the reference's."""
+    docs = [{"input_ids": list(range(1, 13)), "labels": [IGNORE] * 12}, {"input_ids": [3, 4, 5], "labels": [3, 4, 5]}]
+    rows, plan = packed_rows(docs)
+    assert (plan.seg_example == 0).sum() == 3  # split into three pieces, each in a row of its own
+    batch = collator("rows", mode)(rows)
+    assert accumulation_step([batch], all_reduce=False).loss_normalizer == pytest.approx(
+        2.0 if mode == "grpo" else 2.0 * L_MAX)
+    check_equal(docs, mode, [[0, 1]], "rows")
+    for row in rows:
+        del row["piece_offsets"]
+    with pytest.raises(ValueError, match=r"^example 0 has no 'piece_offsets'; packed rows whose example_loss has a 0 "
+                                         r"record piece_offsets too"):
+        collator("rows", mode)(rows)
 
 
 def test_document_without_loss_tokens_weighs_zero():
