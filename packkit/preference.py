@@ -806,13 +806,17 @@ def shard_groups(group_tokens, *, world_size: int, max_tokens: int) -> list[list
 
     Groups go to ranks longest first, each to the rank with the fewest tokens (every rank gets one before any
     gets two), then each rank's groups are packed best fit into micro-batches of ``max_tokens``; a rank with
-    fewer micro-batches splits its fullest one (between groups) until all ranks have as many. ``ranks[r][m]``
-    is the group indices of rank ``r``'s micro-batch ``m``.
+    fewer micro-batches splits its fullest one (between groups) until all ranks have as many. Where that leaves a
+    rank short (its micro-batches single groups), the groups are packed best fit over all ranks instead, the
+    fullest micro-batch split until their number is a multiple of ``world_size``, and dealt largest first to
+    the least loaded rank that still needs one (:func:`_shard_globally`). ``ranks[r][m]`` is the group indices of
+    rank ``r``'s micro-batch ``m``.
 
     ``shard_groups([5, 3, 4, 2], world_size=2, max_tokens=8) -> [[[0, 3]], [[2, 1]]]`` (as arrays).
 
     Raises a one-line error naming the fix when there are fewer groups than ranks (a rank would idle: TRL PR
-    #7328), a group longer than ``max_tokens``, or counts that cannot be evened without splitting a group.
+    #7328), a group longer than ``max_tokens``, or too few groups to make a multiple of ``world_size``
+    micro-batches of ``max_tokens``.
     """
     tokens = as_lengths(group_tokens, name="group_tokens", item="group")
     world_size = check_int(world_size, "world_size")
@@ -837,13 +841,45 @@ def shard_groups(group_tokens, *, world_size: int, max_tokens: int) -> list[list
         plan = pack(tokens[idx], window=max_tokens)
         ranks.append([idx[w] for w in plan.windows()])
     target = max(len(m) for m in ranks)
-    for r, micro in enumerate(ranks):
+    for micro in ranks:
         while len(micro) < target:
             j = max(range(len(micro)), key=lambda m: (micro[m].size, int(tokens[micro[m]].sum())))
-            if micro[j].size < 2:
-                raise DataError(f"rank {r} has {len(micro)} micro-batches of single groups and others have {target}: "
-                                "raise max_tokens so that every rank needs as many, or send more groups")
+            if micro[j].size < 2:  # this rank's groups cannot make as many: deal them over all ranks
+                return _shard_globally(tokens, world_size, max_tokens)
             part = micro.pop(j)
             half = part.size // 2
             micro += [part[:half], part[half:]]
+    return ranks
+
+
+def _shard_globally(tokens: np.ndarray, world_size: int, max_tokens: int) -> list[list[np.ndarray]]:
+    """:func:`shard_groups` where dealing first left a rank short: the groups packed best fit over all ranks
+    into ``K`` micro-batches; while ``K`` is not a multiple of ``world_size`` the fullest micro-batch of several
+    groups is split in two (the largest groups first, each to the lighter half), which needs no more than one
+    group a micro-batch; then the micro-batches go to ranks largest first, each to the least loaded rank that
+    still needs one. Before, such a batch was refused although every rank could be given as many."""
+    bins = [np.asarray(w, np.int64) for w in pack(tokens, window=max_tokens).windows()]
+    target = -(-len(bins) // world_size) * world_size
+    if target > tokens.size:
+        raise DataError(f"{tokens.size} groups need {len(bins)} micro-batches of max_tokens={max_tokens:,}, and "
+                        f"{world_size} ranks need a multiple of {world_size}, none empty: raise max_tokens or send "
+                        "more groups")
+    size = [int(tokens[b].sum()) for b in bins]
+    while len(bins) < target:
+        i = max((i for i, b in enumerate(bins) if b.size > 1), key=lambda i: (size[i], -i))
+        b, halves, load = bins.pop(i), ([], []), [0, 0]
+        size.pop(i)
+        for g in b[np.argsort(-tokens[b], kind="stable")].tolist():
+            h = int(load[1] < load[0])
+            halves[h].append(g)
+            load[h] += int(tokens[g])
+        bins += [np.asarray(h, np.int64) for h in halves]
+        size += load
+    per_rank = target // world_size
+    load = np.zeros(world_size, np.int64)
+    ranks: list[list[np.ndarray]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(bins)), key=lambda i: (-size[i], i)):
+        r = min((r for r in range(world_size) if len(ranks[r]) < per_rank), key=lambda r: (load[r], r))
+        ranks[r].append(np.sort(bins[i]))
+        load[r] += size[i]
     return ranks
