@@ -58,11 +58,20 @@ from .mediarows import media_columns
 from .rules import ExampleValueError, located, location
 
 __all__ = ["Family", "FAMILIES", "family_of", "active_spans", "span_blocks", "span_masks", "allowed_mask",
-           "media_inputs", "check_media", "token_columns"]
+           "media_inputs", "check_media", "token_columns", "media_tensor"]
 
 
-def _as_tensor(value) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+def media_tensor(value) -> torch.Tensor:
+    """A document's media value as a tensor: a tensor or numpy array keeps its dtype; Python lists (what a
+    ``datasets`` row without a format holds) take torch's, as ``torch.tensor`` and transformers' collators
+    make them: floats the default dtype (float32 unless the user set another), not numpy's float64, which
+    doubled the pixels' memory and handed the vision tower float64 inputs."""
+    if isinstance(value, torch.Tensor):
+        return value
+    array = np.asarray(value)
+    if array.dtype == np.float64 and not isinstance(value, np.ndarray):
+        return torch.as_tensor(array, dtype=torch.get_default_dtype())
+    return torch.as_tensor(array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +136,7 @@ def _gemma4(config, ex, units):
     (``k = vision_config.pooling_kernel_size``), as ``Gemma4Model.get_image_features`` splits its features."""
     if not units:
         return _fixed(config, 0)
-    real = (_as_tensor(ex["image_position_ids"]).reshape(units, -1, 2) != -1).all(-1).sum(-1)
+    real = (media_tensor(ex["image_position_ids"]).reshape(units, -1, 2) != -1).all(-1).sum(-1)
     return _fixed(config, int((real // config.vision_config.pooling_kernel_size ** 2).sum()))
 
 
@@ -151,7 +160,7 @@ def _qwen2_audio(config, ex, units):
     ``Qwen2AudioEncoder._get_feat_extract_output_lengths`` computes it."""
     if not units:
         return int(config.audio_token_id), 0
-    frames = _as_tensor(ex["feature_attention_mask"]).reshape(units, -1).sum(-1)
+    frames = media_tensor(ex["feature_attention_mask"]).reshape(units, -1).sum(-1)
     return int(config.audio_token_id), int((((frames - 1) // 2 + 1 - 2) // 2 + 1).sum())
 
 
@@ -170,7 +179,7 @@ def _llava_next(config, ex, units):
     most = getattr(config, "vision_aspect_ratio", None)  # OneVision: its tower has no CLS token to keep
     base = side ** 2 + (most is None and config.vision_feature_select_strategy == "full")
     total = 0
-    for size in _as_tensor(ex["image_sizes"]).reshape(units, 2).tolist():
+    for size in media_tensor(ex["image_sizes"]).reshape(units, 2).tolist():
         rows, cols = get_anyres_image_grid_shape(size, config.image_grid_pinpoints, vision.image_size)
         height, width = unpad_image(torch.empty(1, rows * side, cols * side), size).shape[1:]
         if most is not None:
@@ -212,7 +221,7 @@ def _units(family: Family, ex, i: int) -> dict:
         value = ex.get(key)
         if value is None:
             continue
-        t = _as_tensor(value)
+        t = media_tensor(value)
         if family.batch_axis and t.dim() == dims + 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() != dims + 1:

@@ -62,7 +62,8 @@ import torch
 from .batch import PackedBatch, text_config
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
 from .mediarows import row_documents, row_lengths
-from .media import FAMILIES, active_spans, check_media, family_of, media_inputs, span_blocks, span_masks, token_columns
+from .media import (FAMILIES, active_spans, check_media, family_of, media_inputs, media_tensor, span_blocks, span_masks,
+                    token_columns)
 from .packer import gather_index
 from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
 from .segments import lengths_to_offsets
@@ -397,7 +398,7 @@ def _vision_inputs(examples, order) -> dict:
     for every key of :data:`VISION_KEYS` some document carries."""
     out = {}
     for key in VISION_KEYS:
-        parts = [torch.as_tensor(_as_array(examples[i][key])) for i in order if examples[i].get(key) is not None]
+        parts = [media_tensor(examples[i][key]) for i in order if examples[i].get(key) is not None]
         if parts:
             out[key] = torch.cat(parts)
     return out

@@ -300,6 +300,19 @@ def test_fixed_windows_media_follow_their_documents(case):
         assert torch.equal(have[:len(unit)], unit) and not have[len(unit):].any()
 
 
+def test_media_given_as_lists_take_torchs_dtypes(case):
+    """A family's media as Python lists become torch's dtypes (floats the default, float32 here), as
+    ``torch.tensor`` makes them; before, numpy made them float64. The values are the tensors' own."""
+    family, impl, model, examples, alone = case
+    collate = VisionLanguageCollator(PaddingFreeCollator(loss_mask="none"), config=model.config)
+    listed = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in ex.items()} for ex in examples]
+    want, got = collate(examples), collate(listed)
+    for key, _ in FAMILIES[family].media:
+        if key in want:
+            assert got[key].dtype == (torch.float32 if want[key].is_floating_point() else want[key].dtype), key
+            assert torch.equal(got[key], want[key].to(got[key].dtype)), key
+
+
 def test_one_documents_media_changed_leaves_the_others_exactly(case):
     family, impl, model, examples, alone = case
     collate = VisionLanguageCollator(best_fit(examples), config=model.config)

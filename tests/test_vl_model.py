@@ -140,6 +140,27 @@ def test_fixed_windows_reordered_with_stored_positions(model, examples, alone):
             assert all(torch.equal(pos[k, r, -tail:], torch.arange(tail)) for k in range(4))
 
 
+def test_media_given_as_lists_take_torchs_dtypes(model, examples):
+    """Media as Python lists (a ``datasets`` row without a format) become what ``torch.tensor`` and transformers'
+    collators make of them: pixels in torch's default dtype, grids int64, the values unchanged. Before, numpy
+    made the pixels float64 (twice the memory, float64 into a float32 vision tower)."""
+    listed = [{k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in ex.items()} for ex in examples]
+    collate = VisionLanguageCollator(PaddingFreeCollator(), rope_index=model.model.get_rope_index)
+    want, got = collate(examples), collate(listed)
+    for default in (torch.float32, torch.float64):
+        torch.set_default_dtype(default)
+        try:
+            got = collate(listed)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        for key in VISION_KEYS:
+            if key in want:
+                floats = want[key].is_floating_point()
+                assert got[key].dtype == (default if floats else torch.int64), key
+                assert torch.equal(got[key], want[key].to(got[key].dtype)), key
+        assert torch.equal(got.position_ids, want.position_ids)
+
+
 def test_padded_fallback_equals_each_document_alone(model, examples, alone):
     batch = VisionLanguageCollator(PaddedCollator(), rope_index=model.model.get_rope_index)(examples)
     with torch.no_grad():
