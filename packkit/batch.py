@@ -83,10 +83,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from .errors import ArgumentError
-from .segments import IGNORE_INDEX
+from .segments import IGNORE_INDEX, lengths_to_offsets, range_index
 from .weighting import piece_factors
 
 __all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors"]
@@ -391,8 +392,10 @@ class PackedBatch(dict):
         labels = dict.get(self, "labels", source and source[0])
         if labels is None:
             labels = torch.zeros(ids.shape, dtype=torch.int64, device=ids.device)  # no tails known
-        tokens, docs = real_tokens_and_documents(self.cu_seqlens, labels)
-        return tuple(torch.stack([tokens, docs]).tolist())
+        cu = self.cu_seqlens
+        if cu.device.type == "cpu" and labels.device.type == "cpu":  # ints on the host, no tensor made
+            return _host_tokens_and_documents(cu.numpy(), labels)
+        return tuple(torch.stack(real_tokens_and_documents(cu, labels)).tolist())
 
     # -- shape ----------------------------------------------------------------------------------
 
@@ -740,7 +743,38 @@ def real_tokens_and_documents(cu_seqlens: torch.Tensor, labels: torch.Tensor,
     cannot tell them apart; collated batches carry exact counts). Zero-length segments (static-shape
     ``cu_seqlens`` padding) are not documents. Rows of ``labels.shape[-1]`` tokens:
     ``cu=[0, 3, 5, 7]``, ``labels=[[-100, 1, 2, -100, 3, -100, -100]]`` -> ``(5, 2)``.
+
+    On the host (both tensors on the CPU) the counts read only the segments that end a row
+    (:func:`_host_tokens_and_documents`); on a device, whole-batch tensor passes that need no host sync.
     """
+    if cu_seqlens.device.type == "cpu" and labels.device.type == "cpu":
+        tokens, docs = _host_tokens_and_documents(cu_seqlens.numpy(), labels, ignore_index)
+        return torch.tensor(tokens), torch.tensor(docs)
+    return _device_tokens_and_documents(cu_seqlens, labels, ignore_index)
+
+
+def _host_tokens_and_documents(cu, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> tuple[int, int]:
+    """:func:`real_tokens_and_documents` of CPU tensors as Python ints, ``cu`` ``(S + 1,)`` a numpy array: only a
+    segment that ends a row can be a padding tail, so only those are read, and of them first their last label (a
+    loss token there settles it); the whole-batch passes of the device path (a cumsum over every label, a dozen
+    tensor calls: 0.37 ms of CPU a 32k row, half of a CP shard) are not made. ``cu=[0, 3, 5, 7]``,
+    ``labels=[[-100, 1, 2, -100, 3, -100, -100]]`` -> ``(5, 2)``."""
+    flat = labels.reshape(-1).numpy()
+    cu = np.asarray(cu, np.int64)
+    seg_len = cu[1:] - cu[:-1]
+    if not flat.size:
+        return 0, 0
+    tail = np.flatnonzero((cu[1:] % labels.shape[-1] == 0) & (seg_len > 0))  # the segments that end a row
+    tail = tail[flat[cu[1:][tail] - 1] == ignore_index]  # whose last label is no loss token
+    if tail.size:  # and whose every label is none (a padding tail's few: read them all)
+        n = seg_len[tail]
+        loss = np.logical_or.reduceat(flat[range_index(cu[tail], n)] != ignore_index, lengths_to_offsets(n)[:-1])
+        tail = tail[~loss]
+    return int(flat.size - seg_len[tail].sum()), int(np.count_nonzero(seg_len)) - int(tail.size)
+
+
+def _device_tokens_and_documents(cu_seqlens: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX):
+    """:func:`real_tokens_and_documents` in tensor passes on the tensors' device (no host sync)."""
     cu = cu_seqlens.to(torch.int64)
     flat = labels.reshape(-1).to(cu.device)
     seg_len = cu[1:] - cu[:-1]

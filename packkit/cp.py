@@ -497,10 +497,11 @@ def _carry_weights(labels: torch.Tensor, targets: torch.Tensor, where: torch.Ten
 
 
 def _batch_counts(batch, labels: torch.Tensor, cu: torch.Tensor) -> tuple:
-    """``(real tokens, documents)`` of the whole batch: a ``PackedBatch``'s own, else from its segments."""
-    tokens, examples = getattr(batch, "num_tokens", None), getattr(batch, "num_examples", None)
-    if isinstance(tokens, int) and isinstance(examples, int):
-        return tokens, examples
+    """``(real tokens, documents)`` of the whole batch: a ``PackedBatch``'s own (read once: each of its
+    ``num_tokens`` and ``num_examples`` counts them both when the batch did not note them), else from its segments."""
+    own = getattr(batch, "_tokens_and_examples", None)
+    if own is not None:
+        return own()
     tokens, examples = real_tokens_and_documents(cu, labels)
     return int(tokens), int(examples)
 

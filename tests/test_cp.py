@@ -314,3 +314,80 @@ def test_a_batch_planned_once_shards_as_one_each_rank_plans(lengths, cp, layout,
     moved["input_ids"] = torch.cat([moved["input_ids"], moved["input_ids"]], -1)
     with pytest.raises(ValueError, match="cu_seqlens covers"):
         shard(moved, cp_size=cp, rank=0, cp_layout=layout)
+
+
+def ref_tokens_and_documents(cu, labels):
+    """The slow obvious count: a segment of a row's end whose every label is -100 is padding; the others with
+    tokens are documents. ``(real tokens, documents)``."""
+    flat, width = labels.reshape(-1).tolist(), labels.shape[-1]
+    cu = [int(c) for c in cu]
+    tokens, docs = len(flat), 0
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b == a:
+            continue
+        if b % width == 0 and all(x == IGNORE_INDEX for x in flat[a:b]):
+            tokens -= b - a
+        else:
+            docs += 1
+    return tokens, docs
+
+
+@given(rows=st.lists(st.lists(st.tuples(st.integers(1, 9), st.sampled_from(["loss", "none", "last"])), min_size=1,
+                              max_size=5), min_size=1, max_size=4), empty=st.booleans())
+def test_the_host_count_of_tokens_and_documents_equals_the_device_one(rows, empty):
+    """``real_tokens_and_documents`` on CPU tensors reads only the segments that end a row, on the host; it
+    equals the device path (whole-batch tensor passes) and the slow reference on drawn batches: rows of segments
+    with loss tokens, none, or only the last one (the host path's shortcut), zero-length segments between."""
+    from packkit.batch import _device_tokens_and_documents, real_tokens_and_documents
+
+    width = max(sum(n for n, _ in row) for row in rows)
+    labels, cu = [], [0]
+    for i, row in enumerate(rows):
+        line = []
+        for n, kind in row:
+            line += {"loss": [5] * n, "none": [IGNORE_INDEX] * n, "last": [IGNORE_INDEX] * (n - 1) + [7]}[kind]
+            cu.append(i * width + len(line))
+            if empty:
+                cu.append(cu[-1])
+        if len(line) < width:  # the row's padding tail
+            line += [IGNORE_INDEX] * (width - len(line))
+            cu.append((i + 1) * width)
+        labels.append(line)
+    labels, cu = torch.tensor(labels), torch.tensor(cu, dtype=torch.int32)
+    want = ref_tokens_and_documents(cu, labels)
+    assert tuple(int(x) for x in real_tokens_and_documents(cu, labels)) == want
+    assert tuple(int(x) for x in _device_tokens_and_documents(cu, labels)) == want
+
+
+class _Sizes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor op run under it, with the largest numel of its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func), max(sizes, default=0)))
+        return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_shard_makes_no_tensor_past_torchs_grain(layout):
+    """A 32k row's shard for one rank, from a batch that carries no counts (built from its tensors), makes no
+    tensor of more than the row's 32,768 tokens and no whole-batch cumsum. The regression: ``shard`` read the
+    batch's ``num_tokens`` and ``num_examples`` apart, each counting both with a dozen tensor passes, one a
+    32,769-entry pad: past torch's grain (32,768), it woke torch's thread pool, 2-8 ms of CPU a shard on the
+    loaded 2 cores against a plain zigzag's 0.4 ms (every layout, 20-50x); counted once on the host, 0.06 ms."""
+    from packkit.batch import PackedBatch
+
+    row = np.array([5000, 1, 700, 26000, 1067])
+    ids = torch.arange(int(row.sum()))[None] % 1000
+    batch = PackedBatch(input_ids=ids, labels=ids.clone(), cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(row)),
+                        position_ids=torch.cat([torch.arange(n) for n in row.tolist()])[None])
+    with _Sizes() as seen:
+        s = shard(batch, cp_size=2, rank=1, cp_layout=layout)
+    assert (s.num_tokens, s.num_examples) == (32768, 5)
+    assert max(n for _, n in seen.ops) <= 32768, max(seen.ops, key=lambda x: x[1])
+    assert not [f for f, _ in seen.ops if "cumsum" in f]
