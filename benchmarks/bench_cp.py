@@ -255,8 +255,8 @@ def main(argv=None):
           f"collated: the batch planned by the collator (plan_batch, in the DataLoader worker); planning: shard "
           f"planning the batch itself; target <= {TARGET_SHARD_RATIO}x")
     print(f"| row | docs | cp | layout | collated / plain | planning / plain | {args.against} / plain | collated / "
-          f"{args.against} | plain CPU ms | plan_batch CPU ms | load | |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+          f"{args.against} | planning / {args.against} | plain CPU ms | plan_batch CPU ms | load | |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
     record["against"] = args.against
     record["shard_vs_plain"] = []
     fmt = lambda r: f"{r['median']:.2f}x ({r['low']:.2f}-{r['high']:.2f})"  # noqa: E731
@@ -272,7 +272,8 @@ def main(argv=None):
                                                  "baseline_checked": same, "worker_plan_same": same_plan,
                                                  "same_as_old": same_old, **m})
                 print(f"| {name} | {row.size:,} | {cp} | {layout} | {fmt(m['collated'])} | {fmt(m['planning'])} | "
-                      f"{fmt(m['old'])} | {fmt(m['collated_vs_old'])} | {m['ms']['plain']:.3f} | "
+                      f"{fmt(m['old'])} | {fmt(m['collated_vs_old'])} | {fmt(m['planning_vs_old'])} | "
+                      f"{m['ms']['plain']:.3f} | "
                       f"{m['ms']['plan_batch']:.3f} | {m['load'][0]:.1f}-{m['load'][1]:.1f} | "
                       f"{'met' if ok else 'MISSED'}{'' if ok_planning else ' (planning: missed)'}"
                       f"{'' if same else ' (baseline differs from zigzag!)'}"

@@ -39,7 +39,9 @@ group will shard so that they still fit the window once padded.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -375,7 +377,7 @@ def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> i
 
 def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     """Long segments zigzag (unpadded chunks); short ones whole, dealt longest first by causal work
-    (:func:`_deal_short`: a few numpy passes, no step a document or a run of equal lengths) into the room every rank has
+    (:func:`_deal_short`: a few numpy passes; a step a document only for a few, ``_FEW``) into the room every rank has
     left of ``ceil(T / cp)`` tokens; those that overflow their rank's room are laid over the room left, the
     roomiest rank first (cut where a rank's room ends), and that room's remainder (under cp tokens) is padding.
 
@@ -438,7 +440,7 @@ def _snake(count: int, cp: int) -> np.ndarray:
 def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarray:
     """The hybrid's dealing of the segments ``short`` (``None``: every segment; each shorter than ``least``) into
     ``room`` over ranks that already hold ``work`` of the long ones (``None``: nothing long), longest first, by
-    causal work, in a few numpy passes (no step a document or a run of equal lengths):
+    causal work, in a few numpy passes (no step a document or a run of equal lengths, but for ``_FEW`` or fewer):
 
     * the ranks behind the busiest catch up (:func:`_catch_up`), then the rest go in a snake over the ranks, least
       work first (``0 1 .. cp-1 cp-1 .. 1 0 0 1 ..``): every rank gets a like mix of long and short documents, so
@@ -450,7 +452,9 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
     This replaced an exact LPT (each document to the rank of least work with room: a Python step a run of equal
     lengths); on the real rows of ``benchmarks/bench_cp.py`` the busiest rank's work is the LPT's to 5 digits
     summed over the rows (RESULTS.md, ``cphyb``). Appends the pieces to ``parts`` as ``(4, k)`` blocks ``(rank,
-    seg, offset, len)``; returns the room left."""
+    seg, offset, len)``; returns the room left. At most ``_FEW`` documents are dealt in Python (:func:`_deal_few`)."""
+    if (lengths.size if short is None else short.size) <= _FEW:
+        return _deal_few(lengths, short, work, room, parts)
     cp = room.size
     key = lengths if short is None else lengths[short]
     # longest first, stable: a radix sort when every length fits 16 bits (all are under least)
@@ -489,6 +493,95 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
         left = left[np.argsort(ranks)]
     over = np.sort(grid[~fits & (grid >= 0)])
     return _lay_over(over, lengths[over], left, parts)
+
+
+#: the most short documents :func:`_deal_few` deals in Python: below it a step a document costs less than the few
+#: dozen numpy calls of :func:`_deal_short` (2-8 us each on small arrays here)
+_FEW = 24
+
+
+def _deal_few(lengths, short, work, room, parts: list) -> np.ndarray:
+    """:func:`_deal_short` of a few documents, one step a document in Python lists: the same rule, the same pieces
+    in the same order (the median chat row at cp 2 deals one short document: ~60 numpy calls on arrays of a few
+    elements did it, 1.2x slower than the LPT's loop). ``_deal_few(np.array([3, 1]), None, None, np.array([2, 2]),
+    []) -> [0, 0]`` (1 kept by rank 1; 3 cut over the room left: 2 tokens on rank 0, 1 on rank 1)."""
+    cp = room.size
+    n_of = lengths.tolist()
+    segs = sorted(range(len(n_of)) if short is None else short.tolist(), key=lambda s: -n_of[s])  # stable
+    n = [n_of[s] for s in segs]
+    cols = list(range(cp))  # the snake's ranks, least work first
+    if work is not None and work.min() < work.max():
+        wk = work.tolist()
+        top = max(wk)
+        if (n[0] * (n[0] + 1) // 2) // 2 < cp * top - sum(wk):  # the largest one's middle in a shortfall
+            return _listed_few(lengths, _catch_up_few(n, wk, cp), segs, n, room, parts)
+        cols = sorted(cols, key=lambda r: wk[r])
+    placed = []  # (row, column, rank, seg, len) of the snake's grid (_deal_short), in dealing order
+    for k, (s, x) in enumerate(zip(segs, n)):
+        p, j = divmod(k, 2 * cp)
+        col = j if j < cp else 2 * cp - 1 - j
+        placed.append((2 * p + (j >= cp), col, cols[col], s, x))
+    placed.sort(key=lambda t: t[:2])  # the grid read row by row, as _deal_short's table
+    return _listed_few(lengths, [t[2] for t in placed], [t[3] for t in placed], [t[4] for t in placed], room, parts,
+                       by_rank=False)
+
+
+def _catch_up_few(n, wk, cp: int) -> list:
+    """:func:`_catch_up` then the snake, in Python: every document's rank, in dealing order."""
+    short = [max(wk) - w for w in wk]
+    by = sorted(range(cp), key=lambda r: -short[r])
+    ends = list(itertools.accumulate(short[r] for r in by))
+    rank, done, after = [], 0, list(wk)
+    for x in n:
+        w = x * (x + 1) // 2
+        middle = done + w - (w + 1) // 2
+        if middle >= ends[-1]:
+            break
+        r = by[bisect.bisect_right(ends, middle)]
+        rank.append(r)
+        after[r] += w
+        done += w
+    order = sorted(range(cp), key=lambda r: after[r])
+    return rank + [order[min(j % (2 * cp), 2 * cp - 1 - j % (2 * cp))] for j in range(len(n) - len(rank))]
+
+
+def _listed_few(lengths, rank, seg, n, room, parts: list, by_rank: bool = True) -> np.ndarray:
+    """:func:`_deal_listed` in Python lists (``by_rank``: the pieces sorted by rank, stable, as it lays them;
+    else kept in the order given): each rank keeps its documents while they fit, the rest laid over the room left."""
+    items = sorted(zip(rank, seg, n), key=lambda t: t[0]) if by_rank else list(zip(rank, seg, n))
+    room_l = room.tolist()
+    held, kept, over = [0] * room.size, [], []
+    for r, s, x in items:
+        held[r] += x
+        (kept if held[r] <= room_l[r] else over).append((r, s, 0, x))
+    parts.append(np.array(kept, np.int64).reshape(-1, 4).T)
+    if not over:
+        return np.array([a - b for a, b in zip(room_l, held)], np.int64)
+    left = list(room_l)
+    for r, _, _, x in kept:
+        left[r] -= x
+    over = sorted(s for _, s, _, _ in over)
+    return _lay_over_few(over, [int(lengths[s]) for s in over], left, parts)
+
+
+def _lay_over_few(seg, n, left, parts: list) -> np.ndarray:
+    """:func:`_lay_over` in Python lists (``seg`` sorted, ``n`` their tokens, ``left`` every rank's room): the same
+    pieces in the same order, and the room left after them."""
+    by = sorted(range(len(left)), key=lambda r: -left[r])  # the roomiest rank first, stable
+    ends = list(itertools.accumulate(left[r] for r in by))
+    doc_end = list(itertools.accumulate(n))
+    total = doc_end[-1]
+    starts = sorted(set([0] + doc_end[:-1] + [e for e in ends if e < total]))
+    pieces = []
+    for i, a in enumerate(starts):
+        d = bisect.bisect_right(doc_end, a)
+        b = starts[i + 1] if i + 1 < len(starts) else total
+        pieces.append((by[bisect.bisect_right(ends, a)], seg[d], a - (doc_end[d] - n[d]), b - a))
+    parts.append(np.array(pieces, np.int64).T)
+    out = list(left)
+    for r, e in zip(by, ends):
+        out[r] = min(max(e - total, 0), left[r])
+    return np.array(out, np.int64)
 
 
 def _deal_listed(lengths, rank, seg, n, room, parts: list) -> np.ndarray:
