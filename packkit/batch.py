@@ -81,6 +81,7 @@ table of weak references). Limits:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -197,6 +198,7 @@ class PackedBatch(dict):
             raise TypeError("cannot rebuild a PackedBatch from a mapping without 'cu_seq_lens_q' or 'position_ids' "
                             "(the segments)")
         dict.update(self, mapping)
+        _carry_rebuilt_notes(mapping, sys._getframe(2))
         cu, mask = mapping.get("cu_seq_lens_q"), mapping.get("attention_mask")
         if cu is None:  # a padded view: its segments ride on its mask
             cu = _note(mask).get("cu_seqlens")
@@ -641,6 +643,32 @@ def _note(tensor) -> dict:
     if not isinstance(tensor, torch.Tensor):
         return {}
     return tensor.__dict__.setdefault(_NOTE, {})
+
+
+def _carry_notes(old, new) -> None:
+    """Give ``new`` (a copy of tensor ``old``, the same shape: e.g. ``old.to(device)`` where the device names
+    another) what packkit noted on ``old``, its tensors moved to ``new``'s device; nothing where ``old`` has no note
+    or ``new`` is ``old``. ``_carry_notes(labels, labels.clone())`` keeps the labels' loss weights on the clone."""
+    note = old.__dict__.get(_NOTE) if isinstance(old, torch.Tensor) else None
+    if note and isinstance(new, torch.Tensor) and new is not old and new.shape == old.shape:
+        _note(new).update({k: v.to(new.device) if isinstance(v, torch.Tensor) else v for k, v in note.items()})
+
+
+def _carry_rebuilt_notes(mapping: Mapping, frame) -> None:
+    """A batch rebuilt by ``Trainer._prepare_input`` as ``type(data)({k: v.to(args.device) for k, v in
+    data.items()})`` (its ``data``, the batch it copies, found in its frame: it hands over nothing else) gets the
+    notes of ``data`` where ``.to`` made new tensors (a CPU tensor and ``cpu:0``, ``args.device`` of a distributed
+    CPU run): without them the labels lose their loss weights, and the loss would be the token mean unsaid. Any
+    other rebuild is of tensors packkit never saw."""
+    for _ in range(3):
+        if frame is None:
+            return
+        old = frame.f_locals.get("data") if frame.f_code.co_name == "_prepare_input" else None
+        if isinstance(old, PackedBatch) and dict.keys(old) == mapping.keys():
+            for key, new in mapping.items():
+                _carry_notes(dict.__getitem__(old, key), new)
+            return
+        frame = frame.f_back
 
 
 def _unpickle(cls, items: dict, state: dict, notes: list) -> PackedBatch:

@@ -21,7 +21,9 @@ needed for the weights. :func:`packkit.loss.accumulation_step` takes the shards 
 averaged over, a data-parallel group (one rank of each CP group: each batch is there once) or one that holds
 whole CP groups (DP x CP, the world: the ``cp`` copies of each batch's counts are divided out; the loss is
 multiplied by that group's size, so an average over it is the sum over the CP ranks). A group that holds some
-ranks of a CP group and not others is refused.
+ranks of a CP group and not others is refused. A step a sampler plans (``facts=sampler.step_facts()``, the sampler's
+ranks the data-parallel ones) reduces nothing, and ``group=`` still names the gradients' group: the loss is
+multiplied by its size.
 
 Consumers and their exact arguments (:class:`CPShard` views):
 

@@ -419,8 +419,8 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         ddp_average: the gradient reduction averages over ranks (DDP, FSDP: the default), so each
             loss is multiplied back by the world size. ``False`` for a reduction that sums.
         facts: the step as a sampler's plan knows it (``sampler.step_facts()``, a
-            :class:`packkit.weighting.StepFacts`): the counts and ``Z`` are read there and no collective is
-            made; this rank's micro-batches are checked against it (their loss tokens and parts of ``Z``).
+            :class:`packkit.weighting.StepFacts`): counts and ``Z`` read there, no collective, this rank's
+            micro-batches checked against it (loss tokens, parts of ``Z``); CP shards: x ``group``'s size.
 
     The weighting travels with the batches (the collators' ``loss_weighting``, :mod:`packkit.weighting`):
     each carries its documents' factors ``a_c`` and its part of ``Z``; the step sums the parts in the same
@@ -461,7 +461,7 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
     local = table.sum(0)
     if facts is not None:
         return _planned_step(facts, table.cpu().tolist(), weighting, shifted=shifted, ddp_average=ddp_average,
-                             ignore_index=ignore_index)
+                             ignore_index=ignore_index, ranks=_planned_ranks(facts, rows[0][6], group))
     world_size, reduced, group = _reduce(local, all_reduce, group)
     table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
     copies = _cp_copies(*reduced[4:])
@@ -556,13 +556,29 @@ def _planned_step(facts, table: list, weighting, **how) -> AccumulationStep:
             raise ValueError(f"micro-batch {i} holds {int(row[0])} loss tokens (Z part {row[3]:g}), the sampler's "
                              f"loss_lengths say {n} ({z:g}): pass loss_lengths counted as the collator counts "
                              "(labels other than -100, the first label not counted), or leave them out")
-    world_size = facts.world_size
+    world_size = how["ranks"]
     return AccumulationStep(
         num_loss_tokens=facts.loss_tokens, num_tokens=facts.tokens, num_examples=facts.examples,
         local_loss_tokens=int(sum(row[0] for row in table)), micro_loss_tokens=tuple(int(row[0]) for row in table),
         world_size=world_size, grad_multiplier=float(world_size) if (how["ddp_average"] and world_size > 1) else 1.0,
         shifted=how["shifted"], ignore_index=how["ignore_index"], loss_normalizer=facts.loss_normalizer,
         loss_weighting=weighting)
+
+
+def _planned_ranks(facts, cp, group) -> int:
+    """The ranks a planned step's gradients are averaged over: the sampler's (``facts.world_size``); for CP shards
+    (``cp``: their note, else None) the size of ``group`` (None: the default group), the sampler's data-parallel
+    ranks or whole CP groups of them (``cp`` times as many), as :func:`_cp_copies` allows; any other is refused."""
+    import torch.distributed as dist
+
+    if cp is None or not (dist.is_available() and dist.is_initialized()):
+        return facts.world_size
+    size = dist.get_world_size(group)
+    if size not in (facts.world_size, facts.world_size * cp[1]):
+        raise ValueError(f"the gradients' group holds {size} ranks, the sampler plans {facts.world_size} data-parallel "
+                         f"ranks of CP groups of {cp[1]}: pass group= a data-parallel group ({facts.world_size} ranks) "
+                         f"or one of whole CP groups ({facts.world_size * cp[1]})")
+    return size
 
 
 def _one_weighting(rows: list) -> tuple:
@@ -610,15 +626,24 @@ class WeightedLossMixin(StepCountHook):
     It also keeps the packed rows' segment and document columns (``seq_lengths``, ``example_ids``,
     ``piece_offsets``, ``example_loss``: :data:`packkit.rules.SEGMENT_KEYS`, :data:`~packkit.rules.DOCUMENT_KEYS`)
     that ``Trainer``'s default ``remove_unused_columns=True`` drops (TRL's keeps ``seq_lengths`` alone), so an
-    example split across rows weighs as one example, as it does in a plain loop.
+    example split across rows weighs as one example, as it does in a plain loop; and, under a
+    ``Column(key)`` weighting, the examples' ``key``.
     """
 
-    kept_columns = (*SEGMENT_KEYS, *DOCUMENT_KEYS)
+    @property
+    def kept_columns(self) -> tuple:
+        """The segment and document columns, and the examples' weight column of the collator's ``Column``."""
+        key = getattr(getattr(getattr(self, "data_collator", None), "loss_weighting", None), "key", None)
+        return (*SEGMENT_KEYS, *DOCUMENT_KEYS, *([key] if isinstance(key, str) else []))
 
     def _step_normalizer(self, batch_samples: list, all_reduce: bool):
         labels = [b.get("labels") if isinstance(b, Mapping) else None for b in batch_samples]
         if not any(_note(t).get("loss_weighting") for t in labels):
             return None
+        if getattr(self, "compute_loss_func", None) is None:  # the model's own loss would drop the weights unsaid
+            raise ValueError("WeightedLossMixin hands the step's normaliser where Trainer hands its token count, and "
+                             "without a compute_loss_func the model's own loss divides the unweighted sum by it: pass "
+                             "compute_loss_func=packkit.loss.hf_compute_loss_func")
         sampler = self._train_batch_sampler("plans_steps")  # a packkit sampler that knows every step's Z
         facts = None if sampler is None else sampler.step_facts()
         return accumulation_step(batch_samples, all_reduce=all_reduce and facts is None, ddp_average=False,

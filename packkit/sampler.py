@@ -1227,7 +1227,12 @@ class _BatchSampler:
             return p.yielded
         workers = getattr(loader, "_num_workers", 0)
         stateful = type(loader).__module__.startswith("torchdata.")
-        if getattr(loader, "_sampler_iter", None) is p and isinstance(getattr(loader, "_num_yielded", None), int):
+        # the loader draws from p, or through a wrapper that passes every batch (accelerate's BatchSamplerShard made a
+        # passthrough on many processes, where Trainer's DataLoaderShard iterates the wrapper): it counts p's batches
+        skip = getattr(loader, "_index_sampler", None)
+        passes = type(skip).__name__ != "SkipBatchSampler" and self._wraps(skip)
+        if (getattr(loader, "_sampler_iter", None) is p or passes) and isinstance(getattr(loader, "_num_yielded", None),
+                                                                                  int):
             if workers and not getattr(loader, "_in_order", True):
                 warnings.warn(ResumeWarning(
                     f"{type(self).__name__}.state_dict() behind DataLoader(in_order=False) cannot tell which "
@@ -1237,7 +1242,7 @@ class _BatchSampler:
             if shard is not None and not getattr(shard, "end_of_dataloader", True):
                 held = 1  # accelerate's DataLoaderShard fetches one batch ahead of the loop
             return max(0, min(p.yielded, loader._num_yielded - held - (offset if stateful else 0)))
-        skip = getattr(loader, "_index_sampler", None)  # accelerate's skip_first_batches (Trainer's resume)
+        # accelerate's skip_first_batches (Trainer's resume)
         if type(skip).__name__ == "SkipBatchSampler" and isinstance(getattr(skip, "skip_batches", None), int) and \
                 isinstance(getattr(loader, "_num_yielded", None), int) and self._wraps(skip):
             held = 1 if p.shard is not None and not getattr(p.shard(), "end_of_dataloader", True) else 0

@@ -143,6 +143,96 @@ def _prime_rl_gap(rank, docs, layout):
     return out.tolist()
 
 
+#: the weightings of the planned steps: a per-document factor, a root, and a normaliser with a step constant
+PLANNED_MODES = ("sample", "sqrt", "dr_grpo")
+PLANNED_WINDOW = 32
+
+
+def _planned_sampler(docs, mode, dp_rank: int):
+    """The sampler of data-parallel rank ``dp_rank`` of 2, two micro-batches a rank, planning ``mode``'s steps."""
+    from packkit.sampler import PackedBatchSampler
+
+    lengths = np.array([len(d["input_ids"]) for d in docs])
+    loss = np.array([sum(x != -100 for x in d["labels"][1:]) for d in docs])
+    return PackedBatchSampler(lengths, window=PLANNED_WINDOW, rank=dp_rank, world_size=2, step_batches=4, seed=5,
+                              loss_weighting=_planned_mode(mode), loss_lengths=loss)
+
+
+def _planned_mode(mode):
+    from test_loss_weighting import L_MAX
+
+    from packkit.weighting import DrGRPO
+
+    return DrGRPO(L_MAX) if mode == "dr_grpo" else mode
+
+
+def _planned_steps(s) -> list:
+    """The examples of every optimiser step of ``s``'s plan, every data-parallel rank's."""
+    sched, R = s.schedule(), s.world_size
+    rows = np.clip(sched.step_row, 0, None)
+    return [sched.flat[sched.ptr[lo * R]:sched.ptr[hi * R]].tolist() for lo, hi in zip(rows[:-1], rows[1:]) if hi > lo]
+
+
+def _planned_runs(rank, groups, docs, results) -> None:
+    """DP 2 x CP 2, every step of a ``PackedBatchSampler``'s epoch (the data-parallel rank's sampler; both CP ranks
+    of it draw the same windows): each CP rank's shards of the step's micro-batches,
+    ``accumulation_step(shards, facts=sampler.step_facts(), group=...)`` with the group the gradients are averaged
+    over (the world, or the data-parallel group after a sum over the CP group), no collective made by packkit.
+    Every step's loss (summed over the ranks) and gradient against the unpacked reference."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from packkit.cp import shard
+    from test_loss_weighting import reference_loss
+
+    model = tiny_token_lm(_vocab(), WIDTH)
+    for name, cp, cp_rank, dp, dp_rank, step_kwargs, reduce_grads in _setups(rank, groups):
+        if not name.startswith("dp2xcp2"):
+            continue
+        cases, grads, totals = [], [], []
+        for mode in PLANNED_MODES:
+            for layout in LAYOUTS:
+                s, mbs = _planned_sampler(docs, mode, dp_rank), []
+                for k, mb in enumerate(DataLoader(docs, batch_sampler=s,
+                                                  collate_fn=PaddingFreeCollator(loss_weighting=_planned_mode(mode)))):
+                    mbs.append(mb)
+                    facts = s.step_facts()
+                    if len(mbs) < len(facts.micro):
+                        continue
+                    shards = [shard(m, cp_size=cp, rank=cp_rank, cp_layout=layout) for m in mbs]
+                    step = accumulation_step(shards, facts=facts, group=step_kwargs.get("group"))
+                    model.zero_grad(set_to_none=True)
+                    total = torch.zeros((), dtype=torch.float64)
+                    for sh in shards:
+                        loss = step.loss(model(sh.input_ids), sh)
+                        loss.backward()
+                        total = total + loss.detach()
+                    cases.append((mode, layout))
+                    grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+                    totals.append(total / step.grad_multiplier)
+                    mbs = []
+        grads, totals = torch.stack(grads), torch.stack(totals)
+        reduce_grads(grads)
+        dist.all_reduce(totals)
+        steps = {mode: _planned_steps(_planned_sampler(docs, mode, 0)) for mode in PLANNED_MODES}
+        done = {}
+        for (mode, layout), grad, loss in zip(cases, grads, totals.tolist()):
+            k = done[(mode, layout)] = done.get((mode, layout), -1) + 1
+            ref = tiny_token_lm(_vocab(), WIDTH)
+            want = reference_loss(ref, [docs[i] for i in steps[mode][k]], _planned_mode(mode))
+            want.backward()
+            want_grad = torch.cat([p.grad.flatten() for p in ref.parameters()])
+            results.append(("planned", name, layout, mode, k, len(steps[mode]), abs(loss - float(want.detach())),
+                            float((grad - want_grad).abs().max())))
+    trio = dist.new_group([0, 1, 2])  # (collective over the world: every rank makes it)
+    if rank < 3:  # 3 ranks: neither the 2 data-parallel ranks nor whole CP groups of them
+        try:
+            accumulation_step(shards, facts=facts, group=trio)
+            results.append(("planned_group", "no error"))
+        except ValueError as exc:
+            results.append(("planned_group", str(exc)))
+
+
 def worker(rank, port, out_dir, docs):
     import torch.distributed as dist
 
@@ -187,6 +277,7 @@ def worker(rank, port, out_dir, docs):
         for layout in ("contiguous", "hybrid"):
             results.append(("prime_rl_2032", layout, *_prime_rl_gap(rank, docs, layout),
                             references[("sample", "free", 1)][0]))
+        _planned_runs(rank, groups, docs, results)
 
 
 def documents():
@@ -214,7 +305,7 @@ def test_every_weighting_under_cp_equals_the_unpacked_reference(cp_results):
 
     worst = {}
     for row in cp_results:
-        if row[0] in ("prime_rl_2032", "half_group"):
+        if row[0] in ("prime_rl_2032", "half_group", "planned", "planned_group"):
             continue
         name, layout, kind, mode, loss_err, grad_err = row
         key = (name, layout, kind, mode)
@@ -227,6 +318,38 @@ def test_every_weighting_under_cp_equals_the_unpacked_reference(cp_results):
         print(f"{name}: max |d loss|, |d grad| over every layout and mode {max(e for k, e in worst.items() if k[0] == name):.1e}")
     bad = {k: e for k, e in worst.items() if not e <= TOL}
     assert not bad, bad
+
+
+def test_a_planned_step_of_cp_shards_equals_the_unpacked_reference(cp_results):
+    """DP 2 x CP 2, a ``PackedBatchSampler`` planning every step (``accumulation_step(shards,
+    facts=sampler.step_facts(), group=...)``, no collective), every layout, three weightings: the loss summed over
+    the ranks and every rank's reduced gradient equal the unpacked reference within 1e-12 on every step, whether the
+    gradients are averaged over the world (``group=None``) or summed over the CP group and averaged over the
+    data-parallel group (``group=`` it). Fails before: the planned step multiplied the loss by the sampler's world
+    size (the data-parallel ranks) whatever the group, so the world's average halved the gradient."""
+    rows = [r for r in cp_results if r[0] == "planned"]
+    worst = {}
+    for _, name, layout, mode, k, n, loss_err, grad_err in rows:
+        worst[(name, mode)] = max(worst.get((name, mode), 0.0), loss_err, grad_err)
+        assert n >= 2
+    assert set(worst) == {(n, m) for n in ("dp2xcp2-world", "dp2xcp2-dpgroup") for m in PLANNED_MODES}
+    steps = sum(len(_planned_steps(_planned_sampler(documents(), m, 0))) for m in PLANNED_MODES)
+    assert len(rows) == WORLD * 2 * len(LAYOUTS) * steps  # every step of every mode, layout and setup, on every rank
+    for key, err in sorted(worst.items()):
+        print(f"planned {key[0]} {key[1]}: max |d loss|, |d grad| over every step and layout {err:.1e}")
+    bad = {k: e for k, e in worst.items() if not e <= TOL}
+    assert not bad, bad
+
+
+def test_a_planned_step_over_another_group_refused(cp_results):
+    """A planned step of CP shards whose gradients' group is neither the sampler's data-parallel ranks nor whole CP
+    groups of them (3 of DP 2 x CP 2) has no loss multiplier that makes its average the step's gradient: refused in
+    one line naming the groups to pass."""
+    rows = [r for r in cp_results if r[0] == "planned_group"]
+    assert len(rows) == 3
+    for _, message in rows:
+        print(message)
+        assert "pass group= a data-parallel group (2 ranks) or one of whole CP groups (4)" in message
 
 
 def test_prime_rl_2032_per_rank_sample_counts_regression(cp_results):
