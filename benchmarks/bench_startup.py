@@ -14,9 +14,11 @@ tree's ``packkit/`` as it is on disk (uncommitted edits included). Each runs und
 * ``source``: no bytecode and ``PYTHONDONTWRITEBYTECODE=1``, so every start compiles packkit from source, as a
   checkout run with that variable set (this machine's environment) does.
 
-Runs alternate in pairs (before, after; after, before; ...), ``--pairs`` of them per command and condition;
-the figure is the child's CPU time (user + system, ``resource.getrusage(RUSAGE_CHILDREN)`` around each run;
-on a shared machine the wall time is mostly waiting for a core), and each pair gives a ratio after / before:
+Runs alternate in rounds (before, after; after, before; ...), ``--pairs`` of them per command and condition;
+several baselines (``--base-rev fd3b24d,4920e2c``) share the rounds, each round one run of every tree, the order
+rotated and reversed round after round. The figure is the child's CPU time (user + system,
+``resource.getrusage(RUSAGE_CHILDREN)`` around each run; on a shared machine the wall time is mostly waiting for a
+core), and each round gives a ratio after / before against each baseline:
 the table shows their median and spread (lowest-highest, and the middle half) with the load average beside.
 Python's own modules and numpy's are read from their installed bytecode in both conditions. One extra run
 each records which of torch, datasets, pandas, transformers the command imported, and the outputs are
@@ -25,6 +27,7 @@ compared (stdout, the packed file's bytes).
     python benchmarks/bench_startup.py                          # ~5 minutes on 2 busy cores
     python benchmarks/bench_startup.py --only waste,plan-synthetic --pairs 25
     python benchmarks/bench_startup.py --base-rev e489664 --conditions cached
+    python benchmarks/bench_startup.py --base-rev fd3b24d,4920e2c --pairs 15 --json-out startup.jsonl
 
 Prints a table last, then one JSON line.
 """
@@ -119,10 +122,40 @@ def spread(ratios: list) -> dict:
     return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "q1": q[0], "q3": q[2]}
 
 
+def _order(names: list, i: int) -> list:
+    """Round ``i``'s order of the trees: rotated by one each round, reversed every other, so that each goes first
+    and last in turn: ``(["a", "b", "c"], 1) -> ["a", "c", "b"]``."""
+    r = i // 2 % len(names)
+    turn = names[r:] + names[:r]
+    return turn[::-1] if i % 2 else turn
+
+
+def _measure(trees: dict, work: dict, names: list, argv: list, c: str, pairs: int) -> tuple[dict, list]:
+    """``({tree: [CPU s of each round]}, [load before, load after])`` of ``pairs`` rounds, each tree once a round."""
+    cpu = {name: [] for name in names}
+    load = [loadavg()]
+    for i in range(pairs):
+        for name in _order(names, i):
+            cpu[name].append(timed(trees[name, c], argv, work[name])[0])
+    load.append(loadavg())
+    return cpu, load
+
+
+def _row(label: str, c: str, base: str, cpu: dict, load: list, seen: dict, printed: dict) -> dict:
+    ratios = [a / b for a, b in zip(cpu["after"], cpu[base])]
+    same = printed[base] == printed["after"] and seen[base][2] == seen["after"][2]
+    return {"command": label, "condition": c, "base_rev": base, "cpu_before_s": statistics.median(cpu[base]),
+            "cpu_after_s": statistics.median(cpu["after"]), "ratio": spread(ratios), "load": load,
+            "heavy_before": seen[base][0], "heavy_after": seen["after"][0], "same_output": same,
+            "cpu_runs_before": [round(x, 3) for x in cpu[base]], "cpu_runs_after": [round(x, 3) for x in cpu["after"]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--base-rev", default="fd3b24d", help="the earlier packkit to compare with (default fd3b24d)")
-    ap.add_argument("--pairs", type=int, default=9, help="alternating pairs of runs per command and condition")
+    ap.add_argument("--base-rev", default="fd3b24d", help="the earlier packkit to compare with (default fd3b24d); "
+                    "several, comma-separated, are measured in the same rounds")
+    ap.add_argument("--pairs", type=int, default=9, help="alternating rounds (one run of each tree) per command and "
+                    "condition")
     ap.add_argument("--only", default=",".join(COMMANDS), help=f"commands, comma-separated, of {', '.join(COMMANDS)}")
     ap.add_argument("--conditions", default=",".join(CONDITIONS), help="cached, source or both (default both)")
     ap.add_argument("--json-out", default=None, help="also append the JSON line to this file")
@@ -130,12 +163,15 @@ def main() -> None:
     commands = {k: COMMANDS[k] for k in args.only.split(",")}
     conditions = args.conditions.split(",")
     assert set(conditions) <= set(CONDITIONS), conditions
+    bases = args.base_rev.split(",")
+    assert "after" not in bases and len(set(bases)) == len(bases), bases
+    names = [*bases, "after"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         tmp = Path(tmp)
-        trees = {(name, c): tree_of(args.base_rev if name == "before" else None, tmp / f"{name}-{c}",
-                                    compiled=c == "cached") for name in ("before", "after") for c in conditions}
-        work = {name: tmp / f"run-{name}" for name in ("before", "after")}
+        trees = {(name, c): tree_of(None if name == "after" else name, tmp / f"{name}-{c}", compiled=c == "cached")
+                 for name in names for c in conditions}
+        work = {name: tmp / f"run-{name}" for name in names}
         for (name, c), tree in trees.items():
             work[name].mkdir(exist_ok=True)
             small_jsonl(work[name] / "small.jsonl")
@@ -143,38 +179,28 @@ def main() -> None:
                                    env=child_env(tree), capture_output=True, text=True)
             assert where.stdout.startswith(str(tree)), f"{name}: packkit from {where.stdout.strip()}"
         for key, (label, argv) in commands.items():
-            c0 = conditions[0]
-            seen = {name: probe(trees[name, c0], argv, work[name]) for name in work}
-            printed = {name: seen[name][1].replace(str(work[name]), "WORK") for name in work}
-            same = printed["before"] == printed["after"] and seen["before"][2] == seen["after"][2]
+            seen = {name: probe(trees[name, conditions[0]], argv, work[name]) for name in names}
+            printed = {name: seen[name][1].replace(str(work[name]), "WORK") for name in names}
             for c in conditions:
-                cpu = {"before": [], "after": []}
-                load = [loadavg()]
-                for i in range(args.pairs):
-                    for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
-                        cpu[name].append(timed(trees[name, c], argv, work[name])[0])
-                load.append(loadavg())
-                ratios = [a / b for a, b in zip(cpu["after"], cpu["before"])]
-                rows.append({"command": label, "condition": c, "cpu_before_s": statistics.median(cpu["before"]),
-                             "cpu_after_s": statistics.median(cpu["after"]), "ratio": spread(ratios),
-                             "load": load, "heavy_before": seen["before"][0], "heavy_after": seen["after"][0],
-                             "same_output": same, "cpu_runs_before": [round(x, 3) for x in cpu["before"]],
-                             "cpu_runs_after": [round(x, 3) for x in cpu["after"]]})
-                print(f"  {label} [{c}]: after/before {rows[-1]['ratio']['median']:.3f} (load {load[0]:.1f})",
-                      file=sys.stderr, flush=True)
+                cpu, load = _measure(trees, work, names, argv, c, args.pairs)
+                for base in bases:
+                    rows.append(_row(label, c, base, cpu, load, seen, printed))
+                    print(f"  {label} [{c}]: after/{base} {rows[-1]['ratio']['median']:.3f} (load {load[0]:.1f})",
+                          file=sys.stderr, flush=True)
     v = versions("pyarrow", "datasets", "pandas", "transformers")
-    print(f"packkit cold start: {args.base_rev} (before) against this tree (after); {args.pairs} alternating pairs a "
-          f"command and condition; child CPU (user + system), medians; ratio = after / before of each pair")
+    print(f"packkit cold start: {', '.join(bases)} (before) against this tree (after); {args.pairs} alternating rounds "
+          f"a command and condition; child CPU (user + system), medians; ratio = after / before of each round")
     print(f"python {v['python']}, {v['cpus']} CPUs, numpy {v['numpy']}, torch {v['torch']}, pyarrow {v['pyarrow']}, "
           f"datasets {v['datasets']}, pandas {v['pandas']}")
-    print(f"{'command':<28} {'bytecode':<8} {'CPU before':>10} {'CPU after':>10} {'ratio':>6} {'middle half':>11} "
-          f"{'range':>11} {'load':>9}  {'imports before -> after':<30} same output")
+    print(f"{'command':<28} {'bytecode':<8} {'before':<8} {'CPU before':>10} {'CPU after':>10} {'ratio':>6} "
+          f"{'middle half':>11} {'range':>11} {'load':>9}  {'imports before -> after':<30} same output")
     for r in rows:
         imports = f"{','.join(r['heavy_before']) or '-'} -> {','.join(r['heavy_after']) or '-'}"
         q = r["ratio"]
-        print(f"{r['command']:<28} {r['condition']:<8} {r['cpu_before_s']:>10.3f} {r['cpu_after_s']:>10.3f} "
-              f"{q['median']:>6.3f} {q['q1']:>5.2f}-{q['q3']:<5.2f} {q['low']:>5.2f}-{q['high']:<5.2f} "
-              f"{r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}  {imports:<30} {'yes' if r['same_output'] else 'NO'}")
+        print(f"{r['command']:<28} {r['condition']:<8} {r['base_rev']:<8} {r['cpu_before_s']:>10.3f} "
+              f"{r['cpu_after_s']:>10.3f} {q['median']:>6.3f} {q['q1']:>5.2f}-{q['q3']:<5.2f} "
+              f"{q['low']:>5.2f}-{q['high']:<5.2f} {r['load'][0]:>4.1f}-{r['load'][1]:<4.1f}  {imports:<30} "
+              f"{'yes' if r['same_output'] else 'NO'}")
     emit_json({"bench": "startup", "base_rev": args.base_rev, "pairs": args.pairs, "versions": v, "rows": rows},
               args.json_out)
 

@@ -85,7 +85,6 @@ import functools
 import hashlib
 import sys
 import warnings
-import weakref
 
 import numpy as np
 
@@ -95,6 +94,8 @@ from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .records import record
 from .length_rules import check_loss_lengths
+from .positions import STATE_VERSION, ResumeWarning, bits_mask, mask_bits  # noqa: F401 - STATE_VERSION re-exported
+from .positions import Point as _Point
 from .segments import lengths_to_offsets, range_index
 
 __all__ = [
@@ -108,8 +109,28 @@ __all__ = [
     "SamplerOptions",
 ]
 
-STATE_VERSION = 2  # of the dict state_dict() writes (1: an older packkit's per-rank state, no "version")
 CACHED = 8  # epochs (and resume points) a sampler keeps built: a resume and the epoch it left
+
+
+def _resume():
+    """:mod:`packkit.resume`, imported at the first pass, state saved or loaded: a sampler that only deals an epoch
+    (``packkit plan``, ``packkit waste``) does not compile the resume code (20 KB)."""
+    from . import resume  # lazy: the states saved and loaded and the loader's count, for a pass or a resume only
+    return resume
+
+
+def _orders():
+    """:mod:`packkit.orders`, imported where a length-grouped or token-budget sampler builds an epoch: the packed
+    sampler (``packkit plan``, ``packkit waste``) does not compile their sorts (8 KB)."""
+    from . import orders  # lazy: the padded samplers' sorts, for LengthGroupedSampler and TokenBudgetBatchSampler
+    return orders
+
+
+def __getattr__(name: str):
+    """The sorts of :mod:`packkit.orders`, lent under their old address (``packkit.sampler.longest_first``)."""
+    if name in ("stable_argsort", "longest_first", "sort_megabatches", "budget_batch_bounds"):
+        return getattr(_orders(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _balance():
@@ -291,126 +312,6 @@ def _lengths(lengths, dataset, key: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def stable_argsort(key: np.ndarray) -> np.ndarray:
-    """Stable argsort along the last axis of non-negative integer keys.
-
-    numpy sorts 16-bit keys by radix and wider ones by merge sort, 50x slower on 64,000 ShareGPT lengths
-    (the longest 221,070 tokens). Keys below ``2**32`` are sorted in two stable 16-bit radix passes, the low
-    half first (a least-significant-digit radix sort): the same order. ``stable_argsort([70000, 3, 70000, 1])
-    -> [3, 1, 0, 2]``.
-    """
-    key = np.asarray(key)
-    top = int(key.max()) if key.size else 0
-    if top < 1 << 16:
-        return np.argsort(key.astype(np.uint16), axis=-1, kind="stable")
-    if top >= 1 << 32:
-        return np.argsort(key, axis=-1, kind="stable")
-    by_low = np.argsort((key & 0xFFFF).astype(np.uint16), axis=-1, kind="stable")
-    high = np.take_along_axis((key >> 16).astype(np.uint16), by_low, axis=-1)
-    return np.take_along_axis(by_low, np.argsort(high, axis=-1, kind="stable"), axis=-1)
-
-
-def longest_first(lengths: np.ndarray) -> np.ndarray:
-    """Stable argsort along the last axis of lengths (>= 0), longest first: ``longest_first([3, 70000, 3, 9])
-    -> [1, 3, 0, 2]``.
-
-    Where every length and its position in the row fit 32 bits (ShareGPT's 221,070 in rows up to 8,192), one sort of
-    the unique keys ``(cap - length) << bits | position`` (:func:`_longest_first32`, 2.5x faster than a radix
-    argsort). Else one 16-bit radix pass over ``0xFFFF - min(length, 0xFFFF)``: the lengths past it tie at the head
-    of their row in the given order, and only they are sorted again, by their whole length.
-    """
-    lengths = np.asarray(lengths)
-    fast = _longest_first32(lengths)
-    if fast is not None:
-        return fast.astype(np.int64)
-    n = lengths.shape[-1] if lengths.ndim else 1
-    key = np.empty(lengths.shape, np.uint16)
-    np.minimum(lengths, 0xFFFF, out=key, casting="unsafe")  # (cast chunk by chunk: no int64 temporary)
-    np.subtract(np.uint16(0xFFFF), key, out=key)
-    out = np.argsort(key, axis=-1, kind="stable")
-    heads = np.count_nonzero((key == 0).reshape(-1, n), axis=1)  # the ties at 0xFFFF and past it, per row
-    if heads.any() and lengths.size:
-        rows = np.arange(heads.size, dtype=np.int64)
-        row = np.repeat(rows, heads)
-        at = range_index(rows * n, heads)  # their flat positions in out: each row's head
-        flat = out.reshape(-1)
-        held = flat[at]
-        flat[at] = held[np.lexsort((-(lengths.reshape(-1, n)[row, held]), row))]  # lexsort is stable
-    return out
-
-
-def _longest_first32(lengths: np.ndarray) -> np.ndarray | None:
-    """:func:`longest_first` as uint32, by one sort of unique 32-bit keys (the position breaks the ties, so any sort
-    is the stable one), or None where a length and its position do not fit 32 bits: ``[3, 9] -> [1, 0]``."""
-    n = lengths.shape[-1] if lengths.ndim else 0
-    bits = max(1, (n - 1).bit_length())  # a position in its row
-    if not n or bits >= 32 or int(lengths.max()) >= 1 << (32 - bits):
-        return None
-    key = np.empty(lengths.shape, np.uint32)
-    return _sorted_keys(np.subtract((1 << (32 - bits)) - 1, lengths, out=key, casting="unsafe"), bits)
-
-
-def _sorted_keys(key: np.ndarray, bits: int) -> np.ndarray:
-    """Positions along the last axis of ``key`` (uint32 ``cap - length``, below ``2 ** (32 - bits)``), longest first,
-    stable: each key shifted past ``bits`` bits of its position and sorted (in place). ``([7, 0], 1) -> [1, 0]``."""
-    np.left_shift(key, np.uint32(bits), out=key)
-    np.bitwise_or(key, np.arange(key.shape[-1], dtype=np.uint32), out=key)
-    key.sort(axis=-1)
-    return np.bitwise_and(key, np.uint32((1 << bits) - 1), out=key)
-
-
-def sort_megabatches(order: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
-    """``order`` cut into consecutive blocks of ``size``, each sorted longest first (stable).
-
-    One row-wise :func:`longest_first` over the full blocks (20x faster than one sort over ``(block, -length)``
-    keys), then the last block: ``sort_megabatches([0, 1, 2, 3], [1, 3, 2, 4], 2) -> [1, 0, 3, 2]``.
-    """
-    order = np.asarray(order, np.int64)
-    lengths = np.asarray(lengths, np.int64)
-    if order.size == 0:
-        return order
-    nfull = order.size // size * size
-    bits = max(1, (min(size, order.size) - 1).bit_length())  # a position in its block
-    keys = None  # (cap - length) of every example as uint32, gathered: the keys of _longest_first32, no int64 copy
-    if bits < 32 and order.size < 1 << 31 and int(lengths.max()) < 1 << (32 - bits):
-        keys = np.subtract((1 << (32 - bits)) - 1, lengths, out=np.empty(lengths.size, np.uint32), casting="unsafe")
-        keys = np.take(keys, order)
-    else:
-        seq = lengths[order]
-    out = np.empty_like(order)  # gathered in place (mode "clip": the indices are in range, numpy buffers none)
-    for lo, hi, width in ((0, nfull, size), (nfull, order.size, order.size - nfull)):
-        if hi > lo:  # positions in order, longest first in each block
-            at = longest_first(seq[lo:hi].reshape(-1, width)) if keys is None else _sorted_keys(
-                keys[lo:hi].reshape(-1, width), bits)
-            at += np.arange(lo, hi, width, dtype=at.dtype)[:, None]
-            np.take(order, at.reshape(-1), out=out[lo:hi], mode="clip")
-    return out
-
-
-def budget_batch_bounds(sorted_lengths: np.ndarray, *, max_tokens: int, block: int,
-                        max_batch_size: int | None = None) -> np.ndarray:
-    """Batch boundaries over lengths sorted longest first inside blocks of ``block``.
-
-    A batch starts at its longest item ``i`` and takes ``max_tokens // length[i]`` items (at most
-    ``max_batch_size``), never crossing a block. One Python step per batch, not per example.
-    ``budget_batch_bounds([4, 2, 2, 1], max_tokens=4, block=4) -> [0, 1, 3, 4]``.
-    """
-    sorted_lengths = np.asarray(sorted_lengths, np.int64)
-    n = sorted_lengths.size
-    cap = max_tokens // sorted_lengths
-    if max_batch_size is not None:
-        cap = np.minimum(cap, max_batch_size)
-    pos = np.arange(n, dtype=np.int64)
-    block_end = np.minimum((pos // block + 1) * block, n)
-    nxt = np.minimum(pos + np.maximum(cap, 1), block_end).tolist()
-    bounds = [0]
-    i = 0
-    while i < n:
-        i = nxt[i]
-        bounds.append(i)
-    return np.asarray(bounds, np.int64)
-
-
 def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray, np.ndarray]:
     """CSR batches ``flat[ptr[b]:ptr[b+1]]`` taken in ``order`` (repeats allowed), without a loop.
 
@@ -489,34 +390,9 @@ def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> 
     return parts, repeated
 
 
-def mask_bits(mask: int, start: int, stop: int) -> np.ndarray:
-    """(stop - start,) bool, bit ``u - start`` of ``mask`` for each unit: ``mask_bits(0b101, 10, 13) -> [T, F, T]``."""
-    n = stop - start
-    if n <= 0 or not mask:
-        return np.zeros(max(n, 0), bool)
-    raw = np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8)
-    return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
-
-
-def bits_mask(bits: np.ndarray) -> int:
-    """The integer whose bit ``i`` is ``bits[i]``: ``bits_mask([True, False, True]) -> 5``."""
-    bits = np.asarray(bits, bool)
-    if not bits.any():
-        return 0
-    return int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little")
-
-
 # ----------------------------------------------------------------------------------------------
 # what an epoch looks like
 # ----------------------------------------------------------------------------------------------
-
-
-class ResumeWarning(UserWarning):
-    """A resume on another world size (or step size) moved step boundaries: said once, in one line.
-
-    No example is repeated or skipped; only which examples share an optimiser step changes from the
-    resume point on. Silence it with ``warnings.filterwarnings("ignore", category=ResumeWarning)``.
-    """
 
 
 @record
@@ -593,27 +469,6 @@ class _Sequence:
     @property
     def units(self) -> int:
         return int(self.ptr.size - 1)
-
-
-@record
-class _Point:
-    """Where a pass starts in a sequence of ``seq_step`` units a step (``None``: this run's step size).
-
-    A clean step boundary is ``_Point(start=u)``. Inside a step: the step is units ``start ..
-    start + span - 1``, of which the bits of ``mask`` were used before it was dealt as ``deal`` =
-    ``(world_size, accumulation_steps)`` (None: not dealt yet), and ``rows`` rows of that deal are done.
-    """
-
-    start: int = 0
-    span: int = 0
-    mask: int = 0
-    deal: tuple | None = None
-    rows: int = 0
-    seq_step: int | None = None
-
-    @property
-    def clean(self) -> bool:
-        return self.rows == 0 and self.mask == 0
 
 
 @record(eq=False)
@@ -816,37 +671,6 @@ def _unpickle_pass(sampler, sched, yielded) -> _Pass:
     p = _Pass(sampler, (None, None))
     p.sched, p.yielded = sched, yielded
     return p
-
-
-def _asking_loader() -> tuple:
-    """Weak references to the torch DataLoader iterator whose construction or reset calls ``iter()`` on a
-    batch sampler, and to accelerate's ``DataLoaderShard`` around it; ``(None, None)`` for another caller.
-
-    A DataLoader hands its iterator nothing else: this is how a sampler learns which loop consumes it.
-    accelerate's ``BatchSamplerShard`` dealing a sampler that is already one rank's over its processes
-    again (``accelerator.prepare`` on many processes) would train a fraction of the data: refused.
-    """
-    dl = sys.modules.get("torch.utils.data.dataloader")  # no torch loaded: no DataLoader asking
-    loader = shard = None
-    f = sys._getframe(2) if dl is not None else None
-    for _ in range(8):
-        if f is None:
-            break
-        obj = f.f_locals.get("self")
-        if type(obj).__name__ == "BatchSamplerShard" and getattr(obj, "num_processes", 1) > 1 and \
-                getattr(getattr(obj, "batch_sampler", None), "world_size", 1) > 1:
-            raise ValueError(
-                f"accelerate's BatchSamplerShard deals the batches of {type(obj.batch_sampler).__name__} over "
-                f"{obj.num_processes} processes again, but they are already one rank's of "
-                f"{obj.batch_sampler.world_size} (each rank would train 1/{obj.num_processes} of them): after "
-                "accelerator.prepare(loader), set loader.batch_sampler.num_processes = 1 and process_index = 0")
-        if loader is None and isinstance(obj, dl._BaseDataLoaderIter):
-            loader = obj
-        elif loader is not None and type(obj).__name__ == "DataLoaderShard":
-            shard = obj
-            break
-        f = f.f_back
-    return (None if loader is None else weakref.ref(loader), None if shard is None else weakref.ref(shard))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1199,7 +1023,7 @@ class _BatchSampler:
         ``iter()`` on its batch sampler twice and uses the second, so making an iterator spends nothing (it
         ends the pass before it: the state is where the new one starts)."""
         self._active = None
-        return _Pass(self, _asking_loader())
+        return _Pass(self, _resume().asking_loader())
 
     def _start(self, p: _Pass) -> Schedule:
         """``p``'s first batch is asked for: it becomes the pass in progress, from the position it starts at."""
@@ -1211,61 +1035,6 @@ class _BatchSampler:
         self._point, self._offset, self._loaded = _Point(), 0, False  # the pass after this one: the whole epoch
         return sched
 
-    def _consumed(self, p: _Pass, caller: str, offset: int) -> int:
-        """Batches of pass ``p`` (which starts ``offset`` batches into the epoch) the training loop has received.
-
-        A DataLoader's workers fetch ahead of the loop, so the sampler's own count runs ahead of it: where
-        the DataLoader iterator that asked for ``p`` still draws from ``p``, its count of the batches it
-        handed to the loop is the answer (less the one batch accelerate's loader holds back). torchdata's
-        ``StatefulDataLoader`` saves the sampler's state as each batch is drawn, so its own calls get the
-        sampler's own count; asked by anyone else (``step_facts()`` in the loop), its count is the epoch's,
-        the batches before a resume included (restored with its state), so ``offset`` comes off it. Where
-        neither can be told, a :class:`ResumeWarning` says so.
-        """
-        loader = p.loader() if p.loader is not None else None
-        if loader is None or caller.startswith("torchdata."):
-            return p.yielded
-        workers = getattr(loader, "_num_workers", 0)
-        stateful = type(loader).__module__.startswith("torchdata.")
-        # the loader draws from p, or through a wrapper that passes every batch (accelerate's BatchSamplerShard made a
-        # passthrough on many processes, where Trainer's DataLoaderShard iterates the wrapper): it counts p's batches
-        skip = getattr(loader, "_index_sampler", None)
-        passes = type(skip).__name__ != "SkipBatchSampler" and self._wraps(skip)
-        if (getattr(loader, "_sampler_iter", None) is p or passes) and isinstance(getattr(loader, "_num_yielded", None),
-                                                                                  int):
-            if workers and not getattr(loader, "_in_order", True):
-                warnings.warn(ResumeWarning(
-                    f"{type(self).__name__}.state_dict() behind DataLoader(in_order=False) cannot tell which "
-                    "batches the loop trained: pass in_order=True, or state_dict(batches_consumed=...)"), stacklevel=3)
-            held = 0
-            shard = p.shard() if p.shard is not None else None
-            if shard is not None and not getattr(shard, "end_of_dataloader", True):
-                held = 1  # accelerate's DataLoaderShard fetches one batch ahead of the loop
-            return max(0, min(p.yielded, loader._num_yielded - held - (offset if stateful else 0)))
-        # accelerate's skip_first_batches (Trainer's resume)
-        if type(skip).__name__ == "SkipBatchSampler" and isinstance(getattr(skip, "skip_batches", None), int) and \
-                isinstance(getattr(loader, "_num_yielded", None), int) and self._wraps(skip):
-            held = 1 if p.shard is not None and not getattr(p.shard(), "end_of_dataloader", True) else 0
-            return max(0, min(p.yielded, skip.skip_batches + loader._num_yielded - held))
-        if workers or p.shard is not None:
-            fix = ("save loader.state_dict() instead (it holds the sampler's)" if stateful else
-                   "pass state_dict(batches_consumed=...) with the batches this epoch's loop consumed")
-            warnings.warn(ResumeWarning(
-                f"{type(self).__name__}.state_dict() counts {p.yielded} batches handed out this pass, but a "
-                f"loader fetched some of them ahead of the loop and cannot be asked: {fix}"), stacklevel=3)
-        return p.yielded
-
-    def _wraps(self, sampler) -> bool:
-        """Whether ``sampler`` (a loader's batch sampler) draws from this one, through at most three
-        ``batch_sampler`` wrappers that pass every batch (accelerate's ``BatchSamplerShard`` on one process)."""
-        for _ in range(3):
-            sampler = getattr(sampler, "batch_sampler", None)
-            if sampler is self:
-                return True
-            if getattr(sampler, "num_processes", 1) != 1:
-                return False
-        return False
-
     def _fingerprint(self) -> str:
         """A hash of the sampler's class, options and lengths (fixed at build, so computed once)."""
         if getattr(self, "_fingerprint_cache", None) is None:
@@ -1275,21 +1044,6 @@ class _BatchSampler:
             self._fingerprint_cache = h.hexdigest()
         return self._fingerprint_cache
 
-    def _point_after(self, sched: Schedule, base: _Point, rows: int) -> _Point:
-        """The position after ``rows`` rows of ``sched`` (which started at ``base``)."""
-        seq_step = base.seq_step or self._step_units
-        s = int(np.searchsorted(sched.step_row, rows, side="right")) - 1
-        if s >= sched.step_start.size:  # the epoch is done
-            end = int(sched.step_start[-1] + sched.step_span[-1]) if sched.step_start.size else base.start
-            return _Point(start=end, seq_step=seq_step)
-        r_in = rows - int(sched.step_row[s])
-        mask = sched.mask0 if s == 0 else 0
-        start, span = int(sched.step_start[s]), int(sched.step_span[s])
-        if r_in == 0 and mask == 0:
-            return _Point(start=start, seq_step=seq_step)
-        return _Point(start=start, span=span, mask=mask, deal=(self.world_size, self.accumulation_steps),
-                      rows=r_in, seq_step=seq_step)
-
     def state_dict(self, *, batches_consumed: int | None = None) -> dict:
         """Where the run is, the same dict on every rank: ``{"epoch", "seed", "batches_yielded", ...}``.
 
@@ -1298,35 +1052,7 @@ class _BatchSampler:
         iterating this sampler (its workers' prefetched batches are not done); ``batches_consumed``
         overrides that count: this epoch's batches the loop actually used.
         """
-        if self._active is not None:
-            sched, base, offset, p = self._active
-            done_rows = self._consumed(p, sys._getframe(1).f_globals.get("__name__", ""), offset) \
-                if batches_consumed is None else p.yielded
-        else:
-            sched, base, offset = self.schedule(), self._point, self._offset
-            done_rows = 0
-        total = offset + sched.rows
-        done = offset + done_rows if batches_consumed is None else batches_consumed
-        done = check_int(done, "batches_consumed", low=offset, high=total)
-        point = self._point_after(sched, base, int(done) - offset) if done > offset or base.clean else base
-        return {
-            "sampler": type(self).__name__,
-            "version": STATE_VERSION,
-            "epoch": self._epoch_num,
-            "seed": self.seed,
-            "batches_yielded": int(done),
-            "batches_per_epoch": total,
-            "world_size": self.world_size,
-            "accumulation_steps": self.accumulation_steps,
-            "step_units": point.seq_step or self._step_units,
-            "start": point.start,
-            "span": point.span,
-            "mask": format(point.mask, "x"),
-            "deal": list(point.deal) if point.deal else None,
-            "rows": point.rows,
-            "fingerprint": self._fingerprint(),
-            **({} if self._planner is None else {"planner": self._planner}),
-        }
+        return _resume().state_dict(self, batches_consumed, sys._getframe(1).f_globals.get("__name__", ""))
 
     @property
     def plans_steps(self) -> bool:
@@ -1340,82 +1066,13 @@ class _BatchSampler:
         it with no collective. Needs ``loss_weighting`` and ``loss_lengths``. The batches received are counted
         as :meth:`state_dict` counts them (``batches_consumed``: this epoch's, where the loader cannot be asked).
         A pass resumed inside a step under the same deal takes the whole step, the rows done before included."""
-        if self._weights is None:
-            raise ArgumentError("{f} needs the sampler's {w} and {n}: pass them to the sampler, or leave the step's "
-                                "normaliser to accumulation_step's collective", f=arg("step_facts"),
-                                w=arg("loss_weighting"), n=arg("loss_lengths"))
-        if self._active is None:
-            raise ValueError(f"{type(self).__name__}.step_facts(): no batch of this pass was drawn yet: ask after "
-                             "the step's micro-batches are drawn from the loader")
-        sched, base, offset, p = self._active
-        done = offset + self._consumed(p, sys._getframe(1).f_globals.get("__name__", ""), offset) \
-            if batches_consumed is None else batches_consumed
-        row = check_int(done, "batches_consumed", low=offset + 1, high=offset + sched.rows) - offset - 1
-        s = int(np.searchsorted(sched.step_row, row, side="right")) - 1
-        lo, hi = int(sched.step_row[s]), int(sched.step_row[s + 1])
-        R = sched.world_size
-        mine = [sched.flat[sched.ptr[b]:sched.ptr[b + 1]] for b in range(max(lo, 0) * R + self.rank, hi * R, R)]
-        whole = sched
-        if lo < 0:  # resumed inside this step under the same deal: the step from its first row
-            whole = self._schedule(dataclasses.replace(base, rows=0))
-            lo, hi = 0, int(whole.step_row[1])
-        step = whole.flat[whole.ptr[lo * R]:whole.ptr[hi * R]]
-        rule, counts, z = self._weights
-        token_mean = rule.is_token_mean
-        from .weighting import StepFacts  # lazy: as in _example_weights
-        return StepFacts(weighting=None if token_mean else rule.name, loss_tokens=int(counts[step].sum()),
-                         loss_normalizer=float(z[step].sum()) + rule.step_constant(),
-                         tokens=int(self._lengths_used()[step].sum()), examples=int(step.size), world_size=R,
-                         micro=tuple((int(counts[b].sum()), float(z[b].sum())) for b in mine))
+        return _resume().step_facts(self, batches_consumed, sys._getframe(1).f_globals.get("__name__", ""))
 
     def merge_state_dicts(self, states) -> dict:
         """One state from the per-rank states of a run: identical ones (this version) pass through;
         per-rank ones of an older packkit (each rank's own ``batches_yielded``) become the global position,
         the batches some ranks had taken beyond the others counted as used. Every rank must be there."""
-        states = list(states)
-        if not states:
-            raise ValueError("merge_state_dicts needs the states of every rank, got none")
-        for state in states:  # each a state of this sampler, every field checked
-            self._read_state(state)
-        if all(s.get("version") == STATE_VERSION for s in states):
-            for s in states[1:]:
-                bad = [k for k in s if s[k] != states[0].get(k)]
-                if bad:
-                    raise ValueError(f"the rank states differ in {', '.join(bad)}: save them at the same step")
-            return dict(states[0])
-        for name in ("version", "sampler", "epoch", "seed", "world_size", "fingerprint"):
-            vals = {repr(s.get(name)) for s in states}
-            if len(vals) > 1:
-                raise ValueError(f"the rank states differ in {name!r} ({', '.join(sorted(vals))}): they are "
-                                 "not from one run")
-        lacking = [i for i, s in enumerate(states) if "rank" not in s]
-        if lacking:
-            raise ValueError(f"sampler state field 'rank': states {lacking} lack it; an older packkit's per-rank "
-                             "states each name their rank: pass them as saved")
-        R = int(states[0]["world_size"])
-        ranks = sorted(int(s["rank"]) for s in states)
-        if ranks != list(range(R)):
-            missing = sorted(set(range(R)) - set(ranks))
-            raise ValueError(f"merge_state_dicts needs one state per rank of world_size={R}; missing ranks "
-                             f"{missing}, repeated {sorted(r for r in set(ranks) if ranks.count(r) > 1)}: "
-                             "a rank's progress left out would be trained again")
-        yields = {int(s["rank"]): int(s["batches_yielded"]) for s in states}
-        lo, hi = min(yields.values()), max(yields.values())
-        if hi - lo > 1:
-            raise ValueError(f"the ranks yielded {lo} to {hi} batches: states saved at one training step "
-                             "differ by at most one")
-        k = self._k
-        S = R * k  # an older packkit dealt one micro-batch per rank a step
-        state = {**states[0], "version": STATE_VERSION, "batches_yielded": lo, "accumulation_steps": 1, "step_units": S,
-                 "start": lo * S, "span": 0, "mask": "0", "deal": None, "rows": 0}
-        state.pop("rank", None)
-        if hi > lo:
-            bits = np.zeros(S, bool)
-            for r, y in yields.items():
-                if y > lo:
-                    bits[r * k:(r + 1) * k] = True
-            state.update(span=S, mask=format(bits_mask(bits), "x"))
-        return state
+        return _resume().merge_state_dicts(self, states)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the epoch and position: the next pass yields exactly the batches not yet yielded, on any
@@ -1428,77 +1085,7 @@ class _BatchSampler:
         fingerprint, its seed, the epoch's length) before anything is assigned, so a refused state leaves
         the sampler as it was. The error is one line naming the field: ``sampler state field 'seed': ...``.
         """
-        epoch, point, done, planner = self._read_state(state)
-        # -- every field checked: assign --
-        if planner != self._planner:  # the run's windows are the planner's it began with
-            self._planner, self._sched_cache, self._stats_cache = planner, {}, None
-        self._epoch_num, self._point = epoch, point
-        self._offset, self._active, self._loaded = done, None, True
-
-    def _read_state(self, state) -> tuple[int, _Point, int, int | None]:
-        """``(epoch, position, batches done, planner)`` of a saved state, every field checked against this sampler
-        (see :meth:`load_state_dict`); nothing is assigned. ``planner``: the cost-target planner whose windows the
-        state counts, its function in :data:`packkit.balance.PLANNERS` (a state without the field was saved by
-        planner 1, :func:`packkit.balance.greedy_to_cost`)."""
-        from .states import StateFields  # lazy: the reader of saved states, for a resume only
-        f = StateFields(state, owner="sampler", versions=(STATE_VERSION,), legacy=1)
-        name = type(self).__name__
-        f.equal("sampler", name, f"the state is from another sampler: build a {f.state.get('sampler')} "
-                "with the arguments of the run that saved it")
-        f.equal("fingerprint", self._fingerprint(), "the state was saved for other lengths or options (batch "
-                "size, window, policy): build the sampler with the same dataset and arguments before loading")
-        seed = f.int("seed")
-        if seed != self.seed:
-            f.fail("seed", f"the state was saved with seed={seed}, this sampler has seed={self.seed}: build it "
-                   f"with seed={seed} to resume that run")
-        epoch, old_R, done = f.int("epoch"), f.int("world_size", low=1), f.int("batches_yielded")
-        planner = self._planner
-        if planner is not None:
-            planner = f.int("planner", low=1, high=_balance().PLANNER) if "planner" in f.state else 1
-        k = self._k
-        if f.version == STATE_VERSION:
-            total = f.int("batches_per_epoch")
-            f.int("accumulation_steps", low=1)
-            seq_step = f.int("step_units", low=1)
-            start, span, rows, mask = f.int("start"), f.int("span"), f.int("rows"), f.hex("mask")
-            deal = f.ints("deal", 2, low=1)
-        else:  # an older packkit: one micro-batch per rank a step, this rank's count for every rank
-            total = f.int("batches_per_epoch") if "batches_per_epoch" in f.state else None
-            if "rank" in f.state:
-                f.int("rank", high=old_R - 1)
-            seq_step, start, span, mask, deal, rows = old_R * k, done * old_R * k, 0, 0, None, 0
-        f.done()
-        if total is not None and done > total:  # the two fields disagree: either may be the damaged one
-            f.fail("batches_yielded", f"{done} is more than the epoch's batches_per_epoch={total} "
-                   "(field 'batches_per_epoch' of the same state: one of the two is damaged)")
-        if seq_step % k:
-            f.fail("step_units", f"{seq_step} is not a multiple of {k} {self._unit_name} a batch")
-        if rows and deal is None:
-            f.fail("deal", f"is None, but rows={rows} rows of a step are done: the deal says which")
-        if deal is not None and rows > deal[1]:
-            f.fail("rows", f"{rows} is more than the {deal[1]} rows a step of the deal {list(deal)} has")
-        if (mask or rows) and not span:
-            f.fail("span", "is 0, but the state says a step is in progress (mask or rows)")
-        if start == 0 and mask == 0 and rows == 0:  # nothing used yet: this run cuts its own steps
-            seq_step = self._step_units
-        own, self._planner = self._planner, planner
-        try:  # the epoch the state describes, under its planner; nothing assigned yet
-            seq = self._sequence(epoch, seed, seq_step)
-        except ValueError as exc:
-            f.fail("step_units", f"{seq_step} cannot cut epoch {epoch}: {exc}")
-        finally:
-            self._planner = own
-        units = f"the epoch's {seq.units} {self._unit_name}"
-        if start > seq.units:
-            f.fail("start", f"{start} is past the end of {units}")
-        if start + span > seq.units:
-            f.fail("span", f"{span} {self._unit_name} from start={start} end past the end of {units}")
-        if mask >> span:
-            f.fail("mask", f"{mask:x} marks {self._unit_name} past the {span} of the step in progress (span)")
-        if span and mask == (1 << span) - 1:  # a step wholly used is over: a state of this packkit says start+span
-            f.fail("mask", f"{mask:x} marks every one of the {span} {self._unit_name} of the step in progress "
-                   "as used, but the step is not over (start)")
-        return epoch, _Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step), done, planner
+        _resume().load_state_dict(self, state)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
@@ -1569,7 +1156,7 @@ class LengthGroupedSampler(_BatchSampler):
         perm = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
         body, tail = perm[:full], perm[full:]  # the tail is a random subset
         mult = _default_mult(self.megabatch_mult, full // span)
-        order = sort_megabatches(body, L, mult * span)
+        order = _orders().sort_megabatches(body, L, mult * span)
         ptr = np.arange(0, full + 1, B, dtype=np.int64)
         balance = self.balance in ("tokens", "sqlen")  # the batches' costs order the steps only then
         cost = batch_sums(self._policy_cost(L[order], order), ptr) if balance else np.zeros(full // B)
@@ -1647,9 +1234,10 @@ class TokenBudgetBatchSampler(_BatchSampler):
         n = L.size
         perm = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
         block = self._block(step)
-        order = sort_megabatches(perm, L, block)
-        bounds = budget_batch_bounds(L[order], max_tokens=self.max_tokens, block=block,
-                                     max_batch_size=self.max_batch_size)
+        orders = _orders()
+        order = orders.sort_megabatches(perm, L, block)
+        bounds = orders.budget_batch_bounds(L[order], max_tokens=self.max_tokens, block=block,
+                                            max_batch_size=self.max_batch_size)
         G = bounds.size - 1
         t = G % step
         # -- a random few batches make the tail; the rest keep their megabatch order --

@@ -12,9 +12,11 @@ process (torch and datasets loaded) print the same lines and write the same byte
 """
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets  # noqa: F401 - this process runs the same commands with the heavy packages loaded
 import pytest
@@ -135,30 +137,72 @@ LAZY = {
     "packkit.balance": "the cost-target planners and LPT (33 KB), through the sampler, for no balance='compute'",
     "packkit.rules": "the rules of whole examples (37 KB), through binpack, for as_lengths (packkit.length_rules)",
     "packkit.states": "the reader of saved states (7 KB), through the sampler, for a resume: no state is loaded",
+    "packkit.resume": "the states a sampler saves and loads and the loaders' counts (20 KB), for no pass nor resume",
+    "packkit.orders": "the length-grouped and token-budget samplers' sorts (8 KB), for plan's packed windows",
 }
 
 
 @pytest.fixture(scope="module")
 def started():
-    """``{command: sys.modules after it ran}`` of ``packkit waste`` and ``plan --synthetic 500``, each in a fresh
+    """``{command: {module: its source file}}`` after ``packkit waste`` and ``plan --synthetic 500``, each in a fresh
     interpreter (``python -m packkit.cli``'s path: ``cli.main``)."""
-    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
+    code = ("import contextlib, io, json, sys\nfrom packkit import cli\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    code = cli.main(sys.argv[1:])\n"
-            "print(code, *sorted(sys.modules))")
+            "print(json.dumps([code, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
     out = {}
     for argv in (["waste"], ["plan", "--synthetic", "500"]):
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        code_, *modules = proc.stdout.split()
-        assert code_ == "0", proc.stdout
-        out[" ".join(argv)] = set(modules)
+        code_, modules = json.loads(proc.stdout.splitlines()[-1])
+        assert code_ == 0, proc.stdout
+        out[" ".join(argv)] = modules
     return out
+
+
+#: Kept off ``plan --synthetic``'s path only: ``waste`` measures padded batches too (a LengthGroupedSampler), so it runs
+#: the padded samplers' sorts.
+PLAN_ONLY = {"packkit.orders", "sort_megabatches", "budget_batch_bounds", "stable_argsort"}
+
+
+def _commands(started, name) -> dict:
+    return {c: m for c, m in started.items() if name not in PLAN_ONLY or c.startswith("plan")}
 
 
 @pytest.mark.parametrize("module", sorted(LAZY))
 def test_waste_and_plan_start_without(started, module):
-    for command, modules in started.items():
+    for command, modules in _commands(started, module).items():
         assert module not in modules, f"packkit {command} imported {module}: {LAZY[module]}"
+
+
+#: What ``packkit waste`` and ``plan --synthetic`` compiled from source at start and never ran, found by tracing the
+#: functions each command calls against those its modules define (``{function: why it must stay out}``; a leading
+#: ``_`` is not part of the name, so a function that moves and loses it is still found).
+UNCOMPILED = {
+    "read_state": "the check of a saved state's every field (4 KB of the sampler), for no resume",
+    "consumed": "the count of the batches a DataLoader handed the loop (3 KB of the sampler), for no state saved",
+    "asking_loader": "the DataLoader iterator that drives a pass (2 KB of the sampler), for no pass iterated",
+    "point_after": "the position a state records, for no state saved",
+    "sort_megabatches": "the padded samplers' sorts longest first (8 KB with the next two), for packed windows",
+    "budget_batch_bounds": "the token-budget sampler's batches, for packed windows",
+    "stable_argsort": "the padded samplers' radix argsort, for packed windows",
+}
+
+
+def _defined(path: str) -> set:
+    """Every function and method name ``path`` defines (a leading ``_`` dropped)."""
+    tree = ast.parse(Path(path).read_text())
+    return {n.name.lstrip("_") for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+@pytest.mark.parametrize("function", sorted(UNCOMPILED))
+def test_waste_and_plan_compile_no_code_they_never_run(started, function):
+    """Regression: the sampler held its resume code (the states saved and loaded, the loaders' counts: 20 KB) and the
+    padded samplers' sorts (8 KB) among what ``plan`` and ``waste`` deal packed windows with, so both compiled them
+    at every start from source (``plan --synthetic`` 1.10x fd3b24d's CPU). They are :mod:`packkit.resume`, imported
+    at a sampler's first pass or state, and :mod:`packkit.orders`, where a padded sampler builds an epoch."""
+    for command, modules in _commands(started, function).items():
+        where = [m for m, path in modules.items() if m.startswith("packkit") and path and function in _defined(path)]
+        assert not where, f"packkit {command} compiled {function} ({', '.join(where)}): {UNCOMPILED[function]}"
 
 
 def test_the_command_module_is_imported_with_the_collector_paused():

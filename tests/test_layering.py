@@ -24,10 +24,10 @@ FLOORS = [
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
     ["fileio", "jsonlines", "readers", "tokenizer", "chatrender", "binpack", "batch", "kernels.flash_varlen",
-     "cp_plan", "cp_layouts", "rules", "states", "costs", "balance", "integrations.trl", "weighting"],
+     "cp_plan", "cp_layouts", "rules", "states", "positions", "orders", "costs", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # the epoch a sampler deals, CP shards
-    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "epoch", "cp", "media", "plots"],
+    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "resume", "epoch", "cp", "media", "plots"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "sample", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],
