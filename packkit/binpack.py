@@ -867,79 +867,18 @@ def pack(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error"
 # ----------------------------------------------------------------------------------------------
 
 
-def as_groups(num_examples: int, *, groups=None, group_sizes=None) -> tuple[np.ndarray, np.ndarray]:
-    """The groups of ``num_examples`` examples as CSR: ``(member (n,) int64, group_ptr (G + 1,) int64)``.
-
-    Group ``g`` is examples ``member[group_ptr[g] : group_ptr[g + 1]]``, in example order; groups are
-    numbered by their first example. ``as_groups(4, groups=[7, 3, 7, 3]) -> ([0, 2, 1, 3], [0, 2, 4])``;
-    ``as_groups(4, group_sizes=[1, 3]) -> ([0, 1, 2, 3], [0, 1, 4])``.
-    """
-    if (groups is None) == (group_sizes is None):
-        raise ArgumentError("pass one of {a} (a group id per example) or {b} (consecutive group sizes)",
-                            a=arg("groups"), b=arg("group_sizes"))
-    if group_sizes is not None:
-        sizes = as_lengths(group_sizes, name="group_sizes")
-        if int(sizes.sum()) != num_examples:
-            raise ArgumentError("{arg} sum to {got:,} examples, but there are {n:,}", arg=arg("group_sizes"),
-                                got=int(sizes.sum()), n=num_examples)
-        return np.arange(num_examples, dtype=np.int64), lengths_to_offsets(sizes)
-    if hasattr(groups, "detach") and hasattr(groups, "cpu"):  # a torch tensor, without importing torch
-        groups = groups.detach().cpu().numpy()
-    ids = np.asarray(groups)
-    if ids.size == 0 and ids.ndim == 1:
-        ids = ids.astype(np.int64)
-    if ids.ndim != 1 or ids.dtype == object or ids.dtype.kind == "f" or ids.dtype == np.bool_:
-        raise TypeError(f"groups must be a 1-D sequence of integer (or string) group ids, one per example, "
-                        f"got {'shape ' + str(ids.shape) if ids.ndim != 1 else 'dtype ' + str(ids.dtype)}")
-    if ids.size != num_examples:
-        raise ArgumentError("{arg} has {got:,} ids for {n:,} examples: give one group id per example",
-                            arg=arg("groups"), got=int(ids.size), n=num_examples)
-    if num_examples == 0:
-        return np.zeros(0, np.int64), np.zeros(1, np.int64)
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    rank = np.empty(first.size, np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.size)  # groups in order of their first example
-    group_of = rank[inverse.reshape(-1)]
-    return np.argsort(group_of, kind="stable").astype(np.int64), lengths_to_offsets(np.bincount(group_of))
+def _groups():
+    """:mod:`packkit.groups`, imported where examples are packed in groups: packing without them (``packkit plan``,
+    ``packkit waste``) does not compile it."""
+    from . import groups  # lazy: the groups' CSR and their split, for pack_groups only
+    return groups
 
 
-def _group_error(g: int, member: np.ndarray, tokens: int, window: int) -> DataError:
-    """``group 3 (examples 6, 7) has 9 tokens > window=8; ...``: one line naming the group and the fix."""
-    shown = ", ".join(str(int(i)) for i in member[:4]) + (", ..." if member.size > 4 else "")
-    return DataError("group {g} (examples {shown}) has {n:,} tokens > {window}; pass {fix} (split it between "
-                     "its examples) or raise {w}", g=g, shown=shown, n=tokens, window=arg("window", window),
-                     fix=arg("overflow", "split", "drop"), w=arg("window"))
-
-
-def _split_groups(lengths: np.ndarray, member: np.ndarray, gptr: np.ndarray, glen: np.ndarray,
-                  window: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(item_ptr, item_group)``: the groups as items, each group longer than ``window`` cut between its
-    examples into consecutive parts (next fit over its members); an example longer than ``window`` is the
-    error naming it and its group. ``_split_groups([3, 4, 2], [0, 1, 2], [0, 3], [9], 7) -> ([0, 2, 3], [0, 0])``."""
-    num_groups = int(gptr.size - 1)
-    lengths_m = lengths[member]
-    big = np.flatnonzero(lengths_m > window)
-    if big.size:
-        i = int(member[big[0]])
-        g = int(np.searchsorted(gptr, big[0], side="right") - 1)
-        raise DataError("{i} (group {g}) has {n:,} tokens > {window}: one sequence of a group cannot be "
-                        "cut; pass {fix}, or raise {w}", i=Where(i), g=g, n=int(lengths[i]),
-                        window=arg("window", window), fix=arg("overflow", "drop"), w=arg("window"))
-    starts, owners = [], []
-    for g in range(num_groups):
-        lo, hi = int(gptr[g]), int(gptr[g + 1])
-        if glen[g] <= window:
-            starts.append(lo)
-            owners.append(g)
-            continue
-        room = 0
-        for j in range(lo, hi):
-            if lengths_m[j] > room:
-                starts.append(j)
-                owners.append(g)
-                room = window
-            room -= int(lengths_m[j])
-    return np.asarray(starts + [member.size], np.int64), np.asarray(owners, np.int64)
+def __getattr__(name: str):
+    """:func:`packkit.groups.as_groups`, lent under its old address (``packkit.binpack.as_groups``)."""
+    if name == "as_groups":
+        return _groups().as_groups
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = "error", seed: int | None = 0,
@@ -966,7 +905,8 @@ def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = 
     if overflow == "truncate":
         raise ArgumentError("{got} would cut one sequence of a group and not the others; pass {fix}",
                             got=arg("overflow", "truncate"), fix=arg("overflow", "error", "split", "drop"))
-    member, gptr = as_groups(lengths.size, groups=groups, group_sizes=group_sizes)
+    groups_ = _groups()
+    member, gptr = groups_.as_groups(lengths.size, groups=groups, group_sizes=group_sizes)
     num_groups = int(gptr.size - 1)
     csum = lengths_to_offsets(lengths[member])
     glen = csum[gptr[1:]] - csum[gptr[:-1]]
@@ -979,14 +919,14 @@ def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = 
     item_ptr, item_group = gptr, np.arange(num_groups, dtype=np.int64)
     if over.size and overflow == "error":
         g = int(over[0])
-        raise _group_error(g, member[gptr[g]: gptr[g + 1]], int(glen[g]), window)
+        raise groups_.group_error(g, member[gptr[g]: gptr[g + 1]], int(glen[g]), window)
     if over.size and overflow == "drop":
         dropped, cut = over_members, int(glen[over].sum())
         item_group = np.flatnonzero(~is_over)
         item_ptr = lengths_to_offsets(np.diff(gptr)[~is_over])
         member = member[np.repeat(~is_over, np.diff(gptr))]
     elif over.size:  # split between examples, next fit over each over-long group's members
-        item_ptr, item_group = _split_groups(lengths, member, gptr, glen, window)
+        item_ptr, item_group = groups_.split_groups(lengths, member, gptr, glen, window)
     csum = lengths_to_offsets(lengths[member])
     item_length = csum[item_ptr[1:]] - csum[item_ptr[:-1]]
     seg_item, item_window_ptr, _ = _plan_items(item_length, window, strategy, seed)

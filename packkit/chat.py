@@ -51,6 +51,7 @@ import numpy as np
 
 from .arrow import list_array
 from .choices import CHAT_FORMATS  # the conversational formats chat_format recognises (module docstring)
+from .chatoptions import ChatOptions  # its home is packkit.chatoptions, off the start of plan and pack
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .progress import progress_bar
@@ -422,20 +423,6 @@ def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None
         if template and re.search(r"\b" + special + r"\b", template) and not getattr(tok, special, None):
             raise ArgumentError("{arg} {name!r} defines no {special}, and its chat template writes it (it would render "
                                 "empty); " + fix, arg=arg("tokenizer"), name=name, special=special.replace("_token", "").upper())
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatOptions:
-    """How conversational rows become tokens: :func:`tokenize_chat`'s keywords of the same names (documented
-    there) as one object, what the readers of :mod:`packkit.datafiles` (and ``packkit waste``, ``plan``,
-    ``pack``, ``tokenize``) take."""
-
-    chat_template: object = None
-    assistant_only_loss: bool | None = None
-    completion_only_loss: bool | None = None
-    trust_remote_code: bool = False
-    format: str | None = None
-    num_proc: int | None = None
 
 
 class _Encoder:

@@ -22,6 +22,7 @@ import numpy as np
 from . import jsonlines
 from .arrow import pyarrow
 from .binpack import as_lengths
+from .chatoptions import ChatOptions
 from .epoch import Lengths
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
 from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow, read_npy, read_parquet,
@@ -178,7 +179,7 @@ class Tokenizing:
     """
 
     def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: ChatOptions | None, where: str):
-        from .chat import ChatOptions, chat_encoder, chat_format  # lazy: off waste and plan's start
+        from .chat import chat_encoder, chat_format  # lazy: off waste and plan's start
         chat = chat or ChatOptions()
         self.column, self.text_column, self.chat = column, text_column, None
         fmt = chat_format(schema, format=chat.format)
@@ -332,7 +333,6 @@ class Input:
         self.path = check_path(path)
         self.format = input_format(self.path)
         self.column, self.text_column, self.tokenizer, self.split = column, text_column, tokenizer, split
-        from .chat import ChatOptions  # lazy: off waste and plan's start
         self.chat = chat or ChatOptions()
         self.where = repr(str(self.path))
 

@@ -20,11 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "allocators", "kernels.varlen_layout",
-     "kernels.flash_varlen_kernels", "integrations", "integrations.transformers", "records", "length_rules"],
+     "kernels.flash_varlen_kernels", "integrations", "integrations.transformers", "records", "length_rules",
+     "chatoptions"],
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
     ["fileio", "jsonlines", "readers", "tokenizer", "chatrender", "binpack", "batch", "kernels.flash_varlen",
-     "cp_plan", "cp_layouts", "rules", "states", "positions", "orders", "costs", "balance", "integrations.trl", "weighting"],
+     "cp_plan", "cp_layouts", "rules", "states", "positions", "orders", "costs", "config_costs", "groups", "microbatch", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # the epoch a sampler deals, CP shards
     ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "resume", "epoch", "cp", "media", "plots"],

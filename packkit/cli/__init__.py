@@ -26,7 +26,6 @@ import warnings
 
 from .. import __version__
 from ..choices import BALANCE, CP_LAYOUTS, DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES  # numpy-free
-from ..errors import ArgumentError, Message, OutputError, PackkitError
 from ..interrupts import Interrupted, signals_raise, swallowed
 
 SUBCOMMANDS = {
@@ -233,6 +232,7 @@ def _extra_for(module: str) -> str | None:
 
 def classify(exc: BaseException, options: dict | None = None) -> tuple[int, str] | None:
     """``(exit code, one-line message)`` for an error a user can cause; None for a bug (re-raised)."""
+    from ..errors import ArgumentError, OutputError, PackkitError  # lazy: for an error only (not at --help)
     if isinstance(exc, UsageError):
         return EXIT_USAGE, str(exc)
     if isinstance(exc, PackkitError):
@@ -316,6 +316,7 @@ def _one_line_warnings(name: str, state: dict):
     :class:`~packkit.errors.Message` names arguments as the command spells them (``state["options"]``)."""
 
     def show(message, category, filename, lineno, file=None, line=None):
+        from ..errors import Message  # lazy: for a warning only (not at --help)
         text = message.args[0] if isinstance(message, Warning) and message.args else message
         text = text.render(state.get("options")) if isinstance(text, Message) else str(text)
         with contextlib.suppress(OSError, ValueError):

@@ -46,8 +46,8 @@ def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional:
 
 
 def chat_options(args: argparse.Namespace, *, num_proc: int | None = None):
-    """The :class:`packkit.chat.ChatOptions` that the options above give (``num_proc``: processes that render)."""
-    from ..chat import ChatOptions  # lazy: 10 ms of compiling at start, for data that is read
+    """The :class:`packkit.chatoptions.ChatOptions` that the options above give (``num_proc``: processes that render)."""
+    from ..chatoptions import ChatOptions  # lazy: off the start of waste and plan without a file
     return ChatOptions(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
                        completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
                        format=args.format, num_proc=num_proc)
