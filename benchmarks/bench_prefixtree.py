@@ -85,9 +85,14 @@ def multi_turn(data) -> dict:
 
 def rl_groups(data, n: int, *, prompts: int, seed: int, history: bool = False) -> dict:
     """``prompts`` groups of ``n`` completions, lengths drawn from the file's replies and its first-turn prompts
-    (``history``: every turn's prompt, the conversation before it)."""
+    (``history``: every turn's prompt, the conversation before it). A turn that opens its conversation (``opening``:
+    the message alone) has no prompt: its conversation's first prompt is the next turn's."""
     rng = np.random.default_rng(seed)
-    first = np.ones(data["length"].size, bool) if history else data["shared"] == 0
+    asked = data["opening"] == 0 if "opening" in data else np.ones(data["length"].size, bool)
+    conv = data["conversation"][asked]
+    first = asked.copy()
+    if not history:  # each conversation's first turn that has a prompt
+        first[asked] = np.r_[True, conv[1:] != conv[:-1]]
     prompt_pool = (data["length"] - data["loss"])[first].astype(np.int64)
     reply_pool = data["loss"].astype(np.int64)
     p = rng.choice(prompt_pool, prompts)

