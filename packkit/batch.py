@@ -91,7 +91,7 @@ from .errors import ArgumentError
 from .segments import IGNORE_INDEX, lengths_to_offsets, range_index
 from .weighting import piece_factors
 
-__all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors"]
+__all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors", "mark_repeat"]
 
 #: the attributes of every batch (the varlen convention), whatever its view holds
 FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "seq_idx", "num_loss_tokens",
@@ -312,22 +312,26 @@ class PackedBatch(dict):
     def loss_weight(self) -> torch.Tensor:
         """float32, the shape of the labels the loss reads: each label's factor ``a_c`` under the batch's
         ``loss_weighting`` (:mod:`packkit.weighting`; 0 where the label is -100), before the step's
-        normaliser ``Z``. Without a weighting (the token mean) ``a_c = 1``. Built on first use, on the
+        normaliser ``Z``. Without a weighting (the token mean) ``a_c = 1``; 0 on every label of a micro-batch that
+        only repeats examples of another of its step (:func:`mark_repeat`). Built on first use, on the
         labels' device (:func:`loss_factors`: the collator notes the segments, nothing per token)."""
         labels, _ = self._loss_source()
         note = _note(labels)
         if "loss_weight" not in note:
             found = loss_factors(labels)
-            note["loss_weight"] = (labels.ne(IGNORE_INDEX) if found is None else found[0]).to(torch.float32)
+            weight = labels.ne(IGNORE_INDEX) if found is None else found[0]
+            note["loss_weight"] = (weight if not note.get(REPEAT) else torch.zeros_like(weight)).to(torch.float32)
         return note["loss_weight"]
 
     @property
     def loss_norm(self) -> float:
         """Python float, this batch's part of the step's normaliser ``Z`` (the sum of its documents'
-        ``z_c``; the token mean's is ``num_loss_tokens``)."""
+        ``z_c``; the token mean's is ``num_loss_tokens``; 0 for a repeat, :func:`mark_repeat`)."""
         labels, _ = self._loss_source()
         found = loss_factors(labels)
-        return float(self.num_loss_tokens) if found is None else float(found[1])
+        if found is None:
+            return 0.0 if _note(labels).get(REPEAT) else float(self.num_loss_tokens)
+        return float(found[1])
 
     @property
     def loss_weighting(self) -> str | None:
@@ -814,6 +818,22 @@ def _device_tokens_and_documents(cu_seqlens: torch.Tensor, labels: torch.Tensor,
 
 
 
+#: the note of labels whose micro-batch only repeats examples of another micro-batch of its step (:func:`mark_repeat`)
+REPEAT = "loss_repeat"
+
+
+def mark_repeat(labels: torch.Tensor, repeat: bool = True) -> None:
+    """Note that ``labels``' micro-batch only repeats examples of another of its optimiser step (a sampler deals one
+    to a rank left without an example, so that every rank runs a forward and backward): every weight it carries is
+    then 0 (:func:`loss_factors`, ``PackedBatch.loss_weight``, ``loss_norm``), whatever the weighting, the token mean
+    included. :func:`packkit.loss.accumulation_step` marks them (``repeats=`` or a sampler's step facts). Kept on the
+    labels, so it goes where they go (``.to()``, a DataLoader's pickling); ``repeat=False`` takes it back."""
+    note = _note(labels)
+    if bool(note.get(REPEAT)) != repeat:
+        note.pop("loss_weight", None)  # made under the other answer
+        note[REPEAT] = repeat
+
+
 def loss_factors(labels: torch.Tensor):
     """``(factors, z)`` of labels collated under a loss weighting (:mod:`packkit.weighting`), None without
     one: ``factors`` float64 the shape of ``labels``, every label's ``a_c`` (its document's; 0 where the label
@@ -822,7 +842,7 @@ def loss_factors(labels: torch.Tensor):
     is), on the labels' device with no host sync, and kept on the labels: a collator pays nothing per token.
 
     ``segments [0, 3, 5]``, labels ``[[-100, 5, 6, -100, 7]]`` under ``"sample"`` -> factors
-    ``[[0, 0.5, 0.5, 0, 1]]``, ``z = 2``.
+    ``[[0, 0.5, 0.5, 0, 1]]``, ``z = 2``. Labels marked a repeat (:func:`mark_repeat`) give zeros and ``z = 0``.
     """
     note = _note(labels)
     if "loss_factor" not in note:
@@ -836,6 +856,8 @@ def loss_factors(labels: torch.Tensor):
         seg = _seq_idx_of(cu, labels.shape).long()
         note["loss_factor"] = seg_factor.to(dev)[seg] * labels.ne(IGNORE_INDEX)
         note["loss_z"] = torch.as_tensor(z, dtype=torch.float64, device=dev)
+    if note.get(REPEAT):
+        return torch.zeros_like(note["loss_factor"]), torch.zeros_like(note["loss_z"])
     return note["loss_factor"], note["loss_z"]
 
 

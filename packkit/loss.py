@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import PackedBatch, _note, loss_factors, real_tokens_and_documents
+from .batch import REPEAT, PackedBatch, _note, loss_factors, mark_repeat, real_tokens_and_documents
 from .cp import _CP_NOTE
 from .integrations.transformers import StepCountHook  # Trainer's private step count, in one place
 from .rules import DOCUMENT_KEYS, SEGMENT_KEYS
@@ -332,6 +332,8 @@ class AccumulationStep:
             raise ValueError(f"this micro-batch was collated under loss_weighting="
                              f"{_note(labels).get('loss_weighting')!r}, the step under the token mean: count the "
                              "step on the micro-batches it trains")
+        if factor is None and _note(labels).get(REPEAT):  # a repeat under the token mean weighs 0 too
+            factor = torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
         loss = token_normalized_loss(logits, labels, num_loss_tokens=self._z, shifted=shifted,
                                      ignore_index=self.ignore_index, loss_weight=factor)
         return loss * self.grad_multiplier if self.grad_multiplier != 1 else loss
@@ -402,7 +404,7 @@ def _reduce_device(group) -> torch.device:
 
 def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_reduce: bool | None = None,
                       group=None, ddp_average: bool = True,
-                      ignore_index: int = IGNORE_INDEX, facts=None) -> AccumulationStep:
+                      ignore_index: int = IGNORE_INDEX, facts=None, repeats=None) -> AccumulationStep:
     """Count one optimiser step's loss tokens (and its ``loss_weighting``'s ``Z``) once, across ranks,
     before the first forward.
 
@@ -421,6 +423,9 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         facts: the step as a sampler's plan knows it (``sampler.step_facts()``, a
             :class:`packkit.weighting.StepFacts`): counts and ``Z`` read there, no collective, this rank's
             micro-batches checked against it (loss tokens, parts of ``Z``); CP shards: x ``group``'s size.
+        repeats: one bool a micro-batch, True where it only repeats another's examples, dealt so that every rank
+            runs one (``sampler.step_repeats()``; ``facts`` carries the same): it weighs 0 under every weighting
+            (:func:`packkit.batch.mark_repeat`) and is left out of the counts and ``Z`` (the unique examples').
 
     The weighting travels with the batches (the collators' ``loss_weighting``, :mod:`packkit.weighting`):
     each carries its documents' factors ``a_c`` and its part of ``Z``; the step sums the parts in the same
@@ -451,6 +456,7 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
         raise ValueError("an optimiser step needs at least one micro-batch, got an empty list")
     rows = [_micro_counts(mb, i, shifted, ignore_index) for i, mb in enumerate(micro_batches)]
     weighting, constant = _one_weighting([row[4:6] for row in rows])
+    repeat = _repeats(micro_batches, repeats, facts, shifted)
     # A (micro_batches, 8) float64 table on the labels' device (exact below 2**53): one host sync, one collective
     device = next((x.device for row in rows for x in row[:4] if isinstance(x, torch.Tensor)), torch.device("cpu"))
     table = torch.stack([
@@ -458,28 +464,22 @@ def accumulation_step(micro_batches: Sequence, *, shifted: bool = False, all_red
                      for x in (*row[:4], *_cp_columns(rows, i))])
         for i, row in enumerate(rows)
     ])
-    local = table.sum(0)
     if facts is not None:
-        return _planned_step(facts, table.cpu().tolist(), weighting, shifted=shifted, ddp_average=ddp_average,
+        return _planned_step(facts, table.cpu().tolist(), repeat, weighting, shifted=shifted, ddp_average=ddp_average,
                              ignore_index=ignore_index, ranks=_planned_ranks(facts, rows[0][6], group))
+    if any(repeat):  # a repeat's counts and part of Z are another micro-batch's: counted there (its CP columns stay)
+        table[torch.tensor(repeat, device=device), :4] = 0
+    local = table.sum(0)
     world_size, reduced, group = _reduce(local, all_reduce, group)
     table, local, reduced = table.cpu().tolist(), local.cpu().tolist(), reduced.cpu().tolist()
     copies = _cp_copies(*reduced[4:])
     n_loss, n_tokens, n_examples, z = (x / copies for x in reduced[:4])
     return AccumulationStep(
-        num_loss_tokens=int(n_loss),
-        num_tokens=int(n_tokens),
-        num_examples=int(n_examples),
-        local_loss_tokens=int(local[0]),
-        micro_loss_tokens=tuple(int(row[0]) for row in table),
-        world_size=world_size,
-        grad_multiplier=float(world_size) if (ddp_average and world_size > 1) else 1.0,
-        shifted=shifted,
-        ignore_index=ignore_index,
-        group=group,
-        loss_normalizer=(z + constant) if weighting is not None else float(n_loss),
-        loss_weighting=weighting,
-    )
+        num_loss_tokens=int(n_loss), num_tokens=int(n_tokens), num_examples=int(n_examples),
+        local_loss_tokens=int(local[0]), micro_loss_tokens=tuple(int(row[0]) for row in table),
+        world_size=world_size, grad_multiplier=float(world_size) if (ddp_average and world_size > 1) else 1.0,
+        shifted=shifted, ignore_index=ignore_index, group=group,
+        loss_normalizer=(z + constant) if weighting is not None else float(n_loss), loss_weighting=weighting)
 
 
 def _micro_counts(mb, i: int, shifted: bool, ignore_index: int) -> tuple:
@@ -542,9 +542,35 @@ def _cp_copies(shards: float, ranks: float, squares: float, sizes: float) -> int
                      "one of whole CP groups (DP x CP)")
 
 
-def _planned_step(facts, table: list, weighting, **how) -> AccumulationStep:
+def _repeats(micro_batches: Sequence, repeats, facts, shifted: bool) -> list:
+    """Which micro-batches only repeat another's examples (``repeats``, or ``facts.repeats``), each marked on its
+    labels (:func:`packkit.batch.mark_repeat`), or a one-line error; all False when neither says."""
+    n, planned = len(micro_batches), None if facts is None else (tuple(facts.repeats) or (False,) * len(facts.micro))
+    if repeats is None:
+        if planned is None or len(planned) != n:  # (a count that differs from the facts' is refused after)
+            return [False] * n
+        repeats = planned
+    if isinstance(repeats, (str, bytes, Mapping)) or not isinstance(repeats, Sequence) or len(repeats) != n or \
+            not all(isinstance(r, (bool, np.bool_)) for r in repeats):
+        raise ValueError(f"repeats must hold one bool for each of the {n} micro-batches, got {repeats!r}: pass "
+                         "sampler.step_repeats() once the step's micro-batches are drawn")
+    repeats = [bool(r) for r in repeats]
+    if planned is not None and tuple(repeats) != planned:
+        raise ValueError(f"repeats={tuple(repeats)} differ from the sampler's step facts ({planned}): pass one of them")
+    for i, (mb, r) in enumerate(zip(micro_batches, repeats)):
+        labels = _labels_of(mb, shifted=shifted)[0]
+        if isinstance(labels, torch.Tensor):
+            mark_repeat(labels, r)
+        elif r:
+            raise TypeError(f"micro-batch {i} repeats another's examples, and its labels are a "
+                            f"{type(labels).__name__}, which cannot carry its weight 0: pass it as a tensor")
+    return repeats
+
+
+def _planned_step(facts, table: list, repeat: list, weighting, **how) -> AccumulationStep:
     """The step of ``facts`` (a sampler's plan: every rank's counts and ``Z``), once this rank's micro-batches
-    (``table``: loss tokens, tokens, examples and part of ``Z`` of each) are found to be the ones it planned."""
+    (``table``: loss tokens, tokens, examples and part of ``Z`` of each, as collated) are found to be the ones it
+    planned; those that only ``repeat`` another's examples count 0 here, as in the facts."""
     if weighting != facts.weighting:
         raise ValueError(f"the micro-batches were collated under loss_weighting={weighting or 'token'!r}, the "
                          f"sampler plans {facts.weighting or 'token'!r}: give the collator and the sampler one weighting")
@@ -557,9 +583,10 @@ def _planned_step(facts, table: list, weighting, **how) -> AccumulationStep:
                              f"loss_lengths say {n} ({z:g}): pass loss_lengths counted as the collator counts "
                              "(labels other than -100, the first label not counted), or leave them out")
     world_size = how["ranks"]
+    micro = tuple(0 if r else int(row[0]) for row, r in zip(table, repeat))
     return AccumulationStep(
         num_loss_tokens=facts.loss_tokens, num_tokens=facts.tokens, num_examples=facts.examples,
-        local_loss_tokens=int(sum(row[0] for row in table)), micro_loss_tokens=tuple(int(row[0]) for row in table),
+        local_loss_tokens=sum(micro), micro_loss_tokens=micro,
         world_size=world_size, grad_multiplier=float(world_size) if (how["ddp_average"] and world_size > 1) else 1.0,
         shifted=how["shifted"], ignore_index=how["ignore_index"], loss_normalizer=facts.loss_normalizer,
         loss_weighting=weighting)

@@ -172,13 +172,32 @@ def state_dict(sampler, batches_consumed: int | None, caller: str) -> dict:
 
 def step_facts(sampler, batches_consumed: int | None, caller: str):
     """What ``sampler.step_facts(batches_consumed=...)`` returns (its docstring says what); ``caller``: the
-    module that asked (``__name__``)."""
+    module that asked (``__name__``). The counts and ``Z`` are the step's unique examples': its batches that only
+    repeat another's (``Schedule.repeats``) are left out, and named in ``repeats``."""
     if sampler._weights is None:
         raise ArgumentError("{f} needs the sampler's {w} and {n}: pass them to the sampler, or leave the step's "
                             "normaliser to accumulation_step's collective", f=arg("step_facts"),
                             w=arg("loss_weighting"), n=arg("loss_lengths"))
+    whole, lo, hi, mine = received_step(sampler, batches_consumed, caller, "step_facts")
+    R = whole.world_size
+    step = whole.flat[whole.ptr[lo * R]:whole.ptr[hi * R]]
+    if whole.repeats[lo * R:hi * R].any():  # the step's examples once: its repeated batches left out
+        step = step[~np.repeat(whole.repeats[lo * R:hi * R], whole.sizes[lo * R:hi * R])]
+    rule, counts, z = sampler._weights
+    token_mean = rule.is_token_mean
+    from .weighting import StepFacts  # lazy: the weighting is resolved where the sampler was given one
+    return StepFacts(weighting=None if token_mean else rule.name, loss_tokens=int(counts[step].sum()),
+                     loss_normalizer=float(z[step].sum()) + rule.step_constant(),
+                     tokens=int(sampler._lengths_used()[step].sum()), examples=int(step.size), world_size=R,
+                     micro=tuple((int(counts[b].sum()), float(z[b].sum())) for b, _ in mine),
+                     repeats=tuple(r for _, r in mine))
+
+
+def received_step(sampler, batches_consumed, caller: str, what: str) -> tuple:
+    """``(schedule, first row, end row, mine)``: the optimiser step of the last batch the loop received, in the
+    schedule that holds it whole, and this rank's micro-batches of it, ``(examples, is a repeat)`` each."""
     if sampler._active is None:
-        raise ValueError(f"{type(sampler).__name__}.step_facts(): no batch of this pass was drawn yet: ask after "
+        raise ValueError(f"{type(sampler).__name__}.{what}(): no batch of this pass was drawn yet: ask after "
                          "the step's micro-batches are drawn from the loader")
     sched, base, offset, p = sampler._active
     done = offset + consumed(sampler, p, caller, offset) if batches_consumed is None else batches_consumed
@@ -186,19 +205,12 @@ def step_facts(sampler, batches_consumed: int | None, caller: str):
     s = int(np.searchsorted(sched.step_row, row, side="right")) - 1
     lo, hi = int(sched.step_row[s]), int(sched.step_row[s + 1])
     R = sched.world_size
-    mine = [sched.flat[sched.ptr[b]:sched.ptr[b + 1]] for b in range(max(lo, 0) * R + sampler.rank, hi * R, R)]
-    whole = sched
+    mine = [(sched.flat[sched.ptr[b]:sched.ptr[b + 1]], bool(sched.repeats[b]))
+            for b in range(max(lo, 0) * R + sampler.rank, hi * R, R)]
     if lo < 0:  # resumed inside this step under the same deal: the step from its first row
         whole = sampler._schedule(dataclasses.replace(base, rows=0))
-        lo, hi = 0, int(whole.step_row[1])
-    step = whole.flat[whole.ptr[lo * R]:whole.ptr[hi * R]]
-    rule, counts, z = sampler._weights
-    token_mean = rule.is_token_mean
-    from .weighting import StepFacts  # lazy: the weighting is resolved where the sampler was given one
-    return StepFacts(weighting=None if token_mean else rule.name, loss_tokens=int(counts[step].sum()),
-                     loss_normalizer=float(z[step].sum()) + rule.step_constant(),
-                     tokens=int(sampler._lengths_used()[step].sum()), examples=int(step.size), world_size=R,
-                     micro=tuple((int(counts[b].sum()), float(z[b].sum())) for b in mine))
+        return whole, 0, int(whole.step_row[1]), mine
+    return sched, lo, hi, mine
 
 
 def merge_state_dicts(sampler, states) -> dict:

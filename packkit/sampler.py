@@ -46,7 +46,10 @@ follows ``drop_last``:
 
 - ``drop_last=False`` (default): nothing is lost. The tail makes one last, smaller step (the fewest rows
   of at most ``k`` units); where a row has fewer units than ranks, units are split by examples, and only
-  where there are fewer examples than ranks are some repeated, counted in ``epoch_stats().repeated``.
+  where there are fewer examples than ranks are some repeated, counted in ``epoch_stats().repeated``: a
+  repeat is a whole micro-batch dealt so that every rank runs one, and weighs 0 where the loop counts the step
+  with ``accumulation_step(..., facts=sampler.step_facts())`` or ``repeats=sampler.step_repeats()`` (said once,
+  :class:`RepeatWarning`), so the step's loss is its unique examples' on any world size.
 - ``drop_last=True``: only full steps; the tail (chosen at random each epoch) is left out and counted
   (``dropped``).
 
@@ -104,6 +107,7 @@ __all__ = [
     "PackedBatchSampler",
     "EpochStats",
     "ResumeWarning",
+    "RepeatWarning",
     "Schedule",
     "lengths_from_dataset",
     "SamplerOptions",
@@ -366,13 +370,10 @@ def arrange_steps(cost: np.ndarray, world_size: int, rng, *, shuffle: bool, bala
     return steps.reshape(-1)
 
 
-def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> tuple[list[np.ndarray], int]:
-    """Split the piece with the most examples in halves until there are ``count``; repeat if all are single
-    (or at once with ``split=False``: pieces whose examples must stay together, as groups do).
-
-    Halves of a batch within its budget are within it too. Returns the pieces and the examples repeated:
-    ``split_pieces([[3, 4, 5]], 2) -> ([[3], [4, 5]], 0)``; ``split_pieces([[3]], 2) -> ([[3], [3]], 1)``.
-    """
+def halve_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> list[np.ndarray]:
+    """Split the piece with the most examples in halves until there are ``count``, or every piece is one example
+    (none at all with ``split=False``: pieces whose examples must stay together, as groups do). Halves of a batch
+    within its budget are within it too: ``halve_pieces([[3, 4, 5]], 4) -> [[3], [4], [5]]``."""
     parts = [np.asarray(p, np.int64) for p in parts]
     while split and len(parts) < count:
         j = max(range(len(parts)), key=lambda i: parts[i].size)
@@ -381,13 +382,25 @@ def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> 
         p = parts.pop(j)
         h = p.size // 2
         parts[j:j] = [p[:h], p[h:]]
-    repeated = 0
-    i = 0
-    while len(parts) < count:
-        parts.append(parts[i])
-        repeated += parts[i].size
-        i += 1
-    return parts, repeated
+    return parts
+
+
+def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> tuple[list[np.ndarray], int]:
+    """:func:`halve_pieces`, then the pieces repeated in order until there are ``count``: the repeats are the last
+    ``count - len(halve_pieces(...))`` pieces. Returns the pieces and the examples repeated:
+    ``split_pieces([[3, 4, 5]], 2) -> ([[3], [4, 5]], 0)``; ``split_pieces([[3]], 2) -> ([[3], [3]], 1)``.
+    """
+    parts = halve_pieces(parts, count, split=split)
+    copies = [parts[i % len(parts)] for i in range(count - len(parts))]
+    return parts + copies, sum(p.size for p in copies)
+
+
+class RepeatWarning(UserWarning):
+    """A step with fewer examples than ranks deals the ranks left without one a repeat (DDP needs every rank to run a
+    micro-batch): said once a sampler, in one line. The repeats weigh 0 where the loop counts the step with
+    ``accumulation_step(..., facts=sampler.step_facts())`` or ``repeats=sampler.step_repeats()``; otherwise they
+    count twice. Silence it with ``warnings.filterwarnings("ignore", category=RepeatWarning)``.
+    """
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +418,8 @@ class EpochStats:
         accumulation_steps: micro-batches per rank per optimiser step (``step_batches // world_size``).
         examples: distinct examples yielded over all ranks.
         repeated: extra yields of examples already in the epoch (``drop_last=False``, only when a last
-            step holds fewer examples than ranks).
+            step holds fewer examples than ranks): whole micro-batches dealt so that every rank runs one, which
+            weigh 0 under ``step_facts()`` / ``step_repeats()`` (:class:`RepeatWarning`).
         dropped: examples not yielded this epoch (``drop_last=True`` tail, ``overflow="drop"``).
         tokens: real tokens yielded over all ranks (repeats counted; truncated tokens not).
         padded_tokens: tokens after padding: batch size x longest per batch (length-grouped, token
@@ -482,7 +496,9 @@ class Schedule:
     (steps,) int64 units of the sequence each step covers; ``mask0``: the units of the first step used
     before it was dealt; ``pieces``: (rows * world_size,) int64 units (windows) each batch holds;
     ``repeated``: examples yielded twice (a last step with fewer examples than ranks); ``moved``: the
-    one-line notice when step boundaries moved, else ''.
+    one-line notice when step boundaries moved, else ''; ``repeats``: (rows * world_size,) bool, the batches
+    that only repeat examples of another batch of their step (dealt so that every rank runs a micro-batch:
+    ``step_facts()`` and ``step_repeats()`` give them weight 0, so a step's loss is its unique examples').
     """
 
     flat: np.ndarray
@@ -496,6 +512,7 @@ class Schedule:
     pieces: np.ndarray
     repeated: int
     moved: str
+    repeats: np.ndarray
 
     @property
     def rows(self) -> int:
@@ -716,6 +733,7 @@ class _BatchSampler:
         self._seq_cache: dict = {}  # (seed, epoch, units a step, planner) -> _Sequence, the last CACHED
         self._sched_cache: dict = {}  # (seed, epoch, _Point) -> Schedule, the last CACHED
         self._stats_cache: tuple | None = None
+        self._said_repeats = False  # the RepeatWarning given
         self._sequence(0, self.seed, self._step_units)  # bad input fails here, not at the first step
 
     # -- subclasses build the sequence ----------------------------------------------------------
@@ -795,12 +813,14 @@ class _BatchSampler:
         return np.array_split(units, rows)
 
     def _deal_partial(self, seq: _Sequence, units: np.ndarray, R: int,
-                      m: int) -> tuple[list[np.ndarray], list[int], int]:
+                      m: int) -> tuple[list[np.ndarray], list[int], list[bool]]:
         """A step of fewer units than a full one, row by row (:meth:`_partial_rows`): a row's units in runs
         as even as possible over the ranks; a row with fewer units than ranks is split by examples
-        (then repeated, counted). Each row uses whole units, so a resume inside the step is exact.
-        Returns batches (row-major), units per batch, examples repeated."""
-        batches, pieces, repeated = [], [], 0
+        (:func:`split_pieces`), and where there are fewer examples than ranks the last ranks get repeats of them.
+        Each row uses whole units, so a resume inside the step is exact. Returns batches (row-major), units per
+        batch, and whether each batch is a repeat (its examples are another batch's of the step: it is dealt only
+        so that every rank runs a micro-batch, and weighs 0, :attr:`Schedule.repeats`)."""
+        batches, pieces, repeats = [], [], []
         for row in self._partial_rows(units, R, m):
             if row.size >= R and int(row[-1] - row[0]) == row.size - 1:  # consecutive units: each run a slice
                 q, r = divmod(row.size, R)
@@ -808,17 +828,18 @@ class _BatchSampler:
                 at = seq.ptr[edges].tolist()
                 batches += [seq.flat[at[i]:at[i + 1]] for i in range(R)]
                 pieces += [edges[i + 1] - edges[i] for i in range(R)]
+                repeats += [False] * R
             elif row.size >= R:
                 parts = np.array_split(row, R)
                 batches += [select_batches(seq.flat, seq.ptr, p)[0] for p in parts]
                 pieces += [p.size for p in parts]
+                repeats += [False] * R
             else:
-                split, rep = split_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R,
-                                          split=self._splittable)
-                batches += split
+                own = halve_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R, split=self._splittable)
+                batches += split_pieces(own, R, split=False)[0]
                 pieces += [1] * R
-                repeated += rep
-        return batches, pieces, repeated
+                repeats += [False] * len(own) + [True] * (R - len(own))
+        return batches, pieces, repeats
 
     def _example_cost(self) -> np.ndarray:
         """(n,) float64 cost of each example under ``cost`` (packed: its first ``W`` tokens), cached."""
@@ -840,11 +861,11 @@ class _BatchSampler:
         rows_of: list[int] = []  # rows of each step
         starts: list[int] = []
         spans: list[int] = []
-        repeated, skip, mask0 = 0, 0, 0
+        skip, mask0 = 0, 0
         notes = []
 
-        def add_step(batches, pieces, start: int, span: int) -> None:  # a step dealt batch by batch
-            parts.append(("list", batches, pieces))
+        def add_step(batches, pieces, repeats, start: int, span: int) -> None:  # a step dealt batch by batch
+            parts.append(("list", batches, pieces, repeats))
             rows_of.append(len(batches) // R)
             starts.append(start)
             spans.append(span)
@@ -854,9 +875,8 @@ class _BatchSampler:
             lo, hi = point.start, point.start + point.span
             left = np.arange(lo, hi)[~mask_bits(point.mask, lo, hi)]
             if point.deal == (R, m):  # the same deal: go on inside it
-                batches, pieces, rep = self._deal_step(seq, left, S)
-                add_step(batches, pieces, lo, hi - lo)
-                skip, mask0, repeated = point.rows, point.mask, rep
+                add_step(*self._deal_step(seq, left, S), lo, hi - lo)
+                skip, mask0 = point.rows, point.mask
             else:  # what the old deal had not handed out yet, dealt to this world size
                 used = np.zeros(hi - lo, bool)
                 used[mask_bits(point.mask, lo, hi)] = True
@@ -866,11 +886,9 @@ class _BatchSampler:
                 rest = np.arange(lo, hi)[~used]
                 for chunk in _chunks(rest, S):
                     c_lo, c_hi = int(chunk[0]), int(chunk[-1]) + 1
-                    batches, pieces, rep = self._deal_step(seq, chunk, S)
-                    add_step(batches, pieces, c_lo, c_hi - c_lo)
+                    add_step(*self._deal_step(seq, chunk, S), c_lo, c_hi - c_lo)
                     if not mask0 and not starts[:-1]:
                         mask0 = bits_mask(used[c_lo - lo:c_hi - lo])
-                    repeated += rep
                 notes.append(f"the step in progress ({rest.size} of {hi - lo} {self._unit_name} left) is dealt "
                              f"to world_size={R} as {len(_chunks(rest, S))} step(s) of its own")
             q = hi
@@ -888,11 +906,10 @@ class _BatchSampler:
                 starts += list(range(q, q + nfull * S, S))
                 spans += [S] * nfull
             if q + nfull * S < U:
-                batches, pieces, rep = self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64), R, m)
-                add_step(batches, pieces, q + nfull * S, U - q - nfull * S)
-                repeated += rep
+                add_step(*self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64), R, m),
+                         q + nfull * S, U - q - nfull * S)
         return _remember(self._sched_cache, key, self._assemble(parts, rows_of, starts, spans, skip, mask0,
-                                                                repeated, "; ".join(notes)))
+                                                                "; ".join(notes)))
 
     def _deal_step(self, seq: _Sequence, units: np.ndarray, S: int):
         """One step's batches, as the schedule deals it: the full deal for ``S`` units, else the partial."""
@@ -900,7 +917,7 @@ class _BatchSampler:
         if units.size == S:
             order = self._deal_full(seq, units.reshape(1, S), R, m)
             return ([select_batches(seq.flat, seq.ptr, order[i:i + k])[0] for i in range(0, order.size, k)],
-                    [k] * (order.size // k), 0)
+                    [k] * (order.size // k), [False] * (order.size // k))
         return self._deal_partial(seq, units, R, m)
 
     def _dealt_units(self, seq: _Sequence, units: np.ndarray, deal: tuple, rows: int) -> np.ndarray:
@@ -912,32 +929,36 @@ class _BatchSampler:
             return self._deal_full(seq, units.reshape(1, S), R, m)[:rows * R * self._k]
         return np.concatenate([units[:0], *self._partial_rows(units, R, m)[:rows]])
 
-    def _assemble(self, parts, rows_of, starts, spans, skip, mask0, repeated, moved) -> Schedule:
+    def _assemble(self, parts, rows_of, starts, spans, skip, mask0, moved) -> Schedule:
         R = self.world_size
-        flats, sizes, pieces = [], [], []
+        flats, sizes, pieces, repeats = [], [], [], []
         for part in parts:
             if part[0] == "vec":
                 flats.append(part[1])
                 sizes.append(np.diff(part[2]))
                 pieces.append(part[3])
+                repeats.append(np.zeros(part[3].size, bool))
             else:
                 flats += part[1]
                 sizes.append(np.array([b.size for b in part[1]], np.int64))
                 pieces.append(np.asarray(part[2], np.int64))
+                repeats.append(np.asarray(part[3], bool))
         flat = _end_to_end(flats) if flats else np.zeros(0, np.int64)
         sizes = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
         pieces = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+        repeats = np.concatenate(repeats) if repeats else np.zeros(0, bool)
         ptr = lengths_to_offsets(sizes)
         step_row = lengths_to_offsets(np.asarray(rows_of, np.int64)) - skip
         if skip:  # resumed inside the first step: its first rows are done
             cut = int(ptr[skip * R])
-            flat, ptr, pieces = flat[cut:], ptr[skip * R:] - cut, pieces[skip * R:]
+            flat, ptr, pieces, repeats = flat[cut:], ptr[skip * R:] - cut, pieces[skip * R:], repeats[skip * R:]
         # repeats are whole pieces inside one row of a split step: count what this schedule yields twice
-        repeated = int(flat.size - np.count_nonzero(np.bincount(flat))) if repeated and flat.size else 0
+        repeated = int(flat.size - np.count_nonzero(np.bincount(flat))) if repeats.any() and flat.size else 0
+        repeats.setflags(write=False)
         return Schedule(flat=flat, ptr=ptr, world_size=R, accumulation_steps=self.accumulation_steps,
                         step_row=step_row, step_start=np.asarray(starts, np.int64),
                         step_span=np.asarray(spans, np.int64), mask0=mask0, pieces=pieces,
-                        repeated=int(repeated), moved=moved)
+                        repeated=int(repeated), moved=moved, repeats=repeats)
 
     # -- the figures --------------------------------------------------------------------------
 
@@ -1032,6 +1053,14 @@ class _BatchSampler:
             warnings.warn(ResumeWarning(f"{type(self).__name__} resumed on world_size={self.world_size}: "
                                         f"{sched.moved}; no example is repeated or skipped"), stacklevel=3)
         self._active = (sched, self._point, self._offset, p)
+        if sched.repeats.any() and not getattr(self, "_said_repeats", False):
+            self._said_repeats = True
+            warnings.warn(RepeatWarning(
+                f"{type(self).__name__} (epoch {self._epoch_num}): {int(sched.repeats.sum())} micro-batch(es) of a step "
+                f"with fewer examples than the {self.world_size} ranks repeat examples so that every rank runs one; they "
+                "weigh 0 where accumulation_step counts the step with facts=sampler.step_facts() or "
+                f"repeats=sampler.step_repeats(), else they count twice (epoch_stats().repeated = {sched.repeated})"),
+                stacklevel=3)
         self._point, self._offset, self._loaded = _Point(), 0, False  # the pass after this one: the whole epoch
         return sched
 
@@ -1065,8 +1094,22 @@ class _BatchSampler:
         micro-batch of every rank): ``accumulation_step(micro_batches, facts=sampler.step_facts())`` normalises
         it with no collective. Needs ``loss_weighting`` and ``loss_lengths``. The batches received are counted
         as :meth:`state_dict` counts them (``batches_consumed``: this epoch's, where the loader cannot be asked).
-        A pass resumed inside a step under the same deal takes the whole step, the rows done before included."""
+        A pass resumed inside a step under the same deal takes the whole step, the rows done before included.
+        The step's counts and ``Z`` are its unique examples': a micro-batch that repeats examples so that every
+        rank runs one (:meth:`step_repeats`) is left out of them, and ``accumulation_step`` weighs it 0."""
         return _resume().step_facts(self, batches_consumed, sys._getframe(1).f_globals.get("__name__", ""))
+
+    def step_repeats(self, *, batches_consumed: int | None = None) -> tuple:
+        """This rank's micro-batches of the optimiser step of the last batch the loop received (counted as
+        :meth:`step_facts` counts), True where one only repeats examples of another rank's: a step with fewer
+        examples than ranks deals the ranks left without one a repeat, so that every rank runs a forward and
+        backward (DDP). ``accumulation_step(micro_batches, repeats=sampler.step_repeats())`` weighs them 0 and
+        leaves them out of the step's counts and ``Z`` (``facts=sampler.step_facts()`` carries the same), so the
+        step's loss is its unique examples' on any world size. Needs no ``loss_weighting``: ``(False, False)``
+        for a step of two micro-batches on this rank with no repeat."""
+        _, _, _, mine = _resume().received_step(self, batches_consumed, sys._getframe(1).f_globals.get("__name__", ""),
+                                                "step_repeats")
+        return tuple(r for _, r in mine)
 
     def merge_state_dicts(self, states) -> dict:
         """One state from the per-rank states of a run: identical ones (this version) pass through;

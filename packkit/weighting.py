@@ -161,7 +161,9 @@ class StepFacts:
     ``weighting``: the name of the step's weighting (None: the token mean); ``loss_tokens``: ``sum_c |O_c|``;
     ``loss_normalizer``: ``Z`` (with the step's constant; ``loss_tokens`` for the token mean); ``tokens``,
     ``examples``: the step's tokens and examples; ``world_size``: its ranks; ``micro``: this rank's micro-batches
-    in order, ``(loss tokens, part of Z)`` each, which the step checks against the batches it is given.
+    in order, ``(loss tokens, part of Z)`` each as collated, which the step checks against the batches it is given;
+    ``repeats``: this rank's micro-batches, True where one only repeats examples of another (dealt so that every rank
+    runs one): weighed 0 by the step and left out of the counts and ``Z`` above, which are the unique examples'.
     Made by ``sampler.step_facts()`` (:class:`packkit.sampler.SamplerOptions`' ``loss_weighting``).
     """
 
@@ -172,6 +174,7 @@ class StepFacts:
     examples: int
     world_size: int
     micro: tuple
+    repeats: tuple = ()
 
 
 def SeqSumNorm(max_length: int) -> LossWeighting:

@@ -10,13 +10,15 @@ the collectives packkit makes are counted (every ``torch.distributed`` collectiv
   (``LengthGroupedSampler`` + ``FixedWindowCollator(overflow="split")``, the pieces' first labels left out of
   ``loss_lengths`` as the collator leaves them out);
 - resumed: a run on N ranks saved at a random step (``sampler.state_dict()`` in the loop) and resumed on M != N:
-  every step after it has the gradient of the uninterrupted run (and of the reference), within 1e-12; full steps
-  only (``drop_last``: a last step with fewer windows than ranks repeats examples, see ``resume_case``).
+  every step after it has the gradient of the uninterrupted run (and of the reference), within 1e-12, the last,
+  short step included: it holds fewer examples than the larger world has ranks, so a rank there gets a repeat of
+  one (``epoch_stats().repeated``), which weighs 0 (``resume_case``).
 
 The reference is test_loss_weighting's ``reference_loss`` (each mode's formula over unpacked documents).
 """
 
 import contextlib
+import functools
 import sys
 import time
 
@@ -205,8 +207,9 @@ def run_epoch(s, loader, model, counter, group, on_step=None) -> list:
         facts = s.step_facts() if s.plans_steps else None
         if len(mbs) < (len(facts.micro) if facts is not None else sizes[len(steps)]):
             continue
-        with counter.counting():
-            step = accumulation_step(mbs, facts=facts, group=None if facts is not None else group)
+        with counter.counting():  # (the sampler says which micro-batches repeat examples: they weigh 0)
+            step = accumulation_step(mbs, facts=facts, group=None if facts is not None else group,
+                                     repeats=None if facts is not None else s.step_repeats())
         steps.append((*train_step(model, step, mbs, counter), counter.take()))
         mbs = []
         if on_step is not None:
@@ -234,21 +237,27 @@ def run_planned(seed, world, kind, group, rank, counter, out):
 def resume_case(seed: int):
     """``(N, M, docs, the sampler of (mode, rank, world))``: step_batches 4 or 8, a multiple of every world size
     (accumulation 4 or 8 on one rank, 1 or 2 on four); Column's sampler plans nothing (its weights are the
-    examples'), so its steps take the collective. ``drop_last``: a last step with fewer windows than ranks repeats
-    examples on the ranks left without one (``epoch_stats().repeated``), which fewer ranks do not, so that step's
-    loss depends on the world size (a sum over the step, seq-mean-token-sum-norm, saved on 4 ranks and resumed on 1:
-    gradient off by 0.105, found by this test); the full steps are the same on every world size."""
+    examples'), so its steps take the collective. The epoch ends in a short step of fewer examples than the larger
+    of N and M has ranks (the first count of documents from 6 steps' worth up that makes one), so that world repeats
+    examples on the ranks left without one (``epoch_stats().repeated``) and the smaller does not: the repeats weigh
+    0, so the step's loss is the unique examples' on every world size. Before they did not (a sum over the step,
+    seq-mean-token-sum-norm, saved on 4 ranks and resumed on 1: gradient off by 0.105, found by this test)."""
     rng = np.random.default_rng([seed, 2])
     old, new = (int(x) for x in rng.choice(WORLDS, 2, replace=False))
     step_batches = 4 * int(rng.integers(1, 3))
-    docs = documents(rng, 6 * step_batches + int(rng.integers(0, 8)), max_len=16)
-    lengths = np.array([len(d["input_ids"]) for d in docs])
+    pool = documents(rng, 6 * step_batches + 200, max_len=16)
+    lengths = np.array([len(d["input_ids"]) for d in pool])
 
-    def make(mode, rank, world):
-        plan = {} if isinstance(mode, ColumnWeighting) else dict(loss_weighting=mode, loss_lengths=loss_lengths(docs))
-        return PackedBatchSampler(lengths, window=16, rank=rank, world_size=world, step_batches=step_batches,
-                                  seed=seed % 1000, drop_last=True, **plan)
-    return old, new, docs, make
+    def sampler(n, mode, rank, world):
+        plan = {} if mode is None or isinstance(mode, ColumnWeighting) else dict(
+            loss_weighting=mode, loss_lengths=loss_lengths(pool[:n]))
+        return PackedBatchSampler(lengths[:n], window=16, rank=rank, world_size=world, step_batches=step_batches,
+                                  seed=seed % 1000, **plan)
+
+    n = next((n for n in range(6 * step_batches, len(pool))
+              if sampler(n, None, 0, max(old, new)).epoch_stats().repeated), None)
+    assert n is not None, f"seed {seed}: no count of documents ends the epoch in a step that repeats examples"
+    return old, new, pool[:n], functools.partial(sampler, n)
 
 
 def run_resume(seed, stop_at, groups, rank, counter, out, out_dir):
@@ -323,9 +332,12 @@ def reference(docs, mode, dropped=None):
 
 
 def step_documents(s):
+    """The examples of every optimiser step of ``s``'s schedule (all ranks), each once: a repeat dealt so that every
+    rank has a micro-batch is no document of the step."""
     sched, R = s.schedule(), s.world_size
     rows = np.clip(sched.step_row, 0, None)
-    return [sched.flat[sched.ptr[lo * R]:sched.ptr[hi * R]].tolist() for lo, hi in zip(rows[:-1], rows[1:]) if hi > lo]
+    return [list(dict.fromkeys(sched.flat[sched.ptr[lo * R]:sched.ptr[hi * R]].tolist()))
+            for lo, hi in zip(rows[:-1], rows[1:]) if hi > lo]
 
 
 @pytest.mark.distributed

@@ -76,10 +76,12 @@ def rank_steps(s, examples, mode, model, *, workers=0, ddp=False):
 
 
 def step_documents(s):
-    """The examples of every optimiser step of ``s``'s schedule (all ranks), in order."""
+    """The examples of every optimiser step of ``s``'s schedule (all ranks), in order, each once: a repeat dealt so
+    that every rank has a micro-batch is no document of the step (it weighs 0)."""
     sched, R = s.schedule(), s.world_size
     rows = np.clip(sched.step_row, 0, None)
-    return [sched.flat[sched.ptr[lo * R]:sched.ptr[hi * R]].tolist() for lo, hi in zip(rows[:-1], rows[1:]) if hi > lo]
+    return [list(dict.fromkeys(sched.flat[sched.ptr[lo * R]:sched.ptr[hi * R]].tolist()))
+            for lo, hi in zip(rows[:-1], rows[1:]) if hi > lo]
 
 
 def check_world(examples, lengths, loss, mode, world_size, *, workers=0, state=None):
@@ -189,6 +191,125 @@ def test_wrong_loss_lengths_refused_in_one_line():
                           facts=s.step_facts())
 
 
+def repeat_case(world: int = 4):
+    """Examples whose epoch on ``world`` ranks (4 micro-batches a step) ends in a step of fewer examples than ranks,
+    so that some ranks get a micro-batch repeating another's (the first count from 40 up that makes one)."""
+    examples, lengths, loss = make_examples(120)
+    n = next(n for n in range(40, 120)
+             if PackedBatchSampler(lengths[:n], window=64, world_size=world, rank=0, step_batches=4,
+                                   seed=3).epoch_stats().repeated)
+    return examples[:n], lengths[:n], loss[:n]
+
+
+def test_repeats_weigh_zero_through_a_dataloader_with_two_workers():
+    """A last step of fewer examples than the 4 ranks deals repeats so that every rank runs a micro-batch (DDP); they
+    counted again in the step's loss and Z, so the step's loss depended on the world size (saved on 4 ranks and
+    resumed on 1, seq-mean-token-sum-norm's gradient moved by 0.105). Through a DataLoader with 2 workers (which
+    collate ahead of the loop), ``step_facts()`` names them: the repeat the loop holds carries weight 0 on every
+    label and Z part 0 (after pickling too), its loss is 0 with a graph (DDP's backward runs), and the step's loss,
+    summed over the ranks, is the unique examples' (1e-12). Said once, in one line (RepeatWarning)."""
+    import pickle
+
+    from packkit.sampler import RepeatWarning
+
+    examples, lengths, loss = repeat_case()
+    mode, model, total, repeats = "sample", tiny_token_lm(VOCAB, 4), 0, 0
+    for r in range(4):
+        s = sampler(lengths, loss, mode, r, 4)
+        loader = DataLoader(examples, batch_sampler=s, collate_fn=PaddingFreeCollator(loss_weighting=mode),
+                            num_workers=2)
+        mbs, steps = [], 0
+        with pytest.warns(RepeatWarning, match="repeat examples so that every rank runs one") as said:
+            for mb in loader:
+                mbs.append(mb)
+                facts = s.step_facts()
+                if len(mbs) < len(facts.micro):
+                    continue
+                step, steps = accumulation_step(mbs, facts=facts), steps + 1
+                last = steps == len(s.schedule().step_start)
+                for b, rep in zip(mbs, facts.repeats):
+                    assert rep == (last and bool(s.schedule().repeats[(len(s) - 1) * 4 + r]))
+                    got = step.loss(model(b["input_ids"]), b)
+                    if rep:
+                        repeats += 1
+                        assert not b.loss_weight.any() and b.loss_norm == 0.0 and b.num_loss_tokens > 0
+                        back = pickle.loads(pickle.dumps(b))  # the mark lives on the labels: it goes where they go
+                        assert not back.loss_weight.any() and back.loss_norm == 0.0
+                        assert float(got.detach()) == 0.0 and got.requires_grad
+                    if last:
+                        total = total + got
+                mbs = []
+        notes = [str(w.message) for w in said if issubclass(w.category, RepeatWarning)]
+        assert len(notes) == 1 and "\n" not in notes[0]
+    assert repeats == int(s.schedule().repeats.sum()) >= 1
+    unique = step_documents(s)[-1]
+    want = reference_loss(model, [examples[i] for i in unique], mode)
+    got, want = float(total.detach()) / 4, float(want.detach())  # DDP's mean over the ranks
+    print(f"last step: {len(unique)} unique examples, {repeats} repeats; loss {got:.12f}, reference {want:.12f}")
+    assert abs(got - want) <= 1e-12
+
+
+def test_token_mean_under_repeats_is_the_unique_examples_token_mean():
+    """The token mean, whose batches carry no weights: the last step's repeats weigh 0 too, planned
+    (``facts=sampler.step_facts()``) and unplanned (a sampler without a weighting, ``repeats=sampler.step_repeats()``,
+    every rank's micro-batches summed as the one all-reduce sums them). The step's loss tokens and loss are the unique
+    examples' token mean (1e-12); counted without the repeats' marks, they are not (what every loop got before)."""
+    examples, lengths, loss = repeat_case()
+    model = tiny_token_lm(VOCAB, 4)
+    coll = PaddingFreeCollator()
+    by_rank = {}
+    for planned in (True, False):
+        for r in range(4):
+            s = sampler(lengths, loss, "token", r, 4) if planned else PackedBatchSampler(
+                lengths, window=64, rank=r, world_size=4, step_batches=4, seed=3)
+            mbs = []
+            for idx in s:
+                mbs.append(coll([examples[i] for i in idx]))
+            k = s.accumulation_steps
+            by_rank[planned, r] = (mbs[-k:], s.step_facts() if planned else s.step_repeats())  # the last step
+    unique = step_documents(s)[-1]
+    want = reference_loss(model, [examples[i] for i in unique], "token")
+    want_tokens = int(loss[unique].sum())
+
+    def step_loss(step, mbs):
+        return float(sum(step.loss(model(b["input_ids"]), b) for b in mbs).detach())
+
+    planned = 0.0
+    for r in range(4):
+        mbs, facts = by_rank[True, r]
+        step = accumulation_step(mbs, facts=facts)
+        assert step.num_loss_tokens == want_tokens
+        planned += step_loss(step, mbs) / 4  # DDP's mean over the ranks
+    every = [b for r in range(4) for b in by_rank[False, r][0]]
+    flags = [f for r in range(4) for f in by_rank[False, r][1]]
+    assert any(flags) and not all(flags)
+    step = accumulation_step(every, repeats=flags, all_reduce=False)  # what the all-reduce sums, in one process
+    unplanned = step_loss(step, every)
+    print(f"token mean of {len(unique)} unique examples: planned {planned:.12f}, unplanned {unplanned:.12f}, "
+          f"reference {float(want):.12f}")
+    assert step.num_loss_tokens == want_tokens
+    assert abs(planned - float(want)) <= 1e-12 and abs(unplanned - float(want)) <= 1e-12
+    fresh = [coll([examples[i] for i in sched_ids]) for sched_ids in
+             (s.schedule().flat[s.schedule().ptr[b]:s.schedule().ptr[b + 1]] for b in range((len(s) - 1) * 4, len(s) * 4))]
+    twice = accumulation_step(fresh, all_reduce=False)  # the same micro-batches, their repeats not marked
+    assert twice.num_loss_tokens > want_tokens and abs(step_loss(twice, fresh) - float(want)) > 1e-6
+
+
+def test_repeats_refused_when_they_do_not_fit():
+    """``repeats`` that are not one bool a micro-batch, or that contradict the sampler's facts, are refused in one
+    line (a silent misfit would weigh the wrong micro-batch 0)."""
+    examples, lengths, loss = repeat_case()
+    s = sampler(lengths, loss, "sample", 0, 4)
+    mbs = [PaddingFreeCollator(loss_weighting="sample")([examples[i] for i in idx]) for idx in s]
+    facts = s.step_facts()
+    with pytest.raises(ValueError, match="one bool for each of the 1 micro-batches"):
+        accumulation_step(mbs[-1:], repeats=[True, False], all_reduce=False)
+    with pytest.raises(ValueError, match="one bool for each"):
+        accumulation_step(mbs[-1:], repeats=[1], all_reduce=False)
+    with pytest.raises(ValueError, match="differ from the sampler's step facts"):
+        accumulation_step(mbs[-1:], facts=facts, repeats=[not facts.repeats[0]])
+
+
 def test_bad_options_refused_in_one_line():
     examples, lengths, loss = make_examples()
     with pytest.raises(ArgumentError, match="needs loss_lengths"):
@@ -286,7 +407,8 @@ def sampler_cases(draw):
 def test_every_sampler_plans_the_z_its_batches_carry(case):
     """Length-grouped, token-budget and packed samplers, 1-4 ranks, 1-3 micro-batches a rank, short last steps
     and dropped tails: for every step, the plan's Z and loss tokens are the sums over every rank's collated
-    micro-batches, and each rank's micro-batches are the ones it lists (accumulation_step accepts them)."""
+    micro-batches (a micro-batch that only repeats examples another holds, dealt so that every rank has one, left
+    out: it weighs 0), and each rank's micro-batches are the ones it lists (accumulation_step accepts them)."""
     examples, make, world, mode = case
     coll = PaddingFreeCollator(loss_weighting=mode)
     for r in range(world):
@@ -304,8 +426,12 @@ def test_every_sampler_plans_the_z_its_batches_carry(case):
                 continue
             step = accumulation_step(mbs, facts=facts)
             lo, hi = int(sched.step_row[steps]), int(sched.step_row[steps + 1])
-            every = [coll([examples[i] for i in sched.flat[sched.ptr[b]:sched.ptr[b + 1]]])
-                     for b in range(lo * world, hi * world) if sched.ptr[b + 1] > sched.ptr[b]]
+            every, seen = [], set()  # each example of the step once: a batch that only repeats seen ones weighs 0
+            for b in range(lo * world, hi * world):
+                ids = sched.flat[sched.ptr[b]:sched.ptr[b + 1]].tolist()
+                if not set(ids) <= seen:
+                    every.append(coll([examples[i] for i in ids]))
+                    seen.update(ids)
             want = accumulation_step(every, all_reduce=False)
             assert step.num_loss_tokens == want.num_loss_tokens
             assert abs(step.loss_normalizer - want.loss_normalizer) <= 1e-9 * max(1.0, want.loss_normalizer)
