@@ -150,3 +150,16 @@ def pytest_collection_modifyitems(config, items):
         if factor > 1 and id(test) not in scaled:
             scaled.add(id(test))
             scale_own_cap(test, factor)
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64 for the test (put back after): media read back as Python lists (a
+    ``datasets`` row without a format) become that dtype, as ``torch.tensor`` makes them
+    (:func:`packkit.media.media_tensor`), so a float64 model's exact comparison keeps them float64."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

@@ -707,7 +707,7 @@ def test_waste_and_plan_read_multimodal_rows(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "idefics3", "llava_next", "paligemma"])
-def test_offline_packed_rows_train_equal_to_online(family):
+def test_offline_packed_rows_train_equal_to_online(family, float64_default):
     """pack_dataset of multimodal rows keeps each document's media with it in its packed row (a list over the
     row's documents, null for text-only ones; token_type_ids packed like the tokens), and
     VisionLanguageCollator(PackedRowsCollator) reads them back: every document's logits equal it alone, and

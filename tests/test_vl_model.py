@@ -270,7 +270,7 @@ def offline_rows(examples):
 
 
 @pytest.mark.parametrize("where", ["memory", "parquet", "arrow"])
-def test_offline_packed_rows_equal_each_document_alone(model, examples, alone, where, tmp_path):
+def test_offline_packed_rows_equal_each_document_alone(model, examples, alone, where, tmp_path, float64_default):
     """pack_dataset of Qwen-VL rows keeps each document's images, grids and mm_token_type_ids with it (in memory,
     or written to a file and read back), and VisionLanguageCollator(PackedRowsCollator, rope_index=) makes each
     document's mRoPE positions from them: every document's logits equal it alone (best-fit moved the documents,
@@ -290,7 +290,7 @@ def test_offline_packed_rows_equal_each_document_alone(model, examples, alone, w
     assert any(len(r["seq_lengths"]) > 1 for r in packed)
     rope_index = model.model.get_rope_index
     offline = VisionLanguageCollator(PackedRowsCollator(window=window), rope_index=rope_index)(list(packed))
-    assert offline["pixel_values"].dtype == torch.float64
+    assert offline["pixel_values"].dtype == torch.float64  # the rows' lists in the default dtype (float64_default)
     order = check_documents(model, offline, examples, alone)
     assert order != sorted(order)
     assert torch.equal(offline["image_grid_thw"], torch.cat([examples[i]["image_grid_thw"] for i in order
