@@ -192,6 +192,9 @@ UNCOMPILED = {
     "as_groups": "the groups of examples as CSR (binpack), for packing without groups",
     "split_groups": "a group longer than the window cut between its examples (binpack), for no groups",
     "find_max_micro_batch": "the bisection of a training step's micro-batch (budget), for a plan's figures",
+    "classify": "the verdict on an error (packkit.cli._failures), for a command that fails nowhere",
+    "install_hint": "the pip line of a missing package, read from packkit's metadata, for no import failing",
+    "extra_for": "the extra that installs a module (with install_hint), for no import failing",
 }
 
 
@@ -316,3 +319,30 @@ def test_help_version_and_a_wrong_command_import_no_errors_module():
             "print(sorted(m for m in ('packkit.errors', 'numbers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_help_version_and_a_wrong_command_compile_no_shared_options_nor_failures():
+    """Regression: ``packkit --help`` compiled the whole command line (19 KB from source): the options the subcommands
+    share, their parser and the verdicts on every error, none of which it runs, with :mod:`packkit.choices` for the
+    options' words: 149.4 M instructions from source against fd3b24d's 134.2 M (valgrind), 127.7 M now. They are
+    :mod:`packkit.cli._options` (imported with a subcommand) and :mod:`packkit.cli._failures` (where a command fails),
+    lent by :mod:`packkit.cli` under their old address."""
+    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
+            "for argv in (['--help'], ['--version'], ['nocommand'], []):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        cli.main(argv)\n"
+            "print(sorted(m for m in ('packkit.cli._options', 'packkit.cli._failures', 'packkit.choices')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_command_line_lends_what_moved_under_its_old_address():
+    """``packkit.cli.Parser``, ``classify``, ``install_hint`` and the other names that left for
+    :mod:`packkit.cli._options` and :mod:`packkit.cli._failures` are the same objects at their old address."""
+    from packkit.cli import _failures, _options
+
+    for name, home in cli._LENT.items():
+        assert getattr(cli, name) is getattr({"_options": _options, "_failures": _failures}[home], name), name
+    with pytest.raises(AttributeError):
+        cli.no_such_name  # noqa: B018

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import UsageError
+from ._exits import UsageError
 from ..choices import LENGTH_MODES, LOSS_WEIGHTINGS
 from ..choices import loss_weighting_spec as checked_spec
 

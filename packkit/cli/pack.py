@@ -14,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-from . import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
+from ._options import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
 from ..binpack import check_seed, check_window, overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, load_table, parquet_schema, reader_pyarrow

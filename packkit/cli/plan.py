@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from . import (DEFAULT_WINDOW, Parser, UsageError, add_cp_arguments, add_dealing_arguments, add_output_switches,
-               add_window_arguments)
+from ._exits import UsageError
+from ._options import (DEFAULT_WINDOW, Parser, add_cp_arguments, add_dealing_arguments, add_output_switches,
+                       add_window_arguments)
 from ..binpack import PLAN_BYTES_PER_ITEM, check_seed, check_window, memory_available
 from ..budget import AdviceOptions, plan_budget, synthetic_sft_lengths
 from ..epoch import Lengths

@@ -17,7 +17,7 @@ import itertools
 import json
 from pathlib import Path
 
-from . import Parser, add_output_switches
+from ._options import Parser, add_output_switches
 from ..chat import chat_format
 from ..datafiles import (Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks,
                          tokenize_pairs)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from . import (DEFAULT_OVERFLOW, Parser, add_cp_arguments, add_dealing_arguments, add_output_switches,
-               add_window_arguments, require)
+from ._options import (DEFAULT_OVERFLOW, Parser, add_cp_arguments, add_dealing_arguments, add_output_switches,
+                       add_window_arguments, require)
 from ..binpack import check_seed, check_window
 from ..errors import ArgumentError, DataError, arg
 from ..waste import (PREFERENCE_OVERFLOW, WASTE_STRATEGIES, format_preference_waste, format_table, measure_waste,
