@@ -142,6 +142,7 @@ LAZY = {
     "packkit.config_costs": "the sums of a model config (4 KB, CostModel.from_config), for the default cost weight",
     "packkit.groups": "the groups that stay in one window (5 KB, binpack.pack_groups), for packing without groups",
     "packkit.microbatch": "the largest micro-batch that fits (5 KB, budget.find_max_micro_batch), for a plan",
+    "packkit.fits": "the planner's first-fit and next-fit strategies (5 KB), for plan's best fit (the default)",
 }
 
 
@@ -163,8 +164,9 @@ def started():
 
 
 #: Kept off ``plan --synthetic``'s path only: ``waste`` measures padded batches too (a LengthGroupedSampler), so it runs
-#: the padded samplers' sorts.
-PLAN_ONLY = {"packkit.orders", "sort_megabatches", "budget_batch_bounds", "stable_argsort"}
+#: the padded samplers' sorts, and every strategy of the planner (first fit and next fit too).
+PLAN_ONLY = {"packkit.orders", "sort_megabatches", "budget_batch_bounds", "stable_argsort", "packkit.fits",
+             "first_fit_decreasing", "first_fit", "next_fit"}
 
 
 def _commands(started, name) -> dict:
@@ -195,6 +197,9 @@ UNCOMPILED = {
     "classify": "the verdict on an error (packkit.cli._failures), for a command that fails nowhere",
     "install_hint": "the pip line of a missing package, read from packkit's metadata, for no import failing",
     "extra_for": "the extra that installs a module (with install_hint), for no import failing",
+    "first_fit_decreasing": "first-fit decreasing (binpack), for plan's best fit; waste measures it",
+    "first_fit": "first fit in a seeded order, item by item (binpack), for plan's best fit",
+    "next_fit": "next fit in order (binpack), for plan's best fit",
 }
 
 
