@@ -30,7 +30,7 @@ from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow,
 from .rules import ExampleTypeError, located, not_integer, segment_key
 from .sample import SAMPLE_PATH, bundled_sample  # noqa: F401 - their home is packkit.sample, off the readers
 from .segments import lengths_to_offsets, range_index
-from .tokenizer import load_tokenizer, release_freed, rust_tokenizer, tokenize, tokenizer_name
+from .allocators import release_freed
 
 __all__ = ["Lengths", "read_preference_lengths", "bundled_sample", "load_table", "load_dataset", "parquet_batches",
            "parquet_schema", "read_lengths", "reader_pyarrow", "table_chunks", "Tokenizing", "tokenize", "FORMATS",
@@ -49,6 +49,23 @@ INPUTS = {
 
 #: Suffix -> the format's name in messages.
 FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
+
+#: What :mod:`packkit.tokenizer` lends here under the old address (``datafiles.tokenize``).
+_TOKENIZER_NAMES = ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name")
+
+
+def _tokenizers():
+    """:mod:`packkit.tokenizer`, imported where text is tokenized or a tokenizer named: a file of token ids
+    (``packkit plan FILE``, ``pack``, ``waste``) does not compile it (14 KB)."""
+    from . import tokenizer  # lazy: the tokenizers, for text or pairs to tokenize only
+    return tokenizer
+
+
+def __getattr__(name: str):
+    """The tokenizers' functions under their old address: ``packkit.datafiles.tokenize``."""
+    if name in _TOKENIZER_NAMES:
+        return getattr(_tokenizers(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def input_format(path) -> str:
     """How ``path`` is read, by its suffix (the one place an input's format is chosen): ``"folder"`` (a
@@ -189,7 +206,7 @@ class Tokenizing:
                                     "template (a local folder, or a model id)", where=where, fmt=fmt,
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
             self.chat = enc = chat_encoder(schema, tokenizer, chat, stacklevel=4)
-            name = tokenizer_name(tokenizer)
+            name = _tokenizers().tokenizer_name(tokenizer)
             # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none); the template
             # named as it was given: the file passed, else the tokenizer's own
             words = (f"the chat template {os.path.basename(enc.template_file)!r} (tokenizer {name})"
@@ -211,8 +228,9 @@ class Tokenizing:
         typ = schema.field(text_column).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise TypeError(f"column {text_column!r} holds {typ}, not text")
-        self.tokenizer = rust_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
-        self.how = f"column {text_column!r} tokenized with {tokenizer_name(tokenizer or 'bytes')}"
+        tokenizers = _tokenizers()
+        self.tokenizer = tokenizers.rust_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
+        self.how = f"column {text_column!r} tokenized with {tokenizers.tokenizer_name(tokenizer or 'bytes')}"
 
     def encode(self, table, first_row: int = 0, *, progress: bool = False):
         """``table`` (a chunk of the input whose first row is ``first_row``) with its tokens (class docstring)."""
@@ -221,7 +239,7 @@ class Tokenizing:
         texts = table.column(self.text_column)
         if texts.null_count:
             raise DataError("{i} has no text (null)", i=Where(first_row + texts.to_pylist().index(None)))
-        return table.append_column(self.column, tokenize(texts, self.tokenizer, progress=progress))
+        return table.append_column(self.column, _tokenizers().tokenize(texts, self.tokenizer, progress=progress))
 
     def finish(self, rows: int) -> None:
         """The warnings that need every row (``rows`` of them): prompts that did not prefix their completion."""
@@ -551,7 +569,7 @@ def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
     from .preference import tokenize_preference  # lazy: torch, only for text pairs
 
     pa = pyarrow()
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    tok = _tokenizers().load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     keep = [c for c in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs") if c in table.column_names]
     rows = tokenize_preference(table.select(keep).to_pylist(), tok)
     names = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -584,7 +602,7 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             "in Python packkit.preference.tokenize_preference)", path=str(path),
                             typ=str(table.column("prompt").type), tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
         table, cols = tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code), PREFERENCE_COLUMNS[0]
-        how = f"pairs tokenized with {tokenizer_name(tokenizer)}"
+        how = f"pairs tokenized with {_tokenizers().tokenizer_name(tokenizer)}"
     else:
         warn_unused_tokenizer(tokenizer, repr(str(path)))
     out = []

@@ -351,3 +351,21 @@ def test_the_command_line_lends_what_moved_under_its_old_address():
         assert getattr(cli, name) is getattr({"_options": _options, "_failures": _failures}[home], name), name
     with pytest.raises(AttributeError):
         cli.no_such_name  # noqa: B018
+
+
+def test_plan_and_waste_of_token_ids_import_no_tokenizers(tmp_path):
+    """Regression: the door in (:mod:`packkit.datafiles`) imported :mod:`packkit.tokenizer` at the top (14 KB from source)
+    for text and preference pairs to tokenize, so ``packkit plan FILE`` and ``waste FILE`` of token ids compiled the
+    tokenizers' loading at start. It is imported where text is tokenized or a tokenizer named; ``datafiles.tokenize``
+    and the other names are lent as before."""
+    _inputs(tmp_path)
+    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    codes = [cli.main(['plan', 'in.jsonl', '-w', '64']), cli.main(['waste', 'in.jsonl', '-w', '64'])]\n"
+            "print(codes, 'packkit.tokenizer' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[0, 0] False", out.stdout + out.stderr
+    from packkit import datafiles, tokenizer
+
+    for name in ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name"):
+        assert getattr(datafiles, name) is getattr(tokenizer, name), name

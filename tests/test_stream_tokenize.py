@@ -296,7 +296,6 @@ def test_pack_gives_the_tokenizer_a_bounded_number_of_characters_a_call(lines, t
     (about 33 bytes a character for Qwen3's), so every call holds at most TOKENIZE_CALL_CHARS characters, whatever
     the file's size (a longer line alone), and the ids equal one call over every line. Before, a call took 10,000
     lines, a whole chunk of 4 MiB of text here."""
-    import packkit.datafiles as datafiles
     import packkit.tokenizer as tokenizer
 
     load, calls = tokenizer.rust_tokenizer, []
@@ -309,7 +308,7 @@ def test_pack_gives_the_tokenizer_a_bounded_number_of_characters_a_call(lines, t
 
         encode_batch = encode_batch_fast  # what marks a loaded tokenizer
 
-    monkeypatch.setattr(datafiles, "rust_tokenizer", lambda spec, **kw: Spy() if spec == str(tok_dir) else load(spec, **kw))
+    monkeypatch.setattr(tokenizer, "rust_tokenizer", lambda spec, **kw: Spy() if spec == str(tok_dir) else load(spec, **kw))
     monkeypatch.setattr(tokenizer, "TOKENIZE_CALL_CHARS", 300)
     texts = _texts(lines, seed=lines) + ["five " * 100]  # a line of 500 characters
     src = tmp_path / "in.txt"
