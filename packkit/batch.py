@@ -88,6 +88,7 @@ import numpy as np
 import torch
 
 from .errors import ArgumentError
+from .integrations.transformers import prepare_input_caller, trains_model_loss
 from .segments import IGNORE_INDEX, lengths_to_offsets, range_index
 from .weighting import piece_factors
 
@@ -659,20 +660,24 @@ def _carry_notes(old, new) -> None:
 
 
 def _carry_rebuilt_notes(mapping: Mapping, frame) -> None:
-    """A batch rebuilt by ``Trainer._prepare_input`` as ``type(data)({k: v.to(args.device) for k, v in
-    data.items()})`` (its ``data``, the batch it copies, found in its frame: it hands over nothing else) gets the
-    notes of ``data`` where ``.to`` made new tensors (a CPU tensor and ``cpu:0``, ``args.device`` of a distributed
-    CPU run): without them the labels lose their loss weights, and the loss would be the token mean unsaid. Any
-    other rebuild is of tensors packkit never saw."""
-    for _ in range(3):
-        if frame is None:
-            return
-        old = frame.f_locals.get("data") if frame.f_code.co_name == "_prepare_input" else None
-        if isinstance(old, PackedBatch) and dict.keys(old) == mapping.keys():
-            for key, new in mapping.items():
-                _carry_notes(dict.__getitem__(old, key), new)
-            return
-        frame = frame.f_back
+    """A batch rebuilt by ``Trainer._prepare_input`` (:func:`packkit.integrations.transformers.prepare_input_caller`)
+    gets the notes of the batch it copies where ``.to(args.device)`` made new tensors: without them the labels lose
+    their loss weights. Labels weighed under a ``loss_weighting`` are refused, in one line, where the Trainer trains
+    its model's own loss (the token mean, whatever the weights): before, it trained the token mean unsaid. Any other
+    rebuild is of tensors packkit never saw."""
+    found = prepare_input_caller(frame, mapping.keys())
+    if found is None or not isinstance(found[1], PackedBatch):
+        return
+    trainer, old = found
+    for key, new in mapping.items():
+        _carry_notes(dict.__getitem__(old, key), new)
+    source = _loss_source(old)
+    weighting = None if source is None else _note(source[0]).get("loss_weighting")
+    if weighting is not None and trains_model_loss(trainer):
+        raise ValueError(f"the batches were collated under loss_weighting={weighting!r} and this "
+                         f"{type(trainer).__name__} trains its model's own loss, the token mean: pass "
+                         "compute_loss_func=packkit.loss.hf_compute_loss_func (with class T(WeightedLossMixin, "
+                         f"{type(trainer).__name__}) where a step has several micro-batches or processes)")
 
 
 def _unpickle(cls, items: dict, state: dict, notes: list) -> PackedBatch:

@@ -238,7 +238,9 @@ def hf_compute_loss_func(outputs, labels, *, num_items_in_batch=None) -> torch.T
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
     found = loss_factors(labels) if isinstance(labels, torch.Tensor) else None
     if found is None:
-        return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch)
+        repeat = isinstance(labels, torch.Tensor) and _note(labels).get(REPEAT)  # weighs 0 (WeightedLossMixin)
+        return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch,
+                                     loss_weight=torch.zeros(labels.shape, device=logits.device) if repeat else None)
     z = getattr(num_items_in_batch, "loss_normalizer", None)
     if z is None:
         z = _own_normalizer(labels, _note(labels), num_items_in_batch)
@@ -321,6 +323,28 @@ class AccumulationStep:
 
         ``batch`` is the micro-batch (``PackedBatch``, dict with ``labels``) or its label tensor.
         """
+        labels, shifted, factor = self._factors(batch)
+        loss = token_normalized_loss(logits, labels, num_loss_tokens=self._z, shifted=shifted,
+                                     ignore_index=self.ignore_index, loss_weight=factor)
+        return loss * self.grad_multiplier if self.grad_multiplier != 1 else loss
+
+    def loss_weight(self, batch, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Each label's weight in the step's loss, ``grad_multiplier * a_c / Z``, the shape of the labels the loss
+        reads (``dtype``, on their device; 0 where a label is ``ignore_index`` and on a repeat): the plain sum
+        ``sum_t loss_weight[t] * CE_t`` of a micro-batch is its :meth:`loss`, and summed over the step's
+        micro-batches and ranks, DDP's average included, the weighting's ``L`` (:mod:`packkit.weighting`). For a loss
+        of one's own that reduces with ``sum``: ``CE_t`` is the cross entropy of the label at ``t`` (predicted at
+        ``t - 1`` for unshifted labels). ``batch.loss_weight`` is the same before the step's scale (``a_c``)."""
+        labels, shifted, factor = self._factors(batch)
+        labels = _as_label_tensor(labels)
+        weight = (labels.ne(self.ignore_index) if factor is None else factor).to(dtype) * (self.grad_multiplier / self._z)
+        if not shifted:  # an unshifted label at 0 has no prediction: the loss reads labels[..., 1:]
+            weight[..., 0] = 0
+        return weight
+
+    def _factors(self, batch) -> tuple:
+        """``(labels, shifted, a_c of every label or None for the token mean)``, or a one-line error where the
+        batch's weighting is not the step's."""
         labels, shifted = _labels_of(batch, shifted=self.shifted)
         found = loss_factors(labels) if isinstance(labels, torch.Tensor) else None
         factor = None if found is None else found[0]
@@ -334,9 +358,7 @@ class AccumulationStep:
                              "step on the micro-batches it trains")
         if factor is None and _note(labels).get(REPEAT):  # a repeat under the token mean weighs 0 too
             factor = torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
-        loss = token_normalized_loss(logits, labels, num_loss_tokens=self._z, shifted=shifted,
-                                     ignore_index=self.ignore_index, loss_weight=factor)
-        return loss * self.grad_multiplier if self.grad_multiplier != 1 else loss
+        return labels, shifted, factor
 
     def mean_loss(self, step_loss) -> float:
         """The step's loss over every loss token of every rank (the weighting's ``L``), for logging.
@@ -648,7 +670,9 @@ class WeightedLossMixin(StepCountHook):
     a packkit sampler that plans the steps (given ``loss_weighting`` and ``loss_lengths``: its ``plans_steps``),
     ``Z`` is read from its plan (``sampler.step_facts()``) with no collective, this rank's micro-batches checked
     against it; otherwise one collective of four numbers across processes, as ``Trainer``'s own gather. Steps
-    without a weighting keep ``Trainer``'s count.
+    without a weighting keep ``Trainer``'s count, but for a step in which a packkit sampler deals a rank a
+    micro-batch that repeats another rank's examples (``sampler.step_repeats()``): the repeat weighs 0 and leaves
+    the count, so the step's token mean is its unique examples' (``Trainer`` alone counts it twice).
 
     It also keeps the packed rows' segment and document columns (``seq_lengths``, ``example_ids``,
     ``piece_offsets``, ``example_loss``: :data:`packkit.rules.SEGMENT_KEYS`, :data:`~packkit.rules.DOCUMENT_KEYS`)
@@ -665,12 +689,19 @@ class WeightedLossMixin(StepCountHook):
 
     def _step_normalizer(self, batch_samples: list, all_reduce: bool):
         labels = [b.get("labels") if isinstance(b, Mapping) else None for b in batch_samples]
-        if not any(_note(t).get("loss_weighting") for t in labels):
-            return None
+        repeats = None
+        if not any(_note(t).get("loss_weighting") for t in labels):  # the token mean: Trainer's count, but repeats
+            sampler = self._train_batch_sampler("step_repeats")  # a packkit sampler names the micro-batches that
+            repeats = None if sampler is None else sampler.step_repeats()  # repeat another rank's examples
+            if not any(repeats or ()):
+                return None
         if getattr(self, "compute_loss_func", None) is None:  # the model's own loss would drop the weights unsaid
             raise ValueError("WeightedLossMixin hands the step's normaliser where Trainer hands its token count, and "
                              "without a compute_loss_func the model's own loss divides the unweighted sum by it: pass "
                              "compute_loss_func=packkit.loss.hf_compute_loss_func")
+        if repeats is not None:  # they weigh 0 and leave Trainer's count: the step's loss is its unique examples'
+            return accumulation_step(batch_samples, all_reduce=all_reduce, ddp_average=False,
+                                     repeats=list(repeats)).loss_normalizer
         sampler = self._train_batch_sampler("plans_steps")  # a packkit sampler that knows every step's Z
         facts = None if sampler is None else sampler.step_facts()
         return accumulation_step(batch_samples, all_reduce=all_reduce and facts is None, ddp_average=False,

@@ -162,3 +162,53 @@ def test_a_dpo_trainer_holds_what_the_hook_reads_and_compute_loss_reaches_it(tmp
     loss = trainer.compute_loss(trainer.model, PreferenceCollator(tokenizer=tokenizer())(rows))
     assert seen == [{"beta": trainer.beta}] and torch.isfinite(loss)
     assert len(trainer._metrics[mode]["rewards/chosen"]) == before + 1
+
+
+def test_trainer_prepare_input_rebuild_is_found_and_its_trainer_read():
+    """``Trainer._prepare_input`` rebuilds a batch as ``type(data)({k: self._prepare_input(v) ...})``:
+    ``prepare_input_caller`` finds that frame from the batch's constructor (the trainer and the batch it copies), and
+    nothing from any other construction; ``trains_model_loss`` reads whether the trainer trains its model's own
+    loss (no ``compute_loss_func``, a ``compute_loss`` of transformers or TRL)."""
+    import sys
+
+    from packkit.batch import PackedBatch
+
+    seen = []
+
+    class Spy(PackedBatch):
+        def _rebuild(self, mapping):
+            seen.append(hf.prepare_input_caller(sys._getframe(2), dict(mapping).keys()))
+            super()._rebuild(mapping)
+
+    class Prepare:  # the attributes Trainer._prepare_input reads, without building a Trainer
+        _prepare_input = transformers.Trainer._prepare_input
+        is_deepspeed_enabled = False
+        args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+
+    prepare = Prepare()
+    batch = PaddingFreeCollator()([{"input_ids": [1, 2, 3]}])
+    spy = dict.__new__(Spy)
+    dict.update(spy, batch)
+    spy.__dict__.update(batch.__dict__)
+    prepare._prepare_input(spy)
+    assert seen and seen[0] is not None and seen[0][0] is prepare and seen[0][1] is spy
+    seen.clear()
+    Spy(dict(batch))  # not Trainer's rebuild
+    assert seen == [None]
+
+    class Own(transformers.Trainer):
+        def compute_loss(self, *a, **k):
+            return super().compute_loss(*a, **k)
+
+    bare = object.__new__(transformers.Trainer)
+    bare.compute_loss_func = None
+    assert hf.trains_model_loss(bare)
+    bare.compute_loss_func = len
+    assert not hf.trains_model_loss(bare)
+    own = object.__new__(Own)
+    own.compute_loss_func = None
+    assert not hf.trains_model_loss(own)
+    trl = pytest.importorskip("trl")
+    sft = object.__new__(trl.SFTTrainer)
+    sft.compute_loss_func = None
+    assert hf.trains_model_loss(sft)

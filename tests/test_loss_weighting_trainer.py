@@ -238,3 +238,95 @@ def test_mixin_plan_under_a_stateful_dataloader(tmp_path, no_collective):
     assert isinstance(trainer.callback_handler.train_dataloader, tdl.StatefulDataLoader)
     assert no_collective and all(f is not None for f in no_collective)
     check_steps(examples, "sample", s, steps.grads)
+
+
+# -- a Trainer that trains its model's own loss, and repeats under the token mean -------------------------------
+
+
+@pytest.mark.parametrize("trainer_cls", ["Trainer", "SFTTrainer"])
+def test_a_weighting_under_the_models_own_loss_is_refused(tmp_path, trainer_cls):
+    """A ``Trainer`` (or TRL's ``SFTTrainer``) without ``compute_loss_func`` trains its model's own loss, the token
+    mean, whatever weights the labels carry: refused in one line naming ``compute_loss_func``, at the first step.
+    Before, it trained the token mean unsaid (its gradient differed from the per-sample mean's)."""
+    model = tiny_causal_lm(dtype=torch.float64, vocab_size=VOCAB)
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
+                  disable_tqdm=True)
+    if trainer_cls == "SFTTrainer":
+        trl = pytest.importorskip("trl")
+        cls, targs = trl.SFTTrainer, trl.SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True},
+                                                   remove_unused_columns=False)
+    else:
+        cls, targs = transformers.Trainer, transformers.TrainingArguments(**common)
+    docs = documents(8, 0)
+    if trainer_cls == "SFTTrainer":
+        docs = pytest.importorskip("datasets").Dataset.from_list(docs)
+    more = {}
+    if trainer_cls == "SFTTrainer":
+        from test_chat import make_tokenizer
+
+        more = {"processing_class": make_tokenizer()}
+    trainer = cls(model=model, args=targs, train_dataset=docs, data_collator=PaddingFreeCollator(loss_weighting="sample"),
+                  **more)
+    with pytest.raises(ValueError, match="compute_loss_func=packkit.loss.hf_compute_loss_func") as err:
+        trainer.train()
+    assert "\n" not in str(err.value) and "'sample'" in str(err.value) and cls.__name__ in str(err.value)
+
+
+def test_a_trainer_with_its_own_compute_loss_is_trusted(tmp_path):
+    """A ``compute_loss`` of the user's own reads the labels as it likes: not refused (it sees the weights)."""
+    seen = []
+
+    class Own(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            seen.append(inputs["labels"])
+            return hf_compute_loss_func(model(**{k: v for k, v in inputs.items() if k != "labels"}),
+                                        inputs["labels"], num_items_in_batch=num_items_in_batch)
+
+    targs = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1,
+                                           save_strategy="no", disable_tqdm=True)
+    Own(model=tiny_causal_lm(dtype=torch.float64, vocab_size=VOCAB), args=targs, train_dataset=documents(8, 0),
+        data_collator=PaddingFreeCollator(loss_weighting="sample")).train()
+    assert len(seen) == 1  # trained its one step
+
+
+def test_the_mixin_weighs_a_repeat_0_under_the_token_mean(tmp_path):
+    """The token mean through ``WeightedLossMixin`` over a packkit sampler of 4 ranks whose last step has 3
+    examples: rank 3's micro-batch repeats one of them (so that DDP runs every rank). Trainer's own count took its
+    tokens again and trained it twice (its example's gradient doubled in the step); now it weighs 0 and leaves the
+    step's count. This process plays rank 3 and rank 0 (one process: the count is the rank's own)."""
+    import warnings
+
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    from packkit.sampler import PackedBatchSampler, RepeatWarning
+
+    docs = documents(7, 4)
+    lengths = np.array([60] * 5 + [20, 25])  # 5 windows of one example, then one of two: the last step has 3
+    docs = [{"input_ids": (d["input_ids"] * 8)[:n], "labels": ([IGNORE] + (d["input_ids"] * 8)[1:n])}
+            for d, n in zip(docs, lengths.tolist())]
+
+    def steps_of(rank):
+        s = PackedBatchSampler(lengths, window=64, rank=rank, world_size=4, step_batches=4, seed=0)
+
+        class Ranked(WeightedTrainer):
+            def get_train_dataloader(self):
+                return self.accelerator.prepare(DataLoader(self.train_dataset, batch_sampler=s,
+                                                           collate_fn=self.data_collator))
+
+        targs = transformers.TrainingArguments(output_dir=str(tmp_path / str(rank)), use_cpu=True, report_to=[],
+                                               learning_rate=0.0, max_grad_norm=0.0, save_strategy="no",
+                                               disable_tqdm=True, num_train_epochs=1)
+        steps = Steps()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RepeatWarning)
+            Ranked(model=tiny_causal_lm(dtype=torch.float64, vocab_size=VOCAB), args=targs, train_dataset=docs,
+                   callbacks=[steps], compute_loss_func=hf_compute_loss_func,
+                   data_collator=PaddingFreeCollator()).train()
+        return [list(b) for b in s], s.schedule().repeats.tolist(), steps.grads
+
+    batches, repeats, grads = steps_of(3)
+    assert repeats[-1] and not any(repeats[:-1]) and len(grads) == 2 == len(batches)
+    assert float(grads[1].abs().max()) == 0.0 and float(grads[0].abs().max()) > 0  # the repeat weighs 0
+    batches, _, grads = steps_of(0)  # rank 0 of the same steps repeats nothing: its count is Trainer's own
+    assert len(grads) == 2 and all(float(g.abs().max()) > 0 for g in grads)

@@ -23,7 +23,8 @@ from .. import integrations
 import warnings
 
 __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register",
-           "jinja_compiler", "StepCountHook", "StepNormalizer", "render_chat", "fast_backend"]
+           "jinja_compiler", "StepCountHook", "StepNormalizer", "render_chat", "fast_backend", "prepare_input_caller",
+           "trains_model_loss"]
 
 #: ``[first, past)``: the transformers releases this module is checked against (major.minor).
 SUPPORTED = ((5, 0), (6, 0))
@@ -95,6 +96,34 @@ def jinja_compiler():
     except ImportError:
         return None
     return getattr(chat_template_utils, "_compile_jinja_template", None)
+
+
+def prepare_input_caller(frame, keys) -> tuple | None:
+    """``(trainer, data)`` where a mapping with ``keys`` is being built by ``Trainer._prepare_input`` (private) as
+    ``type(data)({k: self._prepare_input(v) for k, v in data.items()})``: the frame of that call found within
+    three frames of ``frame`` (the mapping's constructor and its comprehension lie between), ``data`` the mapping it
+    copies (the same keys); None for any other construction. ``.to(args.device)`` made the new tensors, and a CPU
+    tensor moved to ``cpu:0`` (``args.device`` of a distributed CPU run) is a copy without what packkit noted on the
+    old one: :class:`packkit.batch.PackedBatch` carries it over from ``data``."""
+    for _ in range(3):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_prepare_input":
+            data, trainer = frame.f_locals.get("data"), frame.f_locals.get("self")
+            if isinstance(data, dict) and dict.keys(data) == keys:
+                return trainer, data
+        frame = frame.f_back
+    return None
+
+
+def trains_model_loss(trainer) -> bool:
+    """Whether ``trainer`` trains its model's own loss from the labels (``Trainer.compute_loss`` without a
+    ``compute_loss_func``, or a subclass's of transformers or TRL that calls it, ``SFTTrainer``'s): that loss is the
+    token mean whatever weights packkit noted on the labels. A ``compute_loss`` of the user's own is theirs to read."""
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return False
+    module = getattr(getattr(type(trainer), "compute_loss", None), "__module__", None) or ""
+    return module.split(".")[0] in ("transformers", "trl")
 
 
 class StepNormalizer(float):
