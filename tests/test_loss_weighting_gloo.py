@@ -168,13 +168,29 @@ def train_step(model, step, mbs, counter):
     total = 0.0
     for i, mb in enumerate(mbs):
         with model.no_sync() if i < len(mbs) - 1 else contextlib.nullcontext():
+            logits = model(mb["input_ids"])
             with counter.counting():
-                loss = step.loss(model(mb["input_ids"]), mb)
+                loss = step.loss(logits, mb)
+            plain = plain_weighted_sum(step, logits.detach(), mb)  # a loop's own sum of loss_weight * CE
+            assert abs(plain - float(loss)) <= 1e-12 * max(1.0, abs(plain)), (plain, float(loss))
             loss.backward()
             total += float(loss.detach())
     g = grads(model.module).clone()
     model.zero_grad()
     return total, g
+
+
+def plain_weighted_sum(step, logits, mb) -> float:
+    """``sum_t step.loss_weight(mb)[t] * CE_t`` in float64: the micro-batch's loss as a loop of its own reduces it,
+    with the weights the step gives each label (``grad_multiplier * a_c / Z``), no division of its own."""
+    shift = mb.get("shift_labels")
+    labels = mb["labels"] if shift is None else shift
+    weight = step.loss_weight(mb, dtype=torch.float64)
+    if shift is None:
+        logits, labels, weight = logits[..., :-1, :], labels[..., 1:], weight[..., 1:]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1).clamp_min(0),
+                                           reduction="none")
+    return float((weight.reshape(-1) * ce).sum())
 
 
 def ddp(group):
