@@ -398,8 +398,8 @@ def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> 
 class RepeatWarning(UserWarning):
     """A step with fewer examples than ranks deals the ranks left without one a repeat (DDP needs every rank to run a
     micro-batch): said once a sampler, in one line. The repeats weigh 0 where the loop counts the step with
-    ``accumulation_step(..., facts=sampler.step_facts())`` or ``repeats=sampler.step_repeats()``; otherwise they
-    count twice. Silence it with ``warnings.filterwarnings("ignore", category=RepeatWarning)``.
+    ``accumulation_step(..., facts=sampler.step_facts())`` or ``repeats=sampler.step_repeats()`` (a ``Trainer``
+    with :class:`packkit.loss.WeightedLossMixin` does, the token mean included); otherwise they count twice. Silence it with ``warnings.filterwarnings("ignore", category=RepeatWarning)``.
     """
 
 
@@ -1059,7 +1059,8 @@ class _BatchSampler:
                 f"{type(self).__name__} (epoch {self._epoch_num}): {int(sched.repeats.sum())} micro-batch(es) of a step "
                 f"with fewer examples than the {self.world_size} ranks repeat examples so that every rank runs one; they "
                 "weigh 0 where accumulation_step counts the step with facts=sampler.step_facts() or "
-                f"repeats=sampler.step_repeats(), else they count twice (epoch_stats().repeated = {sched.repeated})"),
+                "repeats=sampler.step_repeats() (a Trainer with packkit.loss.WeightedLossMixin does), else they count "
+                f"twice (epoch_stats().repeated = {sched.repeated})"),
                 stacklevel=3)
         self._point, self._offset, self._loaded = _Point(), 0, False  # the pass after this one: the whole epoch
         return sched
