@@ -657,7 +657,8 @@ def _first_bad_row(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> 
     return int(np.searchsorted(offsets, t, side="right") - 1), int(values[t])
 
 
-def row_segments(key: str, flat, counts, lengths, *, rows=None) -> tuple[np.ndarray, np.ndarray]:
+def row_segments(key: str, flat, counts, lengths, *, rows=None,
+                 positive: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The documents of packed rows: ``(seg_lengths (S,) int64, seg_ptr (R + 1,) int64)``, row ``r``
     holding ``seg_lengths[seg_ptr[r]:seg_ptr[r + 1]]``, from their ``key`` column (``seq_lengths``, or
     ``position_ids`` that restart at 0 at each document) as flat values with ``counts`` per row, checked
@@ -665,12 +666,14 @@ def row_segments(key: str, flat, counts, lengths, *, rows=None) -> tuple[np.ndar
 
     ``row_segments("seq_lengths", [2, 1, 3], [2, 1], [3, 3]) -> ([2, 1, 3], [0, 2, 3])``;
     ``row_segments("position_ids", [0, 1, 0, 0, 1, 2], [3, 3], [3, 3]) -> ([2, 1, 3], [0, 2, 3])``.
+    ``positive``: the caller has found every ``seq_lengths`` value >= 1 (packed rows' join checks them with their
+    ``example_loss`` in one comparison, :func:`packkit.collate._row_segments`); nothing else is skipped.
     """
     flat = np.asarray(flat, np.int64)
     counts, lengths = np.asarray(counts, np.int64), np.asarray(lengths, np.int64)
     if key == "seq_lengths":
         seg_ptr = lengths_to_offsets(counts)
-        if (flat < 1).any():
+        if not positive and (flat < 1).any():
             i, v = _first_bad_row(flat, flat < 1, seg_ptr)
             raise located(ExampleValueError, i, rows, f"has a segment of length {v}; seq_lengths must be >= 1")
         csum = lengths_to_offsets(flat)

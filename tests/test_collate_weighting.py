@@ -182,3 +182,53 @@ def test_weights_add_no_tensor_to_the_collate(monkeypatch, make, examples):
         counts[w] = len(made)
     assert counts["sample"] == counts["token"], counts
     assert batch.loss_weight.dtype == torch.float32 and float(batch.loss_norm) > 0
+
+
+def test_the_usual_rows_check_both_columns_in_one_pass(monkeypatch):
+    """Regression (packed rows' weights at 2.46% of the collate in bench_weighting's isolated share): after the join of
+    ``seq_lengths`` and ``example_loss``, the lengths were checked (a comparison and ``.any()``, in
+    ``rules.row_segments``) and the counts again (``_whole_counts``: an argmin, an item, a comparison). Now the join's
+    least value checks both where it is >= 1: neither check runs on the usual rows. Fails before (both ran)."""
+    ran = []
+    whole_counts, row_segments = collate._whole_counts, collate.row_segments
+    monkeypatch.setattr(collate, "_whole_counts", lambda *a, **k: ran.append("counts") or whole_counts(*a, **k))
+    monkeypatch.setattr(collate, "row_segments",
+                        lambda *a, **k: ran.append("lengths" if not k.get("positive") else "") or row_segments(*a, **k))
+    batch = PackedRowsCollator(window=WINDOW, loss_weighting="sample")(rows())
+    assert whole_of(batch) == [2, 9, 4] and ran == [""]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("example_loss", 0, None),  # an example without loss tokens: allowed, checked one by one
+    ("example_loss", -1, r"^example 1 records example_loss -1 for its document 0: a count of loss tokens is never "),
+    ("seq_lengths", 0, r"^example 0 has a segment of length 0; seq_lengths must be >= 1$"),
+    ("seq_lengths", -5, r"^example 0 has a segment of length -5; seq_lengths must be >= 1$"),
+])
+def test_the_checks_one_by_one_where_the_least_value_is_below_one(field, value, says):
+    """Where the join's least value is below 1 the checks run as before: a count of 0 weighs (no loss tokens), a
+    negative count or a length below 1 is refused in one line naming the row, as under the token mean."""
+    r = rows()
+    if field == "seq_lengths":  # the first row's 7 tokens, still summed
+        r[0][field] = np.array([value, 7 - value], np.int32)
+    else:
+        r[1][field] = np.array([value], np.int32)
+    coll = PackedRowsCollator(window=WINDOW, loss_weighting="sample")
+    if says is None:
+        assert whole_of(coll(r)) == [2, 9, 0]
+        return
+    with pytest.raises(ValueError, match=says) as e:
+        coll(r)
+    assert "\n" not in str(e.value)
+    if field == "seq_lengths":  # the same words as the token mean's
+        with pytest.raises(ValueError, match=says):
+            PackedRowsCollator(window=WINDOW)(r)
+
+
+def test_weighing_notes_the_same_keys_in_the_same_order():
+    """``PackedBatch._weigh`` notes its parts with keys made once (no comprehension): the note is what it was, key for
+    key and in order (a guard)."""
+    batch = PackedRowsCollator(window=WINDOW, loss_weighting="sample")(rows())
+    note = _note(batch["labels"])
+    assert [k for k in note if k.startswith("loss_") and k != "loss_tokens"] == [
+        "loss_cu", "loss_whole", "loss_weighting", "loss_step_constant", "loss_rule"]
+    assert note["loss_weighting"] == "sample" and note["loss_step_constant"] == 0.0
