@@ -355,8 +355,13 @@ class PackedBatch(dict):
         if not _WEIGHT_NOTES.isdisjoint(note):  # weighed before: the old weights go (the counts of labels stay)
             for key in _WEIGHT_NOTES.intersection(note):
                 del note[key]
-        note.update({f"loss_{k}": v for k, v in parts.items() if v is not None})
-        note.update(loss_weighting=weighting.name, loss_step_constant=weighting.step_constant())
+        # a loop over the parts with their keys made once, not a comprehension (a function called, a string made
+        # per part: a fifth of the weights' step in a collate, benchmarks/bench_weighting.py)
+        for k, v in parts.items():
+            if v is not None:
+                note[_PART_NOTES.get(k) or f"loss_{k}"] = v
+        note["loss_weighting"] = weighting.name
+        note["loss_step_constant"] = weighting.step_constant()
         if "seg_factor" not in parts:
             note["loss_rule"] = weighting
         return self
@@ -640,6 +645,8 @@ def count_loss_tokens(labels: torch.Tensor, *, shifted: bool = False) -> int:
 _WEIGHT_NOTES = frozenset({"loss_weighting", "loss_step_constant", "loss_rule", "loss_cu", "loss_seg_doc",
                            "loss_values", "loss_whole", "loss_num_docs", "loss_seg_factor", "loss_z", "loss_factor",
                            "loss_weight"})
+#: the note of each part :meth:`PackedBatch._weigh` takes (``cu`` -> ``loss_cu``)
+_PART_NOTES = {k: f"loss_{k}" for k in ("cu", "seg_doc", "values", "whole", "num_docs", "seg_factor", "z")}
 
 
 def _note(tensor) -> dict:
