@@ -92,7 +92,7 @@ from .integrations.transformers import prepare_input_caller, trains_model_loss
 from .segments import IGNORE_INDEX, lengths_to_offsets, range_index
 from .weighting import piece_factors
 
-__all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors", "mark_repeat"]
+__all__ = ["PackedBatch", "FIELDS", "real_tokens_and_documents", "loss_factors", "mark_repeat", "repeat_factors"]
 
 #: the attributes of every batch (the varlen convention), whatever its view holds
 FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "seq_idx", "num_loss_tokens",
@@ -844,6 +844,15 @@ def mark_repeat(labels: torch.Tensor, repeat: bool = True) -> None:
     if bool(note.get(REPEAT)) != repeat:
         note.pop("loss_weight", None)  # made under the other answer
         note[REPEAT] = repeat
+
+
+def repeat_factors(labels) -> torch.Tensor | None:
+    """The token mean's factors of labels marked a repeat (:func:`mark_repeat`): float64 zeros of their shape, on
+    their device; None for labels that are no repeat (or no tensor). Under a weighting :func:`loss_factors` gives
+    a repeat's zeros itself."""
+    if isinstance(labels, torch.Tensor) and _note(labels).get(REPEAT):
+        return torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
+    return None
 
 
 def loss_factors(labels: torch.Tensor):

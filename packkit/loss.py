@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import REPEAT, PackedBatch, _note, loss_factors, mark_repeat, real_tokens_and_documents
+from .batch import PackedBatch, _note, loss_factors, mark_repeat, real_tokens_and_documents, repeat_factors
 from .cp import _CP_NOTE
 from .integrations.transformers import StepCountHook  # Trainer's private step count, in one place
 from .rules import DOCUMENT_KEYS, SEGMENT_KEYS
@@ -238,9 +238,8 @@ def hf_compute_loss_func(outputs, labels, *, num_items_in_batch=None) -> torch.T
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs.logits
     found = loss_factors(labels) if isinstance(labels, torch.Tensor) else None
     if found is None:
-        repeat = isinstance(labels, torch.Tensor) and _note(labels).get(REPEAT)  # weighs 0 (WeightedLossMixin)
         return token_normalized_loss(logits, labels, num_loss_tokens=num_items_in_batch,
-                                     loss_weight=torch.zeros(labels.shape, device=logits.device) if repeat else None)
+                                     loss_weight=repeat_factors(labels))  # a repeat weighs 0 (WeightedLossMixin)
     z = getattr(num_items_in_batch, "loss_normalizer", None)
     if z is None:
         z = _own_normalizer(labels, _note(labels), num_items_in_batch)
@@ -356,8 +355,8 @@ class AccumulationStep:
             raise ValueError(f"this micro-batch was collated under loss_weighting="
                              f"{_note(labels).get('loss_weighting')!r}, the step under the token mean: count the "
                              "step on the micro-batches it trains")
-        if factor is None and _note(labels).get(REPEAT):  # a repeat under the token mean weighs 0 too
-            factor = torch.zeros(labels.shape, dtype=torch.float64, device=labels.device)
+        if factor is None:  # a repeat under the token mean weighs 0 too
+            factor = repeat_factors(labels)
         return labels, shifted, factor
 
     def mean_loss(self, step_loss) -> float:
