@@ -97,17 +97,23 @@ def test_commands_import_no_torch_datasets_transformers(tmp_path, capsys, monkey
         assert (fresh / name).read_bytes() == (here / name).read_bytes(), name
 
 
+def imported_after(argvs: list, modules: tuple) -> str:
+    """The ``modules`` imported after ``cli.main`` ran each of ``argvs`` in a fresh interpreter (its output
+    swallowed), as ``sorted`` prints them: ``"[]"`` when none."""
+    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
+            f"for argv in {argvs!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "        cli.main(argv)\n"
+            f"print(sorted(m for m in {modules!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip() or out.stderr
+
+
 def test_help_and_a_refused_argument_import_no_numpy():
     """Regression: ``packkit --help`` imported numpy (0.11 -> 0.50 s of CPU against fd3b24d) because the command
     line read ``--overflow``'s default from :mod:`packkit.binpack` and ``--cp-layout``'s choices from
     :mod:`packkit.cp_plan`; their home is now :mod:`packkit.choices`, which imports nothing."""
-    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
-            "for argv in (['--help'], ['nocommand']):\n"
-            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "        cli.main(argv)\n"
-            "print(sorted(m for m in ('numpy', 'pyarrow', 'torch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert imported_after([['--help'], ['nocommand']], ('numpy', 'pyarrow', 'torch')) == "[]"
 
 
 def test_waste_and_plan_import_no_ctypes_util():
@@ -317,13 +323,7 @@ def test_help_version_and_a_wrong_command_import_no_errors_module():
     """Regression: ``packkit --help`` compiled :mod:`packkit.errors` (13 KB, and ``numbers``) for the classifying of
     errors it never raises: 166.7 M instructions from source against fd3b24d's 134.1 M (valgrind), 1.18-1.20x its
     CPU; 149 M now. The command line imports it where an error or a warning is shown; every subcommand has it."""
-    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
-            "for argv in (['--help'], ['--version'], ['nocommand'], []):\n"
-            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "        cli.main(argv)\n"
-            "print(sorted(m for m in ('packkit.errors', 'numbers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert imported_after([['--help'], ['--version'], ['nocommand'], []], ('packkit.errors', 'numbers')) == "[]"
 
 
 def test_help_version_and_a_wrong_command_compile_no_shared_options_nor_failures():
@@ -332,14 +332,8 @@ def test_help_version_and_a_wrong_command_compile_no_shared_options_nor_failures
     options' words: 149.4 M instructions from source against fd3b24d's 134.2 M (valgrind), 127.7 M now. They are
     :mod:`packkit.cli._options` (imported with a subcommand) and :mod:`packkit.cli._failures` (where a command fails),
     lent by :mod:`packkit.cli` under their old address."""
-    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
-            "for argv in (['--help'], ['--version'], ['nocommand'], []):\n"
-            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-            "        cli.main(argv)\n"
-            "print(sorted(m for m in ('packkit.cli._options', 'packkit.cli._failures', 'packkit.choices')"
-            " if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert imported_after([['--help'], ['--version'], ['nocommand'], []],
+                          ('packkit.cli._options', 'packkit.cli._failures', 'packkit.choices')) == "[]"
 
 
 def test_the_command_line_lends_what_moved_under_its_old_address():
