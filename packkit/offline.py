@@ -1,8 +1,7 @@
 """Offline packing of Hugging Face ``datasets``: Arrow in, Arrow out, in bounded memory.
 
-:func:`pack_dataset` plans windows over the lengths of the *whole* dataset with
-:func:`packkit.binpack.pack` (read from the Arrow offsets of ``input_ids``, no Python lists), copies
-the tokens of each window with numpy, and returns a ``datasets.Dataset`` with one row per window::
+:func:`pack_dataset` plans windows over the *whole* dataset's lengths (:func:`packkit.binpack.pack`, on the Arrow
+offsets of ``input_ids``), copies each window's tokens with numpy and returns one row per window::
 
     >>> import datasets
     >>> ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]],
@@ -12,33 +11,23 @@ the tokens of each window with numpy, and returns a ``datasets.Dataset`` with on
     {'input_ids': [[6, 7, 8, 9, 10], [1, 2, 3, 4, 5]], 'labels': [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]], 'seq_lengths': [[4, 1], [3, 2]]}
 
 The rows are unpadded; the fixed-window collator pads them to ``W`` and turns ``seq_lengths`` into
-``cu_seqlens`` and ``position_ids``. One window of that output, drawn (a token attends to the earlier tokens of
-its own document only: 10 sees neither 6 nor 9)::
+``cu_seqlens`` and ``position_ids`` (a token attends to its own document's earlier tokens: 10 sees neither 6 nor 9)::
 
     input_ids     6    7    8    9   10
     labels     -100    7    8    9 -100      first label of each document masked (labels are shifted)
     position_ids  0    1    2    3    0
     seq_lengths  [4, 1]  ->  cu_seqlens [0, 4, 5]
 
-How the tokens move
--------------------
-Never all at once. :func:`plan_source` reads a source (:class:`packkit.sources.ArrowSource`: a
-``datasets.Dataset``, a memory-mapped Arrow file, a parquet file) once, batch by batch: lengths from
-the list offsets, every batch checked, and flat numpy *views* of the list columns kept where the data
-lies (a memory map stays a memory map; copies are staged to a memory-mapped file). The plan needs
-the lengths only. Then :class:`PackedTable` gathers consecutive windows, at most ``buffer_bytes`` of
-them at a time (:func:`packkit.packer.copy_segments`: strided copies of length groups, slices for
-the rest), into one ``pyarrow.RecordBatch`` that a writer (:mod:`packkit.outputs`, or the cache file
-of the returned dataset) writes before the next is gathered::
+The tokens never move all at once. :func:`plan_source` reads a source (:class:`packkit.sources.ArrowSource`) once:
+lengths from the list offsets, every batch checked, numpy *views* of the columns kept where the data lies. Then
+:class:`PackedTable` gathers at most ``buffer_bytes`` of windows at a time (:func:`packkit.packer.copy_segments`)
+into a ``pyarrow.RecordBatch`` that a writer (:mod:`packkit.outputs`, or the cache file) writes before the next::
 
     memory-mapped input ──scan──> lengths ──pack──> plan ──chunk 0──> batch 0 ──write──> OUT
     (page cache, not            (8 B an     (~32 B an     chunk 1──> batch 1 ──write──> OUT
      the process's memory)       example)    example)       ...        (one at a time)
 
-Streaming
----------
-:func:`~packkit.packer.pack_stream` packs any iterable of examples (or a ``datasets.IterableDataset``) with best
-fit inside a bounded buffer (its docstring tables the fill against the buffer's size).
+An ``IterableDataset`` is packed by :func:`~packkit.packer.pack_stream`: best fit inside a bounded buffer.
 """
 
 from __future__ import annotations
@@ -64,37 +53,23 @@ from . import outputs
 from .fileio import check_output
 from .planindex import example_stats
 
-__all__ = [
-    "pack_dataset",
-    "PackOptions",
-    "plan_source",
-    "PackedTable",
-    "packed_schema",
-    "packed_batch",
-    "DEFAULT_BUFFER_BYTES",
-]
+__all__ = ["pack_dataset", "PackOptions", "plan_source", "PackedTable", "packed_schema", "packed_batch",
+           "DEFAULT_BUFFER_BYTES"]
 
 
 #: Show progress bars by default for sources of this many bytes on (and when ``datasets`` shows its own).
 PROGRESS_BYTES = 1 << 28
 
 
-# ----------------------------------------------------------------------------------------------
-# the rules of packkit.rules, on each batch of a column
-# ----------------------------------------------------------------------------------------------
-
-
 def _kinds(spec: ColumnSpec) -> dict:
-    """What each column read is, for the rules of :mod:`packkit.rules` (:func:`~packkit.rules.column_kind`):
-    ``ids``, ``labels``, ``mask`` or ``other``."""
+    """Each column read's :func:`~packkit.rules.column_kind`: ``ids``, ``labels``, ``mask`` or ``other``."""
     return {c: column_kind(c, spec.read[0]) for c in spec.read}
 
 
 def _column_checks(spec: ColumnSpec):
-    """The per-batch check :func:`packkit.sources.scan` calls: each column's rules from
-    :mod:`packkit.rules` (:func:`~packkit.rules.check_column`), errors naming the dataset row. A null
-    labels or loss-mask row is a key that example does not have (its labels are its token ids; no mask
-    is loss on every token)."""
+    """The per-batch check :func:`packkit.sources.scan` calls: :func:`~packkit.rules.check_column` on each column,
+    errors naming the dataset row. A null labels or loss-mask row is a key that example lacks (labels: its token
+    ids; no mask: loss on every token)."""
     token, kinds = spec.read[0], _kinds(spec)
 
     def check(name, values, offsets, valid, row, token_lengths):
@@ -114,60 +89,51 @@ def _check_common(window, strategy, overflow, seed, num_proc):
     return window
 
 
-# ----------------------------------------------------------------------------------------------
-# Arrow in, Arrow out, in bounded memory
-# ----------------------------------------------------------------------------------------------
-
 #: Default bound on the buffer of packed rows in flight (gathered tokens, their Arrow arrays and the
 #: writer's encoding of them), in bytes. The plan (about 40 bytes per example) comes on top.
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
-#: A buffer sized to the data (:meth:`PackedTable.chunk_tokens` with no ``buffer_bytes``) holds this
-#: fraction of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES` and :data:`DEFAULT_BUFFER_BYTES`.
+#: A buffer sized to the data (:meth:`PackedTable.chunk_tokens`): this fraction of the packed tokens' bytes,
+#: between :data:`MIN_BUFFER_BYTES` and :data:`DEFAULT_BUFFER_BYTES`.
 BUFFER_FRACTION = 1 / 16
 MIN_BUFFER_BYTES = 8 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
 class PackOptions:
-    """What :func:`pack_dataset` and :func:`plan_source` do beyond the plan's own knobs (``window``, ``strategy``,
-    ``overflow``, ``seed``, ``shuffle``). Pass ``options=PackOptions(...)``, or any field as a keyword of
-    those functions (``pack_dataset(ds, window=W, example_ids=True)``): a new knob is a field here.
+    """What :func:`pack_dataset` and :func:`plan_source` do beyond the plan's knobs (``window``, ``strategy``,
+    ``overflow``, ``seed``, ``shuffle``): ``options=PackOptions(...)``, or any field as a keyword of those functions
+    (``pack_dataset(ds, window=W, example_ids=True)``). A new knob is a field here.
 
     Fields:
-        columns: list columns to pack, the token column first; default ``input_ids``, plus ``labels`` and the
-            first of ``completion_mask`` / ``assistant_masks`` when the dataset has them. A loss mask becomes
-            ``labels`` (-100 where the mask is 0, on the given labels or the token ids), as the collators do;
-            it is written as well only when ``columns`` names it. Other columns (text, ids) are not carried over.
-        mask_first_label: set ``labels`` to -100 on the first token of every segment (models shift labels).
-        example_ids: also write ``example_ids`` (the source row of every segment), ``piece_offsets`` (where the
-            segment starts in it) and ``example_loss`` (the example's loss tokens over all its pieces), so that
-            the collators weigh a piece as its whole example. On whenever an example is split into pieces, and
-            for packed input that carries them (re-packed, each document keeps its example's). An
-            ``IterableDataset`` writes the three when asked (:func:`~packkit.packer.pack_stream`'s
-            ``example_ids``); unasked, its split pieces weigh as examples.
-        group_column: a column of group ids (int or string, one per row): rows of one group (a preference
-            pair's sequences, a prompt's completions) stay in one window, adjacent and in row order
-            (:func:`packkit.binpack.pack_groups`; ``overflow`` then applies to whole groups; the plan reports
-            the windows it costs). Not for an ``IterableDataset`` (its buffer plans no atoms).
-        cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp.shard`): with
-            ``"zigzag"`` every example is planned at its length padded to a multiple of ``2 * cp_size``, so a
-            row still fits ``window`` once its documents are padded for TE; the other layouts need ``window``
-            to be a multiple of ``cp_size`` (:func:`packkit.cp_plan.plan_for_cp`). Not for an ``IterableDataset``.
-        drop_loss_free: leave out the pieces (examples after ``overflow``) with no loss token (a step of them has
-            loss 0), counted and logged (``packkit pack --drop-loss-free``). Without it, windows with no loss token
-            are counted and logged with this fix (TRL's ``SFTTrainer`` drops such rows without a word). Not for
-            an ``IterableDataset``.
+        columns: list columns to pack, the token column first; default ``input_ids``, ``labels`` and the first of
+            ``completion_mask`` / ``assistant_masks`` present. A loss mask becomes ``labels`` (-100 where it is 0),
+            as in the collators, and is written too only when named. Other columns (text, ids) are not carried over.
+        mask_first_label: ``labels`` -100 on every segment's first token (models shift labels).
+        example_ids: also write each segment's ``example_ids`` (source row), ``piece_offsets`` (start in it) and
+            ``example_loss`` (its example's loss tokens over all pieces): the collators weigh a piece as its whole
+            example. On whenever an example is split, or the input is packed rows carrying them (a document keeps
+            its example's); an ``IterableDataset`` writes them when asked (unasked, its pieces weigh as examples).
+        group_column: a column of group ids (int or string): a group's rows (a preference pair, a prompt's
+            completions) stay adjacent in one window, in row order (:func:`packkit.binpack.pack_groups`; ``overflow``
+            applies to whole groups; the plan reports the windows it costs).
+        cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp_plan.plan_for_cp`):
+            ``"zigzag"`` plans each example padded to a multiple of ``2 * cp_size`` (for TE), the other layouts need
+            ``window`` a multiple of ``cp_size``.
+        drop_loss_free: leave out the pieces (examples after ``overflow``) with no loss token, counted and logged;
+            without it, windows with no loss token (a step of loss 0) are counted and logged with this fix (TRL's
+            ``SFTTrainer`` drops such rows without a word).
         num_proc: threads for the token copy (numpy releases the GIL), default 1.
         progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
-        buffer_size: examples buffered when ``ds`` is an ``IterableDataset``.
-        buffer_bytes: bound on the packed rows in flight while the cache file is written (default 256 MiB;
-            a result kept in memory is gathered whole).
-        cache_file_name: where to write the packed rows (an Arrow stream file; it must not exist). Default:
+        buffer_size: examples buffered for an ``IterableDataset``.
+        buffer_bytes: bound on the packed rows in flight while a file is written (a result kept in memory is
+            gathered whole).
+        cache_file_name: the packed rows' Arrow stream file (it must not exist); default
             ``cache-packkit-<random>.arrow`` beside ``ds``'s first cache file (``ds.cleanup_cache_files()``).
-        keep_in_memory: build the result in memory, not in a cache file. Default: when ``ds`` has no cache file.
-        output_format: the format of ``pack_dataset(..., output=)`` (:data:`packkit.outputs.FORMATS`), when its
-            suffix does not say it.
+        keep_in_memory: build the result in memory, not in a cache file; default when ``ds`` has no cache file.
+        output_format: the format of ``output=`` (:data:`packkit.outputs.FORMATS`) when its suffix does not say.
+
+    ``group_column``, ``cp_size`` and ``drop_loss_free`` need the whole plan: not for an ``IterableDataset``.
     """
 
     columns: object = None
@@ -185,23 +151,15 @@ class PackOptions:
     keep_in_memory: bool | None = None
     output_format: str | None = None
 
-    @classmethod
-    def of(cls, options: "PackOptions | None", keywords: dict, who: str) -> "PackOptions":
-        """``options`` (default: the defaults) with ``keywords`` for its fields; another keyword is the
-        ``TypeError`` Python raises for it: ``PackOptions.of(None, {"example_ids": True}, "f").example_ids -> True``."""
-        return with_keywords(cls, options, keywords, who)
-
 
 def packed_schema(columns, *, example_ids: bool = False):
     """The offline row format's ``pyarrow.Schema``: the packed list columns, then ``seq_lengths``.
 
-    ``columns``: ``[(name, pyarrow value type), ...]`` in row order, the token column first; ``labels``
-    takes :func:`~packkit.packer.label_dtype` of the type given (-100 must fit). ``example_ids`` adds what a
-    row records of each document's source (:data:`packkit.rules.DOCUMENT_KEYS`): ``example_ids`` (int64), its
-    ``piece_offsets`` in the example and the whole example's ``example_loss`` (int32): 16 bytes a document.
+    ``columns``: ``[(name, pyarrow value type), ...]`` in row order, the token column first; ``labels`` takes
+    :func:`~packkit.packer.label_dtype` of its type (-100 must fit). ``example_ids`` adds each document's source
+    (:data:`packkit.rules.DOCUMENT_KEYS`: ``example_ids`` int64, ``piece_offsets`` and ``example_loss`` int32).
     ``packed_schema([("input_ids", pa.int32()), ("labels", pa.uint16())])`` ->
-    ``input_ids: list<int32>, labels: list<int64>, seq_lengths: list<int32>``.
-    """
+    ``input_ids: list<int32>, labels: list<int64>, seq_lengths: list<int32>``."""
     import pyarrow as pa
 
     fields = []
@@ -241,13 +199,10 @@ def packed_batch(rows, schema, documents: dict | None = None):
 class PackedTable:
     """A plan over a source's examples, and its packed rows as Arrow record batches, a chunk at a time.
 
-    Made by :func:`plan_source`. :meth:`record_batches` gathers consecutive windows of at most
-    ``max_tokens`` tokens into one ``pyarrow.RecordBatch`` (rows as in :func:`pack_dataset`), so that
-    a writer can write each batch and let it go: memory holds one batch, never the token data.
-
-    Attributes: ``plan`` (the :class:`~packkit.binpack.Plan`, rows in its window order), ``schema``
-    (the batches' ``pyarrow.Schema``), ``scan`` (:class:`packkit.sources.Scan`).
-    """
+    Made by :func:`plan_source`. :meth:`record_batches` gathers consecutive windows of at most ``max_tokens``
+    tokens into one ``pyarrow.RecordBatch`` (rows as in :func:`pack_dataset`) that a writer writes and lets go:
+    memory holds one batch, never the token data. Attributes: ``plan`` (the :class:`~packkit.binpack.Plan`, rows
+    in its window order), ``schema`` (the batches' ``pyarrow.Schema``), ``scan`` (:class:`packkit.sources.Scan`)."""
 
     def __init__(self, scan, spec: ColumnSpec, plan: Plan, *, mask_first_label: bool, example_ids: bool,
                  num_threads: int = 1):
@@ -261,8 +216,7 @@ class PackedTable:
         if scan.doc_ids is not None and scan.doc_ids.size:
             counts = np.unique(scan.doc_ids, return_counts=True)[1]
             self.split_pieces, self.split_examples = int(counts[counts > 1].sum()), int((counts > 1).sum())
-        #: what the rows written so far train on: loss tokens (labels other than -100; without labels every
-        #: token but each segment's first), and windows holding none
+        #: what the rows written so far train on (:meth:`_count_loss`), what :meth:`drop_loss_free` left out
         self.loss_tokens = self.loss_free_windows = self.loss_free_pieces = 0
         self.dropped_pieces = self.dropped_tokens = 0
         #: how the plan was made (what an index-only plan records to plan again), the source's description
@@ -280,14 +234,13 @@ class PackedTable:
 
     def chunk_tokens(self, buffer_bytes: int | None = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
                      in_flight: int = 1, media_per_token: float = 0.0) -> int:
-        """Tokens per record batch so that ``in_flight`` batches (a writer writing one while the next
-        is gathered: 2), their temporaries and ``encoding`` times their size held by a writer
-        (:attr:`packkit.outputs.Format.encoding`) stay within ``buffer_bytes``. ``None`` sizes the buffer
-        to the data: :data:`BUFFER_FRACTION` of the packed tokens' bytes, between :data:`MIN_BUFFER_BYTES`
-        and :data:`DEFAULT_BUFFER_BYTES` (40.7M int64 tokens: 19.4 MiB), so that a small input is not
-        packed with a buffer larger than itself. ``media_per_token``: bytes of media gathered with each token on
-        average (rows with images, :meth:`packkit.mediarows.MediaRows.bytes_per_token`), counted in the data and
-        in every batch (gathered, made contiguous, then encoded): a batch of images is bounded as its tokens are."""
+        """Tokens per record batch so that ``in_flight`` batches (2: a writer writes one while the next is
+        gathered), their temporaries and a writer's ``encoding`` times their size
+        (:attr:`packkit.outputs.Format.encoding`) fit in ``buffer_bytes``. ``None`` sizes the buffer to the data
+        (:data:`BUFFER_FRACTION`; 40.7M int64 tokens: 19.4 MiB), so that a small input is not packed with a buffer
+        larger than itself. ``media_per_token``: media bytes gathered per token on average
+        (:meth:`packkit.mediarows.MediaRows.bytes_per_token`), in the data and in every batch (gathered, made
+        contiguous, encoded): a batch of images is bounded as its tokens are."""
         if buffer_bytes is None:
             data = self.plan.total_tokens * (self.bytes_per_token + media_per_token)
             buffer_bytes = int(min(DEFAULT_BUFFER_BYTES, max(MIN_BUFFER_BYTES, data * BUFFER_FRACTION)))
@@ -325,8 +278,8 @@ class PackedTable:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _whole_loss(self, max_tokens: int) -> np.ndarray | None:
-        """``(S,)`` the loss tokens of each segment's whole example where it lies in several segments (its
-        pieces' :meth:`segment_loss` summed, read first, for those pieces only), -1 elsewhere; None if none does."""
+        """``(S,)`` each segment's whole example's loss tokens (its pieces' :meth:`segment_loss` summed, read
+        first) where the example lies in several segments, -1 elsewhere; None if none does."""
         keys = self.plan.seg_example if self.scan.doc_ids is None else self.scan.doc_ids[self.plan.seg_example]
         _, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
         piece = counts[inv] > 1
@@ -338,9 +291,8 @@ class PackedTable:
         return whole
 
     def drop_loss_free(self, max_tokens: int) -> None:
-        """Leave out every segment with no loss token (:meth:`segment_loss`, read in a first pass over the
-        loss columns only), counted in ``dropped_pieces`` / ``dropped_tokens``; windows emptied by it are
-        gone, the others keep their order (:meth:`packkit.binpack.Plan.keep_segments`)."""
+        """Leave out every segment with no loss token (:meth:`segment_loss`, a first pass over the loss columns),
+        counted in ``dropped_pieces`` / ``dropped_tokens`` (:meth:`packkit.binpack.Plan.keep_segments`)."""
         keep = self._segment_losses(self.plan, max_tokens) > 0
         self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
         self.loss_free_pieces += self.dropped_pieces
@@ -349,10 +301,8 @@ class PackedTable:
 
     def example_stats(self, *, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Each example's loss tokens when whole and the sum of its tokens for a fingerprint
-        (:func:`packkit.planindex.example_stats`), in one pass over the token and loss columns, ``max_tokens``
-        at a time; counts ``loss_tokens`` and ``loss_free_windows`` as :meth:`record_batches` does. Where
-        the plan truncated or dropped examples, a second pass reads them whole (a fingerprint of the source,
-        not of the plan)."""
+        (:func:`packkit.planindex.example_stats`), a pass over the token and loss columns, counting as
+        :meth:`record_batches` does; where the plan cut or dropped examples, a second pass reads them whole."""
         loss, sums = self._stats(self.plan, max_tokens, count=True)
         if self.plan.cut_tokens or self.plan.dropped_examples.size:
             lengths = self.plan.lengths
@@ -374,9 +324,8 @@ class PackedTable:
         return loss, sums
 
     def _count_loss(self, rows) -> np.ndarray:
-        """Add the loss tokens of packed ``rows`` (:meth:`segment_loss`: each segment's first label is not
-        counted under :attr:`mask_first_label`, masked or not) to ``loss_tokens``, and their windows
-        without one to ``loss_free_windows``; returns the segments' loss tokens."""
+        """Add packed ``rows``' loss tokens (:meth:`segment_loss`) to ``loss_tokens``, and their pieces and windows
+        without one to ``loss_free_pieces`` / ``loss_free_windows``; returns the segments' loss tokens."""
         seg_loss = self.segment_loss(rows)
         self.loss_tokens += int(seg_loss.sum())
         self.loss_free_pieces += int((seg_loss == 0).sum())
@@ -385,10 +334,9 @@ class PackedTable:
         return seg_loss
 
     def record_batches(self, *, max_tokens: int, bar=None):
-        """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens``
-        tokens each (a longer window alone), in the plan's window order. Counts their loss tokens and the
-        windows and pieces without one on the way (``loss_tokens``, ``loss_free_windows``, ``loss_free_pieces``:
-        the pieces :meth:`drop_loss_free` left out count there too)."""
+        """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens`` tokens
+        each (a longer window alone), in the plan's window order, counting their loss on the way
+        (:meth:`_count_loss`)."""
         whole = self._whole_loss(max_tokens) if self.example_ids else None
         for start, stop in self.plan.chunks(max_tokens):
             sub = self.plan.window_range(start, stop)
@@ -423,14 +371,11 @@ def show_progress(source) -> bool:
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
                 seed: int | None = 0, shuffle: bool = True, options: PackOptions | None = None,
                 who: str = "pack_dataset", groups=None, **option_keywords) -> PackedTable:
-    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) without holding its tokens: one
-    pass reads its lengths, checks every batch and keeps views of its columns (module docstring), then
-    :func:`packkit.binpack.pack` plans the windows. The arguments are :func:`pack_dataset`'s (``options`` and
-    its fields as keywords: :class:`PackOptions`; ``progress``: :func:`show_progress`'s default when None).
-    ``groups``: a group id per row, groups kept whole in one window (:func:`packkit.binpack.pack_groups`).
-    Returns a :class:`PackedTable`.
-    """
-    o = PackOptions.of(options, option_keywords, "plan_source")
+    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) into a :class:`PackedTable`, without
+    holding its tokens (module docstring). The arguments are :func:`pack_dataset`'s (:class:`PackOptions`;
+    ``progress=None``: :func:`show_progress`); ``groups``: a group id per row, each group kept whole in one window
+    (:func:`packkit.binpack.pack_groups`)."""
+    o = with_keywords(PackOptions, options, option_keywords, "plan_source")
     window = _check_common(window, strategy, overflow, seed, o.num_proc)
     spec = resolve_columns(source.names, o.columns)
     progress = show_progress(source) if o.progress is None else o.progress
@@ -440,7 +385,6 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
     if groups is not None and len(found.lengths) != len(groups):
         raise DataError(f"{who}: the rows are packed rows ({len(groups):,} rows, {len(found.lengths):,} documents); "
                         "groups name examples: pack the unpacked examples with their group column")
-    # rows a CP group will shard: zigzag plans each example at its CP-padded length (packkit.cp_plan)
     plan = plan_for_cp(found.lengths, window=window, cp_size=o.cp_size, cp_layout=o.cp_layout, strategy=strategy,
                        overflow=overflow, seed=seed, groups=groups)
     if shuffle:
@@ -455,54 +399,44 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
     return table
 
 
-# ----------------------------------------------------------------------------------------------
-# offline packing
-# ----------------------------------------------------------------------------------------------
-
-
 def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW, seed: int | None = 0,
                  shuffle: bool = True, output=None, split: str | None = None, return_report: bool = False,
                  options: PackOptions | None = None, **option_keywords):
-    """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row
-    per window. Conversational data is tokenized first, through its chat template, by
-    :func:`packkit.chat.tokenize_dataset` (``packkit pack`` does both steps).
-
-    Out of core (module docstring): the rows are written to a cache file beside the dataset's own (as
-    ``datasets.map`` does), which the returned dataset reads. Peak memory is the plan (about 40 bytes an example)
-    plus ``buffer_bytes``, whatever the dataset's size; rows seen through a ``select`` / ``shuffle`` / ``filter``
-    are staged to a temporary memory-mapped file first (public ``datasets`` API).
+    """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row per
+    window; tokenize conversations first (:func:`packkit.chat.tokenize_dataset`; ``packkit pack`` does both).
+    Out of core (module docstring): the rows go to a cache file beside the dataset's own, as ``datasets.map``'s
+    do; peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the dataset's size
+    (rows seen through a ``select`` / ``shuffle`` / ``filter`` are staged to a memory-mapped file first).
 
     Args:
-        ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split; without it every split, and a
-            ``DatasetDict`` comes back, with a dict of plans under ``return_report``); or an ``IterableDataset``,
-            packed by :func:`pack_stream` into an ``IterableDataset``: ``strategy="bfd"`` (best fit inside
-            ``buffer_size`` examples), ``shuffle`` in a seeded buffer of ``buffer_size`` rows (one order every
-            epoch), ``progress`` off by default, no ``num_proc`` or ``return_report``; its ``state_dict()`` resumes
-            exactly by packing again up to the rows yielded (a ``seed`` for another process), and
-            :class:`packkit.streaming.PackedIterable` restores the buffer, behind workers and on other ranks.
+        ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split, else every split into a
+            ``DatasetDict``, with a dict of plans under ``return_report``); or an ``IterableDataset``, packed in one
+            stream by :func:`pack_stream` into an ``IterableDataset``: best fit (``strategy="bfd"``) and a seeded
+            ``shuffle`` (one order every epoch) inside ``buffer_size``, ``progress`` off by default, no ``output``,
+            ``return_report``, ``num_proc`` or whole-plan option (:class:`PackOptions`). Its ``state_dict()``
+            resumes exactly by packing again up to the rows yielded (``seed=None`` draws a seed: pass one for
+            another process); :class:`packkit.streaming.PackedIterable` restores the buffer, behind workers and on
+            other ranks.
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
-        overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: every token
-            kept, the example continues in the next window; logged), ``"truncate"``, ``"drop"``,
-            ``"error"``. Cut tokens are counted and logged (``return_report=True`` returns the counts).
+        overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: the example continues
+            in the next window), ``"truncate"``, ``"drop"``, ``"error"``; cut tokens are counted and logged.
         seed: seeds ``"shuffle_ff"`` and the order of the rows.
         shuffle: rows in a seeded random order (default), not in the planner's (length-sorted) order.
-        output: write the packed rows to the file or folder ``output`` (it must not exist), in the format
-            ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`: parquet, arrow,
-            jsonl, a ``datasets`` folder, Megatron ``.bin/.idx``, Megatron-Bridge parquet, MosaicML MDS, or an
-            index-only plan ``.packplan``), and return its path instead of a dataset. Not for an
-            ``IterableDataset``.
+        output: write the rows to the new file or folder ``output`` and return its path, in the format
+            ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`: parquet, arrow, jsonl,
+            a ``datasets`` folder, Megatron ``.bin/.idx``, Megatron-Bridge parquet, MosaicML MDS, an index-only
+            ``.packplan``).
         split: the split of a ``DatasetDict`` to pack (default: all of them).
-        return_report: return ``(dataset, plan)``: what was packed, the :class:`~packkit.binpack.Plan` in row
-            order (``plan.summary()``: windows, fill, lower bound, what the overflow policy touched).
-        options: :class:`PackOptions` (columns, labels, example ids, groups, CP, loss-free pieces, threads,
-            progress, buffers, the cache file); each of its fields is also a keyword of this function.
+        return_report: return ``(result, plan)``, the :class:`~packkit.binpack.Plan` in row order
+            (``plan.summary()``: windows, fill, lower bound, what the overflow policy touched).
+        options: :class:`PackOptions`; each of its fields is also a keyword of this function.
 
     Returns:
-        A ``datasets.Dataset`` with ``input_ids`` (length <= W, the source dtype), ``labels`` (when the source has
-        labels or a loss mask), any other packed column, ``seq_lengths`` (int32, summing to the row length) and
-        the documents' examples (``example_ids``), memory-mapped from the cache file or in memory; with
-        ``output``, its ``pathlib.Path`` (``(path, plan)`` under ``return_report``).
+        A ``datasets.Dataset`` (memory-mapped from the cache file, or in memory) with ``input_ids`` (length <= W,
+        the source dtype), ``labels`` (when the source has labels or a loss mask), any other packed column,
+        ``seq_lengths`` (int32, summing to the row length) and the documents' examples (``example_ids``); with
+        ``output``, its ``pathlib.Path``.
 
     Raises ValueError / TypeError / KeyError naming the example (its index in ``ds``): empty or null example,
     negative token id, a label neither a token id nor -100, columns of different lengths, an example longer
@@ -510,7 +444,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     """
     import datasets
 
-    o = PackOptions.of(options, option_keywords, "pack_dataset")
+    o = with_keywords(PackOptions, options, option_keywords, "pack_dataset")
     planning = dict(window=window, strategy=strategy, overflow=overflow, seed=seed, shuffle=shuffle)
     streamed = isinstance(ds, (datasets.IterableDataset, datasets.IterableDatasetDict))
     if streamed:
@@ -526,7 +460,11 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         if fmt is not None and o.columns is None and "input_ids" not in ds.column_names:
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
-    out_format = None if output is None else _check_output_arg(ds, output, o.output_format)
+    out_format = None
+    if output is not None:  # before any data is read; an existing output, or one of ds's files, is refused
+        out_format = outputs.output_format(output, o.output_format)
+        inputs = [f["filename"] for f in getattr(ds, "cache_files", None) or []]
+        check_output(output, kind=out_format.kind, inputs=inputs)
     o, media = media_options(ds, o, streamed=streamed, out_format=out_format)  # None, or packkit.mediarows.MediaRows
     if streamed:
         return _pack_iterable(ds, o, window=window, overflow=overflow, seed=seed, shuffle=shuffle)
@@ -618,8 +556,7 @@ def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_toke
 
 
 def _refuse_streamed(o: PackOptions, *, strategy, return_report, output) -> None:
-    """What :func:`pack_dataset` refuses for an ``IterableDataset``: it is packed in one stream as it is read,
-    with best fit inside a bounded buffer, and no whole plan."""
+    """What :func:`pack_dataset` refuses for an ``IterableDataset`` (one stream inside a bounded buffer, no plan)."""
     for bad, name, why in (
             (strategy != "bfd", arg("strategy"), "must be 'bfd' (best fit inside the buffer)"),
             (return_report, arg("return_report"), "reports the whole plan"),
@@ -633,14 +570,6 @@ def _refuse_streamed(o: PackOptions, *, strategy, return_report, output) -> None
         if bad:
             raise ArgumentError("{arg} " + why + "; an IterableDataset is packed in one stream inside a bounded "
                                 "buffer: pack a datasets.Dataset", arg=name)
-
-
-def _check_output_arg(ds, output, output_format):
-    """The :class:`packkit.outputs.Format` of ``pack_dataset(..., output=)``, checked before any data is read
-    (an existing ``output`` or one that is an input file of ``ds`` is refused as ``packkit pack`` refuses it)."""
-    fmt = outputs.output_format(output, output_format)
-    check_output(output, kind=fmt.kind, inputs=[f["filename"] for f in getattr(ds, "cache_files", None) or []])
-    return fmt
 
 
 def _pack_splits(dd, split, *, return_report: bool, **kwargs):
@@ -667,18 +596,11 @@ def _pack_splits(dd, split, *, return_report: bool, **kwargs):
 
 
 def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
-    """:func:`pack_dataset` on a ``datasets.IterableDataset``: :func:`pack_stream` as an IterableDataset.
-
-    The source is read whole by the one stream (a ``datasets.IterableDataset`` read in a DataLoader worker
-    yields only that worker's files; the output has one shard, so one worker packs all of it). ``shuffle``
-    shuffles the packed rows inside a buffer of ``buffer_size`` rows with packkit's seeded shuffle
-    (:func:`_shuffled`), so that the rows are a function of the source and the options: the output's own
-    ``state_dict()`` / ``load_state_dict()`` (``datasets``' position: rows yielded) resumes exactly, by packing
-    again from the source's start and skipping the rows already yielded (``datasets``' ``shuffle`` would drop
-    its buffer on a resume: 11 to 14 of 364 rows lost in a test). The order is the same every epoch;
-    ``seed=None`` draws one seed for this dataset. ``progress`` counts packed tokens (no total: a stream has
-    no known length).
-    """
+    """:func:`pack_dataset` on a ``datasets.IterableDataset``. One stream reads the whole source (an
+    ``IterableDataset`` read in a DataLoader worker yields that worker's files only; the output has one shard).
+    :func:`_shuffled` makes the rows a function of the source and the options, so that the output's
+    ``state_dict()`` (rows yielded) resumes exactly; ``datasets``' ``shuffle`` drops its buffer on a resume
+    (11 to 14 of 364 rows lost in a test). ``progress`` counts packed tokens (a stream has no known total)."""
     import datasets
 
     columns, buffer_size = o.columns, o.buffer_size

@@ -13,20 +13,13 @@ the same example lengths at a batch size and a window ``W``:
 ``stream``      packed while streaming, best fit inside a buffer of ``buffer_size`` examples
 ============== =================================================================================
 
-A packed step is ``windows_per_step`` windows (default: ``batch_size``, so a packed step has the
-``[batch_size, W]`` shape of a padded step at ``max_length=W``). Examples longer than ``W`` are
-handled first, the same way for every strategy (``overflow="split"`` by default; the cut tokens are
-reported).
-
-Figures, per strategy:
-
-* padding fraction ``= 1 - real tokens / token slots``; slots are ``rows x padded length`` for padded
-  batches and ``windows x W`` for packed ones;
-* rows (padded examples or windows) and steps per epoch, and real tokens per step;
-* attention cost relative to padded: varlen attention costs ``sum L^2`` over a row's segments, not
-  ``W^2``. A padded row of padded length ``P`` costs ``P^2``; a packed window costs
-  ``sum(segment lengths^2) + (W - load)^2`` (the padding tail is its own segment). The ratio is taken
-  against ``pad_longest``, i.e. ``rows x longest^2``::
+A packed step is ``windows_per_step`` windows (default ``batch_size``: the ``[batch_size, W]`` shape of a
+padded step at ``max_length=W``). Examples longer than ``W`` are handled first, alike for every strategy
+(``overflow="split"`` by default; the cut tokens are reported). Figures, per strategy: the padding fraction
+``1 - real tokens / token slots`` (slots: ``rows x padded length``, or ``windows x W``); rows (padded examples
+or windows) and steps per epoch; real tokens per step; and the attention cost against ``pad_longest``'s, varlen
+attention costing ``sum L^2`` over a row's segments (``P^2`` for a row padded to ``P``; a window
+``sum(segment lengths^2) + (W - load)^2``, its padding tail its own segment)::
 
       attention vs padded = sum over rows of cost(row) / (num_examples * longest**2)
 
@@ -55,7 +48,6 @@ from .sampler import LengthGroupedSampler, batch_sums
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "format_table",
            "plot_waste", "preference_waste", "format_preference_waste"]
 
-WASTE_STRATEGIES = ("pad_longest", "random", "grouped", "bfd", "shuffle_ff", "next_fit", "stream")
 LABELS = {
     "pad_longest": "pad to dataset's longest",
     "random": "random batches, padded",
@@ -65,6 +57,7 @@ LABELS = {
     "next_fit": "packed: next fit, in order",
     "stream": "packed: streaming best fit",
 }
+WASTE_STRATEGIES = tuple(LABELS)
 #: Show progress bars from this many examples on.
 PROGRESS_EXAMPLES = 200_000
 
@@ -74,22 +67,16 @@ class StrategyWaste:
     """The figures of one strategy over one epoch.
 
     Fields:
-        name, label: strategy key and a readable label
-        packed: windows of ``W`` (True) or padded batches (False)
-        rows: padded examples or windows in an epoch
-        real_tokens: tokens of the examples
-        slot_tokens: tokens of the padded tensors (rows x padded length)
+        name, label: strategy key and a readable label; packed: windows of ``W`` (True) or padded batches
+        rows, steps: padded examples or windows, and optimiser steps of ``world_size`` ranks, in an epoch
+        real_tokens, slot_tokens: tokens of the examples, and of the padded tensors (rows x padded length)
         attention: sum over rows of the attention cost (module docstring)
         row_fill: (rows,) float64, real tokens / padded length of every row (for the plot)
-        steps: optimiser steps of ``world_size`` ranks in an epoch
-        compute_imbalance, examples_per_step_cv: over ``world_size`` data-parallel ranks, under the cost model
-            ``24576 * L + L**2 / cp_size`` per document: for ``grouped`` and the packed strategies, the
-            ``epoch_stats()`` of the schedule packkit's sampler deals under ``balance``
-            (:func:`packkit.epoch.deal`); ``pad_longest`` and ``random`` (a plain DataLoader's batches, no
-            packkit sampler) take a step's rows in turn, a padded row of length ``P`` costing
-            ``24576 * P + P**2 / cp_size`` (:func:`packkit.balance.step_figures`)
-        loss_free_rows, loss_free_steps: rows (padded examples or windows) and steps that hold no loss
-            token: they train on nothing (a step of them is a step with loss 0)
+        compute_imbalance, examples_per_step_cv: over ``world_size`` ranks, a document costing
+            ``24576 * L + L**2 / cp_size``: of the schedule packkit's sampler deals under ``balance``
+            (:func:`packkit.epoch.deal`) for ``grouped`` and the packed strategies; ``pad_longest`` and ``random``
+            (a plain DataLoader's batches) take a step's rows in turn (:func:`packkit.balance.step_figures`)
+        loss_free_rows, loss_free_steps: rows and steps that hold no loss token (a step of them has loss 0)
     """
 
     name: str
@@ -123,15 +110,12 @@ class StrategyWaste:
 class WasteReport:
     """Every strategy's figures over the same lengths, and how those lengths were made.
 
-    ``lengths`` are the examples after the overflow policy (what every strategy packed or padded);
-    ``examples``, ``input_tokens`` describe the input; ``cut_tokens`` and ``overflow_examples`` what the
-    policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost);
-    ``input_lengths`` the examples before it (the real longest example). ``loss_tokens`` the loss
-    tokens that train once packed: after the overflow policy, every piece's first token excluded
-    (:func:`packkit.segments.piece_loss_tokens`), the number ``packkit plan`` and ``packkit pack`` report
-    too; ``loss_tokens_assumed`` when the data has no labels or loss mask (every token but a piece's
-    first). ``loss_free_pieces``: pieces (examples after the policy) with no loss token;
-    ``dropped_pieces`` / ``dropped_tokens``: those left out under ``drop_loss_free``.
+    ``lengths``: the pieces (examples after the overflow policy) every strategy packed or padded;
+    ``input_lengths``, ``examples``, ``input_tokens``: the input; ``cut_tokens``, ``overflow_examples``: what the
+    policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost). ``loss_tokens``:
+    those that train once packed, each piece's first excluded (:func:`packkit.segments.piece_loss_tokens`, as
+    ``packkit plan`` and ``pack`` report), ``loss_tokens_assumed`` with no labels or loss mask;
+    ``loss_free_pieces``: pieces with no loss token, ``dropped_pieces`` / ``dropped_tokens`` under ``drop_loss_free``.
     """
 
     source: str
@@ -185,16 +169,9 @@ class WasteReport:
         }
 
 
-# ----------------------------------------------------------------------------------------------
-# small pure pieces
-# ----------------------------------------------------------------------------------------------
-
-
 def padded_rows(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(padded length of every row, order)``: ``order`` cut every ``batch_size``, each batch padded to its longest.
-
-    ``padded_rows(np.array([3, 1, 4, 1]), np.array([0, 1, 2, 3]), 2) -> [3, 3, 4, 4]``.
-    """
+    """``(padded length of every row, order)``: ``order`` cut every ``batch_size``, each batch padded to its
+    longest: ``padded_rows(np.array([3, 1, 4, 1]), np.array([0, 1, 2, 3]), 2) -> ([3, 3, 4, 4], order)``."""
     starts = np.arange(0, order.size, batch_size)
     if order.size == 0:
         return np.zeros(0, np.int64), order
@@ -261,41 +238,28 @@ def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int) -> tuple[
     return np.asarray(seg, np.int64), np.asarray(ptr, np.int64)
 
 
-# ----------------------------------------------------------------------------------------------
-# the measurement
-# ----------------------------------------------------------------------------------------------
-
-
 def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_per_step: int | None = None,
                   overflow: str = DEFAULT_OVERFLOW, buffer_size: int = 1000, seed: int = 0,
                   strategies=WASTE_STRATEGIES, progress: bool | None = None, world_size: int = 1,
                   balance: str | None = None, cp_size: int = 1, cp_layout: str = "hybrid",
                   drop_loss_free: bool = False) -> WasteReport:
-    """Measure every strategy in ``strategies`` over ``lengths`` (module docstring).
+    """Measure every strategy in ``strategies`` over ``lengths`` (module docstring): a frozen :class:`WasteReport`.
 
     Args:
-        lengths: (num_examples,) ints >= 1, or a lengths object (:class:`packkit.epoch.Lengths`: its source,
-            unit, and loss tokens by ``loss_lengths`` or ``targets``: the exact loss tokens of every piece).
-            ``loss_tokens`` is counted after the overflow policy, every piece's first token excluded
-            (:func:`packkit.segments.piece_loss_tokens`).
+        lengths: (num_examples,) ints >= 1, or a lengths object (:class:`packkit.epoch.Lengths`: its source, unit,
+            and the exact loss tokens of every piece by ``loss_lengths`` or ``targets``).
         window: ``W``, tokens per packed window (and ``max_length`` of the padded strategies).
-        batch_size: examples per step of the padded strategies.
-        windows_per_step: windows per step of the packed ones (default ``batch_size``).
+        batch_size, windows_per_step: padded examples, and windows (default ``batch_size``), per step.
         overflow: examples longer than ``W``: ``"split"`` (default), ``"truncate"``, ``"drop"``, ``"error"``.
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
-        drop_loss_free: leave out the pieces (examples after the overflow policy) that hold no loss
-            token, counted in ``dropped_pieces`` / ``dropped_tokens``.
-        world_size, balance: data-parallel ranks, each taking ``batch_size`` padded rows or ``windows_per_step``
-            windows a step, and the samplers' ``balance``: ``grouped`` and the packed strategies are dealt by
-            packkit's samplers (:func:`packkit.epoch.deal`), their steps, compute imbalance and spread of
-            examples per step those of the schedule dealt (``StrategyWaste``).
+        drop_loss_free: leave out the pieces that hold no loss token, counted in ``dropped_pieces`` /
+            ``dropped_tokens``.
+        world_size, balance: data-parallel ranks, each taking a step's rows, and the samplers' ``balance``:
+            packkit's samplers deal ``grouped`` and the packed strategies (:func:`packkit.epoch.deal`).
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): ``"zigzag"`` pads every example to a
-            multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots);
-            the other layouts cut a row in ``cp_size`` pieces, so ``W`` (and a padded row) is a multiple of
-            ``cp_size``. ``W`` must be a multiple of what the layout needs.
-    Returns:
-        A frozen :class:`WasteReport`.
+            multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots); the other
+            layouts cut a row in ``cp_size`` pieces. ``W`` must be a multiple of what the layout needs.
     """
     data = read_lengths_object(lengths)
     window = check_cp_window(check_window(window), cp_size=cp_size, cp_layout=cp_layout)
@@ -357,21 +321,14 @@ def _strategy(name: str, p: Units, *, window: int, batch_size: int, k: int, buff
     return _packed(name, label, sampler, piece_of, L, p.loss)
 
 
-# ----------------------------------------------------------------------------------------------
-# preference pairs: what each layout computes (``packkit waste --preference``)
-# ----------------------------------------------------------------------------------------------
-
-
 #: What ``overflow`` may say for preference pairs: a pair is packed whole (the collator refuses a longer one).
 PREFERENCE_OVERFLOW = ("drop", "error")
 
 
 def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int = 8, seed: int = 0,
                      overflow: str = "drop") -> dict:
-    """Tokens computed per pair by each way of batching preference pairs (:mod:`packkit.preference`'s
-    layouts), on lengths only.
-
-    ``prompt``, ``chosen``, ``rejected``: ``(P,)`` token counts (prompt may be 0, completions >= 1).
+    """Tokens computed per pair by each way of batching preference pairs (:mod:`packkit.preference`'s layouts),
+    on lengths only. ``prompt``, ``chosen``, ``rejected``: ``(P,)`` token counts (prompt may be 0, completions >= 1).
 
     ====================  ==========================================================================
     row                   tokens computed
@@ -385,15 +342,13 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     ====================  ==========================================================================
 
     Each row: ``tokens`` computed (padding included), ``real`` tokens, ``per_pair`` (tokens / pairs),
-    ``real_per_pair`` (the layout's own tokens a pair: ``prompt + chosen + rejected`` for the tree),
-    ``fill`` (real / tokens); windowed rows also ``windows``, ``lower_bound`` (``ceil(real / window)``)
-    and ``dropped`` pairs longer than the window (left out of every row's count, said here).
+    ``real_per_pair`` (the layout's own tokens a pair), ``fill`` (real / tokens); windowed rows also ``windows``,
+    ``lower_bound`` (``ceil(real / window)``) and ``dropped`` pairs longer than the window (left out of every row).
     ``preference_waste([3], [2], [4], window=16)["rows"]["packkit_tree"]["per_pair"] -> 16.0``.
 
-    ``overflow``: a pair that does not fit the window whole (either layout) is left out and counted
-    (``"drop"``), or is the error naming it (``"error"``, what :class:`packkit.preference.PreferenceCollator`
-    does); a pair is never split or truncated here, so those policies are refused. Every pair left out is
-    an error too: there would be nothing to measure.
+    ``overflow``: a pair that does not fit the window whole is left out and counted (``"drop"``), or the error
+    naming it (``"error"``, as :class:`packkit.preference.PreferenceCollator` does); never split or truncated.
+    Every pair left out is an error too: there would be nothing to measure.
     """
     window = check_window(window)
     if overflow not in PREFERENCE_OVERFLOW:
@@ -419,25 +374,20 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
                         every=every, i=Where(i), n=int(pairs_len[i]), p=int(p[i]), c=int(c[i]), r=int(r[i]),
                         window=arg("window", window), w=arg("window"), drop=arg("overflow", "drop"))
     p, c, r = p[use], c[use], r[use]
-    n = p.size
+    n = p.size  # >= 1: no pair, or no pair that fits, is an error above
     # TRL pads both sequences of every pair of a batch to the batch's longest
     padded, _ = padded_rows(np.maximum(p + c, p + r), np.random.default_rng(seed).permutation(n), batch_size)
-    real_pairs = int((2 * p + c + r).sum())
-    real_tree = int((p + c + r).sum())
-    rows = {}
+    real_pairs, real_tree = int((2 * p + c + r).sum()), int((p + c + r).sum())
 
     def row(tokens, real, **extra):
-        return {"tokens": int(tokens), "real": int(real), "per_pair": tokens / max(n, 1),
-                "real_per_pair": real / max(n, 1),
-                "fill": real / tokens if tokens else 1.0, **extra}
+        return {"tokens": int(tokens), "real": int(real), "per_pair": tokens / n, "real_per_pair": real / n,
+                "fill": real / tokens, **extra}
 
-    rows["trl_padded"] = row(2 * int(padded.sum()), real_pairs)
-    rows["trl_padding_free"] = row(real_pairs, real_pairs)
+    rows = {"trl_padded": row(2 * int(padded.sum()), real_pairs), "trl_padding_free": row(real_pairs, real_pairs)}
     seqs = np.stack([p + c, p + r], 1).reshape(-1)
-    plan = pack(seqs, window=window, group_sizes=np.full(n, 2)) if n else None
-    tree = pack(p + c + r, window=window) if n else None
-    for name, pl, real in (("packkit_pairs", plan, real_pairs), ("packkit_tree", tree, real_tree)):
-        w = pl.num_windows if pl is not None else 0
+    for name, plan, real in (("packkit_pairs", pack(seqs, window=window, group_sizes=np.full(n, 2)), real_pairs),
+                             ("packkit_tree", pack(p + c + r, window=window), real_tree)):
+        w = plan.num_windows
         rows[name] = row(w * window, real, windows=w, lower_bound=-(-real // window), dropped=dropped)
     return {"pairs": n, "window": window, "batch_size": batch_size, "dropped": dropped, "rows": rows}
 
@@ -451,11 +401,6 @@ def format_preference_waste(report: dict) -> str:
         w = f"{r['windows']:>9,} {r['lower_bound']:>12,}" if "windows" in r else f"{'-':>9} {'-':>12}"
         lines.append(f"{name:<18} {r['real_per_pair']:>10.1f} {r['per_pair']:>12.1f} {r['fill']:>8.2%} {w}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# output
-# ----------------------------------------------------------------------------------------------
 
 
 def _percentiles(values, q) -> np.ndarray:
@@ -482,9 +427,9 @@ def length_stats(lengths) -> str:
 
 
 def loss_free_lines(report: WasteReport) -> list:
-    """What trains on nothing, with the fix, as :class:`~packkit.errors.Message`\\ s: pieces without a loss
-    token, the windows (of best fit decreasing, what ``packkit pack`` writes, else the first strategy that
-    has some) and steps without one, or what ``drop_loss_free`` left out. None when there are none."""
+    """What trains on nothing, with the fix, as :class:`~packkit.errors.Message`\\ s: pieces without a loss token
+    or what ``drop_loss_free`` left out, then the rows and steps without one (of ``bfd``, what ``packkit pack``
+    writes, else the first strategy that has some). Empty when there are none."""
     drop = arg("drop_loss_free", True)
     lines = []
     if report.dropped_pieces:
