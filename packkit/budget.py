@@ -12,23 +12,14 @@ The number that governs gradient noise is tokens per optimiser step, not example
 ``PackedBatchSampler`` over packed windows, or a ``LengthGroupedSampler`` over padded batches, under any
 ``balance``; ``packkit waste`` reads the same schedule) and reports examples, tokens and loss tokens per step
 (mean and spread), steps per epoch, padding and the compute imbalance across ranks, plus the advice a
-practitioner would give (:func:`advise`), each an :class:`Advice` (code, message and the numbers) also
-emitted as a :class:`BudgetWarning`:
-
-=========================  ==========================================================================
-code                       when
-=========================  ==========================================================================
-``low_tokens_per_step``    mean tokens per step under ``min_tokens_per_step`` (4,000): raise
-                           accumulation, not the learning rate
-``few_steps_per_epoch``    fewer than ``min_steps_per_epoch`` (50) optimiser steps per epoch
-                           (800 examples at an effective batch of 64 is 12 full steps)
-``lora_large_batch``       a LoRA/adapter run with more than ``lora_max_batch`` (32) examples per step
-``accumulation_for_target``  the accumulation steps that reach ``target_tokens_per_step``, when they
-                           differ from the ones given
-=========================  ==========================================================================
-
-:func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory, and
-``packkit plan`` prints the table on the command line.
+practitioner would give (:func:`advise`), each an :class:`Advice` (code, message and the numbers) also emitted as a
+:class:`BudgetWarning`: ``low_tokens_per_step`` (mean tokens per step under ``min_tokens_per_step``, 4,000: raise
+accumulation, not the learning rate), ``few_steps_per_epoch`` (fewer than ``min_steps_per_epoch``, 50, optimiser
+steps per epoch: 800 examples at an effective batch of 64 is 12 full steps), ``lora_large_batch`` (a LoRA/adapter
+run with more than ``lora_max_batch``, 32, examples per step), ``accumulation_for_target`` (the accumulation steps
+that reach ``target_tokens_per_step``, when they differ from the ones given), and on the data itself ``loss_free``,
+``far_beyond_window`` and ``far_beyond_batch``. ``packkit plan`` prints the table on the command line;
+:func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory.
 """
 
 from __future__ import annotations
@@ -50,11 +41,6 @@ __all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions",
            "effective_batch_size", "plan_budget", "find_max_micro_batch", "is_out_of_memory", "synthetic_sft_lengths"]
 
 
-# ----------------------------------------------------------------------------------------------
-# results
-# ----------------------------------------------------------------------------------------------
-
-
 @record
 class Advice:
     """One piece of advice: a stable ``code``, a message with the numbers, and the numbers themselves."""
@@ -74,7 +60,8 @@ class Advice:
 
 
 def _advice(code: str, values: dict, template: str, **fields) -> Advice:
-    wording = Message(template, **fields)
+    """An :class:`Advice` whose ``template`` names ``values`` and ``fields`` (the arguments and figures it adds)."""
+    wording = Message(template, **values, **fields)
     return Advice(code, str(wording), values, wording)
 
 
@@ -116,26 +103,28 @@ class BudgetReport:
 
     Fields
     ------
-    mode:                 ``"packed"`` (windows of ``window`` tokens) or ``"padded"``
+    mode:                 ``"packed"`` (windows of ``window`` tokens) or ``"padded"`` (``window`` None)
     per_device_batch, accumulation_steps, world_size, balance: as given
     effective_batch:      int, windows (packed) or examples (padded) per optimiser step
-    window:               int or None
-    num_examples, num_tokens: the dataset (tokens after the overflow policy)
+    num_examples, num_tokens: the dataset (tokens after the overflow policy; ``longest_example`` before it)
     num_units:            int, windows (packed) or examples (padded) dealt
     steps_per_epoch:      int, optimiser steps the sampler deals (the last one partial unless ``drop_last``)
     full_steps_per_epoch: int, steps with the whole effective batch
     examples_per_step, tokens_per_step, loss_tokens_per_step: :class:`Spread` over the dealt epoch's full
                           steps (over the one partial step when there is no full step)
     padding_fraction:     float, slots (window or padded positions) that hold no real token
-    loss_tokens_assumed:  bool, no loss lengths were given: every token but each example's first
-    target_tokens_per_step: int or None
-    accumulation_for_target: int or None, accumulation steps whose mean tokens per step reach the target
+    loss_tokens, loss_tokens_assumed: the epoch's; True when no loss lengths were given (every token but each
+                          example's first)
+    target_tokens_per_step, accumulation_for_target: int or None, the target and the accumulation steps whose
+                          mean tokens per step reach it
     advice:               tuple of :class:`Advice`
     overflow, overflow_examples, cut_tokens: the policy for examples longer than ``window``, how many
                           were, and the tokens it cut (``None``, 0, 0 when padded)
     compute_imbalance, examples_per_step_cv: the sampler's ``epoch_stats()``: the slowest of ``world_size``
                           ranks over the mean, summed over steps (a document costs ``24576 L + L^2 / cp``;
                           1.0 is balanced), and std / mean of the examples (pieces) per step
+    loss_free_units, loss_free_steps, loss_free_pieces, dropped_pieces, dropped_tokens: units, steps and pieces
+                          with no loss token, and those ``drop_loss_free`` left out
     """
 
     mode: str
@@ -181,13 +170,11 @@ class BudgetReport:
     def table(self, *, options=None) -> str:
         """The report as aligned text (what ``packkit plan`` prints; ``options`` names arguments as the
         command line does, see ``packkit.errors.Arg.render``)."""
-        unit = "windows" if self.mode == "packed" else "examples"
-        head = (f"packed into windows of {self.window:,} tokens" if self.mode == "packed"
-                else "length-grouped micro-batches, each padded to its longest example")
-        plural = "s" if self.world_size != 1 else ""
+        packed, plural = self.mode == "packed", "s" if self.world_size != 1 else ""
         rows = [
-            ("effective batch", f"{self.effective_batch:,} {unit}/step = {self.per_device_batch} per device "
-                                f"x {self.accumulation_steps} accumulation x {self.world_size} device{plural}"),
+            ("effective batch", f"{self.effective_batch:,} {'windows' if packed else 'examples'}/step = "
+                                f"{self.per_device_batch} per device x {self.accumulation_steps} accumulation x "
+                                f"{self.world_size} device{plural}"),
             ("examples per step", _spread(self.examples_per_step)),
             ("tokens per step", _spread(self.tokens_per_step)),
             ("loss tokens", f"{self.loss_tokens:,} in the epoch"
@@ -196,7 +183,7 @@ class BudgetReport:
             ("longest example", f"{self.longest_example:,} tokens (as given, before the overflow policy)"),
             ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
             ("padding", f"{100 * self.padding_fraction:.1f}% of the "
-                        + ("window slots" if self.mode == "packed" else "padded positions")),
+                        + ("window slots" if packed else "padded positions")),
             ("compute imbalance", f"{self.compute_imbalance:.3f} (slowest of {self.world_size} device{plural} / "
                                   f"mean, cost 24576 L + L^2; examples per step cv {self.examples_per_step_cv:.2f}; "
                                   f"as the sampler deals them, balance {self.balance or 'none'})"),
@@ -213,6 +200,8 @@ class BudgetReport:
             rows.append(("loss-free", f"left out {self.dropped_pieces:,} pieces with no loss token "
                                       f"({self.dropped_tokens:,} tokens)"))
         width = max(len(k) for k, _ in rows)
+        head = (f"packed into windows of {self.window:,} tokens" if packed
+                else "length-grouped micro-batches, each padded to its longest example")
         lines = [f"packkit plan: {self.num_examples:,} examples, {self.num_tokens:,} tokens, {head}"]
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
         lines.append("advice:" if self.advice else "advice: none")
@@ -222,11 +211,6 @@ class BudgetReport:
 
 def _spread(s: Spread) -> str:
     return f"mean {s.mean:,.1f}  std {s.std:,.1f}  min {s.min:,.0f}  max {s.max:,.0f}"
-
-
-# ----------------------------------------------------------------------------------------------
-# small pure functions
-# ----------------------------------------------------------------------------------------------
 
 
 def __getattr__(name: str):
@@ -246,8 +230,8 @@ def _at_least_one(value, name: str) -> int:
 
 def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, world_size: int = 1) -> int:
     """``per_device_batch x accumulation_steps x world_size``: ``(4, 8, 2) -> 64``."""
-    return (_at_least_one(per_device_batch, "per_device_batch") * _at_least_one(accumulation_steps, "accumulation_steps")
-            * _at_least_one(world_size, "world_size"))
+    return (_at_least_one(per_device_batch, "per_device_batch")
+            * _at_least_one(accumulation_steps, "accumulation_steps") * _at_least_one(world_size, "world_size"))
 
 
 def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:
@@ -265,18 +249,11 @@ def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> t
     return lengths, np.minimum(completion, lengths - 1)
 
 
-# ----------------------------------------------------------------------------------------------
-# plan_budget
-# ----------------------------------------------------------------------------------------------
-
-
 @record
 class AdviceOptions:
-    """The thresholds of :func:`advise` (module docstring), and whether :func:`plan_budget` warns.
-
-    ``lora``: an adapter run (adds the large-batch advice); ``target_tokens_per_step``: report (and advise) the
-    accumulation steps that reach it; ``warn``: also emit each advice as a :class:`BudgetWarning`.
-    """
+    """The thresholds of :func:`advise` (module docstring); ``lora``: an adapter run (adds the large-batch advice);
+    ``target_tokens_per_step``: report (and advise) the accumulation steps that reach it; ``warn``: also emit each
+    advice as a :class:`BudgetWarning` from :func:`plan_budget`."""
 
     lora: bool = False
     target_tokens_per_step: int | None = None
@@ -295,24 +272,23 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
 
     Args:
         lengths: (num_examples,) tokens per example (list, numpy, torch), a lengths object
-            (:class:`packkit.epoch.Lengths`: its ``loss_lengths`` or ``targets`` count the loss tokens, else
-            every token but each piece's first), or a :class:`~packkit.binpack.Plan` (its windows dealt in the
-            order given, its window, strategy and overflow taken as made).
-        per_device_batch: windows per device per micro-batch when packed (``window`` or a plan given), else
-            examples per device per micro-batch in length-grouped batches padded to their longest
+            (:class:`packkit.epoch.Lengths`: its ``loss_lengths`` or ``targets`` count the loss tokens, else every
+            token but each piece's first), or a :class:`~packkit.binpack.Plan` (its windows dealt in the order
+            given, its window, strategy and overflow taken as made).
+        per_device_batch: windows per device per micro-batch when packed (``window`` or a plan given), else examples
+            per device per micro-batch in length-grouped batches padded to their longest
             (:class:`~packkit.sampler.LengthGroupedSampler`).
         accumulation_steps, world_size: >= 1 (``world_size``: data-parallel ranks).
-        window, strategy, overflow: pack into windows of this many tokens (:func:`packkit.binpack.pack`; the
-            sampler plans the pieces the overflow policy leaves), dealt by a
-            :class:`~packkit.sampler.PackedBatchSampler` seeded with ``seed``.
+        window, strategy, overflow: pack into windows of this many tokens (:func:`packkit.binpack.pack`; the sampler
+            plans the pieces the overflow policy leaves), dealt by a :class:`~packkit.sampler.PackedBatchSampler`
+            seeded with ``seed``.
         balance: the samplers' ``balance`` (None, ``"tokens"``, ``"sqlen"``, ``"compute"``).
         drop_loss_free: leave out the pieces (packed) or examples (padded) that hold no loss token, counted in
-            ``dropped_pieces`` / ``dropped_tokens``.
-        drop_last: leave out the last partial step.
-        cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): with ``"zigzag"`` every piece is
-            planned padded to a multiple of ``2 * cp_size`` (the padding fills window slots and counts in
-            ``padding_fraction``, not in the tokens); the other layouts need ``window`` (and padded
-            micro-batches) to be multiples of ``cp_size``. ``world_size`` stays the data-parallel count.
+            ``dropped_pieces`` / ``dropped_tokens``. ``drop_last``: leave out the last partial step.
+        cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): with ``"zigzag"`` every piece is planned
+            padded to a multiple of ``2 * cp_size`` (the padding fills window slots and counts in
+            ``padding_fraction``, not in the tokens); the other layouts need ``window`` (and padded micro-batches) to
+            be multiples of ``cp_size``. ``world_size`` stays the data-parallel count.
         advice: :class:`AdviceOptions` (default: the defaults), read by :func:`advise`.
 
     Returns: a :class:`BudgetReport`.
@@ -344,7 +320,17 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
                           shuffle=given is None), drop_last=drop_last)
     report = _report(data, units, dealt, per_device_batch=per_device_batch, accumulation_steps=accumulation_steps,
                      world_size=world_size, window=window, balance=balance)
-    return _with_advice(report, advice or AdviceOptions())
+    options = advice or AdviceOptions()
+    if options.target_tokens_per_step is not None:
+        target = _at_least_one(options.target_tokens_per_step, "target_tokens_per_step")
+        per_accum = _per_accumulation(report)
+        report = dataclasses.replace(report, target_tokens_per_step=target,
+                                     accumulation_for_target=max(1, math.ceil(target / per_accum)) if per_accum > 0
+                                     else None)
+    report = dataclasses.replace(report, advice=advise(report, options))
+    for a in report.advice if options.warn else ():
+        warnings.warn(BudgetWarning(a), stacklevel=2)
+    return report
 
 
 def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int, accumulation_steps: int,
@@ -373,30 +359,14 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
         effective_batch=per_device_batch * accumulation_steps * world_size, window=window,
         num_examples=int(data.lengths.size), num_tokens=total, num_units=int(num_units),
         steps_per_epoch=dealt.steps, full_steps_per_epoch=int(dealt.full.sum()),
-        examples_per_step=Spread.of(dealt.per_step(None, full_only=True, sums=first)),
-        tokens_per_step=Spread.of(dealt.per_step(None, full_only=True, sums=tokens)),
-        loss_tokens_per_step=Spread.of(dealt.per_step(None, full_only=True, sums=loss)),
+        examples_per_step=Spread.of(dealt.per_step(first, full_only=True)),
+        tokens_per_step=Spread.of(dealt.per_step(tokens, full_only=True)),
+        loss_tokens_per_step=Spread.of(dealt.per_step(loss, full_only=True)),
         padding_fraction=float(padding), loss_tokens_assumed=assumed, loss_tokens=units.loss_sum(),
         loss_free_units=free[0], loss_free_steps=free[1], loss_free_pieces=units.free, dropped_pieces=units.dropped,
         dropped_tokens=units.dropped_tokens, longest_example=int(data.lengths.max()), overflow=units.overflow,
         overflow_examples=units.overflow_examples, cut_tokens=units.cut_tokens, balance=balance,
         compute_imbalance=stats.compute_imbalance, examples_per_step_cv=stats.examples_per_step_cv)
-
-
-def _with_advice(report: BudgetReport, options: AdviceOptions) -> BudgetReport:
-    """``report`` with the accumulation for the target and :func:`advise`'s advice (warned, unless told not to)."""
-    target = options.target_tokens_per_step
-    if target is not None:
-        target = _at_least_one(target, "target_tokens_per_step")
-        per_accum = _per_accumulation(report)
-        report = dataclasses.replace(report, target_tokens_per_step=target,
-                                     accumulation_for_target=max(1, math.ceil(target / per_accum)) if per_accum > 0
-                                     else None)
-    report = dataclasses.replace(report, advice=advise(report, options))
-    if options.warn:
-        for a in report.advice:
-            warnings.warn(BudgetWarning(a), stacklevel=3)
-    return report
 
 
 def _per_accumulation(r: BudgetReport) -> float:
@@ -407,89 +377,59 @@ def _per_accumulation(r: BudgetReport) -> float:
 def advise(r: BudgetReport, options: AdviceOptions | None = None) -> tuple:
     """The :class:`Advice` a practitioner would give on ``r`` (module docstring), under ``options``' thresholds."""
     o = options or AdviceOptions()
-    per_accum, tok = _per_accumulation(r), r.tokens_per_step.mean
-    out = []
+    per_accum, tok, per_step = _per_accumulation(r), r.tokens_per_step.mean, r.examples_per_step.mean
+    acc, w, out = arg("accumulation_steps"), arg("window"), []
     if 0 < tok < o.min_tokens_per_step:
         need = math.ceil(o.min_tokens_per_step / per_accum)
         out.append(_advice(
-            "low_tokens_per_step",
-            {"tokens_per_step": tok, "min_tokens_per_step": o.min_tokens_per_step,
-             "accumulation_steps": r.accumulation_steps, "suggested_accumulation_steps": need},
-            "about {tok:,.0f} tokens per optimiser step (< {min:,}): gradients are noisy. Raise {acc} from {now} "
-            "to {need} (about {tokens:,.0f} tokens per step) rather than raising the learning rate.",
-            tok=tok, min=o.min_tokens_per_step, acc=arg("accumulation_steps"), now=r.accumulation_steps,
-            need=need, tokens=need * per_accum,
-        ))
+            "low_tokens_per_step", {"tokens_per_step": tok, "min_tokens_per_step": o.min_tokens_per_step,
+                                    "accumulation_steps": r.accumulation_steps, "suggested_accumulation_steps": need},
+            "about {tokens_per_step:,.0f} tokens per optimiser step (< {min_tokens_per_step:,}): gradients are noisy. "
+            "Raise {acc} from {accumulation_steps} to {suggested_accumulation_steps} (about {tokens:,.0f} tokens per "
+            "step) rather than raising the learning rate.", acc=acc, tokens=need * per_accum))
     if r.steps_per_epoch < o.min_steps_per_epoch:
-        out.append(_few_steps(r, o.min_steps_per_epoch))
-    if o.lora and r.examples_per_step.mean > o.lora_max_batch:
         out.append(_advice(
-            "lora_large_batch",
-            {"examples_per_step": r.examples_per_step.mean, "lora_max_batch": o.lora_max_batch},
-            "LoRA/adapter run at about {per_step:,.0f} examples per step (> {max}): adapters tend to train better "
-            "with small effective batches; lower {acc} or {batch}.",
-            per_step=r.examples_per_step.mean, max=o.lora_max_batch, acc=arg("accumulation_steps"),
-            batch=arg("per_device_batch"),
-        ))
-    out += _data_advice(r)
+            "few_steps_per_epoch",
+            {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
+             "examples": r.num_examples, "examples_per_step": per_step, "min_steps_per_epoch": o.min_steps_per_epoch,
+             "suggested_examples_per_step": max(1, r.num_examples // o.min_steps_per_epoch)},
+            "only {full_steps_per_epoch:,} full optimiser steps per epoch ({examples:,} examples at about "
+            "{examples_per_step:,.0f} examples per step): the optimiser and the learning-rate schedule get few "
+            "updates. For {min_steps_per_epoch} steps use about {suggested_examples_per_step:,} examples per step, "
+            "or train more epochs."))
+    if o.lora and per_step > o.lora_max_batch:
+        out.append(_advice(
+            "lora_large_batch", {"examples_per_step": per_step, "lora_max_batch": o.lora_max_batch},
+            "LoRA/adapter run at about {examples_per_step:,.0f} examples per step (> {lora_max_batch}): adapters tend "
+            "to train better with small effective batches; lower {acc} or {batch}.", acc=acc,
+            batch=arg("per_device_batch")))
+    if r.loss_free_units:  # then the advice about the data itself
+        unit = "windows" if r.mode == "packed" else "examples"
+        out.append(_advice(
+            "loss_free", {"loss_free_units": r.loss_free_units, "loss_free_steps": r.loss_free_steps, "unit": unit},
+            "{loss_free_units:,} {unit} and {loss_free_steps:,} optimiser steps hold no loss token (they train on "
+            "nothing; a step of them has loss 0): pass {drop} to leave the pieces without one out"
+            + (", or raise {w}" if r.mode == "packed" else ""), drop=arg("drop_loss_free", True), w=w))
+    if r.window is not None and r.longest_example > 4 * r.window:
+        out.append(_advice(
+            "far_beyond_window", {"longest_example": r.longest_example, "window": r.window},
+            "the longest example has {longest_example:,} tokens, {times:,.0f} times the window of {window:,}: "
+            + ("it is split into {pieces:,} pieces that see only their own window; " if r.overflow == "split" else "")
+            + "check it (a concatenated or runaway example?), or raise {w}",
+            times=r.longest_example / r.window, pieces=-(-r.longest_example // r.window), w=w))
+    elif r.window is None and r.longest_example > 64 * max(1.0, tok / max(1, r.effective_batch)):
+        out.append(_advice(
+            "far_beyond_batch", {"longest_example": r.longest_example},
+            "the longest example has {longest_example:,} tokens, far beyond the typical one: every padded "
+            "micro-batch that holds it is padded to it; check it, or pack into windows ({w})",
+            w=arg("window", metavar="W")))
     if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
         a = r.accumulation_for_target
         out.append(_advice(
-            "accumulation_for_target",
-            {"target_tokens_per_step": r.target_tokens_per_step, "accumulation_steps": r.accumulation_steps,
-             "suggested_accumulation_steps": a, "tokens_per_step": tok},
-            "to reach {target:,} tokens per step use {acc} (about {tokens:,.0f} tokens per step; now {now}, "
-            "about {tok:,.0f}).",
-            target=r.target_tokens_per_step, acc=arg("accumulation_steps", a), tokens=a * per_accum,
-            now=r.accumulation_steps, tok=tok,
-        ))
+            "accumulation_for_target", {"target_tokens_per_step": r.target_tokens_per_step,
+                                        "accumulation_steps": r.accumulation_steps,
+                                        "suggested_accumulation_steps": a, "tokens_per_step": tok},
+            "to reach {target_tokens_per_step:,} tokens per step use {acc} (about {tokens:,.0f} tokens per step; "
+            "now {accumulation_steps}, about {tokens_per_step:,.0f}).", acc=arg("accumulation_steps", a),
+            tokens=a * per_accum))
     return tuple(out)
-
-
-def _few_steps(r: BudgetReport, min_steps: int) -> Advice:
-    per_step = r.examples_per_step.mean
-    batch_for_min = max(1, r.num_examples // min_steps)
-    return _advice(
-        "few_steps_per_epoch",
-        {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
-         "examples": r.num_examples, "examples_per_step": per_step,
-         "min_steps_per_epoch": min_steps, "suggested_examples_per_step": batch_for_min},
-        "only {full:,} full optimiser steps per epoch ({n:,} examples at about {per_step:,.0f} examples per "
-        "step): the optimiser and the learning-rate schedule get few updates. For {min} steps use about "
-        "{batch:,} examples per step, or train more epochs.",
-        full=r.full_steps_per_epoch, n=r.num_examples, per_step=per_step, min=min_steps, batch=batch_for_min,
-    )
-
-
-def _data_advice(r: BudgetReport) -> list:
-    """The advice about the data itself: windows or steps with no loss token, an example far beyond the rest."""
-    out = []
-    if r.loss_free_units:
-        unit = "windows" if r.mode == "packed" else "examples"
-        out.append(_advice(
-            "loss_free",
-            {"loss_free_units": r.loss_free_units, "loss_free_steps": r.loss_free_steps, "unit": unit},
-            "{n:,} {unit} and {steps:,} optimiser steps hold no loss token (they train on nothing; a step of "
-            "them has loss 0): pass {drop} to leave the pieces without one out" + (", or raise {w}" if r.mode ==
-                                                                                     "packed" else ""),
-            n=r.loss_free_units, unit=unit, steps=r.loss_free_steps, drop=arg("drop_loss_free", True), w=arg("window"),
-        ))
-    if r.window is not None and r.longest_example > 4 * r.window:
-        out.append(_advice(
-            "far_beyond_window",
-            {"longest_example": r.longest_example, "window": r.window},
-            "the longest example has {longest:,} tokens, {times:,.0f} times the window of {window:,}: "
-            + ("it is split into {pieces:,} pieces that see only their own window; " if r.overflow == "split" else "")
-            + "check it (a concatenated or runaway example?), or raise {w}",
-            longest=r.longest_example, times=r.longest_example / r.window, window=r.window,
-            pieces=-(-r.longest_example // r.window), w=arg("window"),
-        ))
-    elif r.window is None and r.longest_example > 64 * max(1.0, r.tokens_per_step.mean / max(1, r.effective_batch)):
-        out.append(_advice(
-            "far_beyond_batch",
-            {"longest_example": r.longest_example},
-            "the longest example has {longest:,} tokens, far beyond the typical one: every padded micro-batch "
-            "that holds it is padded to it; check it, or pack into windows ({w})",
-            longest=r.longest_example, w=arg("window", metavar="W"),
-        ))
-    return out

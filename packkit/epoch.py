@@ -1,11 +1,11 @@
-"""One epoch, one order: the pieces a sampler deals and the schedule it deals them in, the one place ``packkit plan``
+"""One epoch, one order: the pieces a sampler deals and its schedule, the one place ``packkit plan``
 (:func:`packkit.budget.plan_budget`) and ``packkit waste`` (:func:`packkit.waste.measure_waste`) cut an epoch into
-steps, so that the figures they print are those of the schedule a sampler deals, whatever its ``balance``.
+steps, so that their figures are those of the schedule a sampler deals, whatever its ``balance``.
 
-The interface: :class:`Lengths` (example lengths and their loss tokens, as the door in reads them) and
-:func:`read_lengths_object`; :func:`packed_units` / :func:`padded_units` (what is dealt: the overflow policy's pieces
-or whole examples, CP-padded, with their loss tokens; :class:`Units`); :func:`deal` (the sampler, rank 0, that deals
-them) and :class:`Dealt` (its schedule summed per optimiser step). Nothing here reads a file or prints a figure.
+:class:`Lengths` (example lengths and loss tokens, as the door in reads them; :func:`read_lengths_object`) ->
+:func:`packed_units` / :func:`padded_units` (the overflow policy's pieces or whole examples, CP-padded, with their
+loss tokens: :class:`Units`) -> :func:`deal` (the sampler, rank 0) -> :class:`Dealt` (its schedule summed per
+optimiser step). Nothing here reads a file or prints a figure.
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ class Lengths:
 
 
 def read_lengths_object(data) -> Lengths:
-    """``data``, at least one example, as a :class:`Lengths` (what :func:`plan_budget` and
-    :func:`packkit.waste.measure_waste` read): one as it is (its loss counts checked), the lengths of a
-    :class:`~packkit.binpack.Plan`, or an array of lengths (no loss counts: every token but a piece's first).
+    """``data``, at least one example, as a :class:`Lengths`: one as it is (its loss counts checked), the lengths of
+    a :class:`~packkit.binpack.Plan`, or an array of lengths (no loss counts: every token but a piece's first).
     ``read_lengths_object([3, 4]).lengths -> [3, 4]``."""
     lengths = as_lengths(data.lengths if isinstance(data, (Lengths, Plan)) else data)
     if lengths.size == 0:
@@ -81,15 +80,13 @@ def loss_of(data: Lengths, example=None, start=None, length=None) -> np.ndarray:
 def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int = 1, window: int | None = None,
          strategy: str = "bfd", balance: str | None = None, seed: int = 0, drop_last: bool = False,
          cp_size: int = 1, shuffle: bool = True):
-    """The sampler (rank 0 of ``world_size``) that deals an epoch of ``lengths``, whose schedule ``packkit plan``
-    and ``packkit waste`` report: :class:`~packkit.sampler.PackedBatchSampler` with ``window`` (``per_rank``
-    windows a batch; every length at most ``window``), a :class:`~packkit.binpack.Plan` as ``lengths`` (its
-    windows, each segment an example of its own), else :class:`~packkit.sampler.LengthGroupedSampler`
-    (``per_rank`` examples a batch); ``strategy="next_fit"`` (no sampler plans it) is planned here and dealt as a
-    given plan. ``drop_last`` with no full step: the sampler without it (the caller counts no step). An array of
-    lengths is lent to the sampler, not copied: do not change it while the sampler is in use.
-
-    ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
+    """The sampler (rank 0 of ``world_size``) that deals an epoch of ``lengths``: a
+    :class:`~packkit.sampler.PackedBatchSampler` with ``window`` (``per_rank`` windows a batch; every length at most
+    ``window``; ``strategy="next_fit"``, which no sampler plans, planned here and dealt as given), a given
+    :class:`~packkit.binpack.Plan`'s windows (each segment an example of its own), else a
+    :class:`~packkit.sampler.LengthGroupedSampler` (``per_rank`` examples a batch). ``drop_last`` with no full step:
+    the sampler without it (the caller counts no step). An array of lengths is lent, not copied: leave it unchanged
+    while the sampler is in use. ``deal([5, 3, 4, 2], per_rank=1, window=8).plan().num_windows -> 2``.
     """
     from .sampler import LengthGroupedSampler, PackedBatchSampler, _GivenPlan, _Lent  # lazy: reading deals none
 
@@ -114,8 +111,7 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
 
 @record
 class Dealt:
-    """An epoch as a sampler deals it: ``per_step(values)`` sums ``values`` (one per example the sampler
-    deals) over every rank of each optimiser step; ``full`` marks the full steps (``drop_last``: only those
+    """An epoch as ``sampler`` deals it: its ``schedule``; ``full`` marks the full steps (``drop_last``: only those
     are steps); ``stats`` is the sampler's :meth:`~packkit.sampler.PackedBatchSampler.epoch_stats`."""
 
     sampler: object
@@ -143,17 +139,15 @@ class Dealt:
     def steps(self) -> int:
         return int(self.full.sum()) if self.drop_last else int(self.full.size)
 
-    def per_step(self, values, *, full_only: bool = False, sums: np.ndarray | None = None) -> np.ndarray:
-        """(steps,) sums; ``full_only``: over the full steps (the one partial step when there is no full one).
-        ``sums``: :meth:`sums` of ``values`` already taken (one pass for both readings)."""
-        sums = self.sums(values) if sums is None else sums
+    def per_step(self, sums: np.ndarray, *, full_only: bool = False) -> np.ndarray:
+        """:meth:`sums` over the steps dealt; ``full_only``: the full ones (the one partial step when there is none)."""
         if full_only:
             return sums[self.full] if self.full.any() else sums
         return sums[self.full] if self.drop_last else sums
 
     def sums(self, values, *, taken: bool = False) -> np.ndarray:
-        """(steps held,) ``values`` (one per example the sampler deals; ``taken``: one per entry of the schedule,
-        already read through it) summed over every rank of each step."""
+        """(steps held,) ``values`` summed over every rank of each step: one per example the sampler deals, or
+        (``taken``) one per entry of the schedule, read through it already."""
         from .sampler import batch_sums  # lazy: what reads lengths deals none
 
         sched = self.schedule
@@ -162,9 +156,8 @@ class Dealt:
         return batch_sums(np.asarray(values)[sched.flat], sched.step_ptr)
 
     def tokens(self, units: "Units") -> np.ndarray:
-        """``units.tokens`` one per entry of the schedule (read-only): where the sampler was given them (no CP padding,
-        no plan given), the lengths it read itself, so that its figures and the report's gather them, and sum and
-        take the longest of each batch, once (the schedule remembers them)."""
+        """``units.tokens``, one per entry of the schedule (read-only); the lengths the sampler read itself where
+        it was given them (no CP padding, no plan given), so that its figures and the report share one gather."""
         own = units.given is None and units.planned is units.tokens
         return self.schedule.take(self.sampler._lengths_used() if own else units.tokens)
 
@@ -172,27 +165,26 @@ class Dealt:
         """``(units, steps)`` with no loss token: ``unit_loss`` per unit (window or example; or their count, an
         int), ``values`` the loss per example dealt (``sums``: its :meth:`sums`, if taken)."""
         free = unit_loss if isinstance(unit_loss, int) else int(np.count_nonzero(np.asarray(unit_loss) == 0))
-        return free, int((self.per_step(values, sums=sums) == 0).sum())
+        return free, int((self.per_step(self.sums(values) if sums is None else sums) == 0).sum())
 
     def examples(self, first: np.ndarray | None) -> np.ndarray:
-        """(steps held,) examples each step holds: its entries, less the pieces there that do not start their example
-        (``first`` False: the overflow policy's later pieces, a few, found where they fall rather than summed; None:
-        none)."""
-        sched = self.schedule
-        entries = sched.step_entries
+        """(steps held,) examples in each step: its entries less the pieces that do not start their example
+        (``first`` False; None: none), found where they fall."""
+        entries = self.schedule.step_entries
         if first is None or first.all():
             return entries
-        at = np.flatnonzero(~np.asarray(first, bool)[sched.flat])
-        return entries - np.bincount(np.searchsorted(sched.step_ptr, at, side="right") - 1, minlength=entries.size)
+        at = np.flatnonzero(~np.asarray(first, bool)[self.schedule.flat])
+        return entries - np.bincount(np.searchsorted(self.schedule.step_ptr, at, side="right") - 1,
+                                     minlength=entries.size)
 
 
 @record
 class Units:
-    """What a sampler deals for ``packkit plan`` and ``packkit waste``, one entry per example it deals (a piece
-    when packed): ``planned`` lengths (CP-padded), ``tokens``, ``first`` (bool, True where a piece starts its
-    example; None: every unit does) and ``loss`` (made when read where ``counted`` is None: every token but a
-    piece's first); ``free`` pieces without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free``
-    left out; ``given``: the plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
+    """What a sampler deals for ``packkit plan`` and ``waste``, one entry per example it deals (a piece when packed):
+    ``planned`` lengths (CP-padded), ``tokens``, ``first`` (True where a piece starts its example; None: every
+    one), ``counted`` loss tokens (None: every token but a piece's first, :attr:`loss` made when read); ``free``
+    units without a loss token, ``dropped`` / ``dropped_tokens`` those ``drop_loss_free`` left out; ``given``: the
+    plan dealt as given; ``overflow`` and its counts; ``row_round``: padded rows' multiple."""
 
     planned: np.ndarray
     tokens: np.ndarray
@@ -209,17 +201,16 @@ class Units:
 
     @functools.cached_property
     def loss(self) -> np.ndarray:
-        """(units,) int64 loss tokens of each (made once: ``plan`` reads only their sum and count, :meth:`loss_sum`)."""
+        """(units,) int64 loss tokens (made once: ``plan`` reads only their sum and count, :meth:`loss_sum`)."""
         return self.counted if self.counted is not None else np.maximum(np.subtract(self.tokens, 1), 0)
 
     @property
     def free_left(self) -> int:
-        """Units dealt with no loss token (``drop_loss_free`` left none)."""
+        """Units dealt with no loss token."""
         return self.free - self.dropped
 
     @functools.cached_property
     def total(self) -> int:
-        """Tokens of every unit."""
         return int(self.tokens.sum())
 
     def loss_sum(self) -> int:
@@ -227,7 +218,7 @@ class Units:
         return int(self.counted.sum()) if self.counted is not None else self.total - int(np.count_nonzero(self.tokens))
 
     def keep(self, keep: np.ndarray) -> "Units":
-        """The units kept (``drop_loss_free``): none left is the error naming it."""
+        """The units where ``keep`` (``drop_loss_free``): none left is the error naming it."""
         if not keep.any():
             raise DataError("no piece holds a loss token, and {drop} left every one out",
                             drop=arg("drop_loss_free", True))
@@ -235,16 +226,15 @@ class Units:
         return dataclasses.replace(self, planned=tokens if self.planned is self.tokens else self.planned[keep],
                                    tokens=tokens, first=None if self.first is None else self.first[keep],
                                    counted=None if self.counted is None else self.counted[keep],
-                                   dropped=int((~keep).sum()),
-                                   dropped_tokens=int(self.tokens[~keep].sum()),
+                                   dropped=int((~keep).sum()), dropped_tokens=int(self.tokens[~keep].sum()),
                                    given=None if self.given is None else self.given.keep_segments(keep))
 
 
 def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overflow: str, doc_multiple: int = 1,
                  drop_loss_free: bool = False) -> Units:
     """The pieces a packed epoch deals: the overflow policy's (or a given plan's segments), CP-padded to
-    ``doc_multiple`` (:func:`packkit.cp_plan.cp_multiples`); the loss tokens that train once packed, one count
-    for waste, plan and pack. ``packed_units(Lengths(np.array([5]), "x"), window=4, overflow="split").tokens
+    ``doc_multiple`` (:func:`packkit.cp_plan.cp_multiples`), with the loss tokens that train once packed (one count
+    for waste, plan and pack). ``packed_units(Lengths(np.array([5]), "x"), window=4, overflow="split").tokens
     -> [4, 1]``."""
     if given is not None:
         example, start, length = given.seg_example, given.seg_start, given.seg_length
@@ -253,10 +243,9 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
         pieces = apply_overflow(data.lengths, window=window, overflow=check_overflow(overflow), in_order=True)
         example, start, length = pieces.example, pieces.start, pieces.length
         over, cut = pieces.overflow_examples.size, pieces.cut_tokens
-    loss = _counted(data, example, start, length)
     planned = length if doc_multiple == 1 else -(-length // doc_multiple) * doc_multiple  # (the same: Dealt.tokens)
-    units = Units(planned, length, start == 0, loss, _free(loss, length), given=given, overflow=overflow,
-                  overflow_examples=int(over), cut_tokens=int(cut))
+    units = Units(planned, length, start == 0, *_counted(data, example, start, length), given=given,
+                  overflow=overflow, overflow_examples=int(over), cut_tokens=int(cut))
     units = units.keep(units.loss > 0) if drop_loss_free and units.free else units
     if units.tokens.size == 0:
         raise DataError("every example is longer than {window} and {drop} dropped them all; raise {w} or pass {fix}",
@@ -267,16 +256,14 @@ def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overf
 
 def padded_units(data: Lengths, *, row_round: int, drop_loss_free: bool) -> Units:
     """The examples a padded epoch deals, whole."""
-    loss = _counted(data)
-    units = Units(data.lengths, data.lengths, None, loss, _free(loss, data.lengths), row_round=row_round)
+    units = Units(data.lengths, data.lengths, None, *_counted(data, length=data.lengths), row_round=row_round)
     return units.keep(units.loss > 0) if drop_loss_free and units.free else units
 
 
-def _counted(data: Lengths, example=None, start=None, length=None) -> np.ndarray | None:
-    """:func:`loss_of`, or None where no loss counts were given (every token but a piece's first: made when read)."""
-    return None if data.targets is None and data.loss_lengths is None else loss_of(data, example, start, length)
-
-
-def _free(counted: np.ndarray | None, length: np.ndarray) -> int:
-    """Units with no loss token: ``counted`` 0, or (None) one token or none."""
-    return int(np.count_nonzero(counted == 0) if counted is not None else np.count_nonzero(length <= 1))
+def _counted(data: Lengths, example=None, start=None, length=None) -> tuple[np.ndarray | None, int]:
+    """``(counted, free)``: :func:`loss_of` (None where no loss counts were given: every token but a piece's first,
+    made when read) and the units with no loss token."""
+    if data.targets is None and data.loss_lengths is None:
+        return None, int(np.count_nonzero(length <= 1))
+    loss = loss_of(data, example, start, length)
+    return loss, int(np.count_nonzero(loss == 0))
