@@ -1,11 +1,9 @@
-"""The door in: data files read as tables of examples, their token columns and their lengths, without per-token
-Python. The formats are :data:`INPUTS` (by suffix) and a folder written by ``datasets``' ``save_to_disk``; each
-input is read through an :class:`Input`. Lengths come from the offsets of an Arrow list column (``input_ids`` by
-default), from an integer column of lengths, or from text through a tokenizer (a local ``tokenizer.json``, a
-model's, or the byte-level one, :func:`packkit.arrow.byte_tokenize`); conversational data through its chat template
-(:func:`packkit.chat.tokenize_chat`). What ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
-This module decides; the reading behind it knows nothing of columns or tokenizers: :mod:`packkit.jsonlines`,
-:mod:`packkit.readers`, :mod:`packkit.tokenizer`.
+"""The door in: data files (:data:`INPUTS` by suffix, or a ``save_to_disk`` folder), each read through an
+:class:`Input` as tables of examples, their token columns and their lengths, without per-token Python. Lengths come
+from the offsets of an Arrow list column (``input_ids`` by default), an integer column of lengths, text through a
+tokenizer (a local ``tokenizer.json``, a model's, or the byte-level one) or conversations through their chat template
+(:func:`packkit.chat.tokenize_chat`): what ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
+This module decides; behind it: :mod:`packkit.jsonlines`, :mod:`packkit.readers`, :mod:`packkit.tokenizer`.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ _TOKENIZER_NAMES = ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_n
 
 
 def _tokenizers():
-    """:mod:`packkit.tokenizer`, imported where text is tokenized or a tokenizer named: a file of token ids
-    (``packkit plan FILE``, ``pack``, ``waste``) does not compile it (14 KB)."""
+    """:mod:`packkit.tokenizer`, imported where text is tokenized or a tokenizer named (not for token ids)."""
     from . import tokenizer  # lazy: the tokenizers, for text or pairs to tokenize only
     return tokenizer
 
@@ -67,17 +64,13 @@ def __getattr__(name: str):
         return getattr(_tokenizers(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 def input_format(path) -> str:
     """How ``path`` is read, by its suffix (the one place an input's format is chosen): ``"folder"`` (a
     ``save_to_disk`` folder), ``"npy"``, ``"json"`` (lines, or one list), ``"parquet"``, ``"arrow"``, ``"text"``,
     or ``""`` (unknown). ``input_format("d.JSONL") -> "json"``."""
     path = Path(path)
     return "folder" if path.is_dir() else INPUTS.get(path.suffix.lower(), ("",))[0]
-
-
-# ----------------------------------------------------------------------------------------------
-# files
-# ----------------------------------------------------------------------------------------------
 
 
 def reader_pyarrow(path):
@@ -99,27 +92,19 @@ def check_path(path) -> Path:
                         "(to measure, then to gather, and to name a bad line); save it to a file first")
     if path.is_dir():
         if not any((path / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")):
-            raise ValueError(
-                f"{str(path)!r} is a folder but not a dataset saved with save_to_disk "
-                "(no state.json or dataset_dict.json in it)"
-            )
+            raise ValueError(f"{str(path)!r} is a folder but not a dataset saved with save_to_disk (no state.json or "
+                             "dataset_dict.json in it)")
     elif not input_format(path):
-        raise ValueError(
-            f"cannot read {str(path)!r}: unknown format {path.suffix or '(no suffix)'!r}; "
-            f"use one of {', '.join(sorted(FORMATS))}, or a folder saved with save_to_disk"
-        )
+        raise ValueError(f"cannot read {str(path)!r}: unknown format {path.suffix or '(no suffix)'!r}; use one of "
+                         f"{', '.join(sorted(FORMATS))}, or a folder saved with save_to_disk")
     return path
 
 
 def relocate_json_float(exc: BaseException, path) -> BaseException | None:
-    """The error about a float token (``1.0 (float)``, :func:`packkit.rules.not_integer`) moved to the row of a JSON
-    lines ``path`` that wrote one, or None when ``exc`` is not that error or no line writes a float there.
-
-    One ``5.0`` on line 900 makes pyarrow read the whole column as floats, so the rules met the first value,
-    ``1.0`` on line 1, and blamed it. Python's reader tells ``5.0`` from ``5``: the first line whose ``key`` holds
-    a float (at any depth) is the one to blame, named by its row (:func:`lines_named` adds the line). The value and
-    the key are the error's fields (no message is read). Error path only.
-    """
+    """The error about a float token (:func:`packkit.rules.not_integer`) moved to the first row of the JSON lines
+    ``path`` whose key holds a float, or None when ``exc`` is not that error or no row does. One ``5.0`` on line 900
+    makes pyarrow read the whole column as floats, so the rules blamed ``1.0`` on line 1; Python's reader tells
+    ``5.0`` from ``5``. The value and key are the error's fields (no message is read). The error path only."""
     fields = exc.fields if isinstance(exc, ExampleTypeError) else {}
     found = isinstance(fields.get("value"), float) and _json_lines(path) and jsonlines.first_float(path, fields["key"])
     if not found:
@@ -148,10 +133,9 @@ def _packed_rows(path) -> bool:
 
 @contextlib.contextmanager
 def lines_named(path):
-    """Inside, an error about a row of the JSON lines file ``path`` names that row's line too: ``dataset row 149999
-    (line 150,001 of 'data.jsonl') has ...`` (an example is a row, unless the rows are packed), and a float token
-    is blamed on the line that wrote it (:func:`relocate_json_float`). The error's row is its
-    :class:`packkit.errors.Where` field, read as a number: no message is parsed."""
+    """Inside, an error about a row of the JSON lines file ``path`` (its :class:`packkit.errors.Where` field, no
+    message parsed) names that row's line too: ``dataset row 149999 (line 150,001 of 'data.jsonl') has ...`` (an
+    example is a row, unless the rows are packed); a float token is blamed on its line (:func:`relocate_json_float`)."""
     try:
         yield
     except (ValueError, TypeError) as exc:
@@ -168,14 +152,10 @@ def lines_named(path):
 
 
 def load_table(path, *, split: str | None = None):
-    """Read a file (or a ``save_to_disk`` folder) into a ``pyarrow.Table``.
-
-    A saved dataset is memory-mapped, and a selection (indices mapping) is applied.
-    """
+    """Read a file (or a ``save_to_disk`` folder, memory-mapped, a selection applied) into a ``pyarrow.Table``."""
     path = check_path(path)
     reader_pyarrow(path)
-    if path.is_dir():
-        # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
+    if path.is_dir():  # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
         return load_dataset(path, split=split).with_format("arrow")[:]
     read = {"json": jsonlines.read_json, "parquet": read_parquet, "arrow": read_arrow, "text": read_text}.get(
         input_format(path))
@@ -185,15 +165,11 @@ def load_table(path, *, split: str | None = None):
 
 
 class Tokenizing:
-    """How rows of one schema get their token column, decided and checked once, applied a chunk at a time.
-
-    Made by :meth:`Input.tokenizing`. ``encode(table, first_row)`` returns the chunk with its tokens: conversational
-    rows (TRL's ``messages``, ``conversations`` or ``prompt`` + ``completion``) become ``input_ids`` plus the
-    loss mask TRL would train with (:func:`packkit.chat.chat_encoder`, its tokenizer loaded once); text gets
-    ``column`` appended (list<int32>, :func:`packkit.tokenizer.tokenize`). Errors name the example by its row in the
-    whole input (``first_row`` is the chunk's). ``finish(rows)`` gives the warnings that need every row; ``how`` says
-    what was done, in words.
-    """
+    """How rows of one schema get their token column (:meth:`Input.tokenizing`), decided and checked once, applied a
+    chunk at a time. ``encode(table, first_row)``: the chunk with its tokens, errors naming the row in the whole input.
+    Conversational rows (TRL's ``messages``, ``conversations`` or ``prompt`` + ``completion``) get ``input_ids`` and
+    TRL's loss mask (:func:`packkit.chat.chat_encoder`), text gets ``column`` (list<int32>,
+    :func:`packkit.tokenizer.tokenize`). ``finish(rows)``: the warnings that need every row; ``how``: what was done."""
 
     def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: ChatOptions | None, where: str):
         from .chat import chat_encoder, chat_format  # lazy: off waste and plan's start
@@ -207,8 +183,7 @@ class Tokenizing:
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
             self.chat = enc = chat_encoder(schema, tokenizer, chat, stacklevel=4)
             name = _tokenizers().tokenizer_name(tokenizer)
-            # prompt/completion strings: no template, the EOS appended (tokenize_chat refuses none); the template
-            # named as it was given: the file passed, else the tokenizer's own
+            # the template named as given (the file passed, else the tokenizer's own); prompt/completion: none
             words = (f"the chat template {os.path.basename(enc.template_file)!r} (tokenizer {name})"
                      if enc.template_file else f"the chat template of {name}")
             if enc.swapped:
@@ -250,23 +225,20 @@ class Tokenizing:
 #: Rows per chunk when an Arrow table (a memory-mapped file or folder) is tokenized a chunk at a time.
 TOKENIZE_ROWS = 4096
 
-#: Bytes of text (JSON lines, ``.txt``) per chunk tokenized at a time: larger than
-#: :data:`packkit.jsonlines.JSON_BLOCK_BYTES`, since a tokenizer's batch call runs its threads better over more texts.
+#: Bytes of JSON lines per chunk tokenized at a time: more than :data:`packkit.jsonlines.JSON_BLOCK_BYTES`, since a
+#: tokenizer's batch call runs its threads better over more texts.
 TOKENIZE_BLOCK_BYTES = 4 << 20
 
-#: Characters of a ``.txt`` per chunk tokenized at a time (:func:`packkit.readers.text_tables`): a chunk is made as
-#: Python strings (up to 4 bytes a character), then an Arrow array, then its ids, and up to four chunks are in flight
-#: (made, queued, staged); the tokenizer is given :data:`packkit.tokenizer.TOKENIZE_CALL_CHARS` a call whatever the
-#: chunk. Measured (Qwen3's tokenizer, 16 MB of ShareGPT text, the memory freed handed back as well,
-#: :func:`packkit.tokenizer.release_freed`): 4 MiB chunks peaked 94 MiB over the warm command, 256 Ki ones 51 MiB.
+#: Characters of a ``.txt`` per chunk tokenized (:func:`packkit.readers.text_tables`): up to four chunks are in flight,
+#: each as Python strings, an Arrow array and ids. Qwen3's tokenizer over 16 MB of ShareGPT text (freed memory
+#: handed back) peaked 94 MiB over the warm command with 4 MiB chunks, 51 MiB with these.
 TEXT_BLOCK_CHARS = 256 << 10
 
 
 def table_chunks(path, *, split: str | None = None, block_size: int | None = None):
-    """The rows of a data file (or a ``save_to_disk`` folder) as ``pyarrow.Table``\\ s in order, a bounded chunk
-    at a time: JSON lines and text parsed ``block_size`` bytes at a time (:func:`packkit.jsonlines.json_tables`,
-    :func:`packkit.readers.text_tables`), parquet decoded a batch at a time, Arrow memory-mapped and sliced
-    (:data:`TOKENIZE_ROWS` rows); a file that is one JSON list is read whole. Empty input yields nothing."""
+    """The rows of a data file (or a ``save_to_disk`` folder) as ``pyarrow.Table``\\ s in order, a bounded chunk at a
+    time: JSON lines and text ``block_size`` bytes at a time, Parquet a batch at a time, Arrow memory-mapped and
+    sliced (:data:`TOKENIZE_ROWS` rows); one JSON list is read whole. Empty input yields nothing."""
     path = Path(path)
     kind = input_format(path)
     if kind == "json":
@@ -276,25 +248,20 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
             yield table
         if any_table or not path.read_bytes()[:1 << 16].strip():
             return
-    elif kind == "text":
+    if kind == "text":
         yield from text_tables(path, size=block_size or jsonlines.JSON_BLOCK_BYTES)
-        return
     elif kind == "parquet":
         pa = reader_pyarrow(path)
-        for batch in parquet_batches(path, batch_rows=TOKENIZE_ROWS):
-            yield pa.Table.from_batches([batch])
-        return
-    table = load_table(path, split=split)  # memory-mapped (Arrow, a folder), or one JSON list
-    for lo in range(0, table.num_rows, TOKENIZE_ROWS):
-        yield table.slice(lo, TOKENIZE_ROWS)
+        yield from (pa.Table.from_batches([batch]) for batch in parquet_batches(path, batch_rows=TOKENIZE_ROWS))
+    else:
+        table = load_table(path, split=split)  # memory-mapped (Arrow, a folder), or one JSON list
+        yield from (table.slice(lo, TOKENIZE_ROWS) for lo in range(0, table.num_rows, TOKENIZE_ROWS))
 
 
 def _chunk_lengths(tables, column: str, *, first_ok=None):
-    """``(lengths, targets or None)`` of tables of token ids read in order, a chunk at a time (memory: a chunk,
-    one entry per example and one bool per token for the loss targets; the rules of the Arrow path, errors
-    naming the row in the whole input): ``column``, or the ``input_ids`` a chat template wrote. None where
-    the whole read must do instead: ``first_ok(first table)`` is False, no table, or a loss column in some
-    chunks only."""
+    """``(lengths, targets or None)`` of tables of token ids (``column``, or the ``input_ids`` a chat template wrote)
+    read in order, a chunk at a time, under the Arrow path's rules (errors name the row in the whole input). None
+    where the whole read must do: ``first_ok(first table)`` is False, no table, or a loss column in some chunks only."""
     from .listcolumns import loss_targets, token_lengths  # lazy: off waste and plan's start
     lengths, targets, row = [], [], 0
     for table in tables:
@@ -320,10 +287,10 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
 
 @dataclasses.dataclass
 class Rows:
-    """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a ``datasets.Dataset``
-    holding the token ids, memory-mapped), ``parquet`` (the path of a Parquet file holding them), ``make`` (a
-    chunk at a time: JSON lines parsed, text tokenized; :func:`packkit.readers.replay`) or ``table`` (read whole,
-    tokenized). ``how``: how the tokens were made (None: the rows held them); ``nbytes``: the input's size on disk."""
+    """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a memory-mapped
+    ``datasets.Dataset`` of token ids), ``parquet`` (a Parquet file's path), ``make`` (a chunk at a time,
+    :func:`packkit.readers.replay`) or ``table`` (read whole). ``how``: how the tokens were made (None: the rows held
+    them); ``nbytes``: the input's size on disk."""
 
     path: Path
     how: str | None = None
@@ -335,16 +302,11 @@ class Rows:
 
 
 class Input:
-    """One input, read through the one door in: its format, how its tokens come and whether it is read a chunk
-    at a time or whole, decided here once.
-
-    ``Input(path, column=..., text_column=..., tokenizer=..., chat=ChatOptions(...), split=...)`` checks the path
-    (:func:`check_path`) and knows its format (:func:`input_format`). Its readers: :meth:`lengths` (what
-    ``packkit waste`` and ``plan`` measure, :func:`read_lengths`), :meth:`rows` (what ``packkit pack`` packs,
-    :meth:`packkit.sources.ArrowSource.of`), :meth:`tokenized` (what ``packkit tokenize`` writes). Each reads a
-    chunk at a time where it can; :meth:`read` falls back to the whole read where a JSON lines file changes a
-    column's type after its first chunk (pyarrow unifies types only over the whole file), for every reader.
-    """
+    """One input, read through the one door in: its format, how its tokens come, and whether it is read a chunk at a
+    time or whole, decided here once. ``Input(path, column=..., text_column=..., tokenizer=..., chat=ChatOptions(),
+    split=...)`` checks the path (:func:`check_path`). Its readers: :meth:`lengths` (what ``packkit waste`` and
+    ``plan`` measure), :meth:`rows` (what ``packkit pack`` packs), :meth:`tokenized` (what ``packkit tokenize``
+    writes), each a chunk at a time where it can; :meth:`read` falls back to the whole read for every reader."""
 
     def __init__(self, path, *, column: str = "input_ids", text_column: str = "text", tokenizer="bytes",
                  chat: ChatOptions | None = None, split: str | None = None):
@@ -355,9 +317,9 @@ class Input:
         self.where = repr(str(self.path))
 
     def read(self, use):
-        """``use(whole=False)``, and ``use(whole=True)`` where that read met
-        :class:`packkit.jsonlines.JsonLinesChanged`: the one place a chunked read falls back to the whole read. An
-        error about a row names its line (:func:`lines_named`)."""
+        """``use(whole=False)``, or ``use(whole=True)`` where that met :class:`packkit.jsonlines.JsonLinesChanged` (a
+        type that changes after the first chunk: pyarrow unifies types over the whole file only). Errors name their
+        line (:func:`lines_named`)."""
         with lines_named(self.path):
             try:
                 return use(whole=False)
@@ -365,20 +327,18 @@ class Input:
                 return use(whole=True)
 
     def tokenizing(self, schema) -> Tokenizing | None:
-        """How rows of ``schema`` get their token column (:class:`Tokenizing`), or None when they hold it;
-        conversational data without a chat tokenizer, text without a tokenizer, or neither text nor tokens is the
-        one-line error naming what to pass."""
+        """How rows of ``schema`` get their token column (:class:`Tokenizing`; its errors name what to pass), or None
+        when they hold it."""
         if self.column in schema.names:
             return None
         return Tokenizing(schema, column=self.column, text_column=self.text_column, tokenizer=self.tokenizer,
                           chat=self.chat, where=self.where)
 
     def chunks(self):
-        """``(make, how)``: ``make()`` yields the rows with their token column a bounded chunk at a time
-        (:func:`table_chunks`; its first call continues the read begun here, a later one reads again): JSON lines of
-        token ids parsed (``how`` None), text and conversations tokenized (:class:`Tokenizing`, decided from the
-        first chunk and checked before any other is read; ``how`` says how). None where the rows are read as they
-        are (a memory-mapped or Parquet file of token ids) or whole, or hold no row."""
+        """``(make, how)``: ``make()`` yields the rows with their token column a chunk at a time (:func:`table_chunks`;
+        its first call continues the read begun here): JSON lines of token ids parsed (``how`` None), or text and
+        conversations tokenized (``how`` decided from the first chunk). None where the rows are read as they are (a
+        memory-mapped or Parquet file of token ids) or whole, or hold no row."""
         if self.format == "json":
             reader_pyarrow(self.path)  # without pyarrow: the one line naming the format
             rest = jsonlines.json_tables(self.path)
@@ -407,8 +367,8 @@ class Input:
         return make, how.how
 
     def table(self, *, progress: bool = False, table=None):
-        """``(table, how)``: the rows read whole (a folder or an Arrow file memory-mapped; ``table`` when given)
-        holding their token column, and how it was made (:class:`Tokenizing`; None: they held it)."""
+        """``(table, how)``: the rows read whole (or ``table``) with their token column, and how it was made (None:
+        they held it)."""
         table = load_table(self.path, split=self.split) if table is None else table
         how = self.tokenizing(table.schema)
         if how is None:
@@ -430,9 +390,8 @@ class Input:
         return (iter(()), None) if made is None or made[1] is None else (made[0](), made[1])
 
     def rows(self, *, whole: bool = False, progress: bool = False) -> Rows:
-        """How ``packkit pack`` reads the rows (:class:`Rows`): token ids where they are (a folder, Parquet), or a
-        chunk at a time (:meth:`chunks`), or whole (``whole``, one JSON list, an Arrow file); an input without a
-        row is refused."""
+        """How ``packkit pack`` reads the rows (:class:`Rows`): token ids where they are (a folder, Parquet), a chunk at
+        a time (:meth:`chunks`), or whole; an input without a row is refused."""
         empty = DataError(f"{self.where} holds no examples")
         got = None
         if self.format == "folder":
@@ -458,20 +417,18 @@ class Input:
 
     def lengths(self, *, progress: bool = False) -> Lengths:
         """The examples' lengths and loss targets (:func:`read_lengths`), a chunk at a time where the input allows."""
-        with lines_named(self.path):
-            return self._lengths(progress)
-
-    def _lengths(self, progress: bool) -> Lengths:
         targets = how = source = None
-        if self.format == "npy":
-            lengths, source = as_lengths(read_npy(self.path), name=self.where), f"{self.path.name} (lengths)"
-        elif self.format == "text" and self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text":
-            lengths, how = text_byte_lengths(self.path), "column 'text' tokenized with bytes"  # no pyarrow needed
-        elif (streamed := self.read(self._streamed_lengths)) is not None:  # a chunk at a time
-            lengths, targets, how = streamed
-            lengths = as_lengths(lengths, name=f"lengths in {self.path.name}")
-        else:
-            lengths, targets, how, source = self._whole_lengths(progress)
+        text_bytes = self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text"
+        with lines_named(self.path):
+            if self.format == "npy":
+                lengths, source = as_lengths(read_npy(self.path), name=self.where), f"{self.path.name} (lengths)"
+            elif self.format == "text" and text_bytes:  # no pyarrow needed
+                lengths, how = text_byte_lengths(self.path), "column 'text' tokenized with bytes"
+            elif (streamed := self.read(self._streamed_lengths)) is not None:  # a chunk at a time
+                lengths, targets, how = streamed
+                lengths = as_lengths(lengths, name=f"lengths in {self.path.name}")
+            else:
+                lengths, targets, how, source = self._whole_lengths(progress)
         source = source or f"{self.path.name}, " + (how or f"column {self.column!r}")
         loss = None
         if targets is not None:  # loss tokens of each example, from the targets laid end to end
@@ -485,8 +442,8 @@ class Input:
         return Lengths(lengths, source, unit, loss, targets)
 
     def _streamed_lengths(self, whole: bool):
-        """``(lengths, targets or None, how)`` read a chunk at a time (:func:`_chunk_lengths`): JSON lines of token ids
-        (not packed rows, read whole as their documents), text and conversations tokenized; None to read whole."""
+        """``(lengths, targets or None, how)`` read a chunk at a time (:func:`_chunk_lengths`), or None to read whole
+        (packed rows among them, read whole as their documents)."""
         made = None if whole or self.format == "npy" else self.chunks()
         if made is None:
             return None
@@ -498,7 +455,7 @@ class Input:
 
     def _whole_lengths(self, progress: bool):
         """``(lengths, targets, how, source)`` of the rows read whole: an integer column of lengths, or token ids
-        (packed rows, packkit's own output, read as their documents: a document is an example)."""
+        (packed rows, packkit's own output, read as their documents)."""
         pa = reader_pyarrow(self.path)
         table = load_table(self.path, split=self.split)
         col, name = self.column, self.path.name
@@ -509,9 +466,8 @@ class Input:
             return lengths, None, None, f"{name}, column {col!r} (lengths)"
         table, how = self.table(progress=progress, table=table)
         key = col if col in table.column_names else "input_ids"
-        # every rule the collators and `packkit pack` hold token ids to (packkit.rules): waste and plan measure
-        # exactly what pack accepts
-        from .listcolumns import loss_targets, packed_segments, source_order, token_lengths  # lazy: as in _chunk_lengths
+        # every rule `packkit pack` holds token ids to (packkit.rules): waste and plan measure what pack accepts
+        from .listcolumns import loss_targets, packed_segments, source_order, token_lengths  # lazy: off the start
         lengths = as_lengths(token_lengths(table.column(key), key=key), name=f"lengths in {name}")
         source = f"{name}, " + (how or f"column {col!r}")
         docs = packed_segments(table, lengths, key=key) if lengths.size else None
@@ -534,16 +490,13 @@ class Input:
 def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",
                  tokenizer="bytes", split: str | None = None, progress: bool = False,
                  chat: ChatOptions | None = None) -> Lengths:
-    """Example lengths from a file (module docstring), or the bundled sample when ``path`` is None.
+    """Example lengths from a file (:meth:`Input.lengths`), or the bundled sample when ``path`` is None.
 
-    ``column`` may also name an integer column of lengths. Text is tokenized with ``tokenizer``
-    (``"bytes"`` by default; then the lengths are UTF-8 bytes and ``unit == "bytes"``); conversational
-    data goes through its chat template (:meth:`Input.table`; ``chat``: :class:`packkit.chat.ChatOptions`).
-    The loss lengths come from ``labels`` or a loss mask when the data has one
-    (:func:`packkit.listcolumns.loss_targets`). Packed rows (a ``seq_lengths`` or restarting ``position_ids``
-    column, as ``packkit pack`` writes) are read as their documents (:func:`packkit.listcolumns.packed_segments`):
-    a document is an example, never a row. :meth:`Input.lengths` reads them.
-    """
+    ``column`` may name an integer column of lengths. Text is tokenized with ``tokenizer`` (``"bytes"`` by default:
+    the lengths are UTF-8 bytes and ``unit == "bytes"``), conversations through their chat template (``chat``:
+    :class:`packkit.chat.ChatOptions`). The loss lengths come from ``labels`` or a loss mask when the data has one
+    (:func:`packkit.listcolumns.loss_targets`). Packed rows (a ``seq_lengths`` or restarting ``position_ids`` column,
+    as ``packkit pack`` writes) are read as their documents: a document is an example, never a row."""
     if path is None:
         return bundled_sample()
     inp = Input(path, column=column, text_column=text_column, tokenizer=tokenizer, chat=chat, split=split)
@@ -562,30 +515,24 @@ def preference_columns(names) -> tuple | None:
 
 
 def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
-    """TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (list<int32>) of a table of text or
-    conversational ``prompt`` / ``chosen`` / ``rejected`` pairs, as TRL 1.16's ``DPOTrainer`` tokenizes them
+    """TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (list<int32>) of a table of text or conversational
+    ``prompt`` / ``chosen`` / ``rejected`` pairs, as TRL 1.16's ``DPOTrainer`` tokenizes them, in one pass
     (:func:`packkit.preference.tokenize_preference`; errors name the example). ``tokenizer``: as
-    :func:`packkit.tokenizer.load_tokenizer` takes it. The pairs are tokenized in one pass over the table."""
+    :func:`packkit.tokenizer.load_tokenizer` takes it."""
     from .preference import tokenize_preference  # lazy: torch, only for text pairs
-
     pa = pyarrow()
     tok = _tokenizers().load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     keep = [c for c in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs") if c in table.column_names]
     rows = tokenize_preference(table.select(keep).to_pylist(), tok)
-    names = ("prompt_ids", "chosen_ids", "rejected_ids")
-    return pa.table({c: pa.array([r[c] for r in rows], pa.list_(pa.int32())) for c in names})
+    return pa.table({c: pa.array([r[c] for r in rows], pa.list_(pa.int32())) for c in PREFERENCE_COLUMNS[0]})
 
 
 def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             trust_remote_code: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
-    """``(prompt, chosen, rejected, source)``: per-pair token counts of a preference file.
-
-    The columns are TRL's tokenized ones (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``, what
-    ``DPOTrainer``, :func:`packkit.preference.tokenize_preference` or ``packkit tokenize`` makes), integer
-    columns ``prompt`` / ``chosen`` / ``rejected`` holding the counts, or text (or conversations) there,
-    tokenized with ``tokenizer`` (:func:`tokenize_pairs`); text without one is refused with the ways to
-    tokenize it, and a ``tokenizer`` that tokenizes nothing is said (:func:`warn_unused_tokenizer`).
-    """
+    """``(prompt, chosen, rejected, source)``: per-pair token counts of a preference file: TRL's tokenized columns
+    (:data:`PREFERENCE_COLUMNS`, as ``DPOTrainer`` or ``packkit tokenize`` makes them), integer counts in
+    ``prompt`` / ``chosen`` / ``rejected``, or text (or conversations) there, tokenized with ``tokenizer``
+    (:func:`tokenize_pairs`; without one, refused naming the ways to tokenize it). An unused ``tokenizer`` is said."""
     path = check_path(path)
     pa = pyarrow()
     table = load_table(path, split=split)

@@ -1,11 +1,6 @@
-"""JSON lines read by pyarrow, a bounded chunk at a time, and the line to blame when one is bad: the back of the
-house behind the door in (:mod:`packkit.datafiles` decides that an input is JSON and what its rows are; this module
-knows nothing of columns, tokenizers or examples).
-
-The interface: :func:`json_tables` (tables in order, chunks of whole lines parsed on threads, a very long line's
-lists of integers parsed on every thread), :func:`json_batches`, :func:`read_json` (the whole file, or one JSON
-list of objects), :class:`JsonLinesChanged` (a type that changes after the first chunk, with no line to blame: the
-caller reads whole), and the line helpers :func:`lines`, :func:`line_of_row`, :func:`first_float`. A line pyarrow
+"""JSON lines read by pyarrow, a bounded chunk at a time (:func:`json_tables`) or whole (:func:`read_json`), and the
+line to blame when one is bad: the back of the house behind the door in (:mod:`packkit.datafiles` decides that an
+input is JSON and what its rows are; this module knows nothing of columns, tokenizers or examples). A line pyarrow
 refuses is a one-line :class:`~packkit.errors.DataError` naming its 1-based line: not JSON, not an object, or a
 key whose kind changes from an earlier line (a list of numbers, then text).
 """
@@ -28,10 +23,8 @@ __all__ = ["JSON_BLOCK_BYTES", "JsonLinesChanged", "first_float", "json_batches"
 
 def _json_kind(value):
     """The JSON kind pyarrow's reader infers a column from: ``[1, 2] -> ("list", ("a number",))``; None for null.
-
-    A scalar's kind is its words in messages; lists carry the kind of their items (None while unknown); a list
-    mixing kinds is ``("mixed", a, b)``.
-    """
+    A scalar's kind is its words in messages; a list's carries its items' (None while unknown), or is
+    ``("mixed", a, b)``."""
     if value is None:
         return None
     for types, words in ((bool, "true/false"), ((int, float), "a number"), (str, "text")):  # bool first: True is an int
@@ -92,13 +85,9 @@ def _kind_text(kind) -> str:
 
 
 def _locate_error(path: Path) -> DataError | None:
-    """The first line of a JSON lines file that pyarrow's reader refuses, named by its 1-based line number.
-
-    pyarrow names a row inside the block it was reading (and counts from 0), so its row is not the
-    file's line; this pass (on the error path only) reads line by line: a line that is not JSON, not
-    an object, or whose value changes kind from an earlier line (a list of numbers, then text).
-    None if every line reads (the caller keeps pyarrow's message).
-    """
+    """The first line of a JSON lines file that pyarrow's reader refuses, by its 1-based number (pyarrow counts rows
+    from 0 inside its block): not JSON, not an object, or a value that changes kind from an earlier line. None if
+    every line reads (the caller keeps pyarrow's message). The error path only."""
     seen: dict = {}
     name = str(path)
     for lineno, raw in lines(path):
@@ -111,8 +100,8 @@ def _locate_error(path: Path) -> DataError | None:
             return DataError(f"{name!r} line {lineno:,}: not valid JSON ({msg}"
                              + (f" at column {col}" if col else "") + "); fix or remove that line")
         if not isinstance(obj, dict):
-            return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object "
-                             "(one example) was expected")
+            return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object (one "
+                             "example) was expected")
         for key, value in obj.items():
             kind = _json_kind(value)
             if kind is not None and kind[0] == "mixed":
@@ -140,12 +129,9 @@ def lines(path):
 
 
 def line_of_row(path, row: int) -> int | None:
-    """The 1-based line of a JSON lines file that holds row ``row`` (0-based; blank lines hold none).
-
-    ``line_of_row("d.jsonl", 0)`` is the first non-blank line; None past the end.
-    """
+    """The 1-based line of a JSON lines file holding row ``row`` (0-based; blank lines hold none), None past the end:
+    ``line_of_row("d.jsonl", 0)`` is the first non-blank line."""
     return next((lineno for k, (lineno, _) in enumerate(lines(path)) if k == row), None)
-
 
 
 def first_float(path, key: str) -> tuple | None:
@@ -167,7 +153,6 @@ def _first_float(value):
     if isinstance(value, list):
         return next((f for f in map(_first_float, value) if f is not None), None)
     return value if isinstance(value, float) else None
-
 
 
 def longest_line(path, *, chunk: int = 1 << 24) -> int:
@@ -192,8 +177,7 @@ MAX_JSON_BLOCK = 2**31 - 1
 
 
 def _block_fits(path, need: int) -> int:
-    """``need`` (bytes of a JSON block: a line, or a chunk of whole lines, and one more) when pyarrow's reader takes
-    it, else the one-line error naming the file."""
+    """``need`` (bytes of a JSON block) when pyarrow's reader takes it, else the one-line error naming the file."""
     if need > MAX_JSON_BLOCK:
         raise DataError(f"{str(path)!r} holds a line of more than {MAX_JSON_BLOCK:,} bytes; JSON lines are read up "
                         "to that many bytes a line: split the example, or store it as parquet")
@@ -201,8 +185,7 @@ def _block_fits(path, need: int) -> int:
 
 
 def json_block_size(path) -> int:
-    """A block size for pyarrow's JSON reader that holds the longest line of ``path`` (1 MiB at least);
-    a line past 2 GiB is refused naming the file."""
+    """A block size for pyarrow's JSON reader that holds the longest line of ``path`` (1 MiB at least)."""
     return max(_block_fits(path, longest_line(path) + 1), 1 << 20)
 
 
@@ -214,15 +197,14 @@ JSON_PARSERS = 4
 
 
 class JsonLinesChanged(DataError):
-    """A streamed JSON lines file changed a column's type (or gained a column) after its first block, with no
-    line to blame (ints, then floats): the caller reads it whole instead, as pyarrow unifies types then."""
+    """A streamed JSON lines file changed a column's type (or gained one) after its first block, with no line to
+    blame (ints, then floats): the caller reads it whole, where pyarrow unifies the types."""
 
 
 def line_chunks(path, *, size: int = JSON_BLOCK_BYTES):
-    """The bytes of a file in chunks of whole lines, about ``size`` bytes each (a longer line whole, in a
-    chunk of its own), a UTF-8 byte-order mark left out; memory: one chunk. ``b"a\nbb\nc"`` at
-    ``size=2`` -> ``[b"a\n", b"bb\n", b"c"]``. What the longest line needs is found as it is read:
-    no pass over the file before."""
+    """The bytes of a file in chunks of whole lines, about ``size`` bytes each (a longer line whole, in a chunk of
+    its own), a UTF-8 byte-order mark left out, with no pass over the file before; memory: one chunk.
+    ``b"a\\nbb\\nc"`` at ``size=2`` -> ``[b"a\\n", b"bb\\n", b"c"]``."""
     with open(path, "rb") as f:
         head = f.read(3)
         rest = [] if head == b"\xef\xbb\xbf" else [head]  # the pieces of the line being read, joined once
@@ -242,12 +224,10 @@ def line_chunks(path, *, size: int = JSON_BLOCK_BYTES):
 
 
 def _parse_json_chunk(chunk: bytes, schema, path):
-    """``chunk`` (whole JSON lines, up to :data:`MAX_JSON_BLOCK` bytes) as a ``pyarrow.Table``, parsed as one
-    block on the calling thread: with ``schema`` (the first chunk's types; a new key or another type is an
-    error), or inferred."""
+    """``chunk`` (whole JSON lines, up to :data:`MAX_JSON_BLOCK` bytes) as a ``pyarrow.Table``, one block on the
+    calling thread, with ``schema`` (the first chunk's types: a new key or another type is an error) or inferred."""
     pa = pyarrow()
     import pyarrow.json as pj
-
     _block_fits(path, len(chunk) + 1)
     parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error") if schema is not None \
         else pj.ParseOptions()
@@ -268,21 +248,17 @@ LONG_LIST_BYTES = 1 << 20
 
 
 def _one_long_line(chunk: bytes, parse):
-    """One JSON line whose long flat lists of integers (``"input_ids": [5, 6, ...]``, at least
-    :data:`LONG_LIST_BYTES` of text each) are parsed on pyarrow's threads, the rest of the line by its JSON reader;
-    None where the line is anything else, or a list is not plain integers (the caller parses the whole line,
-    whose errors then name what is wrong).
+    """One JSON line whose long flat lists of integers (``"input_ids": [5, 6, ...]``, :data:`LONG_LIST_BYTES` of
+    text or more) are parsed on pyarrow's threads, the rest of the line by its JSON reader; None where the line is
+    anything else or a list is not plain integers (the caller parses the line whole, naming what is wrong).
 
-    pyarrow parses a block on one thread and a line never spans two blocks, so one 128 MiB line took one core
-    where the same bytes in short lines took every core (1.76x the wall at load 8.5 on 2 cores). The numbers of a
-    long list are what takes the time: with the commas made newlines they are one CSV column of int64 (blocks
-    on every thread; an empty value, a float, text or a value past int64 fails the parse, and the whole line goes
-    the usual way). Each list is cut out of the line (the line keeps ``[]`` there), then put back as the row's.
-    """
+    pyarrow parses a block on one thread, so one 128 MiB line took one core (1.76x the wall of the same bytes in
+    short lines, load 8.5 on 2 cores). Each long list is cut out (the line keeps ``[]``), its commas made newlines
+    and read as one CSV column of int64 on every thread (an empty value, a float, text or a value past int64 fails,
+    and the line goes the usual way), then put back as the row's."""
     pa = pyarrow()
     import pyarrow.csv as pcsv
     import pyarrow.json as pj
-
     spans, at = [], 0
     while True:
         lo = chunk.find(b"[", at)
@@ -336,20 +312,16 @@ def _one_long_line(chunk: bytes, parse):
 
 
 def json_tables(path, *, block_size: int | None = None):
-    """Tables of a JSON lines file in order, one per chunk of about ``block_size`` bytes of whole lines
-    (default :data:`JSON_BLOCK_BYTES`; :func:`line_chunks`): memory holds a few chunks and their tables
-    (:data:`JSON_PARSERS` parsed at once, each on a thread), never the file. The first chunk's types hold
-    for every later one, as in pyarrow's streaming reader. A bad line is the one-line error naming it; a
-    type or key that changes after the first chunk with no line to blame is :class:`JsonLinesChanged`.
-    Nothing for a file that is one JSON list (``[{...}, ...]``) or empty.
+    """Tables of a JSON lines file in order, one per chunk of about ``block_size`` bytes of whole lines (default
+    :data:`JSON_BLOCK_BYTES`, :func:`line_chunks`), :data:`JSON_PARSERS` parsed at once, each on a thread: memory
+    holds a few chunks, never the file. The first chunk's types hold for every later one (as in pyarrow's streaming
+    reader). A bad line is the one-line error naming it; a type or key that changes after the first chunk with no
+    line to blame is :class:`JsonLinesChanged`. Nothing for an empty file or one JSON list (``[{...}, ...]``).
 
-    Measured on 240 MB of token ids (2 cores, load 1-1.5): 2.6-2.9 s wall, 4.8-5.5 s CPU with two chunks of
-    1 MiB parsed at once (2.25 s / 4.4 s at 2 MiB, but 40 MiB more memory), against 3.3 s / 5.4 s for one
-    chunk at a time on pyarrow's threads and 2.3-2.5 s / 4.5-4.9 s for ``pyarrow.json.read_json`` of the
-    whole file; packing end to end is faster streamed, since the whole read's table then costs more.
-    """
+    On 240 MB of token ids (2 cores, load 1-1.5): 2.6-2.9 s wall / 4.8-5.5 s CPU with two 1 MiB chunks at once
+    (2.25 / 4.4 s at 2 MiB, 40 MiB more memory), one chunk at a time on pyarrow's threads 3.3 / 5.4 s, the whole
+    file by ``pyarrow.json.read_json`` 2.3-2.5 / 4.5-4.9 s (but packing end to end is faster streamed)."""
     import concurrent.futures
-
     pa = pyarrow(f"reading JSON lines ({Path(path).name!r})")
     chunks = iter(line_chunks(path, size=block_size or JSON_BLOCK_BYTES))
     first = next((c for c in chunks if c.strip()), None)
@@ -394,8 +366,8 @@ def json_batches(path, *, block_size: int | None = None):
 
 
 def _error(path, exc, *, changed: bool = False) -> DataError:
-    """JSON lines pyarrow refused: the line to blame when one is (:func:`_locate_error`), else
-    :class:`JsonLinesChanged` for a chunk after the first (``changed``), else pyarrow's words."""
+    """JSON lines pyarrow refused: the line to blame (:func:`_locate_error`), else :class:`JsonLinesChanged` for a
+    chunk after the first (``changed``), else pyarrow's words."""
     located = _locate_error(path)
     if located is not None:
         return located
@@ -410,7 +382,6 @@ def read_json(path: Path):
     list of objects; an empty file or a bad line is the one-line error naming it."""
     pa = pyarrow()
     import pyarrow.json as pj
-
     with open(path, "rb") as f:
         head = f.read(1 << 16)
         if not head.strip() and len(head) < 1 << 16:
@@ -433,8 +404,7 @@ def read_json(path: Path):
         except pa.ArrowInvalid as exc:
             if "straddl" not in str(exc):
                 raise
-        # a line longer than pyarrow's block (1 MiB: one long document, one 400k-token example): blocks
-        # that hold the longest line
+        # a line longer than pyarrow's block (1 MiB: one 400k-token example): blocks that hold the longest line
         return pj.read_json(str(path), read_options=pj.ReadOptions(block_size=json_block_size(path)))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         raise _error(path, exc) from None

@@ -1,12 +1,6 @@
 """Parquet, Arrow IPC, text lines, numpy arrays of lengths and ``save_to_disk`` folders, each read with its damage
 named in one line: the back of the house behind the door in (:mod:`packkit.datafiles` decides which format an input
 is and what its rows are; this module names no suffix and knows nothing of columns, tokenizers or examples).
-
-The interface: :func:`parquet_schema`, :func:`parquet_batches`, :func:`read_parquet` and :func:`parquet_dataset` (a
-``datasets.Dataset``); :func:`read_arrow` (a file or a stream, memory-mapped); :func:`text_lines`, :func:`text_tables`, :func:`read_text` and
-:func:`text_byte_lengths` (one example a line, no pyarrow for the lines); :func:`read_npy` (its header checked
-before anything is allocated, never a pickle); :func:`load_dataset` (a ``save_to_disk`` folder, a split of a
-``DatasetDict``, the damaged file named); :func:`replay` (a read begun by the caller, continued, then again).
 """
 
 from __future__ import annotations
@@ -22,22 +16,19 @@ import numpy as np
 from .arrow import pyarrow
 from .errors import DataError, MissingError, arg
 
-__all__ = ["load_dataset", "parquet_batches", "parquet_dataset", "parquet_schema", "read_arrow", "read_npy", "read_parquet", "read_text",
-           "replay", "text_byte_lengths", "text_lines", "text_tables"]
+__all__ = ["load_dataset", "parquet_batches", "parquet_dataset", "parquet_schema", "read_arrow", "read_npy",
+           "read_parquet", "read_text", "replay", "text_byte_lengths", "text_lines", "text_tables"]
 
 def _unreadable(exc: BaseException) -> bool:
     """An error of pyarrow reading a damaged or foreign file (not a missing file or a permission)."""
-    pa = pyarrow()
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)):
-        return False
-    return isinstance(exc, (pa.ArrowException, OSError))
+    missing = (FileNotFoundError, PermissionError, IsADirectoryError, MemoryError)
+    return isinstance(exc, (pyarrow().ArrowException, OSError)) and not isinstance(exc, missing)
 
 
 @contextlib.contextmanager
 def _damaged(path, what: str):
-    """Inside, an error of pyarrow reading a damaged or foreign file (:func:`_unreadable`) is the one line
-    ``cannot read PATH as WHAT: ...`` (pyarrow's text on one line, without the control bytes thrift can put in
-    it); other errors pass as they are."""
+    """Inside, an error that is :func:`_unreadable` becomes the one line ``cannot read PATH as WHAT: ...``
+    (without the control bytes thrift can put in pyarrow's text); other errors pass as they are."""
     try:
         yield
     except Exception as exc:
@@ -53,17 +44,15 @@ PARQUET = "Parquet (damaged, truncated, or not Parquet)"
 def parquet_schema(path):
     """The ``pyarrow.Schema`` of a Parquet file (its footer only); a damaged file is one line."""
     import pyarrow.parquet as pq
-
     with _damaged(path, PARQUET):
         return pq.ParquetFile(str(path)).schema_arrow
 
 
 def parquet_dataset(path, *, cache_dir=None):
     """A Parquet file as a ``datasets.Dataset`` (``Dataset.from_parquet``: converted once into ``datasets``' Arrow
-    cache, ``cache_dir`` or its own, then memory-mapped); a damaged file is one line naming it, as every reader here
-    (``datasets`` wraps pyarrow's error in its own ``DatasetGenerationError``)."""
+    cache, ``cache_dir`` or its own, then memory-mapped); a damaged file is one line naming it (``datasets`` wraps
+    pyarrow's error in its ``DatasetGenerationError``)."""
     import datasets
-
     with _damaged(path, PARQUET):
         try:
             return datasets.Dataset.from_parquet(str(path), cache_dir=None if cache_dir is None else str(cache_dir))
@@ -74,13 +63,10 @@ def parquet_dataset(path, *, cache_dir=None):
 
 
 def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
-    """Record batches of a Parquet file in order, decoded ``batch_rows`` rows at a time (memory: one
-    batch and the pages it needs, never a whole row group); a damaged file is one line, wherever the
-    damage is. One thread: measured on 1M SFT-like rows (17 row groups), this streaming decode took
-    2.3 s of CPU where reading whole row groups on two threads took 3.3 to 4.6 s and
-    ``pyarrow.parquet.read_table`` 6.8 to 7.7 s (each builds every row group's arrays whole)."""
+    """Record batches of a Parquet file in order, ``batch_rows`` rows at a time (memory: one batch and its pages,
+    never a whole row group); damage is one line wherever it is. One thread: on 1M SFT-like rows this took 2.3 s
+    of CPU, whole row groups on two threads 3.3 to 4.6 s, ``pyarrow.parquet.read_table`` 6.8 to 7.7 s."""
     import pyarrow.parquet as pq
-
     with _damaged(path, PARQUET):
         pf = pq.ParquetFile(str(path), memory_map=True, pre_buffer=False, page_checksum_verification=True)
         yield from pf.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False)
@@ -88,7 +74,6 @@ def parquet_batches(path, *, columns=None, batch_rows: int = 4096):
 
 def read_parquet(path: Path):
     import pyarrow.parquet as pq
-
     with _damaged(path, PARQUET):
         return pq.read_table(str(path), memory_map=True, page_checksum_verification=True)
 
@@ -96,7 +81,6 @@ def read_parquet(path: Path):
 def read_arrow(path: Path):
     pa = pyarrow()
     import pyarrow.ipc as ipc
-
     try:
         return ipc.open_file(pa.memory_map(str(path))).read_all()
     except Exception as exc:
@@ -107,13 +91,12 @@ def read_arrow(path: Path):
 
 
 def text_lines(path):
-    """The examples of a text file, one a line, read a line at a time (no pyarrow, memory of one line):
-    blank lines hold none, a UTF-8 byte-order mark is not text, ``\n`` and ``\r\n`` end lines.
-    ``"\ufeffhi\n\nthere\r\n" -> ["hi", "there"]``; bytes that are not UTF-8 are an error naming the line."""
+    """The examples of a text file, one a line, read a line at a time (no pyarrow): blank lines hold none, a UTF-8
+    byte-order mark is not text, ``\n`` and ``\r\n`` end lines. ``"\ufeffhi\n\nthere\r\n" -> ["hi", "there"]``;
+    bytes that are not UTF-8 are an error naming the line."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
-            raw = raw[:-1] if raw.endswith(b"\n") else raw
-            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
             try:
@@ -136,15 +119,14 @@ def read_text(path: Path):
 
 
 def text_byte_lengths(path: Path) -> np.ndarray:
-    """``(num_lines,) int64``: the UTF-8 bytes of every example line of a text file (what the byte-level
-    tokenizer makes of it), without pyarrow and a line at a time."""
+    """``(num_lines,) int64``: the UTF-8 bytes of each example line of a text file (what the byte-level tokenizer
+    makes of it), a line at a time, without pyarrow."""
     return np.fromiter((len(line.encode("utf-8")) for line in text_lines(path)), np.int64)
 
 
 def _damaged_folder(path: Path) -> DataError | None:
-    """The one-line error naming what is damaged in a ``save_to_disk`` folder that ``datasets`` could not
-    load (a cut ``state.json``, a truncated shard, no shard at all), or None when every file reads.
-    The error path only: each JSON file is parsed and each listed shard read through once."""
+    """The one line naming what is damaged in a ``save_to_disk`` folder ``datasets`` could not load (a cut
+    ``state.json``, a truncated shard, no shard at all), or None when every file reads. The error path only."""
     pa = pyarrow()
     metas = sorted(p for name in ("dataset_dict.json", "state.json", "dataset_info.json") for p in path.rglob(name))
     states = []
@@ -186,12 +168,10 @@ def load_dataset(path, *, split: str | None = None):
         raise named from exc
     if isinstance(obj, datasets.DatasetDict):
         names = list(obj)
-        if split is None:
-            if "train" in obj or len(names) == 1:
-                split = "train" if "train" in obj else names[0]
-            else:
-                raise DataError("{path!r} has splits {names}: pass {split}", path=str(path), names=names,
-                                split=arg("split", metavar="NAME"))
+        if split is None and "train" not in obj and len(names) != 1:
+            raise DataError("{path!r} has splits {names}: pass {split}", path=str(path), names=names,
+                            split=arg("split", metavar="NAME"))
+        split = ("train" if "train" in obj else names[0]) if split is None else split
         if split not in obj:
             raise MissingError(f"{str(path)!r} has no split {split!r}; it has {names}")
         obj = obj[split]
@@ -219,27 +199,15 @@ def text_tables(path, *, size: int):
 def replay(first, rest, again):
     """``make()``: its first call yields ``first`` then ``rest`` (a read begun by the caller, continued), a later
     call ``again()`` (the read from the start)."""
-    pending = [first, rest]
-
-    def make():
-        if not pending:
-            return again()
-        head, tail = pending
-        pending.clear()
-        return itertools.chain([head], tail)
-
-    return make
-
+    pending = [itertools.chain([first], rest)]
+    return lambda: pending.pop() if pending else again()
 
 
 def read_npy(path) -> np.ndarray:
-    """The array of a ``.npy`` file, its header checked against the file before anything is allocated.
-
-    numpy sizes its array from the header alone (a 40-byte file that says ``shape (2**40,)`` asks for 8 TiB),
-    and its errors advise loading a file it cannot read with pickle, which runs the file's code. Refused
-    naming the file: no numpy header, Python objects (a pickle: packkit never loads one), or fewer bytes
-    than the header's shape needs (truncated or damaged).
-    """
+    """The array of a ``.npy`` file, its header checked before anything is allocated: numpy sizes its array from
+    the header alone (40 bytes saying ``shape (2**40,)`` ask for 8 TiB), and its errors advise pickle, which runs
+    the file's code. Refused naming the file: no numpy header, Python objects (a pickle: never loaded), or fewer
+    bytes than the header's shape needs (truncated or damaged)."""
     from numpy.lib import format as npy
 
     name = str(path)
