@@ -61,22 +61,19 @@ __all__ = ["pack_dataset", "PackOptions", "plan_source", "PackedTable", "packed_
 PROGRESS_BYTES = 1 << 28
 
 
-def _kinds(spec: ColumnSpec) -> dict:
-    """Each column read's :func:`~packkit.rules.column_kind`: ``ids``, ``labels``, ``mask`` or ``other``."""
-    return {c: column_kind(c, spec.read[0]) for c in spec.read}
-
-
 def _column_checks(spec: ColumnSpec):
-    """The per-batch check :func:`packkit.sources.scan` calls: :func:`~packkit.rules.check_column` on each column,
-    errors naming the dataset row. A null labels or loss-mask row is a key that example lacks (labels: its token
-    ids; no mask: loss on every token)."""
-    token, kinds = spec.read[0], _kinds(spec)
+    """``(kinds, check)`` for :func:`packkit.sources.scan`: each column read's :func:`~packkit.rules.column_kind`
+    (``ids``, ``labels``, ``mask`` or ``other``), and the per-batch :func:`~packkit.rules.check_column` on each
+    column, errors naming the dataset row. A null labels or loss-mask row is a key that example lacks (labels: its
+    token ids; no mask: loss on every token)."""
+    token = spec.read[0]
+    kinds = {c: column_kind(c, token) for c in spec.read}
 
     def check(name, values, offsets, valid, row, token_lengths):
         check_column(values, offsets, kind=kinds[name], key=name, rows=row, valid=valid, ref_lengths=token_lengths,
                      ref_key=token)
 
-    return check
+    return kinds, check
 
 
 def _check_common(window, strategy, overflow, seed, num_proc):
@@ -216,7 +213,7 @@ class PackedTable:
         if scan.doc_ids is not None and scan.doc_ids.size:
             counts = np.unique(scan.doc_ids, return_counts=True)[1]
             self.split_pieces, self.split_examples = int(counts[counts > 1].sum()), int((counts > 1).sum())
-        #: what the rows written so far train on (:meth:`_count_loss`), what :meth:`drop_loss_free` left out
+        #: what the rows written so far train on (:meth:`record_batches`), what :meth:`drop_loss_free` left out
         self.loss_tokens = self.loss_free_windows = self.loss_free_pieces = 0
         self.dropped_pieces = self.dropped_tokens = 0
         #: how the plan was made (what an index-only plan records to plan again), the source's description
@@ -335,8 +332,8 @@ class PackedTable:
 
     def record_batches(self, *, max_tokens: int, bar=None):
         """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens`` tokens
-        each (a longer window alone), in the plan's window order, counting their loss on the way
-        (:meth:`_count_loss`)."""
+        each (a longer window alone), in the plan's window order, counting their loss on the way (``loss_tokens``,
+        ``loss_free_windows``, ``loss_free_pieces``)."""
         whole = self._whole_loss(max_tokens) if self.example_ids else None
         for start, stop in self.plan.chunks(max_tokens):
             sub = self.plan.window_range(start, stop)
@@ -379,8 +376,9 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
     window = _check_common(window, strategy, overflow, seed, o.num_proc)
     spec = resolve_columns(source.names, o.columns)
     progress = show_progress(source) if o.progress is None else o.progress
+    kinds, check = _column_checks(spec)
     with progress_bar(total=None, unit="rows", enabled=progress, desc=f"{who}: reading") as bar:
-        found = scan(source, spec.read, kinds=_kinds(spec), check=_column_checks(spec), progress=bar)
+        found = scan(source, spec.read, kinds=kinds, check=check, progress=bar)
         found = scan_documents(source, found)  # packed rows are read as their documents
     if groups is not None and len(found.lengths) != len(groups):
         raise DataError(f"{who}: the rows are packed rows ({len(groups):,} rows, {len(found.lengths):,} documents); "

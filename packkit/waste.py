@@ -452,10 +452,9 @@ def format_table(report: WasteReport, *, options=None) -> str:
     """The terminal table of a report, with the formulas under it (``options``: ``packkit.errors.Arg.render``'s,
     to name arguments in the command line's syntax)."""
     u = report.unit
-    lines = [f"packkit waste: {report.source}"]
     before = report.input_lengths if report.input_lengths is not None else report.lengths
-    lines.append(f"{report.examples:,} examples, {report.input_tokens:,} {u}; " + length_stats(before)
-                 + " (examples as given)")
+    lines = [f"packkit waste: {report.source}",
+             f"{report.examples:,} examples, {report.input_tokens:,} {u}; {length_stats(before)} (examples as given)"]
     if report.lengths.size != before.size or report.cut_tokens or report.dropped_pieces:
         lines.append(Message("{n:,} pieces after {overflow}: ", n=report.lengths.size,
                              overflow=arg("overflow", report.overflow)).render(options) + length_stats(report.lengths))
@@ -490,11 +489,8 @@ def format_table(report: WasteReport, *, options=None) -> str:
             for s in report.strategies]
     widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
     fmt = "  ".join(["{:<%d}" % widths[0]] + ["{:>%d}" % w for w in widths[1:]])
-    lines.append(fmt.format(*head))
-    lines.append("  ".join("-" * w for w in widths))
-    lines.extend(fmt.format(*r) for r in rows)
     lines += [
-        "",
+        fmt.format(*head), "  ".join("-" * w for w in widths), *(fmt.format(*r) for r in rows), "",
         "padding = 1 - real / (rows x padded length); packed rows are windows of W.",
         "attention vs padded = sum over rows of cost / (examples x longest^2), where a padded row costs "
         "P^2 and a packed window sum(L_i^2) + (W - load)^2 (varlen attention).",
