@@ -11,31 +11,22 @@ format                                 columns                                  
 ``conversational_prompt_completion``   ``prompt``, ``completion``: lists of ``{role, content}`` ``completion_mask``
 ====================================== ======================================================= ==================
 
-:func:`tokenize_chat` turns such a table into Arrow columns ``input_ids`` (list<int32>) and one loss
-mask (list<int8>, 1 = the token carries the loss), the way TRL 1.16 tokenizes each format:
+:func:`tokenize_chat` turns such a table into Arrow columns ``input_ids`` (list<int32>) and one loss mask
+(list<int8>, 1 = the token carries the loss), as TRL 1.16 tokenizes each format:
 
-* a conversation is rendered by the chat template and tokenized with no added special tokens; its
-  ``assistant_masks`` mark the tokens that overlap the template's ``{% generation %}`` spans
-  (``return_assistant_tokens_mask``). A template without those markers cannot tell assistant tokens
-  apart: that is an error that says what to do (TRL swaps in its own training template for the
-  models it knows, :func:`training_template`, and so does this module when TRL is installed);
-* prompt/completion pairs are tokenized twice, the prompt alone (conversational: with the generation
-  prompt) and prompt + completion; the completion starts where the two token sequences diverge
-  (:func:`common_prefix_lengths`), so ``completion_mask`` is 0 on that common prefix and 1 after it.
-  Standard (string) completions get the EOS token appended first, when they do not end with it.
+* a conversation is rendered by the chat template and tokenized with no added special tokens; ``assistant_masks``
+  mark the tokens that overlap the template's ``{% generation %}`` spans. A template without those markers is an
+  error that says what to do (TRL swaps in its training template for the models it knows,
+  :func:`training_template`, and so does this module when TRL is installed);
+* prompt/completion pairs are tokenized twice, the prompt alone (conversational: with the generation prompt) and
+  prompt + completion; ``completion_mask`` is 0 on the two token sequences' common prefix and 1 after it
+  (:func:`packkit.segments.common_prefix_lengths`). String completions get the EOS appended unless they end with it.
 
-What TRL folds into ``labels`` becomes one mask column here (the packers and ``packkit plan`` read one):
-``assistant_only_loss`` (default: on for conversations, off for prompt/completion pairs, whose
-completion mask already marks the loss) and ``completion_only_loss`` (default on) decide it, and when
-both apply their product is written as ``completion_mask``. With neither, no mask column is written:
-every token carries the loss.
-
-A tokenizer is a local folder, a ``tokenizer.json`` (with ``chat_template=``), a model id, or a loaded
-``transformers`` tokenizer (:func:`packkit.tokenizer.load_tokenizer`): no remote code runs unless asked for by
-name, and a model id that is neither cached nor reachable fails at once, in one line, instead of retrying.
-
-Rendering is Jinja, a conversation at a time (as in ``transformers``); tokenizing is batched in Rust; the masks
-are numpy over Arrow offsets (:mod:`packkit.chatrender`, :func:`packkit.segments.common_prefix_lengths`).
+TRL's ``assistant_only_loss`` (default: on for conversations, off for prompt/completion pairs) and
+``completion_only_loss`` (default on) become one mask column (the packers and ``packkit plan`` read one): their
+product, as ``completion_mask``, when both apply; none when neither does (every token carries the loss). Rendering
+is Jinja, a conversation at a time (as in ``transformers``); tokenizing is batched in Rust; the masks are numpy over
+Arrow offsets (:mod:`packkit.chatrender`).
 """
 
 from __future__ import annotations
@@ -76,30 +67,17 @@ _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class ChatWarning(UserWarning):
-    """Something about a chat template or its output a user should know (the data is still tokenized).
-    Its text may be a :class:`~packkit.errors.Message` (the first argument), which the command line renders
-    with its own options (``--format messages``, not ``format='messages'``)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# small pure pieces
-# ----------------------------------------------------------------------------------------------
+    """Something about a chat template or its output a user should know (the data is still tokenized). Its text may
+    be a :class:`~packkit.errors.Message`, rendered by the command line with its options (``--format messages``)."""
 
 
 def has_generation_markers(template) -> bool:
-    """Whether a chat template marks assistant replies with ``{% generation %}`` (any trim variant).
-
-    ``has_generation_markers("{% generation %}{{ m }}{% endgeneration %}") -> True``. A template shipped
-    as named variants (a dict) is judged by its ``"default"`` one.
-    """
+    """Whether a chat template (of named variants, a dict: its ``"default"``) marks assistant replies with
+    ``{% generation %}`` (any trim variant): ``has_generation_markers("{% generation %}{{ m }}{% endgeneration %}")
+    -> True``."""
     if isinstance(template, dict):
         template = template.get("default", "")
     return bool(template) and _GENERATION_RE.search(template) is not None
-
-
-# ----------------------------------------------------------------------------------------------
-# formats
-# ----------------------------------------------------------------------------------------------
 
 
 def _is_message_list(typ, keys=_MESSAGE_KEYS["messages"]) -> bool:
@@ -109,12 +87,6 @@ def _is_message_list(typ, keys=_MESSAGE_KEYS["messages"]) -> bool:
         return False
     v = typ.value_type
     return pa.types.is_struct(v) and all(v.get_field_index(k) >= 0 for k in keys)
-
-
-def _is_text(typ) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_string(typ) or pa.types.is_large_string(typ)
 
 
 def _columns(fmt: str) -> list:
@@ -131,10 +103,10 @@ def chat_format(schema, *, format: str | None = None) -> str | None:
     """Which of :data:`CHAT_FORMATS` a table holds, from its schema (a ``pyarrow.Schema``, a table, or
     ``datasets.Features``), or None (token ids, text, or something else).
 
-    A table with ``input_ids`` is already tokenized (None), as TRL treats it. Rows holding both
-    ``prompt`` + ``completion`` and ``messages`` (or ``conversations``) are read as prompt/completion,
-    as TRL 1.16's ``SFTTrainer`` tokenizes them (``"prompt" in example`` decides first); ``format``
-    (one of :data:`CHAT_FORMATS`, or ``"auto"``/None) chooses instead, and must fit the columns.
+    A table with ``input_ids`` is already tokenized (None), as TRL treats it. Rows holding both ``prompt`` +
+    ``completion`` and ``messages`` (or ``conversations``) are read as prompt/completion, as TRL 1.16's
+    ``SFTTrainer`` does (``"prompt" in example`` decides first); ``format`` (one of :data:`CHAT_FORMATS`, or
+    ``"auto"``/None) chooses instead, and must fit the columns.
     """
     if hasattr(schema, "arrow_schema"):  # datasets.Features
         schema = schema.arrow_schema
@@ -158,8 +130,10 @@ def chat_format(schema, *, format: str | None = None) -> str | None:
 
 def _pair_format(schema) -> str:
     """``prompt_completion`` or ``conversational_prompt_completion`` from the two columns' types."""
+    import pyarrow as pa
+
     p, c = schema.field("prompt").type, schema.field("completion").type
-    if _is_text(p) and _is_text(c):
+    if all(pa.types.is_string(t) or pa.types.is_large_string(t) for t in (p, c)):
         return "prompt_completion"
     if _is_message_list(p) and _is_message_list(c):
         return "conversational_prompt_completion"
@@ -181,8 +155,7 @@ def _chosen_format(schema, format: str) -> str:
         if got != format:
             raise ArgumentError("{fmt}: the prompt/completion columns hold {got}; pass {fix}", fmt=arg("format", format),
                                 got=got, fix=arg("format", got))
-        return format
-    if not _is_message_list(schema.field(format).type, _MESSAGE_KEYS[format]):
+    elif not _is_message_list(schema.field(format).type, _MESSAGE_KEYS[format]):
         raise _not_messages(schema, format)
     return format
 
@@ -194,9 +167,9 @@ def ignored_columns(schema, fmt: str) -> list:
             and not (c in ("prompt", "completion") and not {"prompt", "completion"} <= set(names))]
 
 
-# ----------------------------------------------------------------------------------------------
-# templates
-# ----------------------------------------------------------------------------------------------
+def _is_path(template) -> bool:
+    """Whether a ``chat_template`` given names a file (not Jinja text, named variants, or None)."""
+    return isinstance(template, (str, os.PathLike)) and "{%" not in str(template) and "{{" not in str(template)
 
 
 def _read_template(template) -> str | None:
@@ -206,7 +179,7 @@ def _read_template(template) -> str | None:
     if not isinstance(template, (str, os.PathLike)):
         raise TypeError(f"chat_template must be Jinja text or a file path, got {type(template).__name__}")
     text = str(template)
-    if "{%" in text or "{{" in text:
+    if not _is_path(text):
         return text
     path = Path(text)
     if path.is_dir():
@@ -240,15 +213,11 @@ def check_template_syntax(template: str, what: str) -> None:
                             line=exc.lineno, msg=str(exc.message).rstrip("."), tpl=arg("chat_template", metavar="FILE.jinja")) from None
 
 
-
 def training_template(tokenizer, template: str | None = None) -> str | None:
-    """TRL's training version of ``tokenizer``'s chat template (or of ``template``, a template passed instead of
-    the tokenizer's, as TRL's ``chat_template_path`` does), one with ``{% generation %}`` markers, when TRL is
-    installed and knows the template; else None.
-
-    TRL's ``SFTTrainer(assistant_only_loss=True)`` swaps the same template in, so loss counts made here
-    match what it trains on. The templates are TRL's: packkit ships none.
-    """
+    """TRL's training version, with ``{% generation %}`` markers, of ``tokenizer``'s chat template (or of ``template``,
+    passed instead, as TRL's ``chat_template_path``), when TRL is installed and knows it; else None. TRL's
+    ``SFTTrainer(assistant_only_loss=True)`` swaps the same template in, so loss counts made here match what it trains
+    on. The templates are TRL's: packkit ships none."""
     try:
         from trl.chat_template_utils import get_training_chat_template
     except ImportError:
@@ -267,11 +236,9 @@ def training_template(tokenizer, template: str | None = None) -> str | None:
 def stop_token_trained(tok, template: str) -> bool:
     """Whether an assistant reply's end-of-turn token carries the loss under ``template``'s assistant mask.
 
-    Renders user, assistant, user (a reply followed by a turn, where templates put the end-of-turn
-    token) and looks at the last masked token that is not blank: it must be an added token (``<|end|>``,
-    ``<|im_end|>``, ...), not text. TRL 1.16 makes the same check and warns. True when the probe cannot
-    be rendered (a template with other requirements): nothing to report.
-    """
+    Renders user, assistant, user (templates put the end-of-turn token before a turn) and looks at the last masked
+    token that is not blank: it must be an added token (``<|im_end|>``, ...), not text. TRL 1.16 makes the same check
+    and warns. True when the probe cannot be rendered (a template with other requirements): nothing to report."""
     probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"},
              {"role": "user", "content": "ping"}]
     try:
@@ -282,11 +249,8 @@ def stop_token_trained(tok, template: str) -> bool:
     except Exception:  # noqa: BLE001 - any template error means the probe says nothing
         return True
     added = set(tok.get_added_vocab().values()) - {tok.unk_token_id}  # the probe's words may be unknown
-    masked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
-    for t in reversed(masked):
-        if tok.decode([t]).strip():
-            return t in added
-    return False
+    shown = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m and tok.decode([t]).strip()]
+    return bool(shown) and shown[-1] in added
 
 
 def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tuple[str, str]:
@@ -294,11 +258,10 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tup
     training version when assistant masks need markers and TRL knows it), checked for what is asked, and where
     it came from in words (the file passed, else the tokenizer), for errors and summaries."""
     given = _read_template(chat_template)
-    if given is not None:
-        text = str(chat_template)
-        what = "the chat template given" if "{%" in text or "{{" in text else f"the chat template {text!r}"
-    else:
+    if given is None:
         what = f"the chat template of {spec_name!r}"
+    else:
+        what = f"the chat template {str(chat_template)!r}" if _is_path(chat_template) else "the chat template given"
     template = given if given is not None else tok.chat_template
     if isinstance(template, dict):
         template = template.get("default")
@@ -319,11 +282,6 @@ def _template_for(tok, spec_name: str, chat_template, need_markers: bool) -> tup
     return template, what
 
 
-# ----------------------------------------------------------------------------------------------
-# tokenizing a batch
-# ----------------------------------------------------------------------------------------------
-
-
 def _messages(value, i: int, name: str, keys=_MESSAGE_KEYS["messages"]) -> list:
     if value is None:
         raise DataError("{i} has no {name!r} (null); drop or fill it", i=Where(i), name=name)
@@ -340,21 +298,16 @@ def _messages(value, i: int, name: str, keys=_MESSAGE_KEYS["messages"]) -> list:
 
 
 def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: bool, completion: bool, eos):
-    """Token ids and the loss mask of one batch (``rows``: column -> list, as ``datasets`` batches).
-
-    Returns ``(offsets (n + 1,) int64, ids (T,) int64, mask (T,) int8 or None, diverged)`` where
-    ``diverged`` counts prompt/completion examples whose tokenized prompt is not a prefix of the whole.
-    """
+    """``(offsets (n + 1,) int64, ids (T,) int64, mask (T,) int8 or None, diverged)`` of one batch (``rows``: column
+    -> list, as ``datasets`` batches); ``diverged`` counts the pairs whose tokenized prompt is not a prefix of the
+    whole."""
     tools = rows.get("tools")
     if tools is not None:
         tools = [json.loads(t) if isinstance(t, str) else t for t in tools]
     kwargs = rows.get("chat_template_kwargs")
-    diverged = 0
     if fmt in _MESSAGE_KEYS:
         convs = [_messages(v, base + j, fmt, _MESSAGE_KEYS[fmt]) for j, v in enumerate(rows[fmt])]
-        offsets, values, mask = render(tok, convs, base, template=template, tools=tools, kwargs=kwargs,
-                                        assistant_mask=assistant)
-        return offsets, values, mask, diverged
+        return (*render(tok, convs, base, template=template, tools=tools, kwargs=kwargs, assistant_mask=assistant), 0)
     prompts, completions = rows["prompt"], rows["completion"]
     for j, (p, c) in enumerate(zip(prompts, completions)):
         if p is None or c is None:
@@ -381,18 +334,12 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
     return offsets, values, mask, diverged
 
 
-# ----------------------------------------------------------------------------------------------
-# public entry points
-# ----------------------------------------------------------------------------------------------
-
-
 def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[bool, bool]:
     """``(assistant, completion)``: the loss options for ``fmt`` (None: the default), or the one-line error for
     an option the format cannot honour (it would be ignored)."""
-    conversational = fmt in ("messages", "conversations", "conversational_prompt_completion")
     paired = fmt.endswith("prompt_completion")
     assistant = (not paired) if assistant_only_loss is None else bool(assistant_only_loss)
-    if assistant and not conversational:
+    if assistant and fmt == "prompt_completion":  # strings: no assistant turns
         raise ArgumentError("{arg} needs conversational data (messages); prompt/completion strings have no "
                             "assistant turns: drop it and keep {keep} (the default)", arg=arg("assistant_only_loss"),
                             keep=arg("completion_only_loss"))
@@ -402,12 +349,6 @@ def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[
                             arg=arg("completion_only_loss", bool(completion_only_loss)),
                             all=arg("assistant_only_loss", False))
     return assistant, (completion_only_loss is None or bool(completion_only_loss)) and paired
-
-
-def _mask_name(assistant: bool, completion: bool) -> str | None:
-    if completion:
-        return "completion_mask"
-    return "assistant_masks" if assistant else None
 
 
 def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None:
@@ -442,8 +383,7 @@ class _Encoder:
         if fmt != "prompt_completion":
             self.template, self.template_words = _template_for(self.tok, str(name), chat_template, self.assistant)
             self.swapped = self.template_words.startswith("TRL's")
-        self.template_file = (None if chat_template is None or isinstance(chat_template, dict)
-                              or "{%" in str(chat_template) or "{{" in str(chat_template) else str(chat_template))
+        self.template_file = str(chat_template) if _is_path(chat_template) else None
         if self.assistant and not getattr(self.tok, "is_fast", False):
             raise ArgumentError("{arg} {name!r} is not a fast (Rust) tokenizer: assistant masks need its token "
                                 "offsets; pass a folder with tokenizer.json", arg=arg("tokenizer"), name=str(name))
@@ -453,7 +393,7 @@ class _Encoder:
                           "looks fine; it shows at inference); move the token inside the markers",
                           ChatWarning, stacklevel=4)
         check_special_tokens(self.tok, fmt, self.template, str(name))
-        self.mask_name = _mask_name(self.assistant, self.completion)
+        self.mask_name = "completion_mask" if self.completion else "assistant_masks" if self.assistant else None
         self.columns = _columns(fmt)
         self.diverged = 0
 
@@ -468,15 +408,20 @@ class _Encoder:
             self.tok, self.fmt, rows, base, template=self.template, assistant=self.assistant,
             completion=self.completion, eos=self.tok.eos_token)
         self.diverged += diverged
-        if self.assistant:
-            _check_assistant_tokens(offsets, mask, base)
+        if self.assistant:  # every example must hold an assistant token (TRL raises too)
+            csum = lengths_to_offsets(mask)  # mask tokens before each flat index
+            none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
+            if none.size:
+                raise DataError("{i} has no assistant token in its rendered conversation (no assistant message, or "
+                                "the template's {{% generation %}} markers do not cover it): drop the example, or "
+                                "pass {all}",
+                                i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
         ids = list_array(offsets, values.astype(np.int32))
         return ids, (None if mask is None else list_array(offsets, pa.array(mask, pa.int8())))
 
     def encode_table(self, table, base: int, *, batch_size: int = BATCH_SIZE, progress: bool = False):
-        """``table``'s rows (the first is example ``base``) as :func:`tokenize_chat`'s table: ``input_ids``
-        (list<int32>) and the loss mask (list<int8>) when one applies, ``batch_size`` conversations per
-        tokenizer call, in the options' ``num_proc`` processes."""
+        """``table``'s rows (the first is example ``base``) as :func:`tokenize_chat`'s table, ``batch_size``
+        conversations per tokenizer call, in the options' ``num_proc`` processes."""
         import pyarrow as pa
 
         check_int(batch_size, "batch_size")
@@ -488,12 +433,10 @@ class _Encoder:
                 self.diverged += diverged
             else:
                 ids_chunks, mask_chunks, _ = _encode_range(self, table, base, batch_size, bar)
-        names = ["input_ids"]
-        arrays = [_chunked(ids_chunks, pa.int32())]
+        columns = {"input_ids": _chunked(ids_chunks, pa.int32())}
         if self.mask_name is not None:
-            names.append(self.mask_name)
-            arrays.append(_chunked(mask_chunks, pa.int8()))
-        return pa.Table.from_arrays(arrays, names=names)
+            columns[self.mask_name] = _chunked(mask_chunks, pa.int8())
+        return pa.table(columns)
 
     def warn_diverged(self, n: int) -> None:
         if not self.diverged:
@@ -516,41 +459,44 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
     """Token ids and TRL's loss mask of conversational data (module docstring), as an Arrow table.
 
     Args:
-        data: a ``pyarrow.Table`` or ``datasets.Dataset`` in one of :data:`CHAT_FORMATS` (optional
-            ``tools`` and ``chat_template_kwargs`` columns are passed to the template per example).
-        tokenizer: a folder, ``tokenizer.json``, model id or loaded tokenizer
-            (:func:`packkit.tokenizer.load_tokenizer`).
+        data: a ``pyarrow.Table`` or ``datasets.Dataset`` in one of :data:`CHAT_FORMATS` (optional ``tools`` and
+            ``chat_template_kwargs`` columns are passed to the template per example).
+        tokenizer: a folder, ``tokenizer.json``, model id or loaded tokenizer; ``trust_remote_code`` lets it run
+            its own code (:func:`packkit.tokenizer.load_tokenizer`).
         chat_template: Jinja text or a ``.jinja`` file, instead of the tokenizer's own template.
-        assistant_only_loss: loss on assistant tokens only (needs ``{% generation %}`` markers).
-            Default: on for ``messages`` / ``conversations``, off for prompt/completion pairs.
+        assistant_only_loss: loss on assistant tokens only (needs ``{% generation %}`` markers). Default: on for
+            ``messages`` / ``conversations``, off for prompt/completion pairs.
         completion_only_loss: loss on the completion only (prompt/completion pairs; default None: on); refused on
             other formats, as are ``assistant_only_loss`` and ``chat_template`` on prompt/completion strings.
-        trust_remote_code: let a tokenizer run its own code (:func:`packkit.tokenizer.load_tokenizer`).
-        batch_size: conversations per tokenizer call.
-        progress: a progress bar (examples) on stderr.
-        num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s: the rows are cut
-            into ``num_proc`` contiguous parts, each encoded in its own process (forked where the platform
-            allows), and joined in order: the same table as one process gives.
-        format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's
-            precedence: rows holding both ``prompt`` + ``completion`` and ``messages`` are read as
-            prompt/completion, and a :class:`ChatWarning` names the column left unread).
+        batch_size: conversations per tokenizer call; ``progress``: a progress bar (examples) on stderr.
+        num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s: ``num_proc`` contiguous
+            parts of the rows, each in its own process (forked where the platform allows), joined in order: the
+            same table as one process gives.
+        format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's precedence;
+            a :class:`ChatWarning` names a conversational column left unread).
     Returns:
-        ``pyarrow.Table`` with ``input_ids`` (list<int32>; large_list when one batch passes 2**31 - 1
-        tokens) and, unless no mask applies, one loss mask (list<int8>, the same): ``assistant_masks`` (assistant-only loss) or ``completion_mask`` (completion-only
-        loss, times the assistant mask when both apply). Rows in ``data``'s order.
+        ``pyarrow.Table`` with ``input_ids`` (list<int32>; large_list when one batch passes 2**31 - 1 tokens) and,
+        unless no mask applies, one loss mask (list<int8>, the same): ``assistant_masks`` (assistant-only loss) or
+        ``completion_mask`` (completion-only loss, times the assistant mask when both apply). Rows in ``data``'s
+        order.
     Raises:
-        ValueError / TypeError naming the example and the fix: not a conversational format, a null or
-        empty conversation, a template that fails on an example, a template without generation
-        markers under assistant-only loss, an example with no assistant token (as TRL does).
+        ValueError / TypeError naming the example and the fix: not a conversational format, a null or empty
+        conversation, a template that fails on an example, a template without generation markers under
+        assistant-only loss, an example with no assistant token (as TRL does).
     """
-    table = _as_table(data)
+    import pyarrow as pa
+
+    if not isinstance(data, pa.Table):
+        if not (hasattr(data, "with_format") and hasattr(data, "column_names") and hasattr(data, "__len__")):
+            raise TypeError(f"tokenize_chat takes a pyarrow.Table or a datasets.Dataset, got {type(data).__name__}")
+        data = data.with_format("arrow")[:]  # a datasets.Dataset, by its public API: a selection comes back applied
     check_int(batch_size, "batch_size")  # before the tokenizer is loaded
     if num_proc is not None:
         check_int(num_proc, "num_proc")
     options = ChatOptions(chat_template, assistant_only_loss, completion_only_loss, trust_remote_code, format, num_proc)
-    enc = chat_encoder(table.schema, tokenizer, options, stacklevel=3)
-    out = enc.encode_table(table, 0, batch_size=batch_size, progress=progress)
-    enc.warn_diverged(table.num_rows)
+    enc = chat_encoder(data.schema, tokenizer, options, stacklevel=3)
+    out = enc.encode_table(data, 0, batch_size=batch_size, progress=progress)
+    enc.warn_diverged(data.num_rows)
     return out
 
 
@@ -561,9 +507,12 @@ def chat_encoder(schema, tokenizer, options: ChatOptions | None = None, *, stack
     ``options``: :class:`ChatOptions` (:func:`tokenize_chat`'s keywords)."""
     options = options or ChatOptions()
     fmt = chat_format(schema, format=options.format)
-    unread = ignored_columns(schema, fmt) if fmt is not None else []
+    if fmt is None:
+        raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
+                        f"are {schema.names}")
+    unread = ignored_columns(schema, fmt)
     if unread:
-        other = "messages" if "messages" in unread else "conversations" if "conversations" in unread else "prompt_completion"
+        other = next((c for c in ("messages", "conversations") if c in unread), "prompt_completion")
         try:  # what TRL's SFTTrainer reads ("prompt" in example decides first)
             trl = chat_format(schema)
         except (ArgumentError, DataError):  # prompt/completion columns TRL cannot read either
@@ -573,9 +522,6 @@ def chat_encoder(schema, tokenizer, options: ChatOptions | None = None, *, stack
         warnings.warn(ChatWarning(Message("the rows hold {unread} too: read as {fmt}, " + how + "; {other} reads the "
                                           "other", unread=", ".join(map(repr, unread)), fmt=fmt, trl=trl,
                                           other=arg("format", other))), stacklevel=stacklevel)
-    if fmt is None:
-        raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
-                        f"are {schema.names}")
     return _Encoder(fmt, tokenizer, options)
 
 
@@ -616,8 +562,7 @@ def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, b
     import concurrent.futures
     import multiprocessing
 
-    n = table.num_rows
-    cuts = np.linspace(0, n, num_proc + 1).astype(np.int64)
+    cuts = np.linspace(0, table.num_rows, num_proc + 1).astype(np.int64)
     parts = [(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     method, key = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn", id(enc)
     if method == "fork":
@@ -649,27 +594,6 @@ def _chunked(chunks: list, value_type):
     return pa.chunked_array([c.cast(typ) if large else c for c in chunks], type=typ)
 
 
-def _check_assistant_tokens(offsets: np.ndarray, mask: np.ndarray, base: int) -> None:
-    """Every example must hold an assistant token under assistant-only loss (TRL raises too)."""
-    csum = lengths_to_offsets(mask)  # mask tokens before each flat index
-    none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
-    if none.size:
-        raise DataError("{i} has no assistant token in its rendered conversation (no assistant message, or "
-                        "the template's {{% generation %}} markers do not cover it): drop the example, or pass {all}",
-                        i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
-
-
-def _as_table(data):
-    import pyarrow as pa
-
-    if isinstance(data, pa.Table):
-        return data
-    if hasattr(data, "with_format") and hasattr(data, "column_names") and hasattr(data, "__len__"):
-        # a datasets.Dataset, through its public API: a selection comes back applied, in its order
-        return data.with_format("arrow")[:]
-    raise TypeError(f"tokenize_chat takes a pyarrow.Table or a datasets.Dataset, got {type(data).__name__}")
-
-
 def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=None,
                      completion_only_loss: bool | None = None, trust_remote_code: bool = False, progress=None,
                      format: str | None = None, num_proc: int | None = None):
@@ -685,19 +609,16 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
 
     ``pack_dataset(tokenize_dataset(ds, "Qwen/Qwen3-0.6B"), window=2048)``.
     """
-    options = ChatOptions(chat_template, assistant_only_loss, completion_only_loss, trust_remote_code, format, num_proc)
-    return _tokenize_dataset(ds, tokenizer, options, progress)
-
-
-def _tokenize_dataset(ds, tokenizer, options: ChatOptions, progress):
     import datasets
 
+    options = ChatOptions(chat_template, assistant_only_loss, completion_only_loss, trust_remote_code, format, num_proc)
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = load_tokenizer(tokenizer, trust_remote_code=options.trust_remote_code)
-        return type(ds)({name: _tokenize_dataset(split, tokenizer, options, progress) for name, split in ds.items()})
+            tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+        return type(ds)({name: tokenize_dataset(split, tokenizer, progress=progress, **dataclasses.asdict(options))
+                         for name, split in ds.items()})
     features = ds.features
-    fmt = chat_format(features.arrow_schema, format=options.format) if features is not None else None
+    fmt = chat_format(features.arrow_schema, format=format) if features is not None else None
     if fmt is None:
         if "input_ids" in (ds.column_names or []):
             return ds
