@@ -8,11 +8,9 @@ The number that governs gradient noise is tokens per optimiser step, not example
     >>> effective_batch_size(per_device_batch=4, accumulation_steps=8, world_size=2)
     64
 
-:func:`plan_budget` walks one epoch of the user's lengths as packkit's sampler deals it (:func:`packkit.epoch.deal`: a
-``PackedBatchSampler`` over packed windows, or a ``LengthGroupedSampler`` over padded batches, under any
-``balance``; ``packkit waste`` reads the same schedule) and reports examples, tokens and loss tokens per step
-(mean and spread), steps per epoch, padding and the compute imbalance across ranks, plus the advice a
-practitioner would give (:func:`advise`), each an :class:`Advice` (code, message and the numbers) also emitted as a
+:func:`plan_budget` reports an epoch of the user's lengths as packkit's sampler deals it (:func:`packkit.epoch.deal`,
+under any ``balance``; ``packkit waste`` reads the same schedule) and the advice a practitioner would give
+(:func:`advise`), each an :class:`Advice` (code, message and the numbers) also emitted as a
 :class:`BudgetWarning`: ``low_tokens_per_step`` (mean tokens per step under ``min_tokens_per_step``, 4,000: raise
 accumulation, not the learning rate), ``few_steps_per_epoch`` (fewer than ``min_steps_per_epoch``, 50, optimiser
 steps per epoch: 800 examples at an effective batch of 64 is 12 full steps), ``lora_large_batch`` (a LoRA/adapter
@@ -66,11 +64,9 @@ def _advice(code: str, values: dict, template: str, **fields) -> Advice:
 
 
 class BudgetWarning(UserWarning):
-    """The warning :func:`plan_budget` emits for each :class:`Advice` (``.advice``, ``.code``).
-
-    Silence it with ``warnings.filterwarnings("ignore", category=packkit.budget.BudgetWarning)`` or
-    ``plan_budget(..., advice=AdviceOptions(warn=False))``; the advice stays in ``report.advice``.
-    """
+    """The warning :func:`plan_budget` emits for each :class:`Advice` (``.advice``, ``.code``). Silence it with
+    ``warnings.filterwarnings("ignore", category=packkit.budget.BudgetWarning)`` or
+    ``plan_budget(..., advice=AdviceOptions(warn=False))``; the advice stays in ``report.advice``."""
 
     def __init__(self, advice: "Advice | str"):  # a str: rebuilt from its text (``cls(*args)``: pytest-xdist, pickle)
         super().__init__(advice if isinstance(advice, str) else f"[{advice.code}] {advice.message}")
@@ -99,32 +95,22 @@ class Spread:
 
 @record
 class BudgetReport:
-    """What one epoch looks like at a given effective batch.
-
-    Fields
-    ------
-    mode:                 ``"packed"`` (windows of ``window`` tokens) or ``"padded"`` (``window`` None)
-    per_device_batch, accumulation_steps, world_size, balance: as given
-    effective_batch:      int, windows (packed) or examples (padded) per optimiser step
-    num_examples, num_tokens: the dataset (tokens after the overflow policy; ``longest_example`` before it)
-    num_units:            int, windows (packed) or examples (padded) dealt
-    steps_per_epoch:      int, optimiser steps the sampler deals (the last one partial unless ``drop_last``)
-    full_steps_per_epoch: int, steps with the whole effective batch
-    examples_per_step, tokens_per_step, loss_tokens_per_step: :class:`Spread` over the dealt epoch's full
-                          steps (over the one partial step when there is no full step)
-    padding_fraction:     float, slots (window or padded positions) that hold no real token
-    loss_tokens, loss_tokens_assumed: the epoch's; True when no loss lengths were given (every token but each
-                          example's first)
-    target_tokens_per_step, accumulation_for_target: int or None, the target and the accumulation steps whose
-                          mean tokens per step reach it
-    advice:               tuple of :class:`Advice`
-    overflow, overflow_examples, cut_tokens: the policy for examples longer than ``window``, how many
-                          were, and the tokens it cut (``None``, 0, 0 when padded)
-    compute_imbalance, examples_per_step_cv: the sampler's ``epoch_stats()``: the slowest of ``world_size``
-                          ranks over the mean, summed over steps (a document costs ``24576 L + L^2 / cp``;
-                          1.0 is balanced), and std / mean of the examples (pieces) per step
-    loss_free_units, loss_free_steps, loss_free_pieces, dropped_pieces, dropped_tokens: units, steps and pieces
-                          with no loss token, and those ``drop_loss_free`` left out
+    """What one epoch looks like at a given effective batch. ``mode``: ``"packed"`` (windows of ``window`` tokens)
+    or ``"padded"`` (``window`` None); ``per_device_batch``, ``accumulation_steps``, ``world_size``, ``balance``: as
+    given; ``effective_batch`` and ``num_units``: windows (packed) or examples (padded) per optimiser step, and dealt;
+    ``num_examples``, ``num_tokens``: the dataset (tokens after the overflow policy, ``longest_example`` before it);
+    ``steps_per_epoch``: optimiser steps the sampler deals (the last one partial unless ``drop_last``), of them
+    ``full_steps_per_epoch`` with the whole effective batch; ``examples_per_step``, ``tokens_per_step``,
+    ``loss_tokens_per_step``: :class:`Spread` over the full steps (the one partial step when there is no full one);
+    ``padding_fraction``: slots (window or padded positions) with no real token; ``loss_tokens`` of the epoch
+    (``loss_tokens_assumed``: no loss lengths given, every token but each example's first);
+    ``accumulation_for_target``: the accumulation steps whose mean tokens per step reach ``target_tokens_per_step``
+    (None without one); ``advice``: tuple of :class:`Advice`; ``overflow``, ``overflow_examples``, ``cut_tokens``:
+    the policy for examples longer than ``window``, how many were, the tokens it cut (None, 0, 0 when padded);
+    ``compute_imbalance``, ``examples_per_step_cv``: the sampler's ``epoch_stats()``: the slowest of ``world_size``
+    ranks over the mean, summed over steps (a document costs ``24576 L + L^2 / cp``; 1.0 is balanced), and std /
+    mean of the examples (pieces) per step; ``loss_free_units``, ``loss_free_steps``, ``loss_free_pieces``: with no
+    loss token; ``dropped_pieces``, ``dropped_tokens``: left out by ``drop_loss_free``.
     """
 
     mode: str
@@ -168,8 +154,7 @@ class BudgetReport:
         return d
 
     def table(self, *, options=None) -> str:
-        """The report as aligned text (what ``packkit plan`` prints; ``options`` names arguments as the
-        command line does, see ``packkit.errors.Arg.render``)."""
+        """The report as aligned text (what ``packkit plan`` prints; ``options``: see ``packkit.errors.Arg.render``)."""
         packed, plural = self.mode == "packed", "s" if self.world_size != 1 else ""
         rows = [
             ("effective batch", f"{self.effective_batch:,} {'windows' if packed else 'examples'}/step = "
@@ -191,9 +176,8 @@ class BudgetReport:
         if self.target_tokens_per_step is not None:
             rows.append(("for the target", f"{self.target_tokens_per_step:,} tokens/step: " + arg(
                 "accumulation_steps", self.accumulation_for_target).render(options)))
-        note = None if self.overflow is None else overflow_note(
-            self.overflow, over=self.overflow_examples, examples=self.num_examples, cut=self.cut_tokens,
-            tokens=self.num_tokens + self.cut_tokens)
+        note = overflow_note(self.overflow, over=self.overflow_examples, examples=self.num_examples,  # padded: None
+                             cut=self.cut_tokens, tokens=self.num_tokens + self.cut_tokens)
         if note is not None:
             rows.append(("overflow", note.render(options)))
         if self.dropped_pieces:
@@ -236,10 +220,8 @@ def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, 
 
 def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:
     """``(lengths, loss_lengths)`` of ``n`` SFT-like examples: a prompt, then a completion that carries the loss.
-
-    Prompt and completion lengths are log-normal (medians about 100 and 180 tokens, long right tails),
-    as in chat instruction data; the total is clipped to ``max_length``. Deterministic for a seed.
-    """
+    Both log-normal (medians about 100 and 180 tokens, long right tails) as in chat instruction data, the total
+    clipped to ``max_length``; deterministic for a seed."""
     n = _at_least_one(n, "n")
     rng = np.random.default_rng(seed)
     prompt = np.maximum(rng.lognormal(np.log(100), 0.9, n).astype(np.int64), 4)
@@ -283,15 +265,13 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
             plans the pieces the overflow policy leaves), dealt by a :class:`~packkit.sampler.PackedBatchSampler`
             seeded with ``seed``.
         balance: the samplers' ``balance`` (None, ``"tokens"``, ``"sqlen"``, ``"compute"``).
-        drop_loss_free: leave out the pieces (packed) or examples (padded) that hold no loss token, counted in
-            ``dropped_pieces`` / ``dropped_tokens``. ``drop_last``: leave out the last partial step.
+        drop_loss_free, drop_last: leave out the pieces (packed) or examples (padded) that hold no loss token
+            (counted in ``dropped_pieces`` / ``dropped_tokens``), and the last partial step.
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): with ``"zigzag"`` every piece is planned
             padded to a multiple of ``2 * cp_size`` (the padding fills window slots and counts in
             ``padding_fraction``, not in the tokens); the other layouts need ``window`` (and padded micro-batches) to
             be multiples of ``cp_size``. ``world_size`` stays the data-parallel count.
-        advice: :class:`AdviceOptions` (default: the defaults), read by :func:`advise`.
-
-    Returns: a :class:`BudgetReport`.
+        advice: :class:`AdviceOptions`, read by :func:`advise`. Returns a :class:`BudgetReport`.
 
     >>> r = plan_budget([300] * 800, per_device_batch=8, accumulation_steps=8, advice=AdviceOptions(warn=False))
     >>> r.effective_batch, r.steps_per_epoch, r.full_steps_per_epoch, [a.code for a in r.advice]

@@ -33,11 +33,11 @@ class Lengths:
         lengths: (num_examples,) int64, every entry >= 1
         source:  a short description, e.g. ``"data.jsonl, column 'input_ids'"``
         unit:    ``"tokens"``, or ``"bytes"`` when the byte-level tokenizer counted them
-        loss_lengths: (num_examples,) int64 loss-bearing tokens of each example, from ``labels`` or a
-                 loss mask (a chat template writes one), or None when the data has neither
-        targets: (sum(lengths),) bool, where the loss is taken token by token (the examples end to end;
-                 :func:`packkit.listcolumns.loss_targets`), or None with ``loss_lengths``: what counts the
-                 loss tokens left after the overflow policy splits an example
+        loss_lengths: (num_examples,) int64 loss-bearing tokens of each example, from ``labels`` or a loss mask
+                 (a chat template writes one), or None when the data has neither
+        targets: (sum(lengths),) bool, where the loss is taken, the examples end to end
+                 (:func:`packkit.listcolumns.loss_targets`; what counts the loss tokens of the overflow policy's
+                 pieces), or None with ``loss_lengths``
     """
 
     lengths: np.ndarray
@@ -64,13 +64,9 @@ def read_lengths_object(data) -> Lengths:
 
 
 def loss_of(data: Lengths, example=None, start=None, length=None) -> np.ndarray:
-    """Loss tokens of pieces of ``data``'s examples once packed (:func:`packkit.segments.piece_loss_tokens`); no
-    pieces given: the examples whole."""
-    if length is None:
-        length = data.lengths
-    if data.targets is None and data.loss_lengths is None:  # every token but a piece's first: no offsets needed
-        loss = np.subtract(length, 1, dtype=np.int64)
-        return np.maximum(loss, 0, out=loss)
+    """(pieces,) int64 loss tokens of pieces of ``data``'s examples once packed
+    (:func:`packkit.segments.piece_loss_tokens`); no pieces given: the examples whole."""
+    length = data.lengths if length is None else length
     if example is None:
         example, start = np.arange(length.size), np.zeros(length.size, np.int64)
     return piece_loss_tokens(example, start, length, offsets=lengths_to_offsets(data.lengths), targets=data.targets,
@@ -111,8 +107,8 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
 
 @record
 class Dealt:
-    """An epoch as ``sampler`` deals it: its ``schedule``; ``full`` marks the full steps (``drop_last``: only those
-    are steps); ``stats`` is the sampler's :meth:`~packkit.sampler.PackedBatchSampler.epoch_stats`."""
+    """An epoch as ``sampler`` deals it: its ``schedule``, ``full`` steps (``drop_last``: only those are steps) and
+    ``stats`` (:meth:`~packkit.sampler.PackedBatchSampler.epoch_stats`)."""
 
     sampler: object
     schedule: object
