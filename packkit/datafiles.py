@@ -141,11 +141,9 @@ def lines_named(path):
     except (ValueError, TypeError) as exc:
         moved = relocate_json_float(exc, path) or exc
         where = moved.where if isinstance(moved, PackkitError) else None
-        line = None
         if where is not None and not where.line and _json_lines(path) and (where.row or not _packed_rows(path)):
             line = jsonlines.line_of_row(path, where.number)
-        if line is not None:
-            moved = moved.at_line(f"line {line:,} of {str(path)!r}")
+            moved = moved if line is None else moved.at_line(f"line {line:,} of {str(path)!r}")
         if moved is exc:
             raise
         raise moved from exc
@@ -155,7 +153,7 @@ def load_table(path, *, split: str | None = None):
     """Read a file (or a ``save_to_disk`` folder, memory-mapped, a selection applied) into a ``pyarrow.Table``."""
     path = check_path(path)
     reader_pyarrow(path)
-    if path.is_dir():  # public API: memory-mapped columns stay views; a selection (indices mapping) comes back applied
+    if path.is_dir():  # public API: the columns stay memory-mapped views
         return load_dataset(path, split=split).with_format("arrow")[:]
     read = {"json": jsonlines.read_json, "parquet": read_parquet, "arrow": read_arrow, "text": read_text}.get(
         input_format(path))
@@ -287,10 +285,9 @@ def warn_unused_tokenizer(tokenizer, where: str) -> None:
 
 @dataclasses.dataclass
 class Rows:
-    """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (a memory-mapped
-    ``datasets.Dataset`` of token ids), ``parquet`` (a Parquet file's path), ``make`` (a chunk at a time,
-    :func:`packkit.readers.replay`) or ``table`` (read whole). ``how``: how the tokens were made (None: the rows held
-    them); ``nbytes``: the input's size on disk."""
+    """How :meth:`Input.rows` reads an input's rows for packing: exactly one of ``dataset`` (memory-mapped token
+    ids), ``parquet`` (a Parquet file's path), ``make`` (a chunk at a time, :func:`packkit.readers.replay`) or
+    ``table`` (read whole); ``how`` the tokens were made (None: the rows held them); ``nbytes`` on disk."""
 
     path: Path
     how: str | None = None

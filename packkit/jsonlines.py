@@ -7,6 +7,7 @@ key whose kind changes from an earlier line (a list of numbers, then text).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -21,59 +22,40 @@ from .interrupts import deferred
 __all__ = ["JSON_BLOCK_BYTES", "JsonLinesChanged", "first_float", "json_batches", "json_block_size", "json_tables",
            "line_chunks", "line_of_row", "lines", "longest_line", "read_json"]
 
-def _json_kind(value):
+class _Clash(Exception):
+    """Two JSON kinds that do not merge: ``args`` are ``(where, a, b)`` at the deepest place they differ
+    (``messages[].role``, a number against text, rather than ``messages`` against itself)."""
+
+
+def _json_kind(value, where: str = ""):
     """The JSON kind pyarrow's reader infers a column from: ``[1, 2] -> ("list", ("a number",))``; None for null.
-    A scalar's kind is its words in messages; a list's carries its items' (None while unknown), or is
-    ``("mixed", a, b)``."""
+    A scalar's kind is its words in messages, a list's carries its items' (None while unknown); a list that mixes
+    kinds is a :class:`_Clash` (``where`` names ``value``)."""
     if value is None:
         return None
     for types, words in ((bool, "true/false"), ((int, float), "a number"), (str, "text")):  # bool first: True is an int
         if isinstance(value, types):
             return (words,)
     if isinstance(value, dict):
-        return ("object", {k: _json_kind(v) for k, v in value.items()})
+        return ("object", {k: _json_kind(v, f"{where}.{k}") for k, v in value.items()})
     item = None
     for v in value:
-        k = _json_kind(v)
-        merged = _merge_kinds(item, k)
-        if merged is None:
-            return ("mixed", item, k)
-        item = merged
+        item = _merge_kinds(item, _json_kind(v, where + "[]"), where + "[]")
     return ("list", item)
 
 
-def _merge_kinds(a, b):
-    """The kind both ``a`` and ``b`` fit (None: a null or an empty list fits anything), or None if none."""
+def _merge_kinds(a, b, where: str = ""):
+    """The kind both ``a`` and ``b`` fit (None, a null or an empty list, fits anything), else a :class:`_Clash`."""
     if a is None or b is None:
         return a if b is None else b
-    if a[0] != b[0] or a[0] == "mixed":
-        return None
+    if a[0] != b[0]:
+        raise _Clash(where, a, b)
     if a[0] == "object":  # field by field (pyarrow reads a struct): a field missing from one fits
         fields = dict(a[1])
         for k, v in b[1].items():
-            merged = _merge_kinds(fields.get(k), v)
-            if merged is None and v is not None:
-                return None
-            fields[k] = merged
+            fields[k] = _merge_kinds(fields.get(k), v, f"{where}.{k}")
         return ("object", fields)
-    if a[0] != "list":
-        return a
-    if a[1] is None or b[1] is None:
-        return a if b[1] is None else b
-    item = _merge_kinds(a[1], b[1])
-    return None if item is None else ("list", item)
-
-
-def _conflict(a, b, where: str) -> tuple:
-    """``(where, a, b)`` at the deepest place two kinds that do not merge differ: ``messages[].role``, a number
-    against text, rather than ``messages`` against itself."""
-    if a is not None and b is not None and a[0] == b[0] == "list" and a[1] is not None and b[1] is not None:
-        return _conflict(a[1], b[1], where + "[]")
-    if a is not None and b is not None and a[0] == b[0] == "object":
-        for k, v in b[1].items():
-            if k in a[1] and _merge_kinds(a[1][k], v) is None:
-                return _conflict(a[1][k], v, f"{where}.{k}")
-    return where, a, b
+    return ("list", _merge_kinds(a[1], b[1], where + "[]")) if a[0] == "list" else a
 
 
 def _kind_text(kind) -> str:
@@ -100,25 +82,28 @@ def _locate_error(path: Path) -> DataError | None:
             return DataError(f"{name!r} line {lineno:,}: not valid JSON ({msg}"
                              + (f" at column {col}" if col else "") + "); fix or remove that line")
         if not isinstance(obj, dict):
-            return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object (one "
-                             "example) was expected")
+            with contextlib.suppress(_Clash):  # a list that mixes kinds is just "a list" here
+                return DataError(f"{name!r} line {lineno:,}: {_kind_text(_json_kind(obj))} where a JSON object "
+                                 "(one example) was expected")
+            return DataError(f"{name!r} line {lineno:,}: a list where a JSON object (one example) was expected")
         for key, value in obj.items():
-            kind = _json_kind(value)
-            if kind is not None and kind[0] == "mixed":
-                field, first, then = _conflict(kind[1], kind[2], key + "[]")
+            try:
+                kind = _json_kind(value, key)
+            except _Clash as clash:
+                field, first, then = clash.args
                 return DataError(f"{name!r} line {lineno:,}: {field!r} mixes {_kind_text(first)} and "
                                  f"{_kind_text(then)} in one list")
             if key not in seen:
                 if kind is not None:
                     seen[key] = (kind, lineno)
                 continue
-            merged = _merge_kinds(seen[key][0], kind)
-            if merged is None:
-                field, before, now = _conflict(seen[key][0], kind, key)
+            try:
+                seen[key] = (_merge_kinds(seen[key][0], kind, key), seen[key][1])
+            except _Clash as clash:
+                field, before, now = clash.args
                 return DataError(f"{name!r} line {lineno:,}: {field!r} holds {_kind_text(now)}, but "
                                  f"{_kind_text(before)} on line {seen[key][1]:,}; every line must give a key "
                                  "the same kind of value")
-            seen[key] = (merged, seen[key][1])
     return None
 
 
@@ -368,8 +353,7 @@ def json_batches(path, *, block_size: int | None = None):
 def _error(path, exc, *, changed: bool = False) -> DataError:
     """JSON lines pyarrow refused: the line to blame (:func:`_locate_error`), else :class:`JsonLinesChanged` for a
     chunk after the first (``changed``), else pyarrow's words."""
-    located = _locate_error(path)
-    if located is not None:
+    if (located := _locate_error(path)) is not None:
         return located
     if changed:
         return JsonLinesChanged(f"{str(path)!r} changes a column's type after its first block: {exc}")

@@ -204,10 +204,9 @@ def replay(first, rest, again):
 
 
 def read_npy(path) -> np.ndarray:
-    """The array of a ``.npy`` file, its header checked before anything is allocated: numpy sizes its array from
-    the header alone (40 bytes saying ``shape (2**40,)`` ask for 8 TiB), and its errors advise pickle, which runs
-    the file's code. Refused naming the file: no numpy header, Python objects (a pickle: never loaded), or fewer
-    bytes than the header's shape needs (truncated or damaged)."""
+    """The array of a ``.npy`` file, its header checked first: numpy sizes its array from the header alone (40 bytes
+    saying ``shape (2**40,)`` ask for 8 TiB) and advises pickle, which runs the file's code. Refused naming the file:
+    no numpy header, Python objects (a pickle: never loaded), fewer bytes than the header's shape needs."""
     from numpy.lib import format as npy
 
     name = str(path)

@@ -153,3 +153,20 @@ def test_without_pyarrow_the_error_names_the_file_and_its_format(tmp_path, comma
     assert proc.returncode == 4, proc.stderr
     assert proc.stderr.strip() == (f"packkit {command}: error: reading JSON lines ('data.jsonl') needs pyarrow: "
                                    "pip install 'packkit[datasets]'")
+
+
+@pytest.mark.parametrize("lines, want", [
+    (['{"k": [null, 1]}', '{"k": "a"}'], "line 2: 'k' holds text, but a list of numbers on line 1"),
+    (['{"m": {"tags": [1, "a"]}}'], "line 1: 'm.tags[]' mixes a number and text in one list"),
+    (['{"k": {"x": null, "y": 1}}', '{"k": {"x": null, "y": "a"}}'], "line 2: 'k.y' holds text, but a number on line 1"),
+    (['{"k": 1}', '[1, true]'], "line 2: a list where a JSON object (one example) was expected"),
+])
+def test_the_line_to_blame_names_the_value_that_clashes(tmp_path, lines, want):
+    """Regression: the JSON lines error path blamed a list that starts with null (``'k[]' mixes null and null``),
+    missed a mixed list inside an object (no line named), blamed a field that is null on both lines rather than the
+    one that changed (``'k.x' holds null, but null``), and called a mixed list line ``mixed``."""
+    from packkit import jsonlines
+
+    path = tmp_path / "x.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert f"'{path}' {want}" in str(jsonlines._locate_error(path))
