@@ -1,7 +1,5 @@
 """``python -m packkit.cli``: the ``packkit`` command."""
 
-import sys
-
 from . import main
 
-sys.exit(main())
+raise SystemExit(main())

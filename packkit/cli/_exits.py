@@ -1,6 +1,5 @@
-"""The ``packkit`` command's exit codes (:data:`EXIT_CODES`, printed by every ``--help``) and :class:`UsageError`: what
-``packkit --help`` and every subcommand's parser share, in a module that imports nothing (``--help`` compiles no more
-than it prints)."""
+"""The ``packkit`` command's exit codes (:data:`EXIT_CODES`, printed by every ``--help``) and :class:`UsageError`, in a
+module that imports nothing (``packkit --help`` compiles no more than it prints)."""
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DATA, EXIT_SYSTEM = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141

@@ -1,7 +1,6 @@
-"""What the ``packkit`` command says when it fails: each error a user can cause as an exit code and one line
-(:func:`classify`, :func:`install_hint`), a stop signal (:func:`stopped`) and a closed output pipe
-(:func:`pipe_closed`). Imported where a command fails, not at its start (:mod:`packkit.cli` lends these names under
-their old address)."""
+"""What the ``packkit`` command says when it fails: an error a user can cause as an exit code and one line
+(:func:`classify`, :func:`install_hint`), a stop signal (:func:`stopped`), a closed output pipe (:func:`pipe_closed`).
+Imported where a command fails, not at its start."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ import sys
 from ..interrupts import Interrupted
 from ._exits import EXIT_BROKEN_PIPE, EXIT_DATA, EXIT_INTERRUPTED, EXIT_SYSTEM, EXIT_USAGE, UsageError
 
-_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM,
-                  errno.EACCES, errno.EPERM}
+_SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE,
+                  errno.ENOMEM, errno.EACCES, errno.EPERM}
 
 
 def install_hint(exc: ImportError) -> str:
@@ -39,16 +38,13 @@ def _extra_for(module: str) -> str | None:
         reqs = requires("packkit") or []
     except Exception:  # not installed as a distribution (a source tree on sys.path)
         return None
-    want = module.lower().replace("-", "_")
-    found: dict[str, int] = {}
+    want, found = module.lower().replace("-", "_"), {}  # found: {extra: how many packages it installs}
     for req in reqs:
         m = re.match(r"\s*([A-Za-z0-9_.\-]+).*extra\s*==\s*['\"]([^'\"]+)['\"]", req)
         if m and m.group(1).lower().replace("-", "_") == want:
             extra = m.group(2)
             found[extra] = sum(1 for r in reqs if re.search(r"extra\s*==\s*['\"]%s['\"]" % re.escape(extra), r))
-    if not found:
-        return None
-    return min(found, key=lambda e: (e in ("test", "bench"), e != want, found[e], e))
+    return min(found, key=lambda e: (e in ("test", "bench"), e != want, found[e], e)) if found else None
 
 
 def classify(exc: BaseException, options: dict | None = None) -> tuple[int, str] | None:
@@ -66,14 +62,11 @@ def classify(exc: BaseException, options: dict | None = None) -> tuple[int, str]
                                          or "pip install" in str(exc)):
         return EXIT_SYSTEM, install_hint(exc)  # an ImportError inside packkit is a bug: re-raised
     if isinstance(exc, OSError):
-        text = str(exc)
-        if exc.errno is not None and exc.strerror and exc.filename is not None:
-            text = f"{exc.filename!s}: {exc.strerror}"
+        named = exc.errno is not None and exc.strerror and exc.filename is not None
+        text = f"{exc.filename!s}: {exc.strerror}" if named else str(exc)
         if exc.errno in _SYSTEM_ERRNOS:
             return EXIT_SYSTEM, text
-        if isinstance(exc, FileExistsError):
-            return EXIT_USAGE, text
-        return EXIT_DATA, text
+        return (EXIT_USAGE if isinstance(exc, FileExistsError) else EXIT_DATA), text
     if isinstance(exc, KeyError):
         return EXIT_DATA, str(exc.args[0]) if exc.args else "missing key"
     if isinstance(exc, (ValueError, TypeError)) or type(exc).__module__.startswith("pyarrow"):

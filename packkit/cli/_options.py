@@ -1,11 +1,11 @@
 """The options several subcommands share (``--window``, ``--strategy``, ``--overflow``, ``--json``, ``--cp``,
 ``--world-size``, ``--balance``), the :class:`Parser` every subcommand builds, and :func:`options_of`, through which
-library messages name arguments as the command spells them. Imported with a subcommand's module, not by ``packkit
---help``, ``--version`` or a wrong command (:mod:`packkit.cli` lends these names under their old address)."""
+library messages name arguments as the command spells them. Imported with a subcommand, not by ``packkit --help``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -91,9 +91,9 @@ def add_dealing_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """argparse's, as wide as ``shutil.get_terminal_size`` says, read as it reads it but without importing shutil
-    (and lzma and bz2 with it: 1% of ``packkit plan``'s instructions), which argparse's own does for every
-    ``add_argument`` (it formats each option's metavar to check it)."""
+    """argparse's, as wide as ``shutil.get_terminal_size`` says (``COLUMNS`` when positive, else the terminal's, else
+    80), read without importing shutil (with lzma and bz2: 1% of ``packkit plan``'s instructions), which argparse's
+    own does for every ``add_argument`` (it formats each option's metavar to check it)."""
 
     def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
         if width is None:
@@ -101,12 +101,9 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
                 columns = int(os.environ["COLUMNS"])
             except (KeyError, ValueError):
                 columns = 0
-            if columns <= 0:
-                try:
-                    columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
-                except (AttributeError, ValueError, OSError):
-                    columns = 80
-            width = columns - 2
+            with contextlib.suppress(AttributeError, ValueError, OSError):  # no terminal: 80
+                columns = columns if columns > 0 else os.get_terminal_size(sys.__stdout__.fileno()).columns
+            width = (columns if columns > 0 else 80) - 2
         super().__init__(prog, indent_increment, max_help_position, width)
 
 
