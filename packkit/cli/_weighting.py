@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ._exits import UsageError
-from ..choices import LENGTH_MODES, LOSS_WEIGHTINGS
-from ..choices import loss_weighting_spec as checked_spec
+from ..choices import LENGTH_MODES, LOSS_WEIGHTINGS, loss_weighting_spec as checked_spec
 
 
 def loss_weighting_spec(text: str) -> str:
@@ -19,18 +18,16 @@ def loss_weighting_spec(text: str) -> str:
 
 
 def add_weighting_arguments(p) -> None:
-    p.add_argument("--loss-weighting", type=loss_weighting_spec, metavar="MODE",
-                   help="also show the share of the loss weight by length decile under MODE "
-                        f"({', '.join(LOSS_WEIGHTINGS)}, or {':L, '.join(LENGTH_MODES)}:L with L the constant "
-                        "length) beside the token mean")
+    p.add_argument("--loss-weighting", type=loss_weighting_spec, metavar="MODE", help="also show the share of the "
+                   f"loss weight by length decile under MODE ({', '.join(LOSS_WEIGHTINGS)}, or "
+                   f"{':L, '.join(LENGTH_MODES)}:L with L the constant length) beside the token mean")
     p.add_argument("--weight-plot", metavar="PNG", help="with --loss-weighting: write those shares as a bar chart")
     p.add_argument("--overwrite-plot", action="store_true", help="replace an existing --weight-plot file")
 
 
 def weighting_report(args, data):
-    """The :class:`~packkit.weighting.WeightShares` asked for (None without ``--loss-weighting``), its plot
-    written when asked. The loss tokens are the data's (labels, a loss mask, a chat template), else every
-    token after each example's first."""
+    """The :class:`~packkit.weighting.WeightShares` asked for (None without ``--loss-weighting``), its plot written when
+    asked; the loss tokens are the data's (labels, a loss mask, a chat template), else all but each example's first."""
     if args.loss_weighting is None:
         if args.weight_plot:
             raise UsageError("--weight-plot draws the --loss-weighting shares: pass --loss-weighting MODE too")

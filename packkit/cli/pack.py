@@ -1,11 +1,10 @@
 """``packkit pack IN OUT --window W``: pack a dataset file offline into windows.
 
-OUT's format follows its name or ``--output-format`` (:mod:`packkit.outputs`, the door out). Out of core: IN is
-read through the door in (:meth:`packkit.datafiles.Input.rows`: memory-mapped, or a chunk at a time, staged as
-Arrow beside OUT; read whole only where it must), and the packed rows are gathered and written a record batch at a
-time, so memory holds the plan and ``--buffer-mb`` of rows, never the tokens. Every check that costs nothing runs
-before IN is read; OUT is written beside its name and renamed into place when complete, and IN is held still
-while it is read (:mod:`packkit.fileio`).
+OUT's format follows its name or ``--output-format`` (:mod:`packkit.outputs`, the door out). Out of core: IN is read
+through the door in (:meth:`packkit.datafiles.Input.rows`: memory-mapped, or a chunk at a time, staged as Arrow beside
+OUT; whole only where it must), and the packed rows are gathered and written a record batch at a time: memory holds the
+plan and ``--buffer-mb`` of rows, never the tokens. Every check that costs nothing runs before IN is read; OUT is
+written beside its name and renamed into place when complete; IN is held still while read (:mod:`packkit.fileio`).
 """
 
 from __future__ import annotations
@@ -28,21 +27,17 @@ from ..allocators import bound_allocators
 from ..outputs import FORMATS, documents_lost, output_format, write_packed
 from ._chat import add_input_arguments, chat_options
 
-#: The library's ``column`` (the token column) is the first of ``--columns`` here; ``buffer_bytes``
-#: is ``--buffer-mb`` (MiB).
+#: The library's ``column`` (the token column) is the first of ``--columns``; ``buffer_bytes`` is ``--buffer-mb`` (MiB).
 ALIASES = {"column": "columns", "buffer_bytes": "buffer_mb"}
 
 
 def parser() -> Parser:
-    p = Parser(
-        prog="packkit pack",
-        description="Pack a dataset of token ids into windows of at most W tokens, one row per window "
-                    "(columns input_ids, labels when present or derived from a completion_mask / "
-                    "assistant_masks loss mask, seq_lengths). Conversational data (messages, prompt + "
-                    "completion) is tokenized with --tokenizer's chat template, -100 on prompt tokens. OUT is "
-                    "written beside its name and renamed into place when complete; an existing OUT is "
-                    "replaced only with --overwrite.",
-    )
+    p = Parser(prog="packkit pack",
+               description="Pack a dataset of token ids into windows of at most W tokens, one row per window (columns "
+                           "input_ids, labels when present or derived from a completion_mask / assistant_masks loss "
+                           "mask, seq_lengths). Conversational data (messages, prompt + completion) is tokenized with "
+                           "--tokenizer's chat template, -100 on prompt tokens. OUT is written beside its name and "
+                           "renamed into place when complete; an existing OUT is replaced only with --overwrite.")
     add_input_arguments(p, column=False, tokenizer=None, help="jsonl, parquet, arrow, .txt (one example a line), or "
                                                               "a folder saved with save_to_disk")
     p.add_argument("output", help="the file or folder to write, its format chosen by its suffix: "
@@ -52,9 +47,8 @@ def parser() -> Parser:
                    help=f"OUT's format whatever its name: {', '.join(FORMATS)} (default: from OUT's suffix)")
     add_window_arguments(p)
     p.add_argument("--columns", default=None,
-                   help="comma-separated list columns to pack, token ids first "
-                        "(default: input_ids, plus labels and a completion_mask / assistant_masks loss "
-                        "mask when present; the mask becomes -100 labels)")
+                   help="comma-separated list columns to pack, token ids first (default: input_ids, plus labels and "
+                        "a completion_mask / assistant_masks loss mask when present; the mask becomes -100 labels)")
     p.add_argument("--seed", type=int, default=0, help="seed of the row order and of shuffle_ff (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the planner's window order")
     p.add_argument("--example-ids", action="store_true", help="also write the source row of every segment")
@@ -62,10 +56,9 @@ def parser() -> Parser:
                              "every example is planned padded to a multiple of 2*N, so a row still fits W once sharded",
                      layout_help="the layout packkit.cp.shard will cut rows with (default hybrid; W a multiple of N)")
     p.add_argument("--num-proc", type=int, default=None, help="threads for the token copy (default 1)")
-    p.add_argument("--buffer-mb", type=int, default=None,
-                   help=f"memory for packed rows in flight, in MiB (default: a sixteenth of the packed tokens, "
-                        f"{MIN_BUFFER_BYTES >> 20} to {DEFAULT_BUFFER_BYTES >> 20}); the tokens are read from IN as "
-                        "needed, never held whole")
+    p.add_argument("--buffer-mb", type=int, default=None, help="memory for packed rows in flight, in MiB (default: a "
+                   f"sixteenth of the packed tokens, {MIN_BUFFER_BYTES >> 20} to {DEFAULT_BUFFER_BYTES >> 20}); the "
+                   "tokens are read from IN as needed, never held whole")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing OUT (never IN, nor a folder holding IN)")
     add_output_switches(p, instead_of="the summary (what was packed and written)")
@@ -131,8 +124,8 @@ def _run(args, options) -> int:
         total = packed.plan.total_tokens * len(packed.spec.written())
         with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
                           desc="packkit pack") as bar:
-            write_packed(out, packed, format=fmt, max_tokens=max_tokens, bar=bar, inputs=[src], overwrite=args.overwrite,
-                         through=lambda batches: _checked(batches, hold))
+            write_packed(out, packed, format=fmt, max_tokens=max_tokens, bar=bar, inputs=[src],
+                         overwrite=args.overwrite, through=lambda batches: _checked(batches, hold))
     return _report(args, options, src, out, fmt, packed, how)
 
 

@@ -18,10 +18,8 @@ ALIASES = {"target_tokens_per_step": "target_tokens"}
 
 
 def parser() -> Parser:
-    p = Parser(
-        prog="packkit plan",
-        description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.",
-    )
+    p = Parser(prog="packkit plan",
+               description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.")
     add_input_arguments(p, optional=True, help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
                         ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
                         "completion_mask / assistant_masks column give the loss tokens, as does a chat template "
@@ -72,10 +70,9 @@ def run(args, options=None) -> int:
         # the advice is printed below, once, with the table: no warnings
         advice = AdviceOptions(lora=args.lora, target_tokens_per_step=args.target_tokens, warn=False)
         report = plan_budget(data, per_device_batch=args.per_device_batch, accumulation_steps=args.accumulation_steps,
-                             world_size=args.world_size, window=window, strategy=args.strategy,
-                             overflow=args.overflow, balance=args.balance, drop_loss_free=args.drop_loss_free,
-                             drop_last=args.drop_last, seed=args.seed, cp_size=args.cp_size,
-                             cp_layout=args.cp_layout, advice=advice)
+                             world_size=args.world_size, window=window, strategy=args.strategy, overflow=args.overflow,
+                             balance=args.balance, drop_loss_free=args.drop_loss_free, drop_last=args.drop_last,
+                             seed=args.seed, cp_size=args.cp_size, cp_layout=args.cp_layout, advice=advice)
     shares = weighting_report(args, data)
     if args.json:
         print(json.dumps({**report.as_dict(), **({"loss_weighting": shares.as_dict()} if shares else {})}))

@@ -1,14 +1,12 @@
 """``packkit tokenize IN OUT``: token ids, and the loss mask TRL would train with, written once.
 
-Conversational data (TRL's ``messages``, ``conversations``, ``prompt`` + ``completion``) goes through
-``--tokenizer``'s chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized
-(:class:`packkit.datafiles.Tokenizing`). IN is read, tokenized and written a bounded chunk at a time
-(:meth:`packkit.datafiles.Input.tokenized`: JSON lines and ``.txt`` about 4 MiB of text, parquet and
-Arrow 4,096 rows), so memory never holds IN or its tokens whole. OUT holds ``input_ids`` and the loss
-mask (``assistant_masks`` or ``completion_mask``) when one applies, in any format ``packkit pack``
-writes; ``packkit waste``, ``plan`` and ``pack`` then read OUT without tokenizing again, and measure
-exactly what they would have measured on IN with the same options. OUT is written beside its name and
-renamed when complete.
+Conversational data (TRL's ``messages``, ``conversations``, ``prompt`` + ``completion``) goes through ``--tokenizer``'s
+chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized (:class:`packkit.datafiles.Tokenizing`). IN is
+read, tokenized and written a bounded chunk at a time (:meth:`packkit.datafiles.Input.tokenized`: JSON lines and
+``.txt`` about 4 MiB of text, parquet and Arrow 4,096 rows), never whole. OUT holds ``input_ids`` and the loss mask
+(``assistant_masks`` or ``completion_mask``) when one applies, in any format ``packkit pack`` writes, written beside its
+name and renamed when complete; ``waste``, ``plan`` and ``pack`` read it without tokenizing again, and measure exactly
+what they would on IN with the same options.
 """
 
 from __future__ import annotations
@@ -34,13 +32,11 @@ BATCH_ROWS = 8192
 
 
 def parser() -> Parser:
-    p = Parser(
-        prog="packkit tokenize",
-        description="Tokenize text or conversational data once (input_ids, and TRL's loss mask for chat data),\n"
-                    "so that packkit waste, plan and pack read the result without tokenizing again. Preference\n"
-                    "pairs (prompt, chosen, rejected) become TRL's prompt_ids, chosen_ids and rejected_ids,\n"
-                    "for packkit waste --preference.",
-    )
+    p = Parser(prog="packkit tokenize",
+               description="Tokenize text or conversational data once (input_ids, and TRL's loss mask for chat data),\n"
+                           "so that packkit waste, plan and pack read the result without tokenizing again. Preference\n"
+                           "pairs (prompt, chosen, rejected) become TRL's prompt_ids, chosen_ids and rejected_ids,\n"
+                           "for packkit waste --preference.")
     add_input_arguments(p, column=False, tokenizer=None, help="jsonl, parquet, arrow, .txt (one example a line), or "
                                                               "a save_to_disk folder")
     p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow, OUT.feather, or a folder name (save_to_disk)")
@@ -81,8 +77,11 @@ def _run(args, inp: Input, hold) -> int:
 
         def write(whole: bool):  # a bounded chunk at a time: read, tokenized, written (whole where it must)
             tables, how = inp.tokenized(whole=whole, progress=not (args.quiet or args.json))
-            if how is None:  # token ids already, or no row
-                _refuse(src, next(table_chunks(src, split=args.split), None))
+            if how is None and (first is None or first.num_rows == 0):  # no row, or token ids already: refused
+                raise DataError(f"{str(src)!r} holds no examples")
+            if how is None and "input_ids" in first.column_names:
+                raise DataError(f"{str(src)!r} holds token ids already (input_ids): nothing to tokenize; packkit "
+                                "waste, plan and pack read it as it is")
             return (*_write(tables, out, fmt, src, args.overwrite, hold=hold), how)
 
         rows, tokens, keep, how = inp.read(write)
@@ -103,9 +102,9 @@ def _report(args, src: Path, out: Path, fmt, rows: int, tokens: int, keep: list,
 
 
 def _pairs(args, src: Path, out: Path, fmt, hold) -> int:
-    """``packkit tokenize`` of preference pairs (text or conversational ``prompt`` / ``chosen`` / ``rejected``):
-    TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (:func:`packkit.datafiles.tokenize_pairs`), what
-    ``packkit waste --preference`` and :class:`packkit.preference.PreferenceCollator` read. Read whole."""
+    """Preference pairs (text or conversational ``prompt`` / ``chosen`` / ``rejected``), read whole, as TRL's
+    ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (:func:`packkit.datafiles.tokenize_pairs`): what ``packkit
+    waste --preference`` and :class:`packkit.preference.PreferenceCollator` read."""
     if args.tokenizer is None:
         raise ArgumentError("{src!r} holds preference pairs (prompt, chosen, rejected): pass {tok}", src=str(src),
                             tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
@@ -118,21 +117,10 @@ def _pairs(args, src: Path, out: Path, fmt, hold) -> int:
                    readers="packkit waste --preference reads it")
 
 
-def _refuse(src: Path, table) -> None:
-    """The one-line refusal of an input with nothing to tokenize: no row (``table`` None or empty), or token
-    ids already."""
-    if table is None or table.num_rows == 0:
-        raise DataError(f"{str(src)!r} holds no examples")
-    if "input_ids" in table.column_names:
-        raise DataError(f"{str(src)!r} holds token ids already (input_ids): nothing to tokenize; packkit waste, "
-                        "plan and pack read it as it is")
-
-
 def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None = None, hold=None):
-    """Write the token columns of ``tables`` (tokenized chunks, the first one's schema; ``keep``, else
-    ``input_ids`` and the loss columns) to ``out`` as they come: ``(rows, tokens, columns)``, the tokens those
-    of the ``*_ids`` columns. ``hold`` (:func:`packkit.fileio.held_still`'s) is released once IN is read to
-    the end, before OUT is placed."""
+    """Write the columns ``keep`` (else ``input_ids`` and the loss columns) of ``tables``, tokenized chunks in the first
+    one's schema, to ``out`` as they come: ``(rows, tokens of the *_ids columns, columns)``. ``hold``
+    (:func:`packkit.fileio.held_still`'s) is released once IN is read to the end, before OUT is placed."""
     first = next(tables, None)
     if first is None:  # rows none (a parquet file of empty row groups): refused before OUT is written
         raise DataError(f"{str(src)!r} holds no examples")

@@ -19,10 +19,8 @@ class _Default(str):
 
 
 def parser() -> Parser:
-    p = Parser(
-        prog="packkit waste",
-        description="Padding waste of each batching strategy on your data (the bundled sample without FILE).",
-    )
+    p = Parser(prog="packkit waste",
+               description="Padding waste of each batching strategy on your data (the bundled sample without FILE).")
     add_input_arguments(p, optional=True, help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a "
                                                "line), or .npy of lengths; omitted: the bundled sample")
     add_window_arguments(p, strategy=False, overflow_default=_Default(DEFAULT_OVERFLOW),
@@ -40,14 +38,12 @@ def parser() -> Parser:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write the length histogram and fill plot to PNG (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot PNG")
-    p.add_argument("--preference", action="store_true",
-                   help="preference pairs (prompt_ids, chosen_ids, rejected_ids; or prompt, chosen, rejected, "
-                        "tokenized with --tokenizer): tokens per pair of TRL's layouts and of packkit's pairs and "
-                        "shared-prompt trees")
-    p.add_argument("--turns", action="store_true",
-                   help="messages trained turn by turn (one sample an assistant turn, its history rendered by the "
-                        "chat template, as Qwen3's needs): tokens forwarded with every turn whole and with shared "
-                        "histories once (prefix trees)")
+    p.add_argument("--preference", action="store_true", help="preference pairs (prompt_ids, chosen_ids, rejected_ids; "
+                   "or prompt, chosen, rejected, tokenized with --tokenizer): tokens per pair of TRL's layouts and of "
+                   "packkit's pairs and shared-prompt trees")
+    p.add_argument("--turns", action="store_true", help="messages trained turn by turn (one sample an assistant turn, "
+                   "its history rendered by the chat template, as Qwen3's needs): tokens forwarded with every turn "
+                   "whole and with shared histories once (prefix trees)")
     add_output_switches(p, instead_of="the table")
     return p
 
@@ -75,14 +71,9 @@ def run(args, options=None) -> int:
     if args.plot:
         plot_waste(report, args.plot, overwrite=args.overwrite)
     if args.json:
-        out = report.to_dict()
-        if args.plot:
-            out["plot"] = args.plot
-        print(json.dumps(out))
+        print(json.dumps({**report.to_dict(), **({"plot": args.plot} if args.plot else {})}))
     else:
-        print(format_table(report, options=options))
-        if args.plot:
-            print(f"\nwrote {args.plot}")
+        print(format_table(report, options=options) + (f"\n\nwrote {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -95,9 +86,8 @@ def _preference(args) -> int:
         preference_waste([0], [1], [1], window=args.window, overflow=overflow)
     from ..datafiles import read_preference_lengths  # lazy: the readers, off the start of waste without a file
     with lines_named(args.input):  # a pair is a row: its line too
-        prompt, chosen, rejected, source = read_preference_lengths(args.input, split=args.split,
-                                                                   tokenizer=args.tokenizer,
-                                                                   trust_remote_code=args.trust_remote_code)
+        prompt, chosen, rejected, source = read_preference_lengths(
+            args.input, split=args.split, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
         report = preference_waste(prompt, chosen, rejected, window=args.window, batch_size=args.batch_size,
                                   seed=args.seed, overflow=overflow)
     if args.json:
