@@ -48,7 +48,6 @@ INPUTS = {
 #: Suffix -> the format's name in messages.
 FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
 
-#: What :mod:`packkit.tokenizer` lends here under the old address (``datafiles.tokenize``).
 _TOKENIZER_NAMES = ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name")
 
 
@@ -59,7 +58,7 @@ def _tokenizers():
 
 
 def __getattr__(name: str):
-    """The tokenizers' functions under their old address: ``packkit.datafiles.tokenize``."""
+    """What :mod:`packkit.tokenizer` lends here under the old address: ``packkit.datafiles.tokenize``."""
     if name in _TOKENIZER_NAMES:
         return getattr(_tokenizers(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -484,9 +483,8 @@ class Input:
         return (lengths if docs is None else docs), targets, how, source
 
 
-def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text",
-                 tokenizer="bytes", split: str | None = None, progress: bool = False,
-                 chat: ChatOptions | None = None) -> Lengths:
+def read_lengths(path=None, *, column: str = "input_ids", text_column: str = "text", tokenizer="bytes",
+                 split: str | None = None, progress: bool = False, chat: ChatOptions | None = None) -> Lengths:
     """Example lengths from a file (:meth:`Input.lengths`), or the bundled sample when ``path`` is None.
 
     ``column`` may name an integer column of lengths. Text is tokenized with ``tokenizer`` (``"bytes"`` by default:
