@@ -115,8 +115,8 @@ class PackOptions:
             completions) stay adjacent in one window, in row order (:func:`packkit.binpack.pack_groups`; ``overflow``
             applies to whole groups; the plan reports the windows it costs).
         cp_size, cp_layout: rows a context-parallel group will shard (:func:`packkit.cp_plan.plan_for_cp`):
-            ``"zigzag"`` plans each example padded to a multiple of ``2 * cp_size`` (for TE), the other layouts need
-            ``window`` a multiple of ``cp_size``.
+            ``"zigzag"`` plans each example padded to a multiple of ``2 * cp_size`` (a row still fits ``window`` once
+            padded for TE), the other layouts need ``window`` a multiple of ``cp_size``.
         drop_loss_free: leave out the pieces (examples after ``overflow``) with no loss token, counted and logged;
             without it, windows with no loss token (a step of loss 0) are counted and logged with this fix (TRL's
             ``SFTTrainer`` drops such rows without a word).
@@ -257,8 +257,8 @@ class PackedTable:
         return {c: self.scan.columns[c] for c in self.spec.read if c in (token, "labels") or c in MASK_KEYS}
 
     def segment_loss(self, rows) -> np.ndarray:
-        """``(S,)`` loss tokens of every segment of packed ``rows`` (labels other than -100; with no labels,
-        every token but the segment's first, as a collator takes them)."""
+        """``(S,)`` loss tokens of every segment of packed ``rows``: labels other than -100, never a segment's first
+        under :attr:`mask_first_label`, masked or not; with no labels, every token but the first (as collators)."""
         seg_off = lengths_to_offsets(rows.seq_lengths)
         labels = rows.columns.get("labels")
         if labels is None:
@@ -289,7 +289,8 @@ class PackedTable:
 
     def drop_loss_free(self, max_tokens: int) -> None:
         """Leave out every segment with no loss token (:meth:`segment_loss`, a first pass over the loss columns),
-        counted in ``dropped_pieces`` / ``dropped_tokens`` (:meth:`packkit.binpack.Plan.keep_segments`)."""
+        counted in ``dropped_pieces`` / ``dropped_tokens`` and ``loss_free_pieces``; emptied windows go, the others
+        keep their order (:meth:`packkit.binpack.Plan.keep_segments`)."""
         keep = self._segment_losses(self.plan, max_tokens) > 0
         self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
         self.loss_free_pieces += self.dropped_pieces
@@ -299,7 +300,8 @@ class PackedTable:
     def example_stats(self, *, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Each example's loss tokens when whole and the sum of its tokens for a fingerprint
         (:func:`packkit.planindex.example_stats`), a pass over the token and loss columns, counting as
-        :meth:`record_batches` does; where the plan cut or dropped examples, a second pass reads them whole."""
+        :meth:`record_batches` does; where the plan cut or dropped examples, a second pass reads them whole (the
+        source's fingerprint, not the plan's)."""
         loss, sums = self._stats(self.plan, max_tokens, count=True)
         if self.plan.cut_tokens or self.plan.dropped_examples.size:
             lengths = self.plan.lengths

@@ -43,7 +43,7 @@ from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .plots import plot_waste  # the report drawn: its own room, importable here as before
 from .progress import progress_bar
 from .records import record
-from .sampler import LengthGroupedSampler, batch_sums
+from .sampler import batch_sums
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "format_table",
            "plot_waste", "preference_waste", "format_preference_waste"]
@@ -75,7 +75,7 @@ class StrategyWaste:
         compute_imbalance, examples_per_step_cv: over ``world_size`` ranks, a document costing
             ``24576 * L + L**2 / cp_size``: of the schedule packkit's sampler deals under ``balance``
             (:func:`packkit.epoch.deal`) for ``grouped`` and the packed strategies; ``pad_longest`` and ``random``
-            (a plain DataLoader's batches) take a step's rows in turn (:func:`packkit.balance.step_figures`)
+            (a plain DataLoader's batches) take a step's rows in turn (:func:`packkit.costs.step_figures`)
         loss_free_rows, loss_free_steps: rows and steps that hold no loss token (a step of them has loss 0)
     """
 
@@ -114,8 +114,9 @@ class WasteReport:
     ``input_lengths``, ``examples``, ``input_tokens``: the input; ``cut_tokens``, ``overflow_examples``: what the
     policy did; ``baseline_attention = len(lengths) * max(lengths)**2`` (``pad_longest``'s cost). ``loss_tokens``:
     those that train once packed, each piece's first excluded (:func:`packkit.segments.piece_loss_tokens`, as
-    ``packkit plan`` and ``pack`` report), ``loss_tokens_assumed`` with no labels or loss mask;
-    ``loss_free_pieces``: pieces with no loss token, ``dropped_pieces`` / ``dropped_tokens`` under ``drop_loss_free``.
+    ``packkit plan`` and ``pack`` report), ``loss_tokens_assumed`` with no labels or loss mask (every token but a
+    piece's first); ``loss_free_pieces``: pieces with no loss token, ``dropped_pieces`` / ``dropped_tokens`` those
+    ``drop_loss_free`` left out.
     """
 
     source: str
@@ -222,12 +223,6 @@ def _packed(name: str, label: str, sampler, piece_of: np.ndarray, lengths: np.nd
     )
 
 
-def length_grouped_batches(lengths: np.ndarray, batch_size: int, seed: int) -> list[np.ndarray]:
-    """Batches of similar lengths, as ``packkit.sampler.LengthGroupedSampler`` forms them for one epoch."""
-    sampler = LengthGroupedSampler(lengths, batch_size=batch_size, seed=seed, rank=0, world_size=1)
-    return [np.asarray(b, np.int64) for b in sampler]
-
-
 def stream_plan(lengths: np.ndarray, *, window: int, buffer_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(example of every segment, window offsets)`` of :func:`packkit.binpack.stream_windows` over ``lengths``
     in order: ``stream_plan(np.array([3, 4, 2]), window=5, buffer_size=2) -> ([0, 2, 1], [0, 2, 3])``."""
@@ -259,7 +254,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
             packkit's samplers deal ``grouped`` and the packed strategies (:func:`packkit.epoch.deal`).
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): ``"zigzag"`` pads every example to a
             multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots); the other
-            layouts cut a row in ``cp_size`` pieces. ``W`` must be a multiple of what the layout needs.
+            layouts cut a row in ``cp_size`` pieces (a padded row rounded up to a multiple of ``cp_size``). ``W``
+            must be a multiple of what the layout needs.
     """
     data = read_lengths_object(lengths)
     window = check_cp_window(check_window(window), cp_size=cp_size, cp_layout=cp_layout)
@@ -347,8 +343,8 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     ``preference_waste([3], [2], [4], window=16)["rows"]["packkit_tree"]["per_pair"] -> 16.0``.
 
     ``overflow``: a pair that does not fit the window whole is left out and counted (``"drop"``), or the error
-    naming it (``"error"``, as :class:`packkit.preference.PreferenceCollator` does); never split or truncated.
-    Every pair left out is an error too: there would be nothing to measure.
+    naming it (``"error"``, as :class:`packkit.preference.PreferenceCollator` does); a pair is never split or
+    truncated (those policies are refused). Every pair left out is an error too: there would be nothing to measure.
     """
     window = check_window(window)
     if overflow not in PREFERENCE_OVERFLOW:

@@ -12,9 +12,8 @@ from hypothesis import strategies as st
 
 from packkit.binpack import apply_overflow, pack
 from packkit.datafiles import Lengths
-from packkit.sampler import PackedBatchSampler
-from packkit.waste import (WASTE_STRATEGIES, _percentiles, length_grouped_batches,
-                           format_table, measure_waste, padded_rows, plot_waste)
+from packkit.sampler import LengthGroupedSampler, PackedBatchSampler
+from packkit.waste import WASTE_STRATEGIES, _percentiles, format_table, measure_waste, padded_rows, plot_waste
 
 
 def overflow_ref(lengths, window, overflow):
@@ -98,7 +97,8 @@ def test_measure_waste_matches_reference(lengths, batch_size, window, k):
     assert s.padding_fraction == pytest.approx(1 - real / slots)
     # grouped batches: never more padding than random batches of the same size, on average over rows
     g = by["grouped"]
-    batches = [b.tolist() for b in length_grouped_batches(L, batch_size, 3)]
+    sampler = LengthGroupedSampler(L, batch_size=batch_size, seed=3, rank=0, world_size=1)  # one epoch's batches
+    batches = [np.asarray(b, np.int64).tolist() for b in sampler]
     assert sorted(i for b in batches for i in b) == list(range(n))
     real, slots, att = padded_ref(L.tolist(), batches)
     assert (g.real_tokens, g.slot_tokens, g.steps) == (real, slots, len(batches)) and g.attention == pytest.approx(att)
