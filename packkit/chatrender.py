@@ -1,9 +1,7 @@
 """Conversations rendered by a chat template and tokenized a batch at a time, with the assistant mask the template's
 ``{% generation %}`` spans mark: the machinery behind :mod:`packkit.chat`, which chooses the format, the template
-and the loss (this module knows nothing of TRL's formats, columns or options).
-
-The interface: :func:`render` (a batch of conversations -> flat token ids over offsets, and the assistant mask),
-:func:`flat` (lists of ids -> offsets and values, through Arrow). An error names the example by its index.
+and the loss (this module knows nothing of TRL's formats, columns or options). An error names the example by its
+index.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from .tokenizer import one_line
 
 __all__ = ["flat", "render"]
 
+
 def flat(lists):
     """``(offsets (n + 1,) int64, values)`` of a list of int lists, through Arrow (no per-token Python)."""
     import pyarrow as pa
@@ -35,11 +34,9 @@ def flat(lists):
 
 def render(tok, conversations: list, base: int, *, template: str, tools=None, kwargs=None,
             add_generation_prompt: bool = False, assistant_mask: bool = False):
-    """``apply_chat_template`` on a batch, tokenized: ``(offsets (n + 1,) int64, ids (T,) int64, assistant mask
-    (T,) int8 or None)``.
-
-    One render and one tokenizer call for the batch (:func:`_render_fast`); per example when a ``tools`` or
-    ``chat_template_kwargs`` column gives each its own. An error is re-raised naming the example."""
+    """``apply_chat_template`` on a batch (the first is example ``base``), tokenized: ``(offsets (n + 1,) int64,
+    ids (T,) int64, assistant mask (T,) int8 or None)``. One render and one tokenizer call for the batch
+    (:func:`_render_fast`); per example when a ``tools`` or ``chat_template_kwargs`` column gives each its own."""
     if tools is not None or kwargs is not None:
         outs = [_render_one(tok, conv, base + j, template, None if tools is None else tools[j],
                             None if kwargs is None else kwargs[j], add_generation_prompt, assistant_mask)
@@ -65,13 +62,13 @@ def render(tok, conversations: list, base: int, *, template: str, tools=None, kw
 
 
 def _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask):
-    """:func:`render`'s batch as ``apply_chat_template`` makes it, without its Python loop over every token for
-    the assistant mask (a third of packkit's time on ShareGPT with Qwen3's tokenizer, more than the rendering):
-    rendered by transformers' own steps (:func:`packkit.integrations.transformers.render_chat`), tokenized by the
-    Rust tokenizer in one call, each ``{% generation %}`` span marked on the tokens that overlap it. A byte-level
-    BPE's texts are tokenized without offsets and marked by the tokens' byte spans (:class:`ByteSpans`); the rest
-    by bisection on the token offsets. None (``apply_chat_template`` then) without a fast tokenizer, or for a
-    conversation whose token offsets are not in order (where the bisection would not be transformers' loop)."""
+    """:func:`render`'s batch as ``apply_chat_template`` makes it, without its Python loop over every token for the
+    assistant mask (a third of packkit's time on ShareGPT with Qwen3's tokenizer, more than the rendering): rendered
+    by transformers' own steps (:func:`packkit.integrations.transformers.render_chat`), tokenized by the Rust
+    tokenizer in one call, each ``{% generation %}`` span marked on the tokens that overlap it: by their byte spans
+    for a byte-level BPE (:class:`ByteSpans`, no offsets asked), else by bisection on the token offsets. None
+    (``apply_chat_template`` then) without a fast tokenizer, or for token offsets out of order (the bisection would
+    not be transformers' loop)."""
     backend = hf.fast_backend(tok)
     rendered = hf.render_chat(tok, conversations, template=template, add_generation_prompt=add_generation_prompt,
                               assistant_mask=assistant_mask) if backend is not None else None
@@ -110,10 +107,9 @@ def _flat_ids(encodings):
 
 
 def _char_marks(offsets, char_offsets, spans, which):
-    """``(starts, lengths)`` of the flat tokens that overlap each ``{% generation %}`` span of the texts ``which``
-    (a token ``(start, end)`` overlaps ``[lo, hi)`` when ``end > lo and start < hi``), found by bisection on each
-    text's token character offsets ``char_offsets`` (one list per text of ``which``); None when a text's offsets
-    are not in order."""
+    """``(starts, lengths)`` of the flat tokens that overlap (``end > lo and start < hi``) each ``{% generation %}``
+    span ``[lo, hi)`` of the texts ``which``, by bisection on each one's token character offsets (``char_offsets``, a
+    list per text of ``which``); None when a text's offsets are not in order."""
     starts, lengths = [], []
     for j, chars in zip(which, char_offsets):
         marked = spans[j]
@@ -135,13 +131,12 @@ _BPE_SPLITS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
 
 
 class ByteSpans:
-    """Where each token of a byte-level BPE (GPT-2, Llama 3, Qwen 2/3) lies in its text's UTF-8 bytes, from the
-    token ids alone: the token's bytes are its vocabulary string read through the byte-level alphabet (one
-    character a byte), an added token's its content, and a text's tokens tile its bytes in order. So a token's byte
-    span is the running sum of its ids' byte lengths (``lengths``: ``(vocab,)`` int64, -2 not yet read, -1 no exact
-    length), and a token overlaps a ``{% generation %}`` span exactly when its byte span overlaps the span's bytes:
-    the rule of the character offsets (a token's characters are those its bytes touch), without asking the
-    tokenizer for offsets (``encode_batch_fast``: no offsets, no ``Encoding.offsets`` lists).
+    """Where each token of a byte-level BPE (GPT-2, Llama 3, Qwen 2/3) lies in its text's UTF-8 bytes, from the ids
+    alone: a token's bytes are its vocabulary string read through the byte-level alphabet (a character a byte), an
+    added token's its content, and a text's tokens tile its bytes in order. So a token's byte span is the running sum
+    of its ids' byte lengths (``lengths``: ``(vocab,)`` int64, -2 not yet read, -1 no exact length), and it overlaps a
+    ``{% generation %}`` span exactly when the character offsets would say so (a token's characters are those its
+    bytes touch), without asking the tokenizer for offsets (``encode_batch_fast``: no ``Encoding.offsets`` lists).
 
     Taken only where it is exact: :meth:`of` requires no normalizer or NFC (a text that is not NFC goes through the
     offsets), a pre-tokenizer that keeps every character (ByteLevel without a prefix space, Splits that remove

@@ -1,16 +1,12 @@
 """A tokenizer from what a user names, and text to token ids in bounded calls: the back of the house behind the
 chat template (:mod:`packkit.chat`) and the door in (:mod:`packkit.datafiles`), knowing nothing of columns, chat
-formats or examples.
-
-:func:`load_tokenizer` makes a ``transformers`` tokenizer of a folder, a ``tokenizer.json`` or a model id: no remote
-code runs unless asked for by name, and a model id that is neither cached nor reachable fails at once (one
-connection attempt), in one line naming the fix. :func:`rust_tokenizer` is the Rust ``tokenizers.Tokenizer``
-behind one (``"bytes"``: None, the byte level); :func:`tokenize` turns texts into a list array of ids, at most
-:data:`TOKENIZE_CALL_CHARS` characters a call; :func:`tokenizer_name` is how a message names a tokenizer.
+formats or examples. :func:`load_tokenizer` (a ``transformers`` tokenizer), :func:`rust_tokenizer` (the Rust
+``tokenizers.Tokenizer`` behind one), :func:`tokenize` (texts -> a list array of ids), :func:`tokenizer_name`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -47,26 +43,23 @@ def _hub_reachable(timeout: float = HUB_PROBE_TIMEOUT) -> bool:
 
     url = urlparse(constants.ENDPOINT)
     host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    result = []
+    reached = []
 
     def attempt():
-        try:
+        with contextlib.suppress(OSError):
             socket.create_connection((host, port), timeout=timeout).close()
-            result.append(True)
-        except OSError:
-            result.append(False)
+            reached.append(True)
 
     t = threading.Thread(target=attempt, daemon=True)
     t.start()
     t.join(timeout)
-    return bool(result and result[0])
+    return bool(reached)
 
 
 def one_line(exc: BaseException) -> str:
     """An error's text on one line of at most 300 characters."""
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:297] + "..."
-
 
 
 def bad_utf8(raw: bytes) -> tuple | None:
@@ -90,22 +83,21 @@ def _not_utf8(folder) -> tuple | None:
     return None
 
 
-
 def load_tokenizer(spec, *, trust_remote_code: bool = False):
     """A ``transformers`` tokenizer from a folder, a ``tokenizer.json``, a model id, or as given.
 
     Args:
-        spec: a folder holding ``tokenizer.json`` / ``tokenizer_config.json`` (what ``save_pretrained``
-            writes), the path of a ``tokenizer.json`` (it has no chat template: pass one to
-            :func:`tokenize_chat`), a Hub model id (``"org/name"``), or a loaded tokenizer (returned as is).
-        trust_remote_code: run the tokenizer's own Python code when its config asks for it
-            (``auto_map``). Off by default: such a tokenizer is then an error that names the flag.
+        spec: a folder holding ``tokenizer.json`` / ``tokenizer_config.json`` (what ``save_pretrained`` writes), the
+            path of a ``tokenizer.json`` (it has no chat template: pass one to :func:`tokenize_chat`), a
+            Hub model id (``"org/name"``), or a loaded tokenizer (returned as is).
+        trust_remote_code: run the tokenizer's own Python code when its config asks for it (``auto_map``). Off by
+            default: such a tokenizer is then an error that names the flag.
     Returns:
         A ``transformers.PreTrainedTokenizerBase``.
     Raises:
-        :class:`~packkit.errors.ArgumentError` in one line naming ``spec`` and the fix: no such
-        folder or file, a model id neither in the local cache nor reachable (one connection attempt;
-        ``HF_HUB_OFFLINE=1`` skips it), a repository that is missing or gated, remote code refused.
+        :class:`~packkit.errors.ArgumentError` in one line naming ``spec`` and the fix: no such folder or file, a
+        model id neither in the local cache nor reachable (one connection attempt; ``HF_HUB_OFFLINE=1`` skips it), a
+        repository that is missing or gated, remote code refused.
     """
     if not isinstance(spec, (str, os.PathLike)):
         if hasattr(spec, "apply_chat_template"):
@@ -145,13 +137,12 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
         raise ArgumentError("{arg} {text!r} not found: no such folder or file; {fix}", arg=tok_arg, text=text, fix=fix)
     from huggingface_hub import constants
 
+    why = None  # why a model id is read from the local cache only
     if constants.HF_HUB_OFFLINE:
-        return _from_pretrained(transformers, text, text, trust_remote_code, local=True,
-                                why="HF_HUB_OFFLINE is set and it is not in the local cache")
-    if not _hub_reachable():
-        return _from_pretrained(transformers, text, text, trust_remote_code, local=True,
-                                why=f"{constants.ENDPOINT} cannot be reached and it is not in the local cache")
-    return _from_pretrained(transformers, text, text, trust_remote_code, local=False)
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache"
+    elif not _hub_reachable():
+        why = f"{constants.ENDPOINT} cannot be reached and it is not in the local cache"
+    return _from_pretrained(transformers, text, text, trust_remote_code, local=why is not None, why=why)
 
 
 def _from_pretrained(transformers, where: str, spec: str, trust_remote_code: bool, *, local: bool,
@@ -249,19 +240,12 @@ def text_calls(sizes, limit: int) -> list:
 
 
 def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_code: bool = False):
-    """Token ids of ``texts`` as a pyarrow list array: byte level, a ``tokenizer.json``, or a model's tokenizer.
-
-    The tokenizer is given at most :data:`TOKENIZE_CALL_CHARS` characters a call (a longer text alone), so its
-    working set is bounded whatever the number of texts; memory holds the texts, their ids and one call's.
-
-    Args:
-        texts: pyarrow string array (or list of str).
-        tokenizer: ``"bytes"``, the path of a local ``tokenizer.json`` (or its folder), a model id
-            (:func:`load_tokenizer`: no remote code unless ``trust_remote_code``), or a loaded
-            ``tokenizers.Tokenizer``.
-    Returns:
-        pyarrow ``ListArray`` of int32, a ``LargeListArray`` past 2**31 - 1 tokens (:func:`list_array`).
-    """
+    """Token ids of ``texts`` (a pyarrow string array, or a list of str) as a pyarrow ``ListArray`` of int32 (a
+    ``LargeListArray`` past 2**31 - 1 tokens, :func:`list_array`). ``tokenizer``: ``"bytes"`` (byte level), a local
+    ``tokenizer.json`` (or its folder), a model id (:func:`load_tokenizer`: no remote code unless
+    ``trust_remote_code``), or a loaded ``tokenizers.Tokenizer``. It is given at most :data:`TOKENIZE_CALL_CHARS`
+    characters a call (a longer text alone), so its working set is bounded whatever the number of texts; memory
+    holds the texts, their ids and one call's."""
     pa = pyarrow()
     tok = rust_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     if tok is None:

@@ -24,10 +24,9 @@ def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional:
                                                               "and the data is not conversational")
     parser.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
     what = "'bytes' (default), " if tokenizer == "bytes" else ""
-    parser.add_argument(
-        "--tokenizer", default=tokenizer, metavar="PATH_OR_ID",
-        help=f"{what}a local tokenizer.json, a tokenizer folder, or a model id; conversational data (messages, "
-             "conversations, prompt + completion) goes through its chat template")
+    parser.add_argument("--tokenizer", default=tokenizer, metavar="PATH_OR_ID",
+                        help=f"{what}a local tokenizer.json, a tokenizer folder, or a model id; conversational data "
+                             "(messages, conversations, prompt + completion) goes through its chat template")
     g = parser.add_argument_group("chat data (TRL's conversational formats)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a .jinja chat template to use instead of the tokenizer's (conversations only; TRL's training "
@@ -48,9 +47,8 @@ def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional:
 def chat_options(args: argparse.Namespace, *, num_proc: int | None = None):
     """The :class:`packkit.chatoptions.ChatOptions` that the options above give (``num_proc``: processes that render)."""
     from ..chatoptions import ChatOptions  # lazy: off the start of waste and plan without a file
-    return ChatOptions(chat_template=args.chat_template, assistant_only_loss=args.assistant_only_loss,
-                       completion_only_loss=args.completion_only_loss, trust_remote_code=args.trust_remote_code,
-                       format=args.format, num_proc=num_proc)
+    return ChatOptions(args.chat_template, args.assistant_only_loss, args.completion_only_loss, args.trust_remote_code,
+                       args.format, num_proc)
 
 
 def input_lengths(args: argparse.Namespace) -> Lengths:
@@ -60,8 +58,7 @@ def input_lengths(args: argparse.Namespace) -> Lengths:
         return bundled_sample()
     from ..datafiles import read_lengths  # lazy: the readers, off the start of waste and plan without a file
     return read_lengths(args.input, column=args.column, text_column=args.text_column, tokenizer=args.tokenizer,
-                        split=args.split, chat=chat_options(args),
-                        progress=not (args.quiet or args.json))
+                        split=args.split, chat=chat_options(args), progress=not (args.quiet or args.json))
 
 
 def lines_named(path):
