@@ -212,12 +212,9 @@ def read_npy(path) -> np.ndarray:
     name = str(path)
     with open(path, "rb") as f:
         try:
-            version = npy.read_magic(f)
-            read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
-            if read_header is not None:
-                shape, _, dtype = read_header(f)
-            else:  # version 3.0 (utf-8 field names): numpy's own reader of any version
-                shape, _, dtype = npy._read_array_header(f, version)
+            # 2.0's header reader takes 3.0's too (3.0 only allows utf-8 field names, which a lengths file has none of)
+            read_header = npy.read_array_header_1_0 if npy.read_magic(f) == (1, 0) else npy.read_array_header_2_0
+            shape, _, dtype = read_header(f)
         except (ValueError, SyntaxError, EOFError) as exc:
             raise DataError(f"{name!r} is not a .npy file ({str(exc).split(';')[0].rstrip('.')}): save the lengths "
                             "with numpy.save(path, lengths), one integer per example") from None

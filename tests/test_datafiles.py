@@ -170,3 +170,14 @@ def test_the_line_to_blame_names_the_value_that_clashes(tmp_path, lines, want):
     path = tmp_path / "x.jsonl"
     path.write_text("\n".join(lines) + "\n")
     assert f"'{path}' {want}" in str(jsonlines._locate_error(path))
+
+
+def test_a_npy_of_format_version_3_is_read(tmp_path):
+    """Regression: a .npy of format version 3.0 (numpy writes it for utf-8 field names, or when asked) raised
+    AttributeError: its header was read with numpy.lib.format._read_array_header, which numpy 2 no longer has."""
+    from numpy.lib import format as npy
+
+    path = tmp_path / "lengths.npy"
+    with open(path, "wb") as f:
+        npy.write_array(f, np.array([3, 5, 2], np.int64), version=(3, 0))
+    assert pio.read_lengths(path).lengths.tolist() == [3, 5, 2]
