@@ -101,13 +101,10 @@ def _not_messages(schema, name: str) -> DataError:
 
 def chat_format(schema, *, format: str | None = None) -> str | None:
     """Which of :data:`CHAT_FORMATS` a table holds, from its schema (a ``pyarrow.Schema``, a table, or
-    ``datasets.Features``), or None (token ids, text, or something else).
-
-    A table with ``input_ids`` is already tokenized (None), as TRL treats it. Rows holding both ``prompt`` +
-    ``completion`` and ``messages`` (or ``conversations``) are read as prompt/completion, as TRL 1.16's
-    ``SFTTrainer`` does (``"prompt" in example`` decides first); ``format`` (one of :data:`CHAT_FORMATS`, or
-    ``"auto"``/None) chooses instead, and must fit the columns.
-    """
+    ``datasets.Features``), or None (token ids, text, or something else); with ``input_ids`` it is already tokenized
+    (None), as TRL treats it. Rows holding both ``prompt`` + ``completion`` and ``messages`` (or ``conversations``) are
+    read as prompt/completion, as TRL 1.16's ``SFTTrainer`` does (``"prompt" in example`` decides first); ``format``
+    (one of :data:`CHAT_FORMATS`, or ``"auto"``/None) chooses instead, and must fit the columns."""
     if hasattr(schema, "arrow_schema"):  # datasets.Features
         schema = schema.arrow_schema
     elif hasattr(schema, "schema"):  # a pyarrow table
@@ -196,9 +193,8 @@ def _read_template(template) -> str | None:
 
 
 def check_template_syntax(template: str, what: str) -> None:
-    """Compile ``template`` as ``apply_chat_template`` will (transformers' Jinja environment, with its
-    ``{% generation %}`` tag): a syntax error is the one-line error naming ``what`` (the file, or the tokenizer
-    whose template it is) and the template's line, before any example is rendered (it was blamed on example 0)."""
+    """Compile ``template`` as ``apply_chat_template`` will (transformers' Jinja, ``{% generation %}`` tag included):
+    a syntax error is the one-line error naming ``what`` and the template's line, before any example is rendered."""
     try:
         from jinja2 import TemplateSyntaxError
     except ImportError:  # no jinja2: the first render says it
