@@ -18,6 +18,7 @@ choose from, and :func:`pack_to_cost` builds the step's windows from documents t
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 
@@ -555,3 +556,36 @@ def _miss_run(docs, sn, pos: int, past: int, room: int, most: int, pending, miss
 
 #: Each cost-target planner a sampler state may name (:data:`PLANNER` the newest), by number.
 PLANNERS = {1: greedy_to_cost, 2: steps_to_cost, 3: pack_to_cost}
+
+
+def sequence_to_cost(sampler, plan, rng, step: int) -> dict:
+    """The epoch of a :class:`~packkit.sampler.PackedBatchSampler` under ``balance="compute"`` at one or two windows a
+    rank: its windows built ``step`` at a time to a cost target by the sampler's planner (:func:`pack_to_cost`, or the
+    older one a resumed run began with), in a seeded random order of the examples ``plan`` keeps. Returns the fields of
+    its sequence: ``flat``, ``ptr`` (the windows' offsets), ``full``, ``plan`` (the windows as a
+    :class:`~packkit.binpack.Plan`), ``dropped``, ``queued``, ``deferred``."""
+    kept = np.ones(sampler.lengths.size, bool)
+    kept[plan.dropped_examples] = False
+    order = np.flatnonzero(kept)
+    if sampler.shuffle:
+        order = order[rng.permutation(order.size)]
+    used = sampler._lengths_used()
+    planner = pack_to_cost if sampler._planner == PLANNER else PLANNERS[sampler._planner]  # a run resumed keeps its
+    # windows
+    tc = planner(used, order, window=sampler.window, step_windows=step, cost=sampler.cost, units=sampler.media_units)
+    nw = tc.window_ptr.size - 1
+    full = nw // step * step
+    if full == 0 and sampler.drop_last:
+        raise ValueError(
+            f"the documents make {nw} windows, fewer than one step of step_batches x windows_per_batch = "
+            f"{step}: pass drop_last=False or fewer windows_per_batch"
+        )
+    seg, ptr = tc.seg_example, tc.window_ptr
+    dropped = int(plan.dropped_examples.size)
+    if full < nw and sampler.drop_last:
+        dropped += int(ptr[nw] - ptr[full])
+        seg, ptr = seg[:ptr[full]], ptr[:full + 1]
+    windows = dataclasses.replace(plan, seg_example=seg, seg_start=np.zeros(seg.size, np.int64),
+                                  seg_length=used[seg], window_ptr=ptr, strategy="to_cost")
+    return {"flat": seg, "ptr": ptr, "full": full, "plan": windows, "dropped": dropped, "queued": tc.queued,
+            "deferred": tc.deferred}

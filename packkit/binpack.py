@@ -37,15 +37,14 @@ policy's one home: the planner, the stream packer, Ray's driver and the waste re
 
 Streams
 -------
-:func:`stream_windows` plans a stream it cannot see whole: best fit inside a bounded buffer of
-items (fill against buffer size is tabled in :func:`packkit.packer.pack_stream`).
+:func:`stream_windows` (:mod:`packkit.streamplan`, lent here) plans a stream it cannot see whole: best fit inside a
+bounded buffer of items (fill against buffer size is tabled in :func:`packkit.packer.pack_stream`).
 """
 
 from __future__ import annotations
 
 import array
 import bisect
-import collections
 import dataclasses
 import math
 import os
@@ -55,7 +54,7 @@ import numpy as np
 from .choices import DEFAULT_OVERFLOW, OVERFLOW_POLICIES, STRATEGIES
 from .errors import ArgumentError, DataError, Message, Where, arg, check_choice, check_int
 from .records import record
-from .length_rules import as_lengths
+from .length_rules import MAX_WINDOW, as_lengths, check_window, max_window  # noqa: F401 - their home, lent
 from .segments import lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx, range_index
 
 __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_lengths", "check_window", "check_seed",
@@ -66,41 +65,6 @@ __all__ = ["Plan", "Pieces", "pack", "apply_overflow", "stream_windows", "as_len
 # ----------------------------------------------------------------------------------------------
 # input checking
 # ----------------------------------------------------------------------------------------------
-
-
-#: The largest window packkit accepts by default, in tokens (16,777,216). Why a bound: the first-fit
-#: planner keeps tables of ``window + 1`` entries and the best-fit one counts lengths up to the window
-#: (8 bytes an entry: 128 MiB at 2**24, 8 TiB at 2**40), and ``cu_seqlens`` are int32 (at most 2**31 - 1
-#: tokens a batch); a window this wide is longer than any context models are trained at. The
-#: environment variable ``PACKKIT_MAX_WINDOW`` raises (or lowers) it, for the library and the CLI alike.
-MAX_WINDOW = 2**24
-
-
-def max_window() -> int:
-    """The largest window :func:`check_window` accepts: ``PACKKIT_MAX_WINDOW`` if set, else :data:`MAX_WINDOW`."""
-    env = os.environ.get("PACKKIT_MAX_WINDOW", "").strip()
-    if not env:
-        return MAX_WINDOW
-    try:
-        value = int(env.replace("_", ""), 0)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ArgumentError(f"PACKKIT_MAX_WINDOW must be a positive integer number of tokens, got {env!r}")
-    return value
-
-
-def check_window(window) -> int:
-    """Return ``window`` as a Python int in ``[1, max_window()]``, or raise: ``check_window(2048) -> 2048``."""
-    window = check_int(window, "window", unit=" token")
-    limit = max_window()
-    if window > limit:
-        why = ("the planners keep tables of window + 1 entries (8 bytes each) and cu_seqlens are int32"
-               if limit == MAX_WINDOW else "PACKKIT_MAX_WINDOW sets it")
-        raise ArgumentError("{window} is above the largest window packkit accepts, {limit:,} tokens: {why}; "
-                            "set the environment variable PACKKIT_MAX_WINDOW to change it",
-                            window=arg("window", window), limit=limit, why=why)
-    return window
 
 
 def check_seed(seed, *, allow_none: bool = True) -> int | None:
@@ -772,10 +736,20 @@ def _groups():
     return groups
 
 
+def _streamplan():
+    """:mod:`packkit.streamplan`, imported where a stream is planned: planning a whole dataset (``packkit plan``) does
+    not compile it."""
+    from . import streamplan  # lazy: best fit inside a bounded buffer, for streams only
+    return streamplan
+
+
 def __getattr__(name: str):
-    """:func:`packkit.groups.as_groups`, lent under its old address (``packkit.binpack.as_groups``)."""
+    """:func:`packkit.groups.as_groups` and the stream planner of :mod:`packkit.streamplan` (:func:`stream_windows`,
+    :class:`StreamBuffer`, :func:`check_buffer_size`), lent under their old address (``packkit.binpack.as_groups``)."""
     if name == "as_groups":
         return _groups().as_groups
+    if name in ("stream_windows", "StreamBuffer", "check_buffer_size"):
+        return getattr(_streamplan(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -857,121 +831,3 @@ def pack_groups(lengths, *, window: int, strategy: str = "bfd", overflow: str = 
 def lower_bound(lengths, *, window: int) -> int:
     """``ceil(sum(lengths) / window)``: ``lower_bound([5, 3, 4], window=8) -> 2``."""
     return math.ceil(int(as_lengths(lengths).sum()) / check_window(window))
-
-
-# ----------------------------------------------------------------------------------------------
-# streams: best fit inside a bounded buffer
-# ----------------------------------------------------------------------------------------------
-
-
-def check_buffer_size(buffer_size) -> int:
-    """Return ``buffer_size`` as a positive int, or raise: ``check_buffer_size(1000) -> 1000``."""
-    return check_int(buffer_size, "buffer_size")
-
-
-class StreamBuffer:
-    """The items :func:`stream_windows` holds: read out between windows, put back to resume a stream.
-
-    ``StreamBuffer([("a", 3), ("b", 1)]).items() -> [("a", 3), ("b", 1)]`` (arrival order). The
-    generator works on these very containers, so a buffer read between two windows is exactly what the
-    next window will be planned from; a new generator given a copy plans the same windows.
-    """
-
-    __slots__ = ("by_length", "present", "arrivals", "held", "seq", "taken")
-
-    def __init__(self, items=()):
-        self.by_length: dict[int, collections.deque] = {}  # length -> seqs, oldest first
-        self.present: list[int] = []  # sorted distinct lengths in the buffer
-        self.arrivals: collections.deque = collections.deque()  # (seq, length), oldest first; taken ones skipped
-        self.held: dict[int, object] = {}  # seq -> payload
-        self.seq = 0
-        self.taken: list | None = None  # a list: the seqs taken are appended to it (a reader of changes)
-        for payload, length in items:
-            self.add(payload, int(length))
-
-    def add(self, payload, length: int) -> None:
-        seq = self.seq
-        self.seq += 1
-        self.held[seq] = payload
-        self.arrivals.append((seq, length))
-        q = self.by_length.get(length)
-        if q is None:
-            self.by_length[length] = collections.deque([seq])
-            bisect.insort(self.present, length)
-        else:
-            q.append(seq)
-
-    def items(self) -> list:
-        """``[(payload, length), ...]`` of the items held, oldest first."""
-        held = self.held
-        return [(held[seq], length) for seq, length in self.arrivals if seq in held]
-
-    def __len__(self) -> int:
-        return len(self.held)
-
-
-def stream_windows(items, *, window: int, buffer_size: int = 1000, buffer: StreamBuffer | None = None):
-    """Windows from a stream of ``(payload, length)`` items, best fit inside a bounded buffer.
-
-    Each window starts with the oldest buffered item, then repeatedly takes the longest buffered item
-    that fits the room left (the oldest of that length), refilling the buffer after every take, until
-    nothing fits. At most ``buffer_size`` items are held; ``buffer_size=1`` is next fit.
-    ``[(a, 3), (b, 4), (c, 1)]`` with ``window=4``, ``buffer_size=3`` -> ``[a, c], [b]``.
-
-    Args:
-        items: iterable of ``(payload, length)`` with ``1 <= length <= window`` (an overflow policy,
-            :func:`apply_overflow`, has cut longer examples before).
-        buffer: the :class:`StreamBuffer` to plan in (default a new, empty one): between two windows it
-            holds what was read and not yet placed, so a stream resumes from a copy of it and the items
-            not yet read, with the same windows. It may hold more than ``buffer_size`` items (a resume
-            on fewer shards): nothing more is read until it holds fewer.
-    Yields:
-        lists of payloads, one list per window.
-    """
-    window = check_window(window)
-    buffer_size = check_buffer_size(buffer_size)
-    it = iter(items)
-    buf = StreamBuffer() if buffer is None else buffer
-    by_length, present, arrivals, held = buf.by_length, buf.present, buf.arrivals, buf.held
-    add = buf.add
-    state = {"done": False}
-
-    def fill():
-        while not state["done"] and len(held) < buffer_size:
-            try:
-                payload, length = next(it)
-            except StopIteration:
-                state["done"] = True
-                return
-            length = int(length)
-            if not 1 <= length <= window:
-                raise ValueError(f"item {buf.seq} has length {length}, outside [1, window={window}]")
-            add(payload, length)
-
-    def take(length: int):
-        q = by_length[length]
-        seq = q.popleft()
-        if not q:
-            del by_length[length]
-            del present[bisect.bisect_left(present, length)]
-        if buf.taken is not None:
-            buf.taken.append(seq)
-        return held.pop(seq)
-
-    fill()
-    while held:
-        while arrivals[0][0] not in held:
-            arrivals.popleft()
-        _, length = arrivals.popleft()
-        win = [take(length)]
-        room = window - length
-        fill()
-        while room and present:
-            j = bisect.bisect_right(present, room) - 1
-            if j < 0:
-                break
-            length = present[j]
-            win.append(take(length))
-            room -= length
-            fill()
-        yield win

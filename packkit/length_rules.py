@@ -1,6 +1,7 @@
 """The rule every list of lengths is read by (one token count per example, a loss-token count per example), and its
-wording: numpy only, and small, so that planning (:mod:`packkit.binpack`, the sampler, the epoch) reads lengths
-without compiling the rules of whole examples (:mod:`packkit.rules`, which re-exports these names).
+wording, and the window they are packed in (:func:`check_window`): numpy only, and small, so that planning
+(:mod:`packkit.binpack`, the sampler, the epoch) reads lengths without compiling the rules of whole examples
+(:mod:`packkit.rules`, which re-exports these names); :mod:`packkit.binpack` lends the window's names as before.
 
     >>> as_lengths([3, 1]).tolist()
     [3, 1]
@@ -9,10 +10,13 @@ without compiling the rules of whole examples (:mod:`packkit.rules`, which re-ex
 from __future__ import annotations
 
 import numbers
+import os
 
 import numpy as np
 
-__all__ = ["as_lengths", "check_loss_lengths", "INT64_MAX"]
+from .errors import ArgumentError, arg, check_int
+
+__all__ = ["as_lengths", "check_loss_lengths", "INT64_MAX", "check_window", "max_window", "MAX_WINDOW"]
 
 #: The largest value packkit keeps: tokens and labels are int64 (uint64 past it would wrap to negatives).
 INT64_MAX = np.iinfo(np.int64).max
@@ -122,3 +126,38 @@ def as_lengths(lengths, *, name: str = "lengths", item: str = "example", low: in
 def _length_past_int64(i: int, v, dtype, name: str, item: str) -> ValueError:
     return ValueError(f"{item} {i} has length {v!r} ({dtype}) in {name}, beyond int64 ({_INT64_FIX}); every "
                       f"{item} needs a token count from 1 to 2**63 - 1")
+
+
+#: The largest window packkit accepts by default, in tokens (16,777,216). Why a bound: the first-fit
+#: planner keeps tables of ``window + 1`` entries and the best-fit one counts lengths up to the window
+#: (8 bytes an entry: 128 MiB at 2**24, 8 TiB at 2**40), and ``cu_seqlens`` are int32 (at most 2**31 - 1
+#: tokens a batch); a window this wide is longer than any context models are trained at. The
+#: environment variable ``PACKKIT_MAX_WINDOW`` raises (or lowers) it, for the library and the CLI alike.
+MAX_WINDOW = 2**24
+
+
+def max_window() -> int:
+    """The largest window :func:`check_window` accepts: ``PACKKIT_MAX_WINDOW`` if set, else :data:`MAX_WINDOW`."""
+    env = os.environ.get("PACKKIT_MAX_WINDOW", "").strip()
+    if not env:
+        return MAX_WINDOW
+    try:
+        value = int(env.replace("_", ""), 0)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ArgumentError(f"PACKKIT_MAX_WINDOW must be a positive integer number of tokens, got {env!r}")
+    return value
+
+
+def check_window(window) -> int:
+    """Return ``window`` as a Python int in ``[1, max_window()]``, or raise: ``check_window(2048) -> 2048``."""
+    window = check_int(window, "window", unit=" token")
+    limit = max_window()
+    if window > limit:
+        why = ("the planners keep tables of window + 1 entries (8 bytes each) and cu_seqlens are int32"
+               if limit == MAX_WINDOW else "PACKKIT_MAX_WINDOW sets it")
+        raise ArgumentError("{window} is above the largest window packkit accepts, {limit:,} tokens: {why}; "
+                            "set the environment variable PACKKIT_MAX_WINDOW to change it",
+                            window=arg("window", window), limit=limit, why=why)
+    return window

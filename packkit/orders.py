@@ -1,8 +1,9 @@
-"""The orders of the padded samplers: lengths sorted longest first inside megabatches, and the batches a token budget
-cuts from them (:class:`~packkit.sampler.LengthGroupedSampler`, :class:`~packkit.sampler.TokenBudgetBatchSampler`).
+"""The epochs of the padded samplers (:class:`~packkit.sampler.LengthGroupedSampler`,
+:class:`~packkit.sampler.TokenBudgetBatchSampler`): lengths sorted longest first inside megabatches, the batches a
+token budget cuts from them, and the steps arranged from those batches.
 
 Their own room, imported where those samplers build an epoch, so that a command that deals packed windows
-(``packkit plan``, ``packkit waste``) does not compile them; :mod:`packkit.sampler` lends every name here as before::
+(``packkit plan``, ``packkit waste``) does not compile them; :mod:`packkit.sampler` lends the sorts here as before::
 
     >>> sort_megabatches([0, 1, 2, 3], [1, 3, 2, 4], 2).tolist()
     [1, 0, 3, 2]
@@ -12,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .csr import arrange_steps, batch_sums, select_batches
+from .errors import check_int
 from .segments import range_index
 
-__all__ = ["stable_argsort", "longest_first", "sort_megabatches", "budget_batch_bounds"]
+__all__ = ["stable_argsort", "longest_first", "sort_megabatches", "budget_batch_bounds", "length_grouped", "token_budget"]
 
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:
@@ -135,3 +138,105 @@ def budget_batch_bounds(sorted_lengths: np.ndarray, *, max_tokens: int, block: i
         i = nxt[i]
         bounds.append(i)
     return np.asarray(bounds, np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# the padded samplers' epochs
+# ----------------------------------------------------------------------------------------------
+
+
+def _default_mult(mult, full_steps: int) -> int:
+    """Steps per megabatch: the given number, or min(50, a quarter of the steps) (Hugging Face's rule)."""
+    if mult is None:
+        return max(1, min(50, full_steps // 4))
+    return check_int(mult, "megabatch_mult")
+
+
+def _tail_units(flat: np.ndarray, ptr: np.ndarray, tail: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Units ``flat, ptr`` with the ``tail`` units appended: ``([1, 2], [0, 2], [[3]]) -> ([1, 2, 3], [0, 2, 3])``."""
+    if not tail:
+        return flat, ptr
+    sizes = np.array([t.size for t in tail], np.int64)
+    return np.concatenate((flat, *tail)), np.concatenate((ptr, ptr[-1] + np.cumsum(sizes)))
+
+
+def length_grouped(sampler, rng, step: int) -> dict:
+    """The epoch of a :class:`~packkit.sampler.LengthGroupedSampler` (its lengths, batch size and options), ``step``
+    batches a step, as the fields of its sequence: ``flat`` (n,) int64 example indices, ``ptr`` the batches' offsets,
+    ``full`` the batches of full steps, ``dropped``. Each megabatch sorted longest first, cut in batches, the steps
+    arranged (shuffled, balanced, the longest first) by ``rng``; the tail, longest first, makes the last step."""
+    L, B = sampler.lengths, sampler.batch_size
+    n, span = L.size, step * B
+    full = n // span * span
+    if full == 0 and sampler.drop_last:
+        raise ValueError(
+            f"{n} examples do not fill one step of step_batches x batch_size = {span}; "
+            "pass drop_last=False or a smaller batch_size"
+        )
+    perm = rng.permutation(n) if sampler.shuffle else np.arange(n, dtype=np.int64)
+    body, tail = perm[:full], perm[full:]  # the tail is a random subset
+    mult = _default_mult(sampler.megabatch_mult, full // span)
+    order = sort_megabatches(body, L, mult * span)
+    ptr = np.arange(0, full + 1, B, dtype=np.int64)
+    balance = sampler.balance in ("tokens", "sqlen")  # the batches' costs order the steps only then
+    cost = batch_sums(sampler._policy_cost(L[order], order), ptr) if balance else np.zeros(full // B)
+    first = None
+    if sampler.longest_first and full:
+        first = int(np.argmax(L[order])) // B
+    arrangement = arrange_steps(cost, step, rng, shuffle=sampler.shuffle, balance=balance, first=first)
+    dropped = tail.size if sampler.drop_last else 0
+    tail = tail[np.argsort(-L[tail], kind="stable")] if tail.size and not dropped else None
+    flat = perm[:n - dropped]  # (the permutation's buffer, read already) the steps' batches of B, then the tail
+    np.take(order.reshape(-1, B), arrangement, axis=0, out=flat[:full].reshape(-1, B), mode="clip")
+    if tail is not None:
+        flat[full:] = tail
+        ptr = np.concatenate((ptr, np.arange(full + B, n, B, dtype=np.int64), [n]))
+    return {"flat": flat, "ptr": ptr, "full": full // B, "dropped": dropped}
+
+
+def _block(sampler, step: int) -> int:
+    """Examples of a token budget's megabatch: ``megabatch_size``, else about 50 steps' worth."""
+    if sampler.megabatch_size is not None:
+        return sampler.megabatch_size
+    per_batch = max(1, sampler.max_tokens // max(1, int(sampler.lengths.mean())))
+    if sampler.max_batch_size is not None:
+        per_batch = min(per_batch, sampler.max_batch_size)
+    return 50 * per_batch * step
+
+
+def token_budget(sampler, rng, step: int) -> dict:
+    """The epoch of a :class:`~packkit.sampler.TokenBudgetBatchSampler`, ``step`` batches a step, as the fields of its
+    sequence (as :func:`length_grouped`): megabatches sorted longest first and cut greedily to ``max_tokens``
+    (:func:`budget_batch_bounds`); the batches that do not fill a step (a random few) make the last step."""
+    L = sampler.lengths
+    n = L.size
+    perm = rng.permutation(n) if sampler.shuffle else np.arange(n, dtype=np.int64)
+    block = _block(sampler, step)
+    order = sort_megabatches(perm, L, block)
+    bounds = budget_batch_bounds(L[order], max_tokens=sampler.max_tokens, block=block,
+                                 max_batch_size=sampler.max_batch_size)
+    G = bounds.size - 1
+    t = G % step
+    # -- a random few batches make the tail; the rest keep their megabatch order --
+    pick = rng.permutation(G) if sampler.shuffle else np.arange(G, dtype=np.int64)
+    tail_ids, body_ids = pick[G - t:], np.sort(pick[: G - t])
+    if body_ids.size == 0 and sampler.drop_last:
+        raise ValueError(
+            f"{n} examples make {G} batches of max_tokens={sampler.max_tokens:,}, fewer than "
+            f"step_batches={step}: pass drop_last=False or lower max_tokens"
+        )
+    flat, ptr = select_batches(order, bounds, body_ids)
+    cost = batch_sums(sampler._policy_cost(L[flat], flat), ptr)
+    first = None
+    if sampler.longest_first and flat.size:
+        first = int(np.searchsorted(ptr, int(np.argmax(L[flat])), side="right") - 1)
+    arrangement = arrange_steps(cost, step, rng, shuffle=sampler.shuffle,
+                                balance=sampler.balance in ("tokens", "sqlen"), first=first)
+    flat, ptr = select_batches(flat, ptr, arrangement)
+    parts = [order[bounds[b]:bounds[b + 1]] for b in tail_ids.tolist()]  # fewer than a step
+    dropped = 0
+    if parts and sampler.drop_last:
+        dropped = sum(p.size for p in parts)
+    else:
+        flat, ptr = _tail_units(flat, ptr, parts)
+    return {"flat": flat, "ptr": ptr, "full": G - t, "dropped": dropped}

@@ -55,7 +55,7 @@ import numpy as np
 
 from .arrow import list_array
 from .errors import ArgumentError, DataError
-from .fileio import atomic_output
+from .atomic import atomic_output
 from .interrupts import deferred, join
 from .planindex import write_plan
 from .segments import IGNORE_INDEX, lengths_to_offsets

@@ -26,7 +26,7 @@ segment when ``mask_first_label`` (models that shift labels)::
 Rows are not padded here: the collators pad windows to ``W`` at batch time.
 
 Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the windows planned by
-:func:`packkit.binpack.stream_windows`, best fit inside a bounded buffer), with the same label rule. Its
+:func:`packkit.streamplan.stream_windows`, best fit inside a bounded buffer), with the same label rule. Its
 state (:meth:`PackedStream.state_dict`, between two rows) holds the buffered examples' tokens, so
 :meth:`~PackedStream.load_state_dict` resumes exactly once: the same rows on the same shards, every example
 once on another number of shards (:mod:`packkit.streaming` runs it behind a DataLoader)::
@@ -56,13 +56,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .binpack import (DEFAULT_OVERFLOW, Plan, StreamBuffer, apply_overflow, check_buffer_size, check_overflow, check_window,
-                      stream_windows)
+from .binpack import DEFAULT_OVERFLOW, Plan, apply_overflow, check_overflow, check_window
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .examples import example_arrays
 from .rules import DOCUMENT_KEYS, MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 from .states import StateError, StateFields, StateTypeError
+from .streamplan import StreamBuffer, check_buffer_size, stream_windows
 
 __all__ = [
     "MASK_KEYS",
@@ -575,7 +575,7 @@ def resolve_columns(names, columns) -> ColumnSpec:
 
 
 # ----------------------------------------------------------------------------------------------
-# streams: windows packed as examples arrive (binpack.stream_windows plans them)
+# streams: windows packed as examples arrive (streamplan.stream_windows plans them)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -1153,7 +1153,7 @@ def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str
     Example: ``list(pack_stream([{"input_ids": [1, 2]}, {"input_ids": [3]}], window=4))`` ->
     ``[{"input_ids": [1, 2, 3], "seq_lengths": [2, 1]}]`` (as numpy arrays).
 
-    Planned by :func:`~packkit.binpack.stream_windows`: each window starts with the oldest buffered example,
+    Planned by :func:`~packkit.streamplan.stream_windows`: each window starts with the oldest buffered example,
     then takes the longest buffered example that still fits, until none fits (best fit inside the buffer;
     ``buffer_size=1`` is next fit). Fill against buffer size, measured on 200,000 SFT-like lengths (lognormal, median 250, sigma 1, clipped to
     [8, 4096], truncated to ``W = 2048``; ``benchmarks/bench_offline.py --stream-table`` reprints it):

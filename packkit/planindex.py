@@ -41,7 +41,7 @@ import numpy as np
 from .binpack import Plan, check_seed, check_strategy, check_window
 from .cp_plan import plan_for_cp
 from .errors import ArgumentError, DataError
-from .fileio import atomic_output
+from .atomic import atomic_output
 from .segments import IGNORE_INDEX, lengths_to_offsets
 from .states import StateError, StateFields
 

@@ -15,7 +15,7 @@ def plot_waste(report, path, *, overwrite: bool = False) -> None:
     Written beside ``path`` and renamed into place when complete (:func:`packkit.fileio.png_figure`);
     an existing ``path`` is replaced only with ``overwrite=True``.
     """
-    from .fileio import png_figure  # lazy: packkit waste starts without it (and shutil), for --plot only
+    from .atomic import png_figure  # lazy: packkit waste starts without it (and shutil), for --plot only
     with png_figure(path, overwrite=overwrite, ncols=2, figsize=(14, 5.6),
                     gridspec_kw={"width_ratios": [1, 1.35]}) as (fig, (ax1, ax2)):
         _plot_lengths(ax1, report)

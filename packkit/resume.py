@@ -18,10 +18,13 @@ import weakref
 import numpy as np
 
 from .errors import ArgumentError, arg, check_int
-from .positions import STATE_VERSION, Point, ResumeWarning, bits_mask
+from .csr import select_batches
+from .positions import STATE_VERSION, Point, ResumeWarning, bits_mask, mask_bits
+from .short_steps import partial_rows
 from .states import StateFields
 
-__all__ = ["state_dict", "load_state_dict", "merge_state_dicts", "step_facts", "asking_loader", "consumed"]
+__all__ = ["state_dict", "load_state_dict", "merge_state_dicts", "step_facts", "asking_loader", "consumed", "Pass",
+           "resumed_step"]
 
 
 def _planner() -> int:
@@ -29,6 +32,45 @@ def _planner() -> int:
     to cost (``balance="compute"``) is loaded, whose sampler imported :mod:`packkit.balance` already."""
     from .balance import PLANNER  # lazy: the cost-target planners, for balance="compute" only
     return PLANNER
+
+
+class Pass:
+    """One pass of a sampler over its schedule: an iterator of batches (lists of example indices), made by the sampler's
+    ``iter()`` (:mod:`packkit.sampler`).
+
+    It starts at its first ``next()`` (the sampler's ``_start``), so an iterator made and dropped spends nothing.
+    ``loader``, ``shard``: weak references to the DataLoader iterator (and accelerate's ``DataLoaderShard`` around it)
+    that called ``iter()``, or None; ``yielded``: batches handed out.
+    """
+
+    __slots__ = ("sampler", "loader", "shard", "sched", "yielded", "__weakref__")
+
+    def __init__(self, sampler, asked: tuple):
+        self.sampler, (self.loader, self.shard) = sampler, asked
+        self.sched = None
+        self.yielded = 0
+
+    def __iter__(self):
+        return self
+
+    def __reduce__(self):  # a sampler pickled mid-pass keeps its count; the loader asking is this process's
+        return _unpickle_pass, (self.sampler, self.sched, self.yielded)
+
+    def __next__(self) -> list:
+        if self.sched is None:
+            self.sched = self.sampler._start(self)
+        sched, i = self.sched, self.yielded
+        if i >= sched.rows:
+            raise StopIteration
+        g = i * sched.world_size + self.sampler.rank
+        self.yielded = i + 1  # counted before the consumer sees the batch
+        return sched.flat[sched.ptr[g]:sched.ptr[g + 1]].tolist()
+
+
+def _unpickle_pass(sampler, sched, yielded) -> Pass:
+    p = Pass(sampler, (None, None))
+    p.sched, p.yielded = sched, yielded
+    return p
 
 
 def asking_loader() -> tuple:
@@ -334,3 +376,63 @@ def read_state(sampler, state) -> tuple[int, Point, int, int | None]:
         f.fail("mask", f"{mask:x} marks every one of the {span} {sampler._unit_name} of the step in progress "
                "as used, but the step is not over (start)")
     return epoch, Point(start=start, span=span, mask=mask, deal=deal, rows=rows, seq_step=seq_step), done, planner
+
+
+# ----------------------------------------------------------------------------------------------
+# the step in progress at a loaded position, dealt again
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunks(units: np.ndarray, size: int) -> list[np.ndarray]:
+    """``units`` in consecutive runs of ``size`` (the last shorter): ``_chunks([1, 2, 3], 2) -> [[1, 2], [3]]``."""
+    return [units[i:i + size] for i in range(0, units.size, size)]
+
+
+def deal_step(sampler, seq, units: np.ndarray, S: int):
+    """One step's batches of ``units`` (of the sequence ``seq``), as the schedule deals it: the full deal for ``S``
+    units, else the partial (:mod:`packkit.short_steps`)."""
+    R, m, k = sampler.world_size, sampler.accumulation_steps, sampler._k
+    if units.size == S:
+        order = sampler._deal_full(seq, units.reshape(1, S), R, m)
+        return ([select_batches(seq.flat, seq.ptr, order[i:i + k])[0] for i in range(0, order.size, k)],
+                [k] * (order.size // k), [False] * (order.size // k))
+    return sampler._deal_short(seq, units, R, m)
+
+
+def dealt_units(sampler, seq, units: np.ndarray, deal: tuple, rows: int) -> np.ndarray:
+    """Units handed out by the first ``rows`` rows of ``units`` dealt as ``deal = (R, m)`` (another run's world size:
+    the same deal functions with its ``R`` and ``m``)."""
+    R, m, k = int(deal[0]), int(deal[1]), sampler._k
+    S = R * m * k
+    if units.size == S:
+        return sampler._deal_full(seq, units.reshape(1, S), R, m)[:rows * R * k]
+    return np.concatenate([units[:0], *partial_rows(units, R, m, k)[:rows]])
+
+
+def resumed_step(sampler, seq, point: Point, S: int, add_step, notes: list) -> tuple[int, int]:
+    """The step in progress at ``point`` (a loaded position inside a step of ``seq``), dealt in steps of ``S`` units:
+    on the same deal, its units not yet used go on inside it; on another world size, what the old deal had not handed
+    out yet becomes steps of their own (said in ``notes``). ``add_step(batches, pieces, repeats, start, span)`` takes
+    each step. Returns ``(skip, mask0)``: the rows of the first step done, and the units of it used before it was
+    dealt (a bit mask)."""
+    R, m = sampler.world_size, sampler.accumulation_steps
+    lo, hi = point.start, point.start + point.span
+    left = np.arange(lo, hi)[~mask_bits(point.mask, lo, hi)]
+    if point.deal == (R, m):  # the same deal: go on inside it
+        add_step(*deal_step(sampler, seq, left, S), lo, hi - lo)
+        return point.rows, point.mask
+    used = np.zeros(hi - lo, bool)  # what the old deal had not handed out yet, dealt to this world size
+    used[mask_bits(point.mask, lo, hi)] = True
+    if point.deal is not None and point.rows:
+        done = dealt_units(sampler, seq, left, point.deal, point.rows)
+        used[done - lo] = True
+    rest = np.arange(lo, hi)[~used]
+    mask0 = 0
+    for i, chunk in enumerate(_chunks(rest, S)):
+        c_lo, c_hi = int(chunk[0]), int(chunk[-1]) + 1
+        add_step(*deal_step(sampler, seq, chunk, S), c_lo, c_hi - c_lo)
+        if i == 0:
+            mask0 = bits_mask(used[c_lo - lo:c_hi - lo])
+    notes.append(f"the step in progress ({rest.size} of {hi - lo} {sampler._unit_name} left) is dealt "
+                 f"to world_size={R} as {len(_chunks(rest, S))} step(s) of its own")
+    return 0, mask0

@@ -83,7 +83,6 @@ loop cannot be told (a wrapper between the loader and the sampler, ``in_order=Fa
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import sys
@@ -97,9 +96,10 @@ from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .records import record
 from .length_rules import check_loss_lengths
-from .positions import STATE_VERSION, ResumeWarning, bits_mask, mask_bits  # noqa: F401 - STATE_VERSION re-exported
+from .positions import STATE_VERSION, ResumeWarning  # noqa: F401 - STATE_VERSION re-exported
 from .positions import Point as _Point
-from .segments import lengths_to_offsets, range_index
+from .segments import lengths_to_offsets
+from .csr import arrange_steps, batch_sums, select_batches
 
 __all__ = [
     "LengthGroupedSampler",
@@ -130,10 +130,24 @@ def _orders():
     return orders
 
 
+def _short_steps():
+    """:mod:`packkit.short_steps`, imported where a step of fewer units than a full one is dealt: an epoch of whole steps
+    (``packkit plan`` and ``packkit waste`` at one micro-batch a step) does not compile it."""
+    from . import short_steps  # lazy: the deal of a short step (an epoch's tail, a resume), where there is one
+    return short_steps
+
+
+#: Names lent under their old address (``packkit.sampler.longest_first``), by the room that holds them now.
+_LENT = {"stable_argsort": _orders, "longest_first": _orders, "sort_megabatches": _orders,
+         "budget_batch_bounds": _orders, "halve_pieces": _short_steps, "split_pieces": _short_steps,
+         "_unpickle_pass": _resume}
+
+
 def __getattr__(name: str):
-    """The sorts of :mod:`packkit.orders`, lent under their old address (``packkit.sampler.longest_first``)."""
-    if name in ("stable_argsort", "longest_first", "sort_megabatches", "budget_batch_bounds"):
-        return getattr(_orders(), name)
+    """The names of :mod:`packkit.orders`, :mod:`packkit.short_steps` and :mod:`packkit.resume` that lived here,
+    lent under their old address (``packkit.sampler.longest_first``; a pass pickled by an older packkit)."""
+    if name in _LENT:
+        return getattr(_LENT[name](), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -309,90 +323,6 @@ def _lengths(lengths, dataset, key: str) -> np.ndarray:
             "pass one length per example, in dataset order"
         )
     return lengths
-
-
-# ----------------------------------------------------------------------------------------------
-# small pure pieces
-# ----------------------------------------------------------------------------------------------
-
-
-def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray, np.ndarray]:
-    """CSR batches ``flat[ptr[b]:ptr[b+1]]`` taken in ``order`` (repeats allowed), without a loop.
-
-    ``select_batches([7, 8, 9], [0, 2, 3], [1, 0]) -> ([9, 7, 8], [0, 1, 3])``.
-    """
-    flat, ptr = np.asarray(flat), np.asarray(ptr, np.int64)
-    order = np.asarray(order, np.int64)
-    if order.size and 0 <= order[0] and order[0] + order.size < ptr.size and _is_run(order):  # in place: a slice
-        a, b = int(order[0]), int(order[0]) + order.size
-        return flat[ptr[a]:ptr[b]], ptr[a:b + 1] - ptr[a]  # (a view: read, never written)
-    counts = ptr[order + 1] - ptr[order]
-    return flat[range_index(ptr[order], counts)], lengths_to_offsets(counts)
-
-
-def _is_run(order: np.ndarray) -> bool:
-    """``order`` is ``[a, a + 1, ..., a + len - 1]`` (a schedule's steps in sequence order: no gather needed)."""
-    return bool((np.diff(order) == 1).all())
-
-
-def batch_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
-    """Sum of ``values`` over each CSR batch (empty batches give 0): ``([1, 2, 3], [0, 2, 3]) -> [3, 3]``."""
-    values = np.asarray(values)
-    if values.dtype.kind == "f":  # costs: float prefix sums, summed into their array (no temporary)
-        csum = np.empty(values.size + 1, np.float64)
-        csum[0] = 0.0
-        np.cumsum(values, dtype=np.float64, out=csum[1:])
-    else:
-        csum = lengths_to_offsets(values)  # prefix sums: the offsets of runs of these sizes
-    return csum[ptr[1:]] - csum[ptr[:-1]]
-
-
-def arrange_steps(cost: np.ndarray, world_size: int, rng, *, shuffle: bool, balance: bool,
-                  first=None) -> np.ndarray:
-    """Order of ``len(cost)`` batches (a multiple of ``world_size``) so that step ``s`` is batches
-    ``s * world_size ... + world_size - 1`` of the result.
-
-    Steps are runs of ``world_size`` consecutive batches: in the order given, or, with ``balance``,
-    after sorting by ``cost`` (so a step's ranks get similar work). Steps are then shuffled, and the
-    step holding batch ``first`` goes first. ``arrange_steps([1, 5, 2, 6], 2, None, shuffle=False,
-    balance=True) -> [3, 1, 2, 0]``.
-    """
-    cost = np.asarray(cost)
-    ids = np.arange(cost.size, dtype=np.int64)
-    if balance:
-        ids = np.argsort(-cost, kind="stable")
-    steps = ids.reshape(-1, world_size)
-    if shuffle and steps.shape[0] > 1:
-        steps = steps[rng.permutation(steps.shape[0])]
-    if first is not None and steps.size:
-        row = int(np.flatnonzero((steps == first).any(axis=1))[0])
-        steps[[0, row]] = steps[[row, 0]]
-    return steps.reshape(-1)
-
-
-def halve_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> list[np.ndarray]:
-    """Split the piece with the most examples in halves until there are ``count``, or every piece is one example
-    (none at all with ``split=False``: pieces whose examples must stay together, as groups do). Halves of a batch
-    within its budget are within it too: ``halve_pieces([[3, 4, 5]], 4) -> [[3], [4], [5]]``."""
-    parts = [np.asarray(p, np.int64) for p in parts]
-    while split and len(parts) < count:
-        j = max(range(len(parts)), key=lambda i: parts[i].size)
-        if parts[j].size < 2:
-            break
-        p = parts.pop(j)
-        h = p.size // 2
-        parts[j:j] = [p[:h], p[h:]]
-    return parts
-
-
-def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> tuple[list[np.ndarray], int]:
-    """:func:`halve_pieces`, then the pieces repeated in order until there are ``count``: the repeats are the last
-    ``count - len(halve_pieces(...))`` pieces. Returns the pieces and the examples repeated:
-    ``split_pieces([[3, 4, 5]], 2) -> ([[3], [4, 5]], 0)``; ``split_pieces([[3]], 2) -> ([[3], [3]], 1)``.
-    """
-    parts = halve_pieces(parts, count, split=split)
-    copies = [parts[i % len(parts)] for i in range(count - len(parts))]
-    return parts + copies, sum(p.size for p in copies)
 
 
 class RepeatWarning(UserWarning):
@@ -647,49 +577,6 @@ def _remember(cache: dict, key, value):
     return value
 
 
-def _chunks(units: np.ndarray, size: int) -> list[np.ndarray]:
-    """``units`` in consecutive runs of ``size`` (the last shorter): ``_chunks([1, 2, 3], 2) -> [[1, 2], [3]]``."""
-    return [units[i:i + size] for i in range(0, units.size, size)]
-
-
-class _Pass:
-    """One pass of a sampler over its schedule: an iterator of batches (lists of example indices).
-
-    It starts at its first ``next()`` (:meth:`_BatchSampler._start`), so an iterator made and dropped spends
-    nothing. ``loader``, ``shard``: weak references to the DataLoader iterator (and accelerate's
-    ``DataLoaderShard`` around it) that called ``iter()``, or None; ``yielded``: batches handed out.
-    """
-
-    __slots__ = ("sampler", "loader", "shard", "sched", "yielded", "__weakref__")
-
-    def __init__(self, sampler, asked: tuple):
-        self.sampler, (self.loader, self.shard) = sampler, asked
-        self.sched: Schedule | None = None
-        self.yielded = 0
-
-    def __iter__(self):
-        return self
-
-    def __reduce__(self):  # a sampler pickled mid-pass keeps its count; the loader asking is this process's
-        return _unpickle_pass, (self.sampler, self.sched, self.yielded)
-
-    def __next__(self) -> list:
-        if self.sched is None:
-            self.sched = self.sampler._start(self)
-        sched, i = self.sched, self.yielded
-        if i >= sched.rows:
-            raise StopIteration
-        g = i * sched.world_size + self.sampler.rank
-        self.yielded = i + 1  # counted before the consumer sees the batch
-        return sched.flat[sched.ptr[g]:sched.ptr[g + 1]].tolist()
-
-
-def _unpickle_pass(sampler, sched, yielded) -> _Pass:
-    p = _Pass(sampler, (None, None))
-    p.sched, p.yielded = sched, yielded
-    return p
-
-
 # ----------------------------------------------------------------------------------------------
 # the shared machinery: sequences, dealing to ranks, resuming
 # ----------------------------------------------------------------------------------------------
@@ -725,7 +612,7 @@ class _BatchSampler:
         self._epoch_num = 0
         self._point = _Point()  # where the next pass starts
         self._loaded = False  # the position was loaded and its pass has not started
-        self._active: tuple | None = None  # the pass in progress: (schedule, its start, rows before it, _Pass)
+        self._active: tuple | None = None  # the pass in progress: (schedule, its start, rows before it, resume.Pass)
         self._offset = 0  # rows of the epoch before the next pass (a resume)
         # the cost-target planner (packkit.balance.PLANNER) of balance="compute" at k <= 2, None where there is none:
         # a state records it, and a run resumed from a state keeps the one it began with
@@ -806,40 +693,11 @@ class _BatchSampler:
             return units.reshape(steps, R, m, k).transpose(0, 2, 1, 3).reshape(-1)
         return units.reshape(-1)
 
-    def _partial_rows(self, units: np.ndarray, R: int, m: int) -> list[np.ndarray]:
-        """The units of a short step in rows: the fewest rows (at most ``m``) whose ``R`` batches of at most
-        ``k`` units hold them, as even as possible: ``(units 0..4, R=2, m=2, k=2) -> [[0, 1, 2], [3, 4]]``."""
-        rows = min(m, max(1, -(-units.size // (R * self._k))))
-        return np.array_split(units, rows)
-
-    def _deal_partial(self, seq: _Sequence, units: np.ndarray, R: int,
+    def _deal_short(self, seq: _Sequence, units: np.ndarray, R: int,
                       m: int) -> tuple[list[np.ndarray], list[int], list[bool]]:
-        """A step of fewer units than a full one, row by row (:meth:`_partial_rows`): a row's units in runs
-        as even as possible over the ranks; a row with fewer units than ranks is split by examples
-        (:func:`split_pieces`), and where there are fewer examples than ranks the last ranks get repeats of them.
-        Each row uses whole units, so a resume inside the step is exact. Returns batches (row-major), units per
-        batch, and whether each batch is a repeat (its examples are another batch's of the step: it is dealt only
-        so that every rank runs a micro-batch, and weighs 0, :attr:`Schedule.repeats`)."""
-        batches, pieces, repeats = [], [], []
-        for row in self._partial_rows(units, R, m):
-            if row.size >= R and int(row[-1] - row[0]) == row.size - 1:  # consecutive units: each run a slice
-                q, r = divmod(row.size, R)
-                edges = [int(row[0]) + i * q + min(i, r) for i in range(R + 1)]  # np.array_split's runs
-                at = seq.ptr[edges].tolist()
-                batches += [seq.flat[at[i]:at[i + 1]] for i in range(R)]
-                pieces += [edges[i + 1] - edges[i] for i in range(R)]
-                repeats += [False] * R
-            elif row.size >= R:
-                parts = np.array_split(row, R)
-                batches += [select_batches(seq.flat, seq.ptr, p)[0] for p in parts]
-                pieces += [p.size for p in parts]
-                repeats += [False] * R
-            else:
-                own = halve_pieces([seq.flat[seq.ptr[x]:seq.ptr[x + 1]] for x in row], R, split=self._splittable)
-                batches += split_pieces(own, R, split=False)[0]
-                pieces += [1] * R
-                repeats += [False] * len(own) + [True] * (R - len(own))
-        return batches, pieces, repeats
+        """A step of fewer units than a full one, row by row (:func:`packkit.short_steps.deal_partial`): batches
+        (row-major), units per batch, and whether each batch is a repeat (:attr:`Schedule.repeats`)."""
+        return _short_steps().deal_partial(seq.flat, seq.ptr, units, R, m, self._k, splittable=self._splittable)
 
     def _example_cost(self) -> np.ndarray:
         """(n,) float64 cost of each example under ``cost`` (packed: its first ``W`` tokens), cached."""
@@ -871,27 +729,9 @@ class _BatchSampler:
             spans.append(span)
 
         q = min(point.start, U)
-        if not point.clean and point.span:
-            lo, hi = point.start, point.start + point.span
-            left = np.arange(lo, hi)[~mask_bits(point.mask, lo, hi)]
-            if point.deal == (R, m):  # the same deal: go on inside it
-                add_step(*self._deal_step(seq, left, S), lo, hi - lo)
-                skip, mask0 = point.rows, point.mask
-            else:  # what the old deal had not handed out yet, dealt to this world size
-                used = np.zeros(hi - lo, bool)
-                used[mask_bits(point.mask, lo, hi)] = True
-                if point.deal is not None and point.rows:
-                    done = self._dealt_units(seq, left, point.deal, point.rows)
-                    used[done - lo] = True
-                rest = np.arange(lo, hi)[~used]
-                for chunk in _chunks(rest, S):
-                    c_lo, c_hi = int(chunk[0]), int(chunk[-1]) + 1
-                    add_step(*self._deal_step(seq, chunk, S), c_lo, c_hi - c_lo)
-                    if not mask0 and not starts[:-1]:
-                        mask0 = bits_mask(used[c_lo - lo:c_hi - lo])
-                notes.append(f"the step in progress ({rest.size} of {hi - lo} {self._unit_name} left) is dealt "
-                             f"to world_size={R} as {len(_chunks(rest, S))} step(s) of its own")
-            q = hi
+        if not point.clean and point.span:  # a loaded position inside a step: packkit.resume deals what is left
+            skip, mask0 = _resume().resumed_step(self, seq, point, S, add_step, notes)
+            q = point.start + point.span
         if q < U:
             if S != seq_step or q % seq_step:
                 notes.append(f"from here on a step is {S} {self._unit_name} ({self.step_batches} micro-batches); "
@@ -906,28 +746,10 @@ class _BatchSampler:
                 starts += list(range(q, q + nfull * S, S))
                 spans += [S] * nfull
             if q + nfull * S < U:
-                add_step(*self._deal_partial(seq, np.arange(q + nfull * S, U, dtype=np.int64), R, m),
+                add_step(*self._deal_short(seq, np.arange(q + nfull * S, U, dtype=np.int64), R, m),
                          q + nfull * S, U - q - nfull * S)
         return _remember(self._sched_cache, key, self._assemble(parts, rows_of, starts, spans, skip, mask0,
                                                                 "; ".join(notes)))
-
-    def _deal_step(self, seq: _Sequence, units: np.ndarray, S: int):
-        """One step's batches, as the schedule deals it: the full deal for ``S`` units, else the partial."""
-        R, m, k = self.world_size, self.accumulation_steps, self._k
-        if units.size == S:
-            order = self._deal_full(seq, units.reshape(1, S), R, m)
-            return ([select_batches(seq.flat, seq.ptr, order[i:i + k])[0] for i in range(0, order.size, k)],
-                    [k] * (order.size // k), [False] * (order.size // k))
-        return self._deal_partial(seq, units, R, m)
-
-    def _dealt_units(self, seq: _Sequence, units: np.ndarray, deal: tuple, rows: int) -> np.ndarray:
-        """Units handed out by the first ``rows`` rows of ``units`` dealt as ``deal = (R, m)`` (another
-        run's world size: the same deal functions with its ``R`` and ``m``)."""
-        R, m = int(deal[0]), int(deal[1])
-        S = R * m * self._k
-        if units.size == S:
-            return self._deal_full(seq, units.reshape(1, S), R, m)[:rows * R * self._k]
-        return np.concatenate([units[:0], *self._partial_rows(units, R, m)[:rows]])
 
     def _assemble(self, parts, rows_of, starts, spans, skip, mask0, moved) -> Schedule:
         R = self.world_size
@@ -1044,9 +866,10 @@ class _BatchSampler:
         ``iter()`` on its batch sampler twice and uses the second, so making an iterator spends nothing (it
         ends the pass before it: the state is where the new one starts)."""
         self._active = None
-        return _Pass(self, _resume().asking_loader())
+        resume = _resume()
+        return resume.Pass(self, resume.asking_loader())
 
-    def _start(self, p: _Pass) -> Schedule:
+    def _start(self, p) -> Schedule:
         """``p``'s first batch is asked for: it becomes the pass in progress, from the position it starts at."""
         sched = self.schedule()
         if sched.moved:
@@ -1137,21 +960,6 @@ class _BatchSampler:
                 f"epoch={self._epoch_num}, rank={self.rank}/{self.world_size}, batches={len(self)})")
 
 
-def _default_mult(mult, full_steps: int) -> int:
-    """Steps per megabatch: the given number, or min(50, a quarter of the steps) (Hugging Face's rule)."""
-    if mult is None:
-        return max(1, min(50, full_steps // 4))
-    return check_int(mult, "megabatch_mult")
-
-
-def _tail_units(flat: np.ndarray, ptr: np.ndarray, tail: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Units ``flat, ptr`` with the ``tail`` units appended: ``([1, 2], [0, 2], [[3]]) -> ([1, 2, 3], [0, 2, 3])``."""
-    if not tail:
-        return flat, ptr
-    sizes = np.array([t.size for t in tail], np.int64)
-    return np.concatenate((flat, *tail)), np.concatenate((ptr, ptr[-1] + np.cumsum(sizes)))
-
-
 # ----------------------------------------------------------------------------------------------
 # length-grouped batches (the padded fallback)
 # ----------------------------------------------------------------------------------------------
@@ -1189,33 +997,7 @@ class LengthGroupedSampler(_BatchSampler):
                 "longest_first": self.longest_first, **super()._config()}
 
     def _sequence_of(self, rng, step: int) -> _Sequence:
-        L, B = self.lengths, self.batch_size
-        n, span = L.size, step * B
-        full = n // span * span
-        if full == 0 and self.drop_last:
-            raise ValueError(
-                f"{n} examples do not fill one step of step_batches x batch_size = {span}; "
-                "pass drop_last=False or a smaller batch_size"
-            )
-        perm = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
-        body, tail = perm[:full], perm[full:]  # the tail is a random subset
-        mult = _default_mult(self.megabatch_mult, full // span)
-        order = _orders().sort_megabatches(body, L, mult * span)
-        ptr = np.arange(0, full + 1, B, dtype=np.int64)
-        balance = self.balance in ("tokens", "sqlen")  # the batches' costs order the steps only then
-        cost = batch_sums(self._policy_cost(L[order], order), ptr) if balance else np.zeros(full // B)
-        first = None
-        if self.longest_first and full:
-            first = int(np.argmax(L[order])) // B
-        arrangement = arrange_steps(cost, step, rng, shuffle=self.shuffle, balance=balance, first=first)
-        dropped = tail.size if self.drop_last else 0
-        tail = tail[np.argsort(-L[tail], kind="stable")] if tail.size and not dropped else None
-        flat = perm[:n - dropped]  # (the permutation's buffer, read already) the steps' batches of B, then the tail
-        np.take(order.reshape(-1, B), arrangement, axis=0, out=flat[:full].reshape(-1, B), mode="clip")
-        if tail is not None:
-            flat[full:] = tail
-            ptr = np.concatenate((ptr, np.arange(full + B, n, B, dtype=np.int64), [n]))
-        return _Sequence(flat=flat, ptr=ptr, step=step, full=full // B, dropped=dropped)
+        return _Sequence(step=step, **_orders().length_grouped(self, rng, step))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1265,48 +1047,8 @@ class TokenBudgetBatchSampler(_BatchSampler):
                 "megabatch_size": self.megabatch_size, "longest_first": self.longest_first,
                 **super()._config()}
 
-    def _block(self, step: int) -> int:
-        if self.megabatch_size is not None:
-            return self.megabatch_size
-        per_batch = max(1, self.max_tokens // max(1, int(self.lengths.mean())))
-        if self.max_batch_size is not None:
-            per_batch = min(per_batch, self.max_batch_size)
-        return 50 * per_batch * step
-
     def _sequence_of(self, rng, step: int) -> _Sequence:
-        L = self.lengths
-        n = L.size
-        perm = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
-        block = self._block(step)
-        orders = _orders()
-        order = orders.sort_megabatches(perm, L, block)
-        bounds = orders.budget_batch_bounds(L[order], max_tokens=self.max_tokens, block=block,
-                                            max_batch_size=self.max_batch_size)
-        G = bounds.size - 1
-        t = G % step
-        # -- a random few batches make the tail; the rest keep their megabatch order --
-        pick = rng.permutation(G) if self.shuffle else np.arange(G, dtype=np.int64)
-        tail_ids, body_ids = pick[G - t:], np.sort(pick[: G - t])
-        if body_ids.size == 0 and self.drop_last:
-            raise ValueError(
-                f"{n} examples make {G} batches of max_tokens={self.max_tokens:,}, fewer than "
-                f"step_batches={step}: pass drop_last=False or lower max_tokens"
-            )
-        flat, ptr = select_batches(order, bounds, body_ids)
-        cost = batch_sums(self._policy_cost(L[flat], flat), ptr)
-        first = None
-        if self.longest_first and flat.size:
-            first = int(np.searchsorted(ptr, int(np.argmax(L[flat])), side="right") - 1)
-        arrangement = arrange_steps(cost, step, rng, shuffle=self.shuffle,
-                                    balance=self.balance in ("tokens", "sqlen"), first=first)
-        flat, ptr = select_batches(flat, ptr, arrangement)
-        parts = [order[bounds[b]:bounds[b + 1]] for b in tail_ids.tolist()]  # fewer than a step
-        dropped = 0
-        if parts and self.drop_last:
-            dropped = sum(p.size for p in parts)
-        else:
-            flat, ptr = _tail_units(flat, ptr, parts)
-        return _Sequence(flat=flat, ptr=ptr, step=step, full=G - t, dropped=dropped)
+        return _Sequence(step=step, **_orders().token_budget(self, rng, step))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1423,7 +1165,8 @@ class PackedBatchSampler(_BatchSampler):
         k = self.windows_per_batch
         plan = self._plan(rng)
         if self._plans_to_cost:
-            return self._to_cost(plan, rng, step)  # (groups keep their windows: they take the LPT deal)
+            # windows built step by step to a cost target (groups keep their windows: they take the LPT deal)
+            return _Sequence(step=step, **_balance().sequence_to_cost(self, plan, rng, step))
         nw = plan.num_windows
         # the windows in a seeded random order (Plan.shuffled's), arranged in steps: both in one selection
         shuffled = plan.shuffle_order(int(rng.integers(1 << 62))) if self.shuffle else np.arange(nw, dtype=np.int64)
@@ -1447,36 +1190,6 @@ class PackedBatchSampler(_BatchSampler):
         sel = plan.select(shuffled[wins])
         return _Sequence(flat=sel.seg_example, ptr=sel.window_ptr, step=step, full=full, plan=sel,
                          dropped=dropped)
-
-    def _to_cost(self, plan: Plan, rng, step: int) -> _Sequence:
-        """Windows built step by step to a cost target (:func:`packkit.balance.pack_to_cost`)."""
-        kept = np.ones(self.lengths.size, bool)
-        kept[plan.dropped_examples] = False
-        order = np.flatnonzero(kept)
-        if self.shuffle:
-            order = order[rng.permutation(order.size)]
-        used = self._lengths_used()
-        balance = _balance()
-        planner = balance.pack_to_cost if self._planner == balance.PLANNER else balance.PLANNERS[self._planner]  # a
-        # run resumed keeps its windows
-        tc = planner(used, order, window=self.window, step_windows=step, cost=self.cost, units=self.media_units)
-        nw = tc.window_ptr.size - 1
-        full = nw // step * step
-        if full == 0 and self.drop_last:
-            raise ValueError(
-                f"the documents make {nw} windows, fewer than one step of step_batches x windows_per_batch = "
-                f"{step}: pass drop_last=False or fewer windows_per_batch"
-            )
-        seg, ptr = tc.seg_example, tc.window_ptr
-        dropped = int(plan.dropped_examples.size)
-        if full < nw and self.drop_last:
-            dropped += int(ptr[nw] - ptr[full])
-            seg, ptr = seg[:ptr[full]], ptr[:full + 1]
-        windows = dataclasses.replace(plan, seg_example=seg, seg_start=np.zeros(seg.size, np.int64),
-                                      seg_length=used[seg], window_ptr=ptr, strategy="to_cost")
-        return _Sequence(flat=seg, ptr=ptr, step=step, full=full, plan=windows, dropped=dropped,
-                         queued=tc.queued, deferred=tc.deferred)
-
 
 class _GivenPlan(PackedBatchSampler):
     """A :class:`~packkit.sampler.PackedBatchSampler` dealing windows planned already (a plan given to

@@ -38,7 +38,7 @@ import numpy as np
 from .arrow import pyarrow
 from .readers import parquet_batches, parquet_schema, replay
 from .errors import DataError
-from .fileio import name_max, named_os_error, temp_name
+from .atomic import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
 from .listcolumns import check_float_culprit, list_chunks
 from .packer import FlatColumn

@@ -102,7 +102,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ArgumentError
-from .fileio import png_figure
+from .atomic import png_figure
 from .segments import IGNORE_INDEX
 
 __all__ = ["StepFacts", "WeightShares", "weight_shares", "plot_weight_shares", "LossWeighting", "Column", "Weights", "ColumnWeighting", "CallableWeighting", "SeqSumNorm", "DrGRPO", "resolve", "NAMES", "segment_factors", "piece_factors"]

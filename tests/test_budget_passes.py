@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packkit import balance, binpack, budget, epoch, sampler
+from packkit import balance, binpack, budget, csr, epoch, sampler
 from packkit.balance import CostModel
 from packkit.binpack import pack
 from packkit.budget import AdviceOptions, plan_budget
@@ -83,7 +83,7 @@ def test_steps_in_sequence_order_are_a_slice(monkeypatch):
         raise AssertionError("range_index called for batches in place")
 
     flat, ptr = np.arange(10) * 3, np.array([0, 2, 5, 9, 10])
-    monkeypatch.setattr(sampler, "range_index", fail)
+    monkeypatch.setattr(csr, "range_index", fail)
     got, got_ptr = select_batches(flat, ptr, [1, 2])
     assert got.tolist() == [6, 9, 12, 15, 18, 21, 24] and got_ptr.tolist() == [0, 3, 7]
 

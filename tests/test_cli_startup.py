@@ -170,9 +170,11 @@ def started():
 
 
 #: Kept off ``plan --synthetic``'s path only: ``waste`` measures padded batches too (a LengthGroupedSampler), so it runs
-#: the padded samplers' sorts, and every strategy of the planner (first fit and next fit too).
+#: the padded samplers' sorts and epochs and their short last step, every strategy of the planner (first fit and next
+#: fit too) and the stream planner.
 PLAN_ONLY = {"packkit.orders", "sort_megabatches", "budget_batch_bounds", "stable_argsort", "packkit.fits",
-             "first_fit_decreasing", "first_fit", "next_fit"}
+             "first_fit_decreasing", "first_fit", "next_fit", "default_mult", "tail_units", "stream_windows",
+             "check_buffer_size", "deal_partial", "halve_pieces", "split_pieces"}
 
 
 def _commands(started, name) -> dict:
@@ -206,6 +208,18 @@ UNCOMPILED = {
     "first_fit_decreasing": "first-fit decreasing (binpack), for plan's best fit; waste measures it",
     "first_fit": "first fit in a seeded order, item by item (binpack), for plan's best fit",
     "next_fit": "next fit in order (binpack), for plan's best fit",
+    "deal_partial": "the deal of a step shorter than a full one (3 KB of the sampler with the next two), for plan's "
+                    "epoch of whole steps (one window a step)",
+    "halve_pieces": "a short step's units split by examples for more ranks than units, for no short step",
+    "split_pieces": "a short step's pieces repeated for ranks left without one, for no short step",
+    "dealt_units": "the units another world size's deal had handed out (the sampler), for no resume",
+    "deal_step": "a step in progress dealt again at a loaded position (the sampler), for no resume",
+    "unpickle_pass": "a pass rebuilt from a pickle (the sampler, with the pass itself), for no pass iterated",
+    "to_cost": "the windows built to a cost target (the sampler's balance='compute' at k <= 2), for no balance",
+    "default_mult": "the length-grouped sampler's megabatch (the sampler, with its epoch), for plan's packed windows",
+    "tail_units": "the token-budget sampler's tail (the sampler, with its epoch), for plan's packed windows",
+    "stream_windows": "best fit inside a bounded buffer (binpack, 5 KB with its buffer), for plan's whole dataset",
+    "check_buffer_size": "the stream planner's buffer checked (binpack), for no stream",
 }
 
 
@@ -220,7 +234,13 @@ def test_waste_and_plan_compile_no_code_they_never_run(started, function):
     """Regression: the sampler held its resume code (the states saved and loaded, the loaders' counts: 20 KB) and the
     padded samplers' sorts (8 KB) among what ``plan`` and ``waste`` deal packed windows with, so both compiled them
     at every start from source (``plan --synthetic`` 1.10x fd3b24d's CPU). They are :mod:`packkit.resume`, imported
-    at a sampler's first pass or state, and :mod:`packkit.orders`, where a padded sampler builds an epoch."""
+    at a sampler's first pass or state, and :mod:`packkit.orders`, where a padded sampler builds an epoch.
+    Regression too (round 6): ``plan`` still compiled the sampler's deal of a short step (which a step of one window
+    never has), the step in progress dealt again at a resume, the pass, the windows built to a cost target and the
+    padded samplers' epochs (15 M of ``plan --synthetic 2000``'s 721 M instructions from source, callgrind), and
+    binpack's stream planner (7 M). They are :mod:`packkit.short_steps`, :mod:`packkit.resume`, :mod:`packkit.balance`,
+    :mod:`packkit.orders` and :mod:`packkit.streamplan` (``waste`` measures the stream planner and the padded
+    samplers)."""
     for command, modules in _commands(started, function).items():
         where = [m for m, path in modules.items() if m.startswith("packkit") and path and function in _defined(path)]
         assert not where, f"packkit {command} compiled {function} ({', '.join(where)}): {UNCOMPILED[function]}"
@@ -363,3 +383,46 @@ def test_plan_and_waste_of_token_ids_import_no_tokenizers(tmp_path):
 
     for name in ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name"):
         assert getattr(datafiles, name) is getattr(tokenizer, name), name
+
+
+#: What ``packkit plan FILE`` and ``waste FILE`` of token ids compiled from source at start and never ran, found as
+#: :data:`UNCOMPILED` (``{function: why it must stay out}``).
+FILE_UNCOMPILED = {
+    "atomic_output": "the output side of packkit.fileio (19 M instructions of plan small.jsonl's start), for no output",
+    "check_output": "the checks of an output path (packkit.fileio), for a command that writes nothing",
+    "png_figure": "a plot written as a PNG (packkit.fileio), for no --plot",
+}
+
+
+@pytest.mark.parametrize("function", sorted(FILE_UNCOMPILED))
+def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, function):
+    """Regression (round 6): ``packkit plan FILE`` and ``waste FILE`` imported :mod:`packkit.fileio` for
+    :func:`~packkit.fileio.held_still` (the input held still while read) and compiled its output side too (the atomic
+    writes, the checks of an output path, the plots: 29 KB, 19 M of ``plan small.jsonl``'s 1,733 M instructions from
+    source). The output side is :mod:`packkit.atomic`, lent by :mod:`packkit.fileio` under its old address."""
+    _inputs(tmp_path)
+    code = ("import contextlib, io, json, sys\nfrom packkit import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    codes = [cli.main(['plan', 'in.jsonl', '-w', '64']), cli.main(['waste', 'in.jsonl', '-w', '64'])]\n"
+            "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    codes, modules = json.loads(out.stdout.splitlines()[-1])
+    assert codes == [0, 0], out.stdout + out.stderr
+    where = [m for m, path in modules.items() if m.startswith("packkit") and path and function in _defined(path)]
+    assert not where, f"packkit plan/waste FILE compiled {function} ({', '.join(where)}): {FILE_UNCOMPILED[function]}"
+
+
+def test_the_moved_names_are_lent_under_their_old_address():
+    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack` and :mod:`packkit.fileio` for rooms of their own is the
+    same object at its old address."""
+    from packkit import atomic, binpack, fileio, length_rules, sampler, short_steps, streamplan
+
+    for name in ("halve_pieces", "split_pieces"):
+        assert getattr(sampler, name) is getattr(short_steps, name)
+    for name in ("stream_windows", "StreamBuffer", "check_buffer_size"):
+        assert getattr(binpack, name) is getattr(streamplan, name)
+    assert binpack.check_window is length_rules.check_window and binpack.MAX_WINDOW == length_rules.MAX_WINDOW
+    for name in atomic.__all__:
+        assert getattr(fileio, name) is getattr(atomic, name), name
+    with pytest.raises(AttributeError):
+        fileio.no_such_name  # noqa: B018

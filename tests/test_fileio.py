@@ -13,7 +13,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from packkit import fileio
+from packkit import atomic, fileio
 from packkit.fileio import OutputExistsError, atomic_output, check_output
 
 
@@ -73,7 +73,7 @@ def test_error_in_the_writer_leaves_the_old_target(tmp_path):
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "portable"])
 def test_folder_replaced_whole(tmp_path, monkeypatch, exchange):
     if not exchange:
-        monkeypatch.setattr(fileio, "_renameat2", lambda *a: False)
+        monkeypatch.setattr(atomic, "_renameat2", lambda *a: False)
     out = tmp_path / "ds"
     out.mkdir()
     write_file(out / "old.arrow", b"old")
