@@ -82,8 +82,6 @@ def check_strategy(strategy) -> str:
     return check_choice(strategy, "strategy", STRATEGIES)
 
 
-
-
 def check_overflow(overflow) -> str:
     """Return ``overflow`` if it is one of :data:`OVERFLOW_POLICIES`, else raise naming the choices."""
     return check_choice(overflow, "overflow", OVERFLOW_POLICIES, what="overflow policy")

@@ -16,7 +16,6 @@ from .segments import lengths_to_offsets, range_index
 __all__ = ["select_batches", "batch_sums", "arrange_steps"]
 
 
-
 def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray, np.ndarray]:
     """CSR batches ``flat[ptr[b]:ptr[b+1]]`` taken in ``order`` (repeats allowed), without a loop.
 

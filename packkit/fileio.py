@@ -19,8 +19,8 @@ from .errors import DataError
 from .interrupts import deferred
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
-           "check_output", "fsync_tree", "held_still", "temp_folder", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max",
-           "named_os_error", "png_figure", "check_plot", "PLOT_SUFFIX"]
+           "check_output", "fsync_tree", "held_still", "temp_folder", "temp_sibling", "TMP_MARK", "TMP_PATTERN",
+           "name_max", "named_os_error", "png_figure", "check_plot", "PLOT_SUFFIX"]
 #: The names :mod:`packkit.atomic` holds (its ``__all__``), lent here.
 _OUTPUT_SIDE = frozenset(__all__) - {"InputChangedError", "held_still"}
 

@@ -17,7 +17,8 @@ from .csr import arrange_steps, batch_sums, select_batches
 from .errors import check_int
 from .segments import range_index
 
-__all__ = ["stable_argsort", "longest_first", "sort_megabatches", "budget_batch_bounds", "length_grouped", "token_budget"]
+__all__ = ["stable_argsort", "longest_first", "sort_megabatches", "budget_batch_bounds", "length_grouped",
+           "token_budget"]
 
 
 def stable_argsort(key: np.ndarray) -> np.ndarray:

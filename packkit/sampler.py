@@ -131,8 +131,8 @@ def _orders():
 
 
 def _short_steps():
-    """:mod:`packkit.short_steps`, imported where a step of fewer units than a full one is dealt: an epoch of whole steps
-    (``packkit plan`` and ``packkit waste`` at one micro-batch a step) does not compile it."""
+    """:mod:`packkit.short_steps`, imported where a step of fewer units than a full one is dealt: an epoch of whole
+    steps (``packkit plan`` at one window a step) does not compile it."""
     from . import short_steps  # lazy: the deal of a short step (an epoch's tail, a resume), where there is one
     return short_steps
 

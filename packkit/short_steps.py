@@ -43,7 +43,6 @@ def split_pieces(parts: list[np.ndarray], count: int, *, split: bool = True) -> 
     return parts + copies, sum(p.size for p in copies)
 
 
-
 def partial_rows(units: np.ndarray, R: int, m: int, k: int) -> list[np.ndarray]:
     """The units of a short step in rows: the fewest rows (at most ``m``) whose ``R`` batches of at most ``k`` units
     hold them, as even as possible: ``partial_rows(units 0..4, R=2, m=2, k=2) -> [[0, 1, 2], [3, 4]]``."""
