@@ -21,11 +21,8 @@ _SYSTEM_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROF
 def install_hint(exc: ImportError) -> str:
     """``No module named 'datasets'`` -> ``...: pip install 'packkit[datasets]'`` (the extra that holds the
     module, from packkit's own metadata), unless the message already says what to install."""
-    text = str(exc)
-    if "pip install" in text:
-        return text
-    module = (getattr(exc, "name", None) or "").split(".")[0]
-    if not module:
+    text, module = str(exc), (getattr(exc, "name", None) or "").split(".")[0]
+    if "pip install" in text or not module:
         return text
     extra = _extra_for(module)
     return f"{text}: pip install " + (f"'packkit[{extra}]'" if extra else module.replace("_", "-"))

@@ -123,7 +123,6 @@ def require(*modules: str) -> None:
     """Raise ``ModuleNotFoundError`` for the first of ``modules`` that is not installed (before any work;
     :func:`main` turns it into ``pip install 'packkit[EXTRA]'``)."""
     import importlib.util
-
     for m in modules:
         if importlib.util.find_spec(m) is None:
             raise ModuleNotFoundError(f"No module named {m!r}", name=m)

@@ -95,7 +95,6 @@ def _run(args, options) -> int:
     quiet = args.quiet or args.json
     if quiet and inp.format == "folder":  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
         import datasets
-
         datasets.disable_progress_bars()
     src = inp.path
     # IN may not change while it is read (a truncated memory map is a SIGBUS): packkit.fileio.held_still
@@ -141,26 +140,24 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
     :func:`packkit.offline.pack_dataset` to OUT, each document's media with it. Its log lines (overflow, windows
     with no loss token, pieces left out) go to stderr as they are; the summary says what the plan holds."""
     import datasets
-
     logging.getLogger("packkit").setLevel(logging.WARNING)  # run() puts the level back
     quiet = args.quiet or args.json
     if quiet or inp.path.stat().st_size < PROGRESS_BYTES:  # datasets' bars (reading IN) only where packkit's show
         datasets.disable_progress_bars()
     sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
-    # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes its temporary file beside OUT
-    # (an existing one replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged
-    # IN's Arrow copy (datasets converts a Parquet file before it maps it) goes beside OUT and away with the run: a
-    # copy of the user's data left in datasets' cache (~/.cache) would be one they never asked for
+    # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes beside OUT (an existing one
+    # replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged. IN's Arrow copy (datasets
+    # converts a Parquet file before it maps it) goes beside OUT and away with the run, not into datasets' cache
+    # (~/.cache): a copy of the user's data they never asked for
     with held_still([inp.path]) as hold, atomic_output(out, kind=fmt.kind, inputs=[inp.path],
                                                        overwrite=args.overwrite) as tmp, temp_folder(out) as cache:
         ds = (parquet_dataset(inp.path, cache_dir=cache) if inp.format == "parquet"
               else datasets.Dataset(load_table(inp.path)))
         _, plan = pack_dataset(
-            ds, window=args.window, strategy=args.strategy, overflow=args.overflow, seed=args.seed,
-            shuffle=not args.no_shuffle, output=tmp, return_report=True, columns=columns,
-            example_ids=args.example_ids, cp_size=args.cp_size, cp_layout=args.cp_layout,
-            drop_loss_free=args.drop_loss_free, num_proc=args.num_proc, progress=False if quiet else None,
-            output_format=fmt.name, **sized)
+            ds, window=args.window, strategy=args.strategy, overflow=args.overflow, seed=args.seed, output=tmp,
+            shuffle=not args.no_shuffle, return_report=True, columns=columns, example_ids=args.example_ids,
+            cp_size=args.cp_size, cp_layout=args.cp_layout, drop_loss_free=args.drop_loss_free,
+            num_proc=args.num_proc, progress=False if quiet else None, output_format=fmt.name, **sized)
         hold.release()  # IN read to the end, unchanged: OUT is renamed into place whatever comes after
         if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"no example of {str(inp.path)!r} is left to write ({args.overflow} and "
@@ -209,10 +206,9 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
     plan, names = packed.plan, packed.schema.names
     s = plan.summary()
     input_tokens = s["tokens"] + s["cut_tokens"] + packed.dropped_tokens
-    loss = {"loss_tokens": packed.loss_tokens, "loss_tokens_assumed": "labels" not in packed.schema.names,
+    loss = {"loss_tokens": packed.loss_tokens, "loss_tokens_assumed": "labels" not in names,
             "loss_free_windows": packed.loss_free_windows, "loss_free_pieces": packed.loss_free_pieces,
-            "dropped_pieces": packed.dropped_pieces,
-            "dropped_tokens": packed.dropped_tokens}
+            "dropped_pieces": packed.dropped_pieces, "dropped_tokens": packed.dropped_tokens}
     note = overflow_note(s["overflow"], over=s["overflow_examples"], examples=s["examples"], cut=s["cut_tokens"],
                          tokens=input_tokens)
     packed_rows = packed.scan.packed_rows  # IN held packed rows, read as their documents
