@@ -36,12 +36,10 @@ USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit CO
          + "\n\n" + EXIT_CODES)
 
 #: ``{name: module}``: what this module lends from the modules a subcommand or a failure imports.
-_LENT = {
-    **dict.fromkeys(("DEFAULT_WINDOW", "DEFAULT_OVERFLOW", "BALANCE_NAMES", "add_window_arguments",
-                     "add_output_switches", "add_cp_arguments", "add_dealing_arguments", "Parser", "require",
-                     "options_of", "_Formatter", "_balance"), "_options"),
-    **dict.fromkeys(("install_hint", "classify", "_extra_for", "_SYSTEM_ERRNOS"), "_failures"),
-}
+_LENT = {**dict.fromkeys(("DEFAULT_WINDOW", "DEFAULT_OVERFLOW", "BALANCE_NAMES", "add_window_arguments",
+                          "add_output_switches", "add_cp_arguments", "add_dealing_arguments", "Parser", "require",
+                          "options_of", "_Formatter", "_balance"), "_options"),
+         **dict.fromkeys(("install_hint", "classify", "_extra_for", "_SYSTEM_ERRNOS"), "_failures")}
 
 
 def __getattr__(name: str):
