@@ -365,7 +365,7 @@ def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None
 class _Encoder:
     """One tokenizer, template and loss choice, applied to Arrow batches of one conversational format."""
 
-    def __init__(self, fmt: str, tokenizer, options: ChatOptions):
+    def __init__(self, fmt: str, tokenizer, options: ChatOptions, stacklevel: int = 4):
         self.fmt, self.num_proc = fmt, options.num_proc
         chat_template = options.chat_template
         self.assistant, self.completion = _resolve_loss(fmt, options.assistant_only_loss, options.completion_only_loss)
@@ -387,7 +387,7 @@ class _Encoder:
             warnings.warn(f"{self.template_words} leaves an assistant reply's end-of-turn token outside "
                           "{% generation %}...{% endgeneration %}: the model is never trained to stop (the loss "
                           "looks fine; it shows at inference); move the token inside the markers",
-                          ChatWarning, stacklevel=4)
+                          ChatWarning, stacklevel=stacklevel)
         check_special_tokens(self.tok, fmt, self.template, str(name))
         self.mask_name = "completion_mask" if self.completion else "assistant_masks" if self.assistant else None
         self.columns = _columns(fmt)
@@ -625,7 +625,7 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
         return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
     import pyarrow as pa
 
-    enc = _Encoder(fmt, tokenizer, dataclasses.replace(options, num_proc=None))
+    enc = _Encoder(fmt, tokenizer, dataclasses.replace(options, num_proc=None), stacklevel=3)
     schema = features.arrow_schema
 
     def encode(batch, indices):

@@ -268,6 +268,26 @@ def test_end_of_turn_outside_the_markers_warns(tok_dir):
         tokenize_chat(table, tok_dir)  # <|end|> inside: no warning
 
 
+@pytest.mark.parametrize("kind", ["table", "IterableDataset"])
+def test_the_end_of_turn_warning_points_at_the_callers_line(tok_dir, kind):
+    """The "never trained to stop" warning names the line that called packkit, for a table and an
+    ``IterableDataset`` (regression: the lazy path pointed one frame above the caller after a helper was inlined).
+    A ``Dataset`` goes through :func:`tokenize_chat` and is still named one frame inside packkit."""
+    datasets = pytest.importorskip("datasets")
+    from packkit.chat import tokenize_dataset
+
+    table = pa.Table.from_pylist([{"messages": CONVERSATIONS[0]}])
+    outside = TEMPLATE.replace(" <|end|>{% endgeneration %}", "{% endgeneration %} <|end|>")
+    data = {"table": lambda: table, "IterableDataset": lambda: datasets.Dataset(table).to_iterable_dataset()}[kind]()
+    call = tokenize_chat if kind == "table" else tokenize_dataset
+    with pytest.warns(ChatWarning, match="never trained to stop") as caught:
+        out = call(data, tok_dir, chat_template=outside)
+    if kind == "IterableDataset":
+        out = list(out)
+    files = [w.filename for w in caught if "never trained to stop" in str(w.message)]
+    assert files and all(f == __file__ for f in files), files
+
+
 def test_chat_template_from_a_file(tok_nomark_dir, tmp_path):
     path = tmp_path / "train.jinja"
     path.write_text(TEMPLATE)
