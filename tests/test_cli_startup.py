@@ -367,17 +367,23 @@ def test_the_command_line_lends_what_moved_under_its_old_address():
         cli.no_such_name  # noqa: B018
 
 
+def _plan_and_waste_of_a_file(tmp_path, report: str) -> subprocess.CompletedProcess:
+    """``packkit plan`` and ``waste`` of a small file of token ids in a fresh interpreter, their exit codes in
+    ``codes``, then the Python line ``report`` (``json`` and ``sys`` imported)."""
+    _inputs(tmp_path)
+    code = ("import contextlib, io, json, sys\nfrom packkit import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    codes = [cli.main(['plan', 'in.jsonl', '-w', '64']), cli.main(['waste', 'in.jsonl', '-w', '64'])]\n"
+            + report)
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+
+
 def test_plan_and_waste_of_token_ids_import_no_tokenizers(tmp_path):
     """Regression: the door in (:mod:`packkit.datafiles`) imported :mod:`packkit.tokenizer` at the top (14 KB from source)
     for text and preference pairs to tokenize, so ``packkit plan FILE`` and ``waste FILE`` of token ids compiled the
     tokenizers' loading at start. It is imported where text is tokenized or a tokenizer named; ``datafiles.tokenize``
     and the other names are lent as before."""
-    _inputs(tmp_path)
-    code = ("import contextlib, io, sys\nfrom packkit import cli\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    codes = [cli.main(['plan', 'in.jsonl', '-w', '64']), cli.main(['waste', 'in.jsonl', '-w', '64'])]\n"
-            "print(codes, 'packkit.tokenizer' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = _plan_and_waste_of_a_file(tmp_path, "print(codes, 'packkit.tokenizer' in sys.modules)")
     assert out.stdout.strip() == "[0, 0] False", out.stdout + out.stderr
     from packkit import datafiles, tokenizer
 
@@ -400,12 +406,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
     :func:`~packkit.fileio.held_still` (the input held still while read) and compiled its output side too (the atomic
     writes, the checks of an output path, the plots: 29 KB, 19 M of ``plan small.jsonl``'s 1,733 M instructions from
     source). The output side is :mod:`packkit.atomic`, lent by :mod:`packkit.fileio` under its old address."""
-    _inputs(tmp_path)
-    code = ("import contextlib, io, json, sys\nfrom packkit import cli\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    codes = [cli.main(['plan', 'in.jsonl', '-w', '64']), cli.main(['waste', 'in.jsonl', '-w', '64'])]\n"
-            "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = _plan_and_waste_of_a_file(
+        tmp_path, "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
     codes, modules = json.loads(out.stdout.splitlines()[-1])
     assert codes == [0, 0], out.stdout + out.stderr
     where = [m for m, path in modules.items() if m.startswith("packkit") and path and function in _defined(path)]
