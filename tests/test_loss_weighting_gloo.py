@@ -264,16 +264,19 @@ def resume_case(seed: int):
     pool = documents(rng, 6 * step_batches + 200, max_len=16)
     lengths = np.array([len(d["input_ids"]) for d in pool])
 
-    def sampler(n, mode, rank, world):
+    def sampler(n, shuffle_seed, mode, rank, world):
         plan = {} if mode is None or isinstance(mode, ColumnWeighting) else dict(
             loss_weighting=mode, loss_lengths=loss_lengths(pool[:n]))
         return PackedBatchSampler(lengths[:n], window=16, rank=rank, world_size=world, step_batches=step_batches,
-                                  seed=seed % 1000, **plan)
+                                  seed=shuffle_seed, **plan)
 
-    n = next((n for n in range(6 * step_batches, len(pool))
-              if sampler(n, None, 0, max(old, new)).epoch_stats().repeated), None)
+    # some shuffle seeds never end an epoch of these documents in a step of one example on 2 ranks (538 and 2 among
+    # 1,000 counts: a dev run's seed 115322118 drew 538), so the next shuffle seeds are tried too
+    n, shuffle_seed = next(((n, k) for k in range(seed % 1000, seed % 1000 + 16)
+                            for n in range(6 * step_batches, len(pool))
+                            if sampler(n, k, None, 0, max(old, new)).epoch_stats().repeated), (None, None))
     assert n is not None, f"seed {seed}: no count of documents ends the epoch in a step that repeats examples"
-    return old, new, pool[:n], functools.partial(sampler, n)
+    return old, new, pool[:n], functools.partial(sampler, n, shuffle_seed)
 
 
 def run_resume(seed, stop_at, groups, rank, counter, out, out_dir):
