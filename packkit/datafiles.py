@@ -117,8 +117,7 @@ def _json_lines(path) -> bool:
     """Whether ``path`` is a file of JSON lines (not one JSON list), whose rows are its non-blank lines."""
     if path is None or input_format(path) != "json" or not os.path.isfile(path):
         return False
-    with open(path, "rb") as f:
-        return f.read(1 << 12).lstrip()[:1] != b"["
+    return jsonlines.first_byte(path) != b"["
 
 
 def _packed_rows(path) -> bool:
@@ -243,7 +242,7 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
         for table in jsonlines.json_tables(path, block_size=block_size):
             any_table = True
             yield table
-        if any_table or not path.read_bytes()[:1 << 16].strip():
+        if any_table or not jsonlines.first_byte(path):
             return
     if kind == "text":
         yield from text_tables(path, size=block_size or jsonlines.JSON_BLOCK_BYTES)

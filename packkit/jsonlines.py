@@ -58,12 +58,19 @@ def _merge_kinds(a, b, where: str = ""):
     return ("list", _merge_kinds(a[1], b[1], where + "[]")) if a[0] == "list" else a
 
 
-def _kind_text(kind) -> str:
+_PLURAL = {"a number": "numbers", "text": "text", "true/false": "true/false values"}
+
+
+def _kind_text(kind, plural: bool = False) -> str:
+    """``("list", ("a number",)) -> "a list of numbers"``; ``plural`` for a list's items (``objects``, ``lists``)."""
     if kind is None:
-        return "null"
+        return "nulls" if plural else "null"
     if kind[0] == "list":
-        return "a list" if kind[1] is None else f"a list of {_kind_text(kind[1]).removeprefix('a ')}s"
-    return "an object" if kind[0] == "object" else kind[0]
+        items = "" if kind[1] is None else f" of {_kind_text(kind[1], True)}"
+        return ("lists" if plural else "a list") + items
+    if kind[0] == "object":
+        return "objects" if plural else "an object"
+    return _PLURAL[kind[0]] if plural else kind[0]
 
 
 def _locate_error(path: Path) -> DataError | None:
@@ -361,16 +368,25 @@ def _error(path, exc, *, changed: bool = False) -> DataError:
     return DataError(f"cannot read {str(path)!r} as JSON lines: {detail}")
 
 
+def first_byte(path, *, block: int = 1 << 16) -> bytes:
+    """The file's first byte that is not blank (``b"["`` opens one JSON list), read a block at a time; ``b""`` for
+    a blank file, however long."""
+    with open(path, "rb") as f:
+        while block_bytes := f.read(block):
+            if head := block_bytes.lstrip():
+                return head[:1]
+    return b""
+
+
 def read_json(path: Path):
     """The whole of a JSON file as a ``pyarrow.Table``: JSON lines (blocks that hold the longest line), or one JSON
     list of objects; an empty file or a bad line is the one-line error naming it."""
     pa = pyarrow()
     import pyarrow.json as pj
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-        if not head.strip() and len(head) < 1 << 16:
-            raise DataError(f"{str(path)!r} holds no examples (empty file)")
-    if head.lstrip()[:1] == b"[":  # one JSON list of objects, not JSON lines
+    first = first_byte(path)
+    if not first:
+        raise DataError(f"{str(path)!r} holds no examples (empty file)")
+    if first == b"[":  # one JSON list of objects, not JSON lines
         try:
             with open(path, encoding="utf-8") as f:
                 rows = json.load(f)

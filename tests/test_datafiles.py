@@ -160,16 +160,42 @@ def test_without_pyarrow_the_error_names_the_file_and_its_format(tmp_path, comma
     (['{"m": {"tags": [1, "a"]}}'], "line 1: 'm.tags[]' mixes a number and text in one list"),
     (['{"k": {"x": null, "y": 1}}', '{"k": {"x": null, "y": "a"}}'], "line 2: 'k.y' holds text, but a number on line 1"),
     (['{"k": 1}', '[1, true]'], "line 2: a list where a JSON object (one example) was expected"),
+    (['[{"input_ids": [1]}]'], "line 1: a list of objects where a JSON object"),
+    (['{"k": [[1], [2]]}', '{"k": [true]}'], "line 2: 'k[]' holds true/false, but a list of numbers on line 1"),
+    (['{"k": [[true]]}', '{"k": 1}'], "line 2: 'k' holds a number, but a list of lists of true/false values on line 1"),
+    (['{"k": [{"a": 1}]}', '{"k": "x"}'], "line 2: 'k' holds text, but a list of objects on line 1"),
 ])
 def test_the_line_to_blame_names_the_value_that_clashes(tmp_path, lines, want):
     """Regression: the JSON lines error path blamed a list that starts with null (``'k[]' mixes null and null``),
     missed a mixed list inside an object (no line named), blamed a field that is null on both lines rather than the
-    one that changed (``'k.x' holds null, but null``), and called a mixed list line ``mixed``."""
+    one that changed (``'k.x' holds null, but null``), called a mixed list line ``mixed``, and said "a list of an
+    objects" and "a list of true/falses"."""
     from packkit import jsonlines
 
     path = tmp_path / "x.jsonl"
     path.write_text("\n".join(lines) + "\n")
     assert f"'{path}' {want}" in str(jsonlines._locate_error(path))
+
+
+def test_a_json_list_after_a_blank_head_is_read_not_skipped(tmp_path):
+    """Regression: a JSON list after 64 KiB of blank lines was zero rows to the streamed read (``pack``, ``tokenize``:
+    its blank head read as an empty file) and JSON lines to the whole read (``'...' line 40,001: a list of an
+    objects where a JSON object (one example) was expected``). Both now find the list, as after a short head."""
+    import json
+
+    from packkit import jsonlines
+    from packkit.cli import main
+
+    path = tmp_path / "x.json"
+    path.write_text(" \n" * 40_000 + json.dumps([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]))
+    blank = tmp_path / "blank.json"
+    blank.write_text(" \n" * 40_000)
+    assert jsonlines.first_byte(path) == b"[" and jsonlines.first_byte(blank) == b""
+    assert list(pio.table_chunks(blank)) == []
+    assert [t.to_pylist() for t in pio.table_chunks(path)] == [[{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]]
+    assert pio.load_table(path).to_pylist() == [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
+    assert main(["pack", str(path), str(tmp_path / "out.parquet"), "-w", "8"]) == 0
+    assert pa.parquet.read_table(tmp_path / "out.parquet").column("input_ids").to_pylist() == [[1, 2, 3, 4, 5]]
 
 
 def test_a_npy_of_format_version_3_is_read(tmp_path):
