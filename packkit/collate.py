@@ -39,8 +39,9 @@ from .cp_layouts import check_cp_window, cp_multiples
 from .errors import check_int
 from .examples import ExampleBatch, int_arrays, read_batch, read_column
 from .packer import gather_index
-from .rules import (MASK_KEYS, PACKED_FIX, ExampleValueError, check_loss_mask_mode, example_values, location,
-                    row_segments, segment_key)
+from .located import ExampleValueError, location
+from .row_rules import example_values, row_segments
+from .rules import MASK_KEYS, PACKED_FIX, check_loss_mask_mode, segment_key
 from .segments import (IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, lengths_to_position_ids,
                        range_index)
 from .weighting import CallableWeighting, ColumnWeighting, resolve, segment_factors
@@ -570,7 +571,7 @@ _SEGMENTS_MISSING = ("a packed row needs its segments (transformers.Trainer drop
 
 def _row_segments(rows, lengths: np.ndarray, where=None, *, whole: bool = False):
     """``(seg_lengths, seg_ptr, whole)``: the segment lengths ``(S,)`` and row pointers ``(R + 1,)`` of packed
-    rows, from their ``seq_lengths`` or ``position_ids`` (:func:`packkit.rules.row_segments`), checked against the
+    rows, from their ``seq_lengths`` or ``position_ids`` (:func:`packkit.row_rules.row_segments`), checked against the
     row lengths; with ``whole``, each document's whole example's loss tokens ``(S,)`` where the rows record them
     (:func:`_example_loss`), else None. Every row must carry the same one of the two keys.
 
@@ -698,7 +699,7 @@ class PaddedCollator(_Collator):
 
 
 def _column_values(examples, key: str) -> np.ndarray:
-    """``(n,)`` float64, every example's ``key`` (one finite number each, :func:`packkit.rules.example_values`),
+    """``(n,)`` float64, every example's ``key`` (one finite number each, :func:`packkit.row_rules.example_values`),
     or an error naming the key and ``remove_unused_columns=False`` when no example carries it."""
     where = _rows_of(examples)
     if isinstance(examples, ExampleBatch):

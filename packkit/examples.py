@@ -21,10 +21,10 @@ import warnings
 
 import numpy as np
 
-from .rules import (INT64_MAX, MASK_KEYS, UNSUPERVISED_WARNING, ExampleTypeError, ExampleValueError,
-                    LossMaskWarning, any_bad_id, beyond_int64, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode, column_kind,
-                    empty_example, length_mismatch, locate, located, location, mask_not_expected, nested, no_labels,
-                    no_mask, not_integer, not_integral, null_tokens)
+from .located import ExampleTypeError, ExampleValueError, located, location, not_integral
+from .rules import (INT64_MAX, MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, any_bad_id, beyond_int64, any_bad_label,
+                    any_bad_mask, check_column, check_loss_mask_mode, column_kind, empty_example, length_mismatch, locate,
+                    mask_not_expected, nested, no_labels, no_mask, not_integer, null_tokens)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [

@@ -15,7 +15,7 @@ import numpy as np
 
 from .arrow import pyarrow
 from .rules import (MASK_KEYS, check_column, check_dtype, check_not_null, check_values, column_kind, nested,
-                    not_integer, null_inside, row_segments, segment_key)
+                    not_integer, null_inside, segment_key)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = ["list_chunks", "check_float_culprit", "token_lengths", "loss_lengths", "loss_targets", "packed_segments",
@@ -170,7 +170,7 @@ def loss_lengths(table, lengths=None, *, key: str = "input_ids", rows: int = 0, 
 def packed_segments(table, lengths=None, *, key: str = "input_ids", rows: int = 0):
     """The documents of packed rows (a ``seq_lengths`` or restarting ``position_ids`` column,
     :data:`~packkit.rules.SEGMENT_KEYS`): ``(seg_lengths (S,) int64, seg_ptr (R + 1,) int64)``
-    (:func:`~packkit.rules.row_segments`), or None when ``table`` has neither column. ``lengths`` are the
+    (:func:`~packkit.row_rules.row_segments`), or None when ``table`` has neither column. ``lengths`` are the
     rows' token lengths (read from ``key`` when None). A row never reads as one example when it says it
     holds several. ``input_ids [[1, 2, 3]]``, ``seq_lengths [[2, 1]]`` -> ``([2, 1], [0, 2])``.
     """
@@ -187,6 +187,7 @@ def packed_segments(table, lengths=None, *, key: str = "input_ids", rows: int = 
         counts.append(np.diff(off))
     flat = np.concatenate(flat) if flat else np.zeros(0, np.int64)
     counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    from .row_rules import row_segments  # lazy: a packed row's documents, off plan and waste of token ids
     return row_segments(seg_key, flat, counts, lengths, rows=rows)
 
 

@@ -55,7 +55,7 @@ import torch
 
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
 from .mediarows import media_columns
-from .rules import ExampleValueError, located, location
+from .located import ExampleValueError, located, location
 
 __all__ = ["Family", "FAMILIES", "family_of", "active_spans", "span_blocks", "span_masks", "allowed_mask",
            "media_inputs", "check_media", "token_columns", "media_tensor"]

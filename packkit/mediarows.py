@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rules import MASK_KEYS, row_segments, segment_key
+from .row_rules import row_segments
+from .rules import MASK_KEYS, segment_key
 
 __all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "media_columns", "media_options",
            "refuse_media", "media_pack_columns", "check_whole", "MediaRows", "take_rows", "row_documents", "row_lengths"]
@@ -175,7 +176,7 @@ def take_rows(col, rows: np.ndarray):
 
 def row_lengths(row, where: int = 0) -> np.ndarray:
     """The lengths of a packed row's documents: its ``seq_lengths``, or where its ``position_ids`` restart at 0
-    (:func:`packkit.rules.row_segments`, which names the row ``where`` when they do not fit its tokens)."""
+    (:func:`packkit.row_rules.row_segments`, which names the row ``where`` when they do not fit its tokens)."""
     key = segment_key(set(row))
     if key is None:
         raise ValueError(f"packed row {where} has no 'seq_lengths' or 'position_ids': its documents (and so their "

@@ -65,7 +65,8 @@ from .mediarows import row_documents, row_lengths
 from .media import (FAMILIES, active_spans, check_media, family_of, media_inputs, media_tensor, span_blocks, span_masks,
                     token_columns)
 from .packer import gather_index
-from .rules import ExampleTypeError, ExampleValueError, example_values, grid_rows, located, location
+from .located import ExampleTypeError, ExampleValueError, located, location
+from .row_rules import example_values, grid_rows
 from .segments import lengths_to_offsets
 
 __all__ = ["VisionLanguageCollator", "HybridCollator", "mrope_position_ids", "example_positions", "check_vision",
@@ -324,7 +325,7 @@ def check_vision(examples, spec) -> None:
     next document's image, silently).
 
     Per document and kind (images, videos): patches and grids come together; the grids are ``(n, 3)``
-    integers >= 1 whose h and w the vision tower can merge (:func:`packkit.rules.grid_rows`); the patch rows
+    integers >= 1 whose h and w the vision tower can merge (:func:`packkit.row_rules.grid_rows`); the patch rows
     are ``sum(t * h * w)`` (the tower reads ``t * h * w`` rows per grid) of one width across the batch; the text
     holds ``sum(t * h * w) / spatial_merge_size**2`` placeholder tokens (one per merged patch: the features the
     model scatters into them), as many as ``mm_token_type_ids`` marks; ``second_per_grid_ts``, one finite number

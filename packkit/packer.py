@@ -59,7 +59,9 @@ from numpy.lib.stride_tricks import as_strided
 from .binpack import DEFAULT_OVERFLOW, Plan, apply_overflow, check_overflow, check_window
 from .errors import ArgumentError, DataError, MissingError, arg, check_int
 from .examples import example_arrays
-from .rules import DOCUMENT_KEYS, MASK_KEYS, ExampleValueError, first_bad_label, first_bad_mask, row_segments, segment_key
+from .located import ExampleValueError
+from .row_rules import row_segments
+from .rules import DOCUMENT_KEYS, MASK_KEYS, first_bad_label, first_bad_mask, segment_key
 from .segments import IGNORE_INDEX, lengths_to_offsets, segment_starts
 from .states import StateError, StateFields, StateTypeError
 from .streamplan import StreamBuffer, check_buffer_size, stream_windows
@@ -711,7 +713,7 @@ class PackedStream:
     def _documents(self, i: int, ex, arrays: dict) -> tuple[list, list]:
         """Example ``i`` as its documents and what each records of its whole example's loss tokens:
         ``([arrays], [None])``, or for a packed row (``seq_lengths`` or restarting ``position_ids``,
-        :func:`packkit.rules.row_segments`) one dict of views per document, and the row's ``example_loss``
+        :func:`packkit.row_rules.row_segments`) one dict of views per document, and the row's ``example_loss``
         where it has one (a piece of an example split when it was packed keeps its example's count)."""
         if not isinstance(ex, collections.abc.Mapping):
             return [arrays], [None]

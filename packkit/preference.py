@@ -66,7 +66,9 @@ from .errors import ArgumentError, ArgumentTypeError, DataError, Where, arg, che
 from .examples import read_column
 from .integrations.trl import DPOLossHook  # TRL's private loss hook, config and metrics, in one place
 from .logps import logits_logps, scored_logps, segment_sums
-from .rules import as_lengths, check_groups, check_values, example_values, location, relocate_part
+from .located import location
+from .row_rules import check_groups, example_values, relocate_part
+from .rules import as_lengths, check_values
 from .segments import (IGNORE_INDEX, common_prefix_lengths, lengths_to_offsets, lengths_to_position_ids,
                        lengths_to_seq_idx, range_index)
 
@@ -332,7 +334,7 @@ def _pieces(layout, order, p_len, p_start, c_len, c_start, c_ptr):
 
 def _sequence_values(v, name: str, k: np.ndarray, where) -> np.ndarray:
     """``values[name]`` of :func:`build_groups`, ``(N,)`` float64 one per completion (group after group),
-    checked by the per-example rule (:func:`packkit.rules.example_values`: finite, errors naming the group)."""
+    checked by the per-example rule (:func:`packkit.row_rules.example_values`: finite, errors naming the group)."""
     v = np.asarray(v)
     if v.ndim != 1 or v.size != int(k.sum()):
         raise ValueError(f"values[{name!r}] has shape {list(v.shape)} for {int(k.sum())} completions; pass one number "
@@ -430,7 +432,7 @@ def build_groups(prompt_ids, prompt_lengths, completion_ids, completion_lengths,
         where: the dataset rows of the groups (errors name them), or None.
         keys: the completions' keys in errors (``("chosen_ids", "rejected_ids")`` for pairs), or None
             (``'completion_ids' (completion j)``). A group must have something to score
-            (:func:`packkit.rules.check_groups`).
+            (:func:`packkit.row_rules.check_groups`).
 
     Example: ``build_groups([1, 2], [2], [3, 4, 5], [2, 1], [2], layout="tree")`` gives ``input_ids
     [[1, 2, 3, 4, 5]]``, ``position_ids [[0, 1, 2, 3, 2]]`` and scores token 3 from position 1, 4 from 2,

@@ -60,8 +60,10 @@ from .errors import ArgumentError, DataError, arg
 from .integrations.transformers import StepCountHook, StepNormalizer  # Trainer's private step count
 from .preference import SequenceBatch, varlen_recipe
 from .examples import read_column
+from .located import location
+from .row_rules import example_values
 from .rules import (MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths, check_loss_mask_mode, check_values,
-                    example_values, location, mask_not_expected, no_mask)
+                    mask_not_expected, no_mask)
 from .tokenizer import load_tokenizer
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 

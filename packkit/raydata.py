@@ -58,7 +58,8 @@ from .errors import ArgumentError, arg, check_choice
 from .listcolumns import list_chunks, packed_segments, table_labels, token_lengths
 from .offline import packed_batch, packed_schema
 from .packer import gather_segments, label_dtype, log_overflow, pack_columns
-from .rules import MASK_KEYS, ExampleTypeError, ExampleValueError, relocate
+from .located import ExampleTypeError, ExampleValueError, relocate
+from .rules import MASK_KEYS
 from .segments import lengths_to_offsets
 
 __all__ = ["pack_dataset", "RayPackReport", "tail_windows", "MODES"]
@@ -201,7 +202,7 @@ def _block_labels(table, opts: dict, values: np.ndarray) -> np.ndarray | None:
 
 def _block_error(error, start: int, block: int) -> Exception:
     """The error a block's pass-0 task found, as the driver raises it: an example's error located in the
-    whole dataset (:func:`packkit.rules.relocate`: "dataset row 812 ..."), its type kept (a
+    whole dataset (:func:`packkit.located.relocate`: "dataset row 812 ..."), its type kept (a
     :class:`~packkit.errors.DataError` stays one); any other, of its own type, prefixed ``block b:``."""
     exc, i, text = error
     if i is not None:

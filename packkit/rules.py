@@ -32,18 +32,20 @@ its ``labels`` if it has them, else its token ids; then ``-100`` wherever any lo
 Here the rules are checked on flat values (a column's values laid out end to end, with offsets):
 :func:`check_column` (:func:`check_values` by :func:`column_kind`, :func:`check_aligned`). The readers
 apply them: :mod:`packkit.listcolumns` (Arrow list columns) and :mod:`packkit.examples` (Python
-examples, and the collators' batches). numpy only.
+examples, and the collators' batches). numpy only. Where an example is and the errors that say so are
+:mod:`packkit.located`; the rules of what an example carries beside its token columns (a packed row's documents,
+groups, per-example values, media grids) :mod:`packkit.row_rules`, off the path of a reader of token ids: this module
+lends the names of both under their old address (``packkit.rules.row_segments``).
 """
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
-from .errors import DataError, Where
 from .length_rules import _INT64_FIX, INT64_MAX, as_lengths, check_loss_lengths  # their home, re-exported
-from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx
+from .located import ExampleTypeError, ExampleValueError, located, location, not_integral, relocate, value_text
+from .located import _Located, _located_again, where_of  # noqa: F401 - lent (errors pickled before the move name these)
+from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
     "MASK_KEYS",
@@ -61,6 +63,19 @@ __all__ = [
     "location",
     "relocate",
 ]
+
+#: The rules of what an example carries beside its token columns, at home in :mod:`packkit.row_rules` (a reader of
+#: plain token ids does not compile them) and lent here under their old address (``packkit.rules.row_segments``).
+_ROW_RULES = frozenset({"row_segments", "check_groups", "relocate_part", "example_values", "grid_rows"})
+
+
+def __getattr__(name: str):
+    """The names of :mod:`packkit.row_rules`, lent under their old address, imported where first asked for."""
+    if name in _ROW_RULES:
+        from . import row_rules  # lazy: packed rows, groups, values and grids, off a reader of token ids
+        return getattr(row_rules, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Keys read as a loss mask (TRL's names): loss only where the mask is 1. The one definition.
 MASK_KEYS = ("completion_mask", "assistant_masks")
@@ -81,85 +96,13 @@ _NESTED_FIX = "pass one flat list per example (squeeze a [1, n] tokenizer output
 
 
 # ----------------------------------------------------------------------------------------------
-# locations and errors
+# the errors of each rule (located: packkit.located)
 # ----------------------------------------------------------------------------------------------
-
-
-def location(i: int, rows=None) -> str:
-    """Where example ``i`` is: ``"example 3"``; with ``rows`` (the dataset row of every example, or
-    the dataset row of example 0 as an int) ``"dataset row 812"``.
-
-    ``location(3) -> "example 3"``; ``location(3, rows=800) -> "dataset row 803"``;
-    ``location(1, rows=[9, 4]) -> "dataset row 4"``.
-    """
-    return str(where_of(i, rows))
-
-
-def where_of(i: int, rows=None) -> Where:
-    """:func:`location` as a message field (:class:`packkit.errors.Where`): ``where_of(3, rows=800)`` reads
-    ``dataset row 803``, and can name its line."""
-    if rows is None:
-        return Where(i)
-    return Where(int(rows) + i if isinstance(rows, numbers.Integral) else int(rows[i]), row=True)
-
-
-class _Located:
-    """An error about one example: ``index`` (its position in what was checked) and ``text`` (the
-    message after the location), so that a caller that knows more (a Ray block's first global row)
-    can say where it is with :func:`relocate`. ``cls(message)`` alone works too (pickling, and
-    PyTorch's DataLoader re-raising a worker's error)."""
-
-    def __init__(self, message: str, index: int | None = None, text: str | None = None, **fields):
-        super().__init__(message, **fields)
-        self.index, self.text = index, text
-
-    def __reduce__(self):  # pickled (Ray, DataLoader workers) with its location
-        return (_located_again, (type(self), self.template, self.index, self.text, self.fields))
-
-    def _again(self, fields: dict):
-        return _located_again(type(self), self.template, self.index, self.text, fields)
-
-
-def _located_again(cls, template, index, text, fields):
-    return cls(template, index, text, **fields)
-
-
-class ExampleValueError(_Located, DataError):
-    """A bad value in an example (negative id, bad label or mask value, lengths that differ, ...): a
-    ``ValueError`` and a :class:`packkit.errors.DataError` (the command line's data-error exit code)."""
-
-
-class ExampleTypeError(_Located, DataError, TypeError):
-    """A value of the wrong type in an example (float, bool, text, nested list, not a mapping): a
-    ``TypeError``, and a :class:`packkit.errors.DataError` like every error about the data."""
-
-
-def located(cls, i: int, rows, text: str, **facts):
-    """The error ``cls`` about example ``i`` (:func:`where_of`): ``"{where} " + text``, ``text`` as it is; ``facts``
-    ride along as fields (what a reader that knows more reads, never the message)."""
-    return cls("{where} " + text.replace("{", "{{").replace("}", "}}"), i, text, where=where_of(i, rows), **facts)
-
-
-def relocate(exc: Exception, rows) -> Exception:
-    """The same error, its example located with ``rows`` (see :func:`location`); other errors as they are.
-
-    ``relocate(err_about_example_3, rows=800)`` reads ``"dataset row 803 ..."``.
-    """
-    if isinstance(exc, _Located) and exc.index is not None:
-        return located(type(exc), exc.index, rows, exc.text)
-    return exc
-
-
-def _value_text(v) -> str:
-    """``1.5 (float)``, ``True (bool)``, ``'a' (str)``, ``nan (float)``."""
-    if isinstance(v, np.generic):
-        v = v.item()
-    return f"{v!r} ({type(v).__name__})"
 
 
 def not_integer(i, rows, key: str, kind: str, v):
     """``has 1.5 (float) in 'input_ids'; token ids are ...``: the value, its column and rule kept as fields."""
-    return located(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {RULES[kind]}", value=v, key=key,
+    return located(ExampleTypeError, i, rows, f"has {value_text(v)} in {key!r}; {RULES[kind]}", value=v, key=key,
                    kind=kind)
 
 
@@ -170,7 +113,7 @@ def nested(i, rows, key: str, detail: str):
 def beyond_int64(i, rows, key: str, kind: str, v):
     """A value packkit cannot keep: token ids and labels are written as int64 (2**64 - 1 would read back
     as -1), and a JSON integer past int64 arrives as a float; never cast silently."""
-    return located(ExampleValueError, i, rows, f"has {_value_text(v)} in {key!r}, beyond int64 ({_INT64_FIX}); "
+    return located(ExampleValueError, i, rows, f"has {value_text(v)} in {key!r}, beyond int64 ({_INT64_FIX}); "
                    f"{RULES[kind]}")
 
 
@@ -340,11 +283,6 @@ def _first_with(bad: np.ndarray, starts: np.ndarray, lengths: np.ndarray):
     return i, s + int(np.argmax(bad[s: s + int(lengths[i])]))
 
 
-def not_integral(values: np.ndarray) -> np.ndarray:
-    """Where a float array holds a value that is not an integer: ``[1.0, 1.5, nan] -> [F, T, T]``."""
-    return ~np.isfinite(values) | (values != np.round(values))
-
-
 def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, rows, culprit_only: bool = False) -> None:
     """Integer values that int64 holds (bools too in a mask); the error names the first value of the
     first example that breaks the rule: ``uint64`` past ``2**63 - 1``, a float that is not an integer,
@@ -456,173 +394,6 @@ def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids",
         i = int(np.argmax(bad))
         raise length_mismatch(i, rows, key, int(lengths[i]), ref_key, int(ref_lengths[i]))
 
-
-# ----------------------------------------------------------------------------------------------
-# groups: a prompt and its completions (preference pairs, RL groups)
-# ----------------------------------------------------------------------------------------------
-
-
-def _part(j: int, keys) -> tuple[str, str]:
-    """``(key, where)`` of completion ``j`` of a group: ``keys`` names one key per completion (a preference
-    pair's ``("chosen_ids", "rejected_ids")``), else every completion is ``'completion_ids' (completion j)``."""
-    if keys:
-        return keys[j % len(keys)], ""
-    return "completion_ids", f" (completion {j})"
-
-
-def check_groups(prompt_lengths, completion_lengths, group_sizes, *, rows=None, keys=None,
-                 prompt_key: str = "prompt_ids") -> None:
-    """Groups that each have something to score: at least one completion, no empty completion, and no
-    completion of one token after an empty prompt (its only token has no token before it to be predicted
-    from). ``prompt_lengths`` ``(G,)``, ``completion_lengths`` ``(N,)`` group after group, ``group_sizes``
-    ``(G,)``; ``keys``: the completions' keys for the errors (:func:`_part`).
-    ``check_groups([0], [1, 2], [2], keys=("chosen_ids", "rejected_ids"))`` raises ``"example 0 has an empty
-    'prompt_ids' and 1 token in 'chosen_ids': nothing to score (...); give it a prompt (a BOS token) or filter
-    it out"``.
-    """
-    p_len, c_len = np.asarray(prompt_lengths, np.int64), np.asarray(completion_lengths, np.int64)
-    k = np.asarray(group_sizes, np.int64)
-    group = lengths_to_seq_idx(k)
-    unscored = (c_len < 1) | ((c_len < 2) & (p_len[group] < 1))
-    bad = (k < 1) | (np.bincount(group, weights=unscored, minlength=k.size) > 0)
-    if bad.any():  # the first group (in order) with nothing to score, then what it lacks
-        g = int(np.argmax(bad))
-        if k[g] < 1:
-            raise located(ExampleValueError, g, rows, "has no completion; a group needs at least one")
-        offset = int(lengths_to_offsets(k)[g])
-        n = offset + int(np.argmax(unscored[offset: offset + int(k[g])]))
-        key, where = _part(n - offset, keys)
-        if c_len[n] < 1:
-            text = f"has an empty {key!r}{where}: nothing to score; filter such examples out first"
-        else:
-            text = (f"has an empty {prompt_key!r} and 1 token in {key!r}{where}: nothing to score (a sequence's first "
-                    "token has no token before it to be predicted from); give it a prompt (a BOS token) or filter "
-                    "it out")
-        raise located(ExampleValueError, g, rows, text)
-
-
-def relocate_part(exc: Exception, group_sizes, *, rows=None, keys=None) -> Exception:
-    """An error about the ``n``-th completion (completions laid out group after group, each read as an
-    example of ``'completion_ids'``) as the same error about its group: ``"example 1 has token id -1 in
-    'completion_ids'"`` about completion 1 of groups of sizes ``[1, 2]`` reads ``"example 1 has token id -1 in
-    'completion_ids' (completion 0)"``, or with ``keys`` its own key (:func:`_part`); other errors as they are."""
-    if not (isinstance(exc, _Located) and exc.index is not None):
-        return exc
-    offsets = lengths_to_offsets(np.asarray(group_sizes, np.int64))
-    g = int(np.searchsorted(offsets, exc.index, side="right") - 1)
-    key, where = _part(exc.index - int(offsets[g]), keys)
-    return located(type(exc), g, rows, exc.text.replace("'completion_ids'", f"{key!r}{where}", 1))
-
-
-# ----------------------------------------------------------------------------------------------
-# per-example values: numbers that ride along (advantages, rewards, weights)
-# ----------------------------------------------------------------------------------------------
-
-
-def example_values(values: list, sizes, *, key: str, rows=None, what: str = "completion") -> np.ndarray | None:
-    """Every example's ``key`` (``values``: one entry per example, None where it lacks the key), checked and
-    laid end to end as float64 ``(sum(sizes),)``; None when no example has it.
-
-    The rule: present on every example or on none (a batch where some lack it is refused, never trained
-    without it); each a number or a flat list (array, tensor) of ``sizes[i]`` numbers, one per ``what``;
-    every number finite. Bools, text, nulls and nested lists are refused. The error names the example:
-    ``example_values([[1.0, nan]], [2], key="advantages")`` raises ``"example 0 has nan (float) in
-    'advantages' (completion 1); advantages are finite numbers, one per completion: fix or drop the example"``.
-    """
-    missing = [i for i, v in enumerate(values) if v is None]
-    if len(missing) == len(values):
-        return None
-    rule = f"{key} are finite numbers, one per {what}"
-    if missing:
-        have = next(i for i, v in enumerate(values) if v is not None)
-        raise located(ExampleValueError, missing[0], rows,
-                      f"has no {key!r} while {location(have, rows)} has them; {rule}, on every example or on none "
-                      "(a batch cannot be trained with some): fill it in or drop the column")
-    sizes = np.asarray(sizes, np.int64)
-    out = []
-    for i, v in enumerate(values):
-        if hasattr(v, "detach") and hasattr(v, "cpu"):  # a torch tensor, without importing torch
-            v = v.detach().cpu().numpy()
-        if isinstance(v, (str, bytes)):
-            raise located(ExampleTypeError, i, rows, f"has {_value_text(v)} in {key!r}; {rule}")
-        try:
-            arr = np.asarray(v)
-        except ValueError:  # ragged nested lists
-            arr = np.asarray(None, dtype=object)
-            shape = "ragged"
-        else:
-            shape = f"shape {list(arr.shape)}"
-        if arr.ndim > 1 or (arr.dtype == object and (shape == "ragged" or any(
-                isinstance(x, (list, tuple, np.ndarray)) for x in arr.flat))):
-            raise located(ExampleTypeError, i, rows, f"has a nested list in {key!r} ({shape}); {rule}: pass one flat "
-                          "list per example")
-        arr = arr.reshape(-1)
-        if arr.dtype.kind not in "iuf" or (isinstance(v, (list, tuple)) and any(isinstance(x, (bool, np.bool_))
-                                                                                 for x in v)):  # [1.0, True]
-            items = list(v) if isinstance(v, (list, tuple)) else arr.tolist()
-            j = next((j for j, x in enumerate(items) if x is None or isinstance(x, (bool, np.bool_, str, bytes))
-                      or not isinstance(x, numbers.Real)), 0)
-            x = items[j] if items else v
-            text = f"has a null in {key!r} ({what} {j})" if x is None else f"has {_value_text(x)} in {key!r} ({what} {j})"
-            raise located(ExampleTypeError, i, rows, f"{text}; {rule}")
-        if arr.size != sizes[i]:
-            raise located(ExampleValueError, i, rows, f"has {arr.size} {key!r} for {int(sizes[i])} {what}s; give one "
-                          f"per {what}")
-        arr = arr.astype(np.float64)
-        bad = ~np.isfinite(arr)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise located(ExampleValueError, i, rows, f"has {_value_text(arr[j])} in {key!r} ({what} {j}); {rule}: "
-                          "fix or drop the example")
-        out.append(arr)
-    return np.concatenate(out) if out else np.zeros(0, np.float64)
-
-
-# ----------------------------------------------------------------------------------------------
-# per-example grids: the (t, h, w) of each image or video
-# ----------------------------------------------------------------------------------------------
-
-
-def grid_rows(value, i: int, *, key: str, rows=None, merge: int | None = None) -> np.ndarray:
-    """One example's grids (``image_grid_thw``, ``video_grid_thw``: one ``(t, h, w)`` row of patches per image
-    or video) as ``(n, 3)`` int64, checked: integers >= 1, three a row, and ``h`` and ``w`` multiples of
-    ``merge`` (the vision tower merges ``merge x merge`` patches into one token) when given.
-    ``grid_rows([[1, 4, 4]], 0, key="image_grid_thw") -> [[1, 4, 4]]``; ``[[4, 4]]`` raises ``"example 0 has
-    image_grid_thw of shape [1, 2]; a grid is one (t, h, w) row per image, as the processor returns it"``.
-    """
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
-        value = value.detach().cpu().numpy()
-    try:
-        grid = np.asarray(value)
-    except ValueError:  # ragged rows
-        grid = np.asarray(None, dtype=object)
-    what = "image" if "image" in key else "video"
-    if grid.ndim != 2 or grid.shape[1] != 3:
-        shape = f"shape {list(grid.shape)}" if grid.dtype != object or grid.ndim else "ragged rows"
-        raise located(ExampleValueError, i, rows, f"has {key} of {shape}; a grid is one (t, h, w) row per {what}, as "
-                      "the processor returns it")
-    if grid.dtype.kind not in "iu":
-        bad = not_integral(grid.astype(np.float64)) if grid.dtype.kind == "f" else np.ones(grid.shape, bool)
-        if grid.dtype.kind != "f" or bad.any():
-            r, c = np.unravel_index(int(np.argmax(bad)), grid.shape)
-            raise located(ExampleTypeError, i, rows, f"has {_value_text(grid[r, c])} in {key} ({what} {r}); a grid "
-                          "holds integers >= 1 (patches along t, h, w)")
-    small = grid < 1
-    if small.any():
-        r, c = np.unravel_index(int(np.argmax(small)), grid.shape)
-        raise located(ExampleValueError, i, rows, f"has {key} {grid[r].tolist()} ({what} {r}); a grid holds integers "
-                      ">= 1 (patches along t, h, w)")
-    grid = grid.astype(np.int64)
-    if merge is not None:
-        odd = (grid[:, 1:] % merge != 0).any(axis=1)
-        if odd.any():
-            r = int(np.argmax(odd))
-            raise located(ExampleValueError, i, rows, f"has {key} {grid[r].tolist()} ({what} {r}), whose h and w are "
-                          f"not multiples of the model's spatial_merge_size={merge}; keep the grid the model's "
-                          "processor returned")
-    return grid
-
-
 # ----------------------------------------------------------------------------------------------
 # packed rows: their documents
 # ----------------------------------------------------------------------------------------------
@@ -645,62 +416,7 @@ def segment_key(names) -> str | None:
     """The key that marks packed rows among ``names`` (:data:`SEGMENT_KEYS`), or None.
 
     ``segment_key(["input_ids", "seq_lengths"]) -> "seq_lengths"``; ``position_ids`` alone marks them too
-    (whether they restart is :func:`row_segments`' to decide).
+    (whether they restart is :func:`~packkit.row_rules.row_segments`' to decide).
     """
     names = set(names)
     return next((k for k in SEGMENT_KEYS if k in names), None)
-
-
-def _first_bad_row(values: np.ndarray, bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int]:
-    """``(row, value)`` of the first ``bad`` value of a flat column with ``(n + 1,)`` ``offsets``."""
-    t = int(np.argmax(bad))
-    return int(np.searchsorted(offsets, t, side="right") - 1), int(values[t])
-
-
-def row_segments(key: str, flat, counts, lengths, *, rows=None,
-                 positive: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The documents of packed rows: ``(seg_lengths (S,) int64, seg_ptr (R + 1,) int64)``, row ``r``
-    holding ``seg_lengths[seg_ptr[r]:seg_ptr[r + 1]]``, from their ``key`` column (``seq_lengths``, or
-    ``position_ids`` that restart at 0 at each document) as flat values with ``counts`` per row, checked
-    against the rows' token ``lengths`` (errors name the row, :func:`location`).
-
-    ``row_segments("seq_lengths", [2, 1, 3], [2, 1], [3, 3]) -> ([2, 1, 3], [0, 2, 3])``;
-    ``row_segments("position_ids", [0, 1, 0, 0, 1, 2], [3, 3], [3, 3]) -> ([2, 1, 3], [0, 2, 3])``.
-    ``positive``: the caller has found every ``seq_lengths`` value >= 1 (packed rows' join checks them with their
-    ``example_loss`` in one comparison, :func:`packkit.collate._row_segments`); nothing else is skipped.
-    """
-    flat = np.asarray(flat, np.int64)
-    counts, lengths = np.asarray(counts, np.int64), np.asarray(lengths, np.int64)
-    if key == "seq_lengths":
-        seg_ptr = lengths_to_offsets(counts)
-        if not positive and (flat < 1).any():
-            i, v = _first_bad_row(flat, flat < 1, seg_ptr)
-            raise located(ExampleValueError, i, rows, f"has a segment of length {v}; seq_lengths must be >= 1")
-        csum = lengths_to_offsets(flat)
-        sums = csum[seg_ptr[1:]] - csum[seg_ptr[:-1]]
-        bad = sums != lengths
-        if bad.any():
-            i = int(np.argmax(bad))
-            cut = ("; they must match (input_ids cut after packing? TRL's SFTConfig(max_length=...) below the packing "
-                   "window truncates packed rows: pass max_length=None, the rows already fit the window)"
-                   if sums[i] > lengths[i] else "; they must match")
-            raise located(ExampleValueError, i, rows, f"has seq_lengths summing to {int(sums[i])} for "
-                          f"{int(lengths[i])} input_ids{cut}")
-        return flat, seg_ptr
-    bad = counts != lengths
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise located(ExampleValueError, i, rows, f"has {int(counts[i])} position_ids for {int(lengths[i])} "
-                      "input_ids")
-    row_offsets = lengths_to_offsets(lengths)
-    prev = np.concatenate(([-1], flat[:-1]))
-    prev[row_offsets[:-1]] = -1
-    is_start = flat == 0
-    bad = ~is_start & (flat != prev + 1)
-    if bad.any():
-        i, v = _first_bad_row(flat, bad, row_offsets)
-        raise located(ExampleValueError, i, rows, "has position_ids that neither restart at 0 nor go up by one "
-                      f"(value {v}); pass seq_lengths instead")
-    starts = np.flatnonzero(is_start)
-    seg_ptr = np.searchsorted(starts, row_offsets, side="left").astype(np.int64)
-    return np.diff(np.append(starts, flat.size)).astype(np.int64), seg_ptr

@@ -42,7 +42,8 @@ from .atomic import name_max, named_os_error, temp_name
 from .interrupts import deferred, join
 from .listcolumns import check_float_culprit, list_chunks
 from .packer import FlatColumn
-from .rules import check_not_null, check_values, row_segments, segment_key
+from .row_rules import row_segments
+from .rules import check_not_null, check_values, segment_key
 from .segments import lengths_to_offsets
 
 __all__ = ["ArrowSource", "Scan", "scan", "scan_documents", "prefetch", "DEFAULT_BATCH_ROWS"]
@@ -258,7 +259,7 @@ class Scan:
 
     def documents(self, seg_lengths: np.ndarray, seg_ptr: np.ndarray) -> "Scan":
         """The scan with every packed row read as its documents: ``seg_lengths (S,)`` lengths, row ``r``
-        holding ``seg_lengths[seg_ptr[r]:seg_ptr[r + 1]]`` (:func:`packkit.rules.row_segments`). Each
+        holding ``seg_lengths[seg_ptr[r]:seg_ptr[r + 1]]`` (:func:`packkit.row_rules.row_segments`). Each
         column becomes a view per document (its row's region, the row's start plus the document's offset
         inside the row): no token is copied. ``packed_rows`` keeps the row count.
 

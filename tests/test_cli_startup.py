@@ -141,7 +141,7 @@ LAZY = {
     "packkit.tokenizer": "the tokenizers (16 KB), through datafiles, for no text",
     "packkit.cp_plan": "the CP planner (37 KB to compile from source) for a window check (packkit.cp_layouts)",
     "packkit.balance": "the cost-target planners and LPT (33 KB), through the sampler, for no balance='compute'",
-    "packkit.rules": "the rules of whole examples (37 KB), through binpack, for as_lengths (packkit.length_rules)",
+    "packkit.rules": "the rules of whole examples (22 KB), through binpack, for as_lengths (packkit.length_rules)",
     "packkit.states": "the reader of saved states (7 KB), through the sampler, for a resume: no state is loaded",
     "packkit.resume": "the states a sampler saves and loads and the loaders' counts (20 KB), for no pass nor resume",
     "packkit.orders": "the length-grouped and token-budget samplers' sorts (8 KB), for plan's packed windows",
@@ -397,6 +397,12 @@ FILE_UNCOMPILED = {
     "atomic_output": "the output side of packkit.fileio (19 M instructions of plan small.jsonl's start), for no output",
     "check_output": "the checks of an output path (packkit.fileio), for a command that writes nothing",
     "png_figure": "a plot written as a PNG (packkit.fileio), for no --plot",
+    "row_segments": "a packed row's documents checked (packkit.rules, 24 KB with the next four: 28 M of plan "
+                    "small.jsonl's instructions), for a file of plain examples",
+    "check_groups": "a group's completions checked (packkit.rules), for no preference pairs nor RL groups",
+    "relocate_part": "an error about a completion said of its group (packkit.rules), for no groups",
+    "example_values": "per-example values checked (packkit.rules: advantages, weights), for none",
+    "grid_rows": "an image's or a video's grid checked (packkit.rules), for no media",
 }
 
 
@@ -405,7 +411,11 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
     """Regression (round 6): ``packkit plan FILE`` and ``waste FILE`` imported :mod:`packkit.fileio` for
     :func:`~packkit.fileio.held_still` (the input held still while read) and compiled its output side too (the atomic
     writes, the checks of an output path, the plots: 29 KB, 19 M of ``plan small.jsonl``'s 1,733 M instructions from
-    source). The output side is :mod:`packkit.atomic`, lent by :mod:`packkit.fileio` under its old address."""
+    source). The output side is :mod:`packkit.atomic`, lent by :mod:`packkit.fileio` under its old address.
+    Regression too (round 7): both compiled every rule of :mod:`packkit.rules` (37 KB), 24 KB of which a file of plain
+    token ids never runs: a packed row's documents, groups, per-example values, media grids. They are
+    :mod:`packkit.row_rules` (the errors that name an example, below both, :mod:`packkit.located`), lent by
+    :mod:`packkit.rules` under their old address."""
     out = _plan_and_waste_of_a_file(
         tmp_path, "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
     codes, modules = json.loads(out.stdout.splitlines()[-1])
@@ -415,8 +425,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
 
 
 def test_the_moved_names_are_lent_under_their_old_address():
-    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack` and :mod:`packkit.fileio` for rooms of their own is the
-    same object at its old address."""
+    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack`, :mod:`packkit.fileio` and :mod:`packkit.rules` for
+    rooms of their own is the same object at its old address."""
     from packkit import atomic, binpack, fileio, length_rules, sampler, short_steps, streamplan
 
     for name in ("halve_pieces", "split_pieces"):
@@ -428,3 +438,12 @@ def test_the_moved_names_are_lent_under_their_old_address():
         assert getattr(fileio, name) is getattr(atomic, name), name
     with pytest.raises(AttributeError):
         fileio.no_such_name  # noqa: B018
+    from packkit import located, row_rules, rules
+
+    for name in row_rules.__all__:
+        assert getattr(rules, name) is getattr(row_rules, name), name
+    for name in ("location", "where_of", "located", "relocate", "ExampleValueError", "ExampleTypeError", "not_integral",
+                 "_Located", "_located_again"):
+        assert getattr(rules, name) is getattr(located, name), name
+    with pytest.raises(AttributeError):
+        rules.no_such_name  # noqa: B018
