@@ -13,8 +13,12 @@ without varlen attention would run):
                     (is_causal; padding keys sit after every real query); the pad and unpad copies count
 
 Problems (bf16, causal, 32 query heads over 8 kv heads): head dims 64 and 128 x windows of 4,096 and
-8,192 tokens, each 32,768 tokens of chat-like documents (lognormal lengths, median 250, clipped to the
-window) packed first-fit. Times are medians of CUDA-event timings; the phase columns (forward,
+8,192 tokens, each 32,768 tokens of real chat documents (``--lengths chat``, the default: ShareGPT conversations
+under Qwen3's tokenizer, those that fit the window; ``--lengths sft-like``: the synthetic lognormal, median 250,
+clipped to the window) packed first-fit. ``--rounds`` rounds rotate the providers (each first in turn), garbage
+collected outside the clock; each round times ``--reps`` calls of each (the median of CUDA-event timings), and the
+ratios are medians of the round-by-round pair ratios (packed / padded with its spread). Written without a GPU at
+hand: checked on the CPU by ``--cpu-smoke`` only. Times are medians of CUDA-event timings; the phase columns (forward,
 preprocess, dk/dv, dq) are device times of each provider's kernels from torch.profiler, per call.
 
 FLOPs (causal, useful work only, the same for every provider): a document of L tokens has L(L+1)/2
@@ -32,11 +36,14 @@ that every call path runs (tests/test_bench_attention.py runs it in CI); it meas
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import time
 
 import numpy as np
-from benchlib import device_name, emit_json, median_time, sft_like_lengths, smoke_or_cuda, verdict, versions
+from benchlib import (add_lengths_option, bench_lengths, device_name, emit_json, median_time, ratio_spread,
+                      smoke_or_cuda, spread_text, verdict, versions)
 
 TARGETS = {"triton_fwd_vs_torch": 0.9, "triton_fwd_bwd_vs_torch": 0.8, "packed_vs_padded": 2.0}
 # Kernel-name fragments -> phase, for the profiler's device events (Triton's, then flash-attn's inside torch).
@@ -99,8 +106,10 @@ def phase_times(fn, *, reps: int, device: str) -> dict[str, float] | str:
 
 
 def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, reps: int, profile_reps: int,
-                smoke: bool) -> dict:
-    """Time every provider on one packed batch; return the problem's record (setup, rows, ratios)."""
+                smoke: bool, lengths: str = "chat", rounds: int = 5) -> dict:
+    """Time every provider on one packed batch, ``rounds`` rounds rotating the providers (each first in turn), each
+    round the median of ``reps`` calls, garbage collected outside the clock; return the problem's record (setup,
+    rows with the round medians' median, ratios: the median pair ratios and the spread of packed / padded)."""
     import torch
     import torch.nn.functional as F
 
@@ -110,7 +119,8 @@ def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, re
 
     window, num_windows, nheads, nheads_kv, headdim = (problem[k] for k in
                                                         ("window", "windows", "nheads", "nheads_kv", "headdim"))
-    lengths = sft_like_lengths(40 * num_windows * window // 250 + 8, seed=seed, median=problem["median"], high=window)
+    lengths = bench_lengths(lengths, 40 * num_windows * window // 250 + 8, seed=seed, median=problem["median"],
+                            high=window)
     docs = [n for w in pack_first_fit(lengths, window, num_windows) for n in w]
     total, max_seqlen = sum(docs), max(docs)
     cu = torch.from_numpy(lengths_to_cu_seqlens(docs)).to(device)
@@ -150,44 +160,68 @@ def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, re
     if smoke:
         providers["reference"] = varlen("reference")
 
-    # -- measure --
+    # -- measure: every provider's warm-up and check first, then rounds rotating the providers --
     fwd_flops = causal_attention_flops(docs, nheads, headdim)
-    rows, baseline = [], None
+    rows, baseline, calls = [], None, {}
     for name, fn in providers.items():
         if skipped.get(name):
             rows.append(dict(provider=name, skipped=skipped[name]))
             continue
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
-        def fwd():
+        def fwd(fn=fn):
             with torch.no_grad():
                 return fn(q, k, v)
 
-        def fwd_bwd():
+        def fwd_bwd(fn=fn, leaves=leaves):
             out = fn(*leaves)
             return torch.autograd.grad(out, leaves, grad_out)
 
         try:
             out = fwd().float()
             baseline = out if baseline is None else baseline
-            t_fwd = median_time(fwd, warmup=warmup, reps=reps, device=device)
-            t_fwd_bwd = median_time(fwd_bwd, warmup=warmup, reps=reps, device=device)
-            phases = phase_times(fwd_bwd, reps=profile_reps, device=device)
+            median_time(fwd, warmup=warmup, reps=1, device=device)
+            median_time(fwd_bwd, warmup=warmup, reps=1, device=device)
+            calls[name] = (fwd, fwd_bwd, (out - baseline).abs().max().item())
         except Exception as err:  # a failing provider is reported, and the others still run
             rows.append(dict(provider=name, error=f"{type(err).__name__}: {err}"[:500]))
-            continue
+    times = {name: {"fwd_ms": [], "fwd_bwd_ms": []} for name in calls}
+    for r in range(rounds):
+        names = list(times)
+        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+            fwd, fwd_bwd, _ = calls[name]
+            gc.collect()
+            gc.disable()
+            try:
+                times[name]["fwd_ms"].append(1e3 * median_time(fwd, warmup=0, reps=reps, device=device))
+                times[name]["fwd_bwd_ms"].append(1e3 * median_time(fwd_bwd, warmup=0, reps=reps, device=device))
+            except Exception as err:  # a provider failing in a later round is dropped from the comparison
+                rows.append(dict(provider=name, error=f"{type(err).__name__}: {err}"[:500]))
+                del times[name]
+            finally:
+                gc.enable()
+    for name, t in times.items():
+        fwd, fwd_bwd, diff = calls[name]
+        try:
+            phases = phase_times(fwd_bwd, reps=profile_reps, device=device)
+        except Exception as err:  # the profiler's view is extra: its failure is noted, not fatal
+            phases = f"profiler failed: {type(err).__name__}: {err}"[:200]
+        t_fwd, t_fwd_bwd = statistics.median(t["fwd_ms"]) / 1e3, statistics.median(t["fwd_bwd_ms"]) / 1e3
         rows.append(dict(
             provider=name, fwd_ms=t_fwd * 1e3, fwd_bwd_ms=t_fwd_bwd * 1e3,
             fwd_tflops=fwd_flops / t_fwd / 1e12, fwd_bwd_tflops=3.5 * fwd_flops / t_fwd_bwd / 1e12,
-            max_diff_vs_triton=(out - baseline).abs().max().item(),
+            max_diff_vs_triton=diff, rounds_ms=t,
             phases_ms=phases if isinstance(phases, dict) else None,
             phases_note=None if isinstance(phases, dict) else phases,
         ))
+    order = list(providers)
+    rows.sort(key=lambda r: order.index(r["provider"]))
 
     timed = {r["provider"]: r for r in rows if "fwd_ms" in r}
 
     def ratio(slow, fast, key):
-        return timed[slow][key] / timed[fast][key] if slow in timed and fast in timed else None
+        """The median pair ratio ``slow / fast`` over the rounds (``None`` unless both were timed)."""
+        return ratio_spread(times[slow][key], times[fast][key])["median"] if slow in timed and fast in timed else None
 
     packed = [n for n in ("triton", "triton_atomic", "torch", "flash_attn") if n in timed]
     best = min(packed, key=lambda n: timed[n]["fwd_bwd_ms"]) if packed else None
@@ -198,6 +232,8 @@ def run_problem(problem: dict, *, device: str, dtype, seed: int, warmup: int, re
         packed_vs_padded=ratio("padded_sdpa", best, "fwd_bwd_ms") if best else None,
         packed_vs_padded_fwd=ratio("padded_sdpa", best, "fwd_ms") if best else None,
         best_packed=best,
+        packed_vs_padded_spread=(ratio_spread(times["padded_sdpa"]["fwd_bwd_ms"], times[best]["fwd_bwd_ms"])
+                                 if best and "padded_sdpa" in timed else None),
     )
     setup = dict(problem["name"] and dict(name=problem["name"]), dtype=str(dtype).replace("torch.", ""), causal=True,
                  window=window, windows=num_windows, docs=len(docs), tokens=total,
@@ -228,10 +264,12 @@ def main() -> int:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny sizes on the CPU, Triton interpreted, CUDA-only backends faked: checks every call path")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=20, help="calls timed a round (their median is the round's)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds rotating the providers")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--windows", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--json-out", help="append the JSON lines to this file too")
+    add_lengths_option(parser)
     args = parser.parse_args()
 
     device = smoke_or_cuda("bench_attention.py", smoke=args.cpu_smoke)
@@ -266,7 +304,8 @@ def main() -> int:
             problem = dict(name=f"d{headdim}-w{window}", window=window, windows=max(1, tokens // window),
                            nheads=nheads, nheads_kv=nheads_kv, headdim=headdim, median=median)
             record = run_problem(problem, device=device, dtype=dtype, seed=args.seed, warmup=warmup, reps=reps,
-                                 profile_reps=profile_reps, smoke=args.cpu_smoke)
+                                 profile_reps=profile_reps, smoke=args.cpu_smoke, lengths=args.lengths,
+                                 rounds=2 if args.cpu_smoke else args.rounds)
             records.append(record)
             print_problem(record)
             emit_json(dict(bench="attention", part="problem", smoke=args.cpu_smoke, **record), args.json_out)
@@ -276,7 +315,9 @@ def main() -> int:
     for r in records:
         x = r["ratios"]
         cells = [verdict(x[key], TARGETS[key], smoke=args.cpu_smoke) for key in TARGETS]
-        print(f"{r['setup']['name']:<12}{cells[0]:>30}{cells[1]:>30}{cells[2]:>32}")
+        spread = x["packed_vs_padded_spread"]
+        print(f"{r['setup']['name']:<12}{cells[0]:>30}{cells[1]:>30}{cells[2]:>32}"
+              + (f"  pair ratios {spread_text(spread)}" if spread else ""))
     missed = [] if args.cpu_smoke else sorted({k for r in records for k, target in TARGETS.items()
                                                if r["ratios"][k] is not None and r["ratios"][k] < target})
     summary = dict(bench="attention", part="summary", smoke=args.cpu_smoke, versions=versions("triton", "flash-attn", "transformers"),

@@ -1,6 +1,8 @@
 """Planning speed and quality: packkit's planner against TRL's ``pack_dataset`` (BFD), same run.
 
-For each length distribution it measures, on the same lengths:
+Lengths: real chat by default (``--lengths chat``: ShareGPT conversations under Qwen3's tokenizer, drawn with
+replacement to ``--n``), at W = 2,048 and 4,096; ``--lengths sft-like`` (or ``uniform``) runs the synthetic cases instead,
+labelled (lognormal median 250 at 2,048, uniform 16..512 at 4,096). For each case it measures, on the same lengths:
 
 * packkit ``pack(...)`` — planning only (lengths in, a Plan out), every strategy;
 * packkit ``pack`` + ``pack_arrays`` — planning plus moving every token once, for a like-for-like
@@ -12,7 +14,12 @@ TRL's "bfd" truncates over-long examples, so packkit runs with ``overflow="trunc
 comparison (and reports the cut tokens that TRL does not). Windows over the lower bound use
 ``ceil(tokens after truncation / W)``.
 
-Usage: ``python benchmarks/bench_binpack.py [--n 1000000] [--no-trl] [--big 10000000]``.
+The strategies' planning times are packkit alone (best of ``--repeat``; their fill and windows are exact).
+packkit against TRL: ``--rounds`` rounds, the three providers rotated every round (each first in turn), garbage
+collected outside the clock (``benchlib.rotating_rounds``, CPU time); medians, and the median and spread of the pair
+ratios TRL / packkit.
+
+Usage: ``python benchmarks/bench_binpack.py [--n 1000000] [--no-trl] [--big 10000000] [--lengths chat]``.
 Prints a table last, then one JSON line.
 """
 
@@ -22,12 +29,14 @@ import argparse
 import gc
 import json
 import platform
+import statistics
 import time
 import tracemalloc
 
 import numpy as np
 
-from benchlib import best_of, sft_like_lengths, uniform_lengths, versions
+from benchlib import (LENGTH_SOURCES, add_lengths_option, bench_lengths, loadavg, ratio_spread, rotating_rounds,
+                      spread_text, versions)
 
 from packkit.binpack import pack
 from packkit.packer import pack_arrays
@@ -54,16 +63,26 @@ def make_dataset(lengths):
     return Dataset(pa.table({"input_ids": column})), values, offsets
 
 
-def run_trl(ds, window, lengths, whole):
+def fastest(fn, repeat: int):
+    """``(seconds, result)``: the fastest of ``repeat`` calls of ``fn()`` (one provider alone, no comparison)."""
+    times, out = [], None
+    for _ in range(repeat):
+        gc.collect()
+        t = time.process_time()
+        out = fn()
+        times.append(time.process_time() - t)
+    return min(times), out
+
+
+def trl_call(ds, window, whole, out: dict, key: str):
+    """TRL's ``pack_dataset(ds, window, "bfd")`` (over the whole dataset when ``whole``), its rows kept in ``out``."""
     from trl.data_utils import pack_dataset as trl_pack
 
     kwargs = {"map_kwargs": {"batch_size": len(ds)}} if whole else {}
-    t = time.perf_counter()
-    out = trl_pack(ds, window, strategy="bfd", **kwargs)
-    seconds = time.perf_counter() - t
-    tokens = int(np.minimum(lengths, window).sum())
-    lb = -(-tokens // window)
-    return {"seconds": seconds, "windows": len(out), "lower_bound": lb}
+
+    def call():
+        out[key] = len(trl_pack(ds, window, strategy="bfd", **kwargs))
+    return call
 
 
 def main(argv=None):
@@ -71,18 +90,26 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--big", type=int, default=10_000_000, help="size of the scaling run (0: skip)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="rotated rounds of packkit against TRL")
     ap.add_argument("--no-trl", action="store_true")
+    add_lengths_option(ap)
     args = ap.parse_args(argv)
 
-    rows = []
-    cases = [("sft-like lognormal", sft_like_lengths(args.n), 2048), ("uniform 16..512", uniform_lengths(args.n), 4096)]
+    rows, spreads = [], []
+    if args.lengths == "chat":  # real
+        real = bench_lengths("chat", args.n)
+        cases = [("ShareGPT/Qwen3 chat", real, 2048), ("ShareGPT/Qwen3 chat", real, 4096)]
+    else:
+        cases = [("SYNTHETIC sft-like", bench_lengths("sft-like", args.n), 2048),
+                 ("SYNTHETIC uniform 16..512", bench_lengths("uniform", args.n), 4096)]
+    load = loadavg()
     for name, lengths, window in cases:
         for strategy in ("bfd", "ffd", "shuffle_ff", "next_fit"):
             for overflow in ("truncate", "split"):
                 if overflow == "split" and not (lengths > window).any():
                     continue
                 repeat = 1 if strategy == "shuffle_ff" else args.repeat
-                sec, plan = best_of(lambda: pack(lengths, window=window, strategy=strategy, overflow=overflow), repeat)
+                sec, plan = fastest(lambda: pack(lengths, window=window, strategy=strategy, overflow=overflow), repeat)
                 rows.append({
                     "data": name, "W": window, "tool": f"packkit pack({strategy}, {overflow})", "seconds": sec,
                     "windows": plan.num_windows, "over_lb": plan.num_windows - plan.lower_bound,
@@ -90,21 +117,31 @@ def main(argv=None):
                 })
         if not args.no_trl:
             ds, values, offsets = make_dataset(lengths)
-            plan_then_move = lambda: pack_arrays(pack(lengths, window=window, overflow="truncate"), values, offsets)
-            sec, packed = best_of(plan_then_move, args.repeat)
+            got = {}
+
+            def plan_then_move():
+                got["packed"] = pack_arrays(pack(lengths, window=window, overflow="truncate"), values, offsets)
+
+            trl_default = "TRL pack_dataset bfd, default (chunks of 1,000)"
+            trl_whole = "TRL pack_dataset bfd, whole dataset"
+            times = rotating_rounds({"packkit": plan_then_move, trl_default: trl_call(ds, window, False, got, "d"),
+                                     trl_whole: trl_call(ds, window, True, got, "w")}, args.rounds)
+            packed = got["packed"]
             tokens = int(packed.row_offsets[-1])
+            lb = -(-int(np.minimum(lengths, window).sum()) // window)
             rows.append({
-                "data": name, "W": window, "tool": "packkit pack + pack_arrays (truncate)", "seconds": sec,
+                "data": name, "W": window, "tool": "packkit pack + pack_arrays (truncate)",
+                "seconds": statistics.median(times["packkit"]),
                 "windows": packed.num_rows, "over_lb": packed.num_rows - -(-tokens // window),
                 "fill": tokens / (packed.num_rows * window), "cut_tokens": int(lengths.sum()) - tokens,
             })
-            for whole in (False, True):
-                r = run_trl(ds, window, lengths, whole)
+            for tool, key in ((trl_default, "d"), (trl_whole, "w")):
+                s = ratio_spread(times[tool], times["packkit"])
+                spreads.append({"data": name, "W": window, "trl": tool, "trl_over_packkit": s})
                 rows.append({
-                    "data": name, "W": window,
-                    "tool": "TRL pack_dataset bfd, " + ("whole dataset" if whole else "default (chunks of 1,000)"),
-                    "seconds": r["seconds"], "windows": r["windows"], "over_lb": r["windows"] - r["lower_bound"],
-                    "fill": int(np.minimum(lengths, window).sum()) / (r["windows"] * window), "cut_tokens": None,
+                    "data": name, "W": window, "tool": tool, "seconds": s["num_median"], "windows": got[key],
+                    "over_lb": got[key] - lb, "fill": int(np.minimum(lengths, window).sum()) / (got[key] * window),
+                    "cut_tokens": None,
                 })
             del ds, values, offsets
             gc.collect()
@@ -112,14 +149,16 @@ def main(argv=None):
     scaling = []
     if args.big:
         for n in (args.n, args.big):
-            lengths = sft_like_lengths(n, seed=1)
-            sec, plan = best_of(lambda: pack(lengths, window=2048, overflow="split"), 2)
+            lengths = bench_lengths(args.lengths, n, seed=1)
+            sec, plan = fastest(lambda: pack(lengths, window=2048, overflow="split"), 2)
             peak = peak_bytes(lambda: pack(lengths, window=2048, overflow="split"))
             scaling.append({"n": n, "seconds": sec, "peak_bytes": peak, "bytes_per_example": peak / n,
                             "over_lb": plan.num_windows - plan.lower_bound})
 
     # -- the table --
-    print(f"\nplanner benchmark: n={args.n:,} per distribution; best of {args.repeat}; {platform.processor() or platform.machine()}")
+    print(f"\nplanner benchmark: n={args.n:,} per case, {LENGTH_SOURCES[args.lengths]}; strategies: best of "
+          f"{args.repeat}; against TRL: CPU medians of {args.rounds} rotated rounds; load {load:.1f}-{loadavg():.1f}; "
+          f"{platform.processor() or platform.machine()}")
     head = f"{'data':<20} {'W':>5} {'tool':<52} {'seconds':>9} {'windows':>9} {'over LB':>8} {'fill':>8} {'cut tokens':>11}"
     print(head)
     print("-" * len(head))
@@ -127,12 +166,16 @@ def main(argv=None):
         cut = "-" if r["cut_tokens"] is None else f"{r['cut_tokens']:,}"
         print(f"{r['data']:<20} {r['W']:>5} {r['tool']:<52} {r['seconds']:>9.3f} {r['windows']:>9,} "
               f"{r['over_lb']:>8,} {r['fill']:>8.5f} {cut:>11}")
+    for sp in spreads:
+        print(f"{sp['data']}, W={sp['W']}: {sp['trl']} / packkit pack + pack_arrays, pair ratios "
+              f"{spread_text(sp['trl_over_packkit'])}")
     if scaling:
-        print("\nscaling, packkit pack(bfd, split), sft-like, W=2048")
+        print(f"\nscaling, packkit pack(bfd, split), {args.lengths}, W=2048")
         for s in scaling:
             print(f"  n={s['n']:>11,}  {s['seconds']:.3f} s  peak {s['peak_bytes'] / 2**20:,.0f} MiB "
                   f"({s['bytes_per_example']:.0f} B/example)  windows over LB {s['over_lb']}")
-    print(json.dumps({"bench": "binpack", "n": args.n, "versions": versions("trl", "datasets"), "rows": rows, "scaling": scaling}))
+    print(json.dumps({"bench": "binpack", "n": args.n, "lengths": args.lengths, "versions": versions("trl", "datasets"),
+                      "rows": rows, "trl_over_packkit": spreads, "scaling": scaling}))
 
 
 if __name__ == "__main__":

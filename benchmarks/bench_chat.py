@@ -39,7 +39,7 @@ import tempfile
 import time
 import warnings
 
-from benchlib import emit_json, loadavg, module_at, versions
+from benchlib import emit_json, loadavg, module_at, ratio_spread, versions
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -81,10 +81,6 @@ def timed(fn):
 
 def labels_of(ids, masks):
     return [[t if m else -100 for t, m in zip(i, k)] for i, k in zip(ids, masks)]
-
-
-def spread(ratios) -> dict:
-    return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "pairs": len(ratios)}
 
 
 def main() -> None:
@@ -148,9 +144,9 @@ def main() -> None:
             assert same, f"the providers disagree at num_proc={n}"
             res = {"num_proc": n, "tokens": sum(map(len, ids)), "loss_tokens": sum(x != -100 for r in ours for x in r),
                    "cpu": cpu, "wall": wall, "load": loads,
-                   "trl_over_packkit": spread([t / o for t, o in zip(cpu["TRL"], cpu["packkit"])]),
-                   "baseline_over_packkit": spread([t / o for t, o in zip(cpu[names[1]], cpu["packkit"])]),
-                   "trl_over_packkit_wall": spread([t / o for t, o in zip(wall["TRL"], wall["packkit"])])}
+                   "trl_over_packkit": ratio_spread(cpu["TRL"], cpu["packkit"]),
+                   "baseline_over_packkit": ratio_spread(cpu[names[1]], cpu["packkit"]),
+                   "trl_over_packkit_wall": ratio_spread(wall["TRL"], wall["packkit"])}
             record["results"].append(res)
     one = {r["num_proc"]: r for r in record["results"]}
     print(f"{ds.num_rows:,} ShareGPT conversations, Qwen3 tokenizer, TRL qwen3_training.jinja, assistant-only loss; "

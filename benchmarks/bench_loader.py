@@ -1,7 +1,8 @@
 """DataLoader epoch throughput (tokens/s), fetch + collate, over a ``datasets.Dataset``.
 
-Chat-like examples (SFT-like lengths: log-normal, median 250, clipped to [8, 4096]; the prompt third
-masked with -100 in ``labels``), int64 ``input_ids`` and ``labels`` list columns, shuffled batches of
+Real chat lengths by default (``--lengths chat``: ShareGPT conversations under Qwen3's tokenizer, those of at
+most 4,096 tokens; ``--lengths sft-like``: the synthetic lognormal, median 250, labelled), random token ids, the
+prompt third masked with -100 in ``labels``, int64 ``input_ids`` and ``labels`` list columns, shuffled batches of
 32. One epoch of ``torch.utils.data.DataLoader`` per measurement; with workers the loader is
 persistent and a first epoch warms it up (worker start-up is not counted for any provider). Providers,
 measured in the same run over the same dataset and the same batches:
@@ -16,8 +17,10 @@ measured in the same run over the same dataset and the same batches:
                       kind without fetching or collating: what the DataLoader's own worker protocol
                       (indices out, batch back) costs, a ceiling for every provider
 
-The rounds of the providers alternate, so a burst of load on a shared machine hits all of them; each
-figure is the best of ``--repeats`` epochs. Prints a table last and one JSON line.
+``--repeats`` rounds, one epoch of every provider a round, the order rotated every round (each goes first in
+turn), garbage collected before each epoch and off during it (``benchlib.rotating_rounds``, wall time: the
+workers' CPU is not this process's). Figures: median epoch seconds, and the median and spread (lowest-highest,
+middle half) of the pair ratios baseline / provider. Prints a table last and one JSON line.
 ``python benchmarks/bench_loader.py [--quick] [--rows 10000] [--workers 0 2]``.
 """
 
@@ -30,7 +33,8 @@ import warnings
 
 import numpy as np
 import torch
-from benchlib import parse_quick, sft_like_lengths, verdict, versions
+from benchlib import (LENGTH_SOURCES, add_lengths_option, bench_lengths, loadavg, parse_quick, ratio_spread,
+                      rotating_rounds, spread_text, verdict, versions)
 from torch.utils.data import DataLoader
 
 from packkit.collate import PaddingFreeCollator
@@ -39,15 +43,16 @@ from packkit.columnar import ColumnarDataset
 TARGET = 20.0  # pf_columnar over hf_flatten, single process and with 2 workers (issue 13)
 
 
-def make_dataset(rows: int, *, seed: int = 0, window: int = 4096):
-    """A ``datasets.Dataset`` of chat-like examples: ``input_ids`` and ``labels`` (prompt third -100)."""
+def make_dataset(rows: int, *, seed: int = 0, window: int = 4096, source: str = "chat"):
+    """A ``datasets.Dataset`` of ``source`` lengths (``--lengths``): ``input_ids`` and ``labels`` (prompt third
+    -100)."""
     import datasets
     import pyarrow as pa
 
     from packkit.arrow import list_array
     from packkit.segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_position_ids, lengths_to_seq_idx
 
-    lengths = sft_like_lengths(rows, seed=seed, high=window)
+    lengths = bench_lengths(source, rows, seed=seed, high=window)
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 32000, int(lengths.sum()), dtype=np.int64)
     labels = ids.copy()
@@ -102,13 +107,14 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parse_quick(parser, argv, "2,000 rows, one epoch each", rows=2000, repeats=1)
+    add_lengths_option(parser)
+    args = parse_quick(parser, argv, "2,000 rows, two epochs each", rows=2000, repeats=2)
 
     import transformers
     from transformers import DataCollatorWithFlattening
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
-    ds, total = make_dataset(args.rows)
+    ds, total = make_dataset(args.rows, source=args.lengths)
     providers = {
         "hf_flatten": (ds, DataCollatorWithFlattening(return_flash_attn_kwargs=True)),
         "pf_rows": (ds, PaddingFreeCollator()),
@@ -130,23 +136,26 @@ def main(argv=None) -> int:
         if workers:
             loaders["floor"] = loader(_Indices(len(ds)), _Ready(ready, total, len(ds) // args.batch_size + 1),
                                       workers=workers, batch_size=args.batch_size, seed=1)
-        best = {name: float("inf") for name in loaders}
         if workers:
             for dl in loaders.values():  # start the persistent workers; not timed
                 epoch(dl)
-        for _ in range(args.repeats):
-            for name, dl in loaders.items():
-                seconds, tokens = epoch(dl)
-                if name == "floor":  # its batches are copies of one: count the epoch's real tokens
-                    seconds /= dl.collate_fn.scale
-                else:
-                    assert tokens == total, (name, tokens, total)
-                best[name] = min(best[name], seconds)
+
+        def run(name, dl):
+            def one():
+                tokens = epoch(dl)[1]
+                assert name == "floor" or tokens == total, (name, tokens, total)
+            return one
+
+        times = rotating_rounds({name: run(name, dl) for name, dl in loaders.items()}, args.repeats,
+                                clock=time.perf_counter)
+        if workers:  # the floor's batches are copies of one: count the epoch's real tokens
+            times["floor"] = [t / loaders["floor"].collate_fn.scale for t in times["floor"]]
         del loaders
-        base = total / best["hf_flatten"]
-        for name, seconds in best.items():
+        for name, ts in times.items():
+            spread = ratio_spread(times["hf_flatten"], ts)
+            seconds = spread["den_median"]
             rows.append({"workers": workers, "provider": name, "tokens": total, "seconds": seconds,
-                         "mtok_per_s": total / seconds / 1e6, "speedup": (total / seconds) / base})
+                         "mtok_per_s": total / seconds / 1e6, "speedup": spread["median"], "spread": spread})
 
     def speedup(workers, provider="pf_columnar"):
         return next((r["speedup"] for r in rows if r["workers"] == workers and r["provider"] == provider), None)
@@ -156,14 +165,17 @@ def main(argv=None) -> int:
         t["met"] = bool(t["speedup"] is not None and t["speedup"] >= t["target"])
 
     info = versions("transformers", "datasets", "pyarrow")
-    print(f"# bench_loader: {args.rows:,} rows, {total:,} tokens, batch {args.batch_size}; "
+    print(f"# bench_loader: {args.rows:,} rows, {total:,} tokens, batch {args.batch_size}; lengths: "
+          f"{LENGTH_SOURCES[args.lengths]}; {args.repeats} rotated rounds, wall medians; load {loadavg():.1f}; "
           + ", ".join(f"{k} {v}" for k, v in info.items()))
-    print(f"{'workers':>7s} {'provider':12s} {'seconds':>8s} {'Mtok/s':>8s} {'vs hf':>7s}")
+    print(f"{'workers':>7s} {'provider':12s} {'seconds':>8s} {'Mtok/s':>8s} {'hf / provider, pair ratios':>38s}")
     for r in rows:
-        print(f"{r['workers']:7d} {r['provider']:12s} {r['seconds']:8.3f} {r['mtok_per_s']:8.2f} {r['speedup']:6.1f}x")
+        print(f"{r['workers']:7d} {r['provider']:12s} {r['seconds']:8.3f} {r['mtok_per_s']:8.2f} "
+              f"{spread_text(r['spread']):>38s}")
     for name, t in targets.items():
         print(f"target {name}: {verdict(t['speedup'], t['target'])}")
     print(json.dumps({"bench": "loader", "versions": info, "rows": args.rows, "tokens": total,
+                      "lengths": args.lengths, "load": loadavg(),
                       "batch_size": args.batch_size, "results": rows, "targets": targets}))
     return 0
 

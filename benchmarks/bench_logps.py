@@ -21,8 +21,8 @@ Variants (``dpo:`` a batch of ``--pairs`` pairs; ``grpo:`` ``--groups`` prompts 
 * ``grpo:packkit-tree`` / ``grpo:packkit-pairs`` / ``grpo:packkit-before``: ``GroupCollator`` and
   ``forward_logps`` (before: the full logits), the same sum backwards.
 
-Lengths: completions from real ShareGPT conversation lengths (``benchlib.chat_lengths``), prompts lognormal
-(median 100, as ``bench_preference.py``), both clipped to ``--cap``; token ids random. The model: a Llama from a
+Lengths: completions from real ShareGPT conversation lengths (``benchlib.chat_lengths``), prompts the histories of
+real ShareGPT turns (``benchlib.chat_turns``; before, a synthetic lognormal of median 100), both clipped to ``--cap``; token ids random. The model: a Llama from a
 config (``--vocab`` 151,936 as Qwen's, hidden ``--hidden``, 2 layers, tied embeddings), ``--dtype`` float32.
 
 Target: packed peak <= unpacked peak (``dpo:packkit-*`` <= ``dpo:trl``, ``grpo:packkit-*`` <= ``grpo:trl``).
@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from benchlib import chat_lengths, emit_json, loadavg, versions
+from benchlib import chat_lengths, chat_turns, emit_json, loadavg, ratio_spread, spread_text, versions
 
 VARIANTS = ["trl", "packkit-pairs", "packkit-tree"]
 
@@ -61,8 +61,10 @@ def _status() -> dict:
 
 
 def lengths(args, n: int, seed: int):
-    rng = np.random.default_rng(seed)
-    prompt = np.clip(np.round(rng.lognormal(np.log(100), 0.9, n)), 8, args.cap).astype(np.int64)
+    """``(prompts, completions)``, (n,) each, clipped to ``--cap``: real ShareGPT turns (``benchlib.chat_turns``), a
+    turn's history the prompt, and real conversation lengths as completions (``benchlib.chat_lengths``)."""
+    turns, loss = chat_turns(n, seed=seed)
+    prompt = np.clip(turns - loss, 8, args.cap)
     return prompt, np.clip(chat_lengths(n, seed=seed + 1), 4, args.cap)
 
 
@@ -237,18 +239,19 @@ def main() -> None:
     print(f"\n{versions('transformers', 'trl')}")
     print(f"vocab {args.vocab:,}, hidden {args.hidden}, {args.dtype}; DPO {args.pairs} pairs, GRPO {args.groups} x "
           f"{args.k}; lengths clipped to {args.cap}; {args.rounds} rounds alternated")
-    print(f"{'variant':22s} {'tokens':>7s} {'peak MB (median)':>17s} {'range':>17s} {'vs trl (per round)':>22s} "
+    print(f"{'variant':22s} {'tokens':>7s} {'peak MB (median)':>17s} {'range':>17s} {'vs trl, pair ratios':>40s} "
           f"{'cpu s':>6s} {'load':>5s}")
     record = {"versions": versions("transformers", "trl"), "args": vars(args), "variants": {}}
     for name in names:
         peaks = [x["peak_mb"] for x in results[name]]
         base = [x["peak_mb"] for x in results[name.split(":")[0] + ":trl"]]
-        ratios = [a / b for a, b in zip(peaks, base)]
+        pairs = ratio_spread(peaks, base)
         cpu = statistics.median(x["cpu_s"] for x in results[name])
         load = statistics.median(x["load"] for x in results[name])
         print(f"{name:22s} {results[name][0]['tokens']:7,} {statistics.median(peaks):17.1f} "
-              f"{min(peaks):8.1f}-{max(peaks):8.1f} {min(ratios):9.2f}-{max(ratios):.2f}x {cpu:6.2f} {load:5.1f}")
-        record["variants"][name] = {"peak_mb": peaks, "ratio_to_trl": ratios, "cpu_s_median": cpu, "load": load,
+              f"{min(peaks):8.1f}-{max(peaks):8.1f} {spread_text(pairs):>40} {cpu:6.2f} {load:5.1f}")
+        record["variants"][name] = {"peak_mb": peaks, "ratio_to_trl": [a / b for a, b in zip(peaks, base)],
+                                    "ratio_to_trl_spread": pairs, "cpu_s_median": cpu, "load": load,
                                     "tokens": results[name][0]["tokens"]}
     met = all(max(v["ratio_to_trl"]) <= 1.0 for n, v in record["variants"].items()
               if n.split(":")[1] in ("packkit-pairs", "packkit-tree"))

@@ -7,7 +7,7 @@ KiB (default 1,024). Both are read by :func:`packkit.datafiles.read_lengths` (wh
 read with; ``pack`` streams through the same :func:`packkit.jsonlines.json_tables`), alternating which goes
 first each round, garbage collected outside the clock, ``--repeat`` rounds (default 3), in this process after
 a warm-up read of a small file (imports out of the clock). Reported: the median wall and CPU seconds of each,
-and the ratio long / short. Target: the long line within 1.5x the short lines' wall time.
+and the median and spread of the pair ratios long / short. Target: the long line within 1.5x the short lines' wall time.
 
 Before the fix, :func:`packkit.jsonlines.line_chunks` grew a line longer than a chunk with ``rest += block``
 (a copy of the whole line per MiB read: quadratic); ``--before`` also times that old chunking alone, in the
@@ -31,7 +31,7 @@ import tempfile
 import time
 
 import numpy as np
-from benchlib import versions
+from benchlib import ratio_spread, spread_text, versions
 
 
 def write_files(folder: str, mib: int, line_kib: int, seed: int = 0) -> tuple[str, str]:
@@ -54,10 +54,15 @@ def _cpu() -> float:
 
 
 def timed(fn) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of ``fn()``, garbage collected before and off during it."""
     gc.collect()
-    w, c = time.perf_counter(), _cpu()
-    fn()
-    return time.perf_counter() - w, _cpu() - c
+    gc.disable()
+    try:
+        w, c = time.perf_counter(), _cpu()
+        fn()
+        return time.perf_counter() - w, _cpu() - c
+    finally:
+        gc.enable()
 
 
 def old_line_chunks(path, size: int = 1 << 20):
@@ -116,22 +121,25 @@ def main(argv=None) -> int:
         sizes = {"long": os.path.getsize(long_path), "short": os.path.getsize(short_path)}
 
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in runs.items()}
-    ratio = med["long"][0] / med["short"][0]
-    cpu_ratio = med["long"][1] / med["short"][1]
+    pairs = ratio_spread([w for w, _ in runs["long"]], [w for w, _ in runs["short"]])
+    cpu_pairs = ratio_spread([c for _, c in runs["long"]], [c for _, c in runs["short"]])
+    ratio, cpu_ratio = pairs["median"], cpu_pairs["median"]
     print(f"# versions {json.dumps(versions('pyarrow'))}; load {os.getloadavg()[0]:.1f}")
     print(f"{tokens['long']:,} tokens; {args.repeat} rounds alternating, medians")
     print(f"{'file':<34} {'bytes':>13} {'wall s':>8} {'cpu s':>8}")
     print(f"{'one line':<34} {sizes['long']:>13,} {med['long'][0]:>8.2f} {med['long'][1]:>8.2f}")
     print(f"{f'lines of {args.line_kib:,} KiB':<34} {sizes['short']:>13,} {med['short'][0]:>8.2f} {med['short'][1]:>8.2f}")
     met = "met" if ratio <= 1.5 else "MISSED"
-    print(f"one line / short lines: wall {ratio:.2f}x ({met}, target <= 1.50x), cpu {cpu_ratio:.2f}x")
+    print(f"one line / short lines, pair ratios: wall {spread_text(pairs)} ({met}, target <= 1.50x), "
+          f"cpu {spread_text(cpu_pairs)}")
     if before is not None:
         print(f"chunking the long file alone: {before['chunking_new_s']:.2f} s now, {before['chunking_old_s']:.2f} s "
               "with the old += (quadratic)")
     print(json.dumps({"bench": "long_lines", "mib": args.mib, "tokens": tokens["long"],
                       "long_wall_s": round(med["long"][0], 3), "short_wall_s": round(med["short"][0], 3),
                       "long_cpu_s": round(med["long"][1], 3), "short_cpu_s": round(med["short"][1], 3),
-                      "ratio_wall": round(ratio, 3), "ratio_cpu": round(cpu_ratio, 3), "before": before}))
+                      "ratio_wall": round(ratio, 3), "ratio_cpu": round(cpu_ratio, 3), "pairs_wall": pairs,
+                      "pairs_cpu": cpu_pairs, "before": before}))
     return 0
 
 

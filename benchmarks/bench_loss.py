@@ -1,10 +1,12 @@
-"""How wrong is the mean of per-micro-batch means on SFT-like data, and what does exactness cost?
+"""How wrong is the mean of per-micro-batch means on real chat data, and what does exactness cost?
 
 Baseline: what trainers shipped until late 2024 -- each micro-batch's own mean loss, divided by the
 accumulation steps. packkit: summed CE over the step's loss-token count (``accumulation_step``).
 
-Measured on synthetic SFT-like lengths (``packkit.budget.synthetic_sft_lengths``: log-normal prompt and
-completion, loss on the completion), for padded micro-batches and for packed windows:
+Measured on real samples by default (``--lengths chat``: every assistant turn of the ShareGPT conversations with
+its history, under Qwen3's tokenizer and TRL's training template, those of at most 2,048 tokens; the loss on the
+reply: ``benchlib.chat_turns``); ``--lengths sft-like`` for the synthetic lognormal prompt and completion
+(``packkit.budget.synthetic_sft_lengths``), labelled. For padded micro-batches and for packed windows:
 
 * ``weight_tv``: total variation between the per-token loss weights of the two rules in one step,
   ``sum_m |1/A - n_m/N|`` (n_m loss tokens of micro-batch m, N of the step): the fraction of the
@@ -16,7 +18,9 @@ completion, loss on the completion), for padded micro-batches and for packed win
 * ``count_us``: wall time of ``accumulation_step`` per optimiser step on real ``PackedBatch``
   micro-batches (the baseline counts nothing, 0).
 
-Usage: ``python benchmarks/bench_loss.py [--examples N] [--steps S]``
+The two rules are compared on the same micro-batches, exactly (no clock); ``count_us`` is packkit's alone.
+
+Usage: ``python benchmarks/bench_loss.py [--examples N] [--steps S] [--lengths chat]``
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import time
 
 import numpy as np
 import torch
+from benchlib import LENGTH_SOURCES, add_lengths_option, bench_turns
 
-from packkit.budget import synthetic_sft_lengths
 from packkit.collate import FixedWindowCollator, PaddedCollator
 from packkit.loss import accumulation_step, token_normalized_loss
 from packkit.sampler import PackedBatchSampler
@@ -113,9 +117,10 @@ def main(argv=None):
     p.add_argument("--examples", type=int, default=4000)
     p.add_argument("--steps", type=int, default=5, help="steps with a gradient comparison per config")
     p.add_argument("--seed", type=int, default=0)
+    add_lengths_option(p)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    lengths, loss = synthetic_sft_lengths(args.examples, seed=args.seed, max_length=2048)
+    lengths, loss = bench_turns(args.lengths, args.examples, seed=args.seed, high=2048)
     examples = make_examples(lengths, loss, args.seed)
     configs = [
         {"name": "padded b=4, A=8", "mode": "padded", "batch": 4, "accumulation": 8},
@@ -125,7 +130,7 @@ def main(argv=None):
     ]
     rows = [run(c, examples, lengths, args.steps, args.seed) for c in configs]
     head = f"{'config':<26}{'steps':>6}{'TV mean':>9}{'TV max':>8}{'w ratio':>9}{'w max':>9}{'grad err':>10}{'count us':>10}"
-    print(f"bench_loss: {args.examples:,} synthetic SFT-like examples, torch {torch.__version__}")
+    print(f"bench_loss: {args.examples:,} examples, {LENGTH_SOURCES[args.lengths]}, torch {torch.__version__}")
     print("baseline = mean of per-micro-batch means / A; packkit = summed CE / step loss tokens "
           "(TV 0 and ratio 1 for packkit by construction; grad err = |g_baseline - g_packkit| / |g_packkit|)")
     print(head)
@@ -134,7 +139,7 @@ def main(argv=None):
         print(f"{r['config']:<26}{r['steps']:>6}{r['weight_tv_mean']:>9.3f}{r['weight_tv_max']:>8.3f}"
               f"{r['max_weight_ratio_mean']:>9.1f}{r['max_weight_ratio_max']:>9.1f}{ge:>10}"
               f"{r['count_us_median']:>10.0f}")
-    print(json.dumps({"bench": "loss", "examples": args.examples, "results": rows}))
+    print(json.dumps({"bench": "loss", "examples": args.examples, "lengths": args.lengths, "results": rows}))
 
 
 if __name__ == "__main__":

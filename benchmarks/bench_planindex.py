@@ -11,8 +11,9 @@ tokenizer), resampled with replacement to ``--examples`` (default 1,000,000). Th
   an Arrow file, on the first ``--rewrite-examples`` examples (default 20,000; random token ids, int32),
   reported per example and scaled to ``--examples``.
 
-Rounds alternate plan and rewrite; the garbage collector runs before each timed step, outside the clock;
-wall and CPU seconds are printed (CPU is the fairer figure on a shared machine). A table is printed last,
+Rounds alternate plan and rewrite (who goes first flips every round); the garbage collector runs before each
+timed step and is off during it; wall and CPU seconds are printed (CPU is the fairer figure on a shared machine),
+medians, with the median and spread of the CPU pair ratios rewrite (scaled) / plan. A table is printed last,
 then one JSON line.
 
     python benchmarks/bench_planindex.py [--examples N] [--rewrite-examples N] [--rounds R]
@@ -32,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from benchlib import loadavg, ratio_spread, spread_text  # noqa: E402
 from packkit.binpack import pack  # noqa: E402
 from packkit.planindex import PlanIndex  # noqa: E402
 
@@ -40,10 +42,15 @@ OPTIONS = {"strategy": "bfd", "overflow": "split", "seed": 0, "shuffle": True, "
 
 
 def timed(fn):
+    """``(result, wall, cpu)`` of ``fn()``, garbage collected before and off during it."""
     gc.collect()
-    w, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - w, time.process_time() - c
+    gc.disable()
+    try:
+        w, c = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, time.perf_counter() - w, time.process_time() - c
+    finally:
+        gc.enable()
 
 
 def rewrite_dataset(lengths: np.ndarray):
@@ -81,16 +88,20 @@ def main(argv=None) -> int:
         small = rewrite_dataset(lengths[:args.rewrite_examples])
         plans, rewrites = [], []
         for r in range(args.rounds):
-            again, w, c = timed(lambda: index.replan(window=8192, seed=r + 1))
-            plans.append((w, c))
             out = os.path.join(tmp, f"rows{r}.arrow")
-            _, w, c = timed(lambda: pack_dataset(small, window=8192, seed=r + 1, overflow="split", cache_file_name=out,
-                                                 progress=False))
-            rewrites.append((w, c))
+            for step in ("plan", "rewrite") if r % 2 == 0 else ("rewrite", "plan"):  # who goes first alternates
+                if step == "plan":
+                    again, w, c = timed(lambda: index.replan(window=8192, seed=r + 1))
+                    plans.append((w, c))
+                else:
+                    _, w, c = timed(lambda: pack_dataset(small, window=8192, seed=r + 1, overflow="split",
+                                                         cache_file_name=out, progress=False))
+                    rewrites.append((w, c))
             os.remove(out)
     plan_w, plan_c = (float(np.median([p[i] for p in plans])) for i in (0, 1))
     rw_w, rw_c = (float(np.median([p[i] for p in rewrites])) for i in (0, 1))
     scale = args.examples / args.rewrite_examples
+    pairs = ratio_spread([c * scale for _, c in rewrites], [c for _, c in plans])
     tokens = int(lengths.sum())
     print(f"{args.examples:,} examples ({tokens:,} tokens; ShareGPT/Qwen3 lengths), W 4096 -> 8192, "
           f"{args.rounds} rounds alternating, medians")
@@ -101,10 +112,12 @@ def main(argv=None) -> int:
     print(f"plan arrays {per_example:.2f} bytes an example (file {file_per_example:.2f}); goal <= 16: "
           f"{'met' if per_example <= 16 else 'MISSED'}; re-plan goal <= 1 s: "
           f"{'met' if plan_w <= 1 else 'missed'} (wall), {'met' if plan_c <= 1 else 'missed'} (CPU)")
+    print(f"rewrite (scaled) / plan, CPU pair ratios: {spread_text(pairs)}; load {loadavg():.1f}")
     print(json.dumps({"examples": args.examples, "tokens": tokens, "bytes_per_example": round(per_example, 3),
                       "file_bytes_per_example": round(file_per_example, 3), "replan_wall_s": round(plan_w, 4),
                       "replan_cpu_s": round(plan_c, 4), "rewrite_wall_s_scaled": round(rw_w * scale, 2),
-                      "rewrite_cpu_s_scaled": round(rw_c * scale, 2), "windows": again.num_rows}))
+                      "rewrite_cpu_s_scaled": round(rw_c * scale, 2), "windows": again.num_rows,
+                      "rewrite_over_plan_cpu": pairs}))
     return 0
 
 

@@ -13,11 +13,14 @@ Figures: tokens computed per pair (padding included) and the layout's own tokens
 against the lower bound ``ceil(tokens / W)`` (target: >= 0.99), and the collators' time per pair on random
 token ids of those lengths (``--collate-batches`` batches).
 
-Lengths: "ultrafeedback-like" is synthetic (lognormal prompts, median 100 tokens, sigma 0.9; completions
+Lengths (``--dists``): "sharegpt-turns" (the default) is real: every assistant turn of the ShareGPT conversations
+under Qwen3's tokenizer and TRL's training template (``benchlib.chat_turns``), its history the prompt, its reply
+``chosen`` and another turn's reply ``rejected``. The other two are options, labelled: "ultrafeedback-like" is synthetic (lognormal prompts, median 100 tokens, sigma 0.9; completions
 median 200, sigma 0.8; clipped to [8, 1500] and [4, 1500]): no UltraFeedback data is on this machine, so its
 shape is modelled, not read. "sharegpt-completions" takes chosen and rejected from real ShareGPT conversation
 lengths under Qwen3's tokenizer (``benchlib.chat_lengths``; drawn with replacement past 17,545) with the same
-synthetic prompts.
+synthetic prompts. The collators' time: ``--rounds`` rounds rotated (each collator first in turn), garbage collected
+outside the clock, CPU medians, and the median and spread of the pair ratios TRL padded / packkit.
 
 Usage: ``python benchmarks/bench_preference.py [--n 20000] [--windows 2048,4096] [--json-out FILE]``.
 Prints a table last, then one JSON line.
@@ -26,11 +29,12 @@ Prints a table last, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
 
 import numpy as np
 
-from benchlib import chat_lengths, emit_json, verdict, versions
+from benchlib import (chat_lengths, chat_turns, emit_json, loadavg, ratio_spread, rotating_rounds, spread_text,
+                      verdict, versions)
 
 from packkit.preference import PreferenceCollator
 from packkit.waste import preference_waste
@@ -51,8 +55,21 @@ def sharegpt_completions(n: int, seed: int):
     return prompt, chat_lengths(n, seed=seed + 1), chat_lengths(n, seed=seed + 2)
 
 
-def collate_times(prompt, chosen, rejected, *, window: int, batch_size: int, batches: int, seed: int) -> dict:
-    """Seconds per pair of each collator over ``batches`` batches of random token ids (pairs that fit)."""
+def sharegpt_turns(n: int, seed: int):
+    """Real prompts and replies: a ShareGPT turn's history (its tokens before the reply, under Qwen3's tokenizer and
+    TRL's training template) as the prompt, its reply as ``chosen``, another turn's reply as ``rejected``."""
+    lengths, loss = chat_turns(n, seed=seed)
+    return lengths - loss, loss, chat_turns(n, seed=seed + 1)[1]
+
+
+DISTRIBUTIONS = {"sharegpt-turns": sharegpt_turns, "sharegpt-completions": sharegpt_completions,
+                 "ultrafeedback-like": ultrafeedback_like}
+
+
+def collate_times(prompt, chosen, rejected, *, window: int, batch_size: int, batches: int, seed: int,
+                  rounds: int) -> dict:
+    """Seconds per pair of each collator over ``batches`` batches of random token ids (pairs that fit), round by
+    round (``{name: [seconds, ...]}``: ``rounds`` rotated rounds, garbage collected outside the clock, CPU time)."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     rng = np.random.default_rng(seed)
@@ -68,14 +85,10 @@ def collate_times(prompt, chosen, rejected, *, window: int, batch_size: int, bat
         "packkit_pairs": PreferenceCollator(layout="pairs", window=window),
         "packkit_tree": PreferenceCollator(layout="tree", window=window),
     }
-    out = {}
-    for name, collate in collators.items():
+    for collate in collators.values():
         collate(groups[0])  # warm up
-        t = time.perf_counter()
-        for g in groups:
-            collate(g)
-        out[name] = (time.perf_counter() - t) / (batches * batch_size)
-    return out
+    times = rotating_rounds({name: (lambda c=c: [c(g) for g in groups]) for name, c in collators.items()}, rounds)
+    return {name: [t / (batches * batch_size) for t in ts] for name, ts in times.items()}
 
 
 def main() -> None:
@@ -85,17 +98,24 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="pairs per TRL padded batch (default 8)")
     ap.add_argument("--collate-batches", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=5, help="rotated rounds of the collate timing")
+    ap.add_argument("--dists", default="sharegpt-turns",
+                    help="length distributions, comma-separated: sharegpt-turns (real, the default), "
+                         "sharegpt-completions (real replies, SYNTHETIC prompts), ultrafeedback-like (SYNTHETIC)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     windows = [int(w) for w in args.windows.split(",")]
     env = versions("trl", "transformers")
     records, lines = [], []
-    for dist, make in (("ultrafeedback-like", ultrafeedback_like), ("sharegpt-completions", sharegpt_completions)):
-        p, c, r = make(args.n, args.seed)
+    load = loadavg()
+    for dist in args.dists.split(","):
+        p, c, r = DISTRIBUTIONS[dist](args.n, args.seed)
         for w in windows:
             rep = preference_waste(p, c, r, window=w, batch_size=args.batch_size, seed=args.seed)
-            times = collate_times(p, c, r, window=w, batch_size=args.batch_size, batches=args.collate_batches,
-                                  seed=args.seed)
+            rounds = collate_times(p, c, r, window=w, batch_size=args.batch_size, batches=args.collate_batches,
+                                   seed=args.seed, rounds=args.rounds)
+            times = {k: statistics.median(v) for k, v in rounds.items()}
+            pairs = {k: ratio_spread(rounds["trl_padded"], rounds[k]) for k in ("packkit_pairs", "packkit_tree")}
             rows = rep["rows"]
             ratio = {k: rows[k]["lower_bound"] / rows[k]["windows"] for k in ("packkit_pairs", "packkit_tree")}
             rec = {"distribution": dist, "window": w, "pairs": rep["pairs"], "dropped": rep["dropped"],
@@ -104,6 +124,7 @@ def main() -> None:
                    "fill": {k: v["fill"] for k, v in rows.items()},
                    "lower_bound_over_windows": ratio,
                    "collate_us_per_pair": {k: v * 1e6 for k, v in times.items()},
+                   "collate_trl_padded_over": pairs,
                    "tree_vs_trl_padding_free": rows["trl_padding_free"]["per_pair"] / rows["packkit_tree"]["per_pair"],
                    "tree_vs_trl_padded": rows["trl_padded"]["per_pair"] / rows["packkit_tree"]["per_pair"]}
             records.append(rec)
@@ -117,7 +138,10 @@ def main() -> None:
                          f"{verdict(ratio['packkit_tree'], TARGET_FILL)}; tokens computed, TRL padding-free / packkit tree "
                          f"{rec['tree_vs_trl_padding_free']:.2f}x, TRL padded / packkit tree "
                          f"{rec['tree_vs_trl_padded']:.2f}x")
-    print(f"bench_preference: {args.n:,} pairs a distribution, {args.batch_size} pairs a TRL batch; {env}")
+            lines.append(f"{'':<21} {'':>6} collate time, TRL padded / packkit, pair ratios: pairs "
+                         f"{spread_text(pairs['packkit_pairs'])}, tree {spread_text(pairs['packkit_tree'])}")
+    print(f"bench_preference: {args.n:,} pairs a distribution, {args.batch_size} pairs a TRL batch; collate: CPU "
+          f"medians of {args.rounds} rotated rounds; load {load:.1f}-{loadavg():.1f}; {env}")
     print(f"{'distribution':<21} {'window':>6} {'layout':<17} {'real/pair':>9} {'tokens/pair':>11} {'fill':>7} "
           f"{'LB/win':>8} {'us/pair':>9}")
     print("\n".join(lines))

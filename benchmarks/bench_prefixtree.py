@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from benchlib import emit_json, loadavg, verdict, versions
+from benchlib import emit_json, loadavg, ratio_spread, verdict, versions
 
 from packkit.prefixtree import build_tree
 
@@ -180,13 +180,13 @@ def speed(mt: dict, *, batch_tokens: int, baseline_tokens: int, rounds: int, aga
             loads.append(loadavg())
             runs[name].append(tokens / cpu(fn))
     assert build_tree(ids_b, lengths[:kb], groups=groups[:kb]).num_nodes == dict_trie(ids_b, lengths[:kb], groups[:kb])
-    pairs = [a / b for a, b in zip(runs["ours"], runs["rev"])]
+    vs, over_base = ratio_spread(runs["ours"], runs["rev"]), ratio_spread(runs["ours"], runs["base"])
     return {"batch_tokens": n_tok, "baseline_tokens": b_tok, "against": against,
             "ours_tok_s": statistics.median(runs["ours"]), "ours_low": min(runs["ours"]), "ours_high": max(runs["ours"]),
             "rev_tok_s": statistics.median(runs["rev"]), "rev_low": min(runs["rev"]), "rev_high": max(runs["rev"]),
-            "vs_rev": statistics.median(pairs), "vs_rev_low": min(pairs), "vs_rev_high": max(pairs),
+            "vs_rev": vs["median"], "vs_rev_low": vs["low"], "vs_rev_high": vs["high"], "vs_rev_pairs": vs,
             "base_tok_s": statistics.median(runs["base"]),
-            "speedup": statistics.median([a / b for a, b in zip(runs["ours"], runs["base"])]),
+            "speedup": over_base["median"], "speedup_low": over_base["low"], "speedup_high": over_base["high"],
             "load": statistics.median(loads), "load_low": min(loads), "load_high": max(loads)}
 
 
@@ -220,12 +220,12 @@ def shape_speed(*, rounds: int, against: str) -> list:
             for who, fn in pair if r % 2 == 0 else pair[::-1]:
                 loads.append(loadavg())
                 runs[who].append(ids.size / cpu(lambda: fn(ids, lengths)))
-        pairs = [a / b for a, b in zip(runs["ours"], runs["rev"])]
+        vs = ratio_spread(runs["ours"], runs["rev"])
         out.append({"batch": name, "tokens": int(ids.size), "samples": int(lengths.size), "against": against,
                     "ours_tok_s": statistics.median(runs["ours"]), "ours_low": min(runs["ours"]),
                     "ours_high": max(runs["ours"]), "rev_tok_s": statistics.median(runs["rev"]),
-                    "rev_low": min(runs["rev"]), "rev_high": max(runs["rev"]), "vs_rev": statistics.median(pairs),
-                    "vs_rev_low": min(pairs), "vs_rev_high": max(pairs), "load": statistics.median(loads)})
+                    "rev_low": min(runs["rev"]), "rev_high": max(runs["rev"]), "vs_rev": vs["median"],
+                    "vs_rev_low": vs["low"], "vs_rev_high": vs["high"], "load": statistics.median(loads)})
     return out
 
 
@@ -267,7 +267,7 @@ def main() -> None:
           f"{sp['ours_high'] / 1e6:.2f}M; {sp['batch_tokens']:,} tokens a batch); at {sp['against']}: "
           f"{sp['rev_tok_s'] / 1e6:.2f}M ({sp['rev_low'] / 1e6:.2f}-{sp['rev_high'] / 1e6:.2f}M), the same trees; "
           f"pair ratio {sp['vs_rev']:.1f}x ({sp['vs_rev_low']:.1f}-{sp['vs_rev_high']:.1f}x); the dict trie's "
-          f"{sp['base_tok_s'] / 1e6:.2f}M ({sp['baseline_tokens']:,} tokens): {sp['speedup']:.1f}x; "
+          f"{sp['base_tok_s'] / 1e6:.2f}M ({sp['baseline_tokens']:,} tokens): {sp['speedup']:.1f}x ({sp['speedup_low']:.1f}-{sp['speedup_high']:.1f}x); "
           f"target 5M: {'met' if sp['ours_tok_s'] >= 5e6 else 'MISSED'}; load {sp['load']:.1f} "
           f"({sp['load_low']:.1f}-{sp['load_high']:.1f})")
     for x in shaped:

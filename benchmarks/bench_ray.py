@@ -1,7 +1,8 @@
 """Offline packing on Ray (packkit.raydata) against single-process packing, same data, same run.
 
-Data: ``--n`` SFT-like examples (lognormal lengths, median 250, sigma 1, clipped to [8, 4096]; the
-same distribution as bench_binpack), int32 token ids, window 2048, ``overflow="split"`` (nothing is
+Data: ``--n`` examples of real chat lengths by default (``--lengths chat``: ShareGPT conversations under Qwen3's
+tokenizer, drawn with replacement; ``--lengths sft-like``: the synthetic lognormal, median 250, labelled), int32
+token ids, window 2048, ``overflow="split"`` (nothing is
 lost). Labels are left out unless ``--labels`` (they double the memory).
 
 Providers, each timed from tokens in memory to packed Arrow rows (input_ids, [labels], seq_lengths):
@@ -15,12 +16,16 @@ Providers, each timed from tokens in memory to packed Arrow rows (input_ids, [la
 * ``no-ray local``: the same per-block passes called in this process, one block after another: the
   per-block cost that the scaling estimate is built from.
 
+``single``, ``ray local`` and ``ray global`` run in ``--repeat`` rounds after ``ray.init``, rotated every round (each
+first in turn), garbage collected before each run and off during it (``benchlib.rotating_rounds``, wall time: Ray's
+workers are other processes); medians, and the median and spread of the pair ratios single / Ray.
+
 Scaling estimate: with the per-block compute ``c`` (pass 0 + pass 1, measured here without Ray), the
 serial pass 2 ``c2`` and Ray's measured overhead ``o = T_ray - B*c/cpus - c2``, k workers take about
 ``o + B*c/k + c2`` (data already spread over the workers, network not modelled).
 
-Usage: ``python benchmarks/bench_ray.py [--n 1000000] [--blocks 8] [--cpus 2] [--repeat 2] [--labels]``.
-Memory: about 5 bytes x tokens per copy of the tokens; 1M examples are ~410M tokens, ~1.6 GB a copy,
+Usage: ``python benchmarks/bench_ray.py [--n 200000] [--blocks 8] [--cpus 2] [--repeat 3] [--labels]``.
+Memory: about 5 bytes x tokens per copy of the tokens; 200,000 chat examples are ~450M tokens, ~1.8 GB a copy,
 and the run holds about four copies (input, object store, two outputs). Use ``--n`` to shrink it.
 Prints a table last, then one JSON line.
 """
@@ -33,10 +38,12 @@ import importlib.util
 import json
 import os
 import platform
+import statistics
 import time
 
 import numpy as np
-from benchlib import best_of, sft_like_lengths, versions
+from benchlib import (LENGTH_SOURCES, add_lengths_option, bench_lengths, loadavg, ratio_spread, rotating_rounds,
+                      spread_text, versions)
 
 from packkit import raydata
 from packkit.binpack import pack
@@ -104,28 +111,29 @@ def no_ray_local(blocks, window, labels: bool, opts):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=1_000_000)
+    ap.add_argument("--n", type=int, default=200_000)
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--cpus", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--labels", action="store_true")
     ap.add_argument("--object-store-gb", type=float, default=None,
                     help="Ray object store size (default: 3 copies of the tokens, at least 1 GB)")
+    add_lengths_option(ap)
     args = ap.parse_args(argv)
     import pyarrow as pa
     import ray
     import ray.data
 
     W = args.window
-    lengths = sft_like_lengths(args.n)
+    lengths = bench_lengths(args.lengths, args.n)
     tokens = int(lengths.sum())
     lb = -(-tokens // W)
     table = make_table(lengths, args.labels)
     cuts = np.linspace(0, args.n, args.blocks + 1).astype(int)
     blocks = [table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])]
     print(f"{args.n:,} examples, {tokens:,} tokens, W={W}, lower bound {lb:,} windows, "
-          f"{args.blocks} blocks, labels={args.labels}", flush=True)
+          f"{args.blocks} blocks, labels={args.labels}; {LENGTH_SOURCES[args.lengths]}", flush=True)
     results = []
 
     # -- single process --
@@ -135,11 +143,6 @@ def main(argv=None):
         has_hf = hasattr(hf, "pack_dataset")
     name = "single: packkit.offline.pack_dataset" if has_hf else "single: binpack.pack + pack_arrays"
     fn = (lambda: hf_single_process(table, W)) if has_hf else (lambda: single_process(table, W, args.labels))
-    t, (_, windows, _) = best_of(fn, args.repeat)
-    results.append({"provider": name, "seconds": t, "windows": windows, "over_lb": windows - lb})
-    single_t = t
-    gc.collect()
-    print(f"  {name}: {t:.2f}s", flush=True)
 
     # -- the local mode's passes without Ray --
     opts = dict(window=W, strategy="bfd", overflow="split", seed=0, shuffle=True, tail_slack=0.0005,
@@ -167,22 +170,34 @@ def main(argv=None):
     ds = ray.data.from_arrow(blocks)
     put_t = time.perf_counter() - t
     assert ds.num_blocks() == args.blocks
-    ray_t = {}
-    for mode in ("local", "global"):
-        reps = []
-        for _ in range(args.repeat):
-            gc.collect()
-            t = time.perf_counter()
+    got = {}
+
+    def single():
+        got["single"] = fn()[1]
+
+    def on_ray(mode):
+        def one():
             out, report = raydata.pack_dataset(ds, window=W, mode=mode, overflow="split", return_report=True)
-            reps.append(time.perf_counter() - t)
             assert report.tokens == tokens, "tokens lost"
-            del out
-        ray_t[mode] = min(reps)
+            got[mode] = report
+        return one
+
+    load = loadavg()
+    names = {"single": name, "local": f"ray local ({args.cpus} cpus)", "global": f"ray global ({args.cpus} cpus)"}
+    times = rotating_rounds({"single": single, "local": on_ray("local"), "global": on_ray("global")}, args.repeat,
+                            clock=time.perf_counter)
+    single_t = statistics.median(times["single"])
+    results.insert(0, {"provider": name, "seconds": single_t, "windows": got["single"],
+                       "over_lb": got["single"] - lb})
+    ray_t, pairs = {}, {}
+    for mode in ("local", "global"):
+        report = got[mode]
+        ray_t[mode] = statistics.median(times[mode])
+        pairs[mode] = ratio_spread(times["single"], times[mode])
         extra = f" (handed {report.handed_windows} windows -> {report.pass2_windows})" if mode == "local" else ""
-        results.append({"provider": f"ray {mode} ({args.cpus} cpus)", "seconds": ray_t[mode],
-                        "windows": report.windows, "over_lb": report.windows_over_lower_bound,
-                        "note": extra.strip()})
-        print(f"  ray {mode}: {ray_t[mode]:.2f}s{extra}", flush=True)
+        results.append({"provider": names[mode], "seconds": ray_t[mode], "windows": report.windows,
+                        "over_lb": report.windows_over_lower_bound, "note": extra.strip(), "single_over": pairs[mode]})
+        print(f"  ray {mode}: {ray_t[mode]:.2f}s{extra}; single / ray {spread_text(pairs[mode])}", flush=True)
     ray.shutdown()
 
     # -- scaling estimate from the measured per-block cost --
@@ -198,15 +213,18 @@ def main(argv=None):
           f"ray {ray.__version__}, pyarrow {pa.__version__}, numpy {np.__version__}")
     print(f"data: {args.n:,} examples, {tokens:,} tokens, W={W}, lower bound {lb:,}; "
           f"ray.init {init_t:.1f}s and putting the input {put_t:.1f}s not counted below")
+    print(f"wall medians of {args.repeat} rotated rounds (single, ray local, ray global), load {load:.1f}-{loadavg():.1f}")
     print(f"{'provider':<44} {'seconds':>8} {'vs single':>9} {'windows':>9} {'over LB':>8} {'over LB %':>9}")
     for r in results:
         print(f"{r['provider']:<44} {r['seconds']:>8.2f} {single_t / r['seconds']:>8.2f}x "
               f"{r['windows']:>9,} {r['over_lb']:>8} {100 * r['over_lb'] / lb:>8.4f}%")
+    for mode, sp in pairs.items():
+        print(f"single / ray {mode}, pair ratios: {spread_text(sp)}")
     print(est_note)
     print("estimate, local mode, same data: " + ", ".join(f"{k} workers ~{v:.2f}s" for k, v in est.items()))
     print(json.dumps({"bench": "ray", "versions": versions("ray", "pyarrow", "datasets"), "n": args.n, "tokens": tokens, "window": W, "blocks": B,
                       "cpus": args.cpus, "lower_bound": lb, "ray_init_s": init_t, "put_s": put_t,
-                      "results": results, "per_block_s": c, "pass2_s": t2, "ray_overhead_s": overhead,
+                      "lengths": args.lengths, "results": results, "per_block_s": c, "pass2_s": t2, "ray_overhead_s": overhead,
                       "estimate_s": est}))
 
 

@@ -7,7 +7,7 @@ and a pass is an iterator object instead of a generator. On real ShareGPT length
 ``PackedBatchSampler(window=2048, windows_per_batch=8, overflow="truncate", balance="compute")`` through
 ``DataLoader(num_workers=0)`` with ``FixedWindowCollator``, the loop calling ``sampler.state_dict()``
 after every batch as the README's loop does; the two samplers alternate, round after round, GC outside
-the clock. The baseline is the sampler of ``--baseline`` (a git revision), loaded beside this one.
+the clock; the median and spread of the pair ratios packkit / before are printed. The baseline is the sampler of ``--baseline`` (a git revision), loaded beside this one.
 
     python benchmarks/bench_resume.py                  # ~1 minute on 2 cores
     python benchmarks/bench_resume.py --rounds 3 --n 4000
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from benchlib import chat_lengths, versions
+from benchlib import chat_lengths, loadavg, ratio_spread, spread_text, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     med = {k: float(np.median(v)) for k, v in times.items()}
     overhead = (med["packkit"] - med["before"]) / med["collate"]
     spread = {k: (min(v), max(v)) for k, v in times.items()}
+    pairs = ratio_spread(times["packkit"], times["before"])
 
     print(f"{lengths.size:,} ShareGPT conversations, {len(batches)} batches of 8 windows of 2,048, "
           f"{args.rounds} rounds alternating; {platform.processor() or platform.machine()}, "
@@ -141,10 +142,11 @@ def main(argv=None) -> int:
     for name in samplers:
         i, s = per_call[name]
         print(f"{name:10s} iter()+first batch {i * 1e6:8.1f} us   state_dict() {s * 1e6:8.1f} us")
+    print(f"packkit / {args.baseline}, pair ratios: {spread_text(pairs)}; load {loadavg():.1f}")
     print(f"overhead: {med['packkit'] - med['before']:+.4f} s an epoch = {overhead:+.2%} of the collate time "
           f"({len(batches)} state_dict() calls included)")
     record = {"bench": "resume", "examples": int(lengths.size), "batches": len(batches), "rounds": args.rounds,
-              "median_s": med, "overhead_of_collate": overhead,
+              "median_s": med, "overhead_of_collate": overhead, "packkit_over_before": pairs,
               "iter_us": {k: v[0] * 1e6 for k, v in per_call.items()},
               "state_dict_us": {k: v[1] * 1e6 for k, v in per_call.items()}, "versions": versions("numpy", "torch")}
     print(json.dumps(record))

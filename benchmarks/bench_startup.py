@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from benchlib import emit_json, loadavg, versions
+from benchlib import emit_json, loadavg, ratio_spread, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "datasets", "pandas", "transformers")
@@ -117,11 +117,6 @@ def probe(tree: Path, argv: list, cwd: Path) -> tuple[list, str, bytes | None]:
     return (heavy[-1] if heavy else ["?"]), proc.stdout, (out.read_bytes() if out.exists() else None)
 
 
-def spread(ratios: list) -> dict:
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "q1": q[0], "q3": q[2]}
-
-
 def _order(names: list, i: int) -> list:
     """Round ``i``'s order of the trees: rotated by one each round, reversed every other, so that each goes first
     and last in turn: ``(["a", "b", "c"], 1) -> ["a", "c", "b"]``."""
@@ -142,10 +137,9 @@ def _measure(trees: dict, work: dict, names: list, argv: list, c: str, pairs: in
 
 
 def _row(label: str, c: str, base: str, cpu: dict, load: list, seen: dict, printed: dict) -> dict:
-    ratios = [a / b for a, b in zip(cpu["after"], cpu[base])]
     same = printed[base] == printed["after"] and seen[base][2] == seen["after"][2]
     return {"command": label, "condition": c, "base_rev": base, "cpu_before_s": statistics.median(cpu[base]),
-            "cpu_after_s": statistics.median(cpu["after"]), "ratio": spread(ratios), "load": load,
+            "cpu_after_s": statistics.median(cpu["after"]), "ratio": ratio_spread(cpu["after"], cpu[base]), "load": load,
             "heavy_before": seen[base][0], "heavy_after": seen["after"][0], "same_output": same,
             "cpu_runs_before": [round(x, 3) for x in cpu[base]], "cpu_runs_after": [round(x, 3) for x in cpu["after"]]}
 

@@ -15,7 +15,8 @@ Providers, each in a fresh process (``PYTHONPATH`` the tree measured), the packi
 * ``now + state/100``: ``state_dict()`` every 100 rows (a checkpoint every 100 steps).
 
 Runs alternate (the order flipped each round), ``--reps`` rounds; the table shows medians of CPU time (the
-figure to read on a shared machine) and wall, microseconds per example, and the ratio to ``before``. Then
+figure to read on a shared machine) and wall, microseconds per example, and the median and spread (lowest-highest,
+middle half) of the pair ratios to ``before``, round by round. Then
 the cost of one state at the default buffer: its JSON size, ``state_dict()`` built cold, ``load_state_dict``.
 
     python benchmarks/bench_stream.py                # ~2 minutes on 2 busy cores
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from benchlib import CHAT_LENGTHS, emit_json, versions
+from benchlib import CHAT_LENGTHS, emit_json, loadavg, ratio_spread, spread_text, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {"before": ("base", 0), "now": ("now", 0), "now + state/row": ("now", 1), "now + state/100": ("now", 100)}
@@ -141,17 +142,17 @@ def main(argv=None) -> int:
         cpu = statistics.median(x["cpu"] for x in runs) / n * 1e6
         wall = statistics.median(x["wall"] for x in runs) / n * 1e6
         table[m] = {"cpu_us_per_example": cpu, "wall_us_per_example": wall,
-                    "cpu_spread": [min(x["cpu"] for x in runs) / n * 1e6, max(x["cpu"] for x in runs) / n * 1e6]}
-    base = table["before"]["cpu_us_per_example"]
+                    "cpu_spread": [min(x["cpu"] for x in runs) / n * 1e6, max(x["cpu"] for x in runs) / n * 1e6],
+                    "cpu_over_before": ratio_spread([x["cpu"] for x in runs], [x["cpu"] for x in got["before"]])}
     sys.path.insert(0, str(ROOT))
     costs = state_costs(args.window)
     print(f"\npack_stream on {n // args.passes:,} ShareGPT examples x {args.passes} passes, W={args.window}, "
-          f"buffer 1,000, split; medians of {args.reps} alternating runs; us per example")
-    print(f"{'provider':<18}{'CPU':>8}{'(min-max)':>16}{'wall':>8}{'CPU / before':>14}")
+          f"buffer 1,000, split; medians of {args.reps} alternating runs; us per example; load {loadavg():.1f}")
+    print(f"{'provider':<18}{'CPU':>8}{'(min-max)':>16}{'wall':>8}{'CPU / before, pair ratios':>42}")
     for m, t in table.items():
         lo, hi = t["cpu_spread"]
         print(f"{m:<18}{t['cpu_us_per_example']:>8.2f}{f'({lo:.2f}-{hi:.2f})':>16}{t['wall_us_per_example']:>8.2f}"
-              f"{t['cpu_us_per_example'] / base:>14.3f}")
+              f"{spread_text(t['cpu_over_before']):>42}")
     print(f"one state at the default buffer, halfway: {costs['buffered']} examples ({costs['buffered_tokens']:,} "
           f"tokens), {costs['json_mb']:.1f} MiB as JSON; state_dict {costs['state_dict_cold_ms']:.1f} ms cold, "
           f"{costs['state_dict_warm_ms']:.2f} ms again; load_state_dict {costs['load_ms']:.1f} ms; first row after "

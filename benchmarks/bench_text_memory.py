@@ -30,14 +30,13 @@ import gc
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchlib import loadavg, versions
+from benchlib import loadavg, ratio_spread, spread_text, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,9 +178,7 @@ def main() -> int:
     for size in sorted({r["text_mb"] for r in rows}):  # CPU of this tree over the base's, round by round
         pair = [r["cpu_s"] for r in rows if r["text_mb"] == size]
         if len(pair) == 2:
-            ratios = [a / b for a, b in zip(*pair)]
-            print(f"{size:.0f} MB: CPU this tree / base, pair ratios median {statistics.median(ratios):.2f} "
-                  f"(spread {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)")
+            print(f"{size:.0f} MB: CPU this tree / base, pair ratios {spread_text(ratio_spread(*pair))}")
     ours = [max(r["x_tokens"]) for r in rows if r["provider"] == "packkit"]
     print(f"target (peak <= 1x the tokens as int32 at every size): {'met' if max(ours) <= 1 else 'MISSED'} "
           f"(at most {max(ours):.2f}x)")

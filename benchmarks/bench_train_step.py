@@ -2,7 +2,12 @@
 
 A ~150M-parameter LlamaForCausalLM built from a config (random weights: nothing is downloaded; vocab
 32,000, hidden 768, 16 layers, 12 query / 4 kv heads of 64, bf16 weights, AdamW) trains on 64 chat-like
-examples (lognormal lengths, median 250, clipped to 4,096; random token ids). A step is forward,
+real chat examples (``--lengths chat``, the default: ShareGPT conversations under Qwen3's tokenizer of at most
+4,096 tokens; ``--lengths sft-like``: the synthetic lognormal, median 250, clipped to 4,096; random token ids). Every
+provider is built and warmed first, then ``--rounds`` rounds rotate them (each first in turn), garbage collected outside
+the clock, each round the median of ``--reps`` steps; the speed-ups are medians of the round-by-round pair ratios,
+printed with their spread (written without a GPU at hand: checked on the CPU by ``--cpu-smoke`` only; the peak is
+now the first step's above what is resident, the other providers' models included). A step is forward,
 backward and optimizer step; every provider starts from the same weights and sees the same examples:
 
     packed_torch    PaddingFreeCollator ([1, T] row, cu_seq_lens) + packkit's HF attention function
@@ -22,21 +27,24 @@ paths, measures nothing).
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import time
 
-from benchlib import device_name, emit_json, median_time, sft_like_lengths, smoke_or_cuda, verdict, versions
+from benchlib import (add_lengths_option, bench_lengths, device_name, emit_json, median_time, ratio_spread,
+                      smoke_or_cuda, spread_text, verdict, versions)
 
 TARGET_PACKED_VS_PADDED = 2.0
 
 
-def make_examples(n: int, *, vocab: int, median: int, high: int, seed: int) -> list[dict]:
-    """n examples of random token ids with chat-like lengths."""
+def make_examples(n: int, *, vocab: int, median: int, high: int, seed: int, source: str = "chat") -> list[dict]:
+    """n examples of random token ids with ``source`` lengths (``--lengths``) of at most ``high`` tokens."""
     import numpy as np
 
     rng = np.random.default_rng(seed + 1)
     return [{"input_ids": rng.integers(3, vocab, int(length)).tolist()}
-            for length in sft_like_lengths(n, seed=seed, median=median, high=high)]
+            for length in bench_lengths(source, n, seed=seed, median=median, high=high)]
 
 
 def step_fn(model, optimizer, batch_kwargs):
@@ -55,8 +63,10 @@ def main() -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU: checks the call paths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--examples", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="steps timed a round (their median is the round's)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds rotating the providers")
     parser.add_argument("--json-out", help="append the JSON line to this file too")
+    add_lengths_option(parser)
     args = parser.parse_args()
     device = smoke_or_cuda("bench_train_step.py", smoke=args.cpu_smoke)
     if device is None:
@@ -69,11 +79,11 @@ def main() -> int:
 
     dtype = torch.bfloat16
     if args.cpu_smoke:
-        warmup, reps, n_examples = 0, 1, 4
+        warmup, reps, n_examples, rounds = 0, 1, 4, 2
         shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, median=6, high=16)
     else:
-        warmup, reps, n_examples = 2, args.reps, args.examples
+        warmup, reps, n_examples, rounds = 2, args.reps, args.examples, args.rounds
         shape = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
                      num_attention_heads=12, num_key_value_heads=4, median=250, high=4096)
     median, high = shape.pop("median"), shape.pop("high")
@@ -84,7 +94,8 @@ def main() -> int:
     state = {k: v.clone() for k, v in base.state_dict().items()}
     del base
 
-    examples = make_examples(n_examples, vocab=shape["vocab_size"], median=median, high=high, seed=args.seed)
+    examples = make_examples(n_examples, vocab=shape["vocab_size"], median=median, high=high, seed=args.seed,
+                             source=args.lengths)
     packed = PaddingFreeCollator()(examples)
     padded = PaddedCollator()(examples)
     real_tokens = packed.num_tokens
@@ -97,8 +108,8 @@ def main() -> int:
         "packed_sdpa": ("sdpa", dict(packed_batch)),
         "padded_sdpa": ("sdpa", dict(padded.to(device))),
     }
-    rows = []
-    for name, (implementation, kwargs) in providers.items():
+    rows, steps = [], {}
+    for name, (implementation, kwargs) in providers.items():  # every provider built, checked and warmed first
         try:
             torch.manual_seed(args.seed)
             model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation, dtype=dtype)
@@ -106,25 +117,43 @@ def main() -> int:
             model.to(device).train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if device == "cuda" else {}))
             step = step_fn(model, optimizer, kwargs)
+            if device == "cuda":  # the first step's peak above what is resident (the other providers' models too)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()
             first_loss = step().item()  # from the shared initial weights
-            seconds = median_time(step, warmup=warmup, reps=reps, device=device)
-            peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-            rows.append(dict(provider=name, attn_implementation=implementation, step_ms=seconds * 1e3,
-                             tokens_per_s=real_tokens / seconds, first_loss=first_loss,
+            peak = (torch.cuda.max_memory_allocated() - resident) / 2**30 if device == "cuda" else None
+            median_time(step, warmup=warmup, reps=1, device=device)
+            steps[name] = step
+            rows.append(dict(provider=name, attn_implementation=implementation, first_loss=first_loss,
                              batch_shape=list(kwargs["input_ids"].shape), peak_gib=peak))
         except Exception as err:  # one failing provider is reported; the others still run
             rows.append(dict(provider=name, attn_implementation=implementation, error=f"{type(err).__name__}: {err}"[:500]))
-        finally:
-            model = optimizer = None
-            if device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+    times = {name: [] for name in steps}
+    for r in range(rounds):  # the providers rotated every round (each first in turn), GC outside the clock
+        names = list(times)
+        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+            gc.collect()
+            gc.disable()
+            try:
+                times[name].append(median_time(steps[name], warmup=0, reps=reps, device=device))
+            except Exception as err:  # a provider failing in a later round is dropped from the comparison
+                next(x for x in rows if x["provider"] == name)["error"] = f"{type(err).__name__}: {err}"[:500]
+                del times[name]
+            finally:
+                gc.enable()
+    for row in rows:
+        if row["provider"] in times:
+            seconds = statistics.median(times[row["provider"]])
+            row.update(step_ms=seconds * 1e3, tokens_per_s=real_tokens / seconds,
+                       rounds_ms=[t * 1e3 for t in times[row["provider"]]])
 
     timed = {r["provider"]: r for r in rows if "step_ms" in r}
     padded_row = timed.get("padded_sdpa")
-    for r in timed.values():
+    for name, r in timed.items():
         if padded_row:
-            r["speedup_vs_padded"] = padded_row["step_ms"] / r["step_ms"]
+            r["vs_padded"] = ratio_spread(times["padded_sdpa"], times[name])
+            r["speedup_vs_padded"] = r["vs_padded"]["median"]
             r["loss_diff_vs_padded"] = abs(r["first_loss"] - padded_row["first_loss"])
     best = max((r for n, r in timed.items() if n in ("packed_torch", "packed_triton")),
                key=lambda r: r.get("speedup_vs_padded", 0), default=None)
@@ -145,7 +174,8 @@ def main() -> int:
               f"{r.get('speedup_vs_padded', float('nan')):>10.2f}x{r['first_loss']:>9.4f}"
               f"{r.get('loss_diff_vs_padded', float('nan')):>9.4f}{peak:>10}")
     print(f"packed varlen (best: {best['provider'] if best else 'none timed'}) vs padded SDPA, training step: "
-          f"{verdict(best_speedup, TARGET_PACKED_VS_PADDED, smoke=args.cpu_smoke)}")
+          f"{verdict(best_speedup, TARGET_PACKED_VS_PADDED, smoke=args.cpu_smoke)}"
+          + (f"; padded / packed pair ratios {spread_text(best['vs_padded'])}" if best and "vs_padded" in best else ""))
     emit_json(dict(bench="train_step", smoke=args.cpu_smoke, versions=versions("triton", "transformers"),
                    device=device_name(device), date=time.strftime("%Y-%m-%d"), setup=setup, results=rows,
                    packed_vs_padded=None if args.cpu_smoke else best_speedup, target=TARGET_PACKED_VS_PADDED),

@@ -1,4 +1,6 @@
-"""What every benchmark shares: the length distributions, the versions line, timing, the verdict on a
+"""What every benchmark shares: the length distributions (real by default: :func:`add_lengths_option`), the
+versions line, timing (A/B rounds alternated, garbage collected outside the clock, and the median and spread of
+their pair ratios: :func:`ab_pairs`, :func:`rotating_rounds`, :func:`ratio_spread`), the verdict on a
 target and the JSON line; for the GPU benchmarks, the --cpu-smoke / CUDA switch and its fakes.
 
 Scripts run as ``python benchmarks/bench_<thing>.py``, so this module is importable as ``benchlib``.
@@ -28,8 +30,9 @@ import numpy as np
 def sft_like_lengths(n: int, *, seed: int = 0, median: int = 250, low: int = 8, high: int = 4096) -> np.ndarray:
     """(n,) int64 SFT-like lengths: lognormal with the given median, sigma 1, rounded, clipped to [low, high].
 
-    The distribution every benchmark calls "SFT-like" (instruction data: many short examples and a
-    long right tail; about 3.7% of tokens lie above 2,048 with the defaults).
+    SYNTHETIC: no comparison defaults to it (``tests/test_bench_rule.py``); a script offers it only behind
+    ``--lengths sft-like`` (:func:`add_lengths_option`), labelled in its table. Real chat is far longer
+    (median 1,697 tokens against 250: :func:`chat_lengths`), so figures taken on it do not carry over.
     ``sft_like_lengths(3, seed=0)`` -> e.g. ``[285, 223, 476]``.
     """
     rng = np.random.default_rng(seed)
@@ -39,18 +42,77 @@ def sft_like_lengths(n: int, *, seed: int = 0, median: int = 250, low: int = 8, 
 CHAT_LENGTHS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharegpt_qwen3_lengths.npy")
 
 
-def chat_lengths(n: int | None = None, *, seed: int = 0) -> np.ndarray:
+def chat_lengths(n: int | None = None, *, seed: int = 0, high: int | None = None) -> np.ndarray:
     """(n,) int64 real chat lengths: ShareGPT conversations under Qwen3's tokenizer.
 
     ``data/sharegpt_qwen3_lengths.npy`` holds 17,545 conversations (``make_chat_lengths.py`` says how
-    it was made); ``n=None`` returns them in file order, a larger ``n`` draws with replacement (seeded),
-    a smaller one without.
+    it was made; median 1,697 tokens, 31% above 2,048, 0.35% above 4,096); ``n=None`` returns them in file
+    order, a larger ``n`` draws with replacement (seeded), a smaller one without. ``high``: draw only from the
+    conversations of at most ``high`` tokens (for a script whose examples must fit a window; none is clipped).
     """
     lengths = np.load(CHAT_LENGTHS).astype(np.int64)
+    if high is not None:
+        lengths = lengths[lengths <= high]
     if n is None:
         return lengths
     rng = np.random.default_rng(seed)
     return lengths[rng.choice(len(lengths), n, replace=n > len(lengths))]
+
+
+CHAT_TURNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sharegpt_qwen3_training_turns.npz")
+
+
+def chat_turns(n: int, *, seed: int = 0, high: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths, loss)``, (n,) int64 each: real training samples, every assistant turn of the ShareGPT
+    conversations with its history under Qwen3's tokenizer and TRL's training template (``make_turn_lengths.py``:
+    67,608 samples), ``loss`` the assistant tokens of the turn (the completion, the sample's last tokens). Drawn
+    as :func:`chat_lengths` draws; ``high`` as there."""
+    with np.load(CHAT_TURNS) as z:
+        lengths, loss = z["length"].astype(np.int64), z["loss"].astype(np.int64)
+    keep = lengths <= (high if high is not None else lengths.max())
+    lengths, loss = lengths[keep], loss[keep]
+    pick = np.random.default_rng(seed).choice(lengths.size, n, replace=n > lengths.size)
+    return lengths[pick], loss[pick]
+
+
+def bench_turns(source: str, n: int, *, seed: int = 0, high: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """``(lengths, loss)`` of ``source`` (``--lengths``): ``"chat"`` -> :func:`chat_turns` (samples of at most ``high``
+    tokens), ``"sft-like"`` -> ``packkit.budget.synthetic_sft_lengths`` (SYNTHETIC lognormal prompt and completion)."""
+    if source == "chat":
+        return chat_turns(n, seed=seed, high=high)
+    if source == "sft-like":
+        from packkit.budget import synthetic_sft_lengths
+
+        return synthetic_sft_lengths(n, seed=seed, max_length=high)
+    raise ValueError(f"unknown length source {source!r} for (length, loss) pairs; pass 'chat' or 'sft-like'")
+
+
+LENGTH_SOURCES = {
+    "chat": "real ShareGPT conversations under Qwen3's tokenizer (benchmarks/data)",
+    "sft-like": "SYNTHETIC lognormal, median 250, sigma 1 (benchlib.sft_like_lengths; an explicit option only)",
+    "uniform": "SYNTHETIC uniform 16..512 (benchlib.uniform_lengths; an explicit option only)",
+}
+
+
+def add_lengths_option(parser) -> None:
+    """``--lengths {chat,sft-like}`` on ``parser``, real chat lengths by default: every comparison runs on real
+    data unless the synthetic distribution is asked for by name (and then the table says so)."""
+    parser.add_argument("--lengths", choices=list(LENGTH_SOURCES), default="chat",
+                        help="length distribution: " + "; ".join(f"'{k}' {v}" for k, v in LENGTH_SOURCES.items())
+                        + " (default: chat)")
+
+
+def bench_lengths(source: str, n: int, *, seed: int = 0, high: int | None = None, median: int = 250) -> np.ndarray:
+    """(n,) int64 lengths of ``source`` (``--lengths``): ``"chat"`` -> :func:`chat_lengths` (conversations of at most
+    ``high`` tokens), ``"sft-like"`` -> :func:`sft_like_lengths` (``median``, clipped to ``high``), ``"uniform"`` ->
+    :func:`uniform_lengths`."""
+    if source == "chat":
+        return chat_lengths(n, seed=seed, high=high)
+    if source == "sft-like":
+        return sft_like_lengths(n, seed=seed, median=median, **({} if high is None else {"high": high}))
+    if source == "uniform":
+        return uniform_lengths(n, seed=seed, **({} if high is None else {"high": min(high, 512)}))
+    raise ValueError(f"unknown length source {source!r}; pass one of {sorted(LENGTH_SOURCES)}")
 
 
 def gemma3_4b_config():
@@ -208,11 +270,21 @@ def rotating_rounds(fns: dict, rounds: int, *, clock=time.process_time) -> dict:
 
 
 def ratio_spread(num, den) -> dict:
-    """The pair ratios ``num[i] / den[i]``: median, lowest and highest, and the medians of each side.
-    ``ratio_spread([2, 3], [1, 1]) -> {"median": 2.5, "low": 2.0, "high": 3.0, ...}``."""
+    """The pair ratios ``num[i] / den[i]``: median, lowest and highest, the middle half (``q1``, ``q3``: the
+    quartiles), and the medians of each side. ``ratio_spread([2, 3], [1, 1]) -> {"median": 2.5, "low": 2.0,
+    "high": 3.0, "q1": ..., "q3": ..., "num_median": 2.5, "den_median": 1, "pairs": 2}``."""
     r = [x / y for x, y in zip(num, den)]
-    return {"median": statistics.median(r), "low": min(r), "high": max(r), "num_median": statistics.median(num),
-            "den_median": statistics.median(den), "pairs": len(r)}
+    if not r:
+        raise ValueError("ratio_spread of no pairs: measure at least one round")
+    q = statistics.quantiles(r, n=4) if len(r) > 1 else r * 3
+    return {"median": statistics.median(r), "low": min(r), "high": max(r), "q1": q[0], "q3": q[2],
+            "num_median": statistics.median(num), "den_median": statistics.median(den), "pairs": len(r)}
+
+
+def spread_text(s: dict) -> str:
+    """A :func:`ratio_spread` as a table cell: ``"1.52x (1.31-1.90, mid 1.45-1.60, 9 pairs)"``."""
+    return (f"{s['median']:.2f}x ({s['low']:.2f}-{s['high']:.2f}, mid {s['q1']:.2f}-{s['q3']:.2f}, "
+            f"{s['pairs']} pairs)")
 
 
 def loadavg() -> float:
