@@ -2,8 +2,8 @@
 
 On real chat lengths by default (``--lengths chat``: ShareGPT conversations under Qwen3's tokenizer, drawn with
 replacement to ``--n``, default 1M, from those of at most ``--max-tokens`` tokens, which the token budget needs;
-``--lengths sft-like``: the synthetic lognormal, labelled), batch 16; the packed sampler splits examples over
-``--window`` (``overflow="split"``): padding waste of random batches, of packkit's
+``--lengths sft-like``: the synthetic lognormal, labelled), batch 16; the packed sampler truncates examples over
+``--window`` (``overflow="truncate"``: a batch sampler yields whole examples): padding waste of random batches, of packkit's
 ``LengthGroupedSampler``, of transformers' ``LengthGroupedSampler`` (same batch size, same megabatch
 of 50 batches), of packkit's ``TokenBudgetBatchSampler``, and the fill of ``PackedBatchSampler``;
 then the time to build one epoch of indices, packkit and transformers in the same run: ``--repeat`` pairs
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         rows.append((label, f"waste {m:.4%} +- {se:.4%}", ""))
 
     # -- packed fill ------------------------------------------------------------------------
-    packed_t, packed = best_time(lambda: PackedBatchSampler(lengths, window=args.window, overflow="split",
+    packed_t, packed = best_time(lambda: PackedBatchSampler(lengths, window=args.window, overflow="truncate",
                                                             windows_per_batch=args.windows_per_batch, seed=0), 1)
     packed_stats = packed.epoch_stats()
     rows.append((f"packkit PackedBatchSampler bfd (W={args.window}, k={args.windows_per_batch})",
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     rows.append(("  next epoch (plan reused, windows reshuffled)", "", f"{packed_epoch_t:.3f} s"))
     ff_fill = ff_t = None
     if args.shuffle_ff:
-        ff_t, ff = best_time(lambda: PackedBatchSampler(lengths, window=args.window, strategy="shuffle_ff", overflow="split",
+        ff_t, ff = best_time(lambda: PackedBatchSampler(lengths, window=args.window, strategy="shuffle_ff", overflow="truncate",
                                                         windows_per_batch=args.windows_per_batch), 1)
         ff_fill = 1 - ff.epoch_stats().padding_waste
         rows.append(("packkit PackedBatchSampler shuffle_ff", f"fill {ff_fill:.4%}", f"plan+epoch {ff_t:.3f} s"))
