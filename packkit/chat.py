@@ -48,7 +48,7 @@ from .integrations import transformers as hf  # transformers' private chat-templ
 from .progress import progress_bar
 from .chatrender import flat, render
 from .segments import common_prefix_lengths, lengths_to_offsets, mask_from
-from .tokenizer import bad_utf8, load_tokenizer
+from .tokenizer import COPY_BYTES_PER_TOKEN, bad_utf8, fast_copy, load_tokenizer
 
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
            "ignored_columns", "has_generation_markers", "load_tokenizer", "tokenize_dataset", "tokenize_chat",
@@ -293,17 +293,19 @@ def _messages(value, i: int, name: str, keys=_MESSAGE_KEYS["messages"]) -> list:
     return out
 
 
-def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: bool, completion: bool, eos):
+def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: bool, completion: bool, eos,
+                  fast=None):
     """``(offsets (n + 1,) int64, ids (T,) int64, mask (T,) int8 or None, diverged)`` of one batch (``rows``: column
     -> list, as ``datasets`` batches); ``diverged`` counts the pairs whose tokenized prompt is not a prefix of the
-    whole."""
+    whole. ``fast``: :func:`packkit.chatrender.render`'s."""
     tools = rows.get("tools")
     if tools is not None:
         tools = [json.loads(t) if isinstance(t, str) else t for t in tools]
     kwargs = rows.get("chat_template_kwargs")
     if fmt in _MESSAGE_KEYS:
         convs = [_messages(v, base + j, fmt, _MESSAGE_KEYS[fmt]) for j, v in enumerate(rows[fmt])]
-        return (*render(tok, convs, base, template=template, tools=tools, kwargs=kwargs, assistant_mask=assistant), 0)
+        return (*render(tok, convs, base, template=template, tools=tools, kwargs=kwargs, assistant_mask=assistant,
+                        fast=fast), 0)
     prompts, completions = rows["prompt"], rows["completion"]
     for j, (p, c) in enumerate(zip(prompts, completions)):
         if p is None or c is None:
@@ -319,9 +321,9 @@ def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: 
         convs_p = [_messages(v, base + j, "prompt") for j, v in enumerate(prompts)]
         convs_c = [_messages(v, base + j, "completion") for j, v in enumerate(completions)]
         p_off, p_val, _ = render(tok, convs_p, base, template=template, tools=tools, kwargs=kwargs,
-                                  add_generation_prompt=True)
+                                 add_generation_prompt=True, fast=fast)
         offsets, values, amask = render(tok, [p + c for p, c in zip(convs_p, convs_c)], base, template=template,
-                                         tools=tools, kwargs=kwargs, assistant_mask=assistant)
+                                        tools=tools, kwargs=kwargs, assistant_mask=assistant, fast=fast)
     prefix = common_prefix_lengths(p_off, p_val, offsets, values)
     diverged = int(np.count_nonzero(prefix < np.diff(p_off)))
     mask = mask_from(offsets, prefix) if completion else None
@@ -392,6 +394,7 @@ class _Encoder:
         self.mask_name = "completion_mask" if self.completion else "assistant_masks" if self.assistant else None
         self.columns = _columns(fmt)
         self.diverged = 0
+        self.fast = None  # fast_copy of the Rust tokenizer, made by encode_table once the text is long enough
 
     def encode(self, table, base: int):
         """``(input_ids, mask or None)``: pyarrow list arrays (int32, int8) of ``table``'s rows, the first
@@ -402,7 +405,7 @@ class _Encoder:
         rows = table.select(wanted).to_pydict()
         offsets, values, mask, diverged = _encode_batch(
             self.tok, self.fmt, rows, base, template=self.template, assistant=self.assistant,
-            completion=self.completion, eos=self.tok.eos_token)
+            completion=self.completion, eos=self.tok.eos_token, fast=self.fast)
         self.diverged += diverged
         if self.assistant:  # every example must hold an assistant token (TRL raises too)
             csum = lengths_to_offsets(mask)  # mask tokens before each flat index
@@ -423,6 +426,7 @@ class _Encoder:
         check_int(batch_size, "batch_size")
         num_proc = 1 if self.num_proc is None else check_int(self.num_proc, "num_proc")
         n = table.num_rows
+        self._copy_if_long(table)
         with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
             if num_proc > 1 and n > batch_size:
                 ids_chunks, mask_chunks, diverged = _encode_in_processes(self, table, batch_size, num_proc, bar, base)
@@ -433,6 +437,15 @@ class _Encoder:
         if self.mask_name is not None:
             columns[self.mask_name] = _chunked(mask_chunks, pa.int8())
         return pa.table(columns)
+
+    def _copy_if_long(self, table) -> None:
+        """Tokenize with :func:`packkit.tokenizer.fast_copy` from the first table whose columns hold
+        :data:`~packkit.tokenizer.COPY_BYTES_PER_TOKEN` bytes a vocabulary entry (made before any fork, emptied for
+        this encoder's run)."""
+        backend = hf.fast_backend(self.tok)
+        if self.fast is None and backend is not None and (
+                table.select(self.columns).nbytes >= COPY_BYTES_PER_TOKEN * backend.get_vocab_size()):
+            self.fast = fast_copy(backend)
 
     def warn_diverged(self, n: int) -> None:
         if not self.diverged:

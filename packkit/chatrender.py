@@ -33,10 +33,11 @@ def flat(lists):
 
 
 def render(tok, conversations: list, base: int, *, template: str, tools=None, kwargs=None,
-            add_generation_prompt: bool = False, assistant_mask: bool = False):
+           add_generation_prompt: bool = False, assistant_mask: bool = False, fast: tuple | None = None):
     """``apply_chat_template`` on a batch (the first is example ``base``), tokenized: ``(offsets (n + 1,) int64,
     ids (T,) int64, assistant mask (T,) int8 or None)``. One render and one tokenizer call for the batch
-    (:func:`_render_fast`); per example when a ``tools`` or ``chat_template_kwargs`` column gives each its own."""
+    (:func:`_render_fast`); per example when a ``tools`` or ``chat_template_kwargs`` column gives each its own.
+    ``fast``: :func:`packkit.tokenizer.fast_copy` of ``tok``'s Rust tokenizer, to tokenize with (the same ids)."""
     if tools is not None or kwargs is not None:
         outs = [_render_one(tok, conv, base + j, template, None if tools is None else tools[j],
                             None if kwargs is None else kwargs[j], add_generation_prompt, assistant_mask)
@@ -46,9 +47,9 @@ def render(tok, conversations: list, base: int, *, template: str, tools=None, kw
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fast = _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask)
-            if fast is not None:
-                return fast
+            done = _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask, fast)
+            if done is not None:
+                return done
             out = tok.apply_chat_template(conversations, chat_template=template, tokenize=True, return_dict=True,
                                           add_generation_prompt=add_generation_prompt,
                                           return_assistant_tokens_mask=assistant_mask)
@@ -61,7 +62,7 @@ def render(tok, conversations: list, base: int, *, template: str, tools=None, kw
     return offsets, ids, (flat(list(out["assistant_masks"]))[1].astype(np.int8) if assistant_mask else None)
 
 
-def _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask):
+def _render_fast(tok, conversations, template, add_generation_prompt, assistant_mask, fast=None):
     """:func:`render`'s batch as ``apply_chat_template`` makes it, without its Python loop over every token for the
     assistant mask (a third of packkit's time on ShareGPT with Qwen3's tokenizer, more than the rendering): rendered
     by transformers' own steps (:func:`packkit.integrations.transformers.render_chat`), tokenized by the Rust
@@ -76,16 +77,16 @@ def _render_fast(tok, conversations, template, add_generation_prompt, assistant_
         return None
     texts, spans = rendered
     if not assistant_mask:  # the ids alone: no offsets to track
-        fast = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21
-        return (*_flat_ids(fast(texts, add_special_tokens=False)), None)
+        return (*_flat_ids(_encode_fast(backend, fast, texts)[0]), None)
     bytewise = ByteSpans.of(backend)
     if bytewise is None:
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         offsets, ids = _flat_ids(encodings)
         marked = _char_marks(offsets, [e.offsets for e in encodings], spans, range(len(texts)))
     else:
-        offsets, ids = _flat_ids(backend.encode_batch_fast(texts, add_special_tokens=False))
-        marked, slow = bytewise.marks(texts, spans, offsets, ids)
+        encodings, nfc = _encode_fast(backend, fast, texts)
+        offsets, ids = _flat_ids(encodings)
+        marked, slow = bytewise.marks(texts, spans, offsets, ids, nfc)
         if slow:  # a text that is not NFC, or whose tokens do not tile its bytes: its offsets, as before
             rest = _char_marks(offsets, [e.offsets for e in backend.encode_batch([texts[j] for j in slow],
                                                                                   add_special_tokens=False)],
@@ -96,6 +97,25 @@ def _render_fast(tok, conversations, template, add_generation_prompt, assistant_
     mask = np.zeros(ids.size, np.int8)
     mask[range_index(*marked)] = 1
     return offsets, ids, mask
+
+
+def _encode_fast(backend, fast, texts) -> tuple:
+    """``(encodings, nfc)``: ``texts`` tokenized without offsets (``encode_batch_fast``), by ``fast``
+    (:func:`packkit.tokenizer.fast_copy`'s ``(copy, bare)``, or None: ``backend``) where a bare copy is given only the
+    texts that are NFC, and whether each text is NFC (ASCII is)."""
+    nfc = [t.isascii() or unicodedata.is_normalized("NFC", t) for t in texts]
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21
+    copy, bare = fast or (backend, False)
+    if copy is backend:
+        return encode(texts, add_special_tokens=False), nfc
+    if not bare or all(nfc):
+        return copy.encode_batch_fast(texts, add_special_tokens=False), nfc
+    out = [None] * len(texts)
+    for tokenizer, which in ((copy, [j for j, ok in enumerate(nfc) if ok]),
+                             (backend, [j for j, ok in enumerate(nfc) if not ok])):
+        for j, e in zip(which, tokenizer.encode_batch_fast([texts[j] for j in which], add_special_tokens=False)):
+            out[j] = e
+    return out, nfc
 
 
 def _flat_ids(encodings):
@@ -204,10 +224,11 @@ class ByteSpans:
             return size if from_model is None or n == size else -1
         return n
 
-    def marks(self, texts, spans, offsets, ids):
+    def marks(self, texts, spans, offsets, ids, nfc):
         """``((starts, lengths), slow)``: the flat tokens (``ids (T,)`` int64 over ``offsets (n + 1,)``) that
         overlap each text's ``{% generation %}`` character spans, and the indices of the texts this cannot
-        tell exactly (not NFC, or their tokens do not tile their bytes), left out of the marks."""
+        tell exactly (not NFC: ``nfc``, a bool a text; or their tokens do not tile their bytes), left out of the
+        marks."""
         if ids.size and int(ids.max()) >= self.lengths.size:
             grown = np.full(int(ids.max()) + 1, -2, np.int64)
             grown[: self.lengths.size] = self.lengths
@@ -226,8 +247,7 @@ class ByteSpans:
         for j, (text, marked) in enumerate(zip(texts, spans)):
             ascii_ = text.isascii()
             size = len(text) if ascii_ else len(text.encode())
-            if (bad_before[j + 1] > bad_before[j] or at[j + 1] - at[j] != size
-                    or (self.nfc and not ascii_ and not unicodedata.is_normalized("NFC", text))):
+            if bad_before[j + 1] > bad_before[j] or at[j + 1] - at[j] != size or (self.nfc and not nfc[j]):
                 slow.append(j)
                 continue
             for lo, hi in marked or ():

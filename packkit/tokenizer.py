@@ -23,8 +23,8 @@ from .errors import ArgumentError, DataError, Where, arg
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
-__all__ = ["TOKENIZE_CALL_CHARS", "bad_utf8", "load_tokenizer", "one_line", "release_freed", "rust_tokenizer",
-           "text_calls", "tokenize", "tokenizer_name"]
+__all__ = ["TOKENIZE_CALL_CHARS", "bad_utf8", "fast_copy", "load_tokenizer", "one_line", "release_freed",
+           "rust_tokenizer", "text_calls", "tokenize", "tokenizer_name"]
 
 #: Seconds to wait for the Hub's host before calling a model id unreachable.
 HUB_PROBE_TIMEOUT = 5.0
@@ -210,6 +210,50 @@ def rust_tokenizer(spec, *, trust_remote_code: bool = False):
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises its own exception type
         raise ValueError(f"could not read tokenizer {str(path)!r}: {exc}") from None
+
+
+#: Words the BPE of a :func:`fast_copy` remembers (``tokenizers`` keeps 10,000, the first seen, then adds none): 45,624
+#: distinct words in 1,000 ShareGPT conversations, ~150 bytes each.
+CACHE_WORDS = 1 << 18
+
+#: Text bytes per vocabulary entry from which a :func:`fast_copy` pays: Qwen3's (151,669 entries) took 0.8 s CPU to
+#: make and saved ~1.2 s on 1,000 ShareGPT conversations (7.0 M characters rendered).
+COPY_BYTES_PER_TOKEN = 32
+
+_COPIES: dict = {}  # id(backend) -> (backend, copy, bare): made once a process, its cache emptied for each run
+
+
+def fast_copy(backend, *, clear: bool = True) -> tuple:
+    """``(copy, bare)``: a copy of the Rust tokenizer ``backend`` that gives the same ids for less CPU over a long
+    run of texts, or ``(backend, False)`` where no copy would be faster. Its BPE remembers :data:`CACHE_WORDS` words
+    (the original's cache is full after 10,000 and every other word is merged again at each occurrence), and where
+    ``backend``'s normalizer is NFC alone the copy has none (``bare``): give it only texts that are NFC
+    (``unicodedata.is_normalized("NFC", text)``), which NFC leaves as they are, the others to ``backend``. Made once
+    (0.8 s for Qwen3's tokenizer), its cache emptied when ``clear``, so that a run starts as cold as the original."""
+    found = _COPIES.get(id(backend))
+    if found is None or found[0] is not backend:
+        found = _COPIES[id(backend)] = (backend, *_copy(backend))
+        while len(_COPIES) > 2:
+            del _COPIES[next(iter(_COPIES))]
+    if clear and found[1] is not backend:
+        found[1].model._clear_cache()
+    return found[1], found[2]
+
+
+def _copy(backend) -> tuple:
+    """:func:`fast_copy`'s ``(copy, bare)``, made."""
+    import json
+
+    norm = backend.normalizer
+    bare = norm is not None and json.loads(norm.__getstate__()).get("type") == "NFC"
+    if not (bare or type(backend.model).__name__ == "BPE") or not hasattr(backend.model, "_resize_cache"):
+        return backend, False
+    copy = type(backend).from_str(backend.to_str())
+    copy.encode_special_tokens = backend.encode_special_tokens  # a setting to_str leaves out
+    if bare:
+        copy.normalizer = None
+    copy.model._resize_cache(CACHE_WORDS)
+    return copy, bare
 
 
 def tokenizer_name(tokenizer) -> str:
