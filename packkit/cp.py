@@ -66,7 +66,7 @@ from .batch import _NOTE, _note, count_loss_tokens, loss_factors, real_tokens_an
 from .cp_plan import CPPlan, _check_layout, _plan, check_cp_size
 from .errors import ArgumentError, check_choice, check_int, renamed_keyword
 from .integrations import transformers as hf  # transformers' attention call, read in one place
-from .segments import IGNORE_INDEX, cu_seqlens_to_lengths, lengths_to_cu_seqlens, lengths_to_offsets, range_index
+from .segments import IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, range_index
 
 __all__ = ["METHODS", "CPShard", "TEParams", "Llama3Args", "AllGatherArgs", "shard", "plan_batch", "restore",
            "shift_labels", "cp_attention", "sum_over_ranks", "hf_cp_attention", "register_hf_cp_attention"]
@@ -76,11 +76,32 @@ METHODS = ("ring", "allgather", "alltoall")
 
 def _segments_of(cu_seqlens) -> np.ndarray:
     """``(S,)`` int64 segment lengths of ``cu_seqlens``, each >= 1 (checked here, once: the plan trusts them)."""
-    lengths = cu_seqlens_to_lengths(np.asarray(cu_seqlens)).astype(np.int64, copy=False)
+    return _segments_and_offsets(cu_seqlens)[0]
+
+
+def _segments_and_offsets(cu_seqlens) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`_segments_of`'s lengths and ``cu_seqlens`` as int64, the offsets of those lengths (the segments' flat
+    starts, then the batch's tokens), or None where they are not (zero-length segments dropped, a first offset not 0).
+    ``[0, 2, 2, 5] -> ([2, 3], None)``; ``[0, 2, 5] -> ([2, 3], [0, 2, 5])``."""
+    cu = np.asarray(cu_seqlens, np.int64)
+    lengths = cu[1:] - cu[:-1]  # np.diff's, without its Python wrapper
     least = lengths.min() if lengths.size else 1
     if least < 0:
         raise ArgumentError("cu_seqlens must be non-decreasing, got {cu}", cu=list(np.asarray(cu_seqlens)))
-    return lengths[lengths > 0] if least == 0 else lengths  # static-shape zero-length segments hold no token
+    if least == 0:  # static-shape zero-length segments hold no token
+        return lengths[lengths > 0], None
+    return lengths, (cu if cu[0] == 0 else None)
+
+
+def _plan_of(cu: torch.Tensor, ids: torch.Tensor, cp: int, layout: str) -> CPPlan:
+    """The plan of a batch from its ``cu_seqlens`` (read on the host once, checked against ``input_ids``), keeping
+    the segments' flat starts as ``cu_seqlens`` has them (no cumsum of the lengths back: a pass over the segments)."""
+    lengths, offsets = _segments_and_offsets(cu.numpy() if cu.device.type == "cpu" else cu.cpu().numpy())
+    _check_tokens(int(offsets[-1]) if offsets is not None else int(lengths.sum()), ids)
+    plan = _plan(lengths, cp, layout)  # the lengths checked once, here
+    if offsets is not None:
+        plan._keep_flat_starts(offsets)
+    return plan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,9 +408,7 @@ def plan_batch(batch, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
     layout = _check_layout(cp_layout)
     cp = check_cp_size(cp_size)
     ids, _, _, cu = _batch_fields(batch)
-    lengths = _segments_of(cu.cpu().numpy())
-    _check_tokens(int(lengths.sum()), ids)
-    plan = _plan(lengths, cp, layout)
+    plan = _plan_of(cu, ids, cp, layout)
     plan._seg_starts()
     if plan.dealt is not None:  # the hybrid's pieces dealt in no rank's order: sorted once here, not by every rank
         plan._pieces()
@@ -443,9 +462,7 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
     ids, labels, shifted, cu = _batch_fields(batch)
     noted = _noted_plan(cu, cp, layout)  # the collator's (plan_batch): nothing to read or plan
     if plan is None and noted is None:
-        lengths = _segments_of(cu.cpu().numpy())
-        _check_tokens(int(lengths.sum()), ids)
-        plan = _plan(lengths, cp, layout)  # the lengths checked once, here
+        plan = _plan_of(cu, ids, cp, layout)
     elif plan is None or plan is noted:
         plan = noted
         _check_tokens(plan.num_tokens, ids)
@@ -453,40 +470,58 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
                                                                         _segments_of(cu.cpu().numpy())):
         raise ValueError("the plan passed to shard was made for another batch, cp_size or cp_layout")
     labels = labels if labels.shape == ids.shape else labels.reshape(ids.shape)
-    source, seg, pos, pad_at, first, real, out = plan.local_tokens(int(rank))
+    total = ids.numel()
+    index, take, seg, pos, pad, ends = _rank_tokens(plan, int(rank), ids.shape[-1], total)
     dev = ids.device
     on = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
-    take = source
-    if pad_at.size:  # CP padding reads token 0, then is filled
-        take = source.copy()
-        take[pad_at] = 0
-    pad = on(pad_at)
+    pad, take_t = on(pad), on(take)
     if shifted:
-        where, no_target = on(take), pad
+        where, ends = take_t, None
     else:  # the targets read where they sit in the row (the next token), not from a shifted copy of the batch
-        after, no_target = _next_in_row(take, pad_at, first, real, out, ids.shape[-1], ids.numel())
-        where, no_target = on(after), on(no_target)
-    local_targets = _gather(labels, where, no_target, IGNORE_INDEX)[None]
-    _carry_weights(labels, local_targets, where, no_target)
+        after = take + 1
+        if total == 1:  # CP padding reads token 0: no token 1 to read
+            after[:] = 0
+        after[ends] = 0  # a row's last token: read, then filled
+        where, ends = on(after), on(ends)
+    local_targets = _gather(labels, where, pad, ends, IGNORE_INDEX)[None]
+    _carry_weights(labels, local_targets, where, pad, ends)
     tokens, examples = _batch_counts(batch, labels, cu)
     n_loss = count_loss_tokens(labels, shifted=shifted)  # the batch's: counted once
     # what accumulation_step reads of a shard (or of its hf_kwargs' shift_labels): the batch's counts, once per group
     _note(local_targets)[_CP_NOTE] = (int(rank), cp, n_loss, tokens, examples)
     return CPShard(
-        input_ids=_gather(ids, on(take), pad, pad_id)[None],
+        input_ids=_gather(ids, take_t, pad, None, pad_id)[None],
         shift_labels=local_targets,
         position_ids=on(pos)[None],
-        seq_idx=on(seg.astype(np.int32))[None],
-        index=on(source), num_loss_tokens=n_loss,
+        seq_idx=on(seg)[None],
+        index=on(index), num_loss_tokens=n_loss,
         num_local_loss_tokens=_count_targets(local_targets),
         max_seqlen=int(plan.lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape),
         num_tokens=tokens, num_examples=examples)
 
 
-def _carry_weights(labels: torch.Tensor, targets: torch.Tensor, where: torch.Tensor, no_target: torch.Tensor) -> None:
+def _rank_tokens(plan: CPPlan, rank: int, width: int, total: int) -> tuple[np.ndarray, ...]:
+    """What :func:`shard` reads of ``rank``'s tokens, rows of ``width`` of the batch's ``total``: ``(index, take, seg,
+    pos, pad, ends)``: the flat index of each token (-1 on CP padding) and one to read (0 there), its segment (int32)
+    and position, where the padding is (zigzag: a ``(local_len,)`` bool mask, the padding being most of a short
+    document's tail chunk; the others: the places of their few padding slots) and the places of the tokens that end
+    their row (no next token to predict: labels shift per row)."""
+    if plan.layout == "zigzag":
+        index, seg, pos, pad = plan._zigzag_tokens(rank, total)
+        return index, np.maximum(index, 0), seg, pos, pad, plan._zigzag_places(range(width - 1, total, width), rank)
+    source, seg, pos, pad_at, first, real, out = plan.local_tokens(rank)
+    take = source
+    if pad_at.size:  # CP padding reads token 0, then is filled
+        take = source.copy()
+        take[pad_at] = 0
+    return source, take, seg.astype(np.int32), pos, pad_at, _row_ends(first, real, out, width, total)
+
+
+def _carry_weights(labels: torch.Tensor, targets: torch.Tensor, where: torch.Tensor, pad: torch.Tensor,
+                   ends: torch.Tensor | None) -> None:
     """Note on the rank's ``targets`` (``[1, n]``) what a weighted batch's ``labels`` note
     (:func:`packkit.batch.loss_factors`): each target's factor, gathered from the **whole** batch's factors
-    exactly as the target was gathered from its labels (``where``; 0 at ``no_target``), so a document cut
+    exactly as the target was gathered from its labels (``where``; 0 at ``pad`` and ``ends``), so a document cut
     across ranks keeps the ``a_c`` of its whole ``|O_c|``; and the batch's part of ``Z``, whole (counted once
     per CP group). Nothing for a batch without a weighting."""
     found = loss_factors(labels)
@@ -495,7 +530,7 @@ def _carry_weights(labels: torch.Tensor, targets: torch.Tensor, where: torch.Ten
     factors, z = found
     note, mine = _note(labels), _note(targets)
     mine.update(loss_weighting=note["loss_weighting"], loss_step_constant=note.get("loss_step_constant", 0.0),
-                loss_factor=_gather(factors, where, no_target, 0.0)[None], loss_z=z)
+                loss_factor=_gather(factors, where, pad, ends, 0.0)[None], loss_z=z)
 
 
 def _batch_counts(batch, labels: torch.Tensor, cu: torch.Tensor) -> tuple:
@@ -508,31 +543,28 @@ def _batch_counts(batch, labels: torch.Tensor, cu: torch.Tensor) -> tuple:
     return int(tokens), int(examples)
 
 
-def _gather(x: torch.Tensor, index: torch.Tensor, fill_at: torch.Tensor, fill) -> torch.Tensor:
-    """``x.reshape(-1)[index]`` (every index valid) with ``fill`` at the places ``fill_at``, ``(n,)``."""
+def _gather(x: torch.Tensor, index: torch.Tensor, pad: torch.Tensor, ends: torch.Tensor | None, fill) -> torch.Tensor:
+    """``x.reshape(-1)[index]`` (every index valid) with ``fill`` on the padding ``pad`` (a bool mask, or places) and
+    at the places ``ends``, ``(n,)``."""
     out = x.reshape(-1).index_select(0, index)
-    return out.index_fill_(0, fill_at, fill) if fill_at.numel() else out
+    if pad.dtype == torch.bool:
+        out.masked_fill_(pad, fill)
+    elif pad.numel():
+        out.index_fill_(0, pad, fill)
+    return out.index_fill_(0, ends, fill) if ends is not None and ends.numel() else out
 
 
-def _next_in_row(take, pad_at, first, real, out, width: int, total: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(after, no_target)``: the flat index of the token after each of a rank's tokens (``take``, CP padding at
-    ``pad_at`` reading token 0: :meth:`CPPlan.local_tokens`) and the places that have no next token in their row
-    of ``width`` (a row's last token: labels shift per row) or are padding. The rows' last tokens are found from
-    the pieces (``first`` token, ``real`` tokens, place ``out``): a per-token ``% width`` costs as much as the
-    shard; one row (``width == total``) ends once, at the piece that holds token ``total - 1``.
-    One row ``[0..3]``, a rank holding ``[2, 3, pad]`` -> ``after [3, 0, 0]``, ``no_target [2, 1]``."""
+def _row_ends(first, real, out, width: int, total: int) -> np.ndarray:
+    """The places among a rank's tokens of those that end their row of ``width`` (labels shift per row: no next
+    token), found from its pieces (``first`` token, ``real`` tokens, place ``out``): a per-token ``% width`` costs as
+    much as the shard; one row (``width == total``) ends once, at the piece that holds token ``total - 1``.
+    One row ``[0..3]``, a rank holding ``[2, 3, pad]`` (one piece: first 2, real 2, out 0) -> ``[1]``."""
     if width == total:
         hit = np.flatnonzero((first + real == total) & (real > 0))
-        ends = out[hit] + real[hit] - 1
-    else:
-        first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
-        count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)
-        ends = (np.repeat(out + first_end - first, count)
-                + range_index(np.zeros(count.size, np.int64), count) * width)
-    no_target = np.concatenate([pad_at, ends])
-    after = take + 1
-    after[no_target] = 0  # read, then filled
-    return after, no_target
+        return out[hit] + real[hit] - 1
+    first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
+    count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)
+    return np.repeat(out + first_end - first, count) + range_index(np.zeros(count.size, np.int64), count) * width
 
 
 def _count_targets(targets: torch.Tensor) -> int:

@@ -131,21 +131,75 @@ class CPPlan:
         if self.dealt is not None:
             return _plan_order(self.dealt, self.padded, rank)[1:]
         if self.layout == "zigzag":
-            seg, chunk = self._zigzag_columns()[:2]
-            return seg, _zigzag_offsets(chunk, self.cp_size, rank), chunk
+            chunk = self._zigzag_columns()[2]
+            return np.arange(self.padded.size).repeat(2), _zigzag_offsets(chunk, self.cp_size, rank), chunk
         return _contiguous_rank(self.padded, self.local_len, rank)
 
     def _zigzag_columns(self) -> tuple[np.ndarray, ...]:
-        """What every rank's zigzag pieces share (made once a plan, kept): ``(seg, len, out, first, real)`` of the
-        pieces, two a segment (head, tail): the segment, the chunk size, the place among a rank's tokens, the flat
-        index of the segment's first token and its real tokens. A rank's own: the offsets (:func:`_zigzag_offsets`)."""
+        """What every rank's zigzag tokens share (made once a plan, kept): ``(chunk, out, sizes, seg)``. Per segment
+        (``(S,)``): its chunk (a rank holds two, its head chunk and its tail chunk, ``2 * chunk`` tokens) and its place
+        among a rank's tokens; per piece (``(2S,)``, head then tail): its size; per token of a rank (``(local_len,)``,
+        the same on every rank): its segment, int32 (the shard's ``seq_idx`` as it is). A rank's own: where its two
+        chunks start (:meth:`_zigzag_tokens`), a few passes over the segments, none over every rank's pieces."""
         cols = self.__dict__.get("_zigzag")
         if cols is None:
-            chunk = (self.padded // (2 * self.cp_size)).repeat(2)
-            seg = np.arange(self.padded.size).repeat(2)
-            cols = (seg, chunk, lengths_to_offsets(chunk)[:-1], self._seg_starts()[0].repeat(2), self.lengths.repeat(2))
+            chunk = self.padded // (2 * self.cp_size)
+            twice = chunk * 2
+            seg = np.arange(chunk.size, dtype=np.int32).repeat(twice)
+            cols = (chunk, twice.cumsum() - twice, chunk.repeat(2), seg)
             object.__setattr__(self, "_zigzag", cols)  # a cache, as _table
         return cols
+
+    def _zigzag_tokens(self, rank: int, total: int | None = None) -> tuple[np.ndarray, ...]:
+        """``(source, seg, pos, pad)`` of ``rank``'s zigzag tokens: :meth:`local`'s three (``seg`` int32) and where the
+        CP padding is. Segment ``s``'s tokens sit at ``out .. out + 2c`` among the rank's (``c`` its chunk): its head
+        chunk ``rank`` (positions ``rank * c ..``), then its tail chunk ``2cp-1-rank``; a position past the segment's
+        real length is padding. ``pad``: the padding's places, one run a segment (a head chunk with padding is
+        followed by a tail chunk of padding alone), where the segments are few and hold little padding; else a
+        ``(local_len,)`` bool mask (thousands of short documents: most of a tail chunk is padding, and a pass over
+        the tokens costs less than one over the segments' runs). ``total``: the batch's tokens, if known."""
+        chunk, out, sizes, seg = self._zigzag_columns()
+        starts, cp = self._flat_starts(), self.cp_size
+        head, tail = chunk * rank, chunk * (2 * cp - 1 - rank)  # where the rank's chunks start in their segment
+        step = np.empty(sizes.size, np.int64)  # a piece's position minus its place among the rank's tokens
+        step[0::2] = head - out
+        step[1::2] = tail - out - chunk
+        pos = step.repeat(sizes)
+        ar = np.arange(pos.size)
+        pos += ar
+        step[0::2] += starts
+        step[1::2] += starts
+        source = step.repeat(sizes)
+        source += ar
+        pad_rank = self.local_len - (self.num_tokens if total is None else total) // cp  # about
+        if 3 * chunk.size + 2 * pad_rank > self.local_len:
+            pad = pos >= self.lengths.repeat(chunk * 2)
+            np.putmask(source, pad, -1)
+            return source, seg, pos, pad
+        real = np.minimum(np.maximum(self.lengths - head, 0), chunk) + np.minimum(np.maximum(self.lengths - tail, 0),
+                                                                                   chunk)
+        has = np.flatnonzero(real < chunk * 2)
+        if not has.size:
+            return source, seg, pos, has
+        pad = range_index(out[has] + real[has], chunk[has] * 2 - real[has])
+        source[pad] = -1
+        return source, seg, pos, pad
+
+    def _zigzag_places(self, tokens, rank: int) -> np.ndarray:
+        """Where ``rank`` holds the flat ``tokens`` (a few: the rows' last tokens), among its own: ``(k,)`` int64,
+        those it holds only, a Python step a token (a dozen numpy calls on one element cost more).
+        ``plan_cp([9, 3], cp_size=2, cp_layout="zigzag")._zigzag_places([8, 11], 1) -> [5, 7]`` (token 8:
+        position 8 of segment 0, in rank 1's tail chunk 6..8; token 11: position 2 of segment 1, its tail chunk)."""
+        chunk, out = self._zigzag_columns()[:2]
+        starts, cp = self._flat_starts(), self.cp_size
+        places = []
+        for token in tokens:
+            s = int(starts.searchsorted(token, "right")) - 1
+            p, c = token - int(starts[s]), int(chunk[s])
+            k = p // c
+            if k == rank or k == 2 * cp - 1 - rank:
+                places.append(int(out[s]) + p - k * c + (c if k >= cp else 0))
+        return np.array(places, np.int64)
 
     # -- figures --
 
@@ -177,6 +231,13 @@ class CPPlan:
             object.__setattr__(self, "_starts", starts)  # a cache, as _table
         return starts
 
+    def _keep_flat_starts(self, offsets: np.ndarray) -> None:
+        """Keep the batch's own ``(S + 1,)`` int64 offsets of its segments (its ``cu_seqlens``, every segment
+        non-empty) as :meth:`_flat_starts`, the padding segments the layout adds starting at the batch's end."""
+        extra = self.lengths.size - self.num_segments
+        flat = offsets[:-1] if not extra else offsets if extra == 1 else np.append(offsets, [offsets[-1]] * (extra - 1))
+        object.__setattr__(self, "_flat", flat)  # a cache, as _table
+
     def _flat_starts(self) -> np.ndarray:
         """Start of every segment in the batch's flat order (made once, kept): all a rank's tokens need of the row's
         starts (not their places in ``G``)."""
@@ -194,6 +255,9 @@ class CPPlan:
     def local(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(source, seg, position)`` of ``rank``'s ``local_len`` tokens, int64: the flat index into the
         batch of each (``-1`` for CP padding), its segment and its position in the segment."""
+        if self.layout == "zigzag":
+            source, seg, pos, _ = self._zigzag_tokens(rank)
+            return source, seg.astype(np.int64), pos
         return self.local_tokens(rank)[:3]
 
     def local_tokens(self, rank: int) -> tuple[np.ndarray, ...]:
@@ -201,13 +265,9 @@ class CPPlan:
         sits among the rank's tokens (``(padding,)``), and for each of its pieces the flat index of its first
         token, its real tokens and its place among the rank's tokens. The padding is a piece's tail, so it is
         marked piece by piece (a few slots), not found token by token."""
-        if self.layout == "zigzag" and "_table" not in self.__dict__:  # the columns every rank shares, made once
-            seg, n, out, seg_first, seg_real = self._zigzag_columns()
-            off = _zigzag_offsets(n, self.cp_size, rank)
-        else:
-            seg, off, n = self.own_pieces(rank)
-            out = lengths_to_offsets(n)[:-1]
-            seg_first, seg_real = self._flat_starts()[seg], self.lengths[seg]
+        seg, off, n = self.own_pieces(rank)
+        out = lengths_to_offsets(n)[:-1]
+        seg_first, seg_real = self._flat_starts()[seg], self.lengths[seg]
         first = seg_first + off
         real = np.minimum(np.maximum(seg_real - off, 0), n)  # not np.clip: its wrapper costs as much
         ar = np.arange(self.local_len)

@@ -391,3 +391,73 @@ def test_a_shard_makes_no_tensor_past_torchs_grain(layout):
     assert (s.num_tokens, s.num_examples) == (32768, 5)
     assert max(n for _, n in seen.ops) <= 32768, max(seen.ops, key=lambda x: x[1])
     assert not [f for f, _ in seen.ops if "cumsum" in f]
+
+
+def _short_documents_row(n=1472, seed=0):
+    """A ``[1, T]`` PackedBatch of ``n`` short documents (1-32 tokens), built from its tensors (no noted counts)."""
+    from packkit.batch import PackedBatch
+
+    row = np.random.default_rng(seed).integers(1, 33, n)
+    ids = torch.arange(int(row.sum()))[None] % 1000 + 1
+    return PackedBatch(input_ids=ids, labels=ids.clone(), cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(row)),
+                       position_ids=torch.cat([torch.arange(k) for k in row.tolist()])[None])
+
+
+def _python_calls(fn) -> int:
+    """Python-visible calls (functions, and C functions such as numpy's) made by ``fn()``."""
+    import sys
+
+    count = [0]
+    sys.setprofile(lambda frame, event, arg: count.__setitem__(0, count[0] + (event in ("call", "c_call"))))
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+#: the most Python-visible calls of one rank's shard of a batch without a plan (a plain numpy/torch zigzag: 74); at
+#: c85c656: zigzag 213-228, contiguous and ulysses 218, hybrid 280-369 (each small numpy call costs 2-8 us here)
+_SHARD_CALLS = {"zigzag": 185}
+
+
+@pytest.mark.parametrize("layout", sorted(_SHARD_CALLS))
+def test_a_shard_takes_a_bounded_number_of_calls(layout):
+    """Regression (the CP shard against a plain zigzag, RESULTS.md "CP shard"): one rank's shard made 213-228 Python-visible calls
+    for zigzag against the plain zigzag's 74, whatever the row: each a numpy or torch call on a small array
+    (2-8 us of CPU here). The causes: the batch's counts tested every segment's end ``% width`` (27 us for 1,472
+    segments) and filtered them in a dozen calls (one row whose last label is a loss token has no padding tail);
+    the flat starts were summed back from the lengths (they are ``cu_seqlens``); the zigzag rank's row end was
+    found with a dozen numpy calls on one element; and its pieces were built per piece (2 x 1,472) where per
+    segment does. The bound holds on a row of one document and on one of 1,472."""
+    from packkit.batch import PackedBatch
+
+    one = PackedBatch(input_ids=torch.arange(1, 32769)[None], labels=torch.arange(1, 32769)[None],
+                      cu_seqlens=torch.tensor([0, 32768], dtype=torch.int32), position_ids=torch.arange(32768)[None])
+    for batch in (one, _short_documents_row()):
+        for cp in (2, 8):
+            calls = min(_python_calls(lambda: shard(batch, cp_size=cp, rank=cp - 1, cp_layout=layout))
+                        for _ in range(2))
+            assert calls <= _SHARD_CALLS[layout], (layout, cp, calls)
+
+
+def test_a_zigzag_rank_of_short_documents_marks_its_padding_per_token(monkeypatch):
+    """Regression: a zigzag rank of 1,472 short documents (1-32 tokens, padded to 16 or 32 at cp 8) found its CP
+    padding piece by piece (``range_index`` over the 2,000-odd pieces that end in padding, a cumsum, a repeat and an
+    arange over them), where the plain zigzag compares each token's position with its document's length once: the
+    padding is most of a short document's tail chunk. It now marks it per token (a bool mask) when the segments are
+    many; a row of a few long documents still marks its few padding slots by their places."""
+    from packkit import cp_plan
+
+    batch = _short_documents_row()
+    want = [shard(batch, cp_size=8, rank=r, cp_layout="zigzag") for r in (0, 7)]
+
+    def refuse(*a, **k):
+        raise AssertionError("padding marked piece by piece")
+
+    monkeypatch.setattr(cp_plan, "range_index", refuse)
+    for r, w in zip((0, 7), want):
+        s = shard(batch, cp_size=8, rank=r, cp_layout="zigzag")
+        for name in ("input_ids", "shift_labels", "position_ids", "seq_idx", "index"):
+            assert torch.equal(getattr(s, name), getattr(w, name)), name
+        assert (s.index < 0).sum() > s.index.numel() // 8  # padding: an eighth of the rank's tokens and more

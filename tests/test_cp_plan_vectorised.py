@@ -403,7 +403,8 @@ def test_zigzag_ranks_share_the_columns_of_their_pieces(monkeypatch):
 def test_one_hybrid_rank_reads_no_places_in_the_padded_stream(monkeypatch):
     """Regression: one hybrid rank's shard summed the row's padded lengths twice (a cumsum over every segment, for
     where each sits in the padded stream ``G``: to sort its pieces, and with the flat starts) though it needs only
-    the flat starts: its pieces sort by (segment, offset)."""
+    the flat starts: its pieces sort by (segment, offset). And the flat starts are read from the batch's own
+    ``cu_seqlens`` (a cumsum over the segments before: 8 of them here, one a rank's plan)."""
     from packkit.cp import shard
 
     lengths, batch = _short_row_batch()
@@ -415,7 +416,7 @@ def test_one_hybrid_rank_reads_no_places_in_the_padded_stream(monkeypatch):
         got = shard(batch, cp_size=8, rank=r, cp_layout="hybrid")
         assert got.index.tolist() == want[r].index.tolist() and got.position_ids.tolist() == \
             want[r].position_ids.tolist()
-    assert sum(s >= lengths.size for s in sizes) == 8  # the flat starts, once a rank's plan
+    assert sum(s >= lengths.size for s in sizes) == 0  # the flat starts too are the batch's cu_seqlens, not summed
 
 
 def test_planning_a_hybrid_row_takes_steps_per_run_not_per_document():
