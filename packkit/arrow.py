@@ -10,9 +10,11 @@ under the rules of an example: :mod:`packkit.listcolumns`)::
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-__all__ = ["pyarrow", "list_array", "byte_tokenize", "MAX_LIST_VALUES"]
+__all__ = ["pyarrow", "list_array", "byte_tokenize", "MAX_LIST_VALUES", "replay"]
 
 
 def pyarrow(what: str = "reading Arrow data"):
@@ -83,3 +85,11 @@ def byte_tokenize(texts):
         raise TypeError(f"byte_tokenize needs text, got {texts.type}")
     offsets, data = _binary_parts(texts)
     return list_array(offsets, data.astype(np.int32))
+
+
+def replay(first, rest, again):
+    """``make()``: its first call yields ``first`` then ``rest`` (a read of tables begun by the caller, continued), a
+    later call ``again()`` (the read from the start). Here, at the bottom, so that the door in replays a JSON lines
+    read without importing the other formats' readers (:mod:`packkit.readers` lends it under its old address)."""
+    pending = [itertools.chain([first], rest)]
+    return lambda: pending.pop() if pending else again()

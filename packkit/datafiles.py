@@ -18,13 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from . import jsonlines
-from .arrow import pyarrow
+from .arrow import pyarrow, replay
 from .binpack import as_lengths
 from .chatoptions import ChatOptions
 from .epoch import Lengths
 from .errors import ArgumentError, DataError, Message, MissingError, PackkitError, Where, arg
-from .readers import (load_dataset, parquet_batches, parquet_schema, read_arrow, read_npy, read_parquet,
-                      read_text, replay, text_byte_lengths, text_tables)
 from .rules import ExampleTypeError, located, not_integer, segment_key
 from .sample import SAMPLE_PATH, bundled_sample  # noqa: F401 - their home is packkit.sample, off the readers
 from .segments import lengths_to_offsets, range_index
@@ -49,6 +47,15 @@ INPUTS = {
 FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
 
 _TOKENIZER_NAMES = ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name")
+#: What :mod:`packkit.readers` (Parquet, Arrow, npy, text, folders) lends here, imported where such a file is read.
+_READER_NAMES = ("load_dataset", "parquet_batches", "parquet_schema", "read_arrow", "read_npy", "read_parquet",
+                 "read_text", "text_byte_lengths", "text_tables")
+
+
+def _readers():
+    """:mod:`packkit.readers`, imported where a file other than JSON lines is read (not for ``plan FILE.jsonl``)."""
+    from . import readers  # lazy: the other formats' readers, off a JSON lines file's start
+    return readers
 
 
 def _tokenizers():
@@ -58,9 +65,12 @@ def _tokenizers():
 
 
 def __getattr__(name: str):
-    """What :mod:`packkit.tokenizer` lends here under the old address: ``packkit.datafiles.tokenize``."""
+    """What :mod:`packkit.tokenizer` and :mod:`packkit.readers` lend here under the old address:
+    ``packkit.datafiles.tokenize``, ``packkit.datafiles.parquet_schema``."""
     if name in _TOKENIZER_NAMES:
         return getattr(_tokenizers(), name)
+    if name in _READER_NAMES:
+        return getattr(_readers(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -152,11 +162,10 @@ def load_table(path, *, split: str | None = None):
     path = check_path(path)
     reader_pyarrow(path)
     if path.is_dir():  # public API: the columns stay memory-mapped views
-        return load_dataset(path, split=split).with_format("arrow")[:]
-    read = {"json": jsonlines.read_json, "parquet": read_parquet, "arrow": read_arrow, "text": read_text}.get(
-        input_format(path))
-    if read is not None:
-        return read(path)
+        return _readers().load_dataset(path, split=split).with_format("arrow")[:]
+    kind = input_format(path)
+    if kind in ("json", "parquet", "arrow", "text"):
+        return jsonlines.read_json(path) if kind == "json" else getattr(_readers(), f"read_{kind}")(path)
     raise DataError(f"{str(path)!r}: a {FORMATS[path.suffix.lower()]} file has no table of examples")
 
 
@@ -245,10 +254,11 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
         if any_table or not jsonlines.first_byte(path):
             return
     if kind == "text":
-        yield from text_tables(path, size=block_size or jsonlines.JSON_BLOCK_BYTES)
+        yield from _readers().text_tables(path, size=block_size or jsonlines.JSON_BLOCK_BYTES)
     elif kind == "parquet":
         pa = reader_pyarrow(path)
-        yield from (pa.Table.from_batches([batch]) for batch in parquet_batches(path, batch_rows=TOKENIZE_ROWS))
+        batches = _readers().parquet_batches(path, batch_rows=TOKENIZE_ROWS)
+        yield from (pa.Table.from_batches([batch]) for batch in batches)
     else:
         table = load_table(path, split=split)  # memory-mapped (Arrow, a folder), or one JSON list
         yield from (table.slice(lo, TOKENIZE_ROWS) for lo in range(0, table.num_rows, TOKENIZE_ROWS))
@@ -390,12 +400,12 @@ class Input:
         empty = DataError(f"{self.where} holds no examples")
         got = None
         if self.format == "folder":
-            ds = load_dataset(self.path, split=self.split)
+            ds = _readers().load_dataset(self.path, split=self.split)
             if len(ds) == 0:
                 raise empty
             if self.column in ds.column_names:
                 got = Rows(self.path, dataset=ds)
-        elif self.format == "parquet" and self.column in parquet_schema(self.path).names:
+        elif self.format == "parquet" and self.column in _readers().parquet_schema(self.path).names:
             got = Rows(self.path, parquet=self.path)
         if got is None and not whole and (made := self.chunks()) is not None:
             size = (sum(f.stat().st_size for f in self.path.rglob("*.arrow")) if self.path.is_dir()
@@ -416,9 +426,10 @@ class Input:
         text_bytes = self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text"
         with lines_named(self.path):
             if self.format == "npy":
-                lengths, source = as_lengths(read_npy(self.path), name=self.where), f"{self.path.name} (lengths)"
+                lengths = as_lengths(_readers().read_npy(self.path), name=self.where)
+                source = f"{self.path.name} (lengths)"
             elif self.format == "text" and text_bytes:  # no pyarrow needed
-                lengths, how = text_byte_lengths(self.path), "column 'text' tokenized with bytes"
+                lengths, how = _readers().text_byte_lengths(self.path), "column 'text' tokenized with bytes"
             elif (streamed := self.read(self._streamed_lengths)) is not None:  # a chunk at a time
                 lengths, targets, how = streamed
                 lengths = as_lengths(lengths, name=f"lengths in {self.path.name}")

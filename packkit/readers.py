@@ -6,14 +6,13 @@ is and what its rows are; this module names no suffix and knows nothing of colum
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from .arrow import pyarrow
+from .arrow import pyarrow, replay  # noqa: F401 - replay's home is packkit.arrow, lent here
 from .errors import DataError, MissingError, arg
 
 __all__ = ["load_dataset", "parquet_batches", "parquet_dataset", "parquet_schema", "read_arrow", "read_npy",
@@ -194,13 +193,6 @@ def text_tables(path, *, size: int):
             lines, held = [], 0
     if lines:
         yield text_table(lines)
-
-
-def replay(first, rest, again):
-    """``make()``: its first call yields ``first`` then ``rest`` (a read begun by the caller, continued), a later
-    call ``again()`` (the read from the start)."""
-    pending = [itertools.chain([first], rest)]
-    return lambda: pending.pop() if pending else again()
 
 
 def read_npy(path) -> np.ndarray:

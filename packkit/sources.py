@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .arrow import pyarrow
-from .readers import parquet_batches, parquet_schema, replay
+from .arrow import pyarrow, replay
+from .readers import parquet_batches, parquet_schema
 from .errors import DataError
 from .atomic import name_max, named_os_error, temp_name
 from .interrupts import deferred, join

@@ -403,6 +403,10 @@ FILE_UNCOMPILED = {
     "relocate_part": "an error about a completion said of its group (packkit.rules), for no groups",
     "example_values": "per-example values checked (packkit.rules: advantages, weights), for none",
     "grid_rows": "an image's or a video's grid checked (packkit.rules), for no media",
+    "read_npy": "the readers of Parquet, Arrow, npy, text and folders (packkit.readers, imported by the door in: 11 M "
+                "instructions), for a JSON lines file",
+    "parquet_batches": "a Parquet file read a batch at a time (packkit.readers), for a JSON lines file",
+    "text_byte_lengths": "a text file's lines counted in bytes (packkit.readers), for a JSON lines file",
 }
 
 
@@ -415,7 +419,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
     Regression too (round 7): both compiled every rule of :mod:`packkit.rules` (37 KB), 24 KB of which a file of plain
     token ids never runs: a packed row's documents, groups, per-example values, media grids. They are
     :mod:`packkit.row_rules` (the errors that name an example, below both, :mod:`packkit.located`), lent by
-    :mod:`packkit.rules` under their old address."""
+    :mod:`packkit.rules` under their old address; and the readers of the other formats (:mod:`packkit.readers`, 11 KB),
+    which the door in imported at the top: imported where such a file is read, lent by :mod:`packkit.datafiles`."""
     out = _plan_and_waste_of_a_file(
         tmp_path, "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
     codes, modules = json.loads(out.stdout.splitlines()[-1])
@@ -425,8 +430,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
 
 
 def test_the_moved_names_are_lent_under_their_old_address():
-    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack`, :mod:`packkit.fileio` and :mod:`packkit.rules` for
-    rooms of their own is the same object at its old address."""
+    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack`, :mod:`packkit.fileio`, :mod:`packkit.rules` and
+    :mod:`packkit.datafiles` for rooms of their own is the same object at its old address."""
     from packkit import atomic, binpack, fileio, length_rules, sampler, short_steps, streamplan
 
     for name in ("halve_pieces", "split_pieces"):
@@ -447,3 +452,8 @@ def test_the_moved_names_are_lent_under_their_old_address():
         assert getattr(rules, name) is getattr(located, name), name
     with pytest.raises(AttributeError):
         rules.no_such_name  # noqa: B018
+    from packkit import arrow, datafiles, readers
+
+    for name in datafiles._READER_NAMES:
+        assert getattr(datafiles, name) is getattr(readers, name), name
+    assert readers.replay is arrow.replay

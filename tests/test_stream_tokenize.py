@@ -356,6 +356,7 @@ def test_pack_hands_back_what_each_chunk_freed(tok_dir, tmp_path, monkeypatch, c
     35 MiB over the warm command with it, 53 MiB without, chunks of 256 KiB both)."""
     import packkit.allocators as allocators
     import packkit.datafiles as datafiles
+    import packkit.readers as readers
 
     events = []
     real_release, real_text = datafiles.release_freed, datafiles.text_tables
@@ -366,7 +367,7 @@ def test_pack_hands_back_what_each_chunk_freed(tok_dir, tmp_path, monkeypatch, c
             yield table
 
     monkeypatch.setattr(datafiles, "release_freed", lambda: events.append("release") or real_release())
-    monkeypatch.setattr(datafiles, "text_tables", text_tables)
+    monkeypatch.setattr(readers, "text_tables", text_tables)  # the door in reads it from its home, where first asked
     monkeypatch.setattr(datafiles, "TEXT_BLOCK_CHARS", 8 << 10)
     src = tmp_path / "in.txt"
     src.write_text("\n".join(_texts(600, seed=5)) + "\n")
