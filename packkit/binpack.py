@@ -178,6 +178,12 @@ def overflow_note(overflow: str, *, over: int, examples: int, cut: int, tokens: 
 # ----------------------------------------------------------------------------------------------
 
 
+def _views():
+    """:mod:`packkit.planviews`, imported where a plan is viewed (a range, a chunking, its summary or repr)."""
+    from . import planviews  # lazy: the plan's views, off a command that plans
+    return planviews
+
+
 @record(eq=False)
 class Plan:
     """Which segment of which example goes into which window, as flat (CSR) index arrays.
@@ -336,13 +342,7 @@ class Plan:
         ``lengths`` and the overflow counts still describe every example (segments name examples by
         their index in the whole input).
         """
-        if not 0 <= start <= stop <= self.num_windows:
-            raise IndexError(f"windows {start}..{stop} out of range for a plan of {self.num_windows} windows")
-        lo, hi = int(self.window_ptr[start]), int(self.window_ptr[stop])
-        return dataclasses.replace(self, seg_example=self.seg_example[lo:hi], seg_start=self.seg_start[lo:hi],
-                                   seg_length=self.seg_length[lo:hi],
-                                   window_ptr=self.window_ptr[start: stop + 1] - lo,
-                                   seg_group=None if self.seg_group is None else self.seg_group[lo:hi])
+        return _views().window_range(self, start, stop)
 
     def keep_segments(self, keep) -> "Plan":
         """The plan with only the segments where ``keep`` (``(num_segments,)`` bool) is True, each window
@@ -350,14 +350,7 @@ class Plan:
 
         ``pack([3, 2], window=4, strategy="next_fit").keep_segments([False, True]).seg_length -> [2]``.
         """
-        keep = np.asarray(keep, bool)
-        if keep.shape != self.seg_example.shape:
-            raise ValueError(f"keep must be one bool per segment ({self.num_segments:,}), got shape {keep.shape}")
-        counts = np.diff(lengths_to_offsets(keep)[self.window_ptr])  # kept segments per window
-        return dataclasses.replace(
-            self, seg_example=self.seg_example[keep], seg_start=self.seg_start[keep], seg_length=self.seg_length[keep],
-            window_ptr=lengths_to_offsets(counts[counts > 0]),
-            seg_group=None if self.seg_group is None else self.seg_group[keep])
+        return _views().keep_segments(self, keep)
 
     def chunks(self, max_tokens: int) -> list[tuple[int, int]]:
         """Consecutive window ranges ``(start, stop)`` of at most ``max_tokens`` tokens each (a window
@@ -365,16 +358,7 @@ class Plan:
 
         ``pack([5, 3, 4, 2], window=8).chunks(8) -> [(0, 1), (1, 2)]``; ``.chunks(100) -> [(0, 2)]``.
         """
-        max_tokens = check_int(max_tokens, "max_tokens")
-        ends = lengths_to_offsets(self.window_loads)
-        out, start = [], 0
-        while start < self.num_windows:
-            # the last window whose end stays within max_tokens of this range's start (at least one)
-            stop = int(np.searchsorted(ends, ends[start] + max_tokens, side="right")) - 1
-            stop = max(stop, start + 1)
-            out.append((start, stop))
-            start = stop
-        return out
+        return _views().chunks(self, max_tokens)
 
     def shuffled(self, seed: int | None = None) -> "Plan":
         """The same windows in a seeded random order, so training order is not sorted by length.
@@ -391,36 +375,10 @@ class Plan:
 
     def summary(self) -> dict:
         """The figures a user logs: windows, lower bound, fill and what the overflow policy touched."""
-        return {
-            "strategy": self.strategy,
-            "window": self.window,
-            "examples": self.num_examples,
-            "windows": self.num_windows,
-            "lower_bound": self.lower_bound,
-            "windows_over_lower_bound": self.num_windows - self.lower_bound,
-            "fill": self.fill,
-            "tokens": self.total_tokens,
-            "overflow": self.overflow,
-            "overflow_examples": int(self.overflow_examples.size),
-            "dropped_examples": int(self.dropped_examples.size),
-            "cut_tokens": self.cut_tokens,
-            **({} if self.num_groups is None else {
-                "groups": self.num_groups,
-                "overflow_groups": int(self.overflow_groups.size),
-                "ungrouped_windows": self.ungrouped_windows,
-                "group_cost_windows": self.num_windows - self.ungrouped_windows}),
-        }
+        return _views().summary(self)
 
     def __repr__(self) -> str:
-        return (
-            f"Plan(strategy={self.strategy!r}, window={self.window}, examples={self.num_examples}, "
-            f"windows={self.num_windows}, lower_bound={self.lower_bound}, fill={self.fill:.4f}, "
-            f"overflow={self.overflow!r}: {self.overflow_examples.size} examples, "
-            f"cut_tokens={self.cut_tokens}"
-            + ("" if self.num_groups is None else
-               f", groups={self.num_groups}, ungrouped_windows={self.ungrouped_windows}")
-            + ")"
-        )
+        return _views().plan_repr(self)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -246,6 +246,31 @@ def test_waste_and_plan_compile_no_code_they_never_run(started, function):
         assert not where, f"packkit {command} compiled {function} ({', '.join(where)}): {UNCOMPILED[function]}"
 
 
+#: The views of a plan that planning never takes: :class:`~packkit.binpack.Plan`'s methods of these names call
+#: :mod:`packkit.planviews` (imported where a plan is viewed), so their code is not compiled with the planner.
+PLAN_VIEWS = ("window_range", "keep_segments", "chunks", "summary", "__repr__")
+
+
+def test_waste_and_plan_compile_no_view_of_a_plan():
+    """Regression (round 7): binpack compiled the views of a :class:`~packkit.binpack.Plan` with the planner (a range of
+    windows, segments dropped, chunks of a token budget, the summary, the repr: 3.3 KB of code, 2.7 M of ``plan
+    --synthetic 2000``'s 694 M instructions from source, callgrind), none of which ``plan`` or ``waste`` runs. Each
+    method keeps its name and docstring and calls :mod:`packkit.planviews`; the same plans and figures come out."""
+    from packkit import binpack, planviews
+
+    tree = ast.parse(Path(binpack.__file__).read_text())
+    plan = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Plan")
+    bodies = {n.name: n.body for n in plan.body if isinstance(n, ast.FunctionDef) and n.name in PLAN_VIEWS}
+    assert sorted(bodies) == sorted(PLAN_VIEWS)
+    for name, body in bodies.items():
+        code = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        assert len(code) == 1 and isinstance(code[0], ast.Return), f"Plan.{name} holds its code: {PLAN_VIEWS}"
+    p = binpack.pack([5, 3, 4, 2], window=8)
+    assert p.chunks(8) == planviews.chunks(p, 8) == [(0, 1), (1, 2)]
+    assert p.summary()["windows"] == 2 and repr(p).startswith("Plan(strategy='bfd', window=8")
+    assert p.window_range(1, 2).num_windows == 1 and p.keep_segments([True] * p.num_segments).num_windows == 2
+
+
 def test_the_command_module_is_imported_with_the_collector_paused():
     """Regression: the cyclic garbage collector ran among the objects the command's import allocates (numpy's,
     packkit's), which live as long as the process: 3.5% of ``plan --synthetic``'s instructions. It is paused
