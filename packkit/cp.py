@@ -98,7 +98,7 @@ def _plan_of(cu: torch.Tensor, ids: torch.Tensor, cp: int, layout: str) -> CPPla
     the segments' flat starts as ``cu_seqlens`` has them (no cumsum of the lengths back: a pass over the segments)."""
     lengths, offsets = _segments_and_offsets(cu.numpy() if cu.device.type == "cpu" else cu.cpu().numpy())
     _check_tokens(int(offsets[-1]) if offsets is not None else int(lengths.sum()), ids)
-    plan = _plan(lengths, cp, layout)  # the lengths checked once, here
+    plan = _plan(lengths, cp, layout, None if offsets is None else int(offsets[-1]))  # the lengths checked once, here
     if offsets is not None:
         plan._keep_flat_starts(offsets)
     return plan
@@ -509,12 +509,18 @@ def _rank_tokens(plan: CPPlan, rank: int, width: int, total: int) -> tuple[np.nd
     if plan.layout == "zigzag":
         index, seg, pos, pad = plan._zigzag_tokens(rank, total)
         return index, np.maximum(index, 0), seg, pos, pad, plan._zigzag_places(range(width - 1, total, width), rank)
-    source, seg, pos, pad_at, first, real, out = plan.local_tokens(rank)
+    if plan.layout != "hybrid":  # contiguous, ulysses: the rank's tokens are slots lo .. hi of the row
+        source, seg, pos, pad_at = plan._contiguous_tokens(rank)
+        lo = rank * plan.local_len
+        ends = np.arange(lo + (width - 1 - lo) % width - lo, min(lo + plan.local_len, total) - lo, width)
+    else:
+        source, seg, pos, pad_at, first, real, out = plan.local_tokens(rank)
+        seg, ends = seg.astype(np.int32), _row_ends(first, real, out, width, total)
     take = source
     if pad_at.size:  # CP padding reads token 0, then is filled
         take = source.copy()
         take[pad_at] = 0
-    return source, take, seg.astype(np.int32), pos, pad_at, _row_ends(first, real, out, width, total)
+    return source, take, seg, pos, pad_at, ends
 
 
 def _carry_weights(labels: torch.Tensor, targets: torch.Tensor, where: torch.Tensor, pad: torch.Tensor,

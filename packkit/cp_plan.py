@@ -201,6 +201,27 @@ class CPPlan:
                 places.append(int(out[s]) + p - k * c + (c if k >= cp else 0))
         return np.array(places, np.int64)
 
+    def _contiguous_tokens(self, rank: int) -> tuple[np.ndarray, ...]:
+        """``(source, seg, pos, pad)`` of ``rank``'s contiguous (or ulysses) tokens: :meth:`local`'s three (``seg``
+        int32) and the places of its CP padding. The padded stream is the row itself, then the padding segment, so
+        the rank's tokens are ``G[rank * n : (rank + 1) * n]`` and their flat indices those slots: the segments that
+        cross them are found by two searches, not by summing every segment's length (a pass over the row's)."""
+        n, cp = self.local_len, self.cp_size
+        lo, hi = rank * n, (rank + 1) * n
+        starts = self._flat_starts()  # every segment's, the padding segment's (if any) at the row's end
+        offsets = np.append(starts, int(starts[-1]) + int(self.padded[-1])) if starts.size else np.zeros(1, np.int64)
+        first, last = int(offsets.searchsorted(lo, "right")) - 1, int(offsets.searchsorted(hi, "left"))
+        bounds = offsets[first:last + 1].copy()
+        bounds[0], bounds[-1] = lo, hi
+        sizes = bounds[1:] - bounds[:-1]
+        seg = np.arange(first, last, dtype=np.int32).repeat(sizes)
+        source = np.arange(lo, hi)
+        pos = source - offsets[first:last].repeat(sizes)
+        end = int(offsets[self.num_segments]) - lo  # the batch's tokens end there
+        pad = np.arange(max(end, 0), n) if end < n else np.zeros(0, np.int64)
+        source[pad] = -1
+        return source, seg, pos, pad
+
     # -- figures --
 
     @property
@@ -435,7 +456,7 @@ def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> i
     return min(-(-num_tokens // cp) + 1, max(least, 2 * cp))
 
 
-def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
+def _hybrid_pieces(lengths, cp, fraction=None, total=None) -> tuple[np.ndarray, ...]:
     """Long segments zigzag (unpadded chunks); short ones whole, dealt longest first by causal work
     (:func:`_deal_short`: a few numpy passes; a step a document only for a few, ``_FEW``) into the room every rank has
     left of ``ceil(T / cp)`` tokens; those that overflow their rank's room are laid over the room left, the
@@ -444,7 +465,7 @@ def _hybrid_pieces(lengths, cp, fraction=None) -> tuple[np.ndarray, ...]:
     A row of short documents only (no long one) makes no zigzag pieces and selects nothing; one with nothing short
     deals nothing: a few dozen numpy calls in all, whatever the number of documents or of distinct lengths."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
-    num_tokens = int(lengths.sum())
+    num_tokens = int(lengths.sum()) if total is None else total
     local_len = -(-num_tokens // cp)
     # sum of n (n + 1) / 2 over the segments, exact in int64 (the dot of int64 arrays is no float sum)
     least = _least_long(num_tokens, (int(lengths @ lengths) + num_tokens) // 2, cp, fraction)
@@ -699,20 +720,24 @@ def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
     return _plan(lengths, cp, layout)
 
 
-def _plan(lengths: np.ndarray, cp: int, layout: str) -> CPPlan:
-    """:func:`plan_cp` of lengths already checked (``(S,)`` int64, each >= 1), ``cp`` and ``layout`` too."""
+def _plan(lengths: np.ndarray, cp: int, layout: str, total: int | None = None) -> CPPlan:
+    """:func:`plan_cp` of lengths already checked (``(S,)`` int64, each >= 1), ``cp`` and ``layout`` too; ``total``:
+    their sum, where the caller knows it (a batch's ``cu_seqlens[-1]``)."""
     num_segments = int(lengths.size)
+    total = int(lengths.sum()) if total is None else total
     dealt = None
     if layout == "zigzag":
         padded = _round_up(lengths, 2 * cp)
+        local_len = int(padded.sum()) // cp
     elif layout in ("contiguous", "ulysses"):
-        pad = (-int(lengths.sum())) % cp
+        pad = (-total) % cp
         if pad:  # one padding segment at the end of the row (positions from 0, no loss)
             lengths = np.append(lengths, 0)
         padded = np.append(lengths[:num_segments], pad) if pad else lengths.copy()
+        local_len = (total + pad) // cp
     else:
-        padded, lengths, dealt = _hybrid_pieces(lengths, cp)
-    local_len = int(padded.sum()) // cp
+        padded, lengths, dealt = _hybrid_pieces(lengths, cp, total=total)
+        local_len = -(-total // cp)  # every rank's room filled up: real tokens, then padding
     return CPPlan(layout, cp, lengths, padded, num_segments, local_len, dealt)
 
 

@@ -417,8 +417,9 @@ def _python_calls(fn) -> int:
 
 
 #: the most Python-visible calls of one rank's shard of a batch without a plan (a plain numpy/torch zigzag: 74); at
-#: c85c656: zigzag 213-228, contiguous and ulysses 218, hybrid 280-369 (each small numpy call costs 2-8 us here)
-_SHARD_CALLS = {"zigzag": 185}
+#: c85c656: zigzag 213-228, contiguous and ulysses 218, hybrid 280-369 (each small numpy call costs 2-8 us here); now
+#: zigzag 151-177, contiguous and ulysses 148-169
+_SHARD_CALLS = {"zigzag": 185, "contiguous": 175, "ulysses": 175}
 
 
 @pytest.mark.parametrize("layout", sorted(_SHARD_CALLS))
@@ -461,3 +462,26 @@ def test_a_zigzag_rank_of_short_documents_marks_its_padding_per_token(monkeypatc
         for name in ("input_ids", "shift_labels", "position_ids", "seq_idx", "index"):
             assert torch.equal(getattr(s, name), getattr(w, name)), name
         assert (s.index < 0).sum() > s.index.numel() // 8  # padding: an eighth of the rank's tokens and more
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "ulysses"])
+def test_a_contiguous_rank_sums_no_segment_lengths(monkeypatch, layout):
+    """Regression: a contiguous (or ulysses) rank found the segments crossing its slots ``G[rank * n : (rank + 1) *
+    n]`` by summing every segment's padded length (a cumsum over the row's 1,472 segments), then summed its own
+    pieces' lengths for their places, and tested each piece for the row's end: the padded stream is the row itself
+    (then one padding segment), so its offsets are the batch's ``cu_seqlens``, two searches find the rank's
+    segments, and its tokens' flat indices are its slots."""
+    from packkit import cp_plan, segments
+
+    batch = _short_documents_row()
+    want = [shard(batch, cp_size=8, rank=r, cp_layout=layout) for r in (0, 7)]
+
+    def refuse(*a, **k):
+        raise AssertionError("summed the segments' lengths")
+
+    monkeypatch.setattr(cp_plan, "lengths_to_offsets", refuse)
+    monkeypatch.setattr(segments, "lengths_to_offsets", refuse)
+    for r, w in zip((0, 7), want):
+        s = shard(batch, cp_size=8, rank=r, cp_layout=layout)
+        for name in ("input_ids", "shift_labels", "position_ids", "seq_idx", "index"):
+            assert torch.equal(getattr(s, name), getattr(w, name)), name
