@@ -276,7 +276,7 @@ def ratio_spread(num, den) -> dict:
     r = [x / y for x, y in zip(num, den)]
     if not r:
         raise ValueError("ratio_spread of no pairs: measure at least one round")
-    q = statistics.quantiles(r, n=4) if len(r) > 1 else r * 3
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else r * 3  # (inside low..high for 2 pairs)
     return {"median": statistics.median(r), "low": min(r), "high": max(r), "q1": q[0], "q3": q[2],
             "num_median": statistics.median(num), "den_median": statistics.median(den), "pairs": len(r)}
 

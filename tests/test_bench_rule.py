@@ -134,5 +134,7 @@ def test_ratio_spread_reports_median_and_spread():
     assert s["low"] <= s["q1"] <= s["median"] <= s["q3"] <= s["high"]
     text = benchlib.spread_text(s)
     assert text.startswith("2.50x (2.00-5.00, mid ") and text.endswith("4 pairs)")
+    two = benchlib.ratio_spread([2.0, 30.0], [1.0, 1.0])  # the middle half of few pairs stays inside their range
+    assert 2.0 <= two["q1"] <= two["q3"] <= 30.0, two
     with pytest.raises(ValueError, match="no pairs"):
         benchlib.ratio_spread([], [])
