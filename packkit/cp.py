@@ -566,7 +566,7 @@ def _row_ends(first, real, out, width: int, total: int) -> np.ndarray:
     much as the shard; one row (``width == total``) ends once, at the piece that holds token ``total - 1``.
     One row ``[0..3]``, a rank holding ``[2, 3, pad]`` (one piece: first 2, real 2, out 0) -> ``[1]``."""
     if width == total:
-        hit = np.flatnonzero((first + real == total) & (real > 0))
+        hit = ((first + real == total) & (real > 0)).nonzero()[0]
         return out[hit] + real[hit] - 1
     first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
     count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)

@@ -292,9 +292,9 @@ class CPPlan:
         first = seg_first + off
         real = np.minimum(np.maximum(seg_real - off, 0), n)  # not np.clip: its wrapper costs as much
         ar = np.arange(self.local_len)
-        pos = np.repeat(off - out, n) + ar
-        source = np.repeat(first - out, n) + ar
-        short = np.flatnonzero(real < n)  # the pieces that end in CP padding (a few, or none)
+        pos = (off - out).repeat(n) + ar
+        source = (first - out).repeat(n) + ar
+        short = (real < n).nonzero()[0]  # the pieces that end in CP padding (a few, or none)
         if not short.size:
             pad_at = short
         elif short.size == 1:  # the hybrid's one padding piece, or one document's zigzag padding
@@ -303,7 +303,7 @@ class CPPlan:
         else:
             pad_at = range_index(out[short] + real[short], n[short] - real[short])
         source[pad_at] = -1
-        return source, np.repeat(seg, n), pos, pad_at, first, real, out
+        return source, seg.repeat(n), pos, pad_at, first, real, out
 
     def g_index(self, rank: int) -> np.ndarray:
         """``(local_len,)`` int64: where ``rank``'s tokens sit in the padded stream ``G``."""
@@ -399,9 +399,9 @@ def _plan_order(dealt, padded, rank=None) -> tuple[np.ndarray, ...]:
     batch's offsets are int32: ``cu_seqlens``), without the segments' places in ``G``."""
     r, seg, off, n = dealt
     if rank is not None:
-        mine = np.flatnonzero(r == rank)  # the hybrid's dealt pieces are none empty (_hybrid_pieces)
+        mine = (r == rank).nonzero()[0]  # the hybrid's dealt pieces are none empty (_hybrid_pieces)
         seg, off, n = seg[mine], off[mine], n[mine]
-        order = np.argsort((seg << 32) + off)
+        order = ((seg << 32) + off).argsort()
         return r[mine], seg[order], off[order], n[order]
     keep = n > 0
     r, seg, off, n = r[keep], seg[keep], off[keep], n[keep]
@@ -470,7 +470,7 @@ def _hybrid_pieces(lengths, cp, fraction=None, total=None) -> tuple[np.ndarray, 
     # sum of n (n + 1) / 2 over the segments, exact in int64 (the dot of int64 arrays is no float sum)
     least = _least_long(num_tokens, (int(lengths @ lengths) + num_tokens) // 2, cp, fraction)
     is_long = lengths >= least
-    long = np.flatnonzero(is_long) if lengths.size else lengths
+    long = is_long.nonzero()[0] if lengths.size else lengths
     parts = []
     if long.size:
         z_rank, z_seg, z_off, z_len = z = _halves_pieces(long, lengths, cp)
@@ -480,13 +480,15 @@ def _hybrid_pieces(lengths, cp, fraction=None, total=None) -> tuple[np.ndarray, 
         room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
         if long.size < lengths.size:  # short ones too
             work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64)
-            room = _deal_short(lengths, np.flatnonzero(~is_long), least, work, room, parts)
+            room = _deal_short(lengths, (~is_long).nonzero()[0], least, work, room, parts)
     elif lengths.size:  # every segment short: the dealing reads the lengths as they are
-        room = _deal_short(lengths, None, least, None, np.full(cp, local_len, np.int64), parts)
+        room = np.empty(cp, np.int64)
+        room.fill(local_len)
+        room = _deal_short(lengths, None, least, None, room, parts)
     else:
         room = np.zeros(cp, np.int64)
     # what room is left becomes one padding segment per rank, after the batch's segments
-    fill = np.flatnonzero(room > 0)
+    fill = (room > 0).nonzero()[0]
     if fill.size:
         parts.append(np.array((fill, np.arange(lengths.size, lengths.size + fill.size), fill * 0, room[fill])))
         padded = np.concatenate([lengths, room[fill]])
@@ -539,7 +541,7 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
     cp = room.size
     key = lengths if short is None else lengths[short]
     # longest first, stable: a radix sort when every length fits 16 bits (all are under least)
-    order = np.argsort(-key.astype(np.int16) if least <= 1 << 15 else -key, kind="stable")
+    order = (-key.astype(np.int16) if least <= 1 << 15 else -key).argsort(kind="stable")
     seg = order if short is None else short[order]
     ranks = None  # the snake's ranks, least work first (None: 0 .. cp-1)
     if work is not None and work.min() < work.max():
@@ -549,12 +551,13 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
             caught, first, after = _catch_up(n, work, cp)
             rank = np.concatenate([first, np.argsort(after, kind="stable")[_snake(n.size - caught, cp)]])
             return _deal_listed(lengths, rank, seg, n, room, parts)
-        ranks = np.argsort(work, kind="stable")  # none catches up
+        ranks = work.argsort(kind="stable")  # none catches up
     # the snake as a grid: row pair k holds documents 2cp k .. 2cp (k + 1) - 1, the second row reversed, so that
     # column c holds rank ranks[c]'s documents in dealing order (-1: none)
     rows = -(-seg.size // (2 * cp))
-    grid = np.full(rows * 2 * cp, -1, np.int64)
+    grid = np.empty(rows * 2 * cp, np.int64)
     grid[:seg.size] = seg
+    grid[seg.size:] = -1
     pairs = grid.reshape(rows, 2, cp)
     pairs[:, 1] = pairs[:, 1, ::-1]
     grid = grid.reshape(2 * rows, cp)
@@ -563,16 +566,21 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
         n[-2:][grid[-2:] < 0] = 0
     room_c = room if ranks is None else room[ranks]
     fits = n.cumsum(axis=0) <= room_c
-    table = np.stack([np.broadcast_to(np.arange(cp) if ranks is None else ranks, grid.shape), grid, n * 0, n])
+    table = np.empty((4, *grid.shape), np.int64)  # (rank, seg, offset, len) of every cell (not np.stack: its wrapper)
+    table[0] = np.arange(cp) if ranks is None else ranks
+    table[1] = grid
+    table[2] = 0
+    table[3] = n
     if fits.all():
         parts.append(table[:, grid >= 0] if seg.size % (2 * cp) else table.reshape(4, -1))
         used = n.sum(0)
-        return room - (used if ranks is None else used[np.argsort(ranks)])
+        return room - (used if ranks is None else used[ranks.argsort()])
     parts.append(table[:, fits & (grid >= 0)])
     left = room_c - (n * fits).sum(0)
     if ranks is not None:
-        left = left[np.argsort(ranks)]
-    over = np.sort(grid[~fits & (grid >= 0)])
+        left = left[ranks.argsort()]
+    over = grid[~fits & (grid >= 0)]
+    over.sort()
     return _lay_over(over, lengths[over], left, parts)
 
 
@@ -690,16 +698,22 @@ def _lay_over(seg, n, left, parts: list) -> np.ndarray:
     row (``seg`` sorted) over the room ``left`` (every rank's: it holds them all), the roomiest rank first (stable:
     as the exact LPT cut a document no rank had room for), cut where a rank's room ends; appends the pieces to
     ``parts``; returns the room left after them."""
-    by = np.argsort(-left, kind="stable")
-    ends = np.cumsum(left[by])
-    doc_end = np.cumsum(n)
+    by = (-left).argsort(kind="stable")
+    ends = left[by].cumsum()
+    doc_end = n.cumsum()
     total = int(doc_end[-1])
     starts = np.concatenate([[0], doc_end[:-1], ends[ends < total]])  # every cut, some twice (not union1d: slow)
     starts.sort()
-    starts = starts[np.append(True, starts[1:] != starts[:-1])]
-    doc = np.searchsorted(doc_end, starts, side="right")
-    slot = np.searchsorted(ends, starts, side="right")
-    parts.append(np.array((by[slot], seg[doc], starts - (doc_end - n)[doc], np.diff(starts, append=total))))
+    keep = np.empty(starts.size, bool)
+    keep[0] = True
+    np.not_equal(starts[1:], starts[:-1], out=keep[1:])
+    starts = starts[keep]
+    doc = doc_end.searchsorted(starts, side="right")
+    slot = ends.searchsorted(starts, side="right")
+    size = np.empty_like(starts)  # np.diff(starts, append=total), without its wrapper
+    np.subtract(starts[1:], starts[:-1], out=size[:-1])
+    size[-1] = total - starts[-1]
+    parts.append(np.array((by[slot], seg[doc], starts - (doc_end - n)[doc], size)))
     left = left.copy()
     left[by] = np.minimum(np.maximum(ends - total, 0), left[by])
     return left

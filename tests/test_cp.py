@@ -418,8 +418,8 @@ def _python_calls(fn) -> int:
 
 #: the most Python-visible calls of one rank's shard of a batch without a plan (a plain numpy/torch zigzag: 74); at
 #: c85c656: zigzag 213-228, contiguous and ulysses 218, hybrid 280-369 (each small numpy call costs 2-8 us here); now
-#: zigzag 151-177, contiguous and ulysses 148-169
-_SHARD_CALLS = {"zigzag": 185, "contiguous": 175, "ulysses": 175}
+#: zigzag 151-177, contiguous and ulysses 148-169, hybrid 181-193
+_SHARD_CALLS = {"zigzag": 185, "contiguous": 175, "ulysses": 175, "hybrid": 205}
 
 
 @pytest.mark.parametrize("layout", sorted(_SHARD_CALLS))
@@ -483,5 +483,25 @@ def test_a_contiguous_rank_sums_no_segment_lengths(monkeypatch, layout):
     monkeypatch.setattr(segments, "lengths_to_offsets", refuse)
     for r, w in zip((0, 7), want):
         s = shard(batch, cp_size=8, rank=r, cp_layout=layout)
+        for name in ("input_ids", "shift_labels", "position_ids", "seq_idx", "index"):
+            assert torch.equal(getattr(s, name), getattr(w, name)), name
+
+
+def test_a_hybrid_rank_calls_none_of_numpys_python_wrappers(monkeypatch):
+    """Regression: the hybrid's dealing built its table with ``np.stack`` of an ``np.broadcast_to`` and cut its pieces
+    with ``np.diff(..., append=)`` (each a Python function making a dozen calls: 258-347 a shard, against a plain
+    zigzag's 74), and found its pieces with ``np.flatnonzero`` (``ravel`` then ``nonzero``, through their
+    dispatchers). The same arrays are made by assignment into one array and by the arrays' own methods."""
+    batch = _short_documents_row()
+    rows = (batch, _short_documents_row(n=16, seed=1))
+    want = [shard(b, cp_size=8, rank=7, cp_layout="hybrid") for b in rows]
+
+    def refuse(*a, **k):
+        raise AssertionError("a numpy Python wrapper on the hybrid's path")
+
+    for name in ("stack", "broadcast_to", "diff", "flatnonzero", "full"):
+        monkeypatch.setattr(np, name, refuse)
+    for b, w in zip(rows, want):
+        s = shard(b, cp_size=8, rank=7, cp_layout="hybrid")
         for name in ("input_ids", "shift_labels", "position_ids", "seq_idx", "index"):
             assert torch.equal(getattr(s, name), getattr(w, name)), name
