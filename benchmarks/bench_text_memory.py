@@ -76,10 +76,27 @@ def child(src: str, out: str, tok: str) -> None:
     import pyarrow as pa
     from packkit.cli import main
 
-    name = "rust_tokenizer" if hasattr(datafiles, "rust_tokenizer") else "_load_tokenizer"  # its name before 46bec5f~
-    load = getattr(datafiles, name)
-    loaded = load(tok)  # the tokenizer's own memory is not the data's: loaded before too
-    setattr(datafiles, name, lambda spec, **kw: loaded if spec == tok else load(spec, **kw))
+    # the tokenizer's own memory is not the data's: loaded before too, and handed out where the tree looks it up
+    # (packkit.tokenizer.rust_tokenizer today; datafiles' own name before: _load_tokenizer before 46bec5f~). Patching
+    # datafiles alone missed it once the loader moved: the measured pack loaded Qwen3's tokenizer again (~100 MiB)
+    try:
+        import packkit.tokenizer as home
+    except ImportError:
+        home = None
+    if home is None or not hasattr(home, "rust_tokenizer"):
+        home = datafiles
+    name = "rust_tokenizer" if hasattr(home, "rust_tokenizer") else "_load_tokenizer"
+    load = getattr(home, name)
+    loaded = load(tok)
+    calls = []
+
+    def handed(spec, **kw):
+        calls.append(spec)
+        return loaded if spec == tok else load(spec, **kw)
+
+    setattr(home, name, handed)
+    if home is not datafiles and name in vars(datafiles):
+        setattr(datafiles, name, handed)
     warm = out + ".warm.txt"  # what the first pack imports and sets up once (modules, pools) is not the data's either
     with open(warm, "w") as f:
         f.write("a warm-up line\n" * 10)
@@ -97,9 +114,11 @@ def child(src: str, out: str, tok: str) -> None:
     base = _rss_anon_kib("self")
     Path(out + ".base").touch()  # the parent counts from here: loading and warming are not the data's
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    seen = len(calls)
     code = main(["pack", src, out, "-w", "8192", "-q", "--tokenizer", tok])
     r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
     assert code == 0, code
+    assert len(calls) > seen, "the measured pack did not take the loaded tokenizer: it would count loading it"
     rows = pa.ipc.open_stream(pa.memory_map(out)).read_all().column("input_ids")
     print(json.dumps({"file": packkit.cli.pack.__file__, "cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, "wall": wall,
                       "base_kib": base, "tokens": sum(len(c.values) for c in rows.chunks),
