@@ -13,7 +13,7 @@ Before the fix, :func:`packkit.jsonlines.line_chunks` grew a line longer than a 
 (a copy of the whole line per MiB read: quadratic); ``--before`` also times that old chunking alone, in the
 same run, on the long file. Then pyarrow parsed the one line on one thread (a line never spans two blocks)
 while short lines were parsed two at once; its long lists of integers are now parsed apart on pyarrow's
-threads (:func:`packkit.jsonlines._one_long_line`).
+threads (:func:`packkit.longline.one_long_line`).
 
     python benchmarks/bench_long_lines.py [--mib 128] [--repeat 3] [--before]
 """

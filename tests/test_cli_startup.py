@@ -432,6 +432,11 @@ FILE_UNCOMPILED = {
                 "instructions), for a JSON lines file",
     "parquet_batches": "a Parquet file read a batch at a time (packkit.readers), for a JSON lines file",
     "text_byte_lengths": "a text file's lines counted in bytes (packkit.readers), for a JSON lines file",
+    "locate_error": "the line to blame where pyarrow refuses JSON lines (packkit.jsonlines' error path, 6 KB with the "
+                    "next two), for a file that reads",
+    "json_kind": "the JSON kind of a value, to name one that changes from line to line (packkit.jsonlines), for no error",
+    "first_float": "the row of a float token, blamed on its line (packkit.jsonlines), for no float",
+    "one_long_line": "one line of 8 MiB or more parsed on many threads (packkit.jsonlines, 2.5 KB), for short lines",
 }
 
 
@@ -445,7 +450,11 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
     token ids never runs: a packed row's documents, groups, per-example values, media grids. They are
     :mod:`packkit.row_rules` (the errors that name an example, below both, :mod:`packkit.located`), lent by
     :mod:`packkit.rules` under their old address; and the readers of the other formats (:mod:`packkit.readers`, 11 KB),
-    which the door in imported at the top: imported where such a file is read, lent by :mod:`packkit.datafiles`."""
+    which the door in imported at the top: imported where such a file is read, lent by :mod:`packkit.datafiles`.
+    Regression too (round 8): :mod:`packkit.jsonlines` compiled the line to blame for a refused file (the kinds of JSON
+    values, Python's reading of every line, a float token's row) and the parse of one line of 8 MiB or more (9 KB of
+    its 13 KB of code, none of which a file that reads runs). They are :mod:`packkit.jsonblame` and
+    :mod:`packkit.longline`, imported where taken, the names lent by :mod:`packkit.jsonlines`."""
     out = _plan_and_waste_of_a_file(
         tmp_path, "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
     codes, modules = json.loads(out.stdout.splitlines()[-1])
@@ -455,8 +464,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
 
 
 def test_the_moved_names_are_lent_under_their_old_address():
-    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack`, :mod:`packkit.fileio`, :mod:`packkit.rules` and
-    :mod:`packkit.datafiles` for rooms of their own is the same object at its old address."""
+    """What left :mod:`packkit.sampler`, :mod:`packkit.binpack`, :mod:`packkit.fileio`, :mod:`packkit.rules`,
+    :mod:`packkit.datafiles` and :mod:`packkit.jsonlines` for rooms of their own is the same object at its old address."""
     from packkit import atomic, binpack, fileio, length_rules, sampler, short_steps, streamplan
 
     for name in ("halve_pieces", "split_pieces"):
@@ -482,3 +491,9 @@ def test_the_moved_names_are_lent_under_their_old_address():
     for name in datafiles._READER_NAMES:
         assert getattr(datafiles, name) is getattr(readers, name), name
     assert readers.replay is arrow.replay
+    from packkit import jsonblame, jsonlines
+
+    for name in jsonlines._BLAME:
+        assert getattr(jsonlines, name) is getattr(jsonblame, name), name
+    with pytest.raises(AttributeError):
+        jsonlines.no_such_name  # noqa: B018

@@ -113,24 +113,24 @@ def test_a_long_line_of_integers_parses_on_threads_as_pyarrow_reads_it(tmp_path,
 
     import pyarrow.json as pj
 
-    from packkit import jsonlines
+    from packkit import jsonlines, longline
 
     monkeypatch.setattr(jsonlines, "LONG_LINE_BYTES", 64)
-    monkeypatch.setattr(jsonlines, "LONG_LIST_BYTES", 16)
+    monkeypatch.setattr(longline, "LONG_LIST_BYTES", 16)
     ids = list(range(-3, 60))
     body = sep.join(map(str, ids))
     line = '{"source": "a [bracket]", "input_ids": [' + body + '], "labels": [' + body + '], "n": 3}\n'
     got = jsonlines._parse_json_chunk(line.encode(), None, tmp_path / "x.jsonl")
     want = pj.read_json(pa.BufferReader(line.encode()))
     assert got is not None and got.equals(want), (got, want)
-    assert jsonlines._one_long_line(line.encode(), pj.ParseOptions()) is not None  # the threaded path was taken
+    assert longline.one_long_line(line.encode(), pj.ParseOptions()) is not None  # the threaded path was taken
     schema = pa.schema([("source", pa.string()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int64())),
                         ("n", pa.int64())])
     later = jsonlines._parse_json_chunk(line.encode(), schema, tmp_path / "x.jsonl")
     assert later.schema == schema and later.column("input_ids").to_pylist() == [ids]
     for bad in ("5.0", str(2**64), "", "[1]"):
         odd = line.replace(", 7,", f", {bad},").replace(",7,", f",{bad},").replace(" ,\t7 ,", f" ,\t{bad} ,")
-        assert jsonlines._one_long_line(odd.encode(), pj.ParseOptions()) is None, bad
+        assert longline.one_long_line(odd.encode(), pj.ParseOptions()) is None, bad
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps({"input_ids": [1, 2]}) + "\n" + line.replace(", 7,", ", 7.5,").replace(",7,", ",7.5,")
                     .replace(" ,\t7 ,", " ,\t7.5 ,"))
@@ -170,11 +170,11 @@ def test_the_line_to_blame_names_the_value_that_clashes(tmp_path, lines, want):
     missed a mixed list inside an object (no line named), blamed a field that is null on both lines rather than the
     one that changed (``'k.x' holds null, but null``), called a mixed list line ``mixed``, and said "a list of an
     objects" and "a list of true/falses"."""
-    from packkit import jsonlines
+    from packkit import jsonblame
 
     path = tmp_path / "x.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    assert f"'{path}' {want}" in str(jsonlines._locate_error(path))
+    assert f"'{path}' {want}" in str(jsonblame.locate_error(path))
 
 
 def test_a_json_list_after_a_blank_head_is_read_not_skipped(tmp_path):

@@ -24,7 +24,7 @@ FLOORS = [
      "chatoptions"],
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
-    ["fileio", "atomic", "jsonlines", "readers", "tokenizer", "chatrender", "binpack", "fits", "batch", "kernels.flash_varlen",
+    ["fileio", "atomic", "jsonlines", "jsonblame", "longline", "readers", "tokenizer", "chatrender", "binpack", "fits", "batch", "kernels.flash_varlen",
      "cp_plan", "cp_layouts", "located", "rules", "row_rules", "planviews", "states", "positions", "csr", "short_steps", "streamplan", "orders", "costs", "config_costs", "groups", "microbatch", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # the epoch a sampler deals, CP shards
