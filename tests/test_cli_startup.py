@@ -224,9 +224,10 @@ UNCOMPILED = {
 
 
 def _defined(path: str) -> set:
-    """Every function and method name ``path`` defines (a leading ``_`` dropped)."""
+    """Every function, method and class name ``path`` defines (a leading ``_`` dropped)."""
     tree = ast.parse(Path(path).read_text())
-    return {n.name.lstrip("_") for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {n.name.lstrip("_") for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
 
 
 @pytest.mark.parametrize("function", sorted(UNCOMPILED))
@@ -437,6 +438,7 @@ FILE_UNCOMPILED = {
     "json_kind": "the JSON kind of a value, to name one that changes from line to line (packkit.jsonlines), for no error",
     "first_float": "the row of a float token, blamed on its line (packkit.jsonlines), for no float",
     "one_long_line": "one line of 8 MiB or more parsed on many threads (packkit.jsonlines, 2.5 KB), for short lines",
+    "Tokenizing": "how rows get their token column, text or conversations (packkit.datafiles, 4 KB), for token ids",
 }
 
 
@@ -454,7 +456,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
     Regression too (round 8): :mod:`packkit.jsonlines` compiled the line to blame for a refused file (the kinds of JSON
     values, Python's reading of every line, a float token's row) and the parse of one line of 8 MiB or more (9 KB of
     its 13 KB of code, none of which a file that reads runs). They are :mod:`packkit.jsonblame` and
-    :mod:`packkit.longline`, imported where taken, the names lent by :mod:`packkit.jsonlines`."""
+    :mod:`packkit.longline`, imported where taken, the names lent by :mod:`packkit.jsonlines`; and the door in compiled
+    :class:`~packkit.datafiles.Tokenizing` (text and conversations tokenized), now :mod:`packkit.tokenizing`, lent."""
     out = _plan_and_waste_of_a_file(
         tmp_path, "print(json.dumps([codes, {m: getattr(v, '__file__', None) for m, v in sys.modules.items()}]))")
     codes, modules = json.loads(out.stdout.splitlines()[-1])
@@ -493,6 +496,9 @@ def test_the_moved_names_are_lent_under_their_old_address():
     assert readers.replay is arrow.replay
     from packkit import jsonblame, jsonlines
 
+    from packkit import tokenizing
+
+    assert datafiles.Tokenizing is tokenizing.Tokenizing
     for name in jsonlines._BLAME:
         assert getattr(jsonlines, name) is getattr(jsonblame, name), name
     with pytest.raises(AttributeError):

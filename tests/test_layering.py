@@ -28,7 +28,7 @@ FLOORS = [
      "cp_plan", "cp_layouts", "located", "rules", "row_rules", "planviews", "states", "positions", "csr", "short_steps", "streamplan", "orders", "costs", "config_costs", "groups", "microbatch", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
     # the epoch a sampler deals, CP shards
-    ["listcolumns", "examples", "chat", "planindex", "attention", "sampler", "resume", "epoch", "cp", "media", "plots"],
+    ["listcolumns", "examples", "chat", "tokenizing", "planindex", "attention", "sampler", "resume", "epoch", "cp", "media", "plots"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "sample", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],
