@@ -68,19 +68,14 @@ def _top(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv, process = list(sys.argv[1:] if argv is None else argv), argv is None  # process: packkit, python -m
-    try:
-        with signals_raise():  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
-            return _main(argv, process)
+    name, state = (argv or ["packkit"])[0], {}
+    try:  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
+        with signals_raise(), warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(name, state)
+            return _run(argv, name, state, process)
     except KeyboardInterrupt as exc:  # a stop signal outside _run's handlers: entering or leaving its blocks
         from ._failures import stopped  # lazy: for a stop signal only
-        return stopped((argv or ["packkit"])[0], exc)
-
-
-def _main(argv: list[str], process: bool = False) -> int:
-    name, state = (argv or ["packkit"])[0], {}
-    with warnings.catch_warnings():
-        warnings.showwarning = _one_line_warnings(name, state)
-        return _run(argv, name, state, process)
+        return stopped(name, exc)
 
 
 def _one_line_warnings(name: str, state: dict):
@@ -126,14 +121,11 @@ def _run(argv: list[str], name: str, state: dict, process: bool = False) -> int:
             code = int(module.run(parser.parse_args(argv[1:]), options) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
         return code
-    except SystemExit:  # argparse's --help: flushed here too, so a closed pipe is quiet
-        try:
-            sys.stdout.flush()
-        except BrokenPipeError:
-            from ._failures import pipe_closed  # lazy: for a closed pipe only
-            return pipe_closed()
-        raise
-    except BrokenPipeError:
+    except (SystemExit, BrokenPipeError) as exc:  # SystemExit: argparse's --help, flushed so a closed pipe is quiet
+        with contextlib.suppress(BrokenPipeError):
+            if isinstance(exc, SystemExit):
+                sys.stdout.flush()
+                raise
         from ._failures import pipe_closed  # lazy: for a closed pipe only
         return pipe_closed()
     except KeyboardInterrupt as exc:
