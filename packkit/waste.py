@@ -190,36 +190,15 @@ def loss_free(row_loss: np.ndarray, per_step: int) -> tuple[int, int]:
     return int((row_loss == 0).sum()), int((steps == 0).sum())
 
 
-def _padded(name: str, real: np.ndarray, padded: np.ndarray, steps: int, imbalance: float, cv: float,
-            free: tuple) -> StrategyWaste:
-    """Figures of padded rows: the ``real`` tokens and ``padded`` length of each row, ``free`` the (rows, steps)
-    that hold no loss token."""
+def _figures(name: str, label: str, real: np.ndarray, slots, attention: float, steps: int, stats: tuple,
+             free: tuple) -> StrategyWaste:
+    """Figures of rows holding ``real`` tokens in ``slots`` (each row's padded length, or the window); ``stats``: the
+    steps' ``(compute_imbalance, examples_per_step_cv)``, ``free``: the (rows, steps) that hold no loss token."""
     return StrategyWaste(
-        name=name, label=LABELS[name], packed=False, rows=int(real.size), steps=steps,
-        real_tokens=int(real.sum()), slot_tokens=int(padded.sum()),
-        attention=float(np.sum(padded.astype(np.float64) ** 2)), row_fill=real / padded,
-        compute_imbalance=imbalance, examples_per_step_cv=cv, loss_free_rows=free[0], loss_free_steps=free[1],
-    )
-
-
-def _packed(name: str, label: str, sampler, piece_of: np.ndarray, lengths: np.ndarray,
-            piece_loss: np.ndarray) -> StrategyWaste:
-    """Figures of the windows a :class:`~packkit.sampler.PackedBatchSampler` deals (its element ``e`` is piece
-    ``piece_of[e]``: ``lengths`` its real tokens, ``piece_loss`` its loss tokens; the windows hold its planned,
-    CP-padded length, the padding a slot, not a token)."""
-    dealt = Dealt.of(sampler)
-    plan, window = sampler.plan(), sampler.window
-    piece = piece_of[plan.seg_example]
-    loads = batch_sums(lengths[piece], plan.window_ptr)
-    tail = window - batch_sums(plan.seg_length, plan.window_ptr)
-    attention = float(np.sum(plan.seg_length.astype(np.float64) ** 2) + np.sum(tail.astype(np.float64) ** 2))
-    free_rows, free_steps = dealt.loss_free(batch_sums(piece_loss[piece], plan.window_ptr), piece_loss[piece_of])
-    rows = plan.num_windows
-    return StrategyWaste(
-        name=name, label=label, packed=True, rows=int(rows), steps=dealt.steps,
-        real_tokens=int(loads.sum()), slot_tokens=int(rows * window), attention=attention,
-        row_fill=loads / window, compute_imbalance=dealt.stats.compute_imbalance,
-        examples_per_step_cv=dealt.stats.examples_per_step_cv, loss_free_rows=free_rows, loss_free_steps=free_steps,
+        name=name, label=label, packed=name not in ("pad_longest", "random", "grouped"), rows=int(real.size),
+        steps=steps, real_tokens=int(real.sum()), slot_tokens=int(np.sum(slots)), attention=attention,
+        row_fill=real / slots, compute_imbalance=stats[0], examples_per_step_cv=stats[1], loss_free_rows=free[0],
+        loss_free_steps=free[1],
     )
 
 
@@ -290,7 +269,9 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
 
 def _strategy(name: str, p: Units, *, window: int, batch_size: int, k: int, buffer_size: int, row_round: int,
               dealing: dict) -> StrategyWaste:
-    """One strategy's figures over the pieces ``p`` (:func:`measure_waste`)."""
+    """One strategy's figures over the pieces ``p`` (:func:`measure_waste`). A packed strategy's sampler deals
+    piece ``piece_of[e]`` as its element ``e``; its windows hold the planned, CP-padded length, the padding a slot,
+    not a token."""
     L, planned, R = p.tokens, p.planned, dealing["world_size"]
     if name in ("pad_longest", "random"):  # a plain DataLoader's batches, in order: no packkit sampler deals them
         rng = np.random.default_rng(dealing["seed"])
@@ -299,22 +280,28 @@ def _strategy(name: str, p: Units, *, window: int, batch_size: int, k: int, buff
         padded = -(-padded // row_round) * row_round  # a padded row is one sequence, cut by the CP layout
         figures = step_figures(CostModel(cp_size=dealing["cp_size"]).costs(padded), np.ones(L.size), ranks=R,
                                per_rank=batch_size)
-        return _padded(name, L[order], padded, math.ceil(L.size / (batch_size * R)), *figures,
-                       loss_free(p.loss[order], batch_size * R))
+        return _figures(name, LABELS[name], L[order], padded, float(np.sum(padded.astype(np.float64) ** 2)),
+                        math.ceil(L.size / (batch_size * R)), figures, loss_free(p.loss[order], batch_size * R))
     if name == "grouped":  # as a LengthGroupedSampler deals them, each batch padded to its longest
         dealt = Dealt.of(deal(L, per_rank=batch_size, **dealing))
         order, ptr = dealt.schedule.flat, dealt.schedule.ptr
-        padded = np.repeat(np.maximum.reduceat(L[order], ptr[:-1]), np.diff(ptr))
-        return _padded(name, L[order], -(-padded // row_round) * row_round, dealt.steps,
-                       dealt.stats.compute_imbalance, dealt.stats.examples_per_step_cv,
-                       dealt.loss_free(p.loss[order], p.loss))
+        padded = -(-np.repeat(np.maximum.reduceat(L[order], ptr[:-1]), np.diff(ptr)) // row_round) * row_round
+        return _figures(name, LABELS[name], L[order], padded, float(np.sum(padded.astype(np.float64) ** 2)),
+                        dealt.steps, (dealt.stats.compute_imbalance, dealt.stats.examples_per_step_cv),
+                        dealt.loss_free(p.loss[order], p.loss))
     if name == "stream":
         piece_of, ptr = stream_plan(planned, window=window, buffer_size=buffer_size)
         sampler = deal(windows_plan(planned[piece_of], ptr, window=window, strategy="stream"), per_rank=k, **dealing)
     else:  # bfd, ffd, shuffle_ff, next_fit: element i of the sampler is piece i
         sampler, piece_of = deal(planned, per_rank=k, window=window, strategy=name, **dealing), np.arange(L.size)
+    dealt, plan = Dealt.of(sampler), sampler.plan()
+    piece = piece_of[plan.seg_example]
+    loads, tail = batch_sums(L[piece], plan.window_ptr), window - batch_sums(plan.seg_length, plan.window_ptr)
+    attention = float(np.sum(plan.seg_length.astype(np.float64) ** 2) + np.sum(tail.astype(np.float64) ** 2))
     label = f"{LABELS[name]} (buffer {buffer_size:,})" if name == "stream" else LABELS[name]
-    return _packed(name, label, sampler, piece_of, L, p.loss)
+    return _figures(name, label, loads, np.full(loads.size, window), attention, dealt.steps,
+                    (dealt.stats.compute_imbalance, dealt.stats.examples_per_step_cv),
+                    dealt.loss_free(batch_sums(p.loss[piece], plan.window_ptr), p.loss[piece_of]))
 
 
 #: What ``overflow`` may say for preference pairs: a pair is packed whole (the collator refuses a longer one).
