@@ -74,8 +74,6 @@ def run(args, options=None) -> int:
                              balance=args.balance, drop_loss_free=args.drop_loss_free, drop_last=args.drop_last,
                              seed=args.seed, cp_size=args.cp_size, cp_layout=args.cp_layout, advice=advice)
     shares = weighting_report(args, data)
-    if args.json:
-        print(json.dumps({**report.as_dict(), **({"loss_weighting": shares.as_dict()} if shares else {})}))
-    else:
-        print(report.table(options=options) + ("\n\n" + shares.table() if shares else ""))
+    print(json.dumps({**report.as_dict(), **({"loss_weighting": shares.as_dict()} if shares else {})}) if args.json
+          else report.table(options=options) + ("\n\n" + shares.table() if shares else ""))
     return 0

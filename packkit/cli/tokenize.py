@@ -92,12 +92,9 @@ def _run(args, inp: Input, hold) -> int:
 def _report(args, src: Path, out: Path, fmt, rows: int, tokens: int, keep: list, how: str, *, what: str,
             readers: str) -> int:
     """What tokenize wrote: one JSON line (``--json``), else two lines (``what`` were tokenized; ``readers``)."""
-    if args.json:
-        print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": keep,
-                          "examples": rows, "tokens": tokens, "tokenized": how}))
-    else:
-        print(f"tokenized {rows:,} {what} ({tokens:,} tokens): {how}")
-        print(f"wrote {str(out)!r}; columns {keep}: {readers}")
+    print(json.dumps({"input": str(src), "output": str(out), "format": fmt.name, "columns": keep, "examples": rows,
+                      "tokens": tokens, "tokenized": how}) if args.json
+          else f"tokenized {rows:,} {what} ({tokens:,} tokens): {how}\nwrote {str(out)!r}; columns {keep}: {readers}")
     return 0
 
 

@@ -70,10 +70,8 @@ def run(args, options=None) -> int:
             cp_size=args.cp_size, cp_layout=args.cp_layout, drop_loss_free=args.drop_loss_free)
     if args.plot:
         plot_waste(report, args.plot, overwrite=args.overwrite)
-    if args.json:
-        print(json.dumps({**report.to_dict(), **({"plot": args.plot} if args.plot else {})}))
-    else:
-        print(format_table(report, options=options) + (f"\n\nwrote {args.plot}" if args.plot else ""))
+    print(json.dumps({**report.to_dict(), **({"plot": args.plot} if args.plot else {})}) if args.json
+          else format_table(report, options=options) + (f"\n\nwrote {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -90,10 +88,7 @@ def _preference(args) -> int:
             args.input, split=args.split, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code)
         report = preference_waste(prompt, chosen, rejected, window=args.window, batch_size=args.batch_size,
                                   seed=args.seed, overflow=overflow)
-    if args.json:
-        print(json.dumps({"source": source, **report}))
-    else:
-        print(f"{source}\n{format_preference_waste(report)}")
+    print(json.dumps({"source": source, **report}) if args.json else f"{source}\n{format_preference_waste(report)}")
     return 0
 
 
@@ -115,11 +110,9 @@ def _turns(args) -> int:
             raise DataError(f"{args.input} has no 'messages' column (its columns: {table.column_names}): --turns "
                             f"reads conversations as lists of role/content messages; {fix}")
         report = turn_tokens(table.column("messages").to_pylist(), args.tokenizer, chat_template=args.chat_template)
-    if args.json:
-        print(json.dumps({"source": str(args.input), **report}))
-    else:
-        print(f"{args.input}: {report['conversations']:,} conversations, {report['turns']:,} assistant turns\n"
-              f"  tokens forwarded, every turn whole:        {report['turn_tokens']:,}\n"
-              f"  tokens forwarded, shared histories once:   {report['tree_tokens']:,} "
-              f"({report['ratio']:.2f}x fewer; prefix trees, packkit.prefixtree)")
+    print(json.dumps({"source": str(args.input), **report}) if args.json
+          else f"{args.input}: {report['conversations']:,} conversations, {report['turns']:,} assistant turns\n"
+               f"  tokens forwarded, every turn whole:        {report['turn_tokens']:,}\n"
+               f"  tokens forwarded, shared histories once:   {report['tree_tokens']:,} "
+               f"({report['ratio']:.2f}x fewer; prefix trees, packkit.prefixtree)")
     return 0
