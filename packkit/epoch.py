@@ -21,7 +21,7 @@ from .records import record
 from .length_rules import check_loss_lengths
 from .segments import lengths_to_offsets, piece_loss_tokens
 
-__all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "packed_units", "padded_units", "read_lengths_object",
+__all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "none_left", "packed_units", "padded_units", "read_lengths_object",
            "windows_plan"]
 
 
@@ -216,14 +216,19 @@ class Units:
     def keep(self, keep: np.ndarray) -> "Units":
         """The units where ``keep`` (``drop_loss_free``): none left is the error naming it."""
         if not keep.any():
-            raise DataError("no piece holds a loss token, and {drop} left every one out",
-                            drop=arg("drop_loss_free", True))
+            raise none_left()
         tokens = self.tokens[keep]
         return dataclasses.replace(self, planned=tokens if self.planned is self.tokens else self.planned[keep],
                                    tokens=tokens, first=None if self.first is None else self.first[keep],
                                    counted=None if self.counted is None else self.counted[keep],
                                    dropped=int((~keep).sum()), dropped_tokens=int(self.tokens[~keep].sum()),
                                    given=None if self.given is None else self.given.keep_segments(keep))
+
+
+def none_left(where: str = "") -> DataError:
+    """The refusal when ``drop_loss_free`` leaves out every piece; ``where`` names the input (`` of 'a.jsonl'``)."""
+    return DataError("no piece{where} holds a loss token, and {drop} left every one out", where=where,
+                     drop=arg("drop_loss_free", True))
 
 
 def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overflow: str, doc_multiple: int = 1,

@@ -52,6 +52,7 @@ from .sources import ArrowSource, scan, scan_documents
 from . import outputs
 from .fileio import check_output
 from .planindex import example_stats
+from .epoch import none_left
 
 __all__ = ["pack_dataset", "PackOptions", "plan_source", "PackedTable", "packed_schema", "packed_batch",
            "DEFAULT_BUFFER_BYTES"]
@@ -61,22 +62,8 @@ __all__ = ["pack_dataset", "PackOptions", "plan_source", "PackedTable", "packed_
 PROGRESS_BYTES = 1 << 28
 
 
-def _column_checks(spec: ColumnSpec):
-    """``(kinds, check)`` for :func:`packkit.sources.scan`: each column read's :func:`~packkit.rules.column_kind`
-    (``ids``, ``labels``, ``mask`` or ``other``), and the per-batch :func:`~packkit.rules.check_column` on each
-    column, errors naming the dataset row. A null labels or loss-mask row is a key that example lacks (labels: its
-    token ids; no mask: loss on every token)."""
-    token = spec.read[0]
-    kinds = {c: column_kind(c, token) for c in spec.read}
-
-    def check(name, values, offsets, valid, row, token_lengths):
-        check_column(values, offsets, kind=kinds[name], key=name, rows=row, valid=valid, ref_lengths=token_lengths,
-                     ref_key=token)
-
-    return kinds, check
-
-
-def _check_common(window, strategy, overflow, seed, num_proc):
+def check_planning(window, strategy, overflow, seed, num_proc=None) -> int:
+    """The plan's knobs checked, before anything is read: the window, checked."""
     window = check_window(window)
     check_strategy(strategy)
     check_overflow(overflow)
@@ -251,6 +238,12 @@ class PackedTable:
         return pack_columns(sub, columns, loss_mask=spec.mask, keep_mask=spec.keep_mask, extra_masks=spec.other_masks,
                             mask_first_label=first, num_threads=self.num_threads, bar=bar)
 
+    def _chunks(self, plan: Plan, max_tokens: int, columns, bar=None, **kw):
+        """``(first window, sub-plan, its packed rows)`` of ``plan``'s ``columns``, ``max_tokens`` at a time."""
+        for start, stop in plan.chunks(max_tokens):
+            sub = plan.window_range(start, stop)
+            yield start, sub, self._rows(sub, columns, bar, **kw)
+
     def _loss_columns(self) -> dict:
         """The token column and the columns that carry the loss (labels, a loss mask), as scanned."""
         token = self.spec.read[0]
@@ -270,8 +263,7 @@ class PackedTable:
 
     def _segment_losses(self, plan: Plan, max_tokens: int) -> np.ndarray:
         """:meth:`segment_loss` of every segment of ``plan``, in a pass over the loss columns only."""
-        read = self._loss_columns()
-        parts = [self.segment_loss(self._rows(plan.window_range(a, b), read)) for a, b in plan.chunks(max_tokens)]
+        parts = [self.segment_loss(rows) for _, _, rows in self._chunks(plan, max_tokens, self._loss_columns())]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _whole_loss(self, max_tokens: int) -> np.ndarray | None:
@@ -287,11 +279,13 @@ class PackedTable:
         whole[piece] = np.bincount(inv[piece], weights=loss, minlength=counts.size).astype(np.int64)[inv[piece]]
         return whole
 
-    def drop_loss_free(self, max_tokens: int) -> None:
+    def drop_loss_free(self, max_tokens: int, *, where: str = "") -> None:
         """Leave out every segment with no loss token (:meth:`segment_loss`, a first pass over the loss columns),
         counted in ``dropped_pieces`` / ``dropped_tokens`` and ``loss_free_pieces``; emptied windows go, the others
-        keep their order (:meth:`packkit.binpack.Plan.keep_segments`)."""
+        keep their order (:meth:`packkit.binpack.Plan.keep_segments`). None left: :func:`packkit.epoch.none_left`."""
         keep = self._segment_losses(self.plan, max_tokens) > 0
+        if not keep.any():
+            raise none_left(where)
         self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
         self.loss_free_pieces += self.dropped_pieces
         if self.dropped_pieces:
@@ -310,11 +304,8 @@ class PackedTable:
         return loss, sums
 
     def _stats(self, plan: Plan, max_tokens: int, *, count: bool):
-        read = self._loss_columns()
         loss, sums = np.zeros(plan.num_examples, np.int64), np.zeros(plan.num_examples, np.uint64)
-        for start, stop in plan.chunks(max_tokens):
-            sub = plan.window_range(start, stop)
-            rows = self._rows(sub, read, mask_first_label=False)
+        for _, sub, rows in self._chunks(plan, max_tokens, self._loss_columns(), mask_first_label=False):
             part = example_stats(sub, rows)
             loss += part[0]
             sums += part[1]
@@ -337,15 +328,13 @@ class PackedTable:
         each (a longer window alone), in the plan's window order, counting their loss on the way (``loss_tokens``,
         ``loss_free_windows``, ``loss_free_pieces``)."""
         whole = self._whole_loss(max_tokens) if self.example_ids else None
-        for start, stop in self.plan.chunks(max_tokens):
-            sub = self.plan.window_range(start, stop)
-            rows = self._rows(sub, self.scan.columns, bar)
+        for start, sub, rows in self._chunks(self.plan, max_tokens, self.scan.columns, bar):
             seg_loss = self._count_loss(rows)
             docs = None
             if self.example_ids:  # each document's example (the input's ids where it was packed), start, loss
                 ids, starts, scan = sub.seg_example, sub.seg_start, self.scan
                 if whole is not None:
-                    lo, hi = self.plan.window_ptr[start], self.plan.window_ptr[stop]
+                    lo, hi = self.plan.window_ptr[start], self.plan.window_ptr[start + sub.num_windows]
                     seg_loss = np.where(whole[lo:hi] >= 0, whole[lo:hi], seg_loss)
                 docs = {"example_ids": ids if scan.doc_ids is None else scan.doc_ids[ids], "example_loss": seg_loss,
                         "piece_offsets": starts if scan.doc_starts is None else starts + scan.doc_starts[ids]}
@@ -375,10 +364,17 @@ def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = D
     ``progress=None``: :func:`show_progress`); ``groups``: a group id per row, each group kept whole in one window
     (:func:`packkit.binpack.pack_groups`)."""
     o = with_keywords(PackOptions, options, option_keywords, "plan_source")
-    window = _check_common(window, strategy, overflow, seed, o.num_proc)
+    window = check_planning(window, strategy, overflow, seed, o.num_proc)
     spec = resolve_columns(source.names, o.columns)
     progress = show_progress(source) if o.progress is None else o.progress
-    kinds, check = _column_checks(spec)
+    # each column's kind (ids, labels, mask or other), checked a batch at a time (errors name the dataset row); a null
+    # labels or loss-mask row is a key that example lacks (labels: its token ids; no mask: loss on every token)
+    kinds = {c: column_kind(c, spec.read[0]) for c in spec.read}
+
+    def check(name, values, offsets, valid, row, token_lengths):
+        check_column(values, offsets, kind=kinds[name], key=name, rows=row, valid=valid, ref_lengths=token_lengths,
+                     ref_key=spec.read[0])
+
     with progress_bar(total=None, unit="rows", enabled=progress, desc=f"{who}: reading") as bar:
         found = scan(source, spec.read, kinds=kinds, check=check, progress=bar)
         found = scan_documents(source, found)  # packed rows are read as their documents
@@ -449,7 +445,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     streamed = isinstance(ds, (datasets.IterableDataset, datasets.IterableDatasetDict))
     if streamed:
         _refuse_streamed(o, strategy=strategy, return_report=return_report, output=output)
-    window = _check_common(window, strategy, overflow, seed, o.num_proc)  # before any data is read or tokenized
+    window = check_planning(window, strategy, overflow, seed, o.num_proc)  # before any data is read or tokenized
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return _pack_splits(ds, split, return_report=return_report, output=output, options=o, **planning)
     if split is not None:
@@ -504,9 +500,6 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **plannin
                   if on_disk or out_format is not None else arrow.MAX_LIST_VALUES)
     if o.drop_loss_free:
         packed.drop_loss_free(max_tokens)
-        if packed.plan.num_windows == 0:
-            raise DataError("no piece holds a loss token, and {drop} left every one out",
-                            drop=arg("drop_loss_free", True))
         if packed.dropped_pieces:
             logger.warning("pack_dataset: drop_loss_free left out %d pieces with no loss token (%d tokens)",
                            packed.dropped_pieces, packed.dropped_tokens)

@@ -294,3 +294,22 @@ def test_pack_puts_the_packkit_log_level_back(files, tmp_path, capsys):
         assert code != 0 and logger.level == logging.INFO
     finally:
         logger.setLevel(before)
+
+
+def test_an_out_with_no_example_left_blames_what_left_none(tmp_path, capsys):
+    """Regression: ``packkit pack --overflow drop`` with every example longer than the window blamed
+    ``--drop-loss-free``, not passed ("no piece ... holds a loss token, and --drop-loss-free left every one out");
+    the refusal names the window now, and ``--drop-loss-free`` is blamed where it left every piece out."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"input_ids": [1, 2, 3, 4, 5, 6]}\n{"input_ids": [1, 2, 3, 4, 5, 6, 7]}\n')
+    code, _, err = run(["pack", str(src), str(tmp_path / "a.parquet"), "-w", "4", "--overflow", "drop", "-q"], capsys)
+    assert code == 3 and "--drop-loss-free" not in err, err
+    assert f"no example of {str(src)!r} is left to write (drop and 4 tokens a window); raise --window" in err
+    src.write_text('{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}\n')
+    code, _, err = run(["pack", str(src), str(tmp_path / "b.parquet"), "--drop-loss-free", "-q"], capsys)
+    assert code == 3 and not (tmp_path / "b.parquet").exists()
+    assert f"no piece of {str(src)!r} holds a loss token, and --drop-loss-free left every one out" in err, err
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[-100, -100, -100]]})
+    from packkit.offline import pack_dataset
+    with pytest.raises(ValueError, match="no piece holds a loss token, and drop_loss_free=True left every one out"):
+        pack_dataset(ds, window=8, drop_loss_free=True)

@@ -14,11 +14,12 @@ import logging
 from pathlib import Path
 
 from ._options import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
-from ..binpack import check_seed, check_window, overflow_note
+from ..binpack import overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, load_table, parquet_schema, reader_pyarrow
 from ..fileio import atomic_output, check_output, held_still, temp_folder
-from ..offline import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PROGRESS_BYTES, pack_dataset, plan_source, show_progress
+from ..offline import (DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PROGRESS_BYTES, check_planning, pack_dataset,
+                       plan_source, show_progress)
 from ..mediarows import MEDIA_FORMATS, media_columns, refuse_media
 from ..progress import progress_bar
 from ..readers import parquet_dataset
@@ -90,7 +91,9 @@ def run(args, options=None) -> int:
 def _run(args, options) -> int:
     inp, out, fmt, buffer_bytes, columns = _checks(args)
     bound_allocators(args.tokenizer)  # a tokenizer named: pyarrow on the system allocator, for the rest of the process
-    if fmt.name in MEDIA_FORMATS and _media_in(inp):
+    # media columns in a .parquet or .arrow IN (its schema only; an Arrow file is memory-mapped): packed with them
+    if fmt.name in MEDIA_FORMATS and inp.format in ("parquet", "arrow") and media_columns(
+            (parquet_schema(inp.path) if inp.format == "parquet" else load_table(inp.path).schema).names):
         return _pack_media(args, inp, out, fmt, columns, buffer_bytes)
     quiet = args.quiet or args.json
     if quiet and inp.format == "folder":  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
@@ -114,25 +117,17 @@ def _run(args, options) -> int:
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
+        if packed.plan.num_windows == 0:  # every example longer than the window, and dropped
+            raise _none_left(args, src)
         max_tokens = packed.chunk_tokens(buffer_bytes, encoding=fmt.encoding, in_flight=2)
         if args.drop_loss_free:
-            packed.drop_loss_free(max_tokens)
-        if packed.plan.num_windows == 0:
-            raise DataError("no piece of {src!r} holds a loss token, and {drop} left every one out", src=str(src),
-                            drop=arg("drop_loss_free", True))
+            packed.drop_loss_free(max_tokens, where=f" of {str(src)!r}")
         total = packed.plan.total_tokens * len(packed.spec.written())
         with progress_bar(total=total, unit="tok", enabled=not quiet and show_progress(source),
                           desc="packkit pack") as bar:
             write_packed(out, packed, format=fmt, max_tokens=max_tokens, bar=bar, inputs=[src],
                          overwrite=args.overwrite, through=lambda batches: _checked(batches, hold))
     return _report(args, options, src, out, fmt, packed, how)
-
-
-def _media_in(inp) -> list[str]:
-    """The media columns of a .parquet or .arrow IN (its schema only; an Arrow file is memory-mapped)."""
-    if inp.format == "parquet":
-        return media_columns(parquet_schema(inp.path).names)
-    return media_columns(load_table(inp.path).schema.names) if inp.format == "arrow" else []
 
 
 def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
@@ -160,8 +155,7 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
             num_proc=args.num_proc, progress=False if quiet else None, output_format=fmt.name, **sized)
         hold.release()  # IN read to the end, unchanged: OUT is renamed into place whatever comes after
         if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
-            raise DataError(f"no example of {str(inp.path)!r} is left to write ({args.overflow} and "
-                            f"{args.window:,} tokens a window); raise --window")
+            raise _none_left(args, inp.path)
     names = (parquet_schema(out) if fmt.name == "parquet" else load_table(out).schema).names
     s = plan.summary()
     if args.json:
@@ -179,13 +173,16 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
     return 0
 
 
+def _none_left(args, src) -> DataError:
+    """The refusal of an empty OUT (it would pass for a result): the overflow policy left no example of ``src``."""
+    return DataError(f"no example of {str(src)!r} is left to write ({args.overflow} and {args.window:,} tokens a "
+                     "window); raise --window")
+
+
 def _checks(args):
     """The checks that cost nothing, before anything is read (a refusal loses no work): ``(input, OUT, its
     format, buffer bytes or None, columns or None)``."""
-    check_window(args.window)
-    check_seed(args.seed)
-    if args.num_proc is not None:
-        check_int(args.num_proc, "num_proc")
+    check_planning(args.window, args.strategy, args.overflow, args.seed, args.num_proc)
     if args.buffer_mb is not None:
         check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
