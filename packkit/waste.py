@@ -349,13 +349,13 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     use = pairs_len <= window  # then each sequence and the tree (prompt once) fit too
     dropped = int((~use).sum())
     if dropped and (overflow == "error" or dropped == use.size):
-        i = int(np.argmin(use))
-        every = "" if overflow == "error" else f"every pair is longer than the window ({dropped:,} of them), so none is left to measure: "
-        raise DataError("{every}{i} has {n:,} tokens as two sequences with their prompt (prompt {p:,} twice, "
-                        "chosen {c:,}, rejected {r:,}) > {window}; raise {w}" + (", or pass {drop} (left out, counted)"
-                                                                               if overflow == "error" else ""),
-                        every=every, i=Where(i), n=int(pairs_len[i]), p=int(p[i]), c=int(c[i]), r=int(r[i]),
-                        window=arg("window", window), w=arg("window"), drop=arg("overflow", "drop"))
+        i, error = int(np.argmin(use)), overflow == "error"
+        raise DataError(("" if error else "every pair is longer than the window ({dropped:,} of them), so none is left "
+                         "to measure: ") + "{i} has {n:,} tokens as two sequences with their prompt (prompt {p:,} "
+                        "twice, chosen {c:,}, rejected {r:,}) > {window}; raise {w}"
+                        + (", or pass {drop} (left out, counted)" if error else ""), dropped=dropped, i=Where(i),
+                        n=int(pairs_len[i]), p=int(p[i]), c=int(c[i]), r=int(r[i]), window=arg("window", window),
+                        w=arg("window"), drop=arg("overflow", "drop"))
     p, c, r = p[use], c[use], r[use]
     n = p.size  # >= 1: no pair, or no pair that fits, is an error above
     # TRL pads both sequences of every pair of a batch to the batch's longest
