@@ -255,10 +255,18 @@ FRONT = ["datafiles", "chat", "cli", "budget", "waste", "offline"]
 #: Machinery that sat in the front by accident and now has a room of its own behind it: the JSON-lines engine and
 #: the other formats' readers (from datafiles), the tokenizer loader (from chat and datafiles), a batch of
 #: conversations rendered and masked (from chat), the epoch a sampler deals (from budget, which waste read it from).
-BEHIND_THE_FRONT = ["jsonlines", "readers", "tokenizer", "chatrender", "epoch"]
+BEHIND_THE_FRONT = ["jsonlines", "readers", "tokenizer", "chatrender", "epoch", "jsonblame", "longline"]
 
 #: The budget for the front, in lines as ``wc -l`` counts them (blank lines and docstrings included).
 FRONT_LINES = 4400
+
+#: The line budget counts the front with the rooms that left it (:data:`BEHIND_THE_FRONT`) against 4,400 lines.
+#: Not reached: 5,407 at 68e14a9. This ratchet holds the count reached, so that it cannot grow back: lower it when
+#: a cut lands; never raise it to make room.
+FRONT_AND_BEHIND_LINES = 5433
+
+#: Rooms that left the front and still reach it (a lazy import), so not :data:`BEHIND_THE_FRONT`: counted with it.
+LEFT_THE_FRONT = ["tokenizing"]
 
 
 def _front(modules: dict) -> set:
@@ -307,3 +315,17 @@ def test_no_source_or_test_points_at_our_tracker_by_number():
              for folder in ("packkit", "kernels", "tests") for p in sorted((ROOT / folder).rglob("*.py"))
              for n, line in enumerate(p.read_bytes().splitlines(), 1) if pattern.search(line)]
     assert not found, "text pointing at packkit's tracker by number:\n" + "\n".join(found)
+
+
+def test_the_front_and_the_rooms_that_left_it_do_not_grow_back():
+    """The line budget: the front with its successors (:data:`BEHIND_THE_FRONT`, :data:`LEFT_THE_FRONT`; code moved
+    out of the front counts where it went) totals at most 4,400 lines, with every behaviour and test kept. 5,407 at 68e14a9, the target
+    missed: held at :data:`FRONT_AND_BEHIND_LINES`, the count reached, which may only go down towards 4,400."""
+    modules = _modules()
+    names = _front(modules) | {f"packkit.{m}" for m in BEHIND_THE_FRONT + LEFT_THE_FRONT}
+    assert names <= set(modules), f"not found: {sorted(names - set(modules))}: the walk itself is broken"
+    lines = {m: modules[m].read_bytes().count(b"\n") for m in names}
+    total = sum(lines.values())
+    assert total <= FRONT_AND_BEHIND_LINES, (
+        f"the front and the rooms that left it hold {total:,} lines, over the {FRONT_AND_BEHIND_LINES:,} reached "
+        "(the budget: 4,400): " + ", ".join(f"{m} {n:,}" for m, n in sorted(lines.items(), key=lambda x: -x[1])))
