@@ -206,6 +206,27 @@ def test_a_file_that_is_not_a_npy_of_lengths_is_refused_naming_it(tmp_path, name
     assert want in str(info.value)
 
 
+def test_a_split_the_floor_holds_asks_the_system_nothing(monkeypatch):
+    """``pack_stream`` split each long example through the check above, which read ``/proc/meminfo`` every
+    time (~50-100 us, a third of the stream's cost an example on chat data). A plan the floor holds asks the
+    system nothing; one past it still asks and is refused when memory is short."""
+    from packkit import binpack
+    from packkit.errors import DataError
+    from packkit.packer import pack_stream
+
+    def asked():
+        raise AssertionError("memory asked for a plan under the floor")
+
+    monkeypatch.setattr(binpack, "memory_available", asked)
+    rows = list(pack_stream([{"input_ids": np.arange(5000)}, {"input_ids": np.arange(7)}], window=2048))
+    assert [r["seq_lengths"].tolist() for r in rows] == [[2048], [2048], [904, 7]]
+    binpack.check_split_size(np.array([2048 * 1000, 5]), 2048)
+    monkeypatch.setattr(binpack, "memory_available", lambda: binpack.SPLIT_CHECK_FLOOR)
+    with pytest.raises(DataError, match="example 0 has"):
+        binpack.check_split_size(np.array([2048 * (binpack.SPLIT_CHECK_FLOOR // binpack.PLAN_BYTES_PER_ITEM + 1)]),
+                                 2048)
+
+
 def _npy_header(shape) -> bytes:
     from numpy.lib import format as npy
 
