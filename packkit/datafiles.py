@@ -23,10 +23,9 @@ from .binpack import as_lengths
 from .chatoptions import ChatOptions
 from .epoch import Lengths
 from .errors import DataError, Message, MissingError, PackkitError, arg
-from .rules import ExampleTypeError, located, not_integer, segment_key
+from .rules import not_integer, segment_key
 from .sample import SAMPLE_PATH, bundled_sample  # noqa: F401 - their home is packkit.sample, off the readers
 from .segments import lengths_to_offsets, range_index
-from .allocators import release_freed
 
 __all__ = ["Lengths", "read_preference_lengths", "bundled_sample", "load_table", "load_dataset", "parquet_batches",
            "parquet_schema", "read_lengths", "reader_pyarrow", "table_chunks", "Tokenizing", "tokenize", "FORMATS",
@@ -58,12 +57,6 @@ def _readers():
     return readers
 
 
-def _tokenizing():
-    """:mod:`packkit.tokenizing` (:class:`Tokenizing`), imported where rows lack their token column."""
-    from . import tokenizing  # lazy: text and conversations to tokenize, off a file of token ids
-    return tokenizing
-
-
 def _tokenizers():
     """:mod:`packkit.tokenizer`, imported where text is tokenized or a tokenizer named (not for token ids)."""
     from . import tokenizer  # lazy: the tokenizers, for text or pairs to tokenize only
@@ -78,7 +71,8 @@ def __getattr__(name: str):
     if name in _READER_NAMES:
         return getattr(_readers(), name)
     if name == "Tokenizing":
-        return _tokenizing().Tokenizing
+        from .tokenizing import Tokenizing  # lazy: text and conversations to tokenize, off a file of token ids
+        return Tokenizing
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -122,6 +116,7 @@ def relocate_json_float(exc: BaseException, path) -> BaseException | None:
     ``path`` whose key holds a float, or None when ``exc`` is not that error or no row does. One ``5.0`` on line 900
     makes pyarrow read the whole column as floats, so the rules blamed ``1.0`` on line 1; Python's reader tells
     ``5.0`` from ``5``. The value and key are the error's fields (no message is read). The error path only."""
+    from .located import ExampleTypeError, located  # lazy: the error path only, off a file that reads
     fields = exc.fields if isinstance(exc, ExampleTypeError) else {}
     found = isinstance(fields.get("value"), float) and _json_lines(path) and jsonlines.first_float(path, fields["key"])
     if not found:
@@ -286,8 +281,9 @@ class Input:
         when they hold it."""
         if self.column in schema.names:
             return None
-        return _tokenizing().Tokenizing(schema, column=self.column, text_column=self.text_column,
-                                        tokenizer=self.tokenizer, chat=self.chat, where=self.where)
+        from .tokenizing import Tokenizing  # lazy: text and conversations to tokenize, off a file of token ids
+        return Tokenizing(schema, column=self.column, text_column=self.text_column, tokenizer=self.tokenizer,
+                          chat=self.chat, where=self.where)
 
     def chunks(self):
         """``(make, how)``: ``make()`` yields the rows with their token column a chunk at a time (:func:`table_chunks`;
@@ -310,6 +306,7 @@ class Input:
         tables = replay(first, rest, again)
 
         def make():
+            from .allocators import release_freed  # lazy: for rows tokenized, off a file of token ids
             row = 0
             for table in tables():
                 if table.num_rows:

@@ -46,6 +46,14 @@ class ResumeWarning(UserWarning):
     """
 
 
+class RepeatWarning(UserWarning):
+    """A step with fewer examples than ranks deals the ranks left without one a repeat (DDP needs every rank to run a
+    micro-batch): said once a sampler, in one line. The repeats weigh 0 where the loop counts the step with
+    ``accumulation_step(..., facts=sampler.step_facts())`` or ``repeats=sampler.step_repeats()`` (a ``Trainer``
+    with :class:`packkit.loss.WeightedLossMixin` does, the token mean included); otherwise they count twice. Silence it with ``warnings.filterwarnings("ignore", category=RepeatWarning)``.
+    """
+
+
 @record
 class Point:
     """Where a pass starts in a sequence of ``seq_step`` units a step (``None``: this run's step size).

@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import ArgumentError, arg, check_int
 from .csr import select_batches
-from .positions import STATE_VERSION, Point, ResumeWarning, bits_mask, mask_bits
+from .positions import STATE_VERSION, Point, RepeatWarning, ResumeWarning, bits_mask, mask_bits
 from .short_steps import partial_rows
 from .states import StateFields
 
@@ -38,7 +38,7 @@ class Pass:
     """One pass of a sampler over its schedule: an iterator of batches (lists of example indices), made by the sampler's
     ``iter()`` (:mod:`packkit.sampler`).
 
-    It starts at its first ``next()`` (the sampler's ``_start``), so an iterator made and dropped spends nothing.
+    It starts at its first ``next()`` (:func:`start`), so an iterator made and dropped spends nothing.
     ``loader``, ``shard``: weak references to the DataLoader iterator (and accelerate's ``DataLoaderShard`` around it)
     that called ``iter()``, or None; ``yielded``: batches handed out.
     """
@@ -58,13 +58,34 @@ class Pass:
 
     def __next__(self) -> list:
         if self.sched is None:
-            self.sched = self.sampler._start(self)
+            self.sched = start(self.sampler, self)
         sched, i = self.sched, self.yielded
         if i >= sched.rows:
             raise StopIteration
         g = i * sched.world_size + self.sampler.rank
         self.yielded = i + 1  # counted before the consumer sees the batch
         return sched.flat[sched.ptr[g]:sched.ptr[g + 1]].tolist()
+
+
+def start(sampler, p):
+    """``p``'s first batch is asked for (:meth:`Pass.__next__`): it becomes ``sampler``'s pass in progress, from the
+    position it starts at (a resume's moved steps and a short step's repeats said once); its schedule."""
+    sched = sampler.schedule()
+    if sched.moved:
+        warnings.warn(ResumeWarning(f"{type(sampler).__name__} resumed on world_size={sampler.world_size}: "
+                                    f"{sched.moved}; no example is repeated or skipped"), stacklevel=3)
+    sampler._active = (sched, sampler._point, sampler._offset, p)
+    if sched.repeats.any() and not getattr(sampler, "_said_repeats", False):
+        sampler._said_repeats = True
+        warnings.warn(RepeatWarning(
+            f"{type(sampler).__name__} (epoch {sampler._epoch_num}): {int(sched.repeats.sum())} micro-batch(es) of a "
+            f"step with fewer examples than the {sampler.world_size} ranks repeat examples so that every rank runs "
+            "one; they weigh 0 where accumulation_step counts the step with facts=sampler.step_facts() or "
+            "repeats=sampler.step_repeats() (a Trainer with packkit.loss.WeightedLossMixin does), else they count "
+            f"twice (epoch_stats().repeated = {sched.repeated})"),
+            stacklevel=3)
+    sampler._point, sampler._offset, sampler._loaded = Point(), 0, False  # the pass after this one: the whole epoch
+    return sched
 
 
 def _unpickle_pass(sampler, sched, yielded) -> Pass:

@@ -43,8 +43,6 @@ from __future__ import annotations
 import numpy as np
 
 from .length_rules import _INT64_FIX, INT64_MAX, as_lengths, check_loss_lengths  # their home, re-exported
-from .located import ExampleTypeError, ExampleValueError, located, location, not_integral, relocate, value_text
-from .located import _Located, _located_again, where_of  # noqa: F401 - lent (errors pickled before the move name these)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
@@ -69,11 +67,26 @@ __all__ = [
 _ROW_RULES = frozenset({"row_segments", "check_groups", "relocate_part", "example_values", "grid_rows"})
 
 
+#: The errors that name an example and their wording, at home in :mod:`packkit.located` (a file that reads compiles
+#: none of them), lent here under their old address (``_Located``, ``_located_again``: errors pickled before the move).
+_LOCATED = frozenset({"ExampleTypeError", "ExampleValueError", "located", "location", "not_integral", "relocate",
+                      "value_text", "where_of", "_Located", "_located_again"})
+
+
+def _at():
+    """:mod:`packkit.located`, imported where an error about an example is made (or a float checked)."""
+    from . import located  # lazy: the errors that name an example, where one is raised
+    return located
+
+
 def __getattr__(name: str):
-    """The names of :mod:`packkit.row_rules`, lent under their old address, imported where first asked for."""
+    """The names of :mod:`packkit.row_rules` and :mod:`packkit.located`, lent under their old address, imported where
+    first asked for."""
     if name in _ROW_RULES:
         from . import row_rules  # lazy: packed rows, groups, values and grids, off a reader of token ids
         return getattr(row_rules, name)
+    if name in _LOCATED:
+        return getattr(_at(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -100,70 +113,82 @@ _NESTED_FIX = "pass one flat list per example (squeeze a [1, n] tokenizer output
 # ----------------------------------------------------------------------------------------------
 
 
+def _value_error(i, rows, text: str, **facts):
+    """:class:`~packkit.located.ExampleValueError` about example ``i`` (:func:`~packkit.located.located`)."""
+    at = _at()
+    return at.located(at.ExampleValueError, i, rows, text, **facts)
+
+
+def _type_error(i, rows, text: str, **facts):
+    """:class:`~packkit.located.ExampleTypeError` about example ``i`` (:func:`~packkit.located.located`)."""
+    at = _at()
+    return at.located(at.ExampleTypeError, i, rows, text, **facts)
+
+
 def not_integer(i, rows, key: str, kind: str, v):
     """``has 1.5 (float) in 'input_ids'; token ids are ...``: the value, its column and rule kept as fields."""
-    return located(ExampleTypeError, i, rows, f"has {value_text(v)} in {key!r}; {RULES[kind]}", value=v, key=key,
+    return _type_error(i, rows, f"has {_at().value_text(v)} in {key!r}; {RULES[kind]}", value=v, key=key,
                    kind=kind)
 
 
 def nested(i, rows, key: str, detail: str):
-    return located(ExampleTypeError, i, rows, f"has a nested list in {key!r} ({detail}); {_NESTED_FIX}")
+    return _type_error(i, rows, f"has a nested list in {key!r} ({detail}); {_NESTED_FIX}")
 
 
 def beyond_int64(i, rows, key: str, kind: str, v):
     """A value packkit cannot keep: token ids and labels are written as int64 (2**64 - 1 would read back
     as -1), and a JSON integer past int64 arrives as a float; never cast silently."""
-    return located(ExampleValueError, i, rows, f"has {value_text(v)} in {key!r}, beyond int64 ({_INT64_FIX}); "
+    return _value_error(i, rows, f"has {_at().value_text(v)} in {key!r}, beyond int64 ({_INT64_FIX}); "
                    f"{RULES[kind]}")
 
 
 def _negative(i, rows, key: str, v):
-    return located(ExampleValueError, i, rows, f"has token id {v} in {key!r}; {RULES['ids']}")
+    return _value_error(i, rows, f"has token id {v} in {key!r}; {RULES['ids']}")
 
 
 def _bad_label(i, rows, key: str, v):
-    return located(ExampleValueError, i, rows, f"has label {v} in {key!r}; {RULES['labels']}")
+    return _value_error(i, rows, f"has label {v} in {key!r}; {RULES['labels']}")
 
 
 def _bad_mask(i, rows, key: str, v):
-    return located(ExampleValueError, i, rows, f"has {v} in the loss mask {key!r}; {RULES['mask']}")
+    return _value_error(i, rows, f"has {v} in the loss mask {key!r}; {RULES['mask']}")
 
 
 def empty_example(i, rows, key: str = "input_ids"):
-    return located(ExampleValueError, i, rows, f"is empty (0 tokens in {key!r}); filter empty examples out first")
+    return _value_error(i, rows, f"is empty (0 tokens in {key!r}); filter empty examples out first")
 
 
 def length_mismatch(i, rows, key: str, got: int, ref_key: str, want: int):
-    return located(ExampleValueError, i, rows,
-                  f"has {got} {key!r} for {want} {ref_key!r}; they must match token for token")
+    return _value_error(i, rows,
+                        f"has {got} {key!r} for {want} {ref_key!r}; they must match token for token")
 
 
 def null_tokens(i, rows, key: str):
-    return located(ExampleValueError, i, rows, f"has no {key!r} (null); drop the example or fill it")
+    return _value_error(i, rows, f"has no {key!r} (null); drop the example or fill it")
 
 
 def null_inside(i, rows, key: str):
-    return located(ExampleValueError, i, rows, f"has a null inside {key!r}; every token needs a value")
+    return _value_error(i, rows, f"has a null inside {key!r}; every token needs a value")
 
 
 def no_labels(i, rows):
-    return located(ExampleValueError, i, rows,
-                  "has no 'labels'; mask_first_label=False means labels are pre-shifted and every example "
-                  "needs them (labels[i] = the target of token i, -100 at each example's end)")
+    return _value_error(i, rows,
+                        "has no 'labels'; mask_first_label=False means labels are pre-shifted and every example "
+                        "needs them (labels[i] = the target of token i, -100 at each example's end)")
 
 
 def no_mask(i, rows):
-    return located(ExampleValueError, i, rows,
-                  f"has no loss mask ({' or '.join(repr(k) for k in MASK_KEYS)}) and loss_mask='required': "
-                  "transformers.Trainer drops the columns its model's forward does not name, so pass "
-                  "TrainingArguments(remove_unused_columns=False) or train_dataset=packkit.columnar."
-                  "ColumnarDataset(ds); if this example has no prompt to mask, collate with loss_mask='auto'")
+    return _value_error(i, rows,
+                        f"has no loss mask ({' or '.join(repr(k) for k in MASK_KEYS)}) and loss_mask='required': "
+                        "transformers.Trainer drops the columns its model's forward does not name, so pass "
+                        "TrainingArguments(remove_unused_columns=False) or train_dataset=packkit.columnar."
+                        "ColumnarDataset(ds); if this example has no prompt to mask, collate with loss_mask='auto'")
 
 
 def mask_not_expected(i, rows, key):
-    return located(ExampleValueError, i, rows,
-                  f"has a loss mask {key!r} and loss_mask='none' (every token a target); collate with "
-                  "loss_mask='auto' to honour it")
+    return _value_error(i, rows,
+                        f"has a loss mask {key!r} and loss_mask='none' (every token a target); collate with "
+                        "loss_mask='auto' to honour it")
 
 
 class LossMaskWarning(UserWarning):
@@ -299,7 +324,7 @@ def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, row
         return
     found = None
     if k == "f":  # the first value that is not an integer (NaN included), as the Python reader reports it
-        found = _first_with(not_integral(values) | (np.abs(values) >= 2.0 ** 63), starts, lengths)
+        found = _first_with(_at().not_integral(values) | (np.abs(values) >= 2.0 ** 63), starts, lengths)
         if found is not None and np.isfinite(values[found[1]]) and abs(values[found[1]]) >= 2.0 ** 63:
             raise beyond_int64(found[0], rows, key, kind, values[found[1]])
     if found is None and not culprit_only:

@@ -96,7 +96,7 @@ from .choices import BALANCE
 from .errors import ArgumentError, arg, check_choice, check_int, with_keywords
 from .records import record
 from .length_rules import check_loss_lengths
-from .positions import STATE_VERSION, ResumeWarning  # noqa: F401 - STATE_VERSION re-exported
+from .positions import STATE_VERSION, RepeatWarning, ResumeWarning  # noqa: F401 - their home, re-exported
 from .positions import Point as _Point
 from .segments import lengths_to_offsets
 from .csr import arrange_steps, batch_sums, select_batches
@@ -323,14 +323,6 @@ def _lengths(lengths, dataset, key: str) -> np.ndarray:
             "pass one length per example, in dataset order"
         )
     return lengths
-
-
-class RepeatWarning(UserWarning):
-    """A step with fewer examples than ranks deals the ranks left without one a repeat (DDP needs every rank to run a
-    micro-batch): said once a sampler, in one line. The repeats weigh 0 where the loop counts the step with
-    ``accumulation_step(..., facts=sampler.step_facts())`` or ``repeats=sampler.step_repeats()`` (a ``Trainer``
-    with :class:`packkit.loss.WeightedLossMixin` does, the token mean included); otherwise they count twice. Silence it with ``warnings.filterwarnings("ignore", category=RepeatWarning)``.
-    """
 
 
 # ----------------------------------------------------------------------------------------------
@@ -868,25 +860,6 @@ class _BatchSampler:
         self._active = None
         resume = _resume()
         return resume.Pass(self, resume.asking_loader())
-
-    def _start(self, p) -> Schedule:
-        """``p``'s first batch is asked for: it becomes the pass in progress, from the position it starts at."""
-        sched = self.schedule()
-        if sched.moved:
-            warnings.warn(ResumeWarning(f"{type(self).__name__} resumed on world_size={self.world_size}: "
-                                        f"{sched.moved}; no example is repeated or skipped"), stacklevel=3)
-        self._active = (sched, self._point, self._offset, p)
-        if sched.repeats.any() and not getattr(self, "_said_repeats", False):
-            self._said_repeats = True
-            warnings.warn(RepeatWarning(
-                f"{type(self).__name__} (epoch {self._epoch_num}): {int(sched.repeats.sum())} micro-batch(es) of a step "
-                f"with fewer examples than the {self.world_size} ranks repeat examples so that every rank runs one; they "
-                "weigh 0 where accumulation_step counts the step with facts=sampler.step_facts() or "
-                "repeats=sampler.step_repeats() (a Trainer with packkit.loss.WeightedLossMixin does), else they count "
-                f"twice (epoch_stats().repeated = {sched.repeated})"),
-                stacklevel=3)
-        self._point, self._offset, self._loaded = _Point(), 0, False  # the pass after this one: the whole epoch
-        return sched
 
     def _fingerprint(self) -> str:
         """A hash of the sampler's class, options and lengths (fixed at build, so computed once)."""

@@ -220,6 +220,7 @@ UNCOMPILED = {
     "tail_units": "the token-budget sampler's tail (the sampler, with its epoch), for plan's packed windows",
     "stream_windows": "best fit inside a bounded buffer (binpack, 5 KB with its buffer), for plan's whole dataset",
     "check_buffer_size": "the stream planner's buffer checked (binpack), for no stream",
+    "start": "a pass's first batch asked for: the pass in progress, its warnings (1.2 KB of the sampler), for no pass",
 }
 
 
@@ -417,6 +418,30 @@ def test_plan_and_waste_of_token_ids_import_no_tokenizers(tmp_path):
         assert getattr(datafiles, name) is getattr(tokenizer, name), name
 
 
+#: What ``packkit plan FILE`` and ``waste FILE`` of token ids (no float, no long line, nothing refused) imported at
+#: start and never ran, found by callgrind against fd3b24d (round 8): ``{module: why it must stay out}``.
+FILE_LAZY = {
+    "packkit.located": "the errors that name an example (4.1 M instructions to compile), for a file that reads",
+    "packkit.jsonblame": "the line to blame where pyarrow refuses JSON lines (6 KB), for a file that reads",
+    "packkit.longline": "one line of 8 MiB or more parsed on many threads, for short lines",
+    "packkit.tokenizing": "text and conversations given their token column, for token ids",
+    "packkit.allocators": "the memory a tokenized chunk freed handed back (1.5 M), for nothing tokenized",
+}
+
+
+def test_plan_and_waste_of_token_ids_import_none_of_the_error_paths(tmp_path):
+    """Regression (round 8): ``packkit plan FILE`` and ``waste FILE`` of token ids imported :mod:`packkit.located`
+    through :mod:`packkit.rules` (and the door in) for the errors about an example they never raise,
+    :mod:`packkit.allocators` with the door in for chunks tokenized, and the error and long-line paths of
+    :mod:`packkit.jsonlines` and the door in's tokenizing with their modules. Each is imported where it is taken; the
+    names are lent at their old address (``packkit.rules.ExampleValueError``)."""
+    out = _plan_and_waste_of_a_file(tmp_path, f"print(json.dumps([codes, [m for m in {sorted(FILE_LAZY)!r} "
+                                              "if m in sys.modules]]))")
+    codes, loaded = json.loads(out.stdout.splitlines()[-1])
+    assert codes == [0, 0], out.stdout + out.stderr
+    assert not loaded, "; ".join(f"packkit plan/waste FILE imported {m}: {FILE_LAZY[m]}" for m in loaded)
+
+
 #: What ``packkit plan FILE`` and ``waste FILE`` of token ids compiled from source at start and never ran, found as
 #: :data:`UNCOMPILED` (``{function: why it must stay out}``).
 FILE_UNCOMPILED = {
@@ -435,7 +460,8 @@ FILE_UNCOMPILED = {
     "text_byte_lengths": "a text file's lines counted in bytes (packkit.readers), for a JSON lines file",
     "locate_error": "the line to blame where pyarrow refuses JSON lines (packkit.jsonlines' error path, 6 KB with the "
                     "next two), for a file that reads",
-    "json_kind": "the JSON kind of a value, to name one that changes from line to line (packkit.jsonlines), for no error",
+    "json_kind": "the JSON kind of a value, to name one that changes from line to line (packkit.jsonlines), for no "
+                 "error",
     "first_float": "the row of a float token, blamed on its line (packkit.jsonlines), for no float",
     "one_long_line": "one line of 8 MiB or more parsed on many threads (packkit.jsonlines, 2.5 KB), for short lines",
     "Tokenizing": "how rows get their token column, text or conversations (packkit.datafiles, 4 KB), for token ids",
@@ -468,7 +494,8 @@ def test_plan_and_waste_of_a_file_compile_no_code_they_never_run(tmp_path, funct
 
 def test_the_moved_names_are_lent_under_their_old_address():
     """What left :mod:`packkit.sampler`, :mod:`packkit.binpack`, :mod:`packkit.fileio`, :mod:`packkit.rules`,
-    :mod:`packkit.datafiles` and :mod:`packkit.jsonlines` for rooms of their own is the same object at its old address."""
+    :mod:`packkit.datafiles` and :mod:`packkit.jsonlines` for rooms of their own is the same object at its old
+    address."""
     from packkit import atomic, binpack, fileio, length_rules, sampler, short_steps, streamplan
 
     for name in ("halve_pieces", "split_pieces"):
@@ -499,6 +526,8 @@ def test_the_moved_names_are_lent_under_their_old_address():
     from packkit import tokenizing
 
     assert datafiles.Tokenizing is tokenizing.Tokenizing
+    for name in rules._LOCATED:
+        assert getattr(rules, name) is getattr(located, name), name
     for name in jsonlines._BLAME:
         assert getattr(jsonlines, name) is getattr(jsonblame, name), name
     with pytest.raises(AttributeError):

@@ -359,14 +359,14 @@ def test_pack_hands_back_what_each_chunk_freed(tok_dir, tmp_path, monkeypatch, c
     import packkit.readers as readers
 
     events = []
-    real_release, real_text = datafiles.release_freed, datafiles.text_tables
+    real_release, real_text = allocators.release_freed, datafiles.text_tables
 
     def text_tables(path, **kw):
         for table in real_text(path, **kw):
             events.append("read")
             yield table
 
-    monkeypatch.setattr(datafiles, "release_freed", lambda: events.append("release") or real_release())
+    monkeypatch.setattr(allocators, "release_freed", lambda: events.append("release") or real_release())  # where asked
     monkeypatch.setattr(readers, "text_tables", text_tables)  # the door in reads it from its home, where first asked
     monkeypatch.setattr(datafiles, "TEXT_BLOCK_CHARS", 8 << 10)
     src = tmp_path / "in.txt"
