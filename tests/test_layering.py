@@ -34,7 +34,7 @@ FLOORS = [
     ["collate", "sources", "model_inputs", "streaming"],
     ["offline"],
     ["raydata", "planned"],
-    ["cli", "cli._exits", "cli._options", "cli._failures", "cli._chat", "cli._weighting", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
+    ["cli", "cli._exits", "cli._options", "cli._failures", "cli._chat", "cli.pack", "cli.plan", "cli.waste", "cli.tokenize", "cli.__main__", "__main__"],
 ]
 
 #: Modules whose import (and that of every packkit module they import at module level) pulls none of
