@@ -263,7 +263,7 @@ FRONT_LINES = 4400
 #: The line budget counts the front with the rooms that left it (:data:`BEHIND_THE_FRONT`) against 4,400 lines.
 #: Not reached: 5,407 at 68e14a9. This ratchet holds the count reached, so that it cannot grow back: lower it when
 #: a cut lands; never raise it to make room.
-FRONT_AND_BEHIND_LINES = 5433
+FRONT_AND_BEHIND_LINES = 5424
 
 #: Rooms that left the front and still reach it (a lazy import), so not :data:`BEHIND_THE_FRONT`: counted with it.
 LEFT_THE_FRONT = ["tokenizing"]
