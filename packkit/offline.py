@@ -63,7 +63,7 @@ PROGRESS_BYTES = 1 << 28
 
 
 def check_planning(window, strategy, overflow, seed, num_proc=None) -> int:
-    """The plan's knobs checked, before anything is read: the window, checked."""
+    """The plan's knobs checked before anything is read (pack_dataset, plan_source, packkit pack): ``window``."""
     window = check_window(window)
     check_strategy(strategy)
     check_overflow(overflow)
