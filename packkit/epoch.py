@@ -21,8 +21,8 @@ from .records import record
 from .length_rules import check_loss_lengths
 from .segments import lengths_to_offsets, piece_loss_tokens
 
-__all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "none_left", "packed_units", "padded_units", "read_lengths_object",
-           "windows_plan"]
+__all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "none_left", "packed_units", "padded_units",
+           "read_lengths_object", "windows_plan"]
 
 
 @record

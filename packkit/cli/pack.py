@@ -116,9 +116,9 @@ def _run(args, options) -> int:
                      "packkit.offline.pack_dataset(ds, window=..., output=OUT.parquet)")
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
-        # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
         if packed.plan.num_windows == 0:  # every example longer than the window, and dropped
             raise _none_left(args, src)
+        # -- the rows, a record batch at a time, written beside OUT and renamed when complete --
         max_tokens = packed.chunk_tokens(buffer_bytes, encoding=fmt.encoding, in_flight=2)
         if args.drop_loss_free:
             packed.drop_loss_free(max_tokens, where=f" of {str(src)!r}")
