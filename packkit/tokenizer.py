@@ -20,6 +20,7 @@ import numpy as np
 from .allocators import glibc, release_freed
 from .arrow import byte_tokenize, list_array, pyarrow
 from .errors import ArgumentError, DataError, Where, arg
+from .pretokens import in_pieces, per_text
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -266,10 +267,8 @@ def tokenizer_name(tokenizer) -> str:
     return os.path.basename(str(name).rstrip("/")) or str(name)
 
 
-#: Characters of text a tokenizer is given in one call of :func:`tokenize` (a longer text alone): the call's working set
-#: (its ``Encoding`` objects and pre-tokenized pieces, freed when the call's ids are taken) is what peaks. Measured
-#: with Qwen3's tokenizer on ShareGPT text: 2.0 MiB at 64 Ki characters (33 bytes a character, 38x its tokens as
-#: int32), 8 MiB at 256 Ki, 27 MiB at 1 Mi, 77 MiB at 4 Mi, and the same CPU time from 64 Ki to 4 Mi a call.
+#: Characters of text a tokenizer is given in one call of :func:`tokenize`, whose working set (``Encoding``\s) peaks:
+#: Qwen3's, ShareGPT text, 2.0 MiB at 64 Ki characters (38x its tokens), 8 at 256 Ki, 77 at 4 Mi; the same CPU time.
 TOKENIZE_CALL_CHARS = 1 << 16
 
 
@@ -290,9 +289,9 @@ def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_c
     """Token ids of ``texts`` (a pyarrow string array, or a list of str) as a pyarrow ``ListArray`` of int32 (a
     ``LargeListArray`` past 2**31 - 1 tokens, :func:`list_array`). ``tokenizer``: ``"bytes"`` (byte level), a local
     ``tokenizer.json`` (or its folder), a model id (:func:`load_tokenizer`: no remote code unless
-    ``trust_remote_code``), or a loaded ``tokenizers.Tokenizer``. It is given at most :data:`TOKENIZE_CALL_CHARS`
-    characters a call (a longer text alone), so its working set is bounded whatever the number of texts; memory
-    holds the texts, their ids and one call's."""
+    ``trust_remote_code``), or a loaded ``tokenizers.Tokenizer``, at most :data:`TOKENIZE_CALL_CHARS` characters a call
+    (a longer text cut where its ids stay, :func:`packkit.pretokens.in_pieces`, else alone): memory holds the texts,
+    their ids and one call's working set, whatever the texts."""
     pa = pyarrow()
     tok = rust_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     if tok is None:
@@ -308,15 +307,16 @@ def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_c
         sizes = np.fromiter(map(len, texts), np.int64, len(texts))
         take = lambda lo, hi: texts[lo: hi]  # noqa: E731
     lengths, ids = [], []
-    # only the ids are kept: the fast call computes no offsets (measured on 7M tokens of prose with a BPE of
-    # 8,192: 12.9 s CPU against 14.1 s)
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: 7M tokens in 12.9 s CPU, not 14.1
     with progress_bar(total=len(sizes), unit="ex", enabled=progress, desc="tokenize") as bar:
         for lo, hi in text_calls(sizes, TOKENIZE_CALL_CHARS):
-            per = [e.ids for e in encode(take(lo, hi))]  # the call's Encodings go here, its working set with them
-            n = np.fromiter(map(len, per), np.int64, len(per))
-            ids.append(np.fromiter(itertools.chain.from_iterable(per), np.int32, int(n.sum())))
-            lengths.append(n)
+            batch, counts = in_pieces(tok, take(lo, hi), sizes[lo:hi].max())  # long texts cut, where ids stay
+            n = []
+            for a, b in text_calls(list(map(len, batch)), TOKENIZE_CALL_CHARS):  # the pieces in calls as the texts
+                per = [e.ids for e in encode(batch[a:b])]  # the call's Encodings go here, its working set with them
+                n.append(np.fromiter(map(len, per), np.int64, len(per)))
+                ids.append(np.fromiter(itertools.chain.from_iterable(per), np.int32, int(n[-1].sum())))
+            lengths.append(per_text(np.concatenate(n), counts))
             bar.update(hi - lo)
     offsets = lengths_to_offsets(np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
     return list_array(offsets, np.concatenate(ids) if ids else np.zeros(0, np.int32))
