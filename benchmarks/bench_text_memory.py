@@ -189,11 +189,12 @@ def main() -> int:
             if not args.dir:
                 os.remove(src)
     print(f"\npackkit pack of ShareGPT text with {tok}, W=8192; peak RssAnon over the warm command, each round")
-    print(f"{'provider':<22}{'text MB':>9}{'tokens MiB':>12}  {'peak MiB':<18}{'x tokens':<16}{'cpu s':<16}  load")
-    for row in rows:
+    print(f"{'provider':<22}{'text MB':>9}{'tokens MiB':>12}  {'peak MiB':<22}{'x tokens':<20}{'cpu s':<20}  load")
+    for row in rows:  # a column as wide as three rounds' figures, a space after each
         print(f"{row['provider']:<22}{row['text_mb']:>9.1f}{row['token_mib']:>12.1f}  "
-              f"{', '.join(f'{v:.1f}' for v in row['peak_mib']):<18}{', '.join(f'{v:.2f}' for v in row['x_tokens']):<16}"
-              f"{', '.join(f'{v:.1f}' for v in row['cpu_s']):<16}  {', '.join(f'{v:.1f}' for v in row['load'])}")
+              f"{', '.join(f'{v:.1f}' for v in row['peak_mib']):<21} "
+              f"{', '.join(f'{v:.2f}' for v in row['x_tokens']):<19} "
+              f"{', '.join(f'{v:.1f}' for v in row['cpu_s']):<19}   {', '.join(f'{v:.1f}' for v in row['load'])}")
     for size in sorted({r["text_mb"] for r in rows}):  # CPU of this tree over the base's, round by round
         pair = [r["cpu_s"] for r in rows if r["text_mb"] == size]
         if len(pair) == 2:
