@@ -460,6 +460,9 @@ def apply_overflow(lengths, *, window: int, overflow: str, in_order: bool = Fals
     # split: example i becomes ceil(L / W) pieces, all of W tokens but the last: every first piece, then the later
     # pieces of the few examples past W (no pass over every example per piece)
     check_split_size(lengths, window, first=first)
+    if in_order and lengths.size == 1:  # one example (pack_stream splits each so): its pieces, no layout of many
+        start = np.arange(0, int(lengths[0]), window, dtype=np.int64)
+        return Pieces(zeros[:1].repeat(start.size), start, np.minimum(lengths[0] - start, window), over, empty, 0)
     extra = -(-lengths[over] // window) - 1  # later pieces of each example past W
     k = lengths_to_position_ids(extra) + 1  # their number in their example
     of = np.repeat(over, extra)

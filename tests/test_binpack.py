@@ -431,6 +431,7 @@ def test_as_lengths_returns_int64():
 @example([], 1, "split", True)  # no examples
 @example([40, 1], 1, "split", False)  # window 1: forty one-token pieces, then the next example
 @example([12, 12], 12, "drop", True)  # exactly the window: kept
+@example([40], 3, "split", True)  # one example split in order (pack_stream's every split): its own short path
 def test_apply_overflow_matches_reference(lengths, window, overflow, in_order):
     """Both layouts hold the reference's items; in_order lists them as the reference does; the
     planners' layout lists every example's first piece at its index, the later pieces after."""
