@@ -85,7 +85,7 @@ def _segments_and_offsets(cu_seqlens) -> tuple[np.ndarray, np.ndarray | None]:
     ``[0, 2, 2, 5] -> ([2, 3], None)``; ``[0, 2, 5] -> ([2, 3], [0, 2, 5])``."""
     cu = np.asarray(cu_seqlens, np.int64)
     lengths = cu[1:] - cu[:-1]  # np.diff's, without its Python wrapper
-    least = lengths.min() if lengths.size else 1
+    least = np.minimum.reduce(lengths) if lengths.size else 1  # (the ufunc: ndarray.min's Python wrapper costs as much)
     if least < 0:
         raise ArgumentError("cu_seqlens must be non-decreasing, got {cu}", cu=list(np.asarray(cu_seqlens)))
     if least == 0:  # static-shape zero-length segments hold no token
@@ -93,12 +93,13 @@ def _segments_and_offsets(cu_seqlens) -> tuple[np.ndarray, np.ndarray | None]:
     return lengths, (cu if cu[0] == 0 else None)
 
 
-def _plan_of(cu: torch.Tensor, ids: torch.Tensor, cp: int, layout: str) -> CPPlan:
+def _plan_of(cu: torch.Tensor, ids: torch.Tensor, cp: int, layout: str, rank: int | None = None) -> CPPlan:
     """The plan of a batch from its ``cu_seqlens`` (read on the host once, checked against ``input_ids``), keeping
-    the segments' flat starts as ``cu_seqlens`` has them (no cumsum of the lengths back: a pass over the segments)."""
+    the segments' flat starts as ``cu_seqlens`` has them (no cumsum of the lengths back: a pass over the segments);
+    made for ``rank``'s tokens where given (the hybrid deals that rank's pieces alone: ``cp_plan._plan``)."""
     lengths, offsets = _segments_and_offsets(cu.numpy() if cu.device.type == "cpu" else cu.cpu().numpy())
     _check_tokens(int(offsets[-1]) if offsets is not None else int(lengths.sum()), ids)
-    plan = _plan(lengths, cp, layout, None if offsets is None else int(offsets[-1]))  # the lengths checked once, here
+    plan = _plan(lengths, cp, layout, None if offsets is None else int(offsets[-1]), rank)  # the lengths checked once
     if offsets is not None:
         plan._keep_flat_starts(offsets)
     return plan
@@ -360,7 +361,7 @@ def _take(x: torch.Tensor, index: torch.Tensor, shape: tuple, fill) -> torch.Ten
 
 def _batch_fields(batch) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
     """``(input_ids [B, W], labels (any shape), labels_shifted, cu_seqlens)`` of a PackedBatch or its dict view."""
-    mapping = isinstance(batch, Mapping)  # (an ABC check: once)
+    mapping = isinstance(batch, dict) or isinstance(batch, Mapping)  # (a PackedBatch is a dict: no ABC check)
     if not mapping and not hasattr(batch, "input_ids"):
         raise TypeError(f"shard takes a PackedBatch (or its dict view), got {type(batch).__name__}")
     get = batch.get if mapping else lambda k, d=None: getattr(batch, k, d)
@@ -456,13 +457,15 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
     >>> s.index.tolist(), s.position_ids.tolist()   # rows of the packed row; per-document positions
     ([0, 3, 4, 7], [[0, 3, 0, 3]])
     """
-    layout = _check_layout(renamed_keyword("shard", renamed, "layout", "cp_layout", cp_layout, "hybrid"))
+    layout = _check_layout(renamed_keyword("shard", renamed, "layout", "cp_layout", cp_layout, "hybrid") if renamed
+                           else cp_layout)
     cp = check_cp_size(cp_size)
-    rank = check_int(rank, "rank", low=0, high=cp - 1)
+    if not (type(rank) is int and 0 <= rank < cp):  # (a Python int in range passes without a call)
+        rank = check_int(rank, "rank", low=0, high=cp - 1)
     ids, labels, shifted, cu = _batch_fields(batch)
     noted = _noted_plan(cu, cp, layout)  # the collator's (plan_batch): nothing to read or plan
     if plan is None and noted is None:
-        plan = _plan_of(cu, ids, cp, layout)
+        plan = _plan_of(cu, ids, cp, layout, rank)
     elif plan is None or plan is noted:
         plan = noted
         _check_tokens(plan.num_tokens, ids)
@@ -471,9 +474,9 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
         raise ValueError("the plan passed to shard was made for another batch, cp_size or cp_layout")
     labels = labels if labels.shape == ids.shape else labels.reshape(ids.shape)
     total = ids.numel()
-    index, take, seg, pos, pad, ends = _rank_tokens(plan, int(rank), ids.shape[-1], total)
+    index, take, seg, pos, pad, ends = _rank_tokens(plan, rank, ids.shape[-1], total)
     dev = ids.device
-    on = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
+    on = torch.from_numpy if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
     pad, take_t = on(pad), on(take)
     if shifted:
         where, ends = take_t, None
@@ -488,15 +491,16 @@ def shard(batch, *, cp_size: int, rank: int, cp_layout: str = "hybrid", pad_id: 
     tokens, examples = _batch_counts(batch, labels, cu)
     n_loss = count_loss_tokens(labels, shifted=shifted)  # the batch's: counted once
     # what accumulation_step reads of a shard (or of its hf_kwargs' shift_labels): the batch's counts, once per group
-    _note(local_targets)[_CP_NOTE] = (int(rank), cp, n_loss, tokens, examples)
+    _note(local_targets)[_CP_NOTE] = (rank, cp, n_loss, tokens, examples)
     return CPShard(
         input_ids=_gather(ids, take_t, pad, None, pad_id)[None],
         shift_labels=local_targets,
-        position_ids=on(pos)[None],
-        seq_idx=on(seg)[None],
+        position_ids=on(pos[None]),  # (numpy's view: torch's [None] costs a few us)
+        seq_idx=on(seg[None]),
         index=on(index), num_loss_tokens=n_loss,
         num_local_loss_tokens=_count_targets(local_targets),
-        max_seqlen=int(plan.lengths.max(initial=0)), plan=plan, rank=int(rank), batch_shape=tuple(ids.shape),
+        max_seqlen=int(np.maximum.reduce(plan.lengths)) if plan.lengths.size else 0, plan=plan, rank=rank,
+        batch_shape=tuple(ids.shape),
         num_tokens=tokens, num_examples=examples)
 
 
@@ -575,8 +579,8 @@ def _row_ends(first, real, out, width: int, total: int) -> np.ndarray:
 
 def _count_targets(targets: torch.Tensor) -> int:
     """Targets that are not ``IGNORE_INDEX`` (on the host: one pass, no tensor op per call)."""
-    if targets.device.type == "cpu":
-        return int(np.count_nonzero(targets.numpy() != IGNORE_INDEX))
+    if targets.device.type == "cpu":  # (the ufunc: np.count_nonzero's Python wrapper costs as much)
+        return int(np.add.reduce(targets.numpy() != IGNORE_INDEX, axis=None))
     return int(torch.count_nonzero(targets != IGNORE_INDEX))
 
 

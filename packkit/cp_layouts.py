@@ -17,10 +17,12 @@ __all__ = ["check_cp_size", "cp_multiples", "check_cp_window"]
 
 def check_cp_size(cp_size) -> int:
     """``cp_size``: a Python int >= 1 (1 means no context parallelism)."""
-    return check_int(cp_size, "cp_size")
+    return cp_size if type(cp_size) is int and cp_size >= 1 else check_int(cp_size, "cp_size")  # (ints pass at once)
 
 
 def _check_layout(cp_layout: str) -> str:
+    if type(cp_layout) is str and cp_layout in CP_LAYOUTS:  # (the names pass without a call)
+        return cp_layout
     return check_choice(cp_layout, "cp_layout", CP_LAYOUTS, what="CP layout")
 
 

@@ -91,7 +91,8 @@ class CPPlan:
             ``G``: rank ``piece_rank[i]`` holds positions ``piece_offset[i] : + piece_len[i]`` of segment
             ``piece_seg[i]``. Built on first use: one rank's tokens (:meth:`local`) need only that rank's
             pieces (zigzag and contiguous ones follow from ``padded``; the hybrid's are dealt in
-            :func:`plan_cp` and kept as dealt, ``dealt``, sorted when every rank's are asked for).
+            :func:`plan_cp` and kept as dealt, ``dealt``, sorted when every rank's are asked for; a plan
+            :func:`packkit.cp.shard` makes for one rank deals that rank's alone, every rank's when asked for).
     """
 
     layout: str
@@ -100,9 +101,17 @@ class CPPlan:
     padded: np.ndarray
     num_segments: int
     local_len: int
-    #: the hybrid's pieces ``(rank, seg, offset, len)`` as dealt (rows of one (4, P) array), none empty (None for the
-    #: other layouts)
-    dealt: tuple | None = dataclasses.field(default=None, repr=False)
+    #: the hybrid's pieces as dealt (:attr:`dealt`), None until dealt (a plan made for one rank) and for the other layouts
+    _dealt: tuple | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def dealt(self) -> tuple | None:
+        """The hybrid's pieces ``(rank, seg, offset, len)`` as dealt (rows of one (4, P) array), none empty; None for
+        the other layouts. A plan made for one rank (:func:`packkit.cp.shard`) deals every rank's on first use."""
+        if self._dealt is None and self.layout == "hybrid":
+            n = self.num_segments
+            object.__setattr__(self, "_dealt", _hybrid_pieces(self.lengths[:n], self.cp_size)[2])  # a cache, as _table
+        return self._dealt
 
     # -- pieces --
 
@@ -110,7 +119,7 @@ class CPPlan:
         """Every rank's pieces in plan order (built once, kept)."""
         table = self.__dict__.get("_table")
         if table is None:
-            if self.dealt is None:
+            if self.layout != "hybrid":
                 table = _layout_pieces(self.layout, self.padded, self.cp_size)
             else:
                 table = _plan_order(self.dealt, self.padded)
@@ -128,7 +137,10 @@ class CPPlan:
         if "_table" in self.__dict__:
             p = self.rank_pieces(rank)
             return self.piece_seg[p], self.piece_offset[p], self.piece_len[p]
-        if self.dealt is not None:
+        own = self.__dict__.get("_own")
+        if own is not None and own[0] == rank:  # the one rank the plan was made for (_plan's rank)
+            return own[1]
+        if self.layout == "hybrid":
             return _plan_order(self.dealt, self.padded, rank)[1:]
         if self.layout == "zigzag":
             chunk = self._zigzag_columns()[2]
@@ -178,7 +190,7 @@ class CPPlan:
             return source, seg, pos, pad
         real = np.minimum(np.maximum(self.lengths - head, 0), chunk) + np.minimum(np.maximum(self.lengths - tail, 0),
                                                                                    chunk)
-        has = np.flatnonzero(real < chunk * 2)
+        has = (real < chunk * 2).nonzero()[0]  # (not np.flatnonzero: its wrappers)
         if not has.size:
             return source, seg, pos, has
         pad = range_index(out[has] + real[has], chunk[has] * 2 - real[has])
@@ -440,6 +452,32 @@ def _halves_pieces(seg, lengths, cp) -> tuple[np.ndarray, ...]:
             sizes.ravel())
 
 
+def _halves_few(seg, lengths, cp) -> tuple[np.ndarray, ...]:
+    """:func:`_halves_pieces` in Python lists, for a few segments (their count times ``cp`` at most ``_FEW_HALVES``):
+    the same four arrays, where the numpy passes (two dozen calls on ``(segments, cp)`` arrays) cost more than the
+    steps. ``_halves_few(np.array([0]), np.array([5]), 2)`` -> ranks ``[0, 1, 1, 0]``, offsets ``[0, 1, 2, 3]``,
+    sizes ``[1, 1, 1, 2]`` (rank 0 holds 3 tokens: the remainder's, in its tail chunk)."""
+    seg = seg.tolist()
+    rank_col = list(range(cp)) + list(range(cp - 1, -1, -1))
+    segs, offs, sizes, dealt = [], [], [], 0
+    for s, n in zip(seg, lengths[seg].tolist()):
+        base, rem = divmod(n, cp)
+        share = [base + ((q - dealt) % cp < rem) for q in range(cp)]  # the ranks from ``dealt`` on take the remainder
+        head = [x // 2 for x in share]
+        size = head + [x - h for x, h in zip(share[::-1], head[::-1])]
+        offs += itertools.accumulate(size[:-1], initial=0)
+        sizes += size
+        segs += [s] * (2 * cp)
+        dealt = (dealt + rem) % cp
+    return (np.array(rank_col * len(seg), np.int64), np.array(segs, np.int64), np.array(offs, np.int64),
+            np.array(sizes, np.int64))
+
+
+#: the most segments times ``cp`` whose zigzag halves :func:`_halves_few` makes in Python (one document up to cp 32;
+#: the 15 long ones of the median chat row at cp 2 and 4)
+_FEW_HALVES = 64
+
+
 def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> int:
     """The least length the hybrid zigzags: a document is long when it holds more than a rank's share
     ``ceil(T / cp)``, or when its causal work alone exceeds ``fraction`` of a rank's mean work and it has at least
@@ -456,14 +494,31 @@ def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> i
     return min(-(-num_tokens // cp) + 1, max(least, 2 * cp))
 
 
-def _hybrid_pieces(lengths, cp, fraction=None, total=None) -> tuple[np.ndarray, ...]:
+class _Parts(list):
+    """The pieces a dealing appends, ``(4, k)`` blocks ``(rank, seg, offset, len)``: every rank's, or where ``rank`` is
+    given that rank's alone (each block's columns of that rank; the snake's grid gives its column, no table of every
+    rank's: :func:`_deal_short`)."""
+
+    def __init__(self, rank: int | None = None):
+        super().__init__()
+        self.rank = rank
+
+    def append(self, block) -> None:
+        super().append(block if self.rank is None else block[:, block[0] == self.rank])
+
+
+def _hybrid_pieces(lengths, cp, fraction=None, total=None, rank=None) -> tuple[np.ndarray, ...]:
     """Long segments zigzag (unpadded chunks); short ones whole, dealt longest first by causal work
     (:func:`_deal_short`: a few numpy passes; a step a document only for a few, ``_FEW``) into the room every rank has
     left of ``ceil(T / cp)`` tokens; those that overflow their rank's room are laid over the room left, the
     roomiest rank first (cut where a rank's room ends), and that room's remainder (under cp tokens) is padding.
 
     A row of short documents only (no long one) makes no zigzag pieces and selects nothing; one with nothing short
-    deals nothing: a few dozen numpy calls in all, whatever the number of documents or of distinct lengths."""
+    deals nothing: a few dozen numpy calls in all, whatever the number of documents or of distinct lengths.
+
+    ``(padded, lengths, pieces)``: the pieces of every rank as dealt, or with ``rank`` that rank's alone (every rank's
+    room is still dealt: it decides the lay-over and the padding segments, so ``padded`` and ``lengths`` are the
+    same), sorted by segment then offset (its order in ``G``)."""
     fraction = HYBRID_WORK_FRACTION if fraction is None else fraction
     num_tokens = int(lengths.sum()) if total is None else total
     local_len = -(-num_tokens // cp)
@@ -471,10 +526,11 @@ def _hybrid_pieces(lengths, cp, fraction=None, total=None) -> tuple[np.ndarray, 
     least = _least_long(num_tokens, (int(lengths @ lengths) + num_tokens) // 2, cp, fraction)
     is_long = lengths >= least
     long = is_long.nonzero()[0] if lengths.size else lengths
-    parts = []
+    parts = _Parts(rank)
     if long.size:
-        z_rank, z_seg, z_off, z_len = z = _halves_pieces(long, lengths, cp)
-        if not z_len.all():  # a rank's chunk of a document under 2 * cp tokens can be empty: none kept
+        z_rank, z_seg, z_off, z_len = z = (_halves_few if long.size * cp <= _FEW_HALVES else _halves_pieces)(
+            long, lengths, cp)
+        if not np.logical_and.reduce(z_len):  # a rank's chunk of a document under 2 * cp tokens can be empty: none kept
             z = tuple(x[z_len > 0] for x in z)
         parts.append(np.array(z))
         room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
@@ -496,7 +552,11 @@ def _hybrid_pieces(lengths, cp, fraction=None, total=None) -> tuple[np.ndarray, 
     else:
         padded = lengths.copy()
     table = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((4, 0), np.int64)
-    return padded, lengths, tuple(table)
+    if rank is None:
+        return padded, lengths, tuple(table)
+    _, seg, off, n = table  # the rank's pieces as dealt (none empty), in G's order: by segment, then offset
+    order = ((seg << 32) + off).argsort()
+    return padded, lengths, (seg[order], off[order], n[order])
 
 
 def _catch_up(n, work, cp: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -566,6 +626,8 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
         n[-2:][grid[-2:] < 0] = 0
     room_c = room if ranks is None else room[ranks]
     fits = n.cumsum(axis=0) <= room_c
+    if getattr(parts, "rank", None) is not None:  # one rank's: its column of the grid, no table of every rank's
+        return _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts)
     table = np.empty((4, *grid.shape), np.int64)  # (rank, seg, offset, len) of every cell (not np.stack: its wrapper)
     table[0] = np.arange(cp) if ranks is None else ranks
     table[1] = grid
@@ -582,6 +644,61 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
     over = grid[~fits & (grid >= 0)]
     over.sort()
     return _lay_over(over, lengths[over], left, parts)
+
+
+def _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts) -> np.ndarray:
+    """:func:`_deal_short`'s grid for one rank (``parts.rank``): the documents of its column that fit its room, then
+    its share of the lay-over of those of every column that do not; the same pieces as the rank's of the table, and
+    every rank's room left. A column's documents fit as a prefix (its counts only grow down the grid)."""
+    rank = parts.rank
+    c = rank if ranks is None else int((ranks == rank).argmax())  # the rank's column
+    col, keep = grid[:, c], fits[:, c]
+    if grid[-1, c] < 0:  # no document in its last cells
+        keep = keep & (col >= 0)
+    block = np.zeros((4, int(keep.sum())), np.int64)
+    block[0] = rank
+    block[1] = col[keep]
+    block[3] = n[:, c][keep]
+    list.append(parts, block)
+    if fits.all():
+        used = n.sum(0)
+        return room - (used if ranks is None else used[ranks.argsort()])
+    left = room_c - (n * fits).sum(0)
+    if ranks is not None:
+        left = left[ranks.argsort()]
+    over = grid[~fits & (grid >= 0)]
+    over.sort()
+    return _lay_over_rank(over, lengths[over], left, parts)
+
+
+def _lay_over_rank(seg, n, left, parts: list) -> np.ndarray:
+    """:func:`_lay_over` for one rank (``parts.rank``): every rank's room left after it, and that rank's pieces alone,
+    in Python lists: its share of the documents laid end to end is one run of that stream, ``[end - room, end)``, the
+    ranks in the lay-over's order (the roomiest first, stable), cut where a document ends (a few pieces; no pass
+    over every cut). ``_lay_over_rank([4, 7], [3, 2], [1, 4], parts)`` with ``parts.rank == 0``: rank 1 takes the
+    stream's tokens 0..4 (document 4, then 1 token of document 7), rank 0 token 4: the piece ``(0, 7, 1, 1)``."""
+    rank, room, n = parts.rank, left.tolist(), n.tolist()
+    by = sorted(range(len(room)), key=[-x for x in room].__getitem__)  # the roomiest first, stable (as argsort's)
+    ends = list(itertools.accumulate([room[r] for r in by]))
+    doc_end = list(itertools.accumulate(n))
+    total = doc_end[-1]
+    i = by.index(rank)
+    lo, hi = ends[i] - room[rank], ends[i] if ends[i] < total else total  # the rank's run of the stream
+    pieces = []
+    d = bisect.bisect_right(doc_end, lo)
+    while lo < hi:  # (conditional expressions, not min and max: a call each)
+        end = doc_end[d] if doc_end[d] < hi else hi
+        pieces.append((d, lo - doc_end[d] + n[d], end - lo))
+        lo, d = end, d + 1
+    block = np.empty((4, len(pieces)), np.int64)
+    block[0] = rank
+    block[1:] = np.array(pieces, np.int64).reshape(-1, 3).T
+    block[1] = seg[block[1]]
+    list.append(parts, block)
+    out = [0] * len(room)
+    for r, e in zip(by, ends):  # every rank's room after it: what its run leaves past the stream's end
+        out[r] = 0 if e <= total else e - total if e - total < room[r] else room[r]
+    return np.array(out, np.int64)
 
 
 #: the most short documents :func:`_deal_few` deals in Python: below it a step a document costs less than the few
@@ -690,7 +807,7 @@ def _deal_listed(lengths, rank, seg, n, room, parts: list) -> np.ndarray:
     parts.append(np.array((rank[fits], seg[fits], seg[fits] * 0, n[fits])))
     left = room - np.bincount(rank[fits], weights=n[fits], minlength=cp).astype(np.int64)
     over = np.sort(seg[~fits])
-    return _lay_over(over, lengths[over], left, parts)
+    return (_lay_over if getattr(parts, "rank", None) is None else _lay_over_rank)(over, lengths[over], left, parts)
 
 
 def _lay_over(seg, n, left, parts: list) -> np.ndarray:
@@ -734,15 +851,16 @@ def plan_cp(lengths, *, cp_size: int, cp_layout: str = "hybrid") -> CPPlan:
     return _plan(lengths, cp, layout)
 
 
-def _plan(lengths: np.ndarray, cp: int, layout: str, total: int | None = None) -> CPPlan:
+def _plan(lengths: np.ndarray, cp: int, layout: str, total: int | None = None, rank: int | None = None) -> CPPlan:
     """:func:`plan_cp` of lengths already checked (``(S,)`` int64, each >= 1), ``cp`` and ``layout`` too; ``total``:
-    their sum, where the caller knows it (a batch's ``cu_seqlens[-1]``)."""
+    their sum, where the caller knows it (a batch's ``cu_seqlens[-1]``). ``rank``: the plan is made for that rank's
+    tokens (:func:`packkit.cp.shard`): the hybrid deals that rank's pieces alone, every rank's when asked for."""
     num_segments = int(lengths.size)
     total = int(lengths.sum()) if total is None else total
     dealt = None
     if layout == "zigzag":
         padded = _round_up(lengths, 2 * cp)
-        local_len = int(padded.sum()) // cp
+        local_len = int(np.add.reduce(padded)) // cp  # (the ufunc: ndarray.sum's Python wrapper costs as much)
     elif layout in ("contiguous", "ulysses"):
         pad = (-total) % cp
         if pad:  # one padding segment at the end of the row (positions from 0, no loss)
@@ -750,8 +868,12 @@ def _plan(lengths: np.ndarray, cp: int, layout: str, total: int | None = None) -
         padded = np.append(lengths[:num_segments], pad) if pad else lengths.copy()
         local_len = (total + pad) // cp
     else:
-        padded, lengths, dealt = _hybrid_pieces(lengths, cp, total=total)
+        padded, lengths, dealt = _hybrid_pieces(lengths, cp, total=total, rank=rank)
         local_len = -(-total // cp)  # every rank's room filled up: real tokens, then padding
+        if rank is not None:  # the rank's pieces (seg, offset, len), sorted: own_pieces(rank)
+            plan = CPPlan(layout, cp, lengths, padded, num_segments, local_len)
+            object.__setattr__(plan, "_own", (rank, dealt))  # a cache, as _table
+            return plan
     return CPPlan(layout, cp, lengths, padded, num_segments, local_len, dealt)
 
 

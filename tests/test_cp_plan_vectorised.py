@@ -223,6 +223,8 @@ def test_zigzag_halves_equal_the_loop(lengths, cp):
     seg = np.flatnonzero(lengths % 3 != 1)
     for got, want in zip(cp_plan._halves_pieces(seg, lengths, cp), ref_halves(seg, lengths, cp)):
         assert got.tolist() == want.tolist()
+    for got, want in zip(cp_plan._halves_few(seg, lengths, cp), ref_halves(seg, lengths, cp)):  # in Python lists
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
 
 
 @given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(cp_plan.LAYOUTS))
@@ -493,3 +495,32 @@ def test_a_few_short_documents_are_dealt_without_numpy_passes(monkeypatch):
     plan_cp(np.full(cp_plan._FEW - 1, 3), cp_size=2, cp_layout="hybrid")  # one over a rank's room: laid over
     with pytest.raises(AssertionError, match="numpy pass"):
         plan_cp(np.full(cp_plan._FEW + 1, 3), cp_size=2, cp_layout="hybrid")
+
+
+def test_one_hybrid_rank_is_dealt_without_every_ranks_table(monkeypatch):
+    """Regression (the hybrid planned vectorised for one rank, RESULTS.md "CP shard, round 8"): a hybrid rank's shard dealt every
+    rank's pieces (the snake's whole table, its cells picked by a mask over ``(4, rows, cp)``, every rank's lay-over),
+    then sorted its own out of them (``_plan_order``): a third of its CPU on a row of 1,472 short documents. It now
+    reads its column of the snake's grid and its run of the lay-over (``_deal_column``, ``_lay_over_rank``): the same
+    shards, and the plan deals every rank's pieces only when asked for (then the same as ``plan_cp``'s)."""
+    from packkit.cp import shard
+
+    for n, seed in ((1472, 0), (2727, 1), (300, 2)):
+        lengths, batch = _short_row_batch(n, seed)
+        for cp in (2, 3, 8, 16):
+            whole = plan_cp(lengths, cp_size=cp, cp_layout="hybrid")
+            want = [shard(batch, cp_size=cp, rank=r, cp_layout="hybrid", plan=whole) for r in range(cp)]
+            with monkeypatch.context() as m:
+                def refuse(*a, **k):
+                    raise AssertionError("every rank's pieces dealt for one rank")
+
+                for name in ("_plan_order", "_lay_over"):
+                    m.setattr(cp_plan, name, refuse)
+                got = [shard(batch, cp_size=cp, rank=r, cp_layout="hybrid") for r in range(cp)]
+                assert all(g.plan._dealt is None for g in got)
+            for g, w in zip(got, want):
+                for name in _SHARD_FIELDS:
+                    assert torch_equal(getattr(g, name), getattr(w, name)), (n, cp, name)
+            assert np.array_equal(got[-1].plan.padded, whole.padded)
+            for a, b in zip(got[-1].plan.dealt, whole.dealt):  # every rank's, dealt when asked for
+                assert np.array_equal(a, b)
