@@ -80,6 +80,21 @@ def timed(fn):
         gc.enable()
 
 
+def trl_prepare(step):
+    """``step()`` (a TRL call), and the C environment given back: ``datasets``' ``map(num_proc=N)`` sets
+    ``TOKENIZERS_PARALLELISM=false`` there and hands Python a copy of ``os.environ`` without it, so every later
+    tokenizer call of the process ran without its Rust pool (from the ``SFTTrainer`` made for num_proc=2 on: that
+    column's packkit, baseline and TRL alike)."""
+    was = os.environ.get("TOKENIZERS_PARALLELISM")
+    try:
+        return step()
+    finally:
+        if was is None:
+            os.unsetenv("TOKENIZERS_PARALLELISM")
+        else:
+            os.putenv("TOKENIZERS_PARALLELISM", was)
+
+
 def labels_of(ids, masks):
     return [[t if m else -100 for t, m in zip(i, k)] for i, k in zip(ids, masks)]
 
@@ -109,8 +124,7 @@ def main() -> None:
     old_copies = getattr(package_at(args.baseline, "tokenizer"), "_COPIES", {})  # its tokenizer copies, if it makes any
     template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3_training.jinja")
     ds = datasets.Dataset.from_list(sharegpt(args.sharegpt, args.conversations))
-    # a tokenizer each: packkit's copy shares its tokenizer's model (tokenizer.fast_copy) and gives its cache its size
-    # back (emptied) after each run, which would start TRL's runs colder than a user's TRL would
+    # a tokenizer each: no provider's cache (BPE words) or settings reach another's runs
     tok, tok_base, tok_trl = (load_tokenizer(args.tokenizer) for _ in range(3))
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -123,7 +137,8 @@ def main() -> None:
             cfg = trl.SFTConfig(output_dir=d, report_to=[], bf16=False, use_cpu=True, max_length=None,
                                 assistant_only_loss=True, chat_template_path=template,
                                 dataset_num_proc=None if n == 1 else n)
-            trainer = trl.SFTTrainer(model=model, args=cfg, train_dataset=ds.select(range(8)), processing_class=tok_trl)
+            trainer = trl_prepare(lambda: trl.SFTTrainer(model=model, args=cfg, train_dataset=ds.select(range(8)),
+                                                         processing_class=tok_trl))  # it maps its 8 rows already
             providers = {  # the tokenizer copy (tokenizer.fast_copy) made again each run, as a user's one call makes
                 # it, by today's packkit and by the baseline's (the bench cleared today's alone: the baseline's was made in its
                 # first round, and taken for free after: its 0.5 s was missing from its later rounds)
@@ -131,7 +146,8 @@ def main() -> None:
                                     tokenize_chat(ds, tok, chat_template=template, num_proc=n))[1],
                 f"packkit@{args.baseline}": lambda: (old_copies.clear(), old.tokenize_chat(
                     ds, tok_base, chat_template=template, num_proc=n))[1],
-                "TRL": lambda: trainer._prepare_dataset(ds, trainer.processing_class, cfg, False, None, "train"),
+                "TRL": lambda: trl_prepare(lambda: trainer._prepare_dataset(ds, trainer.processing_class, cfg, False,
+                                                                            None, "train")),
             }
             names = list(providers)
             cpu = {k: [] for k in names}
