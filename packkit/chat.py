@@ -424,7 +424,7 @@ class _Encoder:
         import pyarrow as pa
 
         check_int(batch_size, "batch_size")
-        num_proc = 1 if self.num_proc is None else check_int(self.num_proc, "num_proc")
+        num_proc = worker_processes(1 if self.num_proc is None else check_int(self.num_proc, "num_proc"))
         n = table.num_rows
         self._copy_if_long(table)
         with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
@@ -480,7 +480,8 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         batch_size: conversations per tokenizer call; ``progress``: a progress bar (examples) on stderr.
         num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s: ``num_proc`` contiguous
             parts of the rows, each in its own process (forked where the platform allows), joined in order: the
-            same table as one process gives.
+            same table as one process gives. One process instead where its Rust pool, on every core, is faster than
+            the workers (one thread each): :func:`worker_processes` (2 processes on 2 cores are 1).
         format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's precedence;
             a :class:`ChatWarning` names a conversational column left unread).
     Returns:
@@ -556,6 +557,33 @@ def _encode_part(job):
         table = whole.slice(*table)
     enc.diverged = 0
     return _encode_range(enc, table, base, batch_size)
+
+
+#: Share of one process's chat tokenizing CPU outside the Rust tokenizer (rendering, masks, Arrow), which its pool
+#: does not spread over the cores: 10-15% with Qwen3's tokenizer on ShareGPT (render 6%, masks 4%, ids 1%).
+PYTHON_SHARE = 0.15
+
+#: CPU of ``num_proc`` forked workers (one thread each) over one process's for the same rows, Qwen3 / 3,000 ShareGPT
+#: conversations on 2 cores: 1.24x quiet (68e14a9's bench, the lead), 1.39x and 1.38x at load 5 (packkit with and
+#: without its workers' threads, bench_chat); 0.75x only under load 12-15, where the pool's threads wait.
+WORKER_CPU = 1.3
+
+
+def worker_processes(num_proc: int, cores: int | None = None, pool: bool | None = None) -> int:
+    """How many processes tokenize for ``num_proc``: ``num_proc`` where they are faster than one process whose Rust
+    pool spreads the tokenizing over ``cores`` (``pool``: that pool is on, as ``tokenizers`` reads
+    ``TOKENIZERS_PARALLELISM``), else 1; ``cores``: the ones this process may run on. One process's speed-up is
+    ``1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores)``, the workers' ``min(num_proc, cores) / WORKER_CPU`` (a
+    worker's pool is off after the fork): ``worker_processes(2, 2, True) -> 1`` (1.74x against 1.54x), ``worker_processes(8, 16, True)
+    -> 8``, ``worker_processes(2, 2, False) -> 2``."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if pool is None:  # tokenizers' own reading of the variable (and what it sets in a process forked after its pool ran)
+        pool = os.environ.get("TOKENIZERS_PARALLELISM", "true").lower() not in ("", "off", "false", "f", "no", "n", "0")
+    if num_proc <= 1 or not pool:
+        return max(1, num_proc)
+    one = 1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores)
+    return num_proc if min(num_proc, cores) / WORKER_CPU > one else 1
 
 
 #: what forked workers read from their parent's memory, not a pickle: key -> (encoder, table). With Qwen3's tokenizer

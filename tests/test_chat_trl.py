@@ -124,9 +124,11 @@ def test_tokenize_once_then_waste_plan_pack_read_it(tok_dir, tmp_path, capsys, o
 
 
 @pytest.mark.slow  # processes
-def test_num_proc_gives_the_same_table(tok_dir):
+def test_num_proc_gives_the_same_table(tok_dir, monkeypatch):
     """``tokenize_chat(num_proc=2)`` cuts the rows into two parts, one process each, and joins them in
-    order: the same table as one process, the example numbers in errors and warnings those of the whole."""
+    order: the same table as one process, the example numbers in errors and warnings those of the whole (the
+    tokenizer's pool off: with it, 2 processes on 2 cores are 1, test_num_proc_takes_processes_only_where_they_pay)."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
     one = tokenize_chat(table, tok, batch_size=16)
@@ -145,6 +147,7 @@ def test_forked_workers_read_the_encoder_without_a_pickle(tok_dir, monkeypatch):
     is the one process's."""
     from packkit import chat
 
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # processes on any machine (worker_processes)
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
     one = tokenize_chat(table, tok, batch_size=16)
@@ -155,3 +158,24 @@ def test_forked_workers_read_the_encoder_without_a_pickle(tok_dir, monkeypatch):
     monkeypatch.setattr(chat._Encoder, "__reduce__", refuse)
     assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one)
     assert chat._FORKED == {}
+
+
+def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
+    """Regression (num_proc=2 slower than one process on 2 cores: bench_chat, Qwen3 / 3,000 ShareGPT conversations,
+    load 5: 13.93 s wall against 9.95, 1.39x the CPU; 68e14a9 the same). One process's Rust pool already tokenizes
+    on every core; forked workers have one thread each and cost ~1.3x its CPU. So ``num_proc`` takes processes only
+    where they beat that pool (``worker_processes``): on 2 cores, one process; with the pool off, two."""
+    from packkit import chat
+
+    w = chat.worker_processes
+    assert (w(2, 2, True), w(2, 2, False), w(8, 16, True), w(1, 64, True), w(3, 1, True)) == (1, 2, 8, 1, 1)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
+    one = tokenize_chat(table, tok, batch_size=16)
+    forked, real = [], chat._encode_in_processes
+    monkeypatch.setattr(chat, "_encode_in_processes", lambda *a, **k: forked.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(chat.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == []
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == [2]

@@ -275,6 +275,7 @@ def test_tokenize_num_proc_per_chunk_names_the_row_of_the_whole_input(tok_dir, t
     import packkit.datafiles as datafiles
 
     monkeypatch.setattr(datafiles, "TOKENIZE_BLOCK_BYTES", 192 << 10)  # chunks of ~700 rows: past a batch (512)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # two processes on any machine (chat.worker_processes)
     rows = [{"messages": c} for c in _conversations(2400, seed=4)]
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
