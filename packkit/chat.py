@@ -578,13 +578,31 @@ def worker_processes(num_proc: int, cores: int | None = None, pool: bool | None 
     -> 8``, ``worker_processes(2, 2, False) -> 2``."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if pool is None:  # tokenizers' own reading of the variable (and what it sets in a process forked after its pool ran)
-        pool = os.environ.get("TOKENIZERS_PARALLELISM", "true").lower() not in ("", "off", "false", "f", "no", "n", "0")
+    if pool is None:  # tokenizers' own reading of the variable, in the C environment it reads (datasets' map(num_proc)
+        # sets it there and gives Python a copy of os.environ without it: the pool stays off, os.environ says nothing)
+        value = _c_getenv("TOKENIZERS_PARALLELISM")
+        pool = value is None or value.lower() not in ("", "off", "false", "f", "no", "n", "0")
     if num_proc <= 1 or not pool:
         return max(1, num_proc)
     one = 1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores)
     return num_proc if min(num_proc, cores) / WORKER_CPU > one else 1
 
+
+
+def _c_getenv(name: str) -> str | None:
+    """``name`` in the process's C environment (what Rust's ``std::env::var`` reads), or ``os.environ``'s where the
+    C library cannot be asked."""
+    from .allocators import glibc
+
+    libc = glibc()
+    if libc is None:
+        return os.environ.get(name)
+    import ctypes
+
+    getenv = libc.getenv
+    getenv.restype, getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    value = getenv(name.encode())
+    return None if value is None else value.decode(errors="replace")
 
 #: what forked workers read from their parent's memory, not a pickle: key -> (encoder, table). With Qwen3's tokenizer
 #: the pickle took 0.43 s and 1.33 s a worker to rebuild, most of what num_proc=2 cost over one process.

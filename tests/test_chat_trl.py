@@ -164,7 +164,8 @@ def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
     """Regression (num_proc=2 slower than one process on 2 cores: bench_chat, Qwen3 / 3,000 ShareGPT conversations,
     load 5: 13.93 s wall against 9.95, 1.39x the CPU; 68e14a9 the same). One process's Rust pool already tokenizes
     on every core; forked workers have one thread each and cost ~1.3x its CPU. So ``num_proc`` takes processes only
-    where they beat that pool (``worker_processes``): on 2 cores, one process; with the pool off, two."""
+    where they beat that pool (``worker_processes``): on 2 cores, one process; with the pool off, two, also where
+    the C environment alone turns it off (datasets' map(num_proc) leaves it so: os.environ would say it is on)."""
     from packkit import chat
 
     w = chat.worker_processes
@@ -179,3 +180,11 @@ def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
     assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == []
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == [2]
+    os_env = __import__("os")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    try:  # datasets' map(num_proc) sets it in the C environment alone (Python keeps a copy of os.environ without it)
+        os_env.putenv("TOKENIZERS_PARALLELISM", "false")
+        assert "TOKENIZERS_PARALLELISM" not in os_env.environ and w(2, 2) == 2
+    finally:
+        os_env.unsetenv("TOKENIZERS_PARALLELISM")
+    assert w(2, 2) == 1
