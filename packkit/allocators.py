@@ -11,7 +11,7 @@ arena for the process was measured 11-39% more CPU (its threads wait on one lock
 
 from __future__ import annotations
 
-__all__ = ["bound_allocators", "glibc", "release_freed"]
+__all__ = ["bound_allocators", "c_getenv", "glibc", "release_freed"]
 
 _GLIBC: list = []  # the C library once looked up when it is glibc (None: another C library)
 
@@ -27,6 +27,23 @@ def glibc():
             libc = None
         _GLIBC.append(libc if getattr(libc, "malloc_trim", None) is not None else None)
     return _GLIBC[0]
+
+
+def c_getenv(name: str) -> str | None:
+    """``name`` in the process's C environment, which Rust's ``std::env::var`` reads (``datasets``' ``map(num_proc)``
+    sets ``TOKENIZERS_PARALLELISM`` there and hands Python a copy of ``os.environ`` without it), or ``os.environ``'s
+    where the C library is not glibc."""
+    import os
+
+    libc = glibc()
+    if libc is None:
+        return os.environ.get(name)
+    import ctypes
+
+    getenv = libc.getenv
+    getenv.restype, getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    value = getenv(name.encode())
+    return None if value is None else value.decode(errors="replace")
 
 
 def bound_allocators(tokenizer) -> None:

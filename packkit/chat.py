@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .allocators import c_getenv
 from .arrow import list_array
 from .choices import CHAT_FORMATS  # the conversational formats chat_format recognises (module docstring)
 from .chatoptions import ChatOptions  # its home is packkit.chatoptions, off the start of plan and pack
@@ -559,50 +560,24 @@ def _encode_part(job):
     return _encode_range(enc, table, base, batch_size)
 
 
-#: Share of one process's chat tokenizing CPU outside the Rust tokenizer (rendering, masks, Arrow), which its pool
-#: does not spread over the cores: 10-15% with Qwen3's tokenizer on ShareGPT (render 6%, masks 4%, ids 1%).
-PYTHON_SHARE = 0.15
-
-#: CPU of ``num_proc`` forked workers (one thread each) over one process's for the same rows, Qwen3 / 3,000 ShareGPT
-#: conversations on 2 cores: 1.24x quiet (68e14a9's bench, the lead), 1.39x and 1.38x at load 5 (packkit with and
-#: without its workers' threads, bench_chat); 0.75x only under load 12-15, where the pool's threads wait.
-WORKER_CPU = 1.3
+#: One process's chat tokenizing CPU outside its Rust pool (render 6%, masks 4%, ids 1%: Qwen3, ShareGPT), and forked
+#: workers' CPU (one thread each) over one process's for the same rows (1.24x quiet, 1.38-1.39x at load 5; 2 cores).
+PYTHON_SHARE, WORKER_CPU = 0.15, 1.3
 
 
 def worker_processes(num_proc: int, cores: int | None = None, pool: bool | None = None) -> int:
-    """How many processes tokenize for ``num_proc``: ``num_proc`` where they are faster than one process whose Rust
-    pool spreads the tokenizing over ``cores`` (``pool``: that pool is on, as ``tokenizers`` reads
-    ``TOKENIZERS_PARALLELISM``), else 1; ``cores``: the ones this process may run on. One process's speed-up is
-    ``1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores)``, the workers' ``min(num_proc, cores) / WORKER_CPU`` (a
-    worker's pool is off after the fork): ``worker_processes(2, 2, True) -> 1`` (1.74x against 1.54x), ``worker_processes(8, 16, True)
-    -> 8``, ``worker_processes(2, 2, False) -> 2``."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if pool is None:  # tokenizers' own reading of the variable, in the C environment it reads (datasets' map(num_proc)
-        # sets it there and gives Python a copy of os.environ without it: the pool stays off, os.environ says nothing)
-        value = _c_getenv("TOKENIZERS_PARALLELISM")
+    """Processes that tokenize for ``num_proc``: ``num_proc`` where they are faster than one process whose Rust pool
+    spreads the tokenizing over ``cores`` (``1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores)`` against the workers'
+    ``min(num_proc, cores) / WORKER_CPU``), else 1; ``pool``: that pool is on, as ``tokenizers`` reads
+    ``TOKENIZERS_PARALLELISM`` in the C environment. ``worker_processes(2, 2, True) -> 1``, ``(8, 16, True) -> 8``."""
+    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if pool is None:
+        value = c_getenv("TOKENIZERS_PARALLELISM")
         pool = value is None or value.lower() not in ("", "off", "false", "f", "no", "n", "0")
     if num_proc <= 1 or not pool:
         return max(1, num_proc)
-    one = 1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores)
-    return num_proc if min(num_proc, cores) / WORKER_CPU > one else 1
+    return num_proc if min(num_proc, cores) / WORKER_CPU > 1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores) else 1
 
-
-
-def _c_getenv(name: str) -> str | None:
-    """``name`` in the process's C environment (what Rust's ``std::env::var`` reads), or ``os.environ``'s where the
-    C library cannot be asked."""
-    from .allocators import glibc
-
-    libc = glibc()
-    if libc is None:
-        return os.environ.get(name)
-    import ctypes
-
-    getenv = libc.getenv
-    getenv.restype, getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
-    value = getenv(name.encode())
-    return None if value is None else value.decode(errors="replace")
 
 #: what forked workers read from their parent's memory, not a pickle: key -> (encoder, table). With Qwen3's tokenizer
 #: the pickle took 0.43 s and 1.33 s a worker to rebuild, most of what num_proc=2 cost over one process.
