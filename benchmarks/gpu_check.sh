@@ -20,8 +20,8 @@
 # Results: $OUT/gpu_check.jsonl (every JSON line), $OUT/*.log (full output), $OUT/gpu_env.txt.
 # The interpreter: $PY, else .venv/bin/python when its torch sees CUDA, else python3 (on the lent GPU
 # machines the image's python3 holds a CUDA torch, Triton, pytest, hypothesis and transformers).
-# packkit is installed into it from this tree (no dependencies, no index) when `packkit.kernels` is
-# missing, since kernels/ only becomes packkit.kernels through the package's install.
+# packkit is installed into it from this tree (no dependencies, no index) when `packkit.kernels` cannot be
+# imported (an interpreter started elsewhere than this tree's root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -42,7 +42,7 @@ if ! "$PY" -c "import packkit.kernels" 2>/dev/null; then
     legacy=$(mktemp -d)
     sed -e 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/' -e '/^license-files/d' \
         -e 's/"setuptools>=77"/"setuptools>=61"/' pyproject.toml > "$legacy/pyproject.toml"
-    for d in packkit kernels README.md LICENSE; do ln -s "$PWD/$d" "$legacy/$d"; done
+    for d in packkit README.md LICENSE; do ln -s "$PWD/$d" "$legacy/$d"; done
     "$PY" -m pip install --quiet --no-deps --no-build-isolation --no-index -e "$legacy" \
       || { echo "could not install packkit into $PY"; exit 2; }
   fi

@@ -45,13 +45,11 @@ HEAVY = {"torch", "datasets", "pandas", "transformers"}
 
 
 def _modules() -> dict:
-    """``{dotted name: path}`` of every packkit module (``kernels/`` ships as ``packkit.kernels``)."""
+    """``{dotted name: path}`` of every packkit module (``packkit.kernels`` included)."""
     out = {}
     for p in sorted((ROOT / "packkit").rglob("*.py")):
         parts = list(p.relative_to(ROOT).with_suffix("").parts)
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
-    for p in sorted((ROOT / "kernels").glob("*.py")):
-        out["packkit.kernels" + ("" if p.stem == "__init__" else "." + p.stem)] = p
     return out
 
 
@@ -154,14 +152,13 @@ def test_planning_and_the_command_line_import_no_torch():
 
 
 def test_the_wheel_ships_every_package():
-    """pyproject lists packkit's packages by hand (kernels/ ships as packkit.kernels): a new subpackage left out
+    """pyproject lists packkit's packages by hand: a new subpackage left out
     of the list is missing from the wheel, and `pip install packkit` then fails at import (packkit.integrations
     was, until .ci/run's base-install check caught it). Every folder with an __init__.py is listed."""
     tomllib = __import__("pytest").importorskip("tomllib")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "packkit").rglob("__init__.py")}
-    found |= {"packkit.kernels"} if (ROOT / "kernels" / "__init__.py").exists() else set()
     assert found == listed, f"packages in the tree but not in pyproject: {sorted(found - listed)}; " \
                             f"listed but absent: {sorted(listed - found)}"
 
@@ -314,7 +311,7 @@ def test_no_source_or_test_points_at_our_tracker_by_number():
     repository and number (``TRL #7206``) stay: they name where to look."""
     pattern = re.compile(rb"\bissues?\s+#?\d+", re.IGNORECASE)
     found = [f"{p.relative_to(ROOT)}:{n}: {line.decode().strip()}"
-             for folder in ("packkit", "kernels", "tests") for p in sorted((ROOT / folder).rglob("*.py"))
+             for folder in ("packkit", "tests") for p in sorted((ROOT / folder).rglob("*.py"))
              for n, line in enumerate(p.read_bytes().splitlines(), 1) if pattern.search(line)]
     assert not found, "text pointing at packkit's tracker by number:\n" + "\n".join(found)
 
