@@ -142,15 +142,25 @@ def reference_gated_delta_rule(torch_fn):
     return rule
 
 
+def torch_path(kernel):
+    """The model's own PyTorch function behind a hub-kernel name: transformers decorates it (``__wrapped__``), and
+    from 5.25 on, with the ``kernels`` package it requires, wraps that in an ``nn.Module`` (``Func``) whose forward
+    closes over the decorated function."""
+    if isinstance(kernel, torch.nn.Module):
+        kernel = next(c.cell_contents for c in type(kernel).forward.__closure__ or ()
+                      if callable(c.cell_contents) and hasattr(c.cell_contents, "__wrapped__"))
+    return kernel.__wrapped__
+
+
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """Install the reference kernels in the models' modules (where the layers look them up)."""
     for module in (modeling_bamba, modeling_qwen3_5):
-        monkeypatch.setattr(module, "causal_conv1d_fn", reference_conv(module.causal_conv1d_fn.__wrapped__))
+        monkeypatch.setattr(module, "causal_conv1d_fn", reference_conv(torch_path(module.causal_conv1d_fn)))
     monkeypatch.setattr(modeling_bamba, "mamba2_chunk_scan",
-                        reference_mamba2_scan(modeling_bamba.mamba2_chunk_scan.__wrapped__))
+                        reference_mamba2_scan(torch_path(modeling_bamba.mamba2_chunk_scan)))
     monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule",
-                        reference_gated_delta_rule(modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__))
+                        reference_gated_delta_rule(torch_path(modeling_qwen3_5.torch_chunk_gated_delta_rule)))
 
 
 # -- the tests ---------------------------------------------------------------------------------------
