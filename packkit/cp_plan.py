@@ -635,15 +635,9 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
     table[3] = n
     if fits.all():
         parts.append(table[:, grid >= 0] if seg.size % (2 * cp) else table.reshape(4, -1))
-        used = n.sum(0)
-        return room - (used if ranks is None else used[ranks.argsort()])
-    parts.append(table[:, fits & (grid >= 0)])
-    left = room_c - (n * fits).sum(0)
-    if ranks is not None:
-        left = left[ranks.argsort()]
-    over = grid[~fits & (grid >= 0)]
-    over.sort()
-    return _lay_over(over, lengths[over], left, parts)
+    else:
+        parts.append(table[:, fits & (grid >= 0)])
+    return _room_left(lengths, grid, n, fits, room, room_c, ranks, parts, _lay_over)
 
 
 def _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts) -> np.ndarray:
@@ -660,6 +654,12 @@ def _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts) -> np.ndarr
     block[1] = col[keep]
     block[3] = n[:, c][keep]
     list.append(parts, block)
+    return _room_left(lengths, grid, n, fits, room, room_c, ranks, parts, _lay_over_rank)
+
+
+def _room_left(lengths, grid, n, fits, room, room_c, ranks, parts, lay_over) -> np.ndarray:
+    """Every rank's room left once the grid's cells that fit are dealt: those that do not laid over the room left
+    by ``lay_over`` (:func:`_lay_over`, or :func:`_lay_over_rank` for one rank's pieces)."""
     if fits.all():
         used = n.sum(0)
         return room - (used if ranks is None else used[ranks.argsort()])
@@ -668,7 +668,7 @@ def _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts) -> np.ndarr
         left = left[ranks.argsort()]
     over = grid[~fits & (grid >= 0)]
     over.sort()
-    return _lay_over_rank(over, lengths[over], left, parts)
+    return lay_over(over, lengths[over], left, parts)
 
 
 def _lay_over_rank(seg, n, left, parts: list) -> np.ndarray:
