@@ -10,12 +10,9 @@ The number that governs gradient noise is tokens per optimiser step, not example
 
 :func:`plan_budget` reports an epoch of the user's lengths as packkit's sampler deals it (:func:`packkit.epoch.deal`,
 under any ``balance``; ``packkit waste`` reads the same schedule) and the advice a practitioner would give
-(:func:`advise`), each an :class:`Advice` (code, message and the numbers) also emitted as a
-:class:`BudgetWarning`: ``low_tokens_per_step`` (mean tokens per step under ``min_tokens_per_step``, 4,000: raise
-accumulation, not the learning rate), ``few_steps_per_epoch`` (fewer than ``min_steps_per_epoch``, 50, optimiser
-steps per epoch: 800 examples at an effective batch of 64 is 12 full steps), ``lora_large_batch`` (a LoRA/adapter
-run with more than ``lora_max_batch``, 32, examples per step), ``accumulation_for_target`` (the accumulation steps
-that reach ``target_tokens_per_step``, when they differ from the ones given), and on the data itself ``loss_free``,
+(:func:`advise`, its thresholds :class:`AdviceOptions`'), each an :class:`Advice` also emitted as a
+:class:`BudgetWarning`: ``low_tokens_per_step`` (raise accumulation, not the learning rate), ``few_steps_per_epoch``,
+``lora_large_batch`` (an adapter run), ``accumulation_for_target``, and on the data itself ``loss_free``,
 ``far_beyond_window`` and ``far_beyond_batch``. ``packkit plan`` prints the table on the command line;
 :func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory.
 """

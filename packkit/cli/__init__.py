@@ -54,18 +54,6 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split()) or "error"
 
 
-def _top(argv: list[str]) -> int:
-    """``packkit`` alone, ``--help``, ``--version`` or an unknown command: what it prints, and its exit code."""
-    if not argv:
-        print(USAGE, file=sys.stderr)
-        return EXIT_USAGE
-    if argv[0] in ("-h", "--help", "-V", "--version"):
-        print(USAGE if argv[0] in ("-h", "--help") else f"packkit {__version__}")
-        return EXIT_OK
-    print(f"packkit: error: unknown command {argv[0]!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def main(argv: list[str] | None = None) -> int:
     argv, process = list(sys.argv[1:] if argv is None else argv), argv is None  # process: packkit, python -m
     name, state = (argv or ["packkit"])[0], {}
@@ -73,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         with signals_raise(), warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(name, state)
             return _run(argv, name, state, process)
-    except KeyboardInterrupt as exc:  # a stop signal outside _run's handlers: entering or leaving its blocks
+    except KeyboardInterrupt as exc:  # a stop signal, in the command or entering or leaving these blocks
         from ._failures import stopped  # lazy: for a stop signal only
         return stopped(name, exc)
 
@@ -111,8 +99,15 @@ def _import_command(module: str, *, process: bool = False):
 def _run(argv: list[str], name: str, state: dict, process: bool = False) -> int:
     options = None
     try:
-        if name not in SUBCOMMANDS:
-            code = _top(argv)
+        if not argv:
+            print(USAGE, file=sys.stderr)
+            code = EXIT_USAGE
+        elif name in ("-h", "--help", "-V", "--version"):
+            print(USAGE if name in ("-h", "--help") else f"packkit {__version__}")
+            code = EXIT_OK
+        elif name not in SUBCOMMANDS:
+            print(f"packkit: error: unknown command {name!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+            code = EXIT_USAGE
         else:
             module = _import_command(SUBCOMMANDS[name][0], process=process)
             from ._options import options_of  # lazy: imported with the command's module already
@@ -128,9 +123,6 @@ def _run(argv: list[str], name: str, state: dict, process: bool = False) -> int:
                 raise
         from ._failures import pipe_closed  # lazy: for a closed pipe only
         return pipe_closed()
-    except KeyboardInterrupt as exc:
-        from ._failures import stopped  # lazy: for a stop signal only
-        return stopped(name, exc)
     except Exception as exc:
         from ._failures import classify, stopped  # lazy: for an error only
         if (stop := swallowed(exc)) is not None:  # a library caught the signal's exception and failed in its stead

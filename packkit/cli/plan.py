@@ -43,7 +43,11 @@ def parser() -> Parser:
     p.add_argument("--seed", type=int, default=0, help="seed of the window order and synthetic data (default 0)")
     add_cp_arguments(p)
     add_output_switches(p, instead_of="the table")
-    add_weighting_arguments(p)
+    p.add_argument("--loss-weighting", type=loss_weighting_spec, metavar="MODE", help="also show the share of the "
+                   f"loss weight by length decile under MODE ({', '.join(LOSS_WEIGHTINGS)}, or "
+                   f"{':L, '.join(LENGTH_MODES)}:L with L the constant length) beside the token mean")
+    p.add_argument("--weight-plot", metavar="PNG", help="with --loss-weighting: write those shares as a bar chart")
+    p.add_argument("--overwrite-plot", action="store_true", help="replace an existing --weight-plot file")
     return p
 
 
@@ -53,14 +57,6 @@ def loss_weighting_spec(text: str) -> str:
         return checked_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_weighting_arguments(p) -> None:
-    p.add_argument("--loss-weighting", type=loss_weighting_spec, metavar="MODE", help="also show the share of the "
-                   f"loss weight by length decile under MODE ({', '.join(LOSS_WEIGHTINGS)}, or "
-                   f"{':L, '.join(LENGTH_MODES)}:L with L the constant length) beside the token mean")
-    p.add_argument("--weight-plot", metavar="PNG", help="with --loss-weighting: write those shares as a bar chart")
-    p.add_argument("--overwrite-plot", action="store_true", help="replace an existing --weight-plot file")
 
 
 def weighting_report(args, data):
