@@ -88,7 +88,7 @@ def deal(lengths, *, per_rank: int, accumulation_steps: int = 1, world_size: int
 
     kw = dict(world_size=world_size, rank=0, step_batches=world_size * accumulation_steps, balance=balance,
               cp_size=cp_size, seed=seed, shuffle=shuffle)
-    if window is not None and strategy == "next_fit":  # next fit in dataset order: planned here, dealt as given
+    if window is not None and strategy == "next_fit" and not isinstance(lengths, Plan):  # planned here, dealt as given
         lengths = pack(lengths, window=window, strategy=strategy)
     elif isinstance(lengths, np.ndarray):  # (the sampler lives for one figure: a view of them, not a copy)
         lengths = _Lent(lengths)

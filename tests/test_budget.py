@@ -200,6 +200,16 @@ def test_a_plan_given_is_dealt_in_its_order():
     assert r.tokens_per_step.max == max(want) and r.window == 300
 
 
+def test_a_plan_given_with_strategy_next_fit_is_dealt_as_made():
+    """Regression: ``plan_budget(plan, strategy="next_fit")`` raised ``TypeError: 'Plan' object is not iterable``
+    (:func:`packkit.epoch.deal` planned next fit again, from the plan itself); a plan's windows are taken as made,
+    whatever ``strategy`` says, as with every other strategy."""
+    plan = pack(np.array([300, 200, 100, 250, 50, 120, 80, 290, 10] * 5), window=300).shuffled(3)
+    r = plan_budget(plan, strategy="next_fit", per_device_batch=2, world_size=2, advice=QUIET)
+    assert r.as_dict() == plan_budget(plan, per_device_batch=2, world_size=2, advice=QUIET).as_dict()
+    assert r.num_units == plan.num_windows
+
+
 # ----------------------------------------------------------------------------------------------
 # advice
 # ----------------------------------------------------------------------------------------------

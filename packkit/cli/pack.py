@@ -76,7 +76,6 @@ def _checked(batches, hold):
 
 
 def run(args, options=None) -> int:
-    """``packkit pack IN OUT --window W``: pack a dataset file offline."""
     # What the overflow policy did is printed by the command; the library's log line would repeat it on stderr.
     # The level is put back after: a program (or a test) that runs the command in its own process keeps its logs.
     logger = logging.getLogger("packkit")

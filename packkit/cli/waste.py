@@ -49,7 +49,6 @@ def parser() -> Parser:
 
 
 def run(args, options=None) -> int:
-    """``packkit waste [FILE]``: the table (or ``--json``) and optionally ``--plot PNG``."""
     # -- checks that cost nothing, before anything is read --
     check_window(args.window)
     check_seed(args.seed)
