@@ -104,10 +104,9 @@ class BudgetReport:
     ``accumulation_for_target``: the accumulation steps whose mean tokens per step reach ``target_tokens_per_step``
     (None without one); ``advice``: tuple of :class:`Advice`; ``overflow``, ``overflow_examples``, ``cut_tokens``:
     the policy for examples longer than ``window``, how many were, the tokens it cut (None, 0, 0 when padded);
-    ``compute_imbalance``, ``examples_per_step_cv``: the sampler's ``epoch_stats()``: the slowest of ``world_size``
-    ranks over the mean, summed over steps (a document costs ``24576 L + L^2 / cp``; 1.0 is balanced), and std /
-    mean of the examples (pieces) per step; ``loss_free_units``, ``loss_free_steps``, ``loss_free_pieces``: with no
-    loss token; ``dropped_pieces``, ``dropped_tokens``: left out by ``drop_loss_free``.
+    ``compute_imbalance``, ``examples_per_step_cv``: the sampler's (:class:`~packkit.sampler.EpochStats`: 1.0 is
+    balanced, and std / mean of the examples per step); ``loss_free_units``, ``loss_free_steps``,
+    ``loss_free_pieces``: with no loss token; ``dropped_pieces``, ``dropped_tokens``: left out by ``drop_loss_free``.
     """
 
     mode: str
