@@ -43,11 +43,11 @@ from .binpack import DEFAULT_OVERFLOW, Plan, check_overflow, check_seed, check_s
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
-from .packer import ColumnSpec, label_dtype, log_overflow, logger, pack_columns, pack_stream, resolve_columns
+from .packer import (ColumnSpec, _segment_loss, label_dtype, log_overflow, logger, pack_columns, pack_stream,
+                     resolve_columns)
 from .mediarows import media_options
 from .progress import progress_bar
 from .rules import DOCUMENT_KEYS, MASK_KEYS, check_column, column_kind
-from .segments import IGNORE_INDEX, lengths_to_offsets
 from .sources import ArrowSource, scan, scan_documents
 from . import outputs
 from .fileio import check_output
@@ -250,16 +250,9 @@ class PackedTable:
         return {c: self.scan.columns[c] for c in self.spec.read if c in (token, "labels") or c in MASK_KEYS}
 
     def segment_loss(self, rows) -> np.ndarray:
-        """``(S,)`` loss tokens of every segment of packed ``rows``: labels other than -100, never a segment's first
-        under :attr:`mask_first_label`, masked or not; with no labels, every token but the first (as collators)."""
-        seg_off = lengths_to_offsets(rows.seq_lengths)
-        labels = rows.columns.get("labels")
-        if labels is None:
-            return np.maximum(rows.seq_lengths - 1, 0)
-        csum = lengths_to_offsets(labels != IGNORE_INDEX)
-        if not self.mask_first_label:  # labels pre-shifted: the first label of a segment counts as given
-            return csum[seg_off[1:]] - csum[seg_off[:-1]]
-        return csum[seg_off[1:]] - csum[np.minimum(seg_off[:-1] + 1, seg_off[1:])]
+        """``(S,)`` loss tokens of every segment of packed ``rows`` (:func:`packkit.packer._segment_loss`: never a
+        segment's first under :attr:`mask_first_label`; with no labels, every token but the first, as collators)."""
+        return _segment_loss(rows.columns.get("labels"), rows.seq_lengths, self.mask_first_label)
 
     def _segment_losses(self, plan: Plan, max_tokens: int) -> np.ndarray:
         """:meth:`segment_loss` of every segment of ``plan``, in a pass over the loss columns only."""
@@ -296,21 +289,18 @@ class PackedTable:
         (:func:`packkit.planindex.example_stats`), a pass over the token and loss columns, counting as
         :meth:`record_batches` does; where the plan cut or dropped examples, a second pass reads them whole (the
         source's fingerprint, not the plan's)."""
-        loss, sums = self._stats(self.plan, max_tokens, count=True)
+        plans = [self.plan]
         if self.plan.cut_tokens or self.plan.dropped_examples.size:
             lengths = self.plan.lengths
-            whole = pack(lengths, window=max(int(lengths.max(initial=1)), 1), strategy="next_fit")
-            loss, sums = self._stats(whole, max_tokens, count=False)
-        return loss, sums
-
-    def _stats(self, plan: Plan, max_tokens: int, *, count: bool):
-        loss, sums = np.zeros(plan.num_examples, np.int64), np.zeros(plan.num_examples, np.uint64)
-        for _, sub, rows in self._chunks(plan, max_tokens, self._loss_columns(), mask_first_label=False):
-            part = example_stats(sub, rows)
-            loss += part[0]
-            sums += part[1]
-            if count:
-                self._count_loss(rows)
+            plans.append(pack(lengths, window=max(int(lengths.max(initial=1)), 1), strategy="next_fit"))
+        for plan in plans:
+            loss, sums = np.zeros(plan.num_examples, np.int64), np.zeros(plan.num_examples, np.uint64)
+            for _, sub, rows in self._chunks(plan, max_tokens, self._loss_columns(), mask_first_label=False):
+                part = example_stats(sub, rows)
+                loss += part[0]
+                sums += part[1]
+                if plan is self.plan:
+                    self._count_loss(rows)
         return loss, sums
 
     def _count_loss(self, rows) -> np.ndarray:
@@ -420,9 +410,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         seed: seeds ``"shuffle_ff"`` and the order of the rows.
         shuffle: rows in a seeded random order (default), not in the planner's (length-sorted) order.
         output: write the rows to the new file or folder ``output`` and return its path, in the format
-            ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`: parquet, arrow, jsonl,
-            a ``datasets`` folder, Megatron ``.bin/.idx``, Megatron-Bridge parquet, MosaicML MDS, an index-only
-            ``.packplan``).
+            ``output_format`` names or its suffix chooses (:data:`packkit.outputs.FORMATS`).
         split: the split of a ``DatasetDict`` to pack (default: all of them).
         return_report: return ``(result, plan)``, the :class:`~packkit.binpack.Plan` in row order
             (``plan.summary()``: windows, fill, lower bound, what the overflow policy touched).
@@ -595,17 +583,14 @@ def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
     ``state_dict()`` (rows yielded) resumes exactly; ``datasets``' ``shuffle`` drops its buffer on a resume
     (11 to 14 of 364 rows lost in a test). ``progress`` counts packed tokens (a stream has no known total)."""
     import datasets
+    import pyarrow as pa
 
     columns, buffer_size = o.columns, o.buffer_size
     known = ds.column_names or (None if columns is None else [columns] if isinstance(columns, str) else list(columns))
     features = None
-    if known is not None:
-        ids = datasets.Sequence(datasets.Value("int64"))
-        features = datasets.Features({c: ids for c in resolve_columns(known, columns).written()})
-        features["seq_lengths"] = datasets.Sequence(datasets.Value("int32"))
-        if o.example_ids:  # each document's example, where it starts in it, the whole example's loss tokens
-            features["example_ids"] = ids
-            features["piece_offsets"] = features["example_loss"] = datasets.Sequence(datasets.Value("int32"))
+    if known is not None:  # the offline row format, every packed column int64 as pack_stream yields them
+        written = [(c, pa.int64()) for c in resolve_columns(known, columns).written()]
+        features = datasets.Features.from_arrow_schema(packed_schema(written, example_ids=o.example_ids))
     if shuffle and seed is None:
         seed = int(np.random.SeedSequence().entropy % 2**63)  # one order for this dataset, replayed on a resume
 
