@@ -72,10 +72,9 @@ class StrategyWaste:
         real_tokens, slot_tokens: tokens of the examples, and of the padded tensors (rows x padded length)
         attention: sum over rows of the attention cost (module docstring)
         row_fill: (rows,) float64, real tokens / padded length of every row (for the plot)
-        compute_imbalance, examples_per_step_cv: over ``world_size`` ranks, a document costing
-            ``24576 * L + L**2 / cp_size``: of the schedule packkit's sampler deals under ``balance``
-            (:func:`packkit.epoch.deal`) for ``grouped`` and the packed strategies; ``pad_longest`` and ``random``
-            (a plain DataLoader's batches) take a step's rows in turn (:func:`packkit.costs.step_figures`)
+        compute_imbalance, examples_per_step_cv: :class:`~packkit.sampler.EpochStats`' of the schedule packkit's
+            sampler deals (:func:`packkit.epoch.deal`) for ``grouped`` and the packed strategies; for ``pad_longest``
+            and ``random``, a plain DataLoader's batches, a step's rows in turn (:func:`packkit.costs.step_figures`)
         loss_free_rows, loss_free_steps: rows and steps that hold no loss token (a step of them has loss 0)
     """
 
