@@ -43,8 +43,7 @@ _LENT = {**dict.fromkeys(("DEFAULT_WINDOW", "DEFAULT_OVERFLOW", "BALANCE_NAMES",
 
 
 def __getattr__(name: str):
-    """``packkit.cli.Parser`` is ``packkit.cli._options.Parser``, ``packkit.cli.classify`` is
-    ``packkit.cli._failures.classify`` (imported here on first use, not at ``--help``)."""
+    """A name of :data:`_LENT`, from its module, imported on first use (not at ``--help``)."""
     if name not in _LENT:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{_LENT[name]}"), name)
@@ -57,28 +56,24 @@ def _one_line(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv, process = list(sys.argv[1:] if argv is None else argv), argv is None  # process: packkit, python -m
     name, state = (argv or ["packkit"])[0], {}
-    try:  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
-        with signals_raise(), warnings.catch_warnings():
-            warnings.showwarning = _one_line_warnings(name, state)
-            return _run(argv, name, state, process)
-    except KeyboardInterrupt as exc:  # a stop signal, in the command or entering or leaving these blocks
-        from ._failures import stopped  # lazy: for a stop signal only
-        return stopped(name, exc)
-
-
-def _one_line_warnings(name: str, state: dict):
-    """Warnings as ``packkit NAME: warning: ...`` on stderr, one line each (not Python's format, with its source
-    path and line), while the command runs; a :class:`~packkit.errors.Message` names arguments as the command
-    spells them (``state["options"]``)."""
 
     def show(message, category, filename, lineno, file=None, line=None):
+        """Warnings as ``packkit NAME: warning: ...`` on stderr, one line each (not Python's format, with its source
+        path and line), while the command runs; a :class:`~packkit.errors.Message` names arguments as the command
+        spells them (``state["options"]``)."""
         from ..errors import Message  # lazy: for a warning only (not at --help)
         text = message.args[0] if isinstance(message, Warning) and message.args else message
         text = text.render(state.get("options")) if isinstance(text, Message) else str(text)
         with contextlib.suppress(OSError, ValueError):
             print(f"packkit {name}: warning: {_one_line(text)}", file=sys.stderr)
 
-    return show
+    try:  # SIGTERM and SIGHUP run every cleanup too, as Ctrl-C does
+        with signals_raise(), warnings.catch_warnings():
+            warnings.showwarning = show
+            return _run(argv, name, state, process)
+    except KeyboardInterrupt as exc:  # a stop signal, in the command or entering or leaving these blocks
+        from ._failures import stopped  # lazy: for a stop signal only
+        return stopped(name, exc)
 
 
 def _import_command(module: str, *, process: bool = False):

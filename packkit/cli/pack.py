@@ -182,8 +182,7 @@ def _checks(args):
     """The checks that cost nothing, before anything is read (a refusal loses no work): ``(input, OUT, its
     format, buffer bytes or None, columns or None)``."""
     check_planning(args.window, args.strategy, args.overflow, args.seed, args.num_proc)
-    if args.buffer_mb is not None:
-        check_int(args.buffer_mb, "buffer_bytes", unit=" MiB")
+    buffer_bytes = None if args.buffer_mb is None else check_int(args.buffer_mb, "buffer_bytes", unit=" MiB") * 2**20
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     out = Path(args.output)
     fmt = output_format(out, args.output_format)
@@ -194,7 +193,7 @@ def _checks(args):
     check_output(out, kind=fmt.kind, inputs=[inp.path], overwrite=args.overwrite)
     reader_pyarrow(inp.path)  # without pyarrow: one line naming IN's format and the extra
     require("datasets")
-    return inp, out, fmt, None if args.buffer_mb is None else args.buffer_mb * 2**20, columns  # None: sized to the data
+    return inp, out, fmt, buffer_bytes, columns  # buffer_bytes None: sized to the data
 
 
 def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
