@@ -31,6 +31,7 @@ Arrow offsets (:mod:`packkit.chatrender`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -395,7 +396,7 @@ class _Encoder:
         self.mask_name = "completion_mask" if self.completion else "assistant_masks" if self.assistant else None
         self.columns = _columns(fmt)
         self.diverged = 0
-        self.fast = None  # fast_copy of the Rust tokenizer, made by encode_table once the text is long enough
+        self.fast = None  # fast_copy of the Rust tokenizer, from the first long table encode_table runs
 
     def encode(self, table, base: int):
         """``(input_ids, mask or None)``: pyarrow list arrays (int32, int8) of ``table``'s rows, the first
@@ -427,8 +428,8 @@ class _Encoder:
         check_int(batch_size, "batch_size")
         num_proc = worker_processes(1 if self.num_proc is None else check_int(self.num_proc, "num_proc"))
         n = table.num_rows
-        self._copy_if_long(table)
-        with progress_bar(total=n, unit="ex", enabled=progress, desc="chat template") as bar:
+        with self._fast(table) as self.fast, progress_bar(total=n, unit="ex", enabled=progress,
+                                                          desc="chat template") as bar:
             if num_proc > 1 and n > batch_size:
                 ids_chunks, mask_chunks, diverged = _encode_in_processes(self, table, batch_size, num_proc, bar, base)
                 self.diverged += diverged
@@ -439,14 +440,14 @@ class _Encoder:
             columns[self.mask_name] = _chunked(mask_chunks, pa.int8())
         return pa.table(columns)
 
-    def _copy_if_long(self, table) -> None:
-        """Tokenize with :func:`packkit.tokenizer.fast_copy` from the first table whose columns hold
-        :data:`~packkit.tokenizer.COPY_BYTES_PER_TOKEN` bytes a vocabulary entry (made before any fork, emptied for
-        this encoder's run)."""
+    def _fast(self, table):
+        """A context giving ``self.fast``: :func:`packkit.tokenizer.fast_copy`, its cache enlarged while ``table`` is
+        tokenized (before any fork), where its columns hold :data:`~packkit.tokenizer.COPY_BYTES_PER_TOKEN` bytes a
+        vocabulary entry; else the copy made before, if any (the same ids, the cache the user's tokenizer has)."""
         backend = hf.fast_backend(self.tok)
-        if self.fast is None and backend is not None and (
-                table.select(self.columns).nbytes >= COPY_BYTES_PER_TOKEN * backend.get_vocab_size()):
-            self.fast = fast_copy(backend)
+        if backend is None or table.select(self.columns).nbytes < COPY_BYTES_PER_TOKEN * backend.get_vocab_size():
+            return contextlib.nullcontext(self.fast)
+        return fast_copy(backend)
 
     def warn_diverged(self, n: int) -> None:
         if not self.diverged:

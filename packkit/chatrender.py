@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import DataError, Where
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
+from .pretokens import _state
 from .segments import lengths_to_offsets, range_index
 from .tokenizer import one_line
 
@@ -104,12 +105,10 @@ def _encode_fast(backend, fast, texts) -> tuple:
     (:func:`packkit.tokenizer.fast_copy`'s ``(copy, bare)``, or None: ``backend``) where a bare copy is given only the
     texts that are NFC, and whether each text is NFC (ASCII is)."""
     nfc = [t.isascii() or unicodedata.is_normalized("NFC", t) for t in texts]
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21
     copy, bare = fast or (backend, False)
-    if copy is backend:
-        return encode(texts, add_special_tokens=False), nfc
     if not bare or all(nfc):
-        return copy.encode_batch_fast(texts, add_special_tokens=False), nfc
+        encode = getattr(copy, "encode_batch_fast", copy.encode_batch)  # tokenizers >= 0.21
+        return encode(texts, add_special_tokens=False), nfc
     out = [None] * len(texts)
     for tokenizer, which in ((copy, [j for j, ok in enumerate(nfc) if ok]),
                              (backend, [j for j, ok in enumerate(nfc) if not ok])):
@@ -177,33 +176,25 @@ class ByteSpans:
     @staticmethod
     def of(backend) -> "ByteSpans | None":
         """The byte spans of ``backend``'s tokens (a ``tokenizers.Tokenizer``), or None where they would not be
-        exact (the class docstring's conditions), read from its components' settings."""
-        import json
-
-        def state(part):
-            return None if part is None else json.loads(part.__getstate__())
-
+        exact (the class docstring's conditions), read from its components' settings (``{}``: none)."""
         model = backend.model
         if not hasattr(backend, "encode_batch_fast") or type(model).__name__ != "BPE" or model.dropout:
             return None
-        norm = state(backend.normalizer)
-        if norm is not None and norm.get("type") != "NFC":
+        norm, pre, post = _state(backend.normalizer), _state(backend.pre_tokenizer), _state(backend.post_processor)
+        if norm.get("type", "NFC") != "NFC":
             return None
-        pre = state(backend.pre_tokenizer) or {}
         parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
         if not parts or parts[-1].get("type") != "ByteLevel" or parts[-1].get("add_prefix_space"):
             return None
         if any(p.get("type") != "Split" or p.get("behavior") not in _BPE_SPLITS for p in parts[:-1]):
             return None
-        post = state(backend.post_processor)
-        posts = [] if post is None else post.get("processors", []) if post.get("type") == "Sequence" else [post]
-        for p in posts:
-            if p.get("type") not in ("ByteLevel", "TemplateProcessing") or p.get("trim_offsets"):
-                return None
-        key = (id(backend), norm is not None)
+        posts = post.get("processors", []) if post.get("type") == "Sequence" else [post] if post else []
+        if any(p.get("type") not in ("ByteLevel", "TemplateProcessing") or p.get("trim_offsets") for p in posts):
+            return None
+        key = (id(backend), bool(norm))
         found = _BYTE_SPANS.get(key)
         if found is None or found.backend is not backend:
-            found = _BYTE_SPANS[key] = ByteSpans(backend, norm is not None)
+            found = _BYTE_SPANS[key] = ByteSpans(backend, bool(norm))
             while len(_BYTE_SPANS) > 4:
                 del _BYTE_SPANS[next(iter(_BYTE_SPANS))]
         return found
@@ -229,10 +220,8 @@ class ByteSpans:
         overlap each text's ``{% generation %}`` character spans, and the indices of the texts this cannot
         tell exactly (not NFC: ``nfc``, a bool a text; or their tokens do not tile their bytes), left out of the
         marks."""
-        if ids.size and int(ids.max()) >= self.lengths.size:
-            grown = np.full(int(ids.max()) + 1, -2, np.int64)
-            grown[: self.lengths.size] = self.lengths
-            self.lengths = grown
+        if ids.size and int(ids.max()) >= self.lengths.size:  # ids past the vocabulary read so far: -2, not yet read
+            self.lengths = np.concatenate([self.lengths, np.full(int(ids.max()) + 1 - self.lengths.size, -2, np.int64)])
         sizes = self.lengths[ids]
         unread = np.flatnonzero(sizes == -2)
         if unread.size:

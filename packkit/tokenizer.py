@@ -17,10 +17,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .allocators import glibc, release_freed
+from .allocators import release_freed
 from .arrow import byte_tokenize, list_array, pyarrow
 from .errors import ArgumentError, DataError, Where, arg
-from .pretokens import in_pieces, per_text
+from .pretokens import _state, in_pieces, per_text
 from .progress import progress_bar
 from .segments import lengths_to_offsets
 
@@ -217,47 +217,52 @@ def rust_tokenizer(spec, *, trust_remote_code: bool = False):
 #: distinct words in 1,000 ShareGPT conversations, ~150 bytes each.
 CACHE_WORDS = 1 << 18
 
-#: Text bytes per vocabulary entry from which a :func:`fast_copy` pays: Qwen3's (151,669 entries) took 0.8 s CPU to
-#: make and saved ~1.2 s on 1,000 ShareGPT conversations (7.0 M characters rendered).
+#: Words ``tokenizers``' BPE remembers (``DEFAULT_CACHE_CAPACITY``): every tokenizer read from a file has it.
+TOKENIZERS_CACHE_WORDS = 10_000
+
+#: Text bytes per vocabulary entry from which :func:`fast_copy`'s larger cache pays for the user's cache it empties
+#: (Qwen3's, 151,669 entries: it saved ~1.2 s on 1,000 ShareGPT conversations, 7.0 M characters rendered).
 COPY_BYTES_PER_TOKEN = 32
 
-_COPIES: dict = {}  # id(backend) -> (backend, copy, bare): made once a process, its cache emptied for each run
 
+@contextlib.contextmanager
+def fast_copy(backend):
+    """Yields ``(copy, bare)``: the Rust tokenizer ``backend``, or one around its own model, that gives the same ids
+    for less CPU over a long run of texts. For the block its BPE remembers :data:`CACHE_WORDS` words (the original's
+    cache is full after 10,000 and every other word is merged again at each occurrence), and where ``backend``'s
+    normalizer is NFC alone the copy has none (``bare``): give it only texts that are NFC
+    (``unicodedata.is_normalized("NFC", text)``), which NFC leaves as they are, the others to ``backend``.
 
-def fast_copy(backend, *, clear: bool = True) -> tuple:
-    """``(copy, bare)``: a copy of the Rust tokenizer ``backend`` that gives the same ids for less CPU over a long
-    run of texts, or ``(backend, False)`` where no copy would be faster. Its BPE remembers :data:`CACHE_WORDS` words
-    (the original's cache is full after 10,000 and every other word is merged again at each occurrence), and where
-    ``backend``'s normalizer is NFC alone the copy has none (``bare``): give it only texts that are NFC
-    (``unicodedata.is_normalized("NFC", text)``), which NFC leaves as they are, the others to ``backend``. Made once
-    (0.8 s for Qwen3's tokenizer), its cache emptied when ``clear``, so that a run starts as cold as the original."""
-    found = _COPIES.get(id(backend))
-    if found is None or found[0] is not backend:
-        found = _COPIES[id(backend)] = (backend, *_copy(backend))
-        while len(_COPIES) > 2:
-            del _COPIES[next(iter(_COPIES))]
-    if clear and found[1] is not backend:
-        found[1].model._clear_cache()
-    return found[1], found[2]
+    The model is not copied (through the JSON, Qwen3's took 0.5-0.6 s CPU and +91 MiB): ``backend`` shares the block's
+    cache, emptied, and has :data:`TOKENIZERS_CACHE_WORDS` after it, emptied. The ids never depend on it; its size
+    cannot be read (no getter; ``repr``, ``to_str``, pickle leave it out) and is 10,000 in a tokenizer read from a
+    file. Threads encoding meanwhile wait on the model's lock while it is resized, and get the same ids."""
+    model = backend.model
+    bpe = type(model).__name__ == "BPE" and hasattr(model, "_resize_cache")
+    if bpe:
+        model._resize_cache(CACHE_WORDS)
+    try:
+        yield _copy(backend)
+    finally:
+        if bpe:
+            model._resize_cache(TOKENIZERS_CACHE_WORDS)
 
 
 def _copy(backend) -> tuple:
-    """:func:`fast_copy`'s ``(copy, bare)``, made."""
-    import json
+    """:func:`fast_copy`'s ``(copy, bare)``: ``backend`` where its normalizer is not NFC alone, or where a copy
+    around its model would differ: its added tokens (ids and every setting), truncation or padding."""
+    from tokenizers import Tokenizer
 
-    norm = backend.normalizer
-    bare = norm is not None and json.loads(norm.__getstate__()).get("type") == "NFC"
-    if not (bare or type(backend.model).__name__ == "BPE") or not hasattr(backend.model, "_resize_cache"):
+    if _state(backend.normalizer).get("type") != "NFC" or backend.truncation or backend.padding:
         return backend, False
-    copy = type(backend).from_str(backend.to_str())
-    copy.encode_special_tokens = backend.encode_special_tokens  # a setting to_str leaves out
-    libc = glibc()  # the JSON the copy was made through (Qwen3's: +91 MiB resident) handed back, +8 MiB kept
-    if libc is not None:
-        libc.malloc_trim(0)
-    if bare:
-        copy.normalizer = None
-    copy.model._resize_cache(CACHE_WORDS)
-    return copy, bare
+    copy = Tokenizer(backend.model)  # the same Rust model (vocabulary, merges, cache), not a copy of it
+    copy.pre_tokenizer, copy.post_processor = backend.pre_tokenizer, backend.post_processor
+    added = backend.get_added_tokens_decoder()
+    for i in sorted(added):  # in id order: each comes out with the next id, as it was given
+        (copy.add_special_tokens if added[i].special else copy.add_tokens)([added[i]])
+    copy.encode_special_tokens = backend.encode_special_tokens
+    same = [{i: repr(t) for i, t in tok.get_added_tokens_decoder().items()} for tok in (copy, backend)]
+    return (copy, True) if same[0] == same[1] else (backend, False)  # repr: every setting (== reads the content)
 
 
 def tokenizer_name(tokenizer) -> str:
