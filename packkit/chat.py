@@ -575,6 +575,11 @@ def worker_processes(num_proc: int, cores: int | None = None, pool: bool | None 
     if pool is None:
         value = c_getenv("TOKENIZERS_PARALLELISM")
         pool = value is None or value.lower() not in ("", "off", "false", "f", "no", "n", "0")
+        if not pool and num_proc <= 1 and cores > 1 and os.environ.get("TOKENIZERS_PARALLELISM") != value:
+            warnings.warn(f"TOKENIZERS_PARALLELISM={value!r} in the C environment, not in os.environ (datasets' "
+                          f"map(num_proc) leaves it so): the tokenizer runs on 1 of {cores} cores; set "
+                          "os.environ['TOKENIZERS_PARALLELISM'] = 'true' (or 'false', to keep 1 and silence this)",
+                          ChatWarning, stacklevel=4)
     if num_proc <= 1 or not pool:
         return max(1, num_proc)
     return num_proc if min(num_proc, cores) / WORKER_CPU > 1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores) else 1

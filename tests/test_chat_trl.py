@@ -188,3 +188,32 @@ def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
     finally:
         os_env.unsetenv("TOKENIZERS_PARALLELISM")
     assert w(2, 2) == 1
+
+
+def test_a_pool_turned_off_behind_pythons_back_is_said(tok_dir, monkeypatch):
+    """``datasets``' ``map(num_proc)`` leaves ``TOKENIZERS_PARALLELISM=false`` in the C environment alone (os.environ
+    says nothing), so one process tokenizes on one thread of many cores. Regression: said nowhere (the silence rule).
+    Set in os.environ (the user's own choice), or with ``num_proc`` processes taken, nothing is said."""
+    import os
+
+    from packkit import chat
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS])
+    monkeypatch.setattr(chat.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    try:
+        os.putenv("TOKENIZERS_PARALLELISM", "false")
+        with pytest.warns(chat.ChatWarning, match=r"TOKENIZERS_PARALLELISM='false' in the C environment, not in "
+                                                  r"os.environ .* runs on 1 of 2 cores; set os.environ"):
+            tokenize_chat(table, tok)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert chat.worker_processes(2) == 2
+    finally:
+        os.unsetenv("TOKENIZERS_PARALLELISM")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    with warnings.catch_warnings(record=True) as also:
+        warnings.simplefilter("always")
+        tokenize_chat(table, tok)
+    assert not [w for w in caught + also if "TOKENIZERS_PARALLELISM" in str(w.message)]
