@@ -36,11 +36,16 @@ import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 
 from benchlib import emit_json, loadavg, package_at, ratio_spread, versions
+
+# the working tree's packkit, not the one the venv installed (from a worktree with main's venv, main's: a bench
+# run there measured main against the baseline)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
