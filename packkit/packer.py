@@ -27,9 +27,11 @@ Rows are not padded here: the collators pad windows to ``W`` at batch time.
 
 Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the windows planned by
 :func:`packkit.streamplan.stream_windows`, best fit inside a bounded buffer), with the same label rule. Its
-state (:meth:`PackedStream.state_dict`, between two rows) holds the buffered examples' tokens, so
-:meth:`~PackedStream.load_state_dict` resumes exactly once: the same rows on the same shards, every example
-once on another number of shards (:mod:`packkit.streaming` runs it behind a DataLoader)::
+state (:meth:`PackedStream.state_dict`, between two rows) holds where its buffered pieces are in the source
+and their CRC, not their tokens: :meth:`~PackedStream.load_state_dict` reads the source again from its start
+(as it must to find its place) and takes the pieces back from it, checked, so it resumes exactly once: the
+same rows on the same shards, every example once on another number of shards (:mod:`packkit.streaming` runs
+it behind a DataLoader)::
 
     >>> src = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6]}, {"input_ids": [7, 8, 9]}]
     >>> stream = pack_stream(src, window=4, buffer_size=2)
@@ -43,8 +45,6 @@ once on another number of shards (:mod:`packkit.streaming` runs it behind a Data
 
 from __future__ import annotations
 
-import base64
-import binascii
 import collections.abc
 import dataclasses
 import logging
@@ -605,8 +605,9 @@ class StreamStats:
         return self.packed_tokens / (self.windows * self.window) if self.windows else 1.0
 
 
-#: The version of the state :meth:`PackedStream.state_dict` writes, the only one :meth:`~PackedStream.load_state_dict` reads.
-STREAM_STATE_VERSION = 1
+#: The version of the state :meth:`PackedStream.state_dict` writes, the only one :meth:`~PackedStream.load_state_dict` reads
+#: (version 1 held the buffered pieces' tokens, as base64).
+STREAM_STATE_VERSION = 2
 #: What :class:`StreamStats` counts (and a stream state carries).
 STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens", "truncated_examples",
                  "dropped_examples", "split_examples")
@@ -615,6 +616,10 @@ STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens",
 def _token_digest(ids) -> int:
     """CRC-32 of token ids as int64 (whatever their dtype): ``_token_digest([1, 2]) == _token_digest(np.int32([1, 2]))``."""
     return zlib.crc32(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+
+
+#: The count an overflow policy adds an example it cut or dropped to.
+_OVERFLOW_COUNT = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
 
 
 def _dataset_rows(ds, batch_size: int = 256):
@@ -633,10 +638,10 @@ class PackedStream:
     index in the source is ``s`` modulo ``S``; every shard reads the source from its start.
 
     State (:meth:`state_dict`, taken between two rows): the options, the examples read (everything before
-    ``position`` of this shard's share, and the indices in ``skip``), the buffer of examples read and not yet
-    packed, with their tokens, the pieces of an example cut but not yet buffered (``pending``), the counts,
-    and the CRC of the last example read. :meth:`load_state_dict` restores it; a list of every shard's
-    state resumes on any number of shards.
+    ``position`` of this shard's share, and the indices in ``skip``), the buffer of pieces read and not yet
+    packed and the pieces of an example cut but not yet buffered (``pending``), each as where it is in the
+    source and the CRC of its tokens, the counts, and the CRC of the last example read.
+    :meth:`load_state_dict` restores it; a list of every shard's state resumes on any number of shards.
     """
 
     def __init__(self, examples, *, window, buffer_size, overflow, columns, mask_first_label, example_ids,
@@ -665,13 +670,19 @@ class PackedStream:
     def _restore(self, pos: "_StreamPosition") -> None:
         """Start from ``pos``: the source is read again from its start when the next row is asked for."""
         self._start, self._skip, self._position = pos.start, frozenset(pos.skip), pos.position
+        self._begin = pos.position  # examples before it (but those in skip) were read before this resume
         self._checks = dict(pos.checks)
         self._counts = dict(pos.counts)
         self._pending = collections.deque(pos.pending)
         self._buffer = StreamBuffer(pos.items)
         self._entries, self._entries_seen, self._entries_gone = {}, 0, 0  # the buffer's state entries (_buffer_entries)
+        self._unread = {}  # example index -> the restored pieces of it whose tokens are to be read again
+        for p, _ in (*pos.items, *pos.pending):
+            if p[2] is None:
+                self._unread.setdefault(p[0], []).append(p)
         self._last = None  # (index, token ids or their digest) of the last example read
         self._read_any = False
+        self._reader = self._read()
         self._rows = stream_windows(self._items(), window=self.window, buffer_size=self._buffer_size,
                                     buffer=self._buffer)
 
@@ -752,52 +763,92 @@ class PackedStream:
             raise DataError(f"example {j} of the source is not the example {j} the stream state was saved after "
                             "(its tokens differ): resume over the same source, iterated from its start")
 
-    def _items(self):
-        """``(payload, length)`` of every piece of this shard's examples, the ``pending`` pieces first.
-
-        A payload is ``[example index, start in the example, {column: array}, cached state entry, whole example's
-        loss tokens]`` (the last None unless the example is split into several pieces and ``example_ids``)."""
-        W, counts, pending = self.window, self._counts, self._pending
-        S, s, begin, skip, checks = self._num_shards, self._shard, self._position, self._skip, self._checks
-        key = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
-        while pending:
-            yield pending.popleft()
+    def _read(self):
+        """``(index, example)`` of the source from its start, shared by :meth:`_refill` and :meth:`_items`; the
+        example a state was saved after is checked by its CRC as it passes, and the source refused by name if it
+        ends before it or before an example whose pieces the state holds."""
+        checks = self._checks
         self._read_any = True
         for j, ex in enumerate(self._source()):
             if checks and j in checks:
                 self._check_digest(j, ex)
-            if j < begin or j % S != s or j in skip:  # read before this resume, or another shard's
-                continue
-            arrays = self._example_arrays(j, ex)
-            self._position, self._last = j + 1, (j, arrays[self._columns[0]])
-            got = []
-            for arrays, recorded in zip(*self._documents(j, ex, arrays)):  # a packed row: its documents
-                n = arrays[self._columns[0]].size
-                counts["examples"] += 1
-                counts["tokens"] += n
-                if n <= W:
-                    got.append(([j, 0, arrays, None, recorded], n))
-                    continue
-                pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=j)
-                counts["cut_tokens"] += pieces.cut_tokens
-                counts[key[self._overflow]] += 1
-                starts, lengths = pieces.start.tolist(), pieces.length.tolist()
-                whole = None  # split: its pieces' loss tokens (for a recorded example's piece, its count less the piece's)
-                if self._example_ids and starts and (len(starts) > 1 or recorded is not None):
-                    whole = self._whole_loss(arrays, starts, lengths) + (
-                        0 if recorded is None else recorded - self._whole_loss(arrays, [0], [n]))
-                for p, length in zip(starts, lengths):
-                    got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None, whole], length))
+            yield j, ex
+        if checks or self._unread:  # the source ended before an example the state was saved after or holds
+            j = min([*checks, *self._unread])
+            what = "was saved after" if j in checks else "holds a piece of"
+            raise DataError(f"the source ended before example {j}, which the stream state {what}: resume over the "
+                            "same source, iterated from its start")
+
+    def _refill(self) -> None:
+        """Give the pieces a loaded state holds their tokens, read again from the source (from its start, up
+        to the last example they come from), each checked against the CRC it was saved with. The examples this
+        shard packs that are read on the way (a resume on other shards) are cut into pending pieces, after the
+        restored ones, as :meth:`_items` would have."""
+        unread = self._unread
+        for j, ex in self._reader:
+            self._pending.extend(self._pieces(j, ex))
+            waiting = unread.pop(j, None)
+            if waiting:
+                arrays = self._example_arrays(j, ex)
+                docs = self._documents(j, ex, arrays)[0]
+                for p in waiting:
+                    _, d, start, n, crc = p[3][:5]
+                    piece = None
+                    if d < len(docs) and start + n <= docs[d][self._columns[0]].size:
+                        piece = {c: a[start: start + n] for c, a in docs[d].items()}
+                    if piece is None or _piece_crc(piece) != crc:
+                        raise DataError(f"example {j} of the source is not the example {j} the stream state holds a "
+                                        f"piece of (its tokens {start} to {start + n} of document {d} differ): "
+                                        "resume over the same source, iterated from its start")
+                    p[2] = piece
+            if not unread:
+                return
+
+    def _items(self):
+        """``(payload, length)`` of every piece of this shard's examples, the ``pending`` pieces first."""
+        pending = self._pending
+        while pending:
+            yield pending.popleft()
+        for j, ex in self._reader:
+            got = self._pieces(j, ex)
             if len(got) == 1:
                 yield got[0]
             else:  # pieces not yet buffered are part of the state while the buffer takes them one by one
                 pending.extend(got)
                 while pending:
                     yield pending.popleft()
-        if checks:  # the source ended before an example the state was saved after
-            j = min(checks)
-            raise DataError(f"the source ended before example {j}, which the stream state was saved after: resume "
-                            "over the same source, iterated from its start")
+
+    def _pieces(self, j: int, ex) -> list:
+        """``(payload, length)`` of the pieces of example ``j`` when this shard packs it (none when it was read
+        before this resume or is another shard's), counted in :attr:`stats`.
+
+        A payload is ``[example index, start in the document, {column: array}, cached state entry, whole
+        example's loss tokens, document in the example]`` (the loss tokens None unless the example is split
+        into several pieces and ``example_ids``; the document 0 unless the example is a packed row)."""
+        if j < self._begin or j % self._num_shards != self._shard or j in self._skip:
+            return []
+        W, counts = self.window, self._counts
+        arrays = self._example_arrays(j, ex)
+        self._position, self._last = j + 1, (j, arrays[self._columns[0]])
+        got = []
+        for d, (arrays, recorded) in enumerate(zip(*self._documents(j, ex, arrays))):  # a packed row: its documents
+            n = arrays[self._columns[0]].size
+            counts["examples"] += 1
+            counts["tokens"] += n
+            if n <= W:
+                got.append(([j, 0, arrays, None, recorded, d], n))
+                continue
+            pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=j)
+            counts["cut_tokens"] += pieces.cut_tokens
+            counts[_OVERFLOW_COUNT[self._overflow]] += 1
+            starts, lengths = pieces.start.tolist(), pieces.length.tolist()
+            whole = None  # split: its pieces' loss tokens (for a recorded example's piece, its count less the piece's)
+            if self._example_ids and starts and (len(starts) > 1 or recorded is not None):
+                whole = self._whole_loss(arrays, starts, lengths) + (
+                    0 if recorded is None else recorded - self._whole_loss(arrays, [0], [n]))
+            for p, length in zip(starts, lengths):
+                got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None, whole, d], length))
+        return got
 
     def _whole_loss(self, arrays: dict, starts: list, lengths: list) -> int:
         """The loss tokens of an example split into pieces at ``starts`` (``lengths`` tokens each), as its rows
@@ -811,6 +862,8 @@ class PackedStream:
         return self
 
     def __next__(self) -> dict:
+        if self._unread:
+            self._refill()
         win = next(self._rows)
         cols = self._columns
         lengths = np.array([p[2][cols[0]].size for p in win], np.int32)
@@ -837,9 +890,10 @@ class PackedStream:
     def state_dict(self) -> dict:
         """Where this shard of the stream is, between two rows: JSON-safe, loaded by :meth:`load_state_dict`.
 
-        Holds the tokens of the examples buffered (at most ``buffer_size`` examples), each column as base64
-        text of its bytes with its dtype; an entry is built once and keeps its key, so saving after every
-        row, as torchdata's ``StatefulDataLoader`` does, encodes (and sends) the new entries only.
+        Holds where each piece buffered (at most ``buffer_size``) or pending is in the source and the CRC of
+        its columns, not its tokens (:func:`_item_entry`): a few integers a piece whatever its length, built
+        once and kept under its key, so that saving after every row, as torchdata's ``StatefulDataLoader``
+        does, builds (and sends) the new entries only.
         """
         checks = dict(self._checks)
         if self._last is not None:
@@ -904,7 +958,8 @@ class PackedStream:
 
         Every field is checked first (type, range, consistency with this stream's options and shard); a
         refused state leaves the stream as it was. The source is read again from its start up to the
-        position (not packed); the example the state was saved after is checked by its CRC then.
+        position (not packed): the example the state was saved after is checked by its CRC then, and the
+        pieces the state holds take their tokens from it again before the first row, each checked by its CRC.
         """
         states = state if isinstance(state, (list, tuple)) else None
         if states is not None:
@@ -959,7 +1014,6 @@ class PackedStream:
             if not ok or not (0 <= pair[0] < max(position, 1 + max(skip, default=-1))) or not 0 <= pair[1] < 2**32:
                 f.fail("checks", f"{pair!r} is not an [example read, crc32] pair")
             checks[int(pair[0])] = int(pair[1])
-        cols = read if read is not None else []
         raw = f.get("buffer")
         if not isinstance(raw, collections.abc.Mapping):
             f.fail("buffer", f"must be a dict of buffered examples, got {type(raw).__name__}", StateTypeError)
@@ -967,11 +1021,11 @@ class PackedStream:
             order = sorted(raw, key=int)
         except (TypeError, ValueError):
             f.fail("buffer", "its keys must be the arrival numbers state_dict() wrote")
-        items = [_parse_item(f, "buffer", k, raw[k], cols, self.window) for k in order]
+        items = [_parse_item(f, "buffer", k, raw[k], self.window) for k in order]
         raw = f.get("pending")
         if not isinstance(raw, list):
             f.fail("pending", f"must be a list of pieces, got {type(raw).__name__}", StateTypeError)
-        pending = [_parse_item(f, "pending", k, x, cols, self.window) for k, x in enumerate(raw)]
+        pending = [_parse_item(f, "pending", k, x, self.window) for k, x in enumerate(raw)]
         skipped = set(skip)
         for name, group in (("buffer", items), ("pending", pending)):
             for k, (p, _) in enumerate(group):
@@ -1033,54 +1087,48 @@ def _segment_loss(labels, lengths: np.ndarray, mask_first_label: bool, *, starts
     return csum[starts + lengths] - csum[first]
 
 
+def _piece_crc(arrays: dict) -> int:
+    """CRC-32 of a piece's columns, their bytes one after the other in their dtypes: what a state keeps of the
+    piece's values, to check them by when they are read again. ``_piece_crc({"input_ids": np.int32([1, 2])})
+    == zlib.crc32(np.int32([1, 2]).tobytes())``."""
+    crc = 0
+    for a in arrays.values():
+        crc = zlib.crc32(np.ascontiguousarray(a), crc)
+    return crc
+
+
 def _item_entry(payload) -> list:
-    """The state entry of a buffered piece, built once per piece: ``[example, start, {column: base64 of its
-    bytes}, {column: dtype}]`` (``"<i4"``), and a fifth item for a piece of an example split into several, its
-    whole example's loss tokens (``example_loss``): JSON-safe, compact, exact in its dtype, and one value (not a
-    dict) so that torchdata's incremental worker state compares and sends it whole or not at all."""
+    """The state entry of a buffered or pending piece, built once per piece: ``[example, document, start,
+    length, crc32]`` (the document 0 but in a packed row; the CRC :func:`_piece_crc`'s), and a sixth item for a
+    piece of an example split into several, its whole example's loss tokens (``example_loss``). Where the piece
+    is in the source, not its tokens: :meth:`PackedStream._refill` reads them again and checks them by the CRC.
+    JSON-safe, a few integers whatever the piece's length (base64 of the tokens, version 1, cost 11 us a
+    1,400-token piece), and one value (not a dict) so that torchdata's incremental worker state compares and
+    sends it whole or not at all."""
     if payload[3] is None:
         arrays = payload[2]
-        payload[3] = [payload[0], payload[1],
-                      {c: binascii.b2a_base64(np.ascontiguousarray(a), newline=False).decode("ascii")
-                       for c, a in arrays.items()},
-                      {c: a.dtype.str for c, a in arrays.items()}] + ([] if payload[4] is None else [payload[4]])
+        payload[3] = [payload[0], payload[5], payload[1], next(iter(arrays.values())).size, _piece_crc(arrays)] + (
+            [] if payload[4] is None else [payload[4]])
     return payload[3]
 
 
-def _parse_item(f, name: str, k, raw, cols: list, window: int):
-    """One state entry back to ``(payload, length)``, every part checked (errors name ``name`` and the entry)."""
+def _parse_item(f, name: str, k, raw, window: int):
+    """One state entry back to ``(payload, length)``, every part checked (errors name ``name`` and the entry);
+    the payload's columns are None until :meth:`PackedStream._refill` reads them from the source."""
     where = f"entry {k}"
-    if not isinstance(raw, (list, tuple)) or len(raw) not in (4, 5):
-        f.fail(name, f"{where} must be [example, start, {{column: base64}}, {{column: dtype}}] and, for a piece of "
-               "an example split in several, its example's loss tokens", StateTypeError)
-    j, p, tokens, dtypes = raw[:4]
-    whole = raw[4] if len(raw) == 5 else None
-    for what, v in (("example", j), ("start", p)) + ((("example loss", whole),) if whole is not None else ()):
+    if not isinstance(raw, (list, tuple)) or len(raw) not in (5, 6):
+        f.fail(name, f"{where} must be [example, document, start, length, crc32] and, for a piece of an example "
+               "split in several, its example's loss tokens", StateTypeError)
+    for what, v in zip(("example", "document", "start", "length", "crc32", "example loss"), raw):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             f.fail(name, f"{where}: {what} must be an integer of at least 0, got {v!r}")
-    if not isinstance(tokens, collections.abc.Mapping) or not isinstance(dtypes, collections.abc.Mapping) \
-            or sorted(tokens) != sorted(cols) or sorted(dtypes) != sorted(cols):
-        f.fail(name, f"{where}: tokens and dtypes must hold the columns {cols}")
-    arrays, n = {}, None
-    for c in cols:
-        try:
-            dtype = np.dtype(dtypes[c])
-            if dtype.kind not in "iub":
-                raise TypeError(dtype)
-            data = base64.b64decode(tokens[c], validate=True)
-            if len(data) % dtype.itemsize:
-                raise ValueError(len(data))
-            a = np.frombuffer(data, dtype).copy()  # writable, owned
-        except (TypeError, ValueError, binascii.Error):
-            f.fail(name, f"{where}: column {c!r} must be base64 of {dtypes[c]!r} values (an integer dtype)")
-        if (n is not None and a.size != n) or not 1 <= a.size <= window:
-            f.fail(name, f"{where}: column {c!r} has {a.size} values; every column needs the piece's 1 to "
-                   f"window={window} tokens")
-        n = a.size
-        if c == cols[0] and a.min() < 0:
-            f.fail(name, f"{where}: a negative token id ({int(a.min())})")
-        arrays[c] = a
-    return [int(j), int(p), arrays, None, None if whole is None else int(whole)], n
+    j, d, p, n, crc = (int(v) for v in raw[:5])
+    if not 1 <= n <= window:
+        f.fail(name, f"{where}: the piece has {n} tokens; a piece has 1 to window={window}")
+    if crc >= 2**32:
+        f.fail(name, f"{where}: crc32 {crc} is not a CRC-32 (below 2**32)")
+    whole = int(raw[5]) if len(raw) == 6 else None
+    return [j, p, None, [j, d, p, n, crc] + ([] if whole is None else [whole]), whole, d], n
 
 
 def _int_list(f, name: str, *, low: int) -> list:
@@ -1130,7 +1178,8 @@ def _share(parsed: list, *, shard: int, num_shards: int) -> _StreamPosition:
     for p in parsed:
         a = new_start + (p.shard - new_start) % S
         new_skip.update(range(a, p.pos.position, S))
-    pieces = sorted((item for p in parsed for item in (*p.pos.items, *p.pos.pending)), key=lambda it: it[0][:2])
+    pieces = sorted((item for p in parsed for item in (*p.pos.items, *p.pos.pending)),
+                    key=lambda it: (it[0][0], it[0][5], it[0][1]))
     mine = [it for it in pieces if it[0][0] % num_shards == shard]
     counts = {k: sum(p.pos.counts[k] for p in parsed) if shard == 0 else 0 for k in STREAM_COUNTS}
     checks = {j: c for p in parsed for j, c in p.pos.checks.items()}
