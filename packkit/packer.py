@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import itertools
 import logging
 import numbers
 import sys
@@ -614,12 +615,19 @@ STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens",
 
 
 def _token_digest(ids) -> int:
-    """CRC-32 of token ids as int64 (whatever their dtype): ``_token_digest([1, 2]) == _token_digest(np.int32([1, 2]))``."""
-    return zlib.crc32(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
+    """CRC-32 of token ids' bytes in their dtype (as the source gives them again), no copy of a contiguous array:
+    ``_token_digest(np.int32([1, 2])) == zlib.crc32(np.int32([1, 2]).tobytes())``."""
+    return zlib.crc32(np.ascontiguousarray(ids))
 
 
 #: The count an overflow policy adds an example it cut or dropped to.
 _OVERFLOW_COUNT = {"truncate": "truncated_examples", "drop": "dropped_examples", "split": "split_examples"}
+
+
+def _popped(queue: collections.deque):
+    """The items of ``queue``, each taken out as it is given: ``list(_popped(deque([1, 2]))) -> [1, 2]``."""
+    while queue:
+        yield queue.popleft()
 
 
 def _dataset_rows(ds, batch_size: int = 256):
@@ -682,7 +690,8 @@ class PackedStream:
                 self._unread.setdefault(p[0], []).append(p)
         self._last = None  # (index, token ids or their digest) of the last example read
         self._read_any = False
-        self._reader = self._read()
+        self._reader = None  # enumerate(source), shared by _refill and _items (made by the first of them)
+        self._ahead = collections.deque()  # (index, example) read by _refill that this shard packs
         self._rows = stream_windows(self._items(), window=self.window, buffer_size=self._buffer_size,
                                     buffer=self._buffer)
 
@@ -764,29 +773,33 @@ class PackedStream:
                             "(its tokens differ): resume over the same source, iterated from its start")
 
     def _read(self):
-        """``(index, example)`` of the source from its start, shared by :meth:`_refill` and :meth:`_items`; the
-        example a state was saved after is checked by its CRC as it passes, and the source refused by name if it
-        ends before it or before an example whose pieces the state holds."""
-        checks = self._checks
-        self._read_any = True
-        for j, ex in enumerate(self._source()):
-            if checks and j in checks:
-                self._check_digest(j, ex)
-            yield j, ex
-        if checks or self._unread:  # the source ended before an example the state was saved after or holds
-            j = min([*checks, *self._unread])
-            what = "was saved after" if j in checks else "holds a piece of"
-            raise DataError(f"the source ended before example {j}, which the stream state {what}: resume over the "
-                            "same source, iterated from its start")
+        """The source's ``(index, example)`` from its start, once per stream (see :meth:`_source`)."""
+        if self._reader is None:
+            self._read_any = True
+            self._reader = enumerate(self._source())
+        return self._reader
+
+    def _mine(self, j: int) -> bool:
+        """Whether this shard packs example ``j`` now: not read before this resume, not another shard's."""
+        return j >= self._begin and j % self._num_shards == self._shard and j not in self._skip
+
+    def _source_ended(self):
+        """Refuse a source that ended before an example the state was saved after or holds a piece of."""
+        j = min([*self._checks, *self._unread])
+        what = "was saved after" if j in self._checks else "holds a piece of"
+        raise DataError(f"the source ended before example {j}, which the stream state {what}: resume over the same "
+                        "source, iterated from its start")
 
     def _refill(self) -> None:
         """Give the pieces a loaded state holds their tokens, read again from the source (from its start, up
         to the last example they come from), each checked against the CRC it was saved with. The examples this
-        shard packs that are read on the way (a resume on other shards) are cut into pending pieces, after the
-        restored ones, as :meth:`_items` would have."""
-        unread = self._unread
-        for j, ex in self._reader:
-            self._pending.extend(self._pieces(j, ex))
+        shard packs that are read on the way (a resume on other shards) wait for :meth:`_items`."""
+        checks, unread = self._checks, self._unread
+        for j, ex in self._read():
+            if checks and j in checks:
+                self._check_digest(j, ex)
+            if self._mine(j):
+                self._ahead.append((j, ex))
             waiting = unread.pop(j, None)
             if waiting:
                 arrays = self._example_arrays(j, ex)
@@ -803,52 +816,50 @@ class PackedStream:
                     p[2] = piece
             if not unread:
                 return
+        self._source_ended()
 
     def _items(self):
-        """``(payload, length)`` of every piece of this shard's examples, the ``pending`` pieces first."""
-        pending = self._pending
+        """``(payload, length)`` of every piece of this shard's examples, the ``pending`` pieces first.
+
+        A payload is ``[example index, start in the document, {column: array}, cached state entry, whole
+        example's loss tokens, document in the example]`` (the loss tokens None unless the example is split
+        into several pieces and ``example_ids``; the document 0 unless the example is a packed row)."""
+        W, counts, pending, checks, mine = self.window, self._counts, self._pending, self._checks, self._mine
         while pending:
             yield pending.popleft()
-        for j, ex in self._reader:
-            got = self._pieces(j, ex)
+        for j, ex in itertools.chain(_popped(self._ahead), self._read()):
+            if checks and j in checks:
+                self._check_digest(j, ex)
+            if not mine(j):  # read before this resume, or another shard's
+                continue
+            arrays = self._example_arrays(j, ex)
+            self._position, self._last = j + 1, (j, arrays[self._columns[0]])
+            got = []
+            for d, (arrays, recorded) in enumerate(zip(*self._documents(j, ex, arrays))):  # a packed row: documents
+                n = arrays[self._columns[0]].size
+                counts["examples"] += 1
+                counts["tokens"] += n
+                if n <= W:
+                    got.append(([j, 0, arrays, None, recorded, d], n))
+                    continue
+                pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=j)
+                counts["cut_tokens"] += pieces.cut_tokens
+                counts[_OVERFLOW_COUNT[self._overflow]] += 1
+                starts, lengths = pieces.start.tolist(), pieces.length.tolist()
+                whole = None  # split: its pieces' loss tokens (for a recorded example's piece, its count less the piece's)
+                if self._example_ids and starts and (len(starts) > 1 or recorded is not None):
+                    whole = self._whole_loss(arrays, starts, lengths) + (
+                        0 if recorded is None else recorded - self._whole_loss(arrays, [0], [n]))
+                for p, length in zip(starts, lengths):
+                    got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None, whole, d], length))
             if len(got) == 1:
                 yield got[0]
             else:  # pieces not yet buffered are part of the state while the buffer takes them one by one
                 pending.extend(got)
                 while pending:
                     yield pending.popleft()
-
-    def _pieces(self, j: int, ex) -> list:
-        """``(payload, length)`` of the pieces of example ``j`` when this shard packs it (none when it was read
-        before this resume or is another shard's), counted in :attr:`stats`.
-
-        A payload is ``[example index, start in the document, {column: array}, cached state entry, whole
-        example's loss tokens, document in the example]`` (the loss tokens None unless the example is split
-        into several pieces and ``example_ids``; the document 0 unless the example is a packed row)."""
-        if j < self._begin or j % self._num_shards != self._shard or j in self._skip:
-            return []
-        W, counts = self.window, self._counts
-        arrays = self._example_arrays(j, ex)
-        self._position, self._last = j + 1, (j, arrays[self._columns[0]])
-        got = []
-        for d, (arrays, recorded) in enumerate(zip(*self._documents(j, ex, arrays))):  # a packed row: its documents
-            n = arrays[self._columns[0]].size
-            counts["examples"] += 1
-            counts["tokens"] += n
-            if n <= W:
-                got.append(([j, 0, arrays, None, recorded, d], n))
-                continue
-            pieces = apply_overflow([n], window=W, overflow=self._overflow, in_order=True, first=j)
-            counts["cut_tokens"] += pieces.cut_tokens
-            counts[_OVERFLOW_COUNT[self._overflow]] += 1
-            starts, lengths = pieces.start.tolist(), pieces.length.tolist()
-            whole = None  # split: its pieces' loss tokens (for a recorded example's piece, its count less the piece's)
-            if self._example_ids and starts and (len(starts) > 1 or recorded is not None):
-                whole = self._whole_loss(arrays, starts, lengths) + (
-                    0 if recorded is None else recorded - self._whole_loss(arrays, [0], [n]))
-            for p, length in zip(starts, lengths):
-                got.append(([j, p, {c: a[p: p + length] for c, a in arrays.items()}, None, whole, d], length))
-        return got
+        if checks:
+            self._source_ended()
 
     def _whole_loss(self, arrays: dict, starts: list, lengths: list) -> int:
         """The loss tokens of an example split into pieces at ``starts`` (``lengths`` tokens each), as its rows
