@@ -98,7 +98,7 @@ def state_costs(window: int) -> dict:
     fresh = pack_stream(src, window=window, buffer_size=1000, overflow="split")
     load, _ = cpu(lambda: fresh.load_state_dict(state))
     first, _ = cpu(lambda: next(fresh))  # the source read again up to the position (not packed), then a row
-    tokens = sum(v[3] for v in state["buffer"].values())  # [example, document, start, length, crc32, ...]
+    pieces = [e for group in state["buffer"].values() for e in group]  # [example, document, start, length, crc32..]
     delta = None
     try:
         from torchdata.stateful_dataloader.incremental_state import _IncrementalState
@@ -110,7 +110,7 @@ def state_costs(window: int) -> dict:
             next(stream)
             times.append(cpu(lambda: incremental.generate_delta(stream.state_dict()))[0])
         delta = statistics.median(times)
-    return {"buffered": len(state["buffer"]), "buffered_tokens": tokens, "json_mb": len(text) / 2**20,
+    return {"buffered": len(pieces), "buffered_tokens": sum(e[3] for e in pieces), "json_mb": len(text) / 2**20,
             "state_dict_cold_ms": cold, "state_dict_warm_ms": warm, "load_ms": load,
             "first_row_after_load_ms": first, "torchdata_delta_ms": delta}
 
