@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import warnings
@@ -21,6 +22,7 @@ from . import jsonlines
 from .arrow import pyarrow, replay
 from .binpack import as_lengths
 from .chatoptions import ChatOptions
+from .csr import batch_sums
 from .epoch import Lengths
 from .errors import DataError, Message, MissingError, PackkitError, arg
 from .rules import not_integer, segment_key
@@ -57,23 +59,15 @@ def _readers():
     return readers
 
 
-def _tokenizers():
-    """:mod:`packkit.tokenizer`, imported where text is tokenized or a tokenizer named (not for token ids)."""
-    from . import tokenizer  # lazy: the tokenizers, for text or pairs to tokenize only
-    return tokenizer
-
-
 def __getattr__(name: str):
     """What :mod:`packkit.tokenizer`, :mod:`packkit.readers` and :mod:`packkit.tokenizing` lend here under the old
-    address: ``packkit.datafiles.tokenize``, ``packkit.datafiles.parquet_schema``, ``packkit.datafiles.Tokenizing``."""
-    if name in _TOKENIZER_NAMES:
-        return getattr(_tokenizers(), name)
-    if name in _READER_NAMES:
-        return getattr(_readers(), name)
-    if name == "Tokenizing":
-        from .tokenizing import Tokenizing  # lazy: text and conversations to tokenize, off a file of token ids
-        return Tokenizing
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    address, their module imported where first asked for (the tokenizers for text or pairs to tokenize only):
+    ``packkit.datafiles.tokenize``, ``packkit.datafiles.parquet_schema``, ``packkit.datafiles.Tokenizing``."""
+    home = ("tokenizer" if name in _TOKENIZER_NAMES else "readers" if name in _READER_NAMES
+            else "tokenizing" if name == "Tokenizing" else None)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{home}", __package__), name)
 
 
 def input_format(path) -> str:
@@ -98,39 +92,17 @@ def check_path(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist")
-    if not path.is_dir() and not path.is_file():  # a named pipe, /dev/stdin from a pipe, a device
-        raise DataError(f"{str(path)!r} is a pipe or a device, not a file: packkit reads its input more than once "
-                        "(to measure, then to gather, and to name a bad line); save it to a file first")
     if path.is_dir():
         if not any((path / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")):
             raise ValueError(f"{str(path)!r} is a folder but not a dataset saved with save_to_disk (no state.json or "
                              "dataset_dict.json in it)")
+    elif not path.is_file():  # a named pipe, /dev/stdin from a pipe, a device
+        raise DataError(f"{str(path)!r} is a pipe or a device, not a file: packkit reads its input more than once "
+                        "(to measure, then to gather, and to name a bad line); save it to a file first")
     elif not input_format(path):
         raise ValueError(f"cannot read {str(path)!r}: unknown format {path.suffix or '(no suffix)'!r}; use one of "
                          f"{', '.join(sorted(FORMATS))}, or a folder saved with save_to_disk")
     return path
-
-
-def relocate_json_float(exc: BaseException, path) -> BaseException | None:
-    """The error about a float token (:func:`packkit.rules.not_integer`) moved to the first row of the JSON lines
-    ``path`` whose key holds a float, or None when ``exc`` is not that error or no row does. One ``5.0`` on line 900
-    makes pyarrow read the whole column as floats, so the rules blamed ``1.0`` on line 1; Python's reader tells
-    ``5.0`` from ``5``. The value and key are the error's fields (no message is read). The error path only."""
-    from .located import ExampleTypeError, located  # lazy: the error path only, off a file that reads
-    fields = exc.fields if isinstance(exc, ExampleTypeError) else {}
-    found = isinstance(fields.get("value"), float) and _json_lines(path) and jsonlines.first_float(path, fields["key"])
-    if not found:
-        return None
-    text = not_integer(found[0], 0, fields["key"], fields["kind"], found[1]).text
-    return located(ExampleTypeError, found[0], 0, f"{text} (a JSON number written with a decimal point or an "
-                   "exponent; one makes pyarrow read the whole column as floats)")
-
-
-def _json_lines(path) -> bool:
-    """Whether ``path`` is a file of JSON lines (not one JSON list), whose rows are its non-blank lines."""
-    if path is None or input_format(path) != "json" or not os.path.isfile(path):
-        return False
-    return jsonlines.first_byte(path) != b"["
 
 
 def _packed_rows(path) -> bool:
@@ -146,13 +118,23 @@ def _packed_rows(path) -> bool:
 def lines_named(path):
     """Inside, an error about a row of the JSON lines file ``path`` (its :class:`packkit.errors.Where` field, no
     message parsed) names that row's line too: ``dataset row 149999 (line 150,001 of 'data.jsonl') has ...`` (an
-    example is a row, unless the rows are packed); a float token is blamed on its line (:func:`relocate_json_float`)."""
+    example is a row, unless the rows are packed). A float token (:func:`packkit.rules.not_integer`, its value and key
+    the error's fields) is blamed on the first row whose key holds a float: one ``5.0`` on line 900 makes pyarrow read
+    the whole column as floats, so the rules blamed ``1.0`` on line 1; Python's reader tells ``5.0`` from ``5``."""
     try:
         yield
     except (ValueError, TypeError) as exc:
-        moved = relocate_json_float(exc, path) or exc
+        if (path is None or input_format(path) != "json" or not os.path.isfile(path)
+                or jsonlines.first_byte(path) == b"["):  # not JSON lines (whose rows are its non-blank lines)
+            raise
+        from .located import ExampleTypeError, located  # lazy: the error path only, off a file that reads
+        fields, moved = (exc.fields if isinstance(exc, ExampleTypeError) else {}), exc
+        if isinstance(fields.get("value"), float) and (found := jsonlines.first_float(path, fields["key"])):
+            text = not_integer(found[0], 0, fields["key"], fields["kind"], found[1]).text
+            moved = located(ExampleTypeError, found[0], 0, f"{text} (a JSON number written with a decimal point or "
+                            "an exponent; one makes pyarrow read the whole column as floats)")
         where = moved.where if isinstance(moved, PackkitError) else None
-        if where is not None and not where.line and _json_lines(path) and (where.row or not _packed_rows(path)):
+        if where is not None and not where.line and (where.row or not _packed_rows(path)):
             line = jsonlines.line_of_row(path, where.number)
             moved = moved if line is None else moved.at_line(f"line {line:,} of {str(path)!r}")
         if moved is exc:
@@ -207,25 +189,6 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
     else:
         table = load_table(path, split=split)  # memory-mapped (Arrow, a folder), or one JSON list
         yield from (table.slice(lo, TOKENIZE_ROWS) for lo in range(0, table.num_rows, TOKENIZE_ROWS))
-
-
-def _chunk_lengths(tables, column: str, *, first_ok=None):
-    """``(lengths, targets or None)`` of tables of token ids (``column``, or the ``input_ids`` a chat template wrote)
-    read in order, a chunk at a time, under the Arrow path's rules (errors name the row in the whole input). None
-    where the whole read must do: ``first_ok(first table)`` is False, no table, or a loss column in some chunks only."""
-    from .listcolumns import loss_targets, token_lengths  # lazy: off waste and plan's start
-    lengths, targets, row = [], [], 0
-    for table in tables:
-        if row == 0 and first_ok is not None and not first_ok(table):
-            return None
-        key = column if column in table.column_names else "input_ids"
-        n = token_lengths(table.column(key), key=key, rows=row)
-        lengths.append(n)
-        targets.append(loss_targets(table, n, key=key, rows=row))
-        row += table.num_rows
-    if not lengths or any(t is None for t in targets) != all(t is None for t in targets):
-        return None
-    return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None)
 
 
 def warn_unused_tokenizer(tokenizer, where: str) -> None:
@@ -369,42 +332,51 @@ class Input:
 
     def lengths(self, *, progress: bool = False) -> Lengths:
         """The examples' lengths and loss targets (:func:`read_lengths`), a chunk at a time where the input allows."""
-        targets = how = source = None
-        text_bytes = self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text"
-        with lines_named(self.path):
-            if self.format == "npy":
-                lengths = as_lengths(_readers().read_npy(self.path), name=self.where)
-                source = f"{self.path.name} (lengths)"
-            elif self.format == "text" and text_bytes:  # no pyarrow needed
-                lengths, how = _readers().text_byte_lengths(self.path), "column 'text' tokenized with bytes"
-            elif (streamed := self.read(self._streamed_lengths)) is not None:  # a chunk at a time
-                lengths, targets, how = streamed
-                lengths = as_lengths(lengths, name=f"lengths in {self.path.name}")
-            else:
-                lengths, targets, how, source = self._whole_lengths(progress)
-        source = source or f"{self.path.name}, " + (how or f"column {self.column!r}")
-        loss = None
-        if targets is not None:  # loss tokens of each example, from the targets laid end to end
-            csum, offsets = lengths_to_offsets(targets), lengths_to_offsets(lengths)
-            loss = csum[offsets[1:]] - csum[offsets[:-1]]
+        lengths, targets, how, source = self.read(lambda whole: self._lengths(whole, progress))
         if lengths.size == 0:
             raise ValueError(f"{self.where} holds no examples")
         if how is None:
             warn_unused_tokenizer(self.tokenizer, self.where)
         unit = "bytes" if how is not None and self.tokenizer in (None, "bytes") else "tokens"  # the byte tokenizer
-        return Lengths(lengths, source, unit, loss, targets)
+        loss = None if targets is None else batch_sums(targets, lengths_to_offsets(lengths))  # loss tokens each
+        return Lengths(lengths, source or f"{self.path.name}, " + (how or f"column {self.column!r}"), unit, loss,
+                       targets)
+
+    def _lengths(self, whole: bool, progress: bool):
+        """``(lengths, targets or None, how, source or None)``: a ``.npy``, a ``.txt`` counted in bytes (no pyarrow),
+        the rows a chunk at a time (:meth:`_streamed_lengths`), or whole (:meth:`_whole_lengths`)."""
+        if self.format == "npy":
+            lengths = as_lengths(_readers().read_npy(self.path), name=self.where)
+            return lengths, None, None, f"{self.path.name} (lengths)"
+        if self.format == "text" and self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text":
+            return _readers().text_byte_lengths(self.path), None, "column 'text' tokenized with bytes", None
+        if (streamed := self._streamed_lengths(whole)) is not None:
+            lengths, targets, how = streamed
+            return as_lengths(lengths, name=f"lengths in {self.path.name}"), targets, how, None
+        return self._whole_lengths(progress)
 
     def _streamed_lengths(self, whole: bool):
-        """``(lengths, targets or None, how)`` read a chunk at a time (:func:`_chunk_lengths`), or None to read whole
-        (packed rows among them, read whole as their documents)."""
+        """``(lengths, targets or None, how)`` of the rows' token ids (``column``, or the ``input_ids`` a chat template
+        wrote) read a chunk at a time (:meth:`chunks`) under the Arrow path's rules, errors naming the row in the whole
+        input. None where the whole read must do: ``whole``, packed rows (read whole as their documents), no row, or a
+        loss column in some chunks only."""
         made = None if whole or self.format == "npy" else self.chunks()
         if made is None:
             return None
+        from .listcolumns import loss_targets, token_lengths  # lazy: off waste and plan's start
         pa = pyarrow()
-        token_ids = (lambda t: pa.types.is_list(t.schema.field(self.column).type)  # noqa: E731
-                     and segment_key(t.column_names) is None)
-        got = _chunk_lengths(made[0](), self.column, first_ok=token_ids if made[1] is None else None)
-        return None if got is None else (*got, made[1])
+        lengths, targets, row = [], [], 0
+        for table in made[0]():
+            if row == 0 and made[1] is None and not (pa.types.is_list(table.schema.field(self.column).type)
+                                                     and segment_key(table.column_names) is None):
+                return None
+            key = self.column if self.column in table.column_names else "input_ids"
+            lengths.append(token_lengths(table.column(key), key=key, rows=row))
+            targets.append(loss_targets(table, lengths[-1], key=key, rows=row))
+            row += table.num_rows
+        if not lengths or any(t is None for t in targets) != all(t is None for t in targets):
+            return None
+        return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None), made[1]
 
     def _whole_lengths(self, progress: bool):
         """``(lengths, targets, how, source)`` of the rows read whole: an integer column of lengths, or token ids
@@ -473,7 +445,8 @@ def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
     :func:`packkit.tokenizer.load_tokenizer` takes it."""
     from .preference import tokenize_preference  # lazy: torch, only for text pairs
     pa = pyarrow()
-    tok = _tokenizers().load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    from .tokenizer import load_tokenizer  # lazy: the tokenizers, for pairs to tokenize only
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     keep = [c for c in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs") if c in table.column_names]
     rows = tokenize_preference(table.select(keep).to_pylist(), tok)
     return pa.table({c: pa.array([r[c] for r in rows], pa.list_(pa.int32())) for c in PREFERENCE_COLUMNS[0]})
@@ -501,7 +474,8 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             "in Python packkit.preference.tokenize_preference)", path=str(path),
                             typ=str(table.column("prompt").type), tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
         table, cols = tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code), PREFERENCE_COLUMNS[0]
-        how = f"pairs tokenized with {_tokenizers().tokenizer_name(tokenizer)}"
+        from .tokenizer import tokenizer_name  # lazy: the tokenizers, for pairs to tokenize only
+        how = f"pairs tokenized with {tokenizer_name(tokenizer)}"
     else:
         warn_unused_tokenizer(tokenizer, repr(str(path)))
     out = []
