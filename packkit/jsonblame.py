@@ -82,19 +82,17 @@ def _merge_kinds(a, b, where: str = ""):
     return ("list", _merge_kinds(a[1], b[1], where + "[]")) if a[0] == "list" else a
 
 
-_PLURAL = {"a number": "numbers", "text": "text", "true/false": "true/false values"}
+#: A kind's words (its first item; None for null), then their plural, for a list's items.
+_WORDS = {None: ("null", "nulls"), "object": ("an object", "objects"), "a number": ("a number", "numbers"),
+          "text": ("text", "text"), "true/false": ("true/false", "true/false values")}
 
 
 def _kind_text(kind, plural: bool = False) -> str:
     """``("list", ("a number",)) -> "a list of numbers"``; ``plural`` for a list's items (``objects``, ``lists``)."""
-    if kind is None:
-        return "nulls" if plural else "null"
-    if kind[0] == "list":
+    if kind is not None and kind[0] == "list":
         items = "" if kind[1] is None else f" of {_kind_text(kind[1], True)}"
         return ("lists" if plural else "a list") + items
-    if kind[0] == "object":
-        return "objects" if plural else "an object"
-    return _PLURAL[kind[0]] if plural else kind[0]
+    return _WORDS[None if kind is None else kind[0]][plural]
 
 
 def locate_error(path) -> DataError | None:
@@ -124,15 +122,14 @@ def locate_error(path) -> DataError | None:
                 field, first, then = clash.args
                 return DataError(f"{name!r} line {lineno:,}: {field!r} mixes {_kind_text(first)} and "
                                  f"{_kind_text(then)} in one list")
-            if key not in seen:
-                if kind is not None:
-                    seen[key] = (kind, lineno)
-                continue
+            known, since = seen.get(key, (None, lineno))  # its kind so far (None: none yet), from line since
             try:
-                seen[key] = (_merge_kinds(seen[key][0], kind, key), seen[key][1])
+                known = _merge_kinds(known, kind, key)
             except _Clash as clash:
                 field, before, now = clash.args
                 return DataError(f"{name!r} line {lineno:,}: {field!r} holds {_kind_text(now)}, but "
-                                 f"{_kind_text(before)} on line {seen[key][1]:,}; every line must give a key "
+                                 f"{_kind_text(before)} on line {since:,}; every line must give a key "
                                  "the same kind of value")
+            if known is not None:
+                seen[key] = (known, since)
     return None
