@@ -261,9 +261,10 @@ FRONT_LINES = 4400
 #: The line budget counts the front with the rooms that left it (:data:`BEHIND_THE_FRONT`) against 4,400 lines.
 #: Not reached: 5,407 at 68e14a9, 5,424 when this ratchet was set, 5,542 once pretokens (new) was counted, 5,563
 #: with chat's num_proc fix (worker_processes: 2 processes on 2 cores were slower than 1), 5,544 after the command
-#: line's and budget's cut, 5,528 after offline's and waste's, 5,522 after the command line's second. It holds the
-#: count reached, so that it cannot grow back: lower it when a cut lands; never raise it to make room.
-FRONT_AND_BEHIND_LINES = 5522
+#: line's and budget's cut, 5,528 after offline's and waste's, 5,522 after the command line's second, 5,493 after the
+#: door in's. It holds the count reached, so that it cannot grow back: lower it when a cut lands; never raise it to
+#: make room.
+FRONT_AND_BEHIND_LINES = 5493
 
 #: Rooms that left the front and still reach it (a lazy import), so not :data:`BEHIND_THE_FRONT`: counted with it.
 LEFT_THE_FRONT = ["tokenizing"]
