@@ -22,6 +22,8 @@ batches of ``--loop-rows`` lines (default: as many as packkit's calls hold on av
 characters), each batch's ids into an int32 array (packkit's dtype) and their counts into int64, the batches'
 arrays concatenated into one flat array at the end. Same baseline, same sampler; ``held`` is its peak before that
 concatenate (the ids in batches, no second copy). It only tokenizes: packkit's figure also packs and writes.
+``kept``: each child's ``RssAnon`` above its baseline once its work is done, after a collection and a trim, less the
+loop's ids: what the tokenizer and the allocators keep (the same in the loop: the tokenizer's, not packkit's).
 
     benchmarks/fetch_chat_data.sh /tmp/chat
     python benchmarks/bench_text_memory.py --sharegpt /tmp/chat/sharegpt.json --tokenizer /tmp/chat/qwen3 \\
@@ -141,7 +143,18 @@ def child(src: str, out: str, tok: str) -> None:
     print(json.dumps({"file": packkit.cli.pack.__file__, "wall": wall,
                       "cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime,
                       "base_kib": base, "tokens": sum(len(c.values) for c in rows.chunks),
-                      "pool_max_mib": (pa.default_memory_pool().max_memory() - pool) / 2**20}))
+                      "pool_max_mib": (pa.default_memory_pool().max_memory() - pool) / 2**20,
+                      "kept_kib": (pa.default_memory_pool().release_unused(), kept_kib(base))[1]}))
+
+
+def kept_kib(base: int, holding: int = 0) -> int:
+    """``RssAnon`` above ``base`` after a collection and ``malloc_trim(0)``, less the ``holding`` bytes the child
+    still holds on purpose: what the allocators and the tokenizer keep once the work is done."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+    return _rss_anon_kib("self") - base - holding // 1024
 
 
 def loop_child(src: str, out: str, tok: str, rows: str) -> None:
@@ -181,7 +194,8 @@ def loop_child(src: str, out: str, tok: str, rows: str) -> None:
     r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
     assert counts.sum() == flat.size
     print(json.dumps({"file": "loop", "cpu": r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, "wall": wall,
-                      "base_kib": base, "tokens": int(flat.size), "pool_max_mib": 0.0}))
+                      "base_kib": base, "tokens": int(flat.size), "pool_max_mib": 0.0,
+                      "kept_kib": kept_kib(base, flat.nbytes + counts.nbytes)}))
 
 
 def run(argv: list, env: dict, out: str) -> dict:
@@ -202,6 +216,7 @@ def run(argv: list, env: dict, out: str) -> dict:
     result = json.loads(got.strip().splitlines()[-1])
     result["peak_mib"] = (peak - result["base_kib"]) / 1024
     result["held_mib"] = (held - result["base_kib"]) / 1024
+    result["kept_mib"] = result["kept_kib"] / 1024
     for path in (out, marker, out + ".held"):
         if os.path.exists(path):
             os.remove(path)
@@ -256,7 +271,7 @@ def main() -> int:
             for name, gs in runs.items():
                 rows.append(dict(provider=name, text_mb=nbytes / 1e6, token_mib=token_mib, loop_rows=loop_rows,
                                  peak_mib=[g["peak_mib"] for g in gs], x_tokens=[g["peak_mib"] / token_mib for g in gs],
-                                 held_mib=[g["held_mib"] for g in gs],
+                                 held_mib=[g["held_mib"] for g in gs], kept_mib=[g["kept_mib"] for g in gs],
                                  cpu_s=[g["cpu"] for g in gs], load=[g["load"] for g in gs]))
             if not args.dir:
                 os.remove(src)
@@ -278,8 +293,10 @@ def main() -> int:
         print(f"{size:.0f} MB: peak packkit / plain loop, pair ratios "
               f"{spread_text(ratio_spread(ours['peak_mib'], loop['peak_mib']))}; over the loop's held "
               f"{spread_text(ratio_spread(ours['peak_mib'], loop['held_mib']))}")
+        print(f"{size:.0f} MB: kept after the work and a trim (the fixed part; the loop's ids not counted), MiB: "
+              + "; ".join(f"{n} {', '.join(f'{v:.1f}' for v in r['kept_mib'])}" for n, r in by.items()))
         for name, r in by.items():
-            if name not in ("packkit", "loop"):
+            if name != "packkit":
                 print(f"{size:.0f} MB: CPU this tree / {name}, pair ratios "
                       f"{spread_text(ratio_spread(ours['cpu_s'], r['cpu_s']))}")
     ours = [max(r["x_tokens"]) for r in rows if r["provider"] == "packkit"]
