@@ -519,7 +519,7 @@ def _rank_tokens(plan: CPPlan, rank: int, width: int, total: int) -> tuple[np.nd
         ends = np.arange(lo + (width - 1 - lo) % width - lo, min(lo + plan.local_len, total) - lo, width)
     else:
         source, seg, pos, pad_at, first, real, out = plan.local_tokens(rank)
-        seg, ends = seg.astype(np.int32), _row_ends(first, real, out, width, total)
+        ends = _row_ends(first, real, out, width, total)
     take = source
     if pad_at.size:  # CP padding reads token 0, then is filled
         take = source.copy()
@@ -566,12 +566,13 @@ def _gather(x: torch.Tensor, index: torch.Tensor, pad: torch.Tensor, ends: torch
 
 def _row_ends(first, real, out, width: int, total: int) -> np.ndarray:
     """The places among a rank's tokens of those that end their row of ``width`` (labels shift per row: no next
-    token), found from its pieces (``first`` token, ``real`` tokens, place ``out``): a per-token ``% width`` costs as
-    much as the shard; one row (``width == total``) ends once, at the piece that holds token ``total - 1``.
+    token), found from its pieces (``first`` token, ``real`` tokens, place ``out``; in the batch's flat order, the
+    real ones before the padding ones): a per-token ``% width`` costs as much as the shard; one row (``width ==
+    total``) ends once, at token ``total - 1``: the end of the rank's last real piece, or none of its tokens.
     One row ``[0..3]``, a rank holding ``[2, 3, pad]`` (one piece: first 2, real 2, out 0) -> ``[1]``."""
-    if width == total:
-        hit = ((first + real == total) & (real > 0)).nonzero()[0]
-        return out[hit] + real[hit] - 1
+    if width == total:  # (a few numbers read, not a pass over the pieces)
+        k = real.size - 1 if real.size and real[-1] else real.size - 2  # its last real piece
+        return out[k:k + 1] + (total - 1 - first[k]) if k >= 0 and first[k] + real[k] == total else out[:0]
     first_end = (first // width + 1) * width - 1  # the last token of the row a piece starts in
     count = np.where(real > 0, np.maximum((first + real - 1 - first_end) // width + 1, 0), 0)
     return np.repeat(out + first_end - first, count) + range_index(np.zeros(count.size, np.int64), count) * width

@@ -288,34 +288,31 @@ class CPPlan:
     def local(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(source, seg, position)`` of ``rank``'s ``local_len`` tokens, int64: the flat index into the
         batch of each (``-1`` for CP padding), its segment and its position in the segment."""
-        if self.layout == "zigzag":
-            source, seg, pos, _ = self._zigzag_tokens(rank)
-            return source, seg.astype(np.int64), pos
-        return self.local_tokens(rank)[:3]
+        source, seg, pos = self._zigzag_tokens(rank)[:3] if self.layout == "zigzag" else self.local_tokens(rank)[:3]
+        return source, seg.astype(np.int64), pos
 
     def local_tokens(self, rank: int) -> tuple[np.ndarray, ...]:
-        """:meth:`local`'s ``(source, seg, position)`` and ``(pad_at, first, real, out)``: where the CP padding
-        sits among the rank's tokens (``(padding,)``), and for each of its pieces the flat index of its first
-        token, its real tokens and its place among the rank's tokens. The padding is a piece's tail, so it is
-        marked piece by piece (a few slots), not found token by token."""
+        """:meth:`local`'s ``(source, seg, position)`` (``seg`` int32) and ``(pad_at, first, real, out)``: where the CP
+        padding sits among the rank's tokens (``(padding,)``), and for each of its pieces the flat index of its first
+        token, its real tokens and its place among the rank's tokens. Every layout but zigzag pads with padding
+        segments alone (a piece of a batch's segment holds real tokens only), after the batch's: only the rank's last
+        piece can be padding, so the padding is the rank's last tokens, found from that piece alone."""
         seg, off, n = self.own_pieces(rank)
-        out = lengths_to_offsets(n)[:-1]
-        seg_first, seg_real = self._flat_starts()[seg], self.lengths[seg]
-        first = seg_first + off
-        real = np.minimum(np.maximum(seg_real - off, 0), n)  # not np.clip: its wrapper costs as much
+        out = n.cumsum()
+        out -= n  # (not lengths_to_offsets: a zeros, a cumsum and a slice)
+        first = self._flat_starts()[seg] + off
         ar = np.arange(self.local_len)
-        pos = (off - out).repeat(n) + ar
-        source = (first - out).repeat(n) + ar
-        short = (real < n).nonzero()[0]  # the pieces that end in CP padding (a few, or none)
-        if not short.size:
-            pad_at = short
-        elif short.size == 1:  # the hybrid's one padding piece, or one document's zigzag padding
-            k = int(short[0])
-            pad_at = np.arange(int(out[k] + real[k]), int(out[k] + n[k]))
-        else:
-            pad_at = range_index(out[short] + real[short], n[short] - real[short])
-        source[pad_at] = -1
-        return source, seg.repeat(n), pos, pad_at, first, real, out
+        pos = (off - out).repeat(n)
+        pos += ar
+        source = (first - out).repeat(n)
+        source += ar
+        real, pad_at = n, ar[:0]
+        if n.size and seg[-1] >= self.num_segments:  # a padding segment's piece: the rank's last tokens
+            pad_at = ar[int(out[-1]):]
+            source[pad_at[0]:] = -1
+            real = n.copy()
+            real[-1] = 0
+        return source, seg.astype(np.int32).repeat(n), pos, pad_at, first, real, out
 
     def g_index(self, rank: int) -> np.ndarray:
         """``(local_len,)`` int64: where ``rank``'s tokens sit in the padded stream ``G``."""
@@ -497,14 +494,22 @@ def _least_long(num_tokens: int, total_work: int, cp: int, fraction: float) -> i
 class _Parts(list):
     """The pieces a dealing appends, ``(4, k)`` blocks ``(rank, seg, offset, len)``: every rank's, or where ``rank`` is
     given that rank's alone (each block's columns of that rank; the snake's grid gives its column, no table of every
-    rank's: :func:`_deal_short`)."""
+    rank's: :func:`_deal_short`), and those dealt in Python lists (:meth:`add`) as ``rows``."""
 
     def __init__(self, rank: int | None = None):
         super().__init__()
         self.rank = rank
+        self.rows = []  #: one rank's pieces made in Python (:meth:`add`), as ``(seg, offset, len)`` tuples
 
     def append(self, block) -> None:
         super().append(block if self.rank is None else block[:, block[0] == self.rank])
+
+    def add(self, rows: list) -> None:
+        """Pieces dealt in Python, ``(rank, seg, offset, len)`` tuples: a block of every rank's, or the rank's rows."""
+        if self.rank is None:
+            super().append(np.array(rows, np.int64).reshape(-1, 4).T)
+        else:
+            self.rows += [row[1:] for row in rows if row[0] == self.rank]
 
 
 def _hybrid_pieces(lengths, cp, fraction=None, total=None, rank=None) -> tuple[np.ndarray, ...]:
@@ -514,7 +519,9 @@ def _hybrid_pieces(lengths, cp, fraction=None, total=None, rank=None) -> tuple[n
     roomiest rank first (cut where a rank's room ends), and that room's remainder (under cp tokens) is padding.
 
     A row of short documents only (no long one) makes no zigzag pieces and selects nothing; one with nothing short
-    deals nothing: a few dozen numpy calls in all, whatever the number of documents or of distinct lengths.
+    deals nothing: a few dozen numpy calls in all, whatever the number of documents or of distinct lengths. One rank's
+    pieces of a few long documents (:func:`_halves_rank`: its share read in closed form, every rank's room and, for
+    short ones beside them, work in Python lists; a short few dealt in Python too) take no numpy pass but the arrays.
 
     ``(padded, lengths, pieces)``: the pieces of every rank as dealt, or with ``rank`` that rank's alone (every rank's
     room is still dealt: it decides the lay-over and the padding segments, so ``padded`` and ``lengths`` are the
@@ -524,39 +531,125 @@ def _hybrid_pieces(lengths, cp, fraction=None, total=None, rank=None) -> tuple[n
     local_len = -(-num_tokens // cp)
     # sum of n (n + 1) / 2 over the segments, exact in int64 (the dot of int64 arrays is no float sum)
     least = _least_long(num_tokens, (int(lengths @ lengths) + num_tokens) // 2, cp, fraction)
+    if rank is not None and 0 < lengths.size <= _FEW_LONG and least >= 2 * cp and np.minimum.reduce(lengths) >= least:
+        # a few segments, every one long (a row of long chat turns): one rank's halves in closed form, no numpy pass
+        flat, room = _halves_rank(range(lengths.size), lengths.tolist(), cp, rank, local_len)
+        return _rank_rows(lengths, room, rank, flat)
     is_long = lengths >= least
     long = is_long.nonzero()[0] if lengths.size else lengths
     parts = _Parts(rank)
-    if long.size:
+    short = long.size < lengths.size  # short ones to deal
+    if long.size and rank is not None and long.size * cp <= _FEW_HALVES:
+        # one rank's halves in closed form; every rank's room and work (the short ones' dealing reads them) in Python
+        work = [0] * cp if short else None
+        flat, room = _halves_rank(long.tolist(), lengths[long].tolist(), cp, rank, local_len, work)
+        parts.rows += [t for t in zip(flat[0::3], flat[1::3], flat[2::3]) if t[2]]  # (a chunk can be empty)
+    elif long.size:
         z_rank, z_seg, z_off, z_len = z = (_halves_few if long.size * cp <= _FEW_HALVES else _halves_pieces)(
             long, lengths, cp)
         if not np.logical_and.reduce(z_len):  # a rank's chunk of a document under 2 * cp tokens can be empty: none kept
             z = tuple(x[z_len > 0] for x in z)
         parts.append(np.array(z))
         room = local_len - np.bincount(z_rank, weights=z_len, minlength=cp).astype(np.int64)
-        if long.size < lengths.size:  # short ones too
-            work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64)
-            room = _deal_short(lengths, (~is_long).nonzero()[0], least, work, room, parts)
-    elif lengths.size:  # every segment short: the dealing reads the lengths as they are
-        room = np.empty(cp, np.int64)
-        room.fill(local_len)
-        room = _deal_short(lengths, None, least, None, room, parts)
-    else:
-        room = np.zeros(cp, np.int64)
+        work = np.bincount(z_rank, weights=causal_work(z_len, z_off), minlength=cp).astype(np.int64) if short else None
+    else:  # nothing long: the dealing reads the lengths as they are (short=None), into every rank's whole room
+        room, work = [local_len] * cp, None
+    if short:
+        room = _deal_short(lengths, (~is_long).nonzero()[0] if long.size else None, least, work, room, parts)
+    if rank is not None and not len(parts):  # one rank's pieces, every one made in Python: sorted in Python
+        return _rank_rows(lengths, room, rank, list(itertools.chain.from_iterable(sorted(parts.rows))))
     # what room is left becomes one padding segment per rank, after the batch's segments
+    room = np.asarray(room)
     fill = (room > 0).nonzero()[0]
     if fill.size:
         parts.append(np.array((fill, np.arange(lengths.size, lengths.size + fill.size), fill * 0, room[fill])))
-        padded = np.concatenate([lengths, room[fill]])
-        lengths = np.concatenate([lengths, fill * 0])  # the padding segments hold no token of the batch
-    else:
-        padded = lengths.copy()
+    padded, lengths = _with_padding(lengths, room[fill])
+    if parts.rows:
+        list.append(parts, np.array([(rank, *row) for row in parts.rows], np.int64).reshape(-1, 4).T)
     table = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0] if parts else np.zeros((4, 0), np.int64)
     if rank is None:
         return padded, lengths, tuple(table)
-    _, seg, off, n = table  # the rank's pieces as dealt (none empty), in G's order: by segment, then offset
+    # the rank's pieces as dealt (none empty), in G's order: by segment, then offset (the rows read one by one: an
+    # array unpacked is iterated to an IndexError, its message formatted)
+    seg, off, n = table[1], table[2], table[3]
     order = ((seg << 32) + off).argsort()
     return padded, lengths, (seg[order], off[order], n[order])
+
+
+def _with_padding(lengths, pad) -> tuple[np.ndarray, np.ndarray]:
+    """``(padded, lengths)``, ``(S + k,)`` int64: the batch's segments, then the ``k`` padding segments of ``pad`` slots
+    (an array or a list: the room left of the ranks that have some, rank order), which hold no token of the batch."""
+    if not len(pad):
+        return lengths.copy(), lengths
+    return np.concatenate([lengths, pad]), np.concatenate([lengths, np.zeros(len(pad), np.int64)])
+
+
+def _rank_rows(lengths, room: list, rank: int, flat: list) -> tuple:
+    """:func:`_hybrid_pieces`' end for one rank whose pieces were all made in Python, ``flat`` (``seg, offset, len``
+    of each, in their order; ``room``: every rank's room left, a list): its padding segment after them (the ``k``-th
+    of the ranks with room left is segment ``S + k``), ``(padded, lengths)`` and the rank's ``(seg, offset, len)``."""
+    fill = [q for q in range(len(room)) if room[q] > 0]
+    if room[rank] > 0:
+        flat += lengths.size + fill.index(rank), 0, room[rank]
+    # (np.fromiter of a flat list: np.array of a list of tuples discovers every element's type and shape, 5x slower)
+    table = np.fromiter(flat, np.int64, len(flat)).reshape(-1, 3)
+    return (*_with_padding(lengths, [room[q] for q in fill]), (table[:, 0], table[:, 1], table[:, 2]))
+
+
+#: the most segments, every one long, whose one rank's halves :func:`_halves_rank` makes in Python (a step a segment
+#: costs ~5 k instructions here, a numpy call on a few elements ~6 k; the median chat row is 16 long at cp 4-16)
+_FEW_LONG = 24
+
+
+def _halves_rank(long, n: list, cp: int, rank: int, local_len: int, work: list | None = None) -> tuple[list, list]:
+    """One rank's zigzag halves of the long segments ``long`` of ``n`` tokens (:func:`_halves_pieces`' pieces of that
+    rank) in closed form, a few steps a segment, no ``(segments, cp)`` table: ``(flat, room)``, the rank's pieces
+    ``seg, offset, len`` in a flat list (a head chunk then a tail chunk a segment; a chunk of a segment under ``2 *
+    cp`` tokens can be empty), and every rank's room left of ``local_len`` (a list). ``work`` (every rank's, a list)
+    gets their causal work of them, a step a rank and segment.
+
+    Segment ``i`` gives rank ``q`` ``base = n // cp`` tokens, one more where its remainder, dealt round the ranks from
+    ``P_i`` on (the remainders before it, mod cp), covers ``q``; ``c`` of the ranks before ``rank`` are covered. The
+    chunks lie heads of ranks ``0 .. cp-1``, then tails of ``cp-1 .. 0``; a head is ``share // 2`` (``base // 2``, plus
+    the remainder's token where ``base`` is odd) and a tail the rest, so the rank's head starts at ``rank * (base //
+    2)`` (``+ c`` for an odd base) and its tail ends where the tails of ranks ``rank .. 0`` end the segment (``(rank +
+    1) * ceil(base / 2)``, ``+ c`` and its own for an even base). Over every segment the remainders are dealt round
+    the ranks from rank 0 on: rank ``q`` holds ``(T - R % cp) / cp`` tokens of them, one more for ``q < R % cp``
+    (``T`` their tokens, ``R`` the remainders').
+    ``_halves_rank([0], [5], 2, 0, 3)`` -> ``([0, 0, 1, 0, 3, 2], [0, 1])``: rank 0 holds tokens 0 and 3..4."""
+    flat, dealt = [], 0
+    for s, x in zip(long, n):
+        base = x // cp
+        rem = x - base * cp
+        half = base >> 1
+        lo = rank - dealt
+        e = 0 <= lo < rem or lo + cp < rem  # the rank gets one of the remainder
+        c = 0 if lo <= 0 else lo if lo < rem else rem  # (conditional expressions, not min and max: a call each)
+        if dealt + rem > cp:  # the remainder wraps round to ranks 0 ..
+            c += rank if rank < dealt + rem - cp else dealt + rem - cp
+        if base & 1:  # the remainder's token in the head
+            flat += s, rank * half + c, half + e, s, x - (rank + 1) * (half + 1), half + 1
+        else:
+            flat += s, rank * half, half, s, x - (rank + 1) * half - c - e, half + e
+        if work is not None:  # every rank's work of its head and tail chunks, rank by rank
+            _add_halves_work(work, x, base, rem, dealt)
+        dealt = (dealt + rem) % cp
+    held = (sum(n) - dealt) // cp  # every rank's tokens of them, but the last remainders': ranks 0 .. dealt-1 one more
+    return flat, [local_len - held - (q < dealt) for q in range(cp)]
+
+
+def _add_halves_work(work: list, x: int, base: int, rem: int, dealt: int) -> None:
+    """Adds to every rank's ``work`` the causal work of its head and tail chunks of a segment of ``x`` tokens
+    (:func:`_halves_rank`'s chunks for every rank: ``base``, ``rem`` and the remainder's first rank ``dealt``)."""
+    cp, half, odd, c = len(work), base >> 1, base & 1, 0
+    for q in range(cp):
+        e = (q - dealt) % cp < rem
+        h = half + (e if odd else 0)
+        t = base + e - h
+        h_off = q * half + (c if odd else 0)
+        c += e
+        t_off = x - (q + 1) * (base - half) - (0 if odd else c)
+        work[q] += h * h_off + (h * (h + 1) >> 1) + t * t_off + (t * (t + 1) >> 1)
 
 
 def _catch_up(n, work, cp: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -596,8 +689,9 @@ def _deal_short(lengths, short, least: int, work, room, parts: list) -> np.ndarr
     lengths); on the real rows of ``benchmarks/bench_cp.py`` the busiest rank's work is the LPT's to 5 digits
     summed over the rows (RESULTS.md, ``cphyb``). Appends the pieces to ``parts`` as ``(4, k)`` blocks ``(rank,
     seg, offset, len)``; returns the room left. At most ``_FEW`` documents are dealt in Python (:func:`_deal_few`)."""
-    if (lengths.size if short is None else short.size) <= _FEW:
-        return _deal_few(lengths, short, work, room, parts)
+    if (lengths.size if short is None else short.size) <= _FEW:  # (lists in, a list out)
+        return _deal_few(lengths, short, _listed(work), _listed(room), parts)
+    room, work = np.asarray(room), None if work is None else np.asarray(work)
     cp = room.size
     key = lengths if short is None else lengths[short]
     # longest first, stable: a radix sort when every length fits 16 bits (all are under least)
@@ -649,7 +743,7 @@ def _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts) -> np.ndarr
     col, keep = grid[:, c], fits[:, c]
     if grid[-1, c] < 0:  # no document in its last cells
         keep = keep & (col >= 0)
-    block = np.zeros((4, int(keep.sum())), np.int64)
+    block = np.zeros((4, int(np.add.reduce(keep))), np.int64)  # (the ufunc: ndarray.sum's Python wrapper costs as much)
     block[0] = rank
     block[1] = col[keep]
     block[3] = n[:, c][keep]
@@ -660,10 +754,10 @@ def _deal_column(lengths, grid, n, fits, room, room_c, ranks, parts) -> np.ndarr
 def _room_left(lengths, grid, n, fits, room, room_c, ranks, parts, lay_over) -> np.ndarray:
     """Every rank's room left once the grid's cells that fit are dealt: those that do not laid over the room left
     by ``lay_over`` (:func:`_lay_over`, or :func:`_lay_over_rank` for one rank's pieces)."""
-    if fits.all():
-        used = n.sum(0)
+    if np.logical_and.reduce(fits, axis=None):
+        used = np.add.reduce(n, 0)
         return room - (used if ranks is None else used[ranks.argsort()])
-    left = room_c - (n * fits).sum(0)
+    left = room_c - np.add.reduce(n * fits, 0)
     if ranks is not None:
         left = left[ranks.argsort()]
     over = grid[~fits & (grid >= 0)]
@@ -706,22 +800,26 @@ def _lay_over_rank(seg, n, left, parts: list) -> np.ndarray:
 _FEW = 24
 
 
-def _deal_few(lengths, short, work, room, parts: list) -> np.ndarray:
-    """:func:`_deal_short` of a few documents, one step a document in Python lists: the same rule, the same pieces
-    in the same order (the median chat row at cp 2 deals one short document: ~60 numpy calls on arrays of a few
-    elements did it, 1.2x slower than the LPT's loop). ``_deal_few(np.array([3, 1]), None, None, np.array([2, 2]),
-    []) -> [0, 0]`` (1 kept by rank 1; 3 cut over the room left: 2 tokens on rank 0, 1 on rank 1)."""
-    cp = room.size
+def _listed(x):
+    """A list of numbers as a Python list (an array's ``tolist``), None as is."""
+    return x if x is None or type(x) is list else x.tolist()
+
+
+def _deal_few(lengths, short, work: list | None, room: list, parts: list) -> list:
+    """:func:`_deal_short` of a few documents, one step a document in Python lists (``work``, ``room``: every rank's;
+    returns the room left): the same rule, the same pieces in the same order (the median chat row at cp 2 deals one
+    short document: ~60 numpy calls on arrays of a few elements did it, 1.2x slower than the LPT's loop).
+    ``_deal_few(np.array([3, 1]), None, None, [2, 2], _Parts()) -> [0, 0]`` (1 kept by rank 1; 3 cut over the room
+    left: 2 tokens on rank 0, 1 on rank 1)."""
+    cp = len(room)
     n_of = lengths.tolist()
     segs = sorted(range(len(n_of)) if short is None else short.tolist(), key=lambda s: -n_of[s])  # stable
     n = [n_of[s] for s in segs]
     cols = list(range(cp))  # the snake's ranks, least work first
-    if work is not None and work.min() < work.max():
-        wk = work.tolist()
-        top = max(wk)
-        if (n[0] * (n[0] + 1) // 2) // 2 < cp * top - sum(wk):  # the largest one's middle in a shortfall
-            return _listed_few(lengths, _catch_up_few(n, wk, cp), segs, n, room, parts)
-        cols = sorted(cols, key=lambda r: wk[r])
+    if work is not None and min(work) < max(work):
+        if (n[0] * (n[0] + 1) // 2) // 2 < cp * max(work) - sum(work):  # the largest one's middle in a shortfall
+            return _listed_few(lengths, _catch_up_few(n, work, cp), segs, n, room, parts)
+        cols = sorted(cols, key=work.__getitem__)
     placed = []  # (row, column, rank, seg, len) of the snake's grid (_deal_short), in dealing order
     for k, (s, x) in enumerate(zip(segs, n)):
         p, j = divmod(k, 2 * cp)
@@ -751,26 +849,25 @@ def _catch_up_few(n, wk, cp: int) -> list:
     return rank + [order[min(j % (2 * cp), 2 * cp - 1 - j % (2 * cp))] for j in range(len(n) - len(rank))]
 
 
-def _listed_few(lengths, rank, seg, n, room, parts: list, by_rank: bool = True) -> np.ndarray:
+def _listed_few(lengths, rank, seg, n, room: list, parts: list, by_rank: bool = True) -> list:
     """:func:`_deal_listed` in Python lists (``by_rank``: the pieces sorted by rank, stable, as it lays them;
     else kept in the order given): each rank keeps its documents while they fit, the rest laid over the room left."""
     items = sorted(zip(rank, seg, n), key=lambda t: t[0]) if by_rank else list(zip(rank, seg, n))
-    room_l = room.tolist()
-    held, kept, over = [0] * room.size, [], []
+    held, kept, over = [0] * len(room), [], []
     for r, s, x in items:
         held[r] += x
-        (kept if held[r] <= room_l[r] else over).append((r, s, 0, x))
-    parts.append(np.array(kept, np.int64).reshape(-1, 4).T)
+        (kept if held[r] <= room[r] else over).append((r, s, 0, x))
+    parts.add(kept)
     if not over:
-        return np.array([a - b for a, b in zip(room_l, held)], np.int64)
-    left = list(room_l)
+        return [a - b for a, b in zip(room, held)]
+    left = list(room)
     for r, _, _, x in kept:
         left[r] -= x
     over = sorted(s for _, s, _, _ in over)
     return _lay_over_few(over, [int(lengths[s]) for s in over], left, parts)
 
 
-def _lay_over_few(seg, n, left, parts: list) -> np.ndarray:
+def _lay_over_few(seg, n, left: list, parts: list) -> list:
     """:func:`_lay_over` in Python lists (``seg`` sorted, ``n`` their tokens, ``left`` every rank's room): the same
     pieces in the same order, and the room left after them."""
     by = sorted(range(len(left)), key=lambda r: -left[r])  # the roomiest rank first, stable
@@ -783,11 +880,11 @@ def _lay_over_few(seg, n, left, parts: list) -> np.ndarray:
         d = bisect.bisect_right(doc_end, a)
         b = starts[i + 1] if i + 1 < len(starts) else total
         pieces.append((by[bisect.bisect_right(ends, a)], seg[d], a - (doc_end[d] - n[d]), b - a))
-    parts.append(np.array(pieces, np.int64).T)
+    parts.add(pieces)
     out = list(left)
     for r, e in zip(by, ends):
         out[r] = min(max(e - total, 0), left[r])
-    return np.array(out, np.int64)
+    return out
 
 
 def _deal_listed(lengths, rank, seg, n, room, parts: list) -> np.ndarray:

@@ -227,6 +227,26 @@ def test_zigzag_halves_equal_the_loop(lengths, cp):
         assert got.dtype == np.int64 and got.tolist() == want.tolist()
 
 
+@given(lengths=st.lists(st.integers(1, 5000), min_size=0, max_size=50), cp=st.sampled_from([1, 2, 3, 4, 5, 8, 16]))
+def test_one_ranks_halves_in_closed_form_equal_the_loop(lengths, cp):
+    """:func:`packkit.cp_plan._halves_rank` (one rank's zigzag halves read in closed form, a few steps a document) holds
+    the rank's rows of the loop's halves, in their order (empty chunks of documents under ``2 * cp`` tokens aside),
+    and every rank's room left and causal work of them."""
+    lengths = np.asarray(lengths, np.int64)
+    seg = np.flatnonzero(lengths % 3 != 1)
+    rank_of, seg_of, off_of, len_of = ref_halves(seg, lengths, cp)
+    local_len = -(-int(lengths.sum()) // cp)
+    room = local_len - np.bincount(rank_of, weights=len_of, minlength=cp).astype(np.int64)
+    work = np.bincount(rank_of, weights=causal_work(len_of, off_of), minlength=cp).astype(np.int64)
+    for rank in range(cp):
+        got_work = [0] * cp
+        flat, got_room = cp_plan._halves_rank(seg.tolist(), lengths[seg].tolist(), cp, rank, local_len, got_work)
+        mine = (rank_of == rank) & (len_of > 0)
+        want = list(zip(seg_of[mine].tolist(), off_of[mine].tolist(), len_of[mine].tolist()))
+        assert [t for t in zip(flat[0::3], flat[1::3], flat[2::3]) if t[2]] == want
+        assert got_room == room.tolist() and got_work == work.tolist()
+
+
 @given(lengths=rows, cp=st.sampled_from([1, 2, 3, 4, 8]), layout=st.sampled_from(cp_plan.LAYOUTS))
 def test_pieces_in_plan_order_without_a_sort(lengths, cp, layout):
     """Every layout's pieces come rank by rank in their order in the padded stream, none empty (zigzag and
@@ -524,3 +544,45 @@ def test_one_hybrid_rank_is_dealt_without_every_ranks_table(monkeypatch):
             assert np.array_equal(got[-1].plan.padded, whole.padded)
             for a, b in zip(got[-1].plan.dealt, whole.dealt):  # every rank's, dealt when asked for
                 assert np.array_equal(a, b)
+
+
+def test_one_hybrid_rank_of_a_few_long_documents_reads_its_halves_in_closed_form(monkeypatch):
+    """Regression (a few long documents, RESULTS.md "CP shard, round 9"): one hybrid rank of one 32k document, or of
+    the median chat row (16 long documents at cp 4-16), made every rank's
+    zigzag halves (a ``(documents, cp)`` table in two dozen numpy calls, or every rank's in Python lists), summed
+    every rank's tokens with a bincount and sorted its own pieces out of them: 1.37x and 1.57x the plain zigzag's
+    instructions at cp 16. Its share of each document is now read in closed form (``n // cp``, one more where the
+    dealt remainders cover it; its offsets the shares before it), a few steps a document, and with short documents
+    beside a few long ones every rank's room and work in Python lists: the same shards as every rank's plan gives."""
+    from packkit.cp import shard
+
+    median = np.array([2104] * 14 + [2103, 1209])
+    cases = [(np.array([32768]), (2, 4, 8, 16)), (median, (2, 4, 8, 16)), (np.array([700, 40, 9, 3, 1]), (2, 3, 4)),
+             (np.array([5000, 4900, 30, 3]), (5, 8))]
+    for lengths, cps in cases:
+        batch = _batch_of(lengths)
+        for cp in cps:
+            whole = plan_cp(lengths, cp_size=cp, cp_layout="hybrid")
+            want = [shard(batch, cp_size=cp, rank=r, cp_layout="hybrid", plan=whole) for r in range(cp)]
+            with monkeypatch.context() as m:
+                def refuse(*a, **k):
+                    raise AssertionError("every rank's halves made for one rank")
+
+                for name in ("_halves_pieces", "_halves_few", "_plan_order"):
+                    m.setattr(cp_plan, name, refuse)
+                got = [shard(batch, cp_size=cp, rank=r, cp_layout="hybrid") for r in range(cp)]
+            for g, w in zip(got, want):
+                for name in _SHARD_FIELDS:
+                    assert torch_equal(getattr(g, name), getattr(w, name)), (lengths.size, cp, name)
+                assert np.array_equal(g.plan.padded, whole.padded) and np.array_equal(g.plan.lengths, whole.lengths)
+
+
+def _batch_of(lengths):
+    import torch
+
+    from packkit.batch import PackedBatch
+    from packkit.segments import lengths_to_cu_seqlens, lengths_to_position_ids
+
+    ids = torch.arange(int(lengths.sum()))[None] % 1000 + 1
+    return PackedBatch(input_ids=ids, labels=ids, cu_seqlens=torch.from_numpy(lengths_to_cu_seqlens(lengths)),
+                       position_ids=torch.from_numpy(lengths_to_position_ids(lengths))[None])
