@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import socket
@@ -169,7 +170,8 @@ def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_m
     2026-12-01; never alone), and ``spawn`` had run these tests without a hang since they were written."""
     if start_method == "forkserver":
         multiprocessing.set_forkserver_preload(preload)  # no effect once this process's server runs
-    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method=start_method)
+    ctx = mp.start_processes(_traced, args=(worker, max(timeout_s - 10, 1), *args), nprocs=nprocs, join=False,
+                             start_method=start_method)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -177,6 +179,17 @@ def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_m
                 if p.is_alive():
                     p.kill()
             pytest.fail(f"the {nprocs}-process run did not finish in {timeout_s:g} s")
+
+
+def _traced(rank: int, worker, dump_after_s: float, *args):
+    """``worker(rank, *args)`` in a rank of :func:`run_processes`, which writes every thread's stack to stderr (the
+    test's captured output) if it is still running ``dump_after_s`` seconds in: a rank that hangs says where
+    (a 2-rank run of test_prefixtree_ddp.py passed the 120 s limit once in a whole-suite run, 8 s alone)."""
+    faulthandler.dump_traceback_later(dump_after_s)
+    try:
+        return worker(rank, *args)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @contextlib.contextmanager
