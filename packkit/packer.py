@@ -1015,6 +1015,9 @@ class PackedStream:
             f.fail("read", f"must be a list of column names or None, got {read!r}", StateTypeError)
         if read is not None and self._columns is not None and read != list(self._columns):
             f.fail("read", f"the state's stream read the columns {read}, this one reads {list(self._columns)}")
+        if read is not None and self._columns is None and "input_ids" not in read:  # what resolve_columns reads
+            f.fail("read", f"{read} lacks 'input_ids', which a stream given no columns reads first: pass the dict "
+                   "state_dict() returned")
         num_shards = f.int("num_shards", low=1)
         shard = f.int("shard", low=0, high=num_shards - 1)
         start = f.int("start")

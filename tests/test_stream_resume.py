@@ -334,6 +334,25 @@ def test_pieces_a_state_holds_are_checked_when_read_again():
     assert again == {k: v for k, v in state.items() if k != "buffer"}
 
 
+def test_a_state_whose_columns_hold_no_input_ids_blames_the_state():
+    """A damaged state whose ``read`` lacks ``input_ids`` (a stream given no columns reads it first): the one line
+    names the state's field, not the source (it said "no 'input_ids' column; the columns are ['x']: pass
+    columns=NAME,...", the data blamed for what the state said, since the pieces left the state)."""
+    _, state = mid_stream()
+    stream = pack_stream(SRC, **OPTS)  # a fresh stream, as a resume builds: its columns are the state's
+    before = stream.state_dict()
+    with pytest.raises(StateError, match="stream state field 'read': .* lacks 'input_ids'") as exc:
+        stream.load_state_dict({**state, "read": ["x"]})
+    assert "\n" not in str(exc.value) and stream.state_dict() == before
+    source = [{k: v for k, v in ex.items() if k != "labels"} for ex in SRC]  # the state read labels; these have none
+    stream = pack_stream(source, **OPTS)
+    stream.load_state_dict(state)
+    with pytest.raises(DataError) as exc:
+        next(stream)
+    print(exc.value)
+    assert "\n" not in str(exc.value)
+
+
 def test_a_state_past_the_end_of_a_shorter_source_is_refused():
     _, state = mid_stream()
     j = state["checks"][-1][0]
