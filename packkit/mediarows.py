@@ -14,7 +14,8 @@ without media::
 ``pack_dataset(..., output="packed.parquet")`` (or an Arrow stream or file: :data:`MEDIA_FORMATS`) writes the
 same rows, their media added a record batch at a time as they are written (:meth:`MediaRows.batches`), through
 :func:`packkit.outputs.write_batches` (beside the file, renamed when complete); the other formats hold tokens
-only and refuse media rows by name.
+only and refuse media rows by name. ``packkit pack`` packs a Parquet or Arrow file with its media the same way
+(:func:`kept_media` tells such a file by its schema, :func:`media_dataset` reads it for ``pack_dataset``).
 
 A document is never cut from its media: an example split or truncated by the overflow policy is refused by
 name. ``VisionLanguageCollator(PackedRowsCollator(window=W), config=model.config)`` reads the rows back
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .readers import parquet_dataset, parquet_schema, read_arrow
 from .row_rules import row_segments
 from .rules import MASK_KEYS, segment_key
 
 __all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "media_columns", "media_options",
-           "refuse_media", "media_pack_columns", "check_whole", "MediaRows", "take_rows", "row_documents", "row_lengths"]
+           "refuse_media", "file_columns", "kept_media", "media_dataset", "media_pack_columns", "check_whole",
+           "MediaRows", "take_rows", "row_documents", "row_lengths"]
 
 #: Columns that carry media (by prefix), and the ones that do without the prefix.
 MEDIA_PREFIXES = ("pixel_values", "input_features", "image_", "video_", "audio_")
@@ -77,6 +80,34 @@ def refuse_media(names, fix: str) -> None:
         raise ValueError(f"the rows carry media ({', '.join(media)}), which only pack_dataset keeps (in the "
                          f"datasets.Dataset it returns, or an output= file of {'/'.join(MEDIA_FORMATS)}: "
                          f"packkit.mediarows); {fix}")
+
+
+def file_columns(path, *, parquet: bool) -> list[str]:
+    """The columns of a Parquet file (its footer alone) or, ``parquet`` false, an Arrow IPC file or stream
+    (memory-mapped), whatever its name ends with; a damaged file is one line naming it."""
+    return (parquet_schema(path) if parquet else read_arrow(path).schema).names
+
+
+def kept_media(path, in_format: str, out_format: str) -> list[str]:
+    """The media columns ``packkit pack`` keeps from the file ``path`` (of ``in_format``, as
+    :func:`packkit.datafiles.input_format` names it) to an OUT of ``out_format``: those of a Parquet or Arrow IPC
+    file (its schema alone) to one of :data:`MEDIA_FORMATS`; ``[]`` otherwise (rows packed as tokens, where media
+    columns are refused by name, :func:`refuse_media`)."""
+    if out_format not in MEDIA_FORMATS or in_format not in ("parquet", "arrow"):
+        return []
+    return media_columns(file_columns(path, parquet=in_format == "parquet"))
+
+
+def media_dataset(path, *, parquet: bool, cache_dir, progress: bool):
+    """The rows of a Parquet or Arrow IPC file with media (:func:`kept_media`) as the ``datasets.Dataset``
+    ``pack_dataset`` packs them from, every media column a memory-mapped Arrow column :class:`MediaRows` gathers
+    from: a Parquet file converted once into ``cache_dir`` (:func:`packkit.readers.parquet_dataset`), an Arrow
+    file memory-mapped as it is. ``progress`` false: no ``datasets`` bars while it converts, nor after."""
+    import datasets
+
+    if not progress:
+        datasets.disable_progress_bars()
+    return parquet_dataset(path, cache_dir=cache_dir) if parquet else datasets.Dataset(read_arrow(path))
 
 
 def media_pack_columns(names, columns):

@@ -364,6 +364,31 @@ def test_a_fifo_or_a_folder_as_out_is_refused_in_one_line(tmp_path):
     assert not hidden(tmp_path)
 
 
+def test_media_rows_to_an_out_named_without_its_formats_suffix(tmp_path):
+    """``packkit pack IN.parquet OUT.bin --output-format arrow`` (or ``feather``) of media rows wrote OUT, then read
+    its columns back by its name for the summary: exit 3 and "cannot read 'OUT.bin': unknown format '.bin'" after a
+    complete OUT was written. OUT's columns are read by its format (:func:`packkit.mediarows.file_columns`): the
+    same rows and summary as an OUT named by its format, exit 0."""
+    from packkit.mediarows import kept_media
+
+    src = tmp_path / "in.parquet"
+    write_media(src, 100)
+    assert kept_media(src, "parquet", "jsonl") == [] and kept_media(src, "parquet", "feather") == ["pixel_values"]
+    for fmt, suffix in (("arrow", ".arrow"), ("feather", ".feather"), ("parquet", ".parquet")):
+        named, odd = tmp_path / f"named{suffix}", tmp_path / f"{fmt}.bin"
+        with Case():
+            code, out, err = cli(("pack", src, named, "-w", "256", "--json"))
+            assert code == 0, err
+            want = json.loads(out)
+            code, out, err = cli(("pack", src, odd, "-w", "256", "--json", "--output-format", fmt))
+            assert code == 0, err
+            got = json.loads(out)
+            assert got["media"] == ["pixel_values"] and "pixel_values" in got["columns"]
+            assert {**got, "output": str(named)} == want
+            assert read_back(odd.rename(odd.with_suffix(suffix))).equals(read_back(named))  # read by its suffix
+    assert not hidden(tmp_path)
+
+
 def test_damaged_or_truncated_media_input_is_one_line_naming_it(tmp_path):
     """A media parquet whose page header is damaged (in the token column, in the pixel column) ended ``packkit
     pack`` with the traceback of ``datasets``' DatasetGenerationError; a damaged footer, a truncated parquet, a

@@ -16,13 +16,12 @@ from pathlib import Path
 from ._options import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
 from ..binpack import overflow_note
 from ..errors import DataError, Message, arg, check_int
-from ..datafiles import Input, lines_named, load_table, parquet_schema, reader_pyarrow
+from ..datafiles import Input, lines_named, reader_pyarrow
 from ..fileio import atomic_output, check_output, held_still, temp_folder
 from ..offline import (DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PROGRESS_BYTES, check_planning, pack_dataset,
                        plan_source, show_progress)
-from ..mediarows import MEDIA_FORMATS, media_columns, refuse_media
+from ..mediarows import MEDIA_FORMATS, file_columns, kept_media, media_columns, media_dataset, refuse_media
 from ..progress import progress_bar
-from ..readers import parquet_dataset
 from ..sources import ArrowSource
 from ..allocators import bound_allocators
 from ..outputs import FORMATS, documents_lost, output_format, write_packed
@@ -90,9 +89,7 @@ def run(args, options=None) -> int:
 def _run(args, options) -> int:
     inp, out, fmt, buffer_bytes, columns = _checks(args)
     bound_allocators(args.tokenizer)  # a tokenizer named: pyarrow on the system allocator, for the rest of the process
-    # media columns in a .parquet or .arrow IN (its schema only; an Arrow file is memory-mapped): packed with them
-    if fmt.name in MEDIA_FORMATS and inp.format in ("parquet", "arrow") and media_columns(
-            (parquet_schema(inp.path) if inp.format == "parquet" else load_table(inp.path).schema).names):
+    if kept_media(inp.path, inp.format, fmt.name):  # packkit.mediarows: rows packed with their media
         return _pack_media(args, inp, out, fmt, columns, buffer_bytes)
     quiet = args.quiet or args.json
     if quiet and inp.format == "folder":  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
@@ -130,14 +127,11 @@ def _run(args, options) -> int:
 
 
 def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
-    """Rows with media (:mod:`packkit.mediarows`): IN read as a ``datasets.Dataset`` and packed by
+    """Rows with media: IN read as a ``datasets.Dataset`` (:func:`packkit.mediarows.media_dataset`) and packed by
     :func:`packkit.offline.pack_dataset` to OUT, each document's media with it. Its log lines (overflow, windows
     with no loss token, pieces left out) go to stderr as they are; the summary says what the plan holds."""
-    import datasets
     logging.getLogger("packkit").setLevel(logging.WARNING)  # run() puts the level back
     quiet = args.quiet or args.json
-    if quiet or inp.path.stat().st_size < PROGRESS_BYTES:  # datasets' bars (reading IN) only where packkit's show
-        datasets.disable_progress_bars()
     sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
     # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes beside OUT (an existing one
     # replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged. IN's Arrow copy (datasets
@@ -145,8 +139,8 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
     # (~/.cache): a copy of the user's data they never asked for
     with held_still([inp.path]) as hold, atomic_output(out, kind=fmt.kind, inputs=[inp.path],
                                                        overwrite=args.overwrite) as tmp, temp_folder(out) as cache:
-        ds = (parquet_dataset(inp.path, cache_dir=cache) if inp.format == "parquet"
-              else datasets.Dataset(load_table(inp.path)))
+        ds = media_dataset(inp.path, parquet=inp.format == "parquet", cache_dir=cache,  # datasets' bars as packkit's
+                           progress=not quiet and inp.path.stat().st_size >= PROGRESS_BYTES)
         _, plan = pack_dataset(
             ds, window=args.window, strategy=args.strategy, overflow=args.overflow, seed=args.seed, output=tmp,
             shuffle=not args.no_shuffle, return_report=True, columns=columns, example_ids=args.example_ids,
@@ -155,16 +149,16 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
         hold.release()  # IN read to the end, unchanged: OUT is renamed into place whatever comes after
         if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
             raise _none_left(args, inp.path)
-    names = (parquet_schema(out) if fmt.name == "parquet" else load_table(out).schema).names
-    s = plan.summary()
+    names = file_columns(out, parquet=fmt.name == "parquet")  # by OUT's format, whatever its name ends with
+    s, media = plan.summary(), media_columns(names)
     if args.json:
         print(json.dumps({"input": str(inp.path), "output": str(out), "format": fmt.name, "columns": names,
-                          "media": media_columns(names), "rows": plan.num_windows, "seed": args.seed,
-                          "shuffled": not args.no_shuffle, "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
+                          "media": media, "rows": plan.num_windows, "seed": args.seed, "shuffled": not args.no_shuffle,
+                          "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
         return 0
     held = f"{s['tokens']:,}" + ("" if not s["cut_tokens"] else f" of {s['tokens'] + s['cut_tokens']:,}")
     print(f"packed {s['examples']:,} examples ({held} tokens) with their media "
-          f"({', '.join(media_columns(names))}) into {s['windows']:,} windows of {s['window']:,} "
+          f"({', '.join(media)}) into {s['windows']:,} windows of {s['window']:,} "
           f"(lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
     if args.cp_size > 1:
         print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
@@ -246,3 +240,4 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
         print(documents_lost(fmt, names))
     print(f"wrote {str(out)!r} as {fmt.title}" + ("" if fmt.sink is None else f"; columns {names}"))
     return 0
+
