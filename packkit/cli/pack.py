@@ -89,9 +89,9 @@ def run(args, options=None) -> int:
 def _run(args, options) -> int:
     inp, out, fmt, buffer_bytes, columns = _checks(args)
     bound_allocators(args.tokenizer)  # a tokenizer named: pyarrow on the system allocator, for the rest of the process
-    if kept_media(inp.path, inp.format, fmt.name):  # packkit.mediarows: rows packed with their media
-        return _pack_media(args, inp, out, fmt, columns, buffer_bytes)
     quiet = args.quiet or args.json
+    if kept_media(inp.path, inp.format, fmt.name):  # packkit.mediarows: rows packed with their media
+        return _pack_media(args, inp, out, fmt, columns, buffer_bytes, quiet)
     if quiet and inp.format == "folder":  # lazy: datasets (1 s to import) reads a save_to_disk folder IN, with its bars
         import datasets
         datasets.disable_progress_bars()
@@ -126,12 +126,11 @@ def _run(args, options) -> int:
     return _report(args, options, src, out, fmt, packed, how)
 
 
-def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
+def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes, quiet: bool) -> int:
     """Rows with media: IN read as a ``datasets.Dataset`` (:func:`packkit.mediarows.media_dataset`) and packed by
     :func:`packkit.offline.pack_dataset` to OUT, each document's media with it. Its log lines (overflow, windows
     with no loss token, pieces left out) go to stderr as they are; the summary says what the plan holds."""
     logging.getLogger("packkit").setLevel(logging.WARNING)  # run() puts the level back
-    quiet = args.quiet or args.json
     sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
     # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes beside OUT (an existing one
     # replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged. IN's Arrow copy (datasets
@@ -156,10 +155,7 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes) -> int:
                           "media": media, "rows": plan.num_windows, "seed": args.seed, "shuffled": not args.no_shuffle,
                           "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
         return 0
-    held = f"{s['tokens']:,}" + ("" if not s["cut_tokens"] else f" of {s['tokens'] + s['cut_tokens']:,}")
-    print(f"packed {s['examples']:,} examples ({held} tokens) with their media "
-          f"({', '.join(media)}) into {s['windows']:,} windows of {s['window']:,} "
-          f"(lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
+    print(_packed(args, s, s["tokens"] + s["cut_tokens"], f" with their media ({', '.join(media)})"))
     if args.cp_size > 1:
         print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
     print(f"wrote {str(out)!r} as {fmt.title}; columns {names}")
@@ -219,9 +215,7 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
         elif packed.scan.doc_ids is None:
             print("examples split when the rows were packed stay pieces (the rows carry no example_ids to tell); "
                   "pack the unpacked examples to rejoin them")
-    held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
-    print(f"packed {s['examples']:,} examples ({held} tokens) into {s['windows']:,} "
-          f"windows of {s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
+    print(_packed(args, s, input_tokens))
     if note is not None:
         print(note.render(options))
     if args.cp_size > 1:
@@ -241,3 +235,9 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
     print(f"wrote {str(out)!r} as {fmt.title}" + ("" if fmt.sink is None else f"; columns {names}"))
     return 0
 
+
+def _packed(args, s: dict, input_tokens: int, media: str = "") -> str:
+    """The summary's line of what was packed (``s``: the plan's figures) of ``input_tokens`` read."""
+    held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
+    return (f"packed {s['examples']:,} examples ({held} tokens){media} into {s['windows']:,} windows of "
+            f"{s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
