@@ -5,7 +5,6 @@ has no work (TRL PR #7328's starvation hangs exactly there). Each rank packs its
 group once.
 """
 
-import datetime
 import json
 import os
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from testlib import free_port, run_processes, tiny_causal_lm
+from testlib import free_port, gloo_group, run_processes, tiny_causal_lm
 
 from packkit.preference import GroupCollator, sequence_logps, shard_groups
 
@@ -35,10 +34,7 @@ def worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, port=port, timeout_s=60):
         data = rollouts()
         tokens = [len(g["prompt_ids"]) + sum(map(len, g["completion_ids"])) for g in data]
         mine = shard_groups(tokens, world_size=world_size, max_tokens=MAX_TOKENS)[rank]
@@ -57,8 +53,6 @@ def worker(rank, world_size, port, out_dir):
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"micro_batches": len(mine), "max_micro_batches": int(counts), "groups": seen,
                        "grad_norm": float(torch.cat([p.grad.flatten() for p in net.parameters()]).norm())}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_rank_steps_as_often_and_no_group_is_lost(tmp_path):

@@ -6,13 +6,12 @@ gradient on both ranks equals the single-process gradient over all the data; the
 per-micro-batch means does not.
 """
 
-import datetime
 import os
 
 import numpy as np
 import pytest
 import torch
-from testlib import free_port, run_processes, tiny_token_lm
+from testlib import free_port, gloo_group, run_processes, tiny_token_lm
 
 from packkit.loss import accumulation_step, count_loss_tokens
 
@@ -47,13 +46,9 @@ def grads(model):
 
 
 def worker(rank, world_size, port, out_dir):
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, port=port, timeout_s=60):
         model = DDP(tiny_lm())
         mbs = rank_batches(rank)
         step = accumulation_step(mbs)  # all-reduces the count: torch.distributed is initialised
@@ -71,8 +66,6 @@ def worker(rank, world_size, port, out_dir):
                     "grad_multiplier": step.grad_multiplier, "local": step.local_loss_tokens,
                     "mean_loss": step.mean_loss(logged)},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_two_ranks_uneven_counts_match_single_process(tmp_path):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from testlib import tiny_token_lm
+from testlib import gloo_group, tiny_token_lm
 
 from packkit.collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator
 from packkit.errors import ArgumentError
@@ -314,16 +314,11 @@ def rank_parts(rank, world_size, accumulation):
 
 
 def ddp_worker(rank, world_size, accumulation, port, out_dir):
-    import datetime
     import os
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, port=port, timeout_s=60):
         docs, out = ddp_documents(), {}
         for mode in DDP_MODES:
             model = DDP(tiny_token_lm(VOCAB, 4))
@@ -338,8 +333,6 @@ def ddp_worker(rank, world_size, accumulation, port, out_dir):
                     step.loss(model(mb["input_ids"]), mb).backward()
             out[resolve(mode).name] = grads(model.module)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.distributed

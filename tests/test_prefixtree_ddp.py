@@ -7,7 +7,6 @@ rank 2: the dealing a review found refused. The DDP gradient equals the unpacked
 through the model) within 1e-10 in float64.
 """
 
-import datetime
 import json
 import os
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from testlib import free_port, run_processes, tiny_causal_lm
+from testlib import free_port, gloo_group, run_processes, tiny_causal_lm
 
 pytestmark = pytest.mark.distributed
 
@@ -71,11 +70,8 @@ def worker(rank, world_size, port, out_dir):
     from packkit.preference import token_logps
     from packkit.prefixtree import deal_trees
 
-    torch.set_num_threads(1)
     float64_norms()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, port=port, timeout_s=60):
         tree = the_tree()
         deal = deal_trees(tree, world_size=world_size, max_tokens=MAX_TOKENS)
         net = model()
@@ -93,8 +89,6 @@ def worker(rank, world_size, port, out_dir):
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"micro_batches": len(deal.ranks[rank]), "max_micro_batches": int(counts), "samples": seen,
                        "recomputed": deal.recomputed}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_rank_steps_as_often_and_trains_every_sample_once(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from testlib import free_port, run_processes  # noqa: E402
+from testlib import free_port, gloo_group, run_processes  # noqa: E402
 
 pytestmark = [
     pytest.mark.distributed,
@@ -28,7 +28,6 @@ MANY_GPUS = "# Many GPUs"
 
 
 def _rank(rank: int, world: int, port: int, out: str, stop: int, leg: int, block: list):
-    import datetime
     import warnings
 
     from resume_testlib import KillAfter, Killed, TokenRows, sharegpt
@@ -36,8 +35,7 @@ def _rank(rank: int, world: int, port: int, out: str, stop: int, leg: int, block
     from packkit.sampler import ResumeWarning
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, port=None, timeout_s=120):
         lengths = sharegpt(N, seed=2)
         scope = {"lengths": lengths, "dataset": TokenRows(lengths), "print": lambda *a: None}
         report = {}
@@ -73,8 +71,6 @@ def _rank(rank: int, world: int, port: int, out: str, stop: int, leg: int, block
                 json.dump(state, f)
         with open(os.path.join(out, f"leg{leg}_rank{rank}.json"), "w") as f:
             json.dump(report, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_documented_resume_on_another_world_size_in_real_ranks(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from testlib import free_port, run_processes  # noqa: E402
+from testlib import free_port, gloo_group, run_processes  # noqa: E402
 
 pytestmark = [
     pytest.mark.distributed,
@@ -48,9 +48,7 @@ def _worker(rank: int, port: int, out_dir: str):
     from packkit.sampler import LengthGroupedSampler, PackedBatchSampler, TokenBudgetBatchSampler
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
-                            timeout=__import__("datetime").timedelta(seconds=60))
-    try:
+    with gloo_group(rank, WORLD_SIZE, port=None, timeout_s=60):
         lengths = np.random.default_rng(0).integers(1, 64, size=N).tolist()
         ds = _Rows(lengths)
         results = {}
@@ -76,8 +74,6 @@ def _worker(rank: int, port: int, out_dir: str):
         results["elastic"] = _elastic(rank, lengths, ds)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _elastic(rank, lengths, ds):

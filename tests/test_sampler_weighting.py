@@ -13,7 +13,7 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from test_loss_weighting import L_MAX, VOCAB, grads, reference_loss
-from testlib import tiny_token_lm
+from testlib import gloo_group, tiny_token_lm
 from torch.utils.data import DataLoader
 
 from packkit.collate import PaddingFreeCollator
@@ -330,30 +330,26 @@ def test_bad_options_refused_in_one_line():
 
 
 def gloo_worker(rank, world_size, port, out_dir):
-    import datetime
     import os
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=60))
-    calls = []
-    real = dist.all_reduce
-    dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-    try:
-        examples, lengths, loss = make_examples()
-        out = {}
-        for mode in ("sample", "sqrt", DrGRPO(L_MAX)):
-            model = DDP(tiny_token_lm(VOCAB, 4))
-            s = sampler(lengths, loss, mode, rank, world_size)
-            out[resolve(mode).name] = [g for g, _ in rank_steps(s, examples, mode, model, ddp=True)]
-        out["all_reduce_calls"] = len(calls)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.all_reduce = real
-        dist.destroy_process_group()
+    with gloo_group(rank, world_size, port=port, timeout_s=60):
+        calls = []
+        real = dist.all_reduce
+        dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            examples, lengths, loss = make_examples()
+            out = {}
+            for mode in ("sample", "sqrt", DrGRPO(L_MAX)):
+                model = DDP(tiny_token_lm(VOCAB, 4))
+                s = sampler(lengths, loss, mode, rank, world_size)
+                out[resolve(mode).name] = [g for g, _ in rank_steps(s, examples, mode, model, ddp=True)]
+            out["all_reduce_calls"] = len(calls)
+            torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        finally:
+            dist.all_reduce = real
 
 
 @pytest.mark.distributed

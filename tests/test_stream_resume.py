@@ -28,7 +28,7 @@ from packkit.errors import DataError
 from packkit.packer import STREAM_STATE_VERSION, pack_stream
 from packkit.states import StateError
 
-from testlib import thorough
+from testlib import gloo_group, thorough
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = ROOT / "benchmarks" / "data" / "sharegpt_qwen3_lengths.npy"
@@ -629,14 +629,12 @@ def test_the_streaming_snippet_runs_as_pasted():
 def _gloo_rank(rank: int, world_size: int, port: int, folder: str, stop: int):
     """One data-parallel rank: packs its shard, stops after ``stop + rank`` rows, and rank 0 gathers every
     rank's state (all_gather_object, as a checkpoint would) into a file."""
-    import datetime
     import pickle
 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_group(rank, world_size, port=None, timeout_s=60):
         folder = Path(folder)
         ds = PackedIterable(LOADER_SRC, rank=rank, world_size=world_size, **LOADER_OPTS)
         rows = []
@@ -649,8 +647,6 @@ def _gloo_rank(rank: int, world_size: int, port: int, folder: str, stop: int):
         dist.all_gather_object(states, ds.state_dict())
         if rank == 0:
             (folder / "states.json").write_text(json.dumps(states))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

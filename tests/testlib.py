@@ -12,6 +12,7 @@ import faulthandler
 import multiprocessing
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -187,31 +188,56 @@ def _traced(rank: int, worker, dump_after_s: float, *args):
     (a 2-rank run of test_prefixtree_ddp.py passed the 120 s limit once in a whole-suite run, 8 s alone)."""
     faulthandler.dump_traceback_later(dump_after_s)
     try:
-        return worker(rank, *args)
+        worker(rank, *args)
     finally:
         faulthandler.cancel_dump_traceback_later()
+    # The rank's results are on disk and its group is destroyed: leave without the interpreter's teardown, where a
+    # gloo object still held (DDP keeps its group) is freed while the runtime is going away. A rank of
+    # test_loss_ddp.py aborted there once in CI (stop 45: "terminate called without an active exception", SIGABRT,
+    # 1 of about 60 whole-suite runs). A rank that raised still exits through spawn, which reports its traceback.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, *, port: int | None, timeout_s: float):
+    """One rank's gloo process group, one torch thread, for a worker of :func:`run_processes`: over
+    ``tcp://127.0.0.1:port``, or ``env://`` (``MASTER_ADDR``/``MASTER_PORT``, set by the worker) when ``port`` is
+    None. On a clean exit the ranks meet at a barrier before the group is destroyed, so that no rank closes its
+    connections while another still has work in flight on them; on an exception it is destroyed at once (a barrier
+    would wait for ranks that never come, until the group's timeout), and the ranks left at the barrier fail 5 s
+    later, so that the rank that raised is the one :func:`run_processes` reports."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://" if port is None else f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+        try:
+            dist.barrier()
+        except RuntimeError:  # a rank left raising: let spawn report its traceback first, the cause
+            time.sleep(5)
+            raise
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
 def gloo_rank(rank: int, port: int, world: int, out_dir: str, *, timeout_s: float):
-    """One rank of a gloo process group over ``tcp://127.0.0.1:port``, one torch thread, for a spawned worker:
-    yields the list the worker fills with its results and saves it to ``out_dir/rank{rank}.pt``, or the traceback
-    when the worker raises (re-raised), and destroys the group on any exit. :func:`rank_results` reads them."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    """One rank of a :func:`gloo_group` over ``tcp://127.0.0.1:port``: yields the list the worker fills with its
+    results and saves it to ``out_dir/rank{rank}.pt``, or the traceback when the worker raises (re-raised).
+    :func:`rank_results` reads them."""
     results: list = []
     path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        yield results
-        torch.save({"results": results}, path)
-    except Exception:
-        torch.save({"error": traceback.format_exc()}, path)
-        raise
-    finally:
-        dist.destroy_process_group()
+    with gloo_group(rank, world, port=port, timeout_s=timeout_s):
+        try:
+            yield results
+            torch.save({"results": results}, path)
+        except Exception:
+            torch.save({"error": traceback.format_exc()}, path)
+            raise
 
 
 def rank_results(out_dir, world: int) -> list:
