@@ -9,11 +9,8 @@ The number that governs gradient noise is tokens per optimiser step, not example
     64
 
 :func:`plan_budget` reports an epoch of the user's lengths as packkit's sampler deals it (:func:`packkit.epoch.deal`,
-under any ``balance``; ``packkit waste`` reads the same schedule) and the advice a practitioner would give
-(:func:`advise`, its thresholds :class:`AdviceOptions`'), each an :class:`Advice` also emitted as a
-:class:`BudgetWarning`: ``low_tokens_per_step`` (raise accumulation, not the learning rate), ``few_steps_per_epoch``,
-``lora_large_batch`` (an adapter run), ``accumulation_for_target``, and on the data itself ``loss_free``,
-``far_beyond_window`` and ``far_beyond_batch``. ``packkit plan`` prints the table on the command line;
+under any ``balance``; ``packkit waste`` reads the same schedule) and the advice of :mod:`packkit.advice`, each
+:class:`Advice` also emitted as a :class:`BudgetWarning`. ``packkit plan`` prints the table on the command line;
 :func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory.
 """
 
@@ -25,50 +22,17 @@ import warnings
 
 import numpy as np
 
+from .advice import Advice, AdviceOptions, BudgetWarning, advise, tokens_per_accumulation
 from .binpack import DEFAULT_OVERFLOW, Plan, check_window, overflow_note
 from .cp_layouts import check_cp_window, cp_multiples
 from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object
-from .errors import Message, arg, check_int
+from .errors import arg, check_int
 from .records import record
+from .sample import synthetic_sft_lengths
 from .sampler import batch_sums
 
 __all__ = ["Advice", "BudgetWarning", "Spread", "BudgetReport", "AdviceOptions", "advise", "MicroBatchSearch",
            "effective_batch_size", "plan_budget", "find_max_micro_batch", "is_out_of_memory", "synthetic_sft_lengths"]
-
-
-@record
-class Advice:
-    """One piece of advice: a stable ``code``, a message with the numbers, and the numbers themselves."""
-
-    code: str
-    message: str
-    values: dict = dataclasses.field(hash=False)
-    #: the message with the arguments it names kept apart, so the command line can name its options
-    wording: Message | None = dataclasses.field(default=None, hash=False, compare=False, repr=False)
-
-    def as_dict(self) -> dict:
-        return {"code": self.code, "message": self.message, "values": dict(self.values)}
-
-    def render(self, options=None) -> str:
-        """The message, naming arguments as ``options`` spell them (``packkit.errors.Arg.render``)."""
-        return self.message if self.wording is None else self.wording.render(options)
-
-
-def _advice(code: str, values: dict, template: str, **fields) -> Advice:
-    """An :class:`Advice` whose ``template`` names ``values`` and ``fields`` (the arguments and figures it adds)."""
-    wording = Message(template, **values, **fields)
-    return Advice(code, str(wording), values, wording)
-
-
-class BudgetWarning(UserWarning):
-    """The warning :func:`plan_budget` emits for each :class:`Advice` (``.advice``, ``.code``). Silence it with
-    ``warnings.filterwarnings("ignore", category=packkit.budget.BudgetWarning)`` or
-    ``plan_budget(..., advice=AdviceOptions(warn=False))``; the advice stays in ``report.advice``."""
-
-    def __init__(self, advice: "Advice | str"):  # a str: rebuilt from its text (``cls(*args)``: pytest-xdist, pickle)
-        super().__init__(advice if isinstance(advice, str) else f"[{advice.code}] {advice.message}")
-        self.advice = None if isinstance(advice, str) else advice
-        self.code = advice[1:advice.find("]")] if self.advice is None else advice.code
 
 
 @record
@@ -88,6 +52,9 @@ class Spread:
         mean = float(v.sum()) / v.size  # numpy's mean and std (the same sums), without their dispatch: 3 per plan
         d = v - mean
         return cls(mean, math.sqrt(float((d * d).sum()) / v.size), float(v.min()), float(v.max()))
+
+    def text(self) -> str:
+        return f"mean {self.mean:,.1f}  std {self.std:,.1f}  min {self.min:,.0f}  max {self.max:,.0f}"
 
 
 @record
@@ -156,11 +123,11 @@ class BudgetReport:
             ("effective batch", f"{self.effective_batch:,} {'windows' if packed else 'examples'}/step = "
                                 f"{self.per_device_batch} per device x {self.accumulation_steps} accumulation x "
                                 f"{self.world_size} device{plural}"),
-            ("examples per step", _spread(self.examples_per_step)),
-            ("tokens per step", _spread(self.tokens_per_step)),
+            ("examples per step", self.examples_per_step.text()),
+            ("tokens per step", self.tokens_per_step.text()),
             ("loss tokens", f"{self.loss_tokens:,} in the epoch"
              + ("  (assumed: all but each example's first)" if self.loss_tokens_assumed else "")),
-            ("loss tokens per step", _spread(self.loss_tokens_per_step)),
+            ("loss tokens per step", self.loss_tokens_per_step.text()),
             ("longest example", f"{self.longest_example:,} tokens (as given, before the overflow policy)"),
             ("steps per epoch", f"{self.steps_per_epoch:,} ({self.full_steps_per_epoch:,} full)"),
             ("padding", f"{100 * self.padding_fraction:.1f}% of the "
@@ -189,10 +156,6 @@ class BudgetReport:
         return "\n".join(lines)
 
 
-def _spread(s: Spread) -> str:
-    return f"mean {s.mean:,.1f}  std {s.std:,.1f}  min {s.min:,.0f}  max {s.max:,.0f}"
-
-
 def __getattr__(name: str):
     """:mod:`packkit.microbatch`'s names, lent under their old address (``packkit.budget.find_max_micro_batch``)."""
     if name in ("find_max_micro_batch", "MicroBatchSearch", "is_out_of_memory"):
@@ -212,33 +175,6 @@ def effective_batch_size(*, per_device_batch: int, accumulation_steps: int = 1, 
     """``per_device_batch x accumulation_steps x world_size``: ``(4, 8, 2) -> 64``."""
     return (_at_least_one(per_device_batch, "per_device_batch")
             * _at_least_one(accumulation_steps, "accumulation_steps") * _at_least_one(world_size, "world_size"))
-
-
-def synthetic_sft_lengths(n: int, *, seed: int = 0, max_length: int = 2048) -> tuple[np.ndarray, np.ndarray]:
-    """``(lengths, loss_lengths)`` of ``n`` SFT-like examples: a prompt, then a completion that carries the loss.
-    Both log-normal (medians about 100 and 180 tokens, long right tails) as in chat instruction data, the total
-    clipped to ``max_length``; deterministic for a seed."""
-    n = _at_least_one(n, "n")
-    rng = np.random.default_rng(seed)
-    prompt = np.maximum(rng.lognormal(np.log(100), 0.9, n).astype(np.int64), 4)
-    completion = np.maximum(rng.lognormal(np.log(180), 1.0, n).astype(np.int64), 1)
-    completion = np.minimum(completion, max_length - 2)
-    lengths = np.minimum(prompt + completion, max_length)
-    return lengths, np.minimum(completion, lengths - 1)
-
-
-@record
-class AdviceOptions:
-    """The thresholds of :func:`advise` (module docstring); ``lora``: an adapter run (adds the large-batch advice);
-    ``target_tokens_per_step``: report (and advise) the accumulation steps that reach it; ``warn``: also emit each
-    advice as a :class:`BudgetWarning` from :func:`plan_budget`."""
-
-    lora: bool = False
-    target_tokens_per_step: int | None = None
-    min_tokens_per_step: int = 4000
-    min_steps_per_epoch: int = 50
-    lora_max_batch: int = 32
-    warn: bool = True
 
 
 def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int = 1, world_size: int = 1,
@@ -299,7 +235,7 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
     options = advice or AdviceOptions()
     if options.target_tokens_per_step is not None:
         target = _at_least_one(options.target_tokens_per_step, "target_tokens_per_step")
-        per_accum = _per_accumulation(report)
+        per_accum = tokens_per_accumulation(report)
         report = dataclasses.replace(report, target_tokens_per_step=target,
                                      accumulation_for_target=max(1, math.ceil(target / per_accum)) if per_accum > 0
                                      else None)
@@ -345,67 +281,3 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
         compute_imbalance=stats.compute_imbalance, examples_per_step_cv=stats.examples_per_step_cv)
 
 
-def _per_accumulation(r: BudgetReport) -> float:
-    """Tokens one accumulation step carries on average: the tokens of ``per_device_batch x world_size`` units."""
-    return r.num_tokens / r.num_units * r.per_device_batch * r.world_size if r.num_units else 0.0
-
-
-def advise(r: BudgetReport, options: AdviceOptions | None = None) -> tuple:
-    """The :class:`Advice` a practitioner would give on ``r`` (module docstring), under ``options``' thresholds."""
-    o = options or AdviceOptions()
-    per_accum, tok, per_step = _per_accumulation(r), r.tokens_per_step.mean, r.examples_per_step.mean
-    acc, w, out = arg("accumulation_steps"), arg("window"), []
-    if 0 < tok < o.min_tokens_per_step:
-        need = math.ceil(o.min_tokens_per_step / per_accum)
-        out.append(_advice(
-            "low_tokens_per_step", {"tokens_per_step": tok, "min_tokens_per_step": o.min_tokens_per_step,
-                                    "accumulation_steps": r.accumulation_steps, "suggested_accumulation_steps": need},
-            "about {tokens_per_step:,.0f} tokens per optimiser step (< {min_tokens_per_step:,}): gradients are noisy. "
-            "Raise {acc} from {accumulation_steps} to {suggested_accumulation_steps} (about {tokens:,.0f} tokens per "
-            "step) rather than raising the learning rate.", acc=acc, tokens=need * per_accum))
-    if r.steps_per_epoch < o.min_steps_per_epoch:
-        out.append(_advice(
-            "few_steps_per_epoch",
-            {"steps_per_epoch": r.steps_per_epoch, "full_steps_per_epoch": r.full_steps_per_epoch,
-             "examples": r.num_examples, "examples_per_step": per_step, "min_steps_per_epoch": o.min_steps_per_epoch,
-             "suggested_examples_per_step": max(1, r.num_examples // o.min_steps_per_epoch)},
-            "only {full_steps_per_epoch:,} full optimiser steps per epoch ({examples:,} examples at about "
-            "{examples_per_step:,.0f} examples per step): the optimiser and the learning-rate schedule get few "
-            "updates. For {min_steps_per_epoch} steps use about {suggested_examples_per_step:,} examples per step, "
-            "or train more epochs."))
-    if o.lora and per_step > o.lora_max_batch:
-        out.append(_advice(
-            "lora_large_batch", {"examples_per_step": per_step, "lora_max_batch": o.lora_max_batch},
-            "LoRA/adapter run at about {examples_per_step:,.0f} examples per step (> {lora_max_batch}): adapters tend "
-            "to train better with small effective batches; lower {acc} or {batch}.", acc=acc,
-            batch=arg("per_device_batch")))
-    if r.loss_free_units:  # then the advice about the data itself
-        unit = "windows" if r.mode == "packed" else "examples"
-        out.append(_advice(
-            "loss_free", {"loss_free_units": r.loss_free_units, "loss_free_steps": r.loss_free_steps, "unit": unit},
-            "{loss_free_units:,} {unit} and {loss_free_steps:,} optimiser steps hold no loss token (they train on "
-            "nothing; a step of them has loss 0): pass {drop} to leave the pieces without one out"
-            + (", or raise {w}" if r.mode == "packed" else ""), drop=arg("drop_loss_free", True), w=w))
-    if r.window is not None and r.longest_example > 4 * r.window:
-        out.append(_advice(
-            "far_beyond_window", {"longest_example": r.longest_example, "window": r.window},
-            "the longest example has {longest_example:,} tokens, {times:,.0f} times the window of {window:,}: "
-            + ("it is split into {pieces:,} pieces that see only their own window; " if r.overflow == "split" else "")
-            + "check it (a concatenated or runaway example?), or raise {w}",
-            times=r.longest_example / r.window, pieces=-(-r.longest_example // r.window), w=w))
-    elif r.window is None and r.longest_example > 64 * max(1.0, tok / max(1, r.effective_batch)):
-        out.append(_advice(
-            "far_beyond_batch", {"longest_example": r.longest_example},
-            "the longest example has {longest_example:,} tokens, far beyond the typical one: every padded "
-            "micro-batch that holds it is padded to it; check it, or pack into windows ({w})",
-            w=arg("window", metavar="W")))
-    if r.accumulation_for_target is not None and r.accumulation_for_target != r.accumulation_steps:
-        a = r.accumulation_for_target
-        out.append(_advice(
-            "accumulation_for_target", {"target_tokens_per_step": r.target_tokens_per_step,
-                                        "accumulation_steps": r.accumulation_steps,
-                                        "suggested_accumulation_steps": a, "tokens_per_step": tok},
-            "to reach {target_tokens_per_step:,} tokens per step use {acc} (about {tokens:,.0f} tokens per step; "
-            "now {accumulation_steps}, about {tokens_per_step:,.0f}).", acc=arg("accumulation_steps", a),
-            tokens=a * per_accum))
-    return tuple(out)
