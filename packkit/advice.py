@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .errors import Message, arg
+from .errors import Message, arg, check_int
 from .records import record
 
-__all__ = ["Advice", "AdviceOptions", "BudgetWarning", "advise", "tokens_per_accumulation"]
+__all__ = ["Advice", "AdviceOptions", "BudgetWarning", "advise", "for_target"]
 
 
 @record
@@ -56,8 +56,8 @@ class BudgetWarning(UserWarning):
 @record
 class AdviceOptions:
     """The thresholds of :func:`advise` (module docstring); ``lora``: an adapter run (adds the large-batch advice);
-    ``target_tokens_per_step``: report (and advise) the accumulation steps that reach it; ``warn``: also emit each
-    advice as a :class:`BudgetWarning` from :func:`packkit.budget.plan_budget`."""
+    ``target_tokens_per_step``: report (and advise) the accumulation steps that reach it (:func:`for_target`);
+    ``warn``: also emit each advice as a :class:`BudgetWarning` from :func:`packkit.budget.plan_budget`."""
 
     lora: bool = False
     target_tokens_per_step: int | None = None
@@ -67,17 +67,25 @@ class AdviceOptions:
     warn: bool = True
 
 
-def tokens_per_accumulation(r) -> float:
+def _per_accumulation(r) -> float:
     """Tokens one accumulation step of the report ``r`` carries on average: those of ``per_device_batch x world_size``
     units."""
     return r.num_tokens / r.num_units * r.per_device_batch * r.world_size if r.num_units else 0.0
+
+
+def for_target(r, target) -> tuple[int, int | None]:
+    """``(target, accumulation steps)``: ``target_tokens_per_step`` checked, and the accumulation steps whose mean
+    tokens per step reach it on the report ``r`` (None when its steps carry no token)."""
+    target = check_int(target, "target_tokens_per_step", fix=": pass 1 or more")
+    per_accum = _per_accumulation(r)
+    return target, max(1, math.ceil(target / per_accum)) if per_accum > 0 else None
 
 
 def advise(r, options: AdviceOptions | None = None) -> tuple:
     """The :class:`Advice` a practitioner would give on ``r`` (a :class:`packkit.budget.BudgetReport`; the module
     docstring), under ``options``' thresholds."""
     o = options or AdviceOptions()
-    per_accum, tok, per_step = tokens_per_accumulation(r), r.tokens_per_step.mean, r.examples_per_step.mean
+    per_accum, tok, per_step = _per_accumulation(r), r.tokens_per_step.mean, r.examples_per_step.mean
     acc, w, out = arg("accumulation_steps"), arg("window"), []
     if 0 < tok < o.min_tokens_per_step:
         need = math.ceil(o.min_tokens_per_step / per_accum)

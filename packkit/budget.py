@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from .advice import Advice, AdviceOptions, BudgetWarning, advise, tokens_per_accumulation
+from .advice import Advice, AdviceOptions, BudgetWarning, advise, for_target
 from .binpack import DEFAULT_OVERFLOW, Plan, check_window, overflow_note
 from .cp_layouts import check_cp_window, cp_multiples
 from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object
@@ -234,11 +234,8 @@ def plan_budget(lengths=None, *, per_device_batch: int, accumulation_steps: int 
                      world_size=world_size, window=window, balance=balance)
     options = advice or AdviceOptions()
     if options.target_tokens_per_step is not None:
-        target = _at_least_one(options.target_tokens_per_step, "target_tokens_per_step")
-        per_accum = tokens_per_accumulation(report)
-        report = dataclasses.replace(report, target_tokens_per_step=target,
-                                     accumulation_for_target=max(1, math.ceil(target / per_accum)) if per_accum > 0
-                                     else None)
+        target, steps = for_target(report, options.target_tokens_per_step)
+        report = dataclasses.replace(report, target_tokens_per_step=target, accumulation_for_target=steps)
     report = dataclasses.replace(report, advice=advise(report, options))
     for a in report.advice if options.warn else ():
         warnings.warn(BudgetWarning(a), stacklevel=2)
