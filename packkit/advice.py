@@ -3,8 +3,8 @@
 accumulation, not the learning rate), ``few_steps_per_epoch``, ``lora_large_batch`` (an adapter run),
 ``accumulation_for_target``, and on the data itself ``loss_free``, ``far_beyond_window`` and ``far_beyond_batch``.
 
-A policy of its own: it reads a report's fields and says what to change, naming the arguments as the caller spells
-them (:meth:`Advice.render`); it computes no figure and imports no reader nor command.
+A policy of its own: it reads a report's figures (:mod:`packkit.budget` makes them) and says what to change, naming
+the arguments as the caller spells them (:meth:`Advice.render`); it imports no reader nor command.
 """
 
 from __future__ import annotations

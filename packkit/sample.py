@@ -1,6 +1,6 @@
 """The data packkit measures when given no file: the bundled sample of ``packkit waste`` and ``plan``
 (``packkit/data/README.md`` says how it was made), and ``plan --synthetic``'s SFT-like lengths. Its own room, off the
-door in (:mod:`packkit.datafiles` and :mod:`packkit.budget` re-export it), so that either command on it imports none
+door in (:mod:`packkit.datafiles` and :mod:`packkit.budget` re-export them), so that either command on it imports none
 of the readers (``tests/test_cli_startup.py``)."""
 
 from __future__ import annotations
