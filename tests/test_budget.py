@@ -244,6 +244,18 @@ def test_a_budget_warning_rebuilt_from_its_text():
         assert str(again) == str(w) and again.code == w.code == "few_steps_per_epoch"
 
 
+def test_the_names_that_left_budget_are_lent_at_their_old_address():
+    """The advice went to :mod:`packkit.advice` and ``plan --synthetic``'s lengths to :mod:`packkit.sample`, rooms of
+    their own: ``from packkit.budget import advise`` (and every name of its ``__all__``) gives the same object."""
+    from packkit import advice, budget, microbatch, sample
+
+    homes = {**{n: advice for n in advice.__all__ if n != "for_target"}, "synthetic_sft_lengths": sample,
+             **{n: microbatch for n in microbatch.__all__}}
+    assert set(homes) <= set(budget.__all__)
+    assert [n for n, home in homes.items() if getattr(budget, n) is not getattr(home, n)] == []
+    assert [n for n in budget.__all__ if not hasattr(budget, n)] == []
+
+
 def test_low_tokens_per_step_suggests_accumulation_that_reaches_the_threshold():
     r = plan_budget([100] * 10_000, per_device_batch=4, accumulation_steps=2, advice=QUIET)  # 800 tokens/step
     (adv,) = [a for a in r.advice if a.code == "low_tokens_per_step"]
