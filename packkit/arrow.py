@@ -14,7 +14,7 @@ import itertools
 
 import numpy as np
 
-__all__ = ["pyarrow", "list_array", "byte_tokenize", "MAX_LIST_VALUES", "replay"]
+__all__ = ["pyarrow", "list_array", "chunked_lists", "byte_tokenize", "MAX_LIST_VALUES", "replay"]
 
 
 def pyarrow(what: str = "reading Arrow data"):
@@ -49,6 +49,15 @@ def list_array(offsets, values, *, max_tokens: int | None = None):
     if offsets[-1] <= limit:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
+
+
+def chunked_lists(chunks: list, value_type):
+    """One column of list arrays (:func:`list_array`'s, a batch each) as a chunked array: ``list<value_type>``, or
+    ``large_list`` for every chunk when one of them needed 64-bit offsets."""
+    pa = pyarrow()
+    large = any(pa.types.is_large_list(c.type) for c in chunks)
+    typ = (pa.large_list if large else pa.list_)(value_type)
+    return pa.chunked_array([c.cast(typ) if large else c for c in chunks], type=typ)
 
 
 def _binary_parts(arr):

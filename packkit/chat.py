@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from .allocators import c_getenv
-from .arrow import list_array
+from .arrow import chunked_lists, list_array
 from .choices import CHAT_FORMATS  # the conversational formats chat_format recognises (module docstring)
 from .chatoptions import ChatOptions  # its home is packkit.chatoptions, off the start of plan and pack
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
@@ -51,6 +51,7 @@ from .progress import progress_bar
 from .chatrender import flat, render
 from .segments import common_prefix_lengths, lengths_to_offsets, mask_from
 from .tokenizer import COPY_BYTES_PER_TOKEN, bad_utf8, fast_copy, load_tokenizer
+from .workers import encode_in_processes, encode_range
 
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
            "ignored_columns", "has_generation_markers", "load_tokenizer", "tokenize_dataset", "tokenize_chat",
@@ -431,13 +432,13 @@ class _Encoder:
         with self._fast(table) as self.fast, progress_bar(total=n, unit="ex", enabled=progress,
                                                           desc="chat template") as bar:
             if num_proc > 1 and n > batch_size:
-                ids_chunks, mask_chunks, diverged = _encode_in_processes(self, table, batch_size, num_proc, bar, base)
+                ids_chunks, mask_chunks, diverged = encode_in_processes(self, table, batch_size, num_proc, bar, base)
                 self.diverged += diverged
             else:
-                ids_chunks, mask_chunks, _ = _encode_range(self, table, base, batch_size, bar)
-        columns = {"input_ids": _chunked(ids_chunks, pa.int32())}
+                ids_chunks, mask_chunks, _ = encode_range(self, table, base, batch_size, bar)
+        columns = {"input_ids": chunked_lists(ids_chunks, pa.int32())}
         if self.mask_name is not None:
-            columns[self.mask_name] = _chunked(mask_chunks, pa.int8())
+            columns[self.mask_name] = chunked_lists(mask_chunks, pa.int8())
         return pa.table(columns)
 
     def _fast(self, table):
@@ -537,30 +538,6 @@ def chat_encoder(schema, tokenizer, options: ChatOptions | None = None, *, stack
     return _Encoder(fmt, tokenizer, options)
 
 
-def _encode_range(enc: _Encoder, table, base: int, batch_size: int, bar=None):
-    """``(ids chunks, mask chunks, diverged)`` of ``table``'s rows (the first is example ``base``), a batch
-    at a time: what :func:`tokenize_chat` joins."""
-    ids_chunks, mask_chunks = [], []
-    for lo in range(0, table.num_rows, batch_size):
-        ids, mask = enc.encode(table.slice(lo, batch_size), base + lo)
-        ids_chunks.append(ids)
-        mask_chunks.append(mask)
-        if bar is not None:
-            bar.update(len(ids))
-    return ids_chunks, mask_chunks, enc.diverged
-
-
-def _encode_part(job):
-    """A worker's part: ``(enc, table, base, batch_size)`` -> :func:`_encode_range`; forked, ``enc`` is the key of
-    the parent's ``(encoder, table)`` in :data:`_FORKED` and ``table`` the part's ``(first row, rows)``."""
-    enc, table, base, batch_size = job
-    if not isinstance(enc, _Encoder):
-        enc, whole = _FORKED[enc]
-        table = whole.slice(*table)
-    enc.diverged = 0
-    return _encode_range(enc, table, base, batch_size)
-
-
 #: One process's chat tokenizing CPU outside its Rust pool (render 6%, masks 4%, ids 1%: Qwen3, ShareGPT), and forked
 #: workers' CPU (one thread each) over one process's for the same rows (1.24x quiet, 1.38-1.39x at load 5; 2 cores).
 PYTHON_SHARE, WORKER_CPU = 0.15, 1.3
@@ -583,51 +560,6 @@ def worker_processes(num_proc: int, cores: int | None = None, pool: bool | None 
     if num_proc <= 1 or not pool:
         return max(1, num_proc)
     return num_proc if min(num_proc, cores) / WORKER_CPU > 1 / (PYTHON_SHARE + (1 - PYTHON_SHARE) / cores) else 1
-
-
-#: what forked workers read from their parent's memory, not a pickle: key -> (encoder, table). With Qwen3's tokenizer
-#: the pickle took 0.43 s and 1.33 s a worker to rebuild, most of what num_proc=2 cost over one process.
-_FORKED: dict = {}
-
-
-def _encode_in_processes(enc: _Encoder, table, batch_size: int, num_proc: int, bar, base: int = 0):
-    """:func:`_encode_range` over ``num_proc`` contiguous parts of ``table``, one process each, joined in order.
-
-    Forked where the platform allows (no re-import; the encoder and table the parent's, :data:`_FORKED`), one thread a
-    process (``TOKENIZERS_PARALLELISM=false``, as ``tokenizers`` asks of forked processes)."""
-    import concurrent.futures
-    import multiprocessing
-
-    cuts = np.linspace(0, table.num_rows, num_proc + 1).astype(np.int64)
-    parts = [(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
-    method, key = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn", id(enc)
-    if method == "fork":
-        _FORKED[key] = (enc, table)
-    jobs = [(key, p, base + p[0], batch_size) if method == "fork" else (enc, table.slice(*p), base + p[0], batch_size)
-            for p in parts]
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context(method)) as pool:
-            done = []
-            for part in pool.map(_encode_part, jobs):
-                done.append(part)
-                bar.update(sum(len(c) for c in part[0]))
-    finally:
-        _FORKED.pop(key, None)
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-    return ([c for p in done for c in p[0]], [c for p in done for c in p[1]], sum(p[2] for p in done))
-
-
-def _chunked(chunks: list, value_type):
-    """One column of the batches' list arrays (:func:`packkit.arrow.list_array`): ``list<value_type>``, or
-    ``large_list`` when a batch needed 64-bit offsets."""
-    import pyarrow as pa
-
-    large = any(pa.types.is_large_list(c.type) for c in chunks)
-    typ = (pa.large_list if large else pa.list_)(value_type)
-    return pa.chunked_array([c.cast(typ) if large else c for c in chunks], type=typ)
 
 
 def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=None,

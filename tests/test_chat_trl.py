@@ -145,7 +145,7 @@ def test_forked_workers_read_the_encoder_without_a_pickle(tok_dir, monkeypatch):
     pickle and 1.33 s to rebuild a worker with Qwen3's tokenizer: most of what ``num_proc=2`` cost over one
     process). Forked workers read the parent's encoder and table: the encoder cannot be pickled here, and the table
     is the one process's."""
-    from packkit import chat
+    from packkit import chat, workers
 
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # processes on any machine (worker_processes)
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
@@ -157,7 +157,7 @@ def test_forked_workers_read_the_encoder_without_a_pickle(tok_dir, monkeypatch):
 
     monkeypatch.setattr(chat._Encoder, "__reduce__", refuse)
     assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one)
-    assert chat._FORKED == {}
+    assert workers._FORKED == {}
 
 
 def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
@@ -173,8 +173,8 @@ def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
     one = tokenize_chat(table, tok, batch_size=16)
-    forked, real = [], chat._encode_in_processes
-    monkeypatch.setattr(chat, "_encode_in_processes", lambda *a, **k: forked.append(a[3]) or real(*a, **k))
+    forked, real = [], chat.encode_in_processes
+    monkeypatch.setattr(chat, "encode_in_processes", lambda *a, **k: forked.append(a[3]) or real(*a, **k))
     monkeypatch.setattr(chat.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == []

@@ -21,7 +21,7 @@ FLOORS = [
     # the ground: nothing from packkit
     ["segments", "errors", "arrow", "progress", "interrupts", "allocators", "kernels.varlen_layout",
      "kernels.flash_varlen_kernels", "integrations", "integrations.transformers", "records", "length_rules",
-     "chatoptions", "pretokens"],
+     "chatoptions", "pretokens", "workers"],
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
     ["fileio", "atomic", "jsonlines", "jsonblame", "longline", "readers", "tokenizer", "chatrender", "binpack", "fits", "batch", "kernels.flash_varlen",
