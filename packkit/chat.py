@@ -427,7 +427,7 @@ class _Encoder:
         import pyarrow as pa
 
         check_int(batch_size, "batch_size")
-        num_proc = worker_processes(1 if self.num_proc is None else check_int(self.num_proc, "num_proc"))
+        num_proc = worker_processes(self.num_proc or 1)
         n = table.num_rows
         with self._fast(table) as self.fast, progress_bar(total=n, unit="ex", enabled=progress,
                                                           desc="chat template") as bar:
@@ -503,9 +503,7 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         if not (hasattr(data, "with_format") and hasattr(data, "column_names") and hasattr(data, "__len__")):
             raise TypeError(f"tokenize_chat takes a pyarrow.Table or a datasets.Dataset, got {type(data).__name__}")
         data = data.with_format("arrow")[:]  # a datasets.Dataset, by its public API: a selection comes back applied
-    check_int(batch_size, "batch_size")  # before the tokenizer is loaded
-    if num_proc is not None:
-        check_int(num_proc, "num_proc")
+    check_int(batch_size, "batch_size")  # before the tokenizer is loaded (num_proc: by ChatOptions)
     options = ChatOptions(chat_template, assistant_only_loss, completion_only_loss, trust_remote_code, format, num_proc)
     enc = chat_encoder(data.schema, tokenizer, options, stacklevel=3)
     out = enc.encode_table(data, 0, batch_size=batch_size, progress=progress)

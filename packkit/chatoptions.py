@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import check_int
+
 __all__ = ["ChatOptions"]
 
 
@@ -19,7 +21,7 @@ __all__ = ["ChatOptions"]
 class ChatOptions:
     """How conversational rows become tokens: :func:`packkit.chat.tokenize_chat`'s keywords of the same names (documented
     there) as one object, what the readers of :mod:`packkit.datafiles` (and ``packkit waste``, ``plan``,
-    ``pack``, ``tokenize``) take."""
+    ``pack``, ``tokenize``) take. ``num_proc`` is checked here, once, for every caller."""
 
     chat_template: object = None
     assistant_only_loss: bool | None = None
@@ -27,3 +29,7 @@ class ChatOptions:
     trust_remote_code: bool = False
     format: str | None = None
     num_proc: int | None = None
+
+    def __post_init__(self):
+        if self.num_proc is not None:
+            check_int(self.num_proc, "num_proc")

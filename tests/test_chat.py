@@ -743,3 +743,18 @@ def test_tokenize_chat_reads_a_selection_in_its_order(tok_dir):
     ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS]).select([2, 0])
     out = tokenize_chat(ds, tok_dir)
     assert out.column("input_ids").to_pylist() == [reference_tokens(CONVERSATIONS[i])[0] for i in (2, 0)]
+
+
+def test_num_proc_is_checked_once_by_the_chat_options(tok_dir, tmp_path, capsys):
+    """``num_proc`` is checked where the options are made (:class:`packkit.chatoptions.ChatOptions`), for every caller.
+    Regression: tokenize_chat and the encoder each checked it, and an ``IterableDataset`` (mapped in one process) or
+    ``packkit tokenize --num-proc 0`` on text let 0 through unsaid."""
+    ds = datasets.Dataset.from_list([{"messages": c} for c in CONVERSATIONS])
+    for call in (lambda: chat.ChatOptions(num_proc=0), lambda: tokenize_chat(ds, tok_dir, num_proc=0),
+                 lambda: tokenize_dataset(ds.to_iterable_dataset(), tok_dir, num_proc=0)):
+        with pytest.raises(ArgumentError, match="^num_proc must be at least 1, got 0$"):
+            call()
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello there"}])
+    code, _, err = run(["tokenize", str(text), str(tmp_path / "out.parquet"), "--tokenizer", "bytes", "--num-proc",
+                        "0"], capsys)
+    assert code == 2 and "--num-proc must be at least 1, got 0" in err and not (tmp_path / "out.parquet").exists()
