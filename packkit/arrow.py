@@ -1,5 +1,5 @@
-"""Arrow at the bottom floor: the pyarrow import, list arrays from flat values and offsets, and the
-byte-level tokenizer. Imports nothing from packkit, so every floor can use it (Arrow list columns read
+"""Arrow at the bottom floor: the pyarrow import, list arrays from flat values and offsets (and back, and joined), and
+the byte-level tokenizer. Imports nothing from packkit, so every floor can use it (Arrow list columns read
 under the rules of an example: :mod:`packkit.listcolumns`)::
 
     >>> byte_tokenize(["hi", "é"]).to_pylist()
@@ -14,7 +14,7 @@ import itertools
 
 import numpy as np
 
-__all__ = ["pyarrow", "list_array", "chunked_lists", "byte_tokenize", "MAX_LIST_VALUES", "replay"]
+__all__ = ["pyarrow", "list_array", "flat_lists", "chunked_lists", "byte_tokenize", "MAX_LIST_VALUES", "replay"]
 
 
 def pyarrow(what: str = "reading Arrow data"):
@@ -49,6 +49,16 @@ def list_array(offsets, values, *, max_tokens: int | None = None):
     if offsets[-1] <= limit:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values)
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
+
+
+def flat_lists(lists):
+    """:func:`list_array`'s inverse for Python lists of ints: ``(offsets (n + 1,) int64 from 0, values (T,) int64)``,
+    through Arrow (no per-token Python). ``flat_lists([[5, 6], [7]]) -> ([0, 2, 3], [5, 6, 7])``."""
+    pa = pyarrow()
+    arr = pa.array(lists, type=pa.list_(pa.int64()))
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy()[offsets[0]: offsets[-1]]
+    return offsets - offsets[0], values
 
 
 def chunked_lists(chunks: list, value_type):

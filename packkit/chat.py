@@ -51,7 +51,7 @@ from .progress import progress_bar
 from .chatrender import flat, render
 from .segments import common_prefix_lengths, lengths_to_offsets, mask_from
 from .tokenizer import COPY_BYTES_PER_TOKEN, bad_utf8, fast_copy, load_tokenizer
-from .workers import encode_in_processes, encode_range
+from .workers import encode_rows
 
 __all__ = ["CHAT_FORMATS", "ChatWarning", "chat_encoder", "ChatOptions", "chat_format", "check_special_tokens",
            "ignored_columns", "has_generation_markers", "load_tokenizer", "tokenize_dataset", "tokenize_chat",
@@ -428,14 +428,9 @@ class _Encoder:
 
         check_int(batch_size, "batch_size")
         num_proc = worker_processes(self.num_proc or 1)
-        n = table.num_rows
-        with self._fast(table) as self.fast, progress_bar(total=n, unit="ex", enabled=progress,
+        with self._fast(table) as self.fast, progress_bar(total=table.num_rows, unit="ex", enabled=progress,
                                                           desc="chat template") as bar:
-            if num_proc > 1 and n > batch_size:
-                ids_chunks, mask_chunks, diverged = encode_in_processes(self, table, batch_size, num_proc, bar, base)
-                self.diverged += diverged
-            else:
-                ids_chunks, mask_chunks, _ = encode_range(self, table, base, batch_size, bar)
+            ids_chunks, mask_chunks = encode_rows(self, table, base, batch_size, num_proc, bar)
         columns = {"input_ids": chunked_lists(ids_chunks, pa.int32())}
         if self.mask_name is not None:
             columns[self.mask_name] = chunked_lists(mask_chunks, pa.int8())

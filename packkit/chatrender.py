@@ -14,6 +14,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from .arrow import flat_lists as flat  # lent here under its old name
 from .errors import DataError, Where
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
 from .pretokens import _state
@@ -21,16 +22,6 @@ from .segments import lengths_to_offsets, range_index
 from .tokenizer import one_line
 
 __all__ = ["flat", "render"]
-
-
-def flat(lists):
-    """``(offsets (n + 1,) int64, values)`` of a list of int lists, through Arrow (no per-token Python)."""
-    import pyarrow as pa
-
-    arr = pa.array(lists, type=pa.list_(pa.int64()))
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.values.to_numpy()[offsets[0]: offsets[-1]]
-    return offsets - offsets[0], values
 
 
 def render(tok, conversations: list, base: int, *, template: str, tools=None, kwargs=None,

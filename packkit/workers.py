@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-__all__ = ["encode_in_processes", "encode_range"]
+__all__ = ["encode_range", "encode_rows"]
 
 #: what forked workers read from their parent's memory, not a pickle: key -> (encoder, table). With Qwen3's tokenizer
 #: the pickle took 0.43 s and 1.33 s a worker to rebuild, most of what num_proc=2 cost over one process.
@@ -44,11 +44,15 @@ def _encode_part(job):
     return encode_range(enc, table, base, batch_size)
 
 
-def encode_in_processes(enc, table, batch_size: int, num_proc: int, bar, base: int = 0):
-    """:func:`encode_range` over ``num_proc`` contiguous parts of ``table``, one process each, joined in order.
+def encode_rows(enc, table, base: int, batch_size: int, num_proc: int, bar):
+    """``(ids chunks, mask chunks)`` of ``table``'s rows: :func:`encode_range` in this process, or over ``num_proc``
+    contiguous parts of ``table``, one process each, joined in order, where the rows are more than one batch; ``bar``
+    counts the rows, ``enc.diverged`` every process's.
 
     Forked where the platform allows (no re-import; the encoder and table the parent's, :data:`_FORKED`), one thread a
     process (``TOKENIZERS_PARALLELISM=false``, as ``tokenizers`` asks of forked processes)."""
+    if num_proc <= 1 or table.num_rows <= batch_size:
+        return encode_range(enc, table, base, batch_size, bar)[:2]
     import concurrent.futures
     import multiprocessing
 
@@ -71,4 +75,5 @@ def encode_in_processes(enc, table, batch_size: int, num_proc: int, bar, base: i
         _FORKED.pop(key, None)
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
-    return ([c for p in done for c in p[0]], [c for p in done for c in p[1]], sum(p[2] for p in done))
+    enc.diverged += sum(p[2] for p in done)
+    return [c for p in done for c in p[0]], [c for p in done for c in p[1]]

@@ -311,7 +311,7 @@ def test_the_fast_copy_is_made_only_for_long_text(qwen, monkeypatch):
     long_ = pa.table({"messages": [conversation(TEXTS)] * (chat.COPY_BYTES_PER_TOKEN * vocab // 100)})
     assert enc.encode_table(long_, 1) == tokenize_chat(long_, qwen, chat_template=CHATML)
     assert enc.fast[0] is not qwen.backend_tokenizer and runs == ["in", "out", "in", "out"]
-    monkeypatch.setattr(chat, "encode_range", lambda *a: 1 / 0)
+    monkeypatch.setattr(chat, "encode_rows", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         enc.encode_table(long_, 1)
     assert runs[4:] == ["in"]  # left by the exception: fast_copy's own finally gives the size back (test above)

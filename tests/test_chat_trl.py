@@ -173,13 +173,13 @@ def test_num_proc_takes_processes_only_where_they_pay(tok_dir, monkeypatch):
     tok = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     table = pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 40])
     one = tokenize_chat(table, tok, batch_size=16)
-    forked, real = [], chat.encode_in_processes
-    monkeypatch.setattr(chat, "encode_in_processes", lambda *a, **k: forked.append(a[3]) or real(*a, **k))
+    asked, real = [], chat.encode_rows  # the processes each call asks of the engine
+    monkeypatch.setattr(chat, "encode_rows", lambda *a, **k: asked.append(a[4]) or real(*a, **k))
     monkeypatch.setattr(chat.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == []
+    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and asked == [1]
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and forked == [2]
+    assert tokenize_chat(table, tok, batch_size=16, num_proc=2).equals(one) and asked == [1, 2]
     os_env = __import__("os")
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     try:  # datasets' map(num_proc) sets it in the C environment alone (Python keeps a copy of os.environ without it)
