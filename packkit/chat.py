@@ -47,6 +47,7 @@ from .choices import CHAT_FORMATS  # the conversational formats chat_format reco
 from .chatoptions import ChatOptions  # its home is packkit.chatoptions, off the start of plan and pack
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .integrations import transformers as hf  # transformers' private chat-template compiler, read in one place
+from .integrations.trl import training_template  # TRL's training templates, read in one place
 from .progress import progress_bar
 from .chatrender import flat, render
 from .segments import common_prefix_lengths, lengths_to_offsets, mask_from
@@ -210,26 +211,6 @@ def check_template_syntax(template: str, what: str) -> None:
     except TemplateSyntaxError as exc:
         raise ArgumentError("{what}, line {line}: Jinja syntax error: {msg}; fix the template or pass {tpl}", what=what,
                             line=exc.lineno, msg=str(exc.message).rstrip("."), tpl=arg("chat_template", metavar="FILE.jinja")) from None
-
-
-def training_template(tokenizer, template: str | None = None) -> str | None:
-    """TRL's training version, with ``{% generation %}`` markers, of ``tokenizer``'s chat template (or of ``template``,
-    passed instead, as TRL's ``chat_template_path``), when TRL is installed and knows it; else None. TRL's
-    ``SFTTrainer(assistant_only_loss=True)`` swaps the same template in, so loss counts made here match what it trains
-    on. The templates are TRL's: packkit ships none."""
-    try:
-        from trl.chat_template_utils import get_training_chat_template
-    except ImportError:
-        return None
-    own = tokenizer.chat_template
-    try:
-        if template is not None:  # TRL reads the template off the tokenizer: set for the call, then restored
-            tokenizer.chat_template = template
-        return get_training_chat_template(tokenizer)
-    except (ValueError, TypeError):
-        return None
-    finally:
-        tokenizer.chat_template = own
 
 
 def stop_token_trained(tok, template: str) -> bool:

@@ -1,5 +1,5 @@
 """What packkit relies on in TRL, in one place: ``DPOTrainer``'s private loss hook, its config as the trainer holds
-it, and its metrics.
+it, and its metrics; and the training versions of chat templates TRL ships (:func:`training_template`).
 
 :class:`DPOLossHook` overrides ``trl.DPOTrainer._compute_loss(self, model, inputs, return_outputs)`` (private:
 ``compute_loss`` calls it with the batch Trainer moved), refuses what a packed batch does not compute, read from the
@@ -18,7 +18,8 @@ from __future__ import annotations
 from .. import integrations
 from ..errors import ArgumentError
 
-__all__ = ["SUPPORTED", "CONFIG_ATTRIBUTES", "installed_version", "is_supported", "DPOLossHook"]
+__all__ = ["SUPPORTED", "CONFIG_ATTRIBUTES", "installed_version", "is_supported", "training_template",
+           "DPOLossHook"]
 
 #: ``[first, past)``: the TRL releases this module is checked against (major.minor).
 SUPPORTED = ((1, 16), (1, 17))
@@ -37,6 +38,26 @@ def installed_version() -> str | None:
 def is_supported(version: str) -> bool:
     """``is_supported("1.16.0") -> True``; ``"1.15.2"`` and ``"1.17.0"`` -> False (outside :data:`SUPPORTED`)."""
     return integrations.is_supported(version, SUPPORTED)
+
+
+def training_template(tokenizer, template: str | None = None) -> str | None:
+    """TRL's training version, with ``{% generation %}`` markers, of ``tokenizer``'s chat template (or of ``template``,
+    passed instead, as TRL's ``chat_template_path``), when TRL is installed and knows it; else None. TRL's
+    ``SFTTrainer(assistant_only_loss=True)`` swaps the same template in, so loss counts made here match what it trains
+    on. The templates are TRL's: packkit ships none."""
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:
+        return None
+    own = tokenizer.chat_template
+    try:
+        if template is not None:  # TRL reads the template off the tokenizer: set for the call, then restored
+            tokenizer.chat_template = template
+        return get_training_chat_template(tokenizer)
+    except (ValueError, TypeError):
+        return None
+    finally:
+        tokenizer.chat_template = own
 
 
 class DPOLossHook:
