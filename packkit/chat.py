@@ -457,10 +457,9 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
         completion_only_loss: loss on the completion only (prompt/completion pairs; default None: on); refused on
             other formats, as are ``assistant_only_loss`` and ``chat_template`` on prompt/completion strings.
         batch_size: conversations per tokenizer call; ``progress``: a progress bar (examples) on stderr.
-        num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s: ``num_proc`` contiguous
-            parts of the rows, each in its own process (forked where the platform allows), joined in order: the
-            same table as one process gives. One process instead where its Rust pool, on every core, is faster than
-            the workers (one thread each): :func:`worker_processes` (2 processes on 2 cores are 1).
+        num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s (:mod:`packkit.workers`: the
+            same table as one process gives); one instead where its Rust pool, on every core, is faster than the
+            workers (one thread each): :func:`worker_processes` (2 processes on 2 cores are 1).
         format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's precedence;
             a :class:`ChatWarning` names a conversational column left unread).
     Returns:
