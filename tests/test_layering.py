@@ -252,8 +252,13 @@ FRONT = ["datafiles", "chat", "cli", "budget", "waste", "offline"]
 #: Machinery that sat in the front by accident and now has a room of its own behind it: the JSON-lines engine and
 #: the other formats' readers (from datafiles), the tokenizer loader (from chat and datafiles), a batch of
 #: conversations rendered and masked (from chat), the epoch a sampler deals (from budget, which waste read it from),
-#: and a long text's cut points (pretokens: new, behind the tokenizer's text path, counted with it all the same).
-BEHIND_THE_FRONT = ["jsonlines", "readers", "tokenizer", "chatrender", "epoch", "jsonblame", "longline", "pretokens"]
+#: and a long text's cut points (pretokens: new, behind the tokenizer's text path, counted with it all the same);
+#: chat's typed options (chatoptions), the advice on a plan (advice, from budget) and chat's worker processes
+#: (workers, from chat) too. A new room that takes a front responsibility is counted here; code leaves the count
+#: only for an existing room whose idea it is (TRL's surface to integrations.trl, media rows to mediarows, lengths
+#: without a file to sample, list arrays to arrow).
+BEHIND_THE_FRONT = ["jsonlines", "readers", "tokenizer", "chatrender", "epoch", "jsonblame", "longline", "pretokens",
+                    "chatoptions", "advice", "workers"]
 
 #: The budget for the front, in lines as ``wc -l`` counts them (blank lines and docstrings included).
 FRONT_LINES = 4400
@@ -264,9 +269,10 @@ FRONT_LINES = 4400
 #: line's and budget's cut, 5,528 after offline's and waste's, 5,522 after the command line's second, 5,493 after the
 #: door in's, 5,488 once pack's media probe and reader left for packkit.mediarows, 5,357 once budget's advice went to
 #: packkit.advice and plan --synthetic's lengths to packkit.sample, 5,253 once chat's process engine left for
-#: packkit.workers and TRL's training template for packkit.integrations.trl. It holds the count reached, so that it
-#: cannot grow back: lower it when a cut lands; never raise it to make room.
-FRONT_AND_BEHIND_LINES = 5253
+#: packkit.workers and TRL's training template for packkit.integrations.trl; 5,510 once the new rooms behind the front
+#: (advice, workers) and chatoptions were counted, as pretokens was: moving a front idea to a new room is not a cut.
+#: It holds the count reached, so that it cannot grow back: lower it when a cut lands; never raise it to make room.
+FRONT_AND_BEHIND_LINES = 5510
 
 #: Rooms that left the front and still reach it (a lazy import), so not :data:`BEHIND_THE_FRONT`: counted with it.
 LEFT_THE_FRONT = ["tokenizing"]
