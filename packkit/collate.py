@@ -615,7 +615,7 @@ def _column_parts(rows, key: str) -> list | None:
 
 def _example_loss(rows, seg_ptr: np.ndarray, where=None):
     """Each document's whole example's loss tokens, where packed rows record them (``example_loss``,
-    :func:`packkit.offline.packed_schema`), else None; one per document (``seg_ptr``), or refused naming the row."""
+    :func:`packkit.outputs.packed_schema`), else None; one per document (``seg_ptr``), or refused naming the row."""
     keys = set(rows.columns) if isinstance(rows, ExampleBatch) else set().union(*rows)
     if "example_loss" not in keys:
         return None

@@ -18,16 +18,9 @@ The rows are unpadded; the fixed-window collator pads them to ``W`` and turns ``
     position_ids  0    1    2    3    0
     seq_lengths  [4, 1]  ->  cu_seqlens [0, 4, 5]
 
-The tokens never move all at once. :func:`plan_source` reads a source (:class:`packkit.sources.ArrowSource`) once:
-lengths from the list offsets, every batch checked, numpy *views* of the columns kept where the data lies. Then
-:class:`PackedTable` gathers at most ``buffer_bytes`` of windows at a time (:func:`packkit.packer.copy_segments`)
-into a ``pyarrow.RecordBatch`` that a writer (:mod:`packkit.outputs`, or the cache file) writes before the next::
-
-    memory-mapped input ──scan──> lengths ──pack──> plan ──chunk 0──> batch 0 ──write──> OUT
-    (page cache, not            (8 B an     (~32 B an     chunk 1──> batch 1 ──write──> OUT
-     the process's memory)       example)    example)       ...        (one at a time)
-
-An ``IterableDataset`` is packed by :func:`~packkit.packer.pack_stream`: best fit inside a bounded buffer.
+The tokens never move all at once: :func:`plan_source` plans from the list offsets, and
+:class:`~packkit.outputs.PackedTable` (which draws the flow) gathers ``buffer_bytes`` of windows at a time. An
+``IterableDataset`` is packed by :func:`packkit.streaming.pack_iterable_dataset`.
 """
 
 from __future__ import annotations
@@ -38,21 +31,18 @@ from pathlib import Path
 import numpy as np
 
 from . import arrow
-from .arrow import list_array
-from .binpack import DEFAULT_OVERFLOW, Plan, check_overflow, check_seed, check_strategy, check_window, pack
+from .binpack import DEFAULT_OVERFLOW, check_overflow, check_seed, check_strategy, check_window
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
-from .packer import (ColumnSpec, _segment_loss, label_dtype, log_overflow, logger, pack_columns, pack_stream,
-                     resolve_columns)
+from .packer import log_overflow, logger, resolve_columns
+from .outputs import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PackedTable, packed_batch, packed_schema
 from .mediarows import media_options
 from .progress import progress_bar
-from .rules import DOCUMENT_KEYS, MASK_KEYS, check_column, column_kind
+from .rules import check_column, column_kind
 from .sources import ArrowSource, scan, scan_documents
 from . import outputs
 from .fileio import check_output
-from .planindex import example_stats
-from .epoch import none_left
 
 __all__ = ["pack_dataset", "PackOptions", "plan_source", "PackedTable", "packed_schema", "packed_batch",
            "DEFAULT_BUFFER_BYTES"]
@@ -71,16 +61,6 @@ def check_planning(window, strategy, overflow, seed, num_proc=None) -> int:
     if num_proc is not None:
         check_int(num_proc, "num_proc")
     return window
-
-
-#: Default bound on the buffer of packed rows in flight (gathered tokens, their Arrow arrays and the
-#: writer's encoding of them), in bytes. The plan (about 40 bytes per example) comes on top.
-DEFAULT_BUFFER_BYTES = 256 * 2**20
-
-#: A buffer sized to the data (:meth:`PackedTable.chunk_tokens`): this fraction of the packed tokens' bytes,
-#: between :data:`MIN_BUFFER_BYTES` and :data:`DEFAULT_BUFFER_BYTES`.
-BUFFER_FRACTION = 1 / 16
-MIN_BUFFER_BYTES = 8 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +96,6 @@ class PackOptions:
             ``cache-packkit-<random>.arrow`` beside ``ds``'s first cache file (``ds.cleanup_cache_files()``).
         keep_in_memory: build the result in memory, not in a cache file; default when ``ds`` has no cache file.
         output_format: the format of ``output=`` (:data:`packkit.outputs.FORMATS`) when its suffix does not say.
-
-    ``group_column``, ``cp_size`` and ``drop_loss_free`` need the whole plan: not for an ``IterableDataset``.
     """
 
     columns: object = None
@@ -136,203 +114,6 @@ class PackOptions:
     output_format: str | None = None
 
 
-def packed_schema(columns, *, example_ids: bool = False):
-    """The offline row format's ``pyarrow.Schema``: the packed list columns, then ``seq_lengths``.
-
-    ``columns``: ``[(name, pyarrow value type), ...]`` in row order, the token column first; ``labels`` takes
-    :func:`~packkit.packer.label_dtype` of its type (-100 must fit). ``example_ids`` adds each document's source
-    (:data:`packkit.rules.DOCUMENT_KEYS`: ``example_ids`` int64, ``piece_offsets`` and ``example_loss`` int32).
-    ``packed_schema([("input_ids", pa.int32()), ("labels", pa.uint16())])`` ->
-    ``input_ids: list<int32>, labels: list<int64>, seq_lengths: list<int32>``."""
-    import pyarrow as pa
-
-    fields = []
-    for name, vtype in columns:
-        if name == "labels":
-            vtype = pa.from_numpy_dtype(label_dtype(vtype.to_pandas_dtype()))
-        fields.append(pa.field(name, pa.list_(vtype)))
-    fields.append(pa.field("seq_lengths", pa.list_(pa.int32())))
-    if example_ids:
-        fields += [pa.field(k, pa.list_(pa.int64() if k == "example_ids" else pa.int32())) for k in DOCUMENT_KEYS]
-    return pa.schema(fields)
-
-
-def packed_batch(rows, schema, documents: dict | None = None):
-    """:class:`~packkit.packer.PackedColumns` -> one ``pyarrow.RecordBatch`` of ``schema``
-    (:func:`packed_schema`), one row a window; values are cast to the schema's types where they differ.
-    ``documents``: a ``(S,)`` array per document column of the schema (default ``example_ids``: the plan's)."""
-    import pyarrow as pa
-
-    if rows.row_offsets[-1] > arrow.MAX_LIST_VALUES:
-        raise ValueError(f"one record batch would hold {int(rows.row_offsets[-1]):,} tokens (over 2**31 - 1, "
-                         "past int32 list offsets): pack fewer windows a batch")
-    per_doc = {"seq_lengths": rows.seq_lengths, "example_ids": rows.seg_example, **(documents or {})}
-    arrays = []
-    for field in schema:
-        if field.name in per_doc:
-            values = np.asarray(per_doc[field.name]).astype(field.type.value_type.to_pandas_dtype())
-            arrays.append(list_array(rows.seq_offsets, values))
-        else:
-            values = pa.array(rows.columns[field.name])
-            if values.type != field.type.value_type:  # e.g. a staged boolean mask, or a wider common type
-                values = values.cast(field.type.value_type)
-            arrays.append(list_array(rows.row_offsets, values))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)
-
-
-class PackedTable:
-    """A plan over a source's examples, and its packed rows as Arrow record batches, a chunk at a time.
-
-    Made by :func:`plan_source`. :meth:`record_batches` gathers consecutive windows of at most ``max_tokens``
-    tokens into one ``pyarrow.RecordBatch`` (rows as in :func:`pack_dataset`) that a writer writes and lets go:
-    memory holds one batch, never the token data. Attributes: ``plan`` (the :class:`~packkit.binpack.Plan`, rows
-    in its window order), ``schema`` (the batches' ``pyarrow.Schema``), ``scan`` (:class:`packkit.sources.Scan`)."""
-
-    def __init__(self, scan, spec: ColumnSpec, plan: Plan, *, mask_first_label: bool, example_ids: bool,
-                 num_threads: int = 1):
-        self.scan, self.spec, self.plan = scan, spec, plan
-        # packed input with example_ids, or examples split into pieces: each document records its example
-        example_ids = example_ids or scan.doc_ids is not None or plan.split_examples.size > 0
-        self.mask_first_label, self.example_ids, self.num_threads = mask_first_label, example_ids, num_threads
-        #: packed input with example_ids: documents that are pieces of an example split when it was packed
-        #: (its id repeats), and those examples; they stay pieces (a piece's first label was masked then)
-        self.split_pieces = self.split_examples = 0
-        if scan.doc_ids is not None and scan.doc_ids.size:
-            counts = np.unique(scan.doc_ids, return_counts=True)[1]
-            self.split_pieces, self.split_examples = int(counts[counts > 1].sum()), int((counts > 1).sum())
-        #: what the rows written so far train on (:meth:`record_batches`), what :meth:`drop_loss_free` left out
-        self.loss_tokens = self.loss_free_windows = self.loss_free_pieces = 0
-        self.dropped_pieces = self.dropped_tokens = 0
-        #: how the plan was made (what an index-only plan records to plan again), the source's description
-        self.options: dict = {}
-        self.groups, self.scan_source = None, ""
-        token = spec.read[0]
-        self.schema = packed_schema([(name, scan.types.get(name, scan.types[token]) if name == "labels"
-                                      else scan.types[name]) for name in spec.written()], example_ids=example_ids)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of one packed token over every list column of a row (plus its label's temporaries)."""
-        per = sum(f.type.value_type.bit_width // 8 for f in self.schema if f.name not in ("seq_lengths", *DOCUMENT_KEYS))
-        return per + (8 if "labels" in self.schema.names else 0)
-
-    def chunk_tokens(self, buffer_bytes: int | None = DEFAULT_BUFFER_BYTES, *, encoding: float = 0.0,
-                     in_flight: int = 1, media_per_token: float = 0.0) -> int:
-        """Tokens per record batch so that ``in_flight`` batches (2: a writer writes one while the next is
-        gathered), their temporaries and a writer's ``encoding`` times their size
-        (:attr:`packkit.outputs.Format.encoding`) fit in ``buffer_bytes``. ``None`` sizes the buffer to the data
-        (:data:`BUFFER_FRACTION`; 40.7M int64 tokens: 19.4 MiB), so that a small input is not packed with a buffer
-        larger than itself. ``media_per_token``: media bytes gathered per token on average
-        (:meth:`packkit.mediarows.MediaRows.bytes_per_token`), in the data and in every batch (gathered, made
-        contiguous, encoded): a batch of images is bounded as its tokens are."""
-        if buffer_bytes is None:
-            data = self.plan.total_tokens * (self.bytes_per_token + media_per_token)
-            buffer_bytes = int(min(DEFAULT_BUFFER_BYTES, max(MIN_BUFFER_BYTES, data * BUFFER_FRACTION)))
-        check_int(buffer_bytes, "buffer_bytes", unit=" byte")
-        # gathered columns + their Arrow arrays (zero-copy) + labels' mask temporaries, then the writer's
-        per_token = (self.bytes_per_token * (1.0 + encoding) + 8 + media_per_token * (2.0 + encoding)) * in_flight
-        return max(1, min(int(buffer_bytes / per_token), arrow.MAX_LIST_VALUES))  # int32 list offsets per batch
-
-    def _rows(self, sub: Plan, columns, bar=None, *, mask_first_label: bool | None = None):
-        spec, first = self.spec, self.mask_first_label if mask_first_label is None else mask_first_label
-        return pack_columns(sub, columns, loss_mask=spec.mask, keep_mask=spec.keep_mask, extra_masks=spec.other_masks,
-                            mask_first_label=first, num_threads=self.num_threads, bar=bar)
-
-    def _chunks(self, plan: Plan, max_tokens: int, columns, bar=None, **kw):
-        """``(first window, sub-plan, its packed rows)`` of ``plan``'s ``columns``, ``max_tokens`` at a time."""
-        for start, stop in plan.chunks(max_tokens):
-            sub = plan.window_range(start, stop)
-            yield start, sub, self._rows(sub, columns, bar, **kw)
-
-    def _loss_columns(self) -> dict:
-        """The token column and the columns that carry the loss (labels, a loss mask), as scanned."""
-        token = self.spec.read[0]
-        return {c: self.scan.columns[c] for c in self.spec.read if c in (token, "labels") or c in MASK_KEYS}
-
-    def segment_loss(self, rows) -> np.ndarray:
-        """``(S,)`` loss tokens of every segment of packed ``rows`` (:func:`packkit.packer._segment_loss`: never a
-        segment's first under :attr:`mask_first_label`; with no labels, every token but the first, as collators)."""
-        return _segment_loss(rows.columns.get("labels"), rows.seq_lengths, self.mask_first_label)
-
-    def _segment_losses(self, plan: Plan, max_tokens: int) -> np.ndarray:
-        """:meth:`segment_loss` of every segment of ``plan``, in a pass over the loss columns only."""
-        parts = [self.segment_loss(rows) for _, _, rows in self._chunks(plan, max_tokens, self._loss_columns())]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-    def _whole_loss(self, max_tokens: int) -> np.ndarray | None:
-        """``(S,)`` each segment's whole example's loss tokens (its pieces' :meth:`segment_loss` summed, read
-        first) where the example lies in several segments, -1 elsewhere; None if none does."""
-        keys = self.plan.seg_example if self.scan.doc_ids is None else self.scan.doc_ids[self.plan.seg_example]
-        _, inv, counts = np.unique(keys, return_inverse=True, return_counts=True)
-        piece = counts[inv] > 1
-        if not piece.any():
-            return None
-        whole = np.full(keys.size, -1, np.int64)
-        loss = self._segment_losses(self.plan.keep_segments(piece), max_tokens)
-        whole[piece] = np.bincount(inv[piece], weights=loss, minlength=counts.size).astype(np.int64)[inv[piece]]
-        return whole
-
-    def drop_loss_free(self, max_tokens: int, *, where: str = "") -> None:
-        """Leave out every segment with no loss token (:meth:`segment_loss`, a first pass over the loss columns),
-        counted in ``dropped_pieces`` / ``dropped_tokens`` and ``loss_free_pieces``; emptied windows go, the others
-        keep their order (:meth:`packkit.binpack.Plan.keep_segments`). None left: :func:`packkit.epoch.none_left`."""
-        keep = self._segment_losses(self.plan, max_tokens) > 0
-        if not keep.any():
-            raise none_left(where)
-        self.dropped_pieces, self.dropped_tokens = int((~keep).sum()), int(self.plan.seg_length[~keep].sum())
-        self.loss_free_pieces += self.dropped_pieces
-        if self.dropped_pieces:
-            self.plan = self.plan.keep_segments(keep)
-
-    def example_stats(self, *, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each example's loss tokens when whole and the sum of its tokens for a fingerprint
-        (:func:`packkit.planindex.example_stats`), a pass over the token and loss columns, counting as
-        :meth:`record_batches` does; where the plan cut or dropped examples, a second pass reads them whole (the
-        source's fingerprint, not the plan's)."""
-        plans = [self.plan]
-        if self.plan.cut_tokens or self.plan.dropped_examples.size:
-            lengths = self.plan.lengths
-            plans.append(pack(lengths, window=max(int(lengths.max(initial=1)), 1), strategy="next_fit"))
-        for plan in plans:
-            loss, sums = np.zeros(plan.num_examples, np.int64), np.zeros(plan.num_examples, np.uint64)
-            for _, sub, rows in self._chunks(plan, max_tokens, self._loss_columns(), mask_first_label=False):
-                part = example_stats(sub, rows)
-                loss += part[0]
-                sums += part[1]
-                if plan is self.plan:
-                    self._count_loss(rows)
-        return loss, sums
-
-    def _count_loss(self, rows) -> np.ndarray:
-        """Add packed ``rows``' loss tokens (:meth:`segment_loss`) to ``loss_tokens``, and their pieces and windows
-        without one to ``loss_free_pieces`` / ``loss_free_windows``; returns the segments' loss tokens."""
-        seg_loss = self.segment_loss(rows)
-        self.loss_tokens += int(seg_loss.sum())
-        self.loss_free_pieces += int((seg_loss == 0).sum())
-        if rows.num_rows:
-            self.loss_free_windows += int((np.add.reduceat(seg_loss, rows.seq_offsets[:-1]) == 0).sum())
-        return seg_loss
-
-    def record_batches(self, *, max_tokens: int, bar=None):
-        """Yield the packed rows as ``pyarrow.RecordBatch``\\ es of whole windows, at most ``max_tokens`` tokens
-        each (a longer window alone), in the plan's window order, counting their loss on the way (``loss_tokens``,
-        ``loss_free_windows``, ``loss_free_pieces``)."""
-        whole = self._whole_loss(max_tokens) if self.example_ids else None
-        for start, sub, rows in self._chunks(self.plan, max_tokens, self.scan.columns, bar):
-            seg_loss = self._count_loss(rows)
-            docs = None
-            if self.example_ids:  # each document's example (the input's ids where it was packed), start, loss
-                ids, starts, scan = sub.seg_example, sub.seg_start, self.scan
-                if whole is not None:
-                    lo, hi = self.plan.window_ptr[start], self.plan.window_ptr[start + sub.num_windows]
-                    seg_loss = np.where(whole[lo:hi] >= 0, whole[lo:hi], seg_loss)
-                docs = {"example_ids": ids if scan.doc_ids is None else scan.doc_ids[ids], "example_loss": seg_loss,
-                        "piece_offsets": starts if scan.doc_starts is None else starts + scan.doc_starts[ids]}
-            batch = packed_batch(rows, self.schema, docs)
-            del rows
-            yield batch
-            del batch  # not held while the next one is gathered (a writer may have let it go)
-
 
 def show_progress(source) -> bool:
     """Progress bars by default: for a source of :data:`PROGRESS_BYTES` or more, when ``datasets``
@@ -349,10 +130,10 @@ def show_progress(source) -> bool:
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
                 seed: int | None = 0, shuffle: bool = True, options: PackOptions | None = None,
                 who: str = "pack_dataset", groups=None, **option_keywords) -> PackedTable:
-    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) into a :class:`PackedTable`, without
-    holding its tokens (module docstring). The arguments are :func:`pack_dataset`'s (:class:`PackOptions`;
-    ``progress=None``: :func:`show_progress`); ``groups``: a group id per row, each group kept whole in one window
-    (:func:`packkit.binpack.pack_groups`)."""
+    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) into a
+    :class:`~packkit.outputs.PackedTable`, without holding its tokens. The arguments are :func:`pack_dataset`'s
+    (:class:`PackOptions`; ``progress=None``: :func:`show_progress`); ``groups``: a group id per row, each group kept
+    whole in one window (:func:`packkit.binpack.pack_groups`)."""
     o = with_keywords(PackOptions, options, option_keywords, "plan_source")
     window = check_planning(window, strategy, overflow, seed, o.num_proc)
     spec = resolve_columns(source.names, o.columns)
@@ -390,19 +171,15 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
                  options: PackOptions | None = None, **option_keywords):
     """Pack a ``datasets.Dataset`` of tokenized examples into windows of at most ``window`` tokens, one row per
     window; tokenize conversations first (:func:`packkit.chat.tokenize_dataset`; ``packkit pack`` does both).
-    Out of core (module docstring): the rows go to a cache file beside the dataset's own, as ``datasets.map``'s
-    do; peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the dataset's size
-    (rows seen through a ``select`` / ``shuffle`` / ``filter`` are staged to a memory-mapped file first).
+    Out of core (:class:`~packkit.outputs.PackedTable`): the rows go to a cache file beside the dataset's own, as
+    ``datasets.map``'s do; peak memory is the plan (about 40 bytes an example) plus ``buffer_bytes``, whatever the
+    dataset's size (rows seen through a ``select`` / ``shuffle`` / ``filter`` are staged to a memory-mapped file first).
 
     Args:
         ds: a ``datasets.Dataset``; a ``DatasetDict`` (``split`` packs that split, else every split into a
             ``DatasetDict``, with a dict of plans under ``return_report``); or an ``IterableDataset``, packed in one
-            stream by :func:`pack_stream` into an ``IterableDataset``: best fit (``strategy="bfd"``) and a seeded
-            ``shuffle`` (one order every epoch) inside ``buffer_size``, ``progress`` off by default, no ``output``,
-            ``return_report``, ``num_proc`` or whole-plan option (:class:`PackOptions`). Its ``state_dict()``
-            resumes exactly by packing again up to the rows yielded (``seed=None`` draws a seed: pass one for
-            another process); :class:`packkit.streaming.PackedIterable` restores the buffer, behind workers and on
-            other ranks.
+            stream into an ``IterableDataset`` (:func:`packkit.streaming.pack_iterable_dataset`): no ``output``,
+            ``return_report``, ``num_proc`` or whole-plan option (:class:`PackOptions`).
         window: tokens per window (``W``).
         strategy: ``"bfd"`` (default), ``"ffd"``, ``"shuffle_ff"`` or ``"next_fit"`` over the whole dataset.
         overflow: examples longer than ``W``: ``"split"`` (default, as on the command line: the example continues
@@ -451,7 +228,10 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         check_output(output, kind=out_format.kind, inputs=inputs)
     o, media = media_options(ds, o, streamed=streamed, out_format=out_format)  # None, or packkit.mediarows.MediaRows
     if streamed:
-        return _pack_iterable(ds, o, window=window, overflow=overflow, seed=seed, shuffle=shuffle)
+        from .streaming import pack_iterable_dataset  # lazy: torch, which iterating an IterableDataset imports anyway
+        return pack_iterable_dataset(ds, window=window, overflow=overflow, seed=seed, shuffle=shuffle,
+                                     buffer_size=o.buffer_size, columns=o.columns, mask_first_label=o.mask_first_label,
+                                     example_ids=o.example_ids, progress=bool(o.progress))
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
@@ -574,50 +354,3 @@ def _pack_splits(dd, split, *, return_report: bool, **kwargs):
     if return_report:
         return kind({n: p[0] for n, p in packed.items()}), {n: p[1] for n, p in packed.items()}
     return kind(packed)
-
-
-def _pack_iterable(ds, o: PackOptions, *, window, overflow, seed, shuffle):
-    """:func:`pack_dataset` on a ``datasets.IterableDataset``. One stream reads the whole source (an
-    ``IterableDataset`` read in a DataLoader worker yields that worker's files only; the output has one shard).
-    :func:`_shuffled` makes the rows a function of the source and the options, so that the output's
-    ``state_dict()`` (rows yielded) resumes exactly; ``datasets``' ``shuffle`` drops its buffer on a resume
-    (11 to 14 of 364 rows lost in a test). ``progress`` counts packed tokens (a stream has no known total)."""
-    import datasets
-    import pyarrow as pa
-
-    columns, buffer_size = o.columns, o.buffer_size
-    known = ds.column_names or (None if columns is None else [columns] if isinstance(columns, str) else list(columns))
-    features = None
-    if known is not None:  # the offline row format, every packed column int64 as pack_stream yields them
-        written = [(c, pa.int64()) for c in resolve_columns(known, columns).written()]
-        features = datasets.Features.from_arrow_schema(packed_schema(written, example_ids=o.example_ids))
-    if shuffle and seed is None:
-        seed = int(np.random.SeedSequence().entropy % 2**63)  # one order for this dataset, replayed on a resume
-
-    def rows():
-        stream = pack_stream(ds, window=window, buffer_size=buffer_size, overflow=overflow, columns=columns,
-                             mask_first_label=o.mask_first_label, example_ids=o.example_ids)
-        with progress_bar(total=None, unit="tok", enabled=bool(o.progress), desc="pack_dataset (stream)") as bar:
-            for row in _shuffled(stream, seed=seed, size=buffer_size) if shuffle else stream:
-                bar.update(int(row["seq_lengths"].sum()))
-                # Unknown columns (no features to cast numpy arrays with): plain lists, as datasets gives.
-                yield row if features is not None else {k: v.tolist() for k, v in row.items()}
-
-    return datasets.IterableDataset.from_generator(rows, features=features)
-
-
-def _shuffled(rows, *, seed: int, size: int):
-    """``rows`` in a seeded random order inside a buffer of ``size``: each row read replaces a random one
-    of a full buffer, which is yielded; the rest in a random order at the end. The same rows and seed
-    give the same order. ``list(_shuffled(range(5), seed=0, size=1)) -> [0, 1, 2, 3, 4]``."""
-    rng = np.random.default_rng(seed)
-    buf = []
-    for row in rows:
-        if len(buf) < size:
-            buf.append(row)
-            continue
-        k = int(rng.integers(size))
-        yield buf[k]
-        buf[k] = row
-    for k in rng.permutation(len(buf)).tolist():
-        yield buf[k]

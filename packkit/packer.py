@@ -1100,7 +1100,7 @@ def _segment_loss(labels, lengths: np.ndarray, mask_first_label: bool, *, starts
     """``(S,)`` loss tokens of segments of ``lengths`` tokens laid end to end over ``labels`` (or starting at
     ``starts``): labels other than -100, less each segment's first under ``mask_first_label``; with no labels every
     token but the first, as a collator takes a row without labels. The one count of it: the stream's rows here and
-    the rows :meth:`packkit.offline.PackedTable.segment_loss` writes.
+    the rows :meth:`packkit.outputs.PackedTable.segment_loss` writes.
     ``_segment_loss(np.array([-100, 5, 6, 7]), np.array([2, 2]), True) -> [1, 1]``."""
     lengths = np.asarray(lengths, np.int64)
     if labels is None:

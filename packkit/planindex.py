@@ -248,7 +248,7 @@ def _plan_of(path: Path, data: dict, *, window: int, cut_tokens: int, options: d
 
 def write_plan(target, packed, *, max_tokens: int, inputs=(), overwrite: bool = False,
                overwrite_hint: str | None = None, before_save=None) -> Path:
-    """Write the index-only plan of a planned source (:class:`packkit.offline.PackedTable`) at ``target``.
+    """Write the index-only plan of a planned source (:class:`packkit.outputs.PackedTable`) at ``target``.
 
     One pass over the token and loss columns (``max_tokens`` at a time) counts every example's loss tokens
     and sums its tokens for the fingerprint; no token is written. The packed table's ``loss_tokens`` and

@@ -90,7 +90,7 @@ class PlannedDataset:
     def __getitems__(self, indices) -> list:
         """Rows ``indices`` gathered in one pass: a list of dicts of numpy arrays. Where the plan splits examples,
         each row records its documents' examples as ``pack_dataset`` writes them (``example_ids``,
-        ``piece_offsets``, ``example_loss``: :func:`packkit.offline.packed_schema`)."""
+        ``piece_offsets``, ``example_loss``: :func:`packkit.outputs.packed_schema`)."""
         indices = np.asarray(indices, np.int64)
         plan = self.index.plan.select(indices, allow_repeats=True)
         rows = self._table._rows(plan, self._table.scan.columns)

@@ -56,7 +56,7 @@ from .binpack import (DEFAULT_OVERFLOW, Plan, apply_overflow, as_lengths, check_
 from .arrow import list_array
 from .errors import ArgumentError, arg, check_choice
 from .listcolumns import list_chunks, packed_segments, table_labels, token_lengths
-from .offline import packed_batch, packed_schema
+from .outputs import packed_batch, packed_schema
 from .packer import gather_segments, label_dtype, log_overflow, pack_columns
 from .located import ExampleTypeError, ExampleValueError, relocate
 from .rules import MASK_KEYS
@@ -222,7 +222,7 @@ def _segments_table(values, labels, offsets):
 
 def _rows_table(rows, has_labels: bool, value_type, label_type=None):
     """:class:`PackedColumns` -> the offline row format (input_ids, labels?, seq_lengths), one row a
-    window: :func:`packkit.offline.packed_schema` / :func:`packkit.offline.packed_batch`, as on one machine."""
+    window: :func:`packkit.outputs.packed_schema` / :func:`packkit.outputs.packed_batch`, as on one machine."""
     import pyarrow as pa
 
     columns = [("input_ids", value_type)] + ([("labels", label_type or value_type)] if has_labels else [])

@@ -427,7 +427,7 @@ def check_aligned(lengths, ref_lengths, *, key: str, ref_key: str = "input_ids",
 #: ``seq_lengths`` (segment lengths summing to the row length) or restarting ``position_ids``.
 SEGMENT_KEYS = ("seq_lengths", "position_ids")
 
-#: What packed rows record of each document's source (:func:`packkit.offline.packed_schema`): its example's id,
+#: What packed rows record of each document's source (:func:`packkit.outputs.packed_schema`): its example's id,
 #: where the document starts in that example (a piece of a split example starts past 0), and the loss tokens of
 #: the whole example (what its pieces train on), so that a piece weighs as its whole example.
 DOCUMENT_KEYS = ("example_ids", "piece_offsets", "example_loss")

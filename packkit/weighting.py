@@ -20,7 +20,7 @@ row sharded over a CP group afterwards keeps the factors of the whole row: :func
 rank its targets' factors (``shard.loss_weight``, sliced as ``shift_labels``) and the batch's part of ``Z``
 (``shard.loss_norm``, the same on every rank of the group), and ``accumulation_step(shards)`` counts each batch
 once per CP group, not once per CP rank (:mod:`packkit.cp`: which group to reduce over). The pieces of an example split offline into separate packed
-rows carry the whole example's ``|O_c|`` (``example_loss``, :func:`packkit.offline.packed_schema`): each
+rows carry the whole example's ``|O_c|`` (``example_loss``, :func:`packkit.outputs.packed_schema`): each
 piece takes the factor ``a_c`` of the whole example and the share ``z_c * |O_piece| / |O_c|`` of its ``z_c``
 (:func:`piece_factors`), so an example whose pieces all fall in one step counts once in ``|B|``, and one split
 across steps counts in each step in proportion to the loss tokens it trains there.
