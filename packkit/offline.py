@@ -17,10 +17,6 @@ The rows are unpadded; the fixed-window collator pads them to ``W`` and turns ``
     labels     -100    7    8    9 -100      first label of each document masked (labels are shifted)
     position_ids  0    1    2    3    0
     seq_lengths  [4, 1]  ->  cu_seqlens [0, 4, 5]
-
-The tokens never move all at once: :func:`plan_source` plans from the list offsets, and
-:class:`~packkit.outputs.PackedTable` (which draws the flow) gathers ``buffer_bytes`` of windows at a time. An
-``IterableDataset`` is packed by :func:`packkit.streaming.pack_iterable_dataset`.
 """
 
 from __future__ import annotations
@@ -88,7 +84,7 @@ class PackOptions:
             without it, windows with no loss token (a step of loss 0) are counted and logged with this fix (TRL's
             ``SFTTrainer`` drops such rows without a word).
         num_proc: threads for the token copy (numpy releases the GIL), default 1.
-        progress: tqdm bars; default on from 256 MiB of data (when ``datasets`` shows its own bars).
+        progress: tqdm bars; default :func:`show_progress`.
         buffer_size: examples buffered for an ``IterableDataset``.
         buffer_bytes: bound on the packed rows in flight while a file is written (a result kept in memory is
             gathered whole).
@@ -114,10 +110,8 @@ class PackOptions:
     output_format: str | None = None
 
 
-
 def show_progress(source) -> bool:
-    """Progress bars by default: for a source of :data:`PROGRESS_BYTES` or more, when ``datasets``
-    shows its own bars (``datasets.disable_progress_bars()`` turns packkit's off too)."""
+    """Progress bars by default (:data:`PROGRESS_BYTES`); ``datasets.disable_progress_bars()`` turns them off too."""
     if source.nbytes < PROGRESS_BYTES:  # asked first: a small source imports no datasets (1 s) to ask it
         return False
     try:
@@ -221,10 +215,9 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
         if fmt is not None and o.columns is None and "input_ids" not in ds.column_names:
             raise DataError("the dataset is conversational ({fmt}): tokenize it first with "
                             "packkit.chat.tokenize_dataset(ds, tokenizer), then pack", fmt=fmt)
-    out_format = None
+    out_format, inputs = None, [f["filename"] for f in getattr(ds, "cache_files", None) or []]
     if output is not None:  # before any data is read; an existing output, or one of ds's files, is refused
         out_format = outputs.output_format(output, o.output_format)
-        inputs = [f["filename"] for f in getattr(ds, "cache_files", None) or []]
         check_output(output, kind=out_format.kind, inputs=inputs)
     o, media = media_options(ds, o, streamed=streamed, out_format=out_format)  # None, or packkit.mediarows.MediaRows
     if streamed:
@@ -235,7 +228,7 @@ def pack_dataset(ds, *, window: int, strategy: str = "bfd", overflow: str = DEFA
     if not isinstance(ds, datasets.Dataset):
         raise TypeError(f"pack_dataset takes a datasets.Dataset or IterableDataset, got {type(ds).__name__}; "
                         "use pack_stream for another iterable of examples")
-    result, plan = _pack_table(ds, o, out_format, output=output, media=media, **planning)
+    result, plan = _pack_table(ds, o, out_format, output=output, inputs=inputs, media=media, **planning)
     return (result, plan) if return_report else result
 
 
@@ -253,9 +246,9 @@ def _group_ids(ds, column: str) -> np.ndarray:
     return col.combine_chunks().dictionary_encode().indices.to_numpy(zero_copy_only=False)
 
 
-def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **planning):
-    """:func:`pack_dataset` on a ``datasets.Dataset``: ``(the dataset or OUT's path, the plan)``; ``media``: the
-    :class:`packkit.mediarows.MediaRows` that adds the rows' media (:func:`packkit.mediarows.media_options`)."""
+def _pack_table(ds, o: PackOptions, out_format, *, output, inputs, media=None, **planning):
+    """:func:`pack_dataset` on a ``datasets.Dataset`` (``media``: :class:`packkit.mediarows.MediaRows` or None):
+    ``(the dataset or OUT's path, the plan)``."""
     source = ArrowSource.from_dataset(ds)
     progress = show_progress(source) if o.progress is None else o.progress
     groups = None if o.group_column is None else _group_ids(ds, o.group_column)
@@ -273,7 +266,6 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, media=None, **plannin
                            packed.dropped_pieces, packed.dropped_tokens)
     total = packed.plan.total_tokens * len(packed.spec.written())
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
-        inputs = [f["filename"] for f in ds.cache_files]
         if out_format is not None and media:  # the same rows and media as in memory, streamed to OUT atomically
             batches = media.batches(packed.record_batches(max_tokens=max_tokens, bar=bar), packed.plan)
             return outputs.write_batches(output, media.schema(packed.schema), batches, format=out_format,
