@@ -3,11 +3,12 @@
 A format is a :class:`Format` in :data:`FORMATS`: its name (``packkit pack --format NAME``,
 ``pack_dataset(..., output=PATH, output_format=NAME)``), the suffixes that choose it when no name is
 given (:func:`output_format`), a file or a folder, and its sink. A sink takes the packed rows a record
-batch at a time (columns of :func:`packkit.outputs.packed_schema`: ``input_ids``, ``labels``, ...,
-``seq_lengths``) and writes them as they come, so memory holds one batch whatever the dataset's size;
-every file or folder is written through :func:`packkit.fileio.atomic_output` (beside the target, flushed,
-renamed into place only when complete; removed on an error or a stop signal). Adding a format is a sink
-and a line of :data:`FORMATS` here, and its round trip in ``tests/test_formats*.py``.
+batch at a time (:func:`packed_batch`, columns of :func:`packed_schema`: ``input_ids``, ``labels``, ...,
+``seq_lengths``; :class:`PackedTable` gathers a planned source's) and writes them as they come, so memory holds
+one batch whatever the dataset's size; every file or folder is written through
+:func:`packkit.fileio.atomic_output` (beside the target, flushed, renamed into place only when complete; removed on
+an error or a stop signal). Adding a format is a sink and a line of :data:`FORMATS` here, and its round trip in
+``tests/test_formats*.py``.
 
 ==============  =====================  ===========================================  =======================
 format          suffix                 written as                                    read back with
