@@ -27,9 +27,8 @@ import multiprocessing
 import multiprocessing.context
 from collections.abc import Mapping
 
-import torch.utils.data
-
 import numpy as np
+import torch.utils.data
 
 from .binpack import DEFAULT_OVERFLOW
 from .errors import ArgumentError, arg, check_int
