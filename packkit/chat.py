@@ -221,15 +221,12 @@ def stop_token_trained(tok, template: str) -> bool:
     and warns. True when the probe cannot be rendered (a template with other requirements): nothing to report."""
     probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"},
              {"role": "user", "content": "ping"}]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = tok.apply_chat_template(probe, chat_template=template, tokenize=True, return_dict=True,
-                                          return_assistant_tokens_mask=True)
+    try:  # rendered and masked as the rows will be
+        _, ids, mask = render(tok, [probe], 0, template=template, assistant_mask=True)
     except Exception:  # noqa: BLE001 - any template error means the probe says nothing
         return True
     added = set(tok.get_added_vocab().values()) - {tok.unk_token_id}  # the probe's words may be unknown
-    shown = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m and tok.decode([t]).strip()]
+    shown = [t for t, m in zip(ids.tolist(), mask.tolist()) if m and tok.decode([t]).strip()]
     return bool(shown) and shown[-1] in added
 
 
@@ -383,8 +380,6 @@ class _Encoder:
     def encode(self, table, base: int):
         """``(input_ids, mask or None)``: pyarrow list arrays (int32, int8) of ``table``'s rows, the first
         of which is example ``base`` (for errors)."""
-        import pyarrow as pa
-
         wanted = self.columns + [c for c in ("tools", "chat_template_kwargs") if c in table.column_names]
         rows = table.select(wanted).to_pydict()
         offsets, values, mask, diverged = _encode_batch(
@@ -400,7 +395,7 @@ class _Encoder:
                                 "pass {all}",
                                 i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
         ids = list_array(offsets, values.astype(np.int32))
-        return ids, (None if mask is None else list_array(offsets, pa.array(mask, pa.int8())))
+        return ids, (None if mask is None else list_array(offsets, mask))  # mask: int8
 
     def encode_table(self, table, base: int, *, batch_size: int = BATCH_SIZE, progress: bool = False):
         """``table``'s rows (the first is example ``base``) as :func:`tokenize_chat`'s table, ``batch_size``
