@@ -392,8 +392,7 @@ class _Encoder:
             if none.size:
                 raise DataError("{i} has no assistant token in its rendered conversation (no assistant message, or "
                                 "the template's {{% generation %}} markers do not cover it): drop the example, or "
-                                "pass {all}",
-                                i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
+                                "pass {all}", i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
         ids = list_array(offsets, values.astype(np.int32))
         return ids, (None if mask is None else list_array(offsets, mask))  # mask: int8
 

@@ -1,10 +1,7 @@
-"""A table's rows encoded a batch at a time, in this process or in ``num_proc`` worker processes: contiguous parts of
-the rows, one process each (forked where the platform allows), joined in the rows' order, so that the result is the
-one process's. The machinery behind :mod:`packkit.chat`'s ``num_proc``, which decides how many processes pay; it
-knows nothing of chat formats or options.
-
-An encoder is any object with ``encode(table, base) -> (ids, mask)`` (list arrays of ``table``'s rows, the first of
-which is example ``base``, for errors) and a count ``diverged`` that ``encode`` adds to.
+"""A table's rows encoded a batch at a time, in this process or in ``num_proc`` processes, each a contiguous part
+(forked where the platform allows), joined in order: the one process's result. Behind :mod:`packkit.chat`'s
+``num_proc`` (chat decides how many processes pay). An encoder: ``encode(table, base) -> (ids, mask)``, list arrays of
+the rows (the first is example ``base``, for errors), adding to its count ``diverged``.
 """
 
 from __future__ import annotations
@@ -45,12 +42,10 @@ def _encode_part(job):
 
 
 def encode_rows(enc, table, base: int, batch_size: int, num_proc: int, bar):
-    """``(ids chunks, mask chunks)`` of ``table``'s rows: :func:`encode_range` in this process, or over ``num_proc``
-    contiguous parts of ``table``, one process each, joined in order, where the rows are more than one batch; ``bar``
-    counts the rows, ``enc.diverged`` every process's.
-
-    Forked where the platform allows (no re-import; the encoder and table the parent's, :data:`_FORKED`), one thread a
-    process (``TOKENIZERS_PARALLELISM=false``, as ``tokenizers`` asks of forked processes)."""
+    """``(ids chunks, mask chunks)`` of ``table``'s rows, in ``num_proc`` processes where they are more than one batch
+    (module docstring); ``bar`` counts the rows, ``enc.diverged`` every process's. A forked worker reads the parent's
+    encoder and table (:data:`_FORKED`, no re-import) and tokenizes on one thread (``TOKENIZERS_PARALLELISM=false``, as
+    ``tokenizers`` asks of forked processes)."""
     if num_proc <= 1 or table.num_rows <= batch_size:
         return encode_range(enc, table, base, batch_size, bar)[:2]
     import concurrent.futures
