@@ -19,9 +19,8 @@ __all__ = ["ChatOptions"]
 
 @dataclasses.dataclass(frozen=True)
 class ChatOptions:
-    """How conversational rows become tokens: :func:`packkit.chat.tokenize_chat`'s keywords of the same names (documented
-    there) as one object, what the readers of :mod:`packkit.datafiles` (and ``packkit waste``, ``plan``,
-    ``pack``, ``tokenize``) take. ``num_proc`` is checked here, once, for every caller."""
+    """:func:`packkit.chat.tokenize_chat`'s keywords of the same names (documented there) as one object (module
+    docstring). ``num_proc`` is checked here, once, for every caller."""
 
     chat_template: object = None
     assistant_only_loss: bool | None = None
