@@ -1,7 +1,8 @@
 """Batches of example indices as CSR (``flat``, and ``ptr`` the offsets of the batches): a selection of them, their
-sums, and their arrangement into steps. What every sampler deals with, in a room below them all (the padded samplers'
-epochs in :mod:`packkit.orders`, the short steps' deal in :mod:`packkit.short_steps`); :mod:`packkit.sampler` lends
-every name here as before::
+sums, an order's batches padded to their longest, and their arrangement into steps. What every sampler deals with, in
+a room below them all (the padded samplers' epochs in :mod:`packkit.orders`, the short steps' deal in
+:mod:`packkit.short_steps`), and what ``packkit waste`` measures of padded batches; :mod:`packkit.sampler` lends
+the selection, the sums and the steps as before::
 
     >>> [a.tolist() for a in select_batches([7, 8, 9], [0, 2, 3], [1, 0])]
     [[9, 7, 8], [0, 1, 3]]
@@ -13,7 +14,7 @@ import numpy as np
 
 from .segments import lengths_to_offsets, range_index
 
-__all__ = ["select_batches", "batch_sums", "arrange_steps"]
+__all__ = ["select_batches", "batch_sums", "padded_rows", "arrange_steps"]
 
 
 def select_batches(flat: np.ndarray, ptr: np.ndarray, order) -> tuple[np.ndarray, np.ndarray]:
@@ -45,6 +46,16 @@ def batch_sums(values: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     else:
         csum = lengths_to_offsets(values)  # prefix sums: the offsets of runs of these sizes
     return csum[ptr[1:]] - csum[ptr[:-1]]
+
+
+def padded_rows(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(padded length of every row, order)``: ``order`` cut every ``batch_size``, each batch padded to its
+    longest: ``padded_rows(np.array([3, 1, 4, 1]), np.array([0, 1, 2, 3]), 2) -> ([3, 3, 4, 4], order)``."""
+    starts = np.arange(0, order.size, batch_size)
+    if order.size == 0:
+        return np.zeros(0, np.int64), order
+    longest = np.maximum.reduceat(lengths[order], starts)
+    return np.repeat(longest, np.diff(np.append(starts, order.size))), order
 
 
 def arrange_steps(cost: np.ndarray, world_size: int, rng, *, shuffle: bool, balance: bool,

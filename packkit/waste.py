@@ -44,6 +44,7 @@ from .plots import plot_waste  # the report drawn: its own room, importable here
 from .progress import progress_bar
 from .records import record
 from .sampler import batch_sums
+from .csr import padded_rows
 
 __all__ = ["WASTE_STRATEGIES", "StrategyWaste", "WasteReport", "measure_waste", "format_table",
            "plot_waste", "preference_waste", "format_preference_waste"]
@@ -167,16 +168,6 @@ class WasteReport:
                 for s in self.strategies
             ],
         }
-
-
-def padded_rows(lengths: np.ndarray, order: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(padded length of every row, order)``: ``order`` cut every ``batch_size``, each batch padded to its
-    longest: ``padded_rows(np.array([3, 1, 4, 1]), np.array([0, 1, 2, 3]), 2) -> ([3, 3, 4, 4], order)``."""
-    starts = np.arange(0, order.size, batch_size)
-    if order.size == 0:
-        return np.zeros(0, np.int64), order
-    longest = np.maximum.reduceat(lengths[order], starts)
-    return np.repeat(longest, np.diff(np.append(starts, order.size))), order
 
 
 def loss_free(row_loss: np.ndarray, per_step: int) -> tuple[int, int]:
