@@ -25,7 +25,7 @@ from .chatoptions import ChatOptions
 from .csr import batch_sums
 from .epoch import Lengths
 from .errors import DataError, Message, MissingError, PackkitError, arg
-from .rules import not_integer, segment_key
+from .rules import not_integer, null_tokens, segment_key
 from .sample import SAMPLE_PATH, bundled_sample  # noqa: F401 - their home is packkit.sample, off the readers
 from .segments import lengths_to_offsets, range_index
 
@@ -458,14 +458,12 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
     (:data:`PREFERENCE_COLUMNS`, as ``DPOTrainer`` or ``packkit tokenize`` makes them), integer counts in
     ``prompt`` / ``chosen`` / ``rejected``, or text (or conversations) there, tokenized with ``tokenizer``
     (:func:`tokenize_pairs`; without one, refused naming the ways to tokenize it). An unused ``tokenizer`` is said."""
-    path = check_path(path)
+    table = load_table(path, split=split)  # the path checked (check_path), pyarrow asked for by the format's name
     pa = pyarrow()
-    table = load_table(path, split=split)
-    names = table.column_names
-    cols = preference_columns(names)
+    cols = preference_columns(table.column_names)
     if cols is None:
         raise MissingError("{path!r} has no preference columns (prompt_ids, chosen_ids, rejected_ids); the columns "
-                           "are {names}", path=str(path), names=names)
+                           "are {names}", path=str(path), names=table.column_names)
     how = f"columns {', '.join(cols)}"
     if cols[0] == "prompt" and not pa.types.is_integer(table.column("prompt").type):
         if tokenizer in (None, "bytes"):
@@ -482,10 +480,12 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
     for c in cols:
         col = table.column(c)
         if pa.types.is_integer(col.type):
+            if col.null_count:  # a pair without its count: named by its row, as a null list of token ids is
+                raise null_tokens(int(np.argmax(col.is_null().to_numpy())), 0, c)
             out.append(np.asarray(col.to_numpy(), np.int64))
         elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
             from .listcolumns import token_lengths  # lazy: off waste and plan's start
             out.append(token_lengths(col, key=c))
         else:
             raise DataError(f"column {c!r} of {str(path)!r} holds {col.type}, not token ids or counts")
-    return (*out, f"{path.name}, {how}")
+    return (*out, f"{Path(path).name}, {how}")

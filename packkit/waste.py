@@ -333,8 +333,10 @@ def preference_waste(prompt, chosen, rejected, *, window: int, batch_size: int =
     if not (p.shape == c.shape == r.shape) or p.ndim != 1 or p.size == 0:
         raise ValueError(f"prompt, chosen and rejected need one length each per pair, got shapes {p.shape}, "
                          f"{c.shape}, {r.shape}")
-    if (p < 0).any() or (c < 1).any() or (r < 1).any():
-        raise DataError("a pair needs a prompt of >= 0 tokens and completions of >= 1 token")
+    if (bad := (p < 0) | (c < 1) | (r < 1)).any():
+        i = int(np.argmax(bad))
+        raise DataError("{i} has a prompt of {p:,} tokens, chosen {c:,} and rejected {r:,}: a pair needs a prompt of "
+                        ">= 0 tokens and completions of >= 1 token", i=Where(i), p=int(p[i]), c=int(c[i]), r=int(r[i]))
     pairs_len = 2 * p + c + r
     use = pairs_len <= window  # then each sequence and the tree (prompt once) fit too
     dropped = int((~use).sum())

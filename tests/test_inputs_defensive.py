@@ -282,6 +282,29 @@ def test_waste_preference_honours_overflow_and_names_lines(tmp_path):
     assert preference_waste([1, 10], [1, 5], [1, 5], window=16)["dropped"] == 1
 
 
+def test_waste_preference_names_the_pair_of_a_bad_or_null_count(tmp_path):
+    """Regression: counts of a pair below their floor (a prompt of -4, a completion of 0) were refused as "a pair
+    needs a prompt of >= 0 tokens and completions of >= 1 token", naming no pair, and a null count the same way
+    after numpy's "invalid value encountered in cast" (a null read as NaN, then cast to int64). Now the pair and its
+    line are named; a null count in the words of a null list of token ids."""
+    import json
+
+    from packkit.errors import DataError
+    from packkit.waste import preference_waste
+
+    with pytest.raises(DataError, match=r"^example 1 has a prompt of 2 tokens, chosen 0 and rejected 1: a pair needs"):
+        preference_waste([1, 2], [1, 0], [1, 1], window=16)
+    counts = tmp_path / "counts.jsonl"
+    for row, fault in (({"prompt": -4, "chosen": 2, "rejected": 3}, "example 1 (line 3 of '{}') has a prompt of -4 "
+                        "tokens, chosen 2 and rejected 3: a pair needs a prompt of >= 0 tokens"),
+                       ({"prompt": None, "chosen": 2, "rejected": 3}, "dataset row 1 (line 3 of '{}') has no "
+                        "'prompt' (null); drop the example or fill it")):
+        counts.write_text(json.dumps({"prompt": 1, "chosen": 2, "rejected": 3}) + "\n\n" + json.dumps(row) + "\n")
+        code, out, err = cli(["waste", counts, "--preference"])
+        assert code == 3 and out == "" and fault.format(counts) in one_line(err), err
+        assert "invalid value" not in err, err
+
+
 # ----------------------------------------------------------------------------------------------
 # errors that named nothing, or the wrong thing
 # ----------------------------------------------------------------------------------------------
