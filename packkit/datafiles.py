@@ -439,17 +439,9 @@ def preference_columns(names) -> tuple | None:
 
 
 def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
-    """TRL's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (list<int32>) of a table of text or conversational
-    ``prompt`` / ``chosen`` / ``rejected`` pairs, as TRL 1.16's ``DPOTrainer`` tokenizes them, in one pass
-    (:func:`packkit.preference.tokenize_preference`; errors name the example). ``tokenizer``: as
-    :func:`packkit.tokenizer.load_tokenizer` takes it."""
-    from .preference import tokenize_preference  # lazy: torch, only for text pairs
-    pa = pyarrow()
-    from .tokenizer import load_tokenizer  # lazy: the tokenizers, for pairs to tokenize only
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
-    keep = [c for c in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs") if c in table.column_names]
-    rows = tokenize_preference(table.select(keep).to_pylist(), tok)
-    return pa.table({c: pa.array([r[c] for r in rows], pa.list_(pa.int32())) for c in PREFERENCE_COLUMNS[0]})
+    """:func:`packkit.preference.tokenize_pairs`, its module (torch) imported where text pairs are tokenized."""
+    from . import preference  # lazy: torch, only for text pairs
+    return preference.tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code)
 
 
 def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,

@@ -59,6 +59,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from .arrow import pyarrow
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
 from .binpack import check_strategy, check_window, pack
 from .collate import padding_free_batch, row_destinations, rows_batch
@@ -75,7 +76,8 @@ from .segments import (IGNORE_INDEX, common_prefix_lengths, lengths_to_offsets, 
 __all__ = ["LAYOUTS", "PackedDPOMixin", "SequenceBatch", "SequenceLogps", "build_groups", "sequence_logps", "token_logps",
            "forward_logps",
            "dpo_loss",
-           "PreferenceCollator", "GroupCollator", "tokenize_preference", "shard_groups", "tree_tokens"]
+           "PreferenceCollator", "GroupCollator", "tokenize_preference", "tokenize_pairs", "shard_groups",
+           "tree_tokens"]
 
 #: ``"pairs"``: each continuation its own sequence with its prompt; ``"tree"``: the prompt once.
 LAYOUTS = ("pairs", "tree")
@@ -672,6 +674,20 @@ def tokenize_preference(examples, tokenizer) -> list[dict]:
         n = int(shared.min())
         out.append({"prompt_ids": p[:n], "chosen_ids": pc[n:], "rejected_ids": pr[n:]})
     return out
+
+
+def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
+    """:func:`tokenize_preference` over a ``pyarrow.Table`` of text or conversational ``prompt`` / ``chosen`` /
+    ``rejected`` pairs (``tools`` and ``chat_template_kwargs`` passed on), in one pass: a table of TRL's
+    ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (list<int32>), what ``packkit tokenize`` writes and ``packkit
+    waste --preference`` measures. ``tokenizer``: as :func:`packkit.tokenizer.load_tokenizer` takes it (a folder or
+    a model id)."""
+    from .tokenizer import load_tokenizer  # lazy: the tokenizers, for pairs to tokenize only
+    pa = pyarrow("tokenizing preference pairs")
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    keep = [c for c in ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs") if c in table.column_names]
+    rows = tokenize_preference(table.select(keep).to_pylist(), tok)
+    return pa.table({c: pa.array([r[c] for r in rows], pa.list_(pa.int32())) for c in PreferenceCollator.KEYS})
 
 
 # ----------------------------------------------------------------------------------------------
