@@ -32,7 +32,6 @@ import torch.utils.data
 
 from .binpack import DEFAULT_OVERFLOW
 from .errors import ArgumentError, arg, check_int
-from .outputs import packed_schema
 from .packer import pack_stream, resolve_columns
 from .progress import progress_bar
 
@@ -166,6 +165,8 @@ def pack_iterable_dataset(ds, *, window: int, overflow: str = DEFAULT_OVERFLOW, 
     """
     import datasets
     import pyarrow as pa
+
+    from .outputs import packed_schema  # lazy: the door out, not in PackedIterable's DataLoader workers
 
     known = ds.column_names or (None if columns is None else [columns] if isinstance(columns, str) else list(columns))
     features = None

@@ -1,5 +1,6 @@
 """The harness every gloo test runs its ranks in (:func:`testlib.run_processes` with :func:`testlib.gloo_group`):
-a clean run passes, and a rank that raises is the rank reported, not a peer left waiting at the closing barrier."""
+a clean run passes, a rank that raises is the rank reported, not a peer left waiting at the closing barrier, and a
+rank that returns with a thread still running fails."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -26,6 +27,14 @@ def raising_in_rank_1(rank, port):
             raise ValueError("rank 1 fails on purpose")
 
 
+def leaving_a_thread(rank, port):
+    import threading
+
+    with gloo_group(rank, 2, port=port, timeout_s=30):
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, name="left-running").start()  # never set: a thread a rank forgot
+
+
 def test_a_clean_run_passes():
     run_processes(summing, 2, (free_port(),), timeout_s=60)
 
@@ -36,3 +45,11 @@ def test_the_rank_that_raised_is_the_one_reported():
     with pytest.raises(Exception, match="rank 1 fails on purpose") as raised:
         run_processes(raising_in_rank_1, 2, (free_port(),), timeout_s=60)
     assert "Process 1 terminated" in str(raised.value)
+
+
+def test_a_rank_that_leaves_a_thread_running_fails(capfd):
+    """Ranks leave by ``os._exit`` (past the interpreter's teardown): a non-daemon thread still running, which
+    the teardown would have waited on forever, fails the rank, named, instead of passing unseen."""
+    with pytest.raises(Exception, match="exit code 1"):
+        run_processes(leaving_a_thread, 2, (free_port(),), timeout_s=60)
+    assert "returned with threads still running: ['left-running']" in capfd.readouterr().err

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -195,6 +196,12 @@ def _traced(rank: int, worker, dump_after_s: float, *args):
     # gloo object still held (DDP keeps its group) is freed while the runtime is going away. A rank of
     # test_loss_ddp.py aborted there once in CI (stop 45: "terminate called without an active exception", SIGABRT,
     # 1 of about 60 whole-suite runs). A rank that raised still exits through spawn, which reports its traceback.
+    # What the teardown would have caught is checked here: a thread left running (packkit registers no atexit hook
+    # and no finalizer) fails the rank, as the hang at exit it would have made failed the test.
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if left:  # raising would wait on them too, in spawn's exit
+        print(f"rank {rank} returned with threads still running: {left}", file=sys.stderr, flush=True)
+        os._exit(1)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)
