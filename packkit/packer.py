@@ -28,10 +28,10 @@ Rows are not padded here: the collators pad windows to ``W`` at batch time.
 Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the windows planned by
 :func:`packkit.streamplan.stream_windows`, best fit inside a bounded buffer), with the same label rule. Its
 state (:meth:`PackedStream.state_dict`, between two rows) holds where its buffered pieces are in the source
-and their CRC, not their tokens: :meth:`~PackedStream.load_state_dict` reads the source again from its start
-(as it must to find its place) and takes the pieces back from it, checked, so it resumes exactly once: the
-same rows on the same shards, every example once on another number of shards (:mod:`packkit.streaming` runs
-it behind a DataLoader)::
+and a check of their values (XXH3 or CRC-32), not their tokens: :meth:`~PackedStream.load_state_dict` reads the
+source again from its start (as it must to find its place) and takes the pieces back from it, checked, so it
+resumes exactly once: the same rows on the same shards, every example once on another number of shards
+(:mod:`packkit.streaming` runs it behind a DataLoader)::
 
     >>> src = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6]}, {"input_ids": [7, 8, 9]}]
     >>> stream = pack_stream(src, window=4, buffer_size=2)
@@ -606,18 +606,36 @@ class StreamStats:
         return self.packed_tokens / (self.windows * self.window) if self.windows else 1.0
 
 
-#: The version of the state :meth:`PackedStream.state_dict` writes, the only one :meth:`~PackedStream.load_state_dict` reads
-#: (version 1 held the buffered pieces' tokens, as base64).
-STREAM_STATE_VERSION = 2
+#: The version of the state :meth:`PackedStream.state_dict` writes. :meth:`~PackedStream.load_state_dict` reads it and
+#: version 2 (its values checked by CRC-32, before the field ``check``); version 1 held the pieces' tokens, as base64.
+STREAM_STATE_VERSION = 3
+#: The checks a stream state may keep of the values it points at (its field ``check``), and their widths in bits:
+#: XXH3's 64 bits where the xxhash package is installed (datasets depends on it), 0.3 us a 1,400-token int32 piece,
+#: else zlib's CRC-32, 1.3 us (most of what a state every 100 rows cost), which sees any one value changed
+#: (XXH3 misses a change with a chance of 2**-64, CRC-32 one of several with 2**-32).
+STATE_CHECK_BITS = {"xxh3_64": 64, "crc32": 32}
 #: What :class:`StreamStats` counts (and a stream state carries).
 STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens", "truncated_examples",
                  "dropped_examples", "split_examples")
 
 
-def _token_digest(ids) -> int:
-    """CRC-32 of token ids' bytes in their dtype (as the source gives them again), no copy of a contiguous array:
-    ``_token_digest(np.int32([1, 2])) == zlib.crc32(np.int32([1, 2]).tobytes())``."""
-    return zlib.crc32(np.ascontiguousarray(ids))
+def _check_function(name: str):
+    """The function ``(bytes, seed) -> int`` of the state check ``name`` (:data:`STATE_CHECK_BITS`), None for
+    ``"xxh3_64"`` where xxhash is not installed (imported here, not on the command line's path)."""
+    if name == "crc32":
+        return zlib.crc32
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return xxhash.xxh3_64_intdigest
+
+
+def _digest(digest, a: np.ndarray, seed: int = 0) -> int:
+    """``digest`` (a state check's function) of an array's bytes in its dtype, continuing ``seed``; no copy (nor
+    numpy call, 0.3 us) for a contiguous array: ``_digest(zlib.crc32, np.int32([1, 2])) ==
+    zlib.crc32(np.int32([1, 2]).tobytes())``."""
+    return digest(a if a.flags.c_contiguous else np.ascontiguousarray(a), seed)
 
 
 #: Buffered pieces a group of a stream state's buffer holds at most (:meth:`PackedStream._buffer_entries`).
@@ -650,7 +668,8 @@ class PackedStream:
     State (:meth:`state_dict`, taken between two rows): the options, the examples read (everything before
     ``position`` of this shard's share, and the indices in ``skip``), the buffer of pieces read and not yet
     packed and the pieces of an example cut but not yet buffered (``pending``), each as where it is in the
-    source and the CRC of its tokens, the counts, and the CRC of the last example read.
+    source and a check of its values (``check``: :data:`STATE_CHECK_BITS`), the counts, and the check of the
+    last example read's tokens.
     :meth:`load_state_dict` restores it; a list of every shard's state resumes on any number of shards.
     """
 
@@ -674,14 +693,16 @@ class PackedStream:
         self._overflow = overflow
         self._mask_first_label = mask_first_label
         self._example_ids = example_ids
+        check = "xxh3_64" if _check_function("xxh3_64") else "crc32"
         self._restore(_StreamPosition(start=0, skip=(), position=0, checks={}, items=[], pending=[],
-                                      counts=dict.fromkeys(STREAM_COUNTS, 0)))
+                                      counts=dict.fromkeys(STREAM_COUNTS, 0), check=check))
 
     def _restore(self, pos: "_StreamPosition") -> None:
         """Start from ``pos``: the source is read again from its start when the next row is asked for."""
         self._start, self._skip, self._position = pos.start, frozenset(pos.skip), pos.position
         self._begin = pos.position  # examples before it (but those in skip) were read before this resume
         self._checks = dict(pos.checks)
+        self._check, self._digest = pos.check, _check_function(pos.check)  # what checks the values pointed at
         self._counts = dict(pos.counts)
         self._pending = collections.deque(pos.pending)
         self._buffer = StreamBuffer(pos.items)
@@ -769,7 +790,7 @@ class PackedStream:
     def _check_digest(self, j: int, ex) -> None:
         """Example ``j`` must be the one the state was saved after (the same source, from its start)."""
         want = self._checks.pop(j)
-        got = _token_digest(example_arrays(ex, self._columns[:1], index=j)[self._columns[0]])
+        got = _digest(self._digest, example_arrays(ex, self._columns[:1], index=j)[self._columns[0]])
         if got != want:
             raise DataError(f"example {j} of the source is not the example {j} the stream state was saved after "
                             "(its tokens differ): resume over the same source, iterated from its start")
@@ -794,7 +815,7 @@ class PackedStream:
 
     def _refill(self) -> None:
         """Give the pieces a loaded state holds their tokens, read again from the source (from its start, up
-        to the last example they come from), each checked against the CRC it was saved with. The examples this
+        to the last example they come from), each checked against the check it was saved with. The examples this
         shard packs that are read on the way (a resume on other shards) wait for :meth:`_items`."""
         checks, unread = self._checks, self._unread
         for j, ex in self._read():
@@ -811,7 +832,7 @@ class PackedStream:
                     piece = None
                     if d < len(docs) and start + n <= docs[d][self._columns[0]].size:
                         piece = {c: a[start: start + n] for c, a in docs[d].items()}
-                    if piece is None or _piece_crc(piece) != crc:
+                    if piece is None or _piece_check(piece, self._digest) != crc:
                         raise DataError(f"example {j} of the source is not the example {j} the stream state holds a "
                                         f"piece of (its tokens {start} to {start + n} of document {d} differ): "
                                         "resume over the same source, iterated from its start")
@@ -903,7 +924,7 @@ class PackedStream:
     def state_dict(self) -> dict:
         """Where this shard of the stream is, between two rows: JSON-safe, loaded by :meth:`load_state_dict`.
 
-        Holds where each piece buffered (at most ``buffer_size``) or pending is in the source and the CRC of
+        Holds where each piece buffered (at most ``buffer_size``) or pending is in the source and the check of
         its columns, not its tokens (:func:`_item_entry`): a few integers a piece whatever its length, built
         once, in groups (:meth:`_buffer_entries`) so that saving after every row, as torchdata's
         ``StatefulDataLoader`` does, builds (and sends) the groups that changed only.
@@ -912,12 +933,13 @@ class PackedStream:
         if self._last is not None:
             j, ids = self._last
             if not isinstance(ids, int):  # keep the digest, not the tokens
-                ids = _token_digest(ids)
+                ids = _digest(self._digest, ids)
                 self._last = (j, ids)
             checks[j] = ids
         return {
             "version": STREAM_STATE_VERSION,
             **self._options(),
+            "check": self._check,
             "read": None if self._columns is None else list(self._columns),
             "shard": self._shard,
             "num_shards": self._num_shards,
@@ -926,7 +948,7 @@ class PackedStream:
             "position": self._position,
             "checks": [[j, c] for j, c in sorted(checks.items())],
             "buffer": self._buffer_entries(),
-            "pending": [_item_entry(p) for p, _ in self._pending],
+            "pending": [_item_entry(p, self._digest) for p, _ in self._pending],
             "stats": dict(self._counts),
         }
 
@@ -950,14 +972,16 @@ class PackedStream:
                     changed.add(g)
             buf.taken.clear()
             seen = self._entries_seen
-        held = buf.held
-        for seq in range(seen, buf.seq):
-            p = held.get(seq)
-            if p is not None:
-                g = seq // STATE_GROUP
-                groups.setdefault(g, {})[seq] = _item_entry(p)
+        held, end = buf.held, buf.seq
+        for g in range(seen // STATE_GROUP, -(-end // STATE_GROUP)):  # the groups of the pieces received since
+            new = {seq: held[seq] for seq in range(max(seen, g * STATE_GROUP), min(end, (g + 1) * STATE_GROUP))
+                   if seq in held}
+            if new:
+                group = groups.setdefault(g, {})
+                for seq, p in new.items():
+                    group[seq] = p[3] or _item_entry(p, self._digest)
                 changed.add(g)
-        self._entries_seen = buf.seq
+        self._entries_seen = end
         for g in changed:
             if groups[g]:
                 lists[str(g)] = list(groups[g].values())
@@ -976,8 +1000,8 @@ class PackedStream:
 
         Every field is checked first (type, range, consistency with this stream's options and shard); a
         refused state leaves the stream as it was. The source is read again from its start up to the
-        position (not packed): the example the state was saved after is checked by its CRC then, and the
-        pieces the state holds take their tokens from it again before the first row, each checked by its CRC.
+        position (not packed): the example the state was saved after is checked by its check then, and the
+        pieces the state holds take their tokens from it again before the first row, each checked by its check.
         """
         states = state if isinstance(state, (list, tuple)) else None
         if states is not None:
@@ -1006,10 +1030,16 @@ class PackedStream:
 
     def _parse(self, state) -> "_ParsedState":
         """Every field of ``state`` checked against this stream's options; nothing assigned."""
-        f = StateFields(state, owner="stream", versions=(STREAM_STATE_VERSION,))
+        f = StateFields(state, owner="stream", versions=(2, STREAM_STATE_VERSION))
         for name, mine in self._options().items():
             f.equal(name, mine, "the state was saved by a stream with other options: build pack_stream with "
                     "the options it was saved with")
+        check = "crc32" if f.version == 2 else f.get("check")  # version 2 checked by CRC-32, without the field
+        if not isinstance(check, str) or check not in STATE_CHECK_BITS:
+            f.fail("check", f"{check!r} is not one of the checks {list(STATE_CHECK_BITS)}")
+        if _check_function(check) is None:
+            f.fail("check", f"{check!r} needs the xxhash package, not installed here: pip install xxhash")
+        bits = STATE_CHECK_BITS[check]
         read = f.get("read")
         if read is not None and not (isinstance(read, list) and read and all(isinstance(c, str) for c in read)):
             f.fail("read", f"must be a list of column names or None, got {read!r}", StateTypeError)
@@ -1028,12 +1058,12 @@ class PackedStream:
         checks = {}
         raw = f.get("checks")
         if not isinstance(raw, list):
-            f.fail("checks", f"must be a list of [example, crc32] pairs, got {type(raw).__name__}", StateTypeError)
+            f.fail("checks", f"must be a list of [example, {check}] pairs, got {type(raw).__name__}", StateTypeError)
         for pair in raw:
             ok = (isinstance(pair, (list, tuple)) and len(pair) == 2
                   and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in pair))
-            if not ok or not (0 <= pair[0] < max(position, 1 + max(skip, default=-1))) or not 0 <= pair[1] < 2**32:
-                f.fail("checks", f"{pair!r} is not an [example read, crc32] pair")
+            if not ok or not (0 <= pair[0] < max(position, 1 + max(skip, default=-1))) or not 0 <= pair[1] < 2**bits:
+                f.fail("checks", f"{pair!r} is not an [example read, {check}] pair")
             checks[int(pair[0])] = int(pair[1])
         raw = f.get("buffer")
         if not isinstance(raw, collections.abc.Mapping):
@@ -1045,11 +1075,12 @@ class PackedStream:
         for k in order:
             if not isinstance(raw[k], list) or not raw[k]:
                 f.fail("buffer", f"group {k} must be a list of pieces, got {raw[k]!r:.40}", StateTypeError)
-        items = [_parse_item(f, "buffer", f"{k}.{i}", x, self.window) for k in order for i, x in enumerate(raw[k])]
+        items = [_parse_item(f, "buffer", f"{k}.{i}", x, self.window, check)
+                 for k in order for i, x in enumerate(raw[k])]
         raw = f.get("pending")
         if not isinstance(raw, list):
             f.fail("pending", f"must be a list of pieces, got {type(raw).__name__}", StateTypeError)
-        pending = [_parse_item(f, "pending", k, x, self.window) for k, x in enumerate(raw)]
+        pending = [_parse_item(f, "pending", k, x, self.window, check) for k, x in enumerate(raw)]
         skipped = set(skip)
         for name, group in (("buffer", items), ("pending", pending)):
             for k, (p, _) in enumerate(group):
@@ -1070,7 +1101,7 @@ class PackedStream:
             counts[name] = int(v)
         f.done()
         pos = _StreamPosition(start=start, skip=tuple(skip), position=position, checks=checks, items=items,
-                              pending=pending, counts=counts)
+                              pending=pending, counts=counts, check=check)
         return _ParsedState(shard=shard, num_shards=num_shards, read=read, pos=pos)
 
 
@@ -1086,6 +1117,7 @@ class _StreamPosition:
     items: list
     pending: list
     counts: dict
+    check: str  # the state check of the values in checks, items and pending (STATE_CHECK_BITS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1111,45 +1143,46 @@ def _segment_loss(labels, lengths: np.ndarray, mask_first_label: bool, *, starts
     return csum[starts + lengths] - csum[first]
 
 
-def _piece_crc(arrays: dict) -> int:
-    """CRC-32 of a piece's columns, their bytes one after the other in their dtypes: what a state keeps of the
-    piece's values, to check them by when they are read again. ``_piece_crc({"input_ids": np.int32([1, 2])})
-    == zlib.crc32(np.int32([1, 2]).tobytes())``."""
-    crc = 0
+def _piece_check(arrays: dict, digest) -> int:
+    """A state check (``digest``, :func:`_check_function`'s) of a piece's columns, their bytes one after the other
+    in their dtypes: what a state keeps of the piece's values, to check them by when they are read again.
+    ``_piece_check({"input_ids": np.int32([1, 2])}, zlib.crc32) == zlib.crc32(np.int32([1, 2]).tobytes())``."""
+    h = 0
     for a in arrays.values():
-        crc = zlib.crc32(np.ascontiguousarray(a), crc)
-    return crc
+        h = _digest(digest, a, h)
+    return h
 
 
-def _item_entry(payload) -> list:
+def _item_entry(payload, digest) -> list:
     """The state entry of a buffered or pending piece, built once per piece: ``[example, document, start,
-    length, crc32]`` (the document 0 but in a packed row; the CRC :func:`_piece_crc`'s), and a sixth item for a
+    length, check]`` (the document 0 but in a packed row; the check :func:`_piece_check`'s), and a sixth item for a
     piece of an example split into several, its whole example's loss tokens (``example_loss``). Where the piece
-    is in the source, not its tokens: :meth:`PackedStream._refill` reads them again and checks them by the CRC.
+    is in the source, not its tokens: :meth:`PackedStream._refill` reads them again and checks them.
     JSON-safe, a few integers whatever the piece's length (base64 of the tokens, version 1, cost 11 us a
     1,400-token piece)."""
     if payload[3] is None:
         arrays = payload[2]
-        payload[3] = [payload[0], payload[5], payload[1], next(iter(arrays.values())).size, _piece_crc(arrays)] + (
+        n = next(iter(arrays.values())).size
+        payload[3] = [payload[0], payload[5], payload[1], n, _piece_check(arrays, digest)] + (
             [] if payload[4] is None else [payload[4]])
     return payload[3]
 
 
-def _parse_item(f, name: str, k, raw, window: int):
+def _parse_item(f, name: str, k, raw, window: int, check: str):
     """One state entry back to ``(payload, length)``, every part checked (errors name ``name`` and the entry);
     the payload's columns are None until :meth:`PackedStream._refill` reads them from the source."""
     where = f"entry {k}"
     if not isinstance(raw, (list, tuple)) or len(raw) not in (5, 6):
-        f.fail(name, f"{where} must be [example, document, start, length, crc32] and, for a piece of an example "
+        f.fail(name, f"{where} must be [example, document, start, length, {check}] and, for a piece of an example "
                "split in several, its example's loss tokens", StateTypeError)
-    for what, v in zip(("example", "document", "start", "length", "crc32", "example loss"), raw):
+    for what, v in zip(("example", "document", "start", "length", check, "example loss"), raw):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
             f.fail(name, f"{where}: {what} must be an integer of at least 0, got {v!r}")
     j, d, p, n, crc = (int(v) for v in raw[:5])
     if not 1 <= n <= window:
         f.fail(name, f"{where}: the piece has {n} tokens; a piece has 1 to window={window}")
-    if crc >= 2**32:
-        f.fail(name, f"{where}: crc32 {crc} is not a CRC-32 (below 2**32)")
+    if crc >= 2**STATE_CHECK_BITS[check]:
+        f.fail(name, f"{where}: {check} {crc} is wider than its {STATE_CHECK_BITS[check]} bits")
     whole = int(raw[5]) if len(raw) == 6 else None
     return [j, p, None, [j, d, p, n, crc] + ([] if whole is None else [whole]), whole, d], n
 
@@ -1182,7 +1215,7 @@ def _share(parsed: list, *, shard: int, num_shards: int) -> _StreamPosition:
             if a != b and not (name == "read" and None in (a, b)):  # a shard that read nothing yet has no columns
                 raise StateError(f"stream state field {name!r}: the shard states differ ({a!r}, {b!r}): they are not "
                                  "from one run")
-        for name in ("start", "skip"):
+        for name in ("start", "skip", "check"):
             if getattr(p.pos, name) != getattr(first.pos, name):
                 raise StateError(f"stream state field {name!r}: the shard states differ: they are not from one run")
     parsed = sorted(parsed, key=lambda p: p.shard)
@@ -1207,7 +1240,7 @@ def _share(parsed: list, *, shard: int, num_shards: int) -> _StreamPosition:
     counts = {k: sum(p.pos.counts[k] for p in parsed) if shard == 0 else 0 for k in STREAM_COUNTS}
     checks = {j: c for p in parsed for j, c in p.pos.checks.items()}
     return _StreamPosition(start=new_start, skip=tuple(sorted(new_skip)), position=new_start, checks=checks,
-                           items=mine, pending=[], counts=counts)
+                           items=mine, pending=[], counts=counts, check=first.pos.check)
 
 
 def pack_stream(examples, *, window: int, buffer_size: int = 1000, overflow: str = DEFAULT_OVERFLOW, columns=None,
