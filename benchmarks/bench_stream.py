@@ -98,7 +98,7 @@ def state_costs(window: int) -> dict:
     fresh = pack_stream(src, window=window, buffer_size=1000, overflow="split")
     load, _ = cpu(lambda: fresh.load_state_dict(state))
     first, _ = cpu(lambda: next(fresh))  # the source read again up to the position (not packed), then a row
-    pieces = [e for group in state["buffer"].values() for e in group]  # [example, document, start, length, crc32..]
+    pieces = [e for group in state["buffer"].values() for e in group]  # [example, document, start, length, check..]
     delta = None
     try:
         from torchdata.stateful_dataloader.incremental_state import _IncrementalState
