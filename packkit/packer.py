@@ -28,7 +28,7 @@ Rows are not padded here: the collators pad windows to ``W`` at batch time.
 Streams: :func:`pack_stream` packs an iterable of examples as it arrives (the windows planned by
 :func:`packkit.streamplan.stream_windows`, best fit inside a bounded buffer), with the same label rule. Its
 state (:meth:`PackedStream.state_dict`, between two rows) holds where its buffered pieces are in the source
-and a check of their values (XXH3 or CRC-32), not their tokens: :meth:`~PackedStream.load_state_dict` reads the
+and a check of their values (XXH64 or CRC-32), not their tokens: :meth:`~PackedStream.load_state_dict` reads the
 source again from its start (as it must to find its place) and takes the pieces back from it, checked, so it
 resumes exactly once: the same rows on the same shards, every example once on another number of shards
 (:mod:`packkit.streaming` runs it behind a DataLoader)::
@@ -610,10 +610,11 @@ class StreamStats:
 #: version 2 (its values checked by CRC-32, before the field ``check``); version 1 held the pieces' tokens, as base64.
 STREAM_STATE_VERSION = 3
 #: The checks a stream state may keep of the values it points at (its field ``check``), and their widths in bits:
-#: XXH3's 64 bits where the xxhash package is installed (datasets depends on it), 0.3 us a 1,400-token int32 piece,
-#: else zlib's CRC-32, 1.3 us (most of what a state every 100 rows cost), which sees any one value changed
-#: (XXH3 misses a change with a chance of 2**-64, CRC-32 one of several with 2**-32).
-STATE_CHECK_BITS = {"xxh3_64": 64, "crc32": 32}
+#: XXH64 where the xxhash package is installed (datasets depends on it), 0.45 us a 1,400-token int32 piece, else
+#: zlib's CRC-32, 1.1-1.3 us (most of what a state every 100 rows cost), which sees any one value changed (XXH64
+#: misses a change with a chance of 2**-64, CRC-32 one of several with 2**-32). Not XXH3 (0.3 us): its AVX-512
+#: code slowed the whole stream on a Xeon when a state was taken every row.
+STATE_CHECK_BITS = {"xxh64": 64, "crc32": 32}
 #: What :class:`StreamStats` counts (and a stream state carries).
 STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens", "truncated_examples",
                  "dropped_examples", "split_examples")
@@ -621,14 +622,14 @@ STREAM_COUNTS = ("examples", "tokens", "windows", "packed_tokens", "cut_tokens",
 
 def _check_function(name: str):
     """The function ``(bytes, seed) -> int`` of the state check ``name`` (:data:`STATE_CHECK_BITS`), None for
-    ``"xxh3_64"`` where xxhash is not installed (imported here, not on the command line's path)."""
+    ``"xxh64"`` where xxhash is not installed (imported here, not on the command line's path)."""
     if name == "crc32":
         return zlib.crc32
     try:
         import xxhash
     except ImportError:
         return None
-    return xxhash.xxh3_64_intdigest
+    return xxhash.xxh64_intdigest
 
 
 def _digest(digest, a: np.ndarray, seed: int = 0) -> int:
@@ -693,7 +694,7 @@ class PackedStream:
         self._overflow = overflow
         self._mask_first_label = mask_first_label
         self._example_ids = example_ids
-        check = "xxh3_64" if _check_function("xxh3_64") else "crc32"
+        check = "xxh64" if _check_function("xxh64") else "crc32"
         self._restore(_StreamPosition(start=0, skip=(), position=0, checks={}, items=[], pending=[],
                                       counts=dict.fromkeys(STREAM_COUNTS, 0), check=check))
 
@@ -972,16 +973,14 @@ class PackedStream:
                     changed.add(g)
             buf.taken.clear()
             seen = self._entries_seen
-        held, end = buf.held, buf.seq
-        for g in range(seen // STATE_GROUP, -(-end // STATE_GROUP)):  # the groups of the pieces received since
-            new = {seq: held[seq] for seq in range(max(seen, g * STATE_GROUP), min(end, (g + 1) * STATE_GROUP))
-                   if seq in held}
-            if new:
-                group = groups.setdefault(g, {})
-                for seq, p in new.items():
-                    group[seq] = p[3] or _item_entry(p, self._digest)
+        held = buf.held
+        for seq in range(seen, buf.seq):
+            p = held.get(seq)
+            if p is not None:
+                g = seq // STATE_GROUP
+                groups.setdefault(g, {})[seq] = _item_entry(p, self._digest)
                 changed.add(g)
-        self._entries_seen = end
+        self._entries_seen = buf.seq
         for g in changed:
             if groups[g]:
                 lists[str(g)] = list(groups[g].values())
