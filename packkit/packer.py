@@ -610,7 +610,7 @@ class StreamStats:
 #: version 2 (its values checked by CRC-32, before the field ``check``); version 1 held the pieces' tokens, as base64.
 STREAM_STATE_VERSION = 3
 #: The checks a stream state may keep of the values it points at (its field ``check``), and their widths in bits:
-#: XXH64 where the xxhash package is installed (datasets depends on it), 0.45 us a 1,400-token int32 piece, else
+#: XXH64 (the xxhash package, a dependency), 0.45 us a 1,400-token int32 piece, or, in an install without it,
 #: zlib's CRC-32, 1.1-1.3 us (most of what a state every 100 rows cost), which sees any one value changed (XXH64
 #: misses a change with a chance of 2**-64, CRC-32 one of several with 2**-32). Not XXH3 (0.3 us): a state every
 #: row made the whole stream 1.07x slower with it on a Xeon, most likely its AVX-512 code.
