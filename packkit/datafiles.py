@@ -438,18 +438,13 @@ def preference_columns(names) -> tuple | None:
     return next((cols for cols in PREFERENCE_COLUMNS if all(c in names for c in cols)), None)
 
 
-def tokenize_pairs(table, tokenizer, *, trust_remote_code: bool = False):
-    """:func:`packkit.preference.tokenize_pairs`, its module (torch) imported where text pairs are tokenized."""
-    from . import preference  # lazy: torch, only for text pairs
-    return preference.tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code)
-
-
 def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             trust_remote_code: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """``(prompt, chosen, rejected, source)``: per-pair token counts of a preference file: TRL's tokenized columns
     (:data:`PREFERENCE_COLUMNS`, as ``DPOTrainer`` or ``packkit tokenize`` makes them), integer counts in
     ``prompt`` / ``chosen`` / ``rejected``, or text (or conversations) there, tokenized with ``tokenizer``
-    (:func:`tokenize_pairs`; without one, refused naming the ways to tokenize it). An unused ``tokenizer`` is said."""
+    (:func:`packkit.preference.tokenize_pairs`; without one, refused naming the ways to tokenize it). An unused
+    ``tokenizer`` is said."""
     table = load_table(path, split=split)  # the path checked (check_path), pyarrow asked for by the format's name
     pa = pyarrow()
     cols = preference_columns(table.column_names)
@@ -463,6 +458,7 @@ def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             "DPOTrainer does (or once, for every later run: packkit tokenize IN OUT --tokenizer T; "
                             "in Python packkit.preference.tokenize_preference)", path=str(path),
                             typ=str(table.column("prompt").type), tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
+        from .preference import tokenize_pairs  # lazy: torch, only for text pairs
         table, cols = tokenize_pairs(table, tokenizer, trust_remote_code=trust_remote_code), PREFERENCE_COLUMNS[0]
         from .tokenizer import tokenizer_name  # lazy: the tokenizers, for pairs to tokenize only
         how = f"pairs tokenized with {tokenizer_name(tokenizer)}"

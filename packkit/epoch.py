@@ -15,14 +15,14 @@ import functools
 
 import numpy as np
 
-from .binpack import Plan, apply_overflow, as_lengths, check_overflow, pack, windows_plan
+from .binpack import Plan, apply_overflow, as_lengths, check_overflow, pack
 from .errors import DataError, arg
 from .records import record
 from .length_rules import check_loss_lengths
 from .segments import lengths_to_offsets, piece_loss_tokens
 
 __all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "none_left", "packed_units", "padded_units",
-           "read_lengths_object", "windows_plan"]
+           "read_lengths_object"]
 
 
 @record

@@ -32,7 +32,7 @@ from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
 from .packer import log_overflow, logger, resolve_columns
-from .outputs import DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PackedTable, packed_batch, packed_schema
+from .outputs import DEFAULT_BUFFER_BYTES, PackedTable, packed_batch, packed_schema
 from .mediarows import media_options
 from .progress import progress_bar
 from .rules import check_column, column_kind

@@ -36,9 +36,9 @@ import math
 import numpy as np
 
 from .costs import CostModel, step_figures
-from .binpack import DEFAULT_OVERFLOW, check_overflow, check_window, overflow_note, pack, stream_windows
+from .binpack import DEFAULT_OVERFLOW, check_overflow, check_window, overflow_note, pack, stream_windows, windows_plan
 from .cp_layouts import check_cp_window, cp_multiples
-from .epoch import Dealt, Units, deal, packed_units, read_lengths_object, windows_plan
+from .epoch import Dealt, Units, deal, packed_units, read_lengths_object
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .plots import plot_waste  # the report drawn: its own room, importable here as before
 from .progress import progress_bar

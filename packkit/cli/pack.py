@@ -18,13 +18,12 @@ from ..binpack import overflow_note
 from ..errors import DataError, Message, arg, check_int
 from ..datafiles import Input, lines_named, reader_pyarrow
 from ..fileio import atomic_output, check_output, held_still, temp_folder
-from ..offline import (DEFAULT_BUFFER_BYTES, MIN_BUFFER_BYTES, PROGRESS_BYTES, check_planning, pack_dataset,
-                       plan_source, show_progress)
+from ..offline import PROGRESS_BYTES, check_planning, pack_dataset, plan_source, show_progress
 from ..mediarows import MEDIA_FORMATS, file_columns, kept_media, media_columns, media_dataset, refuse_media
 from ..progress import progress_bar
 from ..sources import ArrowSource
 from ..allocators import bound_allocators
-from ..outputs import FORMATS, documents_lost, output_format, write_packed
+from ..outputs import DEFAULT_BUFFER_BYTES, FORMATS, MIN_BUFFER_BYTES, documents_lost, output_format, write_packed
 from ._chat import add_input_arguments, chat_options
 
 #: The library's ``column`` (the token column) is the first of ``--columns``; ``buffer_bytes`` is ``--buffer-mb`` (MiB).

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from ._options import Parser, add_output_switches
 from ..chat import chat_format
-from ..datafiles import (Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks,
-                         tokenize_pairs)
+from ..datafiles import Input, lines_named, load_table, preference_columns, reader_pyarrow, table_chunks
 from ..errors import ArgumentError, DataError, MissingError, arg
 from ..fileio import check_output, held_still
 from ..rules import MASK_KEYS
@@ -99,11 +98,12 @@ def _report(args, src: Path, out: Path, fmt, rows: int, tokens: int, keep: list,
 
 def _pairs(args, src: Path, out: Path, fmt, hold) -> int:
     """Preference pairs (text or conversational ``prompt`` / ``chosen`` / ``rejected``), read whole, as TRL's
-    ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (:func:`packkit.datafiles.tokenize_pairs`): what ``packkit
+    ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (:func:`packkit.preference.tokenize_pairs`): what ``packkit
     waste --preference`` and :class:`packkit.preference.PreferenceCollator` read."""
     if args.tokenizer is None:
         raise ArgumentError("{src!r} holds preference pairs (prompt, chosen, rejected): pass {tok}", src=str(src),
                             tok=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
+    from ..preference import tokenize_pairs  # lazy: torch, only for preference pairs
     with lines_named(src):
         table = tokenize_pairs(load_table(src, split=args.split), args.tokenizer,
                                trust_remote_code=args.trust_remote_code)
