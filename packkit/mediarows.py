@@ -143,7 +143,7 @@ class MediaRows:
 
     def bytes_per_token(self, plan) -> float:
         """Bytes of media a packed token brings on average: the media columns' Arrow buffers over the tokens of
-        ``plan`` (what :meth:`packkit.offline.PackedTable.chunk_tokens` bounds a batch by, images included)."""
+        ``plan`` (what :meth:`packkit.outputs.PackedTable.chunk_tokens` bounds a batch by, images included)."""
         return sum(col.nbytes for col in self.cols.values()) / max(1, int(plan.total_tokens))
 
     def schema(self, schema):
