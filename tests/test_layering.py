@@ -292,6 +292,17 @@ def _front(modules: dict) -> set:
     return {m for m in modules if any(m == f"packkit.{f}" or m.startswith(f"packkit.{f}.") for f in FRONT)}
 
 
+def _reached(graph: dict, name: str) -> set:
+    """Every packkit module ``name`` imports at any depth (function-level imports included), ``name`` with them."""
+    todo, seen = [name], set()
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += [t for t, _, _ in graph[m]]
+    return seen
+
+
 def test_only_the_rooms_that_call_the_front_reach_it():
     """A module outside the front and :data:`LEFT_THE_FRONT` that reaches a front module, at any depth and by lazy
     imports too, is one of :data:`CALLS_THE_FRONT`: moving front code into a feature room (mediarows, preference,
@@ -302,13 +313,7 @@ def test_only_the_rooms_that_call_the_front_reach_it():
     assert "packkit.planned" in modules and "packkit.chat" in front, "the walk itself is broken"
     found = []
     for name in sorted(set(modules) - allowed):
-        todo, seen = [name], set()
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo += [t for t, _, _ in graph[m]]
-        found += [f"{name} reaches {m}" for m in sorted(seen & front)]
+        found += [f"{name} reaches {m}" for m in sorted(_reached(graph, name) & front)]
     assert not found, ("a room outside the front reaches it: count it with the front (LEFT_THE_FRONT), or name it "
                        "in CALLS_THE_FRONT if it calls the front as a user would:\n" + "\n".join(found))
 
@@ -323,13 +328,7 @@ def test_the_machinery_behind_the_front_imports_none_of_it():
     assert {"packkit.datafiles", "packkit.cli.pack", "packkit.budget"} <= front, "the walk itself is broken"
     found = []
     for name in BEHIND_THE_FRONT:
-        todo, seen = [f"packkit.{name}"], set()
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo += [t for t, _, _ in graph[m]]
-        found += [f"packkit.{name} reaches {m}" for m in sorted(seen & front)]
+        found += [f"packkit.{name} reaches {m}" for m in sorted(_reached(graph, f"packkit.{name}") & front)]
     assert not found, "machinery behind the front imports the front:\n" + "\n".join(found)
 
 
