@@ -14,7 +14,8 @@ import itertools
 
 import numpy as np
 
-__all__ = ["pyarrow", "list_array", "flat_lists", "chunked_lists", "byte_tokenize", "MAX_LIST_VALUES", "replay"]
+__all__ = ["pyarrow", "list_array", "list_parts", "flat_lists", "chunked_lists", "byte_tokenize", "MAX_LIST_VALUES",
+           "replay"]
 
 
 def pyarrow(what: str = "reading Arrow data"):
@@ -51,14 +52,18 @@ def list_array(offsets, values, *, max_tokens: int | None = None):
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
 
 
+def list_parts(column) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`list_array`'s inverse: an Arrow list column (a slice too) -> ``(offsets (n + 1,) int64 from 0, flat
+    values)`` (numpy, zero-copy where Arrow allows)."""
+    offsets = np.asarray(column.offsets, np.int64)
+    return offsets - offsets[0], column.flatten().to_numpy(zero_copy_only=False)
+
+
 def flat_lists(lists):
-    """:func:`list_array`'s inverse for Python lists of ints: ``(offsets (n + 1,) int64 from 0, values (T,) int64)``,
-    through Arrow (no per-token Python). ``flat_lists([[5, 6], [7]]) -> ([0, 2, 3], [5, 6, 7])``."""
+    """:func:`list_parts` of Python lists of ints: ``(offsets (n + 1,) int64 from 0, values (T,) int64)``, through
+    Arrow (no per-token Python). ``flat_lists([[5, 6], [7]]) -> ([0, 2, 3], [5, 6, 7])``."""
     pa = pyarrow()
-    arr = pa.array(lists, type=pa.list_(pa.int64()))
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.values.to_numpy()[offsets[0]: offsets[-1]]
-    return offsets - offsets[0], values
+    return list_parts(pa.array(lists, type=pa.list_(pa.int64())))
 
 
 def chunked_lists(chunks: list, value_type):

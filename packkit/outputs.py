@@ -54,7 +54,7 @@ from typing import Callable
 
 import numpy as np
 
-from .arrow import MAX_LIST_VALUES, list_array
+from .arrow import MAX_LIST_VALUES, list_array, list_parts
 from .errors import ArgumentError, DataError, check_int
 from .atomic import atomic_output
 from .interrupts import deferred, join
@@ -236,12 +236,6 @@ class _DatasetSink:
 
 
 
-def _flat(column) -> tuple[np.ndarray, np.ndarray]:
-    """A list column -> ``(offsets (n + 1,) int64 from 0, flat values)`` (numpy, zero-copy where Arrow allows)."""
-    offsets = np.asarray(column.offsets, np.int64)
-    return offsets - offsets[0], column.flatten().to_numpy(zero_copy_only=False)
-
-
 def _tokens_and_targets(batch, row0: int, fmt: str):
     """The packed rows of ``batch`` as Megatron and Bridge see them: token ids, segments, and which tokens
     are trained on (``target``: a label other than -100; without labels every token but each segment's
@@ -252,10 +246,10 @@ def _tokens_and_targets(batch, row0: int, fmt: str):
     (``row0`` is the first row of ``batch`` in the output).
     """
     names = batch.schema.names
-    row_offsets, ids = _flat(batch.column(names.index("input_ids")))
-    seq_offsets, seq_lengths = _flat(batch.column(names.index("seq_lengths")))
+    row_offsets, ids = list_parts(batch.column(names.index("input_ids")))
+    seq_offsets, seq_lengths = list_parts(batch.column(names.index("seq_lengths")))
     if "labels" in names:
-        labels = _flat(batch.column(names.index("labels")))[1]
+        labels = list_parts(batch.column(names.index("labels")))[1]
         target = labels != IGNORE_INDEX
         bad = np.flatnonzero(target & (labels != ids))
         if bad.size:
@@ -448,7 +442,7 @@ class _MdsSink:
     def write(self, batch) -> None:
         cols = {}
         for name in self.names:
-            offsets, values = _flat(batch.column(batch.schema.names.index(name)))
+            offsets, values = list_parts(batch.column(batch.schema.names.index(name)))
             cols[name] = (offsets, values.astype(self.types[name], copy=False))
         for r in range(batch.num_rows):
             parts = [self._array(values[offsets[r]:offsets[r + 1]]) for offsets, values in cols.values()]
