@@ -1,6 +1,7 @@
 """The harness every gloo test runs its ranks in (:func:`testlib.run_processes` with :func:`testlib.gloo_group`):
-a clean run passes, a rank that raises is the rank reported, not a peer left waiting at the closing barrier, and a
-rank that returns with a thread still running fails."""
+a clean run passes, a rank that raises is the rank reported, not a peer left waiting at the closing barrier, a
+rank that returns with a thread still running fails, and a rank whose last reference to its group dies after the
+group is destroyed does not deadlock there."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,6 +34,32 @@ def leaving_a_thread(rank, port):
     with gloo_group(rank, 2, port=port, timeout_s=30):
         stop = threading.Event()
         threading.Thread(target=stop.wait, name="left-running").start()  # never set: a thread a rank forgot
+
+
+def group_outliving_the_with(rank, port):
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with gloo_group(rank, 2, port=port, timeout_s=30):
+        pair = dist.new_group([0, 1])  # its own gloo threads: the closing barrier on the world does not wait on them
+        ddp = DDP(torch.nn.Linear(2, 1), process_group=pair)  # its Reducer: the group's last reference, once destroyed
+        # the callback runs on one of the pair's gloo threads and takes the GIL back when its sleep ends: a destructor
+        # joining that thread with the GIL held waits on it forever
+        dist.all_reduce(torch.ones(1), group=pair, async_op=True).get_future().then(lambda fut: time.sleep(3))
+        del pair
+    del ddp  # ~Reducer -> ~ProcessGroupGloo -> join, GIL held (pybind frees a Reducer without releasing it)
+
+
+def test_a_rank_whose_group_outlives_the_with_does_not_hang():
+    """Session 17's stop failed CI on test_prefixtree_ddp.py past its 120 s limit (1 of 40 runs beside two busy
+    loops here): the DDP model freed at the worker's return held the destroyed group's last reference; the group's
+    destructor joined its gloo threads with the GIL held, while one of them, freeing a finished all-reduce's
+    tensor, waited for the GIL (py-spy: ``~Reducer -> ~ProcessGroupGloo -> std::thread::join`` against
+    ``~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire``; pytorch#56297). Here the thread waits in a
+    future's callback, so the deadlock does not depend on timing: ``gloo_group`` keeps every group it destroyed
+    referenced until the rank leaves by ``os._exit``, so no gloo destructor runs in a rank that passed."""
+    run_processes(group_outliving_the_with, 2, (free_port(),), timeout_s=30)
 
 
 def test_a_clean_run_passes(tmp_path):

@@ -214,7 +214,13 @@ def gloo_group(rank: int, world: int, *, port: int | None, timeout_s: float):
     None. On a clean exit the ranks meet at a barrier before the group is destroyed, so that no rank closes its
     connections while another still has work in flight on them; on an exception it is destroyed at once (a barrier
     would wait for ranks that never come, until the group's timeout), and the ranks left at the barrier fail 5 s
-    later, so that the rank that raised is the one :func:`run_processes` reports."""
+    later, so that the rank that raised is the one :func:`run_processes` reports.
+
+    Every group is kept referenced (:data:`_DESTROYED_GROUPS`) past its destruction, until the rank leaves by
+    ``os._exit``: the last reference to a gloo group can be an object pybind frees with the GIL held (DDP's
+    ``Reducer``), and the group's destructor then joins its worker threads while one of them may be waiting for the
+    GIL to free a finished work's tensor: a deadlock (session 17's stop failed CI on it, see test_testlib_ranks;
+    pytorch#56297)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -228,7 +234,11 @@ def gloo_group(rank: int, world: int, *, port: int | None, timeout_s: float):
             time.sleep(5)
             raise
     finally:
+        _DESTROYED_GROUPS.extend(dist.distributed_c10d._world.pg_map)
         dist.destroy_process_group()
+
+
+_DESTROYED_GROUPS: list = []  # see gloo_group: never freed in a rank, which leaves by os._exit
 
 
 @contextlib.contextmanager
