@@ -1,7 +1,9 @@
 """The harness every gloo test runs its ranks in (:func:`testlib.run_processes` with :func:`testlib.gloo_group`):
 a clean run passes, a rank that raises is the rank reported, not a peer left waiting at the closing barrier, a
 rank that returns with a thread still running fails, and a rank whose last reference to its group dies after the
-group is destroyed does not deadlock there."""
+group is destroyed does not deadlock there; a rank that hangs has its native stacks printed."""
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -81,3 +83,23 @@ def test_a_rank_that_leaves_a_thread_running_fails(capfd):
     with pytest.raises(Exception, match="exit code 1"):
         run_processes(leaving_a_thread, 2, (free_port(),), timeout_s=60)
     assert "returned with threads still running: ['left-running']" in capfd.readouterr().err
+
+
+def sleeping(rank):
+    import time
+
+    time.sleep(120)  # past any limit: a rank that hangs
+
+
+def test_a_rank_past_the_limit_has_its_native_stacks_printed(capfd):
+    """A hang fails the test and says where, native frames included (py-spy, the test extra): the deadlock above
+    sat in a C++ destructor, where faulthandler's Python stacks showed nothing."""
+    import shutil
+    import sys
+
+    if not shutil.which("py-spy", path=os.path.dirname(sys.executable)) and not shutil.which("py-spy"):
+        pytest.skip("py-spy is not installed (pip install -e .[test])")
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 12 s"):
+        run_processes(sleeping, 1, (), timeout_s=12)
+    err = capfd.readouterr().err
+    assert "Thread" in err and "sleeping (test_testlib_ranks.py" in err, err[-2000:]
