@@ -154,8 +154,8 @@ def _chosen_format(schema, format: str) -> str:
     if format.endswith("prompt_completion"):
         got = _pair_format(schema)
         if got != format:
-            raise ArgumentError("{fmt}: the prompt/completion columns hold {got}; pass {fix}", fmt=arg("format", format),
-                                got=got, fix=arg("format", got))
+            raise ArgumentError("{fmt}: the prompt/completion columns hold {got}; pass {fix}",
+                                fmt=arg("format", format), got=got, fix=arg("format", got))
     elif not _is_message_list(schema.field(format).type, _MESSAGE_KEYS[format]):
         raise _not_messages(schema, format)
     return format
@@ -210,7 +210,8 @@ def check_template_syntax(template: str, what: str) -> None:
         compile_(template)
     except TemplateSyntaxError as exc:
         raise ArgumentError("{what}, line {line}: Jinja syntax error: {msg}; fix the template or pass {tpl}", what=what,
-                            line=exc.lineno, msg=str(exc.message).rstrip("."), tpl=arg("chat_template", metavar="FILE.jinja")) from None
+                            line=exc.lineno, msg=str(exc.message).rstrip("."),
+                            tpl=arg("chat_template", metavar="FILE.jinja")) from None
 
 
 def stop_token_trained(tok, template: str) -> bool:
@@ -274,45 +275,6 @@ def _messages(value, i: int, name: str, keys=_MESSAGE_KEYS["messages"]) -> list:
     return out
 
 
-def _encode_batch(tok, fmt: str, rows: dict, base: int, *, template, assistant: bool, completion: bool, eos,
-                  fast=None):
-    """``(offsets (n + 1,) int64, ids (T,) int64, mask (T,) int8 or None, diverged)`` of one batch (``rows``: column
-    -> list, as ``datasets`` batches); ``diverged`` counts the pairs whose tokenized prompt is not a prefix of the
-    whole. ``fast``: :func:`packkit.chatrender.render`'s."""
-    tools = rows.get("tools")
-    if tools is not None:
-        tools = [json.loads(t) if isinstance(t, str) else t for t in tools]
-    kwargs = rows.get("chat_template_kwargs")
-    if fmt in _MESSAGE_KEYS:
-        convs = [_messages(v, base + j, fmt, _MESSAGE_KEYS[fmt]) for j, v in enumerate(rows[fmt])]
-        return (*render(tok, convs, base, template=template, tools=tools, kwargs=kwargs, assistant_mask=assistant,
-                        fast=fast), 0)
-    prompts, completions = rows["prompt"], rows["completion"]
-    for j, (p, c) in enumerate(zip(prompts, completions)):
-        if p is None or c is None:
-            raise DataError("{i} has no {key!r} (null)", i=Where(base + j), key="prompt" if p is None else "completion")
-    amask = None
-    if fmt == "prompt_completion":
-        if eos:
-            completions = [c if c.endswith(eos) else c + eos for c in completions]
-        p_off, p_val = flat(tok(list(prompts), add_special_tokens=True)["input_ids"])
-        whole = [p + c for p, c in zip(prompts, completions)]
-        offsets, values = flat(tok(whole, add_special_tokens=True)["input_ids"])
-    else:
-        convs_p = [_messages(v, base + j, "prompt") for j, v in enumerate(prompts)]
-        convs_c = [_messages(v, base + j, "completion") for j, v in enumerate(completions)]
-        p_off, p_val, _ = render(tok, convs_p, base, template=template, tools=tools, kwargs=kwargs,
-                                 add_generation_prompt=True, fast=fast)
-        offsets, values, amask = render(tok, [p + c for p, c in zip(convs_p, convs_c)], base, template=template,
-                                        tools=tools, kwargs=kwargs, assistant_mask=assistant, fast=fast)
-    prefix = common_prefix_lengths(p_off, p_val, offsets, values)
-    diverged = int(np.count_nonzero(prefix < np.diff(p_off)))
-    mask = mask_from(offsets, prefix) if completion else None
-    if amask is not None:
-        mask = amask if mask is None else mask & amask
-    return offsets, values, mask, diverged
-
-
 def _resolve_loss(fmt: str, assistant_only_loss, completion_only_loss) -> tuple[bool, bool]:
     """``(assistant, completion)``: the loss options for ``fmt`` (None: the default), or the one-line error for
     an option the format cannot honour (it would be ignored)."""
@@ -342,7 +304,8 @@ def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None
     for special in ("bos_token", "eos_token"):
         if template and re.search(r"\b" + special + r"\b", template) and not getattr(tok, special, None):
             raise ArgumentError("{arg} {name!r} defines no {special}, and its chat template writes it (it would render "
-                                "empty); " + fix, arg=arg("tokenizer"), name=name, special=special.replace("_token", "").upper())
+                                "empty); " + fix, arg=arg("tokenizer"), name=name,
+                                special=special.replace("_token", "").upper())
 
 
 class _Encoder:
@@ -382,10 +345,7 @@ class _Encoder:
         of which is example ``base`` (for errors)."""
         wanted = self.columns + [c for c in ("tools", "chat_template_kwargs") if c in table.column_names]
         rows = table.select(wanted).to_pydict()
-        offsets, values, mask, diverged = _encode_batch(
-            self.tok, self.fmt, rows, base, template=self.template, assistant=self.assistant,
-            completion=self.completion, eos=self.tok.eos_token, fast=self.fast)
-        self.diverged += diverged
+        offsets, values, mask = self._tokens(rows, base)
         if self.assistant:  # every example must hold an assistant token (TRL raises too)
             csum = lengths_to_offsets(mask)  # mask tokens before each flat index
             none = np.flatnonzero(csum[offsets[1:]] == csum[offsets[:-1]])
@@ -395,6 +355,45 @@ class _Encoder:
                                 "pass {all}", i=Where(base + int(none[0])), all=arg("assistant_only_loss", False))
         ids = list_array(offsets, values.astype(np.int32))
         return ids, (None if mask is None else list_array(offsets, mask))  # mask: int8
+
+    def _tokens(self, rows: dict, base: int) -> tuple:
+        """``(offsets (n + 1,) int64, ids (T,) int64, mask (T,) int8 or None)`` of one batch (``rows``: column -> list,
+        as ``datasets`` batches), adding to :attr:`diverged` the pairs whose tokenized prompt is not a prefix of the
+        whole."""
+        tok, fmt, template, fast = self.tok, self.fmt, self.template, self.fast
+        tools = rows.get("tools")
+        if tools is not None:
+            tools = [json.loads(t) if isinstance(t, str) else t for t in tools]
+        kwargs = rows.get("chat_template_kwargs")
+        if fmt in _MESSAGE_KEYS:
+            convs = [_messages(v, base + j, fmt, _MESSAGE_KEYS[fmt]) for j, v in enumerate(rows[fmt])]
+            return render(tok, convs, base, template=template, tools=tools, kwargs=kwargs,
+                          assistant_mask=self.assistant, fast=fast)
+        prompts, completions = rows["prompt"], rows["completion"]
+        for j, (p, c) in enumerate(zip(prompts, completions)):
+            if p is None or c is None:
+                raise DataError("{i} has no {key!r} (null)", i=Where(base + j),
+                                key="prompt" if p is None else "completion")
+        amask = None
+        if fmt == "prompt_completion":
+            if tok.eos_token:
+                completions = [c if c.endswith(tok.eos_token) else c + tok.eos_token for c in completions]
+            p_off, p_val = flat(tok(list(prompts), add_special_tokens=True)["input_ids"])
+            whole = [p + c for p, c in zip(prompts, completions)]
+            offsets, values = flat(tok(whole, add_special_tokens=True)["input_ids"])
+        else:
+            convs_p = [_messages(v, base + j, "prompt") for j, v in enumerate(prompts)]
+            convs_c = [_messages(v, base + j, "completion") for j, v in enumerate(completions)]
+            p_off, p_val, _ = render(tok, convs_p, base, template=template, tools=tools, kwargs=kwargs,
+                                     add_generation_prompt=True, fast=fast)
+            offsets, values, amask = render(tok, [p + c for p, c in zip(convs_p, convs_c)], base, template=template,
+                                            tools=tools, kwargs=kwargs, assistant_mask=self.assistant, fast=fast)
+        prefix = common_prefix_lengths(p_off, p_val, offsets, values)
+        self.diverged += int(np.count_nonzero(prefix < np.diff(p_off)))
+        mask = mask_from(offsets, prefix) if self.completion else None
+        if amask is not None:
+            mask = amask if mask is None else mask & amask
+        return offsets, values, mask
 
     def encode_table(self, table, base: int, *, batch_size: int = BATCH_SIZE, progress: bool = False):
         """``table``'s rows (the first is example ``base``) as :func:`tokenize_chat`'s table, ``batch_size``

@@ -137,7 +137,8 @@ def _char_marks(offsets, char_offsets, spans, which):
     return starts, lengths
 
 
-_BPE_SPLITS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}  # Split behaviours that keep every character
+#: Split behaviours that keep every character.
+_BPE_SPLITS = {"Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"}
 
 
 class ByteSpans:

@@ -129,8 +129,9 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
         return tok
     if path.is_dir():
         if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise ArgumentError("{arg} folder {text!r} holds no tokenizer (no tokenizer.json or tokenizer_config.json): "
-                                "pass the folder that save_pretrained wrote, or a model id", arg=tok_arg, text=text)
+            raise ArgumentError("{arg} folder {text!r} holds no tokenizer (no tokenizer.json or "
+                                "tokenizer_config.json): pass the folder that save_pretrained wrote, or a model id",
+                                arg=tok_arg, text=text)
         return _from_pretrained(transformers, str(path), text, trust_remote_code, local=True)
     looks_like_path = (text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1
                        or not _REPO_ID_RE.match(text))

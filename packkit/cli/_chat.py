@@ -45,7 +45,7 @@ def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional:
 
 
 def chat_options(args: argparse.Namespace, *, num_proc: int | None = None):
-    """The :class:`packkit.chatoptions.ChatOptions` that the options above give (``num_proc``: processes that render)."""
+    """The :class:`packkit.chatoptions.ChatOptions` the options above give (``num_proc``: processes that render)."""
     from ..chatoptions import ChatOptions  # lazy: off the start of waste and plan without a file
     return ChatOptions(args.chat_template, args.assistant_only_loss, args.completion_only_loss, args.trust_remote_code,
                        args.format, num_proc)
