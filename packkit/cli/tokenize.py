@@ -80,7 +80,7 @@ def _run(args, inp: Input, hold) -> int:
             if how is None and "input_ids" in first.column_names:
                 raise DataError(f"{str(src)!r} holds token ids already (input_ids): nothing to tokenize; packkit "
                                 "waste, plan and pack read it as it is")
-            return (*_write(tables, out, fmt, src, args.overwrite, hold=hold), how)
+            return (*_write(tables, out, fmt, src, args.overwrite, hold), how)
 
         rows, tokens, keep, how = inp.read(write)
     return _report(args, src, out, fmt, rows, tokens, keep, how, what="examples",
@@ -108,12 +108,12 @@ def _pairs(args, src: Path, out: Path, fmt, hold) -> int:
         table = tokenize_pairs(load_table(src, split=args.split), args.tokenizer,
                                trust_remote_code=args.trust_remote_code)
     how = f"preference pairs with {tokenizer_name(args.tokenizer)}, as TRL's DPOTrainer"
-    rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, keep=list(table.column_names), hold=hold)
+    rows, tokens, keep = _write(iter([table]), out, fmt, src, args.overwrite, hold, keep=list(table.column_names))
     return _report(args, src, out, fmt, rows, tokens, keep, how, what="pairs",
                    readers="packkit waste --preference reads it")
 
 
-def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None = None, hold=None):
+def _write(tables, out: Path, fmt, src: Path, overwrite: bool, hold, keep: list | None = None):
     """Write the columns ``keep`` (else ``input_ids`` and the loss columns) of ``tables``, tokenized chunks in the first
     one's schema, to ``out`` as they come: ``(rows, tokens of the *_ids columns, columns)``. ``hold``
     (:func:`packkit.fileio.held_still`'s) is released once IN is read to the end, before OUT is placed."""
@@ -131,8 +131,7 @@ def _write(tables, out: Path, fmt, src: Path, overwrite: bool, keep: list | None
                 ids = table.column(name).chunks
                 counts[1] += sum(int(c.offsets[-1].as_py() - c.offsets[0].as_py()) for c in ids)
             yield from table.to_batches(max_chunksize=BATCH_ROWS)
-        if hold is not None:
-            hold.release()
+        hold.release()
 
     write_batches(out, first.select(keep).schema, batches(), format=fmt, inputs=[src], overwrite=overwrite)
     return counts[0], counts[1], keep
