@@ -451,15 +451,12 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
             other formats, as are ``assistant_only_loss`` and ``chat_template`` on prompt/completion strings.
         batch_size: conversations per tokenizer call; ``progress``: a progress bar (examples) on stderr.
         num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s (:mod:`packkit.workers`: the
-            same table as one process gives); one instead where its Rust pool, on every core, is faster than the
-            workers (one thread each): :func:`worker_processes` (2 processes on 2 cores are 1).
+            same table as one process gives); one where that is faster (:func:`worker_processes`: 2 on 2 cores).
         format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's precedence;
             a :class:`ChatWarning` names a conversational column left unread).
     Returns:
-        ``pyarrow.Table`` with ``input_ids`` (list<int32>; large_list when one batch passes 2**31 - 1 tokens) and,
-        unless no mask applies, one loss mask (list<int8>, the same): ``assistant_masks`` (assistant-only loss) or
-        ``completion_mask`` (completion-only loss, times the assistant mask when both apply). Rows in ``data``'s
-        order.
+        ``pyarrow.Table``, rows in ``data``'s order: ``input_ids`` (list<int32>; large_list when one batch passes
+        2**31 - 1 tokens) and, unless no mask applies, the loss mask (list<int8>, the same; module docstring).
     Raises:
         ValueError / TypeError naming the example and the fix: not a conversational format, a null or empty
         conversation, a template that fails on an example, a template without generation markers under

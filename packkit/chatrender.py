@@ -74,15 +74,14 @@ def _render_fast(tok, conversations, template, add_generation_prompt, assistant_
     if bytewise is None:
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         offsets, ids = _flat_ids(encodings)
-        marked = _char_marks(offsets, [e.offsets for e in encodings], spans, range(len(texts)))
+        marked = _char_marks(offsets, encodings, spans, range(len(texts)))
     else:
         encodings, nfc = _encode_fast(backend, fast, texts)
         offsets, ids = _flat_ids(encodings)
         marked, slow = bytewise.marks(texts, spans, offsets, ids, nfc)
         if slow:  # a text that is not NFC, or whose tokens do not tile its bytes: its offsets, as before
-            rest = _char_marks(offsets, [e.offsets for e in backend.encode_batch([texts[j] for j in slow],
-                                                                                  add_special_tokens=False)],
-                               spans, slow)
+            again = backend.encode_batch([texts[j] for j in slow], add_special_tokens=False)
+            rest = _char_marks(offsets, again, spans, slow)
             marked = None if rest is None else (marked[0] + rest[0], marked[1] + rest[1])
     if marked is None:
         return None
@@ -116,13 +115,13 @@ def _flat_ids(encodings):
     return offsets, ids
 
 
-def _char_marks(offsets, char_offsets, spans, which):
+def _char_marks(offsets, encodings, spans, which):
     """``(starts, lengths)`` of the flat tokens that overlap (``end > lo and start < hi``) each ``{% generation %}``
-    span ``[lo, hi)`` of the texts ``which``, by bisection on each one's token character offsets (``char_offsets``, a
-    list per text of ``which``); None when a text's offsets are not in order."""
+    span ``[lo, hi)`` of the texts ``which``, by bisection on each one's token character offsets (``encodings``, an
+    ``Encoding`` with offsets per text of ``which``); None when a text's offsets are not in order."""
     starts, lengths = [], []
-    for j, chars in zip(which, char_offsets):
-        marked = spans[j]
+    for j, encoding in zip(which, encodings):
+        marked, chars = spans[j], encoding.offsets
         if not marked:
             continue
         if chars != sorted(chars) or chars != sorted(chars, key=itemgetter(1)):

@@ -186,10 +186,9 @@ def _load_error(exc: Exception, where: str, spec: str, *, local: bool, why: str 
 
 
 def rust_tokenizer(spec, *, trust_remote_code: bool = False):
-    """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer;
-    anything else (a model id, a folder without ``tokenizer.json``) -> the Rust tokenizer behind
-    :func:`load_tokenizer`'s (which runs a tokenizer's own code only under
-    ``trust_remote_code``)."""
+    """``"bytes"`` -> None (byte level); a ``tokenizer.json`` path (or a folder holding one) -> tokenizer; anything
+    else (a model id, a folder without ``tokenizer.json``) -> the Rust tokenizer behind :func:`load_tokenizer`'s
+    (which runs a tokenizer's own code only under ``trust_remote_code``)."""
     if spec is None or spec == "bytes":
         return None
     if hasattr(spec, "encode_batch") and not isinstance(spec, (str, os.PathLike)):  # loaded already
