@@ -25,8 +25,7 @@ format                                 columns                                  
 TRL's ``assistant_only_loss`` (default: on for conversations, off for prompt/completion pairs) and
 ``completion_only_loss`` (default on) become one mask column (the packers and ``packkit plan`` read one): their
 product, as ``completion_mask``, when both apply; none when neither does (every token carries the loss). Rendering
-is Jinja, a conversation at a time (as in ``transformers``); tokenizing is batched in Rust; the masks are numpy over
-Arrow offsets (:mod:`packkit.chatrender`).
+and tokenizing, a batch at a time, with the masks as numpy over Arrow offsets: :mod:`packkit.chatrender`.
 """
 
 from __future__ import annotations

@@ -133,9 +133,8 @@ def load_tokenizer(spec, *, trust_remote_code: bool = False):
                                 "tokenizer_config.json): pass the folder that save_pretrained wrote, or a model id",
                                 arg=tok_arg, text=text)
         return _from_pretrained(transformers, str(path), text, trust_remote_code, local=True)
-    looks_like_path = (text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1
-                       or not _REPO_ID_RE.match(text))
-    if looks_like_path:
+    if (text.startswith((".", "/", "~")) or text.endswith(".json") or text.count("/") > 1
+            or not _REPO_ID_RE.match(text)):  # a path, not a model id
         raise ArgumentError("{arg} {text!r} not found: no such folder or file; {fix}", arg=tok_arg, text=text, fix=fix)
     from huggingface_hub import constants
 
