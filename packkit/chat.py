@@ -310,7 +310,7 @@ def check_special_tokens(tok, fmt: str, template: str | None, name: str) -> None
 class _Encoder:
     """One tokenizer, template and loss choice, applied to Arrow batches of one conversational format."""
 
-    def __init__(self, fmt: str, tokenizer, options: ChatOptions, stacklevel: int = 4):
+    def __init__(self, fmt: str, tokenizer, options: ChatOptions):
         self.fmt, self.num_proc = fmt, options.num_proc
         chat_template = options.chat_template
         self.assistant, self.completion = _resolve_loss(fmt, options.assistant_only_loss, options.completion_only_loss)
@@ -332,7 +332,7 @@ class _Encoder:
             warnings.warn(f"{self.template_words} leaves an assistant reply's end-of-turn token outside "
                           "{% generation %}...{% endgeneration %}: the model is never trained to stop (the loss "
                           "looks fine; it shows at inference); move the token inside the markers",
-                          ChatWarning, stacklevel=stacklevel)
+                          ChatWarning, stacklevel=4)  # past chat_encoder and its caller in packkit
         check_special_tokens(self.tok, fmt, self.template, str(name))
         self.mask_name = "completion_mask" if self.completion else "assistant_masks" if self.assistant else None
         self.columns = _columns(fmt)
@@ -483,8 +483,8 @@ def chat_encoder(schema, tokenizer, options: ChatOptions | None = None, *, stack
     options = options or ChatOptions()
     fmt = chat_format(schema, format=options.format)
     if fmt is None:
-        raise DataError(f"no conversational columns (messages, conversations, or prompt + completion); the columns "
-                        f"are {schema.names}")
+        raise DataError("the data is not conversational (no messages, conversations, or prompt + completion "
+                        "columns); the columns are {names}", names=schema.names)
     unread = ignored_columns(schema, fmt)
     if unread:
         other = next((c for c in ("messages", "conversations") if c in unread), "prompt_completion")
@@ -545,13 +545,8 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
             tokenizer = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
         return type(ds)({name: tokenize_dataset(split, tokenizer, progress=progress, **dataclasses.asdict(options))
                          for name, split in ds.items()})
-    features = ds.features
-    fmt = chat_format(features.arrow_schema, format=format) if features is not None else None
-    if fmt is None:
-        if "input_ids" in (ds.column_names or []):
-            return ds
-        raise DataError("the dataset is not conversational (no messages, conversations, or prompt + completion "
-                        "columns); the columns are {names}", names=ds.column_names)
+    if "input_ids" in (ds.column_names or []):
+        return ds
     if isinstance(ds, datasets.Dataset):
         if progress is None:
             progress = len(ds) >= PROGRESS_EXAMPLES and datasets.utils.logging.is_progress_bar_enabled()
@@ -559,8 +554,8 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
         return datasets.Dataset(table, fingerprint=datasets.fingerprint.generate_random_fingerprint())
     import pyarrow as pa
 
-    enc = _Encoder(fmt, tokenizer, dataclasses.replace(options, num_proc=None), stacklevel=3)
-    schema = features.arrow_schema
+    schema = ds.features.arrow_schema if ds.features is not None else pa.schema([])  # features unknown: no columns
+    enc = chat_encoder(schema, tokenizer, dataclasses.replace(options, num_proc=None), stacklevel=3)
 
     def encode(batch, indices):
         table = pa.Table.from_pydict(batch, schema=pa.schema([schema.field(c) for c in batch]))

@@ -60,6 +60,19 @@ def test_mixed_rows_follow_trls_precedence_and_format_chooses(tok_dir):
         tokenize_chat(mixed, tok, format="conversations")
 
 
+def test_an_iterable_dataset_of_mixed_rows_names_the_column_left_unread(tok_dir):
+    """Regression: ``tokenize_dataset`` on an ``IterableDataset`` built its encoder past :func:`chat_encoder`, so
+    mixed rows were read as prompt/completion with no warning (a ``Dataset`` said it); both go through it now."""
+    from packkit.chat import tokenize_dataset
+
+    lazy = datasets.Dataset.from_list(mixed_rows()).to_iterable_dataset()
+    with pytest.warns(ChatWarning, match=r"the rows hold 'messages' too: read as prompt_completion"):
+        out = list(tokenize_dataset(lazy, str(tok_dir)))
+    with pytest.warns(ChatWarning, match=r"the rows hold 'messages' too"):
+        whole = tokenize_chat(pa.Table.from_pylist(mixed_rows()), str(tok_dir))
+    assert [row["input_ids"] for row in out] == whole.column("input_ids").to_pylist()
+
+
 def test_a_tokenizer_without_eos_or_bos_is_refused_in_one_line(tok_dir, tmp_path):
     """A bare tokenizer.json defines no special tokens: prompt/completion strings would get no EOS (TRL
     appends it), a template writing ``{{ bos_token }}`` would render it empty. The folder works."""
