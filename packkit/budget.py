@@ -8,10 +8,9 @@ The number that governs gradient noise is tokens per optimiser step, not example
     >>> effective_batch_size(per_device_batch=4, accumulation_steps=8, world_size=2)
     64
 
-:func:`plan_budget` reports an epoch of the user's lengths as packkit's sampler deals it (:func:`packkit.epoch.deal`,
-under any ``balance``; ``packkit waste`` reads the same schedule) and the advice of :mod:`packkit.advice`, each
-:class:`Advice` also emitted as a :class:`BudgetWarning`. ``packkit plan`` prints the table on the command line;
-:func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory.
+:func:`plan_budget` reports an epoch of the user's lengths as packkit's sampler deals it (:mod:`packkit.epoch`) and the
+advice of :mod:`packkit.advice`, each :class:`Advice` also emitted as a :class:`BudgetWarning`. ``packkit plan``
+prints the table on the command line; :func:`find_max_micro_batch` bisects the largest micro-batch that fits in memory.
 """
 
 from __future__ import annotations

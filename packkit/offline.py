@@ -124,10 +124,9 @@ def show_progress(source) -> bool:
 def plan_source(source, *, window: int, strategy: str = "bfd", overflow: str = DEFAULT_OVERFLOW,
                 seed: int | None = 0, shuffle: bool = True, options: PackOptions | None = None,
                 who: str = "pack_dataset", groups=None, **option_keywords) -> PackedTable:
-    """Check and plan an Arrow source (:class:`packkit.sources.ArrowSource`) into a
-    :class:`~packkit.outputs.PackedTable`, without holding its tokens. The arguments are :func:`pack_dataset`'s
-    (:class:`PackOptions`; ``progress=None``: :func:`show_progress`); ``groups``: a group id per row, each group kept
-    whole in one window (:func:`packkit.binpack.pack_groups`)."""
+    """Plan an Arrow source (:class:`packkit.sources.ArrowSource`) into a :class:`~packkit.outputs.PackedTable`, its
+    rows checked, without holding its tokens. The arguments are :func:`pack_dataset`'s (:class:`PackOptions`);
+    ``groups``: a group id per row, each group kept whole in one window (:func:`packkit.binpack.pack_groups`)."""
     o = with_keywords(PackOptions, options, option_keywords, "plan_source")
     window = check_planning(window, strategy, overflow, seed, o.num_proc)
     spec = resolve_columns(source.names, o.columns)

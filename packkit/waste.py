@@ -217,10 +217,8 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
         overflow: examples longer than ``W``: ``"split"`` (default), ``"truncate"``, ``"drop"``, ``"error"``.
         buffer_size: examples held by the streaming packer.
         seed: random batches, length grouping and first-fit order.
-        drop_loss_free: leave out the pieces that hold no loss token, counted in ``dropped_pieces`` /
-            ``dropped_tokens``.
-        world_size, balance: data-parallel ranks, each taking a step's rows, and the samplers' ``balance``:
-            packkit's samplers deal ``grouped`` and the packed strategies (:func:`packkit.epoch.deal`).
+        drop_loss_free: leave out the pieces that hold no loss token (:class:`WasteReport`'s ``dropped_pieces``).
+        world_size, balance: data-parallel ranks, each taking a step's rows; the samplers' ``balance``.
         cp_size, cp_layout: context parallelism (:mod:`packkit.cp_plan`): ``"zigzag"`` pads every example to a
             multiple of ``2 * cp_size`` before it is packed or padded (the padding fills window slots); the other
             layouts cut a row in ``cp_size`` pieces (a padded row rounded up to a multiple of ``cp_size``). ``W``
@@ -237,8 +235,7 @@ def measure_waste(lengths, *, window: int = 2048, batch_size: int = 8, windows_p
                             choices=arg("strategies", ",".join(WASTE_STRATEGIES)))
     doc_multiple, row_multiple = cp_multiples(cp_size=cp_size, cp_layout=cp_layout)
     p = packed_units(data, window=window, overflow=overflow, doc_multiple=doc_multiple, drop_loss_free=drop_loss_free)
-    dealing = dict(accumulation_steps=1, world_size=check_int(world_size, "world_size"), balance=balance,
-                   seed=seed, cp_size=cp_size)
+    dealing = dict(world_size=check_int(world_size, "world_size"), balance=balance, seed=seed, cp_size=cp_size)
     results = []
     enabled = p.tokens.size >= PROGRESS_EXAMPLES if progress is None else progress
     with progress_bar(total=len(strategies), unit="strategy", enabled=enabled, desc="waste") as bar:
@@ -274,8 +271,8 @@ def _strategy(name: str, p: Units, *, window: int, batch_size: int, k: int, buff
                         math.ceil(L.size / (batch_size * R)), figures, loss_free(p.loss[order], batch_size * R))
     if name == "grouped":  # as a LengthGroupedSampler deals them, each batch padded to its longest
         dealt = Dealt.of(deal(L, per_rank=batch_size, **dealing))
-        order, ptr = dealt.schedule.flat, dealt.schedule.ptr
-        padded = -(-np.repeat(np.maximum.reduceat(L[order], ptr[:-1]), np.diff(ptr)) // row_round) * row_round
+        order, sched = dealt.schedule.flat, dealt.schedule
+        padded = -(-np.repeat(sched.longest(L[order]), sched.sizes) // row_round) * row_round
         return _figures(name, LABELS[name], L[order], padded, float(np.sum(padded.astype(np.float64) ** 2)),
                         dealt.steps, (dealt.stats.compute_imbalance, dealt.stats.examples_per_step_cv),
                         dealt.loss_free(p.loss[order], p.loss))
