@@ -131,14 +131,14 @@ class WasteReport:
     input_tokens: int
     cut_tokens: int
     overflow_examples: int
+    loss_tokens: int
     lengths: np.ndarray = dataclasses.field(repr=False, compare=False)
+    input_lengths: np.ndarray = dataclasses.field(repr=False, compare=False)
     strategies: tuple = ()
-    loss_tokens: int | None = None
     world_size: int = 1
     balance: str | None = None
     cp_size: int = 1
     cp_layout: str = "hybrid"
-    input_lengths: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
     loss_tokens_assumed: bool = False
     loss_free_pieces: int = 0
     dropped_pieces: int = 0
@@ -155,7 +155,7 @@ class WasteReport:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
              if f.name not in ("lengths", "input_lengths", "strategies")}
         return {
-            **d, "longest_example": None if self.input_lengths is None else int(self.input_lengths.max()),
+            **d, "longest_example": int(self.input_lengths.max()),
             "longest_piece": int(self.lengths.max()),
             "strategies": [
                 {"name": s.name, "label": s.label, "packed": s.packed, "padding_fraction": round(s.padding_fraction, 6),
@@ -423,8 +423,7 @@ def loss_free_lines(report: WasteReport) -> list:
 def format_table(report: WasteReport, *, options=None) -> str:
     """The terminal table of a report, with the formulas under it (``options``: ``packkit.errors.Arg.render``'s,
     to name arguments in the command line's syntax)."""
-    u = report.unit
-    before = report.input_lengths if report.input_lengths is not None else report.lengths
+    u, before = report.unit, report.input_lengths
     lines = [f"packkit waste: {report.source}",
              f"{report.examples:,} examples, {report.input_tokens:,} {u}; {length_stats(before)} (examples as given)"]
     if report.lengths.size != before.size or report.cut_tokens or report.dropped_pieces:
@@ -433,11 +432,10 @@ def format_table(report: WasteReport, *, options=None) -> str:
     lines.append(f"window W={report.window:,}; a step is {report.batch_size} padded examples or "
                  f"{report.windows_per_step} packed windows"
                  + (f" on each of {report.world_size} ranks" if report.world_size > 1 else ""))
-    if report.loss_tokens is not None:
-        how = ("no labels or loss mask: every token but each piece's first" if report.loss_tokens_assumed
-               else "labels or a loss mask, the first token of each piece excluded, as packed")
-        lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the "
-                     f"{u}; {how})")
+    how = ("no labels or loss mask: every token but each piece's first" if report.loss_tokens_assumed
+           else "labels or a loss mask, the first token of each piece excluded, as packed")
+    lines.append(f"loss tokens {report.loss_tokens:,} ({report.loss_tokens / report.input_tokens:.1%} of the {u}; "
+                 f"{how})")
     note = overflow_note(report.overflow, over=report.overflow_examples, examples=report.examples,
                          cut=report.cut_tokens, tokens=report.input_tokens, unit=u)
     if note is not None:
