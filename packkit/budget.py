@@ -253,13 +253,12 @@ def _report(data: Lengths, units: Units, dealt: Dealt, *, per_device_batch: int,
     if window is not None:
         plan = dealt.sampler.plan()
         free = dealt.loss_free(units.free_left and batch_sums(units.loss[plan.seg_example], plan.window_ptr), sums=loss)
-        padding = 1.0 - total / float(plan.num_windows * window) if plan.num_windows else 0.0
-        num_units = plan.num_windows
-    else:  # padded: planned lengths are the tokens (CP rounds the rows)
+        num_units, slots = plan.num_windows, plan.num_windows * window
+    else:  # padded: planned lengths are the tokens; CP rounds each row up, a row cut as one sequence
         rows = sched.longest(lens) if lens.size else lens
-        rows = -(-rows // units.row_round) * units.row_round  # a padded row is cut as one sequence
-        padding = 1.0 - total / float((rows * sched.sizes).sum()) if rows.size else 0.0
+        slots = int((-(-rows // units.row_round) * units.row_round * sched.sizes).sum())
         free, num_units = dealt.loss_free(units.free_left, sums=loss), units.tokens.size
+    padding = 1.0 - total / float(slots) if slots else 0.0
     first = dealt.examples(units.first)  # an example counted where a piece starts it
     return BudgetReport(
         mode="packed" if window is not None else "padded", per_device_batch=per_device_batch,
