@@ -531,11 +531,10 @@ def tokenize_dataset(ds, tokenizer, *, chat_template=None, assistant_only_loss=N
     :func:`packkit.offline.pack_dataset` (``packkit pack`` composes both):
     ``pack_dataset(tokenize_dataset(ds, "Qwen/Qwen3-0.6B"), window=2048)``.
 
-    ``ds``: a ``Dataset`` (back as an in-memory ``Dataset`` of :func:`tokenize_chat`'s columns, ``input_ids`` and the
-    loss mask TRL would train with; ``progress=None``: a bar from :data:`PROGRESS_EXAMPLES` examples on), an
-    ``IterableDataset`` (mapped lazily, batch by batch), or a ``DatasetDict`` / ``IterableDatasetDict`` (every split;
-    a tokenizer given by name is loaded once, not once a split). ``tokenizer`` and the options are
-    :func:`tokenize_chat`'s. Data that already holds ``input_ids`` comes back as it is.
+    ``ds``: a ``Dataset`` (back as an in-memory ``Dataset`` of :func:`tokenize_chat`'s columns; ``progress=None``: a
+    bar from :data:`PROGRESS_EXAMPLES` examples on), an ``IterableDataset`` (mapped lazily, batch by batch), or a
+    ``DatasetDict`` / ``IterableDatasetDict`` (every split; a tokenizer given by name is loaded once, not once a
+    split). ``tokenizer`` and the options are :func:`tokenize_chat`'s. Data holding ``input_ids`` comes back as it is.
     """
     import datasets
 

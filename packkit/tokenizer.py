@@ -212,8 +212,7 @@ def rust_tokenizer(spec, *, trust_remote_code: bool = False):
         raise ValueError(f"could not read tokenizer {str(path)!r}: {exc}") from None
 
 
-#: Words the BPE of a :func:`fast_copy` remembers (``tokenizers`` keeps 10,000, the first seen, then adds none): 45,624
-#: distinct words in 1,000 ShareGPT conversations, ~150 bytes each.
+#: Words a :func:`fast_copy`'s BPE remembers: 45,624 distinct words in 1,000 ShareGPT conversations, ~150 bytes each.
 CACHE_WORDS = 1 << 18
 
 #: Words ``tokenizers``' BPE remembers (``DEFAULT_CACHE_CAPACITY``): every tokenizer read from a file has it.
@@ -234,8 +233,8 @@ def fast_copy(backend):
 
     The model is not copied (through the JSON, Qwen3's took 0.5-0.6 s CPU and +91 MiB): ``backend`` shares the block's
     cache, emptied, and has :data:`TOKENIZERS_CACHE_WORDS` after it, emptied. The ids never depend on it; its size
-    cannot be read (no getter; ``repr``, ``to_str``, pickle leave it out) and is 10,000 in a tokenizer read from a
-    file. Threads encoding meanwhile wait on the model's lock while it is resized, and get the same ids."""
+    cannot be read (no getter; ``repr``, ``to_str``, pickle leave it out). Threads encoding meanwhile wait on the
+    model's lock while it is resized, and get the same ids."""
     model = backend.model
     bpe = type(model).__name__ == "BPE" and hasattr(model, "_resize_cache")
     if bpe:
