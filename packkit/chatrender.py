@@ -207,10 +207,9 @@ class ByteSpans:
         return n
 
     def marks(self, texts, spans, offsets, ids, nfc):
-        """``((starts, lengths), slow)``: the flat tokens (``ids (T,)`` int64 over ``offsets (n + 1,)``) that
-        overlap each text's ``{% generation %}`` character spans, and the indices of the texts this cannot
-        tell exactly (not NFC: ``nfc``, a bool a text; or their tokens do not tile their bytes), left out of the
-        marks."""
+        """``((starts, lengths), slow)``: the flat tokens (``ids (T,)`` int64 over ``offsets (n + 1,)``) that overlap
+        each text's ``{% generation %}`` character spans, and the indices of the texts this cannot tell exactly (not
+        NFC: ``nfc``, a bool a text; or their tokens do not tile their bytes), left out of the marks."""
         if ids.size and int(ids.max()) >= self.lengths.size:  # ids past the vocabulary read so far: -2, not yet read
             self.lengths = np.concatenate([self.lengths, np.full(int(ids.max()) + 1 - self.lengths.size, -2, np.int64)])
         sizes = self.lengths[ids]
