@@ -1,7 +1,6 @@
 """Conversations rendered by a chat template and tokenized a batch at a time, with the assistant mask the template's
-``{% generation %}`` spans mark: the machinery behind :mod:`packkit.chat`, which chooses the format, the template
-and the loss (this module knows nothing of TRL's formats, columns or options). An error names the example by its
-index.
+``{% generation %}`` spans mark: the machinery behind :mod:`packkit.chat`, which chooses the format, the template and
+the loss (this module knows nothing of TRL's formats, columns or options). An error names the example by its index.
 """
 
 from __future__ import annotations
