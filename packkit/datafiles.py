@@ -331,8 +331,15 @@ class Input:
         return got
 
     def lengths(self, *, progress: bool = False) -> Lengths:
-        """The examples' lengths and loss targets (:func:`read_lengths`), a chunk at a time where the input allows."""
-        lengths, targets, how, source = self.read(lambda whole: self._lengths(whole, progress))
+        """The examples' lengths and loss targets (:func:`read_lengths`): a ``.npy``, a ``.txt`` counted in bytes (no
+        pyarrow), the rows a chunk at a time where the input allows (:meth:`_streamed_lengths`), or whole."""
+        if self.format == "npy":
+            got = as_lengths(_readers().read_npy(self.path), name=self.where), None, None, f"{self.path.name} (lengths)"
+        elif (self.format, self.tokenizer, self.text_column) == ("text", "bytes", "text") and self.column != "text":
+            got = _readers().text_byte_lengths(self.path), None, "column 'text' tokenized with bytes", None
+        else:
+            got = self.read(lambda whole: self._streamed_lengths(whole) or self._whole_lengths(progress))
+        lengths, targets, how, source = got
         if lengths.size == 0:
             raise ValueError(f"{self.where} holds no examples")
         if how is None:
@@ -342,25 +349,12 @@ class Input:
         return Lengths(lengths, source or f"{self.path.name}, " + (how or f"column {self.column!r}"), unit, loss,
                        targets)
 
-    def _lengths(self, whole: bool, progress: bool):
-        """``(lengths, targets or None, how, source or None)``: a ``.npy``, a ``.txt`` counted in bytes (no pyarrow),
-        the rows a chunk at a time (:meth:`_streamed_lengths`), or whole (:meth:`_whole_lengths`)."""
-        if self.format == "npy":
-            lengths = as_lengths(_readers().read_npy(self.path), name=self.where)
-            return lengths, None, None, f"{self.path.name} (lengths)"
-        if self.format == "text" and self.tokenizer == "bytes" and self.text_column == "text" and self.column != "text":
-            return _readers().text_byte_lengths(self.path), None, "column 'text' tokenized with bytes", None
-        if (streamed := self._streamed_lengths(whole)) is not None:
-            lengths, targets, how = streamed
-            return as_lengths(lengths, name=f"lengths in {self.path.name}"), targets, how, None
-        return self._whole_lengths(progress)
-
     def _streamed_lengths(self, whole: bool):
-        """``(lengths, targets or None, how)`` of the rows' token ids (``column``, or the ``input_ids`` a chat template
-        wrote) read a chunk at a time (:meth:`chunks`) under the Arrow path's rules, errors naming the row in the whole
-        input. None where the whole read must do: ``whole``, packed rows (read whole as their documents), no row, or a
-        loss column in some chunks only."""
-        made = None if whole or self.format == "npy" else self.chunks()
+        """``(lengths, targets or None, how, None)`` of the rows' token ids (``column``, or the ``input_ids`` a chat
+        template wrote) read a chunk at a time (:meth:`chunks`) under the Arrow path's rules, errors naming the row in
+        the whole input. None where the whole read must do: ``whole``, packed rows (read whole as their documents), no
+        row, or a loss column in some chunks only."""
+        made = None if whole else self.chunks()
         if made is None:
             return None
         from .listcolumns import loss_targets, token_lengths  # lazy: off waste and plan's start
@@ -376,7 +370,8 @@ class Input:
             row += table.num_rows
         if not lengths or any(t is None for t in targets) != all(t is None for t in targets):
             return None
-        return np.concatenate(lengths), (np.concatenate(targets) if targets[0] is not None else None), made[1]
+        lengths = as_lengths(np.concatenate(lengths), name=f"lengths in {self.path.name}")
+        return lengths, (np.concatenate(targets) if targets[0] is not None else None), made[1], None
 
     def _whole_lengths(self, progress: bool):
         """``(lengths, targets, how, source)`` of the rows read whole: an integer column of lengths, or token ids
