@@ -47,10 +47,11 @@ INPUTS = {
 #: Suffix -> the format's name in messages.
 FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
 
-_TOKENIZER_NAMES = ("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name")
-#: What :mod:`packkit.readers` (Parquet, Arrow, npy, text, folders) lends here, imported where such a file is read.
-_READER_NAMES = ("load_dataset", "parquet_batches", "parquet_schema", "read_arrow", "read_npy", "read_parquet",
-                 "read_text", "text_byte_lengths", "text_tables")
+#: ``{name: module}``: what :mod:`packkit.tokenizer`, :mod:`packkit.readers` (Parquet, Arrow, npy, text, folders) and
+#: :mod:`packkit.tokenizing` lend here under the old address (``packkit.datafiles.tokenize``, ``.parquet_schema``).
+_LENT = {**dict.fromkeys(("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name"), "tokenizer"),
+         **dict.fromkeys(("load_dataset", "parquet_batches", "parquet_schema", "read_arrow", "read_npy", "read_parquet",
+                          "read_text", "text_byte_lengths", "text_tables"), "readers"), "Tokenizing": "tokenizing"}
 
 
 def _readers():
@@ -60,14 +61,10 @@ def _readers():
 
 
 def __getattr__(name: str):
-    """What :mod:`packkit.tokenizer`, :mod:`packkit.readers` and :mod:`packkit.tokenizing` lend here under the old
-    address, their module imported where first asked for (the tokenizers for text or pairs to tokenize only):
-    ``packkit.datafiles.tokenize``, ``packkit.datafiles.parquet_schema``, ``packkit.datafiles.Tokenizing``."""
-    home = ("tokenizer" if name in _TOKENIZER_NAMES else "readers" if name in _READER_NAMES
-            else "tokenizing" if name == "Tokenizing" else None)
-    if home is None:
+    """A name of :data:`_LENT`, from its module, imported on first use (the tokenizers: text or pairs only)."""
+    if name not in _LENT:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{home}", __package__), name)
+    return getattr(importlib.import_module(f".{_LENT[name]}", __package__), name)
 
 
 def input_format(path) -> str:
