@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import os
 
+from . import tokenizer as tokenizers  # the module, not its names: its functions are looked up at each call
 from .arrow import pyarrow
 from .chatoptions import ChatOptions
 from .errors import ArgumentError, DataError, MissingError, Where, arg
 
 __all__ = ["Tokenizing"]
-
-
-def _tokenizers():
-    """:mod:`packkit.tokenizer`, imported where text is tokenized or a tokenizer named."""
-    from . import tokenizer  # lazy: the tokenizers, for text to tokenize only
-    return tokenizer
 
 
 class Tokenizing:
@@ -39,7 +34,7 @@ class Tokenizing:
                                     "template (a local folder, or a model id)", where=where, fmt=fmt,
                                     arg=arg("tokenizer", metavar="FOLDER_OR_MODEL_ID"))
             self.chat = enc = chat_encoder(schema, tokenizer, chat, stacklevel=4)
-            name = _tokenizers().tokenizer_name(tokenizer)
+            name = tokenizers.tokenizer_name(tokenizer)
             # the template named as given (the file passed, else the tokenizer's own); prompt/completion: none
             words = (f"the chat template {os.path.basename(enc.template_file)!r} (tokenizer {name})"
                      if enc.template_file else f"the chat template of {name}")
@@ -60,7 +55,6 @@ class Tokenizing:
         typ = schema.field(text_column).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise TypeError(f"column {text_column!r} holds {typ}, not text")
-        tokenizers = _tokenizers()
         self.tokenizer = tokenizers.rust_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
         self.how = f"column {text_column!r} tokenized with {tokenizers.tokenizer_name(tokenizer or 'bytes')}"
 
@@ -71,7 +65,7 @@ class Tokenizing:
         texts = table.column(self.text_column)
         if texts.null_count:
             raise DataError("{i} has no text (null)", i=Where(first_row + texts.to_pylist().index(None)))
-        return table.append_column(self.column, _tokenizers().tokenize(texts, self.tokenizer, progress=progress))
+        return table.append_column(self.column, tokenizers.tokenize(texts, self.tokenizer, progress=progress))
 
     def finish(self, rows: int) -> None:
         """The warnings that need every row (``rows`` of them): prompts that did not prefix their completion."""
