@@ -1,8 +1,6 @@
-"""JSON lines read by pyarrow, a bounded chunk at a time (:func:`json_tables`) or whole (:func:`read_json`), and the
-line to blame when one is bad: the back of the house behind the door in (:mod:`packkit.datafiles` decides that an
-input is JSON and what its rows are; this module knows nothing of columns, tokenizers or examples). A line pyarrow
-refuses is a one-line :class:`~packkit.errors.DataError` naming its 1-based line: not JSON, not an object, or a
-key whose kind changes from an earlier line (a list of numbers, then text).
+"""JSON lines read by pyarrow, a bounded chunk at a time (:func:`json_tables`) or whole (:func:`read_json`), a line it
+refuses named by :mod:`packkit.jsonblame`: the back of the house behind the door in (:mod:`packkit.datafiles` decides
+that an input is JSON and what its rows are; this module knows nothing of columns, tokenizers or examples).
 """
 
 from __future__ import annotations
