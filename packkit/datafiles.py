@@ -168,7 +168,6 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
     """The rows of a data file (or a ``save_to_disk`` folder) as ``pyarrow.Table``\\ s in order, a bounded chunk at a
     time: JSON lines and text ``block_size`` bytes at a time, Parquet a batch at a time, Arrow memory-mapped and
     sliced (:data:`TOKENIZE_ROWS` rows); one JSON list is read whole. Empty input yields nothing."""
-    path = Path(path)
     kind = input_format(path)
     if kind == "json":
         any_table = False

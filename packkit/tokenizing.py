@@ -23,9 +23,8 @@ class Tokenizing:
     TRL's loss mask (:func:`packkit.chat.chat_encoder`), text gets ``column`` (list<int32>,
     :func:`packkit.tokenizer.tokenize`). ``finish(rows)``: the warnings that need every row; ``how``: what was done."""
 
-    def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: ChatOptions | None, where: str):
+    def __init__(self, schema, *, column: str, text_column: str, tokenizer, chat: ChatOptions, where: str):
         from .chat import chat_encoder, chat_format  # lazy: off waste and plan's start
-        chat = chat or ChatOptions()
         self.column, self.text_column, self.chat = column, text_column, None
         fmt = chat_format(schema, format=chat.format)
         if fmt is not None:
