@@ -1,9 +1,7 @@
 """The door in: data files (:data:`INPUTS` by suffix, or a ``save_to_disk`` folder), each read through an
-:class:`Input` as tables of examples, their token columns and their lengths, without per-token Python. Lengths come
-from the offsets of an Arrow list column (``input_ids`` by default), an integer column of lengths, text through a
-tokenizer (a local ``tokenizer.json``, a model's, or the byte-level one) or conversations through their chat template
-(:func:`packkit.chat.tokenize_chat`): what ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts.
-This module decides; behind it: :mod:`packkit.jsonlines`, :mod:`packkit.readers`, :mod:`packkit.tokenizer`.
+:class:`Input` as tables of examples, their token columns and their lengths (:func:`read_lengths` says from what),
+without per-token Python: what ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts. This module
+decides; behind it: :mod:`packkit.jsonlines`, :mod:`packkit.readers`, :mod:`packkit.tokenizer`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""How rows of one schema get their token column, decided once and applied a chunk at a time: text through a
-tokenizer, conversations through their chat template. Behind the door in (:mod:`packkit.datafiles`, which lends
-:class:`Tokenizing` under its old address and imports this module only where rows lack their token column: a file of
-token ids does not compile it).
+"""Behind the door in, :class:`Tokenizing`: how rows get their token column. :mod:`packkit.datafiles` lends it under its
+old address and imports this module only where rows lack their token column (a file of token ids does not compile it).
 """
 
 from __future__ import annotations

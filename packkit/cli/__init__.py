@@ -6,8 +6,7 @@ This file parses, dispatches, and turns every error a user can cause into one li
 (:mod:`packkit.cli._failures`), never a traceback (``PACKKIT_DEBUG=1`` re-raises); library messages name arguments
 as the command spells them (``--overflow split``, not ``overflow='split'``). A stop signal removes every temporary
 file first (:mod:`packkit.interrupts`); a closed output pipe exits quietly, as a Unix tool killed by SIGPIPE.
-``packkit --help``, ``--version`` and a wrong command compile this file and :mod:`packkit.cli._exits` only; the
-shared options and the failures are lent here under their old address (``packkit.cli.Parser``, ``.classify``).
+``packkit --help``, ``--version`` and a wrong command compile this file and :mod:`packkit.cli._exits` only.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ USAGE = ("usage: packkit {" + ",".join(SUBCOMMANDS) + "} [options]   (packkit CO
          + "\n".join(f"  {name:<{max(map(len, SUBCOMMANDS))}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items())
          + "\n\n" + EXIT_CODES)
 
-#: ``{name: module}``: what this module lends from the modules a subcommand or a failure imports.
+#: ``{name: module}``: what this module lends under its old address, from the modules a subcommand or a failure imports.
 _LENT = {**dict.fromkeys(("DEFAULT_WINDOW", "DEFAULT_OVERFLOW", "BALANCE_NAMES", "add_window_arguments",
                           "add_output_switches", "add_cp_arguments", "add_dealing_arguments", "Parser", "require",
                           "options_of", "_Formatter", "_balance"), "_options"),
