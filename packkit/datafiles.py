@@ -224,9 +224,8 @@ class Input:
         self.where = repr(str(self.path))
 
     def read(self, use):
-        """``use(whole=False)``, or ``use(whole=True)`` where that met :class:`packkit.jsonlines.JsonLinesChanged` (a
-        type that changes after the first chunk: pyarrow unifies types over the whole file only). Errors name their
-        line (:func:`lines_named`)."""
+        """``use(whole=False)``, or ``use(whole=True)`` where that met :class:`packkit.jsonlines.JsonLinesChanged` (read
+        whole, pyarrow unifies the types). Errors name their line (:func:`lines_named`)."""
         with lines_named(self.path):
             try:
                 return use(whole=False)
