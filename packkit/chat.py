@@ -450,7 +450,7 @@ def tokenize_chat(data, tokenizer, *, chat_template=None, assistant_only_loss: b
             other formats, as are ``assistant_only_loss`` and ``chat_template`` on prompt/completion strings.
         batch_size: conversations per tokenizer call; ``progress``: a progress bar (examples) on stderr.
         num_proc: processes that render and tokenize (default 1), as ``datasets.map``'s (:mod:`packkit.workers`: the
-            same table as one process gives); one where that is faster (:func:`worker_processes`: 2 on 2 cores).
+            same table as one process gives); one where that is faster (:func:`worker_processes`; 2 on 2 cores: 1).
         format: which of :data:`CHAT_FORMATS` to read (default ``"auto"``: :func:`chat_format`, TRL's precedence;
             a :class:`ChatWarning` names a conversational column left unread).
     Returns:

@@ -27,7 +27,7 @@ def plot_waste(report, path, *, overwrite: bool = False) -> None:
 
 def _plot_lengths(ax, report) -> None:
     """The examples' lengths before the overflow policy, in log-spaced bins, with ``W`` and the median marked."""
-    L = report.lengths if report.input_lengths is None else report.input_lengths
+    L = report.input_lengths
     lo, hi = max(1, int(L.min())), int(L.max())
     bins = np.unique(np.geomspace(lo, max(hi, lo + 1), 40).round()) if hi > lo else 10
     ax.hist(L, bins=bins, color="#4C72B0", edgecolor="white", linewidth=0.5)
@@ -38,9 +38,8 @@ def _plot_lengths(ax, report) -> None:
     med = float(np.median(L))
     ax.axvline(med, color="0.3", linestyle=":", linewidth=1.2)
     ax.text(med, ax.get_ylim()[1] * 0.85, f" median {med:,.0f}", color="0.3", va="top")
-    if report.loss_tokens is not None:
-        ax.text(0.98, 0.65, f"loss on {report.loss_tokens / report.input_tokens:.1%} of the {report.unit}",
-                transform=ax.transAxes, ha="right", va="top", color="0.3", fontsize=9)
+    ax.text(0.98, 0.65, f"loss on {report.loss_tokens / report.input_tokens:.1%} of the {report.unit}",
+            transform=ax.transAxes, ha="right", va="top", color="0.3", fontsize=9)
     if report.overflow_examples:
         what = {"truncate": "truncated", "drop": "dropped", "split": "split"}[report.overflow]
         ax.text(0.98, 0.75, f"{report.overflow_examples:,} longer than W {what}", transform=ax.transAxes,

@@ -177,10 +177,12 @@ def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_m
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
-            _native_stacks([p.pid for p in ctx.processes if p.is_alive()])
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+            try:
+                _native_stacks([p.pid for p in ctx.processes if p.is_alive()])
+            finally:  # py-spy failing or stuck must not leave the ranks running
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
             pytest.fail(f"the {nprocs}-process run did not finish in {timeout_s:g} s")
 
 
@@ -252,7 +254,7 @@ def gloo_group(rank: int, world: int, *, port: int | None, timeout_s: float):
         dist.destroy_process_group()
 
 
-_DESTROYED_GROUPS: list = []  # see gloo_group: never freed in a rank, which leaves by os._exit
+_DESTROYED_GROUPS: list = []  # see gloo_group: never freed in a rank that passed, which leaves by os._exit
 
 
 @contextlib.contextmanager
