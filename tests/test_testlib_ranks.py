@@ -2,14 +2,12 @@
 a clean run passes, a rank that raises is the rank reported, not a peer left waiting at the closing barrier, a
 rank that returns with a thread still running fails, and a rank whose last reference to its group dies after the
 group is destroyed does not deadlock there; a rank that hangs has its native stacks printed."""
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from testlib import free_port, gloo_group, run_processes  # noqa: E402
+from testlib import free_port, gloo_group, py_spy, run_processes  # noqa: E402
 
 pytestmark = [
     pytest.mark.distributed,
@@ -38,7 +36,7 @@ def leaving_a_thread(rank, port):
         threading.Thread(target=stop.wait, name="left-running").start()  # never set: a thread a rank forgot
 
 
-def group_outliving_the_with(rank, port):
+def group_outliving_the_with(rank, port, out_dir):
     import time
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -53,17 +51,20 @@ def group_outliving_the_with(rank, port):
         dist.all_reduce(torch.ones(1), group=pair, async_op=True).get_future().then(lambda fut: time.sleep(3))
         del pair
     del ddp  # ~Reducer -> ~ProcessGroupGloo -> join, GIL held (pybind frees a Reducer without releasing it)
+    open(f"{out_dir}/rank{rank}.freed", "w").close()  # past the point where the rank hung
 
 
-def test_a_rank_whose_group_outlives_the_with_does_not_hang():
+def test_a_rank_whose_group_outlives_the_with_does_not_hang(tmp_path):
     """Session 17's stop failed CI on test_prefixtree_ddp.py past its 120 s limit (1 of 40 runs beside two busy
     loops here): the DDP model freed at the worker's return held the destroyed group's last reference; the group's
     destructor joined its gloo threads with the GIL held, while one of them, freeing a finished all-reduce's
     tensor, waited for the GIL (py-spy: ``~Reducer -> ~ProcessGroupGloo -> std::thread::join`` against
     ``~AsyncAllreduceWork -> decref_pyobject -> gil_scoped_acquire``; pytorch#56297). Here the thread waits in a
-    future's callback, so the deadlock does not depend on timing: ``gloo_group`` keeps every group it destroyed
-    referenced until the rank leaves by ``os._exit``, so no gloo destructor runs in a rank that passed."""
-    run_processes(group_outliving_the_with, 2, (free_port(),), timeout_s=30)
+    future's callback, so the deadlock does not wait on the scheduler (the old harness hung 4 of 4 runs):
+    ``gloo_group`` keeps every group it destroyed referenced until the rank leaves by ``os._exit``, so no gloo
+    destructor runs in a rank that passed; both ranks get past the freeing, and say so."""
+    run_processes(group_outliving_the_with, 2, (free_port(), str(tmp_path)), timeout_s=30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.freed", "rank1.freed"]
 
 
 def test_a_clean_run_passes(tmp_path):
@@ -96,10 +97,7 @@ def sleeping(rank):
 def test_a_rank_past_the_limit_has_its_native_stacks_printed(capfd):
     """A hang fails the test and says where, native frames included (py-spy, the test extra): the deadlock above
     sat in a C++ destructor, where faulthandler's Python stacks showed nothing."""
-    import shutil
-    import sys
-
-    if not shutil.which("py-spy", path=os.path.dirname(sys.executable)) and not shutil.which("py-spy"):
+    if not py_spy():
         pytest.skip("py-spy is not installed (pip install -e .[test])")
     with pytest.raises(pytest.fail.Exception, match="did not finish in 12 s"):
         run_processes(sleeping, 1, (), timeout_s=12)

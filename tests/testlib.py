@@ -186,14 +186,20 @@ def run_processes(worker, nprocs: int, args: tuple, *, timeout_s: float, start_m
             pytest.fail(f"the {nprocs}-process run did not finish in {timeout_s:g} s")
 
 
+def py_spy() -> str | None:
+    """The py-spy executable beside this interpreter (the test extra's) or on ``PATH``; None without it."""
+    import shutil
+
+    return shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+
+
 def _native_stacks(pids: list[int]) -> None:
     """Every thread's native and Python stack of each process in ``pids``, to stderr, with py-spy (the test extra)
     where it is installed: faulthandler shows a rank's Python frames only, and a deadlock in a C++ destructor has
     none (the gloo one :func:`gloo_group` avoids was found this way)."""
-    import shutil
     import subprocess
 
-    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    spy = py_spy()
     for pid in pids if spy else []:
         done = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
         print(done.stdout, done.stderr, sep="\n", file=sys.stderr, flush=True)
