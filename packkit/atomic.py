@@ -60,7 +60,7 @@ import threading
 from pathlib import Path
 
 from .errors import ArgumentError, DataError, OutputError, arg
-from .interrupts import deferred, ending_cleanly
+from .interrupts import deferred, ending_cleanly, raise_swallowed
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "atomic_output", "check_output", "fsync_tree",
            "temp_folder", "temp_sibling", "TMP_MARK", "TMP_PATTERN", "name_max", "named_os_error", "png_figure",
@@ -395,6 +395,7 @@ def atomic_output(target, *, kind: str = "file", inputs=(), overwrite: bool = Fa
                 raise ValueError(f"the writer made a {'folder' if tmp.is_dir() else 'file'} for {str(target)!r}, "
                                  f"expected a {'folder' if kind == 'dir' else 'file'}")
             fsync_tree(tmp)
+            raise_swallowed()  # a stop a library swallowed while tmp was written: target untouched still
             with deferred():
                 _place(tmp, target, overwrite=overwrite, overwrite_hint=overwrite_hint)
         except BaseException as exc:

@@ -29,7 +29,8 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "swallowed", "ending_cleanly", "deferred", "join"]
+__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "swallowed", "raise_swallowed", "ending_cleanly", "deferred",
+           "join"]
 
 #: The signals that ask a run to stop (not SIGKILL, which nothing can meet).
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -82,6 +83,15 @@ def swallowed(error: BaseException) -> "Interrupted | None":
     return Interrupted(_RAISED[0]) if _RAISED else None
 
 
+def raise_swallowed() -> None:
+    """Raise again the first stop signal raised as :class:`Interrupted` that the code it landed in swallowed, so that the
+    run stops still: pyarrow's lazy ``import pandas`` (its first ``Array.to_numpy``) catches the exception a Ctrl-C
+    raises there, and ``packkit pack`` went on to write OUT and exit 0. Called before an output is renamed into place
+    and where :func:`signals_raise` ends; only while a block of this module raises them (stale ones are not met)."""
+    if _RAISED and signal.getsignal(_RAISED[0]) is _raise:
+        raise Interrupted(_RAISED[0])
+
+
 def _install(signums, handler, old: dict) -> None:
     """Set ``handler`` for each of ``signums`` not ignored (``SIG_IGN``) or foreign (``None``), filing
     the handler it replaces in ``old`` (filled as it goes, so a caller's ``finally`` restores a partial
@@ -108,6 +118,8 @@ def signals_raise(signums=STOP_SIGNALS):
     try:
         _install(signums, _raise, old)
         yield
+        if outermost:
+            raise_swallowed()
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -859,3 +859,43 @@ def test_a_stop_signal_outside_the_command_body_is_one_line(monkeypatch, capsys,
     monkeypatch.setattr(cli, "_run", stopped)  # inside main's signal and warnings blocks, outside _run's handlers
     assert cli.main(["waste"]) == code
     assert capsys.readouterr().err.strip() == f"packkit waste: {said}"
+
+
+SWALLOWED = """
+import signal, sys
+
+
+class CtrlC:
+    '''Ctrl-C while pyarrow imports pandas (lazily, at its first ``Array.to_numpy``): its pandas shim swallows the
+    KeyboardInterrupt raised there, as it swallows an ImportError.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "pandas":
+            sys.meta_path.remove(self)
+            open(sys.argv[1], "w").close()
+            signal.raise_signal(signal.SIGINT)
+
+
+sys.meta_path.insert(0, CtrlC())
+from packkit.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("cmd", ["pack", "waste"])
+def test_a_ctrl_c_pyarrow_swallows_importing_pandas_still_stops_the_command(tmp_path, cmd):
+    """Ctrl-C 0.25 to 0.35 s into ``packkit pack big.jsonl OUT`` (``timeout -s INT``) lands in pyarrow's lazy
+    ``import pandas``, whose shim swallowed the KeyboardInterrupt: the command went on, wrote OUT and exited 0, the
+    Ctrl-C lost without a word. Now the stop is raised again before OUT is renamed into place and when the command
+    ends: exit 130, one line, no OUT and no temporary file."""
+    src, out, fired = tmp_path / "in.jsonl", tmp_path / "o.parquet", tmp_path / "fired"
+    src.write_text("".join(json.dumps({"input_ids": list(range(1, n))}) + "\n" for n in (40, 90, 300, 7)))
+    script = tmp_path / "swallowed.py"
+    script.write_text(SWALLOWED)
+    argv = [cmd, src, *([out] if cmd == "pack" else []), "-w", "128", "-q"]
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's packkit, not the one installed
+    proc = subprocess.run([sys.executable, str(script), str(fired), *map(str, argv)], capture_output=True, text=True,
+                          env={**env(), "PYTHONPATH": root}, timeout=120)
+    assert fired.exists(), "pandas was imported before the command ran: the Ctrl-C did not land in pyarrow"
+    assert (proc.returncode, proc.stderr) == (130, f"packkit {cmd}: interrupted\n"), proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fired", "in.jsonl", "swallowed.py"]

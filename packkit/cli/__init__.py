@@ -118,9 +118,9 @@ def _run(argv: list[str], name: str, state: dict, process: bool = False) -> int:
         from ._failures import pipe_closed  # lazy: for a closed pipe only
         return pipe_closed()
     except Exception as exc:
-        from ._failures import classify, stopped  # lazy: for an error only
+        from ._failures import classify  # lazy: for an error only
         if (stop := swallowed(exc)) is not None:  # a library caught the signal's exception and failed in its stead
-            return stopped(name, stop)
+            raise stop from None  # said once, by main
         if os.environ.get("PACKKIT_DEBUG"):
             raise
         verdict = classify(exc, options)
