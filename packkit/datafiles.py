@@ -390,8 +390,8 @@ class Input:
             source += f"; {lengths.size:,} packed rows read as their {docs.size:,} documents"
             order = source_order(table, docs)
             if order is None:  # what depends on the order (random batches, streaming) sees the packed order
-                source += (" in packed order (no example_ids: pack with example_ids to measure them in the "
-                           "dataset's order)")
+                source += " in packed order " + ("(pieces of split examples)" if "example_ids" in table.column_names
+                    else "(no example_ids: pack with example_ids to measure them in the dataset's order)")
             else:  # the dataset's own order: every figure as of the rows before packing
                 source += ", in the dataset's order (example_ids)"
                 if targets is not None:

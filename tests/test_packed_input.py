@@ -286,3 +286,18 @@ def test_packed_media_rows_give_the_figures_of_the_rows_before_packing(tmp_path,
         source, got = report(command, without)
         assert command == "plan" or "documents in packed order (no example_ids: pack with example_ids" in source
         assert [got[k] for k in keys] == [want[command][k] for k in keys]
+
+
+def test_packed_rows_with_split_examples_are_not_said_to_lack_example_ids(tmp_path, capsys):
+    """``packkit pack`` writes ``example_ids`` whenever it splits an example; ``packkit waste`` of that output said
+    ``in packed order (no example_ids: pack with example_ids ...)`` of a file that holds them (the ids repeat: the
+    split examples' pieces cannot be put back in the dataset's order as documents). It now names that reason."""
+    src, packed = tmp_path / "d.jsonl", tmp_path / "p.parquet"
+    src.write_text("".join(json.dumps({"input_ids": list(range(1, n + 1))}) + "\n" for n in (5, 40, 9, 70, 3)))
+    assert main(["pack", str(src), str(packed), "-w", "32", "-q"]) == 0
+    assert "example_ids" in pq.read_table(packed).column_names
+    capsys.readouterr()
+    assert main(["waste", str(packed), "-w", "32", "-q"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "no example_ids" not in first, first
+    assert "documents in packed order (pieces of split examples)" in first, first
