@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .epoch import trains_on_nothing
 from .errors import Message, arg, check_int
 from .records import record
 
@@ -113,11 +114,10 @@ def advise(r, options: AdviceOptions | None = None) -> tuple:
             batch=arg("per_device_batch")))
     if r.loss_free_units:  # then the advice about the data itself
         unit = "windows" if r.mode == "packed" else "examples"
-        out.append(_advice(
-            "loss_free", {"loss_free_units": r.loss_free_units, "loss_free_steps": r.loss_free_steps, "unit": unit},
-            "{loss_free_units:,} {unit} and {loss_free_steps:,} optimiser steps hold no loss token (they train on "
-            "nothing; a step of them has loss 0): pass {drop} to leave the pieces without one out"
-            + (", or raise {w}" if r.mode == "packed" else ""), drop=arg("drop_loss_free", True), w=w))
+        said = trains_on_nothing(rows=(r.loss_free_units, r.num_units), steps=(r.loss_free_steps, r.steps_per_epoch),
+                                 what=unit, window=r.mode == "packed")[0]
+        out.append(Advice("loss_free", str(said), {"loss_free_units": r.loss_free_units,
+                                                   "loss_free_steps": r.loss_free_steps, "unit": unit}, said))
     if r.window is not None and r.longest_example > 4 * r.window:
         out.append(_advice(
             "far_beyond_window", {"longest_example": r.longest_example, "window": r.window},

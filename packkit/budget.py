@@ -24,7 +24,7 @@ import numpy as np
 from .advice import Advice, AdviceOptions, BudgetWarning, advise, for_target
 from .binpack import DEFAULT_OVERFLOW, Plan, check_window, overflow_note
 from .cp_layouts import check_cp_window, cp_multiples
-from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object
+from .epoch import Dealt, Lengths, Units, deal, packed_units, padded_units, read_lengths_object, trains_on_nothing
 from .errors import arg, check_int
 from .records import record
 from .sample import synthetic_sft_lengths
@@ -142,9 +142,8 @@ class BudgetReport:
                              cut=self.cut_tokens, tokens=self.num_tokens + self.cut_tokens)
         if note is not None:
             rows.append(("overflow", note.render(options)))
-        if self.dropped_pieces:
-            rows.append(("loss-free", f"left out {self.dropped_pieces:,} pieces with no loss token "
-                                      f"({self.dropped_tokens:,} tokens)"))
+        rows += [("loss-free", m.render(options))
+                 for m in trains_on_nothing(dropped=(self.dropped_pieces, self.dropped_tokens))]
         width = max(len(k) for k, _ in rows)
         head = (f"packed into windows of {self.window:,} tokens" if packed
                 else "length-grouped micro-batches, each padded to its longest example")

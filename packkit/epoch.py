@@ -16,13 +16,13 @@ import functools
 import numpy as np
 
 from .binpack import Plan, apply_overflow, as_lengths, check_overflow, pack
-from .errors import DataError, arg
+from .errors import DataError, Message, arg
 from .records import record
 from .length_rules import check_loss_lengths
 from .segments import lengths_to_offsets, piece_loss_tokens
 
 __all__ = ["Dealt", "Lengths", "Units", "deal", "loss_of", "none_left", "packed_units", "padded_units",
-           "read_lengths_object"]
+           "read_lengths_object", "trains_on_nothing"]
 
 
 @record
@@ -229,6 +229,29 @@ def none_left(where: str = "") -> DataError:
     """The refusal when ``drop_loss_free`` leaves out every piece; ``where`` names the input (`` of 'a.jsonl'``)."""
     return DataError("no piece{where} holds a loss token, and {drop} left every one out", where=where,
                      drop=arg("drop_loss_free", True))
+
+
+def trains_on_nothing(*, dropped=(0, 0), pieces=(0, 0), rows=(0, 0), steps=None, what: str = "windows",
+                      unit: str = "tokens", label: str = "", window: bool = True) -> list:
+    """What trains on nothing and its fix, one :class:`~packkit.errors.Message` a fact whose count is not 0, each
+    caller saying it in its medium (a line of ``waste`` or ``pack``, ``pack_dataset``'s log, ``plan``'s row or advice):
+    ``dropped`` (pieces, ``unit``\\ s) that ``drop_loss_free`` left out, else ``pieces`` (count, of all) with no loss
+    token; ``rows`` (``what``, after ``label``) and ``steps`` (None: not known) with none, which a larger ``window``
+    fixes too. ``trains_on_nothing(dropped=(8, 156))`` -> ``[Message('drop_loss_free=True left out 8 pieces with no
+    loss token (156 tokens)')]``."""
+    said, f = [], {"drop": arg("drop_loss_free", True), "w": arg("window"), "unit": unit, "what": what,
+                   "steps": steps, "label": label and f"{label}: "}
+    if dropped[0]:
+        said.append(Message("{drop} left out {n[0]:,} pieces with no loss token ({n[1]:,} {unit})", n=dropped, **f))
+    elif pieces[0]:
+        said.append(Message("{n[0]:,} of {n[1]:,} pieces hold no loss token (they train on nothing); pass {drop} to "
+                            "leave them out", n=pieces, **f))
+    if rows[0]:
+        of_steps = " and {steps[0]:,} of {steps[1]:,} steps" if steps else ""
+        said.append(Message("{label}{n[0]:,} of {n[1]:,} {what}" + of_steps + " hold no loss token (they train on "
+                            "nothing; a step of them has loss 0); pass {drop}" + (", or raise {w}" if window else ""),
+                            n=rows, **f))
+    return said
 
 
 def packed_units(data: Lengths, given: Plan | None = None, *, window: int, overflow: str, doc_multiple: int = 1,

@@ -31,6 +31,7 @@ from .binpack import DEFAULT_OVERFLOW, check_overflow, check_seed, check_strateg
 from .chat import chat_format
 from .errors import ArgumentError, DataError, MissingError, arg, check_int, with_keywords
 from .cp_plan import plan_for_cp
+from .epoch import trains_on_nothing
 from .packer import log_overflow, logger, resolve_columns
 from .outputs import DEFAULT_BUFFER_BYTES, PackedTable, packed_batch, packed_schema
 from .mediarows import media_options
@@ -260,23 +261,20 @@ def _pack_table(ds, o: PackOptions, out_format, *, output, inputs, media=None, *
                   if on_disk or out_format is not None else arrow.MAX_LIST_VALUES)
     if o.drop_loss_free:
         packed.drop_loss_free(max_tokens)
-        if packed.dropped_pieces:
-            logger.warning("pack_dataset: drop_loss_free left out %d pieces with no loss token (%d tokens)",
-                           packed.dropped_pieces, packed.dropped_tokens)
     total = packed.plan.total_tokens * len(packed.spec.written())
     with progress_bar(total=total, unit="tok", enabled=progress, desc="pack_dataset") as bar:
         if out_format is not None and media:  # the same rows and media as in memory, streamed to OUT atomically
             batches = media.batches(packed.record_batches(max_tokens=max_tokens, bar=bar), packed.plan)
-            return outputs.write_batches(output, media.schema(packed.schema), batches, format=out_format,
-                                         inputs=inputs), packed.plan
-        if out_format is not None:
-            return outputs.write_packed(output, packed, format=out_format, max_tokens=max_tokens, bar=bar,
-                                        inputs=inputs), packed.plan
-        out = _dataset(ds, packed, o, on_disk=on_disk, max_tokens=max_tokens, bar=bar, **planning)
-    if packed.loss_free_windows:  # counted as the rows were written
-        logger.warning("pack_dataset: %d of %d windows hold no loss token (a step of them has loss 0); pass "
-                       "drop_loss_free=True, or raise window", packed.loss_free_windows, packed.plan.num_windows)
-    return (media.dataset(out, packed.plan) if media else out), packed.plan
+            out = outputs.write_batches(output, media.schema(packed.schema), batches, format=out_format, inputs=inputs)
+        elif out_format is not None:
+            out = outputs.write_packed(output, packed, format=out_format, max_tokens=max_tokens, bar=bar, inputs=inputs)
+        else:
+            out = _dataset(ds, packed, o, on_disk=on_disk, max_tokens=max_tokens, bar=bar, **planning)
+            out = media.dataset(out, packed.plan) if media else out
+    for said in trains_on_nothing(dropped=(packed.dropped_pieces, packed.dropped_tokens),
+                                  rows=(packed.loss_free_windows, packed.plan.num_windows)):  # counted as written
+        logger.warning("pack_dataset: %s", said)
+    return out, packed.plan
 
 
 def _dataset(ds, packed: PackedTable, o: PackOptions, *, on_disk: bool, max_tokens: int, bar, **planning):

@@ -38,7 +38,7 @@ import numpy as np
 from .costs import CostModel, step_figures
 from .binpack import DEFAULT_OVERFLOW, check_overflow, check_window, overflow_note, pack, stream_windows, windows_plan
 from .cp_layouts import check_cp_window, cp_multiples
-from .epoch import Dealt, Units, deal, packed_units, read_lengths_object
+from .epoch import Dealt, Units, deal, packed_units, read_lengths_object, trains_on_nothing
 from .errors import ArgumentError, DataError, Message, Where, arg, check_int
 from .plots import plot_waste  # the report drawn: its own room, importable here as before
 from .progress import progress_bar
@@ -398,28 +398,6 @@ def length_stats(lengths) -> str:
     return f"median {q[0]:,}, p90 {q[1]:,}, p99 {q[2]:,}, longest {int(np.max(lengths)):,}"
 
 
-def loss_free_lines(report: WasteReport) -> list:
-    """What trains on nothing, with the fix, as :class:`~packkit.errors.Message`\\ s: pieces without a loss token
-    or what ``drop_loss_free`` left out, then the rows and steps without one (of ``bfd``, what ``packkit pack``
-    writes, else the first strategy that has some). Empty when there are none."""
-    drop = arg("drop_loss_free", True)
-    lines = []
-    if report.dropped_pieces:
-        lines.append(Message("{drop}: left out {n:,} pieces with no loss token ({t:,} {u})", drop=drop,
-                             n=report.dropped_pieces, t=report.dropped_tokens, u=report.unit))
-    elif report.loss_free_pieces and not report.loss_tokens_assumed:
-        lines.append(Message("{n:,} of {p:,} pieces hold no loss token (they train on nothing); pass {drop} to "
-                             "leave them out", n=report.loss_free_pieces, p=report.lengths.size, drop=drop))
-    some = [s for s in report.strategies if s.loss_free_rows]
-    s = next((s for s in some if s.name == "bfd"), some[0] if some else None)
-    if s is not None:
-        lines.append(Message("{label}: {rows:,} of {all:,} {what} and {steps:,} of {all_steps:,} steps hold no loss "
-                             "token (a step of loss 0); pass {drop}" + (", or raise {w}" if s.packed else ""),
-                             label=s.label, rows=s.loss_free_rows, all=s.rows, what="windows" if s.packed else "rows",
-                             steps=s.loss_free_steps, all_steps=s.steps, drop=drop, w=arg("window")))
-    return lines
-
-
 def format_table(report: WasteReport, *, options=None) -> str:
     """The terminal table of a report, with the formulas under it (``options``: ``packkit.errors.Arg.render``'s,
     to name arguments in the command line's syntax)."""
@@ -440,7 +418,13 @@ def format_table(report: WasteReport, *, options=None) -> str:
                          cut=report.cut_tokens, tokens=report.input_tokens, unit=u)
     if note is not None:
         lines.append(note.render(options))
-    lines.extend(m.render(options) for m in loss_free_lines(report))
+    # the rows without a loss token of bfd (what packkit pack writes), else of the first strategy that has some
+    s = min(report.strategies, key=lambda s: (not s.loss_free_rows, s.name != "bfd"))
+    free = 0 if report.loss_tokens_assumed else report.loss_free_pieces
+    lines.extend(m.render(options) for m in trains_on_nothing(
+        dropped=(report.dropped_pieces, report.dropped_tokens), pieces=(free, report.lengths.size), unit=u,
+        rows=(s.loss_free_rows, s.rows), steps=(s.loss_free_steps, s.steps), what="windows" if s.packed else "rows",
+        label=s.label, window=s.packed))
     if report.cp_size > 1:
         doc_multiple, row_multiple = cp_multiples(cp_size=report.cp_size, cp_layout=report.cp_layout)
         if doc_multiple > 1:

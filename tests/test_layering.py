@@ -25,10 +25,10 @@ FLOORS = [
     # pure planning, files out, files read (JSON lines, the other formats), tokenizers and chat rendering behind the
     # door in, the batch, the kernels, the rules of an example and their wording
     ["fileio", "atomic", "jsonlines", "jsonblame", "longline", "readers", "tokenizer", "chatrender", "binpack", "fits", "batch", "kernels.flash_varlen",
-     "cp_plan", "cp_layouts", "located", "rules", "advice", "row_rules", "planviews", "states", "positions", "csr", "short_steps", "streamplan", "orders", "costs", "config_costs", "groups", "microbatch", "balance", "integrations.trl", "weighting"],
+     "cp_plan", "cp_layouts", "located", "rules", "row_rules", "planviews", "states", "positions", "csr", "short_steps", "streamplan", "orders", "costs", "config_costs", "groups", "microbatch", "balance", "integrations.trl", "weighting"],
     # readers of examples (Arrow list columns, Python examples), chat templates, index-only plans, attention,
-    # the epoch a sampler deals, CP shards
-    ["listcolumns", "examples", "chat", "tokenizing", "planindex", "attention", "sampler", "resume", "epoch", "cp", "media", "plots"],
+    # the epoch a sampler deals and the advice on its figures, CP shards
+    ["listcolumns", "examples", "chat", "tokenizing", "planindex", "attention", "sampler", "resume", "epoch", "advice", "cp", "media", "plots"],
     # packing tokens, loss, measuring, data files in (above chat and examples)
     ["packer", "loss", "budget", "waste", "datafiles", "sample", "columnar", "outputs"],
     ["collate", "sources", "model_inputs", "streaming"],

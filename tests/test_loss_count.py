@@ -178,3 +178,46 @@ def test_plan_warns_about_an_example_far_beyond_the_window(tmp_path, capsys):
     assert "[far_beyond_window] the longest example has 235,001 tokens, 115 times the window of 2,048" in out
     assert main(["plan", str(tmp_path / "l.npy"), "--padded"]) == 0
     assert "[far_beyond_batch] the longest example has 235,001 tokens" in capsys.readouterr().out
+
+
+def test_what_trains_on_nothing_is_said_in_one_wording_everywhere(files, tmp_path, capsys, caplog):
+    """One wording a fact (``packkit.epoch.trains_on_nothing``), with the numbers of the JSON: the windows with no
+    loss token in ``pack``'s and ``waste``'s lines, ``plan``'s advice and ``pack_dataset``'s log; the pieces
+    ``--drop-loss-free`` left out in ``waste``'s and ``pack``'s lines, ``plan``'s row and the log. Before, five places
+    said them in four wordings, and ``pack_dataset(output=...)`` (the way ``packkit pack`` packs media) said nothing
+    of the windows with no loss token."""
+    import logging
+
+    import datasets
+
+    from packkit.offline import pack_dataset
+
+    src, examples = files[1]["labels"]
+    windows = ("windows hold no loss token (they train on nothing; a step of them has loss 0); pass --drop-loss-free, "
+               "or raise --window")
+    common = ["-w", str(W), "-q"]
+    pack = run_json(capsys, "pack", str(src), str(tmp_path / "a.parquet"), *common, "--json")
+    n, rows = pack["loss_free_windows"], pack["rows"]
+    assert n > 0
+    assert main(["pack", str(src), str(tmp_path / "b.parquet"), *common]) == 0
+    assert f"\n{n} of {rows} {windows}\n" in capsys.readouterr().out
+    assert main(["waste", str(src), *common]) == 0
+    assert f"\npacked: best fit decreasing: {n} of {rows} windows and " in capsys.readouterr().out
+    assert main(["plan", str(src), *common]) == 0
+    out = capsys.readouterr().out
+    assert f"[loss_free] {n} of {rows} windows and " in out and f" steps hold no loss token (they train on " in out
+    ds = datasets.Dataset.from_list(examples)
+    with caplog.at_level(logging.WARNING, logger="packkit"):
+        pack_dataset(ds, window=W, output=tmp_path / "c.parquet", progress=False)
+    assert f"pack_dataset: {n} of {rows} {windows}".replace("--drop-loss-free", "drop_loss_free=True").replace(
+        "--window", "window") in caplog.text
+    caplog.clear()
+    dropped = run_json(capsys, "pack", str(src), str(tmp_path / "d.parquet"), *common, "--json", "--drop-loss-free")
+    left_out = f"--drop-loss-free left out {dropped['dropped_pieces']} pieces with no loss token " \
+               f"({dropped['dropped_tokens']} tokens)"
+    for argv in (["pack", str(src), str(tmp_path / "e.parquet")], ["waste", str(src)], ["plan", str(src)]):
+        assert main([*argv, *common, "--drop-loss-free"]) == 0
+        assert left_out in capsys.readouterr().out, argv
+    with caplog.at_level(logging.WARNING, logger="packkit"):
+        pack_dataset(ds, window=W, output=tmp_path / "f.parquet", progress=False, drop_loss_free=True)
+    assert "pack_dataset: " + left_out.replace("--drop-loss-free", "drop_loss_free=True") in caplog.text

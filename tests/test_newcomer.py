@@ -353,7 +353,7 @@ def test_pack_dataset_says_loss_free_windows_and_drops_them_when_asked(caplog):
     with caplog.at_level(logging.WARNING, logger="packkit"):
         kept, plan = pack_dataset(ds, window=32, overflow="split", drop_loss_free=True, return_report=True)
     assert all(any(x != -100 for x in labels) for labels in kept["labels"])
-    assert "windows hold no loss token" not in caplog.text and "drop_loss_free left out" in caplog.text
+    assert "windows hold no loss token" not in caplog.text and "drop_loss_free=True left out" in caplog.text
     assert sum(map(sum, kept["seq_lengths"])) == plan.total_tokens < sum(map(sum, rows["seq_lengths"]))
     batch = PackedRowsCollator(window=32)([kept[i] for i in range(len(kept))])  # what a trainer gets
     assert int((batch["labels"] != -100).sum()) == sum(sum(x != -100 for x in labels) for labels in kept["labels"])

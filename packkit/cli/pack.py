@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ._options import Parser, add_cp_arguments, add_output_switches, add_window_arguments, require
 from ..binpack import overflow_note
-from ..errors import DataError, Message, arg, check_int
+from ..epoch import trains_on_nothing
+from ..errors import DataError, check_int
 from ..datafiles import Input, lines_named, reader_pyarrow
 from ..fileio import atomic_output, check_output, held_still, temp_folder
 from ..offline import PROGRESS_BYTES, check_planning, pack_dataset, plan_source, show_progress
@@ -155,8 +156,6 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes, quiet: bool) -
                           "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
         return 0
     print(_packed(args, s, s["tokens"] + s["cut_tokens"], f" with their media ({', '.join(media)})"))
-    if args.cp_size > 1:
-        print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
     print(f"wrote {str(out)!r} as {fmt.title}; columns {names}")
     return 0
 
@@ -217,18 +216,12 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
     print(_packed(args, s, input_tokens))
     if note is not None:
         print(note.render(options))
-    if args.cp_size > 1:
-        print(f"rows for a context-parallel group of {args.cp_size} ({args.cp_layout})")
     print(f"loss tokens {packed.loss_tokens:,} ({packed.loss_tokens / max(1, s['tokens']):.1%} of the tokens; "
           + ("no labels or loss mask: every token but each segment's first)" if loss["loss_tokens_assumed"]
              else "labels other than -100, each segment's first token masked)"))
-    if packed.dropped_pieces:
-        print(f"--drop-loss-free: left out {packed.dropped_pieces:,} pieces with no loss token "
-              f"({packed.dropped_tokens:,} tokens)")
-    if packed.loss_free_windows:
-        print(Message("{n:,} of {w:,} windows hold no loss token (a step of them has loss 0); pass {drop}, or raise "
-                      "{window}", n=packed.loss_free_windows, w=plan.num_windows, drop=arg("drop_loss_free", True),
-                      window=arg("window")).render(options))
+    for said in trains_on_nothing(dropped=(packed.dropped_pieces, packed.dropped_tokens),
+                                  rows=(packed.loss_free_windows, plan.num_windows)):
+        print(said.render(options))
     if documents_lost(fmt, names):
         print(documents_lost(fmt, names))
     print(f"wrote {str(out)!r} as {fmt.title}" + ("" if fmt.sink is None else f"; columns {names}"))
@@ -236,7 +229,8 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
 
 
 def _packed(args, s: dict, input_tokens: int, media: str = "") -> str:
-    """The summary's line of what was packed (``s``: the plan's figures) of ``input_tokens`` read."""
+    """The summary's lines: what was packed (``s``: the plan's figures) of ``input_tokens`` read, and the CP group."""
     held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
+    cp = f"\nrows for a context-parallel group of {args.cp_size} ({args.cp_layout})" if args.cp_size > 1 else ""
     return (f"packed {s['examples']:,} examples ({held} tokens){media} into {s['windows']:,} windows of "
-            f"{s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})")
+            f"{s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})" + cp)
