@@ -234,11 +234,11 @@ def none_left(where: str = "") -> DataError:
 def trains_on_nothing(*, dropped=(0, 0), pieces=(0, 0), rows=(0, 0), steps=None, what: str = "windows",
                       unit: str = "tokens", label: str = "", window: bool = True) -> list:
     """What trains on nothing and its fix, one :class:`~packkit.errors.Message` a fact whose count is not 0, each
-    caller saying it in its medium (a line of ``waste`` or ``pack``, ``pack_dataset``'s log, ``plan``'s row or advice):
-    ``dropped`` (pieces, ``unit``\\ s) that ``drop_loss_free`` left out, else ``pieces`` (count, of all) with no loss
-    token; ``rows`` (``what``, after ``label``) and ``steps`` (None: not known) with none, which a larger ``window``
-    fixes too. ``trains_on_nothing(dropped=(8, 156))`` -> ``[Message('drop_loss_free=True left out 8 pieces with no
-    loss token (156 tokens)')]``."""
+    caller saying it in its medium (a line of ``waste`` or ``pack``, ``pack_dataset``'s log, ``plan``'s row or advice).
+    Each fact is a pair: ``dropped``, the pieces ``drop_loss_free`` left out and their ``unit``\\ s; else ``pieces``
+    with no loss token, and all; ``rows`` (``what``, after ``label``) and ``steps`` (None: not known) with none, and
+    all, where a larger window helps too (``window``). ``trains_on_nothing(dropped=(8, 156))`` -> ``[Message(
+    'drop_loss_free=True left out 8 pieces with no loss token (156 tokens)')]``."""
     said, f = [], {"drop": arg("drop_loss_free", True), "w": arg("window"), "unit": unit, "what": what,
                    "steps": steps, "label": label and f"{label}: "}
     if dropped[0]:
