@@ -288,7 +288,7 @@ def text_calls(sizes, limit: int) -> list:
     return out
 
 
-def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_code: bool = False):
+def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_code: bool = False, first_row: int = 0):
     """Token ids of ``texts`` (a pyarrow string array, or a list of str) as a pyarrow ``ListArray`` of int32 (a
     ``LargeListArray`` past 2**31 - 1 tokens, :func:`list_array`). ``tokenizer``: ``"bytes"`` (byte level), a local
     ``tokenizer.json`` (or its folder), a model id (:func:`load_tokenizer`: no remote code unless
@@ -296,12 +296,12 @@ def tokenize(texts, tokenizer="bytes", *, progress: bool = False, trust_remote_c
     (a longer text cut where its ids stay, :func:`packkit.pretokens.in_pieces`, else alone): memory holds the texts,
     their ids and one call's working set, whatever the texts."""
     pa = pyarrow()
+    if isinstance(texts, (pa.Array, pa.ChunkedArray)) and texts.null_count:  # first_row: the row of texts[0]
+        raise DataError("{i} has no text (null)", i=Where(first_row + texts.to_pylist().index(None)))
     tok = rust_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     if tok is None:
         return byte_tokenize(texts)
     if isinstance(texts, (pa.Array, pa.ChunkedArray)):
-        if texts.null_count:
-            raise DataError("{i} has no text (null)", i=Where(texts.to_pylist().index(None)))
         import pyarrow.compute as pc
 
         sizes = pc.binary_length(texts).to_numpy()  # UTF-8 bytes: at least the characters

@@ -9,7 +9,7 @@ import os
 from . import tokenizer as tokenizers  # the module, not its names: its functions are looked up at each call
 from .arrow import pyarrow
 from .chatoptions import ChatOptions
-from .errors import ArgumentError, DataError, MissingError, Where, arg
+from .errors import ArgumentError, DataError, MissingError, arg
 
 __all__ = ["Tokenizing"]
 
@@ -53,16 +53,15 @@ class Tokenizing:
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise TypeError(f"column {text_column!r} holds {typ}, not text")
         self.tokenizer = tokenizers.rust_tokenizer(tokenizer, trust_remote_code=chat.trust_remote_code) or "bytes"
-        self.how = f"column {text_column!r} tokenized with {tokenizers.tokenizer_name(tokenizer or 'bytes')}"
+        self.how = f"column {text_column!r} tokenized with {tokenizers.tokenizer_name(tokenizer or 'bytes')}" + (
+            "" if self.tokenizer == "bytes" else ", no EOS appended (TRL's SFTTrainer appends one to each text)")
 
     def encode(self, table, first_row: int = 0, *, progress: bool = False):
         """``table`` (a chunk of the input whose first row is ``first_row``) with its tokens (class docstring)."""
         if self.chat is not None:
             return self.chat.encode_table(table, first_row, progress=progress)
-        texts = table.column(self.text_column)
-        if texts.null_count:
-            raise DataError("{i} has no text (null)", i=Where(first_row + texts.to_pylist().index(None)))
-        return table.append_column(self.column, tokenizers.tokenize(texts, self.tokenizer, progress=progress))
+        return table.append_column(self.column, tokenizers.tokenize(
+            table.column(self.text_column), self.tokenizer, progress=progress, first_row=first_row))
 
     def finish(self, rows: int) -> None:
         """The warnings that need every row (``rows`` of them): prompts that did not prefix their completion."""

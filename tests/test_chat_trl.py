@@ -230,3 +230,20 @@ def test_a_pool_turned_off_behind_pythons_back_is_said(tok_dir, monkeypatch):
         warnings.simplefilter("always")
         tokenize_chat(table, tok)
     assert not [w for w in caught + also if "TOKENIZERS_PARALLELISM" in str(w.message)]
+
+
+def test_text_tokenized_without_the_eos_trl_appends_is_said(tok_dir, tmp_path, capsys):
+    """A ``text`` column tokenized by ``packkit tokenize`` gets no EOS, where TRL's SFTTrainer appends the tokenizer's
+    EOS to every text (its ``add_eos``): the documents trained without it never teach the model to stop, and the
+    summary said only "column 'text' tokenized with tiny-chat". It now says that no EOS was appended; the byte-level
+    measure of ``waste`` (no vocabulary, no EOS) says nothing of it."""
+    src, out = tmp_path / "text.jsonl", tmp_path / "tok.parquet"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t, _ in PAIRS))
+    assert main(["tokenize", str(src), str(out), "--tokenizer", str(tok_dir)]) == 0
+    said = capsys.readouterr().out
+    assert "column 'text' tokenized with tiny-chat, no EOS appended (TRL's SFTTrainer appends one to each text)" in said
+    eos = transformers.AutoTokenizer.from_pretrained(str(tok_dir)).eos_token_id
+    rows = pytest.importorskip("pyarrow.parquet").read_table(out)["input_ids"].to_pylist()
+    assert len(rows) == len(PAIRS) and all(row[-1] != eos for row in rows)
+    assert main(["waste", str(src), "-w", "16"]) == 0
+    assert "column 'text' tokenized with bytes\n" in capsys.readouterr().out
