@@ -26,7 +26,9 @@ Only the main thread can set handlers; elsewhere both are no-ops (signals are me
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
+import sys
 import threading
 
 __all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "swallowed", "raise_swallowed", "ending_cleanly", "deferred",
@@ -92,6 +94,15 @@ def raise_swallowed() -> None:
         raise Interrupted(_RAISED[0])
 
 
+def _unraisable(hook, unraisable) -> None:
+    """``sys.unraisablehook`` inside :func:`signals_raise`: a stop raised in a finaliser (a ``__del__``, as in
+    ``datasets.Dataset``'s) cannot leave it, and Python printed it as ``Exception ignored in ...`` with a traceback
+    beside the command's one line. It is not printed: :func:`raise_swallowed` raises it again. Anything else goes to
+    ``hook``."""
+    if not isinstance(unraisable.exc_value, Interrupted):
+        hook(unraisable)
+
+
 def _install(signums, handler, old: dict) -> None:
     """Set ``handler`` for each of ``signums`` not ignored (``SIG_IGN``) or foreign (``None``), filing
     the handler it replaces in ``old`` (filled as it goes, so a caller's ``finally`` restores a partial
@@ -115,6 +126,7 @@ def signals_raise(signums=STOP_SIGNALS):
     outermost = signal.getsignal(signal.SIGTERM) is not _raise
     if outermost:
         _RAISED.clear()
+        hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable, sys.unraisablehook)
     try:
         _install(signums, _raise, old)
         yield
@@ -123,6 +135,8 @@ def signals_raise(signums=STOP_SIGNALS):
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if outermost:
+            sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
