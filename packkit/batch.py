@@ -88,7 +88,7 @@ import numpy as np
 import torch
 
 from .errors import ArgumentError
-from .integrations.transformers import prepare_input_caller, trains_model_loss
+from .integrations.transformers import attn_implementation, prepare_input_caller, trains_model_loss
 from .segments import IGNORE_INDEX, lengths_to_offsets, range_index
 from .weighting import piece_factors
 
@@ -550,7 +550,7 @@ class PackedBatch(dict):
         and for bidirectional sliding windows.
         """
         config = text_config(model)
-        impl = getattr(config, "_attn_implementation", None)
+        impl = attn_implementation(config)
         if impl not in (None, "eager", "sdpa"):
             how = ("pass the batch without a mask (model(**batch)): flash attention reads cu_seq_lens_q/k"
                    if "flash" in str(impl) else "pass the batch without a mask (model(**batch)), or load the "

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
+from .integrations.transformers import attn_implementation, llava_next_grid
 from .mediarows import media_columns
 from .located import ExampleValueError, located, location
 
@@ -171,17 +172,13 @@ def _llava_next(config, ex, units):
     patches, as its ``pack_image_features`` does."""
     if not units:
         return int(config.image_token_id), 0
-    from transformers.models.llava_next.modeling_llava_next import (  # lazy: transformers only for this family
-        get_anyres_image_grid_shape, unpad_image)
-
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
     most = getattr(config, "vision_aspect_ratio", None)  # OneVision: its tower has no CLS token to keep
     base = side ** 2 + (most is None and config.vision_feature_select_strategy == "full")
     total = 0
     for size in media_tensor(ex["image_sizes"]).reshape(units, 2).tolist():
-        rows, cols = get_anyres_image_grid_shape(size, config.image_grid_pinpoints, vision.image_size)
-        height, width = unpad_image(torch.empty(1, rows * side, cols * side), size).shape[1:]
+        height, width = llava_next_grid(size, config)
         if most is not None:
             ratio = math.sqrt(height * width / (int(most.strip("anyres_max_")) * side ** 2))
             if ratio > 1.1:
@@ -389,7 +386,7 @@ def span_masks(config, seq_idx, blocks, *, window_bounds_spans: bool = True, spa
     the window: prefer flex for long windows); the ``BlockMask`` keeps only the blocks that attend.
     """
     config = text_config(config)
-    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    impl = attn_implementation(config, "sdpa")
     if impl not in ("eager", "sdpa", "flex_attention"):
         raise ValueError(f"this model's image or prefix tokens attend both ways, which attn_implementation={impl!r} "
                          "cannot express; load the model with attn_implementation='sdpa', 'eager' or 'flex_attention'")

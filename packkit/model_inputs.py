@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from .batch import PackedBatch, text_config
+from .integrations.transformers import attn_implementation
 from .collate import FixedWindowCollator, PackedRowsCollator, PaddedCollator, PaddingFreeCollator, row_destinations
 from .mediarows import row_documents, row_lengths
 from .media import (FAMILIES, active_spans, check_media, family_of, media_inputs, media_tensor, span_blocks, span_masks,
@@ -237,7 +238,7 @@ class VisionLanguageCollator:
         family = self.family
         spans = active_spans(family, self.config)
         if spans is not None:
-            impl = getattr(text_config(self.config), "_attn_implementation", None) or "sdpa"
+            impl = attn_implementation(text_config(self.config), "sdpa")
             if impl not in ("eager", "sdpa", "flex_attention"):
                 raise ValueError(f"{family.name}'s {spans} tokens attend both ways, which "
                                  f"attn_implementation={impl!r} cannot express in a packed batch; load the model with "

@@ -65,6 +65,7 @@ from .binpack import check_strategy, check_window, pack
 from .collate import padding_free_batch, row_destinations, rows_batch
 from .errors import ArgumentError, ArgumentTypeError, DataError, Where, arg, check_choice, check_int
 from .examples import read_column
+from .integrations.transformers import attn_implementation
 from .integrations.trl import DPOLossHook  # TRL's private loss hook, config and metrics, in one place
 from .logps import logits_logps, scored_logps, segment_sums
 from .located import location
@@ -203,7 +204,7 @@ class SequenceBatch(dict):
         such mask and for other layer kinds (chunked, linear), whose masks it cannot build.
         """
         config = text_config(model)
-        impl = getattr(config, "_attn_implementation", None)
+        impl = attn_implementation(config)
         if impl not in (None, "eager", "sdpa"):
             raise ArgumentError(f"hf_mask is the mask of eager and sdpa attention; this model uses "
                                 f"attn_implementation={impl!r}: call model_inputs(model), which picks the view")
@@ -288,7 +289,7 @@ class SequenceBatch(dict):
             return out
         if model is None:
             raise ArgumentError("layout='tree' needs the model to build its mask: pass model_inputs(model)")
-        impl = getattr(text_config(model), "_attn_implementation", None)
+        impl = attn_implementation(text_config(model))
         if impl == "flex_attention":
             out["attention_mask"] = self.block_mask()
         elif impl in (None, "eager", "sdpa"):

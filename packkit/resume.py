@@ -19,6 +19,7 @@ import numpy as np
 
 from .errors import ArgumentError, arg, check_int
 from .csr import select_batches
+from .integrations import accelerate  # accelerate's loader and batch sampler wrappers, in one place
 from .positions import STATE_VERSION, Point, RepeatWarning, ResumeWarning, bits_mask, mask_bits
 from .short_steps import partial_rows
 from .states import StateFields
@@ -109,16 +110,10 @@ def asking_loader() -> tuple:
         if f is None:
             break
         obj = f.f_locals.get("self")
-        if type(obj).__name__ == "BatchSamplerShard" and getattr(obj, "num_processes", 1) > 1 and \
-                getattr(getattr(obj, "batch_sampler", None), "world_size", 1) > 1:
-            raise ValueError(
-                f"accelerate's BatchSamplerShard deals the batches of {type(obj.batch_sampler).__name__} over "
-                f"{obj.num_processes} processes again, but they are already one rank's of "
-                f"{obj.batch_sampler.world_size} (each rank would train 1/{obj.num_processes} of them): after "
-                "accelerator.prepare(loader), set loader.batch_sampler.num_processes = 1 and process_index = 0")
+        accelerate.check_not_dealt_twice(obj)
         if loader is None and isinstance(obj, dl._BaseDataLoaderIter):
             loader = obj
-        elif loader is not None and type(obj).__name__ == "DataLoaderShard":
+        elif loader is not None and accelerate.is_loader_shard(obj):
             shard = obj
             break
         f = f.f_back
@@ -145,23 +140,20 @@ def consumed(sampler, p, caller: str, offset: int) -> int:
     # the loader draws from p, or through a wrapper that passes every batch (accelerate's BatchSamplerShard made a
     # passthrough on many processes, where Trainer's DataLoaderShard iterates the wrapper): it counts p's batches
     skip = getattr(loader, "_index_sampler", None)
-    passes = type(skip).__name__ != "SkipBatchSampler" and wraps(sampler, skip)
+    passes = not accelerate.is_skipping(skip) and accelerate.draws_from(skip, sampler)
+    held = accelerate.held_back(p.shard() if p.shard is not None else None)
     if (getattr(loader, "_sampler_iter", None) is p or passes) and isinstance(getattr(loader, "_num_yielded", None),
                                                                               int):
         if workers and not getattr(loader, "_in_order", True):
             warnings.warn(ResumeWarning(
                 f"{type(sampler).__name__}.state_dict() behind DataLoader(in_order=False) cannot tell which "
                 "batches the loop trained: pass in_order=True, or state_dict(batches_consumed=...)"), stacklevel=4)
-        held = 0
-        shard = p.shard() if p.shard is not None else None
-        if shard is not None and not getattr(shard, "end_of_dataloader", True):
-            held = 1  # accelerate's DataLoaderShard fetches one batch ahead of the loop
         return max(0, min(p.yielded, loader._num_yielded - held - (offset if stateful else 0)))
     # accelerate's skip_first_batches (Trainer's resume)
-    if type(skip).__name__ == "SkipBatchSampler" and isinstance(getattr(skip, "skip_batches", None), int) and \
-            isinstance(getattr(loader, "_num_yielded", None), int) and wraps(sampler, skip):
-        held = 1 if p.shard is not None and not getattr(p.shard(), "end_of_dataloader", True) else 0
-        return max(0, min(p.yielded, skip.skip_batches + loader._num_yielded - held))
+    skipped = accelerate.skipped_batches(skip)
+    if skipped is not None and isinstance(getattr(loader, "_num_yielded", None), int) and \
+            accelerate.draws_from(skip, sampler):
+        return max(0, min(p.yielded, skipped + loader._num_yielded - held))
     if workers or p.shard is not None:
         fix = ("save loader.state_dict() instead (it holds the sampler's)" if stateful else
                "pass state_dict(batches_consumed=...) with the batches this epoch's loop consumed")
@@ -169,18 +161,6 @@ def consumed(sampler, p, caller: str, offset: int) -> int:
             f"{type(sampler).__name__}.state_dict() counts {p.yielded} batches handed out this pass, but a "
             f"loader fetched some of them ahead of the loop and cannot be asked: {fix}"), stacklevel=4)
     return p.yielded
-
-
-def wraps(sampler, other) -> bool:
-    """Whether ``other`` (a loader's batch sampler) draws from ``sampler``, through at most three
-    ``batch_sampler`` wrappers that pass every batch (accelerate's ``BatchSamplerShard`` on one process)."""
-    for _ in range(3):
-        other = getattr(other, "batch_sampler", None)
-        if other is sampler:
-            return True
-        if getattr(other, "num_processes", 1) != 1:
-            return False
-    return False
 
 
 def point_after(sampler, sched, base: Point, rows: int) -> Point:

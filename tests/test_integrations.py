@@ -9,6 +9,7 @@ and a CP shard (``cp_seq_idx``, ``cp_position_ids``) carry, the tensors in the l
 Before, the registry and these keywords were read in ``attention.py`` and ``cp.py`` each.
 """
 
+import ast
 import inspect
 from pathlib import Path
 
@@ -111,13 +112,86 @@ def test_register_outside_the_range_says_so_in_one_line(monkeypatch):
         hf.register("packkit_range_check", lambda *a, **k: None)
 
 
-def test_only_the_integrations_touch_the_private_hooks():
-    def users(text):
-        return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "packkit").rglob("*.py") if text in p.read_text())
+#: The private surfaces of transformers, TRL and accelerate that packkit touches, each with the one module that may:
+#: ``{name: home in packkit/integrations/}``; a name ending in ``.`` is a prefix (transformers' modeling modules).
+PRIVATE = {
+    "AttentionInterface": "transformers", "_attn_implementation": "transformers",
+    "_compile_jinja_template": "transformers", "_normalize_chat_messages": "transformers",
+    "_prepare_input": "transformers", "_get_num_items_in_batch": "transformers",
+    "_set_signature_columns_if_needed": "transformers", "transformers.models.": "transformers",
+    "_compute_loss": "trl",
+    "BatchSamplerShard": "accelerate", "DataLoaderShard": "accelerate", "SkipBatchSampler": "accelerate",
+}
 
-    assert users("import AttentionInterface") == ["packkit/integrations/transformers.py"]
-    assert users("def _compute_loss(") == ["packkit/integrations/trl.py"]
-    assert users("_compile_jinja_template") == ["packkit/integrations/transformers.py"]
+
+def code_words(source: str):
+    """``(word, lineno)`` for what ``source``'s code names, prose left out. A word is an identifier (a name, an
+    attribute, a definition, a parameter, a keyword argument, an imported name or module) or a whole string literal
+    (``getattr(config, "_attn_implementation")``, ``type(x).__name__ == "DataLoaderShard"``,
+    ``import_module("transformers.models.x")``). Docstrings, comments and words inside a longer string (an error
+    message naming a class) are prose: a mention, not a use."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body and \
+                isinstance(node.body[0], ast.Expr):
+            docstrings.add(id(node.body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words = [node.id]
+        elif isinstance(node, ast.Attribute):
+            words = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            words = [node.name]
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            words = [node.arg]
+        elif isinstance(node, ast.alias):
+            words = [node.name, node.asname]
+        elif isinstance(node, ast.ImportFrom):
+            words = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words = [node.value]
+        else:
+            continue
+        yield from ((w, getattr(node, "lineno", 0)) for w in words if w)
+
+
+def private_uses(source: str) -> list:
+    """``(name of PRIVATE, lineno)`` for each use in ``source``'s code."""
+    return [(name, line) for word, line in code_words(source) for name in PRIVATE
+            if word == name or (name.endswith(".") and word.startswith(name))]
+
+
+def test_code_words_match_uses_not_mentions():
+    source = (
+        '"""A docstring naming BatchSamplerShard and _attn_implementation."""\n'
+        "# a comment on DataLoaderShard\n"
+        "from transformers.models.llava_next import modeling_llava_next\n"
+        "def f(config, loader):\n"
+        '    """Reads config._attn_implementation."""\n'
+        '    impl = getattr(config, "_attn_implementation", None)\n'
+        '    shard = type(loader).__name__ == "DataLoaderShard"\n'
+        '    raise ValueError(f"accelerate\'s BatchSamplerShard deals {impl}")\n'
+        "    return config._compute_loss(hf_compute_loss_func=AttentionInterface)\n")
+    assert sorted(private_uses(source)) == [("AttentionInterface", 9), ("DataLoaderShard", 7),
+                                            ("_attn_implementation", 6), ("_compute_loss", 9),
+                                            ("transformers.models.", 3)]
+
+
+def test_only_the_integrations_touch_the_private_surfaces():
+    """Each name of :data:`PRIVATE` is used in its home module only, and is used there (else the match is broken or
+    the name gone: drop it from PRIVATE). Before, ``_attn_implementation`` was read in five places in four modules,
+    media imported ``modeling_llava_next`` and resume recognised accelerate's wrappers itself."""
+    found = {}
+    for path in sorted((ROOT / "packkit").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        for name, line in private_uses(path.read_text()):
+            found.setdefault(name, []).append(f"{where}:{line}")
+    outside = [f"{place} uses {name!r}: move it into packkit/integrations/{PRIVATE[name]}.py and call that"
+               for name, places in sorted(found.items()) for place in places
+               if not place.startswith(f"packkit/integrations/{PRIVATE[name]}.py:")]
+    assert not outside, "\n".join(outside)
+    assert not set(PRIVATE) - set(found), f"no module uses {sorted(set(PRIVATE) - set(found))}"
 
 
 # -- TRL -------------------------------------------------------------------------------------------------------
@@ -212,3 +286,89 @@ def test_trainer_prepare_input_rebuild_is_found_and_its_trainer_read():
     sft = object.__new__(trl.SFTTrainer)
     sft.compute_loss_func = None
     assert hf.trains_model_loss(sft)
+
+
+def test_attn_implementation_reads_the_configs_name_with_the_callers_default():
+    """``attn_implementation`` is the one reader of ``config._attn_implementation``: None (or ``default``) where the
+    config names none, the name where it does, whatever ``default`` is."""
+    unset, eager = transformers.LlamaConfig(), transformers.LlamaConfig(attn_implementation="eager")
+    assert unset._attn_implementation is None  # the private attribute read, as the installed transformers keeps it
+    assert hf.attn_implementation(unset) is None and hf.attn_implementation(unset, "sdpa") == "sdpa"
+    assert hf.attn_implementation(eager) == "eager" and hf.attn_implementation(eager, "sdpa") == "eager"
+    assert hf.attn_implementation(object()) is None and hf.attn_implementation(object(), "sdpa") == "sdpa"
+
+
+def test_llava_next_grid_is_the_unpadded_grid_of_the_models_own_features():
+    """``llava_next_grid`` against LLaVA-NeXT's own ``pack_image_features`` (which appends a newline column per row):
+    its features per image, less the base tile's and the newlines, are ``height * width`` patches."""
+    from transformers.models.llava_next import modeling_llava_next as ml
+
+    config = transformers.LlavaNextConfig(
+        vision_config={"model_type": "clip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 8,
+                       "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2},
+        text_config={"model_type": "llama", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64},
+        image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], vision_feature_select_strategy="default")
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    model = ml.LlavaNextModel(config).eval()
+    for size in ([30, 50], [64, 20], [40, 40]):
+        rows, cols = ml.get_anyres_image_grid_shape(size, config.image_grid_pinpoints, 32)
+        tiles = torch.zeros(1 + rows * cols, side * side, config.text_config.hidden_size)
+        with torch.no_grad():
+            features, _ = model.pack_image_features([tiles], torch.tensor([size]), "default",
+                                                    image_newline=model.image_newline)
+        height, width = hf.llava_next_grid(size, config)
+        assert features[0].shape[0] == side * side + height * (width + 1), (size, height, width)
+
+
+# -- accelerate ------------------------------------------------------------------------------------------------
+
+
+def test_the_installed_accelerate_is_in_the_supported_range():
+    accelerate = pytest.importorskip("accelerate")
+    from packkit.integrations import accelerate as shards
+
+    assert shards.installed_version() == accelerate.__version__
+    assert shards.is_supported(accelerate.__version__), (
+        f"accelerate {accelerate.__version__} is installed; packkit.integrations.accelerate declares "
+        f"{shards.SUPPORTED}: run this file and tests/test_resume_trainer.py and tests/test_resume_loaders.py on it "
+        "and widen SUPPORTED when they pass")
+    assert not shards.is_supported("1.15.0") and not shards.is_supported("2.0.0")
+
+
+def test_accelerates_wrappers_hold_what_is_read_of_them_and_behave_as_read():
+    """Each class named in ``CLASSES`` exists in ``accelerate.data_loader`` under that name and holds the attributes
+    read; a ``DataLoaderShard`` holds one batch back until its last; ``skip_first_batches`` wraps a
+    ``SkipBatchSampler``; a ``BatchSamplerShard`` passes every batch on one process; one dealing a rank's batches
+    again is refused."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from packkit.integrations import accelerate as shards
+
+    inner = BatchSampler(SequentialSampler(range(8)), 2, False)
+    made = {"BatchSamplerShard": data_loader.BatchSamplerShard(inner, num_processes=1, process_index=0),
+            "DataLoaderShard": data_loader.DataLoaderShard(range(8), batch_sampler=inner),
+            "SkipBatchSampler": data_loader.skip_first_batches(DataLoader(range(8), batch_sampler=inner),
+                                                               1).batch_sampler}
+    for name, attributes in shards.CLASSES.items():
+        assert type(made[name]).__name__ == name
+        assert all(hasattr(made[name], a) for a in attributes), (name, attributes)
+    loader = made["DataLoaderShard"]
+    assert shards.is_loader_shard(loader) and not shards.is_loader_shard(inner)
+    assert [shards.held_back(loader) for _ in loader] == [1, 1, 1, 0] and shards.held_back(None) == 0
+    skip = made["SkipBatchSampler"]
+    assert shards.skipped_batches(skip) == 1 and list(skip) == list(inner)[1:]
+    assert shards.skipped_batches(inner) is None and not shards.is_skipping(inner)
+    assert list(made["BatchSamplerShard"]) == list(inner) and shards.draws_from(made["BatchSamplerShard"], inner)
+    assert shards.draws_from(skip, inner) and not shards.draws_from(inner, inner)
+
+    class RankSampler(BatchSampler):  # one rank's batches of two
+        world_size = 2
+
+    shards.check_not_dealt_twice(made["BatchSamplerShard"])
+    again = data_loader.BatchSamplerShard(RankSampler(SequentialSampler(range(8)), 2, False), num_processes=2,
+                                          process_index=0)
+    with pytest.raises(ValueError, match=r"deals the batches of RankSampler over 2 processes again, but they are "
+                                         r"already one rank's of 2"):
+        shards.check_not_dealt_twice(again)

@@ -4,8 +4,12 @@ place to break. Each declares the versions it is checked against (``SUPPORTED``)
 installed framework.
 
 * :mod:`packkit.integrations.transformers`: attention functions (``AttentionInterface``), the keyword
-  arguments a model's attention layer passes them, and the layouts of their tensors.
+  arguments a model's attention layer passes them, and the layouts of their tensors; the attention implementation
+  a config names (``_attn_implementation``); LLaVA-NeXT's image grid (``modeling_llava_next``); the chat-template
+  compiler; ``Trainer``'s private hooks.
 * :mod:`packkit.integrations.trl`: ``DPOTrainer``'s private ``_compute_loss``, the config it holds, its metrics.
+* :mod:`packkit.integrations.accelerate`: the loader and batch-sampler wrappers of ``accelerator.prepare`` and
+  ``skip_first_batches``, seen through to count the batches a loop received.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What packkit relies on in transformers, in one place: the attention-function registry, the call a model's
-attention layer makes, and the compiler of chat templates (:func:`jinja_compiler`).
+attention layer makes, the attention implementation a config names (:func:`attn_implementation`), LLaVA-NeXT's
+image grid (:func:`llava_next_grid`), and the compiler of chat templates (:func:`jinja_compiler`).
 
 A transformers attention function is called by every attention layer as::
 
@@ -24,7 +25,7 @@ import warnings
 
 __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register",
            "jinja_compiler", "StepCountHook", "StepNormalizer", "render_chat", "fast_backend", "prepare_input_caller",
-           "trains_model_loss"]
+           "trains_model_loss", "attn_implementation", "llava_next_grid"]
 
 #: ``[first, past)``: the transformers releases this module is checked against (major.minor).
 SUPPORTED = ((5, 0), (6, 0))
@@ -84,6 +85,40 @@ def read_call(name: str, module, query, key, value, attention_mask, dropout: flo
     # (batch, heads, seq, d) -> (batch * seq, heads, d): the packed layout.
     q, k, v = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (query, key, value))
     return q, k, v, needed, kwargs.get("is_causal", getattr(module, "is_causal", True))
+
+
+def attn_implementation(config, default: str | None = None) -> str | None:
+    """The attention implementation ``config`` names: its ``_attn_implementation`` (private: what
+    ``from_pretrained(attn_implementation=...)`` and ``model.set_attn_implementation`` set, ``"eager"``, ``"sdpa"``,
+    ``"flash_attention_2"``, ``"flex_attention"``, a registered name...), None where it names none.
+
+    ``default`` given: that in place of a name that is None or empty (the transformers default is sdpa, so a caller
+    asking what the model will run passes ``default="sdpa"``; one that tells "unset" from sdpa passes none).
+    ``config``: a transformers config, the text config of a multimodal model (:func:`packkit.batch.text_config`).
+    ``attn_implementation(LlamaConfig(attn_implementation="eager")) -> "eager"``;
+    ``attn_implementation(LlamaConfig()) -> None``; ``attn_implementation(LlamaConfig(), "sdpa") -> "sdpa"``.
+    """
+    impl = getattr(config, "_attn_implementation", None)
+    if default is None:
+        return impl
+    return impl or default
+
+
+def llava_next_grid(image_size: list, config) -> tuple[int, int]:
+    """``(height, width)``, in patches, of one image's tiles as LLaVA-NeXT lays out their features: the grid of tiles
+    ``get_anyres_image_grid_shape`` picks for ``image_size`` (``[height, width]`` in pixels) from
+    ``config.image_grid_pinpoints``, unpadded to the image's aspect ratio by ``unpad_image`` (both private to
+    ``transformers.models.llava_next.modeling_llava_next``, imported when called: transformers only for this family).
+    ``config``: a LLaVA-NeXT or LLaVA-OneVision config (its ``vision_config`` gives a tile's side in patches)."""
+    import torch
+
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    rows, cols = get_anyres_image_grid_shape(image_size, config.image_grid_pinpoints, vision.image_size)
+    height, width = unpad_image(torch.empty(1, rows * side, cols * side), image_size).shape[1:]
+    return height, width
 
 
 def jinja_compiler():
