@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from .batch import additive_mask, layer_types, mask_dtype, sliding_window, text_config
-from .integrations.transformers import attn_implementation, llava_next_grid
+from .integrations.transformers import attn_implementation, llava_next_grids
 from .mediarows import media_columns
 from .located import ExampleValueError, located, location
 
@@ -177,8 +177,7 @@ def _llava_next(config, ex, units):
     most = getattr(config, "vision_aspect_ratio", None)  # OneVision: its tower has no CLS token to keep
     base = side ** 2 + (most is None and config.vision_feature_select_strategy == "full")
     total = 0
-    for size in media_tensor(ex["image_sizes"]).reshape(units, 2).tolist():
-        height, width = llava_next_grid(size, config)
+    for height, width in llava_next_grids(media_tensor(ex["image_sizes"]).reshape(units, 2).tolist(), config):
         if most is not None:
             ratio = math.sqrt(height * width / (int(most.strip("anyres_max_")) * side ** 2))
             if ratio > 1.1:

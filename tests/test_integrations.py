@@ -7,6 +7,8 @@ attention layer calling a registered function as ``fn(module, query, key, value,
 dropout=..., **kwargs)`` with the ``model(...)`` keywords a packed batch (``cu_seq_lens_q``, ``max_length_q``)
 and a CP shard (``cp_seq_idx``, ``cp_position_ids``) carry, the tensors in the layout ``read_call`` assumes.
 Before, the registry and these keywords were read in ``attention.py`` and ``cp.py`` each.
+``packkit.integrations.trl`` and ``packkit.integrations.accelerate`` are pinned the same way, below; and no module
+outside ``packkit/integrations/`` uses a private surface of the three (:data:`PRIVATE`).
 """
 
 import ast
@@ -298,8 +300,8 @@ def test_attn_implementation_reads_the_configs_name_with_the_callers_default():
     assert hf.attn_implementation(object()) is None and hf.attn_implementation(object(), "sdpa") == "sdpa"
 
 
-def test_llava_next_grid_is_the_unpadded_grid_of_the_models_own_features():
-    """``llava_next_grid`` against LLaVA-NeXT's own ``pack_image_features`` (which appends a newline column per row):
+def test_llava_next_grids_are_the_unpadded_grids_of_the_models_own_features():
+    """``llava_next_grids`` against LLaVA-NeXT's own ``pack_image_features`` (which appends a newline column per row):
     its features per image, less the base tile's and the newlines, are ``height * width`` patches."""
     from transformers.models.llava_next import modeling_llava_next as ml
 
@@ -311,13 +313,13 @@ def test_llava_next_grid_is_the_unpadded_grid_of_the_models_own_features():
         image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], vision_feature_select_strategy="default")
     side = config.vision_config.image_size // config.vision_config.patch_size
     model = ml.LlavaNextModel(config).eval()
-    for size in ([30, 50], [64, 20], [40, 40]):
+    sizes = [[30, 50], [64, 20], [40, 40]]
+    for size, (height, width) in zip(sizes, hf.llava_next_grids(sizes, config), strict=True):
         rows, cols = ml.get_anyres_image_grid_shape(size, config.image_grid_pinpoints, 32)
         tiles = torch.zeros(1 + rows * cols, side * side, config.text_config.hidden_size)
         with torch.no_grad():
             features, _ = model.pack_image_features([tiles], torch.tensor([size]), "default",
                                                     image_newline=model.image_newline)
-        height, width = hf.llava_next_grid(size, config)
         assert features[0].shape[0] == side * side + height * (width + 1), (size, height, width)
 
 

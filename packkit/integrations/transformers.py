@@ -1,6 +1,6 @@
 """What packkit relies on in transformers, in one place: the attention-function registry, the call a model's
 attention layer makes, the attention implementation a config names (:func:`attn_implementation`), LLaVA-NeXT's
-image grid (:func:`llava_next_grid`), and the compiler of chat templates (:func:`jinja_compiler`).
+image grids (:func:`llava_next_grids`), and the compiler of chat templates (:func:`jinja_compiler`).
 
 A transformers attention function is called by every attention layer as::
 
@@ -25,7 +25,7 @@ import warnings
 
 __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_supported", "read_call", "register",
            "jinja_compiler", "StepCountHook", "StepNormalizer", "render_chat", "fast_backend", "prepare_input_caller",
-           "trains_model_loss", "attn_implementation", "llava_next_grid"]
+           "trains_model_loss", "attn_implementation", "llava_next_grids"]
 
 #: ``[first, past)``: the transformers releases this module is checked against (major.minor).
 SUPPORTED = ((5, 0), (6, 0))
@@ -104,21 +104,25 @@ def attn_implementation(config, default: str | None = None) -> str | None:
     return impl or default
 
 
-def llava_next_grid(image_size: list, config) -> tuple[int, int]:
-    """``(height, width)``, in patches, of one image's tiles as LLaVA-NeXT lays out their features: the grid of tiles
-    ``get_anyres_image_grid_shape`` picks for ``image_size`` (``[height, width]`` in pixels) from
-    ``config.image_grid_pinpoints``, unpadded to the image's aspect ratio by ``unpad_image`` (both private to
-    ``transformers.models.llava_next.modeling_llava_next``, imported when called: transformers only for this family).
-    ``config``: a LLaVA-NeXT or LLaVA-OneVision config (its ``vision_config`` gives a tile's side in patches)."""
+def llava_next_grids(image_sizes: list, config) -> list[tuple[int, int]]:
+    """``[(height, width), ...]``, in patches, of each image's tiles as LLaVA-NeXT lays out their features: the grid of
+    tiles ``get_anyres_image_grid_shape`` picks for the image's size (``image_sizes``: ``[[height, width], ...]`` in
+    pixels) from ``config.image_grid_pinpoints``, unpadded to the image's aspect ratio by ``unpad_image`` (both private
+    to ``transformers.models.llava_next.modeling_llava_next``, imported when called, once for all the images:
+    transformers only for this family). ``config``: a LLaVA-NeXT or LLaVA-OneVision config (its ``vision_config``
+    gives a tile's side in patches)."""
     import torch
 
     from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
 
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
-    rows, cols = get_anyres_image_grid_shape(image_size, config.image_grid_pinpoints, vision.image_size)
-    height, width = unpad_image(torch.empty(1, rows * side, cols * side), image_size).shape[1:]
-    return height, width
+    grids = []
+    for size in image_sizes:
+        rows, cols = get_anyres_image_grid_shape(size, config.image_grid_pinpoints, vision.image_size)
+        height, width = unpad_image(torch.empty(1, rows * side, cols * side), size).shape[1:]
+        grids.append((height, width))
+    return grids
 
 
 def jinja_compiler():
