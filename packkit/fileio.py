@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from .errors import DataError
-from .interrupts import deferred
+from .interrupts import deferred, forget_stops
 
 __all__ = ["OutputError", "OutputExistsError", "MissingFolderError", "InputChangedError", "atomic_output",
            "check_output", "fsync_tree", "held_still", "temp_folder", "temp_sibling", "TMP_MARK", "TMP_PATTERN",
@@ -110,6 +110,7 @@ class _Hold:
 
 
 def _changed_error(path) -> InputChangedError:
+    forget_stops()  # the lease's break raised as Ctrl-C does: this error says it, not "interrupted"
     return InputChangedError(f"{str(path)!r} was changed while packkit read it (written, truncated or replaced in "
                              "place by another program); nothing was written: run again once it is complete, or copy "
                              "it and read the copy")
@@ -139,7 +140,8 @@ def held_still(paths):
     each file is held with a **read lease** (Linux ``fcntl(F_SETLEASE, F_RDLCK)``): another process that
     opens it to write, or truncates it, waits in the kernel while this one is told (SIGIO); the signal stops
     the run as Ctrl-C does (every temporary file removed, threads joined: :mod:`packkit.interrupts`), and the
-    block raises :class:`InputChangedError` naming the file; the leases go last, so the writer proceeds only
+    block raises :class:`InputChangedError` naming the file (in place of whatever ended the run: a library that
+    swallows the stop fails in its stead), never "interrupted"; the leases go last, so the writer proceeds only
     once nothing reads the map. The kernel waits ``/proc/sys/fs/lease-break-time`` seconds (45 by default)
     for that, far more than a stop takes.
 
@@ -186,7 +188,7 @@ def held_still(paths):
             hold.stamps[path] = _stamp(os.stat(path))
         yield hold
         hold.check()
-    except KeyboardInterrupt:
+    except BaseException:  # the break's stop, or the error of a library that swallowed it (pyarrow's import pandas)
         if hold.broken:
             raise _changed_error(hold.broken[0]) from None
         raise

@@ -31,8 +31,8 @@ import signal
 import sys
 import threading
 
-__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "swallowed", "raise_swallowed", "ending_cleanly", "deferred",
-           "join"]
+__all__ = ["Interrupted", "STOP_SIGNALS", "signals_raise", "swallowed", "raise_swallowed", "forget_stops",
+           "ending_cleanly", "deferred", "join"]
 
 #: The signals that ask a run to stop (not SIGKILL, which nothing can meet).
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -101,6 +101,12 @@ def _unraisable(hook, unraisable) -> None:
     ``hook``."""
     if not isinstance(unraisable.exc_value, Interrupted):
         hook(unraisable)
+
+
+def forget_stops() -> None:
+    """Forget the stop signals raised so far: a read lease's break raises as Ctrl-C does
+    (:func:`packkit.fileio.held_still`), and the error that says the input changed stands for it, not a stop."""
+    _RAISED.clear()
 
 
 def _install(signums, handler, old: dict) -> None:

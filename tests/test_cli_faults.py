@@ -899,3 +899,50 @@ def test_a_ctrl_c_pyarrow_swallows_importing_pandas_still_stops_the_command(tmp_
     assert fired.exists(), "pandas was imported before the command ran: the Ctrl-C did not land in pyarrow"
     assert (proc.returncode, proc.stderr) == (130, f"packkit {cmd}: interrupted\n"), proc.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fired", "in.jsonl", "swallowed.py"]
+
+
+LEASE_BROKEN_IN_PANDAS = """
+import subprocess, sys, time
+
+
+class Writer:
+    '''Another program opens IN for writing while pyarrow imports pandas: the read lease's break raises as Ctrl-C does,
+    inside pyarrow's lazy import, which swallows it.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "pandas":
+            sys.meta_path.remove(self)
+            open(sys.argv[1], "w").close()
+            writer = subprocess.Popen([sys.executable, "-c", f"open({sys.argv[3]!r}, 'a').close()"])  # IN
+            deadline = time.monotonic() + 60
+            while writer.poll() is None and time.monotonic() < deadline:  # the break lands in this wait
+                time.sleep(0.01)
+
+
+sys.meta_path.insert(0, Writer())
+from packkit.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_an_input_changed_under_a_swallowed_lease_break_is_said_once_as_changed(tmp_path):
+    """A read lease broken by another program raises as Ctrl-C does; where that landed in pyarrow's lazy ``import
+    pandas`` (which swallows it), the run met the change later and said ``error: ... was changed`` (exit 3), and the
+    stop a library swallowed was then raised again at the command's end: a second line, ``interrupted``, exit 130;
+    elsewhere a change met by the writer's check was said as ``interrupted`` alone. The break is the change, said once:
+    exit 3, nothing written."""
+    from packkit.fileio import _leases_possible
+
+    if not _leases_possible():
+        pytest.skip("no read leases here (not Linux, or leases disabled)")
+    src, out, fired = tmp_path / "in.jsonl", tmp_path / "o.parquet", tmp_path / "fired"
+    src.write_text("".join(json.dumps({"input_ids": list(range(1, n))}) + "\n" for n in (40, 90, 300, 7)))
+    script = tmp_path / "writer.py"
+    script.write_text(LEASE_BROKEN_IN_PANDAS)
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's packkit, not the one installed
+    proc = subprocess.run([sys.executable, str(script), str(fired), "pack", str(src), str(out), "-w", "128", "-q"],
+                          capture_output=True, text=True, env={**env(), "PYTHONPATH": root}, timeout=120)
+    assert fired.exists(), "pandas was imported before the command ran: the break did not land in pyarrow"
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"packkit pack: error: {str(src)!r} was changed while packkit read it"), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fired", "in.jsonl", "writer.py"]
