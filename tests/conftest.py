@@ -35,6 +35,12 @@ from collections import Counter, defaultdict
 import pytest
 from hypothesis import HealthCheck, is_hypothesis_test, settings
 
+#: Subprocesses (the command line, spawned ranks, fork servers) import packkit from this tree, as the tests in this
+#: process do (``python -m pytest`` puts the working folder first): a venv shared by several checkouts (git
+#: worktrees) has its editable install pointing at one of them, whose code a subprocess would test instead.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+
 # too_slow measures generation time, which depends on what else the shared machine runs: a failure
 # there is not a finding. data_too_large: some strategies draw long lists of long lists by design.
 SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large]

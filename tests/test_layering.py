@@ -171,6 +171,17 @@ def test_planning_and_the_command_line_import_no_torch():
 
 
 
+def test_a_subprocess_imports_packkit_from_this_tree(tmp_path):
+    """The command line and spawned ranks run in subprocesses: they must test this tree's packkit, not the one a
+    shared venv's editable install points at (another worktree's: conftest puts this tree on PYTHONPATH)."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", "import packkit; print(packkit.__file__)"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=60)
+    assert Path(got.stdout.strip()) == ROOT / "packkit" / "__init__.py", (got.stdout, got.stderr)
+
+
 def test_the_wheel_ships_every_package():
     """pyproject lists packkit's packages by hand: a new subpackage left out
     of the list is missing from the wheel, and `pip install packkit` then fails at import (packkit.integrations
