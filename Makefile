@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test waste test test-fast test-thorough bench
+.PHONY: setup setup-test waste test test-fast test-thorough test-bounds bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,12 @@ test-thorough: setup-test
 	echo "make test-thorough: hypothesis seed $$seed (replay: make test-thorough SEED=$$seed)"; \
 	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m property \
 		--hypothesis-seed=$$seed tests
+
+# The tests that touch transformers' and TRL's private surface (.ci/bounds.py names them) with each framework at the
+# lowest release of the range packkit declares (packkit/integrations/*.py: SUPPORTED), installed in a temporary
+# folder put first on PYTHONPATH, .venv left as it is. CI runs it after make test.
+test-bounds: setup-test
+	$(BIN)/python .ci/bounds.py
 
 bench: setup-test
 	$(BIN)/pip install --quiet -e '.[bench]'
