@@ -50,9 +50,9 @@ test-thorough: setup-test
 	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m property \
 		--hypothesis-seed=$$seed tests
 
-# The tests that touch transformers' and TRL's private surface (.ci/bounds.py names them) with each framework at the
-# lowest release of the range packkit declares (packkit/integrations/*.py: SUPPORTED), installed in a temporary
-# folder put first on PYTHONPATH, .venv left as it is. CI runs it after make test.
+# The tests that touch transformers', TRL's and accelerate's private surface (.ci/bounds.py names them) with each
+# framework at the lowest release of the range packkit declares (packkit/integrations/*.py: SUPPORTED), installed
+# in a temporary folder put first on PYTHONPATH, .venv left as it is. CI runs it after make test.
 test-bounds: setup-test
 	$(BIN)/python .ci/bounds.py
 

@@ -1,6 +1,7 @@
 """CI: packkit against the lowest release of each framework range it declares (issue 29). The CI venv holds the
-newest transformers and TRL; this runs the tests that touch their private surface again with each framework at the
-bottom of its ``SUPPORTED`` (``packkit.integrations.transformers`` / ``.trl``), so both ends of a range are tested.
+newest transformers, TRL and accelerate; this runs the tests that touch their private surface again with each
+framework at the bottom of its ``SUPPORTED`` (``packkit.integrations.transformers`` / ``.trl`` / ``.accelerate``), so
+both ends of a range are tested.
 
     .venv/bin/python .ci/bounds.py                         # each framework at its range's lowest release (or FLOOR)
     .venv/bin/python .ci/bounds.py transformers==5.0.0     # that release instead (the range's bottom, or a probe)
@@ -35,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the CI venv (transformers 5.25 requires it) and transformers imports it whenever it is installed, so the
 #: kernels the lower transformers accepts must come with it (transformers 5.0 fails to import with kernels 0.19).
 FRAMEWORKS = {"transformers": ("packkit.integrations.transformers", "[hub-kernels]"),
-              "trl": ("packkit.integrations.trl", "")}
+              "trl": ("packkit.integrations.trl", ""), "accelerate": ("packkit.integrations.accelerate", "")}
 
 #: Releases the declared range holds that the tests below fail on, so CI tests the lowest that passes meanwhile
 #: (delete an entry once the range no longer reaches below it; the output says when):
@@ -58,6 +59,7 @@ TESTS = (
     "tests/test_chat_trl.py",                # TRL's training templates and SFTTrainer's assistant mask
     "tests/test_chat_masks.py",              # transformers' chat-template steps (render_chat)
     "tests/test_resume_trainer.py",          # Trainer's resume through packkit's batch sampler
+    "tests/test_resume_loaders.py",          # resume through accelerate's loader and batch-sampler wrappers
 )
 
 
