@@ -4,7 +4,7 @@ framework at the bottom of its ``SUPPORTED`` (``packkit.integrations.transformer
 both ends of a range are tested.
 
     .venv/bin/python .ci/bounds.py                         # each framework at its range's lowest release (or FLOOR)
-    .venv/bin/python .ci/bounds.py transformers==5.0.0     # that release instead (the range's bottom, or a probe)
+    .venv/bin/python .ci/bounds.py transformers==5.17.0    # that release instead (the range's bottom, or a probe)
 
 The lowest release is the lowest final one that ``pip index versions`` lists for this Python inside
 ``[first, past)``, raised to :data:`FLOOR` where that names a higher one (said in the output). pip resolves those
@@ -39,14 +39,9 @@ FRAMEWORKS = {"transformers": ("packkit.integrations.transformers", "[hub-kernel
               "trl": ("packkit.integrations.trl", ""), "accelerate": ("packkit.integrations.accelerate", "")}
 
 #: Releases the declared range holds that the tests below fail on, so CI tests the lowest that passes meanwhile
-#: (delete an entry once the range no longer reaches below it; the output says when):
-#: - transformers < 5.17: ``Trainer`` resumed in a later epoch replays epoch 0's batches from packkit's batch sampler
-#:   (``set_epoch`` reaches accelerate's loader only, not the sampler inside it): examples trained twice or never,
-#:   silently (tests/test_resume_trainer.py);
-#: - transformers < 5.24: no ``chat_template_utils._normalize_chat_messages``, so ``render_chat`` returns None and chat
-#:   rendering falls back to ``apply_chat_template``'s per-token loop (same ids and masks, slower); the three tests
-#:   holding packkit to its fast path fail (tests/test_chat_masks.py).
-FLOOR = {"transformers": "5.24.0"}
+#: (delete an entry once the range no longer reaches below it; the output says when). None today: transformers
+#: < 5.17 (a resumed Trainer replayed epoch 0's batches) is out of its range.
+FLOOR: dict = {}
 
 #: The tests that exercise the integrations: the hooks themselves, and the real trainers through them.
 TESTS = (

@@ -13,7 +13,8 @@ layer's (``is_causal``, ``sliding_window``, ``softcap``, ``s_aux``). packkit's a
 (:func:`packkit.attention.hf_varlen_attention`, :func:`packkit.cp.hf_cp_attention`) read that call through
 :func:`read_call` and are registered by :func:`register`; nothing else in packkit names these keywords.
 
-Checked against transformers 5.24 (``tests/test_integrations.py`` runs a tiny model through a registered
+Checked against transformers 5.17 and 5.25 (``.ci/bounds.py`` runs the integration tests at the range's lowest release;
+``tests/test_integrations.py`` runs a tiny model through a registered
 function and fails when the installed version leaves :data:`SUPPORTED`: widen it there after checking).
 """
 
@@ -27,8 +28,10 @@ __all__ = ["SUPPORTED", "UNSUPPORTED_FEATURES", "installed_version", "is_support
            "jinja_compiler", "StepCountHook", "StepNormalizer", "render_chat", "fast_backend", "prepare_input_caller",
            "trains_model_loss", "attn_implementation", "llava_next_grids"]
 
-#: ``[first, past)``: the transformers releases this module is checked against (major.minor).
-SUPPORTED = ((5, 0), (6, 0))
+#: ``[first, past)``: the transformers releases this module is checked against (major.minor). Not below 5.17: a
+#: ``Trainer`` resumed in a later epoch replayed epoch 0's order from packkit's batch sampler there (``set_epoch``
+#: reached accelerate's loader only), examples trained twice or never without a word; CI tests the lowest release.
+SUPPORTED = ((5, 17), (6, 0))
 
 #: Keywords of a layer's call that packkit's attention functions do not implement (refused, not ignored).
 UNSUPPORTED_FEATURES = ("sliding_window", "softcap", "s_aux")
@@ -40,7 +43,7 @@ def installed_version() -> str | None:
 
 
 def is_supported(version: str) -> bool:
-    """``is_supported("5.24.0") -> True``; ``"4.45.0"`` and ``"6.1.0"`` -> False (outside :data:`SUPPORTED`)."""
+    """``is_supported("5.24.0") -> True``; ``"5.16.1"`` and ``"6.1.0"`` -> False (outside :data:`SUPPORTED`)."""
     return integrations.is_supported(version, SUPPORTED)
 
 
