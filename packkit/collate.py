@@ -20,13 +20,15 @@ optionally ``labels`` (same length; ``-100`` where no loss is wanted) and/or a l
 labels, under the rules of :mod:`packkit.rules` (``mask_first_label`` and ``loss_mask``: see
 :class:`PaddingFreeCollator`). A collator also takes the columnar batch of
 :class:`packkit.columnar.ColumnarDataset` directly (no Python object per token); its errors then name
-the dataset row. Tensors leave through ``torch.from_numpy`` (no copy).
+the dataset row. Tensors leave through ``torch.from_numpy`` (no copy). A batch that holds no loss token (every
+label -100) is said once a process, a :class:`LossFreeBatchWarning`: a Hugging Face model's mean loss over it is NaN.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import numbers
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -46,7 +48,21 @@ from .segments import (IGNORE_INDEX, lengths_to_cu_seqlens, lengths_to_offsets, 
                        range_index)
 from .weighting import CallableWeighting, ColumnWeighting, resolve, segment_factors
 
-__all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator"]
+__all__ = ["PaddingFreeCollator", "FixedWindowCollator", "PackedRowsCollator", "PaddedCollator", "LossFreeBatchWarning"]
+
+
+class LossFreeBatchWarning(UserWarning):
+    """A collated batch holds no loss token (every label ``-100``: completions all masked, a window of prompts
+    only). A Hugging Face model's mean loss over it is NaN (0 / 0), and a NaN loss backpropagated makes every weight
+    NaN; :mod:`packkit.loss` and ``Trainer``'s ``num_items_in_batch`` count it as 0. Said in one line, once a
+    process (a DataLoader worker prints its own to stderr). Where such batches are meant (their loss counted by
+    :mod:`packkit.loss`): ``warnings.filterwarnings("ignore", category=LossFreeBatchWarning)``."""
+
+
+LOSS_FREE_BATCH = ("this batch holds no loss token (every label is -100), so its mean loss in a Hugging Face model's "
+                   "forward is NaN (0 / 0) and backpropagated makes every weight NaN; packkit.loss and Trainer's "
+                   "num_items_in_batch count it as 0. Leave such examples out (pack with drop_loss_free=True), or "
+                   "check the labels / loss mask (a completion all masked, a window of prompts only)")
 
 
 def _refuse_packed_rows(examples, who: str) -> None:
@@ -295,8 +311,9 @@ def _check_static(static_shape: bool, num_windows, max_segments):
 
 class _Collator:
     """What every collator shares: it reads its examples' labels under ``mask_first_label`` and
-    ``loss_mask``, and warns once per collator and process when none carries labels or a mask; it weighs
-    the loss tokens under ``loss_weighting`` (:mod:`packkit.weighting`: ``"token"``, the default, adds
+    ``loss_mask``, and warns once per collator and process when none carries labels or a mask; it finishes
+    every batch in :meth:`_finish` (a :class:`LossFreeBatchWarning` when it holds no loss token, and the
+    loss tokens weighed under ``loss_weighting``, :mod:`packkit.weighting`: ``"token"``, the default, adds
     nothing; any other notes ``batch.loss_weight`` and ``batch.loss_norm``)."""
 
     def __init__(self, *, mask_first_label: bool = True, loss_mask: str = "auto", loss_weighting="token"):
@@ -305,9 +322,11 @@ class _Collator:
         self.loss_weighting = resolve(loss_weighting)
         self._warned = [False]  # LossMaskWarning given
 
-    def _weigh(self, batch: PackedBatch, examples, num_docs: int, *, doc_cu=None, seg_doc=None,
-               whole=None) -> PackedBatch:
-        """``batch`` with its loss weights noted (nothing under the token mean): one factor per document
+    def _finish(self, batch: PackedBatch, examples, num_docs: int, *, doc_cu=None, seg_doc=None,
+                whole=None) -> PackedBatch:
+        """``batch``, its labels final, said in a :class:`LossFreeBatchWarning` when it holds no loss token (every
+        collator's batch passes here once; the count was noted when the batch was built, so the check reads a
+        note, no tensor), and with its loss weights noted (nothing under the token mean): one factor per document
         (:func:`packkit.weighting.segment_factors`), nothing per token. The documents are the ``num_docs``
         spans of ``doc_cu`` (:func:`rows_batch_spans`: a row's padding lies in its last document's span)
         or, without it, the segments of ``batch.cu_seqlens`` (padding-free: every segment a document);
@@ -315,6 +334,8 @@ class _Collator:
         ``(D,)`` the loss tokens of each one's whole example (pieces split offline). A few calls on
         per-document arrays a batch, none per row or token: the collate overhead of a weighting
         (``benchmarks/bench_weighting.py``)."""
+        if batch.num_loss_tokens == 0:  # shown once a process by Python's default filter (a DataLoader worker: its own)
+            warnings.warn(LOSS_FREE_BATCH, LossFreeBatchWarning)
         weighting = self.loss_weighting
         if weighting.is_token_mean:
             return batch
@@ -373,7 +394,7 @@ class PaddingFreeCollator(_Collator):
     def __call__(self, examples) -> PackedBatch:
         input_ids, labels, lengths = self._read(examples)
         batch = padding_free_batch(input_ids, labels, lengths, mask_first_label=self.mask_first_label)
-        return self._weigh(batch, examples, lengths.size)
+        return self._finish(batch, examples, lengths.size)
 
     def __repr__(self) -> str:
         return (f"PaddingFreeCollator(mask_first_label={self.mask_first_label}, loss_mask={self.loss_mask!r}, "
@@ -455,7 +476,7 @@ class FixedWindowCollator(_Collator):
                                          pad_token_id=self.pad_token_id, mask_first_label=self.mask_first_label,
                                          static_shape=self.static_shape, max_segments=self.max_segments,
                                          spans=not self.loss_weighting.is_token_mean)
-        batch = self._weigh(batch, examples, plan.seg_length.size, doc_cu=doc_cu, seg_doc=plan.seg_example)
+        batch = self._finish(batch, examples, plan.seg_length.size, doc_cu=doc_cu, seg_doc=plan.seg_example)
         return batch, plan
 
     def __repr__(self) -> str:
@@ -517,7 +538,7 @@ class PackedRowsCollator(_Collator):
                                          num_rows=self.num_windows, pad_token_id=self.pad_token_id,
                                          mask_first_label=self.mask_first_label, static_shape=self.static_shape,
                                          max_segments=self.max_segments, spans=weighted)
-        batch = self._weigh(batch, rows, seg_lengths.size, doc_cu=doc_cu, whole=whole)
+        batch = self._finish(batch, rows, seg_lengths.size, doc_cu=doc_cu, whole=whole)
         if self.cp_size > 1:  # planned here (a DataLoader worker), not by every rank's shard
             plan_batch(batch, cp_size=self.cp_size, cp_layout=self.cp_layout)
         return batch
@@ -691,7 +712,7 @@ class PaddedCollator(_Collator):
                                          pad_token_id=self.pad_token_id, mask_first_label=self.mask_first_label,
                                          attention_mask=self.return_attention_mask,
                                          spans=not self.loss_weighting.is_token_mean)
-        return self._weigh(batch, examples, lengths.size, doc_cu=doc_cu)
+        return self._finish(batch, examples, lengths.size, doc_cu=doc_cu)
 
     def __repr__(self) -> str:
         return (f"PaddedCollator(pad_token_id={self.pad_token_id}, pad_to_multiple_of={self.pad_to_multiple_of}, "
