@@ -28,9 +28,9 @@ Two things come with it:
   dicts, so the mask reaches the collator and is honoured.
 
 Labels and loss masks follow :mod:`packkit.rules` as on every path. The columns read are
-``input_ids``, ``labels``, the loss masks, and the packed-row columns ``seq_lengths`` / ``position_ids``
-when present (``columns=`` to choose). The Arrow types are checked once here; values per batch by the
-collator (vectorised).
+``input_ids``, ``labels``, the loss masks, an ``attention_mask`` (a 0 in it, padding, is refused), and the
+packed-row columns ``seq_lengths`` / ``position_ids`` when present (``columns=`` to choose). The Arrow types are
+checked once here; values per batch by the collator (vectorised).
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ import numpy as np
 
 from .examples import ExampleBatch
 from .listcolumns import list_chunks
-from .rules import MASK_KEYS, column_kind
+from .rules import ATTENTION_MASK_KEY, MASK_KEYS, column_kind
 
 __all__ = ["ColumnarDataset", "DEFAULT_COLUMNS"]
 
-#: Columns a :class:`ColumnarDataset` reads by default (those present): what the collators use.
-DEFAULT_COLUMNS = ("input_ids", "labels", *MASK_KEYS, "seq_lengths", "position_ids")
+#: Columns a :class:`ColumnarDataset` reads by default (those present): what the collators use (an
+#: ``attention_mask`` for its rule: padding is refused, :data:`packkit.rules.ATTENTION_MASK_KEY`).
+DEFAULT_COLUMNS = ("input_ids", "labels", *MASK_KEYS, ATTENTION_MASK_KEY, "seq_lengths", "position_ids")
 
 
 def _kind(key: str) -> str:

@@ -22,9 +22,10 @@ import warnings
 import numpy as np
 
 from .located import ExampleTypeError, ExampleValueError, located, location, not_integral
-from .rules import (INT64_MAX, MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, any_bad_id, beyond_int64, any_bad_label,
-                    any_bad_mask, check_column, check_loss_mask_mode, column_kind, empty_example, length_mismatch, locate,
-                    mask_not_expected, nested, no_labels, no_mask, not_integer, null_tokens)
+from .rules import (ATTENTION_MASK_KEY, FLAG_KINDS, INT64_MAX, MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning,
+                    any_bad_id, beyond_int64, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode,
+                    check_values, column_kind, empty_example, length_mismatch, locate, mask_not_expected, nested,
+                    no_labels, no_mask, not_integer, null_tokens)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
@@ -46,15 +47,16 @@ def example_arrays(ex, keys, *, index: int, rows=None) -> dict:
     """One Python example's columns ``keys`` (the token column first) as checked 1-D numpy arrays.
 
     Every column follows its rule (:func:`~packkit.rules.column_kind`, :func:`~packkit.rules.check_column`);
-    other columns must be
-    integers (bools kept). A key other than the token column that the
-    example lacks (or holds None) is left out of the result: the example does not have it.
+    other columns must be integers (bools kept). A key other than the token column that the example lacks (or
+    holds None) is left out of the result: the example does not have it. An ``attention_mask`` the example carries
+    is checked even when ``keys`` do not read it (a 0 is a pad token: refused, :func:`~packkit.rules.padded_example`).
     ``example_arrays({"input_ids": [5, 6]}, ["input_ids", "labels"], index=0) -> {"input_ids": array([5, 6])}``.
     """
     if not isinstance(ex, collections.abc.Mapping):
         raise located(ExampleTypeError, index, rows, f"is a {type(ex).__name__}, not a dict with 'input_ids'")
     out, first = {}, None
-    for j, key in enumerate(keys):
+    checked = keys if ATTENTION_MASK_KEY in keys else [*keys, ATTENTION_MASK_KEY]  # read or not, never a pad
+    for j, key in enumerate(checked):
         v = ex.get(key)
         if v is None:
             if j == 0:
@@ -67,7 +69,8 @@ def example_arrays(ex, keys, *, index: int, rows=None) -> dict:
                          ref_lengths=None if j == 0 else [first.size], ref_key=keys[0])
         except (ExampleValueError, ExampleTypeError) as exc:
             raise located(type(exc), index, rows, exc.text) from None
-        out[key] = arr
+        if j < len(keys):
+            out[key] = arr
         if j == 0:
             first = arr
     return out
@@ -109,13 +112,13 @@ def _checked_array(x, i: int, key: str, kind: str, rows) -> np.ndarray:
         if x.size == 0:
             return x.astype(np.int64)
         raise not_integer(i, rows, key, kind, x[int(np.argmax(not_integral(x)))] if k == "f" else x[0])
-    if k == "u" and x.itemsize == 8 and kind != "mask" and x.size and x.max() > INT64_MAX:  # int64 would wrap it
+    if k == "u" and x.itemsize == 8 and kind not in FLAG_KINDS and x.size and x.max() > INT64_MAX:  # int64 wraps it
         raise beyond_int64(i, rows, key, kind, x[int(np.argmax(x > INT64_MAX))])
     return x
 
 
 #: Kinds whose columns may hold bools (kept as bools when read one example at a time).
-_BOOL_KINDS = ("mask", "other")
+_BOOL_KINDS = (*FLAG_KINDS, "other")
 
 
 def _is_tensor(x) -> bool:
@@ -191,7 +194,8 @@ def _read(examples, need_labels: bool, mode: str, rows):
 
 def _read_rules(form, need_labels: bool, mode: str):
     """The rules of a batch (:mod:`packkit.rules`), written once, in this order: token ids not null, not
-    empty, not negative; labels (each example's own, else its token ids; ``need_labels``) by their rule;
+    empty, not negative; an ``attention_mask`` (where examples carry one) 0 or 1, as long as the token ids, no 0
+    (padding); labels (each example's own, else its token ids; ``need_labels``) by their rule;
     each of :data:`~packkit.rules.MASK_KEYS` (an error under ``mode="none"``; ones for the examples without it) by its
     rule, ``-100`` where it is 0; then ``mode="required"``: every example carries a mask.
 
@@ -214,6 +218,13 @@ def _read_rules(form, need_labels: bool, mode: str):
     input_ids = form.join("input_ids", "ids", ids)
     if any_bad_id(input_ids):
         raise locate(input_ids, "ids", "input_ids", rows, lengths=lengths)
+    xs = form.get(ATTENTION_MASK_KEY)
+    kinds = {_NONE} if xs is None else set(map(type, xs))
+    if kinds != {_NONE}:  # padding from the tokenizer (a 0) is refused; all ones is read as no mask
+        if _NONE in kinds:
+            xs, kinds = [np.ones(k, np.int8) if x is None else x for x, k in zip(xs, lengths)], None
+        check_values(form.join(ATTENTION_MASK_KEY, "attention", xs, kinds), kind="attention", key=ATTENTION_MASK_KEY,
+                     rows=rows, lengths=lengths)
     xs = form.get("labels")
     kinds = {_NONE} if xs is None else set(map(type, xs))
     supervised = kinds != {_NONE}  # a key every example holds as None is a key none of them has
@@ -361,12 +372,12 @@ def _parts(xs: list, key: str, kind: str, rows, kinds=None) -> tuple[list, list,
         kinds = set(map(type, xs))
     if kinds == {list}:
         lengths = list(map(len, xs))
-        if 0 not in lengths and {type(x[0]) for x in xs} <= ({int, bool} if kind == "mask" else {int}):
+        if 0 not in lengths and {type(x[0]) for x in xs} <= ({int, bool} if kind in FLAG_KINDS else {int}):
             return xs, lengths, "lists"
     elif kinds == {np.ndarray}:
         # ndim is checked where it is cheap: len() of a 0-d array raises, and a 2-D array makes the
         # concatenation fail; both fall back to the checked loop below, which names the example.
-        if {x.dtype for x in xs} <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES):
+        if {x.dtype for x in xs} <= (_MASK_DTYPES if kind in FLAG_KINDS else _INT_DTYPES):
             try:
                 return xs, list(map(len, xs)), "arrays"
             except TypeError:
@@ -389,7 +400,7 @@ def _column(x, i: int, key: str, kind: str, rows):
         if x:
             first = x[0]
             if type(first) is not int and (isinstance(first, bool) or not isinstance(first, numbers.Integral)):
-                if kind == "mask" and isinstance(first, (bool, np.bool_)):
+                if kind in FLAG_KINDS and isinstance(first, (bool, np.bool_)):
                     return x, len(x), True
                 if isinstance(first, (list, tuple, np.ndarray)) or _is_tensor(first):
                     raise nested(i, rows, key, f"a {type(first).__name__} inside a list")
@@ -405,7 +416,7 @@ def _join_arrays(parts: list, key: str, kind: str, rows, total: int | None = Non
     """Every example's part of a column, 1-D integer numpy arrays (bools too in a mask), joined into one
     writable ``(total,)`` int64 array (``total``: the sum of their lengths, counted when None). The
     dtypes and shapes are tested over the whole batch first, then the error names the first part that fails (:func:`_column`)."""
-    if not {p.dtype for p in parts} <= (_MASK_DTYPES if kind == "mask" else _INT_DTYPES) \
+    if not {p.dtype for p in parts} <= (_MASK_DTYPES if kind in FLAG_KINDS else _INT_DTYPES) \
             or any(p.ndim != 1 for p in parts):
         for i, p in enumerate(parts):
             _column(p, i, key, kind, rows)
@@ -441,11 +452,12 @@ def _concat(parts: list, layout: str, total: int, key: str, kind: str, rows) -> 
 
     Lists: joined into one list and converted by a single ``struct.pack_into`` straight into the
     output buffer (measured faster than ``np.fromiter``/``np.array`` on a list, about 2x, and it
-    rejects floats instead of truncating them); bools are rejected unless ``kind == "mask"``.
+    rejects floats instead of truncating them); bools are rejected unless ``kind`` is a flag
+    (:data:`~packkit.rules.FLAG_KINDS`).
     Arrays: one ``np.concatenate``. ``_concat([[1], [2, 3]], "lists", 3, "input_ids", "ids", None) -> [1, 2, 3]``.
     """
     out = np.empty(total, np.int64)
-    bools_ok = kind == "mask"
+    bools_ok = kind in FLAG_KINDS
     try:
         if layout == "lists":
             flat: list = []
@@ -482,7 +494,7 @@ def _locate_bad_part(parts: list, key: str, kind: str, rows) -> None:
                     raise beyond_int64(i, rows, key, kind, v)
                 continue
             if isinstance(v, (bool, np.bool_)):
-                if kind == "mask":
+                if kind in FLAG_KINDS:
                     continue
                 raise not_integer(i, rows, key, kind, v)
             if isinstance(v, (list, tuple, np.ndarray)) or _is_tensor(v):

@@ -7,6 +7,8 @@ An example is a mapping (or one row of a table) with these keys::
     labels            the target of each token           token ids (>= 0) or -100 (no loss), one per token
     completion_mask   loss only where 1 (TRL's names:    0 or 1 (bools too), one per token
     assistant_masks   MASK_KEYS)
+    attention_mask    the tokenizer's padding mask       1 only (all ones is ignored), one per token: a 0 is a pad
+                      (ATTENTION_MASK_KEY)               token of padding=True, refused (packing pads nothing)
 
 No list may be nested (a ``[1, n]`` tokenizer output is one example: squeeze it) and no value may be
 a float, NaN, a bool or text where an integer belongs. Every error a user can cause names where the
@@ -15,6 +17,7 @@ example is and how to fix it, in one wording per rule::
     example 3 has label -7 in 'labels'; labels are token ids (>= 0) or -100 (no loss)
     dataset row 81204 has 1.5 (float) in 'input_ids'; token ids are integers >= 0
     dataset row 7 has 2 in the loss mask 'completion_mask'; a loss mask holds 1 (loss) or 0 (no loss)
+    example 3 has an attention_mask with 2 zeros (padding from the tokenizer): packing would train on ...
 
 The location is ``example i`` (the i-th example of what was passed) or, where the index in a dataset
 is known (offline packing, a batch fetched through :class:`packkit.columnar.ColumnarDataset`),
@@ -47,6 +50,7 @@ from .segments import IGNORE_INDEX, lengths_to_offsets
 
 __all__ = [
     "MASK_KEYS",
+    "ATTENTION_MASK_KEY",
     "DOCUMENT_KEYS",
     "as_lengths",
     "check_groups",
@@ -93,6 +97,14 @@ def __getattr__(name: str):
 #: Keys read as a loss mask (TRL's names): loss only where the mask is 1. The one definition.
 MASK_KEYS = ("completion_mask", "assistant_masks")
 
+#: The key of a Hugging Face tokenizer's attention mask. ``tokenizer(texts, padding=True)`` puts 0 at the pad
+#: positions it adds; packed as content, those pads would be attended to and carry the loss, so an example whose
+#: attention mask holds a 0 is refused (:func:`padded_example`); all ones (a tokenizer without padding) is ignored.
+ATTENTION_MASK_KEY = "attention_mask"
+
+#: Kinds of column whose values are flags, 0 or 1 (bools too): loss masks and the attention mask.
+FLAG_KINDS = ("mask", "attention")
+
 #: ``loss_mask=`` of the collators (see :func:`~packkit.examples.read_batch`): ``"auto"`` honours a mask
 #: where an example has one and warns once when a whole batch has neither labels nor a mask; ``"required"`` makes an
 #: example without a mask an error; ``"none"`` says no mask is expected (a mask is then an error).
@@ -103,6 +115,7 @@ RULES = {
     "ids": "token ids are integers >= 0",
     "labels": f"labels are token ids (>= 0) or {IGNORE_INDEX} (no loss)",
     "mask": "a loss mask holds 1 (loss) or 0 (no loss)",
+    "attention": "an attention_mask holds 1 (a token) or 0 (padding)",
     "other": "a packed column holds integers or bools, one per token",
 }
 _NESTED_FIX = "pass one flat list per example (squeeze a [1, n] tokenizer output)"
@@ -152,6 +165,17 @@ def _bad_label(i, rows, key: str, v):
 
 def _bad_mask(i, rows, key: str, v):
     return _value_error(i, rows, f"has {v} in the loss mask {key!r}; {RULES['mask']}")
+
+
+def _bad_attention(i, rows, key: str, v):
+    return _value_error(i, rows, f"has {v} in {key!r}; {RULES['attention']}")
+
+
+def padded_example(i, rows, key: str, zeros: int):
+    """``example 3 has an attention_mask with 2 zeros (padding from the tokenizer): ...``: the fix named."""
+    return _value_error(i, rows, f"has an {key} with {zeros} zero{'s' if zeros != 1 else ''} (padding from the "
+                        "tokenizer): packing would train on the pad tokens as content; tokenize without padding "
+                        "(padding=False; packkit pads nothing), or drop the pad positions")
 
 
 def empty_example(i, rows, key: str = "input_ids"):
@@ -255,13 +279,14 @@ def any_bad_mask(values: np.ndarray) -> bool:
 
 
 #: Per rule: whether any value breaks it (fast), where values break it (the error path), the error.
-_ANY_BAD = {"ids": any_bad_id, "labels": any_bad_label, "mask": any_bad_mask}
+_ANY_BAD = {"ids": any_bad_id, "labels": any_bad_label, "mask": any_bad_mask, "attention": any_bad_mask}
 _BAD_AT = {
     "ids": lambda v: v < 0,
     "labels": lambda v: (v < 0) & (v != IGNORE_INDEX),
     "mask": lambda v: (v != 0) & (v != 1),
+    "attention": lambda v: (v != 0) & (v != 1),
 }
-_BAD_VALUE = {"ids": _negative, "labels": _bad_label, "mask": _bad_mask}
+_BAD_VALUE = {"ids": _negative, "labels": _bad_label, "mask": _bad_mask, "attention": _bad_attention}
 _UNSIGNED_VIEWS = {np.dtype(f"{k}{n}"): np.dtype(f"u{n}") for k in "iu" for n in (1, 2, 4, 8)}
 #: signed dtype -> (its unsigned view, IGNORE_INDEX's image in that view)
 _LABEL_VIEWS = {np.dtype(f"i{n}"): (np.dtype(f"u{n}"), np.array(IGNORE_INDEX, f"i{n}").view(f"u{n}")[()])
@@ -316,11 +341,11 @@ def check_dtype(values: np.ndarray, starts, lengths, *, key: str, kind: str, row
     k = values.dtype.kind
     if not values.size:
         return  # no values in any example: nothing to refuse
-    if k == "u" and values.dtype.itemsize == 8 and kind != "mask" and values.max() > INT64_MAX:
+    if k == "u" and values.dtype.itemsize == 8 and kind not in FLAG_KINDS and values.max() > INT64_MAX:
         found = _first_with(values > INT64_MAX, starts, lengths)
         if found is not None:
             raise beyond_int64(found[0], rows, key, kind, values[found[1]])
-    if k in "iu" or (k == "b" and kind == "mask"):
+    if k in "iu" or (k == "b" and kind in FLAG_KINDS):
         return
     found = None
     if k == "f":  # the first value that is not an integer (NaN included), as the Python reader reports it
@@ -347,7 +372,8 @@ def check_values(values, offsets=None, *, kind: str, key: str, starts=None, leng
                  valid=None, empty_ok: bool = False) -> None:
     """Examples' values of one column laid out flat, checked by the rule of ``kind``: ``"ids"`` integers
     ``>= 0``, no empty or null example; ``"labels"`` integers, each a token id or ``-100``; ``"mask"`` 0 or
-    1, integers or bools; ``"other"`` integers.
+    1, integers or bools; ``"attention"`` (:data:`ATTENTION_MASK_KEY`) the same, then no 0 in an example (a pad
+    token, :func:`padded_example`); ``"other"`` integers.
 
     Example ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (or ``values[starts[i]:][:lengths[i]]``);
     ``valid`` is the ``(n,)`` bool non-null mask of a table column (None: no nulls; a null is an error for
@@ -368,15 +394,22 @@ def check_values(values, offsets=None, *, kind: str, key: str, starts=None, leng
         error = locate(values, kind, key, rows, starts=starts, lengths=lengths)
         if error is not None:
             raise error
+    if kind == "attention" and values.size and not values.all():  # 0 or 1 by now: a 0 is a pad token
+        found = _first_with(values == 0, starts, lengths if valid is None else np.where(valid, lengths, 0))
+        if found is not None:
+            s, n = int(starts[found[0]]), int(lengths[found[0]])
+            raise padded_example(found[0], rows, key, int(np.count_nonzero(values[s: s + n] == 0)))
 
 
 def column_kind(key: str, token_key: str) -> str:
     """The rule column ``key`` follows when ``token_key`` holds the token ids: ``"ids"``, ``"labels"``,
-    ``"mask"`` (:data:`MASK_KEYS`) or ``"other"``.
+    ``"mask"`` (:data:`MASK_KEYS`), ``"attention"`` (:data:`ATTENTION_MASK_KEY`) or ``"other"``.
     ``column_kind("completion_mask", "input_ids") -> "mask"``; ``column_kind("seq_lengths", "input_ids") -> "other"``.
     """
     if key == token_key:
         return "ids"
+    if key == ATTENTION_MASK_KEY:
+        return "attention"
     return "labels" if key == "labels" else "mask" if key in MASK_KEYS else "other"
 
 
@@ -386,7 +419,7 @@ def check_column(values, offsets, *, kind: str, key: str, rows=None, valid=None,
     ``kind`` (:func:`column_kind`), in this order: token ids by :func:`check_values`; any other column
     first without a null row (``"other"`` only: a null label or mask is an example without the key),
     then as long as ``ref_key``'s ``ref_lengths`` example by example (:func:`check_aligned`, when given),
-    then its values (labels and masks, :func:`check_values`).
+    then its values (labels, masks and the attention mask, :func:`check_values`).
     ``check_column(np.array([5, -7]), [0, 2], kind="labels", key="labels", ref_lengths=[2])`` raises
     ``"example 0 has label -7 in 'labels'; ..."``.
     """
@@ -398,7 +431,7 @@ def check_column(values, offsets, *, kind: str, key: str, rows=None, valid=None,
     if ref_lengths is not None:
         check_aligned(np.diff(offsets), ref_lengths, key=key, ref_key=ref_key, rows=rows, valid=valid)
     if kind != "other":
-        check_values(values, offsets, kind=kind, key=key, rows=rows)
+        check_values(values, offsets, kind=kind, key=key, rows=rows, valid=valid)
 
 
 def check_not_null(valid, *, key: str, rows=None) -> None:

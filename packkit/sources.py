@@ -43,7 +43,7 @@ from .interrupts import deferred, join
 from .listcolumns import check_float_culprit, list_chunks
 from .packer import FlatColumn
 from .row_rules import row_segments
-from .rules import check_not_null, check_values, segment_key
+from .rules import ATTENTION_MASK_KEY, FLAG_KINDS, check_column, check_not_null, check_values, segment_key
 from .segments import lengths_to_offsets
 
 __all__ = ["ArrowSource", "Scan", "scan", "scan_documents", "prefetch", "DEFAULT_BATCH_ROWS"]
@@ -314,22 +314,26 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
             column (flat ``values`` with ``(n + 1,)`` ``offsets`` from 0, ``valid`` the non-null mask
             or None, ``row`` the dataset row of its first example); it raises on bad values.
         progress: a bar advanced by rows scanned, or None.
+
+    A source's ``attention_mask`` that ``columns`` do not name is read too, for its rule only (a 0 is a pad token
+    of ``padding=True``: refused naming the row, :func:`packkit.rules.padded_example`), and not packed.
     """
     pa = pyarrow()
     columns = list(columns)
     kinds = dict(kinds or {}) or {c: "ids" if i == 0 else "other" for i, c in enumerate(columns)}
     types = {c: _list_value_type(source.schema.field(c).type, c) for c in columns}
     _blame_floats(source, [c for c in columns if pa.types.is_floating(types[c])], kinds)
+    checked = [ATTENTION_MASK_KEY] if ATTENTION_MASK_KEY in source.names and ATTENTION_MASK_KEY not in columns else []
     regions: dict = {}
     parts = {c: [] for c in columns}  # per column: (region, starts) or ("staged", batch index)
     valid_parts = {c: [] for c in columns}
     length_parts: list = []
     row = staged_rows = 0
     with _Stage(source, columns, types) as stage:
-        for batch, is_view in source.batches(columns):
+        for batch, is_view in source.batches(columns + checked):
             if batch.num_rows == 0:
                 continue
-            length_parts.append(_read_batch(batch, columns, kinds, check, row, valid_parts))
+            length_parts.append(_read_batch(batch, columns, kinds, check, row, valid_parts, checked))
             if is_view and all(not pa.types.is_boolean(types[c]) for c in columns):
                 for c in columns:
                     parts[c].append(_locate(regions, c, batch.column(c)))
@@ -351,7 +355,7 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
     for c in columns[1:]:
         valid = np.concatenate(valid_parts[c]) if valid_parts[c] else np.ones(0, bool)
         if not valid.all():
-            out[c] = _fill_nulls(out[c], ~valid, out[columns[0]], lengths, ones=kinds.get(c) == "mask")
+            out[c] = _fill_nulls(out[c], ~valid, out[columns[0]], lengths, ones=kinds.get(c) in FLAG_KINDS)
     return Scan(out, lengths, types, staged_rows)
 
 
@@ -365,9 +369,10 @@ def _blame_floats(source: ArrowSource, floats: list, kinds: dict) -> None:
         row += batch.num_rows
 
 
-def _read_batch(batch, columns: list, kinds: dict, check, row: int, valid_parts: dict) -> np.ndarray:
+def _read_batch(batch, columns: list, kinds: dict, check, row: int, valid_parts: dict, checked=()) -> np.ndarray:
     """One batch's columns read by the rules (:func:`packkit.listcolumns.list_chunks`, then ``check``), each
-    column's non-null mask kept in ``valid_parts``; the examples' lengths (the token column's)."""
+    column's non-null mask kept in ``valid_parts``, and the columns ``checked`` (an ``attention_mask`` not packed) by
+    their own rule (:func:`packkit.rules.check_column`); the examples' lengths (the token column's)."""
     lengths = None
     for c in columns:
         ((values, offsets, valid, _),) = list_chunks(batch.column(c), key=c, kind=kinds.get(c, "other"), rows=row)
@@ -376,6 +381,10 @@ def _read_batch(batch, columns: list, kinds: dict, check, row: int, valid_parts:
         if check is not None:
             check(c, values, offsets, valid, row, lengths)
         valid_parts[c].append(np.ones(batch.num_rows, bool) if valid is None else valid)
+    for c in checked:
+        ((values, offsets, valid, _),) = list_chunks(batch.column(c), key=c, kind="attention", rows=row)
+        check_column(values, offsets, kind="attention", key=c, rows=row, valid=valid, ref_lengths=lengths,
+                     ref_key=columns[0])
     return lengths
 
 
