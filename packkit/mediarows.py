@@ -32,7 +32,8 @@ from .readers import parquet_dataset, parquet_schema, read_arrow
 from .row_rules import row_segments
 from .rules import MASK_KEYS, segment_key
 
-__all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "media_columns", "media_options",
+__all__ = ["MEDIA_PREFIXES", "MEDIA_KEYS", "TOKEN_TYPE_KEYS", "MEDIA_FORMATS", "MEDIA_SUFFIXES", "MEDIA_INPUTS",
+           "media_columns", "media_options",
            "refuse_media", "file_columns", "kept_media", "media_dataset", "media_pack_columns", "check_whole",
            "MediaRows", "take_rows", "row_documents", "row_lengths"]
 
@@ -48,8 +49,14 @@ def media_columns(names) -> list[str]:
     return [n for n in names if n.startswith(MEDIA_PREFIXES) or n in MEDIA_KEYS]
 
 
-#: The output formats that carry nested media columns (Arrow's own lists): the others hold tokens only.
+#: The output formats that carry nested media columns (Arrow's own lists; the others hold tokens only), as messages
+#: name them, by suffix too, and the door in's formats of their files, which :func:`kept_media` reads media from. The
+#: fact is :attr:`packkit.outputs.Format.media` (and ``input_format``): this module reads rows for the collators on a
+#: floor below the door out, so it decides by the Format it is handed and names these, which tests/test_formats.py
+#: holds to the door out's table.
 MEDIA_FORMATS = ("parquet", "arrow", "feather")
+MEDIA_SUFFIXES = ", ".join(f".{name}" for name in MEDIA_FORMATS)
+MEDIA_INPUTS = ("parquet", "arrow")
 
 
 def media_options(ds, options, *, streamed: bool, out_format=None):
@@ -64,9 +71,8 @@ def media_options(ds, options, *, streamed: bool, out_format=None):
         return options, None
     if streamed:
         refuse_media(media, "load the dataset (not streaming)")
-    if out_format is not None and out_format.name not in MEDIA_FORMATS:
-        refuse_media(media, f"the {out_format.name} format holds tokens only: write OUT as "
-                     + ", ".join(f".{n}" for n in MEDIA_FORMATS))
+    if out_format is not None and not out_format.media:
+        refuse_media(media, f"the {out_format.name} format holds tokens only: write OUT as {MEDIA_SUFFIXES}")
     columns = media_pack_columns(ds.column_names, options.columns)
     return (dataclasses.replace(options, columns=columns, example_ids=True),
             MediaRows(ds, media, example_ids=options.example_ids))
@@ -93,7 +99,7 @@ def kept_media(path, in_format: str, out_format: str) -> list[str]:
     :func:`packkit.datafiles.input_format` names it) to an OUT of ``out_format``: those of a Parquet or Arrow IPC
     file (its schema alone) to one of :data:`MEDIA_FORMATS`; ``[]`` otherwise (rows packed as tokens, where media
     columns are refused by name, :func:`refuse_media`)."""
-    if out_format not in MEDIA_FORMATS or in_format not in ("parquet", "arrow"):
+    if out_format not in MEDIA_FORMATS or in_format not in MEDIA_INPUTS:
         return []
     return media_columns(file_columns(path, parquet=in_format == "parquet"))
 

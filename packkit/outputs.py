@@ -90,6 +90,10 @@ class Format:
         packed: the format holds packed rows only (their ``seq_lengths``), not examples (``packkit tokenize``).
         documents: the format keeps what a row records of its documents' examples
             (:data:`packkit.rules.DOCUMENT_KEYS`); one that cannot says so in one line when it is written.
+        media: the format holds nested media columns beside the tokens (Arrow's own lists: images, audio;
+            :mod:`packkit.mediarows`); the others hold tokens only and refuse media rows by name.
+        input_format: how the door in reads a file of this format back (:func:`packkit.datafiles.input_format`,
+            whatever the file's name ends with); ``""``: packkit does not read it as an input.
     """
 
     name: str
@@ -100,6 +104,8 @@ class Format:
     encoding: float = 0.0
     packed: bool = False
     documents: bool = True
+    media: bool = False
+    input_format: str = ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,16 +486,20 @@ class _MdsSink:
 
 #: Every output format by name (:class:`Format`).
 FORMATS = {f.name: f for f in (
-    Format("parquet", (".parquet", ".pq"), "file", "parquet", _ParquetSink, encoding=1.0),
-    Format("arrow", (".arrow",), "file", "an Arrow IPC stream", lambda path, schema: _IpcSink(path, schema)),
+    Format("parquet", (".parquet", ".pq"), "file", "parquet", _ParquetSink, encoding=1.0, media=True,
+           input_format="parquet"),
+    Format("arrow", (".arrow",), "file", "an Arrow IPC stream", lambda path, schema: _IpcSink(path, schema), media=True,
+           input_format="arrow"),
     Format("feather", (".feather", ".ipc"), "file", "an Arrow IPC file",
-           lambda path, schema: _IpcSink(path, schema, stream=False)),
-    Format("jsonl", (".jsonl", ".json", ".ndjson"), "file", "JSON lines", _JsonlSink, encoding=8.0),
-    Format("folder", ("",), "dir", "a datasets folder (load with datasets.load_from_disk)", _DatasetSink),
+           lambda path, schema: _IpcSink(path, schema, stream=False), media=True, input_format="arrow"),
+    Format("jsonl", (".jsonl", ".json", ".ndjson"), "file", "JSON lines", _JsonlSink, encoding=8.0,
+           input_format="json"),
+    Format("folder", ("",), "dir", "a datasets folder (load with datasets.load_from_disk)", _DatasetSink,
+           input_format="folder"),
     Format("megatron", (".megatron",), "dir", "a Megatron indexed dataset folder (prefixes OUT/tokens and "
            "OUT/loss_mask for megatron-core's IndexedDataset)", _MegatronSink, packed=True, documents=False),
     Format("bridge", (".idx.parquet", ".idx.pq"), "file", "Megatron-Bridge packed parquet (input_ids, loss_mask, "
-           "seq_start_id)", _BridgeSink, encoding=1.0, packed=True, documents=False),
+           "seq_start_id)", _BridgeSink, encoding=1.0, packed=True, documents=False, input_format="parquet"),
     Format("mds", (".mds",), "dir", "a MosaicML MDS folder (streaming.StreamingDataset(local=OUT))", _MdsSink, packed=True),
     Format("plan", (".packplan",), "file", "an index-only plan (packkit.planindex.PlanIndex.load; no token "
            "written)", None, packed=True),

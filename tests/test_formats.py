@@ -255,6 +255,25 @@ def test_output_format_by_name_and_by_suffix():
         f("a.bin")
 
 
+def test_each_format_says_how_the_door_in_reads_it_and_whether_it_holds_media(tmp_path):
+    """``Format.input_format`` is what the door in (:func:`packkit.datafiles.input_format`) makes of a file of that
+    format by every one of its suffixes, so that ``packkit pack`` reads OUT back by its format whatever OUT's name
+    ends with (it asked ``fmt.name == "parquet"``); ``Format.media`` is what pack_dataset decides by, and
+    packkit.mediarows' names of those formats (for its messages, a floor below the door out) are held to it."""
+    from packkit.datafiles import input_format
+    from packkit.mediarows import MEDIA_FORMATS, MEDIA_INPUTS, MEDIA_SUFFIXES
+
+    for f in outputs.FORMATS.values():
+        if f.kind == "file":
+            assert {input_format(tmp_path / f"out{s}") for s in f.suffixes} == {f.input_format}, f.name
+    assert [f.name for f in outputs.FORMATS.values() if f.kind == "dir" and f.input_format] == ["folder"]
+    assert input_format(tmp_path) == outputs.FORMATS["folder"].input_format
+    media = [f for f in outputs.FORMATS.values() if f.media]  # packkit.mediarows, a floor below, names them itself
+    assert MEDIA_FORMATS == tuple(f.name for f in media) == ("parquet", "arrow", "feather")
+    assert MEDIA_INPUTS == tuple(dict.fromkeys(f.input_format for f in media)) == ("parquet", "arrow")
+    assert MEDIA_SUFFIXES == ", ".join(f.suffixes[0] for f in media) == ".parquet, .arrow, .feather"
+
+
 @pytest.mark.slow  # streaming imports its cloud clients (about 8 s loaded)
 def test_mds_reads_through_streaming_dataset_across_shards(tmp_path):
     """streaming.StreamingDataset over a folder of several shards (size_limit small) gives every row."""
