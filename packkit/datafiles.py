@@ -1,8 +1,7 @@
 """The door in: data files (:data:`INPUTS` by suffix, or a ``save_to_disk`` folder), each read through an
 :class:`Input` as tables of examples, their token columns and their lengths (:func:`read_lengths` says from what),
 without per-token Python: what ``packkit waste`` and ``plan`` measure is what ``packkit pack`` accepts. This module
-decides; behind it: :mod:`packkit.jsonlines`, :mod:`packkit.readers`, :mod:`packkit.tokenizer`.
-"""
+decides; behind it: :mod:`packkit.jsonlines`, :mod:`packkit.readers`, :mod:`packkit.tokenizer`."""
 
 from __future__ import annotations
 
@@ -45,30 +44,27 @@ INPUTS = {
 #: Suffix -> the format's name in messages.
 FORMATS = {suffix: words for suffix, (_, words) in INPUTS.items()}
 
-#: ``{name: module}``: what :mod:`packkit.tokenizer`, :mod:`packkit.readers` (Parquet, Arrow, npy, text, folders) and
-#: :mod:`packkit.tokenizing` lend here under the old address (``packkit.datafiles.tokenize``, ``.parquet_schema``).
+#: ``{name: module}``: what :mod:`packkit.tokenizer`, :mod:`packkit.readers` and :mod:`packkit.tokenizing` lend here
+#: under the old address (``packkit.datafiles.tokenize``, ``.parquet_schema``), each imported on first use.
 _LENT = {**dict.fromkeys(("load_tokenizer", "rust_tokenizer", "tokenize", "tokenizer_name"), "tokenizer"),
          **dict.fromkeys(("load_dataset", "parquet_batches", "parquet_schema", "read_arrow", "read_npy", "read_parquet",
                           "read_text", "text_byte_lengths", "text_tables"), "readers"), "Tokenizing": "tokenizing"}
 
 
 def _readers():
-    """:mod:`packkit.readers`, imported where a file other than JSON lines is read (not for ``plan FILE.jsonl``)."""
-    from . import readers  # lazy: the other formats' readers, off a JSON lines file's start
+    from . import readers  # lazy: the other formats' readers, off a JSON lines file's start (``plan FILE.jsonl``)
     return readers
 
 
-def __getattr__(name: str):
-    """A name of :data:`_LENT`, from its module, imported on first use (the tokenizers: text or pairs only)."""
+def __getattr__(name: str):  # a name of _LENT, from its module (the tokenizers: for text or pairs only)
     if name not in _LENT:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f".{_LENT[name]}", __package__), name)
 
 
 def input_format(path) -> str:
-    """How ``path`` is read, by its suffix (the one place an input's format is chosen): ``"folder"`` (a
-    ``save_to_disk`` folder), ``"npy"``, ``"json"`` (lines, or one list), ``"parquet"``, ``"arrow"``, ``"text"``,
-    or ``""`` (unknown). ``input_format("d.JSONL") -> "json"``."""
+    """How ``path`` is read: by its suffix (:data:`INPUTS`, the one place an input's format is chosen), ``"folder"``
+    for a ``save_to_disk`` folder, ``""`` when unknown. ``input_format("d.JSONL") -> "json"``."""
     path = Path(path)
     return "folder" if path.is_dir() else INPUTS.get(path.suffix.lower(), ("",))[0]
 
@@ -186,8 +182,7 @@ def table_chunks(path, *, split: str | None = None, block_size: int | None = Non
 
 
 def warn_unused_tokenizer(tokenizer, where: str) -> None:
-    """Say in one line that ``tokenizer``, asked for by name, was not used: ``where`` held token ids or lengths
-    already (a default ``"bytes"`` or None is never said)."""
+    """Say in one line that ``tokenizer``, asked for by name, was not used: ``where`` held token ids or lengths."""
     if tokenizer not in (None, "bytes"):
         warnings.warn(UserWarning(Message("{where} holds token ids already: {arg} is not used (nothing is "
                                           "tokenized)", where=where, arg=arg("tokenizer"))), stacklevel=3)
@@ -429,10 +424,9 @@ def preference_columns(names) -> tuple | None:
 def read_preference_lengths(path, *, split: str | None = None, tokenizer=None,
                             trust_remote_code: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """``(prompt, chosen, rejected, source)``: per-pair token counts of a preference file: TRL's tokenized columns
-    (:data:`PREFERENCE_COLUMNS`, as ``DPOTrainer`` or ``packkit tokenize`` makes them), integer counts in
-    ``prompt`` / ``chosen`` / ``rejected``, or text (or conversations) there, tokenized with ``tokenizer``
-    (:func:`packkit.preference.tokenize_pairs`; without one, refused naming the ways to tokenize it). An unused
-    ``tokenizer`` is said."""
+    (:data:`PREFERENCE_COLUMNS`, as ``DPOTrainer`` or ``packkit tokenize`` makes them), integer counts in ``prompt`` /
+    ``chosen`` / ``rejected``, or text (or conversations) there, tokenized with ``tokenizer`` (an unused one is said;
+    :func:`packkit.preference.tokenize_pairs`; without one, refused naming the ways to tokenize it)."""
     table = load_table(path, split=split)  # the path checked (check_path), pyarrow asked for by the format's name
     pa = pyarrow()
     cols = preference_columns(table.column_names)

@@ -6,8 +6,7 @@ This file parses, dispatches, and turns every error a user can cause into one li
 (:mod:`packkit.cli._failures`), never a traceback (``PACKKIT_DEBUG=1`` re-raises); library messages name arguments
 as the command spells them (``--overflow split``, not ``overflow='split'``). A stop signal removes every temporary
 file first (:mod:`packkit.interrupts`); a closed output pipe exits quietly, as a Unix tool killed by SIGPIPE.
-``packkit --help``, ``--version`` and a wrong command compile this file and :mod:`packkit.cli._exits` only.
-"""
+``packkit --help``, ``--version`` and a wrong command compile this file and :mod:`packkit.cli._exits` only."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ chat template (:func:`packkit.chat.tokenize_chat`); text is tokenized (:class:`p
 read, tokenized and written a bounded chunk at a time (:meth:`packkit.datafiles.Input.tokenized`), never whole. OUT
 holds ``input_ids`` and the loss mask (``assistant_masks`` or ``completion_mask``) when one applies, in any format
 ``packkit pack`` writes, written beside its name and renamed when complete; ``waste``, ``plan`` and ``pack`` read it
-without tokenizing again, and measure exactly what they would on IN with the same options.
-"""
+without tokenizing again, and measure exactly what they would on IN with the same options."""
 
 from __future__ import annotations
 

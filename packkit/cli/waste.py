@@ -29,8 +29,7 @@ def parser() -> Parser:
     p.add_argument("--windows-per-step", type=int, default=None,
                    help="windows per packed step (default: the batch size)")
     add_dealing_arguments(p)
-    p.add_argument("--buffer-size", type=int, default=1000,
-                   help="examples held by the streaming packer (default 1000)")
+    p.add_argument("--buffer-size", type=int, default=1000, help="examples held by the streaming packer (default 1000)")
     p.add_argument("--strategies", default=",".join(WASTE_STRATEGIES),
                    help=f"comma-separated subset of {','.join(WASTE_STRATEGIES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batches and orders (default 0)")
