@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import DataError
 from .offline import PackedTable, plan_source
+from .outputs import FORMATS
 from .planindex import PlanIndex, fingerprint
 from .sources import ArrowSource
 
@@ -64,8 +65,9 @@ class PlannedDataset:
             diff = np.flatnonzero(lengths[:n] != want[:n])
             where = (f"example {int(diff[0])} has {int(lengths[diff[0]]):,} tokens, the plan says {int(want[diff[0]]):,}"
                      if diff.size else f"it has {lengths.size:,} examples, the plan {want.size:,}")
+            plan = FORMATS["plan"].suffixes[0]
             raise DataError(f"the source is not the one planned ({where}); plan it again (packkit pack IN "
-                            "OUT.packplan, or pack_dataset(ds, output='OUT.packplan'))")
+                            f"OUT{plan}, or pack_dataset(ds, output='OUT{plan}'))")
         if verify:
             loss, sums = scanned.example_stats(max_tokens=scanned.chunk_tokens(None))
             if fingerprint(lengths, loss, sums) != self.index.fingerprint:

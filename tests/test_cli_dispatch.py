@@ -50,6 +50,39 @@ def test_every_option_has_help_and_one_overflow_default(name):
     assert "exit codes:" in parser.format_help()
 
 
+@pytest.mark.parametrize("name", sorted(cli.SUBCOMMANDS))
+def test_the_input_help_lists_the_door_ins_formats(name, monkeypatch):
+    """IN's help names every suffix of the door in (packkit.datafiles.INPUTS), ``.npy`` (lengths) only where the
+    command reads lengths: each command wrote its own list (``plan``'s lacked ``.ndjson``, ``.pq``, ``.feather``), so
+    a format added to the door in was missed there."""
+    import re
+
+    from packkit.datafiles import INPUTS
+
+    monkeypatch.setenv("COLUMNS", "1000")  # IN's help on one line
+    text = importlib.import_module(cli.SUBCOMMANDS[name][0]).parser().format_help()
+    line = next(line for line in text.splitlines() if line.lstrip().startswith("input "))
+    want = {s for s, (kind, _) in INPUTS.items() if name in ("waste", "plan") or kind != "npy"}
+    assert set(re.findall(r"(?<![\w.])\.[a-z]+", line)) == want, line
+
+
+def test_every_help_expands_once_its_argument_is_added(monkeypatch):
+    """Python 3.14's argparse expands each help as its argument is added (``ArgumentParser._check_help``: one that
+    cannot be expanded is 'badly formed', and the command would not start); IN's help reads the door in's formats
+    through ``%(formats)s``, a field the argument has only once added, so its help is set then. 3.14's check, here."""
+    real = argparse._ActionsContainer.add_argument
+
+    def checked(self, *args, **kwargs):
+        action = real(self, *args, **kwargs)
+        if action.help and hasattr(self, "_get_formatter"):
+            self._get_formatter()._expand_help(action)
+        return action
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", checked)
+    for module, _ in cli.SUBCOMMANDS.values():
+        assert "exit codes:" in importlib.import_module(module).parser().format_help()
+
+
 def test_library_wording_becomes_the_commands_options(capsys, monkeypatch):
     """A library error that names arguments (overflow='split'; before the fix, as the CLI printed it) reads
     in the CLI's syntax, through

@@ -11,12 +11,26 @@ from ..epoch import Lengths
 from ..sample import bundled_sample
 
 
-def add_input_arguments(parser: argparse.ArgumentParser, *, help: str, optional: bool = False, column: bool = True,
-                        tokenizer: str | None = "bytes") -> None:
-    """The input (``help``; omitted when ``optional``), ``--column`` (with ``column``: ``pack`` names its own),
-    ``--text-column``, ``--split``, and ``--tokenizer`` (default ``tokenizer``) with the chat-template options
-    (:func:`packkit.chat.tokenize_chat`)."""
-    parser.add_argument("input", nargs="?" if optional else None, default=None, help=help)
+class _Formats:
+    """``%(formats)s`` of IN's help, the door in's :data:`~packkit.datafiles.INPUTS`: read as argparse prints it."""
+
+    def __init__(self, npy: bool):
+        self.npy = npy
+
+    def __str__(self) -> str:  # ".parquet/.pq (Parquet), .arrow/.feather/.ipc (Arrow IPC), ..."
+        from ..datafiles import INPUTS  # lazy: the door in, as the help is printed (no command's start imports it)
+        kinds = {kind: [s for s, (k, _) in INPUTS.items() if k == kind] for kind, _ in INPUTS.values()}
+        return ", ".join(f"{'/'.join(s)} ({INPUTS[s[0]][1]})" for k, s in kinds.items() if self.npy or k != "npy")
+
+
+def add_input_arguments(parser: argparse.ArgumentParser, *, help: str = "", optional: bool = False,
+                        column: bool = True, tokenizer: str | None = "bytes") -> None:
+    """The input (the door in's formats, then ``help``; omitted when ``optional``), ``--column`` and ``.npy`` lengths
+    (with ``column``; ``pack`` names its own columns), ``--text-column``, ``--split``, and ``--tokenizer`` (default
+    ``tokenizer``) with the chat-template options (:func:`packkit.chat.tokenize_chat`)."""
+    action = parser.add_argument("input", nargs="?" if optional else None, default=None)
+    action.formats = _Formats(npy=column)  # argparse fills %(formats)s from the action's fields as it prints the help
+    action.help = "%(formats)s, or a save_to_disk folder" + help  # once added: Python 3.14 expands a help on adding it
     if column:
         parser.add_argument("--column", default="input_ids", help="token-id list column (or an integer column of "
                                                                   "lengths)")

@@ -17,10 +17,11 @@ from ._options import Parser, add_cp_arguments, add_output_switches, add_window_
 from ..binpack import overflow_note
 from ..epoch import trains_on_nothing
 from ..errors import DataError, check_int
-from ..datafiles import Input, lines_named, reader_pyarrow
+from ..datafiles import INPUTS, Input, lines_named, reader_pyarrow
 from ..fileio import atomic_output, check_output, held_still, temp_folder
 from ..offline import PROGRESS_BYTES, check_planning, pack_dataset, plan_source, show_progress
-from ..mediarows import MEDIA_FORMATS, file_columns, kept_media, media_columns, media_dataset, refuse_media
+from ..mediarows import (MEDIA_INPUTS, MEDIA_SUFFIXES, file_columns, kept_media, media_columns, media_dataset,
+                         refuse_media)
 from ..progress import progress_bar
 from ..sources import ArrowSource
 from ..allocators import bound_allocators
@@ -38,8 +39,7 @@ def parser() -> Parser:
                            "mask, seq_lengths). Conversational data (messages, prompt + completion) is tokenized with "
                            "--tokenizer's chat template, -100 on prompt tokens. OUT is written beside its name and "
                            "renamed into place when complete; an existing OUT is replaced only with --overwrite.")
-    add_input_arguments(p, column=False, tokenizer=None, help="jsonl, parquet, arrow, .txt (one example a line), or "
-                                                              "a folder saved with save_to_disk")
+    add_input_arguments(p, column=False, tokenizer=None)
     p.add_argument("output", help="the file or folder to write, its format chosen by its suffix: "
                                   + ", ".join(f"OUT{f.suffixes[0]}" for f in FORMATS.values() if f.suffixes[0])
                                   + ", or a folder without one (save_to_disk); its folder must exist")
@@ -107,9 +107,10 @@ def _run(args, options) -> int:
                 progress=False if quiet else None, who="packkit pack", cp_size=args.cp_size, cp_layout=args.cp_layout)
 
         source, how, packed = inp.read(plan)  # a type that changes after the first chunk: read whole, there
-        refuse_media(source.names, "packkit pack keeps them from a .parquet or .arrow IN to an OUT of "
-                     + ", ".join(f".{n}" for n in MEDIA_FORMATS) + ", or pack them with "
-                     "packkit.offline.pack_dataset(ds, window=..., output=OUT.parquet)")
+        ins = " or ".join(next(s for s, (kind, _) in INPUTS.items() if kind == k) for k in MEDIA_INPUTS)
+        refuse_media(source.names, f"packkit pack keeps them from a {ins} IN to an OUT of {MEDIA_SUFFIXES}, or pack "
+                     "them with packkit.offline.pack_dataset(ds, window=..., output=OUT"
+                     f"{FORMATS['parquet'].suffixes[0]})")
         if packed.plan.num_examples == 0:  # one rule for every format: an empty OUT would pass for a result
             raise DataError(f"{str(src)!r} holds no examples")
         if packed.plan.num_windows == 0:  # every example longer than the window, and dropped
@@ -148,7 +149,7 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes, quiet: bool) -
         hold.release()  # IN read to the end, unchanged: OUT is renamed into place whatever comes after
         if plan.num_windows == 0:  # one rule for every format: an empty OUT would pass for a result
             raise _none_left(args, inp.path)
-    names = file_columns(out, parquet=fmt.name == "parquet")  # by OUT's format, whatever its name ends with
+    names = file_columns(out, parquet=fmt.input_format == "parquet")  # by OUT's format, whatever its name ends with
     s, media = plan.summary(), media_columns(names)
     if args.json:
         print(json.dumps({"input": str(inp.path), "output": str(out), "format": fmt.name, "columns": names,

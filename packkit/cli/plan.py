@@ -23,10 +23,8 @@ ALIASES = {"target_tokens_per_step": "target_tokens"}
 def parser() -> Parser:
     p = Parser(prog="packkit plan",
                description="Effective batch, tokens per optimiser step, steps per epoch, and advice, for your lengths.")
-    add_input_arguments(p, optional=True, help="what packkit waste reads: .npy of lengths, .jsonl/.json, .parquet, "
-                        ".arrow, .txt (one text example per line) or a save_to_disk folder; labels or a "
-                        "completion_mask / assistant_masks column give the loss tokens, as does a chat template "
-                        "(--tokenizer) on conversational data")
+    add_input_arguments(p, optional=True, help="; labels or a completion_mask / assistant_masks column give the loss "
+                        "tokens, as does a chat template (--tokenizer) on conversational data")
     p.add_argument("--synthetic", type=int, metavar="N", help="N synthetic SFT-like examples instead of a file")
     p.add_argument("-b", "--per-device-batch", type=int, default=1,
                    help="windows (packed) or examples (padded) per device per micro-batch (default 1)")

@@ -34,9 +34,8 @@ def parser() -> Parser:
                            "so that packkit waste, plan and pack read the result without tokenizing again. Preference\n"
                            "pairs (prompt, chosen, rejected) become TRL's prompt_ids, chosen_ids and rejected_ids,\n"
                            "for packkit waste --preference.")
-    add_input_arguments(p, column=False, tokenizer=None, help="jsonl, parquet, arrow, .txt (one example a line), or "
-                                                              "a save_to_disk folder")
-    p.add_argument("output", help="OUT.parquet, OUT.jsonl, OUT.arrow, OUT.feather, or a folder name (save_to_disk)")
+    add_input_arguments(p, column=False, tokenizer=None)
+    p.add_argument("output", help=", ".join(f"OUT{s}" for s in example_suffixes()) + ", or a folder (save_to_disk)")
     p.add_argument("--num-proc", type=int, default=None,
                    help="processes that render and tokenize (default 1), as datasets.map's num_proc")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (never IN)")

@@ -21,8 +21,7 @@ class _Default(str):
 def parser() -> Parser:
     p = Parser(prog="packkit waste",
                description="Padding waste of each batching strategy on your data (the bundled sample without FILE).")
-    add_input_arguments(p, optional=True, help="jsonl, parquet, arrow, a save_to_disk folder, .txt (one example a "
-                                               "line), or .npy of lengths; omitted: the bundled sample")
+    add_input_arguments(p, optional=True, help="; omitted: the bundled sample")
     add_window_arguments(p, strategy=False, overflow_default=_Default(DEFAULT_OVERFLOW),
                          overflow_help="; with --preference, drop (default there) or error: a pair is packed whole")
     p.add_argument("-b", "--batch-size", type=int, default=8, help="examples per padded step (default 8)")
