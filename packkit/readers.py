@@ -1,6 +1,6 @@
 """Parquet, Arrow IPC, text lines, numpy arrays of lengths and ``save_to_disk`` folders, each read with its damage
 named in one line: the back of the house behind the door in (:mod:`packkit.datafiles` decides which format an input
-is and what its rows are; this module names no suffix and knows nothing of columns, tokenizers or examples)."""
+is and what its rows are; this module names no suffix but numpy's own, nor columns, tokenizers or examples)."""
 
 from __future__ import annotations
 
