@@ -313,3 +313,20 @@ def test_an_out_with_no_example_left_blames_what_left_none(tmp_path, capsys):
     from packkit.offline import pack_dataset
     with pytest.raises(ValueError, match="no piece holds a loss token, and drop_loss_free=True left every one out"):
         pack_dataset(ds, window=8, drop_loss_free=True)
+
+
+@pytest.mark.parametrize("overflow, said", [("drop", "packed 2 of 3 examples (5 of 15 tokens)"),
+                                            ("truncate", "packed 3 examples (13 of 15 tokens)"),
+                                            ("split", "packed 3 examples (15 tokens)")])
+def test_the_summary_counts_the_examples_packed_not_those_read(tmp_path, capsys, overflow, said):
+    """Regression: ``--overflow drop`` said ``packed 3 examples`` of a file whose longest example it dropped (the line
+    after said so): the summary counts the examples in a window, of those read; the JSON line keeps both counts."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}\n{"input_ids": [4, 5]}\n')
+    code, stdout, err = run(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "8", "--overflow", overflow], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[0].startswith(said + " into "), stdout
+    code, stdout, err = run(["pack", str(src), str(tmp_path / "j.parquet"), "-w", "8", "--overflow", overflow,
+                             "--json"], capsys)
+    got = json.loads(stdout)
+    assert code == 0 and (got["examples"], got["overflow_examples"]) == (3, 1), got

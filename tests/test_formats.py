@@ -5,7 +5,9 @@ an index-only plan re-plans from lengths and its rows, read lazily, are those pa
 Readers: megatron-core's IndexedDataset (0.16, the last release for Python 3.11), Megatron-Bridge's
 packed parquet read with pyarrow under Bridge's column semantics (GPTSFTPackedDataset.collate_fn: document
 [s, e) trains tokens[s:e-1] on labels input_ids[s+1:e] where loss_mask[s:e-1]), mosaicml-streaming's
-StreamingDataset over an MDS folder.
+StreamingDataset over an MDS folder. Bridge's own reader (GPTSFTPackedParquetDataset) cannot run here: it
+ships from megatron-bridge 0.6 on, which requires Python 3.12 and a megatron-core past 0.16 (its import fails
+on 0.16.1), and 0.3.1, the last release for Python 3.11, has no packed parquet reader.
 """
 
 from __future__ import annotations

@@ -75,8 +75,7 @@ def _checked(batches, hold):
 
 
 def run(args, options=None) -> int:
-    # What the overflow policy did is printed by the command; the library's log line would repeat it on stderr.
-    # The level is put back after: a program (or a test) that runs the command in its own process keeps its logs.
+    # The command prints what the overflow policy did (the log would say it again); put back for an in-process caller
     logger = logging.getLogger("packkit")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -133,10 +132,9 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes, quiet: bool) -
     with no loss token, pieces left out) go to stderr as they are; the summary says what the plan holds."""
     logging.getLogger("packkit").setLevel(logging.WARNING)  # run() puts the level back
     sized = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
-    # OUT through packkit.fileio.atomic_output, as every writer: pack_dataset writes beside OUT (an existing one
-    # replaced only with --overwrite, checked), renamed onto OUT once IN is checked unchanged. IN's Arrow copy (datasets
-    # converts a Parquet file before it maps it) goes beside OUT and away with the run, not into datasets' cache
-    # (~/.cache): a copy of the user's data they never asked for
+    # OUT through atomic_output, as every writer: written beside it (an existing one replaced only with --overwrite),
+    # renamed onto it once IN is checked unchanged. IN's Arrow copy (datasets converts a Parquet file before it maps
+    # it) goes beside OUT and away with the run, not into datasets' cache (~/.cache): data the user never asked for
     with held_still([inp.path]) as hold, atomic_output(out, kind=fmt.kind, inputs=[inp.path],
                                                        overwrite=args.overwrite) as tmp, temp_folder(out) as cache:
         ds = media_dataset(inp.path, parquet=inp.format == "parquet", cache_dir=cache,  # datasets' bars as packkit's
@@ -232,6 +230,8 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
 def _packed(args, s: dict, input_tokens: int, media: str = "") -> str:
     """The summary's lines: what was packed (``s``: the plan's figures) of ``input_tokens`` read, and the CP group."""
     held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
+    n = s["examples"] - s["overflow_examples"] * (s["overflow"] == "drop")  # those dropped are in no window
+    kept = f"{n:,}" if n == s["examples"] else f"{n:,} of {s['examples']:,}"
     cp = f"\nrows for a context-parallel group of {args.cp_size} ({args.cp_layout})" if args.cp_size > 1 else ""
-    return (f"packed {s['examples']:,} examples ({held} tokens){media} into {s['windows']:,} windows of "
+    return (f"packed {kept} examples ({held} tokens){media} into {s['windows']:,} windows of "
             f"{s['window']:,} (lower bound {s['lower_bound']:,}, fill {s['fill']:.4f}, {args.strategy})" + cp)
