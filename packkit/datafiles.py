@@ -345,7 +345,7 @@ class Input:
         made = None if whole else self.chunks()
         if made is None:
             return None
-        from .listcolumns import loss_targets, token_lengths  # lazy: off waste and plan's start
+        from .listcolumns import loss_targets, table_lengths  # lazy: off waste and plan's start
         pa = pyarrow()
         lengths, targets, row = [], [], 0
         for table in made[0]():
@@ -353,7 +353,7 @@ class Input:
                                                      and segment_key(table.column_names) is None):
                 return None
             key = self.column if self.column in table.column_names else "input_ids"
-            lengths.append(token_lengths(table.column(key), key=key, rows=row))
+            lengths.append(table_lengths(table, key=key, rows=row))
             targets.append(loss_targets(table, lengths[-1], key=key, rows=row))
             row += table.num_rows
         if not lengths or any(t is None for t in targets) != all(t is None for t in targets):
@@ -375,8 +375,8 @@ class Input:
         table, how = self.table(progress=progress, table=table)
         key = col if col in table.column_names else "input_ids"
         # every rule `packkit pack` holds token ids to (packkit.rules): waste and plan measure what pack accepts
-        from .listcolumns import loss_targets, packed_segments, source_order, token_lengths  # lazy: off the start
-        lengths = as_lengths(token_lengths(table.column(key), key=key), name=f"lengths in {name}")
+        from .listcolumns import loss_targets, packed_segments, source_order, table_lengths  # lazy: off the start
+        lengths = as_lengths(table_lengths(table, key=key), name=f"lengths in {name}")
         source = f"{name}, " + (how or f"column {col!r}")
         docs = packed_segments(table, lengths, key=key) if lengths.size else None
         docs = None if docs is None else docs[0]

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from .arrow import pyarrow
-from .rules import (MASK_KEYS, check_column, check_dtype, check_not_null, check_values, column_kind, nested,
-                    not_integer, null_inside, segment_key)
+from .rules import (ATTENTION_MASK_KEY, MASK_KEYS, check_column, check_dtype, check_not_null, check_values,
+                    column_kind, nested, not_integer, null_inside, segment_key)
 from .segments import IGNORE_INDEX, lengths_to_offsets
 
-__all__ = ["list_chunks", "check_float_culprit", "token_lengths", "loss_lengths", "loss_targets", "packed_segments",
-           "source_order", "table_labels"]
+__all__ = ["list_chunks", "check_float_culprit", "token_lengths", "table_lengths", "loss_lengths", "loss_targets",
+           "packed_segments", "source_order", "table_labels"]
 
 
 def _is_list(pa, t) -> bool:
@@ -121,6 +121,23 @@ def token_lengths(column, *, key: str = "input_ids", rows: int = 0) -> np.ndarra
         check_values(values, offsets, kind="ids", key=key, rows=first, valid=valid)
         out.append(np.diff(offsets))
     return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def table_lengths(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray:
+    """``(n,)`` int64 lengths of ``table``'s token column ``key`` (:func:`token_lengths`), its ``attention_mask`` held
+    to its rule too where it has one (as long as the tokens, 0 or 1, and no 0: a pad token of ``padding=True`` would be
+    measured as content; :func:`~packkit.rules.padded_example` names the row). All ones is read as no mask.
+    ``table_lengths(pa.table({"input_ids": [[5, 6]], "attention_mask": [[1, 0]]}))`` raises ``"example 0 has an
+    attention_mask with 1 zero (padding from the tokenizer): ..."``."""
+    lengths = token_lengths(table.column(key), key=key, rows=rows)
+    if ATTENTION_MASK_KEY in table.column_names:  # read only where present: a file without it costs nothing more
+        done = 0
+        for values, off, valid, first in list_chunks(table.column(ATTENTION_MASK_KEY), key=ATTENTION_MASK_KEY,
+                                                     kind="attention", rows=rows):
+            check_column(values, off, kind="attention", key=ATTENTION_MASK_KEY, rows=first, valid=valid,
+                         ref_lengths=lengths[done: done + off.size - 1], ref_key=key)
+            done += off.size - 1
+    return lengths
 
 
 def loss_targets(table, lengths=None, *, key: str = "input_ids", rows: int = 0, segments=None) -> np.ndarray | None:

@@ -8,6 +8,10 @@ Regression (user walk-through, silent before): ``tokenizer(texts, padding=True)`
 the collators in a DataLoader (dict examples and :class:`~packkit.columnar.ColumnarDataset` batches), ``packkit
 pack`` of a .jsonl on disk, ``pack_dataset`` of a ``datasets.Dataset`` and ``pack_stream``. An attention mask of all
 ones (what a tokenizer without padding gives) still packs exactly as the same examples without it.
+
+Regression (padmask39b, silent before): ``packkit waste`` and ``packkit plan`` (and ``measure_waste`` / ``plan_budget``
+of :func:`packkit.datafiles.read_lengths`) measured such a file with its pads counted as tokens; now refused by the
+same rule, naming the row and its line in a .jsonl; all ones measures the same figures as no mask.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ transformers = pytest.importorskip("transformers")
 
 from packkit.cli import main  # noqa: E402
 from packkit.columnar import ColumnarDataset  # noqa: E402
+from packkit.datafiles import read_lengths  # noqa: E402
 from packkit.offline import pack_dataset  # noqa: E402
+from packkit.waste import measure_waste  # noqa: E402
 
 PADDED = "has an attention_mask with {} (padding from the tokenizer): packing would train on the pad tokens as " \
          "content; tokenize without padding (padding=False; packkit pads nothing), or drop the pad positions"
@@ -123,6 +129,9 @@ def test_an_attention_mask_that_is_not_ones_token_for_token_is_refused_everywher
     assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "dataset row 1 (line 2 of" in err and words.split(" ", 2)[2] in err
     assert not (tmp_path / "out.parquet").exists()
+    code, err = cli(["waste", tmp_path / "in.jsonl", "--window", "8"])
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "dataset row 1 (line 2 of" in err and words.split(" ", 2)[2] in err
 
 
 def test_packkit_pack_refuses_a_padded_jsonl_and_writes_nothing(tmp_path, tokenizer):
@@ -196,3 +205,60 @@ def test_an_all_ones_attention_mask_packs_unchanged(tmp_path, tokenizer):
     got, want = pq.read_table(tmp_path / "plain.parquet"), pq.read_table(tmp_path / "bare.parquet")
     assert "attention_mask" not in got.column_names and got.equals(want)
     print("rows", got.num_rows, "tokens", int(np.sum([len(r) for r in got.column("input_ids").to_pylist()])))
+
+
+@pytest.mark.parametrize("command", ["waste", "plan"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_waste_and_plan_refuse_a_padded_file(tmp_path, tokenizer, command, suffix):
+    """``packkit waste`` / ``plan`` of a file of ``tokenizer(texts, padding=True)`` rows (a .jsonl read a chunk at a
+    time, a .parquet read whole): one line naming the row (its line in a .jsonl) and the fix, the exit code of bad
+    data, no figures. Before, the pads were measured as tokens."""
+    tokenizer.padding_side = "right"
+    examples = rows(tokenizer(TEXTS, padding=True))
+    path = tmp_path / f"padded{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(path, examples)
+    else:
+        pq.write_table(pa.Table.from_pylist(examples), path)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(err):
+        code = main([command, str(path), "--window", "16"])
+    err = err.getvalue()
+    print(err)
+    assert code == 3 and len(err.strip().splitlines()) == 1 and "Traceback" not in err and not out.getvalue()
+    assert ("dataset row 0 (line 1 of" if suffix == ".jsonl" else "dataset row 0 has") in err
+    assert PADDED.format("3 zeros") in err
+
+
+def test_measure_waste_of_a_padded_dataset_is_refused(tmp_path, tokenizer):
+    """``measure_waste(read_lengths(folder))`` of a ``datasets.Dataset`` mapped with ``padding=True`` and saved names
+    the first padded row; the same rows without padding measure as the rows without a mask."""
+    tokenizer.padding_side = "left"
+    ds = datasets.Dataset.from_dict({"text": TEXTS}).map(lambda b: tokenizer(b["text"], padding=True), batched=True)
+    ds.remove_columns("text").select([2, 1, 0]).save_to_disk(str(tmp_path / "padded"))
+    with pytest.raises(ExampleValueError, match=r"^dataset row 1 has an attention_mask with 4 zeros \(padding"):
+        measure_waste(read_lengths(tmp_path / "padded"), window=16)
+    plain = datasets.Dataset.from_dict({"text": TEXTS}).map(lambda b: tokenizer(b["text"]), batched=True)
+    plain.remove_columns("text").save_to_disk(str(tmp_path / "plain"))
+    plain.remove_columns(["text", "attention_mask"]).save_to_disk(str(tmp_path / "bare"))
+    got, want = (measure_waste(read_lengths(tmp_path / name), window=16) for name in ("plain", "bare"))
+    assert got.input_lengths.tolist() == want.input_lengths.tolist() == [3, 2, 6]
+    assert got.input_tokens == want.input_tokens and got.loss_tokens == want.loss_tokens
+
+
+def test_waste_and_plan_of_an_all_ones_mask_say_the_same_figures(tmp_path, tokenizer):
+    """A .jsonl whose ``attention_mask`` is all ones (no padding) gives ``packkit waste`` and ``plan`` the same output
+    as the same rows without the column."""
+    plain = rows(tokenizer(TEXTS))
+    for name, examples in (("plain", plain), ("bare", [{"input_ids": ex["input_ids"]} for ex in plain])):
+        (tmp_path / name).mkdir()
+        write_jsonl(tmp_path / name / "d.jsonl", examples)
+    for command in ("waste", "plan"):
+        said = []
+        for name in ("plain", "bare"):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main([command, str(tmp_path / name / "d.jsonl"), "--window", "16", "--json"])
+            assert code == 0, err.getvalue()
+            said.append(out.getvalue().replace(str(tmp_path / name), "DIR"))
+        assert said[0] == said[1] and said[0], command
