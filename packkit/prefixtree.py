@@ -59,11 +59,11 @@ from .logps import logits_logps, scored_logps
 from .errors import ArgumentError, DataError, arg
 from .integrations.transformers import StepCountHook, StepNormalizer  # Trainer's private step count
 from .preference import SequenceBatch, varlen_recipe
-from .examples import read_column
+from .examples import example_arrays, read_column
 from .located import location
 from .row_rules import example_values
-from .rules import (MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths, check_loss_mask_mode, check_values,
-                    mask_not_expected, no_mask)
+from .rules import (ATTENTION_MASK_KEY, MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning, as_lengths,
+                    check_loss_mask_mode, check_values, mask_not_expected, no_mask)
 from .tokenizer import load_tokenizer
 from .segments import IGNORE_INDEX, lengths_to_offsets, lengths_to_seq_idx, range_index
 
@@ -1252,8 +1252,9 @@ class TreeCollator:
     Each example has ``input_ids``, optionally a loss mask (the first of :data:`packkit.rules.MASK_KEYS` it has:
     ``completion_mask``, ``assistant_masks``; none: every token after the first), per-token ``value_keys``
     (``advantages``, ``old_logps``: one number a token, on every example or none) and a ``group_key`` (an int:
-    samples share prefixes only within a group). ``TreeCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2,
-    4]}]).input_ids -> [[1, 2, 3, 4]]``. ``window``, ``num_windows``, ``strategy``, ``pad_token_id``: as
+    samples share prefixes only within a group). An ``attention_mask`` holding a 0 (padding, as a padded rollout
+    carries) is refused naming the example (:func:`packkit.rules.padded_example`).
+    ``TreeCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2, 4]}]).input_ids -> [[1, 2, 3, 4]]``. ``window``, ``num_windows``, ``strategy``, ``pad_token_id``: as
     :func:`tree_batch` (a tree over ``window`` is an error naming :func:`split_trees`). ``loss_mask``: ``"auto"``,
     ``"required"`` or ``"none"``, as packkit's other collators (:meth:`_mask_key`).
     """
@@ -1273,6 +1274,9 @@ class TreeCollator:
         if not examples:
             raise ValueError("a collator needs at least one example")
         ids, lengths = read_column(examples, "input_ids", missing="a sample is input_ids (and optionally a loss mask)")
+        if any(ATTENTION_MASK_KEY in ex for ex in examples):  # a 0 is a pad token: refused by the rules' own check
+            for i, ex in enumerate(examples):
+                example_arrays(ex, ["input_ids"], index=i)
         key = self._mask_key(examples[0])
         mask = None if key is None else read_column(examples, key, missing=f"every example needs {key!r} when the "
                                                    "first has it")[0]

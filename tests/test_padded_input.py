@@ -262,3 +262,19 @@ def test_waste_and_plan_of_an_all_ones_mask_say_the_same_figures(tmp_path, token
             assert code == 0, err.getvalue()
             said.append(out.getvalue().replace(str(tmp_path / name), "DIR"))
         assert said[0] == said[1] and said[0], command
+
+
+def test_the_tree_collator_refuses_a_padded_sample(tokenizer):
+    """``TreeCollator`` (packkit.prefixtree) of ``tokenizer(texts, padding=True)`` samples, as padded rollouts come:
+    refused naming the example, by the same rule; all ones builds the same tree as no mask. Before, the pads were
+    tokens of the tree, attended to and scored."""
+    from packkit.prefixtree import TreeCollator
+
+    tokenizer.padding_side = "left"
+    padded = rows(tokenizer(TEXTS, padding=True))
+    with pytest.raises(ExampleValueError, match=r"^example 0 has an attention_mask with 3 zeros \(padding"):
+        TreeCollator(loss_mask="none")(padded)
+    plain = rows(tokenizer(TEXTS))
+    got = TreeCollator(loss_mask="none")(plain)
+    want = TreeCollator(loss_mask="none")([{"input_ids": ex["input_ids"]} for ex in plain])
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.position_ids, want.position_ids)
