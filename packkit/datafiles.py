@@ -262,7 +262,8 @@ class Input:
             for table in tables():
                 if table.num_rows:
                     encoded = how.encode(table, row)
-                    release_freed()  # what the chunk's tokenizing freed, before the next chunk is read
+                    if how.chat is not None or how.tokenizer != "bytes":  # counting bytes frees nothing to hand back
+                        release_freed()  # what the chunk's tokenizing freed, before the next chunk is read
                     yield encoded
                     row += table.num_rows
             how.finish(row)

@@ -185,8 +185,7 @@ def _checks(args):
 
 def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
     """What was packed and written: one JSON line (``--json``), else the summary's lines."""
-    plan, names = packed.plan, packed.schema.names
-    s = plan.summary()
+    plan, names, s = packed.plan, packed.schema.names, packed.plan.summary()
     input_tokens = s["tokens"] + s["cut_tokens"] + packed.dropped_tokens
     loss = {"loss_tokens": packed.loss_tokens, "loss_tokens_assumed": "labels" not in names,
             "loss_free_windows": packed.loss_free_windows, "loss_free_pieces": packed.loss_free_pieces,
