@@ -19,14 +19,14 @@ import pyarrow.parquet as pq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's packkit (not an installed one), and benchlib
-from benchlib import ab_pairs, loadavg, package_at, parse_quick, ratio_spread, sft_like_lengths, spread_text  # noqa: E402
+from benchlib import ab_pairs, add_lengths_option, bench_lengths, loadavg, package_at, parse_quick, ratio_spread, spread_text  # noqa: E402
 
 from packkit.datafiles import read_lengths  # noqa: E402
 
 
-def write_files(folder: str, n: int) -> dict:
+def write_files(folder: str, n: int, source: str = "chat") -> dict:
     """``{name: path}``: the same ``n`` rows (token ids 5..., ``labels`` = ids) with and without an all-ones mask."""
-    lengths = sft_like_lengths(n, high=2048)
+    lengths = bench_lengths(source, n, high=2048)  # real ShareGPT conversations under Qwen3 by default
     ids = [list(range(5, 5 + int(k))) for k in lengths]
     out = {}
     for mask in (False, True):
@@ -45,13 +45,14 @@ def main(argv=None) -> None:
     p.add_argument("--base", default="f0e1213", help="the revision read before (default f0e1213)")
     p.add_argument("--rows", type=int, default=20_000)
     p.add_argument("--rounds", type=int, default=9)
+    add_lengths_option(p)
     args = parse_quick(p, argv, "2,000 rows, 3 rounds", rows=2_000, rounds=3)
     before = package_at(args.base, "datafiles").read_lengths
     import packkit
     assert os.path.dirname(packkit.__file__) == os.path.join(os.path.dirname(HERE), "packkit"), packkit.__file__
     table, record = [], {"base": args.base, "rows": args.rows, "rounds": args.rounds, "cases": {}}
     with tempfile.TemporaryDirectory() as folder:
-        for case, path in write_files(folder, args.rows).items():
+        for case, path in write_files(folder, args.rows, args.lengths).items():
             got, want = read_lengths(path), before(path)
             assert np.array_equal(got.lengths, want.lengths) and np.array_equal(got.targets, want.targets), case
             load = loadavg()
