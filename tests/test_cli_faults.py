@@ -873,7 +873,17 @@ class CtrlC:
         if name == "pandas":
             sys.meta_path.remove(self)
             open(sys.argv[1], "w").close()
-            signal.raise_signal(signal.SIGINT)
+            raised = "nothing raised"
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except BaseException as exc:
+                raised = repr(exc)
+                raise
+            finally:  # where the signal landed, for the test's message
+                import threading, traceback
+                with open(sys.argv[1], "w") as f:
+                    f.write(f"{raised} in thread {threading.current_thread().name}, SIGINT's handler "
+                            f"{signal.getsignal(signal.SIGINT)!r}, at:\\n" + "".join(traceback.format_stack()))
 
 
 sys.meta_path.insert(0, CtrlC())
@@ -897,7 +907,8 @@ def test_a_ctrl_c_pyarrow_swallows_importing_pandas_still_stops_the_command(tmp_
     proc = subprocess.run([sys.executable, str(script), str(fired), *map(str, argv)], capture_output=True, text=True,
                           env={**env(), "PYTHONPATH": root}, timeout=120)
     assert fired.exists(), "pandas was imported before the command ran: the Ctrl-C did not land in pyarrow"
-    assert (proc.returncode, proc.stderr) == (130, f"packkit {cmd}: interrupted\n"), proc.stderr[-2000:]
+    assert (proc.returncode, proc.stderr) == (130, f"packkit {cmd}: interrupted\n"), (proc.stderr[-2000:],
+                                                                                     fired.read_text()[-3000:])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fired", "in.jsonl", "swallowed.py"]
 
 
