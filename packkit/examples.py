@@ -22,7 +22,8 @@ import warnings
 import numpy as np
 
 from .located import ExampleTypeError, ExampleValueError, located, location, not_integral
-from .rules import (ATTENTION_MASK_KEY, FLAG_KINDS, INT64_MAX, MASK_KEYS, UNSUPERVISED_WARNING, LossMaskWarning,
+from .rules import (ATTENTION_MASK_KEY, FLAG_KINDS, INT64_MAX, MASK_KEYS, SEGMENT_KEYS, UNSUPERVISED_WARNING,
+                    LossMaskWarning,
                     any_bad_id, beyond_int64, any_bad_label, any_bad_mask, check_column, check_loss_mask_mode,
                     check_values, column_kind, empty_example, length_mismatch, locate, mask_not_expected, nested,
                     no_labels, no_mask, not_integer, null_tokens)
@@ -218,7 +219,8 @@ def _read_rules(form, need_labels: bool, mode: str):
     input_ids = form.join("input_ids", "ids", ids)
     if any_bad_id(input_ids):
         raise locate(input_ids, "ids", "input_ids", rows, lengths=lengths)
-    xs = form.get(ATTENTION_MASK_KEY)
+    # packed rows (another packer's too: segment ids or padding in their mask) hold their documents elsewhere
+    xs = None if any(form.get(k) is not None for k in SEGMENT_KEYS) else form.get(ATTENTION_MASK_KEY)
     kinds = {_NONE} if xs is None else set(map(type, xs))
     if kinds != {_NONE} and not _all_ones(xs, kinds, lengths):  # a 0 (padding) refused; all ones: no mask
         if _NONE in kinds:

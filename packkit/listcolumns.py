@@ -130,7 +130,7 @@ def table_lengths(table, *, key: str = "input_ids", rows: int = 0) -> np.ndarray
     ``table_lengths(pa.table({"input_ids": [[5, 6]], "attention_mask": [[1, 0]]}))`` raises ``"example 0 has an
     attention_mask with 1 zero (padding from the tokenizer): ..."``."""
     lengths = token_lengths(table.column(key), key=key, rows=rows)
-    if ATTENTION_MASK_KEY in table.column_names:  # read only where present: a file without it costs nothing more
+    if ATTENTION_MASK_KEY in table.column_names and segment_key(table.column_names) is None:  # packed rows: no rule
         done = 0
         for values, off, valid, first in list_chunks(table.column(ATTENTION_MASK_KEY), key=ATTENTION_MASK_KEY,
                                                      kind="attention", rows=rows):

@@ -323,7 +323,8 @@ def scan(source: ArrowSource, columns, *, kinds=None, check=None, progress=None)
     kinds = dict(kinds or {}) or {c: "ids" if i == 0 else "other" for i, c in enumerate(columns)}
     types = {c: _list_value_type(source.schema.field(c).type, c) for c in columns}
     _blame_floats(source, [c for c in columns if pa.types.is_floating(types[c])], kinds)
-    checked = [ATTENTION_MASK_KEY] if ATTENTION_MASK_KEY in source.names and ATTENTION_MASK_KEY not in columns else []
+    checked = [ATTENTION_MASK_KEY] if ATTENTION_MASK_KEY in source.names and ATTENTION_MASK_KEY not in columns \
+        and segment_key(source.names) is None else []  # packed rows (any packer's) hold their documents elsewhere
     regions: dict = {}
     parts = {c: [] for c in columns}  # per column: (region, starts) or ("staged", batch index)
     valid_parts = {c: [] for c in columns}

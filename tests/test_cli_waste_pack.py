@@ -330,3 +330,14 @@ def test_the_summary_counts_the_examples_packed_not_those_read(tmp_path, capsys,
                              "--json"], capsys)
     got = json.loads(stdout)
     assert code == 0 and (got["examples"], got["overflow_examples"]) == (3, 1), got
+
+
+def test_the_summary_leaves_out_the_examples_drop_loss_free_left_out(tmp_path, capsys):
+    """The review's case: ``--drop-loss-free`` left one example of three out, and the summary said ``packed 3``."""
+    src = tmp_path / "lf.jsonl"
+    src.write_text('{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}\n{"input_ids": [4, 5, 6], "labels": [-100, -100, -100]}\n'
+                   '{"input_ids": [7, 8], "labels": [7, 8]}\n')
+    code, stdout, err = run(["pack", str(src), str(tmp_path / "o.parquet"), "-w", "4", "--drop-loss-free"], capsys)
+    assert code == 0, err
+    assert stdout.splitlines()[0].startswith("packed 2 of 3 examples (5 of 8 tokens) into "), stdout
+

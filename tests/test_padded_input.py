@@ -278,3 +278,24 @@ def test_the_tree_collator_refuses_a_padded_sample(tokenizer):
     got = TreeCollator(loss_mask="none")(plain)
     want = TreeCollator(loss_mask="none")([{"input_ids": ex["input_ids"]} for ex in plain])
     assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.position_ids, want.position_ids)
+
+
+def test_packed_rows_keep_their_mask_as_another_packer_wrote_it(tmp_path, capsys):
+    """Packed rows hold their documents in ``seq_lengths`` / ``position_ids``; another packer's ``attention_mask``
+    (axolotl's and LLaMA-Factory's segment ids, or padding at a window's tail) is not a tokenizer's padding: the rule
+    leaves it, in the collator and in ``packkit waste`` (the review found both refused)."""
+    from packkit.cli import main
+    from packkit.collate import PackedRowsCollator
+
+    row = {"input_ids": [5, 6, 7, 8, 9], "position_ids": [0, 1, 2, 0, 1], "attention_mask": [1, 1, 1, 2, 2],
+           "labels": [5, 6, 7, 8, 9]}
+    batch = PackedRowsCollator(window=8)([row])
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 8]
+    src = tmp_path / "packed.jsonl"
+    src.write_text(json.dumps({"input_ids": [5, 6, 7, 8, 9], "seq_lengths": [3, 2], "attention_mask": [1, 1, 1, 2, 2]})
+                   + "\n")
+    code = main(["waste", str(src), "-w", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["examples"] == 2
+

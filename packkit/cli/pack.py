@@ -154,7 +154,7 @@ def _pack_media(args, inp, out: Path, fmt, columns, buffer_bytes, quiet: bool) -
                           "media": media, "rows": plan.num_windows, "seed": args.seed, "shuffled": not args.no_shuffle,
                           "cp_size": args.cp_size, "cp_layout": args.cp_layout, **s}))
         return 0
-    print(_packed(args, s, s["tokens"] + s["cut_tokens"], f" with their media ({', '.join(media)})"))
+    print(_packed(args, s, s["tokens"] + s["cut_tokens"], plan, f" with their media ({', '.join(media)})"))
     print(f"wrote {str(out)!r} as {fmt.title}; columns {names}")
     return 0
 
@@ -211,7 +211,7 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
         elif packed.scan.doc_ids is None:
             print("examples split when the rows were packed stay pieces (the rows carry no example_ids to tell); "
                   "pack the unpacked examples to rejoin them")
-    print(_packed(args, s, input_tokens))
+    print(_packed(args, s, input_tokens, plan))
     if note is not None:
         print(note.render(options))
     print(f"loss tokens {packed.loss_tokens:,} ({packed.loss_tokens / max(1, s['tokens']):.1%} of the tokens; "
@@ -226,10 +226,10 @@ def _report(args, options, src: Path, out: Path, fmt, packed, how) -> int:
     return 0
 
 
-def _packed(args, s: dict, input_tokens: int, media: str = "") -> str:
+def _packed(args, s: dict, input_tokens: int, plan, media: str = "") -> str:
     """The summary's lines: what was packed (``s``: the plan's figures) of ``input_tokens`` read, and the CP group."""
     held = f"{input_tokens:,}" if s["tokens"] == input_tokens else f"{s['tokens']:,} of {input_tokens:,}"
-    n = s["examples"] - s["overflow_examples"] * (s["overflow"] == "drop")  # those dropped are in no window
+    n = len(set(plan.seg_example.tolist()))  # in a window: not those --overflow drop or --drop-loss-free left out
     kept = f"{n:,}" if n == s["examples"] else f"{n:,} of {s['examples']:,}"
     cp = f"\nrows for a context-parallel group of {args.cp_size} ({args.cp_layout})" if args.cp_size > 1 else ""
     return (f"packed {kept} examples ({held} tokens){media} into {s['windows']:,} windows of "
